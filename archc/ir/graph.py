@@ -1,0 +1,196 @@
+"""The IR: plain-data nodes in topological order, graphs of them, and a builder.
+
+A ``Node`` is op, inputs (indices of earlier nodes), attrs, a sympy shape over B/T/P/S, a dtype,
+and its provenance — the spec field that created it and the passes that rewrote it. Nothing
+callable lives in a node, so graphs print, parse, hash and compare as data. A ``Program`` is the
+graphs of one model: ``decoder`` for a decoder-only model, ``encoder`` for an encoder, both for an
+encoder-decoder (the decoder reads the encoder's output as an input).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from archc.errors import IRError
+from archc.ir.attrs import Attrs, Call
+from archc.ir.ops import OP_TABLE, Op, ShapeError, Sig, is_compute
+from archc.ir.shapes import Shape
+
+
+@dataclass(frozen=True)
+class Node:
+    op: Op
+    inputs: tuple[int, ...]
+    attrs: Attrs
+    shape: Shape
+    dtype: str
+    origin: str = ""                 # the spec field that made this node
+    passes: tuple[str, ...] = ()     # the passes that rewrote it, in order
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        return self.attrs.get(name, default)
+
+    @property
+    def name(self) -> str:
+        """The `name` attr of inputs, params and outputs ('' for other nodes)."""
+        return self.attrs.get("name", "")
+
+    def replace(self, **changes: Any) -> Node:
+        """This node with `changes`; the same object when nothing changes."""
+        if all(getattr(self, k) == v for k, v in changes.items()):
+            return self
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Graph:
+    name: str
+    nodes: tuple[Node, ...]
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes)
+
+    def __getitem__(self, i: int) -> Node:
+        return self.nodes[i]
+
+    def ids(self, op: Op) -> list[int]:
+        return [i for i, n in enumerate(self.nodes) if n.op == op]
+
+    def named(self, op: Op) -> dict[str, int]:
+        """Name → id of the inputs, params or outputs."""
+        return {self.nodes[i].name: i for i in self.ids(op)}
+
+    @property
+    def inputs(self) -> dict[str, int]:
+        return self.named(Op.INPUT)
+
+    @property
+    def params(self) -> dict[str, int]:
+        return self.named(Op.PARAM)
+
+    @property
+    def outputs(self) -> dict[str, int]:
+        return self.named(Op.OUTPUT)
+
+    def compute_ids(self) -> list[int]:
+        """Nodes that become kernels: not boundaries, not views."""
+        return [i for i, n in enumerate(self.nodes) if is_compute(n.op)]
+
+    def users(self) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in self.nodes]
+        for i, n in enumerate(self.nodes):
+            for j in n.inputs:
+                out[j].append(i)
+        return out
+
+    def sig(self, i: int) -> Sig:
+        """What op rules see of node i: input shapes/dtypes, attrs, output shape/dtype."""
+        n = self.nodes[i]
+        return Sig(tuple(self.nodes[j].shape for j in n.inputs),
+                   tuple(self.nodes[j].dtype for j in n.inputs), n.attrs, n.shape, n.dtype)
+
+
+@dataclass(frozen=True)
+class Program:
+    """All graphs of one model, in execution order."""
+
+    model: str
+    graphs: tuple[Graph, ...]
+
+    def __iter__(self) -> Iterator[Graph]:
+        return iter(self.graphs)
+
+    def graph(self, name: str) -> Graph:
+        for g in self.graphs:
+            if g.name == name:
+                return g
+        raise KeyError(f"program {self.model} has no graph {name!r}")
+
+    def replace_graph(self, g: Graph) -> Program:
+        graphs = tuple(g if old.name == g.name else old for old in self.graphs)
+        if all(a is b for a, b in zip(graphs, self.graphs)):
+            return self
+        return Program(self.model, graphs)
+
+
+def infer(op: Op, shapes: Sequence[Shape], dtypes: Sequence[str], attrs: Attrs) -> \
+        tuple[Shape, str]:
+    """Shape and dtype of a node from its op's rule; raises ShapeError."""
+    d = OP_TABLE[op]
+    lo, hi = d.arity
+    if len(shapes) < lo or (hi >= 0 and len(shapes) > hi):
+        want = f"{lo}" if lo == hi else f"{lo} to {hi if hi >= 0 else 'any'}"
+        raise ShapeError(f"{op.value} takes {want} inputs, got {len(shapes)}")
+    return d.infer(Sig(tuple(shapes), tuple(dtypes), attrs))
+
+
+@dataclass
+class GraphBuilder:
+    """Appends nodes in topological order, inferring each shape from the op table.
+
+    Parameters and inputs are deduplicated by name, so a tied weight is one node used twice.
+    """
+
+    name: str
+    nodes: list[Node] = field(default_factory=list)
+    origin: str = ""                  # provenance given to nodes emitted without one
+    _by_name: dict[tuple[Op, str], int] = field(default_factory=dict)
+
+    def _append(self, node: Node) -> int:
+        self.nodes.append(node)
+        return len(self.nodes) - 1
+
+    def declare(self, op: Op, name: str, shape: Shape, dtype: str, *, expr: Call | None = None,
+                origin: str | None = None) -> int:
+        """An input or param, given its shape (deduplicated by name)."""
+        key = (op, name)
+        if key in self._by_name:
+            i = self._by_name[key]
+            have = self.nodes[i]
+            if have.shape != tuple(shape) or have.dtype != dtype or have.attr("expr") != expr:
+                raise IRError(f"{op.value} {name!r} declared twice with different shapes: "
+                              f"{list(have.shape)} and {list(shape)}")
+            return i
+        attrs = Attrs(name=name) if expr is None else Attrs(name=name, expr=expr)
+        i = self._append(Node(op, (), attrs, tuple(shape), dtype,
+                              origin=self.origin if origin is None else origin))
+        self._by_name[key] = i
+        return i
+
+    def input(self, name: str, shape: Shape, dtype: str, origin: str | None = None) -> int:
+        return self.declare(Op.INPUT, name, shape, dtype, origin=origin)
+
+    def param(self, name: str, shape: Shape, dtype: str, *, expr: Call | None = None,
+              origin: str | None = None) -> int:
+        return self.declare(Op.PARAM, name, shape, dtype, expr=expr, origin=origin)
+
+    def emit(self, op: Op | str, *inputs: int, origin: str | None = None,
+             passes: tuple[str, ...] = (), **attrs: Any) -> int:
+        """Append a compute (or output) node; its shape comes from the op's rule."""
+        op = Op(op)
+        at = Attrs({k: v for k, v in attrs.items() if v is not None})
+        shapes = [self.nodes[i].shape for i in inputs]
+        dtypes = [self.nodes[i].dtype for i in inputs]
+        try:
+            out_shape, dtype = infer(op, shapes, dtypes, at)
+        except ShapeError as err:
+            from archc.ir.text import format_call
+            raise IRError(f"cannot build {format_call(op, inputs, at)} in graph {self.name}: "
+                          f"{err}") from None
+        return self._append(Node(op, tuple(inputs), at, out_shape, dtype,
+                                 origin=self.origin if origin is None else origin,
+                                 passes=passes))
+
+    def output(self, name: str, x: int, origin: str | None = None) -> int:
+        return self.emit(Op.OUTPUT, x, name=name, origin=origin)
+
+    def shape(self, i: int) -> Shape:
+        return self.nodes[i].shape
+
+    def build(self) -> Graph:
+        return Graph(self.name, tuple(self.nodes))

@@ -1,0 +1,271 @@
+"""Attention ops, decomposed as lowering emits them: rotary positions, KV cache, GQA head
+repetition, scores, score modifiers (scale, soft-cap, ALiBi, T5 relative bias, masks), softmax
+and the value-weighted sum.
+
+Positions inside the score ops come from shapes: scores are [B, H, T, L] for T new queries over L
+keys, and query row i sits at absolute position L − T + i (the past length P for self-attention
+over the cache; an encoder has L = T).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import sympy
+import torch
+
+from archc.ir.attrs import Attrs
+from archc.ir.ops.base import (
+    EagerCtx,
+    Op,
+    OpDef,
+    Sig,
+    float_dtype,
+    per_element,
+    register,
+    require,
+    same_dim,
+)
+from archc.ir.shapes import DTYPE_BYTES, P, Shape, numel
+
+# ---- rotary positions ----------------------------------------------------------------------
+
+def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rotary_dim: int,
+         interleaved: bool, mscale: float = 1.0) -> torch.Tensor:
+    """Rotate the first `rotary_dim` dims of each head by angle pos·θ_j (Su et al. 2021).
+    Half-split pairs dim j with j + rotary_dim/2 (GPT-NeoX, Llama); interleaved pairs 2j with
+    2j + 1 (GPT-J). Remaining dims pass through (partial rotary)."""
+    angles = pos.to(torch.float32)[:, None] * inv_freq.float()[None, :]  # (T, R/2)
+    cos, sin = angles.cos() * mscale, angles.sin() * mscale
+    rot, rest = x[..., :rotary_dim].float(), x[..., rotary_dim:]
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+    else:
+        half = rotary_dim // 2
+        x1, x2 = rot[..., :half], rot[..., half:]
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return torch.cat([out.to(x.dtype), rest], dim=-1)
+
+
+def _rope_infer(sig: Sig) -> tuple[Shape, str]:
+    x, pos, freq = sig.shapes
+    rot = sig.attr("rotary_dim")
+    require(len(x) == 4, f"rope takes [B, H, T, D], got {list(x)}")
+    require(sig.dtypes[1] == "i64" and len(pos) == 1 and same_dim(pos[0], x[2]),
+            f"positions must be i64[T] matching {x[2]}, got {sig.dtypes[1]}{list(pos)}")
+    require(rot % 2 == 0 and 2 <= rot <= int(x[3]), f"rotary_dim={rot} for head dim {x[3]}")
+    require(len(freq) == 1 and int(freq[0]) == rot // 2,
+            f"frequencies {list(freq)} do not match rotary_dim={rot}")
+    return x, float_dtype(sig)
+
+
+register(OpDef(
+    Op.ROPE, "Rotary position embedding of q or k at the given positions.",
+    "%12 : f32[B,4,T,16] = rope(%11, %1, %2) {interleaved=false, mscale=1.0, rotary_dim=16}",
+    (3, 3), _rope_infer,
+    lambda ctx, xs, a: rope(xs[0], xs[1], xs[2], a["rotary_dim"], a["interleaved"],
+                            a.get("mscale", 1.0)),
+    flops=per_element(3), attrs=("rotary_dim", "interleaved"), optional=("mscale",)))
+
+
+# ---- KV cache and GQA ----------------------------------------------------------------------
+
+def _kv_infer(sig: Sig) -> tuple[Shape, str]:
+    x = sig.shapes[0]
+    require(len(x) == 4, f"kv_cache takes [B, H, T, D], got {list(x)}")
+    require(sig.attr("kind") in ("k", "v"), f"kind must be k or v, got {sig.attr('kind')!r}")
+    return (x[0], x[1], P + x[2], x[3]), float_dtype(sig)
+
+
+def _kv_bytes(sig: Sig) -> sympy.Expr:
+    # read the new rows, write them into the cache; readers of the cache pay for reading it
+    return 2 * numel(sig.shapes[0]) * DTYPE_BYTES[sig.dtypes[0]]
+
+
+register(OpDef(
+    Op.KV_CACHE, "Write the new keys or values at offset P; return the cache's first P+T.",
+    '%14 : f32[B,2,P+T,16] = kv_cache(%13) {kind="k", layer=0}', (1, 1), _kv_infer,
+    lambda ctx, xs, a: ctx.cache_append(a["layer"], a["kind"], xs[0]), bytes=_kv_bytes,
+    attrs=("layer", "kind")))
+
+
+def _repeat_infer(sig: Sig) -> tuple[Shape, str]:
+    x = sig.shapes[0]
+    g = sig.attr("groups")
+    require(len(x) == 4 and g >= 1, "repeat_kv takes [B, H, L, D] and groups ≥ 1")
+    return (x[0], x[1] * g, x[2], x[3]), sig.dtypes[0]
+
+
+register(OpDef(
+    Op.REPEAT_KV, "Repeat each KV head `groups` times so GQA heads line up with queries.",
+    "%16 : f32[B,4,P+T,16] = repeat_kv(%14) {groups=2}", (1, 1), _repeat_infer,
+    lambda ctx, xs, a: xs[0].repeat_interleave(a["groups"], dim=1), attrs=("groups",)))
+
+
+# ---- scores and the value sum --------------------------------------------------------------
+
+def _scores_infer(sig: Sig) -> tuple[Shape, str]:
+    q, k = sig.shapes
+    require(len(q) == 4 and len(k) == 4, "scores takes q [B, H, T, D] and k [B, H, L, D]")
+    require(same_dim(q[1], k[1]), f"q has {q[1]} heads but k has {k[1]}")
+    require(same_dim(q[3], k[3]), f"q head dim {q[3]} ≠ k head dim {k[3]}")
+    return (q[0], q[1], q[2], k[2]), float_dtype(sig)
+
+
+def _scores_flops(sig: Sig) -> sympy.Expr:
+    q, k = sig.shapes
+    return 2 * numel(q) * k[2]
+
+
+register(OpDef(
+    Op.SCORES, "Attention scores q·kᵀ per head.",
+    "%17 : f32[B,4,T,P+T] = scores(%12, %16)", (2, 2), _scores_infer,
+    lambda ctx, xs, a: xs[0] @ xs[1].transpose(-1, -2), flops=_scores_flops))
+
+
+def _wsum_infer(sig: Sig) -> tuple[Shape, str]:
+    p, v = sig.shapes
+    require(len(p) == 4 and len(v) == 4, "weighted_sum takes p [B, H, T, L] and v [B, H, L, D]")
+    require(same_dim(p[1], v[1]) and same_dim(p[3], v[2]),
+            f"probabilities {list(p)} do not match values {list(v)}")
+    return (p[0], p[1], p[2], v[3]), float_dtype(sig)
+
+
+def _wsum_flops(sig: Sig) -> sympy.Expr:
+    p, v = sig.shapes
+    return 2 * numel(p) * v[3]
+
+
+register(OpDef(
+    Op.WEIGHTED_SUM, "The value sum p·v per head.",
+    "%22 : f32[B,4,T,16] = weighted_sum(%21, %20)", (2, 2), _wsum_infer,
+    lambda ctx, xs, a: xs[0] @ xs[1], flops=_wsum_flops))
+
+
+# ---- score modifiers -----------------------------------------------------------------------
+
+def query_key_positions(t: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absolute positions of the T query rows (the last T of L) and of the L keys."""
+    return torch.arange(length - t, length), torch.arange(length)
+
+
+def visible(t: int, length: int, causal: bool, window: int | None,
+            prefix_len: int | None = None) -> torch.Tensor:
+    """[T, L] bool: may query row i see key j? Causal: j ≤ i. Window: within `window` of the
+    query (behind it when causal, either side when not). Prefix-LM: keys < prefix_len are seen
+    by every query."""
+    q, k = query_key_positions(t, length)
+    dist = q[:, None] - k[None, :]
+    seen = dist >= 0 if causal else torch.ones(t, length, dtype=torch.bool)
+    if window is not None:
+        seen &= (dist < window) if causal else (dist.abs() < window)
+    if prefix_len is not None:
+        seen |= k[None, :] < prefix_len
+    return seen
+
+
+def apply_mask(s: torch.Tensor, causal: bool, window: int | None, padding: torch.Tensor | None,
+               prefix_len: int | None) -> torch.Tensor:
+    t, length = s.shape[-2:]
+    keep = visible(t, length, causal, window, prefix_len).to(s.device)[None, None]
+    if padding is not None:
+        keep = keep & padding.bool()[:, None, None, :]
+    return s.masked_fill(~keep, torch.finfo(s.dtype).min)
+
+
+def _mask_infer(sig: Sig) -> tuple[Shape, str]:
+    s = sig.shapes[0]
+    require(len(s) == 4, f"mask takes scores [B, H, T, L], got {list(s)}")
+    n = 1 + bool(sig.attr("padding")) + bool(sig.attr("prefix"))
+    require(len(sig.shapes) == n, f"mask with padding={sig.attr('padding')} "
+            f"prefix={sig.attr('prefix')} takes {n} inputs, got {len(sig.shapes)}")
+    i = 1
+    if sig.attr("padding"):
+        pad = sig.shapes[i]
+        require(len(pad) == 2 and same_dim(pad[1], s[3]),
+                f"padding mask {list(pad)} must be [B, L] with L = {s[3]}")
+        i += 1
+    if sig.attr("prefix"):
+        require(len(sig.shapes[i]) == 0 and sig.dtypes[i] == "i64", "prefix_len must be i64[]")
+    w = sig.attr("window")
+    require(w is None or w >= 1, f"window must be ≥ 1, got {w}")
+    return s, float_dtype(sig)
+
+
+def _mask_eager(ctx: EagerCtx, xs: Sequence[torch.Tensor], a: Attrs) -> torch.Tensor:
+    rest = list(xs[1:])
+    padding = rest.pop(0) if a.get("padding") else None
+    prefix_len = int(rest.pop(0)) if a.get("prefix") else None
+    return apply_mask(xs[0], a["causal"], a.get("window"), padding, prefix_len)
+
+
+register(OpDef(
+    Op.MASK, "Hide keys a query may not see: causal, sliding window, prefix-LM, padding.",
+    "%19 : f32[B,4,T,P+T] = mask(%18) {causal=true, padding=false, prefix=false, window=8}",
+    (1, 3), _mask_infer, _mask_eager, flops=per_element(1),
+    attrs=("causal", "padding", "prefix"), optional=("window",)))
+
+
+def alibi_bias(slopes: torch.Tensor, t: int, length: int) -> torch.Tensor:
+    """[H, T, L]: −slope·(query − key) (Press et al. 2021). BLOOM adds slope·key instead; the
+    two differ by a constant along each softmax row, so they give the same attention."""
+    q, k = query_key_positions(t, length)
+    dist = (k[None, :] - q[:, None]).to(slopes.device, torch.float32)
+    return slopes.float()[:, None, None] * dist[None]
+
+
+def _bias_like_scores_infer(sig: Sig) -> tuple[Shape, str]:
+    s, table = sig.shapes
+    require(len(s) == 4, f"takes scores [B, H, T, L], got {list(s)}")
+    heads = table[-1]
+    require(same_dim(heads, s[1]), f"table has {heads} heads, scores have {s[1]}")
+    return s, float_dtype(sig)
+
+
+register(OpDef(
+    Op.ALIBI, "Add the ALiBi bias −slope_h·(i − j) to scores.",
+    "%18 : f32[B,4,T,P+T] = alibi(%17, %3)", (2, 2), _bias_like_scores_infer,
+    lambda ctx, xs, a: (xs[0].float() + alibi_bias(xs[1], *xs[0].shape[-2:])[None]).to(
+        xs[0].dtype),
+    flops=per_element(2)))
+
+
+def t5_buckets(relative: torch.Tensor, bidirectional: bool, buckets: int,
+               max_distance: int) -> torch.Tensor:
+    """T5's bucket of each key − query distance: exact for small distances, logarithmic up to
+    `max_distance`, then the last bucket; a bidirectional model spends half the buckets on keys
+    after the query."""
+    out = torch.zeros_like(relative)
+    if bidirectional:
+        buckets //= 2
+        out += (relative > 0).long() * buckets
+        relative = relative.abs()
+    else:
+        relative = -torch.clamp(relative, max=0)
+    exact = buckets // 2
+    small = relative < exact
+    large = exact + (
+        torch.log(relative.float().clamp(min=1) / exact) / math.log(max_distance / exact)
+        * (buckets - exact)).long()
+    large = torch.clamp(large, max=buckets - 1)
+    return out + torch.where(small, relative, large)
+
+
+def relative_bias(table: torch.Tensor, t: int, length: int, bidirectional: bool,
+                  max_distance: int) -> torch.Tensor:
+    """[H, T, L] bias looked up from a [buckets, H] table."""
+    q, k = query_key_positions(t, length)
+    bucket = t5_buckets(k[None, :] - q[:, None], bidirectional, table.shape[0], max_distance)
+    return table[bucket.to(table.device)].permute(2, 0, 1)
+
+
+register(OpDef(
+    Op.REL_BIAS, "Add T5's bucketed relative-position bias (a [buckets, H] table) to scores.",
+    "%18 : f32[B,4,T,P+T] = rel_bias(%17, %5) {bidirectional=false, max_distance=128}",
+    (2, 2), _bias_like_scores_infer,
+    lambda ctx, xs, a: (xs[0].float() + relative_bias(
+        xs[1].float(), *xs[0].shape[-2:], a["bidirectional"], a["max_distance"])[None]).to(
+        xs[0].dtype),
+    flops=per_element(2), attrs=("bidirectional", "max_distance")))

@@ -1,0 +1,184 @@
+"""The eager interpreter: runs any graph, unfused or kernel-level, with plain torch ops.
+
+It is the reference every other backend is validated against. Each node runs the eager semantics
+its op declares in the op table; its result is checked against the node's symbolic shape at the
+concrete B, T, P, S, and a failure names the node (``while running %42 = attention(...)``).
+Values are freed after their last use, so a real-size model runs in the memory of its weights
+plus a few activations.
+
+``EagerSession`` holds what persists between calls: the evaluated parameters, the KV cache and the
+past length P — so a prompt can be prefilled and then decoded token by token.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+
+from archc.errors import ArchcError, RunError
+from archc.ir.graph import Graph, Program
+from archc.ir.ops import OP_TABLE, Op
+from archc.ir.shapes import DIMS
+from archc.ir.text import format_node
+from archc.runtime.weights import TORCH_DTYPES, materialize
+
+
+@functools.lru_cache(maxsize=4096)
+def _dim_value(expr: sympy.Expr, dims: tuple[tuple[str, int], ...]) -> int:
+    return int(expr.xreplace({DIMS[k]: v for k, v in dims}))
+
+
+class KVCache:
+    """A static cache per (layer, k|v): [B, H_kv, max_len, D], written at offset P."""
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.store: dict[tuple[int, str], torch.Tensor] = {}
+
+    def append(self, layer: int, kind: str, x: torch.Tensor, past: int) -> torch.Tensor:
+        b, h, t, d = x.shape
+        if past + t > self.max_len:
+            raise RunError(f"sequence of {past + t} tokens exceeds the KV cache "
+                           f"(max_seq_len = {self.max_len})")
+        buf = self.store.get((layer, kind))
+        if buf is None or buf.shape[0] != b or buf.dtype != x.dtype:
+            buf = torch.zeros(b, h, self.max_len, d, dtype=x.dtype, device=x.device)
+            self.store[(layer, kind)] = buf
+        buf[:, :, past:past + t] = x
+        return buf[:, :, :past + t]
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.store.values())
+
+
+@dataclass
+class EagerContext:
+    """What eager op semantics may read besides their inputs."""
+
+    dims: Mapping[str, int]
+    cache: KVCache | None = None
+
+    def cache_append(self, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
+        if self.cache is None:
+            raise RunError("this graph writes a KV cache but none was given")
+        return self.cache.append(layer, kind, x, self.dims["P"])
+
+
+@dataclass
+class Trace:
+    """Values of chosen nodes, kept for inspection (validation, debugging)."""
+
+    keep: set[int] | None = None       # None: keep every compute node
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def run_graph(graph: Graph, params: Mapping[str, torch.Tensor],
+              inputs: Mapping[str, torch.Tensor], ctx: EagerContext, *,
+              trace: Trace | None = None) -> dict[str, torch.Tensor]:
+    """Run `graph` once; returns its outputs by name."""
+    n_nodes = len(graph.nodes)
+    last_use = list(range(n_nodes))
+    for i, n in enumerate(graph.nodes):
+        for j in n.inputs:
+            last_use[j] = i
+    dims = tuple(sorted(ctx.dims.items()))
+    values: list[torch.Tensor | None] = [None] * n_nodes
+    outputs: dict[str, torch.Tensor] = {}
+    for i, n in enumerate(graph.nodes):
+        if n.op == Op.INPUT:
+            if n.name not in inputs:
+                raise RunError(f"graph {graph.name} needs input {n.name!r}")
+            value = inputs[n.name]
+        elif n.op == Op.PARAM:
+            value = params[n.name]
+        else:
+            args = [values[j] for j in n.inputs]
+            try:
+                value = OP_TABLE[n.op].eager(ctx, args, n.attrs)  # type: ignore[arg-type]
+            except ArchcError as err:
+                raise RunError(f"while running {format_node(i, n)}: {err}") from None
+            except Exception as err:  # an op's torch code failed: name the node
+                raise RunError(f"while running {format_node(i, n)}: "
+                               f"{type(err).__name__}: {err}") from err
+        want = tuple(_dim_value(d, dims) for d in n.shape)
+        if tuple(value.shape) != want or value.dtype != TORCH_DTYPES[n.dtype]:
+            raise RunError(f"while running {format_node(i, n)}: produced "
+                           f"{value.dtype}{list(value.shape)}, the IR says {n.dtype}{list(want)}")
+        values[i] = value
+        if n.op == Op.OUTPUT:
+            outputs[n.name] = value
+        if trace is not None and n.op not in (Op.INPUT, Op.PARAM) and (
+                trace.keep is None or i in trace.keep):
+            trace.values[i] = value
+        for j in n.inputs:  # free what no later node reads
+            if last_use[j] == i:
+                values[j] = None
+    return outputs
+
+
+class EagerSession:
+    """A program ready to run eagerly: parameters evaluated once, a KV cache, past length P.
+
+    ``encode`` runs an encoder graph; ``step`` runs the decoder graph on new tokens after the P
+    already cached (P = 0 after ``reset``); ``forward`` is a full, cache-fresh forward pass.
+    """
+
+    def __init__(self, program: Program, checkpoint: Mapping[str, torch.Tensor], *,
+                 max_seq_len: int, device: str | torch.device = "cpu") -> None:
+        self.program = program
+        self.device = torch.device(device)
+        self.params = {g.name: materialize(g, checkpoint, self.device) for g in program}
+        self.cache = KVCache(max_seq_len)
+        self.past = 0
+        self.prefix_len: int | None = None
+        self.trace: Trace | None = None
+
+    def reset(self) -> None:
+        self.past = 0
+        self.prefix_len = None
+        self.cache = KVCache(self.cache.max_len)
+
+    def _graph(self, name: str) -> Graph:
+        return self.program.graph(name)
+
+    def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               token_types: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [B, T, d] of the encoder graph."""
+        g = self._graph("encoder")
+        b, t = tokens.shape
+        inputs = {"tokens": tokens.to(self.device),
+                  "positions": torch.arange(t, device=self.device),
+                  "attention_mask": (torch.ones(b, t, dtype=torch.long) if attention_mask is None
+                                     else attention_mask.long()).to(self.device),
+                  "token_types": (torch.zeros(b, t, dtype=torch.long) if token_types is None
+                                  else token_types.long()).to(self.device)}
+        ctx = EagerContext({"B": b, "T": t, "P": 0})
+        return run_graph(g, self.params["encoder"], inputs, ctx, trace=self.trace)["hidden"]
+
+    def step(self, tokens: torch.Tensor, *, encoder_hidden: torch.Tensor | None = None,
+             encoder_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] for `tokens` following the P tokens already in the cache."""
+        g = self._graph("decoder")
+        b, t = tokens.shape
+        if self.prefix_len is None:
+            self.prefix_len = t  # prefix-LM: the first call's tokens are the prefix
+        inputs: dict[str, torch.Tensor] = {
+            "tokens": tokens.to(self.device),
+            "positions": torch.arange(self.past, self.past + t, device=self.device),
+            "prefix_len": torch.tensor(self.prefix_len, device=self.device),
+        }
+        dims = {"B": b, "T": t, "P": self.past}
+        if encoder_hidden is not None:
+            s = encoder_hidden.shape[1]
+            dims["S"] = s
+            inputs["encoder_hidden"] = encoder_hidden
+            inputs["encoder_mask"] = (torch.ones(b, s, dtype=torch.long) if encoder_mask is None
+                                      else encoder_mask.long()).to(self.device)
+        ctx = EagerContext(dims, self.cache)
+        out = run_graph(g, self.params["decoder"], inputs, ctx, trace=self.trace)["logits"]
+        self.past += t
+        return out

@@ -1,0 +1,119 @@
+"""Weights: seeded random checkpoints, and parameters evaluated from checkpoint tensors.
+
+A checkpoint is a mapping from tensor name to tensor (the names the unfused graph's ``param``
+nodes carry). A graph's parameters are evaluated from it once — each ``param`` node's ``expr`` (or
+the checkpoint tensor of its name) — and cast to the node's dtype.
+
+Random weights are drawn per tensor from a generator seeded by the tensor's name, so a tensor is the
+same whatever graph asks for it, and scaled by the role the tensor plays where it is used: matmul
+weights N(0, 1/fan_in) keep activations at unit scale, norm gains are 1 + N(0, 0.1²) (N(0, 0.1²)
+for Gemma's 1 + w), biases N(0, 0.1²) — random, never constant, so passes that mishandle a bias or
+a gain change the output visibly.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+
+import torch
+
+from archc.errors import WeightsError
+from archc.ir.graph import Graph, Program
+from archc.ir.ops import Op
+from archc.ir.paramexpr import evaluate, leaf
+from archc.ir.shapes import concrete
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+    "i64": torch.int64, "i32": torch.int32, "bool": torch.bool,
+}
+
+
+def checkpoint_shapes(program: Program) -> dict[str, tuple[int, ...]]:
+    """Name → shape of every checkpoint tensor the program reads (params without an expr)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for g in program:
+        for n in g:
+            if n.op == Op.PARAM and n.attr("expr") is None:
+                out[n.name] = concrete(n.shape, {})
+    return out
+
+
+def _roles(program: Program) -> dict[str, tuple[str, int]]:
+    """Checkpoint tensor name → (role, fan-in), from how the tensor is first used."""
+    roles: dict[str, tuple[str, int]] = {}
+    for g in program:
+        for n in g:
+            for slot, j in enumerate(n.inputs):
+                src = g.nodes[j]
+                if src.op != Op.PARAM or src.attr("expr") is not None or src.name in roles:
+                    continue
+                dims = concrete(src.shape, {})
+                if n.op in (Op.LAYERNORM, Op.RMSNORM):
+                    offset = n.attr("unit_offset", False)
+                    roles[src.name] = ("bias" if slot == 2 else
+                                       "offset_gain" if offset else "gain", 0)
+                elif n.op == Op.BIAS_ADD:
+                    roles[src.name] = ("bias", 0)
+                elif n.op == Op.EMBEDDING:
+                    roles[src.name] = ("table", 0)
+                elif n.op == Op.REL_BIAS:
+                    roles[src.name] = ("rel_table", 0)
+                else:  # matmul, expert weights: fan-in is the last dim
+                    roles[src.name] = ("weight", dims[-1])
+    return roles
+
+
+def random_weights(program: Program, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A seeded random float32 checkpoint for `program`, scaled so activations stay sane."""
+    roles = _roles(program)
+    out: dict[str, torch.Tensor] = {}
+    for name, dims in checkpoint_shapes(program).items():
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        x = torch.randn(dims, generator=gen)
+        role, fan_in = roles.get(name, ("weight", dims[-1]))
+        if role == "weight":
+            x = x / fan_in ** 0.5
+        elif role == "gain":
+            x = 1.0 + 0.1 * x
+        elif role in ("offset_gain", "bias"):
+            x = 0.1 * x
+        elif role == "rel_table":
+            x = 0.5 * x
+        out[name] = x
+    return out
+
+
+def check_checkpoint(program: Program, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Every tensor the program reads is present and of the right shape; nothing is left over."""
+    want = checkpoint_shapes(program)
+    for name, dims in want.items():
+        if name not in tensors:
+            raise WeightsError(f"checkpoint tensor {name!r} is missing (expected shape "
+                               f"{list(dims)})")
+        found = tuple(tensors[name].shape)
+        if found != dims:
+            raise WeightsError(f"checkpoint tensor {name!r} has shape {list(found)}, expected "
+                               f"{list(dims)}")
+    extra = sorted(set(tensors) - set(want))
+    if extra:
+        more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+        raise WeightsError(f"checkpoint has tensors the model does not use: "
+                           f"{', '.join(extra[:3])}{more}")
+
+
+def materialize(graph: Graph, tensors: Mapping[str, torch.Tensor],
+                device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Evaluate every param of `graph` from checkpoint `tensors`: name → tensor in its dtype."""
+    out: dict[str, torch.Tensor] = {}
+    for i in graph.ids(Op.PARAM):
+        n = graph.nodes[i]
+        expr = n.attr("expr") or leaf(n.name)
+        value = evaluate(expr, tensors)
+        dims = concrete(n.shape, {})
+        if tuple(value.shape) != dims:
+            raise WeightsError(f"parameter {n.name!r} evaluates to shape {list(value.shape)}, "
+                               f"the graph declares {list(dims)}")
+        out[n.name] = value.to(device=device, dtype=TORCH_DTYPES[n.dtype])
+    return out

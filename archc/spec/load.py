@@ -1,0 +1,376 @@
+"""YAML (or a plain mapping) → a validated, resolved ``Spec``.
+
+The walk is driven by the dataclass declarations in ``schema.py``: their type hints say what a
+value may be, their metadata the bounds and when a field applies. Then derived fields are
+resolved (``head_dim``, ``kv_heads``, ``d_ff``) and the cross-field rules checked. Every refusal
+is one ``SpecError`` naming the file, the field path, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+from archc.errors import SpecError
+from archc.spec.schema import (
+    AttentionBias,
+    Spec,
+)
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+EMBEDDING_SCALE_WORDS = ("sqrt_d_model",)
+
+
+# ---- the generic walk ---------------------------------------------------------------------
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _all_paths(cls: type, prefix: str = "") -> list[str]:
+    """Every field path of a section, for 'did you mean' across sections."""
+    hints = typing.get_type_hints(cls)
+    paths = []
+    for name in _fields(cls):
+        path = f"{prefix}{name}"
+        paths.append(path)
+        inner = _dataclass_in(hints[name])
+        if inner is not None:
+            paths.extend(_all_paths(inner, path + "."))
+    return paths
+
+
+def _dataclass_in(tp: Any) -> type | None:
+    """The dataclass inside `tp` (itself, or `X | None`), if any."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        for arg in get_args(tp):
+            if dataclasses.is_dataclass(arg):
+                return arg
+    return None
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return str(value)
+
+
+def _suggest(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _unknown_key(key: str, cls: type, path: str) -> SpecError:
+    names = list(_fields(cls))
+    hint = _suggest(key, names)
+    if not hint:  # maybe it belongs in another section: look everywhere
+        elsewhere = [p for p in _all_paths(Spec) if p.rsplit(".", 1)[-1] == key]
+        if elsewhere:
+            hint = f"; did you mean '{elsewhere[0]}'?"
+        else:
+            hint = _suggest(key, [p.rsplit(".", 1)[-1] for p in _all_paths(Spec)])
+    where = f"{path}.{key}" if path else key
+    return SpecError(where, f"unknown key{hint}", allowed=", ".join(names))
+
+
+def _coerce(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
+    """Check `value` against type hint `tp`; return the value to store."""
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        rest = [a for a in args if a is not type(None)]
+        return _coerce(rest[0], value, path, meta)
+    if value is None:
+        raise SpecError(path, "is null but a value is required", allowed=_describe(tp, meta))
+    if origin is Literal:
+        choices = [str(c) for c in get_args(tp)]
+        if not isinstance(value, str) or value not in choices:
+            hint = _suggest(str(value), choices) if isinstance(value, str) else ""
+            raise SpecError(path, f"{_show(value)} is not a known choice{hint}",
+                            allowed=", ".join(choices))
+        return value
+    if origin is tuple:
+        if not isinstance(value, list) or not value:
+            raise SpecError(path, f"{_show(value)} is not a non-empty list",
+                            allowed=_describe(tp, meta))
+        item = get_args(tp)[0]
+        return tuple(_coerce(item, v, f"{path}[{i}]", {}) for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise SpecError(path, f"{_show(value)} is not true/false", allowed="true, false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecError(path, f"{_show(value)} is not a whole number",
+                            allowed=_describe(tp, meta))
+        _check_bounds(value, path, meta)
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecError(path, f"{_show(value)} is not a number", allowed=_describe(tp, meta))
+        if not math.isfinite(value):
+            raise SpecError(path, f"{value} is not finite", allowed=_describe(tp, meta))
+        _check_bounds(value, path, meta)
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise SpecError(path, f"{_show(value)} is not text", allowed="a string")
+        return value
+    raise TypeError(f"spec schema: unhandled type {tp!r} at {path}")  # a bug in schema.py
+
+
+def _describe(tp: Any, meta: Mapping[str, Any]) -> str:
+    lo, hi = meta.get("min"), meta.get("max")
+    kind = {int: "a whole number", float: "a number"}.get(tp, "a value")
+    if lo is not None and hi is not None:
+        return f"{kind} from {lo} to {hi}"
+    if lo is not None:
+        strict = " > 0" if lo == 0 and tp is float else f" ≥ {lo}"
+        return f"{kind}{strict}"
+    return kind
+
+
+def _check_bounds(value: float, path: str, meta: Mapping[str, Any]) -> None:
+    lo, hi = meta.get("min"), meta.get("max")
+    # A float bound of 0.0 means strictly positive: scales, caps and eps of 0 make no model.
+    too_low = lo is not None and (value <= lo if (lo == 0 and isinstance(lo, float)) else
+                                  value < lo)
+    if too_low or (hi is not None and value > hi):
+        raise SpecError(path, f"{value} is out of range", allowed=_describe(
+            float if isinstance(lo, float) else int, meta))
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    """Build section `cls` from mapping `data`; derived fields missing from YAML stay None."""
+    if cls is AttentionBias and isinstance(data, bool):
+        return AttentionBias(q=data, k=data, v=data, o=data)
+    if not isinstance(data, Mapping):
+        raise SpecError(path, f"{_show(data)} is not a mapping",
+                        allowed="keys " + ", ".join(_fields(cls)))
+    hints = typing.get_type_hints(cls)
+    fields = _fields(cls)
+    for key in data:
+        if not isinstance(key, str) or key not in fields:
+            raise _unknown_key(str(key), cls, path)
+    kind = data.get("kind", fields["kind"].default if "kind" in fields else None)
+    values: dict[str, Any] = {}
+    for name, f in fields.items():
+        where = f"{path}.{name}" if path else name
+        if name not in data:
+            if dataclasses.is_dataclass(f.default_factory):  # a section: its own defaults
+                values[name] = _build(f.default_factory, {}, where)
+                continue
+            if f.default is None and f.default_factory is dataclasses.MISSING and \
+                    not f.metadata.get("derived") and type(None) not in get_args(hints[name]):
+                raise SpecError(where, "is missing", allowed=f.metadata.get("doc"))
+            continue
+        only = f.metadata.get("only")
+        if only and kind not in only:
+            raise SpecError(where, f"applies only when {path + '.' if path else ''}kind is "
+                            f"{' or '.join(only)} (kind is {kind!r})", allowed="remove it")
+        raw = data[name]
+        if cls.__name__ == "Embedding" and name == "scale" and isinstance(raw, str):
+            if raw not in EMBEDDING_SCALE_WORDS:
+                raise SpecError(where, f"{raw!r} is not a number or a known word",
+                                allowed="a number > 0, sqrt_d_model")
+            values[name] = raw  # resolved once d_model is known
+            continue
+        values[name] = _coerce(hints[name], raw, where, f.metadata)
+    return cls(**values)
+
+
+# ---- derived fields and cross-field rules --------------------------------------------------
+
+def gated_d_ff(d_model: int, multiple_of: int, multiplier: float) -> int:
+    """The gated-FFN sizing rule: 2/3 of the 4·d_model MLP (parameter-matched), times an
+    optional multiplier, rounded up to a multiple (Llama's rule: 4096 → 11008 at 256)."""
+    hidden = int(2 * 4 * d_model / 3)
+    hidden = int(multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+def _resolve(spec: Spec) -> Spec:
+    att, ffn = spec.attention, spec.ffn
+    replace = dataclasses.replace
+    if att.head_dim is None:
+        if spec.d_model % att.heads:
+            raise SpecError("attention.heads", f"{att.heads} does not divide d_model "
+                            f"({spec.d_model}) and attention.head_dim is not given",
+                            allowed=f"a divisor of {spec.d_model}, or set attention.head_dim")
+        att = replace(att, head_dim=spec.d_model // att.heads)
+    if att.kv_heads is None:
+        att = replace(att, kv_heads=att.heads)
+    if ffn.d_ff is None:
+        if ffn.gated:
+            d_ff = gated_d_ff(spec.d_model, ffn.multiple_of, ffn.multiplier)
+        else:
+            d_ff = 4 * spec.d_model
+        ffn = replace(ffn, d_ff=d_ff)
+    emb = spec.embedding
+    if isinstance(emb.scale, str):
+        emb = replace(emb, scale=math.sqrt(spec.d_model))
+    dec = spec.decoder_layers
+    if spec.family == "encoder-decoder" and dec is None:
+        dec = spec.layers
+    return replace(spec, attention=att, ffn=ffn, embedding=emb, decoder_layers=dec)
+
+
+def _check(spec: Spec) -> None:
+    """Cross-field rules. Single-field types and ranges were checked by the walk."""
+    att, ffn, pos, norm = spec.attention, spec.ffn, spec.position, spec.norm
+    if not NAME_RE.match(spec.name):
+        raise SpecError("name", f"{spec.name!r} is not a valid model name",
+                        allowed="1-64 letters, digits, '.', '_', '-', starting alphanumeric")
+    if att.heads % att.kv_heads:
+        divisors = [d for d in range(1, att.heads + 1) if att.heads % d == 0]
+        raise SpecError("attention.kv_heads", f"{att.kv_heads} does not divide attention.heads "
+                        f"({att.heads})", allowed="one of " + ", ".join(map(str, divisors)))
+    if att.pattern is not None:
+        if "local" in att.pattern and att.window is None:
+            raise SpecError("attention.pattern", "has local layers but attention.window is "
+                            "not set", allowed="set attention.window, or only global layers")
+        if len(att.pattern) > spec.layers:
+            raise SpecError("attention.pattern", f"has {len(att.pattern)} entries for "
+                            f"{spec.layers} layers", allowed=f"at most {spec.layers} entries")
+    if spec.family == "encoder" and att.mask != "bidirectional":
+        raise SpecError("attention.mask", f"{att.mask!r} in an encoder: encoders see the "
+                        "whole input", allowed="bidirectional")
+    if spec.family != "encoder" and att.mask == "bidirectional":
+        raise SpecError("attention.mask", f"'bidirectional' in a {spec.family}: the decoder "
+                        "must not see future tokens", allowed="causal, prefix")
+    if spec.family == "encoder-decoder" and att.mask == "prefix":
+        raise SpecError("attention.mask", "'prefix' in an encoder-decoder: the encoder already "
+                        "sees the whole prompt", allowed="causal")
+    if spec.decoder_layers is not None and spec.family != "encoder-decoder":
+        raise SpecError("decoder_layers", f"set for a {spec.family}",
+                        allowed="only with family: encoder-decoder")
+    if spec.family == "encoder" and spec.embedding.tied is False:
+        raise SpecError("embedding.tied", "false for an encoder, which has no output head",
+                        allowed="leave unset")
+    if spec.family == "encoder" and (spec.output.softcap or spec.output.bias or
+                                     spec.output.scale):
+        raise SpecError("output", "head options set for an encoder, which returns hidden "
+                        "states", allowed="only output.final_norm")
+    if pos.kind == "rope":
+        if att.head_dim % 2:
+            raise SpecError("attention.head_dim", f"{att.head_dim} is odd but RoPE rotates "
+                            "pairs of dims", allowed="an even number")
+        rot = spec.rotary_dim
+        if rot < 2 or rot % 2:
+            raise SpecError("position.fraction", f"{pos.fraction} of head_dim {att.head_dim} "
+                            f"gives {rot} rotary dims", allowed="a fraction giving an even "
+                            "number ≥ 2 of dims")
+        sc = pos.scaling
+        if sc is not None and sc.kind in ("yarn", "llama3") and sc.original_max_seq_len is None:
+            raise SpecError("position.scaling.original_max_seq_len",
+                            f"is missing for {sc.kind} scaling", allowed="a whole number ≥ 1")
+        if sc is not None and sc.kind == "llama3" and sc.high_freq_factor <= sc.low_freq_factor:
+            raise SpecError("position.scaling.high_freq_factor",
+                            f"{sc.high_freq_factor} is not above low_freq_factor "
+                            f"({sc.low_freq_factor})", allowed="a number > low_freq_factor")
+    if pos.kind == "sinusoidal" and spec.d_model % 2:
+        raise SpecError("d_model", f"{spec.d_model} is odd but sinusoidal positions come in "
+                        "sin/cos pairs", allowed="an even number")
+    if pos.kind == "relative" and pos.max_distance < pos.buckets:
+        raise SpecError("position.max_distance", f"{pos.max_distance} is below "
+                        f"position.buckets ({pos.buckets})",
+                        allowed=f"a whole number ≥ {pos.buckets}")
+    if spec.block.parallel and norm.placement != "pre":
+        raise SpecError("block.parallel", f"a parallel block needs pre-norm (norm.placement "
+                        f"is {norm.placement!r})", allowed="norm.placement: pre")
+    if not spec.block.parallel and not spec.block.shared_norm:
+        raise SpecError("block.shared_norm", "false in a serial block, which always has one "
+                        "norm per sublayer", allowed="set block.parallel: true, or remove it")
+    if ffn.kind == "moe":
+        if ffn.moe is None:
+            raise SpecError("ffn.moe", "is missing for kind moe",
+                            allowed="a mapping with experts, top_k")
+        if ffn.moe.top_k > ffn.moe.experts:
+            raise SpecError("ffn.moe.top_k", f"{ffn.moe.top_k} is more than ffn.moe.experts "
+                            f"({ffn.moe.experts})", allowed=f"1 to {ffn.moe.experts}")
+
+
+def from_dict(data: Any, source: str | None = None) -> Spec:
+    """Validate and resolve a spec given as a mapping (parsed YAML)."""
+    try:
+        spec = _build(Spec, data, "")
+        spec = _resolve(spec)
+        _check(spec)
+    except SpecError as err:
+        raise (err.with_source(source) if source else err) from None
+    return spec
+
+
+def load_yaml(path: str | Path) -> Spec:
+    """Read a spec file with ``yaml.safe_load`` (never a full loader)."""
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise SpecError("", f"cannot read the file: {err.strerror}", source=source) from None
+    except UnicodeDecodeError:
+        raise SpecError("", "is not UTF-8 text", source=source) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or "malformed"
+        raise SpecError("", f"is not valid YAML{at}: {problem}", source=source) from None
+    return from_dict(data, source=source)
+
+
+def to_dict(spec: Spec, *, full: bool = False) -> dict[str, Any]:
+    """The spec as plain data for YAML. Without `full`, a field is left out when it holds its
+    default, or, for a derived field, what the loader would derive."""
+    att, ffn = spec.attention, spec.ffn
+    derived = {
+        "attention.head_dim": spec.d_model // att.heads if spec.d_model % att.heads == 0
+        else None,
+        "attention.kv_heads": att.heads,
+        "ffn.d_ff": gated_d_ff(spec.d_model, ffn.multiple_of, ffn.multiplier) if ffn.gated
+        else 4 * spec.d_model,
+        "decoder_layers": spec.layers if spec.family == "encoder-decoder" else None,
+    }
+
+    def section(obj: Any, path: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(obj):
+            where = f"{path}{f.name}"
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                inner = section(value, where + ".")
+                if inner or full or f.default_factory is dataclasses.MISSING:
+                    out[f.name] = inner
+                continue
+            default = derived.get(where, f.default)
+            if not full and value == default and where != "name":
+                continue
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    return section(spec, "")
+
+
+def dump_yaml(spec: Spec, *, full: bool = False) -> str:
+    return yaml.safe_dump(to_dict(spec, full=full), sort_keys=False, default_flow_style=None)

@@ -1,0 +1,229 @@
+"""The spec: a frozen, validated description of a transformer architecture.
+
+Every field is declared once here, with its type, default, allowed range and a one-line doc; the
+YAML loader (``load.py``) and ``archc export-spec`` both read these declarations, so there is no
+second list to keep in sync. Derived values (``head_dim``, ``kv_heads``, ``d_ff``) are resolved by
+the loader, so a ``Spec`` always holds concrete numbers.
+
+Field metadata keys: ``doc`` (one line), ``min``/``max`` (inclusive bounds), ``only`` (the field is
+meaningful only when ``kind`` of its section is one of these), ``derived`` (may be omitted in YAML;
+the loader computes it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Family = Literal["decoder", "encoder", "encoder-decoder"]
+Dtype = Literal["f32", "f16", "bf16"]
+NormKind = Literal["layernorm", "rmsnorm"]
+Placement = Literal["pre", "post", "sandwich"]
+Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "sigmoid"]
+FFNKind = Literal["mlp", "glu", "reglu", "geglu", "swiglu", "moe"]
+ExpertKind = Literal["mlp", "glu", "reglu", "geglu", "swiglu"]
+MaskKind = Literal["causal", "bidirectional", "prefix"]
+LayerKind = Literal["local", "global"]
+PositionKind = Literal["none", "learned", "sinusoidal", "rope", "alibi", "relative"]
+RopeScalingKind = Literal["linear", "ntk", "yarn", "llama3"]
+
+# The activation each gated FFN applies to its gate branch (Shazeer 2020).
+GATED_ACTIVATION: dict[str, Activation] = {
+    "glu": "sigmoid", "reglu": "relu", "geglu": "gelu_tanh", "swiglu": "silu",
+}
+
+DTYPE_BYTES: dict[str, int] = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+def _f(default: Any = None, doc: str = "", **meta: Any) -> Any:
+    """A spec field: default, one-line doc and validation metadata in one place."""
+    meta["doc"] = doc
+    if isinstance(default, type):  # a nested section: build its defaults
+        return field(default_factory=default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    kind: RopeScalingKind = _f("linear", "linear | ntk | yarn | llama3")
+    factor: float = _f(1.0, "context extension factor", min=1.0)
+    original_max_seq_len: int | None = _f(
+        None, "context the model was trained on (yarn, llama3)", min=1, only=("yarn", "llama3"))
+    low_freq_factor: float = _f(1.0, "llama3: wavelengths above original/low are scaled", min=0.0,
+                                only=("llama3",))
+    high_freq_factor: float = _f(4.0, "llama3: wavelengths below original/high are kept",
+                                 min=0.0, only=("llama3",))
+    beta_fast: float = _f(32.0, "yarn: rotations per context below which dims interpolate",
+                          min=0.0, only=("yarn",))
+    beta_slow: float = _f(1.0, "yarn: rotations per context above which dims extrapolate",
+                          min=0.0, only=("yarn",))
+    attention_factor: float | None = _f(
+        None, "yarn: cos/sin scale (default 0.1·ln(factor) + 1)", min=0.0, only=("yarn",))
+
+
+@dataclass(frozen=True)
+class Position:
+    kind: PositionKind = _f("rope", "none | learned | sinusoidal | rope | alibi | relative")
+    offset: int = _f(0, "learned: rows skipped at the start of the table (OPT uses 2)", min=0,
+                     only=("learned",))
+    theta: float = _f(10000.0, "rope: base of the rotation frequencies", min=1.0,
+                      only=("rope",))
+    fraction: float = _f(1.0, "rope: fraction of each head's dims that rotate", min=0.0,
+                         max=1.0, only=("rope",))
+    interleaved: bool = _f(False, "rope: rotate pairs (x0,x1),(x2,x3)… instead of halves",
+                           only=("rope",))
+    scaling: RopeScaling | None = _f(None, "rope: context-extension scaling", only=("rope",))
+    buckets: int = _f(32, "relative: number of T5 distance buckets", min=2,
+                      only=("relative",))
+    max_distance: int = _f(128, "relative: distance at which buckets stop growing", min=2,
+                           only=("relative",))
+
+
+@dataclass(frozen=True)
+class AttentionBias:
+    q: bool = _f(False, "bias on the query projection")
+    k: bool = _f(False, "bias on the key projection")
+    v: bool = _f(False, "bias on the value projection")
+    o: bool = _f(False, "bias on the output projection")
+
+    @property
+    def any(self) -> bool:
+        return self.q or self.k or self.v or self.o
+
+
+@dataclass(frozen=True)
+class Attention:
+    heads: int = _f(None, "query heads", min=1)
+    kv_heads: int = _f(None, "key/value heads: = heads (MHA), 1 (MQA), or a divisor (GQA)",
+                       min=1, derived=True)
+    head_dim: int = _f(None, "dims per head (default d_model / heads)", min=1, derived=True)
+    mask: MaskKind = _f("causal", "causal | bidirectional | prefix (prompt sees itself fully)")
+    window: int | None = _f(None, "sliding window: a query sees the last `window` keys", min=1)
+    pattern: tuple[LayerKind, ...] | None = _f(
+        None, "per-layer kinds, repeated over the layers: local (windowed) or global")
+    softcap: float | None = _f(None, "attention-logit soft-cap: cap·tanh(s/cap)", min=0.0)
+    scale: float | None = _f(None, "score scale (default 1/sqrt(head_dim))", min=0.0)
+    qk_norm: bool = _f(False, "normalize q and k per head before scores (norm.kind)")
+    bias: AttentionBias = _f(AttentionBias, "biases per projection (or one bool for all)")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head (GQA group)."""
+        return self.heads // self.kv_heads
+
+
+@dataclass(frozen=True)
+class MoE:
+    experts: int = _f(None, "number of experts", min=2)
+    top_k: int = _f(2, "experts each token is routed to", min=1)
+    expert: ExpertKind = _f("swiglu", "FFN kind of each expert")
+    normalize_top_k: bool = _f(True, "renormalize the top-k router weights to sum to 1")
+    shared_expert_d_ff: int | None = _f(None, "hidden size of an always-on shared expert", min=1)
+
+
+@dataclass(frozen=True)
+class FFN:
+    kind: FFNKind = _f("mlp", "mlp | glu | reglu | geglu | swiglu | moe")
+    activation: Activation = _f("gelu", "mlp: relu | gelu | gelu_tanh | silu", only=("mlp",))
+    d_ff: int = _f(None, "hidden size (default: 4·d_model, or the gated 2/3 rule)", min=1,
+                   derived=True)
+    multiple_of: int = _f(1, "gated sizing rule: round the hidden size up to a multiple", min=1)
+    multiplier: float = _f(1.0, "gated sizing rule: scale 2/3·4·d_model before rounding",
+                           min=0.0)
+    bias: bool = _f(False, "biases on the FFN projections")
+    moe: MoE | None = _f(None, "moe: experts and routing", only=("moe",))
+
+    @property
+    def gated(self) -> bool:
+        """Does each (expert) FFN have a gate branch?"""
+        kind = self.moe.expert if self.moe else self.kind
+        return kind in GATED_ACTIVATION
+
+    @property
+    def gate_activation(self) -> Activation:
+        kind = self.moe.expert if self.moe else self.kind
+        return GATED_ACTIVATION.get(kind, self.activation)
+
+
+@dataclass(frozen=True)
+class Norm:
+    kind: NormKind = _f("layernorm", "layernorm | rmsnorm")
+    eps: float = _f(1e-5, "added to the variance", min=0.0)
+    placement: Placement = _f("pre", "pre | post | sandwich (pre and post the sublayer)")
+    unit_offset: bool = _f(False, "rmsnorm: gain is (1 + w) as in Gemma", only=("rmsnorm",))
+    bias: bool = _f(True, "layernorm: learned shift β", only=("layernorm",))
+
+
+@dataclass(frozen=True)
+class Block:
+    parallel: bool = _f(False, "attention and FFN read the same input and add to the residual")
+    shared_norm: bool = _f(True, "parallel: one norm feeds both branches (else one each)")
+
+
+@dataclass(frozen=True)
+class Embedding:
+    scale: float | None = _f(None, "multiply embeddings (a number, or sqrt_d_model as Gemma)",
+                             min=0.0)
+    tied: bool = _f(True, "the output head reuses the token embedding")
+    norm: bool = _f(False, "a norm right after the embeddings (BERT, BLOOM)")
+    token_types: int = _f(0, "token-type (segment) embeddings, as BERT", min=0)
+
+
+@dataclass(frozen=True)
+class Output:
+    final_norm: bool = _f(True, "a norm after the last layer")
+    softcap: float | None = _f(None, "final-logit soft-cap: cap·tanh(z/cap)", min=0.0)
+    bias: bool = _f(False, "bias on the output head")
+    scale: float | None = _f(None, "multiply the last hidden state before the head (T5 tied)",
+                             min=0.0)
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str = _f(None, "model name (letters, digits, . _ -)")
+    family: Family = _f("decoder", "decoder | encoder | encoder-decoder")
+    vocab_size: int = _f(None, "token vocabulary", min=1)
+    d_model: int = _f(None, "residual-stream width", min=1)
+    layers: int = _f(None, "blocks (encoder blocks for encoder-decoder)", min=1)
+    decoder_layers: int | None = _f(None, "encoder-decoder: decoder blocks (default = layers)",
+                                    min=1)
+    max_seq_len: int = _f(2048, "longest sequence (positions table, KV-cache size)", min=1)
+    dtype: Dtype = _f("bf16", "weight dtype for size and byte reports")
+    description: str = _f("", "free text")
+    attention: Attention = _f(Attention, "attention")
+    ffn: FFN = _f(FFN, "feed-forward")
+    norm: Norm = _f(Norm, "normalization")
+    block: Block = _f(Block, "block arrangement")
+    position: Position = _f(Position, "positions")
+    embedding: Embedding = _f(Embedding, "embeddings")
+    output: Output = _f(Output, "output head")
+
+    # ---- derived views -------------------------------------------------------------------
+    @property
+    def has_head(self) -> bool:
+        """Decoders and encoder-decoders end in a vocabulary head; encoders return hidden
+        states."""
+        return self.family != "encoder"
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (0 without RoPE)."""
+        if self.position.kind != "rope":
+            return 0
+        return int(self.attention.head_dim * self.position.fraction)
+
+    @property
+    def attention_scale(self) -> float:
+        if self.attention.scale is not None:
+            return self.attention.scale
+        return 1.0 / math.sqrt(self.attention.head_dim)
+
+    def layer_kinds(self, layers: int | None = None) -> tuple[LayerKind, ...]:
+        """Local (windowed) or global attention for each layer, from `attention.pattern`."""
+        n = self.layers if layers is None else layers
+        pattern = self.attention.pattern
+        if pattern:
+            return tuple(pattern[i % len(pattern)] for i in range(n))
+        kind: LayerKind = "local" if self.attention.window else "global"
+        return (kind,) * n
