@@ -1,0 +1,100 @@
+"""Numbers computed from the IR: FLOPs, bytes moved, kernels, parameters, KV-cache size.
+
+Every figure archc prints comes from here, and everything here comes from the op table's cost
+expressions and the nodes' shapes — nothing is typed in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import sympy
+
+from archc.ir.graph import Graph, Program
+from archc.ir.ops import OP_TABLE, Op
+from archc.ir.shapes import DTYPE_BYTES, B, T, evaluate, numel
+from archc.spec.schema import Spec
+
+
+@dataclass(frozen=True)
+class Cost:
+    flops: sympy.Expr
+    bytes: sympy.Expr
+
+    def at(self, dims: Mapping[str, int]) -> tuple[int, int]:
+        return evaluate(self.flops, dims), evaluate(self.bytes, dims)
+
+
+def node_cost(g: Graph, i: int) -> Cost:
+    d = OP_TABLE[g.nodes[i].op]
+    sig = g.sig(i)
+    return Cost(sympy.sympify(d.flops(sig)), sympy.sympify(d.bytes(sig)))
+
+
+def graph_cost(g: Graph) -> Cost:
+    costs = [node_cost(g, i) for i in g.compute_ids()]
+    return Cost(sympy.Add(*[c.flops for c in costs]), sympy.Add(*[c.bytes for c in costs]))
+
+
+def program_cost(p: Program) -> Cost:
+    costs = [graph_cost(g) for g in p]
+    return Cost(sympy.Add(*[c.flops for c in costs]), sympy.Add(*[c.bytes for c in costs]))
+
+
+def kernel_count(p: Program) -> int:
+    """Compute nodes — one kernel each once codegen runs."""
+    return sum(len(g.compute_ids()) for g in p)
+
+
+def _is_buffer(n: object) -> bool:
+    from archc.ir.paramexpr import leaves
+    expr = n.attr("expr")  # type: ignore[attr-defined]
+    return expr is not None and not leaves(expr)
+
+
+def parameter_count(p: Program) -> int:
+    """Elements of every distinct parameter the program reads (computed buffers such as RoPE
+    frequencies excluded)."""
+    seen: dict[str, int] = {}
+    for g in p:
+        for i in g.ids(Op.PARAM):
+            n = g.nodes[i]
+            if not _is_buffer(n):
+                seen[n.name] = evaluate(numel(n.shape), {})
+    return sum(seen.values())
+
+
+def parameter_bytes(p: Program) -> int:
+    seen: dict[str, int] = {}
+    for g in p:
+        for i in g.ids(Op.PARAM):
+            n = g.nodes[i]
+            if not _is_buffer(n):
+                seen[n.name] = evaluate(numel(n.shape), {}) * DTYPE_BYTES[n.dtype]
+    return sum(seen.values())
+
+
+def kv_cache_bytes_per_token(p: Program) -> int:
+    """Bytes the KV cache grows by per token of one sequence: Σ over cache writes of the
+    written row (H_kv·d_h elements) — 2·L·H_kv·d_h·bytes for a plain decoder."""
+    total = sympy.Integer(0)
+    for g in p:
+        for i in g.ids(Op.KV_CACHE):
+            x = g.nodes[g.nodes[i].inputs[0]]
+            total += numel(x.shape) / (B * T) * DTYPE_BYTES[x.dtype]
+    return evaluate(sympy.simplify(total), {})
+
+
+def per_layer(spec: Spec, count: int, count_without_layers: int) -> float:
+    """Average of a count over the blocks (encoder and decoder blocks together)."""
+    layers = spec.layers + (spec.decoder_layers or 0)
+    return (count - count_without_layers) / layers
+
+
+def without_layers(spec: Spec) -> Spec:
+    """The same model with no blocks: what is left is embeddings and head. Used to attribute
+    counts to layers by difference (lowering does not validate, so zero layers is fine)."""
+    return dataclasses.replace(spec, layers=0,
+                               decoder_layers=0 if spec.decoder_layers is not None else None)

@@ -1,0 +1,75 @@
+"""Graph algorithms on a networkx view of a graph, and DOT export."""
+
+from __future__ import annotations
+
+import json
+
+import networkx as nx
+
+from archc.ir.graph import Graph, Program
+from archc.ir.ops import MATMUL, META, POINTWISE, REDUCTION, VIEW, Op
+from archc.ir.shapes import format_shape
+
+
+def to_networkx(g: Graph) -> nx.DiGraph:
+    """Nodes are ids with `op` and `node` data; edges run producer → consumer with the input
+    slot."""
+    dg = nx.DiGraph(name=g.name)
+    for i, n in enumerate(g.nodes):
+        dg.add_node(i, op=n.op.value, node=n)
+    for i, n in enumerate(g.nodes):
+        for slot, j in enumerate(n.inputs):
+            dg.add_edge(j, i, slot=slot)
+    return dg
+
+
+def topological_order(g: Graph) -> list[int]:
+    return list(nx.lexicographical_topological_sort(to_networkx(g)))
+
+
+def live_ranges(g: Graph) -> dict[int, tuple[int, int]]:
+    """For each node: (defined at, last read at) in node order — for buffer planning."""
+    out = {i: (i, i) for i in range(len(g.nodes))}
+    for i, n in enumerate(g.nodes):
+        for j in n.inputs:
+            out[j] = (out[j][0], i)
+    return out
+
+
+def _color(op: Op) -> str:
+    if op in META:
+        return "#eeeeee"
+    if op in MATMUL:
+        return "#aec7e8"
+    if op in REDUCTION:
+        return "#ffbb78"
+    if op in POINTWISE:
+        return "#98df8a"
+    if op in VIEW:
+        return "#ffffff"
+    return "#c5b0d5"
+
+
+def to_dot(p: Program, *, params: bool = False) -> str:
+    """Graphviz DOT text; params are hidden unless asked (they double the node count)."""
+    lines = [f"digraph {json.dumps(p.model)} {{", "  rankdir=TB;",
+             '  node [shape=box, style="rounded,filled", fontname="monospace", fontsize=10];']
+    for g in p:
+        lines.append(f"  subgraph {json.dumps('cluster_' + g.name)} {{")
+        lines.append(f"    label={json.dumps(g.name)};")
+        for i, n in enumerate(g.nodes):
+            if n.op == Op.PARAM and not params:
+                continue
+            label = f"%{i} {n.op.value}"
+            if n.name:
+                label += f"\\n{n.name}"
+            label += f"\\n{format_shape(n.dtype, n.shape)}"
+            lines.append(f'    "{g.name}.{i}" [label="{label}", fillcolor="{_color(n.op)}"];')
+        for i, n in enumerate(g.nodes):
+            for j in n.inputs:
+                if g.nodes[j].op == Op.PARAM and not params:
+                    continue
+                lines.append(f'    "{g.name}.{j}" -> "{g.name}.{i}";')
+        lines.append("  }")
+    lines.append("}")
+    return "\n".join(lines) + "\n"

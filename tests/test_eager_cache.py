@@ -1,0 +1,58 @@
+"""The eager interpreter: prefill then token-by-token decode equals one full forward pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import archc
+from archc.errors import RunError
+from archc.spec import load_spec
+from tests.conftest import TINY_SPECS
+
+# fp32 throughout: the same ops in a different split agree to a few ulps of the logit scale.
+ATOL = {"f32": 1e-4}
+
+
+@pytest.mark.parametrize("name", [n for n in TINY_SPECS if load_spec(n).family != "encoder"])
+@pytest.mark.parametrize("split", [1, 5, 12])
+def test_prefill_then_decode_equals_full_forward(name: str, split: int) -> None:
+    model = archc.load(name, seed=3)
+    compiled = model.compile("eager")
+    session = compiled.session
+    gen = torch.Generator().manual_seed(split)
+    ids = torch.randint(0, model.spec.vocab_size, (2, 17), generator=gen)
+    enc = {}
+    if model.spec.family == "encoder-decoder":
+        enc = {"encoder_hidden": session.encode(ids[:, :9])}
+    session.reset()
+    full = session.step(ids, **enc)
+    session.reset()
+    parts = [session.step(ids[:, :split], **enc)]
+    for t in range(split, ids.shape[1]):
+        parts.append(session.step(ids[:, t:t + 1], **enc))
+    incremental = torch.cat(parts, dim=1)
+    scale = full.abs().max()
+    assert (incremental - full).abs().max() <= ATOL["f32"] * scale
+
+
+def test_sequence_past_max_seq_len_is_refused() -> None:
+    model = archc.load("tiny-llama3")
+    ids = torch.zeros(1, model.spec.max_seq_len + 1, dtype=torch.long)
+    with pytest.raises(RunError, match="exceeds the KV cache"):
+        model.compile()(ids)
+
+
+def test_failure_names_the_node() -> None:
+    model = archc.load("tiny-llama3")
+    compiled = model.compile()
+    compiled.session.params["decoder"]["layers.0.attn.q.weight"] = torch.zeros(3, 3)
+    with pytest.raises(RunError, match=r"while running %\d+ : f32\[64,64\] = param\(\) "
+                       r"\{name=\"layers.0.attn.q.weight\"\}: produced torch.float32\[3, 3\]"):
+        compiled(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_out_of_range_token_names_the_embedding() -> None:
+    compiled = archc.load("tiny-llama3").compile()
+    with pytest.raises(RunError, match=r"while running %3 : f32\[B,T,64\] = embedding"):
+        compiled(torch.tensor([[1, 2, 500]]))
