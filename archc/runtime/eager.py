@@ -67,6 +67,12 @@ class EagerContext:
             raise RunError("this graph writes a KV cache but none was given")
         return self.cache.append(layer, kind, x, self.dims["P"])
 
+    def cache_read(self, layer: int, kind: str) -> torch.Tensor:
+        """The first P + T positions of a layer's cache (written earlier in this step)."""
+        if self.cache is None or (layer, kind) not in self.cache.store:
+            raise RunError(f"layer {layer} reads its {kind} cache before anything wrote it")
+        return self.cache.store[(layer, kind)][:, :, :self.dims["P"] + self.dims["T"]]
+
 
 @dataclass
 class Trace:

@@ -1,6 +1,6 @@
 """The op table: every op declared once (``OP_TABLE``), grouped by family into modules."""
 
-from archc.ir.ops import attention, core, moe  # noqa: F401  (each module registers its ops)
+from archc.ir.ops import attention, core, fused, moe  # noqa: F401  (each module registers its ops)
 from archc.ir.ops.base import (
     KERNEL_LEVEL,
     MATMUL,

@@ -106,10 +106,24 @@ register(OpDef(
 
 # ---- scores and the value sum --------------------------------------------------------------
 
+def groups(q_heads: sympy.Expr, kv_heads: sympy.Expr) -> int:
+    """Query heads per key/value head: 1 after repeat_kv, H/H_kv when attention reads the KV
+    heads directly (query head h uses KV head h // groups)."""
+    q, kv = int(q_heads), int(kv_heads)
+    require(q % kv == 0, f"{q} query heads are not a multiple of {kv} key/value heads")
+    return q // kv
+
+
+def expand_kv(x: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """[B, H_kv, L, D] → [B, H, L, D]: KV head h // g serves query head h."""
+    g = q_heads // x.shape[1]
+    return x if g == 1 else x.repeat_interleave(g, dim=1)
+
+
 def _scores_infer(sig: Sig) -> tuple[Shape, str]:
     q, k = sig.shapes
-    require(len(q) == 4 and len(k) == 4, "scores takes q [B, H, T, D] and k [B, H, L, D]")
-    require(same_dim(q[1], k[1]), f"q has {q[1]} heads but k has {k[1]}")
+    require(len(q) == 4 and len(k) == 4, "scores takes q [B, H, T, D] and k [B, H_kv, L, D]")
+    groups(q[1], k[1])
     require(same_dim(q[3], k[3]), f"q head dim {q[3]} ≠ k head dim {k[3]}")
     return (q[0], q[1], q[2], k[2]), float_dtype(sig)
 
@@ -120,16 +134,18 @@ def _scores_flops(sig: Sig) -> sympy.Expr:
 
 
 register(OpDef(
-    Op.SCORES, "Attention scores q·kᵀ per head.",
+    Op.SCORES, "Attention scores q·kᵀ per head; k may have fewer (KV) heads than q.",
     "%17 : f32[B,4,T,P+T] = scores(%12, %16)", (2, 2), _scores_infer,
-    lambda ctx, xs, a: xs[0] @ xs[1].transpose(-1, -2), flops=_scores_flops))
+    lambda ctx, xs, a: xs[0] @ expand_kv(xs[1], xs[0].shape[1]).transpose(-1, -2),
+    flops=_scores_flops))
 
 
 def _wsum_infer(sig: Sig) -> tuple[Shape, str]:
     p, v = sig.shapes
-    require(len(p) == 4 and len(v) == 4, "weighted_sum takes p [B, H, T, L] and v [B, H, L, D]")
-    require(same_dim(p[1], v[1]) and same_dim(p[3], v[2]),
-            f"probabilities {list(p)} do not match values {list(v)}")
+    require(len(p) == 4 and len(v) == 4,
+            "weighted_sum takes p [B, H, T, L] and v [B, H_kv, L, D]")
+    groups(p[1], v[1])
+    require(same_dim(p[3], v[2]), f"probabilities {list(p)} do not match values {list(v)}")
     return (p[0], p[1], p[2], v[3]), float_dtype(sig)
 
 
@@ -139,9 +155,9 @@ def _wsum_flops(sig: Sig) -> sympy.Expr:
 
 
 register(OpDef(
-    Op.WEIGHTED_SUM, "The value sum p·v per head.",
+    Op.WEIGHTED_SUM, "The value sum p·v per head; v may have fewer (KV) heads than p.",
     "%22 : f32[B,4,T,16] = weighted_sum(%21, %20)", (2, 2), _wsum_infer,
-    lambda ctx, xs, a: xs[0] @ xs[1], flops=_wsum_flops))
+    lambda ctx, xs, a: xs[0] @ expand_kv(xs[1], xs[0].shape[1]), flops=_wsum_flops))
 
 
 # ---- score modifiers -----------------------------------------------------------------------

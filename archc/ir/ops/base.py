@@ -38,6 +38,7 @@ class Op(str, Enum):
     SOFTMAX = "softmax"
     SPLIT_HEADS = "split_heads"
     MERGE_HEADS = "merge_heads"
+    SLICE = "slice"
     ROPE = "rope"
     REPEAT_KV = "repeat_kv"
     KV_CACHE = "kv_cache"
@@ -59,7 +60,7 @@ class Op(str, Enum):
 
 # Group sets: patterns, cost reports and codegen key on these, not on long lists of ops.
 META = frozenset({Op.INPUT, Op.PARAM, Op.OUTPUT})
-VIEW = frozenset({Op.SPLIT_HEADS, Op.MERGE_HEADS})
+VIEW = frozenset({Op.SPLIT_HEADS, Op.MERGE_HEADS, Op.SLICE})
 POINTWISE = frozenset({Op.BIAS_ADD, Op.ADD, Op.MUL, Op.SCALE, Op.ACT, Op.SOFTCAP, Op.ROPE,
                        Op.MASK, Op.ALIBI, Op.REL_BIAS, Op.POINTWISE})
 REDUCTION = frozenset({Op.LAYERNORM, Op.RMSNORM, Op.SOFTMAX, Op.NORM})
@@ -99,6 +100,8 @@ class EagerCtx(Protocol):
     dims: Mapping[str, int]
 
     def cache_append(self, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor: ...
+
+    def cache_read(self, layer: int, kind: str) -> torch.Tensor: ...
 
 
 InferFn = Callable[[Sig], tuple[Shape, str]]

@@ -261,3 +261,16 @@ register(OpDef(
 register(OpDef(
     Op.MERGE_HEADS, "View [B, H, T, D] as [B, T, H·D].",
     "%30 : f32[B,T,64] = merge_heads(%29)", (1, 1), _merge_infer, _merge_eager, bytes=zero))
+
+
+def _slice_infer(sig: Sig) -> tuple[Shape, str]:
+    x = sig.shapes[0]
+    start, stop = sig.attr("start"), sig.attr("stop")
+    require(0 <= start < stop <= int(x[-1]), f"columns [{start}, {stop}) outside width {x[-1]}")
+    return (*x[:-1], sympy.Integer(stop - start)), sig.dtypes[0]
+
+
+register(OpDef(
+    Op.SLICE, "View columns [start, stop) of the last dim (e.g. q, k, v of a fused QKV).",
+    "%12 : f32[B,T,32] = slice(%11) {start=64, stop=96}", (1, 1), _slice_infer,
+    lambda ctx, xs, a: xs[0][..., a["start"]:a["stop"]], bytes=zero, attrs=("start", "stop")))
