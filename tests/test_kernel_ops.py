@@ -268,3 +268,23 @@ def test_attention_visible_pairs_cost() -> None:
     # window 3: rows see 1, 2, 3, 3, 3… keys
     assert visible_pairs(T, P + T, True, 3).subs({T: 6, P: 0}) == 1 + 2 + 3 * 4
     assert visible_pairs(T, P + T, True, 3).subs({T: 1, P: 10}) == 3
+
+
+def test_fused_linear_concat_k() -> None:
+    """Parallel blocks: attn_out @ Woᵀ + h @ Wdᵀ + x = [attn_out, h] @ [Wo, Wd]ᵀ + x."""
+    a, h, r = rand(2, 5, 16), rand(2, 5, 24), rand(2, 5, 8)
+    wo, wd = rand(8, 16), rand(8, 24)
+
+    def unfused(b: GraphBuilder, i: dict[str, int]) -> int:
+        s = b.emit(Op.ADD, b.emit(Op.MATMUL, i["a"], i["wo"]), b.emit(Op.MATMUL, i["h"], i["wd"]))
+        return b.emit(Op.ADD, i["r"], s)
+
+    def fused(b: GraphBuilder, i: dict[str, int]) -> int:
+        return b.emit(Op.FUSED_LINEAR, i["a"], i["h"], i["w"], i["r"], concat_k=True,
+                      epilogue=(Call("residual"),))
+
+    run_both({"a": (shape(B, T, 16), "f32"), "h": (shape(B, T, 24), "f32"),
+              "r": (shape(B, T, 8), "f32"), "wo": (shape(8, 16), "f32"),
+              "wd": (shape(8, 24), "f32"), "w": (shape(8, 40), "f32")},
+             unfused, fused, {"a": a, "h": h, "r": r, "wo": wo, "wd": wd,
+                              "w": torch.cat([wo, wd], dim=1)})

@@ -194,15 +194,28 @@ def _epilogue(sig: Sig) -> tuple[Call, ...]:
     return steps
 
 
+def _operands(sig_or_attrs: Sig | Attrs) -> int:
+    """Activation inputs before the weight: 2 when `concat_k` (x = [x1, x2] along K)."""
+    get = sig_or_attrs.attr if isinstance(sig_or_attrs, Sig) else sig_or_attrs.get
+    return 2 if get("concat_k") else 1
+
+
 def _fused_linear_infer(sig: Sig) -> tuple[Shape, str]:
-    x, w = sig.shapes[:2]
-    require(len(w) == 2 and same_dim(x[-1], w[1]), f"x {list(x)} and weight {list(w)} "
-            "do not match as x @ wᵀ")
+    n = _operands(sig)
+    xs, w = sig.shapes[:n], sig.shapes[n]
+    x = xs[0]
+    k = sum((s[-1] for s in xs), sympy.Integer(0))
+    if n == 2:
+        require(len(xs[1]) == len(x) and all(same_dim(a, b) for a, b in zip(x[:-1], xs[1][:-1])),
+                f"concatenated operands {list(x)} and {list(xs[1])} differ before K")
+        require(sig.attr("prologue") is None, "a prologue needs a single operand")
+    require(len(w) == 2 and same_dim(k, w[1]), f"x {[list(s) for s in xs]} and weight "
+            f"{list(w)} do not match as x @ wᵀ")
     prologue = sig.attr("prologue")
     require(prologue in (None, "rms", "layer"), f"unknown prologue {prologue!r}")
     require((prologue is None) == (sig.attr("eps") is None), "eps goes with a prologue")
     width = int(w[0])
-    rest = list(sig.shapes[2:])
+    rest = list(sig.shapes[n + 1:])
     for st in _epilogue(sig):
         step = EPILOGUE[st.fn]
         if len(rest) < step.inputs:
@@ -226,10 +239,15 @@ def _row_stats(x: torch.Tensor, prologue: str | None, eps: float | None) -> RowS
 
 
 def fused_linear(ctx: EagerCtx, xs: Sequence[torch.Tensor], a: Attrs) -> torch.Tensor:
-    x, w = xs[0], xs[1]
+    n = _operands(a)
+    x, w = xs[0], xs[n]
     stats = _row_stats(x, a.get("prologue"), a.get("eps"))
-    acc = F.linear(x.float(), w.float())
-    rest = list(xs[2:])
+    if n == 2:  # the K loop runs over x1's columns, then x2's
+        k1 = x.shape[-1]
+        acc = F.linear(x.float(), w[:, :k1].float()) + F.linear(xs[1].float(), w[:, k1:].float())
+    else:
+        acc = F.linear(x.float(), w.float())
+    rest = list(xs[n + 1:])
     for st in a.get("epilogue", ()):
         step = EPILOGUE[st.fn]
         taken, rest = rest[:step.inputs], rest[step.inputs:]
@@ -238,7 +256,7 @@ def fused_linear(ctx: EagerCtx, xs: Sequence[torch.Tensor], a: Attrs) -> torch.T
 
 
 def _fused_linear_flops(sig: Sig) -> sympy.Expr:
-    x, w = sig.shapes[:2]
+    x, w = sig.shapes[0], sig.shapes[_operands(sig)]
     return 2 * numel(x[:-1]) * w[0] * w[1] + 4 * numel(sig.out_shape)
 
 
@@ -255,12 +273,13 @@ def _fused_linear_bytes(sig: Sig) -> sympy.Expr:
 
 
 register(OpDef(
-    Op.FUSED_LINEAR, "x @ wᵀ with a norm prologue and an epilogue chain, one kernel.",
+    Op.FUSED_LINEAR, "x @ wᵀ with a norm prologue and an epilogue chain, one kernel; with "
+    "concat_k, x is two operands concatenated along K (parallel blocks' out + down).",
     '%9 : f32[B,T,128] = fused_linear(%3, %8, %1, %7) {epilogue=[rms_scale(), rope(heads=6, '
     'head_dim=16, interleaved=false, rotary_dim=16), kv_write(head_dim=16, k_start=64, '
     'kv_heads=2, layer=0, v_start=96)], eps=1e-05, prologue="rms"}',
     (2, -1), _fused_linear_infer, fused_linear, flops=_fused_linear_flops,
-    bytes=_fused_linear_bytes, optional=("prologue", "eps", "epilogue")))
+    bytes=_fused_linear_bytes, optional=("prologue", "eps", "epilogue", "concat_k")))
 
 
 # ---- norm ------------------------------------------------------------------------------------
