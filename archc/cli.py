@@ -13,7 +13,7 @@ from types import ModuleType
 from archc import __version__
 from archc.errors import ArchcError
 
-COMMAND_MODULES = ("specs", "show", "ir", "run")
+COMMAND_MODULES = ("specs", "show", "ir", "run", "roofline")
 
 
 def _commands() -> list[ModuleType]:

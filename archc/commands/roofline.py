@@ -1,0 +1,88 @@
+"""`archc roofline SPEC`: roofline time of every kernel, prefill and decode, on a modelled GPU."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.table import Table
+
+from archc.commands.common import add_spec_argument, nonnegative_int, positive_int, spec_of
+from archc.errors import ArchcError
+from archc.ir.lower import lower
+from archc.perf.gpus import GPUS, gpu
+from archc.perf.roofline import KernelGroup, decode_floor, grouped, kernels
+from archc.ui import console, nbytes, si
+
+NAME = "roofline"
+HELP = "roofline time per kernel for prefill and one decode step, and the decode floor"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_spec_argument(p)
+    p.add_argument("--gpu", default="h200", help=f"GPU model: {', '.join(GPUS)} (default h200)")
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
+    p.add_argument("--prompt", type=positive_int, default=512,
+                   help="prompt tokens prefilled (default 512)")
+    p.add_argument("--decode", type=nonnegative_int, default=128,
+                   help="tokens decoded after the prompt (default 128)")
+    p.add_argument("--dtype", choices=("bf16", "f16", "f32"), default="bf16",
+                   help="weights and activations (default bf16)")
+    p.add_argument("--unfused", action="store_true",
+                   help="model the unfused graph (one kernel per lowered op) instead of the "
+                        "kernel-level graph after the default passes")
+
+
+def _table(title: str, rows: list[KernelGroup]) -> Table:
+    t = Table(title=title, title_justify="left")
+    for col in ("kernel", "reads", "launches", "FLOPs", "bytes", "FLOP/B", "bound", "time"):
+        t.add_column(col, justify="left" if col in ("kernel", "reads", "bound") else "right")
+    for r in rows:
+        t.add_row(r.op, r.label, str(r.launches), si(r.flops), nbytes(r.bytes),
+                  f"{r.intensity:.1f}", r.bound, f"{r.time * 1e6:.1f} µs")
+    return t
+
+
+def program_for(spec, dtype: str, unfused: bool):  # noqa: ANN001, ANN201
+    program = lower(spec, dtype)
+    if unfused:
+        return program, "unfused"
+    try:
+        from archc.passes import default_pipeline  # type: ignore[attr-defined]
+    except ImportError:
+        return program, "unfused (no passes available)"
+    return default_pipeline(program), "kernel-level (default passes)"
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = spec_of(args)
+    if spec.family == "encoder" and args.decode:
+        raise ArchcError(f"{spec.name} is an encoder: it does not decode (use --decode 0)")
+    if args.prompt + args.decode > spec.max_seq_len:
+        raise ArchcError(f"--prompt {args.prompt} + --decode {args.decode} exceed max_seq_len "
+                         f"= {spec.max_seq_len}")
+    g = gpu(args.gpu)
+    program, kind = program_for(spec, args.dtype, args.unfused)
+    b, n, m = args.batch, args.prompt, args.decode
+    console.print(f"[bold]{spec.name}[/] on {g.name} ({si(g.peak_flops, 'FLOP/s')} "
+                  f"{args.dtype}, {si(g.bandwidth, 'B/s')}; ridge {g.ridge:.0f} FLOP/B), "
+                  f"{kind} graph, batch {b}")
+    prefill = kernels(program, {"B": b, "T": n, "P": 0, "S": n})
+    rows = grouped(prefill, g)
+    t_prefill = sum(r.time for r in rows)
+    console.print(_table(f"prefill: {n} tokens", rows))
+    flops = sum(r.flops for r in rows)
+    console.print(f"prefill: {si(flops, 'FLOP')}, {nbytes(sum(r.bytes for r in rows))}, "
+                  f"roofline {t_prefill * 1e3:.3f} ms = {flops / t_prefill / 1e12:.0f} TFLOP/s, "
+                  f"{b * n / t_prefill:,.0f} tokens/s")
+    if m == 0 or spec.family == "encoder":
+        return 0
+    past = n + m - 1  # the last (slowest) step
+    step = grouped(kernels(program, {"B": b, "T": 1, "P": past, "S": n}), g)
+    t_step = sum(r.time for r in step)
+    console.print(_table(f"one decode step at context {past + 1}", step))
+    floor = decode_floor(program, g, b, past)
+    console.print(f"decode step: roofline {t_step * 1e3:.3f} ms ({b / t_step:,.0f} tokens/s); "
+                  f"floor {floor.seconds * 1e3:.3f} ms = weights {nbytes(floor.weight_bytes)} + "
+                  f"KV cache {nbytes(floor.kv_bytes)} at {si(g.bandwidth, 'B/s')} → "
+                  f"{floor.tokens_per_second:,.0f} tokens/s")
+    return 0

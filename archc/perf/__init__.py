@@ -1,0 +1,1 @@
+"""Performance: the GPU table, the roofline model, and benchmarks."""

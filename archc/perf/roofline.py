@@ -1,0 +1,181 @@
+"""The roofline model: a time for every kernel before any GPU is touched.
+
+For each compute node the IR gives FLOPs and bytes (sympy, in B, T, P, S); with a GPU's peak
+FLOP/s and bandwidth, the roofline time is max(FLOPs / peak, bytes / bandwidth) and the node is
+compute- or memory-bound by which term wins. A decode step has a floor no kernel can beat: every
+weight byte it needs plus the KV cache it attends over, read once from HBM.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from archc.ir.cost import node_cost
+from archc.ir.graph import Graph, Program
+from archc.ir.ops import Op
+from archc.ir.paramexpr import leaves
+from archc.ir.shapes import DTYPE_BYTES, evaluate, numel
+from archc.perf.gpus import GPU
+
+_LAYER = re.compile(r"layers\.\d+\.|layer \d+")
+
+
+@dataclass(frozen=True)
+class KernelRoof:
+    graph: str
+    index: int
+    op: str
+    label: str
+    flops: int
+    bytes: int
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes if self.bytes else float("inf")
+
+    def time(self, g: GPU) -> float:
+        return max(self.flops / g.peak_flops, self.bytes / g.bandwidth)
+
+    def bound(self, g: GPU) -> str:
+        return "compute" if self.flops / g.peak_flops >= self.bytes / g.bandwidth else "memory"
+
+
+def _is_weight(g: Graph, j: int) -> bool:
+    """A param read from the checkpoint (not a computed buffer such as RoPE frequencies)."""
+    p = g.nodes[j]
+    return p.op == Op.PARAM and (p.attr("expr") is None or bool(leaves(p.attr("expr"))))
+
+
+def label(g: Graph, i: int) -> str:
+    """What a kernel works on: the first weight it reads, or its layer."""
+    n = g.nodes[i]
+    for j in n.inputs:
+        if _is_weight(g, j):
+            return g.nodes[j].name
+    layer = n.attr("cache_layer", n.attr("layer"))
+    return f"layer {layer}" if layer is not None else n.origin
+
+
+def kernels(program: Program, dims: Mapping[str, int]) -> list[KernelRoof]:
+    out = []
+    for g in program:
+        for i in g.compute_ids():
+            c = node_cost(g, i)
+            flops, nbytes = c.at(dims)
+            out.append(KernelRoof(g.name, i, g.nodes[i].op.value, label(g, i), flops, nbytes))
+    return out
+
+
+@dataclass(frozen=True)
+class KernelGroup:
+    """Kernels that are the same but for the layer: one row of a report."""
+
+    op: str
+    label: str
+    launches: int
+    flops: int
+    bytes: int
+    time: float
+    bound: str
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes if self.bytes else float("inf")
+
+
+def grouped(ks: list[KernelRoof], g: GPU) -> list[KernelGroup]:
+    rows: dict[tuple[str, str, str], list[KernelRoof]] = {}
+    for k in ks:
+        key = (k.graph, k.op, _LAYER.sub(lambda m: "layers.*." if m.group().startswith(
+            "layers.") else "layer *", k.label))
+        rows.setdefault(key, []).append(k)
+    out = []
+    for (_, op, lab), group in rows.items():
+        out.append(KernelGroup(op, lab, len(group), sum(k.flops for k in group),
+                               sum(k.bytes for k in group), sum(k.time(g) for k in group),
+                               group[0].bound(g)))
+    return out
+
+
+# ---- the decode floor ------------------------------------------------------------------------
+
+def weight_bytes_read(program: Program, dims: Mapping[str, int]) -> int:
+    """Bytes of every weight a step reads once: embedding tables only the rows looked up, MoE
+    expert weights only the experts tokens are routed to (min(E, tokens·k) of E)."""
+    seen: dict[str, float] = {}
+    for g in program:
+        for i in g.compute_ids():
+            n = g.nodes[i]
+            for slot, j in enumerate(n.inputs):
+                if not _is_weight(g, j):
+                    continue
+                p = g.nodes[j]
+                size = evaluate(numel(p.shape), dims) * DTYPE_BYTES[p.dtype]
+                if n.op == Op.EMBEDDING:  # a gather reads only the rows it looks up
+                    size = evaluate(numel(n.shape), dims) * DTYPE_BYTES[p.dtype]
+                elif n.op in (Op.MOE_EXPERTS, Op.MOE_LINEAR) and slot >= 2:
+                    x = g.nodes[n.inputs[0]].shape
+                    rows = x[:-1] if n.attr("stage", "up") == "up" else x[:-2]
+                    experts = evaluate(p.shape[0], dims)
+                    routed = min(experts, evaluate(numel(rows), dims) * n.attr("top_k"))
+                    size = size * routed / experts
+                seen[p.name] = max(seen.get(p.name, 0.0), size)
+    return int(sum(seen.values()))
+
+
+def _window_of_layer(g: Graph, layer: int) -> int | None:
+    """The sliding window of a cached layer: of the first mask its key cache flows into."""
+    start = next(i for i, n in enumerate(g.nodes) if n.op == Op.KV_CACHE
+                 and n.attr("layer") == layer and n.attr("kind") == "k")
+    users = g.users()
+    frontier, seen = [start], {start}
+    while frontier:
+        j = frontier.pop(0)
+        for u in users[j]:
+            if g.nodes[u].op == Op.MASK:
+                return g.nodes[u].attr("window")
+            if u not in seen:
+                seen.add(u)
+                frontier.append(u)
+    return None
+
+
+def kv_bytes_read(program: Program, dims: Mapping[str, int]) -> int:
+    """KV-cache bytes a step attends over: each cached layer's K and V over the keys its
+    mask lets through (P + T, or the window for local layers)."""
+    total = 0
+    length = dims["P"] + dims["T"]
+    for g in program:
+        for n in g.nodes:
+            if n.op == Op.KV_CACHE:
+                x = g.nodes[n.inputs[0]]
+                window = _window_of_layer(g, n.attr("layer"))
+                keys = length if window is None else min(length, window + dims["T"] - 1)
+                row = evaluate(numel(x.shape) / x.shape[2], dims)  # B·H_kv·D
+                total += row * keys * DTYPE_BYTES[x.dtype]
+            elif n.op == Op.ATTENTION and n.attr("cache_layer") is not None:
+                q = g.nodes[n.inputs[0]]
+                window = n.attr("window")
+                keys = length if window is None else min(length, window + dims["T"] - 1)
+                b, d = dims["B"], evaluate(q.shape[3], dims)
+                total += 2 * b * n.attr("kv_heads") * d * keys * DTYPE_BYTES[q.dtype]
+    return total
+
+
+@dataclass(frozen=True)
+class DecodeFloor:
+    weight_bytes: int
+    kv_bytes: int
+    seconds: float
+    tokens_per_second: float
+
+
+def decode_floor(program: Program, g: GPU, batch: int, past: int) -> DecodeFloor:
+    """The fastest a decode step can be: weights and KV cache read once at full bandwidth."""
+    dims = {"B": batch, "T": 1, "P": past, "S": max(past, 1)}
+    w = weight_bytes_read(program, dims)
+    kv = kv_bytes_read(program, dims)
+    seconds = (w + kv) / g.bandwidth
+    return DecodeFloor(w, kv, seconds, batch / seconds)

@@ -1,0 +1,102 @@
+"""Roofline numbers against hand formulas."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from archc.ir.graph import GraphBuilder, Program
+from archc.ir.lower import lower
+from archc.ir.ops import Op
+from archc.ir.shapes import B, T, shape
+from archc.perf.gpus import GPUS, gpu
+from archc.perf.roofline import decode_floor, kernels
+from archc.spec import load_spec
+
+H200 = GPUS["h200"]
+
+
+def _single(build) -> Program:  # noqa: ANN001
+    b = GraphBuilder("decoder")
+    b.output("y", build(b))
+    return Program("t", (b.build(),))
+
+
+def test_matmul_roofline_by_hand() -> None:
+    m_tokens, n, k = 4096, 14336, 4096
+    program = _single(lambda b: b.emit(Op.MATMUL, b.input("x", shape(B, T, k), "bf16"),
+                                       b.param("w", shape(n, k), "bf16")))
+    (kern,) = kernels(program, {"B": 1, "T": m_tokens, "P": 0})
+    flops = 2 * m_tokens * n * k
+    nbytes = 2 * (m_tokens * k + n * k + m_tokens * n)
+    assert (kern.flops, kern.bytes) == (flops, nbytes)
+    assert kern.time(H200) == pytest.approx(max(flops / 989e12, nbytes / 4.8e12))
+    assert kern.bound(H200) == "compute"  # AI ≈ 1.4k FLOP/B, far above the ridge (~206)
+
+
+def test_causal_attention_counts_half_the_pairs() -> None:
+    heads, hd, t = 32, 128, 2048
+
+    def build(b: GraphBuilder) -> int:
+        q = b.input("q", shape(B, heads, T, hd), "bf16")
+        k = b.input("k", shape(B, heads, T, hd), "bf16")
+        return b.emit(Op.ATTENTION, q, k, k, scale=hd ** -0.5, causal=True, padding=False,
+                      prefix=False)
+
+    def build_full(b: GraphBuilder) -> int:
+        q = b.input("q", shape(B, heads, T, hd), "bf16")
+        k = b.input("k", shape(B, heads, T, hd), "bf16")
+        return b.emit(Op.ATTENTION, q, k, k, scale=hd ** -0.5, causal=False, padding=False,
+                      prefix=False)
+
+    (causal,) = kernels(_single(build), {"B": 1, "T": t, "P": 0})
+    (full,) = kernels(_single(build_full), {"B": 1, "T": t, "P": 0})
+    pairs = t * (t + 1) // 2
+    assert causal.flops == heads * pairs * (4 * hd + 5)  # QKᵀ and PV: 2·2·D per pair
+    assert full.flops == heads * t * t * (4 * hd + 5)
+
+
+def test_llama2_7b_decode_floor() -> None:
+    """13.5 GB of bf16 weights read once per token → about 2.8 ms on an H200 at 4.8 TB/s."""
+    spec = load_spec("llama2-7b")
+    floor = decode_floor(lower(spec, "bf16"), H200, batch=1, past=0)
+    params, vocab, d = 6_738_415_616, spec.vocab_size, spec.d_model
+    # the embedding gather reads one row, not the table
+    assert floor.weight_bytes == 2 * (params - vocab * d) + 2 * d
+    assert floor.kv_bytes == 2 * 32 * 32 * 128 * 1 * 2  # K and V of one position, 32 layers
+    assert 2.7e-3 < floor.seconds < 2.85e-3
+    assert floor.tokens_per_second == pytest.approx(1 / floor.seconds)
+
+
+def test_gqa_cuts_decode_kv_traffic() -> None:
+    llama2, llama3 = load_spec("llama2-7b"), load_spec("llama3-8b")
+    kv2 = decode_floor(lower(llama2, "bf16"), H200, 1, 4095).kv_bytes
+    kv3 = decode_floor(lower(llama3, "bf16"), H200, 1, 4095).kv_bytes
+    assert kv2 == 4 * kv3  # 32 KV heads vs 8, same layers and head_dim
+
+
+def test_sliding_window_bounds_kv_traffic() -> None:
+    spec = load_spec("mistral-7b")
+    floor = decode_floor(lower(spec, "bf16"), H200, 1, past=20000)
+    assert floor.kv_bytes == 2 * 32 * 8 * 128 * 4096 * 2
+
+
+def test_unknown_gpu_is_refused() -> None:
+    from archc.errors import ArchcError
+    with pytest.raises(ArchcError, match="known: a100, h100, h200"):
+        gpu("v100")
+
+
+def test_roofline_cli_runs_and_refuses_too_long() -> None:
+    ok = subprocess.run([sys.executable, "-m", "archc.cli", "roofline", "tiny-llama3",
+                         "--prompt", "16", "--decode", "4"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "decode step: roofline" in ok.stdout and "floor" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "archc.cli", "roofline", "tiny-llama3",
+                          "--prompt", "60", "--decode", "10"], capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert "exceed max_seq_len" in bad.stderr and "Traceback" not in bad.stderr
+
+
