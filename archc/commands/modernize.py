@@ -1,0 +1,119 @@
+"""`archc modernize SOURCE`: walk a model to the modern block, one architecture step at a time,
+and show what each step buys."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.table import Table
+
+from archc.commands.common import positive_int
+from archc.errors import ArchcError
+from archc.modernize.report import Row, walk
+from archc.modernize.steps import DEFAULT_STEPS, STEPS, parse_steps
+from archc.spec.zoo import ZOO_DIR
+from archc.ui import console, nbytes, si
+
+NAME = "modernize"
+HELP = "apply architecture steps (post→pre norm, RMSNorm, SwiGLU, RoPE, GQA…) and report each"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", metavar="SOURCE",
+                   help="a spec (YAML or zoo name), or a checkpoint (HF directory, GGUF, or an "
+                        "archc directory) to convert")
+    steps = "; ".join(f"{s.name}: {s.doc}" for s in STEPS.values())
+    p.add_argument("--steps", default=",".join(DEFAULT_STEPS),
+                   help=f"comma-separated steps (default: {','.join(DEFAULT_STEPS)}). {steps}")
+    p.add_argument("--batch", type=positive_int, default=1, help="decode batch (default 1)")
+    p.add_argument("--context", type=positive_int,
+                   help="context length for KV bytes and intensity (default: max_seq_len)")
+    p.add_argument("-o", "--output", type=Path, metavar="PATH",
+                   help="write the final spec as YAML (a spec source) or the converted "
+                        "checkpoint as an archc directory (a checkpoint source)")
+    p.add_argument("--plot", type=Path, metavar="FILE.png", help="draw the columns per step")
+
+
+def _is_spec(source: str) -> bool:
+    path = Path(source)
+    return path.suffix in (".yaml", ".yml") or (not path.exists() and
+                                                (ZOO_DIR / f"{source}.yaml").is_file())
+
+
+def _table(rows: list[Row], batch: int, context: int) -> Table:
+    t = Table(title=f"architecture steps (batch {batch}, context {context})",
+              title_justify="left")
+    cols = ("step", "params", "FLOPs/token", "KV/token", f"KV @ {context}", "decode AI",
+            "kernels/layer", "bytes/token")
+    for c in cols:
+        t.add_column(c, justify="left" if c == "step" else "right")
+    for r in rows:
+        t.add_row(r.step, si(r.params), si(r.flops_per_token), nbytes(r.kv_bytes_per_token),
+                  nbytes(r.kv_bytes_at_context), f"{r.intensity:.1f}",
+                  f"{r.kernels_per_layer:g}", nbytes(r.decode_bytes_per_token))
+    return t
+
+
+def _plot(rows: list[Row], path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ArchcError("--plot needs matplotlib (pip install 'archc[plot]')") from None
+    series = [("parameters", [r.params for r in rows]),
+              ("FLOPs / token", [r.flops_per_token for r in rows]),
+              ("KV bytes / token", [r.kv_bytes_per_token for r in rows]),
+              ("decode arithmetic intensity", [r.intensity for r in rows]),
+              ("kernels / layer", [r.kernels_per_layer for r in rows]),
+              ("bytes moved / decode token", [r.decode_bytes_per_token for r in rows])]
+    fig, axes = plt.subplots(len(series), 1, figsize=(8, 2.2 * len(series)), sharex=True)
+    labels = [r.step for r in rows]
+    for ax, (title, values) in zip(axes, series):
+        ax.bar(range(len(values)), values, color="#4c72b0")
+        ax.set_title(title, fontsize=9, loc="left")
+        ax.tick_params(labelsize=8)
+    axes[-1].set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as err:
+        raise ArchcError(f"cannot write {path}: {err.strerror}") from None
+    console.print(f"wrote {path}")
+
+
+def run(args: argparse.Namespace) -> int:
+    import archc
+    from archc.spec.load import dump_yaml
+    from archc.spec.zoo import load_spec
+    calls = parse_steps(args.steps)
+    spec_only = _is_spec(args.source)
+    model = None if spec_only else archc.load(args.source)
+    spec = load_spec(args.source) if spec_only else model.spec
+    context = args.context or spec.max_seq_len
+    if context > spec.max_seq_len:
+        raise ArchcError(f"--context {context} exceeds max_seq_len = {spec.max_seq_len}")
+    rows = walk(spec, calls, args.batch, context)
+    console.print(_table(rows, args.batch, context))
+    if model is not None:
+        from archc.modernize.convert import convert
+        weights, before = dict(model.weights or {}), spec
+        for call, row in zip(calls, rows[1:]):
+            weights, report = convert(call, before, row.spec, weights)
+            for line in report.lines():
+                console.print(f"{call.text}: {line}")
+            before = row.spec
+        if args.output:
+            from archc import native
+            native.save(args.output, rows[-1].spec, weights)
+            console.print(f"wrote {args.output}/ ({native.SPEC_FILE}, {native.WEIGHTS_FILE})")
+    elif args.output:
+        try:
+            args.output.write_text(dump_yaml(rows[-1].spec), encoding="utf-8")
+        except OSError as err:
+            raise ArchcError(f"cannot write {args.output}: {err.strerror}") from None
+        console.print(f"wrote {args.output}")
+    if args.plot:
+        _plot(rows, args.plot)
+    return 0

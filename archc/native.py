@@ -1,0 +1,51 @@
+"""archc's own checkpoint directory: `spec.yaml` plus `model.safetensors` in archc's tensor names.
+
+What `archc modernize SOURCE --steps gqa:4 -o DIR` writes for a converted checkpoint, and what
+`archc.load(DIR)` reads back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from archc.api import Model, register_source
+from archc.errors import ArchcError, WeightsError
+from archc.spec.load import dump_yaml, load_yaml
+from archc.spec.schema import Spec
+
+SPEC_FILE = "spec.yaml"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def is_native(path: Path) -> bool:
+    return path.is_dir() and (path / SPEC_FILE).is_file()
+
+
+def save(directory: Path, spec: Spec, weights: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / SPEC_FILE).write_text(dump_yaml(spec), encoding="utf-8")
+        save_file({k: v.contiguous() for k, v in weights.items()},
+                  str(directory / WEIGHTS_FILE))
+    except OSError as err:
+        raise ArchcError(f"cannot write {directory}: {err.strerror}") from None
+
+
+def load(directory: Path, progress: object = None) -> Model:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    spec = load_yaml(directory / SPEC_FILE)
+    path = directory / WEIGHTS_FILE
+    if not path.is_file():
+        return Model(spec, source=str(directory))
+    try:
+        weights = load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        raise WeightsError(f"{path}: not a readable safetensors file ({err})") from None
+    return Model(spec, weights, source=str(directory))
+
+
+register_source(is_native, load)

@@ -1,0 +1,171 @@
+"""Architecture steps: spec transforms, what they buy, and checkpoint conversion."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import archc
+from archc.errors import ArchcError
+from archc.ir.cost import kv_cache_bytes_per_token, parameter_count
+from archc.ir.lower import lower
+from archc.modernize.convert import convert
+from archc.modernize.report import decode_intensity
+from archc.modernize.steps import STEPS, StepCall, StepError, parse_steps
+from archc.spec import load_spec
+from tests.conftest import TINY_SPECS
+
+
+@pytest.mark.parametrize("name", ["gpt1", "gpt2", "bert-base", "gpt-j-6b", "falcon-7b"])
+@pytest.mark.parametrize("kind", ["swiglu", "geglu", "reglu"])
+def test_gated_step_keeps_parameters_within_one_percent(name: str, kind: str) -> None:
+    before = load_spec(name)
+    (call,) = parse_steps(kind)
+    after = call.apply(before)
+    assert after.ffn.kind == kind and after.ffn.d_ff == -(-2 * before.ffn.d_ff // 3)
+    p0, p1 = parameter_count(lower(before)), parameter_count(lower(after))
+    assert abs(p1 - p0) / p0 < 0.01
+
+
+def _mha(name: str):  # noqa: ANN202
+    spec = load_spec(name)
+    return dataclasses.replace(spec, attention=dataclasses.replace(
+        spec.attention, kv_heads=spec.attention.heads))
+
+
+def test_gqa_8_on_llama2_70b_cuts_kv_bytes_8x_and_mqa_64x() -> None:
+    mha = _mha("llama2-70b")
+    kv = kv_cache_bytes_per_token(lower(mha, "bf16"))
+    (gqa,) = parse_steps("gqa:8")
+    (mqa,) = parse_steps("mqa")
+    assert kv_cache_bytes_per_token(lower(gqa.apply(mha), "bf16")) * 8 == kv
+    assert kv_cache_bytes_per_token(lower(mqa.apply(mha), "bf16")) * 64 == kv
+
+
+def test_decode_intensity_model() -> None:
+    """AI = (1/d + n·H_kv/(d·H_q) + 1/b)⁻¹: MQA moves the context term from n/d to n/(d·H)."""
+    d, n, h, b = 4096, 8192, 32, 16
+    assert decode_intensity(d, n, h, h, b) == pytest.approx(1 / (1 / d + n / d + 1 / b))
+    assert decode_intensity(d, n, 1, h, b) == pytest.approx(1 / (1 / d + n / (d * h) + 1 / b))
+    assert decode_intensity(d, n, 8, h, b) > decode_intensity(d, n, h, h, b)
+
+
+def _applies(call: StepCall, name: str) -> bool:
+    try:
+        call.apply(load_spec(name))
+    except StepError:
+        return False
+    return True
+
+
+STEP_CALLS = [f"{s}:8" if s == "sliding-window" else s for s in STEPS]
+
+
+@pytest.mark.parametrize("step", STEP_CALLS)
+def test_every_step_applies_to_some_tiny_spec(step: str) -> None:
+    (call,) = parse_steps(step)
+    assert any(_applies(call, n) for n in TINY_SPECS)
+
+
+@pytest.mark.parametrize("name", TINY_SPECS)
+@pytest.mark.parametrize("step", STEP_CALLS)
+def test_each_step_yields_a_spec_that_lowers_and_runs(name: str, step: str) -> None:
+    (call,) = parse_steps(step)
+    try:
+        after = call.apply(load_spec(name))
+    except StepError as err:
+        assert str(err)  # a refusal says why
+        return
+    model = archc.from_spec(after, seed=1)
+    ids = torch.randint(0, after.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
+    compiled = model.compile("eager")
+    out = compiled(ids, decoder_input_ids=ids) if after.family == "encoder-decoder" \
+        else compiled(ids)
+    assert torch.isfinite(out).all()
+
+
+def test_mean_pooled_gqa_equals_original_with_group_means() -> None:
+    """Ainslie et al. 2023: the converted GQA model is, by construction, the MHA model whose
+    K/V heads in each group are replaced by their mean."""
+    mha = _mha("tiny-llama2-70b")                       # 8 heads, now 8 KV heads
+    model = archc.from_spec(mha, seed=4)
+    (call,) = parse_steps("gqa:2")
+    gqa = call.apply(mha)
+    converted, report = convert(call, mha, gqa, dict(model.weights))
+    assert len(report.pooled) == 2 * mha.layers
+    # the original with each group's K/V rows replaced by the group mean
+    averaged = dict(model.weights)
+    for name, t in model.weights.items():
+        if name.endswith(("attn.k.weight", "attn.v.weight")):
+            heads = list(t.reshape(8, t.shape[0] // 8, -1))      # per head [D, d]
+            # query head h reads KV head h // 4 after conversion: groups are heads 0-3 and 4-7
+            means = [sum(heads[g * 4:(g + 1) * 4]) / 4 for g in range(2)]
+            averaged[name] = torch.cat([means[h // 4] for h in range(8)])
+    ids = torch.randint(0, mha.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    want = archc.Model(mha, averaged).compile("eager")(ids)
+    got = archc.Model(gqa, converted).compile("eager")(ids)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    original = archc.Model(mha, model.weights).compile("eager")(ids)
+    assert (original - want).abs().max() > 1e-3 * want.abs().max()  # pooling did change K/V
+
+
+def test_no_bias_removes_key_biases_exactly_and_reports_the_rest() -> None:
+    spec = load_spec("tiny-gpt2")                      # learned positions: the key bias folds
+    model = archc.from_spec(spec, seed=2)
+    (call,) = parse_steps("no-bias")
+    after = call.apply(spec)
+    weights, report = convert(call, spec, after, dict(model.weights))
+    assert sorted(report.exact) == [f"layers.{i}.attn.k.bias" for i in range(spec.layers)]
+    assert report.dropped and all(rms > 0 for _, rms in report.dropped)
+    ids = torch.randint(0, spec.vocab_size, (1, 7), generator=torch.Generator().manual_seed(3))
+    # removing only the key biases leaves the function unchanged
+    only_k = dict(model.weights)
+    for name in report.exact:
+        only_k[name] = torch.zeros_like(only_k[name])
+    base = model.compile("eager")(ids)
+    same = archc.Model(spec, only_k).compile("eager")(ids)
+    assert (same - base).abs().max() <= 1e-5 * base.abs().max()
+    converted = archc.Model(after, weights).compile("eager")(ids)
+    assert (converted - base).abs().max() > 1e-3 * base.abs().max()
+
+
+def test_key_bias_under_rope_is_dropped_not_exact() -> None:
+    spec = load_spec("tiny-qwen2")                     # RoPE after the key bias: it must stay
+    model = archc.from_spec(spec, seed=2)
+    (call,) = parse_steps("no-bias")
+    _, report = convert(call, spec, call.apply(spec), dict(model.weights))
+    assert not report.exact
+    assert any(name.endswith("attn.k.bias") for name, _ in report.dropped)
+
+
+@pytest.mark.parametrize("step", ["prenorm", "rmsnorm", "swiglu", "rope", "alibi", "qk-norm"])
+def test_steps_that_need_training_refuse_loaded_weights(step: str) -> None:
+    spec = load_spec("tiny-gpt1")
+    (call,) = parse_steps(step)
+    after = call.apply(spec)
+    with pytest.raises(StepError, match="needs training"):
+        convert(call, spec, after, dict(archc.from_spec(spec).weights))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("prenorm,frobnicate", "unknown step 'frobnicate'"),
+    ("gqa:x", "whole number"),
+    ("rmsnorm:3", "takes no argument"),
+    ("sliding-window", "needs an argument"),
+    ("prenorm,,rope", "empty step"),
+])
+def test_bad_steps_are_refused(text: str, message: str) -> None:
+    with pytest.raises(ArchcError, match=message):
+        parse_steps(text)
+
+
+def test_inapplicable_steps_say_why() -> None:
+    llama = load_spec("tiny-llama3")
+    for step, why in [("prenorm", "already pre-norm"), ("rmsnorm", "already uses RMSNorm"),
+                      ("swiglu", "FFN is swiglu"), ("rope", "already uses RoPE"),
+                      ("gqa:4", "only reduces"), ("no-bias", "has no biases")]:
+        (call,) = parse_steps(step)
+        with pytest.raises(StepError, match=why):
+            call.apply(llama)
