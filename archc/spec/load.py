@@ -28,6 +28,8 @@ from archc.spec.schema import (
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 EMBEDDING_SCALE_WORDS = ("sqrt_d_model",)
+# Every size becomes a tensor dimension, and generated kernels index with int32 offsets.
+MAX_WHOLE_NUMBER = 2**31 - 1
 
 
 # ---- the generic walk ---------------------------------------------------------------------
@@ -61,13 +63,32 @@ def _dataclass_in(tp: Any) -> type | None:
 
 
 def _show(value: Any) -> str:
+    """A value as the YAML author wrote it: true/false, null, 'text', a number."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
     if isinstance(value, str):
         return repr(value)
     if isinstance(value, Mapping):
         return "a mapping"
     if isinstance(value, list):
         return "a list"
-    return str(value)
+    text = str(value)
+    if isinstance(value, int) and len(text) > 24:  # keep the message on one readable line
+        return f"{text[:6]}… ({len(text.lstrip('-'))} digits)"
+    return text
+
+
+def _show_list(values: tuple[Any, ...] | list[Any]) -> str:
+    return "[" + ", ".join(str(v) for v in values) + "]"
+
+
+def _show_key(key: Any) -> str:
+    """A mapping key for a field path: plain words as they are, anything else quoted."""
+    if isinstance(key, str) and re.fullmatch(r"[\w\-]+", key):
+        return key
+    return repr(key) if isinstance(key, str) else _show(key)
 
 
 def _suggest(word: str, choices: list[str]) -> str:
@@ -76,14 +97,19 @@ def _suggest(word: str, choices: list[str]) -> str:
 
 
 def _unknown_key(key: str, cls: type, path: str) -> SpecError:
+    """'unknown key', with a hint: the same key in another section first (a key put in the
+    wrong place is the likelier slip), else a close spelling here, else one anywhere."""
     names = list(_fields(cls))
-    hint = _suggest(key, names)
-    if not hint:  # maybe it belongs in another section: look everywhere
-        elsewhere = [p for p in _all_paths(Spec) if p.rsplit(".", 1)[-1] == key]
-        if elsewhere:
-            hint = f"; did you mean '{elsewhere[0]}'?"
-        else:
-            hint = _suggest(key, [p.rsplit(".", 1)[-1] for p in _all_paths(Spec)])
+    elsewhere = [p for p in _all_paths(Spec) if p.rsplit(".", 1)[-1] == key]
+    if elsewhere:
+        shown = [f"'{p}'" for p in elsewhere[:3]]
+        hint = f"; did you mean {' or '.join(shown)}?"
+    else:
+        hint = _suggest(key, names)
+        if not hint:
+            paths = {p.rsplit(".", 1)[-1]: p for p in reversed(_all_paths(Spec))}
+            close = difflib.get_close_matches(key, list(paths), n=1, cutoff=0.6)
+            hint = f"; did you mean '{paths[close[0]]}'?" if close else ""
     where = f"{path}.{key}" if path else key
     return SpecError(where, f"unknown key{hint}", allowed=", ".join(names))
 
@@ -97,6 +123,8 @@ def _coerce(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
             return None
         rest = [a for a in args if a is not type(None)]
         return _coerce(rest[0], value, path, meta)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
     if value is None:
         raise SpecError(path, "is null but a value is required", allowed=_describe(tp, meta))
     if origin is Literal:
@@ -108,12 +136,10 @@ def _coerce(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
         return value
     if origin is tuple:
         if not isinstance(value, list) or not value:
-            raise SpecError(path, f"{_show(value)} is not a non-empty list",
-                            allowed=_describe(tp, meta))
+            problem = "is an empty list" if value == [] else f"{_show(value)} is not a list"
+            raise SpecError(path, problem, allowed=_describe(tp, meta))
         item = get_args(tp)[0]
         return tuple(_coerce(item, v, f"{path}[{i}]", {}) for i, v in enumerate(value))
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path)
     if tp is bool:
         if not isinstance(value, bool):
             raise SpecError(path, f"{_show(value)} is not true/false", allowed="true, false")
@@ -123,10 +149,18 @@ def _coerce(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
             raise SpecError(path, f"{_show(value)} is not a whole number",
                             allowed=_describe(tp, meta))
         _check_bounds(value, path, meta)
+        if value > MAX_WHOLE_NUMBER:
+            raise SpecError(path, f"{_show(value)} is too large", allowed=f"a whole number from "
+                            f"{meta.get('min', 0)} to {MAX_WHOLE_NUMBER} (2³¹ − 1)")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise SpecError(path, f"{_show(value)} is not a number", allowed=_describe(tp, meta))
+        try:
+            value = float(value)
+        except OverflowError:  # a whole number too large for a float
+            raise SpecError(path, f"{_show(value)} is too large",
+                            allowed=_describe(tp, meta)) from None
         if not math.isfinite(value):
             raise SpecError(path, f"{value} is not finite", allowed=_describe(tp, meta))
         _check_bounds(value, path, meta)
@@ -139,6 +173,11 @@ def _coerce(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
 
 
 def _describe(tp: Any, meta: Mapping[str, Any]) -> str:
+    if get_origin(tp) is tuple:
+        item = get_args(tp)[0]
+        if get_origin(item) is Literal:
+            return "a non-empty list of " + ", ".join(map(str, get_args(item)))
+        return "a non-empty list"
     lo, hi = meta.get("min"), meta.get("max")
     kind = {int: "a whole number", float: "a number"}.get(tp, "a value")
     if lo is not None and hi is not None:
@@ -164,13 +203,14 @@ def _build(cls: type, data: Any, path: str) -> Any:
     if cls is AttentionBias and isinstance(data, bool):
         return AttentionBias(q=data, k=data, v=data, o=data)
     if not isinstance(data, Mapping):
-        raise SpecError(path, f"{_show(data)} is not a mapping",
-                        allowed="keys " + ", ".join(_fields(cls)))
+        either = "true, false, or a mapping with " if cls is AttentionBias else "a mapping with "
+        problem = "is empty" if data is None and not path else f"{_show(data)} is not a mapping"
+        raise SpecError(path, problem, allowed=either + "keys " + ", ".join(_fields(cls)))
     hints = typing.get_type_hints(cls)
     fields = _fields(cls)
     for key in data:
         if not isinstance(key, str) or key not in fields:
-            raise _unknown_key(str(key), cls, path)
+            raise _unknown_key(_show_key(key), cls, path)
     kind = data.get("kind", fields["kind"].default if "kind" in fields else None)
     values: dict[str, Any] = {}
     for name, f in fields.items():
@@ -184,10 +224,11 @@ def _build(cls: type, data: Any, path: str) -> Any:
                 raise SpecError(where, "is missing", allowed=f.metadata.get("doc"))
             continue
         only = f.metadata.get("only")
-        if only and kind not in only:
-            raise SpecError(where, f"applies only when {path + '.' if path else ''}kind is "
-                            f"{' or '.join(only)} (kind is {kind!r})", allowed="remove it")
         raw = data[name]
+        if only and kind not in only:
+            raise SpecError(where, f"{_show(raw)} is set, but it applies only when "
+                            f"{path + '.' if path else ''}kind is {' or '.join(only)} "
+                            f"(kind is {kind!r})", allowed="remove it")
         if cls.__name__ == "Embedding" and name == "scale" and isinstance(raw, str):
             if raw not in EMBEDDING_SCALE_WORDS:
                 raise SpecError(where, f"{raw!r} is not a number or a known word",
@@ -245,12 +286,19 @@ def _check(spec: Spec) -> None:
         raise SpecError("attention.kv_heads", f"{att.kv_heads} does not divide attention.heads "
                         f"({att.heads})", allowed="one of " + ", ".join(map(str, divisors)))
     if att.pattern is not None:
+        pattern = _show_list(att.pattern)
         if "local" in att.pattern and att.window is None:
-            raise SpecError("attention.pattern", "has local layers but attention.window is "
-                            "not set", allowed="set attention.window, or only global layers")
-        if len(att.pattern) > spec.layers:
-            raise SpecError("attention.pattern", f"has {len(att.pattern)} entries for "
-                            f"{spec.layers} layers", allowed=f"at most {spec.layers} entries")
+            raise SpecError("attention.pattern", f"{pattern} has local layers but "
+                            "attention.window is not set",
+                            allowed="set attention.window, or only global layers")
+        if "local" not in att.pattern and att.window is not None:
+            raise SpecError("attention.window", f"{att.window} is set but attention.pattern "
+                            f"{pattern} has no local layer to use it",
+                            allowed="remove it, or put local layers in attention.pattern")
+        layers = max(spec.layers, spec.decoder_layers or 0)
+        if len(att.pattern) > layers:
+            raise SpecError("attention.pattern", f"{pattern} has {len(att.pattern)} entries for "
+                            f"{layers} layers", allowed=f"at most {layers} entries")
     if spec.family == "encoder" and att.mask != "bidirectional":
         raise SpecError("attention.mask", f"{att.mask!r} in an encoder: encoders see the "
                         "whole input", allowed="bidirectional")
@@ -261,15 +309,21 @@ def _check(spec: Spec) -> None:
         raise SpecError("attention.mask", "'prefix' in an encoder-decoder: the encoder already "
                         "sees the whole prompt", allowed="causal")
     if spec.decoder_layers is not None and spec.family != "encoder-decoder":
-        raise SpecError("decoder_layers", f"set for a {spec.family}",
+        raise SpecError("decoder_layers", f"{spec.decoder_layers} is set for a {spec.family}",
                         allowed="only with family: encoder-decoder")
     if spec.family == "encoder" and spec.embedding.tied is False:
         raise SpecError("embedding.tied", "false for an encoder, which has no output head",
                         allowed="leave unset")
-    if spec.family == "encoder" and (spec.output.softcap or spec.output.bias or
-                                     spec.output.scale):
-        raise SpecError("output", "head options set for an encoder, which returns hidden "
-                        "states", allowed="only output.final_norm")
+    if spec.family == "encoder":
+        for name in ("softcap", "bias", "scale"):
+            value = getattr(spec.output, name)
+            if value:
+                raise SpecError(f"output.{name}", f"{_show(value)} is set for an encoder, "
+                                "which has no output head: it returns hidden states",
+                                allowed="remove it; an encoder takes only output.final_norm")
+    if spec.family == "decoder" and spec.embedding.token_types:
+        raise SpecError("embedding.token_types", f"{spec.embedding.token_types} for a decoder, "
+                        "which takes no token types", allowed="0, or family: encoder")
     if pos.kind == "rope":
         if att.head_dim % 2:
             raise SpecError("attention.head_dim", f"{att.head_dim} is odd but RoPE rotates "
@@ -295,8 +349,9 @@ def _check(spec: Spec) -> None:
                         f"position.buckets ({pos.buckets})",
                         allowed=f"a whole number ≥ {pos.buckets}")
     if spec.block.parallel and norm.placement != "pre":
-        raise SpecError("block.parallel", f"a parallel block needs pre-norm (norm.placement "
-                        f"is {norm.placement!r})", allowed="norm.placement: pre")
+        raise SpecError("block.parallel", f"true, but a parallel block needs pre-norm "
+                        f"(norm.placement is {norm.placement!r})",
+                        allowed="norm.placement: pre, or block.parallel: false")
     if not spec.block.parallel and not spec.block.shared_norm:
         raise SpecError("block.shared_norm", "false in a serial block, which always has one "
                         "norm per sublayer", allowed="set block.parallel: true, or remove it")
@@ -307,12 +362,34 @@ def _check(spec: Spec) -> None:
         if ffn.moe.top_k > ffn.moe.experts:
             raise SpecError("ffn.moe.top_k", f"{ffn.moe.top_k} is more than ffn.moe.experts "
                             f"({ffn.moe.experts})", allowed=f"1 to {ffn.moe.experts}")
+        if ffn.bias:
+            raise SpecError("ffn.bias", "true, but MoE experts have no biases",
+                            allowed="false, or a dense ffn.kind")
+
+
+def _check_given(spec: Spec) -> None:
+    """Rules on what the spec gave before derived fields are filled in."""
+    ffn = spec.ffn
+    rule = {"ffn.multiple_of": (ffn.multiple_of, 1), "ffn.multiplier": (ffn.multiplier, 1.0)}
+    for path, (value, default) in rule.items():
+        if value != default and not ffn.gated:
+            raise SpecError(path, f"{value} is set, but the gated sizing rule it tunes does not "
+                            f"apply to a non-gated {ffn.moe.expert if ffn.moe else ffn.kind} FFN",
+                            allowed="remove it, or set ffn.d_ff")
+    if ffn.d_ff is not None and ffn.gated and (ffn.multiple_of, ffn.multiplier) != (1, 1.0):
+        rule_d_ff = gated_d_ff(spec.d_model, ffn.multiple_of, ffn.multiplier)
+        if ffn.d_ff != rule_d_ff:
+            raise SpecError("ffn.d_ff", f"{ffn.d_ff} disagrees with the sizing rule of "
+                            f"ffn.multiple_of ({ffn.multiple_of}) and ffn.multiplier "
+                            f"({ffn.multiplier}), which gives {rule_d_ff}",
+                            allowed=f"{rule_d_ff}, or remove ffn.multiple_of and ffn.multiplier")
 
 
 def from_dict(data: Any, source: str | None = None) -> Spec:
     """Validate and resolve a spec given as a mapping (parsed YAML)."""
     try:
         spec = _build(Spec, data, "")
+        _check_given(spec)
         spec = _resolve(spec)
         _check(spec)
     except SpecError as err:
@@ -320,8 +397,54 @@ def from_dict(data: Any, source: str | None = None) -> Spec:
     return spec
 
 
+class _SpecYAMLLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` (plain data only, never Python objects) that reads ``1e-5`` as a
+    number, as YAML 1.2 does (YAML 1.1 wants ``1.0e-5`` and would read ``1e-5`` as text)."""
+
+
+_SpecYAMLLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+def _refuse_repeated_keys(node: yaml.Node, path: str, seen: set[int]) -> None:
+    """A key given twice in one mapping is refused with its field path; plain YAML would keep
+    the last one silently."""
+    if id(node) in seen:  # an alias already walked
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            where = f"{path}.{key}" if path else str(key)
+            if key is not None and key in lines:
+                raise SpecError(where, f"is given twice (lines {lines[key]} and "
+                                f"{key_node.start_mark.line + 1})", allowed="each key once")
+            if key is not None:
+                lines[key] = key_node.start_mark.line + 1
+            _refuse_repeated_keys(value_node, where, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_repeated_keys(item, f"{path}[{i}]", seen)
+
+
+def _parse_yaml(text: str) -> Any:
+    """The document in `text` as plain data, with every mapping's keys distinct."""
+    loader = _SpecYAMLLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_repeated_keys(node, "", set())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def load_yaml(path: str | Path) -> Spec:
-    """Read a spec file with ``yaml.safe_load`` (never a full loader)."""
+    """Read a spec file with a YAML safe loader (plain data; never a full loader)."""
     path = Path(path)
     source = str(path)
     try:
@@ -331,12 +454,14 @@ def load_yaml(path: str | Path) -> Spec:
     except UnicodeDecodeError:
         raise SpecError("", "is not UTF-8 text", source=source) from None
     try:
-        data = yaml.safe_load(text)
+        data = _parse_yaml(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or "malformed"
         raise SpecError("", f"is not valid YAML{at}: {problem}", source=source) from None
+    except SpecError as err:
+        raise err.with_source(source) from None
     return from_dict(data, source=source)
 
 
@@ -358,6 +483,9 @@ def to_dict(spec: Spec, *, full: bool = False) -> dict[str, Any]:
         for f in dataclasses.fields(obj):
             where = f"{path}{f.name}"
             value = getattr(obj, f.name)
+            only = f.metadata.get("only")
+            if only and getattr(obj, "kind", None) not in only:
+                continue  # the loader refuses a field that does not apply to its section's kind
             if dataclasses.is_dataclass(value):
                 inner = section(value, where + ".")
                 if inner or full or f.default_factory is dataclasses.MISSING:
