@@ -13,7 +13,7 @@ name → tensor) are public. A spec without weights gets seeded random ones.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -55,6 +55,8 @@ class Model:
     tokenizer: Any = None                 # set by loaders that find one (HF, GGUF)
     chat_template: str | None = None
     source: str = ""
+    eos_token_ids: tuple[int, ...] = ()   # generation stops at any of these
+    notes: tuple[str, ...] = ()           # what the loader wants the user to know
     graph: Program = field(init=False)
 
     def __post_init__(self) -> None:
@@ -123,13 +125,14 @@ class CompiledModel:
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, *,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = None, eos_token_id: int | None = None,
+                 seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
                  attention_mask: torch.Tensor | None = None,
                  decoder_start_token_id: int = 0,
                  on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Prompt followed by up to `max_new_tokens` new tokens (greedy unless a temperature is
-        given); stops early when every row has produced `eos_token_id`. For an
-        encoder-decoder, returns the decoder tokens (starting with `decoder_start_token_id`)."""
+        given); stops early when every row has produced `eos_token_id` (one id or several).
+        `on_token` sees each new column of tokens [B] as it is chosen. For an encoder-decoder,
+        returns the decoder tokens (starting with `decoder_start_token_id`)."""
         if self.spec.family == "encoder":
             raise ArchcError(f"{self.spec.name} is an encoder: it has no output head to "
                              "generate with")
@@ -149,18 +152,21 @@ class CompiledModel:
                              f"max_seq_len = {self.spec.max_seq_len}")
         self.session.reset()
         out = [tokens]
+        stop = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else
+                            list(eos_token_id or ()), dtype=torch.long)
         done = torch.zeros(tokens.shape[0], dtype=torch.bool)
         step_in = tokens
         for _ in range(max_new_tokens):
             logits = self.session.step(step_in, **extra)
             nxt = sampler(logits[:, -1])
-            if eos_token_id is not None:
-                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
-                done |= nxt == eos_token_id
+            if len(stop):
+                # a finished row repeats its first stop token
+                nxt = torch.where(done, stop[0].expand_as(nxt), nxt)
+                done |= torch.isin(nxt, stop)
             out.append(nxt[:, None])
             if on_token is not None:
                 on_token(nxt)
-            if eos_token_id is not None and bool(done.all()):
+            if len(stop) and bool(done.all()):
                 break
             step_in = nxt[:, None]
         return torch.cat(out, dim=1)
@@ -179,12 +185,14 @@ def _as_ids(x: Any, name: str) -> torch.Tensor:
 
 # ---- sources -------------------------------------------------------------------------------
 
-SourceLoader = Callable[[Path], Model]
+Progress = Callable[[int, int], None]     # (done, total), while weights load
+SourceLoader = Callable[..., Model]        # loader(path, progress=...) → Model
 SOURCES: list[tuple[Callable[[Path], bool], SourceLoader]] = []
 
 
 def register_source(matches: Callable[[Path], bool], loader: SourceLoader) -> None:
-    """Teach `load` a new kind of source (HF directories, GGUF files)."""
+    """Teach `load` a new kind of source (HF directories, GGUF files). `loader` is called as
+    `loader(path, progress=callback_or_None)`."""
     SOURCES.append((matches, loader))
 
 
@@ -193,11 +201,13 @@ def from_spec(spec: Spec, *, seed: int = 0) -> Model:
     return Model(spec, seed=seed, source=spec.name)
 
 
-def load(source: str | Path, *, seed: int = 0) -> Model:
-    """A zoo name, spec YAML, HF directory or GGUF file → a Model (random weights for specs)."""
+def load(source: str | Path, *, seed: int = 0, progress: Progress | None = None) -> Model:
+    """A zoo name, spec YAML, HF directory or GGUF file → a Model (random weights for specs).
+    `progress(done, total)` is called as weights load."""
+    import archc.sources  # noqa: F401  (registers the HF and GGUF loaders)
     from archc.spec.zoo import load_spec
     path = Path(source)
     for matches, loader in SOURCES:
         if matches(path):
-            return loader(path)
+            return loader(path, progress=progress)
     return from_spec(load_spec(source), seed=seed)

@@ -223,8 +223,11 @@ class _Stack:
                 scores = self.emit(Op.SOFTCAP, scores, cap=att.softcap)
         if s.position.kind == "alibi" and not cross:
             with self.at("position.kind"):
+                slopes_expr = Call("alibi_slopes", (), (("heads", heads),))
+                if s.position.alibi_scaled:  # (q·k + bias)·scale = q·k·scale + bias·scale
+                    slopes_expr = Call("scale", (slopes_expr,), (("by", s.attention_scale),))
                 slopes = self.param("alibi.slopes", heads, dtype="f32", shared=True,
-                                    expr=Call("alibi_slopes", (), (("heads", heads),)))
+                                    expr=slopes_expr)
                 scores = self.emit(Op.ALIBI, scores, slopes)
         if s.position.kind == "relative" and not cross:
             with self.at("position.kind"):

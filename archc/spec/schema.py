@@ -73,6 +73,8 @@ class Position:
                          max=1.0, only=("rope",))
     interleaved: bool = _f(False, "rope: rotate pairs (x0,x1),(x2,x3)… instead of halves",
                            only=("rope",))
+    alibi_scaled: bool = _f(False, "alibi: the bias joins the scores before the score scale, "
+                            "so it is scaled too (Falcon)", only=("alibi",))
     scaling: RopeScaling | None = _f(None, "rope: context-extension scaling", only=("rope",))
     buckets: int = _f(32, "relative: number of T5 distance buckets", min=2,
                       only=("relative",))

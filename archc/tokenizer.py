@@ -1,0 +1,282 @@
+"""Tokenizers and chat templates.
+
+A ``Tokenizer`` wraps a ``tokenizers.Tokenizer``: from a Hugging Face ``tokenizer.json``, or built
+from the vocabulary a GGUF file stores (byte-level BPE as GPT-2 and SmolLM2 use, or the
+SentencePiece BPE of Llama 2). Chat templates are Jinja2 read from model files, so they render in
+an immutable sandbox: a template can format messages, not reach Python objects.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from archc.errors import ArchcError
+
+try:
+    import tokenizers
+except ImportError:  # pragma: no cover - an optional dependency
+    tokenizers = None  # type: ignore[assignment]
+
+
+def _need_tokenizers() -> None:
+    if tokenizers is None:
+        raise ArchcError("tokenizing text needs the `tokenizers` package "
+                         "(pip install 'archc[hf]')")
+
+
+class TokenizerError(ArchcError):
+    """A tokenizer or chat template that cannot be built or used."""
+
+
+class Tokenizer:
+    def __init__(self, backend: Any, *, bos_token: str | None = None,
+                 eos_token: str | None = None, eos_token_ids: Sequence[int] = (),
+                 chat_template: str | None = None, add_bos: bool = False,
+                 source: str = "") -> None:
+        self.backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.chat_template = chat_template
+        self.add_bos = add_bos          # prepend BOS when the backend's post-processor does not
+        self.source = source
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.backend.token_to_id(self.bos_token) if self.bos_token else None
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids = list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos and bos is not None and ids[:1] != [bos]:
+            ids.insert(0, bos)
+        return ids
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]], *,
+                    add_generation_prompt: bool = True) -> str:
+        """The prompt text of a conversation, through the model's chat template."""
+        if not self.chat_template:
+            raise TokenizerError(f"{self.source or 'this model'} has no chat template; "
+                                 "use --prompt for plain text")
+        return render_template(self.chat_template, messages=list(messages),
+                               add_generation_prompt=add_generation_prompt,
+                               bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        # the template writes any BOS itself, so special tokens are not added again
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+    def stream(self) -> TextStream:
+        return TextStream(self)
+
+
+class TextStream:
+    """Turns tokens into text as they arrive. Text is emitted only once it is final: a token may
+    end in the middle of a UTF-8 character, and some decoders treat a sequence's first token
+    specially, so the newest tokens are decoded together with the ones before them."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0      # start of the window decoded for context
+        self.read = 0        # tokens before this are already emitted
+
+    def push(self, ids: Iterable[int]) -> str:
+        self.ids.extend(ids)
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        text = self.tok.decode(self.ids[self.prefix:])
+        if len(text) > len(before) and not text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        text = self.tok.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(before):]
+
+
+# ---- chat templates ---------------------------------------------------------------------------
+
+def render_template(template: str, **context: Any) -> str:
+    """Render a chat template in Jinja2's immutable sandbox, with the helpers transformers gives
+    templates (`raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII text)."""
+    from jinja2 import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TokenizerError(f"chat template: {message}")
+
+    def tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii,
+                          separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template).render(**context)
+    except TokenizerError:
+        raise
+    except TemplateError as err:
+        raise TokenizerError(f"chat template: {type(err).__name__}: {err}") from None
+
+
+# ---- Hugging Face tokenizer.json --------------------------------------------------------------
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise TokenizerError(f"{path}: not readable JSON ({err})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def load_hf_tokenizer(directory: Path) -> Tokenizer | None:
+    """The tokenizer of an HF directory (``tokenizer.json``), or None when it has none."""
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        return None
+    _need_tokenizers()
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as err:  # the tokenizers package raises plain Exceptions
+        raise TokenizerError(f"{path}: not a readable tokenizer ({err})") from None
+    config = _read_json(directory / "tokenizer_config.json")
+    special = _read_json(directory / "special_tokens_map.json")
+    template: Any = config.get("chat_template")
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        template = jinja.read_text(encoding="utf-8")
+    if isinstance(template, list):  # named templates: take the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default") or next(iter(named.values()), None)
+    bos = _token_text(config.get("bos_token")) or _token_text(special.get("bos_token"))
+    eos = _token_text(config.get("eos_token")) or _token_text(special.get("eos_token"))
+    eos_id = backend.token_to_id(eos) if eos else None
+    return Tokenizer(backend, bos_token=bos, eos_token=eos,
+                     eos_token_ids=() if eos_id is None else (eos_id,),
+                     chat_template=template if isinstance(template, str) else None,
+                     source=str(directory))
+
+
+# ---- GGUF vocabularies ------------------------------------------------------------------------
+
+# llama.cpp's pre-tokenizer regexes (``tokenizer.ggml.pre``), as `tokenizers` pre-tokenizers.
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|"
+                 r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+                 r"\s+(?!\S)")
+_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+_DIGITS_FIRST = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
+
+# GGUF token types
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+
+def _byte_level_pre(pre: str) -> Any:
+    p = tokenizers.pre_tokenizers
+    if pre in ("default", "gpt2", "gpt-2", ""):
+        return p.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGITS_FIRST:
+        return p.Sequence([p.Digits(individual_digits=True),
+                           p.ByteLevel(add_prefix_space=False, use_regex=True)])
+    regex = {"llama3": _LLAMA3_REGEX, "llama-bpe": _LLAMA3_REGEX, "qwen2": _QWEN2_REGEX,
+             "smaug-bpe": _LLAMA3_REGEX}.get(pre)
+    if regex is None:
+        known = ["default", "gpt2", "llama-bpe", "llama3", "qwen2", "smaug-bpe", *_DIGITS_FIRST]
+        raise TokenizerError(f"tokenizer.ggml.pre: {pre!r} is not a pre-tokenizer archc knows "
+                             f"(known: {', '.join(known)})")
+    return p.Sequence([p.Split(tokenizers.Regex(regex), behavior="isolated"),
+                       p.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def _spm_merges(tokens: Sequence[str], scores: Sequence[float],
+                vocab: Mapping[str, int]) -> list[tuple[str, str]]:
+    """SentencePiece BPE keeps scores, not merges: a piece that splits into two pieces is the
+    merge of the two, ranked by the piece's score (as transformers converts Llama's model)."""
+    found: list[tuple[float, int, int, str, str]] = []
+    for piece, score in zip(tokens, scores):
+        for i in range(1, len(piece)):
+            left, right = piece[:i], piece[i:]
+            if left in vocab and right in vocab:
+                found.append((-score, vocab[left], vocab[right], left, right))
+    found.sort()
+    return [(left, right) for *_, left, right in found]
+
+
+def from_gguf_vocab(*, model: str, tokens: Sequence[str], token_types: Sequence[int] | None,
+                    merges: Sequence[str] | None, scores: Sequence[float] | None,
+                    pre: str | None, bos_id: int | None, eos_ids: Sequence[int],
+                    add_bos: bool | None, add_space_prefix: bool | None,
+                    chat_template: str | None, source: str) -> Tokenizer:
+    """A tokenizer from the vocabulary a GGUF file stores (`tokenizer.ggml.*`)."""
+    _need_tokenizers()
+    m, d, n = tokenizers.models, tokenizers.decoders, tokenizers.normalizers
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    if model == "gpt2":
+        if merges is None:
+            raise TokenizerError(f"{source}: tokenizer.ggml.merges is missing for a BPE "
+                                 "tokenizer")
+        pairs = [tuple(x.split(" ", 1)) for x in merges]
+        if any(len(p) != 2 for p in pairs):
+            raise TokenizerError(f"{source}: tokenizer.ggml.merges has an entry that is not "
+                                 "two tokens")
+        backend = tokenizers.Tokenizer(m.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
+        backend.pre_tokenizer = _byte_level_pre(pre or "default")
+        backend.decoder = d.ByteLevel()
+        default_add_bos = False
+    elif model == "llama":
+        if scores is None:
+            raise TokenizerError(f"{source}: tokenizer.ggml.scores is missing for a "
+                                 "SentencePiece tokenizer")
+        unk = next((t for t, k in zip(tokens, token_types or ()) if k == UNKNOWN), None)
+        backend = tokenizers.Tokenizer(m.BPE(vocab, _spm_merges(tokens, scores, vocab),
+                                             unk_token=unk, fuse_unk=True, byte_fallback=True))
+        steps = [n.Replace(" ", "▁")]
+        if add_space_prefix is not False:
+            steps.insert(0, n.Prepend("▁"))
+        backend.normalizer = n.Sequence(steps)
+        backend.decoder = d.Sequence([d.Replace("▁", " "), d.ByteFallback(), d.Fuse()] + (
+            [d.Strip(" ", 1, 0)] if add_space_prefix is not False else []))
+        default_add_bos = True
+    else:
+        raise TokenizerError(f"{source}: tokenizer.ggml.model {model!r} is not supported "
+                             "(archc builds gpt2 byte-level BPE and llama SentencePiece)")
+    types = list(token_types or [])
+    specials = [tokenizers.AddedToken(tokens[i], special=True, normalized=False)
+                for i, k in enumerate(types) if k == CONTROL]
+    user = [tokenizers.AddedToken(tokens[i], special=False, normalized=False)
+            for i, k in enumerate(types) if k == USER_DEFINED]
+    backend.add_special_tokens(specials)
+    if user:
+        backend.add_tokens(user)
+    eos_token = tokens[eos_ids[0]] if eos_ids and 0 <= eos_ids[0] < len(tokens) else None
+    bos_token = tokens[bos_id] if bos_id is not None and 0 <= bos_id < len(tokens) else None
+    return Tokenizer(backend, bos_token=bos_token, eos_token=eos_token, eos_token_ids=eos_ids,
+                     chat_template=chat_template,
+                     add_bos=default_add_bos if add_bos is None else add_bos, source=source)
