@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from archc.spec import zoo_names
+
+# Test workers run side by side (pytest -n): one intra-op thread each. Tiny tensors pay
+# milliseconds per op when two workers' thread pools contend for two cores.
+torch.set_num_threads(1)
 
 ALL_SPECS = zoo_names()
 TINY_SPECS = [n for n in ALL_SPECS if n.startswith("tiny-")]

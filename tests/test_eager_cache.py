@@ -56,3 +56,10 @@ def test_out_of_range_token_names_the_embedding() -> None:
     compiled = archc.load("tiny-llama3").compile()
     with pytest.raises(RunError, match=r"while running %3 : f32\[B,T,64\] = embedding"):
         compiled(torch.tensor([[1, 2, 500]]))
+
+
+def test_changing_batch_without_reset_is_refused() -> None:
+    session = archc.load("tiny-llama3").compile().session
+    session.step(torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(RunError, match="reset before changing the batch"):
+        session.step(torch.zeros(1, 1, dtype=torch.long))

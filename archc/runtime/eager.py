@@ -45,6 +45,9 @@ class KVCache:
             raise RunError(f"sequence of {past + t} tokens exceeds the KV cache "
                            f"(max_seq_len = {self.max_len})")
         buf = self.store.get((layer, kind))
+        if buf is not None and (buf.shape[0] != b or buf.dtype != x.dtype) and past > 0:
+            raise RunError(f"the KV cache holds a batch of {buf.shape[0]} {buf.dtype} "
+                           f"sequences; got {b} {x.dtype} — reset before changing the batch")
         if buf is None or buf.shape[0] != b or buf.dtype != x.dtype:
             buf = torch.zeros(b, h, self.max_len, d, dtype=x.dtype, device=x.device)
             self.store[(layer, kind)] = buf
