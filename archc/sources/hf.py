@@ -45,8 +45,8 @@ def is_hf_dir(path: Path) -> bool:
 def read_config(directory: Path) -> HFConfig:
     path = directory / CONFIG
     if not path.is_file():
-        raise SpecError("", f"{directory} has no {CONFIG}; a Hugging Face model directory holds "
-                        f"{CONFIG} and *.safetensors", source=str(directory))
+        raise SpecError("", f"has no {CONFIG}; a Hugging Face model directory holds {CONFIG} "
+                        "and *.safetensors", source=str(directory))
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as err:

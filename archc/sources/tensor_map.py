@@ -132,9 +132,7 @@ def apply_rules(source: TensorSource, tmap: TensorMap, *, skip: Sequence[str] = 
         raise WeightsError(f"checkpoint has tensors the model does not use: {shown}{more}")
     out: dict[str, torch.Tensor] = {}
     for done, rule in enumerate(tmap.rules):
-        if not rule.targets:
-            continue
-        values = rule.convert([source.load(n) for n in rule.sources])
+        values = rule.convert([source.load(n) for n in rule.sources]) if rule.targets else []
         for target, value in zip(rule.targets, values):
             want = tmap.want[target]
             if tuple(value.shape) != want:  # a rule bug, not a user error

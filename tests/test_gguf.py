@@ -1,0 +1,238 @@
+"""GGUF files: a tiny random Llama written the way llama.cpp's converter writes it (Q/K rows
+permuted for its RoPE, every quantisation archc promises), loaded with `archc.load` and compared
+with transformers running the same dequantised weights; the tokenizer stored in the file; bad
+files refused with a message naming the problem."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import archc
+from archc.errors import SpecError, WeightsError
+from archc.sources.gguf import unpermute_rope_rows
+
+gguf = pytest.importorskip("gguf", reason="needs gguf (pip install 'archc[gguf]')")
+transformers = pytest.importorskip("transformers", reason="needs transformers "
+                                   "(pip install 'archc[hf]')")
+tokenizers = pytest.importorskip("tokenizers", reason="needs tokenizers")
+
+Q = gguf.GGMLQuantizationType
+RTOL = 1e-4   # fp32: the same weights through differently ordered sums (see test_hf_crosscheck)
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to Q and K rows (LlamaModel.permute)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def random_k_quant(rows: int, cols: int, qtype: Any, rng: np.random.Generator) -> np.ndarray:
+    """Raw blocks of a K-quant (which the gguf package can read but not write): random quants
+    and sub-scales, with the f16 block scales set to small finite values."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    scale = np.array([0.01], dtype=np.float16).view(np.uint8)
+    if qtype == Q.Q4_K:      # d, dmin, scales[12], qs[128]
+        raw[..., 0:2] = scale
+        raw[..., 2:4] = scale
+    else:                    # Q6_K: ql[128], qh[64], scales[16] (int8), d
+        raw[..., 192:208] = rng.integers(-8, 8, size=(rows, cols // block, 16)).astype(np.int8)\
+            .view(np.uint8)
+        raw[..., 208:210] = scale
+    return raw.reshape(rows, cols // block * size)
+
+
+def hf_llama(d: int, ff: int, seed: int = 0) -> Any:
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=d, intermediate_size=ff, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.1 * noise if p.ndim == 1 else noise / p.shape[-1] ** 0.5)
+    return model
+
+
+GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
+              "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf: str) -> str:
+    if hf in GGUF_NAMES:
+        return GGUF_NAMES[hf]
+    _, _, layer, *module, kind = hf.split(".")
+    return f"blk.{layer}.{LAYER_NAMES['.'.join(module)]}.{kind}"
+
+
+def add_tokenizer(w: Any, vocab_size: int) -> tokenizers.Tokenizer:
+    """A small byte-level BPE trained here, stored as llama.cpp stores one; returns the
+    `tokenizers` original to compare with."""
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"], show_progress=False)
+    tok.train_from_iterator(["the cat sat on the mat", "hello world, the end"] * 10, trainer)
+    vocab = tok.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    merges = [" ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]]
+    assert merges and len(tokens) <= vocab_size
+    types = [3 if t in ("<pad>", "<s>", "</s>") else 1 for t in tokens]
+    unused = vocab_size - len(tokens)   # fill the embedding's rows, as real vocabularies do
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens + [f"<unused{i}>" for i in range(unused)])
+    w.add_token_types(types + [5] * unused)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n"
+                        "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    return tok
+
+
+def write_gguf(model: Any, path: Path, qtype: Any, *, arch: str = "llama",
+               extra: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """`model` as llama.cpp would write it, 2-D weights in `qtype`. Returns the weights in HF
+    names and layout as the file holds them (after quantisation)."""
+    cfg = model.config
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_rope_dimension_count(cfg.hidden_size // heads)
+    for key, value in (extra or {}).items():
+        w.add_uint32(key, value)
+    add_tokenizer(w, cfg.vocab_size)
+    stored: dict[str, torch.Tensor] = {}
+    for name, p in model.state_dict().items():
+        x = p.numpy().astype(np.float32)
+        permute = {"self_attn.q_proj": heads, "self_attn.k_proj": kv}
+        rows_heads = next((h for m, h in permute.items() if m in name), None)
+        if rows_heads:
+            x = llama_cpp_permute(x, rows_heads)
+        if x.ndim == 1 or qtype == Q.F32:
+            w.add_tensor(gguf_name(name), x)
+            back = x
+        elif qtype == Q.F16:
+            w.add_tensor(gguf_name(name), x.astype(np.float16))
+            back = x.astype(np.float16).astype(np.float32)
+        elif qtype in (Q.Q4_K, Q.Q6_K):
+            raw = random_k_quant(*x.shape, qtype, rng)
+            w.add_tensor(gguf_name(name), raw, raw_dtype=qtype)
+            back = gguf.quants.dequantize(raw, qtype)
+        else:
+            raw = gguf.quants.quantize(x, qtype)
+            w.add_tensor(gguf_name(name), raw, raw_dtype=qtype)
+            back = gguf.quants.dequantize(raw, qtype)
+        back = torch.from_numpy(np.array(back, dtype=np.float32))
+        stored[name] = unpermute_rope_rows(back, rows_heads) if rows_heads else back
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K",
+                                   "Q6_K"])
+def test_gguf_llama_matches_transformers_on_the_same_weights(qtype: str,
+                                                             tmp_path: Path) -> None:
+    k_quant = qtype in ("Q4_K", "Q6_K")
+    d, ff = (256, 512) if k_quant else (64, 96)   # rows must fill whole quant blocks
+    hf = hf_llama(d, ff)
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    stored = write_gguf(hf, path, Q[qtype])
+    hf.load_state_dict(stored)  # transformers runs exactly what the file holds
+    model = archc.load(path)
+    assert model.spec.attention.kv_heads == 2 and not model.spec.embedding.tied
+    ids = torch.randint(3, 96, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(ids).logits
+    got = model.compile()(ids)
+    assert float((got - want).abs().max() / want.abs().max()) <= RTOL
+
+
+def test_q_and_k_rows_are_put_back_in_half_split_order() -> None:
+    """Without undoing llama.cpp's permutation the rotation pairs the wrong dims: the check that
+    the loader's fix is the exact inverse, for MHA and GQA row counts."""
+    for heads in (4, 2, 1):
+        w = torch.randn(heads * 16, 8)
+        permuted = torch.from_numpy(llama_cpp_permute(w.numpy(), heads))
+        assert not torch.equal(permuted, w)
+        assert torch.equal(unpermute_rope_rows(permuted, heads), w)
+
+
+def test_gguf_tokenizer_and_chat_template(tmp_path: Path) -> None:
+    hf = hf_llama(64, 96)
+    path = tmp_path / "tok.gguf"
+    write_gguf(hf, path, Q.F32)
+    w = gguf.GGUFWriter(str(tmp_path / "scratch.gguf"), "llama")
+    original = add_tokenizer(w, 96)
+    model = archc.load(path)
+    tok = model.tokenizer
+    for text in ("the cat sat on the mat", "hello world, the end", "the mat"):
+        ids = tok.encode(text)
+        assert ids == original.encode(text).ids
+        assert tok.decode(ids) == text
+    assert model.eos_token_ids == (2,)
+    assert tok.render_chat([{"role": "user", "content": "hi"}]) == "<s>user: hi\nassistant:"
+    ids = tok.encode_chat([{"role": "user", "content": "hi"}])
+    assert ids[0] == 1  # <s> from the template is one special token, not split
+
+
+def test_gguf_of_another_architecture_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(SpecError, match=r"general.architecture: 'gpt2' is not supported.*"
+                       r"allowed: llama"):
+        archc.load(path)
+
+
+def test_unknown_llama_metadata_is_refused_by_name(tmp_path: Path) -> None:
+    path = tmp_path / "odd.gguf"
+    write_gguf(hf_llama(64, 96), path, Q.F32, extra={"llama.attention.sliding_window": 8})
+    with pytest.raises(SpecError, match=r"attention.sliding_window: 8 is a field archc does "
+                       r"not know"):
+        archc.load(path)
+
+
+def test_truncated_gguf_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "whole.gguf"
+    write_gguf(hf_llama(64, 96), path, Q.F32)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(WeightsError, match=r"cut.gguf"):
+        archc.load(cut)
+    not_gguf = tmp_path / "text.gguf"
+    not_gguf.write_text("hello")
+    with pytest.raises(WeightsError, match=r"not a readable GGUF file"):
+        archc.load(not_gguf)
