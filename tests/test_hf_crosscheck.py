@@ -47,6 +47,11 @@ CASES: dict[str, tuple[Callable[[], Any], str]] = {
         max_position_embeddings=64, head_dim=32,
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
         **SMALL), "LlamaForCausalLM"),
+    "llama-dynamic-rope": (lambda: transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        max_position_embeddings=24, rope_parameters={"rope_type": "dynamic",
+                                                     "rope_theta": 10000.0, "factor": 4.0},
+        **SMALL), "LlamaForCausalLM"),
     "mistral-window": (lambda: transformers.MistralConfig(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, sliding_window=5, **SMALL),
@@ -107,6 +112,10 @@ CASES: dict[str, tuple[Callable[[], Any], str]] = {
     "opt-post-norm": (lambda: transformers.OPTConfig(
         hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=64, word_embed_proj_dim=64, do_layer_norm_before=False,
+        **SMALL), "OPTForCausalLM"),
+    "opt-350m-projections": (lambda: transformers.OPTConfig(
+        hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, word_embed_proj_dim=48, do_layer_norm_before=False,
         **SMALL), "OPTForCausalLM"),
     "phi": (lambda: transformers.PhiConfig(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -122,12 +122,17 @@ class _Stack:
 
     def embed(self) -> int:
         s = self.s
+        width = s.embedding.project_dim or self.d
         with self.at("vocab_size"):
-            table = self.param("embed.weight", s.vocab_size, self.d, shared=True)
+            table = self.param("embed.weight", s.vocab_size, width, shared=True)
             x = self.emit(Op.EMBEDDING, table, self.tokens)
         if s.embedding.scale is not None:
             with self.at("embedding.scale"):
                 x = self.emit(Op.SCALE, x, factor=s.embedding.scale)
+        if s.embedding.project_dim is not None:
+            with self.at("embedding.project_dim"):
+                x = self.emit(Op.MATMUL, x, self.param("embed.project_in.weight", self.d, width,
+                                                       shared=True))
         pos = s.position
         if pos.kind in ("learned", "sinusoidal"):
             with self.at("position.kind"):
@@ -360,11 +365,16 @@ class _Stack:
         if s.output.scale is not None:
             with self.at("output.scale"):
                 x = self.emit(Op.SCALE, x, factor=s.output.scale)
+        width = s.embedding.project_dim or self.d
+        if s.embedding.project_dim is not None:
+            with self.at("embedding.project_dim"):
+                x = self.emit(Op.MATMUL, x, self.param("head.project_out.weight", width, self.d,
+                                                       shared=True))
         with self.at("embedding.tied"):
             if s.embedding.tied:
-                head = self.param("embed.weight", s.vocab_size, self.d, shared=True)
+                head = self.param("embed.weight", s.vocab_size, width, shared=True)
             else:
-                head = self.param("head.weight", s.vocab_size, self.d, shared=True)
+                head = self.param("head.weight", s.vocab_size, width, shared=True)
             logits = self.emit(Op.MATMUL, x, head)
         if s.output.bias:
             with self.at("output.bias"):

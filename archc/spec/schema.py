@@ -170,6 +170,9 @@ class Embedding:
     tied: bool = _f(True, "the output head reuses the token embedding")
     norm: bool = _f(False, "a norm right after the embeddings (BERT, BLOOM)")
     token_types: int = _f(0, "token-type (segment) embeddings, as BERT", min=0)
+    project_dim: int | None = _f(
+        None, "token-embedding width when not d_model: projected to d_model after the lookup "
+        "and back before the head (OPT-350m)", min=1)
 
 
 @dataclass(frozen=True)

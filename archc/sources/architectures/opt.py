@@ -1,5 +1,6 @@
 """OPT: learned positions whose table starts 2 rows in, LayerNorm before (most sizes) or after
-(350m) each sublayer, ReLU MLP, biases, tied head."""
+(350m) each sublayer, ReLU MLP, biases, tied head; 350m also embeds tokens narrower than the
+residual stream, with projections in and out."""
 
 from __future__ import annotations
 
@@ -16,10 +17,7 @@ POSITION_OFFSET = 2   # OPT reserves the first two rows of its position table
 
 def spec(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
     d = cfg.number("hidden_size")
-    proj = cfg.get("word_embed_proj_dim", d)
-    if proj != d:
-        raise cfg.refuse("word_embed_proj_dim", proj, f"embeddings narrower than the residual "
-                         f"stream ({d}) need projections archc's spec does not have")
+    proj = cfg.number("word_embed_proj_dim", d)
     cfg.expect("layer_norm_elementwise_affine", (True,), True)
     pre = cfg.flag("do_layer_norm_before", True)
     removed = cfg.flag("_remove_final_layer_norm", False)
@@ -35,13 +33,17 @@ def spec(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
                 "activation": activation(cfg, ("activation_function",), "relu")},
         "norm": {"kind": "layernorm", "eps": 1e-5, "placement": "pre" if pre else "post"},
         "position": {"kind": "learned", "offset": POSITION_OFFSET},
-        "embedding": {"tied": tied}, "output": {"final_norm": final_norm},
+        "embedding": {"tied": tied, **({"project_dim": proj} if proj != d else {})},
+        "output": {"final_norm": final_norm},
     }
 
 
 def tensors(s: Spec, t: TensorMap, ckpt: Checkpoint) -> None:
     t.rename(ckpt("embed_tokens.weight"), "embed.weight")
     t.rename(ckpt("embed_positions.weight"), "pos_embed.weight")
+    if s.embedding.project_dim is not None:
+        t.rename(ckpt("project_in.weight"), "embed.project_in.weight")
+        t.rename(ckpt("project_out.weight"), "head.project_out.weight")
     if s.output.final_norm:
         t.rename(ckpt("final_layer_norm.weight"), "final_norm.weight")
         t.rename(ckpt("final_layer_norm.bias"), "final_norm.bias")
