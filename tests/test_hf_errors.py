@@ -179,3 +179,22 @@ def test_sharded_checkpoint_loads(tmp_path: Path) -> None:
 
 def test_every_error_is_an_archc_error() -> None:
     assert issubclass(SpecError, ArchcError) and issubclass(WeightsError, ArchcError)
+
+
+def test_tensorflow_era_layernorm_names_load_as_transformers_renames_them(tmp_path: Path) -> None:
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1,
+                                  num_attention_heads=4, intermediate_size=48,
+                                  max_position_embeddings=16)
+    transformers.BertModel(cfg).save_pretrained(tmp_path)
+    plain = archc.load(tmp_path)
+
+    def rename(tensors: dict[str, torch.Tensor]) -> None:
+        for name in [n for n in tensors if ".LayerNorm." in n]:
+            tensors[name.replace(".weight", ".gamma").replace(".bias", ".beta")] = \
+                tensors.pop(name)
+
+    edit_tensors(tmp_path, rename)
+    legacy = archc.load(tmp_path)
+    assert plain.weights is not None and legacy.weights is not None
+    assert all(torch.equal(plain.weights[k], legacy.weights[k]) for k in plain.weights)
+    assert any("pooler" in note for note in legacy.notes)   # skipped, and said so

@@ -23,9 +23,8 @@ from archc.spec.schema import Spec
 
 ARCH = "llama"
 Progress = Callable[[int, int], None]
-# Quantisations archc reads; `gguf` dequantises these (and more: anything its `quants` module
-# implements is accepted).
-TESTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+# Tensors are dequantised by the gguf package: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K
+# are tested here, and any other type its `quants` module implements is read the same way.
 
 
 def _gguf() -> Any:

@@ -17,7 +17,7 @@ from archc.sources.architectures import ARCHITECTURES
 from archc.sources.architectures.base import Architecture, Checkpoint
 from archc.sources.hf_config import HFConfig, spec_name
 from archc.sources.safetensors_files import SafetensorsFiles
-from archc.sources.tensor_map import Progress, TensorMap, apply_rules
+from archc.sources.tensor_map import LegacyNames, Progress, TensorMap, apply_rules
 from archc.spec import from_dict
 from archc.spec.schema import Spec
 
@@ -83,7 +83,7 @@ def hf_spec(directory: Path) -> Spec:
     cfg = read_config(directory)
     arch = architecture_of(cfg)
     has_weights = any(directory.glob("*.safetensors"))
-    source = SafetensorsFiles(directory) if has_weights else _NoTensors()
+    source = LegacyNames(SafetensorsFiles(directory)) if has_weights else _NoTensors()
     return _spec(directory, cfg, arch, Checkpoint(source, arch.prefixes))
 
 
@@ -96,7 +96,7 @@ def load_hf(directory: Path, *, progress: Progress | None = None) -> Any:
 
     cfg = read_config(directory)
     arch = architecture_of(cfg)
-    files = SafetensorsFiles(directory)
+    files = LegacyNames(SafetensorsFiles(directory))
     ckpt = Checkpoint(files, arch.prefixes)
     spec = _spec(directory, cfg, arch, ckpt)
     tmap = TensorMap(checkpoint_shapes(lower(spec)))

@@ -10,7 +10,6 @@ embeddings.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
@@ -250,7 +249,3 @@ def dtype_name(cfg: HFConfig) -> str:
     text = str(cfg.first(("dtype", "torch_dtype"), "float32"))
     return {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}.get(text, "f32")
 
-
-def is_integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) or (
-        isinstance(value, float) and math.isfinite(value) and value.is_integer())

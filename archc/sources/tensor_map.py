@@ -33,6 +33,34 @@ class TensorSource(Protocol):
     def load(self, name: str) -> torch.Tensor: ...
 
 
+class LegacyNames:
+    """A source under the names transformers gives old checkpoints on load: TensorFlow-era
+    `LayerNorm.gamma` / `LayerNorm.beta` are `LayerNorm.weight` / `LayerNorm.bias`."""
+
+    RENAMES = (("LayerNorm.gamma", "LayerNorm.weight"), ("LayerNorm.beta", "LayerNorm.bias"))
+
+    def __init__(self, source: TensorSource) -> None:
+        self.source = source
+        stored = source.names()
+        present = set(stored)
+        self.original: dict[str, str] = {}
+        for name in stored:
+            new = name
+            for old, replacement in self.RENAMES:
+                if name.endswith(old):
+                    new = name[: -len(old)] + replacement
+            self.original[new if new not in present else name] = name
+
+    def names(self) -> list[str]:
+        return list(self.original)
+
+    def shape(self, name: str) -> Shape:
+        return self.source.shape(self.original[name])
+
+    def load(self, name: str) -> torch.Tensor:
+        return self.source.load(self.original[name])
+
+
 @dataclass(frozen=True)
 class Rule:
     sources: tuple[str, ...]       # checkpoint tensors read

@@ -14,8 +14,11 @@ from archc.spec.schema import Spec
 # The gated FFN each activation makes (the spec names the pair).
 GATED_KIND = {"silu": "swiglu", "gelu_tanh": "geglu", "relu": "reglu", "sigmoid": "glu"}
 
+# `pretraining_tp` only splits the same matmuls; router noise and losses act in training;
+# `is_llama_config` and `transformers.js_config` are notes other exporters leave, which
+# transformers' Llama never reads.
 INERT = frozenset({"pretraining_tp", "router_jitter_noise", "router_aux_loss_coef",
-                   "output_router_logits"})
+                   "output_router_logits", "is_llama_config", "transformers.js_config"})
 
 
 def gated_kind(cfg: HFConfig, keys: tuple[str, ...] = ("hidden_act",)) -> str:
@@ -56,6 +59,10 @@ def window_kinds(cfg: HFConfig, layers: int) -> tuple[int | None, list[str] | No
 
 def spec(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
     mt = cfg.model_type
+    # Nanotron exports say whether their own RoPE interleaved; transformers always rotates
+    # halves, and a checkpoint that needs pairs is not one transformers' Llama can run
+    cfg.expect("rope_interleaved", (False,), False)
+    cfg.expect("use_mrope", (False,), False)
     d = cfg.number("hidden_size")
     heads = cfg.number("num_attention_heads")
     layers = cfg.number("num_hidden_layers")
