@@ -66,7 +66,8 @@ class Model:
         check_checkpoint(self.graph, self.weights)
 
     def compile(self, backend: str = "eager", *, dtype: str = "f32",
-                device: str | torch.device = "cpu", **options: Any) -> CompiledModel:
+                device: str | torch.device = "cpu", passes: str | Sequence[str] | None = None,
+                **options: Any) -> CompiledModel:
         """Ready the model to run on `backend` ("eager"; "triton" once codegen is present)."""
         if dtype not in DTYPES:
             raise ArchcError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -74,6 +75,9 @@ class Model:
         if factory is None:
             raise ArchcError(f"unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
         program = self.graph if dtype == "f32" else lower(self.spec, dtype)
+        if passes is not None:  # a pipeline ("default", or pass names) → kernel-level graph
+            from archc.passes import optimize
+            program = optimize(program, passes)
         session = factory(self, program, dtype, torch.device(device), options)
         return CompiledModel(self, program, session, backend)
 

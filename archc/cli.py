@@ -13,7 +13,8 @@ from types import ModuleType
 from archc import __version__
 from archc.errors import ArchcError
 
-COMMAND_MODULES = ("specs", "show", "ir", "run", "roofline", "export_spec")
+COMMAND_MODULES = ("specs", "show", "ir", "run", "roofline", "export_spec", "passes", "explain",
+                   "diff")
 
 
 def _commands() -> list[ModuleType]:

@@ -1,8 +1,9 @@
-"""`archc ir SPEC`: the program in its text form (or DOT)."""
+"""`archc ir SPEC`: the program in its text form (or DOT), before, after or between passes."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 from pathlib import Path
 
 from archc.commands.common import add_spec_argument, spec_of
@@ -10,10 +11,12 @@ from archc.errors import ArchcError
 from archc.ir.lower import lower
 from archc.ir.text import format_program
 from archc.ir.view import to_dot
+from archc.passes import PASSES, run_pipeline
 from archc.ui import console
 
 NAME = "ir"
-HELP = "print the IR of a spec, one line per node (or Graphviz DOT with --dot)"
+HELP = "print the IR of a spec, one line per node (or Graphviz DOT with --dot), before, after " \
+       "or between passes"
 
 DTYPES = ("f32", "f16", "bf16")
 
@@ -26,6 +29,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="show the spec field that made each node and the passes that rewrote it")
     p.add_argument("--dtype", choices=DTYPES, default="f32",
                    help="activation and weight dtype of the lowered graph (default f32)")
+    p.add_argument("--passes", metavar="PIPELINE",
+                   help="run a pipeline first: 'default', 'none' or comma-separated pass names "
+                        "(default: none, or default with --after/--diff/--print-after-all). "
+                        "Passes: " + ", ".join(PASSES))
+    show = p.add_mutually_exclusive_group()
+    show.add_argument("--after", metavar="PASS", help="print the IR right after PASS")
+    show.add_argument("--print-after-all", action="store_true",
+                      help="print the IR after every pass (a header only when one changed "
+                           "nothing)")
+    show.add_argument("--diff", metavar="PASS",
+                      help="a unified diff of the text form before and after PASS")
     p.add_argument("-o", "--output", type=Path, metavar="FILE", help="write to FILE")
 
 
@@ -42,7 +56,38 @@ def emit(text: str, output: Path | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     program = lower(spec_of(args), args.dtype)
-    text = to_dot(program, params=args.params) if args.dot else \
-        format_program(program, provenance=args.provenance)
-    emit(text, args.output)
+    staged = args.after or args.diff or args.print_after_all
+    for flag, name in (("--after", args.after), ("--diff", args.diff)):
+        if name is not None and name not in PASSES:
+            raise ArchcError(f"{flag}: unknown pass {name!r}; known: {', '.join(PASSES)}")
+    pipeline = args.passes or ("default" if staged else "none")
+    result = run_pipeline(program, pipeline)
+
+    def text(p: object) -> str:
+        if args.dot:
+            return to_dot(p, params=args.params)  # type: ignore[arg-type]
+        return format_program(p, provenance=args.provenance)  # type: ignore[arg-type]
+
+    if args.print_after_all:
+        parts = [f"; *** IR after lowering ***\n{text(result.initial)}"]
+        for k, step in enumerate(result.steps, 1):
+            header = f"; *** IR after {step.name} ({step.kind}, pass {k} of " \
+                     f"{len(result.steps)}) ***"
+            if not step.changed:
+                parts.append(f"{header} not applied\n")
+                continue
+            log = "".join(f"; {line}\n" for line in step.log)
+            parts.append(f"{header}\n{log}{text(step.after)}")
+        emit("\n".join(parts), args.output)
+    elif args.after:
+        emit(text(result.step(args.after).after), args.output)
+    elif args.diff:
+        step = result.step(args.diff)
+        before, after = text(step.before), text(step.after)
+        lines = difflib.unified_diff(before.splitlines(keepends=True),
+                                     after.splitlines(keepends=True),
+                                     fromfile=f"before {step.name}", tofile=f"after {step.name}")
+        emit("".join(lines) or f"; {step.name} changed nothing\n", args.output)
+    else:
+        emit(text(result.program), args.output)
     return 0

@@ -148,6 +148,13 @@ def _zeros(shape: tuple[int, ...]) -> torch.Tensor:
     return torch.zeros(shape)
 
 
+@param_fn("repeat_heads")
+def _repeat_heads(a: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
+    """A per-head vector [heads·D] with each head repeated `groups` times, [heads·groups·D]:
+    KV head h // groups serves query head h (GQA)."""
+    return a.reshape(heads, -1).repeat_interleave(groups, dim=0).flatten()
+
+
 # ---- computed buffers ----------------------------------------------------------------------
 
 @param_fn("rope_inv_freq")

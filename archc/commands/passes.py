@@ -1,0 +1,81 @@
+"""`archc passes SPEC`: the pipeline as a table — what each pass did to the program."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.table import Table
+
+from archc.commands.common import add_spec_argument, nonnegative_int, positive_int, spec_of
+from archc.ir.lower import lower
+from archc.passes import PASSES, run_pipeline
+from archc.passes.manager import PassStep
+from archc.passes.measure import dims, kernels_per_layer, op_delta, stats
+from archc.ui import console, nbytes, si
+
+NAME = "passes"
+HELP = "run the pass pipeline on a spec and show, per pass, nodes, kernels, parameters, " \
+       "FLOPs and bytes per token, and what changed"
+
+DTYPES = ("f32", "f16", "bf16")
+
+
+def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--passes", default="default", metavar="PIPELINE",
+                   help="'default', 'none', or comma-separated pass names (default: default). "
+                        "Passes: " + ", ".join(PASSES))
+
+
+def add_dims_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch", type=positive_int, default=1, help="batch B (default 1)")
+    p.add_argument("--tokens", type=positive_int, default=1,
+                   help="new tokens T per call (default 1: decode)")
+    p.add_argument("--past", type=nonnegative_int, default=0,
+                   help="tokens P already in the KV cache (default 0)")
+    p.add_argument("--encoder-len", type=positive_int, metavar="S",
+                   help="encoder length S for encoder-decoders (default: --tokens)")
+    p.add_argument("--dtype", choices=DTYPES,
+                   help="weight and activation dtype (default: the spec's dtype)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_spec_argument(p)
+    add_pipeline_arguments(p)
+    add_dims_arguments(p)
+
+
+def _changed(step: PassStep) -> str:
+    if not step.changed:
+        return "not applied"
+    counts: dict[str, int] = {}
+    for d in step.applied():
+        counts[d.rule] = counts.get(d.rule, 0) + 1
+    rules = ", ".join(f"{rule} ×{n}" for rule, n in counts.items())
+    return f"{rules}: {op_delta(step.before, step.after)}"
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = spec_of(args)
+    dtype = args.dtype or spec.dtype
+    at = dims(args.batch, args.tokens, args.past, args.encoder_len)
+    result = run_pipeline(lower(spec, dtype), args.passes)
+    where = f"B={at['B']}, T={at['T']}, P={at['P']}" + (
+        f", S={at['S']}" if spec.family == "encoder-decoder" else "")
+    table = Table(title=f"{spec.name}: pass pipeline ({dtype}; costs per new token at {where})",
+                  title_justify="left")
+    for col in ("#", "pass", "kind", "nodes", "kernels", "params", "FLOPs/token", "bytes/token",
+                "changed"):
+        table.add_column(col, justify="left" if col in ("pass", "kind", "changed") else "right",
+                         overflow="fold")
+    rows = [("", "lowered", "", result.initial, "unfused")]
+    rows += [(str(k + 1), s.name, s.kind, s.after, _changed(s)) for k, s in
+             enumerate(result.steps)]
+    for num, name, kind, program, changed in rows:
+        st = stats(program, at)
+        table.add_row(num, name, kind, str(st.nodes), str(st.kernels), si(st.params),
+                      si(st.flops_per_token, "FLOP"), nbytes(st.bytes_per_token), changed)
+    console.print(table)
+    before, after = kernels_per_layer(spec, args.passes, dtype)
+    console.print(f"kernels per block (embedding and head aside): {before:g} unfused → "
+                  f"{after:g} after the pipeline")
+    return 0

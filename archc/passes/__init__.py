@@ -1,0 +1,31 @@
+"""Passes: Graph → Graph rewrites from the unfused graph to kernel-level ops.
+
+``run_pipeline(program, "default")`` runs the default pipeline over every graph of a program,
+verifying after each pass; ``optimize`` returns just the result. Each pass is registered by
+name (``PASSES``) with its kind: exact (the function is kept up to rounding) or architecture.
+"""
+
+from archc.passes import (  # noqa: F401  (each module registers its passes)
+    attention,
+    bias,
+    cleanup,
+    epilogue,
+    kernels,
+    norms,
+    pointwise,
+    projections,
+)
+from archc.passes.context import Decision, PassContext
+from archc.passes.manager import PassFailure, PassStep, PipelineRun, optimize, run_pipeline
+from archc.passes.registry import (
+    DEFAULT_PIPELINE,
+    PASSES,
+    PIPELINES,
+    register_pass,
+    resolve_pipeline,
+)
+
+__all__ = [
+    "DEFAULT_PIPELINE", "PASSES", "PIPELINES", "Decision", "PassContext", "PassFailure",
+    "PassStep", "PipelineRun", "optimize", "register_pass", "resolve_pipeline", "run_pipeline",
+]

@@ -1,0 +1,342 @@
+"""Attention passes: share KV heads (GQA), flash attention, and the RoPE and KV-cache epilogues.
+
+- share-kv-heads: `repeat_kv` goes; scores and the value sum read KV head h // g directly.
+- flash-attention: scores → scale → soft-cap → position bias → mask → softmax → value sum →
+  merge_heads becomes one `attention` node.
+- fuse-rope: RoPE of q and k runs in the epilogue of the projection that computes them.
+- fuse-kv-write: the projection's epilogue writes k and v into the cache; attention reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from archc.ir.attrs import Call
+from archc.ir.graph import Graph
+from archc.ir.ops import Op
+from archc.passes.context import PassContext, Refusal
+from archc.passes.linear import Linear, replace_linear, step, view
+from archc.passes.patterns import Pat, Rule, apply_rules
+from archc.passes.registry import register_pass
+from archc.passes.rewrite import Rewriter
+from archc.passes.sites import score_chain
+
+# ---- share-kv-heads --------------------------------------------------------------------------
+
+
+def _read_kv_heads(rw: Rewriter, m: dict[str, int]) -> int:
+    n = rw.node(m["root"])
+    src = [rw.node(i).inputs[0] if rw.op(i) == Op.REPEAT_KV else i for i in n.inputs]
+    return rw.emit(n.op, src, like=[m["root"]], **dict(n.attrs))
+
+
+GQA_RULES = (
+    # q_h · repeat_kv(k, g)_hᵀ = q_h · k_{h//g}ᵀ: scores read KV head h // g in place
+    Rule("share-kv-heads", Pat({Op.SCORES}, "root", (None, Pat({Op.REPEAT_KV}, one_use=True))),
+         _read_kv_heads),
+    # Σ_j p_hj · repeat_kv(v, g)_hj = Σ_j p_hj · v_{h//g, j}
+    Rule("share-kv-heads",
+         Pat({Op.WEIGHTED_SUM}, "root", (None, Pat({Op.REPEAT_KV}, one_use=True))),
+         _read_kv_heads),
+    # attention over repeated k and v = attention reading KV head h // g
+    Rule("share-kv-heads", Pat({Op.ATTENTION}, "root", (
+        None, Pat({Op.REPEAT_KV}, one_use=True), Pat({Op.REPEAT_KV}, one_use=True))),
+        _read_kv_heads),
+)
+
+
+@register_pass("share-kv-heads", "exact",
+               "GQA/MQA: drop repeat_kv; attention reads KV head h // group directly")
+def share_kv_heads(g: Graph, ctx: PassContext) -> Graph:
+    rw = Rewriter(g, ctx)
+    apply_rules(rw, GQA_RULES)
+    return rw.finish()
+
+
+# ---- flash-attention -------------------------------------------------------------------------
+
+# The order the attention op applies score modifiers in; a chain in another order is refused.
+MODIFIER_ORDER = {Op.SCALE: 0, Op.SOFTCAP: 1, Op.ALIBI: 2, Op.REL_BIAS: 2, Op.MASK: 3}
+
+
+def _flash(rw: Rewriter, scores: int) -> int:
+    chain = score_chain(rw, scores)
+    if chain.merge is None or chain.wsum is None:
+        raise Refusal(chain.problem)
+    ranks = [MODIFIER_ORDER[rw.op(i)] for i in chain.modifiers]
+    if ranks != sorted(set(ranks)):
+        raise Refusal("the score modifiers "
+                      + " → ".join(rw.op(i).value for i in chain.modifiers)
+                      + " are not in the order attention applies them (scale, softcap, "
+                        "position bias, mask), each at most once")
+    q, k = rw.node(scores).inputs
+    v = rw.node(chain.wsum).inputs[1]
+    if rw.shape(k) != rw.shape(v):
+        raise Refusal(f"k %{k} {list(rw.shape(k))} and v %{v} {list(rw.shape(v))} differ in "
+                      "shape (share-kv-heads must treat both)")
+    attrs: dict[str, object] = {"scale": 1.0, "causal": False, "padding": False,
+                                "prefix": False}
+    extra: list[int] = []
+    bias_input: list[int] = []
+    for i in chain.modifiers:
+        n = rw.node(i)
+        if n.op == Op.SCALE:
+            attrs["scale"] = n.attr("factor")
+        elif n.op == Op.SOFTCAP:
+            attrs["softcap"] = n.attr("cap")
+        elif n.op == Op.ALIBI:
+            attrs["bias"] = Call("alibi")
+            bias_input = [n.inputs[1]]
+        elif n.op == Op.REL_BIAS:
+            attrs["bias"] = Call("t5", (), (("bidirectional", n.attr("bidirectional")),
+                                            ("max_distance", n.attr("max_distance"))))
+            bias_input = [n.inputs[1]]
+        else:
+            attrs.update(causal=n.attr("causal"), padding=n.attr("padding"),
+                         prefix=n.attr("prefix"), window=n.attr("window"))
+            extra = list(n.inputs[1:])   # padding, then prefix_len, as the mask takes them
+    like = [scores, *chain.modifiers, chain.softmax, chain.wsum, chain.merge]
+    return rw.emit(Op.ATTENTION, [q, k, v, *extra, *bias_input], like=like,  # type: ignore
+                   at=chain.merge, **attrs)
+
+
+@register_pass("flash-attention", "exact",
+               "scores → scale → softcap → bias → mask → softmax → value sum: one attention node")
+def flash_attention(g: Graph, ctx: PassContext) -> Graph:
+    # 1. For each scores node, follow single users: modifiers, softmax, weighted_sum,
+    #    merge_heads. Every intermediate must be read by the next step only (no one else may
+    #    see the scores or probabilities a flash kernel never stores).
+    # 2. The modifiers must come in the order the attention op applies them.
+    # 3. Emit attention(q, k, v, [padding], [prefix_len], [slopes | rel_table]) with scale,
+    #    softcap, bias, causal, window, padding and prefix as attributes, in place of
+    #    merge_heads: its output is [B, T, H·D].
+    rw = Rewriter(g, ctx)
+    for i in rw.order():
+        if rw.op(i) != Op.SCORES:
+            continue
+        try:
+            new = _flash(rw, i)
+        except Refusal as r:
+            ctx.refused("flash-attention", rw.describe(i), r.why)
+            continue
+        merge = score_chain(rw, i).merge
+        assert merge is not None
+        rw.replace(merge, new)
+        ctx.applied("flash-attention", rw.describe(i), "one attention node")
+    return rw.finish()
+
+
+# ---- column views of a projection ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ColumnView:
+    """A head view split from columns [start, stop) of a projection's output."""
+
+    split: int          # the split_heads node
+    slice: int | None   # the slice between, if any
+    source: int         # the node sliced
+    start: int
+    stop: int
+    heads: int
+    head_dim: int
+
+
+def column_view(rw: Rewriter, i: int) -> ColumnView | None:
+    n = rw.node(i)
+    if n.op != Op.SPLIT_HEADS:
+        return None
+    heads, hd = n.attr("heads"), int(n.shape[3])
+    src = n.inputs[0]
+    if rw.op(src) == Op.SLICE:
+        s = rw.node(src)
+        return ColumnView(i, src, s.inputs[0], s.attr("start"), s.attr("stop"), heads, hd)
+    return ColumnView(i, None, src, 0, rw.width(src), heads, hd)
+
+
+def _readers(rw: Rewriter, root: int) -> list[tuple[int, int, int, ColumnView | None]]:
+    """Every node reading the output of `root`, with the columns it reads: (reader, start,
+    stop, head view or None)."""
+    out: list[tuple[int, int, int, ColumnView | None]] = []
+    for u in rw.users(root):
+        if rw.op(u) == Op.SLICE:
+            s = rw.node(u)
+            for w in rw.users(u):
+                out.append((w, s.attr("start"), s.attr("stop"), column_view(rw, w)))
+        else:
+            out.append((u, 0, rw.width(root), column_view(rw, u)))
+    return out
+
+
+def _linear_roots(rw: Rewriter) -> list[Linear]:
+    """Linear layers, each seen at its outermost node (a bias_add over a matmul, if any)."""
+    out = []
+    for i in rw.order():
+        lin = view(rw, i)
+        if lin is None:
+            continue
+        users = rw.users(i)
+        if len(users) == 1 and rw.op(users[0]) == Op.BIAS_ADD and view(rw, users[0]):
+            continue
+        out.append(lin)
+    return out
+
+
+# ---- fuse-rope -------------------------------------------------------------------------------
+
+def _fuse_rope(rw: Rewriter, lin: Linear, ctx: PassContext) -> None:
+    readers = _readers(rw, lin.root)
+    roped = [(r, a, b, cv) for r, a, b, cv in readers
+             if cv is not None and any(rw.op(u) == Op.ROPE for u in rw.users(cv.split))]
+    if not roped:
+        return
+    first_rope = next(u for u in rw.users(roped[0][3].split) if rw.op(u) == Op.ROPE)  # type: ignore
+    try:
+        ropes = []
+        for _, a, b, cv in roped:
+            assert cv is not None
+            users = rw.users(cv.split)
+            if len(users) != 1:
+                raise Refusal(f"the head view %{cv.split} is read unrotated by "
+                              + ", ".join(f"%{u}" for u in users if rw.op(u) != Op.ROPE))
+            if cv.slice is not None and len(rw.users(cv.slice)) != 1:
+                raise Refusal(f"columns [{a}, {b}) %{cv.slice} are also read unrotated")
+            ropes.append((a, b, cv, users[0]))
+        ropes.sort(key=lambda t: t[0])
+        r0 = rw.node(ropes[0][3])
+        hd = ropes[0][2].head_dim
+        end = 0
+        for a, b, cv, r in ropes:
+            n = rw.node(r)
+            if n.inputs[1:] != r0.inputs[1:] or n.attrs != r0.attrs:
+                raise Refusal(f"rope %{r} and %{ropes[0][3]} differ in positions, frequencies "
+                              "or attributes")
+            if cv.head_dim != hd:
+                raise Refusal(f"rotated heads of {cv.head_dim} and {hd} dims")
+            if a != end:
+                raise Refusal(f"the rotated columns are not contiguous from column 0 (a gap "
+                              f"before column {a}); the epilogue rotates the first heads only")
+            end = b
+        for r, a, b, cv in readers:
+            if cv in [t[2] for t in ropes]:
+                continue
+            if a < end:
+                raise Refusal(f"%{r} ({rw.op(r).value}) reads columns [{a}, {b}), which the "
+                              "epilogue would rotate")
+        if any(s.fn in ("rope", "kv_write", "glu") for s in lin.steps):
+            raise Refusal(f"%{lin.root} already has a {lin.steps[-1].fn} step")
+    except Refusal as r:
+        ctx.refused("fuse-rope", rw.describe(first_rope), r.why)
+        return
+    # rope(x·Wᵀ)[heads] in the epilogue = the same rotation applied to the stored heads
+    rope_step = step("rope", *r0.inputs[1:], heads=end // hd, head_dim=hd,
+                     rotary_dim=r0.attr("rotary_dim"), interleaved=r0.attr("interleaved"),
+                     mscale=r0.attr("mscale", 1.0))
+    replace_linear(rw, lin, lin.then(rope_step))
+    for _, _, cv, r in ropes:
+        rw.replace(r, cv.split)
+        ctx.applied("fuse-rope", rw.describe(r), f"rotated in the epilogue of %{lin.root}")
+
+
+@register_pass("fuse-rope", "exact",
+               "rotate q and k in the epilogue of the projection that computes them")
+def fuse_rope(g: Graph, ctx: PassContext) -> Graph:
+    # 1. For each linear layer, find its readers and the columns each reads; the rotated ones
+    #    are head views (slice → split_heads) read only by a rope.
+    # 2. Legal if the rotated columns are [0, n·D) — the epilogue rotates the first n heads —
+    #    with one set of positions, frequencies and attributes, and no other reader sees them.
+    # 3. Append rope(heads=n) to the epilogue; each rope node is replaced by its head view.
+    rw = Rewriter(g, ctx)
+    for lin in _linear_roots(rw):
+        _fuse_rope(rw, lin, ctx)
+    for i in rw.order():
+        if rw.op(i) == Op.ROPE and column_view(rw, rw.node(i).inputs[0]) is None:
+            src = rw.node(i).inputs[0]
+            ctx.refused("fuse-rope", rw.describe(i),
+                        f"it rotates %{src} ({rw.op(src).value}), not heads split from a "
+                        "projection's columns, so no matmul epilogue computes its input")
+    return rw.finish()
+
+
+# ---- fuse-kv-write ---------------------------------------------------------------------------
+
+def _kv_write(rw: Rewriter, att: int) -> tuple[Linear, int, int, int, int]:
+    """(linear, kv_cache k, kv_cache v, layer, new attention) for a legal site, else Refusal."""
+    n = rw.node(att)
+    q, kc, vc = n.inputs[:3]
+    if rw.op(kc) != Op.KV_CACHE or rw.op(vc) != Op.KV_CACHE:
+        raise Refusal("k and v are not read from kv_cache writes")
+    k_node, v_node = rw.node(kc), rw.node(vc)
+    layer = k_node.attr("layer")
+    if (k_node.attr("kind"), v_node.attr("kind")) != ("k", "v") or v_node.attr("layer") != layer:
+        raise Refusal(f"%{kc} and %{vc} are not the k and v cache of one layer")
+    for c in (kc, vc):
+        if rw.users(c) != [att]:
+            raise Refusal(f"the cache values %{c} are read outside this attention")
+    views = [column_view(rw, rw.node(c).inputs[0]) for c in (kc, vc)]
+    kv, vv = views
+    if kv is None or vv is None:
+        src = rw.node(kc).inputs[0] if kv is None else rw.node(vc).inputs[0]
+        raise Refusal(f"%{src} ({rw.op(src).value}) stands between the projection and the "
+                      "cache write (fuse-rope must fold RoPE into the projection first)")
+    if kv.source != vv.source:
+        raise Refusal("k and v come from different projections (merge-qkv must merge them "
+                      "first)")
+    lin = view(rw, kv.source)
+    if lin is None:
+        raise Refusal(f"k and v are not computed by a linear layer (%{kv.source})")
+    if (kv.heads, kv.head_dim) != (vv.heads, vv.head_dim):
+        raise Refusal("k and v have different head layouts")
+    qv = column_view(rw, q)
+    if qv is None or qv.source != kv.source:
+        raise Refusal(f"q %{q} is not computed by the kernel that writes the cache, so the "
+                      "cache read would not be ordered after the write")
+    for c in (kv.split, vv.split):
+        if len(rw.users(c)) != 1:
+            raise Refusal(f"the head view %{c} is read outside the cache write")
+    if any(s.fn == "kv_write" for s in lin.steps):
+        raise Refusal(f"%{lin.root} already writes a cache")
+    return lin, kc, vc, layer, 0
+
+
+def _fuse_kv_write(rw: Rewriter, att: int, ctx: PassContext) -> None:
+    try:
+        lin, kc, vc, layer, _ = _kv_write(rw, att)
+    except Refusal as r:
+        ctx.refused("fuse-kv-write", rw.describe(att), r.why)
+        return
+    kv = column_view(rw, rw.node(kc).inputs[0])
+    vv = column_view(rw, rw.node(vc).inputs[0])
+    assert kv is not None and vv is not None
+    # writing k and v from the accumulator = writing the stored k and v: same values, no
+    # round trip through memory
+    write = step("kv_write", head_dim=kv.head_dim, k_start=kv.start, v_start=vv.start,
+                 kv_heads=kv.heads, layer=layer)
+    replace_linear(rw, lin, lin.then(write))
+    n = rw.node(att)
+    attrs = dict(n.attrs)
+    attrs.update(cache_layer=layer, kv_heads=kv.heads)
+    new = rw.emit(Op.ATTENTION, [n.inputs[0], *n.inputs[3:]], like=[att, kc, vc], **attrs)
+    rw.replace(att, new)
+    rw.kill(att)
+    rw.kill(kc)
+    rw.kill(vc)
+    ctx.applied("fuse-kv-write", rw.describe(att), f"layer {layer} cache written by %{lin.root}")
+
+
+@register_pass("fuse-kv-write", "exact",
+               "write k and v to the cache from the projection's epilogue; attention reads it")
+def fuse_kv_write(g: Graph, ctx: PassContext) -> Graph:
+    # 1. For each attention reading k and v from kv_cache writes of one layer, find the
+    #    projection both are column views of.
+    # 2. Legal if the cache values are read by this attention only, nothing (RoPE) stands
+    #    between the projection and the write, and q comes from the same projection — the
+    #    kernel that writes the cache then runs before the attention that reads it.
+    # 3. Append kv_write(layer, k_start, v_start) to the projection; the attention reads
+    #    cache_layer; the kv_cache nodes go.
+    rw = Rewriter(g, ctx)
+    for i in rw.order():
+        n = rw.node(i)
+        if n.op == Op.ATTENTION and n.attr("cache_layer") is None and \
+                rw.op(n.inputs[1]) == Op.KV_CACHE:
+            _fuse_kv_write(rw, i, ctx)
+    return rw.finish()

@@ -1,0 +1,121 @@
+"""The pass manager: runs a pipeline over every graph of a program, verifying after each pass.
+
+Each step keeps the program before and after, the decisions the pass made and its log, so the
+CLI can print the IR after any pass, diff one pass, tabulate the pipeline and explain refusals.
+A pass that changed nothing returns the same graph object, and the step says "not applied".
+On failure the error names the pass, the graph and the passes that ran before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from archc.errors import IRError
+from archc.ir.graph import Program
+from archc.ir.verify import verify
+from archc.passes.context import Decision, PassContext
+from archc.passes.registry import PASSES, resolve_pipeline
+
+
+class PassFailure(IRError):
+    """A pass raised or left a graph the verifier refuses."""
+
+
+@dataclass(frozen=True)
+class PassStep:
+    name: str
+    kind: str
+    before: Program
+    after: Program
+    decisions: tuple[Decision, ...]
+    log: tuple[str, ...]
+
+    @property
+    def changed(self) -> bool:
+        return self.after is not self.before
+
+    def applied(self) -> list[Decision]:
+        return [d for d in self.decisions if d.applied]
+
+    def refused(self) -> list[Decision]:
+        return [d for d in self.decisions if not d.applied]
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    initial: Program
+    steps: tuple[PassStep, ...]
+
+    @property
+    def program(self) -> Program:
+        return self.steps[-1].after if self.steps else self.initial
+
+    def step(self, name: str) -> PassStep:
+        for s in self.steps:
+            if s.name == name:
+                return s
+        ran = ", ".join(s.name for s in self.steps) or "none"
+        raise IRError(f"pass {name!r} is not in this pipeline (it ran: {ran})")
+
+    def decisions(self) -> list[Decision]:
+        return [d for s in self.steps for d in s.decisions]
+
+
+def run_pass(program: Program, name: str, done: Sequence[str] = ()) -> PassStep:
+    p = PASSES[name]
+    decisions: list[Decision] = []
+    log: list[str] = []
+    graphs = []
+    for g in program.graphs:
+        ctx = PassContext(name, g)
+        try:
+            out = p.fn(g, ctx)
+        except IRError as err:
+            raise PassFailure(_where(name, g.name, done) + f": {err}") from err
+        except Exception as err:
+            raise PassFailure(_where(name, g.name, done) + f": {type(err).__name__}: {err}") \
+                from err
+        decisions += ctx.decisions
+        applied = sum(d.applied for d in ctx.decisions)
+        refused = len(ctx.decisions) - applied
+        if out is g:
+            log.append(f"{name}: graph {g.name}: not applied" +
+                       (f" ({refused} candidates refused)" if refused else ""))
+        else:
+            log.append(f"{name}: graph {g.name}: {applied} rewrites" +
+                       (f", {refused} refused" if refused else ""))
+        log += [f"{name}: graph {g.name}: {line}" for line in ctx.log]
+        graphs.append(out)
+    after = program
+    if any(a is not b for a, b in zip(graphs, program.graphs)):
+        after = Program(program.model, tuple(graphs))
+        try:
+            verify(after)
+        except IRError as err:
+            raise PassFailure(_where(name, None, done) + f" left an invalid graph: {err}") \
+                from err
+    return PassStep(name, p.kind, program, after, tuple(decisions), tuple(log))
+
+
+def _where(name: str, graph: str | None, done: Sequence[str]) -> str:
+    before = ", ".join(done) if done else "none"
+    on = f" on graph {graph}" if graph else ""
+    return f"pass {name}{on} (after: {before})"
+
+
+def run_pipeline(program: Program, pipeline: str | Sequence[str] = "default") -> PipelineRun:
+    """Run the passes of `pipeline` in order, verifying after each one that changed a graph."""
+    names = resolve_pipeline(pipeline)
+    steps: list[PassStep] = []
+    current = program
+    for k, name in enumerate(names):
+        step = run_pass(current, name, names[:k])
+        steps.append(step)
+        current = step.after
+    return PipelineRun(program, tuple(steps))
+
+
+def optimize(program: Program, pipeline: str | Sequence[str] = "default") -> Program:
+    """The program after `pipeline`."""
+    return run_pipeline(program, pipeline).program

@@ -1,0 +1,94 @@
+"""Numbers about a program at any point of a pipeline, all computed from its IR: what
+`archc passes`, `archc diff` and the tests print and check."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import sympy
+
+from archc.ir.cost import graph_cost, parameter_bytes, parameter_count, without_layers
+from archc.ir.graph import Program
+from archc.ir.lower import lower
+from archc.ir.ops import Op
+from archc.ir.shapes import DTYPE_BYTES, B, T, evaluate, numel
+from archc.passes.manager import optimize
+from archc.spec.schema import Spec
+
+
+@dataclass(frozen=True)
+class Stats:
+    nodes: int
+    kernels: int                 # compute nodes: one kernel each
+    params: int                  # parameter elements (computed buffers excluded)
+    weight_bytes: int
+    flops_per_token: float       # at the given dims, divided by the B·T new tokens
+    bytes_per_token: float
+    kv_bytes_per_token: int      # cache growth per token of one sequence
+
+
+def dims(batch: int = 1, tokens: int = 1, past: int = 0, encoder_len: int | None = None
+         ) -> dict[str, int]:
+    return {"B": batch, "T": tokens, "P": past,
+            "S": encoder_len if encoder_len is not None else tokens}
+
+
+def kv_cache_bytes_per_token(p: Program) -> int:
+    """Bytes the KV cache grows by per token of one sequence, from `kv_cache` nodes (unfused)
+    and `kv_write` epilogue steps (kernel-level): H_kv·d_h elements for k and again for v."""
+    total = sympy.Integer(0)
+    for g in p:
+        for n in g:
+            if n.op == Op.KV_CACHE:
+                x = g.nodes[n.inputs[0]]
+                total += numel(x.shape) / (B * T) * DTYPE_BYTES[x.dtype]
+            elif n.op == Op.FUSED_LINEAR:
+                for st in n.attr("epilogue", ()):
+                    if st.fn == "kv_write":
+                        item = DTYPE_BYTES[g.nodes[n.inputs[0]].dtype]
+                        total += 2 * st.kw("kv_heads") * st.kw("head_dim") * item
+    return evaluate(sympy.simplify(total), {})
+
+
+def stats(p: Program, at: dict[str, int]) -> Stats:
+    flops = bytes_ = 0
+    for g in p:
+        f, b = graph_cost(g).at(at)
+        flops += f
+        bytes_ += b
+    tokens = at["B"] * at["T"]
+    return Stats(sum(len(g) for g in p), sum(len(g.compute_ids()) for g in p),
+                 parameter_count(p), parameter_bytes(p), flops / tokens, bytes_ / tokens,
+                 kv_cache_bytes_per_token(p))
+
+
+def kernels_per_layer(spec: Spec, pipeline: str | Sequence[str] = "default",
+                      dtype: str = "f32") -> tuple[float, float]:
+    """Compute nodes per block before and after `pipeline`, by difference with the same model
+    without blocks (so embedding and head are left out)."""
+    full, base = lower(spec, dtype), lower(without_layers(spec), dtype)
+
+    def count(p: Program) -> int:
+        return sum(len(g.compute_ids()) for g in p)
+
+    layers = spec.layers + (spec.decoder_layers or 0)
+    before = (count(full) - count(base)) / layers
+    after = (count(optimize(full, pipeline)) - count(optimize(base, pipeline))) / layers
+    return before, after
+
+
+def op_counts(p: Program) -> Counter[str]:
+    return Counter(n.op.value for g in p for n in g if n.op not in (Op.INPUT, Op.OUTPUT))
+
+
+def op_delta(before: Program, after: Program) -> str:
+    """'−3 matmul, +1 fused_linear, +3 slice': how the op mix changed."""
+    a, b = op_counts(before), op_counts(after)
+    parts = []
+    for op in sorted(set(a) | set(b), key=lambda o: (b[o] - a[o] > 0, o)):
+        d = b[op] - a[op]
+        if d:
+            parts.append(f"{'+' if d > 0 else '−'}{abs(d)} {op}")
+    return ", ".join(parts)

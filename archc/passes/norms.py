@@ -1,0 +1,136 @@
+"""fold-norms: a norm read only by matmuls runs inside them.
+
+The gain folds into the weight once, at load time; the row statistics (1/rms, or mean and
+1/std) are gathered by the matmul's prologue along the K loop it already runs, and applied in its
+epilogue. The normalized activation is never stored.
+"""
+
+from __future__ import annotations
+
+from archc.ir.attrs import Call
+from archc.ir.graph import Graph
+from archc.ir.ops import Op
+from archc.passes.context import PassContext, Refusal
+from archc.passes.linear import NORMS, Linear, Step, replace_linear, step, view, view_with_bias
+from archc.passes.registry import register_pass
+from archc.passes.rewrite import Rewriter
+
+
+def _tag(weight: str, gain: str) -> str:
+    """What distinguishes the gain's name from the weight's: layers.0.attn_norm.weight beside
+    layers.0.attn.q.weight → attn_norm."""
+    w, g = weight.split("."), gain.split(".")
+    k = 0
+    while k < min(len(w), len(g)) - 1 and w[k] == g[k]:
+        k += 1
+    rest = g[k:]
+    if rest and rest[-1] == "weight":
+        rest = rest[:-1]
+    return ".".join(rest) or gain
+
+
+def _readers(rw: Rewriter, norm: int) -> list[Linear]:
+    """The linear layers reading `norm`, each with a bias_add after it looked through; raises
+    Refusal naming a reader that is not one."""
+    out: list[Linear] = []
+    for u in rw.users(norm):
+        lin = view(rw, u)
+        if lin is None or lin.operands != (norm,):
+            raise Refusal(f"%{u} ({rw.op(u).value}) reads the normalized value, and only a "
+                          "matmul can fold it: the norm must be stored")
+        if lin.prologue:
+            raise Refusal(f"%{u} already folds a norm")
+        lin = view_with_bias(rw, u) or lin
+        if rw.op(lin.weight) != Op.PARAM:
+            raise Refusal(f"the weight of %{u} is computed, not a parameter")
+        out.append(lin)
+    if not out:
+        raise Refusal("nothing reads it")
+    return out
+
+
+def _check_profitable(rw: Rewriter, readers: list[Linear]) -> None:
+    for lin in readers:
+        others = [u for u in rw.users(lin.weight) if u not in lin.covers]
+        if others:
+            n = rw.node(lin.weight)
+            size = 1
+            for d in n.shape:
+                size *= int(d)
+            raise Refusal(f"weight {n.name!r} is also read by %{others[0]} "
+                          f"({rw.op(others[0]).value}): folding the gain would store a second, "
+                          f"scaled copy of it ({size:,} elements)", profitability=True)
+
+
+def _fold(rw: Rewriter, norm: int, lin: Linear) -> None:
+    n = rw.node(norm)
+    x, gain = n.inputs[0], n.inputs[1]
+    beta = n.inputs[2] if len(n.inputs) > 2 else None
+    w = rw.node(lin.weight)
+    tag = _tag(w.name, rw.node(gain).name)
+    gamma = rw.param_expr(gain)
+    if n.attr("unit_offset"):
+        gamma = Call("offset", (gamma,), (("by", 1.0),))        # Gemma: γ = 1 + w
+    # W' = W·diag(γ): scale column k of W by γ_k
+    folded = Call("mul", (rw.param_expr(lin.weight), gamma))
+    like = [norm, *lin.covers]
+    w2 = rw.add_param(f"{w.name}*{tag}", folded, w.shape, w.dtype, like=like, at=lin.root)
+    rest = list(lin.steps)
+    if n.op == Op.RMSNORM:
+        # rms(x)·γ·Wᵀ = rstd·(x·W'ᵀ),  rstd = 1/sqrt(mean(x²) + eps)
+        head: list[Step] = [step("rms_scale")]
+        prologue = "rms"
+    else:
+        # LN(x)·Wᵀ + c = rstd·(x·W'ᵀ − μ·1ᵀW'ᵀ) + (β·Wᵀ + c): the mean is a rank-1 correction
+        # with the column sums of W'; the shift β passes through W into the bias
+        colsum = rw.add_param(f"{w.name}*{tag}.colsum", Call("sum", (folded,), (("dim", -1),)),
+                              (w.shape[0],), w.dtype, like=like, at=lin.root)
+        head = [step("ln_scale", colsum)]
+        prologue = "layer"
+        if beta is not None:
+            shift = Call("mm", (rw.param_expr(lin.weight), rw.param_expr(beta)))
+            if rest and rest[0].fn == "bias":
+                old = rest.pop(0).inputs[0]
+                shift = Call("add", (shift, rw.param_expr(old)))
+                name = f"{rw.node(old).name}*{tag}"
+            else:
+                name = f"{w.name.removesuffix('.weight')}.bias*{tag}"
+            b = rw.add_param(name, shift, (w.shape[0],), w.dtype, like=like, at=lin.root)
+            head.append(step("bias", b))
+    new = lin.replace(operands=(x,), weight=w2, prologue=prologue, eps=n.attr("eps"),
+                      steps=tuple(head + rest))
+    replace_linear(rw, lin, new)
+
+
+@register_pass("fold-norms", "exact",
+               "RMSNorm/LayerNorm read only by matmuls: gain into the weights, statistics in "
+               "the matmuls' prologue, 1/rms (and the mean correction) in their epilogue")
+def fold_norms(g: Graph, ctx: PassContext) -> Graph:
+    # 1. For each rmsnorm / layernorm node, list its readers.
+    # 2. Legal if every reader is a linear layer reading it as its one input, with parameter
+    #    weights, no prologue yet, and a parameter gain (and shift): then every consumer
+    #    shares the fold and the norm disappears. One other reader (a residual add, a router,
+    #    the graph output) means the normalized value must be stored anyway.
+    # 3. Profitable unless a weight is also read elsewhere (a tied head): folding the gain
+    #    would store a second, scaled copy of the table.
+    # 4. Rewrite each reader (W' = W·diag(γ), γ = 1 + w for Gemma's unit offset):
+    #      RMSNorm:   prologue rms,   epilogue rms_scale, …
+    #      LayerNorm: prologue layer, epilogue ln_scale(Σ_k W'), bias(W·β + c), …
+    rw = Rewriter(g, ctx)
+    for i in rw.order():
+        if rw.op(i) not in NORMS:
+            continue
+        try:
+            readers = _readers(rw, i)
+            for p in rw.node(i).inputs[1:]:
+                if rw.op(p) != Op.PARAM:
+                    raise Refusal(f"the gain or shift %{p} is not a parameter")
+            _check_profitable(rw, readers)
+        except Refusal as r:
+            ctx.refused(f"fold-{rw.op(i).value}", rw.describe(i), r.why,
+                        profitability=r.profitability)
+            continue
+        for lin in readers:
+            _fold(rw, i, lin)
+        ctx.applied(f"fold-{rw.op(i).value}", rw.describe(i), f"into {len(readers)} matmul(s)")
+    return rw.finish()

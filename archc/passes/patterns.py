@@ -1,0 +1,103 @@
+"""Local rewrites as data: a table of (pattern, rewrite) rules, applied to a fixed point.
+
+A ``Pat`` matches a node by op and, recursively, its first inputs, binding matched nodes by name.
+Conditions that make a structural match illegal — an intermediate value read elsewhere — are
+checked after the structure matches, so a refusal can say which condition failed:
+
+    Rule("bias",
+         # (x·Wᵀ) + b: the bias is added to the accumulator before it is stored
+         Pat({Op.BIAS_ADD}, "root", (Pat(LINEAR, "lin", one_use=True), Pat({Op.PARAM}, "b"))),
+         absorb_bias)
+
+A rewrite gets the rewriter and the bindings and returns the node that replaces the root, or
+``None`` when the match does not apply after all; it may raise ``Refusal`` to say why not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from archc.ir.ops import Op
+from archc.passes.context import Refusal
+from archc.passes.rewrite import Rewriter
+
+Bindings = dict[str, int]
+
+
+@dataclass(frozen=True)
+class Pat:
+    ops: Collection[Op] | None = None      # None: any node
+    name: str = ""                         # bind the matched node under this name
+    src: tuple[Pat | None, ...] = ()       # patterns of the first inputs (None: any)
+    one_use: bool = False                  # its value must be read by the matched parent only
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    pattern: Pat
+    rewrite: Callable[[Rewriter, Bindings], int | None]
+
+
+def match(rw: Rewriter, pat: Pat, i: int, bound: Bindings, problems: list[str],
+          parent: int | None = None) -> bool:
+    """Structural match of `pat` at node i; conditions that fail are appended to `problems`."""
+    n = rw.node(i)
+    if pat.ops is not None and n.op not in pat.ops:
+        return False
+    if len(n.inputs) < len(pat.src):
+        return False
+    if pat.name:
+        if pat.name in bound and bound[pat.name] != i:
+            return False
+        bound[pat.name] = i
+    if pat.one_use and parent is not None:
+        others = [u for u in rw.users(i) if u != parent]
+        if others:
+            problems.append(f"%{i} ({n.op.value}) is also read by "
+                            + ", ".join(f"%{u} ({rw.op(u).value})" for u in others))
+    for sub, j in zip(pat.src, n.inputs):
+        if sub is not None and not match(rw, sub, j, bound, problems, parent=i):
+            return False
+    return True
+
+
+def apply_rules(rw: Rewriter, rules: Collection[Rule], *, max_rounds: int = 8) -> None:
+    """Try every rule at every node until nothing changes; records each decision."""
+    by_op: dict[Op | None, list[Rule]] = {}
+    for r in rules:
+        for op in (r.pattern.ops or [None]):
+            by_op.setdefault(op, []).append(r)
+    refused: dict[tuple[str, int], str] = {}
+    for _ in range(max_rounds):
+        progress = False
+        for i in rw.order():
+            if rw.is_dead(i):
+                continue
+            for rule in by_op.get(rw.op(i), []) + by_op.get(None, []):
+                bound: Bindings = {}
+                problems: list[str] = []
+                if not match(rw, rule.pattern, i, bound, problems):
+                    continue
+                if problems:
+                    refused[(rule.name, i)] = "; ".join(problems)
+                    continue
+                try:
+                    new = rule.rewrite(rw, bound)
+                except Refusal as r:
+                    refused[(rule.name, i)] = r.why
+                    continue
+                if new is None:
+                    continue
+                rw.ctx.applied(rule.name, rw.describe(i))
+                rw.replace(i, new)
+                refused.pop((rule.name, i), None)
+                progress = True
+                break
+        if not progress:
+            break
+    for (rule_name, i), why in refused.items():
+        # a node this pass made is already a fusion; only the graph's own nodes are reported
+        if i < len(rw.g.nodes) and not rw.is_dead(i):
+            rw.ctx.refused(rule_name, rw.describe(i), why)

@@ -1,0 +1,97 @@
+"""Passes by name, and pipelines as lists of names.
+
+A pass is a function ``(Graph, PassContext) -> Graph`` registered with ``register_pass`` under a
+name and a kind: *exact* passes keep the function up to rounding (and are translation-validated),
+*architecture* passes change the model on purpose and never run unless named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from archc.errors import ArchcError
+from archc.ir.graph import Graph
+from archc.passes.context import PassContext
+
+PassFn = Callable[[Graph, PassContext], Graph]
+Kind = Literal["exact", "architecture"]
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    kind: Kind
+    summary: str
+    fn: PassFn
+
+
+PASSES: dict[str, Pass] = {}
+
+
+def register_pass(name: str, kind: Kind, summary: str) -> Callable[[PassFn], PassFn]:
+    def register(fn: PassFn) -> PassFn:
+        if name in PASSES:
+            raise ValueError(f"pass {name!r} registered twice")
+        PASSES[name] = Pass(name, kind, summary, fn)
+        return fn
+    return register
+
+
+# The default pipeline, in order. Attention is recognised first (its structure is what the
+# projection merges trace from), projections are merged before norms fold (one prologue per
+# merged matmul), and the epilogue fusions run last, over merged projections.
+DEFAULT_PIPELINE: tuple[str, ...] = (
+    "fold-biases",
+    "share-kv-heads",
+    "flash-attention",
+    "merge-qkv",
+    "fold-norms",
+    "fuse-glu",
+    "merge-parallel",
+    "fuse-rope",
+    "fuse-kv-write",
+    "fuse-epilogue",
+    "fuse-residual",
+    "fuse-moe",
+    "fuse-pointwise",
+    "select-kernels",
+    "cse",
+    "dce",
+)
+
+PIPELINES: dict[str, tuple[str, ...]] = {"default": DEFAULT_PIPELINE, "none": ()}
+
+
+def known() -> str:
+    return ", ".join(list(PIPELINES) + list(PASSES))
+
+
+def resolve_pipeline(pipeline: str | Sequence[str]) -> list[str]:
+    """Pass names of a pipeline given by name ("default", "none"), as a comma-separated list
+    of pass names, or as a sequence of names."""
+    if isinstance(pipeline, str):
+        if pipeline in PIPELINES:
+            return list(PIPELINES[pipeline])
+        names = [p.strip() for p in pipeline.split(",") if p.strip()]
+    else:
+        names = list(pipeline)
+    out: list[str] = []
+    for name in names:
+        if name in PIPELINES:
+            out += PIPELINES[name]
+        elif name in PASSES:
+            out.append(name)
+        else:
+            import difflib
+            close = difflib.get_close_matches(name, list(PASSES) + list(PIPELINES), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ArchcError(f"unknown pass {name!r}{hint}; known: {known()}")
+    return out
+
+
+def check_pass_name(name: str) -> str:
+    if name not in PASSES:
+        resolve_pipeline([name])
+    return name

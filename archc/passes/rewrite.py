@@ -1,0 +1,228 @@
+"""Editing a graph inside a pass: add nodes, redirect uses, drop what the edit made dead.
+
+A ``Rewriter`` holds a graph's nodes by id while a pass edits them. New nodes get new ids and a
+position key just before an anchor node, so the printed graph keeps the order a reader expects;
+``finish`` sorts topologically (by key among the nodes that are ready), renumbers, and drops the
+nodes the edits made dead. Nodes that were already dead before the pass are left for ``dce``.
+A pass that changed nothing gets its own graph object back.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import sympy
+
+from archc.errors import IRError
+from archc.ir.attrs import Attrs, Call
+from archc.ir.graph import Graph, Node, infer
+from archc.ir.ops import Op, ShapeError
+from archc.ir.paramexpr import leaf
+from archc.ir.shapes import Shape
+from archc.ir.text import format_call, format_node
+from archc.passes.context import PassContext, Refusal
+
+
+def has_side_effect(n: Node) -> bool:
+    """Writes the KV cache: live even when nothing in the graph reads its value."""
+    if n.op == Op.KV_CACHE:
+        return True
+    return n.op == Op.FUSED_LINEAR and any(st.fn == "kv_write" for st in n.attr("epilogue", ()))
+
+
+def live_nodes(nodes: dict[int, Node], killed: Iterable[int] = ()) -> set[int]:
+    """Nodes reachable (through inputs) from outputs, inputs and side effects."""
+    dead = set(killed)
+    stack = [i for i, n in nodes.items() if i not in dead and (
+        n.op in (Op.OUTPUT, Op.INPUT) or has_side_effect(n))]
+    live: set[int] = set()
+    while stack:
+        i = stack.pop()
+        if i in live:
+            continue
+        live.add(i)
+        stack.extend(nodes[i].inputs)
+    return live
+
+
+class Rewriter:
+    def __init__(self, g: Graph, ctx: PassContext) -> None:
+        self.g = g
+        self.ctx = ctx
+        self.nodes: dict[int, Node] = dict(enumerate(g.nodes))
+        self.key: dict[int, float] = {i: float(i) for i in self.nodes}
+        self._users: dict[int, list[int]] = {i: [] for i in self.nodes}
+        for i, n in self.nodes.items():
+            for j in n.inputs:
+                self._users[j].append(i)
+        self._live_before = live_nodes(self.nodes)
+        self._next = len(g.nodes)
+        self._seq = 0
+        self.killed: set[int] = set()
+        self.gone: set[int] = set()      # replaced or killed: their reads no longer count
+        self.changed = False
+        self.param_names = {n.name for n in g.nodes if n.op == Op.PARAM}
+
+    # ---- reading ---------------------------------------------------------------------------
+    def node(self, i: int) -> Node:
+        return self.nodes[i]
+
+    def op(self, i: int) -> Op:
+        return self.nodes[i].op
+
+    def users(self, i: int) -> list[int]:
+        """Distinct live users of node i, in graph order."""
+        return sorted(set(u for u in self._users[i] if u not in self.gone),
+                      key=lambda u: self.key[u])
+
+    def is_dead(self, i: int) -> bool:
+        """Replaced or removed: nothing reads it and it is not a root."""
+        if i in self.gone:
+            return True
+        n = self.nodes[i]
+        return not self.users(i) and n.op not in (Op.OUTPUT, Op.INPUT) and \
+            not has_side_effect(n)
+
+    def single_user(self, i: int) -> int | None:
+        us = self.users(i)
+        return us[0] if len(us) == 1 else None
+
+    def shape(self, i: int) -> Shape:
+        return self.nodes[i].shape
+
+    def width(self, i: int) -> int:
+        return int(self.nodes[i].shape[-1])
+
+    def order(self) -> list[int]:
+        """Live node ids in position order (a snapshot; safe to edit while iterating)."""
+        return sorted((i for i in self.nodes if i not in self.gone), key=lambda i: self.key[i])
+
+    def describe(self, i: int) -> str:
+        """Node i in text form: as the pass received it, or as this pass made it."""
+        if i < len(self.g.nodes):
+            return self.ctx.describe(i)
+        return format_node(i, self.nodes[i]) + "  (made by this pass)"
+
+    def param_expr(self, i: int) -> Call:
+        """The parameter expression of param node i (its checkpoint tensor if it has none)."""
+        n = self.nodes[i]
+        if n.op != Op.PARAM:
+            raise Refusal(f"%{i} is a {n.op.value}, not a parameter, so it cannot be rewritten "
+                          "at weight-load time")
+        return n.attr("expr") or leaf(n.name)
+
+    # ---- editing ---------------------------------------------------------------------------
+    def _new(self, node: Node, at: int) -> int:
+        i = self._next
+        self._next += 1
+        self._seq += 1
+        self.nodes[i] = node
+        self.key[i] = self.key[at] - 0.5 + self._seq * 1e-6
+        self._users[i] = []
+        for j in node.inputs:
+            self._users[j].append(i)
+        return i
+
+    def provenance(self, like: Sequence[int]) -> tuple[str, tuple[str, ...]]:
+        """Origin of the first node `like`, and the passes of all of them plus this one."""
+        passes: list[str] = []
+        for j in like:
+            passes += [p for p in self.nodes[j].passes if p not in passes]
+        if self.ctx.pass_name not in passes:
+            passes.append(self.ctx.pass_name)
+        return self.nodes[like[0]].origin, tuple(passes)
+
+    def emit(self, op: Op, inputs: Sequence[int], *, like: Sequence[int], at: int | None = None,
+             **attrs: Any) -> int:
+        """A new node of `op` over `inputs`, its shape from the op's rule. It takes its origin
+        from `like[0]` and the passes of all `like` nodes; it is placed just before `at`
+        (default `like[0]`)."""
+        at_ = like[0] if at is None else at
+        a = Attrs({k: v for k, v in attrs.items() if v is not None})
+        try:
+            shape, dtype = infer(op, [self.nodes[j].shape for j in inputs],
+                                 [self.nodes[j].dtype for j in inputs], a)
+        except ShapeError as err:
+            raise IRError(f"pass {self.ctx.pass_name}: cannot build "
+                          f"{format_call(op, inputs, a)}: {err}") from None
+        origin, passes = self.provenance(like)
+        return self._new(Node(op, tuple(inputs), a, shape, dtype, origin, passes), at_)
+
+    def add_param(self, base: str, expr: Call, shape: Shape, dtype: str, *,
+                  like: Sequence[int], at: int) -> int:
+        """A new parameter computed at weight-load time from `expr`, named after `base`."""
+        name, k = base, 2
+        while name in self.param_names:
+            name, k = f"{base}#{k}", k + 1
+        self.param_names.add(name)
+        origin, passes = self.provenance(like)
+        dims = tuple(sympy.Integer(int(d)) for d in shape)
+        return self._new(Node(Op.PARAM, (), Attrs(name=name, expr=expr), dims, dtype, origin,
+                              passes), at)
+
+    def replace(self, old: int, new: int) -> None:
+        """Every use of `old` reads `new` instead."""
+        if old == new:
+            return
+        for u in self.users(old):
+            n = self.nodes[u]
+            self.nodes[u] = n.replace(inputs=tuple(new if j == old else j for j in n.inputs))
+            self._users[new].append(u)
+        self._users[old] = []
+        self.gone.add(old)
+        self.changed = True
+
+    def rewire(self, i: int, inputs: Sequence[int]) -> None:
+        """Node i reads `inputs` (same op, attrs and shape)."""
+        n = self.nodes[i]
+        for j in set(n.inputs):
+            self._users[j] = [u for u in self._users[j] if u != i]
+        self.nodes[i] = n.replace(inputs=tuple(inputs))
+        for j in inputs:
+            self._users[j].append(i)
+        self.changed = True
+
+    def kill(self, i: int) -> None:
+        """Remove node i (a cache write replaced by an epilogue); nothing may still read it."""
+        if self.users(i):
+            raise IRError(f"pass {self.ctx.pass_name}: cannot remove %{i}, still read by "
+                          f"{', '.join(f'%{u}' for u in self.users(i))}")
+        self.killed.add(i)
+        self.gone.add(i)
+        self.changed = True
+
+    # ---- result ----------------------------------------------------------------------------
+    def finish(self) -> Graph:
+        """The edited graph, sorted and renumbered; the original object if nothing changed."""
+        if not self.changed:
+            return self.g
+        live = live_nodes(self.nodes, self.killed)
+        n_orig = len(self.g.nodes)
+        keep = {i for i in self.nodes if i not in self.killed and (
+            i in live or (i < n_orig and i not in self._live_before))}
+        indegree = {i: sum(1 for j in set(self.nodes[i].inputs)) for i in keep}
+        users: dict[int, set[int]] = {i: set() for i in keep}
+        for i in keep:
+            for j in set(self.nodes[i].inputs):
+                if j not in keep:
+                    raise IRError(f"pass {self.ctx.pass_name}: %{i} reads %{j}, which was "
+                                  "removed")
+                users[j].add(i)
+        ready = [(self.key[i], i) for i in keep if indegree[i] == 0]
+        heapq.heapify(ready)
+        order: list[int] = []
+        while ready:
+            _, i = heapq.heappop(ready)
+            order.append(i)
+            for u in users[i]:
+                indegree[u] -= 1
+                if indegree[u] == 0:
+                    heapq.heappush(ready, (self.key[u], u))
+        if len(order) != len(keep):
+            raise IRError(f"pass {self.ctx.pass_name}: the edited graph has a cycle")
+        number = {old: new for new, old in enumerate(order)}
+        nodes = tuple(self.nodes[i].replace(inputs=tuple(number[j] for j in self.nodes[i].inputs))
+                      for i in order)
+        return Graph(self.g.name, nodes)

@@ -1,0 +1,102 @@
+"""Finding attention in a graph: the score chain after `scores`, and the projections that feed
+q, k and v through views, per-head norms, RoPE, the KV cache and `repeat_kv`.
+
+Passes that reason about attention (bias folding, Q/K/V merging, flash attention) share these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from archc.ir.ops import Op
+from archc.passes.rewrite import Rewriter
+
+# Score modifiers as lowering emits them, in the order the `attention` op applies them.
+MODIFIERS = (Op.SCALE, Op.SOFTCAP, Op.ALIBI, Op.REL_BIAS, Op.MASK)
+
+# Ops a q/k/v value may pass through between its projection and the attention that reads it.
+HEAD_PATH = frozenset({Op.SPLIT_HEADS, Op.SLICE, Op.ROPE, Op.RMSNORM, Op.LAYERNORM, Op.NORM,
+                       Op.KV_CACHE, Op.REPEAT_KV})
+
+
+@dataclass
+class ScoreChain:
+    """scores → modifiers → softmax → weighted_sum → merge_heads, following single users."""
+
+    scores: int
+    modifiers: list[int] = field(default_factory=list)
+    softmax: int | None = None
+    wsum: int | None = None
+    merge: int | None = None
+    problem: str = ""          # why the chain stops short, if it does
+
+    def modifier(self, rw: Rewriter, op: Op) -> int | None:
+        for i in self.modifiers:
+            if rw.op(i) == op:
+                return i
+        return None
+
+
+def score_chain(rw: Rewriter, scores: int) -> ScoreChain:
+    chain = ScoreChain(scores)
+    cur = scores
+    while True:
+        users = rw.users(cur)
+        if len(users) != 1:
+            chain.problem = (f"%{cur} ({rw.op(cur).value}) is read by "
+                             f"{len(users)} nodes, not only by the next step of attention")
+            return chain
+        nxt = users[0]
+        op = rw.op(nxt)
+        if op in MODIFIERS and rw.node(nxt).inputs[0] == cur:
+            chain.modifiers.append(nxt)
+            cur = nxt
+            continue
+        if op == Op.SOFTMAX:
+            chain.softmax = nxt
+            break
+        chain.problem = f"%{nxt} ({op.value}) between scores and softmax is not a score modifier"
+        return chain
+    users = rw.users(chain.softmax)
+    if len(users) != 1 or rw.op(users[0]) != Op.WEIGHTED_SUM or \
+            rw.node(users[0]).inputs[0] != chain.softmax:
+        chain.problem = f"the probabilities %{chain.softmax} are read by something other than " \
+                        "one weighted_sum"
+        return chain
+    chain.wsum = users[0]
+    users = rw.users(chain.wsum)
+    if len(users) == 1 and rw.op(users[0]) == Op.MERGE_HEADS:
+        chain.merge = users[0]
+    else:
+        chain.problem = f"the head outputs %{chain.wsum} are not merged by one merge_heads"
+    return chain
+
+
+def trace_up(rw: Rewriter, i: int) -> tuple[list[int], int]:
+    """Walk from node i up its first input while the op is a head-path op; returns the path
+    (nearest first) and the node it stops at."""
+    path: list[int] = []
+    while rw.op(i) in HEAD_PATH:
+        path.append(i)
+        i = rw.node(i).inputs[0]
+    return path, i
+
+
+def attention_operands(rw: Rewriter, i: int) -> dict[str, int] | None:
+    """For an attention site (a `scores` or `attention` node): the nodes its q, k and v come
+    from, when it reads them as inputs."""
+    n = rw.node(i)
+    if n.op == Op.SCORES:
+        chain = score_chain(rw, i)
+        if chain.wsum is None:
+            return None
+        return {"q": n.inputs[0], "k": n.inputs[1], "v": rw.node(chain.wsum).inputs[1]}
+    if n.op == Op.ATTENTION:
+        if n.attr("cache_layer") is not None:
+            return {"q": n.inputs[0]}
+        return {"q": n.inputs[0], "k": n.inputs[1], "v": n.inputs[2]}
+    return None
+
+
+def attention_sites(rw: Rewriter) -> list[int]:
+    return [i for i in rw.order() if rw.op(i) in (Op.SCORES, Op.ATTENTION)]

@@ -1,0 +1,381 @@
+"""The pass pipeline: its infrastructure, the rules of each pass, the kernel-level contract with
+codegen, and the commands that show every step."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import sympy
+import torch
+
+import archc
+from archc.cli import main
+from archc.errors import ArchcError
+from archc.ir.attrs import Call
+from archc.ir.cost import without_layers
+from archc.ir.graph import Graph, GraphBuilder, Program
+from archc.ir.lower import lower
+from archc.ir.ops import KERNEL_LEVEL, VIEW, Op
+from archc.ir.shapes import B, T, shape
+from archc.ir.text import format_program, parse_program
+from archc.passes import (
+    DEFAULT_PIPELINE,
+    PASSES,
+    PassFailure,
+    optimize,
+    register_pass,
+    run_pipeline,
+)
+from archc.passes.context import PassContext
+from archc.passes.manager import run_pass
+from archc.passes.measure import kernels_per_layer, kv_cache_bytes_per_token
+from archc.runtime.eager import EagerContext, run_graph
+from archc.runtime.weights import random_weights
+from archc.spec import load_spec
+from tests.conftest import ALL_SPECS, TINY_SPECS
+
+# Compute nodes per block after the default pipeline (embedding and head aside), for every zoo
+# spec. The contract allows 5 for a pre-norm serial block; a change here is a visible diff.
+KERNELS_PER_BLOCK = {
+    "bert-base": 7, "bloom-560m": 5, "falcon-7b": 3, "gemma2-9b": 7, "gpt-j-6b": 3,
+    "gpt-neox-20b": 3, "gpt1": 7, "gpt2": 5, "llama2-70b": 5, "llama2-7b": 5, "llama3-8b": 5,
+    "mistral-7b": 5, "mixtral-8x7b": 8, "phi-2": 3, "qwen2-7b": 5, "smollm2-135m": 5,
+    "t5-small": 7,
+    "tiny-bert": 7, "tiny-bloom": 5, "tiny-falcon": 3, "tiny-gemma2": 7, "tiny-gpt1": 7,
+    "tiny-gpt2": 5, "tiny-gptj": 3, "tiny-llama2": 5, "tiny-llama2-70b": 5, "tiny-llama3": 5,
+    "tiny-mistral": 5, "tiny-mixtral": 8, "tiny-neox": 3, "tiny-phi2": 3, "tiny-qwen2": 5,
+    "tiny-smollm2": 5, "tiny-t5": 7,
+}
+
+
+@functools.cache
+def optimized(name: str) -> Program:
+    return optimize(lower(load_spec(name)))
+
+
+def ops(p: Program) -> set[Op]:
+    return {n.op for g in p for n in g}
+
+
+def param_exprs(p: Program) -> dict[str, Call | None]:
+    return {n.name: n.attr("expr") for g in p for n in g if n.op == Op.PARAM}
+
+
+def decisions(name: str, pass_name: str, rule: str) -> list:
+    run = run_pipeline(lower(load_spec(name)))
+    return [d for d in run.step(pass_name).decisions if d.rule == rule]
+
+
+# ---- the contract with codegen ---------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ALL_SPECS)
+def test_default_pipeline_leaves_only_kernel_level_ops(name: str) -> None:
+    p = optimized(name)
+    allowed = KERNEL_LEVEL | VIEW | {Op.EMBEDDING, Op.INPUT, Op.PARAM, Op.OUTPUT}
+    left = {f"%{i} {n.op.value}" for g in p for i, n in enumerate(g) if n.op not in allowed}
+    assert not left, f"unfused ops survive the default pipeline: {sorted(left)[:5]}"
+
+
+@pytest.mark.parametrize("name", ALL_SPECS)
+def test_kernels_per_block(name: str) -> None:
+    before, after = kernels_per_layer(load_spec(name))
+    assert after == KERNELS_PER_BLOCK[name]
+    assert before > 2 * after
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "tiny-llama3"])
+def test_llama3_block_is_five_kernels(name: str) -> None:
+    spec = load_spec(name)
+    p, base = optimized(name), optimize(lower(without_layers(spec)))
+    per_layer = [[n for n in g if n.op in KERNEL_LEVEL] for g in p]
+    kernels = sum(len(k) for k in per_layer) - sum(len(g.compute_ids()) for g in base)
+    assert kernels / spec.layers <= 6
+    kinds = [n for n in p.graphs[0] if n.op in KERNEL_LEVEL][:5]
+    steps = [[st.fn for st in n.attr("epilogue", ())] for n in kinds]
+    assert [n.op for n in kinds] == [Op.FUSED_LINEAR, Op.ATTENTION, Op.FUSED_LINEAR,
+                                     Op.FUSED_LINEAR, Op.FUSED_LINEAR]
+    assert steps == [["rms_scale", "rope", "kv_write"], [], ["residual"], ["rms_scale", "glu"],
+                     ["residual"]]
+    assert kinds[0].attr("prologue") == "rms" and kinds[1].attr("cache_layer") == 0
+
+
+def test_kv_cache_bytes_are_counted_in_either_form() -> None:
+    spec = load_spec("llama3-8b")
+    unfused = lower(spec, "bf16")
+    # 2 (k, v) · 32 layers · 8 KV heads · 128 dims · 2 bytes
+    want = 2 * 32 * 8 * 128 * 2
+    assert kv_cache_bytes_per_token(unfused) == want
+    assert kv_cache_bytes_per_token(optimize(unfused)) == want
+
+
+# ---- infrastructure --------------------------------------------------------------------------
+
+def test_unknown_pass_names_the_known_ones() -> None:
+    with pytest.raises(ArchcError, match=r"unknown pass 'fold-norm' \(did you mean fold-norms"
+                                         r"\?\); known: default, none, .*fuse-glu"):
+        run_pipeline(lower(load_spec("tiny-llama3")), "merge-qkv,fold-norm")
+
+
+def test_every_pass_is_registered_and_the_default_pipeline_is_exact() -> None:
+    assert set(DEFAULT_PIPELINE) <= set(PASSES)
+    assert all(PASSES[name].kind == "exact" for name in DEFAULT_PIPELINE)
+    assert all(p.summary and p.kind in ("exact", "architecture") for p in PASSES.values())
+
+
+def test_a_pass_that_does_not_apply_returns_the_same_object() -> None:
+    program = lower(load_spec("tiny-llama3"))
+    step = run_pass(program, "fold-biases")     # llama has no biases
+    assert step.after is step.before is program and not step.changed
+    assert step.log == ("fold-biases: graph decoder: not applied",)
+    assert run_pipeline(program, "none").program is program
+
+
+def test_the_pipeline_is_a_fixed_point() -> None:
+    for name in TINY_SPECS:
+        p = optimized(name)
+        assert run_pipeline(p).program is p, name
+
+
+@pytest.fixture
+def broken_pass() -> str:
+    @register_pass("test-break-shapes", "exact", "breaks a shape, for the test")
+    def breaks(g: Graph, ctx: PassContext) -> Graph:
+        i = next(i for i, n in enumerate(g) if n.op == Op.MATMUL)
+        n = g.nodes[i]
+        bad = n.replace(shape=(*n.shape[:-1], n.shape[-1] + 1))
+        return Graph(g.name, g.nodes[:i] + (bad,) + g.nodes[i + 1:])
+    yield "test-break-shapes"
+    del PASSES["test-break-shapes"]
+
+
+def test_a_failing_pass_is_named_with_those_before_it(broken_pass: str) -> None:
+    with pytest.raises(PassFailure, match=r"pass test-break-shapes \(after: fold-biases, "
+                                          r"share-kv-heads\) left an invalid graph: verifier: "
+                                          r"graph decoder: %\d+ : f32\[B,T,65\] = matmul"):
+        run_pipeline(lower(load_spec("tiny-llama3")),
+                     ["fold-biases", "share-kv-heads", broken_pass])
+
+
+def test_provenance_records_origin_and_passes_and_round_trips() -> None:
+    p = optimized("tiny-llama3")
+    qkv = next(n for n in p.graphs[0] if n.op == Op.FUSED_LINEAR)
+    assert qkv.origin == "attention.heads"
+    assert qkv.passes == ("merge-qkv", "fold-norms", "fuse-rope", "fuse-kv-write")
+    embedding = next(n for n in p.graphs[0] if n.op == Op.EMBEDDING)
+    assert embedding.passes == ()
+    for name in TINY_SPECS:
+        q = optimized(name)
+        assert parse_program(format_program(q, provenance=True)) == q
+        assert parse_program(format_program(q)) == dataclasses.replace(q, graphs=tuple(
+            Graph(g.name, tuple(n.replace(origin="", passes=()) for n in g)) for g in q))
+
+
+def test_rewritten_weights_are_parameter_expressions() -> None:
+    exprs = param_exprs(optimized("tiny-llama3"))
+    qkv = exprs["layers.0.attn.q+k+v.weight*attn_norm"]
+    assert qkv == Call("mul", (Call("cat", tuple(Call("w", (f"layers.0.attn.{r}.weight",))
+                                                 for r in "qkv"), (("dim", 0),)),
+                               Call("w", ("layers.0.attn_norm.weight",))))
+    assert "layers.0.attn.q.weight" not in exprs       # read only through the expression
+
+
+# ---- the rules of each pass ------------------------------------------------------------------
+
+def test_key_bias_is_dropped_where_softmax_cannot_see_it() -> None:
+    [d0, d1] = decisions("tiny-gpt2", "fold-biases", "key-bias")
+    assert d0.applied and d1.applied
+    assert not any("attn.k.bias" in str(e) for e in param_exprs(optimized("tiny-gpt2")).values())
+
+
+def test_key_bias_stays_under_rope() -> None:
+    found = decisions("tiny-qwen2", "fold-biases", "key-bias")
+    assert found and all(not d.applied and "rope" in d.reason for d in found)
+    exprs = param_exprs(optimized("tiny-qwen2"))
+    assert any("attn.k.bias" in str(e) for e in exprs.values())
+
+
+def test_key_bias_stays_under_a_softcap() -> None:
+    spec = load_spec("tiny-gpt2")
+    spec = dataclasses.replace(spec, attention=dataclasses.replace(spec.attention, softcap=5.0))
+    step = run_pass(lower(spec), "fold-biases")
+    keys = [d for d in step.decisions if d.rule == "key-bias"]
+    assert keys and all(not d.applied and "softcap" in d.reason for d in keys)
+
+
+def test_value_bias_folds_into_the_output_bias_per_kv_head() -> None:
+    exprs = param_exprs(optimized("tiny-qwen2"))
+    bias = exprs["layers.0.attn.o+v.bias"]
+    # qwen2 has no output bias: b_o' = W_o · repeat_heads(b_v), KV head h // 2 per query head
+    assert bias == Call("mm", (Call("w", ("layers.0.attn.o.weight",)), Call(
+        "repeat_heads", (Call("w", ("layers.0.attn.v.bias",)),), (("groups", 2),
+                                                                  ("heads", 2)))))
+
+
+def test_value_bias_stays_where_a_row_can_be_fully_masked() -> None:
+    found = decisions("tiny-bert", "fold-biases", "value-bias")
+    assert found and all(not d.applied and "padding" in d.reason for d in found)
+
+
+def test_zero_bias_vanishes() -> None:
+    b = GraphBuilder("g")
+    x = b.input("x", shape(B, T, 8), "f32")
+    w = b.param("w", shape(4, 8), "f32")
+    zero = b.param("b", shape(4), "f32", expr=Call("zeros", (), (("shape", (4,)),)))
+    b.output("y", b.emit(Op.BIAS_ADD, b.emit(Op.MATMUL, x, w), zero))
+    p = Program("m", (b.build(),))
+    after = run_pass(p, "fold-biases").after
+    assert ops(after) == {Op.INPUT, Op.PARAM, Op.MATMUL, Op.OUTPUT}
+
+
+def test_norm_folds_into_every_reader_or_stays() -> None:
+    gpt2 = optimized("tiny-gpt2")
+    qkv = next(n for n in gpt2.graphs[0] if n.op == Op.FUSED_LINEAR)
+    assert qkv.attr("prologue") == "layer"
+    assert [st.fn for st in qkv.attr("epilogue")] == ["ln_scale", "bias", "kv_write"]
+    [tied] = decisions("tiny-smollm2", "fold-norms", "fold-rmsnorm")[-1:]
+    assert tied.verdict == "profitability" and "embed.weight" in tied.reason
+    post = decisions("tiny-gemma2", "fold-norms", "fold-rmsnorm")
+    assert sum(not d.applied and "(add)" in d.reason for d in post) == 8   # 2 post-norms × 4
+    exprs = param_exprs(optimized("tiny-gemma2"))
+    assert Call("offset", (Call("w", ("layers.0.attn_norm.weight",)),), (("by", 1.0),)) in \
+        exprs["layers.0.attn.q+k+v.weight*attn_norm"].args
+
+
+def test_parallel_blocks_are_three_kernels() -> None:
+    p = optimized("tiny-falcon")
+    first = [n for n in p.graphs[0] if n.op in KERNEL_LEVEL][:3]
+    assert [n.op for n in first] == [Op.FUSED_LINEAR, Op.ATTENTION, Op.FUSED_LINEAR]
+    merged_in, _, merged_out = first
+    acts = [st for st in merged_in.attr("epilogue") if st.fn == "act"]
+    assert acts == [Call("act", (), (("fn", "gelu"), ("start", 96), ("stop", 352)))]
+    assert merged_out.attr("concat_k") is True
+
+
+def test_mixture_of_experts_becomes_router_and_grouped_matmuls() -> None:
+    kinds = [n.op for n in optimized("tiny-mixtral").graphs[0] if n.op in KERNEL_LEVEL]
+    assert kinds[:8] == [Op.FUSED_LINEAR, Op.ATTENTION, Op.FUSED_LINEAR, Op.NORM,
+                         Op.TOPK_ROUTER, Op.MOE_LINEAR, Op.MOE_LINEAR, Op.POINTWISE]
+
+
+def test_qk_norm_keeps_rope_separate_and_says_why() -> None:
+    spec = load_spec("tiny-llama3")
+    spec = dataclasses.replace(spec, attention=dataclasses.replace(spec.attention,
+                                                                   qk_norm=True))
+    program = lower(spec)
+    run = run_pipeline(program)
+    assert Op.ROPE in ops(run.program)         # no kernel-level form after a per-head norm
+    refused = [d for d in run.step("fuse-rope").decisions if not d.applied]
+    assert len(refused) == 4            # q and k of 2 layers
+    assert all("(rmsnorm), not heads split from a projection's columns" in d.reason
+               for d in refused)
+    checkpoint = random_weights(program, seed=3)
+    ids = torch.randint(0, spec.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    outs = [archc.api.EagerSession(p, checkpoint, max_seq_len=64).step(ids)
+            for p in (program, run.program)]
+    assert (outs[0] - outs[1]).abs().max() <= 1e-5 * outs[0].abs().max()
+
+
+def _values(g: Graph, x: torch.Tensor) -> torch.Tensor:
+    params = {n.name: torch.full(tuple(int(d) for d in n.shape), 0.5) for n in g
+              if n.op == Op.PARAM}
+    return run_graph(g, params, {"x": x}, EagerContext({"B": 1, "T": 3, "P": 0}))["y"]
+
+
+def test_cse_merges_repeated_work_and_dce_drops_dead_nodes() -> None:
+    b = GraphBuilder("g")
+    x = b.input("x", shape(B, T, 8), "f32")
+    w = b.param("w", shape(8, 8), "f32")
+    one = b.emit(Op.ACT, b.emit(Op.MATMUL, x, w), fn="silu")
+    two = b.emit(Op.ACT, b.emit(Op.MATMUL, x, w), fn="silu")
+    b.emit(Op.SCALE, x, factor=2.0)                              # read by nothing
+    b.output("y", b.emit(Op.ADD, one, two))
+    g = b.build()
+    p = Program("m", (g,))
+    after_cse = run_pass(p, "cse").after
+    assert len(after_cse.graphs[0]) == len(g) - 2
+    after_dce = run_pass(after_cse, "dce").after
+    assert Op.SCALE not in ops(after_dce)
+    x_val = torch.randn(1, 3, 8)
+    assert torch.allclose(_values(g, x_val), _values(after_dce.graphs[0], x_val))
+    assert run_pass(after_dce, "dce").after is after_dce
+
+
+def test_cse_never_merges_cache_writes() -> None:
+    p = optimized("tiny-llama3")
+    assert run_pass(p, "cse").after is p
+
+
+# ---- the commands ----------------------------------------------------------------------------
+
+def test_passes_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["passes", "tiny-llama3", "--tokens", "4", "--past", "3"]) == 0
+    out = capsys.readouterr().out
+    for name in DEFAULT_PIPELINE:
+        assert name in out
+    assert "merge-qkv ×2" in out and "not applied" in out
+    assert "kernels per block (embedding and head aside): 24 unfused → 5" in out
+
+
+def test_ir_after_diff_and_print_after_all(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ir", "tiny-llama3", "--after", "fuse-glu"]) == 0
+    assert 'glu(fn="silu")' in capsys.readouterr().out
+    assert main(["ir", "tiny-llama3", "--diff", "fuse-glu"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("--- before fuse-glu\n+++ after fuse-glu\n")
+    assert any(line.startswith("-") and "= mul(" in line for line in out.splitlines())
+    assert main(["ir", "tiny-llama3", "--print-after-all"]) == 0
+    out = capsys.readouterr().out
+    assert "; *** IR after fold-biases (exact, pass 1 of 16) *** not applied" in out
+    assert out.count("program tiny-llama3") == 1 + sum(
+        s.changed for s in run_pipeline(lower(load_spec("tiny-llama3"))).steps)
+    assert main(["ir", "tiny-llama3", "--passes", "default", "--provenance"]) == 0
+    assert 'passes=["merge-qkv", "fold-norms", "fuse-rope", "fuse-kv-write"]' in \
+        capsys.readouterr().out
+
+
+def test_explain_names_the_rule(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explain", "tiny-qwen2"]) == 0
+    out = capsys.readouterr().out
+    assert "fold-biases · key-bias — not legal ×2" in out
+    assert "rope %" in out and "bias_add(" in out
+    assert main(["explain", "tiny-llama3"]) == 0
+    assert "every fusion the pipeline looked for was made" in capsys.readouterr().out
+
+
+def test_diff_two_variants(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["diff", "tiny-falcon", "tiny-llama3"]) == 0
+    out = capsys.readouterr().out
+    for row in ("nodes", "kernels per block", "parameters", "FLOPs per token",
+                "bytes moved per token", "KV cache per token"):
+        assert row in out
+    assert "256 B" in out and "512 B" in out      # falcon's one KV head vs llama3's two
+
+
+@pytest.mark.parametrize("argv", [["ir", "tiny-llama3", "--after", "nope"],
+                                  ["passes", "tiny-llama3", "--passes", "merge-qkv,nope"],
+                                  ["explain", "tiny-llama3", "--passes", "nope"],
+                                  ["ir", "tiny-llama3", "--after", "merge-parallel",
+                                   "--passes", "merge-qkv"]])
+def test_bad_arguments_give_one_message(argv: list[str],
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error:" in err and "pass" in err
+
+
+def test_compile_runs_the_pipeline_for_the_eager_backend() -> None:
+    model = archc.load("tiny-gemma2")
+    unfused, fused = model.compile("eager"), model.compile("eager", passes="default")
+    assert Op.ATTENTION in ops(fused.program) and Op.ATTENTION not in ops(unfused.program)
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    a, b = unfused(ids), fused(ids)
+    assert (a - b).abs().max() <= 1e-5 * a.abs().max()
+    assert unfused.generate(ids, 4).tolist() == fused.generate(ids, 4).tolist()
+
+
+def test_symbolic_shapes_of_new_parameters_are_sympy() -> None:
+    for g in optimized("tiny-neox"):
+        for n in g:
+            assert all(isinstance(d, sympy.Expr) for d in n.shape), n
