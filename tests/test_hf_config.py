@@ -90,6 +90,8 @@ def test_gemma2_alternates_local_and_global(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("config", "message"), [
+    ({**LLAMA, "partial_rotary_factor": 0.5}, r"partial_rotary_factor: 0.5 cannot be honoured"
+     r".*rotates whole heads"),
     ({**LLAMA, "hidden_act": "gelu"}, r"hidden_act: 'gelu' cannot be honoured.*exact \(erf\)"),
     ({**LLAMA, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
                                    "truncate": False}}, r"rope_parameters.truncate: False"),

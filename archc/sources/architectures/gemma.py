@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from archc.sources.architectures.base import Architecture, Checkpoint
-from archc.sources.architectures.llama import gated_kind, window_kinds
+from archc.sources.architectures.llama import full_rotary, gated_kind, window_kinds
 from archc.sources.hf_config import HFConfig, dtype_name, rope_position
 from archc.sources.tensor_map import TensorMap
 from archc.spec.schema import Spec
@@ -24,6 +24,7 @@ def spec(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
     cfg.expect("use_bidirectional_attention", (None, False))
     position = rope_position(cfg, max_seq_len=max_seq)
     max_seq = position.pop("_max_seq_len", max_seq)
+    full_rotary(cfg, position)
     attention: dict[str, Any] = {
         "heads": heads, "kv_heads": cfg.number("num_key_value_heads", heads),
         "head_dim": head_dim, "bias": cfg.flag("attention_bias", False)}

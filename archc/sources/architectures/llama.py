@@ -29,6 +29,14 @@ def gated_kind(cfg: HFConfig, keys: tuple[str, ...] = ("hidden_act",)) -> str:
     return GATED_KIND[act]
 
 
+def full_rotary(cfg: HFConfig, position: dict[str, Any]) -> None:
+    """transformers' Llama and Gemma rotate whole heads: a partial factor would not run there."""
+    if position["fraction"] != 1.0:
+        key = "rope_parameters.partial_rotary_factor" if "rope_parameters" in cfg else \
+            "partial_rotary_factor"
+        raise cfg.refuse(key, position["fraction"], f"{cfg.model_type} rotates whole heads")
+
+
 def window_kinds(cfg: HFConfig, layers: int) -> tuple[int | None, list[str] | None]:
     """Sliding window and per-layer local/global kinds. transformers 5 writes `layer_types`;
     older Qwen2 configs say `use_sliding_window` + `max_window_layers` (layers from that index on
@@ -77,6 +85,7 @@ def spec(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
     ffn_bias = cfg.flag("mlp_bias", False) if mt == "llama" else False
     position = rope_position(cfg, max_seq_len=max_seq)
     max_seq = position.pop("_max_seq_len", max_seq)
+    full_rotary(cfg, position)
     window, pattern = window_kinds(cfg, layers)
     attention: dict[str, Any] = {
         "heads": heads, "kv_heads": cfg.number("num_key_value_heads", heads),
