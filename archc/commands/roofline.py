@@ -8,9 +8,12 @@ from rich.table import Table
 
 from archc.commands.common import add_spec_argument, nonnegative_int, positive_int, spec_of
 from archc.errors import ArchcError
+from archc.ir.graph import Program
 from archc.ir.lower import lower
+from archc.passes import optimize
 from archc.perf.gpus import GPUS, gpu
 from archc.perf.roofline import KernelGroup, decode_floor, grouped, kernels
+from archc.spec.schema import Spec
 from archc.ui import console, nbytes, si
 
 NAME = "roofline"
@@ -42,15 +45,11 @@ def _table(title: str, rows: list[KernelGroup]) -> Table:
     return t
 
 
-def program_for(spec, dtype: str, unfused: bool):  # noqa: ANN001, ANN201
+def program_for(spec: Spec, dtype: str, unfused: bool) -> tuple[Program, str]:
     program = lower(spec, dtype)
     if unfused:
         return program, "unfused"
-    try:
-        from archc.passes import default_pipeline  # type: ignore[attr-defined]
-    except ImportError:
-        return program, "unfused (no passes available)"
-    return default_pipeline(program), "kernel-level (default passes)"
+    return optimize(program), "kernel-level (default passes)"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from archc.ir.cost import (
 from archc.ir.graph import Program
 from archc.ir.lower import lower
 from archc.modernize.steps import StepCall
+from archc.passes import optimize
 from archc.spec.schema import Spec
 
 
@@ -34,8 +35,7 @@ def decode_intensity(d: int, n: int, kv_heads: int, q_heads: int, b: int) -> flo
 
 def kernel_level(program: Program) -> Program:
     """The program after the default exact pipeline."""
-    from archc.passes import run_default
-    return run_default(program)
+    return optimize(program)
 
 
 @dataclass(frozen=True)
