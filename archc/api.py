@@ -68,12 +68,16 @@ class Model:
     def compile(self, backend: str = "eager", *, dtype: str = "f32",
                 device: str | torch.device = "cpu", passes: str | Sequence[str] | None = None,
                 **options: Any) -> CompiledModel:
-        """Ready the model to run on `backend` ("eager"; "triton" once codegen is present)."""
+        """Ready the model to run on `backend` ("eager" or "triton")."""
         if dtype not in DTYPES:
             raise ArchcError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        if backend not in BACKENDS and backend in LAZY_BACKENDS:
+            import importlib
+            importlib.import_module(LAZY_BACKENDS[backend])  # registers itself
         factory = BACKENDS.get(backend)
         if factory is None:
-            raise ArchcError(f"unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
+            known = ", ".join(sorted(set(BACKENDS) | set(LAZY_BACKENDS)))
+            raise ArchcError(f"unknown backend {backend!r} (known: {known})")
         program = self.graph if dtype == "f32" else lower(self.spec, dtype)
         if passes is not None:  # a pipeline ("default", or pass names) → kernel-level graph
             from archc.passes import optimize
@@ -92,6 +96,8 @@ def _eager_backend(model: Model, program: Program, dtype: str, device: torch.dev
 
 BackendFactory = Callable[[Model, Program, str, torch.device, Mapping[str, Any]], Session]
 BACKENDS: dict[str, BackendFactory] = {"eager": _eager_backend}
+# backends imported on first use (they register themselves with register_backend)
+LAZY_BACKENDS: dict[str, str] = {"triton": "archc.runtime.triton_backend"}
 
 
 def register_backend(name: str, factory: BackendFactory) -> None:

@@ -1,0 +1,149 @@
+"""Block sizes, warps and pipeline stages: chosen here and nowhere else.
+
+Every launcher asks ``launch_config(family, target, **sizes)`` for its tile; on a GPU with
+autotuning on, ``autotune_configs(family)`` gives the small set ``triton.autotune`` picks from.
+
+Two targets:
+- ``gpu``: tiles from the Triton tutorials and FlashAttention-2 for sm_80/sm_90 — matmul 128×128×64
+  with 8 warps and 3 stages for prefill (compiles to wgmma on sm_90a with no spills, 115 registers
+  with a paired epilogue and the norm prologue, checked with `archc compile --target sm_90a`),
+  narrow 16-row tiles for decode, where the weights stream once and the row count is 1–16;
+  attention 128×64 query×key tiles with 8 warps (64×32 for head_dim 256).
+- ``interpret``: Triton's CPU interpreter pays per operation, not per element (~0.1–0.2 ms per
+  tl op on this project's CI machine), so tiles are as large as the problem allows: fewer programs
+  and fewer loop iterations.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+TARGETS = ("gpu", "interpret")
+
+# Decode attention: a split-KV (flash-decoding) kernel when query rows per KV head, G·T, fit one
+# 16-row MMA tile; otherwise the prefill kernel.
+DECODE_MAX_ROWS = 16
+# Programs the decode-attention grid aims for on a GPU: two waves of an H100/H200's 132 SMs.
+DECODE_TARGET_PROGRAMS = 264
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def _clamp_pow2(n: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, next_pow2(n)))
+
+
+def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
+    """Block sizes (constexprs) plus num_warps and num_stages for one launch."""
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}")
+    gpu = target == "gpu"
+    if family == "matmul":
+        m, n, k = sizes["M"], sizes["N"], sizes["K"]
+        paired = sizes.get("paired", 0)
+        if gpu:
+            if m <= 16:
+                cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+            elif m <= 64:
+                cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+            else:
+                cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+        else:
+            cfg = dict(BLOCK_M=_clamp_pow2(m, 16, 64), BLOCK_N=_clamp_pow2(n, 32 if paired else 16,
+                                                                             128),
+                       BLOCK_K=_clamp_pow2(k, 16, 128), num_warps=4, num_stages=1)
+        cfg["GROUP_M"] = 8
+        return cfg
+    if family == "attention":
+        d = sizes["D"]
+        if gpu:
+            if d > 128:
+                return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+            return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=_clamp_pow2(sizes["T"], 16, 64),
+                    BLOCK_N=_clamp_pow2(sizes["L"], 16, 64), num_warps=4, num_stages=1)
+    if family == "attention_decode":
+        if gpu:
+            return dict(BLOCK_N=64 if sizes["D"] <= 128 else 32, num_warps=4, num_stages=3)
+        return dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    if family == "attention_combine":
+        return dict(num_warps=4, num_stages=1)
+    if family in ("norm", "router"):
+        n = sizes["N"]
+        block_n = next_pow2(n)
+        if family == "router":
+            return dict(BLOCK_M=16 if gpu or sizes["M"] <= 16 else 64,
+                        BLOCK_K=_clamp_pow2(sizes["K"], 16, 128), num_warps=4,
+                        num_stages=3 if gpu else 1)
+        if gpu:
+            warps = 4 if block_n <= 1024 else 8 if block_n <= 4096 else 16
+            rows = max(1, min(16, 2048 // block_n))
+            return dict(BLOCK_R=rows, BLOCK_N=block_n, num_warps=warps, num_stages=1)
+        return dict(BLOCK_R=_clamp_pow2(sizes["M"], 1, 64), BLOCK_N=block_n, num_warps=4,
+                    num_stages=1)
+    if family in ("pointwise", "embedding"):
+        c = sizes["C"]
+        block_c = min(next_pow2(c), 1024 if gpu else 4096)
+        rows = max(1, (4096 if gpu else 16384) // block_c)
+        return dict(BLOCK_R=min(rows, _clamp_pow2(sizes["M"], 1, 1 << 20)), BLOCK_C=block_c,
+                    num_warps=4, num_stages=1)
+    if family == "moe":
+        if gpu:
+            m = sizes["M"]
+            if m <= 32:
+                return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+            return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=16, BLOCK_N=_clamp_pow2(sizes["N"], 32, 128),
+                    BLOCK_K=_clamp_pow2(sizes["K"], 16, 128), num_warps=4, num_stages=1)
+    if family == "moe_sum":
+        return dict(BLOCK_C=min(next_pow2(sizes["C"]), 1024), num_warps=4, num_stages=1)
+    raise ValueError(f"no launch configuration for kernel family {family!r}")
+
+
+def aot_sizes(family: str, sizes: dict[str, int]) -> dict[str, int]:
+    """The dynamic sizes an ahead-of-time compile assumes: a full-size prefill."""
+    full = dict(sizes)
+    full.setdefault("M", 4096)
+    full.setdefault("T", 4096)
+    full.setdefault("L", 4096)
+    return full
+
+
+def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
+    """The small config set `triton.autotune` chooses from on a GPU (block sizes + warps +
+    stages)."""
+    if family == "matmul":
+        tiles = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
+                 (128, 64, 64, 4, 4), (16, 64, 128, 4, 4), (32, 128, 64, 4, 4)]
+        return [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=s)
+                for m, n, k, w, s in tiles]
+    if family == "attention":
+        if sizes.get("D", 128) > 128:
+            tiles = [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2)]
+        else:
+            tiles = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)]
+        return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in tiles]
+    if family == "attention_decode":
+        return [dict(BLOCK_N=n, num_warps=w, num_stages=s)
+                for n, w, s in [(64, 4, 3), (128, 4, 3), (32, 4, 4), (64, 8, 3)]]
+    return []
+
+
+def decode_splits(target: str, keys: int, programs: int, block_n: int) -> tuple[int, int]:
+    """Flash-decoding: (splits, keys per split) for `keys` keys and `programs` (batch × KV head)
+    programs per split. On a GPU, enough splits to fill two waves of SMs; under the interpreter,
+    one block per split (few keys in tests, and it exercises the merge)."""
+    keys = max(keys, 1)
+    if target == "gpu":
+        want = max(1, DECODE_TARGET_PROGRAMS // max(programs, 1))
+        splits = min(want, _cdiv(keys, block_n))
+        split = _cdiv(_cdiv(keys, splits), block_n) * block_n
+    else:
+        split = block_n
+    return _cdiv(keys, split), split
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,730 @@
+"""The kernel registry: for each kernel-level op, how a node becomes a rendered kernel.
+
+A builder reads one node — its attributes, the layouts of its inputs, the static sizes — checks
+everything it will print (integers are ints, floats are finite, names come from fixed tables) and
+returns a ``Unit``: the template to render, the values to render it with, the Triton kernels the
+unit defines (with their argument types, for autotuning and AOT compiles) and the launch call of
+this node. Anything a builder cannot render faithfully is refused with a ``CodegenError`` naming
+the node — never rendered as something else.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+
+from archc.codegen.layout import CodegenError, Layout
+from archc.codegen.options import CodegenOptions
+from archc.codegen.printer import pexpr, texpr
+from archc.ir.attrs import Call
+from archc.ir.graph import Graph, Node
+from archc.ir.ops import Op
+from archc.ir.ops.core import ACTIVATIONS
+from archc.ir.ops.fused import EPILOGUE, POINTWISE_FNS
+from archc.ir.shapes import numel
+from archc.ir.text import format_node
+
+TRITON_TYPES = {"f32": "fp32", "f16": "fp16", "bf16": "bf16", "i64": "i64", "i32": "i32",
+                "bool": "i1"}
+
+
+@dataclass
+class JitKernel:
+    """One @triton.jit function of a unit: its name suffix, block-size family, static sizes,
+    and the Triton type of every runtime argument (pointers and ints), by parameter name."""
+
+    suffix: str
+    family: str
+    sizes: dict[str, int]
+    types: dict[str, str]
+
+
+@dataclass
+class Unit:
+    """What one node renders to: a template and its values, the kernels it defines and the
+    launch call `<name>(d, <call>)` in the graph's run function."""
+
+    family: str
+    template: str
+    context: dict[str, Any]
+    kernels: list[JitKernel]
+    call: str
+
+
+@dataclass
+class NodeCtx:
+    g: Graph
+    i: int
+    lays: Sequence[Layout]
+    opts: CodegenOptions
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def node(self) -> Node:
+        return self.g.nodes[self.i]
+
+    def input(self, k: int) -> Node:
+        return self.g.nodes[self.node.inputs[k]]
+
+    def lay(self, k: int) -> Layout:
+        return self.lays[self.node.inputs[k]]
+
+    def ref(self, k: int) -> str:
+        """The launch expression of input k's root buffer."""
+        return f"v[{self.lay(k).root}]"
+
+    def ptr_type(self, k: int) -> str:
+        return "*" + TRITON_TYPES[self.g.nodes[self.lay(k).root].dtype]
+
+    def out_type(self) -> str:
+        return "*" + TRITON_TYPES[self.node.dtype]
+
+    def fail(self, problem: str) -> CodegenError:
+        return CodegenError(f"codegen: graph {self.g.name}: {format_node(self.i, self.node)}: "
+                            f"{problem}")
+
+    @property
+    def dot_kw(self) -> str:
+        """f32 models multiply in IEEE f32 (TF32 would not match eager to f32 rounding)."""
+        return ', input_precision="ieee"' if (self.node.dtype == "f32"
+                                               and self.opts.exact_f32_dot) else ""
+
+
+# ---- activations: the one table of their Triton code (eager: archc.ir.ops.core.activation) ----
+
+ACT_CODE = {
+    "relu": "tl.maximum({x}, 0.0)",
+    "gelu": "_gelu({x})",
+    "gelu_tanh": "_gelu_tanh({x})",
+    "silu": "_silu({x})",
+    "sigmoid": "tl.sigmoid({x})",
+    "identity": "{x}",
+}
+
+
+def act_code(fn: str, x: str) -> str:
+    if fn not in ACT_CODE:
+        raise CodegenError(f"no Triton code for activation {fn!r}")
+    return ACT_CODE[fn].format(x=x)
+
+
+# ---- values that reach generated code ------------------------------------------------------
+
+def lit_int(c: NodeCtx, value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise c.fail(f"{what} must be an integer, got {value!r}")
+    return value
+
+
+def lit_float(c: NodeCtx, value: Any, what: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise c.fail(f"{what} must be a finite number, got {value!r}")
+    return repr(float(value))
+
+
+def lit_act(c: NodeCtx, fn: Any) -> str:
+    if fn not in ACTIVATIONS:
+        raise c.fail(f"unknown activation {fn!r} (known: {', '.join(ACTIVATIONS)})")
+    return str(fn)
+
+
+def static(c: NodeCtx, d: sympy.Expr | int, what: str) -> int:
+    d = sympy.sympify(d)
+    if not d.is_Integer:
+        raise c.fail(f"{what} is {d}: it must be a static size")
+    return int(d)
+
+
+def row_offset(lay: Layout, rows: str) -> str:
+    """Device expression: the element offset of flat row `rows` (an i64 vector) over the leading
+    dims of `lay`, plus its static offset."""
+    r = sympy.Symbol("r", integer=True, nonnegative=True)
+    lead, strides = lay.shape[:-1], lay.strides[:-1]
+    expr: sympy.Expr = lay.offset
+    if lead and lay.contiguous_rows:
+        expr += r * strides[-1]
+    elif lead:
+        inner: sympy.Expr = sympy.Integer(1)
+        for k in reversed(range(len(lead))):
+            idx = sympy.floor(r / inner) if inner != 1 else r
+            if k > 0:
+                idx = sympy.Mod(idx, lead[k])
+            expr += idx * strides[k]
+            inner = inner * lead[k]
+    if not expr.has(r):  # broadcast along every row: still a per-row vector
+        return f"0 * {rows}" + (f" + {texpr(expr)}" if expr != 0 else "")
+    return texpr(expr, {"r": rows})
+
+
+def col_mul(c: NodeCtx, lay: Layout) -> str:
+    """` * stride` for a last dim that is not contiguous ('' when it is)."""
+    s = lay.strides[-1]
+    if s == 1:
+        return ""
+    return f" * {texpr(s)}"
+
+
+def rows_of(shape: Sequence[sympy.Expr]) -> str:
+    """Host expression: the number of rows (product of the leading dims)."""
+    return pexpr(numel(shape[:-1]))
+
+
+# ---- fused_linear --------------------------------------------------------------------------
+
+PAIRING = ("glu", "rope")
+
+
+def build_fused_linear(c: NodeCtx) -> Unit:
+    n, a = c.node, c.node.attrs
+    n_ops = 2 if a.get("concat_k") else 1
+    w_lay = c.lay(n_ops)
+    if w_lay.rank != 2 or w_lay.strides[1] != 1:
+        raise c.fail("the weight must be a row-major [N, K] matrix")
+    n_rows = static(c, w_lay.shape[0], "the weight's N")
+    k_total = static(c, w_lay.shape[1], "the weight's K")
+    types: dict[str, str] = {"out_ptr": c.out_type(), "M": "i32", "T": "i32"}
+    launch: list[tuple[str, str, str]] = []   # (launcher param, call expr, kernel arg expr)
+
+    operands = []
+    k0 = 0
+    for j in range(n_ops):
+        lay = c.lay(j)
+        kj = static(c, lay.shape[-1], f"operand {j}'s K")
+        name = f"x{j + 1}" if n_ops == 2 else "x"
+        operands.append(dict(name=name, ptr=f"{name}_ptr", K=kj, k0=k0,
+                             row_off=row_offset(lay, "rows"), k_mul=col_mul(c, lay),
+                             k_mul_scalar=col_mul(c, lay),
+                             comment=(f"operand {j + 1} [M, {kj}]" if n_ops == 2 else
+                                      f"activations [M, {kj}]")))
+        types[f"{name}_ptr"] = c.ptr_type(j)
+        launch.append((name, c.ref(j), name))
+        k0 += kj
+    if k0 != k_total:
+        raise c.fail(f"operands give K = {k0}, the weight has {k_total}")
+    types["w_ptr"] = c.ptr_type(n_ops)
+    launch.append(("w", c.ref(n_ops), "w"))
+
+    prologue = a.get("prologue")
+    if prologue not in (None, "rms", "layer"):
+        raise c.fail(f"unknown prologue {prologue!r}")
+    eps = lit_float(c, a["eps"], "eps") if prologue else ""
+
+    extra_args: list[dict[str, str]] = []
+
+    def pointer(name: str, k: int, comment: str) -> str:
+        param = f"{name}_ptr"
+        extra_args.append(dict(name=param, comment=comment))
+        types[param] = c.ptr_type(k)
+        launch.append((name, c.ref(k), name))
+        return param
+
+    width = n_rows
+    steps_pre: list[dict[str, Any]] = []
+    steps_post: list[dict[str, Any]] = []
+    pair: dict[str, Any] | None = None
+    kv: dict[str, Any] | None = None
+    needs_t = False
+    nxt = n_ops + 1
+    for idx, st in enumerate(a.get("epilogue", ())):
+        if not isinstance(st, Call) or st.fn not in EPILOGUE:
+            raise c.fail(f"unknown epilogue step {st!r}")
+        target = steps_post if pair is not None else steps_pre
+        fn = st.fn
+        if fn == "rms_scale":
+            if prologue != "rms":
+                raise c.fail("rms_scale() needs the rms prologue")
+            target.append(dict(fn=fn))
+        elif fn == "ln_scale":
+            if prologue != "layer":
+                raise c.fail("ln_scale() needs the layer prologue")
+            target.append(dict(fn=fn, ptr=pointer(f"colsum{idx}", nxt,
+                                                  f"[{width}] column sums Σ_k W'[n, k]")))
+            nxt += 1
+        elif fn == "bias":
+            target.append(dict(fn=fn, ptr=pointer(f"bias{idx}", nxt,
+                                                  f"[{width}] bias")))
+            nxt += 1
+        elif fn == "act":
+            act = lit_act(c, st.kw("fn"))
+            start = lit_int(c, st.kw("start", 0), "act start")
+            stop = lit_int(c, st.kw("stop", width), "act stop")
+            target.append(dict(fn=fn, act=act, start=start, stop=stop,
+                               full=start == 0 and stop == width))
+        elif fn == "scale":
+            target.append(dict(fn=fn, by=lit_float(c, st.kw("by"), "scale factor")))
+        elif fn == "softcap":
+            target.append(dict(fn=fn, cap=lit_float(c, st.kw("cap"), "softcap")))
+        elif fn == "residual":
+            lay = c.lay(nxt)
+            ptr = pointer(f"res{idx}", nxt, "[M, width] residual rows")
+            target.append(dict(fn=fn, ptr=ptr, row_off=row_offset(lay, "rows"),
+                               col_mul=col_mul(c, lay)))
+            nxt += 1
+        elif fn == "kv_write":
+            if kv is not None:
+                raise c.fail("more than one kv_write() step")
+            hd = lit_int(c, st.kw("head_dim"), "head_dim")
+            kv_heads = lit_int(c, st.kw("kv_heads"), "kv_heads")
+            layer = lit_int(c, st.kw("layer"), "layer")
+            max_len = c.opts.max_seq_len
+            kv = dict(stride_b=kv_heads * max_len * hd, stride_l=hd, layer=layer,
+                      kv_heads=kv_heads, head_dim=hd)
+            target.append(dict(fn=fn, k_start=lit_int(c, st.kw("k_start"), "k_start"),
+                               v_start=lit_int(c, st.kw("v_start"), "v_start"),
+                               width=kv_heads * hd, head_dim=hd, stride_h=max_len * hd))
+            c.extras.setdefault("kv", []).append((layer, kv_heads, hd))
+            needs_t = True
+        elif fn in PAIRING:
+            if pair is not None:
+                raise c.fail(f"{fn}() after {pair['fn']}(): one pairing step per kernel")
+            if fn == "glu":
+                if width % 2:
+                    raise c.fail(f"glu() needs an even width, got {width}")
+                pair = dict(fn=fn, act=lit_act(c, st.kw("fn")), NP=width // 2)
+                width //= 2
+            else:
+                heads = lit_int(c, st.kw("heads"), "rope heads")
+                hd = lit_int(c, st.kw("head_dim"), "rope head_dim")
+                rot = lit_int(c, st.kw("rotary_dim"), "rotary_dim")
+                if rot % 2 or hd % 2 or not 2 <= rot <= hd or heads * hd > width:
+                    raise c.fail(f"rope() of {heads} heads × {hd} (rotary {rot}) in width "
+                                 f"{width}")
+                interleaved = st.kw("interleaved")
+                if not isinstance(interleaved, bool):
+                    raise c.fail(f"rope() interleaved must be true or false, got {interleaved!r}")
+                tail = width - heads * hd
+                tail_half = (tail + 1) // 2
+                pair = dict(fn=fn, heads=heads, head_dim=hd, per_head=hd // 2,
+                            rot_pairs=rot // 2, interleaved=interleaved, tail=tail,
+                            tail_half=tail_half, NP=heads * hd // 2 + tail_half,
+                            mscale=lit_float(c, st.kw("mscale", 1.0), "mscale"),
+                            pos_ptr=pointer(f"pos{idx}", nxt, "[T] positions"),
+                            freq_ptr=pointer(f"freq{idx}", nxt + 1,
+                                             f"[{rot // 2}] inverse frequencies"))
+                nxt += 2
+                needs_t = True
+        else:  # pragma: no cover - EPILOGUE and this table must agree
+            raise c.fail(f"epilogue step {fn}() has no Triton rendering")
+    if nxt != len(n.inputs):
+        raise c.fail(f"{len(n.inputs) - nxt} inputs left over after the epilogue")
+    out_w = static(c, n.shape[-1], "the output width")
+    if out_w != width:
+        raise c.fail(f"epilogue gives width {width}, the node says {out_w}")
+    if kv is not None:
+        extra_args += [dict(name="k_cache_ptr", comment="key cache "
+                            f"[B, {kv['kv_heads']}, {c.opts.max_seq_len}, {kv['head_dim']}]"),
+                       dict(name="v_cache_ptr", comment="value cache, same shape"),
+                       dict(name="past_ptr", comment="P, the tokens already cached")]
+        types.update(k_cache_ptr=c.out_type(), v_cache_ptr=c.out_type(), past_ptr="*i32")
+        launch += [("k_cache", f'd.kv({kv["layer"]}, "k")', "k_cache"),
+                   ("v_cache", f'd.kv({kv["layer"]}, "v")', "v_cache"),
+                   ("", "", "d.past")]
+    if pair is None:
+        wsets = [dict(name="w", ptrs="w_ptrs", cols="cols", acc="acc")]
+        accs_pre = accs_post = [dict(acc="acc", cols="cols")]
+    else:
+        wsets = [dict(name="w1", ptrs="w1_ptrs", cols="cols1", acc="acc1"),
+                 dict(name="w2", ptrs="w2_ptrs", cols="cols2", acc="acc2")]
+        accs_pre = [dict(acc="acc1", cols="cols1"), dict(acc="acc2", cols="cols2")]
+        accs_post = [dict(acc="acc", cols="cols")] if pair["fn"] == "glu" else accs_pre
+    w_off = int(w_lay.offset) if w_lay.offset.is_Integer else None
+    if w_off is None:
+        raise c.fail("the weight's offset must be static")
+    context = dict(
+        operands=operands, N=n_rows, K=k_total, n_out=width, prologue=prologue, eps=eps,
+        pair=pair, steps_pre=steps_pre, steps_post=steps_post, extra_args=extra_args,
+        wsets=wsets, accs_pre=accs_pre, accs_post=accs_post, kv=kv, needs_t=needs_t,
+        w_off=f"{w_off} + " if w_off else "", w_row_stride=texpr(w_lay.strides[0]),
+        dot_kw=c.dot_kw, M=rows_of(n.shape),
+        launch_params=", ".join(p for p, _, _ in launch if p),
+        kernel_call_args="".join(f"{k}, " for _, _, k in launch))
+    call = ", ".join([f"v[{c.i}]"] + [e for p, e, _ in launch if p])
+    sizes = dict(N=n_rows, K=k_total, paired=int(pair is not None))
+    return Unit("fused_linear", "matmul.py.j2", context,
+                [JitKernel("_kernel", "matmul", sizes, types)], call)
+
+
+# ---- attention -----------------------------------------------------------------------------
+
+LOG2E = 1.4426950408889634
+
+
+def attention_inputs(a: Any) -> list[str]:
+    """The inputs of an attention node, by name, in order (the op's declaration)."""
+    names = ["q"]
+    if a.get("cache_layer") is None:
+        names += ["k", "v"]
+    if a.get("padding"):
+        names.append("padding")
+    if a.get("prefix"):
+        names.append("prefix_len")
+    bias = a.get("bias")
+    if bias is not None:
+        names.append("slopes" if bias.fn == "alibi" else "rel_table")
+    return names
+
+
+def t5_thresholds(buckets: int, bidirectional: bool, max_distance: int) -> dict[str, Any]:
+    """T5's bucket of a key − query distance, as integer thresholds computed with the eager
+    function itself (so rounding in log() cannot move a boundary): the magnitude bucket is
+    `exact + #{th : dist ≥ th}` for distances ≥ exact."""
+    import torch
+
+    from archc.ir.ops.attention import t5_buckets
+    nb = buckets // 2 if bidirectional else buckets
+    exact = nb // 2
+    dist = torch.arange(0, 2 * max_distance + 2)
+    mag = t5_buckets(-dist, False, nb, max_distance)
+    thresholds = [int(dist[mag >= v][0]) for v in range(exact + 1, nb) if bool((mag >= v).any())]
+    return dict(nb=nb, exact=exact, thresholds=thresholds, bidirectional=bidirectional)
+
+
+def build_attention(c: NodeCtx) -> Unit:
+    n, a = c.node, c.node.attrs
+    names = attention_inputs(a)
+    if len(names) != len(n.inputs):
+        raise c.fail(f"attention takes {', '.join(names)}")
+    slot = {name: k for k, name in enumerate(names)}
+    b_sym, h_sym, kv_sym = (sympy.Symbol(s, integer=True, nonnegative=True)
+                            for s in ("b", "h", "kv_h"))
+    q_lay = c.lay(0)
+    if q_lay.rank != 4 or q_lay.strides[3] != 1:
+        raise c.fail("q must be [B, H, T, D] with contiguous head dims")
+    heads = static(c, q_lay.shape[1], "query heads")
+    hd = static(c, q_lay.shape[3], "head_dim")
+    cached = a.get("cache_layer") is not None
+    types: dict[str, str] = {"out_ptr": c.out_type(), "q_ptr": c.ptr_type(0), "B": "i32",
+                             "T": "i32", "S": "i32"}
+    q = dict(base=texpr(q_lay.offset + b_sym * q_lay.strides[0] + h_sym * q_lay.strides[1]),
+             batch=texpr(q_lay.offset + b_sym * q_lay.strides[0]),
+             stride_h=texpr(q_lay.strides[1]), stride_t=texpr(q_lay.strides[2]))
+    max_len = c.opts.max_seq_len
+    kvd: dict[str, dict[str, Any]] = {}
+    if cached:
+        layer = lit_int(c, a["cache_layer"], "cache_layer")
+        kv_heads = lit_int(c, a.get("kv_heads"), "kv_heads")
+        for kind in ("k", "v"):
+            kvd[kind] = dict(base=texpr(b_sym * (kv_heads * max_len * hd) +
+                                        kv_sym * (max_len * hd)),
+                             stride_l=str(hd),
+                             comment=f"{kind} cache [B, {kv_heads}, {max_len}, {hd}]",
+                             call=f'd.kv({layer}, "{kind}")')
+            types[f"{kind}_ptr"] = c.out_type()
+        length_host = ""
+        length = ""
+    else:
+        k_lay, v_lay = c.lay(1), c.lay(2)
+        kv_heads = static(c, k_lay.shape[1], "KV heads")
+        for kind, lay, k in (("k", k_lay, 1), ("v", v_lay, 2)):
+            if lay.rank != 4 or lay.strides[3] != 1:
+                raise c.fail(f"{kind} must be [B, H_kv, L, D] with contiguous head dims")
+            kvd[kind] = dict(base=texpr(lay.offset + b_sym * lay.strides[0] +
+                                        kv_sym * lay.strides[1]),
+                             stride_l=texpr(lay.strides[2]),
+                             comment=f"[B, {kv_heads}, L, {hd}], read through strides",
+                             call=c.ref(k))
+            types[f"{kind}_ptr"] = c.ptr_type(k)
+        length = texpr(k_lay.shape[2])
+        length_host = pexpr(k_lay.shape[2])
+    if heads % kv_heads:
+        raise c.fail(f"{heads} query heads over {kv_heads} KV heads")
+    group = heads // kv_heads
+    scale = a["scale"]
+    lit_float(c, scale, "scale")
+    softcap = a.get("softcap")
+    extra_args: list[dict[str, str]] = []
+    launch: list[tuple[str, str]] = []
+    ctx: dict[str, Any] = dict(H=heads, KVH=kv_heads, G=group, D=hd, BLOCK_D=max(16, _pow2(hd)),
+                               q=q, k=kvd["k"], v=kvd["v"], cached=cached, L=length,
+                               L_host=length_host, dot_kw=c.dot_kw,
+                               causal=bool(a["causal"]), padding=bool(a["padding"]),
+                               prefix=bool(a["prefix"]), softcap=softcap is not None,
+                               qk_scale=repr(float(scale) * LOG2E), bias=None, t5=None,
+                               window=None)
+    window = a.get("window")
+    if window is not None:
+        ctx["window"] = lit_int(c, window, "window")
+        if ctx["window"] < 1:
+            raise c.fail(f"window must be ≥ 1, got {window}")
+    if softcap is not None:
+        cap = float(lit_float(c, softcap, "softcap"))
+        ctx.update(cap_log2=repr(cap * LOG2E), pre_cap=repr(float(scale) / cap))
+    if ctx["padding"]:
+        k = slot["padding"]
+        lay = c.lay(k)
+        ctx.update(pad_stride_b=texpr(lay.strides[0]), pad_stride_l=texpr(lay.strides[1]))
+        extra_args.append(dict(name="pad_ptr", comment="[B, L] 1 = key present"))
+        types["pad_ptr"] = c.ptr_type(k)
+        launch.append(("pad", c.ref(k)))
+    if ctx["prefix"]:
+        k = slot["prefix_len"]
+        extra_args.append(dict(name="prefix_ptr", comment="prefix length"))
+        types["prefix_ptr"] = c.ptr_type(k)
+        launch.append(("prefix", c.ref(k)))
+    bias = a.get("bias")
+    if bias is not None:
+        if not isinstance(bias, Call) or bias.fn not in ("alibi", "t5"):
+            raise c.fail(f"unknown attention bias {bias!r}")
+        ctx["bias"] = bias.fn
+        if bias.fn == "alibi":
+            k = slot["slopes"]
+            extra_args.append(dict(name="slopes_ptr", comment=f"[{heads}] ALiBi slopes"))
+            types["slopes_ptr"] = c.ptr_type(k)
+            launch.append(("slopes", c.ref(k)))
+        else:
+            k = slot["rel_table"]
+            lay = c.lay(k)
+            buckets = static(c, lay.shape[0], "relative buckets")
+            bidir = bias.kw("bidirectional")
+            if not isinstance(bidir, bool):
+                raise c.fail(f"t5() bidirectional must be true or false, got {bidir!r}")
+            t5 = t5_thresholds(buckets, bidir,
+                               lit_int(c, bias.kw("max_distance"), "max_distance"))
+            t5.update(stride_bucket=texpr(lay.strides[0]), stride_head=texpr(lay.strides[1]))
+            ctx["t5"] = t5
+            extra_args.append(dict(name="table_ptr", comment=f"[{buckets}, "
+                                   f"{heads}] relative-position bias"))
+            types["table_ptr"] = c.ptr_type(k)
+            launch.append(("table", c.ref(k)))
+    if cached:
+        extra_args.append(dict(name="past_ptr", comment="P, the tokens already cached"))
+        types["past_ptr"] = "*i32"
+    decode = cached or c.g.name == "decoder"
+    ctx.update(decode=decode, extra_args=extra_args,
+               launch_params="".join(f", {p}" for p, _ in launch),
+               kernel_call_args="".join(f"{p}, " for p, _ in launch) +
+               ("d.past, " if cached else ""))
+    call = ", ".join([f"v[{c.i}]", c.ref(0), kvd["k"]["call"], kvd["v"]["call"]] +
+                     [e for _, e in launch])
+    prefill_types = dict(types)
+    kernels = [JitKernel("_prefill", "attention", dict(D=hd), prefill_types)]
+    if decode:
+        dec = {k: v for k, v in types.items() if k != "out_ptr"}
+        dec.update(part_acc_ptr="*fp32", part_ml_ptr="*fp32", SPLIT="i32", SPLITS="i32")
+        kernels.append(JitKernel("_decode", "attention_decode", dict(D=hd), dec))
+        kernels.append(JitKernel("_combine", "attention_combine", {},
+                                 dict(out_ptr=c.out_type(), part_acc_ptr="*fp32",
+                                      part_ml_ptr="*fp32", T="i32", SPLITS="i32")))
+    return Unit("attention", "attention.py.j2", ctx, kernels, call)
+
+
+def _pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+# ---- embedding, norm, pointwise ------------------------------------------------------------
+
+def build_embedding(c: NodeCtx) -> Unit:
+    n = c.node
+    table, ids = c.lay(0), c.lay(1)
+    if table.rank != 2 or table.strides[1] != 1:
+        raise c.fail("the table must be a row-major [V, D] matrix")
+    if c.input(1).dtype not in ("i64", "i32"):
+        raise c.fail(f"ids must be integers, got {c.input(1).dtype}")
+    vocab, width = static(c, table.shape[0], "table rows"), static(c, table.shape[1], "width")
+    # ids are [..] with no column dim: view them as rows of one column
+    ids_rows = Layout(ids.root, ids.offset, (*ids.shape, sympy.Integer(1)),
+                      (*ids.strides, sympy.Integer(1)))
+    off = table.offset
+    ctx = dict(V=vocab, D=width, ids_off=row_offset(ids_rows, "rows"),
+               table_stride=texpr(table.strides[0]),
+               table_base=f"{texpr(off)} + " if off != 0 else "", R=rows_of(n.shape))
+    types = {"out_ptr": c.out_type(), "table_ptr": c.ptr_type(0), "ids_ptr": c.ptr_type(1),
+             "R": "i32", "T": "i32"}
+    return Unit("embedding", "embedding.py.j2", ctx,
+                [JitKernel("_kernel", "embedding", dict(C=width), types)],
+                f"v[{c.i}], {c.ref(0)}, {c.ref(1)}")
+
+
+def _norm_inputs(a: Any) -> list[str]:
+    names = ["x", "weight"]
+    if a.get("bias"):
+        names.append("bias")
+    if a.get("add_before"):
+        names.append("res_before")
+    if a.get("add_after"):
+        names.append("res_after")
+    return names
+
+
+def build_norm(c: NodeCtx) -> Unit:
+    n, a = c.node, c.node.attrs
+    names = _norm_inputs(a)
+    if len(names) != len(n.inputs):
+        raise c.fail(f"norm takes {', '.join(names)}")
+    kind = a["kind"]
+    if kind not in ("rms", "layer"):
+        raise c.fail(f"unknown norm kind {kind!r}")
+    width = static(c, n.shape[-1], "the norm width")
+    types = {"out_ptr": c.out_type(), "R": "i32", "T": "i32"}
+    args = []
+    ctx: dict[str, Any] = dict(N=width, kind=kind, eps=lit_float(c, a["eps"], "eps"),
+                               unit_offset=bool(a.get("unit_offset", False)),
+                               bias=bool(a.get("bias")), add_before=bool(a.get("add_before")),
+                               add_after=bool(a.get("add_after")), R=rows_of(n.shape))
+    for k, name in enumerate(names):
+        lay = c.lay(k)
+        args.append(dict(name=f"{name}_ptr", comment=name.replace("_", " ")))
+        types[f"{name}_ptr"] = c.ptr_type(k)
+        if name in ("x", "res_before", "res_after"):
+            ctx[name] = dict(row_off=row_offset(lay, "rows"), col_mul=col_mul(c, lay))
+        elif lay.rank != 1 or lay.strides[0] != 1 or lay.offset != 0:
+            raise c.fail(f"the {name} must be a contiguous vector")
+    ctx.update(args=args, launch_params=", ".join(names))
+    call = ", ".join([f"v[{c.i}]"] + [c.ref(k) for k in range(len(names))])
+    return Unit("norm", "norm.py.j2", ctx,
+                [JitKernel("_kernel", "norm", dict(N=width), types)], call)
+
+
+POINTWISE_PARAMS = {"add": ("a", "b"), "sub": ("a", "b"), "mul": ("a", "b"), "scale": ("a", "by"),
+                    "act": ("a", "fn"), "softcap": ("a", "cap")}
+
+
+def pointwise_code(c: NodeCtx, e: Any, n_inputs: int) -> str:
+    """A pointwise expression tree as one Triton expression over loaded inputs x0, x1, …"""
+    if not isinstance(e, Call):
+        return lit_float(c, e, "a pointwise constant")
+    if e.fn == "x":
+        k = e.args[0] if len(e.args) == 1 else None
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n_inputs:
+            raise c.fail(f"x({e.args}) is not one of {n_inputs} inputs")
+        return f"x{k}"
+    names = POINTWISE_PARAMS.get(e.fn)
+    if names is None or e.fn not in POINTWISE_FNS:
+        raise c.fail(f"pointwise function {e.fn}() has no Triton rendering")
+    if len(e.args) > len(names):
+        raise c.fail(f"{e.fn}() takes {len(names)} arguments")
+    got = dict(zip(names, e.args))
+    for k, v in e.kwargs:
+        if k not in names or k in got:
+            raise c.fail(f"{e.fn}() got an unexpected or repeated argument {k!r}")
+        got[k] = v
+    if set(got) != set(names):
+        raise c.fail(f"{e.fn}() needs {', '.join(names)}")
+    a = pointwise_code(c, got["a"], n_inputs)
+    if e.fn in ("add", "sub", "mul"):
+        op = {"add": "+", "sub": "-", "mul": "*"}[e.fn]
+        return f"({a} {op} {pointwise_code(c, got['b'], n_inputs)})"
+    if e.fn == "scale":
+        return f"({a} * {lit_float(c, got['by'], 'scale factor')})"
+    if e.fn == "act":
+        return act_code(lit_act(c, got["fn"]), a)
+    cap = lit_float(c, got["cap"], "softcap")
+    return f"({cap} * _tanh({a} / {cap}))"
+
+
+def build_pointwise(c: NodeCtx) -> Unit:
+    n = c.node
+    out_shape = n.shape
+    rank = len(out_shape)
+    if rank == 0:
+        raise c.fail("a scalar pointwise node has no Triton rendering")
+    width = static(c, out_shape[-1], "the output width")
+    types = {"out_ptr": c.out_type(), "R": "i32", "B": "i32", "T": "i32", "S": "i32"}
+    inputs = []
+    for k in range(len(n.inputs)):
+        lay = c.lay(k)
+        strides: list[sympy.Expr] = []
+        for dim in range(rank):  # align from the right; broadcast dims read with stride 0
+            src = dim - (rank - lay.rank)
+            if src < 0 or (lay.shape[src] == 1 and out_shape[dim] != 1):
+                strides.append(sympy.Integer(0))
+            else:
+                strides.append(lay.strides[src])
+        view = Layout(lay.root, lay.offset, out_shape, tuple(strides))
+        inputs.append(dict(name=f"x{k}", ptr=f"x{k}_ptr", comment=f"x({k})",
+                           row_off=row_offset(view, "rows"), col_mul=col_mul(c, view)))
+        types[f"x{k}_ptr"] = c.ptr_type(k)
+    ctx = dict(C=width, inputs=inputs, expr=pointwise_code(c, n.attr("expr"), len(n.inputs)),
+               R=rows_of(out_shape), launch_params=", ".join(x["name"] for x in inputs))
+    call = ", ".join([f"v[{c.i}]"] + [c.ref(k) for k in range(len(n.inputs))])
+    return Unit("pointwise", "pointwise.py.j2", ctx,
+                [JitKernel("_kernel", "pointwise", dict(C=width), types)], call)
+
+
+# ---- mixture of experts ----------------------------------------------------------------------
+
+def build_topk_router(c: NodeCtx) -> Unit:
+    n, a = c.node, c.node.attrs
+    x, w = c.lay(0), c.lay(1)
+    if w.rank != 2 or w.strides[1] != 1 or w.offset != 0 or x.strides[-1] != 1:
+        raise c.fail("the router needs contiguous rows of x and of its [E, K] weight")
+    experts = static(c, w.shape[0], "experts")
+    k = static(c, w.shape[1], "router K")
+    top_k = lit_int(c, a["top_k"], "top_k")
+    if not 1 <= top_k <= experts:
+        raise c.fail(f"top_k {top_k} of {experts} experts")
+    ctx = dict(kind="router", E=experts, K=k, BLOCK_E=max(16, _pow2(experts)), top_k=top_k,
+               normalize=bool(a["normalize"]), x=dict(row_off=row_offset(x, "rows")),
+               w_row_stride=texpr(w.strides[0]), dot_kw=c.dot_kw, M=rows_of(n.shape))
+    types = {"out_ptr": c.out_type(), "x_ptr": c.ptr_type(0), "w_ptr": c.ptr_type(1),
+             "M": "i32", "T": "i32"}
+    return Unit("topk_router", "moe.py.j2", ctx,
+                [JitKernel("_kernel", "router", dict(N=experts, K=k), types)],
+                f"v[{c.i}], {c.ref(0)}, {c.ref(1)}")
+
+
+def build_moe_linear(c: NodeCtx) -> Unit:
+    n, a = c.node, c.node.attrs
+    x, gates, w = c.lay(0), c.lay(1), c.lay(2)
+    if w.rank != 3 or w.offset != 0 or w.strides != tuple(
+            sympy.sympify(s) for s in (w.shape[1] * w.shape[2], w.shape[2], 1)):
+        raise c.fail("expert weights must be a contiguous [E, N, K] tensor")
+    if x.strides[-1] != 1 or gates.strides[-1] != 1:
+        raise c.fail("x and the gates must have contiguous rows")
+    stage = a["stage"]
+    if stage not in ("up", "down"):
+        raise c.fail(f"unknown stage {stage!r}")
+    top_k = lit_int(c, a["top_k"], "top_k")
+    experts = static(c, w.shape[0], "experts")
+    nw, k = static(c, w.shape[1], "expert rows"), static(c, w.shape[2], "expert K")
+    gated = stage == "up" and bool(a.get("gated"))
+    width = nw // 2 if gated else nw
+    if gated and nw % 2:
+        raise c.fail(f"gated experts need an even row count, got {nw}")
+    token_rows = numel(n.shape[:-2]) if stage == "up" else numel(n.shape[:-1])
+    ctx: dict[str, Any] = dict(kind="experts", stage=stage, E=experts, K=k, N=width, NW=nw,
+                               top_k=top_k, gated=gated, dot_kw=c.dot_kw, M=pexpr(token_rows),
+                               act_fn=lit_act(c, a.get("act", "identity")) if stage == "up"
+                               else "identity",
+                               gates_row_off=row_offset(gates, "token"))
+    ctx["x"] = dict(row_off=row_offset(x, "token" if stage == "up" else "pair"))
+    if gated:
+        ctx["wsets"] = [dict(name="w1", ptrs="w1_ptrs", cols="cols", acc="acc1"),
+                        dict(name="w2", ptrs="w2_ptrs", cols=f"cols + {width}", acc="acc2")]
+    else:
+        ctx["wsets"] = [dict(name="w", ptrs="w_ptrs", cols="cols", acc="acc")]
+    types = {"out_ptr": c.out_type() if stage == "up" else "*fp32", "x_ptr": c.ptr_type(0),
+             "gates_ptr": c.ptr_type(1), "w_ptr": c.ptr_type(2), "pairs_ptr": "*i32",
+             "block_expert_ptr": "*i32", "T": "i32"}
+    kernels = [JitKernel("_kernel", "moe", dict(N=nw, K=k), types)]
+    if stage == "down":
+        kernels.append(JitKernel("_sum", "moe_sum", dict(C=width),
+                                 {"out_ptr": c.out_type(), "part_ptr": "*fp32"}))
+    return Unit("moe_linear", "moe.py.j2", ctx, kernels,
+                f"v[{c.i}], {c.ref(0)}, {c.ref(1)}, {c.ref(2)}")
+
+
+BUILDERS: dict[Op, Callable[[NodeCtx], Unit]] = {
+    Op.TOPK_ROUTER: build_topk_router,
+    Op.MOE_LINEAR: build_moe_linear,
+    Op.FUSED_LINEAR: build_fused_linear,
+    Op.ATTENTION: build_attention,
+    Op.EMBEDDING: build_embedding,
+    Op.NORM: build_norm,
+    Op.POINTWISE: build_pointwise,
+}
+
+
+def build(c: NodeCtx) -> Unit:
+    builder = BUILDERS.get(c.node.op)
+    if builder is None:
+        known = ", ".join(op.value for op in BUILDERS)
+        raise c.fail(f"no Triton template for {c.node.op.value} (kernel-level ops with "
+                     f"templates: {known}); run the default pass pipeline first")
+    return builder(c)
+

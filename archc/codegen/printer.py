@@ -1,0 +1,158 @@
+"""Printing sympy index and size expressions as Triton (device) or Python (host) code.
+
+Sizes and strides in the IR are sympy expressions over the dynamic dims B, T, P, S; codegen prints
+them into kernels (`b * (T*192) + t * 192`) and into launchers (grids, row counts).
+
+Triton's integer `//` and `%` are C-like — they truncate toward zero — while sympy's ``floor`` and
+``Mod`` (and Python's operators) round toward minus infinity. The two agree only when the operands
+are non-negative, so the device printer emits the plain operators only when sympy can prove that,
+and an exact form otherwise:
+
+    Mod(a, b)        →  ((a % b) + b) % b            (b > 0)
+    floor(a / b)     →  (a - Mod(a, b)) // b          (an exact division: truncation is floor)
+
+``min``/``max`` become ``tl.minimum``/``tl.maximum`` on the device. Anything that is not integer
+arithmetic (a rational, a float, an unknown function) is refused rather than printed wrongly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import sympy
+from sympy.printing.str import StrPrinter
+
+from archc.errors import ArchcError
+
+
+class PrintError(ArchcError):
+    """An expression codegen cannot print as integer index arithmetic."""
+
+
+def _nonneg(e: sympy.Expr) -> bool:
+    return bool(e.is_nonnegative)
+
+
+def _positive(e: sympy.Expr) -> bool:
+    return bool(e.is_positive)
+
+
+class _IndexPrinter(StrPrinter):
+    """Common integer printing: symbols renamed, products and sums parenthesized safely."""
+
+    device = False
+
+    def __init__(self, names: Mapping[str, str] | None = None) -> None:
+        super().__init__({"order": "none"})
+        self.names = dict(names or {})
+
+    def _print_Symbol(self, e: sympy.Symbol) -> str:
+        name = self.names.get(e.name, e.name)
+        if not name.isidentifier():
+            raise PrintError(f"symbol {e.name!r} prints as {name!r}, not an identifier")
+        return name
+
+    def _print_Integer(self, e: sympy.Integer) -> str:
+        return str(int(e))
+
+    def _print_Rational(self, e: sympy.Rational) -> str:
+        raise PrintError(f"{e} is not an integer: index arithmetic is integral")
+
+    def _print_Float(self, e: sympy.Float) -> str:
+        raise PrintError(f"{e} is a float: index arithmetic is integral")
+
+    def _print_Pow(self, e: sympy.Pow, rational: bool = False) -> str:
+        base, exp = e.args
+        if exp.is_Integer and int(exp) >= 1:
+            return "(" + " * ".join([self._wrap(base)] * int(exp)) + ")"
+        raise PrintError(f"cannot print {e} as integer arithmetic")
+
+    def _wrap(self, e: sympy.Expr) -> str:
+        text = self._print(e)
+        return text if (e.is_Atom and not (e.is_Integer and e < 0)) else f"({text})"
+
+    def _print_Mul(self, e: sympy.Mul) -> str:
+        coeff, terms = e.as_coeff_mul()
+        if coeff.is_Rational and not coeff.is_Integer:
+            raise PrintError(f"{e} is not an integer product")
+        parts = [self._wrap(t) for t in terms]
+        if coeff == -1:
+            return "-" + " * ".join(parts) if len(parts) == 1 else "-(" + " * ".join(parts) + ")"
+        if coeff != 1:
+            parts.insert(0, str(int(coeff)))
+        return " * ".join(parts)
+
+    def _print_Add(self, e: sympy.Add, order: str | None = None) -> str:
+        terms = sorted(e.args, key=lambda t: (t.is_Number, sympy.default_sort_key(t)))
+        out = self._print(terms[0])
+        for t in terms[1:]:
+            coeff, rest = t.as_coeff_Mul()
+            if coeff.is_Number and coeff < 0:
+                out += f" - {self._print(-t) if rest != 1 else str(-int(coeff))}"
+            else:
+                out += f" + {self._print(t)}"
+        return out
+
+    def _print_Mod(self, e: sympy.Mod) -> str:
+        a, b = e.args
+        pa, pb = self._wrap(a), self._wrap(b)
+        if not self.device or (_nonneg(a) and _positive(b)):
+            return f"({pa} % {pb})"
+        if not _positive(b):
+            raise PrintError(f"{e}: the divisor must be known positive")
+        return f"((({pa} % {pb}) + {pb}) % {pb})"
+
+    def _print_floor(self, e: sympy.floor) -> str:
+        arg = e.args[0]
+        num, den = arg.as_numer_denom()
+        if not (den.is_integer and num.is_integer):
+            raise PrintError(f"cannot print {e}: only floor(a / b) of integers")
+        if den == 1:
+            return self._print(num)
+        pn, pd = self._wrap(num), self._wrap(den)
+        if not self.device or (_nonneg(num) and _positive(den)):
+            return f"({pn} // {pd})"
+        if not _positive(den):
+            raise PrintError(f"{e}: the divisor must be known positive")
+        return f"(({pn} - ((({pn} % {pd}) + {pd}) % {pd})) // {pd})"
+
+    def _minmax(self, e: sympy.Expr, fn: str) -> str:
+        args = [self._print(a) for a in e.args]
+        out = args[0]
+        for a in args[1:]:
+            out = f"{fn}({out}, {a})"
+        return out
+
+    def _print_Min(self, e: sympy.Min) -> str:
+        return self._minmax(e, "tl.minimum" if self.device else "min")
+
+    def _print_Max(self, e: sympy.Max) -> str:
+        return self._minmax(e, "tl.maximum" if self.device else "max")
+
+    def emptyPrinter(self, e: object) -> str:  # noqa: N802  (sympy's name)
+        raise PrintError(f"cannot print {e!r} as index arithmetic")
+
+    def _print_Function(self, e: sympy.Function) -> str:
+        raise PrintError(f"cannot print {e} as index arithmetic")
+
+
+class TritonPrinter(_IndexPrinter):
+    """Device code: C-like `//` and `%` are only used where they equal floor and Mod."""
+
+    device = True
+
+
+class HostPrinter(_IndexPrinter):
+    """Launcher code: Python's `//` and `%` already floor."""
+
+    device = False
+
+
+def texpr(e: sympy.Expr | int, names: Mapping[str, str] | None = None) -> str:
+    """`e` as Triton device code."""
+    return TritonPrinter(names).doprint(sympy.sympify(e))
+
+
+def pexpr(e: sympy.Expr | int, names: Mapping[str, str] | None = None) -> str:
+    """`e` as Python host code."""
+    return HostPrinter(names).doprint(sympy.sympify(e))

@@ -1,0 +1,227 @@
+"""Rendering a kernel-level program into one readable Python module of Triton kernels.
+
+1. For every compute node, the family's builder (``kernels.build``) checks the node and returns a
+   template and its values; the template renders with ``StrictUndefined``, so a missing value is
+   an error, never an empty string.
+2. Units are deduplicated by their rendered text: identical layers render identical kernels and
+   share one. Names are given in order of first use (``fused_linear_0``, ``attention_1``, …).
+3. The module template assembles the shared device functions, each unit headed by the IR nodes it
+   implements, a ``KERNELS`` table (family, static sizes, argument types) and one ``run_<graph>``
+   function per graph that launches the graph's kernels in order.
+
+The module is written to a cache directory keyed by a hash of the program text and the options,
+and imported from there (Triton reads kernel source from the file).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import re
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import jinja2
+
+from archc import __version__
+from archc.codegen.kernels import JitKernel, NodeCtx, Unit, act_code, build
+from archc.codegen.layout import CodegenError, layouts
+from archc.codegen.options import CodegenOptions
+from archc.ir.graph import Program
+from archc.ir.ops import Op
+from archc.ir.text import format_node, format_program
+
+TEMPLATES = Path(__file__).parent / "templates"
+PLACEHOLDER = "__KERNEL__"
+
+
+def _raise(message: str) -> None:
+    raise CodegenError(f"template error: {message}")
+
+
+ENV = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
+    trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)
+ENV.globals["raise"] = _raise
+ENV.globals["act"] = act_code
+
+
+@dataclass
+class RenderedUnit:
+    name: str
+    family: str
+    template: str
+    source: str
+    kernels: list[JitKernel]
+    uses: list[tuple[str, int, str]] = field(default_factory=list)  # (graph, node id, text)
+
+    def jit_names(self) -> list[str]:
+        return [self.name + k.suffix for k in self.kernels]
+
+
+@dataclass
+class Step:
+    node: str          # the IR node, as text
+    call: str          # the launch statement
+    unit: str          # the unit's name
+
+
+@dataclass
+class Generated:
+    """A rendered program: module source, units, per-graph launch steps."""
+
+    model: str
+    options: CodegenOptions
+    source: str
+    digest: str
+    units: list[RenderedUnit]
+    steps: dict[str, list[Step]]
+    kv: list[tuple[int, int, int]]          # (layer, kv_heads, head_dim) of every cache written
+
+    @property
+    def launches(self) -> int:
+        return sum(len(s) for s in self.steps.values())
+
+    def unit(self, name: str) -> RenderedUnit:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise KeyError(name)
+
+    def kernel_table(self) -> list[tuple[str, int]]:
+        """(unit name, launches) in order of first use."""
+        return [(u.name, len(u.uses)) for u in self.units]
+
+
+def render_unit(unit: Unit) -> str:
+    template = ENV.get_template(unit.template)
+    try:
+        return template.render(name=PLACEHOLDER, **unit.context)
+    except jinja2.UndefinedError as err:
+        raise CodegenError(f"template {unit.template}: {err}") from None
+
+
+def _codegen_fingerprint() -> str:
+    """A hash of the templates and the code that fills them: a change to either is a new
+    module, never a stale one from the cache."""
+    h = hashlib.sha256(__version__.encode())
+    here = Path(__file__).parent
+    for path in sorted([*TEMPLATES.glob("*.j2"), here / "kernels.py", here / "render.py",
+                        here / "layout.py", here / "printer.py"]):
+        h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()
+
+
+_FINGERPRINT = _codegen_fingerprint()
+
+
+def program_digest(program: Program, options: CodegenOptions) -> str:
+    text = format_program(program) + "\n" + options.key() + "\n" + _FINGERPRINT
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _header(uses: list[tuple[str, int, str]]) -> list[str]:
+    graph, _, first = uses[0]
+    lines = [f"implements {graph} {first}"]
+    if len(uses) > 1:
+        others = ", ".join(f"{g} %{i}" for g, i, _ in uses[1:])
+        lines += textwrap.wrap(f"and the same node in {others}", 96)
+    return [_comment_safe(s) for s in lines]
+
+
+def _comment_safe(text: str) -> str:
+    return "".join(ch if ch.isprintable() else "?" for ch in text)
+
+
+def generate(program: Program, options: CodegenOptions) -> Generated:
+    """Render every compute node of `program` (kernel-level) into one module."""
+    by_text: dict[tuple[str, str], RenderedUnit] = {}
+    units: list[RenderedUnit] = []
+    counters: dict[str, int] = {}
+    steps: dict[str, list[Step]] = {}
+    kv: list[tuple[int, int, int]] = []
+    for g in program:
+        lays = layouts(g)
+        graph_steps: list[Step] = []
+        for i in g.compute_ids():
+            ctx = NodeCtx(g, i, lays, options)
+            unit = build(ctx)
+            kv += ctx.extras.get("kv", [])
+            text = render_unit(unit)
+            key = (unit.template, text)
+            ru = by_text.get(key)
+            if ru is None:
+                n = counters.get(unit.family, 0)
+                counters[unit.family] = n + 1
+                name = f"{unit.family}_{n}"
+                ru = RenderedUnit(name, unit.family, unit.template,
+                                  text.replace(PLACEHOLDER, name), unit.kernels)
+                by_text[key] = ru
+                units.append(ru)
+            node_text = format_node(i, g.nodes[i])
+            ru.uses.append((g.name, i, node_text))
+            graph_steps.append(Step(_comment_safe(node_text), f"{ru.name}(d, {unit.call})",
+                                    ru.name))
+        steps[g.name] = graph_steps
+    digest = program_digest(program, options)
+    kernels = []
+    for u in units:
+        table = {u.name + k.suffix: dict(family=k.family, unit=u.name, sizes=k.sizes,
+                                         types=k.types) for k in u.kernels}
+        kernels.append(dict(name=u.name, family=u.family, uses=u.uses, header=_header(u.uses),
+                            source=u.source.rstrip("\n"),
+                            entries=[f"{k!r}: {e!r}" for k, e in table.items()]))
+    graphs = [dict(name=g.name, steps=[dict(node=s.node, call=s.call) for s in steps[g.name]],
+                   unique=len({s.unit for s in steps[g.name]})) for g in program]
+    source = ENV.get_template("module.py.j2").render(
+        version=__version__, model=program.model, kernels=kernels, graphs=graphs,
+        launches=sum(len(s) for s in steps.values()), options=options.key(),
+        graph_hash=digest[:16])
+    return Generated(program.model, options, source, digest, units, steps, sorted(set(kv)))
+
+
+def safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80] or "model"
+
+
+def write_module(gen: Generated, directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{safe_name(gen.model)}.py"
+    if not path.exists() or path.read_text() != gen.source:
+        tmp = path.with_suffix(".py.tmp")
+        tmp.write_text(gen.source)
+        tmp.replace(path)
+    return path
+
+
+_LOADED: dict[str, ModuleType] = {}
+
+
+def load_module(path: Path, key: str) -> ModuleType:
+    """Import the module at `path` once per `key` (Triton reads the kernels' source from it)."""
+    mod = _LOADED.get(key)
+    if mod is not None:
+        return mod
+    name = f"archc_generated_{key[:16]}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise CodegenError(f"cannot import the generated module {path}")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    _LOADED[key] = mod
+    return mod
+
+
+def check_kernel_level(program: Program) -> None:
+    """Refuse, naming the node, any compute node without a template."""
+    from archc.codegen.kernels import BUILDERS
+    for g in program:
+        for i in g.compute_ids():
+            n = g.nodes[i]
+            if n.op not in BUILDERS and n.op not in (Op.INPUT, Op.PARAM, Op.OUTPUT):
+                raise CodegenError(f"codegen: graph {g.name}: {format_node(i, n)}: no Triton "
+                                   f"template for {n.op.value}")
