@@ -214,6 +214,7 @@ def from_spec(spec: Spec, *, seed: int = 0) -> Model:
 def load(source: str | Path, *, seed: int = 0, progress: Progress | None = None) -> Model:
     """A zoo name, spec YAML, HF directory or GGUF file → a Model (random weights for specs).
     `progress(done, total)` is called as weights load."""
+    import archc.native  # noqa: F401  (registers archc's own checkpoint directories)
     import archc.sources  # noqa: F401  (registers the HF and GGUF loaders)
     from archc.spec.zoo import load_spec
     path = Path(source)

@@ -169,3 +169,57 @@ def test_inapplicable_steps_say_why() -> None:
         (call,) = parse_steps(step)
         with pytest.raises(StepError, match=why):
             call.apply(llama)
+
+
+def test_report_walks_gpt1_to_a_llama_style_block() -> None:
+    from archc.modernize.report import walk
+    from archc.modernize.steps import DEFAULT_STEPS
+    rows = walk(load_spec("gpt1"), parse_steps(",".join(DEFAULT_STEPS)), batch=1, context=512)
+    assert [r.step for r in rows] == ["(start)", *DEFAULT_STEPS]
+    final = rows[-1].spec
+    assert (final.norm.kind, final.norm.placement, final.ffn.kind, final.position.kind) == (
+        "rmsnorm", "pre", "swiglu", "rope")
+    assert final.attention.kv_heads == 3 and not final.attention.bias.any
+    by = {r.step: r for r in rows}
+    assert by["gqa"].kv_bytes_per_token * 4 == by["rope"].kv_bytes_per_token
+    assert by["gqa"].intensity > by["rope"].intensity
+    # post-norm cannot fold its norms into the next matmul; pre-norm can
+    assert by["(start)"].kernels_per_layer > by["prenorm"].kernels_per_layer
+
+
+def test_cli_writes_a_spec_that_loads(tmp_path) -> None:  # noqa: ANN001
+    import subprocess
+    import sys
+    out = tmp_path / "modern.yaml"
+    done = subprocess.run([sys.executable, "-m", "archc.cli", "modernize", "tiny-gpt1",
+                           "--context", "32", "-o", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    spec = load_spec(str(out))
+    assert spec.norm.placement == "pre" and spec.ffn.kind == "swiglu"
+    assert "kernels/layer" in done.stdout
+
+
+def test_cli_converts_a_loaded_checkpoint(tmp_path) -> None:  # noqa: ANN001
+    from archc import native
+    from archc.commands.modernize import run
+    src = tmp_path / "mha"
+    mha = _mha("tiny-llama2-70b")
+    native.save(src, mha, archc.from_spec(mha, seed=5).weights)
+    import argparse
+    args = argparse.Namespace(source=str(src), steps="gqa:2", batch=1, context=16,
+                              output=tmp_path / "gqa", plot=None)
+    assert run(args) == 0
+    model = archc.load(tmp_path / "gqa")
+    assert model.spec.attention.kv_heads == 2
+    with pytest.raises(StepError, match="needs training"):
+        run(argparse.Namespace(source=str(src), steps="gqa:4,qk-norm", batch=1, context=16,
+                               output=None, plot=None))
+
+
+def test_plot(tmp_path) -> None:  # noqa: ANN001
+    pytest.importorskip("matplotlib", reason="--plot needs the optional plot extra")
+    from archc.commands.modernize import _plot
+    from archc.modernize.report import walk
+    rows = walk(load_spec("tiny-gpt2"), parse_steps("rmsnorm,gqa:2"), batch=1, context=16)
+    _plot(rows, tmp_path / "steps.png")
+    assert (tmp_path / "steps.png").stat().st_size > 10_000

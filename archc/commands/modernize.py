@@ -11,7 +11,7 @@ from rich.table import Table
 from archc.commands.common import positive_int
 from archc.errors import ArchcError
 from archc.modernize.report import Row, walk
-from archc.modernize.steps import DEFAULT_STEPS, STEPS, parse_steps
+from archc.modernize.steps import DEFAULT_STEPS, STEPS, StepError, parse_steps
 from archc.spec.zoo import ZOO_DIR
 from archc.ui import console, nbytes, si
 
@@ -91,6 +91,11 @@ def run(args: argparse.Namespace) -> int:
     spec_only = _is_spec(args.source)
     model = None if spec_only else archc.load(args.source)
     spec = load_spec(args.source) if spec_only else model.spec
+    if model is not None:  # refuse before any work what a checkpoint cannot go through
+        for call in calls:
+            if not call.step.converts_weights:
+                raise StepError(f"{call.text} changes what the weights compute and needs "
+                                "training; on a checkpoint only gqa:N, mqa and no-bias apply")
     context = args.context or spec.max_seq_len
     if context > spec.max_seq_len:
         raise ArchcError(f"--context {context} exceeds max_seq_len = {spec.max_seq_len}")
