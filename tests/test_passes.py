@@ -318,6 +318,14 @@ def test_passes_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "kernels per block (embedding and head aside): 24 unfused → 5" in out
 
 
+def test_passes_list(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["passes", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in PASSES)
+    assert main(["passes"]) == 2
+    assert "or --list" in capsys.readouterr().err
+
+
 def test_ir_after_diff_and_print_after_all(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ir", "tiny-llama3", "--after", "fuse-glu"]) == 0
     assert 'glu(fn="silu")' in capsys.readouterr().out

@@ -12,6 +12,7 @@ from archc.ir.lower import lower
 from archc.ir.text import format_program
 from archc.ir.view import to_dot
 from archc.passes import PASSES, run_pipeline
+from archc.passes.registry import known
 from archc.ui import console
 
 NAME = "ir"
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     staged = args.after or args.diff or args.print_after_all
     for flag, name in (("--after", args.after), ("--diff", args.diff)):
         if name is not None and name not in PASSES:
-            raise ArchcError(f"{flag}: unknown pass {name!r}; known: {', '.join(PASSES)}")
+            raise ArchcError(f"{flag}: unknown pass {name!r}; known: {known(pipelines=False)}")
     pipeline = args.passes or ("default" if staged else "none")
     result = run_pipeline(program, pipeline)
 

@@ -6,9 +6,10 @@ import argparse
 
 from rich.table import Table
 
-from archc.commands.common import add_spec_argument, nonnegative_int, positive_int, spec_of
+from archc.commands.common import nonnegative_int, positive_int, spec_of
+from archc.errors import ArchcError
 from archc.ir.lower import lower
-from archc.passes import PASSES, run_pipeline
+from archc.passes import DEFAULT_PIPELINE, PASSES, run_pipeline
 from archc.passes.manager import PassStep
 from archc.passes.measure import dims, kernels_per_layer, op_delta, stats
 from archc.ui import console, nbytes, si
@@ -39,9 +40,25 @@ def add_dims_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_spec_argument(p)
+    p.add_argument("spec", metavar="SPEC", nargs="?",
+                   help="a spec YAML path or a zoo name (see `archc specs`)")
+    p.add_argument("--list", action="store_true",
+                   help="list the registered passes and the default pipeline, then exit")
     add_pipeline_arguments(p)
     add_dims_arguments(p)
+
+
+def _list() -> int:
+    table = Table(title="passes (the default pipeline runs them in this order)",
+                  title_justify="left")
+    for col in ("pass", "kind", "in default", "what it does"):
+        table.add_column(col, overflow="fold")
+    order = list(DEFAULT_PIPELINE) + sorted(set(PASSES) - set(DEFAULT_PIPELINE))
+    for name in order:
+        p = PASSES[name]
+        table.add_row(name, p.kind, "yes" if name in DEFAULT_PIPELINE else "", p.summary)
+    console.print(table)
+    return 0
 
 
 def _changed(step: PassStep) -> str:
@@ -55,6 +72,10 @@ def _changed(step: PassStep) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.list:
+        return _list()
+    if args.spec is None:
+        raise ArchcError("give a SPEC (a YAML path or zoo name), or --list")
     spec = spec_of(args)
     dtype = args.dtype or spec.dtype
     at = dims(args.batch, args.tokens, args.past, args.encoder_len)

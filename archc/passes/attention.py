@@ -259,8 +259,18 @@ def fuse_rope(g: Graph, ctx: PassContext) -> Graph:
 
 # ---- fuse-kv-write ---------------------------------------------------------------------------
 
-def _kv_write(rw: Rewriter, att: int) -> tuple[Linear, int, int, int, int]:
-    """(linear, kv_cache k, kv_cache v, layer, new attention) for a legal site, else Refusal."""
+@dataclass(frozen=True)
+class _CacheSite:
+    lin: Linear           # the projection computing q, k and v
+    k_cache: int          # the kv_cache writes the epilogue replaces
+    v_cache: int
+    k: ColumnView
+    v: ColumnView
+    layer: int
+
+
+def _cache_site(rw: Rewriter, att: int) -> _CacheSite:
+    """The projection whose epilogue can write the cache this attention reads; else Refusal."""
     n = rw.node(att)
     q, kc, vc = n.inputs[:3]
     if rw.op(kc) != Op.KV_CACHE or rw.op(vc) != Op.KV_CACHE:
@@ -272,10 +282,9 @@ def _kv_write(rw: Rewriter, att: int) -> tuple[Linear, int, int, int, int]:
     for c in (kc, vc):
         if rw.users(c) != [att]:
             raise Refusal(f"the cache values %{c} are read outside this attention")
-    views = [column_view(rw, rw.node(c).inputs[0]) for c in (kc, vc)]
-    kv, vv = views
+    kv, vv = (column_view(rw, rw.node(c).inputs[0]) for c in (kc, vc))
     if kv is None or vv is None:
-        src = rw.node(kc).inputs[0] if kv is None else rw.node(vc).inputs[0]
+        src = rw.node(kc if kv is None else vc).inputs[0]
         raise Refusal(f"%{src} ({rw.op(src).value}) stands between the projection and the "
                       "cache write (fuse-rope must fold RoPE into the projection first)")
     if kv.source != vv.source:
@@ -295,32 +304,30 @@ def _kv_write(rw: Rewriter, att: int) -> tuple[Linear, int, int, int, int]:
             raise Refusal(f"the head view %{c} is read outside the cache write")
     if any(s.fn == "kv_write" for s in lin.steps):
         raise Refusal(f"%{lin.root} already writes a cache")
-    return lin, kc, vc, layer, 0
+    return _CacheSite(lin, kc, vc, kv, vv, layer)
 
 
 def _fuse_kv_write(rw: Rewriter, att: int, ctx: PassContext) -> None:
     try:
-        lin, kc, vc, layer, _ = _kv_write(rw, att)
+        site = _cache_site(rw, att)
     except Refusal as r:
         ctx.refused("fuse-kv-write", rw.describe(att), r.why)
         return
-    kv = column_view(rw, rw.node(kc).inputs[0])
-    vv = column_view(rw, rw.node(vc).inputs[0])
-    assert kv is not None and vv is not None
     # writing k and v from the accumulator = writing the stored k and v: same values, no
     # round trip through memory
-    write = step("kv_write", head_dim=kv.head_dim, k_start=kv.start, v_start=vv.start,
-                 kv_heads=kv.heads, layer=layer)
-    replace_linear(rw, lin, lin.then(write))
+    write = step("kv_write", head_dim=site.k.head_dim, k_start=site.k.start,
+                 v_start=site.v.start, kv_heads=site.k.heads, layer=site.layer)
+    replace_linear(rw, site.lin, site.lin.then(write))
     n = rw.node(att)
     attrs = dict(n.attrs)
-    attrs.update(cache_layer=layer, kv_heads=kv.heads)
-    new = rw.emit(Op.ATTENTION, [n.inputs[0], *n.inputs[3:]], like=[att, kc, vc], **attrs)
+    attrs.update(cache_layer=site.layer, kv_heads=site.k.heads)
+    new = rw.emit(Op.ATTENTION, [n.inputs[0], *n.inputs[3:]],
+                  like=[att, site.k_cache, site.v_cache], **attrs)
     rw.replace(att, new)
-    rw.kill(att)
-    rw.kill(kc)
-    rw.kill(vc)
-    ctx.applied("fuse-kv-write", rw.describe(att), f"layer {layer} cache written by %{lin.root}")
+    rw.kill(site.k_cache)
+    rw.kill(site.v_cache)
+    ctx.applied("fuse-kv-write", rw.describe(att),
+                f"layer {site.layer} cache written by %{site.lin.root}")
 
 
 @register_pass("fuse-kv-write", "exact",

@@ -8,6 +8,7 @@ On failure the error names the pass, the graph and the passes that ran before it
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ from archc.ir.graph import Program
 from archc.ir.verify import verify
 from archc.passes.context import Decision, PassContext
 from archc.passes.registry import PASSES, resolve_pipeline
+
+LOG = logging.getLogger("archc.passes")
 
 
 class PassFailure(IRError):
@@ -87,6 +90,8 @@ def run_pass(program: Program, name: str, done: Sequence[str] = ()) -> PassStep:
                        (f", {refused} refused" if refused else ""))
         log += [f"{name}: graph {g.name}: {line}" for line in ctx.log]
         graphs.append(out)
+    for line in log:
+        LOG.debug(line)
     after = program
     if any(a is not b for a, b in zip(graphs, program.graphs)):
         after = Program(program.model, tuple(graphs))

@@ -64,8 +64,11 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
 PIPELINES: dict[str, tuple[str, ...]] = {"default": DEFAULT_PIPELINE, "none": ()}
 
 
-def known() -> str:
-    return ", ".join(list(PIPELINES) + list(PASSES))
+def known(*, pipelines: bool = True) -> str:
+    """Pipelines, then passes in the default pipeline's order, then any others."""
+    order = list(DEFAULT_PIPELINE) + sorted(set(PASSES) - set(DEFAULT_PIPELINE))
+    names = [p for p in order if p in PASSES]
+    return ", ".join((list(PIPELINES) if pipelines else []) + names)
 
 
 def resolve_pipeline(pipeline: str | Sequence[str]) -> list[str]:
