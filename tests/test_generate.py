@@ -186,7 +186,7 @@ def test_run_prompt_streams_the_continuation_and_reports_speed(
     expected = model.compile().generate(torch.tensor([ids]), 6, eos_token_id=[2])
     text = tok.decode(expected[0, len(ids):].tolist())
     capsys.readouterr()
-    status = main(["run", str(gpt2_with_tokenizer), "--prompt", "the cat",
+    status = main(["run", str(gpt2_with_tokenizer), "--prompt", "the cat", "--threads", "1",
                    "--max-new-tokens", "6"])
     out, err = capsys.readouterr()
     assert status == 0

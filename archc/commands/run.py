@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (default f32)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of random weights, random prompt and sampling (default 0)")
+    p.add_argument("--threads", type=positive_int, metavar="N",
+                   help="CPU threads for torch (default: torch's choice; 1 is often fastest "
+                   "for decoding small models on a busy machine)")
     text = p.add_argument_group("text generation (needs a tokenizer)")
     what = text.add_mutually_exclusive_group()
     what.add_argument("--prompt", metavar="TEXT", help="continue this text")
@@ -69,6 +72,8 @@ def _load(args: argparse.Namespace) -> archc.Model:
 def run(args: argparse.Namespace) -> int:
     if args.system is not None and args.chat is None:
         raise archc.ArchcError("--system goes with --chat")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     model = _load(args)
     if args.prompt is not None or args.chat is not None:
         return _generate_text(args, model)
