@@ -422,3 +422,13 @@ def test_cli_commands_refuse_a_bad_spec_with_one_line(
     line = _one_line_error(returncode, captured.err)
     assert line.startswith(f"archc {command}: error: {path}: ") and says in line, line
     assert captured.out == ""
+
+
+def test_spec_reference_is_current() -> None:
+    """docs/spec-reference.md is generated from the schema; regenerate with
+    `python -m archc.spec.reference > docs/spec-reference.md`."""
+    from pathlib import Path
+
+    from archc.spec.reference import reference
+    doc = Path(__file__).resolve().parents[1] / "docs" / "spec-reference.md"
+    assert doc.read_text(encoding="utf-8") == reference()
