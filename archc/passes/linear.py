@@ -63,9 +63,6 @@ class Linear:
     def replace(self, **changes: Any) -> Linear:
         return dataclasses.replace(self, **changes)
 
-    def fns(self) -> list[str]:
-        return [s.fn for s in self.steps]
-
 
 def merged_name(names: Sequence[str]) -> str:
     """layers.0.attn.q.weight + layers.0.attn.k.weight → layers.0.attn.q+k.weight"""

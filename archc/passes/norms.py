@@ -83,8 +83,9 @@ def _fold(rw: Rewriter, norm: int, lin: Linear) -> None:
     else:
         # LN(x)·Wᵀ + c = rstd·(x·W'ᵀ − μ·1ᵀW'ᵀ) + (β·Wᵀ + c): the mean is a rank-1 correction
         # with the column sums of W'; the shift β passes through W into the bias
+        # kept in f32 whatever the weights: μ·c cancels against acc, so c must not be rounded
         colsum = rw.add_param(f"{w.name}*{tag}.colsum", Call("sum", (folded,), (("dim", -1),)),
-                              (w.shape[0],), w.dtype, like=like, at=lin.root)
+                              (w.shape[0],), "f32", like=like, at=lin.root)
         head = [step("ln_scale", colsum)]
         prologue = "layer"
         if beta is not None:

@@ -93,8 +93,3 @@ def resolve_pipeline(pipeline: str | Sequence[str]) -> list[str]:
             raise ArchcError(f"unknown pass {name!r}{hint}; known: {known()}")
     return out
 
-
-def check_pass_name(name: str) -> str:
-    if name not in PASSES:
-        resolve_pipeline([name])
-    return name

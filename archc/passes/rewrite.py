@@ -85,10 +85,6 @@ class Rewriter:
         return not self.users(i) and n.op not in (Op.OUTPUT, Op.INPUT) and \
             not has_side_effect(n)
 
-    def single_user(self, i: int) -> int | None:
-        us = self.users(i)
-        return us[0] if len(us) == 1 else None
-
     def shape(self, i: int) -> Shape:
         return self.nodes[i].shape
 
