@@ -288,3 +288,41 @@ def test_fused_linear_concat_k() -> None:
               "wd": (shape(8, 24), "f32"), "w": (shape(8, 40), "f32")},
              unfused, fused, {"a": a, "h": h, "r": r, "wo": wo, "wd": wd,
                               "w": torch.cat([wo, wd], dim=1)})
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_fused_linear_head_norm_then_rope(kind: str) -> None:
+    """QK-norm: heads split from a projection, each normalized over its head_dim and then
+    rotated, equal the projection with head_norm and rope in its epilogue."""
+    heads, hd, d = 3, 8, 16
+    x, w = rand(2, 5, d), rand(heads * hd + 8, d)     # 8 trailing columns the norm leaves alone
+    g, b = 1 + 0.1 * rand(hd), 0.1 * rand(hd)
+    freq = rope_inv_freq(dim=hd, theta=10000.0)
+    pos = torch.arange(3, 8)
+
+    def unfused(bd: GraphBuilder, i: dict[str, int]) -> int:
+        y = bd.emit(Op.MATMUL, i["x"], i["w"])
+        h = bd.emit(Op.SPLIT_HEADS, bd.emit(Op.SLICE, y, start=0, stop=heads * hd), heads=heads)
+        if kind == "rms":
+            h = bd.emit(Op.RMSNORM, h, i["g"], eps=1e-6)
+        else:
+            h = bd.emit(Op.LAYERNORM, h, i["g"], i["b"], eps=1e-6)
+        h = bd.emit(Op.ROPE, h, i["pos"], i["freq"], rotary_dim=hd, interleaved=False)
+        return bd.emit(Op.MERGE_HEADS, h)
+
+    def fused(bd: GraphBuilder, i: dict[str, int]) -> int:
+        y = bd.emit(Op.FUSED_LINEAR, i["x"], i["w"], i["gains"], i["shifts"], i["pos"],
+                    i["freq"], epilogue=(
+                        Call("head_norm", (), (("eps", 1e-6), ("head_dim", hd), ("heads", heads),
+                                               ("kind", kind))),
+                        Call("rope", (), (("head_dim", hd), ("heads", heads),
+                                          ("interleaved", False), ("rotary_dim", hd)))))
+        return bd.emit(Op.SLICE, y, start=0, stop=heads * hd)
+
+    shift = b.repeat(heads) if kind == "layer" else torch.zeros(heads * hd)
+    run_both({"x": (shape(B, T, d), "f32"), "w": (shape(heads * hd + 8, d), "f32"),
+              "g": (shape(hd), "f32"), "b": (shape(hd), "f32"),
+              "gains": (shape(heads * hd), "f32"), "shifts": (shape(heads * hd), "f32"),
+              "pos": (shape(T), "i64"), "freq": (shape(hd // 2), "f32")},
+             unfused, fused, {"x": x, "w": w, "g": g, "b": b, "gains": g.repeat(heads),
+                              "shifts": shift, "pos": pos, "freq": freq})

@@ -155,6 +155,12 @@ def _repeat_heads(a: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
     return a.reshape(heads, -1).repeat_interleave(groups, dim=0).flatten()
 
 
+@param_fn("tile")
+def _tile(a: torch.Tensor, times: int) -> torch.Tensor:
+    """A vector repeated `times` times end to end: one head's norm gain for every head."""
+    return a.repeat(times)
+
+
 # ---- computed buffers ----------------------------------------------------------------------
 
 @param_fn("rope_inv_freq")

@@ -3,6 +3,7 @@
 - share-kv-heads: `repeat_kv` goes; scores and the value sum read KV head h // g directly.
 - flash-attention: scores → scale → soft-cap → position bias → mask → softmax → value sum →
   merge_heads becomes one `attention` node.
+- fuse-qk-norm: QK-norm of q and k runs in the epilogue of the projection that computes them.
 - fuse-rope: RoPE of q and k runs in the epilogue of the projection that computes them.
 - fuse-kv-write: the projection's epilogue writes k and v into the cache; attention reads it.
 """
@@ -15,7 +16,7 @@ from archc.ir.attrs import Call
 from archc.ir.graph import Graph
 from archc.ir.ops import Op
 from archc.passes.context import PassContext, Refusal
-from archc.passes.linear import Linear, replace_linear, step, view
+from archc.passes.linear import NORMS, Linear, merged_name, replace_linear, step, view
 from archc.passes.patterns import Pat, Rule, apply_rules
 from archc.passes.registry import register_pass
 from archc.passes.rewrite import Rewriter
@@ -181,60 +182,83 @@ def _linear_roots(rw: Rewriter) -> list[Linear]:
     return out
 
 
-# ---- fuse-rope -------------------------------------------------------------------------------
+# ---- per-head epilogues: fuse-qk-norm, fuse-rope -----------------------------------------------
+
+@dataclass(frozen=True)
+class HeadReader:
+    """A node reading heads split from columns [start, stop) of a projection."""
+
+    start: int
+    stop: int
+    view: ColumnView
+    reader: int
+
+
+def leading_heads(rw: Rewriter, lin: Linear, ops: frozenset[Op], what: str,
+                  later: tuple[str, ...]) -> list[HeadReader]:
+    """The head views of `lin` read by one node of `ops` each, if an epilogue step over the
+    first n heads can stand for those nodes: the columns they read are [0, n·D), each view is
+    read by that node only, and no other reader sees those columns. [] if none is; Refusal if
+    some are but the epilogue cannot serve them. `later`: epilogue steps that must come after
+    the new one."""
+    readers = _readers(rw, lin.root)
+    found = [(a, b, cv) for _, a, b, cv in readers
+             if cv is not None and any(rw.op(u) in ops for u in rw.users(cv.split))]
+    if not found:
+        return []
+    out: list[HeadReader] = []
+    for a, b, cv in sorted(found, key=lambda t: t[0]):
+        users = rw.users(cv.split)
+        if len(users) != 1:
+            raise Refusal(f"the head view %{cv.split} is also read without being {what} by "
+                          + ", ".join(f"%{u}" for u in users if rw.op(u) not in ops))
+        if cv.slice is not None and len(rw.users(cv.slice)) != 1:
+            raise Refusal(f"columns [{a}, {b}) %{cv.slice} are also read without being {what}")
+        out.append(HeadReader(a, b, cv, users[0]))
+    end = 0
+    for h in out:
+        if h.view.head_dim != out[0].view.head_dim:
+            raise Refusal(f"heads of {h.view.head_dim} and {out[0].view.head_dim} dims")
+        if h.start != end:
+            raise Refusal(f"the columns to be {what} are not contiguous from column 0 (a gap "
+                          f"before column {h.start}); the epilogue serves the first heads only")
+        end = h.stop
+    served = {h.view.split for h in out}
+    for r, a, b, cv in readers:
+        if (cv is None or cv.split not in served) and a < end:
+            raise Refusal(f"%{r} ({rw.op(r).value}) reads columns [{a}, {b}), which the "
+                          f"epilogue would have {what}")
+    late = [s.fn for s in lin.steps if s.fn in later]
+    if late:
+        raise Refusal(f"%{lin.root} already ends in {late[-1]}, which must come after")
+    return out
+
 
 def _fuse_rope(rw: Rewriter, lin: Linear, ctx: PassContext) -> None:
-    readers = _readers(rw, lin.root)
-    roped = [(r, a, b, cv) for r, a, b, cv in readers
-             if cv is not None and any(rw.op(u) == Op.ROPE for u in rw.users(cv.split))]
-    if not roped:
-        return
-    first_rope = next(u for u in rw.users(roped[0][3].split) if rw.op(u) == Op.ROPE)  # type: ignore
     try:
-        ropes = []
-        for _, a, b, cv in roped:
-            assert cv is not None
-            users = rw.users(cv.split)
-            if len(users) != 1:
-                raise Refusal(f"the head view %{cv.split} is read unrotated by "
-                              + ", ".join(f"%{u}" for u in users if rw.op(u) != Op.ROPE))
-            if cv.slice is not None and len(rw.users(cv.slice)) != 1:
-                raise Refusal(f"columns [{a}, {b}) %{cv.slice} are also read unrotated")
-            ropes.append((a, b, cv, users[0]))
-        ropes.sort(key=lambda t: t[0])
-        r0 = rw.node(ropes[0][3])
-        hd = ropes[0][2].head_dim
-        end = 0
-        for a, b, cv, r in ropes:
-            n = rw.node(r)
+        heads = leading_heads(rw, lin, frozenset({Op.ROPE}), "rotated",
+                              ("rope", "kv_write", "glu"))
+        if not heads:
+            return
+        r0 = rw.node(heads[0].reader)
+        for h in heads:
+            n = rw.node(h.reader)
             if n.inputs[1:] != r0.inputs[1:] or n.attrs != r0.attrs:
-                raise Refusal(f"rope %{r} and %{ropes[0][3]} differ in positions, frequencies "
-                              "or attributes")
-            if cv.head_dim != hd:
-                raise Refusal(f"rotated heads of {cv.head_dim} and {hd} dims")
-            if a != end:
-                raise Refusal(f"the rotated columns are not contiguous from column 0 (a gap "
-                              f"before column {a}); the epilogue rotates the first heads only")
-            end = b
-        for r, a, b, cv in readers:
-            if cv in [t[2] for t in ropes]:
-                continue
-            if a < end:
-                raise Refusal(f"%{r} ({rw.op(r).value}) reads columns [{a}, {b}), which the "
-                              "epilogue would rotate")
-        if any(s.fn in ("rope", "kv_write", "glu") for s in lin.steps):
-            raise Refusal(f"%{lin.root} already has a {lin.steps[-1].fn} step")
+                raise Refusal(f"rope %{h.reader} and %{heads[0].reader} differ in positions, "
+                              "frequencies or attributes")
     except Refusal as r:
-        ctx.refused("fuse-rope", rw.describe(first_rope), r.why)
+        ctx.refused("fuse-rope", rw.describe(lin.root), r.why)
         return
+    hd = heads[0].view.head_dim
     # rope(x·Wᵀ)[heads] in the epilogue = the same rotation applied to the stored heads
-    rope_step = step("rope", *r0.inputs[1:], heads=end // hd, head_dim=hd,
+    rope_step = step("rope", *r0.inputs[1:], heads=heads[-1].stop // hd, head_dim=hd,
                      rotary_dim=r0.attr("rotary_dim"), interleaved=r0.attr("interleaved"),
                      mscale=r0.attr("mscale", 1.0))
     replace_linear(rw, lin, lin.then(rope_step))
-    for _, _, cv, r in ropes:
-        rw.replace(r, cv.split)
-        ctx.applied("fuse-rope", rw.describe(r), f"rotated in the epilogue of %{lin.root}")
+    for h in heads:
+        rw.replace(h.reader, h.view.split)
+        ctx.applied("fuse-rope", rw.describe(h.reader),
+                    f"rotated in the epilogue of %{lin.root}")
 
 
 @register_pass("fuse-rope", "exact",
@@ -254,6 +278,69 @@ def fuse_rope(g: Graph, ctx: PassContext) -> Graph:
             ctx.refused("fuse-rope", rw.describe(i),
                         f"it rotates %{src} ({rw.op(src).value}), not heads split from a "
                         "projection's columns, so no matmul epilogue computes its input")
+    return rw.finish()
+
+
+def _fuse_qk_norm(rw: Rewriter, lin: Linear, ctx: PassContext) -> None:
+    try:
+        heads = leading_heads(rw, lin, NORMS, "normalized",
+                              ("head_norm", "rope", "kv_write", "glu"))
+        if not heads:
+            return
+        first = rw.node(heads[0].reader)
+        gains: list[Call] = []
+        shifts: list[Call] = []
+        for h in heads:
+            n = rw.node(h.reader)
+            if n.op != first.op or n.attr("eps") != first.attr("eps"):
+                raise Refusal(f"%{h.reader} and %{heads[0].reader} are different norms")
+            if any(rw.op(p) != Op.PARAM for p in n.inputs[1:]):
+                raise Refusal(f"the gain or shift of %{h.reader} is not a parameter")
+            count = h.view.heads
+            gain = rw.param_expr(n.inputs[1])
+            if n.attr("unit_offset"):
+                gain = Call("offset", (gain,), (("by", 1.0),))       # Gemma: γ = 1 + w
+            gains.append(Call("tile", (gain,), (("times", count),)))
+            width = h.stop - h.start
+            shifts.append(Call("tile", (rw.param_expr(n.inputs[2]),), (("times", count),))
+                          if len(n.inputs) > 2 else Call("zeros", (), (("shape", (width,)),)))
+    except Refusal as r:
+        ctx.refused("fuse-qk-norm", rw.describe(lin.root), r.why)
+        return
+    cols = heads[-1].stop
+    like = [h.reader for h in heads]
+    dtype = rw.node(first.inputs[1]).dtype
+    names = [rw.node(rw.node(h.reader).inputs[1]).name for h in heads]
+    gain = rw.add_param(merged_name(names) + ".tiled", Call("cat", tuple(gains), (("dim", 0),)),
+                        (cols,), dtype, like=like, at=lin.root)
+    shift = rw.add_param(merged_name(names).removesuffix(".weight") + ".shift",
+                         Call("cat", tuple(shifts), (("dim", 0),)), (cols,), dtype, like=like,
+                         at=lin.root)
+    hd = heads[0].view.head_dim
+    # norm over each head's D columns of x·Wᵀ, in the epilogue: the tile holds whole heads
+    kind = "rms" if first.op == Op.RMSNORM else "layer"
+    norm = step("head_norm", gain, shift, kind=kind, eps=first.attr("eps"), heads=cols // hd,
+                head_dim=hd)
+    replace_linear(rw, lin, lin.then(norm))
+    for h in heads:
+        rw.replace(h.reader, h.view.split)
+        ctx.applied("fuse-qk-norm", rw.describe(h.reader),
+                    f"normalized in the epilogue of %{lin.root}")
+
+
+@register_pass("fuse-qk-norm", "exact",
+               "QK-norm: normalize the heads of q and k in the epilogue of their projection")
+def fuse_qk_norm(g: Graph, ctx: PassContext) -> Graph:
+    # 1. For each linear layer, find the head views read only by a per-head rmsnorm or
+    #    layernorm (QK-norm normalizes each head over its head_dim).
+    # 2. Legal if those columns are [0, n·D) — q then k, first in a merged QKV — with one
+    #    kind of norm and one eps, and no other reader sees them un-normalized.
+    # 3. Append head_norm(kind, eps, heads=n) reading a gain and a shift built at load time:
+    #    each head's norm weight tiled over its heads (zeros shift for RMSNorm). Each norm
+    #    node is replaced by its head view, so fuse-rope then finds the rotation there.
+    rw = Rewriter(g, ctx)
+    for lin in _linear_roots(rw):
+        _fuse_qk_norm(rw, lin, ctx)
     return rw.finish()
 
 

@@ -50,6 +50,7 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
     "fold-norms",
     "fuse-glu",
     "merge-parallel",
+    "fuse-qk-norm",
     "fuse-rope",
     "fuse-kv-write",
     "fuse-epilogue",

@@ -5,7 +5,7 @@ is testable on a CPU; codegen renders the same ops into Triton, and the two must
 
 - ``fused_linear``: ``x @ wᵀ`` with a prologue (row statistics of a folded norm, gathered along
   the K loop) and an epilogue chain (row scale, LayerNorm rank-1 correction, bias, gated or plain
-  activation, RoPE, KV-cache write, residual add, soft-cap, scale).
+  activation, RoPE, KV-cache write, residual add, soft-cap, scale, per-head norm of QK-norm).
 - ``norm``: a row norm with the residual add before it (post-norm) or after it (sandwich).
 - ``attention``: flash attention with every score modifier, GQA by index, reading the KV cache.
 - ``pointwise``: a fused elementwise chain written as an expression over its inputs.
@@ -164,6 +164,30 @@ def _apply_glu(ctx: EagerCtx, acc: torch.Tensor, step: Call, xs: Sequence[torch.
     return activation(acc[..., :n], step.kw("fn")) * acc[..., n:]
 
 
+def _head_norm_width(step: Call, width: int, shapes: Sequence[Shape], sig: Sig) -> int:
+    heads, hd = step.kw("heads"), step.kw("head_dim")
+    require(step.kw("kind") in ("rms", "layer"), f"head_norm() kind {step.kw('kind')!r}")
+    require(heads * hd <= width, f"head_norm() over {heads} heads of {hd} exceeds width {width}")
+    for s in shapes:
+        require(len(s) == 1 and int(s[0]) == heads * hd,
+                f"head_norm() takes [{heads * hd}] gain and shift, got {list(s)}")
+    return width
+
+
+def _apply_head_norm(ctx: EagerCtx, acc: torch.Tensor, step: Call, xs: Sequence[torch.Tensor],
+                     stats: RowStats) -> torch.Tensor:
+    heads, hd, eps = step.kw("heads"), step.kw("head_dim"), step.kw("eps")
+    cols = heads * hd
+    x = acc[..., :cols].unflatten(-1, (heads, hd))                      # (..., heads, D)
+    if step.kw("kind") == "rms":
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    else:
+        mean = x.mean(-1, keepdim=True)
+        y = (x - mean) * torch.rsqrt((x - mean).pow(2).mean(-1, keepdim=True) + eps)
+    y = y.flatten(-2) * xs[0].float() + xs[1].float()
+    return torch.cat([y, acc[..., cols:]], dim=-1)
+
+
 EPILOGUE: dict[str, Step] = {
     "rms_scale": Step(0, "acc·rstd — the 1/rms of a folded RMSNorm", _needs_prologue("rms"),
                       lambda ctx, acc, st, xs, s: acc * s.rstd),
@@ -183,6 +207,9 @@ EPILOGUE: dict[str, Step] = {
     "softcap": Step(0, "cap·tanh(acc/cap)", _same_width,
                     lambda ctx, acc, st, xs, s: softcap(acc, st.kw("cap"))),
     "scale": Step(0, "acc·factor", _same_width, lambda ctx, acc, st, xs, s: acc * st.kw("by")),
+    "head_norm": Step(2, "normalize each of the first `heads` heads over its head_dim columns "
+                      "(kind rms or layer), times gain, plus shift (the [heads·head_dim] "
+                      "inputs) — QK-norm", _head_norm_width, _apply_head_norm),
 }
 
 
