@@ -9,6 +9,7 @@ Two targets:
   with a paired epilogue and the norm prologue, checked with `archc compile --target sm_90a`),
   narrow 16-row tiles for decode, where the weights stream once and the row count is 1–16;
   attention 128×64 query×key tiles with 8 warps (64×32 for head_dim 256).
+  (Registers and spills from `archc compile --target sm_90a`, ptxas 13.)
 - ``interpret``: Triton's CPU interpreter pays per operation, not per element (~0.1–0.2 ms per
   tl op on this project's CI machine), so tiles are as large as the problem allows: fewer programs
   and fewer loop iterations.
@@ -59,8 +60,8 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
     if family == "attention":
         d = sizes["D"]
         if gpu:
-            if d > 128:
-                return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+            if d > 128:  # head_dim 256: 4 warps spill (255 registers); 8 warps fit in 205
+                return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
             return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
         return dict(BLOCK_M=_clamp_pow2(sizes["T"], 16, 64),
                     BLOCK_N=_clamp_pow2(sizes["L"], 16, 64), num_warps=4, num_stages=1)
@@ -69,7 +70,10 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
             return dict(BLOCK_N=64 if sizes["D"] <= 128 else 32, num_warps=4, num_stages=3)
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
     if family == "attention_combine":
-        return dict(num_warps=4, num_stages=1)
+        # one row per program on a GPU (a [splits, D] tile in registers); the interpreter
+        # merges many rows per program
+        return dict(BLOCK_ROWS=1 if gpu else _clamp_pow2(sizes["R"], 1, 64), num_warps=4,
+                    num_stages=1)
     if family in ("norm", "router"):
         n = sizes["N"]
         block_n = next_pow2(n)
@@ -108,7 +112,15 @@ def aot_sizes(family: str, sizes: dict[str, int]) -> dict[str, int]:
     full.setdefault("M", 4096)
     full.setdefault("T", 4096)
     full.setdefault("L", 4096)
+    full.setdefault("R", 32)
     return full
+
+
+def aot_constexprs(family: str) -> dict[str, int]:
+    """Block sizes a launcher picks from the call (not from `launch_config`), at the shapes an
+    ahead-of-time compile assumes: one decode token over 4 query heads per KV head."""
+    return {"attention_decode": {"BLOCK_R": 16},
+            "attention_combine": {"BLOCK_S": 64}}.get(family, {})
 
 
 def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
@@ -121,7 +133,7 @@ def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
                 for m, n, k, w, s in tiles]
     if family == "attention":
         if sizes.get("D", 128) > 128:
-            tiles = [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2)]
+            tiles = [(64, 32, 8, 2), (64, 16, 4, 2), (32, 32, 4, 2)]
         else:
             tiles = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)]
         return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in tiles]

@@ -273,9 +273,11 @@ def build_fused_linear(c: NodeCtx) -> Unit:
             max_len = c.opts.max_seq_len
             kv = dict(stride_b=kv_heads * max_len * hd, stride_l=hd, layer=layer,
                       kv_heads=kv_heads, head_dim=hd)
-            target.append(dict(fn=fn, k_start=lit_int(c, st.kw("k_start"), "k_start"),
-                               v_start=lit_int(c, st.kw("v_start"), "v_start"),
-                               width=kv_heads * hd, head_dim=hd, stride_h=max_len * hd))
+            k_start = lit_int(c, st.kw("k_start"), "k_start")
+            v_start = lit_int(c, st.kw("v_start"), "v_start")
+            target.append(dict(fn=fn, k_start=k_start, v_start=v_start, width=kv_heads * hd,
+                               head_dim=hd, stride_h=max_len * hd, run_terms=(hd, k_start,
+                                                                              v_start)))
             c.extras.setdefault("kv", []).append((layer, kv_heads, hd))
             needs_t = True
         elif fn in PAIRING:
@@ -298,7 +300,12 @@ def build_fused_linear(c: NodeCtx) -> Unit:
                     raise c.fail(f"rope() interleaved must be true or false, got {interleaved!r}")
                 tail = width - heads * hd
                 tail_half = (tail + 1) // 2
-                pair = dict(fn=fn, heads=heads, head_dim=hd, per_head=hd // 2,
+                # pairs in aligned runs of `run` map to contiguous columns (half-split only)
+                run = 0
+                if not interleaved and tail % 2 == 0:
+                    run = math.gcd(rot // 2, hd // 2 - rot // 2, heads * hd // 2, tail_half)
+                    run = run & -run  # the largest power of two dividing it
+                pair = dict(fn=fn, heads=heads, head_dim=hd, per_head=hd // 2, run=run,
                             rot_pairs=rot // 2, interleaved=interleaved, tail=tail,
                             tail_half=tail_half, NP=heads * hd // 2 + tail_half,
                             mscale=lit_float(c, st.kw("mscale", 1.0), "mscale"),
@@ -311,6 +318,14 @@ def build_fused_linear(c: NodeCtx) -> Unit:
             raise c.fail(f"epilogue step {fn}() has no Triton rendering")
     if nxt != len(n.inputs):
         raise c.fail(f"{len(n.inputs) - nxt} inputs left over after the epilogue")
+    for st_ctx in steps_pre + steps_post:  # kv_write: how many columns land contiguously
+        if st_ctx["fn"] == "kv_write":
+            cols_run = 1 << 16 if pair is None else (pair.get("run", 0) if pair["fn"] == "rope"
+                                                      else 1 << 16)
+            run = math.gcd(cols_run, *st_ctx.pop("run_terms"))
+            st_ctx["run"] = run & -run if run else 0
+            assert kv is not None
+            kv["run"] = st_ctx["run"]
     out_w = static(c, n.shape[-1], "the output width")
     if out_w != width:
         raise c.fail(f"epilogue gives width {width}, the node says {out_w}")
@@ -506,9 +521,10 @@ def build_attention(c: NodeCtx) -> Unit:
         dec = {k: v for k, v in types.items() if k != "out_ptr"}
         dec.update(part_acc_ptr="*fp32", part_ml_ptr="*fp32", SPLIT="i32", SPLITS="i32")
         kernels.append(JitKernel("_decode", "attention_decode", dict(D=hd), dec))
-        kernels.append(JitKernel("_combine", "attention_combine", {},
+        kernels.append(JitKernel("_combine", "attention_combine", dict(D=hd),
                                  dict(out_ptr=c.out_type(), part_acc_ptr="*fp32",
-                                      part_ml_ptr="*fp32", T="i32", SPLITS="i32")))
+                                      part_ml_ptr="*fp32", T="i32", ROWS="i32",
+                                      SPLITS="i32")))
     return Unit("attention", "attention.py.j2", ctx, kernels, call)
 
 

@@ -201,7 +201,9 @@ _LOADED: dict[str, ModuleType] = {}
 
 
 def load_module(path: Path, key: str) -> ModuleType:
-    """Import the module at `path` once per `key` (Triton reads the kernels' source from it)."""
+    """Import the module at `path` once per `key` and source text (Triton reads the kernels'
+    source from the file)."""
+    key = key + hashlib.sha256(path.read_bytes()).hexdigest()
     mod = _LOADED.get(key)
     if mod is not None:
         return mod

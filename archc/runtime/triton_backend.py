@@ -232,6 +232,7 @@ class GraphRunner:
             self.v[i] = params[name]
         self.inputs = graph.inputs
         self.last_v: list[torch.Tensor | None] = []
+        self.last_dims: dict[str, int] = {}
 
     def run(self, inputs: Mapping[str, torch.Tensor], d: LaunchContext) -> dict[str, torch.Tensor]:
         g = self.graph
@@ -251,6 +252,7 @@ class GraphRunner:
             v[root] = t
         self.run_fn(v, d)
         self.last_v = v
+        self.last_dims = dims
         return {name: self.value(o, dims).clone() for name, o in g.outputs.items()}
 
     def value(self, i: int, dims: Mapping[str, int]) -> torch.Tensor:

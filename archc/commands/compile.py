@@ -1,0 +1,97 @@
+"""`archc compile SPEC`: render the Triton module of a spec, and compile it for a GPU target."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from rich.table import Table
+
+from archc.commands.common import add_spec_argument, positive_int, spec_of
+from archc.errors import ArchcError
+from archc.ui import console, nbytes
+
+NAME = "compile"
+HELP = "render a spec's kernels into one Triton module (after the default passes) and, with " \
+       "--target, compile every unique kernel ahead of time: registers, spills, shared memory, " \
+       "tensor-core instructions"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_spec_argument(p)
+    p.add_argument("-o", "--output", type=Path, metavar="DIR",
+                   help="also write the module to DIR/<model>.py")
+    p.add_argument("--target", choices=("sm_80", "sm_90a"),
+                   help="compile every unique kernel for this GPU (no GPU needed)")
+    p.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="bf16",
+                   help="activation and weight dtype (default bf16)")
+    p.add_argument("--passes", default="default", metavar="PIPELINE",
+                   help="the pass pipeline that reaches kernel level (default: default)")
+    p.add_argument("--jobs", type=positive_int, default=2,
+                   help="parallel compiles with --target (default 2)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from archc.codegen.options import CodegenOptions
+    from archc.codegen.render import generate, write_module
+    from archc.ir.lower import lower
+    from archc.passes import optimize
+    from archc.runtime.triton_backend import default_cache_dir
+
+    spec = spec_of(args)
+    program = optimize(lower(spec, args.dtype), args.passes)
+    gen = generate(program, CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
+    path = write_module(gen, default_cache_dir() / gen.digest[:24])
+    if args.output is not None:
+        try:
+            args.output.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, args.output / path.name)
+        except OSError as err:
+            raise ArchcError(f"cannot write {args.output}: {err.strerror}") from None
+        path = args.output / path.name
+
+    table = Table(title=f"{spec.name}: {len(gen.units)} unique kernels, {gen.launches} launches "
+                        f"({args.dtype})", title_justify="left")
+    for col in ("kernel", "family", "launches", "implements (first use)"):
+        table.add_column(col, justify="right" if col == "launches" else "left")
+    for u in gen.units:
+        graph, node, text = u.uses[0]
+        table.add_row(u.name, u.family, str(len(u.uses)), f"{graph} {_short(text)}")
+    console.print(table)
+    console.print(f"generated module: {path}")
+    if args.target is None:
+        return 0
+    return _aot(path, args.target, args.jobs, gen)
+
+
+def _aot(path: Path, target: str, jobs: int, gen: object) -> int:
+    from archc.codegen.aot import TARGETS, TENSOR_CORE_OP, compile_module
+    op = TENSOR_CORE_OP[TARGETS[target]].split(".")[0]
+    results = compile_module(path, target, jobs=jobs)
+    table = Table(title=f"ahead-of-time compile for {target} (bf16 buffers as generated, "
+                        "default block sizes at a full-size prefill)", title_justify="left")
+    for col in ("kernel", "family", "registers", "spill bytes", "shared mem", op, "config"):
+        table.add_column(col, justify="left" if col in ("kernel", "family", "config")
+                         else "right")
+    for r in results:
+        if r.ok:
+            table.add_row(r.kernel, r.family, str(r.registers), str(r.spill_bytes),
+                          nbytes(r.shared_bytes), str(r.tensor_core_ops), r.config)
+        else:
+            table.add_row(r.kernel, r.family, "-", "-", "-", "-", f"[red]{r.error}[/]")
+    console.print(table)
+    failed = [r for r in results if not r.ok]
+    spilled = [r for r in results if r.ok and r.spill_bytes]
+    uses_tc = sum(1 for r in results if r.ok and r.tensor_core_ops)
+    console.print(f"{len(results) - len(failed)}/{len(results)} kernels compile for {target}; "
+                  f"{uses_tc} use {op}; "
+                  + (f"{len(spilled)} spill registers ({', '.join(r.kernel for r in spilled)})"
+                     if spilled else "none spill registers"))
+    for r in failed:
+        console.print(f"[red]{r.kernel}: {r.error}[/]")
+    return 1 if failed else 0
+
+
+def _short(text: str, width: int = 90) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
