@@ -336,8 +336,14 @@ def test_ir_after_diff_and_print_after_all(capsys: pytest.CaptureFixture[str]) -
     assert 'glu(fn="silu")' in capsys.readouterr().out
     assert main(["ir", "tiny-llama3", "--diff", "fuse-glu"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("--- before fuse-glu\n+++ after fuse-glu\n")
-    assert any(line.startswith("-") and "= mul(" in line for line in out.splitlines())
+    assert out.startswith("--- before fuse-glu\n+++ after fuse-glu (kept nodes keep their "
+                          "numbers; %+N are new)\n")
+    lines = out.splitlines()
+    # per layer: gate, up, act and mul go; one weight and one fused_linear with glu come
+    assert sum(ln.startswith("-  ") and "= mul(" in ln for ln in lines) == 2
+    made = [ln for ln in lines if ln.startswith("+  %+")]
+    assert len(made) == 4 and sum('glu(fn="silu")' in ln for ln in made) == 2
+    assert "+  %28 : f32[B,T,64] = matmul(%+2, %27)" in lines    # kept, reading the new node
     assert main(["ir", "tiny-llama3", "--print-after-all"]) == 0
     out = capsys.readouterr().out
     assert f"; *** IR after fold-biases (exact, pass 1 of {len(DEFAULT_PIPELINE)}) *** " \

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 from pathlib import Path
 
 from archc.commands.common import add_spec_argument, spec_of
@@ -13,6 +12,7 @@ from archc.ir.text import format_program
 from archc.ir.view import to_dot
 from archc.passes import PASSES, run_pipeline
 from archc.passes.registry import known
+from archc.passes.textdiff import step_diff
 from archc.ui import console
 
 NAME = "ir"
@@ -83,12 +83,11 @@ def run(args: argparse.Namespace) -> int:
     elif args.after:
         emit(text(result.step(args.after).after), args.output)
     elif args.diff:
+        if args.dot:
+            raise ArchcError("--diff compares the text form; it does not combine with --dot")
         step = result.step(args.diff)
-        before, after = text(step.before), text(step.after)
-        lines = difflib.unified_diff(before.splitlines(keepends=True),
-                                     after.splitlines(keepends=True),
-                                     fromfile=f"before {step.name}", tofile=f"after {step.name}")
-        emit("".join(lines) or f"; {step.name} changed nothing\n", args.output)
+        emit(step_diff(step, provenance=args.provenance) or f"; {step.name} changed nothing\n",
+             args.output)
     else:
         emit(text(result.program), args.output)
     return 0

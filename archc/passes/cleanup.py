@@ -27,6 +27,7 @@ def dce(g: Graph, ctx: PassContext) -> Graph:
             nodes.append(n.replace(inputs=tuple(number[j] for j in n.inputs)))
         else:
             ctx.applied("dce", i, "read by nothing")
+    ctx.kept = number
     return Graph(g.name, tuple(nodes))
 
 

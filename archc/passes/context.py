@@ -39,6 +39,8 @@ class PassContext:
     graph: Graph
     decisions: list[Decision] = field(default_factory=list)
     log: list[str] = field(default_factory=list)
+    # where each node the pass kept went: old id → new id (set by whoever renumbers)
+    kept: dict[int, int] | None = None
 
     def describe(self, i: int) -> str:
         """Node i of the graph as the pass received it, in text form."""

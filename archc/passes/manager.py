@@ -33,6 +33,7 @@ class PassStep:
     after: Program
     decisions: tuple[Decision, ...]
     log: tuple[str, ...]
+    kept: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()  # graph → (old id, new id)
 
     @property
     def changed(self) -> bool:
@@ -69,6 +70,7 @@ def run_pass(program: Program, name: str, done: Sequence[str] = ()) -> PassStep:
     p = PASSES[name]
     decisions: list[Decision] = []
     log: list[str] = []
+    kept: list[tuple[str, tuple[tuple[int, int], ...]]] = []
     graphs = []
     for g in program.graphs:
         ctx = PassContext(name, g)
@@ -90,6 +92,8 @@ def run_pass(program: Program, name: str, done: Sequence[str] = ()) -> PassStep:
                        (f", {refused} refused" if refused else ""))
         log += [f"{name}: graph {g.name}: {line}" for line in ctx.log]
         graphs.append(out)
+        if out is not g and ctx.kept is not None:
+            kept.append((g.name, tuple(sorted(ctx.kept.items()))))
     for line in log:
         LOG.debug(line)
     after = program
@@ -100,7 +104,7 @@ def run_pass(program: Program, name: str, done: Sequence[str] = ()) -> PassStep:
         except IRError as err:
             raise PassFailure(_where(name, None, done) + f" left an invalid graph: {err}") \
                 from err
-    return PassStep(name, p.kind, program, after, tuple(decisions), tuple(log))
+    return PassStep(name, p.kind, program, after, tuple(decisions), tuple(log), tuple(kept))
 
 
 def _where(name: str, graph: str | None, done: Sequence[str]) -> str:

@@ -219,6 +219,7 @@ class Rewriter:
         if len(order) != len(keep):
             raise IRError(f"pass {self.ctx.pass_name}: the edited graph has a cycle")
         number = {old: new for new, old in enumerate(order)}
+        self.ctx.kept = {old: new for old, new in number.items() if old < n_orig}
         nodes = tuple(self.nodes[i].replace(inputs=tuple(number[j] for j in self.nodes[i].inputs))
                       for i in order)
         return Graph(self.g.name, nodes)
