@@ -66,8 +66,7 @@ class Model:
         check_checkpoint(self.graph, self.weights)
 
     def compile(self, backend: str = "eager", *, dtype: str = "f32",
-                device: str | torch.device = "cpu", passes: str | Sequence[str] | None = None,
-                **options: Any) -> CompiledModel:
+                device: str | torch.device = "cpu", **options: Any) -> CompiledModel:
         """Ready the model to run on `backend` ("eager" or "triton")."""
         if dtype not in DTYPES:
             raise ArchcError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -79,17 +78,19 @@ class Model:
             known = ", ".join(sorted(set(BACKENDS) | set(LAZY_BACKENDS)))
             raise ArchcError(f"unknown backend {backend!r} (known: {known})")
         program = self.graph if dtype == "f32" else lower(self.spec, dtype)
-        if passes is not None:  # a pipeline ("default", or pass names) → kernel-level graph
-            from archc.passes import optimize
-            program = optimize(program, passes)
         session = factory(self, program, dtype, torch.device(device), options)
         return CompiledModel(self, program, session, backend)
 
 
 def _eager_backend(model: Model, program: Program, dtype: str, device: torch.device,
                    options: Mapping[str, Any]) -> Session:
-    if options:
-        raise ArchcError(f"the eager backend takes no options (got {', '.join(options)})")
+    unknown = sorted(set(options) - {"passes"})
+    if unknown:
+        raise ArchcError(f"the eager backend takes one option, passes (got {', '.join(unknown)})")
+    if options.get("passes") is not None:
+        # a pipeline ("default", or pass names): the interpreter runs the kernel-level graph
+        from archc.passes import optimize
+        program = optimize(program, options["passes"])
     return EagerSession(program, model.weights, max_seq_len=model.spec.max_seq_len,
                         device=device)
 

@@ -388,7 +388,12 @@ def test_bad_arguments_give_one_message(argv: list[str],
 def test_compile_runs_the_pipeline_for_the_eager_backend() -> None:
     model = archc.load("tiny-gemma2")
     unfused, fused = model.compile("eager"), model.compile("eager", passes="default")
-    assert Op.ATTENTION in ops(fused.program) and Op.ATTENTION not in ops(unfused.program)
+    programs = [c.session.program for c in (unfused, fused)]   # type: ignore[attr-defined]
+    assert Op.ATTENTION in ops(programs[1]) and Op.ATTENTION not in ops(programs[0])
+    with pytest.raises(ArchcError, match="unknown pass 'nope'"):
+        model.compile("eager", passes="nope")
+    with pytest.raises(ArchcError, match="takes one option, passes"):
+        model.compile("eager", fast=True)
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
     a, b = unfused(ids), fused(ids)
     assert (a - b).abs().max() <= 1e-5 * a.abs().max()

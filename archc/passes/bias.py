@@ -104,7 +104,8 @@ def _add_output_bias(rw: Rewriter, o: Linear, extra: Call, v_bias: int, like: in
                 rw.rewire(u, [new if j == o.root else j for j in n.inputs])
         return
     if o.steps and o.steps[-1].fn == "bias" and rw.op(o.root) == Op.BIAS_ADD:
-        rw.rewire(o.root, [rw.node(o.root).inputs[0], b])
+        new = rw.emit(Op.BIAS_ADD, [rw.node(o.root).inputs[0], b], like=[o.root, like])
+        rw.replace(o.root, new)
         return
     steps = tuple(Step(s.call, (b,)) if s.fn == "bias" else s for s in o.steps)
     if not old:
