@@ -187,16 +187,13 @@ def test_report_walks_gpt1_to_a_llama_style_block() -> None:
     assert by["(start)"].kernels_per_layer > by["prenorm"].kernels_per_layer
 
 
-def test_cli_writes_a_spec_that_loads(tmp_path) -> None:  # noqa: ANN001
-    import subprocess
-    import sys
+def test_cli_writes_a_spec_that_loads(tmp_path, capsys) -> None:  # noqa: ANN001
+    from archc.cli import main
     out = tmp_path / "modern.yaml"
-    done = subprocess.run([sys.executable, "-m", "archc.cli", "modernize", "tiny-gpt1",
-                           "--context", "32", "-o", str(out)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    assert main(["modernize", "tiny-gpt1", "--context", "32", "-o", str(out)]) == 0
     spec = load_spec(str(out))
     assert spec.norm.placement == "pre" and spec.ffn.kind == "swiglu"
-    assert "kernels/layer" in done.stdout
+    assert "kernels/layer" in capsys.readouterr().out
 
 
 def test_cli_converts_a_loaded_checkpoint(tmp_path) -> None:  # noqa: ANN001

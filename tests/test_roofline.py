@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from archc.ir.graph import GraphBuilder, Program
@@ -89,14 +86,10 @@ def test_unknown_gpu_is_refused() -> None:
         gpu("v100")
 
 
-def test_roofline_cli_runs_and_refuses_too_long() -> None:
-    ok = subprocess.run([sys.executable, "-m", "archc.cli", "roofline", "tiny-llama3",
-                         "--prompt", "16", "--decode", "4"], capture_output=True, text=True)
-    assert ok.returncode == 0, ok.stderr
-    assert "decode step: roofline" in ok.stdout and "floor" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "archc.cli", "roofline", "tiny-llama3",
-                          "--prompt", "60", "--decode", "10"], capture_output=True, text=True)
-    assert bad.returncode == 2
-    assert "exceed max_seq_len" in bad.stderr and "Traceback" not in bad.stderr
-
-
+def test_roofline_cli_runs_and_refuses_too_long(capsys: pytest.CaptureFixture[str]) -> None:
+    from archc.cli import main
+    assert main(["roofline", "tiny-llama3", "--prompt", "16", "--decode", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "decode step: roofline" in out and "floor" in out
+    assert main(["roofline", "tiny-llama3", "--prompt", "60", "--decode", "10"]) == 2
+    assert "exceed max_seq_len" in capsys.readouterr().err
