@@ -77,13 +77,20 @@ def parameter_bytes(p: Program) -> int:
 
 
 def kv_cache_bytes_per_token(p: Program) -> int:
-    """Bytes the KV cache grows by per token of one sequence: Σ over cache writes of the
-    written row (H_kv·d_h elements) — 2·L·H_kv·d_h·bytes for a plain decoder."""
+    """Bytes the KV cache grows by per token of one sequence, from `kv_cache` nodes (unfused)
+    and `kv_write` epilogue steps (kernel-level): H_kv·d_h elements for k and again for v —
+    2·L·H_kv·d_h·bytes for a plain decoder."""
     total = sympy.Integer(0)
     for g in p:
-        for i in g.ids(Op.KV_CACHE):
-            x = g.nodes[g.nodes[i].inputs[0]]
-            total += numel(x.shape) / (B * T) * DTYPE_BYTES[x.dtype]
+        for n in g:
+            if n.op == Op.KV_CACHE:
+                x = g.nodes[n.inputs[0]]
+                total += numel(x.shape) / (B * T) * DTYPE_BYTES[x.dtype]
+            elif n.op == Op.FUSED_LINEAR:
+                for st in n.attr("epilogue", ()):
+                    if st.fn == "kv_write":
+                        item = DTYPE_BYTES[g.nodes[n.inputs[0]].dtype]
+                        total += 2 * st.kw("kv_heads") * st.kw("head_dim") * item
     return evaluate(sympy.simplify(total), {})
 
 

@@ -15,16 +15,14 @@ from dataclasses import dataclass
 
 from archc.ir.cost import (
     graph_cost,
-    kernel_count,
     kv_cache_bytes_per_token,
     parameter_count,
-    per_layer,
-    without_layers,
 )
 from archc.ir.graph import Program
 from archc.ir.lower import lower
 from archc.modernize.steps import StepCall
 from archc.passes import optimize
+from archc.passes.measure import kernels_per_layer
 from archc.spec.schema import Spec
 
 
@@ -54,7 +52,6 @@ class Row:
 def measure(step: str, spec: Spec, batch: int, context: int) -> Row:
     program = lower(spec, spec.dtype)
     kernels = kernel_level(program)
-    base = kernel_level(lower(without_layers(spec), spec.dtype))
     dims = {"B": batch, "T": 1, "P": context - 1, "S": context}
     flops = sum(graph_cost(g).at(dims)[0] for g in kernels)
     moved = sum(graph_cost(g).at(dims)[1] for g in kernels)
@@ -62,7 +59,7 @@ def measure(step: str, spec: Spec, batch: int, context: int) -> Row:
     att = spec.attention
     return Row(step, spec, parameter_count(program), flops // batch, kv, kv * context * batch,
                decode_intensity(spec.d_model, context, att.kv_heads, att.heads, batch),
-               per_layer(spec, kernel_count(kernels), kernel_count(base)), moved // batch)
+               kernels_per_layer(spec, dtype=spec.dtype)[1], moved // batch)
 
 
 def walk(spec: Spec, calls: list[StepCall], batch: int, context: int) -> list[Row]:

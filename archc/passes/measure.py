@@ -7,13 +7,16 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import sympy
-
-from archc.ir.cost import graph_cost, parameter_bytes, parameter_count, without_layers
+from archc.ir.cost import (
+    graph_cost,
+    kv_cache_bytes_per_token,
+    parameter_bytes,
+    parameter_count,
+    without_layers,
+)
 from archc.ir.graph import Program
 from archc.ir.lower import lower
 from archc.ir.ops import Op
-from archc.ir.shapes import DTYPE_BYTES, B, T, evaluate, numel
 from archc.passes.manager import optimize
 from archc.spec.schema import Spec
 
@@ -33,23 +36,6 @@ def dims(batch: int = 1, tokens: int = 1, past: int = 0, encoder_len: int | None
          ) -> dict[str, int]:
     return {"B": batch, "T": tokens, "P": past,
             "S": encoder_len if encoder_len is not None else tokens}
-
-
-def kv_cache_bytes_per_token(p: Program) -> int:
-    """Bytes the KV cache grows by per token of one sequence, from `kv_cache` nodes (unfused)
-    and `kv_write` epilogue steps (kernel-level): H_kv·d_h elements for k and again for v."""
-    total = sympy.Integer(0)
-    for g in p:
-        for n in g:
-            if n.op == Op.KV_CACHE:
-                x = g.nodes[n.inputs[0]]
-                total += numel(x.shape) / (B * T) * DTYPE_BYTES[x.dtype]
-            elif n.op == Op.FUSED_LINEAR:
-                for st in n.attr("epilogue", ()):
-                    if st.fn == "kv_write":
-                        item = DTYPE_BYTES[g.nodes[n.inputs[0]].dtype]
-                        total += 2 * st.kw("kv_heads") * st.kw("head_dim") * item
-    return evaluate(sympy.simplify(total), {})
 
 
 def stats(p: Program, at: dict[str, int]) -> Stats:
