@@ -300,3 +300,34 @@ def test_moe_router_and_grouped_experts(kernel_dir: Path, gated: bool, act: str,
               "up": rand(n_experts, rows, d, seed=2) / d ** 0.5,
               "down": rand(n_experts, d, f, seed=3) / f ** 0.5}, {"B": 3, "T": 7, "P": 0},
           kernel_dir)
+
+
+@pytest.mark.parametrize("kind,rope", [("rms", True), ("layer", True), ("rms", False),
+                                       ("layer", False)])
+def test_matmul_head_norm(kernel_dir: Path, kind: str, rope: bool) -> None:
+    """QK-norm in the epilogue: each of the first heads normalized over its head_dim columns
+    (tiles hold whole heads), then RoPE and the cache write when `rope`."""
+    heads, kv_heads, hd, d, t = 4, 2, 16, 24, 5
+    normed = (heads + kv_heads) * hd
+    width = normed + kv_heads * hd
+    steps = [Call("head_norm", (), (("eps", 1e-6), ("head_dim", hd), ("heads", heads + kv_heads),
+                                    ("kind", kind)))]
+    if rope:
+        steps += [Call("rope", (), (("heads", heads + kv_heads), ("head_dim", hd),
+                                    ("interleaved", False), ("mscale", 1.0), ("rotary_dim", hd))),
+                  Call("kv_write", (), (("head_dim", hd), ("k_start", heads * hd),
+                                        ("kv_heads", kv_heads), ("layer", 0),
+                                        ("v_start", normed)))]
+
+    def fn(b: GraphBuilder, i: dict[str, int]) -> int:
+        extra = [i["pos"], i["freq"]] if rope else []
+        return b.emit(Op.FUSED_LINEAR, i["x"], i["w"], i["gain"], i["shift"], *extra,
+                      epilogue=tuple(steps))
+
+    g = build({"x": (shape(B, T, d), "f32"), "w": (shape(width, d), "f32"),
+               "gain": (shape(normed), "f32"), "shift": (shape(normed), "f32"),
+               "pos": (shape(T), "i64"), "freq": (shape(hd // 2), "f32")}, fn)
+    check(g, {"x": rand(2, t, d), "w": rand(width, d), "gain": 1 + 0.1 * rand(normed),
+              "shift": 0.1 * rand(normed, seed=1), "pos": torch.arange(t),
+              "freq": rope_inv_freq(dim=hd, theta=10000.0)}, {"B": 2, "T": t, "P": 0},
+          kernel_dir)

@@ -49,12 +49,18 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
                 cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
             elif m <= 64:
                 cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+            elif sizes.get("head_norm"):
+                # a per-head norm in the epilogue (reshapes, reductions) spills at 128 rows
+                # (368 bytes, 4 or 8 warps); 64 rows × 8 warps takes 140 registers
+                cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
             else:
                 cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
         else:
             cfg = dict(BLOCK_M=_clamp_pow2(m, 16, 64), BLOCK_N=_clamp_pow2(n, 32 if paired else 16,
                                                                              128),
                        BLOCK_K=_clamp_pow2(k, 16, 128), num_warps=4, num_stages=1)
+        # epilogues that reduce over a head (QK-norm) need whole heads in a tile
+        cfg["BLOCK_N"] = max(cfg["BLOCK_N"], sizes.get("align", 16))
         cfg["GROUP_M"] = 8
         return cfg
     if family == "attention":
@@ -129,8 +135,9 @@ def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
     if family == "matmul":
         tiles = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
                  (128, 64, 64, 4, 4), (16, 64, 128, 4, 4), (32, 128, 64, 4, 4)]
+        align = sizes.get("align", 16)
         return [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=s)
-                for m, n, k, w, s in tiles]
+                for m, n, k, w, s in tiles if n % align == 0]
     if family == "attention":
         if sizes.get("D", 128) > 128:
             tiles = [(64, 32, 8, 2), (64, 16, 4, 2), (32, 32, 4, 2)]

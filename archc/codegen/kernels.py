@@ -228,6 +228,7 @@ def build_fused_linear(c: NodeCtx) -> Unit:
     pair: dict[str, Any] | None = None
     kv: dict[str, Any] | None = None
     needs_t = False
+    head_norms: list[dict[str, Any]] = []
     nxt = n_ops + 1
     for idx, st in enumerate(a.get("epilogue", ())):
         if not isinstance(st, Call) or st.fn not in EPILOGUE:
@@ -280,6 +281,22 @@ def build_fused_linear(c: NodeCtx) -> Unit:
                                                                               v_start)))
             c.extras.setdefault("kv", []).append((layer, kv_heads, hd))
             needs_t = True
+        elif fn == "head_norm":
+            kind = st.kw("kind")
+            if kind not in ("rms", "layer"):
+                raise c.fail(f"head_norm() kind must be rms or layer, got {kind!r}")
+            heads = lit_int(c, st.kw("heads"), "head_norm heads")
+            hd = lit_int(c, st.kw("head_dim"), "head_norm head_dim")
+            if hd < 2 or hd & (hd - 1) or heads * hd > width:
+                raise c.fail(f"head_norm() over {heads} heads of {hd}: a tile holds whole heads "
+                             "only for a power-of-two head_dim within the width")
+            target.append(dict(fn=fn, kind=kind, heads=heads, head_dim=hd,
+                               eps=lit_float(c, st.kw("eps"), "head_norm eps"),
+                               gain_ptr=pointer(f"gain{idx}", nxt, f"[{heads * hd}] head gains"),
+                               shift_ptr=pointer(f"shift{idx}", nxt + 1,
+                                                 f"[{heads * hd}] head shifts")))
+            nxt += 2
+            head_norms.append(target[-1])
         elif fn in PAIRING:
             if pair is not None:
                 raise c.fail(f"{fn}() after {pair['fn']}(): one pairing step per kernel")
@@ -326,6 +343,17 @@ def build_fused_linear(c: NodeCtx) -> Unit:
             st_ctx["run"] = run & -run if run else 0
             assert kv is not None
             kv["run"] = st_ctx["run"]
+    align = 16
+    for hn in head_norms:  # tiles hold whole heads: BLOCK_N a multiple of the head dim
+        hd = hn["head_dim"]
+        align = max(align, hd)
+        if pair is None:
+            hn["group"] = hd
+        elif pair["fn"] == "rope" and pair["head_dim"] == hd and hn["heads"] <= pair["heads"]:
+            hn["group"] = hd // 2   # a head's pairs: half its columns in each accumulator
+        else:
+            raise c.fail("head_norm() needs its heads to be the rotated heads of rope() (same "
+                         "head_dim), and no glu()")
     out_w = static(c, n.shape[-1], "the output width")
     if out_w != width:
         raise c.fail(f"epilogue gives width {width}, the node says {out_w}")
@@ -354,11 +382,12 @@ def build_fused_linear(c: NodeCtx) -> Unit:
         pair=pair, steps_pre=steps_pre, steps_post=steps_post, extra_args=extra_args,
         wsets=wsets, accs_pre=accs_pre, accs_post=accs_post, kv=kv, needs_t=needs_t,
         w_off=f"{w_off} + " if w_off else "", w_row_stride=texpr(w_lay.strides[0]),
-        dot_kw=c.dot_kw, M=rows_of(n.shape),
+        dot_kw=c.dot_kw, M=rows_of(n.shape), align=align, has_head_norm=int(bool(head_norms)),
         launch_params=", ".join(p for p, _, _ in launch if p),
         kernel_call_args="".join(f"{k}, " for _, _, k in launch))
     call = ", ".join([f"v[{c.i}]"] + [e for p, e, _ in launch if p])
-    sizes = dict(N=n_rows, K=k_total, paired=int(pair is not None))
+    sizes = dict(N=n_rows, K=k_total, paired=int(pair is not None), align=align,
+                 head_norm=int(bool(head_norms)))
     return Unit("fused_linear", "matmul.py.j2", context,
                 [JitKernel("_kernel", "matmul", sizes, types)], call)
 
@@ -567,6 +596,12 @@ def _norm_inputs(a: Any) -> list[str]:
     return names
 
 
+NORM_ARG_ROLES = {"x": "[R, N] rows to normalize", "weight": "[N] gain",
+                  "bias": "[N] shift (LayerNorm bias)",
+                  "res_before": "[R, N] residual, added before the norm",
+                  "res_after": "[R, N] residual, added to the norm's output"}
+
+
 def build_norm(c: NodeCtx) -> Unit:
     n, a = c.node, c.node.attrs
     names = _norm_inputs(a)
@@ -584,7 +619,7 @@ def build_norm(c: NodeCtx) -> Unit:
                                add_after=bool(a.get("add_after")), R=rows_of(n.shape))
     for k, name in enumerate(names):
         lay = c.lay(k)
-        args.append(dict(name=f"{name}_ptr", comment=name.replace("_", " ")))
+        args.append(dict(name=f"{name}_ptr", comment=NORM_ARG_ROLES[name]))
         types[f"{name}_ptr"] = c.ptr_type(k)
         if name in ("x", "res_before", "res_after"):
             ctx[name] = dict(row_off=row_offset(lay, "rows"), col_mul=col_mul(c, lay))
@@ -652,7 +687,9 @@ def build_pointwise(c: NodeCtx) -> Unit:
             else:
                 strides.append(lay.strides[src])
         view = Layout(lay.root, lay.offset, out_shape, tuple(strides))
-        inputs.append(dict(name=f"x{k}", ptr=f"x{k}_ptr", comment=f"x({k})",
+        dims = ", ".join(str(x) for x in lay.shape)
+        inputs.append(dict(name=f"x{k}", ptr=f"x{k}_ptr",
+                           comment=f"x({k}) [{dims}], read through its strides",
                            row_off=row_offset(view, "rows"), col_mul=col_mul(c, view)))
         types[f"x{k}_ptr"] = c.ptr_type(k)
     ctx = dict(C=width, inputs=inputs, expr=pointwise_code(c, n.attr("expr"), len(n.inputs)),

@@ -91,6 +91,13 @@ class Generated:
                 return u
         raise KeyError(name)
 
+    def unit_text(self, name: str) -> str:
+        """One unit's source, headed by the IR nodes it implements, as in the module."""
+        u = self.unit(name)
+        header = "".join(f"# {line}\n" for line in _header(u.uses))
+        uses = f"{len(u.uses)} launch" + ("es" if len(u.uses) != 1 else "")
+        return f"# {u.name} ({u.family}): {uses}\n{header}{u.source.rstrip()}\n"
+
     def kernel_table(self) -> list[tuple[str, int]]:
         """(unit name, launches) in order of first use."""
         return [(u.name, len(u.uses)) for u in self.units]

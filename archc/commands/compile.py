@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 from pathlib import Path
 
 from rich.table import Table
@@ -30,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the pass pipeline that reaches kernel level (default: default)")
     p.add_argument("--jobs", type=positive_int, default=2,
                    help="parallel compiles with --target (default 2)")
+    p.add_argument("--kernel", metavar="NAME",
+                   help="print only this kernel's source (e.g. fused_linear_0), as in the module")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,6 +46,13 @@ def run(args: argparse.Namespace) -> int:
     program = optimize(lower(spec, args.dtype), args.passes)
     gen = generate(program, CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
     path = write_module(gen, default_cache_dir() / gen.digest[:24])
+    if args.kernel is not None:
+        names = [u.name for u in gen.units]
+        if args.kernel not in names:
+            raise ArchcError(f"no kernel {args.kernel!r} in {spec.name} (kernels: "
+                             f"{', '.join(names)})")
+        sys.stdout.write(gen.unit_text(args.kernel))
+        return 0
     if args.output is not None:
         try:
             args.output.mkdir(parents=True, exist_ok=True)

@@ -155,13 +155,13 @@ class LaunchContext:
             raise RunError("this graph uses a KV cache but none was given")
         return self.cache.get(layer, kind)
 
-    def scratch(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A scratch buffer of at least `numel` elements, reused by every launch that asks for
-        `name` (launches on one stream run in order)."""
-        key = (name, dtype)
+    def scratch(self, name: str, numel: int, dtype: str) -> torch.Tensor:
+        """A scratch buffer of at least `numel` elements of IR dtype `dtype`, reused by every
+        launch that asks for `name` (launches on one stream run in order)."""
+        key = (name, TORCH_DTYPES[dtype])
         buf = self._scratch.get(key)
         if buf is None or buf.numel() < numel:
-            buf = torch.empty(max(numel, 1), dtype=dtype, device=self.device)
+            buf = torch.empty(max(numel, 1), dtype=key[1], device=self.device)
             self._scratch[key] = buf
         return buf[:numel]
 

@@ -1,0 +1,107 @@
+"""The ahead-of-time compile worker, run as a script in a fresh process.
+
+It imports Triton (with TRITON_INTERPRET unset, so @triton.jit builds compiler functions) and the
+generated module, and nothing of archc — in particular not torch — so it starts in a fraction of
+a second. It reads jobs as JSON lines on stdin, one kernel each:
+
+    {"kernel": name, "signature": {arg: type}, "constexprs": {arg: value},
+     "options": {"num_warps": w, "num_stages": s}, "capability": 80 | 90}
+
+and writes one JSON line per kernel: registers and spill bytes (from the ptxas log Triton keeps
+when asked), shared memory (Triton's metadata), the count of tensor-core instructions in the PTX
+(`mma.sync` for sm_80, `wgmma.mma_async` for sm_90a), or the error.
+"""
+
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import re
+import sys
+import time
+
+TENSOR_CORE_OP = {80: "mma.sync", 90: "wgmma.mma_async"}
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def _ptxas_log(ptx: str, capability: int) -> str:
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([get_ptxas(capability).path, "-v",
+                              f"--gpu-name={sm_arch_from_capability(capability)}", src,
+                              "-o", os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
+    return run.stderr + run.stdout
+
+
+def compile_one(module: object, job: dict) -> dict:
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+
+    out = {"kernel": job["kernel"], "registers": 0, "spill_bytes": 0, "shared_bytes": 0,
+           "tensor_core_ops": 0, "error": ""}
+    t0 = time.perf_counter()
+    try:
+        fn = getattr(module, job["kernel"])
+        signature, attrs = {}, {}
+        for i, arg in enumerate(fn.arg_names):
+            if arg in job["signature"]:
+                signature[arg] = job["signature"][arg]
+                if signature[arg].startswith("*"):  # buffers are 16-byte aligned, as JIT assumes
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+            elif arg in job["constexprs"]:
+                signature[arg] = "constexpr"
+            else:
+                raise RuntimeError(f"argument {arg!r} has no type and no block size")
+        knobs.nvidia.dump_ptxas_log = True
+        log = io.StringIO()
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(
+                triton.compiler.ASTSource(fn, signature, job["constexprs"], attrs),
+                target=GPUTarget("cuda", job["capability"], 32), options=job["options"])
+        text = log.getvalue()
+        if "registers" not in text:  # a hit in Triton's cache: no ptxas ran, so run it here
+            text = _ptxas_log(compiled.asm["ptx"], job["capability"])
+        regs = re.search(r"Used (\d+) registers", text)
+        stores = re.search(r"(\d+) bytes spill stores", text)
+        loads = re.search(r"(\d+) bytes spill loads", text)
+        if regs is None:
+            raise RuntimeError("no register count in the ptxas log")
+        out["registers"] = int(regs.group(1))
+        out["spill_bytes"] = (int(stores.group(1)) if stores else 0) + (
+            int(loads.group(1)) if loads else 0)
+        out["shared_bytes"] = int(compiled.metadata.shared)
+        out["tensor_core_ops"] = compiled.asm["ptx"].count(TENSOR_CORE_OP[job["capability"]])
+    except Exception as err:  # reported per kernel; the caller's table shows all of them
+        out["error"] = f"{type(err).__name__}: {_last_line(err)}"
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("TRITON_INTERPRET must be unset for ahead-of-time compiles", file=sys.stderr)
+        return 2
+    spec = importlib.util.spec_from_file_location("archc_aot_module", sys.argv[1])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    for line in sys.stdin:
+        if line.strip():
+            print(json.dumps(compile_one(module, json.loads(line))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""Codegen: the sympy printer, the rendered module, errors that name the node, golden kernels.
+
+Golden text: one generated kernel per template family, checked in, so a change to a template
+is a visible diff. When a change is intended, regenerate the file the failure names, e.g.
+
+    archc compile tiny-llama3 --kernel fused_linear_0 > tests/golden/kernels/matmul.txt
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import sympy
+import torch
+
+from archc.codegen.layout import CodegenError, layouts
+from archc.codegen.options import CodegenOptions
+from archc.codegen.printer import PrintError, pexpr, texpr
+from archc.codegen.render import generate, load_module, write_module
+from archc.ir.attrs import Call
+from archc.ir.graph import GraphBuilder, Program
+from archc.ir.lower import lower
+from archc.ir.ops import Op
+from archc.ir.shapes import B, P, T, shape
+from archc.passes import optimize
+from archc.runtime.buffers import plan_buffers
+from archc.runtime.triton_backend import prepare_triton
+from archc.spec import load_spec
+
+GOLDEN = Path(__file__).parent / "golden" / "kernels"
+# one kernel per template family, from the tiny spec that exercises the most of it
+GOLDEN_KERNELS = {
+    "matmul": ("tiny-llama3", "fused_linear_0"),     # rms prologue, RoPE pairs, KV-cache write
+    "attention": ("tiny-gemma2", "attention_0"),     # window, soft-cap, GQA, prefill + decode
+    "norm": ("tiny-gemma2", "norm_0"),               # sandwich norm: residual after, 1 + w
+    "pointwise": ("tiny-gemma2", "pointwise_0"),     # the embedding scale
+    "embedding": ("tiny-llama3", "embedding_0"),
+    "moe": ("tiny-mixtral", "moe_linear_0"),         # grouped experts, gated up projection
+}
+
+
+# ---- the printer ----------------------------------------------------------------------------
+
+X = sympy.Symbol("x", integer=True)
+
+
+@pytest.mark.parametrize("expr", [sympy.Mod(X - 7, 3), sympy.floor((X - 7) / 4),
+                                  sympy.Mod(2 * X + 1, 5) + sympy.floor(X / 3)])
+def test_triton_printer_keeps_floor_semantics_for_negative_operands(expr: sympy.Expr,
+                                                                    tmp_path: Path) -> None:
+    """Triton's // and % truncate toward zero; the printed code must still mean sympy's floor
+    and Mod. Evaluated in a Triton kernel (interpreted) over negative and positive x."""
+    prepare_triton(torch.device("cpu"))
+    code = texpr(expr, {"x": "x"})
+    src = tmp_path / "printed.py"
+    src.write_text("import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+                   "def k(x_ptr, out_ptr, N: tl.constexpr):\n"
+                   "    offs = tl.arange(0, N)\n"
+                   "    x = tl.load(x_ptr + offs)\n"
+                   f"    tl.store(out_ptr + offs, {code})\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        mod = importlib.import_module("printed")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("printed", None)
+    xs = torch.arange(-16, 16, dtype=torch.int32)
+    out = torch.empty_like(xs)
+    mod.k[(1,)](xs, out, 32)
+    want = [int(expr.subs(X, int(v))) for v in xs]
+    assert out.tolist() == want
+    naive = torch.fmod(xs - 7, 3)  # what a plain C-like `%` gives: differs for negatives
+    assert naive.tolist() != [int(sympy.Mod(int(v) - 7, 3)) for v in xs]
+
+
+def test_printer_uses_plain_operators_when_operands_are_nonnegative() -> None:
+    assert texpr(sympy.floor((P + T) / 16)) == "((P + T) // 16)"
+    assert texpr(sympy.Mod(P + T, 16)) == "((P + T) % 16)"
+    assert texpr(sympy.Min(P + T, 8)) == "tl.minimum(8, P + T)"
+    assert pexpr(sympy.Min(P + T, 8)) == "min(8, P + T)"
+    assert texpr(B * T * 64) == "64 * B * T"
+
+
+@pytest.mark.parametrize("bad", [sympy.Rational(1, 2) * T, sympy.Float(1.5), sympy.sqrt(T)])
+def test_printer_refuses_non_integer_arithmetic(bad: sympy.Expr) -> None:
+    with pytest.raises(PrintError):
+        texpr(bad)
+
+
+# ---- the module -----------------------------------------------------------------------------
+
+def kernel_program(name: str, dtype: str = "bf16") -> Program:
+    return optimize(lower(load_spec(name), dtype))
+
+
+def test_module_is_deterministic_and_keyed_by_graph_and_options(tmp_path: Path) -> None:
+    program = kernel_program("tiny-llama3")
+    a = generate(program, CodegenOptions(target="gpu", max_seq_len=64))
+    b = generate(program, CodegenOptions(target="gpu", max_seq_len=64))
+    c = generate(program, CodegenOptions(target="gpu", max_seq_len=128))
+    assert a.source == b.source and a.digest == b.digest
+    assert c.digest != a.digest                       # max_seq_len is baked into cache strides
+    assert "8192" not in a.source and "64, 16]" in a.source
+    path = write_module(a, tmp_path / a.digest[:24])
+    assert path.read_text() == a.source
+    compile(a.source, str(path), "exec")              # valid Python
+
+
+def test_each_kernel_is_headed_by_the_ir_nodes_it_implements() -> None:
+    program = kernel_program("tiny-llama3")
+    gen = generate(program, CodegenOptions(target="gpu", max_seq_len=64))
+    g = program.graph("decoder")
+    for u in gen.units:
+        text = gen.unit_text(u.name)
+        graph, node, line = u.uses[0]
+        assert f"# implements {graph} {line}" in text
+        assert all(f"%{i}" in text for _, i, _ in u.uses)
+        assert all(g.nodes[i].op.value == u.family for _, i, _ in u.uses)
+    # every compute node is launched once, in order
+    steps = gen.steps["decoder"]
+    assert [s.node.split(" ")[0] for s in steps] == [f"%{i}" for i in g.compute_ids()]
+
+
+def test_unique_kernels_versus_launches_at_full_size() -> None:
+    program = kernel_program("llama3-8b")
+    gen = generate(program, CodegenOptions(target="gpu", max_seq_len=8192))
+    layers = load_spec("llama3-8b").layers
+    assert gen.launches == 2 + 5 * layers
+    assert len(gen.units) == 7       # embedding, head, and one kernel per layer op, shared
+
+
+def graph_with(op: Op, *args: object, **attrs: object) -> Program:
+    b = GraphBuilder("decoder")
+    x = b.input("x", shape(B, T, 16), "f32")
+    w = b.input("w", shape(24, 16), "f32")
+    inputs = {"x": x, "w": w}
+    y = b.emit(op, *[inputs[a] for a in args], **attrs)  # type: ignore[index]
+    b.output("y", y)
+    return Program("t", (b.build(),))
+
+
+def test_an_op_without_a_template_is_refused_naming_the_node() -> None:
+    program = graph_with(Op.MATMUL, "x", "w")
+    with pytest.raises(CodegenError, match=r"%2 : f32\[B,T,24\] = matmul\(%0, %1\).*no Triton "
+                                           r"template for matmul"):
+        generate(program, CodegenOptions())
+
+
+def test_an_unsupported_epilogue_is_refused_naming_the_node() -> None:
+    glu = Call("glu", (), (("fn", "silu"),))
+    head_norm = Call("head_norm", (), (("eps", 1e-6), ("head_dim", 4), ("heads", 2),
+                                       ("kind", "rms")))
+    b = GraphBuilder("decoder")
+    x = b.input("x", shape(B, T, 16), "f32")
+    w = b.input("w", shape(24, 16), "f32")
+    g, s = b.input("g", shape(8), "f32"), b.input("s", shape(8), "f32")
+    b.output("y", b.emit(Op.FUSED_LINEAR, x, w, g, s, epilogue=(glu, head_norm)))
+    with pytest.raises(CodegenError, match=r"%4 : f32\[B,T,12\] = fused_linear.*head_norm\(\) "
+                                           r"needs its heads"):
+        generate(Program("t", (b.build(),)), CodegenOptions())
+
+
+def test_numbers_reach_generated_code_only_as_checked_literals() -> None:
+    b = GraphBuilder("decoder")
+    x = b.input("x", shape(B, T, 16), "f32")
+    expr = Call("scale", (Call("x", (0,)),), (("by", "2) or __import__('os'"),))
+    b.output("y", b.emit(Op.POINTWISE, x, expr=expr))
+    with pytest.raises(CodegenError, match="scale factor must be a finite number"):
+        generate(Program("t", (b.build(),)), CodegenOptions())
+    b = GraphBuilder("decoder")
+    x = b.input("x", shape(B, T, 16), "f32")
+    w = b.input("w", shape(24, 16), "f32")
+    act = Call("act", (), (("fn", "silu(x) + __import__('os')"),))
+    b.output("y", b.emit(Op.FUSED_LINEAR, x, w, epilogue=(Call("scale", (), (("by", 2.0),)),)))
+    g = b.build()
+    bad = g.nodes[-2].replace(attrs=g.nodes[-2].attrs.replace(epilogue=(act,)))
+    g = type(g)(g.name, g.nodes[:-2] + (bad, g.nodes[-1]))
+    with pytest.raises(CodegenError, match="unknown activation"):
+        generate(Program("t", (g,)), CodegenOptions())
+
+
+def test_views_are_read_through_strides_not_copied() -> None:
+    """q, k and v of a fused QKV are slices + head splits of one buffer: the attention kernel
+    is passed that buffer and reads it with the views' offsets and strides."""
+    program = kernel_program("tiny-gpt2")
+    g = program.graph("decoder")
+    lays = layouts(g)
+    gen = generate(program, CodegenOptions(target="gpu", max_seq_len=64))
+    for i in g.ids(Op.ATTENTION):
+        q = g.nodes[i].inputs[0]
+        assert g.nodes[q].op == Op.SPLIT_HEADS
+        root = lays[q].root
+        assert g.nodes[root].op == Op.FUSED_LINEAR
+        step = next(s for s in gen.steps["decoder"] if s.node.startswith(f"%{i} "))
+        assert f"v[{root}]" in step.call and f"v[{q}]" not in step.call
+
+
+def test_buffers_are_reused_by_liveness() -> None:
+    program = kernel_program("tiny-llama3", "f32")
+    g = program.graph("decoder")
+    plan = plan_buffers(g, layouts(g))
+    dims = {"B": 2, "T": 16, "P": 0, "S": 0}
+    assert plan.slots < len(g.compute_ids()) / 2
+    assert plan.planned_bytes(dims) < plan.unplanned_bytes(dims) / 2
+    # no node's buffer is shared with a buffer that is still live when it is written
+    users = g.users()
+    lays = layouts(g)
+    last = {r: max([r] + [u for u in range(len(g.nodes)) for j in g.nodes[u].inputs
+                          if lays[j].root == r]) for r in plan.slot_of}
+    for r, slot in plan.slot_of.items():
+        for other in plan.members[slot]:
+            if other < r:
+                assert last[other] < r or (last[other] == r and r not in users[other]), \
+                    f"%{r} overwrites %{other} while it is live"
+
+
+def test_generated_module_imports_and_lists_its_kernels(tmp_path: Path) -> None:
+    prepare_triton(torch.device("cpu"))
+    gen = generate(kernel_program("tiny-mixtral", "f32"), CodegenOptions(max_seq_len=64))
+    mod = load_module(write_module(gen, tmp_path), gen.digest)
+    assert set(mod.KERNELS) == {u.name + k.suffix for u in gen.units for k in u.kernels}
+    assert callable(mod.run_decoder)
+    for name, entry in mod.KERNELS.items():
+        fn = getattr(mod, name)
+        for arg in fn.arg_names:  # every runtime argument has a type for AOT compiles
+            assert arg in entry["types"] or arg.startswith("BLOCK_") or arg == "GROUP_M", arg
+
+
+# ---- golden kernels -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", sorted(GOLDEN_KERNELS))
+def test_generated_kernel_matches_golden_text(family: str) -> None:
+    spec, kernel = GOLDEN_KERNELS[family]
+    path = GOLDEN / f"{family}.txt"
+    regenerate = f"archc compile {spec} --kernel {kernel} > tests/golden/kernels/{family}.txt"
+    gen = generate(kernel_program(spec), CodegenOptions(target="gpu",
+                                                        max_seq_len=load_spec(spec).max_seq_len))
+    assert gen.unit(kernel).family == {"matmul": "fused_linear", "moe": "moe_linear"}.get(
+        family, family)
+    text = gen.unit_text(kernel)
+    assert path.is_file(), f"no golden text yet; create it with: {regenerate}"
+    want = path.read_text(encoding="utf-8")
+    if text != want:
+        diff = "".join(list(difflib.unified_diff(want.splitlines(keepends=True),
+                                                 text.splitlines(keepends=True),
+                                                 "golden", "now"))[:80])
+        pytest.fail(f"the generated {family} kernel changed:\n{diff}\n"
+                    f"if intended, regenerate with: {regenerate}")
