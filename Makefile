@@ -20,10 +20,14 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# the spec, the pass table, its Triton kernels (module written to build/kernels), prefill + decode
+# on them (interpreted without a GPU), then kernel-by-kernel validation against eager
 demo: setup
 	$(ARCHC) show smollm2-135m
-	$(ARCHC) ir tiny-llama3 | head -32
-	$(ARCHC) run tiny-llama3
+	$(ARCHC) passes tiny-llama3
+	$(ARCHC) compile tiny-llama3 --dtype f32 -o build/kernels
+	$(ARCHC) run tiny-llama3 --backend triton
+	$(ARCHC) validate tiny-llama3
 
 lint: setup
 	$(VENV)/bin/ruff check archc tests

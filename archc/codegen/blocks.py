@@ -57,8 +57,8 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
                 cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
         else:
             cfg = dict(BLOCK_M=_clamp_pow2(m, 16, 64), BLOCK_N=_clamp_pow2(n, 32 if paired else 16,
-                                                                             128),
-                       BLOCK_K=_clamp_pow2(k, 16, 128), num_warps=4, num_stages=1)
+                                                                             1024),
+                       BLOCK_K=_clamp_pow2(k, 16, 512), num_warps=4, num_stages=1)
         # epilogues that reduce over a head (QK-norm) need whole heads in a tile
         cfg["BLOCK_N"] = max(cfg["BLOCK_N"], sizes.get("align", 16))
         cfg["GROUP_M"] = 8
@@ -69,12 +69,13 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
             if d > 128:  # head_dim 256: 4 warps spill (255 registers); 8 warps fit in 205
                 return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
             return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-        return dict(BLOCK_M=_clamp_pow2(sizes["T"], 16, 64),
-                    BLOCK_N=_clamp_pow2(sizes["L"], 16, 64), num_warps=4, num_stages=1)
+        return dict(BLOCK_M=_clamp_pow2(sizes["T"], 16, 128),
+                    BLOCK_N=_clamp_pow2(sizes["L"], 16, 128), num_warps=4, num_stages=1)
     if family == "attention_decode":
         if gpu:
             return dict(BLOCK_N=64 if sizes["D"] <= 128 else 32, num_warps=4, num_stages=3)
-        return dict(BLOCK_N=16, num_warps=4, num_stages=1)
+        # about four splits, so short test sequences still exercise the merge
+        return dict(BLOCK_N=_clamp_pow2(sizes["L"] // 4, 16, 128), num_warps=4, num_stages=1)
     if family == "attention_combine":
         # one row per program on a GPU (a [splits, D] tile in registers); the interpreter
         # merges many rows per program
@@ -85,7 +86,7 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         block_n = next_pow2(n)
         if family == "router":
             return dict(BLOCK_M=16 if gpu or sizes["M"] <= 16 else 64,
-                        BLOCK_K=_clamp_pow2(sizes["K"], 16, 128), num_warps=4,
+                        BLOCK_K=_clamp_pow2(sizes["K"], 16, 128 if gpu else 512), num_warps=4,
                         num_stages=3 if gpu else 1)
         if gpu:
             warps = 4 if block_n <= 1024 else 8 if block_n <= 4096 else 16
@@ -105,8 +106,8 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
             if m <= 32:
                 return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
             return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
-        return dict(BLOCK_M=16, BLOCK_N=_clamp_pow2(sizes["N"], 32, 128),
-                    BLOCK_K=_clamp_pow2(sizes["K"], 16, 128), num_warps=4, num_stages=1)
+        return dict(BLOCK_M=16, BLOCK_N=_clamp_pow2(sizes["N"], 32, 1024),
+                    BLOCK_K=_clamp_pow2(sizes["K"], 16, 512), num_warps=4, num_stages=1)
     if family == "moe_sum":
         return dict(BLOCK_C=min(next_pow2(sizes["C"]), 1024), num_warps=4, num_stages=1)
     raise ValueError(f"no launch configuration for kernel family {family!r}")

@@ -95,13 +95,26 @@ class NodeCtx:
 
 
 # ---- activations: the one table of their Triton code (eager: archc.ir.ops.core.activation) ----
+# Written inline rather than as @triton.jit helpers: the code is the same once compiled, and
+# Triton's interpreter pays about a millisecond per device-function call.
+
+def tanh_code(y: str) -> str:
+    """tanh(y) = 2σ(2y) − 1 = 2 / (1 + e^(−2y)) − 1: exp overflows to inf for y ≪ 0, and the
+    result is still −1."""
+    return f"(2.0 / (1.0 + tl.exp(-2.0 * ({y}))) - 1.0)"
+
+
+def softcap_code(x: str, cap: str) -> str:
+    return f"({cap} * {tanh_code(f'{x} / {cap}')})"
+
 
 ACT_CODE = {
     "relu": "tl.maximum({x}, 0.0)",
-    "gelu": "_gelu({x})",
-    "gelu_tanh": "_gelu_tanh({x})",
-    "silu": "_silu({x})",
-    "sigmoid": "tl.sigmoid({x})",
+    "gelu": "(0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476)))",  # exact: ½x(1 + erf(x/√2))
+    # ½x(1 + tanh(√(2/π)(x + 0.044715x³))) = x·σ(2√(2/π)(x + 0.044715x³))
+    "gelu_tanh": "({x} / (1.0 + tl.exp(-1.5957691216057308 * ({x} + 0.044715 * {x} * {x} * {x}))))",
+    "silu": "({x} / (1.0 + tl.exp(-{x})))",
+    "sigmoid": "(1.0 / (1.0 + tl.exp(-{x})))",
     "identity": "{x}",
 }
 
@@ -109,7 +122,7 @@ ACT_CODE = {
 def act_code(fn: str, x: str) -> str:
     if fn not in ACT_CODE:
         raise CodegenError(f"no Triton code for activation {fn!r}")
-    return ACT_CODE[fn].format(x=x)
+    return ACT_CODE[fn].replace("{x}", x)
 
 
 # ---- values that reach generated code ------------------------------------------------------
@@ -664,8 +677,7 @@ def pointwise_code(c: NodeCtx, e: Any, n_inputs: int) -> str:
         return f"({a} * {lit_float(c, got['by'], 'scale factor')})"
     if e.fn == "act":
         return act_code(lit_act(c, got["fn"]), a)
-    cap = lit_float(c, got["cap"], "softcap")
-    return f"({cap} * _tanh({a} / {cap}))"
+    return softcap_code(a, lit_float(c, got["cap"], "softcap"))
 
 
 def build_pointwise(c: NodeCtx) -> Unit:

@@ -27,7 +27,15 @@ from types import ModuleType
 import jinja2
 
 from archc import __version__
-from archc.codegen.kernels import JitKernel, NodeCtx, Unit, act_code, build
+from archc.codegen.kernels import (
+    JitKernel,
+    NodeCtx,
+    Unit,
+    act_code,
+    build,
+    softcap_code,
+    tanh_code,
+)
 from archc.codegen.layout import CodegenError, layouts
 from archc.codegen.options import CodegenOptions
 from archc.ir.graph import Program
@@ -47,6 +55,8 @@ ENV = jinja2.Environment(
     trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)
 ENV.globals["raise"] = _raise
 ENV.globals["act"] = act_code
+ENV.globals["tanh"] = tanh_code
+ENV.globals["softcap"] = softcap_code
 
 
 @dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -113,7 +114,7 @@ def _compare(report: Report, phase: str, g: Graph, eager: Mapping[int, torch.Ten
 
 
 def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int = 7,
-             seed: int = 0, device: str = "cpu") -> Report:
+             seed: int = 0, device: str = "cpu", cache_dir: Path | None = None) -> Report:
     """Run `model` (an archc.Model) three ways and compare; see the module docstring."""
     from archc.ir.lower import lower
     from archc.runtime.triton_backend import TritonOptions, TritonSession
@@ -122,7 +123,8 @@ def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int =
     unfused = lower(spec, dtype)
     triton = TritonSession(unfused, weights, max_seq_len=spec.max_seq_len, dtype=dtype,
                            device=device, options=TritonOptions(reuse_buffers=False,
-                                                                cuda_graphs=False))
+                                                                cuda_graphs=False,
+                                                                cache_dir=cache_dir))
     reference = EagerSession(unfused, weights, max_seq_len=spec.max_seq_len, device=device)
     fused = EagerSession(triton.program, weights, max_seq_len=spec.max_seq_len, device=device)
     units = {}

@@ -1,0 +1,56 @@
+"""`archc validate`: per-kernel errors against eager, and the first diverging kernel named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import archc
+from archc.cli import main
+from archc.codegen import kernels
+from archc.errors import ArchcError
+from archc.runtime.validation import validate
+
+
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-t5", "tiny-bert"])
+def test_validate_agrees_kernel_by_kernel(name: str, tmp_path: Path) -> None:
+    report = validate(archc.load(name), cache_dir=tmp_path)
+    assert report.ok, report.first_divergence
+    phases = {"tiny-bert": {"encode"}, "tiny-t5": {"encode", "prefill", "decode"}}.get(
+        name, {"prefill", "decode"})
+    assert {p.phase for p in report.phases} == phases
+    assert {k.phase for k in report.kernels} == phases
+    # every kernel of every phase was compared, and the cache writes with them
+    assert any(k.what == "k cache" for k in report.kernels) == (name != "tiny-bert")
+    assert all(k.relative <= report.tolerance for k in report.kernels)
+
+
+def test_validate_names_the_first_diverging_kernel(monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path) -> None:
+    """A wrong activation in the generated code (silu rendered as sigmoid) is caught at the
+    first kernel that uses it — the gated FFN's projection — not later."""
+    monkeypatch.setitem(kernels.ACT_CODE, "silu", "tl.sigmoid({x})")
+    report = validate(archc.load("tiny-llama3"), cache_dir=tmp_path)
+    first = report.first_divergence
+    assert first is not None and not report.ok
+    assert first.phase == "prefill"
+    assert 'glu(fn="silu")' in first.text and first.kernel.startswith("fused_linear")
+    earlier = [k for k in report.kernels if k.phase == "prefill" and k.node < first.node]
+    assert earlier and all(k.relative <= report.tolerance for k in earlier)
+
+
+def test_validate_command_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "tiny-llama3", "--tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "all kernels agree with eager" in out
+    assert "prefill: logits vs eager on the unfused graph" in out
+    assert "decode: logits" in out
+
+
+def test_bf16_on_the_cpu_is_refused_with_the_reason() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("bf16 runs on the GPU")
+    with pytest.raises(ArchcError, match="interpreter computes bfloat16 wrongly"):
+        archc.load("tiny-llama3").compile("triton", dtype="bf16")
