@@ -14,7 +14,7 @@ from archc import __version__
 from archc.errors import ArchcError
 
 COMMAND_MODULES = ("specs", "show", "ir", "run", "roofline", "export_spec", "passes", "explain",
-                   "diff", "modernize", "compile", "validate")
+                   "diff", "modernize", "compile", "validate", "bench")
 
 
 def _commands() -> list[ModuleType]:

@@ -1,0 +1,281 @@
+"""`archc bench SPEC`: generated kernels and whole-model speed beside PyTorch, on a GPU.
+
+    archc bench llama3-8b --layers 4 --prompt 2048 --decode 64 --json results.json
+    archc bench tiny-llama3 --dry-run        # the whole harness on the CPU, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.table import Table
+
+from archc.commands.common import add_spec_argument, positive_int, spec_of
+from archc.errors import ArchcError
+from archc.perf.gpus import GPU, GPUS, gpu
+from archc.ui import console, err_console, si
+
+NAME = "bench"
+HELP = "time each generated kernel beside torch.matmul, scaled_dot_product_attention and the " \
+       "unfused torch ops it replaces, and whole-model prefill and decode beside PyTorch eager " \
+       "and torch.compile, against the roofline (needs a CUDA GPU; --dry-run runs on the CPU)"
+
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+DRY_RUN = {"batch": 1, "prompt": 8, "decode": 4, "dtype": "f32"}
+GPU_RUN = {"batch": 1, "prompt": 512, "decode": 64, "dtype": "bf16"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_spec_argument(p)
+    p.add_argument("--gpu", nargs="?", const="auto", default="auto", metavar="MODEL",
+                   help=f"the roofline's GPU model: {', '.join(GPUS)}, or auto (default: read "
+                        "off the device; h200 in a dry run)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run the whole harness on the CPU (Triton's interpreter, tiny shapes, "
+                        "host-clock timing): checks the code, measures nothing meaningful")
+    p.add_argument("--layers", type=positive_int, metavar="N",
+                   help="keep the first N blocks (a real-size model in less time and memory)")
+    p.add_argument("--batch", type=positive_int,
+                   help=f"batch size (default {GPU_RUN['batch']})")
+    p.add_argument("--prompt", type=positive_int,
+                   help=f"prompt tokens prefilled (default {GPU_RUN['prompt']}; "
+                        f"{DRY_RUN['prompt']} in a dry run)")
+    p.add_argument("--decode", type=positive_int,
+                   help=f"decode steps timed (default {GPU_RUN['decode']}; "
+                        f"{DRY_RUN['decode']} in a dry run)")
+    p.add_argument("--dtype", choices=("bf16", "f16", "f32"),
+                   help="weights and activations (default bf16; f32 in a dry run)")
+    p.add_argument("--compile-modes", default=",".join(COMPILE_MODES), metavar="MODES",
+                   help="torch.compile modes to measure, comma-separated, or none "
+                        f"(default {','.join(COMPILE_MODES)})")
+    p.add_argument("--no-kernels", action="store_true",
+                   help="skip the per-kernel section (whole-model numbers only)")
+    p.add_argument("--autotune", action="store_true",
+                   help="let Triton autotune archc's kernels (longer first run)")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights and tokens (default 0)")
+    p.add_argument("--json", type=Path, metavar="FILE",
+                   help="write the results as JSON (saved after every section); an existing "
+                        "directory gets a file named by date, device, spec and dtype")
+    p.add_argument("--cache-dir", type=Path, metavar="DIR",
+                   help="where generated kernel modules are written")
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    if text.strip() in ("", "none"):
+        return ()
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    known = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+    for m in modes:
+        if m not in known:
+            raise ArchcError(f"--compile-modes: unknown torch.compile mode {m!r} (known: "
+                             f"{', '.join(known)}, or none)")
+    return modes
+
+
+def _gpu_model(name: str, device_name: str | None) -> tuple[GPU, bool]:
+    if name != "auto":
+        return gpu(name), False
+    if device_name is None:
+        return gpu("h200"), False
+    key = device_name.lower().replace("-", "").replace(" ", "")
+    for k, g in GPUS.items():
+        if k in key:
+            return g, True
+    raise ArchcError(f"cannot tell which GPU model {device_name!r} is for the roofline: pass "
+                     f"--gpu {' | '.join(GPUS)}")
+
+
+def config_of(args: argparse.Namespace) -> Any:
+    from archc.perf.bench import BenchConfig, check_config, keep_layers
+    from archc.perf.timing import Timer
+    spec = spec_of(args)
+    dry = bool(args.dry_run)
+    if not dry and not torch.cuda.is_available():
+        raise ArchcError("no CUDA GPU here: archc bench times kernels on a GPU. `archc bench "
+                         f"{args.spec} --dry-run` runs the same harness on the CPU with tiny "
+                         "shapes; `archc roofline` models any GPU without one")
+    base = DRY_RUN if dry else GPU_RUN
+    layers_of_spec = spec.layers
+    spec = keep_layers(spec, args.layers)
+    batch = args.batch or base["batch"]
+    prompt = args.prompt or base["prompt"]
+    decode = args.decode or base["decode"]
+    dtype = args.dtype or base["dtype"]
+    check_config(spec, prompt, decode)
+    device = torch.device("cpu" if dry else "cuda")
+    if dry and dtype == "bf16":
+        raise ArchcError("--dry-run runs Triton's interpreter, which computes bf16 wrongly: "
+                         "use --dtype f32 or f16")
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    model, detected = _gpu_model(args.gpu, device_name)
+    timer = Timer(device, cpu_repeats=2) if dry else Timer(device)
+    return BenchConfig(
+        spec=spec, dtype=dtype, device=device, gpu=model, gpu_detected=detected, batch=batch,
+        prompt=prompt, decode=decode, timer=timer, compile_modes=_modes(args.compile_modes),
+        # a dry run traces with dynamo but compiles nothing (inductor on a CPU takes minutes)
+        compile_backend="eager" if dry else "inductor",
+        copy_mib=4 if dry else 1024, matmul_size=128 if dry else 8192, dry_run=dry,
+        autotune=args.autotune, seed=args.seed,
+        layers_of_spec=layers_of_spec if spec.layers != layers_of_spec else None,
+        kernel_section=not args.no_kernels, cache_dir=args.cache_dir)
+
+
+def run(args: argparse.Namespace) -> int:
+    from archc.perf.bench import default_json_name, run_bench
+    cfg = config_of(args)
+    path = args.json
+    if path is not None and path.is_dir():
+        path = path / default_json_name(cfg)
+
+    def log(line: str) -> None:
+        err_console.print(f"[dim]bench:[/] {line}", highlight=False)
+
+    report = run_bench(cfg, path, log)
+    print_report(report.data)
+    if path is not None:
+        console.print(f"JSON: {path}")
+    failed = report.failed
+    if failed:
+        console.print(f"[red]failed sections:[/] {', '.join(failed)}")
+        for e in report.data["errors"]:
+            console.print(f"  {e['section']}{' ' + e['kernel'] if 'kernel' in e else ''}: "
+                          f"{e['error']}")
+        return 1
+    return 0
+
+
+# ---- printing --------------------------------------------------------------------------------
+
+def _t(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e6:.1f} µs"
+
+
+def _x(r: float | None) -> str:
+    return "—" if r is None else f"{r:.2f}×"
+
+
+def _pct(r: float | None) -> str:
+    return "—" if r is None else f"{100 * r:.0f}%"
+
+
+def _baseline(row: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return next((b for b in row["baselines"] if b["name"] == name), None)
+
+
+def _cell(b: dict[str, Any] | None) -> tuple[str, str]:
+    if b is None:
+        return "", ""
+    if b.get("seconds") is None:
+        return "n/a", ""
+    mark = " [red]✗[/]" if b.get("agrees") is False else ""
+    return _t(b["seconds"]) + mark, _x(b.get("archc_speedup"))
+
+
+def print_report(data: dict[str, Any]) -> None:
+    env = data["environment"]
+    g = data["gpu_model"]
+    shapes = data["shapes"]
+    layers = data["layers"]
+    kept = f", first {layers} of {data['spec_layers']} blocks" if layers != data[
+        "spec_layers"] else ""
+    console.print(f"[bold]{data['spec']}[/]{kept}, {data['dtype']}, batch {shapes['batch']}, "
+                  f"prompt {shapes['prompt']}, decode {shapes['decode']} on "
+                  f"{env.get('device_name')} (torch {env['torch']}, triton {env.get('triton')})")
+    if data["dry_run"]:
+        console.print("[yellow]dry run[/]: CPU, Triton's interpreter, host clock — the numbers "
+                      "test the harness, they say nothing about speed")
+    console.print(f"roofline: {g['name']} {'(read off the device)' if g['detected'] else ''}"
+                  f"{si(g['peak_flops'], 'FLOP/s')}, {si(g['bandwidth'], 'B/s')}; "
+                  f"timing: {data['timing']['method']}")
+    c = data.get("ceilings")
+    if c:
+        m = c["matmul_shape"]
+        console.print(f"measured: copy {si(c['copy_bandwidth'], 'B/s')} "
+                      f"({_pct(c['copy_bandwidth'] / g['bandwidth'])} of datasheet), "
+                      f"{c['matmul_dtype']} matmul {m[0]}³ {si(c['matmul_flops'], 'FLOP/s')} "
+                      f"({_pct(c['matmul_flops'] / g['peak_flops'])} of datasheet)")
+    for phase in ("prefill", "decode"):
+        rows = [r for r in data["kernels"] if r["phase"] == phase]
+        if rows:
+            console.print(_kernel_table(phase, rows, shapes))
+    _model_tables(data)
+    goals = data.get("goals") or []
+    if goals:
+        t = Table(title="goals (recorded, not enforced)", title_justify="left")
+        for col in ("goal", "measured", "target", "met", "note"):
+            t.add_column(col, justify="right" if col in ("measured", "target") else "left")
+        for goal in goals:
+            unit = goal["unit"]
+            fmt = _x if unit == "×" else _pct
+            met = ("n/a" if not goal["applies"] else "—" if goal["met"] is None else
+                   "[green]yes[/]" if goal["met"] else "[red]no[/]")
+            target = f"{goal['target']:g}×" if unit == "×" else f"{_pct(goal['target'])} {unit}"
+            t.add_row(goal["goal"], fmt(goal["measured"]), target, met, goal["note"])
+        console.print(t)
+
+
+def _kernel_table(phase: str, rows: list[dict[str, Any]], shapes: dict[str, int]) -> Table:
+    where = (f"prompt {shapes['prompt']}" if phase == "prefill" else
+             f"one step at context {shapes['kernel_decode_past'] + 1}")
+    t = Table(title=f"kernels, {phase} ({where}); shape M×N×K or T×L heads/kv×D; × = torch "
+                    "time / archc time; ✗: differs from the kernel", title_justify="left")
+    for col in ("kernel", "reads", "shape", "n", "archc", "torch", "×", "unfused", "×",
+                "ops", "roofline"):
+        t.add_column(col, justify="left" if col in ("kernel", "reads", "shape") else "right",
+                     no_wrap=col != "reads", max_width=24 if col == "reads" else None,
+                     overflow="ellipsis")
+    for r in rows:
+        torch_b = _baseline(r, "torch.matmul") or _baseline(r, "sdpa") or _baseline(r, "torch")
+        unf = _baseline(r, "unfused")
+        tc, tx = _cell(torch_b)
+        uc, ux = _cell(unf)
+        if torch_b and torch_b["name"] == "sdpa" and torch_b.get("seconds") is not None:
+            tc = "sdpa " + tc
+        archc = "[red]failed[/]" if r.get("error") else _t(r["archc_seconds"])
+        t.add_row(r["kernel"], r["reads"], r["shape"], str(r["launches"]), archc, tc, tx, uc,
+                  ux, str(unf.get("ops") or "") if unf else "",
+                  f"{_pct(r.get('roofline_fraction'))} {r['bound'][:3]}")
+    return t
+
+
+def _model_tables(data: dict[str, Any]) -> None:
+    pre = data["model"]["prefill"]
+    if pre.get("runs"):
+        t = Table(title=f"prefill, {pre['tokens']} tokens: {si(pre['flops'], 'FLOP')}, "
+                        f"roofline {_t(pre['roofline_seconds'])}", title_justify="left")
+        for col in ("runner", "time", "tokens/s", "FLOP/s", "of peak", "of roofline",
+                    "archc speed-up"):
+            t.add_column(col, justify="left" if col == "runner" else "right", no_wrap=True)
+        for r in pre["runs"]:
+            if r.get("seconds") is None:
+                t.add_row(r["name"], "[red]failed[/]", "", "", "", "", "")
+                continue
+            t.add_row(r["name"], _t(r["seconds"]), f"{r['tokens_per_second']:,.0f}",
+                      si(r["flops_per_second"], "FLOP/s"), _pct(r["peak_fraction"]),
+                      _pct(r["roofline_fraction"]), _x(r.get("archc_speedup")))
+        console.print(t)
+    dec = data["model"]["decode"]
+    if dec.get("runs"):
+        t = Table(title=f"decode, {dec['steps']} steps from context {dec['past_first'] + 1}: "
+                        f"floor {_t(dec['floor_seconds'])}/step = "
+                        f"{dec['floor_tokens_per_second']:,.0f} tokens/s "
+                        f"({si(dec['bytes_per_step'], 'B')} per step)", title_justify="left")
+        for col in ("runner", "ms/token", "tokens/s", "bandwidth", "of floor", "of copy",
+                    "archc speed-up"):
+            t.add_column(col, justify="left" if col == "runner" else "right", no_wrap=True)
+        for r in dec["runs"]:
+            if r.get("step_seconds") is None:
+                t.add_row(r["name"], "[red]failed[/]", "", "", "", "", "")
+                continue
+            t.add_row(r["name"], f"{r['step_seconds'] * 1e3:.3f}",
+                      f"{r['tokens_per_second']:,.1f}", si(r["bandwidth"], "B/s"),
+                      _pct(r["floor_fraction"]), _pct(r.get("copy_fraction")),
+                      _x(r.get("archc_speedup")))
+        console.print(t)

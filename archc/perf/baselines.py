@@ -1,0 +1,469 @@
+"""PyTorch counterparts of one generated kernel, on the kernel's own input tensors.
+
+For a kernel-level node, what a PyTorch user would run instead:
+- ``torch.matmul`` on the same GEMM ([M, K] × [K, N], the weight as stored) for ``fused_linear``;
+- ``scaled_dot_product_attention`` (``is_causal`` or an equivalent mask, ``enable_gqa``) for
+  ``attention``;
+- the *unfused sequence* for every kernel: the unfused ops the fusion replaced, each run by its
+  eager semantics from the op table, one after another, in the model dtype — a folded norm is
+  its norm op again (gain folded into the weight, so the norm's gain is ones), a merged
+  projection is one matmul whose column ranges the later ops read as views, each epilogue step
+  is the op it was (bias_add, act, mul, rope, kv_cache, add, softcap, scale), attention is
+  repeat_kv → scores → scale → … → mask → softmax → weighted_sum → merge_heads.
+
+Every counterpart that computes the kernel's function is checked against the kernel's output
+(``result`` turns what it returns into the kernel's layout, outside the timed call); a kernel
+without a counterpart gets an ``Unavailable`` with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from archc.ir.attrs import Call
+from archc.ir.graph import Graph
+from archc.ir.ops import OP_TABLE, VIEW, Op
+from archc.ir.ops.attention import visible
+from archc.ir.ops.core import activation
+from archc.ir.ops.fused import EPILOGUE, _attention_inputs, _norm_inputs, selected_experts
+from archc.perf.torch_program import Store, TorchContext
+
+
+@dataclass
+class Counterpart:
+    name: str                                   # "torch.matmul", "sdpa", "unfused", …
+    run: Callable[[], Any]                      # the timed call
+    result: Callable[[Any], torch.Tensor] | None = None   # → the kernel's output, untimed
+    what: str = ""                              # what it runs, for the report
+    ops: int | None = None                      # torch ops per call (unfused sequences)
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    name: str
+    reason: str
+
+
+class Unsupported(Exception):
+    """This kernel has no counterpart of this kind; the message says why."""
+
+
+@dataclass
+class _Recorder:
+    """Runs unfused ops by their eager semantics; the first run records which ops ran."""
+
+    ctx: TorchContext
+    ops: list[str] | None = field(default_factory=list)
+
+    def __call__(self, op: Op, *xs: torch.Tensor, **attrs: Any) -> torch.Tensor:
+        if self.ops is not None and op not in VIEW:
+            self.ops.append(op.value)
+        return OP_TABLE[op].eager(self.ctx, list(xs), attrs)  # type: ignore[arg-type]
+
+    def torch(self, name: str, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A step with no unfused op of its own (a subtraction in a pointwise chain)."""
+        if self.ops is not None:
+            self.ops.append(name)
+        return fn()
+
+    def summary(self) -> tuple[str, int]:
+        ops = self.ops or []
+        self.ops = None
+        runs: list[tuple[str, int]] = []
+        for name in ops:
+            if runs and runs[-1][0] == name:
+                runs[-1] = (name, runs[-1][1] + 1)
+            else:
+                runs.append((name, 1))
+        text = " → ".join(name if k == 1 else f"{name} ×{k}" for name, k in runs)
+        return text, len(ops)
+
+
+def _unfused(name: str, rec: _Recorder, body: Callable[[], Any],
+             result: Callable[[Any], torch.Tensor]) -> Counterpart:
+    out = body()                     # records the ops once, outside any timing
+    what, count = rec.summary()
+    del out
+    return Counterpart(name, body, result, what, count)
+
+
+# ---- fused_linear ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Seg:
+    """Columns [start, stop) of the output: flat [..., w], or split into heads [B, h, T, D]."""
+
+    start: int
+    stop: int
+    value: torch.Tensor
+    heads: int | None = None
+
+
+def _flat(seg: _Seg) -> torch.Tensor:
+    if seg.heads is None:
+        return seg.value
+    b, h, t, d = seg.value.shape
+    return seg.value.transpose(1, 2).reshape(b, t, h * d)
+
+
+def _columns(rec: _Recorder, segs: list[_Seg], start: int, stop: int) -> torch.Tensor:
+    """Columns [start, stop) as a view of the one segment that holds them."""
+    for s in segs:
+        if s.start <= start and stop <= s.stop:
+            if s.heads is not None:
+                if (s.start, s.stop) != (start, stop):
+                    raise Unsupported("an epilogue step reads part of rotated heads")
+                return s.value
+            if (s.start, s.stop) == (start, stop):
+                return s.value
+            return rec(Op.SLICE, s.value, start=start - s.start, stop=stop - s.start)
+    raise Unsupported(f"columns [{start}, {stop}) span two unfused results")
+
+
+def _split(rec: _Recorder, segs: list[_Seg], cuts: Sequence[int]) -> list[_Seg]:
+    """Flat segments cut at `cuts` (views)."""
+    out = []
+    for s in segs:
+        inner = sorted(c for c in set(cuts) if s.start < c < s.stop)
+        if s.heads is not None or not inner:
+            out.append(s)
+            continue
+        edges = [s.start, *inner, s.stop]
+        for a, b in zip(edges, edges[1:]):
+            out.append(_Seg(a, b, rec(Op.SLICE, s.value, start=a - s.start, stop=b - s.start)))
+    return out
+
+
+def _map_flat(segs: list[_Seg], fn: Callable[[_Seg], torch.Tensor]) -> list[_Seg]:
+    out = []
+    for s in segs:
+        if s.heads is not None:
+            raise Unsupported("an elementwise epilogue step after rotary heads")
+        out.append(_Seg(s.start, s.stop, fn(s)))
+    return out
+
+
+def _epilogue_step(rec: _Recorder, segs: list[_Seg], st: Call, xs: Sequence[torch.Tensor],
+                   later: Sequence[Call]) -> list[_Seg]:
+    fn = st.fn
+    if fn in ("rms_scale", "ln_scale"):      # the norm ran before the matmul
+        return segs
+    if fn == "bias":
+        return _map_flat(segs, lambda s: rec(Op.BIAS_ADD, s.value, xs[0][s.start:s.stop]))
+    if fn == "residual":
+        return _map_flat(segs, lambda s: rec(Op.ADD, s.value, xs[0][..., s.start:s.stop]))
+    if fn == "softcap":
+        return _map_flat(segs, lambda s: rec(Op.SOFTCAP, s.value, cap=st.kw("cap")))
+    if fn == "scale":
+        return _map_flat(segs, lambda s: rec(Op.SCALE, s.value, factor=st.kw("by")))
+    if fn == "glu":
+        width = max(s.stop for s in segs)
+        half = width // 2
+        gate, up = _columns(rec, segs, 0, half), _columns(rec, segs, half, width)
+        return [_Seg(0, half, rec(Op.MUL, rec(Op.ACT, gate, fn=st.kw("fn")), up))]
+    if fn == "act":
+        width = max(s.stop for s in segs)
+        start, stop = st.kw("start", 0), st.kw("stop", width)
+        segs = _split(rec, segs, (start, stop))
+        return [_Seg(s.start, s.stop, rec(Op.ACT, s.value, fn=st.kw("fn")))
+                if start <= s.start and s.stop <= stop else s for s in segs]
+    if fn == "rope":
+        hd = st.kw("head_dim")
+        cols = st.kw("heads") * hd
+        # q and k are rotated as the separate tensors they were: cut where k starts
+        cuts = [0, cols] + [c.kw("k_start") for c in later if c.fn == "kv_write"
+                            and 0 < c.kw("k_start") < cols]
+        segs = _split(rec, segs, cuts)
+        out = []
+        for s in segs:
+            if s.stop <= cols and s.heads is None:
+                heads = (s.stop - s.start) // hd
+                x = rec(Op.SPLIT_HEADS, s.value, heads=heads)
+                out.append(_Seg(s.start, s.stop, rec(
+                    Op.ROPE, x, xs[0], xs[1], rotary_dim=st.kw("rotary_dim"),
+                    interleaved=st.kw("interleaved"), mscale=st.kw("mscale", 1.0)), heads))
+            else:
+                out.append(s)
+        return out
+    if fn == "kv_write":
+        hd, kv = st.kw("head_dim"), st.kw("kv_heads")
+        for kind in ("k", "v"):
+            start = st.kw(f"{kind}_start")
+            x = _columns(rec, segs, start, start + kv * hd)
+            if x.dim() == 3:
+                x = rec(Op.SPLIT_HEADS, x, heads=kv)
+            rec(Op.KV_CACHE, x, layer=st.kw("layer"), kind=kind)
+        return segs
+    raise Unsupported(f"no unfused form of the {fn}() epilogue step")
+
+
+def _fused_linear(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder,
+                  ) -> list[Counterpart | Unavailable]:
+    a = g.nodes[i].attrs
+    concat = bool(a.get("concat_k"))
+    ops = 2 if concat else 1
+    x, w = xs[0], xs[ops]
+    out: list[Counterpart | Unavailable] = []
+    # the same GEMM through torch.matmul: [M, K] × [K, N], the weight as stored ([N, K])
+    x2d = (torch.cat([xs[0], xs[1]], dim=-1) if concat else x).reshape(-1, w.shape[1])
+    x2d = x2d.contiguous()
+    m, k = x2d.shape
+    out.append(Counterpart("torch.matmul", lambda: torch.matmul(x2d, w.t()),
+                           what=f"[{m}, {k}] × [{k}, {w.shape[0]}]", ops=1))
+
+    prologue = a.get("prologue")
+    width = x.shape[-1]
+    gain = torch.ones(width, dtype=x.dtype, device=x.device)
+    shift = torch.zeros(width, dtype=x.dtype, device=x.device)
+    w_parts = (w[:, :width].contiguous(), w[:, width:].contiguous()) if concat else (w,)
+    steps = list(a.get("epilogue", ()))
+    taken: list[Sequence[torch.Tensor]] = []
+    rest = list(xs[ops + 1:])
+    for st in steps:
+        n = EPILOGUE[st.fn].inputs
+        taken.append(rest[:n])
+        rest = rest[n:]
+
+    def body() -> list[_Seg]:
+        h = x
+        if prologue == "rms":
+            h = rec(Op.RMSNORM, x, gain, eps=a["eps"])
+        elif prologue == "layer":
+            h = rec(Op.LAYERNORM, x, gain, shift, eps=a["eps"])
+        y = rec(Op.MATMUL, h, w_parts[0])
+        if concat:
+            y = rec(Op.ADD, y, rec(Op.MATMUL, xs[1], w_parts[1]))
+        segs = [_Seg(0, y.shape[-1], y)]
+        for k_, (st, ins) in enumerate(zip(steps, taken)):
+            segs = _epilogue_step(rec, segs, st, ins, steps[k_ + 1:])
+        return segs
+
+    def result(segs: list[_Seg]) -> torch.Tensor:
+        return torch.cat([_flat(s) for s in sorted(segs, key=lambda s: s.start)], dim=-1)
+
+    try:
+        out.append(_unfused("unfused", rec, body, result))
+    except Unsupported as err:
+        out.append(Unavailable("unfused", str(err)))
+    return out
+
+
+# ---- attention -------------------------------------------------------------------------------
+
+def _attention(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder,
+               caches: Store) -> list[Counterpart | Unavailable]:
+    a = g.nodes[i].attrs
+    got = dict(zip(_attention_inputs(a), xs))
+    q = got["q"].contiguous()                                  # [B, H, T, D]
+    layer = a.get("cache_layer")
+    if layer is not None:
+        length = rec.ctx.dims["P"] + rec.ctx.dims["T"]
+        k, v = (caches[(layer, kind)][:, :, :length] for kind in ("k", "v"))
+    else:
+        k, v = got["k"], got["v"]
+    b, h, t, d = q.shape
+    groups = h // k.shape[1]
+    length = k.shape[2]
+    bias = a.get("bias")
+    prefix = int(got["prefix_len"]) if "prefix_len" in got else None
+    padding = got.get("padding")
+
+    def merged(o: torch.Tensor) -> torch.Tensor:
+        return o.transpose(1, 2).reshape(b, t, h * d)
+
+    out: list[Counterpart | Unavailable] = []
+    if a.get("softcap") is not None:
+        out.append(Unavailable("sdpa", "scaled_dot_product_attention has no soft-capping"))
+    else:
+        causal = a["causal"]
+        plain = a.get("window") is None and bias is None and prefix is None and padding is None
+        mask: torch.Tensor | None = None
+        is_causal = False
+        if plain and (not causal or length == 1 or t == 1):
+            pass                                     # every key is visible
+        elif plain and causal and t == length:
+            is_causal = True
+        else:
+            keep = visible(t, length, causal, a.get("window"), prefix).to(q.device)[None, None]
+            if padding is not None:
+                keep = keep & padding.bool()[:, None, None, :]
+            if bias is None:
+                mask = keep
+            else:
+                from archc.ir.ops.attention import alibi_bias, relative_bias
+                add = (alibi_bias(got["slopes"], t, length) if bias.fn == "alibi" else
+                       relative_bias(got["rel_table"].float(), t, length,
+                                     bias.kw("bidirectional"), bias.kw("max_distance")))
+                mask = add[None].to(q.dtype).masked_fill(~keep, float("-inf"))
+        kk, vv, gqa = k, v, groups > 1
+        kwargs: dict[str, Any] = {"attn_mask": mask, "is_causal": is_causal, "scale": a["scale"]}
+        what = ("is_causal" if is_causal else "no mask" if mask is None else
+                f"{'bool' if mask.dtype == torch.bool else 'additive'} mask")
+        try:
+            F.scaled_dot_product_attention(q[:, :, :1], k[:, :, :1], v[:, :, :1],
+                                           enable_gqa=gqa)
+            kwargs["enable_gqa"] = gqa
+            what += ", enable_gqa" if gqa else ""
+        except TypeError:                            # a torch without enable_gqa
+            kk, vv = (x.repeat_interleave(groups, dim=1) for x in (k, v))
+            what += ", k/v repeated to all heads before timing" if gqa else ""
+        out.append(Counterpart(
+            "sdpa", lambda: F.scaled_dot_product_attention(q, kk, vv, **kwargs), merged,
+            what, 1))
+
+    def body() -> torch.Tensor:
+        kk, vv = k, v
+        if groups > 1:
+            kk = rec(Op.REPEAT_KV, k, groups=groups)
+            vv = rec(Op.REPEAT_KV, v, groups=groups)
+        s = rec(Op.SCALE, rec(Op.SCORES, q, kk), factor=a["scale"])
+        if a.get("softcap") is not None:
+            s = rec(Op.SOFTCAP, s, cap=a["softcap"])
+        if bias is not None and bias.fn == "alibi":
+            s = rec(Op.ALIBI, s, got["slopes"])
+        elif bias is not None:
+            s = rec(Op.REL_BIAS, s, got["rel_table"], bidirectional=bias.kw("bidirectional"),
+                    max_distance=bias.kw("max_distance"))
+        extra = [x for x in (padding, got.get("prefix_len")) if x is not None]
+        s = rec(Op.MASK, s, *extra, causal=a["causal"], window=a.get("window"),
+                padding=padding is not None, prefix=prefix is not None)
+        return rec(Op.MERGE_HEADS, rec(Op.WEIGHTED_SUM, rec(Op.SOFTMAX, s), vv))
+
+    out.append(_unfused("unfused", rec, body, lambda o: o))
+    return out
+
+
+# ---- the other kernels -----------------------------------------------------------------------
+
+def _norm(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder) -> Counterpart:
+    a = g.nodes[i].attrs
+    got = dict(zip(_norm_inputs(a), xs))
+
+    def body() -> torch.Tensor:
+        x = got["x"]
+        if "residual_before" in got:
+            x = rec(Op.ADD, x, got["residual_before"])
+        if a["kind"] == "rms":
+            y = rec(Op.RMSNORM, x, got["weight"], eps=a["eps"],
+                    unit_offset=a.get("unit_offset", False))
+        else:
+            y = rec(Op.LAYERNORM, x, got["weight"], *([got["bias"]] if "bias" in got else []),
+                    eps=a["eps"])
+        if "residual_after" in got:
+            y = rec(Op.ADD, y, got["residual_after"])
+        return y
+
+    return _unfused("unfused", rec, body, lambda y: y)
+
+
+_POINTWISE_OPS = {"add": Op.ADD, "mul": Op.MUL, "scale": Op.SCALE, "act": Op.ACT,
+                  "softcap": Op.SOFTCAP}
+
+
+def _pointwise(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder) -> Counterpart:
+    expr: Call = g.nodes[i].attr("expr")
+
+    def ev(e: Call) -> torch.Tensor:
+        if e.fn == "x":
+            return xs[e.args[0]]
+        args = [ev(x) for x in e.args if isinstance(x, Call)]
+        kw = dict(e.kwargs)
+        if e.fn == "sub":
+            return rec.torch("sub", lambda: args[0] - args[1])
+        if e.fn == "scale":
+            kw = {"factor": kw["by"]}
+        return rec(_POINTWISE_OPS[e.fn], *args, **kw)
+
+    return _unfused("unfused", rec, lambda: ev(expr), lambda y: y)
+
+
+def _router(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder) -> Counterpart:
+    a = g.nodes[i].attrs
+    return _unfused("unfused", rec, lambda: rec(
+        Op.ROUTER, rec(Op.MATMUL, xs[0], xs[1]), top_k=a["top_k"], normalize=a["normalize"]),
+        lambda y: y)
+
+
+def _moe_linear(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder) -> Counterpart:
+    """Expert by expert over the tokens routed to it, as a PyTorch MoE layer runs."""
+    a = g.nodes[i].attrs
+    x, gates, w = xs
+    top_k = a["top_k"]
+    idx = selected_experts(gates, top_k)                          # (B, T, k)
+    flat_idx = idx.reshape(-1, top_k)
+    flat_gates = gates.reshape(-1, gates.shape[-1])
+
+    def up() -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        width = w.shape[1] // 2 if a["gated"] else w.shape[1]
+        out = torch.zeros(flat.shape[0], top_k, width, dtype=x.dtype, device=x.device)
+        for e in range(w.shape[0]):
+            tok, slot = torch.nonzero(flat_idx == e, as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            h = F.linear(flat[tok], w[e])
+            h = (activation(h[:, :width], a["act"]) * h[:, width:] if a["gated"] else
+                 activation(h, a["act"]))
+            out[tok, slot] = h
+        return out.reshape(*x.shape[:-1], top_k, width)
+
+    def down() -> torch.Tensor:
+        flat = x.reshape(-1, top_k, x.shape[-1])
+        out = torch.zeros(flat.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
+        for e in range(w.shape[0]):
+            tok, slot = torch.nonzero(flat_idx == e, as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            y = F.linear(flat[tok, slot], w[e]) * flat_gates[tok, e, None]
+            out.index_add_(0, tok, y)
+        return out.reshape(*x.shape[:-2], w.shape[1])
+
+    if a["stage"] == "up":
+        return Counterpart("unfused", up, lambda y: y, "per expert: routed tokens → linear → act")
+    return Counterpart("unfused", down, lambda y: y,
+                       "per expert: routed tokens → linear → × gate → index_add")
+
+
+def counterparts(g: Graph, i: int, xs: Sequence[torch.Tensor], dims: Mapping[str, int],
+                 caches: Store, scratch: Store) -> list[Counterpart | Unavailable]:
+    """PyTorch counterparts of node i of kernel-level graph `g`, on its input tensors `xs`.
+    Attention reads `caches` (the kernel's KV cache); unfused KV-cache writes go to `scratch`,
+    whose tensors the caller sized, so the kernel's cache is left as the kernel wrote it."""
+    n = g.nodes[i]
+    rec = _Recorder(TorchContext(dims, scratch))
+    if n.op == Op.FUSED_LINEAR:
+        return _fused_linear(g, i, xs, rec)
+    if n.op == Op.ATTENTION:
+        return _attention(g, i, xs, rec, caches)
+    if n.op == Op.NORM:
+        return [_norm(g, i, xs, rec)]
+    if n.op == Op.POINTWISE:
+        return [_pointwise(g, i, xs, rec)]
+    if n.op == Op.TOPK_ROUTER:
+        return [_router(g, i, xs, rec)]
+    if n.op == Op.MOE_LINEAR:
+        return [_moe_linear(g, i, xs, rec)]
+    if n.op == Op.EMBEDDING:
+        table, ids = xs
+        return [Counterpart("torch", lambda: F.embedding(ids, table), lambda y: y,
+                            "F.embedding", 1)]
+    return [Unavailable("unfused", f"no counterpart for {n.op.value}")]
+
+
+def scratch_caches(g: Graph, i: int, dims: Mapping[str, int], dtype: torch.dtype,
+                   device: torch.device) -> dict[tuple[int, str], torch.Tensor]:
+    """KV-cache tensors for the unfused writes of node i (its kv_write steps), P + T long."""
+    out = {}
+    length = dims["P"] + dims["T"]
+    for st in g.nodes[i].attr("epilogue", ()) or ():
+        if st.fn == "kv_write":
+            for kind in ("k", "v"):
+                out[(st.kw("layer"), kind)] = torch.zeros(
+                    dims["B"], st.kw("kv_heads"), length, st.kw("head_dim"), dtype=dtype,
+                    device=device)
+    return out

@@ -1,0 +1,105 @@
+"""A short text summary of `archc bench` JSON reports — what the GPU check prints at the end.
+
+    python -m archc.perf.summary results/*.json
+
+For each report: the model and shapes, the sections that did not finish (and why), the whole
+prefill and decode of every runner with archc's speed-up over it, the kernels where archc is
+slowest against a PyTorch counterpart, and the goals. A missing or unreadable file is named,
+not fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _t(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} µs"
+
+
+def _x(r: float | None) -> str:
+    return "—" if r is None else f"{r:.2f}×"
+
+
+def _pct(r: float | None) -> str:
+    return "—" if r is None else f"{100 * r:.0f}%"
+
+
+def summarize(data: dict[str, Any], *, worst: int = 4) -> list[str]:
+    shapes = data.get("shapes", {})
+    layers = data.get("layers")
+    kept = (f", first {layers} of {data.get('spec_layers')} blocks"
+            if layers != data.get("spec_layers") else "")
+    env = data.get("environment", {})
+    lines = [f"{data.get('spec')}{kept}, {data.get('dtype')}, batch {shapes.get('batch')}, "
+             f"prompt {shapes.get('prompt')}, decode {shapes.get('decode')} — "
+             f"{env.get('device_name')}{' (DRY RUN)' if data.get('dry_run') else ''}"]
+    unfinished = {k: v for k, v in data.get("status", {}).items() if v != "done"}
+    if unfinished:
+        lines.append("  NOT DONE: " + ", ".join(f"{k} ({v})" for k, v in unfinished.items()))
+    for e in data.get("errors", []):
+        where = e.get("section", "") + (f" {e['kernel']}" if "kernel" in e else "")
+        lines.append(f"  error in {where}: {e.get('error')}")
+    c = data.get("ceilings")
+    if c:
+        lines.append(f"  ceilings: copy {c['copy_bandwidth'] / 1e12:.2f} TB/s, "
+                     f"{c['matmul_dtype']} matmul {c['matmul_flops'] / 1e12:.0f} TFLOP/s")
+    model = data.get("model", {})
+    pre = model.get("prefill", {})
+    for r in pre.get("runs", []):
+        if r.get("seconds") is None:
+            lines.append(f"  prefill {r['name']}: no result")
+            continue
+        lines.append(f"  prefill {r['name']}: {_t(r['seconds'])}, "
+                     f"{r['flops_per_second'] / 1e12:.1f} TFLOP/s ({_pct(r['peak_fraction'])} "
+                     f"of peak), archc speed-up {_x(r.get('archc_speedup'))}")
+    dec = model.get("decode", {})
+    for r in dec.get("runs", []):
+        if r.get("step_seconds") is None:
+            lines.append(f"  decode {r['name']}: no result")
+            continue
+        lines.append(f"  decode {r['name']}: {r['tokens_per_second']:,.1f} tokens/s, "
+                     f"{_pct(r['floor_fraction'])} of the bandwidth floor, archc speed-up "
+                     f"{_x(r.get('archc_speedup'))}")
+    ratios = []
+    for k in data.get("kernels", []):
+        for b in k.get("baselines", []):
+            if b.get("archc_speedup") is not None:
+                ratios.append((b["archc_speedup"], k, b))
+            if b.get("agrees") is False:
+                lines.append(f"  MISMATCH: {k['phase']} {k['kernel']} vs {b['name']}: "
+                             f"relative error {b.get('max_rel_error')}")
+        if k.get("error"):
+            lines.append(f"  kernel {k['phase']} {k['kernel']} failed: {k['error']}")
+    ratios.sort(key=lambda r: r[0])
+    for ratio, k, b in ratios[:worst]:
+        lines.append(f"  slow: {k['phase']} {k['kernel']} ({k['shape']}) {_t(k['archc_seconds'])}"
+                     f" vs {b['name']} {_t(b['seconds'])}: {_x(ratio)}")
+    for g in data.get("goals", []):
+        if not g.get("applies"):
+            continue
+        met = "—" if g.get("met") is None else "met" if g["met"] else "NOT met"
+        value = _x(g["measured"]) if g["unit"] == "×" else _pct(g["measured"])
+        lines.append(f"  goal {met}: {g['goal']} — {value}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    paths = [Path(p) for p in (sys.argv[1:] if argv is None else argv)]
+    for path in paths:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            print(f"{path.name}: no report ({type(err).__name__}: {err})")
+            continue
+        print("\n".join(summarize(data)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

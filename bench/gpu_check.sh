@@ -1,0 +1,254 @@
+#!/usr/bin/env bash
+# The GPU check: the GPU-relevant tests on the GPU (f32, f16 and bf16), then `archc bench` for
+# tiny-llama3 and for llama3-8b (its first blocks), in at most 8 minutes, with no network.
+#
+#   bench/gpu_check.sh              on a machine with a CUDA GPU, torch and triton
+#   bench/gpu_check.sh --dry-run    the same stages on a CPU: a small test selection and
+#                                   `archc bench --dry-run` (checks this script, measures nothing)
+#
+# Each stage runs under its own time limit, and a stage that fails or runs out of time does not
+# stop the next. Results go to bench/results/ (a temporary directory in a dry run), named
+# <UTC date>_<GPU>_<what>, and are copied to $OUT when it is set:
+#   *_summary.txt    what ran, what failed, the headline numbers   (read this first)
+#   *_tests.log      pytest output;  *_tests.xml  its JUnit report (when pytest finished)
+#   *_<spec>.json    the bench report (saved after every section, so a cut run keeps its part)
+#   *_<spec>.log     the bench tables and progress lines
+#
+# Optional environment: PYTHON (default python3), OUT, ARCHC_GPU_CHECK_RESULTS (results
+# directory), ARCHC_GPU_CHECK_TESTS (pytest selection, space-separated), ARCHC_GPU_CHECK_BUDGET
+# (total seconds, default 470), ARCHC_GPU_CHECK_BUDGET_TESTS / _TINY / _BIG (each stage's
+# limit, default 160 / 80 / 260, cut to what is left of the total), ARCHC_GPU_CHECK_LAYERS
+# (llama3-8b blocks kept, default 4), ARCHC_BENCH_EXTRA (extra flags for every `archc bench`).
+
+set -u
+set -o pipefail
+
+DRY_RUN=0
+case "${1:-}" in
+    "") ;;
+    --dry-run) DRY_RUN=1 ;;
+    *) echo "usage: $0 [--dry-run]" >&2; exit 2 ;;
+esac
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT" || exit 2
+PY="${PYTHON:-python3}"
+BUDGET="${ARCHC_GPU_CHECK_BUDGET:-470}"     # seconds for everything, the summary included
+RESERVE=15                                  # kept back for the summary and copies
+GRACE=10                                    # a stage gets TERM, then KILL this much later
+LAYERS="${ARCHC_GPU_CHECK_LAYERS:-4}"
+STAMP="$(date -u +%Y%m%d-%H%M%S)"
+SECONDS=0
+
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export PYTHONDONTWRITEBYTECODE=1
+
+if [[ "$DRY_RUN" == 1 ]]; then
+    GPU_NAME="cpu dry run"
+    RESULTS="${ARCHC_GPU_CHECK_RESULTS:-$(mktemp -d "${TMPDIR:-/tmp}/archc-gpu-check.XXXXXX")}"
+    read -r -a TESTS <<< "${ARCHC_GPU_CHECK_TESTS:-tests/test_roofline.py}"
+    BENCH_FLAGS=(--dry-run)
+    TINY_ARGS=(tiny-llama3 --prompt 8 --decode 4)
+    BIG_SPEC="tiny-mistral"
+    BIG_ARGS=(tiny-mistral --layers 1 --prompt 8 --decode 4)
+    BUDGETS=(120 90 90)
+else
+    # archc chooses Triton's interpreter only for a CPU device; a stray setting would stop it
+    unset TRITON_INTERPRET
+    GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)"
+    GPU_NAME="${GPU_NAME:-unknown gpu}"
+    RESULTS="${ARCHC_GPU_CHECK_RESULTS:-$ROOT/bench/results}"
+    # Tests whose kernels run on the GPU when there is one (f32, f16 and bf16). Not
+    # tests/test_triton_validate.py: it validates on the CPU, and Triton's interpreter, once
+    # chosen, is the process's for good — it cannot share a pytest worker with GPU tests.
+    read -r -a TESTS <<< "${ARCHC_GPU_CHECK_TESTS:-tests/test_triton_kernels.py \
+tests/test_triton_models.py tests/test_triton_gguf.py tests/test_bench.py \
+tests/test_roofline.py}"
+    BENCH_FLAGS=()
+    TINY_ARGS=(tiny-llama3 --prompt 32 --decode 16)
+    BIG_SPEC="llama3-8b"
+    BIG_ARGS=(llama3-8b --layers "$LAYERS" --prompt 2048 --decode 64)
+    BUDGETS=(160 80 260)
+fi
+read -r -a EXTRA <<< "${ARCHC_BENCH_EXTRA:-}"
+BUDGET_TESTS="${ARCHC_GPU_CHECK_BUDGET_TESTS:-${BUDGETS[0]}}"
+BUDGET_TINY="${ARCHC_GPU_CHECK_BUDGET_TINY:-${BUDGETS[1]}}"
+BUDGET_BIG="${ARCHC_GPU_CHECK_BUDGET_BIG:-${BUDGETS[2]}}"
+
+SLUG="$(printf '%s' "$GPU_NAME" | tr '[:upper:]' '[:lower:]' | tr -c 'a-z0-9' '-' \
+        | tr -s '-' | sed 's/^-//; s/-$//')"
+PREFIX="${STAMP}_${SLUG:-gpu}"
+mkdir -p "$RESULTS" || { echo "cannot create $RESULTS" >&2; exit 2; }
+STAGES="$RESULTS/.${PREFIX}_stages.tsv"
+SUMMARY="$RESULTS/${PREFIX}_summary.txt"
+: > "$STAGES"
+FINISHED=0
+
+note() { printf '[%3ds] %s\n' "$SECONDS" "$*"; }
+
+# The files this run made, for the summary and for $OUT.
+outputs() {
+    local f
+    for f in "$RESULTS/${PREFIX}_"*; do
+        [[ -f "$f" ]] && printf '%s\n' "$f"
+    done
+}
+
+publish() {
+    [[ -n "${OUT:-}" ]] || return 0
+    mkdir -p "$OUT" || return 0
+    local f
+    while IFS= read -r f; do
+        cp -f -- "$f" "$OUT/" || note "could not copy $f to \$OUT"
+    done < <(outputs)
+}
+
+# run_stage NAME BUDGET LOG COMMAND...: COMMAND under `timeout`, all output to LOG; the result
+# goes to the stage table. The budget shrinks to what is left before the deadline.
+run_stage() {
+    local name="$1" budget="$2" log="$3"
+    shift 3
+    local left=$(( BUDGET - RESERVE - GRACE - SECONDS ))
+    if (( left < 5 )); then
+        note "$name: skipped, no time left"
+        printf '%s\tskipped (no time left)\t0\t%s\n' "$name" "$(basename "$log")" >> "$STAGES"
+        return 0
+    fi
+    if (( budget > left )); then
+        budget=$left
+    fi
+    note "$name: up to ${budget}s → $(basename "$log")"
+    local start=$SECONDS rc=0 status
+    timeout --kill-after="$GRACE" "$budget" "$@" > "$log" 2>&1 || rc=$?
+    case "$rc" in
+        0) status="ok" ;;
+        124 | 137) status="TIMED OUT after ${budget}s" ;;
+        *) status="FAILED (exit $rc)" ;;
+    esac
+    note "$name: $status in $(( SECONDS - start ))s"
+    printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$(( SECONDS - start ))" \
+        "$(basename "$log")" >> "$STAGES"
+    publish
+}
+
+test_counts() {
+    local log="$1" last
+    last="$(grep -E '^=+ .*(passed|failed|error|skipped).* in [0-9.]+s' "$log" | tail -n 1)"
+    if [[ -n "$last" ]]; then
+        printf '%s' "$last" | sed 's/^=* //; s/ =*$//'
+    else  # cut short: count the per-test lines pytest -v wrote
+        printf '%s passed, %s failed, %s errors, %s skipped so far (pytest did not finish)' \
+            "$(grep -c ' PASSED' "$log")" "$(grep -c ' FAILED' "$log")" \
+            "$(grep -c ' ERROR' "$log")" "$(grep -c ' SKIPPED' "$log")"
+    fi
+}
+
+finish() {
+    (( FINISHED )) && return 0
+    FINISHED=1
+    local failed=0 name status secs log
+    {
+        echo "archc GPU check, $(date -u '+%Y-%m-%d %H:%M:%S UTC'), $GPU_NAME" \
+             "$([[ "$DRY_RUN" == 1 ]] && echo '(DRY RUN on the CPU)')"
+        echo "commit: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)" \
+             "$(git -C "$ROOT" status --porcelain 2>/dev/null | grep -q . && echo '(with local changes)')"
+        echo "budget: ${BUDGET}s, used ${SECONDS}s"
+        echo
+        echo "stages:"
+        while IFS=$'\t' read -r name status secs log; do
+            printf '  %-20s %-26s %4ss  %s\n' "$name" "$status" "$secs" "$log"
+            [[ "$status" == ok ]] || failed=1
+            if [[ "$name" == tests && -f "$RESULTS/$log" ]]; then
+                printf '  %-20s %s\n' "" "$(test_counts "$RESULTS/$log")"
+                grep -E '^(FAILED|ERROR) ' "$RESULTS/$log" | head -n 20 | sed 's/^/      /'
+            fi
+        done < "$STAGES"
+        if (( failed )); then
+            echo "SOME STAGES DID NOT PASS: see the lines above and their logs"
+        else
+            echo "all stages passed"
+        fi
+        echo
+        local reports=()
+        local f
+        for f in "$RESULTS/${PREFIX}_"*.json; do
+            [[ -f "$f" ]] && reports+=("$f")
+        done
+        if (( ${#reports[@]} )); then
+            timeout 60 "$PY" -m archc.perf.summary "${reports[@]}" \
+                || echo "(the bench summary could not be made: exit $?)"
+        else
+            echo "no bench reports were written"
+        fi
+        if [[ -f "$RESULTS/.${PREFIX}_env.txt" ]]; then
+            echo
+            echo "environment:"
+            cat "$RESULTS/.${PREFIX}_env.txt"
+        fi
+    } > "$SUMMARY" 2>&1
+    rm -f "$RESULTS/.${PREFIX}_env.txt" "$STAGES"
+    publish
+    cat "$SUMMARY"
+    note "results in $RESULTS"
+    return "$failed"
+}
+trap 'finish; exit $?' INT TERM
+
+note "archc GPU check: $GPU_NAME, results in $RESULTS, budget ${BUDGET}s"
+
+# ---- 1. environment: what runs here (never fatal) -----------------------------------------------
+ENV_PY="$(cat <<'EOF'
+import importlib, platform
+import torch
+print("python", platform.python_version(), "| torch", torch.__version__, "| cuda",
+      torch.version.cuda, "| GPU visible to torch:", torch.cuda.is_available())
+for name in ("triton", "jinja2", "sympy", "yaml", "rich", "networkx", "numpy", "safetensors",
+             "pytest", "xdist", "pytest_timeout", "transformers"):
+    try:
+        module = importlib.import_module(name)
+        print(" ", name, getattr(module, "__version__", ""))
+    except Exception as err:
+        print(" ", name, "MISSING", type(err).__name__)
+EOF
+)"
+# shellcheck disable=SC2016  # $0 and $1 belong to the inner shell
+run_stage env 30 "$RESULTS/.${PREFIX}_env.txt" bash -c '
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm \
+        --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available"
+    "$0" -c "$1"' "$PY" "$ENV_PY"
+
+# ---- 2. tests ----------------------------------------------------------------------------------
+PYTEST_FLAGS=(-q -v -rfE -p no:cacheprovider --junitxml="$RESULTS/${PREFIX}_tests.xml")
+if "$PY" -c 'import xdist' > /dev/null 2>&1; then
+    cores="$(nproc 2>/dev/null || echo 2)"
+    PYTEST_FLAGS+=(-n "$(( cores > 8 ? 8 : (cores < 2 ? 2 : cores) ))")
+fi
+if "$PY" -c 'import pytest_timeout' > /dev/null 2>&1; then
+    PYTEST_FLAGS+=(--timeout=120)
+fi
+SELECTED=()
+for t in "${TESTS[@]}"; do   # a file this checkout lacks would stop pytest before any test
+    if [[ -e "$ROOT/${t%%::*}" ]]; then
+        SELECTED+=("$t")
+    else
+        note "tests: $t is not in this checkout, left out"
+    fi
+done
+if (( ${#SELECTED[@]} )); then
+    run_stage tests "$BUDGET_TESTS" "$RESULTS/${PREFIX}_tests.log" \
+        "$PY" -m pytest "${PYTEST_FLAGS[@]}" "${SELECTED[@]}"
+else
+    printf '%s\t%s\t0\t-\n' tests "FAILED (no test file found)" >> "$STAGES"
+fi
+
+# ---- 3. benchmarks -----------------------------------------------------------------------------
+run_stage "bench tiny" "$BUDGET_TINY" "$RESULTS/${PREFIX}_tiny-llama3.log" \
+    "$PY" -m archc.cli bench "${TINY_ARGS[@]}" "${BENCH_FLAGS[@]}" "${EXTRA[@]}" \
+    --json "$RESULTS/${PREFIX}_tiny-llama3.json"
+run_stage "bench $BIG_SPEC" "$BUDGET_BIG" "$RESULTS/${PREFIX}_${BIG_SPEC}.log" \
+    "$PY" -m archc.cli bench "${BIG_ARGS[@]}" "${BENCH_FLAGS[@]}" "${EXTRA[@]}" \
+    --json "$RESULTS/${PREFIX}_${BIG_SPEC}.json"
+
+finish
+exit $?

@@ -1,0 +1,249 @@
+"""`archc bench` on the CPU: the dry run of the whole harness, its refusals, the torch baseline
+program and the per-kernel PyTorch counterparts.
+
+The dry run launches the generated kernels under Triton's interpreter and times with the host
+clock: its numbers mean nothing, but every section must run, every counterpart must compute what
+its kernel computes (f32: 1e-4 of the output scale, as in validation), and the report must hold
+every field the GPU run fills.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import archc
+from archc.cli import main
+from archc.ir.lower import lower
+from archc.ir.ops import Op
+from archc.passes import optimize
+from archc.perf.baselines import Counterpart, Unavailable, counterparts, scratch_caches
+from archc.perf.bench import TOLERANCE, run_bench
+from archc.perf.torch_program import TorchProgram
+from archc.runtime.eager import EagerContext, EagerSession, KVCache, Trace, run_graph
+from archc.runtime.weights import materialize
+from tests.conftest import TINY_SPECS
+
+# The dry run chooses Triton's interpreter, for the rest of the process: not beside GPU tests.
+# On a GPU, bench/gpu_check.sh runs `archc bench` itself.
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(),
+                              reason="the dry run is the CPU stand-in for archc bench")
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench")
+    path = out / "tiny.json"
+    rc = main(["bench", "tiny-llama3", "--dry-run", "--compile-modes", "default",
+               "--json", str(path), "--cache-dir", str(out / "kernels")])
+    assert rc == 0
+    return json.loads(path.read_text())
+
+
+@cpu_only
+def test_dry_run_completes_every_section(dry_run: dict) -> None:
+    assert dry_run["schema"] == "archc-bench/1" and dry_run["dry_run"]
+    assert dry_run["errors"] == []
+    assert set(dry_run["status"].values()) == {"done"}
+    sections = set(dry_run["status"])
+    for runner in ("torch eager", "archc", "torch.compile default"):
+        assert {f"model:{runner}:prefill", f"model:{runner}:decode"} <= sections
+    assert {"setup", "ceilings", "kernels:prefill", "kernels:decode"} <= sections
+
+
+@cpu_only
+def test_dry_run_times_every_unique_kernel_once_per_phase(dry_run: dict) -> None:
+    for phase in ("prefill", "decode"):
+        rows = [r for r in dry_run["kernels"] if r["phase"] == phase]
+        assert len(rows) == dry_run["unique_kernels"]
+        assert sum(r["launches"] for r in rows) == dry_run["launches_per_pass"]["decoder"]
+        for r in rows:
+            assert r["error"] is None and r["archc_seconds"] > 0
+            assert r["roofline_fraction"] == pytest.approx(r["roofline_seconds"] /
+                                                           r["archc_seconds"])
+
+
+@cpu_only
+def test_dry_run_counterparts_compute_what_the_kernels_compute(dry_run: dict) -> None:
+    checked = 0
+    for r in dry_run["kernels"]:
+        names = {b["name"] for b in r["baselines"]}
+        if r["op"] == "fused_linear":
+            assert {"torch.matmul", "unfused"} <= names
+        if r["op"] == "attention":
+            assert {"sdpa", "unfused"} <= names
+        for b in r["baselines"]:
+            assert b["seconds"] > 0
+            assert b["archc_speedup"] == pytest.approx(b["seconds"] / r["archc_seconds"])
+            if "max_rel_error" in b:
+                assert b["agrees"], (r["kernel"], b)
+                checked += 1
+    assert checked >= 12  # unfused and sdpa, both phases
+
+
+@cpu_only
+def test_dry_run_whole_model_numbers(dry_run: dict) -> None:
+    pre, dec = dry_run["model"]["prefill"], dry_run["model"]["decode"]
+    names = [r["name"] for r in pre["runs"]]
+    assert names == ["torch eager", "archc", "torch.compile default"]
+    for r in pre["runs"]:
+        assert r["seconds"] > 0 and r["peak_fraction"] < 1
+        # same weights, same tokens: every runner's logits agree with eager's
+        if r["name"] != "torch eager":
+            assert r["max_rel_error_vs_eager"] < TOLERANCE["f32"]
+    archc_run = next(r for r in dec["runs"] if r["name"] == "archc")
+    assert archc_run["archc_speedup"] == 1.0
+    for r in dec["runs"]:
+        assert r["tokens_per_second"] == pytest.approx(1 / r["step_seconds"])
+        assert r["floor_fraction"] == pytest.approx(dec["floor_seconds"] / r["step_seconds"])
+    # the decode floor averages the first and last step: weights once, the KV cache grows
+    assert dec["bytes_per_step"] == pytest.approx(dec["weight_bytes"] + dec["kv_bytes_mean"])
+
+
+@cpu_only
+def test_dry_run_records_goals_without_judging_them(dry_run: dict) -> None:
+    goals = dry_run["goals"]
+    assert len(goals) == 8  # prefill attention, fused matmuls ×2 per phase, decode ×3
+    assert all(not g["applies"] and g["met"] is None for g in goals)
+
+
+@cpu_only
+def test_report_is_saved_after_each_section_and_names_a_failure(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    import archc.perf.bench as bench
+    from archc.cli import build_parser
+    from archc.commands.bench import config_of
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no ceiling today")
+    monkeypatch.setattr(bench, "measure_ceilings", broken)
+    cfg = config_of(build_parser().parse_args(["bench", "tiny-llama3", "--dry-run",
+                                                "--no-kernels", "--compile-modes", "none"]))
+    path = tmp_path / "r.json"
+    report = run_bench(cfg, path)
+    saved = json.loads(path.read_text())
+    assert saved["status"]["ceilings"] == "failed"
+    assert saved["errors"][0]["section"] == "ceilings"
+    assert "no ceiling today" in saved["errors"][0]["error"]
+    assert report.failed == ["ceilings"]
+    # later sections still ran
+    assert saved["status"]["model:archc:decode"] == "done"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "tiny-llama3"], "no CUDA GPU here"),
+    (["bench", "tiny-llama3", "--dry-run", "--layers", "3"], "has 2 blocks"),
+    (["bench", "tiny-bert", "--dry-run"], "decoder-only"),
+    (["bench", "tiny-llama3", "--dry-run", "--dtype", "bf16"], "computes bf16 wrongly"),
+    (["bench", "tiny-llama3", "--dry-run", "--prompt", "60", "--decode", "8"], "max_seq_len"),
+    (["bench", "tiny-llama3", "--dry-run", "--compile-modes", "fast"], "unknown torch.compile"),
+    (["bench", "tiny-llama3", "--dry-run", "--gpu", "v100"], "unknown GPU"),
+])
+def test_bench_refuses_bad_input(argv: list[str], message: str,
+                                 capsys: pytest.CaptureFixture[str],
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert err.count("\n") == 1
+
+
+# ---- the torch baseline program ----------------------------------------------------------------
+
+def test_torch_program_matches_eager_and_decodes_without_recompiling() -> None:
+    from torch._dynamo.testing import CompileCounter
+    model = archc.load("tiny-llama3")
+    program = lower(model.spec, "f32")
+    g = program.graph("decoder")
+    params = materialize(g, model.weights)
+    plain = TorchProgram(g, params, batch=2, max_len=64, device=torch.device("cpu"),
+                         dtype=torch.float32)
+    reference = EagerSession(program, model.weights, max_seq_len=64)
+    ids = torch.randint(0, model.spec.vocab_size, (2, 9), generator=torch.Generator()
+                        .manual_seed(0))
+    assert torch.equal(plain(ids, 0), reference.step(ids))
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    compiled = torch.compile(plain.forward, backend=counter)
+    compiled(ids, 0)
+    token = ids[:, -1:]
+    for past in range(9, 15):
+        out = compiled(token, past)
+        assert torch.allclose(out, reference.step(token), atol=1e-5, rtol=0)
+    # the prefill, then one decode graph with P symbolic: no recompile per step
+    assert counter.frame_count == 2
+    torch._dynamo.reset()
+
+
+# ---- counterparts of every kernel of every tiny spec -------------------------------------------
+
+def _kernel_values(spec_name: str) -> list[tuple]:
+    """(graph, node, input values, output, dims, cache) for every compute node of the
+    kernel-level program, by the eager interpreter: a prefill, and one decode step."""
+    model = archc.load(spec_name)
+    program = optimize(lower(model.spec, "f32"))
+    gen = torch.Generator().manual_seed(1)
+    b, t = 2, 5
+    ids = torch.randint(0, model.spec.vocab_size, (b, t), generator=gen)
+    out = []
+
+    def run(g, inputs: dict, dims: dict, cache: KVCache) -> None:  # noqa: ANN001
+        params = materialize(g, model.weights)
+        trace = Trace()
+        run_graph(g, params, inputs, EagerContext(dims, cache), trace=trace)
+        for i in g.compute_ids():
+            xs = [inputs[g.nodes[j].name] if g.nodes[j].op == Op.INPUT else
+                  params[g.nodes[j].name] if g.nodes[j].op == Op.PARAM else trace.values[j]
+                  for j in g.nodes[i].inputs]
+            out.append((g, i, xs, trace.values[i], dict(dims), cache))
+
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[-1, -2:] = 0
+    enc = {"tokens": ids, "positions": torch.arange(t), "attention_mask": mask,
+           "token_types": torch.zeros(b, t, dtype=torch.long)}
+    hidden = None
+    for g in program:
+        if g.name == "encoder":
+            run(g, {k: v for k, v in enc.items() if k in g.inputs}, {"B": b, "T": t, "P": 0},
+                KVCache(64))
+            hidden = out[-1][3] if model.spec.family == "encoder-decoder" else None
+            continue
+        extra: dict = {}
+        dims = {"B": b, "P": 0}
+        if hidden is not None:
+            extra = {"encoder_hidden": hidden, "encoder_mask": torch.ones(b, t, dtype=torch.long)}
+            dims["S"] = t
+        cache = KVCache(64)
+        for past, step in ((0, ids), (t, ids[:, -1:])):  # a prefill, then one decode step
+            n = step.shape[1]
+            inputs = {"tokens": step, "positions": torch.arange(past, past + n),
+                      "prefix_len": torch.tensor(t), **extra}
+            run(g, {k: v for k, v in inputs.items() if k in g.inputs},
+                {**dims, "T": n, "P": past}, cache)
+    return out
+
+
+@pytest.mark.parametrize("spec_name", TINY_SPECS)
+def test_counterparts_agree_with_the_kernel_level_ops(spec_name: str) -> None:
+    kinds: set[str] = set()
+    for g, i, xs, want, dims, cache in _kernel_values(spec_name):
+        n = g.nodes[i]
+        scratch = scratch_caches(g, i, dims, torch.float32, torch.device("cpu"))
+        for c in counterparts(g, i, xs, dims, cache.store, scratch):
+            if isinstance(c, Unavailable):
+                assert c.name == "sdpa" and n.attr("softcap") is not None, c
+                continue
+            assert isinstance(c, Counterpart)
+            if c.result is None:       # torch.matmul on the same GEMM: not the same function
+                continue
+            got = c.result(c.run())
+            scale = want.abs().max()
+            err = (got.float() - want.float()).abs().max()
+            assert err <= TOLERANCE["f32"] * scale, f"{c.name} of %{i} {n.op.value}: {err}"
+            kinds.add(n.op.value)
+    assert "fused_linear" in kinds and "attention" in kinds

@@ -1,0 +1,94 @@
+"""bench/gpu_check.sh: shellcheck-clean, and its stage logic — a failing stage, a stage out of
+time, a bench report summarized, everything copied to $OUT — exercised in seconds with a stand-in
+interpreter that answers like pytest and `archc bench` would. (The script's real dry run,
+`bench/gpu_check.sh --dry-run`, runs the actual tests and benches; it takes minutes.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "gpu_check.sh"
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# Answers as the GPU check's stages expect: pytest fails one test, the tiny bench hangs, the
+# big bench writes a report; anything else goes to the real interpreter.
+args="$*"
+case "$args" in
+    *"-m pytest"*)
+        echo "[gw0] [ 50%] PASSED tests/test_x.py::test_a"
+        echo "[gw0] [100%] FAILED tests/test_x.py::test_b"
+        echo "FAILED tests/test_x.py::test_b - AssertionError: boom"
+        echo "========== 1 failed, 1 passed in 0.12s =========="
+        exit 1 ;;
+    *"bench tiny-llama3"*) exec sleep 60 ;;
+    *"bench tiny-mistral"*)
+        json="${@: -1}"
+        cp "$FAKE_REPORT" "$json"
+        echo "bench tables"
+        exit 0 ;;
+    *"import xdist"* | *"import pytest_timeout"*) exit 1 ;;
+    *"import importlib"*) echo "python (stand-in)"; exit 0 ;;
+esac
+exec "$REAL_PYTHON" "$@"
+"""
+
+
+def test_script_is_shellcheck_clean() -> None:
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed")
+    out = subprocess.run(["shellcheck", str(SCRIPT)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+
+
+def test_stages_fail_time_out_and_still_report(tmp_path: Path) -> None:
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    report = {"schema": "archc-bench/1", "spec": "tiny-mistral", "layers": 1, "spec_layers": 2,
+              "dtype": "f32", "dry_run": True, "shapes": {"batch": 1, "prompt": 8, "decode": 4},
+              "environment": {"device_name": "CPU"},
+              "status": {"setup": "done", "model:archc:decode": "running"}, "errors": [],
+              "kernels": [], "goals": [],
+              "model": {"prefill": {"runs": [{"name": "archc", "seconds": 0.002,
+                                              "flops_per_second": 1e9, "peak_fraction": 0.1,
+                                              "archc_speedup": 1.0}]},
+                        "decode": {"runs": []}}}
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    results, out = tmp_path / "results", tmp_path / "out"
+    env = {**os.environ, "PYTHON": str(fake), "REAL_PYTHON": sys.executable,
+           "FAKE_REPORT": str(tmp_path / "report.json"), "OUT": str(out),
+           "ARCHC_GPU_CHECK_RESULTS": str(results), "ARCHC_GPU_CHECK_BUDGET_TINY": "2"}
+    run = subprocess.run(["bash", str(SCRIPT), "--dry-run"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 1, run.stdout + run.stderr
+    (summary,) = out.glob("*_summary.txt")
+    text = summary.read_text()
+    assert re.search(r"tests\s+FAILED \(exit 1\)", text)
+    assert "1 failed, 1 passed" in text and "FAILED tests/test_x.py::test_b" in text
+    assert re.search(r"bench tiny\s+TIMED OUT after 2s", text)
+    assert re.search(r"bench tiny-mistral\s+ok", text)
+    assert "SOME STAGES DID NOT PASS" in text
+    # the report is summarized, its unfinished section named
+    assert "tiny-mistral, first 1 of 2 blocks" in text
+    assert "NOT DONE: model:archc:decode (running)" in text
+    assert "environment:" in text and "python (stand-in)" in text
+    # what comes back from a device run: at most 8 plain files, safe names, one run's prefix
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8 and all(re.fullmatch(r"[A-Za-z0-9._-]+", f) for f in files)
+    prefix = summary.name.removesuffix("_summary.txt")
+    assert re.fullmatch(r"\d{8}-\d{6}_cpu-dry-run", prefix)
+    assert all(f.startswith(prefix) for f in files)
+    assert {f.removeprefix(prefix) for f in files} == {
+        "_summary.txt", "_tests.log", "_tiny-llama3.log", "_tiny-mistral.json",
+        "_tiny-mistral.log"}
+    assert sorted(p.name for p in results.iterdir()) == files
