@@ -56,8 +56,8 @@ def build(inputs: dict[str, tuple[tuple, str]], fn: Build, name: str = "decoder"
 
 
 def check(g: Graph, values: dict[str, torch.Tensor], dims: dict[str, int], kernel_dir: Path,
-          *, dtype: str = "f32", past_kv: dict[tuple[int, str], torch.Tensor] | None = None
-          ) -> None:
+          *, dtype: str = "f32", past_kv: dict[tuple[int, str], torch.Tensor] | None = None,
+          decode_max_rows: int | None = None) -> None:
     """Eager and triton on the same graph and values: outputs and KV caches agree."""
     cast = {k: (v.to(TORCH[dtype]) if v.is_floating_point() else v) for k, v in values.items()}
     cache = KVCache(64)
@@ -66,7 +66,7 @@ def check(g: Graph, values: dict[str, torch.Tensor], dims: dict[str, int], kerne
             layer, kind, past.to(TORCH[dtype]))
     ref = run_graph(g, {}, cast, EagerContext(dims, cache))["y"]
     run = run_graph_triton(g, {}, cast, dims, past_kv=past_kv, max_seq_len=64, device=DEVICE,
-                           cache_dir=kernel_dir)
+                           cache_dir=kernel_dir, decode_max_rows=decode_max_rows)
     out = run.outputs["y"].cpu()
     assert out.shape == ref.shape and out.dtype == ref.dtype
     scale = ref.float().abs().max()
@@ -168,8 +168,7 @@ ATTENTION_CASES = [
     (4, 2, 16, 21, 21, True, None, False, None, "t5", False),
     (4, 2, 16, 21, 21, True, None, False, None, None, True),
     (4, 1, 16, 3, 11, False, None, True, None, None, False),    # cross-attention shape
-    # decode-sized: G·T ≤ 16 rows take the split-KV kernel
-    (4, 2, 16, 1, 37, True, 8, False, None, None, False),
+    (4, 2, 16, 1, 37, True, 8, False, None, None, False),       # one new token over a past
     (4, 2, 16, 2, 37, True, 8, False, 3.0, "alibi", False),
     (9, 3, 80, 1, 20, True, None, False, None, None, False),
     (4, 1, 16, 3, 20, False, None, True, None, "t5", False),
@@ -177,8 +176,11 @@ ATTENTION_CASES = [
 ]
 
 
+@pytest.mark.parametrize("kernel", ["prefill", "decode"])
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_attention(kernel_dir: Path, case: tuple) -> None:
+def test_attention(kernel_dir: Path, case: tuple, kernel: str) -> None:
+    """Each case through both kernels: FlashAttention-2 tiles over the queries, and split-KV
+    decoding with the GQA group's heads as the rows of one tile."""
     heads, kv_heads, hd, t, keys, causal, window, padding, softcap, bias, prefix = case
     width = heads * hd
     values = {"qp": rand(2, t, width + 8), "kvp": rand(2, keys, 2 * kv_heads * hd, seed=1)}
@@ -212,7 +214,8 @@ def test_attention(kernel_dir: Path, case: tuple) -> None:
                       prefix=prefix, window=window, softcap=softcap, bias=bias_call)
 
     g = build(inputs, fn)
-    check(g, values, {"B": 2, "T": t, "P": 0, "S": keys}, kernel_dir)
+    check(g, values, {"B": 2, "T": t, "P": 0, "S": keys}, kernel_dir,
+          decode_max_rows=0 if kernel == "prefill" else 1 << 20)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

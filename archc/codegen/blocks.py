@@ -21,9 +21,9 @@ from typing import Any
 
 TARGETS = ("gpu", "interpret")
 
-# Decode attention: a split-KV (flash-decoding) kernel when query rows per KV head, G·T, fit one
-# 16-row MMA tile; otherwise the prefill kernel.
-DECODE_MAX_ROWS = 16
+# Decode attention: the split-KV (flash-decoding) kernel while the query rows of one KV head,
+# G·T, fit one tile of at most 128 rows (MQA with 71 heads included); otherwise the prefill kernel.
+DECODE_MAX_ROWS = 128
 # Programs the decode-attention grid aims for on a GPU: two waves of an H100/H200's 132 SMs.
 DECODE_TARGET_PROGRAMS = 264
 
@@ -49,9 +49,10 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
                 cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
             elif m <= 64:
                 cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
-            elif sizes.get("head_norm"):
-                # a per-head norm in the epilogue (reshapes, reductions) spills at 128 rows
-                # (368 bytes, 4 or 8 warps); 64 rows × 8 warps takes 140 registers
+            elif sizes.get("head_norm") or (paired and sizes.get("layer_norm")):
+                # heavy epilogues spill at 128 rows: a per-head norm (368 bytes), or two
+                # accumulators with LayerNorm's two statistics (falcon-7b's QKV+MLP: 348 bytes);
+                # 64 rows × 8 warps fit (140 registers for the per-head norm)
                 cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
             else:
                 cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
@@ -72,10 +73,14 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         return dict(BLOCK_M=_clamp_pow2(sizes["T"], 16, 128),
                     BLOCK_N=_clamp_pow2(sizes["L"], 16, 128), num_warps=4, num_stages=1)
     if family == "attention_decode":
+        rows = _clamp_pow2(sizes["R"], 16, DECODE_MAX_ROWS)  # the G·T query rows of a KV head
         if gpu:
-            return dict(BLOCK_N=64 if sizes["D"] <= 128 else 32, num_warps=4, num_stages=3)
+            wide = rows > 16 or sizes["D"] > 128
+            return dict(BLOCK_R=rows, BLOCK_N=32 if wide else 64, num_warps=8 if rows > 64 else 4,
+                        num_stages=2 if wide else 3)
         # about four splits, so short test sequences still exercise the merge
-        return dict(BLOCK_N=_clamp_pow2(sizes["L"] // 4, 16, 128), num_warps=4, num_stages=1)
+        return dict(BLOCK_R=rows, BLOCK_N=_clamp_pow2(sizes["L"] // 4, 16, 128), num_warps=4,
+                    num_stages=1)
     if family == "attention_combine":
         # one row per program on a GPU (a [splits, D] tile in registers); the interpreter
         # merges many rows per program
@@ -119,15 +124,14 @@ def aot_sizes(family: str, sizes: dict[str, int]) -> dict[str, int]:
     full.setdefault("M", 4096)
     full.setdefault("T", 4096)
     full.setdefault("L", 4096)
-    full.setdefault("R", 32)
+    full.setdefault("R", 4 if family == "attention_decode" else 32)  # decode: 4 heads per KV head
     return full
 
 
 def aot_constexprs(family: str) -> dict[str, int]:
     """Block sizes a launcher picks from the call (not from `launch_config`), at the shapes an
-    ahead-of-time compile assumes: one decode token over 4 query heads per KV head."""
-    return {"attention_decode": {"BLOCK_R": 16},
-            "attention_combine": {"BLOCK_S": 64}}.get(family, {})
+    ahead-of-time compile assumes: 64 key splits to merge."""
+    return {"attention_combine": {"BLOCK_S": 64}}.get(family, {})
 
 
 def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
@@ -145,9 +149,8 @@ def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
         else:
             tiles = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)]
         return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in tiles]
-    if family == "attention_decode":
-        return [dict(BLOCK_N=n, num_warps=w, num_stages=s)
-                for n, w, s in [(64, 4, 3), (128, 4, 3), (32, 4, 4), (64, 8, 3)]]
+    # attention_decode is not tuned: its split size, chosen before the launch, must be a
+    # multiple of the key block
     return []
 
 

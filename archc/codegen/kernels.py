@@ -396,11 +396,12 @@ def build_fused_linear(c: NodeCtx) -> Unit:
         wsets=wsets, accs_pre=accs_pre, accs_post=accs_post, kv=kv, needs_t=needs_t,
         w_off=f"{w_off} + " if w_off else "", w_row_stride=texpr(w_lay.strides[0]),
         dot_kw=c.dot_kw, M=rows_of(n.shape), align=align, has_head_norm=int(bool(head_norms)),
+        layer_norm=int(prologue == "layer"),
         launch_params=", ".join(p for p, _, _ in launch if p),
         kernel_call_args="".join(f"{k}, " for _, _, k in launch))
     call = ", ".join([f"v[{c.i}]"] + [e for p, e, _ in launch if p])
     sizes = dict(N=n_rows, K=k_total, paired=int(pair is not None), align=align,
-                 head_norm=int(bool(head_norms)))
+                 head_norm=int(bool(head_norms)), layer_norm=int(prologue == "layer"))
     return Unit("fused_linear", "matmul.py.j2", context,
                 [JitKernel("_kernel", "matmul", sizes, types)], call)
 

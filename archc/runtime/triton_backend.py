@@ -106,11 +106,13 @@ class StaticKVCache:
         self.dtype = dtype
         self.device = device
         self.batch = 0
+        self.generation = 0                  # bumped whenever the tensors are reallocated
         self.store: dict[tuple[int, str], torch.Tensor] = {}
 
     def ensure(self, batch: int) -> None:
         if batch == self.batch:
             return
+        self.generation += 1
         self.store = {}
         for layer, kv_heads, hd in self.specs:
             for kind in ("k", "v"):
@@ -142,6 +144,7 @@ class LaunchContext:
     P: int = 0
     S: int = 0
     kv_len_max: int = 0                 # keys a decode-attention grid must cover
+    decode_max_rows: int = 128          # blocks.DECODE_MAX_ROWS; tests force either kernel
     past: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.int32))
     _scratch: dict[tuple[str, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
@@ -165,10 +168,6 @@ class LaunchContext:
             self._scratch[key] = buf
         return buf[:numel]
 
-    @property
-    def decode_max_rows(self) -> int:
-        from archc.codegen.blocks import DECODE_MAX_ROWS
-        return DECODE_MAX_ROWS
 
     def decode_splits(self, keys: int, programs: int, block_n: int) -> tuple[int, int]:
         from archc.codegen.blocks import decode_splits
@@ -262,11 +261,12 @@ class GraphRunner:
         self.last_dims = dims
         return {name: self.value(o, dims).clone() for name, o in g.outputs.items()}
 
-    def value(self, i: int, dims: Mapping[str, int]) -> torch.Tensor:
-        """Node i's value after the last run, read through its layout (views included)."""
+    def value(self, i: int, dims: Mapping[str, int],
+              v: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+        """Node i's value after the last run (or in buffers `v`), read through its layout."""
         from archc.ir.shapes import evaluate
         lay = self.lays[i]
-        base = self.last_v[lay.root]
+        base = (self.last_v if v is None else v)[lay.root]
         if base is None:
             raise RunError(f"node %{i} has no value")
         shape = [evaluate(s, dims) for s in lay.shape]
@@ -342,7 +342,7 @@ class TritonSession:
         self.max_seq_len = max_seq_len
         self.past = 0
         self.prefix_len: int | None = None
-        self._graphs: dict[tuple[int, int], Any] = {}
+        self._graphs: dict[tuple[int, int], _CapturedStep] = {}
 
     def reset(self) -> None:
         self.past = 0
@@ -416,37 +416,49 @@ class TritonSession:
                 and self.device.type == "cuda")
 
     def _replay(self, inputs: dict[str, torch.Tensor], b: int, s: int) -> torch.Tensor:
-        """A decode step through a CUDA graph: captured once per (batch, encoder length) after a
-        warm-up step (which also settles autotuning), then replayed with the inputs copied into
-        static buffers and P written to the device."""
+        """A decode step through a CUDA graph. The first step at a (batch, encoder length) runs
+        normally — compiling and tuning the kernels, allocating every buffer — and is then
+        captured with those buffers, its own scratch and private copies of the inputs; later
+        steps copy their inputs in, write P to the device and replay. A graph is dropped when
+        the KV cache it writes is reallocated (a new batch size)."""
         runner = self.runners["decoder"]
-        key = (b, s)
-        entry = self._graphs.get(key)
         self._check_ids(runner.graph, inputs)
         self.cache.ensure(b)
-        if entry is None:
-            self.ctx.set_dims(b, 1, self.past, s, self.max_seq_len)
-            out = runner.run(inputs, self.ctx)["logits"]       # warm-up: compiles, tunes
-            static_in = {k: v.to(self.device).clone() for k, v in inputs.items()}
-            graph = torch.cuda.CUDAGraph()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                runner.run(static_in, self.ctx)               # allocate outside the capture
+        dims = {"B": b, "T": 1, "P": self.past, "S": s}
+        entry = self._graphs.get((b, s))
+        if entry is None or entry.cache_generation != self.cache.generation:
+            shared_scratch = self.ctx._scratch
+            self.ctx._scratch = {}            # the graph's own scratch, kept alive with it
+            try:
+                self.ctx.set_dims(b, 1, self.past, s, self.max_seq_len)
+                out = runner.run(inputs, self.ctx)["logits"]     # warm-up: compile, tune
+                v = list(runner.last_v)
+                for i in runner.inputs.values():                  # inputs the graph owns
+                    v[i] = v[i].clone()
+                graph = torch.cuda.CUDAGraph()
                 torch.cuda.synchronize()
-                with torch.cuda.graph(graph, stream=stream):
-                    runner.run_fn(runner.last_v, self.ctx)
-            torch.cuda.current_stream().wait_stream(stream)
-            logits = runner.graph.outputs["logits"]
-            self._graphs[key] = (graph, static_in, runner.last_v, logits)
+                with torch.cuda.graph(graph):
+                    runner.run_fn(v, self.ctx)
+                self._graphs[(b, s)] = _CapturedStep(graph, v, self.ctx._scratch,
+                                                     self.cache.generation)
+            finally:
+                self.ctx._scratch = shared_scratch
             return out
-        graph, static_in, v, logits = entry
         for k, x in inputs.items():
             i = runner.inputs[k]
-            v[i].copy_(x.to(v[i].dtype))
-        self.ctx.set_dims(b, 1, self.past, s, self.max_seq_len)
-        graph.replay()
-        return runner.value(logits, {"B": b, "T": 1, "P": self.past, "S": s}).clone()
+            entry.v[i].copy_(x.to(entry.v[i].dtype))
+        self.ctx.set_dims(b, 1, self.past, s, self.max_seq_len)   # P on the device
+        entry.graph.replay()
+        logits = runner.graph.outputs["logits"]
+        return runner.value(logits, dims, entry.v).clone()
+
+
+@dataclass
+class _CapturedStep:
+    graph: Any                                  # torch.cuda.CUDAGraph
+    v: list[torch.Tensor | None]                # the buffers it reads and writes
+    scratch: dict[tuple[str, torch.dtype], torch.Tensor]
+    cache_generation: int
 
 
 def _apply_autotune(module: ModuleType) -> set[str]:
@@ -502,7 +514,8 @@ def run_graph_triton(graph: Graph, params: Mapping[str, torch.Tensor],
                      inputs: Mapping[str, torch.Tensor], dims: Mapping[str, int], *,
                      past_kv: Mapping[tuple[int, str], torch.Tensor] | None = None,
                      max_seq_len: int = 64, device: str | torch.device = "cpu",
-                     cache_dir: Path | None = None, reuse_buffers: bool = True) -> GraphRun:
+                     cache_dir: Path | None = None, reuse_buffers: bool = True,
+                     decode_max_rows: int | None = None) -> GraphRun:
     """Compile one kernel-level graph and run it once at `dims` (B, T, P, S). `past_kv` holds
     the first P positions of each (layer, k|v) cache, [B, H_kv, P, D]."""
     from archc.codegen.options import CodegenOptions
@@ -527,6 +540,8 @@ def run_graph_triton(graph: Graph, params: Mapping[str, torch.Tensor],
                          reuse_buffers=reuse_buffers)
     ctx = LaunchContext(target, device, cache,
                         past=torch.zeros(1, dtype=torch.int32, device=device))
+    if decode_max_rows is not None:
+        ctx.decode_max_rows = decode_max_rows
     ctx.set_dims(full["B"], full["T"], full["P"], full["S"], full["P"] + full["T"])
     outputs = runner.run(inputs, ctx)
     return GraphRun(outputs, runner, cache, gen, full)
