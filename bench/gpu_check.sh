@@ -57,6 +57,10 @@ else
     # archc chooses Triton's interpreter only for a CPU device; a stray setting would stop it
     unset TRITON_INTERPRET
     GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)"
+    if [[ -z "$GPU_NAME" ]]; then
+        GPU_NAME="$(timeout 60 "$PY" -c 'import torch; print(torch.cuda.get_device_name())' \
+                    2>/dev/null | tail -n 1)"
+    fi
     GPU_NAME="${GPU_NAME:-unknown gpu}"
     RESULTS="${ARCHC_GPU_CHECK_RESULTS:-$ROOT/bench/results}"
     # Tests whose kernels run on the GPU when there is one (f32, f16 and bf16). Not
@@ -84,6 +88,9 @@ STAGES="$RESULTS/.${PREFIX}_stages.tsv"
 SUMMARY="$RESULTS/${PREFIX}_summary.txt"
 : > "$STAGES"
 FINISHED=0
+CHILD=""
+CHILD_STAGE=""
+CHILD_LOG=""
 
 note() { printf '[%3ds] %s\n' "$SECONDS" "$*"; }
 
@@ -120,7 +127,13 @@ run_stage() {
     fi
     note "$name: up to ${budget}s → $(basename "$log")"
     local start=$SECONDS rc=0 status
-    timeout --kill-after="$GRACE" "$budget" "$@" > "$log" 2>&1 || rc=$?
+    # in the background, so a signal to this script is handled at once (see on_signal)
+    timeout --kill-after="$GRACE" "$budget" "$@" > "$log" 2>&1 &
+    CHILD=$!
+    CHILD_STAGE="$name"
+    CHILD_LOG="$log"
+    wait "$CHILD" || rc=$?
+    CHILD=""
     case "$rc" in
         0) status="ok" ;;
         124 | 137) status="TIMED OUT after ${budget}s" ;;
@@ -129,6 +142,7 @@ run_stage() {
     note "$name: $status in $(( SECONDS - start ))s"
     printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$(( SECONDS - start ))" \
         "$(basename "$log")" >> "$STAGES"
+    write_summary
     publish
 }
 
@@ -144,15 +158,17 @@ test_counts() {
     fi
 }
 
-finish() {
-    (( FINISHED )) && return 0
-    FINISHED=1
-    local failed=0 name status secs log
+# write_summary [final]: the stage table (after every stage, so a run killed outright still
+# leaves one); with `final`, also the bench reports' headline numbers and the environment.
+write_summary() {
+    local final="${1:-}" failed=0 name status secs log dirty=""
+    if git -C "$ROOT" status --porcelain 2>/dev/null | grep -q .; then
+        dirty=" (with local changes)"
+    fi
     {
         echo "archc GPU check, $(date -u '+%Y-%m-%d %H:%M:%S UTC'), $GPU_NAME" \
              "$([[ "$DRY_RUN" == 1 ]] && echo '(DRY RUN on the CPU)')"
-        echo "commit: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)" \
-             "$(git -C "$ROOT" status --porcelain 2>/dev/null | grep -q . && echo '(with local changes)')"
+        echo "commit: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)$dirty"
         echo "budget: ${BUDGET}s, used ${SECONDS}s"
         echo
         echo "stages:"
@@ -164,36 +180,60 @@ finish() {
                 grep -E '^(FAILED|ERROR) ' "$RESULTS/$log" | head -n 20 | sed 's/^/      /'
             fi
         done < "$STAGES"
-        if (( failed )); then
+        if [[ -z "$final" ]]; then
+            echo "(the run is still going: this summary is rewritten after each stage)"
+        elif (( failed )); then
             echo "SOME STAGES DID NOT PASS: see the lines above and their logs"
         else
             echo "all stages passed"
         fi
-        echo
-        local reports=()
-        local f
-        for f in "$RESULTS/${PREFIX}_"*.json; do
-            [[ -f "$f" ]] && reports+=("$f")
-        done
-        if (( ${#reports[@]} )); then
-            timeout 60 "$PY" -m archc.perf.summary "${reports[@]}" \
-                || echo "(the bench summary could not be made: exit $?)"
-        else
-            echo "no bench reports were written"
-        fi
-        if [[ -f "$RESULTS/.${PREFIX}_env.txt" ]]; then
+        if [[ -n "$final" ]]; then
             echo
-            echo "environment:"
-            cat "$RESULTS/.${PREFIX}_env.txt"
+            local reports=() f
+            for f in "$RESULTS/${PREFIX}_"*.json; do
+                [[ -f "$f" ]] && reports+=("$f")
+            done
+            if (( ${#reports[@]} )); then
+                timeout 60 "$PY" -m archc.perf.summary "${reports[@]}" \
+                    || echo "(the bench summary could not be made: exit $?)"
+            else
+                echo "no bench reports were written"
+            fi
+            if [[ -f "$RESULTS/.${PREFIX}_env.txt" ]]; then
+                echo
+                echo "environment:"
+                cat "$RESULTS/.${PREFIX}_env.txt"
+            fi
         fi
     } > "$SUMMARY" 2>&1
+    return "$failed"
+}
+
+finish() {
+    (( FINISHED )) && return 0
+    FINISHED=1
+    local failed=0
+    write_summary final || failed=1
     rm -f "$RESULTS/.${PREFIX}_env.txt" "$STAGES"
     publish
     cat "$SUMMARY"
     note "results in $RESULTS"
     return "$failed"
 }
-trap 'finish; exit $?' INT TERM
+# Interrupted (INT, TERM): stop the running stage, note it, and still write the summary.
+# shellcheck disable=SC2317  # run by the trap below
+on_signal() {
+    note "interrupted"
+    if [[ -n "$CHILD" ]]; then
+        kill -TERM "$CHILD" 2> /dev/null
+        wait "$CHILD" 2> /dev/null
+        printf '%s\tINTERRUPTED\t-\t%s\n' "$CHILD_STAGE" "$(basename "$CHILD_LOG")" >> "$STAGES"
+        CHILD=""
+    fi
+    finish
+    exit 130
+}
+trap on_signal INT TERM
 
 note "archc GPU check: $GPU_NAME, results in $RESULTS, budget ${BUDGET}s"
 
@@ -219,10 +259,15 @@ run_stage env 30 "$RESULTS/.${PREFIX}_env.txt" bash -c '
     "$0" -c "$1"' "$PY" "$ENV_PY"
 
 # ---- 2. tests ----------------------------------------------------------------------------------
-PYTEST_FLAGS=(-q -v -rfE -p no:cacheprovider --junitxml="$RESULTS/${PREFIX}_tests.xml")
+# -v: one line per test, so a run cut short still shows what passed
+PYTEST_FLAGS=(-v -rfE -p no:cacheprovider --junitxml="$RESULTS/${PREFIX}_tests.xml")
 if "$PY" -c 'import xdist' > /dev/null 2>&1; then
-    cores="$(nproc 2>/dev/null || echo 2)"
-    PYTEST_FLAGS+=(-n "$(( cores > 8 ? 8 : (cores < 2 ? 2 : cores) ))")
+    # workers compile Triton kernels, one core each; two cores stay for the rest
+    cores="$(nproc 2>/dev/null || echo 4)"
+    workers=$(( cores - 2 ))
+    (( workers > 14 )) && workers=14
+    (( workers < 2 )) && workers=2
+    PYTEST_FLAGS+=(-n "$workers")
 fi
 if "$PY" -c 'import pytest_timeout' > /dev/null 2>&1; then
     PYTEST_FLAGS+=(--timeout=120)
@@ -244,10 +289,12 @@ fi
 
 # ---- 3. benchmarks -----------------------------------------------------------------------------
 run_stage "bench tiny" "$BUDGET_TINY" "$RESULTS/${PREFIX}_tiny-llama3.log" \
-    "$PY" -m archc.cli bench "${TINY_ARGS[@]}" "${BENCH_FLAGS[@]}" "${EXTRA[@]}" \
+    "$PY" -m archc.cli bench "${TINY_ARGS[@]}" \
+    ${BENCH_FLAGS[@]+"${BENCH_FLAGS[@]}"} ${EXTRA[@]+"${EXTRA[@]}"} \
     --json "$RESULTS/${PREFIX}_tiny-llama3.json"
 run_stage "bench $BIG_SPEC" "$BUDGET_BIG" "$RESULTS/${PREFIX}_${BIG_SPEC}.log" \
-    "$PY" -m archc.cli bench "${BIG_ARGS[@]}" "${BENCH_FLAGS[@]}" "${EXTRA[@]}" \
+    "$PY" -m archc.cli bench "${BIG_ARGS[@]}" \
+    ${BENCH_FLAGS[@]+"${BENCH_FLAGS[@]}"} ${EXTRA[@]+"${EXTRA[@]}"} \
     --json "$RESULTS/${PREFIX}_${BIG_SPEC}.json"
 
 finish

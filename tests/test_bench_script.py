@@ -9,8 +9,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,7 @@ case "$args" in
         echo "FAILED tests/test_x.py::test_b - AssertionError: boom"
         echo "========== 1 failed, 1 passed in 0.12s =========="
         exit 1 ;;
-    *"bench tiny-llama3"*) exec sleep 60 ;;
+    *"bench tiny-llama3"*) echo $$ > "$FAKE_PIDFILE"; exec sleep 60 ;;
     *"bench tiny-mistral"*)
         json="${@: -1}"
         cp "$FAKE_REPORT" "$json"
@@ -50,10 +52,16 @@ def test_script_is_shellcheck_clean() -> None:
     assert out.returncode == 0, out.stdout
 
 
-def test_stages_fail_time_out_and_still_report(tmp_path: Path) -> None:
+def _stand_in(tmp_path: Path) -> dict[str, str]:
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
+    return {**os.environ, "PYTHON": str(fake), "REAL_PYTHON": sys.executable,
+            "FAKE_PIDFILE": str(tmp_path / "pid"), "FAKE_REPORT": str(tmp_path / "report.json"),
+            "OUT": str(tmp_path / "out"), "ARCHC_GPU_CHECK_RESULTS": str(tmp_path / "results")}
+
+
+def test_stages_fail_time_out_and_still_report(tmp_path: Path) -> None:
     report = {"schema": "archc-bench/1", "spec": "tiny-mistral", "layers": 1, "spec_layers": 2,
               "dtype": "f32", "dry_run": True, "shapes": {"batch": 1, "prompt": 8, "decode": 4},
               "environment": {"device_name": "CPU"},
@@ -65,9 +73,7 @@ def test_stages_fail_time_out_and_still_report(tmp_path: Path) -> None:
                         "decode": {"runs": []}}}
     (tmp_path / "report.json").write_text(json.dumps(report))
     results, out = tmp_path / "results", tmp_path / "out"
-    env = {**os.environ, "PYTHON": str(fake), "REAL_PYTHON": sys.executable,
-           "FAKE_REPORT": str(tmp_path / "report.json"), "OUT": str(out),
-           "ARCHC_GPU_CHECK_RESULTS": str(results), "ARCHC_GPU_CHECK_BUDGET_TINY": "2"}
+    env = {**_stand_in(tmp_path), "ARCHC_GPU_CHECK_BUDGET_TINY": "2"}
     run = subprocess.run(["bash", str(SCRIPT), "--dry-run"], env=env, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 1, run.stdout + run.stderr
@@ -92,3 +98,22 @@ def test_stages_fail_time_out_and_still_report(tmp_path: Path) -> None:
         "_summary.txt", "_tests.log", "_tiny-llama3.log", "_tiny-mistral.json",
         "_tiny-mistral.log"}
     assert sorted(p.name for p in results.iterdir()) == files
+
+
+def test_an_interrupted_check_stops_its_stage_and_still_reports(tmp_path: Path) -> None:
+    env = _stand_in(tmp_path)
+    proc = subprocess.Popen(["bash", str(SCRIPT), "--dry-run"], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    pidfile = tmp_path / "pid"
+    deadline = time.monotonic() + 60
+    while not pidfile.exists() or not pidfile.read_text().strip():  # the tiny bench is running
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stdout
+    assert re.search(r"bench tiny\s+INTERRUPTED", stdout)
+    # the stage's process is gone, not left running
+    assert not Path(f"/proc/{int(pidfile.read_text())}").exists()
+    (summary,) = (tmp_path / "out").glob("*_summary.txt")
+    assert "INTERRUPTED" in summary.read_text()

@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-kernels", action="store_true",
                    help="skip the per-kernel section (whole-model numbers only)")
     p.add_argument("--autotune", action="store_true",
-                   help="let Triton autotune archc's kernels (longer first run)")
+                   help="let Triton autotune archc's kernels in the whole-model runs (longer "
+                        "first run; the per-kernel section times the default block sizes)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and tokens (default 0)")
     p.add_argument("--json", type=Path, metavar="FILE",
                    help="write the results as JSON (saved after every section); an existing "

@@ -45,6 +45,10 @@ def _table(title: str, rows: list[KernelGroup]) -> Table:
     return t
 
 
+def duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.2f} µs"
+
+
 def program_for(spec: Spec, dtype: str, unfused: bool) -> tuple[Program, str]:
     program = lower(spec, dtype)
     if unfused:
@@ -71,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(_table(f"prefill: {n} tokens", rows))
     flops = sum(r.flops for r in rows)
     console.print(f"prefill: {si(flops, 'FLOP')}, {nbytes(sum(r.bytes for r in rows))}, "
-                  f"roofline {t_prefill * 1e3:.3f} ms = {flops / t_prefill / 1e12:.0f} TFLOP/s, "
+                  f"roofline {duration(t_prefill)} = {flops / t_prefill / 1e12:.0f} TFLOP/s, "
                   f"{b * n / t_prefill:,.0f} tokens/s")
     if m == 0 or spec.family == "encoder":
         return 0
@@ -80,8 +84,10 @@ def run(args: argparse.Namespace) -> int:
     t_step = sum(r.time for r in step)
     console.print(_table(f"one decode step at context {past + 1}", step))
     floor = decode_floor(program, g, b, past)
-    console.print(f"decode step: roofline {t_step * 1e3:.3f} ms ({b / t_step:,.0f} tokens/s); "
-                  f"floor {floor.seconds * 1e3:.3f} ms = weights {nbytes(floor.weight_bytes)} + "
+    console.print(f"decode step: {si(sum(r.flops for r in step), 'FLOP')}, "
+                  f"{nbytes(sum(r.bytes for r in step))}, "
+                  f"roofline {duration(t_step)} ({b / t_step:,.0f} tokens/s); "
+                  f"floor {duration(floor.seconds)} = weights {nbytes(floor.weight_bytes)} + "
                   f"KV cache {nbytes(floor.kv_bytes)} at {si(g.bandwidth, 'B/s')} → "
                   f"{floor.tokens_per_second:,.0f} tokens/s")
     return 0

@@ -5,11 +5,12 @@ For a kernel-level node, what a PyTorch user would run instead:
 - ``scaled_dot_product_attention`` (``is_causal`` or an equivalent mask, ``enable_gqa``) for
   ``attention``;
 - the *unfused sequence* for every kernel: the unfused ops the fusion replaced, each run by its
-  eager semantics from the op table, one after another, in the model dtype — a folded norm is
-  its norm op again (gain folded into the weight, so the norm's gain is ones), a merged
-  projection is one matmul whose column ranges the later ops read as views, each epilogue step
-  is the op it was (bias_add, act, mul, rope, kv_cache, add, softcap, scale), attention is
-  repeat_kv → scores → scale → … → mask → softmax → weighted_sum → merge_heads.
+  eager semantics (the op table's, ``archc.perf.torch_program.eager_fn``), one after another,
+  in the model dtype — a folded norm is its norm op again (gain folded into the weight, so the
+  norm's gain is ones), a merged projection is one matmul whose column ranges the later ops
+  read as views, each epilogue step is the op it was (bias_add, act, mul, rope, kv_cache, add,
+  softcap, scale), attention is repeat_kv → scores → scale → … → mask → softmax →
+  weighted_sum → merge_heads.
 
 Every counterpart that computes the kernel's function is checked against the kernel's output
 (``result`` turns what it returns into the kernel's layout, outside the timed call); a kernel
@@ -27,11 +28,11 @@ import torch.nn.functional as F
 
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph
-from archc.ir.ops import OP_TABLE, VIEW, Op
+from archc.ir.ops import VIEW, Op
 from archc.ir.ops.attention import visible
 from archc.ir.ops.core import activation
 from archc.ir.ops.fused import EPILOGUE, _attention_inputs, _norm_inputs, selected_experts
-from archc.perf.torch_program import Store, TorchContext
+from archc.perf.torch_program import Store, TorchContext, eager_fn
 
 
 @dataclass
@@ -63,7 +64,7 @@ class _Recorder:
     def __call__(self, op: Op, *xs: torch.Tensor, **attrs: Any) -> torch.Tensor:
         if self.ops is not None and op not in VIEW:
             self.ops.append(op.value)
-        return OP_TABLE[op].eager(self.ctx, list(xs), attrs)  # type: ignore[arg-type]
+        return eager_fn(op)(self.ctx, list(xs), attrs)
 
     def torch(self, name: str, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         """A step with no unfused op of its own (a subtraction in a pointwise chain)."""

@@ -179,18 +179,43 @@ def _finite(x: float | None) -> float | None:
 
 # ---- weights ---------------------------------------------------------------------------------
 
-def random_checkpoint(program: Program, device: torch.device, seed: int
-                      ) -> dict[str, torch.Tensor]:
+def random_checkpoint(program: Program, device: torch.device, seed: int, *,
+                      evaluated_by: tuple[Program, ...] = ()) -> dict[str, torch.Tensor]:
     """Seeded random f32 weights, drawn on the device (a real-size model in seconds):
     matrices and tables N(0, 1/fan_in), vectors 1 + N(0, 0.1²) — activations keep unit
-    scale through norms and residuals; the values matter for nothing else here."""
+    scale through norms and residuals; the values matter for nothing else here. Drawn on the
+    CPU instead when a parameter expression mixes checkpoint tensors with tensors it makes
+    itself (``zeros`` for a missing bias), which the expression evaluator makes on the CPU —
+    in `program` or in any program `evaluated_by` (the kernel-level one, with folded weights)."""
     from archc.runtime.weights import checkpoint_shapes
+    if any(_makes_tensors(p) for p in (program, *evaluated_by)):
+        device = torch.device("cpu")
     gen = torch.Generator(device).manual_seed(seed)
     out = {}
     for name, dims in sorted(checkpoint_shapes(program).items()):
         x = torch.randn(dims, generator=gen, device=device)
         out[name] = x / dims[-1] ** 0.5 if len(dims) > 1 else 1.0 + 0.1 * x
     return out
+
+
+def _makes_tensors(program: Program) -> bool:
+    """Does a parameter expression that reads checkpoint tensors also make a tensor of its own?"""
+    from archc.ir.attrs import Call
+    from archc.ir.paramexpr import leaves
+
+    def constant_inside(e: object) -> bool:
+        if not isinstance(e, Call) or e.fn == "w":
+            return False
+        if not leaves(e):
+            return True
+        return any(constant_inside(a) for a in e.args)
+
+    for g in program:
+        for i in g.ids(Op.PARAM):
+            expr = g.nodes[i].attr("expr")
+            if expr is not None and leaves(expr) and constant_inside(expr):
+                return True
+    return False
 
 
 # ---- per-kernel ------------------------------------------------------------------------------
@@ -259,6 +284,8 @@ def time_kernels(cfg: BenchConfig, session: Any, phase: str, dims: dict[str, int
         row: dict[str, Any] = {
             "phase": phase, "kernel": step.unit, "op": n.op.value, "reads": label(g, i),
             "node": f"%{i}", "sizes": sizes, "shape": _shape_text(sizes),
+            "prologue": n.attr("prologue"),
+            "epilogue": [st.fn for st in n.attr("epilogue", ()) or ()],
             "launches": launches[step.unit],
             "flops": roof.flops, "bytes": roof.bytes,
             "roofline_seconds": roof.time(cfg.gpu), "bound": roof.bound(cfg.gpu),
@@ -352,9 +379,12 @@ class _TorchRunner(_Runner):
         self.fn = fn
         self.past = 0
         self.next: torch.Tensor | None = None
+        self._on_device: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
-        tokens = tokens.to(self.program.device)
+        if self._on_device is None or self._on_device[0] is not tokens:
+            self._on_device = (tokens, tokens.to(self.program.device))
+        tokens = self._on_device[1]
         logits = self.fn(tokens, 0)
         self.past = tokens.shape[1]
         self.next = logits[:, -1].argmax(-1, keepdim=True)
@@ -390,6 +420,9 @@ def measure_runner(cfg: BenchConfig, runner: _Runner, tokens: torch.Tensor,
         prow["flops_per_second"] = prefill["flops"] / t
         prow["peak_fraction"] = prefill["flops"] / t / cfg.gpu.peak_flops
         prow["roofline_fraction"] = prefill["roofline_seconds"] / t
+    if report.data["status"][f"model:{runner.name}:prefill"] != "done":
+        report.data["status"][f"model:{runner.name}:decode"] = "skipped (prefill failed)"
+        return logits
     with report.section(f"model:{runner.name}:decode"):
         runner.prefill(tokens)
         for _ in range(WARMUP_STEPS):             # compiles, captures the CUDA graph
@@ -437,7 +470,7 @@ def evaluate_goals(cfg: BenchConfig, data: dict[str, Any]) -> list[dict[str, Any
     # 2. fused norm+matmul and SwiGLU matmuls ≥ 0.95× torch.matmul and beat the unfused sequence
     for phase in ("prefill", "decode"):
         fused = [r for r in rows if r["phase"] == phase and r["op"] == "fused_linear"
-                 and ("norm" in r["reads"] or "gate" in r["reads"])]
+                 and (r["prologue"] is not None or "glu" in r["epilogue"])]
         vs_mm = [b["archc_speedup"] for r in fused if (b := best(r, "torch.matmul"))]
         vs_unf = [b["archc_speedup"] for r in fused if (b := best(r, "unfused"))]
         goals.append(_goal(f"{phase}: fused norm+matmul and SwiGLU matmuls ≥ 0.95× torch.matmul",
@@ -482,7 +515,7 @@ def _goal(goal: str, measured: float | None, target: float, unit: str, applies: 
 
 def environment(cfg: BenchConfig) -> dict[str, Any]:
     env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                           "device": str(cfg.device), "hostname": platform.node()}
+                           "device": str(cfg.device)}
     try:
         import triton
         env["triton"] = triton.__version__
@@ -514,7 +547,8 @@ def new_report(cfg: BenchConfig, path: Path | None, log: Callable[[str], None]) 
                       "detected": cfg.gpu_detected},
         "timing": {"method": cfg.timer.method, "decode": f"greedy loop of {cfg.decode} steps "
                    f"after {WARMUP_STEPS} warm-up steps, host clock between device syncs",
-                   "compile_backend": cfg.compile_backend, "autotune": cfg.autotune},
+                   "compile_backend": cfg.compile_backend,
+                   "autotune": "whole-model archc runs" if cfg.autotune else False},
         "status": {}, "section_seconds": {}, "errors": [],
         "ceilings": None, "kernels": [],
         "model": {"prefill": {"runs": []}, "decode": {"runs": []}},
@@ -533,12 +567,15 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
 
     with report.section("setup"):
         unfused = lower(spec, cfg.dtype)
-        checkpoint = random_checkpoint(unfused, cfg.device, cfg.seed)
-        options = dict(autotune=cfg.autotune, cache_dir=cfg.cache_dir)
-        # every node's buffer kept and no CUDA graphs: kernels are launched one by one
+        from archc.passes import optimize
+        checkpoint = random_checkpoint(unfused, cfg.device, cfg.seed,
+                                       evaluated_by=(optimize(unfused),))
+        # every node's buffer kept and no CUDA graphs: kernels are launched one by one. Never
+        # autotuned: both sessions share one generated module, which autotuning wraps in place
         state["probe"] = TritonSession(unfused, checkpoint, max_seq_len=spec.max_seq_len,
                                        dtype=cfg.dtype, device=cfg.device, options=TritonOptions(
-                                           reuse_buffers=False, cuda_graphs=False, **options))
+                                           reuse_buffers=False, cuda_graphs=False,
+                                           cache_dir=cfg.cache_dir))
         kernel_level = state["probe"].program
         data["module"] = str(state["probe"].module_path)
         data["unique_kernels"] = len(state["probe"].generated.units)
@@ -595,32 +632,35 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
                         state["tokens"][:, :1], past)
                 roofs = {k.index: k for k in kernels(probe.program, dims) if k.graph == g.name}
                 time_kernels(cfg, probe, phase, dims, roofs, report)
+            data["goals"] = evaluate_goals(cfg, data)
         del state["probe"]
 
     # the same checkpoint, as users run it: buffers reused, CUDA graphs for decode
     reference = None
-    runners: list[Callable[[], _Runner]] = [
-        lambda: _TorchRunner("torch eager", state["torch"], state["torch"].forward),
-        lambda: _ArchcRunner("archc" + (" (CUDA graphs)" if cfg.device.type == "cuda" else ""),
-                             TritonSession(unfused, state["checkpoint"],
-                                           max_seq_len=spec.max_seq_len, dtype=cfg.dtype,
-                                           device=cfg.device,
-                                           options=TritonOptions(**options))),
+    archc_name = "archc" + (" (CUDA graphs)" if cfg.device.type == "cuda" else "")
+    runners: list[tuple[str, Callable[[], _Runner]]] = [
+        ("torch eager", lambda: _TorchRunner("torch eager", state["torch"],
+                                             state["torch"].forward)),
+        (archc_name, lambda: _ArchcRunner(archc_name, TritonSession(
+            unfused, state["checkpoint"], max_seq_len=spec.max_seq_len, dtype=cfg.dtype,
+            device=cfg.device, options=TritonOptions(autotune=cfg.autotune,
+                                                     cache_dir=cfg.cache_dir)))),
     ]
     for mode in cfg.compile_modes:
-        runners.append(lambda mode=mode: _TorchRunner(
-            f"torch.compile {mode}", state["torch"], _compiled(cfg, state["torch"], mode)))
-    for make in runners:
-        try:
+        name = f"torch.compile {mode}"
+        runners.append((name, lambda name=name, mode=mode: _TorchRunner(
+            name, state["torch"], _compiled(cfg, state["torch"], mode))))
+    for name, make in runners:
+        runner = None
+        with report.section(f"model:{name}:setup"):
             runner = make()
-        except Exception as err:  # noqa: BLE001
-            data["errors"].append({"section": "model", "error": _describe(err),
-                                   "traceback": traceback.format_exc(limit=8)})
+        if runner is None:
             continue
         logits = measure_runner(cfg, runner, state["tokens"], reference, data["model"], report)
         if reference is None and logits is not None:
             reference = logits.detach().clone()
         _speedups(data["model"])
+        data["goals"] = evaluate_goals(cfg, data)
         del runner
         report.save()
     data["goals"] = evaluate_goals(cfg, data)

@@ -7,6 +7,11 @@ layer and k|v, written at offset P), and the past length P is a plain argument: 
 ``torch.compile`` P becomes a symbolic integer after the first decode step, so decoding does not
 recompile at every new length.
 
+Two ops run a device-side twin of their table semantics (``eager_fn``): ``mask`` and ``alibi``
+build query and key positions with ``torch.arange`` on the CPU and copy them to the scores'
+device — on a GPU a host-device synchronization per layer that a torch program would not pay.
+The twins make the same positions on the device; a test holds them equal to the table's.
+
 The same context serves the baselines of single kernels (``archc.perf.baselines``), which run
 the unfused ops a fused kernel replaced.
 """
@@ -43,6 +48,50 @@ class TorchContext:
 
     def cache_read(self, layer: int, kind: str) -> torch.Tensor:
         return self.store[(layer, kind)][:, :, :self.dims["P"] + self.dims["T"]]
+
+
+def _positions(t: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absolute positions of the T query rows (the last T of L keys) and of the L keys."""
+    return (torch.arange(length - t, length, device=device),
+            torch.arange(length, device=device))
+
+
+def _mask_on_device(ctx: Any, xs: Sequence[torch.Tensor], a: Mapping[str, Any]) -> torch.Tensor:
+    """The table's ``mask`` (``archc.ir.ops.attention.visible``), positions made on the device."""
+    s = xs[0]
+    rest = list(xs[1:])
+    padding = rest.pop(0) if a.get("padding") else None
+    prefix = rest.pop(0) if a.get("prefix") else None
+    q, k = _positions(s.shape[-2], s.shape[-1], s.device)
+    dist = q[:, None] - k[None, :]
+    keep = dist >= 0 if a["causal"] else torch.ones_like(dist, dtype=torch.bool)
+    window = a.get("window")
+    if window is not None:
+        keep = keep & ((dist < window) if a["causal"] else (dist.abs() < window))
+    if prefix is not None:
+        keep = keep | (k[None, :] < prefix)
+    keep = keep[None, None]
+    if padding is not None:
+        keep = keep & padding.bool()[:, None, None, :]
+    return s.masked_fill(~keep, torch.finfo(s.dtype).min)
+
+
+def _alibi_on_device(ctx: Any, xs: Sequence[torch.Tensor], a: Mapping[str, Any]
+                     ) -> torch.Tensor:
+    """The table's ``alibi`` (−slope·(query − key)), positions made on the device."""
+    s, slopes = xs
+    q, k = _positions(s.shape[-2], s.shape[-1], s.device)
+    dist = (k[None, :] - q[:, None]).to(torch.float32)
+    return (s.float() + (slopes.float()[:, None, None] * dist[None])[None]).to(s.dtype)
+
+
+_ON_DEVICE: dict[Op, Callable[..., torch.Tensor]] = {Op.MASK: _mask_on_device,
+                                                     Op.ALIBI: _alibi_on_device}
+
+
+def eager_fn(op: Op) -> Callable[..., torch.Tensor]:
+    """The eager semantics torch baselines run for `op`: the op table's, or its device twin."""
+    return _ON_DEVICE.get(op, OP_TABLE[op].eager)
 
 
 def cache_layout(graph: Graph) -> dict[tuple[int, str], tuple[int, int]]:
@@ -98,7 +147,7 @@ class TorchProgram:
             if n.op in (Op.INPUT, Op.PARAM):
                 continue
             frees = tuple(sorted({j for j in n.inputs if last_use[j] == i and j not in keep}))
-            steps.append(_Step(i, OP_TABLE[n.op].eager, n.inputs, dict(n.attrs), frees))
+            steps.append(_Step(i, eager_fn(n.op), n.inputs, dict(n.attrs), frees))
         self.steps: Sequence[_Step] = tuple(steps)
         self.prefix_len = 0
 
