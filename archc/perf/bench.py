@@ -265,6 +265,9 @@ def time_kernels(cfg: BenchConfig, session: Any, phase: str, dims: dict[str, int
     gen = session.generated
     steps = gen.steps["decoder"]
     ids = g.compute_ids()
+    if len(ids) != len(steps) or any(not s.node.startswith(f"%{i} ") for i, s in zip(ids, steps)):
+        raise RuntimeError("the generated module's launch steps do not follow the graph's "
+                           "compute nodes one to one")
     unit_of = {i: s.unit for i, s in zip(ids, steps)}
     launches: dict[str, int] = {}
     for i in ids:
