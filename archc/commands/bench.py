@@ -253,7 +253,8 @@ def _model_tables(data: dict[str, Any]) -> None:
                         f"roofline {_t(pre['roofline_seconds'])}", title_justify="left")
         for col in ("runner", "time", "tokens/s", "FLOP/s", "of peak", "of roofline",
                     "archc speed-up"):
-            t.add_column(col, justify="left" if col == "runner" else "right", no_wrap=True)
+            t.add_column(col, justify="left" if col == "runner" else "right",
+                         no_wrap=col != "runner")
         for r in pre["runs"]:
             if r.get("seconds") is None:
                 t.add_row(r["name"], "[red]failed[/]", "", "", "", "", "")
@@ -270,7 +271,8 @@ def _model_tables(data: dict[str, Any]) -> None:
                         f"({si(dec['bytes_per_step'], 'B')} per step)", title_justify="left")
         for col in ("runner", "ms/token", "tokens/s", "bandwidth", "of floor", "of copy",
                     "archc speed-up"):
-            t.add_column(col, justify="left" if col == "runner" else "right", no_wrap=True)
+            t.add_column(col, justify="left" if col == "runner" else "right",
+                         no_wrap=col != "runner")
         for r in dec["runs"]:
             if r.get("step_seconds") is None:
                 t.add_row(r["name"], "[red]failed[/]", "", "", "", "", "")
