@@ -46,7 +46,9 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         paired = sizes.get("paired", 0)
         if gpu:
             if m <= 16:
-                cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+                # decode streams the weight once: narrow column tiles and long K steps give
+                # ≥ 1 wave of programs on 132 SMs for N ≥ 4096, each with 4 loads in flight
+                cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
             elif m <= 64:
                 cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
             elif sizes.get("head_norm") or (paired and sizes.get("layer_norm")):
@@ -138,8 +140,9 @@ def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
     """The small config set `triton.autotune` chooses from on a GPU (block sizes + warps +
     stages)."""
     if family == "matmul":
-        tiles = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
-                 (128, 64, 64, 4, 4), (16, 64, 128, 4, 4), (32, 128, 64, 4, 4)]
+        tiles = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 8, 3),
+                 (128, 64, 64, 4, 4), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
+                 (32, 128, 64, 4, 4)]
         align = sizes.get("align", 16)
         return [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=s)
                 for m, n, k, w, s in tiles if n % align == 0]

@@ -208,7 +208,7 @@ def build_fused_linear(c: NodeCtx) -> Unit:
         lay = c.lay(j)
         kj = static(c, lay.shape[-1], f"operand {j}'s K")
         name = f"x{j + 1}" if n_ops == 2 else "x"
-        operands.append(dict(name=name, ptr=f"{name}_ptr", K=kj, k0=k0,
+        operands.append(dict(name=name, ptr=f"{name}_ptr", K=kj, k0=k0, w_base=k0,
                              row_off=row_offset(lay, "rows"), k_mul=col_mul(c, lay),
                              k_mul_scalar=col_mul(c, lay),
                              comment=(f"operand {j + 1} [M, {kj}]" if n_ops == 2 else
@@ -390,11 +390,14 @@ def build_fused_linear(c: NodeCtx) -> Unit:
     w_off = int(w_lay.offset) if w_lay.offset.is_Integer else None
     if w_off is None:
         raise c.fail("the weight's offset must be static")
+    for x in operands:  # where each operand's K columns start in the weight's rows
+        base = w_off + x["w_base"]
+        x["w_base"] = f"{base} + " if base else ""
     context = dict(
         operands=operands, N=n_rows, K=k_total, n_out=width, prologue=prologue, eps=eps,
         pair=pair, steps_pre=steps_pre, steps_post=steps_post, extra_args=extra_args,
         wsets=wsets, accs_pre=accs_pre, accs_post=accs_post, kv=kv, needs_t=needs_t,
-        w_off=f"{w_off} + " if w_off else "", w_row_stride=texpr(w_lay.strides[0]),
+        w_row_stride=texpr(w_lay.strides[0]),
         dot_kw=c.dot_kw, M=rows_of(n.shape), align=align, has_head_norm=int(bool(head_norms)),
         layer_norm=int(prologue == "layer"),
         launch_params=", ".join(p for p, _, _ in launch if p),
