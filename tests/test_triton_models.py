@@ -120,7 +120,7 @@ def test_encoder_batch_with_padding(name: str, t: int, dtype: str, kernel_dir: P
     types = torch.randint(0, 2, (3, t), generator=torch.Generator().manual_seed(6))
     got = triton(x, attention_mask=mask, token_type_ids=types)
     want = eager(x, attention_mask=mask, token_type_ids=types)
-    keep = mask.bool()            # padded positions are not defined outputs
+    keep = mask.bool().to(got.device)  # padded positions are not defined outputs
     close(got[keep], want[keep], dtype)
 
 
@@ -131,3 +131,22 @@ def test_unique_kernels_are_shared_across_layers(kernel_dir: Path) -> None:
     assert gen.launches == 2 + 5 * layers   # embedding, head; per layer qkv, attention, o, up, down
     assert len(gen.units) == 7                # the two layers share every per-layer kernel
     assert all(len(u.uses) == layers for u in gen.units if u.family == "attention")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-gemma2", "tiny-mixtral"])
+def test_cuda_graph_decode_matches_launches(name: str, kernel_dir: Path) -> None:
+    """Decode replayed from a captured CUDA graph gives the logits of plain launches, step after
+    step (P changes on the device only), and again after a batch-size change."""
+    model = archc.load(name, seed=3)
+    plain = model.compile("triton", device=DEVICE, cuda_graphs=False, cache_dir=kernel_dir)
+    graphs = model.compile("triton", device=DEVICE, cuda_graphs=True, cache_dir=kernel_dir)
+    for batch in (2, 1, 2):
+        x = ids(batch, 5, seed=batch)
+        for s in (plain.session, graphs.session):
+            s.reset()
+        for _ in range(4):
+            want, got = (s.step(x)[:, -1] for s in (plain.session, graphs.session))
+            close(got, want, "f32")
+            x = want.argmax(-1)[:, None]
