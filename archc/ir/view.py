@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 import networkx as nx
 
@@ -27,12 +28,20 @@ def topological_order(g: Graph) -> list[int]:
     return list(nx.lexicographical_topological_sort(to_networkx(g)))
 
 
-def live_ranges(g: Graph) -> dict[int, tuple[int, int]]:
-    """For each node: (defined at, last read at) in node order — for buffer planning."""
+def live_ranges(g: Graph, root_of: Sequence[int] | None = None) -> dict[int, tuple[int, int]]:
+    """For each node: (defined at, last read at) in node order, for buffer planning. With
+    `root_of` (node → the node whose buffer it is, for views), a read of a view is a read of its
+    root. Graph outputs stay live to the end."""
+    root = list(range(len(g.nodes))) if root_of is None else list(root_of)
     out = {i: (i, i) for i in range(len(g.nodes))}
+    end = len(g.nodes)
     for i, n in enumerate(g.nodes):
         for j in n.inputs:
-            out[j] = (out[j][0], i)
+            r = root[j]
+            out[r] = (out[r][0], max(out[r][1], i))
+        if n.op == Op.OUTPUT:
+            r = root[i]
+            out[r] = (out[r][0], end)
     return out
 
 

@@ -23,8 +23,8 @@ import torch
 
 from archc.codegen.layout import Layout
 from archc.ir.graph import Graph
-from archc.ir.ops import Op
 from archc.ir.shapes import DIMS, DTYPE_BYTES, numel
+from archc.ir.view import live_ranges
 from archc.runtime.weights import TORCH_DTYPES
 
 REFERENCE_DIMS = {"B": 1, "T": 128, "P": 0, "S": 128}
@@ -92,18 +92,10 @@ class BufferPlan:
 
 
 def plan_buffers(g: Graph, lays: Sequence[Layout], *, reuse: bool = True) -> BufferPlan:
-    roots = [i for i in g.compute_ids()]
-    last: dict[int, int] = {r: r for r in roots}
+    roots = g.compute_ids()
+    ranges = live_ranges(g, [lay.root for lay in lays])
+    last = {r: ranges[r][1] for r in roots}
     end = len(g.nodes)
-    for i, n in enumerate(g.nodes):
-        for j in n.inputs:
-            r = lays[j].root
-            if r in last:
-                last[r] = max(last[r], i)
-        if n.op == Op.OUTPUT:
-            r = lays[i].root
-            if r in last:
-                last[r] = end
     nbytes = {r: numel(g.nodes[r].shape) * DTYPE_BYTES[g.nodes[r].dtype] for r in roots}
     ref = {r: _bytes(nbytes[r], REFERENCE_DIMS) for r in roots}
     slot_of: dict[int, int] = {}
