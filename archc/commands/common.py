@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from archc.spec.schema import Spec
 from archc.spec.zoo import load_spec
@@ -17,21 +18,17 @@ def spec_of(args: argparse.Namespace) -> Spec:
     return load_spec(args.spec)
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be ≥ 1")
-    return value
+def _int_at_least(lo: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"{value} must be ≥ {lo}")
+        return value
+    return parse
 
 
-def nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be ≥ 0")
-    return value
+positive_int = _int_at_least(1)
+nonnegative_int = _int_at_least(0)

@@ -63,6 +63,15 @@ class Checkpoint:
         return bool(torch.equal(self.source.load(head), self.source.load(embed)))
 
 
+def output_head(s: Spec, t: TensorMap, ckpt: Checkpoint, head: str = "lm_head.weight") -> None:
+    """The output head: its own tensor when untied; when tied, a stored copy of the embedding
+    (some exporters write one) maps onto the embedding, which the tensor map checks equal."""
+    if not s.embedding.tied:
+        t.rename(head, "head.weight")
+    elif ckpt.has(head, base=False):
+        t.duplicate(head, "embed.weight")
+
+
 def layer_pattern(kinds: Sequence[str]) -> list[str]:
     """The shortest prefix of per-layer kinds that repeats to all of them (spec's
     `attention.pattern` repeats over the layers)."""

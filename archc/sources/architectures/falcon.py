@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from archc.sources.architectures.base import Architecture, Checkpoint
+from archc.sources.architectures.base import Architecture, Checkpoint, output_head
 from archc.sources.hf_config import HFConfig, activation, dtype_name, rope_position
 from archc.sources.tensor_map import TensorMap
 from archc.spec.schema import Spec
@@ -72,10 +72,7 @@ def tensors(s: Spec, t: TensorMap, ckpt: Checkpoint) -> None:
     t.rename(ckpt("word_embeddings.weight"), "embed.weight")
     t.rename(ckpt("ln_f.weight"), "final_norm.weight")
     t.rename(ckpt("ln_f.bias"), "final_norm.bias")
-    if not s.embedding.tied:
-        t.rename("lm_head.weight", "head.weight")
-    elif ckpt.has("lm_head.weight", base=False):
-        t.duplicate("lm_head.weight", "embed.weight")
+    output_head(s, t, ckpt)
     # Every layout is kv_heads groups of [the group's queries | its key | its value]: per head
     # [q, k, v] when kv_heads = heads, [q heads | k | v] for multi-query.
     groups = att.kv_heads

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from archc.sources.architectures.base import Architecture, Checkpoint
+from archc.sources.architectures.base import Architecture, Checkpoint, output_head
 from archc.sources.architectures.llama import full_rotary, gated_kind, window_kinds
 from archc.sources.hf_config import HFConfig, dtype_name, rope_position
 from archc.sources.tensor_map import TensorMap
@@ -63,10 +63,7 @@ def spec(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
 def tensors(s: Spec, t: TensorMap, ckpt: Checkpoint) -> None:
     t.rename(ckpt("embed_tokens.weight"), "embed.weight")
     t.rename(ckpt("norm.weight"), "final_norm.weight")
-    if not s.embedding.tied:
-        t.rename("lm_head.weight", "head.weight")
-    elif ckpt.has("lm_head.weight", base=False):
-        t.duplicate("lm_head.weight", "embed.weight")
+    output_head(s, t, ckpt)
     sandwich = s.norm.placement == "sandwich"
     for i in range(s.layers):
         hf, ax = ckpt(f"layers.{i}."), f"layers.{i}."

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from archc.sources.architectures.base import Architecture, Checkpoint
+from archc.sources.architectures.base import Architecture, Checkpoint, output_head
 from archc.sources.hf_config import HFConfig, activation, dtype_name
 from archc.sources.tensor_map import TensorMap
 from archc.spec.schema import Spec
@@ -42,10 +42,7 @@ def tensors(s: Spec, t: TensorMap, ckpt: Checkpoint) -> None:
     t.rename(ckpt("wpe.weight"), "pos_embed.weight")
     t.rename(ckpt("ln_f.weight"), "final_norm.weight")
     t.rename(ckpt("ln_f.bias"), "final_norm.bias")
-    if not s.embedding.tied:
-        t.rename("lm_head.weight", "head.weight")
-    elif ckpt.has("lm_head.weight", base=False):
-        t.duplicate("lm_head.weight", "embed.weight")
+    output_head(s, t, ckpt)
     for i in range(s.layers):
         hf, ax = ckpt(f"h.{i}."), f"layers.{i}."
         for theirs, mine in (("ln_1", "attn_norm"), ("ln_2", "ffn_norm")):

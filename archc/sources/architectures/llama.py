@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from archc.sources.architectures.base import Architecture, Checkpoint, layer_pattern
+from archc.sources.architectures.base import Architecture, Checkpoint, layer_pattern, output_head
 from archc.sources.hf_config import HFConfig, activation, dtype_name, rope_position
 from archc.sources.tensor_map import TensorMap
 from archc.spec.schema import Spec
@@ -114,10 +114,7 @@ def spec(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
 def tensors(s: Spec, t: TensorMap, ckpt: Checkpoint) -> None:
     t.rename(ckpt("embed_tokens.weight"), "embed.weight")
     t.rename(ckpt("norm.weight"), "final_norm.weight")
-    if not s.embedding.tied:
-        t.rename("lm_head.weight", "head.weight")
-    elif ckpt.has("lm_head.weight", base=False):
-        t.duplicate("lm_head.weight", "embed.weight")
+    output_head(s, t, ckpt)
     bias = s.attention.bias
     for i in range(s.layers):
         hf, ax = ckpt(f"layers.{i}."), f"layers.{i}."

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from archc.errors import SpecError
-from archc.sources.architectures.base import Architecture, Checkpoint
+from archc.sources.architectures.base import Architecture, Checkpoint, output_head
 from archc.sources.hf_config import HFConfig, dtype_name
 from archc.sources.tensor_map import TensorMap
 from archc.spec.schema import Spec
@@ -78,10 +78,7 @@ def tensors(s: Spec, t: TensorMap, ckpt: Checkpoint) -> None:
     t.rename(ckpt("norm_f.weight"), "final_norm.weight")
     if bias:
         t.rename(ckpt("norm_f.bias"), "final_norm.bias")
-    if not s.embedding.tied:
-        t.rename("lm_head.weight", "head.weight")
-    elif ckpt.has("lm_head.weight", base=False):
-        t.duplicate("lm_head.weight", "embed.weight")
+    output_head(s, t, ckpt)
     kinds = ("weight", "bias") if bias else ("weight",)
     for i in range(s.layers):
         hf, ax = ckpt(f"blocks.{i}."), f"layers.{i}."

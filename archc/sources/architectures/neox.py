@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from archc.sources.architectures.base import Architecture, Checkpoint
+from archc.sources.architectures.base import Architecture, Checkpoint, output_head
 from archc.sources.hf_config import HFConfig, activation, dtype_name, rope_position
 from archc.sources.tensor_map import TensorMap
 from archc.spec.schema import Spec
@@ -45,11 +45,7 @@ def tensors(s: Spec, t: TensorMap, ckpt: Checkpoint) -> None:
     t.rename(ckpt("embed_in.weight"), "embed.weight")
     t.rename(ckpt("final_layer_norm.weight"), "final_norm.weight")
     t.rename(ckpt("final_layer_norm.bias"), "final_norm.bias")
-    head = _head(ckpt)
-    if not s.embedding.tied:
-        t.rename(head, "head.weight")
-    elif ckpt.has(head, base=False):
-        t.duplicate(head, "embed.weight")
+    output_head(s, t, ckpt, _head(ckpt))
     heads = s.attention.heads
     for i in range(s.layers):
         hf, ax = ckpt(f"layers.{i}."), f"layers.{i}."

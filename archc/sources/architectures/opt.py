@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from archc.sources.architectures.base import Architecture, Checkpoint
+from archc.sources.architectures.base import Architecture, Checkpoint, output_head
 from archc.sources.hf_config import HFConfig, activation, dtype_name
 from archc.sources.tensor_map import TensorMap
 from archc.spec.schema import Spec
@@ -47,10 +47,7 @@ def tensors(s: Spec, t: TensorMap, ckpt: Checkpoint) -> None:
     if s.output.final_norm:
         t.rename(ckpt("final_layer_norm.weight"), "final_norm.weight")
         t.rename(ckpt("final_layer_norm.bias"), "final_norm.bias")
-    if not s.embedding.tied:
-        t.rename("lm_head.weight", "head.weight")
-    elif ckpt.has("lm_head.weight", base=False):
-        t.duplicate("lm_head.weight", "embed.weight")
+    output_head(s, t, ckpt)
     kinds = ("weight", "bias") if s.attention.bias.any else ("weight",)
     for i in range(s.layers):
         hf, ax = ckpt(f"layers.{i}."), f"layers.{i}."
