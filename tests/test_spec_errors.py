@@ -432,3 +432,15 @@ def test_spec_reference_is_current() -> None:
     from archc.spec.reference import reference
     doc = Path(__file__).resolve().parents[1] / "docs" / "spec-reference.md"
     assert doc.read_text(encoding="utf-8") == reference()
+
+
+def test_moe_with_mlp_experts_takes_an_activation() -> None:
+    from archc.spec import from_dict
+    base = {"name": "m", "vocab_size": 11, "d_model": 16, "layers": 1,
+            "attention": {"heads": 2}, "ffn": {"kind": "moe", "d_ff": 8, "activation": "relu",
+                                               "moe": {"experts": 2, "top_k": 1,
+                                                       "expert": "mlp"}}}
+    assert from_dict(base).ffn.activation == "relu"
+    base["ffn"]["moe"]["expert"] = "swiglu"
+    with pytest.raises(SpecError, match=r"ffn\.activation: 'relu', but swiglu experts"):
+        from_dict(base, source="m.yaml")

@@ -22,6 +22,7 @@ import yaml
 
 from archc.errors import SpecError
 from archc.spec.schema import (
+    FFN,
     AttentionBias,
     Spec,
 )
@@ -365,6 +366,10 @@ def _check(spec: Spec) -> None:
         if ffn.bias:
             raise SpecError("ffn.bias", "true, but MoE experts have no biases",
                             allowed="false, or a dense ffn.kind")
+        if ffn.moe.expert != "mlp" and ffn.activation != FFN().activation:
+            raise SpecError("ffn.activation", f"{ffn.activation!r}, but {ffn.moe.expert} "
+                            "experts take their activation from their kind",
+                            allowed="remove it, or ffn.moe.expert: mlp")
 
 
 def _check_given(spec: Spec) -> None:

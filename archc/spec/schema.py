@@ -127,7 +127,8 @@ class MoE:
 @dataclass(frozen=True)
 class FFN:
     kind: FFNKind = _f("mlp", "mlp | glu | reglu | geglu | swiglu | moe")
-    activation: Activation = _f("gelu", "mlp: relu | gelu | gelu_tanh | silu", only=("mlp",))
+    activation: Activation = _f("gelu", "mlp, and moe with mlp experts: relu | gelu | "
+                                "gelu_tanh | silu", only=("mlp", "moe"))
     d_ff: int = _f(None, "hidden size (default: 4·d_model, or the gated 2/3 rule)", min=1,
                    derived=True)
     multiple_of: int = _f(1, "gated sizing rule: round the hidden size up to a multiple", min=1)
