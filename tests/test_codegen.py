@@ -32,6 +32,9 @@ from archc.runtime.triton_backend import prepare_triton
 from archc.spec import load_spec
 
 GOLDEN = Path(__file__).parent / "golden" / "kernels"
+# kernels run compiled on a GPU when there is one: the interpreter, once chosen, stays for the
+# whole worker process
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # one kernel per template family, from the tiny spec that exercises the most of it
 GOLDEN_KERNELS = {
     "matmul": ("tiny-llama3", "fused_linear_0"),     # rms prologue, RoPE pairs, KV-cache write
@@ -53,8 +56,8 @@ X = sympy.Symbol("x", integer=True)
 def test_triton_printer_keeps_floor_semantics_for_negative_operands(expr: sympy.Expr,
                                                                     tmp_path: Path) -> None:
     """Triton's // and % truncate toward zero; the printed code must still mean sympy's floor
-    and Mod. Evaluated in a Triton kernel (interpreted) over negative and positive x."""
-    prepare_triton(torch.device("cpu"))
+    and Mod. Evaluated in a Triton kernel over negative and positive x."""
+    prepare_triton(DEVICE)
     code = texpr(expr, {"x": "x"})
     src = tmp_path / "printed.py"
     src.write_text("import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
@@ -68,9 +71,10 @@ def test_triton_printer_keeps_floor_semantics_for_negative_operands(expr: sympy.
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("printed", None)
-    xs = torch.arange(-16, 16, dtype=torch.int32)
+    xs = torch.arange(-16, 16, dtype=torch.int32, device=DEVICE)
     out = torch.empty_like(xs)
     mod.k[(1,)](xs, out, 32)
+    xs = xs.cpu()
     want = [int(expr.subs(X, int(v))) for v in xs]
     assert out.tolist() == want
     naive = torch.fmod(xs - 7, 3)  # what a plain C-like `%` gives: differs for negatives
@@ -219,7 +223,7 @@ def test_buffers_are_reused_by_liveness() -> None:
 
 
 def test_generated_module_imports_and_lists_its_kernels(tmp_path: Path) -> None:
-    prepare_triton(torch.device("cpu"))
+    prepare_triton(DEVICE)
     gen = generate(kernel_program("tiny-mixtral", "f32"), CodegenOptions(max_seq_len=64))
     mod = load_module(write_module(gen, tmp_path), gen.digest)
     assert set(mod.KERNELS) == {u.name + k.suffix for u in gen.units for k in u.kernels}
@@ -250,3 +254,15 @@ def test_generated_kernel_matches_golden_text(family: str) -> None:
                                                  "golden", "now"))[:80])
         pytest.fail(f"the generated {family} kernel changed:\n{diff}\n"
                     f"if intended, regenerate with: {regenerate}")
+
+
+def test_compile_table_prints_ir_text_with_its_brackets(capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        tmp_path: Path) -> None:
+    """IR text holds [...] (epilogue lists, shapes); rich would read `[rms_scale(), …]` as
+    markup and print `epilogue=` with nothing after it."""
+    from archc.cli import main
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(["compile", "tiny-llama3", "--dtype", "f32"]) == 0
+    out = capsys.readouterr().out
+    assert "{epilogue=[residual()]}" in out

@@ -37,8 +37,10 @@ def smollm2_gguf() -> Path:
 def test_smollm2_gguf_answers_the_same_on_triton(tmp_path: Path) -> None:
     model = archc.load(smollm2_gguf())
     prompt = torch.tensor([model.tokenizer.encode("The capital of France is")])
-    sessions = [model.compile("eager").session,
-                model.compile("triton", cache_dir=tmp_path).session]
+    # on a GPU when there is one: choosing the interpreter would hold for the whole worker
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sessions = [model.compile("eager", device=device).session,
+                model.compile("triton", device=device, cache_dir=tmp_path).session]
     for s in sessions:
         s.reset()
     x = prompt

@@ -1,4 +1,8 @@
-"""`archc validate`: per-kernel errors against eager, and the first diverging kernel named."""
+"""`archc validate`: per-kernel errors against eager, and the first diverging kernel named.
+
+On a machine with a GPU the kernels run compiled there: switching this worker to Triton's
+interpreter would leave every later GPU test in it running interpreted kernels.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +17,12 @@ from archc.codegen import kernels
 from archc.errors import ArchcError
 from archc.runtime.validation import validate
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @pytest.mark.parametrize("name", ["tiny-llama3", "tiny-t5", "tiny-bert"])
 def test_validate_agrees_kernel_by_kernel(name: str, tmp_path: Path) -> None:
-    report = validate(archc.load(name), cache_dir=tmp_path)
+    report = validate(archc.load(name), device=DEVICE, cache_dir=tmp_path)
     assert report.ok, report.first_divergence
     phases = {"tiny-bert": {"encode"}, "tiny-t5": {"encode", "prefill", "decode"}}.get(
         name, {"prefill", "decode"})
@@ -32,7 +38,7 @@ def test_validate_names_the_first_diverging_kernel(monkeypatch: pytest.MonkeyPat
     """A wrong activation in the generated code (silu rendered as sigmoid) is caught at the
     first kernel that uses it — the gated FFN's projection — not later."""
     monkeypatch.setitem(kernels.ACT_CODE, "silu", "tl.sigmoid({x})")
-    report = validate(archc.load("tiny-llama3"), cache_dir=tmp_path)
+    report = validate(archc.load("tiny-llama3"), device=DEVICE, cache_dir=tmp_path)
     first = report.first_divergence
     assert first is not None and not report.ok
     assert first.phase == "prefill"
@@ -42,7 +48,7 @@ def test_validate_names_the_first_diverging_kernel(monkeypatch: pytest.MonkeyPat
 
 
 def test_validate_command_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["validate", "tiny-llama3", "--tokens", "5"]) == 0
+    assert main(["validate", "tiny-llama3", "--tokens", "5", "--device", DEVICE]) == 0
     out = capsys.readouterr().out
     assert "all kernels agree with eager" in out
     assert "prefill: logits vs eager on the unfused graph" in out

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.markup import escape
 from rich.table import Table
 
 from archc.commands.common import add_spec_argument, positive_int, spec_of
@@ -240,8 +241,8 @@ def _kernel_table(phase: str, rows: list[dict[str, Any]], shapes: dict[str, int]
         if torch_b and torch_b["name"] == "sdpa" and torch_b.get("seconds") is not None:
             tc = "sdpa " + tc
         archc = "[red]failed[/]" if r.get("error") else _t(r["archc_seconds"])
-        t.add_row(r["kernel"], r["reads"], r["shape"], str(r["launches"]), archc, tc, tx, uc,
-                  ux, str(unf.get("ops") or "") if unf else "",
+        t.add_row(escape(r["kernel"]), escape(r["reads"]), r["shape"], str(r["launches"]), archc,
+                  tc, tx, uc, ux, str(unf.get("ops") or "") if unf else "",
                   f"{_pct(r.get('roofline_fraction'))} {r['bound'][:3]}")
     return t
 

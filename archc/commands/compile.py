@@ -7,6 +7,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from archc.commands.common import add_spec_argument, positive_int, spec_of
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(col, justify="right" if col == "launches" else "left")
     for u in gen.units:
         graph, node, text = u.uses[0]
-        table.add_row(u.name, u.family, str(len(u.uses)), f"{graph} {_short(text)}")
+        table.add_row(u.name, u.family, str(len(u.uses)), escape(f"{graph} {_short(text)}"))
     console.print(table)
     console.print(f"generated module: {path}")
     if args.target is None:
@@ -89,7 +90,7 @@ def _aot(path: Path, target: str, jobs: int, gen: object) -> int:
             table.add_row(r.kernel, r.family, str(r.registers), str(r.spill_bytes),
                           nbytes(r.shared_bytes), str(r.tensor_core_ops), r.config)
         else:
-            table.add_row(r.kernel, r.family, "-", "-", "-", "-", f"[red]{r.error}[/]")
+            table.add_row(r.kernel, r.family, "-", "-", "-", "-", f"[red]{escape(r.error)}[/]")
     console.print(table)
     failed = [r for r in results if not r.ok]
     spilled = [r for r in results if r.ok and r.spill_bytes]
@@ -99,7 +100,7 @@ def _aot(path: Path, target: str, jobs: int, gen: object) -> int:
                   + (f"{len(spilled)} spill registers ({', '.join(r.kernel for r in spilled)})"
                      if spilled else "none spill registers"))
     for r in failed:
-        console.print(f"[red]{r.kernel}: {r.error}[/]")
+        console.print(f"[red]{escape(f'{r.kernel}: {r.error}')}[/]")
     return 1 if failed else 0
 
 

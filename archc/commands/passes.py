@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from rich.markup import escape
 from rich.table import Table
 
 from archc.commands.common import nonnegative_int, positive_int, spec_of
@@ -56,7 +57,7 @@ def _list() -> int:
     order = list(DEFAULT_PIPELINE) + sorted(set(PASSES) - set(DEFAULT_PIPELINE))
     for name in order:
         p = PASSES[name]
-        table.add_row(name, p.kind, "yes" if name in DEFAULT_PIPELINE else "", p.summary)
+        table.add_row(name, p.kind, "yes" if name in DEFAULT_PIPELINE else "", escape(p.summary))
     console.print(table)
     return 0
 
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     for num, name, kind, program, changed in rows:
         st = stats(program, at)
         table.add_row(num, name, kind, str(st.nodes), str(st.kernels), si(st.params),
-                      si(st.flops_per_token, "FLOP"), nbytes(st.bytes_per_token), changed)
+                      si(st.flops_per_token, "FLOP"), nbytes(st.bytes_per_token), escape(changed))
     console.print(table)
     before, after = kernels_per_layer(spec, args.passes, dtype)
     console.print(f"kernels per block (embedding and head aside): {before:g} unfused → "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from rich.markup import escape
 from rich.table import Table
 
 from archc.commands.common import add_spec_argument, nonnegative_int, positive_int, spec_of
@@ -40,7 +41,7 @@ def _table(title: str, rows: list[KernelGroup]) -> Table:
     for col in ("kernel", "reads", "launches", "FLOPs", "bytes", "FLOP/B", "bound", "time"):
         t.add_column(col, justify="left" if col in ("kernel", "reads", "bound") else "right")
     for r in rows:
-        t.add_row(r.op, r.label, str(r.launches), si(r.flops), nbytes(r.bytes),
+        t.add_row(r.op, escape(r.label), str(r.launches), si(r.flops), nbytes(r.bytes),
                   f"{r.intensity:.1f}", r.bound, f"{r.time * 1e6:.1f} µs")
     return t
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from rich.markup import escape
 from rich.table import Table
 
 import archc
@@ -47,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
         bad = k.relative > report.tolerance
         if not (args.all or bad or worst.get(k.phase) is k):
             continue
-        table.add_row(k.phase, f"{k.graph} %{k.node}", k.kernel, k.what, f"{k.max_error:.3g}",
-                      f"{k.relative:.2e}", "[red]diverges[/]" if bad else
+        table.add_row(k.phase, f"{k.graph} %{k.node}", escape(k.kernel), escape(k.what),
+                      f"{k.max_error:.3g}", f"{k.relative:.2e}", "[red]diverges[/]" if bad else
                       ("worst" if worst.get(k.phase) is k else "ok"))
     console.print(table)
     for p in report.phases:
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     first = report.first_divergence
     if first is not None:
         console.print(f"[red]first divergence[/]: {first.phase}, kernel {first.kernel} "
-                      f"({first.what}), implementing {first.graph} {first.text}")
+                      f"({escape(first.what)}), implementing {first.graph} {escape(first.text)}")
         return 1
     if not report.ok:
         return 1
