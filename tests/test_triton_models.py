@@ -150,3 +150,32 @@ def test_cuda_graph_decode_matches_launches(name: str, kernel_dir: Path) -> None
             want, got = (s.step(x)[:, -1] for s in (plain.session, graphs.session))
             close(got, want, "f32")
             x = want.argmax(-1)[:, None]
+
+
+def test_ids_are_checked_on_the_host_at_every_step(kernel_dir: Path) -> None:
+    """Ids given on the host are refused before they reach the device, at decode too."""
+    from archc.errors import RunError
+    _, triton = pair("tiny-llama3", "f32", kernel_dir)
+    s = triton.session
+    s.reset()
+    s.step(ids(1, 3))
+    with pytest.raises(RunError, match=r"tokens holds ids outside \[0, 97\)"):
+        s.step(torch.tensor([[97]]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="host synchronisation is a GPU matter")
+def test_decode_steps_do_not_wait_on_the_gpu(kernel_dir: Path) -> None:
+    """After a warm-up step (kernels compiled), a decode step fed the device's own tokens makes
+    no host-device synchronisation: ids are not read back, positions are made on the device."""
+    model = archc.load("tiny-llama3", seed=3)
+    s = model.compile("triton", device=DEVICE, cuda_graphs=False, cache_dir=kernel_dir).session
+    s.reset()
+    x = s.step(ids(1, 5).to(DEVICE))[:, -1].argmax(-1)[:, None]
+    x = s.step(x)[:, -1].argmax(-1)[:, None]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            x = s.step(x)[:, -1].argmax(-1)[:, None]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

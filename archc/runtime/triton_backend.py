@@ -348,9 +348,13 @@ class TritonSession:
         self.past = 0
         self.prefix_len = None
 
-    def _check_ids(self, graph: Graph, inputs: Mapping[str, torch.Tensor]) -> None:
-        """Token ids index embedding tables: out-of-range ids are refused here, naming the
-        node, rather than read out of bounds on the device."""
+    def _check_ids(self, graph: Graph, inputs: Mapping[str, torch.Tensor], *,
+                   on_device: bool = True) -> None:
+        """Token ids index embedding tables: out-of-range ids are refused here, naming the node.
+        Ids still on the host are checked there, at no cost to the device. Ids already on the
+        device are checked only when `on_device` (a prefill, which waits on the GPU anyway): a
+        decode step must not stop the host to read them back. The embedding kernel masks ids
+        outside the table, so an unchecked id never reads out of bounds."""
         for i in graph.ids(Op.EMBEDDING):
             n = graph.nodes[i]
             src = graph.nodes[n.inputs[1]]
@@ -358,6 +362,8 @@ class TritonSession:
                 continue
             rows = int(graph.nodes[n.inputs[0]].shape[0])
             ids = inputs[src.name]
+            if ids.device.type != "cpu" and not on_device:
+                continue
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
                 raise RunError(f"while running {format_node(i, n)}: {src.name} holds ids "
                                f"outside [0, {rows})")
@@ -365,7 +371,7 @@ class TritonSession:
     def _run(self, name: str, inputs: dict[str, torch.Tensor], *, B: int, T: int,  # noqa: N803
              P: int, S: int) -> dict[str, torch.Tensor]:
         runner = self.runners[name]
-        self._check_ids(runner.graph, inputs)
+        self._check_ids(runner.graph, inputs, on_device=P == 0)
         self.cache.ensure(B)
         self.ctx.set_dims(B, T, P, S, P + T)
         return runner.run(inputs, self.ctx)
@@ -373,12 +379,13 @@ class TritonSession:
     def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
                token_types: torch.Tensor | None = None) -> torch.Tensor:
         b, t = tokens.shape
+        dev = self.device
         inputs = {"tokens": tokens,
-                  "positions": torch.arange(t),
-                  "attention_mask": (torch.ones(b, t, dtype=torch.long) if attention_mask is None
-                                     else attention_mask.long()),
-                  "token_types": (torch.zeros(b, t, dtype=torch.long) if token_types is None
-                                  else token_types.long())}
+                  "positions": torch.arange(t, device=dev),
+                  "attention_mask": (torch.ones(b, t, dtype=torch.long, device=dev)
+                                     if attention_mask is None else attention_mask.long()),
+                  "token_types": (torch.zeros(b, t, dtype=torch.long, device=dev)
+                                  if token_types is None else token_types.long())}
         inputs = {k: v for k, v in inputs.items() if k in self.runners["encoder"].inputs}
         return self._run("encoder", inputs, B=b, T=t, P=0, S=0)["hidden"]
 
@@ -390,17 +397,19 @@ class TritonSession:
                            f"(max_seq_len = {self.max_seq_len})")
         if self.prefix_len is None:
             self.prefix_len = t
+        # made on the device (kernel launches, no host-to-device copies to wait for)
+        dev = self.device
         inputs: dict[str, torch.Tensor] = {
             "tokens": tokens,
-            "positions": torch.arange(self.past, self.past + t),
-            "prefix_len": torch.tensor(self.prefix_len),
+            "positions": torch.arange(self.past, self.past + t, device=dev),
+            "prefix_len": torch.full((), self.prefix_len, dtype=torch.long, device=dev),
         }
         s = 0
         if encoder_hidden is not None:
             s = encoder_hidden.shape[1]
             inputs["encoder_hidden"] = encoder_hidden
-            inputs["encoder_mask"] = (torch.ones(b, s, dtype=torch.long) if encoder_mask is None
-                                      else encoder_mask.long())
+            inputs["encoder_mask"] = (torch.ones(b, s, dtype=torch.long, device=dev)
+                                      if encoder_mask is None else encoder_mask.long())
         runner = self.runners["decoder"]
         inputs = {k: v for k, v in inputs.items() if k in runner.inputs}
         if self._graph_ok(t):
@@ -422,7 +431,7 @@ class TritonSession:
         steps copy their inputs in, write P to the device and replay. A graph is dropped when
         the KV cache it writes is reallocated (a new batch size)."""
         runner = self.runners["decoder"]
-        self._check_ids(runner.graph, inputs)
+        self._check_ids(runner.graph, inputs, on_device=self.past == 0)
         self.cache.ensure(b)
         dims = {"B": b, "T": 1, "P": self.past, "S": s}
         entry = self._graphs.get((b, s))
