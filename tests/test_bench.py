@@ -17,6 +17,7 @@ import torch
 
 import archc
 from archc.cli import main
+from archc.ir.graph import CROSS_KV
 from archc.ir.lower import lower
 from archc.ir.ops import Op
 from archc.passes import optimize
@@ -221,32 +222,38 @@ def _kernel_values(spec_name: str) -> list[tuple]:
     ids = torch.randint(0, model.spec.vocab_size, (b, t), generator=gen)
     out = []
 
-    def run(g, inputs: dict, dims: dict, cache: KVCache) -> None:  # noqa: ANN001
+    def run(g, inputs: dict, dims: dict, cache: KVCache) -> dict:  # noqa: ANN001
         params = materialize(g, model.weights)
         trace = Trace()
-        run_graph(g, params, inputs, EagerContext(dims, cache), trace=trace)
+        outputs = run_graph(g, params, inputs, EagerContext(dims, cache), trace=trace)
         for i in g.compute_ids():
             xs = [inputs[g.nodes[j].name] if g.nodes[j].op == Op.INPUT else
                   params[g.nodes[j].name] if g.nodes[j].op == Op.PARAM else trace.values[j]
                   for j in g.nodes[i].inputs]
             out.append((g, i, xs, trace.values[i], dict(dims), cache))
+        return outputs
 
     mask = torch.ones(b, t, dtype=torch.long)
     mask[-1, -2:] = 0
     enc = {"tokens": ids, "positions": torch.arange(t), "attention_mask": mask,
            "token_types": torch.zeros(b, t, dtype=torch.long)}
     hidden = None
-    for g in program:
+    extra: dict = {}
+    for g in program:   # encoder, then the cross-KV graph it feeds, then the decoder
         if g.name == "encoder":
             run(g, {k: v for k, v in enc.items() if k in g.inputs}, {"B": b, "T": t, "P": 0},
                 KVCache(64))
             hidden = out[-1][3] if model.spec.family == "encoder-decoder" else None
+            if hidden is not None:
+                extra = {"encoder_hidden": hidden,
+                         "encoder_mask": torch.ones(b, t, dtype=torch.long)}
             continue
-        extra: dict = {}
         dims = {"B": b, "P": 0}
         if hidden is not None:
-            extra = {"encoder_hidden": hidden, "encoder_mask": torch.ones(b, t, dtype=torch.long)}
             dims["S"] = t
+        if g.name == CROSS_KV:
+            extra.update(run(g, {"encoder_hidden": hidden}, {**dims, "T": t}, KVCache(64)))
+            continue
         cache = KVCache(64)
         for past, step in ((0, ids), (t, ids[:, -1:])):  # a prefill, then one decode step
             n = step.shape[1]

@@ -14,7 +14,16 @@ from tests.conftest import TINY_SPECS
 ATOL = {"f32": 1e-4}
 
 
-@pytest.mark.parametrize("name", [n for n in TINY_SPECS if load_spec(n).family != "encoder"])
+def _split_invariant(name: str) -> bool:
+    """Dynamic NTK RoPE rotates by the length at each call and cached keys keep the rotation
+    they were written with, so past the trained context a split differs from one full pass by
+    design (tests/test_dynamic_rope.py checks that against transformers)."""
+    spec = load_spec(name)
+    scaling = spec.position.scaling
+    return spec.family != "encoder" and (scaling is None or scaling.kind != "dynamic")
+
+
+@pytest.mark.parametrize("name", [n for n in TINY_SPECS if _split_invariant(n)])
 @pytest.mark.parametrize("split", [1, 5, 12])
 def test_prefill_then_decode_equals_full_forward(name: str, split: int) -> None:
     model = archc.load(name, seed=3)

@@ -54,8 +54,11 @@ def test_rope_scaling_kinds_map_to_the_spec(tmp_path: Path) -> None:
     dynamic = spec_of(tmp_path, {**LLAMA, "rope_parameters": {
         "rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0,
         "original_max_position_embeddings": 16}}, "dynamic")
-    # dynamic NTK equals plain RoPE up to the trained context, and archc stops there
-    assert dynamic.position.scaling is None and dynamic.max_seq_len == 16
+    # transformers' dynamic NTK counts from max_position_embeddings; the cache holds factor × it
+    assert dynamic.position.scaling.kind == "dynamic"
+    assert dynamic.position.scaling.factor == 4.0
+    assert dynamic.position.scaling.original_max_seq_len == 64
+    assert dynamic.max_seq_len == 256
 
 
 def test_gpt_neox_old_spellings(tmp_path: Path) -> None:

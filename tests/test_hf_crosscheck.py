@@ -136,6 +136,20 @@ CASES: dict[str, tuple[Callable[[], Any], str]] = {
         tie_word_embeddings=False, relative_attention_num_buckets=8,
         relative_attention_max_distance=20, decoder_start_token_id=0, **SMALL),
         "T5ForConditionalGeneration"),
+    # the pure-torch scan of transformers (no mamba_ssm kernels here); decode through its
+    # conv and SSM states
+    "mamba": (lambda: transformers.MambaConfig(
+        hidden_size=64, state_size=16, num_hidden_layers=2, **SMALL), "MambaForCausalLM"),
+    "mamba-bias-narrow-conv": (lambda: transformers.MambaConfig(
+        hidden_size=48, state_size=8, num_hidden_layers=2, expand=3, conv_kernel=3,
+        use_bias=True, time_step_rank=5, **SMALL), "MambaForCausalLM"),
+    # three Mamba layers (Δ, B, C norms), then GQA attention; MoE (unnormalized top-2 of 4) on
+    # odd layers, SwiGLU on even ones. No eos: transformers' min_new_tokens would forbid it.
+    "jamba": (lambda: transformers.JambaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_period=4, attn_layer_offset=3, expert_layer_period=2,
+        expert_layer_offset=1, num_experts=4, mamba_d_state=8, max_position_embeddings=64,
+        **{**SMALL, "eos_token_id": None}), "JambaForCausalLM"),
 }
 
 

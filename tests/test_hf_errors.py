@@ -61,8 +61,8 @@ def test_unsupported_model_type_names_the_supported_ones(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "rwkv"}))
     with pytest.raises(SpecError, match=r"model_type: 'rwkv' is not supported \(allowed: bert, "
-                       r"bloom, falcon, gemma, gemma2, gpt2, gpt_neox, gptj, llama, mistral, "
-                       r"mixtral, mpt, opt, phi, qwen2, t5\)"):
+                       r"bloom, falcon, gemma, gemma2, gpt2, gpt_neox, gptj, jamba, llama, "
+                       r"mamba, mistral, mixtral, mpt, opt, phi, qwen2, t5\)"):
         archc.load(tmp_path)
     assert "'rwkv' is not supported" in cli_error(capsys, "export-spec", str(tmp_path))
 

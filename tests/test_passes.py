@@ -45,7 +45,7 @@ KERNELS_PER_BLOCK = {
     "tiny-bert": 7, "tiny-bloom": 5, "tiny-falcon": 3, "tiny-gemma2": 7, "tiny-gpt1": 7,
     "tiny-gpt2": 5, "tiny-gptj": 3, "tiny-llama2": 5, "tiny-llama2-70b": 5, "tiny-llama3": 5,
     "tiny-mistral": 5, "tiny-mixtral": 8, "tiny-neox": 3, "tiny-phi2": 3, "tiny-qwen2": 5,
-    "tiny-smollm2": 5, "tiny-t5": 7,
+    "tiny-smollm2": 5, "tiny-t5": 7, "tiny-longctx": 5, "tiny-longformer": 7,
 }
 
 

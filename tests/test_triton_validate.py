@@ -24,7 +24,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def test_validate_agrees_kernel_by_kernel(name: str, tmp_path: Path) -> None:
     report = validate(archc.load(name), device=DEVICE, cache_dir=tmp_path)
     assert report.ok, report.first_divergence
-    phases = {"tiny-bert": {"encode"}, "tiny-t5": {"encode", "prefill", "decode"}}.get(
+    phases = {"tiny-bert": {"encode"},
+              "tiny-t5": {"encode", "cross-kv", "prefill", "decode"}}.get(
         name, {"prefill", "decode"})
     assert {p.phase for p in report.phases} == phases
     assert {k.phase for k in report.kernels} == phases

@@ -116,6 +116,13 @@ ACT_CODE = {
     "silu": "({x} / (1.0 + tl.exp(-{x})))",
     "sigmoid": "(1.0 / (1.0 + tl.exp(-{x})))",
     "identity": "{x}",
+    # log(1 + eˣ), with log1p(u) = u·log(w)/(w − 1), w = 1 + u rounded (Goldberg 1991): exact
+    # where 1 + u rounds (Δ pre-activations near −7 have u ≈ 1e-3); x past 20 as torch's threshold
+    "softplus": "tl.where({x} > 20.0, {x}, tl.where(1.0 + tl.exp(tl.minimum({x}, 20.0)) == 1.0, "
+                "tl.exp(tl.minimum({x}, 20.0)), tl.exp(tl.minimum({x}, 20.0)) * "
+                "tl.log(1.0 + tl.exp(tl.minimum({x}, 20.0))) / "
+                "tl.maximum(tl.exp(tl.minimum({x}, 20.0)) + 1.0 - 1.0, 1e-30)))",
+    "elu_plus_one": "tl.where({x} > 0.0, {x} + 1.0, tl.exp(tl.minimum({x}, 0.0)))",  # elu(x) + 1
 }
 
 
@@ -339,6 +346,7 @@ def build_fused_linear(c: NodeCtx) -> Unit:
                             rot_pairs=rot // 2, interleaved=interleaved, tail=tail,
                             tail_half=tail_half, NP=heads * hd // 2 + tail_half,
                             mscale=lit_float(c, st.kw("mscale", 1.0), "mscale"),
+                            dynamic=dynamic_rope(c, st.kw("dynamic"), rot),
                             pos_ptr=pointer(f"pos{idx}", nxt, "[T] positions"),
                             freq_ptr=pointer(f"freq{idx}", nxt + 1,
                                              f"[{rot // 2}] inverse frequencies"))
@@ -505,12 +513,18 @@ def build_attention(c: NodeCtx) -> Unit:
                                causal=bool(a["causal"]), padding=bool(a["padding"]),
                                prefix=bool(a["prefix"]), softcap=softcap is not None,
                                qk_scale=repr(float(scale) * LOG2E), bias=None, t5=None,
-                               window=None)
+                               window=None, global_tokens=None)
     window = a.get("window")
     if window is not None:
         ctx["window"] = lit_int(c, window, "window")
         if ctx["window"] < 1:
             raise c.fail(f"window must be ≥ 1, got {window}")
+    global_tokens = a.get("global_tokens")
+    if global_tokens is not None:
+        ctx["global_tokens"] = lit_int(c, global_tokens, "global_tokens")
+        if ctx["global_tokens"] < 1 or window is None or ctx["prefix"]:
+            raise c.fail(f"global_tokens={global_tokens} needs to be ≥ 1, beside a window, "
+                         "without a prefix")
     if softcap is not None:
         cap = float(lit_float(c, softcap, "softcap"))
         ctx.update(cap_log2=repr(cap * LOG2E), pre_cap=repr(float(scale) / cap))
@@ -572,6 +586,24 @@ def build_attention(c: NodeCtx) -> Unit:
                                       part_ml_ptr="*fp32", T="i32", ROWS="i32",
                                       SPLITS="i32")))
     return Unit("attention", "attention.py.j2", ctx, kernels, call)
+
+
+def dynamic_rope(c: NodeCtx, dynamic: Any, rotary_dim: int) -> dict[str, Any] | None:
+    """The checked literals of a rope's dynamic NTK scaling: ntk(factor, original_max_seq_len)
+    → factor, factor − 1, the trained context and 2/(d − 2), the exponent step per pair."""
+    if dynamic is None:
+        return None
+    if not isinstance(dynamic, Call) or dynamic.fn != "ntk" or dynamic.args or \
+            {k for k, _ in dynamic.kwargs} != {"factor", "original_max_seq_len"}:
+        raise c.fail(f"rope() dynamic must be ntk(factor=…, original_max_seq_len=…), got "
+                     f"{dynamic!r}")
+    factor = float(lit_float(c, dynamic.kw("factor"), "ntk() factor"))
+    original = lit_int(c, dynamic.kw("original_max_seq_len"), "ntk() original_max_seq_len")
+    if factor < 1.0 or original < 1 or rotary_dim < 4:
+        raise c.fail(f"ntk(factor={factor}, original_max_seq_len={original}) over {rotary_dim} "
+                     "rotary dims: needs factor ≥ 1, a context ≥ 1 and ≥ 4 rotary dims")
+    return dict(factor=repr(factor), factor_less_one=repr(factor - 1.0),
+                original=repr(float(original)), step=repr(2.0 / (rotary_dim - 2)))
 
 
 def _pow2(n: int) -> int:

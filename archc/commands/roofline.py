@@ -13,7 +13,7 @@ from archc.ir.graph import Program
 from archc.ir.lower import lower
 from archc.passes import optimize
 from archc.perf.gpus import GPUS, gpu
-from archc.perf.roofline import KernelGroup, decode_floor, grouped, kernels
+from archc.perf.roofline import KernelGroup, decode_floor, grouped, kernels, per_step
 from archc.spec.schema import Spec
 from archc.ui import console, nbytes, si
 
@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     if m == 0 or spec.family == "encoder":
         return 0
     past = n + m - 1  # the last (slowest) step
-    step = grouped(kernels(program, {"B": b, "T": 1, "P": past, "S": n}), g)
+    # a step runs the decoder alone: the encoder and cross-KV graphs ran once, in the prefill
+    step = grouped(kernels(per_step(program), {"B": b, "T": 1, "P": past, "S": n}), g)
     t_step = sum(r.time for r in step)
     console.print(_table(f"one decode step at context {past + 1}", step))
     floor = decode_floor(program, g, b, past)

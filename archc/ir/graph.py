@@ -4,7 +4,9 @@ A ``Node`` is op, inputs (indices of earlier nodes), attrs, a sympy shape over B
 and its provenance — the spec field that created it and the passes that rewrote it. Nothing
 callable lives in a node, so graphs print, parse, hash and compare as data. A ``Program`` is the
 graphs of one model: ``decoder`` for a decoder-only model, ``encoder`` for an encoder, both for an
-encoder-decoder (the decoder reads the encoder's output as an input).
+encoder-decoder (the decoder reads the encoder's output as an input). Passes may add
+``cross_kv``: what the decoder computes from the encoder's output alone, run once per generation
+and read by every decoder step as inputs named after its outputs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from archc.errors import IRError
 from archc.ir.attrs import Attrs, Call
 from archc.ir.ops import OP_TABLE, Op, ShapeError, Sig, is_compute
 from archc.ir.shapes import Shape
+
+# The graph of decoder inputs computed once per generation from the encoder's states.
+CROSS_KV = "cross_kv"
 
 
 @dataclass(frozen=True)

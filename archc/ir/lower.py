@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph, GraphBuilder, Program
+from archc.ir.lower_mixers import lower_linear_attention, lower_mamba
 from archc.ir.ops import Op
 from archc.ir.paramexpr import leaf, yarn_attention_factor
 from archc.ir.shapes import B, S, T, shape
@@ -159,12 +160,19 @@ class _Stack:
         return x
 
     # ---- attention -----------------------------------------------------------------------------
-    def rope_params(self) -> tuple[int, float]:
-        """The inverse-frequency buffer and cos/sin scale (YaRN's attention factor)."""
+    def rope_params(self) -> tuple[int, dict[str, object]]:
+        """The inverse-frequency buffer, and the rope attrs that depend on the scaling: the
+        cos/sin scale (YaRN's attention factor) and dynamic NTK's rescaling, which needs the
+        sequence length and so happens in the rope op, over the default frequencies."""
         pos = self.s.position
         kw: list[tuple[str, object]] = [("dim", self.s.rotary_dim), ("theta", pos.theta)]
         mscale = 1.0
-        if pos.scaling is not None:
+        attrs: dict[str, object] = {}
+        if pos.scaling is not None and pos.scaling.kind == "dynamic":
+            sc = pos.scaling
+            attrs["dynamic"] = Call("ntk", (), (("factor", sc.factor),
+                                                ("original_max_seq_len", sc.original_max_seq_len)))
+        elif pos.scaling is not None:
             sc = pos.scaling
             kw += [("kind", sc.kind), ("factor", sc.factor)]
             if sc.kind in ("yarn", "llama3"):
@@ -178,7 +186,7 @@ class _Stack:
         with self.at("position.scaling" if pos.scaling else "position.theta"):
             freq = self.param("rope.inv_freq", self.s.rotary_dim // 2, dtype="f32", shared=True,
                               expr=Call("rope_inv_freq", (), tuple(kw)))
-        return freq, mscale
+        return freq, {"mscale": mscale, **attrs}
 
     def attention(self, x: int, layer: int, name: str, *, local: bool,
                   kv_source: int | None = None) -> int:
@@ -205,9 +213,9 @@ class _Stack:
             k = self.norm(k, f"{base}.k_norm", "attention.qk_norm")
         if s.position.kind == "rope" and not cross:
             with self.at("position.kind"):
-                freq, mscale = self.rope_params()
+                freq, scaling = self.rope_params()
                 rope = dict(rotary_dim=s.rotary_dim, interleaved=s.position.interleaved,
-                            mscale=mscale)
+                            **scaling)
                 q = self.emit(Op.ROPE, q, self.positions, freq, **rope)
                 k = self.emit(Op.ROPE, k, self.positions, freq, **rope)
         if self.causal and not cross:
@@ -260,16 +268,22 @@ class _Stack:
         if self.prefix_len is not None:
             extra.append(self.prefix_len)
         window = att.window if local else None
-        origin = "attention.window" if window else "attention.mask"
+        global_tokens = att.global_tokens if window else None
+        origin = "attention.global_tokens" if global_tokens else \
+            "attention.window" if window else "attention.mask"
         with self.at(origin):
             return self.emit(Op.MASK, scores, *extra, causal=self.causal,
                              padding=self.padding is not None, prefix=self.prefix_len is not None,
-                             window=window)
+                             window=window, global_tokens=global_tokens)
 
     # ---- feed-forward --------------------------------------------------------------------------
     def ffn(self, x: int, layer: int) -> int:
         f = self.s.ffn
         base = f"layers.{layer}.ffn"
+        if f.kind == "moe" and self.s.layer_ffns(self.layers)[layer] == "dense":
+            assert f.moe is not None
+            with self.at("ffn.pattern"):
+                return self.dense_ffn(x, base, f.moe.expert, f.d_ff, False)
         if f.kind == "moe":
             return self.moe(x, base)
         return self.dense_ffn(x, base, f.kind, f.d_ff, f.bias)
@@ -309,31 +323,43 @@ class _Stack:
         return y
 
     # ---- blocks --------------------------------------------------------------------------------
-    def block(self, x: int, layer: int, local: bool) -> int:
+    def mix(self, h: int, layer: int, mixer: str, *, local: bool) -> int:
+        """The layer's sequence mixer over h: softmax attention, linear attention or Mamba."""
+        if mixer == "mamba":
+            return lower_mamba(self, h, layer)
+        if mixer == "linear_attention":
+            return lower_linear_attention(self, h, layer)
+        return self.attention(h, layer, "attn", local=local)
+
+    def block(self, x: int, layer: int, local: bool, mixer: str = "attention") -> int:
         s = self.s
         placement = s.norm.placement
         pre = f"layers.{layer}"
+        mix_norm = "ssm_norm" if mixer == "mamba" else "attn_norm"
+        has_ffn = s.ffn.kind != "none"
 
         def attn(h: int) -> int:
-            return self.attention(h, layer, "attn", local=local)
+            return self.mix(h, layer, mixer, local=local)
 
         def residual(a: int, b: int) -> int:
             with self.at("norm.placement"):
                 return self.emit(Op.ADD, a, b)
 
         if s.block.parallel:
-            n1 = self.norm(x, f"{pre}.attn_norm")
+            n1 = self.norm(x, f"{pre}.{mix_norm}")
             n2 = n1 if s.block.shared_norm else self.norm(x, f"{pre}.ffn_norm",
                                                           "block.shared_norm")
             a, f = attn(n1), self.ffn(n2, layer)
             with self.at("block.parallel"):
                 return self.emit(Op.ADD, self.emit(Op.ADD, x, a), f)
         if placement == "post":
-            h = self.norm(residual(x, attn(x)), f"{pre}.attn_norm")
+            h = self.norm(residual(x, attn(x)), f"{pre}.{mix_norm}")
             if self.cross:
                 h = self.norm(residual(h, self.attention(h, layer, "cross", local=False,
                                                          kv_source=self.enc)),
                               f"{pre}.cross_norm")
+            if not has_ffn:
+                return h
             return self.norm(residual(h, self.ffn(h, layer)), f"{pre}.ffn_norm")
         sandwich = placement == "sandwich"
 
@@ -344,18 +370,21 @@ class _Stack:
                                 "norm.placement")
             return residual(h, out)
 
-        h = sublayer(x, attn, "attn_norm")
+        h = sublayer(x, attn, mix_norm)
         if self.cross:
             h = sublayer(h, lambda n: self.attention(n, layer, "cross", local=False,
                                                      kv_source=self.enc), "cross_norm")
+        if not has_ffn:
+            return h
         return sublayer(h, lambda n: self.ffn(n, layer), "ffn_norm")
 
     def build(self) -> Graph:
         s = self.s
         self.inputs()
         x = self.embed()
+        mixers = s.layer_mixers(self.layers)
         for layer, kind in enumerate(s.layer_kinds(self.layers)):
-            x = self.block(x, layer, kind == "local")
+            x = self.block(x, layer, kind == "local", mixers[layer])
         if s.output.final_norm:
             x = self.norm(x, "final_norm", "output.final_norm")
         if not self.causal:

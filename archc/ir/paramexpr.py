@@ -133,6 +133,12 @@ def _offset(a: torch.Tensor, by: float) -> torch.Tensor:
     return a + by
 
 
+@param_fn("neg_exp")
+def _neg_exp(a: torch.Tensor) -> torch.Tensor:
+    """−exp(a): Mamba's A from the stored A_log (Gu & Dao 2023), made once at load time."""
+    return -torch.exp(a)
+
+
 @param_fn("mm")
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b

@@ -9,6 +9,7 @@ from archc.passes import (  # noqa: F401  (each module registers its passes)
     attention,
     bias,
     cleanup,
+    cross_kv,
     epilogue,
     kernels,
     norms,
@@ -22,10 +23,12 @@ from archc.passes.registry import (
     PASSES,
     PIPELINES,
     register_pass,
+    register_program_pass,
     resolve_pipeline,
 )
 
 __all__ = [
     "DEFAULT_PIPELINE", "PASSES", "PIPELINES", "Decision", "PassContext", "PassFailure",
-    "PassStep", "PipelineRun", "optimize", "register_pass", "resolve_pipeline", "run_pipeline",
+    "PassStep", "PipelineRun", "optimize", "register_pass", "register_program_pass",
+    "resolve_pipeline", "run_pipeline",
 ]

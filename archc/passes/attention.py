@@ -94,7 +94,8 @@ def _flash(rw: Rewriter, scores: int) -> int:
             bias_input = [n.inputs[1]]
         else:
             attrs.update(causal=n.attr("causal"), padding=n.attr("padding"),
-                         prefix=n.attr("prefix"), window=n.attr("window"))
+                         prefix=n.attr("prefix"), window=n.attr("window"),
+                         global_tokens=n.attr("global_tokens"))
             extra = list(n.inputs[1:])   # padding, then prefix_len, as the mask takes them
     like = [scores, *chain.modifiers, chain.softmax, chain.wsum, chain.merge]
     return rw.emit(Op.ATTENTION, [q, k, v, *extra, *bias_input], like=like,  # type: ignore
@@ -109,7 +110,7 @@ def flash_attention(g: Graph, ctx: PassContext) -> Graph:
     #    see the scores or probabilities a flash kernel never stores).
     # 2. The modifiers must come in the order the attention op applies them.
     # 3. Emit attention(q, k, v, [padding], [prefix_len], [slopes | rel_table]) with scale,
-    #    softcap, bias, causal, window, padding and prefix as attributes, in place of
+    #    softcap, bias, causal, window, global_tokens, padding and prefix as attributes, in place of
     #    merge_heads: its output is [B, T, H·D].
     rw = Rewriter(g, ctx)
     for i in rw.order():
@@ -251,9 +252,10 @@ def _fuse_rope(rw: Rewriter, lin: Linear, ctx: PassContext) -> None:
         return
     hd = heads[0].view.head_dim
     # rope(x·Wᵀ)[heads] in the epilogue = the same rotation applied to the stored heads
+    dynamic = {"dynamic": r0.attr("dynamic")} if r0.attr("dynamic") is not None else {}
     rope_step = step("rope", *r0.inputs[1:], heads=heads[-1].stop // hd, head_dim=hd,
                      rotary_dim=r0.attr("rotary_dim"), interleaved=r0.attr("interleaved"),
-                     mscale=r0.attr("mscale", 1.0))
+                     mscale=r0.attr("mscale", 1.0), **dynamic)
     replace_linear(rw, lin, lin.then(rope_step))
     for h in heads:
         rw.replace(h.reader, h.view.split)

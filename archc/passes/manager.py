@@ -68,6 +68,8 @@ class PipelineRun:
 
 def run_pass(program: Program, name: str, done: Sequence[str] = ()) -> PassStep:
     p = PASSES[name]
+    if p.program:
+        return _run_program_pass(program, name, done)
     decisions: list[Decision] = []
     log: list[str] = []
     kept: list[tuple[str, tuple[tuple[int, int], ...]]] = []
@@ -105,6 +107,47 @@ def run_pass(program: Program, name: str, done: Sequence[str] = ()) -> PassStep:
             raise PassFailure(_where(name, None, done) + f" left an invalid graph: {err}") \
                 from err
     return PassStep(name, p.kind, program, after, tuple(decisions), tuple(log), tuple(kept))
+
+
+def _run_program_pass(program: Program, name: str, done: Sequence[str]) -> PassStep:
+    """A pass over the whole program: one context per graph it may rewrite; graphs it adds are
+    logged as added."""
+    p = PASSES[name]
+    contexts = {g.name: PassContext(name, g) for g in program}
+    try:
+        after = p.fn(program, contexts)  # type: ignore[call-arg, arg-type]
+    except IRError as err:
+        raise PassFailure(_where(name, None, done) + f": {err}") from err
+    except Exception as err:
+        raise PassFailure(_where(name, None, done) + f": {type(err).__name__}: {err}") from err
+    decisions = [d for ctx in contexts.values() for d in ctx.decisions]
+    log: list[str] = []
+    kept: list[tuple[str, tuple[tuple[int, int], ...]]] = []
+    before = {g.name: g for g in program}
+    for g in after:  # type: ignore[union-attr]
+        old = before.get(g.name)
+        if old is None:
+            log.append(f"{name}: graph {g.name}: added ({len(g.nodes)} nodes)")
+            continue
+        ctx = contexts[g.name]
+        applied = sum(d.applied for d in ctx.decisions)
+        refused = len(ctx.decisions) - applied
+        log.append(f"{name}: graph {g.name}: " + (f"{applied} rewrites" if g is not old else
+                                                   "not applied") +
+                   (f", {refused} refused" if refused else ""))
+        log += [f"{name}: graph {g.name}: {line}" for line in ctx.log]
+        if g is not old and ctx.kept is not None:
+            kept.append((g.name, tuple(sorted(ctx.kept.items()))))
+    for line in log:
+        LOG.debug(line)
+    if after is not program:
+        try:
+            verify(after)  # type: ignore[arg-type]
+        except IRError as err:
+            raise PassFailure(_where(name, None, done) + f" left an invalid graph: {err}") \
+                from err
+    return PassStep(name, p.kind, program, after, tuple(decisions), tuple(log),  # type: ignore
+                    tuple(kept))
 
 
 def _where(name: str, graph: str | None, done: Sequence[str]) -> str:

@@ -2,20 +2,23 @@
 
 A pass is a function ``(Graph, PassContext) -> Graph`` registered with ``register_pass`` under a
 name and a kind: *exact* passes keep the function up to rounding (and are translation-validated),
-*architecture* passes change the model on purpose and never run unless named.
+*architecture* passes change the model on purpose and never run unless named. A program pass
+(``register_program_pass``) sees every graph at once, ``(Program, {graph: PassContext}) ->
+Program``, and may move nodes between graphs or add one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from archc.errors import ArchcError
-from archc.ir.graph import Graph
+from archc.ir.graph import Graph, Program
 from archc.passes.context import PassContext
 
 PassFn = Callable[[Graph, PassContext], Graph]
+ProgramPassFn = Callable[[Program, Mapping[str, PassContext]], Program]
 Kind = Literal["exact", "architecture"]
 
 
@@ -24,29 +27,45 @@ class Pass:
     name: str
     kind: Kind
     summary: str
-    fn: PassFn
+    fn: PassFn | ProgramPassFn
+    program: bool = False      # fn takes the whole program and a context per graph
 
 
 PASSES: dict[str, Pass] = {}
 
 
+def _register(p: Pass) -> None:
+    if p.name in PASSES:
+        raise ValueError(f"pass {p.name!r} registered twice")
+    PASSES[p.name] = p
+
+
 def register_pass(name: str, kind: Kind, summary: str) -> Callable[[PassFn], PassFn]:
     def register(fn: PassFn) -> PassFn:
-        if name in PASSES:
-            raise ValueError(f"pass {name!r} registered twice")
-        PASSES[name] = Pass(name, kind, summary, fn)
+        _register(Pass(name, kind, summary, fn))
+        return fn
+    return register
+
+
+def register_program_pass(name: str, kind: Kind, summary: str
+                          ) -> Callable[[ProgramPassFn], ProgramPassFn]:
+    def register(fn: ProgramPassFn) -> ProgramPassFn:
+        _register(Pass(name, kind, summary, fn, program=True))
         return fn
     return register
 
 
 # The default pipeline, in order. Attention is recognised first (its structure is what the
 # projection merges trace from), projections are merged before norms fold (one prologue per
-# merged matmul), and the epilogue fusions run last, over merged projections.
+# merged matmul), and the epilogue fusions run last, over merged projections. Cross-attention's
+# K and V leave the decoder once merged (one projection per layer to move), before the kernels
+# are chosen in either graph.
 DEFAULT_PIPELINE: tuple[str, ...] = (
     "fold-biases",
     "share-kv-heads",
     "flash-attention",
     "merge-qkv",
+    "hoist-cross-kv",
     "fold-norms",
     "fuse-glu",
     "merge-parallel",

@@ -158,6 +158,13 @@ class Rewriter:
         return self._new(Node(Op.PARAM, (), Attrs(name=name, expr=expr), dims, dtype, origin,
                               passes), at)
 
+    def add_input(self, name: str, shape: Shape, dtype: str, *, like: Sequence[int],
+                  at: int) -> int:
+        """A new graph input, placed just before node `at`."""
+        origin, passes = self.provenance(like)
+        return self._new(Node(Op.INPUT, (), Attrs(name=name), tuple(shape), dtype, origin,
+                              passes), at)
+
     def replace(self, old: int, new: int) -> None:
         """Every use of `old` reads `new` instead."""
         if old == new:

@@ -187,7 +187,8 @@ def _epilogue_step(rec: _Recorder, segs: list[_Seg], st: Call, xs: Sequence[torc
                 x = rec(Op.SPLIT_HEADS, s.value, heads=heads)
                 out.append(_Seg(s.start, s.stop, rec(
                     Op.ROPE, x, xs[0], xs[1], rotary_dim=st.kw("rotary_dim"),
-                    interleaved=st.kw("interleaved"), mscale=st.kw("mscale", 1.0)), heads))
+                    interleaved=st.kw("interleaved"), mscale=st.kw("mscale", 1.0),
+                    dynamic=st.kw("dynamic")), heads))
             else:
                 out.append(s)
         return out
@@ -290,7 +291,8 @@ def _attention(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder,
         elif plain and causal and t == length:
             is_causal = True
         else:
-            keep = visible(t, length, causal, a.get("window"), prefix).to(q.device)[None, None]
+            keep = visible(t, length, causal, a.get("window"), prefix, a.get("global_tokens"),
+                           device=q.device)[None, None]
             if padding is not None:
                 keep = keep & padding.bool()[:, None, None, :]
             if bias is None:
@@ -332,7 +334,8 @@ def _attention(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder,
                     max_distance=bias.kw("max_distance"))
         extra = [x for x in (padding, got.get("prefix_len")) if x is not None]
         s = rec(Op.MASK, s, *extra, causal=a["causal"], window=a.get("window"),
-                padding=padding is not None, prefix=prefix is not None)
+                global_tokens=a.get("global_tokens"), padding=padding is not None,
+                prefix=prefix is not None)
         return rec(Op.MERGE_HEADS, rec(Op.WEIGHTED_SUM, rec(Op.SOFTMAX, s), vv))
 
     out.append(_unfused("unfused", rec, body, lambda o: o))

@@ -3,7 +3,8 @@
 For each compute node the IR gives FLOPs and bytes (sympy, in B, T, P, S); with a GPU's peak
 FLOP/s and bandwidth, the roofline time is max(FLOPs / peak, bytes / bandwidth) and the node is
 compute- or memory-bound by which term wins. A decode step has a floor no kernel can beat: every
-weight byte it needs plus the KV cache it attends over, read once from HBM.
+weight byte it needs plus the KV cache it attends over, read once from HBM. A decode step runs
+the decoder graph only: the encoder and the cross-KV graph run once per generation.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from archc.ir.cost import node_cost
-from archc.ir.graph import Graph, Program
+from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import Op
 from archc.ir.paramexpr import leaves
 from archc.ir.shapes import DTYPE_BYTES, evaluate, numel
@@ -56,6 +57,15 @@ def label(g: Graph, i: int) -> str:
             return g.nodes[j].name
     layer = n.attr("cache_layer", n.attr("layer"))
     return f"layer {layer}" if layer is not None else n.origin
+
+
+# graphs that run once per generation, before the decode steps
+ONCE = ("encoder", CROSS_KV)
+
+
+def per_step(program: Program) -> Program:
+    """The graphs a decode step runs: all but the encoder and the cross-KV graph."""
+    return Program(program.model, tuple(g for g in program if g.name not in ONCE))
 
 
 def kernels(program: Program, dims: Mapping[str, int]) -> list[KernelRoof]:
@@ -125,8 +135,9 @@ def weight_bytes_read(program: Program, dims: Mapping[str, int]) -> int:
     return int(sum(seen.values()))
 
 
-def _window_of_layer(g: Graph, layer: int) -> int | None:
-    """The sliding window of a cached layer: of the first mask its key cache flows into."""
+def _window_of_layer(g: Graph, layer: int) -> tuple[int | None, int]:
+    """The sliding window and global tokens of a cached layer: of the first mask its key cache
+    flows into."""
     start = next(i for i, n in enumerate(g.nodes) if n.op == Op.KV_CACHE
                  and n.attr("layer") == layer and n.attr("kind") == "k")
     users = g.users()
@@ -135,30 +146,30 @@ def _window_of_layer(g: Graph, layer: int) -> int | None:
         j = frontier.pop(0)
         for u in users[j]:
             if g.nodes[u].op == Op.MASK:
-                return g.nodes[u].attr("window")
+                return g.nodes[u].attr("window"), g.nodes[u].attr("global_tokens") or 0
             if u not in seen:
                 seen.add(u)
                 frontier.append(u)
-    return None
+    return None, 0
 
 
 def kv_bytes_read(program: Program, dims: Mapping[str, int]) -> int:
     """KV-cache bytes a step attends over: each cached layer's K and V over the keys its
-    mask lets through (P + T, or the window for local layers)."""
+    mask lets through (P + T, or the window and global tokens for local layers)."""
     total = 0
     length = dims["P"] + dims["T"]
     for g in program:
         for n in g.nodes:
             if n.op == Op.KV_CACHE:
                 x = g.nodes[n.inputs[0]]
-                window = _window_of_layer(g, n.attr("layer"))
-                keys = length if window is None else min(length, window + dims["T"] - 1)
+                window, glob = _window_of_layer(g, n.attr("layer"))
+                keys = length if window is None else min(length, window + dims["T"] - 1 + glob)
                 row = evaluate(numel(x.shape) / x.shape[2], dims)  # B·H_kv·D
                 total += row * keys * DTYPE_BYTES[x.dtype]
             elif n.op == Op.ATTENTION and n.attr("cache_layer") is not None:
                 q = g.nodes[n.inputs[0]]
-                window = n.attr("window")
-                keys = length if window is None else min(length, window + dims["T"] - 1)
+                window, glob = n.attr("window"), n.attr("global_tokens") or 0
+                keys = length if window is None else min(length, window + dims["T"] - 1 + glob)
                 b, d = dims["B"], evaluate(q.shape[3], dims)
                 total += 2 * b * n.attr("kv_heads") * d * keys * DTYPE_BYTES[q.dtype]
     return total
@@ -175,7 +186,8 @@ class DecodeFloor:
 def decode_floor(program: Program, g: GPU, batch: int, past: int) -> DecodeFloor:
     """The fastest a decode step can be: weights and KV cache read once at full bandwidth."""
     dims = {"B": batch, "T": 1, "P": past, "S": max(past, 1)}
-    w = weight_bytes_read(program, dims)
-    kv = kv_bytes_read(program, dims)
+    step = per_step(program)
+    w = weight_bytes_read(step, dims)
+    kv = kv_bytes_read(step, dims)
     seconds = (w + kv) / g.bandwidth
     return DecodeFloor(w, kv, seconds, batch / seconds)

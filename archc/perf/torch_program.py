@@ -27,6 +27,7 @@ import torch
 from archc.errors import ArchcError
 from archc.ir.graph import Graph
 from archc.ir.ops import OP_TABLE, Op
+from archc.ir.ops.attention import query_key_positions, visible
 from archc.ir.shapes import evaluate
 
 Store = MutableMapping[tuple[int, str], torch.Tensor]
@@ -50,27 +51,14 @@ class TorchContext:
         return self.store[(layer, kind)][:, :, :self.dims["P"] + self.dims["T"]]
 
 
-def _positions(t: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absolute positions of the T query rows (the last T of L keys) and of the L keys."""
-    return (torch.arange(length - t, length, device=device),
-            torch.arange(length, device=device))
-
-
 def _mask_on_device(ctx: Any, xs: Sequence[torch.Tensor], a: Mapping[str, Any]) -> torch.Tensor:
     """The table's ``mask`` (``archc.ir.ops.attention.visible``), positions made on the device."""
     s = xs[0]
     rest = list(xs[1:])
     padding = rest.pop(0) if a.get("padding") else None
     prefix = rest.pop(0) if a.get("prefix") else None
-    q, k = _positions(s.shape[-2], s.shape[-1], s.device)
-    dist = q[:, None] - k[None, :]
-    keep = dist >= 0 if a["causal"] else torch.ones_like(dist, dtype=torch.bool)
-    window = a.get("window")
-    if window is not None:
-        keep = keep & ((dist < window) if a["causal"] else (dist.abs() < window))
-    if prefix is not None:
-        keep = keep | (k[None, :] < prefix)
-    keep = keep[None, None]
+    keep = visible(s.shape[-2], s.shape[-1], a["causal"], a.get("window"), prefix,
+                   a.get("global_tokens"), device=s.device)[None, None]
     if padding is not None:
         keep = keep & padding.bool()[:, None, None, :]
     return s.masked_fill(~keep, torch.finfo(s.dtype).min)
@@ -80,7 +68,7 @@ def _alibi_on_device(ctx: Any, xs: Sequence[torch.Tensor], a: Mapping[str, Any]
                      ) -> torch.Tensor:
     """The table's ``alibi`` (−slope·(query − key)), positions made on the device."""
     s, slopes = xs
-    q, k = _positions(s.shape[-2], s.shape[-1], s.device)
+    q, k = query_key_positions(s.shape[-2], s.shape[-1], s.device)
     dist = (k[None, :] - q[:, None]).to(torch.float32)
     return (s.float() + (slopes.float()[:, None, None] * dist[None])[None]).to(s.dtype)
 

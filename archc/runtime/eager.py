@@ -6,8 +6,9 @@ concrete B, T, P, S, and a failure names the node (``while running %42 = attenti
 Values are freed after their last use, so a real-size model runs in the memory of its weights
 plus a few activations.
 
-``EagerSession`` holds what persists between calls: the evaluated parameters, the KV cache and the
-past length P — so a prompt can be prefilled and then decoded token by token.
+``EagerSession`` holds what persists between calls: the evaluated parameters, the KV cache, the
+recurrent state of Mamba and linear-attention layers, and the past length P — so a prompt can be
+prefilled and then decoded token by token.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import sympy
 import torch
 
 from archc.errors import ArchcError, RunError
-from archc.ir.graph import Graph, Program
+from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import OP_TABLE, Op
 from archc.ir.shapes import DIMS
 from archc.ir.text import format_node
+from archc.runtime.cross_kv import CrossKV
+from archc.runtime.state import RecurrentState
 from archc.runtime.weights import TORCH_DTYPES, materialize
 
 
@@ -64,6 +67,19 @@ class EagerContext:
 
     dims: Mapping[str, int]
     cache: KVCache | None = None
+    state: RecurrentState | None = None
+
+    def state_read(self, layer: int, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+        """Layer `layer`'s recurrent state `kind`: zeros when a sequence starts (P = 0)."""
+        if self.state is None:
+            raise RunError("this graph keeps a recurrent state but none was given")
+        return self.state.read(layer, kind, shape, dtype, device, self.dims["P"])
+
+    def state_write(self, layer: int, kind: str, value: torch.Tensor) -> None:
+        if self.state is None:
+            raise RunError("this graph keeps a recurrent state but none was given")
+        self.state.write(layer, kind, value)
 
     def cache_append(self, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
         if self.cache is None:
@@ -83,6 +99,8 @@ class Trace:
 
     keep: set[int] | None = None       # None: keep every compute node
     values: dict[int, torch.Tensor] = field(default_factory=dict)
+    graph: str | None = None           # only this graph's nodes (None: every graph run)
+    graph: str | None = None           # only this graph's nodes (None: every graph run)
 
 
 def run_graph(graph: Graph, params: Mapping[str, torch.Tensor],
@@ -121,7 +139,7 @@ def run_graph(graph: Graph, params: Mapping[str, torch.Tensor],
         if n.op == Op.OUTPUT:
             outputs[n.name] = value
         if trace is not None and n.op not in (Op.INPUT, Op.PARAM) and (
-                trace.keep is None or i in trace.keep):
+                trace.keep is None or i in trace.keep) and trace.graph in (None, graph.name):
             trace.values[i] = value
         for j in n.inputs:  # free what no later node reads
             if last_use[j] == i:
@@ -142,17 +160,33 @@ class EagerSession:
         self.device = torch.device(device)
         self.params = {g.name: materialize(g, checkpoint, self.device) for g in program}
         self.cache = KVCache(max_seq_len)
+        self.state = RecurrentState()
         self.past = 0
         self.prefix_len: int | None = None
         self.trace: Trace | None = None
+        self.cross_kv = CrossKV(program, self._run_cross_kv)
 
     def reset(self) -> None:
         self.past = 0
         self.prefix_len = None
+        self.cross_kv.reset()
         self.cache = KVCache(self.cache.max_len)
+        self.state = RecurrentState()
 
     def _graph(self, name: str) -> Graph:
         return self.program.graph(name)
+
+    def _run_cross_kv(self, encoder_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        b, s = encoder_hidden.shape[:2]
+        return run_graph(self._graph(CROSS_KV), self.params[CROSS_KV],
+                         {"encoder_hidden": encoder_hidden},
+                         EagerContext({"B": b, "T": 1, "P": 0, "S": s}), trace=self.trace)
+
+    def _run_cross_kv(self, encoder_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        b, s = encoder_hidden.shape[:2]
+        return run_graph(self._graph(CROSS_KV), self.params[CROSS_KV],
+                         {"encoder_hidden": encoder_hidden},
+                         EagerContext({"B": b, "T": 1, "P": 0, "S": s}), trace=self.trace)
 
     def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
                token_types: torch.Tensor | None = None) -> torch.Tensor:
@@ -187,7 +221,9 @@ class EagerSession:
             inputs["encoder_hidden"] = encoder_hidden
             inputs["encoder_mask"] = (torch.ones(b, s, dtype=torch.long) if encoder_mask is None
                                       else encoder_mask.long()).to(self.device)
-        ctx = EagerContext(dims, self.cache)
+            inputs.update(self.cross_kv.inputs(encoder_hidden))
+            inputs.update(self.cross_kv.inputs(encoder_hidden))
+        ctx = EagerContext(dims, self.cache, self.state)
         out = run_graph(g, self.params["decoder"], inputs, ctx, trace=self.trace)["logits"]
         self.past += t
         return out

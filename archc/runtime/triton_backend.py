@@ -29,10 +29,11 @@ from typing import Any
 import torch
 
 from archc.errors import ArchcError, RunError
-from archc.ir.graph import Graph, Program
+from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import Op
 from archc.ir.shapes import concrete
 from archc.ir.text import format_node
+from archc.runtime.cross_kv import CrossKV
 from archc.runtime.weights import TORCH_DTYPES, materialize
 
 
@@ -343,10 +344,16 @@ class TritonSession:
         self.past = 0
         self.prefix_len: int | None = None
         self._graphs: dict[tuple[int, int], _CapturedStep] = {}
+        self.cross_kv = CrossKV(self.program, self._run_cross_kv)
 
     def reset(self) -> None:
         self.past = 0
         self.prefix_len = None
+        self.cross_kv.reset()
+
+    def _run_cross_kv(self, encoder_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        b, s = encoder_hidden.shape[:2]
+        return self._run(CROSS_KV, {"encoder_hidden": encoder_hidden}, B=b, T=1, P=0, S=s)
 
     def _check_ids(self, graph: Graph, inputs: Mapping[str, torch.Tensor], *,
                    on_device: bool = True) -> None:
@@ -410,6 +417,7 @@ class TritonSession:
             inputs["encoder_hidden"] = encoder_hidden
             inputs["encoder_mask"] = (torch.ones(b, s, dtype=torch.long, device=dev)
                                       if encoder_mask is None else encoder_mask.long())
+            inputs.update(self.cross_kv.inputs(encoder_hidden))
         runner = self.runners["decoder"]
         inputs = {k: v for k, v in inputs.items() if k in runner.inputs}
         if self._graph_ok(t):
@@ -442,8 +450,9 @@ class TritonSession:
                 self.ctx.set_dims(b, 1, self.past, s, self.max_seq_len)
                 out = runner.run(inputs, self.ctx)["logits"]     # warm-up: compile, tune
                 v = list(runner.last_v)
-                for i in runner.inputs.values():                  # inputs the graph owns
-                    v[i] = v[i].clone()
+                for name, i in runner.inputs.items():             # inputs the graph owns,
+                    if name not in self.cross_kv.values:          # but the cross-KV cache's
+                        v[i] = v[i].clone()                       # own tensors are read in place
                 graph = torch.cuda.CUDAGraph()
                 torch.cuda.synchronize()
                 with torch.cuda.graph(graph):
@@ -455,7 +464,8 @@ class TritonSession:
             return out
         for k, x in inputs.items():
             i = runner.inputs[k]
-            entry.v[i].copy_(x.to(entry.v[i].dtype))
+            if entry.v[i].data_ptr() != x.data_ptr():             # not the tensor it reads
+                entry.v[i].copy_(x.to(entry.v[i].dtype))
         self.ctx.set_dims(b, 1, self.past, s, self.max_seq_len)   # P on the device
         entry.graph.replay()
         logits = runner.graph.outputs["logits"]

@@ -8,7 +8,8 @@ Three runs on the same weights and inputs:
 Each kernel's output in (3) is compared with the same node in (2), and each KV-cache write with
 the eager cache of its layer; the first node past its tolerance is the first diverging kernel,
 reported with the IR nodes it implements. A decoder is checked on a prefill and then on one
-decode step (different kernels: the split-KV attention), an encoder-decoder on both graphs.
+decode step (different kernels: the split-KV attention), an encoder-decoder on every graph (the
+cross-KV graph, which runs at a generation's first step, on a prefill of its own).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from archc.errors import ArchcError
-from archc.ir.graph import Graph
+from archc.ir.graph import CROSS_KV, Graph
 from archc.ir.text import format_node
 from archc.runtime.eager import EagerSession, Trace
 
@@ -138,8 +139,8 @@ def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int =
                          f"{spec.max_seq_len}")
     ids = torch.randint(0, spec.vocab_size, (batch, tokens), generator=gen)
 
-    def phase(name: str, graph: str, run: object) -> None:
-        fused.trace = Trace()
+    def phase(name: str, graph: str, run: object, output: str | None = None) -> None:
+        fused.trace = Trace(graph=graph)
         outs = [run(s) for s in (reference, fused, triton)]  # type: ignore[operator]
         g = triton.program.graph(graph)
         runner = triton.runners[graph]
@@ -152,7 +153,7 @@ def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int =
         _compare(report, name, g, fused.trace.values, runner,
                  {i: units[(graph, i)] for i in g.compute_ids()}, dims, caches)
         e, s = _err(outs[2], outs[0])
-        report.phases.append(PhaseCheck(name, list(g.outputs)[0], e, s))
+        report.phases.append(PhaseCheck(name, output or list(g.outputs)[0], e, s))
         fused.trace = None
 
     if spec.family == "encoder":
@@ -169,9 +170,14 @@ def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int =
 
         def step(s: object, x: torch.Tensor) -> torch.Tensor:
             return s.step(x, encoder_hidden=hidden[id(s)])  # type: ignore[attr-defined]
+        prompt = torch.cat([start, ids[:, :2]], 1)
+        if CROSS_KV in triton.runners:
+            for s in (reference, fused, triton):
+                s.reset()
+            phase("cross-kv", CROSS_KV, lambda s: step(s, prompt), output="logits")
         for s in (reference, fused, triton):
             s.reset()
-        phase("prefill", "decoder", lambda s: step(s, torch.cat([start, ids[:, :2]], 1)))
+        phase("prefill", "decoder", lambda s: step(s, prompt))
         phase("decode", "decoder", lambda s: step(s, ids[:, 2:3]))
         return report
     for s in (reference, fused, triton):

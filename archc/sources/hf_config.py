@@ -10,6 +10,7 @@ embeddings.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
@@ -150,7 +151,7 @@ def rope_position(cfg: HFConfig, *, max_seq_len: int, theta_keys: Iterable[str] 
                   interleaved: bool = False) -> dict[str, Any]:
     """The spec's `position` section for a RoPE model, from `rope_parameters` (transformers 5) or
     `rope_theta` + `rope_scaling` + a partial-rotary field (transformers 4). Returns the section
-    and may lower `max_seq_len` (see dynamic scaling) through the returned `_max_seq_len`."""
+    and may change `max_seq_len` (see dynamic scaling) through the returned `_max_seq_len`."""
     params = cfg.get("rope_parameters") or {}
     if not isinstance(params, Mapping):
         raise cfg.refuse("rope_parameters", params, "a mapping of one RoPE setting is expected "
@@ -202,10 +203,14 @@ def rope_position(cfg: HFConfig, *, max_seq_len: int, theta_keys: Iterable[str] 
         leftover(())
         out["scaling"] = {"kind": "linear", "factor": float(factor)}
     elif kind == "dynamic":
-        # Dynamic NTK changes the frequencies only past the trained context; up to it, RoPE is
-        # the plain one. archc honours it exactly by keeping to that context.
+        # Dynamic NTK rescales the frequencies from the current length once it passes the
+        # trained context, which transformers takes to be max_position_embeddings (whatever
+        # original_max_position_embeddings says). The factor is how far past it the model is
+        # meant to go: the KV cache is sized for that.
         leftover(())
-        out["_max_seq_len"] = min(max_seq_len, int(original))
+        out["scaling"] = {"kind": "dynamic", "factor": float(factor),
+                          "original_max_seq_len": int(max_seq_len)}
+        out["_max_seq_len"] = max(int(max_seq_len), math.ceil(max_seq_len * float(factor)))
     elif kind == "llama3":
         low = merged.pop("low_freq_factor", 1.0)
         high = merged.pop("high_freq_factor", 4.0)
@@ -229,7 +234,7 @@ def rope_position(cfg: HFConfig, *, max_seq_len: int, theta_keys: Iterable[str] 
         out["scaling"] = sc
     else:
         raise cfg.refuse(f"{where}.rope_type", kind, "archc implements default, linear, "
-                         "dynamic (within the trained context), llama3 and yarn RoPE")
+                         "dynamic, llama3 and yarn RoPE")
     return out
 
 

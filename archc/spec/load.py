@@ -24,6 +24,7 @@ from archc.errors import SpecError
 from archc.spec.schema import (
     FFN,
     AttentionBias,
+    Mamba,
     Spec,
 )
 
@@ -221,7 +222,8 @@ def _build(cls: type, data: Any, path: str) -> Any:
                 values[name] = _build(f.default_factory, {}, where)
                 continue
             if f.default is None and f.default_factory is dataclasses.MISSING and \
-                    not f.metadata.get("derived") and type(None) not in get_args(hints[name]):
+                    not f.metadata.get("derived") and not f.metadata.get("required_when") \
+                    and type(None) not in get_args(hints[name]):
                 raise SpecError(where, "is missing", allowed=f.metadata.get("doc"))
             continue
         only = f.metadata.get("only")
@@ -251,17 +253,25 @@ def gated_d_ff(d_model: int, multiple_of: int, multiplier: float) -> int:
 
 
 def _resolve(spec: Spec) -> Spec:
-    att, ffn = spec.attention, spec.ffn
+    att, ffn, mixer = spec.attention, spec.ffn, spec.mixer
     replace = dataclasses.replace
-    if att.head_dim is None:
+    if att.heads is None and spec.attends:
+        raise SpecError("attention.heads", f"is missing, and {_mixers_text(spec)} attends",
+                        allowed="query heads: a whole number ≥ 1")
+    if att.heads is not None and att.head_dim is None:
         if spec.d_model % att.heads:
             raise SpecError("attention.heads", f"{att.heads} does not divide d_model "
                             f"({spec.d_model}) and attention.head_dim is not given",
                             allowed=f"a divisor of {spec.d_model}, or set attention.head_dim")
         att = replace(att, head_dim=spec.d_model // att.heads)
-    if att.kv_heads is None:
+    if att.heads is not None and att.kv_heads is None:
         att = replace(att, kv_heads=att.heads)
-    if ffn.d_ff is None:
+    if "mamba" in spec.all_mixers:
+        mamba = mixer.mamba or Mamba()
+        if mamba.dt_rank is None:
+            mamba = replace(mamba, dt_rank=mamba_dt_rank(spec.d_model))
+        mixer = replace(mixer, mamba=mamba)
+    if ffn.d_ff is None and ffn.kind != "none":
         if ffn.gated:
             d_ff = gated_d_ff(spec.d_model, ffn.multiple_of, ffn.multiplier)
         else:
@@ -273,7 +283,71 @@ def _resolve(spec: Spec) -> Spec:
     dec = spec.decoder_layers
     if spec.family == "encoder-decoder" and dec is None:
         dec = spec.layers
-    return replace(spec, attention=att, ffn=ffn, embedding=emb, decoder_layers=dec)
+    return replace(spec, attention=att, ffn=ffn, embedding=emb, decoder_layers=dec,
+                   mixer=mixer)
+
+
+def mamba_dt_rank(d_model: int) -> int:
+    """Mamba's default rank of the Δ projection: ⌈d_model / 16⌉ (Gu & Dao 2023)."""
+    return -(-d_model // 16)
+
+
+def _mixers_text(spec: Spec) -> str:
+    """Where the spec says which mixers its layers have, as the author wrote it."""
+    if spec.mixer.pattern is not None:
+        return f"mixer.pattern {_show_list(spec.mixer.pattern)}"
+    return f"mixer.kind {spec.mixer.kind!r}"
+
+
+# Attention fields that act only inside softmax attention (scores, masks, windows), as
+# (field, value that means "not set").
+SOFTMAX_ONLY = (("mask", "causal"), ("window", None), ("pattern", None), ("softcap", None),
+                ("scale", None), ("qk_norm", False))
+
+
+def _check_mixers(spec: Spec) -> None:
+    """Rules on the per-layer mixers and on what applies to the layers they make."""
+    mixer, att = spec.mixer, spec.attention
+    if mixer.pattern is not None:
+        pattern = _show_list(mixer.pattern)
+        if mixer.kind != "attention":
+            raise SpecError("mixer.kind", f"{mixer.kind!r} is set beside mixer.pattern "
+                            f"{pattern}", allowed="one of them: kind for every layer, or "
+                            "pattern per layer")
+        layers = max(spec.layers, spec.decoder_layers or 0)
+        if len(mixer.pattern) > layers:
+            raise SpecError("mixer.pattern", f"{pattern} has {len(mixer.pattern)} entries for "
+                            f"{layers} layers", allowed=f"at most {layers} entries")
+    where = "mixer.pattern" if mixer.pattern is not None else "mixer.kind"
+    mixers = set(spec.all_mixers)
+    recurrent = sorted(mixers - {"attention"})
+    if recurrent and spec.family != "decoder":
+        raise SpecError(where, f"{_mixers_text(spec).split(' ', 1)[1]} in an {spec.family}: "
+                        f"{' and '.join(recurrent)} layers are causal recurrences",
+                        allowed="attention, or family: decoder")
+    if mixer.mamba is not None and "mamba" not in mixers:
+        raise SpecError("mixer.mamba", f"is set, but no layer is mamba ({_mixers_text(spec)})",
+                        allowed="remove it, or give some layers the mamba mixer")
+    if not spec.attends:
+        given = [(n, v) for n, v in (("heads", att.heads), ("kv_heads", att.kv_heads),
+                                     ("head_dim", att.head_dim)) if v is not None]
+        if att.bias.any:
+            given.append(("bias", "a bias"))
+        for name, value in given:
+            raise SpecError(f"attention.{name}", f"{_show(value)} is set, but no layer attends "
+                            f"({_mixers_text(spec)})", allowed="remove it")
+    if not spec.softmax_attends:
+        for name, unset in SOFTMAX_ONLY:
+            value = getattr(att, name)
+            if value != unset:
+                shown = _show_list(value) if isinstance(value, tuple) else _show(value)
+                raise SpecError(f"attention.{name}", f"{shown} is set, but it acts in softmax "
+                                f"attention and no layer has it ({_mixers_text(spec)})",
+                                allowed="remove it")
+        if spec.position.kind in ("rope", "alibi", "relative"):
+            raise SpecError("position.kind", f"{spec.position.kind!r} acts inside softmax "
+                            f"attention, and no layer has it ({_mixers_text(spec)})",
+                            allowed="none, learned, sinusoidal")
 
 
 def _check(spec: Spec) -> None:
@@ -282,7 +356,8 @@ def _check(spec: Spec) -> None:
     if not NAME_RE.match(spec.name):
         raise SpecError("name", f"{spec.name!r} is not a valid model name",
                         allowed="1-64 letters, digits, '.', '_', '-', starting alphanumeric")
-    if att.heads % att.kv_heads:
+    _check_mixers(spec)
+    if spec.attends and att.heads % att.kv_heads:
         divisors = [d for d in range(1, att.heads + 1) if att.heads % d == 0]
         raise SpecError("attention.kv_heads", f"{att.kv_heads} does not divide attention.heads "
                         f"({att.heads})", allowed="one of " + ", ".join(map(str, divisors)))
@@ -300,6 +375,42 @@ def _check(spec: Spec) -> None:
         if len(att.pattern) > layers:
             raise SpecError("attention.pattern", f"{pattern} has {len(att.pattern)} entries for "
                             f"{layers} layers", allowed=f"at most {layers} entries")
+    if att.global_tokens is not None:
+        g = att.global_tokens
+        if att.window is None:
+            raise SpecError("attention.global_tokens", f"{g} is set but attention.window is not: "
+                            "global tokens are seen beside a sliding window",
+                            allowed="set attention.window, or remove it")
+        if att.mask == "prefix":
+            raise SpecError("attention.global_tokens", f"{g} with attention.mask 'prefix', whose "
+                            "prompt every query sees already", allowed="remove it, or mask: causal")
+        if g > spec.max_seq_len:
+            raise SpecError("attention.global_tokens", f"{g} is more than max_seq_len "
+                            f"({spec.max_seq_len})", allowed=f"1 to {spec.max_seq_len}")
+    if att.global_tokens is not None:
+        g = att.global_tokens
+        if att.window is None:
+            raise SpecError("attention.global_tokens", f"{g} is set but attention.window is not: "
+                            "global tokens are seen beside a sliding window",
+                            allowed="set attention.window, or remove it")
+        if att.mask == "prefix":
+            raise SpecError("attention.global_tokens", f"{g} with attention.mask 'prefix', whose "
+                            "prompt every query sees already", allowed="remove it, or mask: causal")
+        if g > spec.max_seq_len:
+            raise SpecError("attention.global_tokens", f"{g} is more than max_seq_len "
+                            f"({spec.max_seq_len})", allowed=f"1 to {spec.max_seq_len}")
+    if att.global_tokens is not None:
+        g = att.global_tokens
+        if att.window is None:
+            raise SpecError("attention.global_tokens", f"{g} is set but attention.window is not: "
+                            "global tokens are seen beside a sliding window",
+                            allowed="set attention.window, or remove it")
+        if att.mask == "prefix":
+            raise SpecError("attention.global_tokens", f"{g} with attention.mask 'prefix', whose "
+                            "prompt every query sees already", allowed="remove it, or mask: causal")
+        if g > spec.max_seq_len:
+            raise SpecError("attention.global_tokens", f"{g} is more than max_seq_len "
+                            f"({spec.max_seq_len})", allowed=f"1 to {spec.max_seq_len}")
     if spec.family == "encoder" and att.mask != "bidirectional":
         raise SpecError("attention.mask", f"{att.mask!r} in an encoder: encoders see the "
                         "whole input", allowed="bidirectional")
@@ -335,9 +446,15 @@ def _check(spec: Spec) -> None:
                             f"gives {rot} rotary dims", allowed="a fraction giving an even "
                             "number ≥ 2 of dims")
         sc = pos.scaling
-        if sc is not None and sc.kind in ("yarn", "llama3") and sc.original_max_seq_len is None:
+        if sc is not None and sc.kind in ("yarn", "llama3", "dynamic") and \
+                sc.original_max_seq_len is None:
             raise SpecError("position.scaling.original_max_seq_len",
                             f"is missing for {sc.kind} scaling", allowed="a whole number ≥ 1")
+        if sc is not None and sc.kind == "dynamic" and rot < 4:
+            # θ'_j = θ_j · s^(−2j/(d − 2)): no frequency to rescale with d = 2
+            raise SpecError("position.scaling.kind", f"'dynamic' with {rot} rotary dims: "
+                            "dynamic NTK rescales the base by s^(d/(d−2))",
+                            allowed="4 or more rotary dims, or another scaling kind")
         if sc is not None and sc.kind == "llama3" and sc.high_freq_factor <= sc.low_freq_factor:
             raise SpecError("position.scaling.high_freq_factor",
                             f"{sc.high_freq_factor} is not above low_freq_factor "
@@ -366,6 +483,16 @@ def _check(spec: Spec) -> None:
         if ffn.bias:
             raise SpecError("ffn.bias", "true, but MoE experts have no biases",
                             allowed="false, or a dense ffn.kind")
+        if ffn.pattern is not None:
+            pattern = _show_list(ffn.pattern)
+            if "moe" not in ffn.pattern:
+                raise SpecError("ffn.pattern", f"{pattern} has no moe layer",
+                                allowed=f"a pattern with moe layers, or ffn.kind: "
+                                f"{ffn.moe.expert}")
+            layers = max(spec.layers, spec.decoder_layers or 0)
+            if len(ffn.pattern) > layers:
+                raise SpecError("ffn.pattern", f"{pattern} has {len(ffn.pattern)} entries for "
+                                f"{layers} layers", allowed=f"at most {layers} entries")
         if ffn.moe.expert != "mlp" and ffn.activation != FFN().activation:
             raise SpecError("ffn.activation", f"{ffn.activation!r}, but {ffn.moe.expert} "
                             "experts take their activation from their kind",
@@ -375,6 +502,15 @@ def _check(spec: Spec) -> None:
 def _check_given(spec: Spec) -> None:
     """Rules on what the spec gave before derived fields are filled in."""
     ffn = spec.ffn
+    if ffn.kind == "none":
+        for name, value, unset in (("d_ff", ffn.d_ff, None), ("bias", ffn.bias, False)):
+            if value != unset:
+                raise SpecError(f"ffn.{name}", f"{_show(value)} is set, but ffn.kind is 'none'",
+                                allowed="remove it, or choose an ffn.kind")
+        if spec.block.parallel:
+            raise SpecError("block.parallel", "true, but ffn.kind is 'none': a parallel block "
+                            "runs the mixer and an FFN side by side",
+                            allowed="false, or choose an ffn.kind")
     rule = {"ffn.multiple_of": (ffn.multiple_of, 1), "ffn.multiplier": (ffn.multiplier, 1.0)}
     for path, (value, default) in rule.items():
         if value != default and not ffn.gated:
@@ -475,19 +611,24 @@ def to_dict(spec: Spec, *, full: bool = False) -> dict[str, Any]:
     default, or, for a derived field, what the loader would derive."""
     att, ffn = spec.attention, spec.ffn
     derived = {
-        "attention.head_dim": spec.d_model // att.heads if spec.d_model % att.heads == 0
-        else None,
+        "attention.head_dim": spec.d_model // att.heads if att.heads is not None and
+        spec.d_model % att.heads == 0 else None,
         "attention.kv_heads": att.heads,
-        "ffn.d_ff": gated_d_ff(spec.d_model, ffn.multiple_of, ffn.multiplier) if ffn.gated
+        "ffn.d_ff": None if ffn.kind == "none" else
+        gated_d_ff(spec.d_model, ffn.multiple_of, ffn.multiplier) if ffn.gated
         else 4 * spec.d_model,
         "decoder_layers": spec.layers if spec.family == "encoder-decoder" else None,
+        "mixer.mamba.dt_rank": mamba_dt_rank(spec.d_model),
     }
 
     def section(obj: Any, path: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        hints = typing.get_type_hints(type(obj))
         for f in dataclasses.fields(obj):
             where = f"{path}{f.name}"
             value = getattr(obj, f.name)
+            if value is None and type(None) not in get_args(hints[f.name]):
+                continue  # a field the spec does not have (attention.heads of a pure Mamba)
             only = f.metadata.get("only")
             if only and getattr(obj, "kind", None) not in only:
                 continue  # the loader refuses a field that does not apply to its section's kind

@@ -39,6 +39,8 @@ def _type_text(tp: Any) -> str:
 def _default_text(f: dataclasses.Field, tp: Any) -> str:
     if f.metadata.get("derived"):
         return "derived"
+    if f.metadata.get("required_when"):
+        return f"required when {f.metadata['required_when']}"
     if f.default_factory is not dataclasses.MISSING:
         return "—"
     if f.default is None:  # as the loader decides: None of a non-optional type is required
@@ -69,9 +71,9 @@ def reference() -> str:
         "it current.",
         "A spec is YAML read with `yaml.safe_load`. Sizes not given are derived (`head_dim` = "
         "`d_model / heads`, `kv_heads` = `heads`, `d_ff` = 4·`d_model` for an MLP or the gated "
-        "2/3 rule). A field marked *only when* applies to that `kind` of its section; anywhere "
-        "else it is refused. Bad input is refused with the file, the field path, the value and "
-        "what is allowed.",
+        "2/3 rule, `mixer.mamba.dt_rank` = ⌈`d_model`/16⌉). A field marked *only when* applies "
+        "to that `kind` of its section; anywhere else it is refused. Bad input is refused with "
+        "the file, the field path, the value and what is allowed.",
     ]
     for prefix, cls in _sections(Spec):
         hints = typing.get_type_hints(cls)

@@ -7,7 +7,8 @@ the loader, so a ``Spec`` always holds concrete numbers.
 
 Field metadata keys: ``doc`` (one line), ``min``/``max`` (inclusive bounds), ``only`` (the field is
 meaningful only when ``kind`` of its section is one of these), ``derived`` (may be omitted in YAML;
-the loader computes it).
+the loader computes it), ``required_when`` (required only under that condition, which the loader
+checks with the other cross-field rules).
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ Dtype = Literal["f32", "f16", "bf16"]
 NormKind = Literal["layernorm", "rmsnorm"]
 Placement = Literal["pre", "post", "sandwich"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "sigmoid"]
-FFNKind = Literal["mlp", "glu", "reglu", "geglu", "swiglu", "moe"]
+FFNKind = Literal["mlp", "glu", "reglu", "geglu", "swiglu", "moe", "none"]
 ExpertKind = Literal["mlp", "glu", "reglu", "geglu", "swiglu"]
 MaskKind = Literal["causal", "bidirectional", "prefix"]
 LayerKind = Literal["local", "global"]
 PositionKind = Literal["none", "learned", "sinusoidal", "rope", "alibi", "relative"]
-RopeScalingKind = Literal["linear", "ntk", "yarn", "llama3"]
+RopeScalingKind = Literal["linear", "ntk", "yarn", "llama3", "dynamic"]
+MixerKind = Literal["attention", "linear_attention", "mamba"]
+FFNLayerKind = Literal["dense", "moe"]
 
 # The activation each gated FFN applies to its gate branch (Shazeer 2020).
 GATED_ACTIVATION: dict[str, Activation] = {
@@ -46,10 +49,12 @@ def _f(default: Any = None, doc: str = "", **meta: Any) -> Any:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    kind: RopeScalingKind = _f("linear", "linear | ntk | yarn | llama3")
+    kind: RopeScalingKind = _f("linear", "linear | ntk | yarn | llama3 | dynamic (NTK from the "
+                               "current length past the trained context)")
     factor: float = _f(1.0, "context extension factor", min=1.0)
     original_max_seq_len: int | None = _f(
-        None, "context the model was trained on (yarn, llama3)", min=1, only=("yarn", "llama3"))
+        None, "context the model was trained on (yarn, llama3, dynamic)", min=1,
+        only=("yarn", "llama3", "dynamic"))
     low_freq_factor: float = _f(1.0, "llama3: wavelengths above original/low are scaled", min=0.0,
                                 only=("llama3",))
     high_freq_factor: float = _f(4.0, "llama3: wavelengths below original/high are kept",
@@ -96,12 +101,15 @@ class AttentionBias:
 
 @dataclass(frozen=True)
 class Attention:
-    heads: int = _f(None, "query heads", min=1)
+    heads: int = _f(None, "query heads", min=1, required_when="a layer attends")
     kv_heads: int = _f(None, "key/value heads: = heads (MHA), 1 (MQA), or a divisor (GQA)",
                        min=1, derived=True)
     head_dim: int = _f(None, "dims per head (default d_model / heads)", min=1, derived=True)
     mask: MaskKind = _f("causal", "causal | bidirectional | prefix (prompt sees itself fully)")
     window: int | None = _f(None, "sliding window: a query sees the last `window` keys", min=1)
+    global_tokens: int | None = _f(
+        None, "sparse attention (Longformer): the first G positions are global — every query "
+        "of a windowed layer sees them, and in an encoder they see every key", min=1)
     pattern: tuple[LayerKind, ...] | None = _f(
         None, "per-layer kinds, repeated over the layers: local (windowed) or global")
     softcap: float | None = _f(None, "attention-logit soft-cap: cap·tanh(s/cap)", min=0.0)
@@ -116,6 +124,29 @@ class Attention:
 
 
 @dataclass(frozen=True)
+class Mamba:
+    d_state: int = _f(16, "state size N of each inner channel's SSM", min=1)
+    d_conv: int = _f(4, "width of the causal depthwise convolution over time", min=2)
+    expand: int = _f(2, "inner width = expand·d_model", min=1)
+    dt_rank: int = _f(None, "rank of the Δ projection (default ⌈d_model/16⌉)", min=1,
+                      derived=True)
+    conv_bias: bool = _f(True, "bias on the convolution")
+    bias: bool = _f(False, "biases on the in- and out-projections")
+    inner_norms: bool = _f(False, "RMSNorm (norm.eps) on Δ, B and C after the x-projection, "
+                           "as Jamba")
+
+
+@dataclass(frozen=True)
+class Mixer:
+    kind: MixerKind = _f("attention", "sequence mixer of every layer: attention (softmax), "
+                         "linear_attention (φ = elu + 1, running sums), mamba (selective SSM)")
+    pattern: tuple[MixerKind, ...] | None = _f(
+        None, "per-layer mixers, repeated over the layers, instead of kind (hybrids: "
+        "[mamba, mamba, mamba, attention])")
+    mamba: Mamba | None = _f(None, "mamba layers: selective state-space sizes")
+
+
+@dataclass(frozen=True)
 class MoE:
     experts: int = _f(None, "number of experts", min=2)
     top_k: int = _f(2, "experts each token is routed to", min=1)
@@ -126,7 +157,8 @@ class MoE:
 
 @dataclass(frozen=True)
 class FFN:
-    kind: FFNKind = _f("mlp", "mlp | glu | reglu | geglu | swiglu | moe")
+    kind: FFNKind = _f("mlp", "mlp | glu | reglu | geglu | swiglu | moe | none (no FFN: a "
+                       "block is its mixer alone, as Mamba)")
     activation: Activation = _f("gelu", "mlp, and moe with mlp experts: relu | gelu | "
                                 "gelu_tanh | silu", only=("mlp", "moe"))
     d_ff: int = _f(None, "hidden size (default: 4·d_model, or the gated 2/3 rule)", min=1,
@@ -136,6 +168,9 @@ class FFN:
                            min=0.0)
     bias: bool = _f(False, "biases on the FFN projections")
     moe: MoE | None = _f(None, "moe: experts and routing", only=("moe",))
+    pattern: tuple[FFNLayerKind, ...] | None = _f(
+        None, "per-layer FFNs, repeated over the layers: moe routes over the experts, dense runs "
+        "one FFN of kind moe.expert and d_ff (Jamba: [dense, moe])", only=("moe",))
 
     @property
     def gated(self) -> bool:
@@ -197,6 +232,7 @@ class Spec:
     max_seq_len: int = _f(2048, "longest sequence (positions table, KV-cache size)", min=1)
     dtype: Dtype = _f("bf16", "weight dtype for size and byte reports")
     description: str = _f("", "free text")
+    mixer: Mixer = _f(Mixer, "sequence mixer per layer")
     attention: Attention = _f(Attention, "attention")
     ffn: FFN = _f(FFN, "feed-forward")
     norm: Norm = _f(Norm, "normalization")
@@ -224,6 +260,38 @@ class Spec:
         if self.attention.scale is not None:
             return self.attention.scale
         return 1.0 / math.sqrt(self.attention.head_dim)
+
+    def layer_mixers(self, layers: int | None = None) -> tuple[MixerKind, ...]:
+        """The sequence mixer of each layer, from `mixer.pattern` (repeated) or `mixer.kind`."""
+        n = self.layers if layers is None else layers
+        pattern = self.mixer.pattern or (self.mixer.kind,)
+        return tuple(pattern[i % len(pattern)] for i in range(n))
+
+    @property
+    def attends(self) -> bool:
+        """Does any layer attend (softmax or linear), so that attention.heads applies?"""
+        return any(m != "mamba" for m in self.all_mixers)
+
+    @property
+    def softmax_attends(self) -> bool:
+        """Does any layer use softmax attention (masks, windows, scores, positions inside)?"""
+        return "attention" in self.all_mixers
+
+    @property
+    def all_mixers(self) -> tuple[MixerKind, ...]:
+        """Mixers of every layer of every stack."""
+        return self.layer_mixers(max(self.layers, self.decoder_layers or 0))
+
+    @property
+    def mamba_inner(self) -> int:
+        """Inner width of a mamba layer (expand·d_model; 0 without mamba layers)."""
+        return self.mixer.mamba.expand * self.d_model if self.mixer.mamba else 0
+
+    def layer_ffns(self, layers: int | None = None) -> tuple[FFNLayerKind, ...]:
+        """Dense or MoE FFN for each layer of an MoE model, from `ffn.pattern` (repeated)."""
+        n = self.layers if layers is None else layers
+        pattern = self.ffn.pattern or ("moe",)
+        return tuple(pattern[i % len(pattern)] for i in range(n))
 
     def layer_kinds(self, layers: int | None = None) -> tuple[LayerKind, ...]:
         """Local (windowed) or global attention for each layer, from `attention.pattern`."""

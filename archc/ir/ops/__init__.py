@@ -1,12 +1,20 @@
 """The op table: every op declared once (``OP_TABLE``), grouped by family into modules."""
 
-from archc.ir.ops import attention, core, fused, moe  # noqa: F401  (each module registers its ops)
+from archc.ir.ops import (  # noqa: F401  (each module registers its ops)
+    attention,
+    core,
+    fused,
+    linear_attention,
+    moe,
+    ssm,
+)
 from archc.ir.ops.base import (
     KERNEL_LEVEL,
     MATMUL,
     META,
     OP_TABLE,
     POINTWISE,
+    RECURRENT,
     REDUCTION,
     VIEW,
     EagerCtx,
@@ -18,6 +26,6 @@ from archc.ir.ops.base import (
 )
 
 __all__ = [
-    "KERNEL_LEVEL", "MATMUL", "META", "OP_TABLE", "POINTWISE", "REDUCTION", "VIEW", "EagerCtx",
-    "Op", "OpDef", "ShapeError", "Sig", "is_compute",
+    "KERNEL_LEVEL", "MATMUL", "META", "OP_TABLE", "POINTWISE", "RECURRENT", "REDUCTION", "VIEW",
+    "EagerCtx", "Op", "OpDef", "ShapeError", "Sig", "is_compute",
 ]

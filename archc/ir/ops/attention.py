@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import sympy
 import torch
 
-from archc.ir.attrs import Attrs
+from archc.ir.attrs import Attrs, Call
 from archc.ir.ops.base import (
     EagerCtx,
     Op,
@@ -31,11 +31,28 @@ from archc.ir.shapes import DTYPE_BYTES, P, Shape, numel
 
 # ---- rotary positions ----------------------------------------------------------------------
 
+def dynamic_ntk(inv_freq: torch.Tensor, pos: torch.Tensor, rotary_dim: int,
+                dynamic: Call) -> torch.Tensor:
+    """Dynamic NTK scaling (transformers' rope_type "dynamic"). L, the sequence length after
+    this call, is the last position + 1. Past the trained context the base grows to
+    base·s^(d/(d−2)) with s = factor·L/original − (factor − 1), so each default frequency
+    θ_j = base^(−2j/d) becomes θ_j·s^(−2j/(d−2)); up to the trained context s = 1 (plain
+    RoPE). Keys cached by earlier calls keep the rotation they were written with."""
+    factor, original = dynamic.kw("factor"), dynamic.kw("original_max_seq_len")
+    length = pos[-1].to(inv_freq.device, torch.float64) + 1
+    s = torch.clamp(factor * length / original - (factor - 1), min=1.0)
+    j = torch.arange(inv_freq.shape[0], dtype=torch.float64, device=inv_freq.device)
+    return (inv_freq.double() * s ** (-2 * j / (rotary_dim - 2))).float()
+
+
 def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rotary_dim: int,
-         interleaved: bool, mscale: float = 1.0) -> torch.Tensor:
+         interleaved: bool, mscale: float = 1.0, dynamic: Call | None = None) -> torch.Tensor:
     """Rotate the first `rotary_dim` dims of each head by angle pos·θ_j (Su et al. 2021).
     Half-split pairs dim j with j + rotary_dim/2 (GPT-NeoX, Llama); interleaved pairs 2j with
-    2j + 1 (GPT-J). Remaining dims pass through (partial rotary)."""
+    2j + 1 (GPT-J). Remaining dims pass through (partial rotary). `dynamic`: ntk(factor,
+    original_max_seq_len) rescales θ from the sequence length (``dynamic_ntk``)."""
+    if dynamic is not None and pos.numel():
+        inv_freq = dynamic_ntk(inv_freq, pos, rotary_dim, dynamic)
     angles = pos.to(torch.float32)[:, None] * inv_freq.float()[None, :]  # (T, R/2)
     cos, sin = angles.cos() * mscale, angles.sin() * mscale
     rot, rest = x[..., :rotary_dim].float(), x[..., rotary_dim:]
@@ -58,16 +75,35 @@ def _rope_infer(sig: Sig) -> tuple[Shape, str]:
     require(rot % 2 == 0 and 2 <= rot <= int(x[3]), f"rotary_dim={rot} for head dim {x[3]}")
     require(len(freq) == 1 and int(freq[0]) == rot // 2,
             f"frequencies {list(freq)} do not match rotary_dim={rot}")
+    check_dynamic_rope(sig.attr("dynamic"), rot)
     return x, float_dtype(sig)
 
 
+def check_dynamic_rope(dynamic: object, rotary_dim: int) -> None:
+    """A rope's `dynamic` attr: none, or ntk(factor ≥ 1, original_max_seq_len ≥ 1) over ≥ 4
+    rotary dims."""
+    if dynamic is None:
+        return
+    require(isinstance(dynamic, Call) and dynamic.fn == "ntk" and not dynamic.args
+            and {k for k, _ in dynamic.kwargs} == {"factor", "original_max_seq_len"},
+            f"dynamic must be ntk(factor=…, original_max_seq_len=…), got {dynamic!r}")
+    assert isinstance(dynamic, Call)
+    factor, original = dynamic.kw("factor"), dynamic.kw("original_max_seq_len")
+    require(isinstance(factor, float) and math.isfinite(factor) and factor >= 1.0,
+            f"ntk() factor must be a number ≥ 1, got {factor!r}")
+    require(isinstance(original, int) and not isinstance(original, bool) and original >= 1,
+            f"ntk() original_max_seq_len must be a whole number ≥ 1, got {original!r}")
+    require(rotary_dim >= 4, f"dynamic NTK needs ≥ 4 rotary dims, got {rotary_dim}")
+
+
 register(OpDef(
-    Op.ROPE, "Rotary position embedding of q or k at the given positions.",
+    Op.ROPE, "Rotary position embedding of q or k at the given positions; with `dynamic`, "
+    "frequencies rescaled from the sequence length (dynamic NTK).",
     "%12 : f32[B,4,T,16] = rope(%11, %1, %2) {interleaved=false, mscale=1.0, rotary_dim=16}",
     (3, 3), _rope_infer,
     lambda ctx, xs, a: rope(xs[0], xs[1], xs[2], a["rotary_dim"], a["interleaved"],
-                            a.get("mscale", 1.0)),
-    flops=per_element(3), attrs=("rotary_dim", "interleaved"), optional=("mscale",)))
+                            a.get("mscale", 1.0), a.get("dynamic")),
+    flops=per_element(3), attrs=("rotary_dim", "interleaved"), optional=("mscale", "dynamic")))
 
 
 # ---- KV cache and GQA ----------------------------------------------------------------------
@@ -162,30 +198,40 @@ register(OpDef(
 
 # ---- score modifiers -----------------------------------------------------------------------
 
-def query_key_positions(t: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def query_key_positions(t: int, length: int, device: torch.device | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absolute positions of the T query rows (the last T of L) and of the L keys."""
-    return torch.arange(length - t, length), torch.arange(length)
+    return (torch.arange(length - t, length, device=device),
+            torch.arange(length, device=device))
 
 
 def visible(t: int, length: int, causal: bool, window: int | None,
-            prefix_len: int | None = None) -> torch.Tensor:
+            prefix_len: int | torch.Tensor | None = None, global_tokens: int | None = None,
+            device: torch.device | None = None) -> torch.Tensor:
     """[T, L] bool: may query row i see key j? Causal: j ≤ i. Window: within `window` of the
     query (behind it when causal, either side when not). Prefix-LM: keys < prefix_len are seen
-    by every query."""
-    q, k = query_key_positions(t, length)
+    by every query. Global tokens (Longformer, beside a window): the first G positions are
+    seen by every query (causally, in a decoder) and, when not causal, see every key. Made on
+    `device` (a prefix length there stays there: nothing waits on the host)."""
+    q, k = query_key_positions(t, length, device)
     dist = q[:, None] - k[None, :]
-    seen = dist >= 0 if causal else torch.ones(t, length, dtype=torch.bool)
+    seen = dist >= 0 if causal else torch.ones(t, length, dtype=torch.bool, device=device)
     if window is not None:
-        seen &= (dist < window) if causal else (dist.abs() < window)
+        near = (dist < window) if causal else (dist.abs() < window)
+        if global_tokens is not None:
+            near |= k[None, :] < global_tokens
+            if not causal:
+                near |= q[:, None] < global_tokens
+        seen &= near
     if prefix_len is not None:
         seen |= k[None, :] < prefix_len
     return seen
 
 
 def apply_mask(s: torch.Tensor, causal: bool, window: int | None, padding: torch.Tensor | None,
-               prefix_len: int | None) -> torch.Tensor:
+               prefix_len: int | None, global_tokens: int | None = None) -> torch.Tensor:
     t, length = s.shape[-2:]
-    keep = visible(t, length, causal, window, prefix_len).to(s.device)[None, None]
+    keep = visible(t, length, causal, window, prefix_len, global_tokens).to(s.device)[None, None]
     if padding is not None:
         keep = keep & padding.bool()[:, None, None, :]
     return s.masked_fill(~keep, torch.finfo(s.dtype).min)
@@ -205,23 +251,35 @@ def _mask_infer(sig: Sig) -> tuple[Shape, str]:
         i += 1
     if sig.attr("prefix"):
         require(len(sig.shapes[i]) == 0 and sig.dtypes[i] == "i64", "prefix_len must be i64[]")
-    w = sig.attr("window")
-    require(w is None or w >= 1, f"window must be ≥ 1, got {w}")
+    check_window(sig.attr("window"), sig.attr("global_tokens"), sig.attr("prefix"))
     return s, float_dtype(sig)
+
+
+def check_window(window: object, global_tokens: object, prefix: object) -> None:
+    """A mask's window (≥ 1) and global tokens (≥ 1, beside a window, not with a prefix)."""
+    for name, value in (("window", window), ("global_tokens", global_tokens)):
+        require(value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                  and value >= 1), f"{name} must be a whole number ≥ 1, got "
+                f"{value!r}")
+    require(global_tokens is None or window is not None,
+            "global_tokens are seen beside a window, and there is none")
+    require(global_tokens is None or not prefix, "global_tokens with a prefix-LM mask")
 
 
 def _mask_eager(ctx: EagerCtx, xs: Sequence[torch.Tensor], a: Attrs) -> torch.Tensor:
     rest = list(xs[1:])
     padding = rest.pop(0) if a.get("padding") else None
     prefix_len = int(rest.pop(0)) if a.get("prefix") else None
-    return apply_mask(xs[0], a["causal"], a.get("window"), padding, prefix_len)
+    return apply_mask(xs[0], a["causal"], a.get("window"), padding, prefix_len,
+                      a.get("global_tokens"))
 
 
 register(OpDef(
-    Op.MASK, "Hide keys a query may not see: causal, sliding window, prefix-LM, padding.",
+    Op.MASK, "Hide keys a query may not see: causal, sliding window with global tokens, "
+    "prefix-LM, padding.",
     "%19 : f32[B,4,T,P+T] = mask(%18) {causal=true, padding=false, prefix=false, window=8}",
     (1, 3), _mask_infer, _mask_eager, flops=per_element(1),
-    attrs=("causal", "padding", "prefix"), optional=("window",)))
+    attrs=("causal", "padding", "prefix"), optional=("window", "global_tokens")))
 
 
 def alibi_bias(slopes: torch.Tensor, t: int, length: int) -> torch.Tensor:

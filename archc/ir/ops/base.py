@@ -49,6 +49,9 @@ class Op(str, Enum):
     WEIGHTED_SUM = "weighted_sum"
     ROUTER = "router"
     MOE_EXPERTS = "moe_experts"
+    CONV1D = "conv1d"
+    SELECTIVE_SCAN = "selective_scan"
+    LINEAR_SCAN = "linear_scan"
     # kernel-level, as passes leave them
     FUSED_LINEAR = "fused_linear"
     ATTENTION = "attention"
@@ -56,6 +59,9 @@ class Op(str, Enum):
     POINTWISE = "pointwise"
     MOE_LINEAR = "moe_linear"
     TOPK_ROUTER = "topk_router"
+    CAUSAL_CONV = "causal_conv"
+    SSM_SCAN = "ssm_scan"
+    LINEAR_ATTENTION = "linear_attention"
 
 
 # Group sets: patterns, cost reports and codegen key on these, not on long lists of ops.
@@ -67,7 +73,10 @@ REDUCTION = frozenset({Op.LAYERNORM, Op.RMSNORM, Op.SOFTMAX, Op.NORM})
 MATMUL = frozenset({Op.MATMUL, Op.SCORES, Op.WEIGHTED_SUM, Op.FUSED_LINEAR, Op.MOE_EXPERTS,
                     Op.MOE_LINEAR})
 KERNEL_LEVEL = frozenset({Op.FUSED_LINEAR, Op.ATTENTION, Op.NORM, Op.POINTWISE, Op.MOE_LINEAR,
-                          Op.TOPK_ROUTER})
+                          Op.TOPK_ROUTER, Op.CAUSAL_CONV, Op.SSM_SCAN, Op.LINEAR_ATTENTION})
+# Recurrent mixers: they read and update a per-layer state (conv window, SSM state, running sums).
+RECURRENT = frozenset({Op.CONV1D, Op.SELECTIVE_SCAN, Op.LINEAR_SCAN, Op.CAUSAL_CONV, Op.SSM_SCAN,
+                       Op.LINEAR_ATTENTION})
 
 
 def is_compute(op: Op) -> bool:
@@ -95,13 +104,19 @@ class Sig:
 
 
 class EagerCtx(Protocol):
-    """What eager semantics may read besides their inputs: concrete dims and the KV cache."""
+    """What eager semantics may read besides their inputs: concrete dims, the KV cache and the
+    recurrent state of each layer (zeros at P = 0, so a prefill starts fresh)."""
 
     dims: Mapping[str, int]
 
     def cache_append(self, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor: ...
 
     def cache_read(self, layer: int, kind: str) -> torch.Tensor: ...
+
+    def state_read(self, layer: int, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor: ...
+
+    def state_write(self, layer: int, kind: str, value: torch.Tensor) -> None: ...
 
 
 InferFn = Callable[[Sig], tuple[Shape, str]]

@@ -26,7 +26,8 @@ from archc.ir.ops.base import (
 )
 from archc.ir.shapes import DTYPE_BYTES, Shape, numel
 
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid", "identity")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid", "identity", "softplus",
+               "elu_plus_one")
 
 
 def activation(x: torch.Tensor, fn: str) -> torch.Tensor:
@@ -43,6 +44,10 @@ def activation(x: torch.Tensor, fn: str) -> torch.Tensor:
         return torch.sigmoid(x)
     if fn == "identity":
         return x
+    if fn == "softplus":  # log(1 + eˣ): Mamba's step size Δ
+        return F.softplus(x)
+    if fn == "elu_plus_one":  # elu(x) + 1 > 0: the feature map φ of linear attention
+        return F.elu(x) + 1.0
     raise ValueError(f"unknown activation {fn!r}")
 
 
@@ -155,7 +160,7 @@ def _act_infer(sig: Sig) -> tuple[Shape, str]:
 
 
 register(OpDef(
-    Op.ACT, "An activation: relu, gelu (erf), gelu_tanh, silu, sigmoid.",
+    Op.ACT, "An activation: relu, gelu (erf), gelu_tanh, silu, sigmoid, softplus, elu + 1.",
     '%14 : f32[B,T,256] = act(%13) {fn="gelu"}', (1, 1), _act_infer,
     lambda ctx, xs, a: activation(xs[0], a["fn"]), flops=per_element(8), attrs=("fn",)))
 

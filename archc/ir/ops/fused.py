@@ -25,6 +25,8 @@ from archc.ir.attrs import Attrs, Call
 from archc.ir.ops.attention import (
     alibi_bias,
     apply_mask,
+    check_dynamic_rope,
+    check_window,
     expand_kv,
     groups,
     relative_bias,
@@ -111,6 +113,7 @@ def _rope_width(step: Call, width: int, shapes: Sequence[Shape], sig: Sig) -> in
     require(len(pos) == 1 and same_dim(pos[0], sig.shapes[0][-2]),
             f"rope() positions {list(pos)} must be [T]")
     require(len(freq) == 1 and int(freq[0]) == rot // 2, "rope() frequencies ≠ rotary_dim/2")
+    check_dynamic_rope(step.kw("dynamic"), rot)
     return width
 
 
@@ -136,7 +139,7 @@ def _apply_rope(ctx: EagerCtx, acc: torch.Tensor, step: Call, xs: Sequence[torch
     cols = heads * hd
     x = acc[..., :cols].unflatten(-1, (heads, hd)).transpose(-3, -2)   # (B, heads, T, D)
     x = rope(x, xs[0], xs[1], step.kw("rotary_dim"), step.kw("interleaved"),
-             step.kw("mscale", 1.0))
+             step.kw("mscale", 1.0), step.kw("dynamic"))
     return torch.cat([x.transpose(-3, -2).flatten(-2), acc[..., cols:]], dim=-1)
 
 
@@ -198,7 +201,8 @@ EPILOGUE: dict[str, Step] = {
     "glu": Step(0, "act(acc[:, :N]) · acc[:, N:] — gate rows first, then up rows", _glu_width,
                 _apply_glu),
     "act": Step(0, "act(acc) on columns [start, stop)", _act_width, _apply_act),
-    "rope": Step(2, "rotate the first `heads` heads (positions, inverse frequencies)",
+    "rope": Step(2, "rotate the first `heads` heads (positions, inverse frequencies; "
+                 "`dynamic`: rescaled from the sequence length)",
                  _rope_width, _apply_rope),
     "kv_write": Step(0, "write k/v columns into layer `layer`'s cache at offset P",
                      _kv_write_width, _apply_kv_write),
@@ -400,8 +404,7 @@ def _attention_infer(sig: Sig) -> tuple[Shape, str]:
     bias = sig.attr("bias")
     require(bias is None or (isinstance(bias, Call) and bias.fn in ("alibi", "t5")),
             f"bias must be alibi() or t5(...), got {bias!r}")
-    w = sig.attr("window")
-    require(w is None or w >= 1, f"window must be ≥ 1, got {w}")
+    check_window(sig.attr("window"), sig.attr("global_tokens"), sig.attr("prefix"))
     return (q[0], q[2], q[1] * q[3]), float_dtype(sig)
 
 
@@ -426,24 +429,36 @@ def attention(ctx: EagerCtx, xs: Sequence[torch.Tensor], a: Attrs) -> torch.Tens
         s = s + relative_bias(got["rel_table"].float(), t, s.shape[-1],
                               bias.kw("bidirectional"), bias.kw("max_distance"))[None]
     prefix = int(got["prefix_len"]) if "prefix_len" in got else None
-    s = apply_mask(s, a["causal"], a.get("window"), got.get("padding"), prefix)
+    s = apply_mask(s, a["causal"], a.get("window"), got.get("padding"), prefix,
+                   a.get("global_tokens"))
     out = torch.softmax(s, dim=-1) @ v                                  # (B, H, T, D)
     return out.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)
 
 
 def visible_pairs(t: sympy.Expr, length: sympy.Expr, causal: bool,
-                  window: int | None) -> sympy.Expr:
+                  window: int | None, global_tokens: int | None = None) -> sympy.Expr:
     """Query-key pairs a mask lets through, for T queries at the end of L keys. Causal row i
     sees min(L − T + i + 1, W) keys; with k = clamp(W − (L − T) − 1, 0, T) rows below the cap,
     Σ = k(L − T + 1) + k(k − 1)/2 + (T − k)·W. Bidirectional windows are approximated by
-    T·min(L, 2W − 1)."""
+    T·min(L, 2W − 1). G global tokens add, causally, the global keys behind the window,
+    min(G, L − W) per row (an upper bound: the last row's count); bidirectionally, G keys per
+    row and G rows that see all L keys."""
     past = length - t
     if not causal:
-        return t * (length if window is None else sympy.Min(length, 2 * window - 1))
+        if window is None:
+            return t * length
+        pairs = t * sympy.Min(length, 2 * window - 1)
+        if global_tokens is not None:
+            g = global_tokens
+            pairs = sympy.Min(t * length, pairs + t * g + sympy.Min(g, t) * length)
+        return pairs
     if window is None:
         return t * past + t * (t + 1) / 2
     k = sympy.Min(t, sympy.Max(0, window - past - 1))
-    return k * (past + 1) + k * (k - 1) / 2 + (t - k) * window
+    pairs = k * (past + 1) + k * (k - 1) / 2 + (t - k) * window
+    if global_tokens is not None:
+        pairs += t * sympy.Min(global_tokens, sympy.Max(0, length - window))
+    return pairs
 
 
 def _attention_shapes(sig: Sig) -> tuple[Shape, sympy.Expr]:
@@ -454,27 +469,32 @@ def _attention_shapes(sig: Sig) -> tuple[Shape, sympy.Expr]:
 
 def _attention_flops(sig: Sig) -> sympy.Expr:
     q, length = _attention_shapes(sig)
-    pairs = visible_pairs(q[2], length, sig.attr("causal"), sig.attr("window"))
+    pairs = visible_pairs(q[2], length, sig.attr("causal"), sig.attr("window"),
+                          sig.attr("global_tokens"))
     return q[0] * q[1] * pairs * (4 * q[3] + 5)
 
 
 def _attention_bytes(sig: Sig) -> sympy.Expr:
     q, length = _attention_shapes(sig)
     kv_heads = sig.shapes[1][1] if sig.attr("cache_layer") is None else sig.attr("kv_heads")
-    window = sig.attr("window")
-    keys = length if window is None else sympy.Min(length, window + q[2])
+    window, g = sig.attr("window"), sig.attr("global_tokens")
+    if window is None or (g is not None and not sig.attr("causal")):
+        keys = length       # bidirectional global rows read every key
+    else:
+        keys = sympy.Min(length, window + q[2] + (g or 0))
     item = DTYPE_BYTES[sig.dtypes[0]]
     return (2 * numel(q) + 2 * q[0] * kv_heads * keys * q[3]) * item
 
 
 register(OpDef(
-    Op.ATTENTION, "Flash attention: scale, soft-cap, ALiBi or T5 bias, causal/window/prefix/"
-    "padding mask, GQA by index, over given k/v or the layer's KV cache; heads merged.",
+    Op.ATTENTION, "Flash attention: scale, soft-cap, ALiBi or T5 bias, causal/window (with "
+    "global tokens)/prefix/padding mask, GQA by index, over given k/v or the layer's KV cache; "
+    "heads merged.",
     '%12 : f32[B,T,64] = attention(%11) {cache_layer=0, causal=true, kv_heads=2, '
     'padding=false, prefix=false, scale=0.25, window=8}', (1, 6), _attention_infer,
     attention, flops=_attention_flops, bytes=_attention_bytes,
     attrs=("scale", "causal", "padding", "prefix"),
-    optional=("window", "softcap", "bias", "cache_layer", "kv_heads")))
+    optional=("window", "global_tokens", "softcap", "bias", "cache_layer", "kv_heads")))
 
 
 # ---- pointwise -------------------------------------------------------------------------------

@@ -1,0 +1,145 @@
+"""hoist-cross-kv: cross-attention's keys and values are computed once per generation.
+
+The decoder's cross-attention projects the encoder's states to K and V at every decode step,
+although they are the same at every step: they depend on `encoder_hidden` and weights alone.
+This program pass moves that work into a graph of its own, ``cross_kv``, which a session runs
+once (at the first step of a generation) and whose outputs every decoder step reads as inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from archc.ir.attrs import Attrs
+from archc.ir.graph import CROSS_KV, Graph, Node, Program
+from archc.ir.ops import META, VIEW, Op
+from archc.passes.context import PassContext
+from archc.passes.registry import register_program_pass
+from archc.passes.rewrite import Rewriter, has_side_effect
+
+SOURCE = "encoder_hidden"
+# repeat_kv only copies KV heads: hoisting it would store every query head's copy; left in the
+# decoder, share-kv-heads reads the KV heads in place instead
+NOT_HOISTED = frozenset({Op.REPEAT_KV, Op.KV_CACHE})
+
+
+def constant_over_steps(g: Graph) -> set[int]:
+    """Nodes whose value depends on the encoder's states and weights only."""
+    users = g.users()
+    source = g.inputs.get(SOURCE)
+    if source is None:
+        return set()
+    fixed: set[int] = set()
+    for i, n in enumerate(g.nodes):
+        if n.op in META or n.op in NOT_HOISTED or has_side_effect(n):
+            continue
+        if all(j == source or j in fixed or g.nodes[j].op == Op.PARAM for j in n.inputs) and \
+                any(j == source or j in fixed for j in n.inputs):
+            fixed.add(i)
+    # views at the edge stay with their readers (free in the decoder; outputs would copy them)
+    changed = True
+    while changed:
+        changed = False
+        for i in sorted(fixed, reverse=True):
+            if g.nodes[i].op in VIEW and not any(u in fixed for u in users[i]):
+                fixed.discard(i)
+                changed = True
+    return fixed
+
+
+def _name(g: Graph, i: int, taken: set[str]) -> str:
+    """An input/output name for node i: the weight it (or what it reads) multiplies by."""
+    stack, seen = [i], set()
+    base = f"{g.name}.cross_kv.{i}"
+    while stack:
+        j = stack.pop(0)
+        if j in seen:
+            continue
+        seen.add(j)
+        n = g.nodes[j]
+        params = [g.nodes[k].name for k in n.inputs if g.nodes[k].op == Op.PARAM]
+        if params:
+            base = params[-1] if n.op in (Op.BIAS_ADD,) else params[0]
+            base = base.removesuffix(".weight").removesuffix(".bias")
+            break
+        stack += list(n.inputs)
+    name, k = base, 2
+    while name in taken:
+        name, k = f"{base}#{k}", k + 1
+    taken.add(name)
+    return name
+
+
+@register_program_pass(
+    "hoist-cross-kv", "exact",
+    "cross-attention K/V projections of the encoder's states leave the decoder for a cross_kv "
+    "graph run once per generation; decoder steps read them as inputs")
+def hoist_cross_kv(program: Program, contexts: Mapping[str, PassContext]) -> Program:
+    # 1. In the decoder graph, find the nodes that depend only on `encoder_hidden` and weights —
+    #    the same at every step of a generation. Views at the edge of that set stay behind.
+    # 2. Legal: those nodes are pure (no cache writes). Profitable: they do work that grows
+    #    with the encoder length (a matmul); otherwise there is nothing to save.
+    # 3. Build `cross_kv`: input encoder_hidden, the weights they read, the nodes, and one
+    #    output per node the decoder still reads, named after its weight.
+    # 4. In the decoder, each such node becomes an input of that name; the nodes left without
+    #    readers go, and so does `encoder_hidden` once nothing reads it.
+    names = [g.name for g in program]
+    if "decoder" not in names or CROSS_KV in names:
+        return program
+    g = program.graph("decoder")
+    ctx = contexts["decoder"]
+    fixed = constant_over_steps(g)
+    if not fixed:
+        return program
+    if not any(g.nodes[i].op in (Op.MATMUL, Op.FUSED_LINEAR) for i in fixed):
+        ctx.refused("hoist-cross-kv", min(fixed), "nothing read from the encoder's states does "
+                    "work that a step could skip", profitability=True)
+        return program
+    users = g.users()
+    frontier = [i for i in sorted(fixed) if any(u not in fixed for u in users[i])]
+
+    # the cross_kv graph, nodes in the decoder's order
+    number: dict[int, int] = {}
+    nodes: list[Node] = []
+    source = g.inputs[SOURCE]
+
+    def take(j: int) -> int:
+        if j not in number:
+            n = g.nodes[j]
+            inputs = tuple(take(k) for k in n.inputs)
+            passes = n.passes if n.op in META else n.passes + ("hoist-cross-kv",)
+            number[j] = len(nodes)
+            nodes.append(n.replace(inputs=inputs, passes=passes))
+        return number[j]
+
+    taken = set(g.inputs)
+    out_names = {i: _name(g, i, taken) for i in frontier}
+    take(source)
+    for i in sorted(fixed):
+        take(i)
+    for i in frontier:
+        n = g.nodes[i]
+        nodes.append(Node(Op.OUTPUT, (number[i],), Attrs(name=out_names[i]), n.shape, n.dtype,
+                          n.origin, ("hoist-cross-kv",)))
+    cross = Graph(CROSS_KV, tuple(nodes))
+
+    # the decoder reads them
+    rw = Rewriter(g, ctx)
+    for i in frontier:
+        n = g.nodes[i]
+        new = rw.add_input(out_names[i], n.shape, n.dtype, like=[i], at=source)
+        rw.replace(i, new)
+        ctx.applied("hoist-cross-kv", i, f"computed once per generation in {CROSS_KV}, read as "
+                    f"input {out_names[i]!r}")
+    for i in sorted(set(fixed) - set(frontier), reverse=True):
+        rw.kill(i)       # read only by what moved
+    if not rw.users(source):
+        rw.kill(source)
+    decoder = rw.finish()
+    graphs = []
+    for old in program:
+        if old.name == "decoder":
+            graphs += [cross, decoder]
+        else:
+            graphs.append(old)
+    return Program(program.model, tuple(graphs))
