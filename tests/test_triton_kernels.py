@@ -305,12 +305,28 @@ def test_moe_router_and_grouped_experts(kernel_dir: Path, gated: bool, act: str,
           kernel_dir)
 
 
-@pytest.mark.parametrize("kind,rope", [("rms", True), ("layer", True), ("rms", False),
-                                       ("layer", False)])
-def test_matmul_head_norm(kernel_dir: Path, kind: str, rope: bool) -> None:
+@pytest.mark.parametrize("kind,rope,hd", [("rms", True, 16), ("layer", True, 16),
+                                          ("rms", False, 16), ("layer", False, 16),
+                                          ("rms", True, 20), ("layer", True, 12),
+                                          ("layer", False, 20), ("rms", False, 12)])
+def test_matmul_head_norm(kernel_dir: Path, kind: str, rope: bool, hd: int,
+                          monkeypatch: pytest.MonkeyPatch) -> None:
     """QK-norm in the epilogue: each of the first heads normalized over its head_dim columns
-    (tiles hold whole heads), then RoPE and the cache write when `rope`."""
-    heads, kv_heads, hd, d, t = 4, 2, 16, 24, 5
+    (tiles hold whole heads: a reshape for a power-of-two head, head-aligned tiles with masked
+    lanes for 20 or 12, with 6 pairs or 10 per head in each of RoPE's accumulators), then RoPE
+    and the cache write when `rope`. Column tiles are capped at 64 so that heads span several
+    tiles and a misplaced tile boundary shows."""
+    from archc.codegen import blocks
+    config = blocks.launch_config
+
+    def narrow(family: str, target: str, **sizes: int) -> dict:
+        cfg = config(family, target, **sizes)
+        if family == "matmul":
+            cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 64)
+        return cfg
+
+    monkeypatch.setattr(blocks, "launch_config", narrow)
+    heads, kv_heads, d, t = 4, 2, 24, 5
     normed = (heads + kv_heads) * hd
     width = normed + kv_heads * hd
     steps = [Call("head_norm", (), (("eps", 1e-6), ("head_dim", hd), ("heads", heads + kv_heads),

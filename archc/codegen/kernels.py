@@ -25,7 +25,7 @@ from archc.ir.graph import Graph, Node
 from archc.ir.ops import Op
 from archc.ir.ops.core import ACTIVATIONS
 from archc.ir.ops.fused import EPILOGUE, POINTWISE_FNS
-from archc.ir.shapes import numel
+from archc.ir.shapes import S, numel
 from archc.ir.text import format_node
 
 TRITON_TYPES = {"f32": "fp32", "f16": "fp16", "bf16": "bf16", "i64": "i64", "i32": "i32",
@@ -86,6 +86,16 @@ class NodeCtx:
     def fail(self, problem: str) -> CodegenError:
         return CodegenError(f"codegen: graph {self.g.name}: {format_node(self.i, self.node)}: "
                             f"{problem}")
+
+    @property
+    def reads_encoder_len(self) -> bool:
+        """Does the node's row space or an input's layout depend on S (a view of a cross-attention
+        tensor), so that its kernel takes the encoder length?"""
+        exprs = list(self.node.shape)
+        for k in range(len(self.node.inputs)):
+            lay = self.lay(k)
+            exprs += [lay.offset, *lay.strides, *lay.shape]
+        return any(S in sympy.sympify(e).free_symbols for e in exprs)
 
     @property
     def dot_kw(self) -> str:
@@ -207,6 +217,8 @@ def build_fused_linear(c: NodeCtx) -> Unit:
     n_rows = static(c, w_lay.shape[0], "the weight's N")
     k_total = static(c, w_lay.shape[1], "the weight's K")
     types: dict[str, str] = {"out_ptr": c.out_type(), "M": "i32", "T": "i32"}
+    if c.reads_encoder_len:
+        types["S"] = "i32"
     launch: list[tuple[str, str, str]] = []   # (launcher param, call expr, kernel arg expr)
 
     operands = []
@@ -307,9 +319,9 @@ def build_fused_linear(c: NodeCtx) -> Unit:
                 raise c.fail(f"head_norm() kind must be rms or layer, got {kind!r}")
             heads = lit_int(c, st.kw("heads"), "head_norm heads")
             hd = lit_int(c, st.kw("head_dim"), "head_norm head_dim")
-            if hd < 2 or hd & (hd - 1) or heads * hd > width:
-                raise c.fail(f"head_norm() over {heads} heads of {hd}: a tile holds whole heads "
-                             "only for a power-of-two head_dim within the width")
+            if hd < 2 or heads * hd > width:
+                raise c.fail(f"head_norm() over {heads} heads of {hd}: needs a head_dim ≥ 2 "
+                             f"and the heads within the width {width}")
             target.append(dict(fn=fn, kind=kind, heads=heads, head_dim=hd,
                                eps=lit_float(c, st.kw("eps"), "head_norm eps"),
                                gain_ptr=pointer(f"gain{idx}", nxt, f"[{heads * hd}] head gains"),
@@ -364,10 +376,14 @@ def build_fused_linear(c: NodeCtx) -> Unit:
             st_ctx["run"] = run & -run if run else 0
             assert kv is not None
             kv["run"] = st_ctx["run"]
+    # Tiles hold whole heads. A power-of-two head is a reshape of the tile; any other size
+    # (phi-2's 80) makes the tiles head-aligned: each covers ⌊TILE_N / group⌋ whole heads and
+    # masks its last lanes, and the per-head sums are taken head by head.
     align = 16
-    for hn in head_norms:  # tiles hold whole heads: BLOCK_N a multiple of the head dim
+    head_group: int | None = None
+    for hn in head_norms:
         hd = hn["head_dim"]
-        align = max(align, hd)
+        align = max(align, _pow2(hd))
         if pair is None:
             hn["group"] = hd
         elif pair["fn"] == "rope" and pair["head_dim"] == hd and hn["heads"] <= pair["heads"]:
@@ -375,6 +391,13 @@ def build_fused_linear(c: NodeCtx) -> Unit:
         else:
             raise c.fail("head_norm() needs its heads to be the rotated heads of rope() (same "
                          "head_dim), and no glu()")
+        if hn["group"] & (hn["group"] - 1):
+            head_group = hn["group"]
+    for hn in head_norms:
+        if head_group is not None and hn["group"] != head_group:
+            raise c.fail(f"head_norm() steps over heads of {head_group} and {hn['group']} "
+                         "columns: head-aligned tiles take one head size")
+        hn["pow2"] = head_group is None
     out_w = static(c, n.shape[-1], "the output width")
     if out_w != width:
         raise c.fail(f"epilogue gives width {width}, the node says {out_w}")
@@ -407,6 +430,7 @@ def build_fused_linear(c: NodeCtx) -> Unit:
         wsets=wsets, accs_pre=accs_pre, accs_post=accs_post, kv=kv, needs_t=needs_t,
         w_row_stride=texpr(w_lay.strides[0]),
         dot_kw=c.dot_kw, M=rows_of(n.shape), align=align, has_head_norm=int(bool(head_norms)),
+        head_group=head_group, seq_s="S" in types,
         layer_norm=int(prologue == "layer"),
         launch_params=", ".join(p for p, _, _ in launch if p),
         kernel_call_args="".join(f"{k}, " for _, _, k in launch))
@@ -661,8 +685,11 @@ def build_norm(c: NodeCtx) -> Unit:
         raise c.fail(f"unknown norm kind {kind!r}")
     width = static(c, n.shape[-1], "the norm width")
     types = {"out_ptr": c.out_type(), "R": "i32", "T": "i32"}
+    if c.reads_encoder_len:
+        types["S"] = "i32"
     args = []
     ctx: dict[str, Any] = dict(N=width, kind=kind, eps=lit_float(c, a["eps"], "eps"),
+                               seq_s="S" in types,
                                unit_offset=bool(a.get("unit_offset", False)),
                                bias=bool(a.get("bias")), add_before=bool(a.get("add_before")),
                                add_after=bool(a.get("add_after")), R=rows_of(n.shape))
