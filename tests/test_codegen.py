@@ -8,7 +8,6 @@ is a visible diff. When a change is intended, regenerate the file the failure na
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ from archc.passes import optimize
 from archc.runtime.buffers import plan_buffers
 from archc.runtime.triton_backend import prepare_triton
 from archc.spec import load_spec
+from tests.golden_text import assert_matches_golden
 
 GOLDEN = Path(__file__).parent / "golden" / "kernels"
 # kernels run compiled on a GPU when there is one: the interpreter, once chosen, stays for the
@@ -246,14 +246,7 @@ def test_generated_kernel_matches_golden_text(family: str) -> None:
     assert gen.unit(kernel).family == {"matmul": "fused_linear", "moe": "moe_linear"}.get(
         family, family)
     text = gen.unit_text(kernel)
-    assert path.is_file(), f"no golden text yet; create it with: {regenerate}"
-    want = path.read_text(encoding="utf-8")
-    if text != want:
-        diff = "".join(list(difflib.unified_diff(want.splitlines(keepends=True),
-                                                 text.splitlines(keepends=True),
-                                                 "golden", "now"))[:80])
-        pytest.fail(f"the generated {family} kernel changed:\n{diff}\n"
-                    f"if intended, regenerate with: {regenerate}")
+    assert_matches_golden(path, text, f"the generated {family} kernel", regenerate)
 
 
 def test_compile_table_prints_ir_text_with_its_brackets(capsys: pytest.CaptureFixture[str],

