@@ -12,6 +12,7 @@ from archc.ir.cost import (
     parameter_bytes,
     parameter_count,
     per_layer,
+    recurrent_state_bytes,
     without_layers,
 )
 from archc.ir.graph import Program
@@ -28,6 +29,7 @@ class Facts:
     flops_per_token_full: dict[str, int]  # … with max_seq_len − 1 tokens already cached
     kernels: int
     kernels_per_layer: float
+    state_bytes: int = 0                  # recurrent state of one sequence (fixed size)
 
 
 def facts(spec: Spec, program: Program | None = None) -> Facts:
@@ -44,4 +46,5 @@ def facts(spec: Spec, program: Program | None = None) -> Facts:
         flops_per_token_full={g.name: graph_cost(g).at(full)[0] for g in program},
         kernels=kernel_count(program),
         kernels_per_layer=per_layer(spec, kernel_count(program), kernel_count(base)),
+        state_bytes=recurrent_state_bytes(program),
     )

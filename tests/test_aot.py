@@ -65,3 +65,32 @@ def test_sm80_matmul_and_attention_use_mma(tmp: Path) -> None:
         assert r.ok, r.error
         assert r.tensor_core_ops > 0, f"no mma.sync in {r.kernel}"
         assert r.spill_bytes == 0
+
+
+def _linear_attention_8b():  # noqa: ANN202
+    """llama3-8b's sizes (32 query heads over 8 KV heads of 128) with linear attention."""
+    import dataclasses
+
+    from archc.spec.schema import Mixer, Position
+    return dataclasses.replace(load_spec("llama3-8b"), name="llama3-8b-linear",
+                               mixer=Mixer(kind="linear_attention"), position=Position(kind="none"))
+
+
+RECURRENT = {"mamba-130m": ["causal_conv_0_kernel", "ssm_scan_0_kernel"],
+             "jamba-v0.1": ["causal_conv_0_kernel", "ssm_scan_0_kernel"],   # B, C norms
+             "llama3-8b-linear": ["linear_attention_0_kernel"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(RECURRENT))
+def test_recurrent_kernels_compile_for_sm90a_without_spills(name: str, tmp: Path) -> None:
+    """At full size the scan keeps [32, d_state] of h per program in registers and linear
+    attention a [128, 128] S per KV head: both must fit (no spills), as the conv must."""
+    spec = _linear_attention_8b() if name == "llama3-8b-linear" else load_spec(name)
+    gen = generate(optimize(lower(spec, "bf16")),
+                   CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
+    results = compile_module(write_module(gen, tmp / name), "sm_90a", jobs=1,
+                             kernels=RECURRENT[name])
+    for r in results:
+        assert r.ok, f"{r.kernel}: {r.error}"
+        assert r.registers > 0 and r.spill_bytes == 0, f"{r.kernel}: {r.spill_bytes} bytes spill"

@@ -25,6 +25,7 @@ from archc.perf.baselines import Counterpart, Unavailable, counterparts, scratch
 from archc.perf.bench import TOLERANCE, run_bench
 from archc.perf.torch_program import TorchProgram
 from archc.runtime.eager import EagerContext, EagerSession, KVCache, Trace, run_graph
+from archc.runtime.state import RecurrentState
 from archc.runtime.weights import materialize
 from tests.conftest import TINY_SPECS
 
@@ -53,6 +54,23 @@ def test_dry_run_completes_every_section(dry_run: dict) -> None:
     for runner in ("torch eager", "archc", "torch.compile default"):
         assert {f"model:{runner}:prefill", f"model:{runner}:decode"} <= sections
     assert {"setup", "ceilings", "kernels:prefill", "kernels:decode"} <= sections
+
+
+@cpu_only
+def test_dry_run_checks_recurrent_kernels_from_the_state_they_read(tmp_path: Path) -> None:
+    """Each timed launch of a recurrent kernel advances its state; the launch whose output is
+    checked starts again from the state the run left (zeros at the prefill), as its torch
+    counterpart does: they agree at the prefill and at a decode step."""
+    path = tmp_path / "mamba.json"
+    assert main(["bench", "tiny-mamba", "--dry-run", "--compile-modes", "default", "--json",
+                 str(path), "--cache-dir", str(tmp_path / "kernels")]) == 0
+    data = json.loads(path.read_text())
+    assert data["errors"] == [] and set(data["status"].values()) == {"done"}
+    rows = [r for r in data["kernels"] if r["op"] in ("causal_conv", "ssm_scan")]
+    assert {(r["phase"], r["op"]) for r in rows} == {
+        (phase, op) for phase in ("prefill", "decode") for op in ("causal_conv", "ssm_scan")}
+    assert all(b["agrees"] for r in rows for b in r["baselines"])
+    assert data["model"]["decode"]["state_bytes"] > 0
 
 
 @cpu_only
@@ -212,25 +230,43 @@ def test_weights_are_drawn_where_parameter_expressions_can_use_them() -> None:
 
 # ---- counterparts of every kernel of every tiny spec -------------------------------------------
 
+class _RecordedState(RecurrentState):
+    """The recurrent state, remembering what each (layer, kind) read in the current call: the
+    state a kernel started from, which its counterpart must start from too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: dict[tuple[int, str], torch.Tensor] = {}
+
+    def read(self, layer: int, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device, past: int) -> torch.Tensor:
+        value = super().read(layer, kind, shape, dtype, device, past)
+        self.reads[(layer, kind)] = value
+        return value
+
+
 def _kernel_values(spec_name: str) -> list[tuple]:
-    """(graph, node, input values, output, dims, cache) for every compute node of the
-    kernel-level program, by the eager interpreter: a prefill, and one decode step."""
+    """(graph, node, input values, output, dims, cache, state read) for every compute node of
+    the kernel-level program, by the eager interpreter: a prefill, and one decode step (which
+    continues the recurrent state of Mamba and linear-attention layers)."""
     model = archc.load(spec_name)
     program = optimize(lower(model.spec, "f32"))
     gen = torch.Generator().manual_seed(1)
     b, t = 2, 5
     ids = torch.randint(0, model.spec.vocab_size, (b, t), generator=gen)
     out = []
+    state = _RecordedState()
 
     def run(g, inputs: dict, dims: dict, cache: KVCache) -> dict:  # noqa: ANN001
         params = materialize(g, model.weights)
         trace = Trace()
-        outputs = run_graph(g, params, inputs, EagerContext(dims, cache), trace=trace)
+        state.reads = {}
+        outputs = run_graph(g, params, inputs, EagerContext(dims, cache, state), trace=trace)
         for i in g.compute_ids():
             xs = [inputs[g.nodes[j].name] if g.nodes[j].op == Op.INPUT else
                   params[g.nodes[j].name] if g.nodes[j].op == Op.PARAM else trace.values[j]
                   for j in g.nodes[i].inputs]
-            out.append((g, i, xs, trace.values[i], dict(dims), cache))
+            out.append((g, i, xs, trace.values[i], dict(dims), cache, dict(state.reads)))
         return outputs
 
     mask = torch.ones(b, t, dtype=torch.long)
@@ -267,10 +303,12 @@ def _kernel_values(spec_name: str) -> list[tuple]:
 @pytest.mark.parametrize("spec_name", TINY_SPECS)
 def test_counterparts_agree_with_the_kernel_level_ops(spec_name: str) -> None:
     kinds: set[str] = set()
-    for g, i, xs, want, dims, cache in _kernel_values(spec_name):
+    present: set[str] = set()
+    for g, i, xs, want, dims, cache, states in _kernel_values(spec_name):
         n = g.nodes[i]
+        present.add(n.op.value)
         scratch = scratch_caches(g, i, dims, torch.float32, torch.device("cpu"))
-        for c in counterparts(g, i, xs, dims, cache.store, scratch):
+        for c in counterparts(g, i, xs, dims, cache.store, scratch, states):
             if isinstance(c, Unavailable):
                 assert c.name == "sdpa" and n.attr("softcap") is not None, c
                 continue
@@ -282,4 +320,24 @@ def test_counterparts_agree_with_the_kernel_level_ops(spec_name: str) -> None:
             err = (got.float() - want.float()).abs().max()
             assert err <= TOLERANCE["f32"] * scale, f"{c.name} of %{i} {n.op.value}: {err}"
             kinds.add(n.op.value)
-    assert "fused_linear" in kinds and "attention" in kinds
+    # every kind of kernel the model runs was checked against a counterpart
+    assert kinds == present and "fused_linear" in kinds
+
+
+def test_a_recurrent_counterpart_reads_the_state_the_kernel_read() -> None:
+    """At a decode step the conv, scan and running sums continue from the prefill's state:
+    a counterpart given zeros instead computes something else, so the agreement above is not
+    the zero state's."""
+    checked = 0
+    for g, i, xs, want, dims, cache, states in _kernel_values("tiny-jamba"):
+        n = g.nodes[i]
+        if n.op not in (Op.CAUSAL_CONV, Op.SSM_SCAN) or dims["P"] == 0:
+            continue
+        assert (n.attr("layer"), "conv" if n.op == Op.CAUSAL_CONV else "ssm") in states
+        fresh = {k: torch.zeros_like(v) for k, v in states.items()}
+        (c,) = counterparts(g, i, xs, dims, cache.store, {}, fresh)
+        assert isinstance(c, Counterpart) and c.result is not None
+        err = (c.result(c.run()) - want).abs().max()
+        assert err > 1e-3 * want.abs().max(), f"%{i} {n.op.value} ignores the state"
+        checked += 1
+    assert checked == 4      # two Mamba layers, a conv and a scan each

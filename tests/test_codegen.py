@@ -43,6 +43,9 @@ GOLDEN_KERNELS = {
     "pointwise": ("tiny-gemma2", "pointwise_0"),     # the embedding scale
     "embedding": ("tiny-llama3", "embedding_0"),
     "moe": ("tiny-mixtral", "moe_linear_0"),         # grouped experts, gated up projection
+    "causal_conv": ("tiny-mamba", "causal_conv_0"),  # bias + silu, the conv state in place
+    "ssm_scan": ("tiny-jamba", "ssm_scan_0"),        # Jamba's B and C norms inside the scan
+    "linear_attention": ("tiny-linear-attention", "linear_attention_0"),   # GQA 4/2 heads
 }
 
 

@@ -233,3 +233,34 @@ def test_plot(tmp_path) -> None:  # noqa: ANN001
     rows = walk(load_spec("tiny-gpt2"), parse_steps("rmsnorm,gqa:2"), batch=1, context=16)
     _plot(rows, tmp_path / "steps.png")
     assert (tmp_path / "steps.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("name, step, why", [
+    ("tiny-mamba", "rope", r"tiny-mamba has no softmax-attention layer \(its layers are mamba\)"),
+    ("tiny-linear-attention", "alibi", r"no softmax-attention layer \(its layers are linear "
+                                       r"attention\), and ALiBi acts on attention scores"),
+    ("tiny-linear-attention", "sliding-window:8", "no softmax-attention layer"),
+    ("tiny-linear-attention", "qk-norm", "no softmax-attention layer"),
+    ("tiny-mamba", "gqa:1", "tiny-mamba has no attention layer"),
+    ("tiny-mamba", "parallel", "no FFN to run beside its mixer"),
+    ("tiny-mamba", "no-bias", "conv and Δ biases are part of its recurrence"),
+])
+def test_steps_that_need_a_kind_of_layer_say_which(name: str, step: str, why: str) -> None:
+    (call,) = parse_steps(step)
+    with pytest.raises(StepError, match=why):
+        call.apply(load_spec(name))
+
+
+@pytest.mark.parametrize("name, step, section, field, value", [
+    ("tiny-linear-attention", "mqa", "attention", "kv_heads", 1),
+    ("tiny-jamba", "sliding-window:8", "attention", "window", 8),
+    ("tiny-jamba", "rope", "position", "kind", "rope"),
+])
+def test_attention_steps_apply_where_some_layer_has_that_attention(
+        name: str, step: str, section: str, field: str, value: object) -> None:
+    """Linear attention has KV heads to share; a hybrid's attention layers take windows and
+    RoPE."""
+    (call,) = parse_steps(step)
+    before, after = load_spec(name), call.apply(load_spec(name))
+    assert getattr(getattr(after, section), field) == value != \
+        getattr(getattr(before, section), field)

@@ -46,6 +46,12 @@ KERNELS_PER_BLOCK = {
     "tiny-gpt2": 5, "tiny-gptj": 3, "tiny-llama2": 5, "tiny-llama2-70b": 5, "tiny-llama3": 5,
     "tiny-mistral": 5, "tiny-mixtral": 8, "tiny-neox": 3, "tiny-phi2": 3, "tiny-qwen2": 5,
     "tiny-smollm2": 5, "tiny-t5": 7, "tiny-longctx": 5, "tiny-longformer": 7,
+    # recurrent mixers: a Mamba mixer is in_proj, causal_conv, x_proj, dt_proj, ssm_scan,
+    # out_proj (6); linear attention is qkv, linear_attention, o (3) as softmax attention is.
+    # Jamba-v0.1 averages 28 Mamba and 4 attention mixers with 16 dense FFNs (2) and 16 MoE
+    # FFNs (5): (28·6 + 4·3 + 16·2 + 16·5) / 32 = 9.125; tiny-jamba has one of each pairing.
+    "mamba-130m": 6, "jamba-v0.1": 9.125,
+    "tiny-mamba": 6, "tiny-jamba": 8, "tiny-linear-attention": 5,
 }
 
 

@@ -21,7 +21,8 @@ from tests.golden_text import assert_matches_golden
 GOLDEN = Path(__file__).parent / "golden" / "ir"
 # serial pre-norm + GQA; LayerNorm with biases; parallel block + MQA; sandwich norms, soft-caps
 # and windows; encoder-decoder with relative bias; mixture of experts
-SPECS = ["tiny-llama3", "tiny-gpt2", "tiny-falcon", "tiny-gemma2", "tiny-t5", "tiny-mixtral"]
+SPECS = ["tiny-llama3", "tiny-gpt2", "tiny-falcon", "tiny-gemma2", "tiny-t5", "tiny-mixtral",
+         "tiny-jamba", "tiny-linear-attention"]
 
 
 @pytest.mark.parametrize("name", SPECS)

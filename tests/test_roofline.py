@@ -94,3 +94,40 @@ def test_roofline_cli_runs_and_refuses_too_long(capsys: pytest.CaptureFixture[st
     assert "µs" in out  # a tiny model's times are microseconds, not 0.000 ms
     assert main(["roofline", "tiny-llama3", "--prompt", "60", "--decode", "10"]) == 2
     assert "exceed max_seq_len" in capsys.readouterr().err
+
+
+def test_a_mamba_decode_floor_reads_and_writes_its_state_at_any_context() -> None:
+    """mamba-130m keeps, per layer, a conv window [1536, 3] in bf16 and an SSM state [1536, 16]
+    in f32: read and written once per step, the same at context 1 and 2000, and no KV cache."""
+    program = lower(load_spec("mamba-130m"), "bf16")
+    state = 2 * 24 * (1536 * 3 * 2 + 1536 * 16 * 4)
+    for past in (0, 1999):
+        floor = decode_floor(program, H200, batch=1, past=past)
+        assert (floor.kv_bytes, floor.state_bytes) == (0, state)
+    assert floor.seconds == pytest.approx((floor.weight_bytes + state) / 4.8e12)
+
+
+def test_ssm_scan_cost_by_hand() -> None:
+    """Per token and channel: 8 FLOPs per state dim for the recurrence and readout, 12 for the
+    skip and the gate; bytes: every input once, the output once, the f32 state in and out."""
+    c, n = 64, 16
+
+    def build(b: GraphBuilder) -> int:
+        x, dt, z = (b.input(k, shape(B, T, c), "bf16") for k in ("x", "dt", "z"))
+        bm, cm = (b.input(k, shape(B, T, n), "bf16") for k in ("bm", "cm"))
+        return b.emit(Op.SSM_SCAN, x, dt, b.param("a", shape(c, n), "f32"), bm, cm,
+                      b.param("d", shape(c), "bf16"), z, layer=0)
+
+    (kern,) = kernels(_single(build), {"B": 2, "T": 5, "P": 0})
+    tokens = 2 * 5
+    assert kern.flops == tokens * c * (8 * n + 12)
+    io = 2 * (4 * tokens * c + 2 * tokens * n + c) + 4 * c * n      # x, dt, z, out; B, C; D; A
+    assert kern.bytes == io + 2 * (2 * c * n * 4)
+
+
+def test_roofline_cli_shows_the_recurrent_state(capsys: pytest.CaptureFixture[str]) -> None:
+    from archc.cli import main
+    assert main(["roofline", "tiny-jamba", "--prompt", "16", "--decode", "4"]) == 0
+    out = " ".join(capsys.readouterr().out.split())       # the console wraps long lines
+    assert "ssm_scan" in out and "causal_conv" in out
+    assert "KV cache" in out and "recurrent state" in out

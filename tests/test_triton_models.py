@@ -100,7 +100,8 @@ def test_prefill_then_greedy_decode(name: str, dtype: str, kernel_dir: Path) -> 
         x = nxt[:, None]
 
 
-@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-gemma2", "tiny-mixtral", "tiny-t5"])
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-gemma2", "tiny-mixtral", "tiny-t5",
+                                  "tiny-mamba", "tiny-jamba"])
 def test_generate_matches_eager(name: str, kernel_dir: Path) -> None:
     """The public generate() on the triton backend returns eager's tokens."""
     eager, triton = pair(name, "f32", kernel_dir)
@@ -179,3 +180,19 @@ def test_decode_steps_do_not_wait_on_the_gpu(kernel_dir: Path) -> None:
             x = s.step(x)[:, -1].argmax(-1)[:, None]
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("name", ["tiny-mamba", "tiny-linear-attention"])
+def test_a_new_sequence_starts_from_a_zero_state(name: str, kernel_dir: Path) -> None:
+    """The recurrent state lives in tensors the kernels update in place: after a reset the next
+    prefill must read zeros, not what the last sequence left — the same prompt gives the same
+    logits, bit for bit."""
+    _, triton = pair(name, "f32", kernel_dir)
+    s = triton.session
+    prompt = ids(2, 5, seed=7)
+    s.reset()
+    first = s.step(prompt)
+    s.step(ids(2, 3, seed=8))
+    s.reset()
+    assert torch.equal(s.step(prompt), first)
+    assert s.states.bytes() > 0 and s.cache.bytes() == 0   # a state, and no KV cache

@@ -61,3 +61,13 @@ def test_bf16_on_the_cpu_is_refused_with_the_reason() -> None:
         pytest.skip("bf16 runs on the GPU")
     with pytest.raises(ArchcError, match="interpreter computes bfloat16 wrongly"):
         archc.load("tiny-llama3").compile("triton", dtype="bf16")
+
+
+def test_validate_compares_the_recurrent_state(tmp_path: Path) -> None:
+    """Mamba keeps no KV cache: after each phase the conv and SSM state of every layer is
+    compared with eager's, beside each kernel's output."""
+    report = validate(archc.load("tiny-mamba"), device=DEVICE, cache_dir=tmp_path)
+    assert report.ok, report.first_divergence
+    whats = {(k.phase, k.what) for k in report.kernels}
+    assert {(p, w) for p in ("prefill", "decode") for w in ("conv state", "ssm state")} <= whats
+    assert not any(w.endswith("cache") for _, w in whats)

@@ -117,7 +117,38 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
                     BLOCK_K=_clamp_pow2(sizes["K"], 16, 512), num_warps=4, num_stages=1)
     if family == "moe_sum":
         return dict(BLOCK_C=min(next_pow2(sizes["C"]), 1024), num_warps=4, num_stages=1)
+    if family in RECURRENT:
+        return _recurrent_config(family, gpu, sizes)
     raise ValueError(f"no launch configuration for kernel family {family!r}")
+
+
+# The recurrent kernels run one program per (sequence, channel block) or (sequence, KV head),
+# each looping over the new tokens in order: the grid is fixed by the model, not by T.
+RECURRENT = ("causal_conv", "ssm_scan", "linear_attention")
+
+
+def _recurrent_config(family: str, gpu: bool, sizes: dict[str, int]) -> dict[str, Any]:
+    t = sizes["T"]
+    if family == "causal_conv":
+        # narrow channel blocks: mamba-130m's 1536 channels make 48 programs per sequence
+        if gpu:
+            return dict(BLOCK_T=_clamp_pow2(t, 1, 32), BLOCK_C=32, num_warps=4, num_stages=1)
+        return dict(BLOCK_T=_clamp_pow2(t, 1, 64), BLOCK_C=_clamp_pow2(sizes["C"], 16, 256),
+                    num_warps=4, num_stages=1)
+    if family == "ssm_scan":
+        # h is [BLOCK_D, N] f32 in registers for the whole call: 32 × 16 over 2 warps is 8
+        # values a thread; the sequential loop over T wants many small programs on a GPU
+        block_n = max(2, next_pow2(sizes["N"]))
+        if gpu:
+            return dict(BLOCK_D=32, BLOCK_N=block_n, num_warps=2, num_stages=1)
+        return dict(BLOCK_D=_clamp_pow2(sizes["C"], 16, 256), BLOCK_N=block_n, num_warps=4,
+                    num_stages=1)
+    # linear_attention: S [D, Dv] f32 stays in registers; tl.dot wants ≥ 16 rows per chunk
+    if gpu:
+        big = sizes["D"] * sizes["DV"] > 64 * 64
+        return dict(BLOCK_T=16 if t <= 16 or big else 32, num_warps=8 if big else 4,
+                    num_stages=1)
+    return dict(BLOCK_T=_clamp_pow2(t, 16, 64), num_warps=4, num_stages=1)
 
 
 def aot_sizes(family: str, sizes: dict[str, int]) -> dict[str, int]:

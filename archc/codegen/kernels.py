@@ -837,7 +837,17 @@ def build_moe_linear(c: NodeCtx) -> Unit:
                 f"v[{c.i}], {c.ref(0)}, {c.ref(1)}, {c.ref(2)}")
 
 
+# The recurrent kernels' builders use the helpers above: imported once they exist.
+from archc.codegen.recurrent import (  # noqa: E402
+    build_causal_conv,
+    build_linear_attention,
+    build_ssm_scan,
+)
+
 BUILDERS: dict[Op, Callable[[NodeCtx], Unit]] = {
+    Op.CAUSAL_CONV: build_causal_conv,
+    Op.SSM_SCAN: build_ssm_scan,
+    Op.LINEAR_ATTENTION: build_linear_attention,
     Op.TOPK_ROUTER: build_topk_router,
     Op.MOE_LINEAR: build_moe_linear,
     Op.FUSED_LINEAR: build_fused_linear,

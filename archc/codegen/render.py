@@ -90,6 +90,8 @@ class Generated:
     units: list[RenderedUnit]
     steps: dict[str, list[Step]]
     kv: list[tuple[int, int, int]]          # (layer, kv_heads, head_dim) of every cache written
+    # (layer, kind, shape after B, dtype) of every recurrent state a kernel updates
+    states: list[tuple[int, str, tuple[int, ...], str]] = field(default_factory=list)
 
     @property
     def launches(self) -> int:
@@ -126,8 +128,8 @@ def _codegen_fingerprint() -> str:
     module, never a stale one from the cache."""
     h = hashlib.sha256(__version__.encode())
     here = Path(__file__).parent
-    for path in sorted([*TEMPLATES.glob("*.j2"), here / "kernels.py", here / "render.py",
-                        here / "layout.py", here / "printer.py"]):
+    for path in sorted([*TEMPLATES.glob("*.j2"), here / "kernels.py", here / "recurrent.py",
+                        here / "render.py", here / "layout.py", here / "printer.py"]):
         h.update(path.name.encode() + path.read_bytes())
     return h.hexdigest()
 
@@ -160,6 +162,7 @@ def generate(program: Program, options: CodegenOptions) -> Generated:
     counters: dict[str, int] = {}
     steps: dict[str, list[Step]] = {}
     kv: list[tuple[int, int, int]] = []
+    states: list[tuple[int, str, tuple[int, ...], str]] = []
     for g in program:
         lays = layouts(g)
         graph_steps: list[Step] = []
@@ -167,6 +170,7 @@ def generate(program: Program, options: CodegenOptions) -> Generated:
             ctx = NodeCtx(g, i, lays, options)
             unit = build(ctx)
             kv += ctx.extras.get("kv", [])
+            states += ctx.extras.get("state", [])
             text = render_unit(unit)
             key = (unit.template, text)
             ru = by_text.get(key)
@@ -197,7 +201,20 @@ def generate(program: Program, options: CodegenOptions) -> Generated:
         version=__version__, model=program.model, kernels=kernels, graphs=graphs,
         launches=sum(len(s) for s in steps.values()), options=options.key(),
         graph_hash=digest[:16])
-    return Generated(program.model, options, source, digest, units, steps, sorted(set(kv)))
+    return Generated(program.model, options, source, digest, units, steps, sorted(set(kv)),
+                     _one_per_state(states))
+
+
+def _one_per_state(states: list[tuple[int, str, tuple[int, ...], str]]
+                   ) -> list[tuple[int, str, tuple[int, ...], str]]:
+    """Each (layer, kind) once; two kernels that disagree on its shape are refused."""
+    seen: dict[tuple[int, str], tuple[int, str, tuple[int, ...], str]] = {}
+    for s in states:
+        other = seen.setdefault(s[:2], s)
+        if other != s:
+            raise CodegenError(f"layer {s[0]}'s {s[1]} state is {other[3]}{list(other[2])} in one "
+                               f"kernel and {s[3]}{list(s[2])} in another")
+    return sorted(seen.values())
 
 
 def safe_name(name: str) -> str:

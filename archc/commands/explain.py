@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     made = sum(d.applied for d in decisions)
     console.print(f"[bold]{spec.name}[/]: {made} rewrites made; "
                   f"{sum(g.count for g in groups)} refused "
-                  f"({len(groups)} distinct reasons)")
+                  f"({len(groups)} distinct reason{'' if len(groups) == 1 else 's'})")
     if args.applied:
         counts: dict[tuple[str, str], int] = {}
         for d in decisions:

@@ -86,10 +86,14 @@ def run(args: argparse.Namespace) -> int:
     t_step = sum(r.time for r in step)
     console.print(_table(f"one decode step at context {past + 1}", step))
     floor = decode_floor(program, g, b, past)
+    parts = [f"weights {nbytes(floor.weight_bytes)}"]
+    if floor.kv_bytes or not floor.state_bytes:
+        parts.append(f"KV cache {nbytes(floor.kv_bytes)}")
+    if floor.state_bytes:
+        parts.append(f"recurrent state {nbytes(floor.state_bytes)} (read and written)")
     console.print(f"decode step: {si(sum(r.flops for r in step), 'FLOP')}, "
                   f"{nbytes(sum(r.bytes for r in step))}, "
                   f"roofline {duration(t_step)} ({b / t_step:,.0f} tokens/s); "
-                  f"floor {duration(floor.seconds)} = weights {nbytes(floor.weight_bytes)} + "
-                  f"KV cache {nbytes(floor.kv_bytes)} at {si(g.bandwidth, 'B/s')} → "
-                  f"{floor.tokens_per_second:,.0f} tokens/s")
+                  f"floor {duration(floor.seconds)} = {' + '.join(parts)} at "
+                  f"{si(g.bandwidth, 'B/s')} → {floor.tokens_per_second:,.0f} tokens/s")
     return 0

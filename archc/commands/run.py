@@ -184,7 +184,10 @@ def _summarize(args: argparse.Namespace, model: archc.Model) -> int:
         t0 = time.perf_counter()
         seq = compiled.generate(ids, args.decode)
         elapsed = time.perf_counter() - t0
+        mixers = set(spec.all_mixers)
+        carried = " and ".join(([] if not spec.softmax_attends else ["the KV cache"]) +
+                               ([] if mixers <= {"attention"} else ["the recurrent state"]))
         console.print(f"greedy continuation: {seq[0, args.tokens:].tolist()} "
                       f"({args.decode} tokens in {elapsed:.2f} s, prefill + "
-                      f"{args.decode - 1} decode steps with the KV cache)")
+                      f"{args.decode - 1} decode steps with {carried})")
     return 0

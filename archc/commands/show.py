@@ -12,7 +12,7 @@ from archc.spec.schema import Spec
 from archc.ui import console, nbytes, si
 
 NAME = "show"
-HELP = "sizes, parameters, FLOPs per token and KV-cache size of a spec"
+HELP = "sizes, parameters, FLOPs per token, KV-cache and recurrent-state size of a spec"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,6 +33,26 @@ def _attention(s: Spec) -> str:
     if att.qk_norm:
         parts.append("qk-norm")
     return ", ".join(parts)
+
+
+def _mixers(s: Spec) -> str:
+    """The sequence mixers, when not every layer is softmax attention."""
+    kinds = s.layer_mixers()
+    text = kinds[0].replace("_", " ") if len(set(kinds)) == 1 else \
+        "pattern " + "/".join(k.replace("_", " ") for k in (s.mixer.pattern or kinds))
+    m = s.mixer.mamba
+    if m is not None:
+        text += (f"{'; mamba layers:' if len(set(kinds)) > 1 else ':'} d_state {m.d_state}, "
+                 f"conv {m.d_conv}, "
+                 f"expand {m.expand} (inner {s.mamba_inner}), dt_rank {m.dt_rank}" +
+                 (", Δ/B/C norms" if m.inner_norms else ""))
+    return text
+
+
+def _state_kinds(s: Spec) -> str:
+    mixers = set(s.all_mixers)
+    return " and ".join(([] if "mamba" not in mixers else ["conv windows and SSM states"]) +
+                        ([] if "linear_attention" not in mixers else ["running sums"]))
 
 
 def _positions(s: Spec) -> str:
@@ -61,10 +81,15 @@ def run(args: argparse.Namespace) -> int:
     t.add_row("family", s.family)
     t.add_row("layers", layers)
     t.add_row("d_model", str(s.d_model))
-    t.add_row("attention", _attention(s))
+    if set(s.layer_mixers()) != {"attention"}:
+        t.add_row("mixers", _mixers(s))
+    if s.attends:
+        t.add_row("attention", _attention(s))
     ffn = s.ffn
     ffn_text = f"{ffn.kind}, d_ff {ffn.d_ff}" + (f", {ffn.activation}" if ffn.kind == "mlp"
                                                    else "")
+    if ffn.kind == "none":
+        ffn_text = "none: a block is its mixer alone"
     if ffn.moe:
         ffn_text += f" × {ffn.moe.experts} experts ({ffn.moe.expert}), top-{ffn.moe.top_k}"
     t.add_row("ffn", ffn_text + (", biases" if ffn.bias else ""))
@@ -86,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
         t.add_row("KV cache", f"{nbytes(f.kv_bytes_per_token)} per token, "
                   f"{nbytes(f.kv_bytes_per_token * s.max_seq_len)} at {s.max_seq_len} tokens "
                   f"({s.dtype}, batch 1)")
+    if f.state_bytes:
+        t.add_row("recurrent state", f"{nbytes(f.state_bytes)} per sequence at any context "
+                  f"({_state_kinds(s)})")
     t.add_row("compute nodes", f"{f.kernels} unfused ({f.kernels_per_layer:g} per layer)")
     console.print(t)
     return 0

@@ -34,7 +34,10 @@ def run(args: argparse.Namespace) -> int:
         ffn = s.ffn.kind if s.ffn.kind != "mlp" else f"mlp/{s.ffn.activation}"
         if s.ffn.moe:
             ffn = f"moe {s.ffn.moe.experts}×{s.ffn.moe.expert} top-{s.ffn.moe.top_k}"
-        table.add_row(name, s.family, layers, str(s.d_model), f"{att.heads} ({att.kv_heads})",
-                      f"{ffn} {s.ffn.d_ff}", s.position.kind, si(parameter_count(lower(s))))
+        heads = f"{att.heads} ({att.kv_heads})" if s.attends else "— (mamba)"
+        if s.ffn.d_ff is not None:
+            ffn = f"{ffn} {s.ffn.d_ff}"
+        table.add_row(name, s.family, layers, str(s.d_model), heads, ffn, s.position.kind,
+                      si(parameter_count(lower(s))))
     console.print(table)
     return 0

@@ -94,6 +94,22 @@ def kv_cache_bytes_per_token(p: Program) -> int:
     return evaluate(sympy.simplify(total), {})
 
 
+def recurrent_state_bytes(p: Program) -> int:
+    """Bytes of recurrent state one sequence keeps — Mamba's conv window and SSM state, linear
+    attention's running sums — from the state each node declares (``StateDecl``): a fixed size,
+    whatever the context, where attention's KV cache grows with it."""
+    from archc.ir.ops import RECURRENT
+    from archc.ir.ops.state import state_bytes
+    seen: dict[tuple[int, str], int] = {}
+    for g in p:
+        for i in g.compute_ids():
+            n = g.nodes[i]
+            if n.op in RECURRENT:
+                for d in OP_TABLE[n.op].extra["state"](g.sig(i)):
+                    seen[(n.attr("layer"), d.kind)] = evaluate(state_bytes((d,)), {"B": 1})
+    return sum(seen.values())
+
+
 def per_layer(spec: Spec, count: int, count_without_layers: int) -> float:
     """Average of a count over the blocks (encoder and decoder blocks together)."""
     layers = spec.layers + (spec.decoder_layers or 0)

@@ -34,6 +34,26 @@ class Step:
     converts_weights: bool = False  # can run on a loaded checkpoint without training
 
 
+def _mixers(spec: Spec) -> str:
+    """The mixers a spec's layers have, for a refusal: 'its layers are mamba'."""
+    kinds = sorted(set(spec.all_mixers))
+    return f"its layers are {' and '.join(k.replace('_', ' ') for k in kinds)}"
+
+
+def needs_softmax_attention(spec: Spec, what: str) -> None:
+    """Masks, windows, score-level positions and QK-norm act on softmax attention's scores."""
+    if not spec.softmax_attends:
+        raise StepError(f"{spec.name} has no softmax-attention layer ({_mixers(spec)}), and "
+                        f"{what} acts on attention scores")
+
+
+def needs_attention(spec: Spec, what: str) -> None:
+    """KV heads belong to attention, softmax or linear."""
+    if not spec.attends:
+        raise StepError(f"{spec.name} has no attention layer ({_mixers(spec)}), and {what} "
+                        "changes attention heads")
+
+
 def _revalidate(spec: Spec) -> Spec:
     """Round-trip through the loader so a step's result obeys every spec rule."""
     return from_dict(to_dict(spec), source=f"{spec.name} (after a step)")
@@ -66,13 +86,22 @@ def rmsnorm(spec: Spec, arg: int | None) -> Spec:
 
 
 def no_bias(spec: Spec, arg: int | None) -> Spec:
-    att, ffn, norm, out = spec.attention, spec.ffn, spec.norm, spec.output
+    # the biases of linear layers and norms; Mamba's conv and Δ biases are part of its
+    # recurrence (Δ = softplus(W·x + b) sets the step size), not a projection's offset
+    att, ffn, norm, out, mixer = spec.attention, spec.ffn, spec.norm, spec.output, spec.mixer
     has_norm_bias = norm.kind == "layernorm" and norm.bias
-    if not (att.bias.any or ffn.bias or out.bias or has_norm_bias):
-        raise StepError(f"{spec.name} has no biases")
+    mamba_bias = mixer.mamba is not None and mixer.mamba.bias
+    if not (att.bias.any or ffn.bias or out.bias or has_norm_bias or mamba_bias):
+        kept = " (Mamba's conv and Δ biases are part of its recurrence and stay)" \
+            if mixer.mamba is not None else ""
+        raise StepError(f"{spec.name} has no biases{kept}")
+    if mamba_bias:
+        assert mixer.mamba is not None
+        mixer = replace(mixer, mamba=replace(mixer.mamba, bias=False))
     return replace(spec, attention=replace(att, bias=AttentionBias()),
                    ffn=replace(ffn, bias=False), output=replace(out, bias=False),
-                   norm=replace(norm, bias=False) if norm.kind == "layernorm" else norm)
+                   norm=replace(norm, bias=False) if norm.kind == "layernorm" else norm,
+                   mixer=mixer)
 
 
 def gated(kind: str) -> Callable[[Spec, int | None], Spec]:
@@ -99,6 +128,8 @@ def parallel(spec: Spec, arg: int | None) -> Spec:
                         "norm (apply prenorm first)")
     if spec.family == "encoder-decoder":
         raise StepError("parallel blocks are defined for one stack without cross-attention")
+    if spec.ffn.kind == "none":
+        raise StepError(f"{spec.name} has no FFN to run beside its mixer")
     return replace(spec, block=replace(spec.block, parallel=True, shared_norm=True))
 
 
@@ -107,6 +138,7 @@ def rope(spec: Spec, arg: int | None) -> Spec:
     kind = spec.position.kind
     if kind == "rope":
         raise StepError(f"{spec.name} already uses RoPE")
+    needs_softmax_attention(spec, "RoPE")
     if kind not in ("learned", "sinusoidal", "none"):
         raise StepError(f"rope replaces absolute positions; {spec.name} uses {kind} attention "
                         "biases")
@@ -117,11 +149,13 @@ def alibi(spec: Spec, arg: int | None) -> Spec:
     # positions leave the embeddings; each head adds −m_h·(i − j) to its scores
     if spec.position.kind == "alibi":
         raise StepError(f"{spec.name} already uses ALiBi")
+    needs_softmax_attention(spec, "ALiBi")
     return replace(spec, position=dataclasses.replace(type(spec.position)(), kind="alibi"))
 
 
 def gqa(spec: Spec, arg: int | None) -> Spec:
     # KV cache ∝ H_kv·d_h per token per layer: H_q/H_kv times smaller
+    needs_attention(spec, "GQA")
     att = spec.attention
     kv = arg if arg is not None else _default_kv_heads(att.heads)
     if att.heads % kv:
@@ -150,12 +184,14 @@ def sliding_window(spec: Spec, arg: int | None) -> Spec:
     assert arg is not None
     if spec.family == "encoder":
         raise StepError("a sliding window here is for causal decoders")
+    needs_softmax_attention(spec, "a sliding window")
     return replace(spec, attention=replace(att, window=arg, pattern=None))
 
 
 def qk_norm(spec: Spec, arg: int | None) -> Spec:
     if spec.attention.qk_norm:
         raise StepError(f"{spec.name} already normalizes q and k")
+    needs_softmax_attention(spec, "QK-norm")
     return replace(spec, attention=replace(spec.attention, qk_norm=True))
 
 

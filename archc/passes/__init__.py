@@ -15,6 +15,7 @@ from archc.passes import (  # noqa: F401  (each module registers its passes)
     norms,
     pointwise,
     projections,
+    recurrent,
 )
 from archc.passes.context import Decision, PassContext
 from archc.passes.manager import PassFailure, PassStep, PipelineRun, optimize, run_pipeline

@@ -59,11 +59,16 @@ def register_program_pass(name: str, kind: Kind, summary: str
 # projection merges trace from), projections are merged before norms fold (one prologue per
 # merged matmul), and the epilogue fusions run last, over merged projections. Cross-attention's
 # K and V leave the decoder once merged (one projection per layer to move), before the kernels
-# are chosen in either graph.
+# are chosen in either graph. The recurrent mixers become their kernels beside attention, before
+# the projections merge (linear attention's q, k, v trace from its kernel) and before norms fold
+# (Jamba's B and C norms join the scan, not a matmul).
 DEFAULT_PIPELINE: tuple[str, ...] = (
     "fold-biases",
     "share-kv-heads",
     "flash-attention",
+    "fuse-linear-attention",
+    "fuse-causal-conv",
+    "fuse-ssm-scan",
     "merge-qkv",
     "hoist-cross-kv",
     "fold-norms",

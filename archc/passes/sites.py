@@ -95,8 +95,13 @@ def attention_operands(rw: Rewriter, i: int) -> dict[str, int] | None:
         if n.attr("cache_layer") is not None:
             return {"q": n.inputs[0]}
         return {"q": n.inputs[0], "k": n.inputs[1], "v": n.inputs[2]}
+    if n.op == Op.LINEAR_ATTENTION:
+        return {"q": n.inputs[0], "k": n.inputs[1], "v": n.inputs[2]}
     return None
 
 
 def attention_sites(rw: Rewriter) -> list[int]:
-    return [i for i in rw.order() if rw.op(i) in (Op.SCORES, Op.ATTENTION)]
+    """Nodes that read q, k and v projections: softmax attention (decomposed or flash) and
+    linear attention. Only the projection merges use these; nothing here says a bias is
+    invariant (φ(k + b) is not φ(k) shifted, so linear attention keeps its key bias)."""
+    return [i for i in rw.order() if rw.op(i) in (Op.SCORES, Op.ATTENTION, Op.LINEAR_ATTENTION)]

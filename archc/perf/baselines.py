@@ -10,7 +10,9 @@ For a kernel-level node, what a PyTorch user would run instead:
   norm's gain is ones), a merged projection is one matmul whose column ranges the later ops
   read as views, each epilogue step is the op it was (bias_add, act, mul, rope, kv_cache, add,
   softcap, scale), attention is repeat_kv → scores → scale → … → mask → softmax →
-  weighted_sum → merge_heads.
+  weighted_sum → merge_heads, and the recurrent kernels are the ops lowering emits for them
+  (conv1d → bias_add → act; norms → selective_scan → mul, add → act → mul; act → linear_scan →
+  merge_heads), reading the recurrent state the kernel read.
 
 Every counterpart that computes the kernel's function is checked against the kernel's output
 (``result`` turns what it returns into the kernel's layout, outside the timed call); a kernel
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph
-from archc.ir.ops import VIEW, Op
+from archc.ir.ops import OP_TABLE, RECURRENT, VIEW, Op
 from archc.ir.ops.attention import visible
 from archc.ir.ops.core import activation
 from archc.ir.ops.fused import EPILOGUE, _attention_inputs, _norm_inputs, selected_experts
@@ -433,13 +435,72 @@ def _moe_linear(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder) ->
                        "per expert: routed tokens → linear → × gate → index_add")
 
 
+# ---- the recurrent kernels ------------------------------------------------------------------
+
+def _causal_conv(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder) -> Counterpart:
+    a = g.nodes[i].attrs
+
+    def body() -> torch.Tensor:
+        y = rec(Op.CONV1D, xs[0], xs[1], layer=a["layer"])
+        if a["bias"]:
+            y = rec(Op.BIAS_ADD, y, xs[2])
+        return rec(Op.ACT, y, fn=a["act"])
+
+    return _unfused("unfused", rec, body, lambda y: y)
+
+
+def _ssm_scan(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder) -> Counterpart:
+    a = g.nodes[i].attrs
+    x, dt, am, bm, cm, d, z = xs[:7]
+
+    def body() -> torch.Tensor:
+        b, c = bm, cm
+        if a.get("norm_eps") is not None:
+            b = rec(Op.RMSNORM, bm, xs[7], eps=a["norm_eps"], unit_offset=False)
+            c = rec(Op.RMSNORM, cm, xs[8], eps=a["norm_eps"], unit_offset=False)
+        y = rec(Op.SELECTIVE_SCAN, x, dt, am, b, c, layer=a["layer"])
+        y = rec(Op.ADD, y, rec(Op.MUL, x, d))
+        return rec(Op.MUL, y, rec(Op.ACT, z, fn="silu"))
+
+    return _unfused("unfused", rec, body, lambda y: y)
+
+
+def _linear_attention(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder
+                      ) -> Counterpart:
+    a = g.nodes[i].attrs
+    q, k, v = xs
+
+    def body() -> torch.Tensor:
+        phi_q, phi_k = (rec(Op.ACT, t, fn=a["feature"]) for t in (q, k))
+        return rec(Op.MERGE_HEADS, rec(Op.LINEAR_SCAN, phi_q, phi_k, v, layer=a["layer"]))
+
+    return _unfused("unfused", rec, body, lambda y: y)
+
+
+def state_keys(g: Graph, i: int) -> list[tuple[int, str]]:
+    """The (layer, kind) of each recurrent state node i reads and updates (none for most)."""
+    n = g.nodes[i]
+    if n.op not in RECURRENT:
+        return []
+    return [(n.attr("layer"), d.kind) for d in OP_TABLE[n.op].extra["state"](g.sig(i))]
+
+
 def counterparts(g: Graph, i: int, xs: Sequence[torch.Tensor], dims: Mapping[str, int],
-                 caches: Store, scratch: Store) -> list[Counterpart | Unavailable]:
+                 caches: Store, scratch: Store, states: Store | None = None,
+                 ) -> list[Counterpart | Unavailable]:
     """PyTorch counterparts of node i of kernel-level graph `g`, on its input tensors `xs`.
     Attention reads `caches` (the kernel's KV cache); unfused KV-cache writes go to `scratch`,
-    whose tensors the caller sized, so the kernel's cache is left as the kernel wrote it."""
+    whose tensors the caller sized, so the kernel's cache is left as the kernel wrote it. A
+    recurrent kernel's counterpart reads `states`, the state the kernel read (zeros at P = 0),
+    and writes its new state aside, so every timed run reads the same."""
     n = g.nodes[i]
-    rec = _Recorder(TorchContext(dims, scratch))
+    rec = _Recorder(TorchContext(dims, scratch, dict(states or {}), {}))
+    if n.op == Op.CAUSAL_CONV:
+        return [_causal_conv(g, i, xs, rec)]
+    if n.op == Op.SSM_SCAN:
+        return [_ssm_scan(g, i, xs, rec)]
+    if n.op == Op.LINEAR_ATTENTION:
+        return [_linear_attention(g, i, xs, rec)]
     if n.op == Op.FUSED_LINEAR:
         return _fused_linear(g, i, xs, rec)
     if n.op == Op.ATTENTION:

@@ -43,7 +43,13 @@ from archc.ir.graph import Graph, Program
 from archc.ir.lower import lower
 from archc.ir.ops import Op
 from archc.ir.shapes import evaluate
-from archc.perf.baselines import Counterpart, Unavailable, counterparts, scratch_caches
+from archc.perf.baselines import (
+    Counterpart,
+    Unavailable,
+    counterparts,
+    scratch_caches,
+    state_keys,
+)
 from archc.perf.gpus import GPU
 from archc.perf.roofline import KernelRoof, decode_floor, kernels, label
 from archc.perf.timing import Ceilings, Timer, measure_ceilings, synchronize
@@ -294,6 +300,15 @@ def time_kernels(cfg: BenchConfig, session: Any, phase: str, dims: dict[str, int
             "roofline_seconds": roof.time(cfg.gpu), "bound": roof.bound(cfg.gpu),
             "archc_seconds": None, "baselines": [], "error": None}
         rows.append(row)
+        # a recurrent kernel updates its state at every launch: each timed launch continues
+        # the last, and the checked one starts again from the state the run began with —
+        # zeros at P = 0, else what the run left (a step further, as a later step would be)
+        held = {key: session.states.get(*key).clone().zero_() if dims["P"] == 0 else
+                session.states.get(*key).clone() for key in state_keys(g, i)}
+
+        def restore(held: dict = held) -> None:
+            for (layer, kind), value in held.items():
+                session.states.get(layer, kind).copy_(value)
         try:
             code = compile(step.call, f"<{step.unit}>", "eval")
 
@@ -304,12 +319,16 @@ def time_kernels(cfg: BenchConfig, session: Any, phase: str, dims: dict[str, int
             row["achieved_flops"] = roof.flops / t
             row["achieved_bandwidth"] = roof.bytes / t
             row["roofline_fraction"] = roof.time(cfg.gpu) / t
+            if held:
+                restore()
+                launch()
             synchronize(cfg.device)
             out = runner.value(i, dims).clone()
             xs = [runner.value(j, dims) for j in n.inputs]
             scratch = scratch_caches(g, i, dims, dtype, cfg.device)
-            for c in counterparts(g, i, xs, dims, session.cache.store, scratch):
+            for c in counterparts(g, i, xs, dims, session.cache.store, scratch, held):
                 row["baselines"].append(_baseline_row(cfg, c, out, t))
+            restore()
         except Exception as err:  # noqa: BLE001 — one kernel's failure is recorded
             row["error"] = _describe(err)
             report.data["errors"].append({"section": f"kernels:{phase}", "kernel": step.unit,
@@ -602,10 +621,11 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
             roofline_seconds=sum(k.time(cfg.gpu) for k in prefill_roofs))
         first = decode_floor(kernel_level, cfg.gpu, b, n)
         last = decode_floor(kernel_level, cfg.gpu, b, n + m - 1)
-        per_step = (first.weight_bytes + first.kv_bytes + last.weight_bytes + last.kv_bytes) / 2
+        per_step = (first.bytes + last.bytes) / 2
         data["model"]["decode"].update(
             steps=m, past_first=n, past_last=n + m - 1, weight_bytes=first.weight_bytes,
-            kv_bytes_mean=(first.kv_bytes + last.kv_bytes) / 2, bytes_per_step=per_step,
+            kv_bytes_mean=(first.kv_bytes + last.kv_bytes) / 2,
+            state_bytes=first.state_bytes, bytes_per_step=per_step,
             floor_seconds=per_step / cfg.gpu.bandwidth,
             floor_tokens_per_second=b * cfg.gpu.bandwidth / per_step)
     if "probe" not in state:
@@ -679,6 +699,9 @@ def _run_at(session: Any, tokens: torch.Tensor, past: int) -> None:
               "prefix_len": torch.tensor(t if past == 0 else session.prefix_len or t)}
     inputs = {k: v for k, v in inputs.items() if k in runner.inputs}
     session.cache.ensure(b)
+    session.states.ensure(b)
+    if past == 0:   # a sequence starts: the recurrent state reads zeros
+        session.states.zero()
     session.ctx.set_dims(b, t, past, 0, past + t)
     runner.run(inputs, session.ctx)
     synchronize(session.device)

@@ -3,8 +3,10 @@
 For each compute node the IR gives FLOPs and bytes (sympy, in B, T, P, S); with a GPU's peak
 FLOP/s and bandwidth, the roofline time is max(FLOPs / peak, bytes / bandwidth) and the node is
 compute- or memory-bound by which term wins. A decode step has a floor no kernel can beat: every
-weight byte it needs plus the KV cache it attends over, read once from HBM. A decode step runs
-the decoder graph only: the encoder and the cross-KV graph run once per generation.
+weight byte it needs plus the KV cache it attends over, read once from HBM, and the recurrent
+state of Mamba and linear-attention layers, read and written once (a fixed size, whatever the
+context). A decode step runs the decoder graph only: the encoder and the cross-KV graph run once
+per generation.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from dataclasses import dataclass
 
 from archc.ir.cost import node_cost
 from archc.ir.graph import CROSS_KV, Graph, Program
-from archc.ir.ops import Op
+from archc.ir.ops import OP_TABLE, RECURRENT, Op
+from archc.ir.ops.state import state_bytes
 from archc.ir.paramexpr import leaves
 from archc.ir.shapes import DTYPE_BYTES, evaluate, numel
 from archc.perf.gpus import GPU
@@ -175,19 +178,38 @@ def kv_bytes_read(program: Program, dims: Mapping[str, int]) -> int:
     return total
 
 
+def state_bytes_moved(program: Program, dims: Mapping[str, int]) -> int:
+    """Recurrent-state bytes a step moves: each state a node declares (``StateDecl``), read at
+    the start of the call and written at its end."""
+    total = 0
+    for g in program:
+        for i in g.compute_ids():
+            n = g.nodes[i]
+            if n.op in RECURRENT:
+                total += 2 * evaluate(state_bytes(OP_TABLE[n.op].extra["state"](g.sig(i))), dims)
+    return total
+
+
 @dataclass(frozen=True)
 class DecodeFloor:
     weight_bytes: int
     kv_bytes: int
     seconds: float
     tokens_per_second: float
+    state_bytes: int = 0        # recurrent state read and written (Mamba, linear attention)
+
+    @property
+    def bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes + self.state_bytes
 
 
 def decode_floor(program: Program, g: GPU, batch: int, past: int) -> DecodeFloor:
-    """The fastest a decode step can be: weights and KV cache read once at full bandwidth."""
+    """The fastest a decode step can be: weights and KV cache read once, recurrent state read
+    and written once, at full bandwidth."""
     dims = {"B": batch, "T": 1, "P": past, "S": max(past, 1)}
     step = per_step(program)
     w = weight_bytes_read(step, dims)
     kv = kv_bytes_read(step, dims)
-    seconds = (w + kv) / g.bandwidth
-    return DecodeFloor(w, kv, seconds, batch / seconds)
+    state = state_bytes_moved(step, dims)
+    seconds = (w + kv + state) / g.bandwidth
+    return DecodeFloor(w, kv, seconds, batch / seconds, state)

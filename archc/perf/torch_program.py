@@ -34,12 +34,30 @@ Store = MutableMapping[tuple[int, str], torch.Tensor]
 
 
 class TorchContext:
-    """What eager op semantics read besides their inputs: dims, and a static KV cache written at
-    offset P. No bounds checks: the caller sized the cache."""
+    """What eager op semantics read besides their inputs: dims, a static KV cache written at
+    offset P, and the recurrent state of Mamba and linear-attention layers. No bounds checks:
+    the caller sized the cache.
 
-    def __init__(self, dims: Mapping[str, Any], store: Store) -> None:
+    The state is read from `state_in` and written to `state_out` — one dict for a program that
+    carries it from call to call; two for a kernel's counterpart, which must read the state the
+    kernel read however often it is timed. At P = 0 a sequence starts: the state reads zeros."""
+
+    def __init__(self, dims: Mapping[str, Any], store: Store, state_in: Store | None = None,
+                 state_out: Store | None = None) -> None:
         self.dims = dims
         self.store = store
+        self.state_in: Store = {} if state_in is None else state_in
+        self.state_out: Store = self.state_in if state_out is None else state_out
+
+    def state_read(self, layer: int, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+        have = self.state_in.get((layer, kind))
+        if self.dims["P"] == 0 or have is None:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return have
+
+    def state_write(self, layer: int, kind: str, value: torch.Tensor) -> None:
+        self.state_out[(layer, kind)] = value
 
     def cache_append(self, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
         past = self.dims["P"]
@@ -120,6 +138,7 @@ class TorchProgram:
         self.store: dict[tuple[int, str], torch.Tensor] = {
             key: torch.zeros(batch, heads, max_len, dim, dtype=dtype, device=device)
             for key, (heads, dim) in cache_layout(graph).items()}
+        self.states: dict[tuple[int, str], torch.Tensor] = {}   # recurrent mixers' state
         self.values: list[torch.Tensor | None] = [None] * len(graph.nodes)
         for name, i in graph.params.items():
             self.values[i] = params[name]
@@ -141,7 +160,8 @@ class TorchProgram:
 
     def forward(self, tokens: torch.Tensor, past: int) -> torch.Tensor:
         t = tokens.shape[1]
-        ctx = TorchContext({"B": tokens.shape[0], "T": t, "P": past, "S": 0}, self.store)
+        ctx = TorchContext({"B": tokens.shape[0], "T": t, "P": past, "S": 0}, self.store,
+                           self.states)
         values = list(self.values)
         given = {"tokens": tokens,
                  "positions": torch.arange(past, past + t, device=tokens.device),

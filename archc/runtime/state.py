@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from archc.errors import RunError
+from archc.runtime.weights import TORCH_DTYPES
 
 
 class RecurrentState:
@@ -36,6 +37,41 @@ class RecurrentState:
 
     def write(self, layer: int, kind: str, value: torch.Tensor) -> None:
         self.store[(layer, kind)] = value
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.store.values())
+
+
+class StaticState:
+    """The recurrent state the generated kernels update in place: one tensor per (layer, kind),
+    [B, ...] as codegen recorded it (``Generated.states``), allocated when the batch size
+    changes and zeroed when a sequence starts — a kernel at P = 0 must read zeros, and it reads
+    whatever the tensor holds."""
+
+    def __init__(self, specs: list[tuple[int, str, tuple[int, ...], str]],
+                 device: torch.device) -> None:
+        self.specs = specs
+        self.device = device
+        self.batch = 0
+        self.store: dict[tuple[int, str], torch.Tensor] = {}
+
+    def ensure(self, batch: int) -> None:
+        if batch == self.batch:
+            return
+        self.store = {(layer, kind): torch.zeros(batch, *shape, dtype=TORCH_DTYPES[dtype],
+                                                 device=self.device)
+                      for layer, kind, shape, dtype in self.specs}
+        self.batch = batch
+
+    def zero(self) -> None:
+        for t in self.store.values():
+            t.zero_()
+
+    def get(self, layer: int, kind: str) -> torch.Tensor:
+        try:
+            return self.store[(layer, kind)]
+        except KeyError:
+            raise RunError(f"no {kind} state for layer {layer}") from None
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.store.values())

@@ -10,7 +10,10 @@ of graph + options), and each call runs ``run_<graph>(v, d)`` of that module:
 - activations: buffers planned by liveness (``archc.runtime.buffers``), reused across calls;
 - KV cache: static, [B, H_kv, max_seq_len, D] per layer and k|v, KV heads only, written by the
   QKV projection's epilogue at offset P; P lives on the device too, so a decode step is the same
-  launches every time — on a GPU it is captured once in a CUDA graph and replayed.
+  launches every time — on a GPU it is captured once in a CUDA graph and replayed;
+- recurrent state (Mamba's conv window and SSM state, linear attention's running sums): one
+  tensor per layer and kind, as the op table declares it, updated in place by its kernel and
+  zeroed when a sequence starts (P = 0).
 
 Without a GPU, archc sets ``TRITON_INTERPRET=1`` before Triton is imported and the same kernels
 run under Triton's CPU interpreter (f32 or f16: the interpreter computes bf16 wrongly).
@@ -34,6 +37,7 @@ from archc.ir.ops import Op
 from archc.ir.shapes import concrete
 from archc.ir.text import format_node
 from archc.runtime.cross_kv import CrossKV
+from archc.runtime.state import StaticState
 from archc.runtime.weights import TORCH_DTYPES, materialize
 
 
@@ -140,6 +144,7 @@ class LaunchContext:
     device: torch.device
     cache: StaticKVCache | None
     autotuned: set[str] = field(default_factory=set)
+    states: StaticState | None = None
     B: int = 1
     T: int = 1
     P: int = 0
@@ -158,6 +163,11 @@ class LaunchContext:
         if self.cache is None:
             raise RunError("this graph uses a KV cache but none was given")
         return self.cache.get(layer, kind)
+
+    def state(self, layer: int, kind: str) -> torch.Tensor:
+        if self.states is None:
+            raise RunError("this graph keeps a recurrent state but none was given")
+        return self.states.get(layer, kind)
 
     def scratch(self, name: str, numel: int, dtype: str) -> torch.Tensor:
         """A scratch buffer of at least `numel` elements of IR dtype `dtype`, reused by every
@@ -338,7 +348,8 @@ class TritonSession:
                         for g in self.program}
         self.cache = StaticKVCache(self.generated.kv, max_seq_len, TORCH_DTYPES[dtype],
                                    self.device)
-        self.ctx = LaunchContext(self.target, self.device, self.cache, autotuned,
+        self.states = StaticState(self.generated.states, self.device)
+        self.ctx = LaunchContext(self.target, self.device, self.cache, autotuned, self.states,
                                  past=torch.zeros(1, dtype=torch.int32, device=self.device))
         self.max_seq_len = max_seq_len
         self.past = 0
@@ -379,7 +390,7 @@ class TritonSession:
              P: int, S: int) -> dict[str, torch.Tensor]:
         runner = self.runners[name]
         self._check_ids(runner.graph, inputs, on_device=P == 0)
-        self.cache.ensure(B)
+        self._ensure(B)
         self.ctx.set_dims(B, T, P, S, P + T)
         return runner.run(inputs, self.ctx)
 
@@ -420,12 +431,21 @@ class TritonSession:
             inputs.update(self.cross_kv.inputs(encoder_hidden))
         runner = self.runners["decoder"]
         inputs = {k: v for k, v in inputs.items() if k in runner.inputs}
+        if self.past == 0:   # a sequence starts: the recurrent state reads zeros
+            self._ensure(b)
+            self.states.zero()
         if self._graph_ok(t):
             out = self._replay(inputs, b, s)
         else:
             out = self._run("decoder", inputs, B=b, T=t, P=self.past, S=s)["logits"]
         self.past += t
         return out
+
+    def _ensure(self, batch: int) -> None:
+        """KV cache and recurrent state for `batch` sequences: reallocated together, so a
+        captured decode graph (keyed on the cache's generation) never outlives either."""
+        self.cache.ensure(batch)
+        self.states.ensure(batch)
 
     # ---- CUDA graphs for decode ------------------------------------------------------------
     def _graph_ok(self, t: int) -> bool:
@@ -440,7 +460,7 @@ class TritonSession:
         the KV cache it writes is reallocated (a new batch size)."""
         runner = self.runners["decoder"]
         self._check_ids(runner.graph, inputs, on_device=self.past == 0)
-        self.cache.ensure(b)
+        self._ensure(b)
         dims = {"B": b, "T": 1, "P": self.past, "S": s}
         entry = self._graphs.get((b, s))
         if entry is None or entry.cache_generation != self.cache.generation:
@@ -524,6 +544,7 @@ class GraphRun:
     cache: StaticKVCache
     generated: Any
     dims: dict[str, int]
+    states: StaticState | None = None       # the recurrent state after the run
 
     def value(self, i: int) -> torch.Tensor:
         return self.runner.value(i, self.dims)
@@ -532,11 +553,13 @@ class GraphRun:
 def run_graph_triton(graph: Graph, params: Mapping[str, torch.Tensor],
                      inputs: Mapping[str, torch.Tensor], dims: Mapping[str, int], *,
                      past_kv: Mapping[tuple[int, str], torch.Tensor] | None = None,
+                     past_state: Mapping[tuple[int, str], torch.Tensor] | None = None,
                      max_seq_len: int = 64, device: str | torch.device = "cpu",
                      cache_dir: Path | None = None, reuse_buffers: bool = True,
                      decode_max_rows: int | None = None) -> GraphRun:
     """Compile one kernel-level graph and run it once at `dims` (B, T, P, S). `past_kv` holds
-    the first P positions of each (layer, k|v) cache, [B, H_kv, P, D]."""
+    the first P positions of each (layer, k|v) cache, [B, H_kv, P, D]; `past_state` the
+    recurrent state each (layer, kind) starts from (zeros where not given)."""
     from archc.codegen.options import CodegenOptions
     from archc.codegen.render import generate, load_module, write_module
     device = torch.device(device)
@@ -555,12 +578,20 @@ def run_graph_triton(graph: Graph, params: Mapping[str, torch.Tensor],
     cache.ensure(full["B"])
     for (layer, kind), past in (past_kv or {}).items():
         cache.get(layer, kind)[:, :, :past.shape[2]] = past.to(device, dtype)
+    states = StaticState(gen.states, device)
+    states.ensure(full["B"])
+    for (layer, kind), value in (past_state or {}).items():
+        held = states.get(layer, kind)
+        if tuple(value.shape) != tuple(held.shape):
+            raise RunError(f"the {kind} state of layer {layer} is {list(value.shape)}; the "
+                           f"graph keeps {list(held.shape)}")
+        held.copy_(value.to(device, held.dtype))
     runner = GraphRunner(module, graph, {k: v.to(device) for k, v in params.items()}, device,
                          reuse_buffers=reuse_buffers)
-    ctx = LaunchContext(target, device, cache,
+    ctx = LaunchContext(target, device, cache, states=states,
                         past=torch.zeros(1, dtype=torch.int32, device=device))
     if decode_max_rows is not None:
         ctx.decode_max_rows = decode_max_rows
     ctx.set_dims(full["B"], full["T"], full["P"], full["S"], full["P"] + full["T"])
     outputs = runner.run(inputs, ctx)
-    return GraphRun(outputs, runner, cache, gen, full)
+    return GraphRun(outputs, runner, cache, gen, full, states)

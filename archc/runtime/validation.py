@@ -5,11 +5,13 @@ Three runs on the same weights and inputs:
 2. eager on the kernel-level program, every node's value kept;
 3. triton on the kernel-level program, buffers not reused, so every node's value can be read.
 
-Each kernel's output in (3) is compared with the same node in (2), and each KV-cache write with
-the eager cache of its layer; the first node past its tolerance is the first diverging kernel,
-reported with the IR nodes it implements. A decoder is checked on a prefill and then on one
-decode step (different kernels: the split-KV attention), an encoder-decoder on every graph (the
-cross-KV graph, which runs at a generation's first step, on a prefill of its own).
+Each kernel's output in (3) is compared with the same node in (2), each KV-cache write with
+the eager cache of its layer, and each recurrent state a kernel updates (Mamba's conv window and
+SSM state, linear attention's sums) with the eager state; the first node past its tolerance is
+the first diverging kernel, reported with the IR nodes it implements. A decoder is checked on a
+prefill and then on one decode step (different kernels: the split-KV attention), an
+encoder-decoder on every graph (the cross-KV graph, which runs at a generation's first step, on
+a prefill of its own).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from archc.errors import ArchcError
 from archc.ir.graph import CROSS_KV, Graph
 from archc.ir.text import format_node
+from archc.perf.baselines import state_keys
 from archc.runtime.eager import EagerSession, Trace
 
 # Relative to each output's largest magnitude. f32: kernels and eager both accumulate in f32 and
@@ -40,7 +43,7 @@ class KernelCheck:
     kernel: str           # the generated unit that implements it
     max_error: float
     scale: float
-    what: str = "output"  # or "k cache", "v cache"
+    what: str = "output"  # or "k cache", "v cache", "conv state", …
 
     @property
     def relative(self) -> float:
@@ -91,7 +94,8 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 def _compare(report: Report, phase: str, g: Graph, eager: Mapping[int, torch.Tensor],
              triton: object, units: Mapping[int, str], dims: Mapping[str, int],
-             caches: list[tuple[int, str, torch.Tensor, torch.Tensor]]) -> None:
+             caches: list[tuple[int, str, torch.Tensor, torch.Tensor]],
+             states: list[tuple[int, str, torch.Tensor, torch.Tensor]] = ()) -> None:
     writer: dict[int, int] = {}
     for i in g.compute_ids():
         for st in g.nodes[i].attr("epilogue", ()) or ():
@@ -105,6 +109,10 @@ def _compare(report: Report, phase: str, g: Graph, eager: Mapping[int, torch.Ten
         e, s = _err(got, want)
         by_node.setdefault(i, []).append(KernelCheck(
             phase, g.name, i, format_node(i, g.nodes[i]), units[i], e, s, f"{kind} cache"))
+    for i, kind, want, got in states:
+        e, s = _err(got, want)
+        by_node.setdefault(i, []).append(KernelCheck(
+            phase, g.name, i, format_node(i, g.nodes[i]), units[i], e, s, f"{kind} state"))
     for i in g.compute_ids():
         if i not in eager:
             continue
@@ -150,8 +158,10 @@ def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int =
             length = dims["P"] + dims["T"]
             caches.append((layer, kind, buf[:, :, :length],
                            triton.cache.get(layer, kind)[:, :, :length]))
+        states = [(i, kind, fused.state.store[(layer, kind)], triton.states.get(layer, kind))
+                  for i in g.compute_ids() for layer, kind in state_keys(g, i)]
         _compare(report, name, g, fused.trace.values, runner,
-                 {i: units[(graph, i)] for i in g.compute_ids()}, dims, caches)
+                 {i: units[(graph, i)] for i in g.compute_ids()}, dims, caches, states)
         e, s = _err(outs[2], outs[0])
         report.phases.append(PhaseCheck(name, output or list(g.outputs)[0], e, s))
         fused.trace = None
