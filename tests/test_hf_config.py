@@ -126,3 +126,27 @@ def test_fields_archc_cannot_honour_are_refused(config: dict, message: str,
                                                 tmp_path: Path) -> None:
     with pytest.raises(SpecError, match=message):
         spec_of(tmp_path, config)
+
+
+MAMBA = {"model_type": "mamba", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+         "state_size": 4, "expand": 2, "conv_kernel": 4, "layer_norm_epsilon": 1e-5}
+
+
+def test_mamba_configs_converted_from_the_original_code_load(tmp_path: Path) -> None:
+    """Converted checkpoints keep the original code's fields beside transformers' own: the layer
+    count again, the RMSNorm switch, the fused add+norm kernel and the vocabulary padding."""
+    plain = spec_of(tmp_path, MAMBA, "plain")
+    converted = spec_of(tmp_path, {**MAMBA, "n_layer": 2, "rms_norm": True, "fused_add_norm": True,
+                                   "pad_vocab_size_multiple": 8}, "converted")
+    assert converted == plain
+    assert plain.layer_mixers() == ("mamba", "mamba")
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"n_layer": 3}, r"n_layer: 3 cannot be honoured .*must equal num_hidden_layers \(2\)"),
+    ({"rms_norm": False}, r"rms_norm: False cannot be honoured .*RMSNorm"),
+])
+def test_mamba_fields_that_disagree_are_refused(extra: dict, message: str,
+                                                tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match=message):
+        spec_of(tmp_path, {**MAMBA, **extra})

@@ -13,11 +13,25 @@ from archc.sources.tensor_map import TensorMap
 from archc.spec.schema import Spec
 
 # Initialisation and training switches (time-step init range and scheme, residual rescaling),
-# implementation choices of the scan (mamba.py, associative scan), and the f32 residual, which
-# rounds differently only below f32 (archc keeps the residual stream in the model dtype).
+# implementation choices of the scan (mamba.py, associative scan) and of the original CUDA code
+# (a fused residual-add + norm kernel), the vocabulary padding already applied to vocab_size, and
+# the f32 residual, which rounds differently only below f32 (archc keeps the residual stream in
+# the model dtype).
 INERT = frozenset({"time_step_scale", "time_step_min", "time_step_max", "time_step_init_scheme",
                    "time_step_floor", "rescale_prenorm_residual", "use_mambapy",
-                   "use_associative_scan", "residual_in_fp32"})
+                   "use_associative_scan", "residual_in_fp32", "fused_add_norm",
+                   "pad_vocab_size_multiple"})
+
+
+def layer_count(cfg: HFConfig) -> int:
+    """`num_hidden_layers`, and the original code's `n_layer` that converted configs carry too."""
+    layers = cfg.number("num_hidden_layers")
+    if "n_layer" in cfg and cfg.number("n_layer") != layers:
+        raise cfg.refuse("n_layer", cfg.data["n_layer"], f"it must equal num_hidden_layers "
+                         f"({layers})")
+    if not cfg.flag("rms_norm", True):
+        raise cfg.refuse("rms_norm", False, "transformers' Mamba blocks normalize with RMSNorm")
+    return layers
 
 
 def mixer_activation(cfg: HFConfig) -> None:
@@ -46,7 +60,7 @@ def spec(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
     tied = ckpt.head_is_tied(cfg, "lm_head.weight", ckpt("embeddings.weight"), default=True)
     return {
         "family": "decoder", "vocab_size": cfg.number("vocab_size"), "d_model": d,
-        "layers": cfg.number("num_hidden_layers"), "dtype": dtype_name(cfg),
+        "layers": layer_count(cfg), "dtype": dtype_name(cfg),
         "mixer": {"kind": "mamba", "mamba": mamba}, "ffn": {"kind": "none"},
         "norm": {"kind": "rmsnorm", "eps": cfg.number("layer_norm_epsilon", 1e-5, kind=float)},
         "position": {"kind": "none"}, "embedding": {"tied": tied},
