@@ -1,0 +1,137 @@
+"""The README stays true: every command it shows runs, and what it shows a command printing is
+what the command prints now.
+
+Blocks fenced as ``console`` hold commands (``$ archc …``) each followed by its output, compared
+line by line (trailing spaces aside); a line ``…`` stands for any lines the README leaves out.
+Blocks fenced as ``sh`` hold commands whose output varies (timings, sampled text): each must run
+and exit 0. The commands of one block run in order, in-process, in one scratch directory, as
+piped output (120 columns). Blocks fenced as ``python`` run as written.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from archc.cli import main
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+ELIDED = "…"
+
+
+@dataclass(frozen=True)
+class Example:
+    command: str
+    output: tuple[str, ...] | None      # None: only the exit status is checked
+    line: int
+
+    def __str__(self) -> str:
+        return f"README.md:{self.line}: {self.command}"
+
+
+@dataclass(frozen=True)
+class Block:
+    """The commands of one fenced block, run in order in one directory (a later command may
+    read what an earlier one wrote)."""
+
+    examples: tuple[Example, ...]
+
+    def __str__(self) -> str:
+        return str(self.examples[0])
+
+
+def examples(text: str) -> list[Block]:
+    found: list[Block] = []
+    for block in FENCE.finditer(text):
+        kind, body = block.group(1), block.group(2)
+        first = text.count("\n", 0, block.start(2)) + 1
+        runs: list[Example] = []
+        if kind == "console":
+            command: str | None = None
+            out: list[str] = []
+            start = first
+            for k, line in enumerate(body.splitlines()):
+                if line.startswith("$ "):
+                    if command is not None:
+                        runs.append(Example(command, tuple(out), start))
+                    command, out, start = line[2:], [], first + k
+                elif command is not None:
+                    out.append(line.rstrip())
+            if command is not None:
+                runs.append(Example(command, tuple(out), start))
+        elif kind == "sh":
+            for k, line in enumerate(body.splitlines()):
+                line = line.split("  #")[0].strip()
+                if line.startswith("archc "):
+                    runs.append(Example(line, None, first + k))
+        if runs:
+            found.append(Block(tuple(runs)))
+    return found
+
+
+def matches(want: tuple[str, ...], got: list[str]) -> bool:
+    """Do the lines match, each `…` in `want` standing for any run of lines?"""
+    if not want:
+        return not got
+    if want[0] == ELIDED:
+        return any(matches(want[1:], got[k:]) for k in range(len(got) + 1))
+    return bool(got) and got[0] == want[0] and matches(want[1:], got[1:])
+
+
+BLOCKS = examples(README.read_text(encoding="utf-8"))
+
+
+def test_the_readme_shows_commands() -> None:
+    shown = sum(e.output is not None for b in BLOCKS for e in b.examples)
+    assert shown >= 8, "the README lost its examples"
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+def test_readme_commands(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    for example in block.examples:
+        argv = shlex.split(example.command)
+        assert argv[0] == "archc" and all(ch not in example.command for ch in "|;&$`"), \
+            f"{example}: README examples are plain archc commands"
+        status = main(argv[1:])
+        out = capsys.readouterr().out
+        assert status == 0, f"{example}: exit status {status}"
+        if example.output is not None:
+            got = [line.rstrip() for line in out.splitlines()]
+            assert matches(example.output, got), f"{example}: prints now:\n" + "\n".join(got)
+
+
+@pytest.mark.parametrize("want,got,same", [
+    (("a", "b"), ["a", "b"], True),
+    (("a", "b"), ["a", "c"], False),
+    (("a", ELIDED, "d"), ["a", "b", "c", "d"], True),
+    (("a", ELIDED), ["a"], True),
+    (("a", ELIDED, "d"), ["a", "b", "c"], False),
+    (("a",), ["a", "b"], False),
+])
+def test_elision_matches_only_what_it_should(want: tuple[str, ...], got: list[str],
+                                             same: bool) -> None:
+    assert matches(want, got) is same
+
+
+def python_blocks(text: str) -> list[tuple[str, int]]:
+    """The ```python blocks of the README, each with the line it starts on."""
+    return [(b.group(2), text.count("\n", 0, b.start(2)) + 1) for b in FENCE.finditer(text)
+            if b.group(1) == "python"]
+
+
+PYTHON = python_blocks(README.read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("code,line", PYTHON, ids=[f"README.md:{line}" for _, line in PYTHON])
+def test_readme_python_runs(code: str, line: int, tmp_path: Path,
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's Python examples run as written (the README is this repository's own text)."""
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "readme"})  # noqa: S102
