@@ -17,7 +17,7 @@ from archc.ir.graph import Graph
 from archc.ir.ops import Op
 from archc.passes.context import PassContext, Refusal
 from archc.passes.linear import NORMS, Linear, merged_name, replace_linear, step, view
-from archc.passes.patterns import Pat, Rule, apply_rules
+from archc.passes.patterns import Pat, Rule, register_rule_pass
 from archc.passes.registry import register_pass
 from archc.passes.rewrite import Rewriter
 from archc.passes.sites import score_chain
@@ -46,12 +46,9 @@ GQA_RULES = (
 )
 
 
-@register_pass("share-kv-heads", "exact",
-               "GQA/MQA: drop repeat_kv; attention reads KV head h // group directly")
-def share_kv_heads(g: Graph, ctx: PassContext) -> Graph:
-    rw = Rewriter(g, ctx)
-    apply_rules(rw, GQA_RULES)
-    return rw.finish()
+register_rule_pass("share-kv-heads",
+                   "GQA/MQA: drop repeat_kv; attention reads KV head h // group directly",
+                   GQA_RULES)
 
 
 # ---- flash-attention -------------------------------------------------------------------------

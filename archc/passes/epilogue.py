@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from archc.ir.graph import Graph
 from archc.ir.ops import Op
-from archc.passes.context import PassContext, Refusal
+from archc.passes.context import Refusal
 from archc.passes.linear import LINEAR, NORMS, emit, step, view
-from archc.passes.patterns import Bindings, Pat, Rule, apply_rules
-from archc.passes.registry import register_pass
+from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
 from archc.passes.rewrite import Rewriter
 
 ANY_NORM = NORMS | {Op.NORM}
@@ -72,12 +70,9 @@ EPILOGUE_RULES = (
 )
 
 
-@register_pass("fuse-epilogue", "exact",
-               "bias, activation, scale and soft-cap after a matmul run in its epilogue")
-def fuse_epilogue(g: Graph, ctx: PassContext) -> Graph:
-    rw = Rewriter(g, ctx)
-    apply_rules(rw, EPILOGUE_RULES)
-    return rw.finish()
+register_rule_pass("fuse-epilogue",
+                   "bias, activation, scale and soft-cap after a matmul run in its epilogue",
+                   EPILOGUE_RULES)
 
 
 # ---- fuse-residual ---------------------------------------------------------------------------
@@ -164,14 +159,10 @@ LINEAR_RESIDUAL_RULES = (
 )
 
 
-@register_pass("fuse-residual", "exact",
-               "residual adds join the norm after them, the norm before them, or the matmul "
-               "that produced an operand")
-def fuse_residual(g: Graph, ctx: PassContext) -> Graph:
-    # 1. Adds that feed only a norm, or that add a norm's output, go into that norm kernel.
-    # 2. Remaining adds with an operand computed by a matmul read only by the add go into that
-    #    matmul's epilogue as residual(r).
-    rw = Rewriter(g, ctx)
-    apply_rules(rw, NORM_RESIDUAL_RULES)
-    apply_rules(rw, LINEAR_RESIDUAL_RULES)
-    return rw.finish()
+# 1. Adds that feed only a norm, or that add a norm's output, go into that norm kernel.
+# 2. Remaining adds with an operand computed by a matmul read only by the add go into that
+#    matmul's epilogue as residual(r).
+register_rule_pass("fuse-residual",
+                   "residual adds join the norm after them, the norm before them, or the matmul "
+                   "that produced an operand",
+                   NORM_RESIDUAL_RULES, LINEAR_RESIDUAL_RULES)

@@ -15,7 +15,7 @@ from archc.ir.ops import KERNEL_LEVEL, Op, is_compute
 from archc.passes.context import PassContext, Refusal
 from archc.passes.epilogue import norm_kernel
 from archc.passes.linear import NORMS, emit, merged_name, view
-from archc.passes.patterns import Bindings, Pat, Rule, apply_rules
+from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
 from archc.passes.pointwise import ELEMENTWISE, to_pointwise
 from archc.passes.registry import register_pass
 from archc.passes.rewrite import Rewriter
@@ -58,12 +58,9 @@ MOE_RULES = (
 )
 
 
-@register_pass("fuse-moe", "exact",
-               "MoE: router matmul + top-k in one kernel; experts as grouped up/down matmuls")
-def fuse_moe(g: Graph, ctx: PassContext) -> Graph:
-    rw = Rewriter(g, ctx)
-    apply_rules(rw, MOE_RULES)
-    return rw.finish()
+register_rule_pass("fuse-moe",
+                   "MoE: router matmul + top-k in one kernel; experts as grouped up/down matmuls",
+                   MOE_RULES)
 
 
 # ---- select-kernels --------------------------------------------------------------------------

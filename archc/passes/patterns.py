@@ -18,8 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
+from archc.ir.graph import Graph
 from archc.ir.ops import Op
-from archc.passes.context import Refusal
+from archc.passes.context import PassContext, Refusal
+from archc.passes.registry import register_pass
 from archc.passes.rewrite import Rewriter
 
 Bindings = dict[str, int]
@@ -101,3 +103,16 @@ def apply_rules(rw: Rewriter, rules: Collection[Rule], *, max_rounds: int = 8) -
         # a node this pass made is already a fusion; only the graph's own nodes are reported
         if i < len(rw.g.nodes) and not rw.is_dead(i):
             rw.ctx.refused(rule_name, rw.describe(i), why)
+
+
+def register_rule_pass(name: str, summary: str, *tables: Collection[Rule]) -> None:
+    """Register an exact pass that applies rule tables, one after another, to a fixpoint each:
+    the whole body of most fusion passes."""
+    def run(g: Graph, ctx: PassContext) -> Graph:
+        rw = Rewriter(g, ctx)
+        for rules in tables:
+            apply_rules(rw, rules)
+        return rw.finish()
+
+    run.__name__ = name.replace("-", "_")
+    register_pass(name, "exact", summary)(run)

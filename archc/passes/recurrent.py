@@ -13,12 +13,10 @@ kernel, and a piece that cannot join is left for `select-kernels` to name.
 
 from __future__ import annotations
 
-from archc.ir.graph import Graph
 from archc.ir.ops import Op
 from archc.ir.ops.linear_attention import FEATURE_MAPS
-from archc.passes.context import PassContext, Refusal
-from archc.passes.patterns import Bindings, Pat, Rule, apply_rules
-from archc.passes.registry import register_pass
+from archc.passes.context import Refusal
+from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
 from archc.passes.rewrite import Rewriter
 
 # ---- fuse-causal-conv ------------------------------------------------------------------------
@@ -63,13 +61,10 @@ CONV_RULES = (
 )
 
 
-@register_pass("fuse-causal-conv", "exact",
-               "Mamba: depthwise causal conv1d + bias + activation in one kernel that updates "
-               "the conv state")
-def fuse_causal_conv(g: Graph, ctx: PassContext) -> Graph:
-    rw = Rewriter(g, ctx)
-    apply_rules(rw, CONV_RULES)
-    return rw.finish()
+register_rule_pass("fuse-causal-conv",
+                   "Mamba: depthwise causal conv1d + bias + activation in one kernel that updates "
+                   "the conv state",
+                   CONV_RULES)
 
 
 # ---- fuse-ssm-scan ---------------------------------------------------------------------------
@@ -163,13 +158,10 @@ SCAN_RULES = (
 )
 
 
-@register_pass("fuse-ssm-scan", "exact",
-               "Mamba: selective scan + D·x skip + silu(z) gate (+ B, C norms) in one kernel "
-               "that updates the SSM state")
-def fuse_ssm_scan(g: Graph, ctx: PassContext) -> Graph:
-    rw = Rewriter(g, ctx)
-    apply_rules(rw, SCAN_RULES)
-    return rw.finish()
+register_rule_pass("fuse-ssm-scan",
+                   "Mamba: selective scan + D·x skip + silu(z) gate (+ B, C norms) in one kernel "
+                   "that updates the SSM state",
+                   SCAN_RULES)
 
 
 # ---- fuse-linear-attention ---------------------------------------------------------------------
@@ -195,10 +187,7 @@ LINEAR_ATTENTION_RULES = (
 )
 
 
-@register_pass("fuse-linear-attention", "exact",
-               "linear attention: φ(q), φ(k), running sums and head merge in one kernel that "
-               "updates the layer's sums")
-def fuse_linear_attention(g: Graph, ctx: PassContext) -> Graph:
-    rw = Rewriter(g, ctx)
-    apply_rules(rw, LINEAR_ATTENTION_RULES)
-    return rw.finish()
+register_rule_pass("fuse-linear-attention",
+                   "linear attention: φ(q), φ(k), running sums and head merge in one kernel that "
+                   "updates the layer's sums",
+                   LINEAR_ATTENTION_RULES)
