@@ -188,6 +188,23 @@ class _Stack:
                               expr=Call("rope_inv_freq", (), tuple(kw)))
         return freq, {"mscale": mscale, **attrs}
 
+    def qkv_heads(self, x: int, src: int, base: str) -> tuple[int, int, int]:
+        """The query projection of x and the key and value projections of src, split into
+        heads: (B, H, T, D) and twice (B, Hkv, T|S, D)."""
+        att = self.s.attention
+        heads, kv_heads, hd, bias = att.heads, att.kv_heads, att.head_dim, att.bias
+        with self.at("attention.heads"):
+            q = self.linear(x, f"{base}.q", heads * hd, bias.q, "attention.bias.q")
+        with self.at("attention.kv_heads"):
+            k = self.linear(src, f"{base}.k", kv_heads * hd, bias.k, "attention.bias.k")
+            v = self.linear(src, f"{base}.v", kv_heads * hd, bias.v, "attention.bias.v")
+        with self.at("attention.heads"):
+            q = self.emit(Op.SPLIT_HEADS, q, heads=heads)
+        with self.at("attention.kv_heads"):
+            k = self.emit(Op.SPLIT_HEADS, k, heads=kv_heads)
+            v = self.emit(Op.SPLIT_HEADS, v, heads=kv_heads)
+        return q, k, v
+
     def attention(self, x: int, layer: int, name: str, *, local: bool,
                   kv_source: int | None = None) -> int:
         """Multi-head attention of x over itself (through the KV cache in a decoder) or, for
@@ -195,19 +212,9 @@ class _Stack:
         s, att = self.s, self.s.attention
         cross = kv_source is not None
         src = kv_source if cross else x
-        heads, kv_heads, hd = att.heads, att.kv_heads, att.head_dim
+        heads, bias = att.heads, att.bias
         base = f"layers.{layer}.{name}"
-        bias = att.bias
-        with self.at("attention.heads"):
-            q = self.linear(x, f"{base}.q", heads * hd, bias.q, "attention.bias.q")
-        with self.at("attention.kv_heads"):
-            k = self.linear(src, f"{base}.k", kv_heads * hd, bias.k, "attention.bias.k")
-            v = self.linear(src, f"{base}.v", kv_heads * hd, bias.v, "attention.bias.v")
-        with self.at("attention.heads"):
-            q = self.emit(Op.SPLIT_HEADS, q, heads=heads)      # (B, H, T, D)
-        with self.at("attention.kv_heads"):
-            k = self.emit(Op.SPLIT_HEADS, k, heads=kv_heads)   # (B, Hkv, T|S, D)
-            v = self.emit(Op.SPLIT_HEADS, v, heads=kv_heads)
+        q, k, v = self.qkv_heads(x, src, base)   # (B, H, T, D), (B, Hkv, T|S, D) twice
         if att.qk_norm:
             q = self.norm(q, f"{base}.q_norm", "attention.qk_norm")
             k = self.norm(k, f"{base}.k_norm", "attention.qk_norm")

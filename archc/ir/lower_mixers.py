@@ -73,25 +73,13 @@ def lower_mamba(st: _Stack, h: int, layer: int) -> int:
 
 
 def lower_linear_attention(st: _Stack, h: int, layer: int) -> int:
-    att = st.s.attention
-    heads, kv_heads, hd = att.heads, att.kv_heads, att.head_dim
     base = f"layers.{layer}.attn"
-    bias = att.bias
     mixer = "mixer.pattern" if st.s.mixer.pattern is not None else "mixer.kind"
-    with st.at("attention.heads"):
-        q = st.linear(h, f"{base}.q", heads * hd, bias.q, "attention.bias.q")
-    with st.at("attention.kv_heads"):
-        k = st.linear(h, f"{base}.k", kv_heads * hd, bias.k, "attention.bias.k")
-        v = st.linear(h, f"{base}.v", kv_heads * hd, bias.v, "attention.bias.v")
-    with st.at("attention.heads"):
-        q = st.emit(Op.SPLIT_HEADS, q, heads=heads)      # (B, H, T, D)
-    with st.at("attention.kv_heads"):
-        k = st.emit(Op.SPLIT_HEADS, k, heads=kv_heads)   # (B, Hkv, T, D)
-        v = st.emit(Op.SPLIT_HEADS, v, heads=kv_heads)
+    q, k, v = st.qkv_heads(h, h, base)     # (B, H, T, D), (B, Hkv, T, D) twice
     with st.at(mixer):
         q = st.emit(Op.ACT, q, fn="elu_plus_one")
         k = st.emit(Op.ACT, k, fn="elu_plus_one")
         out = st.emit(Op.LINEAR_SCAN, q, k, v, layer=layer)   # (B, H, T, D)
         out = st.emit(Op.MERGE_HEADS, out)                     # (B, T, H·D)
     with st.at("attention.heads"):
-        return st.linear(out, f"{base}.o", st.d, bias.o, "attention.bias.o")
+        return st.linear(out, f"{base}.o", st.d, st.s.attention.bias.o, "attention.bias.o")
