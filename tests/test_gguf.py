@@ -48,11 +48,11 @@ def random_k_quant(rows: int, cols: int, qtype: Any, rng: np.random.Generator) -
     return raw.reshape(rows, cols // block * size)
 
 
-def hf_llama(d: int, ff: int, seed: int = 0) -> Any:
+def hf_llama(d: int, ff: int, seed: int = 0, rope: dict[str, Any] | None = None) -> Any:
     config = transformers.LlamaConfig(
         vocab_size=96, hidden_size=d, intermediate_size=ff, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        rms_norm_eps=1e-5, rope_parameters=rope or {"rope_type": "default", "rope_theta": 5000.0},
         bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).eval()
@@ -107,7 +107,8 @@ def add_tokenizer(w: Any, vocab_size: int) -> tokenizers.Tokenizer:
 
 
 def write_gguf(model: Any, path: Path, qtype: Any, *, arch: str = "llama",
-               extra: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+               extra: dict[str, Any] | None = None,
+               rope_factors: np.ndarray | None = None) -> dict[str, torch.Tensor]:
     """`model` as llama.cpp would write it, 2-D weights in `qtype`. Returns the weights in HF
     names and layout as the file holds them (after quantisation)."""
     cfg = model.config
@@ -126,6 +127,8 @@ def write_gguf(model: Any, path: Path, qtype: Any, *, arch: str = "llama",
     for key, value in (extra or {}).items():
         w.add_uint32(key, value)
     add_tokenizer(w, cfg.vocab_size)
+    if rope_factors is not None:
+        w.add_tensor("rope_freqs.weight", rope_factors.astype(np.float32))
     stored: dict[str, torch.Tensor] = {}
     for name, p in model.state_dict().items():
         x = p.numpy().astype(np.float32)
@@ -236,3 +239,57 @@ def test_truncated_gguf_is_refused(tmp_path: Path) -> None:
     not_gguf.write_text("hello")
     with pytest.raises(WeightsError, match=r"not a readable GGUF file"):
         archc.load(not_gguf)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 512}
+
+
+def llama3_rope_divisors(dim: int, theta: float, factor: float, low: float, high: float,
+                         context: int) -> np.ndarray:
+    """What llama.cpp stores for Llama 3.1 instead of the scaling parameters: per rotary pair,
+    the divisor of its frequency — 1 for wavelengths under context/high, `factor` for those over
+    context/low, and between them 1 / ((1 − s)/factor + s), s = (context/λ − low)/(high − low)."""
+    out = []
+    for j in range(dim // 2):
+        wavelen = 2 * np.pi * theta ** (2 * j / dim)
+        if wavelen < context / high:
+            out.append(1.0)
+        elif wavelen > context / low:
+            out.append(factor)
+        else:
+            s = (context / wavelen - low) / (high - low)
+            out.append(1 / ((1 - s) / factor + s))
+    return np.array(out)
+
+
+def test_llama3_rope_divisors_become_its_scaling(tmp_path: Path) -> None:
+    """A Llama 3.1-style file (rope_freqs.weight, no scaling metadata) runs as transformers runs
+    the llama3 rope parameters it came from. Head dim 16, θ 5000, context 512: two of the eight
+    pairs are in the blended band, the rest split between kept and divided."""
+    hf = hf_llama(64, 96, rope=LLAMA3_ROPE)
+    divisors = llama3_rope_divisors(16, 5000.0, 8.0, 1.0, 4.0, 512)
+    assert ((divisors > 1) & (divisors < 8)).sum() == 2
+    path = tmp_path / "llama31.gguf"
+    hf.load_state_dict(write_gguf(hf, path, Q.F32, rope_factors=divisors))
+    model = archc.load(path)
+    scaling = model.spec.position.scaling
+    assert scaling is not None and scaling.kind == "llama3" and scaling.factor == 8.0
+    ids = torch.randint(3, 96, (2, 11), generator=torch.Generator().manual_seed(0))
+    positions_far = torch.randint(3, 96, (1, 60), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for x in (ids, positions_far):
+            want = hf(x).logits
+            got = model.compile()(x)
+            assert float((got - want).abs().max() / want.abs().max()) <= RTOL
+
+
+def test_rope_divisors_of_another_rule_are_refused(tmp_path: Path) -> None:
+    divisors = llama3_rope_divisors(16, 5000.0, 8.0, 1.0, 4.0, 512)
+    divisors[3] *= 1.5     # one blended pair off the rule
+    path = tmp_path / "odd.gguf"
+    write_gguf(hf_llama(64, 96), path, Q.F32, rope_factors=divisors)
+    with pytest.raises(SpecError, match=r"rope_freqs.weight: per-frequency RoPE factors that do "
+                       r"not follow Llama 3's scaling rule"):
+        archc.load(path)

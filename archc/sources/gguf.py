@@ -9,6 +9,7 @@ refused by name, as config.json fields are.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,46 @@ def _f32(value: float) -> float:
     return float(f"{value:.7g}")
 
 
+def llama3_scaling(f: GGUFFile, theta: float, rotary_dim: int) -> dict[str, Any]:
+    """Llama 3.1's RoPE scaling from the per-frequency divisors llama.cpp stores instead of its
+    parameters (`rope_freqs.weight`, θ_j / f_j).
+
+    The llama3 rule keeps short wavelengths (f = 1), divides long ones by `factor` (f = factor)
+    and between them blends: 1/f = (1 − s)/factor + s with s = (L/λ − low)/(high − low), which
+    is linear in 1/λ. The middle band's points give that line; its slope L/(high − low) and
+    intercept −low/(high − low) fix the rule up to one common scale of L, low and high, so
+    low = 1 is taken. The parameters are accepted only if archc's llama3 frequencies computed
+    from them reproduce θ_j / f_j (to f32 rounding); anything else is refused."""
+    from archc.ir.paramexpr import rope_inv_freq
+
+    where = "rope_freqs.weight"
+    factors = f.load(where).double().flatten()
+    if factors.numel() != rotary_dim // 2 or not bool((factors >= 1.0 - 1e-6).all()):
+        raise SpecError(where, f"{factors.numel()} factors, expected {rotary_dim // 2} of ≥ 1 "
+                        "(one divisor per rotary pair)", source=str(f.path))
+    base = rope_inv_freq(rotary_dim, theta).double()
+    factor = float(factors.max())
+    medium = (factors > 1.0 + 1e-6) & (factors < factor * (1 - 1e-6))
+    if factor <= 1.0 + 1e-6 or int(medium.sum()) < 2:
+        raise SpecError(where, "per-frequency RoPE factors that are not Llama 3's scaling "
+                        "(it needs factors > 1 and at least two blended frequencies)",
+                        source=str(f.path))
+    inv_wavelen = base[medium] / (2 * math.pi)
+    blend = (1 / factors[medium] - 1 / factor) / (1 - 1 / factor)
+    design = torch.stack([inv_wavelen, torch.ones_like(inv_wavelen)], dim=1)
+    slope, intercept = (float(v) for v in torch.linalg.lstsq(design, blend[:, None]).solution)
+    params: dict[str, Any] = {"kind": "llama3", "factor": _f32(factor)}
+    if intercept < 0 and slope > 0:
+        params.update(original_max_seq_len=round(-slope / intercept), low_freq_factor=1.0,
+                      high_freq_factor=_f32(1.0 - 1.0 / intercept))
+        got = rope_inv_freq(rotary_dim, theta, **{k: v for k, v in params.items()
+                                                  if k != "kind"}, kind="llama3").double()
+        if torch.allclose(got, (base / factors).float().double(), rtol=1e-5, atol=0.0):
+            return params
+    raise SpecError(where, "per-frequency RoPE factors that do not follow Llama 3's scaling "
+                    "rule", source=str(f.path))
+
+
 def _spec_data(f: GGUFFile) -> tuple[dict[str, Any], HFConfig]:
     arch = f.fields.get("general.architecture")
     if arch != ARCH:
@@ -127,8 +168,10 @@ def _spec_data(f: GGUFFile) -> tuple[dict[str, Any], HFConfig]:
     elif scaling not in ("none", "linear"):
         raise meta.refuse("rope.scaling.type", scaling, "archc reads none, linear and yarn")
     if "rope_freqs.weight" in f.tensors:
-        raise SpecError("rope_freqs.weight", "per-frequency RoPE factors (Llama 3.1 style) are "
-                        "not supported in GGUF files", source=str(f.path))
+        if "scaling" in position:
+            raise meta.refuse("rope.scaling.type", scaling, "the file also holds per-frequency "
+                              "factors (rope_freqs.weight): one scaling at a time")
+        position["scaling"] = llama3_scaling(f, position["theta"], rotary)
     experts = meta.number("expert_count", 0)
     ffn: dict[str, Any] = {"kind": "swiglu", "d_ff": meta.number("feed_forward_length")}
     if experts:
@@ -219,7 +262,8 @@ def load_gguf(path: Path, *, progress: Progress | None = None) -> Any:
         if f.shape(name) != want[target]:
             raise WeightsError(f"{path}: tensor {name!r} has shape {list(f.shape(name))}, "
                                f"expected {list(want[target])}")
-    extra = sorted(set(f.tensors) - {name for name, _, _ in plan})
+    # rope_freqs.weight, when there, was read into the spec's RoPE scaling
+    extra = sorted(set(f.tensors) - {name for name, _, _ in plan} - {"rope_freqs.weight"})
     if extra:
         more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
         raise WeightsError(f"{path}: tensors the model does not use: {', '.join(extra[:3])}"
