@@ -132,6 +132,20 @@ def write_gguf(model: Any, path: Path, qtype: Any, *, arch: str = "llama",
     stored: dict[str, torch.Tensor] = {}
     for name, p in model.state_dict().items():
         x = p.numpy().astype(np.float32)
+        if ".mlp.experts." in name or name.endswith(".mlp.gate.weight"):
+            # Mixtral, f32: the router, and each expert projection as one 3-D tensor
+            # [experts, rows, cols] (transformers fuses gate and up; llama.cpp keeps them apart)
+            assert qtype == Q.F32
+            layer = name.split(".")[2]
+            if name.endswith("gate_up_proj"):
+                ff = x.shape[1] // 2
+                w.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", x[:, :ff].copy())
+                w.add_tensor(f"blk.{layer}.ffn_up_exps.weight", x[:, ff:].copy())
+            else:
+                w.add_tensor(f"blk.{layer}." + ("ffn_down_exps.weight" if "down" in name
+                                                else "ffn_gate_inp.weight"), x)
+            stored[name] = torch.from_numpy(x)
+            continue
         permute = {"self_attn.q_proj": heads, "self_attn.k_proj": kv}
         rows_heads = next((h for m, h in permute.items() if m in name), None)
         if rows_heads:
@@ -293,3 +307,30 @@ def test_rope_divisors_of_another_rule_are_refused(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match=r"rope_freqs.weight: per-frequency RoPE factors that do "
                        r"not follow Llama 3's scaling rule"):
         archc.load(path)
+
+
+def test_gguf_mixtral_experts_match_transformers(tmp_path: Path) -> None:
+    """Mixtral as llama.cpp writes it: llama architecture with expert_count, the router as
+    ffn_gate_inp and the experts' gate, up and down projections as 3-D tensors."""
+    config = transformers.MixtralConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    hf = transformers.MixtralForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, p in hf.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.1 * noise if p.ndim == 1 else noise / p.shape[-1] ** 0.5)
+    path = tmp_path / "mixtral.gguf"
+    write_gguf(hf, path, Q.F32, extra={"llama.expert_count": 4, "llama.expert_used_count": 2})
+    model = archc.load(path)
+    assert model.spec.ffn.kind == "moe" and model.spec.ffn.moe.experts == 4
+    ids = torch.randint(3, 96, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(ids).logits
+    got = model.compile()(ids)
+    assert float((got - want).abs().max() / want.abs().max()) <= RTOL
