@@ -67,8 +67,8 @@ else
     # tests/test_triton_validate.py: it validates on the CPU, and Triton's interpreter, once
     # chosen, is the process's for good — it cannot share a pytest worker with GPU tests.
     read -r -a TESTS <<< "${ARCHC_GPU_CHECK_TESTS:-tests/test_triton_kernels.py \
-tests/test_triton_models.py tests/test_triton_gguf.py tests/test_bench.py \
-tests/test_roofline.py}"
+tests/test_triton_recurrent.py tests/test_triton_models.py tests/test_triton_gguf.py \
+tests/test_bench.py tests/test_roofline.py}"
     BENCH_FLAGS=()
     # tiny-llama3 is launch-bound: torch.compile's default mode says what there is to say, and
     # max-autotune's minute of GEMM tuning is better spent on llama3-8b
