@@ -218,6 +218,18 @@ def test_value_bias_folds_into_the_output_bias_per_kv_head() -> None:
                                                                   ("heads", 2)))))
 
 
+def test_value_bias_folds_through_linear_attention() -> None:
+    """Linear attention averages its values with positive weights summing to 1, as softmax
+    does: b_o' = b_o + W_o · repeat_heads(b_v), GQA 4/2."""
+    found = decisions("tiny-linear-attention", "fold-biases", "value-bias")
+    assert len(found) == 2 and all(d.applied for d in found)
+    bias = param_exprs(optimized("tiny-linear-attention"))["layers.0.attn.o+v.bias"]
+    assert bias == Call("add", (Call("w", ("layers.0.attn.o.bias",)), Call("mm", (
+        Call("w", ("layers.0.attn.o.weight",)), Call(
+            "repeat_heads", (Call("w", ("layers.0.attn.v.bias",)),),
+            (("groups", 2), ("heads", 2)))))))
+
+
 def test_value_bias_stays_where_a_row_can_be_fully_masked() -> None:
     found = decisions("tiny-bert", "fold-biases", "value-bias")
     assert found and all(not d.applied and "padding" in d.reason for d in found)

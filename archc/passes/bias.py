@@ -1,7 +1,7 @@
 """fold-biases: drop the biases that provably do not change the output, fold the rest forward.
 
 Three rules. Zero biases vanish. A key bias is dropped when softmax cannot see it. A value bias
-moves through attention into the output projection's bias.
+moves through attention — softmax or linear — into the output projection's bias.
 """
 
 from __future__ import annotations
@@ -113,28 +113,48 @@ def _add_output_bias(rw: Rewriter, o: Linear, extra: Call, v_bias: int, like: in
     replace_linear(rw, o, o.replace(steps=steps))
 
 
-def _value_bias(rw: Rewriter, chain: ScoreChain, ctx: PassContext) -> None:
+def _softmax_value_bias(rw: Rewriter, chain: ScoreChain, ctx: PassContext) -> None:
     assert chain.wsum is not None
-    path, bias = _projection_bias(rw, rw.node(chain.wsum).inputs[1])
+    mask = chain.modifier(rw, Op.MASK)
+    padded = None
+    if mask is not None and rw.node(mask).attr("padding"):
+        padded = (f"mask %{mask} takes a padding mask: a fully padded row has no "
+                  "probabilities summing to 1 to carry the bias through")
+    _value_bias(rw, rw.node(chain.wsum).inputs[1], chain.merge, chain.problem, padded, ctx)
+
+
+def _linear_value_bias(rw: Rewriter, scan: int, ctx: PassContext) -> None:
+    # out_i = φq_i·S_i / φq_i·z_i with S_i = Σ_j φk_j v_jᵀ and z_i = Σ_j φk_j: the weights
+    # φq_i·φk_j / φq_i·z_i are positive (φ = elu + 1 > 0) and sum to 1 over j ≤ i, so a bias on
+    # every v_j comes out whole, as through softmax
+    users = rw.users(scan)
+    merge = users[0] if len(users) == 1 and rw.op(users[0]) == Op.MERGE_HEADS else None
+    _value_bias(rw, rw.node(scan).inputs[2], merge,
+                f"the linear attention %{scan} is read by more than one head merge", None, ctx)
+
+
+def _value_bias(rw: Rewriter, v_in: int, merge: int | None, no_merge: str,
+                refusal: str | None, ctx: PassContext) -> None:
+    """Move the bias of the value projection feeding `v_in` into the output projection reading
+    `merge` (the heads merged), when each output row is a weighted average of the values."""
+    path, bias = _projection_bias(rw, v_in)
     if bias is None:
         return
     try:
-        mask = chain.modifier(rw, Op.MASK)
-        if mask is not None and rw.node(mask).attr("padding"):
-            raise Refusal(f"mask %{mask} takes a padding mask: a fully padded row has no "
-                          "probabilities summing to 1 to carry the bias through")
+        if refusal is not None:
+            raise Refusal(refusal)
         for i in path:
             if rw.op(i) not in (Op.SPLIT_HEADS, Op.KV_CACHE, Op.REPEAT_KV):
                 raise Refusal(f"{rw.op(i).value} %{i} acts on v after its bias")
         for i in [bias, *path]:
             if len(rw.users(i)) != 1:
                 raise Refusal(f"%{i} ({rw.op(i).value}) is read outside this attention")
-        if chain.merge is None:
-            raise Refusal(chain.problem)
-        users = rw.users(chain.merge)
+        if merge is None:
+            raise Refusal(no_merge)
+        users = rw.users(merge)
         o = view_with_bias(rw, users[0]) if len(users) == 1 else None
-        if o is None or o.operands != (chain.merge,):
-            raise Refusal(f"the attention output %{chain.merge} is not read by one output "
+        if o is None or o.operands != (merge,):
+            raise Refusal(f"the attention output %{merge} is not read by one output "
                           "projection")
         if o.prologue or any(s.fn != "bias" for s in o.steps):
             raise Refusal(f"the output projection %{o.root} already has an epilogue")
@@ -142,7 +162,7 @@ def _value_bias(rw: Rewriter, chain: ScoreChain, ctx: PassContext) -> None:
             raise Refusal(f"the output projection weight %{o.weight} is not a parameter")
         b_v = rw.node(bias).inputs[1]
         kv_width = int(rw.shape(b_v)[0])
-        heads_width = rw.width(chain.merge)
+        heads_width = rw.width(merge)
         split = next(i for i in path if rw.op(i) == Op.SPLIT_HEADS)
         kv_heads = rw.node(split).attr("heads")
         groups = heads_width // kv_width
@@ -167,14 +187,17 @@ def fold_biases(g: Graph, ctx: PassContext) -> Graph:
     #    repeat_kv lie between, and only shift-safe modifiers lie between scores and softmax.
     # 4. Value bias: trace v up to its projection; if no row can be fully masked and the heads
     #    go straight into one output projection, move the bias into that projection's bias.
+    # 5. Linear attention: the value bias likewise (its weights are positive and sum to 1).
     rw = Rewriter(g, ctx)
     apply_rules(rw, ZERO_BIAS_RULES)
     for i in rw.order():
+        if rw.op(i) == Op.LINEAR_SCAN:
+            _linear_value_bias(rw, i, ctx)
         if rw.op(i) != Op.SCORES:
             continue
         chain = score_chain(rw, i)
         if chain.softmax is None or chain.wsum is None:
             continue
         _key_bias(rw, chain, ctx)
-        _value_bias(rw, chain, ctx)
+        _softmax_value_bias(rw, chain, ctx)
     return rw.finish()
