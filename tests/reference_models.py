@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -378,3 +379,17 @@ def greedy_generate(model: nn.Module, ids: torch.Tensor, max_new_tokens: int) ->
         if step + 1 < max_new_tokens:
             logits = model(nxt, cache)
     return torch.cat(out, dim=1)
+
+
+def prefill_then_decode(session: Any, reference: Any, ids: torch.Tensor, split: int,
+                        cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """archc's session and a reference model over the same tokens: a prefill of `split` tokens,
+    then one token at a time through each side's own cache. Returns (archc, reference) outputs
+    concatenated along the tokens."""
+    session.reset()
+    got = [session.step(ids[:, :split])]
+    want = [reference(ids[:, :split], cache)]
+    for t in range(split, ids.shape[1]):
+        got.append(session.step(ids[:, t:t + 1]))
+        want.append(reference(ids[:, t:t + 1], cache))
+    return torch.cat(got, dim=1), torch.cat(want, dim=1)

@@ -109,17 +109,11 @@ def test_prefill_then_decode_matches_reference(name: str, split: int) -> None:
     compiled, reference = _decoder(name)
     ids = _tokens(compiled.spec.vocab_size, (2, 10), seed=split)
     session, cache = compiled.session, KVCache()
-    session.reset()
-    got = [session.step(ids[:, :split])]
-    want = [reference(ids[:, :split], cache)]
-    for t in range(split, ids.shape[1]):
-        got.append(session.step(ids[:, t:t + 1]))
-        want.append(reference(ids[:, t:t + 1], cache))
+    got, incremental = ref.prefill_then_decode(session, reference, ids, split, cache)
     assert cache.length == session.past == ids.shape[1]
-    incremental = torch.cat(want, dim=1)
     # the reference's own cache first: its decode must equal its full forward
     assert_close(incremental, reference(ids), f"{name} reference decode vs its full forward")
-    assert_close(torch.cat(got, dim=1), incremental, f"{name} prefill {split} then decode")
+    assert_close(got, incremental, f"{name} prefill {split} then decode")
 
 
 @pytest.mark.parametrize("name", list(DECODERS))

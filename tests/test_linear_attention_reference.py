@@ -21,6 +21,7 @@ import torch
 import archc
 from tests import reference_linear_attention as ref
 from tests.reference_linear_attention import Config, FeatureCache, LinearTransformer
+from tests.reference_models import prefill_then_decode
 
 RTOL = 1e-5
 NAME = "tiny-linear-attention"
@@ -54,16 +55,10 @@ def test_full_forward_matches_reference() -> None:
 def test_prefill_then_decode_matches_reference(split: int) -> None:
     compiled, reference = _pair()
     ids = _tokens((2, 12), seed=split)
-    session, cache = compiled.session, FeatureCache()
-    session.reset()
-    got = [session.step(ids[:, :split])]
-    want = [reference(ids[:, :split], cache)]
-    for t in range(split, ids.shape[1]):
-        got.append(session.step(ids[:, t:t + 1]))
-        want.append(reference(ids[:, t:t + 1], cache))
-    incremental = torch.cat(want, dim=1)
+    got, incremental = prefill_then_decode(compiled.session, reference, ids, split,
+                                           FeatureCache())
     assert relative_error(incremental, reference(ids)) <= RTOL   # the reference's own decode
-    assert relative_error(torch.cat(got, dim=1), incremental) <= RTOL
+    assert relative_error(got, incremental) <= RTOL
 
 
 @torch.no_grad()
