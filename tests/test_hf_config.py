@@ -150,3 +150,26 @@ def test_mamba_fields_that_disagree_are_refused(extra: dict, message: str,
                                                 tmp_path: Path) -> None:
     with pytest.raises(SpecError, match=message):
         spec_of(tmp_path, {**MAMBA, **extra})
+
+
+JAMBA = {"model_type": "jamba", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 4,
+         "intermediate_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "attn_layer_period": 4, "attn_layer_offset": 2, "expert_layer_period": 2,
+         "expert_layer_offset": 1, "num_experts": 4, "num_experts_per_tok": 2,
+         "mamba_d_state": 4, "max_position_embeddings": 128}
+
+
+def test_jamba_configs_of_the_original_code_load(tmp_path: Path) -> None:
+    """Jamba-v0.1's own config names the context n_ctx and carries the inner-norm switch and a
+    logits setting beside transformers' fields."""
+    plain = spec_of(tmp_path, JAMBA, "plain")
+    legacy = {k: v for k, v in JAMBA.items() if k != "max_position_embeddings"}
+    legacy.update(n_ctx=128, mamba_inner_layernorms=True, calc_logits_for_entire_prompt=False)
+    assert spec_of(tmp_path, legacy, "legacy") == plain
+    assert plain.layer_mixers() == ("mamba", "mamba", "attention", "mamba")
+    assert plain.mixer.mamba is not None and plain.mixer.mamba.inner_norms
+
+
+def test_jamba_without_inner_norms_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match=r"mamba_inner_layernorms: False cannot be honoured"):
+        spec_of(tmp_path, {**JAMBA, "mamba_inner_layernorms": False})

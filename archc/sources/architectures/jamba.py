@@ -19,9 +19,11 @@ from archc.sources.hf_config import HFConfig, dtype_name
 from archc.sources.tensor_map import TensorMap
 from archc.spec.schema import Spec
 
-# Training-only router settings, and implementation choices of the Mamba scan.
+# Training-only router settings, implementation choices of the Mamba scan, and which positions'
+# logits the original code returns (archc returns them all).
 INERT = frozenset({"router_aux_loss_coef", "output_router_logits", "use_mamba_kernels",
-                   "use_mambapy", "use_associative_scan"})
+                   "use_mambapy", "use_associative_scan", "calc_logits_for_entire_prompt",
+                   "num_logits_to_keep"})
 
 
 def _every(cfg: HFConfig, period_key: str, offset_key: str, default: tuple[int, int],
@@ -46,6 +48,9 @@ def spec(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         "d_state": cfg.number("mamba_d_state", 16), "d_conv": cfg.number("mamba_d_conv", 4),
         "expand": cfg.number("mamba_expand", 2), "conv_bias": cfg.flag("mamba_conv_bias", True),
         "bias": cfg.flag("mamba_proj_bias", False), "inner_norms": True}
+    if not cfg.flag("mamba_inner_layernorms", True):   # the original code's switch
+        raise cfg.refuse("mamba_inner_layernorms", False, "transformers' Jamba normalizes Δ, B "
+                         "and C in every Mamba layer")
     if rank != "auto":
         mamba["dt_rank"] = cfg.number("mamba_dt_rank")
     mixer: dict[str, Any] = {"pattern": layer_pattern(mixers)} if any(attends) else \
@@ -65,7 +70,8 @@ def spec(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
             ffn["pattern"] = layer_pattern(["moe" if r else "dense" for r in routed])
     spec: dict[str, Any] = {
         "family": "decoder", "vocab_size": cfg.number("vocab_size"), "d_model": d,
-        "layers": layers, "max_seq_len": cfg.number("max_position_embeddings", 262144),
+        "layers": layers,
+        "max_seq_len": cfg.number("max_position_embeddings", cfg.number("n_ctx", 262144)),
         "dtype": dtype_name(cfg), "mixer": mixer, "ffn": ffn,
         "norm": {"kind": "rmsnorm", "eps": cfg.number("rms_norm_eps", 1e-6, kind=float)},
         "position": {"kind": "none"},
