@@ -112,3 +112,16 @@ def test_parser_names_the_line() -> None:
     broken = text.replace("= softmax(", "= softmux(", 1)
     with pytest.raises(IRError, match=r"line \d+: unknown op 'softmux'"):
         parse_program(broken)
+
+
+def test_ir_reference_is_current() -> None:
+    """docs/ir-reference.md is generated from the op table; regenerate with
+    `python -m archc.ir.reference > docs/ir-reference.md`."""
+    from pathlib import Path
+
+    from archc.ir.ops import OP_TABLE
+    from archc.ir.reference import reference
+    doc = Path(__file__).resolve().parents[1] / "docs" / "ir-reference.md"
+    text = reference()
+    assert all(f"| `{op.value}` |" in text for op in OP_TABLE)
+    assert doc.read_text(encoding="utf-8") == text

@@ -437,3 +437,13 @@ def test_symbolic_shapes_of_new_parameters_are_sympy() -> None:
     for g in optimized("tiny-neox"):
         for n in g:
             assert all(isinstance(d, sympy.Expr) for d in n.shape), n
+
+
+def test_passes_reference_is_current() -> None:
+    """docs/passes-reference.md is generated from the registry; regenerate with
+    `python -m archc.passes.reference > docs/passes-reference.md`."""
+    from pathlib import Path
+
+    from archc.passes.reference import reference
+    doc = Path(__file__).resolve().parents[1] / "docs" / "passes-reference.md"
+    assert doc.read_text(encoding="utf-8") == reference()

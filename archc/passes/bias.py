@@ -179,7 +179,8 @@ def _value_bias(rw: Rewriter, v_in: int, merge: int | None, no_merge: str,
 
 
 @register_pass("fold-biases", "exact",
-               "drop zero and key biases; fold value biases into the output-projection bias")
+               "drop zero and key biases; fold value biases through attention (softmax or "
+               "linear) into the output-projection bias")
 def fold_biases(g: Graph, ctx: PassContext) -> Graph:
     # 1. Zero biases: apply the zero-bias rules to a fixed point.
     # 2. For each decomposed attention, follow scores → modifiers → softmax → weighted_sum.
