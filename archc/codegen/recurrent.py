@@ -106,6 +106,16 @@ def _types(c: NodeCtx, names: list[str], *, state: dict[str, str]) -> dict[str, 
     return types
 
 
+def _unit(c: NodeCtx, family: str, names: list[str], ctx: dict[str, Any],
+          sizes: dict[str, int]) -> Unit:
+    """A recurrent kernel's unit, rendered from `<family>.py.j2`: launched with the output, each
+    input's buffer (`names`, in input order), then the layer's states in the op's order."""
+    state = _states(c, _layer(c))
+    call = ", ".join([f"v[{c.i}]"] + [c.ref(k) for k in range(len(names))] + list(state.values()))
+    kernel = JitKernel("_kernel", family, sizes, _types(c, names, state=state))
+    return Unit(family, f"{family}.py.j2", ctx, [kernel], call)
+
+
 # ---- causal_conv -----------------------------------------------------------------------------
 
 def build_causal_conv(c: NodeCtx) -> Unit:
@@ -122,15 +132,10 @@ def build_causal_conv(c: NodeCtx) -> Unit:
     _matrix(c, 1, channels, width, "the filter")
     if bias:
         _vector(c, 2, channels, "the bias")
-    layer = _layer(c)
-    state = _states(c, layer)
     names = ["x", "w"] + (["bias"] if bias else [])
     ctx: dict[str, Any] = dict(C=channels, K=width, bias=bias, act_fn=lit_act(c, a.get("act")),
                                x=_rows(c, 0, "the input"))
-    call = ", ".join([f"v[{c.i}]"] + [c.ref(k) for k in range(len(names))] + [state["conv"]])
-    kernel = JitKernel("_kernel", "causal_conv", dict(C=channels, K=width),
-                       _types(c, names, state=state))
-    return Unit("causal_conv", "causal_conv.py.j2", ctx, [kernel], call)
+    return _unit(c, "causal_conv", names, ctx, dict(C=channels, K=width))
 
 
 # ---- ssm_scan --------------------------------------------------------------------------------
@@ -149,16 +154,11 @@ def build_ssm_scan(c: NodeCtx) -> Unit:
     if norm:
         _vector(c, 7, states, "the B norm's gain")
         _vector(c, 8, states, "the C norm's gain")
-    layer = _layer(c)
-    state = _states(c, layer)
     ctx: dict[str, Any] = dict(C=channels, N=states, norm=norm,
                                eps=lit_float(c, eps, "norm_eps") if norm else "")
     for k, role in ((0, "x"), (1, "dt"), (3, "bm"), (4, "cm"), (6, "z")):
         ctx[role] = _rows(c, k, role)
-    call = ", ".join([f"v[{c.i}]"] + [c.ref(k) for k in range(len(names))] + [state["ssm"]])
-    kernel = JitKernel("_kernel", "ssm_scan", dict(C=channels, N=states),
-                       _types(c, names, state=state))
-    return Unit("ssm_scan", "ssm_scan.py.j2", ctx, [kernel], call)
+    return _unit(c, "ssm_scan", names, ctx, dict(C=channels, N=states))
 
 
 # ---- linear_attention ------------------------------------------------------------------------
@@ -179,14 +179,9 @@ def build_linear_attention(c: NodeCtx) -> Unit:
             static(c, k_lay.shape[3], "the key head dim") != hd:
         raise c.fail(f"{heads} query heads of {hd} over {kv_heads} KV heads: q, k and v do not "
                      "line up")
-    layer = _layer(c)
-    state = _states(c, layer)
     ctx: dict[str, Any] = dict(
         H=heads, KVH=kv_heads, G=heads // kv_heads, D=hd, DV=dv,
         BLOCK_D=max(16, next_pow2(hd)), BLOCK_DV=max(16, next_pow2(dv)), feature=feature,
         q=_heads(c, 0, HEAD, "q"), k=_heads(c, 1, KV_HEAD, "k"), v=_heads(c, 2, KV_HEAD, "v"),
         dot_kw=c.dot_kw)
-    call = ", ".join([f"v[{c.i}]"] + [c.ref(k) for k in range(3)] + [state["S"], state["z"]])
-    kernel = JitKernel("_kernel", "linear_attention", dict(D=hd, DV=dv),
-                       _types(c, ["q", "k", "v"], state=state))
-    return Unit("linear_attention", "linear_attention.py.j2", ctx, [kernel], call)
+    return _unit(c, "linear_attention", ["q", "k", "v"], ctx, dict(D=hd, DV=dv))

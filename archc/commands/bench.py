@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -247,39 +248,41 @@ def _kernel_table(phase: str, rows: list[dict[str, Any]], shapes: dict[str, int]
     return t
 
 
+def _runs_table(title: str, columns: tuple[str, ...], runs: list[dict[str, Any]], measured: str,
+                cells: Callable[[dict[str, Any]], list[str]]) -> Table:
+    """One row per runner; a runner without its `measured` value is shown as failed."""
+    t = Table(title=title, title_justify="left")
+    for col in ("runner", *columns):
+        t.add_column(col, justify="left" if col == "runner" else "right",
+                     no_wrap=col != "runner")
+    for r in runs:
+        if r.get(measured) is None:
+            t.add_row(r["name"], "[red]failed[/]", *[""] * (len(columns) - 1))
+        else:
+            t.add_row(r["name"], *cells(r))
+    return t
+
+
 def _model_tables(data: dict[str, Any]) -> None:
     pre = data["model"]["prefill"]
     if pre.get("runs"):
-        t = Table(title=f"prefill, {pre['tokens']} tokens: {si(pre['flops'], 'FLOP')}, "
-                        f"roofline {_t(pre['roofline_seconds'])}", title_justify="left")
-        for col in ("runner", "time", "tokens/s", "FLOP/s", "of peak", "of roofline",
-                    "archc speed-up"):
-            t.add_column(col, justify="left" if col == "runner" else "right",
-                         no_wrap=col != "runner")
-        for r in pre["runs"]:
-            if r.get("seconds") is None:
-                t.add_row(r["name"], "[red]failed[/]", "", "", "", "", "")
-                continue
-            t.add_row(r["name"], _t(r["seconds"]), f"{r['tokens_per_second']:,.0f}",
-                      si(r["flops_per_second"], "FLOP/s"), _pct(r["peak_fraction"]),
-                      _pct(r["roofline_fraction"]), _x(r.get("archc_speedup")))
-        console.print(t)
+        console.print(_runs_table(
+            f"prefill, {pre['tokens']} tokens: {si(pre['flops'], 'FLOP')}, "
+            f"roofline {_t(pre['roofline_seconds'])}",
+            ("time", "tokens/s", "FLOP/s", "of peak", "of roofline", "archc speed-up"),
+            pre["runs"], "seconds",
+            lambda r: [_t(r["seconds"]), f"{r['tokens_per_second']:,.0f}",
+                       si(r["flops_per_second"], "FLOP/s"), _pct(r["peak_fraction"]),
+                       _pct(r["roofline_fraction"]), _x(r.get("archc_speedup"))]))
     dec = data["model"]["decode"]
     if dec.get("runs"):
-        t = Table(title=f"decode, {dec['steps']} steps from context {dec['past_first'] + 1}: "
-                        f"floor {_t(dec['floor_seconds'])}/step = "
-                        f"{dec['floor_tokens_per_second']:,.0f} tokens/s "
-                        f"({si(dec['bytes_per_step'], 'B')} per step)", title_justify="left")
-        for col in ("runner", "ms/token", "tokens/s", "bandwidth", "of floor", "of copy",
-                    "archc speed-up"):
-            t.add_column(col, justify="left" if col == "runner" else "right",
-                         no_wrap=col != "runner")
-        for r in dec["runs"]:
-            if r.get("step_seconds") is None:
-                t.add_row(r["name"], "[red]failed[/]", "", "", "", "", "")
-                continue
-            t.add_row(r["name"], f"{r['step_seconds'] * 1e3:.3f}",
-                      f"{r['tokens_per_second']:,.1f}", si(r["bandwidth"], "B/s"),
-                      _pct(r["floor_fraction"]), _pct(r.get("copy_fraction")),
-                      _x(r.get("archc_speedup")))
-        console.print(t)
+        console.print(_runs_table(
+            f"decode, {dec['steps']} steps from context {dec['past_first'] + 1}: "
+            f"floor {_t(dec['floor_seconds'])}/step = "
+            f"{dec['floor_tokens_per_second']:,.0f} tokens/s "
+            f"({si(dec['bytes_per_step'], 'B')} per step)",
+            ("ms/token", "tokens/s", "bandwidth", "of floor", "of copy", "archc speed-up"),
+            dec["runs"], "step_seconds",
+            lambda r: [f"{r['step_seconds'] * 1e3:.3f}", f"{r['tokens_per_second']:,.1f}",
+                       si(r["bandwidth"], "B/s"), _pct(r["floor_fraction"]),
+                       _pct(r.get("copy_fraction")), _x(r.get("archc_speedup"))]))
