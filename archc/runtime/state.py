@@ -42,36 +42,57 @@ class RecurrentState:
         return sum(t.numel() * t.element_size() for t in self.store.values())
 
 
-class StaticState:
-    """The recurrent state the generated kernels update in place: one tensor per (layer, kind),
-    [B, ...] as codegen recorded it (``Generated.states``), allocated when the batch size
-    changes and zeroed when a sequence starts — a kernel at P = 0 must read zeros, and it reads
-    whatever the tensor holds."""
+class StaticStore:
+    """Static tensors per (layer, kind), [B, ...], that generated kernels read and write in
+    place: allocated anew (zeroed) when the batch size changes, and kept otherwise so a
+    captured CUDA graph keeps reading the same addresses (`generation` counts the
+    allocations)."""
 
-    def __init__(self, specs: list[tuple[int, str, tuple[int, ...], str]],
-                 device: torch.device) -> None:
-        self.specs = specs
+    what = "tensor"      # for errors: "no k cache for layer 3"
+
+    def __init__(self, device: torch.device) -> None:
         self.device = device
         self.batch = 0
+        self.generation = 0
         self.store: dict[tuple[int, str], torch.Tensor] = {}
+
+    def allocate(self, batch: int) -> dict[tuple[int, str], torch.Tensor]:
+        raise NotImplementedError
 
     def ensure(self, batch: int) -> None:
         if batch == self.batch:
             return
-        self.store = {(layer, kind): torch.zeros(batch, *shape, dtype=TORCH_DTYPES[dtype],
-                                                 device=self.device)
-                      for layer, kind, shape, dtype in self.specs}
+        self.generation += 1
+        self.store = self.allocate(batch)
         self.batch = batch
-
-    def zero(self) -> None:
-        for t in self.store.values():
-            t.zero_()
 
     def get(self, layer: int, kind: str) -> torch.Tensor:
         try:
             return self.store[(layer, kind)]
         except KeyError:
-            raise RunError(f"no {kind} state for layer {layer}") from None
+            raise RunError(f"no {kind} {self.what} for layer {layer}") from None
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.store.values())
+
+
+class StaticState(StaticStore):
+    """The recurrent state the generated kernels update in place: one tensor per (layer, kind)
+    as codegen recorded it (``Generated.states``), zeroed when a sequence starts — a kernel at
+    P = 0 must read zeros, and it reads whatever the tensor holds."""
+
+    what = "state"
+
+    def __init__(self, specs: list[tuple[int, str, tuple[int, ...], str]],
+                 device: torch.device) -> None:
+        super().__init__(device)
+        self.specs = specs
+
+    def allocate(self, batch: int) -> dict[tuple[int, str], torch.Tensor]:
+        return {(layer, kind): torch.zeros(batch, *shape, dtype=TORCH_DTYPES[dtype],
+                                           device=self.device)
+                for layer, kind, shape, dtype in self.specs}
+
+    def zero(self) -> None:
+        for t in self.store.values():
+            t.zero_()

@@ -37,7 +37,7 @@ from archc.ir.ops import Op
 from archc.ir.shapes import concrete
 from archc.ir.text import format_node
 from archc.runtime.cross_kv import CrossKV
-from archc.runtime.state import StaticState
+from archc.runtime.state import StaticState, StaticStore
 from archc.runtime.weights import TORCH_DTYPES, materialize
 
 
@@ -101,38 +101,22 @@ def default_cache_dir() -> Path:
 
 # ---- the KV cache and the launch context ---------------------------------------------------
 
-class StaticKVCache:
-    """[B, H_kv, max_len, D] per (layer, k|v), allocated when the batch size changes."""
+class StaticKVCache(StaticStore):
+    """[B, H_kv, max_len, D] per (layer, k|v)."""
+
+    what = "cache"
 
     def __init__(self, specs: list[tuple[int, int, int]], max_len: int, dtype: torch.dtype,
                  device: torch.device) -> None:
+        super().__init__(device)
         self.specs = specs
         self.max_len = max_len
         self.dtype = dtype
-        self.device = device
-        self.batch = 0
-        self.generation = 0                  # bumped whenever the tensors are reallocated
-        self.store: dict[tuple[int, str], torch.Tensor] = {}
 
-    def ensure(self, batch: int) -> None:
-        if batch == self.batch:
-            return
-        self.generation += 1
-        self.store = {}
-        for layer, kv_heads, hd in self.specs:
-            for kind in ("k", "v"):
-                self.store[(layer, kind)] = torch.zeros(batch, kv_heads, self.max_len, hd,
-                                                        dtype=self.dtype, device=self.device)
-        self.batch = batch
-
-    def get(self, layer: int, kind: str) -> torch.Tensor:
-        try:
-            return self.store[(layer, kind)]
-        except KeyError:
-            raise RunError(f"no {kind} cache for layer {layer}") from None
-
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.store.values())
+    def allocate(self, batch: int) -> dict[tuple[int, str], torch.Tensor]:
+        return {(layer, kind): torch.zeros(batch, kv_heads, self.max_len, hd, dtype=self.dtype,
+                                           device=self.device)
+                for layer, kv_heads, hd in self.specs for kind in ("k", "v")}
 
 
 @dataclass
