@@ -2,7 +2,9 @@
 what the command prints now.
 
 Blocks fenced as ``console`` hold commands (``$ archc …``) each followed by its output, compared
-line by line (trailing spaces aside); a line ``…`` stands for any lines the README leaves out.
+line by line; a line ``…`` stands for any lines the README leaves out. Within a line, text must
+match (runs of spaces and table rules aside: a column may widen) and numbers must agree within
+``RTOL``/``ATOL``: the digits of a floating-point result depend on the CPU and BLAS build.
 Blocks fenced as ``sh`` hold commands whose output varies (timings, sampled text): each must run
 and exit 0. The commands of one block run in order, in-process, in one scratch directory, as
 piped output (120 columns). Blocks fenced as ``python`` run as written.
@@ -22,6 +24,15 @@ from archc.cli import main
 README = Path(__file__).resolve().parent.parent / "README.md"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 ELIDED = "…"
+# Whole numbers (counts, sizes) must be equal. Decimals printed with three significant digits
+# agree to 1% wherever they are computed; rounding
+# errors (validation's max error of f32 kernels against eager, ~1e-6 of outputs of scale ~4) vary
+# with summation order across CPUs, so anything below 1e-5 is the same. A wrong kernel is off by
+# far more than either.
+RTOL = 1e-2
+ATOL = 1e-5
+NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
+SPACE = re.compile(r"[\s─━═]+")
 
 
 @dataclass(frozen=True)
@@ -74,13 +85,29 @@ def examples(text: str) -> list[Block]:
     return found
 
 
+def same_line(want: str, got: str) -> bool:
+    """The same text, and numbers within RTOL/ATOL of each other."""
+    wants, gots = NUMBER.findall(want), NUMBER.findall(got)
+    texts = [SPACE.sub(" ", t).strip() for t in NUMBER.split(want)]
+    if texts != [SPACE.sub(" ", t).strip() for t in NUMBER.split(got)] or len(wants) != len(gots):
+        return False
+    for a, b in zip(wants, gots):
+        if a == b:
+            continue
+        if not any(ch in a + b for ch in ".eE"):
+            return False
+        if not abs(float(a) - float(b)) <= ATOL + RTOL * abs(float(a)):
+            return False
+    return True
+
+
 def matches(want: tuple[str, ...], got: list[str]) -> bool:
     """Do the lines match, each `…` in `want` standing for any run of lines?"""
     if not want:
         return not got
     if want[0] == ELIDED:
         return any(matches(want[1:], got[k:]) for k in range(len(got) + 1))
-    return bool(got) and got[0] == want[0] and matches(want[1:], got[1:])
+    return bool(got) and same_line(want[0], got[0]) and matches(want[1:], got[1:])
 
 
 BLOCKS = examples(README.read_text(encoding="utf-8"))
@@ -114,6 +141,13 @@ def test_readme_commands(block: Block, tmp_path: Path, monkeypatch: pytest.Monke
     (("a", ELIDED), ["a"], True),
     (("a", ELIDED, "d"), ["a", "b", "c"], False),
     (("a",), ["a", "b"], False),
+    (("max error 4.29e-06 ok",), ["max error 2.62e-06 ok"], True),      # rounding noise
+    (("max error 4.29e-06 ok",), ["max error 3.1e-03 ok"], False),      # a real error
+    (("│ 3.60 │ 12 │",), ["│  3.61 │ 12 │"], True),                      # a wider column
+    (("│ 3.60 │ 12 │",), ["│ 3.60 │ 13 │"], False),
+    (("1000 params",), ["1001 params"], False),                          # counts are exact
+    (("12 kernels",), ["12 launches"], False),
+    (("layers 0-3",), ["layers 0-4"], False),
 ])
 def test_elision_matches_only_what_it_should(want: tuple[str, ...], got: list[str],
                                              same: bool) -> None:
