@@ -39,7 +39,6 @@ from archc.codegen.kernels import (
 from archc.codegen.layout import CodegenError, layouts
 from archc.codegen.options import CodegenOptions
 from archc.ir.graph import Program
-from archc.ir.ops import Op
 from archc.ir.text import format_node, format_program
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -67,9 +66,6 @@ class RenderedUnit:
     source: str
     kernels: list[JitKernel]
     uses: list[tuple[str, int, str]] = field(default_factory=list)  # (graph, node id, text)
-
-    def jit_names(self) -> list[str]:
-        return [self.name + k.suffix for k in self.kernels]
 
 
 @dataclass
@@ -251,13 +247,3 @@ def load_module(path: Path, key: str) -> ModuleType:
     _LOADED[key] = mod
     return mod
 
-
-def check_kernel_level(program: Program) -> None:
-    """Refuse, naming the node, any compute node without a template."""
-    from archc.codegen.kernels import BUILDERS
-    for g in program:
-        for i in g.compute_ids():
-            n = g.nodes[i]
-            if n.op not in BUILDERS and n.op not in (Op.INPUT, Op.PARAM, Op.OUTPUT):
-                raise CodegenError(f"codegen: graph {g.name}: {format_node(i, n)}: no Triton "
-                                   f"template for {n.op.value}")

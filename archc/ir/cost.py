@@ -38,11 +38,6 @@ def graph_cost(g: Graph) -> Cost:
     return Cost(sympy.Add(*[c.flops for c in costs]), sympy.Add(*[c.bytes for c in costs]))
 
 
-def program_cost(p: Program) -> Cost:
-    costs = [graph_cost(g) for g in p]
-    return Cost(sympy.Add(*[c.flops for c in costs]), sympy.Add(*[c.bytes for c in costs]))
-
-
 def kernel_count(p: Program) -> int:
     """Compute nodes — one kernel each once codegen runs."""
     return sum(len(g.compute_ids()) for g in p)

@@ -116,12 +116,6 @@ class Program:
                 return g
         raise KeyError(f"program {self.model} has no graph {name!r}")
 
-    def replace_graph(self, g: Graph) -> Program:
-        graphs = tuple(g if old.name == g.name else old for old in self.graphs)
-        if all(a is b for a, b in zip(graphs, self.graphs)):
-            return self
-        return Program(self.model, graphs)
-
 
 def infer(op: Op, shapes: Sequence[Shape], dtypes: Sequence[str], attrs: Attrs) -> \
         tuple[Shape, str]:

@@ -100,7 +100,6 @@ class Trace:
     keep: set[int] | None = None       # None: keep every compute node
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     graph: str | None = None           # only this graph's nodes (None: every graph run)
-    graph: str | None = None           # only this graph's nodes (None: every graph run)
 
 
 def run_graph(graph: Graph, params: Mapping[str, torch.Tensor],
@@ -182,12 +181,6 @@ class EagerSession:
                          {"encoder_hidden": encoder_hidden},
                          EagerContext({"B": b, "T": 1, "P": 0, "S": s}), trace=self.trace)
 
-    def _run_cross_kv(self, encoder_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-        b, s = encoder_hidden.shape[:2]
-        return run_graph(self._graph(CROSS_KV), self.params[CROSS_KV],
-                         {"encoder_hidden": encoder_hidden},
-                         EagerContext({"B": b, "T": 1, "P": 0, "S": s}), trace=self.trace)
-
     def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
                token_types: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [B, T, d] of the encoder graph."""
@@ -221,7 +214,6 @@ class EagerSession:
             inputs["encoder_hidden"] = encoder_hidden
             inputs["encoder_mask"] = (torch.ones(b, s, dtype=torch.long) if encoder_mask is None
                                       else encoder_mask.long()).to(self.device)
-            inputs.update(self.cross_kv.inputs(encoder_hidden))
             inputs.update(self.cross_kv.inputs(encoder_hidden))
         ctx = EagerContext(dims, self.cache, self.state)
         out = run_graph(g, self.params["decoder"], inputs, ctx, trace=self.trace)["logits"]
