@@ -1,0 +1,207 @@
+"""The elementwise language: one expression form for pointwise kernels, epilogue steps and
+activations, rendered to torch (the eager semantics) and to Triton (the kernels).
+
+An expression is a tree of ``Call``s, so it prints and parses as an attribute value::
+
+    x(i)                  input i (in an epilogue step, x(0) is the accumulator)
+    0.5                   a constant
+    add(a, b)  sub(a, b)  mul(a, b)
+    scale(a, by=0.5)      a·0.5
+    act(a, fn="silu")     an activation (ACTIVATIONS)
+    softcap(a, cap=50.0)  50·tanh(a/50)
+
+Every function and activation is declared once below, with its torch code, its Triton code and
+its FLOPs per element; torch computes in f32, and so does every kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from archc.ir.attrs import Call
+
+Expr = Any   # a Call tree, or a number
+
+
+def tanh_code(y: str) -> str:
+    """tanh(y) = 2σ(2y) − 1 = 2 / (1 + e^(−2y)) − 1: exp overflows to inf for y ≪ 0, and the
+    result is still −1."""
+    return f"(2.0 / (1.0 + tl.exp(-2.0 * ({y}))) - 1.0)"
+
+
+@dataclass(frozen=True)
+class Activation:
+    name: str
+    doc: str
+    torch: Callable[[torch.Tensor], torch.Tensor]
+    triton: str          # Triton code over `{x}` (written inline: the interpreter pays about a
+    flops: int = 8       # millisecond per device-function call)
+
+
+_SOFTPLUS = ("tl.where({x} > 20.0, {x}, tl.where(1.0 + tl.exp(tl.minimum({x}, 20.0)) == 1.0, "
+             "tl.exp(tl.minimum({x}, 20.0)), tl.exp(tl.minimum({x}, 20.0)) * "
+             "tl.log(1.0 + tl.exp(tl.minimum({x}, 20.0))) / "
+             "tl.maximum(tl.exp(tl.minimum({x}, 20.0)) + 1.0 - 1.0, 1e-30)))")
+
+ACTIVATIONS: dict[str, Activation] = {a.name: a for a in (
+    Activation("relu", "max(x, 0)", F.relu, "tl.maximum({x}, 0.0)", 1),
+    Activation("gelu", "½x(1 + erf(x/√2))", F.gelu,
+               "(0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476)))"),
+    # ½x(1 + tanh(√(2/π)(x + 0.044715x³))) = x·σ(2√(2/π)(x + 0.044715x³))
+    Activation("gelu_tanh", "½x(1 + tanh(√(2/π)(x + 0.044715x³)))",
+               lambda x: F.gelu(x, approximate="tanh"),
+               "({x} / (1.0 + tl.exp(-1.5957691216057308 * ({x} + 0.044715 * {x} * {x} * {x}))))"),
+    Activation("silu", "x·σ(x)", F.silu, "({x} / (1.0 + tl.exp(-{x})))", 4),
+    Activation("sigmoid", "σ(x)", torch.sigmoid, "(1.0 / (1.0 + tl.exp(-{x})))", 4),
+    Activation("identity", "x", lambda x: x, "{x}", 0),
+    # log(1 + eˣ), with log1p(u) = u·log(w)/(w − 1), w = 1 + u rounded (Goldberg 1991): exact
+    # where 1 + u rounds (Δ pre-activations near −7 have u ≈ 1e-3); x past 20 as torch's threshold
+    Activation("softplus", "log(1 + eˣ): Mamba's step size Δ", F.softplus, _SOFTPLUS),
+    Activation("elu_plus_one", "elu(x) + 1 > 0: the feature map φ of linear attention",
+               lambda x: F.elu(x) + 1.0,
+               "tl.where({x} > 0.0, {x} + 1.0, tl.exp(tl.minimum({x}, 0.0)))", 3),
+)}
+
+
+@dataclass(frozen=True)
+class Function:
+    """One function of the language: its expression arguments, its literal keyword parameters
+    (name → type), its torch code and its Triton code (over the arguments' code and the
+    parameters' literals)."""
+
+    name: str
+    args: int
+    params: tuple[tuple[str, type], ...]
+    torch: Callable[..., torch.Tensor]
+    triton: Callable[..., str]
+    flops: Callable[..., int]
+
+
+def _act_flops(a: Any, fn: str) -> int:
+    return ACTIVATIONS[fn].flops
+
+
+FUNCTIONS: dict[str, Function] = {f.name: f for f in (
+    Function("add", 2, (), lambda a, b: a + b, lambda a, b: f"({a} + {b})", lambda *_: 1),
+    Function("sub", 2, (), lambda a, b: a - b, lambda a, b: f"({a} - {b})", lambda *_: 1),
+    Function("mul", 2, (), lambda a, b: a * b, lambda a, b: f"({a} * {b})", lambda *_: 1),
+    Function("scale", 1, (("by", float),), lambda a, by: a * by,
+             lambda a, by: f"({a} * {by})", lambda *_: 1),
+    Function("act", 1, (("fn", str),), lambda a, fn: ACTIVATIONS[fn].torch(a),
+             lambda a, fn: ACTIVATIONS[fn.strip('"')].triton.replace("{x}", a), _act_flops),
+    Function("softcap", 1, (("cap", float),), lambda a, cap: cap * torch.tanh(a / cap),
+             lambda a, cap: f"({cap} * {tanh_code(f'{a} / {cap}')})", lambda *_: 3),
+)}
+
+
+class ExprError(ValueError):
+    """An expression the language does not have; the message says what is wrong."""
+
+
+def _params(e: Call) -> dict[str, Any]:
+    f = FUNCTIONS[e.fn]
+    got = dict(e.kwargs)
+    names = [n for n, _ in f.params]
+    if len(e.args) != f.args or set(got) != set(names):
+        raise ExprError(f"{e.fn}() takes {f.args} expression argument(s)"
+                        + (f" and {', '.join(names)}=" if names else "")
+                        + f", got {len(e.args)} and {sorted(got) or 'none'}")
+    for name, kind in f.params:
+        v = got[name]
+        if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or not math.isfinite(v)):
+            raise ExprError(f"{e.fn}() {name} must be a finite number, got {v!r}")
+        if kind is str and v not in ACTIVATIONS:
+            raise ExprError(f"unknown activation {v!r} (known: {', '.join(ACTIVATIONS)})")
+    return got
+
+
+def check(e: Expr, inputs: int) -> None:
+    """Raise ExprError unless `e` is an expression of the language over `inputs` inputs."""
+    if isinstance(e, bool) or (not isinstance(e, Call) and not isinstance(e, (int, float))):
+        raise ExprError(f"not an expression: {e!r}")
+    if not isinstance(e, Call):
+        if not math.isfinite(e):
+            raise ExprError(f"constant {e!r} is not finite")
+        return
+    if e.fn == "x":
+        k = e.args[0] if len(e.args) == 1 and not e.kwargs else None
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < inputs:
+            raise ExprError(f"x({', '.join(map(repr, e.args))}) is not one of {inputs} inputs")
+        return
+    if e.fn not in FUNCTIONS:
+        raise ExprError(f"unknown function {e.fn}() (known: {', '.join(FUNCTIONS)})")
+    _params(e)
+    for a in e.args:
+        check(a, inputs)
+
+
+def evaluate(e: Expr, xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The value of `e` over tensors `xs`, in f32."""
+    if not isinstance(e, Call):
+        return torch.tensor(float(e))
+    if e.fn == "x":
+        return xs[e.args[0]].float()
+    args = [evaluate(a, xs) for a in e.args]
+    return FUNCTIONS[e.fn].torch(*args, **dict(e.kwargs))
+
+
+def triton(e: Expr, names: Sequence[str]) -> str:
+    """`e` as one Triton expression over the f32 values named `names` (input i is names[i])."""
+    if not isinstance(e, Call):
+        return repr(float(e))
+    if e.fn == "x":
+        return names[e.args[0]]
+    params = _params(e)
+    lits = {k: repr(float(v)) if isinstance(v, (int, float)) else f'"{v}"'
+            for k, v in params.items()}
+    return FUNCTIONS[e.fn].triton(*(triton(a, names) for a in e.args), **lits)
+
+
+def flops(e: Expr) -> int:
+    """FLOPs per element."""
+    if not isinstance(e, Call) or e.fn == "x":
+        return 0
+    return FUNCTIONS[e.fn].flops(*e.args, **dict(e.kwargs)) + sum(flops(a) for a in e.args)
+
+
+def inputs_of(e: Expr) -> set[int]:
+    if not isinstance(e, Call):
+        return set()
+    if e.fn == "x":
+        return {e.args[0]}
+    return set().union(*(inputs_of(a) for a in e.args))
+
+
+def substitute(e: Expr, leaves: Sequence[Expr]) -> Expr:
+    """`e` with input i replaced by leaves[i]."""
+    if not isinstance(e, Call):
+        return e
+    if e.fn == "x":
+        return leaves[e.args[0]]
+    return Call(e.fn, tuple(substitute(a, leaves) for a in e.args), e.kwargs)
+
+
+def x(i: int) -> Call:
+    return Call("x", (i,))
+
+
+def call(fn: str, *args: Expr, **params: Any) -> Call:
+    """A function application with its parameters in a canonical order."""
+    return Call(fn, tuple(args), tuple(sorted(params.items())))
+
+
+def activation(t: torch.Tensor, fn: str) -> torch.Tensor:
+    """An activation applied to a tensor, in its dtype (the eager semantics of `act`)."""
+    return ACTIVATIONS[fn].torch(t)
+
+
+def act_code(fn: str, code: str) -> str:
+    """An activation over Triton code `code`."""
+    return ACTIVATIONS[fn].triton.replace("{x}", code)
