@@ -126,7 +126,7 @@ def test_unknown_pass_names_the_known_ones() -> None:
 def test_every_pass_is_registered_and_the_default_pipeline_is_exact() -> None:
     assert set(DEFAULT_PIPELINE) <= set(PASSES)
     assert all(PASSES[name].kind == "exact" for name in DEFAULT_PIPELINE)
-    assert all(p.summary and p.kind in ("exact", "architecture") for p in PASSES.values())
+    assert all(p.summary and p.kind == "exact" for p in PASSES.values())
 
 
 def test_a_pass_that_does_not_apply_returns_the_same_object() -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +118,12 @@ def format_value(value: Any) -> str:
 
 def format_attrs(attrs: Attrs) -> str:
     return ", ".join(f"{k}={format_value(v)}" for k, v in attrs.items())
+
+
+def format_call(name: str, inputs: Sequence[int], attrs: Attrs) -> str:
+    """`op(%1, %2) {k=v}`: a node's right-hand side."""
+    text = f"{name}({', '.join(f'%{i}' for i in inputs)})"
+    return text + (" {" + format_attrs(attrs) + "}" if attrs else "")
 
 
 # ---- parsing -------------------------------------------------------------------------------

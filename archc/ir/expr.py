@@ -192,9 +192,9 @@ def x(i: int) -> Call:
     return Call("x", (i,))
 
 
-def call(fn: str, *args: Expr, **params: Any) -> Call:
+def call(name: str, /, *args: Expr, **params: Any) -> Call:
     """A function application with its parameters in a canonical order."""
-    return Call(fn, tuple(args), tuple(sorted(params.items())))
+    return Call(name, tuple(args), tuple(sorted(params.items())))
 
 
 def activation(t: torch.Tensor, fn: str) -> torch.Tensor:

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from archc.errors import IRError
-from archc.ir.attrs import Attrs, Call
-from archc.ir.ops import OP_TABLE, Op, ShapeError, Sig, is_compute
+from archc.ir.attrs import Attrs, Call, format_call
+from archc.ir.ops import OP_TABLE, Op, ShapeError, Sig, canonical, is_compute, make_sig
+from archc.ir.ops.base import REQUIRED
 from archc.ir.shapes import Shape
 
 # The graph of decoder inputs computed once per generation from the encoder's states.
@@ -35,7 +36,12 @@ class Node:
     passes: tuple[str, ...] = ()     # the passes that rewrote it, in order
 
     def attr(self, name: str, default: Any = None) -> Any:
-        return self.attrs.get(name, default)
+        """The attribute's value: as stored, else the op's default, else `default`."""
+        v = self.attrs.get(name)
+        if v is None:
+            a = OP_TABLE[self.op].attr(name)
+            v = None if a is None or a.default is REQUIRED else a.default
+        return default if v is None else v
 
     @property
     def name(self) -> str:
@@ -94,10 +100,10 @@ class Graph:
         return out
 
     def sig(self, i: int) -> Sig:
-        """What op rules see of node i: input shapes/dtypes, attrs, output shape/dtype."""
+        """What op rules see of node i: inputs by role, attrs, output shape and dtype."""
         n = self.nodes[i]
-        return Sig(tuple(self.nodes[j].shape for j in n.inputs),
-                   tuple(self.nodes[j].dtype for j in n.inputs), n.attrs, n.shape, n.dtype)
+        return make_sig(n.op, [self.nodes[j].shape for j in n.inputs],
+                        [self.nodes[j].dtype for j in n.inputs], n.attrs, n.shape, n.dtype)
 
 
 @dataclass(frozen=True)
@@ -120,12 +126,7 @@ class Program:
 def infer(op: Op, shapes: Sequence[Shape], dtypes: Sequence[str], attrs: Attrs) -> \
         tuple[Shape, str]:
     """Shape and dtype of a node from its op's rule; raises ShapeError."""
-    d = OP_TABLE[op]
-    lo, hi = d.arity
-    if len(shapes) < lo or (hi >= 0 and len(shapes) > hi):
-        want = f"{lo}" if lo == hi else f"{lo} to {hi if hi >= 0 else 'any'}"
-        raise ShapeError(f"{op.value} takes {want} inputs, got {len(shapes)}")
-    return d.infer(Sig(tuple(shapes), tuple(dtypes), attrs))
+    return OP_TABLE[op].infer(make_sig(op, shapes, dtypes, attrs))
 
 
 @dataclass
@@ -172,15 +173,14 @@ class GraphBuilder:
              passes: tuple[str, ...] = (), **attrs: Any) -> int:
         """Append a compute (or output) node; its shape comes from the op's rule."""
         op = Op(op)
-        at = Attrs({k: v for k, v in attrs.items() if v is not None})
+        at = canonical(op, attrs)
         shapes = [self.nodes[i].shape for i in inputs]
         dtypes = [self.nodes[i].dtype for i in inputs]
         try:
             out_shape, dtype = infer(op, shapes, dtypes, at)
         except ShapeError as err:
-            from archc.ir.text import format_call
-            raise IRError(f"cannot build {format_call(op, inputs, at)} in graph {self.name}: "
-                          f"{err}") from None
+            raise IRError(f"cannot build {format_call(op.value, inputs, at)} in graph "
+                          f"{self.name}: {err}") from None
         return self._append(Node(op, tuple(inputs), at, out_shape, dtype,
                                  origin=self.origin if origin is None else origin,
                                  passes=passes))

@@ -14,10 +14,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from archc.ir import expr as E
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph, GraphBuilder, Program
 from archc.ir.lower_mixers import lower_linear_attention, lower_mamba
 from archc.ir.ops import Op
+from archc.ir.ops.steps import step
 from archc.ir.paramexpr import leaf, yarn_attention_factor
 from archc.ir.shapes import B, S, T, shape
 from archc.ir.verify import verify
@@ -75,6 +77,9 @@ class _Stack:
     def emit(self, op: Op, *inputs: int, **attrs: object) -> int:
         return self.b.emit(op, *inputs, **attrs)
 
+    def scale(self, x: int, factor: float) -> int:
+        return self.emit(Op.POINTWISE, x, expr=E.call("scale", E.x(0), by=factor))
+
     def norm(self, x: int, name: str, origin: str = "norm.kind") -> int:
         """The spec's norm over the last dim of x, with gain (and LayerNorm bias) params."""
         n = self.s.norm
@@ -82,16 +87,18 @@ class _Stack:
         with self.at(origin):
             w = self.param(f"{name}.weight", width)
             if n.kind == "rmsnorm":
-                return self.emit(Op.RMSNORM, x, w, eps=n.eps, unit_offset=n.unit_offset)
-            args = (x, w, self.param(f"{name}.bias", width)) if n.bias else (x, w)
-            return self.emit(Op.LAYERNORM, *args, eps=n.eps)
+                return self.emit(Op.NORM, x, w, kind="rms", eps=n.eps, unit_offset=n.unit_offset)
+            if not n.bias:
+                return self.emit(Op.NORM, x, w, kind="layer", eps=n.eps)
+            return self.emit(Op.NORM, x, w, self.param(f"{name}.bias", width), kind="layer",
+                             eps=n.eps, epilogue=(step("bias"),))
 
     def linear(self, x: int, name: str, n_out: int, bias: bool, bias_origin: str) -> int:
         n_in = int(self.b.shape(x)[-1])
         y = self.emit(Op.MATMUL, x, self.param(f"{name}.weight", n_out, n_in))
         if bias:
             with self.at(bias_origin):
-                y = self.emit(Op.BIAS_ADD, y, self.param(f"{name}.bias", n_out))
+                y = self.emit(Op.ADD, y, self.param(f"{name}.bias", n_out))
         return y
 
     # ---- inputs and embeddings -----------------------------------------------------------------
@@ -129,7 +136,7 @@ class _Stack:
             x = self.emit(Op.EMBEDDING, table, self.tokens)
         if s.embedding.scale is not None:
             with self.at("embedding.scale"):
-                x = self.emit(Op.SCALE, x, factor=s.embedding.scale)
+                x = self.scale(x, s.embedding.scale)
         if s.embedding.project_dim is not None:
             with self.at("embedding.project_dim"):
                 x = self.emit(Op.MATMUL, x, self.param("embed.project_in.weight", self.d, width,
@@ -237,10 +244,11 @@ class _Stack:
             scores = self.emit(Op.SCORES, q, k)                        # (B, H, T, L)
         if s.attention_scale != 1.0:
             with self.at("attention.scale" if att.scale is not None else "attention.head_dim"):
-                scores = self.emit(Op.SCALE, scores, factor=s.attention_scale)
+                scores = self.scale(scores, s.attention_scale)
         if att.softcap is not None:
             with self.at("attention.softcap"):
-                scores = self.emit(Op.SOFTCAP, scores, cap=att.softcap)
+                scores = self.emit(Op.POINTWISE, scores,
+                                   expr=E.call("softcap", E.x(0), cap=att.softcap))
         if s.position.kind == "alibi" and not cross:
             with self.at("position.kind"):
                 slopes_expr = Call("alibi_slopes", (), (("heads", heads),))
@@ -314,14 +322,20 @@ class _Stack:
         assert moe is not None
         d, d_ff, n = self.d, f.d_ff, moe.experts
         with self.at("ffn.moe"):
+            k = moe.top_k
             logits = self.emit(Op.MATMUL, x, self.param(f"{base}.router.weight", n, d))
-            gates = self.emit(Op.ROUTER, logits, top_k=moe.top_k, normalize=moe.normalize_top_k)
-            weights = [self.param(f"{base}.experts.up.weight", n, d_ff, d),
-                       self.param(f"{base}.experts.down.weight", n, d, d_ff)]
+            gates = self.emit(Op.ROUTER, logits, top_k=k, normalize=moe.normalize_top_k)
+
+            def stage(x: int, name: str, rows: int, cols: int, stage: str) -> int:
+                w = self.param(f"{base}.experts.{name}.weight", n, rows, cols)
+                return self.emit(Op.MOE_LINEAR, x, gates, w, stage=stage, top_k=k)
+
+            # one row per routed (token, slot), as the dense FFN but over the chosen experts
+            h = self.emit(Op.ACT, stage(x, "gate" if f.gated else "up", d_ff, d, "up"),
+                          fn=f.gate_activation)                       # (B, T, k, F)
             if f.gated:
-                weights.append(self.param(f"{base}.experts.gate.weight", n, d_ff, d))
-            y = self.emit(Op.MOE_EXPERTS, x, gates, *weights, act=f.gate_activation,
-                          gated=f.gated, top_k=moe.top_k)
+                h = self.emit(Op.MUL, h, stage(x, "up", d_ff, d, "up"))
+            y = stage(h, "down", d, d_ff, "down")                      # (B, T, d)
         if moe.shared_expert_d_ff:
             with self.at("ffn.moe.shared_expert_d_ff"):
                 shared = self.dense_ffn(x, f"{base}.shared", moe.expert, moe.shared_expert_d_ff,
@@ -400,7 +414,7 @@ class _Stack:
             return self.b.build()
         if s.output.scale is not None:
             with self.at("output.scale"):
-                x = self.emit(Op.SCALE, x, factor=s.output.scale)
+                x = self.scale(x, s.output.scale)
         width = s.embedding.project_dim or self.d
         if s.embedding.project_dim is not None:
             with self.at("embedding.project_dim"):
@@ -414,11 +428,12 @@ class _Stack:
             logits = self.emit(Op.MATMUL, x, head)
         if s.output.bias:
             with self.at("output.bias"):
-                logits = self.emit(Op.BIAS_ADD, logits,
+                logits = self.emit(Op.ADD, logits,
                                    self.param("head.bias", s.vocab_size, shared=True))
         if s.output.softcap is not None:
             with self.at("output.softcap"):
-                logits = self.emit(Op.SOFTCAP, logits, cap=s.output.softcap)
+                logits = self.emit(Op.POINTWISE, logits,
+                                   expr=E.call("softcap", E.x(0), cap=s.output.softcap))
         with self.at("family"):
             self.b.output("logits", logits)
         return self.b.build()

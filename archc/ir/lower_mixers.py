@@ -2,7 +2,7 @@
 
 Called by ``lower._Stack.mix`` for the layers whose mixer is not softmax attention; each returns
 the mixer's output [B, T, d] for its normalized input. The recurrences carry their state between
-calls themselves (``conv1d``, ``selective_scan``, ``linear_scan``), so one graph serves prefill
+calls themselves (``causal_conv``, ``ssm_scan``, ``linear_attention``), so one graph serves prefill
 and decode, as the KV cache does for attention.
 
 Mamba (Gu & Dao 2023), as the reference implementation lays it out::
@@ -15,7 +15,7 @@ Mamba (Gu & Dao 2023), as the reference implementation lays it out::
     out    = out_proj(y · silu(z))
 
 Linear attention (Katharopoulos et al. 2020): q, k, v projections as attention's, split into
-heads, φ = elu + 1 on q and k, the running sums, heads merged, the output projection.
+heads, φ = elu + 1 on q and k, the running sums (heads merged on the way out), the output projection.
 """
 
 from __future__ import annotations
@@ -41,10 +41,11 @@ def lower_mamba(st: _Stack, h: int, layer: int) -> int:
         x = st.emit(Op.SLICE, xz, start=0, stop=inner)
         z = st.emit(Op.SLICE, xz, start=inner, stop=2 * inner)
     with st.at("mixer.mamba.d_conv"):
-        x = st.emit(Op.CONV1D, x, st.param(f"{base}.conv.weight", inner, m.d_conv), layer=layer)
+        x = st.emit(Op.CAUSAL_CONV, x, st.param(f"{base}.conv.weight", inner, m.d_conv),
+                    layer=layer)
     if m.conv_bias:
         with st.at("mixer.mamba.conv_bias"):
-            x = st.emit(Op.BIAS_ADD, x, st.param(f"{base}.conv.bias", inner))
+            x = st.emit(Op.ADD, x, st.param(f"{base}.conv.bias", inner))
     with st.at("mixer.mamba.d_conv"):
         x = st.emit(Op.ACT, x, fn="silu")
     with st.at("mixer.mamba.dt_rank"):
@@ -55,8 +56,8 @@ def lower_mamba(st: _Stack, h: int, layer: int) -> int:
         cm = st.emit(Op.SLICE, proj, start=rank + n, stop=rank + 2 * n)
     if m.inner_norms:
         with st.at("mixer.mamba.inner_norms"):
-            dt, bm, cm = (st.emit(Op.RMSNORM, v, st.param(f"{base}.{name}_norm.weight", width),
-                                  eps=s.norm.eps, unit_offset=False)
+            dt, bm, cm = (st.emit(Op.NORM, v, st.param(f"{base}.{name}_norm.weight", width),
+                                  kind="rms", eps=s.norm.eps)
                           for v, name, width in ((dt, "dt", rank), (bm, "b", n), (cm, "c", n)))
     with st.at("mixer.mamba.dt_rank"):
         dt = st.linear(dt, f"{base}.dt", inner, True, "mixer.mamba.dt_rank")
@@ -65,7 +66,7 @@ def lower_mamba(st: _Stack, h: int, layer: int) -> int:
         st.param(f"{base}.A_log", inner, n)   # the checkpoint's; A = −exp(A_log) at load time
         a = st.param(f"{base}.A", inner, n, dtype="f32",
                      expr=Call("neg_exp", (leaf(st.prefix + f"{base}.A_log"),)))
-        y = st.emit(Op.SELECTIVE_SCAN, x, dt, a, bm, cm, layer=layer)
+        y = st.emit(Op.SSM_SCAN, x, dt, a, bm, cm, layer=layer)
         y = st.emit(Op.ADD, y, st.emit(Op.MUL, x, st.param(f"{base}.D", inner)))
     with st.at("mixer.mamba.expand"):
         y = st.emit(Op.MUL, y, st.emit(Op.ACT, z, fn="silu"))
@@ -79,7 +80,6 @@ def lower_linear_attention(st: _Stack, h: int, layer: int) -> int:
     with st.at(mixer):
         q = st.emit(Op.ACT, q, fn="elu_plus_one")
         k = st.emit(Op.ACT, k, fn="elu_plus_one")
-        out = st.emit(Op.LINEAR_SCAN, q, k, v, layer=layer)   # (B, H, T, D)
-        out = st.emit(Op.MERGE_HEADS, out)                     # (B, T, H·D)
+        out = st.emit(Op.LINEAR_ATTENTION, q, k, v, layer=layer)   # (B, T, H·D)
     with st.at("attention.heads"):
         return st.linear(out, f"{base}.o", st.d, st.s.attention.bias.o, "attention.bias.o")

@@ -17,22 +17,14 @@ import re
 from collections.abc import Sequence
 
 from archc.errors import IRError
-from archc.ir.attrs import Attrs, ValueParser, format_attrs, format_value
+from archc.ir.attrs import Attrs, ValueParser, format_call, format_value
 from archc.ir.graph import Graph, Node, Program
 from archc.ir.ops import Op
 from archc.ir.shapes import format_shape, parse_dim
 
 
-def format_call(op: Op, inputs: Sequence[int], attrs: Attrs) -> str:
-    args = ", ".join(f"%{i}" for i in inputs)
-    text = f"{op.value}({args})"
-    if attrs:
-        text += " {" + format_attrs(attrs) + "}"
-    return text
-
-
 def format_node(i: int, n: Node, *, provenance: bool = False) -> str:
-    line = f"%{i} : {format_shape(n.dtype, n.shape)} = {format_call(n.op, n.inputs, n.attrs)}"
+    line = f"%{i} : {format_shape(n.dtype, n.shape)} = {format_call(n.op.value, n.inputs, n.attrs)}"
     if provenance and (n.origin or n.passes):
         parts = []
         if n.origin:

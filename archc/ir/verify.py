@@ -1,7 +1,7 @@
 """The verifier: run after lowering and after every pass. Its errors show the node in text form.
 
-Checks: inputs come from earlier nodes (topological order); arity and attributes match the op's
-declaration; every shape and dtype equals what the op's rule infers from the inputs; input, param
+Checks: inputs come from earlier nodes (topological order); attributes are those the op
+declares, of their types and allowed values; the inputs are the operands the attributes call for; every shape and dtype equals what the op's rule infers from the inputs; input, param
 and output names are unique; there is at least one output; parameter expressions only call
 registered functions.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from archc.errors import IRError
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph, Program, infer
-from archc.ir.ops import OP_TABLE, Op, ShapeError
+from archc.ir.ops import Op, ShapeError, attr_problems
 from archc.ir.paramexpr import PARAM_FNS
 from archc.ir.shapes import DTYPE_BYTES
 from archc.ir.text import format_node
@@ -40,19 +40,14 @@ def _check_expr(expr: object) -> str | None:
 def verify_graph(g: Graph) -> None:
     seen: dict[tuple[Op, str], int] = {}
     for i, n in enumerate(g.nodes):
-        d = OP_TABLE[n.op]
         if n.dtype not in DTYPE_BYTES:
             raise _fail(g, i, f"unknown dtype {n.dtype!r}")
         for j in n.inputs:
             if not 0 <= j < i:
                 raise _fail(g, i, f"input %{j} is not an earlier node")
-        missing = [a for a in d.attrs if a not in n.attrs]
-        if missing:
-            raise _fail(g, i, f"missing attribute {', '.join(missing)}")
-        unknown = [a for a in n.attrs if a not in d.attrs and a not in d.optional]
-        if unknown:
-            allowed = ", ".join(d.attrs + d.optional) or "none"
-            raise _fail(g, i, f"unknown attribute {', '.join(unknown)} (allowed: {allowed})")
+        problems = attr_problems(n.op, n.attrs)
+        if problems:
+            raise _fail(g, i, "; ".join(problems))
         if n.op in (Op.INPUT, Op.PARAM, Op.OUTPUT):
             key = (n.op, n.name)
             if key in seen:

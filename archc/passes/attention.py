@@ -16,11 +16,11 @@ from archc.ir.attrs import Call
 from archc.ir.graph import Graph
 from archc.ir.ops import Op
 from archc.passes.context import PassContext, Refusal
-from archc.passes.linear import NORMS, Linear, merged_name, replace_linear, step, view
+from archc.passes.linear import Linear, bias_of, merged_name, norm_parts, replace_linear, step, view
 from archc.passes.patterns import Pat, Rule, register_rule_pass
 from archc.passes.registry import register_pass
 from archc.passes.rewrite import Rewriter
-from archc.passes.sites import score_chain
+from archc.passes.sites import modifier, score_chain
 
 # ---- share-kv-heads --------------------------------------------------------------------------
 
@@ -54,17 +54,17 @@ register_rule_pass("share-kv-heads",
 # ---- flash-attention -------------------------------------------------------------------------
 
 # The order the attention op applies score modifiers in; a chain in another order is refused.
-MODIFIER_ORDER = {Op.SCALE: 0, Op.SOFTCAP: 1, Op.ALIBI: 2, Op.REL_BIAS: 2, Op.MASK: 3}
+MODIFIER_ORDER = {"scale": 0, "softcap": 1, "alibi": 2, "rel_bias": 2, "mask": 3}
 
 
 def _flash(rw: Rewriter, scores: int) -> int:
     chain = score_chain(rw, scores)
     if chain.merge is None or chain.wsum is None:
         raise Refusal(chain.problem)
-    ranks = [MODIFIER_ORDER[rw.op(i)] for i in chain.modifiers]
+    kinds = [modifier(rw, i) or "" for i in chain.modifiers]
+    ranks = [MODIFIER_ORDER[k] for k in kinds]
     if ranks != sorted(set(ranks)):
-        raise Refusal("the score modifiers "
-                      + " → ".join(rw.op(i).value for i in chain.modifiers)
+        raise Refusal("the score modifiers " + " → ".join(kinds)
                       + " are not in the order attention applies them (scale, softcap, "
                         "position bias, mask), each at most once")
     q, k = rw.node(scores).inputs
@@ -76,12 +76,12 @@ def _flash(rw: Rewriter, scores: int) -> int:
                                 "prefix": False}
     extra: list[int] = []
     bias_input: list[int] = []
-    for i in chain.modifiers:
+    for i, kind in zip(chain.modifiers, kinds):
         n = rw.node(i)
-        if n.op == Op.SCALE:
-            attrs["scale"] = n.attr("factor")
-        elif n.op == Op.SOFTCAP:
-            attrs["softcap"] = n.attr("cap")
+        if kind == "scale":
+            attrs["scale"] = n.attr("expr").kw("by")
+        elif kind == "softcap":
+            attrs["softcap"] = n.attr("expr").kw("cap")
         elif n.op == Op.ALIBI:
             attrs["bias"] = Call("alibi")
             bias_input = [n.inputs[1]]
@@ -174,7 +174,7 @@ def _linear_roots(rw: Rewriter) -> list[Linear]:
         if lin is None:
             continue
         users = rw.users(i)
-        if len(users) == 1 and rw.op(users[0]) == Op.BIAS_ADD and view(rw, users[0]):
+        if len(users) == 1 and bias_of(rw, users[0]) is not None and view(rw, users[0]):
             continue
         out.append(lin)
     return out
@@ -282,7 +282,7 @@ def fuse_rope(g: Graph, ctx: PassContext) -> Graph:
 
 def _fuse_qk_norm(rw: Rewriter, lin: Linear, ctx: PassContext) -> None:
     try:
-        heads = leading_heads(rw, lin, NORMS, "normalized",
+        heads = leading_heads(rw, lin, frozenset({Op.NORM}), "normalized",
                               ("head_norm", "rope", "kv_write", "glu"))
         if not heads:
             return
@@ -291,18 +291,18 @@ def _fuse_qk_norm(rw: Rewriter, lin: Linear, ctx: PassContext) -> None:
         shifts: list[Call] = []
         for h in heads:
             n = rw.node(h.reader)
-            if n.op != first.op or n.attr("eps") != first.attr("eps"):
+            if n.attr("kind") != first.attr("kind") or n.attr("eps") != first.attr("eps"):
                 raise Refusal(f"%{h.reader} and %{heads[0].reader} are different norms")
-            if any(rw.op(p) != Op.PARAM for p in n.inputs[1:]):
-                raise Refusal(f"the gain or shift of %{h.reader} is not a parameter")
+            _, gain_node, shift_node = norm_parts(rw, h.reader)
             count = h.view.heads
-            gain = rw.param_expr(n.inputs[1])
+            gain = rw.param_expr(gain_node)
             if n.attr("unit_offset"):
                 gain = Call("offset", (gain,), (("by", 1.0),))       # Gemma: γ = 1 + w
             gains.append(Call("tile", (gain,), (("times", count),)))
             width = h.stop - h.start
-            shifts.append(Call("tile", (rw.param_expr(n.inputs[2]),), (("times", count),))
-                          if len(n.inputs) > 2 else Call("zeros", (), (("shape", (width,)),)))
+            shifts.append(Call("tile", (rw.param_expr(shift_node),), (("times", count),))
+                          if shift_node is not None else
+                          Call("zeros", (), (("shape", (width,)),)))
     except Refusal as r:
         ctx.refused("fuse-qk-norm", rw.describe(lin.root), r.why)
         return
@@ -317,8 +317,8 @@ def _fuse_qk_norm(rw: Rewriter, lin: Linear, ctx: PassContext) -> None:
                          at=lin.root)
     hd = heads[0].view.head_dim
     # norm over each head's D columns of x·Wᵀ, in the epilogue: the tile holds whole heads
-    kind = "rms" if first.op == Op.RMSNORM else "layer"
-    norm = step("head_norm", gain, shift, kind=kind, eps=first.attr("eps"), heads=cols // hd,
+    norm = step("head_norm", gain, shift, kind=first.attr("kind"), eps=first.attr("eps"),
+                heads=cols // hd,
                 head_dim=hd)
     replace_linear(rw, lin, lin.then(norm))
     for h in heads:

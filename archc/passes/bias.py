@@ -10,14 +10,22 @@ from archc.ir.attrs import Call
 from archc.ir.graph import Graph
 from archc.ir.ops import Op
 from archc.passes.context import PassContext, Refusal
-from archc.passes.linear import Linear, Step, merged_name, replace_linear, view, view_with_bias
+from archc.passes.linear import (
+    Linear,
+    Step,
+    bias_of,
+    merged_name,
+    replace_linear,
+    view,
+    view_with_bias,
+)
 from archc.passes.patterns import Pat, Rule, apply_rules
 from archc.passes.registry import register_pass
 from archc.passes.rewrite import Rewriter
-from archc.passes.sites import ScoreChain, score_chain, trace_up
+from archc.passes.sites import ScoreChain, modifier, score_chain, trace_up
 
 # Score modifiers that keep a per-row constant a per-row constant (scaled, shifted or replaced).
-SHIFT_SAFE = frozenset({Op.SCALE, Op.ALIBI, Op.REL_BIAS, Op.MASK})
+SHIFT_SAFE = frozenset({"scale", "alibi", "rel_bias", "mask"})
 
 
 def is_zeros(rw: Rewriter, i: int) -> bool:
@@ -27,7 +35,8 @@ def is_zeros(rw: Rewriter, i: int) -> bool:
 
 
 def _drop_zero_bias_add(rw: Rewriter, m: dict[str, int]) -> int | None:
-    return m["x"] if is_zeros(rw, m["b"]) else None
+    found = bias_of(rw, m["root"])
+    return found[0] if found is not None and is_zeros(rw, found[1]) else None
 
 
 def _drop_zero_bias_step(rw: Rewriter, m: dict[str, int]) -> int | None:
@@ -41,8 +50,7 @@ def _drop_zero_bias_step(rw: Rewriter, m: dict[str, int]) -> int | None:
 
 ZERO_BIAS_RULES = (
     # x + 0 = x
-    Rule("zero-bias", Pat({Op.BIAS_ADD}, "root", (Pat(None, "x"), Pat({Op.PARAM}, "b"))),
-         _drop_zero_bias_add),
+    Rule("zero-bias", Pat({Op.ADD}, "root"), _drop_zero_bias_add),
     # acc + 0 = acc: a bias step over a zeros() parameter does nothing
     Rule("zero-bias", Pat({Op.FUSED_LINEAR}, "root"), _drop_zero_bias_step),
 )
@@ -52,8 +60,8 @@ def _projection_bias(rw: Rewriter, start: int) -> tuple[list[int], int | None]:
     """From an attention operand up to its projection: the path, and the bias_add at its end
     (None when the projection has no separate bias)."""
     path, end = trace_up(rw, start)
-    if rw.op(end) == Op.BIAS_ADD and view(rw, rw.node(end).inputs[0],
-                                          through_bias=False) is not None:
+    found = bias_of(rw, end)
+    if found is not None and view(rw, found[0], through_bias=False) is not None:
         return path, end
     return path, None
 
@@ -68,13 +76,14 @@ def _key_bias(rw: Rewriter, chain: ScoreChain, ctx: PassContext) -> None:
             if op == Op.ROPE:
                 raise Refusal(f"rope %{i} rotates k after its bias: q·R_j·b varies with the "
                               "key position j, so it is not constant along the softmax row")
-            if op in (Op.RMSNORM, Op.LAYERNORM, Op.NORM):
+            if op == Op.NORM:
                 raise Refusal(f"{op.value} %{i} (qk-norm) normalizes k after its bias, which "
                               "is not linear")
         for i in chain.modifiers:
-            if rw.op(i) not in SHIFT_SAFE:
-                raise Refusal(f"{rw.op(i).value} %{i} between scores and softmax is not linear, "
-                              "so the row constant q·b does not pass through it unchanged")
+            if modifier(rw, i) not in SHIFT_SAFE:
+                raise Refusal(f"{modifier(rw, i)} %{i} between scores and softmax is not "
+                              "linear, so the row constant q·b does not pass through it "
+                              "unchanged")
         for i in [bias, *path]:
             if len(rw.users(i)) != 1:
                 raise Refusal(f"%{i} ({rw.op(i).value}) is read outside this attention")
@@ -82,7 +91,7 @@ def _key_bias(rw: Rewriter, chain: ScoreChain, ctx: PassContext) -> None:
         ctx.refused("key-bias", rw.describe(bias), r.why)
         return
     # softmax_j(q·(k_j + b)) = softmax_j(q·k_j + q·b) = softmax_j(q·k_j): q·b is constant in j
-    rw.replace(bias, rw.node(bias).inputs[0])
+    rw.replace(bias, bias_of(rw, bias)[0])  # type: ignore[index]
     ctx.applied("key-bias", rw.describe(bias),
                 "dropped: a key bias is constant along each softmax row")
 
@@ -97,14 +106,14 @@ def _add_output_bias(rw: Rewriter, o: Linear, extra: Call, v_bias: int, like: in
     expr = Call("add", (rw.param_expr(old[0].inputs[0]), extra)) if old else extra
     b = rw.add_param(base, expr, (rw.shape(o.weight)[0],), dtype, like=[like], at=o.root)
     if o.steps == () and rw.op(o.root) == Op.MATMUL:
-        new = rw.emit(Op.BIAS_ADD, [o.root, b], like=[like], at=o.root)
+        new = rw.emit(Op.ADD, [o.root, b], like=[like], at=o.root)
         for u in rw.users(o.root):
             if u != new:
                 n = rw.node(u)
                 rw.rewire(u, [new if j == o.root else j for j in n.inputs])
         return
-    if o.steps and o.steps[-1].fn == "bias" and rw.op(o.root) == Op.BIAS_ADD:
-        new = rw.emit(Op.BIAS_ADD, [rw.node(o.root).inputs[0], b], like=[o.root, like])
+    if o.steps and o.steps[-1].fn == "bias" and bias_of(rw, o.root) is not None:
+        new = rw.emit(Op.ADD, [bias_of(rw, o.root)[0], b], like=[o.root, like])  # type: ignore
         rw.replace(o.root, new)
         return
     steps = tuple(Step(s.call, (b,)) if s.fn == "bias" else s for s in o.steps)
@@ -115,7 +124,7 @@ def _add_output_bias(rw: Rewriter, o: Linear, extra: Call, v_bias: int, like: in
 
 def _softmax_value_bias(rw: Rewriter, chain: ScoreChain, ctx: PassContext) -> None:
     assert chain.wsum is not None
-    mask = chain.modifier(rw, Op.MASK)
+    mask = chain.modifier(rw, "mask")
     padded = None
     if mask is not None and rw.node(mask).attr("padding"):
         padded = (f"mask %{mask} takes a padding mask: a fully padded row has no "
@@ -123,14 +132,11 @@ def _softmax_value_bias(rw: Rewriter, chain: ScoreChain, ctx: PassContext) -> No
     _value_bias(rw, rw.node(chain.wsum).inputs[1], chain.merge, chain.problem, padded, ctx)
 
 
-def _linear_value_bias(rw: Rewriter, scan: int, ctx: PassContext) -> None:
+def _linear_value_bias(rw: Rewriter, att: int, ctx: PassContext) -> None:
     # out_i = φq_i·S_i / φq_i·z_i with S_i = Σ_j φk_j v_jᵀ and z_i = Σ_j φk_j: the weights
     # φq_i·φk_j / φq_i·z_i are positive (φ = elu + 1 > 0) and sum to 1 over j ≤ i, so a bias on
-    # every v_j comes out whole, as through softmax
-    users = rw.users(scan)
-    merge = users[0] if len(users) == 1 and rw.op(users[0]) == Op.MERGE_HEADS else None
-    _value_bias(rw, rw.node(scan).inputs[2], merge,
-                f"the linear attention %{scan} is read by more than one head merge", None, ctx)
+    # every v_j comes out whole, as through softmax; the heads come out merged
+    _value_bias(rw, rw.node(att).inputs[2], att, "", None, ctx)
 
 
 def _value_bias(rw: Rewriter, v_in: int, merge: int | None, no_merge: str,
@@ -160,7 +166,7 @@ def _value_bias(rw: Rewriter, v_in: int, merge: int | None, no_merge: str,
             raise Refusal(f"the output projection %{o.root} already has an epilogue")
         if rw.op(o.weight) != Op.PARAM:
             raise Refusal(f"the output projection weight %{o.weight} is not a parameter")
-        b_v = rw.node(bias).inputs[1]
+        b_v = bias_of(rw, bias)[1]  # type: ignore[index]
         kv_width = int(rw.shape(b_v)[0])
         heads_width = rw.width(merge)
         split = next(i for i in path if rw.op(i) == Op.SPLIT_HEADS)
@@ -174,7 +180,7 @@ def _value_bias(rw: Rewriter, v_in: int, merge: int | None, no_merge: str,
     # Σ_j p_ij (v_j + b_v) W_oᵀ + b_o = (Σ_j p_ij v_j) W_oᵀ + (W_o b_v + b_o),  as Σ_j p_ij = 1;
     # query head h reads KV head h // g, so b_v is repeated g times along the merged heads.
     _add_output_bias(rw, o, Call("mm", (rw.param_expr(o.weight), expanded)), b_v, like=bias)
-    rw.replace(bias, rw.node(bias).inputs[0])
+    rw.replace(bias, bias_of(rw, bias)[0])  # type: ignore[index]
     ctx.applied("value-bias", rw.describe(bias), "folded into the output projection's bias")
 
 
@@ -192,7 +198,7 @@ def fold_biases(g: Graph, ctx: PassContext) -> Graph:
     rw = Rewriter(g, ctx)
     apply_rules(rw, ZERO_BIAS_RULES)
     for i in rw.order():
-        if rw.op(i) == Op.LINEAR_SCAN:
+        if rw.op(i) == Op.LINEAR_ATTENTION:
             _linear_value_bias(rw, i, ctx)
         if rw.op(i) != Op.SCORES:
             continue

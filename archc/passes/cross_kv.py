@@ -59,7 +59,7 @@ def _name(g: Graph, i: int, taken: set[str]) -> str:
         n = g.nodes[j]
         params = [g.nodes[k].name for k in n.inputs if g.nodes[k].op == Op.PARAM]
         if params:
-            base = params[-1] if n.op in (Op.BIAS_ADD,) else params[0]
+            base = params[-1] if n.op == Op.ADD else params[0]
             base = base.removesuffix(".weight").removesuffix(".bias")
             break
         stack += list(n.inputs)

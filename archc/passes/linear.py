@@ -1,9 +1,10 @@
-"""A uniform view of a linear layer, whether it is still `matmul` (+ `bias_add`) or already a
-`fused_linear` with a prologue and an epilogue chain — so passes can rewrite either.
+"""A uniform view of a linear layer, whether it is still `matmul` (+ a bias `add`) or already a
+`fused_linear` with a prologue and an epilogue chain — so passes can rewrite either — and the one
+way to extend the epilogue of any kernel that writes rows (matmul, norm, expert matmul).
 
     Linear(root, operands, weight, prologue, eps, steps)
 
-``root`` is the node whose value the view stands for (the `bias_add` when a bias is looked
+``root`` is the node whose value the view stands for (the bias `add` when a bias is looked
 through), ``steps`` the epilogue, each with the extra inputs it reads. ``emit`` builds the
 `fused_linear` node of a view.
 """
@@ -17,12 +18,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from archc.ir.attrs import Call
-from archc.ir.ops import Op
-from archc.ir.ops.fused import EPILOGUE
+from archc.ir.ops import ROW_KERNELS, Op
+from archc.ir.ops.steps import STEPS
+from archc.ir.ops.steps import step as step_call
+from archc.passes.context import Refusal
 from archc.passes.rewrite import Rewriter
 
 LINEAR = frozenset({Op.MATMUL, Op.FUSED_LINEAR})
-NORMS = frozenset({Op.RMSNORM, Op.LAYERNORM})
+# kernels whose epilogue a step can join: a matmul (as a fused_linear), a norm, an expert matmul
+EPILOGUE_HOSTS = ROW_KERNELS | {Op.MATMUL}
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,32 @@ class Step:
 
 
 def step(fn: str, /, *inputs: int, **kw: Any) -> Step:
-    """An epilogue step; keyword arguments sorted so equal steps compare equal."""
-    return Step(Call(fn, (), tuple(sorted(kw.items()))), tuple(inputs))
+    """An epilogue step reading nodes `inputs`; keyword arguments sorted so equal steps compare
+    equal."""
+    return Step(step_call(fn, **kw), tuple(inputs))
+
+
+def bias_of(rw: Rewriter, i: int) -> tuple[int, int] | None:
+    """(value, bias) when node i adds a [N] parameter along the last dim of the value."""
+    n = rw.node(i)
+    if n.op != Op.ADD:
+        return None
+    for a, b in (n.inputs, n.inputs[::-1]):
+        if rw.op(b) == Op.PARAM and len(rw.shape(b)) == 1 and rw.shape(a) == rw.shape(i):
+            return a, b
+    return None
+
+
+def epilogue_steps(rw: Rewriter, i: int, taken: int) -> tuple[Step, ...]:
+    """The epilogue of node i as steps with the nodes they read (after its `taken` operands)."""
+    n = rw.node(i)
+    rest = list(n.inputs[taken:])
+    out = []
+    for call in n.attr("epilogue", ()):
+        k = len(STEPS[call.fn].inputs)
+        out.append(Step(call, tuple(rest[:k])))
+        rest = rest[k:]
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -75,27 +103,22 @@ def merged_name(names: Sequence[str]) -> str:
 
 
 def view(rw: Rewriter, i: int, *, through_bias: bool = True) -> Linear | None:
-    """The linear layer computed by node i, or None. A `bias_add` over a matmul read by nothing
+    """The linear layer computed by node i, or None. A bias `add` over a matmul read by nothing
     else is seen as the matmul with a `bias` step."""
     n = rw.node(i)
     if n.op == Op.MATMUL:
         return Linear(i, (n.inputs[0],), n.inputs[1], covers=(i,))
     if n.op == Op.FUSED_LINEAR:
         k = 2 if n.attr("concat_k") else 1
-        rest = list(n.inputs[k + 1:])
-        steps = []
-        for call in n.attr("epilogue", ()):
-            m = EPILOGUE[call.fn].inputs
-            steps.append(Step(call, tuple(rest[:m])))
-            rest = rest[m:]
         return Linear(i, tuple(n.inputs[:k]), n.inputs[k], n.attr("prologue"), n.attr("eps"),
-                      tuple(steps), covers=(i,))
-    if through_bias and n.op == Op.BIAS_ADD:
-        inner = view(rw, n.inputs[0], through_bias=False)
+                      epilogue_steps(rw, i, k + 1), covers=(i,))
+    found = bias_of(rw, i) if through_bias else None
+    if found is not None:
+        inner = view(rw, found[0], through_bias=False)
         if inner is None or rw.users(inner.root) != [i]:
             return None
         return inner.replace(root=i, covers=inner.covers + (i,)).then(
-            Step(Call("bias"), (n.inputs[1],)))
+            Step(Call("bias"), (found[1],)))
     return None
 
 
@@ -105,7 +128,7 @@ def view_with_bias(rw: Rewriter, i: int) -> Linear | None:
     if lin is None:
         return None
     users = rw.users(i)
-    if len(users) == 1 and rw.op(users[0]) == Op.BIAS_ADD and rw.node(users[0]).inputs[0] == i:
+    if len(users) == 1 and (bias_of(rw, users[0]) or (None,))[0] == i:
         return view(rw, users[0]) or lin
     return lin
 
@@ -125,3 +148,36 @@ def replace_linear(rw: Rewriter, old: Linear, new: Linear) -> int:
     i = emit(rw, new, like=list(old.covers))
     rw.replace(old.root, i)
     return i
+
+
+def extend(rw: Rewriter, i: int, new: Step, *, like: Sequence[int]) -> int:
+    """The kernel node i (a matmul, fused_linear, norm or expert matmul) with `new` appended to
+    its epilogue: a new node, which the caller puts in place. Refusal when the step is not one
+    of that kernel's."""
+    op = rw.op(i)
+    host = Op.FUSED_LINEAR if op == Op.MATMUL else op
+    if host not in STEPS[new.fn].kernels:
+        raise Refusal(f"{op.value} %{i} has no {new.fn}() epilogue step")
+    lin = view(rw, i, through_bias=False)
+    if lin is not None:
+        return emit(rw, lin.then(new), like=[*lin.covers, *like])
+    n = rw.node(i)
+    return rw.emit(op, [*n.inputs, *new.inputs], like=[i, *like],
+                   **{**dict(n.attrs), "epilogue": (*n.attr("epilogue", ()), new.call)})
+
+
+def norm_parts(rw: Rewriter, i: int) -> tuple[int, int, int | None]:
+    """(x, gain, shift or None) of a plain norm node — no residual, no epilogue but its bias —
+    whose gain and shift are parameters, so a pass can move them; Refusal otherwise."""
+    n = rw.node(i)
+    if n.attr("add_before"):
+        raise Refusal(f"%{i} adds a residual before normalizing")
+    steps = epilogue_steps(rw, i, 2)
+    if [s.fn for s in steps] not in ([], ["bias"]):
+        raise Refusal(f"%{i} has an epilogue ({', '.join(s.fn for s in steps)}) besides its "
+                      "bias")
+    shift = steps[0].inputs[0] if steps else None
+    for p in (n.inputs[1], shift):
+        if p is not None and rw.op(p) != Op.PARAM:
+            raise Refusal(f"the gain or shift %{p} of %{i} is not a parameter")
+    return n.inputs[0], n.inputs[1], shift

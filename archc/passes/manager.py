@@ -16,7 +16,7 @@ from archc.errors import IRError
 from archc.ir.graph import Program
 from archc.ir.verify import verify
 from archc.passes.context import Decision, PassContext
-from archc.passes.registry import PASSES, resolve_pipeline
+from archc.passes.registry import PASSES, GraphFailure, resolve_pipeline
 
 LOG = logging.getLogger("archc.passes")
 
@@ -67,64 +67,24 @@ class PipelineRun:
 
 
 def run_pass(program: Program, name: str, done: Sequence[str] = ()) -> PassStep:
-    p = PASSES[name]
-    if p.program:
-        return _run_program_pass(program, name, done)
-    decisions: list[Decision] = []
-    log: list[str] = []
-    kept: list[tuple[str, tuple[tuple[int, int], ...]]] = []
-    graphs = []
-    for g in program.graphs:
-        ctx = PassContext(name, g)
-        try:
-            out = p.fn(g, ctx)
-        except IRError as err:
-            raise PassFailure(_where(name, g.name, done) + f": {err}") from err
-        except Exception as err:
-            raise PassFailure(_where(name, g.name, done) + f": {type(err).__name__}: {err}") \
-                from err
-        decisions += ctx.decisions
-        applied = sum(d.applied for d in ctx.decisions)
-        refused = len(ctx.decisions) - applied
-        if out is g:
-            log.append(f"{name}: graph {g.name}: not applied" +
-                       (f" ({refused} candidates refused)" if refused else ""))
-        else:
-            log.append(f"{name}: graph {g.name}: {applied} rewrites" +
-                       (f", {refused} refused" if refused else ""))
-        log += [f"{name}: graph {g.name}: {line}" for line in ctx.log]
-        graphs.append(out)
-        if out is not g and ctx.kept is not None:
-            kept.append((g.name, tuple(sorted(ctx.kept.items()))))
-    for line in log:
-        LOG.debug(line)
-    after = program
-    if any(a is not b for a, b in zip(graphs, program.graphs)):
-        after = Program(program.model, tuple(graphs))
-        try:
-            verify(after)
-        except IRError as err:
-            raise PassFailure(_where(name, None, done) + f" left an invalid graph: {err}") \
-                from err
-    return PassStep(name, p.kind, program, after, tuple(decisions), tuple(log), tuple(kept))
-
-
-def _run_program_pass(program: Program, name: str, done: Sequence[str]) -> PassStep:
-    """A pass over the whole program: one context per graph it may rewrite; graphs it adds are
-    logged as added."""
+    """Run one pass over every graph of `program` (one context per graph), verify the result if
+    it changed, and record what it did."""
     p = PASSES[name]
     contexts = {g.name: PassContext(name, g) for g in program}
     try:
-        after = p.fn(program, contexts)  # type: ignore[call-arg, arg-type]
+        after = p.fn(program, contexts)
+    except GraphFailure as fail:
+        err = fail.error
+        detail = str(err) if isinstance(err, IRError) else f"{type(err).__name__}: {err}"
+        raise PassFailure(_where(name, fail.graph, done) + f": {detail}") from err
     except IRError as err:
         raise PassFailure(_where(name, None, done) + f": {err}") from err
     except Exception as err:
         raise PassFailure(_where(name, None, done) + f": {type(err).__name__}: {err}") from err
-    decisions = [d for ctx in contexts.values() for d in ctx.decisions]
     log: list[str] = []
     kept: list[tuple[str, tuple[tuple[int, int], ...]]] = []
     before = {g.name: g for g in program}
-    for g in after:  # type: ignore[union-attr]
+    for g in after:
         old = before.get(g.name)
         if old is None:
             log.append(f"{name}: graph {g.name}: added ({len(g.nodes)} nodes)")
@@ -132,9 +92,12 @@ def _run_program_pass(program: Program, name: str, done: Sequence[str]) -> PassS
         ctx = contexts[g.name]
         applied = sum(d.applied for d in ctx.decisions)
         refused = len(ctx.decisions) - applied
-        log.append(f"{name}: graph {g.name}: " + (f"{applied} rewrites" if g is not old else
-                                                   "not applied") +
-                   (f", {refused} refused" if refused else ""))
+        if g is old:
+            log.append(f"{name}: graph {g.name}: not applied" +
+                       (f" ({refused} candidates refused)" if refused else ""))
+        else:
+            log.append(f"{name}: graph {g.name}: {applied} rewrites" +
+                       (f", {refused} refused" if refused else ""))
         log += [f"{name}: graph {g.name}: {line}" for line in ctx.log]
         if g is not old and ctx.kept is not None:
             kept.append((g.name, tuple(sorted(ctx.kept.items()))))
@@ -142,12 +105,12 @@ def _run_program_pass(program: Program, name: str, done: Sequence[str]) -> PassS
         LOG.debug(line)
     if after is not program:
         try:
-            verify(after)  # type: ignore[arg-type]
+            verify(after)
         except IRError as err:
             raise PassFailure(_where(name, None, done) + f" left an invalid graph: {err}") \
                 from err
-    return PassStep(name, p.kind, program, after, tuple(decisions), tuple(log),  # type: ignore
-                    tuple(kept))
+    decisions = tuple(d for ctx in contexts.values() for d in ctx.decisions)
+    return PassStep(name, p.kind, program, after, decisions, tuple(log), tuple(kept))
 
 
 def _where(name: str, graph: str | None, done: Sequence[str]) -> str:

@@ -11,7 +11,15 @@ from archc.ir.attrs import Call
 from archc.ir.graph import Graph
 from archc.ir.ops import Op
 from archc.passes.context import PassContext, Refusal
-from archc.passes.linear import NORMS, Linear, Step, replace_linear, step, view, view_with_bias
+from archc.passes.linear import (
+    Linear,
+    Step,
+    norm_parts,
+    replace_linear,
+    step,
+    view,
+    view_with_bias,
+)
 from archc.passes.registry import register_pass
 from archc.passes.rewrite import Rewriter
 
@@ -64,8 +72,7 @@ def _check_profitable(rw: Rewriter, readers: list[Linear]) -> None:
 
 def _fold(rw: Rewriter, norm: int, lin: Linear) -> None:
     n = rw.node(norm)
-    x, gain = n.inputs[0], n.inputs[1]
-    beta = n.inputs[2] if len(n.inputs) > 2 else None
+    x, gain, beta = norm_parts(rw, norm)
     w = rw.node(lin.weight)
     tag = _tag(w.name, rw.node(gain).name)
     gamma = rw.param_expr(gain)
@@ -76,7 +83,7 @@ def _fold(rw: Rewriter, norm: int, lin: Linear) -> None:
     like = [norm, *lin.covers]
     w2 = rw.add_param(f"{w.name}*{tag}", folded, w.shape, w.dtype, like=like, at=lin.root)
     rest = list(lin.steps)
-    if n.op == Op.RMSNORM:
+    if n.attr("kind") == "rms":
         # rms(x)·γ·Wᵀ = rstd·(x·W'ᵀ),  rstd = 1/sqrt(mean(x²) + eps)
         head: list[Step] = [step("rms_scale")]
         prologue = "rms"
@@ -119,19 +126,17 @@ def fold_norms(g: Graph, ctx: PassContext) -> Graph:
     #      LayerNorm: prologue layer, epilogue ln_scale(Σ_k W'), bias(W·β + c), …
     rw = Rewriter(g, ctx)
     for i in rw.order():
-        if rw.op(i) not in NORMS:
+        if rw.op(i) != Op.NORM:
             continue
+        rule = "fold-rmsnorm" if rw.node(i).attr("kind") == "rms" else "fold-layernorm"
         try:
             readers = _readers(rw, i)
-            for p in rw.node(i).inputs[1:]:
-                if rw.op(p) != Op.PARAM:
-                    raise Refusal(f"the gain or shift %{p} is not a parameter")
+            norm_parts(rw, i)
             _check_profitable(rw, readers)
         except Refusal as r:
-            ctx.refused(f"fold-{rw.op(i).value}", rw.describe(i), r.why,
-                        profitability=r.profitability)
+            ctx.refused(rule, rw.describe(i), r.why, profitability=r.profitability)
             continue
         for lin in readers:
             _fold(rw, i, lin)
-        ctx.applied(f"fold-{rw.op(i).value}", rw.describe(i), f"into {len(readers)} matmul(s)")
+        ctx.applied(rule, rw.describe(i), f"into {len(readers)} matmul(s)")
     return rw.finish()

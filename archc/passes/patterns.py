@@ -1,12 +1,14 @@
 """Local rewrites as data: a table of (pattern, rewrite) rules, applied to a fixed point.
 
-A ``Pat`` matches a node by op and, recursively, its first inputs, binding matched nodes by name.
-Conditions that make a structural match illegal — an intermediate value read elsewhere — are
-checked after the structure matches, so a refusal can say which condition failed:
+A ``Pat`` matches a node by op, a predicate on the node (its attributes), and, recursively, its
+first inputs, binding matched nodes by name. The operands of a commutative op (the op table says
+which) match in either order, so a rule over `add` or `mul` is written once. Conditions that make
+a structural match illegal — an intermediate value read elsewhere — are checked after the
+structure matches, so a refusal can say which condition failed:
 
     Rule("bias",
          # (x·Wᵀ) + b: the bias is added to the accumulator before it is stored
-         Pat({Op.BIAS_ADD}, "root", (Pat(LINEAR, "lin", one_use=True), Pat({Op.PARAM}, "b"))),
+         Pat({Op.ADD}, "root", (Pat(LINEAR, "lin", one_use=True), Pat({Op.PARAM}, "b"))),
          absorb_bias)
 
 A rewrite gets the rewriter and the bindings and returns the node that replaces the root, or
@@ -18,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from archc.ir.graph import Graph
-from archc.ir.ops import Op
+from archc.errors import IRError
+from archc.ir.graph import Graph, Node
+from archc.ir.ops import OP_TABLE, Op
 from archc.passes.context import PassContext, Refusal
 from archc.passes.registry import register_pass
 from archc.passes.rewrite import Rewriter
@@ -33,6 +36,7 @@ class Pat:
     name: str = ""                         # bind the matched node under this name
     src: tuple[Pat | None, ...] = ()       # patterns of the first inputs (None: any)
     one_use: bool = False                  # its value must be read by the matched parent only
+    where: Callable[[Node], bool] | None = None   # a predicate on the node and its attributes
 
 
 @dataclass(frozen=True)
@@ -44,29 +48,46 @@ class Rule:
 
 def match(rw: Rewriter, pat: Pat, i: int, bound: Bindings, problems: list[str],
           parent: int | None = None) -> bool:
-    """Structural match of `pat` at node i; conditions that fail are appended to `problems`."""
+    """Structural match of `pat` at node i (operands of a commutative op in either order);
+    conditions that fail are appended to `problems`. On a match, `bound` holds the bindings."""
     n = rw.node(i)
     if pat.ops is not None and n.op not in pat.ops:
         return False
-    if len(n.inputs) < len(pat.src):
+    if len(n.inputs) < len(pat.src) or (pat.where is not None and not pat.where(n)):
         return False
     if pat.name:
         if pat.name in bound and bound[pat.name] != i:
             return False
-        bound[pat.name] = i
-    if pat.one_use and parent is not None:
-        others = [u for u in rw.users(i) if u != parent]
-        if others:
-            problems.append(f"%{i} ({n.op.value}) is also read by "
-                            + ", ".join(f"%{u} ({rw.op(u).value})" for u in others))
-    for sub, j in zip(pat.src, n.inputs):
-        if sub is not None and not match(rw, sub, j, bound, problems, parent=i):
-            return False
+    orders = [n.inputs]
+    if OP_TABLE[n.op].commutative and len(pat.src) >= 2:
+        orders.append((n.inputs[1], n.inputs[0], *n.inputs[2:]))
+    found: tuple[Bindings, list[str]] | None = None
+    for inputs in orders:    # the first order that matches cleanly, else the first that matches
+        b, p = dict(bound), list(problems)
+        if pat.name:
+            b[pat.name] = i
+        if pat.one_use and parent is not None:
+            others = [u for u in rw.users(i) if u != parent]
+            if others:
+                p.append(f"%{i} ({n.op.value}) is also read by "
+                         + ", ".join(f"%{u} ({rw.op(u).value})" for u in others))
+        if all(sub is None or match(rw, sub, j, b, p, parent=i)
+               for sub, j in zip(pat.src, inputs)):
+            if found is None or len(p) == len(problems):
+                found = (b, p)
+            if len(p) == len(problems):
+                break
+    if found is None:
+        return False
+    bound.clear()
+    bound.update(found[0])
+    problems[:] = found[1]
     return True
 
 
-def apply_rules(rw: Rewriter, rules: Collection[Rule], *, max_rounds: int = 8) -> None:
-    """Try every rule at every node until nothing changes; records each decision."""
+def apply_rules(rw: Rewriter, rules: Collection[Rule], *, max_rounds: int = 64) -> None:
+    """Try every rule at every node until nothing changes; records each decision. Rules that
+    keep rewriting past `max_rounds` sweeps are a bug in the rules: an error, not a stop."""
     by_op: dict[Op | None, list[Rule]] = {}
     for r in rules:
         for op in (r.pattern.ops or [None]):
@@ -99,6 +120,10 @@ def apply_rules(rw: Rewriter, rules: Collection[Rule], *, max_rounds: int = 8) -
                 break
         if not progress:
             break
+    else:
+        names = ", ".join(sorted({r.name for r in rules}))
+        raise IRError(f"pass {rw.ctx.pass_name}: the rules {names} still rewrite after "
+                      f"{max_rounds} sweeps of the graph")
     for (rule_name, i), why in refused.items():
         # a node this pass made is already a fusion; only the graph's own nodes are reported
         if i < len(rw.g.nodes) and not rw.is_dead(i):

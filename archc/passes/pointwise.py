@@ -1,27 +1,18 @@
 """fuse-pointwise: chains of elementwise ops left over become single `pointwise` kernels.
 
-    scale(add(x, y), 0.5)  →  pointwise(x, y) {expr=scale(add(x(0), x(1)), by=0.5)}
+    pointwise(add(x, y)) {expr=scale(x(0), by=0.5)}  →  pointwise(x, y) {expr=scale(add(x(0), x(1)), by=0.5)}
 """
 
 from __future__ import annotations
 
+from archc.ir import expr as E
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph
-from archc.ir.ops import Op
+from archc.ir.ops import ELEMENTWISE, Op
+from archc.ir.ops.core import elementwise_expr
 from archc.passes.context import PassContext
 from archc.passes.registry import register_pass
 from archc.passes.rewrite import Rewriter
-
-ELEMENTWISE = frozenset({Op.BIAS_ADD, Op.ADD, Op.MUL, Op.SCALE, Op.ACT, Op.SOFTCAP,
-                         Op.POINTWISE})
-
-
-def _substitute(expr: Call, leaves: list[Call]) -> Call:
-    if expr.fn == "x":
-        return leaves[expr.args[0]]
-    args = tuple(_substitute(a, leaves) if isinstance(a, Call) else a for a in expr.args)
-    return Call(expr.fn, args, expr.kwargs)
-
 
 def expression(rw: Rewriter, i: int, inline: set[int], leaves: list[int]) -> Call:
     """The expression computing node i over `leaves` (appended to as new inputs are met),
@@ -33,20 +24,9 @@ def expression(rw: Rewriter, i: int, inline: set[int], leaves: list[int]) -> Cal
             return expression(rw, j, inline, leaves)
         if j not in leaves:
             leaves.append(j)
-        return Call("x", (leaves.index(j),))
+        return E.x(leaves.index(j))
 
-    if n.op in (Op.BIAS_ADD, Op.ADD):
-        return Call("add", (arg(n.inputs[0]), arg(n.inputs[1])))
-    if n.op == Op.MUL:
-        return Call("mul", (arg(n.inputs[0]), arg(n.inputs[1])))
-    if n.op == Op.SCALE:
-        return Call("scale", (arg(n.inputs[0]),), (("by", n.attr("factor")),))
-    if n.op == Op.ACT:
-        return Call("act", (arg(n.inputs[0]),), (("fn", n.attr("fn")),))
-    if n.op == Op.SOFTCAP:
-        return Call("softcap", (arg(n.inputs[0]),), (("cap", n.attr("cap")),))
-    assert n.op == Op.POINTWISE
-    return _substitute(n.attr("expr"), [arg(j) for j in n.inputs])
+    return E.substitute(elementwise_expr(n.op, n.attrs), [arg(j) for j in n.inputs])
 
 
 def to_pointwise(rw: Rewriter, root: int, inline: set[int]) -> int:

@@ -1,10 +1,11 @@
 """Passes by name, and pipelines as lists of names.
 
-A pass is a function ``(Graph, PassContext) -> Graph`` registered with ``register_pass`` under a
-name and a kind: *exact* passes keep the function up to rounding (and are translation-validated),
-*architecture* passes change the model on purpose and never run unless named. A program pass
-(``register_program_pass``) sees every graph at once, ``(Program, {graph: PassContext}) ->
-Program``, and may move nodes between graphs or add one.
+A pass is registered under a name with ``register_pass`` as a function ``(Graph, PassContext) ->
+Graph``, run over every graph of a program, or with ``register_program_pass`` as a function
+``(Program, {graph: PassContext}) -> Program`` that sees every graph at once and may move nodes
+between graphs or add one. Both are kept the same way — as a program function — so the manager
+runs every pass by one code path. Every registered pass is *exact*: it keeps the function up to
+rounding, and is translation-validated.
 """
 
 from __future__ import annotations
@@ -19,7 +20,16 @@ from archc.passes.context import PassContext
 
 PassFn = Callable[[Graph, PassContext], Graph]
 ProgramPassFn = Callable[[Program, Mapping[str, PassContext]], Program]
-Kind = Literal["exact", "architecture"]
+Kind = Literal["exact"]
+
+
+class GraphFailure(Exception):
+    """A pass failed on one graph: which, and the error."""
+
+    def __init__(self, graph: str, error: Exception) -> None:
+        super().__init__(str(error))
+        self.graph = graph
+        self.error = error
 
 
 @dataclass(frozen=True)
@@ -27,8 +37,8 @@ class Pass:
     name: str
     kind: Kind
     summary: str
-    fn: PassFn | ProgramPassFn
-    program: bool = False      # fn takes the whole program and a context per graph
+    fn: ProgramPassFn
+    program: bool = False      # written over the whole program, not graph by graph
 
 
 PASSES: dict[str, Pass] = {}
@@ -40,9 +50,25 @@ def _register(p: Pass) -> None:
     PASSES[p.name] = p
 
 
+def over_graphs(fn: PassFn) -> ProgramPassFn:
+    """A graph pass as a program pass: each graph with its own context; the same program when
+    no graph changed."""
+    def run(program: Program, contexts: Mapping[str, PassContext]) -> Program:
+        graphs = []
+        for g in program:
+            try:
+                graphs.append(fn(g, contexts[g.name]))
+            except Exception as err:
+                raise GraphFailure(g.name, err) from err
+        if all(a is b for a, b in zip(graphs, program.graphs)):
+            return program
+        return Program(program.model, tuple(graphs))
+    return run
+
+
 def register_pass(name: str, kind: Kind, summary: str) -> Callable[[PassFn], PassFn]:
     def register(fn: PassFn) -> PassFn:
-        _register(Pass(name, kind, summary, fn))
+        _register(Pass(name, kind, summary, over_graphs(fn)))
         return fn
     return register
 
@@ -57,7 +83,8 @@ def register_program_pass(name: str, kind: Kind, summary: str
 
 # The default pipeline, in order. Attention is recognised first (its structure is what the
 # projection merges trace from), projections are merged before norms fold (one prologue per
-# merged matmul), and the epilogue fusions run last, over merged projections. Cross-attention's
+# merged matmul), and the epilogue fusions run last, over merged projections (the expert gate and
+# up stages merge first, so an activation joins a non-gated expert matmul and not one half). Cross-attention's
 # K and V leave the decoder once merged (one projection per layer to move), before the kernels
 # are chosen in either graph. The recurrent mixers become their kernels beside attention, before
 # the projections merge (linear attention's q, k, v trace from its kernel) and before norms fold
@@ -77,9 +104,9 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
     "fuse-qk-norm",
     "fuse-rope",
     "fuse-kv-write",
+    "fuse-moe",
     "fuse-epilogue",
     "fuse-residual",
-    "fuse-moe",
     "fuse-pointwise",
     "select-kernels",
     "cse",

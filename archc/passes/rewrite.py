@@ -16,12 +16,12 @@ from typing import Any
 import sympy
 
 from archc.errors import IRError
-from archc.ir.attrs import Attrs, Call
+from archc.ir.attrs import Attrs, Call, format_call
 from archc.ir.graph import Graph, Node, infer
-from archc.ir.ops import Op, ShapeError
+from archc.ir.ops import Op, ShapeError, canonical
 from archc.ir.paramexpr import leaf
 from archc.ir.shapes import Shape
-from archc.ir.text import format_call, format_node
+from archc.ir.text import format_node
 from archc.passes.context import PassContext, Refusal
 
 
@@ -136,13 +136,13 @@ class Rewriter:
         from `like[0]` and the passes of all `like` nodes; it is placed just before `at`
         (default `like[0]`)."""
         at_ = like[0] if at is None else at
-        a = Attrs({k: v for k, v in attrs.items() if v is not None})
+        a = canonical(op, attrs)
         try:
             shape, dtype = infer(op, [self.nodes[j].shape for j in inputs],
                                  [self.nodes[j].dtype for j in inputs], a)
         except ShapeError as err:
             raise IRError(f"pass {self.ctx.pass_name}: cannot build "
-                          f"{format_call(op, inputs, a)}: {err}") from None
+                          f"{format_call(op.value, inputs, a)}: {err}") from None
         origin, passes = self.provenance(like)
         return self._new(Node(op, tuple(inputs), a, shape, dtype, origin, passes), at_)
 

@@ -8,15 +8,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from archc.ir.attrs import Call
 from archc.ir.ops import Op
 from archc.passes.rewrite import Rewriter
 
-# Score modifiers as lowering emits them, in the order the `attention` op applies them.
-MODIFIERS = (Op.SCALE, Op.SOFTCAP, Op.ALIBI, Op.REL_BIAS, Op.MASK)
+# Score modifiers as lowering emits them, in the order the `attention` op applies them: a scale
+# and a soft-cap (pointwise), a position bias, the mask.
+MODIFIERS = ("scale", "softcap", "alibi", "rel_bias", "mask")
 
 # Ops a q/k/v value may pass through between its projection and the attention that reads it.
-HEAD_PATH = frozenset({Op.SPLIT_HEADS, Op.SLICE, Op.ROPE, Op.RMSNORM, Op.LAYERNORM, Op.NORM,
-                       Op.KV_CACHE, Op.REPEAT_KV})
+HEAD_PATH = frozenset({Op.SPLIT_HEADS, Op.SLICE, Op.ROPE, Op.NORM, Op.KV_CACHE, Op.REPEAT_KV})
+
+
+def modifier(rw: Rewriter, i: int) -> str | None:
+    """Which score modifier node i is (None if it is none): a pointwise scale(x(0)) or
+    softcap(x(0)), alibi, rel_bias or mask."""
+    n = rw.node(i)
+    if n.op == Op.POINTWISE:
+        e = n.attr("expr")
+        if len(n.inputs) == 1 and e.fn in ("scale", "softcap") and e.args == (Call("x", (0,)),):
+            return e.fn
+        return None
+    return n.op.value if n.op.value in MODIFIERS else None
 
 
 @dataclass
@@ -30,9 +43,9 @@ class ScoreChain:
     merge: int | None = None
     problem: str = ""          # why the chain stops short, if it does
 
-    def modifier(self, rw: Rewriter, op: Op) -> int | None:
+    def modifier(self, rw: Rewriter, kind: str) -> int | None:
         for i in self.modifiers:
-            if rw.op(i) == op:
+            if modifier(rw, i) == kind:
                 return i
         return None
 
@@ -48,7 +61,7 @@ def score_chain(rw: Rewriter, scores: int) -> ScoreChain:
             return chain
         nxt = users[0]
         op = rw.op(nxt)
-        if op in MODIFIERS and rw.node(nxt).inputs[0] == cur:
+        if modifier(rw, nxt) is not None and rw.node(nxt).inputs[0] == cur:
             chain.modifiers.append(nxt)
             cur = nxt
             continue

@@ -22,7 +22,7 @@ import torch
 
 from archc.errors import ArchcError, RunError
 from archc.ir.graph import CROSS_KV, Graph, Program
-from archc.ir.ops import OP_TABLE, Op
+from archc.ir.ops import OP_TABLE, Op, bind, full_attrs
 from archc.ir.shapes import DIMS
 from archc.ir.text import format_node
 from archc.runtime.cross_kv import CrossKV
@@ -122,9 +122,10 @@ def run_graph(graph: Graph, params: Mapping[str, torch.Tensor],
         elif n.op == Op.PARAM:
             value = params[n.name]
         else:
-            args = [values[j] for j in n.inputs]
+            attrs = full_attrs(n.op, n.attrs)
+            args = bind(n.op, attrs, [values[j] for j in n.inputs])  # type: ignore[misc]
             try:
-                value = OP_TABLE[n.op].eager(ctx, args, n.attrs)  # type: ignore[arg-type]
+                value = OP_TABLE[n.op].eager(ctx, args, attrs)
             except ArchcError as err:
                 raise RunError(f"while running {format_node(i, n)}: {err}") from None
             except Exception as err:  # an op's torch code failed: name the node

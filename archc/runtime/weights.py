@@ -20,7 +20,7 @@ import torch
 
 from archc.errors import WeightsError
 from archc.ir.graph import Graph, Program
-from archc.ir.ops import Op
+from archc.ir.ops import Op, full_attrs, roles_of
 from archc.ir.paramexpr import evaluate, leaf
 from archc.ir.shapes import concrete
 
@@ -45,16 +45,15 @@ def _roles(program: Program) -> dict[str, tuple[str, int]]:
     roles: dict[str, tuple[str, int]] = {}
     for g in program:
         for n in g:
-            for slot, j in enumerate(n.inputs):
+            named = roles_of(n.op, full_attrs(n.op, n.attrs), len(n.inputs))
+            for role, j in zip(named, n.inputs):
                 src = g.nodes[j]
                 if src.op != Op.PARAM or src.attr("expr") is not None or src.name in roles:
                     continue
                 dims = concrete(src.shape, {})
-                if n.op in (Op.LAYERNORM, Op.RMSNORM):
-                    offset = n.attr("unit_offset", False)
-                    roles[src.name] = ("bias" if slot == 2 else
-                                       "offset_gain" if offset else "gain", 0)
-                elif n.op == Op.BIAS_ADD:
+                if n.op == Op.NORM and role == "weight":
+                    roles[src.name] = ("offset_gain" if n.attr("unit_offset") else "gain", 0)
+                elif role.startswith("bias") or n.op == Op.ADD:
                     roles[src.name] = ("bias", 0)
                 elif n.op == Op.EMBEDDING:
                     roles[src.name] = ("table", 0)

@@ -1,31 +1,45 @@
 """The op table: every op declared once (``OP_TABLE``), grouped by family into modules."""
 
-from archc.ir.ops import (  # noqa: F401  (each module registers its ops)
+from archc.ir.ops import (  # noqa: F401  (each module declares its ops)
     attention,
     core,
-    fused,
+    linear,
     linear_attention,
     moe,
     ssm,
 )
 from archc.ir.ops.base import (
-    KERNEL_LEVEL,
+    ELEMENTWISE,
     MATMUL,
     META,
     OP_TABLE,
     POINTWISE,
     RECURRENT,
     REDUCTION,
+    ROW_KERNELS,
     VIEW,
+    Args,
+    Attr,
     EagerCtx,
     Op,
     OpDef,
     ShapeError,
     Sig,
+    StateDecl,
+    attr_problems,
+    bind,
+    canonical,
+    full_attrs,
     is_compute,
+    make_sig,
+    roles_of,
 )
 
+KERNEL_LEVEL = frozenset(op for op, d in OP_TABLE.items() if d.template is not None)
+
 __all__ = [
-    "KERNEL_LEVEL", "MATMUL", "META", "OP_TABLE", "POINTWISE", "RECURRENT", "REDUCTION", "VIEW",
-    "EagerCtx", "Op", "OpDef", "ShapeError", "Sig", "is_compute",
+    "ELEMENTWISE", "KERNEL_LEVEL", "MATMUL", "META", "OP_TABLE", "POINTWISE", "RECURRENT",
+    "REDUCTION", "ROW_KERNELS", "VIEW", "Args", "Attr", "EagerCtx", "Op", "OpDef", "ShapeError",
+    "Sig", "StateDecl", "attr_problems", "bind", "canonical", "full_attrs", "is_compute",
+    "make_sig", "roles_of",
 ]

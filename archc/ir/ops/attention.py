@@ -1,6 +1,6 @@
-"""Attention ops, decomposed as lowering emits them: rotary positions, KV cache, GQA head
-repetition, scores, score modifiers (scale, soft-cap, ALiBi, T5 relative bias, masks), softmax
-and the value-weighted sum.
+"""Attention: rotary positions, the KV cache, GQA head repetition, scores, score modifiers
+(ALiBi, T5 relative bias, masks), the value-weighted sum — as lowering emits them — and the
+`attention` kernel (flash attention) the passes make of them.
 
 Positions inside the score ops come from shapes: scores are [B, H, T, L] for T new queries over L
 keys, and query row i sits at absolute position L − T + i (the past length P for self-attention
@@ -10,18 +10,22 @@ over the cache; an encoder has L = T).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import sympy
 import torch
 
 from archc.ir.attrs import Attrs, Call
 from archc.ir.ops.base import (
+    Args,
+    Attr,
     EagerCtx,
     Op,
     OpDef,
     Sig,
+    check_call,
     float_dtype,
+    layer_attr,
+    operands,
     per_element,
     register,
     require,
@@ -79,20 +83,16 @@ def _rope_infer(sig: Sig) -> tuple[Shape, str]:
     return x, float_dtype(sig)
 
 
-def check_dynamic_rope(dynamic: object, rotary_dim: int) -> None:
+NTK = (Attr("factor", float, at_least=1.0), Attr("original_max_seq_len", int, at_least=1))
+
+
+def check_dynamic_rope(dynamic: Call | None, rotary_dim: int) -> None:
     """A rope's `dynamic` attr: none, or ntk(factor ≥ 1, original_max_seq_len ≥ 1) over ≥ 4
     rotary dims."""
     if dynamic is None:
         return
-    require(isinstance(dynamic, Call) and dynamic.fn == "ntk" and not dynamic.args
-            and {k for k, _ in dynamic.kwargs} == {"factor", "original_max_seq_len"},
-            f"dynamic must be ntk(factor=…, original_max_seq_len=…), got {dynamic!r}")
-    assert isinstance(dynamic, Call)
-    factor, original = dynamic.kw("factor"), dynamic.kw("original_max_seq_len")
-    require(isinstance(factor, float) and math.isfinite(factor) and factor >= 1.0,
-            f"ntk() factor must be a number ≥ 1, got {factor!r}")
-    require(isinstance(original, int) and not isinstance(original, bool) and original >= 1,
-            f"ntk() original_max_seq_len must be a whole number ≥ 1, got {original!r}")
+    require(dynamic.fn == "ntk", f"dynamic must be ntk(…), got {dynamic!r}")
+    check_call(dynamic, NTK)
     require(rotary_dim >= 4, f"dynamic NTK needs ≥ 4 rotary dims, got {rotary_dim}")
 
 
@@ -100,10 +100,12 @@ register(OpDef(
     Op.ROPE, "Rotary position embedding of q or k at the given positions; with `dynamic`, "
     "frequencies rescaled from the sequence length (dynamic NTK).",
     "%12 : f32[B,4,T,16] = rope(%11, %1, %2) {interleaved=false, mscale=1.0, rotary_dim=16}",
-    (3, 3), _rope_infer,
-    lambda ctx, xs, a: rope(xs[0], xs[1], xs[2], a["rotary_dim"], a["interleaved"],
-                            a.get("mscale", 1.0), a.get("dynamic")),
-    flops=per_element(3), attrs=("rotary_dim", "interleaved"), optional=("mscale", "dynamic")))
+    operands("x", "positions", "inv_freq"), _rope_infer,
+    lambda ctx, a, at: rope(a["x"], a["positions"], a["inv_freq"], at["rotary_dim"],
+                            at["interleaved"], at["mscale"], at["dynamic"]),
+    attrs=(Attr("rotary_dim", int, at_least=2), Attr("interleaved", bool),
+           Attr("mscale", float, 1.0), Attr("dynamic", Call, None, ("ntk",))),
+    flops=per_element(3), arity=(3, 3)))
 
 
 # ---- KV cache and GQA ----------------------------------------------------------------------
@@ -111,7 +113,6 @@ register(OpDef(
 def _kv_infer(sig: Sig) -> tuple[Shape, str]:
     x = sig.shapes[0]
     require(len(x) == 4, f"kv_cache takes [B, H, T, D], got {list(x)}")
-    require(sig.attr("kind") in ("k", "v"), f"kind must be k or v, got {sig.attr('kind')!r}")
     return (x[0], x[1], P + x[2], x[3]), float_dtype(sig)
 
 
@@ -122,22 +123,22 @@ def _kv_bytes(sig: Sig) -> sympy.Expr:
 
 register(OpDef(
     Op.KV_CACHE, "Write the new keys or values at offset P; return the cache's first P+T.",
-    '%14 : f32[B,2,P+T,16] = kv_cache(%13) {kind="k", layer=0}', (1, 1), _kv_infer,
-    lambda ctx, xs, a: ctx.cache_append(a["layer"], a["kind"], xs[0]), bytes=_kv_bytes,
-    attrs=("layer", "kind")))
+    '%14 : f32[B,2,P+T,16] = kv_cache(%13) {kind="k", layer=0}', operands("x"), _kv_infer,
+    lambda ctx, a, at: ctx.cache_append(at["layer"], at["kind"], a["x"]), bytes=_kv_bytes,
+    attrs=(layer_attr(), Attr("kind", str, choices=("k", "v"))), arity=(1, 1)))
 
 
 def _repeat_infer(sig: Sig) -> tuple[Shape, str]:
     x = sig.shapes[0]
-    g = sig.attr("groups")
-    require(len(x) == 4 and g >= 1, "repeat_kv takes [B, H, L, D] and groups ≥ 1")
-    return (x[0], x[1] * g, x[2], x[3]), sig.dtypes[0]
+    require(len(x) == 4, "repeat_kv takes [B, H, L, D]")
+    return (x[0], x[1] * sig.attr("groups"), x[2], x[3]), sig.dtypes[0]
 
 
 register(OpDef(
     Op.REPEAT_KV, "Repeat each KV head `groups` times so GQA heads line up with queries.",
-    "%16 : f32[B,4,P+T,16] = repeat_kv(%14) {groups=2}", (1, 1), _repeat_infer,
-    lambda ctx, xs, a: xs[0].repeat_interleave(a["groups"], dim=1), attrs=("groups",)))
+    "%16 : f32[B,4,P+T,16] = repeat_kv(%14) {groups=2}", operands("x"), _repeat_infer,
+    lambda ctx, a, at: a["x"].repeat_interleave(at["groups"], dim=1),
+    attrs=(Attr("groups", int, at_least=1),), arity=(1, 1)))
 
 
 # ---- scores and the value sum --------------------------------------------------------------
@@ -164,16 +165,11 @@ def _scores_infer(sig: Sig) -> tuple[Shape, str]:
     return (q[0], q[1], q[2], k[2]), float_dtype(sig)
 
 
-def _scores_flops(sig: Sig) -> sympy.Expr:
-    q, k = sig.shapes
-    return 2 * numel(q) * k[2]
-
-
 register(OpDef(
     Op.SCORES, "Attention scores q·kᵀ per head; k may have fewer (KV) heads than q.",
-    "%17 : f32[B,4,T,P+T] = scores(%12, %16)", (2, 2), _scores_infer,
-    lambda ctx, xs, a: xs[0] @ expand_kv(xs[1], xs[0].shape[1]).transpose(-1, -2),
-    flops=_scores_flops))
+    "%17 : f32[B,4,T,P+T] = scores(%12, %16)", operands("q", "k"), _scores_infer,
+    lambda ctx, a, at: a["q"] @ expand_kv(a["k"], a["q"].shape[1]).transpose(-1, -2),
+    flops=lambda sig: 2 * numel(sig.shapes[0]) * sig.shapes[1][2], arity=(2, 2)))
 
 
 def _wsum_infer(sig: Sig) -> tuple[Shape, str]:
@@ -185,15 +181,11 @@ def _wsum_infer(sig: Sig) -> tuple[Shape, str]:
     return (p[0], p[1], p[2], v[3]), float_dtype(sig)
 
 
-def _wsum_flops(sig: Sig) -> sympy.Expr:
-    p, v = sig.shapes
-    return 2 * numel(p) * v[3]
-
-
 register(OpDef(
     Op.WEIGHTED_SUM, "The value sum p·v per head; v may have fewer (KV) heads than p.",
-    "%22 : f32[B,4,T,16] = weighted_sum(%21, %20)", (2, 2), _wsum_infer,
-    lambda ctx, xs, a: xs[0] @ expand_kv(xs[1], xs[0].shape[1]), flops=_wsum_flops))
+    "%22 : f32[B,4,T,16] = weighted_sum(%21, %20)", operands("p", "v"), _wsum_infer,
+    lambda ctx, a, at: a["p"] @ expand_kv(a["v"], a["p"].shape[1]),
+    flops=lambda sig: 2 * numel(sig.shapes[0]) * sig.shapes[1][3], arity=(2, 2)))
 
 
 # ---- score modifiers -----------------------------------------------------------------------
@@ -238,48 +230,44 @@ def apply_mask(s: torch.Tensor, causal: bool, window: int | None, padding: torch
 
 
 def _mask_infer(sig: Sig) -> tuple[Shape, str]:
-    s = sig.shapes[0]
+    s = sig.shape("scores")
     require(len(s) == 4, f"mask takes scores [B, H, T, L], got {list(s)}")
-    n = 1 + bool(sig.attr("padding")) + bool(sig.attr("prefix"))
-    require(len(sig.shapes) == n, f"mask with padding={sig.attr('padding')} "
-            f"prefix={sig.attr('prefix')} takes {n} inputs, got {len(sig.shapes)}")
-    i = 1
-    if sig.attr("padding"):
-        pad = sig.shapes[i]
+    if sig.has("padding"):
+        pad = sig.shape("padding")
         require(len(pad) == 2 and same_dim(pad[1], s[3]),
                 f"padding mask {list(pad)} must be [B, L] with L = {s[3]}")
-        i += 1
-    if sig.attr("prefix"):
-        require(len(sig.shapes[i]) == 0 and sig.dtypes[i] == "i64", "prefix_len must be i64[]")
+    if sig.has("prefix_len"):
+        require(len(sig.shape("prefix_len")) == 0 and sig.dtype("prefix_len") == "i64",
+                "prefix_len must be i64[]")
     check_window(sig.attr("window"), sig.attr("global_tokens"), sig.attr("prefix"))
     return s, float_dtype(sig)
 
 
-def check_window(window: object, global_tokens: object, prefix: object) -> None:
-    """A mask's window (≥ 1) and global tokens (≥ 1, beside a window, not with a prefix)."""
-    for name, value in (("window", window), ("global_tokens", global_tokens)):
-        require(value is None or (isinstance(value, int) and not isinstance(value, bool)
-                                  and value >= 1), f"{name} must be a whole number ≥ 1, got "
-                f"{value!r}")
+def check_window(window: int | None, global_tokens: int | None, prefix: bool) -> None:
+    """Global tokens are seen beside a window, not with a prefix-LM mask."""
     require(global_tokens is None or window is not None,
             "global_tokens are seen beside a window, and there is none")
     require(global_tokens is None or not prefix, "global_tokens with a prefix-LM mask")
 
 
-def _mask_eager(ctx: EagerCtx, xs: Sequence[torch.Tensor], a: Attrs) -> torch.Tensor:
-    rest = list(xs[1:])
-    padding = rest.pop(0) if a.get("padding") else None
-    prefix_len = int(rest.pop(0)) if a.get("prefix") else None
-    return apply_mask(xs[0], a["causal"], a.get("window"), padding, prefix_len,
-                      a.get("global_tokens"))
+def mask_attrs() -> tuple[Attr, ...]:
+    """What a mask (and the attention kernel) knows of which keys a query sees."""
+    return (Attr("causal", bool, False), Attr("padding", bool, False),
+            Attr("prefix", bool, False), Attr("window", int, None, at_least=1),
+            Attr("global_tokens", int, None, at_least=1))
 
+
+MASK_OPERANDS = (("padding", "padding"), ("prefix_len", "prefix"))
 
 register(OpDef(
     Op.MASK, "Hide keys a query may not see: causal, sliding window with global tokens, "
     "prefix-LM, padding.",
-    "%19 : f32[B,4,T,P+T] = mask(%18) {causal=true, padding=false, prefix=false, window=8}",
-    (1, 3), _mask_infer, _mask_eager, flops=per_element(1),
-    attrs=("causal", "padding", "prefix"), optional=("window", "global_tokens")))
+    "%19 : f32[B,4,T,P+T] = mask(%18) {causal=true, window=8}",
+    operands("scores", *MASK_OPERANDS), _mask_infer,
+    lambda ctx, a, at: apply_mask(a["scores"], at["causal"], at["window"], a.get("padding"),
+                                  int(a["prefix_len"]) if "prefix_len" in a else None,
+                                  at["global_tokens"]),
+    attrs=mask_attrs(), flops=per_element(1), arity=(1, 3)))
 
 
 def alibi_bias(slopes: torch.Tensor, t: int, length: int) -> torch.Tensor:
@@ -300,10 +288,11 @@ def _bias_like_scores_infer(sig: Sig) -> tuple[Shape, str]:
 
 register(OpDef(
     Op.ALIBI, "Add the ALiBi bias −slope_h·(i − j) to scores.",
-    "%18 : f32[B,4,T,P+T] = alibi(%17, %3)", (2, 2), _bias_like_scores_infer,
-    lambda ctx, xs, a: (xs[0].float() + alibi_bias(xs[1], *xs[0].shape[-2:])[None]).to(
-        xs[0].dtype),
-    flops=per_element(2)))
+    "%18 : f32[B,4,T,P+T] = alibi(%17, %3)", operands("scores", "slopes"),
+    _bias_like_scores_infer,
+    lambda ctx, a, at: (a["scores"].float() + alibi_bias(a["slopes"], *a["scores"].shape[-2:])[
+        None]).to(a["scores"].dtype),
+    flops=per_element(2), arity=(2, 2)))
 
 
 def t5_buckets(relative: torch.Tensor, bidirectional: bool, buckets: int,
@@ -335,11 +324,140 @@ def relative_bias(table: torch.Tensor, t: int, length: int, bidirectional: bool,
     return table[bucket.to(table.device)].permute(2, 0, 1)
 
 
+def t5_attrs() -> tuple[Attr, ...]:
+    return (Attr("bidirectional", bool), Attr("max_distance", int, at_least=1))
+
+
 register(OpDef(
     Op.REL_BIAS, "Add T5's bucketed relative-position bias (a [buckets, H] table) to scores.",
     "%18 : f32[B,4,T,P+T] = rel_bias(%17, %5) {bidirectional=false, max_distance=128}",
-    (2, 2), _bias_like_scores_infer,
-    lambda ctx, xs, a: (xs[0].float() + relative_bias(
-        xs[1].float(), *xs[0].shape[-2:], a["bidirectional"], a["max_distance"])[None]).to(
-        xs[0].dtype),
-    flops=per_element(2), attrs=("bidirectional", "max_distance")))
+    operands("scores", "table"), _bias_like_scores_infer,
+    lambda ctx, a, at: (a["scores"].float() + relative_bias(
+        a["table"].float(), *a["scores"].shape[-2:], at["bidirectional"], at["max_distance"])[
+        None]).to(a["scores"].dtype),
+    attrs=t5_attrs(), flops=per_element(2), arity=(2, 2)))
+
+
+# ---- the attention kernel --------------------------------------------------------------------
+
+def _attention_roles(attrs: object, n: int) -> list[str]:
+    names = ["q"]
+    if attrs.get("cache_layer") is None:  # type: ignore[attr-defined]
+        names += ["k", "v"]
+    names += operands(*MASK_OPERANDS)(attrs, n)  # type: ignore[arg-type]
+    bias = attrs.get("bias")  # type: ignore[attr-defined]
+    if bias is not None:
+        names.append("slopes" if bias.fn == "alibi" else "rel_table")
+    return names
+
+
+def _attention_infer(sig: Sig) -> tuple[Shape, str]:
+    q = sig.shape("q")
+    require(len(q) == 4, f"q must be [B, H, T, D], got {list(q)}")
+    if sig.has("k"):
+        k, v = sig.shape("k"), sig.shape("v")
+        require(len(k) == 4 and k == v, f"k {list(k)} and v {list(v)} must match [B, H_kv, L, D]")
+        groups(q[1], k[1])
+        require(same_dim(k[3], q[3]), f"k head dim {k[3]} ≠ q head dim {q[3]}")
+        length = k[2]
+    else:
+        require(sig.attr("kv_heads") is not None, "a cached attention needs kv_heads")
+        groups(q[1], sympy.Integer(sig.attr("kv_heads")))
+        length = P + q[2]
+    if sig.has("padding"):
+        pad = sig.shape("padding")
+        require(len(pad) == 2 and same_dim(pad[1], length), f"padding {list(pad)} must be "
+                f"[B, {length}]")
+    bias = sig.attr("bias")
+    if bias is not None:
+        check_call(bias, t5_attrs() if bias.fn == "t5" else ())
+    check_window(sig.attr("window"), sig.attr("global_tokens"), sig.attr("prefix"))
+    return (q[0], q[2], q[1] * q[3]), float_dtype(sig)
+
+
+def attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+    """softmax(mask(bias(softcap(scale·q·kᵀ)))) · v, in f32, heads merged: [B, T, H·D]."""
+    q = a["q"]
+    layer = at["cache_layer"]
+    if layer is not None:
+        k, v = ctx.cache_read(layer, "k"), ctx.cache_read(layer, "v")
+    else:
+        k, v = a["k"], a["v"]
+    b, h, t, d = q.shape
+    k, v = expand_kv(k, h).float(), expand_kv(v, h).float()
+    s = (q.float() @ k.transpose(-1, -2)) * at["scale"]
+    if at["softcap"] is not None:
+        s = at["softcap"] * torch.tanh(s / at["softcap"])
+    bias = at["bias"]
+    if bias is not None and bias.fn == "alibi":
+        s = s + alibi_bias(a["slopes"], t, s.shape[-1])[None]
+    elif bias is not None:
+        s = s + relative_bias(a["rel_table"].float(), t, s.shape[-1],
+                              bias.kw("bidirectional"), bias.kw("max_distance"))[None]
+    prefix = int(a["prefix_len"]) if "prefix_len" in a else None
+    s = apply_mask(s, at["causal"], at["window"], a.get("padding"), prefix, at["global_tokens"])
+    out = torch.softmax(s, dim=-1) @ v                                  # (B, H, T, D)
+    return out.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)
+
+
+def visible_pairs(t: sympy.Expr, length: sympy.Expr, causal: bool,
+                  window: int | None, global_tokens: int | None = None) -> sympy.Expr:
+    """Query-key pairs a mask lets through, for T queries at the end of L keys. Causal row i
+    sees min(L − T + i + 1, W) keys; with k = clamp(W − (L − T) − 1, 0, T) rows below the cap,
+    Σ = k(L − T + 1) + k(k − 1)/2 + (T − k)·W. Bidirectional windows are approximated by
+    T·min(L, 2W − 1). G global tokens add, causally, the global keys behind the window,
+    min(G, L − W) per row (an upper bound: the last row's count); bidirectionally, G keys per
+    row and G rows that see all L keys."""
+    past = length - t
+    if not causal:
+        if window is None:
+            return t * length
+        pairs = t * sympy.Min(length, 2 * window - 1)
+        if global_tokens is not None:
+            g = global_tokens
+            pairs = sympy.Min(t * length, pairs + t * g + sympy.Min(g, t) * length)
+        return pairs
+    if window is None:
+        return t * past + t * (t + 1) / 2
+    k = sympy.Min(t, sympy.Max(0, window - past - 1))
+    pairs = k * (past + 1) + k * (k - 1) / 2 + (t - k) * window
+    if global_tokens is not None:
+        pairs += t * sympy.Min(global_tokens, sympy.Max(0, length - window))
+    return pairs
+
+
+def _attention_shapes(sig: Sig) -> tuple[Shape, sympy.Expr]:
+    q = sig.shape("q")
+    length = sig.shape("k")[2] if sig.has("k") else P + q[2]
+    return q, length
+
+
+def _attention_flops(sig: Sig) -> sympy.Expr:
+    q, length = _attention_shapes(sig)
+    pairs = visible_pairs(q[2], length, sig.attr("causal"), sig.attr("window"),
+                          sig.attr("global_tokens"))
+    return q[0] * q[1] * pairs * (4 * q[3] + 5)
+
+
+def _attention_bytes(sig: Sig) -> sympy.Expr:
+    q, length = _attention_shapes(sig)
+    kv_heads = sig.shape("k")[1] if sig.has("k") else sig.attr("kv_heads")
+    window, g = sig.attr("window"), sig.attr("global_tokens")
+    if window is None or (g is not None and not sig.attr("causal")):
+        keys = length       # bidirectional global rows read every key
+    else:
+        keys = sympy.Min(length, window + q[2] + (g or 0))
+    item = DTYPE_BYTES[sig.dtype("q")]
+    return (2 * numel(q) + 2 * q[0] * kv_heads * keys * q[3]) * item
+
+
+register(OpDef(
+    Op.ATTENTION, "Flash attention: scale, soft-cap, ALiBi or T5 bias, causal/window (with "
+    "global tokens)/prefix/padding mask, GQA by index, over given k/v or the layer's KV cache; "
+    "heads merged.",
+    "%12 : f32[B,T,64] = attention(%11) {cache_layer=0, causal=true, kv_heads=2, scale=0.25, "
+    "window=8}", _attention_roles, _attention_infer, attention,
+    attrs=(Attr("scale", float), *mask_attrs(), Attr("softcap", float, None),
+           Attr("bias", Call, None, ("alibi", "t5")),
+           Attr("cache_layer", int, None, at_least=0), Attr("kv_heads", int, None, at_least=1)),
+    flops=_attention_flops, bytes=_attention_bytes, template="attention", arity=(1, 6)))

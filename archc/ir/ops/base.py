@@ -1,12 +1,17 @@
-"""What an op is: its kind, its group, and its one declaration (``OpDef``).
+"""What an op is: its kind, its groups, and its one declaration (``OpDef``).
 
-Every op is declared once, with ``register``: a summary, a one-line textual example, its arity and
-attributes, a shape/dtype rule, its eager semantics in torch, and its FLOP and byte counts as sympy
-expressions over B, T, P, S. Nothing else in archc keeps a list of ops that must be kept in sync.
+Every op is declared once, with ``register``: a summary, a one-line textual example, its typed
+attributes (``Attr``: type, default, allowed values), its named operands (which inputs it has,
+given its attributes), a shape/dtype rule, its eager semantics in torch, its FLOP and byte counts
+as sympy expressions over B, T, P, S, the recurrent state it keeps, and — for kernel-level ops —
+the template it renders with. The verifier, the printer and parser, the passes' and codegen's
+operand roles and the reference page all read this declaration; nothing else keeps a list of ops.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -15,8 +20,8 @@ from typing import Any, Protocol
 import sympy
 import torch
 
-from archc.ir.attrs import Attrs
-from archc.ir.shapes import DTYPE_BYTES, Shape, numel
+from archc.ir.attrs import Attrs, Call
+from archc.ir.shapes import DTYPE_BYTES, FLOAT_DTYPES, Shape, numel
 
 
 class Op(str, Enum):
@@ -24,21 +29,16 @@ class Op(str, Enum):
     INPUT = "input"
     PARAM = "param"
     OUTPUT = "output"
-    # unfused, as lowering emits them
-    EMBEDDING = "embedding"
-    MATMUL = "matmul"
-    BIAS_ADD = "bias_add"
-    ADD = "add"
-    MUL = "mul"
-    SCALE = "scale"
-    ACT = "act"
-    LAYERNORM = "layernorm"
-    RMSNORM = "rmsnorm"
-    SOFTCAP = "softcap"
-    SOFTMAX = "softmax"
+    # views
     SPLIT_HEADS = "split_heads"
     MERGE_HEADS = "merge_heads"
     SLICE = "slice"
+    # as lowering emits them
+    MATMUL = "matmul"
+    ADD = "add"
+    MUL = "mul"
+    ACT = "act"
+    SOFTMAX = "softmax"
     ROPE = "rope"
     REPEAT_KV = "repeat_kv"
     KV_CACHE = "kv_cache"
@@ -47,36 +47,31 @@ class Op(str, Enum):
     ALIBI = "alibi"
     REL_BIAS = "rel_bias"
     WEIGHTED_SUM = "weighted_sum"
-    ROUTER = "router"
-    MOE_EXPERTS = "moe_experts"
-    CONV1D = "conv1d"
-    SELECTIVE_SCAN = "selective_scan"
-    LINEAR_SCAN = "linear_scan"
-    # kernel-level, as passes leave them
-    FUSED_LINEAR = "fused_linear"
-    ATTENTION = "attention"
+    # both: lowering emits them plainly, passes fuse more into them
+    EMBEDDING = "embedding"
     NORM = "norm"
     POINTWISE = "pointwise"
+    ROUTER = "router"
     MOE_LINEAR = "moe_linear"
-    TOPK_ROUTER = "topk_router"
     CAUSAL_CONV = "causal_conv"
     SSM_SCAN = "ssm_scan"
     LINEAR_ATTENTION = "linear_attention"
+    # what the passes leave
+    FUSED_LINEAR = "fused_linear"
+    ATTENTION = "attention"
 
 
 # Group sets: patterns, cost reports and codegen key on these, not on long lists of ops.
 META = frozenset({Op.INPUT, Op.PARAM, Op.OUTPUT})
 VIEW = frozenset({Op.SPLIT_HEADS, Op.MERGE_HEADS, Op.SLICE})
-POINTWISE = frozenset({Op.BIAS_ADD, Op.ADD, Op.MUL, Op.SCALE, Op.ACT, Op.SOFTCAP, Op.ROPE,
-                       Op.MASK, Op.ALIBI, Op.REL_BIAS, Op.POINTWISE})
-REDUCTION = frozenset({Op.LAYERNORM, Op.RMSNORM, Op.SOFTMAX, Op.NORM})
-MATMUL = frozenset({Op.MATMUL, Op.SCORES, Op.WEIGHTED_SUM, Op.FUSED_LINEAR, Op.MOE_EXPERTS,
-                    Op.MOE_LINEAR})
-KERNEL_LEVEL = frozenset({Op.FUSED_LINEAR, Op.ATTENTION, Op.NORM, Op.POINTWISE, Op.MOE_LINEAR,
-                          Op.TOPK_ROUTER, Op.CAUSAL_CONV, Op.SSM_SCAN, Op.LINEAR_ATTENTION})
-# Recurrent mixers: they read and update a per-layer state (conv window, SSM state, running sums).
-RECURRENT = frozenset({Op.CONV1D, Op.SELECTIVE_SCAN, Op.LINEAR_SCAN, Op.CAUSAL_CONV, Op.SSM_SCAN,
-                       Op.LINEAR_ATTENTION})
+ELEMENTWISE = frozenset({Op.ADD, Op.MUL, Op.ACT, Op.POINTWISE})
+POINTWISE = ELEMENTWISE | {Op.ROPE, Op.MASK, Op.ALIBI, Op.REL_BIAS}
+REDUCTION = frozenset({Op.NORM, Op.SOFTMAX})
+MATMUL = frozenset({Op.MATMUL, Op.SCORES, Op.WEIGHTED_SUM, Op.FUSED_LINEAR, Op.MOE_LINEAR})
+# ops whose kernels write rows through an epilogue chain of steps
+ROW_KERNELS = frozenset({Op.FUSED_LINEAR, Op.NORM, Op.MOE_LINEAR})
+# recurrent mixers: they read and update a per-layer state (conv window, SSM state, sums)
+RECURRENT = frozenset({Op.CAUSAL_CONV, Op.SSM_SCAN, Op.LINEAR_ATTENTION})
 
 
 def is_compute(op: Op) -> bool:
@@ -85,22 +80,119 @@ def is_compute(op: Op) -> bool:
 
 
 class ShapeError(ValueError):
-    """A shape or dtype rule refused its inputs; the caller names the node."""
+    """A shape, dtype or attribute rule refused a node; the caller names the node."""
+
+
+# ---- attributes ----------------------------------------------------------------------------
+
+class _Required:
+    def __repr__(self) -> str:
+        return "required"
+
+
+REQUIRED: Any = _Required()
 
 
 @dataclass(frozen=True)
+class Attr:
+    """A typed attribute. `type` is int, float, bool, str, Call (one structured value, its
+    function one of `choices` when given) or tuple (a list of Calls: an epilogue). A default of
+    None means the attribute may be absent; REQUIRED that it must be given. Values equal to the
+    default are not stored, so a node prints only what differs from its op's defaults."""
+
+    name: str
+    type: type
+    default: Any = REQUIRED
+    choices: tuple[Any, ...] = ()
+    at_least: float | None = None
+    doc: str = ""
+
+    def problem(self, v: Any) -> str | None:
+        if v is None:
+            return None if self.default is not REQUIRED else "is required"
+        if self.type is bool:
+            ok = isinstance(v, bool)
+        elif self.type is int:
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        elif self.type is float:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        elif self.type is tuple:
+            ok = isinstance(v, tuple) and all(isinstance(s, Call) for s in v)
+        else:
+            ok = isinstance(v, self.type)
+        if not ok:
+            return f"must be {_TYPE_NAMES.get(self.type, self.type.__name__)}, got {v!r}"
+        if self.choices:
+            key = v.fn if isinstance(v, Call) else v
+            if key not in self.choices:
+                shown = ", ".join(f"{c}()" if self.type is Call else repr(c)
+                                  for c in self.choices)
+                return f"is {v!r}, not one of {shown}"
+        if self.at_least is not None and v < self.at_least:
+            return f"must be ≥ {self.at_least:g}, got {v!r}"
+        return None
+
+
+def check_call(c: Call, params: tuple[Attr, ...]) -> None:
+    """A structured value `fn(name=value, …)`: exactly the keyword parameters `params`, typed."""
+    given = dict(c.kwargs)
+    require(not c.args and set(given) <= {p.name for p in params},
+            f"{c.fn}() takes {', '.join(p.name + '=' for p in params)}, got {c!r}")
+    for p in params:
+        problem = p.problem(given.get(p.name))
+        require(problem is None, f"{c.fn}() {p.name} {problem}")
+
+
+_TYPE_NAMES = {int: "a whole number", float: "a finite number", bool: "true or false",
+               str: "a string", Call: "a call", tuple: "a list of calls"}
+
+
+# ---- operands ------------------------------------------------------------------------------
+
+RolesFn = Callable[[Mapping[str, Any], int], list[str]]
+
+
+def operands(*spec: str | tuple[str, str]) -> RolesFn:
+    """Operand roles in order: a name, or (name, attr) for one present when `attr` is true."""
+    def roles(attrs: Mapping[str, Any], n: int) -> list[str]:
+        return [s if isinstance(s, str) else s[0] for s in spec
+                if isinstance(s, str) or attrs.get(s[1])]
+    return roles
+
+
+def variadic(prefix: str, at_least: int = 1) -> RolesFn:
+    """Roles x0, x1, … as many as there are inputs."""
+    def roles(attrs: Mapping[str, Any], n: int) -> list[str]:
+        return [f"{prefix}{i}" for i in range(max(n, at_least))]
+    return roles
+
+
+# ---- what rules see -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
 class Sig:
-    """What a rule sees of a node: input shapes and dtypes, attrs, and (for costs) the
-    output."""
+    """What op rules see of a node: its inputs by role (shape and dtype), its attributes with
+    defaults filled in, and (for costs) the output."""
 
     shapes: tuple[Shape, ...]
     dtypes: tuple[str, ...]
     attrs: Attrs
+    roles: tuple[str, ...] = ()
     out_shape: Shape = ()
     out_dtype: str = "f32"
 
     def attr(self, name: str, default: Any = None) -> Any:
-        return self.attrs.get(name, default)
+        v = self.attrs.get(name)
+        return default if v is None else v
+
+    def has(self, role: str) -> bool:
+        return role in self.roles
+
+    def shape(self, role: str) -> Shape:
+        return self.shapes[self.roles.index(role)]
+
+    def dtype(self, role: str) -> str:
+        return self.dtypes[self.roles.index(role)]
 
 
 class EagerCtx(Protocol):
@@ -119,9 +211,24 @@ class EagerCtx(Protocol):
     def state_write(self, layer: int, kind: str, value: torch.Tensor) -> None: ...
 
 
+Args = dict[str, torch.Tensor]       # a node's inputs by role
 InferFn = Callable[[Sig], tuple[Shape, str]]
-EagerFn = Callable[[EagerCtx, Sequence[torch.Tensor], Attrs], torch.Tensor]
+EagerFn = Callable[[EagerCtx, Args, Attrs], torch.Tensor]
 CostFn = Callable[[Sig], sympy.Expr]
+
+
+@dataclass(frozen=True)
+class StateDecl:
+    """One recurrent state tensor of a layer: `kind` names it ("conv", "ssm", "S", "z"); its
+    shape leads with B. A sequence's state starts at zero (a call at P = 0 reads zeros)."""
+
+    kind: str
+    shape: Shape
+    dtype: str
+
+    @property
+    def bytes(self) -> sympy.Expr:
+        return numel(self.shape) * DTYPE_BYTES[self.dtype]
 
 
 def io_bytes(sig: Sig) -> sympy.Expr:
@@ -142,19 +249,35 @@ def per_element(k: int) -> CostFn:
     return flops
 
 
+def no_state(sig: Sig) -> tuple[StateDecl, ...]:
+    return ()
+
+
 @dataclass(frozen=True)
 class OpDef:
     op: Op
     summary: str
     example: str
-    arity: tuple[int, int]              # min, max inputs (max -1: any)
+    roles: RolesFn
     infer: InferFn
     eager: EagerFn
+    attrs: tuple[Attr, ...] = ()
     flops: CostFn = zero
     bytes: CostFn = io_bytes
-    attrs: tuple[str, ...] = ()          # required
-    optional: tuple[str, ...] = ()       # allowed besides the required
-    extra: dict[str, Any] = field(default_factory=dict)
+    states: Callable[[Sig], tuple[StateDecl, ...]] = no_state
+    template: str | None = None          # kernel-level: the template it renders with
+    commutative: bool = False            # its first two operands may be swapped
+    arity: tuple[int, int] = (0, -1)     # for the reference: fewest and most inputs (-1: any)
+    _by_name: dict[str, Attr] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._by_name.update({a.name: a for a in self.attrs})
+
+    def attr(self, name: str) -> Attr | None:
+        return self._by_name.get(name)
+
+    def defaults(self) -> dict[str, Any]:
+        return {a.name: a.default for a in self.attrs if a.default is not REQUIRED}
 
 
 OP_TABLE: dict[Op, OpDef] = {}
@@ -167,10 +290,72 @@ def register(d: OpDef) -> OpDef:
     return d
 
 
+@functools.lru_cache(maxsize=65536)
+def full_attrs(op: Op, attrs: Attrs) -> Attrs:
+    """`attrs` with the op's defaults filled in (what rules and eager semantics read)."""
+    d = OP_TABLE[op].defaults()
+    if not d:
+        return attrs
+    d.update(attrs)
+    return Attrs(d)
+
+
+def canonical(op: Op, attrs: Mapping[str, Any]) -> Attrs:
+    """`attrs` without None values and without values equal to the op's defaults."""
+    d = OP_TABLE[op]
+    keep = {}
+    for k, v in attrs.items():
+        a = d.attr(k)
+        if v is None or (a is not None and a.default is not REQUIRED and v == a.default
+                         and type(v) is type(a.default)):
+            continue
+        keep[k] = v
+    return Attrs(keep)
+
+
+def attr_problems(op: Op, attrs: Attrs) -> list[str]:
+    """What is wrong with a node's attributes: unknown, missing or ill-typed ones."""
+    d = OP_TABLE[op]
+    out = []
+    for k in attrs:
+        if d.attr(k) is None:
+            allowed = ", ".join(a.name for a in d.attrs) or "none"
+            out.append(f"unknown attribute {k} (allowed: {allowed})")
+    for a in d.attrs:
+        p = a.problem(attrs.get(a.name))
+        if p:
+            out.append(f"{a.name} {p}")
+    return out
+
+
+def roles_of(op: Op, attrs: Mapping[str, Any], n: int) -> list[str]:
+    """The operand roles of a node of `op` with (full) `attrs` and `n` inputs."""
+    return OP_TABLE[op].roles(attrs, n)
+
+
+def make_sig(op: Op, shapes: Sequence[Shape], dtypes: Sequence[str], attrs: Attrs,
+             out_shape: Shape = (), out_dtype: str = "f32") -> Sig:
+    full = full_attrs(op, attrs)
+    roles = roles_of(op, full, len(shapes))
+    if len(roles) != len(shapes):
+        raise ShapeError(f"{op.value} takes {', '.join(roles) or 'no inputs'}, got "
+                         f"{len(shapes)} inputs")
+    return Sig(tuple(shapes), tuple(dtypes), full, tuple(roles), out_shape, out_dtype)
+
+
+def bind(op: Op, attrs: Attrs, xs: Sequence[torch.Tensor]) -> Args:
+    """A node's input values by role."""
+    return dict(zip(roles_of(op, attrs, len(xs)), xs))
+
+
 # ---- helpers shared by shape rules ---------------------------------------------------------
 
 def same_dim(a: sympy.Expr, b: sympy.Expr) -> bool:
     return sympy.expand(a - b) == 0
+
+
+def same_shape(a: Shape, b: Shape) -> bool:
+    return len(a) == len(b) and all(same_dim(x, y) for x, y in zip(a, b))
 
 
 def require(cond: bool, message: str) -> None:
@@ -194,10 +379,18 @@ def broadcast(a: Shape, b: Shape) -> Shape:
 
 
 def float_dtype(sig: Sig, i: int = 0) -> str:
-    require(sig.dtypes[i] in ("f32", "f16", "bf16"), f"input {i} is {sig.dtypes[i]}, "
-            "not a float")
+    require(sig.dtypes[i] in FLOAT_DTYPES, f"input {i} is {sig.dtypes[i]}, not a float")
     return sig.dtypes[i]
 
 
 def same_as_input(sig: Sig) -> tuple[Shape, str]:
     return sig.shapes[0], sig.dtypes[0]
+
+
+def vector(sig: Sig, role: str, width: sympy.Expr) -> None:
+    s = sig.shape(role)
+    require(len(s) == 1 and same_dim(s[0], width), f"{role} {list(s)} must be [{width}]")
+
+
+def layer_attr() -> Attr:
+    return Attr("layer", int, at_least=0, doc="the layer whose cache or state it uses")

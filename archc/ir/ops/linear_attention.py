@@ -8,41 +8,44 @@ so a layer keeps two running sums per KV head — S [D, Dv] and z [D], in f32 �
 cache, and a decode step costs the same at any context length. Query head h reads the sums of KV
 head h // (H / H_kv), as grouped-query attention shares keys and values.
 
-- ``linear_scan`` (unfused): the running sums over φ(q), φ(k) and v already split into heads.
-- ``linear_attention`` (kernel-level): φ applied to q and k inside, heads merged on the way out,
-  S and z read and updated in place.
+One op, ``linear_attention``, computes the running sums over q, k (after the feature map
+``feature``) and v split into heads, and writes the heads merged [B, T, H·Dv]; S and z are read and
+updated in place. Lowering applies φ as separate ``act`` nodes (feature "identity");
+fuse-linear-attention moves φ inside.
 
-Both compute a call's tokens in chunks: within a chunk the causal sum is the masked product
+It computes a call's tokens in chunks: within a chunk the causal sum is the masked product
 (φq·φkᵀ ⊙ causal)·v, and the sums carry the chunks before it — the same function as the
 token-by-token recurrence, with far fewer steps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import sympy
 import torch
 
+from archc.ir import expr as E
 from archc.ir.attrs import Attrs
 from archc.ir.ops.attention import groups
 from archc.ir.ops.base import (
+    Args,
+    Attr,
     EagerCtx,
     Op,
     OpDef,
     Sig,
+    StateDecl,
     float_dtype,
-    io_bytes,
+    layer_attr,
+    operands,
     register,
     require,
     same_dim,
 )
-from archc.ir.ops.core import activation
-from archc.ir.ops.state import StateDecl, state_bytes
+from archc.ir.ops.ssm import state_bytes
 from archc.ir.shapes import Shape
 
 CHUNK = 64                   # tokens per chunk of the eager semantics
-FEATURE_MAPS = ("elu_plus_one",)
+FEATURE_MAPS = ("identity", "elu_plus_one")
 
 
 def running_sums(ctx: EagerCtx, phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
@@ -81,7 +84,7 @@ def _states(sig: Sig) -> tuple[StateDecl, ...]:
             StateDecl("z", (q[0], k[1], k[3]), "f32"))
 
 
-def _check(sig: Sig) -> Shape:
+def _infer(sig: Sig) -> tuple[Shape, str]:
     q, k, v = sig.shapes
     require(len(q) == 4 and len(k) == 4 and len(v) == 4,
             "takes q [B, H, T, D], k [B, H_kv, T, D] and v [B, H_kv, T, Dv]")
@@ -90,7 +93,15 @@ def _check(sig: Sig) -> Shape:
             f"k {list(k)} and v {list(v)} differ before the head dim")
     require(same_dim(q[0], k[0]) and same_dim(q[2], k[2]) and same_dim(q[3], k[3]),
             f"q {list(q)} and k {list(k)} do not match")
-    return q
+    return (q[0], q[2], q[1] * v[3]), float_dtype(sig)
+
+
+def _eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+    q = a["q"]
+    phi_q, phi_k = (E.activation(x.float(), at["feature"]) for x in (q, a["k"]))
+    out = running_sums(ctx, phi_q, phi_k, a["v"], at["layer"])      # (B, H, T, Dv)
+    b, h, t, dv = out.shape
+    return out.transpose(1, 2).reshape(b, t, h * dv).to(q.dtype)
 
 
 def _flops(sig: Sig) -> sympy.Expr:
@@ -101,45 +112,13 @@ def _flops(sig: Sig) -> sympy.Expr:
     return tokens * (k[1] * (2 * d * dv + d) + q[1] * (2 * d * dv + 2 * d + dv))
 
 
-def _bytes(sig: Sig) -> sympy.Expr:
-    return io_bytes(sig) + 2 * state_bytes(_states(sig))
-
-
-def _scan_infer(sig: Sig) -> tuple[Shape, str]:
-    q = _check(sig)
-    v = sig.shapes[2]
-    return (q[0], q[1], q[2], v[3]), float_dtype(sig)
-
-
 register(OpDef(
-    Op.LINEAR_SCAN, "Causal linear attention over φ(q), φ(k), v: φq·S_i / φq·z_i with the "
-    "running sums S, z (per KV head, f32) carried in the layer's state.",
-    "%20 : f32[B,4,T,12] = linear_scan(%17, %18, %19) {layer=0}", (3, 3), _scan_infer,
-    lambda ctx, xs, a: running_sums(ctx, xs[0], xs[1], xs[2], a["layer"]).to(xs[0].dtype),
-    flops=_flops, bytes=_bytes, attrs=("layer",), extra={"state": _states}))
-
-
-def _kernel_infer(sig: Sig) -> tuple[Shape, str]:
-    q = _check(sig)
-    v = sig.shapes[2]
-    require(sig.attr("feature") in FEATURE_MAPS,
-            f"unknown feature map {sig.attr('feature')!r} (known: {', '.join(FEATURE_MAPS)})")
-    return (q[0], q[2], q[1] * v[3]), float_dtype(sig)
-
-
-def _kernel_eager(ctx: EagerCtx, xs: Sequence[torch.Tensor], a: Attrs) -> torch.Tensor:
-    q, k, v = xs
-    phi_q, phi_k = (activation(x.float(), a["feature"]) for x in (q, k))
-    out = running_sums(ctx, phi_q, phi_k, v, a["layer"])      # (B, H, T, Dv)
-    b, h, t, dv = out.shape
-    return out.transpose(1, 2).reshape(b, t, h * dv).to(q.dtype)
-
-
-register(OpDef(
-    Op.LINEAR_ATTENTION, "Causal linear attention in one kernel: φ on q and k, running sums S "
-    "and z read and updated in place, heads merged [B, T, H·Dv].",
+    Op.LINEAR_ATTENTION, "Causal linear attention: φ (the feature map) on q and k, the running "
+    "sums S and z (per KV head, f32) read and updated in place, heads merged [B, T, H·Dv].",
     '%20 : f32[B,T,48] = linear_attention(%17, %18, %19) {feature="elu_plus_one", layer=0}',
-    (3, 3), _kernel_infer, _kernel_eager,
-    flops=lambda sig: _flops(sig) + 4 * (sig.shapes[0][0] * sig.shapes[0][2]) * (
-        sig.shapes[0][1] + sig.shapes[1][1]) * sig.shapes[0][3],
-    bytes=_bytes, attrs=("layer", "feature"), extra={"state": _states}))
+    operands("q", "k", "v"), _infer, _eager,
+    attrs=(layer_attr(), Attr("feature", str, "identity", FEATURE_MAPS)),
+    flops=lambda sig: _flops(sig) + (4 * (sig.shapes[0][0] * sig.shapes[0][2]) * (
+        sig.shapes[0][1] + sig.shapes[1][1]) * sig.shapes[0][3]
+        if sig.attr("feature") != "identity" else 0),
+    bytes=state_bytes(_states), states=_states, template="linear_attention", arity=(3, 3)))

@@ -1,12 +1,15 @@
-"""Mixture-of-experts ops: top-k routing and the expert FFNs.
+"""Mixture of experts: top-k routing and the grouped expert matmuls.
 
-Routing produces dense gates [..., E] (zero for experts a token is not routed to), so the expert
-op is one node with one output; only routed experts are computed, and costs count only them.
+Routing produces dense gates [..., E] (zero for experts a token is not routed to). An expert FFN
+is `moe_linear` stages: `up` multiplies each token by the weights of each expert it is routed to,
+one row per (token, slot) [..., k, N]; `down` multiplies those rows by the experts' down weights
+and sums them weighted by the gates [..., N]. Lowering emits a gated FFN as gate and up stages, an
+activation, a product and the down stage, as it lowers a dense one; fuse-moe makes the gate and up
+stages one matmul with a glu() epilogue. Only routed experts are computed, and costs count only
+them.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import sympy
 import torch
@@ -14,18 +17,19 @@ import torch.nn.functional as F
 
 from archc.ir.attrs import Attrs
 from archc.ir.ops.base import (
+    Args,
+    Attr,
     EagerCtx,
     Op,
     OpDef,
     Sig,
     float_dtype,
-    per_element,
+    operands,
     register,
     require,
-    same_as_input,
     same_dim,
 )
-from archc.ir.ops.core import ACTIVATIONS, activation
+from archc.ir.ops.steps import RowStats, apply_epilogue, check_epilogue, epilogue_roles
 from archc.ir.shapes import DTYPE_BYTES, Shape, numel
 
 
@@ -39,79 +43,115 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> torch.Tensor:
     return torch.zeros_like(probs).scatter(-1, idx, top).to(logits.dtype)
 
 
+def _router_infer(sig: Sig) -> tuple[Shape, str]:
+    x = sig.shape("x")
+    experts = x[-1]
+    if sig.has("weight"):
+        w = sig.shape("weight")
+        require(len(w) == 2 and same_dim(w[1], x[-1]), f"router weight {list(w)} ≠ [E, {x[-1]}]")
+        experts = w[0]
+    require(sig.attr("top_k") <= int(experts), f"top_k {sig.attr('top_k')} of {experts} experts")
+    return (*x[:-1], experts), float_dtype(sig)
+
+
+def _router(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+    x = a["x"]
+    logits = F.linear(x.float(), a["weight"].float()) if "weight" in a else x
+    return route(logits, at["top_k"], at["normalize"]).to(x.dtype)
+
+
+def _router_flops(sig: Sig) -> sympy.Expr:
+    if sig.has("weight"):
+        return 2 * numel(sig.shape("x")) * sig.shape("weight")[0]
+    return 6 * numel(sig.out_shape)
+
+
 register(OpDef(
-    Op.ROUTER, "Top-k routing: dense gates from router logits (zeros off the top k).",
-    "%30 : f32[B,T,4] = router(%29) {normalize=true, top_k=2}", (1, 1), same_as_input,
-    lambda ctx, xs, a: route(xs[0], a["top_k"], a["normalize"]),
-    flops=per_element(6), attrs=("top_k", "normalize")))
+    Op.ROUTER, "Top-k routing: dense gates (zeros off the top k) from router logits, or from x "
+    "and the router weight in one kernel (the logits never stored).",
+    "%30 : f32[B,T,4] = router(%28, %29) {normalize=true, top_k=2}",
+    lambda attrs, n: ["x", "weight"][:max(1, min(n, 2))], _router_infer, _router,
+    attrs=(Attr("top_k", int, at_least=1), Attr("normalize", bool)), flops=_router_flops,
+    template="moe", arity=(1, 2)))
 
 
-def experts(x: torch.Tensor, gates: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-            gate: torch.Tensor | None, act: str) -> torch.Tensor:
-    """Σ_e gates[e]·FFN_e(x) over the experts each token was routed to."""
-    flat = x.reshape(-1, x.shape[-1])
-    g = gates.reshape(-1, gates.shape[-1])
-    out = torch.zeros_like(flat)
-    for e in range(up.shape[0]):
-        rows = torch.nonzero(g[:, e], as_tuple=True)[0]
-        if rows.numel() == 0:
+def selected_experts(gates: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The experts each token was routed to, in ascending expert order: [..., top_k]."""
+    return gates.float().topk(top_k, dim=-1).indices.sort(dim=-1).values
+
+
+def moe_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+    """Expert by expert over the (token, slot) pairs routed to it, in f32."""
+    x, gates, w = a["x"], a["gates"], a["weight"]
+    k, up = at["top_k"], at["stage"] == "up"
+    n_experts, n = w.shape[:2]
+    pairs = selected_experts(gates, k).reshape(-1, k)                # (M, k)
+    g = gates.reshape(-1, n_experts).float()
+    rows = x.reshape(-1, x.shape[-1]) if up else x.reshape(-1, k, x.shape[-1])
+    acc = torch.zeros((rows.shape[0], k, n) if up else (rows.shape[0], n), device=x.device)
+    for e in range(n_experts):
+        tok, slot = torch.nonzero(pairs == e, as_tuple=True)
+        if tok.numel() == 0:
             continue
-        h = F.linear(flat[rows], up[e])
-        if gate is not None:
-            h = activation(F.linear(flat[rows], gate[e]), act) * h
+        if up:
+            acc[tok, slot] = F.linear(rows[tok].float(), w[e].float())
         else:
-            h = activation(h, act)
-        out.index_add_(0, rows, F.linear(h, down[e]) * g[rows, e, None])
-    return out.reshape(x.shape)
+            acc.index_add_(0, tok, F.linear(rows[tok, slot].float(), w[e].float())
+                           * g[tok, e, None])
+    lead = x.shape[:-1] if up else x.shape[:-2]
+    acc = acc.reshape(*lead, *((k, n) if up else (n,)))
+    rest = list(a.values())[3:]
+    return apply_epilogue(ctx, acc, at["epilogue"], rest, RowStats(None, None, x.dtype)).to(
+        x.dtype)
 
 
-def _experts_infer(sig: Sig) -> tuple[Shape, str]:
-    x, gates, up, down = sig.shapes[:4]
-    n_experts, d_ff, d = up
-    require(sig.attr("act") in ACTIVATIONS, f"unknown activation {sig.attr('act')!r}")
-    require(same_dim(x[-1], d), f"x width {x[-1]} ≠ expert input width {d}")
-    require(same_dim(gates[-1], n_experts), f"gates for {gates[-1]} experts, weights for "
-            f"{n_experts}")
-    require(len(down) == 3 and same_dim(down[1], d) and same_dim(down[2], d_ff),
-            f"down weights {list(down)} must be [E, {d}, {d_ff}]")
-    if sig.attr("gated"):
-        require(len(sig.shapes) == 5 and sig.shapes[4] == up, "gated experts need gate weights "
-                "shaped like up")
-    return x, float_dtype(sig)
+def _rows(sig: Sig) -> Shape:
+    """The leading dims of the output rows: [..., k] (up) or [...] (down)."""
+    x = sig.shape("x")
+    return (*x[:-1], sympy.Integer(sig.attr("top_k"))) if sig.attr("stage") == "up" else x[:-2]
 
 
-def _experts_eager(ctx: EagerCtx, xs: Sequence[torch.Tensor], a: Attrs) -> torch.Tensor:
-    gate = xs[4] if a["gated"] else None
-    return experts(xs[0], xs[1], xs[2], xs[3], gate, a["act"])
+def _moe_infer(sig: Sig) -> tuple[Shape, str]:
+    x, gates, w = sig.shape("x"), sig.shape("gates"), sig.shape("weight")
+    k = sig.attr("top_k")
+    require(len(w) == 3 and same_dim(gates[-1], w[0]), f"weights {list(w)} for {gates[-1]} "
+            "experts")
+    require(same_dim(x[-1], w[2]), f"x width {x[-1]} ≠ expert input {w[2]}")
+    if sig.attr("stage") == "down":
+        require(len(x) >= 2 and int(x[-2]) == k, f"hidden {list(x)} must be [..., {k}, {w[2]}]")
+    rows = _rows(sig)
+    width = check_epilogue(sig, Op.MOE_LINEAR, int(w[1]), 3, rows)
+    return (*rows, sympy.Integer(width)), float_dtype(sig)
 
 
-def _routed(sig: Sig) -> tuple[sympy.Expr, sympy.Expr]:
-    """Tokens, and experts any token is routed to (at most all of them)."""
-    tokens = numel(sig.shapes[0][:-1])
-    n_experts = sig.shapes[2][0]
-    return tokens, sympy.Min(n_experts, tokens * sig.attr("top_k"))
+def _tokens(sig: Sig) -> sympy.Expr:
+    x = sig.shape("x")
+    return numel(x[:-1]) if sig.attr("stage") == "up" else numel(x[:-2])
 
 
-def _experts_flops(sig: Sig) -> sympy.Expr:
-    tokens, _ = _routed(sig)
-    _, d_ff, d = sig.shapes[2]
-    matrices = 3 if sig.attr("gated") else 2
-    return 2 * tokens * sig.attr("top_k") * matrices * d_ff * d
+def _moe_flops(sig: Sig) -> sympy.Expr:
+    w = sig.shape("weight")
+    return 2 * _tokens(sig) * sig.attr("top_k") * w[1] * w[2]
 
 
-def _experts_bytes(sig: Sig) -> sympy.Expr:
-    tokens, active = _routed(sig)
-    _, d_ff, d = sig.shapes[2]
-    matrices = 3 if sig.attr("gated") else 2
-    weights = active * matrices * d_ff * d * DTYPE_BYTES[sig.dtypes[2]]
-    acts = 2 * numel(sig.shapes[0]) * DTYPE_BYTES[sig.dtypes[0]]
-    return weights + acts + numel(sig.shapes[1]) * DTYPE_BYTES[sig.dtypes[1]]
+def _moe_bytes(sig: Sig) -> sympy.Expr:
+    w, gates = sig.shape("weight"), sig.shape("gates")
+    active = sympy.Min(w[0], _tokens(sig) * sig.attr("top_k"))
+    weights = active * w[1] * w[2] * DTYPE_BYTES[sig.dtype("weight")]
+    acts = (numel(sig.shape("x")) + numel(sig.out_shape)) * DTYPE_BYTES[sig.dtype("x")]
+    extra = sum((numel(s) * DTYPE_BYTES[d] for s, d in zip(sig.shapes[3:], sig.dtypes[3:])),
+                sympy.Integer(0))
+    return weights + acts + numel(gates) * DTYPE_BYTES[sig.dtype("gates")] + extra
 
 
 register(OpDef(
-    Op.MOE_EXPERTS, "Expert FFNs weighted by their gates; weights stacked [E, F, d] "
-    "(down [E, d, F]).",
-    '%31 : f32[B,T,64] = moe_experts(%28, %30, %24, %25, %26) {act="silu", gated=true, '
-    'top_k=2}', (4, 5), _experts_infer, _experts_eager, flops=_experts_flops,
-    bytes=_experts_bytes, attrs=("act", "gated", "top_k")))
-
+    Op.MOE_LINEAR, "Grouped expert matmul over the routed (token, slot) pairs: `up` gives a row "
+    "per pair [..., k, N]; `down` projects the pairs back and sums them weighted by the gates; "
+    "then an epilogue (glu or an activation after up, a residual add after down).",
+    '%31 : f32[B,T,2,96] = moe_linear(%28, %30, %26) {epilogue=[glu(fn="silu")], stage="up", '
+    'top_k=2}',
+    lambda attrs, n: operands("x", "gates", "weight")(attrs, n) + epilogue_roles(attrs),
+    _moe_infer, moe_linear,
+    attrs=(Attr("stage", str, choices=("up", "down")), Attr("top_k", int, at_least=1),
+           Attr("epilogue", tuple, ())),
+    flops=_moe_flops, bytes=_moe_bytes, template="moe", arity=(3, -1)))

@@ -1,44 +1,54 @@
-"""Mamba's selective state-space layer (Gu & Dao 2023): as lowering emits it, and as kernels.
+"""Mamba's selective state-space layer (Gu & Dao 2023).
 
-Unfused, as lowering emits them:
-- ``conv1d``: the depthwise causal convolution over time of x [B, T, C] with a [C, K] filter,
-  continuing from the layer's conv state — the last K − 1 inputs of the sequence so far.
-- ``selective_scan``: per inner channel c and state dim n, h_t = exp(Δ_t·A)·h_{t−1} + Δ_t·B_t·x_t
-  and y_t = C_t·h_t, with Δ [B, T, C] (after softplus), A [C, N] (= −exp(A_log)) and the
-  input-dependent B, C [B, T, N]; h is the layer's SSM state [B, C, N], kept in f32.
+- ``causal_conv``: the depthwise causal convolution over time of x [B, T, C] with a [C, K]
+  filter, continuing from the layer's conv state — the last K − 1 inputs of the sequence so far —
+  which it updates in place; then, once fused, its bias and activation.
+- ``ssm_scan``: per inner channel c and state dim n, h_t = exp(Δ_t·A)·h_{t−1} + Δ_t·B_t·x_t and
+  y_t = C_t·h_t, with Δ [B, T, C] (after softplus), A [C, N] (= −exp(A_log)) and the
+  input-dependent B, C [B, T, N]; h is the layer's SSM state [B, C, N], kept in f32. Once fused:
+  the skip D·x and the gate y·silu(z) (``gate``), and Jamba's RMSNorm of B and C (``norm_eps``).
 
-Kernel-level, as the passes leave them:
-- ``causal_conv``: the convolution with its bias and activation, updating the conv state in place.
-- ``ssm_scan``: the selective scan with the skip D·x and the gate y·silu(z) — and, for Jamba, the
-  RMSNorm of B and C — updating the SSM state in place.
+Lowering emits both plainly (identity activation, no bias; no gate); the passes fuse the rest in.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import sympy
 import torch
 import torch.nn.functional as F
 
+from archc.ir import expr as E
 from archc.ir.attrs import Attrs
 from archc.ir.ops.base import (
+    Args,
+    Attr,
     EagerCtx,
     Op,
     OpDef,
     Sig,
+    StateDecl,
     float_dtype,
     io_bytes,
+    layer_attr,
+    operands,
     register,
     require,
     same_dim,
+    same_shape,
+    vector,
 )
-from archc.ir.ops.core import ACTIVATIONS, activation, rmsnorm
-from archc.ir.ops.state import StateDecl, state_bytes
+from archc.ir.ops.core import normalize
 from archc.ir.shapes import Shape, numel
 
-# ---- the causal convolution ------------------------------------------------------------------
 
+def state_bytes(states: object) -> object:
+    """io bytes plus the op's state, read once and written once."""
+    def cost(sig: Sig) -> sympy.Expr:
+        return io_bytes(sig) + 2 * sympy.Add(*[d.bytes for d in states(sig)])  # type: ignore
+    return cost
+
+
+# ---- the causal convolution ------------------------------------------------------------------
 
 def causal_conv1d(ctx: EagerCtx, x: torch.Tensor, weight: torch.Tensor, layer: int) -> torch.Tensor:
     """y_t[c] = Σ_k w[c, k]·x_{t−K+1+k}[c] over the inputs so far (the conv state holds the last
@@ -53,67 +63,38 @@ def causal_conv1d(ctx: EagerCtx, x: torch.Tensor, weight: torch.Tensor, layer: i
 
 
 def _conv_states(sig: Sig) -> tuple[StateDecl, ...]:
-    x, w = sig.shapes[0], sig.shapes[1]
-    return (StateDecl("conv", (x[0], x[2], w[1] - 1), sig.dtypes[0]),)
-
-
-def _conv_check(sig: Sig) -> Shape:
-    x, w = sig.shapes[0], sig.shapes[1]
-    require(len(x) == 3, f"conv1d takes x [B, T, C], got {list(x)}")
-    require(len(w) == 2 and same_dim(w[0], x[2]) and int(w[1]) >= 2,
-            f"the filter {list(w)} must be [{x[2]}, K] with K ≥ 2")
-    return x
+    x, w = sig.shape("x"), sig.shape("weight")
+    return (StateDecl("conv", (x[0], x[2], w[1] - 1), sig.dtype("x")),)
 
 
 def _conv_infer(sig: Sig) -> tuple[Shape, str]:
-    return _conv_check(sig), float_dtype(sig)
-
-
-def _conv_flops(sig: Sig) -> sympy.Expr:
-    return 2 * numel(sig.shapes[0]) * sig.shapes[1][1]
-
-
-def _stateful_bytes(states: object) -> object:
-    """io bytes plus the op's state, read once and written once."""
-    def cost(sig: Sig) -> sympy.Expr:
-        return io_bytes(sig) + 2 * state_bytes(states(sig))  # type: ignore[operator]
-    return cost
-
-
-register(OpDef(
-    Op.CONV1D, "Depthwise causal convolution over time, continuing from the layer's conv state.",
-    "%14 : f32[B,T,128] = conv1d(%12, %13) {layer=0}", (2, 2), _conv_infer,
-    lambda ctx, xs, a: causal_conv1d(ctx, xs[0], xs[1], a["layer"]).to(xs[0].dtype),
-    flops=_conv_flops, bytes=_stateful_bytes(_conv_states), attrs=("layer",),
-    extra={"state": _conv_states}))
-
-
-def _causal_conv_infer(sig: Sig) -> tuple[Shape, str]:
-    x = _conv_check(sig)
-    require(sig.attr("act") in ACTIVATIONS, f"unknown activation {sig.attr('act')!r}")
-    n = 3 if sig.attr("bias") else 2
-    require(len(sig.shapes) == n, f"causal_conv with bias={sig.attr('bias')} takes {n} inputs")
-    if sig.attr("bias"):
-        b = sig.shapes[2]
-        require(len(b) == 1 and same_dim(b[0], x[2]), f"bias {list(b)} ≠ [{x[2]}]")
+    x, w = sig.shape("x"), sig.shape("weight")
+    require(len(x) == 3, f"causal_conv takes x [B, T, C], got {list(x)}")
+    require(len(w) == 2 and same_dim(w[0], x[2]) and int(w[1]) >= 2,
+            f"the filter {list(w)} must be [{x[2]}, K] with K ≥ 2")
+    if sig.has("bias"):
+        vector(sig, "bias", x[2])
     return x, float_dtype(sig)
 
 
-def _causal_conv_eager(ctx: EagerCtx, xs: Sequence[torch.Tensor], a: Attrs) -> torch.Tensor:
-    y = causal_conv1d(ctx, xs[0], xs[1], a["layer"])
-    if a["bias"]:
-        y = y + xs[2].float()
-    return activation(y, a["act"]).to(xs[0].dtype)
+def _conv_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+    y = causal_conv1d(ctx, a["x"], a["weight"], at["layer"])
+    if "bias" in a:
+        y = y + a["bias"].float()
+    return E.activation(y, at["act"]).to(a["x"].dtype)
 
 
 register(OpDef(
-    Op.CAUSAL_CONV, "Causal depthwise conv + bias + activation in one kernel; the conv state "
+    Op.CAUSAL_CONV, "Causal depthwise conv (+ bias + activation) in one kernel; the conv state "
     "(the last K − 1 inputs) is read and updated in place.",
-    '%14 : f32[B,T,128] = causal_conv(%12, %13, %5) {act="silu", bias=true, layer=0}', (2, 3),
-    _causal_conv_infer, _causal_conv_eager,
-    flops=lambda sig: _conv_flops(sig) + 9 * numel(sig.out_shape),
-    bytes=_stateful_bytes(_conv_states), attrs=("layer", "act", "bias"),
-    extra={"state": _conv_states}))
+    '%14 : f32[B,T,128] = causal_conv(%12, %13, %5) {act="silu", bias=true, layer=0}',
+    operands("x", "weight", ("bias", "bias")), _conv_infer, _conv_eager,
+    attrs=(layer_attr(), Attr("act", str, "identity", tuple(E.ACTIVATIONS)),
+           Attr("bias", bool, False)),
+    flops=lambda sig: 2 * numel(sig.shape("x")) * sig.shape("weight")[1] + (
+        9 * numel(sig.out_shape) if sig.attr("bias") or sig.attr("act") != "identity" else 0),
+    bytes=state_bytes(_conv_states), states=_conv_states, template="causal_conv",
+    arity=(2, 3)))
 
 
 # ---- the selective scan ----------------------------------------------------------------------
@@ -139,67 +120,57 @@ def scan(ctx: EagerCtx, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, bm: 
 
 
 def _scan_states(sig: Sig) -> tuple[StateDecl, ...]:
-    x, a = sig.shapes[0], sig.shapes[2]
+    x, a = sig.shape("x"), sig.shape("A")
     return (StateDecl("ssm", (x[0], x[2], a[1]), "f32"),)
 
 
-def _scan_check(sig: Sig) -> Shape:
-    x, dt, a, bm, cm = sig.shapes[:5]
+def _scan_infer(sig: Sig) -> tuple[Shape, str]:
+    x, dt, a = sig.shape("x"), sig.shape("dt"), sig.shape("A")
     require(len(x) == 3, f"the scan takes x [B, T, C], got {list(x)}")
-    require(len(dt) == 3 and all(same_dim(p, q) for p, q in zip(dt, x)),
-            f"Δ {list(dt)} must match x {list(x)}")
+    require(same_shape(dt, x), f"Δ {list(dt)} must match x {list(x)}")
     require(len(a) == 2 and same_dim(a[0], x[2]), f"A {list(a)} must be [{x[2]}, N]")
-    for name, m in (("B", bm), ("C", cm)):
+    for name in ("B", "C"):
+        m = sig.shape(name)
         require(len(m) == 3 and same_dim(m[0], x[0]) and same_dim(m[1], x[1]) and
                 same_dim(m[2], a[1]), f"{name} {list(m)} must be [B, T, {a[1]}]")
-    return x
-
-
-def _scan_flops(sig: Sig) -> sympy.Expr:
-    # per (token, channel, state dim): Δ·A, exp, ·B, h·decay + input, ·C and the sum
-    return 8 * numel(sig.shapes[0]) * sig.shapes[2][1]
-
-
-register(OpDef(
-    Op.SELECTIVE_SCAN, "Mamba's selective scan h ← exp(Δ·A)·h + Δ·x·B, y = C·h over T, from "
-    "and into the layer's SSM state [B, C, N] (f32).",
-    "%30 : f32[B,T,128] = selective_scan(%14, %27, %28, %20, %21) {layer=0}", (5, 5),
-    lambda sig: (_scan_check(sig), float_dtype(sig)),
-    lambda ctx, xs, a: scan(ctx, *xs, a["layer"]).to(xs[0].dtype),
-    flops=_scan_flops, bytes=_stateful_bytes(_scan_states), attrs=("layer",),
-    extra={"state": _scan_states}))
-
-
-def _ssm_scan_infer(sig: Sig) -> tuple[Shape, str]:
-    x = _scan_check(sig)
-    normed = sig.attr("norm_eps") is not None
-    n = 9 if normed else 7
-    require(len(sig.shapes) == n, f"ssm_scan takes x, Δ, A, B, C, D, z"
-            f"{', B gain, C gain' if normed else ''}: {n} inputs, got {len(sig.shapes)}")
-    d, z = sig.shapes[5], sig.shapes[6]
-    require(len(d) == 1 and same_dim(d[0], x[2]), f"D {list(d)} ≠ [{x[2]}]")
-    require(len(z) == 3 and all(same_dim(p, q) for p, q in zip(z, x)),
-            f"the gate z {list(z)} must match x {list(x)}")
-    state = sig.shapes[2][1]
-    for g in sig.shapes[7:]:
-        require(len(g) == 1 and same_dim(g[0], state), f"a B/C norm gain {list(g)} ≠ [{state}]")
+    if sig.attr("gate"):
+        vector(sig, "D", x[2])
+        require(same_shape(sig.shape("z"), x), f"the gate z {list(sig.shape('z'))} must "
+                f"match x {list(x)}")
+    if sig.attr("norm_eps") is not None:
+        vector(sig, "B_gain", a[1])
+        vector(sig, "C_gain", a[1])
     return x, float_dtype(sig)
 
 
-def _ssm_scan_eager(ctx: EagerCtx, xs: Sequence[torch.Tensor], a: Attrs) -> torch.Tensor:
-    x, dt, am, bm, cm, d, z = xs[:7]
-    eps = a.get("norm_eps")
+def _scan_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+    x, bm, cm = a["x"], a["B"], a["C"]
+    eps = at["norm_eps"]
     if eps is not None:  # Jamba: B and C normalized per token before the scan
-        bm, cm = rmsnorm(bm.float(), xs[7], eps), rmsnorm(cm.float(), xs[8], eps)
-    y = scan(ctx, x, dt, am, bm, cm, a["layer"]) + d.float() * x.float()
-    return (y * activation(z.float(), "silu")).to(x.dtype)
+        bm = normalize(bm, "rms", eps)[0] * a["B_gain"].float()
+        cm = normalize(cm, "rms", eps)[0] * a["C_gain"].float()
+    y = scan(ctx, x, a["dt"], a["A"], bm, cm, at["layer"])
+    if at["gate"]:
+        y = (y + a["D"].float() * x.float()) * F.silu(a["z"].float())
+    return y.to(x.dtype)
+
+
+def _scan_flops(sig: Sig) -> sympy.Expr:
+    # per (token, channel, state dim): Δ·A, exp, ·B, h·decay + input, ·C and the sum; the skip
+    # and gate per (token, channel)
+    x = sig.shape("x")
+    return 8 * numel(x) * sig.shape("A")[1] + (12 * numel(x) if sig.attr("gate") else 0)
 
 
 register(OpDef(
-    Op.SSM_SCAN, "Selective scan + skip D·x + gate ·silu(z) (+ RMSNorm of B and C) in one "
-    "kernel; the SSM state [B, C, N] (f32) is read and updated in place.",
-    "%30 : f32[B,T,128] = ssm_scan(%14, %27, %28, %20, %21, %9, %11) {layer=0}", (7, 9),
-    _ssm_scan_infer, _ssm_scan_eager,
-    flops=lambda sig: _scan_flops(sig) + 12 * numel(sig.out_shape),
-    bytes=_stateful_bytes(_scan_states), attrs=("layer",), optional=("norm_eps",),
-    extra={"state": _scan_states}))
+    Op.SSM_SCAN, "Mamba's selective scan h ← exp(Δ·A)·h + Δ·x·B, y = C·h over T, from and into "
+    "the layer's SSM state [B, C, N] (f32); with `gate`, (y + D·x)·silu(z); with `norm_eps`, B "
+    "and C RMS-normalized first.",
+    "%30 : f32[B,T,128] = ssm_scan(%14, %27, %28, %20, %21, %9, %11) {gate=true, layer=0}",
+    operands("x", "dt", "A", "B", "C", ("D", "gate"), ("z", "gate"), ("B_gain", "norm_eps"),
+             ("C_gain", "norm_eps")),
+    _scan_infer, _scan_eager,
+    attrs=(layer_attr(), Attr("gate", bool, False, doc="add the skip D·x and gate by silu(z)"),
+           Attr("norm_eps", float, None, doc="RMS-normalize B and C first (Jamba)")),
+    flops=_scan_flops, bytes=state_bytes(_scan_states), states=_scan_states,
+    template="ssm_scan", arity=(5, 9)))
