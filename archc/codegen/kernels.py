@@ -20,11 +20,11 @@ import sympy
 from archc.codegen.layout import CodegenError, Layout
 from archc.codegen.options import CodegenOptions
 from archc.codegen.printer import pexpr, texpr
-from archc.ir.attrs import Call
+from archc.ir import expr as E
+from archc.ir.attrs import Attrs, Call
 from archc.ir.graph import Graph, Node
-from archc.ir.ops import Op
-from archc.ir.ops.core import ACTIVATIONS
-from archc.ir.ops.fused import EPILOGUE, POINTWISE_FNS
+from archc.ir.ops import Op, full_attrs, roles_of
+from archc.ir.ops.steps import STEPS, step_expr
 from archc.ir.shapes import S, numel
 from archc.ir.text import format_node
 
@@ -67,6 +67,17 @@ class NodeCtx:
     def node(self) -> Node:
         return self.g.nodes[self.i]
 
+    @property
+    def attrs(self) -> Attrs:
+        """The node's attributes with its op's defaults filled in."""
+        return full_attrs(self.node.op, self.node.attrs)
+
+    @property
+    def roles(self) -> dict[str, int]:
+        """Input slot of each operand role."""
+        return {r: k for k, r in enumerate(roles_of(self.node.op, self.attrs,
+                                                     len(self.node.inputs)))}
+
     def input(self, k: int) -> Node:
         return self.g.nodes[self.node.inputs[k]]
 
@@ -104,44 +115,6 @@ class NodeCtx:
                                                and self.opts.exact_f32_dot) else ""
 
 
-# ---- activations: the one table of their Triton code (eager: archc.ir.ops.core.activation) ----
-# Written inline rather than as @triton.jit helpers: the code is the same once compiled, and
-# Triton's interpreter pays about a millisecond per device-function call.
-
-def tanh_code(y: str) -> str:
-    """tanh(y) = 2σ(2y) − 1 = 2 / (1 + e^(−2y)) − 1: exp overflows to inf for y ≪ 0, and the
-    result is still −1."""
-    return f"(2.0 / (1.0 + tl.exp(-2.0 * ({y}))) - 1.0)"
-
-
-def softcap_code(x: str, cap: str) -> str:
-    return f"({cap} * {tanh_code(f'{x} / {cap}')})"
-
-
-ACT_CODE = {
-    "relu": "tl.maximum({x}, 0.0)",
-    "gelu": "(0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476)))",  # exact: ½x(1 + erf(x/√2))
-    # ½x(1 + tanh(√(2/π)(x + 0.044715x³))) = x·σ(2√(2/π)(x + 0.044715x³))
-    "gelu_tanh": "({x} / (1.0 + tl.exp(-1.5957691216057308 * ({x} + 0.044715 * {x} * {x} * {x}))))",
-    "silu": "({x} / (1.0 + tl.exp(-{x})))",
-    "sigmoid": "(1.0 / (1.0 + tl.exp(-{x})))",
-    "identity": "{x}",
-    # log(1 + eˣ), with log1p(u) = u·log(w)/(w − 1), w = 1 + u rounded (Goldberg 1991): exact
-    # where 1 + u rounds (Δ pre-activations near −7 have u ≈ 1e-3); x past 20 as torch's threshold
-    "softplus": "tl.where({x} > 20.0, {x}, tl.where(1.0 + tl.exp(tl.minimum({x}, 20.0)) == 1.0, "
-                "tl.exp(tl.minimum({x}, 20.0)), tl.exp(tl.minimum({x}, 20.0)) * "
-                "tl.log(1.0 + tl.exp(tl.minimum({x}, 20.0))) / "
-                "tl.maximum(tl.exp(tl.minimum({x}, 20.0)) + 1.0 - 1.0, 1e-30)))",
-    "elu_plus_one": "tl.where({x} > 0.0, {x} + 1.0, tl.exp(tl.minimum({x}, 0.0)))",  # elu(x) + 1
-}
-
-
-def act_code(fn: str, x: str) -> str:
-    if fn not in ACT_CODE:
-        raise CodegenError(f"no Triton code for activation {fn!r}")
-    return ACT_CODE[fn].replace("{x}", x)
-
-
 # ---- values that reach generated code ------------------------------------------------------
 
 def lit_int(c: NodeCtx, value: Any, what: str) -> int:
@@ -157,8 +130,8 @@ def lit_float(c: NodeCtx, value: Any, what: str) -> str:
 
 
 def lit_act(c: NodeCtx, fn: Any) -> str:
-    if fn not in ACTIVATIONS:
-        raise c.fail(f"unknown activation {fn!r} (known: {', '.join(ACTIVATIONS)})")
+    if fn not in E.ACTIVATIONS:
+        raise c.fail(f"unknown activation {fn!r} (known: {', '.join(E.ACTIVATIONS)})")
     return str(fn)
 
 
@@ -203,13 +176,37 @@ def rows_of(shape: Sequence[sympy.Expr]) -> str:
     return pexpr(numel(shape[:-1]))
 
 
+# ---- epilogue steps ---------------------------------------------------------------------------
+
+ACC = "__ACC__"   # where an elementwise step's code names the accumulator
+
+
+def elementwise_step(c: NodeCtx, st: Call, idx: int, slot: int, width: int,
+                     pointer: Callable[[str, int, str], str]) -> dict[str, Any]:
+    """An elementwise epilogue step for the `elementwise` macro (templates/steps.j2): its
+    inputs' loads — a [width] vector along the columns, or rows read through their layout —
+    and its Triton code over the accumulator and the loaded values, on columns [start, stop)."""
+    loads = []
+    for k, name in enumerate(STEPS[st.fn].inputs):
+        lay = c.lay(slot + k)
+        var = f"{name}{idx}"
+        vector = lay.rank == 1
+        loads.append(dict(var=var, vector=vector, row_off="" if vector else row_offset(
+            lay, "rows"), col_mul=col_mul(c, lay), ptr=pointer(
+            var, slot + k, f"[{width}] {name}" if vector else f"[M, {width}] {name} rows")))
+    start, stop = st.kw("start", 0), st.kw("stop", width)
+    code = E.triton(step_expr(st), [ACC, *(ld["var"] for ld in loads)])
+    return dict(fn="elementwise", name=st.fn, loads=loads, code=code, start=start, stop=stop,
+                full=start == 0 and stop == width)
+
+
 # ---- fused_linear --------------------------------------------------------------------------
 
 PAIRING = ("glu", "rope")
 
 
 def build_fused_linear(c: NodeCtx) -> Unit:
-    n, a = c.node, c.node.attrs
+    n, a = c.node, c.attrs
     n_ops = 2 if a.get("concat_k") else 1
     w_lay = c.lay(n_ops)
     if w_lay.rank != 2 or w_lay.strides[1] != 1:
@@ -263,7 +260,7 @@ def build_fused_linear(c: NodeCtx) -> Unit:
     head_norms: list[dict[str, Any]] = []
     nxt = n_ops + 1
     for idx, st in enumerate(a.get("epilogue", ())):
-        if not isinstance(st, Call) or st.fn not in EPILOGUE:
+        if not isinstance(st, Call) or st.fn not in STEPS:
             raise c.fail(f"unknown epilogue step {st!r}")
         target = steps_post if pair is not None else steps_pre
         fn = st.fn
@@ -277,26 +274,9 @@ def build_fused_linear(c: NodeCtx) -> Unit:
             target.append(dict(fn=fn, ptr=pointer(f"colsum{idx}", nxt,
                                                   f"[{width}] column sums Σ_k W'[n, k]")))
             nxt += 1
-        elif fn == "bias":
-            target.append(dict(fn=fn, ptr=pointer(f"bias{idx}", nxt,
-                                                  f"[{width}] bias")))
-            nxt += 1
-        elif fn == "act":
-            act = lit_act(c, st.kw("fn"))
-            start = lit_int(c, st.kw("start", 0), "act start")
-            stop = lit_int(c, st.kw("stop", width), "act stop")
-            target.append(dict(fn=fn, act=act, start=start, stop=stop,
-                               full=start == 0 and stop == width))
-        elif fn == "scale":
-            target.append(dict(fn=fn, by=lit_float(c, st.kw("by"), "scale factor")))
-        elif fn == "softcap":
-            target.append(dict(fn=fn, cap=lit_float(c, st.kw("cap"), "softcap")))
-        elif fn == "residual":
-            lay = c.lay(nxt)
-            ptr = pointer(f"res{idx}", nxt, "[M, width] residual rows")
-            target.append(dict(fn=fn, ptr=ptr, row_off=row_offset(lay, "rows"),
-                               col_mul=col_mul(c, lay)))
-            nxt += 1
+        elif STEPS[fn].elementwise:
+            target.append(elementwise_step(c, st, idx, nxt, width, pointer))
+            nxt += len(STEPS[fn].inputs)
         elif fn == "kv_write":
             if kv is not None:
                 raise c.fail("more than one kv_write() step")
@@ -364,7 +344,7 @@ def build_fused_linear(c: NodeCtx) -> Unit:
                                              f"[{rot // 2}] inverse frequencies"))
                 nxt += 2
                 needs_t = True
-        else:  # pragma: no cover - EPILOGUE and this table must agree
+        else:  # pragma: no cover - STEPS and this table must agree
             raise c.fail(f"epilogue step {fn}() has no Triton rendering")
     if nxt != len(n.inputs):
         raise c.fail(f"{len(n.inputs) - nxt} inputs left over after the epilogue")
@@ -446,21 +426,6 @@ def build_fused_linear(c: NodeCtx) -> Unit:
 LOG2E = 1.4426950408889634
 
 
-def attention_inputs(a: Any) -> list[str]:
-    """The inputs of an attention node, by name, in order (the op's declaration)."""
-    names = ["q"]
-    if a.get("cache_layer") is None:
-        names += ["k", "v"]
-    if a.get("padding"):
-        names.append("padding")
-    if a.get("prefix"):
-        names.append("prefix_len")
-    bias = a.get("bias")
-    if bias is not None:
-        names.append("slopes" if bias.fn == "alibi" else "rel_table")
-    return names
-
-
 def t5_thresholds(buckets: int, bidirectional: bool, max_distance: int) -> dict[str, Any]:
     """T5's bucket of a key − query distance, as integer thresholds computed with the eager
     function itself (so rounding in log() cannot move a boundary): the magnitude bucket is
@@ -477,11 +442,8 @@ def t5_thresholds(buckets: int, bidirectional: bool, max_distance: int) -> dict[
 
 
 def build_attention(c: NodeCtx) -> Unit:
-    n, a = c.node, c.node.attrs
-    names = attention_inputs(a)
-    if len(names) != len(n.inputs):
-        raise c.fail(f"attention takes {', '.join(names)}")
-    slot = {name: k for k, name in enumerate(names)}
+    a = c.attrs
+    slot = c.roles
     b_sym, h_sym, kv_sym = (sympy.Symbol(s, integer=True, nonnegative=True)
                             for s in ("b", "h", "kv_h"))
     q_lay = c.lay(0)
@@ -658,89 +620,57 @@ def build_embedding(c: NodeCtx) -> Unit:
                 f"v[{c.i}], {c.ref(0)}, {c.ref(1)}")
 
 
-def _norm_inputs(a: Any) -> list[str]:
-    names = ["x", "weight"]
-    if a.get("bias"):
-        names.append("bias")
-    if a.get("add_before"):
-        names.append("res_before")
-    if a.get("add_after"):
-        names.append("res_after")
-    return names
-
-
-NORM_ARG_ROLES = {"x": "[R, N] rows to normalize", "weight": "[N] gain",
-                  "bias": "[N] shift (LayerNorm bias)",
-                  "res_before": "[R, N] residual, added before the norm",
-                  "res_after": "[R, N] residual, added to the norm's output"}
-
-
 def build_norm(c: NodeCtx) -> Unit:
-    n, a = c.node, c.node.attrs
-    names = _norm_inputs(a)
-    if len(names) != len(n.inputs):
-        raise c.fail(f"norm takes {', '.join(names)}")
-    kind = a["kind"]
-    if kind not in ("rms", "layer"):
-        raise c.fail(f"unknown norm kind {kind!r}")
+    n, a = c.node, c.attrs
     width = static(c, n.shape[-1], "the norm width")
     types = {"out_ptr": c.out_type(), "R": "i32", "T": "i32"}
     if c.reads_encoder_len:
         types["S"] = "i32"
-    args = []
-    ctx: dict[str, Any] = dict(N=width, kind=kind, eps=lit_float(c, a["eps"], "eps"),
-                               seq_s="S" in types,
-                               unit_offset=bool(a.get("unit_offset", False)),
-                               bias=bool(a.get("bias")), add_before=bool(a.get("add_before")),
-                               add_after=bool(a.get("add_after")), R=rows_of(n.shape))
-    for k, name in enumerate(names):
-        lay = c.lay(k)
-        args.append(dict(name=f"{name}_ptr", comment=NORM_ARG_ROLES[name]))
+    args = [dict(name="x_ptr", comment=f"[R, {width}] rows to normalize"),
+            dict(name="weight_ptr", comment=f"[{width}] gain")]
+    launch = ["x", "weight"]
+    for k, name in enumerate(launch):
         types[f"{name}_ptr"] = c.ptr_type(k)
-        if name in ("x", "res_before", "res_after"):
-            ctx[name] = dict(row_off=row_offset(lay, "rows"), col_mul=col_mul(c, lay))
-        elif lay.rank != 1 or lay.strides[0] != 1 or lay.offset != 0:
-            raise c.fail(f"the {name} must be a contiguous vector")
-    ctx.update(args=args, launch_params=", ".join(names))
-    call = ", ".join([f"v[{c.i}]"] + [c.ref(k) for k in range(len(names))])
+    ctx: dict[str, Any] = dict(N=width, kind=a["kind"], eps=lit_float(c, a["eps"], "eps"),
+                               seq_s="S" in types, unit_offset=a["unit_offset"],
+                               add_before=a["add_before"], R=rows_of(n.shape),
+                               x=dict(row_off=row_offset(c.lay(0), "rows"),
+                                      col_mul=col_mul(c, c.lay(0))))
+    if c.lay(1).rank != 1 or c.lay(1).strides[0] != 1 or c.lay(1).offset != 0:
+        raise c.fail("the gain must be a contiguous vector")
+    slot = 2
+    if a["add_before"]:
+        lay = c.lay(2)
+        args.append(dict(name="residual_ptr", comment=f"[R, {width}] residual, added before "
+                         "the norm"))
+        types["residual_ptr"] = c.ptr_type(2)
+        launch.append("residual")
+        ctx["residual"] = dict(row_off=row_offset(lay, "rows"), col_mul=col_mul(c, lay))
+        slot = 3
+
+    def pointer(name: str, k: int, comment: str) -> str:
+        args.append(dict(name=f"{name}_ptr", comment=comment))
+        types[f"{name}_ptr"] = c.ptr_type(k)
+        launch.append(name)
+        return f"{name}_ptr"
+
+    steps = []
+    for idx, st in enumerate(a["epilogue"]):
+        steps.append(elementwise_step(c, st, idx, slot, width, pointer))
+        slot += len(STEPS[st.fn].inputs)
+    ctx.update(args=args, steps=steps, launch_params=", ".join(launch))
+    call = ", ".join([f"v[{c.i}]"] + [c.ref(k) for k in range(len(n.inputs))])
     return Unit("norm", "norm.py.j2", ctx,
                 [JitKernel("_kernel", "norm", dict(N=width), types)], call)
 
 
-POINTWISE_PARAMS = {"add": ("a", "b"), "sub": ("a", "b"), "mul": ("a", "b"), "scale": ("a", "by"),
-                    "act": ("a", "fn"), "softcap": ("a", "cap")}
-
-
 def pointwise_code(c: NodeCtx, e: Any, n_inputs: int) -> str:
-    """A pointwise expression tree as one Triton expression over loaded inputs x0, x1, …"""
-    if not isinstance(e, Call):
-        return lit_float(c, e, "a pointwise constant")
-    if e.fn == "x":
-        k = e.args[0] if len(e.args) == 1 else None
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n_inputs:
-            raise c.fail(f"x({e.args}) is not one of {n_inputs} inputs")
-        return f"x{k}"
-    names = POINTWISE_PARAMS.get(e.fn)
-    if names is None or e.fn not in POINTWISE_FNS:
-        raise c.fail(f"pointwise function {e.fn}() has no Triton rendering")
-    if len(e.args) > len(names):
-        raise c.fail(f"{e.fn}() takes {len(names)} arguments")
-    got = dict(zip(names, e.args))
-    for k, v in e.kwargs:
-        if k not in names or k in got:
-            raise c.fail(f"{e.fn}() got an unexpected or repeated argument {k!r}")
-        got[k] = v
-    if set(got) != set(names):
-        raise c.fail(f"{e.fn}() needs {', '.join(names)}")
-    a = pointwise_code(c, got["a"], n_inputs)
-    if e.fn in ("add", "sub", "mul"):
-        op = {"add": "+", "sub": "-", "mul": "*"}[e.fn]
-        return f"({a} {op} {pointwise_code(c, got['b'], n_inputs)})"
-    if e.fn == "scale":
-        return f"({a} * {lit_float(c, got['by'], 'scale factor')})"
-    if e.fn == "act":
-        return act_code(lit_act(c, got["fn"]), a)
-    return softcap_code(a, lit_float(c, got["cap"], "softcap"))
+    """A pointwise expression as one Triton expression over loaded inputs x0, x1, …"""
+    try:
+        E.check(e, n_inputs)
+    except E.ExprError as err:
+        raise c.fail(str(err)) from None
+    return E.triton(e, [f"x{k}" for k in range(n_inputs)])
 
 
 def build_pointwise(c: NodeCtx) -> Unit:
@@ -776,8 +706,11 @@ def build_pointwise(c: NodeCtx) -> Unit:
 
 # ---- mixture of experts ----------------------------------------------------------------------
 
-def build_topk_router(c: NodeCtx) -> Unit:
-    n, a = c.node, c.node.attrs
+def build_router(c: NodeCtx) -> Unit:
+    n, a = c.node, c.attrs
+    if len(n.inputs) != 2:
+        raise c.fail("the router kernel computes its logits: it takes x and the router weight "
+                     "(fuse-moe joins a router to the matmul before it)")
     x, w = c.lay(0), c.lay(1)
     if w.rank != 2 or w.strides[1] != 1 or w.offset != 0 or x.strides[-1] != 1:
         raise c.fail("the router needs contiguous rows of x and of its [E, K] weight")
@@ -797,7 +730,7 @@ def build_topk_router(c: NodeCtx) -> Unit:
 
 
 def build_moe_linear(c: NodeCtx) -> Unit:
-    n, a = c.node, c.node.attrs
+    n, a = c.node, c.attrs
     x, gates, w = c.lay(0), c.lay(1), c.lay(2)
     if w.rank != 3 or w.offset != 0 or w.strides != tuple(
             sympy.sympify(s) for s in (w.shape[1] * w.shape[2], w.shape[2], 1)):
@@ -805,20 +738,25 @@ def build_moe_linear(c: NodeCtx) -> Unit:
     if x.strides[-1] != 1 or gates.strides[-1] != 1:
         raise c.fail("x and the gates must have contiguous rows")
     stage = a["stage"]
-    if stage not in ("up", "down"):
-        raise c.fail(f"unknown stage {stage!r}")
     top_k = lit_int(c, a["top_k"], "top_k")
     experts = static(c, w.shape[0], "experts")
     nw, k = static(c, w.shape[1], "expert rows"), static(c, w.shape[2], "expert K")
-    gated = stage == "up" and bool(a.get("gated"))
+    steps = [st.fn for st in a["epilogue"]]
+    allowed = [[], ["glu"], ["act"]] if stage == "up" else [[], ["residual"]]
+    if steps not in allowed:
+        raise c.fail(f"the {stage} expert template renders an epilogue of "
+                     f"{' or '.join(', '.join(x) or 'nothing' for x in allowed)}, not "
+                     f"{', '.join(steps)}")
+    gated = steps == ["glu"]
+    residual = steps == ["residual"]
     width = nw // 2 if gated else nw
     if gated and nw % 2:
         raise c.fail(f"gated experts need an even row count, got {nw}")
     token_rows = numel(n.shape[:-2]) if stage == "up" else numel(n.shape[:-1])
     ctx: dict[str, Any] = dict(kind="experts", stage=stage, E=experts, K=k, N=width, NW=nw,
                                top_k=top_k, gated=gated, dot_kw=c.dot_kw, M=pexpr(token_rows),
-                               act_fn=lit_act(c, a.get("act", "identity")) if stage == "up"
-                               else "identity",
+                               act_fn=a["epilogue"][0].kw("fn") if steps else "identity",
+                               residual=residual,
                                gates_row_off=row_offset(gates, "token"))
     ctx["x"] = dict(row_off=row_offset(x, "token" if stage == "up" else "pair"))
     if gated:
@@ -830,11 +768,16 @@ def build_moe_linear(c: NodeCtx) -> Unit:
              "gates_ptr": c.ptr_type(1), "w_ptr": c.ptr_type(2), "pairs_ptr": "*i32",
              "block_expert_ptr": "*i32", "T": "i32"}
     kernels = [JitKernel("_kernel", "moe", dict(N=nw, K=k), types)]
+    call = f"v[{c.i}], {c.ref(0)}, {c.ref(1)}, {c.ref(2)}"
     if stage == "down":
-        kernels.append(JitKernel("_sum", "moe_sum", dict(C=width),
-                                 {"out_ptr": c.out_type(), "part_ptr": "*fp32"}))
-    return Unit("moe_linear", "moe.py.j2", ctx, kernels,
-                f"v[{c.i}], {c.ref(0)}, {c.ref(1)}, {c.ref(2)}")
+        sum_types = {"out_ptr": c.out_type(), "part_ptr": "*fp32"}
+        if residual:
+            res = c.lay(3)
+            ctx["res"] = dict(row_off=row_offset(res, "token"), col_mul=col_mul(c, res))
+            sum_types["res_ptr"] = c.ptr_type(3)
+            call += f", {c.ref(3)}"
+        kernels.append(JitKernel("_sum", "moe_sum", dict(C=width), sum_types))
+    return Unit("moe_linear", "moe.py.j2", ctx, kernels, call)
 
 
 # The recurrent kernels' builders use the helpers above: imported once they exist.
@@ -848,7 +791,7 @@ BUILDERS: dict[Op, Callable[[NodeCtx], Unit]] = {
     Op.CAUSAL_CONV: build_causal_conv,
     Op.SSM_SCAN: build_ssm_scan,
     Op.LINEAR_ATTENTION: build_linear_attention,
-    Op.TOPK_ROUTER: build_topk_router,
+    Op.ROUTER: build_router,
     Op.MOE_LINEAR: build_moe_linear,
     Op.FUSED_LINEAR: build_fused_linear,
     Op.ATTENTION: build_attention,

@@ -17,7 +17,7 @@ from archc.codegen.blocks import next_pow2
 from archc.codegen.kernels import JitKernel, NodeCtx, Unit, lit_act, lit_float, lit_int, static
 from archc.codegen.layout import Layout
 from archc.codegen.printer import texpr
-from archc.ir.ops import OP_TABLE
+from archc.ir.cost import node_states
 from archc.ir.ops.linear_attention import FEATURE_MAPS
 from archc.ir.shapes import B
 
@@ -81,7 +81,7 @@ def _layer(c: NodeCtx) -> int:
 def _states(c: NodeCtx, layer: int) -> dict[str, str]:
     """The state tensors the op declares, recorded for the runtime to allocate: kind → the
     launch expression of that tensor."""
-    decls = OP_TABLE[c.node.op].extra["state"](c.g.sig(c.i))
+    decls = node_states(c.g, c.i)
     calls = {}
     for decl in decls:
         if decl.kind not in ("conv", "ssm", "S", "z"):
@@ -119,7 +119,7 @@ def _unit(c: NodeCtx, family: str, names: list[str], ctx: dict[str, Any],
 # ---- causal_conv -----------------------------------------------------------------------------
 
 def build_causal_conv(c: NodeCtx) -> Unit:
-    n, a = c.node, c.node.attrs
+    n, a = c.node, c.attrs
     bias = a.get("bias")
     if not isinstance(bias, bool):
         raise c.fail(f"bias must be true or false, got {bias!r}")
@@ -141,32 +141,32 @@ def build_causal_conv(c: NodeCtx) -> Unit:
 # ---- ssm_scan --------------------------------------------------------------------------------
 
 def build_ssm_scan(c: NodeCtx) -> Unit:
-    n, a = c.node, c.node.attrs
-    eps = a.get("norm_eps")
-    norm = eps is not None
-    names = ["x", "dt", "a", "bm", "cm", "d", "z"] + (["b_gain", "c_gain"] if norm else [])
-    if len(n.inputs) != len(names):
-        raise c.fail(f"ssm_scan takes {', '.join(names)}")
+    n, a = c.node, c.attrs
+    eps = a["norm_eps"]
+    norm, gate = eps is not None, a["gate"]
+    slot = c.roles
+    names = [{"A": "a", "B": "bm", "C": "cm", "D": "d", "B_gain": "b_gain",
+              "C_gain": "c_gain"}.get(r, r) for r in slot]
     channels = static(c, n.shape[-1], "the channel count")
     states = static(c, c.lay(2).shape[1], "d_state")
     _matrix(c, 2, channels, states, "A")
-    _vector(c, 5, channels, "D")
+    if gate:
+        _vector(c, slot["D"], channels, "D")
     if norm:
-        _vector(c, 7, states, "the B norm's gain")
-        _vector(c, 8, states, "the C norm's gain")
-    ctx: dict[str, Any] = dict(C=channels, N=states, norm=norm,
+        _vector(c, slot["B_gain"], states, "the B norm's gain")
+        _vector(c, slot["C_gain"], states, "the C norm's gain")
+    ctx: dict[str, Any] = dict(C=channels, N=states, norm=norm, gate=gate,
                                eps=lit_float(c, eps, "norm_eps") if norm else "")
-    for k, role in ((0, "x"), (1, "dt"), (3, "bm"), (4, "cm"), (6, "z")):
-        ctx[role] = _rows(c, k, role)
+    for role, name in (("x", "x"), ("dt", "dt"), ("B", "bm"), ("C", "cm"), ("z", "z")):
+        if role in slot:
+            ctx[name] = _rows(c, slot[role], name)
     return _unit(c, "ssm_scan", names, ctx, dict(C=channels, N=states))
 
 
 # ---- linear_attention ------------------------------------------------------------------------
 
 def build_linear_attention(c: NodeCtx) -> Unit:
-    n, a = c.node, c.node.attrs
-    if len(n.inputs) != 3:
-        raise c.fail("linear_attention takes q, k and v")
+    a = c.attrs
     feature = a.get("feature")
     if feature not in FEATURE_MAPS:
         raise c.fail(f"unknown feature map {feature!r} (known: {', '.join(FEATURE_MAPS)})")

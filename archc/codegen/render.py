@@ -27,17 +27,11 @@ from types import ModuleType
 import jinja2
 
 from archc import __version__
-from archc.codegen.kernels import (
-    JitKernel,
-    NodeCtx,
-    Unit,
-    act_code,
-    build,
-    softcap_code,
-    tanh_code,
-)
+from archc.codegen.kernels import JitKernel, NodeCtx, Unit, build
 from archc.codegen.layout import CodegenError, layouts
 from archc.codegen.options import CodegenOptions
+from archc.ir import expr as E
+from archc.ir.expr import act_code, tanh_code
 from archc.ir.graph import Program
 from archc.ir.text import format_node, format_program
 
@@ -55,7 +49,7 @@ ENV = jinja2.Environment(
 ENV.globals["raise"] = _raise
 ENV.globals["act"] = act_code
 ENV.globals["tanh"] = tanh_code
-ENV.globals["softcap"] = softcap_code
+ENV.globals["softcap"] = lambda x, cap: E.triton(E.call("softcap", E.x(0), cap=float(cap)), [x])
 
 
 @dataclass

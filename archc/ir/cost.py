@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import sympy
 
 from archc.ir.graph import Graph, Program
-from archc.ir.ops import OP_TABLE, Op
+from archc.ir.ops import OP_TABLE, Op, StateDecl
 from archc.ir.shapes import DTYPE_BYTES, B, T, evaluate, numel
 from archc.spec.schema import Spec
 
@@ -89,19 +89,20 @@ def kv_cache_bytes_per_token(p: Program) -> int:
     return evaluate(sympy.simplify(total), {})
 
 
+def node_states(g: Graph, i: int) -> tuple[StateDecl, ...]:
+    """The recurrent state node i keeps between calls, as its op declares it (none for most)."""
+    return OP_TABLE[g.nodes[i].op].states(g.sig(i))
+
+
 def recurrent_state_bytes(p: Program) -> int:
     """Bytes of recurrent state one sequence keeps — Mamba's conv window and SSM state, linear
-    attention's running sums — from the state each node declares (``StateDecl``): a fixed size,
-    whatever the context, where attention's KV cache grows with it."""
-    from archc.ir.ops import RECURRENT
-    from archc.ir.ops.state import state_bytes
+    attention's running sums — from the state each node declares: a fixed size, whatever the
+    context, where attention's KV cache grows with it."""
     seen: dict[tuple[int, str], int] = {}
     for g in p:
         for i in g.compute_ids():
-            n = g.nodes[i]
-            if n.op in RECURRENT:
-                for d in OP_TABLE[n.op].extra["state"](g.sig(i)):
-                    seen[(n.attr("layer"), d.kind)] = evaluate(state_bytes((d,)), {"B": 1})
+            for d in node_states(g, i):
+                seen[(g.nodes[i].attr("layer"), d.kind)] = evaluate(d.bytes, {"B": 1})
     return sum(seen.values())
 
 

@@ -15,7 +15,8 @@ Mamba (Gu & Dao 2023), as the reference implementation lays it out::
     out    = out_proj(y · silu(z))
 
 Linear attention (Katharopoulos et al. 2020): q, k, v projections as attention's, split into
-heads, φ = elu + 1 on q and k, the running sums (heads merged on the way out), the output projection.
+heads, φ = elu + 1 on q and k, the running sums (heads merged on the way out), the output
+projection.
 """
 
 from __future__ import annotations

@@ -6,14 +6,17 @@ op the IR has, with the one-line form the text printer writes for it.
 
 from __future__ import annotations
 
-from archc.ir.ops import KERNEL_LEVEL, META, OP_TABLE, RECURRENT, VIEW, Op, OpDef
+from archc.ir.attrs import Call, format_value
+from archc.ir.ops import KERNEL_LEVEL, META, OP_TABLE, RECURRENT, VIEW, Attr, Op, OpDef
+from archc.ir.ops.base import REQUIRED
 
 GROUPS = (
     ("Graph structure", "inputs, parameters and outputs: no computation", META),
     ("Views", "reshape or select without moving data; codegen folds them into the kernels that "
      "read them", VIEW),
-    ("Kernel-level", "what the default pipeline leaves: each becomes one generated kernel, "
-     "the embedding gather as lowering emits it", KERNEL_LEVEL | {Op.EMBEDDING}),
+    ("Kernel-level", "ops with a template: each node becomes one generated kernel. Lowering "
+     "emits some of them plainly (a norm, a router over logits, the expert matmuls, the "
+     "recurrent mixers); the passes fuse more into them", KERNEL_LEVEL),
 )
 
 
@@ -24,12 +27,22 @@ def _arity(d: OpDef) -> str:
     return str(lo) if lo == hi else f"{lo} to {hi}"
 
 
+TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str", Call: "call",
+              tuple: "steps"}
+
+
+def _attr(a: Attr) -> str:
+    kind = " \\| ".join(f"{c}()" if a.type is Call else format_value(c) for c in a.choices) \
+        if a.choices else TYPE_NAMES[a.type]
+    if a.default is REQUIRED:
+        return f"`{a.name}`: {kind}"
+    if a.default is None:
+        return f"`{a.name}`: {kind}, optional"
+    return f"`{a.name}`: {kind} = {format_value(a.default)}"
+
+
 def _attrs(d: OpDef) -> str:
-    required = ", ".join(f"`{a}`" for a in d.attrs)
-    optional = ", ".join(f"`{a}`" for a in d.optional)
-    if required and optional:
-        return f"{required}; optional {optional}"
-    return required or (f"optional {optional}" if optional else "—")
+    return "; ".join(_attr(a) for a in d.attrs) or "—"
 
 
 def _table(ops: list[Op]) -> list[str]:
@@ -60,8 +73,8 @@ def reference() -> str:
     ]
     grouped = {op for _, _, members in GROUPS for op in members}
     sections = [("Unfused", "what lowering emits from a spec: faithful to the model, one "
-                 "operation each", [op for op in OP_TABLE if op not in grouped])]
-    sections += [(title, why, [op for op in OP_TABLE if op in members])
+                 "operation each", [op for op in Op if op not in grouped])]
+    sections += [(title, why, [op for op in Op if op in members])
                  for title, why, members in GROUPS]
     for title, why, ops in sections:
         lines += [f"## {title}", "", why[0].upper() + why[1:] + ".", ""]

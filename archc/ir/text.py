@@ -14,7 +14,6 @@ with ``provenance=True`` (and then round-trips too).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 
 from archc.errors import IRError
 from archc.ir.attrs import Attrs, ValueParser, format_call, format_value

@@ -1,8 +1,9 @@
 """The verifier: run after lowering and after every pass. Its errors show the node in text form.
 
 Checks: inputs come from earlier nodes (topological order); attributes are those the op
-declares, of their types and allowed values; the inputs are the operands the attributes call for; every shape and dtype equals what the op's rule infers from the inputs; input, param
-and output names are unique; there is at least one output; parameter expressions only call
+declares, of their types and allowed values; the inputs are the operands the attributes call
+for; every shape and dtype equals what the op's rule infers from the inputs; input, param and
+output names are unique; there is at least one output; parameter expressions only call
 registered functions.
 """
 

@@ -31,8 +31,9 @@ def unary(fn: str) -> Callable[[Node], bool]:
     return test
 
 
-def _append(name: str, /, **params: Callable[[Node], object]) -> Callable[[Rewriter, Bindings], int]:
-    """A rewrite appending step `fn` to the kernel bound as "k", its parameters read off the
+def _append(name: str, /, **params: Callable[[Node], object]
+            ) -> Callable[[Rewriter, Bindings], int]:
+    """A rewrite appending step `name` to the kernel bound as "k", its parameters read off the
     root; a bias step reads the vector bound as "b"."""
     def rewrite(rw: Rewriter, m: Bindings) -> int:
         root = rw.node(m["root"])

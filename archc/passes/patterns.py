@@ -55,9 +55,8 @@ def match(rw: Rewriter, pat: Pat, i: int, bound: Bindings, problems: list[str],
         return False
     if len(n.inputs) < len(pat.src) or (pat.where is not None and not pat.where(n)):
         return False
-    if pat.name:
-        if pat.name in bound and bound[pat.name] != i:
-            return False
+    if pat.name and bound.get(pat.name, i) != i:
+        return False
     orders = [n.inputs]
     if OP_TABLE[n.op].commutative and len(pat.src) >= 2:
         orders.append((n.inputs[1], n.inputs[0], *n.inputs[2:]))

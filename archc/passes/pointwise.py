@@ -1,6 +1,7 @@
 """fuse-pointwise: chains of elementwise ops left over become single `pointwise` kernels.
 
-    pointwise(add(x, y)) {expr=scale(x(0), by=0.5)}  →  pointwise(x, y) {expr=scale(add(x(0), x(1)), by=0.5)}
+    pointwise(add(x, y)) {expr=scale(x(0), by=0.5)}
+      →  pointwise(x, y) {expr=scale(add(x(0), x(1)), by=0.5)}
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from archc.ir.ops.core import elementwise_expr
 from archc.passes.context import PassContext
 from archc.passes.registry import register_pass
 from archc.passes.rewrite import Rewriter
+
 
 def expression(rw: Rewriter, i: int, inline: set[int], leaves: list[int]) -> Call:
     """The expression computing node i over `leaves` (appended to as new inputs are met),

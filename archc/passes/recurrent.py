@@ -13,8 +13,8 @@ kernel, and a piece that cannot join is left for `select-kernels` to name.
 
 from __future__ import annotations
 
-from archc.ir.ops import Op
 from archc.ir.graph import Node
+from archc.ir.ops import Op
 from archc.ir.ops.linear_attention import FEATURE_MAPS
 from archc.passes.context import Refusal
 from archc.passes.linear import bias_of, norm_parts

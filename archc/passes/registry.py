@@ -83,8 +83,8 @@ def register_program_pass(name: str, kind: Kind, summary: str
 
 # The default pipeline, in order. Attention is recognised first (its structure is what the
 # projection merges trace from), projections are merged before norms fold (one prologue per
-# merged matmul), and the epilogue fusions run last, over merged projections (the expert gate and
-# up stages merge first, so an activation joins a non-gated expert matmul and not one half). Cross-attention's
+# merged matmul), and the epilogue fusions run last, over merged projections — the expert gate
+# and up stages merge before them, so an activation joins a whole expert matmul. Cross-attention's
 # K and V leave the decoder once merged (one projection per layer to move), before the kernels
 # are chosen in either graph. The recurrent mixers become their kernels beside attention, before
 # the projections merge (linear attention's q, k, v trace from its kernel) and before norms fold

@@ -8,11 +8,11 @@ For a kernel-level node, what a PyTorch user would run instead:
   eager semantics (the op table's, ``archc.perf.torch_program.eager_fn``), one after another,
   in the model dtype — a folded norm is its norm op again (gain folded into the weight, so the
   norm's gain is ones), a merged projection is one matmul whose column ranges the later ops
-  read as views, each epilogue step is the op it was (bias_add, act, mul, rope, kv_cache, add,
-  softcap, scale), attention is repeat_kv → scores → scale → … → mask → softmax →
-  weighted_sum → merge_heads, and the recurrent kernels are the ops lowering emits for them
-  (conv1d → bias_add → act; norms → selective_scan → mul, add → act → mul; act → linear_scan →
-  merge_heads), reading the recurrent state the kernel read.
+  read as views, an elementwise epilogue step is the pointwise op of its expression, the
+  other steps the ops they were (act and mul, rope, kv_cache), attention is repeat_kv → scores →
+  scale → … → mask → softmax → weighted_sum → merge_heads, and the recurrent kernels are the ops
+  lowering emits for them (causal_conv → add → act; norms → ssm_scan → mul, add → act → mul;
+  act → linear_attention), reading the recurrent state the kernel read.
 
 Every counterpart that computes the kernel's function is checked against the kernel's output
 (``result`` turns what it returns into the kernel's layout, outside the timed call); a kernel
@@ -28,12 +28,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from archc.ir.attrs import Call
+from archc.ir import expr as E
+from archc.ir.attrs import Attrs, Call
+from archc.ir.cost import node_states
 from archc.ir.graph import Graph
-from archc.ir.ops import OP_TABLE, RECURRENT, VIEW, Op
-from archc.ir.ops.attention import visible
-from archc.ir.ops.core import activation
-from archc.ir.ops.fused import EPILOGUE, _attention_inputs, _norm_inputs, selected_experts
+from archc.ir.ops import VIEW, Op, bind, full_attrs
+from archc.ir.ops.attention import alibi_bias, relative_bias, visible
+from archc.ir.ops.moe import selected_experts
+from archc.ir.ops.steps import STEPS, step_expr
 from archc.perf.torch_program import Store, TorchContext, eager_fn
 
 
@@ -66,7 +68,8 @@ class _Recorder:
     def __call__(self, op: Op, *xs: torch.Tensor, **attrs: Any) -> torch.Tensor:
         if self.ops is not None and op not in VIEW:
             self.ops.append(op.value)
-        return eager_fn(op)(self.ctx, list(xs), attrs)
+        full = full_attrs(op, Attrs({k: v for k, v in attrs.items() if v is not None}))
+        return eager_fn(op)(self.ctx, bind(op, full, xs), full)
 
     def torch(self, name: str, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         """A step with no unfused op of its own (a subtraction in a pointwise chain)."""
@@ -156,25 +159,22 @@ def _epilogue_step(rec: _Recorder, segs: list[_Seg], st: Call, xs: Sequence[torc
     fn = st.fn
     if fn in ("rms_scale", "ln_scale"):      # the norm ran before the matmul
         return segs
-    if fn == "bias":
-        return _map_flat(segs, lambda s: rec(Op.BIAS_ADD, s.value, xs[0][s.start:s.stop]))
-    if fn == "residual":
-        return _map_flat(segs, lambda s: rec(Op.ADD, s.value, xs[0][..., s.start:s.stop]))
-    if fn == "softcap":
-        return _map_flat(segs, lambda s: rec(Op.SOFTCAP, s.value, cap=st.kw("cap")))
-    if fn == "scale":
-        return _map_flat(segs, lambda s: rec(Op.SCALE, s.value, factor=st.kw("by")))
+    if STEPS[fn].elementwise:                # the pointwise op of its expression
+        width = max(s.stop for s in segs)
+        start, stop = st.kw("start", 0), st.kw("stop", width)
+        expr = step_expr(st)
+
+        def apply(s: _Seg) -> torch.Tensor:
+            ins = [x[s.start:s.stop] if x.dim() == 1 else x[..., s.start:s.stop] for x in xs]
+            return rec(Op.POINTWISE, s.value, *ins, expr=expr)
+        segs = _map_flat(_split(rec, segs, (start, stop)), lambda s: s.value)
+        return [_Seg(s.start, s.stop, apply(s)) if start <= s.start and s.stop <= stop else s
+                for s in segs]
     if fn == "glu":
         width = max(s.stop for s in segs)
         half = width // 2
         gate, up = _columns(rec, segs, 0, half), _columns(rec, segs, half, width)
         return [_Seg(0, half, rec(Op.MUL, rec(Op.ACT, gate, fn=st.kw("fn")), up))]
-    if fn == "act":
-        width = max(s.stop for s in segs)
-        start, stop = st.kw("start", 0), st.kw("stop", width)
-        segs = _split(rec, segs, (start, stop))
-        return [_Seg(s.start, s.stop, rec(Op.ACT, s.value, fn=st.kw("fn")))
-                if start <= s.start and s.stop <= stop else s for s in segs]
     if fn == "rope":
         hd = st.kw("head_dim")
         cols = st.kw("heads") * hd
@@ -208,8 +208,8 @@ def _epilogue_step(rec: _Recorder, segs: list[_Seg], st: Call, xs: Sequence[torc
 
 def _fused_linear(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder,
                   ) -> list[Counterpart | Unavailable]:
-    a = g.nodes[i].attrs
-    concat = bool(a.get("concat_k"))
+    a = full_attrs(g.nodes[i].op, g.nodes[i].attrs)
+    concat = bool(a["concat_k"])
     ops = 2 if concat else 1
     x, w = xs[0], xs[ops]
     out: list[Counterpart | Unavailable] = []
@@ -220,25 +220,17 @@ def _fused_linear(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder,
     out.append(Counterpart("torch.matmul", lambda: torch.matmul(x2d, w.t()),
                            what=f"[{m}, {k}] × [{k}, {w.shape[0]}]", ops=1))
 
-    prologue = a.get("prologue")
+    prologue = a["prologue"]
     width = x.shape[-1]
     gain = torch.ones(width, dtype=x.dtype, device=x.device)
-    shift = torch.zeros(width, dtype=x.dtype, device=x.device)
     w_parts = (w[:, :width].contiguous(), w[:, width:].contiguous()) if concat else (w,)
-    steps = list(a.get("epilogue", ()))
-    taken: list[Sequence[torch.Tensor]] = []
-    rest = list(xs[ops + 1:])
-    for st in steps:
-        n = EPILOGUE[st.fn].inputs
-        taken.append(rest[:n])
-        rest = rest[n:]
+    steps = list(a["epilogue"])
+    taken = _step_inputs(steps, xs[ops + 1:])
 
     def body() -> list[_Seg]:
         h = x
-        if prologue == "rms":
-            h = rec(Op.RMSNORM, x, gain, eps=a["eps"])
-        elif prologue == "layer":
-            h = rec(Op.LAYERNORM, x, gain, shift, eps=a["eps"])
+        if prologue is not None:
+            h = rec(Op.NORM, x, gain, kind=prologue, eps=a["eps"])
         y = rec(Op.MATMUL, h, w_parts[0])
         if concat:
             y = rec(Op.ADD, y, rec(Op.MATMUL, xs[1], w_parts[1]))
@@ -261,10 +253,10 @@ def _fused_linear(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder,
 
 def _attention(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder,
                caches: Store) -> list[Counterpart | Unavailable]:
-    a = g.nodes[i].attrs
-    got = dict(zip(_attention_inputs(a), xs))
+    a = full_attrs(g.nodes[i].op, g.nodes[i].attrs)
+    got = bind(Op.ATTENTION, a, xs)
     q = got["q"].contiguous()                                  # [B, H, T, D]
-    layer = a.get("cache_layer")
+    layer = a["cache_layer"]
     if layer is not None:
         length = rec.ctx.dims["P"] + rec.ctx.dims["T"]
         k, v = (caches[(layer, kind)][:, :, :length] for kind in ("k", "v"))
@@ -273,7 +265,7 @@ def _attention(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder,
     b, h, t, d = q.shape
     groups = h // k.shape[1]
     length = k.shape[2]
-    bias = a.get("bias")
+    bias = a["bias"]
     prefix = int(got["prefix_len"]) if "prefix_len" in got else None
     padding = got.get("padding")
 
@@ -281,11 +273,11 @@ def _attention(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder,
         return o.transpose(1, 2).reshape(b, t, h * d)
 
     out: list[Counterpart | Unavailable] = []
-    if a.get("softcap") is not None:
+    if a["softcap"] is not None:
         out.append(Unavailable("sdpa", "scaled_dot_product_attention has no soft-capping"))
     else:
         causal = a["causal"]
-        plain = a.get("window") is None and bias is None and prefix is None and padding is None
+        plain = a["window"] is None and bias is None and prefix is None and padding is None
         mask: torch.Tensor | None = None
         is_causal = False
         if plain and (not causal or length == 1 or t == 1):
@@ -293,14 +285,13 @@ def _attention(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder,
         elif plain and causal and t == length:
             is_causal = True
         else:
-            keep = visible(t, length, causal, a.get("window"), prefix, a.get("global_tokens"),
+            keep = visible(t, length, causal, a["window"], prefix, a["global_tokens"],
                            device=q.device)[None, None]
             if padding is not None:
                 keep = keep & padding.bool()[:, None, None, :]
             if bias is None:
                 mask = keep
             else:
-                from archc.ir.ops.attention import alibi_bias, relative_bias
                 add = (alibi_bias(got["slopes"], t, length) if bias.fn == "alibi" else
                        relative_bias(got["rel_table"].float(), t, length,
                                      bias.kw("bidirectional"), bias.kw("max_distance")))
@@ -326,17 +317,17 @@ def _attention(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder,
         if groups > 1:
             kk = rec(Op.REPEAT_KV, k, groups=groups)
             vv = rec(Op.REPEAT_KV, v, groups=groups)
-        s = rec(Op.SCALE, rec(Op.SCORES, q, kk), factor=a["scale"])
-        if a.get("softcap") is not None:
-            s = rec(Op.SOFTCAP, s, cap=a["softcap"])
+        s = rec(Op.POINTWISE, rec(Op.SCORES, q, kk), expr=E.call("scale", E.x(0), by=a["scale"]))
+        if a["softcap"] is not None:
+            s = rec(Op.POINTWISE, s, expr=E.call("softcap", E.x(0), cap=a["softcap"]))
         if bias is not None and bias.fn == "alibi":
             s = rec(Op.ALIBI, s, got["slopes"])
         elif bias is not None:
             s = rec(Op.REL_BIAS, s, got["rel_table"], bidirectional=bias.kw("bidirectional"),
                     max_distance=bias.kw("max_distance"))
         extra = [x for x in (padding, got.get("prefix_len")) if x is not None]
-        s = rec(Op.MASK, s, *extra, causal=a["causal"], window=a.get("window"),
-                global_tokens=a.get("global_tokens"), padding=padding is not None,
+        s = rec(Op.MASK, s, *extra, causal=a["causal"], window=a["window"],
+                global_tokens=a["global_tokens"], padding=padding is not None,
                 prefix=prefix is not None)
         return rec(Op.MERGE_HEADS, rec(Op.WEIGHTED_SUM, rec(Op.SOFTMAX, s), vv))
 
@@ -346,44 +337,54 @@ def _attention(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder,
 
 # ---- the other kernels -----------------------------------------------------------------------
 
+def _step_inputs(steps: Sequence[Call], rest: Sequence[torch.Tensor]
+                 ) -> list[Sequence[torch.Tensor]]:
+    """The inputs of each epilogue step, in order."""
+    out, left = [], list(rest)
+    for st in steps:
+        k = len(STEPS[st.fn].inputs)
+        out.append(left[:k])
+        left = left[k:]
+    return out
+
+
+def _elementwise_steps(rec: _Recorder, y: torch.Tensor, steps: Sequence[Call],
+                       inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    segs = [_Seg(0, y.shape[-1], y)]
+    for k, (st, ins) in enumerate(zip(steps, _step_inputs(steps, inputs))):
+        segs = _epilogue_step(rec, segs, st, ins, steps[k + 1:])
+    return torch.cat([_flat(s) for s in segs], dim=-1) if len(segs) > 1 else segs[0].value
+
+
 def _norm(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder) -> Counterpart:
-    a = g.nodes[i].attrs
-    got = dict(zip(_norm_inputs(a), xs))
+    a = full_attrs(Op.NORM, g.nodes[i].attrs)
+    got = bind(Op.NORM, a, xs)
+    rest = [v for k, v in got.items() if k not in ("x", "weight", "residual")]
 
     def body() -> torch.Tensor:
         x = got["x"]
-        if "residual_before" in got:
-            x = rec(Op.ADD, x, got["residual_before"])
-        if a["kind"] == "rms":
-            y = rec(Op.RMSNORM, x, got["weight"], eps=a["eps"],
-                    unit_offset=a.get("unit_offset", False))
-        else:
-            y = rec(Op.LAYERNORM, x, got["weight"], *([got["bias"]] if "bias" in got else []),
-                    eps=a["eps"])
-        if "residual_after" in got:
-            y = rec(Op.ADD, y, got["residual_after"])
-        return y
+        if "residual" in got:
+            x = rec(Op.ADD, x, got["residual"])
+        y = rec(Op.NORM, x, got["weight"], kind=a["kind"], eps=a["eps"],
+                unit_offset=a["unit_offset"])
+        return _elementwise_steps(rec, y, a["epilogue"], rest)
 
     return _unfused("unfused", rec, body, lambda y: y)
-
-
-_POINTWISE_OPS = {"add": Op.ADD, "mul": Op.MUL, "scale": Op.SCALE, "act": Op.ACT,
-                  "softcap": Op.SOFTCAP}
 
 
 def _pointwise(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder) -> Counterpart:
     expr: Call = g.nodes[i].attr("expr")
 
     def ev(e: Call) -> torch.Tensor:
+        """One unfused op per function application."""
         if e.fn == "x":
             return xs[e.args[0]]
-        args = [ev(x) for x in e.args if isinstance(x, Call)]
-        kw = dict(e.kwargs)
-        if e.fn == "sub":
-            return rec.torch("sub", lambda: args[0] - args[1])
-        if e.fn == "scale":
-            kw = {"factor": kw["by"]}
-        return rec(_POINTWISE_OPS[e.fn], *args, **kw)
+        calls = [a for a in e.args if isinstance(a, Call)]
+        args = [ev(a) for a in calls]
+        leaves = iter(E.x(k) for k in range(len(args)))
+        expr1 = Call(e.fn, tuple(next(leaves) if isinstance(a, Call) else a for a in e.args),
+                     e.kwargs)
+        return rec(Op.POINTWISE, *args, expr=expr1)
 
     return _unfused("unfused", rec, lambda: ev(expr), lambda y: y)
 
@@ -396,93 +397,89 @@ def _router(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder) -> Cou
 
 
 def _moe_linear(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder) -> Counterpart:
-    """Expert by expert over the tokens routed to it, as a PyTorch MoE layer runs."""
-    a = g.nodes[i].attrs
-    x, gates, w = xs
+    """Expert by expert over the tokens routed to it, as a PyTorch MoE layer runs, then the
+    epilogue's ops."""
+    a = full_attrs(Op.MOE_LINEAR, g.nodes[i].attrs)
+    x, gates, w = xs[:3]
     top_k = a["top_k"]
-    idx = selected_experts(gates, top_k)                          # (B, T, k)
-    flat_idx = idx.reshape(-1, top_k)
+    flat_idx = selected_experts(gates, top_k).reshape(-1, top_k)
     flat_gates = gates.reshape(-1, gates.shape[-1])
 
     def up() -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        width = w.shape[1] // 2 if a["gated"] else w.shape[1]
-        out = torch.zeros(flat.shape[0], top_k, width, dtype=x.dtype, device=x.device)
+        out = torch.zeros(flat.shape[0], top_k, w.shape[1], dtype=x.dtype, device=x.device)
         for e in range(w.shape[0]):
             tok, slot = torch.nonzero(flat_idx == e, as_tuple=True)
-            if tok.numel() == 0:
-                continue
-            h = F.linear(flat[tok], w[e])
-            h = (activation(h[:, :width], a["act"]) * h[:, width:] if a["gated"] else
-                 activation(h, a["act"]))
-            out[tok, slot] = h
-        return out.reshape(*x.shape[:-1], top_k, width)
+            if tok.numel():
+                out[tok, slot] = F.linear(flat[tok], w[e])
+        return out.reshape(*x.shape[:-1], top_k, w.shape[1])
 
     def down() -> torch.Tensor:
         flat = x.reshape(-1, top_k, x.shape[-1])
         out = torch.zeros(flat.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
         for e in range(w.shape[0]):
             tok, slot = torch.nonzero(flat_idx == e, as_tuple=True)
-            if tok.numel() == 0:
-                continue
-            y = F.linear(flat[tok, slot], w[e]) * flat_gates[tok, e, None]
-            out.index_add_(0, tok, y)
+            if tok.numel():
+                out.index_add_(0, tok, F.linear(flat[tok, slot], w[e]) * flat_gates[tok, e, None])
         return out.reshape(*x.shape[:-2], w.shape[1])
 
-    if a["stage"] == "up":
-        return Counterpart("unfused", up, lambda y: y, "per expert: routed tokens → linear → act")
-    return Counterpart("unfused", down, lambda y: y,
-                       "per expert: routed tokens → linear → × gate → index_add")
+    stage = up if a["stage"] == "up" else down
+    what = ("per expert: routed tokens → linear" if a["stage"] == "up" else
+            "per expert: routed tokens → linear → × gate → index_add")
+    steps = ", ".join(st.fn for st in a["epilogue"])
+    quiet = _Recorder(rec.ctx, None)
+    return Counterpart("unfused", lambda: _elementwise_steps(quiet, stage(), a["epilogue"],
+                                                             xs[3:]),
+                       lambda y: y, what + (f" → {steps}" if steps else ""))
 
 
 # ---- the recurrent kernels ------------------------------------------------------------------
 
 def _causal_conv(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder) -> Counterpart:
-    a = g.nodes[i].attrs
+    a = full_attrs(Op.CAUSAL_CONV, g.nodes[i].attrs)
 
     def body() -> torch.Tensor:
-        y = rec(Op.CONV1D, xs[0], xs[1], layer=a["layer"])
+        y = rec(Op.CAUSAL_CONV, xs[0], xs[1], layer=a["layer"])
         if a["bias"]:
-            y = rec(Op.BIAS_ADD, y, xs[2])
+            y = rec(Op.ADD, y, xs[2])
         return rec(Op.ACT, y, fn=a["act"])
 
     return _unfused("unfused", rec, body, lambda y: y)
 
 
 def _ssm_scan(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder) -> Counterpart:
-    a = g.nodes[i].attrs
-    x, dt, am, bm, cm, d, z = xs[:7]
+    a = full_attrs(Op.SSM_SCAN, g.nodes[i].attrs)
+    got = bind(Op.SSM_SCAN, a, xs)
 
     def body() -> torch.Tensor:
-        b, c = bm, cm
-        if a.get("norm_eps") is not None:
-            b = rec(Op.RMSNORM, bm, xs[7], eps=a["norm_eps"], unit_offset=False)
-            c = rec(Op.RMSNORM, cm, xs[8], eps=a["norm_eps"], unit_offset=False)
-        y = rec(Op.SELECTIVE_SCAN, x, dt, am, b, c, layer=a["layer"])
-        y = rec(Op.ADD, y, rec(Op.MUL, x, d))
-        return rec(Op.MUL, y, rec(Op.ACT, z, fn="silu"))
+        b, c = got["B"], got["C"]
+        if a["norm_eps"] is not None:
+            b = rec(Op.NORM, b, got["B_gain"], kind="rms", eps=a["norm_eps"])
+            c = rec(Op.NORM, c, got["C_gain"], kind="rms", eps=a["norm_eps"])
+        y = rec(Op.SSM_SCAN, got["x"], got["dt"], got["A"], b, c, layer=a["layer"])
+        if not a["gate"]:
+            return y
+        y = rec(Op.ADD, y, rec(Op.MUL, got["x"], got["D"]))
+        return rec(Op.MUL, y, rec(Op.ACT, got["z"], fn="silu"))
 
     return _unfused("unfused", rec, body, lambda y: y)
 
 
 def _linear_attention(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder
                       ) -> Counterpart:
-    a = g.nodes[i].attrs
+    a = full_attrs(Op.LINEAR_ATTENTION, g.nodes[i].attrs)
     q, k, v = xs
 
     def body() -> torch.Tensor:
         phi_q, phi_k = (rec(Op.ACT, t, fn=a["feature"]) for t in (q, k))
-        return rec(Op.MERGE_HEADS, rec(Op.LINEAR_SCAN, phi_q, phi_k, v, layer=a["layer"]))
+        return rec(Op.LINEAR_ATTENTION, phi_q, phi_k, v, layer=a["layer"])
 
     return _unfused("unfused", rec, body, lambda y: y)
 
 
 def state_keys(g: Graph, i: int) -> list[tuple[int, str]]:
     """The (layer, kind) of each recurrent state node i reads and updates (none for most)."""
-    n = g.nodes[i]
-    if n.op not in RECURRENT:
-        return []
-    return [(n.attr("layer"), d.kind) for d in OP_TABLE[n.op].extra["state"](g.sig(i))]
+    return [(g.nodes[i].attr("layer"), d.kind) for d in node_states(g, i)]
 
 
 def counterparts(g: Graph, i: int, xs: Sequence[torch.Tensor], dims: Mapping[str, int],
@@ -509,7 +506,7 @@ def counterparts(g: Graph, i: int, xs: Sequence[torch.Tensor], dims: Mapping[str
         return [_norm(g, i, xs, rec)]
     if n.op == Op.POINTWISE:
         return [_pointwise(g, i, xs, rec)]
-    if n.op == Op.TOPK_ROUTER:
+    if n.op == Op.ROUTER:
         return [_router(g, i, xs, rec)]
     if n.op == Op.MOE_LINEAR:
         return [_moe_linear(g, i, xs, rec)]
@@ -525,7 +522,7 @@ def scratch_caches(g: Graph, i: int, dims: Mapping[str, int], dtype: torch.dtype
     """KV-cache tensors for the unfused writes of node i (its kv_write steps), P + T long."""
     out = {}
     length = dims["P"] + dims["T"]
-    for st in g.nodes[i].attr("epilogue", ()) or ():
+    for st in g.nodes[i].attr("epilogue", ()):
         if st.fn == "kv_write":
             for kind in ("k", "v"):
                 out[(st.kw("layer"), kind)] = torch.zeros(

@@ -15,10 +15,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from archc.ir.cost import node_cost
+from archc.ir.cost import node_cost, node_states
 from archc.ir.graph import CROSS_KV, Graph, Program
-from archc.ir.ops import OP_TABLE, RECURRENT, Op
-from archc.ir.ops.state import state_bytes
+from archc.ir.ops import Op
 from archc.ir.paramexpr import leaves
 from archc.ir.shapes import DTYPE_BYTES, evaluate, numel
 from archc.perf.gpus import GPU
@@ -128,7 +127,7 @@ def weight_bytes_read(program: Program, dims: Mapping[str, int]) -> int:
                 size = evaluate(numel(p.shape), dims) * DTYPE_BYTES[p.dtype]
                 if n.op == Op.EMBEDDING:  # a gather reads only the rows it looks up
                     size = evaluate(numel(n.shape), dims) * DTYPE_BYTES[p.dtype]
-                elif n.op in (Op.MOE_EXPERTS, Op.MOE_LINEAR) and slot >= 2:
+                elif n.op == Op.MOE_LINEAR and slot == 2:
                     x = g.nodes[n.inputs[0]].shape
                     rows = x[:-1] if n.attr("stage", "up") == "up" else x[:-2]
                     experts = evaluate(p.shape[0], dims)
@@ -181,13 +180,8 @@ def kv_bytes_read(program: Program, dims: Mapping[str, int]) -> int:
 def state_bytes_moved(program: Program, dims: Mapping[str, int]) -> int:
     """Recurrent-state bytes a step moves: each state a node declares (``StateDecl``), read at
     the start of the call and written at its end."""
-    total = 0
-    for g in program:
-        for i in g.compute_ids():
-            n = g.nodes[i]
-            if n.op in RECURRENT:
-                total += 2 * evaluate(state_bytes(OP_TABLE[n.op].extra["state"](g.sig(i))), dims)
-    return total
+    return sum(2 * evaluate(d.bytes, dims) for g in program for i in g.compute_ids()
+               for d in node_states(g, i))
 
 
 @dataclass(frozen=True)

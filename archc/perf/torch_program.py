@@ -26,7 +26,7 @@ import torch
 
 from archc.errors import ArchcError
 from archc.ir.graph import Graph
-from archc.ir.ops import OP_TABLE, Op
+from archc.ir.ops import OP_TABLE, Args, Op, full_attrs, roles_of
 from archc.ir.ops.attention import query_key_positions, visible
 from archc.ir.shapes import evaluate
 
@@ -69,23 +69,20 @@ class TorchContext:
         return self.store[(layer, kind)][:, :, :self.dims["P"] + self.dims["T"]]
 
 
-def _mask_on_device(ctx: Any, xs: Sequence[torch.Tensor], a: Mapping[str, Any]) -> torch.Tensor:
+def _mask_on_device(ctx: Any, args: Args, a: Mapping[str, Any]) -> torch.Tensor:
     """The table's ``mask`` (``archc.ir.ops.attention.visible``), positions made on the device."""
-    s = xs[0]
-    rest = list(xs[1:])
-    padding = rest.pop(0) if a.get("padding") else None
-    prefix = rest.pop(0) if a.get("prefix") else None
-    keep = visible(s.shape[-2], s.shape[-1], a["causal"], a.get("window"), prefix,
-                   a.get("global_tokens"), device=s.device)[None, None]
+    s = args["scores"]
+    padding = args.get("padding")
+    keep = visible(s.shape[-2], s.shape[-1], a["causal"], a["window"], args.get("prefix_len"),
+                   a["global_tokens"], device=s.device)[None, None]
     if padding is not None:
         keep = keep & padding.bool()[:, None, None, :]
     return s.masked_fill(~keep, torch.finfo(s.dtype).min)
 
 
-def _alibi_on_device(ctx: Any, xs: Sequence[torch.Tensor], a: Mapping[str, Any]
-                     ) -> torch.Tensor:
+def _alibi_on_device(ctx: Any, args: Args, a: Mapping[str, Any]) -> torch.Tensor:
     """The table's ``alibi`` (−slope·(query − key)), positions made on the device."""
-    s, slopes = xs
+    s, slopes = args["scores"], args["slopes"]
     q, k = query_key_positions(s.shape[-2], s.shape[-1], s.device)
     dist = (k[None, :] - q[:, None]).to(torch.float32)
     return (s.float() + (slopes.float()[:, None, None] * dist[None])[None]).to(s.dtype)
@@ -116,6 +113,7 @@ class _Step:
     node: int
     fn: Callable[..., torch.Tensor]
     inputs: tuple[int, ...]
+    roles: tuple[str, ...]
     attrs: Mapping[str, Any]
     frees: tuple[int, ...]       # values no later node reads
 
@@ -154,7 +152,9 @@ class TorchProgram:
             if n.op in (Op.INPUT, Op.PARAM):
                 continue
             frees = tuple(sorted({j for j in n.inputs if last_use[j] == i and j not in keep}))
-            steps.append(_Step(i, eager_fn(n.op), n.inputs, dict(n.attrs), frees))
+            attrs = full_attrs(n.op, n.attrs)
+            steps.append(_Step(i, eager_fn(n.op), n.inputs,
+                               tuple(roles_of(n.op, attrs, len(n.inputs))), attrs, frees))
         self.steps: Sequence[_Step] = tuple(steps)
         self.prefix_len = 0
 
@@ -169,7 +169,8 @@ class TorchProgram:
         for name, i in self.input_ids.items():
             values[i] = given[name]
         for s in self.steps:
-            values[s.node] = s.fn(ctx, [values[j] for j in s.inputs], s.attrs)
+            values[s.node] = s.fn(ctx, dict(zip(s.roles, (values[j] for j in s.inputs))),
+                                  s.attrs)
             for j in s.frees:
                 values[j] = None
         out = values[self.output]

@@ -184,7 +184,7 @@ class LaunchContext:
 
 def moe_routing(gates: torch.Tensor, top_k: int, block_m: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from archc.ir.ops.fused import selected_experts
+    from archc.ir.ops.moe import selected_experts
     n_experts = gates.shape[-1]
     chosen = selected_experts(gates.reshape(-1, n_experts), top_k)   # (M, k), ascending experts
     experts = chosen.reshape(-1)                                    # pair p = token·k + slot

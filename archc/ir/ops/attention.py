@@ -99,7 +99,7 @@ def check_dynamic_rope(dynamic: Call | None, rotary_dim: int) -> None:
 register(OpDef(
     Op.ROPE, "Rotary position embedding of q or k at the given positions; with `dynamic`, "
     "frequencies rescaled from the sequence length (dynamic NTK).",
-    "%12 : f32[B,4,T,16] = rope(%11, %1, %2) {interleaved=false, mscale=1.0, rotary_dim=16}",
+    "%12 : f32[B,4,T,16] = rope(%11, %1, %2) {interleaved=false, rotary_dim=16}",
     operands("x", "positions", "inv_freq"), _rope_infer,
     lambda ctx, a, at: rope(a["x"], a["positions"], a["inv_freq"], at["rotary_dim"],
                             at["interleaved"], at["mscale"], at["dynamic"]),

@@ -24,6 +24,7 @@ import torch
 
 from archc.ir import expr as E
 from archc.ir.attrs import Call
+from archc.ir.ops.attention import check_dynamic_rope, rope
 from archc.ir.ops.base import (
     Attr,
     EagerCtx,
@@ -35,7 +36,6 @@ from archc.ir.ops.base import (
     same_dim,
     same_shape,
 )
-from archc.ir.ops.attention import check_dynamic_rope, rope
 
 
 @dataclass(frozen=True)
