@@ -20,8 +20,9 @@ from archc.codegen.layout import CodegenError, layouts
 from archc.codegen.options import CodegenOptions
 from archc.codegen.printer import PrintError, pexpr, texpr
 from archc.codegen.render import generate, load_module, write_module
+from archc.errors import ArchcError
 from archc.ir.attrs import Call
-from archc.ir.graph import GraphBuilder, Program
+from archc.ir.graph import Graph, GraphBuilder, Program
 from archc.ir.lower import lower
 from archc.ir.ops import Op
 from archc.ir.shapes import B, P, T, shape
@@ -171,23 +172,30 @@ def test_an_unsupported_epilogue_is_refused_naming_the_node() -> None:
         generate(Program("t", (b.build(),)), CodegenOptions())
 
 
+def _with_attrs(g: Graph, i: int, **attrs: object) -> Program:
+    """`g` with node i's attributes replaced, bypassing the builder's checks."""
+    bad = g.nodes[i].replace(attrs=g.nodes[i].attrs.replace(**attrs))
+    return Program("t", (Graph(g.name, g.nodes[:i] + (bad,) + g.nodes[i + 1:]),))
+
+
 def test_numbers_reach_generated_code_only_as_checked_literals() -> None:
+    """Attributes that reach generated code are checked before anything renders: a string where
+    a number belongs, an activation name that is code, are refused naming the node."""
     b = GraphBuilder("decoder")
     x = b.input("x", shape(B, T, 16), "f32")
-    expr = Call("scale", (Call("x", (0,)),), (("by", "2) or __import__('os'"),))
-    b.output("y", b.emit(Op.POINTWISE, x, expr=expr))
-    with pytest.raises(CodegenError, match="scale factor must be a finite number"):
-        generate(Program("t", (b.build(),)), CodegenOptions())
+    b.output("y", b.emit(Op.POINTWISE, x, expr=Call("scale", (Call("x", (0,)),),
+                                                     (("by", 2.0),))))
+    g = b.build()
+    evil = Call("scale", (Call("x", (0,)),), (("by", "2) or __import__('os'"),))
+    with pytest.raises(ArchcError, match=r"pointwise.*by must be a finite number"):
+        generate(_with_attrs(g, 1, expr=evil), CodegenOptions())
     b = GraphBuilder("decoder")
     x = b.input("x", shape(B, T, 16), "f32")
     w = b.input("w", shape(24, 16), "f32")
-    act = Call("act", (), (("fn", "silu(x) + __import__('os')"),))
     b.output("y", b.emit(Op.FUSED_LINEAR, x, w, epilogue=(Call("scale", (), (("by", 2.0),)),)))
-    g = b.build()
-    bad = g.nodes[-2].replace(attrs=g.nodes[-2].attrs.replace(epilogue=(act,)))
-    g = type(g)(g.name, g.nodes[:-2] + (bad, g.nodes[-1]))
-    with pytest.raises(CodegenError, match="unknown activation"):
-        generate(Program("t", (g,)), CodegenOptions())
+    act = Call("act", (), (("fn", "silu(x) + __import__('os')"),))
+    with pytest.raises(ArchcError, match="fused_linear.*act.. fn is .*not one of"):
+        generate(_with_attrs(b.build(), 2, epilogue=(act,)), CodegenOptions())
 
 
 def test_views_are_read_through_strides_not_copied() -> None:

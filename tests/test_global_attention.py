@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from archc.ir import expr as E
 from archc.ir.graph import GraphBuilder
 from archc.ir.ops import Op
 from archc.ir.ops.attention import visible
@@ -80,7 +81,8 @@ def test_mask_and_attention_ops_are_plain_sparse_attention(causal: bool) -> None
     mask = dict(causal=causal, padding=False, prefix=False, window=window, global_tokens=g)
 
     def unfused(b: GraphBuilder, i: dict[str, int]) -> int:
-        s = b.emit(Op.SCALE, b.emit(Op.SCORES, i["q"], i["k"]), factor=0.4)
+        s = b.emit(Op.POINTWISE, b.emit(Op.SCORES, i["q"], i["k"]),
+                   expr=E.call("scale", E.x(0), by=0.4))
         p = b.emit(Op.SOFTMAX, b.emit(Op.MASK, s, **mask))
         return b.emit(Op.MERGE_HEADS, b.emit(Op.WEIGHTED_SUM, p, i["v"]))
 

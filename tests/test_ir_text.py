@@ -94,7 +94,7 @@ def test_verifier_refuses_unknown_attribute() -> None:
 
 def test_verifier_refuses_wrong_dtype() -> None:
     program = lower(load_spec("tiny-llama3"))
-    i = _first(program, Op.RMSNORM)
+    i = _first(program, Op.NORM)
     with pytest.raises(IRError, match="dtype should be f32"):
         verify(_mutate(program, i, dtype="f16"))
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from archc.ir import expr as E
 from archc.ir.attrs import Call
 from archc.ir.graph import GraphBuilder
 from archc.ir.ops import Op
@@ -56,7 +57,7 @@ def test_fused_linear_rms_prologue() -> None:
     x, w, g = rand(2, 5, 16), rand(24, 16), 1 + 0.1 * rand(16)
 
     def unfused(b: GraphBuilder, i: dict[str, int]) -> int:
-        n = b.emit(Op.RMSNORM, i["x"], i["g"], eps=1e-5)
+        n = b.emit(Op.NORM, i["x"], i["g"], kind="rms", eps=1e-5)
         return b.emit(Op.MATMUL, n, i["w"])
 
     def fused(b: GraphBuilder, i: dict[str, int]) -> int:
@@ -73,8 +74,9 @@ def test_fused_linear_layernorm_rank1_correction() -> None:
     x, w, g, beta, c = rand(2, 5, 16), rand(24, 16), 1 + 0.1 * rand(16), rand(16), rand(24)
 
     def unfused(b: GraphBuilder, i: dict[str, int]) -> int:
-        n = b.emit(Op.LAYERNORM, i["x"], i["g"], i["beta"], eps=1e-5)
-        return b.emit(Op.BIAS_ADD, b.emit(Op.MATMUL, n, i["w"]), i["c"])
+        n = b.emit(Op.NORM, i["x"], i["g"], i["beta"], kind="layer", eps=1e-5,
+                   epilogue=(Call("bias"),))
+        return b.emit(Op.ADD, b.emit(Op.MATMUL, n, i["w"]), i["c"])
 
     def fused(b: GraphBuilder, i: dict[str, int]) -> int:
         return b.emit(Op.FUSED_LINEAR, i["x"], i["wg"], i["colsum"], i["bias2"],
@@ -128,7 +130,8 @@ def test_fused_linear_rope_and_kv_write_then_cached_attention(interleaved: bool)
         k = b.emit(Op.KV_CACHE, b.emit(Op.ROPE, k, i["pos"], i["freq"], **rope_attrs),
                    layer=0, kind="k")
         v = b.emit(Op.KV_CACHE, v, layer=0, kind="v")
-        s = b.emit(Op.SCALE, b.emit(Op.SCORES, q, k), factor=hd ** -0.5)
+        s = b.emit(Op.POINTWISE, b.emit(Op.SCORES, q, k),
+                   expr=E.call("scale", E.x(0), by=hd ** -0.5))
         s = b.emit(Op.MASK, s, causal=True, padding=False, prefix=False, window=4)
         o = b.emit(Op.WEIGHTED_SUM, b.emit(Op.SOFTMAX, s), v)
         return b.emit(Op.MERGE_HEADS, o)
@@ -170,8 +173,9 @@ def test_attention_with_position_bias_padding_and_softcap(bias: str) -> None:
     from archc.ir.shapes import S
 
     def unfused(b: GraphBuilder, i: dict[str, int]) -> int:
-        s = b.emit(Op.SCALE, b.emit(Op.SCORES, i["q"], i["k"]), factor=0.3)
-        s = b.emit(Op.SOFTCAP, s, cap=5.0)
+        s = b.emit(Op.POINTWISE, b.emit(Op.SCORES, i["q"], i["k"]),
+                   expr=E.call("scale", E.x(0), by=0.3))
+        s = b.emit(Op.POINTWISE, s, expr=E.call("softcap", E.x(0), cap=5.0))
         s = b.emit(bias_op, s, i["table"], **bias_attrs)
         s = b.emit(Op.MASK, s, i["pad"], causal=False, padding=True, prefix=False)
         return b.emit(Op.MERGE_HEADS, b.emit(Op.WEIGHTED_SUM, b.emit(Op.SOFTMAX, s), i["v"]))
@@ -193,14 +197,17 @@ def test_norm_kernel_with_residual(where: str) -> None:
 
     def unfused(b: GraphBuilder, i: dict[str, int]) -> int:
         if where == "before":
-            return b.emit(Op.RMSNORM, b.emit(Op.ADD, i["r"], i["x"]), i["g"], eps=1e-6,
+            return b.emit(Op.NORM, b.emit(Op.ADD, i["r"], i["x"]), i["g"], kind="rms", eps=1e-6,
                           unit_offset=True)
-        return b.emit(Op.ADD, i["r"], b.emit(Op.RMSNORM, i["x"], i["g"], eps=1e-6,
+        return b.emit(Op.ADD, i["r"], b.emit(Op.NORM, i["x"], i["g"], kind="rms", eps=1e-6,
                                              unit_offset=True))
 
     def fused(b: GraphBuilder, i: dict[str, int]) -> int:
+        if where == "before":
+            return b.emit(Op.NORM, i["x"], i["g"], i["r"], kind="rms", eps=1e-6,
+                          unit_offset=True, add_before=True)
         return b.emit(Op.NORM, i["x"], i["g"], i["r"], kind="rms", eps=1e-6, unit_offset=True,
-                      bias=False, add_before=where == "before", add_after=where == "after")
+                      epilogue=(Call("residual"),))
 
     run_both({"x": (shape(B, T, 16), "f32"), "r": (shape(B, T, 16), "f32"),
               "g": (shape(16), "f32")}, unfused, fused, {"x": x, "r": r, "g": g})
@@ -210,8 +217,8 @@ def test_pointwise_chain() -> None:
     a, c = rand(2, 5, 16), rand(2, 5, 16)
 
     def unfused(b: GraphBuilder, i: dict[str, int]) -> int:
-        return b.emit(Op.SCALE, b.emit(Op.MUL, b.emit(Op.ACT, i["a"], fn="gelu"), i["c"]),
-                      factor=0.5)
+        return b.emit(Op.POINTWISE, b.emit(Op.MUL, b.emit(Op.ACT, i["a"], fn="gelu"), i["c"]),
+                      expr=E.call("scale", E.x(0), by=0.5))
 
     def fused(b: GraphBuilder, i: dict[str, int]) -> int:
         x0, x1 = Call("x", (0,)), Call("x", (1,))
@@ -223,27 +230,54 @@ def test_pointwise_chain() -> None:
              {"a": a, "c": c})
 
 
-def test_moe_linear_equals_moe_experts() -> None:
+def moe_reference(x: torch.Tensor, wr: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                  down: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Mixtral's sparse MoE block, token by token: softmax over experts, the top k
+    renormalized, Σ_e p_e · down_e(silu(gate_e·x) · up_e·x)."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.zeros_like(flat)
+    for t, row in enumerate(flat):
+        p = torch.softmax(wr @ row, dim=-1)
+        top, idx = p.topk(top_k)
+        for w, e in zip(top / top.sum(), idx):
+            h = torch.nn.functional.silu(gate[e] @ row) * (up[e] @ row)
+            out[t] += w * (down[e] @ h)
+    return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("form", ["unfused", "fused"])
+def test_expert_ops_equal_a_plain_moe_block(form: str) -> None:
+    """The MoE of lowering (router over logits; gate and up stages, act, mul, down stage) and of
+    the passes (router over x; gate+up with a glu epilogue; down with a residual) against a
+    plain token-by-token MoE block."""
     e, f, d = 4, 12, 16
-    x, wr = rand(2, 5, d), rand(e, d)
+    x, wr, r = rand(2, 5, d), rand(e, d), rand(2, 5, d)
     up, gate, down = rand(e, f, d), rand(e, f, d), rand(e, d, f)
-
-    def unfused(b: GraphBuilder, i: dict[str, int]) -> int:
+    b = GraphBuilder("g")
+    i = {name: b.input(name, spec, "f32") for name, spec in (
+        ("x", shape(B, T, d)), ("r", shape(B, T, d)), ("wr", shape(e, d)), ("up", shape(e, f, d)),
+        ("gate", shape(e, f, d)), ("down", shape(e, d, f)), ("gu", shape(e, 2 * f, d)))}
+    if form == "unfused":
         gates = b.emit(Op.ROUTER, b.emit(Op.MATMUL, i["x"], i["wr"]), top_k=2, normalize=True)
-        return b.emit(Op.MOE_EXPERTS, i["x"], gates, i["up"], i["down"], i["gate"], act="silu",
-                      gated=True, top_k=2)
-
-    def fused(b: GraphBuilder, i: dict[str, int]) -> int:
-        gates = b.emit(Op.TOPK_ROUTER, i["x"], i["wr"], top_k=2, normalize=True)
-        h = b.emit(Op.MOE_LINEAR, i["x"], gates, i["gu"], stage="up", act="silu", gated=True,
-                   top_k=2)
-        return b.emit(Op.MOE_LINEAR, h, gates, i["down"], stage="down", top_k=2)
-
-    run_both({"x": (shape(B, T, d), "f32"), "wr": (shape(e, d), "f32"),
-              "up": (shape(e, f, d), "f32"), "gate": (shape(e, f, d), "f32"),
-              "down": (shape(e, d, f), "f32"), "gu": (shape(e, 2 * f, d), "f32")},
-             unfused, fused, {"x": x, "wr": wr, "up": up, "gate": gate, "down": down,
-                              "gu": torch.cat([gate, up], dim=1)})
+        g = b.emit(Op.MOE_LINEAR, i["x"], gates, i["gate"], stage="up", top_k=2)
+        u = b.emit(Op.MOE_LINEAR, i["x"], gates, i["up"], stage="up", top_k=2)
+        h = b.emit(Op.MUL, b.emit(Op.ACT, g, fn="silu"), u)
+        y = b.emit(Op.ADD, i["r"], b.emit(Op.MOE_LINEAR, h, gates, i["down"], stage="down",
+                                          top_k=2))
+    else:
+        gates = b.emit(Op.ROUTER, i["x"], i["wr"], top_k=2, normalize=True)
+        h = b.emit(Op.MOE_LINEAR, i["x"], gates, i["gu"], stage="up", top_k=2,
+                   epilogue=(Call("glu", (), (("fn", "silu"),)),))
+        y = b.emit(Op.MOE_LINEAR, h, gates, i["down"], i["r"], stage="down", top_k=2,
+                   epilogue=(Call("residual"),))
+    b.output("y", y)
+    g = b.build()
+    verify_graph(g)
+    values = {"x": x, "r": r, "wr": wr, "up": up, "gate": gate, "down": down,
+              "gu": torch.cat([gate, up], dim=1)}
+    got = run_graph(g, {}, values, EagerContext(DIMS, KVCache(16)))["y"]
+    want = r + moe_reference(x, wr, gate, up, down, top_k=2)
+    assert (got - want).abs().max() <= TOL * want.abs().max()
 
 
 def test_scores_read_kv_heads_by_index() -> None:
@@ -262,7 +296,7 @@ def test_scores_read_kv_heads_by_index() -> None:
 
 def test_attention_visible_pairs_cost() -> None:
     """Causal attention counts the visible pairs only: T(T+1)/2 at P = 0."""
-    from archc.ir.ops.fused import visible_pairs
+    from archc.ir.ops.attention import visible_pairs
     assert visible_pairs(T, P + T, True, None).subs({T: 8, P: 0}) == 36
     assert visible_pairs(T, P + T, False, None).subs({T: 8, P: 0}) == 64
     # window 3: rows see 1, 2, 3, 3, 3… keys
@@ -304,9 +338,10 @@ def test_fused_linear_head_norm_then_rope(kind: str) -> None:
         y = bd.emit(Op.MATMUL, i["x"], i["w"])
         h = bd.emit(Op.SPLIT_HEADS, bd.emit(Op.SLICE, y, start=0, stop=heads * hd), heads=heads)
         if kind == "rms":
-            h = bd.emit(Op.RMSNORM, h, i["g"], eps=1e-6)
+            h = bd.emit(Op.NORM, h, i["g"], kind="rms", eps=1e-6)
         else:
-            h = bd.emit(Op.LAYERNORM, h, i["g"], i["b"], eps=1e-6)
+            h = bd.emit(Op.NORM, h, i["g"], i["b"], kind="layer", eps=1e-6,
+                        epilogue=(Call("bias"),))
         h = bd.emit(Op.ROPE, h, i["pos"], i["freq"], rotary_dim=hd, interleaved=False)
         return bd.emit(Op.MERGE_HEADS, h)
 

@@ -116,7 +116,7 @@ def test_ssm_scan_cost_by_hand() -> None:
         x, dt, z = (b.input(k, shape(B, T, c), "bf16") for k in ("x", "dt", "z"))
         bm, cm = (b.input(k, shape(B, T, n), "bf16") for k in ("bm", "cm"))
         return b.emit(Op.SSM_SCAN, x, dt, b.param("a", shape(c, n), "f32"), bm, cm,
-                      b.param("d", shape(c), "bf16"), z, layer=0)
+                      b.param("d", shape(c), "bf16"), z, layer=0, gate=True)
 
     (kern,) = kernels(_single(build), {"B": 2, "T": 5, "P": 0})
     tokens = 2 * 5

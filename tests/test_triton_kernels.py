@@ -247,9 +247,16 @@ def test_norm(kernel_dir: Path, kind: str, where: str | None, unit_offset: bool,
     width = 50
 
     def fn(b: GraphBuilder, i: dict[str, int]) -> int:
-        args = [i["x"], i["g"]] + ([i["b"]] if bias else []) + ([i["r"]] if where else [])
-        return b.emit(Op.NORM, *args, kind=kind, eps=1e-6, unit_offset=unit_offset or None,
-                      bias=bias, add_before=where == "before", add_after=where == "after")
+        args = [i["x"], i["g"]] + ([i["r"]] if where == "before" else [])
+        steps = []
+        if bias:                                      # the LayerNorm shift, then a residual
+            args.append(i["b"])
+            steps.append(Call("bias"))
+        if where == "after":
+            args.append(i["r"])
+            steps.append(Call("residual"))
+        return b.emit(Op.NORM, *args, kind=kind, eps=1e-6, unit_offset=unit_offset,
+                      add_before=where == "before", epilogue=tuple(steps))
 
     g = build({"x": (shape(B, T, width), dtype), "g": (shape(width), dtype),
                "b": (shape(width), dtype), "r": (shape(B, T, width), dtype)}, fn)
@@ -291,9 +298,12 @@ def test_moe_router_and_grouped_experts(kernel_dir: Path, gated: bool, act: str,
     rows = 2 * f if gated else f
 
     def fn(b: GraphBuilder, i: dict[str, int]) -> int:
-        gates = b.emit(Op.TOPK_ROUTER, i["x"], i["wr"], top_k=top_k, normalize=gated)
-        h = b.emit(Op.MOE_LINEAR, i["x"], gates, i["up"], stage="up", act=act, gated=gated,
-                   top_k=top_k)
+        gates = b.emit(Op.ROUTER, i["x"], i["wr"], top_k=top_k, normalize=gated)
+        h = b.emit(Op.MOE_LINEAR, i["x"], gates, i["up"], stage="up", top_k=top_k,
+                   epilogue=(Call("glu" if gated else "act", (), (("fn", act),)),))
+        if not gated:                                  # the down stage's sum adds a residual
+            return b.emit(Op.MOE_LINEAR, h, gates, i["down"], i["x"], stage="down",
+                          top_k=top_k, epilogue=(Call("residual"),))
         return b.emit(Op.MOE_LINEAR, h, gates, i["down"], stage="down", top_k=top_k)
 
     g = build({"x": (shape(B, T, d), "f32"), "wr": (shape(n_experts, d), "f32"),

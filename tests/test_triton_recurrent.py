@@ -151,7 +151,7 @@ def test_ssm_scan_over_a_sequence(kernel_dir: Path, tiles: str, norm: bool) -> N
         z = b.emit(Op.SLICE, i["xz"], start=c, stop=2 * c)          # in_proj's second half
         gains = [i["b_gain"], i["c_gain"]] if norm else []
         return b.emit(Op.SSM_SCAN, i["x"], i["dt"], i["a"], bm, cm, i["d"], z, *gains, layer=1,
-                      **({"norm_eps": 1e-6} if norm else {}))
+                      gate=True, norm_eps=1e-6 if norm else None)
 
     inputs = {"x": (shape(B, T, c), "f32"), "dt": (shape(B, T, c), "f32"),
               "a": (shape(c, n), "f32"), "proj": (shape(B, T, r + 2 * n), "f32"),

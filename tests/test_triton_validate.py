@@ -6,6 +6,7 @@ interpreter would leave every later GPU test in it running interpreted kernels.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,8 @@ import torch
 
 import archc
 from archc.cli import main
-from archc.codegen import kernels
 from archc.errors import ArchcError
+from archc.ir import expr as E
 from archc.runtime.validation import validate
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -38,7 +39,8 @@ def test_validate_names_the_first_diverging_kernel(monkeypatch: pytest.MonkeyPat
                                                    tmp_path: Path) -> None:
     """A wrong activation in the generated code (silu rendered as sigmoid) is caught at the
     first kernel that uses it — the gated FFN's projection — not later."""
-    monkeypatch.setitem(kernels.ACT_CODE, "silu", "tl.sigmoid({x})")
+    silu = dataclasses.replace(E.ACTIVATIONS["silu"], triton="tl.sigmoid({x})")
+    monkeypatch.setitem(E.ACTIVATIONS, "silu", silu)
     report = validate(archc.load("tiny-llama3"), device=DEVICE, cache_dir=tmp_path)
     first = report.first_divergence
     assert first is not None and not report.ok

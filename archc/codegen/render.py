@@ -34,6 +34,7 @@ from archc.ir import expr as E
 from archc.ir.expr import act_code, tanh_code
 from archc.ir.graph import Program
 from archc.ir.text import format_node, format_program
+from archc.ir.verify import verify
 
 TEMPLATES = Path(__file__).parent / "templates"
 PLACEHOLDER = "__KERNEL__"
@@ -146,7 +147,10 @@ def _comment_safe(text: str) -> str:
 
 
 def generate(program: Program, options: CodegenOptions) -> Generated:
-    """Render every compute node of `program` (kernel-level) into one module."""
+    """Render every compute node of `program` (kernel-level) into one module. The program is
+    verified first: every attribute that reaches generated code is of its declared type and
+    allowed values before anything renders."""
+    verify(program)
     by_text: dict[tuple[str, str], RenderedUnit] = {}
     units: list[RenderedUnit] = []
     counters: dict[str, int] = {}

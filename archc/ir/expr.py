@@ -88,15 +88,15 @@ def _act_flops(a: Any, fn: str) -> int:
 
 
 FUNCTIONS: dict[str, Function] = {f.name: f for f in (
-    Function("add", 2, (), lambda a, b: a + b, lambda a, b: f"({a} + {b})", lambda *_: 1),
-    Function("sub", 2, (), lambda a, b: a - b, lambda a, b: f"({a} - {b})", lambda *_: 1),
-    Function("mul", 2, (), lambda a, b: a * b, lambda a, b: f"({a} * {b})", lambda *_: 1),
+    Function("add", 2, (), lambda a, b: a + b, lambda a, b: f"({a} + {b})", lambda *_, **__: 1),
+    Function("sub", 2, (), lambda a, b: a - b, lambda a, b: f"({a} - {b})", lambda *_, **__: 1),
+    Function("mul", 2, (), lambda a, b: a * b, lambda a, b: f"({a} * {b})", lambda *_, **__: 1),
     Function("scale", 1, (("by", float),), lambda a, by: a * by,
-             lambda a, by: f"({a} * {by})", lambda *_: 1),
+             lambda a, by: f"({a} * {by})", lambda *_, **__: 1),
     Function("act", 1, (("fn", str),), lambda a, fn: ACTIVATIONS[fn].torch(a),
              lambda a, fn: ACTIVATIONS[fn.strip('"')].triton.replace("{x}", a), _act_flops),
     Function("softcap", 1, (("cap", float),), lambda a, cap: cap * torch.tanh(a / cap),
-             lambda a, cap: f"({cap} * {tanh_code(f'{a} / {cap}')})", lambda *_: 3),
+             lambda a, cap: f"({cap} * {tanh_code(f'{a} / {cap}')})", lambda *_, **__: 3),
 )}
 
 

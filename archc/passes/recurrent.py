@@ -30,7 +30,7 @@ def _conv_bias(rw: Rewriter, m: Bindings) -> int:
         raise Refusal(f"%{m['conv']} already adds a bias or applies {conv.attr('act')}: the "
                       "bias would come after it")
     if bias_of(rw, m["root"]) is None:
-        raise Refusal(f"%{m['root']} does not add a parameter vector")
+        raise Refusal(f"%{m['root']} adds something that is not a parameter vector")
     x, w = conv.inputs
     return rw.emit(Op.CAUSAL_CONV, [x, w, bias_of(rw, m["root"])[1]],  # type: ignore[index]
                    like=[m["conv"], m["root"]], layer=conv.attr("layer"), bias=True)
