@@ -168,7 +168,7 @@ def moe_routing(gates: torch.Tensor, top_k: int, block_m: int, table: torch.Tens
     block_expert.copy_(torch.where(owner < n_experts, owner, -1))
 
 
-@dataclass
+@dataclass(eq=False)
 class LaunchPlan:
     """One graph at fixed dims: its buffers, launches and output views."""
 
@@ -259,10 +259,14 @@ class GraphRunner:
         self.plans[key] = plan
         return plan
 
-    def execute(self, plan: LaunchPlan, d: LaunchContext, P: int) -> None:  # noqa: N803
-        """Replay `plan`'s launches (its inputs already fed) at past length P."""
+    def execute(self, plan: LaunchPlan, d: LaunchContext, P: int, *,  # noqa: N803
+                replay: bool = False) -> None:
+        """Replay `plan`'s launches (its inputs already fed) at past length P — or, with
+        `replay`, the CUDA graph captured from them."""
         d.past.fill_(P)
-        if d.target == "interpret":
+        if replay:
+            plan.replay.replay()
+        elif d.target == "interpret":
             # the interpreter computes with numpy, which warns where a GPU silently gives IEEE
             # results the kernels rely on (exp overflowing to inf in a sigmoid is exact 0 or 1)
             import numpy as np

@@ -116,8 +116,7 @@ class StaticKVCache(StaticStore):
         self.dtype = dtype
 
     def allocate(self, batch: int) -> dict[tuple[int, str], torch.Tensor]:
-        return {(layer, kind): torch.zeros(batch, kv_heads, self.max_len, hd, dtype=self.dtype,
-                                           device=self.device)
+        return {(layer, kind): self.zeros((batch, kv_heads, self.max_len, hd), self.dtype)
                 for layer, kv_heads, hd in self.specs for kind in ("k", "v")}
 
 
