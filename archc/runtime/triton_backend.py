@@ -286,6 +286,7 @@ class TritonSession:
             extra = {"encoder_hidden": encoder_hidden,
                      "encoder_mask": (torch.ones(b, s, dtype=torch.long, device=self.device)
                                       if encoder_mask is None else encoder_mask), **held}
+        # positions are archc's own: below max_seq_len, within every position table
         self._check_ids("decoder", {"tokens": tokens}, on_device=past == 0)
         self._ensure(b)
         if past == 0:   # a sequence starts: the recurrent state reads zeros
