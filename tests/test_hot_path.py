@@ -174,6 +174,15 @@ def test_plans_follow_the_encoder_length(kernel_dir: Path) -> None:
     assert plans[5] is not plans[7]
 
 
+def test_moe_routing_is_one_host_step_per_layer(kernel_dir: Path) -> None:
+    """An MoE layer's up and down projections read the same gates: the plan routes once."""
+    from archc.runtime.launch import moe_routing
+    s = host_session("tiny-mixtral", kernel_dir)
+    s.step(ids(1, 3))
+    routes = [fn for fn, _, _ in s.runners["decoder"].last.launches if fn is moe_routing]
+    assert len(routes) == load_spec("tiny-mixtral").layers
+
+
 # ---- the replay path gives the logits of plain launches -------------------------------------
 
 class PythonReplay:

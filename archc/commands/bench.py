@@ -153,7 +153,7 @@ def run_host(args: argparse.Namespace) -> int:
                          f"--cache-dir)")
     spec = keep_layers(spec_of(args), args.layers)
     dtype = args.dtype or GPU_RUN["dtype"]
-    check_host(spec, dtype)
+    check_host(spec)
     report = measure_host(spec, dtype=dtype, batch=args.batch or GPU_RUN["batch"],
                           steps=args.decode or HOST_STEPS, cache_dir=args.cache_dir)
     for line in format_host(report):

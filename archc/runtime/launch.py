@@ -66,6 +66,7 @@ class LaunchContext:
     bind: Callable[[Any, Any], Callable[..., Any]] = bind_kernel
     _scratch: dict[tuple[str, torch.dtype], torch.Tensor] = field(default_factory=dict)
     _launches: list[Launch] | None = None
+    _routing: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     def record(self, run: Callable[[], None], B: int, T: int, S: int,  # noqa: N803
                kv_len_max: int) -> list[Launch]:
@@ -77,6 +78,7 @@ class LaunchContext:
             return self._launches
         finally:
             self._launches = None
+            self._routing.clear()
 
     def launch(self, kernel: Any, grid: Any, *args: Any, **meta: Any) -> None:
         """Record `kernel[grid](*args, **meta)`. A grid that is a function of the block sizes is
@@ -128,13 +130,18 @@ class LaunchContext:
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(token, slot) pairs sorted by expert, each expert's run padded to `block_m` with −1,
         and the expert of each block (−1 past the end), in tensors of the plan that a host step
-        fills before the launches that read them. Device ops only: the block count is the upper
-        bound cdiv(pairs, block_m) + E, so nothing waits on the host."""
+        fills before the launches that read them — once per gates tensor: an MoE layer's up
+        and down projections share it. Device ops only: the block count is the upper bound
+        cdiv(pairs, block_m) + E, so nothing waits on the host."""
+        key = (id(gates), top_k, block_m)
+        if key in self._routing:
+            return self._routing[key][1:]
         n_experts = gates.shape[-1]
         blocks = -(-(gates.numel() // n_experts * top_k) // block_m) + n_experts
         table = torch.empty(blocks * block_m, dtype=torch.int32, device=gates.device)
         block_expert = torch.empty(blocks, dtype=torch.int32, device=gates.device)
         self.call(moe_routing, gates, top_k, block_m, table, block_expert)
+        self._routing[key] = (gates, table, block_expert)     # gates held: its id stays its own
         return table, block_expert
 
     def config(self, kernel: str, family: str, **sizes: int) -> dict[str, Any]:
