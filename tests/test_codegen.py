@@ -218,7 +218,7 @@ def test_buffers_are_reused_by_liveness() -> None:
     program = kernel_program("tiny-llama3", "f32")
     g = program.graph("decoder")
     plan = plan_buffers(g, layouts(g))
-    dims = {"B": 2, "T": 16, "P": 0, "S": 0}
+    dims = (2, 16, 0, 0)  # B, T, P, S
     assert plan.slots < len(g.compute_ids()) / 2
     assert plan.planned_bytes(dims) < plan.unplanned_bytes(dims) / 2
     # no node's buffer is shared with a buffer that is still live when it is written

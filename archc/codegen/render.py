@@ -7,7 +7,9 @@
    share one. Names are given in order of first use (``fused_linear_0``, ``attention_1``, …).
 3. The module template assembles the shared device functions, each unit headed by the IR nodes it
    implements, a ``KERNELS`` table (family, static sizes, argument types) and one ``run_<graph>``
-   function per graph that launches the graph's kernels in order.
+   function per graph that calls the units' launchers in order. Launchers share one skeleton
+   (``templates/launch.j2``) and record their launches with ``d.launch``: the runtime runs them
+   once per launch plan and replays what they recorded (``archc.runtime.launch``).
 
 The module is written to a cache directory keyed by a hash of the program text and the options,
 and imported from there (Triton reads kernel source from the file).

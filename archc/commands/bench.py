@@ -2,6 +2,7 @@
 
     archc bench llama3-8b --layers 4 --prompt 2048 --decode 64 --json results.json
     archc bench tiny-llama3 --dry-run        # the whole harness on the CPU, tiny shapes
+    archc bench llama3-8b --host             # archc's host time per decode step, any machine
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from archc.ui import console, err_console, si
 NAME = "bench"
 HELP = "time each generated kernel beside torch.matmul, scaled_dot_product_attention and the " \
        "unfused torch ops it replaces, and whole-model prefill and decode beside PyTorch eager " \
-       "and torch.compile, against the roofline (needs a CUDA GPU; --dry-run runs on the CPU)"
+       "and torch.compile, against the roofline (needs a CUDA GPU; --dry-run runs on the CPU); " \
+       "--host: archc's own host time per decode step, kernels no-ops (any machine)"
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 DRY_RUN = {"batch": 1, "prompt": 8, "decode": 4, "dtype": "f32"}
 GPU_RUN = {"batch": 1, "prompt": 512, "decode": 64, "dtype": "bf16"}
+HOST_STEPS = 1000
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,6 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", nargs="?", const="auto", default="auto", metavar="MODEL",
                    help=f"the roofline's GPU model: {', '.join(GPUS)}, or auto (default: read "
                         "off the device; h200 in a dry run)")
+    p.add_argument("--host", action="store_true",
+                   help="time archc's own host work per decode step, on the CPU: the GPU "
+                        "target's launch code with every kernel launch a no-op, plain and "
+                        "through the CUDA-graph path; weights and KV cache are never allocated")
     p.add_argument("--dry-run", action="store_true",
                    help="run the whole harness on the CPU (Triton's interpreter, tiny shapes, "
                         "host-clock timing): checks the code, measures nothing meaningful")
@@ -47,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{DRY_RUN['prompt']} in a dry run)")
     p.add_argument("--decode", type=positive_int,
                    help=f"decode steps timed (default {GPU_RUN['decode']}; "
-                        f"{DRY_RUN['decode']} in a dry run)")
+                        f"{DRY_RUN['decode']} in a dry run; {HOST_STEPS} with --host)")
     p.add_argument("--dtype", choices=("bf16", "f16", "f32"),
                    help="weights and activations (default bf16; f32 in a dry run)")
     p.add_argument("--compile-modes", default=",".join(COMPILE_MODES), metavar="MODES",
@@ -126,8 +133,38 @@ def config_of(args: argparse.Namespace) -> Any:
         kernel_section=not args.no_kernels, cache_dir=args.cache_dir)
 
 
+def _not_for_host(args: argparse.Namespace) -> list[str]:
+    """The options given that --host has no use for."""
+    given = {"--dry-run": args.dry_run, "--prompt": args.prompt is not None,
+             "--gpu": args.gpu != "auto", "--compile-modes": args.compile_modes != ",".join(
+                 COMPILE_MODES), "--no-kernels": args.no_kernels, "--autotune": args.autotune,
+             "--seed": args.seed != 0, "--json": args.json is not None}
+    return [name for name, on in given.items() if on]
+
+
+def run_host(args: argparse.Namespace) -> int:
+    from archc.perf.bench import keep_layers
+    from archc.perf.host import check_host, format_host, measure_host
+    extra = _not_for_host(args)
+    if extra:
+        raise ArchcError(f"--host times archc's host work per decode step with no-op kernels "
+                         f"and no weights: {', '.join(extra)} do{'es' if len(extra) == 1 else ''}"
+                         f" not apply (it takes --batch, --decode, --dtype, --layers, "
+                         f"--cache-dir)")
+    spec = keep_layers(spec_of(args), args.layers)
+    dtype = args.dtype or GPU_RUN["dtype"]
+    check_host(spec)
+    report = measure_host(spec, dtype=dtype, batch=args.batch or GPU_RUN["batch"],
+                          steps=args.decode or HOST_STEPS, cache_dir=args.cache_dir)
+    for line in format_host(report):
+        console.print(escape(line), soft_wrap=True)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from archc.perf.bench import default_json_name, run_bench
+    if args.host:
+        return run_host(args)
     cfg = config_of(args)
     path = args.json
     if path is not None and path.is_dir():

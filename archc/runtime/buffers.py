@@ -10,12 +10,13 @@ root and keep it alive. The plan is made once per graph, symbolically, and sized
    freed. (Freeing after allocating keeps a kernel's output from aliasing its own inputs.)
 3. At run time each slot is one byte buffer as large as its largest member at the concrete
    B, T, P, S, allocated once per distinct shape and reused by every call with that shape — so
-   decode steps run on the same addresses, as a captured CUDA graph needs.
+   decode steps run on the same addresses, as a captured CUDA graph needs. Sizes and shapes come
+   from one function of the dims compiled with the plan (``archc.runtime.dimfn``), not sympy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import sympy
@@ -23,17 +24,15 @@ import torch
 
 from archc.codegen.layout import Layout
 from archc.ir.graph import Graph
-from archc.ir.shapes import DIMS, DTYPE_BYTES, numel
+from archc.ir.shapes import DTYPE_BYTES, numel
 from archc.ir.view import live_ranges
+from archc.runtime.dimfn import DimFn, dim_function, uses_past
 from archc.runtime.weights import TORCH_DTYPES
 
-REFERENCE_DIMS = {"B": 1, "T": 128, "P": 0, "S": 128}
+Dims = tuple[int, int, int, int]       # B, T, P, S
+
+REFERENCE_DIMS: Dims = (1, 128, 0, 128)
 ALIGN = 256  # bytes: every buffer starts on a 256-byte boundary (vector loads, TMA)
-
-
-def _bytes(expr: sympy.Expr, dims: Mapping[str, int]) -> int:
-    value = expr.xreplace({DIMS[k]: v for k, v in dims.items() if k in DIMS})
-    return int(value)
 
 
 @dataclass
@@ -42,29 +41,38 @@ class BufferPlan:
     slot_of: dict[int, int]                       # root node → slot
     members: list[list[int]]                      # slot → root nodes
     nbytes: dict[int, sympy.Expr]                 # root node → bytes
-    _cache: dict[tuple[int, ...], list[torch.Tensor]] = field(default_factory=dict)
+    shapes: dict[int, tuple[sympy.Expr, ...]]     # root node → shape
+    dtypes: dict[int, str]                        # root node → IR dtype
+    _cache: dict[Dims, list[torch.Tensor]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # every root's bytes, then every root's shape, as one compiled function of the dims
+        roots = list(self.slot_of)
+        self._sizes: DimFn = dim_function(
+            [self.nbytes[r] for r in roots] + [d for r in roots for d in self.shapes[r]],
+            f"buffer_sizes_{self.graph}")
+        self._by_past = uses_past(list(self.nbytes.values()))
 
     @property
     def slots(self) -> int:
         return len(self.members)
 
-    def slot_bytes(self, dims: Mapping[str, int]) -> list[int]:
-        out = []
-        for roots in self.members:
-            size = max(_bytes(self.nbytes[r], dims) for r in roots)
-            out.append((size + ALIGN - 1) // ALIGN * ALIGN)
-        return out
+    def root_bytes(self, dims: Dims) -> dict[int, int]:
+        return dict(zip(self.slot_of, self._sizes(*dims)))
 
-    def planned_bytes(self, dims: Mapping[str, int]) -> int:
+    def slot_bytes(self, dims: Dims) -> list[int]:
+        nbytes = self.root_bytes(dims)
+        return [(max(nbytes[r] for r in roots) + ALIGN - 1) // ALIGN * ALIGN
+                for roots in self.members]
+
+    def planned_bytes(self, dims: Dims) -> int:
         return sum(self.slot_bytes(dims))
 
-    def unplanned_bytes(self, dims: Mapping[str, int]) -> int:
-        return sum(_bytes(b, dims) for b in self.nbytes.values())
+    def unplanned_bytes(self, dims: Dims) -> int:
+        return sum(self.root_bytes(dims).values())
 
-    def buffers(self, dims: Mapping[str, int], device: torch.device) -> list[torch.Tensor]:
-        key = tuple(int(dims.get(k, 0)) for k in ("B", "T", "P", "S"))
-        if not any(d.has(DIMS["P"]) for d in self.nbytes.values()):
-            key = key[:2] + (0,) + key[3:]           # sizes do not depend on P
+    def buffers(self, dims: Dims, device: torch.device) -> list[torch.Tensor]:
+        key = dims if self._by_past else (dims[0], dims[1], 0, dims[3])
         bufs = self._cache.get(key)
         if bufs is None:
             if len(self._cache) >= 8:                 # distinct prompt lengths: keep a few
@@ -74,20 +82,22 @@ class BufferPlan:
             self._cache[key] = bufs
         return bufs
 
-    def tensors(self, g: Graph, dims: Mapping[str, int], device: torch.device
-                ) -> dict[int, torch.Tensor]:
+    def tensors(self, dims: Dims, device: torch.device) -> dict[int, torch.Tensor]:
         """Root node → its tensor (a typed view of its slot) at `dims`."""
         bufs = self.buffers(dims, device)
+        sizes = self._sizes(*dims)
+        at = len(self.slot_of)
         out: dict[int, torch.Tensor] = {}
         for root, slot in self.slot_of.items():
-            n = g.nodes[root]
-            shape = [_bytes(s, dims) for s in n.shape]
+            rank = len(self.shapes[root])
+            shape = sizes[at:at + rank]
+            at += rank
             count = 1
             for s in shape:
                 count *= s
-            dtype = TORCH_DTYPES[n.dtype]
-            width = DTYPE_BYTES[n.dtype]
-            out[root] = bufs[slot][:count * width].view(dtype).view(shape)
+            dtype = self.dtypes[root]
+            out[root] = bufs[slot][:count * DTYPE_BYTES[dtype]].view(TORCH_DTYPES[dtype]).view(
+                shape)
         return out
 
 
@@ -97,7 +107,8 @@ def plan_buffers(g: Graph, lays: Sequence[Layout], *, reuse: bool = True) -> Buf
     last = {r: ranges[r][1] for r in roots}
     end = len(g.nodes)
     nbytes = {r: numel(g.nodes[r].shape) * DTYPE_BYTES[g.nodes[r].dtype] for r in roots}
-    ref = {r: _bytes(nbytes[r], REFERENCE_DIMS) for r in roots}
+    at_ref = dim_function(list(nbytes.values()), f"reference_bytes_{g.name}")(*REFERENCE_DIMS)
+    ref = dict(zip(nbytes, at_ref))
     slot_of: dict[int, int] = {}
     members: list[list[int]] = []
     size_at_ref: list[int] = []
@@ -124,4 +135,6 @@ def plan_buffers(g: Graph, lays: Sequence[Layout], *, reuse: bool = True) -> Buf
             slot_of[i] = slot
         for r in dying.get(i, []):
             free.append(slot_of[r])
-    return BufferPlan(g.name, slot_of, members, nbytes)
+    return BufferPlan(g.name, slot_of, members, nbytes,
+                      {r: tuple(g.nodes[r].shape) for r in roots},
+                      {r: g.nodes[r].dtype for r in roots})

@@ -59,6 +59,10 @@ class StaticStore:
     def allocate(self, batch: int) -> dict[tuple[int, str], torch.Tensor]:
         raise NotImplementedError
 
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """One tensor of the store (`archc bench --host` stands in views of one element)."""
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
     def ensure(self, batch: int) -> None:
         if batch == self.batch:
             return
@@ -89,8 +93,7 @@ class StaticState(StaticStore):
         self.specs = specs
 
     def allocate(self, batch: int) -> dict[tuple[int, str], torch.Tensor]:
-        return {(layer, kind): torch.zeros(batch, *shape, dtype=TORCH_DTYPES[dtype],
-                                           device=self.device)
+        return {(layer, kind): self.zeros((batch, *shape), TORCH_DTYPES[dtype])
                 for layer, kind, shape, dtype in self.specs}
 
     def zero(self) -> None:

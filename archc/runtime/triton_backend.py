@@ -4,10 +4,12 @@
 
 ``TritonSession`` is the backend's ``Session``: the default pass pipeline turns the unfused
 program into kernel-level graphs, codegen renders them into one module (cached on disk by a hash
-of graph + options), and each call runs ``run_<graph>(v, d)`` of that module:
+of graph + options), and each call replays a launch plan that ``run_<graph>(v, d)`` of that module
+recorded once for its dims (``archc.runtime.launch``):
 
 - weights: parameter expressions evaluated once, in the model dtype, on the device;
 - activations: buffers planned by liveness (``archc.runtime.buffers``), reused across calls;
+- inputs: copied into the plan's own buffers, so every launch argument stays valid;
 - KV cache: static, [B, H_kv, max_seq_len, D] per layer and k|v, KV heads only, written by the
   QKV projection's epilogue at offset P; P lives on the device too, so a decode step is the same
   launches every time — on a GPU it is captured once in a CUDA graph and replayed;
@@ -24,7 +26,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -34,9 +36,9 @@ import torch
 from archc.errors import ArchcError, RunError
 from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import Op
-from archc.ir.shapes import concrete
 from archc.ir.text import format_node
 from archc.runtime.cross_kv import CrossKV
+from archc.runtime.launch import GraphRunner, LaunchContext, LaunchPlan
 from archc.runtime.state import StaticState, StaticStore
 from archc.runtime.weights import TORCH_DTYPES, materialize
 
@@ -99,7 +101,7 @@ def default_cache_dir() -> Path:
     return Path(base) / "archc" / "kernels"
 
 
-# ---- the KV cache and the launch context ---------------------------------------------------
+# ---- the KV cache ---------------------------------------------------------------------
 
 class StaticKVCache(StaticStore):
     """[B, H_kv, max_len, D] per (layer, k|v)."""
@@ -114,159 +116,8 @@ class StaticKVCache(StaticStore):
         self.dtype = dtype
 
     def allocate(self, batch: int) -> dict[tuple[int, str], torch.Tensor]:
-        return {(layer, kind): torch.zeros(batch, kv_heads, self.max_len, hd, dtype=self.dtype,
-                                           device=self.device)
+        return {(layer, kind): self.zeros((batch, kv_heads, self.max_len, hd), self.dtype)
                 for layer, kv_heads, hd in self.specs for kind in ("k", "v")}
-
-
-@dataclass
-class LaunchContext:
-    """What the generated launchers read: dims, the past length on the device, the KV cache,
-    scratch buffers and block sizes."""
-
-    target: str
-    device: torch.device
-    cache: StaticKVCache | None
-    autotuned: set[str] = field(default_factory=set)
-    states: StaticState | None = None
-    B: int = 1
-    T: int = 1
-    P: int = 0
-    S: int = 0
-    kv_len_max: int = 0                 # keys a decode-attention grid must cover
-    decode_max_rows: int = 128          # blocks.DECODE_MAX_ROWS; tests force either kernel
-    past: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.int32))
-    _scratch: dict[tuple[str, torch.dtype], torch.Tensor] = field(default_factory=dict)
-
-    def set_dims(self, B: int, T: int, P: int, S: int, kv_len_max: int) -> None:  # noqa: N803
-        self.B, self.T, self.P, self.S = B, T, P, S
-        self.kv_len_max = kv_len_max
-        self.past.fill_(P)
-
-    def kv(self, layer: int, kind: str) -> torch.Tensor:
-        if self.cache is None:
-            raise RunError("this graph uses a KV cache but none was given")
-        return self.cache.get(layer, kind)
-
-    def state(self, layer: int, kind: str) -> torch.Tensor:
-        if self.states is None:
-            raise RunError("this graph keeps a recurrent state but none was given")
-        return self.states.get(layer, kind)
-
-    def scratch(self, name: str, numel: int, dtype: str) -> torch.Tensor:
-        """A scratch buffer of at least `numel` elements of IR dtype `dtype`, reused by every
-        launch that asks for `name` (launches on one stream run in order)."""
-        key = (name, TORCH_DTYPES[dtype])
-        buf = self._scratch.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(max(numel, 1), dtype=key[1], device=self.device)
-            self._scratch[key] = buf
-        return buf[:numel]
-
-
-    def decode_splits(self, keys: int, programs: int, block_n: int) -> tuple[int, int]:
-        from archc.codegen.blocks import decode_splits
-        return decode_splits(self.target, keys, programs, block_n)
-
-    def moe_routing(self, gates: torch.Tensor, top_k: int, block_m: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token, slot) pairs sorted by expert, each expert's run padded to `block_m` with −1,
-        and the expert of each block (−1 past the end). Device ops only: the block count is the
-        upper bound cdiv(pairs, block_m) + E, so nothing waits on the host."""
-        return moe_routing(gates, top_k, block_m)
-
-    def config(self, kernel: str, family: str, **sizes: int) -> dict[str, Any]:
-        if kernel in self.autotuned:
-            return {}
-        from archc.codegen.blocks import launch_config
-        return launch_config(family, self.target, **sizes)
-
-
-def moe_routing(gates: torch.Tensor, top_k: int, block_m: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    from archc.ir.ops.moe import selected_experts
-    n_experts = gates.shape[-1]
-    chosen = selected_experts(gates.reshape(-1, n_experts), top_k)   # (M, k), ascending experts
-    experts = chosen.reshape(-1)                                    # pair p = token·k + slot
-    pairs = experts.numel()
-    order = torch.argsort(experts, stable=True)
-    counts = torch.zeros(n_experts, dtype=torch.long, device=gates.device)
-    counts.scatter_add_(0, experts, torch.ones_like(experts))
-    padded = (counts + block_m - 1) // block_m * block_m
-    start = torch.cumsum(padded, 0) - padded                        # each expert's first slot
-    first = torch.cumsum(counts, 0) - counts                        # its first sorted pair
-    sorted_experts = experts[order]
-    dest = start[sorted_experts] + torch.arange(pairs, device=gates.device) - first[sorted_experts]
-    blocks = -(-pairs // block_m) + n_experts
-    table = torch.full((blocks * block_m,), -1, dtype=torch.int32, device=gates.device)
-    table[dest] = order.to(torch.int32)
-    ends = torch.cumsum(padded, 0)
-    block_start = torch.arange(blocks, device=gates.device) * block_m
-    owner = torch.searchsorted(ends, block_start, right=True)
-    block_expert = torch.where(owner < n_experts, owner, -1).to(torch.int32)
-    return table, block_expert
-
-
-# ---- running one graph ---------------------------------------------------------------------
-
-class GraphRunner:
-    """One graph of a generated module: its parameters, buffer plan and run function."""
-
-    def __init__(self, module: ModuleType, graph: Graph, params: Mapping[str, torch.Tensor],
-                 device: torch.device, *, reuse_buffers: bool = True) -> None:
-        from archc.codegen.layout import layouts
-        from archc.runtime.buffers import plan_buffers
-        self.graph = graph
-        self.device = device
-        self.lays = layouts(graph)
-        self.plan = plan_buffers(graph, self.lays, reuse=reuse_buffers)
-        self.run_fn = getattr(module, f"run_{graph.name}")
-        self.v: list[torch.Tensor | None] = [None] * len(graph.nodes)
-        for name, i in graph.params.items():
-            self.v[i] = params[name]
-        self.inputs = graph.inputs
-        self.last_v: list[torch.Tensor | None] = []
-        self.last_dims: dict[str, int] = {}
-
-    def run(self, inputs: Mapping[str, torch.Tensor], d: LaunchContext) -> dict[str, torch.Tensor]:
-        g = self.graph
-        dims = {"B": d.B, "T": d.T, "P": d.P, "S": d.S}
-        v = list(self.v)
-        for name, i in self.inputs.items():
-            if name not in inputs:
-                raise RunError(f"graph {g.name} needs input {name!r}")
-            x = inputs[name]
-            n = g.nodes[i]
-            want = concrete(n.shape, dims)
-            if tuple(x.shape) != want:
-                raise RunError(f"input {name!r} is {list(x.shape)}, graph {g.name} expects "
-                               f"{list(want)}")
-            v[i] = x.to(self.device, TORCH_DTYPES[n.dtype]).contiguous()
-        for root, t in self.plan.tensors(g, dims, self.device).items():
-            v[root] = t
-        if d.target == "interpret":
-            # the interpreter computes with numpy, which warns where a GPU silently gives IEEE
-            # results the kernels rely on (exp overflowing to inf in a sigmoid is exact 0 or 1)
-            import numpy as np
-            with np.errstate(over="ignore", under="ignore"):
-                self.run_fn(v, d)
-        else:
-            self.run_fn(v, d)
-        self.last_v = v
-        self.last_dims = dims
-        return {name: self.value(o, dims).clone() for name, o in g.outputs.items()}
-
-    def value(self, i: int, dims: Mapping[str, int],
-              v: list[torch.Tensor | None] | None = None) -> torch.Tensor:
-        """Node i's value after the last run (or in buffers `v`), read through its layout."""
-        from archc.ir.shapes import evaluate
-        lay = self.lays[i]
-        base = (self.last_v if v is None else v)[lay.root]
-        if base is None:
-            raise RunError(f"node %{i} has no value")
-        shape = [evaluate(s, dims) for s in lay.shape]
-        strides = [evaluate(s, dims) for s in lay.strides]
-        return base.as_strided(shape, strides, base.storage_offset() + evaluate(lay.offset, dims))
 
 
 # ---- the session ---------------------------------------------------------------------------
@@ -300,10 +151,27 @@ def kernel_program(program: Program, passes: str | None) -> Program:
     return optimize(program, passes)
 
 
+IdCheck = tuple[str, int, str]          # (input name, table rows, the embedding node as text)
+
+
+def id_checks(graph: Graph) -> list[IdCheck]:
+    """The inputs of `graph` that index an embedding table, with the table's row count."""
+    out: list[IdCheck] = []
+    for i in graph.ids(Op.EMBEDDING):
+        n = graph.nodes[i]
+        src = graph.nodes[n.inputs[1]]
+        if src.op == Op.INPUT:
+            out.append((src.name, int(graph.nodes[n.inputs[0]].shape[0]), format_node(i, n)))
+    return out
+
+
 class TritonSession:
     """A program compiled to Triton kernels, with weights, a static KV cache and past length P.
 
-    Same surface as ``EagerSession``: ``reset``, ``encode``, ``step``."""
+    Same surface as ``EagerSession``: ``reset``, ``encode``, ``step``. Each graph runs from launch
+    plans (``archc.runtime.launch``) built once per dims; a decode step copies its inputs into
+    the plan's buffers, writes P to the device and replays the plan — on a GPU, a CUDA graph
+    captured from it."""
 
     def __init__(self, program: Program, checkpoint: Mapping[str, torch.Tensor], *,
                  max_seq_len: int, dtype: str = "f32", device: str | torch.device = "cpu",
@@ -311,7 +179,7 @@ class TritonSession:
         from archc.codegen.options import CodegenOptions
         from archc.codegen.render import generate, load_module, write_module
         self.device = torch.device(device)
-        self.target = prepare_triton(self.device)
+        self.target = self._target(self.device)
         check_dtype(dtype, self.target)
         self.options = options or TritonOptions()
         self.dtype = dtype
@@ -325,11 +193,11 @@ class TritonSession:
         self.module_path = write_module(self.generated, cache_dir / self.generated.digest[:24])
         self.module = load_module(self.module_path, self.generated.digest)
         autotuned = _apply_autotune(self.module) if self.codegen_options.autotune else set()
-        self.runners = {g.name: GraphRunner(self.module, g, materialize(g, checkpoint,
-                                                                          self.device),
+        self.runners = {g.name: GraphRunner(self.module, g, self._parameters(g, checkpoint),
                                             self.device,
                                             reuse_buffers=self.options.reuse_buffers)
                         for g in self.program}
+        self.id_checks = {name: id_checks(r.graph) for name, r in self.runners.items()}
         self.cache = StaticKVCache(self.generated.kv, max_seq_len, TORCH_DTYPES[dtype],
                                    self.device)
         self.states = StaticState(self.generated.states, self.device)
@@ -338,8 +206,24 @@ class TritonSession:
         self.max_seq_len = max_seq_len
         self.past = 0
         self.prefix_len: int | None = None
-        self._graphs: dict[tuple[int, int], _CapturedStep] = {}
+        # decode steps replay a CUDA graph of their plan (on a GPU, unless turned off)
+        self.cuda_graphs = (self.target == "gpu" and self.options.cuda_graphs
+                            and self.device.type == "cuda")
         self.cross_kv = CrossKV(self.program, self._run_cross_kv)
+
+    def _target(self, device: torch.device) -> str:
+        return prepare_triton(device)
+
+    def _parameters(self, graph: Graph, checkpoint: Mapping[str, torch.Tensor]
+                    ) -> dict[str, torch.Tensor]:
+        return materialize(graph, checkpoint, self.device)
+
+    def kv_len(self, past: int, t: int) -> int:
+        """Keys a decode-attention grid covers. On a GPU the whole cache: one plan (and one
+        captured graph) serves every step, the kernels reading the live length from the device.
+        The interpreter pays for every program it runs, so there the keys so far: a plan per
+        past length."""
+        return past + t if self.target == "interpret" else self.max_seq_len
 
     def reset(self) -> None:
         self.past = 0
@@ -350,33 +234,27 @@ class TritonSession:
         b, s = encoder_hidden.shape[:2]
         return self._run(CROSS_KV, {"encoder_hidden": encoder_hidden}, B=b, T=1, P=0, S=s)
 
-    def _check_ids(self, graph: Graph, inputs: Mapping[str, torch.Tensor], *,
+    def _check_ids(self, graph: str, inputs: Mapping[str, torch.Tensor], *,
                    on_device: bool = True) -> None:
         """Token ids index embedding tables: out-of-range ids are refused here, naming the node.
         Ids still on the host are checked there, at no cost to the device. Ids already on the
         device are checked only when `on_device` (a prefill, which waits on the GPU anyway): a
         decode step must not stop the host to read them back. The embedding kernel masks ids
         outside the table, so an unchecked id never reads out of bounds."""
-        for i in graph.ids(Op.EMBEDDING):
-            n = graph.nodes[i]
-            src = graph.nodes[n.inputs[1]]
-            if src.op != Op.INPUT or src.name not in inputs:
+        for name, rows, node in self.id_checks[graph]:
+            ids = inputs.get(name)
+            if ids is None or not ids.numel() or (ids.device.type != "cpu" and not on_device):
                 continue
-            rows = int(graph.nodes[n.inputs[0]].shape[0])
-            ids = inputs[src.name]
-            if ids.device.type != "cpu" and not on_device:
-                continue
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
-                raise RunError(f"while running {format_node(i, n)}: {src.name} holds ids "
-                               f"outside [0, {rows})")
+            low, high = torch.aminmax(ids)                  # one op, one read-back
+            if int(low) < 0 or int(high) >= rows:
+                raise RunError(f"while running {node}: {name} holds ids outside [0, {rows})")
 
     def _run(self, name: str, inputs: dict[str, torch.Tensor], *, B: int, T: int,  # noqa: N803
              P: int, S: int) -> dict[str, torch.Tensor]:
-        runner = self.runners[name]
-        self._check_ids(runner.graph, inputs, on_device=P == 0)
+        self._check_ids(name, inputs, on_device=P == 0)
         self._ensure(B)
-        self.ctx.set_dims(B, T, P, S, P + T)
-        return runner.run(inputs, self.ctx)
+        return self.runners[name].run(inputs, self.ctx, B=B, T=T, P=P, S=S,
+                                      kv_len_max=self.kv_len(P, T))
 
     def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
                token_types: torch.Tensor | None = None) -> torch.Tensor:
@@ -388,100 +266,78 @@ class TritonSession:
                                      if attention_mask is None else attention_mask.long()),
                   "token_types": (torch.zeros(b, t, dtype=torch.long, device=dev)
                                   if token_types is None else token_types.long())}
-        inputs = {k: v for k, v in inputs.items() if k in self.runners["encoder"].inputs}
         return self._run("encoder", inputs, B=b, T=t, P=0, S=0)["hidden"]
 
     def step(self, tokens: torch.Tensor, *, encoder_hidden: torch.Tensor | None = None,
              encoder_mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t = tokens.shape
-        if self.past + t > self.max_seq_len:
-            raise RunError(f"sequence of {self.past + t} tokens exceeds the KV cache "
+        past = self.past
+        if past + t > self.max_seq_len:
+            raise RunError(f"sequence of {past + t} tokens exceeds the KV cache "
                            f"(max_seq_len = {self.max_seq_len})")
         if self.prefix_len is None:
             self.prefix_len = t
-        # made on the device (kernel launches, no host-to-device copies to wait for)
-        dev = self.device
-        inputs: dict[str, torch.Tensor] = {
-            "tokens": tokens,
-            "positions": torch.arange(self.past, self.past + t, device=dev),
-            "prefix_len": torch.full((), self.prefix_len, dtype=torch.long, device=dev),
-        }
         s = 0
+        extra: dict[str, torch.Tensor] = {}
+        held: dict[str, torch.Tensor] | None = None
         if encoder_hidden is not None:
             s = encoder_hidden.shape[1]
-            inputs["encoder_hidden"] = encoder_hidden
-            inputs["encoder_mask"] = (torch.ones(b, s, dtype=torch.long, device=dev)
-                                      if encoder_mask is None else encoder_mask.long())
-            inputs.update(self.cross_kv.inputs(encoder_hidden))
-        runner = self.runners["decoder"]
-        inputs = {k: v for k, v in inputs.items() if k in runner.inputs}
-        if self.past == 0:   # a sequence starts: the recurrent state reads zeros
-            self._ensure(b)
+            held = self.cross_kv.inputs(encoder_hidden)     # once per generation
+            extra = {"encoder_hidden": encoder_hidden,
+                     "encoder_mask": (torch.ones(b, s, dtype=torch.long, device=self.device)
+                                      if encoder_mask is None else encoder_mask), **held}
+        # positions are archc's own: below max_seq_len, within every position table
+        self._check_ids("decoder", {"tokens": tokens}, on_device=past == 0)
+        self._ensure(b)
+        if past == 0:   # a sequence starts: the recurrent state reads zeros
             self.states.zero()
-        if self._graph_ok(t):
-            out = self._replay(inputs, b, s)
+        runner = self.runners["decoder"]
+        plan = runner.plan(self.ctx, b, t, past, s, self.kv_len(past, t), held)
+        # the inputs, into the plan's buffers: one small op each, none waiting on the device
+        bufs = plan.inputs
+        bufs["tokens"].copy_(tokens)
+        if "positions" in bufs:
+            torch.arange(past, past + t, out=bufs["positions"])
+        if "prefix_len" in bufs:
+            bufs["prefix_len"].fill_(self.prefix_len)
+        for name, x in extra.items():
+            buf = bufs.get(name)
+            if buf is None or buf is x:
+                continue
+            if x.shape != buf.shape:
+                raise RunError(f"input {name!r} is {list(x.shape)}, the decoder expects "
+                               f"{list(buf.shape)}")
+            buf.copy_(x)
+        if self.cuda_graphs and t == 1:
+            self._replay(runner, plan, past)
         else:
-            out = self._run("decoder", inputs, B=b, T=t, P=self.past, S=s)["logits"]
-        self.past += t
-        return out
+            runner.execute(plan, self.ctx, past)
+        self.past = past + t
+        return plan.outputs["logits"].clone()
 
     def _ensure(self, batch: int) -> None:
-        """KV cache and recurrent state for `batch` sequences: reallocated together, so a
-        captured decode graph (keyed on the cache's generation) never outlives either."""
+        """KV cache and recurrent state for `batch` sequences: reallocated together, and with
+        them every launch plan (and captured graph) that holds their tensors."""
         self.cache.ensure(batch)
         self.states.ensure(batch)
 
     # ---- CUDA graphs for decode ------------------------------------------------------------
-    def _graph_ok(self, t: int) -> bool:
-        return (self.target == "gpu" and self.options.cuda_graphs and t == 1
-                and self.device.type == "cuda")
+    def _replay(self, runner: GraphRunner, plan: LaunchPlan, past: int) -> None:
+        """A decode step through a CUDA graph of `plan`, its inputs already in place. The
+        plan's first step launches normally — compiling and tuning the kernels — and is then
+        captured; later steps write P to the device and replay."""
+        if plan.replay is None:
+            runner.execute(plan, self.ctx, past)
+            plan.replay = self._capture(plan)
+        else:
+            runner.execute(plan, self.ctx, past, replay=True)
 
-    def _replay(self, inputs: dict[str, torch.Tensor], b: int, s: int) -> torch.Tensor:
-        """A decode step through a CUDA graph. The first step at a (batch, encoder length) runs
-        normally — compiling and tuning the kernels, allocating every buffer — and is then
-        captured with those buffers, its own scratch and private copies of the inputs; later
-        steps copy their inputs in, write P to the device and replay. A graph is dropped when
-        the KV cache it writes is reallocated (a new batch size)."""
-        runner = self.runners["decoder"]
-        self._check_ids(runner.graph, inputs, on_device=self.past == 0)
-        self._ensure(b)
-        dims = {"B": b, "T": 1, "P": self.past, "S": s}
-        entry = self._graphs.get((b, s))
-        if entry is None or entry.cache_generation != self.cache.generation:
-            shared_scratch = self.ctx._scratch
-            self.ctx._scratch = {}            # the graph's own scratch, kept alive with it
-            try:
-                self.ctx.set_dims(b, 1, self.past, s, self.max_seq_len)
-                out = runner.run(inputs, self.ctx)["logits"]     # warm-up: compile, tune
-                v = list(runner.last_v)
-                for name, i in runner.inputs.items():             # inputs the graph owns,
-                    if name not in self.cross_kv.values:          # but the cross-KV cache's
-                        v[i] = v[i].clone()                       # own tensors are read in place
-                graph = torch.cuda.CUDAGraph()
-                torch.cuda.synchronize()
-                with torch.cuda.graph(graph):
-                    runner.run_fn(v, self.ctx)
-                self._graphs[(b, s)] = _CapturedStep(graph, v, self.ctx._scratch,
-                                                     self.cache.generation)
-            finally:
-                self.ctx._scratch = shared_scratch
-            return out
-        for k, x in inputs.items():
-            i = runner.inputs[k]
-            if entry.v[i].data_ptr() != x.data_ptr():             # not the tensor it reads
-                entry.v[i].copy_(x.to(entry.v[i].dtype))
-        self.ctx.set_dims(b, 1, self.past, s, self.max_seq_len)   # P on the device
-        entry.graph.replay()
-        logits = runner.graph.outputs["logits"]
-        return runner.value(logits, dims, entry.v).clone()
-
-
-@dataclass
-class _CapturedStep:
-    graph: Any                                  # torch.cuda.CUDAGraph
-    v: list[torch.Tensor | None]                # the buffers it reads and writes
-    scratch: dict[tuple[str, torch.dtype], torch.Tensor]
-    cache_generation: int
+    def _capture(self, plan: LaunchPlan) -> Any:
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            plan.launch()
+        return graph
 
 
 def _apply_autotune(module: ModuleType) -> set[str]:
@@ -576,6 +432,5 @@ def run_graph_triton(graph: Graph, params: Mapping[str, torch.Tensor],
                         past=torch.zeros(1, dtype=torch.int32, device=device))
     if decode_max_rows is not None:
         ctx.decode_max_rows = decode_max_rows
-    ctx.set_dims(full["B"], full["T"], full["P"], full["S"], full["P"] + full["T"])
-    outputs = runner.run(inputs, ctx)
+    outputs = runner.run(inputs, ctx, **full, kv_len_max=full["P"] + full["T"])
     return GraphRun(outputs, runner, cache, gen, full, states)

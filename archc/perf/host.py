@@ -1,0 +1,193 @@
+"""`archc bench SPEC --host`: archc's own host time per decode step, measured on any machine.
+
+On a GPU a decode step of a large model takes a few milliseconds of device time; the Python
+around the kernels must stay far below that, or the GPU waits on the host. This measures that
+Python alone, on the CPU, with nothing real-size allocated:
+
+1. the session is the one users run, built for the GPU target (the gpu module's block sizes,
+   grids and attention splits), with every kernel launch bound to a no-op that counts its calls,
+   and with zero-stride views of one element for the weights and the KV cache;
+2. a sequence starts with one token (not timed); then each decode step — `session.step` on
+   batch B × 1 token — is timed with the host clock, two ways:
+   - plain launches: the step's launch plan replayed launch by launch;
+   - the CUDA-graph path: the same step with the graph replay a no-op (inputs copied in, P
+     written to the device, the replay, the logits read back);
+3. the median over many steps after a warm-up; a sequence that reaches max_seq_len starts again
+   (untimed). Torch's CPU ops (the input copies, reading the logits) stand in for device ops
+   here and run on one thread: waking a thread pool for a 256 KB copy measures the machine's
+   load (8 ms on a busy 2-core machine, 4 µs on one thread), not archc.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from archc.errors import ArchcError
+from archc.ir.graph import Graph, Program
+from archc.ir.lower import lower
+from archc.ir.ops import Op
+from archc.ir.shapes import concrete
+from archc.runtime.launch import LaunchPlan
+from archc.runtime.triton_backend import TritonOptions, TritonSession
+from archc.runtime.weights import TORCH_DTYPES
+from archc.spec.schema import Spec
+
+WARMUP_STEPS = 50
+
+
+class NoOpLaunch:
+    """Stands in for every bound kernel (`kernel[grid]`): `launch` counts its calls and
+    launches nothing."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+        def launch(*args: Any, **meta: Any) -> None:
+            self.calls += 1
+        self.launch = launch
+
+
+class _NoReplay:
+    def replay(self) -> None:
+        pass
+
+
+def _zero_stride(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of `shape` that holds one element."""
+    return torch.zeros((), dtype=dtype).expand(shape)
+
+
+class HostSession(TritonSession):
+    """A TritonSession on the CPU that runs the GPU target's host code and launches nothing."""
+
+    def __init__(self, program: Program, *, max_seq_len: int, dtype: str,
+                 cache_dir: Path | None = None) -> None:
+        super().__init__(program, {}, max_seq_len=max_seq_len, dtype=dtype, device="cpu",
+                         options=TritonOptions(cache_dir=cache_dir))
+        self.noop = NoOpLaunch()
+        self.ctx.bind = lambda kernel, grid: self.noop.launch
+        self.cache.zeros = _zero_stride  # type: ignore[method-assign]
+
+    def _target(self, device: torch.device) -> str:
+        return "gpu"
+
+    def _parameters(self, graph: Graph, checkpoint: Mapping[str, torch.Tensor]
+                    ) -> dict[str, torch.Tensor]:
+        return {graph.nodes[i].name: _zero_stride(concrete(graph.nodes[i].shape, {}),
+                                                  TORCH_DTYPES[graph.nodes[i].dtype])
+                for i in graph.ids(Op.PARAM)}
+
+    def _capture(self, plan: LaunchPlan) -> Any:
+        return _NoReplay()
+
+
+@dataclass
+class HostReport:
+    spec: str
+    dtype: str
+    batch: int
+    launches: int                   # kernel launches per decode step
+    host_steps: int                 # other plan entries per step (MoE routing)
+    unique_kernels: int
+    plain_seconds: float            # median per step, plain launches
+    graph_seconds: float            # median per step, the CUDA-graph path with a no-op replay
+    steps: int
+    warmup: int
+
+    @property
+    def method(self) -> list[str]:
+        return [f"median of {self.steps} steps after {self.warmup} warm-up steps, host clock "
+                f"around session.step(tokens) of batch {self.batch} × 1 token",
+                f"weights and KV cache as zero-stride views; {cpu_name()}, torch "
+                f"{torch.__version__}, Python {platform.python_version()}"]
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _timed_steps(session: HostSession, tokens: torch.Tensor, steps: int, warmup: int
+                 ) -> list[float]:
+    times: list[float] = []
+    session.reset()
+    session.step(tokens)                     # the sequence's first token: not a decode step
+    for i in range(warmup + steps):
+        if session.past + 1 > session.max_seq_len:
+            session.reset()
+            session.step(tokens)
+        start = time.perf_counter()
+        session.step(tokens)
+        elapsed = time.perf_counter() - start
+        if i >= warmup:
+            times.append(elapsed)
+    return times
+
+
+def check_host(spec: Spec) -> None:
+    if spec.family != "decoder":
+        raise ArchcError(f"archc bench --host times decode steps of decoder-only models; "
+                         f"{spec.name} is an {spec.family}")
+    if spec.max_seq_len < 2:
+        raise ArchcError(f"{spec.name}: max_seq_len {spec.max_seq_len} leaves no decode step")
+
+
+def measure_host(spec: Spec, *, dtype: str = "bf16", batch: int = 1, steps: int = 1000,
+                 warmup: int = WARMUP_STEPS, cache_dir: Path | None = None) -> HostReport:
+    """archc's host time per decode step of `spec` (see the module docstring)."""
+    check_host(spec)
+    session = HostSession(lower(spec, dtype), max_seq_len=spec.max_seq_len, dtype=dtype,
+                          cache_dir=cache_dir)
+    tokens = torch.zeros(batch, 1, dtype=torch.long)
+    medians: dict[bool, float] = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for graphs in (False, True):
+            session.cuda_graphs = graphs
+            medians[graphs] = statistics.median(_timed_steps(session, tokens, steps, warmup))
+    finally:
+        torch.set_num_threads(threads)
+    # one more decode step, counted: what it launches
+    session.cuda_graphs = False
+    session.reset()
+    session.step(tokens)
+    before = session.noop.calls
+    session.step(tokens)
+    launches = session.noop.calls - before
+    plan = session.runners["decoder"].last
+    entries = len(plan.launches) if plan is not None else launches
+    return HostReport(spec.name, dtype, batch, launches, entries - launches,
+                      len(session.generated.units), medians[False], medians[True], steps,
+                      warmup)
+
+
+def format_host(r: HostReport) -> list[str]:
+    """The report, one line each; the last is `host overhead: N us/step` (plain launches)."""
+    per_launch = r.plain_seconds / r.launches * 1e6 if r.launches else 0.0
+    other = f" and {r.host_steps} host steps" if r.host_steps else ""
+    return [
+        f"{r.spec} ({r.dtype}, batch {r.batch}): archc's host work per decode step, every "
+        f"kernel launch a no-op",
+        f"  gpu-target module: {r.unique_kernels} unique kernels, {r.launches} launches per "
+        f"step{other}",
+        f"  plain launches:  {r.plain_seconds * 1e6:8.1f} us/step ({per_launch:.2f} us per "
+        f"launch)",
+        f"  CUDA-graph path: {r.graph_seconds * 1e6:8.1f} us/step (inputs in, P to the device, "
+        f"replay, logits out)",
+        *(f"{'method: ' if i == 0 else '        '}{line}" for i, line in enumerate(r.method)),
+        f"host overhead: {r.plain_seconds * 1e6:.1f} us/step",
+    ]
