@@ -29,7 +29,7 @@ from types import ModuleType
 import jinja2
 
 from archc import __version__
-from archc.codegen.kernels import JitKernel, NodeCtx, Unit, build
+from archc.codegen.build import JitKernel, NodeCtx, Unit, build
 from archc.codegen.layout import CodegenError, layouts
 from archc.codegen.options import CodegenOptions
 from archc.ir import expr as E
@@ -121,7 +121,7 @@ def _codegen_fingerprint() -> str:
     module, never a stale one from the cache."""
     h = hashlib.sha256(__version__.encode())
     here = Path(__file__).parent
-    for path in sorted([*TEMPLATES.glob("*.j2"), here / "kernels.py", here / "recurrent.py",
+    for path in sorted([*TEMPLATES.glob("*.j2"), here / "build.py",
                         here / "render.py", here / "layout.py", here / "printer.py"]):
         h.update(path.name.encode() + path.read_bytes())
     return h.hexdigest()

@@ -452,14 +452,14 @@ def _ssm_scan(g: Graph, i: int, xs: Sequence[torch.Tensor], rec: _Recorder) -> C
     got = bind(Op.SSM_SCAN, a, xs)
 
     def body() -> torch.Tensor:
-        b, c = got["B"], got["C"]
+        b, c = got["b"], got["c"]
         if a["norm_eps"] is not None:
-            b = rec(Op.NORM, b, got["B_gain"], kind="rms", eps=a["norm_eps"])
-            c = rec(Op.NORM, c, got["C_gain"], kind="rms", eps=a["norm_eps"])
-        y = rec(Op.SSM_SCAN, got["x"], got["dt"], got["A"], b, c, layer=a["layer"])
+            b = rec(Op.NORM, b, got["b_gain"], kind="rms", eps=a["norm_eps"])
+            c = rec(Op.NORM, c, got["c_gain"], kind="rms", eps=a["norm_eps"])
+        y = rec(Op.SSM_SCAN, got["x"], got["dt"], got["a"], b, c, layer=a["layer"])
         if not a["gate"]:
             return y
-        y = rec(Op.ADD, y, rec(Op.MUL, got["x"], got["D"]))
+        y = rec(Op.ADD, y, rec(Op.MUL, got["x"], got["skip"]))
         return rec(Op.MUL, y, rec(Op.ACT, got["z"], fn="silu"))
 
     return _unfused("unfused", rec, body, lambda y: y)

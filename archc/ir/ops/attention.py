@@ -460,4 +460,6 @@ register(OpDef(
     attrs=(Attr("scale", float), *mask_attrs(), Attr("softcap", float, None),
            Attr("bias", Call, None, ("alibi", "t5")),
            Attr("cache_layer", int, None, at_least=0), Attr("kv_heads", int, None, at_least=1)),
-    flops=_attention_flops, bytes=_attention_bytes, template="attention", arity=(1, 6)))
+    flops=_attention_flops, bytes=_attention_bytes, template="attention", arity=(1, 6),
+    docs={"padding": "1 = key present", "prefix_len": "prefix length",
+          "slopes": "ALiBi slopes", "rel_table": "relative-position bias per bucket and head"}))

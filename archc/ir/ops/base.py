@@ -266,6 +266,7 @@ class OpDef:
     bytes: CostFn = io_bytes
     states: Callable[[Sig], tuple[StateDecl, ...]] = no_state
     template: str | None = None          # kernel-level: the template it renders with
+    docs: Mapping[str, str] = field(default_factory=dict)   # what each operand role holds
     commutative: bool = False            # its first two operands may be swapped
     arity: tuple[int, int] = (0, -1)     # for the reference: fewest and most inputs (-1: any)
     _by_name: dict[str, Attr] = field(default_factory=dict, compare=False, repr=False)

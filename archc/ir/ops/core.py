@@ -81,7 +81,7 @@ register(OpDef(
     Op.EMBEDDING, "Gather rows of a table by integer ids.",
     "%3 : f32[B,T,64] = embedding(%1, %0)", operands("table", "ids"), _embedding_infer,
     lambda ctx, a, at: F.embedding(a["ids"], a["table"]), bytes=_embedding_bytes,
-    template="embedding", arity=(2, 2)))
+    template="embedding", arity=(2, 2), docs={"ids": "integer ids, one per row"}))
 
 
 def _matmul_infer(sig: Sig) -> tuple[Shape, str]:
@@ -217,7 +217,8 @@ register(OpDef(
            Attr("add_before", bool, False, doc="normalize x + residual (post-norm)"),
            Attr("epilogue", tuple, ())),
     flops=lambda sig: (4 if sig.attr("kind") == "rms" else 8) * numel(sig.out_shape),
-    template="norm", arity=(2, -1)))
+    template="norm", arity=(2, -1),
+    docs={"x": "rows to normalize", "weight": "gain", "residual": "residual, added before"}))
 
 
 # ---- head views ----------------------------------------------------------------------------

@@ -113,5 +113,7 @@ register(OpDef(
                 doc="row statistics of a folded norm, gathered along K"),
            Attr("eps", float, None), Attr("epilogue", tuple, ()),
            Attr("concat_k", bool, False, doc="x is two operands concatenated along K")),
-    flops=_flops, bytes=_bytes, template="matmul", arity=(2, -1)))
+    flops=_flops, bytes=_bytes, template="matmul", arity=(2, -1),
+    docs={"x": "activations", "x1": "first operand", "x2": "second operand",
+          "weight": "weight, K-contiguous"}))
 

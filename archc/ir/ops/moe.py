@@ -72,7 +72,7 @@ register(OpDef(
     "%30 : f32[B,T,4] = router(%28, %29) {normalize=true, top_k=2}",
     lambda attrs, n: ["x", "weight"][:max(1, min(n, 2))], _router_infer, _router,
     attrs=(Attr("top_k", int, at_least=1), Attr("normalize", bool)), flops=_router_flops,
-    template="moe", arity=(1, 2)))
+    template="moe", arity=(1, 2), docs={"x": "activations", "weight": "router weight"}))
 
 
 def selected_experts(gates: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -154,4 +154,6 @@ register(OpDef(
     _moe_infer, moe_linear,
     attrs=(Attr("stage", str, choices=("up", "down")), Attr("top_k", int, at_least=1),
            Attr("epilogue", tuple, ())),
-    flops=_moe_flops, bytes=_moe_bytes, template="moe", arity=(3, -1)))
+    flops=_moe_flops, bytes=_moe_bytes, template="moe", arity=(3, -1),
+    docs={"x": "activations, or one row per (token, slot)", "gates": "dense gates",
+          "weight": "expert weights"}))

@@ -94,7 +94,7 @@ register(OpDef(
     flops=lambda sig: 2 * numel(sig.shape("x")) * sig.shape("weight")[1] + (
         9 * numel(sig.out_shape) if sig.attr("bias") or sig.attr("act") != "identity" else 0),
     bytes=state_bytes(_conv_states), states=_conv_states, template="causal_conv",
-    arity=(2, 3)))
+    arity=(2, 3), docs={"x": "input", "weight": "depthwise filter"}))
 
 
 # ---- the selective scan ----------------------------------------------------------------------
@@ -120,38 +120,38 @@ def scan(ctx: EagerCtx, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, bm: 
 
 
 def _scan_states(sig: Sig) -> tuple[StateDecl, ...]:
-    x, a = sig.shape("x"), sig.shape("A")
+    x, a = sig.shape("x"), sig.shape("a")
     return (StateDecl("ssm", (x[0], x[2], a[1]), "f32"),)
 
 
 def _scan_infer(sig: Sig) -> tuple[Shape, str]:
-    x, dt, a = sig.shape("x"), sig.shape("dt"), sig.shape("A")
+    x, dt, a = sig.shape("x"), sig.shape("dt"), sig.shape("a")
     require(len(x) == 3, f"the scan takes x [B, T, C], got {list(x)}")
     require(same_shape(dt, x), f"Δ {list(dt)} must match x {list(x)}")
     require(len(a) == 2 and same_dim(a[0], x[2]), f"A {list(a)} must be [{x[2]}, N]")
-    for name in ("B", "C"):
+    for name in ("b", "c"):
         m = sig.shape(name)
         require(len(m) == 3 and same_dim(m[0], x[0]) and same_dim(m[1], x[1]) and
                 same_dim(m[2], a[1]), f"{name} {list(m)} must be [B, T, {a[1]}]")
     if sig.attr("gate"):
-        vector(sig, "D", x[2])
+        vector(sig, "skip", x[2])
         require(same_shape(sig.shape("z"), x), f"the gate z {list(sig.shape('z'))} must "
                 f"match x {list(x)}")
     if sig.attr("norm_eps") is not None:
-        vector(sig, "B_gain", a[1])
-        vector(sig, "C_gain", a[1])
+        vector(sig, "b_gain", a[1])
+        vector(sig, "c_gain", a[1])
     return x, float_dtype(sig)
 
 
 def _scan_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    x, bm, cm = a["x"], a["B"], a["C"]
+    x, bm, cm = a["x"], a["b"], a["c"]
     eps = at["norm_eps"]
     if eps is not None:  # Jamba: B and C normalized per token before the scan
-        bm = normalize(bm, "rms", eps)[0] * a["B_gain"].float()
-        cm = normalize(cm, "rms", eps)[0] * a["C_gain"].float()
-    y = scan(ctx, x, a["dt"], a["A"], bm, cm, at["layer"])
+        bm = normalize(bm, "rms", eps)[0] * a["b_gain"].float()
+        cm = normalize(cm, "rms", eps)[0] * a["c_gain"].float()
+    y = scan(ctx, x, a["dt"], a["a"], bm, cm, at["layer"])
     if at["gate"]:
-        y = (y + a["D"].float() * x.float()) * F.silu(a["z"].float())
+        y = (y + a["skip"].float() * x.float()) * F.silu(a["z"].float())
     return y.to(x.dtype)
 
 
@@ -159,7 +159,7 @@ def _scan_flops(sig: Sig) -> sympy.Expr:
     # per (token, channel, state dim): Δ·A, exp, ·B, h·decay + input, ·C and the sum; the skip
     # and gate per (token, channel)
     x = sig.shape("x")
-    return 8 * numel(x) * sig.shape("A")[1] + (12 * numel(x) if sig.attr("gate") else 0)
+    return 8 * numel(x) * sig.shape("a")[1] + (12 * numel(x) if sig.attr("gate") else 0)
 
 
 register(OpDef(
@@ -167,10 +167,14 @@ register(OpDef(
     "the layer's SSM state [B, C, N] (f32); with `gate`, (y + D·x)·silu(z); with `norm_eps`, B "
     "and C RMS-normalized first.",
     "%30 : f32[B,T,128] = ssm_scan(%14, %27, %28, %20, %21, %9, %11) {gate=true, layer=0}",
-    operands("x", "dt", "A", "B", "C", ("D", "gate"), ("z", "gate"), ("B_gain", "norm_eps"),
-             ("C_gain", "norm_eps")),
+    # Δ, A, B, C, D of the paper as dt, a, b, c and skip
+    operands("x", "dt", "a", "b", "c", ("skip", "gate"), ("z", "gate"), ("b_gain", "norm_eps"),
+             ("c_gain", "norm_eps")),
     _scan_infer, _scan_eager,
     attrs=(layer_attr(), Attr("gate", bool, False, doc="add the skip D·x and gate by silu(z)"),
            Attr("norm_eps", float, None, doc="RMS-normalize B and C first (Jamba)")),
     flops=_scan_flops, bytes=state_bytes(_scan_states), states=_scan_states,
-    template="ssm_scan", arity=(5, 9)))
+    template="ssm_scan", arity=(5, 9),
+    docs={"x": "scan input", "dt": "step sizes Δ (after softplus)", "a": "A = −exp(A_log)",
+          "b": "input matrix B_t", "c": "output matrix C_t", "skip": "skip D", "z": "gate z",
+          "b_gain": "RMSNorm gain of B", "c_gain": "RMSNorm gain of C"}))

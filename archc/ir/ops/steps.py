@@ -75,6 +75,7 @@ class StepDecl:
     width: WidthFn | None = None    # structural: checks, and the width after the step
     apply: ApplyFn | None = None    # structural: eager semantics
     kernels: frozenset[Op] = frozenset({Op.FUSED_LINEAR})
+    docs: tuple[str, ...] = ()      # what each input holds
 
     @property
     def elementwise(self) -> bool:
@@ -183,9 +184,10 @@ STEPS: dict[str, StepDecl] = {d.name: d for d in (
     StepDecl("rms_scale", "acc·rstd — the 1/rms of a folded RMSNorm", width=_needs_prologue("rms"),
              apply=lambda ctx, acc, st, xs, s: acc * s.rstd),
     StepDecl("ln_scale", "(acc − mean·c)·rstd — a folded LayerNorm; c[n] = Σ_k W'[n, k]",
-             ("colsum",), width=_needs_prologue("layer"),
+             ("colsum",), width=_needs_prologue("layer"), docs=("column sums Σ_k W'[n, k]",),
              apply=lambda ctx, acc, st, xs, s: (acc - s.mean * xs[0].float()) * s.rstd),
-    StepDecl("bias", "acc + b", ("bias",), expr=E.call("add", ACC, E.x(1)), kernels=ALL_ROWS),
+    StepDecl("bias", "acc + b", ("bias",), expr=E.call("add", ACC, E.x(1)), kernels=ALL_ROWS,
+             docs=("bias",)),
     StepDecl("glu", "act(acc[:, :N]) · acc[:, N:] — gate rows first, then up rows",
              params=(Attr("fn", str, choices=tuple(E.ACTIVATIONS)),), width=_glu_width,
              apply=_apply_glu, kernels=frozenset({Op.FUSED_LINEAR, Op.MOE_LINEAR})),
@@ -198,13 +200,14 @@ STEPS: dict[str, StepDecl] = {d.name: d for d in (
              params=(Attr("heads", int, at_least=1), Attr("head_dim", int, at_least=2),
                      Attr("rotary_dim", int, at_least=2), Attr("interleaved", bool),
                      Attr("mscale", float, 1.0), Attr("dynamic", Call, None, ("ntk",))),
-             width=_rope_width, apply=_apply_rope),
+             width=_rope_width, apply=_apply_rope, docs=("positions", "inverse frequencies")),
     StepDecl("kv_write", "write k/v columns into layer `layer`'s cache at offset P",
              params=(Attr("head_dim", int, at_least=1), Attr("k_start", int, at_least=0),
                      Attr("kv_heads", int, at_least=1), Attr("layer", int, at_least=0),
                      Attr("v_start", int, at_least=0)),
              width=_kv_write_width, apply=_apply_kv_write),
-    StepDecl("residual", "acc + r", ("res",), expr=E.call("add", ACC, E.x(1)), kernels=ALL_ROWS),
+    StepDecl("residual", "acc + r", ("res",), expr=E.call("add", ACC, E.x(1)), kernels=ALL_ROWS,
+             docs=("residual rows",)),
     StepDecl("softcap", "cap·tanh(acc/cap)", params=(Attr("cap", float),),
              expr=E.call("softcap", ACC, cap=1.0), kernels=ALL_ROWS),
     StepDecl("scale", "acc·by", params=(Attr("by", float),), expr=E.call("scale", ACC, by=1.0),
@@ -214,7 +217,7 @@ STEPS: dict[str, StepDecl] = {d.name: d for d in (
              "QK-norm", ("gain", "shift"),
              params=(Attr("kind", str, choices=("rms", "layer")), Attr("eps", float),
                      Attr("heads", int, at_least=1), Attr("head_dim", int, at_least=2)),
-             width=_head_norm_width, apply=_apply_head_norm),
+             width=_head_norm_width, apply=_apply_head_norm, docs=("head gains", "head shifts")),
 )}
 
 
@@ -230,6 +233,12 @@ def step_expr(st: Call) -> Call:
 def step(name: str, /, **kw: Any) -> Call:
     """An epilogue step; keyword arguments sorted so equal steps compare equal."""
     return Call(name, (), tuple(sorted((k, v) for k, v in kw.items() if v is not None)))
+
+
+def epilogue_docs(attrs: Mapping[str, Any]) -> dict[str, str]:
+    """What each epilogue input holds, by role."""
+    return {f"{name}{k}": doc for k, st in enumerate(attrs.get("epilogue") or ())
+            for name, doc in zip(STEPS[st.fn].inputs, STEPS[st.fn].docs)}
 
 
 def epilogue_roles(attrs: Mapping[str, Any]) -> list[str]:

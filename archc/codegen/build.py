@@ -1,0 +1,642 @@
+"""How a kernel-level node becomes a rendered kernel: one builder, driven by the node's operands.
+
+1. The op's declaration names its template (``OpDef.template``) and its operands by role.
+2. Every operand becomes a kernel argument ``<role>_ptr`` — the root buffer it is read from, typed
+   for ahead-of-time compiles, commented with its shape — and a parameter of the unit's launcher;
+   runtime objects a kernel also reads (the KV cache, a recurrent state, the past length on the
+   device) are arguments the same way.
+3. The template's context function (``CONTEXTS``) adds what that family prints: static sizes,
+   the index expressions of each operand's layout (rows, head views, vectors), the epilogue.
+
+The program is verified before anything is built, so attributes are of their declared types and
+allowed values; what a context function still refuses (a layout a template cannot read, a static
+size that is symbolic) is refused with a ``CodegenError`` naming the node — never rendered as
+something else.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+
+from archc.codegen.layout import CodegenError, Layout
+from archc.codegen.options import CodegenOptions
+from archc.codegen.printer import pexpr, texpr
+from archc.ir import expr as E
+from archc.ir.attrs import Attrs, Call
+from archc.ir.cost import node_states
+from archc.ir.graph import Graph, Node
+from archc.ir.ops import OP_TABLE, full_attrs, roles_of
+from archc.ir.ops.steps import STEPS, epilogue_docs, step_expr
+from archc.ir.shapes import B, S, numel
+from archc.ir.text import format_node
+
+TRITON_TYPES = {"f32": "fp32", "f16": "fp16", "bf16": "bf16", "i64": "i64", "i32": "i32",
+                "bool": "i1"}
+LOG2E = 1.4426950408889634
+# Index symbols kernels define: the sequence, the query head, the KV head.
+BATCH, HEAD, KV_HEAD = (sympy.Symbol(s, integer=True, nonnegative=True) for s in ("b", "h", "kv_h"))
+
+
+@dataclass
+class JitKernel:
+    """One @triton.jit function of a unit: its name suffix, block-size family, static sizes,
+    and the Triton type of every runtime argument (pointers and ints), by parameter name."""
+
+    suffix: str
+    family: str
+    sizes: dict[str, int]
+    types: dict[str, str]
+
+
+@dataclass
+class Arg:
+    """A buffer a kernel reads or writes: its kernel parameter (`x_ptr`), Triton type, comment,
+    the launcher's parameter (`x`) and what the graph's run function passes (`v[3]`)."""
+
+    param: str
+    type: str
+    comment: str
+    value: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.param}_ptr"
+
+
+@dataclass
+class Unit:
+    """What one node renders to: a template and its values, the kernels it defines and the
+    launch call `<name>(d, <call>)` in the graph's run function."""
+
+    family: str
+    template: str
+    context: dict[str, Any]
+    kernels: list[JitKernel]
+    call: str
+
+
+@dataclass
+class NodeCtx:
+    g: Graph
+    i: int
+    lays: Sequence[Layout]
+    opts: CodegenOptions
+    extras: dict[str, Any] = field(default_factory=dict)
+    args: list[Arg] = field(default_factory=list)
+
+    @property
+    def node(self) -> Node:
+        return self.g.nodes[self.i]
+
+    @property
+    def attrs(self) -> Attrs:
+        """The node's attributes with its op's defaults filled in."""
+        return full_attrs(self.node.op, self.node.attrs)
+
+    @property
+    def roles(self) -> dict[str, int]:
+        """Input slot of each operand role."""
+        return {r: k for k, r in enumerate(roles_of(self.node.op, self.attrs,
+                                                     len(self.node.inputs)))}
+
+    def lay(self, role: str | int) -> Layout:
+        k = role if isinstance(role, int) else self.roles[role]
+        return self.lays[self.node.inputs[k]]
+
+    def arg(self, role: str) -> Arg:
+        return next(a for a in self.args if a.param == role)
+
+    def extra(self, param: str, type_: str, comment: str, value: str) -> Arg:
+        """A runtime argument besides the operands: a cache, a state, the past length."""
+        a = Arg(param, type_, comment, value)
+        self.args.append(a)
+        return a
+
+    def types(self, args: Sequence[Arg] | None = None, **ints: str) -> dict[str, str]:
+        """Argument types of a kernel: out_ptr, the args (all by default), then `ints`."""
+        out = {"out_ptr": "*" + TRITON_TYPES[self.node.dtype]}
+        out.update({a.name: a.type for a in (self.args if args is None else args)})
+        return {**out, **ints}
+
+    def fail(self, problem: str) -> CodegenError:
+        return CodegenError(f"codegen: graph {self.g.name}: {format_node(self.i, self.node)}: "
+                            f"{problem}")
+
+    def static(self, d: sympy.Expr | int, what: str) -> int:
+        d = sympy.sympify(d)
+        if not d.is_Integer:
+            raise self.fail(f"{what} is {d}: it must be a static size")
+        return int(d)
+
+    @property
+    def reads_encoder_len(self) -> bool:
+        """Does the node's row space or an input's layout depend on S (a view of a cross-attention
+        tensor), so that its kernel takes the encoder length?"""
+        exprs = list(self.node.shape)
+        for k in range(len(self.node.inputs)):
+            lay = self.lay(k)
+            exprs += [lay.offset, *lay.strides, *lay.shape]
+        return any(S in sympy.sympify(e).free_symbols for e in exprs)
+
+    @property
+    def dot_kw(self) -> str:
+        """f32 models multiply in IEEE f32 (TF32 would not match eager to f32 rounding)."""
+        return ', input_precision="ieee"' if (self.node.dtype == "f32"
+                                               and self.opts.exact_f32_dot) else ""
+
+
+# ---- reading an operand through its layout -----------------------------------------------------
+
+def row_offset(lay: Layout, rows: str) -> str:
+    """Device expression: the element offset of flat row `rows` (an i64 vector) over the leading
+    dims of `lay`, plus its static offset."""
+    r = sympy.Symbol("r", integer=True, nonnegative=True)
+    lead, strides = lay.shape[:-1], lay.strides[:-1]
+    expr: sympy.Expr = lay.offset
+    if lead and lay.contiguous_rows:
+        expr += r * strides[-1]
+    elif lead:
+        inner: sympy.Expr = sympy.Integer(1)
+        for k in reversed(range(len(lead))):
+            idx = sympy.floor(r / inner) if inner != 1 else r
+            if k > 0:
+                idx = sympy.Mod(idx, lead[k])
+            expr += idx * strides[k]
+            inner = inner * lead[k]
+    if not expr.has(r):  # broadcast along every row: still a per-row vector
+        return f"0 * {rows}" + (f" + {texpr(expr)}" if expr != 0 else "")
+    return texpr(expr, {"r": rows})
+
+
+def rows(lay: Layout, var: str = "rows") -> dict[str, str]:
+    """Rows of contiguous-or-strided columns: each row's offset, and ` * stride` for columns
+    that are not contiguous ('' when they are)."""
+    s = lay.strides[-1]
+    return dict(row_off=row_offset(lay, var), col_mul="" if s == 1 else f" * {texpr(s)}")
+
+
+def by_sequence(c: NodeCtx, role: str, head: sympy.Symbol | None = None) -> dict[str, str]:
+    """A [B, T, W] operand (or a [B, H, T, D] head view, at head `head`) read token by token with
+    contiguous columns: where sequence b's rows start, and the stride from one token to the
+    next."""
+    lay = c.lay(role)
+    rank = 3 if head is None else 4
+    if lay.rank != rank or lay.strides[-1] != 1:
+        raise c.fail(f"{role} must be {'[B, T, W]' if head is None else '[B, H, T, D]'} with "
+                     "contiguous columns")
+    base = lay.offset + BATCH * lay.strides[0] + (0 if head is None else head * lay.strides[1])
+    return dict(base=texpr(base), stride_t=texpr(lay.strides[-2]),
+                batch=texpr(lay.offset + BATCH * lay.strides[0]),
+                stride_h=texpr(lay.strides[1]))
+
+
+def contiguous(c: NodeCtx, role: str, *dims: int) -> None:
+    """Refuse unless `role` is a contiguous tensor of exactly `dims`."""
+    lay = c.lay(role)
+    want = [sympy.Integer(d) for d in dims]
+    strides = [sympy.Integer(math.prod(dims[k + 1:])) for k in range(len(dims))]
+    if lay.offset != 0 or list(lay.shape) != want or list(lay.strides) != strides:
+        raise c.fail(f"{role} must be a contiguous {list(dims)} tensor")
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+# ---- epilogue steps ---------------------------------------------------------------------------
+
+ACC = "__ACC__"   # where an elementwise step's code names the accumulator
+
+
+def elementwise_step(c: NodeCtx, st: Call, idx: int, width: int) -> dict[str, Any]:
+    """An elementwise epilogue step for the `elementwise` macro (templates/steps.j2): its
+    inputs' loads — a [width] vector along the columns, or rows read through their layout —
+    and its Triton code over the accumulator and the loaded values, on columns [start, stop)."""
+    loads = []
+    for name in STEPS[st.fn].inputs:
+        role = f"{name}{idx}"
+        lay = c.lay(role)
+        loads.append(dict(var=role, vector=lay.rank == 1, ptr=c.arg(role).name, **rows(lay)))
+    start, stop = st.kw("start", 0), st.kw("stop", width)
+    code = E.triton(step_expr(st), [ACC, *(ld["var"] for ld in loads)])
+    return dict(fn="elementwise", name=st.fn, loads=loads, code=code, start=start, stop=stop,
+                full=start == 0 and stop == width)
+
+
+def elementwise_steps(c: NodeCtx, width: int) -> list[dict[str, Any]]:
+    """The node's epilogue, every step elementwise (norm, expert matmuls)."""
+    out = []
+    for idx, st in enumerate(c.attrs["epilogue"]):
+        if not STEPS[st.fn].elementwise:
+            raise c.fail(f"the {c.node.op.value} template renders elementwise epilogue steps, "
+                         f"not {st.fn}()")
+        out.append(elementwise_step(c, st, idx, width))
+    return out
+
+
+# ---- the builder ------------------------------------------------------------------------------
+
+Context = Callable[[NodeCtx], tuple[dict[str, Any], list[JitKernel]]]
+
+
+def build(c: NodeCtx) -> Unit:
+    template = OP_TABLE[c.node.op].template
+    if template is None or (c.node.op.value == "router" and len(c.node.inputs) == 1):
+        known = ", ".join(sorted(op.value for op, d in OP_TABLE.items() if d.template))
+        raise c.fail(f"no Triton template for {c.node.op.value} of these operands (kernel-level "
+                     f"ops: {known}); run the default pass pipeline first")
+    docs = {**OP_TABLE[c.node.op].docs, **epilogue_docs(c.attrs)}
+    for role, k in c.roles.items():
+        lay = c.lay(k)
+        root = c.g.nodes[lay.root]
+        dims = ", ".join(str(d).replace(" ", "") for d in lay.shape)
+        read = "" if lay.root == c.node.inputs[k] else ", read through strides"
+        c.args.append(Arg(role, "*" + TRITON_TYPES[root.dtype],
+                          f"[{dims}] {docs.get(role, role)}{read}", f"v[{lay.root}]"))
+    context, kernels = CONTEXTS[template](c)
+    params = ", ".join(a.param for a in c.args)
+    context.update(args=c.args, params=params, params_=f"{params}, " if params else "",
+                   seq_s=c.reads_encoder_len)
+    call = ", ".join([f"v[{c.i}]", *(a.value for a in c.args)])
+    return Unit(c.node.op.value, f"{template}.py.j2", context, kernels, call)
+
+
+# ---- the families -----------------------------------------------------------------------------
+
+def _embedding(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
+    table, ids = c.lay("table"), c.lay("ids")
+    if table.rank != 2 or table.strides[1] != 1:
+        raise c.fail("the table must be a row-major [V, D] matrix")
+    vocab, width = c.static(table.shape[0], "table rows"), c.static(table.shape[1], "width")
+    # ids are [..] with no column dim: view them as rows of one column
+    ids_rows = Layout(ids.root, ids.offset, (*ids.shape, sympy.Integer(1)),
+                      (*ids.strides, sympy.Integer(1)))
+    ctx = dict(V=vocab, D=width, ids_off=row_offset(ids_rows, "rows"),
+               table_stride=texpr(table.strides[0]),
+               table_base=f"{texpr(table.offset)} + " if table.offset != 0 else "",
+               R=pexpr(numel(c.node.shape[:-1])))
+    return ctx, [JitKernel("_kernel", "embedding", dict(C=width), c.types(R="i32", T="i32"))]
+
+
+def _norm(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
+    a = c.attrs
+    width = c.static(c.node.shape[-1], "the norm width")
+    contiguous(c, "weight", width)
+    ctx = dict(N=width, kind=a["kind"], eps=repr(a["eps"]), unit_offset=a["unit_offset"],
+               add_before=a["add_before"], R=pexpr(numel(c.node.shape[:-1])),
+               x=rows(c.lay("x")), residual=rows(c.lay("residual")) if a["add_before"] else {},
+               steps=elementwise_steps(c, width))
+    ints = dict(R="i32", T="i32", **({"S": "i32"} if c.reads_encoder_len else {}))
+    return ctx, [JitKernel("_kernel", "norm", dict(N=width), c.types(**ints))]
+
+
+def _pointwise(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
+    out = c.node.shape
+    rank = len(out)
+    if rank == 0:
+        raise c.fail("a scalar pointwise node has no Triton rendering")
+    width = c.static(out[-1], "the output width")
+    inputs = []
+    for role in c.roles:
+        lay = c.lay(role)
+        strides: list[sympy.Expr] = []
+        for dim in range(rank):  # align from the right; broadcast dims read with stride 0
+            src = dim - (rank - lay.rank)
+            if src < 0 or (lay.shape[src] == 1 and out[dim] != 1):
+                strides.append(sympy.Integer(0))
+            else:
+                strides.append(lay.strides[src])
+        inputs.append(dict(name=role, ptr=c.arg(role).name,
+                           **rows(Layout(lay.root, lay.offset, out, tuple(strides)))))
+    ctx = dict(C=width, inputs=inputs, R=pexpr(numel(out[:-1])),
+               expr=E.triton(c.attrs["expr"], list(c.roles)))
+    return ctx, [JitKernel("_kernel", "pointwise", dict(C=width),
+                           c.types(R="i32", B="i32", T="i32", S="i32"))]
+
+
+def _k_loop(c: NodeCtx, weight: Layout, rows_n: int, k: int, pair: str | None = None,
+            ) -> dict[str, Any]:
+    """The weight-tile loads of a K loop (templates/kloop.j2): one accumulator, or two for a
+    paired epilogue (columns `cols1` and `cols2`)."""
+    names = ("w",) if pair is None else ("w1", "w2")
+    return dict(wsets=[dict(name=n, ptrs=f"{n}_ptrs", acc="acc" if pair is None else f"acc{j + 1}",
+                            cols="cols" if pair is None else f"cols{j + 1}")
+                       for j, n in enumerate(names)],
+                w_row_stride=texpr(weight.strides[-2]), dot_kw=c.dot_kw, N=rows_n, K=k)
+
+
+def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
+    a = c.attrs
+    n = c.node
+    if n.op.value == "router":
+        x, w = c.lay("x"), c.lay("weight")
+        if w.rank != 2 or w.strides[1] != 1 or w.offset != 0 or x.strides[-1] != 1:
+            raise c.fail("the router needs contiguous rows of x and of its [E, K] weight")
+        experts, k = c.static(w.shape[0], "experts"), c.static(w.shape[1], "router K")
+        ctx = dict(kind="router", E=experts, K=k, BLOCK_E=max(16, next_pow2(experts)),
+                   top_k=a["top_k"], normalize=a["normalize"], x=rows(x),
+                   w_row_stride=texpr(w.strides[0]), dot_kw=c.dot_kw,
+                   M=pexpr(numel(n.shape[:-1])))
+        return ctx, [JitKernel("_kernel", "router", dict(N=experts, K=k),
+                               c.types(M="i32", T="i32"))]
+    x, gates, w = c.lay("x"), c.lay("gates"), c.lay("weight")
+    e, nw, k = (c.static(d, "the expert weights' size") for d in w.shape)
+    contiguous(c, "weight", e, nw, k)
+    if x.strides[-1] != 1 or gates.strides[-1] != 1:
+        raise c.fail("x and the gates must have contiguous rows")
+    up = a["stage"] == "up"
+    steps = [st.fn for st in a["epilogue"]]
+    gated = steps == ["glu"]
+    if steps not in (([], ["glu"], ["act"]) if up else ([], ["residual"])):
+        raise c.fail(f"the {a['stage']} expert template renders no epilogue of "
+                     f"{', '.join(steps)}")
+    width = nw // 2 if gated else nw
+    ctx = dict(kind="experts", stage=a["stage"], E=e, NW=nw, top_k=a["top_k"], gated=gated,
+               M=pexpr(numel(n.shape[:-2] if up else n.shape[:-1])),
+               act_fn=a["epilogue"][0].kw("fn") if up and steps else "identity",
+               gates_row_off=row_offset(gates, "token"),
+               x=dict(row_off=row_offset(x, "token" if up else "pair")),
+               residual=rows(c.lay("res0"), "token") if steps == ["residual"] else None,
+               **_k_loop(c, w, width, k, "glu" if gated else None))
+    if gated:
+        ctx["wsets"][1]["cols"] = f"cols + {width}"
+        ctx["wsets"][0]["cols"] = "cols"
+    own = c.args[:3]
+    kernels = [JitKernel("_kernel", "moe", dict(N=nw, K=k),
+                         c.types(own, pairs_ptr="*i32", block_expert_ptr="*i32", T="i32"))]
+    if not up:
+        kernels[0].types["out_ptr"] = "*fp32"
+        kernels.append(JitKernel("_sum", "moe_sum", dict(C=width),
+                                 c.types(c.args[3:], part_ptr="*fp32")))
+    return ctx, kernels
+
+
+def _states(c: NodeCtx) -> list[Arg]:
+    """The layer's recurrent state tensors as arguments (allocated by the runtime from what the
+    op declares, recorded in `extras`)."""
+    layer = c.attrs["layer"]
+    out = []
+    for decl in node_states(c.g, c.i):
+        if sympy.sympify(decl.shape[0]) != B:
+            raise c.fail(f"the {decl.kind} state {list(decl.shape)} does not lead with B")
+        tail = tuple(c.static(d, f"the {decl.kind} state's size") for d in decl.shape[1:])
+        c.extras.setdefault("state", []).append((layer, decl.kind, tail, decl.dtype))
+        dims = ", ".join(map(str, ("B", *tail)))
+        out.append(c.extra(f"{decl.kind.lower()}_state", "*" + TRITON_TYPES[decl.dtype],
+                           f"{decl.dtype} [{dims}] {decl.kind} state, updated in place",
+                           f'd.state({layer}, "{decl.kind}")'))
+    return out
+
+
+def _causal_conv(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
+    a = c.attrs
+    channels = c.static(c.node.shape[-1], "the channel count")
+    width = c.static(c.lay("weight").shape[1], "the filter width")
+    contiguous(c, "weight", channels, width)
+    if a["bias"]:
+        contiguous(c, "bias", channels)
+    _states(c)
+    ctx = dict(C=channels, K=width, bias=a["bias"], act_fn=a["act"], x=by_sequence(c, "x"))
+    return ctx, [JitKernel("_kernel", "causal_conv", dict(C=channels, K=width),
+                           c.types(T="i32"))]
+
+
+def _ssm_scan(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
+    a = c.attrs
+    channels = c.static(c.node.shape[-1], "the channel count")
+    states = c.static(c.lay("a").shape[1], "d_state")
+    contiguous(c, "a", channels, states)
+    for role, n in (("skip", channels), ("b_gain", states), ("c_gain", states)):
+        if role in c.roles:
+            contiguous(c, role, n)
+    _states(c)
+    ctx = dict(C=channels, N=states, norm=a["norm_eps"] is not None, gate=a["gate"],
+               eps=repr(a["norm_eps"]),
+               **{r: by_sequence(c, r) for r in ("x", "dt", "b", "c", "z") if r in c.roles})
+    return ctx, [JitKernel("_kernel", "ssm_scan", dict(C=channels, N=states),
+                           c.types(T="i32"))]
+
+
+def _linear_attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
+    q, k, v = c.lay("q"), c.lay("k"), c.lay("v")
+    heads, kv_heads = c.static(q.shape[1], "query heads"), c.static(k.shape[1], "KV heads")
+    hd, dv = c.static(q.shape[3], "head_dim"), c.static(v.shape[3], "the value head dim")
+    _states(c)
+    ctx = dict(H=heads, KVH=kv_heads, G=heads // kv_heads, D=hd, DV=dv,
+               BLOCK_D=max(16, next_pow2(hd)), BLOCK_DV=max(16, next_pow2(dv)),
+               feature=c.attrs["feature"], q=by_sequence(c, "q", HEAD),
+               k=by_sequence(c, "k", KV_HEAD), v=by_sequence(c, "v", KV_HEAD), dot_kw=c.dot_kw)
+    return ctx, [JitKernel("_kernel", "linear_attention", dict(D=hd, DV=dv),
+                           c.types(T="i32"))]
+
+
+# ---- attention --------------------------------------------------------------------------------
+
+def t5_thresholds(buckets: int, bidirectional: bool, max_distance: int) -> dict[str, Any]:
+    """T5's bucket of a key − query distance, as integer thresholds computed with the eager
+    function itself (so rounding in log() cannot move a boundary): the magnitude bucket is
+    `exact + #{th : dist ≥ th}` for distances ≥ exact."""
+    import torch
+
+    from archc.ir.ops.attention import t5_buckets
+    nb = buckets // 2 if bidirectional else buckets
+    exact = nb // 2
+    dist = torch.arange(0, 2 * max_distance + 2)
+    mag = t5_buckets(-dist, False, nb, max_distance)
+    thresholds = [int(dist[mag >= v][0]) for v in range(exact + 1, nb) if bool((mag >= v).any())]
+    return dict(nb=nb, exact=exact, thresholds=thresholds, bidirectional=bidirectional)
+
+
+def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
+    a = c.attrs
+    q = c.lay("q")
+    heads, hd = c.static(q.shape[1], "query heads"), c.static(q.shape[3], "head_dim")
+    cached = a["cache_layer"] is not None
+    max_len = c.opts.max_seq_len
+    if cached:
+        kv_heads = a["kv_heads"]
+        layer = a["cache_layer"]
+        cache = (f"b * {kv_heads * max_len * hd} + kv_h * {max_len * hd}", str(hd))
+        for kind in ("k", "v"):   # the layer's cache, read in place of operands
+            c.args.insert(1 + (kind == "v"), Arg(
+                kind, "*" + TRITON_TYPES[c.node.dtype], f"{kind} cache [B, {kv_heads}, "
+                f"{max_len}, {hd}]", f'd.kv({layer}, "{kind}")'))
+        kv = {kind: dict(base=cache[0], stride_l=cache[1]) for kind in ("k", "v")}
+        length = length_host = ""
+        c.extra("past", "*i32", "P, the tokens already cached", "d.past")
+    else:
+        kv_heads = c.static(c.lay("k").shape[1], "KV heads")
+        kv = {kind: dict(base=by_sequence(c, kind, KV_HEAD)["base"],
+                         stride_l=by_sequence(c, kind, KV_HEAD)["stride_t"]) for kind in "kv"}
+        length, length_host = texpr(c.lay("k").shape[2]), pexpr(c.lay("k").shape[2])
+    scale, softcap, bias = a["scale"], a["softcap"], a["bias"]
+    ctx: dict[str, Any] = dict(
+        H=heads, KVH=kv_heads, G=heads // kv_heads, D=hd, BLOCK_D=max(16, next_pow2(hd)),
+        q=by_sequence(c, "q", HEAD), k=kv["k"], v=kv["v"], cached=cached, L=length,
+        L_host=length_host, dot_kw=c.dot_kw, causal=a["causal"], padding=a["padding"],
+        prefix=a["prefix"], softcap=softcap is not None, qk_scale=repr(scale * LOG2E),
+        bias=None if bias is None else bias.fn, t5=None, window=a["window"],
+        global_tokens=a["global_tokens"], decode=cached or c.g.name == "decoder")
+    if softcap is not None:
+        ctx.update(cap_log2=repr(softcap * LOG2E), pre_cap=repr(scale / softcap))
+    if a["padding"]:
+        pad = c.lay("padding")
+        ctx.update(pad_stride_b=texpr(pad.strides[0]), pad_stride_l=texpr(pad.strides[1]))
+    if bias is not None and bias.fn == "t5":
+        table = c.lay("rel_table")
+        t5 = t5_thresholds(c.static(table.shape[0], "relative buckets"),
+                           bias.kw("bidirectional"), bias.kw("max_distance"))
+        ctx["t5"] = dict(t5, stride_bucket=texpr(table.strides[0]),
+                         stride_head=texpr(table.strides[1]))
+    # arguments after q, k and v: the mask's, the position bias's, the past length
+    ctx["more_params_"] = "".join(f"{a.param}, " for a in c.args[3:])
+    ints = dict(B="i32", T="i32", S="i32")
+    kernels = [JitKernel("_prefill", "attention", dict(D=hd), c.types(**ints))]
+    if ctx["decode"]:
+        dec = {k: v for k, v in c.types(**ints).items() if k != "out_ptr"}
+        kernels += [JitKernel("_decode", "attention_decode", dict(D=hd), dict(
+                        part_acc_ptr="*fp32", part_ml_ptr="*fp32", **dec, SPLIT="i32",
+                        SPLITS="i32")),
+                    JitKernel("_combine", "attention_combine", dict(D=hd), c.types(
+                        [], part_acc_ptr="*fp32", part_ml_ptr="*fp32", T="i32", ROWS="i32",
+                        SPLITS="i32"))]
+    return ctx, kernels
+
+
+# ---- fused_linear -----------------------------------------------------------------------------
+
+def _rope_pair(st: Call, width: int, idx: int, c: NodeCtx) -> dict[str, Any]:
+    """Rotary pairs over the first `heads` heads, then the remaining columns paired half their
+    count apart; runs of pairs that map to contiguous, aligned columns (half-split only)."""
+    heads, hd, rot = st.kw("heads"), st.kw("head_dim"), st.kw("rotary_dim")
+    interleaved = st.kw("interleaved")
+    tail = width - heads * hd
+    tail_half = (tail + 1) // 2
+    run = 0
+    if not interleaved and tail % 2 == 0:
+        run = math.gcd(rot // 2, hd // 2 - rot // 2, heads * hd // 2, tail_half)
+        run = run & -run  # the largest power of two dividing it
+    dynamic = st.kw("dynamic")
+    if dynamic is not None:  # θ_j·s^(−2j/(d−2)), s from the sequence length (dynamic NTK)
+        factor = dynamic.kw("factor")
+        dynamic = dict(factor=repr(factor), factor_less_one=repr(factor - 1.0),
+                       original=repr(float(dynamic.kw("original_max_seq_len"))),
+                       step=repr(2.0 / (rot - 2)))
+    return dict(fn="rope", heads=heads, head_dim=hd, per_head=hd // 2, run=run,
+                rot_pairs=rot // 2, interleaved=interleaved, tail=tail, tail_half=tail_half,
+                NP=heads * hd // 2 + tail_half, mscale=repr(st.kw("mscale", 1.0)),
+                dynamic=dynamic, pos_ptr=c.arg(f"pos{idx}").name,
+                freq_ptr=c.arg(f"freq{idx}").name)
+
+
+def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
+    a = c.attrs
+    names = ["x1", "x2"] if a["concat_k"] else ["x"]
+    w = c.lay("weight")
+    if w.rank != 2 or w.strides[1] != 1 or not w.offset.is_Integer:
+        raise c.fail("the weight must be a row-major [N, K] matrix at a static offset")
+    n_rows, k_total = c.static(w.shape[0], "the weight's N"), c.static(w.shape[1], "the K")
+    operands, k0 = [], 0
+    for name in names:
+        lay = c.lay(name)
+        kj = c.static(lay.shape[-1], f"{name}'s K")
+        base = int(w.offset) + k0   # where this operand's K columns start in the weight's rows
+        r = rows(lay)
+        operands.append(dict(name=name, ptr=c.arg(name).name, K=kj, k0=k0, row_off=r["row_off"],
+                             comment=f"{name} [M, {kj}]", w_base=f"{base} + " if base else "",
+                             k_mul=r["col_mul"]))
+        k0 += kj
+    width, pair, kv = n_rows, None, None
+    steps_pre: list[dict[str, Any]] = []
+    steps_post: list[dict[str, Any]] = []
+    head_norms = []
+    for idx, st in enumerate(a["epilogue"]):
+        target = steps_post if pair is not None else steps_pre
+        if st.fn in ("rms_scale", "ln_scale"):
+            target.append(dict(fn=st.fn, ptr=c.arg(f"colsum{idx}").name
+                               if st.fn == "ln_scale" else ""))
+        elif STEPS[st.fn].elementwise:
+            target.append(elementwise_step(c, st, idx, width))
+        elif st.fn == "kv_write":
+            if kv is not None:
+                raise c.fail("more than one kv_write() step")
+            hd, kv_heads = st.kw("head_dim"), st.kw("kv_heads")
+            kv = dict(stride_b=kv_heads * c.opts.max_seq_len * hd, stride_l=hd,
+                      layer=st.kw("layer"), kv_heads=kv_heads, head_dim=hd)
+            target.append(dict(fn="kv_write", k_start=st.kw("k_start"),
+                               v_start=st.kw("v_start"), width=kv_heads * hd, head_dim=hd,
+                               stride_h=c.opts.max_seq_len * hd))
+            c.extras.setdefault("kv", []).append((kv["layer"], kv_heads, hd))
+        elif st.fn == "head_norm":
+            hn = dict(fn="head_norm", kind=st.kw("kind"), heads=st.kw("heads"),
+                      head_dim=st.kw("head_dim"), eps=repr(st.kw("eps")),
+                      gain_ptr=c.arg(f"gain{idx}").name, shift_ptr=c.arg(f"shift{idx}").name)
+            target.append(hn)
+            head_norms.append(hn)
+        elif pair is not None:
+            raise c.fail(f"{st.fn}() after {pair['fn']}(): one pairing step per kernel")
+        elif st.fn == "glu":
+            pair = dict(fn="glu", act=st.kw("fn"), NP=width // 2)
+            width //= 2
+        else:
+            pair = _rope_pair(st, width, idx, c)
+    if kv is not None:   # how many columns land contiguously in the cache
+        cols_run = pair["run"] if pair is not None and pair["fn"] == "rope" else 1 << 16
+        kw = next(s for s in steps_pre + steps_post if s["fn"] == "kv_write")
+        run = math.gcd(cols_run, kv["head_dim"], kw["k_start"], kw["v_start"])
+        kv["run"] = kw["run"] = run & -run if run else 0
+        for kind in ("k", "v"):
+            c.extra(f"{kind}_cache", "*" + TRITON_TYPES[c.node.dtype],
+                    f"{'key' if kind == 'k' else 'value'} cache [B, {kv['kv_heads']}, "
+                    f"{c.opts.max_seq_len}, {kv['head_dim']}]", f'd.kv({kv["layer"]}, "{kind}")')
+        c.extra("past", "*i32", "P, the tokens already cached", "d.past")
+    # Tiles hold whole heads. A power-of-two head is a reshape of the tile; any other size
+    # (phi-2's 80) makes the tiles head-aligned: each covers ⌊TILE_N / group⌋ whole heads and
+    # masks its last lanes, and the per-head sums are taken head by head.
+    align, head_group = 16, None
+    for hn in head_norms:
+        hd = hn["head_dim"]
+        align = max(align, next_pow2(hd))
+        if pair is None:
+            hn["group"] = hd
+        elif pair["fn"] == "rope" and pair["head_dim"] == hd and hn["heads"] <= pair["heads"]:
+            hn["group"] = hd // 2   # a head's pairs: half its columns in each accumulator
+        else:
+            raise c.fail("head_norm() needs its heads to be the rotated heads of rope() (same "
+                         "head_dim), and no glu()")
+        if hn["group"] & (hn["group"] - 1):
+            if head_group not in (None, hn["group"]):
+                raise c.fail(f"head_norm() steps over heads of {head_group} and {hn['group']} "
+                             "columns: head-aligned tiles take one head size")
+            head_group = hn["group"]
+    for hn in head_norms:
+        hn["pow2"] = head_group is None
+    if pair is None:
+        accs_pre = accs_post = [dict(acc="acc", cols="cols")]
+    else:
+        accs_pre = [dict(acc="acc1", cols="cols1"), dict(acc="acc2", cols="cols2")]
+        accs_post = [dict(acc="acc", cols="cols")] if pair["fn"] == "glu" else accs_pre
+    layer_norm = int(a["prologue"] == "layer")
+    ctx = dict(operands=operands, n_out=width, prologue=a["prologue"], eps=repr(a["eps"]),
+               pair=pair, steps_pre=steps_pre, steps_post=steps_post, accs_pre=accs_pre,
+               accs_post=accs_post, kv=kv, needs_t=kv is not None or (
+                   pair is not None and pair["fn"] == "rope"),
+               M=pexpr(numel(c.node.shape[:-1])), align=align, has_head_norm=int(
+                   bool(head_norms)), head_group=head_group, layer_norm=layer_norm,
+               **_k_loop(c, w, n_rows, k_total, None if pair is None else pair["fn"]))
+    sizes = dict(N=n_rows, K=k_total, paired=int(pair is not None), align=align,
+                 head_norm=int(bool(head_norms)), layer_norm=layer_norm)
+    ints = dict(M="i32", T="i32", **({"S": "i32"} if c.reads_encoder_len else {}))
+    return ctx, [JitKernel("_kernel", "matmul", sizes, c.types(**ints))]
+
+
+CONTEXTS: dict[str, Context] = {
+    "matmul": _matmul, "attention": _attention, "norm": _norm, "pointwise": _pointwise,
+    "embedding": _embedding, "moe": _moe, "causal_conv": _causal_conv, "ssm_scan": _ssm_scan,
+    "linear_attention": _linear_attention,
+}
