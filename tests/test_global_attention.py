@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from archc.ir import expr as E
+import archc.ir.expr as E
 from archc.ir.graph import GraphBuilder
 from archc.ir.ops import Op
 from archc.ir.ops.attention import visible

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from archc.ir import expr as E
+import archc.ir.expr as E
 from archc.ir.attrs import Call
 from archc.ir.graph import GraphBuilder
 from archc.ir.ops import Op

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import archc
+import archc.ir.expr as E
 from archc.cli import main
 from archc.errors import ArchcError
-from archc.ir import expr as E
 from archc.runtime.validation import validate
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -23,10 +23,10 @@ from typing import Any
 
 import sympy
 
+import archc.ir.expr as E
 from archc.codegen.layout import CodegenError, Layout
 from archc.codegen.options import CodegenOptions
 from archc.codegen.printer import pexpr, texpr
-from archc.ir import expr as E
 from archc.ir.attrs import Attrs, Call
 from archc.ir.cost import node_states
 from archc.ir.graph import Graph, Node

@@ -28,11 +28,11 @@ from types import ModuleType
 
 import jinja2
 
+import archc.ir.expr as E
 from archc import __version__
 from archc.codegen.build import JitKernel, NodeCtx, Unit, build
 from archc.codegen.layout import CodegenError, layouts
 from archc.codegen.options import CodegenOptions
-from archc.ir import expr as E
 from archc.ir.expr import act_code, tanh_code
 from archc.ir.graph import Program
 from archc.ir.text import format_node, format_program

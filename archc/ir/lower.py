@@ -14,10 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from archc.ir import expr as E
+import archc.ir.expr as E
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph, GraphBuilder, Program
-from archc.ir.lower_mixers import lower_linear_attention, lower_mamba
 from archc.ir.ops import Op
 from archc.ir.ops.steps import step
 from archc.ir.paramexpr import leaf, yarn_attention_factor
@@ -343,13 +342,83 @@ class _Stack:
                 y = self.emit(Op.ADD, y, shared)
         return y
 
+    # ---- recurrent mixers -----------------------------------------------------------------
+    def mamba(self, h: int, layer: int) -> int:
+        """Mamba (Gu & Dao 2023), as the reference implementation lays it out::
+
+            x, z   = split(in_proj(h))                      # [B, T, 2·d_inner]
+            x      = silu(conv1d(x) + conv_bias)            # causal depthwise, width d_conv
+            Δ, B, C = split(x_proj(x))                      # [dt_rank | d_state | d_state]
+            Δ      = softplus(dt_proj(Δ) + dt_bias)         # (Jamba: RMSNorm on Δ, B, C first)
+            y      = selective_scan(x, Δ, A = −exp(A_log), B, C) + D·x
+            out    = out_proj(y · silu(z))
+
+        The recurrences carry their state between calls themselves, so one graph serves
+        prefill and decode, as the KV cache does for attention."""
+        s = self.s
+        m = s.mixer.mamba
+        assert m is not None and m.dt_rank is not None
+        inner, n, rank = s.mamba_inner, m.d_state, m.dt_rank
+        base = f"layers.{layer}.ssm"
+        with self.at("mixer.mamba.expand"):
+            xz = self.linear(h, f"{base}.in", 2 * inner, m.bias, "mixer.mamba.bias")
+            x = self.emit(Op.SLICE, xz, start=0, stop=inner)
+            z = self.emit(Op.SLICE, xz, start=inner, stop=2 * inner)
+        with self.at("mixer.mamba.d_conv"):
+            x = self.emit(Op.CAUSAL_CONV, x, self.param(f"{base}.conv.weight", inner, m.d_conv),
+                        layer=layer)
+        if m.conv_bias:
+            with self.at("mixer.mamba.conv_bias"):
+                x = self.emit(Op.ADD, x, self.param(f"{base}.conv.bias", inner))
+        with self.at("mixer.mamba.d_conv"):
+            x = self.emit(Op.ACT, x, fn="silu")
+        with self.at("mixer.mamba.dt_rank"):
+            proj = self.emit(Op.MATMUL, x, self.param(f"{base}.x.weight", rank + 2 * n, inner))
+            dt = self.emit(Op.SLICE, proj, start=0, stop=rank)
+        with self.at("mixer.mamba.d_state"):
+            bm = self.emit(Op.SLICE, proj, start=rank, stop=rank + n)
+            cm = self.emit(Op.SLICE, proj, start=rank + n, stop=rank + 2 * n)
+        if m.inner_norms:
+            with self.at("mixer.mamba.inner_norms"):
+                dt, bm, cm = (self.emit(Op.NORM, v, self.param(f"{base}.{name}_norm.weight", width),
+                                      kind="rms", eps=s.norm.eps)
+                              for v, name, width in ((dt, "dt", rank), (bm, "b", n), (cm, "c", n)))
+        with self.at("mixer.mamba.dt_rank"):
+            dt = self.linear(dt, f"{base}.dt", inner, True, "mixer.mamba.dt_rank")
+            dt = self.emit(Op.ACT, dt, fn="softplus")
+        with self.at("mixer.mamba.d_state"):
+            self.param(f"{base}.A_log", inner, n)   # the checkpoint's; A = −exp(A_log) at load time
+            a = self.param(f"{base}.A", inner, n, dtype="f32",
+                         expr=Call("neg_exp", (leaf(self.prefix + f"{base}.A_log"),)))
+            y = self.emit(Op.SSM_SCAN, x, dt, a, bm, cm, layer=layer)
+            y = self.emit(Op.ADD, y, self.emit(Op.MUL, x, self.param(f"{base}.D", inner)))
+        with self.at("mixer.mamba.expand"):
+            y = self.emit(Op.MUL, y, self.emit(Op.ACT, z, fn="silu"))
+            return self.linear(y, f"{base}.out", self.d, m.bias, "mixer.mamba.bias")
+
+
+    def linear_attention(self, h: int, layer: int) -> int:
+        """Linear attention (Katharopoulos et al. 2020): q, k, v projections as attention's,
+        φ = elu + 1 on q and k, the running sums (heads merged on the way out), the output
+        projection."""
+        base = f"layers.{layer}.attn"
+        mixer = "mixer.pattern" if self.s.mixer.pattern is not None else "mixer.kind"
+        q, k, v = self.qkv_heads(h, h, base)     # (B, H, T, D), (B, Hkv, T, D) twice
+        with self.at(mixer):
+            q = self.emit(Op.ACT, q, fn="elu_plus_one")
+            k = self.emit(Op.ACT, k, fn="elu_plus_one")
+            out = self.emit(Op.LINEAR_ATTENTION, q, k, v, layer=layer)   # (B, T, H·D)
+        with self.at("attention.heads"):
+            return self.linear(out, f"{base}.o", self.d, self.s.attention.bias.o,
+                               "attention.bias.o")
+
     # ---- blocks --------------------------------------------------------------------------------
     def mix(self, h: int, layer: int, mixer: str, *, local: bool) -> int:
         """The layer's sequence mixer over h: softmax attention, linear attention or Mamba."""
         if mixer == "mamba":
-            return lower_mamba(self, h, layer)
+            return self.mamba(h, layer)
         if mixer == "linear_attention":
-            return lower_linear_attention(self, h, layer)
+            return self.linear_attention(h, layer)
         return self.attention(h, layer, "attn", local=local)
 
     def block(self, x: int, layer: int, local: bool, mixer: str = "attention") -> int:

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from archc.ir import expr as E
+import archc.ir.expr as E
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph
 from archc.ir.ops import ELEMENTWISE, Op

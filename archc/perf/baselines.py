@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from archc.ir import expr as E
+import archc.ir.expr as E
 from archc.ir.attrs import Attrs, Call
 from archc.ir.cost import node_states
 from archc.ir.graph import Graph

@@ -6,7 +6,7 @@ import sympy
 import torch
 import torch.nn.functional as F
 
-from archc.ir import expr as E
+import archc.ir.expr as E
 from archc.ir.attrs import Attrs, Call
 from archc.ir.ops.base import (
     Args,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import sympy
 import torch
 
-from archc.ir import expr as E
+import archc.ir.expr as E
 from archc.ir.attrs import Attrs
 from archc.ir.ops.attention import groups
 from archc.ir.ops.base import (

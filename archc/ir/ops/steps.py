@@ -22,7 +22,7 @@ from typing import Any
 import sympy
 import torch
 
-from archc.ir import expr as E
+import archc.ir.expr as E
 from archc.ir.attrs import Call
 from archc.ir.ops.attention import check_dynamic_rope, rope
 from archc.ir.ops.base import (
