@@ -360,3 +360,48 @@ def test_matmul_head_norm(kernel_dir: Path, kind: str, rope: bool, hd: int,
               "shift": 0.1 * rand(normed, seed=1), "pos": torch.arange(t),
               "freq": rope_inv_freq(dim=hd, theta=10000.0)}, {"B": 2, "T": t, "P": 0},
           kernel_dir)
+
+
+# ---- epilogues on every kernel that writes rows ---------------------------------------------
+
+def steps(*calls: tuple) -> tuple[Call, ...]:
+    return tuple(Call(fn, (), tuple(sorted(kw.items()))) for fn, kw in calls)
+
+
+def test_norm_runs_any_elementwise_epilogue(kernel_dir: Path) -> None:
+    """A norm's epilogue is the elementwise steps of a matmul's: bias, an activation on some
+    columns, a scale, a soft-cap and a residual, in that order."""
+    width = 40
+
+    def fn(b: GraphBuilder, i: dict[str, int]) -> int:
+        return b.emit(Op.NORM, i["x"], i["g"], i["b"], i["r"], kind="layer", eps=1e-5,
+                      epilogue=steps(("bias", {}), ("act", {"fn": "gelu", "start": 8,
+                                                             "stop": 30}),
+                                     ("scale", {"by": 0.5}), ("softcap", {"cap": 1.5}),
+                                     ("residual", {})))
+
+    g = build({"x": (shape(B, T, width), "f32"), "g": (shape(width), "f32"),
+               "b": (shape(width), "f32"), "r": (shape(B, T, width), "f32")}, fn)
+    check(g, {"x": rand(2, 5, width), "g": 1 + 0.1 * rand(width), "b": rand(width, seed=2),
+              "r": rand(2, 5, width, seed=3)}, {"B": 2, "T": 5, "P": 0}, kernel_dir)
+
+
+def test_expert_matmuls_run_any_elementwise_epilogue(kernel_dir: Path) -> None:
+    """The up stage's glu, then a bias on each (token, slot) row; the down stage's sum, then a
+    residual and a soft-cap."""
+    n_experts, d, f = 4, 24, 12
+
+    def fn(b: GraphBuilder, i: dict[str, int]) -> int:
+        gates = b.emit(Op.ROUTER, i["x"], i["wr"], top_k=2, normalize=True)
+        h = b.emit(Op.MOE_LINEAR, i["x"], gates, i["gu"], i["bias"], stage="up", top_k=2,
+                   epilogue=steps(("glu", {"fn": "silu"}), ("bias", {})))
+        return b.emit(Op.MOE_LINEAR, h, gates, i["down"], i["x"], stage="down", top_k=2,
+                      epilogue=steps(("residual", {}), ("softcap", {"cap": 2.0})))
+
+    g = build({"x": (shape(B, T, d), "f32"), "wr": (shape(n_experts, d), "f32"),
+               "gu": (shape(n_experts, 2 * f, d), "f32"), "bias": (shape(f), "f32"),
+               "down": (shape(n_experts, d, f), "f32")}, fn)
+    check(g, {"x": rand(3, 5, d), "wr": rand(n_experts, d, seed=1),
+              "gu": rand(n_experts, 2 * f, d, seed=2) / d ** 0.5, "bias": rand(f, seed=4),
+              "down": rand(n_experts, d, f, seed=3) / f ** 0.5}, {"B": 3, "T": 5, "P": 0},
+          kernel_dir)

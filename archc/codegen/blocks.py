@@ -116,7 +116,10 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         return dict(BLOCK_M=16, BLOCK_N=_clamp_pow2(sizes["N"], 32, 1024),
                     BLOCK_K=_clamp_pow2(sizes["K"], 16, 512), num_warps=4, num_stages=1)
     if family == "moe_sum":
-        return dict(BLOCK_C=min(next_pow2(sizes["C"]), 1024), num_warps=4, num_stages=1)
+        block_c = min(next_pow2(sizes["C"]), 1024)
+        rows = max(1, (1024 if gpu else 16384) // block_c)
+        return dict(BLOCK_R=min(rows, _clamp_pow2(sizes["M"], 1, 1 << 20)), BLOCK_C=block_c,
+                    num_warps=4, num_stages=1)
     if family in RECURRENT:
         return _recurrent_config(family, gpu, sizes)
     raise ValueError(f"no launch configuration for kernel family {family!r}")

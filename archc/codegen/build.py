@@ -217,6 +217,9 @@ def elementwise_step(c: NodeCtx, st: Call, idx: int, width: int) -> dict[str, An
     """An elementwise epilogue step for the `elementwise` macro (templates/steps.j2): its
     inputs' loads — a [width] vector along the columns, or rows read through their layout —
     and its Triton code over the accumulator and the loaded values, on columns [start, stop)."""
+    if not STEPS[st.fn].elementwise:
+        raise c.fail(f"the {c.node.op.value} template renders elementwise epilogue steps here, "
+                     f"not {st.fn}()")
     loads = []
     for name in STEPS[st.fn].inputs:
         role = f"{name}{idx}"
@@ -226,17 +229,6 @@ def elementwise_step(c: NodeCtx, st: Call, idx: int, width: int) -> dict[str, An
     code = E.triton(step_expr(st), [ACC, *(ld["var"] for ld in loads)])
     return dict(fn="elementwise", name=st.fn, loads=loads, code=code, start=start, stop=stop,
                 full=start == 0 and stop == width)
-
-
-def elementwise_steps(c: NodeCtx, width: int) -> list[dict[str, Any]]:
-    """The node's epilogue, every step elementwise (norm, expert matmuls)."""
-    out = []
-    for idx, st in enumerate(c.attrs["epilogue"]):
-        if not STEPS[st.fn].elementwise:
-            raise c.fail(f"the {c.node.op.value} template renders elementwise epilogue steps, "
-                         f"not {st.fn}()")
-        out.append(elementwise_step(c, st, idx, width))
-    return out
 
 
 # ---- the builder ------------------------------------------------------------------------------
@@ -290,7 +282,8 @@ def _norm(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     ctx = dict(N=width, kind=a["kind"], eps=repr(a["eps"]), unit_offset=a["unit_offset"],
                add_before=a["add_before"], R=pexpr(numel(c.node.shape[:-1])),
                x=rows(c.lay("x")), residual=rows(c.lay("residual")) if a["add_before"] else {},
-               steps=elementwise_steps(c, width))
+               steps=[elementwise_step(c, st, k, width)
+                      for k, st in enumerate(a["epilogue"])])
     ints = dict(R="i32", T="i32", **({"S": "i32"} if c.reads_encoder_len else {}))
     return ctx, [JitKernel("_kernel", "norm", dict(N=width), c.types(**ints))]
 
@@ -350,29 +343,28 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     if x.strides[-1] != 1 or gates.strides[-1] != 1:
         raise c.fail("x and the gates must have contiguous rows")
     up = a["stage"] == "up"
-    steps = [st.fn for st in a["epilogue"]]
-    gated = steps == ["glu"]
-    if steps not in (([], ["glu"], ["act"]) if up else ([], ["residual"])):
-        raise c.fail(f"the {a['stage']} expert template renders no epilogue of "
-                     f"{', '.join(steps)}")
+    steps = list(a["epilogue"])
+    gated = bool(steps) and steps[0].fn == "glu"   # pairs gate and up rows: first, if at all
     width = nw // 2 if gated else nw
     ctx = dict(kind="experts", stage=a["stage"], E=e, NW=nw, top_k=a["top_k"], gated=gated,
                M=pexpr(numel(n.shape[:-2] if up else n.shape[:-1])),
-               act_fn=a["epilogue"][0].kw("fn") if up and steps else "identity",
+               glu_fn=steps[0].kw("fn") if gated else "",
+               steps=[elementwise_step(c, st, idx, width) for idx, st in enumerate(steps)
+                      if not (gated and idx == 0)],
+               epilogue_params_="".join(f"{a.param}, " for a in c.args[3:]),
                gates_row_off=row_offset(gates, "token"),
                x=dict(row_off=row_offset(x, "token" if up else "pair")),
-               residual=rows(c.lay("res0"), "token") if steps == ["residual"] else None,
                **_k_loop(c, w, width, k, "glu" if gated else None))
     if gated:
         ctx["wsets"][1]["cols"] = f"cols + {width}"
         ctx["wsets"][0]["cols"] = "cols"
-    own = c.args[:3]
+    own = c.args if up else c.args[:3]
     kernels = [JitKernel("_kernel", "moe", dict(N=nw, K=k),
                          c.types(own, pairs_ptr="*i32", block_expert_ptr="*i32", T="i32"))]
     if not up:
         kernels[0].types["out_ptr"] = "*fp32"
         kernels.append(JitKernel("_sum", "moe_sum", dict(C=width),
-                                 c.types(c.args[3:], part_ptr="*fp32")))
+                                 c.types(c.args[3:], part_ptr="*fp32", M="i32")))
     return ctx, kernels
 
 
