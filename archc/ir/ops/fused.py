@@ -46,6 +46,7 @@ from archc.ir.ops.base import (
 )
 from archc.ir.ops.core import ACTIVATIONS, activation, layernorm, rmsnorm, softcap
 from archc.ir.ops.moe import route
+from archc.ir.sdpa import sdpa_attention
 from archc.ir.shapes import DTYPE_BYTES, P, Shape, numel
 
 # ---- fused_linear ----------------------------------------------------------------------------
@@ -417,6 +418,10 @@ def attention(ctx: EagerCtx, xs: Sequence[torch.Tensor], a: Attrs) -> torch.Tens
         k, v = ctx.cache_read(layer, "k"), ctx.cache_read(layer, "v")
     else:
         k, v = got["k"], got["v"]
+    fast = sdpa_attention(q, k, v, a, padding=got.get("padding"), prefix_len=got.get(
+        "prefix_len"), bias_input=got.get("slopes", got.get("rel_table")))
+    if fast is not None:  # PyTorch's fused attention, wherever the mask allows (archc.ir.sdpa)
+        return fast
     b, h, t, d = q.shape
     k, v = expand_kv(k, h).float(), expand_kv(v, h).float()
     s = (q.float() @ k.transpose(-1, -2)) * a["scale"]
