@@ -19,9 +19,10 @@ def _is_gguf(path: Path) -> bool:
     return path.suffix.lower() == ".gguf"
 
 
-def _load_gguf(path: Path, *, progress: Progress | None = None) -> Model:
+def _load_gguf(path: Path, *, progress: Progress | None = None,
+               dtype: str | None = None) -> Model:
     from archc.sources.gguf import load_gguf
-    return load_gguf(path, progress=progress)
+    return load_gguf(path, progress=progress, dtype=dtype)
 
 
 register_source(_is_gguf, _load_gguf)
