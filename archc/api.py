@@ -98,6 +98,10 @@ class Model:
         self._check_copy_fits(backend, name, torch_device, options.get("passes"))
         program = self.graph if name == "f32" else lower(self.spec, name)
         session = factory(self, program, name, torch_device, options)
+        module = getattr(session, "module_path", None)   # a backend that generates code
+        if module is not None:
+            from archc.kernel_cache import used
+            used(Path(module))
         return CompiledModel(self, program, session, backend)
 
     def _check_copy_fits(self, backend: str, dtype: str, device: torch.device,

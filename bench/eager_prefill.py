@@ -106,6 +106,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
+    load_before = os.getloadavg()   # other work on the machine slows both sides
     model = archc.load(smollm2_gguf())
     if args.tokens > model.spec.max_seq_len:
         sys.exit(f"--tokens {args.tokens} exceeds max_seq_len = {model.spec.max_seq_len}")
@@ -120,7 +121,7 @@ def main() -> None:
         lowered = model.compile("eager", dtype="f32", passes="none")
         runners["archc eager, as lowered"] = lambda x: lowered(x)
 
-    for name, run in runners.items():       # first calls allocate and pick kernels
+    for run in runners.values():       # first calls allocate and pick kernels
         timed(lambda run=run: run(ids[:, :256]))
     seconds: dict[str, list[float]] = {name: [] for name in runners}
     last: dict[str, torch.Tensor] = {}
@@ -149,6 +150,7 @@ def main() -> None:
         "dtype": "f32", "prompt_tokens": args.tokens, "batch": 1,
         "date": datetime.date.today().isoformat(),
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": args.threads,
+                    "load_average_before": load_before, "load_average_after": os.getloadavg(),
                     "python": platform.python_version(), "torch": torch.__version__,
                     "transformers": transformers.__version__, "archc": archc.__version__},
         "runs": rows, "goal": {"archc_over_transformers": GOAL, "measured": ratio,
@@ -157,7 +159,8 @@ def main() -> None:
                                     f"{re.sub(r'[^a-z0-9]+', '-', cpu_name().lower())}.json")
     out.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     print(f"{model.spec.name}, prefill of {args.tokens} tokens, f32, {args.threads} threads on "
-          f"{cpu_name()} ({data['date']})")
+          f"{cpu_name()} ({data['date']}; load average {load_before[0]:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after)")
     print(f"{'runner':<26}{'best':>10}{'tokens/s':>11}{'÷ transformers':>16}{'last logits':>14}")
     for r in rows:
         print(f"{r['runner']:<26}{r['best_seconds']:>9.1f}s{r['tokens_per_second']:>11.1f}"

@@ -333,7 +333,7 @@ def test_cse_never_merges_cache_writes() -> None:
 # ---- the commands ----------------------------------------------------------------------------
 
 def test_passes_table(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["passes", "tiny-llama3", "--tokens", "4", "--past", "3"]) == 0
+    assert main(["passes", "tiny-llama3", "--prompt-len", "4", "--past", "3"]) == 0
     out = capsys.readouterr().out
     for name in DEFAULT_PIPELINE:
         assert name in out

@@ -196,10 +196,9 @@ def _spec_data(f: GGUFFile) -> tuple[dict[str, Any], HFConfig]:
     return data, meta
 
 
-def gguf_spec(path: Path) -> Spec:
-    f = GGUFFile(path)
+def spec_of_file(f: GGUFFile) -> Spec:
     data, _ = _spec_data(f)
-    return from_dict(data, source=str(path))
+    return from_dict(data, source=str(f.path))
 
 
 def unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -253,8 +252,7 @@ def load_gguf(path: Path, *, progress: Progress | None = None, dtype: str | None
     from archc.runtime.weights import TORCH_DTYPES, checkpoint_shapes
 
     f = GGUFFile(path)
-    data, _ = _spec_data(f)
-    spec = from_dict(data, source=str(path))
+    spec = spec_of_file(f)
     program = lower(spec)
     want = checkpoint_shapes(program)
     plan = _tensor_plan(spec, f)
