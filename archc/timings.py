@@ -57,7 +57,7 @@ class Timings:
             else:
                 text = f"{name} {s:.2f} s"
             if name in rates:
-                text += f" ({rates[name]:.1f} tokens/s)"
+                text += f" ({rates[name]:.3g} tokens/s)"
             parts.append(text)
         if self.stop is not None:
             stop = STOPS[self.stop]

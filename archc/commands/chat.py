@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from archc.commands.common import Run, set_threads
+from archc.commands.common import Run
 from archc.commands.textgen import add_sampling_arguments, answer, check_text_source, report
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
@@ -98,20 +98,16 @@ def _lines(interactive: bool) -> Iterator[str]:
 def run(args: argparse.Namespace) -> int:
     run_ = Run(args, backend=args.backend)
     check_text_source(run_.source, "archc chat")
-    set_threads(args)
-    setup = Timings()
-    with setup.phase("load"):
-        model = run_.load()
+    model = run_.load()
     if not model.tokenizer.chat_template:
         raise ArchcError(f"{model.spec.name} has no chat template, so it cannot chat; "
                          "`archc run SOURCE --prompt TEXT` continues plain text")
-    with setup.phase("compile"):
-        compiled = run_.compile(model, args.backend)
+    compiled = run_.compile(model, args.backend)
     interactive = sys.stdin.isatty()
     if interactive:
         import readline  # noqa: F401  (line editing and history for input())
     if not args.quiet:
-        report(setup, False)
+        report(run_.timings, False)
         if interactive:
             err_console.print(f"[dim]chatting with {model.spec.name}: "
                               + "; ".join(f"{c} to {what}" for c, what in COMMANDS.items())

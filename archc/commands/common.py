@@ -15,6 +15,7 @@ from archc.dtypes import default_dtype
 from archc.errors import ArchcError, cli_option
 from archc.sources import Source, describe
 from archc.spec.schema import Spec
+from archc.timings import Timings
 from archc.ui import err_console, progress
 
 
@@ -74,6 +75,9 @@ class Run:
                 raise ArchcError(f"{prompt} prompt tokens + {new} new exceed {self.spec.name}'s "
                                  f"max_seq_len = {self.spec.max_seq_len}")
         self._check_memory(backend)
+        if getattr(args, "threads", None) is not None:
+            torch.set_num_threads(args.threads)
+        self.timings = Timings()      # load and compile, as they happen
 
     def _check_memory(self, backend: str | None) -> None:
         """The weights are read straight into the compute dtype, so the eager backend runs them
@@ -96,17 +100,18 @@ class Run:
         """The model, its weights in the compute dtype; notes on stderr unless --quiet."""
         import archc
         seed = getattr(self.args, "seed", None) or 0
-        if self.quiet or not err_console.is_terminal:   # no bar in logs and pipes
-            model = archc.load(self.args.source, seed=seed, dtype=self.dtype)
-        else:
-            with progress() as bar:
-                task = bar.add_task("loading weights", total=None)
+        with self.timings.phase("load"):
+            if self.quiet or not err_console.is_terminal:   # no bar in logs and pipes
+                model = archc.load(self.args.source, seed=seed, dtype=self.dtype)
+            else:
+                with progress() as bar:
+                    task = bar.add_task("loading weights", total=None)
 
-                def report(done: int, total: int) -> None:
-                    bar.update(task, completed=done, total=total)
+                    def report(done: int, total: int) -> None:
+                        bar.update(task, completed=done, total=total)
 
-                model = archc.load(self.args.source, seed=seed, dtype=self.dtype,
-                                   progress=report)
+                    model = archc.load(self.args.source, seed=seed, dtype=self.dtype,
+                                       progress=report)
         if not self.quiet:
             for note in model.notes:
                 err_console.print(f"[dim]note: {note}[/]", soft_wrap=True)
@@ -116,9 +121,5 @@ class Run:
         cache_dir = getattr(self.args, "cache_dir", None)
         if backend == "triton" and cache_dir is not None:
             options["cache_dir"] = cache_dir
-        return model.compile(backend, dtype=self.dtype, device=self.device, **options)
-
-
-def set_threads(args: argparse.Namespace) -> None:
-    if getattr(args, "threads", None) is not None:
-        torch.set_num_threads(args.threads)
+        with self.timings.phase("compile"):
+            return model.compile(backend, dtype=self.dtype, device=self.device, **options)

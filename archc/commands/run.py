@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from archc.commands.common import Run, set_threads
+from archc.commands.common import Run
 from archc.commands.textgen import (
     add_sampling_arguments,
     answer,
@@ -86,13 +86,10 @@ def run(args: argparse.Namespace) -> int:
                lengths=None if text else (args.prompt_len, args.new_tokens))
     if text:
         check_text_source(run_.source, "--prompt" if args.prompt is not None else "--chat")
-    set_threads(args)
-    timings = Timings()
-    with timings.phase("load"):
-        model = run_.load()
+    model = run_.load()
     if text:
-        return _generate_text(args, run_, model, timings)
-    return _summarize(args, run_, model, timings)
+        return _generate_text(args, run_, model, run_.timings)
+    return _summarize(args, run_, model, run_.timings)
 
 
 # ---- text generation ---------------------------------------------------------------------------
@@ -110,8 +107,7 @@ def _generate_text(args: argparse.Namespace, run_: Run, model: Any, timings: Tim
         ids = tok.encode(args.prompt)
     if not ids:
         raise ArchcError("the prompt encodes to no tokens")
-    with timings.phase("compile"):
-        compiled = run_.compile(model, args.backend)
+    compiled = run_.compile(model, args.backend)
     out = None if args.json else sys.stdout
     if out is not None and args.prompt is not None and model.spec.family == "decoder":
         out.write(args.prompt)
@@ -140,8 +136,7 @@ def _print_json(args: argparse.Namespace, run_: Run, body: dict[str, Any],
 
 def _summarize(args: argparse.Namespace, run_: Run, model: Any, timings: Timings) -> int:
     spec = model.spec
-    with timings.phase("compile"):
-        compiled = run_.compile(model, args.backend)
+    compiled = run_.compile(model, args.backend)
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, spec.vocab_size, (args.batch, args.prompt_len), generator=gen)
     timings.prompt_tokens = args.prompt_len
