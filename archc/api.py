@@ -6,9 +6,13 @@
     hidden = compiled(input_ids, attention_mask=mask)     # encoder: [B, T, d]
     logits = compiled(input_ids, decoder_input_ids=dec)   # encoder-decoder
     ids = compiled.generate(input_ids, max_new_tokens=20) # prompt + new tokens
+    text = compiled.generate("Once upon a time")          # the continuation (needs a tokenizer)
 
 ``model.spec``, ``model.graph`` (the unfused program) and ``model.weights`` (the checkpoint: tensor
-name → tensor) are public. A spec without weights gets seeded random ones.
+name → tensor) are public. A spec without weights gets seeded random ones (``model.random_weights``
+says so). Dtypes are 'f32', 'f16', 'bf16' or torch dtypes; without one, a model computes in its own
+dtype, or in f32 on a CPU (``archc.dtypes``). Before weights are allocated their bytes are priced
+against the memory free (``archc.memory``). Errors are ``ArchcError``s that name the argument.
 """
 
 from __future__ import annotations
@@ -20,15 +24,16 @@ from typing import Any, Protocol
 
 import torch
 
+from archc.devices import resolve_device
+from archc.dtypes import default_dtype, dtype_name
 from archc.errors import ArchcError
 from archc.ir.graph import Program
 from archc.ir.lower import lower
+from archc.memory import check_fits, checkpoint_elements
 from archc.runtime.eager import EagerSession
 from archc.runtime.generate import Sampler, Sampling
-from archc.runtime.weights import check_checkpoint, random_weights
+from archc.runtime.weights import TORCH_DTYPES, check_checkpoint, random_weights
 from archc.spec.schema import Spec
-
-DTYPES = ("f32", "f16", "bf16")
 
 
 class Session(Protocol):
@@ -57,29 +62,68 @@ class Model:
     source: str = ""
     eos_token_ids: tuple[int, ...] = ()   # generation stops at any of these
     notes: tuple[str, ...] = ()           # what the loader wants the user to know
+    weights_dtype: str = "f32"            # the dtype random weights are held in
     graph: Program = field(init=False)
+    random_weights: bool = field(init=False)   # no checkpoint: the weights mean nothing
 
     def __post_init__(self) -> None:
         self.graph = lower(self.spec)
+        self.random_weights = self.weights is None
         if self.weights is None:
-            self.weights = random_weights(self.graph, seed=self.seed)
+            check_fits(self.spec.name, "its weights", checkpoint_elements(self.graph),
+                       self.weights_dtype, self.spec.family, random=True)
+            self.weights = random_weights(self.graph, seed=self.seed, dtype=self.weights_dtype)
+            self.notes += (f"{self.spec.name} is a spec, not a checkpoint: its weights are "
+                           f"random (seed {self.seed}), so what it computes means nothing",)
         check_checkpoint(self.graph, self.weights)
 
-    def compile(self, backend: str = "eager", *, dtype: str = "f32",
+    def compile(self, backend: str = "eager", *, dtype: str | torch.dtype | None = None,
                 device: str | torch.device = "cpu", **options: Any) -> CompiledModel:
-        """Ready the model to run on `backend` ("eager" or "triton")."""
-        if dtype not in DTYPES:
-            raise ArchcError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        """Ready the model to run on `backend` ("eager" or "triton"), on `device` ("cpu" or
+        "cuda"), computing in `dtype` (default: the model's own dtype; f32 on a CPU)."""
+        torch_device = resolve_device(device)
+        name = default_dtype(self.spec.dtype, torch_device) if dtype is None else \
+            dtype_name(dtype)
         if backend not in BACKENDS and backend in LAZY_BACKENDS:
             import importlib
             importlib.import_module(LAZY_BACKENDS[backend])  # registers itself
         factory = BACKENDS.get(backend)
         if factory is None:
             known = ", ".join(sorted(set(BACKENDS) | set(LAZY_BACKENDS)))
-            raise ArchcError(f"unknown backend {backend!r} (known: {known})")
-        program = self.graph if dtype == "f32" else lower(self.spec, dtype)
-        session = factory(self, program, dtype, torch.device(device), options)
+            raise ArchcError(f"backend={backend!r} is not a backend (known: {known})")
+        if backend == "triton" and name == "bf16" and torch_device.type == "cpu":
+            raise ArchcError("dtype='bf16' with the triton backend on the CPU: Triton's "
+                             "interpreter computes bfloat16 wrongly; use dtype='f32' or 'f16', "
+                             "or device='cuda'")
+        self._check_copy_fits(backend, name, torch_device, options.get("passes"))
+        program = self.graph if name == "f32" else lower(self.spec, name)
+        session = factory(self, program, name, torch_device, options)
+        module = getattr(session, "module_path", None)   # a backend that generates code
+        if module is not None:
+            from archc.kernel_cache import used
+            used(Path(module))
         return CompiledModel(self, program, session, backend)
+
+    def _check_copy_fits(self, backend: str, dtype: str, device: torch.device,
+                         passes: Any) -> None:
+        """A backend evaluates the parameters into new tensors unless it runs the checkpoint's
+        own: the eager backend without weight-rewriting passes, in the checkpoint's dtype, on
+        the CPU."""
+        weights = self.weights or {}
+        same = all(w.dtype == TORCH_DTYPES[dtype] and w.device == device
+                   for w in weights.values())
+        if backend == "eager" and passes in (None, "none") and same:
+            return
+        check_fits(self.spec.name, "the compiled copy of its weights",
+                   checkpoint_elements(self.graph), dtype, self.spec.family, device,
+                   random=self.random_weights)
+
+
+# What the eager backend interprets unless told otherwise: the unfused program with each
+# attention chain (scores → … → value sum) collapsed into one `attention` node, which runs through
+# PyTorch's fused attention wherever the mask allows (`sdpa_attention`) — so a long prompt never
+# stores its [B, H, T, L] scores. passes="none" interprets the program exactly as lowered.
+EAGER_PIPELINE = ("share-kv-heads", "flash-attention")
 
 
 def _eager_backend(model: Model, program: Program, dtype: str, device: torch.device,
@@ -87,10 +131,9 @@ def _eager_backend(model: Model, program: Program, dtype: str, device: torch.dev
     unknown = sorted(set(options) - {"passes"})
     if unknown:
         raise ArchcError(f"the eager backend takes one option, passes (got {', '.join(unknown)})")
-    if options.get("passes") is not None:
-        # a pipeline ("default", or pass names): the interpreter runs the kernel-level graph
-        from archc.passes import optimize
-        program = optimize(program, options["passes"])
+    passes = options.get("passes")
+    from archc.passes import optimize
+    program = optimize(program, EAGER_PIPELINE if passes is None else passes)
     return EagerSession(program, model.weights, max_seq_len=model.spec.max_seq_len,
                         device=device)
 
@@ -113,11 +156,13 @@ class CompiledModel:
         self.session = session
         self.backend = backend
 
-    def __call__(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+    def __call__(self, input_ids: torch.Tensor | str, *,
+                 attention_mask: torch.Tensor | None = None,
                  decoder_input_ids: torch.Tensor | None = None,
                  token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Full forward pass: logits (decoder, encoder-decoder) or hidden states (encoder)."""
-        input_ids = _as_ids(input_ids, "input_ids")
+        """Full forward pass: logits (decoder, encoder-decoder) or hidden states (encoder).
+        `input_ids`: token ids [B, T], or text when the model has a tokenizer."""
+        input_ids = self._ids(input_ids)
         family = self.spec.family
         if family == "encoder":
             return self.session.encode(input_ids, attention_mask, token_type_ids)
@@ -134,22 +179,29 @@ class CompiledModel:
         self.session.reset()
         return self.session.step(input_ids)
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, *,
+    def generate(self, input_ids: torch.Tensor | str, max_new_tokens: int = 20, *,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
                  attention_mask: torch.Tensor | None = None,
                  decoder_start_token_id: int = 0,
-                 on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+                 on_token: Callable[[torch.Tensor], None] | None = None) -> Any:
         """Prompt followed by up to `max_new_tokens` new tokens (greedy unless a temperature is
-        given); stops early when every row has produced `eos_token_id` (one id or several).
-        `on_token` sees each new column of tokens [B] as it is chosen. For an encoder-decoder,
-        returns the decoder tokens (starting with `decoder_start_token_id`)."""
+        given). Given text (a model with a tokenizer), returns the text of the new tokens.
+
+        Stops early when every row has produced an end-of-sequence id: by default the
+        checkpoint's (``model.eos_token_ids``); `eos_token_id` replaces them (one id or
+        several; ``()`` never stops early). `on_token` sees each new column of tokens [B] as it
+        is chosen. For an encoder-decoder, returns the decoder tokens (starting with
+        `decoder_start_token_id`)."""
         if self.spec.family == "encoder":
             raise ArchcError(f"{self.spec.name} is an encoder: it has no output head to "
                              "generate with")
-        if max_new_tokens < 0:
-            raise ArchcError(f"max_new_tokens must be ≥ 0, got {max_new_tokens}")
-        input_ids = _as_ids(input_ids, "input_ids")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or \
+                max_new_tokens < 0:
+            raise ArchcError(f"max_new_tokens must be a whole number ≥ 0, got "
+                             f"{max_new_tokens!r}")
+        text = isinstance(input_ids, str)
+        input_ids = self._ids(input_ids)
         sampler = Sampler(Sampling(temperature, top_k, top_p, seed))
         extra: dict[str, Any] = {}
         tokens = input_ids
@@ -163,8 +215,7 @@ class CompiledModel:
                              f"max_seq_len = {self.spec.max_seq_len}")
         self.session.reset()
         out = [tokens]
-        stop = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else
-                            list(eos_token_id or ()), dtype=torch.long)
+        stop = _stop_ids(self.model.eos_token_ids if eos_token_id is None else eos_token_id)
         done = torch.zeros(tokens.shape[0], dtype=torch.bool)
         step_in = tokens
         for _ in range(max_new_tokens):
@@ -180,12 +231,43 @@ class CompiledModel:
             if len(stop) and bool(done.all()):
                 break
             step_in = nxt[:, None]
-        return torch.cat(out, dim=1)
+        result = torch.cat(out, dim=1)
+        if text:
+            new = [int(i) for i in result[0, tokens.shape[1]:] if int(i) not in stop.tolist()]
+            return self.model.tokenizer.decode(new)
+        return result
+
+    def _ids(self, x: Any) -> torch.Tensor:
+        """Token ids [B, T] from ids, or from text through the model's tokenizer."""
+        if not isinstance(x, str):
+            return _as_ids(x, "input_ids")
+        tok = self.model.tokenizer
+        if tok is None:
+            why = " (it is a spec: its weights are random)" if self.model.random_weights else ""
+            raise ArchcError(f"{self.spec.name} has no tokenizer{why}, so it cannot take text: "
+                             "pass token ids [B, T], or load a checkpoint that carries a "
+                             "tokenizer (a Hugging Face directory with tokenizer.json, or a "
+                             ".gguf file)")
+        ids = tok.encode(x)
+        if not ids:
+            raise ArchcError("the text encodes to no tokens")
+        return torch.tensor([ids])
+
+
+def _stop_ids(eos: int | Sequence[int]) -> torch.Tensor:
+    ids = [eos] if isinstance(eos, int) else list(eos)
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise ArchcError(f"eos_token_id must be a token id or a sequence of them, got {eos!r}")
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def _as_ids(x: Any, name: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
-        x = torch.as_tensor(x)
+        try:
+            x = torch.as_tensor(x)
+        except (TypeError, ValueError, RuntimeError):
+            raise ArchcError(f"{name} must be integer token ids shaped [B, T] (a tensor or "
+                             f"nested lists of ints), got {type(x).__name__}") from None
     if x.dim() == 1:
         x = x[None]
     if x.dim() != 2 or x.dtype not in (torch.int64, torch.int32):
@@ -197,29 +279,36 @@ def _as_ids(x: Any, name: str) -> torch.Tensor:
 # ---- sources -------------------------------------------------------------------------------
 
 Progress = Callable[[int, int], None]     # (done, total), while weights load
-SourceLoader = Callable[..., Model]        # loader(path, progress=...) → Model
+SourceLoader = Callable[..., Model]        # loader(path, progress=..., dtype=...) → Model
 SOURCES: list[tuple[Callable[[Path], bool], SourceLoader]] = []
 
 
 def register_source(matches: Callable[[Path], bool], loader: SourceLoader) -> None:
     """Teach `load` a new kind of source (HF directories, GGUF files). `loader` is called as
-    `loader(path, progress=callback_or_None)`."""
+    `loader(path, progress=callback_or_None, dtype=name_or_None)`; it prices its weights with
+    ``archc.memory.check_fits`` before reading them."""
     SOURCES.append((matches, loader))
 
 
-def from_spec(spec: Spec, *, seed: int = 0) -> Model:
-    """A model of `spec` with seeded random weights."""
-    return Model(spec, seed=seed, source=spec.name)
+def from_spec(spec: Spec, *, seed: int = 0, dtype: str | torch.dtype = "f32") -> Model:
+    """A model of `spec` with seeded random weights, held in `dtype`."""
+    return Model(spec, seed=seed, source=spec.name, weights_dtype=dtype_name(dtype))
 
 
-def load(source: str | Path, *, seed: int = 0, progress: Progress | None = None) -> Model:
+def load(source: str | Path, *, seed: int = 0, dtype: str | torch.dtype | None = None,
+         progress: Progress | None = None) -> Model:
     """A zoo name, spec YAML, HF directory or GGUF file → a Model (random weights for specs).
-    `progress(done, total)` is called as weights load."""
+    `dtype`: hold the weights in this dtype (default: f32 for random and dequantised GGUF
+    weights, the stored dtype for safetensors). `progress(done, total)` is called as weights
+    load."""
     import archc.native  # noqa: F401  (registers archc's own checkpoint directories)
     import archc.sources  # noqa: F401  (registers the HF and GGUF loaders)
     from archc.spec.zoo import load_spec
+    name = None if dtype is None else dtype_name(dtype)
+    if not isinstance(source, (str, Path)):
+        raise ArchcError(f"source must be a zoo name or a path, got {type(source).__name__}")
     path = Path(source)
     for matches, loader in SOURCES:
         if matches(path):
-            return loader(path, progress=progress)
-    return from_spec(load_spec(source), seed=seed)
+            return loader(path, progress=progress, dtype=name)
+    return from_spec(load_spec(source), seed=seed, dtype=name or "f32")

@@ -1,20 +1,50 @@
-"""The `archc` command line. Each subcommand is a module in ``archc.commands``.
+"""The `archc` command line. Each subcommand is a module in ``archc.commands``; the flags they
+share are declared once, in ``archc.commands.vocabulary``.
 
 Bad input (a spec, a checkpoint, an argument) prints one message naming the problem and exits
-with status 2; it never shows a traceback.
+with status 2; it never shows a traceback. Every argument is checked before a model is read.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from types import ModuleType
+from typing import Any, NoReturn
 
 from archc import __version__
 from archc.errors import ArchcError
 
-COMMAND_MODULES = ("specs", "show", "ir", "run", "roofline", "export_spec", "passes", "explain",
-                   "diff", "modernize", "compile", "validate", "bench")
+COMMAND_MODULES = ("specs", "show", "ir", "passes", "explain", "diff", "compile", "roofline",
+                   "export_spec", "modernize", "run", "chat", "validate", "bench", "cache")
+
+# Flags of earlier versions, and what to write instead
+RENAMED = {
+    "--max-new-tokens": "--new-tokens",
+    "--decode": "--new-tokens (tokens generated after the prompt)",
+    "--tokens": "--prompt-len (a prompt's length) or --new-tokens (tokens to generate)",
+    "--unfused": "--passes none",
+}
+
+
+class UsageError(ArchcError):
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors raised as one line (`archc run: error: …`) instead of a usage
+    block, so that every bad argument reads like every other bad input; and no abbreviations
+    (`--prompt` must never be read as `--prompt-len`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(self.prog, f"{message} (see `{self.prog} --help`)")
 
 
 def _commands() -> list[ModuleType]:
@@ -22,13 +52,15 @@ def _commands() -> list[ModuleType]:
     return [importlib.import_module(f"archc.commands.{name}") for name in COMMAND_MODULES]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> Parser:
+    parser = Parser(
         prog="archc",
         description="A compiler for transformer architectures: spec → IR → passes → Triton "
                     "kernels, validated against an eager PyTorch interpreter.",
-        epilog="SPEC is a YAML file or the name of a bundled spec (`archc specs`). "
-               "Run `archc COMMAND --help` for a command's options.")
+        epilog="SOURCE, wherever a command takes a model, is a zoo name (`archc specs`), a spec "
+               "YAML, a Hugging Face directory, a .gguf file or an archc checkpoint directory. "
+               "Run `archc COMMAND --help` for a command's options; the flags commands share "
+               "mean the same everywhere (README: 'One vocabulary').")
     parser.add_argument("--version", action="version", version=f"archc {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for mod in _commands():
@@ -39,11 +71,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unknown(parser: Parser, command: str | None, extra: list[str]) -> UsageError:
+    """An unknown argument, with what the user probably meant."""
+    from archc.commands.vocabulary import FLAGS, commands_by_flag, subcommands
+    sub = subcommands(parser).get(command or "")
+    prog = sub.prog if sub is not None else parser.prog
+    flag = next((e.split("=")[0] for e in extra if e.startswith("-")), None)
+    if flag is None:
+        return UsageError(prog, f"unexpected argument {extra[0]!r} (see `{prog} --help`)")
+    message = f"unknown option {flag}"
+    if flag in RENAMED:
+        return UsageError(prog, f"{message}: it is {RENAMED[flag]} now")
+    shared = next((name for name, f in FLAGS.items() if flag in f.names), None)
+    if shared is not None:
+        takers = ", ".join(commands_by_flag(parser)[shared])  # the commands' names
+        message += f" ({FLAGS[shared].meaning}: taken by {takers})"
+    options = [o for a in (sub._actions if sub else []) for o in a.option_strings]
+    close = difflib.get_close_matches(flag, options, n=1, cutoff=0.6)
+    if close:
+        message += f"; did you mean {close[0]}?"
+    return UsageError(prog, f"{message} (see `{prog} --help`)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            raise _unknown(parser, getattr(args, "command", None), extra)
         return int(args.handler(args) or 0)
+    except UsageError as err:
+        print(f"{err.prog}: error: {err}", file=sys.stderr)
+        return err.exit_code
     except ArchcError as err:
         print(f"archc {args.command}: error: {err}", file=sys.stderr)
         return err.exit_code

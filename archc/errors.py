@@ -6,6 +6,8 @@ bad input), never a traceback. Internal bugs are not ``ArchcError``s and do show
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class ArchcError(Exception):
     """Base of every error caused by what the user gave archc (spec, checkpoint, arguments)."""
@@ -44,3 +46,16 @@ class RunError(ArchcError):
     """A failure while executing a graph, naming the node being run."""
 
     exit_code = 1
+
+
+# How an error names an option the caller can change: a keyword argument to Python callers
+# (`dtype='bf16'`), a flag on the command line (`--dtype bf16`). Checks shared by both take one.
+Spell = Callable[[str, object], str]
+
+
+def python_option(name: str, value: object) -> str:
+    return f"{name}={value!r}"
+
+
+def cli_option(name: str, value: object) -> str:
+    return f"--{name.replace('_', '-')} {value}"

@@ -34,17 +34,25 @@ def save(directory: Path, spec: Spec, weights: dict[str, torch.Tensor]) -> None:
         raise ArchcError(f"cannot write {directory}: {err.strerror}") from None
 
 
-def load(directory: Path, progress: object = None) -> Model:
+def load(directory: Path, progress: object = None, dtype: str | None = None) -> Model:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
+
+    from archc.ir.lower import lower
+    from archc.memory import check_fits, checkpoint_elements
+    from archc.runtime.weights import TORCH_DTYPES
     spec = load_yaml(directory / SPEC_FILE)
     path = directory / WEIGHTS_FILE
     if not path.is_file():
-        return Model(spec, source=str(directory))
+        return Model(spec, source=str(directory), weights_dtype=dtype or "f32")
+    check_fits(spec.name, "its weights", checkpoint_elements(lower(spec)), dtype or spec.dtype,
+               spec.family)
     try:
         weights = load_file(str(path))
     except (SafetensorError, OSError) as err:
         raise WeightsError(f"{path}: not a readable safetensors file ({err})") from None
+    if dtype is not None:
+        weights = {k: v.to(TORCH_DTYPES[dtype]) for k, v in weights.items()}
     return Model(spec, weights, source=str(directory))
 
 

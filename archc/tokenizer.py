@@ -63,8 +63,8 @@ class Tokenizer:
                     add_generation_prompt: bool = True) -> str:
         """The prompt text of a conversation, through the model's chat template."""
         if not self.chat_template:
-            raise TokenizerError(f"{self.source or 'this model'} has no chat template; "
-                                 "use --prompt for plain text")
+            raise TokenizerError(f"{self.source or 'this model'} has no chat template, so it "
+                                 "cannot take a conversation; give it plain text to continue")
         return render_template(self.chat_template, messages=list(messages),
                                add_generation_prompt=add_generation_prompt,
                                bos_token=self.bos_token or "", eos_token=self.eos_token or "")

@@ -5,7 +5,13 @@ from __future__ import annotations
 import sys
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+)
 
 # Piped output gets a fixed, generous width so tables do not wrap differently per terminal.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
@@ -31,6 +37,5 @@ def nbytes(value: float) -> str:
 
 def progress() -> Progress:
     """A progress bar on stderr for long work (loading weights, compiling kernels)."""
-    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn(
-        "{task.completed}/{task.total}"), TimeRemainingColumn(), console=err_console,
-        transient=True)
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeRemainingColumn(), console=err_console, transient=True)

@@ -49,9 +49,9 @@ if [[ "$DRY_RUN" == 1 ]]; then
     RESULTS="${ARCHC_GPU_CHECK_RESULTS:-$(mktemp -d "${TMPDIR:-/tmp}/archc-gpu-check.XXXXXX")}"
     read -r -a TESTS <<< "${ARCHC_GPU_CHECK_TESTS:-tests/test_roofline.py}"
     BENCH_FLAGS=(--dry-run)
-    TINY_ARGS=(tiny-llama3 --prompt 8 --decode 4)
+    TINY_ARGS=(tiny-llama3 --prompt-len 8 --new-tokens 4)
     BIG_SPEC="tiny-mistral"
-    BIG_ARGS=(tiny-mistral --layers 1 --prompt 8 --decode 4)
+    BIG_ARGS=(tiny-mistral --layers 1 --prompt-len 8 --new-tokens 4)
     BUDGETS=(120 90 90)
 else
     # archc chooses Triton's interpreter only for a CPU device; a stray setting would stop it
@@ -72,9 +72,9 @@ tests/test_bench.py tests/test_roofline.py}"
     BENCH_FLAGS=()
     # tiny-llama3 is launch-bound: torch.compile's default mode says what there is to say, and
     # max-autotune's minute of GEMM tuning is better spent on llama3-8b
-    TINY_ARGS=(tiny-llama3 --prompt 32 --decode 16 --compile-modes default)
+    TINY_ARGS=(tiny-llama3 --dtype bf16 --prompt-len 32 --new-tokens 16 --compile-modes default)
     BIG_SPEC="llama3-8b"
-    BIG_ARGS=(llama3-8b --layers "$LAYERS" --prompt 2048 --decode 64)
+    BIG_ARGS=(llama3-8b --layers "$LAYERS" --prompt-len 2048 --new-tokens 64)
     BUDGETS=(160 60 270)
 fi
 read -r -a EXTRA <<< "${ARCHC_BENCH_EXTRA:-}"
@@ -293,11 +293,11 @@ fi
 run_stage "bench tiny" "$BUDGET_TINY" "$RESULTS/${PREFIX}_tiny-llama3.log" \
     "$PY" -m archc.cli bench "${TINY_ARGS[@]}" \
     ${BENCH_FLAGS[@]+"${BENCH_FLAGS[@]}"} ${EXTRA[@]+"${EXTRA[@]}"} \
-    --json "$RESULTS/${PREFIX}_tiny-llama3.json"
+    -o "$RESULTS/${PREFIX}_tiny-llama3.json"
 run_stage "bench $BIG_SPEC" "$BUDGET_BIG" "$RESULTS/${PREFIX}_${BIG_SPEC}.log" \
     "$PY" -m archc.cli bench "${BIG_ARGS[@]}" \
     ${BENCH_FLAGS[@]+"${BENCH_FLAGS[@]}"} ${EXTRA[@]+"${EXTRA[@]}"} \
-    --json "$RESULTS/${PREFIX}_${BIG_SPEC}.json"
+    -o "$RESULTS/${PREFIX}_${BIG_SPEC}.json"
 
 finish
 exit $?

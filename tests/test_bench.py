@@ -40,7 +40,7 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench")
     path = out / "tiny.json"
     rc = main(["bench", "tiny-llama3", "--dry-run", "--compile-modes", "default",
-               "--json", str(path), "--cache-dir", str(out / "kernels")])
+               "-o", str(path), "--cache-dir", str(out / "kernels")])
     assert rc == 0
     return json.loads(path.read_text())
 
@@ -62,7 +62,7 @@ def test_dry_run_checks_recurrent_kernels_from_the_state_they_read(tmp_path: Pat
     checked starts again from the state the run left (zeros at the prefill), as its torch
     counterpart does: they agree at the prefill and at a decode step."""
     path = tmp_path / "mamba.json"
-    assert main(["bench", "tiny-mamba", "--dry-run", "--compile-modes", "default", "--json",
+    assert main(["bench", "tiny-mamba", "--dry-run", "--compile-modes", "default", "-o",
                  str(path), "--cache-dir", str(tmp_path / "kernels")]) == 0
     data = json.loads(path.read_text())
     assert data["errors"] == [] and set(data["status"].values()) == {"done"}
@@ -158,7 +158,8 @@ def test_report_is_saved_after_each_section_and_names_a_failure(tmp_path: Path,
     (["bench", "tiny-llama3", "--dry-run", "--layers", "3"], "has 2 blocks"),
     (["bench", "tiny-bert", "--dry-run"], "decoder-only"),
     (["bench", "tiny-llama3", "--dry-run", "--dtype", "bf16"], "computes bf16 wrongly"),
-    (["bench", "tiny-llama3", "--dry-run", "--prompt", "60", "--decode", "8"], "max_seq_len"),
+    (["bench", "tiny-llama3", "--dry-run", "--prompt-len", "60", "--new-tokens", "8"],
+     "max_seq_len"),
     (["bench", "tiny-llama3", "--dry-run", "--compile-modes", "fast"], "unknown torch.compile"),
     (["bench", "tiny-llama3", "--dry-run", "--gpu", "v100"], "unknown GPU"),
 ])

@@ -154,7 +154,7 @@ def test_decode_step_no_longer_pays_for_the_projections() -> None:
 
 def test_roofline_prints_the_once_per_generation_graphs(capsys: pytest.CaptureFixture[str]
                                                         ) -> None:
-    assert main(["roofline", "t5-small", "--prompt", "64", "--decode", "8"]) == 0
+    assert main(["roofline", "t5-small", "--prompt-len", "64", "--new-tokens", "8"]) == 0
     out = capsys.readouterr().out
     decode = out.split("one decode step")[1]
     assert "cross.k+v" not in decode and "encoder" not in decode

@@ -187,11 +187,11 @@ def test_run_prompt_streams_the_continuation_and_reports_speed(
     text = tok.decode(expected[0, len(ids):].tolist())
     capsys.readouterr()
     status = main(["run", str(gpt2_with_tokenizer), "--prompt", "the cat", "--threads", "1",
-                   "--max-new-tokens", "6"])
+                   "--new-tokens", "6"])
     out, err = capsys.readouterr()
     assert status == 0
     assert out == "the cat" + text + "\n"
-    assert f"prompt: {len(ids)} tokens" in err
+    assert f"prefill {len(ids)} tokens in" in err
     if expected.shape[1] - len(ids) > 1:
         assert "tokens/s" in err
 
@@ -199,7 +199,7 @@ def test_run_prompt_streams_the_continuation_and_reports_speed(
 def test_run_chat_uses_the_template_and_samples_with_a_seed(
         gpt2_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["run", str(gpt2_with_tokenizer), "--chat", "hello", "--system", "be brief",
-            "--max-new-tokens", "5", "--temperature", "0.8", "--seed", "4"]
+            "--new-tokens", "5", "--temperature", "0.8", "--seed", "4"]
     capsys.readouterr()
     assert main(argv) == 0
     first = capsys.readouterr().out

@@ -27,8 +27,10 @@ def smollm2_gguf() -> Path:
 @pytest.mark.slow
 def test_smollm2_knows_the_capital_of_france(capsys: pytest.CaptureFixture[str]) -> None:
     status = main(["run", str(smollm2_gguf()), "--chat", "What is the capital of France?",
-                   "--max-new-tokens", "24"])
+                   "--new-tokens", "24"])
     out, err = capsys.readouterr()
     assert status == 0
-    assert "Paris" in out
-    assert "tokens/s" in err
+    assert "Paris" in out and out.endswith("\n")
+    (timings,) = err.splitlines()
+    assert "tokens/s" in timings
+    assert timings.endswith("stopped at end-of-sequence (<|im_end|>)")

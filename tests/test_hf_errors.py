@@ -91,6 +91,16 @@ def test_config_field_archc_cannot_honour_is_refused_by_name(
         archc.load(tmp_path)
 
 
+@pytest.mark.parametrize("field,value", [
+    ("unk_token_id", 0), ("_model_name_or_path", "org/model"), ("cls_token_id", 3),
+    ("mask_token_id", 4)])
+def test_bookkeeping_fields_of_common_configs_are_accepted(field: str, value: Any,
+                                                           tmp_path: Path) -> None:
+    gpt2_dir(tmp_path)
+    edit_config(tmp_path, **{field: value})
+    assert archc.load(tmp_path).spec.layers == 1
+
+
 @pytest.mark.parametrize(("rope", "message"), [
     ({"rope_type": "longrope", "rope_theta": 1e4, "factor": 2.0, "short_factor": [1.0]},
      r"rope_parameters.rope_type: 'longrope' cannot be honoured"),

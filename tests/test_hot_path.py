@@ -233,7 +233,7 @@ def test_replayed_decode_matches_plain_launches(name: str, kernel_dir: Path) -> 
 def test_bench_host_prints_its_report_with_the_overhead_last(kernel_dir: Path,
                                                              capsys: pytest.CaptureFixture[str]
                                                              ) -> None:
-    assert main(["bench", "tiny-llama3", "--host", "--decode", "20", "--dtype", "f32",
+    assert main(["bench", "tiny-llama3", "--host", "--new-tokens", "20", "--dtype", "f32",
                  "--cache-dir", str(kernel_dir)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     text = "\n".join(lines)
@@ -252,8 +252,8 @@ def test_bench_host_prints_its_report_with_the_overhead_last(kernel_dir: Path,
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["tiny-llama3", "--host", "--prompt", "8"], "--prompt does not apply"),
-    (["tiny-llama3", "--host", "--dry-run", "--json", "x.json"], "--dry-run, --json do not"),
+    (["tiny-llama3", "--host", "--prompt-len", "8"], "--prompt-len does not apply"),
+    (["tiny-llama3", "--host", "--dry-run", "--json"], "--dry-run, --json do not"),
     (["tiny-bert", "--host"], "decoder-only models; tiny-bert is an encoder"),
     (["tiny-llama3", "--host", "--layers", "9"], "--layers 9: tiny-llama3 has 2 blocks"),
 ])

@@ -341,7 +341,7 @@ def test_cse_never_merges_cache_writes() -> None:
 # ---- the commands ----------------------------------------------------------------------------
 
 def test_passes_table(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["passes", "tiny-llama3", "--tokens", "4", "--past", "3"]) == 0
+    assert main(["passes", "tiny-llama3", "--prompt-len", "4", "--past", "3"]) == 0
     out = capsys.readouterr().out
     for name in DEFAULT_PIPELINE:
         assert name in out
@@ -413,9 +413,14 @@ def test_bad_arguments_give_one_message(argv: list[str],
 
 def test_compile_runs_the_pipeline_for_the_eager_backend() -> None:
     model = archc.load("tiny-gemma2")
-    unfused, fused = model.compile("eager"), model.compile("eager", passes="default")
+    unfused, fused = model.compile("eager", passes="none"), model.compile("eager",
+                                                                          passes="default")
     programs = [c.session.program for c in (unfused, fused)]   # type: ignore[attr-defined]
     assert Op.ATTENTION in ops(programs[1]) and Op.ATTENTION not in ops(programs[0])
+    assert Op.FUSED_LINEAR in ops(programs[1]) and Op.FUSED_LINEAR not in ops(programs[0])
+    # by default: the unfused program with attention chains collapsed (for fused attention)
+    plain = ops(model.compile("eager").session.program)   # type: ignore[attr-defined]
+    assert Op.ATTENTION in plain and Op.FUSED_LINEAR not in plain and Op.SCORES not in plain
     with pytest.raises(ArchcError, match="unknown pass 'nope'"):
         model.compile("eager", passes="nope")
     with pytest.raises(ArchcError, match="takes one option, passes"):

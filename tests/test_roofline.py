@@ -88,11 +88,11 @@ def test_unknown_gpu_is_refused() -> None:
 
 def test_roofline_cli_runs_and_refuses_too_long(capsys: pytest.CaptureFixture[str]) -> None:
     from archc.cli import main
-    assert main(["roofline", "tiny-llama3", "--prompt", "16", "--decode", "4"]) == 0
+    assert main(["roofline", "tiny-llama3", "--prompt-len", "16", "--new-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert "decode step: " in out and "roofline" in out and "floor" in out
     assert "µs" in out  # a tiny model's times are microseconds, not 0.000 ms
-    assert main(["roofline", "tiny-llama3", "--prompt", "60", "--decode", "10"]) == 2
+    assert main(["roofline", "tiny-llama3", "--prompt-len", "60", "--new-tokens", "10"]) == 2
     assert "exceed max_seq_len" in capsys.readouterr().err
 
 
@@ -127,7 +127,7 @@ def test_ssm_scan_cost_by_hand() -> None:
 
 def test_roofline_cli_shows_the_recurrent_state(capsys: pytest.CaptureFixture[str]) -> None:
     from archc.cli import main
-    assert main(["roofline", "tiny-jamba", "--prompt", "16", "--decode", "4"]) == 0
+    assert main(["roofline", "tiny-jamba", "--prompt-len", "16", "--new-tokens", "4"]) == 0
     out = " ".join(capsys.readouterr().out.split())       # the console wraps long lines
     assert "ssm_scan" in out and "causal_conv" in out
     assert "KV cache" in out and "recurrent state" in out

@@ -51,7 +51,7 @@ def test_validate_names_the_first_diverging_kernel(monkeypatch: pytest.MonkeyPat
 
 
 def test_validate_command_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["validate", "tiny-llama3", "--tokens", "5", "--device", DEVICE]) == 0
+    assert main(["validate", "tiny-llama3", "--prompt-len", "5", "--device", DEVICE]) == 0
     out = capsys.readouterr().out
     assert "all kernels agree with eager" in out
     assert "prefill: logits vs eager on the unfused graph" in out

@@ -1,6 +1,6 @@
-"""`archc bench SPEC`: generated kernels and whole-model speed beside PyTorch, on a GPU.
+"""`archc bench SOURCE`: generated kernels and whole-model speed beside PyTorch, on a GPU.
 
-    archc bench llama3-8b --layers 4 --prompt 2048 --decode 64 --json results.json
+    archc bench llama3-8b --layers 4 --prompt-len 2048 --new-tokens 64 -o results.json
     archc bench tiny-llama3 --dry-run        # the whole harness on the CPU, tiny shapes
     archc bench llama3-8b --host             # archc's host time per decode step, any machine
 """
@@ -8,16 +8,20 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from rich.markup import escape
 from rich.table import Table
 
-from archc.commands.common import add_spec_argument, positive_int, spec_of
-from archc.errors import ArchcError
+from archc.commands.common import check_output, spec_of
+from archc.commands.vocabulary import add, positive_int
+from archc.devices import resolve_device
+from archc.dtypes import default_dtype
+from archc.errors import ArchcError, cli_option
 from archc.perf.gpus import GPU, GPUS, gpu
 from archc.ui import console, err_console, si
 
@@ -34,10 +38,8 @@ HOST_STEPS = 1000
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_spec_argument(p)
-    p.add_argument("--gpu", nargs="?", const="auto", default="auto", metavar="MODEL",
-                   help=f"the roofline's GPU model: {', '.join(GPUS)}, or auto (default: read "
-                        "off the device; h200 in a dry run)")
+    add(p, "source")
+    add(p, "gpu", detail="default: read off the device; h200 in a dry run")
     p.add_argument("--host", action="store_true",
                    help="time archc's own host work per decode step, on the CPU: the GPU "
                         "target's launch code with every kernel launch a no-op, plain and "
@@ -45,18 +47,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="run the whole harness on the CPU (Triton's interpreter, tiny shapes, "
                         "host-clock timing): checks the code, measures nothing meaningful")
+    add(p, "device", detail="a CUDA GPU; cpu only with --dry-run")
     p.add_argument("--layers", type=positive_int, metavar="N",
                    help="keep the first N blocks (a real-size model in less time and memory)")
-    p.add_argument("--batch", type=positive_int,
-                   help=f"batch size (default {GPU_RUN['batch']})")
-    p.add_argument("--prompt", type=positive_int,
-                   help=f"prompt tokens prefilled (default {GPU_RUN['prompt']}; "
-                        f"{DRY_RUN['prompt']} in a dry run)")
-    p.add_argument("--decode", type=positive_int,
-                   help=f"decode steps timed (default {GPU_RUN['decode']}; "
-                        f"{DRY_RUN['decode']} in a dry run; {HOST_STEPS} with --host)")
-    p.add_argument("--dtype", choices=("bf16", "f16", "f32"),
-                   help="weights and activations (default bf16; f32 in a dry run)")
+    add(p, "batch", detail=f"default {GPU_RUN['batch']}")
+    add(p, "prompt_len", detail=f"default {GPU_RUN['prompt']}; {DRY_RUN['prompt']} in a dry run")
+    add(p, "new_tokens", detail=f"the decode steps timed: default {GPU_RUN['decode']}; "
+        f"{DRY_RUN['decode']} in a dry run")
+    add(p, "dtype")
     p.add_argument("--compile-modes", default=",".join(COMPILE_MODES), metavar="MODES",
                    help="torch.compile modes to measure, comma-separated, or none "
                         f"(default {','.join(COMPILE_MODES)})")
@@ -65,12 +63,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--autotune", action="store_true",
                    help="let Triton autotune archc's kernels in the whole-model runs (longer "
                         "first run; the per-kernel section times the default block sizes)")
-    p.add_argument("--seed", type=int, default=0, help="seed of weights and tokens (default 0)")
-    p.add_argument("--json", type=Path, metavar="FILE",
-                   help="write the results as JSON (saved after every section); an existing "
-                        "directory gets a file named by date, device, spec and dtype")
-    p.add_argument("--cache-dir", type=Path, metavar="DIR",
-                   help="where generated kernel modules are written")
+    add(p, "seed", default=0)
+    add(p, "output", detail="a file: the results as JSON, saved after every section; an "
+        "existing directory gets a file named by date, device, model and dtype")
+    add(p, "json", detail="instead of the tables")
+    add(p, "cache_dir")
 
 
 def _modes(text: str) -> tuple[str, ...]:
@@ -101,30 +98,34 @@ def _gpu_model(name: str, device_name: str | None) -> tuple[GPU, bool]:
 def config_of(args: argparse.Namespace) -> Any:
     from archc.perf.bench import BenchConfig, check_config, keep_layers
     from archc.perf.timing import Timer
-    spec = spec_of(args)
     dry = bool(args.dry_run)
-    if not dry and not torch.cuda.is_available():
-        raise ArchcError("no CUDA GPU here: archc bench times kernels on a GPU. `archc bench "
-                         f"{args.spec} --dry-run` runs the same harness on the CPU with tiny "
-                         "shapes; `archc roofline` models any GPU without one")
+    modes = _modes(args.compile_modes)
     base = DRY_RUN if dry else GPU_RUN
+    batch = args.batch or base["batch"]
+    prompt = args.prompt_len or base["prompt"]
+    decode = args.new_tokens if args.new_tokens is not None else base["decode"]
+    if dry and args.device not in (None, "cpu"):
+        raise ArchcError("--dry-run runs on the CPU (Triton's interpreter); drop --device or "
+                         "--dry-run")
+    if not dry and (args.device == "cpu" or not torch.cuda.is_available()):
+        raise ArchcError("no CUDA GPU here: archc bench times kernels on a GPU. `archc bench "
+                         f"{args.source} --dry-run` runs the same harness on the CPU with tiny "
+                         "shapes; `archc roofline` models any GPU without one")
+    device = resolve_device(args.device or ("cpu" if dry else "cuda"), spell=cli_option)
+    spec = spec_of(args)
     layers_of_spec = spec.layers
     spec = keep_layers(spec, args.layers)
-    batch = args.batch or base["batch"]
-    prompt = args.prompt or base["prompt"]
-    decode = args.decode or base["decode"]
-    dtype = args.dtype or base["dtype"]
     check_config(spec, prompt, decode)
-    device = torch.device("cpu" if dry else "cuda")
+    dtype = args.dtype or default_dtype(spec.dtype, device)
     if dry and dtype == "bf16":
         raise ArchcError("--dry-run runs Triton's interpreter, which computes bf16 wrongly: "
                          "use --dtype f32 or f16")
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    model, detected = _gpu_model(args.gpu, device_name)
+    model, detected = _gpu_model(args.gpu or "auto", device_name)
     timer = Timer(device, cpu_repeats=2) if dry else Timer(device)
     return BenchConfig(
         spec=spec, dtype=dtype, device=device, gpu=model, gpu_detected=detected, batch=batch,
-        prompt=prompt, decode=decode, timer=timer, compile_modes=_modes(args.compile_modes),
+        prompt=prompt, decode=decode, timer=timer, compile_modes=modes,
         # a dry run traces with dynamo but compiles nothing (inductor on a CPU takes minutes)
         compile_backend="eager" if dry else "inductor",
         copy_mib=4 if dry else 1024, matmul_size=128 if dry else 8192, dry_run=dry,
@@ -135,10 +136,10 @@ def config_of(args: argparse.Namespace) -> Any:
 
 def _not_for_host(args: argparse.Namespace) -> list[str]:
     """The options given that --host has no use for."""
-    given = {"--dry-run": args.dry_run, "--prompt": args.prompt is not None,
-             "--gpu": args.gpu != "auto", "--compile-modes": args.compile_modes != ",".join(
+    given = {"--dry-run": args.dry_run, "--prompt-len": args.prompt_len is not None,
+             "--gpu": args.gpu is not None, "--compile-modes": args.compile_modes != ",".join(
                  COMPILE_MODES), "--no-kernels": args.no_kernels, "--autotune": args.autotune,
-             "--seed": args.seed != 0, "--json": args.json is not None}
+             "--seed": args.seed != 0, "--json": bool(args.json)}
     return [name for name, on in given.items() if on]
 
 
@@ -149,13 +150,13 @@ def run_host(args: argparse.Namespace) -> int:
     if extra:
         raise ArchcError(f"--host times archc's host work per decode step with no-op kernels "
                          f"and no weights: {', '.join(extra)} do{'es' if len(extra) == 1 else ''}"
-                         f" not apply (it takes --batch, --decode, --dtype, --layers, "
+                         f" not apply (it takes --batch, --new-tokens, --dtype, --layers, "
                          f"--cache-dir)")
     spec = keep_layers(spec_of(args), args.layers)
     dtype = args.dtype or GPU_RUN["dtype"]
     check_host(spec)
     report = measure_host(spec, dtype=dtype, batch=args.batch or GPU_RUN["batch"],
-                          steps=args.decode or HOST_STEPS, cache_dir=args.cache_dir)
+                          steps=args.new_tokens or HOST_STEPS, cache_dir=args.cache_dir)
     for line in format_host(report):
         console.print(escape(line), soft_wrap=True)
     return 0
@@ -165,8 +166,10 @@ def run(args: argparse.Namespace) -> int:
     from archc.perf.bench import default_json_name, run_bench
     if args.host:
         return run_host(args)
+    if args.output is not None and not args.output.is_dir():
+        check_output(args.output, "file")
     cfg = config_of(args)
-    path = args.json
+    path = args.output
     if path is not None and path.is_dir():
         path = path / default_json_name(cfg)
 
@@ -174,6 +177,9 @@ def run(args: argparse.Namespace) -> int:
         err_console.print(f"[dim]bench:[/] {line}", highlight=False)
 
     report = run_bench(cfg, path, log)
+    if args.json:
+        sys.stdout.write(json.dumps(report.data, indent=2) + "\n")
+        return 1 if report.failed else 0
     print_report(report.data)
     if path is not None:
         console.print(f"JSON: {path}")

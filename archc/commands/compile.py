@@ -1,4 +1,5 @@
-"""`archc compile SPEC`: render the Triton module of a spec, and compile it for a GPU target."""
+"""`archc compile SOURCE`: render the Triton module of a model, and compile it for a GPU
+target."""
 
 from __future__ import annotations
 
@@ -10,43 +11,46 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
-from archc.commands.common import add_spec_argument, positive_int, spec_of
+from archc.commands.common import check_output, inspection_dtype, spec_of
+from archc.commands.passes import add_pipeline_arguments
+from archc.commands.vocabulary import add, positive_int
 from archc.errors import ArchcError
 from archc.ui import console, nbytes
 
 NAME = "compile"
-HELP = "render a spec's kernels into one Triton module (after the default passes) and, with " \
+HELP = "render a model's kernels into one Triton module (after the default passes) and, with " \
        "--target, compile every unique kernel ahead of time: registers, spills, shared memory, " \
        "tensor-core instructions"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_spec_argument(p)
-    p.add_argument("-o", "--output", type=Path, metavar="DIR",
-                   help="also write the module to DIR/<model>.py")
+    add(p, "source")
+    add(p, "output", detail="a directory: the module is also written there, as MODEL.py")
     p.add_argument("--target", choices=("sm_80", "sm_90a"),
                    help="compile every unique kernel for this GPU (no GPU needed)")
-    p.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="bf16",
-                   help="activation and weight dtype (default bf16)")
-    p.add_argument("--passes", default="default", metavar="PIPELINE",
-                   help="the pass pipeline that reaches kernel level (default: default)")
+    add(p, "dtype")
+    add_pipeline_arguments(p)
     p.add_argument("--jobs", type=positive_int, default=2,
                    help="parallel compiles with --target (default 2)")
     p.add_argument("--kernel", metavar="NAME",
                    help="print only this kernel's source (e.g. fused_linear_0), as in the module")
+    add(p, "cache_dir")
 
 
 def run(args: argparse.Namespace) -> int:
     from archc.codegen.options import CodegenOptions
     from archc.codegen.render import generate, write_module
     from archc.ir.lower import lower
+    from archc.kernel_cache import default_cache_dir, used
     from archc.passes import optimize
-    from archc.runtime.triton_backend import default_cache_dir
 
+    check_output(args.output, "dir")
     spec = spec_of(args)
-    program = optimize(lower(spec, args.dtype), args.passes)
+    dtype = inspection_dtype(args, spec)
+    program = optimize(lower(spec, dtype), args.passes)
     gen = generate(program, CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
-    path = write_module(gen, default_cache_dir() / gen.digest[:24])
+    path = write_module(gen, (args.cache_dir or default_cache_dir()) / gen.digest[:24])
+    used(path)
     if args.kernel is not None:
         names = [u.name for u in gen.units]
         if args.kernel not in names:
@@ -63,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         path = args.output / path.name
 
     table = Table(title=f"{spec.name}: {len(gen.units)} unique kernels, {gen.launches} launches "
-                        f"({args.dtype})", title_justify="left")
+                        f"({dtype})", title_justify="left")
     for col in ("kernel", "family", "launches", "implements (first use)"):
         table.add_column(col, justify="right" if col == "launches" else "left")
     for u in gen.units:

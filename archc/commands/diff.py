@@ -1,4 +1,4 @@
-"""`archc diff SPEC_A SPEC_B`: two variants side by side, every number from their IR."""
+"""`archc diff SOURCE_A SOURCE_B`: two models side by side, every number from their IR."""
 
 from __future__ import annotations
 
@@ -6,21 +6,22 @@ import argparse
 
 from rich.table import Table
 
+from archc.commands.common import inspection_dtype, spec_of
 from archc.commands.passes import add_dims_arguments, add_pipeline_arguments
+from archc.commands.vocabulary import add
 from archc.ir.lower import lower
 from archc.passes import optimize
 from archc.passes.measure import dims, kernels_per_layer, stats
-from archc.spec.zoo import load_spec
 from archc.ui import console, nbytes, si
 
 NAME = "diff"
-HELP = "compare two specs side by side after the pass pipeline: nodes, kernels, parameters, " \
+HELP = "compare two models side by side after the pass pipeline: nodes, kernels, parameters, " \
        "FLOPs, bytes moved and KV-cache bytes"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("spec_a", metavar="SPEC_A", help="a spec YAML path or zoo name")
-    p.add_argument("spec_b", metavar="SPEC_B", help="a spec YAML path or zoo name")
+    add(p, "source", dest="source_a", metavar="SOURCE_A")
+    add(p, "source", dest="source_b", metavar="SOURCE_B")
     add_pipeline_arguments(p)
     add_dims_arguments(p)
 
@@ -34,12 +35,12 @@ def _ratio(a: float, b: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    specs = [load_spec(args.spec_a), load_spec(args.spec_b)]
-    at = dims(args.batch, args.tokens, args.past, args.encoder_len)
+    specs = [spec_of(args, "source_a"), spec_of(args, "source_b")]
+    at = dims(args.batch, args.prompt_len, args.past, args.encoder_len)
     rows: list[tuple[str, list[float], str]] = []
     facts = []
     for s in specs:
-        dtype = args.dtype or s.dtype
+        dtype = inspection_dtype(args, s)
         program = optimize(lower(s, dtype), args.passes)
         facts.append((stats(program, at), kernels_per_layer(s, args.passes, dtype)[1]))
     (a, a_layer), (b, b_layer) = facts

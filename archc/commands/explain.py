@@ -1,4 +1,5 @@
-"""`archc explain SPEC`: every fusion the pipeline did not make, and the rule that refused it."""
+"""`archc explain SOURCE`: every fusion the pipeline did not make, and the rule that refused
+it."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import argparse
 import re
 from dataclasses import dataclass, field
 
-from archc.commands.common import add_spec_argument, spec_of
+from archc.commands.common import inspection_dtype, spec_of
 from archc.commands.passes import add_pipeline_arguments
+from archc.commands.vocabulary import add
 from archc.ir.lower import lower
 from archc.passes import Decision, run_pipeline
 from archc.ui import console
@@ -17,8 +19,9 @@ HELP = "say, for every fusion the pass pipeline did not make, which rule refused
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_spec_argument(p)
+    add(p, "source")
     add_pipeline_arguments(p)
+    add(p, "dtype")
     p.add_argument("--applied", action="store_true",
                    help="also list the rewrites that were made, counted per rule")
 
@@ -54,7 +57,7 @@ def group(decisions: list[Decision]) -> list[Group]:
 
 def run(args: argparse.Namespace) -> int:
     spec = spec_of(args)
-    result = run_pipeline(lower(spec), args.passes)
+    result = run_pipeline(lower(spec, inspection_dtype(args, spec)), args.passes)
     decisions = result.decisions()
     groups = group(decisions)
     made = sum(d.applied for d in decisions)

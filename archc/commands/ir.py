@@ -1,11 +1,12 @@
-"""`archc ir SPEC`: the program in its text form (or DOT), before, after or between passes."""
+"""`archc ir SOURCE`: the program in its text form (or DOT), before, after or between passes."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from archc.commands.common import add_spec_argument, spec_of
+from archc.commands.common import check_output, inspection_dtype, spec_of, write_text
+from archc.commands.vocabulary import add
 from archc.errors import ArchcError
 from archc.ir.lower import lower
 from archc.ir.text import format_program
@@ -16,24 +17,19 @@ from archc.passes.textdiff import step_diff
 from archc.ui import console
 
 NAME = "ir"
-HELP = "print the IR of a spec, one line per node (or Graphviz DOT with --dot), before, after " \
-       "or between passes"
-
-DTYPES = ("f32", "f16", "bf16")
+HELP = "print the IR of a model, one line per node (or Graphviz DOT with --dot), before, " \
+       "after or between passes"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_spec_argument(p)
+    add(p, "source")
     p.add_argument("--dot", action="store_true", help="print Graphviz DOT instead of text")
     p.add_argument("--params", action="store_true", help="with --dot: draw parameter nodes too")
     p.add_argument("--provenance", action="store_true",
                    help="show the spec field that made each node and the passes that rewrote it")
-    p.add_argument("--dtype", choices=DTYPES, default="f32",
-                   help="activation and weight dtype of the lowered graph (default f32)")
-    p.add_argument("--passes", metavar="PIPELINE",
-                   help="run a pipeline first: 'default', 'none' or comma-separated pass names "
-                        "(default: none, or default with --after/--diff/--print-after-all). "
-                        "Passes: " + ", ".join(PASSES))
+    add(p, "dtype")
+    add(p, "passes", detail="run it before printing (default: none, or default with "
+        "--after, --diff or --print-after-all). Passes: " + ", ".join(PASSES))
     show = p.add_mutually_exclusive_group()
     show.add_argument("--after", metavar="PASS", help="print the IR right after PASS")
     show.add_argument("--print-after-all", action="store_true",
@@ -41,26 +37,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "nothing)")
     show.add_argument("--diff", metavar="PASS",
                       help="a unified diff of the text form before and after PASS")
-    p.add_argument("-o", "--output", type=Path, metavar="FILE", help="write to FILE")
+    add(p, "output", detail="a file: the IR text (or DOT), instead of standard output")
 
 
 def emit(text: str, output: Path | None) -> None:
     if output is None:
         console.out(text, end="", highlight=False)
         return
-    try:
-        output.write_text(text, encoding="utf-8")
-    except OSError as err:
-        raise ArchcError(f"cannot write {output}: {err.strerror}") from None
+    write_text(output, text)
     console.print(f"wrote {output}")
 
 
 def run(args: argparse.Namespace) -> int:
-    program = lower(spec_of(args), args.dtype)
-    staged = args.after or args.diff or args.print_after_all
+    check_output(args.output, "file")
     for flag, name in (("--after", args.after), ("--diff", args.diff)):
         if name is not None and name not in PASSES:
             raise ArchcError(f"{flag}: unknown pass {name!r}; known: {known(pipelines=False)}")
+    if args.diff and args.dot:
+        raise ArchcError("--diff compares the text form; it does not combine with --dot")
+    spec = spec_of(args)
+    program = lower(spec, inspection_dtype(args, spec))
+    staged = args.after or args.diff or args.print_after_all
     pipeline = args.passes or ("default" if staged else "none")
     result = run_pipeline(program, pipeline)
 
@@ -83,8 +80,6 @@ def run(args: argparse.Namespace) -> int:
     elif args.after:
         emit(text(result.step(args.after).after), args.output)
     elif args.diff:
-        if args.dot:
-            raise ArchcError("--diff compares the text form; it does not combine with --dot")
         step = result.step(args.diff)
         emit(step_diff(step, provenance=args.provenance) or f"; {step.name} changed nothing\n",
              args.output)

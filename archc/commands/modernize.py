@@ -8,11 +8,11 @@ from pathlib import Path
 
 from rich.table import Table
 
-from archc.commands.common import positive_int
+from archc.commands.common import check_output, source_of, write_text
+from archc.commands.vocabulary import add, positive_int
 from archc.errors import ArchcError
 from archc.modernize.report import Row, walk
 from archc.modernize.steps import DEFAULT_STEPS, STEPS, StepError, parse_steps
-from archc.spec.zoo import ZOO_DIR
 from archc.ui import console, nbytes, si
 
 NAME = "modernize"
@@ -20,25 +20,16 @@ HELP = "apply architecture steps (post→pre norm, RMSNorm, SwiGLU, RoPE, GQA…
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", metavar="SOURCE",
-                   help="a spec (YAML or zoo name), or a checkpoint (HF directory, GGUF, or an "
-                        "archc directory) to convert")
+    add(p, "source", detail="a spec is walked as a spec; a checkpoint's weights are converted")
     steps = "; ".join(f"{s.name}: {s.doc}" for s in STEPS.values())
     p.add_argument("--steps", default=",".join(DEFAULT_STEPS),
                    help=f"comma-separated steps (default: {','.join(DEFAULT_STEPS)}). {steps}")
-    p.add_argument("--batch", type=positive_int, default=1, help="decode batch (default 1)")
-    p.add_argument("--context", type=positive_int,
+    add(p, "batch", default=1)
+    p.add_argument("--context", type=positive_int, metavar="N",
                    help="context length for KV bytes and intensity (default: max_seq_len)")
-    p.add_argument("-o", "--output", type=Path, metavar="PATH",
-                   help="write the final spec as YAML (a spec source) or the converted "
-                        "checkpoint as an archc directory (a checkpoint source)")
+    add(p, "output", detail="for a spec, a file: the final spec as YAML; for a checkpoint, a "
+        "directory: the converted checkpoint (spec.yaml and model.safetensors)")
     p.add_argument("--plot", type=Path, metavar="FILE.png", help="draw the columns per step")
-
-
-def _is_spec(source: str) -> bool:
-    path = Path(source)
-    return path.suffix in (".yaml", ".yml") or (not path.exists() and
-                                                (ZOO_DIR / f"{source}.yaml").is_file())
 
 
 def _table(rows: list[Row], batch: int, context: int) -> Table:
@@ -86,12 +77,13 @@ def _plot(rows: list[Row], path: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     import archc
     from archc.spec.load import dump_yaml
-    from archc.spec.zoo import load_spec
     calls = parse_steps(args.steps)
-    spec_only = _is_spec(args.source)
-    model = None if spec_only else archc.load(args.source)
-    spec = load_spec(args.source) if spec_only else model.spec
-    if model is not None:  # refuse before any work what a checkpoint cannot go through
+    source = source_of(args)
+    spec = source.spec
+    checkpoint = not source.random_weights
+    check_output(args.output, "dir" if checkpoint else "file")
+    check_output(args.plot, "file", "--plot")
+    if checkpoint:  # refuse before any work what a checkpoint cannot go through
         for call in calls:
             if not call.step.converts_weights:
                 raise StepError(f"{call.text} changes what the weights compute and needs "
@@ -99,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     context = args.context or spec.max_seq_len
     if context > spec.max_seq_len:
         raise ArchcError(f"--context {context} exceeds max_seq_len = {spec.max_seq_len}")
+    model = archc.load(args.source) if checkpoint else None
     rows = walk(spec, calls, args.batch, context)
     console.print(_table(rows, args.batch, context))
     if model is not None:
@@ -114,10 +107,7 @@ def run(args: argparse.Namespace) -> int:
             native.save(args.output, rows[-1].spec, weights)
             console.print(f"wrote {args.output}/ ({native.SPEC_FILE}, {native.WEIGHTS_FILE})")
     elif args.output:
-        try:
-            args.output.write_text(dump_yaml(rows[-1].spec), encoding="utf-8")
-        except OSError as err:
-            raise ArchcError(f"cannot write {args.output}: {err.strerror}") from None
+        write_text(args.output, dump_yaml(rows[-1].spec))
         console.print(f"wrote {args.output}")
     if args.plot:
         _plot(rows, args.plot)

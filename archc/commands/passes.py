@@ -1,4 +1,4 @@
-"""`archc passes SPEC`: the pipeline as a table — what each pass did to the program."""
+"""`archc passes SOURCE`: the pipeline as a table — what each pass did to the program."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import argparse
 from rich.markup import escape
 from rich.table import Table
 
-from archc.commands.common import nonnegative_int, positive_int, spec_of
+from archc.commands.common import inspection_dtype, spec_of
+from archc.commands.vocabulary import add
 from archc.errors import ArchcError
 from archc.ir.lower import lower
 from archc.passes import DEFAULT_PIPELINE, PASSES, run_pipeline
@@ -16,33 +17,26 @@ from archc.passes.measure import dims, kernels_per_layer, op_delta, stats
 from archc.ui import console, nbytes, si
 
 NAME = "passes"
-HELP = "run the pass pipeline on a spec and show, per pass, nodes, kernels, parameters, " \
+HELP = "run the pass pipeline on a model and show, per pass, nodes, kernels, parameters, " \
        "FLOPs and bytes per token, and what changed"
-
-DTYPES = ("f32", "f16", "bf16")
 
 
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--passes", default="default", metavar="PIPELINE",
-                   help="'default', 'none', or comma-separated pass names (default: default). "
-                        "Passes: " + ", ".join(PASSES))
+    add(p, "passes", default="default", detail="Passes: " + ", ".join(PASSES))
 
 
 def add_dims_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--batch", type=positive_int, default=1, help="batch B (default 1)")
-    p.add_argument("--tokens", type=positive_int, default=1,
-                   help="new tokens T per call (default 1: decode)")
-    p.add_argument("--past", type=nonnegative_int, default=0,
-                   help="tokens P already in the KV cache (default 0)")
-    p.add_argument("--encoder-len", type=positive_int, metavar="S",
-                   help="encoder length S for encoder-decoders (default: --tokens)")
-    p.add_argument("--dtype", choices=DTYPES,
-                   help="weight and activation dtype (default: the spec's dtype)")
+    """Where costs are evaluated: a call on T new tokens after P cached, B sequences."""
+    add(p, "batch", default=1)
+    add(p, "prompt_len", default=1, detail="costs are of one call on N new tokens, T = N "
+        "(1: a decode step)")
+    add(p, "past", default=0)
+    add(p, "encoder_len", detail="default: --prompt-len")
+    add(p, "dtype")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("spec", metavar="SPEC", nargs="?",
-                   help="a spec YAML path or a zoo name (see `archc specs`)")
+    add(p, "source", nargs="?")
     p.add_argument("--list", action="store_true",
                    help="list the registered passes and the default pipeline, then exit")
     add_pipeline_arguments(p)
@@ -75,11 +69,12 @@ def _changed(step: PassStep) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.list:
         return _list()
-    if args.spec is None:
-        raise ArchcError("give a SPEC (a YAML path or zoo name), or --list")
+    if args.source is None:
+        raise ArchcError("give a SOURCE (a zoo name, spec YAML, HF directory or .gguf file), "
+                         "or --list")
     spec = spec_of(args)
-    dtype = args.dtype or spec.dtype
-    at = dims(args.batch, args.tokens, args.past, args.encoder_len)
+    dtype = inspection_dtype(args, spec)
+    at = dims(args.batch, args.prompt_len, args.past, args.encoder_len)
     result = run_pipeline(lower(spec, dtype), args.passes)
     where = f"B={at['B']}, T={at['T']}, P={at['P']}" + (
         f", S={at['S']}" if spec.family == "encoder-decoder" else "")

@@ -1,4 +1,5 @@
-"""`archc roofline SPEC`: roofline time of every kernel, prefill and decode, on a modelled GPU."""
+"""`archc roofline SOURCE`: roofline time of every kernel, prefill and decode, on a modelled
+GPU."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import argparse
 from rich.markup import escape
 from rich.table import Table
 
-from archc.commands.common import add_spec_argument, nonnegative_int, positive_int, spec_of
+from archc.commands.common import inspection_dtype, spec_of
+from archc.commands.passes import add_pipeline_arguments
+from archc.commands.vocabulary import add
 from archc.errors import ArchcError
 from archc.ir.graph import Program
 from archc.ir.lower import lower
 from archc.passes import optimize
-from archc.perf.gpus import GPUS, gpu
+from archc.perf.gpus import gpu
 from archc.perf.roofline import KernelGroup, decode_floor, grouped, kernels, per_step
 from archc.spec.schema import Spec
 from archc.ui import console, nbytes, si
@@ -22,18 +25,13 @@ HELP = "roofline time per kernel for prefill and one decode step, and the decode
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_spec_argument(p)
-    p.add_argument("--gpu", default="h200", help=f"GPU model: {', '.join(GPUS)} (default h200)")
-    p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
-    p.add_argument("--prompt", type=positive_int, default=512,
-                   help="prompt tokens prefilled (default 512)")
-    p.add_argument("--decode", type=nonnegative_int, default=128,
-                   help="tokens decoded after the prompt (default 128)")
-    p.add_argument("--dtype", choices=("bf16", "f16", "f32"), default="bf16",
-                   help="weights and activations (default bf16)")
-    p.add_argument("--unfused", action="store_true",
-                   help="model the unfused graph (one kernel per lowered op) instead of the "
-                        "kernel-level graph after the default passes")
+    add(p, "source")
+    add(p, "gpu", default="h200")
+    add(p, "batch", default=1)
+    add(p, "prompt_len", default=512)
+    add(p, "new_tokens", default=128, detail="the decode step priced is the last")
+    add(p, "dtype")
+    add_pipeline_arguments(p)
 
 
 def _table(title: str, rows: list[KernelGroup]) -> Table:
@@ -50,25 +48,27 @@ def duration(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.2f} µs"
 
 
-def program_for(spec: Spec, dtype: str, unfused: bool) -> tuple[Program, str]:
+def program_for(spec: Spec, dtype: str, passes: str) -> tuple[Program, str]:
     program = lower(spec, dtype)
-    if unfused:
+    if passes == "none":
         return program, "unfused"
-    return optimize(program), "kernel-level (default passes)"
+    kind = "kernel-level (default passes)" if passes == "default" else f"after {passes}"
+    return optimize(program, passes), kind
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = spec_of(args)
-    if spec.family == "encoder" and args.decode:
-        raise ArchcError(f"{spec.name} is an encoder: it does not decode (use --decode 0)")
-    if args.prompt + args.decode > spec.max_seq_len:
-        raise ArchcError(f"--prompt {args.prompt} + --decode {args.decode} exceed max_seq_len "
-                         f"= {spec.max_seq_len}")
     g = gpu(args.gpu)
-    program, kind = program_for(spec, args.dtype, args.unfused)
-    b, n, m = args.batch, args.prompt, args.decode
+    spec = spec_of(args)
+    if spec.family == "encoder" and args.new_tokens:
+        raise ArchcError(f"{spec.name} is an encoder: it does not decode (use --new-tokens 0)")
+    if args.prompt_len + args.new_tokens > spec.max_seq_len:
+        raise ArchcError(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} "
+                         f"exceed max_seq_len = {spec.max_seq_len}")
+    dtype = inspection_dtype(args, spec)
+    program, kind = program_for(spec, dtype, args.passes)
+    b, n, m = args.batch, args.prompt_len, args.new_tokens
     console.print(f"[bold]{spec.name}[/] on {g.name} ({si(g.peak_flops, 'FLOP/s')} "
-                  f"{args.dtype}, {si(g.bandwidth, 'B/s')}; ridge {g.ridge:.0f} FLOP/B), "
+                  f"{dtype}, {si(g.bandwidth, 'B/s')}; ridge {g.ridge:.0f} FLOP/B), "
                   f"{kind} graph, batch {b}")
     prefill = kernels(program, {"B": b, "T": n, "P": 0, "S": n})
     rows = grouped(prefill, g)

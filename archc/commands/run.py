@@ -1,10 +1,12 @@
 """`archc run SOURCE`: run a model. With --prompt or --chat it generates text, streamed to the
-terminal as tokens come, and reports tokens/s; without, it summarizes the next-token logits of a
-random prompt."""
+terminal as tokens come; without, it summarizes the next-token logits of a random prompt. Either
+way it ends with the time of each phase (load, compile, prefill, decode) on standard error, or,
+with --json, prints everything as one JSON document."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import Any
@@ -12,182 +14,183 @@ from typing import Any
 import torch
 from rich.table import Table
 
-import archc
-from archc.commands.common import positive_int
-from archc.ui import console, err_console, progress
+from archc.commands.common import Run
+from archc.commands.textgen import (
+    add_sampling_arguments,
+    answer,
+    check_text_source,
+    ends_line,
+    report,
+)
+from archc.commands.vocabulary import add
+from archc.errors import ArchcError
+from archc.timings import Timings
+from archc.ui import console
 
 NAME = "run"
 HELP = "run a model: generate text from a prompt, or summarize its next-token logits"
+TEXT_NEW_TOKENS, SUMMARY_NEW_TOKENS = 128, 4
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", metavar="SOURCE", help="a Hugging Face model directory, a .gguf "
-                   "file, a spec YAML path or zoo name (specs get random weights)")
-    p.add_argument("--backend", default="eager", help="eager (default)")
-    p.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="f32",
-                   help="compute dtype (default f32)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of random weights, random prompt and sampling (default 0)")
-    p.add_argument("--threads", type=positive_int, metavar="N",
-                   help="CPU threads for torch (default: torch's choice; 1 is often fastest "
-                   "for decoding small models on a busy machine)")
-    text = p.add_argument_group("text generation (needs a tokenizer)")
+    add(p, "source", detail="a spec gets random weights")
+    add(p, "backend", default="eager")
+    add(p, "device")
+    add(p, "dtype")
+    add(p, "seed", default=0)
+    add(p, "threads", detail="default: torch's choice; 1 is often fastest for decoding small "
+        "models on a busy machine")
+    add(p, "cache_dir")
+    add(p, "new_tokens", detail=f"default {TEXT_NEW_TOKENS} with --prompt or --chat, "
+        f"{SUMMARY_NEW_TOKENS} greedy steps in the logits summary")
+    add(p, "quiet")
+    add(p, "json")
+    text = p.add_argument_group("text generation (a checkpoint with a tokenizer)")
     what = text.add_mutually_exclusive_group()
-    what.add_argument("--prompt", metavar="TEXT", help="continue this text")
-    what.add_argument("--chat", metavar="TEXT",
-                      help="answer this user message through the model's chat template")
-    text.add_argument("--system", metavar="TEXT", help="with --chat: a system message")
-    text.add_argument("--max-new-tokens", type=positive_int, default=128, metavar="N",
-                      help="stop after N new tokens (default 128)")
-    text.add_argument("--temperature", type=float, default=0.0,
-                      help="sampling temperature; 0 picks the likeliest token (default 0)")
-    text.add_argument("--top-k", type=positive_int, metavar="K",
-                      help="sample among the K likeliest tokens")
-    text.add_argument("--top-p", type=float, metavar="P",
-                      help="sample among the likeliest tokens holding P of the probability")
-    logits = p.add_argument_group("logits summary (without --prompt/--chat)")
-    logits.add_argument("--tokens", type=positive_int, default=8,
-                        help="length of the random prompt (default 8)")
-    logits.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
-    logits.add_argument("--decode", type=int, default=4,
-                        help="greedy decode steps after the prompt (default 4)")
+    add(what, "prompt")
+    add(what, "chat")
+    add(text, "system", detail="with --chat")
+    add_sampling_arguments(text)
+    logits = p.add_argument_group("logits summary (without --prompt or --chat)")
+    add(logits, "prompt_len", detail="of the random prompt (default 8)")
+    add(logits, "batch", detail="default 1")
 
 
-def _load(args: argparse.Namespace) -> archc.Model:
-    if not err_console.is_terminal:  # no bar in logs and pipes
-        model = archc.load(args.source, seed=args.seed)
+def _check(args: argparse.Namespace) -> None:
+    """Flags that do not go together, refused before anything is read."""
+    text = args.prompt is not None or args.chat is not None
+    if args.system is not None and args.chat is None:
+        raise ArchcError("--system goes with --chat")
+    if text:
+        for flag, value in (("--prompt-len", args.prompt_len), ("--batch", args.batch)):
+            if value is not None:
+                raise ArchcError(f"{flag} sizes the random prompt of the logits summary; with "
+                                 "--prompt or --chat the prompt is the text")
     else:
-        with progress() as bar:
-            task = bar.add_task("loading weights", total=None)
-
-            def report(done: int, total: int) -> None:
-                bar.update(task, completed=done, total=total)
-
-            model = archc.load(args.source, seed=args.seed, progress=report)
-    for note in model.notes:
-        err_console.print(f"[dim]note: {note}[/]")
-    return model
+        for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p),
+                            ("--temperature", args.temperature or None),
+                            ("--ignore-eos", args.ignore_eos or None)):
+            if value is not None:
+                raise ArchcError(f"{flag} applies to text generation (--prompt or --chat); the "
+                                 "logits summary decodes greedily")
+    if args.new_tokens is None:
+        args.new_tokens = TEXT_NEW_TOKENS if text else SUMMARY_NEW_TOKENS
+    args.prompt_len = args.prompt_len or 8
+    args.batch = args.batch or 1
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.system is not None and args.chat is None:
-        raise archc.ArchcError("--system goes with --chat")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    model = _load(args)
-    if args.prompt is not None or args.chat is not None:
-        return _generate_text(args, model)
-    return _summarize(args, model)
+    _check(args)
+    text = args.prompt is not None or args.chat is not None
+    run_ = Run(args, backend=args.backend,
+               lengths=None if text else (args.prompt_len, args.new_tokens))
+    if text:
+        check_text_source(run_.source, "--prompt" if args.prompt is not None else "--chat")
+    model = run_.load()
+    if text:
+        return _generate_text(args, run_, model, run_.timings)
+    return _summarize(args, run_, model, run_.timings)
 
 
 # ---- text generation ---------------------------------------------------------------------------
 
-def _generate_text(args: argparse.Namespace, model: archc.Model) -> int:
-    spec, tok = model.spec, model.tokenizer
-    if spec.family == "encoder":
-        raise archc.ArchcError(f"{spec.name} is an encoder: it has no output head to generate "
-                               "text with")
-    if tok is None:
-        raise archc.ArchcError(f"{args.source} has no tokenizer (tokenizer.json in a Hugging "
-                               "Face directory, tokenizer.ggml.* in a GGUF file); --prompt and "
-                               "--chat need one")
+def _generate_text(args: argparse.Namespace, run_: Run, model: Any, timings: Timings) -> int:
+    tok = model.tokenizer
     if args.chat is not None:
+        if not tok.chat_template:
+            raise ArchcError(f"{model.spec.name} has no chat template, so --chat cannot be used; "
+                             "--prompt continues plain text")
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.chat}]
         ids = tok.encode_chat(messages)
     else:
         ids = tok.encode(args.prompt)
     if not ids:
-        raise archc.ArchcError("the prompt encodes to no tokens")
-    room = spec.max_seq_len - (1 if spec.family == "encoder-decoder" else len(ids))
-    if room < 1:
-        raise archc.ArchcError(f"the prompt is {len(ids)} tokens; {spec.name} takes at most "
-                               f"{spec.max_seq_len}")
-    new = min(args.max_new_tokens, room)
-    if new < args.max_new_tokens:
-        err_console.print(f"[dim]note: {new} new tokens fit in max_seq_len = "
-                          f"{spec.max_seq_len}[/]")
-    compiled = model.compile(args.backend, dtype=args.dtype)
-    stream = tok.stream()
-    eos = set(model.eos_token_ids)
-    times: list[float] = []
-
-    def on_token(column: torch.Tensor) -> None:
-        times.append(time.perf_counter())
-        token = int(column[0])
-        if token in eos:
-            return
-        sys.stdout.write(stream.push([token]))
-        sys.stdout.flush()
-
-    if args.prompt is not None and spec.family == "decoder":
-        sys.stdout.write(args.prompt)
-        sys.stdout.flush()
-    start = time.perf_counter()
-    compiled.generate(torch.tensor([ids]), new, temperature=args.temperature, top_k=args.top_k,
-                      top_p=args.top_p, seed=args.seed, eos_token_id=sorted(eos) or None,
-                      on_token=on_token)
-    sys.stdout.write(stream.flush() + "\n")
-    sys.stdout.flush()
-    _report_speed(len(ids), start, times)
-    return 0
+        raise ArchcError("the prompt encodes to no tokens")
+    compiled = run_.compile(model, args.backend)
+    out = None if args.json else sys.stdout
+    if out is not None and args.prompt is not None and model.spec.family == "decoder":
+        out.write(args.prompt)
+        out.flush()
+    result = answer(compiled, ids, args, out=out, timings=timings)
+    if args.json:
+        _print_json(args, run_, {"prompt": args.prompt, "chat": args.chat,
+                                 "system": args.system, "text": result.text,
+                                 "tokens": result.ids}, timings)
+    else:
+        ends_line(sys.stdout)
+        report(timings, args.quiet)
+    return 130 if timings.stop == "interrupted" else 0
 
 
-def _report_speed(prompt_tokens: int, start: float, times: list[float]) -> None:
-    if not times:
-        return
-    prefill = times[0] - start
-    decoded = len(times) - 1
-    line = f"prompt: {prompt_tokens} tokens in {prefill:.2f} s"
-    if decoded:
-        decode = times[-1] - times[0]
-        line += (f"; generated {len(times)} tokens, {decoded / decode:.1f} tokens/s after the "
-                 f"first ({decode:.2f} s)")
-    err_console.print(f"[dim]{line}[/]")
+def _print_json(args: argparse.Namespace, run_: Run, body: dict[str, Any],
+                timings: Timings) -> None:
+    data = {"source": args.source, "model": run_.spec.name, "backend": args.backend,
+            "device": str(run_.device), "dtype": run_.dtype,
+            "random_weights": run_.source.random_weights, **body,
+            "timings": timings.as_dict()}
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
 
 # ---- logits summary ----------------------------------------------------------------------------
 
-def _summarize(args: argparse.Namespace, model: archc.Model) -> int:
+def _summarize(args: argparse.Namespace, run_: Run, model: Any, timings: Timings) -> int:
     spec = model.spec
-    if args.tokens + max(args.decode, 0) > spec.max_seq_len:
-        raise archc.ArchcError(f"--tokens {args.tokens} + --decode {args.decode} exceed "
-                               f"max_seq_len = {spec.max_seq_len}")
-    compiled = model.compile(args.backend, dtype=args.dtype)
+    compiled = run_.compile(model, args.backend)
     gen = torch.Generator().manual_seed(args.seed)
-    ids = torch.randint(0, spec.vocab_size, (args.batch, args.tokens), generator=gen)
-    t0 = time.perf_counter()
+    ids = torch.randint(0, spec.vocab_size, (args.batch, args.prompt_len), generator=gen)
+    timings.prompt_tokens = args.prompt_len
     out: Any
-    if spec.family == "encoder-decoder":
-        out = compiled(ids, decoder_input_ids=ids[:, :1])
-    else:
-        out = compiled(ids)
-    elapsed = time.perf_counter() - t0
-    weights = f"random weights (seed {args.seed})" if model.source == spec.name else \
+    with timings.phase("prefill"):
+        if spec.family == "encoder-decoder":
+            out = compiled(ids, decoder_input_ids=ids[:, :1])
+        else:
+            out = compiled(ids)
+    last = out[0, -1].float().cpu()
+    body: dict[str, Any] = {"prompt_tokens": args.prompt_len, "batch": args.batch,
+                            "output_shape": list(out.shape),
+                            "last_position": {"mean": float(last.mean()),
+                                              "std": float(last.std()),
+                                              "min": float(last.min()),
+                                              "max": float(last.max())}}
+    top = last.softmax(-1).topk(5) if spec.family != "encoder" else None
+    if top is not None:
+        body["top5"] = [{"token": i, "logit": float(last[i]), "probability": p}
+                        for p, i in zip(top.values.tolist(), top.indices.tolist())]
+    continuation = None
+    if args.new_tokens > 0 and spec.family == "decoder":
+        # generate() prefills again; decode is timed from its first new token to its last
+        seen: list[float] = []
+        seq = compiled.generate(ids, args.new_tokens, eos_token_id=(),
+                                on_token=lambda _: seen.append(time.perf_counter()))
+        continuation = seq[0, args.prompt_len:].tolist()
+        timings.generated = len(seen)
+        if len(seen) > 1:
+            timings.seconds["decode"] = seen[-1] - seen[0]
+        body["greedy_continuation"] = continuation
+    if args.json:
+        _print_json(args, run_, body, timings)
+        return 0
+    weights = f"random weights (seed {args.seed})" if run_.source.random_weights else \
         f"weights from {model.source}"
-    console.print(f"[bold]{spec.name}[/] on {args.backend} ({args.dtype}), {weights}, "
-                  f"prompt of {args.tokens} random tokens: {elapsed * 1e3:.1f} ms")
-    last = out[0, -1].float()
+    console.print(f"[bold]{spec.name}[/] on {args.backend} ({run_.dtype}, {run_.device}), "
+                  f"{weights}, a prompt of {args.prompt_len} random tokens")
     console.print(f"output [B, T, {'d' if spec.family == 'encoder' else 'vocab'}] = "
                   f"{list(out.shape)}; last position: mean {last.mean():.4f}, "
                   f"std {last.std():.4f}, min {last.min():.4f}, max {last.max():.4f}")
-    if spec.family == "encoder":
-        return 0
-    top = last.softmax(-1).topk(5)
-    table = Table(title="next token (top 5)", title_justify="left")
-    for col in ("token id", "logit", "probability"):
-        table.add_column(col, justify="right")
-    for p, i in zip(top.values.tolist(), top.indices.tolist()):
-        table.add_row(str(i), f"{last[i]:.4f}", f"{p:.4f}")
-    console.print(table)
-    if args.decode > 0 and spec.family == "decoder":
-        t0 = time.perf_counter()
-        seq = compiled.generate(ids, args.decode)
-        elapsed = time.perf_counter() - t0
+    if top is not None:
+        table = Table(title="next token (top 5)", title_justify="left")
+        for col in ("token id", "logit", "probability"):
+            table.add_column(col, justify="right")
+        for entry in body["top5"]:
+            table.add_row(str(entry["token"]), f"{entry['logit']:.4f}",
+                          f"{entry['probability']:.4f}")
+        console.print(table)
+    if continuation is not None:
         mixers = set(spec.all_mixers)
         carried = " and ".join(([] if not spec.softmax_attends else ["the KV cache"]) +
                                ([] if mixers <= {"attention"} else ["the recurrent state"]))
-        console.print(f"greedy continuation: {seq[0, args.tokens:].tolist()} "
-                      f"({args.decode} tokens in {elapsed:.2f} s, prefill + "
-                      f"{args.decode - 1} decode steps with {carried})")
+        console.print(f"greedy continuation: {continuation} (prefill + "
+                      f"{args.new_tokens - 1} decode steps with {carried})")
+    report(timings, args.quiet)
     return 0

@@ -1,4 +1,4 @@
-"""`archc show SPEC`: sizes and costs of one model, computed from its IR."""
+"""`archc show SOURCE`: sizes and costs of one model, computed from its IR."""
 
 from __future__ import annotations
 
@@ -6,17 +6,18 @@ import argparse
 
 from rich.table import Table
 
-from archc.commands.common import add_spec_argument, spec_of
+from archc.commands.common import spec_of
+from archc.commands.vocabulary import add
 from archc.report import facts
 from archc.spec.schema import Spec
 from archc.ui import console, nbytes, si
 
 NAME = "show"
-HELP = "sizes, parameters, FLOPs per token, KV-cache and recurrent-state size of a spec"
+HELP = "sizes, parameters, FLOPs per token, KV-cache and recurrent-state size of a model"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_spec_argument(p)
+    add(p, "source")
 
 
 def _attention(s: Spec) -> str:

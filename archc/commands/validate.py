@@ -4,12 +4,13 @@ kernel."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rich.markup import escape
 from rich.table import Table
 
-import archc
-from archc.commands.common import positive_int
+from archc.commands.common import Run, check_output
+from archc.commands.vocabulary import add
 from archc.ui import console
 
 NAME = "validate"
@@ -18,26 +19,29 @@ HELP = "run eager (unfused graph) and triton (kernel-level graph) on the same we
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", metavar="SOURCE",
-                   help="a spec YAML path or zoo name, an HF directory or a .gguf file")
-    p.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="f32",
-                   help="compute dtype (default f32; bf16 needs a GPU)")
-    p.add_argument("--tokens", type=positive_int, default=7, help="prompt length (default 7)")
-    p.add_argument("--batch", type=positive_int, default=2, help="batch size (default 2)")
-    p.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default 0)")
-    p.add_argument("--device", default="cpu", help="cpu (Triton's interpreter) or cuda")
+    add(p, "source", detail="a spec gets random weights")
+    add(p, "dtype", detail="bf16 needs a GPU")
+    add(p, "device")
+    add(p, "prompt_len", default=7)
+    add(p, "batch", default=2)
+    add(p, "seed", default=0)
+    add(p, "cache_dir")
     p.add_argument("--all", action="store_true", help="list every kernel, not only the worst "
                    "per phase and the divergent ones")
 
 
 def run(args: argparse.Namespace) -> int:
+    from archc.kernel_cache import used
     from archc.runtime.validation import validate
-    model = archc.load(args.source, seed=args.seed)
-    report = validate(model, dtype=args.dtype, batch=args.batch, tokens=args.tokens,
-                      seed=args.seed, device=args.device)
-    table = Table(title=f"{report.model} ({report.dtype}): triton vs eager, per kernel "
-                        f"(tolerance {report.tolerance:g} of each output's scale)",
-                  title_justify="left")
+    check_output(args.cache_dir, "dir", "--cache-dir")
+    run_ = Run(args, backend=None, lengths=(args.prompt_len, 1))
+    model = run_.load()
+    report = validate(model, dtype=run_.dtype, batch=args.batch, tokens=args.prompt_len,
+                      seed=args.seed, device=str(run_.device), cache_dir=args.cache_dir)
+    used(Path(report.module_path))
+    console.print(f"{report.model} ({report.dtype}): triton vs eager, per kernel (tolerance "
+                  f"{report.tolerance:g} of each output's scale)", soft_wrap=True)
+    table = Table()
     for col in ("phase", "node", "kernel", "checks", "max error", "relative", ""):
         table.add_column(col, justify="right" if col in ("max error", "relative") else "left")
     worst = {}

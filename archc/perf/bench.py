@@ -110,10 +110,10 @@ def check_config(spec: Spec, prompt: int, decode: int) -> None:
         raise ArchcError(f"archc bench measures decoder-only models (prefill and decode); "
                          f"{spec.name} is an {spec.family}")
     if decode < 1:
-        raise ArchcError("--decode must be ≥ 1: decode tokens/s are measured")
+        raise ArchcError("--new-tokens must be ≥ 1: decode tokens/s are measured")
     need = prompt + max(decode, WARMUP_STEPS)
     if need > spec.max_seq_len:
-        raise ArchcError(f"--prompt {prompt} + --decode {max(decode, WARMUP_STEPS)} exceed "
+        raise ArchcError(f"--prompt-len {prompt} + --new-tokens {max(decode, WARMUP_STEPS)} exceed "
                          f"max_seq_len = {spec.max_seq_len} of {spec.name}")
 
 

@@ -37,6 +37,7 @@ from archc.errors import ArchcError, RunError
 from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import Op
 from archc.ir.text import format_node
+from archc.kernel_cache import default_cache_dir
 from archc.runtime.cross_kv import CrossKV
 from archc.runtime.launch import GraphRunner, LaunchContext, LaunchPlan
 from archc.runtime.state import StaticState, StaticStore
@@ -94,11 +95,6 @@ def check_dtype(dtype: str, target: str) -> None:
     if dtype == "bf16" and target == "interpret":
         raise ArchcError("bf16 on the CPU: Triton's interpreter computes bfloat16 wrongly, so the "
                          "triton backend runs f32 or f16 there (use --dtype f32 or f16, or a GPU)")
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "archc" / "kernels"
 
 
 # ---- the KV cache ---------------------------------------------------------------------

@@ -64,8 +64,10 @@ def _roles(program: Program) -> dict[str, tuple[str, int]]:
     return roles
 
 
-def random_weights(program: Program, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A seeded random float32 checkpoint for `program`, scaled so activations stay sane."""
+def random_weights(program: Program, seed: int = 0,
+                   dtype: str = "f32") -> dict[str, torch.Tensor]:
+    """A seeded random checkpoint for `program`, scaled so activations stay sane: drawn in f32,
+    held in `dtype` (one tensor at a time, so a bf16 checkpoint never needs its f32 size)."""
     roles = _roles(program)
     out: dict[str, torch.Tensor] = {}
     for name, dims in checkpoint_shapes(program).items():
@@ -80,7 +82,7 @@ def random_weights(program: Program, seed: int = 0) -> dict[str, torch.Tensor]:
             x = 0.1 * x
         elif role == "rel_table":
             x = 0.5 * x
-        out[name] = x
+        out[name] = x.to(TORCH_DTYPES[dtype])
     return out
 
 

@@ -7,6 +7,7 @@ Importing this package registers both loaders with ``archc.api.register_source``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from archc.api import Model, Progress, register_source
@@ -19,22 +20,46 @@ def _is_gguf(path: Path) -> bool:
     return path.suffix.lower() == ".gguf"
 
 
-def _load_gguf(path: Path, *, progress: Progress | None = None) -> Model:
+def _load_gguf(path: Path, *, progress: Progress | None = None,
+               dtype: str | None = None) -> Model:
     from archc.sources.gguf import load_gguf
-    return load_gguf(path, progress=progress)
+    return load_gguf(path, progress=progress, dtype=dtype)
 
 
 register_source(_is_gguf, _load_gguf)
 register_source(is_hf_dir, load_hf)
 
 
-def source_spec(source: str | Path) -> Spec:
-    """The spec of any source, without loading weights: an HF directory's config, a GGUF file's
-    metadata, a spec file or zoo name."""
+@dataclass(frozen=True)
+class Source:
+    """What a source is, read without loading its weights."""
+
+    kind: str          # "spec" (a zoo name or YAML: random weights), "gguf", "hf" or "archc"
+    spec: Spec
+    tokenizer: bool    # does it carry a tokenizer?
+
+    @property
+    def random_weights(self) -> bool:
+        return self.kind == "spec"
+
+
+def describe(source: str | Path) -> Source:
+    """The kind, spec and tokenizer presence of any source: an HF directory's config, a GGUF
+    file's metadata, an archc checkpoint directory's spec, a spec file or zoo name."""
+    from archc import native
     path = Path(source)
-    if path.suffix.lower() == ".gguf":
-        from archc.sources.gguf import gguf_spec
-        return gguf_spec(path)
+    if _is_gguf(path):
+        from archc.sources.gguf import GGUFFile, spec_of_file
+        f = GGUFFile(path)
+        return Source("gguf", spec_of_file(f), bool(f.fields.get("tokenizer.ggml.tokens")))
+    if native.is_native(path):
+        from archc.spec.load import load_yaml
+        return Source("archc", load_yaml(path / native.SPEC_FILE), False)
     if is_hf_dir(path):
-        return hf_spec(path)
-    return load_spec(source)
+        return Source("hf", hf_spec(path), (path / "tokenizer.json").is_file())
+    return Source("spec", load_spec(source), False)
+
+
+def source_spec(source: str | Path) -> Spec:
+    """The spec of any source, without loading weights."""
+    return describe(source).spec

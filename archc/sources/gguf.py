@@ -196,10 +196,9 @@ def _spec_data(f: GGUFFile) -> tuple[dict[str, Any], HFConfig]:
     return data, meta
 
 
-def gguf_spec(path: Path) -> Spec:
-    f = GGUFFile(path)
+def spec_of_file(f: GGUFFile) -> Spec:
     data, _ = _spec_data(f)
-    return from_dict(data, source=str(path))
+    return from_dict(data, source=str(f.path))
 
 
 def unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -245,15 +244,17 @@ def _tensor_plan(spec: Spec, f: GGUFFile) -> list[tuple[str, str, Callable[[torc
     return plan
 
 
-def load_gguf(path: Path, *, progress: Progress | None = None) -> Any:
+def load_gguf(path: Path, *, progress: Progress | None = None, dtype: str | None = None) -> Any:
+    """The model of a GGUF file, its tensors dequantised to f32 (or `dtype`, one at a time)."""
     from archc.api import Model
     from archc.ir.lower import lower
-    from archc.runtime.weights import checkpoint_shapes
+    from archc.memory import check_fits, checkpoint_elements
+    from archc.runtime.weights import TORCH_DTYPES, checkpoint_shapes
 
     f = GGUFFile(path)
-    data, _ = _spec_data(f)
-    spec = from_dict(data, source=str(path))
-    want = checkpoint_shapes(lower(spec))
+    spec = spec_of_file(f)
+    program = lower(spec)
+    want = checkpoint_shapes(program)
     plan = _tensor_plan(spec, f)
     for name, target, _ in plan:  # check everything before dequantising anything
         if name not in f.tensors:
@@ -268,9 +269,11 @@ def load_gguf(path: Path, *, progress: Progress | None = None) -> Any:
         more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
         raise WeightsError(f"{path}: tensors the model does not use: {', '.join(extra[:3])}"
                            f"{more}")
+    held = dtype or "f32"
+    check_fits(spec.name, "its weights", checkpoint_elements(program), held, spec.family)
     weights: dict[str, torch.Tensor] = {}
     for done, (name, target, fix) in enumerate(plan):
-        weights[target] = fix(f.load(name))
+        weights[target] = fix(f.load(name)).to(TORCH_DTYPES[held])
         if progress is not None:
             progress(done + 1, len(plan))
     tokenizer = gguf_tokenizer(f)

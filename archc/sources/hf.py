@@ -87,10 +87,13 @@ def hf_spec(directory: Path) -> Spec:
     return _spec(directory, cfg, arch, Checkpoint(source, arch.prefixes))
 
 
-def load_hf(directory: Path, *, progress: Progress | None = None) -> Any:
-    """An HF directory → archc Model with its weights, tokenizer and EOS ids."""
+def load_hf(directory: Path, *, progress: Progress | None = None,
+            dtype: str | None = None) -> Any:
+    """An HF directory → archc Model with its weights (in their stored dtype, or `dtype`),
+    tokenizer and EOS ids."""
     from archc.api import Model
     from archc.ir.lower import lower
+    from archc.memory import check_fits, checkpoint_elements
     from archc.runtime.weights import checkpoint_shapes
     from archc.tokenizer import load_hf_tokenizer
 
@@ -99,9 +102,12 @@ def load_hf(directory: Path, *, progress: Progress | None = None) -> Any:
     files = LegacyNames(SafetensorsFiles(directory))
     ckpt = Checkpoint(files, arch.prefixes)
     spec = _spec(directory, cfg, arch, ckpt)
-    tmap = TensorMap(checkpoint_shapes(lower(spec)))
+    program = lower(spec)
+    check_fits(spec.name, "its weights", checkpoint_elements(program), dtype or spec.dtype,
+               spec.family)
+    tmap = TensorMap(checkpoint_shapes(program))
     arch.tensors(spec, tmap, ckpt)
-    weights, skipped = apply_rules(files, tmap, skip=arch.skip, progress=progress)
+    weights, skipped = apply_rules(files, tmap, skip=arch.skip, progress=progress, dtype=dtype)
     notes = [f"not part of the computed function, skipped: {', '.join(skipped)}"] if skipped \
         else []
     tokenizer = load_hf_tokenizer(directory)

@@ -31,6 +31,9 @@ COMMON_INERT = frozenset({
     "base_model_pp_plan", "keys_to_ignore_at_inference", "_commit_hash", "layerdrop",
     "is_encoder_decoder", "cross_attention_hidden_size", "tf_legacy_loss", "use_bfloat16",
     "pruned_heads",  # checked to be empty below
+    # bookkeeping written by fine-tuning and conversion tools: special-token ids the tokenizer
+    # owns, where the weights came from
+    "unk_token_id", "cls_token_id", "mask_token_id", "_model_name_or_path",
     # generation defaults (the sampler's settings, not the model's function)
     "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
     "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",

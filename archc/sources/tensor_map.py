@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from archc.errors import WeightsError
+from archc.runtime.weights import TORCH_DTYPES
 
 Shape = tuple[int, ...]
 Convert = Callable[[list[torch.Tensor]], list[torch.Tensor]]
@@ -136,9 +137,11 @@ def _show(shape: Iterable[int]) -> str:
 
 
 def apply_rules(source: TensorSource, tmap: TensorMap, *, skip: Sequence[str] = (),
-                progress: Progress | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Read and convert every tensor the rules name. Returns archc's checkpoint and the names of
-    the checkpoint tensors skipped (matched by a `skip` pattern)."""
+                progress: Progress | None = None,
+                dtype: str | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Read and convert every tensor the rules name (cast to `dtype`, if given, as each is
+    read). Returns archc's checkpoint and the names of the checkpoint tensors skipped (matched
+    by a `skip` pattern)."""
     present = set(source.names())
     read: set[str] = set()
     for rule in tmap.rules:  # check everything before reading anything
@@ -166,7 +169,7 @@ def apply_rules(source: TensorSource, tmap: TensorMap, *, skip: Sequence[str] = 
             if tuple(value.shape) != want:  # a rule bug, not a user error
                 raise AssertionError(f"{rule.sources} gave {target} shape {list(value.shape)}, "
                                      f"expected {list(want)}")
-            out[target] = value
+            out[target] = value if dtype is None else value.to(TORCH_DTYPES[dtype])
         if progress is not None:
             progress(done + 1, len(tmap.rules))
     return out, skipped

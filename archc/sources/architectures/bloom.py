@@ -14,7 +14,7 @@ from archc.spec.schema import Spec
 # code never reads them (`pretraining_tp` and `slow_but_exact` only reorder the same sums).
 INERT = frozenset({"pretraining_tp", "slow_but_exact", "attention_softmax_in_fp32",
                    "bias_dropout_fusion", "masked_softmax_fusion", "offset_alibi",
-                   "skip_bias_add", "skip_bias_add_qkv", "unk_token_id", "seq_length"})
+                   "skip_bias_add", "skip_bias_add_qkv", "seq_length"})
 
 
 def spec(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:

@@ -1,0 +1,64 @@
+"""`archc cache`: the kernel cache — its entries, their size, clearing it, and its size cap."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+
+from rich.table import Table
+
+from archc import kernel_cache
+from archc.commands.vocabulary import add
+from archc.ui import console, nbytes
+
+NAME = "cache"
+HELP = "list the kernel cache (generated modules on disk), clear it, or set its size cap"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--clear", action="store_true", help="delete every entry")
+    p.add_argument("--max-size", metavar="SIZE",
+                   help="keep the cache within SIZE (e.g. 500M, 2G; 0 keeps nothing), deleting "
+                        "the entries used longest ago; remembered for later runs (default "
+                        f"{nbytes(kernel_cache.DEFAULT_MAX_BYTES)})")
+    add(p, "cache_dir", detail="the directory to list or clear")
+    add(p, "json")
+
+
+def run(args: argparse.Namespace) -> int:
+    directory = args.cache_dir or kernel_cache.default_cache_dir()
+    cap = kernel_cache.parse_size(args.max_size) if args.max_size is not None else None
+    removed = []
+    if args.clear:
+        removed = kernel_cache.entries(directory)
+        for e in removed:
+            kernel_cache.remove(e)
+    if cap is not None:
+        kernel_cache.set_max_bytes(cap)
+        removed += kernel_cache.trim(directory, cap)
+    found = kernel_cache.entries(directory)
+    limit = kernel_cache.max_bytes()
+    total = sum(e.bytes for e in found)
+    if args.json:
+        sys.stdout.write(json.dumps({
+            "directory": str(directory), "max_bytes": limit, "bytes": total,
+            "removed": [str(e.path) for e in removed],
+            "entries": [{"path": str(e.path), "models": list(e.models), "bytes": e.bytes,
+                         "used": e.used} for e in found]}, indent=2) + "\n")
+        return 0
+    if removed:
+        console.print(f"removed {len(removed)} entr{'y' if len(removed) == 1 else 'ies'} "
+                      f"({nbytes(sum(e.bytes for e in removed))})")
+    if found:
+        table = Table(title=f"{directory}", title_justify="left")
+        for col in ("entry", "models", "size", "last used"):
+            table.add_column(col, justify="right" if col == "size" else "left")
+        for e in found:
+            used = datetime.datetime.fromtimestamp(e.used).strftime("%Y-%m-%d %H:%M")
+            table.add_row(e.path.name, ", ".join(e.models), nbytes(e.bytes), used)
+        console.print(table)
+    console.print(f"{len(found)} entr{'y' if len(found) == 1 else 'ies'}, {nbytes(total)} of "
+                  f"a {nbytes(limit)} cap, in {directory}")
+    return 0

@@ -1,0 +1,150 @@
+"""`archc chat SOURCE`: a conversation with a checkpoint, through its chat template.
+
+Each line read is a user message; the answer streams to standard output, followed by its
+timings on standard error. The conversation is kept, so every answer sees the turns before it
+(the oldest turns are dropped when it outgrows max_seq_len). `/reset` starts a new conversation,
+`/exit` (or end of input) ends it. Lines come from the terminal, with a `> ` prompt, or from a
+pipe: `printf 'Hi\\n/reset\\nWho are you?\\n' | archc chat model.gguf`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from archc.commands.common import Run
+from archc.commands.textgen import add_sampling_arguments, answer, check_text_source, report
+from archc.commands.vocabulary import add
+from archc.errors import ArchcError
+from archc.timings import Timings
+from archc.ui import err_console
+
+NAME = "chat"
+HELP = "talk with a model through its chat template, from a terminal or a pipe (/reset, /exit)"
+COMMANDS = {"/reset": "start a new conversation", "/exit": "end the chat, as end of input does"}
+NEW_TOKENS = 256
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add(p, "source", detail="a checkpoint with a tokenizer and a chat template")
+    add(p, "system", detail="the conversation's first message")
+    add(p, "new_tokens", default=NEW_TOKENS, detail="at most, per answer")
+    add_sampling_arguments(p)
+    add(p, "seed", default=0)
+    add(p, "backend", default="eager")
+    add(p, "device")
+    add(p, "dtype")
+    add(p, "threads")
+    add(p, "cache_dir")
+    add(p, "quiet")
+    add(p, "json", detail="one line per turn: the message, the answer and its timings")
+
+
+class Conversation:
+    """The messages so far, rendered through the chat template to fit the context."""
+
+    def __init__(self, tokenizer: Any, max_tokens: int, system: str | None) -> None:
+        self.tok = tokenizer
+        self.max_tokens = max_tokens
+        self.system = system
+        self.turns: list[tuple[str, str]] = []    # (user, assistant)
+
+    def reset(self) -> None:
+        self.turns = []
+
+    def messages(self, user: str) -> list[dict[str, str]]:
+        out = [{"role": "system", "content": self.system}] if self.system else []
+        for question, reply in self.turns:
+            out += [{"role": "user", "content": question},
+                    {"role": "assistant", "content": reply}]
+        return out + [{"role": "user", "content": user}]
+
+    def prompt(self, user: str, room: int) -> tuple[list[int], int]:
+        """Token ids of the conversation with `user` appended, leaving `room` tokens to answer
+        in; drops the oldest turns until it fits. Returns the ids and the turns dropped."""
+        dropped = 0
+        while True:
+            ids = self.tok.encode_chat(self.messages(user))
+            if len(ids) + room <= self.max_tokens or not self.turns:
+                break
+            self.turns.pop(0)
+            dropped += 1
+        if len(ids) >= self.max_tokens:
+            raise ArchcError(f"the message is {len(ids)} tokens with the template; the model "
+                             f"takes at most {self.max_tokens}")
+        return ids, dropped
+
+    def add(self, user: str, reply: str) -> None:
+        self.turns.append((user, reply))
+
+
+def _lines(interactive: bool) -> Iterator[str]:
+    """User lines until end of input; Ctrl-C at the prompt ends the chat too."""
+    while True:
+        try:
+            line = input("> ") if interactive else sys.stdin.readline()
+        except (EOFError, KeyboardInterrupt):
+            if interactive:
+                sys.stdout.write("\n")
+            return
+        if not interactive and line == "":
+            return
+        yield line.strip()
+
+
+def run(args: argparse.Namespace) -> int:
+    run_ = Run(args, backend=args.backend)
+    check_text_source(run_.source, "archc chat")
+    model = run_.load()
+    if not model.tokenizer.chat_template:
+        raise ArchcError(f"{model.spec.name} has no chat template, so it cannot chat; "
+                         "`archc run SOURCE --prompt TEXT` continues plain text")
+    compiled = run_.compile(model, args.backend)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        import readline  # noqa: F401  (line editing and history for input())
+    if not args.quiet:
+        report(run_.timings, False)
+        if interactive:
+            err_console.print(f"[dim]chatting with {model.spec.name}: "
+                              + "; ".join(f"{c} to {what}" for c, what in COMMANDS.items())
+                              + "[/]", soft_wrap=True)
+    talk = Conversation(model.tokenizer, model.spec.max_seq_len, args.system)
+    for line in _lines(interactive):
+        if not line:
+            continue
+        if line == "/exit":
+            break
+        if line == "/reset":
+            talk.reset()
+            if not args.quiet:
+                err_console.print("[dim]a new conversation[/]")
+            continue
+        if line.startswith("/") and " " not in line:
+            err_console.print(f"unknown command {line}: "
+                              + ", ".join(f"{c} ({what})" for c, what in COMMANDS.items()),
+                              soft_wrap=True, highlight=False, markup=False)
+            continue
+        # keep room for an answer: --new-tokens, or a quarter of the context if less
+        ids, dropped = talk.prompt(line, min(args.new_tokens, model.spec.max_seq_len // 4))
+        if dropped and not args.quiet:
+            err_console.print(f"[dim]note: the {dropped} oldest turn(s) no longer fit in "
+                              f"max_seq_len = {model.spec.max_seq_len} and were dropped[/]")
+        timings = Timings()
+        result = answer(compiled, ids, args, out=None if args.json else sys.stdout,
+                        timings=timings)
+        talk.add(line, result.text)
+        if args.json:
+            sys.stdout.write(json.dumps({"user": line, "assistant": result.text,
+                                         "timings": timings.as_dict()}) + "\n")
+            sys.stdout.flush()
+        else:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            report(timings, args.quiet)
+        if timings.stop == "interrupted" and not interactive:
+            return 130
+    return 0
