@@ -69,14 +69,20 @@ class TorchContext:
         return self.store[(layer, kind)][:, :, :self.dims["P"] + self.dims["T"]]
 
 
+def visible_keys(t: int, length: int, a: Mapping[str, Any], args: Args,
+                 device: torch.device) -> torch.Tensor:
+    """[B or 1, 1, T, L]: the keys each query may see under a mask's (or attention's) causal,
+    window and global_tokens, and its prefix_len and padding operands, made on `device`."""
+    keep = visible(t, length, a["causal"], a["window"], args.get("prefix_len"),
+                   a["global_tokens"], device=device)[None, None]
+    padding = args.get("padding")
+    return keep if padding is None else keep & padding.bool()[:, None, None, :]
+
+
 def _mask_on_device(ctx: Any, args: Args, a: Mapping[str, Any]) -> torch.Tensor:
     """The table's ``mask`` (``archc.ir.ops.attention.visible``), positions made on the device."""
     s = args["scores"]
-    padding = args.get("padding")
-    keep = visible(s.shape[-2], s.shape[-1], a["causal"], a["window"], args.get("prefix_len"),
-                   a["global_tokens"], device=s.device)[None, None]
-    if padding is not None:
-        keep = keep & padding.bool()[:, None, None, :]
+    keep = visible_keys(s.shape[-2], s.shape[-1], a, args, s.device)
     return s.masked_fill(~keep, torch.finfo(s.dtype).min)
 
 
