@@ -1,21 +1,19 @@
-"""PyTorch counterparts of one generated kernel, on the kernel's own input tensors.
+"""PyTorch counterparts of one generated kernel, on the kernel's own input tensors: what a
+PyTorch user would run instead.
 
-For a kernel-level node, what a PyTorch user would run instead:
 - ``torch.matmul`` on the same GEMM ([M, K] × [K, N], the weight as stored) for ``fused_linear``;
 - ``scaled_dot_product_attention`` (``is_causal`` or an equivalent mask, ``enable_gqa``) for
   ``attention``;
-- the *unfused sequence* for every kernel: the unfused ops the fusion replaced, each run by its
-  eager semantics (``archc.perf.torch_program.eager_fn``), one after another, in the model
-  dtype — a folded norm is its norm op again (gain folded into the weight, so the norm's gain is
-  ones), a merged projection is one matmul whose column ranges the later ops read as views, an
-  elementwise epilogue step is the pointwise op of its expression, the other steps the ops they
-  were (act and mul, rope, kv_cache), attention is repeat_kv → scores → scale → … → mask →
-  softmax → weighted_sum → merge_heads, and the recurrent kernels are the ops lowering emits for
-  them, reading the recurrent state the kernel read.
+- for every kernel, the *unfused sequence*: the ops the fusion replaced, each run by its eager
+  semantics (``archc.perf.torch_program.eager_fn``) in the model dtype — a folded norm is its norm
+  op again (gain ones: it was folded into the weight), a merged projection one matmul whose column
+  ranges later ops read as views, an epilogue step the ops it was, attention repeat_kv → scores →
+  … → softmax → weighted_sum → merge_heads, a recurrent kernel the ops lowering emits for it, on
+  the recurrent state the kernel read.
 
-Every counterpart that computes the kernel's function is checked against the kernel's output
-(``result`` turns what it returns into the kernel's layout, outside the timed call); a kernel
-without a counterpart gets an ``Unavailable`` with the reason.
+Each counterpart that computes the kernel's function is checked against the kernel's output
+(``result`` brings what it returns to the kernel's layout, untimed); a kernel without one gets an
+``Unavailable`` with the reason.
 """
 
 from __future__ import annotations
@@ -102,18 +100,6 @@ def _output(y: torch.Tensor | list[_Seg]) -> torch.Tensor:
                       for s in sorted(y, key=lambda s: s.start)], dim=-1)
 
 
-def _columns(rec: _Recorder, segs: list[_Seg], start: int, stop: int) -> torch.Tensor:
-    """Columns [start, stop) as a view of the one segment that holds them."""
-    for s in segs:
-        if s.start <= start and stop <= s.stop:
-            if (s.start, s.stop) == (start, stop):
-                return s.value
-            if s.heads is not None:
-                raise Unsupported("an epilogue step reads part of rotated heads")
-            return rec(Op.SLICE, s.value, start=start - s.start, stop=stop - s.start)
-    raise Unsupported(f"columns [{start}, {stop}) span two unfused results")
-
-
 def _split(rec: _Recorder, segs: list[_Seg], cuts: Sequence[int]) -> list[_Seg]:
     """Flat segments cut at `cuts` (views)."""
     out = []
@@ -126,6 +112,15 @@ def _split(rec: _Recorder, segs: list[_Seg], cuts: Sequence[int]) -> list[_Seg]:
         for a, b in zip(edges, edges[1:]):
             out.append(_Seg(a, b, rec(Op.SLICE, s.value, start=a - s.start, stop=b - s.start)))
     return out
+
+
+def _columns(rec: _Recorder, segs: list[_Seg], start: int, stop: int) -> torch.Tensor:
+    """Columns [start, stop) as one unfused result or a view of one."""
+    for s in _split(rec, segs, (start, stop)):
+        if (s.start, s.stop) == (start, stop):
+            return s.value
+    raise Unsupported(f"columns [{start}, {stop}) are not one unfused result (two, or part of "
+                      "rotated heads)")
 
 
 def _epilogue_step(rec: _Recorder, segs: list[_Seg], st: Call, xs: Sequence[torch.Tensor],
@@ -343,28 +338,24 @@ def _moe_linear(a: Attrs, got: Args, rec: _Recorder) -> Counterpart:
     flat_idx = selected_experts(gates, top_k).reshape(-1, top_k)
     flat_gates = gates.reshape(-1, gates.shape[-1])
 
-    def up() -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        out = torch.zeros(flat.shape[0], top_k, w.shape[1], dtype=x.dtype, device=x.device)
+    up = a["stage"] == "up"     # up: [..., K] → [..., top_k, N]; down: [..., top_k, K] → [..., N]
+    rows = x.shape[:-1] if up else x.shape[:-2]
+
+    def stage() -> torch.Tensor:
+        flat = x.reshape(-1, *x.shape[len(rows):])
+        out = x.new_zeros(flat.shape[0], *([top_k] if up else []), w.shape[1])
         for e in range(w.shape[0]):
             tok, slot = torch.nonzero(flat_idx == e, as_tuple=True)
-            if tok.numel():
+            if not tok.numel():
+                continue
+            if up:
                 out[tok, slot] = F.linear(flat[tok], w[e])
-        return out.reshape(*x.shape[:-1], top_k, w.shape[1])
-
-    def down() -> torch.Tensor:
-        flat = x.reshape(-1, top_k, x.shape[-1])
-        out = torch.zeros(flat.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
-        for e in range(w.shape[0]):
-            tok, slot = torch.nonzero(flat_idx == e, as_tuple=True)
-            if tok.numel():
+            else:
                 out.index_add_(0, tok, F.linear(flat[tok, slot], w[e]) * flat_gates[tok, e, None])
-        return out.reshape(*x.shape[:-2], w.shape[1])
+        return out.reshape(*rows, *out.shape[1:])
 
-    stage = up if a["stage"] == "up" else down
     rec.ops = None
-    what = ("per expert: routed tokens → linear" if a["stage"] == "up" else
-            "per expert: routed tokens → linear → × gate → index_add")
+    what = "per expert: routed tokens → linear" + ("" if up else " → × gate → index_add")
     if a["epilogue"]:
         what += " → " + ", ".join(st.fn for st in a["epilogue"])
     return Counterpart("unfused", lambda: _epilogue(rec, stage(), a, got), _output, what)

@@ -1,25 +1,21 @@
 """`archc bench`: the generated kernels and the whole model beside PyTorch, in one run, on the
-same random weights and shapes, held against the roofline.
-
-The run, section by section (the report is saved after each, so a run cut short keeps what it
-measured and says which section it was in):
+same random weights and shapes, held against the roofline. The report is saved after each
+section, so a run cut short keeps what it measured and says which section it was in:
 1. setup — one seeded random checkpoint on the device; a triton session of the kernel-level
-   program with every node's buffer kept (for per-kernel work) and the unfused graph as a plain
-   torch program (``TorchProgram``).
-2. ceilings — a large device-to-device copy and a large matmul, measured.
-3. kernels — at the prefill shape and at one decode step: each unique generated kernel launched
-   alone on the buffers of a real run (its launch statement from the generated module, so the
-   very kernel and layouts the model runs), beside its PyTorch counterparts
-   (``archc.perf.baselines``), each counterpart checked against the kernel's output.
-4. model — the whole prefill (``do_bench``) and batch decode tokens/s (a greedy loop timed after
-   a warm-up that compiles, autotunes and captures) for archc as users run it (CUDA graphs on
-   for decode), PyTorch eager (the unfused graph) and ``torch.compile`` of the same torch
-   program in each mode asked for.
-5. goals — the issue's targets, evaluated on what was measured (recorded, never asserted).
+   program with every node's buffer kept, and the unfused graph as a plain ``TorchProgram``;
+2. ceilings — a large device-to-device copy and a large matmul, measured;
+3. kernels — at the prefill shape and at one decode step, each unique generated kernel launched
+   alone on the buffers of a real run by its own launch line (the very kernel and layouts the
+   model runs), beside its PyTorch counterparts (``archc.perf.baselines``), each checked
+   against the kernel's output;
+4. model — the whole prefill and batch decode tokens/s (a greedy loop, after a warm-up that
+   compiles, autotunes and captures) of archc as users run it (CUDA graphs for decode), PyTorch
+   eager (the unfused graph) and ``torch.compile`` of the same torch program in each mode;
+5. goals — the issue's targets on what was measured (recorded, never asserted).
 
 Speed-ups are baseline time / archc time (above 1: archc is faster). Fractions of the roofline
-are the roofline time over the measured time: for decode the floor (weights and KV cache read
-once at the datasheet bandwidth), for prefill FLOPs at the datasheet peak.
+are roofline time over measured time: for decode the floor (weights and KV cache read once at
+the datasheet bandwidth), for prefill FLOPs at the datasheet peak.
 """
 
 from __future__ import annotations
@@ -49,7 +45,7 @@ from archc.ir.paramexpr import leaves
 from archc.ir.shapes import evaluate
 from archc.perf.baselines import Counterpart, Unavailable, counterparts, scratch_caches, state_keys
 from archc.perf.gpus import GPU
-from archc.perf.roofline import KernelRoof, decode_floor, kernels, label
+from archc.perf.roofline import decode_floor, kernels, label
 from archc.perf.summary import fmt_seconds
 from archc.perf.timing import Timer, measure_ceilings, synchronize
 from archc.perf.torch_program import TorchProgram
@@ -170,16 +166,6 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}"[:400]
 
 
-def _ratio(baseline: float | None, archc: float | None) -> float | None:
-    if baseline is None or archc is None or archc <= 0:
-        return None
-    return baseline / archc
-
-
-def _finite(x: float | None) -> float | None:
-    return x if x is not None and math.isfinite(x) else None
-
-
 # ---- weights ---------------------------------------------------------------------------------
 
 def random_checkpoint(program: Program, device: torch.device, seed: int, *,
@@ -238,82 +224,89 @@ def _shape_text(sizes: Mapping[str, int]) -> str:
     return "×".join(str(v) for v in sizes.values())
 
 
-def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float | None:
+    """The largest difference over the largest magnitude of `want`; None if they differ in
+    shape or the difference is not finite."""
     got, want = got.detach().float(), want.detach().float()
     if got.shape != want.shape:
-        return float("inf")
+        return None
     if not want.numel():
         return 0.0
     scale, err = float(want.abs().max()), float((got - want).abs().max())
-    return err / scale if scale else err
+    err = err / scale if scale else err
+    return err if math.isfinite(err) else None
 
 
 def time_kernels(cfg: BenchConfig, session: Any, phase: str, dims: dict[str, int],
-                 roofs: Mapping[int, KernelRoof], report: Report) -> None:
+                 report: Report) -> None:
     """Each unique kernel of the decoder graph at `dims`, launched alone on the buffers of the
     run `session` just made, beside its PyTorch counterparts."""
     g = session.program.graph("decoder")
-    runner = session.runners["decoder"]
+    roofs = {k.index: k for k in kernels(session.program, dims) if k.graph == g.name}
     steps = session.generated.steps["decoder"]
     ids = g.compute_ids()
     if len(ids) != len(steps) or any(not s.node.startswith(f"%{i} ") for i, s in zip(ids, steps)):
         raise RuntimeError("the generated module's launch steps do not follow the graph's "
                            "compute nodes one to one")
     launches = Counter(s.unit for s in steps)
-    namespace = {**vars(session.module), "v": runner.last_v, "d": session.ctx}
-    batch, tokens, _, enc_len, kv_len = runner.last.key        # the dims of the run's plan
-    seen: set[str] = set()
+    first: dict[str, tuple[int, Any]] = {}
     for i, step in zip(ids, steps):
-        if step.unit in seen:
-            continue
-        seen.add(step.unit)
+        first.setdefault(step.unit, (i, step))
+    for i, step in first.values():
         n, roof, sizes = g.nodes[i], roofs[i], _sizes(g, i, dims)
         row: dict[str, Any] = {
             "phase": phase, "kernel": step.unit, "op": n.op.value, "reads": label(g, i),
             "node": f"%{i}", "sizes": sizes, "shape": _shape_text(sizes),
-            "prologue": n.attr("prologue"),
-            "epilogue": [st.fn for st in n.attr("epilogue", ()) or ()],
-            "launches": launches[step.unit],
-            "flops": roof.flops, "bytes": roof.bytes,
+            "prologue": n.attr("prologue"), "epilogue": [st.fn for st in n.attr("epilogue", ())],
+            "launches": launches[step.unit], "flops": roof.flops, "bytes": roof.bytes,
             "roofline_seconds": roof.time(cfg.gpu), "bound": roof.bound(cfg.gpu),
             "archc_seconds": None, "baselines": [], "error": None}
         report.data["kernels"].append(row)
-        # a recurrent kernel updates its state at every launch: each timed launch continues
-        # the last, and the checked one starts again from the state the run began with —
-        # zeros at P = 0, else what the run left (a step further, as a later step would be)
-        states = {key: session.states.get(*key) for key in state_keys(g, i)}
-        held = {k: s.clone() if dims["P"] else torch.zeros_like(s) for k, s in states.items()}
-
-        def restore(held: dict = held, states: dict = states) -> None:
-            for key, value in held.items():
-                states[key].copy_(value)
         try:
-            # the generated module's own launch line, recorded once at the run's dims
-            code = compile(step.call, f"<{step.unit}>", "eval")
-            recorded = session.ctx.record(lambda code=code: eval(code, namespace),  # noqa: S307
-                                          batch, tokens, enc_len, kv_len)
-
-            def launch(recorded: list = recorded) -> None:
-                for fn, args, meta in recorded:
-                    fn(*args, **meta)
-            t = cfg.timer(launch)
-            row.update(archc_seconds=t, achieved_flops=roof.flops / t,
-                       achieved_bandwidth=roof.bytes / t, roofline_fraction=roof.time(cfg.gpu) / t)
-            if held:
-                restore()
-                launch()
-            synchronize(cfg.device)
-            out = runner.value(i, dims).clone()
-            xs = [runner.value(j, dims) for j in n.inputs]
-            scratch = scratch_caches(g, i, dims, session.cache.dtype, cfg.device)
-            for c in counterparts(g, i, xs, dims, session.cache.store, scratch, held):
-                row["baselines"].append(_baseline_row(cfg, c, out, t))
-            restore()
+            _time_kernel(cfg, session, g, i, step.call, dims, row)
         except Exception as err:  # noqa: BLE001 — one kernel's failure is recorded
             row["error"] = _describe(err)
             report.error(f"kernels:{phase}", err, kernel=step.unit)
         report.log(f"  {phase} {step.unit}: {fmt_seconds(row['archc_seconds'])}")
     report.save()
+
+
+def _time_kernel(cfg: BenchConfig, session: Any, g: Graph, i: int, call: str,
+                 dims: dict[str, int], row: dict[str, Any]) -> None:
+    """Kernel i alone, by its launch line `call` in the generated module, then its
+    counterparts."""
+    runner = session.runners["decoder"]
+    # a recurrent kernel updates its state at every launch: each timed launch continues the
+    # last, and the checked one starts again from the state the run began with — zeros at
+    # P = 0, else what the run left (a step further, as a later step would be)
+    states = {key: session.states.get(*key) for key in state_keys(g, i)}
+    held = {k: s.clone() if dims["P"] else torch.zeros_like(s) for k, s in states.items()}
+
+    def restore() -> None:
+        for key, value in held.items():
+            states[key].copy_(value)
+    # the launches the line makes, recorded once at the dims of the run's plan
+    namespace = {**vars(session.module), "v": runner.last_v, "d": session.ctx}
+    batch, tokens, _, enc_len, kv_len = runner.last.key
+    recorded = session.ctx.record(lambda: eval(call, namespace),  # noqa: S307
+                                  batch, tokens, enc_len, kv_len)
+
+    def launch() -> None:
+        for fn, args, meta in recorded:
+            fn(*args, **meta)
+    t = cfg.timer(launch)
+    row.update(archc_seconds=t, achieved_flops=row["flops"] / t,
+               achieved_bandwidth=row["bytes"] / t, roofline_fraction=row["roofline_seconds"] / t)
+    if held:
+        restore()
+        launch()
+    synchronize(cfg.device)
+    out = runner.value(i, dims).clone()
+    xs = [runner.value(j, dims) for j in g.nodes[i].inputs]
+    scratch = scratch_caches(g, i, dims, session.cache.dtype, cfg.device)
+    for c in counterparts(g, i, xs, dims, session.cache.store, scratch, held):
+        row["baselines"].append(_baseline_row(cfg, c, out, t))
+    restore()
 
 
 def _baseline_row(cfg: BenchConfig, c: Counterpart | Unavailable, out: torch.Tensor,
@@ -324,10 +317,10 @@ def _baseline_row(cfg: BenchConfig, c: Counterpart | Unavailable, out: torch.Ten
     try:
         if c.result is not None:
             err = _rel_error(c.result(c.run()), out)
-            row.update(max_rel_error=_finite(err), tolerance=TOLERANCE[cfg.dtype],
-                       agrees=bool(err <= TOLERANCE[cfg.dtype]))
+            row.update(max_rel_error=err, tolerance=TOLERANCE[cfg.dtype],
+                       agrees=err is not None and err <= TOLERANCE[cfg.dtype])
         t = cfg.timer(c.run)
-        row.update(seconds=t, archc_speedup=_ratio(t, archc_seconds))
+        row.update(seconds=t, archc_speedup=t / archc_seconds)
     except Exception as err:  # noqa: BLE001
         row.update(seconds=None, error=_describe(err))
     return row
@@ -385,7 +378,7 @@ def measure_runner(cfg: BenchConfig, runner: _Runner, reference: torch.Tensor | 
         synchronize(cfg.device)
         prow["first_call_seconds"] = time.perf_counter() - t0
         if reference is not None:
-            prow["max_rel_error_vs_eager"] = _finite(_rel_error(logits, reference))
+            prow["max_rel_error_vs_eager"] = _rel_error(logits, reference)
         t = cfg.timer(runner.prefill)
         prow.update(seconds=t, tokens_per_second=cfg.batch * cfg.prompt / t,
                     flops_per_second=prefill["flops"] / t,
@@ -413,7 +406,7 @@ def _speedups(model: dict[str, Any]) -> None:
         runs = model[kind]["runs"]
         archc = next((r.get(key) for r in runs if r["name"].startswith("archc")), None)
         for r in runs:
-            r["archc_speedup"] = _ratio(r.get(key), archc)
+            r["archc_speedup"] = r[key] / archc if r.get(key) is not None and archc else None
 
 
 # ---- goals -----------------------------------------------------------------------------------
@@ -580,11 +573,10 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
             dims = {"B": cfg.batch, "T": t, "P": past, "S": 0}
             if past:  # fill the cache up to P, then the step whose kernels are timed
                 gen = torch.Generator().manual_seed(cfg.seed + 1)
-                _run_at(probe, torch.randint(0, spec.vocab_size, (cfg.batch, past), generator=gen),
-                        0)
+                fill = torch.randint(0, spec.vocab_size, (cfg.batch, past), generator=gen)
+                _run_at(probe, fill, 0)
             _run_at(probe, tokens[:, :t], past)
-            roofs = {k.index: k for k in kernels(probe.program, dims) if k.graph == "decoder"}
-            time_kernels(cfg, probe, phase, dims, roofs, report)
+            time_kernels(cfg, probe, phase, dims, report)
         data["goals"] = evaluate_goals(cfg, data)
     del probe
 

@@ -18,7 +18,7 @@ the unfused ops a fused kernel replaced.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from archc.ir.shapes import evaluate
 Store = MutableMapping[tuple[int, str], torch.Tensor]
 
 
+@dataclass
 class TorchContext:
     """What eager op semantics read besides their inputs: dims, a static KV cache written at
     offset P, and the recurrent state of Mamba and linear-attention layers. No bounds checks:
@@ -42,12 +43,10 @@ class TorchContext:
     carries it from call to call; two for a kernel's counterpart, which must read the state the
     kernel read however often it is timed. At P = 0 a sequence starts: the state reads zeros."""
 
-    def __init__(self, dims: Mapping[str, Any], store: Store, state_in: Store | None = None,
-                 state_out: Store | None = None) -> None:
-        self.dims = dims
-        self.store = store
-        self.state_in: Store = {} if state_in is None else state_in
-        self.state_out: Store = self.state_in if state_out is None else state_out
+    dims: Mapping[str, Any]
+    store: Store
+    state_in: Store
+    state_out: Store
 
     def state_read(self, layer: int, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor:
@@ -103,83 +102,65 @@ def eager_fn(op: Op) -> Callable[..., torch.Tensor]:
     return _ON_DEVICE.get(op, OP_TABLE[op].eager)
 
 
-def cache_layout(graph: Graph) -> dict[tuple[int, str], tuple[int, int]]:
-    """(layer, k|v) → (H_kv, D) of every `kv_cache` node of an unfused graph."""
-    out = {}
-    for n in graph:
-        if n.op == Op.KV_CACHE:
-            x = graph.nodes[n.inputs[0]]
-            out[(n.attr("layer"), n.attr("kind"))] = (evaluate(x.shape[1], {}),
-                                                      evaluate(x.shape[3], {}))
-    return out
-
-
 @dataclass(frozen=True)
 class _Step:
     node: int
     fn: Callable[..., torch.Tensor]
-    inputs: tuple[int, ...]
-    roles: tuple[str, ...]
+    args: tuple[tuple[str, int], ...]       # (role, node) of each input
     attrs: Mapping[str, Any]
-    frees: tuple[int, ...]       # values no later node reads
+    frees: tuple[int, ...]                  # values no later node reads
 
 
 class TorchProgram:
     """A decoder graph (unfused) with its parameters, ready to run as plain torch:
     ``program(tokens, past)`` → logits, writing the new keys and values at offset ``past``."""
 
-    INPUTS = ("tokens", "positions", "prefix_len")
-
     def __init__(self, graph: Graph, params: Mapping[str, torch.Tensor], *, batch: int,
                  max_len: int, device: torch.device, dtype: torch.dtype) -> None:
-        unknown = sorted(set(graph.inputs) - set(self.INPUTS))
+        unknown = sorted(set(graph.inputs) - {"tokens", "positions", "prefix_len"})
         if unknown:
             raise ArchcError(f"the torch baseline runs decoder graphs over token ids; graph "
                              f"{graph.name} also needs {', '.join(unknown)}")
         self.graph = graph
         self.device = device
-        self.batch = batch
-        self.store: dict[tuple[int, str], torch.Tensor] = {
-            key: torch.zeros(batch, heads, max_len, dim, dtype=dtype, device=device)
-            for key, (heads, dim) in cache_layout(graph).items()}
+        self.store: dict[tuple[int, str], torch.Tensor] = {}
+        for n in graph:
+            if n.op == Op.KV_CACHE:     # [B, H_kv, max_len, D] per layer and k|v
+                x = graph.nodes[n.inputs[0]].shape
+                self.store[(n.attr("layer"), n.attr("kind"))] = torch.zeros(
+                    batch, evaluate(x[1], {}), max_len, evaluate(x[3], {}), dtype=dtype,
+                    device=device)
         self.states: dict[tuple[int, str], torch.Tensor] = {}   # recurrent mixers' state
         self.values: list[torch.Tensor | None] = [None] * len(graph.nodes)
         for name, i in graph.params.items():
             self.values[i] = params[name]
-        self.input_ids = graph.inputs
-        self.output = graph.outputs["logits"]
-        last_use = list(range(len(graph.nodes)))
-        for i, n in enumerate(graph.nodes):
-            for j in n.inputs:
-                last_use[j] = i
+        last_use = {j: i for i, n in enumerate(graph.nodes) for j in n.inputs}
         keep = set(graph.params.values())
-        steps = []
+        self.steps: list[_Step] = []
         for i, n in enumerate(graph.nodes):
             if n.op in (Op.INPUT, Op.PARAM):
                 continue
+            a = full_attrs(n.op, n.attrs)
             frees = tuple(sorted({j for j in n.inputs if last_use[j] == i and j not in keep}))
-            attrs = full_attrs(n.op, n.attrs)
-            steps.append(_Step(i, eager_fn(n.op), n.inputs,
-                               tuple(roles_of(n.op, attrs, len(n.inputs))), attrs, frees))
-        self.steps: Sequence[_Step] = tuple(steps)
+            self.steps.append(_Step(i, eager_fn(n.op), tuple(zip(roles_of(
+                n.op, a, len(n.inputs)), n.inputs)), a, frees))
         self.prefix_len = 0
 
     def forward(self, tokens: torch.Tensor, past: int) -> torch.Tensor:
         t = tokens.shape[1]
         ctx = TorchContext({"B": tokens.shape[0], "T": t, "P": past, "S": 0}, self.store,
-                           self.states)
+                           self.states, self.states)
         values = list(self.values)
         given = {"tokens": tokens,
                  "positions": torch.arange(past, past + t, device=tokens.device),
                  "prefix_len": torch.tensor(self.prefix_len or t, device=tokens.device)}
-        for name, i in self.input_ids.items():
+        for name, i in self.graph.inputs.items():
             values[i] = given[name]
         for s in self.steps:
-            values[s.node] = s.fn(ctx, dict(zip(s.roles, (values[j] for j in s.inputs))),
-                                  s.attrs)
+            values[s.node] = s.fn(ctx, {role: values[j] for role, j in s.args}, s.attrs)
             for j in s.frees:
                 values[j] = None
-        out = values[self.output]
+        out = values[self.graph.outputs["logits"]]
         assert out is not None
         return out
 
