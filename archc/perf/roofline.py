@@ -123,20 +123,17 @@ def weight_bytes_read(program: Program, dims: Mapping[str, int]) -> int:
 
 
 def _window_of_layer(g: Graph, layer: int) -> tuple[int | None, int | None]:
-    """The sliding window and global tokens of a cached layer: of the first mask its key cache
-    flows into."""
+    """The sliding window and global tokens of a cached layer: of the first mask (in the graph's
+    topological order) its key cache flows into."""
     start = next(i for i, n in enumerate(g.nodes) if n.op == Op.KV_CACHE
                  and n.attr("layer") == layer and n.attr("kind") == "k")
-    users = g.users()
-    frontier, seen = [start], {start}
-    while frontier:
-        j = frontier.pop(0)
-        for u in users[j]:
-            if g.nodes[u].op == Op.MASK:
-                return g.nodes[u].attr("window"), g.nodes[u].attr("global_tokens")
-            if u not in seen:
-                seen.add(u)
-                frontier.append(u)
+    reached = {start}
+    for u in range(start + 1, len(g.nodes)):
+        n = g.nodes[u]
+        if reached.intersection(n.inputs):
+            if n.op == Op.MASK:
+                return n.attr("window"), n.attr("global_tokens")
+            reached.add(u)
     return None, None
 
 

@@ -1,16 +1,13 @@
 """Timing on the device: one clock for every measurement of a benchmark run.
 
-On a GPU, a callable is timed with ``triton.testing.do_bench``: warm-up runs first (compiles,
+On a GPU a callable is timed with ``triton.testing.do_bench``: warm-up runs first (compiles,
 autotuning, allocator growth stay out of the number), then repeats between CUDA events, the L2
-cache flushed before each, and the median kept. A loop that carries state from one call to the
-next (decode steps) is timed whole on the host clock between two device synchronizations.
-
-On a CPU (``archc bench --dry-run``) there are no device events: one untimed call, then the
-median of a few host-clock repeats. The numbers mean nothing there; the code paths are the same.
-
-The ceilings — a large device-to-device copy and a large matrix product through torch — are
-measured in the same run, so fractions can be read against what this card really does as well
-as against its datasheet.
+flushed before each, the median kept. A loop that carries state from call to call (decode
+steps) is timed whole on the host clock between two device synchronizations. On a CPU
+(``archc bench --dry-run``) there are no device events: one untimed call, then the median of a
+few host-clock repeats; the numbers mean nothing, the code paths are the same. The ceilings (a
+large copy and a large matmul) are measured in the same run, so fractions can be read against
+what this card really does as well as against its datasheet.
 """
 
 from __future__ import annotations
