@@ -94,19 +94,15 @@ class BenchConfig:
 
 
 def keep_layers(spec: Spec, layers: int | None) -> Spec:
-    if layers is None or layers == spec.layers:
-        return spec
-    if layers > spec.layers:
+    if layers is not None and layers > spec.layers:
         raise ArchcError(f"--layers {layers}: {spec.name} has {spec.layers} blocks")
-    return dataclasses.replace(spec, layers=layers)
+    return spec if layers is None else dataclasses.replace(spec, layers=layers)
 
 
 def check_config(spec: Spec, prompt: int, decode: int) -> None:
     if spec.family != "decoder":
         raise ArchcError(f"archc bench measures decoder-only models (prefill and decode); "
                          f"{spec.name} is an {spec.family}")
-    if decode < 1:
-        raise ArchcError("--decode must be ≥ 1: decode tokens/s are measured")
     if prompt + max(decode, WARMUP_STEPS) > spec.max_seq_len:
         raise ArchcError(f"--prompt {prompt} + --decode {max(decode, WARMUP_STEPS)} exceed "
                          f"max_seq_len = {spec.max_seq_len} of {spec.name}")
@@ -170,12 +166,11 @@ def _describe(err: BaseException) -> str:
 
 def random_checkpoint(program: Program, device: torch.device, seed: int, *,
                       evaluated_by: tuple[Program, ...] = ()) -> dict[str, torch.Tensor]:
-    """Seeded random f32 weights, drawn on the device (a real-size model in seconds):
-    matrices and tables N(0, 1/fan_in), vectors 1 + N(0, 0.1²) — activations keep unit
-    scale through norms and residuals; the values matter for nothing else here. Drawn on the
-    CPU instead when a parameter expression mixes checkpoint tensors with tensors it makes
-    itself (``zeros`` for a missing bias), which the expression evaluator makes on the CPU —
-    in `program` or in any program `evaluated_by` (the kernel-level one, with folded weights)."""
+    """Seeded random f32 weights, drawn on the device (a real-size model in seconds): matrices
+    and tables N(0, 1/fan_in), vectors 1 + N(0, 0.1²), so activations keep unit scale through
+    norms and residuals. On the CPU instead when a parameter expression of `program` or of one
+    `evaluated_by` (the kernel-level one, with folded weights) mixes checkpoint tensors with
+    tensors it makes itself (``zeros`` for a missing bias), which the evaluator makes there."""
     if any(_makes_tensors(p) for p in (program, *evaluated_by)):
         device = torch.device("cpu")
     gen = torch.Generator(device).manual_seed(seed)
@@ -331,15 +326,18 @@ def _baseline_row(cfg: BenchConfig, c: Counterpart | Unavailable, out: torch.Ten
 @dataclass
 class _Runner:
     """One way of running the model, `forward(tokens, past)` → logits: a prefill of `prompt`
-    (a fresh cache), then greedy decode steps."""
+    (a fresh cache; `reset` starts a sequence where the runner keeps its own), then greedy
+    decode steps."""
 
     name: str
     forward: Callable[[torch.Tensor, int], torch.Tensor]
     prompt: torch.Tensor
+    reset: Callable[[], None] = lambda: None
     past: int = 0
     next: torch.Tensor | None = None
 
     def prefill(self) -> torch.Tensor:
+        self.reset()
         self.past = 0
         return self._run(self.prompt)
 
@@ -352,15 +350,6 @@ class _Runner:
         self.past += tokens.shape[1]
         self.next = logits[:, -1].argmax(-1, keepdim=True)
         return logits
-
-
-def _session_forward(session: Any) -> Callable[[torch.Tensor, int], torch.Tensor]:
-    """An archc session as (tokens, past) → logits: at past 0 a sequence starts again."""
-    def forward(tokens: torch.Tensor, past: int) -> torch.Tensor:
-        if past == 0:
-            session.reset()
-        return session.step(tokens)
-    return forward
 
 
 def measure_runner(cfg: BenchConfig, runner: _Runner, reference: torch.Tensor | None,
@@ -494,10 +483,8 @@ def environment(cfg: BenchConfig) -> dict[str, Any]:
 def new_report(cfg: BenchConfig, path: Path | None, log: Callable[[str], None]) -> Report:
     g = cfg.gpu
     return Report({
-        "schema": SCHEMA,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": " ".join(sys.argv),
-        "dry_run": cfg.dry_run,
+        "schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": " ".join(sys.argv), "dry_run": cfg.dry_run,
         "spec": cfg.spec.name, "layers": cfg.spec.layers, "spec_layers": cfg.layers_of_spec
         or cfg.spec.layers, "dtype": cfg.dtype,
         "shapes": {"batch": cfg.batch, "prompt": cfg.prompt, "decode": cfg.decode,
@@ -509,10 +496,8 @@ def new_report(cfg: BenchConfig, path: Path | None, log: Callable[[str], None]) 
                    f"after {WARMUP_STEPS} warm-up steps, host clock between device syncs",
                    "compile_backend": cfg.compile_backend,
                    "autotune": "whole-model archc runs" if cfg.autotune else False},
-        "status": {}, "section_seconds": {}, "errors": [],
-        "ceilings": None, "kernels": [],
-        "model": {"prefill": {"runs": []}, "decode": {"runs": []}},
-        "goals": [],
+        "status": {}, "section_seconds": {}, "errors": [], "ceilings": None, "kernels": [],
+        "model": {"prefill": {"runs": []}, "decode": {"runs": []}}, "goals": [],
     }, path, log)
 
 
@@ -583,18 +568,21 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
     # the same checkpoint, as users run it: buffers reused, CUDA graphs for decode; the torch
     # programs take the prompt already on the device
     on_device = tokens.to(cfg.device)
-    makers: dict[str, Callable[[], tuple[Callable[..., torch.Tensor], torch.Tensor]]] = {
-        "torch eager": lambda: (program.forward, on_device),
-        "archc" + (" (CUDA graphs)" if cfg.device.type == "cuda" else ""):
-            lambda: (_session_forward(session(autotune=cfg.autotune)), tokens)}
+
+    def archc(name: str) -> _Runner:
+        s = session(autotune=cfg.autotune)
+        return _Runner(name, lambda tokens, past: s.step(tokens), tokens, s.reset)
+    makers: dict[str, Callable[[str], _Runner]] = {
+        "torch eager": lambda name: _Runner(name, program.forward, on_device),
+        "archc" + (" (CUDA graphs)" if cfg.device.type == "cuda" else ""): archc}
     for mode in cfg.compile_modes:
-        makers[f"torch.compile {mode}"] = lambda mode=mode: (_compiled(cfg, program, mode),
-                                                             on_device)
+        makers[f"torch.compile {mode}"] = lambda name, mode=mode: _Runner(
+            name, _compiled(cfg, program, mode), on_device)
     reference = None
     for name, make in makers.items():
         runner = None
         with report.section(f"model:{name}:setup"):
-            runner = _Runner(name, *make())
+            runner = make(name)
         if runner is None:
             continue
         logits = measure_runner(cfg, runner, reference, model, report)
@@ -627,9 +615,9 @@ def _compiled(cfg: BenchConfig, program: TorchProgram, mode: str
               ) -> Callable[[torch.Tensor, int], torch.Tensor]:
     import torch._dynamo
     torch._dynamo.reset()
-    if cfg.compile_backend == "inductor":
-        return torch.compile(program.forward, mode=mode)
-    return torch.compile(program.forward, backend=cfg.compile_backend)
+    # the modes are inductor's: a dry run's cheap backend takes none
+    return torch.compile(program.forward, backend=cfg.compile_backend,
+                         mode=mode if cfg.compile_backend == "inductor" else None)
 
 
 def default_json_name(cfg: BenchConfig, when: float | None = None) -> str:

@@ -3,17 +3,14 @@
 ``TorchProgram`` runs a decoder graph straight through — each node's eager semantics from the op
 table, in order, values dropped after their last use — with none of the interpreter's per-node
 checks, so what it costs is what torch costs. Its KV cache is static ([B, H_kv, max_len, D] per
-layer and k|v, written at offset P), and the past length P is a plain argument: under
-``torch.compile`` P becomes a symbolic integer after the first decode step, so decoding does not
-recompile at every new length.
+layer and k|v, written at offset P), and P is a plain argument: under ``torch.compile`` it becomes
+a symbolic integer after the first decode step, so decoding does not recompile at every length.
 
-Two ops run a device-side twin of their table semantics (``eager_fn``): ``mask`` and ``alibi``
-build query and key positions with ``torch.arange`` on the CPU and copy them to the scores'
-device — on a GPU a host-device synchronization per layer that a torch program would not pay.
-The twins make the same positions on the device; a test holds them equal to the table's.
-
-The same context serves the baselines of single kernels (``archc.perf.baselines``), which run
-the unfused ops a fused kernel replaced.
+``mask`` and ``alibi`` run a device-side twin of their table semantics (``eager_fn``), which
+build query and key positions on the CPU and copy them to the scores' device — on a GPU a
+host-device synchronization per layer that a torch program would not pay; a test holds the twins
+equal to the table's. The same context serves the counterparts of single kernels
+(``archc.perf.baselines``).
 """
 
 from __future__ import annotations
