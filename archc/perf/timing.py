@@ -48,12 +48,7 @@ class Timer:
             return float(do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms,
                                   return_mode="median")) / 1e3
         fn()
-        times = []
-        for _ in range(self.cpu_repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return statistics.median(self.loop(fn, 1) for _ in range(self.cpu_repeats))
 
     def loop(self, step: Callable[[], object], n: int) -> float:
         """Seconds for `n` calls of `step` in a row, between two device synchronizations."""
