@@ -1,11 +1,8 @@
-"""A short text summary of `archc bench` JSON reports — what the GPU check prints at the end.
-
-    python -m archc.perf.summary results/*.json
-
-For each report: the model and shapes, the sections that did not finish (and why), the whole
-prefill and decode of every runner with archc's speed-up over it, the kernels where archc is
-slowest against a PyTorch counterpart, and the goals. A missing or unreadable file is named,
-not fatal.
+"""A short text summary of `archc bench` JSON reports — what the GPU check prints at the end:
+``python -m archc.perf.summary results/*.json``. For each report: the model and shapes, the
+sections that did not finish (and why), every runner's prefill and decode with archc's speed-up
+over it, the kernels where archc is slowest against a PyTorch counterpart, and the goals. A
+missing or unreadable file is named, not fatal.
 """
 
 from __future__ import annotations
