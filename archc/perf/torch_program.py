@@ -99,15 +99,6 @@ def eager_fn(op: Op) -> Callable[..., torch.Tensor]:
     return _ON_DEVICE.get(op, OP_TABLE[op].eager)
 
 
-@dataclass(frozen=True)
-class _Step:
-    node: int
-    fn: Callable[..., torch.Tensor]
-    args: tuple[tuple[str, int], ...]       # (role, node) of each input
-    attrs: Mapping[str, Any]
-    frees: tuple[int, ...]                  # values no later node reads
-
-
 class TorchProgram:
     """A decoder graph (unfused) with its parameters, ready to run as plain torch:
     ``program(tokens, past)`` → logits, writing the new keys and values at offset ``past``."""
@@ -133,14 +124,17 @@ class TorchProgram:
             self.values[i] = params[name]
         last_use = {j: i for i, n in enumerate(graph.nodes) for j in n.inputs}
         keep = set(graph.params.values())
-        self.steps: list[_Step] = []
+        # each node: its semantics, (role, node) of each input, attributes, and the values no
+        # later node reads
+        self.steps: list[tuple[int, Callable[..., torch.Tensor], tuple[tuple[str, int], ...],
+                               Mapping[str, Any], tuple[int, ...]]] = []
         for i, n in enumerate(graph.nodes):
             if n.op in (Op.INPUT, Op.PARAM):
                 continue
             a = full_attrs(n.op, n.attrs)
             frees = tuple(sorted({j for j in n.inputs if last_use[j] == i and j not in keep}))
-            self.steps.append(_Step(i, eager_fn(n.op), tuple(zip(roles_of(
-                n.op, a, len(n.inputs)), n.inputs)), a, frees))
+            args = tuple(zip(roles_of(n.op, a, len(n.inputs)), n.inputs))
+            self.steps.append((i, eager_fn(n.op), args, a, frees))
         self.prefix_len = 0
 
     def forward(self, tokens: torch.Tensor, past: int) -> torch.Tensor:
@@ -153,9 +147,9 @@ class TorchProgram:
                  "prefix_len": torch.tensor(self.prefix_len or t, device=tokens.device)}
         for name, i in self.graph.inputs.items():
             values[i] = given[name]
-        for s in self.steps:
-            values[s.node] = s.fn(ctx, {role: values[j] for role, j in s.args}, s.attrs)
-            for j in s.frees:
+        for i, fn, args, attrs, frees in self.steps:
+            values[i] = fn(ctx, {role: values[j] for role, j in args}, attrs)
+            for j in frees:
                 values[j] = None
         out = values[self.graph.outputs["logits"]]
         assert out is not None
