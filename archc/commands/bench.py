@@ -23,6 +23,9 @@ from archc.devices import resolve_device
 from archc.dtypes import default_dtype
 from archc.errors import ArchcError, cli_option
 from archc.perf.gpus import GPU, GPUS, gpu
+from archc.perf.summary import fmt_percent as _pct
+from archc.perf.summary import fmt_ratio as _x
+from archc.perf.summary import fmt_seconds as _t
 from archc.ui import console, err_console, si
 
 NAME = "bench"
@@ -194,22 +197,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---- printing --------------------------------------------------------------------------------
-
-def _t(seconds: float | None) -> str:
-    if seconds is None:
-        return "—"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.3f} ms"
-    return f"{seconds * 1e6:.1f} µs"
-
-
-def _x(r: float | None) -> str:
-    return "—" if r is None else f"{r:.2f}×"
-
-
-def _pct(r: float | None) -> str:
-    return "—" if r is None else f"{100 * r:.0f}%"
-
 
 def _baseline(row: dict[str, Any], name: str) -> dict[str, Any] | None:
     return next((b for b in row["baselines"] if b["name"] == name), None)

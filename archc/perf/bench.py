@@ -1,24 +1,21 @@
 """`archc bench`: the generated kernels and the whole model beside PyTorch, in one run, on the
-same random weights and shapes, held against the roofline.
-
-The run, section by section (the report is saved after each, so a run cut short keeps what it
-measured and says which section it was in):
-1. setup — one seeded random checkpoint on the device; two triton sessions of the kernel-level
-   program (one with every node's buffer kept, for per-kernel work; one as users run it, CUDA
-   graphs on for decode) and the unfused graph as a plain torch program (``TorchProgram``).
-2. ceilings — a large device-to-device copy and a large matmul, measured.
-3. kernels — at the prefill shape and at one decode step: each unique generated kernel launched
-   alone on the buffers of a real run (its launch statement from the generated module, so the
-   very kernel and layouts the model runs), beside its PyTorch counterparts
-   (``archc.perf.baselines``), each counterpart checked against the kernel's output.
-4. model — the whole prefill (``do_bench``) and batch decode tokens/s (a greedy loop timed after
-   a warm-up that compiles, autotunes and captures) for archc, PyTorch eager (the unfused graph)
-   and ``torch.compile`` of the same torch program in each mode asked for.
-5. goals — the issue's targets, evaluated on what was measured (recorded, never asserted).
+same random weights and shapes, held against the roofline. The report is saved after each
+section, so a run cut short keeps what it measured and says which section it was in:
+1. setup — one seeded random checkpoint on the device; a triton session of the kernel-level
+   program with every node's buffer kept, and the unfused graph as a plain ``TorchProgram``;
+2. ceilings — a large device-to-device copy and a large matmul, measured;
+3. kernels — at the prefill shape and at one decode step, each unique generated kernel launched
+   alone on the buffers of a real run by its own launch line (the very kernel and layouts the
+   model runs), beside its PyTorch counterparts (``archc.perf.baselines``), each checked
+   against the kernel's output;
+4. model — the whole prefill and batch decode tokens/s (a greedy loop, after a warm-up that
+   compiles, autotunes and captures) of archc as users run it (CUDA graphs for decode), PyTorch
+   eager (the unfused graph) and ``torch.compile`` of the same torch program in each mode;
+5. goals — the issue's targets on what was measured (recorded, never asserted).
 
 Speed-ups are baseline time / archc time (above 1: archc is faster). Fractions of the roofline
-are the roofline time over the measured time: for decode the floor (weights and KV cache read
-once at the datasheet bandwidth), for prefill FLOPs at the datasheet peak.
+are roofline time over measured time: for decode the floor (weights and KV cache read once at
+the datasheet bandwidth), for prefill FLOPs at the datasheet peak.
 """
 
 from __future__ import annotations
@@ -30,6 +27,7 @@ import platform
 import sys
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,21 +37,19 @@ from typing import Any
 import torch
 
 from archc.errors import ArchcError
+from archc.ir.attrs import Call
 from archc.ir.graph import Graph, Program
 from archc.ir.lower import lower
 from archc.ir.ops import Op
+from archc.ir.paramexpr import leaves
 from archc.ir.shapes import evaluate
-from archc.perf.baselines import (
-    Counterpart,
-    Unavailable,
-    counterparts,
-    scratch_caches,
-    state_keys,
-)
+from archc.perf.baselines import Counterpart, Unavailable, counterparts, scratch_caches, state_keys
 from archc.perf.gpus import GPU
-from archc.perf.roofline import KernelRoof, decode_floor, kernels, label
-from archc.perf.timing import Ceilings, Timer, measure_ceilings, synchronize
+from archc.perf.roofline import decode_floor, kernels, label
+from archc.perf.summary import fmt_seconds
+from archc.perf.timing import Timer, measure_ceilings, synchronize
 from archc.perf.torch_program import TorchProgram
+from archc.runtime.weights import TORCH_DTYPES, checkpoint_shapes, materialize
 from archc.spec.schema import Spec
 
 SCHEMA = "archc-bench/1"
@@ -98,11 +94,9 @@ class BenchConfig:
 
 
 def keep_layers(spec: Spec, layers: int | None) -> Spec:
-    if layers is None or layers == spec.layers:
-        return spec
-    if layers > spec.layers:
+    if layers is not None and layers > spec.layers:
         raise ArchcError(f"--layers {layers}: {spec.name} has {spec.layers} blocks")
-    return dataclasses.replace(spec, layers=layers)
+    return spec if layers is None else dataclasses.replace(spec, layers=layers)
 
 
 def check_config(spec: Spec, prompt: int, decode: int) -> None:
@@ -111,10 +105,9 @@ def check_config(spec: Spec, prompt: int, decode: int) -> None:
                          f"{spec.name} is an {spec.family}")
     if decode < 1:
         raise ArchcError("--new-tokens must be ≥ 1: decode tokens/s are measured")
-    need = prompt + max(decode, WARMUP_STEPS)
-    if need > spec.max_seq_len:
-        raise ArchcError(f"--prompt-len {prompt} + --new-tokens {max(decode, WARMUP_STEPS)} exceed "
-                         f"max_seq_len = {spec.max_seq_len} of {spec.name}")
+    if prompt + max(decode, WARMUP_STEPS) > spec.max_seq_len:
+        raise ArchcError(f"--prompt-len {prompt} + --new-tokens {max(decode, WARMUP_STEPS)} "
+                         f"exceed max_seq_len = {spec.max_seq_len} of {spec.name}")
 
 
 # ---- the report ------------------------------------------------------------------------------
@@ -132,7 +125,7 @@ class Report:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=_json_default) + "\n")
+        tmp.write_text(json.dumps(self.data, indent=1) + "\n")
         tmp.replace(self.path)
 
     @contextmanager
@@ -148,14 +141,18 @@ class Report:
             yield
         except Exception as err:  # noqa: BLE001 — recorded and reported, the run goes on
             status[name] = "failed"
-            self.data["errors"].append({"section": name, "error": _describe(err),
-                                        "traceback": traceback.format_exc(limit=8)})
+            self.error(name, err)
             self.log(f"{name}: failed: {_describe(err)}")
         else:
             status[name] = "done"
         self.data["section_seconds"][name] = time.perf_counter() - t0
         self.log(f"{name}: {status[name]} in {time.perf_counter() - t0:.1f} s")
         self.save()
+
+    def error(self, section: str, err: BaseException, **where: str) -> None:
+        """Record `err`, raised in `section` (`where` may name the kernel)."""
+        self.data["errors"].append({"section": section, **where, "error": _describe(err),
+                                    "traceback": traceback.format_exc(limit=8)})
 
     @property
     def failed(self) -> list[str]:
@@ -167,33 +164,15 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}"[:400]
 
 
-def _json_default(x: object) -> object:
-    if isinstance(x, Path):
-        return str(x)
-    raise TypeError(f"{type(x).__name__} is not JSON")
-
-
-def _ratio(baseline: float | None, archc: float | None) -> float | None:
-    if baseline is None or archc is None or archc <= 0:
-        return None
-    return baseline / archc
-
-
-def _finite(x: float | None) -> float | None:
-    return x if x is not None and math.isfinite(x) else None
-
-
 # ---- weights ---------------------------------------------------------------------------------
 
 def random_checkpoint(program: Program, device: torch.device, seed: int, *,
                       evaluated_by: tuple[Program, ...] = ()) -> dict[str, torch.Tensor]:
-    """Seeded random f32 weights, drawn on the device (a real-size model in seconds):
-    matrices and tables N(0, 1/fan_in), vectors 1 + N(0, 0.1²) — activations keep unit
-    scale through norms and residuals; the values matter for nothing else here. Drawn on the
-    CPU instead when a parameter expression mixes checkpoint tensors with tensors it makes
-    itself (``zeros`` for a missing bias), which the expression evaluator makes on the CPU —
-    in `program` or in any program `evaluated_by` (the kernel-level one, with folded weights)."""
-    from archc.runtime.weights import checkpoint_shapes
+    """Seeded random f32 weights, drawn on the device (a real-size model in seconds): matrices
+    and tables N(0, 1/fan_in), vectors 1 + N(0, 0.1²), so activations keep unit scale through
+    norms and residuals. On the CPU instead when a parameter expression of `program` or of one
+    `evaluated_by` (the kernel-level one, with folded weights) mixes checkpoint tensors with
+    tensors it makes itself (``zeros`` for a missing bias), which the evaluator makes there."""
     if any(_makes_tensors(p) for p in (program, *evaluated_by)):
         device = torch.device("cpu")
     gen = torch.Generator(device).manual_seed(seed)
@@ -206,22 +185,11 @@ def random_checkpoint(program: Program, device: torch.device, seed: int, *,
 
 def _makes_tensors(program: Program) -> bool:
     """Does a parameter expression that reads checkpoint tensors also make a tensor of its own?"""
-    from archc.ir.attrs import Call
-    from archc.ir.paramexpr import leaves
-
     def constant_inside(e: object) -> bool:
-        if not isinstance(e, Call) or e.fn == "w":
-            return False
-        if not leaves(e):
-            return True
-        return any(constant_inside(a) for a in e.args)
-
-    for g in program:
-        for i in g.ids(Op.PARAM):
-            expr = g.nodes[i].attr("expr")
-            if expr is not None and leaves(expr) and constant_inside(expr):
-                return True
-    return False
+        return isinstance(e, Call) and e.fn != "w" and (
+            not leaves(e) or any(constant_inside(a) for a in e.args))
+    return any(e is not None and leaves(e) and constant_inside(e)
+               for g in program for e in (g.nodes[i].attr("expr") for i in g.ids(Op.PARAM)))
 
 
 # ---- per-kernel ------------------------------------------------------------------------------
@@ -253,94 +221,89 @@ def _shape_text(sizes: Mapping[str, int]) -> str:
     return "×".join(str(v) for v in sizes.values())
 
 
-def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float | None:
+    """The largest difference over the largest magnitude of `want`; None if they differ in
+    shape or the difference is not finite."""
     got, want = got.detach().float(), want.detach().float()
     if got.shape != want.shape:
-        return float("inf")
-    scale = float(want.abs().max()) if want.numel() else 0.0
-    err = float((got - want).abs().max()) if want.numel() else 0.0
-    return err / scale if scale else err
+        return None
+    if not want.numel():
+        return 0.0
+    scale, err = float(want.abs().max()), float((got - want).abs().max())
+    err = err / scale if scale else err
+    return err if math.isfinite(err) else None
 
 
 def time_kernels(cfg: BenchConfig, session: Any, phase: str, dims: dict[str, int],
-                 roofs: Mapping[int, KernelRoof], report: Report) -> None:
+                 report: Report) -> None:
     """Each unique kernel of the decoder graph at `dims`, launched alone on the buffers of the
     run `session` just made, beside its PyTorch counterparts."""
     g = session.program.graph("decoder")
-    runner = session.runners["decoder"]
-    gen = session.generated
-    steps = gen.steps["decoder"]
+    roofs = {k.index: k for k in kernels(session.program, dims) if k.graph == g.name}
+    steps = session.generated.steps["decoder"]
     ids = g.compute_ids()
     if len(ids) != len(steps) or any(not s.node.startswith(f"%{i} ") for i, s in zip(ids, steps)):
         raise RuntimeError("the generated module's launch steps do not follow the graph's "
                            "compute nodes one to one")
-    unit_of = {i: s.unit for i, s in zip(ids, steps)}
-    launches: dict[str, int] = {}
-    for i in ids:
-        launches[unit_of[i]] = launches.get(unit_of[i], 0) + 1
-    namespace = dict(vars(session.module))
-    namespace.update(v=runner.last_v, d=session.ctx)
-    batch, tokens, _, enc_len, kv_len = runner.last.key        # the dims of the run's plan
-    dtype = session.cache.dtype
-    seen: set[str] = set()
-    rows = report.data["kernels"]
+    launches = Counter(s.unit for s in steps)
+    first: dict[str, tuple[int, Any]] = {}
     for i, step in zip(ids, steps):
-        if step.unit in seen:
-            continue
-        seen.add(step.unit)
-        n = g.nodes[i]
-        roof = roofs[i]
-        sizes = _sizes(g, i, dims)
+        first.setdefault(step.unit, (i, step))
+    for i, step in first.values():
+        n, roof, sizes = g.nodes[i], roofs[i], _sizes(g, i, dims)
         row: dict[str, Any] = {
             "phase": phase, "kernel": step.unit, "op": n.op.value, "reads": label(g, i),
             "node": f"%{i}", "sizes": sizes, "shape": _shape_text(sizes),
-            "prologue": n.attr("prologue"),
-            "epilogue": [st.fn for st in n.attr("epilogue", ()) or ()],
-            "launches": launches[step.unit],
-            "flops": roof.flops, "bytes": roof.bytes,
+            "prologue": n.attr("prologue"), "epilogue": [st.fn for st in n.attr("epilogue", ())],
+            "launches": launches[step.unit], "flops": roof.flops, "bytes": roof.bytes,
             "roofline_seconds": roof.time(cfg.gpu), "bound": roof.bound(cfg.gpu),
             "archc_seconds": None, "baselines": [], "error": None}
-        rows.append(row)
-        # a recurrent kernel updates its state at every launch: each timed launch continues
-        # the last, and the checked one starts again from the state the run began with —
-        # zeros at P = 0, else what the run left (a step further, as a later step would be)
-        held = {key: session.states.get(*key).clone().zero_() if dims["P"] == 0 else
-                session.states.get(*key).clone() for key in state_keys(g, i)}
-
-        def restore(held: dict = held) -> None:
-            for (layer, kind), value in held.items():
-                session.states.get(layer, kind).copy_(value)
+        report.data["kernels"].append(row)
         try:
-            # the generated module's own launch line, recorded once at the run's dims
-            code = compile(step.call, f"<{step.unit}>", "eval")
-            recorded = session.ctx.record(lambda code=code: eval(code, namespace),  # noqa: S307
-                                          batch, tokens, enc_len, kv_len)
-
-            def launch(recorded: list = recorded) -> None:
-                for fn, args, meta in recorded:
-                    fn(*args, **meta)
-            t = cfg.timer(launch)
-            row["archc_seconds"] = t
-            row["achieved_flops"] = roof.flops / t
-            row["achieved_bandwidth"] = roof.bytes / t
-            row["roofline_fraction"] = roof.time(cfg.gpu) / t
-            if held:
-                restore()
-                launch()
-            synchronize(cfg.device)
-            out = runner.value(i, dims).clone()
-            xs = [runner.value(j, dims) for j in n.inputs]
-            scratch = scratch_caches(g, i, dims, dtype, cfg.device)
-            for c in counterparts(g, i, xs, dims, session.cache.store, scratch, held):
-                row["baselines"].append(_baseline_row(cfg, c, out, t))
-            restore()
+            _time_kernel(cfg, session, g, i, step.call, dims, row)
         except Exception as err:  # noqa: BLE001 — one kernel's failure is recorded
             row["error"] = _describe(err)
-            report.data["errors"].append({"section": f"kernels:{phase}", "kernel": step.unit,
-                                          "error": _describe(err),
-                                          "traceback": traceback.format_exc(limit=8)})
-        report.log(f"  {phase} {step.unit}: {_us(row['archc_seconds'])}")
+            report.error(f"kernels:{phase}", err, kernel=step.unit)
+        report.log(f"  {phase} {step.unit}: {fmt_seconds(row['archc_seconds'])}")
     report.save()
+
+
+def _time_kernel(cfg: BenchConfig, session: Any, g: Graph, i: int, call: str,
+                 dims: dict[str, int], row: dict[str, Any]) -> None:
+    """Kernel i alone, by its launch line `call` in the generated module, then its
+    counterparts."""
+    runner = session.runners["decoder"]
+    # a recurrent kernel updates its state at every launch: each timed launch continues the
+    # last, and the checked one starts again from the state the run began with — zeros at
+    # P = 0, else what the run left (a step further, as a later step would be)
+    states = {key: session.states.get(*key) for key in state_keys(g, i)}
+    held = {k: s.clone() if dims["P"] else torch.zeros_like(s) for k, s in states.items()}
+
+    def restore() -> None:
+        for key, value in held.items():
+            states[key].copy_(value)
+    # the launches the line makes, recorded once at the dims of the run's plan
+    namespace = {**vars(session.module), "v": runner.last_v, "d": session.ctx}
+    batch, tokens, _, enc_len, kv_len = runner.last.key
+    recorded = session.ctx.record(lambda: eval(call, namespace),  # noqa: S307
+                                  batch, tokens, enc_len, kv_len)
+
+    def launch() -> None:
+        for fn, args, meta in recorded:
+            fn(*args, **meta)
+    t = cfg.timer(launch)
+    row.update(archc_seconds=t, achieved_flops=row["flops"] / t,
+               achieved_bandwidth=row["bytes"] / t, roofline_fraction=row["roofline_seconds"] / t)
+    if held:
+        restore()
+        launch()
+    synchronize(cfg.device)
+    out = runner.value(i, dims).clone()
+    xs = [runner.value(j, dims) for j in g.nodes[i].inputs]
+    scratch = scratch_caches(g, i, dims, session.cache.dtype, cfg.device)
+    for c in counterparts(g, i, xs, dims, session.cache.store, scratch, held):
+        row["baselines"].append(_baseline_row(cfg, c, out, t))
+    restore()
 
 
 def _baseline_row(cfg: BenchConfig, c: Counterpart | Unavailable, out: torch.Tensor,
@@ -351,84 +314,50 @@ def _baseline_row(cfg: BenchConfig, c: Counterpart | Unavailable, out: torch.Ten
     try:
         if c.result is not None:
             err = _rel_error(c.result(c.run()), out)
-            row["max_rel_error"] = _finite(err)
-            row["tolerance"] = TOLERANCE[cfg.dtype]
-            row["agrees"] = bool(err <= TOLERANCE[cfg.dtype])
+            row.update(max_rel_error=err, tolerance=TOLERANCE[cfg.dtype],
+                       agrees=err is not None and err <= TOLERANCE[cfg.dtype])
         t = cfg.timer(c.run)
-        row["seconds"] = t
-        row["archc_speedup"] = _ratio(t, archc_seconds)
+        row.update(seconds=t, archc_speedup=t / archc_seconds)
     except Exception as err:  # noqa: BLE001
-        row["seconds"] = None
-        row["error"] = _describe(err)
+        row.update(seconds=None, error=_describe(err))
     return row
-
-
-def _us(t: float | None) -> str:
-    return "—" if t is None else f"{t * 1e6:.1f} µs"
 
 
 # ---- whole model -----------------------------------------------------------------------------
 
+@dataclass
 class _Runner:
-    """One way of running the model: prefill (a fresh cache), then greedy decode steps."""
+    """One way of running the model, `forward(tokens, past)` → logits: a prefill of `prompt`
+    (a fresh cache; `reset` starts a sequence where the runner keeps its own), then greedy
+    decode steps."""
 
-    name = ""
+    name: str
+    forward: Callable[[torch.Tensor, int], torch.Tensor]
+    prompt: torch.Tensor
+    reset: Callable[[], None] = lambda: None
+    past: int = 0
+    next: torch.Tensor | None = None
 
-    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def step(self) -> None:
-        raise NotImplementedError
-
-
-class _ArchcRunner(_Runner):
-    def __init__(self, name: str, session: Any) -> None:
-        self.name = name
-        self.session = session
-        self.next: torch.Tensor | None = None
-
-    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
-        self.session.reset()
-        logits = self.session.step(tokens)
-        self.next = logits[:, -1].argmax(-1, keepdim=True)
-        return logits
-
-    def step(self) -> None:
-        logits = self.session.step(self.next)
-        self.next = logits[:, -1].argmax(-1, keepdim=True)
-
-
-class _TorchRunner(_Runner):
-    def __init__(self, name: str, program: TorchProgram,
-                 fn: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
-        self.name = name
-        self.program = program
-        self.fn = fn
+    def prefill(self) -> torch.Tensor:
+        self.reset()
         self.past = 0
-        self.next: torch.Tensor | None = None
-        self._on_device: tuple[torch.Tensor, torch.Tensor] | None = None
+        return self._run(self.prompt)
 
-    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self._on_device is None or self._on_device[0] is not tokens:
-            self._on_device = (tokens, tokens.to(self.program.device))
-        tokens = self._on_device[1]
-        logits = self.fn(tokens, 0)
-        self.past = tokens.shape[1]
+    def step(self) -> None:
+        assert self.next is not None
+        self._run(self.next)
+
+    def _run(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.forward(tokens, self.past)
+        self.past += tokens.shape[1]
         self.next = logits[:, -1].argmax(-1, keepdim=True)
         return logits
 
-    def step(self) -> None:
-        logits = self.fn(self.next, self.past)
-        self.past += 1
-        self.next = logits[:, -1].argmax(-1, keepdim=True)
 
-
-def measure_runner(cfg: BenchConfig, runner: _Runner, tokens: torch.Tensor,
-                   reference: torch.Tensor | None, model: dict[str, Any], report: Report
-                   ) -> torch.Tensor | None:
+def measure_runner(cfg: BenchConfig, runner: _Runner, reference: torch.Tensor | None,
+                   model: dict[str, Any], report: Report) -> torch.Tensor | None:
     """Prefill time, then decode tokens/s, of one runner; returns its prefill logits."""
-    prefill = model["prefill"]
-    decode = model["decode"]
+    prefill, decode = model["prefill"], model["decode"]
     prow: dict[str, Any] = {"name": runner.name}
     drow: dict[str, Any] = {"name": runner.name}
     prefill["runs"].append(prow)
@@ -436,33 +365,30 @@ def measure_runner(cfg: BenchConfig, runner: _Runner, tokens: torch.Tensor,
     logits = None
     with report.section(f"model:{runner.name}:prefill"):
         t0 = time.perf_counter()
-        logits = runner.prefill(tokens)           # compiles, autotunes
+        logits = runner.prefill()                 # compiles, autotunes
         synchronize(cfg.device)
         prow["first_call_seconds"] = time.perf_counter() - t0
         if reference is not None:
-            prow["max_rel_error_vs_eager"] = _finite(_rel_error(logits, reference))
-        t = cfg.timer(lambda: runner.prefill(tokens))
-        prow["seconds"] = t
-        prow["tokens_per_second"] = cfg.batch * cfg.prompt / t
-        prow["flops_per_second"] = prefill["flops"] / t
-        prow["peak_fraction"] = prefill["flops"] / t / cfg.gpu.peak_flops
-        prow["roofline_fraction"] = prefill["roofline_seconds"] / t
+            prow["max_rel_error_vs_eager"] = _rel_error(logits, reference)
+        t = cfg.timer(runner.prefill)
+        prow.update(seconds=t, tokens_per_second=cfg.batch * cfg.prompt / t,
+                    flops_per_second=prefill["flops"] / t,
+                    peak_fraction=prefill["flops"] / t / cfg.gpu.peak_flops,
+                    roofline_fraction=prefill["roofline_seconds"] / t)
     if report.data["status"][f"model:{runner.name}:prefill"] != "done":
         report.data["status"][f"model:{runner.name}:decode"] = "skipped (prefill failed)"
         return logits
     with report.section(f"model:{runner.name}:decode"):
-        runner.prefill(tokens)
+        runner.prefill()
         for _ in range(WARMUP_STEPS):             # compiles, captures the CUDA graph
             runner.step()
-        runner.prefill(tokens)
-        t = cfg.timer.loop(runner.step, cfg.decode)
-        step_s = t / cfg.decode
-        drow["step_seconds"] = step_s
-        drow["tokens_per_second"] = cfg.batch / step_s
-        drow["floor_fraction"] = decode["floor_seconds"] / step_s
-        drow["bandwidth"] = decode["bytes_per_step"] / step_s
+        runner.prefill()
+        step_s = cfg.timer.loop(runner.step, cfg.decode) / cfg.decode
+        bandwidth = decode["bytes_per_step"] / step_s
         copy = (report.data.get("ceilings") or {}).get("copy_bandwidth")
-        drow["copy_fraction"] = drow["bandwidth"] / copy if copy else None
+        drow.update(step_seconds=step_s, tokens_per_second=cfg.batch / step_s,
+                    floor_fraction=decode["floor_seconds"] / step_s, bandwidth=bandwidth,
+                    copy_fraction=bandwidth / copy if copy else None)
     return logits
 
 
@@ -471,66 +397,64 @@ def _speedups(model: dict[str, Any]) -> None:
         runs = model[kind]["runs"]
         archc = next((r.get(key) for r in runs if r["name"].startswith("archc")), None)
         for r in runs:
-            r["archc_speedup"] = _ratio(r.get(key), archc)
+            r["archc_speedup"] = r[key] / archc if r.get(key) is not None and archc else None
 
 
 # ---- goals -----------------------------------------------------------------------------------
 
 def evaluate_goals(cfg: BenchConfig, data: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets on an H200, on what this run measured. Recorded, never asserted."""
-    goals = []
-    rows = data["kernels"]
-    ceil = data.get("ceilings") or {}
+    measured = not cfg.dry_run
 
-    def best(row: dict[str, Any], name: str) -> dict[str, Any] | None:
-        return next((b for b in row["baselines"] if b["name"] == name and
-                     b.get("seconds") is not None), None)
+    def rows(phase: str, op: str) -> list[dict[str, Any]]:
+        return [r for r in data["kernels"] if r["phase"] == phase and r["op"] == op]
+
+    def speedups(kernels: list[dict[str, Any]], name: str) -> list[float]:
+        """archc's speed-up over the counterpart `name` of each of `kernels` that has one."""
+        return [b["archc_speedup"] for r in kernels for b in r["baselines"]
+                if b["name"] == name and b.get("seconds") is not None]
+
+    def of_runs(prefix: str, key: str) -> list[float]:
+        return [r[key] for r in data["model"]["decode"]["runs"]
+                if r["name"].startswith(prefix) and r.get(key) is not None]
 
     # 1. prefill attention ≥ 1.2× sdpa at head_dim 128, seq ≥ 2k, bf16
-    att = [r for r in rows if r["phase"] == "prefill" and r["op"] == "attention"]
+    att = rows("prefill", "attention")
     hd = att[0]["sizes"]["D"] if att else None
-    applies = hd == 128 and cfg.prompt >= 2048 and cfg.dtype == "bf16" and not cfg.dry_run
-    ratios = [b["archc_speedup"] for r in att if (b := best(r, "sdpa"))]
-    goals.append(_goal("prefill attention ≥ 1.2× scaled_dot_product_attention (head_dim 128, "
-                       "seq ≥ 2k, bf16)", min(ratios) if ratios else None, 1.2, "×", applies,
-                       f"head_dim {hd}, prompt {cfg.prompt}, {cfg.dtype}"))
+    goals = [_goal("prefill attention ≥ 1.2× scaled_dot_product_attention (head_dim 128, "
+                   "seq ≥ 2k, bf16)", speedups(att, "sdpa"), 1.2, "×",
+                   hd == 128 and cfg.prompt >= 2048 and cfg.dtype == "bf16" and measured,
+                   f"head_dim {hd}, prompt {cfg.prompt}, {cfg.dtype}")]
     # 2. fused norm+matmul and SwiGLU matmuls ≥ 0.95× torch.matmul and beat the unfused sequence
     for phase in ("prefill", "decode"):
-        fused = [r for r in rows if r["phase"] == phase and r["op"] == "fused_linear"
-                 and (r["prologue"] is not None or "glu" in r["epilogue"])]
-        vs_mm = [b["archc_speedup"] for r in fused if (b := best(r, "torch.matmul"))]
-        vs_unf = [b["archc_speedup"] for r in fused if (b := best(r, "unfused"))]
-        goals.append(_goal(f"{phase}: fused norm+matmul and SwiGLU matmuls ≥ 0.95× torch.matmul",
-                           min(vs_mm) if vs_mm else None, 0.95, "×", not cfg.dry_run,
-                           f"{len(fused)} kernels; the slowest"))
-        goals.append(_goal(f"{phase}: … and faster than the unfused sequence",
-                           min(vs_unf) if vs_unf else None, 1.0, "×", not cfg.dry_run,
-                           f"{len(fused)} kernels; the slowest", strict=True))
+        fused = [r for r in rows(phase, "fused_linear")
+                 if r["prologue"] is not None or "glu" in r["epilogue"]]
+        note = f"{len(fused)} kernels; the slowest"
+        goals += [_goal(f"{phase}: fused norm+matmul and SwiGLU matmuls ≥ 0.95× torch.matmul",
+                        speedups(fused, "torch.matmul"), 0.95, "×", measured, note),
+                  _goal(f"{phase}: … and faster than the unfused sequence",
+                        speedups(fused, "unfused"), 1.0, "×", measured, note, strict=True)]
     # 3. decode attention ≥ 85% of copy bandwidth
-    datt = [r for r in rows if r["phase"] == "decode" and r["op"] == "attention"
-            and r.get("achieved_bandwidth")]
-    copy_bw = ceil.get("copy_bandwidth")
-    frac = [r["achieved_bandwidth"] / copy_bw for r in datt] if copy_bw else []
+    copy_bw = (data.get("ceilings") or {}).get("copy_bandwidth")
     goals.append(_goal("decode attention ≥ 85% of the measured copy bandwidth",
-                       min(frac) if frac else None, 0.85, "of copy", not cfg.dry_run,
+                       [r["achieved_bandwidth"] / copy_bw for r in rows("decode", "attention")
+                        if copy_bw and r.get("achieved_bandwidth")], 0.85, "of copy", measured,
                        f"context {cfg.decode_past + 1}"))
     # 4. batch-1 decode ≥ 80% of the bandwidth bound and faster than torch.compile
-    runs = data["model"]["decode"]["runs"]
-    archc = next((r for r in runs if r["name"].startswith("archc")), None)
-    applies = cfg.batch == 1 and not cfg.dry_run
-    goals.append(_goal("batch-1 decode ≥ 80% of the bandwidth bound (weights + KV cache read "
-                       "once per token)", archc.get("floor_fraction") if archc else None, 0.80,
-                       "of bound", applies, f"{cfg.spec.name}, {cfg.spec.layers} blocks"))
-    compiled = [r["archc_speedup"] for r in runs if r["name"].startswith("torch.compile")
-                and r.get("archc_speedup") is not None]
-    goals.append(_goal("batch-1 decode faster than torch.compile (every mode)",
-                       min(compiled) if compiled else None, 1.0, "×", applies,
-                       f"{len(compiled)} modes measured", strict=True))
+    batch_1 = cfg.batch == 1 and measured
+    compiled = of_runs("torch.compile", "archc_speedup")
+    goals += [_goal("batch-1 decode ≥ 80% of the bandwidth bound (weights + KV cache read "
+                    "once per token)", of_runs("archc", "floor_fraction"), 0.80, "of bound",
+                    batch_1, f"{cfg.spec.name}, {cfg.spec.layers} blocks"),
+              _goal("batch-1 decode faster than torch.compile (every mode)", compiled, 1.0, "×",
+                    batch_1, f"{len(compiled)} modes measured", strict=True)]
     return goals
 
 
-def _goal(goal: str, measured: float | None, target: float, unit: str, applies: bool,
+def _goal(goal: str, values: list[float], target: float, unit: str, applies: bool,
           note: str, *, strict: bool = False) -> dict[str, Any]:
+    """A goal on the worst of `values` (measured: None when there are none)."""
+    measured = min(values) if values else None
     met = None
     if measured is not None and applies:
         met = bool(measured > target if strict else measured >= target)
@@ -561,10 +485,8 @@ def environment(cfg: BenchConfig) -> dict[str, Any]:
 def new_report(cfg: BenchConfig, path: Path | None, log: Callable[[str], None]) -> Report:
     g = cfg.gpu
     return Report({
-        "schema": SCHEMA,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": " ".join(sys.argv),
-        "dry_run": cfg.dry_run,
+        "schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": " ".join(sys.argv), "dry_run": cfg.dry_run,
         "spec": cfg.spec.name, "layers": cfg.spec.layers, "spec_layers": cfg.layers_of_spec
         or cfg.spec.layers, "dtype": cfg.dtype,
         "shapes": {"batch": cfg.batch, "prompt": cfg.prompt, "decode": cfg.decode,
@@ -576,118 +498,99 @@ def new_report(cfg: BenchConfig, path: Path | None, log: Callable[[str], None]) 
                    f"after {WARMUP_STEPS} warm-up steps, host clock between device syncs",
                    "compile_backend": cfg.compile_backend,
                    "autotune": "whole-model archc runs" if cfg.autotune else False},
-        "status": {}, "section_seconds": {}, "errors": [],
-        "ceilings": None, "kernels": [],
-        "model": {"prefill": {"runs": []}, "decode": {"runs": []}},
-        "goals": [],
+        "status": {}, "section_seconds": {}, "errors": [], "ceilings": None, "kernels": [],
+        "model": {"prefill": {"runs": []}, "decode": {"runs": []}}, "goals": [],
     }, path, log)
 
 
 def run_bench(cfg: BenchConfig, json_path: Path | None = None,
               log: Callable[[str], None] = lambda line: None) -> Report:
+    from archc.passes import optimize
     from archc.runtime.triton_backend import TritonOptions, TritonSession
     report = new_report(cfg, json_path, log)
-    data = report.data
-    torch_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[cfg.dtype]
-    spec = cfg.spec
-    state: dict[str, Any] = {}
+    data, spec, model = report.data, cfg.spec, report.data["model"]
+
+    def session(**options: Any) -> TritonSession:
+        return TritonSession(unfused, checkpoint, max_seq_len=spec.max_seq_len, dtype=cfg.dtype,
+                             device=cfg.device, options=TritonOptions(cache_dir=cfg.cache_dir,
+                                                                      **options))
 
     with report.section("setup"):
         unfused = lower(spec, cfg.dtype)
-        from archc.passes import optimize
         checkpoint = random_checkpoint(unfused, cfg.device, cfg.seed,
                                        evaluated_by=(optimize(unfused),))
         # every node's buffer kept and no CUDA graphs: kernels are launched one by one. Never
         # autotuned: both sessions share one generated module, which autotuning wraps in place
-        state["probe"] = TritonSession(unfused, checkpoint, max_seq_len=spec.max_seq_len,
-                                       dtype=cfg.dtype, device=cfg.device, options=TritonOptions(
-                                           reuse_buffers=False, cuda_graphs=False,
-                                           cache_dir=cfg.cache_dir))
-        kernel_level = state["probe"].program
-        data["module"] = str(state["probe"].module_path)
-        data["unique_kernels"] = len(state["probe"].generated.units)
-        data["launches_per_pass"] = {g: len(s) for g, s in
-                                     state["probe"].generated.steps.items()}
-        from archc.runtime.weights import materialize
-        params = materialize(unfused.graph("decoder"), checkpoint, cfg.device)
-        state["torch"] = TorchProgram(unfused.graph("decoder"), params, batch=cfg.batch,
-                                      max_len=spec.max_seq_len, device=cfg.device,
-                                      dtype=torch_dtype)
-        state["kernel_level"] = kernel_level
-        gen = torch.Generator().manual_seed(cfg.seed)
-        state["tokens"] = torch.randint(0, spec.vocab_size, (cfg.batch, cfg.prompt),
-                                        generator=gen)
-        state["checkpoint"] = checkpoint
+        probe = session(reuse_buffers=False, cuda_graphs=False)
+        data.update(module=str(probe.module_path), unique_kernels=len(probe.generated.units),
+                    launches_per_pass={g: len(s) for g, s in probe.generated.steps.items()})
+        decoder = unfused.graph("decoder")
+        program = TorchProgram(decoder, materialize(decoder, checkpoint, cfg.device),
+                               batch=cfg.batch, max_len=spec.max_seq_len, device=cfg.device,
+                               dtype=TORCH_DTYPES[cfg.dtype])
+        tokens = torch.randint(0, spec.vocab_size, (cfg.batch, cfg.prompt),
+                               generator=torch.Generator().manual_seed(cfg.seed))
         b, n, m = cfg.batch, cfg.prompt, cfg.decode
-        prefill_roofs = kernels(kernel_level, {"B": b, "T": n, "P": 0, "S": 0})
-        flops = sum(k.flops for k in prefill_roofs)
-        data["model"]["prefill"].update(
-            tokens=b * n, flops=flops, bytes=sum(k.bytes for k in prefill_roofs),
-            roofline_seconds=sum(k.time(cfg.gpu) for k in prefill_roofs))
-        first = decode_floor(kernel_level, cfg.gpu, b, n)
-        last = decode_floor(kernel_level, cfg.gpu, b, n + m - 1)
+        roofs = kernels(probe.program, {"B": b, "T": n, "P": 0, "S": 0})
+        model["prefill"].update(tokens=b * n, flops=sum(k.flops for k in roofs),
+                                bytes=sum(k.bytes for k in roofs),
+                                roofline_seconds=sum(k.time(cfg.gpu) for k in roofs))
+        first, last = (decode_floor(probe.program, cfg.gpu, b, past) for past in (n, n + m - 1))
         per_step = (first.bytes + last.bytes) / 2
-        data["model"]["decode"].update(
+        model["decode"].update(
             steps=m, past_first=n, past_last=n + m - 1, weight_bytes=first.weight_bytes,
             kv_bytes_mean=(first.kv_bytes + last.kv_bytes) / 2,
             state_bytes=first.state_bytes, bytes_per_step=per_step,
             floor_seconds=per_step / cfg.gpu.bandwidth,
             floor_tokens_per_second=b * cfg.gpu.bandwidth / per_step)
-    if "probe" not in state:
+    if data["status"]["setup"] != "done":
         data["goals"] = evaluate_goals(cfg, data)
         report.save()
         return report
 
     with report.section("ceilings"):
-        c: Ceilings = measure_ceilings(cfg.timer, torch_dtype, copy_mib=cfg.copy_mib,
-                                       matmul_size=cfg.matmul_size)
-        data["ceilings"] = {"copy_bytes": c.copy_bytes, "copy_seconds": c.copy_seconds,
-                            "copy_bandwidth": c.copy_bandwidth, "matmul_shape": c.matmul_shape,
-                            "matmul_seconds": c.matmul_seconds, "matmul_flops": c.matmul_flops,
+        data["ceilings"] = {**measure_ceilings(cfg.timer, TORCH_DTYPES[cfg.dtype],
+                                               copy_mib=cfg.copy_mib,
+                                               matmul_size=cfg.matmul_size),
                             "matmul_dtype": cfg.dtype}
 
-    if cfg.kernel_section:
-        probe = state["probe"]
-        g = probe.program.graph("decoder")
-        for phase, past, t in (("prefill", 0, cfg.prompt), ("decode", cfg.decode_past, 1)):
-            with report.section(f"kernels:{phase}"):
-                dims = {"B": cfg.batch, "T": t, "P": past, "S": 0}
-                if past:  # fill the cache up to P, then the step whose kernels are timed
-                    fill = torch.randint(0, spec.vocab_size, (cfg.batch, past),
-                                         generator=torch.Generator().manual_seed(cfg.seed + 1))
-                    _run_at(probe, fill, 0)
-                _run_at(probe, state["tokens"][:, :t] if not past else
-                        state["tokens"][:, :1], past)
-                roofs = {k.index: k for k in kernels(probe.program, dims) if k.graph == g.name}
-                time_kernels(cfg, probe, phase, dims, roofs, report)
-            data["goals"] = evaluate_goals(cfg, data)
-        del state["probe"]
+    phases = (("prefill", 0, cfg.prompt), ("decode", cfg.decode_past, 1))
+    for phase, past, t in phases if cfg.kernel_section else ():
+        with report.section(f"kernels:{phase}"):
+            dims = {"B": cfg.batch, "T": t, "P": past, "S": 0}
+            if past:  # fill the cache up to P, then the step whose kernels are timed
+                gen = torch.Generator().manual_seed(cfg.seed + 1)
+                fill = torch.randint(0, spec.vocab_size, (cfg.batch, past), generator=gen)
+                _run_at(probe, fill, 0)
+            _run_at(probe, tokens[:, :t], past)
+            time_kernels(cfg, probe, phase, dims, report)
+        data["goals"] = evaluate_goals(cfg, data)
+    del probe
 
-    # the same checkpoint, as users run it: buffers reused, CUDA graphs for decode
-    reference = None
-    archc_name = "archc" + (" (CUDA graphs)" if cfg.device.type == "cuda" else "")
-    runners: list[tuple[str, Callable[[], _Runner]]] = [
-        ("torch eager", lambda: _TorchRunner("torch eager", state["torch"],
-                                             state["torch"].forward)),
-        (archc_name, lambda: _ArchcRunner(archc_name, TritonSession(
-            unfused, state["checkpoint"], max_seq_len=spec.max_seq_len, dtype=cfg.dtype,
-            device=cfg.device, options=TritonOptions(autotune=cfg.autotune,
-                                                     cache_dir=cfg.cache_dir)))),
-    ]
+    # the same checkpoint, as users run it: buffers reused, CUDA graphs for decode; the torch
+    # programs take the prompt already on the device
+    on_device = tokens.to(cfg.device)
+
+    def archc(name: str) -> _Runner:
+        s = session(autotune=cfg.autotune)
+        return _Runner(name, lambda tokens, past: s.step(tokens), tokens, s.reset)
+    makers: dict[str, Callable[[str], _Runner]] = {
+        "torch eager": lambda name: _Runner(name, program.forward, on_device),
+        "archc" + (" (CUDA graphs)" if cfg.device.type == "cuda" else ""): archc}
     for mode in cfg.compile_modes:
-        name = f"torch.compile {mode}"
-        runners.append((name, lambda name=name, mode=mode: _TorchRunner(
-            name, state["torch"], _compiled(cfg, state["torch"], mode))))
-    for name, make in runners:
+        makers[f"torch.compile {mode}"] = lambda name, mode=mode: _Runner(
+            name, _compiled(cfg, program, mode), on_device)
+    reference = None
+    for name, make in makers.items():
         runner = None
         with report.section(f"model:{name}:setup"):
-            runner = make()
+            runner = make(name)
         if runner is None:
             continue
-        logits = measure_runner(cfg, runner, state["tokens"], reference, data["model"], report)
+        logits = measure_runner(cfg, runner, reference, model, report)
         if reference is None and logits is not None:
             reference = logits.detach().clone()
-        _speedups(data["model"])
+        _speedups(model)
         data["goals"] = evaluate_goals(cfg, data)
         del runner
         report.save()
@@ -699,14 +602,14 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
 def _run_at(session: Any, tokens: torch.Tensor, past: int) -> None:
     """One run of the decoder graph over `tokens` after `past` cached positions."""
     b, t = tokens.shape
-    runner = session.runners["decoder"]
     inputs = {"tokens": tokens, "positions": torch.arange(past, past + t),
               "prefix_len": torch.tensor(t if past == 0 else session.prefix_len or t)}
     session.cache.ensure(b)
     session.states.ensure(b)
     if past == 0:   # a sequence starts: the recurrent state reads zeros
         session.states.zero()
-    runner.run(inputs, session.ctx, B=b, T=t, P=past, S=0, kv_len_max=session.kv_len(past, t))
+    session.runners["decoder"].run(inputs, session.ctx, B=b, T=t, P=past, S=0,
+                                   kv_len_max=session.kv_len(past, t))
     synchronize(session.device)
 
 
@@ -714,9 +617,9 @@ def _compiled(cfg: BenchConfig, program: TorchProgram, mode: str
               ) -> Callable[[torch.Tensor, int], torch.Tensor]:
     import torch._dynamo
     torch._dynamo.reset()
-    if cfg.compile_backend == "inductor":
-        return torch.compile(program.forward, mode=mode)
-    return torch.compile(program.forward, backend=cfg.compile_backend)
+    # the modes are inductor's: a dry run's cheap backend takes none
+    return torch.compile(program.forward, backend=cfg.compile_backend,
+                         mode=mode if cfg.compile_backend == "inductor" else None)
 
 
 def default_json_name(cfg: BenchConfig, when: float | None = None) -> str:

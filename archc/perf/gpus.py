@@ -5,7 +5,7 @@ math and peak memory bandwidth:
 - A100-80GB SXM: 312 TFLOP/s bf16 dense, 2,039 GB/s HBM2e (NVIDIA A100 datasheet, 2021).
 - H100 SXM5: 989.4 TFLOP/s bf16 dense (1,979 with sparsity), 3.35 TB/s HBM3 (NVIDIA H100
   datasheet, 2023).
-- H200 SXM: 989 TFLOP/s bf16 dense (1,979 with sparsity), 4.8 TB/s HBM3e, 141 GB (NVIDIA H200
+- H200 SXM: 989 TFLOP/s bf16 dense (1,979 with sparsity), 4.8 TB/s HBM3e (NVIDIA H200
   datasheet, 2024).
 """
 
@@ -21,7 +21,6 @@ class GPU:
     name: str
     peak_flops: float       # dense bf16/fp16 tensor-core FLOP/s
     bandwidth: float        # HBM bytes/s
-    memory: float           # HBM bytes
 
     @property
     def ridge(self) -> float:
@@ -30,9 +29,9 @@ class GPU:
 
 
 GPUS: dict[str, GPU] = {
-    "a100": GPU("A100-80GB SXM", 312e12, 2.039e12, 80e9),
-    "h100": GPU("H100 SXM", 989.4e12, 3.35e12, 80e9),
-    "h200": GPU("H200 SXM", 989e12, 4.8e12, 141e9),
+    "a100": GPU("A100-80GB SXM", 312e12, 2.039e12),
+    "h100": GPU("H100 SXM", 989.4e12, 3.35e12),
+    "h200": GPU("H200 SXM", 989e12, 4.8e12),
 }
 
 

@@ -2,20 +2,17 @@
 
 On a GPU a decode step of a large model takes a few milliseconds of device time; the Python
 around the kernels must stay far below that, or the GPU waits on the host. This measures that
-Python alone, on the CPU, with nothing real-size allocated:
+Python alone, on the CPU, with nothing real-size allocated: the session users run, built for
+the GPU target (its block sizes, grids and attention splits), every kernel launch a no-op that
+counts its calls, the weights and the KV cache zero-stride views of one element.
 
-1. the session is the one users run, built for the GPU target (the gpu module's block sizes,
-   grids and attention splits), with every kernel launch bound to a no-op that counts its calls,
-   and with zero-stride views of one element for the weights and the KV cache;
-2. a sequence starts with one token (not timed); then each decode step — `session.step` on
-   batch B × 1 token — is timed with the host clock, two ways:
-   - plain launches: the step's launch plan replayed launch by launch;
-   - the CUDA-graph path: the same step with the graph replay a no-op (inputs copied in, P
-     written to the device, the replay, the logits read back);
-3. the median over many steps after a warm-up; a sequence that reaches max_seq_len starts again
-   (untimed). Torch's CPU ops (the input copies, reading the logits) stand in for device ops
-   here and run on one thread: waking a thread pool for a 256 KB copy measures the machine's
-   load (8 ms on a busy 2-core machine, 4 µs on one thread), not archc.
+After one token (not timed), each decode step — `session.step` on batch B × 1 token — is timed
+on the host clock with plain launches (the step's launch plan replayed launch by launch) and
+through the CUDA-graph path (the replay a no-op: inputs copied in, P written to the device,
+logits read back); the median over many steps after a warm-up, a sequence that reaches
+max_seq_len starting again (untimed). Torch's CPU ops (the input copies, reading the logits)
+stand in for device ops here and run on one thread: waking a thread pool for a 256 KB copy
+measures the machine's load (8 ms on a busy 2-core machine, 4 µs on one thread), not archc.
 """
 
 from __future__ import annotations
@@ -26,6 +23,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -43,38 +41,25 @@ from archc.spec.schema import Spec
 WARMUP_STEPS = 50
 
 
-class NoOpLaunch:
-    """Stands in for every bound kernel (`kernel[grid]`): `launch` counts its calls and
-    launches nothing."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-        def launch(*args: Any, **meta: Any) -> None:
-            self.calls += 1
-        self.launch = launch
-
-
-class _NoReplay:
-    def replay(self) -> None:
-        pass
-
-
 def _zero_stride(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A tensor of `shape` that holds one element."""
     return torch.zeros((), dtype=dtype).expand(shape)
 
 
 class HostSession(TritonSession):
-    """A TritonSession on the CPU that runs the GPU target's host code and launches nothing."""
+    """A TritonSession on the CPU that runs the GPU target's host code and launches nothing:
+    every bound kernel (`kernel[grid]`) is a no-op that counts its calls in `launches`."""
 
     def __init__(self, program: Program, *, max_seq_len: int, dtype: str,
                  cache_dir: Path | None = None) -> None:
         super().__init__(program, {}, max_seq_len=max_seq_len, dtype=dtype, device="cpu",
                          options=TritonOptions(cache_dir=cache_dir))
-        self.noop = NoOpLaunch()
-        self.ctx.bind = lambda kernel, grid: self.noop.launch
+        self.launches = 0
+        self.ctx.bind = lambda kernel, grid: self._launch
         self.cache.zeros = _zero_stride  # type: ignore[method-assign]
+
+    def _launch(self, *args: Any, **meta: Any) -> None:
+        self.launches += 1
 
     def _target(self, device: torch.device) -> str:
         return "gpu"
@@ -86,7 +71,7 @@ class HostSession(TritonSession):
                 for i in graph.ids(Op.PARAM)}
 
     def _capture(self, plan: LaunchPlan) -> Any:
-        return _NoReplay()
+        return SimpleNamespace(replay=lambda: None)
 
 
 @dataclass
@@ -101,13 +86,6 @@ class HostReport:
     graph_seconds: float            # median per step, the CUDA-graph path with a no-op replay
     steps: int
     warmup: int
-
-    @property
-    def method(self) -> list[str]:
-        return [f"median of {self.steps} steps after {self.warmup} warm-up steps, host clock "
-                f"around session.step(tokens) of batch {self.batch} × 1 token",
-                f"weights and KV cache as zero-stride views; {cpu_name()}, torch "
-                f"{torch.__version__}, Python {platform.python_version()}"]
 
 
 def cpu_name() -> str:
@@ -165,11 +143,10 @@ def measure_host(spec: Spec, *, dtype: str = "bf16", batch: int = 1, steps: int 
     session.cuda_graphs = False
     session.reset()
     session.step(tokens)
-    before = session.noop.calls
+    before = session.launches
     session.step(tokens)
-    launches = session.noop.calls - before
-    plan = session.runners["decoder"].last
-    entries = len(plan.launches) if plan is not None else launches
+    launches = session.launches - before
+    entries = len(session.runners["decoder"].last.launches)
     return HostReport(spec.name, dtype, batch, launches, entries - launches,
                       len(session.generated.units), medians[False], medians[True], steps,
                       warmup)
@@ -188,6 +165,9 @@ def format_host(r: HostReport) -> list[str]:
         f"launch)",
         f"  CUDA-graph path: {r.graph_seconds * 1e6:8.1f} us/step (inputs in, P to the device, "
         f"replay, logits out)",
-        *(f"{'method: ' if i == 0 else '        '}{line}" for i, line in enumerate(r.method)),
+        f"method: median of {r.steps} steps after {r.warmup} warm-up steps, host clock around "
+        f"session.step(tokens) of batch {r.batch} × 1 token",
+        f"        weights and KV cache as zero-stride views; {cpu_name()}, torch "
+        f"{torch.__version__}, Python {platform.python_version()}",
         f"host overhead: {r.plain_seconds * 1e6:.1f} us/step",
     ]

@@ -34,10 +34,6 @@ class KernelRoof:
     flops: int
     bytes: int
 
-    @property
-    def intensity(self) -> float:
-        return self.flops / self.bytes if self.bytes else float("inf")
-
     def time(self, g: GPU) -> float:
         return max(self.flops / g.peak_flops, self.bytes / g.bandwidth)
 
@@ -61,23 +57,15 @@ def label(g: Graph, i: int) -> str:
     return f"layer {layer}" if layer is not None else n.origin
 
 
-# graphs that run once per generation, before the decode steps
-ONCE = ("encoder", CROSS_KV)
-
-
 def per_step(program: Program) -> Program:
-    """The graphs a decode step runs: all but the encoder and the cross-KV graph."""
-    return Program(program.model, tuple(g for g in program if g.name not in ONCE))
+    """The graphs a decode step runs: all but the encoder and the cross-KV graph (run once per
+    generation, before the decode steps)."""
+    return Program(program.model, tuple(g for g in program if g.name not in ("encoder", CROSS_KV)))
 
 
 def kernels(program: Program, dims: Mapping[str, int]) -> list[KernelRoof]:
-    out = []
-    for g in program:
-        for i in g.compute_ids():
-            c = node_cost(g, i)
-            flops, nbytes = c.at(dims)
-            out.append(KernelRoof(g.name, i, g.nodes[i].op.value, label(g, i), flops, nbytes))
-    return out
+    return [KernelRoof(g.name, i, g.nodes[i].op.value, label(g, i), *node_cost(g, i).at(dims))
+            for g in program for i in g.compute_ids()]
 
 
 @dataclass(frozen=True)
@@ -100,15 +88,12 @@ class KernelGroup:
 def grouped(ks: list[KernelRoof], g: GPU) -> list[KernelGroup]:
     rows: dict[tuple[str, str, str], list[KernelRoof]] = {}
     for k in ks:
-        key = (k.graph, k.op, _LAYER.sub(lambda m: "layers.*." if m.group().startswith(
-            "layers.") else "layer *", k.label))
-        rows.setdefault(key, []).append(k)
-    out = []
-    for (_, op, lab), group in rows.items():
-        out.append(KernelGroup(op, lab, len(group), sum(k.flops for k in group),
-                               sum(k.bytes for k in group), sum(k.time(g) for k in group),
-                               group[0].bound(g)))
-    return out
+        any_layer = _LAYER.sub(lambda m: "layers.*." if m.group().startswith("layers.")
+                               else "layer *", k.label)
+        rows.setdefault((k.graph, k.op, any_layer), []).append(k)
+    return [KernelGroup(op, lab, len(group), sum(k.flops for k in group),
+                        sum(k.bytes for k in group), sum(k.time(g) for k in group),
+                        group[0].bound(g)) for (_, op, lab), group in rows.items()]
 
 
 # ---- the decode floor ------------------------------------------------------------------------
@@ -137,43 +122,41 @@ def weight_bytes_read(program: Program, dims: Mapping[str, int]) -> int:
     return int(sum(seen.values()))
 
 
-def _window_of_layer(g: Graph, layer: int) -> tuple[int | None, int]:
-    """The sliding window and global tokens of a cached layer: of the first mask its key cache
-    flows into."""
+def _window_of_layer(g: Graph, layer: int) -> tuple[int | None, int | None]:
+    """The sliding window and global tokens of a cached layer: of the first mask (in the graph's
+    topological order) its key cache flows into."""
     start = next(i for i, n in enumerate(g.nodes) if n.op == Op.KV_CACHE
                  and n.attr("layer") == layer and n.attr("kind") == "k")
-    users = g.users()
-    frontier, seen = [start], {start}
-    while frontier:
-        j = frontier.pop(0)
-        for u in users[j]:
-            if g.nodes[u].op == Op.MASK:
-                return g.nodes[u].attr("window"), g.nodes[u].attr("global_tokens") or 0
-            if u not in seen:
-                seen.add(u)
-                frontier.append(u)
-    return None, 0
+    reached = {start}
+    for u in range(start + 1, len(g.nodes)):
+        n = g.nodes[u]
+        if reached.intersection(n.inputs):
+            if n.op == Op.MASK:
+                return n.attr("window"), n.attr("global_tokens")
+            reached.add(u)
+    return None, None
 
 
 def kv_bytes_read(program: Program, dims: Mapping[str, int]) -> int:
     """KV-cache bytes a step attends over: each cached layer's K and V over the keys its
     mask lets through (P + T, or the window and global tokens for local layers)."""
-    total = 0
     length = dims["P"] + dims["T"]
+
+    def keys(window: int | None, global_tokens: int | None) -> int:
+        return length if window is None else min(length, window + dims["T"] - 1
+                                                 + (global_tokens or 0))
+    total = 0
     for g in program:
         for n in g.nodes:
-            if n.op == Op.KV_CACHE:
+            if n.op == Op.KV_CACHE:     # unfused: a K or a V of [B, H_kv, T, D]
                 x = g.nodes[n.inputs[0]]
-                window, glob = _window_of_layer(g, n.attr("layer"))
-                keys = length if window is None else min(length, window + dims["T"] - 1 + glob)
                 row = evaluate(numel(x.shape) / x.shape[2], dims)  # B·H_kv·D
-                total += row * keys * DTYPE_BYTES[x.dtype]
+                total += row * keys(*_window_of_layer(g, n.attr("layer"))) * DTYPE_BYTES[x.dtype]
             elif n.op == Op.ATTENTION and n.attr("cache_layer") is not None:
                 q = g.nodes[n.inputs[0]]
-                window, glob = n.attr("window"), n.attr("global_tokens") or 0
-                keys = length if window is None else min(length, window + dims["T"] - 1 + glob)
-                b, d = dims["B"], evaluate(q.shape[3], dims)
-                total += 2 * b * n.attr("kv_heads") * d * keys * DTYPE_BYTES[q.dtype]
+                row = 2 * dims["B"] * n.attr("kv_heads") * evaluate(q.shape[3], dims)  # K and V
+                total += (row * keys(n.attr("window"), n.attr("global_tokens"))
+                          * DTYPE_BYTES[q.dtype])
     return total
 
 
@@ -202,8 +185,6 @@ def decode_floor(program: Program, g: GPU, batch: int, past: int) -> DecodeFloor
     and written once, at full bandwidth."""
     dims = {"B": batch, "T": 1, "P": past, "S": max(past, 1)}
     step = per_step(program)
-    w = weight_bytes_read(step, dims)
-    kv = kv_bytes_read(step, dims)
-    state = state_bytes_moved(step, dims)
+    w, kv, state = (f(step, dims) for f in (weight_bytes_read, kv_bytes_read, state_bytes_moved))
     seconds = (w + kv + state) / g.bandwidth
     return DecodeFloor(w, kv, seconds, batch / seconds, state)

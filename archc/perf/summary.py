@@ -1,11 +1,8 @@
-"""A short text summary of `archc bench` JSON reports — what the GPU check prints at the end.
-
-    python -m archc.perf.summary results/*.json
-
-For each report: the model and shapes, the sections that did not finish (and why), the whole
-prefill and decode of every runner with archc's speed-up over it, the kernels where archc is
-slowest against a PyTorch counterpart, and the goals. A missing or unreadable file is named,
-not fatal.
+"""A short text summary of `archc bench` JSON reports — what the GPU check prints at the end:
+``python -m archc.perf.summary results/*.json``. For each report: the model and shapes, the
+sections that did not finish (and why), every runner's prefill and decode with archc's speed-up
+over it, the kernels where archc is slowest against a PyTorch counterpart, and the goals. A
+missing or unreadable file is named, not fatal.
 """
 
 from __future__ import annotations
@@ -16,17 +13,17 @@ from pathlib import Path
 from typing import Any
 
 
-def _t(seconds: float | None) -> str:
+def fmt_seconds(seconds: float | None) -> str:
     if seconds is None:
         return "—"
     return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} µs"
 
 
-def _x(r: float | None) -> str:
+def fmt_ratio(r: float | None) -> str:
     return "—" if r is None else f"{r:.2f}×"
 
 
-def _pct(r: float | None) -> str:
+def fmt_percent(r: float | None) -> str:
     return "—" if r is None else f"{100 * r:.0f}%"
 
 
@@ -49,24 +46,18 @@ def summarize(data: dict[str, Any], *, worst: int = 4) -> list[str]:
     if c:
         lines.append(f"  ceilings: copy {c['copy_bandwidth'] / 1e12:.2f} TB/s, "
                      f"{c['matmul_dtype']} matmul {c['matmul_flops'] / 1e12:.0f} TFLOP/s")
-    model = data.get("model", {})
-    pre = model.get("prefill", {})
-    for r in pre.get("runs", []):
-        if r.get("seconds") is None:
-            lines.append(f"  prefill {r['name']}: no result")
-            continue
-        lines.append(f"  prefill {r['name']}: {_t(r['seconds'])}, "
-                     f"{r['flops_per_second'] / 1e12:.1f} TFLOP/s ({_pct(r['peak_fraction'])} "
-                     f"of peak), archc speed-up {_x(r.get('archc_speedup'))}")
-    dec = model.get("decode", {})
-    for r in dec.get("runs", []):
-        if r.get("step_seconds") is None:
-            lines.append(f"  decode {r['name']}: no result")
-            continue
-        lines.append(f"  decode {r['name']}: {r['tokens_per_second']:,.1f} tokens/s, "
-                     f"{_pct(r['floor_fraction'])} of the bandwidth floor, archc speed-up "
-                     f"{_x(r.get('archc_speedup'))}")
-    ratios = []
+    for phase, key in (("prefill", "seconds"), ("decode", "step_seconds")):
+        for r in data.get("model", {}).get(phase, {}).get("runs", []):
+            if r.get(key) is None:
+                lines.append(f"  {phase} {r['name']}: no result")
+                continue
+            what = (f"{fmt_seconds(r['seconds'])}, {r['flops_per_second'] / 1e12:.1f} TFLOP/s "
+                    f"({fmt_percent(r['peak_fraction'])} of peak)" if phase == "prefill" else
+                    f"{r['tokens_per_second']:,.1f} tokens/s, "
+                    f"{fmt_percent(r['floor_fraction'])} of the bandwidth floor")
+            lines.append(f"  {phase} {r['name']}: {what}, archc speed-up "
+                         f"{fmt_ratio(r.get('archc_speedup'))}")
+    ratios = []     # a kernel that failed is among the errors above
     for k in data.get("kernels", []):
         for b in k.get("baselines", []):
             if b.get("archc_speedup") is not None:
@@ -74,17 +65,15 @@ def summarize(data: dict[str, Any], *, worst: int = 4) -> list[str]:
             if b.get("agrees") is False:
                 lines.append(f"  MISMATCH: {k['phase']} {k['kernel']} vs {b['name']}: "
                              f"relative error {b.get('max_rel_error')}")
-        if k.get("error"):
-            lines.append(f"  kernel {k['phase']} {k['kernel']} failed: {k['error']}")
-    ratios.sort(key=lambda r: r[0])
-    for ratio, k, b in ratios[:worst]:
-        lines.append(f"  slow: {k['phase']} {k['kernel']} ({k['shape']}) {_t(k['archc_seconds'])}"
-                     f" vs {b['name']} {_t(b['seconds'])}: {_x(ratio)}")
+    for ratio, k, b in sorted(ratios, key=lambda r: r[0])[:worst]:
+        lines.append(f"  slow: {k['phase']} {k['kernel']} ({k['shape']}) "
+                     f"{fmt_seconds(k['archc_seconds'])} vs {b['name']} "
+                     f"{fmt_seconds(b['seconds'])}: {fmt_ratio(ratio)}")
     for g in data.get("goals", []):
         if not g.get("applies"):
             continue
         met = "—" if g.get("met") is None else "met" if g["met"] else "NOT met"
-        value = _x(g["measured"]) if g["unit"] == "×" else _pct(g["measured"])
+        value = fmt_ratio(g["measured"]) if g["unit"] == "×" else fmt_percent(g["measured"])
         lines.append(f"  goal {met}: {g['goal']} — {value}")
     return lines
 

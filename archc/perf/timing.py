@@ -1,16 +1,13 @@
 """Timing on the device: one clock for every measurement of a benchmark run.
 
-On a GPU, a callable is timed with ``triton.testing.do_bench``: warm-up runs first (compiles,
+On a GPU a callable is timed with ``triton.testing.do_bench``: warm-up runs first (compiles,
 autotuning, allocator growth stay out of the number), then repeats between CUDA events, the L2
-cache flushed before each, and the median kept. A loop that carries state from one call to the
-next (decode steps) is timed whole on the host clock between two device synchronizations.
-
-On a CPU (``archc bench --dry-run``) there are no device events: one untimed call, then the
-median of a few host-clock repeats. The numbers mean nothing there; the code paths are the same.
-
-The ceilings — a large device-to-device copy and a large matrix product through torch — are
-measured in the same run, so fractions can be read against what this card really does as well
-as against its datasheet.
+flushed before each, the median kept. A loop that carries state from call to call (decode
+steps) is timed whole on the host clock between two device synchronizations. On a CPU
+(``archc bench --dry-run``) there are no device events: one untimed call, then the median of a
+few host-clock repeats; the numbers mean nothing, the code paths are the same. The ceilings (a
+large copy and a large matmul) are measured in the same run, so fractions can be read against
+what this card really does as well as against its datasheet.
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,12 +48,7 @@ class Timer:
             return float(do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms,
                                   return_mode="median")) / 1e3
         fn()
-        times = []
-        for _ in range(self.cpu_repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return statistics.median(self.loop(fn, 1) for _ in range(self.cpu_repeats))
 
     def loop(self, step: Callable[[], object], n: int) -> float:
         """Seconds for `n` calls of `step` in a row, between two device synchronizations."""
@@ -67,38 +60,16 @@ class Timer:
         return time.perf_counter() - t0
 
 
-@dataclass(frozen=True)
-class Ceilings:
-    copy_bytes: int              # bytes read + written by one copy
-    copy_seconds: float
-    matmul_shape: tuple[int, int, int]
-    matmul_seconds: float
-
-    @property
-    def copy_bandwidth(self) -> float:
-        return self.copy_bytes / self.copy_seconds
-
-    @property
-    def matmul_flops(self) -> float:
-        m, n, k = self.matmul_shape
-        return 2 * m * n * k / self.matmul_seconds
-
-
-def _copy_time(timer: Timer, numel: int, gen: torch.Generator) -> tuple[float, int]:
-    src = torch.randn(numel, generator=gen, device=timer.device)
-    dst = torch.empty_like(src)
-    return timer(lambda: dst.copy_(src)), 2 * src.numel() * src.element_size()
-
-
 def measure_ceilings(timer: Timer, dtype: torch.dtype, *, copy_mib: int,
-                     matmul_size: int) -> Ceilings:
+                     matmul_size: int) -> dict[str, Any]:
     """A device-to-device copy of `copy_mib` MiB (bytes read plus bytes written) and a square
-    `matmul_size`³ product in `dtype` on random data."""
-    device = timer.device
-    gen = torch.Generator(device).manual_seed(0)
-    copy_s, copied = _copy_time(timer, copy_mib * 2**20 // 4, gen)
+    `matmul_size`³ product in `dtype` on random data, timed."""
+    gen = torch.Generator(timer.device).manual_seed(0)
+    src = torch.randn(copy_mib * 2**20 // 4, generator=gen, device=timer.device)
+    dst = torch.empty_like(src)
+    copy_s, copied = timer(lambda: dst.copy_(src)), 2 * src.numel() * src.element_size()
     n = matmul_size
-    a = torch.randn(n, n, generator=gen, device=device).to(dtype)
-    b = torch.randn(n, n, generator=gen, device=device).to(dtype)
+    a, b = (torch.randn(n, n, generator=gen, device=timer.device).to(dtype) for _ in range(2))
     mm_s = timer(lambda: torch.matmul(a, b))
-    return Ceilings(copied, copy_s, (n, n, n), mm_s)
+    return {"copy_bytes": copied, "copy_seconds": copy_s, "copy_bandwidth": copied / copy_s,
+            "matmul_shape": (n, n, n), "matmul_seconds": mm_s, "matmul_flops": 2 * n**3 / mm_s}

@@ -3,22 +3,19 @@
 ``TorchProgram`` runs a decoder graph straight through — each node's eager semantics from the op
 table, in order, values dropped after their last use — with none of the interpreter's per-node
 checks, so what it costs is what torch costs. Its KV cache is static ([B, H_kv, max_len, D] per
-layer and k|v, written at offset P), and the past length P is a plain argument: under
-``torch.compile`` P becomes a symbolic integer after the first decode step, so decoding does not
-recompile at every new length.
+layer and k|v, written at offset P), and P is a plain argument: under ``torch.compile`` it becomes
+a symbolic integer after the first decode step, so decoding does not recompile at every length.
 
-Two ops run a device-side twin of their table semantics (``eager_fn``): ``mask`` and ``alibi``
-build query and key positions with ``torch.arange`` on the CPU and copy them to the scores'
-device — on a GPU a host-device synchronization per layer that a torch program would not pay.
-The twins make the same positions on the device; a test holds them equal to the table's.
-
-The same context serves the baselines of single kernels (``archc.perf.baselines``), which run
-the unfused ops a fused kernel replaced.
+``mask`` and ``alibi`` run a device-side twin of their table semantics (``eager_fn``), which
+build query and key positions on the CPU and copy them to the scores' device — on a GPU a
+host-device synchronization per layer that a torch program would not pay; a test holds the twins
+equal to the table's. The same context serves the counterparts of single kernels
+(``archc.perf.baselines``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +30,7 @@ from archc.ir.shapes import evaluate
 Store = MutableMapping[tuple[int, str], torch.Tensor]
 
 
+@dataclass
 class TorchContext:
     """What eager op semantics read besides their inputs: dims, a static KV cache written at
     offset P, and the recurrent state of Mamba and linear-attention layers. No bounds checks:
@@ -42,12 +40,10 @@ class TorchContext:
     carries it from call to call; two for a kernel's counterpart, which must read the state the
     kernel read however often it is timed. At P = 0 a sequence starts: the state reads zeros."""
 
-    def __init__(self, dims: Mapping[str, Any], store: Store, state_in: Store | None = None,
-                 state_out: Store | None = None) -> None:
-        self.dims = dims
-        self.store = store
-        self.state_in: Store = {} if state_in is None else state_in
-        self.state_out: Store = self.state_in if state_out is None else state_out
+    dims: Mapping[str, Any]
+    store: Store
+    state_in: Store
+    state_out: Store
 
     def state_read(self, layer: int, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor:
@@ -69,14 +65,20 @@ class TorchContext:
         return self.store[(layer, kind)][:, :, :self.dims["P"] + self.dims["T"]]
 
 
+def visible_keys(t: int, length: int, a: Mapping[str, Any], args: Args,
+                 device: torch.device) -> torch.Tensor:
+    """[B or 1, 1, T, L]: the keys each query may see under a mask's (or attention's) causal,
+    window and global_tokens, and its prefix_len and padding operands, made on `device`."""
+    keep = visible(t, length, a["causal"], a["window"], args.get("prefix_len"),
+                   a["global_tokens"], device=device)[None, None]
+    padding = args.get("padding")
+    return keep if padding is None else keep & padding.bool()[:, None, None, :]
+
+
 def _mask_on_device(ctx: Any, args: Args, a: Mapping[str, Any]) -> torch.Tensor:
     """The table's ``mask`` (``archc.ir.ops.attention.visible``), positions made on the device."""
     s = args["scores"]
-    padding = args.get("padding")
-    keep = visible(s.shape[-2], s.shape[-1], a["causal"], a["window"], args.get("prefix_len"),
-                   a["global_tokens"], device=s.device)[None, None]
-    if padding is not None:
-        keep = keep & padding.bool()[:, None, None, :]
+    keep = visible_keys(s.shape[-2], s.shape[-1], a, args, s.device)
     return s.masked_fill(~keep, torch.finfo(s.dtype).min)
 
 
@@ -97,83 +99,59 @@ def eager_fn(op: Op) -> Callable[..., torch.Tensor]:
     return _ON_DEVICE.get(op, OP_TABLE[op].eager)
 
 
-def cache_layout(graph: Graph) -> dict[tuple[int, str], tuple[int, int]]:
-    """(layer, k|v) → (H_kv, D) of every `kv_cache` node of an unfused graph."""
-    out = {}
-    for n in graph:
-        if n.op == Op.KV_CACHE:
-            x = graph.nodes[n.inputs[0]]
-            out[(n.attr("layer"), n.attr("kind"))] = (evaluate(x.shape[1], {}),
-                                                      evaluate(x.shape[3], {}))
-    return out
-
-
-@dataclass(frozen=True)
-class _Step:
-    node: int
-    fn: Callable[..., torch.Tensor]
-    inputs: tuple[int, ...]
-    roles: tuple[str, ...]
-    attrs: Mapping[str, Any]
-    frees: tuple[int, ...]       # values no later node reads
-
-
 class TorchProgram:
     """A decoder graph (unfused) with its parameters, ready to run as plain torch:
     ``program(tokens, past)`` → logits, writing the new keys and values at offset ``past``."""
 
-    INPUTS = ("tokens", "positions", "prefix_len")
-
     def __init__(self, graph: Graph, params: Mapping[str, torch.Tensor], *, batch: int,
                  max_len: int, device: torch.device, dtype: torch.dtype) -> None:
-        unknown = sorted(set(graph.inputs) - set(self.INPUTS))
+        unknown = sorted(set(graph.inputs) - {"tokens", "positions", "prefix_len"})
         if unknown:
             raise ArchcError(f"the torch baseline runs decoder graphs over token ids; graph "
                              f"{graph.name} also needs {', '.join(unknown)}")
         self.graph = graph
         self.device = device
-        self.batch = batch
-        self.store: dict[tuple[int, str], torch.Tensor] = {
-            key: torch.zeros(batch, heads, max_len, dim, dtype=dtype, device=device)
-            for key, (heads, dim) in cache_layout(graph).items()}
+        self.store: dict[tuple[int, str], torch.Tensor] = {}
+        for n in graph:
+            if n.op == Op.KV_CACHE:     # [B, H_kv, max_len, D] per layer and k|v
+                x = graph.nodes[n.inputs[0]].shape
+                self.store[(n.attr("layer"), n.attr("kind"))] = torch.zeros(
+                    batch, evaluate(x[1], {}), max_len, evaluate(x[3], {}), dtype=dtype,
+                    device=device)
         self.states: dict[tuple[int, str], torch.Tensor] = {}   # recurrent mixers' state
         self.values: list[torch.Tensor | None] = [None] * len(graph.nodes)
         for name, i in graph.params.items():
             self.values[i] = params[name]
-        self.input_ids = graph.inputs
-        self.output = graph.outputs["logits"]
-        last_use = list(range(len(graph.nodes)))
-        for i, n in enumerate(graph.nodes):
-            for j in n.inputs:
-                last_use[j] = i
+        last_use = {j: i for i, n in enumerate(graph.nodes) for j in n.inputs}
         keep = set(graph.params.values())
-        steps = []
+        # each node: its semantics, (role, node) of each input, attributes, and the values no
+        # later node reads
+        self.steps: list[tuple[int, Callable[..., torch.Tensor], tuple[tuple[str, int], ...],
+                               Mapping[str, Any], tuple[int, ...]]] = []
         for i, n in enumerate(graph.nodes):
             if n.op in (Op.INPUT, Op.PARAM):
                 continue
+            a = full_attrs(n.op, n.attrs)
             frees = tuple(sorted({j for j in n.inputs if last_use[j] == i and j not in keep}))
-            attrs = full_attrs(n.op, n.attrs)
-            steps.append(_Step(i, eager_fn(n.op), n.inputs,
-                               tuple(roles_of(n.op, attrs, len(n.inputs))), attrs, frees))
-        self.steps: Sequence[_Step] = tuple(steps)
+            args = tuple(zip(roles_of(n.op, a, len(n.inputs)), n.inputs))
+            self.steps.append((i, eager_fn(n.op), args, a, frees))
         self.prefix_len = 0
 
     def forward(self, tokens: torch.Tensor, past: int) -> torch.Tensor:
         t = tokens.shape[1]
         ctx = TorchContext({"B": tokens.shape[0], "T": t, "P": past, "S": 0}, self.store,
-                           self.states)
+                           self.states, self.states)
         values = list(self.values)
         given = {"tokens": tokens,
                  "positions": torch.arange(past, past + t, device=tokens.device),
                  "prefix_len": torch.tensor(self.prefix_len or t, device=tokens.device)}
-        for name, i in self.input_ids.items():
+        for name, i in self.graph.inputs.items():
             values[i] = given[name]
-        for s in self.steps:
-            values[s.node] = s.fn(ctx, dict(zip(s.roles, (values[j] for j in s.inputs))),
-                                  s.attrs)
-            for j in s.frees:
+        for i, fn, args, attrs, frees in self.steps:
+            values[i] = fn(ctx, {role: values[j] for role, j in args}, attrs)
+            for j in frees:
                 values[j] = None
-        out = values[self.output]
+        out = values[self.graph.outputs["logits"]]
         assert out is not None
         return out
 
