@@ -29,10 +29,11 @@ from typing import Any
 
 import torch
 
+from archc.codegen import blocks
 from archc.errors import RunError
 from archc.ir.graph import Graph
 from archc.runtime.dimfn import DimFn, dim_function, uses_past
-from archc.runtime.state import StaticState, StaticStore
+from archc.runtime.state import StaticStore
 from archc.runtime.weights import TORCH_DTYPES
 
 # (callable, positional arguments, keyword arguments): a kernel launch or a host step
@@ -42,7 +43,6 @@ MAX_PLANS = 8                                # distinct prompt lengths: keep a f
 
 
 def bind_kernel(kernel: Any, grid: Any) -> Callable[..., Any]:
-    """The callable that launches `kernel` over `grid`: Triton's ``kernel[grid]``."""
     return kernel[grid]
 
 
@@ -54,19 +54,21 @@ class LaunchContext:
 
     target: str
     device: torch.device
-    cache: StaticStore | None
+    cache: StaticStore
+    states: StaticStore
     autotuned: set[str] = field(default_factory=set)
-    states: StaticState | None = None
     B: int = 1
     T: int = 1
     S: int = 0
     kv_len_max: int = 0                 # keys a decode-attention grid must cover
-    decode_max_rows: int = 128          # blocks.DECODE_MAX_ROWS; tests force either kernel
-    past: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.int32))
-    bind: Callable[[Any, Any], Callable[..., Any]] = bind_kernel
+    decode_max_rows: int = blocks.DECODE_MAX_ROWS   # tests force either attention kernel
+    bind: Callable[[Any, Any], Callable[..., Any]] = bind_kernel   # `archc bench --host`: no-ops
     _scratch: dict[tuple[str, torch.dtype], torch.Tensor] = field(default_factory=dict)
     _launches: list[Launch] | None = None
     _routing: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.past = torch.zeros(1, dtype=torch.int32, device=self.device)   # P, on the device
 
     def record(self, run: Callable[[], None], B: int, T: int, S: int,  # noqa: N803
                kv_len_max: int) -> list[Launch]:
@@ -83,32 +85,21 @@ class LaunchContext:
     def launch(self, kernel: Any, grid: Any, *args: Any, **meta: Any) -> None:
         """Record `kernel[grid](*args, **meta)`. A grid that is a function of the block sizes is
         evaluated now, unless the kernel is autotuned (its sizes are chosen at the launch)."""
-        if self._launches is None:
-            raise RunError("a generated launcher ran outside a launch plan")
         if meta and callable(grid):
             grid = grid(meta)
-        self._launches.append((self.bind(kernel, grid), args, meta))
+        self.call(self.bind(kernel, grid), *args, **meta)
 
-    def call(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Record a host step (device ops) the plan runs in order with its launches."""
+    def call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
+        """Record `fn(*args, **kw)`: a launch, or a host step (device ops) the plan runs in order
+        with its launches."""
         if self._launches is None:
             raise RunError("a generated launcher ran outside a launch plan")
-        self._launches.append((fn, args, {}))
-
-    def generations(self) -> tuple[int, int]:
-        """Allocations of the KV cache and of the recurrent state so far: a plan holds their
-        tensors, so it is rebuilt when either changes."""
-        return (self.cache.generation if self.cache is not None else 0,
-                self.states.generation if self.states is not None else 0)
+        self._launches.append((fn, args, kw))
 
     def kv(self, layer: int, kind: str) -> torch.Tensor:
-        if self.cache is None:
-            raise RunError("this graph uses a KV cache but none was given")
         return self.cache.get(layer, kind)
 
     def state(self, layer: int, kind: str) -> torch.Tensor:
-        if self.states is None:
-            raise RunError("this graph keeps a recurrent state but none was given")
         return self.states.get(layer, kind)
 
     def scratch(self, name: str, numel: int, dtype: str) -> torch.Tensor:
@@ -123,8 +114,7 @@ class LaunchContext:
         return buf[:numel]
 
     def decode_splits(self, keys: int, programs: int, block_n: int) -> tuple[int, int]:
-        from archc.codegen.blocks import decode_splits
-        return decode_splits(self.target, keys, programs, block_n)
+        return blocks.decode_splits(self.target, keys, programs, block_n)
 
     def moe_routing(self, gates: torch.Tensor, top_k: int, block_m: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,9 +127,9 @@ class LaunchContext:
         if key in self._routing:
             return self._routing[key][1:]
         n_experts = gates.shape[-1]
-        blocks = -(-(gates.numel() // n_experts * top_k) // block_m) + n_experts
-        table = torch.empty(blocks * block_m, dtype=torch.int32, device=gates.device)
-        block_expert = torch.empty(blocks, dtype=torch.int32, device=gates.device)
+        n_blocks = -(-(gates.numel() // n_experts * top_k) // block_m) + n_experts
+        table = torch.empty(n_blocks * block_m, dtype=torch.int32, device=gates.device)
+        block_expert = torch.empty(n_blocks, dtype=torch.int32, device=gates.device)
         self.call(moe_routing, gates, top_k, block_m, table, block_expert)
         self._routing[key] = (gates, table, block_expert)     # gates held: its id stays its own
         return table, block_expert
@@ -147,8 +137,7 @@ class LaunchContext:
     def config(self, kernel: str, family: str, **sizes: int) -> dict[str, Any]:
         if kernel in self.autotuned:
             return {}
-        from archc.codegen.blocks import launch_config
-        return launch_config(family, self.target, **sizes)
+        return blocks.launch_config(family, self.target, **sizes)  # looked up now: tests patch it
 
 
 def moe_routing(gates: torch.Tensor, top_k: int, block_m: int, table: torch.Tensor,
@@ -207,8 +196,7 @@ class GraphRunner:
         self.params: list[torch.Tensor | None] = [None] * len(graph.nodes)
         for name, i in graph.params.items():
             self.params[i] = params[name]
-        self.inputs = graph.inputs
-        in_shapes = [tuple(graph.nodes[i].shape) for i in self.inputs.values()]
+        in_shapes = [tuple(graph.nodes[i].shape) for i in graph.inputs.values()]
         self._input_shapes = dim_function([d for s in in_shapes for d in s],
                                           f"input_shapes_{graph.name}")
         self._layouts: dict[int, DimFn] = {}
@@ -227,7 +215,9 @@ class GraphRunner:
              kv_len_max: int, held: Mapping[str, torch.Tensor] | None = None) -> LaunchPlan:
         """The launch plan at these dims, built on first use. `held` inputs (tensors that stay
         put, such as the cross-KV cache) are read in place rather than copied."""
-        generations = d.generations()
+        # a plan holds the KV cache's and the recurrent state's tensors: rebuilt when either is
+        # allocated again
+        generations = (d.cache.generation, d.states.generation)
         if generations != self._generations:
             self.plans.clear()
             self._generations = generations
@@ -246,7 +236,7 @@ class GraphRunner:
         sizes = self._input_shapes(*dims)
         inputs: dict[str, torch.Tensor] = {}
         at = 0
-        for name, i in self.inputs.items():
+        for name, i in g.inputs.items():
             n = g.nodes[i]
             shape = sizes[at:at + len(n.shape)]
             at += len(n.shape)
@@ -259,7 +249,8 @@ class GraphRunner:
         for root, t in self.buffers.tensors(dims, self.device).items():
             v[root] = t
         launches = d.record(lambda: self.run_fn(v, d), B, T, S, kv_len_max)
-        outputs = {name: self.value(o, dims, v) for name, o in g.outputs.items()}
+        outputs = {name: self.value(o, dict(zip("BTPS", dims)), v)
+                   for name, o in g.outputs.items()}
         plan = LaunchPlan(key, v, inputs, launches, outputs)
         if len(self.plans) >= MAX_PLANS:
             self.plans.pop(next(iter(self.plans)))
@@ -289,16 +280,24 @@ class GraphRunner:
         """Run the graph once on `inputs`: each is checked against its shape and copied into
         the plan's buffer. Returns copies of the outputs."""
         plan = self.plan(d, B, T, P, S, kv_len_max)
-        for name, buf in plan.inputs.items():
-            x = inputs.get(name)
-            if x is None:
-                raise RunError(f"graph {self.graph.name} needs input {name!r}")
+        missing = [name for name in plan.inputs if name not in inputs]
+        if missing:
+            raise RunError(f"graph {self.graph.name} needs input {missing[0]!r}")
+        self.feed(plan, inputs)
+        self.execute(plan, d, P)
+        return {name: t.clone() for name, t in plan.outputs.items()}
+
+    def feed(self, plan: LaunchPlan, inputs: Mapping[str, torch.Tensor]) -> None:
+        """Copy `inputs` into the plan's buffers, each checked against its shape (an input the
+        plan reads in place stays put; one it does not read is ignored)."""
+        for name, x in inputs.items():
+            buf = plan.inputs.get(name)
+            if buf is None or buf is x:
+                continue
             if x.shape != buf.shape:
                 raise RunError(f"input {name!r} is {list(x.shape)}, graph {self.graph.name} "
                                f"expects {list(buf.shape)}")
             buf.copy_(x)
-        self.execute(plan, d, P)
-        return {name: t.clone() for name, t in plan.outputs.items()}
 
     # ---- reading values --------------------------------------------------------------------
     @property
@@ -323,15 +322,13 @@ class GraphRunner:
             fn = self._layouts[i] = dim_function(self._exprs(i), f"layout_{i}")
         return fn
 
-    def value(self, i: int, dims: Mapping[str, int] | tuple[int, int, int, int],
-              v: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+    def value(self, i: int, dims: Mapping[str, int], v: list[torch.Tensor | None] | None = None
+              ) -> torch.Tensor:
         """Node i's value after the last run (or in buffers `v`), read through its layout."""
         lay = self.lays[i]
         base = (self.last_v if v is None else v)[lay.root]
         if base is None:
             raise RunError(f"node %{i} has no value")
-        if isinstance(dims, Mapping):
-            dims = (dims["B"], dims["T"], dims["P"], dims["S"])
-        at = self._layout(i)(*dims)
+        at = self._layout(i)(*(dims[k] for k in "BTPS"))
         r = lay.rank
         return base.as_strided(at[:r], at[r:2 * r], base.storage_offset() + at[2 * r])

@@ -33,13 +33,16 @@ from typing import Any
 
 import torch
 
+from archc.codegen.options import CodegenOptions
+from archc.codegen.render import Generated, generate, load_module, write_module
 from archc.errors import ArchcError, RunError
 from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import Op
 from archc.ir.text import format_node
+from archc.passes import optimize
 from archc.runtime.cross_kv import CrossKV
 from archc.runtime.launch import GraphRunner, LaunchContext, LaunchPlan
-from archc.runtime.state import StaticState, StaticStore
+from archc.runtime.state import StaticKVCache, StaticState
 from archc.runtime.weights import TORCH_DTYPES, materialize
 
 
@@ -101,23 +104,12 @@ def default_cache_dir() -> Path:
     return Path(base) / "archc" / "kernels"
 
 
-# ---- the KV cache ---------------------------------------------------------------------
-
-class StaticKVCache(StaticStore):
-    """[B, H_kv, max_len, D] per (layer, k|v)."""
-
-    what = "cache"
-
-    def __init__(self, specs: list[tuple[int, int, int]], max_len: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        super().__init__(device)
-        self.specs = specs
-        self.max_len = max_len
-        self.dtype = dtype
-
-    def allocate(self, batch: int) -> dict[tuple[int, str], torch.Tensor]:
-        return {(layer, kind): self.zeros((batch, kv_heads, self.max_len, hd), self.dtype)
-                for layer, kv_heads, hd in self.specs for kind in ("k", "v")}
+def compile_program(program: Program, options: CodegenOptions, cache_dir: Path | None
+                    ) -> tuple[Generated, Path, ModuleType]:
+    """Render `program`, write the module to the cache (by its digest) and import it."""
+    generated = generate(program, options)
+    path = write_module(generated, (cache_dir or default_cache_dir()) / generated.digest[:24])
+    return generated, path, load_module(path, generated.digest)
 
 
 # ---- the session ---------------------------------------------------------------------------
@@ -132,37 +124,22 @@ class TritonOptions:
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> TritonOptions:
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(options) - known)
+        unknown = sorted(set(options) - set(cls.__dataclass_fields__))
         if unknown:
             raise ArchcError(f"unknown triton backend option {', '.join(unknown)} (known: "
-                             f"{', '.join(sorted(known))})")
+                             f"{', '.join(sorted(cls.__dataclass_fields__))})")
         out = cls(**options)
-        if out.cache_dir is not None:
-            out.cache_dir = Path(out.cache_dir)
+        out.cache_dir = None if out.cache_dir is None else Path(out.cache_dir)
         return out
 
 
-def kernel_program(program: Program, passes: str | None) -> Program:
-    """The kernel-level program the templates render: `program` after the pass pipeline."""
-    if passes is None:
-        return program
-    from archc.passes import optimize
-    return optimize(program, passes)
-
-
-IdCheck = tuple[str, int, str]          # (input name, table rows, the embedding node as text)
-
-
-def id_checks(graph: Graph) -> list[IdCheck]:
-    """The inputs of `graph` that index an embedding table, with the table's row count."""
-    out: list[IdCheck] = []
-    for i in graph.ids(Op.EMBEDDING):
-        n = graph.nodes[i]
-        src = graph.nodes[n.inputs[1]]
-        if src.op == Op.INPUT:
-            out.append((src.name, int(graph.nodes[n.inputs[0]].shape[0]), format_node(i, n)))
-    return out
+def id_checks(graph: Graph) -> list[tuple[str, int, str]]:
+    """(input name, table rows, the node as text) of each input of `graph` that indexes an
+    embedding table."""
+    nodes = graph.nodes
+    return [(nodes[n.inputs[1]].name, int(nodes[n.inputs[0]].shape[0]), format_node(i, n))
+            for i, n in enumerate(nodes)
+            if n.op == Op.EMBEDDING and nodes[n.inputs[1]].op == Op.INPUT]
 
 
 class TritonSession:
@@ -176,33 +153,28 @@ class TritonSession:
     def __init__(self, program: Program, checkpoint: Mapping[str, torch.Tensor], *,
                  max_seq_len: int, dtype: str = "f32", device: str | torch.device = "cpu",
                  options: TritonOptions | None = None) -> None:
-        from archc.codegen.options import CodegenOptions
-        from archc.codegen.render import generate, load_module, write_module
         self.device = torch.device(device)
         self.target = self._target(self.device)
         check_dtype(dtype, self.target)
         self.options = options or TritonOptions()
         self.dtype = dtype
         self.unfused = program
-        self.program = kernel_program(program, self.options.passes)
+        passes = self.options.passes
+        self.program = program if passes is None else optimize(program, passes)
         self.codegen_options = CodegenOptions(
             target=self.target, max_seq_len=max_seq_len,
             autotune=self.options.autotune and self.target == "gpu")
-        self.generated = generate(self.program, self.codegen_options)
-        cache_dir = self.options.cache_dir or default_cache_dir()
-        self.module_path = write_module(self.generated, cache_dir / self.generated.digest[:24])
-        self.module = load_module(self.module_path, self.generated.digest)
+        self.generated, self.module_path, self.module = compile_program(
+            self.program, self.codegen_options, self.options.cache_dir)
         autotuned = _apply_autotune(self.module) if self.codegen_options.autotune else set()
         self.runners = {g.name: GraphRunner(self.module, g, self._parameters(g, checkpoint),
-                                            self.device,
-                                            reuse_buffers=self.options.reuse_buffers)
+                                            self.device, reuse_buffers=self.options.reuse_buffers)
                         for g in self.program}
         self.id_checks = {name: id_checks(r.graph) for name, r in self.runners.items()}
         self.cache = StaticKVCache(self.generated.kv, max_seq_len, TORCH_DTYPES[dtype],
                                    self.device)
         self.states = StaticState(self.generated.states, self.device)
-        self.ctx = LaunchContext(self.target, self.device, self.cache, autotuned, self.states,
-                                 past=torch.zeros(1, dtype=torch.int32, device=self.device))
+        self.ctx = LaunchContext(self.target, self.device, self.cache, self.states, autotuned)
         self.max_seq_len = max_seq_len
         self.past = 0
         self.prefix_len: int | None = None
@@ -278,40 +250,33 @@ class TritonSession:
         if self.prefix_len is None:
             self.prefix_len = t
         s = 0
-        extra: dict[str, torch.Tensor] = {}
-        held: dict[str, torch.Tensor] | None = None
+        inputs: dict[str, torch.Tensor] = {"tokens": tokens}
+        held: dict[str, torch.Tensor] = {}
         if encoder_hidden is not None:
             s = encoder_hidden.shape[1]
             held = self.cross_kv.inputs(encoder_hidden)     # once per generation
-            extra = {"encoder_hidden": encoder_hidden,
-                     "encoder_mask": (torch.ones(b, s, dtype=torch.long, device=self.device)
-                                      if encoder_mask is None else encoder_mask), **held}
+            inputs.update(held, encoder_hidden=encoder_hidden, encoder_mask=(
+                torch.ones(b, s, dtype=torch.long, device=self.device)
+                if encoder_mask is None else encoder_mask))
         # positions are archc's own: below max_seq_len, within every position table
-        self._check_ids("decoder", {"tokens": tokens}, on_device=past == 0)
+        self._check_ids("decoder", inputs, on_device=past == 0)
         self._ensure(b)
         if past == 0:   # a sequence starts: the recurrent state reads zeros
             self.states.zero()
         runner = self.runners["decoder"]
         plan = runner.plan(self.ctx, b, t, past, s, self.kv_len(past, t), held)
         # the inputs, into the plan's buffers: one small op each, none waiting on the device
-        bufs = plan.inputs
-        bufs["tokens"].copy_(tokens)
-        if "positions" in bufs:
-            torch.arange(past, past + t, out=bufs["positions"])
-        if "prefix_len" in bufs:
-            bufs["prefix_len"].fill_(self.prefix_len)
-        for name, x in extra.items():
-            buf = bufs.get(name)
-            if buf is None or buf is x:
-                continue
-            if x.shape != buf.shape:
-                raise RunError(f"input {name!r} is {list(x.shape)}, the decoder expects "
-                               f"{list(buf.shape)}")
-            buf.copy_(x)
-        if self.cuda_graphs and t == 1:
-            self._replay(runner, plan, past)
-        else:
-            runner.execute(plan, self.ctx, past)
+        if "positions" in plan.inputs:
+            torch.arange(past, past + t, out=plan.inputs["positions"])
+        if "prefix_len" in plan.inputs:
+            plan.inputs["prefix_len"].fill_(self.prefix_len)
+        runner.feed(plan, inputs)
+        # On a GPU, a decode step replays a CUDA graph of its plan: the plan's first step
+        # launches normally — compiling and tuning the kernels — and is then captured.
+        graphs = self.cuda_graphs and t == 1
+        runner.execute(plan, self.ctx, past, replay=graphs and plan.replay is not None)
+        if graphs and plan.replay is None:
+            plan.replay = self._capture(plan)
         self.past = past + t
         return plan.outputs["logits"].clone()
 
@@ -320,17 +285,6 @@ class TritonSession:
         them every launch plan (and captured graph) that holds their tensors."""
         self.cache.ensure(batch)
         self.states.ensure(batch)
-
-    # ---- CUDA graphs for decode ------------------------------------------------------------
-    def _replay(self, runner: GraphRunner, plan: LaunchPlan, past: int) -> None:
-        """A decode step through a CUDA graph of `plan`, its inputs already in place. The
-        plan's first step launches normally — compiling and tuning the kernels — and is then
-        captured; later steps write P to the device and replay."""
-        if plan.replay is None:
-            runner.execute(plan, self.ctx, past)
-            plan.replay = self._capture(plan)
-        else:
-            runner.execute(plan, self.ctx, past, replay=True)
 
     def _capture(self, plan: LaunchPlan) -> Any:
         graph = torch.cuda.CUDAGraph()
@@ -375,19 +329,13 @@ def register() -> None:
 register()
 
 
-# ---- one graph, for tests and validation ---------------------------------------------------
+# ---- one graph, for tests ----------------------------------------------------------------
 
 @dataclass
 class GraphRun:
     outputs: dict[str, torch.Tensor]
-    runner: GraphRunner
-    cache: StaticKVCache
-    generated: Any
-    dims: dict[str, int]
-    states: StaticState | None = None       # the recurrent state after the run
-
-    def value(self, i: int) -> torch.Tensor:
-        return self.runner.value(i, self.dims)
+    cache: StaticKVCache                    # the KV cache and the recurrent state after the run
+    states: StaticState
 
 
 def run_graph_triton(graph: Graph, params: Mapping[str, torch.Tensor],
@@ -395,42 +343,34 @@ def run_graph_triton(graph: Graph, params: Mapping[str, torch.Tensor],
                      past_kv: Mapping[tuple[int, str], torch.Tensor] | None = None,
                      past_state: Mapping[tuple[int, str], torch.Tensor] | None = None,
                      max_seq_len: int = 64, device: str | torch.device = "cpu",
-                     cache_dir: Path | None = None, reuse_buffers: bool = True,
-                     decode_max_rows: int | None = None) -> GraphRun:
+                     cache_dir: Path | None = None, decode_max_rows: int | None = None
+                     ) -> GraphRun:
     """Compile one kernel-level graph and run it once at `dims` (B, T, P, S). `past_kv` holds
     the first P positions of each (layer, k|v) cache, [B, H_kv, P, D]; `past_state` the
     recurrent state each (layer, kind) starts from (zeros where not given)."""
-    from archc.codegen.options import CodegenOptions
-    from archc.codegen.render import generate, load_module, write_module
     device = torch.device(device)
     target = prepare_triton(device)
-    opts = CodegenOptions(target=target, max_seq_len=max_seq_len)
-    gen = generate(Program(graph.name, (graph,)), opts)
-    path = write_module(gen, (cache_dir or default_cache_dir()) / gen.digest[:24])
-    module = load_module(path, gen.digest)
+    gen, _, module = compile_program(Program(graph.name, (graph,)),
+                                     CodegenOptions(target=target, max_seq_len=max_seq_len),
+                                     cache_dir)
     full = {"B": 1, "T": 1, "P": 0, "S": 0, **dims}
-    dtype = next((p.dtype for p in params.values() if p.is_floating_point()), torch.float32)
-    for x in inputs.values():
-        if x.is_floating_point():
-            dtype = x.dtype
-            break
+    floats = [x.dtype for x in (*inputs.values(), *params.values()) if x.is_floating_point()]
+    dtype = floats[0] if floats else torch.float32
     cache = StaticKVCache(gen.kv, max_seq_len, dtype, device)
+    states = StaticState(gen.states, device)
     cache.ensure(full["B"])
+    states.ensure(full["B"])
     for (layer, kind), past in (past_kv or {}).items():
         cache.get(layer, kind)[:, :, :past.shape[2]] = past.to(device, dtype)
-    states = StaticState(gen.states, device)
-    states.ensure(full["B"])
     for (layer, kind), value in (past_state or {}).items():
         held = states.get(layer, kind)
         if tuple(value.shape) != tuple(held.shape):
             raise RunError(f"the {kind} state of layer {layer} is {list(value.shape)}; the "
                            f"graph keeps {list(held.shape)}")
         held.copy_(value.to(device, held.dtype))
-    runner = GraphRunner(module, graph, {k: v.to(device) for k, v in params.items()}, device,
-                         reuse_buffers=reuse_buffers)
-    ctx = LaunchContext(target, device, cache, states=states,
-                        past=torch.zeros(1, dtype=torch.int32, device=device))
+    runner = GraphRunner(module, graph, {k: v.to(device) for k, v in params.items()}, device)
+    ctx = LaunchContext(target, device, cache, states)
     if decode_max_rows is not None:
         ctx.decode_max_rows = decode_max_rows
     outputs = runner.run(inputs, ctx, **full, kv_len_max=full["P"] + full["T"])
-    return GraphRun(outputs, runner, cache, gen, full, states)
+    return GraphRun(outputs, cache, states)
