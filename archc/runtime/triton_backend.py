@@ -41,6 +41,7 @@ from archc.ir.ops import Op
 from archc.ir.text import format_node
 from archc.passes import optimize
 from archc.runtime.cross_kv import CrossKV
+from archc.runtime.eager import encoder_inputs
 from archc.runtime.launch import GraphRunner, LaunchContext, LaunchPlan
 from archc.runtime.state import StaticKVCache, StaticState
 from archc.runtime.weights import TORCH_DTYPES, materialize
@@ -231,13 +232,7 @@ class TritonSession:
     def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
                token_types: torch.Tensor | None = None) -> torch.Tensor:
         b, t = tokens.shape
-        dev = self.device
-        inputs = {"tokens": tokens,
-                  "positions": torch.arange(t, device=dev),
-                  "attention_mask": (torch.ones(b, t, dtype=torch.long, device=dev)
-                                     if attention_mask is None else attention_mask.long()),
-                  "token_types": (torch.zeros(b, t, dtype=torch.long, device=dev)
-                                  if token_types is None else token_types.long())}
+        inputs = encoder_inputs(tokens, attention_mask, token_types, self.device)
         return self._run("encoder", inputs, B=b, T=t, P=0, S=0)["hidden"]
 
     def step(self, tokens: torch.Tensor, *, encoder_hidden: torch.Tensor | None = None,
