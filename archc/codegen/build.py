@@ -24,6 +24,7 @@ from typing import Any
 import sympy
 
 import archc.ir.expr as E
+from archc.codegen.blocks import next_pow2
 from archc.codegen.layout import CodegenError, Layout
 from archc.codegen.options import CodegenOptions
 from archc.codegen.printer import pexpr, texpr
@@ -53,7 +54,7 @@ class JitKernel:
     types: dict[str, str]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Arg:
     """A buffer a kernel reads or writes: its kernel parameter (`x_ptr`), Triton type, comment,
     the launcher's parameter (`x`) and what the graph's run function passes (`v[3]`)."""
@@ -66,6 +67,9 @@ class Arg:
     @property
     def name(self) -> str:
         return f"{self.param}_ptr"
+
+
+PAST = Arg("past", "*i32", "P, the tokens already cached", "d.past")
 
 
 @dataclass
@@ -111,17 +115,10 @@ class NodeCtx:
     def arg(self, role: str) -> Arg:
         return next(a for a in self.args if a.param == role)
 
-    def extra(self, param: str, type_: str, comment: str, value: str) -> Arg:
-        """A runtime argument besides the operands: a cache, a state, the past length."""
-        a = Arg(param, type_, comment, value)
-        self.args.append(a)
-        return a
-
     def types(self, args: Sequence[Arg] | None = None, **ints: str) -> dict[str, str]:
         """Argument types of a kernel: out_ptr, the args (all by default), then `ints`."""
-        out = {"out_ptr": "*" + TRITON_TYPES[self.node.dtype]}
-        out.update({a.name: a.type for a in (self.args if args is None else args)})
-        return {**out, **ints}
+        return {"out_ptr": "*" + TRITON_TYPES[self.node.dtype],
+                **{a.name: a.type for a in (self.args if args is None else args)}, **ints}
 
     def fail(self, problem: str) -> CodegenError:
         return CodegenError(f"codegen: graph {self.g.name}: {format_node(self.i, self.node)}: "
@@ -137,10 +134,9 @@ class NodeCtx:
     def reads_encoder_len(self) -> bool:
         """Does the node's row space or an input's layout depend on S (a view of a cross-attention
         tensor), so that its kernel takes the encoder length?"""
-        exprs = list(self.node.shape)
-        for k in range(len(self.node.inputs)):
-            lay = self.lay(k)
-            exprs += [lay.offset, *lay.strides, *lay.shape]
+        lays = [self.lay(k) for k in range(len(self.node.inputs))]
+        exprs = [*self.node.shape, *(e for lay in lays for e in (lay.offset, *lay.strides,
+                                                                  *lay.shape))]
         return any(S in sympy.sympify(e).free_symbols for e in exprs)
 
     @property
@@ -173,11 +169,11 @@ def row_offset(lay: Layout, rows: str) -> str:
     return texpr(expr, {"r": rows})
 
 
-def rows(lay: Layout, var: str = "rows") -> dict[str, str]:
+def rows(lay: Layout) -> dict[str, str]:
     """Rows of contiguous-or-strided columns: each row's offset, and ` * stride` for columns
     that are not contiguous ('' when they are)."""
     s = lay.strides[-1]
-    return dict(row_off=row_offset(lay, var), col_mul="" if s == 1 else f" * {texpr(s)}")
+    return dict(row_off=row_offset(lay, "rows"), col_mul="" if s == 1 else f" * {texpr(s)}")
 
 
 def by_sequence(c: NodeCtx, role: str, head: sympy.Symbol | None = None) -> dict[str, str]:
@@ -202,10 +198,6 @@ def contiguous(c: NodeCtx, role: str, *dims: int) -> None:
     strides = [sympy.Integer(math.prod(dims[k + 1:])) for k in range(len(dims))]
     if lay.offset != 0 or list(lay.shape) != want or list(lay.strides) != strides:
         raise c.fail(f"{role} must be a contiguous {list(dims)} tensor")
-
-
-def next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 # ---- epilogue steps ---------------------------------------------------------------------------
@@ -312,20 +304,18 @@ def _pointwise(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
                            c.types(R="i32", B="i32", T="i32", S="i32"))]
 
 
-def _k_loop(c: NodeCtx, weight: Layout, rows_n: int, k: int, pair: str | None = None,
+def _k_loop(c: NodeCtx, weight: Layout, rows_n: int, k: int, cols: Sequence[str] = ("cols",)
             ) -> dict[str, Any]:
-    """The weight-tile loads of a K loop (templates/kloop.j2): one accumulator, or two for a
-    paired epilogue (columns `cols1` and `cols2`)."""
-    names = ("w",) if pair is None else ("w1", "w2")
-    return dict(wsets=[dict(name=n, ptrs=f"{n}_ptrs", acc="acc" if pair is None else f"acc{j + 1}",
-                            cols="cols" if pair is None else f"cols{j + 1}")
-                       for j, n in enumerate(names)],
+    """The weight-tile loads of a K loop (templates/kloop.j2): an accumulator for each set of
+    weight rows `cols` (two for a paired epilogue)."""
+    suffixes = [""] if len(cols) == 1 else ["1", "2"]
+    return dict(wsets=[dict(name=f"w{j}", ptrs=f"w{j}_ptrs", acc=f"acc{j}", cols=col)
+                       for j, col in zip(suffixes, cols)],
                 w_row_stride=texpr(weight.strides[-2]), dot_kw=c.dot_kw, N=rows_n, K=k)
 
 
 def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
-    a = c.attrs
-    n = c.node
+    a, n = c.attrs, c.node
     if n.op.value == "router":
         x, w = c.lay("x"), c.lay("weight")
         if w.rank != 2 or w.strides[1] != 1 or w.offset != 0 or x.strides[-1] != 1:
@@ -354,10 +344,7 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
                epilogue_params_="".join(f"{a.param}, " for a in c.args[3:]),
                gates_row_off=row_offset(gates, "token"),
                x=dict(row_off=row_offset(x, "token" if up else "pair")),
-               **_k_loop(c, w, width, k, "glu" if gated else None))
-    if gated:
-        ctx["wsets"][1]["cols"] = f"cols + {width}"
-        ctx["wsets"][0]["cols"] = "cols"
+               **_k_loop(c, w, width, k, ("cols", f"cols + {width}") if gated else ("cols",)))
     own = c.args if up else c.args[:3]
     kernels = [JitKernel("_kernel", "moe", dict(N=nw, K=k),
                          c.types(own, pairs_ptr="*i32", block_expert_ptr="*i32", T="i32"))]
@@ -368,21 +355,18 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     return ctx, kernels
 
 
-def _states(c: NodeCtx) -> list[Arg]:
+def _states(c: NodeCtx) -> None:
     """The layer's recurrent state tensors as arguments (allocated by the runtime from what the
     op declares, recorded in `extras`)."""
     layer = c.attrs["layer"]
-    out = []
     for decl in node_states(c.g, c.i):
         if sympy.sympify(decl.shape[0]) != B:
             raise c.fail(f"the {decl.kind} state {list(decl.shape)} does not lead with B")
         tail = tuple(c.static(d, f"the {decl.kind} state's size") for d in decl.shape[1:])
         c.extras.setdefault("state", []).append((layer, decl.kind, tail, decl.dtype))
-        dims = ", ".join(map(str, ("B", *tail)))
-        out.append(c.extra(f"{decl.kind.lower()}_state", "*" + TRITON_TYPES[decl.dtype],
-                           f"{decl.dtype} [{dims}] {decl.kind} state, updated in place",
-                           f'd.state({layer}, "{decl.kind}")'))
-    return out
+        c.args.append(Arg(f"{decl.kind.lower()}_state", "*" + TRITON_TYPES[decl.dtype],
+                          f"{decl.dtype} [{', '.join(map(str, ('B', *tail)))}] {decl.kind} "
+                          "state, updated in place", f'd.state({layer}, "{decl.kind}")'))
 
 
 def _causal_conv(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
@@ -450,21 +434,17 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     heads, hd = c.static(q.shape[1], "query heads"), c.static(q.shape[3], "head_dim")
     cached = a["cache_layer"] is not None
     max_len = c.opts.max_seq_len
-    if cached:
-        kv_heads = a["kv_heads"]
-        layer = a["cache_layer"]
-        cache = (f"b * {kv_heads * max_len * hd} + kv_h * {max_len * hd}", str(hd))
-        for kind in ("k", "v"):   # the layer's cache, read in place of operands
-            c.args.insert(1 + (kind == "v"), Arg(
-                kind, "*" + TRITON_TYPES[c.node.dtype], f"{kind} cache [B, {kv_heads}, "
-                f"{max_len}, {hd}]", f'd.kv({layer}, "{kind}")'))
-        kv = {kind: dict(base=cache[0], stride_l=cache[1]) for kind in ("k", "v")}
+    if cached:   # the layer's cache, read in place of k and v operands
+        kv_heads, layer = a["kv_heads"], a["cache_layer"]
+        c.args[1:1] = [Arg(kind, "*" + TRITON_TYPES[c.node.dtype], f"{kind} cache [B, {kv_heads}, "
+                           f"{max_len}, {hd}]", f'd.kv({layer}, "{kind}")') for kind in "kv"]
+        kv = {kind: dict(base=f"b * {kv_heads * max_len * hd} + kv_h * {max_len * hd}",
+                         stride_t=str(hd)) for kind in "kv"}
         length = length_host = ""
-        c.extra("past", "*i32", "P, the tokens already cached", "d.past")
+        c.args.append(PAST)
     else:
         kv_heads = c.static(c.lay("k").shape[1], "KV heads")
-        kv = {kind: dict(base=by_sequence(c, kind, KV_HEAD)["base"],
-                         stride_l=by_sequence(c, kind, KV_HEAD)["stride_t"]) for kind in "kv"}
+        kv = {kind: by_sequence(c, kind, KV_HEAD) for kind in "kv"}
         length, length_host = texpr(c.lay("k").shape[2]), pexpr(c.lay("k").shape[2])
     scale, softcap, bias = a["scale"], a["softcap"], a["bias"]
     ctx: dict[str, Any] = dict(
@@ -582,11 +562,10 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         kw = next(s for s in steps_pre + steps_post if s["fn"] == "kv_write")
         run = math.gcd(cols_run, kv["head_dim"], kw["k_start"], kw["v_start"])
         kv["run"] = kw["run"] = run & -run if run else 0
-        for kind in ("k", "v"):
-            c.extra(f"{kind}_cache", "*" + TRITON_TYPES[c.node.dtype],
-                    f"{'key' if kind == 'k' else 'value'} cache [B, {kv['kv_heads']}, "
-                    f"{c.opts.max_seq_len}, {kv['head_dim']}]", f'd.kv({kv["layer"]}, "{kind}")')
-        c.extra("past", "*i32", "P, the tokens already cached", "d.past")
+        c.args += [Arg(f"{kind}_cache", "*" + TRITON_TYPES[c.node.dtype],
+                       f"{'key' if kind == 'k' else 'value'} cache [B, {kv['kv_heads']}, "
+                       f"{c.opts.max_seq_len}, {kv['head_dim']}]", f'd.kv({kv["layer"]}, "{kind}")')
+                   for kind in ("k", "v")] + [PAST]
     # Tiles hold whole heads. A power-of-two head is a reshape of the tile; any other size
     # (phi-2's 80) makes the tiles head-aligned: each covers ⌊TILE_N / group⌋ whole heads and
     # masks its last lanes, and the per-head sums are taken head by head.
@@ -620,7 +599,7 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
                    pair is not None and pair["fn"] == "rope"),
                M=pexpr(numel(c.node.shape[:-1])), align=align, has_head_norm=int(
                    bool(head_norms)), head_group=head_group, layer_norm=layer_norm,
-               **_k_loop(c, w, n_rows, k_total, None if pair is None else pair["fn"]))
+               **_k_loop(c, w, n_rows, k_total, ("cols",) if pair is None else ("cols1", "cols2")))
     sizes = dict(N=n_rows, K=k_total, paired=int(pair is not None), align=align,
                  head_norm=int(bool(head_norms)), layer_norm=layer_norm)
     ints = dict(M="i32", T="i32", **({"S": "i32"} if c.reads_encoder_len else {}))
