@@ -355,6 +355,13 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     return ctx, kernels
 
 
+def _cache_arg(c: NodeCtx, param: str, kind: str, layer: int, kv_heads: int, hd: int) -> Arg:
+    """Layer `layer`'s `kind` (k|v) cache, [B, kv_heads, max_seq_len, hd], as an argument."""
+    return Arg(param, "*" + TRITON_TYPES[c.node.dtype],
+               f"{'key' if kind == 'k' else 'value'} cache [B, {kv_heads}, {c.opts.max_seq_len}, "
+               f"{hd}]", f'd.cache.get({layer}, "{kind}")')
+
+
 def _states(c: NodeCtx) -> None:
     """The layer's recurrent state tensors as arguments (allocated by the runtime from what the
     op declares, recorded in `extras`)."""
@@ -366,7 +373,7 @@ def _states(c: NodeCtx) -> None:
         c.extras.setdefault("state", []).append((layer, decl.kind, tail, decl.dtype))
         c.args.append(Arg(f"{decl.kind.lower()}_state", "*" + TRITON_TYPES[decl.dtype],
                           f"{decl.dtype} [{', '.join(map(str, ('B', *tail)))}] {decl.kind} "
-                          "state, updated in place", f'd.state({layer}, "{decl.kind}")'))
+                          "state, updated in place", f'd.states.get({layer}, "{decl.kind}")'))
 
 
 def _causal_conv(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
@@ -436,8 +443,7 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     max_len = c.opts.max_seq_len
     if cached:   # the layer's cache, read in place of k and v operands
         kv_heads, layer = a["kv_heads"], a["cache_layer"]
-        c.args[1:1] = [Arg(kind, "*" + TRITON_TYPES[c.node.dtype], f"{kind} cache [B, {kv_heads}, "
-                           f"{max_len}, {hd}]", f'd.kv({layer}, "{kind}")') for kind in "kv"]
+        c.args[1:1] = [_cache_arg(c, kind, kind, layer, kv_heads, hd) for kind in "kv"]
         kv = {kind: dict(base=f"b * {kv_heads * max_len * hd} + kv_h * {max_len * hd}",
                          stride_t=str(hd)) for kind in "kv"}
         length = length_host = ""
@@ -562,10 +568,8 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         kw = next(s for s in steps_pre + steps_post if s["fn"] == "kv_write")
         run = math.gcd(cols_run, kv["head_dim"], kw["k_start"], kw["v_start"])
         kv["run"] = kw["run"] = run & -run if run else 0
-        c.args += [Arg(f"{kind}_cache", "*" + TRITON_TYPES[c.node.dtype],
-                       f"{'key' if kind == 'k' else 'value'} cache [B, {kv['kv_heads']}, "
-                       f"{c.opts.max_seq_len}, {kv['head_dim']}]", f'd.kv({kv["layer"]}, "{kind}")')
-                   for kind in ("k", "v")] + [PAST]
+        c.args += [*(_cache_arg(c, f"{kind}_cache", kind, kv["layer"], kv["kv_heads"],
+                                kv["head_dim"]) for kind in "kv"), PAST]
     # Tiles hold whole heads. A power-of-two head is a reshape of the tile; any other size
     # (phi-2's 80) makes the tiles head-aligned: each covers ⌊TILE_N / group⌋ whole heads and
     # masks its last lanes, and the per-head sums are taken head by head.

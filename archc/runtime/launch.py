@@ -1,23 +1,18 @@
 """Launch plans: what one run of a graph launches, built once per dims and replayed.
 
-A generated module's ``run_<graph>(v, d)`` calls one launcher per kernel-level node; each works
-out its sizes, block configuration and grid. None of that changes between decode steps, so the
-runtime runs the launchers once per (B, T, S) — and whatever else the launch arguments depend on —
-with a ``LaunchContext`` that records instead of launching, and keeps the result as a
-``LaunchPlan``:
+A generated module's ``run_<graph>(v, d)`` calls one launcher per kernel-level node, which works
+out sizes, block configuration and grid. None of that changes between decode steps, so the runtime
+runs the launchers once per plan key (B, T, S, the keys attention covers, and P where sizes depend
+on it) with a ``LaunchContext`` that records instead of launching. A ``LaunchPlan`` keeps the
+buffers (parameters, one per graph input, the activations of ``archc.runtime.buffers``), the
+launches — ``kernel[grid]`` bound once, and the few host steps such as MoE routing, made of device
+ops — and views of the outputs.
 
-1. buffers: the parameters, one persistent buffer per graph input, and the activation buffers
-   (``archc.runtime.buffers``), so every tensor the plan names stays valid while it lives;
-2. launches: (callable, arguments, block sizes) per kernel launch, in order — ``kernel[grid]``
-   bound once, grids evaluated once — and the few host steps a launch needs (MoE routing, made
-   of device ops into the plan's own tensors);
-3. outputs: views of the output buffers, read through their layouts.
-
-A step then copies its inputs into the plan's buffers, writes P to the device and replays the
-launches in a tight loop (or, on a GPU, one CUDA graph captured from them). Shapes, strides and
-offsets are compiled once per graph into plain functions of (B, T, P, S)
-(``archc.runtime.dimfn``): nothing symbolic runs per step, and nothing per step reads P on the
-host. Plans are dropped when the KV cache or the recurrent state is reallocated.
+A step copies its inputs into the plan's buffers, writes P to the device and replays the launches
+in a tight loop (or, on a GPU, one CUDA graph captured from them). Shapes, strides and offsets are
+compiled once per graph into plain functions of (B, T, P, S) (``archc.runtime.dimfn``): nothing
+symbolic runs per step, and nothing per step reads P on the host. Plans are dropped when the KV
+cache or the recurrent state is reallocated.
 """
 
 from __future__ import annotations
@@ -95,12 +90,6 @@ class LaunchContext:
         if self._launches is None:
             raise RunError("a generated launcher ran outside a launch plan")
         self._launches.append((fn, args, kw))
-
-    def kv(self, layer: int, kind: str) -> torch.Tensor:
-        return self.cache.get(layer, kind)
-
-    def state(self, layer: int, kind: str) -> torch.Tensor:
-        return self.states.get(layer, kind)
 
     def scratch(self, name: str, numel: int, dtype: str) -> torch.Tensor:
         """A scratch buffer of at least `numel` elements of IR dtype `dtype`, shared by every

@@ -2,20 +2,13 @@
 
     compiled = archc.load("tiny-llama3").compile("triton")     # same API as eager
 
-``TritonSession`` is the backend's ``Session``: the default pass pipeline turns the unfused
-program into kernel-level graphs, codegen renders them into one module (cached on disk by a hash
-of graph + options), and each call replays a launch plan that ``run_<graph>(v, d)`` of that module
-recorded once for its dims (``archc.runtime.launch``):
-
-- weights: parameter expressions evaluated once, in the model dtype, on the device;
-- activations: buffers planned by liveness (``archc.runtime.buffers``), reused across calls;
-- inputs: copied into the plan's own buffers, so every launch argument stays valid;
-- KV cache: static, [B, H_kv, max_seq_len, D] per layer and k|v, KV heads only, written by the
-  QKV projection's epilogue at offset P; P lives on the device too, so a decode step is the same
-  launches every time — on a GPU it is captured once in a CUDA graph and replayed;
-- recurrent state (Mamba's conv window and SSM state, linear attention's running sums): one
-  tensor per layer and kind, as the op table declares it, updated in place by its kernel and
-  zeroed when a sequence starts (P = 0).
+The default pass pipeline turns the unfused program into kernel-level graphs, codegen renders
+them into one module (cached on disk by a hash of graph + options), and each call replays a
+launch plan recorded once for its dims (``archc.runtime.launch``). Weights are evaluated once,
+in the model dtype, on the device; the KV cache ([B, H_kv, max_seq_len, D] per layer and k|v,
+written by the QKV projection's epilogue at offset P) and the recurrent state are static
+(``archc.runtime.state``), and P lives on the device too, so a decode step is the same launches
+every time — on a GPU it is captured once in a CUDA graph and replayed.
 
 Without a GPU, archc sets ``TRITON_INTERPRET=1`` before Triton is imported and the same kernels
 run under Triton's CPU interpreter (f32 or f16: the interpreter computes bf16 wrongly).
@@ -33,6 +26,7 @@ from typing import Any
 
 import torch
 
+from archc.codegen.blocks import autotune_configs
 from archc.codegen.options import CodegenOptions
 from archc.codegen.render import Generated, generate, load_module, write_module
 from archc.errors import ArchcError, RunError
@@ -144,12 +138,8 @@ def id_checks(graph: Graph) -> list[tuple[str, int, str]]:
 
 
 class TritonSession:
-    """A program compiled to Triton kernels, with weights, a static KV cache and past length P.
-
-    Same surface as ``EagerSession``: ``reset``, ``encode``, ``step``. Each graph runs from launch
-    plans (``archc.runtime.launch``) built once per dims; a decode step copies its inputs into
-    the plan's buffers, writes P to the device and replays the plan — on a GPU, a CUDA graph
-    captured from it."""
+    """A program compiled to Triton kernels, with weights, a static KV cache and past length P:
+    the surface of ``EagerSession`` (``reset``, ``encode``, ``step``)."""
 
     def __init__(self, program: Program, checkpoint: Mapping[str, torch.Tensor], *,
                  max_seq_len: int, dtype: str = "f32", device: str | torch.device = "cpu",
@@ -159,7 +149,6 @@ class TritonSession:
         check_dtype(dtype, self.target)
         self.options = options or TritonOptions()
         self.dtype = dtype
-        self.unfused = program
         passes = self.options.passes
         self.program = program if passes is None else optimize(program, passes)
         self.codegen_options = CodegenOptions(
@@ -171,7 +160,7 @@ class TritonSession:
         self.runners = {g.name: GraphRunner(self.module, g, self._parameters(g, checkpoint),
                                             self.device, reuse_buffers=self.options.reuse_buffers)
                         for g in self.program}
-        self.id_checks = {name: id_checks(r.graph) for name, r in self.runners.items()}
+        self.id_checks = {g.name: id_checks(g) for g in self.program}
         self.cache = StaticKVCache(self.generated.kv, max_seq_len, TORCH_DTYPES[dtype],
                                    self.device)
         self.states = StaticState(self.generated.states, self.device)
@@ -292,21 +281,16 @@ class TritonSession:
 def _apply_autotune(module: ModuleType) -> set[str]:
     """Wrap each kernel of a family with a config set in triton.autotune; returns their names."""
     import triton
-
-    from archc.codegen.blocks import autotune_configs
     tuned: set[str] = set()
     for name, entry in module.KERNELS.items():
-        configs = autotune_configs(entry["family"], **entry["sizes"])
-        if not configs:
-            continue
-        key = [k for k, t in entry["types"].items() if t == "i32"]
-        fn = getattr(module, name)
-        tconfigs = [triton.Config({k: v for k, v in c.items()
-                                   if k not in ("num_warps", "num_stages")},
-                                  num_warps=c["num_warps"], num_stages=c["num_stages"])
-                    for c in configs]
-        setattr(module, name, triton.autotune(configs=tconfigs, key=key)(fn))
-        tuned.add(name)
+        configs = [triton.Config({k: v for k, v in c.items()
+                                  if k not in ("num_warps", "num_stages")},
+                                 num_warps=c["num_warps"], num_stages=c["num_stages"])
+                   for c in autotune_configs(entry["family"], **entry["sizes"])]
+        if configs:
+            key = [k for k, t in entry["types"].items() if t == "i32"]
+            setattr(module, name, triton.autotune(configs=configs, key=key)(getattr(module, name)))
+            tuned.add(name)
     return tuned
 
 
