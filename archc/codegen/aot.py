@@ -2,19 +2,14 @@
 
 Tests under Triton's interpreter cannot see a kernel that will not compile for a GPU: a `tl.dot`
 on blocks smaller than 16, a dtype the hardware lacks, registers that spill. Triton compiles
-without a GPU: ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` gives PTX and a
-cubin, and the ``ptxas`` that ships with Triton reports registers and spills with ``-v``.
+without a GPU (``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``), and the
+``ptxas`` that ships with Triton reports registers and spills.
 
 Triton decides when it is first imported whether ``@triton.jit`` builds compiler or interpreter
-functions, so compiles run in fresh worker processes (``aot_worker.py``, Triton only) with
-``TRITON_INTERPRET`` unset — they work the same from a process that runs kernels under the
-interpreter. This side reads the module's ``KERNELS`` table (argument types) as a literal and
-picks block sizes, warps and stages with ``blocks.launch_config`` at a full-size prefill shape;
-the worker compiles each kernel and reads from the result:
-
-- registers and spill bytes (the ptxas log),
-- shared memory (Triton's metadata),
-- tensor-core instructions in the PTX: ``mma.sync`` for sm_80, ``wgmma.mma_async`` for sm_90a.
+functions, so compiles run in fresh worker processes (``aot_worker.py``) with ``TRITON_INTERPRET``
+unset — they work the same from a process that runs kernels under the interpreter. This side reads
+the module's ``KERNELS`` table (argument types) as a literal and picks block sizes, warps and
+stages at a full-size prefill shape (``blocks.aot_config``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ import io
 import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
 import time
 
 TENSOR_CORE_OP = {80: "mma.sync", 90: "wgmma.mma_async"}
@@ -30,9 +32,6 @@ def last_line(text: object) -> str:
 
 
 def _ptxas_log(ptx: str, capability: int) -> str:
-    import subprocess
-    import tempfile
-
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "k.ptx")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass
 
@@ -24,6 +23,3 @@ class CodegenOptions:
 
     def key(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
-
-    def digest(self) -> str:
-        return hashlib.sha256(self.key().encode()).hexdigest()[:16]

@@ -203,17 +203,12 @@ _LOADED: dict[str, ModuleType] = {}
 def load_module(path: Path, key: str) -> ModuleType:
     """Import the module at `path` once per `key` and source text (Triton reads the kernels'
     source from the file)."""
-    key = key + hashlib.sha256(path.read_bytes()).hexdigest()
-    mod = _LOADED.get(key)
-    if mod is not None:
-        return mod
-    name = f"archc_generated_{key[:16]}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise CodegenError(f"cannot import the generated module {path}")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    _LOADED[key] = mod
-    return mod
+    key += hashlib.sha256(path.read_bytes()).hexdigest()
+    if key not in _LOADED:
+        name = f"archc_generated_{key[:16]}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None   # a .py file always has one
+        _LOADED[key] = sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_LOADED[key])
+    return _LOADED[key]
 

@@ -25,8 +25,7 @@ from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import OP_TABLE, Op, bind, full_attrs
 from archc.ir.shapes import DIMS
 from archc.ir.text import format_node
-from archc.runtime.cross_kv import CrossKV
-from archc.runtime.state import RecurrentState
+from archc.runtime.state import CrossKV, RecurrentState
 from archc.runtime.weights import TORCH_DTYPES, materialize
 
 
@@ -48,12 +47,12 @@ class KVCache:
             raise RunError(f"sequence of {past + t} tokens exceeds the KV cache "
                            f"(max_seq_len = {self.max_len})")
         buf = self.store.get((layer, kind))
-        if buf is not None and (buf.shape[0] != b or buf.dtype != x.dtype) and past > 0:
-            raise RunError(f"the KV cache holds a batch of {buf.shape[0]} {buf.dtype} "
-                           f"sequences; got {b} {x.dtype} — reset before changing the batch")
         if buf is None or buf.shape[0] != b or buf.dtype != x.dtype:
-            buf = torch.zeros(b, h, self.max_len, d, dtype=x.dtype, device=x.device)
-            self.store[(layer, kind)] = buf
+            if buf is not None and past > 0:
+                raise RunError(f"the KV cache holds a batch of {buf.shape[0]} {buf.dtype} "
+                               f"sequences; got {b} {x.dtype} — reset before changing the batch")
+            buf = self.store[(layer, kind)] = torch.zeros(b, h, self.max_len, d, dtype=x.dtype,
+                                                          device=x.device)
         buf[:, :, past:past + t] = x
         return buf[:, :, :past + t]
 

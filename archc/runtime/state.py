@@ -1,19 +1,24 @@
-"""What persists between calls, per (layer, kind): the KV cache and the recurrent state.
+"""What persists between calls: the KV cache, the recurrent state, the cross-attention K and V.
 
 The recurrent state is what Mamba and linear-attention layers keep instead of a KV cache — the
 conv window and the SSM state of a Mamba layer, the running sums S and z of a linear-attention
 layer — as the op table declares them (``archc.ir.ops.state``). A call at past length P = 0
 starts a sequence, so it reads zeros; later calls read what the call before them left. The size
 does not grow with the context.
+
+`hoist-cross-kv` moves what the decoder computes from the encoder's states alone (the
+cross-attention K and V projections) into a `cross_kv` graph, which a session runs once per
+generation (``CrossKV``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
 from archc.errors import RunError
+from archc.ir.graph import CROSS_KV, Program
 from archc.runtime.weights import TORCH_DTYPES
 
 
@@ -103,3 +108,34 @@ class StaticState(StaticStore):
                  device: torch.device) -> None:
         super().__init__("state", {(layer, kind): (shape, TORCH_DTYPES[dtype])
                                    for layer, kind, shape, dtype in states}, device)
+
+
+class CrossKV:
+    """Outputs of the `cross_kv` graph, computed at the first decoder step after a reset or when
+    a step brings another `encoder_hidden` tensor, and fed to every step as decoder inputs of
+    the same names. Recomputed values are copied into the tensors already held when the shapes
+    match, so a captured decode step keeps reading the same addresses."""
+
+    def __init__(self, program: Program,
+                 run: Callable[[torch.Tensor], dict[str, torch.Tensor]]) -> None:
+        self.enabled = any(g.name == CROSS_KV for g in program)
+        self.run = run                      # encoder_hidden → the graph's outputs by name
+        self.values: dict[str, torch.Tensor] = {}
+        self.source: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        """A new generation: the next step computes them again (into the same tensors)."""
+        self.source = None
+
+    def inputs(self, encoder_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The decoder inputs computed from `encoder_hidden`, computed now if not yet."""
+        if self.enabled and self.source is not encoder_hidden:
+            for name, x in self.run(encoder_hidden).items():
+                held = self.values.get(name)
+                if held is not None and held.shape == x.shape and held.dtype == x.dtype and \
+                        held.device == x.device:
+                    held.copy_(x)
+                else:
+                    self.values[name] = x
+            self.source = encoder_hidden
+        return dict(self.values)

@@ -34,10 +34,9 @@ from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import Op
 from archc.ir.text import format_node
 from archc.passes import optimize
-from archc.runtime.cross_kv import CrossKV
 from archc.runtime.eager import encoder_inputs
 from archc.runtime.launch import GraphRunner, LaunchContext, LaunchPlan
-from archc.runtime.state import StaticKVCache, StaticState
+from archc.runtime.state import CrossKV, StaticKVCache, StaticState
 from archc.runtime.weights import TORCH_DTYPES, materialize
 
 
