@@ -212,11 +212,8 @@ def elementwise_step(c: NodeCtx, st: Call, idx: int, width: int) -> dict[str, An
     if not STEPS[st.fn].elementwise:
         raise c.fail(f"the {c.node.op.value} template renders elementwise epilogue steps here, "
                      f"not {st.fn}()")
-    loads = []
-    for name in STEPS[st.fn].inputs:
-        role = f"{name}{idx}"
-        lay = c.lay(role)
-        loads.append(dict(var=role, vector=lay.rank == 1, ptr=c.arg(role).name, **rows(lay)))
+    loads = [dict(var=role, vector=c.lay(role).rank == 1, ptr=c.arg(role).name, **rows(c.lay(role)))
+             for role in (f"{name}{idx}" for name in STEPS[st.fn].inputs)]
     start, stop = st.kw("start", 0), st.kw("stop", width)
     code = E.triton(step_expr(st), [ACC, *(ld["var"] for ld in loads)])
     return dict(fn="elementwise", name=st.fn, loads=loads, code=code, start=start, stop=stop,
@@ -287,17 +284,13 @@ def _pointwise(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         raise c.fail("a scalar pointwise node has no Triton rendering")
     width = c.static(out[-1], "the output width")
     inputs = []
-    for role in c.roles:
+    for role in c.roles:   # inputs aligned from the right; broadcast dims read with stride 0
         lay = c.lay(role)
-        strides: list[sympy.Expr] = []
-        for dim in range(rank):  # align from the right; broadcast dims read with stride 0
-            src = dim - (rank - lay.rank)
-            if src < 0 or (lay.shape[src] == 1 and out[dim] != 1):
-                strides.append(sympy.Integer(0))
-            else:
-                strides.append(lay.strides[src])
+        lead = rank - lay.rank
+        strides = tuple(sympy.Integer(0) if d < lead or (lay.shape[d - lead] == 1 and out[d] != 1)
+                        else lay.strides[d - lead] for d in range(rank))
         inputs.append(dict(name=role, ptr=c.arg(role).name,
-                           **rows(Layout(lay.root, lay.offset, out, tuple(strides)))))
+                           **rows(Layout(lay.root, lay.offset, out, strides))))
     ctx = dict(C=width, inputs=inputs, R=pexpr(numel(out[:-1])),
                expr=E.triton(c.attrs["expr"], list(c.roles)))
     return ctx, [JitKernel("_kernel", "pointwise", dict(C=width),
@@ -543,12 +536,11 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         elif st.fn == "kv_write":
             if kv is not None:
                 raise c.fail("more than one kv_write() step")
-            hd, kv_heads = st.kw("head_dim"), st.kw("kv_heads")
-            kv = dict(stride_b=kv_heads * c.opts.max_seq_len * hd, stride_l=hd,
-                      layer=st.kw("layer"), kv_heads=kv_heads, head_dim=hd)
-            target.append(dict(fn="kv_write", k_start=st.kw("k_start"),
-                               v_start=st.kw("v_start"), width=kv_heads * hd, head_dim=hd,
-                               stride_h=c.opts.max_seq_len * hd))
+            hd, kv_heads, max_len = st.kw("head_dim"), st.kw("kv_heads"), c.opts.max_seq_len
+            kv = dict(fn="kv_write", layer=st.kw("layer"), kv_heads=kv_heads, head_dim=hd,
+                      k_start=st.kw("k_start"), v_start=st.kw("v_start"), width=kv_heads * hd,
+                      stride_b=kv_heads * max_len * hd, stride_h=max_len * hd, stride_l=hd)
+            target.append(kv)
             c.extras.setdefault("kv", []).append((kv["layer"], kv_heads, hd))
         elif st.fn == "head_norm":
             hn = dict(fn="head_norm", kind=st.kw("kind"), heads=st.kw("heads"),
@@ -565,9 +557,8 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
             pair = _rope_pair(st, width, idx, c)
     if kv is not None:   # how many columns land contiguously in the cache
         cols_run = pair["run"] if pair is not None and pair["fn"] == "rope" else 1 << 16
-        kw = next(s for s in steps_pre + steps_post if s["fn"] == "kv_write")
-        run = math.gcd(cols_run, kv["head_dim"], kw["k_start"], kw["v_start"])
-        kv["run"] = kw["run"] = run & -run if run else 0
+        run = math.gcd(cols_run, kv["head_dim"], kv["k_start"], kv["v_start"])
+        kv["run"] = run & -run if run else 0
         c.args += [*(_cache_arg(c, f"{kind}_cache", kind, kv["layer"], kv["kv_heads"],
                                 kv["head_dim"]) for kind in "kv"), PAST]
     # Tiles hold whole heads. A power-of-two head is a reshape of the tile; any other size
@@ -591,11 +582,9 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
             head_group = hn["group"]
     for hn in head_norms:
         hn["pow2"] = head_group is None
-    if pair is None:
-        accs_pre = accs_post = [dict(acc="acc", cols="cols")]
-    else:
-        accs_pre = [dict(acc="acc1", cols="cols1"), dict(acc="acc2", cols="cols2")]
-        accs_post = [dict(acc="acc", cols="cols")] if pair["fn"] == "glu" else accs_pre
+    one = [dict(acc="acc", cols="cols")]
+    accs_pre = one if pair is None else [dict(acc=f"acc{j}", cols=f"cols{j}") for j in (1, 2)]
+    accs_post = one if pair is not None and pair["fn"] == "glu" else accs_pre
     layer_norm = int(a["prologue"] == "layer")
     ctx = dict(operands=operands, n_out=width, prologue=a["prologue"], eps=repr(a["eps"]),
                pair=pair, steps_pre=steps_pre, steps_post=steps_post, accs_pre=accs_pre,
