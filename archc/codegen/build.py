@@ -142,8 +142,7 @@ class NodeCtx:
     @property
     def dot_kw(self) -> str:
         """f32 models multiply in IEEE f32 (TF32 would not match eager to f32 rounding)."""
-        return ', input_precision="ieee"' if (self.node.dtype == "f32"
-                                               and self.opts.exact_f32_dot) else ""
+        return ', input_precision="ieee"' if self.node.dtype == "f32" else ""
 
 
 # ---- reading an operand through its layout -----------------------------------------------------

@@ -13,7 +13,6 @@ class CodegenOptions:
     target: str = "interpret"        # "gpu" (compiled) or "interpret" (Triton's CPU interpreter)
     max_seq_len: int = 2048          # KV-cache length: static, baked into cache strides
     autotune: bool = False           # on a GPU: triton.autotune over blocks.autotune_configs
-    exact_f32_dot: bool = True       # f32 models: tl.dot in IEEE f32, not TF32, to match eager
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:

@@ -141,13 +141,13 @@ def moe_routing(gates: torch.Tensor, top_k: int, block_m: int, table: torch.Tens
     counts = torch.zeros(n_experts, dtype=torch.long, device=gates.device)
     counts.scatter_add_(0, experts, torch.ones_like(experts))
     padded = (counts + block_m - 1) // block_m * block_m
-    start = torch.cumsum(padded, 0) - padded                        # each expert's first slot
+    ends = torch.cumsum(padded, 0)
+    start = ends - padded                                           # each expert's first slot
     first = torch.cumsum(counts, 0) - counts                        # its first sorted pair
     sorted_experts = experts[order]
     dest = start[sorted_experts] + torch.arange(pairs, device=gates.device) - first[sorted_experts]
     table.fill_(-1)
     table[dest] = order.to(torch.int32)
-    ends = torch.cumsum(padded, 0)
     block_start = torch.arange(block_expert.numel(), device=gates.device) * block_m
     owner = torch.searchsorted(ends, block_start, right=True)
     block_expert.copy_(torch.where(owner < n_experts, owner, -1))
