@@ -154,8 +154,7 @@ class EagerSession:
     """A program ready to run eagerly: parameters evaluated once, a KV cache, past length P.
 
     ``encode`` runs an encoder graph; ``step`` runs the decoder graph on new tokens after the P
-    already cached (P = 0 after ``reset``); ``forward`` is a full, cache-fresh forward pass.
-    """
+    already cached (P = 0 after ``reset``)."""
 
     def __init__(self, program: Program, checkpoint: Mapping[str, torch.Tensor], *,
                  max_seq_len: int, device: str | torch.device = "cpu") -> None:
@@ -176,19 +175,21 @@ class EagerSession:
         self.cache = KVCache(self.cache.max_len)
         self.state = RecurrentState()
 
+    def _run(self, name: str, inputs: dict[str, torch.Tensor], **dims: int
+             ) -> dict[str, torch.Tensor]:
+        return run_graph(self.program.graph(name), self.params[name], inputs,
+                         EagerContext(dims, self.cache, self.state), trace=self.trace)
+
     def _run_cross_kv(self, encoder_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
         b, s = encoder_hidden.shape[:2]
-        return run_graph(self.program.graph(CROSS_KV), self.params[CROSS_KV],
-                         {"encoder_hidden": encoder_hidden},
-                         EagerContext({"B": b, "T": 1, "P": 0, "S": s}), trace=self.trace)
+        return self._run(CROSS_KV, {"encoder_hidden": encoder_hidden}, B=b, T=1, P=0, S=s)
 
     def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
                token_types: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [B, T, d] of the encoder graph."""
         b, t = tokens.shape
         inputs = encoder_inputs(tokens, attention_mask, token_types, self.device)
-        return run_graph(self.program.graph("encoder"), self.params["encoder"], inputs,
-                         EagerContext({"B": b, "T": t, "P": 0}), trace=self.trace)["hidden"]
+        return self._run("encoder", inputs, B=b, T=t, P=0)["hidden"]
 
     def step(self, tokens: torch.Tensor, *, encoder_hidden: torch.Tensor | None = None,
              encoder_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -209,7 +210,6 @@ class EagerSession:
             inputs["encoder_mask"] = (torch.ones(b, s, dtype=torch.long) if encoder_mask is None
                                       else encoder_mask.long()).to(self.device)
             inputs.update(self.cross_kv.inputs(encoder_hidden))
-        out = run_graph(self.program.graph("decoder"), self.params["decoder"], inputs,
-                        EagerContext(dims, self.cache, self.state), trace=self.trace)["logits"]
+        out = self._run("decoder", inputs, **dims)["logits"]
         self.past += t
         return out

@@ -211,11 +211,31 @@ class TritonSession:
                 raise RunError(f"while running {node}: {name} holds ids outside [0, {rows})")
 
     def _run(self, name: str, inputs: dict[str, torch.Tensor], *, B: int, T: int,  # noqa: N803
-             P: int, S: int) -> dict[str, torch.Tensor]:
+             P: int, S: int, held: Mapping[str, torch.Tensor] | None = None,  # noqa: N803
+             ) -> dict[str, torch.Tensor]:
+        """Graph `name` on `inputs`, copied into its plan's buffers (`held` ones are read in
+        place): copies of its outputs."""
         self._check_ids(name, inputs, on_device=P == 0)
-        self._ensure(B)
-        return self.runners[name].run(inputs, self.ctx, B=B, T=T, P=P, S=S,
-                                      kv_len_max=self.kv_len(P, T))
+        # KV cache and recurrent state for B sequences: reallocated together, and with them
+        # every launch plan (and captured graph) that holds their tensors
+        self.cache.ensure(B)
+        self.states.ensure(B)
+        runner = self.runners[name]
+        plan = runner.plan(self.ctx, B, T, P, S, self.kv_len(P, T), held)
+        # the inputs, into the plan's buffers: one small op each, none waiting on the device;
+        # positions are archc's own: below max_seq_len, within every position table
+        if "positions" in plan.inputs:
+            torch.arange(P, P + T, out=plan.inputs["positions"])
+        if "prefix_len" in plan.inputs:
+            plan.inputs["prefix_len"].fill_(self.prefix_len)
+        runner.feed(plan, inputs)
+        # On a GPU, a decode step replays a CUDA graph of its plan: the plan's first step
+        # launches normally — compiling and tuning the kernels — and is then captured.
+        graphs = self.cuda_graphs and T == 1 and name == "decoder"
+        runner.execute(plan, self.ctx, P, replay=graphs and plan.replay is not None)
+        if graphs and plan.replay is None:
+            plan.replay = self._capture(plan)
+        return {k: t.clone() for k, t in plan.outputs.items()}
 
     def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
                token_types: torch.Tensor | None = None) -> torch.Tensor:
@@ -226,9 +246,8 @@ class TritonSession:
     def step(self, tokens: torch.Tensor, *, encoder_hidden: torch.Tensor | None = None,
              encoder_mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t = tokens.shape
-        past = self.past
-        if past + t > self.max_seq_len:
-            raise RunError(f"sequence of {past + t} tokens exceeds the KV cache "
+        if self.past + t > self.max_seq_len:
+            raise RunError(f"sequence of {self.past + t} tokens exceeds the KV cache "
                            f"(max_seq_len = {self.max_seq_len})")
         if self.prefix_len is None:
             self.prefix_len = t
@@ -241,33 +260,11 @@ class TritonSession:
             inputs.update(held, encoder_hidden=encoder_hidden, encoder_mask=(
                 torch.ones(b, s, dtype=torch.long, device=self.device)
                 if encoder_mask is None else encoder_mask))
-        # positions are archc's own: below max_seq_len, within every position table
-        self._check_ids("decoder", inputs, on_device=past == 0)
-        self._ensure(b)
-        if past == 0:   # a sequence starts: the recurrent state reads zeros
+        if self.past == 0:   # a sequence starts: the recurrent state reads zeros
             self.states.zero()
-        runner = self.runners["decoder"]
-        plan = runner.plan(self.ctx, b, t, past, s, self.kv_len(past, t), held)
-        # the inputs, into the plan's buffers: one small op each, none waiting on the device
-        if "positions" in plan.inputs:
-            torch.arange(past, past + t, out=plan.inputs["positions"])
-        if "prefix_len" in plan.inputs:
-            plan.inputs["prefix_len"].fill_(self.prefix_len)
-        runner.feed(plan, inputs)
-        # On a GPU, a decode step replays a CUDA graph of its plan: the plan's first step
-        # launches normally — compiling and tuning the kernels — and is then captured.
-        graphs = self.cuda_graphs and t == 1
-        runner.execute(plan, self.ctx, past, replay=graphs and plan.replay is not None)
-        if graphs and plan.replay is None:
-            plan.replay = self._capture(plan)
-        self.past = past + t
-        return plan.outputs["logits"].clone()
-
-    def _ensure(self, batch: int) -> None:
-        """KV cache and recurrent state for `batch` sequences: reallocated together, and with
-        them every launch plan (and captured graph) that holds their tensors."""
-        self.cache.ensure(batch)
-        self.states.ensure(batch)
+        logits = self._run("decoder", inputs, B=b, T=t, P=self.past, S=s, held=held)["logits"]
+        self.past += t
+        return logits
 
     def _capture(self, plan: LaunchPlan) -> Any:
         graph = torch.cuda.CUDAGraph()
