@@ -13,16 +13,23 @@ and an exact form otherwise:
 
 ``min``/``max`` become ``tl.minimum``/``tl.maximum`` on the device. Anything that is not integer
 arithmetic (a rational, a float, an unknown function) is refused rather than printed wrongly.
+
+Evaluating an expression with sympy (``subs``, ``xreplace``) costs tens of microseconds and a
+decode step needs hundreds, so the runtime compiles the host code of those it reads into one
+plain function per use (``dim_function``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import sympy
 from sympy.printing.str import StrPrinter
 
 from archc.errors import ArchcError
+from archc.ir.shapes import DIMS
+
+DimFn = Callable[[int, int, int, int], tuple[int, ...]]
 
 
 class PrintError(ArchcError):
@@ -130,3 +137,22 @@ def texpr(e: sympy.Expr | int, names: Mapping[str, str] | None = None) -> str:
 def pexpr(e: sympy.Expr | int, names: Mapping[str, str] | None = None) -> str:
     """`e` as Python host code: Python's `//` and `%` already floor."""
     return _IndexPrinter(names, device=False).doprint(sympy.sympify(e))
+
+
+def dim_function(exprs: Sequence[sympy.Expr | int], name: str = "dims") -> DimFn:
+    """One function of (B, T, P, S) returning every expression of `exprs`, in order, as ints:
+
+        dim_function([B*T*4096, T + P], "sizes")
+            →  def sizes(B, T, P, S): return (4096 * B * T, P + T)
+    """
+    values = ", ".join(pexpr(e) for e in exprs)
+    source = f"def {name}(B, T, P, S):\n    return ({values}{',' if exprs else ''})\n"
+    namespace: dict[str, DimFn] = {}
+    # archc's own printed integer arithmetic over the four dims: trusted as the generated module
+    exec(compile(source, f"<archc {name}>", "exec"), namespace)
+    return namespace[name]
+
+
+def uses_past(exprs: Sequence[sympy.Expr | int]) -> bool:
+    """Does any of `exprs` change with the past length P?"""
+    return any(isinstance(e, sympy.Basic) and e.has(DIMS["P"]) for e in exprs)

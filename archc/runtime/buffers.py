@@ -11,7 +11,7 @@ root and keep it alive. The plan is made once per graph, symbolically, and sized
 3. At run time each slot is one byte buffer as large as its largest member at the concrete
    B, T, P, S, allocated once per distinct shape and reused by every call with that shape — so
    decode steps run on the same addresses, as a captured CUDA graph needs. Sizes and shapes come
-   from one function of the dims compiled with the plan (``archc.runtime.dimfn``), not sympy.
+   from one function of the dims compiled with the plan (``dim_function``), not sympy.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import sympy
 import torch
 
 from archc.codegen.layout import Layout
+from archc.codegen.printer import DimFn, dim_function, uses_past
 from archc.ir.graph import Graph
 from archc.ir.shapes import DTYPE_BYTES, numel
 from archc.ir.view import live_ranges
-from archc.runtime.dimfn import DimFn, dim_function, uses_past
 from archc.runtime.weights import TORCH_DTYPES
 
 Dims = tuple[int, int, int, int]       # B, T, P, S

@@ -10,7 +10,7 @@ ops — and views of the outputs.
 
 A step copies its inputs into the plan's buffers, writes P to the device and replays the launches
 in a tight loop (or, on a GPU, one CUDA graph captured from them). Shapes, strides and offsets are
-compiled once per graph into plain functions of (B, T, P, S) (``archc.runtime.dimfn``): nothing
+compiled once per graph into plain functions of (B, T, P, S) (``dim_function``): nothing
 symbolic runs per step, and nothing per step reads P on the host. Plans are dropped when the KV
 cache or the recurrent state is reallocated.
 """
@@ -25,9 +25,11 @@ from typing import Any
 import torch
 
 from archc.codegen import blocks
+from archc.codegen.layout import layouts
+from archc.codegen.printer import DimFn, dim_function, uses_past
 from archc.errors import RunError
 from archc.ir.graph import Graph
-from archc.runtime.dimfn import DimFn, dim_function, uses_past
+from archc.runtime.buffers import plan_buffers
 from archc.runtime.state import StaticStore
 from archc.runtime.weights import TORCH_DTYPES
 
@@ -175,8 +177,6 @@ class GraphRunner:
 
     def __init__(self, module: ModuleType, graph: Graph, params: Mapping[str, torch.Tensor],
                  device: torch.device, *, reuse_buffers: bool = True) -> None:
-        from archc.codegen.layout import layouts
-        from archc.runtime.buffers import plan_buffers
         self.graph = graph
         self.device = device
         self.lays = layouts(graph)

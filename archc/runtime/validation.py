@@ -154,24 +154,21 @@ def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int =
             mask[-1, max(1, tokens - 2):] = 0  # the last row padded
         phase("encode", "encoder", lambda s: s.encode(ids, mask))
         return report
+    hidden: dict[int, torch.Tensor] = {}     # each session's encoder states
+    prompt, last = ids, ids[:, -1:]
     if spec.family == "encoder-decoder":
-        hidden = {}
         phase("encode", "encoder", lambda s: hidden.setdefault(id(s), s.encode(ids)))
         prompt = torch.cat([torch.zeros(batch, 1, dtype=torch.long), ids[:, :2]], 1)
+        last = ids[:, 2:3]
 
-        def step(s: Any, x: torch.Tensor) -> torch.Tensor:
-            return s.step(x, encoder_hidden=hidden[id(s)])
-        if CROSS_KV in triton.runners:
-            for s in sessions:
-                s.reset()
-            phase("cross-kv", CROSS_KV, lambda s: step(s, prompt), output="logits")
+    def step(s: Any, x: torch.Tensor) -> torch.Tensor:
+        return s.step(x, encoder_hidden=hidden.get(id(s)))
+    if CROSS_KV in triton.runners:
         for s in sessions:
             s.reset()
-        phase("prefill", "decoder", lambda s: step(s, prompt))
-        phase("decode", "decoder", lambda s: step(s, ids[:, 2:3]))
-        return report
+        phase("cross-kv", CROSS_KV, lambda s: step(s, prompt), output="logits")
     for s in sessions:
         s.reset()
-    phase("prefill", "decoder", lambda s: s.step(ids))
-    phase("decode", "decoder", lambda s: s.step(ids[:, -1:]))
+    phase("prefill", "decoder", lambda s: step(s, prompt))
+    phase("decode", "decoder", lambda s: step(s, last))
     return report
