@@ -3,15 +3,13 @@
 1. The op's declaration names its template (``OpDef.template``) and its operands by role.
 2. Every operand becomes a kernel argument ``<role>_ptr`` — the root buffer it is read from, typed
    for ahead-of-time compiles, commented with its shape — and a parameter of the unit's launcher;
-   runtime objects a kernel also reads (the KV cache, a recurrent state, the past length on the
-   device) are arguments the same way.
+   so do the runtime objects a kernel reads (the KV cache, a recurrent state, P on the device).
 3. The template's context function (``CONTEXTS``) adds what that family prints: static sizes,
-   the index expressions of each operand's layout (rows, head views, vectors), the epilogue.
+   the index expressions of each operand's layout, the epilogue.
 
-The program is verified before anything is built, so attributes are of their declared types and
-allowed values; what a context function still refuses (a layout a template cannot read, a static
-size that is symbolic) is refused with a ``CodegenError`` naming the node — never rendered as
-something else.
+The program is verified first, so attributes are of their declared types and allowed values; what
+a template cannot read (a layout, a symbolic static size) is refused with a ``CodegenError``
+naming the node — never rendered as something else.
 """
 
 from __future__ import annotations
@@ -238,6 +236,7 @@ def build(c: NodeCtx) -> Unit:
         read = "" if lay.root == c.node.inputs[k] else ", read through strides"
         c.args.append(Arg(role, "*" + TRITON_TYPES[root.dtype],
                           f"[{dims}] {docs.get(role, role)}{read}", f"v[{lay.root}]"))
+    _states(c)
     context, kernels = CONTEXTS[template](c)
     params = ", ".join(a.param for a in c.args)
     context.update(args=c.args, params=params, params_=f"{params}, " if params else "",
@@ -355,10 +354,10 @@ def _cache_arg(c: NodeCtx, param: str, kind: str, layer: int, kv_heads: int, hd:
 
 
 def _states(c: NodeCtx) -> None:
-    """The layer's recurrent state tensors as arguments (allocated by the runtime from what the
-    op declares, recorded in `extras`)."""
-    layer = c.attrs["layer"]
+    """The recurrent state tensors the node's op declares, as arguments (allocated by the runtime
+    from what is recorded in `extras`)."""
     for decl in node_states(c.g, c.i):
+        layer = c.attrs["layer"]
         if sympy.sympify(decl.shape[0]) != B:
             raise c.fail(f"the {decl.kind} state {list(decl.shape)} does not lead with B")
         tail = tuple(c.static(d, f"the {decl.kind} state's size") for d in decl.shape[1:])
@@ -375,7 +374,6 @@ def _causal_conv(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     contiguous(c, "weight", channels, width)
     if a["bias"]:
         contiguous(c, "bias", channels)
-    _states(c)
     ctx = dict(C=channels, K=width, bias=a["bias"], act_fn=a["act"], x=by_sequence(c, "x"))
     return ctx, [JitKernel("_kernel", "causal_conv", dict(C=channels, K=width),
                            c.types(T="i32"))]
@@ -389,7 +387,6 @@ def _ssm_scan(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     for role, n in (("skip", channels), ("b_gain", states), ("c_gain", states)):
         if role in c.roles:
             contiguous(c, role, n)
-    _states(c)
     ctx = dict(C=channels, N=states, norm=a["norm_eps"] is not None, gate=a["gate"],
                eps=repr(a["norm_eps"]),
                **{r: by_sequence(c, r) for r in ("x", "dt", "b", "c", "z") if r in c.roles})
@@ -401,7 +398,6 @@ def _linear_attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     q, k, v = c.lay("q"), c.lay("k"), c.lay("v")
     heads, kv_heads = c.static(q.shape[1], "query heads"), c.static(k.shape[1], "KV heads")
     hd, dv = c.static(q.shape[3], "head_dim"), c.static(v.shape[3], "the value head dim")
-    _states(c)
     ctx = dict(H=heads, KVH=kv_heads, G=heads // kv_heads, D=hd, DV=dv,
                BLOCK_D=max(16, next_pow2(hd)), BLOCK_DV=max(16, next_pow2(dv)),
                feature=c.attrs["feature"], q=by_sequence(c, "q", HEAD),

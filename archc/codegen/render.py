@@ -1,15 +1,13 @@
 """Rendering a kernel-level program into one readable Python module of Triton kernels.
 
-1. For every compute node, ``build.build`` checks the node and returns a template and its values;
-   the template renders with ``StrictUndefined``, so a missing value is an error, never an empty
-   string.
-2. Units are deduplicated by their rendered text: identical layers render identical kernels and
-   share one. Names are given in order of first use (``fused_linear_0``, ``attention_1``, …).
-3. The module template assembles the shared device functions, each unit headed by the IR nodes it
-   implements, a ``KERNELS`` table (family, static sizes, argument types) and one ``run_<graph>``
-   function per graph that calls the units' launchers in order. Launchers share one skeleton
-   (``templates/launch.j2``) and record their launches with ``d.launch``: the runtime runs them
-   once per launch plan and replays what they recorded (``archc.runtime.launch``).
+1. ``build.build`` turns every compute node into a template and its values; templates render
+   with ``StrictUndefined``, so a missing value is an error, never an empty string.
+2. Units are deduplicated by their rendered text: identical layers share one kernel. Names follow
+   first use (``fused_linear_0``, ``attention_1``, …).
+3. The module holds each unit headed by the IR nodes it implements, a ``KERNELS`` table (family,
+   static sizes, argument types) and a ``run_<graph>`` per graph that calls the units' launchers
+   in order; launchers (``templates/launch.j2``) record their launches with ``d.launch`` for the
+   runtime to replay (``archc.runtime.launch``).
 
 The module is written to a cache directory keyed by a hash of the program text and the options,
 and imported from there (Triton reads kernel source from the file).
