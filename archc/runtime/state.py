@@ -32,11 +32,11 @@ class RecurrentState:
              device: torch.device, past: int) -> torch.Tensor:
         """The state the last call left, or zeros when a sequence starts (P = 0)."""
         have = self.store.get((layer, kind))
-        if past == 0 or have is None:
-            if past > 0:
-                raise RunError(f"layer {layer} continues a sequence at P = {past} but holds no "
-                               f"{kind} state: reset and prefill first")
+        if past == 0:
             return torch.zeros(shape, dtype=dtype, device=device)
+        if have is None:
+            raise RunError(f"layer {layer} continues a sequence at P = {past} but holds no "
+                           f"{kind} state: reset and prefill first")
         if tuple(have.shape) != tuple(shape) or have.dtype != dtype:
             raise RunError(f"layer {layer}'s {kind} state is {have.dtype}{list(have.shape)}; "
                            f"this call needs {dtype}{list(shape)} — reset before changing the "
