@@ -35,36 +35,30 @@ from archc.runtime.eager import EagerSession, Trace
 TOLERANCE = {"f32": 1e-4, "f16": 1e-2, "bf16": 5e-2}
 
 
-def _relative(error: float, scale: float) -> float:
-    return error / scale if scale else error
+@dataclass
+class Check:
+    max_error: float      # the largest |triton − eager|
+    scale: float          # the largest |eager|
+
+    @property
+    def relative(self) -> float:
+        return self.max_error / self.scale if self.scale else self.max_error
 
 
 @dataclass
-class KernelCheck:
+class KernelCheck(Check):
     phase: str
     graph: str
     node: int
     text: str             # the IR node
     kernel: str           # the generated unit that implements it
-    max_error: float
-    scale: float
     what: str = "output"  # or "k cache", "v cache", "conv state", …
-
-    @property
-    def relative(self) -> float:
-        return _relative(self.max_error, self.scale)
 
 
 @dataclass
-class PhaseCheck:
+class PhaseCheck(Check):
     phase: str
-    output: str
-    max_error: float       # triton vs eager on the unfused program
-    scale: float
-
-    @property
-    def relative(self) -> float:
-        return _relative(self.max_error, self.scale)
+    output: str           # of the program, against eager on the unfused program
 
 
 @dataclass
@@ -139,13 +133,14 @@ def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int =
                 more[writer[layer]].append((f"{kind} cache", triton.cache.get(layer, kind)[
                     :, :, :length], buf[:, :, :length]))
         for i in g.compute_ids():
-            if i in fused.trace.values:
-                for what, got, want in [("output", runner.value(i, dims), fused.trace.values[i]),
-                                        *more[i]]:
-                    report.kernels.append(KernelCheck(name, graph, i, format_node(i, g.nodes[i]),
-                                                      units[(graph, i)], *_err(got, want), what))
-        report.phases.append(PhaseCheck(name, output or list(g.outputs)[0],
-                                        *_err(outs[2], outs[0])))
+            if i not in fused.trace.values:
+                continue
+            at = (name, graph, i, format_node(i, g.nodes[i]), units[(graph, i)])
+            for what, got, want in [("output", runner.value(i, dims), fused.trace.values[i]),
+                                    *more[i]]:
+                report.kernels.append(KernelCheck(*_err(got, want), *at, what))
+        report.phases.append(PhaseCheck(*_err(outs[2], outs[0]), name,
+                                        output or list(g.outputs)[0]))
         fused.trace = None
 
     if spec.family == "encoder":
