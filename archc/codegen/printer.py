@@ -51,9 +51,6 @@ class _IndexPrinter(StrPrinter):
             raise PrintError(f"symbol {e.name!r} prints as {name!r}, not an identifier")
         return name
 
-    def _print_Integer(self, e: sympy.Integer) -> str:
-        return str(int(e))
-
     def emptyPrinter(self, e: object) -> str:  # noqa: N802  (sympy's name)
         raise PrintError(f"cannot print {e!r} as index arithmetic: it is not integer arithmetic")
 
