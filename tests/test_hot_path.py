@@ -21,11 +21,11 @@ import torch
 import archc
 from archc.cli import main
 from archc.codegen.layout import layouts
+from archc.codegen.printer import dim_function
 from archc.ir.lower import lower
 from archc.ir.shapes import DIMS, evaluate
 from archc.passes import optimize
 from archc.perf.host import HostSession
-from archc.runtime.dimfn import dim_function
 from archc.runtime.launch import LaunchPlan
 from archc.spec import load_spec
 

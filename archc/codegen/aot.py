@@ -2,19 +2,14 @@
 
 Tests under Triton's interpreter cannot see a kernel that will not compile for a GPU: a `tl.dot`
 on blocks smaller than 16, a dtype the hardware lacks, registers that spill. Triton compiles
-without a GPU: ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` gives PTX and a
-cubin, and the ``ptxas`` that ships with Triton reports registers and spills with ``-v``.
+without a GPU (``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``), and the
+``ptxas`` that ships with Triton reports registers and spills.
 
 Triton decides when it is first imported whether ``@triton.jit`` builds compiler or interpreter
-functions, so compiles run in fresh worker processes (``aot_worker.py``, Triton only) with
-``TRITON_INTERPRET`` unset — they work the same from a process that runs kernels under the
-interpreter. This side reads the module's ``KERNELS`` table (argument types) as a literal and
-picks block sizes, warps and stages with ``blocks.launch_config`` at a full-size prefill shape;
-the worker compiles each kernel and reads from the result:
-
-- registers and spill bytes (the ptxas log),
-- shared memory (Triton's metadata),
-- tensor-core instructions in the PTX: ``mma.sync`` for sm_80, ``wgmma.mma_async`` for sm_90a.
+functions, so compiles run in fresh worker processes (``aot_worker.py``) with ``TRITON_INTERPRET``
+unset — they work the same from a process that runs kernels under the interpreter. This side reads
+the module's ``KERNELS`` table (argument types) as a literal and picks block sizes, warps and
+stages at a full-size prefill shape (``blocks.aot_config``).
 """
 
 from __future__ import annotations
@@ -28,8 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from archc.codegen.aot_worker import last_line
+from archc.codegen.blocks import aot_config
+
 TARGETS = {"sm_80": 80, "sm_90a": 90}
-TENSOR_CORE_OP = {80: "mma.sync", 90: "wgmma.mma_async"}  # as aot_worker counts them
+MEASURED = ("registers", "spill_bytes", "shared_bytes", "tensor_core_ops", "seconds", "error")
 
 
 @dataclass
@@ -65,22 +63,20 @@ def compile_module(module_path: Path, target: str, *, jobs: int = 2,
         if entry is None:
             results[name] = AotResult(name, "", "", target, error="no such kernel")
             continue
-        results[name] = AotResult(name, entry["unit"], entry["family"], target)
-        job = _job(name, entry, TARGETS[target])
-        results[name].config = ", ".join(f"{k}={v}" for k, v in
-                                         {**job["constexprs"], **job["options"]}.items())
-        work.append(job)
+        cfg = aot_config(entry["family"], entry["sizes"])
+        options = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
+        results[name] = AotResult(name, entry["unit"], entry["family"], target, config=", ".join(
+            f"{k}={v}" for k, v in {**cfg, **options}.items()))
+        work.append({"kernel": name, "signature": entry["types"], "constexprs": cfg,
+                     "options": options, "capability": TARGETS[target]})
     jobs = max(1, min(jobs, len(work)))
-    chunks = [work[i::jobs] for i in range(jobs)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     worker = Path(__file__).with_name("aot_worker.py")
-    procs = []
-    for chunk in chunks:
-        p = subprocess.Popen([sys.executable, str(worker), str(module_path)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env)
-        procs.append((p, chunk))
+    procs = [(subprocess.Popen([sys.executable, str(worker), str(module_path)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env), work[i::jobs])
+             for i in range(jobs)]
     for p, chunk in procs:
         try:
             out, err = p.communicate("".join(json.dumps(j) + "\n" for j in chunk),
@@ -89,28 +85,14 @@ def compile_module(module_path: Path, target: str, *, jobs: int = 2,
             p.kill()
             out, err = p.communicate()
         done = set()
-        for line in out.splitlines():
-            if line.startswith("{"):
-                got = json.loads(line)
-                r = results[got["kernel"]]
-                for k in ("registers", "spill_bytes", "shared_bytes", "tensor_core_ops",
-                          "seconds", "error"):
-                    setattr(r, k, got[k])
-                done.add(got["kernel"])
+        for got in (json.loads(line) for line in out.splitlines() if line.startswith("{")):
+            for k in MEASURED:
+                setattr(results[got["kernel"]], k, got[k])
+            done.add(got["kernel"])
         for job in chunk:
             if job["kernel"] not in done:
-                results[job["kernel"]].error = _last_line(err) or "the compile worker failed"
+                results[job["kernel"]].error = last_line(err) or "the compile worker failed"
     return [results[n] for n in names]
-
-
-def _job(name: str, entry: dict[str, Any], capability: int) -> dict[str, Any]:
-    """What the worker needs for one kernel: argument types, block sizes, warps and stages."""
-    from archc.codegen.blocks import aot_constexprs, aot_sizes, launch_config
-    cfg = launch_config(entry["family"], "gpu", **aot_sizes(entry["family"], entry["sizes"]))
-    cfg.update(aot_constexprs(entry["family"]))
-    options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
-    return {"kernel": name, "signature": entry["types"], "constexprs": cfg, "options": options,
-            "capability": capability}
 
 
 def kernel_table(module_path: Path) -> dict[str, dict[str, Any]]:
@@ -122,8 +104,3 @@ def kernel_table(module_path: Path) -> dict[str, dict[str, Any]]:
                                                 for t in node.targets):
             return ast.literal_eval(node.value)
     raise ValueError(f"{module_path} has no KERNELS table")
-
-
-def _last_line(text: str) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    return lines[-1][:300] if lines else ""

@@ -18,21 +18,20 @@ import io
 import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
 import time
 
 TENSOR_CORE_OP = {80: "mma.sync", 90: "wgmma.mma_async"}
 
 
-def _last_line(text: str) -> str:
+def last_line(text: object) -> str:
     lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
     return lines[-1][:300] if lines else ""
 
 
 def _ptxas_log(ptx: str, capability: int) -> str:
-    import subprocess
-    import tempfile
-
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "k.ptx")
@@ -79,12 +78,11 @@ def compile_one(module: object, job: dict) -> dict:
         if regs is None:
             raise RuntimeError("no register count in the ptxas log")
         out["registers"] = int(regs.group(1))
-        out["spill_bytes"] = (int(stores.group(1)) if stores else 0) + (
-            int(loads.group(1)) if loads else 0)
+        out["spill_bytes"] = sum(int(m.group(1)) for m in (stores, loads) if m)
         out["shared_bytes"] = int(compiled.metadata.shared)
         out["tensor_core_ops"] = compiled.asm["ptx"].count(TENSOR_CORE_OP[job["capability"]])
     except Exception as err:  # reported per kernel; the caller's table shows all of them
-        out["error"] = f"{type(err).__name__}: {_last_line(err)}"
+        out["error"] = f"{type(err).__name__}: {last_line(err)}"
     out["seconds"] = time.perf_counter() - t0
     return out
 

@@ -36,138 +36,113 @@ def _clamp_pow2(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, next_pow2(n)))
 
 
+def _cfg(warps: int = 4, stages: int = 1, **blocks: int) -> dict[str, Any]:
+    return dict(blocks, num_warps=warps, num_stages=stages)
+
+
 def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
     """Block sizes (constexprs) plus num_warps and num_stages for one launch."""
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}")
     gpu = target == "gpu"
     if family == "matmul":
-        m, n, k = sizes["M"], sizes["N"], sizes["K"]
-        paired = sizes.get("paired", 0)
-        if gpu:
-            if m <= 16:
-                # decode streams the weight once: narrow column tiles and long K steps give
-                # ≥ 1 wave of programs on 132 SMs for N ≥ 4096, each with 4 loads in flight
-                cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
-            elif m <= 64:
-                cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
-            elif sizes.get("head_norm") or (paired and sizes.get("layer_norm")):
-                # heavy epilogues spill at 128 rows: a per-head norm (368 bytes), or two
-                # accumulators with LayerNorm's two statistics (falcon-7b's QKV+MLP: 348 bytes);
-                # 64 rows × 8 warps fit (140 registers for the per-head norm)
-                cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
-            else:
-                cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+        m, paired = sizes["M"], sizes.get("paired", 0)
+        if not gpu:
+            cfg = _cfg(BLOCK_M=_clamp_pow2(m, 16, 64),
+                       BLOCK_N=_clamp_pow2(sizes["N"], 32 if paired else 16, 1024),
+                       BLOCK_K=_clamp_pow2(sizes["K"], 16, 512))
+        elif m <= 16:
+            # decode streams the weight once: narrow column tiles and long K steps give
+            # ≥ 1 wave of programs on 132 SMs for N ≥ 4096, each with 4 loads in flight
+            cfg = _cfg(4, 4, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256)
+        elif m <= 64:
+            cfg = _cfg(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64)
+        elif sizes.get("head_norm") or (paired and sizes.get("layer_norm")):
+            # heavy epilogues spill at 128 rows: a per-head norm (368 bytes), or two
+            # accumulators with LayerNorm's two statistics (falcon-7b's QKV+MLP: 348 bytes);
+            # 64 rows × 8 warps fit (140 registers for the per-head norm)
+            cfg = _cfg(8, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64)
         else:
-            cfg = dict(BLOCK_M=_clamp_pow2(m, 16, 64), BLOCK_N=_clamp_pow2(n, 32 if paired else 16,
-                                                                             1024),
-                       BLOCK_K=_clamp_pow2(k, 16, 512), num_warps=4, num_stages=1)
+            cfg = _cfg(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)
         # epilogues that reduce over a head (QK-norm) need whole heads in a tile
         cfg["BLOCK_N"] = max(cfg["BLOCK_N"], sizes.get("align", 16))
         cfg["GROUP_M"] = 8
         return cfg
     if family == "attention":
-        d = sizes["D"]
-        if gpu:
-            if d > 128:  # head_dim 256: 4 warps spill (255 registers); 8 warps fit in 205
-                return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
-            return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-        return dict(BLOCK_M=_clamp_pow2(sizes["T"], 16, 128),
-                    BLOCK_N=_clamp_pow2(sizes["L"], 16, 128), num_warps=4, num_stages=1)
+        if not gpu:
+            return _cfg(BLOCK_M=_clamp_pow2(sizes["T"], 16, 128),
+                        BLOCK_N=_clamp_pow2(sizes["L"], 16, 128))
+        if sizes["D"] > 128:  # head_dim 256: 4 warps spill (255 registers); 8 warps fit in 205
+            return _cfg(8, 2, BLOCK_M=64, BLOCK_N=32)
+        return _cfg(8, 3, BLOCK_M=128, BLOCK_N=64)
     if family == "attention_decode":
         rows = _clamp_pow2(sizes["R"], 16, DECODE_MAX_ROWS)  # the G·T query rows of a KV head
-        if gpu:
-            wide = rows > 16 or sizes["D"] > 128
-            return dict(BLOCK_R=rows, BLOCK_N=32 if wide else 64, num_warps=8 if rows > 64 else 4,
-                        num_stages=2 if wide else 3)
-        # about four splits, so short test sequences still exercise the merge
-        return dict(BLOCK_R=rows, BLOCK_N=_clamp_pow2(sizes["L"] // 4, 16, 128), num_warps=4,
-                    num_stages=1)
+        if not gpu:  # about four splits, so short test sequences still exercise the merge
+            return _cfg(BLOCK_R=rows, BLOCK_N=_clamp_pow2(sizes["L"] // 4, 16, 128))
+        wide = rows > 16 or sizes["D"] > 128
+        return _cfg(8 if rows > 64 else 4, 2 if wide else 3, BLOCK_R=rows,
+                    BLOCK_N=32 if wide else 64)
     if family == "attention_combine":
         # one row per program on a GPU (a [splits, D] tile in registers); the interpreter
         # merges many rows per program
-        return dict(BLOCK_ROWS=1 if gpu else _clamp_pow2(sizes["R"], 1, 64), num_warps=4,
-                    num_stages=1)
-    if family in ("norm", "router"):
-        n = sizes["N"]
-        block_n = next_pow2(n)
-        if family == "router":
-            return dict(BLOCK_M=16 if gpu or sizes["M"] <= 16 else 64,
-                        BLOCK_K=_clamp_pow2(sizes["K"], 16, 128 if gpu else 512), num_warps=4,
-                        num_stages=3 if gpu else 1)
-        if gpu:
-            warps = 4 if block_n <= 1024 else 8 if block_n <= 4096 else 16
-            rows = max(1, min(16, 2048 // block_n))
-            return dict(BLOCK_R=rows, BLOCK_N=block_n, num_warps=warps, num_stages=1)
-        return dict(BLOCK_R=_clamp_pow2(sizes["M"], 1, 64), BLOCK_N=block_n, num_warps=4,
-                    num_stages=1)
-    if family in ("pointwise", "embedding"):
-        c = sizes["C"]
-        block_c = min(next_pow2(c), 1024 if gpu else 4096)
-        rows = max(1, (4096 if gpu else 16384) // block_c)
-        return dict(BLOCK_R=min(rows, _clamp_pow2(sizes["M"], 1, 1 << 20)), BLOCK_C=block_c,
-                    num_warps=4, num_stages=1)
+        return _cfg(BLOCK_ROWS=1 if gpu else _clamp_pow2(sizes["R"], 1, 64))
+    if family == "router":
+        return _cfg(4, 3 if gpu else 1, BLOCK_M=16 if gpu or sizes["M"] <= 16 else 64,
+                    BLOCK_K=_clamp_pow2(sizes["K"], 16, 128 if gpu else 512))
+    if family == "norm":
+        block_n = next_pow2(sizes["N"])
+        if not gpu:
+            return _cfg(BLOCK_R=_clamp_pow2(sizes["M"], 1, 64), BLOCK_N=block_n)
+        return _cfg(4 if block_n <= 1024 else 8 if block_n <= 4096 else 16,
+                    BLOCK_R=max(1, min(16, 2048 // block_n)), BLOCK_N=block_n)
+    if family in ("pointwise", "embedding", "moe_sum"):
+        # rows of BLOCK_C columns, about `elements` values a program
+        wide = 1024 if gpu or family == "moe_sum" else 4096
+        elements = 16384 if not gpu else 1024 if family == "moe_sum" else 4096
+        block_c = min(next_pow2(sizes["C"]), wide)
+        return _cfg(BLOCK_R=min(max(1, elements // block_c), _clamp_pow2(sizes["M"], 1, 1 << 20)),
+                    BLOCK_C=block_c)
     if family == "moe":
-        if gpu:
-            m = sizes["M"]
-            if m <= 32:
-                return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
-            return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
-        return dict(BLOCK_M=16, BLOCK_N=_clamp_pow2(sizes["N"], 32, 1024),
-                    BLOCK_K=_clamp_pow2(sizes["K"], 16, 512), num_warps=4, num_stages=1)
-    if family == "moe_sum":
-        block_c = min(next_pow2(sizes["C"]), 1024)
-        rows = max(1, (1024 if gpu else 16384) // block_c)
-        return dict(BLOCK_R=min(rows, _clamp_pow2(sizes["M"], 1, 1 << 20)), BLOCK_C=block_c,
-                    num_warps=4, num_stages=1)
-    if family in RECURRENT:
-        return _recurrent_config(family, gpu, sizes)
-    raise ValueError(f"no launch configuration for kernel family {family!r}")
-
-
-# The recurrent kernels run one program per (sequence, channel block) or (sequence, KV head),
-# each looping over the new tokens in order: the grid is fixed by the model, not by T.
-RECURRENT = ("causal_conv", "ssm_scan", "linear_attention")
-
-
-def _recurrent_config(family: str, gpu: bool, sizes: dict[str, int]) -> dict[str, Any]:
-    t = sizes["T"]
+        if not gpu:
+            return _cfg(BLOCK_M=16, BLOCK_N=_clamp_pow2(sizes["N"], 32, 1024),
+                        BLOCK_K=_clamp_pow2(sizes["K"], 16, 512))
+        if sizes["M"] <= 32:
+            return _cfg(4, 4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)
+        return _cfg(4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64)
+    # The recurrent kernels run one program per (sequence, channel block) or (sequence, KV head),
+    # each looping over the new tokens in order: the grid is fixed by the model, not by T.
     if family == "causal_conv":
         # narrow channel blocks: mamba-130m's 1536 channels make 48 programs per sequence
         if gpu:
-            return dict(BLOCK_T=_clamp_pow2(t, 1, 32), BLOCK_C=32, num_warps=4, num_stages=1)
-        return dict(BLOCK_T=_clamp_pow2(t, 1, 64), BLOCK_C=_clamp_pow2(sizes["C"], 16, 256),
-                    num_warps=4, num_stages=1)
+            return _cfg(BLOCK_T=_clamp_pow2(sizes["T"], 1, 32), BLOCK_C=32)
+        return _cfg(BLOCK_T=_clamp_pow2(sizes["T"], 1, 64),
+                    BLOCK_C=_clamp_pow2(sizes["C"], 16, 256))
     if family == "ssm_scan":
         # h is [BLOCK_D, N] f32 in registers for the whole call: 32 × 16 over 2 warps is 8
         # values a thread; the sequential loop over T wants many small programs on a GPU
         block_n = max(2, next_pow2(sizes["N"]))
         if gpu:
-            return dict(BLOCK_D=32, BLOCK_N=block_n, num_warps=2, num_stages=1)
-        return dict(BLOCK_D=_clamp_pow2(sizes["C"], 16, 256), BLOCK_N=block_n, num_warps=4,
-                    num_stages=1)
-    # linear_attention: S [D, Dv] f32 stays in registers; tl.dot wants ≥ 16 rows per chunk
-    if gpu:
+            return _cfg(2, BLOCK_D=32, BLOCK_N=block_n)
+        return _cfg(BLOCK_D=_clamp_pow2(sizes["C"], 16, 256), BLOCK_N=block_n)
+    if family == "linear_attention":
+        # S [D, Dv] f32 stays in registers; tl.dot wants ≥ 16 rows per chunk
+        if not gpu:
+            return _cfg(BLOCK_T=_clamp_pow2(sizes["T"], 16, 64))
         big = sizes["D"] * sizes["DV"] > 64 * 64
-        return dict(BLOCK_T=16 if t <= 16 or big else 32, num_warps=8 if big else 4,
-                    num_stages=1)
-    return dict(BLOCK_T=_clamp_pow2(t, 16, 64), num_warps=4, num_stages=1)
+        return _cfg(8 if big else 4, BLOCK_T=16 if sizes["T"] <= 16 or big else 32)
+    raise ValueError(f"no launch configuration for kernel family {family!r}")
 
 
-def aot_sizes(family: str, sizes: dict[str, int]) -> dict[str, int]:
-    """The dynamic sizes an ahead-of-time compile assumes: a full-size prefill."""
-    full = dict(sizes)
-    full.setdefault("M", 4096)
-    full.setdefault("T", 4096)
-    full.setdefault("L", 4096)
-    full.setdefault("R", 4 if family == "attention_decode" else 32)  # decode: 4 heads per KV head
-    return full
-
-
-def aot_constexprs(family: str) -> dict[str, int]:
-    """Block sizes a launcher picks from the call (not from `launch_config`), at the shapes an
-    ahead-of-time compile assumes: 64 key splits to merge."""
-    return {"attention_combine": {"BLOCK_S": 64}}.get(family, {})
+def aot_config(family: str, sizes: dict[str, int]) -> dict[str, Any]:
+    """The launch configuration an ahead-of-time compile assumes: a full-size prefill, decode
+    with 4 heads per KV head, and 64 key splits to merge (a block size the combine's launcher
+    picks from the call, not from `launch_config`)."""
+    full = {"M": 4096, "T": 4096, "L": 4096, "R": 4 if family == "attention_decode" else 32,
+            **sizes}
+    cfg = launch_config(family, "gpu", **full)
+    if family == "attention_combine":
+        cfg["BLOCK_S"] = 64
+    return cfg
 
 
 def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
@@ -177,15 +152,14 @@ def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
         tiles = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 8, 3),
                  (128, 64, 64, 4, 4), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
                  (32, 128, 64, 4, 4)]
-        align = sizes.get("align", 16)
-        return [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=s)
-                for m, n, k, w, s in tiles if n % align == 0]
+        return [_cfg(w, s, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8)
+                for m, n, k, w, s in tiles if n % sizes.get("align", 16) == 0]
     if family == "attention":
         if sizes.get("D", 128) > 128:
             tiles = [(64, 32, 8, 2), (64, 16, 4, 2), (32, 32, 4, 2)]
         else:
             tiles = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)]
-        return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in tiles]
+        return [_cfg(w, s, BLOCK_M=m, BLOCK_N=n) for m, n, w, s in tiles]
     # attention_decode is not tuned: its split size, chosen before the launch, must be a
     # multiple of the key block
     return []
@@ -198,12 +172,10 @@ def decode_splits(target: str, keys: int, programs: int, block_n: int) -> tuple[
     splits past the live length end at once); under the interpreter, one block per split (few
     keys in tests, and it exercises the merge)."""
     keys = max(keys, 1)
+    split = block_n
     if target == "gpu":
-        want = max(1, DECODE_TARGET_PROGRAMS // max(programs, 1))
-        splits = min(want, _cdiv(keys, block_n))
+        splits = min(max(1, DECODE_TARGET_PROGRAMS // max(programs, 1)), _cdiv(keys, block_n))
         split = _cdiv(_cdiv(keys, splits), block_n) * block_n
-    else:
-        split = block_n
     return _cdiv(keys, split), split
 
 

@@ -3,15 +3,13 @@
 1. The op's declaration names its template (``OpDef.template``) and its operands by role.
 2. Every operand becomes a kernel argument ``<role>_ptr`` — the root buffer it is read from, typed
    for ahead-of-time compiles, commented with its shape — and a parameter of the unit's launcher;
-   runtime objects a kernel also reads (the KV cache, a recurrent state, the past length on the
-   device) are arguments the same way.
+   so do the runtime objects a kernel reads (the KV cache, a recurrent state, P on the device).
 3. The template's context function (``CONTEXTS``) adds what that family prints: static sizes,
-   the index expressions of each operand's layout (rows, head views, vectors), the epilogue.
+   the index expressions of each operand's layout, the epilogue.
 
-The program is verified before anything is built, so attributes are of their declared types and
-allowed values; what a context function still refuses (a layout a template cannot read, a static
-size that is symbolic) is refused with a ``CodegenError`` naming the node — never rendered as
-something else.
+The program is verified first, so attributes are of their declared types and allowed values; what
+a template cannot read (a layout, a symbolic static size) is refused with a ``CodegenError``
+naming the node — never rendered as something else.
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ from typing import Any
 import sympy
 
 import archc.ir.expr as E
+from archc.codegen.blocks import next_pow2
 from archc.codegen.layout import CodegenError, Layout
 from archc.codegen.options import CodegenOptions
 from archc.codegen.printer import pexpr, texpr
@@ -53,7 +52,7 @@ class JitKernel:
     types: dict[str, str]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Arg:
     """A buffer a kernel reads or writes: its kernel parameter (`x_ptr`), Triton type, comment,
     the launcher's parameter (`x`) and what the graph's run function passes (`v[3]`)."""
@@ -66,6 +65,9 @@ class Arg:
     @property
     def name(self) -> str:
         return f"{self.param}_ptr"
+
+
+PAST = Arg("past", "*i32", "P, the tokens already cached", "d.past")
 
 
 @dataclass
@@ -111,17 +113,10 @@ class NodeCtx:
     def arg(self, role: str) -> Arg:
         return next(a for a in self.args if a.param == role)
 
-    def extra(self, param: str, type_: str, comment: str, value: str) -> Arg:
-        """A runtime argument besides the operands: a cache, a state, the past length."""
-        a = Arg(param, type_, comment, value)
-        self.args.append(a)
-        return a
-
     def types(self, args: Sequence[Arg] | None = None, **ints: str) -> dict[str, str]:
         """Argument types of a kernel: out_ptr, the args (all by default), then `ints`."""
-        out = {"out_ptr": "*" + TRITON_TYPES[self.node.dtype]}
-        out.update({a.name: a.type for a in (self.args if args is None else args)})
-        return {**out, **ints}
+        return {"out_ptr": "*" + TRITON_TYPES[self.node.dtype],
+                **{a.name: a.type for a in (self.args if args is None else args)}, **ints}
 
     def fail(self, problem: str) -> CodegenError:
         return CodegenError(f"codegen: graph {self.g.name}: {format_node(self.i, self.node)}: "
@@ -137,17 +132,15 @@ class NodeCtx:
     def reads_encoder_len(self) -> bool:
         """Does the node's row space or an input's layout depend on S (a view of a cross-attention
         tensor), so that its kernel takes the encoder length?"""
-        exprs = list(self.node.shape)
-        for k in range(len(self.node.inputs)):
-            lay = self.lay(k)
-            exprs += [lay.offset, *lay.strides, *lay.shape]
+        lays = [self.lay(k) for k in range(len(self.node.inputs))]
+        exprs = [*self.node.shape, *(e for lay in lays for e in (lay.offset, *lay.strides,
+                                                                  *lay.shape))]
         return any(S in sympy.sympify(e).free_symbols for e in exprs)
 
     @property
     def dot_kw(self) -> str:
         """f32 models multiply in IEEE f32 (TF32 would not match eager to f32 rounding)."""
-        return ', input_precision="ieee"' if (self.node.dtype == "f32"
-                                               and self.opts.exact_f32_dot) else ""
+        return ', input_precision="ieee"' if self.node.dtype == "f32" else ""
 
 
 # ---- reading an operand through its layout -----------------------------------------------------
@@ -173,11 +166,11 @@ def row_offset(lay: Layout, rows: str) -> str:
     return texpr(expr, {"r": rows})
 
 
-def rows(lay: Layout, var: str = "rows") -> dict[str, str]:
+def rows(lay: Layout) -> dict[str, str]:
     """Rows of contiguous-or-strided columns: each row's offset, and ` * stride` for columns
     that are not contiguous ('' when they are)."""
     s = lay.strides[-1]
-    return dict(row_off=row_offset(lay, var), col_mul="" if s == 1 else f" * {texpr(s)}")
+    return dict(row_off=row_offset(lay, "rows"), col_mul="" if s == 1 else f" * {texpr(s)}")
 
 
 def by_sequence(c: NodeCtx, role: str, head: sympy.Symbol | None = None) -> dict[str, str]:
@@ -204,10 +197,6 @@ def contiguous(c: NodeCtx, role: str, *dims: int) -> None:
         raise c.fail(f"{role} must be a contiguous {list(dims)} tensor")
 
 
-def next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
 # ---- epilogue steps ---------------------------------------------------------------------------
 
 ACC = "__ACC__"   # where an elementwise step's code names the accumulator
@@ -220,11 +209,8 @@ def elementwise_step(c: NodeCtx, st: Call, idx: int, width: int) -> dict[str, An
     if not STEPS[st.fn].elementwise:
         raise c.fail(f"the {c.node.op.value} template renders elementwise epilogue steps here, "
                      f"not {st.fn}()")
-    loads = []
-    for name in STEPS[st.fn].inputs:
-        role = f"{name}{idx}"
-        lay = c.lay(role)
-        loads.append(dict(var=role, vector=lay.rank == 1, ptr=c.arg(role).name, **rows(lay)))
+    loads = [dict(var=role, vector=c.lay(role).rank == 1, ptr=c.arg(role).name, **rows(c.lay(role)))
+             for role in (f"{name}{idx}" for name in STEPS[st.fn].inputs)]
     start, stop = st.kw("start", 0), st.kw("stop", width)
     code = E.triton(step_expr(st), [ACC, *(ld["var"] for ld in loads)])
     return dict(fn="elementwise", name=st.fn, loads=loads, code=code, start=start, stop=stop,
@@ -250,6 +236,7 @@ def build(c: NodeCtx) -> Unit:
         read = "" if lay.root == c.node.inputs[k] else ", read through strides"
         c.args.append(Arg(role, "*" + TRITON_TYPES[root.dtype],
                           f"[{dims}] {docs.get(role, role)}{read}", f"v[{lay.root}]"))
+    _states(c)
     context, kernels = CONTEXTS[template](c)
     params = ", ".join(a.param for a in c.args)
     context.update(args=c.args, params=params, params_=f"{params}, " if params else "",
@@ -295,37 +282,31 @@ def _pointwise(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         raise c.fail("a scalar pointwise node has no Triton rendering")
     width = c.static(out[-1], "the output width")
     inputs = []
-    for role in c.roles:
+    for role in c.roles:   # inputs aligned from the right; broadcast dims read with stride 0
         lay = c.lay(role)
-        strides: list[sympy.Expr] = []
-        for dim in range(rank):  # align from the right; broadcast dims read with stride 0
-            src = dim - (rank - lay.rank)
-            if src < 0 or (lay.shape[src] == 1 and out[dim] != 1):
-                strides.append(sympy.Integer(0))
-            else:
-                strides.append(lay.strides[src])
+        lead = rank - lay.rank
+        strides = tuple(sympy.Integer(0) if d < lead or (lay.shape[d - lead] == 1 and out[d] != 1)
+                        else lay.strides[d - lead] for d in range(rank))
         inputs.append(dict(name=role, ptr=c.arg(role).name,
-                           **rows(Layout(lay.root, lay.offset, out, tuple(strides)))))
+                           **rows(Layout(lay.root, lay.offset, out, strides))))
     ctx = dict(C=width, inputs=inputs, R=pexpr(numel(out[:-1])),
                expr=E.triton(c.attrs["expr"], list(c.roles)))
     return ctx, [JitKernel("_kernel", "pointwise", dict(C=width),
                            c.types(R="i32", B="i32", T="i32", S="i32"))]
 
 
-def _k_loop(c: NodeCtx, weight: Layout, rows_n: int, k: int, pair: str | None = None,
+def _k_loop(c: NodeCtx, weight: Layout, rows_n: int, k: int, cols: Sequence[str] = ("cols",)
             ) -> dict[str, Any]:
-    """The weight-tile loads of a K loop (templates/kloop.j2): one accumulator, or two for a
-    paired epilogue (columns `cols1` and `cols2`)."""
-    names = ("w",) if pair is None else ("w1", "w2")
-    return dict(wsets=[dict(name=n, ptrs=f"{n}_ptrs", acc="acc" if pair is None else f"acc{j + 1}",
-                            cols="cols" if pair is None else f"cols{j + 1}")
-                       for j, n in enumerate(names)],
+    """The weight-tile loads of a K loop (templates/kloop.j2): an accumulator for each set of
+    weight rows `cols` (two for a paired epilogue)."""
+    suffixes = [""] if len(cols) == 1 else ["1", "2"]
+    return dict(wsets=[dict(name=f"w{j}", ptrs=f"w{j}_ptrs", acc=f"acc{j}", cols=col)
+                       for j, col in zip(suffixes, cols)],
                 w_row_stride=texpr(weight.strides[-2]), dot_kw=c.dot_kw, N=rows_n, K=k)
 
 
 def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
-    a = c.attrs
-    n = c.node
+    a, n = c.attrs, c.node
     if n.op.value == "router":
         x, w = c.lay("x"), c.lay("weight")
         if w.rank != 2 or w.strides[1] != 1 or w.offset != 0 or x.strides[-1] != 1:
@@ -354,10 +335,7 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
                epilogue_params_="".join(f"{a.param}, " for a in c.args[3:]),
                gates_row_off=row_offset(gates, "token"),
                x=dict(row_off=row_offset(x, "token" if up else "pair")),
-               **_k_loop(c, w, width, k, "glu" if gated else None))
-    if gated:
-        ctx["wsets"][1]["cols"] = f"cols + {width}"
-        ctx["wsets"][0]["cols"] = "cols"
+               **_k_loop(c, w, width, k, ("cols", f"cols + {width}") if gated else ("cols",)))
     own = c.args if up else c.args[:3]
     kernels = [JitKernel("_kernel", "moe", dict(N=nw, K=k),
                          c.types(own, pairs_ptr="*i32", block_expert_ptr="*i32", T="i32"))]
@@ -368,21 +346,25 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     return ctx, kernels
 
 
-def _states(c: NodeCtx) -> list[Arg]:
-    """The layer's recurrent state tensors as arguments (allocated by the runtime from what the
-    op declares, recorded in `extras`)."""
-    layer = c.attrs["layer"]
-    out = []
+def _cache_arg(c: NodeCtx, param: str, kind: str, layer: int, kv_heads: int, hd: int) -> Arg:
+    """Layer `layer`'s `kind` (k|v) cache, [B, kv_heads, max_seq_len, hd], as an argument."""
+    return Arg(param, "*" + TRITON_TYPES[c.node.dtype],
+               f"{'key' if kind == 'k' else 'value'} cache [B, {kv_heads}, {c.opts.max_seq_len}, "
+               f"{hd}]", f'd.cache.get({layer}, "{kind}")')
+
+
+def _states(c: NodeCtx) -> None:
+    """The recurrent state tensors the node's op declares, as arguments (allocated by the runtime
+    from what is recorded in `extras`)."""
     for decl in node_states(c.g, c.i):
+        layer = c.attrs["layer"]
         if sympy.sympify(decl.shape[0]) != B:
             raise c.fail(f"the {decl.kind} state {list(decl.shape)} does not lead with B")
         tail = tuple(c.static(d, f"the {decl.kind} state's size") for d in decl.shape[1:])
         c.extras.setdefault("state", []).append((layer, decl.kind, tail, decl.dtype))
-        dims = ", ".join(map(str, ("B", *tail)))
-        out.append(c.extra(f"{decl.kind.lower()}_state", "*" + TRITON_TYPES[decl.dtype],
-                           f"{decl.dtype} [{dims}] {decl.kind} state, updated in place",
-                           f'd.state({layer}, "{decl.kind}")'))
-    return out
+        c.args.append(Arg(f"{decl.kind.lower()}_state", "*" + TRITON_TYPES[decl.dtype],
+                          f"{decl.dtype} [{', '.join(map(str, ('B', *tail)))}] {decl.kind} "
+                          "state, updated in place", f'd.states.get({layer}, "{decl.kind}")'))
 
 
 def _causal_conv(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
@@ -392,7 +374,6 @@ def _causal_conv(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     contiguous(c, "weight", channels, width)
     if a["bias"]:
         contiguous(c, "bias", channels)
-    _states(c)
     ctx = dict(C=channels, K=width, bias=a["bias"], act_fn=a["act"], x=by_sequence(c, "x"))
     return ctx, [JitKernel("_kernel", "causal_conv", dict(C=channels, K=width),
                            c.types(T="i32"))]
@@ -406,7 +387,6 @@ def _ssm_scan(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     for role, n in (("skip", channels), ("b_gain", states), ("c_gain", states)):
         if role in c.roles:
             contiguous(c, role, n)
-    _states(c)
     ctx = dict(C=channels, N=states, norm=a["norm_eps"] is not None, gate=a["gate"],
                eps=repr(a["norm_eps"]),
                **{r: by_sequence(c, r) for r in ("x", "dt", "b", "c", "z") if r in c.roles})
@@ -418,7 +398,6 @@ def _linear_attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     q, k, v = c.lay("q"), c.lay("k"), c.lay("v")
     heads, kv_heads = c.static(q.shape[1], "query heads"), c.static(k.shape[1], "KV heads")
     hd, dv = c.static(q.shape[3], "head_dim"), c.static(v.shape[3], "the value head dim")
-    _states(c)
     ctx = dict(H=heads, KVH=kv_heads, G=heads // kv_heads, D=hd, DV=dv,
                BLOCK_D=max(16, next_pow2(hd)), BLOCK_DV=max(16, next_pow2(dv)),
                feature=c.attrs["feature"], q=by_sequence(c, "q", HEAD),
@@ -450,21 +429,16 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     heads, hd = c.static(q.shape[1], "query heads"), c.static(q.shape[3], "head_dim")
     cached = a["cache_layer"] is not None
     max_len = c.opts.max_seq_len
-    if cached:
-        kv_heads = a["kv_heads"]
-        layer = a["cache_layer"]
-        cache = (f"b * {kv_heads * max_len * hd} + kv_h * {max_len * hd}", str(hd))
-        for kind in ("k", "v"):   # the layer's cache, read in place of operands
-            c.args.insert(1 + (kind == "v"), Arg(
-                kind, "*" + TRITON_TYPES[c.node.dtype], f"{kind} cache [B, {kv_heads}, "
-                f"{max_len}, {hd}]", f'd.kv({layer}, "{kind}")'))
-        kv = {kind: dict(base=cache[0], stride_l=cache[1]) for kind in ("k", "v")}
+    if cached:   # the layer's cache, read in place of k and v operands
+        kv_heads, layer = a["kv_heads"], a["cache_layer"]
+        c.args[1:1] = [_cache_arg(c, kind, kind, layer, kv_heads, hd) for kind in "kv"]
+        kv = {kind: dict(base=f"b * {kv_heads * max_len * hd} + kv_h * {max_len * hd}",
+                         stride_t=str(hd)) for kind in "kv"}
         length = length_host = ""
-        c.extra("past", "*i32", "P, the tokens already cached", "d.past")
+        c.args.append(PAST)
     else:
         kv_heads = c.static(c.lay("k").shape[1], "KV heads")
-        kv = {kind: dict(base=by_sequence(c, kind, KV_HEAD)["base"],
-                         stride_l=by_sequence(c, kind, KV_HEAD)["stride_t"]) for kind in "kv"}
+        kv = {kind: by_sequence(c, kind, KV_HEAD) for kind in "kv"}
         length, length_host = texpr(c.lay("k").shape[2]), pexpr(c.lay("k").shape[2])
     scale, softcap, bias = a["scale"], a["softcap"], a["bias"]
     ctx: dict[str, Any] = dict(
@@ -557,12 +531,11 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         elif st.fn == "kv_write":
             if kv is not None:
                 raise c.fail("more than one kv_write() step")
-            hd, kv_heads = st.kw("head_dim"), st.kw("kv_heads")
-            kv = dict(stride_b=kv_heads * c.opts.max_seq_len * hd, stride_l=hd,
-                      layer=st.kw("layer"), kv_heads=kv_heads, head_dim=hd)
-            target.append(dict(fn="kv_write", k_start=st.kw("k_start"),
-                               v_start=st.kw("v_start"), width=kv_heads * hd, head_dim=hd,
-                               stride_h=c.opts.max_seq_len * hd))
+            hd, kv_heads, max_len = st.kw("head_dim"), st.kw("kv_heads"), c.opts.max_seq_len
+            kv = dict(fn="kv_write", layer=st.kw("layer"), kv_heads=kv_heads, head_dim=hd,
+                      k_start=st.kw("k_start"), v_start=st.kw("v_start"), width=kv_heads * hd,
+                      stride_b=kv_heads * max_len * hd, stride_h=max_len * hd, stride_l=hd)
+            target.append(kv)
             c.extras.setdefault("kv", []).append((kv["layer"], kv_heads, hd))
         elif st.fn == "head_norm":
             hn = dict(fn="head_norm", kind=st.kw("kind"), heads=st.kw("heads"),
@@ -579,14 +552,10 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
             pair = _rope_pair(st, width, idx, c)
     if kv is not None:   # how many columns land contiguously in the cache
         cols_run = pair["run"] if pair is not None and pair["fn"] == "rope" else 1 << 16
-        kw = next(s for s in steps_pre + steps_post if s["fn"] == "kv_write")
-        run = math.gcd(cols_run, kv["head_dim"], kw["k_start"], kw["v_start"])
-        kv["run"] = kw["run"] = run & -run if run else 0
-        for kind in ("k", "v"):
-            c.extra(f"{kind}_cache", "*" + TRITON_TYPES[c.node.dtype],
-                    f"{'key' if kind == 'k' else 'value'} cache [B, {kv['kv_heads']}, "
-                    f"{c.opts.max_seq_len}, {kv['head_dim']}]", f'd.kv({kv["layer"]}, "{kind}")')
-        c.extra("past", "*i32", "P, the tokens already cached", "d.past")
+        run = math.gcd(cols_run, kv["head_dim"], kv["k_start"], kv["v_start"])
+        kv["run"] = run & -run if run else 0
+        c.args += [*(_cache_arg(c, f"{kind}_cache", kind, kv["layer"], kv["kv_heads"],
+                                kv["head_dim"]) for kind in "kv"), PAST]
     # Tiles hold whole heads. A power-of-two head is a reshape of the tile; any other size
     # (phi-2's 80) makes the tiles head-aligned: each covers ⌊TILE_N / group⌋ whole heads and
     # masks its last lanes, and the per-head sums are taken head by head.
@@ -608,11 +577,9 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
             head_group = hn["group"]
     for hn in head_norms:
         hn["pow2"] = head_group is None
-    if pair is None:
-        accs_pre = accs_post = [dict(acc="acc", cols="cols")]
-    else:
-        accs_pre = [dict(acc="acc1", cols="cols1"), dict(acc="acc2", cols="cols2")]
-        accs_post = [dict(acc="acc", cols="cols")] if pair["fn"] == "glu" else accs_pre
+    one = [dict(acc="acc", cols="cols")]
+    accs_pre = one if pair is None else [dict(acc=f"acc{j}", cols=f"cols{j}") for j in (1, 2)]
+    accs_post = one if pair is not None and pair["fn"] == "glu" else accs_pre
     layer_norm = int(a["prologue"] == "layer")
     ctx = dict(operands=operands, n_out=width, prologue=a["prologue"], eps=repr(a["eps"]),
                pair=pair, steps_pre=steps_pre, steps_post=steps_post, accs_pre=accs_pre,
@@ -620,7 +587,7 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
                    pair is not None and pair["fn"] == "rope"),
                M=pexpr(numel(c.node.shape[:-1])), align=align, has_head_norm=int(
                    bool(head_norms)), head_group=head_group, layer_norm=layer_norm,
-               **_k_loop(c, w, n_rows, k_total, None if pair is None else pair["fn"]))
+               **_k_loop(c, w, n_rows, k_total, ("cols",) if pair is None else ("cols1", "cols2")))
     sizes = dict(N=n_rows, K=k_total, paired=int(pair is not None), align=align,
                  head_norm=int(bool(head_norms)), layer_norm=layer_norm)
     ints = dict(M="i32", T="i32", **({"S": "i32"} if c.reads_encoder_len else {}))

@@ -18,7 +18,7 @@ import sympy
 from archc.errors import ArchcError
 from archc.ir.graph import Graph
 from archc.ir.ops import Op
-from archc.ir.shapes import Shape
+from archc.ir.shapes import Shape, numel
 from archc.ir.text import format_node
 
 
@@ -37,27 +37,11 @@ class Layout:
     def rank(self) -> int:
         return len(self.shape)
 
-    def stride(self, dim: int) -> sympy.Expr:
-        return self.strides[dim]
-
     @property
     def contiguous_rows(self) -> bool:
         """Can the leading dims be walked as one row index with stride strides[-2]?"""
-        if self.rank < 2:
-            return True
-        for i in range(self.rank - 2):
-            if sympy.expand(self.strides[i] - self.strides[i + 1] * self.shape[i + 1]) != 0:
-                return False
-        return True
-
-
-def contiguous_strides(shape: Shape) -> tuple[sympy.Expr, ...]:
-    strides: list[sympy.Expr] = []
-    acc: sympy.Expr = sympy.Integer(1)
-    for d in reversed(shape):
-        strides.append(acc)
-        acc = acc * d
-    return tuple(reversed(strides))
+        return all(sympy.expand(self.strides[i] - self.strides[i + 1] * self.shape[i + 1]) == 0
+                   for i in range(self.rank - 2))
 
 
 def layouts(g: Graph) -> list[Layout]:
@@ -67,25 +51,22 @@ def layouts(g: Graph) -> list[Layout]:
         shape = tuple(sympy.sympify(d) for d in n.shape)
         if n.op == Op.SLICE:
             src = out[n.inputs[0]]
-            start = int(n.attr("start"))
-            out.append(Layout(src.root, src.offset + start * src.strides[-1], shape,
+            out.append(Layout(src.root, src.offset + n.attr("start") * src.strides[-1], shape,
                               src.strides))
         elif n.op == Op.SPLIT_HEADS:
             src = out[n.inputs[0]]
             sb, st, sw = src.strides
-            d = shape[3]
-            out.append(Layout(src.root, src.offset, shape, (sb, d * sw, st, sw)))
+            out.append(Layout(src.root, src.offset, shape, (sb, shape[3] * sw, st, sw)))
         elif n.op == Op.MERGE_HEADS:
             src = out[n.inputs[0]]
             sb, sh, st, sd = src.strides
-            d = src.shape[3]
-            if sympy.expand(sh - d * sd) != 0:
+            if sympy.expand(sh - src.shape[3] * sd) != 0:
                 raise CodegenError(f"{format_node(i, n)}: heads of %{n.inputs[0]} are not "
                                    "adjacent in memory; merging them needs a copy")
             out.append(Layout(src.root, src.offset, shape, (sb, st, sd)))
         elif n.op == Op.OUTPUT:
-            src = out[n.inputs[0]]
-            out.append(src)
+            out.append(out[n.inputs[0]])
         else:
-            out.append(Layout(i, sympy.Integer(0), shape, contiguous_strides(shape)))
+            strides = tuple(numel(shape[k + 1:]) for k in range(len(shape)))
+            out.append(Layout(i, sympy.Integer(0), shape, strides))
     return out

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass
 
@@ -14,7 +13,6 @@ class CodegenOptions:
     target: str = "interpret"        # "gpu" (compiled) or "interpret" (Triton's CPU interpreter)
     max_seq_len: int = 2048          # KV-cache length: static, baked into cache strides
     autotune: bool = False           # on a GPU: triton.autotune over blocks.autotune_configs
-    exact_f32_dot: bool = True       # f32 models: tl.dot in IEEE f32, not TF32, to match eager
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -24,6 +22,3 @@ class CodegenOptions:
 
     def key(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
-
-    def digest(self) -> str:
-        return hashlib.sha256(self.key().encode()).hexdigest()[:16]

@@ -13,38 +13,37 @@ and an exact form otherwise:
 
 ``min``/``max`` become ``tl.minimum``/``tl.maximum`` on the device. Anything that is not integer
 arithmetic (a rational, a float, an unknown function) is refused rather than printed wrongly.
+
+Evaluating an expression with sympy (``subs``, ``xreplace``) costs tens of microseconds and a
+decode step needs hundreds, so the runtime compiles the host code of those it reads into one
+plain function per use (``dim_function``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import sympy
 from sympy.printing.str import StrPrinter
 
 from archc.errors import ArchcError
+from archc.ir.shapes import DIMS
+
+DimFn = Callable[[int, int, int, int], tuple[int, ...]]
 
 
 class PrintError(ArchcError):
     """An expression codegen cannot print as integer index arithmetic."""
 
 
-def _nonneg(e: sympy.Expr) -> bool:
-    return bool(e.is_nonnegative)
-
-
-def _positive(e: sympy.Expr) -> bool:
-    return bool(e.is_positive)
-
-
 class _IndexPrinter(StrPrinter):
-    """Common integer printing: symbols renamed, products and sums parenthesized safely."""
+    """Integer printing with symbols renamed and products and sums parenthesized safely; on the
+    `device`, C-like `//` and `%` only where they equal floor and Mod."""
 
-    device = False
-
-    def __init__(self, names: Mapping[str, str] | None = None) -> None:
+    def __init__(self, names: Mapping[str, str] | None, device: bool) -> None:
         super().__init__({"order": "none"})
         self.names = dict(names or {})
+        self.device = device
 
     def _print_Symbol(self, e: sympy.Symbol) -> str:
         name = self.names.get(e.name, e.name)
@@ -52,14 +51,10 @@ class _IndexPrinter(StrPrinter):
             raise PrintError(f"symbol {e.name!r} prints as {name!r}, not an identifier")
         return name
 
-    def _print_Integer(self, e: sympy.Integer) -> str:
-        return str(int(e))
+    def emptyPrinter(self, e: object) -> str:  # noqa: N802  (sympy's name)
+        raise PrintError(f"cannot print {e!r} as index arithmetic: it is not integer arithmetic")
 
-    def _print_Rational(self, e: sympy.Rational) -> str:
-        raise PrintError(f"{e} is not an integer: index arithmetic is integral")
-
-    def _print_Float(self, e: sympy.Float) -> str:
-        raise PrintError(f"{e} is a float: index arithmetic is integral")
+    _print_Rational = _print_Float = _print_Function = emptyPrinter
 
     def _print_Pow(self, e: sympy.Pow, rational: bool = False) -> str:
         base, exp = e.args
@@ -93,30 +88,31 @@ class _IndexPrinter(StrPrinter):
                 out += f" + {self._print(t)}"
         return out
 
-    def _print_Mod(self, e: sympy.Mod) -> str:
-        a, b = e.args
-        pa, pb = self._wrap(a), self._wrap(b)
-        if not self.device or (_nonneg(a) and _positive(b)):
-            return f"({pa} % {pb})"
-        if not _positive(b):
+    def _plain(self, e: sympy.Expr, a: sympy.Expr, b: sympy.Expr) -> bool:
+        """May `a // b` and `a % b` print as the plain operators (always on the host)?"""
+        if not self.device or (a.is_nonnegative and b.is_positive):
+            return True
+        if not b.is_positive:
             raise PrintError(f"{e}: the divisor must be known positive")
-        return f"((({pa} % {pb}) + {pb}) % {pb})"
+        return False
+
+    def _print_Mod(self, e: sympy.Mod) -> str:
+        a, b = (self._wrap(x) for x in e.args)
+        mod = f"({a} % {b})"
+        return mod if self._plain(e, *e.args) else f"(({mod} + {b}) % {b})"
 
     def _print_floor(self, e: sympy.floor) -> str:
-        arg = e.args[0]
-        num, den = arg.as_numer_denom()
+        num, den = e.args[0].as_numer_denom()
         if not (den.is_integer and num.is_integer):
             raise PrintError(f"cannot print {e}: only floor(a / b) of integers")
         if den == 1:
             return self._print(num)
-        pn, pd = self._wrap(num), self._wrap(den)
-        if not self.device or (_nonneg(num) and _positive(den)):
-            return f"({pn} // {pd})"
-        if not _positive(den):
-            raise PrintError(f"{e}: the divisor must be known positive")
-        return f"(({pn} - ((({pn} % {pd}) + {pd}) % {pd})) // {pd})"
+        a, b = self._wrap(num), self._wrap(den)
+        if self._plain(e, num, den):
+            return f"({a} // {b})"
+        return f"(({a} - ((({a} % {b}) + {b}) % {b})) // {b})"
 
-    def _minmax(self, e: sympy.Expr, fn: str) -> str:
+    def _fold(self, e: sympy.Expr, fn: str) -> str:
         args = [self._print(a) for a in e.args]
         out = args[0]
         for a in args[1:]:
@@ -124,35 +120,36 @@ class _IndexPrinter(StrPrinter):
         return out
 
     def _print_Min(self, e: sympy.Min) -> str:
-        return self._minmax(e, "tl.minimum" if self.device else "min")
+        return self._fold(e, "tl.minimum" if self.device else "min")
 
     def _print_Max(self, e: sympy.Max) -> str:
-        return self._minmax(e, "tl.maximum" if self.device else "max")
-
-    def emptyPrinter(self, e: object) -> str:  # noqa: N802  (sympy's name)
-        raise PrintError(f"cannot print {e!r} as index arithmetic")
-
-    def _print_Function(self, e: sympy.Function) -> str:
-        raise PrintError(f"cannot print {e} as index arithmetic")
-
-
-class TritonPrinter(_IndexPrinter):
-    """Device code: C-like `//` and `%` are only used where they equal floor and Mod."""
-
-    device = True
-
-
-class HostPrinter(_IndexPrinter):
-    """Launcher code: Python's `//` and `%` already floor."""
-
-    device = False
+        return self._fold(e, "tl.maximum" if self.device else "max")
 
 
 def texpr(e: sympy.Expr | int, names: Mapping[str, str] | None = None) -> str:
     """`e` as Triton device code."""
-    return TritonPrinter(names).doprint(sympy.sympify(e))
+    return _IndexPrinter(names, device=True).doprint(sympy.sympify(e))
 
 
 def pexpr(e: sympy.Expr | int, names: Mapping[str, str] | None = None) -> str:
-    """`e` as Python host code."""
-    return HostPrinter(names).doprint(sympy.sympify(e))
+    """`e` as Python host code: Python's `//` and `%` already floor."""
+    return _IndexPrinter(names, device=False).doprint(sympy.sympify(e))
+
+
+def dim_function(exprs: Sequence[sympy.Expr | int], name: str = "dims") -> DimFn:
+    """One function of (B, T, P, S) returning every expression of `exprs`, in order, as ints:
+
+        dim_function([B*T*4096, T + P], "sizes")
+            →  def sizes(B, T, P, S): return (4096 * B * T, P + T)
+    """
+    values = ", ".join(pexpr(e) for e in exprs)
+    source = f"def {name}(B, T, P, S):\n    return ({values}{',' if exprs else ''})\n"
+    namespace: dict[str, DimFn] = {}
+    # archc's own printed integer arithmetic over the four dims: trusted as the generated module
+    exec(compile(source, f"<archc {name}>", "exec"), namespace)
+    return namespace[name]
+
+
+def uses_past(exprs: Sequence[sympy.Expr | int]) -> bool:
+    """Does any of `exprs` change with the past length P?"""
+    return any(isinstance(e, sympy.Basic) and e.has(DIMS["P"]) for e in exprs)

@@ -1,15 +1,13 @@
 """Rendering a kernel-level program into one readable Python module of Triton kernels.
 
-1. For every compute node, the family's builder (``kernels.build``) checks the node and returns a
-   template and its values; the template renders with ``StrictUndefined``, so a missing value is
-   an error, never an empty string.
-2. Units are deduplicated by their rendered text: identical layers render identical kernels and
-   share one. Names are given in order of first use (``fused_linear_0``, ``attention_1``, …).
-3. The module template assembles the shared device functions, each unit headed by the IR nodes it
-   implements, a ``KERNELS`` table (family, static sizes, argument types) and one ``run_<graph>``
-   function per graph that calls the units' launchers in order. Launchers share one skeleton
-   (``templates/launch.j2``) and record their launches with ``d.launch``: the runtime runs them
-   once per launch plan and replays what they recorded (``archc.runtime.launch``).
+1. ``build.build`` turns every compute node into a template and its values; templates render
+   with ``StrictUndefined``, so a missing value is an error, never an empty string.
+2. Units are deduplicated by their rendered text: identical layers share one kernel. Names follow
+   first use (``fused_linear_0``, ``attention_1``, …).
+3. The module holds each unit headed by the IR nodes it implements, a ``KERNELS`` table (family,
+   static sizes, argument types) and a ``run_<graph>`` per graph that calls the units' launchers
+   in order; launchers (``templates/launch.j2``) record their launches with ``d.launch`` for the
+   runtime to replay (``archc.runtime.launch``).
 
 The module is written to a cache directory keyed by a hash of the program text and the options,
 and imported from there (Triton reads kernel source from the file).
@@ -22,13 +20,13 @@ import importlib.util
 import re
 import sys
 import textwrap
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
 import jinja2
 
-import archc.ir.expr as E
 from archc import __version__
 from archc.codegen.build import JitKernel, NodeCtx, Unit, build
 from archc.codegen.layout import CodegenError, layouts
@@ -39,6 +37,7 @@ from archc.ir.text import format_node, format_program
 from archc.ir.verify import verify
 
 TEMPLATES = Path(__file__).parent / "templates"
+StateSpec = tuple[int, str, tuple[int, ...], str]     # (layer, kind, shape after B, dtype)
 PLACEHOLDER = "__KERNEL__"
 
 
@@ -49,17 +48,13 @@ def _raise(message: str) -> None:
 ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
     trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)
-ENV.globals["raise"] = _raise
-ENV.globals["act"] = act_code
-ENV.globals["tanh"] = tanh_code
-ENV.globals["softcap"] = lambda x, cap: E.triton(E.call("softcap", E.x(0), cap=float(cap)), [x])
+ENV.globals.update({"raise": _raise, "act": act_code, "tanh": tanh_code})
 
 
 @dataclass
 class RenderedUnit:
     name: str
     family: str
-    template: str
     source: str
     kernels: list[JitKernel]
     uses: list[tuple[str, int, str]] = field(default_factory=list)  # (graph, node id, text)
@@ -77,24 +72,19 @@ class Generated:
     """A rendered program: module source, units, per-graph launch steps."""
 
     model: str
-    options: CodegenOptions
     source: str
     digest: str
     units: list[RenderedUnit]
     steps: dict[str, list[Step]]
     kv: list[tuple[int, int, int]]          # (layer, kv_heads, head_dim) of every cache written
-    # (layer, kind, shape after B, dtype) of every recurrent state a kernel updates
-    states: list[tuple[int, str, tuple[int, ...], str]] = field(default_factory=list)
+    states: list[StateSpec]                 # every recurrent state a kernel updates
 
     @property
     def launches(self) -> int:
         return sum(len(s) for s in self.steps.values())
 
     def unit(self, name: str) -> RenderedUnit:
-        for u in self.units:
-            if u.name == name:
-                return u
-        raise KeyError(name)
+        return next(u for u in self.units if u.name == name)
 
     def unit_text(self, name: str) -> str:
         """One unit's source, headed by the IR nodes it implements, as in the module."""
@@ -103,36 +93,24 @@ class Generated:
         uses = f"{len(u.uses)} launch" + ("es" if len(u.uses) != 1 else "")
         return f"# {u.name} ({u.family}): {uses}\n{header}{u.source.rstrip()}\n"
 
-    def kernel_table(self) -> list[tuple[str, int]]:
-        """(unit name, launches) in order of first use."""
-        return [(u.name, len(u.uses)) for u in self.units]
 
-
-def render_unit(unit: Unit) -> str:
-    template = ENV.get_template(unit.template)
+def _render(unit: Unit) -> str:
     try:
-        return template.render(name=PLACEHOLDER, **unit.context)
+        return ENV.get_template(unit.template).render(name=PLACEHOLDER, **unit.context)
     except jinja2.UndefinedError as err:
         raise CodegenError(f"template {unit.template}: {err}") from None
 
 
-def _codegen_fingerprint() -> str:
+def _fingerprint() -> str:
     """A hash of the templates and the code that fills them: a change to either is a new
     module, never a stale one from the cache."""
-    h = hashlib.sha256(__version__.encode())
-    here = Path(__file__).parent
-    for path in sorted([*TEMPLATES.glob("*.j2"), here / "build.py",
-                        here / "render.py", here / "layout.py", here / "printer.py"]):
-        h.update(path.name.encode() + path.read_bytes())
-    return h.hexdigest()
+    code = [TEMPLATES.parent / f"{name}.py" for name in ("build", "render", "layout", "printer")]
+    return hashlib.sha256(__version__.encode() + b"".join(
+        p.name.encode() + p.read_bytes() for p in sorted([*TEMPLATES.glob("*.j2"), *code])
+    )).hexdigest()
 
 
-_FINGERPRINT = _codegen_fingerprint()
-
-
-def program_digest(program: Program, options: CodegenOptions) -> str:
-    text = format_program(program) + "\n" + options.key() + "\n" + _FINGERPRINT
-    return hashlib.sha256(text.encode()).hexdigest()
+_FINGERPRINT = _fingerprint()
 
 
 def _header(uses: list[tuple[str, int, str]]) -> list[str]:
@@ -155,56 +133,50 @@ def generate(program: Program, options: CodegenOptions) -> Generated:
     verify(program)
     by_text: dict[tuple[str, str], RenderedUnit] = {}
     units: list[RenderedUnit] = []
-    counters: dict[str, int] = {}
+    counters: Counter[str] = Counter()
     steps: dict[str, list[Step]] = {}
     kv: list[tuple[int, int, int]] = []
-    states: list[tuple[int, str, tuple[int, ...], str]] = []
+    states: list[StateSpec] = []
     for g in program:
         lays = layouts(g)
-        graph_steps: list[Step] = []
+        steps[g.name] = []
         for i in g.compute_ids():
             ctx = NodeCtx(g, i, lays, options)
             unit = build(ctx)
             kv += ctx.extras.get("kv", [])
             states += ctx.extras.get("state", [])
-            text = render_unit(unit)
-            key = (unit.template, text)
-            ru = by_text.get(key)
+            text = _render(unit)
+            ru = by_text.get((unit.template, text))
             if ru is None:
-                n = counters.get(unit.family, 0)
-                counters[unit.family] = n + 1
-                name = f"{unit.family}_{n}"
-                ru = RenderedUnit(name, unit.family, unit.template,
-                                  text.replace(PLACEHOLDER, name), unit.kernels)
-                by_text[key] = ru
+                name = f"{unit.family}_{counters[unit.family]}"
+                counters[unit.family] += 1
+                ru = by_text[(unit.template, text)] = RenderedUnit(
+                    name, unit.family, text.replace(PLACEHOLDER, name), unit.kernels)
                 units.append(ru)
             node_text = format_node(i, g.nodes[i])
             ru.uses.append((g.name, i, node_text))
-            graph_steps.append(Step(_comment_safe(node_text), f"{ru.name}(d, {unit.call})",
-                                    ru.name))
-        steps[g.name] = graph_steps
-    digest = program_digest(program, options)
-    kernels = []
-    for u in units:
-        table = {u.name + k.suffix: dict(family=k.family, unit=u.name, sizes=k.sizes,
-                                         types=k.types) for k in u.kernels}
-        kernels.append(dict(name=u.name, family=u.family, uses=u.uses, header=_header(u.uses),
-                            source=u.source.rstrip("\n"),
-                            entries=[f"{k!r}: {e!r}" for k, e in table.items()]))
-    graphs = [dict(name=g.name, steps=[dict(node=s.node, call=s.call) for s in steps[g.name]],
-                   unique=len({s.unit for s in steps[g.name]})) for g in program]
+            steps[g.name].append(Step(_comment_safe(node_text), f"{ru.name}(d, {unit.call})",
+                                      ru.name))
+    digest = hashlib.sha256(f"{format_program(program)}\n{options.key()}\n{_FINGERPRINT}".encode()
+                            ).hexdigest()
+    kernels = [dict(name=u.name, family=u.family, uses=u.uses, header=_header(u.uses),
+                    source=u.source.rstrip("\n"), entries=[
+                        f"{u.name + k.suffix!r}: "
+                        f"{dict(family=k.family, unit=u.name, sizes=k.sizes, types=k.types)!r}"
+                        for k in u.kernels]) for u in units]
+    graphs = [dict(name=g.name, steps=steps[g.name], unique=len({s.unit for s in steps[g.name]}))
+              for g in program]
     source = ENV.get_template("module.py.j2").render(
         version=__version__, model=program.model, kernels=kernels, graphs=graphs,
         launches=sum(len(s) for s in steps.values()), options=options.key(),
         graph_hash=digest[:16])
-    return Generated(program.model, options, source, digest, units, steps, sorted(set(kv)),
+    return Generated(program.model, source, digest, units, steps, sorted(set(kv)),
                      _one_per_state(states))
 
 
-def _one_per_state(states: list[tuple[int, str, tuple[int, ...], str]]
-                   ) -> list[tuple[int, str, tuple[int, ...], str]]:
+def _one_per_state(states: list[StateSpec]) -> list[StateSpec]:
     """Each (layer, kind) once; two kernels that disagree on its shape are refused."""
-    seen: dict[tuple[int, str], tuple[int, str, tuple[int, ...], str]] = {}
+    seen: dict[tuple[int, str], StateSpec] = {}
     for s in states:
         other = seen.setdefault(s[:2], s)
         if other != s:
@@ -213,13 +185,9 @@ def _one_per_state(states: list[tuple[int, str, tuple[int, ...], str]]
     return sorted(seen.values())
 
 
-def safe_name(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80] or "model"
-
-
 def write_module(gen: Generated, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{safe_name(gen.model)}.py"
+    path = directory / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', gen.model)[:80] or 'model'}.py"
     if not path.exists() or path.read_text() != gen.source:
         tmp = path.with_suffix(".py.tmp")
         tmp.write_text(gen.source)
@@ -233,17 +201,12 @@ _LOADED: dict[str, ModuleType] = {}
 def load_module(path: Path, key: str) -> ModuleType:
     """Import the module at `path` once per `key` and source text (Triton reads the kernels'
     source from the file)."""
-    key = key + hashlib.sha256(path.read_bytes()).hexdigest()
-    mod = _LOADED.get(key)
-    if mod is not None:
-        return mod
-    name = f"archc_generated_{key[:16]}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise CodegenError(f"cannot import the generated module {path}")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    _LOADED[key] = mod
-    return mod
+    key += hashlib.sha256(path.read_bytes()).hexdigest()
+    if key not in _LOADED:
+        name = f"archc_generated_{key[:16]}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None   # a .py file always has one
+        _LOADED[key] = sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_LOADED[key])
+    return _LOADED[key]
 

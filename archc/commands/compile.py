@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _aot(path: Path, target: str, jobs: int, gen: object) -> int:
-    from archc.codegen.aot import TARGETS, TENSOR_CORE_OP, compile_module
+    from archc.codegen.aot import TARGETS, compile_module
+    from archc.codegen.aot_worker import TENSOR_CORE_OP
     op = TENSOR_CORE_OP[TARGETS[target]].split(".")[0]
     results = compile_module(path, target, jobs=jobs)
     table = Table(title=f"ahead-of-time compile for {target} (bf16 buffers as generated, "

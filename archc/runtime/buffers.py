@@ -11,11 +11,12 @@ root and keep it alive. The plan is made once per graph, symbolically, and sized
 3. At run time each slot is one byte buffer as large as its largest member at the concrete
    B, T, P, S, allocated once per distinct shape and reused by every call with that shape — so
    decode steps run on the same addresses, as a captured CUDA graph needs. Sizes and shapes come
-   from one function of the dims compiled with the plan (``archc.runtime.dimfn``), not sympy.
+   from one function of the dims compiled with the plan (``dim_function``), not sympy.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -23,10 +24,10 @@ import sympy
 import torch
 
 from archc.codegen.layout import Layout
+from archc.codegen.printer import DimFn, dim_function, uses_past
 from archc.ir.graph import Graph
 from archc.ir.shapes import DTYPE_BYTES, numel
 from archc.ir.view import live_ranges
-from archc.runtime.dimfn import DimFn, dim_function, uses_past
 from archc.runtime.weights import TORCH_DTYPES
 
 Dims = tuple[int, int, int, int]       # B, T, P, S
@@ -89,23 +90,17 @@ class BufferPlan:
         at = len(self.slot_of)
         out: dict[int, torch.Tensor] = {}
         for root, slot in self.slot_of.items():
-            rank = len(self.shapes[root])
-            shape = sizes[at:at + rank]
-            at += rank
-            count = 1
-            for s in shape:
-                count *= s
+            shape = sizes[at:at + len(self.shapes[root])]
+            at += len(shape)
             dtype = self.dtypes[root]
-            out[root] = bufs[slot][:count * DTYPE_BYTES[dtype]].view(TORCH_DTYPES[dtype]).view(
-                shape)
+            out[root] = bufs[slot][:math.prod(shape) * DTYPE_BYTES[dtype]].view(
+                TORCH_DTYPES[dtype]).view(shape)
         return out
 
 
 def plan_buffers(g: Graph, lays: Sequence[Layout], *, reuse: bool = True) -> BufferPlan:
     roots = g.compute_ids()
     ranges = live_ranges(g, [lay.root for lay in lays])
-    last = {r: ranges[r][1] for r in roots}
-    end = len(g.nodes)
     nbytes = {r: numel(g.nodes[r].shape) * DTYPE_BYTES[g.nodes[r].dtype] for r in roots}
     at_ref = dim_function(list(nbytes.values()), f"reference_bytes_{g.name}")(*REFERENCE_DIMS)
     ref = dict(zip(nbytes, at_ref))
@@ -115,10 +110,9 @@ def plan_buffers(g: Graph, lays: Sequence[Layout], *, reuse: bool = True) -> Buf
     free: list[int] = []
     dying: dict[int, list[int]] = {}
     for r in roots:
-        dying.setdefault(last[r], []).append(r)
-    for i in range(end):
-        if i in last:  # node i writes root i
-            slot = None
+        dying.setdefault(ranges[r][1], []).append(r)
+    for i in range(len(g.nodes)):
+        if i in nbytes:  # node i writes root i
             if reuse and free:
                 # the free slot closest in size: an exact fit, else the smallest that holds it,
                 # else the largest (it grows)
@@ -126,15 +120,14 @@ def plan_buffers(g: Graph, lays: Sequence[Layout], *, reuse: bool = True) -> Buf
                 slot = min(fits, key=lambda s: size_at_ref[s]) if fits else max(
                     free, key=lambda s: size_at_ref[s])
                 free.remove(slot)
-            if slot is None:
+            else:
                 slot = len(members)
                 members.append([])
                 size_at_ref.append(0)
             members[slot].append(i)
             size_at_ref[slot] = max(size_at_ref[slot], ref[i])
             slot_of[i] = slot
-        for r in dying.get(i, []):
-            free.append(slot_of[r])
+        free += [slot_of[r] for r in dying.get(i, [])]
     return BufferPlan(g.name, slot_of, members, nbytes,
                       {r: tuple(g.nodes[r].shape) for r in roots},
                       {r: g.nodes[r].dtype for r in roots})

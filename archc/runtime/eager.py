@@ -25,8 +25,7 @@ from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import OP_TABLE, Op, bind, full_attrs
 from archc.ir.shapes import DIMS
 from archc.ir.text import format_node
-from archc.runtime.cross_kv import CrossKV
-from archc.runtime.state import RecurrentState
+from archc.runtime.state import CrossKV, RecurrentState
 from archc.runtime.weights import TORCH_DTYPES, materialize
 
 
@@ -48,17 +47,14 @@ class KVCache:
             raise RunError(f"sequence of {past + t} tokens exceeds the KV cache "
                            f"(max_seq_len = {self.max_len})")
         buf = self.store.get((layer, kind))
-        if buf is not None and (buf.shape[0] != b or buf.dtype != x.dtype) and past > 0:
-            raise RunError(f"the KV cache holds a batch of {buf.shape[0]} {buf.dtype} "
-                           f"sequences; got {b} {x.dtype} — reset before changing the batch")
         if buf is None or buf.shape[0] != b or buf.dtype != x.dtype:
-            buf = torch.zeros(b, h, self.max_len, d, dtype=x.dtype, device=x.device)
-            self.store[(layer, kind)] = buf
+            if buf is not None and past > 0:
+                raise RunError(f"the KV cache holds a batch of {buf.shape[0]} {buf.dtype} "
+                               f"sequences; got {b} {x.dtype} — reset before changing the batch")
+            buf = self.store[(layer, kind)] = torch.zeros(b, h, self.max_len, d, dtype=x.dtype,
+                                                          device=x.device)
         buf[:, :, past:past + t] = x
         return buf[:, :, :past + t]
-
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.store.values())
 
 
 @dataclass
@@ -69,17 +65,18 @@ class EagerContext:
     cache: KVCache | None = None
     state: RecurrentState | None = None
 
+    def _state(self) -> RecurrentState:
+        if self.state is None:
+            raise RunError("this graph keeps a recurrent state but none was given")
+        return self.state
+
     def state_read(self, layer: int, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor:
         """Layer `layer`'s recurrent state `kind`: zeros when a sequence starts (P = 0)."""
-        if self.state is None:
-            raise RunError("this graph keeps a recurrent state but none was given")
-        return self.state.read(layer, kind, shape, dtype, device, self.dims["P"])
+        return self._state().read(layer, kind, shape, dtype, device, self.dims["P"])
 
     def state_write(self, layer: int, kind: str, value: torch.Tensor) -> None:
-        if self.state is None:
-            raise RunError("this graph keeps a recurrent state but none was given")
-        self.state.write(layer, kind, value)
+        self._state().write(layer, kind, value)
 
     def cache_append(self, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
         if self.cache is None:
@@ -95,9 +92,8 @@ class EagerContext:
 
 @dataclass
 class Trace:
-    """Values of chosen nodes, kept for inspection (validation, debugging)."""
+    """Values of every compute node, kept for inspection (validation, debugging)."""
 
-    keep: set[int] | None = None       # None: keep every compute node
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     graph: str | None = None           # only this graph's nodes (None: every graph run)
 
@@ -106,13 +102,9 @@ def run_graph(graph: Graph, params: Mapping[str, torch.Tensor],
               inputs: Mapping[str, torch.Tensor], ctx: EagerContext, *,
               trace: Trace | None = None) -> dict[str, torch.Tensor]:
     """Run `graph` once; returns its outputs by name."""
-    n_nodes = len(graph.nodes)
-    last_use = list(range(n_nodes))
-    for i, n in enumerate(graph.nodes):
-        for j in n.inputs:
-            last_use[j] = i
+    last_use = {j: i for i, n in enumerate(graph.nodes) for j in n.inputs}
     dims = tuple(sorted(ctx.dims.items()))
-    values: list[torch.Tensor | None] = [None] * n_nodes
+    values: list[torch.Tensor | None] = [None] * len(graph.nodes)
     outputs: dict[str, torch.Tensor] = {}
     for i, n in enumerate(graph.nodes):
         if n.op == Op.INPUT:
@@ -138,8 +130,8 @@ def run_graph(graph: Graph, params: Mapping[str, torch.Tensor],
         values[i] = value
         if n.op == Op.OUTPUT:
             outputs[n.name] = value
-        if trace is not None and n.op not in (Op.INPUT, Op.PARAM) and (
-                trace.keep is None or i in trace.keep) and trace.graph in (None, graph.name):
+        if trace is not None and n.op not in (Op.INPUT, Op.PARAM) and trace.graph in (
+                None, graph.name):
             trace.values[i] = value
         for j in n.inputs:  # free what no later node reads
             if last_use[j] == i:
@@ -147,12 +139,22 @@ def run_graph(graph: Graph, params: Mapping[str, torch.Tensor],
     return outputs
 
 
+def encoder_inputs(tokens: torch.Tensor, attention_mask: torch.Tensor | None,
+                   token_types: torch.Tensor | None, device: torch.device
+                   ) -> dict[str, torch.Tensor]:
+    """An encoder graph's inputs: without a mask every token is real, without types all are 0."""
+    b, t = tokens.shape
+    mask = torch.ones(b, t) if attention_mask is None else attention_mask
+    types = torch.zeros(b, t) if token_types is None else token_types
+    return {"tokens": tokens.to(device), "positions": torch.arange(t, device=device),
+            "attention_mask": mask.long().to(device), "token_types": types.long().to(device)}
+
+
 class EagerSession:
     """A program ready to run eagerly: parameters evaluated once, a KV cache, past length P.
 
     ``encode`` runs an encoder graph; ``step`` runs the decoder graph on new tokens after the P
-    already cached (P = 0 after ``reset``); ``forward`` is a full, cache-fresh forward pass.
-    """
+    already cached (P = 0 after ``reset``)."""
 
     def __init__(self, program: Program, checkpoint: Mapping[str, torch.Tensor], *,
                  max_seq_len: int, device: str | torch.device = "cpu") -> None:
@@ -173,33 +175,25 @@ class EagerSession:
         self.cache = KVCache(self.cache.max_len)
         self.state = RecurrentState()
 
-    def _graph(self, name: str) -> Graph:
-        return self.program.graph(name)
+    def _run(self, name: str, inputs: dict[str, torch.Tensor], **dims: int
+             ) -> dict[str, torch.Tensor]:
+        return run_graph(self.program.graph(name), self.params[name], inputs,
+                         EagerContext(dims, self.cache, self.state), trace=self.trace)
 
     def _run_cross_kv(self, encoder_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
         b, s = encoder_hidden.shape[:2]
-        return run_graph(self._graph(CROSS_KV), self.params[CROSS_KV],
-                         {"encoder_hidden": encoder_hidden},
-                         EagerContext({"B": b, "T": 1, "P": 0, "S": s}), trace=self.trace)
+        return self._run(CROSS_KV, {"encoder_hidden": encoder_hidden}, B=b, T=1, P=0, S=s)
 
     def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
                token_types: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [B, T, d] of the encoder graph."""
-        g = self._graph("encoder")
         b, t = tokens.shape
-        inputs = {"tokens": tokens.to(self.device),
-                  "positions": torch.arange(t, device=self.device),
-                  "attention_mask": (torch.ones(b, t, dtype=torch.long) if attention_mask is None
-                                     else attention_mask.long()).to(self.device),
-                  "token_types": (torch.zeros(b, t, dtype=torch.long) if token_types is None
-                                  else token_types.long()).to(self.device)}
-        ctx = EagerContext({"B": b, "T": t, "P": 0})
-        return run_graph(g, self.params["encoder"], inputs, ctx, trace=self.trace)["hidden"]
+        inputs = encoder_inputs(tokens, attention_mask, token_types, self.device)
+        return self._run("encoder", inputs, B=b, T=t, P=0)["hidden"]
 
     def step(self, tokens: torch.Tensor, *, encoder_hidden: torch.Tensor | None = None,
              encoder_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab] for `tokens` following the P tokens already in the cache."""
-        g = self._graph("decoder")
         b, t = tokens.shape
         if self.prefix_len is None:
             self.prefix_len = t  # prefix-LM: the first call's tokens are the prefix
@@ -216,7 +210,6 @@ class EagerSession:
             inputs["encoder_mask"] = (torch.ones(b, s, dtype=torch.long) if encoder_mask is None
                                       else encoder_mask.long()).to(self.device)
             inputs.update(self.cross_kv.inputs(encoder_hidden))
-        ctx = EagerContext(dims, self.cache, self.state)
-        out = run_graph(g, self.params["decoder"], inputs, ctx, trace=self.trace)["logits"]
+        out = self._run("decoder", inputs, **dims)["logits"]
         self.past += t
         return out

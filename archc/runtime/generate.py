@@ -28,10 +28,6 @@ class Sampling:
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ArchcError(f"top_p must be in (0, 1], got {self.top_p}")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
 
 class Sampler:
     def __init__(self, sampling: Sampling) -> None:
@@ -43,7 +39,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """Next token per row of `logits` [B, vocab] → [B]."""
         logits = logits.float().cpu()
-        if self.s.greedy:
+        if self.s.temperature == 0:
             return logits.argmax(dim=-1)
         logits = logits / self.s.temperature
         if self.s.top_k is not None:
@@ -57,5 +53,4 @@ class Sampler:
             drop = probs.cumsum(dim=-1) - probs >= self.s.top_p
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-        probs = logits.softmax(dim=-1)
-        return torch.multinomial(probs, 1, generator=self.gen).squeeze(-1)
+        return torch.multinomial(logits.softmax(dim=-1), 1, generator=self.gen).squeeze(-1)

@@ -1,49 +1,45 @@
 """Launch plans: what one run of a graph launches, built once per dims and replayed.
 
-A generated module's ``run_<graph>(v, d)`` calls one launcher per kernel-level node; each works
-out its sizes, block configuration and grid. None of that changes between decode steps, so the
-runtime runs the launchers once per (B, T, S) — and whatever else the launch arguments depend on —
-with a ``LaunchContext`` that records instead of launching, and keeps the result as a
-``LaunchPlan``:
+A generated module's ``run_<graph>(v, d)`` calls one launcher per kernel-level node, which works
+out sizes, block configuration and grid. None of that changes between decode steps, so the runtime
+runs the launchers once per plan key (B, T, S, the keys attention covers, and P where sizes depend
+on it) with a ``LaunchContext`` that records instead of launching. A ``LaunchPlan`` keeps the
+buffers (parameters, one per graph input, the activations of ``archc.runtime.buffers``), the
+launches — ``kernel[grid]`` bound once, and the few host steps such as MoE routing, made of device
+ops — and views of the outputs.
 
-1. buffers: the parameters, one persistent buffer per graph input, and the activation buffers
-   (``archc.runtime.buffers``), so every tensor the plan names stays valid while it lives;
-2. launches: (callable, arguments, block sizes) per kernel launch, in order — ``kernel[grid]``
-   bound once, grids evaluated once — and the few host steps a launch needs (MoE routing, made
-   of device ops into the plan's own tensors);
-3. outputs: views of the output buffers, read through their layouts.
-
-A step then copies its inputs into the plan's buffers, writes P to the device and replays the
-launches in a tight loop (or, on a GPU, one CUDA graph captured from them). Shapes, strides and
-offsets are compiled once per graph into plain functions of (B, T, P, S)
-(``archc.runtime.dimfn``): nothing symbolic runs per step, and nothing per step reads P on the
-host. Plans are dropped when the KV cache or the recurrent state is reallocated.
+A step copies its inputs into the plan's buffers, writes P to the device and replays the launches
+in a tight loop (or, on a GPU, one CUDA graph captured from them). Shapes, strides and offsets are
+compiled once per graph into plain functions of (B, T, P, S) (``dim_function``): nothing
+symbolic runs per step, and nothing per step reads P on the host. Plans are dropped when the KV
+cache or the recurrent state is reallocated.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 
+from archc.codegen import blocks
+from archc.codegen.layout import layouts
+from archc.codegen.printer import DimFn, dim_function, uses_past
 from archc.errors import RunError
 from archc.ir.graph import Graph
-from archc.runtime.dimfn import DimFn, dim_function, uses_past
-from archc.runtime.state import StaticState, StaticStore
+from archc.ir.ops import Op
+from archc.runtime.buffers import plan_buffers
+from archc.runtime.state import StaticStore
 from archc.runtime.weights import TORCH_DTYPES
 
 # (callable, positional arguments, keyword arguments): a kernel launch or a host step
 Launch = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 PlanKey = tuple[int, int, int, int, int]     # B, T, P (0 unless sizes depend on it), S, keys
 MAX_PLANS = 8                                # distinct prompt lengths: keep a few
-
-
-def bind_kernel(kernel: Any, grid: Any) -> Callable[..., Any]:
-    """The callable that launches `kernel` over `grid`: Triton's ``kernel[grid]``."""
-    return kernel[grid]
 
 
 @dataclass
@@ -54,19 +50,22 @@ class LaunchContext:
 
     target: str
     device: torch.device
-    cache: StaticStore | None
+    cache: StaticStore
+    states: StaticStore
     autotuned: set[str] = field(default_factory=set)
-    states: StaticState | None = None
     B: int = 1
     T: int = 1
     S: int = 0
     kv_len_max: int = 0                 # keys a decode-attention grid must cover
-    decode_max_rows: int = 128          # blocks.DECODE_MAX_ROWS; tests force either kernel
-    past: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.int32))
-    bind: Callable[[Any, Any], Callable[..., Any]] = bind_kernel
+    decode_max_rows: int = blocks.DECODE_MAX_ROWS   # tests force either attention kernel
+    # kernel, grid → the launch: Triton's kernel[grid] (`archc bench --host` binds no-ops)
+    bind: Callable[[Any, Any], Callable[..., Any]] = operator.getitem
     _scratch: dict[tuple[str, torch.dtype], torch.Tensor] = field(default_factory=dict)
     _launches: list[Launch] | None = None
     _routing: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.past = torch.zeros(1, dtype=torch.int32, device=self.device)   # P, on the device
 
     def record(self, run: Callable[[], None], B: int, T: int, S: int,  # noqa: N803
                kv_len_max: int) -> list[Launch]:
@@ -83,33 +82,16 @@ class LaunchContext:
     def launch(self, kernel: Any, grid: Any, *args: Any, **meta: Any) -> None:
         """Record `kernel[grid](*args, **meta)`. A grid that is a function of the block sizes is
         evaluated now, unless the kernel is autotuned (its sizes are chosen at the launch)."""
-        if self._launches is None:
-            raise RunError("a generated launcher ran outside a launch plan")
         if meta and callable(grid):
             grid = grid(meta)
-        self._launches.append((self.bind(kernel, grid), args, meta))
+        self.call(self.bind(kernel, grid), *args, **meta)
 
-    def call(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Record a host step (device ops) the plan runs in order with its launches."""
+    def call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
+        """Record `fn(*args, **kw)`: a launch, or a host step (device ops) the plan runs in order
+        with its launches."""
         if self._launches is None:
             raise RunError("a generated launcher ran outside a launch plan")
-        self._launches.append((fn, args, {}))
-
-    def generations(self) -> tuple[int, int]:
-        """Allocations of the KV cache and of the recurrent state so far: a plan holds their
-        tensors, so it is rebuilt when either changes."""
-        return (self.cache.generation if self.cache is not None else 0,
-                self.states.generation if self.states is not None else 0)
-
-    def kv(self, layer: int, kind: str) -> torch.Tensor:
-        if self.cache is None:
-            raise RunError("this graph uses a KV cache but none was given")
-        return self.cache.get(layer, kind)
-
-    def state(self, layer: int, kind: str) -> torch.Tensor:
-        if self.states is None:
-            raise RunError("this graph keeps a recurrent state but none was given")
-        return self.states.get(layer, kind)
+        self._launches.append((fn, args, kw))
 
     def scratch(self, name: str, numel: int, dtype: str) -> torch.Tensor:
         """A scratch buffer of at least `numel` elements of IR dtype `dtype`, shared by every
@@ -123,8 +105,7 @@ class LaunchContext:
         return buf[:numel]
 
     def decode_splits(self, keys: int, programs: int, block_n: int) -> tuple[int, int]:
-        from archc.codegen.blocks import decode_splits
-        return decode_splits(self.target, keys, programs, block_n)
+        return blocks.decode_splits(self.target, keys, programs, block_n)
 
     def moe_routing(self, gates: torch.Tensor, top_k: int, block_m: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,9 +118,9 @@ class LaunchContext:
         if key in self._routing:
             return self._routing[key][1:]
         n_experts = gates.shape[-1]
-        blocks = -(-(gates.numel() // n_experts * top_k) // block_m) + n_experts
-        table = torch.empty(blocks * block_m, dtype=torch.int32, device=gates.device)
-        block_expert = torch.empty(blocks, dtype=torch.int32, device=gates.device)
+        n_blocks = -(-(gates.numel() // n_experts * top_k) // block_m) + n_experts
+        table = torch.empty(n_blocks * block_m, dtype=torch.int32, device=gates.device)
+        block_expert = torch.empty(n_blocks, dtype=torch.int32, device=gates.device)
         self.call(moe_routing, gates, top_k, block_m, table, block_expert)
         self._routing[key] = (gates, table, block_expert)     # gates held: its id stays its own
         return table, block_expert
@@ -147,8 +128,7 @@ class LaunchContext:
     def config(self, kernel: str, family: str, **sizes: int) -> dict[str, Any]:
         if kernel in self.autotuned:
             return {}
-        from archc.codegen.blocks import launch_config
-        return launch_config(family, self.target, **sizes)
+        return blocks.launch_config(family, self.target, **sizes)  # looked up now: tests patch it
 
 
 def moe_routing(gates: torch.Tensor, top_k: int, block_m: int, table: torch.Tensor,
@@ -163,13 +143,13 @@ def moe_routing(gates: torch.Tensor, top_k: int, block_m: int, table: torch.Tens
     counts = torch.zeros(n_experts, dtype=torch.long, device=gates.device)
     counts.scatter_add_(0, experts, torch.ones_like(experts))
     padded = (counts + block_m - 1) // block_m * block_m
-    start = torch.cumsum(padded, 0) - padded                        # each expert's first slot
+    ends = torch.cumsum(padded, 0)
+    start = ends - padded                                           # each expert's first slot
     first = torch.cumsum(counts, 0) - counts                        # its first sorted pair
     sorted_experts = experts[order]
     dest = start[sorted_experts] + torch.arange(pairs, device=gates.device) - first[sorted_experts]
     table.fill_(-1)
     table[dest] = order.to(torch.int32)
-    ends = torch.cumsum(padded, 0)
     block_start = torch.arange(block_expert.numel(), device=gates.device) * block_m
     owner = torch.searchsorted(ends, block_start, right=True)
     block_expert.copy_(torch.where(owner < n_experts, owner, -1))
@@ -197,24 +177,18 @@ class GraphRunner:
 
     def __init__(self, module: ModuleType, graph: Graph, params: Mapping[str, torch.Tensor],
                  device: torch.device, *, reuse_buffers: bool = True) -> None:
-        from archc.codegen.layout import layouts
-        from archc.runtime.buffers import plan_buffers
         self.graph = graph
         self.device = device
         self.lays = layouts(graph)
         self.buffers = plan_buffers(graph, self.lays, reuse=reuse_buffers)
         self.run_fn = getattr(module, f"run_{graph.name}")
-        self.params: list[torch.Tensor | None] = [None] * len(graph.nodes)
-        for name, i in graph.params.items():
-            self.params[i] = params[name]
-        self.inputs = graph.inputs
-        in_shapes = [tuple(graph.nodes[i].shape) for i in self.inputs.values()]
-        self._input_shapes = dim_function([d for s in in_shapes for d in s],
-                                          f"input_shapes_{graph.name}")
+        self.params = [params[n.name] if n.op == Op.PARAM else None for n in graph.nodes]
+        in_shapes = {i: graph.nodes[i].shape for i in graph.inputs.values()}
+        self._input_shapes = {i: dim_function(s, f"input_shape_{i}") for i, s in in_shapes.items()}
         self._layouts: dict[int, DimFn] = {}
         for i in graph.outputs.values():             # compiled now: plans read them
             self._layout(i)
-        self.by_past = uses_past([e for s in in_shapes for e in s] +
+        self.by_past = uses_past([e for s in in_shapes.values() for e in s] +
                                  [e for i in graph.outputs.values() for e in self._exprs(i)] +
                                  list(self.buffers.nbytes.values()))
         self.plans: dict[PlanKey, LaunchPlan] = {}
@@ -227,7 +201,9 @@ class GraphRunner:
              kv_len_max: int, held: Mapping[str, torch.Tensor] | None = None) -> LaunchPlan:
         """The launch plan at these dims, built on first use. `held` inputs (tensors that stay
         put, such as the cross-KV cache) are read in place rather than copied."""
-        generations = d.generations()
+        # a plan holds the KV cache's and the recurrent state's tensors: rebuilt when either is
+        # allocated again
+        generations = (d.cache.generation, d.states.generation)
         if generations != self._generations:
             self.plans.clear()
             self._generations = generations
@@ -243,14 +219,9 @@ class GraphRunner:
         dims = (B, T, P, S)
         g = self.graph
         v = list(self.params)
-        sizes = self._input_shapes(*dims)
         inputs: dict[str, torch.Tensor] = {}
-        at = 0
-        for name, i in self.inputs.items():
-            n = g.nodes[i]
-            shape = sizes[at:at + len(n.shape)]
-            at += len(n.shape)
-            dtype = TORCH_DTYPES[n.dtype]
+        for name, i in g.inputs.items():
+            shape, dtype = self._input_shapes[i](*dims), TORCH_DTYPES[g.nodes[i].dtype]
             x = held.get(name)
             if x is None or tuple(x.shape) != shape or x.dtype != dtype or \
                     x.device != self.device or not x.is_contiguous():
@@ -259,7 +230,8 @@ class GraphRunner:
         for root, t in self.buffers.tensors(dims, self.device).items():
             v[root] = t
         launches = d.record(lambda: self.run_fn(v, d), B, T, S, kv_len_max)
-        outputs = {name: self.value(o, dims, v) for name, o in g.outputs.items()}
+        outputs = {name: self.value(o, dict(zip("BTPS", dims)), v)
+                   for name, o in g.outputs.items()}
         plan = LaunchPlan(key, v, inputs, launches, outputs)
         if len(self.plans) >= MAX_PLANS:
             self.plans.pop(next(iter(self.plans)))
@@ -276,7 +248,6 @@ class GraphRunner:
         elif d.target == "interpret":
             # the interpreter computes with numpy, which warns where a GPU silently gives IEEE
             # results the kernels rely on (exp overflowing to inf in a sigmoid is exact 0 or 1)
-            import numpy as np
             with np.errstate(over="ignore", under="ignore"):
                 plan.launch()
         else:
@@ -289,16 +260,24 @@ class GraphRunner:
         """Run the graph once on `inputs`: each is checked against its shape and copied into
         the plan's buffer. Returns copies of the outputs."""
         plan = self.plan(d, B, T, P, S, kv_len_max)
-        for name, buf in plan.inputs.items():
-            x = inputs.get(name)
-            if x is None:
-                raise RunError(f"graph {self.graph.name} needs input {name!r}")
+        missing = [name for name in plan.inputs if name not in inputs]
+        if missing:
+            raise RunError(f"graph {self.graph.name} needs input {missing[0]!r}")
+        self.feed(plan, inputs)
+        self.execute(plan, d, P)
+        return {name: t.clone() for name, t in plan.outputs.items()}
+
+    def feed(self, plan: LaunchPlan, inputs: Mapping[str, torch.Tensor]) -> None:
+        """Copy `inputs` into the plan's buffers, each checked against its shape (an input the
+        plan reads in place stays put; one it does not read is ignored)."""
+        for name, x in inputs.items():
+            buf = plan.inputs.get(name)
+            if buf is None or buf is x:
+                continue
             if x.shape != buf.shape:
                 raise RunError(f"input {name!r} is {list(x.shape)}, graph {self.graph.name} "
                                f"expects {list(buf.shape)}")
             buf.copy_(x)
-        self.execute(plan, d, P)
-        return {name: t.clone() for name, t in plan.outputs.items()}
 
     # ---- reading values --------------------------------------------------------------------
     @property
@@ -323,15 +302,13 @@ class GraphRunner:
             fn = self._layouts[i] = dim_function(self._exprs(i), f"layout_{i}")
         return fn
 
-    def value(self, i: int, dims: Mapping[str, int] | tuple[int, int, int, int],
-              v: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+    def value(self, i: int, dims: Mapping[str, int], v: list[torch.Tensor | None] | None = None
+              ) -> torch.Tensor:
         """Node i's value after the last run (or in buffers `v`), read through its layout."""
         lay = self.lays[i]
         base = (self.last_v if v is None else v)[lay.root]
         if base is None:
             raise RunError(f"node %{i} has no value")
-        if isinstance(dims, Mapping):
-            dims = (dims["B"], dims["T"], dims["P"], dims["S"])
-        at = self._layout(i)(*dims)
+        at = self._layout(i)(*(dims[k] for k in "BTPS"))
         r = lay.rank
         return base.as_strided(at[:r], at[r:2 * r], base.storage_offset() + at[2 * r])

@@ -1,21 +1,29 @@
-"""Recurrent state between calls: what Mamba and linear-attention layers keep instead of a KV cache.
+"""What persists between calls: the KV cache, the recurrent state, the cross-attention K and V.
 
-One tensor per (layer, kind) — the conv window and the SSM state of a Mamba layer, the running
-sums S and z of a linear-attention layer — as the op table declares them (``archc.ir.ops.state``).
-A call at past length P = 0 starts a sequence, so it reads zeros; later calls read what the call
-before them left. The size does not grow with the context.
+The recurrent state is what Mamba and linear-attention layers keep instead of a KV cache — the
+conv window and the SSM state of a Mamba layer, the running sums S and z of a linear-attention
+layer — as the op table declares them (``archc.ir.ops.state``). A call at past length P = 0
+starts a sequence, so it reads zeros; later calls read what the call before them left. The size
+does not grow with the context.
+
+`hoist-cross-kv` moves what the decoder computes from the encoder's states alone (the
+cross-attention K and V projections) into a `cross_kv` graph, which a session runs once per
+generation (``CrossKV``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import torch
 
 from archc.errors import RunError
+from archc.ir.graph import CROSS_KV, Program
 from archc.runtime.weights import TORCH_DTYPES
 
 
 class RecurrentState:
-    """Per-(layer, kind) state tensors of one batch of sequences."""
+    """The eager interpreter's per-(layer, kind) state tensors of one batch of sequences."""
 
     def __init__(self) -> None:
         self.store: dict[tuple[int, str], torch.Tensor] = {}
@@ -24,11 +32,11 @@ class RecurrentState:
              device: torch.device, past: int) -> torch.Tensor:
         """The state the last call left, or zeros when a sequence starts (P = 0)."""
         have = self.store.get((layer, kind))
-        if past == 0 or have is None:
-            if past > 0:
-                raise RunError(f"layer {layer} continues a sequence at P = {past} but holds no "
-                               f"{kind} state: reset and prefill first")
+        if past == 0:
             return torch.zeros(shape, dtype=dtype, device=device)
+        if have is None:
+            raise RunError(f"layer {layer} continues a sequence at P = {past} but holds no "
+                           f"{kind} state: reset and prefill first")
         if tuple(have.shape) != tuple(shape) or have.dtype != dtype:
             raise RunError(f"layer {layer}'s {kind} state is {have.dtype}{list(have.shape)}; "
                            f"this call needs {dtype}{list(shape)} — reset before changing the "
@@ -38,9 +46,6 @@ class RecurrentState:
     def write(self, layer: int, kind: str, value: torch.Tensor) -> None:
         self.store[(layer, kind)] = value
 
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.store.values())
-
 
 class StaticStore:
     """Static tensors per (layer, kind), [B, ...], that generated kernels read and write in
@@ -48,27 +53,26 @@ class StaticStore:
     captured CUDA graph keeps reading the same addresses (`generation` counts the
     allocations)."""
 
-    what = "tensor"      # for errors: "no k cache for layer 3"
-
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, what: str, specs: Mapping[tuple[int, str], tuple[tuple[int, ...],
+                                                                        torch.dtype]],
+                 device: torch.device) -> None:
+        self.what = what          # for errors: "no k cache for layer 3"
+        self.specs = specs        # (layer, kind) → shape after B, dtype
         self.device = device
         self.batch = 0
         self.generation = 0
         self.store: dict[tuple[int, str], torch.Tensor] = {}
-
-    def allocate(self, batch: int) -> dict[tuple[int, str], torch.Tensor]:
-        raise NotImplementedError
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """One tensor of the store (`archc bench --host` stands in views of one element)."""
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def ensure(self, batch: int) -> None:
-        if batch == self.batch:
-            return
-        self.generation += 1
-        self.store = self.allocate(batch)
-        self.batch = batch
+        if batch != self.batch:
+            self.generation += 1
+            self.store = {key: self.zeros((batch, *shape), dtype)
+                          for key, (shape, dtype) in self.specs.items()}
+            self.batch = batch
 
     def get(self, layer: int, kind: str) -> torch.Tensor:
         try:
@@ -79,23 +83,59 @@ class StaticStore:
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.store.values())
 
-
-class StaticState(StaticStore):
-    """The recurrent state the generated kernels update in place: one tensor per (layer, kind)
-    as codegen recorded it (``Generated.states``), zeroed when a sequence starts — a kernel at
-    P = 0 must read zeros, and it reads whatever the tensor holds."""
-
-    what = "state"
-
-    def __init__(self, specs: list[tuple[int, str, tuple[int, ...], str]],
-                 device: torch.device) -> None:
-        super().__init__(device)
-        self.specs = specs
-
-    def allocate(self, batch: int) -> dict[tuple[int, str], torch.Tensor]:
-        return {(layer, kind): self.zeros((batch, *shape), TORCH_DTYPES[dtype])
-                for layer, kind, shape, dtype in self.specs}
-
     def zero(self) -> None:
+        """A sequence starts: a kernel at P = 0 must read a zero state, and it reads whatever
+        the tensor holds."""
         for t in self.store.values():
             t.zero_()
+
+
+class StaticKVCache(StaticStore):
+    """[B, H_kv, max_len, D] per (layer, k|v) of every (layer, kv_heads, head_dim) in `kv`."""
+
+    def __init__(self, kv: list[tuple[int, int, int]], max_len: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__("cache", {(layer, kind): ((kv_heads, max_len, hd), dtype)
+                                   for layer, kv_heads, hd in kv for kind in ("k", "v")}, device)
+        self.dtype = dtype
+
+
+class StaticState(StaticStore):
+    """The recurrent state the generated kernels update in place, as codegen recorded it
+    (``Generated.states``: layer, kind, shape after B, IR dtype)."""
+
+    def __init__(self, states: list[tuple[int, str, tuple[int, ...], str]],
+                 device: torch.device) -> None:
+        super().__init__("state", {(layer, kind): (shape, TORCH_DTYPES[dtype])
+                                   for layer, kind, shape, dtype in states}, device)
+
+
+class CrossKV:
+    """Outputs of the `cross_kv` graph, computed at the first decoder step after a reset or when
+    a step brings another `encoder_hidden` tensor, and fed to every step as decoder inputs of
+    the same names. Recomputed values are copied into the tensors already held when the shapes
+    match, so a captured decode step keeps reading the same addresses."""
+
+    def __init__(self, program: Program,
+                 run: Callable[[torch.Tensor], dict[str, torch.Tensor]]) -> None:
+        self.enabled = any(g.name == CROSS_KV for g in program)
+        self.run = run                      # encoder_hidden → the graph's outputs by name
+        self.values: dict[str, torch.Tensor] = {}
+        self.source: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        """A new generation: the next step computes them again (into the same tensors)."""
+        self.source = None
+
+    def inputs(self, encoder_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The decoder inputs computed from `encoder_hidden`, computed now if not yet."""
+        if self.enabled and self.source is not encoder_hidden:
+            for name, x in self.run(encoder_hidden).items():
+                held = self.values.get(name)
+                if held is not None and held.shape == x.shape and held.dtype == x.dtype and \
+                        held.device == x.device:
+                    held.copy_(x)
+                else:
+                    self.values[name] = x
+            self.source = encoder_hidden
+        return dict(self.values)

@@ -2,20 +2,13 @@
 
     compiled = archc.load("tiny-llama3").compile("triton")     # same API as eager
 
-``TritonSession`` is the backend's ``Session``: the default pass pipeline turns the unfused
-program into kernel-level graphs, codegen renders them into one module (cached on disk by a hash
-of graph + options), and each call replays a launch plan that ``run_<graph>(v, d)`` of that module
-recorded once for its dims (``archc.runtime.launch``):
-
-- weights: parameter expressions evaluated once, in the model dtype, on the device;
-- activations: buffers planned by liveness (``archc.runtime.buffers``), reused across calls;
-- inputs: copied into the plan's own buffers, so every launch argument stays valid;
-- KV cache: static, [B, H_kv, max_seq_len, D] per layer and k|v, KV heads only, written by the
-  QKV projection's epilogue at offset P; P lives on the device too, so a decode step is the same
-  launches every time — on a GPU it is captured once in a CUDA graph and replayed;
-- recurrent state (Mamba's conv window and SSM state, linear attention's running sums): one
-  tensor per layer and kind, as the op table declares it, updated in place by its kernel and
-  zeroed when a sequence starts (P = 0).
+The default pass pipeline turns the unfused program into kernel-level graphs, codegen renders
+them into one module (cached on disk by a hash of graph + options), and each call replays a
+launch plan recorded once for its dims (``archc.runtime.launch``). Weights are evaluated once,
+in the model dtype, on the device; the KV cache ([B, H_kv, max_seq_len, D] per layer and k|v,
+written by the QKV projection's epilogue at offset P) and the recurrent state are static
+(``archc.runtime.state``), and P lives on the device too, so a decode step is the same launches
+every time — on a GPU it is captured once in a CUDA graph and replayed.
 
 Without a GPU, archc sets ``TRITON_INTERPRET=1`` before Triton is imported and the same kernels
 run under Triton's CPU interpreter (f32 or f16: the interpreter computes bf16 wrongly).
@@ -33,14 +26,18 @@ from typing import Any
 
 import torch
 
+from archc.codegen.blocks import autotune_configs
+from archc.codegen.options import CodegenOptions
+from archc.codegen.render import Generated, generate, load_module, write_module
 from archc.errors import ArchcError, RunError
 from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import Op
 from archc.ir.text import format_node
 from archc.kernel_cache import default_cache_dir
-from archc.runtime.cross_kv import CrossKV
+from archc.passes import optimize
+from archc.runtime.eager import encoder_inputs
 from archc.runtime.launch import GraphRunner, LaunchContext, LaunchPlan
-from archc.runtime.state import StaticState, StaticStore
+from archc.runtime.state import CrossKV, StaticKVCache, StaticState
 from archc.runtime.weights import TORCH_DTYPES, materialize
 
 
@@ -97,23 +94,12 @@ def check_dtype(dtype: str, target: str) -> None:
                          "triton backend runs f32 or f16 there (use --dtype f32 or f16, or a GPU)")
 
 
-# ---- the KV cache ---------------------------------------------------------------------
-
-class StaticKVCache(StaticStore):
-    """[B, H_kv, max_len, D] per (layer, k|v)."""
-
-    what = "cache"
-
-    def __init__(self, specs: list[tuple[int, int, int]], max_len: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        super().__init__(device)
-        self.specs = specs
-        self.max_len = max_len
-        self.dtype = dtype
-
-    def allocate(self, batch: int) -> dict[tuple[int, str], torch.Tensor]:
-        return {(layer, kind): self.zeros((batch, kv_heads, self.max_len, hd), self.dtype)
-                for layer, kv_heads, hd in self.specs for kind in ("k", "v")}
+def compile_program(program: Program, options: CodegenOptions, cache_dir: Path | None
+                    ) -> tuple[Generated, Path, ModuleType]:
+    """Render `program`, write the module to the cache (by its digest) and import it."""
+    generated = generate(program, options)
+    path = write_module(generated, (cache_dir or default_cache_dir()) / generated.digest[:24])
+    return generated, path, load_module(path, generated.digest)
 
 
 # ---- the session ---------------------------------------------------------------------------
@@ -128,77 +114,52 @@ class TritonOptions:
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> TritonOptions:
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(options) - known)
+        unknown = sorted(set(options) - set(cls.__dataclass_fields__))
         if unknown:
             raise ArchcError(f"unknown triton backend option {', '.join(unknown)} (known: "
-                             f"{', '.join(sorted(known))})")
+                             f"{', '.join(sorted(cls.__dataclass_fields__))})")
         out = cls(**options)
-        if out.cache_dir is not None:
-            out.cache_dir = Path(out.cache_dir)
+        out.cache_dir = None if out.cache_dir is None else Path(out.cache_dir)
         return out
 
 
-def kernel_program(program: Program, passes: str | None) -> Program:
-    """The kernel-level program the templates render: `program` after the pass pipeline."""
-    if passes is None:
-        return program
-    from archc.passes import optimize
-    return optimize(program, passes)
-
-
-IdCheck = tuple[str, int, str]          # (input name, table rows, the embedding node as text)
-
-
-def id_checks(graph: Graph) -> list[IdCheck]:
-    """The inputs of `graph` that index an embedding table, with the table's row count."""
-    out: list[IdCheck] = []
-    for i in graph.ids(Op.EMBEDDING):
-        n = graph.nodes[i]
-        src = graph.nodes[n.inputs[1]]
-        if src.op == Op.INPUT:
-            out.append((src.name, int(graph.nodes[n.inputs[0]].shape[0]), format_node(i, n)))
-    return out
+def id_checks(graph: Graph) -> list[tuple[str, int, str]]:
+    """(input name, table rows, the node as text) of each input of `graph` that indexes an
+    embedding table."""
+    nodes = graph.nodes
+    return [(nodes[n.inputs[1]].name, int(nodes[n.inputs[0]].shape[0]), format_node(i, n))
+            for i, n in enumerate(nodes)
+            if n.op == Op.EMBEDDING and nodes[n.inputs[1]].op == Op.INPUT]
 
 
 class TritonSession:
-    """A program compiled to Triton kernels, with weights, a static KV cache and past length P.
-
-    Same surface as ``EagerSession``: ``reset``, ``encode``, ``step``. Each graph runs from launch
-    plans (``archc.runtime.launch``) built once per dims; a decode step copies its inputs into
-    the plan's buffers, writes P to the device and replays the plan — on a GPU, a CUDA graph
-    captured from it."""
+    """A program compiled to Triton kernels, with weights, a static KV cache and past length P:
+    the surface of ``EagerSession`` (``reset``, ``encode``, ``step``)."""
 
     def __init__(self, program: Program, checkpoint: Mapping[str, torch.Tensor], *,
                  max_seq_len: int, dtype: str = "f32", device: str | torch.device = "cpu",
                  options: TritonOptions | None = None) -> None:
-        from archc.codegen.options import CodegenOptions
-        from archc.codegen.render import generate, load_module, write_module
         self.device = torch.device(device)
         self.target = self._target(self.device)
         check_dtype(dtype, self.target)
         self.options = options or TritonOptions()
         self.dtype = dtype
-        self.unfused = program
-        self.program = kernel_program(program, self.options.passes)
+        passes = self.options.passes
+        self.program = program if passes is None else optimize(program, passes)
         self.codegen_options = CodegenOptions(
             target=self.target, max_seq_len=max_seq_len,
             autotune=self.options.autotune and self.target == "gpu")
-        self.generated = generate(self.program, self.codegen_options)
-        cache_dir = self.options.cache_dir or default_cache_dir()
-        self.module_path = write_module(self.generated, cache_dir / self.generated.digest[:24])
-        self.module = load_module(self.module_path, self.generated.digest)
+        self.generated, self.module_path, self.module = compile_program(
+            self.program, self.codegen_options, self.options.cache_dir)
         autotuned = _apply_autotune(self.module) if self.codegen_options.autotune else set()
         self.runners = {g.name: GraphRunner(self.module, g, self._parameters(g, checkpoint),
-                                            self.device,
-                                            reuse_buffers=self.options.reuse_buffers)
+                                            self.device, reuse_buffers=self.options.reuse_buffers)
                         for g in self.program}
-        self.id_checks = {name: id_checks(r.graph) for name, r in self.runners.items()}
+        self.id_checks = {g.name: id_checks(g) for g in self.program}
         self.cache = StaticKVCache(self.generated.kv, max_seq_len, TORCH_DTYPES[dtype],
                                    self.device)
         self.states = StaticState(self.generated.states, self.device)
-        self.ctx = LaunchContext(self.target, self.device, self.cache, autotuned, self.states,
-                                 past=torch.zeros(1, dtype=torch.int32, device=self.device))
+        self.ctx = LaunchContext(self.target, self.device, self.cache, self.states, autotuned)
         self.max_seq_len = max_seq_len
         self.past = 0
         self.prefix_len: int | None = None
@@ -246,87 +207,60 @@ class TritonSession:
                 raise RunError(f"while running {node}: {name} holds ids outside [0, {rows})")
 
     def _run(self, name: str, inputs: dict[str, torch.Tensor], *, B: int, T: int,  # noqa: N803
-             P: int, S: int) -> dict[str, torch.Tensor]:
+             P: int, S: int, held: Mapping[str, torch.Tensor] | None = None,  # noqa: N803
+             ) -> dict[str, torch.Tensor]:
+        """Graph `name` on `inputs`, copied into its plan's buffers (`held` ones are read in
+        place): copies of its outputs."""
         self._check_ids(name, inputs, on_device=P == 0)
-        self._ensure(B)
-        return self.runners[name].run(inputs, self.ctx, B=B, T=T, P=P, S=S,
-                                      kv_len_max=self.kv_len(P, T))
+        # KV cache and recurrent state for B sequences: reallocated together, and with them
+        # every launch plan (and captured graph) that holds their tensors
+        self.cache.ensure(B)
+        self.states.ensure(B)
+        runner = self.runners[name]
+        plan = runner.plan(self.ctx, B, T, P, S, self.kv_len(P, T), held)
+        # the inputs, into the plan's buffers: one small op each, none waiting on the device;
+        # positions are archc's own: below max_seq_len, within every position table
+        if "positions" in plan.inputs:
+            torch.arange(P, P + T, out=plan.inputs["positions"])
+        if "prefix_len" in plan.inputs:
+            plan.inputs["prefix_len"].fill_(self.prefix_len)
+        runner.feed(plan, inputs)
+        # On a GPU, a decode step replays a CUDA graph of its plan: the plan's first step
+        # launches normally — compiling and tuning the kernels — and is then captured.
+        graphs = self.cuda_graphs and T == 1 and name == "decoder"
+        runner.execute(plan, self.ctx, P, replay=graphs and plan.replay is not None)
+        if graphs and plan.replay is None:
+            plan.replay = self._capture(plan)
+        return {k: t.clone() for k, t in plan.outputs.items()}
 
     def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
                token_types: torch.Tensor | None = None) -> torch.Tensor:
         b, t = tokens.shape
-        dev = self.device
-        inputs = {"tokens": tokens,
-                  "positions": torch.arange(t, device=dev),
-                  "attention_mask": (torch.ones(b, t, dtype=torch.long, device=dev)
-                                     if attention_mask is None else attention_mask.long()),
-                  "token_types": (torch.zeros(b, t, dtype=torch.long, device=dev)
-                                  if token_types is None else token_types.long())}
+        inputs = encoder_inputs(tokens, attention_mask, token_types, self.device)
         return self._run("encoder", inputs, B=b, T=t, P=0, S=0)["hidden"]
 
     def step(self, tokens: torch.Tensor, *, encoder_hidden: torch.Tensor | None = None,
              encoder_mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t = tokens.shape
-        past = self.past
-        if past + t > self.max_seq_len:
-            raise RunError(f"sequence of {past + t} tokens exceeds the KV cache "
+        if self.past + t > self.max_seq_len:
+            raise RunError(f"sequence of {self.past + t} tokens exceeds the KV cache "
                            f"(max_seq_len = {self.max_seq_len})")
         if self.prefix_len is None:
             self.prefix_len = t
         s = 0
-        extra: dict[str, torch.Tensor] = {}
-        held: dict[str, torch.Tensor] | None = None
+        inputs: dict[str, torch.Tensor] = {"tokens": tokens}
+        held: dict[str, torch.Tensor] = {}
         if encoder_hidden is not None:
             s = encoder_hidden.shape[1]
             held = self.cross_kv.inputs(encoder_hidden)     # once per generation
-            extra = {"encoder_hidden": encoder_hidden,
-                     "encoder_mask": (torch.ones(b, s, dtype=torch.long, device=self.device)
-                                      if encoder_mask is None else encoder_mask), **held}
-        # positions are archc's own: below max_seq_len, within every position table
-        self._check_ids("decoder", {"tokens": tokens}, on_device=past == 0)
-        self._ensure(b)
-        if past == 0:   # a sequence starts: the recurrent state reads zeros
+            inputs.update(held, encoder_hidden=encoder_hidden, encoder_mask=(
+                torch.ones(b, s, dtype=torch.long, device=self.device)
+                if encoder_mask is None else encoder_mask))
+        if self.past == 0:   # a sequence starts: the recurrent state reads zeros
             self.states.zero()
-        runner = self.runners["decoder"]
-        plan = runner.plan(self.ctx, b, t, past, s, self.kv_len(past, t), held)
-        # the inputs, into the plan's buffers: one small op each, none waiting on the device
-        bufs = plan.inputs
-        bufs["tokens"].copy_(tokens)
-        if "positions" in bufs:
-            torch.arange(past, past + t, out=bufs["positions"])
-        if "prefix_len" in bufs:
-            bufs["prefix_len"].fill_(self.prefix_len)
-        for name, x in extra.items():
-            buf = bufs.get(name)
-            if buf is None or buf is x:
-                continue
-            if x.shape != buf.shape:
-                raise RunError(f"input {name!r} is {list(x.shape)}, the decoder expects "
-                               f"{list(buf.shape)}")
-            buf.copy_(x)
-        if self.cuda_graphs and t == 1:
-            self._replay(runner, plan, past)
-        else:
-            runner.execute(plan, self.ctx, past)
-        self.past = past + t
-        return plan.outputs["logits"].clone()
-
-    def _ensure(self, batch: int) -> None:
-        """KV cache and recurrent state for `batch` sequences: reallocated together, and with
-        them every launch plan (and captured graph) that holds their tensors."""
-        self.cache.ensure(batch)
-        self.states.ensure(batch)
-
-    # ---- CUDA graphs for decode ------------------------------------------------------------
-    def _replay(self, runner: GraphRunner, plan: LaunchPlan, past: int) -> None:
-        """A decode step through a CUDA graph of `plan`, its inputs already in place. The
-        plan's first step launches normally — compiling and tuning the kernels — and is then
-        captured; later steps write P to the device and replay."""
-        if plan.replay is None:
-            runner.execute(plan, self.ctx, past)
-            plan.replay = self._capture(plan)
-        else:
-            runner.execute(plan, self.ctx, past, replay=True)
+        logits = self._run("decoder", inputs, B=b, T=t, P=self.past, S=s, held=held)["logits"]
+        self.past += t
+        return logits
 
     def _capture(self, plan: LaunchPlan) -> Any:
         graph = torch.cuda.CUDAGraph()
@@ -339,21 +273,16 @@ class TritonSession:
 def _apply_autotune(module: ModuleType) -> set[str]:
     """Wrap each kernel of a family with a config set in triton.autotune; returns their names."""
     import triton
-
-    from archc.codegen.blocks import autotune_configs
     tuned: set[str] = set()
     for name, entry in module.KERNELS.items():
-        configs = autotune_configs(entry["family"], **entry["sizes"])
-        if not configs:
-            continue
-        key = [k for k, t in entry["types"].items() if t == "i32"]
-        fn = getattr(module, name)
-        tconfigs = [triton.Config({k: v for k, v in c.items()
-                                   if k not in ("num_warps", "num_stages")},
-                                  num_warps=c["num_warps"], num_stages=c["num_stages"])
-                    for c in configs]
-        setattr(module, name, triton.autotune(configs=tconfigs, key=key)(fn))
-        tuned.add(name)
+        configs = [triton.Config({k: v for k, v in c.items()
+                                  if k not in ("num_warps", "num_stages")},
+                                 num_warps=c["num_warps"], num_stages=c["num_stages"])
+                   for c in autotune_configs(entry["family"], **entry["sizes"])]
+        if configs:
+            key = [k for k, t in entry["types"].items() if t == "i32"]
+            setattr(module, name, triton.autotune(configs=configs, key=key)(getattr(module, name)))
+            tuned.add(name)
     return tuned
 
 
@@ -371,19 +300,13 @@ def register() -> None:
 register()
 
 
-# ---- one graph, for tests and validation ---------------------------------------------------
+# ---- one graph, for tests ----------------------------------------------------------------
 
 @dataclass
 class GraphRun:
     outputs: dict[str, torch.Tensor]
-    runner: GraphRunner
-    cache: StaticKVCache
-    generated: Any
-    dims: dict[str, int]
-    states: StaticState | None = None       # the recurrent state after the run
-
-    def value(self, i: int) -> torch.Tensor:
-        return self.runner.value(i, self.dims)
+    cache: StaticKVCache                    # the KV cache and the recurrent state after the run
+    states: StaticState
 
 
 def run_graph_triton(graph: Graph, params: Mapping[str, torch.Tensor],
@@ -391,42 +314,34 @@ def run_graph_triton(graph: Graph, params: Mapping[str, torch.Tensor],
                      past_kv: Mapping[tuple[int, str], torch.Tensor] | None = None,
                      past_state: Mapping[tuple[int, str], torch.Tensor] | None = None,
                      max_seq_len: int = 64, device: str | torch.device = "cpu",
-                     cache_dir: Path | None = None, reuse_buffers: bool = True,
-                     decode_max_rows: int | None = None) -> GraphRun:
+                     cache_dir: Path | None = None, decode_max_rows: int | None = None
+                     ) -> GraphRun:
     """Compile one kernel-level graph and run it once at `dims` (B, T, P, S). `past_kv` holds
     the first P positions of each (layer, k|v) cache, [B, H_kv, P, D]; `past_state` the
     recurrent state each (layer, kind) starts from (zeros where not given)."""
-    from archc.codegen.options import CodegenOptions
-    from archc.codegen.render import generate, load_module, write_module
     device = torch.device(device)
     target = prepare_triton(device)
-    opts = CodegenOptions(target=target, max_seq_len=max_seq_len)
-    gen = generate(Program(graph.name, (graph,)), opts)
-    path = write_module(gen, (cache_dir or default_cache_dir()) / gen.digest[:24])
-    module = load_module(path, gen.digest)
+    gen, _, module = compile_program(Program(graph.name, (graph,)),
+                                     CodegenOptions(target=target, max_seq_len=max_seq_len),
+                                     cache_dir)
     full = {"B": 1, "T": 1, "P": 0, "S": 0, **dims}
-    dtype = next((p.dtype for p in params.values() if p.is_floating_point()), torch.float32)
-    for x in inputs.values():
-        if x.is_floating_point():
-            dtype = x.dtype
-            break
+    floats = [x.dtype for x in (*inputs.values(), *params.values()) if x.is_floating_point()]
+    dtype = floats[0] if floats else torch.float32
     cache = StaticKVCache(gen.kv, max_seq_len, dtype, device)
+    states = StaticState(gen.states, device)
     cache.ensure(full["B"])
+    states.ensure(full["B"])
     for (layer, kind), past in (past_kv or {}).items():
         cache.get(layer, kind)[:, :, :past.shape[2]] = past.to(device, dtype)
-    states = StaticState(gen.states, device)
-    states.ensure(full["B"])
     for (layer, kind), value in (past_state or {}).items():
         held = states.get(layer, kind)
         if tuple(value.shape) != tuple(held.shape):
             raise RunError(f"the {kind} state of layer {layer} is {list(value.shape)}; the "
                            f"graph keeps {list(held.shape)}")
         held.copy_(value.to(device, held.dtype))
-    runner = GraphRunner(module, graph, {k: v.to(device) for k, v in params.items()}, device,
-                         reuse_buffers=reuse_buffers)
-    ctx = LaunchContext(target, device, cache, states=states,
-                        past=torch.zeros(1, dtype=torch.int32, device=device))
+    runner = GraphRunner(module, graph, {k: v.to(device) for k, v in params.items()}, device)
+    ctx = LaunchContext(target, device, cache, states)
     if decode_max_rows is not None:
         ctx.decode_max_rows = decode_max_rows
     outputs = runner.run(inputs, ctx, **full, kv_len_max=full["P"] + full["T"])
-    return GraphRun(outputs, runner, cache, gen, full, states)
+    return GraphRun(outputs, cache, states)

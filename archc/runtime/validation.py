@@ -16,14 +16,15 @@ a prefill of its own).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from archc.errors import ArchcError
-from archc.ir.graph import CROSS_KV, Graph
+from archc.ir.graph import CROSS_KV
 from archc.ir.text import format_node
 from archc.perf.baselines import state_keys
 from archc.runtime.eager import EagerSession, Trace
@@ -35,15 +36,9 @@ TOLERANCE = {"f32": 1e-4, "f16": 1e-2, "bf16": 5e-2}
 
 
 @dataclass
-class KernelCheck:
-    phase: str
-    graph: str
-    node: int
-    text: str             # the IR node
-    kernel: str           # the generated unit that implements it
-    max_error: float
-    scale: float
-    what: str = "output"  # or "k cache", "v cache", "conv state", …
+class Check:
+    max_error: float      # the largest |triton − eager|
+    scale: float          # the largest |eager|
 
     @property
     def relative(self) -> float:
@@ -51,15 +46,19 @@ class KernelCheck:
 
 
 @dataclass
-class PhaseCheck:
+class KernelCheck(Check):
     phase: str
-    output: str
-    max_error: float       # triton vs eager on the unfused program
-    scale: float
+    graph: str
+    node: int
+    text: str             # the IR node
+    kernel: str           # the generated unit that implements it
+    what: str = "output"  # or "k cache", "v cache", "conv state", …
 
-    @property
-    def relative(self) -> float:
-        return self.max_error / self.scale if self.scale else self.max_error
+
+@dataclass
+class PhaseCheck(Check):
+    phase: str
+    output: str           # of the program, against eager on the unfused program
 
 
 @dataclass
@@ -73,10 +72,7 @@ class Report:
 
     @property
     def first_divergence(self) -> KernelCheck | None:
-        for k in self.kernels:
-            if k.relative > self.tolerance:
-                return k
-        return None
+        return next((k for k in self.kernels if k.relative > self.tolerance), None)
 
     @property
     def ok(self) -> bool:
@@ -84,42 +80,14 @@ class Report:
                                                      for p in self.phases)
 
 
-def _err(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    a, b = a.detach().float().cpu(), b.detach().float().cpu()
-    if a.shape != b.shape:
+def _err(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """The largest |got − want|, and the largest |want| (the scale)."""
+    got, want = got.detach().float().cpu(), want.detach().float().cpu()
+    if got.shape != want.shape:
         return float("inf"), 1.0
-    return float((a - b).abs().max()) if a.numel() else 0.0, float(b.abs().max()) if b.numel() \
-        else 0.0
-
-
-def _compare(report: Report, phase: str, g: Graph, eager: Mapping[int, torch.Tensor],
-             triton: object, units: Mapping[int, str], dims: Mapping[str, int],
-             caches: list[tuple[int, str, torch.Tensor, torch.Tensor]],
-             states: list[tuple[int, str, torch.Tensor, torch.Tensor]] = ()) -> None:
-    writer: dict[int, int] = {}
-    for i in g.compute_ids():
-        for st in g.nodes[i].attr("epilogue", ()) or ():
-            if getattr(st, "fn", "") == "kv_write":
-                writer[st.kw("layer")] = i
-    by_node: dict[int, list[KernelCheck]] = {}
-    for layer, kind, want, got in caches:
-        i = writer.get(layer)
-        if i is None:
-            continue
-        e, s = _err(got, want)
-        by_node.setdefault(i, []).append(KernelCheck(
-            phase, g.name, i, format_node(i, g.nodes[i]), units[i], e, s, f"{kind} cache"))
-    for i, kind, want, got in states:
-        e, s = _err(got, want)
-        by_node.setdefault(i, []).append(KernelCheck(
-            phase, g.name, i, format_node(i, g.nodes[i]), units[i], e, s, f"{kind} state"))
-    for i in g.compute_ids():
-        if i not in eager:
-            continue
-        e, s = _err(triton.value(i, dims), eager[i])  # type: ignore[attr-defined]
-        report.kernels.append(KernelCheck(phase, g.name, i, format_node(i, g.nodes[i]),
-                                          units[i], e, s))
-        report.kernels += by_node.get(i, [])
+    if not want.numel():
+        return 0.0, 0.0
+    return float((got - want).abs().max()), float(want.abs().max())
 
 
 def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int = 7,
@@ -136,10 +104,8 @@ def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int =
                                                                 cache_dir=cache_dir))
     reference = EagerSession(unfused, weights, max_seq_len=spec.max_seq_len, device=device)
     fused = EagerSession(triton.program, weights, max_seq_len=spec.max_seq_len, device=device)
-    units = {}
-    for u in triton.generated.units:
-        for graph, i, _ in u.uses:
-            units[(graph, i)] = u.name
+    sessions = (reference, fused, triton)
+    units = {(graph, i): u.name for u in triton.generated.units for graph, i, _ in u.uses}
     report = Report(spec.name, dtype, TOLERANCE[dtype], module_path=str(triton.module_path))
     gen = torch.Generator().manual_seed(seed)
     if tokens + 1 > spec.max_seq_len:
@@ -147,23 +113,34 @@ def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int =
                          f"{spec.max_seq_len}")
     ids = torch.randint(0, spec.vocab_size, (batch, tokens), generator=gen)
 
-    def phase(name: str, graph: str, run: object, output: str | None = None) -> None:
+    def phase(name: str, graph: str, run: Callable[[Any], torch.Tensor],
+              output: str | None = None) -> None:
         fused.trace = Trace(graph=graph)
-        outs = [run(s) for s in (reference, fused, triton)]  # type: ignore[operator]
+        outs = [run(s) for s in sessions]
         g = triton.program.graph(graph)
         runner = triton.runners[graph]
         dims = runner.last_dims
-        caches = []
+        length = dims["P"] + dims["T"]
+        # (what, triton, eager) beside each kernel's output: the recurrent state it updates, the
+        # KV cache it writes
+        more = {i: [(f"{kind} state", triton.states.get(layer, kind),
+                     fused.state.store[(layer, kind)]) for layer, kind in state_keys(g, i)]
+                for i in g.compute_ids()}
+        writer = {st.kw("layer"): i for i in g.compute_ids()
+                  for st in g.nodes[i].attr("epilogue", ()) or () if st.fn == "kv_write"}
         for (layer, kind), buf in fused.cache.store.items():
-            length = dims["P"] + dims["T"]
-            caches.append((layer, kind, buf[:, :, :length],
-                           triton.cache.get(layer, kind)[:, :, :length]))
-        states = [(i, kind, fused.state.store[(layer, kind)], triton.states.get(layer, kind))
-                  for i in g.compute_ids() for layer, kind in state_keys(g, i)]
-        _compare(report, name, g, fused.trace.values, runner,
-                 {i: units[(graph, i)] for i in g.compute_ids()}, dims, caches, states)
-        e, s = _err(outs[2], outs[0])
-        report.phases.append(PhaseCheck(name, output or list(g.outputs)[0], e, s))
+            if layer in writer:
+                more[writer[layer]].append((f"{kind} cache", triton.cache.get(layer, kind)[
+                    :, :, :length], buf[:, :, :length]))
+        for i in g.compute_ids():
+            if i not in fused.trace.values:
+                continue
+            at = (name, graph, i, format_node(i, g.nodes[i]), units[(graph, i)])
+            for what, got, want in [("output", runner.value(i, dims), fused.trace.values[i]),
+                                    *more[i]]:
+                report.kernels.append(KernelCheck(*_err(got, want), *at, what))
+        report.phases.append(PhaseCheck(*_err(outs[2], outs[0]), name,
+                                        output or list(g.outputs)[0]))
         fused.trace = None
 
     if spec.family == "encoder":
@@ -172,26 +149,21 @@ def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int =
             mask[-1, max(1, tokens - 2):] = 0  # the last row padded
         phase("encode", "encoder", lambda s: s.encode(ids, mask))
         return report
-    extra: dict[str, torch.Tensor] = {}
+    hidden: dict[int, torch.Tensor] = {}     # each session's encoder states
+    prompt, last = ids, ids[:, -1:]
     if spec.family == "encoder-decoder":
-        hidden = {}
         phase("encode", "encoder", lambda s: hidden.setdefault(id(s), s.encode(ids)))
-        start = torch.zeros(batch, 1, dtype=torch.long)
+        prompt = torch.cat([torch.zeros(batch, 1, dtype=torch.long), ids[:, :2]], 1)
+        last = ids[:, 2:3]
 
-        def step(s: object, x: torch.Tensor) -> torch.Tensor:
-            return s.step(x, encoder_hidden=hidden[id(s)])  # type: ignore[attr-defined]
-        prompt = torch.cat([start, ids[:, :2]], 1)
-        if CROSS_KV in triton.runners:
-            for s in (reference, fused, triton):
-                s.reset()
-            phase("cross-kv", CROSS_KV, lambda s: step(s, prompt), output="logits")
-        for s in (reference, fused, triton):
+    def step(s: Any, x: torch.Tensor) -> torch.Tensor:
+        return s.step(x, encoder_hidden=hidden.get(id(s)))
+    if CROSS_KV in triton.runners:
+        for s in sessions:
             s.reset()
-        phase("prefill", "decoder", lambda s: step(s, prompt))
-        phase("decode", "decoder", lambda s: step(s, ids[:, 2:3]))
-        return report
-    for s in (reference, fused, triton):
+        phase("cross-kv", CROSS_KV, lambda s: step(s, prompt), output="logits")
+    for s in sessions:
         s.reset()
-    phase("prefill", "decoder", lambda s: s.step(ids, **extra))
-    phase("decode", "decoder", lambda s: s.step(ids[:, -1:], **extra))
+    phase("prefill", "decoder", lambda s: step(s, prompt))
+    phase("decode", "decoder", lambda s: step(s, last))
     return report
