@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from archc.api import Model, register_source
 from archc.errors import ArchcError, WeightsError
+from archc.model import Model
 from archc.spec.load import dump_yaml, load_yaml
 from archc.spec.schema import Spec
 
@@ -55,5 +55,3 @@ def load(directory: Path, progress: object = None, dtype: str | None = None) -> 
         weights = {k: v.to(TORCH_DTYPES[dtype]) for k, v in weights.items()}
     return Model(spec, weights, source=str(directory))
 
-
-register_source(is_native, load)

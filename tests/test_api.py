@@ -99,7 +99,7 @@ def test_weights_that_cannot_fit_are_refused_before_they_are_allocated(
     params = 49152 * 576 + 30 * (2 * 576 ** 2 + 2 * 576 * 192 + 3 * 576 * 1536 + 2 * 576) + 576
     monkeypatch.setattr(archc.memory, "host_available", lambda: 300 << 20)
     allocated: list[str] = []
-    monkeypatch.setattr(archc.api, "random_weights",
+    monkeypatch.setattr(archc.model, "random_weights",
                         lambda *a, **k: allocated.append("yes") or {})
     with pytest.raises(ArchcError) as err:
         archc.load("smollm2-135m")

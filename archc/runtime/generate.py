@@ -1,7 +1,7 @@
 """Choosing the next token: greedy, or sampled with temperature, top-k and top-p, seeded.
 
 Backend-independent: it sees only logits. The generation loop (prefill, then one decode step per
-token, stopping at EOS) lives with the compiled model in ``archc.api``.
+token, stopping at EOS) lives with the compiled model in ``archc.model``.
 """
 
 from __future__ import annotations

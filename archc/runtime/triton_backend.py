@@ -292,13 +292,6 @@ def triton_backend(model: Any, program: Program, dtype: str, device: torch.devic
                          dtype=dtype, device=device, options=TritonOptions.parse(options))
 
 
-def register() -> None:
-    from archc.api import register_backend
-    register_backend("triton", triton_backend)
-
-
-register()
-
 
 # ---- one graph, for tests ----------------------------------------------------------------
 

@@ -1,8 +1,7 @@
 """Sources of real models: Hugging Face directories and GGUF files.
 
-Importing this package registers both loaders with ``archc.api.register_source``, so
-``archc.load`` accepts a directory or a ``.gguf`` path beside zoo names and spec files;
-``source_spec`` reads just the spec of any source.
+``archc.load`` tries both loaders (``archc.api.SOURCES``), so it accepts a directory or a ``.gguf``
+path beside zoo names and spec files; ``describe`` reads just the spec of any source.
 """
 
 from __future__ import annotations
@@ -10,24 +9,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from archc.api import Model, Progress, register_source
+from archc.model import Model, Progress
 from archc.sources.hf import hf_spec, is_hf_dir, load_hf
 from archc.spec.schema import Spec
 from archc.spec.zoo import load_spec
 
+__all__ = ["Source", "describe", "is_gguf", "is_hf_dir", "load_gguf", "load_hf"]
 
-def _is_gguf(path: Path) -> bool:
+
+def is_gguf(path: Path) -> bool:
     return path.suffix.lower() == ".gguf"
 
 
-def _load_gguf(path: Path, *, progress: Progress | None = None,
-               dtype: str | None = None) -> Model:
-    from archc.sources.gguf import load_gguf
-    return load_gguf(path, progress=progress, dtype=dtype)
-
-
-register_source(_is_gguf, _load_gguf)
-register_source(is_hf_dir, load_hf)
+def load_gguf(path: Path, *, progress: Progress | None = None, dtype: str | None = None) -> Model:
+    from archc.sources import gguf  # reads the gguf package only when a file is loaded
+    return gguf.load_gguf(path, progress=progress, dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -46,9 +42,9 @@ class Source:
 def describe(source: str | Path) -> Source:
     """The kind, spec and tokenizer presence of any source: an HF directory's config, a GGUF
     file's metadata, an archc checkpoint directory's spec, a spec file or zoo name."""
-    from archc import native
+    import archc.native as native
     path = Path(source)
-    if _is_gguf(path):
+    if is_gguf(path):
         from archc.sources.gguf import GGUFFile, spec_of_file
         f = GGUFFile(path)
         return Source("gguf", spec_of_file(f), bool(f.fields.get("tokenizer.ggml.tokens")))

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from archc.errors import ArchcError, SpecError, WeightsError
+from archc.model import Model
 from archc.sources.hf_config import HFConfig, spec_name
 from archc.spec import from_dict
 from archc.spec.schema import Spec
@@ -244,9 +245,8 @@ def _tensor_plan(spec: Spec, f: GGUFFile) -> list[tuple[str, str, Callable[[torc
     return plan
 
 
-def load_gguf(path: Path, *, progress: Progress | None = None, dtype: str | None = None) -> Any:
+def load_gguf(path: Path, *, progress: Progress | None = None, dtype: str | None = None) -> Model:
     """The model of a GGUF file, its tensors dequantised to f32 (or `dtype`, one at a time)."""
-    from archc.api import Model
     from archc.ir.lower import lower
     from archc.memory import check_fits, checkpoint_elements
     from archc.runtime.weights import TORCH_DTYPES, checkpoint_shapes

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from archc.errors import SpecError
+from archc.model import Model
 from archc.sources.architectures import ARCHITECTURES
 from archc.sources.architectures.base import Architecture, Checkpoint
 from archc.sources.hf_config import HFConfig, spec_name
@@ -91,7 +92,6 @@ def load_hf(directory: Path, *, progress: Progress | None = None,
             dtype: str | None = None) -> Any:
     """An HF directory → archc Model with its weights (in their stored dtype, or `dtype`),
     tokenizer and EOS ids."""
-    from archc.api import Model
     from archc.ir.lower import lower
     from archc.memory import check_fits, checkpoint_elements
     from archc.runtime.weights import checkpoint_shapes

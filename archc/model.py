@@ -1,0 +1,280 @@
+"""A model and its compiled form: what ``archc.load`` returns and what it compiles to.
+
+    model = archc.load(source)            # zoo name, spec YAML, HF directory or .gguf file
+    compiled = model.compile(backend="eager")
+    logits = compiled(input_ids)                          # decoder: [B, T, vocab]
+    hidden = compiled(input_ids, attention_mask=mask)     # encoder: [B, T, d]
+    logits = compiled(input_ids, decoder_input_ids=dec)   # encoder-decoder
+    ids = compiled.generate(input_ids, max_new_tokens=20) # prompt + new tokens
+    text = compiled.generate("Once upon a time")          # the continuation (needs a tokenizer)
+
+``model.spec``, ``model.graph`` (the unfused program) and ``model.weights`` (the checkpoint: tensor
+name → tensor) are public. A spec without weights gets seeded random ones (``model.random_weights``
+says so). Dtypes are 'f32', 'f16', 'bf16' or torch dtypes; without one, a model computes in its own
+dtype, or in f32 on a CPU (``archc.dtypes``). Before weights are allocated their bytes are priced
+against the memory free (``archc.memory``). Errors are ``ArchcError``s that name the argument.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from archc.devices import resolve_device
+from archc.dtypes import default_dtype, dtype_name
+from archc.errors import ArchcError
+from archc.ir.graph import Program
+from archc.ir.lower import lower
+from archc.memory import check_fits, checkpoint_elements
+from archc.runtime.eager import EagerSession
+from archc.runtime.generate import Sampler, Sampling
+from archc.runtime.weights import TORCH_DTYPES, check_checkpoint, random_weights
+from archc.spec.schema import Spec
+
+
+class Session(Protocol):
+    """What a backend provides: run the encoder, or decoder steps over a KV cache."""
+
+    past: int
+
+    def reset(self) -> None: ...
+
+    def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               token_types: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def step(self, tokens: torch.Tensor, *, encoder_hidden: torch.Tensor | None = None,
+             encoder_mask: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+@dataclass
+class Model:
+    """A spec, its unfused program, and a checkpoint — ready to compile."""
+
+    spec: Spec
+    weights: dict[str, torch.Tensor] | None = None   # None: seeded random weights
+    seed: int = 0
+    tokenizer: Any = None                 # set by loaders that find one (HF, GGUF)
+    chat_template: str | None = None
+    source: str = ""
+    eos_token_ids: tuple[int, ...] = ()   # generation stops at any of these
+    notes: tuple[str, ...] = ()           # what the loader wants the user to know
+    weights_dtype: str = "f32"            # the dtype random weights are held in
+    graph: Program = field(init=False)
+    random_weights: bool = field(init=False)   # no checkpoint: the weights mean nothing
+
+    def __post_init__(self) -> None:
+        self.graph = lower(self.spec)
+        self.random_weights = self.weights is None
+        if self.weights is None:
+            check_fits(self.spec.name, "its weights", checkpoint_elements(self.graph),
+                       self.weights_dtype, self.spec.family, random=True)
+            self.weights = random_weights(self.graph, seed=self.seed, dtype=self.weights_dtype)
+            self.notes += (f"{self.spec.name} is a spec, not a checkpoint: its weights are "
+                           f"random (seed {self.seed}), so what it computes means nothing",)
+        check_checkpoint(self.graph, self.weights)
+
+    def compile(self, backend: str = "eager", *, dtype: str | torch.dtype | None = None,
+                device: str | torch.device = "cpu", **options: Any) -> CompiledModel:
+        """Ready the model to run on `backend` ("eager" or "triton"), on `device` ("cpu" or
+        "cuda"), computing in `dtype` (default: the model's own dtype; f32 on a CPU)."""
+        torch_device = resolve_device(device)
+        name = default_dtype(self.spec.dtype, torch_device) if dtype is None else \
+            dtype_name(dtype)
+        factory = backend_factory(backend)
+        if backend == "triton" and name == "bf16" and torch_device.type == "cpu":
+            raise ArchcError("dtype='bf16' with the triton backend on the CPU: Triton's "
+                             "interpreter computes bfloat16 wrongly; use dtype='f32' or 'f16', "
+                             "or device='cuda'")
+        self._check_copy_fits(backend, name, torch_device, options.get("passes"))
+        program = self.graph if name == "f32" else lower(self.spec, name)
+        session = factory(self, program, name, torch_device, options)
+        module = getattr(session, "module_path", None)   # a backend that generates code
+        if module is not None:
+            from archc.kernel_cache import used
+            used(Path(module))
+        return CompiledModel(self, program, session, backend)
+
+    def _check_copy_fits(self, backend: str, dtype: str, device: torch.device,
+                         passes: Any) -> None:
+        """A backend evaluates the parameters into new tensors unless it runs the checkpoint's
+        own: the eager backend without weight-rewriting passes, in the checkpoint's dtype, on
+        the CPU."""
+        weights = self.weights or {}
+        same = all(w.dtype == TORCH_DTYPES[dtype] and w.device == device
+                   for w in weights.values())
+        if backend == "eager" and passes in (None, "none") and same:
+            return
+        check_fits(self.spec.name, "the compiled copy of its weights",
+                   checkpoint_elements(self.graph), dtype, self.spec.family, device,
+                   random=self.random_weights)
+
+
+# What the eager backend interprets unless told otherwise: the unfused program with each
+# attention chain (scores → … → value sum) collapsed into one `attention` node, which runs through
+# PyTorch's fused attention wherever the mask allows (`sdpa_attention`) — so a long prompt never
+# stores its [B, H, T, L] scores. passes="none" interprets the program exactly as lowered.
+EAGER_PIPELINE = ("share-kv-heads", "flash-attention")
+
+
+def _eager_backend(model: Model, program: Program, dtype: str, device: torch.device,
+                   options: Mapping[str, Any]) -> Session:
+    unknown = sorted(set(options) - {"passes"})
+    if unknown:
+        raise ArchcError(f"the eager backend takes one option, passes (got {', '.join(unknown)})")
+    passes = options.get("passes")
+    from archc.passes import optimize
+    program = optimize(program, EAGER_PIPELINE if passes is None else passes)
+    return EagerSession(program, model.weights, max_seq_len=model.spec.max_seq_len,
+                        device=device)
+
+
+BackendFactory = Callable[[Model, Program, str, torch.device, Mapping[str, Any]], Session]
+# name → (module, factory); a backend's module is imported when it is first compiled for
+BACKENDS = {"eager": ("archc.model", "_eager_backend"),
+            "triton": ("archc.runtime.triton_backend", "triton_backend")}
+
+
+def backend_factory(name: str) -> BackendFactory:
+    if name not in BACKENDS:
+        raise ArchcError(f"backend={name!r} is not a backend (known: {', '.join(BACKENDS)})")
+    module, factory = BACKENDS[name]
+    return getattr(importlib.import_module(module), factory)  # type: ignore[no-any-return]
+
+
+class CompiledModel:
+    def __init__(self, model: Model, program: Program, session: Session, backend: str) -> None:
+        self.model = model
+        self.spec = model.spec
+        self.program = program
+        self.session = session
+        self.backend = backend
+
+    def __call__(self, input_ids: torch.Tensor | str, *,
+                 attention_mask: torch.Tensor | None = None,
+                 decoder_input_ids: torch.Tensor | None = None,
+                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Full forward pass: logits (decoder, encoder-decoder) or hidden states (encoder).
+        `input_ids`: token ids [B, T], or text when the model has a tokenizer."""
+        input_ids = self._ids(input_ids)
+        family = self.spec.family
+        if family == "encoder":
+            return self.session.encode(input_ids, attention_mask, token_type_ids)
+        if family == "encoder-decoder":
+            if decoder_input_ids is None:
+                raise ArchcError("an encoder-decoder needs decoder_input_ids")
+            hidden = self.session.encode(input_ids, attention_mask)
+            self.session.reset()
+            return self.session.step(_as_ids(decoder_input_ids, "decoder_input_ids"),
+                                     encoder_hidden=hidden, encoder_mask=attention_mask)
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ArchcError("padding masks are supported for encoders; a decoder forward "
+                             "takes unpadded sequences")
+        self.session.reset()
+        return self.session.step(input_ids)
+
+    def generate(self, input_ids: torch.Tensor | str, max_new_tokens: int = 20, *,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
+                 attention_mask: torch.Tensor | None = None,
+                 decoder_start_token_id: int = 0,
+                 on_token: Callable[[torch.Tensor], None] | None = None) -> Any:
+        """Prompt followed by up to `max_new_tokens` new tokens (greedy unless a temperature is
+        given). Given text (a model with a tokenizer), returns the text of the new tokens.
+
+        Stops early when every row has produced an end-of-sequence id: by default the
+        checkpoint's (``model.eos_token_ids``); `eos_token_id` replaces them (one id or
+        several; ``()`` never stops early). `on_token` sees each new column of tokens [B] as it
+        is chosen. For an encoder-decoder, returns the decoder tokens (starting with
+        `decoder_start_token_id`)."""
+        if self.spec.family == "encoder":
+            raise ArchcError(f"{self.spec.name} is an encoder: it has no output head to "
+                             "generate with")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or \
+                max_new_tokens < 0:
+            raise ArchcError(f"max_new_tokens must be a whole number ≥ 0, got "
+                             f"{max_new_tokens!r}")
+        text = isinstance(input_ids, str)
+        input_ids = self._ids(input_ids)
+        sampler = Sampler(Sampling(temperature, top_k, top_p, seed))
+        extra: dict[str, Any] = {}
+        tokens = input_ids
+        if self.spec.family == "encoder-decoder":
+            extra = {"encoder_hidden": self.session.encode(input_ids, attention_mask),
+                     "encoder_mask": attention_mask}
+            tokens = torch.full((input_ids.shape[0], 1), decoder_start_token_id,
+                                dtype=torch.long)
+        if tokens.shape[1] + max_new_tokens > self.spec.max_seq_len:
+            raise ArchcError(f"{tokens.shape[1]} prompt tokens + {max_new_tokens} new exceed "
+                             f"max_seq_len = {self.spec.max_seq_len}")
+        self.session.reset()
+        out = [tokens]
+        stop = _stop_ids(self.model.eos_token_ids if eos_token_id is None else eos_token_id)
+        done = torch.zeros(tokens.shape[0], dtype=torch.bool)
+        step_in = tokens
+        for _ in range(max_new_tokens):
+            logits = self.session.step(step_in, **extra)
+            nxt = sampler(logits[:, -1])
+            if len(stop):
+                # a finished row repeats its first stop token
+                nxt = torch.where(done, stop[0].expand_as(nxt), nxt)
+                done |= torch.isin(nxt, stop)
+            out.append(nxt[:, None])
+            if on_token is not None:
+                on_token(nxt)
+            if len(stop) and bool(done.all()):
+                break
+            step_in = nxt[:, None]
+        result = torch.cat(out, dim=1)
+        if text:
+            new = [int(i) for i in result[0, tokens.shape[1]:] if int(i) not in stop.tolist()]
+            return self.model.tokenizer.decode(new)
+        return result
+
+    def _ids(self, x: Any) -> torch.Tensor:
+        """Token ids [B, T] from ids, or from text through the model's tokenizer."""
+        if not isinstance(x, str):
+            return _as_ids(x, "input_ids")
+        tok = self.model.tokenizer
+        if tok is None:
+            why = " (it is a spec: its weights are random)" if self.model.random_weights else ""
+            raise ArchcError(f"{self.spec.name} has no tokenizer{why}, so it cannot take text: "
+                             "pass token ids [B, T], or load a checkpoint that carries a "
+                             "tokenizer (a Hugging Face directory with tokenizer.json, or a "
+                             ".gguf file)")
+        ids = tok.encode(x)
+        if not ids:
+            raise ArchcError("the text encodes to no tokens")
+        return torch.tensor([ids])
+
+
+def _stop_ids(eos: int | Sequence[int]) -> torch.Tensor:
+    ids = [eos] if isinstance(eos, int) else list(eos)
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise ArchcError(f"eos_token_id must be a token id or a sequence of them, got {eos!r}")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _as_ids(x: Any, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        try:
+            x = torch.as_tensor(x)
+        except (TypeError, ValueError, RuntimeError):
+            raise ArchcError(f"{name} must be integer token ids shaped [B, T] (a tensor or "
+                             f"nested lists of ints), got {type(x).__name__}") from None
+    if x.dim() == 1:
+        x = x[None]
+    if x.dim() != 2 or x.dtype not in (torch.int64, torch.int32):
+        raise ArchcError(f"{name} must be integer token ids shaped [B, T], got "
+                         f"{x.dtype}{list(x.shape)}")
+    return x.long()
+
+
+# ---- sources -------------------------------------------------------------------------------
+
+
+Progress = Callable[[int, int], None]     # (done, total), while weights load
