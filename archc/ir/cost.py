@@ -28,9 +28,10 @@ class Cost:
 
 
 def node_cost(g: Graph, i: int) -> Cost:
-    d = OP_TABLE[g.nodes[i].op]
-    sig = g.sig(i)
-    return Cost(sympy.sympify(d.flops(sig)), sympy.sympify(d.bytes(sig)))
+    """The op's counts, plus its recurrent state, read once and written once."""
+    d, sig = OP_TABLE[g.nodes[i].op], g.sig(i)
+    state = sum(2 * s.bytes for s in d.states(sig))
+    return Cost(sympy.sympify(d.flops(sig)), sympy.sympify(d.bytes(sig) + state))
 
 
 def graph_cost(g: Graph) -> Cost:

@@ -1,6 +1,14 @@
-"""Boundary, linear-algebra, elementwise, normalization and view ops."""
+"""Boundary, matmul, elementwise, normalization and view ops.
+
+``fused_linear`` is ``x @ wᵀ`` with a prologue and an epilogue chain in one kernel: the prologue
+gathers the row statistics of a folded norm along the K loop the matmul runs anyway (Σx² for rms;
+Σx and Σx² for layer); the epilogue (``archc.ir.ops.steps``) works on the f32 accumulator before
+the one store.
+"""
 
 from __future__ import annotations
+
+from typing import NoReturn
 
 import sympy
 import torch
@@ -14,10 +22,12 @@ from archc.ir.ops.base import (
     EagerCtx,
     Op,
     OpDef,
+    RolesFn,
     ShapeError,
     Sig,
     broadcast,
     float_dtype,
+    io_bytes,
     operands,
     per_element,
     register,
@@ -25,44 +35,42 @@ from archc.ir.ops.base import (
     same_as_input,
     same_dim,
     same_shape,
-    variadic,
     zero,
 )
-from archc.ir.ops.steps import RowStats, apply_epilogue, check_epilogue, epilogue_roles
+from archc.ir.ops.steps import (
+    RowStats,
+    apply_epilogue,
+    check_epilogue,
+    epilogue_roles,
+    normalize,
+)
 from archc.ir.shapes import DTYPE_BYTES, Shape, numel
 
 
-def _declared(sig: Sig) -> tuple[Shape, str]:
-    # input and param nodes carry their shape; the builder passes it in, so this never runs
-    raise ShapeError("input/param nodes must be given their shape")
+def _given(*_: object) -> NoReturn:
+    raise ShapeError("input and param nodes are given their shape and value, not computed")
 
 
-def _bound_by_interpreter(ctx: EagerCtx, args: Args, attrs: Attrs) -> torch.Tensor:
-    raise RuntimeError("inputs and params are bound by the interpreter, not run")
-
-
-def _name() -> Attr:
-    return Attr("name", str, doc="the name callers and checkpoints know it by")
-
+NAME = Attr("name", str, doc="the name callers and checkpoints know it by")
+EPILOGUE = Attr("epilogue", tuple, ())
 
 register(OpDef(
     Op.INPUT, "A runtime input: token ids, positions, masks, encoder states.",
-    '%0 : i64[B,T] = input() {name="tokens"}', operands(), _declared, _bound_by_interpreter,
-    attrs=(_name(),), bytes=zero, arity=(0, 0)))
+    '%0 : i64[B,T] = input() {name="tokens"}', operands(), _given, _given, attrs=(NAME,),
+    bytes=zero, arity=(0, 0)))
 
 register(OpDef(
     Op.PARAM, "A weight or buffer; `expr` says how to build it from checkpoint tensors.",
-    '%1 : f32[97,64] = param() {name="embed.weight"}', operands(), _declared,
-    _bound_by_interpreter, attrs=(_name(), Attr("expr", Call, None)), bytes=zero,
-    arity=(0, 0)))
+    '%1 : f32[97,64] = param() {name="embed.weight"}', operands(), _given, _given,
+    attrs=(NAME, Attr("expr", Call, None)), bytes=zero, arity=(0, 0)))
 
 register(OpDef(
     Op.OUTPUT, "A named result of the graph.",
     '%40 : f32[B,T,97] = output(%39) {name="logits"}', operands("x"), same_as_input,
-    lambda ctx, a, at: a["x"], attrs=(_name(),), bytes=zero, arity=(1, 1)))
+    lambda ctx, a, at: a["x"], attrs=(NAME,), bytes=zero, arity=(1, 1)))
 
 
-# ---- embedding and matmul -------------------------------------------------------------------
+# ---- embedding and matmuls ------------------------------------------------------------------
 
 def _embedding_infer(sig: Sig) -> tuple[Shape, str]:
     table, ids = sig.shape("table"), sig.shape("ids")
@@ -71,17 +79,19 @@ def _embedding_infer(sig: Sig) -> tuple[Shape, str]:
     return (*ids, table[1]), sig.dtype("table")
 
 
-def _embedding_bytes(sig: Sig) -> sympy.Expr:
-    # reads only the gathered rows, and the ids
-    rows = numel(sig.out_shape) * DTYPE_BYTES[sig.out_dtype]
-    return 2 * rows + numel(sig.shape("ids")) * DTYPE_BYTES["i64"]
-
-
 register(OpDef(
     Op.EMBEDDING, "Gather rows of a table by integer ids.",
     "%3 : f32[B,T,64] = embedding(%1, %0)", operands("table", "ids"), _embedding_infer,
-    lambda ctx, a, at: F.embedding(a["ids"], a["table"]), bytes=_embedding_bytes,
+    lambda ctx, a, at: F.embedding(a["ids"], a["table"]),
+    # reads only the gathered rows, and the ids
+    bytes=lambda sig: 2 * numel(sig.out_shape) * DTYPE_BYTES[sig.out_dtype]
+    + numel(sig.shape("ids")) * DTYPE_BYTES["i64"],
     template="embedding", arity=(2, 2), docs={"ids": "integer ids, one per row"}))
+
+
+def matmul_flops(sig: Sig) -> sympy.Expr:
+    x, w = sig.shapes[0], sig.shape("weight")
+    return 2 * numel(x[:-1]) * w[0] * w[1]
 
 
 def _matmul_infer(sig: Sig) -> tuple[Shape, str]:
@@ -91,15 +101,80 @@ def _matmul_infer(sig: Sig) -> tuple[Shape, str]:
     return (*x[:-1], w[0]), float_dtype(sig)
 
 
-def matmul_flops(sig: Sig) -> sympy.Expr:
-    x, w = sig.shape("x"), sig.shape("weight")
-    return 2 * numel(x[:-1]) * w[0] * w[1]
-
-
 register(OpDef(
     Op.MATMUL, "x @ wᵀ with the weight stored [N, K] as torch.nn.Linear does.",
     "%9 : f32[B,T,64] = matmul(%8, %2)", operands("x", "weight"), _matmul_infer,
     lambda ctx, a, at: F.linear(a["x"], a["weight"]), flops=matmul_flops, arity=(2, 2)))
+
+
+def activations(roles: Sig | Args) -> list[str]:
+    """The activation operands of a fused_linear: x, or x1 and x2 concatenated along K."""
+    has = roles.has if isinstance(roles, Sig) else roles.__contains__
+    return ["x1", "x2"] if has("x1") else ["x"]
+
+
+def _linear_infer(sig: Sig) -> tuple[Shape, str]:
+    xs = [sig.shape(r) for r in activations(sig)]
+    x, w = xs[0], sig.shape("weight")
+    if len(xs) == 2:
+        require(len(xs[1]) == len(x) and same_shape(x[:-1], xs[1][:-1]),
+                f"concatenated operands {list(x)} and {list(xs[1])} differ before K")
+        require(sig.attr("prologue") is None, "a prologue needs a single operand")
+    require(len(w) == 2 and same_dim(sum(s[-1] for s in xs), w[1]),
+            f"x {[list(s) for s in xs]} and weight {list(w)} do not match as x @ wᵀ")
+    require((sig.attr("prologue") is None) == (sig.attr("eps") is None),
+            "eps goes with a prologue")
+    width = check_epilogue(sig, Op.FUSED_LINEAR, int(w[0]), len(xs) + 1, x[:-1])
+    return (*x[:-1], sympy.Integer(width)), float_dtype(sig)
+
+
+def row_stats(x: torch.Tensor, prologue: str | None, eps: float | None) -> RowStats:
+    if prologue is None:
+        return RowStats(None, None, x.dtype)
+    xf = x.float()
+    if prologue == "rms":
+        return RowStats(None, torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps), x.dtype)
+    # the kernel gathers Σx and Σx² along its K loop: var = E[x²] − E[x]²
+    mean = xf.mean(-1, keepdim=True)
+    var = xf.pow(2).mean(-1, keepdim=True) - mean.pow(2)
+    return RowStats(mean, torch.rsqrt(var + eps), x.dtype)
+
+
+def fused_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+    xs = [a[r] for r in activations(a)]
+    w, k = a["weight"].float(), xs[0].shape[-1]
+    acc = F.linear(xs[0].float(), w[:, :k])
+    if len(xs) == 2:  # the K loop runs over x1's columns, then x2's
+        acc = acc + F.linear(xs[1].float(), w[:, k:])
+    stats = row_stats(xs[0], at["prologue"], at["eps"])
+    rest = list(a.values())[len(xs) + 1:]
+    return apply_epilogue(ctx, acc, at["epilogue"], rest, stats).to(xs[0].dtype)
+
+
+def _linear_bytes(sig: Sig) -> sympy.Expr:
+    # k and v rows go to the cache as well
+    rows = numel(sig.shapes[0][:-1]) * DTYPE_BYTES[sig.out_dtype]
+    return io_bytes(sig) + sum(2 * rows * st.kw("kv_heads") * st.kw("head_dim")
+                               for st in sig.attr("epilogue") if st.fn == "kv_write")
+
+
+register(OpDef(
+    Op.FUSED_LINEAR, "x @ wᵀ with a norm prologue and an epilogue chain, one kernel; with "
+    "concat_k, x is two operands concatenated along K (parallel blocks' out + down).",
+    '%9 : f32[B,T,128] = fused_linear(%3, %8, %1, %7) {epilogue=[rms_scale(), rope(heads=6, '
+    'head_dim=16, interleaved=false, rotary_dim=16), kv_write(head_dim=16, k_start=64, '
+    'kv_heads=2, layer=0, v_start=96)], eps=1e-05, prologue="rms"}',
+    lambda attrs, n: (["x1", "x2"] if attrs.get("concat_k") else ["x"]) + ["weight"]
+    + epilogue_roles(attrs),
+    _linear_infer, fused_linear,
+    attrs=(Attr("prologue", str, None, ("rms", "layer"),
+                doc="row statistics of a folded norm, gathered along K"),
+           Attr("eps", float, None), EPILOGUE,
+           Attr("concat_k", bool, False, doc="x is two operands concatenated along K")),
+    flops=lambda sig: matmul_flops(sig) + 4 * numel(sig.out_shape), bytes=_linear_bytes,
+    template="matmul", arity=(2, -1),
+    docs={"x": "activations", "x1": "first operand", "x2": "second operand",
+          "weight": "weight, K-contiguous"}))
 
 
 # ---- elementwise: each op is an expression of the elementwise language ---------------------
@@ -113,7 +188,8 @@ def elementwise_expr(op: Op, attrs: Attrs) -> Call:
     return E.call(op.value, E.x(0), E.x(1))
 
 
-def _elementwise_infer(op: Op) -> object:
+def _elementwise(op: Op, summary: str, example: str, roles: RolesFn, *attrs: Attr,
+                 commutative: bool = False, arity: tuple[int, int] = (2, 2)) -> None:
     def infer(sig: Sig) -> tuple[Shape, str]:
         try:
             E.check(elementwise_expr(op, sig.attrs), len(sig.shapes))
@@ -124,11 +200,7 @@ def _elementwise_infer(op: Op) -> object:
             require(d == sig.dtypes[0], f"dtypes differ: {sig.dtypes[0]} and {d}")
             out = broadcast(out, s)
         return out, float_dtype(sig)
-    return infer
 
-
-def _elementwise(op: Op, summary: str, example: str, roles: object, *attrs: Attr,
-                 commutative: bool = False, arity: tuple[int, int] = (2, 2)) -> None:
     def eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
         xs = list(a.values())
         return E.evaluate(elementwise_expr(op, at), xs).to(xs[0].dtype)
@@ -136,8 +208,8 @@ def _elementwise(op: Op, summary: str, example: str, roles: object, *attrs: Attr
     def flops(sig: Sig) -> sympy.Expr:
         return max(1, E.flops(elementwise_expr(op, sig.attrs))) * numel(sig.out_shape)
 
-    register(OpDef(op, summary, example, roles, _elementwise_infer(op), eager, attrs=attrs,
-                   flops=flops, commutative=commutative, arity=arity,
+    register(OpDef(op, summary, example, roles, infer, eager, attrs=attrs, flops=flops,
+                   commutative=commutative, arity=arity,
                    template="pointwise" if op == Op.POINTWISE else None))
 
 
@@ -151,45 +223,25 @@ _elementwise(Op.ACT, "An activation: " + ", ".join(E.ACTIVATIONS) + ".",
 _elementwise(Op.POINTWISE, "An elementwise expression over inputs x(0), x(1)… "
              "(archc.ir.expr): scales, soft-caps, fused chains.",
              '%15 : f32[B,T,176] = pointwise(%13, %14) {expr=mul(act(x(0), fn="silu"), x(1))}',
-             variadic("x"), Attr("expr", Call), arity=(1, -1))
-
-
-def softmax(x: torch.Tensor) -> torch.Tensor:
-    return torch.softmax(x.float(), dim=-1).to(x.dtype)
-
+             lambda attrs, n: [f"x{i}" for i in range(max(n, 1))], Attr("expr", Call),
+             arity=(1, -1))
 
 register(OpDef(
     Op.SOFTMAX, "Softmax over the last dim, computed in f32.",
     "%15 : f32[B,4,T,P+T] = softmax(%14)", operands("x"), same_as_input,
-    lambda ctx, a, at: softmax(a["x"]), flops=per_element(5), arity=(1, 1)))
+    lambda ctx, a, at: torch.softmax(a["x"].float(), dim=-1).to(a["x"].dtype),
+    flops=per_element(5), arity=(1, 1)))
 
 
 # ---- norm ----------------------------------------------------------------------------------
 
-def normalize(x: torch.Tensor, kind: str, eps: float) -> tuple[torch.Tensor, RowStats]:
-    """x normalized over its last dim, in f32, and the statistics: rms — x/sqrt(mean(x²) + eps);
-    layer — (x − mean)/sqrt(var + eps)."""
-    xf = x.float()
-    if kind == "rms":
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return xf * rstd, RowStats(None, rstd, x.dtype)
-    mean = xf.mean(-1, keepdim=True)
-    rstd = torch.rsqrt((xf - mean).pow(2).mean(-1, keepdim=True) + eps)
-    return (xf - mean) * rstd, RowStats(mean, rstd, x.dtype)
-
-
-def _norm_roles(attrs: object, n: int) -> list[str]:
-    return operands("x", "weight", ("residual", "add_before"))(attrs, n) + epilogue_roles(attrs)
-
-
 def _norm_infer(sig: Sig) -> tuple[Shape, str]:
-    x = sig.shape("x")
-    w = sig.shape("weight")
+    x, w = sig.shape("x"), sig.shape("weight")
     require(len(w) == 1 and same_dim(w[0], x[-1]),
             f"the gain {list(w)} does not match the last dim of {list(x)}")
     if sig.has("residual"):
-        require(same_shape(sig.shape("residual"), x), f"the residual "
-                f"{list(sig.shape('residual'))} does not match x {list(x)}")
+        require(same_shape(sig.shape("residual"), x),
+                f"the residual {list(sig.shape('residual'))} does not match x {list(x)}")
     require(not (sig.attr("unit_offset") and sig.attr("kind") == "layer"),
             "unit_offset is for rms norms")
     check_epilogue(sig, Op.NORM, int(x[-1]), 3 if sig.has("residual") else 2, x[:-1])
@@ -211,32 +263,25 @@ register(OpDef(
     Op.NORM, "RMSNorm or LayerNorm over the last dim, times its gain (1 + w with unit_offset); "
     "with add_before, of x + residual; then an epilogue (the LayerNorm bias, a residual add).",
     '%5 : f32[B,T,64] = norm(%4, %2, %3) {epilogue=[bias()], eps=1e-05, kind="layer"}',
-    _norm_roles, _norm_infer, norm,
+    lambda attrs, n: operands("x", "weight", ("residual", "add_before"))(attrs, n)
+    + epilogue_roles(attrs),
+    _norm_infer, norm,
     attrs=(Attr("kind", str, choices=("rms", "layer")), Attr("eps", float),
            Attr("unit_offset", bool, False, doc="Gemma's gain 1 + w"),
-           Attr("add_before", bool, False, doc="normalize x + residual (post-norm)"),
-           Attr("epilogue", tuple, ())),
+           Attr("add_before", bool, False, doc="normalize x + residual (post-norm)"), EPILOGUE),
     flops=lambda sig: (4 if sig.attr("kind") == "rms" else 8) * numel(sig.out_shape),
     template="norm", arity=(2, -1),
     docs={"x": "rows to normalize", "weight": "gain", "residual": "residual, added before"}))
 
 
-# ---- head views ----------------------------------------------------------------------------
+# ---- views -----------------------------------------------------------------------------------
 
 def _split_infer(sig: Sig) -> tuple[Shape, str]:
-    x = sig.shapes[0]
-    heads = sig.attr("heads")
+    x, heads = sig.shapes[0], sig.attr("heads")
     require(len(x) == 3, f"split_heads takes [B, T, H·D], got {list(x)}")
-    width = x[2]
-    require(isinstance(width, sympy.Integer) and int(width) % heads == 0,
-            f"width {width} is not a multiple of heads={heads}")
-    return (x[0], sympy.Integer(heads), x[1], sympy.Integer(int(width) // heads)), sig.dtypes[0]
-
-
-def _split_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    x = a["x"]
-    b, t, w = x.shape
-    return x.view(b, t, at["heads"], w // at["heads"]).transpose(1, 2)  # (B, H, T, D)
+    require(isinstance(x[2], sympy.Integer) and int(x[2]) % heads == 0,
+            f"width {x[2]} is not a multiple of heads={heads}")
+    return (x[0], sympy.Integer(heads), x[1], sympy.Integer(int(x[2]) // heads)), sig.dtypes[0]
 
 
 def _merge_infer(sig: Sig) -> tuple[Shape, str]:
@@ -245,29 +290,22 @@ def _merge_infer(sig: Sig) -> tuple[Shape, str]:
     return (x[0], x[2], x[1] * x[3]), sig.dtypes[0]
 
 
-def _merge_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    x = a["x"]
-    b, h, t, d = x.shape
-    return x.transpose(1, 2).reshape(b, t, h * d)  # (B, T, H·D)
+def _slice_infer(sig: Sig) -> tuple[Shape, str]:
+    x, start, stop = sig.shapes[0], sig.attr("start"), sig.attr("stop")
+    require(0 <= start < stop <= int(x[-1]), f"columns [{start}, {stop}) outside width {x[-1]}")
+    return (*x[:-1], sympy.Integer(stop - start)), sig.dtypes[0]
 
 
 register(OpDef(
     Op.SPLIT_HEADS, "View [B, T, H·D] as [B, H, T, D].",
     "%11 : f32[B,4,T,16] = split_heads(%10) {heads=4}", operands("x"), _split_infer,
-    _split_eager, attrs=(Attr("heads", int, at_least=1),), bytes=zero, arity=(1, 1)))
+    lambda ctx, a, at: a["x"].unflatten(-1, (at["heads"], -1)).transpose(1, 2),
+    attrs=(Attr("heads", int, at_least=1),), bytes=zero, arity=(1, 1)))
 
 register(OpDef(
     Op.MERGE_HEADS, "View [B, H, T, D] as [B, T, H·D].",
-    "%30 : f32[B,T,64] = merge_heads(%29)", operands("x"), _merge_infer, _merge_eager,
-    bytes=zero, arity=(1, 1)))
-
-
-def _slice_infer(sig: Sig) -> tuple[Shape, str]:
-    x = sig.shapes[0]
-    start, stop = sig.attr("start"), sig.attr("stop")
-    require(0 <= start < stop <= int(x[-1]), f"columns [{start}, {stop}) outside width {x[-1]}")
-    return (*x[:-1], sympy.Integer(stop - start)), sig.dtypes[0]
-
+    "%30 : f32[B,T,64] = merge_heads(%29)", operands("x"), _merge_infer,
+    lambda ctx, a, at: a["x"].transpose(1, 2).flatten(2), bytes=zero, arity=(1, 1)))
 
 register(OpDef(
     Op.SLICE, "View columns [start, stop) of the last dim (e.g. q, k, v of a fused QKV).",

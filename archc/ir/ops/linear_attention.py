@@ -27,6 +27,7 @@ import archc.ir.expr as E
 from archc.ir.attrs import Attrs
 from archc.ir.ops.attention import groups
 from archc.ir.ops.base import (
+    LAYER,
     Args,
     Attr,
     EagerCtx,
@@ -35,13 +36,11 @@ from archc.ir.ops.base import (
     Sig,
     StateDecl,
     float_dtype,
-    layer_attr,
     operands,
     register,
     require,
-    same_dim,
+    same_shape,
 )
-from archc.ir.ops.ssm import state_bytes
 from archc.ir.shapes import Shape
 
 CHUNK = 64                   # tokens per chunk of the eager semantics
@@ -79,7 +78,7 @@ def running_sums(ctx: EagerCtx, phi_q: torch.Tensor, phi_k: torch.Tensor, v: tor
 
 
 def _states(sig: Sig) -> tuple[StateDecl, ...]:
-    q, k, v = sig.shapes[:3]
+    q, k, v = sig.shapes
     return (StateDecl("S", (q[0], k[1], k[3], v[3]), "f32"),
             StateDecl("z", (q[0], k[1], k[3]), "f32"))
 
@@ -89,9 +88,8 @@ def _infer(sig: Sig) -> tuple[Shape, str]:
     require(len(q) == 4 and len(k) == 4 and len(v) == 4,
             "takes q [B, H, T, D], k [B, H_kv, T, D] and v [B, H_kv, T, Dv]")
     groups(q[1], k[1])
-    require(same_dim(k[1], v[1]) and all(same_dim(a, b) for a, b in zip(k[:3], v[:3])),
-            f"k {list(k)} and v {list(v)} differ before the head dim")
-    require(same_dim(q[0], k[0]) and same_dim(q[2], k[2]) and same_dim(q[3], k[3]),
+    require(same_shape(k[:3], v[:3]), f"k {list(k)} and v {list(v)} differ before the head dim")
+    require(same_shape((q[0], q[2], q[3]), (k[0], k[2], k[3])),
             f"q {list(q)} and k {list(k)} do not match")
     return (q[0], q[2], q[1] * v[3]), float_dtype(sig)
 
@@ -100,16 +98,16 @@ def _eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     q = a["q"]
     phi_q, phi_k = (E.activation(x.float(), at["feature"]) for x in (q, a["k"]))
     out = running_sums(ctx, phi_q, phi_k, a["v"], at["layer"])      # (B, H, T, Dv)
-    b, h, t, dv = out.shape
-    return out.transpose(1, 2).reshape(b, t, h * dv).to(q.dtype)
+    return out.transpose(1, 2).flatten(2).to(q.dtype)               # (B, T, H·Dv)
 
 
 def _flops(sig: Sig) -> sympy.Expr:
     q, k, v = sig.shapes
-    tokens = q[0] * q[2]
     d, dv = q[3], v[3]
-    # per token: S += φk vᵀ and z += φk per KV head; φq·S, φq·z and the division per query head
-    return tokens * (k[1] * (2 * d * dv + d) + q[1] * (2 * d * dv + 2 * d + dv))
+    # per token: S += φk vᵀ and z += φk per KV head; φq·S, φq·z and the division per query
+    # head; the feature map on every q and k element
+    phi = 4 * (q[1] + k[1]) * d if sig.attr("feature") != "identity" else 0
+    return q[0] * q[2] * (k[1] * (2 * d * dv + d) + q[1] * (2 * d * dv + 2 * d + dv) + phi)
 
 
 register(OpDef(
@@ -117,8 +115,5 @@ register(OpDef(
     "sums S and z (per KV head, f32) read and updated in place, heads merged [B, T, H·Dv].",
     '%20 : f32[B,T,48] = linear_attention(%17, %18, %19) {feature="elu_plus_one", layer=0}',
     operands("q", "k", "v"), _infer, _eager,
-    attrs=(layer_attr(), Attr("feature", str, "identity", FEATURE_MAPS)),
-    flops=lambda sig: _flops(sig) + (4 * (sig.shapes[0][0] * sig.shapes[0][2]) * (
-        sig.shapes[0][1] + sig.shapes[1][1]) * sig.shapes[0][3]
-        if sig.attr("feature") != "identity" else 0),
-    bytes=state_bytes(_states), states=_states, template="linear_attention", arity=(3, 3)))
+    attrs=(LAYER, Attr("feature", str, "identity", FEATURE_MAPS)),
+    flops=_flops, states=_states, template="linear_attention", arity=(3, 3)))

@@ -24,11 +24,12 @@ from archc.ir.ops.base import (
     OpDef,
     Sig,
     float_dtype,
-    operands,
+    io_bytes,
     register,
     require,
     same_dim,
 )
+from archc.ir.ops.core import EPILOGUE
 from archc.ir.ops.steps import RowStats, apply_epilogue, check_epilogue, epilogue_roles
 from archc.ir.shapes import DTYPE_BYTES, Shape, numel
 
@@ -60,18 +61,14 @@ def _router(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     return route(logits, at["top_k"], at["normalize"]).to(x.dtype)
 
 
-def _router_flops(sig: Sig) -> sympy.Expr:
-    if sig.has("weight"):
-        return 2 * numel(sig.shape("x")) * sig.shape("weight")[0]
-    return 6 * numel(sig.out_shape)
-
-
 register(OpDef(
     Op.ROUTER, "Top-k routing: dense gates (zeros off the top k) from router logits, or from x "
     "and the router weight in one kernel (the logits never stored).",
     "%30 : f32[B,T,4] = router(%28, %29) {normalize=true, top_k=2}",
     lambda attrs, n: ["x", "weight"][:max(1, min(n, 2))], _router_infer, _router,
-    attrs=(Attr("top_k", int, at_least=1), Attr("normalize", bool)), flops=_router_flops,
+    attrs=(Attr("top_k", int, at_least=1), Attr("normalize", bool)),
+    flops=lambda sig: 2 * numel(sig.shape("x")) * sig.shape("weight")[0] if sig.has("weight")
+    else 6 * numel(sig.out_shape),
     template="moe", arity=(1, 2), docs={"x": "activations", "weight": "router weight"}))
 
 
@@ -98,50 +95,40 @@ def moe_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
         else:
             acc.index_add_(0, tok, F.linear(rows[tok, slot].float(), w[e].float())
                            * g[tok, e, None])
-    lead = x.shape[:-1] if up else x.shape[:-2]
-    acc = acc.reshape(*lead, *((k, n) if up else (n,)))
+    acc = acc.reshape(*_tokens(x.shape, up), *((k, n) if up else (n,)))
     rest = list(a.values())[3:]
     return apply_epilogue(ctx, acc, at["epilogue"], rest, RowStats(None, None, x.dtype)).to(
         x.dtype)
 
 
-def _rows(sig: Sig) -> Shape:
-    """The leading dims of the output rows: [..., k] (up) or [...] (down)."""
-    x = sig.shape("x")
-    return (*x[:-1], sympy.Integer(sig.attr("top_k"))) if sig.attr("stage") == "up" else x[:-2]
+def _tokens(x: Shape | torch.Size, up: bool) -> Shape:
+    """The token dims of x: [..., K] (up) or [..., k, K] (down)."""
+    return tuple(x[:-1] if up else x[:-2])
 
 
 def _moe_infer(sig: Sig) -> tuple[Shape, str]:
     x, gates, w = sig.shape("x"), sig.shape("gates"), sig.shape("weight")
-    k = sig.attr("top_k")
+    k, up = sig.attr("top_k"), sig.attr("stage") == "up"
     require(len(w) == 3 and same_dim(gates[-1], w[0]), f"weights {list(w)} for {gates[-1]} "
             "experts")
     require(same_dim(x[-1], w[2]), f"x width {x[-1]} ≠ expert input {w[2]}")
-    if sig.attr("stage") == "down":
-        require(len(x) >= 2 and int(x[-2]) == k, f"hidden {list(x)} must be [..., {k}, {w[2]}]")
-    rows = _rows(sig)
+    require(up or (len(x) >= 2 and int(x[-2]) == k), f"hidden {list(x)} must be [..., {k}, "
+            f"{w[2]}]")
+    rows = (*x[:-1], sympy.Integer(k)) if up else x[:-2]      # [..., k] (up) or [...] (down)
     width = check_epilogue(sig, Op.MOE_LINEAR, int(w[1]), 3, rows)
     return (*rows, sympy.Integer(width)), float_dtype(sig)
 
 
-def _tokens(sig: Sig) -> sympy.Expr:
-    x = sig.shape("x")
-    return numel(x[:-1]) if sig.attr("stage") == "up" else numel(x[:-2])
-
-
-def _moe_flops(sig: Sig) -> sympy.Expr:
-    w = sig.shape("weight")
-    return 2 * _tokens(sig) * sig.attr("top_k") * w[1] * w[2]
+def _routed(sig: Sig) -> sympy.Expr:
+    """(token, slot) pairs: each is one row through one expert."""
+    return numel(_tokens(sig.shape("x"), sig.attr("stage") == "up")) * sig.attr("top_k")
 
 
 def _moe_bytes(sig: Sig) -> sympy.Expr:
-    w, gates = sig.shape("weight"), sig.shape("gates")
-    active = sympy.Min(w[0], _tokens(sig) * sig.attr("top_k"))
-    weights = active * w[1] * w[2] * DTYPE_BYTES[sig.dtype("weight")]
-    acts = (numel(sig.shape("x")) + numel(sig.out_shape)) * DTYPE_BYTES[sig.dtype("x")]
-    extra = sum((numel(s) * DTYPE_BYTES[d] for s, d in zip(sig.shapes[3:], sig.dtypes[3:])),
-                sympy.Integer(0))
-    return weights + acts + numel(gates) * DTYPE_BYTES[sig.dtype("gates")] + extra
+    # every input and the output once, but only the weights of experts some token is routed to
+    w = sig.shape("weight")
+    unread = w[0] - sympy.Min(w[0], _routed(sig))
+    return io_bytes(sig) - unread * w[1] * w[2] * DTYPE_BYTES[sig.dtype("weight")]
 
 
 register(OpDef(
@@ -150,10 +137,9 @@ register(OpDef(
     "then an epilogue (glu or an activation after up, a residual add after down).",
     '%31 : f32[B,T,2,96] = moe_linear(%28, %30, %26) {epilogue=[glu(fn="silu")], stage="up", '
     'top_k=2}',
-    lambda attrs, n: operands("x", "gates", "weight")(attrs, n) + epilogue_roles(attrs),
-    _moe_infer, moe_linear,
-    attrs=(Attr("stage", str, choices=("up", "down")), Attr("top_k", int, at_least=1),
-           Attr("epilogue", tuple, ())),
-    flops=_moe_flops, bytes=_moe_bytes, template="moe", arity=(3, -1),
+    lambda attrs, n: ["x", "gates", "weight", *epilogue_roles(attrs)], _moe_infer, moe_linear,
+    attrs=(Attr("stage", str, choices=("up", "down")), Attr("top_k", int, at_least=1), EPILOGUE),
+    flops=lambda sig: 2 * _routed(sig) * sig.shape("weight")[1] * sig.shape("weight")[2],
+    bytes=_moe_bytes, template="moe", arity=(3, -1),
     docs={"x": "activations, or one row per (token, slot)", "gates": "dense gates",
           "weight": "expert weights"}))

@@ -1,14 +1,7 @@
-"""Mamba's selective state-space layer (Gu & Dao 2023).
-
-- ``causal_conv``: the depthwise causal convolution over time of x [B, T, C] with a [C, K]
-  filter, continuing from the layer's conv state — the last K − 1 inputs of the sequence so far —
-  which it updates in place; then, once fused, its bias and activation.
-- ``ssm_scan``: per inner channel c and state dim n, h_t = exp(Δ_t·A)·h_{t−1} + Δ_t·B_t·x_t and
-  y_t = C_t·h_t, with Δ [B, T, C] (after softplus), A [C, N] (= −exp(A_log)) and the
-  input-dependent B, C [B, T, N]; h is the layer's SSM state [B, C, N], kept in f32. Once fused:
-  the skip D·x and the gate y·silu(z) (``gate``), and Jamba's RMSNorm of B and C (``norm_eps``).
-
-Lowering emits both plainly (identity activation, no bias; no gate); the passes fuse the rest in.
+"""Mamba's selective state-space layer (Gu & Dao 2023): ``causal_conv``, the depthwise causal
+convolution over time continuing from the layer's conv state, and ``ssm_scan``, the selective scan
+from and into the layer's SSM state (f32). Lowering emits both plainly (identity activation, no
+bias, no gate); the passes fuse the conv bias and activation, the skip D·x and the gate in.
 """
 
 from __future__ import annotations
@@ -20,6 +13,7 @@ import torch.nn.functional as F
 import archc.ir.expr as E
 from archc.ir.attrs import Attrs
 from archc.ir.ops.base import (
+    LAYER,
     Args,
     Attr,
     EagerCtx,
@@ -28,8 +22,6 @@ from archc.ir.ops.base import (
     Sig,
     StateDecl,
     float_dtype,
-    io_bytes,
-    layer_attr,
     operands,
     register,
     require,
@@ -37,16 +29,8 @@ from archc.ir.ops.base import (
     same_shape,
     vector,
 )
-from archc.ir.ops.core import normalize
+from archc.ir.ops.steps import normalize
 from archc.ir.shapes import Shape, numel
-
-
-def state_bytes(states: object) -> object:
-    """io bytes plus the op's state, read once and written once."""
-    def cost(sig: Sig) -> sympy.Expr:
-        return io_bytes(sig) + 2 * sympy.Add(*[d.bytes for d in states(sig)])  # type: ignore
-    return cost
-
 
 # ---- the causal convolution ------------------------------------------------------------------
 
@@ -60,11 +44,6 @@ def causal_conv1d(ctx: EagerCtx, x: torch.Tensor, weight: torch.Tensor, layer: i
     ctx.state_write(layer, "conv", window[:, :, window.shape[-1] - (k - 1):].contiguous())
     y = F.conv1d(window.float(), weight.float()[:, None, :], groups=c)       # (B, C, T)
     return y.transpose(1, 2)
-
-
-def _conv_states(sig: Sig) -> tuple[StateDecl, ...]:
-    x, w = sig.shape("x"), sig.shape("weight")
-    return (StateDecl("conv", (x[0], x[2], w[1] - 1), sig.dtype("x")),)
 
 
 def _conv_infer(sig: Sig) -> tuple[Shape, str]:
@@ -89,12 +68,12 @@ register(OpDef(
     "(the last K − 1 inputs) is read and updated in place.",
     '%14 : f32[B,T,128] = causal_conv(%12, %13, %5) {act="silu", bias=true, layer=0}',
     operands("x", "weight", ("bias", "bias")), _conv_infer, _conv_eager,
-    attrs=(layer_attr(), Attr("act", str, "identity", tuple(E.ACTIVATIONS)),
-           Attr("bias", bool, False)),
+    attrs=(LAYER, Attr("act", str, "identity", tuple(E.ACTIVATIONS)), Attr("bias", bool, False)),
     flops=lambda sig: 2 * numel(sig.shape("x")) * sig.shape("weight")[1] + (
         9 * numel(sig.out_shape) if sig.attr("bias") or sig.attr("act") != "identity" else 0),
-    bytes=state_bytes(_conv_states), states=_conv_states, template="causal_conv",
-    arity=(2, 3), docs={"x": "input", "weight": "depthwise filter"}))
+    states=lambda sig: (StateDecl("conv", (sig.shape("x")[0], sig.shape("x")[2],
+                                           sig.shape("weight")[1] - 1), sig.dtype("x")),),
+    template="causal_conv", arity=(2, 3), docs={"x": "input", "weight": "depthwise filter"}))
 
 
 # ---- the selective scan ----------------------------------------------------------------------
@@ -104,24 +83,15 @@ def scan(ctx: EagerCtx, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, bm: 
     """The selective scan in f32, one step at a time from the layer's SSM state [B, C, N]:
     h ← exp(Δ_t·A)·h + (Δ_t·x_t)·B_t, y_t = Σ_n h·C_t. Returns y [B, T, C] in f32."""
     b, t, c = x.shape
-    n = a.shape[1]
-    h = ctx.state_read(layer, "ssm", (b, c, n), torch.float32, x.device)   # (B, C, N)
-    xf, dtf, af = x.float(), dt.float(), a.float()
-    bf, cf = bm.float(), cm.float()
+    h = ctx.state_read(layer, "ssm", (b, c, a.shape[1]), torch.float32, x.device)   # (B, C, N)
+    xf, dtf, af, bf, cf = x.float(), dt.float(), a.float(), bm.float(), cm.float()
     ys = []
     for i in range(t):
         decay = torch.exp(dtf[:, i, :, None] * af)                          # (B, C, N)
         h = decay * h + (dtf[:, i] * xf[:, i])[:, :, None] * bf[:, i, None, :]
         ys.append((h * cf[:, i, None, :]).sum(-1))                          # (B, C)
     ctx.state_write(layer, "ssm", h)
-    if not ys:
-        return xf.new_zeros(b, 0, c)
-    return torch.stack(ys, dim=1)                                            # (B, T, C)
-
-
-def _scan_states(sig: Sig) -> tuple[StateDecl, ...]:
-    x, a = sig.shape("x"), sig.shape("a")
-    return (StateDecl("ssm", (x[0], x[2], a[1]), "f32"),)
+    return torch.stack(ys, dim=1) if ys else xf.new_zeros(b, 0, c)          # (B, T, C)
 
 
 def _scan_infer(sig: Sig) -> tuple[Shape, str]:
@@ -131,12 +101,11 @@ def _scan_infer(sig: Sig) -> tuple[Shape, str]:
     require(len(a) == 2 and same_dim(a[0], x[2]), f"A {list(a)} must be [{x[2]}, N]")
     for name in ("b", "c"):
         m = sig.shape(name)
-        require(len(m) == 3 and same_dim(m[0], x[0]) and same_dim(m[1], x[1]) and
-                same_dim(m[2], a[1]), f"{name} {list(m)} must be [B, T, {a[1]}]")
+        require(same_shape(m, (x[0], x[1], a[1])), f"{name} {list(m)} must be [B, T, {a[1]}]")
     if sig.attr("gate"):
         vector(sig, "skip", x[2])
-        require(same_shape(sig.shape("z"), x), f"the gate z {list(sig.shape('z'))} must "
-                f"match x {list(x)}")
+        require(same_shape(sig.shape("z"), x),
+                f"the gate z {list(sig.shape('z'))} must match x {list(x)}")
     if sig.attr("norm_eps") is not None:
         vector(sig, "b_gain", a[1])
         vector(sig, "c_gain", a[1])
@@ -171,10 +140,11 @@ register(OpDef(
     operands("x", "dt", "a", "b", "c", ("skip", "gate"), ("z", "gate"), ("b_gain", "norm_eps"),
              ("c_gain", "norm_eps")),
     _scan_infer, _scan_eager,
-    attrs=(layer_attr(), Attr("gate", bool, False, doc="add the skip D·x and gate by silu(z)"),
+    attrs=(LAYER, Attr("gate", bool, False, doc="add the skip D·x and gate by silu(z)"),
            Attr("norm_eps", float, None, doc="RMS-normalize B and C first (Jamba)")),
-    flops=_scan_flops, bytes=state_bytes(_scan_states), states=_scan_states,
-    template="ssm_scan", arity=(5, 9),
+    flops=_scan_flops, template="ssm_scan", arity=(5, 9),
+    states=lambda sig: (StateDecl("ssm", (sig.shape("x")[0], sig.shape("x")[2],
+                                          sig.shape("a")[1]), "f32"),),
     docs={"x": "scan input", "dt": "step sizes Δ (after softplus)", "a": "A = −exp(A_log)",
           "b": "input matrix B_t", "c": "output matrix C_t", "skip": "skip D", "z": "gate z",
           "b_gain": "RMSNorm gain of B", "c_gain": "RMSNorm gain of C"}))
