@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import sympy
 
-from archc.ir.graph import Graph, Program
+from archc.ir.graph import Graph, Node, Program
 from archc.ir.ops import OP_TABLE, Op, StateDecl
+from archc.ir.paramexpr import leaves
 from archc.ir.shapes import DTYPE_BYTES, B, T, evaluate, numel
 from archc.spec.schema import Spec
 
@@ -44,32 +45,20 @@ def kernel_count(p: Program) -> int:
     return sum(len(g.compute_ids()) for g in p)
 
 
-def _is_buffer(n: object) -> bool:
-    from archc.ir.paramexpr import leaves
-    expr = n.attr("expr")  # type: ignore[attr-defined]
-    return expr is not None and not leaves(expr)
+def _checkpoint_params(p: Program) -> dict[str, Node]:
+    """Every distinct parameter the program reads, by name, computed buffers (an expression
+    with no leaves, such as RoPE frequencies) excluded."""
+    return {n.name: n for g in p for n in g if n.op == Op.PARAM
+            and (n.attr("expr") is None or leaves(n.attr("expr")))}
 
 
 def parameter_count(p: Program) -> int:
-    """Elements of every distinct parameter the program reads (computed buffers such as RoPE
-    frequencies excluded)."""
-    seen: dict[str, int] = {}
-    for g in p:
-        for i in g.ids(Op.PARAM):
-            n = g.nodes[i]
-            if not _is_buffer(n):
-                seen[n.name] = evaluate(numel(n.shape), {})
-    return sum(seen.values())
+    return sum(evaluate(numel(n.shape), {}) for n in _checkpoint_params(p).values())
 
 
 def parameter_bytes(p: Program) -> int:
-    seen: dict[str, int] = {}
-    for g in p:
-        for i in g.ids(Op.PARAM):
-            n = g.nodes[i]
-            if not _is_buffer(n):
-                seen[n.name] = evaluate(numel(n.shape), {}) * DTYPE_BYTES[n.dtype]
-    return sum(seen.values())
+    return sum(evaluate(numel(n.shape), {}) * DTYPE_BYTES[n.dtype]
+               for n in _checkpoint_params(p).values())
 
 
 def kv_cache_bytes_per_token(p: Program) -> int:

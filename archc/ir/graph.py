@@ -1,12 +1,11 @@
 """The IR: plain-data nodes in topological order, graphs of them, and a builder.
 
 A ``Node`` is op, inputs (indices of earlier nodes), attrs, a sympy shape over B/T/P/S, a dtype,
-and its provenance — the spec field that created it and the passes that rewrote it. Nothing
+and its provenance: the spec field that created it and the passes that rewrote it. Nothing
 callable lives in a node, so graphs print, parse, hash and compare as data. A ``Program`` is the
-graphs of one model: ``decoder`` for a decoder-only model, ``encoder`` for an encoder, both for an
-encoder-decoder (the decoder reads the encoder's output as an input). Passes may add
-``cross_kv``: what the decoder computes from the encoder's output alone, run once per generation
-and read by every decoder step as inputs named after its outputs.
+graphs of one model: ``decoder``, ``encoder``, or both (the decoder reads the encoder's output as
+an input); passes may add ``cross_kv``, what the decoder computes from the encoder's output
+alone, run once per generation and read by every step as inputs named after its outputs.
 """
 
 from __future__ import annotations
@@ -17,8 +16,17 @@ from typing import Any
 
 from archc.errors import IRError
 from archc.ir.attrs import Attrs, Call, format_call
-from archc.ir.ops import OP_TABLE, Op, ShapeError, Sig, canonical, is_compute, make_sig
-from archc.ir.ops.base import REQUIRED
+from archc.ir.ops import (
+    OP_TABLE,
+    Op,
+    ShapeError,
+    Sig,
+    attr_problems,
+    canonical,
+    full_attrs,
+    is_compute,
+    make_sig,
+)
 from archc.ir.shapes import Shape
 
 # The graph of decoder inputs computed once per generation from the encoder's states.
@@ -37,10 +45,7 @@ class Node:
 
     def attr(self, name: str, default: Any = None) -> Any:
         """The attribute's value: as stored, else the op's default, else `default`."""
-        v = self.attrs.get(name)
-        if v is None:
-            a = OP_TABLE[self.op].attr(name)
-            v = None if a is None or a.default is REQUIRED else a.default
+        v = full_attrs(self.op, self.attrs).get(name)
         return default if v is None else v
 
     @property
@@ -125,7 +130,10 @@ class Program:
 
 def infer(op: Op, shapes: Sequence[Shape], dtypes: Sequence[str], attrs: Attrs) -> \
         tuple[Shape, str]:
-    """Shape and dtype of a node from its op's rule; raises ShapeError."""
+    """Shape and dtype of a node from its attributes and its op's rule; raises ShapeError."""
+    problems = attr_problems(op, attrs)
+    if problems:
+        raise ShapeError("; ".join(problems))
     return OP_TABLE[op].infer(make_sig(op, shapes, dtypes, attrs))
 
 
@@ -141,10 +149,6 @@ class GraphBuilder:
     origin: str = ""                  # provenance given to nodes emitted without one
     _by_name: dict[tuple[Op, str], int] = field(default_factory=dict)
 
-    def _append(self, node: Node) -> int:
-        self.nodes.append(node)
-        return len(self.nodes) - 1
-
     def declare(self, op: Op, name: str, shape: Shape, dtype: str, *, expr: Call | None = None,
                 origin: str | None = None) -> int:
         """An input or param, given its shape (deduplicated by name)."""
@@ -156,11 +160,10 @@ class GraphBuilder:
                 raise IRError(f"{op.value} {name!r} declared twice with different shapes: "
                               f"{list(have.shape)} and {list(shape)}")
             return i
-        attrs = Attrs(name=name) if expr is None else Attrs(name=name, expr=expr)
-        i = self._append(Node(op, (), attrs, tuple(shape), dtype,
-                              origin=self.origin if origin is None else origin))
-        self._by_name[key] = i
-        return i
+        self.nodes.append(Node(op, (), canonical(op, {"name": name, "expr": expr}), tuple(shape),
+                               dtype, origin=self.origin if origin is None else origin))
+        self._by_name[key] = len(self.nodes) - 1
+        return len(self.nodes) - 1
 
     def input(self, name: str, shape: Shape, dtype: str, origin: str | None = None) -> int:
         return self.declare(Op.INPUT, name, shape, dtype, origin=origin)
@@ -181,9 +184,9 @@ class GraphBuilder:
         except ShapeError as err:
             raise IRError(f"cannot build {format_call(op.value, inputs, at)} in graph "
                           f"{self.name}: {err}") from None
-        return self._append(Node(op, tuple(inputs), at, out_shape, dtype,
-                                 origin=self.origin if origin is None else origin,
-                                 passes=passes))
+        self.nodes.append(Node(op, tuple(inputs), at, out_shape, dtype,
+                               origin=self.origin if origin is None else origin, passes=passes))
+        return len(self.nodes) - 1
 
     def output(self, name: str, x: int, origin: str | None = None) -> int:
         return self.emit(Op.OUTPUT, x, name=name, origin=origin)
