@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import sympy
 
 from archc.ir.graph import Graph, Node, Program
-from archc.ir.ops import OP_TABLE, Op, StateDecl
+from archc.ir.ops import OP_TABLE, Op
+from archc.ir.ops.base import StateDecl
 from archc.ir.paramexpr import leaves
 from archc.ir.shapes import DTYPE_BYTES, B, T, evaluate, numel
 from archc.spec.schema import Spec

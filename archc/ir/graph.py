@@ -16,17 +16,8 @@ from typing import Any
 
 from archc.errors import IRError
 from archc.ir.attrs import Attrs, Call, format_call
-from archc.ir.ops import (
-    OP_TABLE,
-    Op,
-    ShapeError,
-    Sig,
-    attr_problems,
-    canonical,
-    full_attrs,
-    is_compute,
-    make_sig,
-)
+from archc.ir.ops import OP_TABLE, Op, ShapeError, canonical, full_attrs, is_compute
+from archc.ir.ops.base import Sig, attr_problems, make_sig
 from archc.ir.shapes import Shape
 
 # The graph of decoder inputs computed once per generation from the encoder's states.

@@ -151,14 +151,10 @@ class _Stack:
             attrs["dynamic"] = Call("ntk", (), (("factor", sc.factor),
                                                 ("original_max_seq_len", sc.original_max_seq_len)))
         elif sc is not None:
-            kw += [("kind", sc.kind), ("factor", sc.factor)]
-            if sc.kind in ("yarn", "llama3"):
-                kw.append(("original_max_seq_len", sc.original_max_seq_len))
-            if sc.kind == "llama3":
-                kw += [("low_freq_factor", sc.low_freq_factor),
-                       ("high_freq_factor", sc.high_freq_factor)]
+            fields = {"llama3": ("original_max_seq_len", "low_freq_factor", "high_freq_factor"),
+                      "yarn": ("original_max_seq_len", "beta_fast", "beta_slow")}
+            kw += [(f, getattr(sc, f)) for f in ("kind", "factor", *fields.get(sc.kind, ()))]
             if sc.kind == "yarn":
-                kw += [("beta_fast", sc.beta_fast), ("beta_slow", sc.beta_slow)]
                 attrs["mscale"] = yarn_attention_factor(sc.factor, sc.attention_factor)
         with self.at("position.scaling" if sc else "position.theta"):
             freq = self.param("rope.inv_freq", self.s.rotary_dim // 2, dtype="f32", shared=True,

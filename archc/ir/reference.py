@@ -1,14 +1,11 @@
-"""The operator reference, generated from the op table (``archc/ir/ops``).
-
-``docs/ir-reference.md`` is this text; a test keeps the two equal, so the reference lists every
-op the IR has, with the one-line form the text printer writes for it.
-"""
+"""The operator reference, ``docs/ir-reference.md``, generated from the op table (a test keeps
+the two equal): every op the IR has, with the one-line form the text printer writes for it."""
 
 from __future__ import annotations
 
 from archc.ir.attrs import Call, format_value
-from archc.ir.ops import KERNEL_LEVEL, META, OP_TABLE, RECURRENT, VIEW, Attr, Op, OpDef
-from archc.ir.ops.base import REQUIRED
+from archc.ir.ops import KERNEL_LEVEL, META, OP_TABLE, VIEW, Op
+from archc.ir.ops.base import RECURRENT, REQUIRED, Attr, OpDef
 
 # the sections after "Unfused" (every op in none of these): title, what they hold, their ops
 GROUPS = (

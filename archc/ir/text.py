@@ -1,14 +1,10 @@
-"""The one-line-per-node text form, and its parser.
+"""The one-line-per-node text form, and its parser: ``parse_program(format_program(p)) == p``
+for every program, and with ``provenance=True`` (the comment after each node) too::
 
     program tiny-llama3
     graph decoder {
-      %0 : i64[B,T] = input() {name="tokens"}
       %7 : f32[B,T,64] = norm(%6, %3) {eps=1e-05, kind="rms"}  # origin="norm.kind"
-      ...
     }
-
-``parse_program(format_program(p)) == p`` for every program; the provenance comment is printed
-with ``provenance=True`` (and then round-trips too).
 """
 
 from __future__ import annotations

@@ -1,18 +1,17 @@
-"""The verifier: run after lowering and after every pass. Its errors show the node in text form.
+"""The verifier, run after lowering and after every pass; its errors show the node in text form.
 
-Checks: inputs come from earlier nodes (topological order); attributes are those the op
-declares, of their types and allowed values; the inputs are the operands the attributes call
-for; every shape and dtype equals what the op's rule infers from the inputs; input, param and
-output names are unique; there is at least one output; parameter expressions only call
-registered functions.
+It checks that inputs come from earlier nodes; that attributes are those the op declares, of
+their types and allowed values, and the inputs the operands they call for; that every shape and
+dtype is what the op's rule infers; that input, param and output names are unique, with at least
+one output; and that parameter expressions call only known functions.
 """
 
 from __future__ import annotations
 
 from archc.errors import IRError
 from archc.ir.graph import Graph, Program, infer
-from archc.ir.ops import META, Op, ShapeError, attr_problems
-from archc.ir.ops.base import same_shape
+from archc.ir.ops import META, Op, ShapeError
+from archc.ir.ops.base import attr_problems, same_shape
 from archc.ir.paramexpr import PARAM_FNS, calls
 from archc.ir.shapes import DTYPE_BYTES
 from archc.ir.text import format_node

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import networkx as nx
 
 from archc.ir.graph import Graph, Program
-from archc.ir.ops import MATMUL, META, POINTWISE, REDUCTION, VIEW, Op
+from archc.ir.ops import META, VIEW, Op
+from archc.ir.ops.base import MATMUL, POINTWISE, REDUCTION
 from archc.ir.shapes import format_shape
 
 

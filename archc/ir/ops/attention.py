@@ -202,12 +202,14 @@ def visible(t: int, length: int, causal: bool, window: int | None,
     return seen
 
 
-def apply_mask(s: torch.Tensor, causal: bool, window: int | None, padding: torch.Tensor | None,
-               prefix_len: int | None, global_tokens: int | None = None) -> torch.Tensor:
-    t, length = s.shape[-2:]
-    keep = visible(t, length, causal, window, prefix_len, global_tokens).to(s.device)[None, None]
-    if padding is not None:
-        keep = keep & padding.bool()[:, None, None, :]
+def apply_mask(s: torch.Tensor, a: Args, at: Attrs) -> torch.Tensor:
+    """Scores [B, H, T, L] with the keys a query may not see (as MASK_ATTRS and the operands they
+    call for say) at the dtype's minimum."""
+    prefix = int(a["prefix_len"]) if "prefix_len" in a else None
+    keep = visible(*s.shape[-2:], at["causal"], at["window"], prefix, at["global_tokens"],
+                   s.device)[None, None]
+    if "padding" in a:
+        keep = keep & a["padding"].bool()[:, None, None, :]
     return s.masked_fill(~keep, torch.finfo(s.dtype).min)
 
 
@@ -244,9 +246,7 @@ register(OpDef(
     "prefix-LM, padding.",
     "%19 : f32[B,4,T,P+T] = mask(%18) {causal=true, window=8}",
     operands("scores", *MASK_OPERANDS), _mask_infer,
-    lambda ctx, a, at: apply_mask(a["scores"], at["causal"], at["window"], a.get("padding"),
-                                  int(a["prefix_len"]) if "prefix_len" in a else None,
-                                  at["global_tokens"]),
+    lambda ctx, a, at: apply_mask(a["scores"], a, at),
     attrs=MASK_ATTRS, flops=per_element(1), arity=(1, 3)))
 
 
@@ -357,9 +357,7 @@ def attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     elif bias is not None:
         s = s + relative_bias(a["rel_table"].float(), t, s.shape[-1],
                               bias.kw("bidirectional"), bias.kw("max_distance"))[None]
-    prefix = int(a["prefix_len"]) if "prefix_len" in a else None
-    s = apply_mask(s, at["causal"], at["window"], a.get("padding"), prefix, at["global_tokens"])
-    out = torch.softmax(s, dim=-1) @ v                                  # (B, H, T, D)
+    out = torch.softmax(apply_mask(s, a, at), dim=-1) @ v               # (B, H, T, D)
     return out.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)
 
 

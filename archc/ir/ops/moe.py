@@ -1,12 +1,8 @@
-"""Mixture of experts: top-k routing and the grouped expert matmuls.
-
-Routing produces dense gates [..., E] (zero for experts a token is not routed to). An expert FFN
-is `moe_linear` stages: `up` multiplies each token by the weights of each expert it is routed to,
-one row per (token, slot) [..., k, N]; `down` multiplies those rows by the experts' down weights
-and sums them weighted by the gates [..., N]. Lowering emits a gated FFN as gate and up stages, an
-activation, a product and the down stage, as it lowers a dense one; fuse-moe makes the gate and up
-stages one matmul with a glu() epilogue. Only routed experts are computed, and costs count only
-them.
+"""Mixture of experts: top-k routing into dense gates [..., E] (zero off the top k), and the
+grouped expert matmuls (`moe_linear` stages `up` and `down`). Lowering emits a gated expert FFN
+as gate and up stages, an activation, a product and the down stage, as it lowers a dense one;
+fuse-moe makes gate and up one matmul with a glu() epilogue. Only routed experts are computed,
+and costs count only them.
 """
 
 from __future__ import annotations

@@ -82,6 +82,7 @@ class StepDecl:
     apply: ApplyFn | None = None    # structural: eager semantics
     kernels: frozenset[Op] = frozenset({Op.FUSED_LINEAR})
     docs: tuple[str, ...] = ()      # what each input holds
+    prologue: str | None = None     # the row statistics it needs (a folded norm's)
 
     @property
     def elementwise(self) -> bool:
@@ -89,16 +90,6 @@ class StepDecl:
 
 
 # ---- structural steps ---------------------------------------------------------------------------
-
-def _needs_prologue(kind: str) -> Callable[[StepSig], int]:
-    def check(s: StepSig) -> int:
-        require(s.node.attr("prologue") == kind, f"{s.step.fn}() needs prologue {kind!r}")
-        for shape in s.inputs:
-            require(len(shape) == 1 and int(shape[0]) == s.width,
-                    f"{s.step.fn}() takes a [{s.width}] vector")
-        return s.width
-    return check
-
 
 def _glu_width(s: StepSig) -> int:
     require(s.width % 2 == 0, f"glu() needs an even width, got {s.width}")
@@ -181,10 +172,10 @@ ACT_FN = Attr("fn", str, choices=tuple(E.ACTIVATIONS))
 HEADS = (Attr("heads", int, at_least=1), Attr("head_dim", int, at_least=2))
 
 STEPS: dict[str, StepDecl] = {d.name: d for d in (
-    StepDecl("rms_scale", "acc·rstd — the 1/rms of a folded RMSNorm", width=_needs_prologue("rms"),
+    StepDecl("rms_scale", "acc·rstd — the 1/rms of a folded RMSNorm", prologue="rms",
              apply=lambda ctx, acc, st, xs, s: acc * s.rstd),
     StepDecl("ln_scale", "(acc − mean·c)·rstd — a folded LayerNorm; c[n] = Σ_k W'[n, k]",
-             ("colsum",), width=_needs_prologue("layer"), docs=("column sums Σ_k W'[n, k]",),
+             ("colsum",), prologue="layer", docs=("column sums Σ_k W'[n, k]",),
              apply=lambda ctx, acc, st, xs, s: (acc - s.mean * xs[0].float()) * s.rstd),
     StepDecl("bias", "acc + b", ("bias",), expr=E.call("add", ACC, E.x(1)), kernels=ROW_KERNELS,
              docs=("bias",)),
@@ -251,17 +242,19 @@ def check_epilogue(sig: Sig, op: Op, width: int, taken: int, rows: Shape) -> int
         require(d is not None, f"unknown epilogue step {st!r} (known: {', '.join(STEPS)})")
         assert d is not None
         require(op in d.kernels, f"{st.fn}() is not an epilogue step of {op.value}")
+        require(d.prologue in (None, sig.attr("prologue")), f"{st.fn}() needs prologue "
+                f"{d.prologue!r}")
         problem = call_problem(st, d.params)
         require(problem is None, str(problem))
         inputs, rest = tuple(rest[:len(d.inputs)]), rest[len(d.inputs):]
         require(len(inputs) == len(d.inputs), f"{st.fn}() needs {len(d.inputs)} more inputs")
         if d.width is not None:
             width = d.width(StepSig(st, width, inputs, sig))
-        for shape, name in zip(inputs, d.inputs if d.elementwise else ()):
-            if name == "bias":
+        for shape, name in zip(inputs, d.inputs):   # the others' width rules check theirs
+            if name in ("bias", "colsum"):            # a value per column
                 require(len(shape) == 1 and int(shape[0]) == width,
-                        f"bias() takes a [{width}] vector, got {list(shape)}")
-            else:
+                        f"{st.fn}() takes a [{width}] vector, got {list(shape)}")
+            elif name == "res":                       # a value per element
                 want = (*rows, sympy.Integer(width))
                 require(same_shape(shape, want),
                         f"{st.fn}() {list(shape)} does not match the rows {list(want)}")
