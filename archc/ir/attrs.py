@@ -16,7 +16,7 @@ from __future__ import annotations
 import ast
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +75,65 @@ def freeze(value: Any) -> Any:
     if isinstance(value, Mapping):
         raise TypeError("attr values are plain data: use a Call, not a mapping")
     return value
+
+
+# ---- typed declarations: an op's attributes, a step's or a function's parameters ---------------
+
+REQUIRED: Any = ...   # the default of an attribute that must be given
+
+# each attribute type: what its values must be, and the test
+_TYPES: dict[type, tuple[str, Callable[[Any], bool]]] = {
+    bool: ("true or false", lambda v: isinstance(v, bool)),
+    int: ("a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    float: ("a finite number", lambda v: isinstance(v, (int, float))
+            and not isinstance(v, bool) and math.isfinite(v)),
+    str: ("a string", lambda v: isinstance(v, str)),
+    Call: ("a call", lambda v: isinstance(v, Call)),
+    tuple: ("a list of calls", lambda v: isinstance(v, tuple)
+            and all(isinstance(s, Call) for s in v)),
+}
+
+
+@dataclass(frozen=True)
+class Attr:
+    """A typed attribute: `type` is one of _TYPES (tuple: a list of Calls, an epilogue). A
+    default of None means it may be absent, REQUIRED that it must be given; values equal to the
+    default are not stored, so a node prints only what differs. `choices` are the allowed
+    values, or for a Call the allowed functions, as a tuple of names or a mapping from each name
+    to its keyword parameters."""
+
+    name: str
+    type: type
+    default: Any = REQUIRED
+    choices: tuple[Any, ...] | Mapping[str, tuple[Attr, ...]] = ()
+    at_least: float | None = None
+    doc: str = ""
+
+    def problem(self, v: Any) -> str | None:
+        """What is wrong with `v` as this attribute's value; None when nothing is."""
+        if v is None:
+            return "is required" if self.default is REQUIRED else None
+        what, ok = _TYPES[self.type]
+        if not ok(v):
+            return f"must be {what}, got {v!r}"
+        key = v.fn if isinstance(v, Call) else v
+        if self.choices and key not in self.choices:
+            shown = ", ".join(f"{c}()" if self.type is Call else repr(c) for c in self.choices)
+            return f"is {v!r}, not one of {shown}"
+        if isinstance(self.choices, Mapping):
+            return call_problem(v, self.choices[key])
+        if self.at_least is not None and v < self.at_least:
+            return f"must be ≥ {self.at_least:g}, got {v!r}"
+        return None
+
+
+def call_problem(c: Call, params: tuple[Attr, ...]) -> str | None:
+    """What is wrong with `fn(name=value, …)` as a call with keyword parameters `params`."""
+    given = dict(c.kwargs)
+    if c.args or not set(given) <= {p.name for p in params}:
+        return f"{c.fn}() takes {', '.join(p.name + '=' for p in params) or 'nothing'}, got {c!r}"
+    return next((f"{c.fn}() {p.name} {m}" for p in params if (m := p.problem(given.get(p.name)))),
+                None)
 
 
 # ---- printing ------------------------------------------------------------------------------

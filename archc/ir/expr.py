@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from archc.ir.attrs import Call
+from archc.ir.attrs import Attr, Call, call_problem
 
 Expr = Any   # a Call tree, or a number
 
@@ -71,13 +71,13 @@ ACTIVATIONS: dict[str, Activation] = {a.name: a for a in (
 
 @dataclass(frozen=True)
 class Function:
-    """One function of the language: its expression arguments, its literal keyword parameters
-    (name → type), its torch code, its Triton code (over the arguments' code and the parameters'
-    literals) and its FLOPs per element (act: its activation's)."""
+    """One function of the language: its expression arguments, its literal keyword parameters,
+    its torch code, its Triton code (over the arguments' code and the parameters' literals) and
+    its FLOPs per element (act: its activation's)."""
 
     name: str
     args: int
-    params: tuple[tuple[str, type], ...]
+    params: tuple[Attr, ...]
     torch: Callable[..., torch.Tensor]
     triton: Callable[..., str]
     flops: int = 1
@@ -87,10 +87,11 @@ FUNCTIONS: dict[str, Function] = {f.name: f for f in (
     Function("add", 2, (), lambda a, b: a + b, lambda a, b: f"({a} + {b})"),
     Function("sub", 2, (), lambda a, b: a - b, lambda a, b: f"({a} - {b})"),
     Function("mul", 2, (), lambda a, b: a * b, lambda a, b: f"({a} * {b})"),
-    Function("scale", 1, (("by", float),), lambda a, by: a * by, lambda a, by: f"({a} * {by})"),
-    Function("act", 1, (("fn", str),), lambda a, fn: ACTIVATIONS[fn].torch(a),
-             lambda a, fn: act_code(fn.strip('"'), a)),
-    Function("softcap", 1, (("cap", float),), lambda a, cap: cap * torch.tanh(a / cap),
+    Function("scale", 1, (Attr("by", float),), lambda a, by: a * by,
+             lambda a, by: f"({a} * {by})"),
+    Function("act", 1, (Attr("fn", str, choices=tuple(ACTIVATIONS)),),
+             lambda a, fn: ACTIVATIONS[fn].torch(a), lambda a, fn: act_code(fn.strip('"'), a)),
+    Function("softcap", 1, (Attr("cap", float),), lambda a, cap: cap * torch.tanh(a / cap),
              lambda a, cap: f"({cap} * {tanh_code(f'{a} / {cap}')})", 3),
 )}
 
@@ -101,20 +102,12 @@ class ExprError(ValueError):
 
 def _params(e: Call) -> dict[str, Any]:
     f = FUNCTIONS[e.fn]
-    got = dict(e.kwargs)
-    names = [n for n, _ in f.params]
-    if len(e.args) != f.args or set(got) != set(names):
-        raise ExprError(f"{e.fn}() takes {f.args} expression argument(s)"
-                        + (f" and {', '.join(names)}=" if names else "")
-                        + f", got {len(e.args)} and {sorted(got) or 'none'}")
-    for name, kind in f.params:
-        v = got[name]
-        if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float))
-                              or not math.isfinite(v)):
-            raise ExprError(f"{e.fn}() {name} must be a finite number, got {v!r}")
-        if kind is str and v not in ACTIVATIONS:
-            raise ExprError(f"unknown activation {v!r} (known: {', '.join(ACTIVATIONS)})")
-    return got
+    if len(e.args) != f.args:
+        raise ExprError(f"{e.fn}() takes {f.args} expression argument(s), got {len(e.args)}")
+    problem = call_problem(Call(e.fn, (), e.kwargs), f.params)
+    if problem:
+        raise ExprError(problem)
+    return dict(e.kwargs)
 
 
 def check(e: Expr, inputs: int) -> None:

@@ -66,12 +66,9 @@ class _Stack:
         return self.b.param(name if shared else self.prefix + name, shape(*dims), dtype or self.dt,
                             expr=expr)
 
-    def emit(self, op: Op, *inputs: int, **attrs: object) -> int:
-        return self.b.emit(op, *inputs, **attrs)
-
     def pointwise(self, x: int, origin: str, fn: str, **params: float) -> int:
         """fn(x) in the elementwise language (a scale, a soft-cap), from spec field `origin`."""
-        return self.emit(Op.POINTWISE, x, origin=origin, expr=E.call(fn, E.x(0), **params))
+        return self.b.emit(Op.POINTWISE, x, origin=origin, expr=E.call(fn, E.x(0), **params))
 
     def norm(self, x: int, name: str, origin: str = "norm.kind") -> int:
         """The spec's norm over the last dim of x, with gain (and LayerNorm bias) params."""
@@ -79,17 +76,17 @@ class _Stack:
         with self.at(origin):
             w = self.param(f"{name}.weight", width)
             if n.kind == "rmsnorm":
-                return self.emit(Op.NORM, x, w, kind="rms", eps=n.eps, unit_offset=n.unit_offset)
+                return self.b.emit(Op.NORM, x, w, kind="rms", eps=n.eps, unit_offset=n.unit_offset)
             bias = [self.param(f"{name}.bias", width)] if n.bias else []
-            return self.emit(Op.NORM, x, w, *bias, kind="layer", eps=n.eps,
-                             epilogue=(step("bias"),) if n.bias else ())
+            return self.b.emit(Op.NORM, x, w, *bias, kind="layer", eps=n.eps,
+                               epilogue=(step("bias"),) if n.bias else ())
 
     def linear(self, x: int, name: str, n_out: int, bias: bool, bias_origin: str) -> int:
         n_in = int(self.b.shape(x)[-1])
-        y = self.emit(Op.MATMUL, x, self.param(f"{name}.weight", n_out, n_in))
+        y = self.b.emit(Op.MATMUL, x, self.param(f"{name}.weight", n_out, n_in))
         if bias:
             with self.at(bias_origin):
-                y = self.emit(Op.ADD, y, self.param(f"{name}.bias", n_out))
+                y = self.b.emit(Op.ADD, y, self.param(f"{name}.bias", n_out))
         return y
 
     # ---- inputs and embeddings -----------------------------------------------------------------
@@ -112,13 +109,13 @@ class _Stack:
         width = s.embedding.project_dim or self.d
         with self.at("vocab_size"):
             table = self.param("embed.weight", s.vocab_size, width, shared=True)
-            x = self.emit(Op.EMBEDDING, table, self.tokens)
+            x = self.b.emit(Op.EMBEDDING, table, self.tokens)
         if s.embedding.scale is not None:
             x = self.pointwise(x, "embedding.scale", "scale", by=s.embedding.scale)
         if s.embedding.project_dim is not None:
             with self.at("embedding.project_dim"):
-                x = self.emit(Op.MATMUL, x, self.param("embed.project_in.weight", self.d, width,
-                                                       shared=True))
+                project = self.param("embed.project_in.weight", self.d, width, shared=True)
+                x = self.b.emit(Op.MATMUL, x, project)
         if pos.kind in ("learned", "sinusoidal"):
             with self.at("position.kind"):
                 if pos.kind == "learned":
@@ -132,11 +129,11 @@ class _Stack:
                     table = self.param("pos_embed.sinusoidal", s.max_seq_len, self.d,
                                        expr=Call("sinusoidal", (), (("rows", s.max_seq_len),
                                                                     ("dim", self.d))))
-                x = self.emit(Op.ADD, x, self.emit(Op.EMBEDDING, table, self.positions))
+                x = self.b.emit(Op.ADD, x, self.b.emit(Op.EMBEDDING, table, self.positions))
         if self.token_types is not None:
             with self.at("embedding.token_types"):
                 table = self.param("type_embed.weight", s.embedding.token_types, self.d)
-                x = self.emit(Op.ADD, x, self.emit(Op.EMBEDDING, table, self.token_types))
+                x = self.b.emit(Op.ADD, x, self.b.emit(Op.EMBEDDING, table, self.token_types))
         return self.norm(x, "embed_norm", "embedding.norm") if s.embedding.norm else x
 
     # ---- attention -----------------------------------------------------------------------------
@@ -171,10 +168,10 @@ class _Stack:
         with self.at("attention.kv_heads"):
             k = self.linear(src, f"{base}.k", kv_heads * hd, bias.k, "attention.bias.k")
             v = self.linear(src, f"{base}.v", kv_heads * hd, bias.v, "attention.bias.v")
-        q = self.emit(Op.SPLIT_HEADS, q, heads=heads, origin="attention.heads")
+        q = self.b.emit(Op.SPLIT_HEADS, q, heads=heads, origin="attention.heads")
         with self.at("attention.kv_heads"):
-            k = self.emit(Op.SPLIT_HEADS, k, heads=kv_heads)
-            v = self.emit(Op.SPLIT_HEADS, v, heads=kv_heads)
+            k = self.b.emit(Op.SPLIT_HEADS, k, heads=kv_heads)
+            v = self.b.emit(Op.SPLIT_HEADS, v, heads=kv_heads)
         return q, k, v
 
     def attention(self, x: int, layer: int, name: str, *, local: bool,
@@ -193,17 +190,17 @@ class _Stack:
                 freq, scaling = self.rope_params()
                 rope = dict(rotary_dim=s.rotary_dim, interleaved=s.position.interleaved,
                             **scaling)
-                q = self.emit(Op.ROPE, q, self.positions, freq, **rope)
-                k = self.emit(Op.ROPE, k, self.positions, freq, **rope)
+                q = self.b.emit(Op.ROPE, q, self.positions, freq, **rope)
+                k = self.b.emit(Op.ROPE, k, self.positions, freq, **rope)
         if self.causal and self_attn:
             with self.at("family"):
-                k = self.emit(Op.KV_CACHE, k, layer=layer, kind="k")  # (B, Hkv, P+T, D)
-                v = self.emit(Op.KV_CACHE, v, layer=layer, kind="v")
+                k = self.b.emit(Op.KV_CACHE, k, layer=layer, kind="k")  # (B, Hkv, P+T, D)
+                v = self.b.emit(Op.KV_CACHE, v, layer=layer, kind="v")
         if att.group_size > 1:
             with self.at("attention.kv_heads"):
-                k = self.emit(Op.REPEAT_KV, k, groups=att.group_size)  # (B, H, L, D)
-                v = self.emit(Op.REPEAT_KV, v, groups=att.group_size)
-        scores = self.emit(Op.SCORES, q, k, origin="attention")       # (B, H, T, L)
+                k = self.b.emit(Op.REPEAT_KV, k, groups=att.group_size)  # (B, H, L, D)
+                v = self.b.emit(Op.REPEAT_KV, v, groups=att.group_size)
+        scores = self.b.emit(Op.SCORES, q, k, origin="attention")       # (B, H, T, L)
         if s.attention_scale != 1.0:
             scores = self.pointwise(scores, "attention.head_dim" if att.scale is None else
                                     "attention.scale", "scale", by=s.attention_scale)
@@ -216,31 +213,31 @@ class _Stack:
                     slopes = Call("scale", (slopes,), (("by", s.attention_scale),))
                 slopes = self.param("alibi.slopes", att.heads, dtype="f32", shared=True,
                                     expr=slopes)
-                scores = self.emit(Op.ALIBI, scores, slopes)
+                scores = self.b.emit(Op.ALIBI, scores, slopes)
         if s.position.kind == "relative" and self_attn:
             with self.at("position.kind"):
                 table = self.param("layers.0.attn.rel_bias.weight", s.position.buckets, att.heads)
-                scores = self.emit(Op.REL_BIAS, scores, table, bidirectional=not self.causal,
-                                   max_distance=s.position.max_distance)
+                scores = self.b.emit(Op.REL_BIAS, scores, table, bidirectional=not self.causal,
+                                     max_distance=s.position.max_distance)
         scores = self.mask(scores, cross=not self_attn, local=local)
         with self.at("attention"):
-            out = self.emit(Op.WEIGHTED_SUM, self.emit(Op.SOFTMAX, scores), v)   # (B, H, T, D)
-            out = self.emit(Op.MERGE_HEADS, out)                                  # (B, T, H·D)
+            out = self.b.emit(Op.WEIGHTED_SUM, self.b.emit(Op.SOFTMAX, scores), v)   # (B, H, T, D)
+            out = self.b.emit(Op.MERGE_HEADS, out)                                  # (B, T, H·D)
         with self.at("attention.heads"):
             return self.linear(out, f"{base}.o", self.d, att.bias.o, "attention.bias.o")
 
     def mask(self, scores: int, *, cross: bool, local: bool) -> int:
         if cross:
-            return self.emit(Op.MASK, scores, self.enc_mask, padding=True, origin="family")
+            return self.b.emit(Op.MASK, scores, self.enc_mask, padding=True, origin="family")
         att = self.s.attention
         window = att.window if local else None
         global_tokens = att.global_tokens if window else None
         origin = "attention.global_tokens" if global_tokens else \
             "attention.window" if window else "attention.mask"
         extra = [i for i in (self.padding, self.prefix_len) if i is not None]
-        return self.emit(Op.MASK, scores, *extra, origin=origin, causal=self.causal,
-                         padding=self.padding is not None, prefix=self.prefix_len is not None,
-                         window=window, global_tokens=global_tokens)
+        return self.b.emit(Op.MASK, scores, *extra, origin=origin, causal=self.causal,
+                           padding=self.padding is not None, prefix=self.prefix_len is not None,
+                           window=window, global_tokens=global_tokens)
 
     # ---- feed-forward --------------------------------------------------------------------------
     def ffn(self, x: int, layer: int) -> int:
@@ -260,35 +257,35 @@ class _Stack:
             if kind in ("glu", "reglu", "geglu", "swiglu"):
                 gate = self.linear(x, f"{base}.gate", d_ff, bias, "ffn.bias")
                 up = self.linear(x, f"{base}.up", d_ff, bias, "ffn.bias")
-                h = self.emit(Op.MUL, self.emit(Op.ACT, gate, fn=f.gate_activation), up)
+                h = self.b.emit(Op.MUL, self.b.emit(Op.ACT, gate, fn=f.gate_activation), up)
             else:
                 h = self.linear(x, f"{base}.up", d_ff, bias, "ffn.bias")
-                h = self.emit(Op.ACT, h, fn=f.activation, origin="ffn.activation")
+                h = self.b.emit(Op.ACT, h, fn=f.activation, origin="ffn.activation")
             return self.linear(h, f"{base}.down", self.d, bias, "ffn.bias")
 
     def moe(self, x: int, base: str) -> int:
         f, moe = self.s.ffn, self.s.ffn.moe
         assert moe is not None
         with self.at("ffn.moe"):
-            logits = self.emit(Op.MATMUL, x, self.param(f"{base}.router.weight", moe.experts,
-                                                        self.d))
-            gates = self.emit(Op.ROUTER, logits, top_k=moe.top_k, normalize=moe.normalize_top_k)
+            router = self.param(f"{base}.router.weight", moe.experts, self.d)
+            logits = self.b.emit(Op.MATMUL, x, router)
+            gates = self.b.emit(Op.ROUTER, logits, top_k=moe.top_k, normalize=moe.normalize_top_k)
 
             def stage(x: int, name: str, rows: int, cols: int, stage: str) -> int:
                 w = self.param(f"{base}.experts.{name}.weight", moe.experts, rows, cols)
-                return self.emit(Op.MOE_LINEAR, x, gates, w, stage=stage, top_k=moe.top_k)
+                return self.b.emit(Op.MOE_LINEAR, x, gates, w, stage=stage, top_k=moe.top_k)
 
             # one row per routed (token, slot), as the dense FFN but over the chosen experts
-            h = self.emit(Op.ACT, stage(x, "gate" if f.gated else "up", f.d_ff, self.d, "up"),
-                          fn=f.gate_activation)                       # (B, T, k, F)
+            h = self.b.emit(Op.ACT, stage(x, "gate" if f.gated else "up", f.d_ff, self.d, "up"),
+                            fn=f.gate_activation)                     # (B, T, k, F)
             if f.gated:
-                h = self.emit(Op.MUL, h, stage(x, "up", f.d_ff, self.d, "up"))
+                h = self.b.emit(Op.MUL, h, stage(x, "up", f.d_ff, self.d, "up"))
             y = stage(h, "down", self.d, f.d_ff, "down")               # (B, T, d)
         if moe.shared_expert_d_ff:
             with self.at("ffn.moe.shared_expert_d_ff"):
                 shared = self.dense_ffn(x, f"{base}.shared", moe.expert, moe.shared_expert_d_ff,
                                         False)
-                y = self.emit(Op.ADD, y, shared)
+                y = self.b.emit(Op.ADD, y, shared)
         return y
 
     # ---- recurrent mixers -----------------------------------------------------------------
@@ -310,37 +307,38 @@ class _Stack:
         base = f"layers.{layer}.ssm"
         with self.at("mixer.mamba.expand"):
             xz = self.linear(h, f"{base}.in", 2 * inner, m.bias, "mixer.mamba.bias")
-            x = self.emit(Op.SLICE, xz, start=0, stop=inner)
-            z = self.emit(Op.SLICE, xz, start=inner, stop=2 * inner)
+            x = self.b.emit(Op.SLICE, xz, start=0, stop=inner)
+            z = self.b.emit(Op.SLICE, xz, start=inner, stop=2 * inner)
         with self.at("mixer.mamba.d_conv"):
-            x = self.emit(Op.CAUSAL_CONV, x, self.param(f"{base}.conv.weight", inner, m.d_conv),
-                          layer=layer)
+            conv = self.param(f"{base}.conv.weight", inner, m.d_conv)
+            x = self.b.emit(Op.CAUSAL_CONV, x, conv, layer=layer)
         if m.conv_bias:
             with self.at("mixer.mamba.conv_bias"):
-                x = self.emit(Op.ADD, x, self.param(f"{base}.conv.bias", inner))
-        x = self.emit(Op.ACT, x, fn="silu", origin="mixer.mamba.d_conv")
+                x = self.b.emit(Op.ADD, x, self.param(f"{base}.conv.bias", inner))
+        x = self.b.emit(Op.ACT, x, fn="silu", origin="mixer.mamba.d_conv")
         with self.at("mixer.mamba.dt_rank"):
-            proj = self.emit(Op.MATMUL, x, self.param(f"{base}.x.weight", rank + 2 * n, inner))
-            dt = self.emit(Op.SLICE, proj, start=0, stop=rank)
+            proj = self.b.emit(Op.MATMUL, x, self.param(f"{base}.x.weight", rank + 2 * n, inner))
+            dt = self.b.emit(Op.SLICE, proj, start=0, stop=rank)
         with self.at("mixer.mamba.d_state"):
-            bm = self.emit(Op.SLICE, proj, start=rank, stop=rank + n)
-            cm = self.emit(Op.SLICE, proj, start=rank + n, stop=rank + 2 * n)
+            bm = self.b.emit(Op.SLICE, proj, start=rank, stop=rank + n)
+            cm = self.b.emit(Op.SLICE, proj, start=rank + n, stop=rank + 2 * n)
         if m.inner_norms:
             with self.at("mixer.mamba.inner_norms"):
-                dt, bm, cm = (self.emit(Op.NORM, v, self.param(f"{base}.{name}_norm.weight", width),
-                                        kind="rms", eps=s.norm.eps)
-                              for v, name, width in ((dt, "dt", rank), (bm, "b", n), (cm, "c", n)))
+                dt, bm, cm = (
+                    self.b.emit(Op.NORM, v, self.param(f"{base}.{name}_norm.weight", width),
+                                kind="rms", eps=s.norm.eps)
+                    for v, name, width in ((dt, "dt", rank), (bm, "b", n), (cm, "c", n)))
         with self.at("mixer.mamba.dt_rank"):
             dt = self.linear(dt, f"{base}.dt", inner, True, "mixer.mamba.dt_rank")
-            dt = self.emit(Op.ACT, dt, fn="softplus")
+            dt = self.b.emit(Op.ACT, dt, fn="softplus")
         with self.at("mixer.mamba.d_state"):
             self.param(f"{base}.A_log", inner, n)   # the checkpoint's; A = −exp(A_log) at load time
             a = self.param(f"{base}.A", inner, n, dtype="f32",
                            expr=Call("neg_exp", (leaf(self.prefix + f"{base}.A_log"),)))
-            y = self.emit(Op.SSM_SCAN, x, dt, a, bm, cm, layer=layer)
-            y = self.emit(Op.ADD, y, self.emit(Op.MUL, x, self.param(f"{base}.D", inner)))
+            y = self.b.emit(Op.SSM_SCAN, x, dt, a, bm, cm, layer=layer)
+            y = self.b.emit(Op.ADD, y, self.b.emit(Op.MUL, x, self.param(f"{base}.D", inner)))
         with self.at("mixer.mamba.expand"):
-            y = self.emit(Op.MUL, y, self.emit(Op.ACT, z, fn="silu"))
+            y = self.b.emit(Op.MUL, y, self.b.emit(Op.ACT, z, fn="silu"))
             return self.linear(y, f"{base}.out", self.d, m.bias, "mixer.mamba.bias")
 
     def linear_attention(self, h: int, layer: int) -> int:
@@ -350,9 +348,9 @@ class _Stack:
         base = f"layers.{layer}.attn"
         q, k, v = self.qkv_heads(h, h, base)     # (B, H, T, D), (B, Hkv, T, D) twice
         with self.at("mixer.pattern" if self.s.mixer.pattern is not None else "mixer.kind"):
-            q = self.emit(Op.ACT, q, fn="elu_plus_one")
-            k = self.emit(Op.ACT, k, fn="elu_plus_one")
-            out = self.emit(Op.LINEAR_ATTENTION, q, k, v, layer=layer)   # (B, T, H·D)
+            q = self.b.emit(Op.ACT, q, fn="elu_plus_one")
+            k = self.b.emit(Op.ACT, k, fn="elu_plus_one")
+            out = self.b.emit(Op.LINEAR_ATTENTION, q, k, v, layer=layer)   # (B, T, H·D)
         with self.at("attention.heads"):
             return self.linear(out, f"{base}.o", self.d, self.s.attention.bias.o,
                                "attention.bias.o")
@@ -384,16 +382,17 @@ class _Stack:
                                                           "block.shared_norm")
             a, f = sublayers[0][1](n1), self.ffn(n2, layer)
             with self.at("block.parallel"):
-                return self.emit(Op.ADD, self.emit(Op.ADD, x, a), f)
+                return self.b.emit(Op.ADD, self.b.emit(Op.ADD, x, a), f)
         for norm, fn in sublayers:
             if s.norm.placement == "post":
-                x = self.norm(self.emit(Op.ADD, x, fn(x), origin="norm.placement"), f"{pre}.{norm}")
+                x = self.norm(self.b.emit(Op.ADD, x, fn(x), origin="norm.placement"),
+                              f"{pre}.{norm}")
                 continue
             out = fn(self.norm(x, f"{pre}.{norm}"))
             if s.norm.placement == "sandwich":
                 out = self.norm(out, f"{pre}.{norm.replace('_norm', '_post_norm')}",
                                 "norm.placement")
-            x = self.emit(Op.ADD, x, out, origin="norm.placement")
+            x = self.b.emit(Op.ADD, x, out, origin="norm.placement")
         return x
 
     def build(self) -> Graph:
@@ -413,16 +412,16 @@ class _Stack:
         width = s.embedding.project_dim or self.d
         if s.embedding.project_dim is not None:
             with self.at("embedding.project_dim"):
-                x = self.emit(Op.MATMUL, x, self.param("head.project_out.weight", width, self.d,
-                                                       shared=True))
+                project = self.param("head.project_out.weight", width, self.d, shared=True)
+                x = self.b.emit(Op.MATMUL, x, project)
         with self.at("embedding.tied"):
             head = self.param("embed.weight" if s.embedding.tied else "head.weight",
                               s.vocab_size, width, shared=True)
-            logits = self.emit(Op.MATMUL, x, head)
+            logits = self.b.emit(Op.MATMUL, x, head)
         if s.output.bias:
             with self.at("output.bias"):
-                logits = self.emit(Op.ADD, logits,
-                                   self.param("head.bias", s.vocab_size, shared=True))
+                bias = self.param("head.bias", s.vocab_size, shared=True)
+                logits = self.b.emit(Op.ADD, logits, bias)
         if s.output.softcap is not None:
             logits = self.pointwise(logits, "output.softcap", "softcap", cap=s.output.softcap)
         self.b.output("logits", logits, origin="family")

@@ -3,9 +3,9 @@ the two equal): every op the IR has, with the one-line form the text printer wri
 
 from __future__ import annotations
 
-from archc.ir.attrs import Call, format_value
+from archc.ir.attrs import REQUIRED, Attr, Call, format_value
 from archc.ir.ops import KERNEL_LEVEL, META, OP_TABLE, VIEW, Op
-from archc.ir.ops.base import RECURRENT, REQUIRED, Attr, OpDef
+from archc.ir.ops.base import RECURRENT, OpDef
 
 # the sections after "Unfused" (every op in none of these): title, what they hold, their ops
 GROUPS = (

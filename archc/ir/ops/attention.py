@@ -16,11 +16,10 @@ from typing import Any
 import sympy
 import torch
 
-from archc.ir.attrs import Attrs, Call
+from archc.ir.attrs import Attr, Attrs, Call
 from archc.ir.ops.base import (
     LAYER,
     Args,
-    Attr,
     EagerCtx,
     Op,
     OpDef,

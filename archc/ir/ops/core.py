@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 
 import archc.ir.expr as E
-from archc.ir.attrs import Attrs, Call
+from archc.ir.attrs import Attr, Attrs, Call
 from archc.ir.ops.base import (
     Args,
-    Attr,
     EagerCtx,
     Op,
     OpDef,

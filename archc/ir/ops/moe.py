@@ -11,10 +11,9 @@ import sympy
 import torch
 import torch.nn.functional as F
 
-from archc.ir.attrs import Attrs
+from archc.ir.attrs import Attr, Attrs
 from archc.ir.ops.base import (
     Args,
-    Attr,
     EagerCtx,
     Op,
     OpDef,

@@ -27,12 +27,11 @@ import torch
 import torch.nn.functional as F
 
 import archc.ir.expr as E
-from archc.ir.attrs import Attrs
+from archc.ir.attrs import Attr, Attrs
 from archc.ir.ops.attention import groups
 from archc.ir.ops.base import (
     LAYER,
     Args,
-    Attr,
     EagerCtx,
     Op,
     OpDef,

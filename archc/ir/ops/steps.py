@@ -20,16 +20,14 @@ import sympy
 import torch
 
 import archc.ir.expr as E
-from archc.ir.attrs import Call
+from archc.ir.attrs import Attr, Call, call_problem
 from archc.ir.ops.attention import ROPE_ATTRS, check_rope, rope
 from archc.ir.ops.base import (
     ROW_KERNELS,
-    Attr,
     EagerCtx,
     Op,
     Shape,
     Sig,
-    call_problem,
     require,
     same_shape,
 )
@@ -55,19 +53,9 @@ def normalize(x: torch.Tensor, kind: str, eps: float) -> tuple[torch.Tensor, Row
     return centered * rstd, RowStats(mean, rstd, x.dtype)
 
 
-@dataclass(frozen=True)
-class StepSig:
-    """What a step's rule sees: the step, the width before it, its inputs' shapes, and the node."""
-
-    step: Call
-    width: int
-    inputs: tuple[Shape, ...]
-    node: Sig
-
-    def kw(self, name: str, default: Any = None) -> Any:
-        return self.step.kw(name, default)
-
-
+# a structural step's rule: the step, the width before it, its inputs' shapes and the node; it
+# checks them, and gives the width after the step
+WidthFn = Callable[[Call, int, Sequence[Shape], Sig], int]
 ApplyFn = Callable[[EagerCtx, torch.Tensor, Call, Sequence[torch.Tensor], RowStats], torch.Tensor]
 
 
@@ -78,7 +66,7 @@ class StepDecl:
     inputs: tuple[str, ...] = ()
     params: tuple[Attr, ...] = ()
     expr: Call | None = None        # elementwise: over x(0) = the accumulator, then the inputs
-    width: Callable[[StepSig], int] | None = None   # checks, and the width after the step
+    width: WidthFn | None = None    # structural: checks, and the width after the step
     apply: ApplyFn | None = None    # structural: eager semantics
     kernels: frozenset[Op] = frozenset({Op.FUSED_LINEAR})
     docs: tuple[str, ...] = ()      # what each input holds
@@ -91,47 +79,46 @@ class StepDecl:
 
 # ---- structural steps ---------------------------------------------------------------------------
 
-def _glu_width(s: StepSig) -> int:
-    require(s.width % 2 == 0, f"glu() needs an even width, got {s.width}")
-    return s.width // 2
+def _glu_width(st: Call, width: int, inputs: Sequence[Shape], node: Sig) -> int:
+    require(width % 2 == 0, f"glu() needs an even width, got {width}")
+    return width // 2
 
 
-def _heads(s: StepSig) -> int:
+def _heads(st: Call, width: int) -> int:
     """The columns of the first `heads` heads, which rope() and head_norm() work on."""
-    heads, hd = s.kw("heads"), s.kw("head_dim")
-    require(heads * hd <= s.width, f"{s.step.fn}() over {heads} heads of {hd} exceeds width "
-            f"{s.width}")
+    heads, hd = st.kw("heads"), st.kw("head_dim")
+    require(heads * hd <= width, f"{st.fn}() over {heads} heads of {hd} exceeds width {width}")
     return heads * hd
 
 
-def _rope_width(s: StepSig) -> int:
-    _heads(s)
-    check_rope(s.kw("rotary_dim"), s.kw("head_dim"), s.node.shapes[0][-2], *s.inputs,
-               s.kw("dynamic"))
-    return s.width
+def _rope_width(st: Call, width: int, inputs: Sequence[Shape], node: Sig) -> int:
+    _heads(st, width)
+    check_rope(st.kw("rotary_dim"), st.kw("head_dim"), node.shapes[0][-2], *inputs,
+               st.kw("dynamic"))
+    return width
 
 
-def _head_norm_width(s: StepSig) -> int:
-    cols = _heads(s)
-    for shape in s.inputs:
+def _head_norm_width(st: Call, width: int, inputs: Sequence[Shape], node: Sig) -> int:
+    cols = _heads(st, width)
+    for shape in inputs:
         require(len(shape) == 1 and int(shape[0]) == cols,
                 f"head_norm() takes [{cols}] gain and shift, got {list(shape)}")
-    return s.width
+    return width
 
 
-def _kv_write_width(s: StepSig) -> int:
-    hd, kv = s.kw("head_dim"), s.kw("kv_heads")
-    for col in (s.kw("k_start"), s.kw("v_start")):
-        require(col + kv * hd <= s.width,
-                f"kv_write() columns from {col} for {kv} heads of {hd} exceed width {s.width}")
-    require(len(s.node.shapes[0]) == 3, "kv_write() needs x shaped [B, T, K]")
-    return s.width
+def _kv_write_width(st: Call, width: int, inputs: Sequence[Shape], node: Sig) -> int:
+    hd, kv = st.kw("head_dim"), st.kw("kv_heads")
+    for col in (st.kw("k_start"), st.kw("v_start")):
+        require(col + kv * hd <= width,
+                f"kv_write() columns from {col} for {kv} heads of {hd} exceed width {width}")
+    require(len(node.shapes[0]) == 3, "kv_write() needs x shaped [B, T, K]")
+    return width
 
 
-def _act_width(s: StepSig) -> int:
-    start, stop = s.kw("start", 0), s.kw("stop", s.width)
-    require(start < stop <= s.width, f"act() columns [{start}, {stop}) outside {s.width}")
-    return s.width
+def _act_width(st: Call, width: int, inputs: Sequence[Shape], node: Sig) -> int:
+    start, stop = st.kw("start", 0), st.kw("stop", width)
+    require(start < stop <= width, f"act() columns [{start}, {stop}) outside {width}")
+    return width
 
 
 def _apply_glu(ctx: EagerCtx, acc: torch.Tensor, st: Call, xs: Sequence[torch.Tensor],
@@ -249,7 +236,7 @@ def check_epilogue(sig: Sig, op: Op, width: int, taken: int, rows: Shape) -> int
         inputs, rest = tuple(rest[:len(d.inputs)]), rest[len(d.inputs):]
         require(len(inputs) == len(d.inputs), f"{st.fn}() needs {len(d.inputs)} more inputs")
         if d.width is not None:
-            width = d.width(StepSig(st, width, inputs, sig))
+            width = d.width(st, width, inputs, sig)
         for shape, name in zip(inputs, d.inputs):   # the others' width rules check theirs
             if name in ("bias", "colsum"):            # a value per column
                 require(len(shape) == 1 and int(shape[0]) == width,
