@@ -1,4 +1,5 @@
-"""Node attributes: an immutable, hashable mapping of plain values, and their text form.
+"""Node attributes: an immutable, hashable mapping of plain values, their typed declarations
+(``Attr``) and their text form.
 
 Values are ``None``, bools, ints, floats, strings, tuples of values, and ``Call``s (a function
 name with positional and keyword arguments — how parameter expressions are written). The text

@@ -46,9 +46,8 @@ class Node:
 
     def replace(self, **changes: Any) -> Node:
         """This node with `changes`; the same object when nothing changes."""
-        if all(getattr(self, k) == v for k, v in changes.items()):
-            return self
-        return replace(self, **changes)
+        return self if all(getattr(self, k) == v for k, v in changes.items()) else \
+            replace(self, **changes)
 
 
 @dataclass(frozen=True)
@@ -130,10 +129,8 @@ def infer(op: Op, shapes: Sequence[Shape], dtypes: Sequence[str], attrs: Attrs) 
 
 @dataclass
 class GraphBuilder:
-    """Appends nodes in topological order, inferring each shape from the op table.
-
-    Parameters and inputs are deduplicated by name, so a tied weight is one node used twice.
-    """
+    """Appends nodes in topological order, inferring each shape from the op table. Inputs and
+    params are deduplicated by name, so a tied weight is one node used twice."""
 
     name: str
     nodes: list[Node] = field(default_factory=list)
@@ -143,18 +140,16 @@ class GraphBuilder:
     def declare(self, op: Op, name: str, shape: Shape, dtype: str, *, expr: Call | None = None,
                 origin: str | None = None) -> int:
         """An input or param, given its shape (deduplicated by name)."""
-        key = (op, name)
-        if key in self._by_name:
-            i = self._by_name[key]
-            have = self.nodes[i]
-            if have.shape != tuple(shape) or have.dtype != dtype or have.attr("expr") != expr:
-                raise IRError(f"{op.value} {name!r} declared twice with different shapes: "
-                              f"{list(have.shape)} and {list(shape)}")
-            return i
-        self.nodes.append(Node(op, (), canonical(op, {"name": name, "expr": expr}), tuple(shape),
-                               dtype, origin=self.origin if origin is None else origin))
-        self._by_name[key] = len(self.nodes) - 1
-        return len(self.nodes) - 1
+        i = self._by_name.get((op, name))
+        if i is None:
+            self.nodes.append(Node(op, (), canonical(op, {"name": name, "expr": expr}),
+                                   tuple(shape), dtype, self.origin if origin is None else origin))
+            i = self._by_name[op, name] = len(self.nodes) - 1
+        have = self.nodes[i]
+        if have.shape != tuple(shape) or have.dtype != dtype or have.attr("expr") != expr:
+            raise IRError(f"{op.value} {name!r} declared twice with different shapes: "
+                          f"{list(have.shape)} and {list(shape)}")
+        return i
 
     def input(self, name: str, shape: Shape, dtype: str, origin: str | None = None) -> int:
         return self.declare(Op.INPUT, name, shape, dtype, origin=origin)
@@ -168,10 +163,9 @@ class GraphBuilder:
         """Append a compute (or output) node; its shape comes from the op's rule."""
         op = Op(op)
         at = canonical(op, attrs)
-        shapes = [self.nodes[i].shape for i in inputs]
-        dtypes = [self.nodes[i].dtype for i in inputs]
         try:
-            out_shape, dtype = infer(op, shapes, dtypes, at)
+            out_shape, dtype = infer(op, [self.nodes[i].shape for i in inputs],
+                                     [self.nodes[i].dtype for i in inputs], at)
         except ShapeError as err:
             raise IRError(f"cannot build {format_call(op.value, inputs, at)} in graph "
                           f"{self.name}: {err}") from None

@@ -93,7 +93,7 @@ def matmul_flops(sig: Sig) -> sympy.Expr:
     return 2 * numel(x[:-1]) * w[0] * w[1]
 
 
-def _matmul_infer(sig: Sig) -> tuple[Shape, str]:
+def matmul_infer(sig: Sig) -> tuple[Shape, str]:
     x, w = sig.shapes
     require(len(w) == 2, f"weight must be 2-D [N, K], got {list(w)}")
     require(same_dim(x[-1], w[1]), f"x has K={x[-1]} but weight [N, K] has K={w[1]}")
@@ -102,7 +102,7 @@ def _matmul_infer(sig: Sig) -> tuple[Shape, str]:
 
 register(OpDef(
     Op.MATMUL, "x @ wᵀ with the weight stored [N, K] as torch.nn.Linear does.",
-    "%9 : f32[B,T,64] = matmul(%8, %2)", operands("x", "weight"), _matmul_infer,
+    "%9 : f32[B,T,64] = matmul(%8, %2)", operands("x", "weight"), matmul_infer,
     lambda ctx, a, at: F.linear(a["x"], a["weight"]), flops=matmul_flops, arity=(2, 2)))
 
 
@@ -128,15 +128,14 @@ def _linear_infer(sig: Sig) -> tuple[Shape, str]:
 
 
 def row_stats(x: torch.Tensor, prologue: str | None, eps: float | None) -> RowStats:
+    """What the prologue gathers along the K loop: Σx², and Σx for layer (var = E[x²] − E[x]²)."""
     if prologue is None:
         return RowStats(None, None, x.dtype)
     xf = x.float()
-    if prologue == "rms":
-        return RowStats(None, torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps), x.dtype)
-    # the kernel gathers Σx and Σx² along its K loop: var = E[x²] − E[x]²
-    mean = xf.mean(-1, keepdim=True)
-    var = xf.pow(2).mean(-1, keepdim=True) - mean.pow(2)
-    return RowStats(mean, torch.rsqrt(var + eps), x.dtype)
+    mean = xf.mean(-1, keepdim=True) if prologue == "layer" else None
+    square = xf.pow(2).mean(-1, keepdim=True)
+    return RowStats(mean, torch.rsqrt((square if mean is None else square - mean.pow(2)) + eps),
+                    x.dtype)
 
 
 def fused_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:

@@ -24,7 +24,7 @@ from archc.ir.ops.base import (
     require,
     same_dim,
 )
-from archc.ir.ops.core import EPILOGUE
+from archc.ir.ops.core import EPILOGUE, matmul_flops, matmul_infer
 from archc.ir.ops.steps import RowStats, apply_epilogue, check_epilogue, epilogue_roles
 from archc.ir.shapes import DTYPE_BYTES, Shape, numel
 
@@ -40,14 +40,10 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> torch.Tensor:
 
 
 def _router_infer(sig: Sig) -> tuple[Shape, str]:
-    x = sig.shape("x")
-    experts = x[-1]
-    if sig.has("weight"):
-        w = sig.shape("weight")
-        require(len(w) == 2 and same_dim(w[1], x[-1]), f"router weight {list(w)} ≠ [E, {x[-1]}]")
-        experts = w[0]
-    require(sig.attr("top_k") <= int(experts), f"top_k {sig.attr('top_k')} of {experts} experts")
-    return (*x[:-1], experts), float_dtype(sig)
+    gates, dtype = matmul_infer(sig) if sig.has("weight") else (sig.shape("x"), float_dtype(sig))
+    require(sig.attr("top_k") <= int(gates[-1]), f"top_k {sig.attr('top_k')} of {gates[-1]} "
+            "experts")
+    return gates, dtype
 
 
 def _router(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
@@ -62,8 +58,7 @@ register(OpDef(
     "%30 : f32[B,T,4] = router(%28, %29) {normalize=true, top_k=2}",
     lambda attrs, n: ["x", "weight"][:max(1, min(n, 2))], _router_infer, _router,
     attrs=(Attr("top_k", int, at_least=1), Attr("normalize", bool)),
-    flops=lambda sig: 2 * numel(sig.shape("x")) * sig.shape("weight")[0] if sig.has("weight")
-    else 6 * numel(sig.out_shape),
+    flops=lambda sig: matmul_flops(sig) if sig.has("weight") else 6 * numel(sig.out_shape),
     template="moe", arity=(1, 2), docs={"x": "activations", "weight": "router weight"}))
 
 

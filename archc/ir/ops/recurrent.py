@@ -50,18 +50,6 @@ from archc.ir.shapes import Shape, numel
 
 # ---- the causal convolution ------------------------------------------------------------------
 
-def causal_conv1d(ctx: EagerCtx, x: torch.Tensor, weight: torch.Tensor, layer: int) -> torch.Tensor:
-    """y_t[c] = Σ_k w[c, k]·x_{t−K+1+k}[c] over the inputs so far (the conv state holds the last
-    K − 1 of the previous calls), in f32; the state keeps the last K − 1 inputs. [B, T, C]."""
-    b, t, c = x.shape
-    k = weight.shape[1]
-    past = ctx.state_read(layer, "conv", (b, c, k - 1), x.dtype, x.device)   # (B, C, K−1)
-    window = torch.cat([past, x.transpose(1, 2)], dim=-1)                    # (B, C, K−1+T)
-    ctx.state_write(layer, "conv", window[:, :, window.shape[-1] - (k - 1):].contiguous())
-    y = F.conv1d(window.float(), weight.float()[:, None, :], groups=c)       # (B, C, T)
-    return y.transpose(1, 2)
-
-
 def _conv_infer(sig: Sig) -> tuple[Shape, str]:
     x, w = sig.shape("x"), sig.shape("weight")
     require(len(x) == 3, f"causal_conv takes x [B, T, C], got {list(x)}")
@@ -73,10 +61,18 @@ def _conv_infer(sig: Sig) -> tuple[Shape, str]:
 
 
 def _conv_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    y = causal_conv1d(ctx, a["x"], a["weight"], at["layer"])
+    """y_t[c] = Σ_k w[c, k]·x_{t−K+1+k}[c] over the inputs so far, in f32: the conv state holds
+    the last K − 1 inputs of the calls before, and keeps the last K − 1 after; then the bias and
+    the activation."""
+    x, w, layer = a["x"], a["weight"], at["layer"]
+    b, c, k = x.shape[0], x.shape[2], w.shape[1]
+    past = ctx.state_read(layer, "conv", (b, c, k - 1), x.dtype, x.device)   # (B, C, K−1)
+    window = torch.cat([past, x.transpose(1, 2)], dim=-1)                    # (B, C, K−1+T)
+    ctx.state_write(layer, "conv", window[:, :, window.shape[-1] - (k - 1):].contiguous())
+    y = F.conv1d(window.float(), w.float()[:, None, :], groups=c).transpose(1, 2)  # (B, T, C)
     if "bias" in a:
         y = y + a["bias"].float()
-    return E.activation(y, at["act"]).to(a["x"].dtype)
+    return E.activation(y, at["act"]).to(x.dtype)
 
 
 register(OpDef(
@@ -93,22 +89,6 @@ register(OpDef(
 
 
 # ---- the selective scan ----------------------------------------------------------------------
-
-def scan(ctx: EagerCtx, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, bm: torch.Tensor,
-         cm: torch.Tensor, layer: int) -> torch.Tensor:
-    """The selective scan in f32, one step at a time from the layer's SSM state [B, C, N]:
-    h ← exp(Δ_t·A)·h + (Δ_t·x_t)·B_t, y_t = Σ_n h·C_t. Returns y [B, T, C] in f32."""
-    b, t, c = x.shape
-    h = ctx.state_read(layer, "ssm", (b, c, a.shape[1]), torch.float32, x.device)   # (B, C, N)
-    xf, dtf, af, bf, cf = x.float(), dt.float(), a.float(), bm.float(), cm.float()
-    ys = []
-    for i in range(t):
-        decay = torch.exp(dtf[:, i, :, None] * af)                          # (B, C, N)
-        h = decay * h + (dtf[:, i] * xf[:, i])[:, :, None] * bf[:, i, None, :]
-        ys.append((h * cf[:, i, None, :]).sum(-1))                          # (B, C)
-    ctx.state_write(layer, "ssm", h)
-    return torch.stack(ys, dim=1) if ys else xf.new_zeros(b, 0, c)          # (B, T, C)
-
 
 def _scan_infer(sig: Sig) -> tuple[Shape, str]:
     x, dt, a = sig.shape("x"), sig.shape("dt"), sig.shape("a")
@@ -129,15 +109,25 @@ def _scan_infer(sig: Sig) -> tuple[Shape, str]:
 
 
 def _scan_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    x, bm, cm = a["x"], a["b"], a["c"]
-    eps = at["norm_eps"]
+    """The selective scan in f32, one step at a time from the layer's SSM state h [B, C, N]:
+    h ← exp(Δ_t·A)·h + (Δ_t·x_t)·B_t, y_t = Σ_n h·C_t; then the skip and gate."""
+    x, dt, af = a["x"].float(), a["dt"].float(), a["a"].float()
+    bm, cm, eps, layer = a["b"].float(), a["c"].float(), at["norm_eps"], at["layer"]
     if eps is not None:  # Jamba: B and C normalized per token before the scan
         bm = normalize(bm, "rms", eps)[0] * a["b_gain"].float()
         cm = normalize(cm, "rms", eps)[0] * a["c_gain"].float()
-    y = scan(ctx, x, a["dt"], a["a"], bm, cm, at["layer"])
+    b, t, c = x.shape
+    h = ctx.state_read(layer, "ssm", (b, c, af.shape[1]), torch.float32, x.device)  # (B, C, N)
+    ys = []
+    for i in range(t):
+        decay = torch.exp(dt[:, i, :, None] * af)                           # (B, C, N)
+        h = decay * h + (dt[:, i] * x[:, i])[:, :, None] * bm[:, i, None, :]
+        ys.append((h * cm[:, i, None, :]).sum(-1))                          # (B, C)
+    ctx.state_write(layer, "ssm", h)
+    y = torch.stack(ys, dim=1) if ys else x.new_zeros(b, 0, c)              # (B, T, C)
     if at["gate"]:
-        y = (y + a["skip"].float() * x.float()) * F.silu(a["z"].float())
-    return y.to(x.dtype)
+        y = (y + a["skip"].float() * x) * F.silu(a["z"].float())
+    return y.to(a["x"].dtype)
 
 
 def _scan_flops(sig: Sig) -> sympy.Expr:
@@ -172,36 +162,6 @@ CHUNK = 64                   # tokens per chunk of the eager semantics
 FEATURE_MAPS = ("identity", "elu_plus_one")
 
 
-def running_sums(ctx: EagerCtx, phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
-                 layer: int) -> torch.Tensor:
-    """φq [B, H, T, D], φk [B, H_kv, T, D], v [B, H_kv, T, Dv] → out [B, H, T, Dv] in f32,
-    from and into the layer's sums S [B, H_kv, D, Dv] and z [B, H_kv, D]."""
-    b, h, t, d = phi_q.shape
-    hkv, dv = phi_k.shape[1], v.shape[-1]
-    g = h // hkv
-    dev = phi_q.device
-    s = ctx.state_read(layer, "S", (b, hkv, d, dv), torch.float32, dev)
-    z = ctx.state_read(layer, "z", (b, hkv, d), torch.float32, dev)
-    q = phi_q.float().reshape(b, hkv, g, t, d)             # (B, H_kv, G, T, D)
-    k, vf = phi_k.float(), v.float()
-    outs = []
-    for start in range(0, t, CHUNK):
-        stop = min(t, start + CHUNK)
-        qc, kc, vc = q[:, :, :, start:stop], k[:, :, start:stop], vf[:, :, start:stop]
-        causal = torch.ones(stop - start, stop - start, dtype=torch.bool, device=dev).tril()
-        within = (qc @ kc[:, :, None].transpose(-1, -2)) * causal   # (B, H_kv, G, c, c)
-        num = qc @ s[:, :, None] + within @ vc[:, :, None]          # (B, H_kv, G, c, Dv)
-        den = qc @ z[:, :, None, :, None] + within.sum(-1, keepdim=True)
-        outs.append(num / den)
-        s = s + kc.transpose(-1, -2) @ vc
-        z = z + kc.sum(dim=2)
-    ctx.state_write(layer, "S", s)
-    ctx.state_write(layer, "z", z)
-    if not outs:
-        return q.new_zeros(b, h, 0, dv)
-    return torch.cat(outs, dim=3).reshape(b, h, t, dv)
-
-
 def _states(sig: Sig) -> tuple[StateDecl, ...]:
     q, k, v = sig.shapes
     return (StateDecl("S", (q[0], k[1], k[3], v[3]), "f32"),
@@ -220,10 +180,29 @@ def _infer(sig: Sig) -> tuple[Shape, str]:
 
 
 def _eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    q = a["q"]
-    phi_q, phi_k = (E.activation(x.float(), at["feature"]) for x in (q, a["k"]))
-    out = running_sums(ctx, phi_q, phi_k, a["v"], at["layer"])      # (B, H, T, Dv)
-    return out.transpose(1, 2).flatten(2).to(q.dtype)               # (B, T, H·Dv)
+    """φ on q and k, then the running sums in chunks of CHUNK tokens, from and into the layer's
+    S [B, H_kv, D, Dv] and z [B, H_kv, D], in f32; heads merged [B, T, H·Dv]."""
+    phi_q, phi_k = (E.activation(a[r].float(), at["feature"]) for r in ("q", "k"))
+    (b, h, t, d), hkv, dv = phi_q.shape, phi_k.shape[1], a["v"].shape[-1]
+    layer, dev = at["layer"], phi_q.device
+    s = ctx.state_read(layer, "S", (b, hkv, d, dv), torch.float32, dev)
+    z = ctx.state_read(layer, "z", (b, hkv, d), torch.float32, dev)
+    q, k, v = phi_q.reshape(b, hkv, h // hkv, t, d), phi_k, a["v"].float()  # q: (B, H_kv, G, T, D)
+    outs = []
+    for start in range(0, t, CHUNK):
+        stop = min(t, start + CHUNK)
+        qc, kc, vc = q[:, :, :, start:stop], k[:, :, start:stop], v[:, :, start:stop]
+        causal = torch.ones(stop - start, stop - start, dtype=torch.bool, device=dev).tril()
+        within = (qc @ kc[:, :, None].transpose(-1, -2)) * causal   # (B, H_kv, G, c, c)
+        num = qc @ s[:, :, None] + within @ vc[:, :, None]          # (B, H_kv, G, c, Dv)
+        den = qc @ z[:, :, None, :, None] + within.sum(-1, keepdim=True)
+        outs.append(num / den)
+        s = s + kc.transpose(-1, -2) @ vc
+        z = z + kc.sum(dim=2)
+    ctx.state_write(layer, "S", s)
+    ctx.state_write(layer, "z", z)
+    out = torch.cat(outs, dim=3).reshape(b, h, t, dv) if outs else q.new_zeros(b, h, 0, dv)
+    return out.transpose(1, 2).flatten(2).to(a["q"].dtype)             # (B, T, H·Dv)
 
 
 def _flops(sig: Sig) -> sympy.Expr:
