@@ -1,11 +1,9 @@
 """The IR: plain-data nodes in topological order, graphs of them, and a builder.
 
-A ``Node`` is op, inputs (indices of earlier nodes), attrs, a sympy shape over B/T/P/S, a dtype,
-and its provenance: the spec field that created it and the passes that rewrote it. Nothing
-callable lives in a node, so graphs print, parse, hash and compare as data. A ``Program`` is the
-graphs of one model: ``decoder``, ``encoder``, or both (the decoder reads the encoder's output as
-an input); passes may add ``cross_kv``, what the decoder computes from the encoder's output
-alone, run once per generation and read by every step as inputs named after its outputs.
+A ``Node`` is op, inputs (indices of earlier nodes), attrs, a sympy shape over B/T/P/S, a dtype
+and its provenance (the spec field that made it, the passes that rewrote it); nothing callable,
+so graphs print, parse, hash and compare as data. A ``Program`` is a model's graphs: ``decoder``,
+``encoder``, or both (the decoder reads the encoder's output as an input), and ``cross_kv``.
 """
 
 from __future__ import annotations
@@ -20,7 +18,8 @@ from archc.ir.ops import OP_TABLE, Op, ShapeError, canonical, full_attrs, is_com
 from archc.ir.ops.base import Sig, attr_problems, make_sig
 from archc.ir.shapes import Shape
 
-# The graph of decoder inputs computed once per generation from the encoder's states.
+# The graph passes may add: what the decoder computes from the encoder's states alone, run once
+# per generation and read by every decoder step as inputs named after its outputs.
 CROSS_KV = "cross_kv"
 
 

@@ -3,10 +3,9 @@
 A ``param`` node without an ``expr`` attr is the checkpoint tensor of its ``name``. A pass that
 changes a weight — folding a norm gain into a matmul, concatenating Q/K/V — gives the node an
 ``expr`` instead, such as ``cat(w("layers.0.attn.q.weight"), w("layers.0.attn.k.weight"), dim=0)``,
-evaluated once when weights load. Buffers that no checkpoint holds (RoPE frequencies, ALiBi slopes,
-sinusoidal tables) are expressions with no leaves. Every function is declared once, in
-``PARAM_FNS``. Evaluation is in float32 (float64 for tables whose rounding matters); the caller
-casts to the node's dtype.
+evaluated once when weights load; buffers no checkpoint holds (RoPE frequencies, ALiBi slopes)
+are expressions with no leaves. Evaluation is in float32 (float64 for tables whose rounding
+matters); the caller casts to the node's dtype.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Symbolic shapes: sympy expressions over the dynamic dims, and their one-line text form.
 
 The dims are ``B`` (batch), ``T`` (new tokens this call), ``P`` (past tokens already in the KV
-cache) and ``S`` (encoder length, seen by a decoder's cross-attention). Everything else in a shape
-is a static model size. Dims parse with a small grammar of their own (integers, the four symbols,
-``+``, ``-``, ``*``, parentheses), never with ``sympify``, which evaluates Python.
+cache) and ``S`` (encoder length, seen by a decoder's cross-attention); everything else in a
+shape is a static model size.
 """
 
 from __future__ import annotations
@@ -67,7 +66,8 @@ _ARITH = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 def parse_dim(text: str) -> sympy.Expr:
     """Parse `P+T`, `2*T`, `576`, `(P+T)*4` into a sympy expression over B, T, P, S: read by
-    Python's parser, never evaluated; only integers, the four dims, +, -, * and parentheses."""
+    Python's parser but never evaluated (as ``sympify`` would), only integers, the four dims,
+    +, - and * are accepted."""
     def build(e: ast.expr) -> sympy.Expr:
         if isinstance(e, ast.Constant) and type(e.value) is int:
             return sympy.Integer(e.value)

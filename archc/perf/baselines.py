@@ -34,7 +34,7 @@ from archc.ir.cost import node_states
 from archc.ir.graph import Graph
 from archc.ir.ops import VIEW, Op, bind, full_attrs
 from archc.ir.ops.attention import alibi_bias, relative_bias, visible
-from archc.ir.ops.moe import selected_experts
+from archc.ir.ops.core import selected_experts
 from archc.ir.ops.steps import STEPS, step_expr
 from archc.perf.torch_program import Store, TorchContext, eager_fn
 

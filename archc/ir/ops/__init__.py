@@ -1,6 +1,6 @@
 """The op table: every op declared once (``OP_TABLE``), grouped by family into modules."""
 
-from archc.ir.ops import attention, core, moe, recurrent  # noqa: F401  (they register)
+from archc.ir.ops import attention, core, recurrent  # noqa: F401  (they register)
 from archc.ir.ops.base import (
     ELEMENTWISE,
     META,

@@ -1,11 +1,9 @@
-"""The recurrent mixers: they keep a fixed-size per-layer state instead of a KV cache, read and
-updated in place, so a decode step costs the same at any context length. Lowering emits them
-plainly; the passes fuse the rest in.
+"""The recurrent mixers keep a fixed-size per-layer state instead of a KV cache, read and updated
+in place, so a decode step costs the same at any context length.
 
-Mamba's selective state-space layer (Gu & Dao 2023) is two ops: ``causal_conv``, the depthwise
-causal convolution over time continuing from the layer's conv state, and ``ssm_scan``, the
-selective scan from and into its SSM state (f32); once fused, the conv's bias and activation, the
-skip D·x and the gate.
+Mamba (Gu & Dao 2023) is ``causal_conv``, the depthwise causal convolution over time, and
+``ssm_scan``, the selective scan; lowering emits them plainly, and the passes fuse in the conv's
+bias and activation, the skip D·x and the gate.
 
 Causal linear attention (Katharopoulos et al. 2020): with a positive feature map φ (elu(x) + 1),
 softmax(q·kᵀ)·v becomes

@@ -3,11 +3,9 @@ to each row of its f32 accumulator before the one store.
 
 A node's ``epilogue`` is a list of steps such as ``[rms_scale(), bias(), act(fn="silu")]``, applied
 in order; a step's extra inputs follow the node's own operands, named by step (``bias1``,
-``pos2``…). *Elementwise* steps (bias, residual, act, scale, softcap) are an expression of the
-elementwise language (``archc.ir.expr``) over the accumulator ``x(0)`` and their inputs, so eager
-semantics and Triton code come from one declaration; *structural* steps change the width or reach
-across columns: a folded norm's row scale (rms_scale, ln_scale), gate·up pairs (glu), rotary
-pairs (rope), per-head norms (head_norm) and the KV-cache write (kv_write).
+``pos2``…). *Elementwise* steps are an expression of the elementwise language (``archc.ir.expr``)
+over the accumulator ``x(0)`` and their inputs, so eager semantics and Triton code come from one
+declaration; *structural* steps change the width or reach across columns.
 """
 
 from __future__ import annotations
