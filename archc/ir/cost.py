@@ -69,14 +69,12 @@ def kv_cache_bytes_per_token(p: Program) -> int:
     total = sympy.Integer(0)
     for g in p:
         for n in g:
-            if n.op == Op.KV_CACHE:
-                x = g.nodes[n.inputs[0]]
+            x = g.nodes[n.inputs[0]] if n.inputs else None
+            if n.op == Op.KV_CACHE:   # x: the new k or v rows [B, H_kv, T, d_h]
                 total += numel(x.shape) / (B * T) * DTYPE_BYTES[x.dtype]
             elif n.op == Op.FUSED_LINEAR:
-                for st in n.attr("epilogue", ()):
-                    if st.fn == "kv_write":
-                        item = DTYPE_BYTES[g.nodes[n.inputs[0]].dtype]
-                        total += 2 * st.kw("kv_heads") * st.kw("head_dim") * item
+                total += sum(2 * st.kw("kv_heads") * st.kw("head_dim") * DTYPE_BYTES[x.dtype]
+                             for st in n.attr("epilogue") if st.fn == "kv_write")
     return evaluate(sympy.simplify(total), {})
 
 
@@ -99,8 +97,7 @@ def recurrent_state_bytes(p: Program) -> int:
 
 def per_layer(spec: Spec, count: int, count_without_layers: int) -> float:
     """Average of a count over the blocks (encoder and decoder blocks together)."""
-    layers = spec.layers + (spec.decoder_layers or 0)
-    return (count - count_without_layers) / layers
+    return (count - count_without_layers) / (spec.layers + (spec.decoder_layers or 0))
 
 
 def without_layers(spec: Spec) -> Spec:

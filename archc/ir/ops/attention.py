@@ -344,13 +344,18 @@ def _attention_infer(sig: Sig) -> tuple[Shape, str]:
 
 def attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     """softmax(mask(bias(softcap(scale·q·kᵀ)))) · v, in f32, heads merged: [B, T, H·D]."""
-    q, layer, bias = a["q"], at["cache_layer"], at["bias"]
+    q = a["q"]
+    layer = at["cache_layer"]
+    if layer is not None:
+        k, v = ctx.cache_read(layer, "k"), ctx.cache_read(layer, "v")
+    else:
+        k, v = a["k"], a["v"]
     b, h, t, d = q.shape
-    k, v = (expand_kv(a[kind] if layer is None else ctx.cache_read(layer, kind), h).float()
-            for kind in ("k", "v"))
+    k, v = expand_kv(k, h).float(), expand_kv(v, h).float()
     s = (q.float() @ k.transpose(-1, -2)) * at["scale"]
     if at["softcap"] is not None:
         s = at["softcap"] * torch.tanh(s / at["softcap"])
+    bias = at["bias"]
     if bias is not None and bias.fn == "alibi":
         s = s + alibi_bias(a["slopes"], t, s.shape[-1])[None]
     elif bias is not None:

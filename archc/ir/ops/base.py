@@ -179,12 +179,8 @@ class OpDef:
     commutative: bool = False            # its first two operands may be swapped
     arity: tuple[int, int] = (0, -1)     # for the reference: fewest and most inputs (-1: any)
 
-    @functools.cached_property
-    def by_name(self) -> dict[str, Attr]:
-        return {a.name: a for a in self.attrs}
-
     def attr(self, name: str) -> Attr | None:
-        return self.by_name.get(name)
+        return next((a for a in self.attrs if a.name == name), None)
 
 
 OP_TABLE: dict[Op, OpDef] = {}
