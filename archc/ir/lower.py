@@ -369,6 +369,13 @@ class _Stack:
         and the FFN, each with its residual add and its norms where the spec places them."""
         s, pre = self.s, f"layers.{layer}"
         mix_norm = "ssm_norm" if mixer == "mamba" else "attn_norm"
+        if s.block.parallel:   # x + mixer(norm(x)) + ffn(norm(x))
+            n1 = self.norm(x, f"{pre}.{mix_norm}")
+            n2 = n1 if s.block.shared_norm else self.norm(x, f"{pre}.ffn_norm",
+                                                          "block.shared_norm")
+            a, f = self.mix(n1, layer, mixer, local=local), self.ffn(n2, layer)
+            with self.at("block.parallel"):
+                return self.b.emit(Op.ADD, self.b.emit(Op.ADD, x, a), f)
         sublayers: list[tuple[str, Callable[[int], int]]] = [
             (mix_norm, lambda h: self.mix(h, layer, mixer, local=local))]
         if self.cross:
@@ -376,13 +383,6 @@ class _Stack:
                 h, layer, "cross", local=False, kv_source=self.enc)))
         if s.ffn.kind != "none":
             sublayers.append(("ffn_norm", lambda h: self.ffn(h, layer)))
-        if s.block.parallel:
-            n1 = self.norm(x, f"{pre}.{mix_norm}")
-            n2 = n1 if s.block.shared_norm else self.norm(x, f"{pre}.ffn_norm",
-                                                          "block.shared_norm")
-            a, f = sublayers[0][1](n1), self.ffn(n2, layer)
-            with self.at("block.parallel"):
-                return self.b.emit(Op.ADD, self.b.emit(Op.ADD, x, a), f)
         for norm, fn in sublayers:
             if s.norm.placement == "post":
                 x = self.norm(self.b.emit(Op.ADD, x, fn(x), origin="norm.placement"),

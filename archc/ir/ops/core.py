@@ -176,22 +176,9 @@ register(OpDef(
 
 
 # ---- mixture of experts -------------------------------------------------------------------
-# Routing makes dense gates [..., E] (zero off the top k); `moe_linear` stages multiply each
-# routed (token, slot) pair by its expert's weights: `up` gives a row per pair [..., k, N], `down`
-# projects the pairs back and sums them weighted by the gates. Lowering emits a gated expert FFN
-# as gate and up stages, an activation, a product and the down stage, as it lowers a dense one;
-# fuse-moe makes gate and up one matmul with a glu() epilogue. Only routed experts are computed,
-# and costs count only them.
-
-def route(logits: torch.Tensor, top_k: int, normalize: bool) -> torch.Tensor:
-    """Softmax over experts, keep the top k per token (renormalized to sum to 1 if asked),
-    zero the rest (Mixtral's router)."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    top, idx = probs.topk(top_k, dim=-1)
-    if normalize:
-        top = top / top.sum(dim=-1, keepdim=True)
-    return torch.zeros_like(probs).scatter(-1, idx, top).to(logits.dtype)
-
+# Lowering emits a gated expert FFN as gate and up stages, an activation, a product and the down
+# stage, as it lowers a dense one; fuse-moe makes gate and up one matmul with a glu() epilogue.
+# Only routed experts are computed, and costs count only them.
 
 def _router_infer(sig: Sig) -> tuple[Shape, str]:
     gates, dtype = matmul_infer(sig) if sig.has("weight") else (sig.shape("x"), float_dtype(sig))
@@ -201,9 +188,14 @@ def _router_infer(sig: Sig) -> tuple[Shape, str]:
 
 
 def _router(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+    """Softmax over experts, keep the top k per token (renormalized to sum to 1 if asked),
+    zero the rest (Mixtral's router)."""
     x = a["x"]
     logits = F.linear(x.float(), a["weight"].float()) if "weight" in a else x
-    return route(logits, at["top_k"], at["normalize"]).to(x.dtype)
+    top, idx = torch.softmax(logits.float(), dim=-1).topk(at["top_k"], dim=-1)
+    if at["normalize"]:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(logits, dtype=torch.float32).scatter(-1, idx, top).to(x.dtype)
 
 
 register(OpDef(
