@@ -1,4 +1,5 @@
-"""Node attributes: an immutable, hashable mapping of plain values, and their text form.
+"""Node attributes: an immutable, hashable mapping of plain values, their typed declarations
+(``Attr``) and their text form.
 
 Values are ``None``, bools, ints, floats, strings, tuples of values, and ``Call``s (a function
 name with positional and keyword arguments — how parameter expressions are written). The text
@@ -13,10 +14,10 @@ Floats print with ``repr`` so they parse back to the same bits.
 
 from __future__ import annotations
 
+import ast
 import json
 import math
-import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,10 +31,7 @@ class Call:
     kwargs: tuple[tuple[str, Any], ...] = ()
 
     def kw(self, name: str, default: Any = None) -> Any:
-        for k, v in self.kwargs:
-            if k == name:
-                return v
-        return default
+        return next((v for k, v in self.kwargs if k == name), default)
 
 
 class Attrs(Mapping[str, Any]):
@@ -42,9 +40,7 @@ class Attrs(Mapping[str, Any]):
     __slots__ = ("_items",)
 
     def __init__(self, items: Mapping[str, Any] | None = None, **kw: Any) -> None:
-        merged = dict(items or {})
-        merged.update(kw)
-        self._items = tuple(sorted((k, freeze(v)) for k, v in merged.items()))
+        self._items = tuple(sorted((k, freeze(v)) for k, v in {**(items or {}), **kw}.items()))
 
     def __getitem__(self, key: str) -> Any:
         for k, v in self._items:
@@ -71,34 +67,81 @@ class Attrs(Mapping[str, Any]):
 
     def replace(self, **kw: Any) -> Attrs:
         """A copy with `kw` set; a value of ``None`` removes the key."""
-        merged = dict(self._items)
-        for k, v in kw.items():
-            if v is None:
-                merged.pop(k, None)
-            else:
-                merged[k] = v
-        return Attrs(merged)
+        return Attrs({k: v for k, v in {**dict(self._items), **kw}.items() if v is not None})
 
 
 def freeze(value: Any) -> Any:
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return tuple(freeze(v) for v in value)
-    if isinstance(value, tuple):
-        return tuple(freeze(v) for v in value)
-    if isinstance(value, (dict, Mapping)):
+    if isinstance(value, Mapping):
         raise TypeError("attr values are plain data: use a Call, not a mapping")
     return value
+
+
+# ---- typed declarations: an op's attributes, a step's or a function's parameters ---------------
+
+REQUIRED: Any = ...   # the default of an attribute that must be given
+
+# each attribute type: what its values must be, and the test
+_TYPES: dict[type, tuple[str, Callable[[Any], bool]]] = {
+    bool: ("true or false", lambda v: isinstance(v, bool)),
+    int: ("a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    float: ("a finite number", lambda v: isinstance(v, (int, float))
+            and not isinstance(v, bool) and math.isfinite(v)),
+    str: ("a string", lambda v: isinstance(v, str)),
+    Call: ("a call", lambda v: isinstance(v, Call)),
+    tuple: ("a list of calls", lambda v: isinstance(v, tuple)
+            and all(isinstance(s, Call) for s in v)),
+}
+
+
+@dataclass(frozen=True)
+class Attr:
+    """A typed attribute: `type` is one of _TYPES (tuple: a list of Calls, an epilogue). A
+    default of None means it may be absent, REQUIRED that it must be given; values equal to the
+    default are not stored, so a node prints only what differs. `choices` are the allowed
+    values, or for a Call the allowed functions, as a tuple of names or a mapping from each name
+    to its keyword parameters."""
+
+    name: str
+    type: type
+    default: Any = REQUIRED
+    choices: tuple[Any, ...] | Mapping[str, tuple[Attr, ...]] = ()
+    at_least: float | None = None
+    doc: str = ""
+
+    def problem(self, v: Any) -> str | None:
+        """What is wrong with `v` as this attribute's value; None when nothing is."""
+        if v is None:
+            return "is required" if self.default is REQUIRED else None
+        what, ok = _TYPES[self.type]
+        if not ok(v):
+            return f"must be {what}, got {v!r}"
+        key = v.fn if isinstance(v, Call) else v
+        if self.choices and key not in self.choices:
+            shown = ", ".join(f"{c}()" if self.type is Call else repr(c) for c in self.choices)
+            return f"is {v!r}, not one of {shown}"
+        if isinstance(self.choices, Mapping):
+            return call_problem(v, self.choices[key])
+        if self.at_least is not None and v < self.at_least:
+            return f"must be ≥ {self.at_least:g}, got {v!r}"
+        return None
+
+
+def call_problem(c: Call, params: tuple[Attr, ...]) -> str | None:
+    """What is wrong with `fn(name=value, …)` as a call with keyword parameters `params`."""
+    given = dict(c.kwargs)
+    if c.args or not set(given) <= {p.name for p in params}:
+        return f"{c.fn}() takes {', '.join(p.name + '=' for p in params) or 'nothing'}, got {c!r}"
+    return next((f"{c.fn}() {p.name} {m}" for p in params if (m := p.problem(given.get(p.name)))),
+                None)
 
 
 # ---- printing ------------------------------------------------------------------------------
 
 def format_value(value: Any) -> str:
-    if value is None:
-        return "none"
-    if value is True:
-        return "true"
-    if value is False:
-        return "false"
+    if value is None or isinstance(value, bool):
+        return {None: "none", True: "true", False: "false"}[value]
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float):
@@ -116,127 +159,38 @@ def format_value(value: Any) -> str:
     raise TypeError(f"cannot print attr value {value!r}")
 
 
-def format_attrs(attrs: Attrs) -> str:
-    return ", ".join(f"{k}={format_value(v)}" for k, v in attrs.items())
-
-
 def format_call(name: str, inputs: Sequence[int], attrs: Attrs) -> str:
     """`op(%1, %2) {k=v}`: a node's right-hand side."""
     text = f"{name}({', '.join(f'%{i}' for i in inputs)})"
-    return text + (" {" + format_attrs(attrs) + "}" if attrs else "")
+    return text + (" {" + ", ".join(f"{k}={format_value(v)}" for k, v in attrs.items()) + "}"
+                   if attrs else "")
 
 
 # ---- parsing -------------------------------------------------------------------------------
 
-_TOKENS = re.compile(r"""
-    \s*(?:
-      (?P<str>"(?:[^"\\]|\\.)*")
-    | (?P<num>[-+]?(?:\d+\.\d*(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+|\.\d+(?:[eE][-+]?\d+)?|\d+))
-    | (?P<name>[A-Za-z_][\w.]*)
-    | (?P<punct>[\[\](),={}])
-    )""", re.VERBOSE)
-
-
-class ValueParser:
-    """Recursive descent over the grammar above. `pos` indexes into `text`."""
-
-    def __init__(self, text: str, pos: int = 0) -> None:
-        self.text = text
-        self.pos = pos
-
-    def _next(self) -> tuple[str, str]:
-        m = _TOKENS.match(self.text, self.pos)
-        if not m or m.end() == self.pos and self.pos < len(self.text):
-            rest = self.text[self.pos:self.pos + 20]
-            raise ValueError(f"cannot read {rest!r} at column {self.pos + 1}")
-        if m.lastgroup is None:
-            raise ValueError(f"unexpected end of text at column {self.pos + 1}")
-        self.pos = m.end()
-        return m.lastgroup, m.group(m.lastgroup)
-
-    def peek(self) -> tuple[str, str] | None:
-        save = self.pos
-        try:
-            return self._next()
-        except ValueError:
-            return None
-        finally:
-            self.pos = save
-
-    def expect(self, punct: str) -> None:
-        kind, tok = self._next()
-        if tok != punct:
-            raise ValueError(f"expected {punct!r} but found {tok!r} at column {self.pos}")
-
-    def value(self) -> Any:
-        kind, tok = self._next()
-        if kind == "str":
-            return json.loads(tok)
-        if kind == "num":
-            return float(tok) if any(c in tok for c in ".eE") else int(tok)
-        if kind == "name":
-            if tok in ("true", "false", "none"):
-                return {"true": True, "false": False, "none": None}[tok]
-            return self._call(tok)
-        if tok == "[":
-            items: list[Any] = []
-            if self.peek() == ("punct", "]"):
-                self._next()
-                return ()
-            while True:
-                items.append(self.value())
-                kind, tok = self._next()
-                if tok == "]":
-                    return tuple(items)
-                if tok != ",":
-                    raise ValueError(f"expected ',' or ']' but found {tok!r}")
-        raise ValueError(f"unexpected {tok!r} at column {self.pos}")
-
-    def _call(self, fn: str) -> Call:
-        self.expect("(")
-        args: list[Any] = []
-        kwargs: list[tuple[str, Any]] = []
-        if self.peek() == ("punct", ")"):
-            self._next()
-            return Call(fn)
-        while True:
-            save = self.pos
-            kind, tok = self._next()
-            if kind == "name" and self.peek() == ("punct", "="):
-                self._next()
-                kwargs.append((tok, self.value()))
-            else:
-                self.pos = save
-                if kwargs:
-                    raise ValueError(f"positional argument after keyword in {fn}(...)")
-                args.append(self.value())
-            kind, tok = self._next()
-            if tok == ")":
-                return Call(fn, tuple(args), tuple(kwargs))
-            if tok != ",":
-                raise ValueError(f"expected ',' or ')' in {fn}(...) but found {tok!r}")
-
-    def attrs(self) -> Attrs:
-        """`{k=v, ...}` (the braces already consumed by the caller are not expected here)."""
-        items: dict[str, Any] = {}
-        if self.peek() == ("punct", "}"):
-            return Attrs()
-        while True:
-            kind, key = self._next()
-            if kind != "name":
-                raise ValueError(f"expected an attribute name but found {key!r}")
-            self.expect("=")
-            items[key] = self.value()
-            nxt = self.peek()
-            if nxt == ("punct", ","):
-                self._next()
-                continue
-            return Attrs(items)
+_WORDS = {"true": True, "false": False, "none": None}
 
 
 def parse_value(text: str) -> Any:
-    parser = ValueParser(text)
-    value = parser.value()
-    if text[parser.pos:].strip():
-        raise ValueError(f"trailing text {text[parser.pos:]!r}")
-    return value
+    """A value of the grammar above, read by Python's parser (the grammar is a subset of Python's
+    expressions) and never evaluated: every other form is refused."""
+    text = text.strip()
+    try:
+        return _value(ast.parse(text, mode="eval").body, text)
+    except SyntaxError as err:
+        raise ValueError(f"cannot read {text!r}: {err.msg}") from None
+
+
+def _value(e: ast.expr, text: str) -> Any:
+    if isinstance(e, ast.Constant) and isinstance(e.value, str):
+        return json.loads(ast.get_source_segment(text, e) or "")   # JSON, as printed
+    if isinstance(e, (ast.Constant, ast.UnaryOp)) and type(ast.literal_eval(e)) in (int, float):
+        return ast.literal_eval(e)
+    if isinstance(e, ast.Name) and e.id in _WORDS:
+        return _WORDS[e.id]
+    if isinstance(e, ast.List):
+        return tuple(_value(v, text) for v in e.elts)
+    if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and all(k.arg for k in e.keywords):
+        return Call(e.func.id, tuple(_value(a, text) for a in e.args),
+                    tuple((str(k.arg), _value(k.value, text)) for k in e.keywords))
+    raise ValueError(f"not an attribute value: {ast.get_source_segment(text, e)!r}")

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import sympy
 
-from archc.ir.graph import Graph, Program
-from archc.ir.ops import OP_TABLE, Op, StateDecl
+from archc.ir.graph import Graph, Node, Program
+from archc.ir.ops import OP_TABLE, Op
+from archc.ir.ops.base import StateDecl
+from archc.ir.paramexpr import leaves
 from archc.ir.shapes import DTYPE_BYTES, B, T, evaluate, numel
 from archc.spec.schema import Spec
 
@@ -28,9 +30,10 @@ class Cost:
 
 
 def node_cost(g: Graph, i: int) -> Cost:
-    d = OP_TABLE[g.nodes[i].op]
-    sig = g.sig(i)
-    return Cost(sympy.sympify(d.flops(sig)), sympy.sympify(d.bytes(sig)))
+    """The op's counts, plus its recurrent state, read once and written once."""
+    d, sig = OP_TABLE[g.nodes[i].op], g.sig(i)
+    state = sum(2 * s.bytes for s in d.states(sig))
+    return Cost(sympy.sympify(d.flops(sig)), sympy.sympify(d.bytes(sig) + state))
 
 
 def graph_cost(g: Graph) -> Cost:
@@ -43,32 +46,20 @@ def kernel_count(p: Program) -> int:
     return sum(len(g.compute_ids()) for g in p)
 
 
-def _is_buffer(n: object) -> bool:
-    from archc.ir.paramexpr import leaves
-    expr = n.attr("expr")  # type: ignore[attr-defined]
-    return expr is not None and not leaves(expr)
+def _checkpoint_params(p: Program) -> dict[str, Node]:
+    """Every distinct parameter the program reads, by name, computed buffers (an expression
+    with no leaves, such as RoPE frequencies) excluded."""
+    return {n.name: n for g in p for n in g if n.op == Op.PARAM
+            and (n.attr("expr") is None or leaves(n.attr("expr")))}
 
 
 def parameter_count(p: Program) -> int:
-    """Elements of every distinct parameter the program reads (computed buffers such as RoPE
-    frequencies excluded)."""
-    seen: dict[str, int] = {}
-    for g in p:
-        for i in g.ids(Op.PARAM):
-            n = g.nodes[i]
-            if not _is_buffer(n):
-                seen[n.name] = evaluate(numel(n.shape), {})
-    return sum(seen.values())
+    return sum(evaluate(numel(n.shape), {}) for n in _checkpoint_params(p).values())
 
 
 def parameter_bytes(p: Program) -> int:
-    seen: dict[str, int] = {}
-    for g in p:
-        for i in g.ids(Op.PARAM):
-            n = g.nodes[i]
-            if not _is_buffer(n):
-                seen[n.name] = evaluate(numel(n.shape), {}) * DTYPE_BYTES[n.dtype]
-    return sum(seen.values())
+    return sum(evaluate(numel(n.shape), {}) * DTYPE_BYTES[n.dtype]
+               for n in _checkpoint_params(p).values())
 
 
 def kv_cache_bytes_per_token(p: Program) -> int:
@@ -78,14 +69,12 @@ def kv_cache_bytes_per_token(p: Program) -> int:
     total = sympy.Integer(0)
     for g in p:
         for n in g:
-            if n.op == Op.KV_CACHE:
-                x = g.nodes[n.inputs[0]]
+            x = g.nodes[n.inputs[0]] if n.inputs else None
+            if n.op == Op.KV_CACHE:   # x: the new k or v rows [B, H_kv, T, d_h]
                 total += numel(x.shape) / (B * T) * DTYPE_BYTES[x.dtype]
             elif n.op == Op.FUSED_LINEAR:
-                for st in n.attr("epilogue", ()):
-                    if st.fn == "kv_write":
-                        item = DTYPE_BYTES[g.nodes[n.inputs[0]].dtype]
-                        total += 2 * st.kw("kv_heads") * st.kw("head_dim") * item
+                total += sum(2 * st.kw("kv_heads") * st.kw("head_dim") * DTYPE_BYTES[x.dtype]
+                             for st in n.attr("epilogue") if st.fn == "kv_write")
     return evaluate(sympy.simplify(total), {})
 
 
@@ -108,8 +97,7 @@ def recurrent_state_bytes(p: Program) -> int:
 
 def per_layer(spec: Spec, count: int, count_without_layers: int) -> float:
     """Average of a count over the blocks (encoder and decoder blocks together)."""
-    layers = spec.layers + (spec.decoder_layers or 0)
-    return (count - count_without_layers) / layers
+    return (count - count_without_layers) / (spec.layers + (spec.decoder_layers or 0))
 
 
 def without_layers(spec: Spec) -> Spec:

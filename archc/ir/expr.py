@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from archc.ir.attrs import Call
+from archc.ir.attrs import Attr, Call, call_problem
 
 Expr = Any   # a Call tree, or a number
 
@@ -71,32 +71,28 @@ ACTIVATIONS: dict[str, Activation] = {a.name: a for a in (
 
 @dataclass(frozen=True)
 class Function:
-    """One function of the language: its expression arguments, its literal keyword parameters
-    (name → type), its torch code and its Triton code (over the arguments' code and the
-    parameters' literals)."""
+    """One function of the language: its expression arguments, its literal keyword parameters,
+    its torch code, its Triton code (over the arguments' code and the parameters' literals) and
+    its FLOPs per element (act: its activation's)."""
 
     name: str
     args: int
-    params: tuple[tuple[str, type], ...]
+    params: tuple[Attr, ...]
     torch: Callable[..., torch.Tensor]
     triton: Callable[..., str]
-    flops: Callable[..., int]
-
-
-def _act_flops(a: Any, fn: str) -> int:
-    return ACTIVATIONS[fn].flops
+    flops: int = 1
 
 
 FUNCTIONS: dict[str, Function] = {f.name: f for f in (
-    Function("add", 2, (), lambda a, b: a + b, lambda a, b: f"({a} + {b})", lambda *_, **__: 1),
-    Function("sub", 2, (), lambda a, b: a - b, lambda a, b: f"({a} - {b})", lambda *_, **__: 1),
-    Function("mul", 2, (), lambda a, b: a * b, lambda a, b: f"({a} * {b})", lambda *_, **__: 1),
-    Function("scale", 1, (("by", float),), lambda a, by: a * by,
-             lambda a, by: f"({a} * {by})", lambda *_, **__: 1),
-    Function("act", 1, (("fn", str),), lambda a, fn: ACTIVATIONS[fn].torch(a),
-             lambda a, fn: ACTIVATIONS[fn.strip('"')].triton.replace("{x}", a), _act_flops),
-    Function("softcap", 1, (("cap", float),), lambda a, cap: cap * torch.tanh(a / cap),
-             lambda a, cap: f"({cap} * {tanh_code(f'{a} / {cap}')})", lambda *_, **__: 3),
+    Function("add", 2, (), lambda a, b: a + b, lambda a, b: f"({a} + {b})"),
+    Function("sub", 2, (), lambda a, b: a - b, lambda a, b: f"({a} - {b})"),
+    Function("mul", 2, (), lambda a, b: a * b, lambda a, b: f"({a} * {b})"),
+    Function("scale", 1, (Attr("by", float),), lambda a, by: a * by,
+             lambda a, by: f"({a} * {by})"),
+    Function("act", 1, (Attr("fn", str, choices=tuple(ACTIVATIONS)),),
+             lambda a, fn: ACTIVATIONS[fn].torch(a), lambda a, fn: act_code(fn.strip('"'), a)),
+    Function("softcap", 1, (Attr("cap", float),), lambda a, cap: cap * torch.tanh(a / cap),
+             lambda a, cap: f"({cap} * {tanh_code(f'{a} / {cap}')})", 3),
 )}
 
 
@@ -106,29 +102,19 @@ class ExprError(ValueError):
 
 def _params(e: Call) -> dict[str, Any]:
     f = FUNCTIONS[e.fn]
-    got = dict(e.kwargs)
-    names = [n for n, _ in f.params]
-    if len(e.args) != f.args or set(got) != set(names):
-        raise ExprError(f"{e.fn}() takes {f.args} expression argument(s)"
-                        + (f" and {', '.join(names)}=" if names else "")
-                        + f", got {len(e.args)} and {sorted(got) or 'none'}")
-    for name, kind in f.params:
-        v = got[name]
-        if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float))
-                              or not math.isfinite(v)):
-            raise ExprError(f"{e.fn}() {name} must be a finite number, got {v!r}")
-        if kind is str and v not in ACTIVATIONS:
-            raise ExprError(f"unknown activation {v!r} (known: {', '.join(ACTIVATIONS)})")
-    return got
+    if len(e.args) != f.args:
+        raise ExprError(f"{e.fn}() takes {f.args} expression argument(s), got {len(e.args)}")
+    problem = call_problem(Call(e.fn, (), e.kwargs), f.params)
+    if problem:
+        raise ExprError(problem)
+    return dict(e.kwargs)
 
 
 def check(e: Expr, inputs: int) -> None:
     """Raise ExprError unless `e` is an expression of the language over `inputs` inputs."""
-    if isinstance(e, bool) or (not isinstance(e, Call) and not isinstance(e, (int, float))):
-        raise ExprError(f"not an expression: {e!r}")
     if not isinstance(e, Call):
-        if not math.isfinite(e):
-            raise ExprError(f"constant {e!r} is not finite")
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not math.isfinite(e):
+            raise ExprError(f"not an expression (a call or a finite number): {e!r}")
         return
     if e.fn == "x":
         k = e.args[0] if len(e.args) == 1 and not e.kwargs else None
@@ -168,15 +154,8 @@ def flops(e: Expr) -> int:
     """FLOPs per element."""
     if not isinstance(e, Call) or e.fn == "x":
         return 0
-    return FUNCTIONS[e.fn].flops(*e.args, **dict(e.kwargs)) + sum(flops(a) for a in e.args)
-
-
-def inputs_of(e: Expr) -> set[int]:
-    if not isinstance(e, Call):
-        return set()
-    if e.fn == "x":
-        return {e.args[0]}
-    return set().union(*(inputs_of(a) for a in e.args))
+    own = ACTIVATIONS[e.kw("fn")].flops if e.fn == "act" else FUNCTIONS[e.fn].flops
+    return own + sum(flops(a) for a in e.args)
 
 
 def substitute(e: Expr, leaves: Sequence[Expr]) -> Expr:

@@ -1,12 +1,9 @@
 """The IR: plain-data nodes in topological order, graphs of them, and a builder.
 
-A ``Node`` is op, inputs (indices of earlier nodes), attrs, a sympy shape over B/T/P/S, a dtype,
-and its provenance — the spec field that created it and the passes that rewrote it. Nothing
-callable lives in a node, so graphs print, parse, hash and compare as data. A ``Program`` is the
-graphs of one model: ``decoder`` for a decoder-only model, ``encoder`` for an encoder, both for an
-encoder-decoder (the decoder reads the encoder's output as an input). Passes may add
-``cross_kv``: what the decoder computes from the encoder's output alone, run once per generation
-and read by every decoder step as inputs named after its outputs.
+A ``Node`` is op, inputs (indices of earlier nodes), attrs, a sympy shape over B/T/P/S, a dtype
+and its provenance (the spec field that made it, the passes that rewrote it); nothing callable,
+so graphs print, parse, hash and compare as data. A ``Program`` is a model's graphs: ``decoder``,
+``encoder``, or both (the decoder reads the encoder's output as an input), and ``cross_kv``.
 """
 
 from __future__ import annotations
@@ -17,11 +14,12 @@ from typing import Any
 
 from archc.errors import IRError
 from archc.ir.attrs import Attrs, Call, format_call
-from archc.ir.ops import OP_TABLE, Op, ShapeError, Sig, canonical, is_compute, make_sig
-from archc.ir.ops.base import REQUIRED
+from archc.ir.ops import OP_TABLE, Op, ShapeError, canonical, full_attrs, is_compute
+from archc.ir.ops.base import Sig, attr_problems, make_sig
 from archc.ir.shapes import Shape
 
-# The graph of decoder inputs computed once per generation from the encoder's states.
+# The graph passes may add: what the decoder computes from the encoder's states alone, run once
+# per generation and read by every decoder step as inputs named after its outputs.
 CROSS_KV = "cross_kv"
 
 
@@ -37,10 +35,7 @@ class Node:
 
     def attr(self, name: str, default: Any = None) -> Any:
         """The attribute's value: as stored, else the op's default, else `default`."""
-        v = self.attrs.get(name)
-        if v is None:
-            a = OP_TABLE[self.op].attr(name)
-            v = None if a is None or a.default is REQUIRED else a.default
+        v = full_attrs(self.op, self.attrs).get(name)
         return default if v is None else v
 
     @property
@@ -50,9 +45,8 @@ class Node:
 
     def replace(self, **changes: Any) -> Node:
         """This node with `changes`; the same object when nothing changes."""
-        if all(getattr(self, k) == v for k, v in changes.items()):
-            return self
-        return replace(self, **changes)
+        return self if all(getattr(self, k) == v for k, v in changes.items()) else \
+            replace(self, **changes)
 
 
 @dataclass(frozen=True)
@@ -125,41 +119,35 @@ class Program:
 
 def infer(op: Op, shapes: Sequence[Shape], dtypes: Sequence[str], attrs: Attrs) -> \
         tuple[Shape, str]:
-    """Shape and dtype of a node from its op's rule; raises ShapeError."""
+    """Shape and dtype of a node from its attributes and its op's rule; raises ShapeError."""
+    problems = attr_problems(op, attrs)
+    if problems:
+        raise ShapeError("; ".join(problems))
     return OP_TABLE[op].infer(make_sig(op, shapes, dtypes, attrs))
 
 
 @dataclass
 class GraphBuilder:
-    """Appends nodes in topological order, inferring each shape from the op table.
-
-    Parameters and inputs are deduplicated by name, so a tied weight is one node used twice.
-    """
+    """Appends nodes in topological order, inferring each shape from the op table. Inputs and
+    params are deduplicated by name, so a tied weight is one node used twice."""
 
     name: str
     nodes: list[Node] = field(default_factory=list)
     origin: str = ""                  # provenance given to nodes emitted without one
     _by_name: dict[tuple[Op, str], int] = field(default_factory=dict)
 
-    def _append(self, node: Node) -> int:
-        self.nodes.append(node)
-        return len(self.nodes) - 1
-
     def declare(self, op: Op, name: str, shape: Shape, dtype: str, *, expr: Call | None = None,
                 origin: str | None = None) -> int:
         """An input or param, given its shape (deduplicated by name)."""
-        key = (op, name)
-        if key in self._by_name:
-            i = self._by_name[key]
-            have = self.nodes[i]
-            if have.shape != tuple(shape) or have.dtype != dtype or have.attr("expr") != expr:
-                raise IRError(f"{op.value} {name!r} declared twice with different shapes: "
-                              f"{list(have.shape)} and {list(shape)}")
-            return i
-        attrs = Attrs(name=name) if expr is None else Attrs(name=name, expr=expr)
-        i = self._append(Node(op, (), attrs, tuple(shape), dtype,
-                              origin=self.origin if origin is None else origin))
-        self._by_name[key] = i
+        i = self._by_name.get((op, name))
+        if i is None:
+            self.nodes.append(Node(op, (), canonical(op, {"name": name, "expr": expr}),
+                                   tuple(shape), dtype, self.origin if origin is None else origin))
+            i = self._by_name[op, name] = len(self.nodes) - 1
+        have = self.nodes[i]
+        if have.shape != tuple(shape) or have.dtype != dtype or have.attr("expr") != expr:
+            raise IRError(f"{op.value} {name!r} declared twice with different shapes: "
+                          f"{list(have.shape)} and {list(shape)}")
         return i
 
     def input(self, name: str, shape: Shape, dtype: str, origin: str | None = None) -> int:
@@ -174,16 +162,15 @@ class GraphBuilder:
         """Append a compute (or output) node; its shape comes from the op's rule."""
         op = Op(op)
         at = canonical(op, attrs)
-        shapes = [self.nodes[i].shape for i in inputs]
-        dtypes = [self.nodes[i].dtype for i in inputs]
         try:
-            out_shape, dtype = infer(op, shapes, dtypes, at)
+            out_shape, dtype = infer(op, [self.nodes[i].shape for i in inputs],
+                                     [self.nodes[i].dtype for i in inputs], at)
         except ShapeError as err:
             raise IRError(f"cannot build {format_call(op.value, inputs, at)} in graph "
                           f"{self.name}: {err}") from None
-        return self._append(Node(op, tuple(inputs), at, out_shape, dtype,
-                                 origin=self.origin if origin is None else origin,
-                                 passes=passes))
+        self.nodes.append(Node(op, tuple(inputs), at, out_shape, dtype,
+                               origin=self.origin if origin is None else origin, passes=passes))
+        return len(self.nodes) - 1
 
     def output(self, name: str, x: int, origin: str | None = None) -> int:
         return self.emit(Op.OUTPUT, x, name=name, origin=origin)

@@ -1,14 +1,14 @@
 """Symbolic shapes: sympy expressions over the dynamic dims, and their one-line text form.
 
 The dims are ``B`` (batch), ``T`` (new tokens this call), ``P`` (past tokens already in the KV
-cache) and ``S`` (encoder length, seen by a decoder's cross-attention). Everything else in a shape
-is a static model size. Dims parse with a small grammar of their own (integers, the four symbols,
-``+``, ``-``, ``*``, parentheses) — never with ``sympify``, which evaluates Python.
+cache) and ``S`` (encoder length, seen by a decoder's cross-attention); everything else in a
+shape is a static model size.
 """
 
 from __future__ import annotations
 
-import re
+import ast
+import operator
 from collections.abc import Mapping, Sequence
 
 import sympy
@@ -19,7 +19,6 @@ P = sympy.Symbol("P", integer=True, nonnegative=True)
 S = sympy.Symbol("S", integer=True, positive=True)
 DIMS: dict[str, sympy.Symbol] = {"B": B, "T": T, "P": P, "S": S}
 
-Dim = sympy.Expr
 Shape = tuple[sympy.Expr, ...]
 
 DTYPE_BYTES: dict[str, int] = {"f32": 4, "f16": 2, "bf16": 2, "i64": 8, "i32": 4, "bool": 1}
@@ -62,66 +61,26 @@ def concrete(s: Sequence[sympy.Expr], dims: Mapping[str, int]) -> tuple[int, ...
 
 # ---- parsing dims --------------------------------------------------------------------------
 
-_TOKEN = re.compile(r"\s*(?:(\d+)|([A-Za-z_]\w*)|(.))")
+_ARITH = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
 def parse_dim(text: str) -> sympy.Expr:
-    """Parse `P+T`, `2*T`, `576`, `(P+T)*4` into a sympy expression over B, T, P, S."""
-    tokens: list[tuple[str, str]] = []
-    for num, name, punct in _TOKEN.findall(text):
-        if num:
-            tokens.append(("num", num))
-        elif name:
-            if name not in DIMS:
-                raise ValueError(f"unknown dim {name!r} in {text!r} (known: B, T, P, S)")
-            tokens.append(("sym", name))
-        elif punct.strip():
-            if punct not in "+-*()":
-                raise ValueError(f"unexpected {punct!r} in dim {text!r}")
-            tokens.append(("op", punct))
-    pos = 0
+    """Parse `P+T`, `2*T`, `576`, `(P+T)*4` into a sympy expression over B, T, P, S: read by
+    Python's parser but never evaluated (as ``sympify`` would), only integers, the four dims,
+    +, - and * are accepted."""
+    def build(e: ast.expr) -> sympy.Expr:
+        if isinstance(e, ast.Constant) and type(e.value) is int:
+            return sympy.Integer(e.value)
+        if isinstance(e, ast.Name) and e.id in DIMS:
+            return DIMS[e.id]
+        if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.USub):
+            return -build(e.operand)
+        if isinstance(e, ast.BinOp) and type(e.op) in _ARITH:
+            return _ARITH[type(e.op)](build(e.left), build(e.right))
+        raise ValueError(f"dim {text!r}: {ast.unparse(e)!r} is not an integer, B, T, P or S, "
+                         "or +, -, * of them")
 
-    def peek() -> tuple[str, str] | None:
-        return tokens[pos] if pos < len(tokens) else None
-
-    def take() -> tuple[str, str]:
-        nonlocal pos
-        if pos >= len(tokens):
-            raise ValueError(f"dim {text!r} ends early")
-        pos += 1
-        return tokens[pos - 1]
-
-    def expr() -> sympy.Expr:
-        value = term()
-        while (tok := peek()) and tok[1] in "+-" and tok[0] == "op":
-            take()
-            rhs = term()
-            value = value + rhs if tok[1] == "+" else value - rhs
-        return value
-
-    def term() -> sympy.Expr:
-        value = atom()
-        while (tok := peek()) and tok == ("op", "*"):
-            take()
-            value = value * atom()
-        return value
-
-    def atom() -> sympy.Expr:
-        kind, val = take()
-        if kind == "num":
-            return sympy.Integer(int(val))
-        if kind == "sym":
-            return DIMS[val]
-        if val == "-":
-            return -atom()
-        if val == "(":
-            inner = expr()
-            if take() != ("op", ")"):
-                raise ValueError(f"unbalanced parentheses in dim {text!r}")
-            return inner
-        raise ValueError(f"unexpected {val!r} in dim {text!r}")
-
-    result = expr()
-    if pos != len(tokens):
-        raise ValueError(f"trailing text in dim {text!r}")
-    return result
+    try:
+        return build(ast.parse(text.strip(), mode="eval").body)
+    except SyntaxError:
+        raise ValueError(f"cannot read dim {text!r}") from None

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import networkx as nx
 
 from archc.ir.graph import Graph, Program
-from archc.ir.ops import MATMUL, META, POINTWISE, REDUCTION, VIEW, Op
+from archc.ir.ops import META, VIEW, Op
+from archc.ir.ops.base import MATMUL, POINTWISE, REDUCTION
 from archc.ir.shapes import format_shape
 
 
@@ -45,18 +46,8 @@ def live_ranges(g: Graph, root_of: Sequence[int] | None = None) -> dict[int, tup
     return out
 
 
-def _color(op: Op) -> str:
-    if op in META:
-        return "#eeeeee"
-    if op in MATMUL:
-        return "#aec7e8"
-    if op in REDUCTION:
-        return "#ffbb78"
-    if op in POINTWISE:
-        return "#98df8a"
-    if op in VIEW:
-        return "#ffffff"
-    return "#c5b0d5"
+_COLORS = ((META, "#eeeeee"), (MATMUL, "#aec7e8"), (REDUCTION, "#ffbb78"),
+           (POINTWISE, "#98df8a"), (VIEW, "#ffffff"))
 
 
 def to_dot(p: Program, *, params: bool = False) -> str:
@@ -64,21 +55,17 @@ def to_dot(p: Program, *, params: bool = False) -> str:
     lines = [f"digraph {json.dumps(p.model)} {{", "  rankdir=TB;",
              '  node [shape=box, style="rounded,filled", fontname="monospace", fontsize=10];']
     for g in p:
-        lines.append(f"  subgraph {json.dumps('cluster_' + g.name)} {{")
-        lines.append(f"    label={json.dumps(g.name)};")
-        for i, n in enumerate(g.nodes):
-            if n.op == Op.PARAM and not params:
-                continue
-            label = f"%{i} {n.op.value}"
-            if n.name:
-                label += f"\\n{n.name}"
-            label += f"\\n{format_shape(n.dtype, n.shape)}"
-            lines.append(f'    "{g.name}.{i}" [label="{label}", fillcolor="{_color(n.op)}"];')
-        for i, n in enumerate(g.nodes):
-            for j in n.inputs:
-                if g.nodes[j].op == Op.PARAM and not params:
-                    continue
-                lines.append(f'    "{g.name}.{j}" -> "{g.name}.{i}";')
+        lines += [f"  subgraph {json.dumps('cluster_' + g.name)} {{",
+                  f"    label={json.dumps(g.name)};"]
+        shown = [i for i, n in enumerate(g.nodes) if params or n.op != Op.PARAM]
+        for i in shown:
+            n = g.nodes[i]
+            label = "\\n".join([f"%{i} {n.op.value}", *([n.name] if n.name else []),
+                                 format_shape(n.dtype, n.shape)])
+            color = next((c for group, c in _COLORS if n.op in group), "#c5b0d5")
+            lines.append(f'    "{g.name}.{i}" [label="{label}", fillcolor="{color}"];')
+        lines += [f'    "{g.name}.{j}" -> "{g.name}.{i}";' for i in shown
+                  for j in g.nodes[i].inputs if params or g.nodes[j].op != Op.PARAM]
         lines.append("  }")
     lines.append("}")
     return "\n".join(lines) + "\n"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from archc.ir.graph import Node
 from archc.ir.ops import Op
-from archc.ir.ops.linear_attention import FEATURE_MAPS
+from archc.ir.ops.recurrent import FEATURE_MAPS
 from archc.passes.context import Refusal
 from archc.passes.linear import bias_of, norm_parts
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass

@@ -32,8 +32,7 @@ from archc.ir.cost import node_states
 from archc.ir.graph import Graph
 from archc.ir.ops import VIEW, Args, Op, bind, full_attrs
 from archc.ir.ops.attention import alibi_bias, relative_bias
-from archc.ir.ops.linear import activations
-from archc.ir.ops.moe import selected_experts
+from archc.ir.ops.core import activations, selected_experts
 from archc.ir.ops.steps import STEPS, step_expr
 from archc.perf.torch_program import Store, TorchContext, eager_fn, visible_keys
 

@@ -134,7 +134,7 @@ class LaunchContext:
 def moe_routing(gates: torch.Tensor, top_k: int, block_m: int, table: torch.Tensor,
                 block_expert: torch.Tensor) -> None:
     """Fill `table` and `block_expert` (see ``LaunchContext.moe_routing``) from `gates`."""
-    from archc.ir.ops.moe import selected_experts
+    from archc.ir.ops.core import selected_experts
     n_experts = gates.shape[-1]
     chosen = selected_experts(gates.reshape(-1, n_experts), top_k)   # (M, k), ascending experts
     experts = chosen.reshape(-1)                                    # pair p = token·k + slot

@@ -1,45 +1,25 @@
 """The op table: every op declared once (``OP_TABLE``), grouped by family into modules."""
 
-from archc.ir.ops import (  # noqa: F401  (each module declares its ops)
-    attention,
-    core,
-    linear,
-    linear_attention,
-    moe,
-    ssm,
-)
+from archc.ir.ops import attention, core, recurrent  # noqa: F401  (they register)
 from archc.ir.ops.base import (
     ELEMENTWISE,
-    MATMUL,
     META,
     OP_TABLE,
-    POINTWISE,
-    RECURRENT,
-    REDUCTION,
     ROW_KERNELS,
     VIEW,
     Args,
-    Attr,
-    EagerCtx,
     Op,
-    OpDef,
     ShapeError,
-    Sig,
-    StateDecl,
-    attr_problems,
     bind,
     canonical,
     full_attrs,
     is_compute,
-    make_sig,
     roles_of,
 )
 
 KERNEL_LEVEL = frozenset(op for op, d in OP_TABLE.items() if d.template is not None)
 
 __all__ = [
-    "ELEMENTWISE", "KERNEL_LEVEL", "MATMUL", "META", "OP_TABLE", "POINTWISE", "RECURRENT",
-    "REDUCTION", "ROW_KERNELS", "VIEW", "Args", "Attr", "EagerCtx", "Op", "OpDef", "ShapeError",
-    "Sig", "StateDecl", "attr_problems", "bind", "canonical", "full_attrs", "is_compute",
-    "make_sig", "roles_of",
+    "ELEMENTWISE", "KERNEL_LEVEL", "META", "OP_TABLE", "ROW_KERNELS", "VIEW", "Args", "Op",
+    "ShapeError", "bind", "canonical", "full_attrs", "is_compute", "roles_of",
 ]

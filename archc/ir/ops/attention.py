@@ -10,24 +10,22 @@ over the cache; an encoder has L = T).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import sympy
 import torch
 import torch.nn.functional as F
 
-from archc.ir.attrs import Attrs, Call
+from archc.ir.attrs import Attr, Attrs, Call
 from archc.ir.ops.base import (
+    LAYER,
     Args,
-    Attr,
     EagerCtx,
     Op,
     OpDef,
     Sig,
-    check_call,
     float_dtype,
-    layer_attr,
     operands,
     per_element,
     register,
@@ -38,28 +36,23 @@ from archc.ir.shapes import DTYPE_BYTES, P, Shape, numel
 
 # ---- rotary positions ----------------------------------------------------------------------
 
-def dynamic_ntk(inv_freq: torch.Tensor, pos: torch.Tensor, rotary_dim: int,
-                dynamic: Call) -> torch.Tensor:
-    """Dynamic NTK scaling (transformers' rope_type "dynamic"). L, the sequence length after
-    this call, is the last position + 1. Past the trained context the base grows to
-    base·s^(d/(d−2)) with s = factor·L/original − (factor − 1), so each default frequency
-    θ_j = base^(−2j/d) becomes θ_j·s^(−2j/(d−2)); up to the trained context s = 1 (plain
-    RoPE). Keys cached by earlier calls keep the rotation they were written with."""
-    factor, original = dynamic.kw("factor"), dynamic.kw("original_max_seq_len")
-    length = pos[-1].to(inv_freq.device, torch.float64) + 1
-    s = torch.clamp(factor * length / original - (factor - 1), min=1.0)
-    j = torch.arange(inv_freq.shape[0], dtype=torch.float64, device=inv_freq.device)
-    return (inv_freq.double() * s ** (-2 * j / (rotary_dim - 2))).float()
-
-
 def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rotary_dim: int,
          interleaved: bool, mscale: float = 1.0, dynamic: Call | None = None) -> torch.Tensor:
     """Rotate the first `rotary_dim` dims of each head by angle pos·θ_j (Su et al. 2021).
     Half-split pairs dim j with j + rotary_dim/2 (GPT-NeoX, Llama); interleaved pairs 2j with
-    2j + 1 (GPT-J). Remaining dims pass through (partial rotary). `dynamic`: ntk(factor,
-    original_max_seq_len) rescales θ from the sequence length (``dynamic_ntk``)."""
+    2j + 1 (GPT-J). Remaining dims pass through (partial rotary).
+
+    `dynamic`, ntk(factor, original_max_seq_len), is transformers' rope_type "dynamic": with L
+    the sequence length after this call (the last position + 1), past the trained context the
+    base grows to base·s^(d/(d−2)), s = factor·L/original − (factor − 1), so each frequency
+    θ_j = base^(−2j/d) becomes θ_j·s^(−2j/(d−2)); up to it s = 1. Keys cached by earlier calls
+    keep the rotation they were written with."""
     if dynamic is not None and pos.numel():
-        inv_freq = dynamic_ntk(inv_freq, pos, rotary_dim, dynamic)
+        factor, original = dynamic.kw("factor"), dynamic.kw("original_max_seq_len")
+        length = pos[-1].to(inv_freq.device, torch.float64) + 1
+        s = torch.clamp(factor * length / original - (factor - 1), min=1.0)
+        j = torch.arange(inv_freq.shape[0], dtype=torch.float64, device=inv_freq.device)
+        inv_freq = (inv_freq.double() * s ** (-2 * j / (rotary_dim - 2))).float()
     angles = pos.to(torch.float32)[:, None] * inv_freq.float()[None, :]  # (T, R/2)
     cos, sin = angles.cos() * mscale, angles.sin() * mscale
     rot, rest = x[..., :rotary_dim].float(), x[..., rotary_dim:]
@@ -67,36 +60,33 @@ def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rotary_dim:
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
         out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
     else:
-        half = rotary_dim // 2
-        x1, x2 = rot[..., :half], rot[..., half:]
+        x1, x2 = rot[..., :rotary_dim // 2], rot[..., rotary_dim // 2:]
         out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return torch.cat([out.to(x.dtype), rest], dim=-1)
 
 
-def _rope_infer(sig: Sig) -> tuple[Shape, str]:
-    x, pos, freq = sig.shapes
-    rot = sig.attr("rotary_dim")
-    require(len(x) == 4, f"rope takes [B, H, T, D], got {list(x)}")
-    require(sig.dtypes[1] == "i64" and len(pos) == 1 and same_dim(pos[0], x[2]),
-            f"positions must be i64[T] matching {x[2]}, got {sig.dtypes[1]}{list(pos)}")
-    require(rot % 2 == 0 and 2 <= rot <= int(x[3]), f"rotary_dim={rot} for head dim {x[3]}")
+NTK = (Attr("factor", float, at_least=1.0), Attr("original_max_seq_len", int, at_least=1))
+ROPE_ATTRS = (Attr("rotary_dim", int, at_least=2), Attr("interleaved", bool),
+              Attr("mscale", float, 1.0), Attr("dynamic", Call, None, {"ntk": NTK}))
+
+
+def check_rope(rot: int, head_dim: sympy.Expr, tokens: sympy.Expr, pos: Shape, freq: Shape,
+               dynamic: Call | None) -> None:
+    """What the rope op and the rope epilogue step both require of their operands."""
+    require(len(pos) == 1 and same_dim(pos[0], tokens),
+            f"positions {list(pos)} must be [{tokens}]")
+    require(rot % 2 == 0 and rot <= int(head_dim), f"rotary_dim={rot} for head dim {head_dim}")
     require(len(freq) == 1 and int(freq[0]) == rot // 2,
             f"frequencies {list(freq)} do not match rotary_dim={rot}")
-    check_dynamic_rope(sig.attr("dynamic"), rot)
+    require(dynamic is None or rot >= 4, f"dynamic NTK needs ≥ 4 rotary dims, got {rot}")
+
+
+def _rope_infer(sig: Sig) -> tuple[Shape, str]:
+    x, pos, freq = sig.shapes
+    require(len(x) == 4, f"rope takes [B, H, T, D], got {list(x)}")
+    require(sig.dtypes[1] == "i64", f"positions must be i64, got {sig.dtypes[1]}")
+    check_rope(sig.attr("rotary_dim"), x[3], x[2], pos, freq, sig.attr("dynamic"))
     return x, float_dtype(sig)
-
-
-NTK = (Attr("factor", float, at_least=1.0), Attr("original_max_seq_len", int, at_least=1))
-
-
-def check_dynamic_rope(dynamic: Call | None, rotary_dim: int) -> None:
-    """A rope's `dynamic` attr: none, or ntk(factor ≥ 1, original_max_seq_len ≥ 1) over ≥ 4
-    rotary dims."""
-    if dynamic is None:
-        return
-    require(dynamic.fn == "ntk", f"dynamic must be ntk(…), got {dynamic!r}")
-    check_call(dynamic, NTK)
-    require(rotary_dim >= 4, f"dynamic NTK needs ≥ 4 rotary dims, got {rotary_dim}")
 
 
 register(OpDef(
@@ -106,9 +96,7 @@ register(OpDef(
     operands("x", "positions", "inv_freq"), _rope_infer,
     lambda ctx, a, at: rope(a["x"], a["positions"], a["inv_freq"], at["rotary_dim"],
                             at["interleaved"], at["mscale"], at["dynamic"]),
-    attrs=(Attr("rotary_dim", int, at_least=2), Attr("interleaved", bool),
-           Attr("mscale", float, 1.0), Attr("dynamic", Call, None, ("ntk",))),
-    flops=per_element(3), arity=(3, 3)))
+    attrs=ROPE_ATTRS, flops=per_element(3), arity=(3, 3)))
 
 
 # ---- KV cache and GQA ----------------------------------------------------------------------
@@ -119,16 +107,13 @@ def _kv_infer(sig: Sig) -> tuple[Shape, str]:
     return (x[0], x[1], P + x[2], x[3]), float_dtype(sig)
 
 
-def _kv_bytes(sig: Sig) -> sympy.Expr:
-    # read the new rows, write them into the cache; readers of the cache pay for reading it
-    return 2 * numel(sig.shapes[0]) * DTYPE_BYTES[sig.dtypes[0]]
-
-
 register(OpDef(
     Op.KV_CACHE, "Write the new keys or values at offset P; return the cache's first P+T.",
     '%14 : f32[B,2,P+T,16] = kv_cache(%13) {kind="k", layer=0}', operands("x"), _kv_infer,
-    lambda ctx, a, at: ctx.cache_append(at["layer"], at["kind"], a["x"]), bytes=_kv_bytes,
-    attrs=(layer_attr(), Attr("kind", str, choices=("k", "v"))), arity=(1, 1)))
+    lambda ctx, a, at: ctx.cache_append(at["layer"], at["kind"], a["x"]),
+    # read the new rows, write them into the cache; readers of the cache pay for reading it
+    bytes=lambda sig: 2 * numel(sig.shapes[0]) * DTYPE_BYTES[sig.dtypes[0]],
+    attrs=(LAYER, Attr("kind", str, choices=("k", "v"))), arity=(1, 1)))
 
 
 def _repeat_infer(sig: Sig) -> tuple[Shape, str]:
@@ -160,35 +145,29 @@ def expand_kv(x: torch.Tensor, q_heads: int) -> torch.Tensor:
     return x if g == 1 else x.repeat_interleave(g, dim=1)
 
 
-def _scores_infer(sig: Sig) -> tuple[Shape, str]:
-    q, k = sig.shapes
-    require(len(q) == 4 and len(k) == 4, "scores takes q [B, H, T, D] and k [B, H_kv, L, D]")
-    groups(q[1], k[1])
-    require(same_dim(q[3], k[3]), f"q head dim {q[3]} ≠ k head dim {k[3]}")
-    return (q[0], q[1], q[2], k[2]), float_dtype(sig)
+def _head_matmul(op: Op, summary: str, example: str, a: str, b: str, transpose: bool) -> None:
+    """scores (q·kᵀ, transpose) and weighted_sum (p·v): per head, b with H_kv ≤ H heads."""
+    def infer(sig: Sig) -> tuple[Shape, str]:
+        x, y = sig.shapes
+        require(len(x) == 4 and len(y) == 4, f"{op.value} takes {a} [B, H, T, ·] and {b} "
+                f"[B, H_kv, ·, ·], got {list(x)} and {list(y)}")
+        groups(x[1], y[1])
+        inner, out = (y[3], y[2]) if transpose else (y[2], y[3])
+        require(same_dim(x[3], inner), f"{a} {list(x)} and {b} {list(y)} do not match")
+        return (x[0], x[1], x[2], out), float_dtype(sig)
+
+    def eager(ctx: EagerCtx, args: Args, at: Attrs) -> torch.Tensor:
+        y = expand_kv(args[b], args[a].shape[1])
+        return args[a] @ (y.transpose(-1, -2) if transpose else y)
+
+    register(OpDef(op, summary, example, operands(a, b), infer, eager, arity=(2, 2),
+                   flops=lambda sig: 2 * numel(sig.shapes[0]) * sig.out_shape[-1]))
 
 
-register(OpDef(
-    Op.SCORES, "Attention scores q·kᵀ per head; k may have fewer (KV) heads than q.",
-    "%17 : f32[B,4,T,P+T] = scores(%12, %16)", operands("q", "k"), _scores_infer,
-    lambda ctx, a, at: a["q"] @ expand_kv(a["k"], a["q"].shape[1]).transpose(-1, -2),
-    flops=lambda sig: 2 * numel(sig.shapes[0]) * sig.shapes[1][2], arity=(2, 2)))
-
-
-def _wsum_infer(sig: Sig) -> tuple[Shape, str]:
-    p, v = sig.shapes
-    require(len(p) == 4 and len(v) == 4,
-            "weighted_sum takes p [B, H, T, L] and v [B, H_kv, L, D]")
-    groups(p[1], v[1])
-    require(same_dim(p[3], v[2]), f"probabilities {list(p)} do not match values {list(v)}")
-    return (p[0], p[1], p[2], v[3]), float_dtype(sig)
-
-
-register(OpDef(
-    Op.WEIGHTED_SUM, "The value sum p·v per head; v may have fewer (KV) heads than p.",
-    "%22 : f32[B,4,T,16] = weighted_sum(%21, %20)", operands("p", "v"), _wsum_infer,
-    lambda ctx, a, at: a["p"] @ expand_kv(a["v"], a["p"].shape[1]),
-    flops=lambda sig: 2 * numel(sig.shapes[0]) * sig.shapes[1][3], arity=(2, 2)))
+_head_matmul(Op.SCORES, "Attention scores q·kᵀ per head; k may have fewer (KV) heads than q.",
+             "%17 : f32[B,4,T,P+T] = scores(%12, %16)", "q", "k", transpose=True)
+_head_matmul(Op.WEIGHTED_SUM, "The value sum p·v per head; v may have fewer (KV) heads than p.",
+             "%22 : f32[B,4,T,16] = weighted_sum(%21, %20)", "p", "v", transpose=False)
 
 
 # ---- score modifiers -----------------------------------------------------------------------
@@ -223,43 +202,43 @@ def visible(t: int, length: int, causal: bool, window: int | None,
     return seen
 
 
-def apply_mask(s: torch.Tensor, causal: bool, window: int | None, padding: torch.Tensor | None,
-               prefix_len: int | None, global_tokens: int | None = None) -> torch.Tensor:
-    t, length = s.shape[-2:]
-    keep = visible(t, length, causal, window, prefix_len, global_tokens).to(s.device)[None, None]
-    if padding is not None:
-        keep = keep & padding.bool()[:, None, None, :]
+def apply_mask(s: torch.Tensor, a: Args, at: Attrs) -> torch.Tensor:
+    """Scores [B, H, T, L] with the keys a query may not see (as MASK_ATTRS and the operands they
+    call for say) at the dtype's minimum."""
+    prefix = int(a["prefix_len"]) if "prefix_len" in a else None
+    keep = visible(*s.shape[-2:], at["causal"], at["window"], prefix, at["global_tokens"],
+                   s.device)[None, None]
+    if "padding" in a:
+        keep = keep & a["padding"].bool()[:, None, None, :]
     return s.masked_fill(~keep, torch.finfo(s.dtype).min)
+
+
+def check_mask(sig: Sig, length: sympy.Expr) -> None:
+    """The mask operands over L keys, and global tokens only beside a window, with no prefix."""
+    if sig.has("padding"):
+        pad = sig.shape("padding")
+        require(len(pad) == 2 and same_dim(pad[1], length),
+                f"padding mask {list(pad)} must be [B, L] with L = {length}")
+    if sig.has("prefix_len"):
+        require(len(sig.shape("prefix_len")) == 0 and sig.dtype("prefix_len") == "i64",
+                "prefix_len must be i64[]")
+    if sig.attr("global_tokens") is not None:
+        require(sig.attr("window") is not None,
+                "global_tokens are seen beside a window, and there is none")
+        require(not sig.attr("prefix"), "global_tokens with a prefix-LM mask")
 
 
 def _mask_infer(sig: Sig) -> tuple[Shape, str]:
     s = sig.shape("scores")
     require(len(s) == 4, f"mask takes scores [B, H, T, L], got {list(s)}")
-    if sig.has("padding"):
-        pad = sig.shape("padding")
-        require(len(pad) == 2 and same_dim(pad[1], s[3]),
-                f"padding mask {list(pad)} must be [B, L] with L = {s[3]}")
-    if sig.has("prefix_len"):
-        require(len(sig.shape("prefix_len")) == 0 and sig.dtype("prefix_len") == "i64",
-                "prefix_len must be i64[]")
-    check_window(sig.attr("window"), sig.attr("global_tokens"), sig.attr("prefix"))
+    check_mask(sig, s[3])
     return s, float_dtype(sig)
 
 
-def check_window(window: int | None, global_tokens: int | None, prefix: bool) -> None:
-    """Global tokens are seen beside a window, not with a prefix-LM mask."""
-    require(global_tokens is None or window is not None,
-            "global_tokens are seen beside a window, and there is none")
-    require(global_tokens is None or not prefix, "global_tokens with a prefix-LM mask")
-
-
-def mask_attrs() -> tuple[Attr, ...]:
-    """What a mask (and the attention kernel) knows of which keys a query sees."""
-    return (Attr("causal", bool, False), Attr("padding", bool, False),
-            Attr("prefix", bool, False), Attr("window", int, None, at_least=1),
-            Attr("global_tokens", int, None, at_least=1))
-
-
+# what a mask (and the attention kernel) knows of which keys a query sees, and its operands
+MASK_ATTRS = (Attr("causal", bool, False), Attr("padding", bool, False),
+              Attr("prefix", bool, False), Attr("window", int, None, at_least=1),
+              Attr("global_tokens", int, None, at_least=1))
 MASK_OPERANDS = (("padding", "padding"), ("prefix_len", "prefix"))
 
 register(OpDef(
@@ -267,10 +246,8 @@ register(OpDef(
     "prefix-LM, padding.",
     "%19 : f32[B,4,T,P+T] = mask(%18) {causal=true, window=8}",
     operands("scores", *MASK_OPERANDS), _mask_infer,
-    lambda ctx, a, at: apply_mask(a["scores"], at["causal"], at["window"], a.get("padding"),
-                                  int(a["prefix_len"]) if "prefix_len" in a else None,
-                                  at["global_tokens"]),
-    attrs=mask_attrs(), flops=per_element(1), arity=(1, 3)))
+    lambda ctx, a, at: apply_mask(a["scores"], a, at),
+    attrs=MASK_ATTRS, flops=per_element(1), arity=(1, 3)))
 
 
 def alibi_bias(slopes: torch.Tensor, t: int, length: int) -> torch.Tensor:
@@ -279,23 +256,6 @@ def alibi_bias(slopes: torch.Tensor, t: int, length: int) -> torch.Tensor:
     q, k = query_key_positions(t, length)
     dist = (k[None, :] - q[:, None]).to(slopes.device, torch.float32)
     return slopes.float()[:, None, None] * dist[None]
-
-
-def _bias_like_scores_infer(sig: Sig) -> tuple[Shape, str]:
-    s, table = sig.shapes
-    require(len(s) == 4, f"takes scores [B, H, T, L], got {list(s)}")
-    heads = table[-1]
-    require(same_dim(heads, s[1]), f"table has {heads} heads, scores have {s[1]}")
-    return s, float_dtype(sig)
-
-
-register(OpDef(
-    Op.ALIBI, "Add the ALiBi bias −slope_h·(i − j) to scores.",
-    "%18 : f32[B,4,T,P+T] = alibi(%17, %3)", operands("scores", "slopes"),
-    _bias_like_scores_infer,
-    lambda ctx, a, at: (a["scores"].float() + alibi_bias(a["slopes"], *a["scores"].shape[-2:])[
-        None]).to(a["scores"].dtype),
-    flops=per_element(2), arity=(2, 2)))
 
 
 def t5_buckets(relative: torch.Tensor, bidirectional: bool, buckets: int,
@@ -327,31 +287,45 @@ def relative_bias(table: torch.Tensor, t: int, length: int, bidirectional: bool,
     return table[bucket.to(table.device)].permute(2, 0, 1)
 
 
-def t5_attrs() -> tuple[Attr, ...]:
-    return (Attr("bidirectional", bool), Attr("max_distance", int, at_least=1))
+T5 = (Attr("bidirectional", bool), Attr("max_distance", int, at_least=1))
 
 
-register(OpDef(
-    Op.REL_BIAS, "Add T5's bucketed relative-position bias (a [buckets, H] table) to scores.",
-    "%18 : f32[B,4,T,P+T] = rel_bias(%17, %5) {bidirectional=false, max_distance=128}",
-    operands("scores", "table"), _bias_like_scores_infer,
-    lambda ctx, a, at: (a["scores"].float() + relative_bias(
-        a["table"].float(), *a["scores"].shape[-2:], at["bidirectional"], at["max_distance"])[
-        None]).to(a["scores"].dtype),
-    attrs=t5_attrs(), flops=per_element(2), arity=(2, 2)))
+def _score_bias(op: Op, summary: str, example: str, table: str,
+                bias: Callable[[torch.Tensor, int, int, Attrs], torch.Tensor],
+                attrs: tuple[Attr, ...] = ()) -> None:
+    """alibi and rel_bias: scores plus a [H, T, L] bias made from a per-head `table`."""
+    def infer(sig: Sig) -> tuple[Shape, str]:
+        s, heads = sig.shape("scores"), sig.shape(table)[-1]
+        require(len(s) == 4, f"takes scores [B, H, T, L], got {list(s)}")
+        require(same_dim(heads, s[1]), f"table has {heads} heads, scores have {s[1]}")
+        return s, float_dtype(sig)
+
+    def eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+        s = a["scores"]
+        return (s.float() + bias(a[table], *s.shape[-2:], at)[None]).to(s.dtype)
+
+    register(OpDef(op, summary, example, operands("scores", table), infer, eager, attrs=attrs,
+                   flops=per_element(2), arity=(2, 2)))
+
+
+_score_bias(Op.ALIBI, "Add the ALiBi bias −slope_h·(i − j) to scores.",
+            "%18 : f32[B,4,T,P+T] = alibi(%17, %3)", "slopes",
+            lambda slopes, t, length, at: alibi_bias(slopes, t, length))
+_score_bias(Op.REL_BIAS, "Add T5's bucketed relative-position bias (a [buckets, H] table) to "
+            "scores.", "%18 : f32[B,4,T,P+T] = rel_bias(%17, %5) {bidirectional=false, "
+            "max_distance=128}", "table",
+            lambda table, t, length, at: relative_bias(table.float(), t, length,
+                                                       at["bidirectional"], at["max_distance"]),
+            T5)
 
 
 # ---- the attention kernel --------------------------------------------------------------------
 
-def _attention_roles(attrs: object, n: int) -> list[str]:
-    names = ["q"]
-    if attrs.get("cache_layer") is None:  # type: ignore[attr-defined]
-        names += ["k", "v"]
-    names += operands(*MASK_OPERANDS)(attrs, n)  # type: ignore[arg-type]
-    bias = attrs.get("bias")  # type: ignore[attr-defined]
-    if bias is not None:
-        names.append("slopes" if bias.fn == "alibi" else "rel_table")
-    return names
+def _attention_roles(attrs: Mapping[str, Any], n: int) -> list[str]:
+    bias = attrs.get("bias")
+    return ["q", *(["k", "v"] if attrs.get("cache_layer") is None else []),
+            *operands(*MASK_OPERANDS)(attrs, n),
+            *([] if bias is None else ["slopes" if bias.fn == "alibi" else "rel_table"])]
 
 
 def _attention_infer(sig: Sig) -> tuple[Shape, str]:
@@ -362,19 +336,10 @@ def _attention_infer(sig: Sig) -> tuple[Shape, str]:
         require(len(k) == 4 and k == v, f"k {list(k)} and v {list(v)} must match [B, H_kv, L, D]")
         groups(q[1], k[1])
         require(same_dim(k[3], q[3]), f"k head dim {k[3]} ≠ q head dim {q[3]}")
-        length = k[2]
     else:
         require(sig.attr("kv_heads") is not None, "a cached attention needs kv_heads")
         groups(q[1], sympy.Integer(sig.attr("kv_heads")))
-        length = P + q[2]
-    if sig.has("padding"):
-        pad = sig.shape("padding")
-        require(len(pad) == 2 and same_dim(pad[1], length), f"padding {list(pad)} must be "
-                f"[B, {length}]")
-    bias = sig.attr("bias")
-    if bias is not None:
-        check_call(bias, t5_attrs() if bias.fn == "t5" else ())
-    check_window(sig.attr("window"), sig.attr("global_tokens"), sig.attr("prefix"))
+    check_mask(sig, _keys(sig))
     return (q[0], q[2], q[1] * q[3]), float_dtype(sig)
 
 
@@ -401,9 +366,7 @@ def attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     elif bias is not None:
         s = s + relative_bias(a["rel_table"].float(), t, s.shape[-1],
                               bias.kw("bidirectional"), bias.kw("max_distance"))[None]
-    prefix = int(a["prefix_len"]) if "prefix_len" in a else None
-    s = apply_mask(s, at["causal"], at["window"], a.get("padding"), prefix, at["global_tokens"])
-    out = torch.softmax(s, dim=-1) @ v                                  # (B, H, T, D)
+    out = torch.softmax(apply_mask(s, a, at), dim=-1) @ v               # (B, H, T, D)
     return out.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)
 
 
@@ -433,29 +396,27 @@ def visible_pairs(t: sympy.Expr, length: sympy.Expr, causal: bool,
     return pairs
 
 
-def _attention_shapes(sig: Sig) -> tuple[Shape, sympy.Expr]:
-    q = sig.shape("q")
-    length = sig.shape("k")[2] if sig.has("k") else P + q[2]
-    return q, length
+def _keys(sig: Sig) -> sympy.Expr:
+    """L: the keys given, or the cache's P + T."""
+    return sig.shape("k")[2] if sig.has("k") else P + sig.shape("q")[2]
 
 
 def _attention_flops(sig: Sig) -> sympy.Expr:
-    q, length = _attention_shapes(sig)
-    pairs = visible_pairs(q[2], length, sig.attr("causal"), sig.attr("window"),
+    q = sig.shape("q")
+    pairs = visible_pairs(q[2], _keys(sig), sig.attr("causal"), sig.attr("window"),
                           sig.attr("global_tokens"))
     return q[0] * q[1] * pairs * (4 * q[3] + 5)
 
 
 def _attention_bytes(sig: Sig) -> sympy.Expr:
-    q, length = _attention_shapes(sig)
+    q, length = sig.shape("q"), _keys(sig)
     kv_heads = sig.shape("k")[1] if sig.has("k") else sig.attr("kv_heads")
     window, g = sig.attr("window"), sig.attr("global_tokens")
     if window is None or (g is not None and not sig.attr("causal")):
         keys = length       # bidirectional global rows read every key
     else:
         keys = sympy.Min(length, window + q[2] + (g or 0))
-    item = DTYPE_BYTES[sig.dtype("q")]
-    return (2 * numel(q) + 2 * q[0] * kv_heads * keys * q[3]) * item
+    return (2 * numel(q) + 2 * q[0] * kv_heads * keys * q[3]) * DTYPE_BYTES[sig.dtype("q")]
 
 
 register(OpDef(
@@ -464,8 +425,8 @@ register(OpDef(
     "heads merged.",
     "%12 : f32[B,T,64] = attention(%11) {cache_layer=0, causal=true, kv_heads=2, scale=0.25, "
     "window=8}", _attention_roles, _attention_infer, attention,
-    attrs=(Attr("scale", float), *mask_attrs(), Attr("softcap", float, None),
-           Attr("bias", Call, None, ("alibi", "t5")),
+    attrs=(Attr("scale", float), *MASK_ATTRS, Attr("softcap", float, None),
+           Attr("bias", Call, None, {"alibi": (), "t5": T5}),
            Attr("cache_layer", int, None, at_least=0), Attr("kv_heads", int, None, at_least=1)),
     flops=_attention_flops, bytes=_attention_bytes, template="attention", arity=(1, 6),
     docs={"padding": "1 = key present", "prefix_len": "prefix length",

@@ -1,17 +1,14 @@
 """What an op is: its kind, its groups, and its one declaration (``OpDef``).
 
-Every op is declared once, with ``register``: a summary, a one-line textual example, its typed
-attributes (``Attr``: type, default, allowed values), its named operands (which inputs it has,
-given its attributes), a shape/dtype rule, its eager semantics in torch, its FLOP and byte counts
-as sympy expressions over B, T, P, S, the recurrent state it keeps, and — for kernel-level ops —
-the template it renders with. The verifier, the printer and parser, the passes' and codegen's
-operand roles and the reference page all read this declaration; nothing else keeps a list of ops.
+Every op is declared once, with ``register``: a summary, a one-line example, typed attributes,
+named operands, a shape/dtype rule, eager semantics, FLOP and byte counts over B, T, P, S, the
+recurrent state it keeps and, for kernel-level ops, its template. The verifier, printer, parser,
+passes, codegen and the reference page all read this declaration.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -20,7 +17,7 @@ from typing import Any, Protocol
 import sympy
 import torch
 
-from archc.ir.attrs import Attrs, Call
+from archc.ir.attrs import REQUIRED, Attr, Attrs
 from archc.ir.shapes import DTYPE_BYTES, FLOAT_DTYPES, Shape, numel
 
 
@@ -83,91 +80,16 @@ class ShapeError(ValueError):
     """A shape, dtype or attribute rule refused a node; the caller names the node."""
 
 
-# ---- attributes ----------------------------------------------------------------------------
-
-class _Required:
-    def __repr__(self) -> str:
-        return "required"
-
-
-REQUIRED: Any = _Required()
-
-
-@dataclass(frozen=True)
-class Attr:
-    """A typed attribute. `type` is int, float, bool, str, Call (one structured value, its
-    function one of `choices` when given) or tuple (a list of Calls: an epilogue). A default of
-    None means the attribute may be absent; REQUIRED that it must be given. Values equal to the
-    default are not stored, so a node prints only what differs from its op's defaults."""
-
-    name: str
-    type: type
-    default: Any = REQUIRED
-    choices: tuple[Any, ...] = ()
-    at_least: float | None = None
-    doc: str = ""
-
-    def problem(self, v: Any) -> str | None:
-        if v is None:
-            return None if self.default is not REQUIRED else "is required"
-        if self.type is bool:
-            ok = isinstance(v, bool)
-        elif self.type is int:
-            ok = isinstance(v, int) and not isinstance(v, bool)
-        elif self.type is float:
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        elif self.type is tuple:
-            ok = isinstance(v, tuple) and all(isinstance(s, Call) for s in v)
-        else:
-            ok = isinstance(v, self.type)
-        if not ok:
-            return f"must be {_TYPE_NAMES.get(self.type, self.type.__name__)}, got {v!r}"
-        if self.choices:
-            key = v.fn if isinstance(v, Call) else v
-            if key not in self.choices:
-                shown = ", ".join(f"{c}()" if self.type is Call else repr(c)
-                                  for c in self.choices)
-                return f"is {v!r}, not one of {shown}"
-        if self.at_least is not None and v < self.at_least:
-            return f"must be ≥ {self.at_least:g}, got {v!r}"
-        return None
-
-
-def check_call(c: Call, params: tuple[Attr, ...]) -> None:
-    """A structured value `fn(name=value, …)`: exactly the keyword parameters `params`, typed."""
-    given = dict(c.kwargs)
-    require(not c.args and set(given) <= {p.name for p in params},
-            f"{c.fn}() takes {', '.join(p.name + '=' for p in params)}, got {c!r}")
-    for p in params:
-        problem = p.problem(given.get(p.name))
-        require(problem is None, f"{c.fn}() {p.name} {problem}")
-
-
-_TYPE_NAMES = {int: "a whole number", float: "a finite number", bool: "true or false",
-               str: "a string", Call: "a call", tuple: "a list of calls"}
-
-
-# ---- operands ------------------------------------------------------------------------------
+# ---- operands and what rules see -------------------------------------------------------------
 
 RolesFn = Callable[[Mapping[str, Any], int], list[str]]
 
 
 def operands(*spec: str | tuple[str, str]) -> RolesFn:
     """Operand roles in order: a name, or (name, attr) for one present when `attr` is true."""
-    def roles(attrs: Mapping[str, Any], n: int) -> list[str]:
-        return [s if isinstance(s, str) else s[0] for s in spec
-                if isinstance(s, str) or attrs.get(s[1])]
-    return roles
+    return lambda attrs, n: [s if isinstance(s, str) else s[0] for s in spec
+                             if isinstance(s, str) or attrs.get(s[1])]
 
-
-def variadic(prefix: str, at_least: int = 1) -> RolesFn:
-    """Roles x0, x1, … as many as there are inputs."""
-    def roles(attrs: Mapping[str, Any], n: int) -> list[str]:
-        return [f"{prefix}{i}" for i in range(max(n, at_least))]
-    return roles
-
-
-# ---- what rules see -------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Sig:
@@ -202,18 +124,13 @@ class EagerCtx(Protocol):
     dims: Mapping[str, int]
 
     def cache_append(self, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor: ...
-
     def cache_read(self, layer: int, kind: str) -> torch.Tensor: ...
-
     def state_read(self, layer: int, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor: ...
-
     def state_write(self, layer: int, kind: str, value: torch.Tensor) -> None: ...
 
 
 Args = dict[str, torch.Tensor]       # a node's inputs by role
-InferFn = Callable[[Sig], tuple[Shape, str]]
-EagerFn = Callable[[EagerCtx, Args, Attrs], torch.Tensor]
 CostFn = Callable[[Sig], sympy.Expr]
 
 
@@ -233,10 +150,8 @@ class StateDecl:
 
 def io_bytes(sig: Sig) -> sympy.Expr:
     """Default traffic: every input read once, the output written once."""
-    total: sympy.Expr = numel(sig.out_shape) * DTYPE_BYTES[sig.out_dtype]
-    for s, d in zip(sig.shapes, sig.dtypes):
-        total += numel(s) * DTYPE_BYTES[d]
-    return total
+    return sympy.Add(*(numel(s) * DTYPE_BYTES[d] for s, d in
+                       zip((*sig.shapes, sig.out_shape), (*sig.dtypes, sig.out_dtype))))
 
 
 def zero(sig: Sig) -> sympy.Expr:
@@ -244,13 +159,7 @@ def zero(sig: Sig) -> sympy.Expr:
 
 
 def per_element(k: int) -> CostFn:
-    def flops(sig: Sig) -> sympy.Expr:
-        return k * numel(sig.out_shape)
-    return flops
-
-
-def no_state(sig: Sig) -> tuple[StateDecl, ...]:
-    return ()
+    return lambda sig: k * numel(sig.out_shape)
 
 
 @dataclass(frozen=True)
@@ -259,26 +168,19 @@ class OpDef:
     summary: str
     example: str
     roles: RolesFn
-    infer: InferFn
-    eager: EagerFn
+    infer: Callable[[Sig], tuple[Shape, str]]
+    eager: Callable[[EagerCtx, Args, Attrs], torch.Tensor]
     attrs: tuple[Attr, ...] = ()
     flops: CostFn = zero
-    bytes: CostFn = io_bytes
-    states: Callable[[Sig], tuple[StateDecl, ...]] = no_state
+    bytes: CostFn = io_bytes          # state traffic is added by the cost model
+    states: Callable[[Sig], tuple[StateDecl, ...]] = lambda sig: ()
     template: str | None = None          # kernel-level: the template it renders with
     docs: Mapping[str, str] = field(default_factory=dict)   # what each operand role holds
     commutative: bool = False            # its first two operands may be swapped
     arity: tuple[int, int] = (0, -1)     # for the reference: fewest and most inputs (-1: any)
-    _by_name: dict[str, Attr] = field(default_factory=dict, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._by_name.update({a.name: a for a in self.attrs})
 
     def attr(self, name: str) -> Attr | None:
-        return self._by_name.get(name)
-
-    def defaults(self) -> dict[str, Any]:
-        return {a.name: a.default for a in self.attrs if a.default is not REQUIRED}
+        return next((a for a in self.attrs if a.name == name), None)
 
 
 OP_TABLE: dict[Op, OpDef] = {}
@@ -294,39 +196,28 @@ def register(d: OpDef) -> OpDef:
 @functools.lru_cache(maxsize=65536)
 def full_attrs(op: Op, attrs: Attrs) -> Attrs:
     """`attrs` with the op's defaults filled in (what rules and eager semantics read)."""
-    d = OP_TABLE[op].defaults()
-    if not d:
-        return attrs
-    d.update(attrs)
-    return Attrs(d)
+    defaults = {a.name: a.default for a in OP_TABLE[op].attrs if a.default is not REQUIRED}
+    return Attrs({**defaults, **attrs}) if defaults else attrs
 
 
 def canonical(op: Op, attrs: Mapping[str, Any]) -> Attrs:
     """`attrs` without None values and without values equal to the op's defaults."""
     d = OP_TABLE[op]
-    keep = {}
-    for k, v in attrs.items():
+
+    def is_default(k: str, v: Any) -> bool:
         a = d.attr(k)
-        if v is None or (a is not None and a.default is not REQUIRED and v == a.default
-                         and type(v) is type(a.default)):
-            continue
-        keep[k] = v
-    return Attrs(keep)
+        return a is not None and a.default is not REQUIRED and v == a.default and \
+            type(v) is type(a.default)
+
+    return Attrs({k: v for k, v in attrs.items() if v is not None and not is_default(k, v)})
 
 
 def attr_problems(op: Op, attrs: Attrs) -> list[str]:
     """What is wrong with a node's attributes: unknown, missing or ill-typed ones."""
     d = OP_TABLE[op]
-    out = []
-    for k in attrs:
-        if d.attr(k) is None:
-            allowed = ", ".join(a.name for a in d.attrs) or "none"
-            out.append(f"unknown attribute {k} (allowed: {allowed})")
-    for a in d.attrs:
-        p = a.problem(attrs.get(a.name))
-        if p:
-            out.append(f"{a.name} {p}")
-    return out
+    allowed = ", ".join(a.name for a in d.attrs) or "none"
+    return [f"unknown attribute {k} (allowed: {allowed})" for k in attrs if d.attr(k) is None] + \
+        [f"{a.name} {p}" for a in d.attrs if (p := a.problem(attrs.get(a.name)))]
 
 
 def roles_of(op: Op, attrs: Mapping[str, Any], n: int) -> list[str]:
@@ -366,17 +257,13 @@ def require(cond: bool, message: str) -> None:
 
 def broadcast(a: Shape, b: Shape) -> Shape:
     """Numpy broadcasting of two symbolic shapes."""
-    out: list[sympy.Expr] = []
-    for i in range(1, max(len(a), len(b)) + 1):
-        x = a[-i] if i <= len(a) else sympy.Integer(1)
-        y = b[-i] if i <= len(b) else sympy.Integer(1)
-        if x == 1:
-            out.append(y)
-        elif y == 1 or same_dim(x, y):
-            out.append(x)
-        else:
-            raise ShapeError(f"shapes {list(a)} and {list(b)} do not broadcast")
-    return tuple(reversed(out))
+    n = max(len(a), len(b))
+    out = []
+    for x, y in zip((1,) * (n - len(a)) + tuple(a), (1,) * (n - len(b)) + tuple(b)):
+        require(x == 1 or y == 1 or same_dim(x, y),
+                f"shapes {list(a)} and {list(b)} do not broadcast")
+        out.append(y if x == 1 else x)
+    return tuple(sympy.sympify(d) for d in out)
 
 
 def float_dtype(sig: Sig, i: int = 0) -> str:
@@ -393,5 +280,4 @@ def vector(sig: Sig, role: str, width: sympy.Expr) -> None:
     require(len(s) == 1 and same_dim(s[0], width), f"{role} {list(s)} must be [{width}]")
 
 
-def layer_attr() -> Attr:
-    return Attr("layer", int, at_least=0, doc="the layer whose cache or state it uses")
+LAYER = Attr("layer", int, at_least=0, doc="the layer whose cache or state it uses")

@@ -1,23 +1,32 @@
-"""Boundary, linear-algebra, elementwise, normalization and view ops."""
+"""Boundary ops; matmuls, fused, and grouped over routed experts; elementwise ops, norms, views.
+
+``fused_linear`` is ``x @ wᵀ`` with a prologue and an epilogue chain in one kernel: the prologue
+gathers the row statistics of a folded norm along the K loop the matmul runs anyway (Σx² for rms;
+Σx and Σx² for layer); the epilogue (``archc.ir.ops.steps``) works on the f32 accumulator before
+the one store.
+"""
 
 from __future__ import annotations
+
+from typing import NoReturn
 
 import sympy
 import torch
 import torch.nn.functional as F
 
 import archc.ir.expr as E
-from archc.ir.attrs import Attrs, Call
+from archc.ir.attrs import Attr, Attrs, Call
 from archc.ir.ops.base import (
     Args,
-    Attr,
     EagerCtx,
     Op,
     OpDef,
+    RolesFn,
     ShapeError,
     Sig,
     broadcast,
     float_dtype,
+    io_bytes,
     operands,
     per_element,
     register,
@@ -25,44 +34,42 @@ from archc.ir.ops.base import (
     same_as_input,
     same_dim,
     same_shape,
-    variadic,
     zero,
 )
-from archc.ir.ops.steps import RowStats, apply_epilogue, check_epilogue, epilogue_roles
+from archc.ir.ops.steps import (
+    RowStats,
+    apply_epilogue,
+    check_epilogue,
+    epilogue_roles,
+    normalize,
+)
 from archc.ir.shapes import DTYPE_BYTES, Shape, numel
 
 
-def _declared(sig: Sig) -> tuple[Shape, str]:
-    # input and param nodes carry their shape; the builder passes it in, so this never runs
-    raise ShapeError("input/param nodes must be given their shape")
+def _given(*_: object) -> NoReturn:
+    raise ShapeError("input and param nodes are given their shape and value, not computed")
 
 
-def _bound_by_interpreter(ctx: EagerCtx, args: Args, attrs: Attrs) -> torch.Tensor:
-    raise RuntimeError("inputs and params are bound by the interpreter, not run")
-
-
-def _name() -> Attr:
-    return Attr("name", str, doc="the name callers and checkpoints know it by")
-
+NAME = Attr("name", str, doc="the name callers and checkpoints know it by")
+EPILOGUE = Attr("epilogue", tuple, ())
 
 register(OpDef(
     Op.INPUT, "A runtime input: token ids, positions, masks, encoder states.",
-    '%0 : i64[B,T] = input() {name="tokens"}', operands(), _declared, _bound_by_interpreter,
-    attrs=(_name(),), bytes=zero, arity=(0, 0)))
+    '%0 : i64[B,T] = input() {name="tokens"}', operands(), _given, _given, attrs=(NAME,),
+    bytes=zero, arity=(0, 0)))
 
 register(OpDef(
     Op.PARAM, "A weight or buffer; `expr` says how to build it from checkpoint tensors.",
-    '%1 : f32[97,64] = param() {name="embed.weight"}', operands(), _declared,
-    _bound_by_interpreter, attrs=(_name(), Attr("expr", Call, None)), bytes=zero,
-    arity=(0, 0)))
+    '%1 : f32[97,64] = param() {name="embed.weight"}', operands(), _given, _given,
+    attrs=(NAME, Attr("expr", Call, None)), bytes=zero, arity=(0, 0)))
 
 register(OpDef(
     Op.OUTPUT, "A named result of the graph.",
     '%40 : f32[B,T,97] = output(%39) {name="logits"}', operands("x"), same_as_input,
-    lambda ctx, a, at: a["x"], attrs=(_name(),), bytes=zero, arity=(1, 1)))
+    lambda ctx, a, at: a["x"], attrs=(NAME,), bytes=zero, arity=(1, 1)))
 
 
-# ---- embedding and matmul -------------------------------------------------------------------
+# ---- embedding and matmuls ------------------------------------------------------------------
 
 def _embedding_infer(sig: Sig) -> tuple[Shape, str]:
     table, ids = sig.shape("table"), sig.shape("ids")
@@ -71,35 +78,207 @@ def _embedding_infer(sig: Sig) -> tuple[Shape, str]:
     return (*ids, table[1]), sig.dtype("table")
 
 
-def _embedding_bytes(sig: Sig) -> sympy.Expr:
-    # reads only the gathered rows, and the ids
-    rows = numel(sig.out_shape) * DTYPE_BYTES[sig.out_dtype]
-    return 2 * rows + numel(sig.shape("ids")) * DTYPE_BYTES["i64"]
-
-
 register(OpDef(
     Op.EMBEDDING, "Gather rows of a table by integer ids.",
     "%3 : f32[B,T,64] = embedding(%1, %0)", operands("table", "ids"), _embedding_infer,
-    lambda ctx, a, at: F.embedding(a["ids"], a["table"]), bytes=_embedding_bytes,
+    lambda ctx, a, at: F.embedding(a["ids"], a["table"]),
+    # reads only the gathered rows, and the ids
+    bytes=lambda sig: 2 * numel(sig.out_shape) * DTYPE_BYTES[sig.out_dtype]
+    + numel(sig.shape("ids")) * DTYPE_BYTES["i64"],
     template="embedding", arity=(2, 2), docs={"ids": "integer ids, one per row"}))
 
 
-def _matmul_infer(sig: Sig) -> tuple[Shape, str]:
+def matmul_flops(sig: Sig) -> sympy.Expr:
+    x, w = sig.shapes[0], sig.shape("weight")
+    return 2 * numel(x[:-1]) * w[0] * w[1]
+
+
+def matmul_infer(sig: Sig) -> tuple[Shape, str]:
     x, w = sig.shapes
     require(len(w) == 2, f"weight must be 2-D [N, K], got {list(w)}")
     require(same_dim(x[-1], w[1]), f"x has K={x[-1]} but weight [N, K] has K={w[1]}")
     return (*x[:-1], w[0]), float_dtype(sig)
 
 
-def matmul_flops(sig: Sig) -> sympy.Expr:
-    x, w = sig.shape("x"), sig.shape("weight")
-    return 2 * numel(x[:-1]) * w[0] * w[1]
+register(OpDef(
+    Op.MATMUL, "x @ wᵀ with the weight stored [N, K] as torch.nn.Linear does.",
+    "%9 : f32[B,T,64] = matmul(%8, %2)", operands("x", "weight"), matmul_infer,
+    lambda ctx, a, at: F.linear(a["x"], a["weight"]), flops=matmul_flops, arity=(2, 2)))
+
+
+def activations(roles: Sig | Args) -> list[str]:
+    """The activation operands of a fused_linear: x, or x1 and x2 concatenated along K."""
+    has = roles.has if isinstance(roles, Sig) else roles.__contains__
+    return ["x1", "x2"] if has("x1") else ["x"]
+
+
+def _linear_infer(sig: Sig) -> tuple[Shape, str]:
+    xs = [sig.shape(r) for r in activations(sig)]
+    x, w = xs[0], sig.shape("weight")
+    if len(xs) == 2:
+        require(len(xs[1]) == len(x) and same_shape(x[:-1], xs[1][:-1]),
+                f"concatenated operands {list(x)} and {list(xs[1])} differ before K")
+        require(sig.attr("prologue") is None, "a prologue needs a single operand")
+    require(len(w) == 2 and same_dim(sum(s[-1] for s in xs), w[1]),
+            f"x {[list(s) for s in xs]} and weight {list(w)} do not match as x @ wᵀ")
+    require((sig.attr("prologue") is None) == (sig.attr("eps") is None),
+            "eps goes with a prologue")
+    width = check_epilogue(sig, Op.FUSED_LINEAR, int(w[0]), len(xs) + 1, x[:-1])
+    return (*x[:-1], sympy.Integer(width)), float_dtype(sig)
+
+
+def row_stats(x: torch.Tensor, prologue: str | None, eps: float | None) -> RowStats:
+    """What the prologue gathers along the K loop: Σx², and Σx for layer (var = E[x²] − E[x]²)."""
+    if prologue is None:
+        return RowStats(None, None, x.dtype)
+    xf = x.float()
+    mean = xf.mean(-1, keepdim=True) if prologue == "layer" else None
+    square = xf.pow(2).mean(-1, keepdim=True)
+    return RowStats(mean, torch.rsqrt((square if mean is None else square - mean.pow(2)) + eps),
+                    x.dtype)
+
+
+def fused_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+    xs = [a[r] for r in activations(a)]
+    w, k = a["weight"].float(), xs[0].shape[-1]
+    acc = F.linear(xs[0].float(), w[:, :k])
+    if len(xs) == 2:  # the K loop runs over x1's columns, then x2's
+        acc = acc + F.linear(xs[1].float(), w[:, k:])
+    stats = row_stats(xs[0], at["prologue"], at["eps"])
+    rest = list(a.values())[len(xs) + 1:]
+    return apply_epilogue(ctx, acc, at["epilogue"], rest, stats).to(xs[0].dtype)
+
+
+def _linear_bytes(sig: Sig) -> sympy.Expr:
+    # k and v rows go to the cache as well
+    rows = numel(sig.shapes[0][:-1]) * DTYPE_BYTES[sig.out_dtype]
+    return io_bytes(sig) + sum(2 * rows * st.kw("kv_heads") * st.kw("head_dim")
+                               for st in sig.attr("epilogue") if st.fn == "kv_write")
 
 
 register(OpDef(
-    Op.MATMUL, "x @ wᵀ with the weight stored [N, K] as torch.nn.Linear does.",
-    "%9 : f32[B,T,64] = matmul(%8, %2)", operands("x", "weight"), _matmul_infer,
-    lambda ctx, a, at: F.linear(a["x"], a["weight"]), flops=matmul_flops, arity=(2, 2)))
+    Op.FUSED_LINEAR, "x @ wᵀ with a norm prologue and an epilogue chain, one kernel; with "
+    "concat_k, x is two operands concatenated along K (parallel blocks' out + down).",
+    '%9 : f32[B,T,128] = fused_linear(%3, %8, %1, %7) {epilogue=[rms_scale(), rope(heads=6, '
+    'head_dim=16, interleaved=false, rotary_dim=16), kv_write(head_dim=16, k_start=64, '
+    'kv_heads=2, layer=0, v_start=96)], eps=1e-05, prologue="rms"}',
+    lambda attrs, n: (["x1", "x2"] if attrs.get("concat_k") else ["x"]) + ["weight"]
+    + epilogue_roles(attrs),
+    _linear_infer, fused_linear,
+    attrs=(Attr("prologue", str, None, ("rms", "layer"),
+                doc="row statistics of a folded norm, gathered along K"),
+           Attr("eps", float, None), EPILOGUE,
+           Attr("concat_k", bool, False, doc="x is two operands concatenated along K")),
+    flops=lambda sig: matmul_flops(sig) + 4 * numel(sig.out_shape), bytes=_linear_bytes,
+    template="matmul", arity=(2, -1),
+    docs={"x": "activations", "x1": "first operand", "x2": "second operand",
+          "weight": "weight, K-contiguous"}))
+
+
+# ---- mixture of experts -------------------------------------------------------------------
+# Lowering emits a gated expert FFN as gate and up stages, an activation, a product and the down
+# stage, as it lowers a dense one; fuse-moe makes gate and up one matmul with a glu() epilogue.
+# Only routed experts are computed, and costs count only them.
+
+def _router_infer(sig: Sig) -> tuple[Shape, str]:
+    gates, dtype = matmul_infer(sig) if sig.has("weight") else (sig.shape("x"), float_dtype(sig))
+    require(sig.attr("top_k") <= int(gates[-1]), f"top_k {sig.attr('top_k')} of {gates[-1]} "
+            "experts")
+    return gates, dtype
+
+
+def _router(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+    """Softmax over experts, keep the top k per token (renormalized to sum to 1 if asked),
+    zero the rest (Mixtral's router)."""
+    x = a["x"]
+    logits = F.linear(x.float(), a["weight"].float()) if "weight" in a else x
+    top, idx = torch.softmax(logits.float(), dim=-1).topk(at["top_k"], dim=-1)
+    if at["normalize"]:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(logits, dtype=torch.float32).scatter(-1, idx, top).to(x.dtype)
+
+
+register(OpDef(
+    Op.ROUTER, "Top-k routing: dense gates (zeros off the top k) from router logits, or from x "
+    "and the router weight in one kernel (the logits never stored).",
+    "%30 : f32[B,T,4] = router(%28, %29) {normalize=true, top_k=2}",
+    lambda attrs, n: ["x", "weight"][:max(1, min(n, 2))], _router_infer, _router,
+    attrs=(Attr("top_k", int, at_least=1), Attr("normalize", bool)),
+    flops=lambda sig: matmul_flops(sig) if sig.has("weight") else 6 * numel(sig.out_shape),
+    template="moe", arity=(1, 2), docs={"x": "activations", "weight": "router weight"}))
+
+
+def selected_experts(gates: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The experts each token was routed to, in ascending expert order: [..., top_k]."""
+    return gates.float().topk(top_k, dim=-1).indices.sort(dim=-1).values
+
+
+def moe_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+    """Expert by expert over the (token, slot) pairs routed to it, in f32."""
+    x, gates, w = a["x"], a["gates"], a["weight"]
+    k, up = at["top_k"], at["stage"] == "up"
+    n_experts, n = w.shape[:2]
+    pairs = selected_experts(gates, k).reshape(-1, k)                # (M, k)
+    g = gates.reshape(-1, n_experts).float()
+    rows = x.reshape(-1, x.shape[-1]) if up else x.reshape(-1, k, x.shape[-1])
+    acc = torch.zeros((rows.shape[0], k, n) if up else (rows.shape[0], n), device=x.device)
+    for e in range(n_experts):
+        tok, slot = torch.nonzero(pairs == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        if up:
+            acc[tok, slot] = F.linear(rows[tok].float(), w[e].float())
+        else:
+            acc.index_add_(0, tok, F.linear(rows[tok, slot].float(), w[e].float())
+                           * g[tok, e, None])
+    acc = acc.reshape(*_tokens(x.shape, up), *((k, n) if up else (n,)))
+    rest = list(a.values())[3:]
+    return apply_epilogue(ctx, acc, at["epilogue"], rest, RowStats(None, None, x.dtype)).to(
+        x.dtype)
+
+
+def _tokens(x: Shape | torch.Size, up: bool) -> Shape:
+    """The token dims of x: [..., K] (up) or [..., k, K] (down)."""
+    return tuple(x[:-1] if up else x[:-2])
+
+
+def _moe_infer(sig: Sig) -> tuple[Shape, str]:
+    x, gates, w = sig.shape("x"), sig.shape("gates"), sig.shape("weight")
+    k, up = sig.attr("top_k"), sig.attr("stage") == "up"
+    require(len(w) == 3 and same_dim(gates[-1], w[0]), f"weights {list(w)} for {gates[-1]} "
+            "experts")
+    require(same_dim(x[-1], w[2]), f"x width {x[-1]} ≠ expert input {w[2]}")
+    require(up or (len(x) >= 2 and int(x[-2]) == k), f"hidden {list(x)} must be [..., {k}, "
+            f"{w[2]}]")
+    rows = (*x[:-1], sympy.Integer(k)) if up else x[:-2]      # [..., k] (up) or [...] (down)
+    width = check_epilogue(sig, Op.MOE_LINEAR, int(w[1]), 3, rows)
+    return (*rows, sympy.Integer(width)), float_dtype(sig)
+
+
+def _routed(sig: Sig) -> sympy.Expr:
+    """(token, slot) pairs: each is one row through one expert."""
+    return numel(_tokens(sig.shape("x"), sig.attr("stage") == "up")) * sig.attr("top_k")
+
+
+def _moe_bytes(sig: Sig) -> sympy.Expr:
+    # every input and the output once, but only the weights of experts some token is routed to
+    w = sig.shape("weight")
+    unread = w[0] - sympy.Min(w[0], _routed(sig))
+    return io_bytes(sig) - unread * w[1] * w[2] * DTYPE_BYTES[sig.dtype("weight")]
+
+
+register(OpDef(
+    Op.MOE_LINEAR, "Grouped expert matmul over the routed (token, slot) pairs: `up` gives a row "
+    "per pair [..., k, N]; `down` projects the pairs back and sums them weighted by the gates; "
+    "then an epilogue (glu or an activation after up, a residual add after down).",
+    '%31 : f32[B,T,2,96] = moe_linear(%28, %30, %26) {epilogue=[glu(fn="silu")], stage="up", '
+    'top_k=2}',
+    lambda attrs, n: ["x", "gates", "weight", *epilogue_roles(attrs)], _moe_infer, moe_linear,
+    attrs=(Attr("stage", str, choices=("up", "down")), Attr("top_k", int, at_least=1), EPILOGUE),
+    flops=lambda sig: 2 * _routed(sig) * sig.shape("weight")[1] * sig.shape("weight")[2],
+    bytes=_moe_bytes, template="moe", arity=(3, -1),
+    docs={"x": "activations, or one row per (token, slot)", "gates": "dense gates",
+          "weight": "expert weights"}))
 
 
 # ---- elementwise: each op is an expression of the elementwise language ---------------------
@@ -113,7 +292,8 @@ def elementwise_expr(op: Op, attrs: Attrs) -> Call:
     return E.call(op.value, E.x(0), E.x(1))
 
 
-def _elementwise_infer(op: Op) -> object:
+def _elementwise(op: Op, summary: str, example: str, roles: RolesFn, *attrs: Attr,
+                 commutative: bool = False, arity: tuple[int, int] = (2, 2)) -> None:
     def infer(sig: Sig) -> tuple[Shape, str]:
         try:
             E.check(elementwise_expr(op, sig.attrs), len(sig.shapes))
@@ -124,11 +304,7 @@ def _elementwise_infer(op: Op) -> object:
             require(d == sig.dtypes[0], f"dtypes differ: {sig.dtypes[0]} and {d}")
             out = broadcast(out, s)
         return out, float_dtype(sig)
-    return infer
 
-
-def _elementwise(op: Op, summary: str, example: str, roles: object, *attrs: Attr,
-                 commutative: bool = False, arity: tuple[int, int] = (2, 2)) -> None:
     def eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
         xs = list(a.values())
         return E.evaluate(elementwise_expr(op, at), xs).to(xs[0].dtype)
@@ -136,8 +312,8 @@ def _elementwise(op: Op, summary: str, example: str, roles: object, *attrs: Attr
     def flops(sig: Sig) -> sympy.Expr:
         return max(1, E.flops(elementwise_expr(op, sig.attrs))) * numel(sig.out_shape)
 
-    register(OpDef(op, summary, example, roles, _elementwise_infer(op), eager, attrs=attrs,
-                   flops=flops, commutative=commutative, arity=arity,
+    register(OpDef(op, summary, example, roles, infer, eager, attrs=attrs, flops=flops,
+                   commutative=commutative, arity=arity,
                    template="pointwise" if op == Op.POINTWISE else None))
 
 
@@ -151,45 +327,25 @@ _elementwise(Op.ACT, "An activation: " + ", ".join(E.ACTIVATIONS) + ".",
 _elementwise(Op.POINTWISE, "An elementwise expression over inputs x(0), x(1)… "
              "(archc.ir.expr): scales, soft-caps, fused chains.",
              '%15 : f32[B,T,176] = pointwise(%13, %14) {expr=mul(act(x(0), fn="silu"), x(1))}',
-             variadic("x"), Attr("expr", Call), arity=(1, -1))
-
-
-def softmax(x: torch.Tensor) -> torch.Tensor:
-    return torch.softmax(x.float(), dim=-1).to(x.dtype)
-
+             lambda attrs, n: [f"x{i}" for i in range(max(n, 1))], Attr("expr", Call),
+             arity=(1, -1))
 
 register(OpDef(
     Op.SOFTMAX, "Softmax over the last dim, computed in f32.",
     "%15 : f32[B,4,T,P+T] = softmax(%14)", operands("x"), same_as_input,
-    lambda ctx, a, at: softmax(a["x"]), flops=per_element(5), arity=(1, 1)))
+    lambda ctx, a, at: torch.softmax(a["x"].float(), dim=-1).to(a["x"].dtype),
+    flops=per_element(5), arity=(1, 1)))
 
 
 # ---- norm ----------------------------------------------------------------------------------
 
-def normalize(x: torch.Tensor, kind: str, eps: float) -> tuple[torch.Tensor, RowStats]:
-    """x normalized over its last dim, in f32, and the statistics: rms — x/sqrt(mean(x²) + eps);
-    layer — (x − mean)/sqrt(var + eps)."""
-    xf = x.float()
-    if kind == "rms":
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return xf * rstd, RowStats(None, rstd, x.dtype)
-    mean = xf.mean(-1, keepdim=True)
-    rstd = torch.rsqrt((xf - mean).pow(2).mean(-1, keepdim=True) + eps)
-    return (xf - mean) * rstd, RowStats(mean, rstd, x.dtype)
-
-
-def _norm_roles(attrs: object, n: int) -> list[str]:
-    return operands("x", "weight", ("residual", "add_before"))(attrs, n) + epilogue_roles(attrs)
-
-
 def _norm_infer(sig: Sig) -> tuple[Shape, str]:
-    x = sig.shape("x")
-    w = sig.shape("weight")
+    x, w = sig.shape("x"), sig.shape("weight")
     require(len(w) == 1 and same_dim(w[0], x[-1]),
             f"the gain {list(w)} does not match the last dim of {list(x)}")
     if sig.has("residual"):
-        require(same_shape(sig.shape("residual"), x), f"the residual "
-                f"{list(sig.shape('residual'))} does not match x {list(x)}")
+        require(same_shape(sig.shape("residual"), x),
+                f"the residual {list(sig.shape('residual'))} does not match x {list(x)}")
     require(not (sig.attr("unit_offset") and sig.attr("kind") == "layer"),
             "unit_offset is for rms norms")
     check_epilogue(sig, Op.NORM, int(x[-1]), 3 if sig.has("residual") else 2, x[:-1])
@@ -211,32 +367,25 @@ register(OpDef(
     Op.NORM, "RMSNorm or LayerNorm over the last dim, times its gain (1 + w with unit_offset); "
     "with add_before, of x + residual; then an epilogue (the LayerNorm bias, a residual add).",
     '%5 : f32[B,T,64] = norm(%4, %2, %3) {epilogue=[bias()], eps=1e-05, kind="layer"}',
-    _norm_roles, _norm_infer, norm,
+    lambda attrs, n: operands("x", "weight", ("residual", "add_before"))(attrs, n)
+    + epilogue_roles(attrs),
+    _norm_infer, norm,
     attrs=(Attr("kind", str, choices=("rms", "layer")), Attr("eps", float),
            Attr("unit_offset", bool, False, doc="Gemma's gain 1 + w"),
-           Attr("add_before", bool, False, doc="normalize x + residual (post-norm)"),
-           Attr("epilogue", tuple, ())),
+           Attr("add_before", bool, False, doc="normalize x + residual (post-norm)"), EPILOGUE),
     flops=lambda sig: (4 if sig.attr("kind") == "rms" else 8) * numel(sig.out_shape),
     template="norm", arity=(2, -1),
     docs={"x": "rows to normalize", "weight": "gain", "residual": "residual, added before"}))
 
 
-# ---- head views ----------------------------------------------------------------------------
+# ---- views -----------------------------------------------------------------------------------
 
 def _split_infer(sig: Sig) -> tuple[Shape, str]:
-    x = sig.shapes[0]
-    heads = sig.attr("heads")
+    x, heads = sig.shapes[0], sig.attr("heads")
     require(len(x) == 3, f"split_heads takes [B, T, H·D], got {list(x)}")
-    width = x[2]
-    require(isinstance(width, sympy.Integer) and int(width) % heads == 0,
-            f"width {width} is not a multiple of heads={heads}")
-    return (x[0], sympy.Integer(heads), x[1], sympy.Integer(int(width) // heads)), sig.dtypes[0]
-
-
-def _split_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    x = a["x"]
-    b, t, w = x.shape
-    return x.view(b, t, at["heads"], w // at["heads"]).transpose(1, 2)  # (B, H, T, D)
+    require(isinstance(x[2], sympy.Integer) and int(x[2]) % heads == 0,
+            f"width {x[2]} is not a multiple of heads={heads}")
+    return (x[0], sympy.Integer(heads), x[1], sympy.Integer(int(x[2]) // heads)), sig.dtypes[0]
 
 
 def _merge_infer(sig: Sig) -> tuple[Shape, str]:
@@ -245,29 +394,22 @@ def _merge_infer(sig: Sig) -> tuple[Shape, str]:
     return (x[0], x[2], x[1] * x[3]), sig.dtypes[0]
 
 
-def _merge_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    x = a["x"]
-    b, h, t, d = x.shape
-    return x.transpose(1, 2).reshape(b, t, h * d)  # (B, T, H·D)
+def _slice_infer(sig: Sig) -> tuple[Shape, str]:
+    x, start, stop = sig.shapes[0], sig.attr("start"), sig.attr("stop")
+    require(0 <= start < stop <= int(x[-1]), f"columns [{start}, {stop}) outside width {x[-1]}")
+    return (*x[:-1], sympy.Integer(stop - start)), sig.dtypes[0]
 
 
 register(OpDef(
     Op.SPLIT_HEADS, "View [B, T, H·D] as [B, H, T, D].",
     "%11 : f32[B,4,T,16] = split_heads(%10) {heads=4}", operands("x"), _split_infer,
-    _split_eager, attrs=(Attr("heads", int, at_least=1),), bytes=zero, arity=(1, 1)))
+    lambda ctx, a, at: a["x"].unflatten(-1, (at["heads"], -1)).transpose(1, 2),
+    attrs=(Attr("heads", int, at_least=1),), bytes=zero, arity=(1, 1)))
 
 register(OpDef(
     Op.MERGE_HEADS, "View [B, H, T, D] as [B, T, H·D].",
-    "%30 : f32[B,T,64] = merge_heads(%29)", operands("x"), _merge_infer, _merge_eager,
-    bytes=zero, arity=(1, 1)))
-
-
-def _slice_infer(sig: Sig) -> tuple[Shape, str]:
-    x = sig.shapes[0]
-    start, stop = sig.attr("start"), sig.attr("stop")
-    require(0 <= start < stop <= int(x[-1]), f"columns [{start}, {stop}) outside width {x[-1]}")
-    return (*x[:-1], sympy.Integer(stop - start)), sig.dtypes[0]
-
+    "%30 : f32[B,T,64] = merge_heads(%29)", operands("x"), _merge_infer,
+    lambda ctx, a, at: a["x"].transpose(1, 2).flatten(2), bytes=zero, arity=(1, 1)))
 
 register(OpDef(
     Op.SLICE, "View columns [start, stop) of the last dim (e.g. q, k, v of a fused QKV).",

@@ -1,16 +1,11 @@
-"""Epilogue steps: what a kernel that writes rows does to each row of its result before storing
-it — the same chain for a matmul (``fused_linear``), a norm and the expert matmuls.
+"""Epilogue steps: what a kernel that writes rows (``fused_linear``, ``norm``, ``moe_linear``) does
+to each row of its f32 accumulator before the one store.
 
-A node's ``epilogue`` attribute is a list of steps such as ``[rms_scale(), bias(), act(fn="silu")]``
-applied in order to the f32 accumulator; a step's extra inputs follow the node's own operands,
-named by step (``bias1``, ``pos2``, ``freq2``…). Two kinds of steps:
-
-- *elementwise* steps are an expression of the elementwise language (``archc.ir.expr``) over the
-  accumulator ``x(0)`` and the step's inputs — bias, residual, act, scale, softcap — so eager
-  semantics and Triton code come from one declaration;
-- *structural* steps change the width or reach across columns: the row scale of a folded norm
-  (rms_scale, ln_scale), gate·up pairs (glu), rotary pairs (rope), per-head norms (head_norm), and
-  the KV-cache write (kv_write).
+A node's ``epilogue`` is a list of steps such as ``[rms_scale(), bias(), act(fn="silu")]``, applied
+in order; a step's extra inputs follow the node's own operands, named by step (``bias1``,
+``pos2``…). *Elementwise* steps are an expression of the elementwise language (``archc.ir.expr``)
+over the accumulator ``x(0)`` and their inputs, so eager semantics and Triton code come from one
+declaration; *structural* steps change the width or reach across columns.
 """
 
 from __future__ import annotations
@@ -23,17 +18,15 @@ import sympy
 import torch
 
 import archc.ir.expr as E
-from archc.ir.attrs import Call
-from archc.ir.ops.attention import check_dynamic_rope, rope
+from archc.ir.attrs import Attr, Call, call_problem
+from archc.ir.ops.attention import ROPE_ATTRS, check_rope, rope
 from archc.ir.ops.base import (
-    Attr,
+    ROW_KERNELS,
     EagerCtx,
     Op,
     Shape,
     Sig,
-    check_call,
     require,
-    same_dim,
     same_shape,
 )
 
@@ -48,20 +41,19 @@ class RowStats:
     dtype: torch.dtype
 
 
-@dataclass(frozen=True)
-class StepSig:
-    """What a step's rule sees: the step, the width before it, its inputs' shapes, and the node."""
-
-    step: Call
-    width: int
-    inputs: tuple[Shape, ...]
-    node: Sig
-
-    def kw(self, name: str, default: Any = None) -> Any:
-        return self.step.kw(name, default)
+def normalize(x: torch.Tensor, kind: str, eps: float) -> tuple[torch.Tensor, RowStats]:
+    """x normalized over its last dim, in f32, and the statistics: rms — x/sqrt(mean(x²) + eps);
+    layer — (x − mean)/sqrt(var + eps)."""
+    xf = x.float()
+    mean = xf.mean(-1, keepdim=True) if kind == "layer" else None
+    centered = xf if mean is None else xf - mean
+    rstd = torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps)
+    return centered * rstd, RowStats(mean, rstd, x.dtype)
 
 
-WidthFn = Callable[[StepSig], int]
+# a structural step's rule: the step, the width before it, its inputs' shapes and the node; it
+# checks them, and gives the width after the step
+WidthFn = Callable[[Call, int, Sequence[Shape], Sig], int]
 ApplyFn = Callable[[EagerCtx, torch.Tensor, Call, Sequence[torch.Tensor], RowStats], torch.Tensor]
 
 
@@ -76,61 +68,55 @@ class StepDecl:
     apply: ApplyFn | None = None    # structural: eager semantics
     kernels: frozenset[Op] = frozenset({Op.FUSED_LINEAR})
     docs: tuple[str, ...] = ()      # what each input holds
+    prologue: str | None = None     # the row statistics it needs (a folded norm's)
 
     @property
     def elementwise(self) -> bool:
         return self.expr is not None
 
 
-ALL_ROWS = frozenset({Op.FUSED_LINEAR, Op.NORM, Op.MOE_LINEAR})
-
-
 # ---- structural steps ---------------------------------------------------------------------------
 
-def _needs_prologue(kind: str) -> WidthFn:
-    def check(s: StepSig) -> int:
-        require(s.node.attr("prologue") == kind, f"{s.step.fn}() needs prologue {kind!r}")
-        for shape in s.inputs:
-            require(len(shape) == 1 and int(shape[0]) == s.width,
-                    f"{s.step.fn}() takes a [{s.width}] vector")
-        return s.width
-    return check
+def _glu_width(st: Call, width: int, inputs: Sequence[Shape], node: Sig) -> int:
+    require(width % 2 == 0, f"glu() needs an even width, got {width}")
+    return width // 2
 
 
-def _glu_width(s: StepSig) -> int:
-    require(s.width % 2 == 0, f"glu() needs an even width, got {s.width}")
-    return s.width // 2
+def _heads(st: Call, width: int) -> int:
+    """The columns of the first `heads` heads, which rope() and head_norm() work on."""
+    heads, hd = st.kw("heads"), st.kw("head_dim")
+    require(heads * hd <= width, f"{st.fn}() over {heads} heads of {hd} exceeds width {width}")
+    return heads * hd
 
 
-def _rope_width(s: StepSig) -> int:
-    heads, hd, rot = s.kw("heads"), s.kw("head_dim"), s.kw("rotary_dim")
-    require(heads * hd <= s.width, f"rope() over {heads} heads of {hd} exceeds width {s.width}")
-    require(rot % 2 == 0 and 2 <= rot <= hd, f"rotary_dim={rot} for head_dim {hd}")
-    pos, freq = s.inputs
-    require(len(pos) == 1 and same_dim(pos[0], s.node.shapes[0][-2]),
-            f"rope() positions {list(pos)} must be [T]")
-    require(len(freq) == 1 and int(freq[0]) == rot // 2, "rope() frequencies ≠ rotary_dim/2")
-    check_dynamic_rope(s.kw("dynamic"), rot)
-    return s.width
+def _rope_width(st: Call, width: int, inputs: Sequence[Shape], node: Sig) -> int:
+    _heads(st, width)
+    check_rope(st.kw("rotary_dim"), st.kw("head_dim"), node.shapes[0][-2], *inputs,
+               st.kw("dynamic"))
+    return width
 
 
-def _kv_write_width(s: StepSig) -> int:
-    hd, kv = s.kw("head_dim"), s.kw("kv_heads")
-    for col in (s.kw("k_start"), s.kw("v_start")):
-        require(col >= 0 and col + kv * hd <= s.width,
-                f"kv_write() columns from {col} for {kv} heads of {hd} exceed width {s.width}")
-    require(len(s.node.shapes[0]) == 3, "kv_write() needs x shaped [B, T, K]")
-    return s.width
+def _head_norm_width(st: Call, width: int, inputs: Sequence[Shape], node: Sig) -> int:
+    cols = _heads(st, width)
+    for shape in inputs:
+        require(len(shape) == 1 and int(shape[0]) == cols,
+                f"head_norm() takes [{cols}] gain and shift, got {list(shape)}")
+    return width
 
 
-def _head_norm_width(s: StepSig) -> int:
-    heads, hd = s.kw("heads"), s.kw("head_dim")
-    require(heads * hd <= s.width, f"head_norm() over {heads} heads of {hd} exceeds width "
-            f"{s.width}")
-    for shape in s.inputs:
-        require(len(shape) == 1 and int(shape[0]) == heads * hd,
-                f"head_norm() takes [{heads * hd}] gain and shift, got {list(shape)}")
-    return s.width
+def _kv_write_width(st: Call, width: int, inputs: Sequence[Shape], node: Sig) -> int:
+    hd, kv = st.kw("head_dim"), st.kw("kv_heads")
+    for col in (st.kw("k_start"), st.kw("v_start")):
+        require(col + kv * hd <= width,
+                f"kv_write() columns from {col} for {kv} heads of {hd} exceed width {width}")
+    require(len(node.shapes[0]) == 3, "kv_write() needs x shaped [B, T, K]")
+    return width
+
+
+def _act_width(st: Call, width: int, inputs: Sequence[Shape], node: Sig) -> int:
+    start, stop = st.kw("start", 0), st.kw("stop", width)
+    require(start < stop <= width, f"act() columns [{start}, {stop}) outside {width}")
+    return width
 
 
 def _apply_glu(ctx: EagerCtx, acc: torch.Tensor, st: Call, xs: Sequence[torch.Tensor],
@@ -142,92 +128,77 @@ def _apply_glu(ctx: EagerCtx, acc: torch.Tensor, st: Call, xs: Sequence[torch.Te
 def _apply_rope(ctx: EagerCtx, acc: torch.Tensor, st: Call, xs: Sequence[torch.Tensor],
                 stats: RowStats) -> torch.Tensor:
     heads, hd = st.kw("heads"), st.kw("head_dim")
-    cols = heads * hd
-    x = acc[..., :cols].unflatten(-1, (heads, hd)).transpose(-3, -2)   # (B, heads, T, D)
+    x = acc[..., :heads * hd].unflatten(-1, (heads, hd)).transpose(-3, -2)   # (B, heads, T, D)
     x = rope(x, xs[0], xs[1], st.kw("rotary_dim"), st.kw("interleaved"), st.kw("mscale", 1.0),
              st.kw("dynamic"))
-    return torch.cat([x.transpose(-3, -2).flatten(-2), acc[..., cols:]], dim=-1)
+    return torch.cat([x.transpose(-3, -2).flatten(-2), acc[..., heads * hd:]], dim=-1)
 
 
 def _apply_kv_write(ctx: EagerCtx, acc: torch.Tensor, st: Call, xs: Sequence[torch.Tensor],
                     stats: RowStats) -> torch.Tensor:
-    hd, kv, layer = st.kw("head_dim"), st.kw("kv_heads"), st.kw("layer")
-    for kind, start in (("k", st.kw("k_start")), ("v", st.kw("v_start"))):
+    hd, kv = st.kw("head_dim"), st.kw("kv_heads")
+    for kind in ("k", "v"):
+        start = st.kw(f"{kind}_start")
         part = acc[..., start:start + kv * hd].unflatten(-1, (kv, hd)).transpose(1, 2)
-        ctx.cache_append(layer, kind, part.to(stats.dtype).contiguous())  # (B, Hkv, T, D)
+        ctx.cache_append(st.kw("layer"), kind, part.to(stats.dtype).contiguous())  # (B, Hkv, T, D)
     return acc
 
 
 def _apply_head_norm(ctx: EagerCtx, acc: torch.Tensor, st: Call, xs: Sequence[torch.Tensor],
                      stats: RowStats) -> torch.Tensor:
-    heads, hd, eps = st.kw("heads"), st.kw("head_dim"), st.kw("eps")
-    cols = heads * hd
-    x = acc[..., :cols].unflatten(-1, (heads, hd))                      # (..., heads, D)
-    if st.kw("kind") == "rms":
-        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    else:
-        mean = x.mean(-1, keepdim=True)
-        y = (x - mean) * torch.rsqrt((x - mean).pow(2).mean(-1, keepdim=True) + eps)
-    y = y.flatten(-2) * xs[0].float() + xs[1].float()
-    return torch.cat([y, acc[..., cols:]], dim=-1)
-
-
-def _act_width(s: StepSig) -> int:
-    start, stop = s.kw("start", 0), s.kw("stop", s.width)
-    require(0 <= start < stop <= s.width, f"act() columns [{start}, {stop}) outside {s.width}")
-    return s.width
+    cols = st.kw("heads") * st.kw("head_dim")
+    x = acc[..., :cols].unflatten(-1, (st.kw("heads"), st.kw("head_dim")))  # (..., heads, D)
+    y = normalize(x, st.kw("kind"), st.kw("eps"))[0].flatten(-2)
+    return torch.cat([y * xs[0].float() + xs[1].float(), acc[..., cols:]], dim=-1)
 
 
 ACC = E.x(0)
+ACT_FN = Attr("fn", str, choices=tuple(E.ACTIVATIONS))
+HEADS = (Attr("heads", int, at_least=1), Attr("head_dim", int, at_least=2))
 
 STEPS: dict[str, StepDecl] = {d.name: d for d in (
-    StepDecl("rms_scale", "acc·rstd — the 1/rms of a folded RMSNorm", width=_needs_prologue("rms"),
+    StepDecl("rms_scale", "acc·rstd — the 1/rms of a folded RMSNorm", prologue="rms",
              apply=lambda ctx, acc, st, xs, s: acc * s.rstd),
     StepDecl("ln_scale", "(acc − mean·c)·rstd — a folded LayerNorm; c[n] = Σ_k W'[n, k]",
-             ("colsum",), width=_needs_prologue("layer"), docs=("column sums Σ_k W'[n, k]",),
+             ("colsum",), prologue="layer", docs=("column sums Σ_k W'[n, k]",),
              apply=lambda ctx, acc, st, xs, s: (acc - s.mean * xs[0].float()) * s.rstd),
-    StepDecl("bias", "acc + b", ("bias",), expr=E.call("add", ACC, E.x(1)), kernels=ALL_ROWS,
+    StepDecl("bias", "acc + b", ("bias",), expr=E.call("add", ACC, E.x(1)), kernels=ROW_KERNELS,
              docs=("bias",)),
     StepDecl("glu", "act(acc[:, :N]) · acc[:, N:] — gate rows first, then up rows",
-             params=(Attr("fn", str, choices=tuple(E.ACTIVATIONS)),), width=_glu_width,
-             apply=_apply_glu, kernels=frozenset({Op.FUSED_LINEAR, Op.MOE_LINEAR})),
+             params=(ACT_FN,), width=_glu_width, apply=_apply_glu,
+             kernels=frozenset({Op.FUSED_LINEAR, Op.MOE_LINEAR})),
     StepDecl("act", "act(acc) on columns [start, stop)",
-             params=(Attr("fn", str, choices=tuple(E.ACTIVATIONS)), Attr("start", int, 0),
-                     Attr("stop", int, None)),
-             expr=E.call("act", ACC, fn="identity"), width=_act_width, kernels=ALL_ROWS),
+             params=(ACT_FN, Attr("start", int, 0, at_least=0), Attr("stop", int, None)),
+             expr=E.call("act", ACC, fn="identity"), width=_act_width, kernels=ROW_KERNELS),
     StepDecl("rope", "rotate the first `heads` heads (positions, inverse frequencies; "
              "`dynamic`: rescaled from the sequence length)", ("pos", "freq"),
-             params=(Attr("heads", int, at_least=1), Attr("head_dim", int, at_least=2),
-                     Attr("rotary_dim", int, at_least=2), Attr("interleaved", bool),
-                     Attr("mscale", float, 1.0), Attr("dynamic", Call, None, ("ntk",))),
-             width=_rope_width, apply=_apply_rope, docs=("positions", "inverse frequencies")),
+             params=(*HEADS, *ROPE_ATTRS), width=_rope_width, apply=_apply_rope,
+             docs=("positions", "inverse frequencies")),
     StepDecl("kv_write", "write k/v columns into layer `layer`'s cache at offset P",
              params=(Attr("head_dim", int, at_least=1), Attr("k_start", int, at_least=0),
                      Attr("kv_heads", int, at_least=1), Attr("layer", int, at_least=0),
                      Attr("v_start", int, at_least=0)),
              width=_kv_write_width, apply=_apply_kv_write),
-    StepDecl("residual", "acc + r", ("res",), expr=E.call("add", ACC, E.x(1)), kernels=ALL_ROWS,
-             docs=("residual rows",)),
+    StepDecl("residual", "acc + r", ("res",), expr=E.call("add", ACC, E.x(1)),
+             kernels=ROW_KERNELS, docs=("residual rows",)),
     StepDecl("softcap", "cap·tanh(acc/cap)", params=(Attr("cap", float),),
-             expr=E.call("softcap", ACC, cap=1.0), kernels=ALL_ROWS),
+             expr=E.call("softcap", ACC, cap=1.0), kernels=ROW_KERNELS),
     StepDecl("scale", "acc·by", params=(Attr("by", float),), expr=E.call("scale", ACC, by=1.0),
-             kernels=ALL_ROWS),
+             kernels=ROW_KERNELS),
     StepDecl("head_norm", "normalize each of the first `heads` heads over its head_dim columns "
              "(kind rms or layer), times gain, plus shift (the [heads·head_dim] inputs) — "
              "QK-norm", ("gain", "shift"),
-             params=(Attr("kind", str, choices=("rms", "layer")), Attr("eps", float),
-                     Attr("heads", int, at_least=1), Attr("head_dim", int, at_least=2)),
+             params=(Attr("kind", str, choices=("rms", "layer")), Attr("eps", float), *HEADS),
              width=_head_norm_width, apply=_apply_head_norm, docs=("head gains", "head shifts")),
 )}
 
 
 def step_expr(st: Call) -> Call:
     """An elementwise step's expression, its parameters filled in from the step."""
-    d = STEPS[st.fn]
-    assert d.expr is not None
+    e = STEPS[st.fn].expr
+    assert e is not None
     params = {k: v for k, v in st.kwargs if k not in ("start", "stop")}
-    e = d.expr
-    return Call(e.fn, e.args, tuple(sorted({**dict(e.kwargs), **params}.items())))
+    return E.call(e.fn, *e.args, **{**dict(e.kwargs), **params})
 
 
 def step(name: str, /, **kw: Any) -> Call:
@@ -243,11 +214,8 @@ def epilogue_docs(attrs: Mapping[str, Any]) -> dict[str, str]:
 
 def epilogue_roles(attrs: Mapping[str, Any]) -> list[str]:
     """The roles of the inputs the epilogue reads, in order: `<input><step index>`."""
-    out = []
-    for k, st in enumerate(attrs.get("epilogue") or ()):
-        d = STEPS.get(st.fn)
-        out += [f"{name}{k}" for name in (d.inputs if d else ())]
-    return out
+    return [f"{name}{k}" for k, st in enumerate(attrs.get("epilogue") or ())
+            for name in (STEPS[st.fn].inputs if st.fn in STEPS else ())]
 
 
 def check_epilogue(sig: Sig, op: Op, width: int, taken: int, rows: Shape) -> int:
@@ -255,27 +223,26 @@ def check_epilogue(sig: Sig, op: Op, width: int, taken: int, rows: Shape) -> int
     result is `width` wide (over leading dims `rows`) before it; the width after it."""
     rest = list(sig.shapes[taken:])
     for st in sig.attr("epilogue", ()):
-        d = STEPS.get(st.fn) if isinstance(st, Call) else None
+        d = STEPS.get(st.fn)
         require(d is not None, f"unknown epilogue step {st!r} (known: {', '.join(STEPS)})")
         assert d is not None
         require(op in d.kernels, f"{st.fn}() is not an epilogue step of {op.value}")
-        check_call(st, d.params)
-        taken_inputs = tuple(rest[:len(d.inputs)])
-        require(len(taken_inputs) == len(d.inputs), f"{st.fn}() needs {len(d.inputs)} more "
-                "inputs")
-        rest = rest[len(d.inputs):]
-        s = StepSig(st, width, taken_inputs, sig)
+        require(d.prologue in (None, sig.attr("prologue")), f"{st.fn}() needs prologue "
+                f"{d.prologue!r}")
+        problem = call_problem(st, d.params)
+        require(problem is None, str(problem))
+        inputs, rest = tuple(rest[:len(d.inputs)]), rest[len(d.inputs):]
+        require(len(inputs) == len(d.inputs), f"{st.fn}() needs {len(d.inputs)} more inputs")
         if d.width is not None:
-            width = d.width(s)
-        if d.elementwise:
-            want = (*rows, sympy.Integer(width))
-            for shape, name in zip(taken_inputs, d.inputs):
-                if name == "bias":
-                    require(len(shape) == 1 and int(shape[0]) == width,
-                            f"bias() takes a [{width}] vector, got {list(shape)}")
-                else:
-                    require(same_shape(shape, want),
-                            f"{st.fn}() {list(shape)} does not match the rows {list(want)}")
+            width = d.width(st, width, inputs, sig)
+        for shape, name in zip(inputs, d.inputs):   # the others' width rules check theirs
+            if name in ("bias", "colsum"):            # a value per column
+                require(len(shape) == 1 and int(shape[0]) == width,
+                        f"{st.fn}() takes a [{width}] vector, got {list(shape)}")
+            elif name == "res":                       # a value per element
+                want = (*rows, sympy.Integer(width))
+                require(same_shape(shape, want),
+                        f"{st.fn}() {list(shape)} does not match the rows {list(want)}")
     require(not rest, f"{len(rest)} inputs left over after the epilogue")
     return width
 
@@ -291,13 +258,7 @@ def apply_epilogue(ctx: EagerCtx, acc: torch.Tensor, steps: Sequence[Call],
             acc = d.apply(ctx, acc, st, xs, stats)
             continue
         start, stop = st.kw("start", 0), st.kw("stop", acc.shape[-1])
-        full = start == 0 and stop == acc.shape[-1]
-        part = acc if full else acc[..., start:stop]
-        part = E.evaluate(step_expr(st), [part, *xs])
-        acc = part if full else torch.cat([acc[..., :start], part, acc[..., stop:]], dim=-1)
+        part = E.evaluate(step_expr(st), [acc[..., start:stop], *xs])
+        acc = part if part.shape == acc.shape else \
+            torch.cat([acc[..., :start], part, acc[..., stop:]], dim=-1)
     return acc
-
-
-def has_step(attrs: Mapping[str, Any], fn: str) -> bool:
-    return any(s.fn == fn for s in attrs.get("epilogue") or ())
-
