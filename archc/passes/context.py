@@ -33,35 +33,30 @@ class Decision:
 
 @dataclass
 class PassContext:
-    """Collects the decisions and log lines of one pass over one graph."""
+    """Collects the decisions of one pass over one graph."""
 
     pass_name: str
     graph: Graph
     decisions: list[Decision] = field(default_factory=list)
-    log: list[str] = field(default_factory=list)
-    # where each node the pass kept went: old id → new id (set by whoever renumbers)
-    kept: dict[int, int] | None = None
+    kept: dict[int, int] | None = None   # old id → new id of the nodes kept, set on renumbering
 
     def describe(self, i: int) -> str:
         """Node i of the graph as the pass received it, in text form."""
         return format_node(i, self.graph.nodes[i]) if 0 <= i < len(self.graph.nodes) else \
             f"%{i} (made by this pass)"
 
-    def applied(self, rule: str, where: int | str, what: str = "") -> None:
+    def decide(self, rule: str, where: int | str, verdict: Verdict, reason: str) -> None:
         """`where`: a node id of the graph as the pass received it, or a node's text."""
         text = where if isinstance(where, str) else self.describe(where)
-        self.decisions.append(Decision(self.pass_name, self.graph.name, rule, text, "applied",
-                                       what))
+        self.decisions.append(Decision(self.pass_name, self.graph.name, rule, text, verdict,
+                                       reason))
+
+    def applied(self, rule: str, where: int | str, what: str = "") -> None:
+        self.decide(rule, where, "applied", what)
 
     def refused(self, rule: str, where: int | str, why: str, *,
                 profitability: bool = False) -> None:
-        verdict: Verdict = "profitability" if profitability else "legality"
-        text = where if isinstance(where, str) else self.describe(where)
-        self.decisions.append(Decision(self.pass_name, self.graph.name, rule, text, verdict,
-                                       why))
-
-    def note(self, line: str) -> None:
-        self.log.append(line)
+        self.decide(rule, where, "profitability" if profitability else "legality", why)
 
 
 class Refusal(Exception):
@@ -69,5 +64,4 @@ class Refusal(Exception):
 
     def __init__(self, why: str, *, profitability: bool = False) -> None:
         super().__init__(why)
-        self.why = why
-        self.profitability = profitability
+        self.why, self.profitability = why, profitability

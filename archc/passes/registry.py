@@ -1,15 +1,15 @@
 """Passes by name, and pipelines as lists of names.
 
-A pass is registered under a name with ``register_pass`` as a function ``(Graph, PassContext) ->
-Graph``, run over every graph of a program, or with ``register_program_pass`` as a function
-``(Program, {graph: PassContext}) -> Program`` that sees every graph at once and may move nodes
-between graphs or add one. Both are kept the same way — as a program function — so the manager
-runs every pass by one code path. Every registered pass is *exact*: it keeps the function up to
-rounding, and is translation-validated.
+``register_pass`` registers a function ``(Graph, PassContext) -> Graph``, run over each graph of a
+program; ``register_program_pass`` a function ``(Program, {graph: PassContext}) -> Program`` that
+sees every graph at once and may move nodes between graphs or add one. Both are kept as program
+functions, so the manager runs every pass by one code path. Every registered pass is *exact*: it
+keeps the function up to rounding, and is translation-validated.
 """
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -28,8 +28,7 @@ class GraphFailure(Exception):
 
     def __init__(self, graph: str, error: Exception) -> None:
         super().__init__(str(error))
-        self.graph = graph
-        self.error = error
+        self.graph, self.error = graph, error
 
 
 @dataclass(frozen=True)
@@ -44,31 +43,25 @@ class Pass:
 PASSES: dict[str, Pass] = {}
 
 
-def _register(p: Pass) -> None:
+def _add(p: Pass) -> None:
     if p.name in PASSES:
         raise ValueError(f"pass {p.name!r} registered twice")
     PASSES[p.name] = p
 
 
-def over_graphs(fn: PassFn) -> ProgramPassFn:
-    """A graph pass as a program pass: each graph with its own context; the same program when
-    no graph changed."""
-    def run(program: Program, contexts: Mapping[str, PassContext]) -> Program:
-        graphs = []
-        for g in program:
-            try:
-                graphs.append(fn(g, contexts[g.name]))
-            except Exception as err:
-                raise GraphFailure(g.name, err) from err
-        if all(a is b for a, b in zip(graphs, program.graphs)):
-            return program
-        return Program(program.model, tuple(graphs))
-    return run
-
-
 def register_pass(name: str, kind: Kind, summary: str) -> Callable[[PassFn], PassFn]:
     def register(fn: PassFn) -> PassFn:
-        _register(Pass(name, kind, summary, over_graphs(fn)))
+        def run(program: Program, contexts: Mapping[str, PassContext]) -> Program:
+            graphs = []
+            for g in program:
+                try:
+                    graphs.append(fn(g, contexts[g.name]))
+                except Exception as err:
+                    raise GraphFailure(g.name, err) from err
+            if all(a is b for a, b in zip(graphs, program.graphs)):
+                return program       # no graph changed
+            return Program(program.model, tuple(graphs))
+        _add(Pass(name, kind, summary, run))
         return fn
     return register
 
@@ -76,7 +69,7 @@ def register_pass(name: str, kind: Kind, summary: str) -> Callable[[PassFn], Pas
 def register_program_pass(name: str, kind: Kind, summary: str
                           ) -> Callable[[ProgramPassFn], ProgramPassFn]:
     def register(fn: ProgramPassFn) -> ProgramPassFn:
-        _register(Pass(name, kind, summary, fn, program=True))
+        _add(Pass(name, kind, summary, fn, program=True))
         return fn
     return register
 
@@ -90,27 +83,10 @@ def register_program_pass(name: str, kind: Kind, summary: str
 # the projections merge (linear attention's q, k, v trace from its kernel) and before norms fold
 # (Jamba's B and C norms join the scan, not a matmul).
 DEFAULT_PIPELINE: tuple[str, ...] = (
-    "fold-biases",
-    "share-kv-heads",
-    "flash-attention",
-    "fuse-linear-attention",
-    "fuse-causal-conv",
-    "fuse-ssm-scan",
-    "merge-qkv",
-    "hoist-cross-kv",
-    "fold-norms",
-    "fuse-glu",
-    "merge-parallel",
-    "fuse-qk-norm",
-    "fuse-rope",
-    "fuse-kv-write",
-    "fuse-moe",
-    "fuse-epilogue",
-    "fuse-residual",
-    "fuse-pointwise",
-    "select-kernels",
-    "cse",
-    "dce",
+    "fold-biases", "share-kv-heads", "flash-attention", "fuse-linear-attention",
+    "fuse-causal-conv", "fuse-ssm-scan", "merge-qkv", "hoist-cross-kv", "fold-norms", "fuse-glu",
+    "merge-parallel", "fuse-qk-norm", "fuse-rope", "fuse-kv-write", "fuse-moe", "fuse-epilogue",
+    "fuse-residual", "fuse-pointwise", "select-kernels", "cse", "dce",
 )
 
 PIPELINES: dict[str, tuple[str, ...]] = {"default": DEFAULT_PIPELINE, "none": ()}
@@ -118,8 +94,7 @@ PIPELINES: dict[str, tuple[str, ...]] = {"default": DEFAULT_PIPELINE, "none": ()
 
 def known(*, pipelines: bool = True) -> str:
     """Pipelines, then passes in the default pipeline's order, then any others."""
-    order = list(DEFAULT_PIPELINE) + sorted(set(PASSES) - set(DEFAULT_PIPELINE))
-    names = [p for p in order if p in PASSES]
+    names = list(DEFAULT_PIPELINE) + sorted(set(PASSES) - set(DEFAULT_PIPELINE))
     return ", ".join((list(PIPELINES) if pipelines else []) + names)
 
 
@@ -129,19 +104,15 @@ def resolve_pipeline(pipeline: str | Sequence[str]) -> list[str]:
     if isinstance(pipeline, str):
         if pipeline in PIPELINES:
             return list(PIPELINES[pipeline])
-        names = [p.strip() for p in pipeline.split(",") if p.strip()]
-    else:
-        names = list(pipeline)
+        pipeline = [p.strip() for p in pipeline.split(",") if p.strip()]
     out: list[str] = []
-    for name in names:
+    for name in pipeline:
         if name in PIPELINES:
             out += PIPELINES[name]
         elif name in PASSES:
             out.append(name)
         else:
-            import difflib
             close = difflib.get_close_matches(name, list(PASSES) + list(PIPELINES), n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ArchcError(f"unknown pass {name!r}{hint}; known: {known()}")
     return out
-

@@ -7,38 +7,27 @@ from __future__ import annotations
 import difflib
 import re
 
-from archc.ir.graph import Graph
 from archc.ir.text import format_node, format_program
 from archc.passes.manager import PassStep
 
 _REF = re.compile(r"%(\d+)")
 
 
-def _graph_text(g: Graph, labels: dict[int, str], provenance: bool) -> list[str]:
-    lines = [f"graph {g.name} {{"]
-    for i, n in enumerate(g.nodes):
-        line = format_node(i, n, provenance=provenance)
-        lines.append("  " + _REF.sub(lambda m: labels[int(m.group(1))], line))
-    return lines + ["}"]
+def _relabel(line: str, labels: list[str]) -> str:
+    return _REF.sub(lambda m: labels[int(m.group(1))], line)
 
 
 def after_in_old_numbers(step: PassStep, *, provenance: bool = False) -> str:
-    kept = {name: dict(pairs) for name, pairs in step.kept}
     lines = [f"program {step.after.model}"]
     for g in step.after.graphs:
-        if g.name in kept:
-            old_of = {new: old for old, new in kept[g.name].items()}
-            made = 0
-            labels = {}
-            for i in range(len(g.nodes)):
-                if i in old_of:
-                    labels[i] = f"%{old_of[i]}"
-                else:
-                    made += 1
-                    labels[i] = f"%+{made}"
-        else:
-            labels = {i: f"%{i}" for i in range(len(g.nodes))}
-        lines += _graph_text(g, labels, provenance)
+        kept = step.kept.get(g.name, {i: i for i in range(len(g.nodes))})
+        old_of = {new: old for old, new in kept.items()}
+        made = iter(range(1, len(g.nodes) + 1))
+        labels = [f"%{old_of[i]}" if i in old_of else f"%+{next(made)}"
+                  for i in range(len(g.nodes))]
+        lines += [f"graph {g.name} {{",
+                  *("  " + _relabel(format_node(i, n, provenance=provenance), labels)
+                    for i, n in enumerate(g.nodes)), "}"]
     return "\n".join(lines) + "\n"
 
 
