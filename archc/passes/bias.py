@@ -14,12 +14,14 @@ from archc.passes.linear import (
     Linear,
     Step,
     bias_of,
+    emit,
     merged_name,
     replace_linear,
+    step,
     view,
     view_with_bias,
 )
-from archc.passes.patterns import Pat, Rule, apply_rules
+from archc.passes.patterns import Bindings, Pat, Rule, apply_rules
 from archc.passes.registry import register_pass
 from archc.passes.rewrite import Rewriter
 from archc.passes.sites import ScoreChain, modifier, score_chain, trace_up
@@ -29,23 +31,19 @@ SHIFT_SAFE = frozenset({"scale", "alibi", "rel_bias", "mask"})
 
 
 def is_zeros(rw: Rewriter, i: int) -> bool:
-    n = rw.node(i)
-    expr = n.attr("expr") if n.op == Op.PARAM else None
-    return isinstance(expr, Call) and expr.fn == "zeros"
+    return rw.op(i) == Op.PARAM and rw.param_expr(i).fn == "zeros"
 
 
-def _drop_zero_bias_add(rw: Rewriter, m: dict[str, int]) -> int | None:
+def _drop_zero_bias_add(rw: Rewriter, m: Bindings) -> int | None:
     found = bias_of(rw, m["root"])
     return found[0] if found is not None and is_zeros(rw, found[1]) else None
 
 
-def _drop_zero_bias_step(rw: Rewriter, m: dict[str, int]) -> int | None:
+def _drop_zero_bias_step(rw: Rewriter, m: Bindings) -> int | None:
     lin = view(rw, m["root"])
     assert lin is not None
     steps = tuple(s for s in lin.steps if not (s.fn == "bias" and is_zeros(rw, s.inputs[0])))
-    if steps == lin.steps:
-        return None
-    return replace_linear(rw, lin, lin.replace(steps=steps))
+    return None if steps == lin.steps else emit(rw, lin.replace(steps=steps), like=lin.covers)
 
 
 ZERO_BIAS_RULES = (
@@ -66,81 +64,62 @@ def _projection_bias(rw: Rewriter, start: int) -> tuple[list[int], int | None]:
     return path, None
 
 
-def _key_bias(rw: Rewriter, chain: ScoreChain, ctx: PassContext) -> None:
+def _read_here(rw: Rewriter, nodes: list[int]) -> None:
+    for i in nodes:
+        if len(rw.users(i)) != 1:
+            raise Refusal(f"%{i} ({rw.op(i).value}) is read outside this attention")
+
+
+def _key_bias(rw: Rewriter, chain: ScoreChain) -> None:
     path, bias = _projection_bias(rw, rw.node(chain.scores).inputs[1])
     if bias is None:
         return
     try:
         for i in path:
-            op = rw.op(i)
-            if op == Op.ROPE:
+            if rw.op(i) == Op.ROPE:
                 raise Refusal(f"rope %{i} rotates k after its bias: q·R_j·b varies with the "
                               "key position j, so it is not constant along the softmax row")
-            if op == Op.NORM:
-                raise Refusal(f"{op.value} %{i} (qk-norm) normalizes k after its bias, which "
-                              "is not linear")
+            if rw.op(i) == Op.NORM:
+                raise Refusal(f"norm %{i} (qk-norm) normalizes k after its bias, which is not "
+                              "linear")
         for i in chain.modifiers:
-            if modifier(rw, i) not in SHIFT_SAFE:
-                raise Refusal(f"{modifier(rw, i)} %{i} between scores and softmax is not "
+            if modifier(rw.node(i)) not in SHIFT_SAFE:
+                raise Refusal(f"{modifier(rw.node(i))} %{i} between scores and softmax is not "
                               "linear, so the row constant q·b does not pass through it "
                               "unchanged")
-        for i in [bias, *path]:
-            if len(rw.users(i)) != 1:
-                raise Refusal(f"%{i} ({rw.op(i).value}) is read outside this attention")
+        _read_here(rw, [bias, *path])
     except Refusal as r:
-        ctx.refused("key-bias", rw.describe(bias), r.why)
+        rw.ctx.refused("key-bias", rw.describe(bias), r.why)
         return
     # softmax_j(q·(k_j + b)) = softmax_j(q·k_j + q·b) = softmax_j(q·k_j): q·b is constant in j
     rw.replace(bias, bias_of(rw, bias)[0])  # type: ignore[index]
-    ctx.applied("key-bias", rw.describe(bias),
-                "dropped: a key bias is constant along each softmax row")
+    rw.ctx.applied("key-bias", rw.describe(bias),
+                   "dropped: a key bias is constant along each softmax row")
 
 
 def _add_output_bias(rw: Rewriter, o: Linear, extra: Call, v_bias: int, like: int) -> None:
     """Add `extra` (an expression of a vector) to the output projection's bias."""
-    dtype = rw.node(o.weight).dtype
-    old = [s for s in o.steps if s.fn == "bias"]
+    old = [s.inputs[0] for s in o.steps if s.fn == "bias"]
     # named after both biases: layers.0.attn.o.bias + layers.0.attn.v.bias → layers.0.attn.o+v.bias
-    o_bias = rw.node(o.weight).name.removesuffix(".weight") + ".bias"
-    base = merged_name([o_bias, rw.node(v_bias).name])
-    expr = Call("add", (rw.param_expr(old[0].inputs[0]), extra)) if old else extra
-    b = rw.add_param(base, expr, (rw.shape(o.weight)[0],), dtype, like=[like], at=o.root)
-    if o.steps == () and rw.op(o.root) == Op.MATMUL:
+    name = merged_name([rw.node(o.weight).name.removesuffix(".weight") + ".bias",
+                        rw.node(v_bias).name])
+    b = rw.add_param(name, Call("add", (rw.param_expr(old[0]), extra)) if old else extra,
+                     (rw.shape(o.weight)[0],), rw.node(o.weight).dtype, like=[like], at=o.root)
+    found = bias_of(rw, o.root)
+    if not o.steps and rw.op(o.root) == Op.MATMUL:     # x·W_oᵀ → x·W_oᵀ + b
         new = rw.emit(Op.ADD, [o.root, b], like=[like], at=o.root)
         for u in rw.users(o.root):
             if u != new:
-                n = rw.node(u)
-                rw.rewire(u, [new if j == o.root else j for j in n.inputs])
-        return
-    if o.steps and o.steps[-1].fn == "bias" and bias_of(rw, o.root) is not None:
-        new = rw.emit(Op.ADD, [bias_of(rw, o.root)[0], b], like=[o.root, like])  # type: ignore
-        rw.replace(o.root, new)
-        return
-    steps = tuple(Step(s.call, (b,)) if s.fn == "bias" else s for s in o.steps)
-    if not old:
-        steps = steps + (Step(Call("bias"), (b,)),)
-    replace_linear(rw, o, o.replace(steps=steps))
-
-
-def _softmax_value_bias(rw: Rewriter, chain: ScoreChain, ctx: PassContext) -> None:
-    assert chain.wsum is not None
-    mask = chain.modifier(rw, "mask")
-    padded = None
-    if mask is not None and rw.node(mask).attr("padding"):
-        padded = (f"mask %{mask} takes a padding mask: a fully padded row has no "
-                  "probabilities summing to 1 to carry the bias through")
-    _value_bias(rw, rw.node(chain.wsum).inputs[1], chain.merge, chain.problem, padded, ctx)
-
-
-def _linear_value_bias(rw: Rewriter, att: int, ctx: PassContext) -> None:
-    # out_i = φq_i·S_i / φq_i·z_i with S_i = Σ_j φk_j v_jᵀ and z_i = Σ_j φk_j: the weights
-    # φq_i·φk_j / φq_i·z_i are positive (φ = elu + 1 > 0) and sum to 1 over j ≤ i, so a bias on
-    # every v_j comes out whole, as through softmax; the heads come out merged
-    _value_bias(rw, rw.node(att).inputs[2], att, "", None, ctx)
+                rw.rewire(u, [new if j == o.root else j for j in rw.node(u).inputs])
+    elif found is not None:                             # x·W_oᵀ + b_o → x·W_oᵀ + b
+        rw.replace(o.root, rw.emit(Op.ADD, [found[0], b], like=[o.root, like]))
+    else:                                               # an epilogue bias step reads b
+        steps = tuple(Step(s.call, (b,)) if s.fn == "bias" else s for s in o.steps)
+        replace_linear(rw, o, o.replace(steps=steps if old else (*steps, step("bias", b))))
 
 
 def _value_bias(rw: Rewriter, v_in: int, merge: int | None, no_merge: str,
-                refusal: str | None, ctx: PassContext) -> None:
+                refusal: str | None) -> None:
     """Move the bias of the value projection feeding `v_in` into the output projection reading
     `merge` (the heads merged), when each output row is a weighted average of the values."""
     path, bias = _projection_bias(rw, v_in)
@@ -152,9 +131,7 @@ def _value_bias(rw: Rewriter, v_in: int, merge: int | None, no_merge: str,
         for i in path:
             if rw.op(i) not in (Op.SPLIT_HEADS, Op.KV_CACHE, Op.REPEAT_KV):
                 raise Refusal(f"{rw.op(i).value} %{i} acts on v after its bias")
-        for i in [bias, *path]:
-            if len(rw.users(i)) != 1:
-                raise Refusal(f"%{i} ({rw.op(i).value}) is read outside this attention")
+        _read_here(rw, [bias, *path])
         if merge is None:
             raise Refusal(no_merge)
         users = rw.users(merge)
@@ -166,22 +143,20 @@ def _value_bias(rw: Rewriter, v_in: int, merge: int | None, no_merge: str,
             raise Refusal(f"the output projection %{o.root} already has an epilogue")
         if rw.op(o.weight) != Op.PARAM:
             raise Refusal(f"the output projection weight %{o.weight} is not a parameter")
-        b_v = bias_of(rw, bias)[1]  # type: ignore[index]
-        kv_width = int(rw.shape(b_v)[0])
-        heads_width = rw.width(merge)
-        split = next(i for i in path if rw.op(i) == Op.SPLIT_HEADS)
-        kv_heads = rw.node(split).attr("heads")
-        groups = heads_width // kv_width
-        expanded = rw.param_expr(b_v) if groups == 1 else Call(
-            "repeat_heads", (rw.param_expr(b_v),), (("groups", groups), ("heads", kv_heads)))
     except Refusal as r:
-        ctx.refused("value-bias", rw.describe(bias), r.why)
+        rw.ctx.refused("value-bias", rw.describe(bias), r.why)
         return
     # Σ_j p_ij (v_j + b_v) W_oᵀ + b_o = (Σ_j p_ij v_j) W_oᵀ + (W_o b_v + b_o),  as Σ_j p_ij = 1;
     # query head h reads KV head h // g, so b_v is repeated g times along the merged heads.
+    x, b_v = bias_of(rw, bias)  # type: ignore[misc]
+    groups = rw.width(merge) // int(rw.shape(b_v)[0])
+    split = next(i for i in path if rw.op(i) == Op.SPLIT_HEADS)
+    expanded = rw.param_expr(b_v) if groups == 1 else Call(
+        "repeat_heads", (rw.param_expr(b_v),),
+        (("groups", groups), ("heads", rw.node(split).attr("heads"))))
     _add_output_bias(rw, o, Call("mm", (rw.param_expr(o.weight), expanded)), b_v, like=bias)
-    rw.replace(bias, bias_of(rw, bias)[0])  # type: ignore[index]
-    ctx.applied("value-bias", rw.describe(bias), "folded into the output projection's bias")
+    rw.replace(bias, x)
+    rw.ctx.applied("value-bias", rw.describe(bias), "folded into the output projection's bias")
 
 
 @register_pass("fold-biases", "exact",
@@ -194,17 +169,22 @@ def fold_biases(g: Graph, ctx: PassContext) -> Graph:
     #    repeat_kv lie between, and only shift-safe modifiers lie between scores and softmax.
     # 4. Value bias: trace v up to its projection; if no row can be fully masked and the heads
     #    go straight into one output projection, move the bias into that projection's bias.
-    # 5. Linear attention: the value bias likewise (its weights are positive and sum to 1).
+    # 5. Linear attention: the value bias likewise. out_i = φq_i·S_i / φq_i·z_i with
+    #    S_i = Σ_j φk_j v_jᵀ and z_i = Σ_j φk_j: the weights φq_i·φk_j / φq_i·z_i are positive
+    #    (φ = elu + 1 > 0) and sum to 1 over j ≤ i, so a bias on every v_j comes out whole, as
+    #    through softmax; the heads come out merged.
     rw = Rewriter(g, ctx)
     apply_rules(rw, ZERO_BIAS_RULES)
     for i in rw.order():
         if rw.op(i) == Op.LINEAR_ATTENTION:
-            _linear_value_bias(rw, i, ctx)
-        if rw.op(i) != Op.SCORES:
+            _value_bias(rw, rw.node(i).inputs[2], i, "", None)
+        chain = score_chain(rw, i) if rw.op(i) == Op.SCORES else None
+        if chain is None or chain.wsum is None:
             continue
-        chain = score_chain(rw, i)
-        if chain.softmax is None or chain.wsum is None:
-            continue
-        _key_bias(rw, chain, ctx)
-        _softmax_value_bias(rw, chain, ctx)
+        _key_bias(rw, chain)
+        mask = next((j for j in chain.modifiers if rw.op(j) == Op.MASK), None)
+        padded = mask is not None and rw.node(mask).attr("padding")
+        _value_bias(rw, rw.node(chain.wsum).inputs[1], chain.merge, chain.problem,
+                    f"mask %{mask} takes a padding mask: a fully padded row has no "
+                    "probabilities summing to 1 to carry the bias through" if padded else None)
     return rw.finish()

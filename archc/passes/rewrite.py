@@ -10,8 +10,8 @@ A pass that changed nothing gets its own graph object back.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import sympy
 
@@ -24,12 +24,12 @@ from archc.ir.shapes import Shape
 from archc.ir.text import format_node
 from archc.passes.context import PassContext, Refusal
 
+T = TypeVar("T")
 
 def has_side_effect(n: Node) -> bool:
     """Writes the KV cache: live even when nothing in the graph reads its value."""
-    if n.op == Op.KV_CACHE:
-        return True
-    return n.op == Op.FUSED_LINEAR and any(st.fn == "kv_write" for st in n.attr("epilogue", ()))
+    return n.op == Op.KV_CACHE or (n.op == Op.FUSED_LINEAR and any(
+        st.fn == "kv_write" for st in n.attr("epilogue", ())))
 
 
 def live_nodes(nodes: dict[int, Node], killed: Iterable[int] = ()) -> set[int]:
@@ -79,11 +79,9 @@ class Rewriter:
 
     def is_dead(self, i: int) -> bool:
         """Replaced or removed: nothing reads it and it is not a root."""
-        if i in self.gone:
-            return True
         n = self.nodes[i]
-        return not self.users(i) and n.op not in (Op.OUTPUT, Op.INPUT) and \
-            not has_side_effect(n)
+        return i in self.gone or (not self.users(i) and n.op not in (Op.OUTPUT, Op.INPUT)
+                                  and not has_side_effect(n))
 
     def shape(self, i: int) -> Shape:
         return self.nodes[i].shape
@@ -93,7 +91,7 @@ class Rewriter:
 
     def order(self) -> list[int]:
         """Live node ids in position order (a snapshot; safe to edit while iterating)."""
-        return sorted((i for i in self.nodes if i not in self.gone), key=lambda i: self.key[i])
+        return sorted((i for i in self.nodes if i not in self.gone), key=self.key.__getitem__)
 
     def describe(self, i: int) -> str:
         """Node i in text form: as the pass received it, or as this pass made it."""
@@ -109,33 +107,36 @@ class Rewriter:
                           "at weight-load time")
         return n.attr("expr") or leaf(n.name)
 
+    def attempt(self, rule: str, where: int, fn: Callable[..., T], *args: Any) -> T | None:
+        """fn(*args), or None when it raises Refusal, which is recorded against node `where`."""
+        try:
+            return fn(*args)
+        except Refusal as r:
+            self.ctx.refused(rule, self.describe(where), r.why, profitability=r.profitability)
+            return None
+
     # ---- editing ---------------------------------------------------------------------------
-    def _new(self, node: Node, at: int) -> int:
+    def _new(self, op: Op, inputs: Sequence[int], attrs: Attrs, shape: Shape, dtype: str,
+             like: Sequence[int], at: int) -> int:
+        """A node placed just before `at`, with the origin of `like[0]` and the passes of all
+        `like` nodes and this one."""
+        passes = dict.fromkeys([p for j in like for p in self.nodes[j].passes]
+                               + [self.ctx.pass_name])
         i = self._next
         self._next += 1
         self._seq += 1
-        self.nodes[i] = node
+        self.nodes[i] = Node(op, tuple(inputs), attrs, tuple(shape), dtype,
+                             self.nodes[like[0]].origin, tuple(passes))
         self.key[i] = self.key[at] - 0.5 + self._seq * 1e-6
         self._users[i] = []
-        for j in node.inputs:
+        for j in inputs:
             self._users[j].append(i)
         return i
 
-    def provenance(self, like: Sequence[int]) -> tuple[str, tuple[str, ...]]:
-        """Origin of the first node `like`, and the passes of all of them plus this one."""
-        passes: list[str] = []
-        for j in like:
-            passes += [p for p in self.nodes[j].passes if p not in passes]
-        if self.ctx.pass_name not in passes:
-            passes.append(self.ctx.pass_name)
-        return self.nodes[like[0]].origin, tuple(passes)
-
     def emit(self, op: Op, inputs: Sequence[int], *, like: Sequence[int], at: int | None = None,
              **attrs: Any) -> int:
-        """A new node of `op` over `inputs`, its shape from the op's rule. It takes its origin
-        from `like[0]` and the passes of all `like` nodes; it is placed just before `at`
-        (default `like[0]`)."""
-        at_ = like[0] if at is None else at
+        """A new node of `op` over `inputs`, its shape from the op's rule, placed just before
+        `at` (default `like[0]`)."""
         a = canonical(op, attrs)
         try:
             shape, dtype = infer(op, [self.nodes[j].shape for j in inputs],
@@ -143,8 +144,7 @@ class Rewriter:
         except ShapeError as err:
             raise IRError(f"pass {self.ctx.pass_name}: cannot build "
                           f"{format_call(op.value, inputs, a)}: {err}") from None
-        origin, passes = self.provenance(like)
-        return self._new(Node(op, tuple(inputs), a, shape, dtype, origin, passes), at_)
+        return self._new(op, inputs, a, shape, dtype, like, like[0] if at is None else at)
 
     def add_param(self, base: str, expr: Call, shape: Shape, dtype: str, *,
                   like: Sequence[int], at: int) -> int:
@@ -153,27 +153,20 @@ class Rewriter:
         while name in self.param_names:
             name, k = f"{base}#{k}", k + 1
         self.param_names.add(name)
-        origin, passes = self.provenance(like)
-        dims = tuple(sympy.Integer(int(d)) for d in shape)
-        return self._new(Node(Op.PARAM, (), Attrs(name=name, expr=expr), dims, dtype, origin,
-                              passes), at)
+        return self._new(Op.PARAM, (), Attrs(name=name, expr=expr),
+                         [sympy.Integer(int(d)) for d in shape], dtype, like, at)
 
     def add_input(self, name: str, shape: Shape, dtype: str, *, like: Sequence[int],
                   at: int) -> int:
         """A new graph input, placed just before node `at`."""
-        origin, passes = self.provenance(like)
-        return self._new(Node(Op.INPUT, (), Attrs(name=name), tuple(shape), dtype, origin,
-                              passes), at)
+        return self._new(Op.INPUT, (), Attrs(name=name), shape, dtype, like, at)
 
     def replace(self, old: int, new: int) -> None:
         """Every use of `old` reads `new` instead."""
         if old == new:
             return
         for u in self.users(old):
-            n = self.nodes[u]
-            self.nodes[u] = n.replace(inputs=tuple(new if j == old else j for j in n.inputs))
-            self._users[new].append(u)
-        self._users[old] = []
+            self.rewire(u, [new if j == old else j for j in self.nodes[u].inputs])
         self.gone.add(old)
         self.changed = True
 
@@ -205,7 +198,7 @@ class Rewriter:
         n_orig = len(self.g.nodes)
         keep = {i for i in self.nodes if i not in self.killed and (
             i in live or (i < n_orig and i not in self._live_before))}
-        indegree = {i: sum(1 for j in set(self.nodes[i].inputs)) for i in keep}
+        indegree = {i: len(set(self.nodes[i].inputs)) for i in keep}
         users: dict[int, set[int]] = {i: set() for i in keep}
         for i in keep:
             for j in set(self.nodes[i].inputs):
