@@ -47,6 +47,15 @@ def live_nodes(nodes: dict[int, Node], killed: Iterable[int] = ()) -> set[int]:
     return live
 
 
+def unique_name(base: str, taken: set[str]) -> str:
+    """`base`, or `base#2`, `base#3`… if it is taken; the name returned is taken from now on."""
+    name, k = base, 2
+    while name in taken:
+        name, k = f"{base}#{k}", k + 1
+    taken.add(name)
+    return name
+
+
 class Rewriter:
     def __init__(self, g: Graph, ctx: PassContext) -> None:
         self.g = g
@@ -149,11 +158,7 @@ class Rewriter:
     def add_param(self, base: str, expr: Call, shape: Shape, dtype: str, *,
                   like: Sequence[int], at: int) -> int:
         """A new parameter computed at weight-load time from `expr`, named after `base`."""
-        name, k = base, 2
-        while name in self.param_names:
-            name, k = f"{base}#{k}", k + 1
-        self.param_names.add(name)
-        return self._new(Op.PARAM, (), Attrs(name=name, expr=expr),
+        return self._new(Op.PARAM, (), Attrs(name=unique_name(base, self.param_names), expr=expr),
                          [sympy.Integer(int(d)) for d in shape], dtype, like, at)
 
     def add_input(self, name: str, shape: Shape, dtype: str, *, like: Sequence[int],
