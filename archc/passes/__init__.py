@@ -13,7 +13,6 @@ from archc.passes import (  # noqa: F401  (each module registers its passes)
     epilogue,
     kernels,
     norms,
-    pointwise,
     projections,
     recurrent,
 )

@@ -1,20 +1,27 @@
-"""The last steps to kernel-level ops: MoE routing and experts, and whatever is left unfused.
+"""The last steps to kernel-level ops: MoE routing and experts, pointwise chains, and whatever is
+left unfused.
 
 - fuse-moe: router(x·W_rᵀ) → one router kernel over x and W_r; the gate and up stages of a
   gated expert FFN, act(gate)·up, → one expert matmul over [W_gate; W_up] with a glu() epilogue.
+- fuse-pointwise: chains of elementwise ops left over become single `pointwise` kernels:
+  pointwise(add(x, y)) {expr=scale(x(0), by=0.5)} → pointwise(x, y) {expr=scale(add(x(0), x(1)),
+  by=0.5)}.
 - select-kernels: a matmul left alone is a fused_linear with an empty epilogue, an elementwise op
   left alone a pointwise kernel. Any other op without a kernel is refused by name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
+import archc.ir.expr as E
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph, Node
 from archc.ir.ops import ELEMENTWISE, KERNEL_LEVEL, Op, is_compute
+from archc.ir.ops.core import elementwise_expr
 from archc.passes.context import PassContext, Refusal
-from archc.passes.linear import emit, merged_name, step, view
+from archc.passes.linear import cat_params, emit, step, view
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
-from archc.passes.pointwise import to_pointwise
 from archc.passes.registry import register_pass
 from archc.passes.rewrite import Rewriter
 
@@ -22,13 +29,8 @@ from archc.passes.rewrite import Rewriter
 
 
 def _router(rw: Rewriter, m: Bindings) -> int:
-    mm = rw.node(m["logits"])
-    return rw.emit(Op.ROUTER, list(mm.inputs), like=[m["root"], m["logits"]],
-                   **dict(rw.node(m["root"]).attrs))
-
-
-def _plain_up(n: Node) -> bool:
-    return n.attr("stage") == "up" and not n.attr("epilogue")
+    return rw.emit(Op.ROUTER, rw.node(m["logits"]).inputs, like=[m["root"], m["logits"]],
+                   **rw.node(m["root"]).attrs)
 
 
 def _expert_glu(rw: Rewriter, m: Bindings) -> int:
@@ -37,18 +39,19 @@ def _expert_glu(rw: Rewriter, m: Bindings) -> int:
         raise Refusal(f"the gate %{m['gate']} and up %{m['up']} stages read different tokens "
                       "or routes")
     wg, wu = gate.inputs[2], up.inputs[2]
-    shape = rw.shape(wg)
-    if rw.shape(wu) != shape:
-        raise Refusal(f"gate weights {list(shape)} and up weights {list(rw.shape(wu))} differ")
-    like = [m["gate"], m["act"], m["up"], m["root"]]
+    if rw.shape(wu) != rw.shape(wg):
+        raise Refusal(f"gate weights {list(rw.shape(wg))} and up weights {list(rw.shape(wu))} "
+                      "differ")
     # [W_gate; W_up] per expert: one grouped matmul, act(gate)·up in its epilogue
-    weight = rw.add_param(merged_name([rw.node(wg).name, rw.node(wu).name]),
-                          Call("cat", (rw.param_expr(wg), rw.param_expr(wu)), (("dim", 1),)),
-                          (shape[0], 2 * shape[1], shape[2]), rw.node(wu).dtype, like=like,
-                          at=m["gate"])
+    like = [m["gate"], m["act"], m["up"], m["root"]]
+    weight = cat_params(rw, [wg, wu], 1, like=like, at=m["gate"])
     glu = step("glu", fn=rw.node(m["act"]).attr("fn"))
     return rw.emit(Op.MOE_LINEAR, [*gate.inputs[:2], weight], like=like, stage="up",
                    top_k=gate.attr("top_k"), epilogue=(glu.call,))
+
+
+def _plain_up(n: Node) -> bool:
+    return n.attr("stage") == "up" and not n.attr("epilogue")
 
 
 MOE_RULES = (
@@ -68,16 +71,61 @@ register_rule_pass("fuse-moe",
                    "grouped matmul with act(gate)·up in its epilogue", MOE_RULES)
 
 
+# ---- fuse-pointwise --------------------------------------------------------------------------
+
+def to_pointwise(rw: Rewriter, root: int, inline: Collection[int]) -> tuple[int, list[int]]:
+    """One pointwise node computing `root` over its leaves, inlining the nodes of `inline` it
+    reaches through them; and those nodes."""
+    leaves: list[int] = []
+    inlined: list[int] = []
+
+    def expression(i: int) -> Call:
+        n = rw.node(i)
+        return E.substitute(elementwise_expr(n.op, n.attrs), [arg(j) for j in n.inputs])
+
+    def arg(j: int) -> Call:
+        if j in inline:
+            inlined.append(j)
+            return expression(j)
+        if j not in leaves:
+            leaves.append(j)
+        return E.x(leaves.index(j))
+
+    expr = expression(root)
+    inlined = sorted(set(inlined))
+    return rw.emit(Op.POINTWISE, leaves, like=[root, *inlined], at=root, expr=expr), inlined
+
+
+@register_pass("fuse-pointwise", "exact",
+               "chains of leftover elementwise ops become one pointwise kernel each")
+def fuse_pointwise(g: Graph, ctx: PassContext) -> Graph:
+    # 1. An elementwise node is inlined into its reader when that reader is elementwise and
+    #    is the only node reading it: its value is needed nowhere else.
+    # 2. Every elementwise node not inlined roots one pointwise node, whose expression walks
+    #    its inputs, inlining what step 1 marked and numbering the rest x(0), x(1)…
+    # 3. A pointwise node that inlines nothing is left as it is.
+    rw = Rewriter(g, ctx)
+    order = rw.order()
+    inline = {i for i in order if rw.op(i) in ELEMENTWISE and len(rw.users(i)) == 1
+              and rw.op(rw.users(i)[0]) in ELEMENTWISE}
+    for i in order:
+        if rw.op(i) not in ELEMENTWISE or i in inline or (
+                rw.op(i) == Op.POINTWISE and not inline.intersection(rw.node(i).inputs)):
+            continue
+        new, chain = to_pointwise(rw, i, inline)
+        rw.replace(i, new)
+        ctx.applied("pointwise", rw.describe(i), " → ".join(rw.op(j).value for j in [*chain, i]))
+    return rw.finish()
+
+
 # ---- select-kernels --------------------------------------------------------------------------
 
 def _kernel(rw: Rewriter, i: int) -> int:
     op = rw.op(i)
     if op == Op.MATMUL:
-        lin = view(rw, i, through_bias=False)
-        assert lin is not None
-        return emit(rw, lin, like=[i])
+        return emit(rw, view(rw, i), like=[i])  # type: ignore[arg-type]
     if op in ELEMENTWISE:
-        return to_pointwise(rw, i, set())
+        return to_pointwise(rw, i, ())[0]
     raise Refusal(f"{op.value} has no kernel-level form; the pass that fuses it did not "
                   "apply (see the refusals before this one)")
 
@@ -85,11 +133,8 @@ def _kernel(rw: Rewriter, i: int) -> int:
 def needs_kernel(n: Node) -> bool:
     """A compute node that is not a kernel yet (a router still reading separate logits
     included)."""
-    if not is_compute(n.op):
-        return False
-    if n.op == Op.ROUTER:
-        return len(n.inputs) == 1
-    return n.op not in KERNEL_LEVEL
+    return is_compute(n.op) and (len(n.inputs) == 1 if n.op == Op.ROUTER
+                                 else n.op not in KERNEL_LEVEL)
 
 
 @register_pass("select-kernels", "exact",
@@ -105,13 +150,8 @@ def select_kernels(g: Graph, ctx: PassContext) -> Graph:
     rw = Rewriter(g, ctx)
     for i in rw.order():
         n = rw.node(i)
-        if not needs_kernel(n):
-            continue
-        try:
-            new = _kernel(rw, i)
-        except Refusal as r:
-            ctx.refused("kernel", rw.describe(i), r.why)
-            continue
-        rw.replace(i, new)
-        ctx.applied("kernel", rw.describe(i), f"{n.op.value} → {rw.op(new).value}")
+        new = rw.attempt("kernel", i, _kernel, rw, i) if needs_kernel(n) else None
+        if new is not None:
+            rw.replace(i, new)
+            ctx.applied("kernel", rw.describe(i), f"{n.op.value} → {rw.op(new).value}")
     return rw.finish()
