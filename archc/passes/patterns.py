@@ -46,42 +46,38 @@ class Rule:
     rewrite: Callable[[Rewriter, Bindings], int | None]
 
 
-def match(rw: Rewriter, pat: Pat, i: int, bound: Bindings, problems: list[str],
-          parent: int | None = None) -> bool:
-    """Structural match of `pat` at node i (operands of a commutative op in either order);
-    conditions that fail are appended to `problems`. On a match, `bound` holds the bindings."""
+def match(rw: Rewriter, pat: Pat, i: int, parent: int | None = None
+          ) -> tuple[Bindings, list[str]] | None:
+    """The bindings of `pat` at node i and the conditions that fail there, or None when the
+    structure does not match. The operands of a commutative op match in either order: the first
+    order that matches cleanly wins, else the first that matches."""
     n = rw.node(i)
-    if pat.ops is not None and n.op not in pat.ops:
-        return False
-    if len(n.inputs) < len(pat.src) or (pat.where is not None and not pat.where(n)):
-        return False
-    if pat.name and bound.get(pat.name, i) != i:
-        return False
+    if (pat.ops is not None and n.op not in pat.ops) or len(n.inputs) < len(pat.src) or \
+            (pat.where is not None and not pat.where(n)):
+        return None
+    own: list[str] = []
+    others = [u for u in rw.users(i) if u != parent] if pat.one_use and parent is not None else []
+    if others:
+        own.append(f"%{i} ({n.op.value}) is also read by "
+                   + ", ".join(f"%{u} ({rw.op(u).value})" for u in others))
     orders = [n.inputs]
     if OP_TABLE[n.op].commutative and len(pat.src) >= 2:
         orders.append((n.inputs[1], n.inputs[0], *n.inputs[2:]))
     found: tuple[Bindings, list[str]] | None = None
-    for inputs in orders:    # the first order that matches cleanly, else the first that matches
-        b, p = dict(bound), list(problems)
-        if pat.name:
-            b[pat.name] = i
-        if pat.one_use and parent is not None:
-            others = [u for u in rw.users(i) if u != parent]
-            if others:
-                p.append(f"%{i} ({n.op.value}) is also read by "
-                         + ", ".join(f"%{u} ({rw.op(u).value})" for u in others))
-        if all(sub is None or match(rw, sub, j, b, p, parent=i)
-               for sub, j in zip(pat.src, inputs)):
-            if found is None or len(p) == len(problems):
-                found = (b, p)
-            if len(p) == len(problems):
-                break
-    if found is None:
-        return False
-    bound.clear()
-    bound.update(found[0])
-    problems[:] = found[1]
-    return True
+    for inputs in orders:
+        subs = [({}, []) if sub is None else match(rw, sub, j, i)
+                for sub, j in zip(pat.src, inputs)]
+        if any(m is None for m in subs):
+            continue
+        bound, problems = ({pat.name: i} if pat.name else {}), list(own)
+        for b, p in subs:  # type: ignore[misc]
+            bound.update(b)
+            problems += p
+        if found is None or len(problems) == len(own):
+            found = (bound, problems)
+        if len(problems) == len(own):
+            break
+    return found
 
 
 def apply_rules(rw: Rewriter, rules: Collection[Rule], *, max_rounds: int = 64) -> None:
@@ -98,15 +94,13 @@ def apply_rules(rw: Rewriter, rules: Collection[Rule], *, max_rounds: int = 64) 
             if rw.is_dead(i):
                 continue
             for rule in by_op.get(rw.op(i), []) + by_op.get(None, []):
-                bound: Bindings = {}
-                problems: list[str] = []
-                if not match(rw, rule.pattern, i, bound, problems):
-                    continue
-                if problems:
-                    refused[(rule.name, i)] = "; ".join(problems)
+                found = match(rw, rule.pattern, i)
+                if found is None:
                     continue
                 try:
-                    new = rule.rewrite(rw, bound)
+                    if found[1]:
+                        raise Refusal("; ".join(found[1]))
+                    new = rule.rewrite(rw, found[0])
                 except Refusal as r:
                     refused[(rule.name, i)] = r.why
                     continue
