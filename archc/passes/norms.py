@@ -7,6 +7,9 @@ epilogue. The normalized activation is never stored.
 
 from __future__ import annotations
 
+import math
+import os
+
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph
 from archc.ir.ops import Op
@@ -28,18 +31,13 @@ def _tag(weight: str, gain: str) -> str:
     """What distinguishes the gain's name from the weight's: layers.0.attn_norm.weight beside
     layers.0.attn.q.weight → attn_norm."""
     w, g = weight.split("."), gain.split(".")
-    k = 0
-    while k < min(len(w), len(g)) - 1 and w[k] == g[k]:
-        k += 1
-    rest = g[k:]
-    if rest and rest[-1] == "weight":
-        rest = rest[:-1]
-    return ".".join(rest) or gain
+    k = min(len(os.path.commonprefix([w, g])), len(w) - 1, len(g) - 1)
+    return ".".join(g[k:-1] if g[-1] == "weight" else g[k:]) or gain
 
 
 def _readers(rw: Rewriter, norm: int) -> list[Linear]:
-    """The linear layers reading `norm`, each with a bias_add after it looked through; raises
-    Refusal naming a reader that is not one."""
+    """The linear layers reading `norm`, each with a bias_add after it looked through, when the
+    norm can fold into all of them; Refusal naming what stops it otherwise."""
     out: list[Linear] = []
     for u in rw.users(norm):
         lin = view(rw, u)
@@ -54,20 +52,16 @@ def _readers(rw: Rewriter, norm: int) -> list[Linear]:
         out.append(lin)
     if not out:
         raise Refusal("nothing reads it")
-    return out
-
-
-def _check_profitable(rw: Rewriter, readers: list[Linear]) -> None:
-    for lin in readers:
+    norm_parts(rw, norm)
+    for lin in out:
         others = [u for u in rw.users(lin.weight) if u not in lin.covers]
         if others:
-            n = rw.node(lin.weight)
-            size = 1
-            for d in n.shape:
-                size *= int(d)
-            raise Refusal(f"weight {n.name!r} is also read by %{others[0]} "
+            w = rw.node(lin.weight)
+            raise Refusal(f"weight {w.name!r} is also read by %{others[0]} "
                           f"({rw.op(others[0]).value}): folding the gain would store a second, "
-                          f"scaled copy of it ({size:,} elements)", profitability=True)
+                          f"scaled copy of it ({math.prod(int(d) for d in w.shape):,} elements)",
+                          profitability=True)
+    return out
 
 
 def _fold(rw: Rewriter, norm: int, lin: Linear) -> None:
@@ -86,7 +80,6 @@ def _fold(rw: Rewriter, norm: int, lin: Linear) -> None:
     if n.attr("kind") == "rms":
         # rms(x)·γ·Wᵀ = rstd·(x·W'ᵀ),  rstd = 1/sqrt(mean(x²) + eps)
         head: list[Step] = [step("rms_scale")]
-        prologue = "rms"
     else:
         # LN(x)·Wᵀ + c = rstd·(x·W'ᵀ − μ·1ᵀW'ᵀ) + (β·Wᵀ + c): the mean is a rank-1 correction
         # with the column sums of W'; the shift β passes through W into the bias
@@ -94,7 +87,6 @@ def _fold(rw: Rewriter, norm: int, lin: Linear) -> None:
         colsum = rw.add_param(f"{w.name}*{tag}.colsum", Call("sum", (folded,), (("dim", -1),)),
                               (w.shape[0],), "f32", like=like, at=lin.root)
         head = [step("ln_scale", colsum)]
-        prologue = "layer"
         if beta is not None:
             shift = Call("mm", (rw.param_expr(lin.weight), rw.param_expr(beta)))
             if rest and rest[0].fn == "bias":
@@ -105,9 +97,9 @@ def _fold(rw: Rewriter, norm: int, lin: Linear) -> None:
                 name = f"{w.name.removesuffix('.weight')}.bias*{tag}"
             b = rw.add_param(name, shift, (w.shape[0],), w.dtype, like=like, at=lin.root)
             head.append(step("bias", b))
-    new = lin.replace(operands=(x,), weight=w2, prologue=prologue, eps=n.attr("eps"),
-                      steps=tuple(head + rest))
-    replace_linear(rw, lin, new)
+    # the prologue gathers the row statistics of the norm's kind: "rms" or "layer"
+    replace_linear(rw, lin, lin.replace(operands=(x,), weight=w2, prologue=n.attr("kind"),
+                                        eps=n.attr("eps"), steps=tuple(head + rest)))
 
 
 @register_pass("fold-norms", "exact",
@@ -129,12 +121,8 @@ def fold_norms(g: Graph, ctx: PassContext) -> Graph:
         if rw.op(i) != Op.NORM:
             continue
         rule = "fold-rmsnorm" if rw.node(i).attr("kind") == "rms" else "fold-layernorm"
-        try:
-            readers = _readers(rw, i)
-            norm_parts(rw, i)
-            _check_profitable(rw, readers)
-        except Refusal as r:
-            ctx.refused(rule, rw.describe(i), r.why, profitability=r.profitability)
+        readers = rw.attempt(rule, i, _readers, rw, i)
+        if readers is None:
             continue
         for lin in readers:
             _fold(rw, i, lin)
