@@ -120,13 +120,13 @@ def fuse_pointwise(g: Graph, ctx: PassContext) -> Graph:
 
 # ---- select-kernels --------------------------------------------------------------------------
 
-def _kernel(rw: Rewriter, i: int) -> int:
-    op = rw.op(i)
-    if op == Op.MATMUL:
+def _kernel(rw: Rewriter, m: Bindings) -> int:
+    i = m["root"]
+    if rw.op(i) == Op.MATMUL:
         return emit(rw, view(rw, i), like=[i])  # type: ignore[arg-type]
-    if op in ELEMENTWISE:
+    if rw.op(i) in ELEMENTWISE:
         return to_pointwise(rw, i, ())[0]
-    raise Refusal(f"{op.value} has no kernel-level form; the pass that fuses it did not "
+    raise Refusal(f"{rw.op(i).value} has no kernel-level form; the pass that fuses it did not "
                   "apply (see the refusals before this one)")
 
 
@@ -137,21 +137,12 @@ def needs_kernel(n: Node) -> bool:
                                  else n.op not in KERNEL_LEVEL)
 
 
-@register_pass("select-kernels", "exact",
-               "every compute node left becomes a kernel-level op: lone matmuls and "
-               "elementwise ops get kernels of their own")
-def select_kernels(g: Graph, ctx: PassContext) -> Graph:
-    # 1. Walk the compute nodes that are not kernel-level ops yet.
-    # 2. matmul → fused_linear with no prologue or epilogue; an elementwise op → a one-op
-    #    pointwise.
-    # 3. Anything else (a score chain flash-attention refused, a rope fuse-rope refused, a
-    #    router whose matmul fuse-moe could not take) has no kernel: refused, so explain names
-    #    it and codegen fails loudly.
-    rw = Rewriter(g, ctx)
-    for i in rw.order():
-        n = rw.node(i)
-        new = rw.attempt("kernel", i, _kernel, rw, i) if needs_kernel(n) else None
-        if new is not None:
-            rw.replace(i, new)
-            ctx.applied("kernel", rw.describe(i), f"{n.op.value} → {rw.op(new).value}")
-    return rw.finish()
+# 1. Every compute node that is not a kernel-level op yet: a matmul becomes a fused_linear with
+#    no prologue or epilogue, an elementwise op a one-op pointwise.
+# 2. Anything else (a score chain flash-attention refused, a rope fuse-rope refused, a router
+#    whose matmul fuse-moe could not take) has no kernel: refused, so explain names it and
+#    codegen fails loudly.
+register_rule_pass("select-kernels",
+                   "every compute node left becomes a kernel-level op: lone matmuls and "
+                   "elementwise ops get kernels of their own",
+                   (Rule("kernel", Pat(None, "root", where=needs_kernel), _kernel),))

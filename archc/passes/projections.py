@@ -16,7 +16,8 @@ from archc.ir.attrs import Call
 from archc.ir.graph import Graph
 from archc.ir.ops import Op
 from archc.passes.context import PassContext, Refusal
-from archc.passes.linear import Linear, Step, cat_params, emit, merged_name, step, view
+from archc.passes.linear import LINEAR, Linear, Step, cat_params, emit, merged_name, step, view
+from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
 from archc.passes.registry import register_pass
 from archc.passes.rewrite import Rewriter
 from archc.passes.sites import attention_operands, trace_up
@@ -140,46 +141,27 @@ def merge_qkv(g: Graph, ctx: PassContext) -> Graph:
 
 # ---- fuse-glu --------------------------------------------------------------------------------
 
-def _glu(rw: Rewriter, mul: int) -> int | None:
-    """act(x·W_gᵀ)·(x·W_uᵀ), operands in either order, as one linear with a glu epilogue; None
-    if mul is not that product."""
-    a, b = rw.node(mul).inputs
-    for act, up_node in ((a, b), (b, a)):
-        gate = view(rw, rw.node(act).inputs[0]) if rw.op(act) == Op.ACT else None
-        up = view(rw, up_node)
-        if gate is None or up is None:
-            continue
-        for node, reader in ((gate.root, act), (act, mul), (up.root, mul)):
-            others = [u for u in rw.users(node) if u != reader]
-            if others:
-                raise Refusal(f"%{node} ({rw.op(node).value}) is also read by "
-                              + ", ".join(f"%{u}" for u in others))
-        if any(s.fn not in ("rms_scale", "ln_scale", "bias") for m in (gate, up)
-               for s in m.steps):
-            raise Refusal("gate or up already has a nonlinear epilogue")
-        merged, _ = concat_rows(rw, [gate, up])
-        return emit(rw, merged.then(step("glu", fn=rw.node(act).attr("fn"))),
-                    like=[*gate.covers, act, *up.covers, mul], at=mul)
-    return None
+def _glu(rw: Rewriter, m: Bindings) -> int | None:
+    gate, up = view(rw, m["gate"]), view(rw, m["up"])
+    if gate is None or up is None:
+        return None
+    if any(s.fn not in ("rms_scale", "ln_scale", "bias") for s in (*gate.steps, *up.steps)):
+        raise Refusal("gate or up already has a nonlinear epilogue")
+    merged, _ = concat_rows(rw, [gate, up])
+    return emit(rw, merged.then(step("glu", fn=rw.node(m["act"]).attr("fn"))),
+                like=[*gate.covers, m["act"], *up.covers, m["root"]], at=m["root"])
 
 
-@register_pass("fuse-glu", "exact",
-               "gated FFN: gate and up in one matmul whose epilogue computes act(gate)·up")
-def fuse_glu(g: Graph, ctx: PassContext) -> Graph:
-    # 1. Find mul(act(x·W_gᵀ), x·W_uᵀ): gate and up projections of one input.
-    # 2. Legal if the gate pre-activation, the activation and the up projection are read by
-    #    this product only (the 2·d_ff intermediate is never stored).
-    # 3. One linear with weight [W_g; W_u] and epilogue glu(fn):
-    #    act(x·W_gᵀ)·(x·W_uᵀ) = act(acc[:, :F])·acc[:, F:],  acc = x·[W_g; W_u]ᵀ.
-    rw = Rewriter(g, ctx)
-    for i in rw.order():
-        new = rw.attempt("fuse-glu", i, _glu, rw, i) \
-            if rw.op(i) == Op.MUL and not rw.is_dead(i) else None
-        if new is not None:
-            rw.replace(i, new)
-            ctx.applied("fuse-glu", rw.describe(i),
-                        f"glu({rw.node(new).attr('epilogue')[-1].kw('fn')}) epilogue")
-    return rw.finish()
+# act(x·W_gᵀ)·(x·W_uᵀ) = act(acc[:, :F])·acc[:, F:],  acc = x·[W_g; W_u]ᵀ: one linear with weight
+# [W_g; W_u] and epilogue glu(fn), when the gate pre-activation, the activation and the up
+# projection are read by this product only (the 2·d_ff intermediate is never stored)
+GLU_RULES = (Rule("fuse-glu", Pat({Op.MUL}, "root", (
+    Pat({Op.ACT}, "act", (Pat(LINEAR | {Op.ADD}, "gate", one_use=True),), one_use=True),
+    Pat(LINEAR | {Op.ADD}, "up", one_use=True))), _glu),)
+
+register_rule_pass("fuse-glu",
+                   "gated FFN: gate and up in one matmul whose epilogue computes act(gate)·up",
+                   GLU_RULES)
 
 
 # ---- merge-parallel --------------------------------------------------------------------------
