@@ -1,4 +1,8 @@
-"""Attention passes: share KV heads (GQA), flash attention, and the per-head epilogues.
+"""Attention: finding it in a graph, and the passes over it.
+
+Shared with bias folding and the projection merges: the score chain after `scores`, and the
+projections that feed q, k and v through views, per-head norms, RoPE, the KV cache and
+`repeat_kv`. The passes:
 
 - share-kv-heads: `repeat_kv` goes; scores and the value sum read KV head h // g directly.
 - flash-attention: scores → scale → soft-cap → position bias → mask → softmax → value sum →
@@ -11,10 +15,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from archc.ir.attrs import Call
-from archc.ir.graph import Graph
+from archc.ir.graph import Graph, Node
 from archc.ir.ops import Op
 from archc.passes.context import PassContext, Refusal
 from archc.passes.linear import (
@@ -25,13 +29,97 @@ from archc.passes.linear import (
     norm_parts,
     replace_linear,
     step,
+    unary,
     view,
     view_with_bias,
 )
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
 from archc.passes.registry import register_pass
 from archc.passes.rewrite import Rewriter
-from archc.passes.sites import MODIFIERS, modifier, score_chain
+
+# Score modifiers as lowering emits them, ranked in the order the `attention` op applies them: a
+# scale and a soft-cap (pointwise), a position bias, the mask.
+MODIFIERS = {"scale": 0, "softcap": 1, "alibi": 2, "rel_bias": 2, "mask": 3}
+
+# Ops a q/k/v value may pass through between its projection and the attention that reads it.
+HEAD_PATH = frozenset({Op.SPLIT_HEADS, Op.SLICE, Op.ROPE, Op.NORM, Op.KV_CACHE, Op.REPEAT_KV})
+
+
+def modifier(n: Node) -> str | None:
+    """Which score modifier n is, if any: a pointwise scale(x(0)) or softcap(x(0)), alibi,
+    rel_bias or mask."""
+    kind = unary(n) if n.op == Op.POINTWISE else n.op.value
+    return kind if kind in MODIFIERS else None
+
+
+@dataclass
+class ScoreChain:
+    """scores → modifiers → softmax → weighted_sum → merge_heads, following single users."""
+
+    scores: int
+    modifiers: list[int] = field(default_factory=list)
+    softmax: int | None = None
+    wsum: int | None = None
+    merge: int | None = None
+    problem: str = ""          # why the chain stops short, if it does
+
+
+def score_chain(rw: Rewriter, scores: int) -> ScoreChain:
+    chain = ScoreChain(scores)
+    cur = scores
+    while rw.op(cur) != Op.SOFTMAX:
+        users = rw.users(cur)
+        if len(users) != 1:
+            chain.problem = (f"%{cur} ({rw.op(cur).value}) is read by "
+                             f"{len(users)} nodes, not only by the next step of attention")
+            return chain
+        nxt = users[0]
+        if rw.op(nxt) != Op.SOFTMAX:
+            if modifier(rw.node(nxt)) is None or rw.node(nxt).inputs[0] != cur:
+                chain.problem = (f"%{nxt} ({rw.op(nxt).value}) between scores and softmax is "
+                                 "not a score modifier")
+                return chain
+            chain.modifiers.append(nxt)
+        cur = nxt
+    chain.softmax = cur
+    users = rw.users(cur)
+    if len(users) != 1 or rw.op(users[0]) != Op.WEIGHTED_SUM or rw.node(users[0]).inputs[0] != cur:
+        chain.problem = f"the probabilities %{cur} are read by something other than one " \
+                        "weighted_sum"
+        return chain
+    chain.wsum = users[0]
+    users = rw.users(chain.wsum)
+    if len(users) == 1 and rw.op(users[0]) == Op.MERGE_HEADS:
+        chain.merge = users[0]
+    else:
+        chain.problem = f"the head outputs %{chain.wsum} are not merged by one merge_heads"
+    return chain
+
+
+def trace_up(rw: Rewriter, i: int) -> tuple[list[int], int]:
+    """Walk from node i up its first input while the op is a head-path op; returns the path
+    (nearest first) and the node it stops at."""
+    path: list[int] = []
+    while rw.op(i) in HEAD_PATH:
+        path.append(i)
+        i = rw.node(i).inputs[0]
+    return path, i
+
+
+def attention_operands(rw: Rewriter, i: int) -> dict[str, int] | None:
+    """For a node that reads q, k and v projections — softmax attention (decomposed at its
+    `scores`, or flash) or linear attention — the nodes its q, k and v come from, when it reads
+    them as inputs. Only the projection merges use these; nothing here says a bias is invariant
+    (φ(k + b) is not φ(k) shifted, so linear attention keeps its key bias)."""
+    n = rw.node(i)
+    if n.op == Op.SCORES:
+        wsum = score_chain(rw, i).wsum
+        return None if wsum is None else {"q": n.inputs[0], "k": n.inputs[1],
+                                          "v": rw.node(wsum).inputs[1]}
+    if n.op == Op.ATTENTION and n.attr("cache_layer") is not None:
+        return {"q": n.inputs[0]}
+    return dict(zip("qkv", n.inputs)) if n.op in (Op.ATTENTION, Op.LINEAR_ATTENTION) else None
+
 
 # ---- share-kv-heads --------------------------------------------------------------------------
 
@@ -327,8 +415,6 @@ def _kv_write(rw: Rewriter, att: int) -> tuple[Linear, Step]:
     lin = view(rw, kv.source)
     if lin is None:
         raise Refusal(f"k and v are not computed by a linear layer (%{kv.source})")
-    if (kv.heads, kv.head_dim) != (vv.heads, vv.head_dim):
-        raise Refusal("k and v have different head layouts")
     qv = column_view(rw, q)
     if qv is None or qv.source != kv.source:
         raise Refusal(f"q %{q} is not computed by the kernel that writes the cache, so the "

@@ -9,6 +9,7 @@ from __future__ import annotations
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph
 from archc.ir.ops import Op
+from archc.passes.attention import ScoreChain, modifier, score_chain, trace_up
 from archc.passes.context import PassContext, Refusal
 from archc.passes.linear import (
     Linear,
@@ -24,7 +25,6 @@ from archc.passes.linear import (
 from archc.passes.patterns import Bindings, Pat, Rule, apply_rules
 from archc.passes.registry import register_pass
 from archc.passes.rewrite import Rewriter
-from archc.passes.sites import ScoreChain, modifier, score_chain, trace_up
 
 # Score modifiers that keep a per-row constant a per-row constant (scaled, shifted or replaced).
 SHIFT_SAFE = frozenset({"scale", "alibi", "rel_bias", "mask"})
