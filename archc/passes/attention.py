@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import archc.ir.expr as E
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph, Node
 from archc.ir.ops import Op
@@ -165,27 +166,22 @@ def _flash(rw: Rewriter, scores: int) -> tuple[int, int]:
     if rw.shape(k) != rw.shape(v):
         raise Refusal(f"k %{k} {list(rw.shape(k))} and v %{v} {list(rw.shape(v))} differ in "
                       "shape (share-kv-heads must treat both)")
-    attrs: dict[str, object] = {"scale": 1.0, "causal": False, "padding": False,
-                                "prefix": False}
-    extra: list[int] = []
-    bias_input: list[int] = []
+    attrs: dict[str, object] = {"scale": 1.0}
+    extra: list[int] = []    # the mask's padding and prefix_len, then ALiBi slopes or T5 table
     for i, kind in zip(chain.modifiers, kinds):
         n = rw.node(i)
         if kind in ("scale", "softcap"):
             attrs[kind] = n.attr("expr").kw("by" if kind == "scale" else "cap")
-        elif kind == "alibi":
-            attrs["bias"] = Call("alibi")
-            bias_input = [n.inputs[1]]
-        elif kind == "rel_bias":
-            attrs["bias"] = Call("t5", (), (("bidirectional", n.attr("bidirectional")),
-                                            ("max_distance", n.attr("max_distance"))))
-            bias_input = [n.inputs[1]]
-        else:
+        elif kind == "mask":
             attrs.update({a: n.attr(a) for a in ("causal", "padding", "prefix", "window",
                                                  "global_tokens")})
-            extra = list(n.inputs[1:])   # padding, then prefix_len, as the mask takes them
+            extra[:0] = n.inputs[1:]
+        else:
+            attrs["bias"] = E.call("alibi") if kind == "alibi" else E.call(
+                "t5", bidirectional=n.attr("bidirectional"), max_distance=n.attr("max_distance"))
+            extra.append(n.inputs[1])
     like = [scores, *chain.modifiers, chain.softmax, chain.wsum, chain.merge]
-    return chain.merge, rw.emit(Op.ATTENTION, [q, k, v, *extra, *bias_input],
+    return chain.merge, rw.emit(Op.ATTENTION, [q, k, v, *extra],
                                 like=like, at=chain.merge, **attrs)  # type: ignore[list-item]
 
 
@@ -267,6 +263,7 @@ def head_epilogue(rw: Rewriter, lin: Linear, op: Op, what: str, later: tuple[str
     if not views:
         return None
     heads: Heads = []
+    end = 0
     for cv in views:
         users = rw.users(cv.split)
         if len(users) != 1:
@@ -275,14 +272,12 @@ def head_epilogue(rw: Rewriter, lin: Linear, op: Op, what: str, later: tuple[str
         if cv.slice is not None and len(rw.users(cv.slice)) != 1:
             raise Refusal(f"columns [{cv.start}, {cv.stop}) %{cv.slice} are also read without "
                           f"being {what}")
-        heads.append((cv, users[0]))
-    end = 0
-    for cv in views:
         if cv.head_dim != views[0].head_dim:
             raise Refusal(f"heads of {cv.head_dim} and {views[0].head_dim} dims")
         if cv.start != end:
             raise Refusal(f"the columns to be {what} are not contiguous from column 0 (a gap "
                           f"before column {cv.start}); the epilogue serves the first heads only")
+        heads.append((cv, users[0]))
         end = cv.stop
     for r, a, b, cv in readers:
         if (cv is None or cv not in views) and a < end:

@@ -81,23 +81,19 @@ def run_pass(program: Program, name: str, done: Sequence[str] = ()) -> PassStep:
         detail = str(cause) if isinstance(cause, IRError) else f"{type(cause).__name__}: {cause}"
         raise PassFailure(f"{where(graph)}: {detail}") from cause
     log: list[str] = []
-    kept: dict[str, dict[int, int]] = {}
-    before = {g.name: g for g in program}
     for g in after:
-        if g.name not in before:
+        ctx = contexts.get(g.name)
+        if ctx is None:
             log.append(f"{name}: graph {g.name}: added ({len(g.nodes)} nodes)")
             continue
-        ctx = contexts[g.name]
         applied = sum(d.applied for d in ctx.decisions)
         refused = len(ctx.decisions) - applied
-        if g is before[g.name]:
+        if g is ctx.graph:
             log.append(f"{name}: graph {g.name}: not applied" +
                        (f" ({refused} candidates refused)" if refused else ""))
-            continue
-        log.append(f"{name}: graph {g.name}: {applied} rewrites" +
-                   (f", {refused} refused" if refused else ""))
-        if ctx.kept is not None:
-            kept[g.name] = ctx.kept
+        else:
+            log.append(f"{name}: graph {g.name}: {applied} rewrites" +
+                       (f", {refused} refused" if refused else ""))
     for line in log:
         LOG.debug(line)
     if after is not program:
@@ -106,6 +102,7 @@ def run_pass(program: Program, name: str, done: Sequence[str] = ()) -> PassStep:
         except IRError as err:
             raise PassFailure(f"{where()} left an invalid graph: {err}") from err
     decisions = tuple(d for ctx in contexts.values() for d in ctx.decisions)
+    kept = {g: ctx.kept for g, ctx in contexts.items() if ctx.kept is not None}
     return PassStep(name, PASSES[name].kind, program, after, decisions, tuple(log), kept)
 
 
