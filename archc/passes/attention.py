@@ -1,14 +1,12 @@
-"""Attention: finding it in a graph, and the passes over it.
-
-Shared with bias folding and the projection merges: the score chain after `scores`, and the
-projections that feed q, k and v through views, per-head norms, RoPE, the KV cache and
-`repeat_kv`. The passes:
+"""Attention: finding it in a graph — the score chain after `scores`, and the projections that
+feed q, k and v through views, per-head norms, RoPE, the KV cache and `repeat_kv` (bias folding
+and the projection merges use these too) — and the passes over it:
 
 - share-kv-heads: `repeat_kv` goes; scores and the value sum read KV head h // g directly.
 - flash-attention: scores → scale → soft-cap → position bias → mask → softmax → value sum →
   merge_heads becomes one `attention` node.
-- fuse-qk-norm: QK-norm of q and k runs in the epilogue of the projection that computes them.
-- fuse-rope: RoPE of q and k runs in the epilogue of the projection that computes them.
+- fuse-qk-norm, fuse-rope: QK-norm and RoPE of q and k run in the epilogue of the projection
+  that computes them.
 - fuse-kv-write: the projection's epilogue writes k and v into the cache; attention reads it.
 """
 
@@ -107,23 +105,22 @@ def trace_up(rw: Rewriter, i: int) -> tuple[list[int], int]:
     return path, i
 
 
-def attention_operands(rw: Rewriter, i: int) -> dict[str, int] | None:
-    """For a node that reads q, k and v projections — softmax attention (decomposed at its
-    `scores`, or flash) or linear attention — the nodes its q, k and v come from, when it reads
-    them as inputs. Only the projection merges use these; nothing here says a bias is invariant
-    (φ(k + b) is not φ(k) shifted, so linear attention keeps its key bias)."""
+def attention_operands(rw: Rewriter, i: int) -> dict[str, int]:
+    """The nodes q, k and v come from, for a node that reads them as inputs: softmax attention
+    (decomposed at its `scores`, or flash) or linear attention; {} for any other. Only the
+    projection merges use these; nothing here says a bias is invariant (φ(k + b) is not φ(k)
+    shifted, so linear attention keeps its key bias)."""
     n = rw.node(i)
     if n.op == Op.SCORES:
         wsum = score_chain(rw, i).wsum
-        return None if wsum is None else {"q": n.inputs[0], "k": n.inputs[1],
-                                          "v": rw.node(wsum).inputs[1]}
+        return {} if wsum is None else {"q": n.inputs[0], "k": n.inputs[1],
+                                        "v": rw.node(wsum).inputs[1]}
     if n.op == Op.ATTENTION and n.attr("cache_layer") is not None:
         return {"q": n.inputs[0]}
-    return dict(zip("qkv", n.inputs)) if n.op in (Op.ATTENTION, Op.LINEAR_ATTENTION) else None
+    return dict(zip("qkv", n.inputs)) if n.op in (Op.ATTENTION, Op.LINEAR_ATTENTION) else {}
 
 
-# ---- share-kv-heads --------------------------------------------------------------------------
-
+# ---- share-kv-heads, flash-attention ---------------------------------------------------------
 
 def _read_kv_heads(rw: Rewriter, m: Bindings) -> int:
     n = rw.node(m["root"])
@@ -141,14 +138,10 @@ GQA_RULES = (
         None, Pat({Op.REPEAT_KV}, one_use=True), Pat({Op.REPEAT_KV}, one_use=True))),
         _read_kv_heads),
 )
-
-
 register_rule_pass("share-kv-heads",
                    "GQA/MQA: drop repeat_kv; attention reads KV head h // group directly",
                    GQA_RULES)
 
-
-# ---- flash-attention -------------------------------------------------------------------------
 
 def _flash(rw: Rewriter, scores: int) -> tuple[int, int]:
     """(merge_heads, the attention node that replaces it) for the chain from `scores`."""
@@ -181,8 +174,8 @@ def _flash(rw: Rewriter, scores: int) -> tuple[int, int]:
                 "t5", bidirectional=n.attr("bidirectional"), max_distance=n.attr("max_distance"))
             extra.append(n.inputs[1])
     like = [scores, *chain.modifiers, chain.softmax, chain.wsum, chain.merge]
-    return chain.merge, rw.emit(Op.ATTENTION, [q, k, v, *extra],
-                                like=like, at=chain.merge, **attrs)  # type: ignore[list-item]
+    return chain.merge, rw.emit(Op.ATTENTION, [q, k, v, *extra], like=like,  # type: ignore
+                                at=chain.merge, **attrs)
 
 
 @register_pass("flash-attention", "exact",
@@ -193,19 +186,18 @@ def flash_attention(g: Graph, ctx: PassContext) -> Graph:
     #    see the scores or probabilities a flash kernel never stores).
     # 2. The modifiers must come in the order the attention op applies them.
     # 3. Emit attention(q, k, v, [padding], [prefix_len], [slopes | rel_table]) with scale,
-    #    softcap, bias, causal, window, global_tokens, padding and prefix as attributes, in place of
-    #    merge_heads: its output is [B, T, H·D].
+    #    softcap, bias, causal, window, global_tokens, padding and prefix as attributes, in place
+    #    of merge_heads: its output is [B, T, H·D].
     rw = Rewriter(g, ctx)
     for i in rw.order():
-        found = rw.attempt("flash-attention", i, _flash, rw, i) \
-            if rw.op(i) == Op.SCORES else None
+        found = rw.attempt("flash-attention", i, _flash, rw, i) if rw.op(i) == Op.SCORES else None
         if found is not None:
             rw.replace(*found)
-            ctx.applied("flash-attention", rw.describe(i), "one attention node")
+            ctx.applied("flash-attention", i, "one attention node")
     return rw.finish()
 
 
-# ---- column views of a projection ------------------------------------------------------------
+# ---- epilogues over a projection's heads: fuse-qk-norm, fuse-rope, fuse-kv-write ---------------
 
 @dataclass(frozen=True)
 class ColumnView:
@@ -244,13 +236,12 @@ def _readers(rw: Rewriter, root: int) -> list[tuple[int, int, int, ColumnView | 
     return out
 
 
-# ---- per-head epilogues: fuse-qk-norm, fuse-rope -----------------------------------------------
-
 Heads = list[tuple[ColumnView, int]]     # head views, each with the one node reading it
+HeadStep = Callable[[Rewriter, Linear, Heads], Step]
 
 
 def head_epilogue(rw: Rewriter, lin: Linear, op: Op, what: str, later: tuple[str, ...],
-                  make: Callable[[Rewriter, Linear, Heads], Step]) -> tuple[Step, Heads] | None:
+                  make: HeadStep) -> tuple[Step, Heads] | None:
     """The step `make` builds for the head views of `lin` read by one `op` node each, with those
     views and nodes, if a step over the first n heads can stand for the nodes: the columns they
     read are [0, n·D), each view is read by that node only, and no other reader sees those
@@ -290,7 +281,7 @@ def head_epilogue(rw: Rewriter, lin: Linear, op: Op, what: str, later: tuple[str
 
 
 def fuse_heads(rw: Rewriter, rule: str, op: Op, what: str, later: tuple[str, ...],
-               make: Callable[[Rewriter, Linear, Heads], Step]) -> None:
+               make: HeadStep) -> None:
     """For each linear layer, the `op` nodes reading its first heads become the epilogue step
     `make` builds; each is replaced by the head view it read."""
     for lin in [view_with_bias(rw, i) for i in rw.order() if rw.op(i) in LINEAR]:
@@ -301,7 +292,7 @@ def fuse_heads(rw: Rewriter, rule: str, op: Op, what: str, later: tuple[str, ...
         replace_linear(rw, lin, lin.then(found[0]))
         for cv, reader in found[1]:
             rw.replace(reader, cv.split)
-            rw.ctx.applied(rule, rw.describe(reader), f"{what} in the epilogue of %{lin.root}")
+            rw.ctx.applied(rule, reader, f"{what} in the epilogue of %{lin.root}")
 
 
 def _rope(rw: Rewriter, lin: Linear, heads: Heads) -> Step:
@@ -313,10 +304,9 @@ def _rope(rw: Rewriter, lin: Linear, heads: Heads) -> Step:
             raise Refusal(f"rope %{reader} and %{heads[0][1]} differ in positions, "
                           "frequencies or attributes")
     hd = heads[0][0].head_dim
-    dynamic = {"dynamic": r0.attr("dynamic")} if r0.attr("dynamic") is not None else {}
     return step("rope", *r0.inputs[1:], heads=heads[-1][0].stop // hd, head_dim=hd,
                 rotary_dim=r0.attr("rotary_dim"), interleaved=r0.attr("interleaved"),
-                mscale=r0.attr("mscale", 1.0), **dynamic)
+                mscale=r0.attr("mscale", 1.0), dynamic=r0.attr("dynamic"))
 
 
 @register_pass("fuse-rope", "exact",
@@ -332,9 +322,9 @@ def fuse_rope(g: Graph, ctx: PassContext) -> Graph:
     for i in rw.order():
         src = rw.node(i).inputs[0] if rw.op(i) == Op.ROPE else None
         if src is not None and column_view(rw, src) is None:
-            ctx.refused("fuse-rope", rw.describe(i),
-                        f"it rotates %{src} ({rw.op(src).value}), not heads split from a "
-                        "projection's columns, so no matmul epilogue computes its input")
+            ctx.refused("fuse-rope", i, f"it rotates %{src} ({rw.op(src).value}), not heads "
+                        "split from a projection's columns, so no matmul epilogue computes its "
+                        "input")
     return rw.finish()
 
 
@@ -347,20 +337,18 @@ def _head_norm(rw: Rewriter, lin: Linear, heads: Heads) -> Step:
         n = rw.node(reader)
         if (n.attr("kind"), n.attr("eps")) != (first.attr("kind"), first.attr("eps")):
             raise Refusal(f"%{reader} and %{heads[0][1]} are different norms")
-        _, gain_node, shift_node = norm_parts(rw, reader)
-        gain = rw.param_expr(gain_node)
+        _, gain, shift = norm_parts(rw, reader)
+        g = rw.param_expr(gain)
         if n.attr("unit_offset"):
-            gain = Call("offset", (gain,), (("by", 1.0),))       # Gemma: γ = 1 + w
-        gains.append(Call("tile", (gain,), (("times", cv.heads),)))
-        shifts.append(Call("tile", (rw.param_expr(shift_node),), (("times", cv.heads),))
-                      if shift_node is not None else
-                      Call("zeros", (), (("shape", (cv.stop - cv.start,)),)))
+            g = E.call("offset", g, by=1.0)        # Gemma: γ = 1 + w
+        gains.append(E.call("tile", g, times=cv.heads))
+        shifts.append(E.call("tile", rw.param_expr(shift), times=cv.heads) if shift is not None
+                      else E.call("zeros", shape=(cv.stop - cv.start,)))
     cols, hd = heads[-1][0].stop, heads[0][0].head_dim
     like = [reader for _, reader in heads]
-    dtype = rw.node(first.inputs[1]).dtype
     name = merged_name([rw.node(rw.node(reader).inputs[1]).name for reader in like])
-    gain_p, shift_p = (rw.add_param(n, Call("cat", tuple(parts), (("dim", 0),)), (cols,), dtype,
-                                    like=like, at=lin.root)
+    gain_p, shift_p = (rw.add_param(n, E.call("cat", *parts, dim=0), (cols,),
+                                    rw.node(first.inputs[1]).dtype, like=like, at=lin.root)
                        for n, parts in ((name + ".tiled", gains),
                                         (name.removesuffix(".weight") + ".shift", shifts)))
     return step("head_norm", gain_p, shift_p, kind=first.attr("kind"), eps=first.attr("eps"),
@@ -378,20 +366,15 @@ def fuse_qk_norm(g: Graph, ctx: PassContext) -> Graph:
     #    each head's norm weight tiled over its heads (zeros shift for RMSNorm). Each norm
     #    node is replaced by its head view, so fuse-rope then finds the rotation there.
     rw = Rewriter(g, ctx)
-    fuse_heads(rw, "fuse-qk-norm", Op.NORM, "normalized", ("head_norm", "rope", "kv_write", "glu"),
-               _head_norm)
+    fuse_heads(rw, "fuse-qk-norm", Op.NORM, "normalized",
+               ("head_norm", "rope", "kv_write", "glu"), _head_norm)
     return rw.finish()
 
-
-# ---- fuse-kv-write ---------------------------------------------------------------------------
 
 def _kv_write(rw: Rewriter, att: int) -> tuple[Linear, Step]:
     """The projection whose epilogue can write the cache this attention reads, and the step
     that writes it; Refusal when there is none."""
-    n = rw.node(att)
-    q, kc, vc = n.inputs[:3]
-    if rw.op(kc) != Op.KV_CACHE or rw.op(vc) != Op.KV_CACHE:
-        raise Refusal("k and v are not read from kv_cache writes")
+    q, kc, vc = rw.node(att).inputs[:3]
     k_node, v_node = rw.node(kc), rw.node(vc)
     layer = k_node.attr("layer")
     if (k_node.attr("kind"), v_node.attr("kind")) != ("k", "v") or v_node.attr("layer") != layer:
@@ -438,15 +421,16 @@ def fuse_kv_write(g: Graph, ctx: PassContext) -> Graph:
     for i in rw.order():
         n = rw.node(i)
         found = rw.attempt("fuse-kv-write", i, _kv_write, rw, i) if n.op == Op.ATTENTION and \
-            n.attr("cache_layer") is None and rw.op(n.inputs[1]) == Op.KV_CACHE else None
+            n.attr("cache_layer") is None and rw.op(n.inputs[1]) == rw.op(n.inputs[2]) == \
+            Op.KV_CACHE else None
         if found is None:
             continue
         lin, write = found
         replace_linear(rw, lin, lin.then(write))
-        layer, kv_heads = write.kw("layer"), write.kw("kv_heads")
+        layer = write.kw("layer")
         rw.replace(i, rw.emit(Op.ATTENTION, [n.inputs[0], *n.inputs[3:]], like=[i, *n.inputs[1:3]],
-                              **n.attrs.replace(cache_layer=layer, kv_heads=kv_heads)))
+                              **n.attrs.replace(cache_layer=layer, kv_heads=write.kw("kv_heads"))))
         for c in n.inputs[1:3]:
             rw.kill(c)
-        ctx.applied("fuse-kv-write", rw.describe(i), f"layer {layer} cache written by %{lin.root}")
+        ctx.applied("fuse-kv-write", i, f"layer {layer} cache written by %{lin.root}")
     return rw.finish()

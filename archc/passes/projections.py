@@ -123,7 +123,7 @@ def merge_qkv(g: Graph, ctx: PassContext) -> Graph:
     rw = Rewriter(g, ctx)
     for site in rw.order():
         groups: dict[int, list[Linear]] = {}
-        for i in (attention_operands(rw, site) or {}).values():
+        for i in attention_operands(rw, site).values():
             path, end = trace_up(rw, i)
             lin = view(rw, end)
             if lin is not None and not any(rw.op(j) == Op.SLICE for j in path):  # not merged
@@ -209,7 +209,7 @@ def _merge_out(rw: Rewriter, outer: int, inner: int, res: int, a: Linear, f: Lin
 def _attention_projections(rw: Rewriter, attn: int) -> list[Linear]:
     """The distinct projections feeding q, k and v of attention node `attn`, q first."""
     out: list[Linear] = []
-    for i in (attention_operands(rw, attn) or {}).values():
+    for i in attention_operands(rw, attn).values():
         lin = view(rw, trace_up(rw, i)[1])
         if lin is not None and lin.root not in [m.root for m in out]:
             out.append(lin)
