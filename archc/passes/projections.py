@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from archc.ir.attrs import Call
+import archc.ir.expr as E
 from archc.ir.graph import Graph
 from archc.ir.ops import Op
 from archc.passes.attention import attention_operands, trace_up
@@ -22,12 +22,11 @@ from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
 from archc.passes.registry import register_pass
 from archc.passes.rewrite import Rewriter
 
-FIRST_ONLY = ("rope", "kv_write")   # steps valid only where columns do not move
-
 
 def _split(lin: Linear, first: bool) -> tuple[Step | None, int | None, list[Step]]:
     """A member's epilogue in its column-wise parts: the row scale of a folded norm (rms_scale
-    or ln_scale), the bias vector, and the rest (act on columns; rope and kv_write when first)."""
+    or ln_scale), the bias vector, and the rest: act on columns; rope and kv_write, valid only
+    where columns do not move, on the first member."""
     scale: Step | None = None
     bias: int | None = None
     tail: list[Step] = []
@@ -36,7 +35,7 @@ def _split(lin: Linear, first: bool) -> tuple[Step | None, int | None, list[Step
             scale = s
         elif s.fn == "bias" and bias is None and not tail:
             bias = s.inputs[0]
-        elif s.fn == "act" or (first and s.fn in FIRST_ONLY):
+        elif s.fn == "act" or (first and s.fn in ("rope", "kv_write")):
             tail.append(s)
         else:
             raise Refusal(f"%{lin.root} has a {s.fn} step, which does not act column by column")
@@ -67,23 +66,24 @@ def concat_rows(rw: Rewriter, members: Sequence[Linear], acts: Sequence[int | No
     offsets = [sum(widths[:k]) for k in range(len(members))]
     like = [c for m in members for c in m.covers]
     at = min((m.root for m in members), key=rw.key.__getitem__)
+
+    def vector(parts: list[int | None], dtype: str) -> int:
+        """The members' vectors side by side, zeros where a member has none."""
+        names = [rw.node(p).name for p in parts if p is not None]
+        return rw.add_param(
+            merged_name(names) if len(names) > 1 else names[0] + ".padded",
+            E.call("cat", *(rw.param_expr(p) if p is not None else E.call("zeros", shape=(w,))
+                            for p, w in zip(parts, widths)), dim=0),
+            (sum(widths),), dtype, like=like, at=at)
+
     weight = cat_params(rw, [m.weight for m in members], 0, like=like, at=at)
-    steps: list[Step] = []
     scale = forms[0][0]
-    if scale is not None and scale.fn == "rms_scale":
-        steps.append(scale)
-    elif scale is not None:   # ln_scale: the column sums concatenate
-        sums = [s.inputs[0] for s, _, _ in forms if s is not None]
-        steps.append(step("ln_scale", cat_params(rw, sums, 0, like=like, at=at)))
-    biases = [b for _, b, _ in forms if b is not None]
-    if biases:
-        parts = [rw.param_expr(b) if b is not None else Call("zeros", (), (("shape", (w,)),))
-                 for (_, b, _), w in zip(forms, widths)]
-        names = [rw.node(b).name for b in biases]
-        bias = rw.add_param(merged_name(names) if len(names) > 1 else names[0] + ".padded",
-                            Call("cat", tuple(parts), (("dim", 0),)), (sum(widths),),
-                            rw.node(first.weight).dtype, like=like, at=at)
-        steps.append(step("bias", bias))
+    steps: list[Step] = []
+    if scale is not None:     # rms_scale as it is; ln_scale's column sums concatenate
+        steps.append(scale if scale.fn == "rms_scale" else step("ln_scale", vector(
+            [s.inputs[0] for s, _, _ in forms], rw.node(scale.inputs[0]).dtype)))
+    if any(b is not None for _, b, _ in forms):
+        steps.append(step("bias", vector([b for _, b, _ in forms], rw.node(first.weight).dtype)))
     for (_, _, tail), off, w, act in zip(forms, offsets, widths, acts or [None] * len(members)):
         steps += [step("act", fn=s.kw("fn"), start=off + s.kw("start", 0),
                        stop=off + s.kw("stop", w)) if s.fn == "act" else s for s in tail]
@@ -109,13 +109,18 @@ def emit_with_slices(rw: Rewriter, merged: Linear, members: Sequence[Linear],
     return new
 
 
-# ---- merge-qkv -------------------------------------------------------------------------------
+def _projections(rw: Rewriter, site: int) -> list[tuple[list[int], Linear]]:
+    """The linear layers the q, k and v of an attention site come from, in that order, each with
+    the path up to it."""
+    found = [trace_up(rw, i) for i in attention_operands(rw, site).values()]
+    return [(path, lin) for path, end in found if (lin := view(rw, end)) is not None]
+
 
 @register_pass("merge-qkv", "exact",
                "q, k and v projections of one input → one matmul over concatenated weights")
 def merge_qkv(g: Graph, ctx: PassContext) -> Graph:
     # 1. For each attention site, trace q, k and v up through head views, per-head norms, RoPE,
-    #    the cache and repeat_kv to their projections.
+    #    the cache and repeat_kv to their projections (a slice on the way: merged already).
     # 2. Group the projections that read the same input: q, k and v of self-attention; k and v
     #    of cross-attention (q reads the decoder, k and v the encoder).
     # 3. Concatenate their weight rows in q, k, v order — the RoPE epilogue rotates the first
@@ -123,23 +128,17 @@ def merge_qkv(g: Graph, ctx: PassContext) -> Graph:
     rw = Rewriter(g, ctx)
     for site in rw.order():
         groups: dict[int, list[Linear]] = {}
-        for i in attention_operands(rw, site).values():
-            path, end = trace_up(rw, i)
-            lin = view(rw, end)
-            if lin is not None and not any(rw.op(j) == Op.SLICE for j in path):  # not merged
+        for path, lin in _projections(rw, site):
+            if not any(rw.op(j) == Op.SLICE for j in path):
                 groups.setdefault(lin.x, []).append(lin)
         for members in groups.values():
             found = rw.attempt("merge-qkv", members[0].root, concat_rows, rw, members) \
                 if len(members) > 1 else None
             if found is not None:
-                merged, offsets = found
-                emit_with_slices(rw, merged, members, offsets)
-                ctx.applied("merge-qkv", rw.describe(members[0].root),
-                            f"{len(members)} projections in one")
+                emit_with_slices(rw, found[0], members, found[1])
+                ctx.applied("merge-qkv", members[0].root, f"{len(members)} projections in one")
     return rw.finish()
 
-
-# ---- fuse-glu --------------------------------------------------------------------------------
 
 def _glu(rw: Rewriter, m: Bindings) -> int | None:
     gate, up = view(rw, m["gate"]), view(rw, m["up"])
@@ -158,13 +157,10 @@ def _glu(rw: Rewriter, m: Bindings) -> int | None:
 GLU_RULES = (Rule("fuse-glu", Pat({Op.MUL}, "root", (
     Pat({Op.ACT}, "act", (Pat(LINEAR | {Op.ADD}, "gate", one_use=True),), one_use=True),
     Pat(LINEAR | {Op.ADD}, "up", one_use=True))), _glu),)
-
 register_rule_pass("fuse-glu",
                    "gated FFN: gate and up in one matmul whose epilogue computes act(gate)·up",
                    GLU_RULES)
 
-
-# ---- merge-parallel --------------------------------------------------------------------------
 
 def _parallel_sum(rw: Rewriter, outer: int) -> tuple[int, int, Linear, Linear] | None:
     """(inner add, residual, A, F) for add(add(x, A), F), A and F linear layers."""
@@ -196,24 +192,14 @@ def _merge_out(rw: Rewriter, outer: int, inner: int, res: int, a: Linear, f: Lin
     biases = [s.inputs[0] for m in (a, f) for s in m.steps]
     steps: list[Step] = []
     if biases:
-        expr = rw.param_expr(biases[0]) if len(biases) == 1 else Call(
-            "add", tuple(rw.param_expr(b) for b in biases))
-        bias = rw.add_param(merged_name([rw.node(b).name for b in biases]), expr,
+        exprs = [rw.param_expr(b) for b in biases]
+        bias = rw.add_param(merged_name([rw.node(b).name for b in biases]),
+                            exprs[0] if len(exprs) == 1 else E.call("add", *exprs),
                             (rw.shape(a.weight)[0],), rw.node(a.weight).dtype, like=like, at=at)
         steps.append(step("bias", bias))
     out = Linear(at, (a.x, f.x), weight, steps=(*steps, step("residual", res)),
                  covers=tuple(like))
     return emit(rw, out, like=like, at=outer)
-
-
-def _attention_projections(rw: Rewriter, attn: int) -> list[Linear]:
-    """The distinct projections feeding q, k and v of attention node `attn`, q first."""
-    out: list[Linear] = []
-    for i in attention_operands(rw, attn).values():
-        lin = view(rw, trace_up(rw, i)[1])
-        if lin is not None and lin.root not in [m.root for m in out]:
-            out.append(lin)
-    return out
 
 
 def _ffn_input(rw: Rewriter, h: int) -> tuple[Linear, int | None] | None:
@@ -251,19 +237,17 @@ def merge_parallel(g: Graph, ctx: PassContext) -> Graph:
         if found is None:
             continue
         inner, res, a, f = found
-        attn, ffn = _attention_projections(rw, a.x), _ffn_input(rw, f.x)
-        if not attn or ffn is None:
-            continue
-        out = rw.attempt("merge-parallel-out", i, _merge_out, rw, i, inner, res, a, f)
+        attn = list({lin.root: lin for _, lin in _projections(rw, a.x)}.values())
+        ffn = _ffn_input(rw, f.x)
+        out = rw.attempt("merge-parallel-out", i, _merge_out, rw, i, inner, res, a, f) \
+            if attn and ffn is not None else None
         if out is None:
             continue
         rw.replace(i, out)
-        ctx.applied("merge-parallel-out", rw.describe(i),
-                    "attention-out and FFN-down in one matmul")
-        up, act = ffn
-        members = [*attn, up]
-        if rw.attempt("merge-parallel-in", up.root, _merge_in, rw, members,
+        ctx.applied("merge-parallel-out", i, "attention-out and FFN-down in one matmul")
+        up, act = ffn   # type: ignore[misc]
+        if rw.attempt("merge-parallel-in", up.root, _merge_in, rw, [*attn, up],
                       [None] * len(attn) + [act]) is not None:
-            ctx.applied("merge-parallel-in", rw.describe(up.root),
-                        f"{len(members)} input projections in one matmul")
+            ctx.applied("merge-parallel-in", up.root,
+                        f"{len(attn) + 1} input projections in one matmul")
     return rw.finish()
