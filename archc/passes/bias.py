@@ -6,6 +6,7 @@ moves through attention — softmax or linear — into the output projection's b
 
 from __future__ import annotations
 
+import archc.ir.expr as E
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph
 from archc.ir.ops import Op
@@ -13,7 +14,6 @@ from archc.passes.attention import ScoreChain, modifier, score_chain, trace_up
 from archc.passes.context import PassContext, Refusal
 from archc.passes.linear import (
     Linear,
-    Step,
     bias_of,
     emit,
     merged_name,
@@ -34,24 +34,18 @@ def is_zeros(rw: Rewriter, i: int) -> bool:
     return rw.op(i) == Op.PARAM and rw.param_expr(i).fn == "zeros"
 
 
-def _drop_zero_bias_add(rw: Rewriter, m: Bindings) -> int | None:
-    found = bias_of(rw, m["root"])
-    return found[0] if found is not None and is_zeros(rw, found[1]) else None
-
-
-def _drop_zero_bias_step(rw: Rewriter, m: Bindings) -> int | None:
+def _drop_zero_bias(rw: Rewriter, m: Bindings) -> int | None:
+    if rw.op(m["root"]) == Op.ADD:      # x + 0 = x
+        found = bias_of(rw, m["root"])
+        return found[0] if found is not None and is_zeros(rw, found[1]) else None
+    # acc + 0 = acc: a bias step over a zeros() parameter does nothing
     lin = view(rw, m["root"])
     assert lin is not None
     steps = tuple(s for s in lin.steps if not (s.fn == "bias" and is_zeros(rw, s.inputs[0])))
     return None if steps == lin.steps else emit(rw, lin.replace(steps=steps), like=lin.covers)
 
 
-ZERO_BIAS_RULES = (
-    # x + 0 = x
-    Rule("zero-bias", Pat({Op.ADD}, "root"), _drop_zero_bias_add),
-    # acc + 0 = acc: a bias step over a zeros() parameter does nothing
-    Rule("zero-bias", Pat({Op.FUSED_LINEAR}, "root"), _drop_zero_bias_step),
-)
+ZERO_BIAS_RULES = (Rule("zero-bias", Pat({Op.ADD, Op.FUSED_LINEAR}, "root"), _drop_zero_bias),)
 
 
 def _projection_bias(rw: Rewriter, start: int) -> tuple[list[int], int | None]:
@@ -59,9 +53,7 @@ def _projection_bias(rw: Rewriter, start: int) -> tuple[list[int], int | None]:
     (None when the projection has no separate bias)."""
     path, end = trace_up(rw, start)
     found = bias_of(rw, end)
-    if found is not None and view(rw, found[0], through_bias=False) is not None:
-        return path, end
-    return path, None
+    return path, end if found and view(rw, found[0], through_bias=False) is not None else None
 
 
 def _read_here(rw: Rewriter, nodes: list[int]) -> None:
@@ -89,12 +81,11 @@ def _key_bias(rw: Rewriter, chain: ScoreChain) -> None:
                               "unchanged")
         _read_here(rw, [bias, *path])
     except Refusal as r:
-        rw.ctx.refused("key-bias", rw.describe(bias), r.why)
+        rw.ctx.refused("key-bias", bias, r.why)
         return
     # softmax_j(q·(k_j + b)) = softmax_j(q·k_j + q·b) = softmax_j(q·k_j): q·b is constant in j
     rw.replace(bias, bias_of(rw, bias)[0])  # type: ignore[index]
-    rw.ctx.applied("key-bias", rw.describe(bias),
-                   "dropped: a key bias is constant along each softmax row")
+    rw.ctx.applied("key-bias", bias, "dropped: a key bias is constant along each softmax row")
 
 
 def _add_output_bias(rw: Rewriter, o: Linear, extra: Call, v_bias: int, like: int) -> None:
@@ -103,7 +94,7 @@ def _add_output_bias(rw: Rewriter, o: Linear, extra: Call, v_bias: int, like: in
     # named after both biases: layers.0.attn.o.bias + layers.0.attn.v.bias → layers.0.attn.o+v.bias
     name = merged_name([rw.node(o.weight).name.removesuffix(".weight") + ".bias",
                         rw.node(v_bias).name])
-    b = rw.add_param(name, Call("add", (rw.param_expr(old[0]), extra)) if old else extra,
+    b = rw.add_param(name, E.call("add", rw.param_expr(old[0]), extra) if old else extra,
                      (rw.shape(o.weight)[0],), rw.node(o.weight).dtype, like=[like], at=o.root)
     found = bias_of(rw, o.root)
     if not o.steps and rw.op(o.root) == Op.MATMUL:     # x·W_oᵀ → x·W_oᵀ + b
@@ -114,7 +105,7 @@ def _add_output_bias(rw: Rewriter, o: Linear, extra: Call, v_bias: int, like: in
     elif found is not None:                             # x·W_oᵀ + b_o → x·W_oᵀ + b
         rw.replace(o.root, rw.emit(Op.ADD, [found[0], b], like=[o.root, like]))
     else:                                               # an epilogue bias step reads b
-        steps = tuple(Step(s.call, (b,)) if s.fn == "bias" else s for s in o.steps)
+        steps = tuple(step("bias", b) if s.fn == "bias" else s for s in o.steps)
         replace_linear(rw, o, o.replace(steps=steps if old else (*steps, step("bias", b))))
 
 
@@ -144,19 +135,18 @@ def _value_bias(rw: Rewriter, v_in: int, merge: int | None, no_merge: str,
         if rw.op(o.weight) != Op.PARAM:
             raise Refusal(f"the output projection weight %{o.weight} is not a parameter")
     except Refusal as r:
-        rw.ctx.refused("value-bias", rw.describe(bias), r.why)
+        rw.ctx.refused("value-bias", bias, r.why)
         return
     # Σ_j p_ij (v_j + b_v) W_oᵀ + b_o = (Σ_j p_ij v_j) W_oᵀ + (W_o b_v + b_o),  as Σ_j p_ij = 1;
     # query head h reads KV head h // g, so b_v is repeated g times along the merged heads.
     x, b_v = bias_of(rw, bias)  # type: ignore[misc]
     groups = rw.width(merge) // int(rw.shape(b_v)[0])
     split = next(i for i in path if rw.op(i) == Op.SPLIT_HEADS)
-    expanded = rw.param_expr(b_v) if groups == 1 else Call(
-        "repeat_heads", (rw.param_expr(b_v),),
-        (("groups", groups), ("heads", rw.node(split).attr("heads"))))
-    _add_output_bias(rw, o, Call("mm", (rw.param_expr(o.weight), expanded)), b_v, like=bias)
+    expanded = rw.param_expr(b_v) if groups == 1 else E.call(
+        "repeat_heads", rw.param_expr(b_v), groups=groups, heads=rw.node(split).attr("heads"))
+    _add_output_bias(rw, o, E.call("mm", rw.param_expr(o.weight), expanded), b_v, like=bias)
     rw.replace(bias, x)
-    rw.ctx.applied("value-bias", rw.describe(bias), "folded into the output projection's bias")
+    rw.ctx.applied("value-bias", bias, "folded into the output projection's bias")
 
 
 @register_pass("fold-biases", "exact",

@@ -46,7 +46,7 @@ def cse(g: Graph, ctx: PassContext) -> Graph:
             (n.op, n.inputs, n.attrs, n.shape, n.dtype)
         if key in seen:
             rw.replace(i, seen[key])
-            ctx.applied("cse", rw.describe(i), f"same as %{seen[key]}")
+            ctx.applied("cse", i, f"same as %{seen[key]}")
         else:
             seen[key] = i
     return rw.finish()

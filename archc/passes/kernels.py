@@ -114,7 +114,7 @@ def fuse_pointwise(g: Graph, ctx: PassContext) -> Graph:
             continue
         new, chain = to_pointwise(rw, i, inline)
         rw.replace(i, new)
-        ctx.applied("pointwise", rw.describe(i), " → ".join(rw.op(j).value for j in [*chain, i]))
+        ctx.applied("pointwise", i, " → ".join(rw.op(j).value for j in [*chain, i]))
     return rw.finish()
 
 

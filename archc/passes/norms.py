@@ -126,5 +126,5 @@ def fold_norms(g: Graph, ctx: PassContext) -> Graph:
             continue
         for lin in readers:
             _fold(rw, i, lin)
-        ctx.applied(rule, rw.describe(i), f"into {len(readers)} matmul(s)")
+        ctx.applied(rule, i, f"into {len(readers)} matmul(s)")
     return rw.finish()

@@ -120,7 +120,7 @@ def apply_rules(rw: Rewriter, rules: Collection[Rule], *, max_rounds: int = 64) 
     for (rule_name, i), why in refused.items():
         # a node this pass made is already a fusion; only the graph's own nodes are reported
         if i < len(rw.g.nodes) and not rw.is_dead(i):
-            rw.ctx.refused(rule_name, rw.describe(i), why)
+            rw.ctx.refused(rule_name, i, why)
 
 
 def register_rule_pass(name: str, summary: str, *tables: Collection[Rule]) -> None:

@@ -81,7 +81,7 @@ def _ssm_scan(rw: Rewriter, m: Bindings) -> int:
         (ins[3], gb), (ins[4], gc), eps = normed
         extra, attrs = [gb, gc], attrs.replace(norm_eps=eps)
         like += list(scan.inputs[3:5])
-        rw.ctx.applied("ssm-norms", rw.describe(m["scan"]), "B and C normalized inside the scan")
+        rw.ctx.applied("ssm-norms", m["scan"], "B and C normalized inside the scan")
     return rw.emit(Op.SSM_SCAN, [*ins, d, gate.inputs[0], *extra], like=like, **attrs)
 
 
