@@ -112,8 +112,8 @@ def cat_params(rw: Rewriter, params: Sequence[int], dim: int, *, like: Sequence[
     shape = list(rw.shape(params[0]))
     shape[dim] = sum(rw.shape(p)[dim] for p in params)
     return rw.add_param(merged_name([rw.node(p).name for p in params]),
-                        Call("cat", tuple(rw.param_expr(p) for p in params), (("dim", dim),)),
-                        shape, rw.node(params[0]).dtype, like=like, at=at)
+                        E.call("cat", *map(rw.param_expr, params), dim=dim), shape,
+                        rw.node(params[0]).dtype, like=like, at=at)
 
 
 def view(rw: Rewriter, i: int, *, through_bias: bool = True) -> Linear | None:
@@ -144,18 +144,15 @@ def view_with_bias(rw: Rewriter, i: int) -> Linear | None:
 
 def emit(rw: Rewriter, lin: Linear, *, like: Sequence[int], at: int | None = None) -> int:
     """The `fused_linear` node of `lin`."""
-    return rw.emit(Op.FUSED_LINEAR, [*lin.operands, lin.weight, *(j for s in lin.steps
-                                                                    for j in s.inputs)],
-                   like=like, at=at, prologue=lin.prologue, eps=lin.eps,
+    inputs = [*lin.operands, lin.weight, *(j for s in lin.steps for j in s.inputs)]
+    return rw.emit(Op.FUSED_LINEAR, inputs, like=like, at=at, prologue=lin.prologue, eps=lin.eps,
                    epilogue=tuple(s.call for s in lin.steps) or None,
                    concat_k=True if len(lin.operands) == 2 else None)
 
 
-def replace_linear(rw: Rewriter, old: Linear, new: Linear) -> int:
-    """Emit `new` in place of `old` (same value, more work fused in); returns its id."""
-    i = emit(rw, new, like=list(old.covers))
-    rw.replace(old.root, i)
-    return i
+def replace_linear(rw: Rewriter, old: Linear, new: Linear) -> None:
+    """Emit `new` in place of `old`: the same value, more work fused in."""
+    rw.replace(old.root, emit(rw, new, like=old.covers))
 
 
 def extend(rw: Rewriter, i: int, new: Step, *, like: Sequence[int]) -> int:
