@@ -16,12 +16,13 @@ from archc.passes import (  # noqa: F401  (each module registers its passes)
     projections,
     recurrent,
 )
-from archc.passes.context import Decision, PassContext
 from archc.passes.manager import PassFailure, PassStep, PipelineRun, optimize, run_pipeline
 from archc.passes.registry import (
     DEFAULT_PIPELINE,
     PASSES,
     PIPELINES,
+    Decision,
+    PassContext,
     register_pass,
     register_program_pass,
     resolve_pipeline,

@@ -19,7 +19,6 @@ import archc.ir.expr as E
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph, Node
 from archc.ir.ops import Op
-from archc.passes.context import PassContext, Refusal
 from archc.passes.linear import (
     LINEAR,
     Linear,
@@ -33,7 +32,7 @@ from archc.passes.linear import (
     view_with_bias,
 )
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
-from archc.passes.registry import register_pass
+from archc.passes.registry import PassContext, Refusal, register_pass
 from archc.passes.rewrite import Rewriter
 
 # Score modifiers as lowering emits them, ranked in the order the `attention` op applies them: a

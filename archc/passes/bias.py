@@ -11,7 +11,6 @@ from archc.ir.attrs import Call
 from archc.ir.graph import Graph
 from archc.ir.ops import Op
 from archc.passes.attention import ScoreChain, modifier, score_chain, trace_up
-from archc.passes.context import PassContext, Refusal
 from archc.passes.linear import (
     Linear,
     bias_of,
@@ -23,7 +22,7 @@ from archc.passes.linear import (
     view_with_bias,
 )
 from archc.passes.patterns import Bindings, Pat, Rule, apply_rules
-from archc.passes.registry import register_pass
+from archc.passes.registry import PassContext, Refusal, register_pass
 from archc.passes.rewrite import Rewriter
 
 # Score modifiers that keep a per-row constant a per-row constant (scaled, shifted or replaced).

@@ -6,8 +6,7 @@ from collections.abc import Hashable
 
 from archc.ir.graph import Graph
 from archc.ir.ops import Op
-from archc.passes.context import PassContext
-from archc.passes.registry import register_pass
+from archc.passes.registry import PassContext, register_pass
 from archc.passes.rewrite import Rewriter, has_side_effect, live_nodes
 
 

@@ -13,8 +13,7 @@ from collections.abc import Mapping
 from archc.ir.attrs import Attrs
 from archc.ir.graph import CROSS_KV, Graph, Node, Program
 from archc.ir.ops import META, VIEW, Op
-from archc.passes.context import PassContext
-from archc.passes.registry import register_program_pass
+from archc.passes.registry import PassContext, register_program_pass
 from archc.passes.rewrite import Rewriter, has_side_effect, unique_name
 
 SOURCE = "encoder_hidden"

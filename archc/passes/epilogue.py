@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 from archc.ir.graph import Node
 from archc.ir.ops import Op
-from archc.passes.context import Refusal
 from archc.passes.linear import EPILOGUE_HOSTS, LINEAR, bias_of, emit, extend, step, unary, view
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
+from archc.passes.registry import Refusal
 from archc.passes.rewrite import Rewriter
 
 # ---- fuse-epilogue ---------------------------------------------------------------------------

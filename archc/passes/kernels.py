@@ -19,10 +19,9 @@ from archc.ir.attrs import Call
 from archc.ir.graph import Graph, Node
 from archc.ir.ops import ELEMENTWISE, KERNEL_LEVEL, Op, is_compute
 from archc.ir.ops.core import elementwise_expr
-from archc.passes.context import PassContext, Refusal
 from archc.passes.linear import cat_params, emit, step, view
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
-from archc.passes.registry import register_pass
+from archc.passes.registry import PassContext, Refusal, register_pass
 from archc.passes.rewrite import Rewriter
 
 # ---- fuse-moe --------------------------------------------------------------------------------

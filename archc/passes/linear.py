@@ -24,7 +24,7 @@ from archc.ir.graph import Node
 from archc.ir.ops import ROW_KERNELS, Op
 from archc.ir.ops.steps import STEPS
 from archc.ir.ops.steps import step as step_call
-from archc.passes.context import Refusal
+from archc.passes.registry import Refusal
 from archc.passes.rewrite import Rewriter
 
 LINEAR = frozenset({Op.MATMUL, Op.FUSED_LINEAR})

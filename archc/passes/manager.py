@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from archc.errors import IRError
 from archc.ir.graph import Program
 from archc.ir.verify import verify
-from archc.passes.context import Decision, PassContext
-from archc.passes.registry import PASSES, GraphFailure, resolve_pipeline
+from archc.passes.registry import PASSES, Decision, GraphFailure, PassContext, resolve_pipeline
 
 LOG = logging.getLogger("archc.passes")
 

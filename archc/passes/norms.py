@@ -13,7 +13,6 @@ import os
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph
 from archc.ir.ops import Op
-from archc.passes.context import PassContext, Refusal
 from archc.passes.linear import (
     Linear,
     Step,
@@ -23,7 +22,7 @@ from archc.passes.linear import (
     view,
     view_with_bias,
 )
-from archc.passes.registry import register_pass
+from archc.passes.registry import PassContext, Refusal, register_pass
 from archc.passes.rewrite import Rewriter
 
 

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from archc.errors import IRError
 from archc.ir.graph import Graph, Node
 from archc.ir.ops import OP_TABLE, Op
-from archc.passes.context import PassContext, Refusal
-from archc.passes.registry import register_pass
+from archc.passes.registry import PassContext, Refusal, register_pass
 from archc.passes.rewrite import Rewriter
 
 Bindings = dict[str, int]

@@ -16,10 +16,9 @@ import archc.ir.expr as E
 from archc.ir.graph import Graph
 from archc.ir.ops import Op
 from archc.passes.attention import attention_operands, trace_up
-from archc.passes.context import PassContext, Refusal
 from archc.passes.linear import LINEAR, Linear, Step, cat_params, emit, merged_name, step, view
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
-from archc.passes.registry import register_pass
+from archc.passes.registry import PassContext, Refusal, register_pass
 from archc.passes.rewrite import Rewriter
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from archc.ir.ops import Op
 from archc.ir.ops.linear_attention import FEATURE_MAPS
-from archc.passes.context import Refusal
 from archc.passes.linear import bias_of, norm_parts
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
+from archc.passes.registry import Refusal
 from archc.passes.rewrite import Rewriter
 
 # ---- fuse-causal-conv ------------------------------------------------------------------------

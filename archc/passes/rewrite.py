@@ -22,9 +22,10 @@ from archc.ir.ops import Op, ShapeError, canonical
 from archc.ir.paramexpr import leaf
 from archc.ir.shapes import Shape
 from archc.ir.text import format_node
-from archc.passes.context import PassContext, Refusal
+from archc.passes.registry import PassContext, Refusal
 
 T = TypeVar("T")
+
 
 def has_side_effect(n: Node) -> bool:
     """Writes the KV cache: live even when nothing in the graph reads its value."""
