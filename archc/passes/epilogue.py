@@ -18,8 +18,6 @@ from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
 from archc.passes.registry import Refusal
 from archc.passes.rewrite import Rewriter
 
-# ---- fuse-epilogue ---------------------------------------------------------------------------
-
 
 def _append(name: str, /, **params: Callable[[Node], object]
             ) -> Callable[[Rewriter, Bindings], int]:
@@ -66,14 +64,10 @@ EPILOGUE_RULES = (
                                                   where=lambda n: unary(n) == "scale"),)),
          _input_scale),
 )
-
-
 register_rule_pass("fuse-epilogue",
                    "bias, activation, scale and soft-cap after a matmul, norm or expert matmul "
                    "run in its epilogue", EPILOGUE_RULES)
 
-
-# ---- fuse-residual ---------------------------------------------------------------------------
 
 def _add_before_norm(rw: Rewriter, m: Bindings) -> int:
     n = rw.node(m["root"])

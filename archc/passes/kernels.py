@@ -19,12 +19,10 @@ from archc.ir.attrs import Call
 from archc.ir.graph import Graph, Node
 from archc.ir.ops import ELEMENTWISE, KERNEL_LEVEL, Op, is_compute
 from archc.ir.ops.core import elementwise_expr
-from archc.passes.linear import cat_params, emit, step, view
+from archc.passes.linear import cat_params, emit, view
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
 from archc.passes.registry import PassContext, Refusal, register_pass
 from archc.passes.rewrite import Rewriter
-
-# ---- fuse-moe --------------------------------------------------------------------------------
 
 
 def _router(rw: Rewriter, m: Bindings) -> int:
@@ -44,9 +42,9 @@ def _expert_glu(rw: Rewriter, m: Bindings) -> int:
     # [W_gate; W_up] per expert: one grouped matmul, act(gate)·up in its epilogue
     like = [m["gate"], m["act"], m["up"], m["root"]]
     weight = cat_params(rw, [wg, wu], 1, like=like, at=m["gate"])
-    glu = step("glu", fn=rw.node(m["act"]).attr("fn"))
+    glu = E.call("glu", fn=rw.node(m["act"]).attr("fn"))
     return rw.emit(Op.MOE_LINEAR, [*gate.inputs[:2], weight], like=like, stage="up",
-                   top_k=gate.attr("top_k"), epilogue=(glu.call,))
+                   top_k=gate.attr("top_k"), epilogue=(glu,))
 
 
 def _plain_up(n: Node) -> bool:
@@ -63,14 +61,10 @@ MOE_RULES = (
             one_use=True),
         Pat({Op.MOE_LINEAR}, "up", one_use=True, where=_plain_up))), _expert_glu),
 )
-
-
 register_rule_pass("fuse-moe",
                    "MoE: router matmul + top-k in one kernel; gate and up expert stages in one "
                    "grouped matmul with act(gate)·up in its epilogue", MOE_RULES)
 
-
-# ---- fuse-pointwise --------------------------------------------------------------------------
 
 def to_pointwise(rw: Rewriter, root: int, inline: Collection[int]) -> tuple[int, list[int]]:
     """One pointwise node computing `root` over its leaves, inlining the nodes of `inline` it
@@ -116,8 +110,6 @@ def fuse_pointwise(g: Graph, ctx: PassContext) -> Graph:
         ctx.applied("pointwise", i, " → ".join(rw.op(j).value for j in [*chain, i]))
     return rw.finish()
 
-
-# ---- select-kernels --------------------------------------------------------------------------
 
 def _kernel(rw: Rewriter, m: Bindings) -> int:
     i = m["root"]

@@ -20,8 +20,6 @@ from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
 from archc.passes.registry import Refusal
 from archc.passes.rewrite import Rewriter
 
-# ---- fuse-causal-conv ------------------------------------------------------------------------
-
 
 def _conv_bias(rw: Rewriter, m: Bindings) -> int:
     conv = rw.node(m["conv"])
@@ -51,15 +49,11 @@ CONV_RULES = (
     Rule("conv-act", Pat({Op.ACT}, "root", (Pat({Op.CAUSAL_CONV}, "conv", one_use=True),)),
          _conv_act),
 )
-
-
 register_rule_pass("fuse-causal-conv",
                    "Mamba: depthwise causal conv1d + bias + activation in one kernel that updates "
                    "the conv state",
                    CONV_RULES)
 
-
-# ---- fuse-ssm-scan ---------------------------------------------------------------------------
 
 def _ssm_scan(rw: Rewriter, m: Bindings) -> int:
     # (scan(x, Δ, A, B, C) + x·D) · silu(z)
@@ -124,15 +118,11 @@ SCAN_RULES = (
                               Pat({Op.MUL}, "skip")), one_use=True),
         Pat({Op.ACT}, "gate"))), _ssm_scan),
 )
-
-
 register_rule_pass("fuse-ssm-scan",
                    "Mamba: selective scan + D·x skip + silu(z) gate (+ B, C norms) in one kernel "
                    "that updates the SSM state",
                    SCAN_RULES)
 
-
-# ---- fuse-linear-attention ---------------------------------------------------------------------
 
 def _linear_attention(rw: Rewriter, m: Bindings) -> int:
     q_act, k_act = rw.node(m["q"]), rw.node(m["k"])
@@ -142,7 +132,7 @@ def _linear_attention(rw: Rewriter, m: Bindings) -> int:
                       f"feature map of {', '.join(FEATURE_MAPS)} to both")
     root = rw.node(m["root"])
     return rw.emit(Op.LINEAR_ATTENTION, [q_act.inputs[0], k_act.inputs[0], root.inputs[2]],
-                   like=[m["root"], m["q"], m["k"]], **{**dict(root.attrs), "feature": feature})
+                   like=[m["root"], m["q"], m["k"]], **root.attrs.replace(feature=feature))
 
 
 LINEAR_ATTENTION_RULES = (
@@ -152,8 +142,6 @@ LINEAR_ATTENTION_RULES = (
         Pat({Op.ACT}, "q", one_use=True), Pat({Op.ACT}, "k", one_use=True)),
         where=lambda n: n.attr("feature") == "identity"), _linear_attention),
 )
-
-
 register_rule_pass("fuse-linear-attention",
                    "linear attention: φ(q) and φ(k) in the kernel that keeps the running sums and "
                    "merges the heads", LINEAR_ATTENTION_RULES)
