@@ -9,9 +9,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from archc.ir.graph import Node
 from archc.ir.ops import Op
 from archc.passes.linear import EPILOGUE_HOSTS, LINEAR, bias_of, emit, extend, step, unary, view
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
@@ -19,15 +16,17 @@ from archc.passes.registry import Refusal
 from archc.passes.rewrite import Rewriter
 
 
-def _append(name: str, /, **params: Callable[[Node], object]
-            ) -> Callable[[Rewriter, Bindings], int]:
-    """A rewrite appending step `name` to the kernel bound as "k", its parameters read off the
-    root; a bias step reads the vector bound as "b"."""
-    def rewrite(rw: Rewriter, m: Bindings) -> int:
-        kw = {k: get(rw.node(m["root"])) for k, get in params.items()}
-        inputs = (m["b"],) if "b" in m else ()
-        return extend(rw, m["k"], step(name, *inputs, **kw), like=[m["root"]])
-    return rewrite
+def _step(rw: Rewriter, m: Bindings) -> int:
+    """The root as a step appended to the kernel bound as "k": bias(b) of the vector bound as
+    "b", act(fn), or the scale or soft-cap of a pointwise fn(x(0), …)."""
+    n = rw.node(m["root"])
+    if n.op == Op.ADD:
+        new = step("bias", m["b"])
+    elif n.op == Op.ACT:
+        new = step("act", fn=n.attr("fn"))
+    else:
+        new = step(n.attr("expr").fn, **dict(n.attr("expr").kwargs))
+    return extend(rw, m["k"], new, like=[m["root"]])
 
 
 def _input_scale(rw: Rewriter, m: Bindings) -> int:
@@ -48,17 +47,15 @@ KERNEL = Pat(EPILOGUE_HOSTS, "k", one_use=True)
 EPILOGUE_RULES = (
     # k + b: the bias joins the accumulator before it is stored
     Rule("bias", Pat({Op.ADD}, "root", (KERNEL, Pat({Op.PARAM}, "b",
-                                                    where=lambda n: len(n.shape) == 1))),
-         _append("bias")),
+                                                    where=lambda n: len(n.shape) == 1))), _step),
     # act(k): the activation runs on the accumulator
-    Rule("act", Pat({Op.ACT}, "root", (KERNEL,)), _append("act", fn=lambda n: n.attr("fn"))),
+    Rule("act", Pat({Op.ACT}, "root", (KERNEL,)), _step),
     # c·k
     Rule("scale", Pat({Op.POINTWISE}, "root", (KERNEL,), where=lambda n: unary(n) == "scale"),
-         _append("scale", by=lambda n: n.attr("expr").kw("by"))),
+         _step),
     # cap·tanh(k/cap): Gemma's final-logit soft-cap
     Rule("softcap", Pat({Op.POINTWISE}, "root", (KERNEL,),
-                        where=lambda n: unary(n) == "softcap"),
-         _append("softcap", cap=lambda n: n.attr("expr").kw("cap"))),
+                        where=lambda n: unary(n) == "softcap"), _step),
     # (c·x)·Wᵀ = c·(x·Wᵀ): a constant scale of the input moves to the epilogue (T5's head)
     Rule("input-scale", Pat(LINEAR, "root", (Pat({Op.POINTWISE}, "s", one_use=True,
                                                   where=lambda n: unary(n) == "scale"),)),
