@@ -203,8 +203,7 @@ class ColumnView:
     """A head view split from columns [start, stop) of a projection's output."""
 
     split: int          # the split_heads node
-    slice: int | None   # the slice between, if any
-    source: int         # the node sliced
+    source: int         # the node whose columns it reads, through a slice or not
     start: int
     stop: int
     heads: int
@@ -218,8 +217,8 @@ def column_view(rw: Rewriter, i: int) -> ColumnView | None:
     heads, hd, src = n.attr("heads"), int(n.shape[3]), n.inputs[0]
     if rw.op(src) == Op.SLICE:
         s = rw.node(src)
-        return ColumnView(i, src, s.inputs[0], s.attr("start"), s.attr("stop"), heads, hd)
-    return ColumnView(i, None, src, 0, rw.width(src), heads, hd)
+        return ColumnView(i, s.inputs[0], s.attr("start"), s.attr("stop"), heads, hd)
+    return ColumnView(i, src, 0, rw.width(src), heads, hd)
 
 
 def _readers(rw: Rewriter, root: int) -> list[tuple[int, int, int, ColumnView | None]]:
@@ -259,9 +258,6 @@ def head_epilogue(rw: Rewriter, lin: Linear, op: Op, what: str, later: tuple[str
         if len(users) != 1:
             raise Refusal(f"the head view %{cv.split} is also read without being {what} by "
                           + ", ".join(f"%{u}" for u in users if rw.op(u) != op))
-        if cv.slice is not None and len(rw.users(cv.slice)) != 1:
-            raise Refusal(f"columns [{cv.start}, {cv.stop}) %{cv.slice} are also read without "
-                          f"being {what}")
         if cv.head_dim != views[0].head_dim:
             raise Refusal(f"heads of {cv.head_dim} and {views[0].head_dim} dims")
         if cv.start != end:
