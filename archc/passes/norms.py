@@ -13,15 +13,7 @@ import os
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph
 from archc.ir.ops import Op
-from archc.passes.linear import (
-    Linear,
-    Step,
-    norm_parts,
-    replace_linear,
-    step,
-    view,
-    view_with_bias,
-)
+from archc.passes.linear import Linear, Step, norm_parts, replace_linear, step, view, view_with_bias
 from archc.passes.registry import PassContext, Refusal, register_pass
 from archc.passes.rewrite import Rewriter
 
