@@ -9,10 +9,10 @@ A pass that changed nothing gets its own graph object back.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
+import networkx as nx
 import sympy
 
 from archc.errors import IRError
@@ -204,26 +204,18 @@ class Rewriter:
         n_orig = len(self.g.nodes)
         keep = {i for i in self.nodes if i not in self.killed and (
             i in live or (i < n_orig and i not in self._live_before))}
-        indegree = {i: len(set(self.nodes[i].inputs)) for i in keep}
-        users: dict[int, set[int]] = {i: set() for i in keep}
+        dag = nx.DiGraph()
+        dag.add_nodes_from(keep)
         for i in keep:
-            for j in set(self.nodes[i].inputs):
+            for j in self.nodes[i].inputs:
                 if j not in keep:
                     raise IRError(f"pass {self.ctx.pass_name}: %{i} reads %{j}, which was "
                                   "removed")
-                users[j].add(i)
-        ready = [(self.key[i], i) for i in keep if indegree[i] == 0]
-        heapq.heapify(ready)
-        order: list[int] = []
-        while ready:
-            _, i = heapq.heappop(ready)
-            order.append(i)
-            for u in users[i]:
-                indegree[u] -= 1
-                if indegree[u] == 0:
-                    heapq.heappush(ready, (self.key[u], u))
-        if len(order) != len(keep):
-            raise IRError(f"pass {self.ctx.pass_name}: the edited graph has a cycle")
+                dag.add_edge(j, i)
+        try:    # among the nodes that are ready, the one with the smallest position key first
+            order = list(nx.lexicographical_topological_sort(dag, key=self.key.__getitem__))
+        except nx.NetworkXUnfeasible:
+            raise IRError(f"pass {self.ctx.pass_name}: the edited graph has a cycle") from None
         number = {old: new for new, old in enumerate(order)}
         self.ctx.kept = {old: new for old, new in number.items() if old < n_orig}
         nodes = tuple(self.nodes[i].replace(inputs=tuple(number[j] for j in self.nodes[i].inputs))
