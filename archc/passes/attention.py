@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import archc.ir.expr as E
 from archc.ir.attrs import Call
-from archc.ir.graph import Graph, Node
+from archc.ir.graph import Node
 from archc.ir.ops import Op
 from archc.passes.linear import (
     LINEAR,
@@ -32,8 +32,8 @@ from archc.passes.linear import (
     view_with_bias,
 )
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
-from archc.passes.registry import PassContext, Refusal, register_pass
-from archc.passes.rewrite import Rewriter
+from archc.passes.registry import Refusal
+from archc.passes.rewrite import Rewriter, register_rewrite_pass
 
 # Score modifiers as lowering emits them, ranked in the order the `attention` op applies them: a
 # scale and a soft-cap (pointwise), a position bias, the mask.
@@ -177,9 +177,9 @@ def _flash(rw: Rewriter, scores: int) -> tuple[int, int]:
                                 at=chain.merge, **attrs)
 
 
-@register_pass("flash-attention", "exact",
-               "scores → scale → softcap → bias → mask → softmax → value sum: one attention node")
-def flash_attention(g: Graph, ctx: PassContext) -> Graph:
+@register_rewrite_pass("flash-attention", "scores → scale → softcap → bias → mask → softmax → "
+                       "value sum: one attention node")
+def flash_attention(rw: Rewriter) -> None:
     # 1. For each scores node, follow single users: modifiers, softmax, weighted_sum,
     #    merge_heads. Every intermediate must be read by the next step only (no one else may
     #    see the scores or probabilities a flash kernel never stores).
@@ -187,13 +187,11 @@ def flash_attention(g: Graph, ctx: PassContext) -> Graph:
     # 3. Emit attention(q, k, v, [padding], [prefix_len], [slopes | rel_table]) with scale,
     #    softcap, bias, causal, window, global_tokens, padding and prefix as attributes, in place
     #    of merge_heads: its output is [B, T, H·D].
-    rw = Rewriter(g, ctx)
     for i in rw.order():
         found = rw.attempt("flash-attention", i, _flash, rw, i) if rw.op(i) == Op.SCORES else None
         if found is not None:
             rw.replace(*found)
-            ctx.applied("flash-attention", i, "one attention node")
-    return rw.finish()
+            rw.ctx.applied("flash-attention", i, "one attention node")
 
 
 # ---- epilogues over a projection's heads: fuse-qk-norm, fuse-rope, fuse-kv-write ---------------
@@ -304,23 +302,21 @@ def _rope(rw: Rewriter, lin: Linear, heads: Heads) -> Step:
                 mscale=r0.attr("mscale", 1.0), dynamic=r0.attr("dynamic"))
 
 
-@register_pass("fuse-rope", "exact",
-               "rotate q and k in the epilogue of the projection that computes them")
-def fuse_rope(g: Graph, ctx: PassContext) -> Graph:
+@register_rewrite_pass("fuse-rope", "rotate q and k in the epilogue of the projection that "
+                       "computes them")
+def fuse_rope(rw: Rewriter) -> None:
     # 1. For each linear layer, find its readers and the columns each reads; the rotated ones
     #    are head views (slice → split_heads) read only by a rope.
     # 2. Legal if the rotated columns are [0, n·D) — the epilogue rotates the first n heads —
     #    with one set of positions, frequencies and attributes, and no other reader sees them.
     # 3. Append rope(heads=n) to the epilogue; each rope node is replaced by its head view.
-    rw = Rewriter(g, ctx)
     fuse_heads(rw, "fuse-rope", Op.ROPE, "rotated", ("rope", "kv_write", "glu"), _rope)
     for i in rw.order():
         src = rw.node(i).inputs[0] if rw.op(i) == Op.ROPE else None
         if src is not None and column_view(rw, src) is None:
-            ctx.refused("fuse-rope", i, f"it rotates %{src} ({rw.op(src).value}), not heads "
+            rw.ctx.refused("fuse-rope", i, f"it rotates %{src} ({rw.op(src).value}), not heads "
                         "split from a projection's columns, so no matmul epilogue computes its "
                         "input")
-    return rw.finish()
 
 
 def _head_norm(rw: Rewriter, lin: Linear, heads: Heads) -> Step:
@@ -350,9 +346,9 @@ def _head_norm(rw: Rewriter, lin: Linear, heads: Heads) -> Step:
                 heads=cols // hd, head_dim=hd)
 
 
-@register_pass("fuse-qk-norm", "exact",
-               "QK-norm: normalize the heads of q and k in the epilogue of their projection")
-def fuse_qk_norm(g: Graph, ctx: PassContext) -> Graph:
+@register_rewrite_pass("fuse-qk-norm", "QK-norm: normalize the heads of q and k in the epilogue of "
+                       "their projection")
+def fuse_qk_norm(rw: Rewriter) -> None:
     # 1. For each linear layer, find the head views read only by a per-head rmsnorm or
     #    layernorm (QK-norm normalizes each head over its head_dim).
     # 2. Legal if those columns are [0, n·D) — q then k, first in a merged QKV — with one
@@ -360,10 +356,8 @@ def fuse_qk_norm(g: Graph, ctx: PassContext) -> Graph:
     # 3. Append head_norm(kind, eps, heads=n) reading a gain and a shift built at load time:
     #    each head's norm weight tiled over its heads (zeros shift for RMSNorm). Each norm
     #    node is replaced by its head view, so fuse-rope then finds the rotation there.
-    rw = Rewriter(g, ctx)
     fuse_heads(rw, "fuse-qk-norm", Op.NORM, "normalized",
                ("head_norm", "rope", "kv_write", "glu"), _head_norm)
-    return rw.finish()
 
 
 def _kv_write(rw: Rewriter, att: int) -> tuple[Linear, Step]:
@@ -401,9 +395,9 @@ def _kv_write(rw: Rewriter, att: int) -> tuple[Linear, Step]:
                      kv_heads=kv.heads, layer=layer)
 
 
-@register_pass("fuse-kv-write", "exact",
-               "write k and v to the cache from the projection's epilogue; attention reads it")
-def fuse_kv_write(g: Graph, ctx: PassContext) -> Graph:
+@register_rewrite_pass("fuse-kv-write", "write k and v to the cache from the projection's "
+                       "epilogue; attention reads it")
+def fuse_kv_write(rw: Rewriter) -> None:
     # 1. For each attention reading k and v from kv_cache writes of one layer, find the
     #    projection both are column views of.
     # 2. Legal if the cache values are read by this attention only, nothing (RoPE) stands
@@ -412,7 +406,6 @@ def fuse_kv_write(g: Graph, ctx: PassContext) -> Graph:
     # 3. Append kv_write(layer, k_start, v_start) to the projection (writing k and v from the
     #    accumulator = writing the stored k and v, without the round trip through memory); the
     #    attention reads cache_layer; the kv_cache nodes go.
-    rw = Rewriter(g, ctx)
     for i in rw.order():
         n = rw.node(i)
         found = rw.attempt("fuse-kv-write", i, _kv_write, rw, i) if n.op == Op.ATTENTION and \
@@ -427,5 +420,4 @@ def fuse_kv_write(g: Graph, ctx: PassContext) -> Graph:
                               **n.attrs.replace(cache_layer=layer, kv_heads=write.kw("kv_heads"))))
         for c in n.inputs[1:3]:
             rw.kill(c)
-        ctx.applied("fuse-kv-write", i, f"layer {layer} cache written by %{lin.root}")
-    return rw.finish()
+        rw.ctx.applied("fuse-kv-write", i, f"layer {layer} cache written by %{lin.root}")

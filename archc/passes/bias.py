@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import archc.ir.expr as E
 from archc.ir.attrs import Call
-from archc.ir.graph import Graph
 from archc.ir.ops import Op
 from archc.passes.attention import ScoreChain, modifier, score_chain, trace_up
 from archc.passes.linear import (
@@ -22,8 +21,8 @@ from archc.passes.linear import (
     view_with_bias,
 )
 from archc.passes.patterns import Bindings, Pat, Rule, apply_rules
-from archc.passes.registry import PassContext, Refusal, register_pass
-from archc.passes.rewrite import Rewriter
+from archc.passes.registry import Refusal
+from archc.passes.rewrite import Rewriter, register_rewrite_pass
 
 # Score modifiers that keep a per-row constant a per-row constant (scaled, shifted or replaced).
 SHIFT_SAFE = frozenset({"scale", "alibi", "rel_bias", "mask"})
@@ -148,10 +147,9 @@ def _value_bias(rw: Rewriter, v_in: int, merge: int | None, no_merge: str,
     rw.ctx.applied("value-bias", bias, "folded into the output projection's bias")
 
 
-@register_pass("fold-biases", "exact",
-               "drop zero and key biases; fold value biases through attention (softmax or "
-               "linear) into the output-projection bias")
-def fold_biases(g: Graph, ctx: PassContext) -> Graph:
+@register_rewrite_pass("fold-biases", "drop zero and key biases; fold value biases through "
+                       "attention (softmax or linear) into the output-projection bias")
+def fold_biases(rw: Rewriter) -> None:
     # 1. Zero biases: apply the zero-bias rules to a fixed point.
     # 2. For each decomposed attention, follow scores → modifiers → softmax → weighted_sum.
     # 3. Key bias: trace k up to its projection; drop the bias if only views, the cache and
@@ -162,7 +160,6 @@ def fold_biases(g: Graph, ctx: PassContext) -> Graph:
     #    S_i = Σ_j φk_j v_jᵀ and z_i = Σ_j φk_j: the weights φq_i·φk_j / φq_i·z_i are positive
     #    (φ = elu + 1 > 0) and sum to 1 over j ≤ i, so a bias on every v_j comes out whole, as
     #    through softmax; the heads come out merged.
-    rw = Rewriter(g, ctx)
     apply_rules(rw, ZERO_BIAS_RULES)
     for i in rw.order():
         if rw.op(i) == Op.LINEAR_ATTENTION:
@@ -176,4 +173,3 @@ def fold_biases(g: Graph, ctx: PassContext) -> Graph:
         _value_bias(rw, rw.node(chain.wsum).inputs[1], chain.merge, chain.problem,
                     f"mask %{mask} takes a padding mask: a fully padded row has no "
                     "probabilities summing to 1 to carry the bias through" if padded else None)
-    return rw.finish()

@@ -7,7 +7,7 @@ from collections.abc import Hashable
 from archc.ir.graph import Graph
 from archc.ir.ops import Op
 from archc.passes.registry import PassContext, register_pass
-from archc.passes.rewrite import Rewriter, has_side_effect, live_nodes
+from archc.passes.rewrite import Rewriter, has_side_effect, live_nodes, register_rewrite_pass
 
 
 @register_pass("dce", "exact", "drop nodes nothing reads (cache writes and inputs stay)")
@@ -27,14 +27,13 @@ def dce(g: Graph, ctx: PassContext) -> Graph:
     return Graph(g.name, tuple(nodes))
 
 
-@register_pass("cse", "exact", "nodes computing the same value from the same inputs become one")
-def cse(g: Graph, ctx: PassContext) -> Graph:
+@register_rewrite_pass("cse", "nodes computing the same value from the same inputs become one")
+def cse(rw: Rewriter) -> None:
     # 1. Walk in order; each node's inputs already point at their representatives.
     # 2. Key: op, inputs, attrs, shape, dtype — for a computed parameter its expression. Graph
     #    inputs, outputs, checkpoint parameters (a name, not a value) and cache writes are
     #    never merged.
     # 3. A node whose key was seen is replaced by the first node with that key.
-    rw = Rewriter(g, ctx)
     seen: dict[Hashable, int] = {}
     for i in rw.order():
         n = rw.node(i)
@@ -45,7 +44,6 @@ def cse(g: Graph, ctx: PassContext) -> Graph:
             (n.op, n.inputs, n.attrs, n.shape, n.dtype)
         if key in seen:
             rw.replace(i, seen[key])
-            ctx.applied("cse", i, f"same as %{seen[key]}")
+            rw.ctx.applied("cse", i, f"same as %{seen[key]}")
         else:
             seen[key] = i
-    return rw.finish()

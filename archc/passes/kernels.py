@@ -16,13 +16,13 @@ from collections.abc import Collection
 
 import archc.ir.expr as E
 from archc.ir.attrs import Call
-from archc.ir.graph import Graph, Node
+from archc.ir.graph import Node
 from archc.ir.ops import ELEMENTWISE, KERNEL_LEVEL, Op, is_compute
 from archc.ir.ops.core import elementwise_expr
 from archc.passes.linear import cat_params, emit, view
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
-from archc.passes.registry import PassContext, Refusal, register_pass
-from archc.passes.rewrite import Rewriter
+from archc.passes.registry import Refusal
+from archc.passes.rewrite import Rewriter, register_rewrite_pass
 
 
 def _router(rw: Rewriter, m: Bindings) -> int:
@@ -89,15 +89,14 @@ def to_pointwise(rw: Rewriter, root: int, inline: Collection[int]) -> tuple[int,
     return rw.emit(Op.POINTWISE, leaves, like=[root, *inlined], at=root, expr=expr), inlined
 
 
-@register_pass("fuse-pointwise", "exact",
-               "chains of leftover elementwise ops become one pointwise kernel each")
-def fuse_pointwise(g: Graph, ctx: PassContext) -> Graph:
+@register_rewrite_pass("fuse-pointwise", "chains of leftover elementwise ops become one pointwise "
+                       "kernel each")
+def fuse_pointwise(rw: Rewriter) -> None:
     # 1. An elementwise node is inlined into its reader when that reader is elementwise and
     #    is the only node reading it: its value is needed nowhere else.
     # 2. Every elementwise node not inlined roots one pointwise node, whose expression walks
     #    its inputs, inlining what step 1 marked and numbering the rest x(0), x(1)…
     # 3. A pointwise node that inlines nothing is left as it is.
-    rw = Rewriter(g, ctx)
     order = rw.order()
     inline = {i for i in order if rw.op(i) in ELEMENTWISE and len(rw.users(i)) == 1
               and rw.op(rw.users(i)[0]) in ELEMENTWISE}
@@ -107,8 +106,7 @@ def fuse_pointwise(g: Graph, ctx: PassContext) -> Graph:
             continue
         new, chain = to_pointwise(rw, i, inline)
         rw.replace(i, new)
-        ctx.applied("pointwise", i, " → ".join(rw.op(j).value for j in [*chain, i]))
-    return rw.finish()
+        rw.ctx.applied("pointwise", i, " → ".join(rw.op(j).value for j in [*chain, i]))
 
 
 def _kernel(rw: Rewriter, m: Bindings) -> int:

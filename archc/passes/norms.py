@@ -11,11 +11,10 @@ import math
 import os
 
 from archc.ir.attrs import Call
-from archc.ir.graph import Graph
 from archc.ir.ops import Op
 from archc.passes.linear import Linear, Step, norm_parts, replace_linear, step, view, view_with_bias
-from archc.passes.registry import PassContext, Refusal, register_pass
-from archc.passes.rewrite import Rewriter
+from archc.passes.registry import Refusal
+from archc.passes.rewrite import Rewriter, register_rewrite_pass
 
 
 def _tag(weight: str, gain: str) -> str:
@@ -93,10 +92,10 @@ def _fold(rw: Rewriter, norm: int, lin: Linear) -> None:
                                         eps=n.attr("eps"), steps=tuple(head + rest)))
 
 
-@register_pass("fold-norms", "exact",
-               "RMSNorm/LayerNorm read only by matmuls: gain into the weights, statistics in "
-               "the matmuls' prologue, 1/rms (and the mean correction) in their epilogue")
-def fold_norms(g: Graph, ctx: PassContext) -> Graph:
+@register_rewrite_pass("fold-norms", "RMSNorm/LayerNorm read only by matmuls: gain into the "
+                       "weights, statistics in the matmuls' prologue, 1/rms (and the mean "
+                       "correction) in their epilogue")
+def fold_norms(rw: Rewriter) -> None:
     # 1. For each rmsnorm / layernorm node, list its readers.
     # 2. Legal if every reader is a linear layer reading it as its one input, with parameter
     #    weights, no prologue yet, and a parameter gain (and shift): then every consumer
@@ -107,7 +106,6 @@ def fold_norms(g: Graph, ctx: PassContext) -> Graph:
     # 4. Rewrite each reader (W' = W·diag(γ), γ = 1 + w for Gemma's unit offset):
     #      RMSNorm:   prologue rms,   epilogue rms_scale, …
     #      LayerNorm: prologue layer, epilogue ln_scale(Σ_k W'), bias(W·β + c), …
-    rw = Rewriter(g, ctx)
     for i in rw.order():
         if rw.op(i) != Op.NORM:
             continue
@@ -117,5 +115,4 @@ def fold_norms(g: Graph, ctx: PassContext) -> Graph:
             continue
         for lin in readers:
             _fold(rw, i, lin)
-        ctx.applied(rule, i, f"into {len(readers)} matmul(s)")
-    return rw.finish()
+        rw.ctx.applied(rule, i, f"into {len(readers)} matmul(s)")

@@ -6,10 +6,9 @@ which) match in either order, so a rule over `add` or `mul` is written once. Con
 a structural match illegal — an intermediate value read elsewhere — are checked after the
 structure matches, so a refusal can say which condition failed:
 
-    Rule("bias",
-         # (x·Wᵀ) + b: the bias is added to the accumulator before it is stored
-         Pat({Op.ADD}, "root", (Pat(LINEAR, "lin", one_use=True), Pat({Op.PARAM}, "b"))),
-         absorb_bias)
+    # k + b: the bias joins the accumulator before it is stored
+    Rule("bias", Pat({Op.ADD}, "root", (Pat(EPILOGUE_HOSTS, "k", one_use=True),
+                                        Pat({Op.PARAM}, "b"))), append_step)
 
 A rewrite gets the rewriter and the bindings and returns the node that replaces the root, or
 ``None`` when the match does not apply after all; it may raise ``Refusal`` to say why not.
@@ -21,10 +20,10 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from archc.errors import IRError
-from archc.ir.graph import Graph, Node
+from archc.ir.graph import Node
 from archc.ir.ops import OP_TABLE, Op
-from archc.passes.registry import PassContext, Refusal, register_pass
-from archc.passes.rewrite import Rewriter
+from archc.passes.registry import Refusal
+from archc.passes.rewrite import Rewriter, register_rewrite_pass
 
 Bindings = dict[str, int]
 
@@ -125,11 +124,7 @@ def apply_rules(rw: Rewriter, rules: Collection[Rule], *, max_rounds: int = 64) 
 def register_rule_pass(name: str, summary: str, *tables: Collection[Rule]) -> None:
     """Register an exact pass that applies rule tables, one after another, to a fixpoint each:
     the whole body of most fusion passes."""
-    def run(g: Graph, ctx: PassContext) -> Graph:
-        rw = Rewriter(g, ctx)
+    @register_rewrite_pass(name, summary)
+    def run(rw: Rewriter) -> None:
         for rules in tables:
             apply_rules(rw, rules)
-        return rw.finish()
-
-    run.__name__ = name.replace("-", "_")
-    register_pass(name, "exact", summary)(run)

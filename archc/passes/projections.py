@@ -13,13 +13,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import archc.ir.expr as E
-from archc.ir.graph import Graph
 from archc.ir.ops import Op
 from archc.passes.attention import attention_operands, trace_up
 from archc.passes.linear import LINEAR, Linear, Step, cat_params, emit, merged_name, step, view
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
-from archc.passes.registry import PassContext, Refusal, register_pass
-from archc.passes.rewrite import Rewriter
+from archc.passes.registry import Refusal
+from archc.passes.rewrite import Rewriter, register_rewrite_pass
 
 
 def _split(lin: Linear, first: bool) -> tuple[Step | None, int | None, list[Step]]:
@@ -115,16 +114,15 @@ def _projections(rw: Rewriter, site: int) -> list[tuple[list[int], Linear]]:
     return [(path, lin) for path, end in found if (lin := view(rw, end)) is not None]
 
 
-@register_pass("merge-qkv", "exact",
-               "q, k and v projections of one input → one matmul over concatenated weights")
-def merge_qkv(g: Graph, ctx: PassContext) -> Graph:
+@register_rewrite_pass("merge-qkv", "q, k and v projections of one input → one matmul over "
+                       "concatenated weights")
+def merge_qkv(rw: Rewriter) -> None:
     # 1. For each attention site, trace q, k and v up through head views, per-head norms, RoPE,
     #    the cache and repeat_kv to their projections (a slice on the way: merged already).
     # 2. Group the projections that read the same input: q, k and v of self-attention; k and v
     #    of cross-attention (q reads the decoder, k and v the encoder).
     # 3. Concatenate their weight rows in q, k, v order — the RoPE epilogue rotates the first
     #    heads — into one linear; each projection's output becomes a column slice of it.
-    rw = Rewriter(g, ctx)
     for site in rw.order():
         groups: dict[int, list[Linear]] = {}
         for path, lin in _projections(rw, site):
@@ -135,8 +133,7 @@ def merge_qkv(g: Graph, ctx: PassContext) -> Graph:
                 if len(members) > 1 else None
             if found is not None:
                 emit_with_slices(rw, found[0], members, found[1])
-                ctx.applied("merge-qkv", members[0].root, f"{len(members)} projections in one")
-    return rw.finish()
+                rw.ctx.applied("merge-qkv", members[0].root, f"{len(members)} projections in one")
 
 
 def _glu(rw: Rewriter, m: Bindings) -> int | None:
@@ -219,10 +216,10 @@ def _merge_in(rw: Rewriter, members: list[Linear], acts: list[int | None]) -> in
     return emit_with_slices(rw, merged, members, offsets, acts)
 
 
-@register_pass("merge-parallel", "exact",
-               "parallel blocks: attention and FFN input projections in one matmul; "
-               "attention-out and FFN-down in one matmul over the concatenated hidden")
-def merge_parallel(g: Graph, ctx: PassContext) -> Graph:
+@register_rewrite_pass("merge-parallel", "parallel blocks: attention and FFN input projections in "
+                       "one matmul; attention-out and FFN-down in one matmul over the concatenated "
+                       "hidden")
+def merge_parallel(rw: Rewriter) -> None:
     # 1. Find parallel blocks by their sum: add(add(x, A), F) with A the attention output
     #    projection and F the FFN down projection, linear layers read only by the sum.
     # 2. Out: one linear over the two hidden states concatenated along K (concat_k), weight
@@ -230,7 +227,6 @@ def merge_parallel(g: Graph, ctx: PassContext) -> Graph:
     # 3. In: the attention's q/k/v projections and the FFN's up projection read the same
     #    (norm-folded) input: concatenate their rows, q/k/v first; the FFN activation becomes
     #    act over the up columns. A GLU epilogue pairs columns and cannot share.
-    rw = Rewriter(g, ctx)
     for i in rw.order():
         found = _parallel_sum(rw, i) if rw.op(i) == Op.ADD and rw.users(i) else None
         if found is None:
@@ -243,10 +239,9 @@ def merge_parallel(g: Graph, ctx: PassContext) -> Graph:
         if out is None:
             continue
         rw.replace(i, out)
-        ctx.applied("merge-parallel-out", i, "attention-out and FFN-down in one matmul")
+        rw.ctx.applied("merge-parallel-out", i, "attention-out and FFN-down in one matmul")
         up, act = ffn   # type: ignore[misc]
         if rw.attempt("merge-parallel-in", up.root, _merge_in, rw, [*attn, up],
                       [None] * len(attn) + [act]) is not None:
-            ctx.applied("merge-parallel-in", up.root,
+            rw.ctx.applied("merge-parallel-in", up.root,
                         f"{len(attn) + 1} input projections in one matmul")
-    return rw.finish()

@@ -22,7 +22,7 @@ from archc.ir.ops import Op, ShapeError, canonical
 from archc.ir.paramexpr import leaf
 from archc.ir.shapes import Shape
 from archc.ir.text import format_node
-from archc.passes.registry import PassContext, Refusal
+from archc.passes.registry import PassContext, Refusal, register_pass
 
 T = TypeVar("T")
 
@@ -221,3 +221,16 @@ class Rewriter:
         nodes = tuple(self.nodes[i].replace(inputs=tuple(number[j] for j in self.nodes[i].inputs))
                       for i in order)
         return Graph(self.g.name, nodes)
+
+
+def register_rewrite_pass(name: str, summary: str
+                          ) -> Callable[[Callable[[Rewriter], None]], Callable[[Rewriter], None]]:
+    """Register an exact pass whose body edits each graph through a Rewriter."""
+    def register(fn: Callable[[Rewriter], None]) -> Callable[[Rewriter], None]:
+        @register_pass(name, "exact", summary)
+        def run(g: Graph, ctx: PassContext) -> Graph:
+            rw = Rewriter(g, ctx)
+            fn(rw)
+            return rw.finish()
+        return fn
+    return register
