@@ -59,8 +59,7 @@ def unique_name(base: str, taken: set[str]) -> str:
 
 class Rewriter:
     def __init__(self, g: Graph, ctx: PassContext) -> None:
-        self.g = g
-        self.ctx = ctx
+        self.g, self.ctx = g, ctx
         self.nodes: dict[int, Node] = dict(enumerate(g.nodes))
         self.key: dict[int, float] = {i: float(i) for i in self.nodes}
         self._users: dict[int, list[int]] = {i: [] for i in self.nodes}
@@ -68,8 +67,6 @@ class Rewriter:
             for j in n.inputs:
                 self._users[j].append(i)
         self._live_before = live_nodes(self.nodes)
-        self._next = len(g.nodes)
-        self._seq = 0
         self.killed: set[int] = set()
         self.gone: set[int] = set()      # replaced or killed: their reads no longer count
         self.changed = False
@@ -84,8 +81,7 @@ class Rewriter:
 
     def users(self, i: int) -> list[int]:
         """Distinct live users of node i, in graph order."""
-        return sorted(set(u for u in self._users[i] if u not in self.gone),
-                      key=lambda u: self.key[u])
+        return sorted({u for u in self._users[i] if u not in self.gone}, key=self.key.__getitem__)
 
     def is_dead(self, i: int) -> bool:
         """Replaced or removed: nothing reads it and it is not a root."""
@@ -105,9 +101,8 @@ class Rewriter:
 
     def describe(self, i: int) -> str:
         """Node i in text form: as the pass received it, or as this pass made it."""
-        if i < len(self.g.nodes):
-            return self.ctx.describe(i)
-        return format_node(i, self.nodes[i]) + "  (made by this pass)"
+        return self.ctx.describe(i) if i < len(self.g.nodes) else \
+            format_node(i, self.nodes[i]) + "  (made by this pass)"
 
     def param_expr(self, i: int) -> Call:
         """The parameter expression of param node i (its checkpoint tensor if it has none)."""
@@ -132,12 +127,10 @@ class Rewriter:
         `like` nodes and this one."""
         passes = dict.fromkeys([p for j in like for p in self.nodes[j].passes]
                                + [self.ctx.pass_name])
-        i = self._next
-        self._next += 1
-        self._seq += 1
+        i = len(self.nodes)     # ids: the graph's 0…n-1, then n, n+1… in the order made
         self.nodes[i] = Node(op, tuple(inputs), attrs, tuple(shape), dtype,
                              self.nodes[like[0]].origin, tuple(passes))
-        self.key[i] = self.key[at] - 0.5 + self._seq * 1e-6
+        self.key[i] = self.key[at] - 0.5 + (i - len(self.g.nodes) + 1) * 1e-6
         self._users[i] = []
         for j in inputs:
             self._users[j].append(i)
