@@ -1,12 +1,6 @@
 """A uniform view of a linear layer, whether it is still `matmul` (+ a bias `add`) or already a
-`fused_linear` with a prologue and an epilogue chain — so passes can rewrite either — and the one
-way to extend the epilogue of any kernel that writes rows (matmul, norm, expert matmul).
-
-    Linear(root, operands, weight, prologue, eps, steps)
-
-``root`` is the node whose value the view stands for (the bias `add` when a bias is looked
-through), ``steps`` the epilogue, each with the extra inputs it reads. ``emit`` builds the
-`fused_linear` node of a view.
+`fused_linear` with a prologue and an epilogue of steps — so passes can rewrite either — and the
+one way to extend the epilogue of any kernel that writes rows (matmul, norm, expert matmul).
 """
 
 from __future__ import annotations
@@ -46,8 +40,8 @@ class Step:
 
 
 def step(fn: str, /, *inputs: int, **kw: Any) -> Step:
-    """An epilogue step reading nodes `inputs`; keyword arguments sorted so equal steps compare
-    equal."""
+    """An epilogue step reading nodes `inputs` (keyword arguments sorted: equal steps compare
+    equal)."""
     return Step(step_call(fn, **kw), tuple(inputs))
 
 
@@ -77,12 +71,12 @@ def epilogue_steps(rw: Rewriter, i: int, taken: int) -> tuple[Step, ...]:
 
 @dataclass(frozen=True)
 class Linear:
-    root: int                          # the node whose value this is
+    root: int                          # the node whose value this is (a bias add looked through)
     operands: tuple[int, ...]          # x, or x1 and x2 concatenated along K
     weight: int
     prologue: str | None = None        # row statistics of a folded norm: "rms" | "layer"
     eps: float | None = None
-    steps: tuple[Step, ...] = ()
+    steps: tuple[Step, ...] = ()       # the epilogue, each step with the inputs it reads
     covers: tuple[int, ...] = ()       # the nodes it stands for: matmul [, bias_add]
 
     @property

@@ -160,8 +160,6 @@ def resolve_pipeline(pipeline: str | Sequence[str]) -> list[str]:
     """Pass names of a pipeline given by name ("default", "none"), as a comma-separated list
     of pass names, or as a sequence of names."""
     if isinstance(pipeline, str):
-        if pipeline in PIPELINES:
-            return list(PIPELINES[pipeline])
         pipeline = [p.strip() for p in pipeline.split(",") if p.strip()]
     out: list[str] = []
     for name in pipeline:
