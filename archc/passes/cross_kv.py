@@ -87,22 +87,17 @@ def hoist_cross_kv(program: Program, contexts: Mapping[str, PassContext]) -> Pro
     taken = set(g.inputs)
     out_names = {i: _name(g, i, taken) for i in frontier}
 
-    # the cross_kv graph, nodes in the decoder's order
+    # the cross_kv graph, nodes in the decoder's order, each weight just before its first reader
+    source = g.inputs[SOURCE]
     number: dict[int, int] = {}
     nodes: list[Node] = []
-    source = g.inputs[SOURCE]
-
-    def take(j: int) -> int:
-        if j not in number:
-            n = g.nodes[j]
-            inputs = tuple(take(k) for k in n.inputs)
-            passes = n.passes if n.op in META else n.passes + ("hoist-cross-kv",)
-            number[j] = len(nodes)
-            nodes.append(n.replace(inputs=inputs, passes=passes))
-        return number[j]
-
     for i in [source, *sorted(fixed)]:
-        take(i)
+        for j in [*g.nodes[i].inputs, i]:
+            if j not in number:
+                n = g.nodes[j]
+                number[j] = len(nodes)
+                nodes.append(n.replace(inputs=tuple(number[k] for k in n.inputs), passes=(
+                    n.passes if n.op in META else n.passes + ("hoist-cross-kv",))))
     nodes += [Node(Op.OUTPUT, (number[i],), Attrs(name=out_names[i]), g.nodes[i].shape,
                    g.nodes[i].dtype, g.nodes[i].origin, ("hoist-cross-kv",)) for i in frontier]
 
