@@ -137,9 +137,8 @@ GQA_RULES = (
         None, Pat({Op.REPEAT_KV}, one_use=True), Pat({Op.REPEAT_KV}, one_use=True))),
         _read_kv_heads),
 )
-register_rule_pass("share-kv-heads",
-                   "GQA/MQA: drop repeat_kv; attention reads KV head h // group directly",
-                   GQA_RULES)
+register_rule_pass("share-kv-heads", "GQA/MQA: drop repeat_kv; attention reads KV head h // group "
+                   "directly", GQA_RULES)
 
 
 def _flash(rw: Rewriter, scores: int) -> tuple[int, int]:
@@ -165,8 +164,7 @@ def _flash(rw: Rewriter, scores: int) -> tuple[int, int]:
         if kind in ("scale", "softcap"):
             attrs[kind] = n.attr("expr").kw("by" if kind == "scale" else "cap")
         elif kind == "mask":
-            attrs.update({a: n.attr(a) for a in ("causal", "padding", "prefix", "window",
-                                                 "global_tokens")})
+            attrs.update(n.attrs)       # causal, window, global_tokens, padding, prefix
             extra[:0] = n.inputs[1:]
         else:
             attrs["bias"] = E.call("alibi") if kind == "alibi" else E.call(

@@ -51,8 +51,7 @@ CONV_RULES = (
 )
 register_rule_pass("fuse-causal-conv",
                    "Mamba: depthwise causal conv1d + bias + activation in one kernel that updates "
-                   "the conv state",
-                   CONV_RULES)
+                   "the conv state", CONV_RULES)
 
 
 def _ssm_scan(rw: Rewriter, m: Bindings) -> int:
@@ -120,8 +119,7 @@ SCAN_RULES = (
 )
 register_rule_pass("fuse-ssm-scan",
                    "Mamba: selective scan + D·x skip + silu(z) gate (+ B, C norms) in one kernel "
-                   "that updates the SSM state",
-                   SCAN_RULES)
+                   "that updates the SSM state", SCAN_RULES)
 
 
 def _linear_attention(rw: Rewriter, m: Bindings) -> int:

@@ -72,7 +72,6 @@ class Rewriter:
         self.changed = False
         self.param_names = {n.name for n in g.nodes if n.op == Op.PARAM}
 
-    # ---- reading ---------------------------------------------------------------------------
     def node(self, i: int) -> Node:
         return self.nodes[i]
 
@@ -120,7 +119,6 @@ class Rewriter:
             self.ctx.refused(rule, self.describe(where), r.why, profitability=r.profitability)
             return None
 
-    # ---- editing ---------------------------------------------------------------------------
     def _new(self, op: Op, inputs: Sequence[int], attrs: Attrs, shape: Shape, dtype: str,
              like: Sequence[int], at: int) -> int:
         """A node placed just before `at`, with the origin of `like[0]` and the passes of all
@@ -188,7 +186,6 @@ class Rewriter:
         self.gone.add(i)
         self.changed = True
 
-    # ---- result ----------------------------------------------------------------------------
     def finish(self) -> Graph:
         """The edited graph, sorted and renumbered; the original object if nothing changed."""
         if not self.changed:
