@@ -6,6 +6,8 @@ moves through attention — softmax or linear — into the output projection's b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import archc.ir.expr as E
 from archc.ir.attrs import Call
 from archc.ir.ops import Op
@@ -60,30 +62,34 @@ def _read_here(rw: Rewriter, nodes: list[int]) -> None:
             raise Refusal(f"%{i} ({rw.op(i).value}) is read outside this attention")
 
 
-def _key_bias(rw: Rewriter, chain: ScoreChain) -> None:
-    path, bias = _projection_bias(rw, rw.node(chain.scores).inputs[1])
+def _fold_bias(rw: Rewriter, rule: str, start: int, done: str,
+               fold: Callable[..., int], *args: object) -> None:
+    """Drop the bias add at the end of the projection feeding `start` when `fold(rw, path,
+    bias, *args)` may: it returns what the add reads besides the bias; or record why not."""
+    path, bias = _projection_bias(rw, start)
     if bias is None:
         return
-    try:
-        for i in path:
-            if rw.op(i) == Op.ROPE:
-                raise Refusal(f"rope %{i} rotates k after its bias: q·R_j·b varies with the "
-                              "key position j, so it is not constant along the softmax row")
-            if rw.op(i) == Op.NORM:
-                raise Refusal(f"norm %{i} (qk-norm) normalizes k after its bias, which is not "
-                              "linear")
-        for i in chain.modifiers:
-            if modifier(rw.node(i)) not in SHIFT_SAFE:
-                raise Refusal(f"{modifier(rw.node(i))} %{i} between scores and softmax is not "
-                              "linear, so the row constant q·b does not pass through it "
-                              "unchanged")
-        _read_here(rw, [bias, *path])
-    except Refusal as r:
-        rw.ctx.refused("key-bias", bias, r.why)
-        return
+    x = rw.attempt(rule, bias, fold, rw, path, bias, *args)
+    if x is not None:
+        rw.replace(bias, x)
+        rw.ctx.applied(rule, bias, done)
+
+
+def _key_bias(rw: Rewriter, path: list[int], bias: int, chain: ScoreChain) -> int:
     # softmax_j(q·(k_j + b)) = softmax_j(q·k_j + q·b) = softmax_j(q·k_j): q·b is constant in j
-    rw.replace(bias, bias_of(rw, bias)[0])  # type: ignore[index]
-    rw.ctx.applied("key-bias", bias, "dropped: a key bias is constant along each softmax row")
+    for i in path:
+        if rw.op(i) == Op.ROPE:
+            raise Refusal(f"rope %{i} rotates k after its bias: q·R_j·b varies with the "
+                          "key position j, so it is not constant along the softmax row")
+        if rw.op(i) == Op.NORM:
+            raise Refusal(f"norm %{i} (qk-norm) normalizes k after its bias, which is not "
+                          "linear")
+    for i in chain.modifiers:
+        if modifier(rw.node(i)) not in SHIFT_SAFE:
+            raise Refusal(f"{modifier(rw.node(i))} %{i} between scores and softmax is not "
+                          "linear, so the row constant q·b does not pass through it unchanged")
+    _read_here(rw, [bias, *path])
+    return bias_of(rw, bias)[0]  # type: ignore[index]
 
 
 def _add_output_bias(rw: Rewriter, o: Linear, extra: Call, v_bias: int, like: int) -> None:
@@ -107,34 +113,26 @@ def _add_output_bias(rw: Rewriter, o: Linear, extra: Call, v_bias: int, like: in
         replace_linear(rw, o, o.replace(steps=steps if old else (*steps, step("bias", b))))
 
 
-def _value_bias(rw: Rewriter, v_in: int, merge: int | None, no_merge: str,
-                refusal: str | None) -> None:
-    """Move the bias of the value projection feeding `v_in` into the output projection reading
-    `merge` (the heads merged), when each output row is a weighted average of the values."""
-    path, bias = _projection_bias(rw, v_in)
-    if bias is None:
-        return
-    try:
-        if refusal is not None:
-            raise Refusal(refusal)
-        for i in path:
-            if rw.op(i) not in (Op.SPLIT_HEADS, Op.KV_CACHE, Op.REPEAT_KV):
-                raise Refusal(f"{rw.op(i).value} %{i} acts on v after its bias")
-        _read_here(rw, [bias, *path])
-        if merge is None:
-            raise Refusal(no_merge)
-        users = rw.users(merge)
-        o = view_with_bias(rw, users[0]) if len(users) == 1 else None
-        if o is None or o.operands != (merge,):
-            raise Refusal(f"the attention output %{merge} is not read by one output "
-                          "projection")
-        if o.prologue or any(s.fn != "bias" for s in o.steps):
-            raise Refusal(f"the output projection %{o.root} already has an epilogue")
-        if rw.op(o.weight) != Op.PARAM:
-            raise Refusal(f"the output projection weight %{o.weight} is not a parameter")
-    except Refusal as r:
-        rw.ctx.refused("value-bias", bias, r.why)
-        return
+def _value_bias(rw: Rewriter, path: list[int], bias: int, merge: int | None, no_merge: str,
+                refusal: str | None) -> int:
+    """Move the value bias into the output projection reading `merge` (the heads merged), when
+    each output row is a weighted average of the values."""
+    if refusal is not None:
+        raise Refusal(refusal)
+    for i in path:
+        if rw.op(i) not in (Op.SPLIT_HEADS, Op.KV_CACHE, Op.REPEAT_KV):
+            raise Refusal(f"{rw.op(i).value} %{i} acts on v after its bias")
+    _read_here(rw, [bias, *path])
+    if merge is None:
+        raise Refusal(no_merge)
+    users = rw.users(merge)
+    o = view_with_bias(rw, users[0]) if len(users) == 1 else None
+    if o is None or o.operands != (merge,):
+        raise Refusal(f"the attention output %{merge} is not read by one output projection")
+    if o.prologue or any(s.fn != "bias" for s in o.steps):
+        raise Refusal(f"the output projection %{o.root} already has an epilogue")
+    if rw.op(o.weight) != Op.PARAM:
+        raise Refusal(f"the output projection weight %{o.weight} is not a parameter")
     # Σ_j p_ij (v_j + b_v) W_oᵀ + b_o = (Σ_j p_ij v_j) W_oᵀ + (W_o b_v + b_o),  as Σ_j p_ij = 1;
     # query head h reads KV head h // g, so b_v is repeated g times along the merged heads.
     x, b_v = bias_of(rw, bias)  # type: ignore[misc]
@@ -143,8 +141,7 @@ def _value_bias(rw: Rewriter, v_in: int, merge: int | None, no_merge: str,
     expanded = rw.param_expr(b_v) if groups == 1 else E.call(
         "repeat_heads", rw.param_expr(b_v), groups=groups, heads=rw.node(split).attr("heads"))
     _add_output_bias(rw, o, E.call("mm", rw.param_expr(o.weight), expanded), b_v, like=bias)
-    rw.replace(bias, x)
-    rw.ctx.applied("value-bias", bias, "folded into the output projection's bias")
+    return x
 
 
 @register_rewrite_pass("fold-biases", "drop zero and key biases; fold value biases through "
@@ -161,15 +158,18 @@ def fold_biases(rw: Rewriter) -> None:
     #    (φ = elu + 1 > 0) and sum to 1 over j ≤ i, so a bias on every v_j comes out whole, as
     #    through softmax; the heads come out merged.
     apply_rules(rw, ZERO_BIAS_RULES)
+    moved = "folded into the output projection's bias"
     for i in rw.order():
         if rw.op(i) == Op.LINEAR_ATTENTION:
-            _value_bias(rw, rw.node(i).inputs[2], i, "", None)
+            _fold_bias(rw, "value-bias", rw.node(i).inputs[2], moved, _value_bias, i, "", None)
         chain = score_chain(rw, i) if rw.op(i) == Op.SCORES else None
         if chain is None or chain.wsum is None:
             continue
-        _key_bias(rw, chain)
+        _fold_bias(rw, "key-bias", rw.node(i).inputs[1],
+                   "dropped: a key bias is constant along each softmax row", _key_bias, chain)
         mask = next((j for j in chain.modifiers if rw.op(j) == Op.MASK), None)
         padded = mask is not None and rw.node(mask).attr("padding")
-        _value_bias(rw, rw.node(chain.wsum).inputs[1], chain.merge, chain.problem,
-                    f"mask %{mask} takes a padding mask: a fully padded row has no "
-                    "probabilities summing to 1 to carry the bias through" if padded else None)
+        _fold_bias(rw, "value-bias", rw.node(chain.wsum).inputs[1], moved, _value_bias,
+                   chain.merge, chain.problem,
+                   f"mask %{mask} takes a padding mask: a fully padded row has no "
+                   "probabilities summing to 1 to carry the bias through" if padded else None)
