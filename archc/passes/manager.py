@@ -124,34 +124,26 @@ def optimize(program: Program, pipeline: str | Sequence[str] = "default") -> Pro
     return run_pipeline(program, pipeline).program
 
 
-_REF = re.compile(r"%(\d+)")
-
-
 def _relabel(line: str, labels: list[str]) -> str:
-    return _REF.sub(lambda m: labels[int(m.group(1))], line)
+    return re.sub(r"%(\d+)", lambda m: labels[int(m.group(1))], line)
 
 
-def after_in_old_numbers(step: PassStep, *, provenance: bool = False) -> str:
-    lines = [f"program {step.after.model}"]
+def step_diff(step: PassStep, *, provenance: bool = False) -> str:
+    """Unified diff of the program before and after `step` ('' when it changed nothing): the
+    nodes the pass kept keep their old numbers, the ones it made are %+1, %+2…"""
+    if not step.changed:
+        return ""
+    after = [f"program {step.after.model}"]
     for g in step.after.graphs:
         kept = step.kept.get(g.name, {i: i for i in range(len(g.nodes))})
         old_of = {new: old for old, new in kept.items()}
         made = iter(range(1, len(g.nodes) + 1))
         labels = [f"%{old_of[i]}" if i in old_of else f"%+{next(made)}"
                   for i in range(len(g.nodes))]
-        lines += [f"graph {g.name} {{",
+        after += [f"graph {g.name} {{",
                   *("  " + _relabel(format_node(i, n, provenance=provenance), labels)
                     for i, n in enumerate(g.nodes)), "}"]
-    return "\n".join(lines) + "\n"
-
-
-def step_diff(step: PassStep, *, provenance: bool = False) -> str:
-    """Unified diff of the program before and after `step` ('' when it changed nothing)."""
-    if not step.changed:
-        return ""
-    before = format_program(step.before, provenance=provenance)
-    after = after_in_old_numbers(step, provenance=provenance)
     return "".join(difflib.unified_diff(
-        before.splitlines(keepends=True), after.splitlines(keepends=True),
-        fromfile=f"before {step.name}",
+        format_program(step.before, provenance=provenance).splitlines(keepends=True),
+        [line + "\n" for line in after], fromfile=f"before {step.name}",
         tofile=f"after {step.name} (kept nodes keep their numbers; %+N are new)"))
