@@ -1,8 +1,7 @@
-"""Passes: Graph → Graph rewrites from the unfused graph to kernel-level ops.
-
-``run_pipeline(program, "default")`` runs the default pipeline over every graph of a program,
-verifying after each pass; ``optimize`` returns just the result. Each pass is registered by
-name (``PASSES``) with its kind: exact (the function is kept up to rounding) or architecture.
+"""Passes: Graph → Graph rewrites from the unfused graph to kernel-level ops, each registered by
+name (``PASSES``) and exact: the function is kept up to rounding. ``run_pipeline(program,
+"default")`` runs the default pipeline over every graph of a program, verifying after each pass;
+``optimize`` returns just the result.
 """
 
 from archc.passes import (  # noqa: F401  (each module registers its passes)

@@ -178,13 +178,11 @@ def _flash(rw: Rewriter, scores: int) -> tuple[int, int]:
 @register_rewrite_pass("flash-attention", "scores → scale → softcap → bias → mask → softmax → "
                        "value sum: one attention node")
 def flash_attention(rw: Rewriter) -> None:
-    # 1. For each scores node, follow single users: modifiers, softmax, weighted_sum,
-    #    merge_heads. Every intermediate must be read by the next step only (no one else may
-    #    see the scores or probabilities a flash kernel never stores).
+    # 1. From each scores node follow single users — modifiers, softmax, weighted_sum,
+    #    merge_heads: nothing else may see the scores or probabilities a flash kernel never stores.
     # 2. The modifiers must come in the order the attention op applies them.
-    # 3. Emit attention(q, k, v, [padding], [prefix_len], [slopes | rel_table]) with scale,
-    #    softcap, bias, causal, window, global_tokens, padding and prefix as attributes, in place
-    #    of merge_heads: its output is [B, T, H·D].
+    # 3. In place of merge_heads: attention(q, k, v, [padding], [prefix_len], [slopes |
+    #    rel_table]) with the modifiers as attributes; its output is [B, T, H·D].
     for i in rw.order():
         found = rw.attempt("flash-attention", i, _flash, rw, i) if rw.op(i) == Op.SCORES else None
         if found is not None:
@@ -303,10 +301,9 @@ def _rope(rw: Rewriter, lin: Linear, heads: Heads) -> Step:
 @register_rewrite_pass("fuse-rope", "rotate q and k in the epilogue of the projection that "
                        "computes them")
 def fuse_rope(rw: Rewriter) -> None:
-    # 1. For each linear layer, find its readers and the columns each reads; the rotated ones
-    #    are head views (slice → split_heads) read only by a rope.
-    # 2. Legal if the rotated columns are [0, n·D) — the epilogue rotates the first n heads —
-    #    with one set of positions, frequencies and attributes, and no other reader sees them.
+    # 1. For each linear layer, the head views (slice → split_heads) read only by a rope.
+    # 2. Legal if they are columns [0, n·D) — the epilogue rotates the first n heads — with one
+    #    set of positions, frequencies and attributes, and no other reader sees them.
     # 3. Append rope(heads=n) to the epilogue; each rope node is replaced by its head view.
     fuse_heads(rw, "fuse-rope", Op.ROPE, "rotated", ("rope", "kv_write", "glu"), _rope)
     for i in rw.order():
@@ -347,13 +344,12 @@ def _head_norm(rw: Rewriter, lin: Linear, heads: Heads) -> Step:
 @register_rewrite_pass("fuse-qk-norm", "QK-norm: normalize the heads of q and k in the epilogue of "
                        "their projection")
 def fuse_qk_norm(rw: Rewriter) -> None:
-    # 1. For each linear layer, find the head views read only by a per-head rmsnorm or
-    #    layernorm (QK-norm normalizes each head over its head_dim).
-    # 2. Legal if those columns are [0, n·D) — q then k, first in a merged QKV — with one
-    #    kind of norm and one eps, and no other reader sees them un-normalized.
+    # 1. For each linear layer, the head views read only by a norm over each head (QK-norm).
+    # 2. Legal if they are columns [0, n·D) — q then k, first in a merged QKV — with one kind
+    #    of norm and one eps, and no other reader sees them un-normalized.
     # 3. Append head_norm(kind, eps, heads=n) reading a gain and a shift built at load time:
-    #    each head's norm weight tiled over its heads (zeros shift for RMSNorm). Each norm
-    #    node is replaced by its head view, so fuse-rope then finds the rotation there.
+    #    each head's norm weight tiled over its heads (zeros shift for RMSNorm). Each norm is
+    #    replaced by its head view, where fuse-rope then finds the rotation.
     fuse_heads(rw, "fuse-qk-norm", Op.NORM, "normalized",
                ("head_norm", "rope", "kv_write", "glu"), _head_norm)
 
@@ -396,14 +392,13 @@ def _kv_write(rw: Rewriter, att: int) -> tuple[Linear, Step]:
 @register_rewrite_pass("fuse-kv-write", "write k and v to the cache from the projection's "
                        "epilogue; attention reads it")
 def fuse_kv_write(rw: Rewriter) -> None:
-    # 1. For each attention reading k and v from kv_cache writes of one layer, find the
-    #    projection both are column views of.
-    # 2. Legal if the cache values are read by this attention only, nothing (RoPE) stands
-    #    between the projection and the write, and q comes from the same projection — the
-    #    kernel that writes the cache then runs before the attention that reads it.
-    # 3. Append kv_write(layer, k_start, v_start) to the projection (writing k and v from the
-    #    accumulator = writing the stored k and v, without the round trip through memory); the
-    #    attention reads cache_layer; the kv_cache nodes go.
+    # 1. For each attention reading k and v from one layer's cache writes, the projection
+    #    both are column views of.
+    # 2. Legal if only this attention reads the cache values, nothing (RoPE) stands between
+    #    projection and write, and q comes from that projection: the kernel that writes the
+    #    cache then runs before the attention that reads it.
+    # 3. The projection's epilogue writes k and v from the accumulator (the values it would
+    #    store); the attention reads cache_layer; the kv_cache nodes go.
     for i in rw.order():
         n = rw.node(i)
         found = rw.attempt("fuse-kv-write", i, _kv_write, rw, i) if n.op == Op.ATTENTION and \

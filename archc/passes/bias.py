@@ -147,16 +147,14 @@ def _value_bias(rw: Rewriter, path: list[int], bias: int, merge: int | None, no_
 @register_rewrite_pass("fold-biases", "drop zero and key biases; fold value biases through "
                        "attention (softmax or linear) into the output-projection bias")
 def fold_biases(rw: Rewriter) -> None:
-    # 1. Zero biases: apply the zero-bias rules to a fixed point.
-    # 2. For each decomposed attention, follow scores → modifiers → softmax → weighted_sum.
-    # 3. Key bias: trace k up to its projection; drop the bias if only views, the cache and
-    #    repeat_kv lie between, and only shift-safe modifiers lie between scores and softmax.
-    # 4. Value bias: trace v up to its projection; if no row can be fully masked and the heads
+    # 1. Zero biases: the zero-bias rule, to a fixed point.
+    # 2. Key bias: trace k up to its projection; drop the bias if only views, the cache and
+    #    repeat_kv lie between, and only shift-safe modifiers between scores and softmax.
+    # 3. Value bias: trace v up to its projection; if no row can be fully masked and the heads
     #    go straight into one output projection, move the bias into that projection's bias.
-    # 5. Linear attention: the value bias likewise. out_i = φq_i·S_i / φq_i·z_i with
-    #    S_i = Σ_j φk_j v_jᵀ and z_i = Σ_j φk_j: the weights φq_i·φk_j / φq_i·z_i are positive
-    #    (φ = elu + 1 > 0) and sum to 1 over j ≤ i, so a bias on every v_j comes out whole, as
-    #    through softmax; the heads come out merged.
+    #    Linear attention likewise: out_i = φq_i·S_i / φq_i·z_i, S_i = Σ_j φk_j v_jᵀ,
+    #    z_i = Σ_j φk_j, so the weights φq_i·φk_j / φq_i·z_i are positive (φ = elu + 1 > 0) and
+    #    sum to 1 over j ≤ i, as softmax's do; the heads come out merged.
     apply_rules(rw, ZERO_BIAS_RULES)
     moved = "folded into the output projection's bias"
     for i in rw.order():

@@ -31,9 +31,8 @@ def dce(g: Graph, ctx: PassContext) -> Graph:
 def cse(rw: Rewriter) -> None:
     # 1. Walk in order; each node's inputs already point at their representatives.
     # 2. Key: op, inputs, attrs, shape, dtype — for a computed parameter its expression. Graph
-    #    inputs, outputs, checkpoint parameters (a name, not a value) and cache writes are
-    #    never merged.
-    # 3. A node whose key was seen is replaced by the first node with that key.
+    #    inputs, outputs, checkpoint parameters (a name, not a value) and cache writes never
+    #    merge; a node whose key was seen is replaced by the first node with that key.
     seen: dict[Hashable, int] = {}
     for i in rw.order():
         n = rw.node(i)

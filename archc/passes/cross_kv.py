@@ -62,14 +62,11 @@ def _name(g: Graph, i: int, taken: set[str]) -> str:
     "cross-attention K/V projections of the encoder's states leave the decoder for a cross_kv "
     "graph run once per generation; decoder steps read them as inputs")
 def hoist_cross_kv(program: Program, contexts: Mapping[str, PassContext]) -> Program:
-    # 1. In the decoder graph, find the nodes that depend only on `encoder_hidden` and weights —
-    #    the same at every step of a generation. Views at the edge of that set stay behind.
-    # 2. Legal: those nodes are pure (no cache writes). Profitable: they do work that grows
-    #    with the encoder length (a matmul); otherwise there is nothing to save.
-    # 3. Build `cross_kv`: input encoder_hidden, the weights they read, the nodes, and one
-    #    output per node the decoder still reads, named after its weight.
-    # 4. In the decoder, each such node becomes an input of that name; the nodes left without
-    #    readers go, and so does `encoder_hidden` once nothing reads it.
+    # 1. In the decoder, the pure nodes (no cache writes) that depend only on `encoder_hidden`
+    #    and weights: the same at every step. Profitable if they include a matmul.
+    # 2. `cross_kv`: encoder_hidden, the weights they read, the nodes, and an output per node
+    #    the decoder still reads, named after its weight.
+    # 3. In the decoder each such node becomes an input of that name; what only they read goes.
     names = [g.name for g in program]
     if "decoder" not in names or CROSS_KV in names:
         return program

@@ -104,9 +104,7 @@ NORM_RESIDUAL_RULES = (
 # r + (x·Wᵀ + …), r + Σ experts: the epilogue reads r and adds it before the store
 KERNEL_RESIDUAL_RULES = (_residual_rule("residual-epilogue", LINEAR | {Op.MOE_LINEAR}),)
 
-# 1. Adds that feed only a norm, or that add a norm's output, go into that norm kernel.
-# 2. Remaining adds with an operand computed by a matmul (or the experts' down matmul) read only
-#    by the add go into that kernel's epilogue as residual(r).
+# The norm rules first: an add next to a norm joins the norm rather than a matmul.
 register_rule_pass("fuse-residual",
                    "residual adds join the norm after them, or the matmul, norm or expert "
                    "matmul that produced an operand", NORM_RESIDUAL_RULES, KERNEL_RESIDUAL_RULES)

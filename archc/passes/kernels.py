@@ -3,9 +3,8 @@ left unfused.
 
 - fuse-moe: router(x·W_rᵀ) → one router kernel over x and W_r; the gate and up stages of a
   gated expert FFN, act(gate)·up, → one expert matmul over [W_gate; W_up] with a glu() epilogue.
-- fuse-pointwise: chains of elementwise ops left over become single `pointwise` kernels:
-  pointwise(add(x, y)) {expr=scale(x(0), by=0.5)} → pointwise(x, y) {expr=scale(add(x(0), x(1)),
-  by=0.5)}.
+- fuse-pointwise: chains of elementwise ops left over become single `pointwise` kernels: x + y,
+  then ·0.5 → pointwise(x, y) {expr=scale(add(x(0), x(1)), by=0.5)}.
 - select-kernels: a matmul left alone is a fused_linear with an empty epilogue, an elementwise op
   left alone a pointwise kernel. Any other op without a kernel is refused by name.
 """
@@ -92,11 +91,10 @@ def to_pointwise(rw: Rewriter, root: int, inline: Collection[int]) -> tuple[int,
 @register_rewrite_pass("fuse-pointwise", "chains of leftover elementwise ops become one pointwise "
                        "kernel each")
 def fuse_pointwise(rw: Rewriter) -> None:
-    # 1. An elementwise node is inlined into its reader when that reader is elementwise and
-    #    is the only node reading it: its value is needed nowhere else.
-    # 2. Every elementwise node not inlined roots one pointwise node, whose expression walks
-    #    its inputs, inlining what step 1 marked and numbering the rest x(0), x(1)…
-    # 3. A pointwise node that inlines nothing is left as it is.
+    # 1. An elementwise node read only by an elementwise node is inlined into it.
+    # 2. Every other elementwise node roots one pointwise node whose expression walks its
+    #    inputs, inlining what step 1 marked and numbering the rest x(0), x(1)…; a pointwise
+    #    node that inlines nothing stays as it is.
     order = rw.order()
     inline = {i for i in order if rw.op(i) in ELEMENTWISE and len(rw.users(i)) == 1
               and rw.op(rw.users(i)[0]) in ELEMENTWISE}
@@ -126,11 +124,9 @@ def needs_kernel(n: Node) -> bool:
                                  else n.op not in KERNEL_LEVEL)
 
 
-# 1. Every compute node that is not a kernel-level op yet: a matmul becomes a fused_linear with
-#    no prologue or epilogue, an elementwise op a one-op pointwise.
-# 2. Anything else (a score chain flash-attention refused, a rope fuse-rope refused, a router
-#    whose matmul fuse-moe could not take) has no kernel: refused, so explain names it and
-#    codegen fails loudly.
+# Any other node without a kernel (a score chain flash-attention refused, a rope fuse-rope
+# refused, a router whose matmul fuse-moe could not take) is refused: explain names it and
+# codegen fails loudly.
 register_rule_pass("select-kernels",
                    "every compute node left becomes a kernel-level op: lone matmuls and "
                    "elementwise ops get kernels of their own",

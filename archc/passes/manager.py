@@ -1,11 +1,10 @@
 """The pass manager: runs a pipeline over every graph of a program, verifying after each pass.
 
 Each step keeps the program before and after and the decisions the pass made, so the CLI can
-print the IR after any pass, tabulate the pipeline and explain refusals, and diff one pass: the
-text form before and after, with the nodes the pass kept under their old numbers and the nodes it
-made numbered %+1, %+2…, so the diff shows what the pass did rather than every id the
-renumbering shifted. A pass that changed nothing returns the same graph object, and the step says
-"not applied". On failure the error names the pass, the graph and the passes that ran before it.
+print the IR after any pass, tabulate the pipeline, explain refusals and diff one pass (kept
+nodes under their old numbers, not every id the renumbering shifted). A pass that changed nothing
+returns the same graph object: "not applied". A failure names the pass, the graph and the passes
+that ran before it.
 """
 
 from __future__ import annotations

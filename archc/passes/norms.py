@@ -96,16 +96,13 @@ def _fold(rw: Rewriter, norm: int, lin: Linear) -> None:
                        "weights, statistics in the matmuls' prologue, 1/rms (and the mean "
                        "correction) in their epilogue")
 def fold_norms(rw: Rewriter) -> None:
-    # 1. For each rmsnorm / layernorm node, list its readers.
-    # 2. Legal if every reader is a linear layer reading it as its one input, with parameter
-    #    weights, no prologue yet, and a parameter gain (and shift): then every consumer
-    #    shares the fold and the norm disappears. One other reader (a residual add, a router,
-    #    the graph output) means the normalized value must be stored anyway.
-    # 3. Profitable unless a weight is also read elsewhere (a tied head): folding the gain
+    # 1. Legal if every reader of the norm is a linear layer reading it as its one input, with
+    #    parameter weights and no prologue yet, and gain and shift are parameters: then the
+    #    norm disappears. One other reader (a residual add, a router, the output) must see it.
+    # 2. Profitable unless a weight is also read elsewhere (a tied head): folding the gain
     #    would store a second, scaled copy of the table.
-    # 4. Rewrite each reader (W' = W·diag(γ), γ = 1 + w for Gemma's unit offset):
-    #      RMSNorm:   prologue rms,   epilogue rms_scale, …
-    #      LayerNorm: prologue layer, epilogue ln_scale(Σ_k W'), bias(W·β + c), …
+    # 3. Each reader gets W' = W·diag(γ) (γ = 1 + w for Gemma) and, for RMSNorm, prologue rms
+    #    and epilogue rms_scale, …; for LayerNorm prologue layer, ln_scale(Σ_k W'), bias(W·β + c).
     for i in rw.order():
         if rw.op(i) != Op.NORM:
             continue

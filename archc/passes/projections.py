@@ -117,12 +117,11 @@ def _projections(rw: Rewriter, site: int) -> list[tuple[list[int], Linear]]:
 @register_rewrite_pass("merge-qkv", "q, k and v projections of one input → one matmul over "
                        "concatenated weights")
 def merge_qkv(rw: Rewriter) -> None:
-    # 1. For each attention site, trace q, k and v up through head views, per-head norms, RoPE,
-    #    the cache and repeat_kv to their projections (a slice on the way: merged already).
-    # 2. Group the projections that read the same input: q, k and v of self-attention; k and v
-    #    of cross-attention (q reads the decoder, k and v the encoder).
-    # 3. Concatenate their weight rows in q, k, v order — the RoPE epilogue rotates the first
-    #    heads — into one linear; each projection's output becomes a column slice of it.
+    # 1. For each attention site, trace q, k and v up to their projections (a slice on the
+    #    way: merged already) and group those that read one input: q, k, v of self-attention;
+    #    k and v of cross-attention (q reads the decoder, k and v the encoder).
+    # 2. Concatenate their weight rows in q, k, v order (a RoPE epilogue rotates the first
+    #    heads) into one linear; each projection's output becomes a column slice of it.
     for site in rw.order():
         groups: dict[int, list[Linear]] = {}
         for path, lin in _projections(rw, site):
@@ -220,13 +219,12 @@ def _merge_in(rw: Rewriter, members: list[Linear], acts: list[int | None]) -> in
                        "one matmul; attention-out and FFN-down in one matmul over the concatenated "
                        "hidden")
 def merge_parallel(rw: Rewriter) -> None:
-    # 1. Find parallel blocks by their sum: add(add(x, A), F) with A the attention output
-    #    projection and F the FFN down projection, linear layers read only by the sum.
-    # 2. Out: one linear over the two hidden states concatenated along K (concat_k), weight
-    #    [W_A, W_F] (columns), bias b_A + b_F, and x as a residual epilogue.
-    # 3. In: the attention's q/k/v projections and the FFN's up projection read the same
-    #    (norm-folded) input: concatenate their rows, q/k/v first; the FFN activation becomes
-    #    act over the up columns. A GLU epilogue pairs columns and cannot share.
+    # 1. A parallel block by its sum: add(add(x, A), F), A the attention output projection
+    #    and F the FFN down projection, linear layers read only by the sum.
+    # 2. Out: one linear over both hidden states concatenated along K, weight [W_A, W_F]
+    #    (columns), bias b_A + b_F, and x as a residual epilogue.
+    # 3. In: q/k/v and the FFN's up projection read the same (norm-folded) input: their rows
+    #    concatenate, q/k/v first; the FFN activation becomes act over the up columns.
     for i in rw.order():
         found = _parallel_sum(rw, i) if rw.op(i) == Op.ADD and rw.users(i) else None
         if found is None:

@@ -5,11 +5,10 @@ Every candidate a pass looks at ends in a ``Decision``: applied, or refused by a
 it would cost more than it saves). ``archc explain`` prints the refusals; ``archc passes`` counts
 the applications. The ``PassContext`` that collects them is passed explicitly to every pass.
 
-``register_pass`` registers a function ``(Graph, PassContext) -> Graph``, run over each graph of a
-program; ``register_program_pass`` a function ``(Program, {graph: PassContext}) -> Program`` that
-sees every graph at once and may move nodes between graphs or add one. Both are kept as program
-functions, so the manager runs every pass by one code path. Every registered pass is *exact*: it
-keeps the function up to rounding, and is translation-validated.
+A pass is a function ``(Graph, PassContext) -> Graph`` run over each graph of a program, or a
+program function ``(Program, {graph: PassContext}) -> Program`` that may move nodes between
+graphs; the manager runs both as the latter. Every registered pass is *exact*: it keeps the
+function up to rounding, and is translation-validated.
 """
 
 from __future__ import annotations
