@@ -81,17 +81,13 @@ def match(rw: Rewriter, pat: Pat, i: int, parent: int | None = None
 def apply_rules(rw: Rewriter, rules: Collection[Rule], *, max_rounds: int = 64) -> None:
     """Try every rule at every node until nothing changes; records each decision. Rules that
     keep rewriting past `max_rounds` sweeps are a bug in the rules: an error, not a stop."""
-    by_op: dict[Op | None, list[Rule]] = {}
-    for r in rules:
-        for op in (r.pattern.ops or [None]):
-            by_op.setdefault(op, []).append(r)
     refused: dict[tuple[str, int], str] = {}
     for _ in range(max_rounds):
         progress = False
         for i in rw.order():
             if rw.is_dead(i):
                 continue
-            for rule in by_op.get(rw.op(i), []) + by_op.get(None, []):
+            for rule in rules:
                 found = match(rw, rule.pattern, i)
                 if found is None:
                     continue
