@@ -9,6 +9,7 @@ A pass that changed nothing gets its own graph object back.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -62,7 +63,7 @@ class Rewriter:
         self.g, self.ctx = g, ctx
         self.nodes: dict[int, Node] = dict(enumerate(g.nodes))
         self.key: dict[int, float] = {i: float(i) for i in self.nodes}
-        self._users: dict[int, list[int]] = {i: [] for i in self.nodes}
+        self._users: defaultdict[int, list[int]] = defaultdict(list)
         for i, n in self.nodes.items():
             for j in n.inputs:
                 self._users[j].append(i)
@@ -129,7 +130,6 @@ class Rewriter:
         self.nodes[i] = Node(op, tuple(inputs), attrs, tuple(shape), dtype,
                              self.nodes[like[0]].origin, tuple(passes))
         self.key[i] = self.key[at] - 0.5 + (i - len(self.g.nodes) + 1) * 1e-6
-        self._users[i] = []
         for j in inputs:
             self._users[j].append(i)
         return i
