@@ -401,9 +401,10 @@ def fuse_kv_write(rw: Rewriter) -> None:
     #    store); the attention reads cache_layer; the kv_cache nodes go.
     for i in rw.order():
         n = rw.node(i)
-        found = rw.attempt("fuse-kv-write", i, _kv_write, rw, i) if n.op == Op.ATTENTION and \
-            n.attr("cache_layer") is None and rw.op(n.inputs[1]) == rw.op(n.inputs[2]) == \
-            Op.KV_CACHE else None
+        if n.op != Op.ATTENTION or n.attr("cache_layer") is not None or \
+                {rw.op(j) for j in n.inputs[1:3]} != {Op.KV_CACHE}:
+            continue
+        found = rw.attempt("fuse-kv-write", i, _kv_write, rw, i)
         if found is None:
             continue
         lin, write = found
