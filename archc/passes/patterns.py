@@ -61,21 +61,16 @@ def match(rw: Rewriter, pat: Pat, i: int, parent: int | None = None
     orders = [n.inputs]
     if OP_TABLE[n.op].commutative and len(pat.src) >= 2:
         orders.append((n.inputs[1], n.inputs[0], *n.inputs[2:]))
-    found: tuple[Bindings, list[str]] | None = None
+    found: list[tuple[Bindings, list[str]]] = []
     for inputs in orders:
         subs = [({}, []) if sub is None else match(rw, sub, j, i)
                 for sub, j in zip(pat.src, inputs)]
-        if any(m is None for m in subs):
-            continue
-        bound, problems = ({pat.name: i} if pat.name else {}), list(own)
-        for b, p in subs:  # type: ignore[misc]
-            bound.update(b)
-            problems += p
-        if found is None or len(problems) == len(own):
-            found = (bound, problems)
-        if len(problems) == len(own):
-            break
-    return found
+        ok = [m for m in subs if m is not None]
+        if len(ok) == len(subs):
+            bound = {k: v for b, _ in ok for k, v in b.items()} | ({pat.name: i} if pat.name else {})
+            found.append((bound, own + [p for _, ps in ok for p in ps]))
+    # the first order without problems of its own operands, else the first
+    return min(found, key=lambda f: len(f[1]) > len(own), default=None)
 
 
 def apply_rules(rw: Rewriter, rules: Collection[Rule], *, max_rounds: int = 64) -> None:
