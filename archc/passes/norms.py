@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 
-from archc.ir.attrs import Call
+import archc.ir.expr as E
 from archc.ir.ops import Op
 from archc.passes.linear import Linear, Step, norm_parts, replace_linear, step, view, view_with_bias
 from archc.passes.registry import Refusal
@@ -61,9 +61,9 @@ def _fold(rw: Rewriter, norm: int, lin: Linear) -> None:
     tag = _tag(w.name, rw.node(gain).name)
     gamma = rw.param_expr(gain)
     if n.attr("unit_offset"):
-        gamma = Call("offset", (gamma,), (("by", 1.0),))        # Gemma: γ = 1 + w
+        gamma = E.call("offset", gamma, by=1.0)        # Gemma: γ = 1 + w
     # W' = W·diag(γ): scale column k of W by γ_k
-    folded = Call("mul", (rw.param_expr(lin.weight), gamma))
+    folded = E.call("mul", rw.param_expr(lin.weight), gamma)
     like = [norm, *lin.covers]
     w2 = rw.add_param(f"{w.name}*{tag}", folded, w.shape, w.dtype, like=like, at=lin.root)
     rest = list(lin.steps)
@@ -74,14 +74,14 @@ def _fold(rw: Rewriter, norm: int, lin: Linear) -> None:
         # LN(x)·Wᵀ + c = rstd·(x·W'ᵀ − μ·1ᵀW'ᵀ) + (β·Wᵀ + c): the mean is a rank-1 correction
         # with the column sums of W'; the shift β passes through W into the bias
         # kept in f32 whatever the weights: μ·c cancels against acc, so c must not be rounded
-        colsum = rw.add_param(f"{w.name}*{tag}.colsum", Call("sum", (folded,), (("dim", -1),)),
+        colsum = rw.add_param(f"{w.name}*{tag}.colsum", E.call("sum", folded, dim=-1),
                               (w.shape[0],), "f32", like=like, at=lin.root)
         head = [step("ln_scale", colsum)]
         if beta is not None:
-            shift = Call("mm", (rw.param_expr(lin.weight), rw.param_expr(beta)))
+            shift = E.call("mm", rw.param_expr(lin.weight), rw.param_expr(beta))
             if rest and rest[0].fn == "bias":
                 old = rest.pop(0).inputs[0]
-                shift = Call("add", (shift, rw.param_expr(old)))
+                shift = E.call("add", shift, rw.param_expr(old))
                 name = f"{rw.node(old).name}*{tag}"
             else:
                 name = f"{w.name.removesuffix('.weight')}.bias*{tag}"
