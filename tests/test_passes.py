@@ -23,12 +23,12 @@ from archc.ir.text import format_program, parse_program
 from archc.passes import (
     DEFAULT_PIPELINE,
     PASSES,
+    PassContext,
     PassFailure,
     optimize,
     register_pass,
     run_pipeline,
 )
-from archc.passes.context import PassContext
 from archc.passes.manager import run_pass
 from archc.passes.measure import kernels_per_layer, kv_cache_bytes_per_token
 from archc.runtime.eager import EagerContext, run_graph

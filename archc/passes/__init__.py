@@ -1,8 +1,7 @@
-"""Passes: Graph → Graph rewrites from the unfused graph to kernel-level ops.
-
-``run_pipeline(program, "default")`` runs the default pipeline over every graph of a program,
-verifying after each pass; ``optimize`` returns just the result. Each pass is registered by
-name (``PASSES``) with its kind: exact (the function is kept up to rounding) or architecture.
+"""Passes: Graph → Graph rewrites from the unfused graph to kernel-level ops, each registered by
+name (``PASSES``) and exact: the function is kept up to rounding. ``run_pipeline(program,
+"default")`` runs the default pipeline over every graph of a program, verifying after each pass;
+``optimize`` returns just the result.
 """
 
 from archc.passes import (  # noqa: F401  (each module registers its passes)
@@ -13,16 +12,16 @@ from archc.passes import (  # noqa: F401  (each module registers its passes)
     epilogue,
     kernels,
     norms,
-    pointwise,
     projections,
     recurrent,
 )
-from archc.passes.context import Decision, PassContext
 from archc.passes.manager import PassFailure, PassStep, PipelineRun, optimize, run_pipeline
 from archc.passes.registry import (
     DEFAULT_PIPELINE,
     PASSES,
     PIPELINES,
+    Decision,
+    PassContext,
     register_pass,
     register_program_pass,
     resolve_pipeline,

@@ -1,68 +1,153 @@
-"""Attention passes: share KV heads (GQA), flash attention, and the RoPE and KV-cache epilogues.
+"""Attention: finding it in a graph — the score chain after `scores`, and the projections that
+feed q, k and v through views, per-head norms, RoPE, the KV cache and `repeat_kv` (bias folding
+and the projection merges use these too) — and the passes over it:
 
 - share-kv-heads: `repeat_kv` goes; scores and the value sum read KV head h // g directly.
 - flash-attention: scores → scale → soft-cap → position bias → mask → softmax → value sum →
   merge_heads becomes one `attention` node.
-- fuse-qk-norm: QK-norm of q and k runs in the epilogue of the projection that computes them.
-- fuse-rope: RoPE of q and k runs in the epilogue of the projection that computes them.
+- fuse-qk-norm, fuse-rope: QK-norm and RoPE of q and k run in the epilogue of the projection
+  that computes them.
 - fuse-kv-write: the projection's epilogue writes k and v into the cache; attention reads it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
+import archc.ir.expr as E
 from archc.ir.attrs import Call
-from archc.ir.graph import Graph
+from archc.ir.graph import Node
 from archc.ir.ops import Op
-from archc.passes.context import PassContext, Refusal
-from archc.passes.linear import Linear, bias_of, merged_name, norm_parts, replace_linear, step, view
-from archc.passes.patterns import Pat, Rule, register_rule_pass
-from archc.passes.registry import register_pass
-from archc.passes.rewrite import Rewriter
-from archc.passes.sites import modifier, score_chain
+from archc.passes.linear import (
+    LINEAR,
+    Linear,
+    Step,
+    merged_name,
+    norm_parts,
+    replace_linear,
+    step,
+    unary,
+    view,
+    view_with_bias,
+)
+from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
+from archc.passes.registry import Refusal
+from archc.passes.rewrite import Rewriter, register_rewrite_pass
 
-# ---- share-kv-heads --------------------------------------------------------------------------
+# Score modifiers as lowering emits them, ranked in the order the `attention` op applies them: a
+# scale and a soft-cap (pointwise), a position bias, the mask.
+MODIFIERS = {"scale": 0, "softcap": 1, "alibi": 2, "rel_bias": 2, "mask": 3}
+
+# Ops a q/k/v value may pass through between its projection and the attention that reads it.
+HEAD_PATH = frozenset({Op.SPLIT_HEADS, Op.SLICE, Op.ROPE, Op.NORM, Op.KV_CACHE, Op.REPEAT_KV})
 
 
-def _read_kv_heads(rw: Rewriter, m: dict[str, int]) -> int:
+def modifier(n: Node) -> str | None:
+    """Which score modifier n is, if any: a pointwise scale(x(0)) or softcap(x(0)), alibi,
+    rel_bias or mask."""
+    kind = unary(n) if n.op == Op.POINTWISE else n.op.value
+    return kind if kind in MODIFIERS else None
+
+
+@dataclass
+class ScoreChain:
+    """scores → modifiers → softmax → weighted_sum → merge_heads, following single users."""
+
+    scores: int
+    modifiers: list[int] = field(default_factory=list)
+    softmax: int | None = None
+    wsum: int | None = None
+    merge: int | None = None
+    problem: str = ""          # why the chain stops short, if it does
+
+
+def score_chain(rw: Rewriter, scores: int) -> ScoreChain:
+    chain = ScoreChain(scores)
+    cur = scores
+    while rw.op(cur) != Op.SOFTMAX:
+        users = rw.users(cur)
+        if len(users) != 1:
+            chain.problem = (f"%{cur} ({rw.op(cur).value}) is read by "
+                             f"{len(users)} nodes, not only by the next step of attention")
+            return chain
+        nxt = users[0]
+        if rw.op(nxt) != Op.SOFTMAX:
+            if modifier(rw.node(nxt)) is None or rw.node(nxt).inputs[0] != cur:
+                chain.problem = (f"%{nxt} ({rw.op(nxt).value}) between scores and softmax is "
+                                 "not a score modifier")
+                return chain
+            chain.modifiers.append(nxt)
+        cur = nxt
+    chain.softmax = cur
+    users = rw.users(cur)
+    if len(users) != 1 or rw.op(users[0]) != Op.WEIGHTED_SUM or rw.node(users[0]).inputs[0] != cur:
+        chain.problem = f"the probabilities %{cur} are read by something other than one " \
+                        "weighted_sum"
+        return chain
+    chain.wsum = users[0]
+    users = rw.users(chain.wsum)
+    if len(users) == 1 and rw.op(users[0]) == Op.MERGE_HEADS:
+        chain.merge = users[0]
+    else:
+        chain.problem = f"the head outputs %{chain.wsum} are not merged by one merge_heads"
+    return chain
+
+
+def trace_up(rw: Rewriter, i: int) -> tuple[list[int], int]:
+    """Walk from node i up its first input while the op is a head-path op; returns the path
+    (nearest first) and the node it stops at."""
+    path: list[int] = []
+    while rw.op(i) in HEAD_PATH:
+        path.append(i)
+        i = rw.node(i).inputs[0]
+    return path, i
+
+
+def attention_operands(rw: Rewriter, i: int) -> dict[str, int]:
+    """The nodes q, k and v come from, for a node that reads them as inputs: softmax attention
+    (decomposed at its `scores`, or flash) or linear attention; {} for any other. Only the
+    projection merges use these; nothing here says a bias is invariant (φ(k + b) is not φ(k)
+    shifted, so linear attention keeps its key bias)."""
+    n = rw.node(i)
+    if n.op == Op.SCORES:
+        wsum = score_chain(rw, i).wsum
+        return {} if wsum is None else {"q": n.inputs[0], "k": n.inputs[1],
+                                        "v": rw.node(wsum).inputs[1]}
+    if n.op == Op.ATTENTION and n.attr("cache_layer") is not None:
+        return {"q": n.inputs[0]}
+    return dict(zip("qkv", n.inputs)) if n.op in (Op.ATTENTION, Op.LINEAR_ATTENTION) else {}
+
+
+# ---- share-kv-heads, flash-attention ---------------------------------------------------------
+
+def _read_kv_heads(rw: Rewriter, m: Bindings) -> int:
     n = rw.node(m["root"])
     src = [rw.node(i).inputs[0] if rw.op(i) == Op.REPEAT_KV else i for i in n.inputs]
-    return rw.emit(n.op, src, like=[m["root"]], **dict(n.attrs))
+    return rw.emit(n.op, src, like=[m["root"]], **n.attrs)
 
 
 GQA_RULES = (
-    # q_h · repeat_kv(k, g)_hᵀ = q_h · k_{h//g}ᵀ: scores read KV head h // g in place
-    Rule("share-kv-heads", Pat({Op.SCORES}, "root", (None, Pat({Op.REPEAT_KV}, one_use=True))),
-         _read_kv_heads),
-    # Σ_j p_hj · repeat_kv(v, g)_hj = Σ_j p_hj · v_{h//g, j}
-    Rule("share-kv-heads",
-         Pat({Op.WEIGHTED_SUM}, "root", (None, Pat({Op.REPEAT_KV}, one_use=True))),
-         _read_kv_heads),
+    # q_h · repeat_kv(k, g)_hᵀ = q_h · k_{h//g}ᵀ, and Σ_j p_hj · repeat_kv(v, g)_hj =
+    # Σ_j p_hj · v_{h//g, j}: scores and the value sum read KV head h // g in place
+    Rule("share-kv-heads", Pat({Op.SCORES, Op.WEIGHTED_SUM}, "root",
+                               (None, Pat({Op.REPEAT_KV}, one_use=True))), _read_kv_heads),
     # attention over repeated k and v = attention reading KV head h // g
     Rule("share-kv-heads", Pat({Op.ATTENTION}, "root", (
         None, Pat({Op.REPEAT_KV}, one_use=True), Pat({Op.REPEAT_KV}, one_use=True))),
         _read_kv_heads),
 )
+register_rule_pass("share-kv-heads", "GQA/MQA: drop repeat_kv; attention reads KV head h // group "
+                   "directly", GQA_RULES)
 
 
-register_rule_pass("share-kv-heads",
-                   "GQA/MQA: drop repeat_kv; attention reads KV head h // group directly",
-                   GQA_RULES)
-
-
-# ---- flash-attention -------------------------------------------------------------------------
-
-# The order the attention op applies score modifiers in; a chain in another order is refused.
-MODIFIER_ORDER = {"scale": 0, "softcap": 1, "alibi": 2, "rel_bias": 2, "mask": 3}
-
-
-def _flash(rw: Rewriter, scores: int) -> int:
+def _flash(rw: Rewriter, scores: int) -> tuple[int, int]:
+    """(merge_heads, the attention node that replaces it) for the chain from `scores`."""
     chain = score_chain(rw, scores)
     if chain.merge is None or chain.wsum is None:
         raise Refusal(chain.problem)
-    kinds = [modifier(rw, i) or "" for i in chain.modifiers]
-    ranks = [MODIFIER_ORDER[k] for k in kinds]
+    kinds = [modifier(rw.node(i)) or "" for i in chain.modifiers]
+    ranks = [MODIFIERS[k] for k in kinds]
     if ranks != sorted(set(ranks)):
         raise Refusal("the score modifiers " + " → ".join(kinds)
                       + " are not in the order attention applies them (scale, softcap, "
@@ -72,68 +157,47 @@ def _flash(rw: Rewriter, scores: int) -> int:
     if rw.shape(k) != rw.shape(v):
         raise Refusal(f"k %{k} {list(rw.shape(k))} and v %{v} {list(rw.shape(v))} differ in "
                       "shape (share-kv-heads must treat both)")
-    attrs: dict[str, object] = {"scale": 1.0, "causal": False, "padding": False,
-                                "prefix": False}
-    extra: list[int] = []
-    bias_input: list[int] = []
+    attrs: dict[str, object] = {"scale": 1.0}
+    extra: list[int] = []    # the mask's padding and prefix_len, then ALiBi slopes or T5 table
     for i, kind in zip(chain.modifiers, kinds):
         n = rw.node(i)
-        if kind == "scale":
-            attrs["scale"] = n.attr("expr").kw("by")
-        elif kind == "softcap":
-            attrs["softcap"] = n.attr("expr").kw("cap")
-        elif n.op == Op.ALIBI:
-            attrs["bias"] = Call("alibi")
-            bias_input = [n.inputs[1]]
-        elif n.op == Op.REL_BIAS:
-            attrs["bias"] = Call("t5", (), (("bidirectional", n.attr("bidirectional")),
-                                            ("max_distance", n.attr("max_distance"))))
-            bias_input = [n.inputs[1]]
+        if kind in ("scale", "softcap"):
+            attrs[kind] = n.attr("expr").kw("by" if kind == "scale" else "cap")
+        elif kind == "mask":
+            attrs.update(n.attrs)       # causal, window, global_tokens, padding, prefix
+            extra[:0] = n.inputs[1:]
         else:
-            attrs.update(causal=n.attr("causal"), padding=n.attr("padding"),
-                         prefix=n.attr("prefix"), window=n.attr("window"),
-                         global_tokens=n.attr("global_tokens"))
-            extra = list(n.inputs[1:])   # padding, then prefix_len, as the mask takes them
+            attrs["bias"] = E.call("alibi") if kind == "alibi" else E.call(
+                "t5", bidirectional=n.attr("bidirectional"), max_distance=n.attr("max_distance"))
+            extra.append(n.inputs[1])
     like = [scores, *chain.modifiers, chain.softmax, chain.wsum, chain.merge]
-    return rw.emit(Op.ATTENTION, [q, k, v, *extra, *bias_input], like=like,  # type: ignore
-                   at=chain.merge, **attrs)
+    return chain.merge, rw.emit(Op.ATTENTION, [q, k, v, *extra], like=like,  # type: ignore
+                                at=chain.merge, **attrs)
 
 
-@register_pass("flash-attention", "exact",
-               "scores → scale → softcap → bias → mask → softmax → value sum: one attention node")
-def flash_attention(g: Graph, ctx: PassContext) -> Graph:
-    # 1. For each scores node, follow single users: modifiers, softmax, weighted_sum,
-    #    merge_heads. Every intermediate must be read by the next step only (no one else may
-    #    see the scores or probabilities a flash kernel never stores).
+@register_rewrite_pass("flash-attention", "scores → scale → softcap → bias → mask → softmax → "
+                       "value sum: one attention node")
+def flash_attention(rw: Rewriter) -> None:
+    # 1. From each scores node follow single users — modifiers, softmax, weighted_sum,
+    #    merge_heads: nothing else may see the scores or probabilities a flash kernel never stores.
     # 2. The modifiers must come in the order the attention op applies them.
-    # 3. Emit attention(q, k, v, [padding], [prefix_len], [slopes | rel_table]) with scale,
-    #    softcap, bias, causal, window, global_tokens, padding and prefix as attributes, in place of
-    #    merge_heads: its output is [B, T, H·D].
-    rw = Rewriter(g, ctx)
+    # 3. In place of merge_heads: attention(q, k, v, [padding], [prefix_len], [slopes |
+    #    rel_table]) with the modifiers as attributes; its output is [B, T, H·D].
     for i in rw.order():
-        if rw.op(i) != Op.SCORES:
-            continue
-        try:
-            new = _flash(rw, i)
-        except Refusal as r:
-            ctx.refused("flash-attention", rw.describe(i), r.why)
-            continue
-        merge = score_chain(rw, i).merge
-        assert merge is not None
-        rw.replace(merge, new)
-        ctx.applied("flash-attention", rw.describe(i), "one attention node")
-    return rw.finish()
+        found = rw.attempt("flash-attention", i, _flash, rw, i) if rw.op(i) == Op.SCORES else None
+        if found is not None:
+            rw.replace(*found)
+            rw.ctx.applied("flash-attention", i, "one attention node")
 
 
-# ---- column views of a projection ------------------------------------------------------------
+# ---- epilogues over a projection's heads: fuse-qk-norm, fuse-rope, fuse-kv-write ---------------
 
 @dataclass(frozen=True)
 class ColumnView:
     """A head view split from columns [start, stop) of a projection's output."""
 
     split: int          # the split_heads node
-    slice: int | None   # the slice between, if any
-    source: int         # the node sliced
+    source: int         # the node whose columns it reads, through a slice or not
     start: int
     stop: int
     heads: int
@@ -144,12 +208,11 @@ def column_view(rw: Rewriter, i: int) -> ColumnView | None:
     n = rw.node(i)
     if n.op != Op.SPLIT_HEADS:
         return None
-    heads, hd = n.attr("heads"), int(n.shape[3])
-    src = n.inputs[0]
+    heads, hd, src = n.attr("heads"), int(n.shape[3]), n.inputs[0]
     if rw.op(src) == Op.SLICE:
         s = rw.node(src)
-        return ColumnView(i, src, s.inputs[0], s.attr("start"), s.attr("stop"), heads, hd)
-    return ColumnView(i, None, src, 0, rw.width(src), heads, hd)
+        return ColumnView(i, s.inputs[0], s.attr("start"), s.attr("stop"), heads, hd)
+    return ColumnView(i, src, 0, rw.width(src), heads, hd)
 
 
 def _readers(rw: Rewriter, root: int) -> list[tuple[int, int, int, ColumnView | None]]:
@@ -159,208 +222,142 @@ def _readers(rw: Rewriter, root: int) -> list[tuple[int, int, int, ColumnView | 
     for u in rw.users(root):
         if rw.op(u) == Op.SLICE:
             s = rw.node(u)
-            for w in rw.users(u):
-                out.append((w, s.attr("start"), s.attr("stop"), column_view(rw, w)))
+            out += [(w, s.attr("start"), s.attr("stop"), column_view(rw, w)) for w in rw.users(u)]
         else:
             out.append((u, 0, rw.width(root), column_view(rw, u)))
     return out
 
 
-def _linear_roots(rw: Rewriter) -> list[Linear]:
-    """Linear layers, each seen at its outermost node (a bias_add over a matmul, if any)."""
-    out = []
-    for i in rw.order():
-        lin = view(rw, i)
-        if lin is None:
-            continue
-        users = rw.users(i)
-        if len(users) == 1 and bias_of(rw, users[0]) is not None and view(rw, users[0]):
-            continue
-        out.append(lin)
-    return out
+Heads = list[tuple[ColumnView, int]]     # head views, each with the one node reading it
+HeadStep = Callable[[Rewriter, Linear, Heads], Step]
 
 
-# ---- per-head epilogues: fuse-qk-norm, fuse-rope -----------------------------------------------
-
-@dataclass(frozen=True)
-class HeadReader:
-    """A node reading heads split from columns [start, stop) of a projection."""
-
-    start: int
-    stop: int
-    view: ColumnView
-    reader: int
-
-
-def leading_heads(rw: Rewriter, lin: Linear, ops: frozenset[Op], what: str,
-                  later: tuple[str, ...]) -> list[HeadReader]:
-    """The head views of `lin` read by one node of `ops` each, if an epilogue step over the
-    first n heads can stand for those nodes: the columns they read are [0, n·D), each view is
-    read by that node only, and no other reader sees those columns. [] if none is; Refusal if
-    some are but the epilogue cannot serve them. `later`: epilogue steps that must come after
-    the new one."""
+def head_epilogue(rw: Rewriter, lin: Linear, op: Op, what: str, later: tuple[str, ...],
+                  make: HeadStep) -> tuple[Step, Heads] | None:
+    """The step `make` builds for the head views of `lin` read by one `op` node each, with those
+    views and nodes, if a step over the first n heads can stand for the nodes: the columns they
+    read are [0, n·D), each view is read by that node only, and no other reader sees those
+    columns. None if no view is read by `op`; Refusal if the epilogue cannot serve them.
+    `later`: epilogue steps that must come after the new one."""
     readers = _readers(rw, lin.root)
-    found = [(a, b, cv) for _, a, b, cv in readers
-             if cv is not None and any(rw.op(u) in ops for u in rw.users(cv.split))]
-    if not found:
-        return []
-    out: list[HeadReader] = []
-    for a, b, cv in sorted(found, key=lambda t: t[0]):
+    views = sorted((cv for _, _, _, cv in readers
+                    if cv is not None and any(rw.op(u) == op for u in rw.users(cv.split))),
+                   key=lambda cv: cv.start)
+    if not views:
+        return None
+    heads: Heads = []
+    end = 0
+    for cv in views:
         users = rw.users(cv.split)
         if len(users) != 1:
             raise Refusal(f"the head view %{cv.split} is also read without being {what} by "
-                          + ", ".join(f"%{u}" for u in users if rw.op(u) not in ops))
-        if cv.slice is not None and len(rw.users(cv.slice)) != 1:
-            raise Refusal(f"columns [{a}, {b}) %{cv.slice} are also read without being {what}")
-        out.append(HeadReader(a, b, cv, users[0]))
-    end = 0
-    for h in out:
-        if h.view.head_dim != out[0].view.head_dim:
-            raise Refusal(f"heads of {h.view.head_dim} and {out[0].view.head_dim} dims")
-        if h.start != end:
+                          + ", ".join(f"%{u}" for u in users if rw.op(u) != op))
+        if cv.head_dim != views[0].head_dim:
+            raise Refusal(f"heads of {cv.head_dim} and {views[0].head_dim} dims")
+        if cv.start != end:
             raise Refusal(f"the columns to be {what} are not contiguous from column 0 (a gap "
-                          f"before column {h.start}); the epilogue serves the first heads only")
-        end = h.stop
-    served = {h.view.split for h in out}
+                          f"before column {cv.start}); the epilogue serves the first heads only")
+        heads.append((cv, users[0]))
+        end = cv.stop
     for r, a, b, cv in readers:
-        if (cv is None or cv.split not in served) and a < end:
+        if (cv is None or cv not in views) and a < end:
             raise Refusal(f"%{r} ({rw.op(r).value}) reads columns [{a}, {b}), which the "
                           f"epilogue would have {what}")
     late = [s.fn for s in lin.steps if s.fn in later]
     if late:
         raise Refusal(f"%{lin.root} already ends in {late[-1]}, which must come after")
-    return out
+    return make(rw, lin, heads), heads
 
 
-def _fuse_rope(rw: Rewriter, lin: Linear, ctx: PassContext) -> None:
-    try:
-        heads = leading_heads(rw, lin, frozenset({Op.ROPE}), "rotated",
-                              ("rope", "kv_write", "glu"))
-        if not heads:
-            return
-        r0 = rw.node(heads[0].reader)
-        for h in heads:
-            n = rw.node(h.reader)
-            if n.inputs[1:] != r0.inputs[1:] or n.attrs != r0.attrs:
-                raise Refusal(f"rope %{h.reader} and %{heads[0].reader} differ in positions, "
-                              "frequencies or attributes")
-    except Refusal as r:
-        ctx.refused("fuse-rope", rw.describe(lin.root), r.why)
-        return
-    hd = heads[0].view.head_dim
+def fuse_heads(rw: Rewriter, rule: str, op: Op, what: str, later: tuple[str, ...],
+               make: HeadStep) -> None:
+    """For each linear layer, the `op` nodes reading its first heads become the epilogue step
+    `make` builds; each is replaced by the head view it read."""
+    for lin in [view_with_bias(rw, i) for i in rw.order() if rw.op(i) in LINEAR]:
+        assert lin is not None
+        found = rw.attempt(rule, lin.root, head_epilogue, rw, lin, op, what, later, make)
+        if found is None:
+            continue
+        replace_linear(rw, lin, lin.then(found[0]))
+        for cv, reader in found[1]:
+            rw.replace(reader, cv.split)
+            rw.ctx.applied(rule, reader, f"{what} in the epilogue of %{lin.root}")
+
+
+def _rope(rw: Rewriter, lin: Linear, heads: Heads) -> Step:
     # rope(x·Wᵀ)[heads] in the epilogue = the same rotation applied to the stored heads
-    dynamic = {"dynamic": r0.attr("dynamic")} if r0.attr("dynamic") is not None else {}
-    rope_step = step("rope", *r0.inputs[1:], heads=heads[-1].stop // hd, head_dim=hd,
-                     rotary_dim=r0.attr("rotary_dim"), interleaved=r0.attr("interleaved"),
-                     mscale=r0.attr("mscale", 1.0), **dynamic)
-    replace_linear(rw, lin, lin.then(rope_step))
-    for h in heads:
-        rw.replace(h.reader, h.view.split)
-        ctx.applied("fuse-rope", rw.describe(h.reader),
-                    f"rotated in the epilogue of %{lin.root}")
+    r0 = rw.node(heads[0][1])
+    for _, reader in heads:
+        n = rw.node(reader)
+        if n.inputs[1:] != r0.inputs[1:] or n.attrs != r0.attrs:
+            raise Refusal(f"rope %{reader} and %{heads[0][1]} differ in positions, "
+                          "frequencies or attributes")
+    hd = heads[0][0].head_dim
+    return step("rope", *r0.inputs[1:], heads=heads[-1][0].stop // hd, head_dim=hd,
+                rotary_dim=r0.attr("rotary_dim"), interleaved=r0.attr("interleaved"),
+                mscale=r0.attr("mscale", 1.0), dynamic=r0.attr("dynamic"))
 
 
-@register_pass("fuse-rope", "exact",
-               "rotate q and k in the epilogue of the projection that computes them")
-def fuse_rope(g: Graph, ctx: PassContext) -> Graph:
-    # 1. For each linear layer, find its readers and the columns each reads; the rotated ones
-    #    are head views (slice → split_heads) read only by a rope.
-    # 2. Legal if the rotated columns are [0, n·D) — the epilogue rotates the first n heads —
-    #    with one set of positions, frequencies and attributes, and no other reader sees them.
+@register_rewrite_pass("fuse-rope", "rotate q and k in the epilogue of the projection that "
+                       "computes them")
+def fuse_rope(rw: Rewriter) -> None:
+    # 1. For each linear layer, the head views (slice → split_heads) read only by a rope.
+    # 2. Legal if they are columns [0, n·D) — the epilogue rotates the first n heads — with one
+    #    set of positions, frequencies and attributes, and no other reader sees them.
     # 3. Append rope(heads=n) to the epilogue; each rope node is replaced by its head view.
-    rw = Rewriter(g, ctx)
-    for lin in _linear_roots(rw):
-        _fuse_rope(rw, lin, ctx)
+    fuse_heads(rw, "fuse-rope", Op.ROPE, "rotated", ("rope", "kv_write", "glu"), _rope)
     for i in rw.order():
-        if rw.op(i) == Op.ROPE and column_view(rw, rw.node(i).inputs[0]) is None:
-            src = rw.node(i).inputs[0]
-            ctx.refused("fuse-rope", rw.describe(i),
-                        f"it rotates %{src} ({rw.op(src).value}), not heads split from a "
-                        "projection's columns, so no matmul epilogue computes its input")
-    return rw.finish()
+        src = rw.node(i).inputs[0] if rw.op(i) == Op.ROPE else None
+        if src is not None and column_view(rw, src) is None:
+            rw.ctx.refused("fuse-rope", i, f"it rotates %{src} ({rw.op(src).value}), not heads "
+                        "split from a projection's columns, so no matmul epilogue computes its "
+                        "input")
 
 
-def _fuse_qk_norm(rw: Rewriter, lin: Linear, ctx: PassContext) -> None:
-    try:
-        heads = leading_heads(rw, lin, frozenset({Op.NORM}), "normalized",
-                              ("head_norm", "rope", "kv_write", "glu"))
-        if not heads:
-            return
-        first = rw.node(heads[0].reader)
-        gains: list[Call] = []
-        shifts: list[Call] = []
-        for h in heads:
-            n = rw.node(h.reader)
-            if n.attr("kind") != first.attr("kind") or n.attr("eps") != first.attr("eps"):
-                raise Refusal(f"%{h.reader} and %{heads[0].reader} are different norms")
-            _, gain_node, shift_node = norm_parts(rw, h.reader)
-            count = h.view.heads
-            gain = rw.param_expr(gain_node)
-            if n.attr("unit_offset"):
-                gain = Call("offset", (gain,), (("by", 1.0),))       # Gemma: γ = 1 + w
-            gains.append(Call("tile", (gain,), (("times", count),)))
-            width = h.stop - h.start
-            shifts.append(Call("tile", (rw.param_expr(shift_node),), (("times", count),))
-                          if shift_node is not None else
-                          Call("zeros", (), (("shape", (width,)),)))
-    except Refusal as r:
-        ctx.refused("fuse-qk-norm", rw.describe(lin.root), r.why)
-        return
-    cols = heads[-1].stop
-    like = [h.reader for h in heads]
-    dtype = rw.node(first.inputs[1]).dtype
-    names = [rw.node(rw.node(h.reader).inputs[1]).name for h in heads]
-    gain = rw.add_param(merged_name(names) + ".tiled", Call("cat", tuple(gains), (("dim", 0),)),
-                        (cols,), dtype, like=like, at=lin.root)
-    shift = rw.add_param(merged_name(names).removesuffix(".weight") + ".shift",
-                         Call("cat", tuple(shifts), (("dim", 0),)), (cols,), dtype, like=like,
-                         at=lin.root)
-    hd = heads[0].view.head_dim
+def _head_norm(rw: Rewriter, lin: Linear, heads: Heads) -> Step:
     # norm over each head's D columns of x·Wᵀ, in the epilogue: the tile holds whole heads
-    norm = step("head_norm", gain, shift, kind=first.attr("kind"), eps=first.attr("eps"),
-                heads=cols // hd,
-                head_dim=hd)
-    replace_linear(rw, lin, lin.then(norm))
-    for h in heads:
-        rw.replace(h.reader, h.view.split)
-        ctx.applied("fuse-qk-norm", rw.describe(h.reader),
-                    f"normalized in the epilogue of %{lin.root}")
+    first = rw.node(heads[0][1])
+    gains: list[Call] = []
+    shifts: list[Call] = []
+    for cv, reader in heads:
+        n = rw.node(reader)
+        if (n.attr("kind"), n.attr("eps")) != (first.attr("kind"), first.attr("eps")):
+            raise Refusal(f"%{reader} and %{heads[0][1]} are different norms")
+        _, gain, shift = norm_parts(rw, reader)
+        g = rw.param_expr(gain)
+        if n.attr("unit_offset"):
+            g = E.call("offset", g, by=1.0)        # Gemma: γ = 1 + w
+        gains.append(E.call("tile", g, times=cv.heads))
+        shifts.append(E.call("tile", rw.param_expr(shift), times=cv.heads) if shift is not None
+                      else E.call("zeros", shape=(cv.stop - cv.start,)))
+    cols, hd = heads[-1][0].stop, heads[0][0].head_dim
+    like = [reader for _, reader in heads]
+    name = merged_name([rw.node(rw.node(reader).inputs[1]).name for reader in like])
+    gain_p, shift_p = (rw.add_param(n, E.call("cat", *parts, dim=0), (cols,),
+                                    rw.node(first.inputs[1]).dtype, like=like, at=lin.root)
+                       for n, parts in ((name + ".tiled", gains),
+                                        (name.removesuffix(".weight") + ".shift", shifts)))
+    return step("head_norm", gain_p, shift_p, kind=first.attr("kind"), eps=first.attr("eps"),
+                heads=cols // hd, head_dim=hd)
 
 
-@register_pass("fuse-qk-norm", "exact",
-               "QK-norm: normalize the heads of q and k in the epilogue of their projection")
-def fuse_qk_norm(g: Graph, ctx: PassContext) -> Graph:
-    # 1. For each linear layer, find the head views read only by a per-head rmsnorm or
-    #    layernorm (QK-norm normalizes each head over its head_dim).
-    # 2. Legal if those columns are [0, n·D) — q then k, first in a merged QKV — with one
-    #    kind of norm and one eps, and no other reader sees them un-normalized.
+@register_rewrite_pass("fuse-qk-norm", "QK-norm: normalize the heads of q and k in the epilogue of "
+                       "their projection")
+def fuse_qk_norm(rw: Rewriter) -> None:
+    # 1. For each linear layer, the head views read only by a norm over each head (QK-norm).
+    # 2. Legal if they are columns [0, n·D) — q then k, first in a merged QKV — with one kind
+    #    of norm and one eps, and no other reader sees them un-normalized.
     # 3. Append head_norm(kind, eps, heads=n) reading a gain and a shift built at load time:
-    #    each head's norm weight tiled over its heads (zeros shift for RMSNorm). Each norm
-    #    node is replaced by its head view, so fuse-rope then finds the rotation there.
-    rw = Rewriter(g, ctx)
-    for lin in _linear_roots(rw):
-        _fuse_qk_norm(rw, lin, ctx)
-    return rw.finish()
+    #    each head's norm weight tiled over its heads (zeros shift for RMSNorm). Each norm is
+    #    replaced by its head view, where fuse-rope then finds the rotation.
+    fuse_heads(rw, "fuse-qk-norm", Op.NORM, "normalized",
+               ("head_norm", "rope", "kv_write", "glu"), _head_norm)
 
 
-# ---- fuse-kv-write ---------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class _CacheSite:
-    lin: Linear           # the projection computing q, k and v
-    k_cache: int          # the kv_cache writes the epilogue replaces
-    v_cache: int
-    k: ColumnView
-    v: ColumnView
-    layer: int
-
-
-def _cache_site(rw: Rewriter, att: int) -> _CacheSite:
-    """The projection whose epilogue can write the cache this attention reads; else Refusal."""
-    n = rw.node(att)
-    q, kc, vc = n.inputs[:3]
-    if rw.op(kc) != Op.KV_CACHE or rw.op(vc) != Op.KV_CACHE:
-        raise Refusal("k and v are not read from kv_cache writes")
+def _kv_write(rw: Rewriter, att: int) -> tuple[Linear, Step]:
+    """The projection whose epilogue can write the cache this attention reads, and the step
+    that writes it; Refusal when there is none."""
+    q, kc, vc = rw.node(att).inputs[:3]
     k_node, v_node = rw.node(kc), rw.node(vc)
     layer = k_node.attr("layer")
     if (k_node.attr("kind"), v_node.attr("kind")) != ("k", "v") or v_node.attr("layer") != layer:
@@ -379,8 +376,6 @@ def _cache_site(rw: Rewriter, att: int) -> _CacheSite:
     lin = view(rw, kv.source)
     if lin is None:
         raise Refusal(f"k and v are not computed by a linear layer (%{kv.source})")
-    if (kv.heads, kv.head_dim) != (vv.heads, vv.head_dim):
-        raise Refusal("k and v have different head layouts")
     qv = column_view(rw, q)
     if qv is None or qv.source != kv.source:
         raise Refusal(f"q %{q} is not computed by the kernel that writes the cache, so the "
@@ -390,46 +385,33 @@ def _cache_site(rw: Rewriter, att: int) -> _CacheSite:
             raise Refusal(f"the head view %{c} is read outside the cache write")
     if any(s.fn == "kv_write" for s in lin.steps):
         raise Refusal(f"%{lin.root} already writes a cache")
-    return _CacheSite(lin, kc, vc, kv, vv, layer)
+    return lin, step("kv_write", head_dim=kv.head_dim, k_start=kv.start, v_start=vv.start,
+                     kv_heads=kv.heads, layer=layer)
 
 
-def _fuse_kv_write(rw: Rewriter, att: int, ctx: PassContext) -> None:
-    try:
-        site = _cache_site(rw, att)
-    except Refusal as r:
-        ctx.refused("fuse-kv-write", rw.describe(att), r.why)
-        return
-    # writing k and v from the accumulator = writing the stored k and v: same values, no
-    # round trip through memory
-    write = step("kv_write", head_dim=site.k.head_dim, k_start=site.k.start,
-                 v_start=site.v.start, kv_heads=site.k.heads, layer=site.layer)
-    replace_linear(rw, site.lin, site.lin.then(write))
-    n = rw.node(att)
-    attrs = dict(n.attrs)
-    attrs.update(cache_layer=site.layer, kv_heads=site.k.heads)
-    new = rw.emit(Op.ATTENTION, [n.inputs[0], *n.inputs[3:]],
-                  like=[att, site.k_cache, site.v_cache], **attrs)
-    rw.replace(att, new)
-    rw.kill(site.k_cache)
-    rw.kill(site.v_cache)
-    ctx.applied("fuse-kv-write", rw.describe(att),
-                f"layer {site.layer} cache written by %{site.lin.root}")
-
-
-@register_pass("fuse-kv-write", "exact",
-               "write k and v to the cache from the projection's epilogue; attention reads it")
-def fuse_kv_write(g: Graph, ctx: PassContext) -> Graph:
-    # 1. For each attention reading k and v from kv_cache writes of one layer, find the
-    #    projection both are column views of.
-    # 2. Legal if the cache values are read by this attention only, nothing (RoPE) stands
-    #    between the projection and the write, and q comes from the same projection — the
-    #    kernel that writes the cache then runs before the attention that reads it.
-    # 3. Append kv_write(layer, k_start, v_start) to the projection; the attention reads
-    #    cache_layer; the kv_cache nodes go.
-    rw = Rewriter(g, ctx)
+@register_rewrite_pass("fuse-kv-write", "write k and v to the cache from the projection's "
+                       "epilogue; attention reads it")
+def fuse_kv_write(rw: Rewriter) -> None:
+    # 1. For each attention reading k and v from one layer's cache writes, the projection
+    #    both are column views of.
+    # 2. Legal if only this attention reads the cache values, nothing (RoPE) stands between
+    #    projection and write, and q comes from that projection: the kernel that writes the
+    #    cache then runs before the attention that reads it.
+    # 3. The projection's epilogue writes k and v from the accumulator (the values it would
+    #    store); the attention reads cache_layer; the kv_cache nodes go.
     for i in rw.order():
         n = rw.node(i)
-        if n.op == Op.ATTENTION and n.attr("cache_layer") is None and \
-                rw.op(n.inputs[1]) == Op.KV_CACHE:
-            _fuse_kv_write(rw, i, ctx)
-    return rw.finish()
+        if n.op != Op.ATTENTION or n.attr("cache_layer") is not None or \
+                {rw.op(j) for j in n.inputs[1:3]} != {Op.KV_CACHE}:
+            continue
+        found = rw.attempt("fuse-kv-write", i, _kv_write, rw, i)
+        if found is None:
+            continue
+        lin, write = found
+        replace_linear(rw, lin, lin.then(write))
+        layer = write.kw("layer")
+        rw.replace(i, rw.emit(Op.ATTENTION, [n.inputs[0], *n.inputs[3:]], like=[i, *n.inputs[1:3]],
+                              **n.attrs.replace(cache_layer=layer, kv_heads=write.kw("kv_heads"))))
+        for c in n.inputs[1:3]:
+            rw.kill(c)
+        rw.ctx.applied("fuse-kv-write", i, f"layer {layer} cache written by %{lin.root}")

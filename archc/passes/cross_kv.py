@@ -13,9 +13,8 @@ from collections.abc import Mapping
 from archc.ir.attrs import Attrs
 from archc.ir.graph import CROSS_KV, Graph, Node, Program
 from archc.ir.ops import META, VIEW, Op
-from archc.passes.context import PassContext
-from archc.passes.registry import register_program_pass
-from archc.passes.rewrite import Rewriter, has_side_effect
+from archc.passes.registry import PassContext, register_program_pass
+from archc.passes.rewrite import Rewriter, has_side_effect, unique_name
 
 SOURCE = "encoder_hidden"
 # repeat_kv only copies KV heads: hoisting it would store every query head's copy; left in the
@@ -25,7 +24,6 @@ NOT_HOISTED = frozenset({Op.REPEAT_KV, Op.KV_CACHE})
 
 def constant_over_steps(g: Graph) -> set[int]:
     """Nodes whose value depends on the encoder's states and weights only."""
-    users = g.users()
     source = g.inputs.get(SOURCE)
     if source is None:
         return set()
@@ -36,38 +34,27 @@ def constant_over_steps(g: Graph) -> set[int]:
         if all(j == source or j in fixed or g.nodes[j].op == Op.PARAM for j in n.inputs) and \
                 any(j == source or j in fixed for j in n.inputs):
             fixed.add(i)
-    # views at the edge stay with their readers (free in the decoder; outputs would copy them)
-    changed = True
-    while changed:
-        changed = False
-        for i in sorted(fixed, reverse=True):
-            if g.nodes[i].op in VIEW and not any(u in fixed for u in users[i]):
-                fixed.discard(i)
-                changed = True
+    # views at the edge stay with their readers (free in the decoder; outputs would copy them);
+    # in reverse order, a view's readers are settled before it
+    users = g.users()
+    for i in sorted(fixed, reverse=True):
+        if g.nodes[i].op in VIEW and not any(u in fixed for u in users[i]):
+            fixed.discard(i)
     return fixed
 
 
 def _name(g: Graph, i: int, taken: set[str]) -> str:
     """An input/output name for node i: the weight it (or what it reads) multiplies by."""
-    stack, seen = [i], set()
-    base = f"{g.name}.cross_kv.{i}"
-    while stack:
-        j = stack.pop(0)
-        if j in seen:
-            continue
-        seen.add(j)
+    queue, base = [i], f"{g.name}.cross_kv.{i}"
+    for j in queue:     # breadth first
         n = g.nodes[j]
         params = [g.nodes[k].name for k in n.inputs if g.nodes[k].op == Op.PARAM]
         if params:
             base = params[-1] if n.op == Op.ADD else params[0]
             base = base.removesuffix(".weight").removesuffix(".bias")
             break
-        stack += list(n.inputs)
-    name, k = base, 2
-    while name in taken:
-        name, k = f"{base}#{k}", k + 1
-    taken.add(name)
-    return name
+        queue += [k for k in n.inputs if k not in queue]
+    return unique_name(base, taken)
 
 
 @register_program_pass(
@@ -75,14 +62,11 @@ def _name(g: Graph, i: int, taken: set[str]) -> str:
     "cross-attention K/V projections of the encoder's states leave the decoder for a cross_kv "
     "graph run once per generation; decoder steps read them as inputs")
 def hoist_cross_kv(program: Program, contexts: Mapping[str, PassContext]) -> Program:
-    # 1. In the decoder graph, find the nodes that depend only on `encoder_hidden` and weights —
-    #    the same at every step of a generation. Views at the edge of that set stay behind.
-    # 2. Legal: those nodes are pure (no cache writes). Profitable: they do work that grows
-    #    with the encoder length (a matmul); otherwise there is nothing to save.
-    # 3. Build `cross_kv`: input encoder_hidden, the weights they read, the nodes, and one
-    #    output per node the decoder still reads, named after its weight.
-    # 4. In the decoder, each such node becomes an input of that name; the nodes left without
-    #    readers go, and so does `encoder_hidden` once nothing reads it.
+    # 1. In the decoder, the pure nodes (no cache writes) that depend only on `encoder_hidden`
+    #    and weights: the same at every step. Profitable if they include a matmul.
+    # 2. `cross_kv`: encoder_hidden, the weights they read, the nodes, and an output per node
+    #    the decoder still reads, named after its weight.
+    # 3. In the decoder each such node becomes an input of that name; what only they read goes.
     names = [g.name for g in program]
     if "decoder" not in names or CROSS_KV in names:
         return program
@@ -97,49 +81,34 @@ def hoist_cross_kv(program: Program, contexts: Mapping[str, PassContext]) -> Pro
         return program
     users = g.users()
     frontier = [i for i in sorted(fixed) if any(u not in fixed for u in users[i])]
-
-    # the cross_kv graph, nodes in the decoder's order
-    number: dict[int, int] = {}
-    nodes: list[Node] = []
-    source = g.inputs[SOURCE]
-
-    def take(j: int) -> int:
-        if j not in number:
-            n = g.nodes[j]
-            inputs = tuple(take(k) for k in n.inputs)
-            passes = n.passes if n.op in META else n.passes + ("hoist-cross-kv",)
-            number[j] = len(nodes)
-            nodes.append(n.replace(inputs=inputs, passes=passes))
-        return number[j]
-
     taken = set(g.inputs)
     out_names = {i: _name(g, i, taken) for i in frontier}
-    take(source)
-    for i in sorted(fixed):
-        take(i)
-    for i in frontier:
-        n = g.nodes[i]
-        nodes.append(Node(Op.OUTPUT, (number[i],), Attrs(name=out_names[i]), n.shape, n.dtype,
-                          n.origin, ("hoist-cross-kv",)))
-    cross = Graph(CROSS_KV, tuple(nodes))
+
+    # the cross_kv graph, nodes in the decoder's order, each weight just before its first reader
+    source = g.inputs[SOURCE]
+    number: dict[int, int] = {}
+    nodes: list[Node] = []
+    for i in [source, *sorted(fixed)]:
+        for j in [*g.nodes[i].inputs, i]:
+            if j not in number:
+                n = g.nodes[j]
+                number[j] = len(nodes)
+                nodes.append(n.replace(inputs=tuple(number[k] for k in n.inputs), passes=(
+                    n.passes if n.op in META else n.passes + ("hoist-cross-kv",))))
+    nodes += [Node(Op.OUTPUT, (number[i],), Attrs(name=out_names[i]), g.nodes[i].shape,
+                   g.nodes[i].dtype, g.nodes[i].origin, ("hoist-cross-kv",)) for i in frontier]
 
     # the decoder reads them
     rw = Rewriter(g, ctx)
     for i in frontier:
         n = g.nodes[i]
-        new = rw.add_input(out_names[i], n.shape, n.dtype, like=[i], at=source)
-        rw.replace(i, new)
+        rw.replace(i, rw.add_input(out_names[i], n.shape, n.dtype, like=[i], at=source))
         ctx.applied("hoist-cross-kv", i, f"computed once per generation in {CROSS_KV}, read as "
                     f"input {out_names[i]!r}")
-    for i in sorted(set(fixed) - set(frontier), reverse=True):
+    for i in sorted(fixed - set(frontier), reverse=True):
         rw.kill(i)       # read only by what moved
     if not rw.users(source):
         rw.kill(source)
-    decoder = rw.finish()
-    graphs = []
-    for old in program:
-        if old.name == "decoder":
-            graphs += [cross, decoder]
-        else:
-            graphs.append(old)
-    return Program(program.model, tuple(graphs))
+    k = names.index("decoder")    # cross_kv goes just before the decoder
+    return Program(program.model, (*program.graphs[:k], Graph(CROSS_KV, tuple(nodes)),
+                                   rw.finish(), *program.graphs[k + 1:]))

@@ -9,38 +9,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from archc.ir.attrs import Call
-from archc.ir.graph import Node
 from archc.ir.ops import Op
-from archc.passes.context import Refusal
-from archc.passes.linear import EPILOGUE_HOSTS, LINEAR, bias_of, emit, extend, step, view
+from archc.passes.linear import EPILOGUE_HOSTS, LINEAR, bias_of, emit, extend, step, unary, view
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
+from archc.passes.registry import Refusal
 from archc.passes.rewrite import Rewriter
 
-# ---- fuse-epilogue ---------------------------------------------------------------------------
 
-
-def unary(fn: str) -> Callable[[Node], bool]:
-    """A pointwise node that is `fn(x(0), …)`: one input, one function (a scale, a soft-cap)."""
-    def test(n: Node) -> bool:
-        e = n.attr("expr")
-        return n.op == Op.POINTWISE and len(n.inputs) == 1 and isinstance(e, Call) and \
-            e.fn == fn and e.args == (Call("x", (0,)),)
-    return test
-
-
-def _append(name: str, /, **params: Callable[[Node], object]
-            ) -> Callable[[Rewriter, Bindings], int]:
-    """A rewrite appending step `name` to the kernel bound as "k", its parameters read off the
-    root; a bias step reads the vector bound as "b"."""
-    def rewrite(rw: Rewriter, m: Bindings) -> int:
-        root = rw.node(m["root"])
-        kw = {k: get(root) for k, get in params.items()}
-        inputs = (m["b"],) if "b" in m else ()
-        return extend(rw, m["k"], step(name, *inputs, **kw), like=[m["root"]])
-    return rewrite
+def _step(rw: Rewriter, m: Bindings) -> int:
+    """The root as a step appended to the kernel bound as "k": bias(b) of the vector bound as
+    "b", act(fn), or the scale or soft-cap of a pointwise fn(x(0), …)."""
+    n = rw.node(m["root"])
+    if n.op == Op.ADD:
+        new = step("bias", m["b"])
+    elif n.op == Op.ACT:
+        new = step("act", fn=n.attr("fn"))
+    else:
+        new = step(n.attr("expr").fn, **dict(n.attr("expr").kwargs))
+    return extend(rw, m["k"], new, like=[m["root"]])
 
 
 def _input_scale(rw: Rewriter, m: Bindings) -> int:
@@ -51,45 +37,34 @@ def _input_scale(rw: Rewriter, m: Bindings) -> int:
                       "changes")
     if len(lin.operands) != 1:
         raise Refusal(f"%{m['root']} concatenates two operands; the scale is of one")
-    by = rw.node(m["s"]).attr("expr").kw("by")
-    new = lin.replace(operands=(rw.node(m["s"]).inputs[0],),
-                      steps=(step("scale", by=by), *lin.steps))
+    s = rw.node(m["s"])
+    new = lin.replace(operands=(s.inputs[0],),
+                      steps=(step("scale", by=s.attr("expr").kw("by")), *lin.steps))
     return emit(rw, new, like=[*lin.covers, m["s"]])
 
 
-def _kernel() -> Pat:
-    return Pat(EPILOGUE_HOSTS, "k", one_use=True)
-
-
-def _is_vector(n: Node) -> bool:
-    return n.op == Op.PARAM and len(n.shape) == 1
-
-
+KERNEL = Pat(EPILOGUE_HOSTS, "k", one_use=True)
 EPILOGUE_RULES = (
     # k + b: the bias joins the accumulator before it is stored
-    Rule("bias", Pat({Op.ADD}, "root", (_kernel(), Pat({Op.PARAM}, "b", where=_is_vector))),
-         _append("bias")),
+    Rule("bias", Pat({Op.ADD}, "root", (KERNEL, Pat({Op.PARAM}, "b",
+                                                    where=lambda n: len(n.shape) == 1))), _step),
     # act(k): the activation runs on the accumulator
-    Rule("act", Pat({Op.ACT}, "root", (_kernel(),)), _append("act", fn=lambda n: n.attr("fn"))),
+    Rule("act", Pat({Op.ACT}, "root", (KERNEL,)), _step),
     # c·k
-    Rule("scale", Pat({Op.POINTWISE}, "root", (_kernel(),), where=unary("scale")),
-         _append("scale", by=lambda n: n.attr("expr").kw("by"))),
+    Rule("scale", Pat({Op.POINTWISE}, "root", (KERNEL,), where=lambda n: unary(n) == "scale"),
+         _step),
     # cap·tanh(k/cap): Gemma's final-logit soft-cap
-    Rule("softcap", Pat({Op.POINTWISE}, "root", (_kernel(),), where=unary("softcap")),
-         _append("softcap", cap=lambda n: n.attr("expr").kw("cap"))),
+    Rule("softcap", Pat({Op.POINTWISE}, "root", (KERNEL,),
+                        where=lambda n: unary(n) == "softcap"), _step),
     # (c·x)·Wᵀ = c·(x·Wᵀ): a constant scale of the input moves to the epilogue (T5's head)
     Rule("input-scale", Pat(LINEAR, "root", (Pat({Op.POINTWISE}, "s", one_use=True,
-                                                  where=unary("scale")),)),
+                                                  where=lambda n: unary(n) == "scale"),)),
          _input_scale),
 )
-
-
 register_rule_pass("fuse-epilogue",
                    "bias, activation, scale and soft-cap after a matmul, norm or expert matmul "
                    "run in its epilogue", EPILOGUE_RULES)
 
-
-# ---- fuse-residual ---------------------------------------------------------------------------
 
 def _add_before_norm(rw: Rewriter, m: Bindings) -> int:
     n = rw.node(m["root"])
@@ -101,7 +76,7 @@ def _add_before_norm(rw: Rewriter, m: Bindings) -> int:
     if bias_of(rw, m["sum"]) is not None:
         raise Refusal(f"%{m['sum']} adds a bias vector, not a residual")
     return rw.emit(Op.NORM, [a, n.inputs[1], b, *n.inputs[2:]], like=[m["root"], m["sum"]],
-                   **{**dict(n.attrs), "add_before": True})
+                   **n.attrs.replace(add_before=True))
 
 
 def _residual_epilogue(rw: Rewriter, m: Bindings) -> int:
@@ -126,14 +101,10 @@ NORM_RESIDUAL_RULES = (
     # (sandwich blocks: x + post_norm(sublayer(x)))
     _residual_rule("residual-after-norm", frozenset({Op.NORM})),
 )
-
 # r + (x·Wᵀ + …), r + Σ experts: the epilogue reads r and adds it before the store
 KERNEL_RESIDUAL_RULES = (_residual_rule("residual-epilogue", LINEAR | {Op.MOE_LINEAR}),)
 
-
-# 1. Adds that feed only a norm, or that add a norm's output, go into that norm kernel.
-# 2. Remaining adds with an operand computed by a matmul (or the experts' down matmul) read only
-#    by the add go into that kernel's epilogue as residual(r).
+# The norm rules first: an add next to a norm joins the norm rather than a matmul.
 register_rule_pass("fuse-residual",
                    "residual adds join the norm after them, or the matmul, norm or expert "
                    "matmul that produced an operand", NORM_RESIDUAL_RULES, KERNEL_RESIDUAL_RULES)

@@ -1,12 +1,6 @@
 """A uniform view of a linear layer, whether it is still `matmul` (+ a bias `add`) or already a
-`fused_linear` with a prologue and an epilogue chain — so passes can rewrite either — and the one
-way to extend the epilogue of any kernel that writes rows (matmul, norm, expert matmul).
-
-    Linear(root, operands, weight, prologue, eps, steps)
-
-``root`` is the node whose value the view stands for (the bias `add` when a bias is looked
-through), ``steps`` the epilogue, each with the extra inputs it reads. ``emit`` builds the
-`fused_linear` node of a view.
+`fused_linear` with a prologue and an epilogue of steps — so passes can rewrite either — and the
+one way to extend the epilogue of any kernel that writes rows (matmul, norm, expert matmul).
 """
 
 from __future__ import annotations
@@ -15,13 +9,16 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
+import archc.ir.expr as E
 from archc.ir.attrs import Call
+from archc.ir.graph import Node
 from archc.ir.ops import ROW_KERNELS, Op
 from archc.ir.ops.steps import STEPS
 from archc.ir.ops.steps import step as step_call
-from archc.passes.context import Refusal
+from archc.passes.registry import Refusal
 from archc.passes.rewrite import Rewriter
 
 LINEAR = frozenset({Op.MATMUL, Op.FUSED_LINEAR})
@@ -43,9 +40,15 @@ class Step:
 
 
 def step(fn: str, /, *inputs: int, **kw: Any) -> Step:
-    """An epilogue step reading nodes `inputs`; keyword arguments sorted so equal steps compare
-    equal."""
+    """An epilogue step reading nodes `inputs` (keyword arguments sorted: equal steps compare
+    equal)."""
     return Step(step_call(fn, **kw), tuple(inputs))
+
+
+def unary(n: Node) -> str | None:
+    """`fn` when n is a pointwise `fn(x(0), …)` (a scale, a soft-cap): one input, one function."""
+    e = n.attr("expr")
+    return e.fn if n.op == Op.POINTWISE and len(n.inputs) == 1 and e.args == (E.x(0),) else None
 
 
 def bias_of(rw: Rewriter, i: int) -> tuple[int, int] | None:
@@ -61,24 +64,19 @@ def bias_of(rw: Rewriter, i: int) -> tuple[int, int] | None:
 
 def epilogue_steps(rw: Rewriter, i: int, taken: int) -> tuple[Step, ...]:
     """The epilogue of node i as steps with the nodes they read (after its `taken` operands)."""
-    n = rw.node(i)
-    rest = list(n.inputs[taken:])
-    out = []
-    for call in n.attr("epilogue", ()):
-        k = len(STEPS[call.fn].inputs)
-        out.append(Step(call, tuple(rest[:k])))
-        rest = rest[k:]
-    return tuple(out)
+    rest = iter(rw.node(i).inputs[taken:])
+    return tuple(Step(call, tuple(islice(rest, len(STEPS[call.fn].inputs))))
+                 for call in rw.node(i).attr("epilogue", ()))
 
 
 @dataclass(frozen=True)
 class Linear:
-    root: int                          # the node whose value this is
+    root: int                          # the node whose value this is (a bias add looked through)
     operands: tuple[int, ...]          # x, or x1 and x2 concatenated along K
     weight: int
     prologue: str | None = None        # row statistics of a folded norm: "rms" | "layer"
     eps: float | None = None
-    steps: tuple[Step, ...] = ()
+    steps: tuple[Step, ...] = ()       # the epilogue, each step with the inputs it reads
     covers: tuple[int, ...] = ()       # the nodes it stands for: matmul [, bias_add]
 
     @property
@@ -102,6 +100,16 @@ def merged_name(names: Sequence[str]) -> str:
     return ".".join(prefix + ["+".join(middles)] + suffix)
 
 
+def cat_params(rw: Rewriter, params: Sequence[int], dim: int, *, like: Sequence[int],
+               at: int) -> int:
+    """One parameter: `params` concatenated along `dim` at load time, named after them all."""
+    shape = list(rw.shape(params[0]))
+    shape[dim] = sum(rw.shape(p)[dim] for p in params)
+    return rw.add_param(merged_name([rw.node(p).name for p in params]),
+                        E.call("cat", *map(rw.param_expr, params), dim=dim), shape,
+                        rw.node(params[0]).dtype, like=like, at=at)
+
+
 def view(rw: Rewriter, i: int, *, through_bias: bool = True) -> Linear | None:
     """The linear layer computed by node i, or None. A bias `add` over a matmul read by nothing
     else is seen as the matmul with a `bias` step."""
@@ -113,41 +121,32 @@ def view(rw: Rewriter, i: int, *, through_bias: bool = True) -> Linear | None:
         return Linear(i, tuple(n.inputs[:k]), n.inputs[k], n.attr("prologue"), n.attr("eps"),
                       epilogue_steps(rw, i, k + 1), covers=(i,))
     found = bias_of(rw, i) if through_bias else None
-    if found is not None:
-        inner = view(rw, found[0], through_bias=False)
-        if inner is None or rw.users(inner.root) != [i]:
-            return None
-        return inner.replace(root=i, covers=inner.covers + (i,)).then(
-            Step(Call("bias"), (found[1],)))
-    return None
+    inner = view(rw, found[0], through_bias=False) if found else None
+    if inner is None or rw.users(inner.root) != [i]:
+        return None
+    return inner.replace(root=i, covers=inner.covers + (i,)).then(step("bias", found[1]))
 
 
 def view_with_bias(rw: Rewriter, i: int) -> Linear | None:
     """The linear layer at node i, extended by the bias_add that alone reads it, if any."""
     lin = view(rw, i)
-    if lin is None:
-        return None
     users = rw.users(i)
-    if len(users) == 1 and (bias_of(rw, users[0]) or (None,))[0] == i:
+    if lin is not None and len(users) == 1 and (bias_of(rw, users[0]) or (None,))[0] == i:
         return view(rw, users[0]) or lin
     return lin
 
 
 def emit(rw: Rewriter, lin: Linear, *, like: Sequence[int], at: int | None = None) -> int:
     """The `fused_linear` node of `lin`."""
-    inputs = [*lin.operands, lin.weight]
-    for s in lin.steps:
-        inputs += s.inputs
-    return rw.emit(Op.FUSED_LINEAR, inputs, like=like, at=at, prologue=lin.prologue,
-                   eps=lin.eps, epilogue=tuple(s.call for s in lin.steps) or None,
+    inputs = [*lin.operands, lin.weight, *(j for s in lin.steps for j in s.inputs)]
+    return rw.emit(Op.FUSED_LINEAR, inputs, like=like, at=at, prologue=lin.prologue, eps=lin.eps,
+                   epilogue=tuple(s.call for s in lin.steps) or None,
                    concat_k=True if len(lin.operands) == 2 else None)
 
 
-def replace_linear(rw: Rewriter, old: Linear, new: Linear) -> int:
-    """Emit `new` in place of `old` (same value, more work fused in); returns its id."""
-    i = emit(rw, new, like=list(old.covers))
-    rw.replace(old.root, i)
-    return i
+def replace_linear(rw: Rewriter, old: Linear, new: Linear) -> None:
+    """Emit `new` in place of `old`: the same value, more work fused in."""
+    rw.replace(old.root, emit(rw, new, like=old.covers))
 
 
 def extend(rw: Rewriter, i: int, new: Step, *, like: Sequence[int]) -> int:
@@ -155,15 +154,14 @@ def extend(rw: Rewriter, i: int, new: Step, *, like: Sequence[int]) -> int:
     its epilogue: a new node, which the caller puts in place. Refusal when the step is not one
     of that kernel's."""
     op = rw.op(i)
-    host = Op.FUSED_LINEAR if op == Op.MATMUL else op
-    if host not in STEPS[new.fn].kernels:
+    if (Op.FUSED_LINEAR if op == Op.MATMUL else op) not in STEPS[new.fn].kernels:
         raise Refusal(f"{op.value} %{i} has no {new.fn}() epilogue step")
     lin = view(rw, i, through_bias=False)
     if lin is not None:
         return emit(rw, lin.then(new), like=[*lin.covers, *like])
     n = rw.node(i)
     return rw.emit(op, [*n.inputs, *new.inputs], like=[i, *like],
-                   **{**dict(n.attrs), "epilogue": (*n.attr("epilogue", ()), new.call)})
+                   **n.attrs.replace(epilogue=(*n.attr("epilogue", ()), new.call)))
 
 
 def norm_parts(rw: Rewriter, i: int) -> tuple[int, int, int | None]:

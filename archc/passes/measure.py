@@ -38,15 +38,15 @@ def dims(batch: int = 1, tokens: int = 1, past: int = 0, encoder_len: int | None
             "S": encoder_len if encoder_len is not None else tokens}
 
 
+def _kernels(p: Program) -> int:
+    return sum(len(g.compute_ids()) for g in p)
+
+
 def stats(p: Program, at: dict[str, int]) -> Stats:
-    flops = bytes_ = 0
-    for g in p:
-        f, b = graph_cost(g).at(at)
-        flops += f
-        bytes_ += b
+    costs = [graph_cost(g).at(at) for g in p]
     tokens = at["B"] * at["T"]
-    return Stats(sum(len(g) for g in p), sum(len(g.compute_ids()) for g in p),
-                 parameter_count(p), parameter_bytes(p), flops / tokens, bytes_ / tokens,
+    return Stats(sum(len(g) for g in p), _kernels(p), parameter_count(p), parameter_bytes(p),
+                 sum(f for f, _ in costs) / tokens, sum(b for _, b in costs) / tokens,
                  kv_cache_bytes_per_token(p))
 
 
@@ -55,14 +55,9 @@ def kernels_per_layer(spec: Spec, pipeline: str | Sequence[str] = "default",
     """Compute nodes per block before and after `pipeline`, by difference with the same model
     without blocks (so embedding and head are left out)."""
     full, base = lower(spec, dtype), lower(without_layers(spec), dtype)
-
-    def count(p: Program) -> int:
-        return sum(len(g.compute_ids()) for g in p)
-
     layers = spec.layers + (spec.decoder_layers or 0)
-    before = (count(full) - count(base)) / layers
-    after = (count(optimize(full, pipeline)) - count(optimize(base, pipeline))) / layers
-    return before, after
+    return ((_kernels(full) - _kernels(base)) / layers,
+            (_kernels(optimize(full, pipeline)) - _kernels(optimize(base, pipeline))) / layers)
 
 
 def op_counts(p: Program) -> Counter[str]:
@@ -72,9 +67,6 @@ def op_counts(p: Program) -> Counter[str]:
 def op_delta(before: Program, after: Program) -> str:
     """'−3 matmul, +1 fused_linear, +3 slice': how the op mix changed."""
     a, b = op_counts(before), op_counts(after)
-    parts = []
-    for op in sorted(set(a) | set(b), key=lambda o: (b[o] - a[o] > 0, o)):
-        d = b[op] - a[op]
-        if d:
-            parts.append(f"{'+' if d > 0 else '−'}{abs(d)} {op}")
-    return ", ".join(parts)
+    return ", ".join(f"{'+' if b[op] > a[op] else '−'}{abs(b[op] - a[op])} {op}"
+                     for op in sorted(set(a) | set(b), key=lambda o: (b[o] - a[o] > 0, o))
+                     if b[op] != a[op])

@@ -7,39 +7,27 @@ epilogue. The normalized activation is never stored.
 
 from __future__ import annotations
 
-from archc.ir.attrs import Call
-from archc.ir.graph import Graph
+import math
+import os
+
+import archc.ir.expr as E
 from archc.ir.ops import Op
-from archc.passes.context import PassContext, Refusal
-from archc.passes.linear import (
-    Linear,
-    Step,
-    norm_parts,
-    replace_linear,
-    step,
-    view,
-    view_with_bias,
-)
-from archc.passes.registry import register_pass
-from archc.passes.rewrite import Rewriter
+from archc.passes.linear import Linear, Step, norm_parts, replace_linear, step, view, view_with_bias
+from archc.passes.registry import Refusal
+from archc.passes.rewrite import Rewriter, register_rewrite_pass
 
 
 def _tag(weight: str, gain: str) -> str:
     """What distinguishes the gain's name from the weight's: layers.0.attn_norm.weight beside
     layers.0.attn.q.weight → attn_norm."""
     w, g = weight.split("."), gain.split(".")
-    k = 0
-    while k < min(len(w), len(g)) - 1 and w[k] == g[k]:
-        k += 1
-    rest = g[k:]
-    if rest and rest[-1] == "weight":
-        rest = rest[:-1]
-    return ".".join(rest) or gain
+    k = min(len(os.path.commonprefix([w, g])), len(w) - 1, len(g) - 1)
+    return ".".join(g[k:-1] if g[-1] == "weight" else g[k:]) or gain
 
 
 def _readers(rw: Rewriter, norm: int) -> list[Linear]:
-    """The linear layers reading `norm`, each with a bias_add after it looked through; raises
-    Refusal naming a reader that is not one."""
+    """The linear layers reading `norm`, each with a bias_add after it looked through, when the
+    norm can fold into all of them; Refusal naming what stops it otherwise."""
     out: list[Linear] = []
     for u in rw.users(norm):
         lin = view(rw, u)
@@ -54,20 +42,16 @@ def _readers(rw: Rewriter, norm: int) -> list[Linear]:
         out.append(lin)
     if not out:
         raise Refusal("nothing reads it")
-    return out
-
-
-def _check_profitable(rw: Rewriter, readers: list[Linear]) -> None:
-    for lin in readers:
+    norm_parts(rw, norm)
+    for lin in out:
         others = [u for u in rw.users(lin.weight) if u not in lin.covers]
         if others:
-            n = rw.node(lin.weight)
-            size = 1
-            for d in n.shape:
-                size *= int(d)
-            raise Refusal(f"weight {n.name!r} is also read by %{others[0]} "
+            w = rw.node(lin.weight)
+            raise Refusal(f"weight {w.name!r} is also read by %{others[0]} "
                           f"({rw.op(others[0]).value}): folding the gain would store a second, "
-                          f"scaled copy of it ({size:,} elements)", profitability=True)
+                          f"scaled copy of it ({math.prod(int(d) for d in w.shape):,} elements)",
+                          profitability=True)
+    return out
 
 
 def _fold(rw: Rewriter, norm: int, lin: Linear) -> None:
@@ -77,66 +61,55 @@ def _fold(rw: Rewriter, norm: int, lin: Linear) -> None:
     tag = _tag(w.name, rw.node(gain).name)
     gamma = rw.param_expr(gain)
     if n.attr("unit_offset"):
-        gamma = Call("offset", (gamma,), (("by", 1.0),))        # Gemma: γ = 1 + w
+        gamma = E.call("offset", gamma, by=1.0)        # Gemma: γ = 1 + w
     # W' = W·diag(γ): scale column k of W by γ_k
-    folded = Call("mul", (rw.param_expr(lin.weight), gamma))
+    folded = E.call("mul", rw.param_expr(lin.weight), gamma)
     like = [norm, *lin.covers]
     w2 = rw.add_param(f"{w.name}*{tag}", folded, w.shape, w.dtype, like=like, at=lin.root)
     rest = list(lin.steps)
     if n.attr("kind") == "rms":
         # rms(x)·γ·Wᵀ = rstd·(x·W'ᵀ),  rstd = 1/sqrt(mean(x²) + eps)
         head: list[Step] = [step("rms_scale")]
-        prologue = "rms"
     else:
         # LN(x)·Wᵀ + c = rstd·(x·W'ᵀ − μ·1ᵀW'ᵀ) + (β·Wᵀ + c): the mean is a rank-1 correction
         # with the column sums of W'; the shift β passes through W into the bias
         # kept in f32 whatever the weights: μ·c cancels against acc, so c must not be rounded
-        colsum = rw.add_param(f"{w.name}*{tag}.colsum", Call("sum", (folded,), (("dim", -1),)),
+        colsum = rw.add_param(f"{w.name}*{tag}.colsum", E.call("sum", folded, dim=-1),
                               (w.shape[0],), "f32", like=like, at=lin.root)
         head = [step("ln_scale", colsum)]
-        prologue = "layer"
         if beta is not None:
-            shift = Call("mm", (rw.param_expr(lin.weight), rw.param_expr(beta)))
+            shift = E.call("mm", rw.param_expr(lin.weight), rw.param_expr(beta))
             if rest and rest[0].fn == "bias":
                 old = rest.pop(0).inputs[0]
-                shift = Call("add", (shift, rw.param_expr(old)))
+                shift = E.call("add", shift, rw.param_expr(old))
                 name = f"{rw.node(old).name}*{tag}"
             else:
                 name = f"{w.name.removesuffix('.weight')}.bias*{tag}"
             b = rw.add_param(name, shift, (w.shape[0],), w.dtype, like=like, at=lin.root)
             head.append(step("bias", b))
-    new = lin.replace(operands=(x,), weight=w2, prologue=prologue, eps=n.attr("eps"),
-                      steps=tuple(head + rest))
-    replace_linear(rw, lin, new)
+    # the prologue gathers the row statistics of the norm's kind: "rms" or "layer"
+    replace_linear(rw, lin, lin.replace(operands=(x,), weight=w2, prologue=n.attr("kind"),
+                                        eps=n.attr("eps"), steps=tuple(head + rest)))
 
 
-@register_pass("fold-norms", "exact",
-               "RMSNorm/LayerNorm read only by matmuls: gain into the weights, statistics in "
-               "the matmuls' prologue, 1/rms (and the mean correction) in their epilogue")
-def fold_norms(g: Graph, ctx: PassContext) -> Graph:
-    # 1. For each rmsnorm / layernorm node, list its readers.
-    # 2. Legal if every reader is a linear layer reading it as its one input, with parameter
-    #    weights, no prologue yet, and a parameter gain (and shift): then every consumer
-    #    shares the fold and the norm disappears. One other reader (a residual add, a router,
-    #    the graph output) means the normalized value must be stored anyway.
-    # 3. Profitable unless a weight is also read elsewhere (a tied head): folding the gain
+@register_rewrite_pass("fold-norms", "RMSNorm/LayerNorm read only by matmuls: gain into the "
+                       "weights, statistics in the matmuls' prologue, 1/rms (and the mean "
+                       "correction) in their epilogue")
+def fold_norms(rw: Rewriter) -> None:
+    # 1. Legal if every reader of the norm is a linear layer reading it as its one input, with
+    #    parameter weights and no prologue yet, and gain and shift are parameters: then the
+    #    norm disappears. One other reader (a residual add, a router, the output) must see it.
+    # 2. Profitable unless a weight is also read elsewhere (a tied head): folding the gain
     #    would store a second, scaled copy of the table.
-    # 4. Rewrite each reader (W' = W·diag(γ), γ = 1 + w for Gemma's unit offset):
-    #      RMSNorm:   prologue rms,   epilogue rms_scale, …
-    #      LayerNorm: prologue layer, epilogue ln_scale(Σ_k W'), bias(W·β + c), …
-    rw = Rewriter(g, ctx)
+    # 3. Each reader gets W' = W·diag(γ) (γ = 1 + w for Gemma) and, for RMSNorm, prologue rms
+    #    and epilogue rms_scale, …; for LayerNorm prologue layer, ln_scale(Σ_k W'), bias(W·β + c).
     for i in rw.order():
         if rw.op(i) != Op.NORM:
             continue
         rule = "fold-rmsnorm" if rw.node(i).attr("kind") == "rms" else "fold-layernorm"
-        try:
-            readers = _readers(rw, i)
-            norm_parts(rw, i)
-            _check_profitable(rw, readers)
-        except Refusal as r:
-            ctx.refused(rule, rw.describe(i), r.why, profitability=r.profitability)
+        readers = rw.attempt(rule, i, _readers, rw, i)
+        if readers is None:
             continue
         for lin in readers:
             _fold(rw, i, lin)
-        ctx.applied(rule, rw.describe(i), f"into {len(readers)} matmul(s)")
-    return rw.finish()
+        rw.ctx.applied(rule, i, f"into {len(readers)} matmul(s)")

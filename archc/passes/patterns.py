@@ -6,10 +6,9 @@ which) match in either order, so a rule over `add` or `mul` is written once. Con
 a structural match illegal — an intermediate value read elsewhere — are checked after the
 structure matches, so a refusal can say which condition failed:
 
-    Rule("bias",
-         # (x·Wᵀ) + b: the bias is added to the accumulator before it is stored
-         Pat({Op.ADD}, "root", (Pat(LINEAR, "lin", one_use=True), Pat({Op.PARAM}, "b"))),
-         absorb_bias)
+    # k + b: the bias joins the accumulator before it is stored
+    Rule("bias", Pat({Op.ADD}, "root", (Pat(EPILOGUE_HOSTS, "k", one_use=True),
+                                        Pat({Op.PARAM}, "b"))), append_step)
 
 A rewrite gets the rewriter and the bindings and returns the node that replaces the root, or
 ``None`` when the match does not apply after all; it may raise ``Refusal`` to say why not.
@@ -21,11 +20,10 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from archc.errors import IRError
-from archc.ir.graph import Graph, Node
+from archc.ir.graph import Node
 from archc.ir.ops import OP_TABLE, Op
-from archc.passes.context import PassContext, Refusal
-from archc.passes.registry import register_pass
-from archc.passes.rewrite import Rewriter
+from archc.passes.registry import Refusal
+from archc.passes.rewrite import Rewriter, register_rewrite_pass
 
 Bindings = dict[str, int]
 
@@ -46,67 +44,54 @@ class Rule:
     rewrite: Callable[[Rewriter, Bindings], int | None]
 
 
-def match(rw: Rewriter, pat: Pat, i: int, bound: Bindings, problems: list[str],
-          parent: int | None = None) -> bool:
-    """Structural match of `pat` at node i (operands of a commutative op in either order);
-    conditions that fail are appended to `problems`. On a match, `bound` holds the bindings."""
+def match(rw: Rewriter, pat: Pat, i: int, parent: int | None = None
+          ) -> tuple[Bindings, list[str]] | None:
+    """The bindings of `pat` at node i and the conditions that fail there, or None when the
+    structure does not match. The operands of a commutative op match in either order: the first
+    order that matches cleanly wins, else the first that matches."""
     n = rw.node(i)
-    if pat.ops is not None and n.op not in pat.ops:
-        return False
-    if len(n.inputs) < len(pat.src) or (pat.where is not None and not pat.where(n)):
-        return False
-    if pat.name and bound.get(pat.name, i) != i:
-        return False
+    if (pat.ops is not None and n.op not in pat.ops) or len(n.inputs) < len(pat.src) or \
+            (pat.where is not None and not pat.where(n)):
+        return None
+    own: list[str] = []
+    others = [u for u in rw.users(i) if u != parent] if pat.one_use and parent is not None else []
+    if others:
+        own.append(f"%{i} ({n.op.value}) is also read by "
+                   + ", ".join(f"%{u} ({rw.op(u).value})" for u in others))
     orders = [n.inputs]
     if OP_TABLE[n.op].commutative and len(pat.src) >= 2:
         orders.append((n.inputs[1], n.inputs[0], *n.inputs[2:]))
-    found: tuple[Bindings, list[str]] | None = None
-    for inputs in orders:    # the first order that matches cleanly, else the first that matches
-        b, p = dict(bound), list(problems)
-        if pat.name:
-            b[pat.name] = i
-        if pat.one_use and parent is not None:
-            others = [u for u in rw.users(i) if u != parent]
-            if others:
-                p.append(f"%{i} ({n.op.value}) is also read by "
-                         + ", ".join(f"%{u} ({rw.op(u).value})" for u in others))
-        if all(sub is None or match(rw, sub, j, b, p, parent=i)
-               for sub, j in zip(pat.src, inputs)):
-            if found is None or len(p) == len(problems):
-                found = (b, p)
-            if len(p) == len(problems):
-                break
-    if found is None:
-        return False
-    bound.clear()
-    bound.update(found[0])
-    problems[:] = found[1]
-    return True
+    found: list[tuple[Bindings, list[str]]] = []
+    for inputs in orders:
+        subs = [({}, []) if sub is None else match(rw, sub, j, i)
+                for sub, j in zip(pat.src, inputs)]
+        ok = [m for m in subs if m is not None]
+        if len(ok) == len(subs):
+            bound = {k: v for b, _ in ok for k, v in b.items()}
+            if pat.name:
+                bound[pat.name] = i
+            found.append((bound, own + [p for _, ps in ok for p in ps]))
+    # the first order without problems of its own operands, else the first
+    return min(found, key=lambda f: len(f[1]) > len(own), default=None)
 
 
 def apply_rules(rw: Rewriter, rules: Collection[Rule], *, max_rounds: int = 64) -> None:
     """Try every rule at every node until nothing changes; records each decision. Rules that
     keep rewriting past `max_rounds` sweeps are a bug in the rules: an error, not a stop."""
-    by_op: dict[Op | None, list[Rule]] = {}
-    for r in rules:
-        for op in (r.pattern.ops or [None]):
-            by_op.setdefault(op, []).append(r)
     refused: dict[tuple[str, int], str] = {}
     for _ in range(max_rounds):
         progress = False
         for i in rw.order():
             if rw.is_dead(i):
                 continue
-            for rule in by_op.get(rw.op(i), []) + by_op.get(None, []):
-                bound: Bindings = {}
-                problems: list[str] = []
-                if not match(rw, rule.pattern, i, bound, problems):
-                    continue
-                if problems:
-                    refused[(rule.name, i)] = "; ".join(problems)
+            for rule in rules:
+                found = match(rw, rule.pattern, i)
+                if found is None:
                     continue
                 try:
-                    new = rule.rewrite(rw, bound)
+                    if found[1]:
+                        raise Refusal("; ".join(found[1]))
+                    new = rule.rewrite(rw, found[0])
                 except Refusal as r:
                     refused[(rule.name, i)] = r.why
                     continue
@@ -126,17 +111,13 @@ def apply_rules(rw: Rewriter, rules: Collection[Rule], *, max_rounds: int = 64) 
     for (rule_name, i), why in refused.items():
         # a node this pass made is already a fusion; only the graph's own nodes are reported
         if i < len(rw.g.nodes) and not rw.is_dead(i):
-            rw.ctx.refused(rule_name, rw.describe(i), why)
+            rw.ctx.refused(rule_name, i, why)
 
 
 def register_rule_pass(name: str, summary: str, *tables: Collection[Rule]) -> None:
     """Register an exact pass that applies rule tables, one after another, to a fixpoint each:
     the whole body of most fusion passes."""
-    def run(g: Graph, ctx: PassContext) -> Graph:
-        rw = Rewriter(g, ctx)
+    @register_rewrite_pass(name, summary)
+    def run(rw: Rewriter) -> None:
         for rules in tables:
             apply_rules(rw, rules)
-        return rw.finish()
-
-    run.__name__ = name.replace("-", "_")
-    register_pass(name, "exact", summary)(run)

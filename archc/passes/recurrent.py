@@ -13,15 +13,12 @@ kernel, and a piece that cannot join is left for `select-kernels` to name.
 
 from __future__ import annotations
 
-from archc.ir.graph import Node
 from archc.ir.ops import Op
 from archc.ir.ops.recurrent import FEATURE_MAPS
-from archc.passes.context import Refusal
 from archc.passes.linear import bias_of, norm_parts
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
+from archc.passes.registry import Refusal
 from archc.passes.rewrite import Rewriter
-
-# ---- fuse-causal-conv ------------------------------------------------------------------------
 
 
 def _conv_bias(rw: Rewriter, m: Bindings) -> int:
@@ -29,19 +26,19 @@ def _conv_bias(rw: Rewriter, m: Bindings) -> int:
     if conv.attr("bias") or conv.attr("act") != "identity":
         raise Refusal(f"%{m['conv']} already adds a bias or applies {conv.attr('act')}: the "
                       "bias would come after it")
-    if bias_of(rw, m["root"]) is None:
+    found = bias_of(rw, m["root"])
+    if found is None:
         raise Refusal(f"%{m['root']} adds something that is not a parameter vector")
-    x, w = conv.inputs
-    return rw.emit(Op.CAUSAL_CONV, [x, w, bias_of(rw, m["root"])[1]],  # type: ignore[index]
-                   like=[m["conv"], m["root"]], layer=conv.attr("layer"), bias=True)
+    return rw.emit(Op.CAUSAL_CONV, [*conv.inputs, found[1]], like=[m["conv"], m["root"]],
+                   layer=conv.attr("layer"), bias=True)
 
 
 def _conv_act(rw: Rewriter, m: Bindings) -> int:
     conv = rw.node(m["conv"])
     if conv.attr("act") != "identity":
         raise Refusal(f"%{m['conv']} already applies {conv.attr('act')}")
-    return rw.emit(Op.CAUSAL_CONV, list(conv.inputs), like=[m["conv"], m["root"]],
-                   **{**dict(conv.attrs), "act": rw.node(m["root"]).attr("fn")})
+    return rw.emit(Op.CAUSAL_CONV, conv.inputs, like=[m["conv"], m["root"]],
+                   **conv.attrs.replace(act=rw.node(m["root"]).attr("fn")))
 
 
 CONV_RULES = (
@@ -52,19 +49,14 @@ CONV_RULES = (
     Rule("conv-act", Pat({Op.ACT}, "root", (Pat({Op.CAUSAL_CONV}, "conv", one_use=True),)),
          _conv_act),
 )
-
-
 register_rule_pass("fuse-causal-conv",
                    "Mamba: depthwise causal conv1d + bias + activation in one kernel that updates "
-                   "the conv state",
-                   CONV_RULES)
+                   "the conv state", CONV_RULES)
 
-
-# ---- fuse-ssm-scan ---------------------------------------------------------------------------
 
 def _ssm_scan(rw: Rewriter, m: Bindings) -> int:
     # (scan(x, Δ, A, B, C) + x·D) · silu(z)
-    scan, skip = rw.node(m["scan"]), rw.node(m["skip"])
+    scan, skip, gate = rw.node(m["scan"]), rw.node(m["skip"]), rw.node(m["gate"])
     x = scan.inputs[0]
     a, b = skip.inputs
     d = b if a == x else a if b == x else None
@@ -72,57 +64,46 @@ def _ssm_scan(rw: Rewriter, m: Bindings) -> int:
         raise Refusal(f"the skip %{m['skip']} does not multiply the scan's input %{x}")
     if rw.op(d) != Op.PARAM or len(rw.shape(d)) != 1:
         raise Refusal(f"the skip's D %{d} is not a [channels] parameter")
-    if rw.node(m["gate"]).attr("fn") != "silu":
-        raise Refusal(f"the gate %{m['gate']} is {rw.node(m['gate']).attr('fn')}, the kernel "
-                      "gates by silu")
-    z = rw.node(m["gate"]).inputs[0]
+    if gate.attr("fn") != "silu":
+        raise Refusal(f"the gate %{m['gate']} is {gate.attr('fn')}, the kernel gates by silu")
     like = [m["scan"], m["skip"], m["add"], m["gate"], m["root"]]
-    ins = list(scan.inputs[:5])
-    attrs = dict(scan.attrs)
-    normed = _bc_norms(rw, m["scan"], ins[3], ins[4])
-    extra = []
-    if normed is not None:
-        (ins[3], gb), (ins[4], gc), attrs["norm_eps"] = normed
-        extra = [gb, gc]
+    ins, extra = list(scan.inputs[:5]), []
+    attrs = scan.attrs.replace(gate=True)
+    normed = rw.attempt("ssm-norms", m["scan"], _bc_norms, rw, m["scan"], ins[3], ins[4])
+    if normed:
+        (ins[3], gb), (ins[4], gc), eps = normed
+        extra, attrs = [gb, gc], attrs.replace(norm_eps=eps)
         like += list(scan.inputs[3:5])
-    return rw.emit(Op.SSM_SCAN, [*ins, d, z, *extra], like=like, **{**attrs, "gate": True})
+        rw.ctx.applied("ssm-norms", m["scan"], "B and C normalized inside the scan")
+    return rw.emit(Op.SSM_SCAN, [*ins, d, gate.inputs[0], *extra], like=like, **attrs)
 
 
 def _bc_norms(rw: Rewriter, scan: int, bm: int, cm: int
               ) -> tuple[tuple[int, int], tuple[int, int], float] | None:
     """(B, gain), (C, gain), ε when B and C are both RMSNorms with a gain and one ε, read by
-    the scan alone (Jamba); None when they are not, and then the norms stay kernels of their
-    own — the decision says why."""
+    the scan alone (Jamba); None when neither is a norm; Refusal when the norms must stay
+    kernels of their own."""
     if rw.op(bm) != Op.NORM and rw.op(cm) != Op.NORM:
         return None
-    try:
-        norms = [rw.node(i) for i in (bm, cm)]
-        parts = []
-        for name, i, norm in (("B", bm, norms[0]), ("C", cm, norms[1])):
-            if norm.op != Op.NORM or norm.attr("kind") != "rms" or norm.attr("unit_offset"):
-                raise Refusal(f"{name} (%{i}) is not normalized as x·w/rms(x) with a gain w, "
-                              "and the kernel normalizes both or neither")
-            x, gain, shift = norm_parts(rw, i)
-            if shift is not None:
-                raise Refusal(f"{name} (%{i}) adds a shift after its norm")
-            others = [u for u in rw.users(i) if u != scan]
-            if others:
-                raise Refusal(f"%{i} (norm) is also read by "
-                              + ", ".join(f"%{u} ({rw.op(u).value})" for u in others)
-                              + "; the scan kernel never stores it")
-            parts.append((x, gain))
-        if norms[0].attr("eps") != norms[1].attr("eps"):
-            raise Refusal(f"the B and C norms differ in ε ({norms[0].attr('eps')} vs "
-                          f"{norms[1].attr('eps')})")
-    except Refusal as r:
-        rw.ctx.refused("ssm-norms", rw.describe(scan), r.why)
-        return None
-    rw.ctx.applied("ssm-norms", rw.describe(scan), "B and C normalized inside the scan")
-    return parts[0], parts[1], norms[0].attr("eps")
-
-
-def _plain_scan(n: Node) -> bool:
-    return not n.attr("gate")
+    parts = []
+    for name, i in (("B", bm), ("C", cm)):
+        norm = rw.node(i)
+        if norm.op != Op.NORM or norm.attr("kind") != "rms" or norm.attr("unit_offset"):
+            raise Refusal(f"{name} (%{i}) is not normalized as x·w/rms(x) with a gain w, "
+                          "and the kernel normalizes both or neither")
+        x, gain, shift = norm_parts(rw, i)
+        if shift is not None:
+            raise Refusal(f"{name} (%{i}) adds a shift after its norm")
+        others = [u for u in rw.users(i) if u != scan]
+        if others:
+            raise Refusal(f"%{i} (norm) is also read by "
+                          + ", ".join(f"%{u} ({rw.op(u).value})" for u in others)
+                          + "; the scan kernel never stores it")
+        parts.append((x, gain))
+    eps_b, eps_c = rw.node(bm).attr("eps"), rw.node(cm).attr("eps")
+    if eps_b != eps_c:
+        raise Refusal(f"the B and C norms differ in ε ({eps_b} vs {eps_c})")
+    return parts[0], parts[1], eps_b
 
 
 SCAN_RULES = (
@@ -131,19 +112,15 @@ SCAN_RULES = (
     # B_t ← B_t·g_B/rms(B_t) (C likewise) is a per-token norm over d_state, which the scan loads
     # whole at each step anyway: it joins too.
     Rule("ssm-scan", Pat({Op.MUL}, "root", (
-        Pat({Op.ADD}, "add", (Pat({Op.SSM_SCAN}, "scan", one_use=True, where=_plain_scan),
+        Pat({Op.ADD}, "add", (Pat({Op.SSM_SCAN}, "scan", one_use=True,
+                                  where=lambda n: not n.attr("gate")),
                               Pat({Op.MUL}, "skip")), one_use=True),
         Pat({Op.ACT}, "gate"))), _ssm_scan),
 )
-
-
 register_rule_pass("fuse-ssm-scan",
                    "Mamba: selective scan + D·x skip + silu(z) gate (+ B, C norms) in one kernel "
-                   "that updates the SSM state",
-                   SCAN_RULES)
+                   "that updates the SSM state", SCAN_RULES)
 
-
-# ---- fuse-linear-attention ---------------------------------------------------------------------
 
 def _linear_attention(rw: Rewriter, m: Bindings) -> int:
     q_act, k_act = rw.node(m["q"]), rw.node(m["k"])
@@ -153,7 +130,7 @@ def _linear_attention(rw: Rewriter, m: Bindings) -> int:
                       f"feature map of {', '.join(FEATURE_MAPS)} to both")
     root = rw.node(m["root"])
     return rw.emit(Op.LINEAR_ATTENTION, [q_act.inputs[0], k_act.inputs[0], root.inputs[2]],
-                   like=[m["root"], m["q"], m["k"]], **{**dict(root.attrs), "feature": feature})
+                   like=[m["root"], m["q"], m["k"]], **root.attrs.replace(feature=feature))
 
 
 LINEAR_ATTENTION_RULES = (
@@ -163,8 +140,6 @@ LINEAR_ATTENTION_RULES = (
         Pat({Op.ACT}, "q", one_use=True), Pat({Op.ACT}, "k", one_use=True)),
         where=lambda n: n.attr("feature") == "identity"), _linear_attention),
 )
-
-
 register_rule_pass("fuse-linear-attention",
                    "linear attention: φ(q) and φ(k) in the kernel that keeps the running sums and "
                    "merges the heads", LINEAR_ATTENTION_RULES)

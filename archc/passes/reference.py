@@ -10,19 +10,15 @@ from archc.passes.registry import DEFAULT_PIPELINE, PASSES
 
 
 def reference() -> str:
-    lines = [
-        "# archc pass reference",
-        "",
+    lines = [   # an item ending in "\n" ends a paragraph
+        "# archc pass reference\n",
         "Generated from the pass registry by `python -m archc.passes.reference`; a test keeps "
-        "this file current.",
-        "",
-        "## The default pipeline",
-        "",
+        "this file current.\n",
+        "## The default pipeline\n",
         "Exact passes keep the model's function (each is translation-validated on every tiny "
         "spec: the eager interpreter before and after, on random weights, prefill and decode). "
         "In this order; `archc passes SPEC` shows what each did to a spec, `archc ir SPEC "
-        "--diff PASS` the IR it changed, `archc explain SPEC` the fusions it refused and why.",
-        "",
+        "--diff PASS` the IR it changed, `archc explain SPEC` the fusions it refused and why.\n",
         "| # | pass | what it does |",
         "|---|---|---|",
     ]
@@ -32,16 +28,13 @@ def reference() -> str:
         lines.append(f"| {k} | `{name}` | {p.summary}{scope} |")
     others = sorted(n for n, p in PASSES.items() if n not in DEFAULT_PIPELINE)
     if others:
-        lines += ["", "Registered but not in the default pipeline:", ""]
+        lines += ["\nRegistered but not in the default pipeline:\n"]
         lines += [f"- `{n}` ({PASSES[n].kind}): {PASSES[n].summary}" for n in others]
     lines += [
-        "",
-        "## Architecture steps",
-        "",
+        "\n## Architecture steps\n",
         "Steps change the model on purpose; they never run unless named "
         "(`archc modernize SPEC --steps a,b:N`). Each is a spec → spec transform. "
-        f"The default walk: {', '.join(f'`{s}`' for s in DEFAULT_STEPS)}.",
-        "",
+        f"The default walk: {', '.join(f'`{s}`' for s in DEFAULT_STEPS)}.\n",
         "| step | what it does | argument | on loaded weights |",
         "|---|---|---|---|",
     ]

@@ -1,22 +1,79 @@
-"""Passes by name, and pipelines as lists of names.
+"""Passes by name, what they report, and pipelines as lists of names.
 
-A pass is registered under a name with ``register_pass`` as a function ``(Graph, PassContext) ->
-Graph``, run over every graph of a program, or with ``register_program_pass`` as a function
-``(Program, {graph: PassContext}) -> Program`` that sees every graph at once and may move nodes
-between graphs or add one. Both are kept the same way — as a program function — so the manager
-runs every pass by one code path. Every registered pass is *exact*: it keeps the function up to
-rounding, and is translation-validated.
+Every candidate a pass looks at ends in a ``Decision``: applied, or refused by a *legality* rule
+("may I?" — doing it would change the function) or a *profitability* rule ("should I?" — legal, but
+it would cost more than it saves). ``archc explain`` prints the refusals; ``archc passes`` counts
+the applications. The ``PassContext`` that collects them is passed explicitly to every pass.
+
+A pass is a function ``(Graph, PassContext) -> Graph`` run over each graph of a program, or a
+program function ``(Program, {graph: PassContext}) -> Program`` that may move nodes between
+graphs; the manager runs both as the latter. Every registered pass is *exact*: it keeps the
+function up to rounding, and is translation-validated.
 """
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from archc.errors import ArchcError
 from archc.ir.graph import Graph, Program
-from archc.passes.context import PassContext
+from archc.ir.text import format_node
+
+Verdict = Literal["applied", "legality", "profitability"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    pass_name: str
+    graph: str
+    rule: str              # the rule that decided, e.g. "key-bias", "fold-rmsnorm"
+    node: str              # the candidate node in text form, numbered as the pass saw it
+    verdict: Verdict
+    reason: str = ""       # what was done, or why not
+
+    @property
+    def applied(self) -> bool:
+        return self.verdict == "applied"
+
+
+@dataclass
+class PassContext:
+    """Collects the decisions of one pass over one graph."""
+
+    pass_name: str
+    graph: Graph
+    decisions: list[Decision] = field(default_factory=list)
+    kept: dict[int, int] | None = None   # old id → new id of the nodes kept, set on renumbering
+
+    def describe(self, i: int) -> str:
+        """Node i of the graph as the pass received it, in text form."""
+        return format_node(i, self.graph.nodes[i]) if 0 <= i < len(self.graph.nodes) else \
+            f"%{i} (made by this pass)"
+
+    def decide(self, rule: str, where: int | str, verdict: Verdict, reason: str) -> None:
+        """`where`: a node id of the graph as the pass received it, or a node's text."""
+        text = where if isinstance(where, str) else self.describe(where)
+        self.decisions.append(Decision(self.pass_name, self.graph.name, rule, text, verdict,
+                                       reason))
+
+    def applied(self, rule: str, where: int | str, what: str = "") -> None:
+        self.decide(rule, where, "applied", what)
+
+    def refused(self, rule: str, where: int | str, why: str, *,
+                profitability: bool = False) -> None:
+        self.decide(rule, where, "profitability" if profitability else "legality", why)
+
+
+class Refusal(Exception):
+    """Raised inside a rewrite to refuse it: `why` names the rule that said no."""
+
+    def __init__(self, why: str, *, profitability: bool = False) -> None:
+        super().__init__(why)
+        self.why, self.profitability = why, profitability
+
 
 PassFn = Callable[[Graph, PassContext], Graph]
 ProgramPassFn = Callable[[Program, Mapping[str, PassContext]], Program]
@@ -28,8 +85,7 @@ class GraphFailure(Exception):
 
     def __init__(self, graph: str, error: Exception) -> None:
         super().__init__(str(error))
-        self.graph = graph
-        self.error = error
+        self.graph, self.error = graph, error
 
 
 @dataclass(frozen=True)
@@ -44,31 +100,25 @@ class Pass:
 PASSES: dict[str, Pass] = {}
 
 
-def _register(p: Pass) -> None:
+def _add(p: Pass) -> None:
     if p.name in PASSES:
         raise ValueError(f"pass {p.name!r} registered twice")
     PASSES[p.name] = p
 
 
-def over_graphs(fn: PassFn) -> ProgramPassFn:
-    """A graph pass as a program pass: each graph with its own context; the same program when
-    no graph changed."""
-    def run(program: Program, contexts: Mapping[str, PassContext]) -> Program:
-        graphs = []
-        for g in program:
-            try:
-                graphs.append(fn(g, contexts[g.name]))
-            except Exception as err:
-                raise GraphFailure(g.name, err) from err
-        if all(a is b for a, b in zip(graphs, program.graphs)):
-            return program
-        return Program(program.model, tuple(graphs))
-    return run
-
-
 def register_pass(name: str, kind: Kind, summary: str) -> Callable[[PassFn], PassFn]:
     def register(fn: PassFn) -> PassFn:
-        _register(Pass(name, kind, summary, over_graphs(fn)))
+        def run(program: Program, contexts: Mapping[str, PassContext]) -> Program:
+            graphs = []
+            for g in program:
+                try:
+                    graphs.append(fn(g, contexts[g.name]))
+                except Exception as err:
+                    raise GraphFailure(g.name, err) from err
+            if all(a is b for a, b in zip(graphs, program.graphs)):
+                return program       # no graph changed
+            return Program(program.model, tuple(graphs))
+        _add(Pass(name, kind, summary, run))
         return fn
     return register
 
@@ -76,7 +126,7 @@ def register_pass(name: str, kind: Kind, summary: str) -> Callable[[PassFn], Pas
 def register_program_pass(name: str, kind: Kind, summary: str
                           ) -> Callable[[ProgramPassFn], ProgramPassFn]:
     def register(fn: ProgramPassFn) -> ProgramPassFn:
-        _register(Pass(name, kind, summary, fn, program=True))
+        _add(Pass(name, kind, summary, fn, program=True))
         return fn
     return register
 
@@ -90,27 +140,10 @@ def register_program_pass(name: str, kind: Kind, summary: str
 # the projections merge (linear attention's q, k, v trace from its kernel) and before norms fold
 # (Jamba's B and C norms join the scan, not a matmul).
 DEFAULT_PIPELINE: tuple[str, ...] = (
-    "fold-biases",
-    "share-kv-heads",
-    "flash-attention",
-    "fuse-linear-attention",
-    "fuse-causal-conv",
-    "fuse-ssm-scan",
-    "merge-qkv",
-    "hoist-cross-kv",
-    "fold-norms",
-    "fuse-glu",
-    "merge-parallel",
-    "fuse-qk-norm",
-    "fuse-rope",
-    "fuse-kv-write",
-    "fuse-moe",
-    "fuse-epilogue",
-    "fuse-residual",
-    "fuse-pointwise",
-    "select-kernels",
-    "cse",
-    "dce",
+    "fold-biases", "share-kv-heads", "flash-attention", "fuse-linear-attention",
+    "fuse-causal-conv", "fuse-ssm-scan", "merge-qkv", "hoist-cross-kv", "fold-norms", "fuse-glu",
+    "merge-parallel", "fuse-qk-norm", "fuse-rope", "fuse-kv-write", "fuse-moe", "fuse-epilogue",
+    "fuse-residual", "fuse-pointwise", "select-kernels", "cse", "dce",
 )
 
 PIPELINES: dict[str, tuple[str, ...]] = {"default": DEFAULT_PIPELINE, "none": ()}
@@ -118,8 +151,7 @@ PIPELINES: dict[str, tuple[str, ...]] = {"default": DEFAULT_PIPELINE, "none": ()
 
 def known(*, pipelines: bool = True) -> str:
     """Pipelines, then passes in the default pipeline's order, then any others."""
-    order = list(DEFAULT_PIPELINE) + sorted(set(PASSES) - set(DEFAULT_PIPELINE))
-    names = [p for p in order if p in PASSES]
+    names = list(DEFAULT_PIPELINE) + sorted(set(PASSES) - set(DEFAULT_PIPELINE))
     return ", ".join((list(PIPELINES) if pipelines else []) + names)
 
 
@@ -127,21 +159,15 @@ def resolve_pipeline(pipeline: str | Sequence[str]) -> list[str]:
     """Pass names of a pipeline given by name ("default", "none"), as a comma-separated list
     of pass names, or as a sequence of names."""
     if isinstance(pipeline, str):
-        if pipeline in PIPELINES:
-            return list(PIPELINES[pipeline])
-        names = [p.strip() for p in pipeline.split(",") if p.strip()]
-    else:
-        names = list(pipeline)
+        pipeline = [p.strip() for p in pipeline.split(",") if p.strip()]
     out: list[str] = []
-    for name in names:
+    for name in pipeline:
         if name in PIPELINES:
             out += PIPELINES[name]
         elif name in PASSES:
             out.append(name)
         else:
-            import difflib
             close = difflib.get_close_matches(name, list(PASSES) + list(PIPELINES), n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ArchcError(f"unknown pass {name!r}{hint}; known: {known()}")
     return out
-

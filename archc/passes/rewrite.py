@@ -9,10 +9,11 @@ A pass that changed nothing gets its own graph object back.
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
+import networkx as nx
 import sympy
 
 from archc.errors import IRError
@@ -22,14 +23,15 @@ from archc.ir.ops import Op, ShapeError, canonical
 from archc.ir.paramexpr import leaf
 from archc.ir.shapes import Shape
 from archc.ir.text import format_node
-from archc.passes.context import PassContext, Refusal
+from archc.passes.registry import PassContext, Refusal, register_pass
+
+T = TypeVar("T")
 
 
 def has_side_effect(n: Node) -> bool:
     """Writes the KV cache: live even when nothing in the graph reads its value."""
-    if n.op == Op.KV_CACHE:
-        return True
-    return n.op == Op.FUSED_LINEAR and any(st.fn == "kv_write" for st in n.attr("epilogue", ()))
+    return n.op == Op.KV_CACHE or (n.op == Op.FUSED_LINEAR and any(
+        st.fn == "kv_write" for st in n.attr("epilogue", ())))
 
 
 def live_nodes(nodes: dict[int, Node], killed: Iterable[int] = ()) -> set[int]:
@@ -47,25 +49,30 @@ def live_nodes(nodes: dict[int, Node], killed: Iterable[int] = ()) -> set[int]:
     return live
 
 
+def unique_name(base: str, taken: set[str]) -> str:
+    """`base`, or `base#2`, `base#3`… if it is taken; the name returned is taken from now on."""
+    name, k = base, 2
+    while name in taken:
+        name, k = f"{base}#{k}", k + 1
+    taken.add(name)
+    return name
+
+
 class Rewriter:
     def __init__(self, g: Graph, ctx: PassContext) -> None:
-        self.g = g
-        self.ctx = ctx
+        self.g, self.ctx = g, ctx
         self.nodes: dict[int, Node] = dict(enumerate(g.nodes))
         self.key: dict[int, float] = {i: float(i) for i in self.nodes}
-        self._users: dict[int, list[int]] = {i: [] for i in self.nodes}
+        self._users: defaultdict[int, list[int]] = defaultdict(list)
         for i, n in self.nodes.items():
             for j in n.inputs:
                 self._users[j].append(i)
         self._live_before = live_nodes(self.nodes)
-        self._next = len(g.nodes)
-        self._seq = 0
         self.killed: set[int] = set()
         self.gone: set[int] = set()      # replaced or killed: their reads no longer count
         self.changed = False
         self.param_names = {n.name for n in g.nodes if n.op == Op.PARAM}
 
-    # ---- reading ---------------------------------------------------------------------------
     def node(self, i: int) -> Node:
         return self.nodes[i]
 
@@ -74,16 +81,13 @@ class Rewriter:
 
     def users(self, i: int) -> list[int]:
         """Distinct live users of node i, in graph order."""
-        return sorted(set(u for u in self._users[i] if u not in self.gone),
-                      key=lambda u: self.key[u])
+        return sorted({u for u in self._users[i] if u not in self.gone}, key=self.key.__getitem__)
 
     def is_dead(self, i: int) -> bool:
         """Replaced or removed: nothing reads it and it is not a root."""
-        if i in self.gone:
-            return True
         n = self.nodes[i]
-        return not self.users(i) and n.op not in (Op.OUTPUT, Op.INPUT) and \
-            not has_side_effect(n)
+        return i in self.gone or (not self.users(i) and n.op not in (Op.OUTPUT, Op.INPUT)
+                                  and not has_side_effect(n))
 
     def shape(self, i: int) -> Shape:
         return self.nodes[i].shape
@@ -93,13 +97,12 @@ class Rewriter:
 
     def order(self) -> list[int]:
         """Live node ids in position order (a snapshot; safe to edit while iterating)."""
-        return sorted((i for i in self.nodes if i not in self.gone), key=lambda i: self.key[i])
+        return sorted((i for i in self.nodes if i not in self.gone), key=self.key.__getitem__)
 
     def describe(self, i: int) -> str:
         """Node i in text form: as the pass received it, or as this pass made it."""
-        if i < len(self.g.nodes):
-            return self.ctx.describe(i)
-        return format_node(i, self.nodes[i]) + "  (made by this pass)"
+        return self.ctx.describe(i) if i < len(self.g.nodes) else \
+            format_node(i, self.nodes[i]) + "  (made by this pass)"
 
     def param_expr(self, i: int) -> Call:
         """The parameter expression of param node i (its checkpoint tensor if it has none)."""
@@ -109,33 +112,32 @@ class Rewriter:
                           "at weight-load time")
         return n.attr("expr") or leaf(n.name)
 
-    # ---- editing ---------------------------------------------------------------------------
-    def _new(self, node: Node, at: int) -> int:
-        i = self._next
-        self._next += 1
-        self._seq += 1
-        self.nodes[i] = node
-        self.key[i] = self.key[at] - 0.5 + self._seq * 1e-6
-        self._users[i] = []
-        for j in node.inputs:
+    def attempt(self, rule: str, where: int, fn: Callable[..., T], *args: Any) -> T | None:
+        """fn(*args), or None when it raises Refusal, which is recorded against node `where`."""
+        try:
+            return fn(*args)
+        except Refusal as r:
+            self.ctx.refused(rule, self.describe(where), r.why, profitability=r.profitability)
+            return None
+
+    def _new(self, op: Op, inputs: Sequence[int], attrs: Attrs, shape: Shape, dtype: str,
+             like: Sequence[int], at: int) -> int:
+        """A node placed just before `at`, with the origin of `like[0]` and the passes of all
+        `like` nodes and this one."""
+        passes = dict.fromkeys([p for j in like for p in self.nodes[j].passes]
+                               + [self.ctx.pass_name])
+        i = len(self.nodes)     # ids: the graph's 0…n-1, then n, n+1… in the order made
+        self.nodes[i] = Node(op, tuple(inputs), attrs, tuple(shape), dtype,
+                             self.nodes[like[0]].origin, tuple(passes))
+        self.key[i] = self.key[at] - 0.5 + (i - len(self.g.nodes) + 1) * 1e-6
+        for j in inputs:
             self._users[j].append(i)
         return i
 
-    def provenance(self, like: Sequence[int]) -> tuple[str, tuple[str, ...]]:
-        """Origin of the first node `like`, and the passes of all of them plus this one."""
-        passes: list[str] = []
-        for j in like:
-            passes += [p for p in self.nodes[j].passes if p not in passes]
-        if self.ctx.pass_name not in passes:
-            passes.append(self.ctx.pass_name)
-        return self.nodes[like[0]].origin, tuple(passes)
-
     def emit(self, op: Op, inputs: Sequence[int], *, like: Sequence[int], at: int | None = None,
              **attrs: Any) -> int:
-        """A new node of `op` over `inputs`, its shape from the op's rule. It takes its origin
-        from `like[0]` and the passes of all `like` nodes; it is placed just before `at`
-        (default `like[0]`)."""
-        at_ = like[0] if at is None else at
+        """A new node of `op` over `inputs`, its shape from the op's rule, placed just before
+        `at` (default `like[0]`)."""
         a = canonical(op, attrs)
         try:
             shape, dtype = infer(op, [self.nodes[j].shape for j in inputs],
@@ -143,37 +145,25 @@ class Rewriter:
         except ShapeError as err:
             raise IRError(f"pass {self.ctx.pass_name}: cannot build "
                           f"{format_call(op.value, inputs, a)}: {err}") from None
-        origin, passes = self.provenance(like)
-        return self._new(Node(op, tuple(inputs), a, shape, dtype, origin, passes), at_)
+        return self._new(op, inputs, a, shape, dtype, like, like[0] if at is None else at)
 
     def add_param(self, base: str, expr: Call, shape: Shape, dtype: str, *,
                   like: Sequence[int], at: int) -> int:
         """A new parameter computed at weight-load time from `expr`, named after `base`."""
-        name, k = base, 2
-        while name in self.param_names:
-            name, k = f"{base}#{k}", k + 1
-        self.param_names.add(name)
-        origin, passes = self.provenance(like)
-        dims = tuple(sympy.Integer(int(d)) for d in shape)
-        return self._new(Node(Op.PARAM, (), Attrs(name=name, expr=expr), dims, dtype, origin,
-                              passes), at)
+        return self._new(Op.PARAM, (), Attrs(name=unique_name(base, self.param_names), expr=expr),
+                         [sympy.Integer(int(d)) for d in shape], dtype, like, at)
 
     def add_input(self, name: str, shape: Shape, dtype: str, *, like: Sequence[int],
                   at: int) -> int:
         """A new graph input, placed just before node `at`."""
-        origin, passes = self.provenance(like)
-        return self._new(Node(Op.INPUT, (), Attrs(name=name), tuple(shape), dtype, origin,
-                              passes), at)
+        return self._new(Op.INPUT, (), Attrs(name=name), shape, dtype, like, at)
 
     def replace(self, old: int, new: int) -> None:
         """Every use of `old` reads `new` instead."""
         if old == new:
             return
         for u in self.users(old):
-            n = self.nodes[u]
-            self.nodes[u] = n.replace(inputs=tuple(new if j == old else j for j in n.inputs))
-            self._users[new].append(u)
-        self._users[old] = []
+            self.rewire(u, [new if j == old else j for j in self.nodes[u].inputs])
         self.gone.add(old)
         self.changed = True
 
@@ -196,7 +186,6 @@ class Rewriter:
         self.gone.add(i)
         self.changed = True
 
-    # ---- result ----------------------------------------------------------------------------
     def finish(self) -> Graph:
         """The edited graph, sorted and renumbered; the original object if nothing changed."""
         if not self.changed:
@@ -205,28 +194,33 @@ class Rewriter:
         n_orig = len(self.g.nodes)
         keep = {i for i in self.nodes if i not in self.killed and (
             i in live or (i < n_orig and i not in self._live_before))}
-        indegree = {i: sum(1 for j in set(self.nodes[i].inputs)) for i in keep}
-        users: dict[int, set[int]] = {i: set() for i in keep}
+        dag = nx.DiGraph()
+        dag.add_nodes_from(keep)
         for i in keep:
-            for j in set(self.nodes[i].inputs):
+            for j in self.nodes[i].inputs:
                 if j not in keep:
                     raise IRError(f"pass {self.ctx.pass_name}: %{i} reads %{j}, which was "
                                   "removed")
-                users[j].add(i)
-        ready = [(self.key[i], i) for i in keep if indegree[i] == 0]
-        heapq.heapify(ready)
-        order: list[int] = []
-        while ready:
-            _, i = heapq.heappop(ready)
-            order.append(i)
-            for u in users[i]:
-                indegree[u] -= 1
-                if indegree[u] == 0:
-                    heapq.heappush(ready, (self.key[u], u))
-        if len(order) != len(keep):
-            raise IRError(f"pass {self.ctx.pass_name}: the edited graph has a cycle")
+                dag.add_edge(j, i)
+        try:    # among the nodes that are ready, the one with the smallest position key first
+            order = list(nx.lexicographical_topological_sort(dag, key=self.key.__getitem__))
+        except nx.NetworkXUnfeasible:
+            raise IRError(f"pass {self.ctx.pass_name}: the edited graph has a cycle") from None
         number = {old: new for new, old in enumerate(order)}
         self.ctx.kept = {old: new for old, new in number.items() if old < n_orig}
         nodes = tuple(self.nodes[i].replace(inputs=tuple(number[j] for j in self.nodes[i].inputs))
                       for i in order)
         return Graph(self.g.name, nodes)
+
+
+def register_rewrite_pass(name: str, summary: str
+                          ) -> Callable[[Callable[[Rewriter], None]], Callable[[Rewriter], None]]:
+    """Register an exact pass whose body edits each graph through a Rewriter."""
+    def register(fn: Callable[[Rewriter], None]) -> Callable[[Rewriter], None]:
+        @register_pass(name, "exact", summary)
+        def run(g: Graph, ctx: PassContext) -> Graph:
+            rw = Rewriter(g, ctx)
+            fn(rw)
+            return rw.finish()
+        return fn
+    return register
