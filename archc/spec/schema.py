@@ -1,21 +1,21 @@
 """The spec: a frozen, validated description of a transformer architecture.
 
-Every field is declared once here, with its type, default, allowed range and a one-line doc; the
-YAML loader (``load.py``) and ``archc export-spec`` both read these declarations, so there is no
-second list to keep in sync. Derived values (``head_dim``, ``kv_heads``, ``d_ff``) are resolved by
-the loader, so a ``Spec`` always holds concrete numbers.
-
-Field metadata keys: ``doc`` (one line), ``min``/``max`` (inclusive bounds), ``only`` (the field is
-meaningful only when ``kind`` of its section is one of these), ``derived`` (may be omitted in YAML;
-the loader computes it), ``required_when`` (required only under that condition, which the loader
-checks with the other cross-field rules).
+Every field is declared once here: type, default, a one-line doc and metadata that the loader,
+``to_dict`` and the generated reference all read. Metadata: ``min``/``max`` (inclusive bounds; a
+float ``min`` of 0.0 means > 0), ``only`` (the field applies only when its section's ``kind`` is
+one of these; a required field is required only then), ``derived`` (the loader computes it when
+omitted), ``required_when`` (a condition the loader's cross-field rules check). A field defaulting
+to None whose type does not admit None is required.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 Family = Literal["decoder", "encoder", "encoder-decoder"]
 Dtype = Literal["f32", "f16", "bf16"]
@@ -36,8 +36,6 @@ GATED_ACTIVATION: dict[str, Activation] = {
     "glu": "sigmoid", "reglu": "relu", "geglu": "gelu_tanh", "swiglu": "silu",
 }
 
-DTYPE_BYTES: dict[str, int] = {"f32": 4, "f16": 2, "bf16": 2}
-
 
 def _f(default: Any = None, doc: str = "", **meta: Any) -> Any:
     """A spec field: default, one-line doc and validation metadata in one place."""
@@ -52,7 +50,7 @@ class RopeScaling:
     kind: RopeScalingKind = _f("linear", "linear | ntk | yarn | llama3 | dynamic (NTK from the "
                                "current length past the trained context)")
     factor: float = _f(1.0, "context extension factor", min=1.0)
-    original_max_seq_len: int | None = _f(
+    original_max_seq_len: int = _f(
         None, "context the model was trained on (yarn, llama3, dynamic)", min=1,
         only=("yarn", "llama3", "dynamic"))
     low_freq_factor: float = _f(1.0, "llama3: wavelengths above original/low are scaled", min=0.0,
@@ -167,7 +165,7 @@ class FFN:
     multiplier: float = _f(1.0, "gated sizing rule: scale 2/3·4·d_model before rounding",
                            min=0.0)
     bias: bool = _f(False, "biases on the FFN projections")
-    moe: MoE | None = _f(None, "moe: experts and routing", only=("moe",))
+    moe: MoE = _f(None, "moe: experts and routing", only=("moe",))
     pattern: tuple[FFNLayerKind, ...] | None = _f(
         None, "per-layer FFNs, repeated over the layers: moe routes over the experts, dense runs "
         "one FFN of kind moe.expert and d_ff (Jamba: [dense, moe])", only=("moe",))
@@ -251,21 +249,16 @@ class Spec:
     @property
     def rotary_dim(self) -> int:
         """Dims of each head that RoPE rotates (0 without RoPE)."""
-        if self.position.kind != "rope":
-            return 0
-        return int(self.attention.head_dim * self.position.fraction)
+        rope = self.position.kind == "rope"
+        return int(self.attention.head_dim * self.position.fraction) if rope else 0
 
     @property
     def attention_scale(self) -> float:
-        if self.attention.scale is not None:
-            return self.attention.scale
-        return 1.0 / math.sqrt(self.attention.head_dim)
+        return self.attention.scale or 1.0 / math.sqrt(self.attention.head_dim)  # scale > 0
 
     def layer_mixers(self, layers: int | None = None) -> tuple[MixerKind, ...]:
         """The sequence mixer of each layer, from `mixer.pattern` (repeated) or `mixer.kind`."""
-        n = self.layers if layers is None else layers
-        pattern = self.mixer.pattern or (self.mixer.kind,)
-        return tuple(pattern[i % len(pattern)] for i in range(n))
+        return _repeat(self.mixer.pattern or (self.mixer.kind,), layers or self.layers)
 
     @property
     def attends(self) -> bool:
@@ -289,15 +282,49 @@ class Spec:
 
     def layer_ffns(self, layers: int | None = None) -> tuple[FFNLayerKind, ...]:
         """Dense or MoE FFN for each layer of an MoE model, from `ffn.pattern` (repeated)."""
-        n = self.layers if layers is None else layers
-        pattern = self.ffn.pattern or ("moe",)
-        return tuple(pattern[i % len(pattern)] for i in range(n))
+        return _repeat(self.ffn.pattern or ("moe",), layers or self.layers)
 
     def layer_kinds(self, layers: int | None = None) -> tuple[LayerKind, ...]:
         """Local (windowed) or global attention for each layer, from `attention.pattern`."""
-        n = self.layers if layers is None else layers
-        pattern = self.attention.pattern
-        if pattern:
-            return tuple(pattern[i % len(pattern)] for i in range(n))
         kind: LayerKind = "local" if self.attention.window else "global"
-        return (kind,) * n
+        return _repeat(self.attention.pattern or (kind,), layers or self.layers)
+
+
+def _repeat(pattern: tuple[Any, ...], n: int) -> tuple[Any, ...]:
+    return tuple(pattern[i % len(pattern)] for i in range(n))
+
+
+# ---- reading the declarations (loader, to_dict, reference) ----------------------------------
+
+def typed_fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
+    """The fields of a section with their resolved type hints."""
+    hints = typing.get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
+
+
+def section_type(tp: Any) -> type | None:
+    """The section a field holds (`tp` itself, or X of `X | None`), if it holds one."""
+    return next((t for t in (tp, *get_args(tp)) if dataclasses.is_dataclass(t)), None)
+
+
+def sections(cls: type = Spec, prefix: str = "") -> list[tuple[str, type]]:
+    """Every section with its path prefix, depth first: ('', Spec), ('mixer.', Mixer), …"""
+    out = [(prefix, cls)]
+    for f, tp in typed_fields(cls):
+        inner = section_type(tp)
+        if inner is not None:
+            out += sections(inner, f"{prefix}{f.name}.")
+    return out
+
+
+def required(f: dataclasses.Field, tp: Any) -> bool:
+    """A field the spec must give (when it applies, for an `only` field)."""
+    return f.default is None and type(None) not in get_args(tp) and \
+        not f.metadata.keys() & {"derived", "required_when"}
+
+
+def bounds_text(meta: Mapping[str, Any]) -> str:
+    """A number field's range: '≥ 1', '> 0', '> 0, ≤ 1.0'; '' when unbounded."""
+    lo, hi = meta.get("min"), meta.get("max")
+    parts = [] if lo is None else ["> 0" if lo == 0 and isinstance(lo, float) else f"≥ {lo}"]
+    return ", ".join(parts + ([] if hi is None else [f"≤ {hi}"]))
