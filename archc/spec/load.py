@@ -13,6 +13,7 @@ import difflib
 import functools
 import math
 import re
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -20,25 +21,56 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from archc.errors import SpecError
-from archc.spec.schema import (
-    AttentionBias,
-    Embedding,
-    Mamba,
-    Spec,
-    bounds_text,
-    required,
-    sections,
-    typed_fields,
-)
+from archc.spec.schema import AttentionBias, Embedding, Mamba, Spec
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 # Every size becomes a tensor dimension, and generated kernels index with int32 offsets.
 MAX_WHOLE_NUMBER = 2**31 - 1
-# The YAML values each scalar type takes (never a bool for a number), and its name in a refusal.
-SCALARS: dict[type, tuple[tuple[type, ...], str]] = {
-    bool: ((bool,), "true/false"), int: ((int,), "a whole number"),
-    float: ((int, float), "a number"), str: ((str,), "text"),
+# The YAML values each scalar type takes (never a bool for a number), what a refusal calls a
+# wrong value's type, and what it allows.
+SCALARS: dict[type, tuple[tuple[type, ...], str, str]] = {
+    bool: ((bool,), "true/false", "true, false"), str: ((str,), "text", "a string"),
+    int: ((int,), "a whole number", "a whole number"),
+    float: ((int, float), "a number", "a number"),
 }
+
+
+# ---- reading the declarations (here, in to_dict and in the reference) -----------------------
+
+def typed_fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
+    """The fields of a section with their resolved type hints."""
+    hints = typing.get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
+
+
+def section_type(tp: Any) -> type | None:
+    """The section a field holds (`tp` itself, or X of `X | None`), if it holds one."""
+    return next((t for t in (tp, *get_args(tp)) if dataclasses.is_dataclass(t)), None)
+
+
+def sections(cls: type = Spec, prefix: str = "") -> list[tuple[str, type]]:
+    """Every section with its path prefix, depth first: ('', Spec), ('mixer.', Mixer), …"""
+    out = [(prefix, cls)]
+    for f, tp in typed_fields(cls):
+        inner = section_type(tp)
+        if inner is not None:
+            out += sections(inner, f"{prefix}{f.name}.")
+    return out
+
+
+def required(f: dataclasses.Field, tp: Any) -> bool:
+    """A field the spec must give (when it applies, for an `only` field)."""
+    return f.default is None and type(None) not in get_args(tp) and \
+        not f.metadata.keys() & {"derived", "required_when"}
+
+
+def bounds_text(meta: Mapping[str, Any]) -> str:
+    """A number field's range: '≥ 1', '> 0', '> 0, ≤ 1.0'; '' when unbounded."""
+    lo, hi = meta.get("min"), meta.get("max")
+    parts = [] if lo is None else ["> 0" if lo == 0 and isinstance(lo, float) else f"≥ {lo}"]
+    return ", ".join(parts + ([] if hi is None else [f"≤ {hi}"]))
+
+
 # Every field path, for "did you mean" across sections.
 PATHS = [prefix + f.name for prefix, cls in sections() for f in dataclasses.fields(cls)]
 
@@ -51,10 +83,8 @@ def _show(value: Any) -> str:
         return {True: "true", False: "false", None: "null"}[value]
     if isinstance(value, str):
         return repr(value)
-    if isinstance(value, Mapping):
-        return "a mapping"
-    if isinstance(value, list):
-        return "a list"
+    if isinstance(value, (Mapping, list)):
+        return "a mapping" if isinstance(value, Mapping) else "a list"
     if isinstance(value, tuple):  # a pattern as loaded
         return "[" + ", ".join(map(str, value)) + "]"
     text = str(value)
@@ -88,8 +118,7 @@ def _describe(tp: Any, meta: Mapping[str, Any]) -> str:
         return ", ".join(get_args(tp))
     if dataclasses.is_dataclass(tp):
         return "a mapping with keys " + ", ".join(f.name for f in dataclasses.fields(tp))
-    kind = {int: "a whole number", float: "a number", bool: "true, false", str: "a string"}[tp]
-    return f"{kind} {bounds_text(meta)}".rstrip()
+    return f"{SCALARS[tp][2]} {bounds_text(meta)}".rstrip()
 
 
 def _coerce(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
@@ -103,8 +132,7 @@ def _coerce(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
         raise SpecError(path, "is null but a value is required", allowed=allowed)
     if get_origin(tp) is Literal:
         if not isinstance(value, str) or value not in get_args(tp):
-            close = difflib.get_close_matches(value, get_args(tp), n=1) \
-                if isinstance(value, str) else []
+            close = difflib.get_close_matches(str(value), get_args(tp), n=1)
             raise SpecError(path, f"{_show(value)} is not a known choice{_did_you_mean(close)}",
                             allowed=allowed)
         return value
@@ -113,7 +141,7 @@ def _coerce(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
             problem = "is an empty list" if value == [] else f"{_show(value)} is not a list"
             raise SpecError(path, problem, allowed=allowed)
         return tuple(_coerce(get_args(tp)[0], v, f"{path}[{i}]", {}) for i, v in enumerate(value))
-    accepts, word = SCALARS[tp]
+    accepts, word, _ = SCALARS[tp]
     if not isinstance(value, accepts) or (isinstance(value, bool) and tp is not bool):
         raise SpecError(path, f"{_show(value)} is not {word}", allowed=allowed)
     if tp is float:
@@ -206,9 +234,6 @@ def _with(obj: Any, path: str, value: Any) -> Any:
 
 def _resolve(spec: Spec) -> Spec:
     att = spec.attention
-    if att.heads is None and spec.attends:
-        raise SpecError("attention.heads", f"is missing, and {_mixers_text(spec)} attends",
-                        allowed="query heads: a whole number ≥ 1")
     if att.heads is not None and att.head_dim is None and spec.d_model % att.heads:
         raise SpecError("attention.heads", f"{att.heads} does not divide d_model "
                         f"({spec.d_model}) and attention.head_dim is not given",
@@ -223,13 +248,6 @@ def _resolve(spec: Spec) -> Spec:
     return spec
 
 
-def _mixers_text(spec: Spec) -> str:
-    """Where the spec says which mixers its layers have, as the author wrote it."""
-    if spec.mixer.pattern is not None:
-        return f"mixer.pattern {_show(spec.mixer.pattern)}"
-    return f"mixer.kind {spec.mixer.kind!r}"
-
-
 def _refuse_set(spec: Spec, paths: str, why: str, allowed: str = "remove it") -> None:
     """Refuse the first of the space-separated `paths` that is set (not its default)."""
     for path in paths.split():
@@ -242,18 +260,17 @@ def _refuse_set(spec: Spec, paths: str, why: str, allowed: str = "remove it") ->
 
 
 # The masks each family allows, and why.
-MASKS = {
-    "encoder": ("bidirectional", "an encoder sees the whole input"),
-    "decoder": ("causal, prefix", "a decoder must not see future tokens"),
-    "encoder-decoder": ("causal", "the encoder already sees the whole prompt, and the decoder "
-                                  "must not see future tokens"),
-}
+MASKS = {"encoder": ("bidirectional", "an encoder sees the whole input"),
+         "decoder": ("causal, prefix", "a decoder must not see future tokens"),
+         "encoder-decoder": ("causal", "its encoder sees the whole prompt, its decoder no future")}
 
 
 def _check(spec: Spec) -> None:
     """Cross-field rules; the walk has checked each field's type and range."""
     att, ffn, pos, mixer, family = spec.attention, spec.ffn, spec.position, spec.mixer, spec.family
-    mixers = _mixers_text(spec)
+    # where the spec says which mixers its layers have, as the author wrote it
+    mixers = f"mixer.pattern {_show(mixer.pattern)}" if mixer.pattern else \
+        f"mixer.kind {mixer.kind!r}"
     if not NAME_RE.match(spec.name):
         raise SpecError("name", f"{spec.name!r} is not a valid model name",
                         allowed="1-64 letters, digits, '.', '_', '-', starting alphanumeric")
@@ -270,9 +287,11 @@ def _check(spec: Spec) -> None:
     recurrent = sorted(set(spec.all_mixers) - {"attention"})
     if recurrent and family != "decoder":
         where, written = mixers.split(" ", 1)
-        raise SpecError(where, f"{written} in an {family}: "
-                        f"{' and '.join(recurrent)} layers are causal recurrences",
-                        allowed="attention, or family: decoder")
+        raise SpecError(where, f"{written} in an {family}: {' and '.join(recurrent)} layers are "
+                        "causal recurrences", allowed="attention, or family: decoder")
+    if att.heads is None and spec.attends:
+        raise SpecError("attention.heads", f"is missing, and {mixers} attends",
+                        allowed="query heads: a whole number ≥ 1")
     if "mamba" not in spec.all_mixers:
         _refuse_set(spec, "mixer.mamba", f"no layer is mamba ({mixers})",
                     allowed="remove it, or give some layers the mamba mixer")
@@ -300,9 +319,8 @@ def _check(spec: Spec) -> None:
                     "local layer to use it",
                     allowed="remove it, or put local layers in attention.pattern")
     if att.window is None:
-        _refuse_set(spec, "attention.global_tokens", "attention.window is not: global tokens "
-                    "are seen beside a sliding window",
-                    allowed="set attention.window, or remove it")
+        _refuse_set(spec, "attention.global_tokens", "global tokens are seen beside a sliding "
+                    "window, and attention.window is not set", allowed="remove it, or a window")
     if att.mask == "prefix":
         _refuse_set(spec, "attention.global_tokens", "attention.mask is 'prefix', whose prompt "
                     "every query sees already", allowed="remove it, or mask: causal")
@@ -332,29 +350,26 @@ def _check(spec: Spec) -> None:
         rot, sc = spec.rotary_dim, pos.scaling
         if rot < 2 or rot % 2:
             raise SpecError("position.fraction", f"{pos.fraction} of head_dim {att.head_dim} "
-                            f"gives {rot} rotary dims", allowed="a fraction giving an even "
-                            "number ≥ 2 of dims")
+                            f"gives {rot} rotary dims", allowed="an even number ≥ 2 of dims")
         if sc is not None and sc.kind == "dynamic" and rot < 4:
             # θ'_j = θ_j · s^(−2j/(d − 2)): no frequency to rescale with d = 2
             raise SpecError("position.scaling.kind", f"'dynamic' with {rot} rotary dims: "
                             "dynamic NTK rescales the base by s^(d/(d−2))",
                             allowed="4 or more rotary dims, or another scaling kind")
         if sc is not None and sc.kind == "llama3" and sc.high_freq_factor <= sc.low_freq_factor:
-            raise SpecError("position.scaling.high_freq_factor",
-                            f"{sc.high_freq_factor} is not above low_freq_factor "
-                            f"({sc.low_freq_factor})", allowed="a number > low_freq_factor")
+            raise SpecError("position.scaling.high_freq_factor", f"{sc.high_freq_factor} is not "
+                            f"above low_freq_factor ({sc.low_freq_factor})",
+                            allowed="a number > low_freq_factor")
     if pos.kind == "sinusoidal" and spec.d_model % 2:
         raise SpecError("d_model", f"{spec.d_model} is odd but sinusoidal positions come in "
                         "sin/cos pairs", allowed="an even number")
     if pos.kind == "relative" and pos.max_distance < pos.buckets:
-        raise SpecError("position.max_distance", f"{pos.max_distance} is below "
-                        f"position.buckets ({pos.buckets})",
-                        allowed=f"a whole number ≥ {pos.buckets}")
+        raise SpecError("position.max_distance", f"{pos.max_distance} is below position.buckets "
+                        f"({pos.buckets})", allowed=f"a whole number ≥ {pos.buckets}")
     # ---- blocks and FFNs
     if spec.norm.placement != "pre":
-        _refuse_set(spec, "block.parallel", f"a parallel block needs pre-norm (norm.placement "
-                    f"is {spec.norm.placement!r})",
-                    allowed="norm.placement: pre, or block.parallel: false")
+        _refuse_set(spec, "block.parallel", f"a parallel block needs pre-norm, not "
+                    f"{spec.norm.placement!r}", allowed="norm.placement: pre, or false")
     if not spec.block.parallel:
         _refuse_set(spec, "block.shared_norm", "a serial block always has one norm per "
                     "sublayer", allowed="set block.parallel: true, or remove it")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, get_args, get_origin
 
-from archc.spec.schema import bounds_text, required, section_type, sections, typed_fields
+from archc.spec.load import bounds_text, required, section_type, sections, typed_fields
 
 
 def _type_text(tp: Any) -> str:
