@@ -64,13 +64,6 @@ def required(f: dataclasses.Field, tp: Any) -> bool:
         not f.metadata.keys() & {"derived", "required_when"}
 
 
-def bounds_text(meta: Mapping[str, Any]) -> str:
-    """A number field's range: '≥ 1', '> 0', '> 0, ≤ 1.0'; '' when unbounded."""
-    lo, hi = meta.get("min"), meta.get("max")
-    parts = [] if lo is None else ["> 0" if lo == 0 and isinstance(lo, float) else f"≥ {lo}"]
-    return ", ".join(parts + ([] if hi is None else [f"≤ {hi}"]))
-
-
 # Every field path, for "did you mean" across sections.
 PATHS = [prefix + f.name for prefix, cls in sections() for f in dataclasses.fields(cls)]
 
@@ -110,15 +103,21 @@ def _unknown_key(key: Any, names: list[str], path: str) -> SpecError:
                      allowed=", ".join(names))
 
 
-def _describe(tp: Any, meta: Mapping[str, Any]) -> str:
-    """What a field allows, for a refusal: 'a whole number ≥ 1', 'a non-empty list of a, b'."""
+def describe(tp: Any, meta: Mapping[str, Any]) -> str:
+    """What a field allows, for refusals and the reference: 'a whole number ≥ 1', 'a number > 0,
+    ≤ 1.0' (a float min of 0.0 is strict), 'a non-empty list of a, b', 'a string, or null'."""
+    if type(None) in get_args(tp):
+        return describe(get_args(tp)[0], meta) + ", or null"
     if get_origin(tp) is tuple:
         return "a non-empty list of " + ", ".join(get_args(get_args(tp)[0]))
     if get_origin(tp) is Literal:
         return ", ".join(get_args(tp))
     if dataclasses.is_dataclass(tp):
         return "a mapping with keys " + ", ".join(f.name for f in dataclasses.fields(tp))
-    return f"{SCALARS[tp][2]} {bounds_text(meta)}".rstrip()
+    lo, hi = meta.get("min"), meta.get("max")
+    bounds = ([] if lo is None else ["> 0" if lo == 0 and isinstance(lo, float) else f"≥ {lo}"]) \
+        + ([] if hi is None else [f"≤ {hi}"])
+    return " ".join([SCALARS[tp][2], ", ".join(bounds)]).rstrip()
 
 
 def _coerce(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
@@ -127,7 +126,7 @@ def _coerce(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
         return None if value is None else _coerce(get_args(tp)[0], value, path, meta)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, path)
-    allowed = _describe(tp, meta)
+    allowed = describe(tp, meta)
     if value is None:
         raise SpecError(path, "is null but a value is required", allowed=allowed)
     if get_origin(tp) is Literal:
@@ -172,7 +171,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
     if not isinstance(data, Mapping):
         either = "true, false, or " if cls is AttentionBias else ""
         problem = "is empty" if data is None and not path else f"{_show(data)} is not a mapping"
-        raise SpecError(path, problem, allowed=either + _describe(cls, {}))
+        raise SpecError(path, problem, allowed=either + describe(cls, {}))
     for key in data:
         if key not in fields:
             raise _unknown_key(key, list(fields), path)
@@ -183,7 +182,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
         if name not in data:
             if required(f, tp) and (not only or kind in only):
                 raise SpecError(where, "is missing" + (f" for {kind}" if only else ""),
-                                allowed=f"{f.metadata['doc']}: {_describe(tp, f.metadata)}")
+                                allowed=f"{f.metadata['doc']}: {describe(tp, f.metadata)}")
         elif only and kind not in only:
             raise SpecError(where, f"{_show(data[name])} is set, but it applies only when "
                             f"{path + '.' if path else ''}kind is {' or '.join(only)} "

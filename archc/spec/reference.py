@@ -7,33 +7,20 @@ drift from what the loader accepts.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, get_args, get_origin
+from typing import Any
 
-from archc.spec.load import bounds_text, required, section_type, sections, typed_fields
-
-
-def _type_text(tp: Any) -> str:
-    if type(None) in get_args(tp):
-        return _type_text(get_args(tp)[0]) + " or null"
-    if get_origin(tp) is Literal:
-        return " \\| ".join(f"`{a}`" for a in get_args(tp))
-    if get_origin(tp) is tuple:
-        return "list of " + _type_text(get_args(tp)[0])
-    return {int: "whole number", float: "number", bool: "true/false", str: "text"}[tp]
+from archc.spec.load import describe, required, section_type, sections, typed_fields
 
 
 def _default_text(f: dataclasses.Field, tp: Any) -> str:
-    if f.metadata.get("derived"):
-        return "derived"
-    if f.metadata.get("required_when"):
-        return f"required when {f.metadata['required_when']}"
+    meta = f.metadata
+    if meta.get("derived") or meta.get("required_when"):
+        return "derived" if meta.get("derived") else f"required when {meta['required_when']}"
     if required(f, tp):
         return "required"
     if f.default is None:
         return "null"
-    if isinstance(f.default, bool):
-        return "true" if f.default else "false"
-    return f"`{f.default!r}`"
+    return str(f.default).lower() if isinstance(f.default, bool) else f"`{f.default!r}`"
 
 
 def reference() -> str:
@@ -50,15 +37,14 @@ def reference() -> str:
     ]
     for prefix, cls in sections():
         lines += ["", f"## {prefix.rstrip('.') or 'Top level'}", "",
-                  "| field | type | default | meaning |", "|---|---|---|---|"]
+                  "| field | allowed | default | meaning |", "|---|---|---|---|"]
         for f, tp in typed_fields(cls):
-            if section_type(tp) is not None:
-                continue
-            doc, bounds, only = f.metadata["doc"], bounds_text(f.metadata), f.metadata.get("only")
-            doc = doc.replace("|", "\\|") + (f" ({bounds})" if bounds else "") + \
-                (f"; only when kind is {' or '.join(only)}" if only else "")
-            lines.append(f"| `{prefix}{f.name}` | {_type_text(tp)} | {_default_text(f, tp)} | "
-                         f"{doc} |")
+            if section_type(tp) is None:
+                only = f.metadata.get("only")
+                doc = f.metadata["doc"].replace("|", "\\|") + \
+                    (f"; only when kind is {' or '.join(only)}" if only else "")
+                lines.append(f"| `{prefix}{f.name}` | {describe(tp, f.metadata)} | "
+                             f"{_default_text(f, tp)} | {doc} |")
     return "\n".join(lines) + "\n"
 
 
