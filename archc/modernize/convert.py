@@ -1,14 +1,9 @@
-"""Converting a loaded checkpoint through an architecture step, where no training is needed.
-
-- ``gqa:N`` / ``mqa``: query head h used KV head h // g_old and now uses h // g_new, whose weights
-  are the mean of the old heads of its group (Ainslie et al. 2023, "GQA: Training Generalized
-  Multi-Query Transformer Models from Multi-Head Checkpoints").
-- ``no-bias``: zero biases, and key biases nothing position-dependent acts on, are removed exactly
-  (q·(k + b) = q·k + q·b is constant along the softmax axis); every other bias is dropped, which
-  changes the function, and is reported with its size.
-
-Every other step changes what the weights mean and needs training: it is refused with the reason.
-"""
+"""Converting a loaded checkpoint through an architecture step, where no training is needed:
+``gqa:N``/``mqa`` give each new KV head the mean of the old heads of its group (Ainslie et al.
+2023, "GQA: Training Generalized Multi-Query Transformer Models from Multi-Head Checkpoints");
+``no-bias`` removes zero biases, and key biases nothing position-dependent acts on, exactly
+(q·(k + b) = q·k + q·b is constant along the softmax axis), and drops every other bias, which
+changes the function, reporting its size. Every other step needs training and is refused."""
 
 from __future__ import annotations
 

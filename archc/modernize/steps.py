@@ -1,10 +1,6 @@
-"""Architecture steps: changes to a model made on purpose, each a Spec → Spec transform.
-
-The first seed document walks the 2018 GPT-1 block to the modern one a change at a time; each of
-its changes is a step here. Steps are opt-in and never part of the exact pipeline: they change
-the function. A step that does not apply to a spec says why (``StepError``) instead of guessing.
-Which steps convert a loaded checkpoint without training: see ``convert.py``.
-"""
+"""Architecture steps, each a Spec → Spec transform: the first seed's walk from the 2018 GPT-1
+block to the modern one, a change at a time. Opt-in and never part of the exact pipeline (they
+change the function); a step that does not apply says why (``StepError``) instead of guessing."""
 
 from __future__ import annotations
 
@@ -132,13 +128,12 @@ def gqa(spec: Spec, arg: int | None) -> Spec:
     # by default a Llama-3-like group of 4 query heads per KV head, or the nearest divisor
     kv = arg or min((d for d in range(1, att.heads + 1) if att.heads % d == 0),
                     key=lambda d: (abs(d - max(1, att.heads // 4)), d))
-    if att.heads % kv:
-        raise StepError(f"{kv} KV heads do not divide {att.heads} query heads")
     if kv >= att.kv_heads:
         raise StepError(f"{spec.name} already has {att.kv_heads} KV heads (asked for {kv}); GQA "
                         "only reduces them")
-    if att.kv_heads % kv:
-        raise StepError(f"{kv} KV heads do not group the current {att.kv_heads} evenly")
+    if att.kv_heads % kv:  # then kv divides the query heads too
+        raise StepError(f"{kv} KV heads do not group the current {att.kv_heads} evenly "
+                        f"({att.heads} query heads)")
     return replace(spec, attention=replace(att, kv_heads=kv))
 
 

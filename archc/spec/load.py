@@ -1,10 +1,6 @@
-"""YAML (or a plain mapping) → a validated, resolved ``Spec``.
-
-The walk is driven by the declarations in ``schema.py``: type hints say what a value may be,
-metadata the bounds and when a field applies. Then derived fields are filled in and the
-cross-field rules checked. Every refusal is one ``SpecError`` naming the file, the field path,
-the value and what is allowed.
-"""
+"""YAML (or a plain mapping) → a validated, resolved ``Spec``: a walk driven by the declarations
+in ``schema.py``, then derived fields filled in and the cross-field rules checked. Every refusal
+is one ``SpecError`` naming the file, the field path, the value and what is allowed."""
 
 from __future__ import annotations
 

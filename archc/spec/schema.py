@@ -1,12 +1,10 @@
 """The spec: a frozen, validated description of a transformer architecture.
 
-Every field is declared once here: type, default, a one-line doc and metadata that the loader,
-``to_dict`` and the generated reference all read. Metadata: ``min``/``max`` (inclusive bounds; a
-float ``min`` of 0.0 means > 0), ``only`` (the field applies only when its section's ``kind`` is
-one of these; a required field is required only then), ``derived`` (the loader computes it when
-omitted), ``required_when`` (a condition the loader's cross-field rules check). A field defaulting
-to None whose type does not admit None is required.
-"""
+Every field is declared once here, read by the loader, ``to_dict`` and the reference. Metadata:
+``min``/``max`` (inclusive; a float ``min`` of 0.0 means > 0), ``only`` (the field applies only
+when its section's ``kind`` is one of these), ``derived`` (computed when omitted),
+``required_when`` (a condition the cross-field rules check). A field defaulting to None whose
+type does not admit None is required (where it applies)."""
 
 from __future__ import annotations
 
@@ -15,12 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Family = Literal["decoder", "encoder", "encoder-decoder"]
-Dtype = Literal["f32", "f16", "bf16"]
-NormKind = Literal["layernorm", "rmsnorm"]
-Placement = Literal["pre", "post", "sandwich"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "sigmoid"]
+Placement = Literal["pre", "post", "sandwich"]
 FFNKind = Literal["mlp", "glu", "reglu", "geglu", "swiglu", "moe", "none"]
-ExpertKind = Literal["mlp", "glu", "reglu", "geglu", "swiglu"]
 MaskKind = Literal["causal", "bidirectional", "prefix"]
 LayerKind = Literal["local", "global"]
 PositionKind = Literal["none", "learned", "sinusoidal", "rope", "alibi", "relative"]
@@ -140,7 +135,7 @@ class Mixer:
 class MoE:
     experts: int = _f(None, "number of experts", min=2)
     top_k: int = _f(2, "experts each token is routed to", min=1)
-    expert: ExpertKind = _f("swiglu", "FFN kind of each expert")
+    expert: Literal["mlp", "glu", "reglu", "geglu", "swiglu"] = _f("swiglu", "FFN of each expert")
     normalize_top_k: bool = _f(True, "renormalize the top-k router weights to sum to 1")
     shared_expert_d_ff: int | None = _f(None, "hidden size of an always-on shared expert", min=1)
 
@@ -171,7 +166,7 @@ class FFN:
 
 @dataclass(frozen=True)
 class Norm:
-    kind: NormKind = _f("layernorm", "kind of every norm")
+    kind: Literal["layernorm", "rmsnorm"] = _f("layernorm", "kind of every norm")
     eps: float = _f(1e-5, "added to the variance", min=0.0)
     placement: Placement = _f("pre", "sandwich: a norm before and after each sublayer")
     unit_offset: bool = _f(False, "gain is (1 + w) as in Gemma", only=("rmsnorm",))
@@ -215,7 +210,7 @@ class Spec:
     decoder_layers: int | None = _f(None, "encoder-decoder: decoder blocks (default = layers)",
                                     min=1)
     max_seq_len: int = _f(2048, "longest sequence (positions table, KV-cache size)", min=1)
-    dtype: Dtype = _f("bf16", "weight dtype for size and byte reports")
+    dtype: Literal["f32", "f16", "bf16"] = _f("bf16", "weight dtype for size and byte reports")
     description: str = _f("", "free text")
     mixer: Mixer = _f(Mixer, "sequence mixer per layer")
     attention: Attention = _f(Attention, "attention")
