@@ -9,6 +9,7 @@ import difflib
 import functools
 import math
 import re
+import sys
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -140,12 +141,10 @@ def _coerce(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
     if not isinstance(value, accepts) or (isinstance(value, bool) and tp is not bool):
         raise SpecError(path, f"{_show(value)} is not {word}", allowed=allowed)
     if tp is float:
-        try:
-            value = float(value)
-        except OverflowError:  # a whole number too large for a float
-            raise SpecError(path, f"{_show(value)} is too large", allowed=allowed) from None
-        if not math.isfinite(value):
-            raise SpecError(path, f"{value} is not finite", allowed=allowed)
+        if not abs(value) <= sys.float_info.max:  # also nan, which fails every comparison
+            too = "too large" if isinstance(value, int) else "not finite"
+            raise SpecError(path, f"{_show(value)} is {too}", allowed=allowed)
+        value = float(value)
     if tp in (int, float):
         lo, hi = meta.get("min"), meta.get("max")
         # A float bound of 0.0 is strict: scales, caps and eps of 0 make no model.
@@ -420,14 +419,11 @@ _SpecYAMLLoader.add_implicit_resolver(
 
 def _refuse_repeated_keys(node: yaml.Node, path: str, seen: set[int]) -> None:
     """A key given twice in one mapping is refused with its field path; plain YAML would keep
-    the last one silently."""
+    the last one silently. (A spec's lists hold only names, so mappings alone are walked.)"""
     if id(node) in seen:  # an alias already walked
         return
     seen.add(id(node))
-    if isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _refuse_repeated_keys(item, f"{path}[{i}]", seen)
-    elif isinstance(node, yaml.MappingNode):
+    if isinstance(node, yaml.MappingNode):
         lines: dict[str, int] = {}
         for key_node, value_node in node.value:
             key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
