@@ -256,7 +256,7 @@ def _refuse_set(spec: Spec, paths: str, why: str, allowed: str = "remove it") ->
 # The masks each family allows, and why.
 MASKS = {"encoder": ("bidirectional", "an encoder sees the whole input"),
          "decoder": ("causal, prefix", "a decoder must not see future tokens"),
-         "encoder-decoder": ("causal", "its encoder sees the whole prompt, its decoder no future")}
+         "encoder-decoder": ("causal", "the encoder sees the whole prompt; the decoder, the past")}
 
 
 def _check(spec: Spec) -> None:
