@@ -142,9 +142,9 @@ TABLE: list[Bad] = [
     Bad("eps-negative", {"norm.eps": -1e-5}, "norm.eps", ("-1e-05", "out of range"),
         "a number > 0"),
     Bad("fraction-above-one", {"position.fraction": 1.5}, "position.fraction",
-        ("1.5", "out of range"), "a number from 0.0 to 1.0"),
+        ("1.5", "out of range"), "a number > 0, ≤ 1.0"),
     Bad("fraction-zero", {"position.fraction": 0.0}, "position.fraction",
-        ("0.0", "out of range"), "from 0.0 to 1.0"),
+        ("0.0", "out of range"), "a number > 0, ≤ 1.0"),
     Bad("theta-negative", {"position.theta": -1.0}, "position.theta", ("-1.0", "out of range"),
         "a number ≥ 1.0"),
     Bad("vocab-negative", {"vocab_size": -3}, "vocab_size", ("-3", "out of range"),
@@ -239,7 +239,7 @@ TABLE: list[Bad] = [
     Bad("decoder_layers-on-a-decoder", {"decoder_layers": 2}, "decoder_layers",
         ("2", "decoder"), "family: encoder-decoder"),
     Bad("untied-head-on-an-encoder", {"embedding.tied": False}, "embedding.tied",
-        ("false", "no output head"), "leave unset", base=ENCODER),
+        ("false", "no output head"), "remove it", base=ENCODER),
     Bad("logit-softcap-on-an-encoder", {"output.softcap": 30.0}, "output.softcap",
         ("30.0", "encoder"), "output.final_norm", base=ENCODER),
     Bad("token-types-on-a-decoder", {"embedding.token_types": 2}, "embedding.token_types",
@@ -450,5 +450,5 @@ def test_moe_with_mlp_experts_takes_an_activation() -> None:
                                                        "expert": "mlp"}}}
     assert from_dict(base).ffn.activation == "relu"
     base["ffn"]["moe"]["expert"] = "swiglu"
-    with pytest.raises(SpecError, match=r"ffn\.activation: 'relu', but swiglu experts"):
+    with pytest.raises(SpecError, match=r"ffn\.activation: 'relu' is set, but swiglu experts"):
         from_dict(base, source="m.yaml")

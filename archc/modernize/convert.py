@@ -1,17 +1,9 @@
-"""Converting a loaded checkpoint through an architecture step — only where no training is
-needed.
-
-- ``gqa:N`` / ``mqa``: each group's K and V heads are replaced by their mean (Ainslie et al.
-  2023, "GQA: Training Generalized Multi-Query Transformer Models from Multi-Head Checkpoints").
-  Query head
-  h used KV head h // g_old; it now uses h // g_new, whose weights are the mean of the old heads of
-  its group.
-- ``no-bias``: zero biases and key biases nothing position-dependent acts on are removed exactly
-  (q·(k + b) = q·k + q·b is constant along the softmax axis); every other bias is dropped, which
-  changes the function, and is reported with its size.
-
-Every other step changes what the weights mean and needs training: it is refused with the reason.
-"""
+"""Converting a loaded checkpoint through an architecture step, where no training is needed:
+``gqa:N``/``mqa`` give each new KV head the mean of the old heads of its group (Ainslie et al.
+2023, "GQA: Training Generalized Multi-Query Transformer Models from Multi-Head Checkpoints");
+``no-bias`` removes zero biases, and key biases nothing position-dependent acts on, exactly
+(q·(k + b) = q·k + q·b is constant along the softmax axis), and drops every other bias, which
+changes the function, reporting its size. Every other step needs training and is refused."""
 
 from __future__ import annotations
 
@@ -20,7 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from archc.ir.lower import lower
 from archc.modernize.steps import StepCall, StepError
+from archc.runtime.weights import checkpoint_shapes
 from archc.spec.schema import Spec
 
 _KV = re.compile(r"^(.*layers\.\d+\.(?:attn|cross))\.([kv])\.(weight|bias)$")
@@ -42,24 +36,17 @@ class Conversion:
             out.append(f"removed exactly ({len(self.exact)}): " + ", ".join(self.exact[:4]) +
                        (" …" if len(self.exact) > 4 else ""))
         if self.dropped:
-            worst = max(self.dropped, key=lambda x: x[1])
+            name, rms = max(self.dropped, key=lambda x: x[1])
             out.append(f"dropped, changing the function ({len(self.dropped)}): largest RMS "
-                       f"{worst[1]:.3g} in {worst[0]}")
+                       f"{rms:.3g} in {name}")
         return out
 
 
 def mean_pool_kv(tensor: torch.Tensor, old_heads: int, new_heads: int) -> torch.Tensor:
     """[H_old·D, …] → [H_new·D, …]: the mean of each group of H_old/H_new consecutive heads."""
-    group = old_heads // new_heads
-    head_dim = tensor.shape[0] // old_heads
-    grouped = tensor.reshape(new_heads, group, head_dim, *tensor.shape[1:])
-    return grouped.mean(dim=1).reshape(new_heads * head_dim, *tensor.shape[1:])
-
-
-def _key_bias_is_softmax_invariant(spec: Spec) -> bool:
-    """Nothing position-dependent may act on k after its bias: RoPE rotates k_j + b by R_j
-    (q·R_j b then varies with j); qk-norm rescales k + b per key."""
-    return spec.position.kind != "rope" and not spec.attention.qk_norm
+    head_dim, rest = tensor.shape[0] // old_heads, tensor.shape[1:]
+    grouped = tensor.reshape(new_heads, old_heads // new_heads, head_dim, *rest)
+    return grouped.mean(dim=1).reshape(new_heads * head_dim, *rest)
 
 
 def convert(call: StepCall, before: Spec, after: Spec,
@@ -68,27 +55,21 @@ def convert(call: StepCall, before: Spec, after: Spec,
     if not call.step.converts_weights:
         raise StepError(f"{call.text} changes what the weights compute and needs training; "
                         "only gqa:N, mqa and no-bias convert a loaded checkpoint")
-    out = dict(weights)
-    report = Conversion()
+    out, report = dict(weights), Conversion()
     if call.step.name in ("gqa", "mqa"):
-        old, new = before.attention.kv_heads, after.attention.kv_heads
-        for name, t in weights.items():
-            if _KV.match(name):
-                out[name] = mean_pool_kv(t, old, new)
-                report.pooled.append(name)
+        for name in filter(_KV.match, weights):
+            out[name] = mean_pool_kv(weights[name], before.attention.kv_heads,
+                                     after.attention.kv_heads)
+            report.pooled.append(name)
         return out, report
-    # no-bias
-    from archc.ir.lower import lower
-    from archc.runtime.weights import checkpoint_shapes
-    keep = set(checkpoint_shapes(lower(after)))
-    for name in sorted(set(weights) - keep):
-        t = weights[name].float()
-        m = _KV.match(name)
-        is_key_bias = m is not None and m.group(2) == "k" and m.group(3) == "bias"
-        if not bool(t.abs().max() > 0) or (is_key_bias and
-                                           _key_bias_is_softmax_invariant(before)):
+    # no-bias. Nothing position-dependent may act on k after its bias for it to fold: RoPE
+    # rotates k_j + b by R_j (q·R_j b then varies with j); qk-norm rescales k + b per key.
+    key_bias_folds = before.position.kind != "rope" and not before.attention.qk_norm
+    for name in sorted(set(weights) - set(checkpoint_shapes(lower(after)))):
+        t, m = out.pop(name).float(), _KV.match(name)
+        key_bias = m is not None and m.group(2, 3) == ("k", "bias")
+        if not bool(t.abs().max() > 0) or (key_bias and key_bias_folds):
             report.exact.append(name)
         else:
             report.dropped.append((name, float(t.pow(2).mean().sqrt())))
-        del out[name]
     return out, report

@@ -1,24 +1,16 @@
 """What each architecture step buys, computed from the IR of the spec after it.
 
-Per step: parameters, FLOPs per decoded token, KV-cache bytes per token and at a context, the
-decode arithmetic intensity of the seed's asymptotic model, kernels per layer after the default
-exact pipeline, and bytes moved per decoded token.
-
-The intensity model (first seed, "A rough arithmetic-intensity model"): over n decode steps at
-batch b, dense work is O(b·n·d²) against memory O(b·n·d + b·n²·d·H_kv/H_q + n·d²), so
-AI = O((1/d + n·H_kv/(d·H_q) + 1/b)⁻¹). It omits constants: compare it across steps, not with a GPU.
+The decode intensity is the first seed's rough model ("A rough arithmetic-intensity model"): over
+n decode steps at batch b, dense work is O(b·n·d²) against memory O(b·n·d + b·n²·d·H_kv/H_q +
+n·d²), so AI = O((1/d + n·H_kv/(d·H_q) + 1/b)⁻¹). It omits constants: compare it across steps,
+not with a GPU.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from archc.ir.cost import (
-    graph_cost,
-    kv_cache_bytes_per_token,
-    parameter_count,
-)
-from archc.ir.graph import Program
+from archc.ir.cost import graph_cost, kv_cache_bytes_per_token, parameter_count
 from archc.ir.lower import lower
 from archc.modernize.steps import StepCall
 from archc.passes import optimize
@@ -31,11 +23,6 @@ def decode_intensity(d: int, n: int, kv_heads: int, q_heads: int, b: int) -> flo
     return 1.0 / (1.0 / d + n * kv_heads / (d * q_heads) + 1.0 / b)
 
 
-def kernel_level(program: Program) -> Program:
-    """The program after the default exact pipeline."""
-    return optimize(program)
-
-
 @dataclass(frozen=True)
 class Row:
     step: str
@@ -45,16 +32,14 @@ class Row:
     kv_bytes_per_token: int
     kv_bytes_at_context: int
     intensity: float
-    kernels_per_layer: float
+    kernels_per_layer: float   # after the default exact pipeline
     decode_bytes_per_token: int
 
 
 def measure(step: str, spec: Spec, batch: int, context: int) -> Row:
     program = lower(spec, spec.dtype)
-    kernels = kernel_level(program)
     dims = {"B": batch, "T": 1, "P": context - 1, "S": context}
-    flops = sum(graph_cost(g).at(dims)[0] for g in kernels)
-    moved = sum(graph_cost(g).at(dims)[1] for g in kernels)
+    flops, moved = map(sum, zip(*(graph_cost(g).at(dims) for g in optimize(program))))
     kv = kv_cache_bytes_per_token(program)
     att = spec.attention
     return Row(step, spec, parameter_count(program), flops // batch, kv, kv * context * batch,

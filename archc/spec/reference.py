@@ -7,60 +7,20 @@ drift from what the loader accepts.
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
-from typing import Any, Literal, get_args, get_origin
+from typing import Any
 
-from archc.spec.schema import Spec
-
-SECTION_TITLES = {
-    "": "Top level", "attention": "attention", "attention.bias": "attention.bias",
-    "ffn": "ffn", "ffn.moe": "ffn.moe", "norm": "norm", "block": "block",
-    "position": "position", "position.scaling": "position.scaling", "embedding": "embedding",
-    "output": "output",
-}
-
-
-def _type_text(tp: Any) -> str:
-    origin = get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        inner = [a for a in get_args(tp) if a is not type(None)]
-        return _type_text(inner[0]) + " or null"
-    if origin is Literal:
-        return " \\| ".join(f"`{a}`" for a in get_args(tp))
-    if origin is tuple:
-        return "list of " + _type_text(get_args(tp)[0])
-    if dataclasses.is_dataclass(tp):
-        return "section"
-    return {int: "whole number", float: "number", bool: "true/false", str: "text"}.get(
-        tp, str(tp))
+from archc.spec.load import describe, required, section_type, sections, typed_fields
 
 
 def _default_text(f: dataclasses.Field, tp: Any) -> str:
-    if f.metadata.get("derived"):
-        return "derived"
-    if f.metadata.get("required_when"):
-        return f"required when {f.metadata['required_when']}"
-    if f.default_factory is not dataclasses.MISSING:
-        return "—"
-    if f.default is None:  # as the loader decides: None of a non-optional type is required
-        return "null" if type(None) in get_args(tp) else "required"
-    value = f.default
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return f"`{value!r}`" if isinstance(value, str) else f"`{value}`"
-
-
-def _sections(cls: type, prefix: str = "") -> list[tuple[str, type]]:
-    out = [(prefix, cls)]
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        inner = tp if dataclasses.is_dataclass(tp) else next(
-            (a for a in get_args(tp) if dataclasses.is_dataclass(a)), None)
-        if inner is not None:
-            out += _sections(inner, f"{prefix}{f.name}.")
-    return out
+    meta = f.metadata
+    if meta.get("derived") or meta.get("required_when"):
+        return "derived" if meta.get("derived") else f"required when {meta['required_when']}"
+    if required(f, tp):
+        return "required"
+    if f.default is None:
+        return "null"
+    return str(f.default).lower() if isinstance(f.default, bool) else f"`{f.default!r}`"
 
 
 def reference() -> str:
@@ -75,30 +35,16 @@ def reference() -> str:
         "to that `kind` of its section; anywhere else it is refused. Bad input is refused with "
         "the file, the field path, the value and what is allowed.",
     ]
-    for prefix, cls in _sections(Spec):
-        hints = typing.get_type_hints(cls)
-        title = SECTION_TITLES.get(prefix.rstrip("."), prefix.rstrip("."))
-        lines += ["", f"## {title}", "", "| field | type | default | meaning |",
-                  "|---|---|---|---|"]
-        for f in dataclasses.fields(cls):
-            tp = hints[f.name]
-            if _type_text(tp) == "section" or (dataclasses.is_dataclass(
-                    next((a for a in get_args(tp) if dataclasses.is_dataclass(a)), None))):
-                continue
-            meta = f.metadata
-            doc = meta.get("doc", "").replace("|", "\\|")
-            bounds = []
-            if meta.get("min") is not None:
-                lo = meta["min"]
-                bounds.append("> 0" if lo == 0 and isinstance(lo, float) else f"≥ {lo}")
-            if meta.get("max") is not None:
-                bounds.append(f"≤ {meta['max']}")
-            if bounds:
-                doc += f" ({', '.join(bounds)})"
-            if meta.get("only"):
-                doc += f"; only when kind is {' or '.join(meta['only'])}"
-            lines.append(f"| `{prefix}{f.name}` | {_type_text(tp)} | {_default_text(f, tp)} | "
-                         f"{doc} |")
+    for prefix, cls in sections():
+        lines += ["", f"## {prefix.rstrip('.') or 'Top level'}", "",
+                  "| field | allowed | default | meaning |", "|---|---|---|---|"]
+        for f, tp in typed_fields(cls):
+            if section_type(tp) is None:
+                only = f.metadata.get("only")
+                doc = f.metadata["doc"].replace("|", "\\|") + \
+                    (f"; only when kind is {' or '.join(only)}" if only else "")
+                lines.append(f"| `{prefix}{f.name}` | {describe(tp, f.metadata)} | "
+                             f"{_default_text(f, tp)} | {doc} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,15 +1,10 @@
 """The spec: a frozen, validated description of a transformer architecture.
 
-Every field is declared once here, with its type, default, allowed range and a one-line doc; the
-YAML loader (``load.py``) and ``archc export-spec`` both read these declarations, so there is no
-second list to keep in sync. Derived values (``head_dim``, ``kv_heads``, ``d_ff``) are resolved by
-the loader, so a ``Spec`` always holds concrete numbers.
-
-Field metadata keys: ``doc`` (one line), ``min``/``max`` (inclusive bounds), ``only`` (the field is
-meaningful only when ``kind`` of its section is one of these), ``derived`` (may be omitted in YAML;
-the loader computes it), ``required_when`` (required only under that condition, which the loader
-checks with the other cross-field rules).
-"""
+Every field is declared once here, read by the loader, ``to_dict`` and the reference. Metadata:
+``min``/``max`` (inclusive; a float ``min`` of 0.0 means > 0), ``only`` (the field applies only
+when its section's ``kind`` is one of these), ``derived`` (computed when omitted),
+``required_when`` (a condition the cross-field rules check). A field defaulting to None whose
+type does not admit None is required (where it applies)."""
 
 from __future__ import annotations
 
@@ -18,12 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Family = Literal["decoder", "encoder", "encoder-decoder"]
-Dtype = Literal["f32", "f16", "bf16"]
-NormKind = Literal["layernorm", "rmsnorm"]
-Placement = Literal["pre", "post", "sandwich"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "sigmoid"]
+Placement = Literal["pre", "post", "sandwich"]
 FFNKind = Literal["mlp", "glu", "reglu", "geglu", "swiglu", "moe", "none"]
-ExpertKind = Literal["mlp", "glu", "reglu", "geglu", "swiglu"]
 MaskKind = Literal["causal", "bidirectional", "prefix"]
 LayerKind = Literal["local", "global"]
 PositionKind = Literal["none", "learned", "sinusoidal", "rope", "alibi", "relative"]
@@ -36,8 +28,6 @@ GATED_ACTIVATION: dict[str, Activation] = {
     "glu": "sigmoid", "reglu": "relu", "geglu": "gelu_tanh", "swiglu": "silu",
 }
 
-DTYPE_BYTES: dict[str, int] = {"f32": 4, "f16": 2, "bf16": 2}
-
 
 def _f(default: Any = None, doc: str = "", **meta: Any) -> Any:
     """A spec field: default, one-line doc and validation metadata in one place."""
@@ -49,42 +39,38 @@ def _f(default: Any = None, doc: str = "", **meta: Any) -> Any:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    kind: RopeScalingKind = _f("linear", "linear | ntk | yarn | llama3 | dynamic (NTK from the "
-                               "current length past the trained context)")
+    kind: RopeScalingKind = _f("linear", "dynamic: NTK from the current length past the trained "
+                               "context")
     factor: float = _f(1.0, "context extension factor", min=1.0)
-    original_max_seq_len: int | None = _f(
-        None, "context the model was trained on (yarn, llama3, dynamic)", min=1,
+    original_max_seq_len: int = _f(
+        None, "context the model was trained on", min=1,
         only=("yarn", "llama3", "dynamic"))
-    low_freq_factor: float = _f(1.0, "llama3: wavelengths above original/low are scaled", min=0.0,
+    low_freq_factor: float = _f(1.0, "wavelengths above original/low are scaled", min=0.0,
                                 only=("llama3",))
-    high_freq_factor: float = _f(4.0, "llama3: wavelengths below original/high are kept",
+    high_freq_factor: float = _f(4.0, "wavelengths below original/high are kept",
                                  min=0.0, only=("llama3",))
-    beta_fast: float = _f(32.0, "yarn: rotations per context below which dims interpolate",
+    beta_fast: float = _f(32.0, "rotations per context below which dims interpolate",
                           min=0.0, only=("yarn",))
-    beta_slow: float = _f(1.0, "yarn: rotations per context above which dims extrapolate",
+    beta_slow: float = _f(1.0, "rotations per context above which dims extrapolate",
                           min=0.0, only=("yarn",))
     attention_factor: float | None = _f(
-        None, "yarn: cos/sin scale (default 0.1·ln(factor) + 1)", min=0.0, only=("yarn",))
+        None, "cos/sin scale (default 0.1·ln(factor) + 1)", min=0.0, only=("yarn",))
 
 
 @dataclass(frozen=True)
 class Position:
-    kind: PositionKind = _f("rope", "none | learned | sinusoidal | rope | alibi | relative")
-    offset: int = _f(0, "learned: rows skipped at the start of the table (OPT uses 2)", min=0,
+    kind: PositionKind = _f("rope", "how positions enter the model")
+    offset: int = _f(0, "rows skipped at the start of the table (OPT uses 2)", min=0,
                      only=("learned",))
-    theta: float = _f(10000.0, "rope: base of the rotation frequencies", min=1.0,
-                      only=("rope",))
-    fraction: float = _f(1.0, "rope: fraction of each head's dims that rotate", min=0.0,
+    theta: float = _f(10000.0, "base of the rotation frequencies", min=1.0, only=("rope",))
+    fraction: float = _f(1.0, "fraction of each head's dims that rotate", min=0.0,
                          max=1.0, only=("rope",))
-    interleaved: bool = _f(False, "rope: rotate pairs (x0,x1),(x2,x3)… instead of halves",
-                           only=("rope",))
-    alibi_scaled: bool = _f(False, "alibi: the bias joins the scores before the score scale, "
-                            "so it is scaled too (Falcon)", only=("alibi",))
-    scaling: RopeScaling | None = _f(None, "rope: context-extension scaling", only=("rope",))
-    buckets: int = _f(32, "relative: number of T5 distance buckets", min=2,
-                      only=("relative",))
-    max_distance: int = _f(128, "relative: distance at which buckets stop growing", min=2,
-                           only=("relative",))
+    interleaved: bool = _f(False, "rotate pairs (x0,x1),(x2,x3)… instead of halves", only=("rope",))
+    alibi_scaled: bool = _f(False, "the bias joins the scores before the score scale, so it is "
+                            "scaled too (Falcon)", only=("alibi",))
+    scaling: RopeScaling | None = _f(None, "context-extension scaling", only=("rope",))
+    buckets: int = _f(32, "number of T5 distance buckets", min=2, only=("relative",))
+    max_distance: int = _f(128, "distance at which buckets stop growing", min=2, only=("relative",))
 
 
 @dataclass(frozen=True)
@@ -105,7 +91,7 @@ class Attention:
     kv_heads: int = _f(None, "key/value heads: = heads (MHA), 1 (MQA), or a divisor (GQA)",
                        min=1, derived=True)
     head_dim: int = _f(None, "dims per head (default d_model / heads)", min=1, derived=True)
-    mask: MaskKind = _f("causal", "causal | bidirectional | prefix (prompt sees itself fully)")
+    mask: MaskKind = _f("causal", "prefix: the prompt sees itself fully")
     window: int | None = _f(None, "sliding window: a query sees the last `window` keys", min=1)
     global_tokens: int | None = _f(
         None, "sparse attention (Longformer): the first G positions are global — every query "
@@ -128,8 +114,7 @@ class Mamba:
     d_state: int = _f(16, "state size N of each inner channel's SSM", min=1)
     d_conv: int = _f(4, "width of the causal depthwise convolution over time", min=2)
     expand: int = _f(2, "inner width = expand·d_model", min=1)
-    dt_rank: int = _f(None, "rank of the Δ projection (default ⌈d_model/16⌉)", min=1,
-                      derived=True)
+    dt_rank: int = _f(None, "rank of the Δ projection (default ⌈d_model/16⌉)", min=1, derived=True)
     conv_bias: bool = _f(True, "bias on the convolution")
     bias: bool = _f(False, "biases on the in- and out-projections")
     inner_norms: bool = _f(False, "RMSNorm (norm.eps) on Δ, B and C after the x-projection, "
@@ -150,24 +135,21 @@ class Mixer:
 class MoE:
     experts: int = _f(None, "number of experts", min=2)
     top_k: int = _f(2, "experts each token is routed to", min=1)
-    expert: ExpertKind = _f("swiglu", "FFN kind of each expert")
+    expert: Literal["mlp", "glu", "reglu", "geglu", "swiglu"] = _f("swiglu", "FFN of each expert")
     normalize_top_k: bool = _f(True, "renormalize the top-k router weights to sum to 1")
     shared_expert_d_ff: int | None = _f(None, "hidden size of an always-on shared expert", min=1)
 
 
 @dataclass(frozen=True)
 class FFN:
-    kind: FFNKind = _f("mlp", "mlp | glu | reglu | geglu | swiglu | moe | none (no FFN: a "
-                       "block is its mixer alone, as Mamba)")
-    activation: Activation = _f("gelu", "mlp, and moe with mlp experts: relu | gelu | "
-                                "gelu_tanh | silu", only=("mlp", "moe"))
+    kind: FFNKind = _f("mlp", "none: no FFN, a block is its mixer alone (Mamba)")
+    activation: Activation = _f("gelu", "of an mlp (and of moe's mlp experts)", only=("mlp", "moe"))
     d_ff: int = _f(None, "hidden size (default: 4·d_model, or the gated 2/3 rule)", min=1,
                    derived=True)
     multiple_of: int = _f(1, "gated sizing rule: round the hidden size up to a multiple", min=1)
-    multiplier: float = _f(1.0, "gated sizing rule: scale 2/3·4·d_model before rounding",
-                           min=0.0)
+    multiplier: float = _f(1.0, "gated sizing rule: scale 2/3·4·d_model before rounding", min=0.0)
     bias: bool = _f(False, "biases on the FFN projections")
-    moe: MoE | None = _f(None, "moe: experts and routing", only=("moe",))
+    moe: MoE = _f(None, "experts and routing", only=("moe",))
     pattern: tuple[FFNLayerKind, ...] | None = _f(
         None, "per-layer FFNs, repeated over the layers: moe routes over the experts, dense runs "
         "one FFN of kind moe.expert and d_ff (Jamba: [dense, moe])", only=("moe",))
@@ -175,28 +157,26 @@ class FFN:
     @property
     def gated(self) -> bool:
         """Does each (expert) FFN have a gate branch?"""
-        kind = self.moe.expert if self.moe else self.kind
-        return kind in GATED_ACTIVATION
+        return (self.moe.expert if self.moe else self.kind) in GATED_ACTIVATION
 
     @property
     def gate_activation(self) -> Activation:
-        kind = self.moe.expert if self.moe else self.kind
-        return GATED_ACTIVATION.get(kind, self.activation)
+        return GATED_ACTIVATION.get(self.moe.expert if self.moe else self.kind, self.activation)
 
 
 @dataclass(frozen=True)
 class Norm:
-    kind: NormKind = _f("layernorm", "layernorm | rmsnorm")
+    kind: Literal["layernorm", "rmsnorm"] = _f("layernorm", "kind of every norm")
     eps: float = _f(1e-5, "added to the variance", min=0.0)
-    placement: Placement = _f("pre", "pre | post | sandwich (pre and post the sublayer)")
-    unit_offset: bool = _f(False, "rmsnorm: gain is (1 + w) as in Gemma", only=("rmsnorm",))
-    bias: bool = _f(True, "layernorm: learned shift β", only=("layernorm",))
+    placement: Placement = _f("pre", "sandwich: a norm before and after each sublayer")
+    unit_offset: bool = _f(False, "gain is (1 + w) as in Gemma", only=("rmsnorm",))
+    bias: bool = _f(True, "learned shift β", only=("layernorm",))
 
 
 @dataclass(frozen=True)
 class Block:
     parallel: bool = _f(False, "attention and FFN read the same input and add to the residual")
-    shared_norm: bool = _f(True, "parallel: one norm feeds both branches (else one each)")
+    shared_norm: bool = _f(True, "parallel block: one norm feeds both branches (else one each)")
 
 
 @dataclass(frozen=True)
@@ -223,14 +203,14 @@ class Output:
 @dataclass(frozen=True)
 class Spec:
     name: str = _f(None, "model name (letters, digits, . _ -)")
-    family: Family = _f("decoder", "decoder | encoder | encoder-decoder")
+    family: Family = _f("decoder", "encoders return hidden states; the others end in a head")
     vocab_size: int = _f(None, "token vocabulary", min=1)
     d_model: int = _f(None, "residual-stream width", min=1)
     layers: int = _f(None, "blocks (encoder blocks for encoder-decoder)", min=1)
     decoder_layers: int | None = _f(None, "encoder-decoder: decoder blocks (default = layers)",
                                     min=1)
     max_seq_len: int = _f(2048, "longest sequence (positions table, KV-cache size)", min=1)
-    dtype: Dtype = _f("bf16", "weight dtype for size and byte reports")
+    dtype: Literal["f32", "f16", "bf16"] = _f("bf16", "weight dtype for size and byte reports")
     description: str = _f("", "free text")
     mixer: Mixer = _f(Mixer, "sequence mixer per layer")
     attention: Attention = _f(Attention, "attention")
@@ -244,28 +224,22 @@ class Spec:
     # ---- derived views -------------------------------------------------------------------
     @property
     def has_head(self) -> bool:
-        """Decoders and encoder-decoders end in a vocabulary head; encoders return hidden
-        states."""
+        """Decoders and encoder-decoders end in a vocabulary head; encoders return states."""
         return self.family != "encoder"
 
     @property
     def rotary_dim(self) -> int:
         """Dims of each head that RoPE rotates (0 without RoPE)."""
-        if self.position.kind != "rope":
-            return 0
-        return int(self.attention.head_dim * self.position.fraction)
+        rope = self.position.kind == "rope"
+        return int(self.attention.head_dim * self.position.fraction) if rope else 0
 
     @property
     def attention_scale(self) -> float:
-        if self.attention.scale is not None:
-            return self.attention.scale
-        return 1.0 / math.sqrt(self.attention.head_dim)
+        return self.attention.scale or 1.0 / math.sqrt(self.attention.head_dim)  # scale > 0
 
     def layer_mixers(self, layers: int | None = None) -> tuple[MixerKind, ...]:
         """The sequence mixer of each layer, from `mixer.pattern` (repeated) or `mixer.kind`."""
-        n = self.layers if layers is None else layers
-        pattern = self.mixer.pattern or (self.mixer.kind,)
-        return tuple(pattern[i % len(pattern)] for i in range(n))
+        return _repeat(self.mixer.pattern or (self.mixer.kind,), layers or self.layers)
 
     @property
     def attends(self) -> bool:
@@ -289,15 +263,14 @@ class Spec:
 
     def layer_ffns(self, layers: int | None = None) -> tuple[FFNLayerKind, ...]:
         """Dense or MoE FFN for each layer of an MoE model, from `ffn.pattern` (repeated)."""
-        n = self.layers if layers is None else layers
-        pattern = self.ffn.pattern or ("moe",)
-        return tuple(pattern[i % len(pattern)] for i in range(n))
+        return _repeat(self.ffn.pattern or ("moe",), layers or self.layers)
 
     def layer_kinds(self, layers: int | None = None) -> tuple[LayerKind, ...]:
         """Local (windowed) or global attention for each layer, from `attention.pattern`."""
-        n = self.layers if layers is None else layers
-        pattern = self.attention.pattern
-        if pattern:
-            return tuple(pattern[i % len(pattern)] for i in range(n))
         kind: LayerKind = "local" if self.attention.window else "global"
-        return (kind,) * n
+        return _repeat(self.attention.pattern or (kind,), layers or self.layers)
+
+
+def _repeat(pattern: tuple[Any, ...], n: int) -> tuple[Any, ...]:
+    return tuple(pattern[i % len(pattern)] for i in range(n))
+

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 from archc.errors import SpecError
@@ -13,22 +14,19 @@ ZOO_DIR = Path(__file__).resolve().parents[2] / "specs"
 
 def zoo_names() -> list[str]:
     """Names of the bundled specs, real sizes first, then the tiny ones."""
-    names = sorted(p.stem for p in ZOO_DIR.glob("*.yaml"))
-    return [n for n in names if not n.startswith("tiny-")] + \
-        [n for n in names if n.startswith("tiny-")]
+    return sorted((p.stem for p in ZOO_DIR.glob("*.yaml")),
+                  key=lambda name: (name.startswith("tiny-"), name))
 
 
 def resolve_spec_path(spec: str | Path) -> Path:
     """A path to a YAML file, or the name of a zoo spec."""
-    path = Path(spec)
+    path, zoo = Path(spec), ZOO_DIR / f"{spec}.yaml"
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():
             raise SpecError("", "no such file", source=str(path))
         return path
-    candidate = ZOO_DIR / f"{spec}.yaml"
-    if candidate.is_file():
-        return candidate
-    import difflib
+    if zoo.is_file():
+        return zoo
     close = difflib.get_close_matches(str(spec), zoo_names(), n=3)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise SpecError("", f"{spec!r} is neither a spec file nor a zoo name{hint}",
