@@ -146,7 +146,8 @@ def main() -> None:
     ratio = min(seconds["archc eager"]) / min(seconds["transformers"])
     import transformers
     data = {
-        "benchmark": "eager-prefill", "model": str(model.spec.name), "source": model.source,
+        "benchmark": "eager-prefill", "model": str(model.spec.name),
+        "source": Path(model.source).name,
         "dtype": "f32", "prompt_tokens": args.tokens, "batch": 1,
         "date": datetime.date.today().isoformat(),
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": args.threads,
