@@ -55,7 +55,3 @@ def describe(source: str | Path) -> Source:
         return Source("hf", hf_spec(path), (path / "tokenizer.json").is_file())
     return Source("spec", load_spec(source), False)
 
-
-def source_spec(source: str | Path) -> Spec:
-    """The spec of any source, without loading weights."""
-    return describe(source).spec
