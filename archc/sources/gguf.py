@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from archc.errors import ArchcError, SpecError, WeightsError
+from archc.ir.paramexpr import rope_inv_freq
 from archc.model import Model, Progress
 from archc.sources.hf_config import HFConfig, spec_name
 from archc.sources.tensor_map import (
@@ -27,7 +28,6 @@ from archc.sources.tensor_map import (
     Layout,
     TensorMap,
     checkpoint_name,
-    checkpoint_rules,
     each,
     read_checkpoint,
 )
@@ -108,8 +108,6 @@ def llama3_scaling(f: GGUFFile, theta: float, rotary_dim: int) -> dict[str, Any]
     intercept −low/(high − low) fix the rule up to one common scale of L, low and high, so
     low = 1 is taken. The parameters are accepted only if archc's llama3 frequencies computed
     from them reproduce θ_j / f_j (to f32 rounding); anything else is refused."""
-    from archc.ir.paramexpr import rope_inv_freq
-
     where = "rope_freqs.weight"
     factors = f.load(where).double().flatten()
     if factors.numel() != rotary_dim // 2 or not bool((factors >= 1.0 - 1e-6).all()):
@@ -204,10 +202,8 @@ def spec_of_file(f: GGUFFile) -> Spec:
 def unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's reordering of Q/K rows: within each head it stores rows as interleaved
     pairs (0, d/2, 1, d/2+1, ...) of the original half-split order."""
-    rows = w.shape[0]
     # (heads, D/2, 2, ...) → (heads, 2, D/2, ...)
-    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(
-        w.shape).contiguous()
+    return w.reshape(heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
 def _rope_rows(layout: Layout, s: Spec, t: TensorMap, ckpt: Checkpoint) -> None:
@@ -232,10 +228,9 @@ def load_gguf(path: Path, *, progress: Progress | None = None, dtype: str | None
     """The model of a GGUF file, its tensors dequantised to f32 (or `dtype`, one at a time)."""
     f = GGUFFile(path)
     spec = spec_of_file(f)
-    ckpt = Checkpoint(f)
     # rope_freqs.weight, when there, was read into the spec's RoPE scaling
-    weights, _ = read_checkpoint(spec, f, lambda t: checkpoint_rules(LAYOUT, spec, t, ckpt),
-                                 skip=(r"rope_freqs\.weight",), progress=progress, dtype=dtype)
+    weights, _ = read_checkpoint(spec, Checkpoint(f), LAYOUT, skip=(r"rope_freqs\.weight",),
+                                 progress=progress, dtype=dtype)
     tokenizer = gguf_tokenizer(f)
     return Model(spec, weights, tokenizer=tokenizer,
                  chat_template=tokenizer.chat_template if tokenizer else None,

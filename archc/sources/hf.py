@@ -18,7 +18,7 @@ from archc.sources.architectures import ARCHITECTURES
 from archc.sources.architectures.base import Architecture, spec_data
 from archc.sources.hf_config import HFConfig, spec_name
 from archc.sources.safetensors_files import SafetensorsFiles
-from archc.sources.tensor_map import Checkpoint, checkpoint_rules, read_checkpoint
+from archc.sources.tensor_map import Checkpoint, read_checkpoint
 from archc.spec import from_dict
 from archc.spec.schema import Spec
 
@@ -77,9 +77,8 @@ def load_hf(directory: Path, *, progress: Progress | None = None,
     from archc.tokenizer import load_hf_tokenizer
 
     cfg, arch, ckpt, spec = _read(directory, True)
-    weights, skipped = read_checkpoint(
-        spec, ckpt.source, lambda t: checkpoint_rules(arch.layout, spec, t, ckpt), skip=arch.skip,
-        progress=progress, dtype=dtype)
+    weights, skipped = read_checkpoint(spec, ckpt, arch.layout, skip=arch.skip,
+                                       progress=progress, dtype=dtype)
     tokenizer = load_hf_tokenizer(directory)
     return Model(spec, weights, tokenizer=tokenizer,
                  chat_template=tokenizer.chat_template if tokenizer else None,

@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from archc.errors import WeightsError
 
 INDEX = "model.safetensors.index.json"
 # TensorFlow-era names, which transformers renames on load
-LEGACY = (("LayerNorm.gamma", "LayerNorm.weight"), ("LayerNorm.beta", "LayerNorm.bias"))
+LEGACY = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}
 
 
 class SafetensorsFiles:
@@ -25,16 +26,16 @@ class SafetensorsFiles:
     the ones transformers gives on load: `LayerNorm.gamma` is `LayerNorm.weight`."""
 
     def __init__(self, directory: Path) -> None:
-        try:
-            from safetensors import safe_open
-        except ImportError:  # pragma: no cover - an optional dependency
-            raise WeightsError("reading safetensors needs the `safetensors` package "
-                               "(pip install 'archc[hf]')") from None
-        self._safe_open = safe_open
-        self._open: dict[Path, Any] = {}
+        self.handles: dict[Path, Any] = {}
         stored: dict[str, Path] = {}
         for path in self._list_files(directory):
-            names = self._handle(path).keys()   # a safe_open handle is not a mapping
+            try:
+                self.handles[path] = safe_open(str(path), framework="pt")
+            except Exception as err:  # safetensors raises its own error types
+                raise WeightsError(f"{path}: not a readable safetensors file "
+                                   f"({str(err).strip() or type(err).__name__}); "
+                                   "is it truncated or still downloading?") from None
+            names = self.handles[path].keys()   # a safe_open handle is not a mapping
             for name in names:
                 if name in stored:
                     raise WeightsError(f"checkpoint tensor {name!r} is in both "
@@ -42,10 +43,8 @@ class SafetensorsFiles:
                 stored[name] = path
         self.where: dict[str, tuple[Path, str]] = {}
         for name, path in stored.items():
-            new = name
-            for old, replacement in LEGACY:
-                if name.endswith(old):
-                    new = name[: -len(old)] + replacement
+            old = next((o for o in LEGACY if name.endswith(o)), None)
+            new = name[: -len(old)] + LEGACY[old] if old else name
             self.where[name if new in stored else new] = (path, name)
 
     @staticmethod
@@ -70,27 +69,17 @@ class SafetensorsFiles:
             raise WeightsError(f"{directory} has no *.safetensors weights{hint}")
         return files
 
-    def _handle(self, path: Path) -> Any:
-        if path not in self._open:
-            try:
-                self._open[path] = self._safe_open(str(path), framework="pt")
-            except Exception as err:  # safetensors raises its own error types
-                raise WeightsError(f"{path}: not a readable safetensors file "
-                                   f"({str(err).strip() or type(err).__name__}); "
-                                   "is it truncated or still downloading?") from None
-        return self._open[path]
-
     def names(self) -> list[str]:
         return list(self.where)
 
     def shape(self, name: str) -> tuple[int, ...]:
         path, stored = self.where[name]
-        return tuple(self._handle(path).get_slice(stored).get_shape())
+        return tuple(self.handles[path].get_slice(stored).get_shape())
 
     def load(self, name: str) -> torch.Tensor:
         path, stored = self.where[name]
         try:
-            return self._handle(path).get_tensor(stored)
+            return self.handles[path].get_tensor(stored)
         except Exception as err:
             raise WeightsError(f"{path}: cannot read tensor {stored!r} "
                                f"({str(err).strip() or type(err).__name__}); "

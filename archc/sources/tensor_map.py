@@ -77,16 +77,6 @@ class TensorMap:
 
         self.add([source], [full[::-1] if transpose else full], targets, convert)
 
-    def stacked(self, sources: Sequence[str], target: str) -> None:
-        """One tensor per expert → archc's [experts, ...] tensor."""
-        self.add(sources, [self.want[target][1:]] * len(sources), [target],
-                 lambda xs: [torch.stack(xs)])
-
-    def duplicate(self, source: str, of: str) -> None:
-        """A stored copy of archc tensor `of` (a tied head saved beside the embedding): its
-        shape is checked, it is not read."""
-        self.add([source], [self.want[of]], [], lambda xs: [])
-
 
 class Checkpoint:
     """Checkpoint tensor names, with the prefix a task class adds (``model.``, ``bert.``) found,
@@ -139,9 +129,7 @@ def checkpoint_name(layout: Layout, s: Spec, ckpt: Checkpoint, target: str) -> s
     layer = LAYER.fullmatch(target)
     stack, i, rest = layer.groups("") if layer else ("", "", target)
     key = stack + rest
-    parts = key.split(".")
-    module = next(m for n in range(len(parts), 0, -1) if (m := ".".join(parts[:n])) in
-                  layout.names)
+    module = max((m for m in layout.names if key == m or key.startswith(m + ".")), key=len)
     value = layout.names[module]
     within = layout.layer.format(stack=stack, i=i) if layer else ""
     return ckpt(within + (value if isinstance(value, str) else value(s)) + key[len(module):])
@@ -161,8 +149,10 @@ def checkpoint_rules(layout: Layout, s: Spec, t: TensorMap, ckpt: Checkpoint) ->
             name = head + target[4:]
         else:
             name = checkpoint_name(layout, s, ckpt, target)
-        if "{e}" in name:
-            t.stacked([name.format(e=e) for e in range(t.want[target][0])], target)
+        if "{e}" in name:   # one tensor per expert → archc's [experts, ...]
+            experts, *shape = t.want[target]
+            t.add([name.format(e=e) for e in range(experts)], [tuple(shape)] * experts, [target],
+                  lambda xs: [torch.stack(xs)])
         else:
             fused.setdefault(name, []).append(target)
     for name, targets in fused.items():
@@ -170,22 +160,22 @@ def checkpoint_rules(layout: Layout, s: Spec, t: TensorMap, ckpt: Checkpoint) ->
                 transpose=layout.conv1d and bool(LAYER.fullmatch(targets[0]))
                 and len(t.want[targets[0]]) == 2)
     for name in layout.copies + ((f"{head}.weight",) if s.embedding.tied else ()):
-        if name in ckpt.names:
-            t.duplicate(name, "embed.weight")
+        if name in ckpt.names:   # checked, not read
+            t.add([name], [t.want["embed.weight"]], [], lambda xs: [])
 
 
-def read_checkpoint(spec: Spec, source: TensorSource, add_rules: Callable[[TensorMap], None],
-                    *, skip: Sequence[str] = (), progress: Progress | None = None,
+def read_checkpoint(spec: Spec, ckpt: Checkpoint, layout: Layout, *, skip: Sequence[str] = (),
+                    progress: Progress | None = None,
                     dtype: str | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The archc checkpoint of `spec`, read from `source` by the rules `add_rules` gives, each
-    tensor cast to `dtype` (if given) as it is read; its bytes are priced against the memory free
-    first. Returns it and the names of the checkpoint tensors skipped (matched by `skip`)."""
+    """The archc checkpoint of `spec`, read by the rules of `layout`, each tensor cast to `dtype`
+    (if given) as it is read; its bytes are priced against the memory free first. Returns it and
+    the names of the checkpoint tensors skipped (matched by `skip`)."""
     program = lower(spec)
     check_fits(spec.name, "its weights", checkpoint_elements(program), dtype or spec.dtype,
                spec.family)
     tmap = TensorMap(checkpoint_shapes(program))
-    add_rules(tmap)
-    present = set(source.names())
+    checkpoint_rules(layout, spec, tmap, ckpt)
+    source, present = ckpt.source, ckpt.names
     read: set[str] = set()
     for rule in tmap.rules:  # check everything before reading anything
         for name, shape in zip(rule.sources, rule.shapes):

@@ -1,23 +1,17 @@
-"""The GPT-2 line of decoders, LayerNorm and an MLP throughout.
+"""The GPT-2 line of decoders: LayerNorm, an MLP, mostly biases.
 
-- GPT-2: learned positions, pre-LayerNorm, fused Q/K/V, biases everywhere, tied head. Its
-  projections are Conv1D modules that store weights [in, out].
-- GPT-J: attention and MLP in parallel off one LayerNorm, interleaved (rotate-every-two) RoPE on
-  the first `rotary_dim` dims of each head, no attention biases, an untied head with a bias.
-- GPT-NeoX (Pythia): fused per-head Q/K/V, partial RoPE (a quarter of each head by default), and
-  a parallel residual with a norm per branch — or serial with `use_parallel_residual: false`.
-- BLOOM: ALiBi, a LayerNorm right after the embeddings, fused per-head Q/K/V, pre-LayerNorm,
-  biases everywhere, tanh-GELU MLP of 4·d_model, tied head.
-- Falcon: fused Q/K/V in one of three layouts (per-head MHA, multi-query, or the grouped GQA of
-  `new_decoder_architecture`), parallel attention/MLP off one or two LayerNorms, or serial; RoPE,
-  or ALiBi added before the score scale (Falcon-RW).
-- MPT: ALiBi, pre-LayerNorm without biases, a fused Q/K/V, exact-GELU MLP, tied head. The
-  attention settings live in a nested `attn_config`, checked field by field like the top level.
-- OPT: learned positions whose table starts 2 rows in, LayerNorm before (most sizes) or after
-  (350m) each sublayer, ReLU MLP, biases, tied head; 350m also embeds tokens narrower than the
-  residual stream, with projections in and out.
-- Phi (1, 1.5, 2): attention and MLP in parallel off one LayerNorm, partial RoPE (half of each
-  head by default), biases everywhere including the head, optional per-head LayerNorm on q and k.
+- GPT-2: learned positions, a fused Q/K/V, Conv1D projections that store weights [in, out].
+- GPT-J: attention and MLP in parallel off one norm, rotate-every-two RoPE on `rotary_dim` dims.
+- GPT-NeoX (Pythia): fused per-head Q/K/V, partial RoPE, a parallel block with a norm per branch
+  (or serial).
+- BLOOM: ALiBi, a LayerNorm right after the embeddings, fused per-head Q/K/V.
+- Falcon: fused Q/K/V per head, multi-query, or per KV-head group (`new_decoder_architecture`);
+  parallel off one or two norms, or serial; RoPE, or ALiBi before the score scale (Falcon-RW).
+- MPT: ALiBi, no biases, a fused Q/K/V; the attention settings live in a nested `attn_config`,
+  checked field by field like the top level.
+- OPT: a position table that starts 2 rows in; 350m normalizes after each sublayer and embeds
+  tokens narrower than the residual stream, with projections in and out.
+- Phi: attention and MLP in parallel off one norm, partial RoPE, optional LayerNorm on q and k.
 """
 
 from __future__ import annotations
