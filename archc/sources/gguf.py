@@ -33,6 +33,7 @@ from archc.sources.tensor_map import (
 )
 from archc.spec import from_dict
 from archc.spec.schema import Spec
+from archc.tokenizer import from_gguf_vocab
 
 ARCH = "llama"
 
@@ -239,7 +240,6 @@ def load_gguf(path: Path, *, progress: Progress | None = None, dtype: str | None
 
 def gguf_tokenizer(f: GGUFFile) -> Any:
     """The tokenizer stored in the file's `tokenizer.ggml.*` metadata (None if it has none)."""
-    from archc.tokenizer import from_gguf_vocab
     fields = f.fields
     tokens = fields.get("tokenizer.ggml.tokens")
     if not tokens:

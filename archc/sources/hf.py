@@ -21,6 +21,7 @@ from archc.sources.safetensors_files import SafetensorsFiles
 from archc.sources.tensor_map import Checkpoint, read_checkpoint
 from archc.spec import from_dict
 from archc.spec.schema import Spec
+from archc.tokenizer import load_hf_tokenizer
 
 CONFIG = "config.json"
 
@@ -74,8 +75,6 @@ def load_hf(directory: Path, *, progress: Progress | None = None,
             dtype: str | None = None) -> Model:
     """An HF directory → archc Model with its weights (in their stored dtype, or `dtype`),
     tokenizer and EOS ids."""
-    from archc.tokenizer import load_hf_tokenizer
-
     cfg, arch, ckpt, spec = _read(directory, True)
     weights, skipped = read_checkpoint(spec, ckpt, arch.layout, skip=arch.skip,
                                        progress=progress, dtype=dtype)
