@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from archc.model import Model, Progress
+from archc import native
+from archc.sources.gguf import GGUFFile, load_gguf, spec_of_file
 from archc.sources.hf import hf_spec, is_hf_dir, load_hf
+from archc.spec.load import load_yaml
 from archc.spec.schema import Spec
 from archc.spec.zoo import load_spec
 
@@ -19,11 +21,6 @@ __all__ = ["Source", "describe", "is_gguf", "is_hf_dir", "load_gguf", "load_hf"]
 
 def is_gguf(path: Path) -> bool:
     return path.suffix.lower() == ".gguf"
-
-
-def load_gguf(path: Path, *, progress: Progress | None = None, dtype: str | None = None) -> Model:
-    from archc.sources import gguf  # reads the gguf package only when a file is loaded
-    return gguf.load_gguf(path, progress=progress, dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -42,20 +39,12 @@ class Source:
 def describe(source: str | Path) -> Source:
     """The kind, spec and tokenizer presence of any source: an HF directory's config, a GGUF
     file's metadata, an archc checkpoint directory's spec, a spec file or zoo name."""
-    import archc.native as native
     path = Path(source)
     if is_gguf(path):
-        from archc.sources.gguf import GGUFFile, spec_of_file
         f = GGUFFile(path)
         return Source("gguf", spec_of_file(f), bool(f.fields.get("tokenizer.ggml.tokens")))
     if native.is_native(path):
-        from archc.spec.load import load_yaml
         return Source("archc", load_yaml(path / native.SPEC_FILE), False)
     if is_hf_dir(path):
         return Source("hf", hf_spec(path), (path / "tokenizer.json").is_file())
     return Source("spec", load_spec(source), False)
-
-
-def source_spec(source: str | Path) -> Spec:
-    """The spec of any source, without loading weights."""
-    return describe(source).spec

@@ -1,5 +1,7 @@
 """GGUF files of the llama architecture → Model: metadata → spec, tensors dequantised with the
-`gguf` package, the tokenizer and chat template stored in the file.
+`gguf` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K are tested here; any other type
+its `quants` module implements is read the same way), the tokenizer and chat template stored in
+the file.
 
 llama.cpp's converter reorders the rows of each head of the Q and K projections so that its RoPE
 can rotate interleaved pairs; archc's Llama rotates halves (as the original checkpoint does), so
@@ -10,7 +12,7 @@ refused by name, as config.json fields are.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +20,22 @@ import numpy as np
 import torch
 
 from archc.errors import ArchcError, SpecError, WeightsError
-from archc.model import Model
+from archc.ir.paramexpr import rope_inv_freq
+from archc.model import Model, Progress
 from archc.sources.hf_config import HFConfig, spec_name
+from archc.sources.tensor_map import (
+    Checkpoint,
+    Layout,
+    TensorMap,
+    checkpoint_name,
+    each,
+    read_checkpoint,
+)
 from archc.spec import from_dict
 from archc.spec.schema import Spec
+from archc.tokenizer import from_gguf_vocab
 
 ARCH = "llama"
-Progress = Callable[[int, int], None]
-# Tensors are dequantised by the gguf package: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K
-# are tested here, and any other type its `quants` module implements is read the same way.
 
 
 def _gguf() -> Any:
@@ -61,6 +70,9 @@ class GGUFFile:
             except Exception as err:
                 raise WeightsError(f"{path}: metadata {name!r} cannot be read ({err})") from None
 
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
     def shape(self, name: str) -> tuple[int, ...]:
         """[out, in] as torch orders it (GGUF lists dims innermost first)."""
         return tuple(int(d) for d in reversed(self.tensors[name].shape))
@@ -77,10 +89,9 @@ class GGUFFile:
         except Exception as err:
             raise WeightsError(f"{self.path}: tensor {name!r} ({kind}) cannot be read "
                                f"({err}); is the file truncated?") from None
-        values = np.asarray(values, dtype=np.float32).reshape(self.shape(name))
-        if not values.flags.writeable or not values.flags.c_contiguous:
-            values = values.copy()
-        return torch.from_numpy(values)
+        # a copy only where the values are not already a writeable f32 array
+        return torch.from_numpy(np.require(values, np.float32, ("C", "W")).reshape(
+            self.shape(name)))
 
 
 def _f32(value: float) -> float:
@@ -98,8 +109,6 @@ def llama3_scaling(f: GGUFFile, theta: float, rotary_dim: int) -> dict[str, Any]
     intercept −low/(high − low) fix the rule up to one common scale of L, low and high, so
     low = 1 is taken. The parameters are accepted only if archc's llama3 frequencies computed
     from them reproduce θ_j / f_j (to f32 rounding); anything else is refused."""
-    from archc.ir.paramexpr import rope_inv_freq
-
     where = "rope_freqs.weight"
     factors = f.load(where).double().flatten()
     if factors.numel() != rotary_dim // 2 or not bool((factors >= 1.0 - 1e-6).all()):
@@ -128,14 +137,14 @@ def llama3_scaling(f: GGUFFile, theta: float, rotary_dim: int) -> dict[str, Any]
                     "rule", source=str(f.path))
 
 
-def _spec_data(f: GGUFFile) -> tuple[dict[str, Any], HFConfig]:
+def spec_of_file(f: GGUFFile) -> Spec:
     arch = f.fields.get("general.architecture")
     if arch != ARCH:
         raise SpecError("general.architecture", f"{arch!r} is not supported: archc reads "
                         "llama-architecture GGUF files", source=str(f.path), allowed=ARCH)
     meta = HFConfig({k[len(ARCH) + 1:]: v for k, v in f.fields.items()
-                     if k.startswith(ARCH + ".")}, f"{f.path} (metadata {ARCH}.*)")
-    meta.model_type = ARCH
+                     if k.startswith(ARCH + ".")}, str(f.path), model_type=ARCH,
+                    prefix=ARCH + ".")
     d = meta.number("embedding_length")
     heads = meta.number("attention.head_count")
     kv = meta.get("attention.head_count_kv", heads)
@@ -145,17 +154,12 @@ def _spec_data(f: GGUFFile) -> tuple[dict[str, Any], HFConfig]:
                               "number of KV heads")
         kv = kv[0]
     head_dim = meta.number("attention.key_length", d // heads)
-    value_dim = meta.number("attention.value_length", head_dim)
-    if value_dim != head_dim:
+    if (value_dim := meta.number("attention.value_length", head_dim)) != head_dim:
         raise meta.refuse("attention.value_length", value_dim, f"keys and values of different "
                           f"widths ({head_dim})")
-    rotary = meta.number("rope.dimension_count", head_dim)
-    if rotary != head_dim:
+    if (rotary := meta.number("rope.dimension_count", head_dim)) != head_dim:
         raise meta.refuse("rope.dimension_count", rotary, f"llama rotates the whole head "
                           f"({head_dim} dims)")
-    embed_rows = f.shape("token_embd.weight")[0] if "token_embd.weight" in f.tensors else None
-    vocab = meta.number("vocab_size", embed_rows or len(f.fields.get("tokenizer.ggml.tokens",
-                                                                      [])))
     max_seq = meta.number("context_length", 2048)
     position: dict[str, Any] = {"kind": "rope",
                                 "theta": _f32(meta.number("rope.freq_base", 10000.0, kind=float))}
@@ -173,109 +177,61 @@ def _spec_data(f: GGUFFile) -> tuple[dict[str, Any], HFConfig]:
             raise meta.refuse("rope.scaling.type", scaling, "the file also holds per-frequency "
                               "factors (rope_freqs.weight): one scaling at a time")
         position["scaling"] = llama3_scaling(f, position["theta"], rotary)
-    experts = meta.number("expert_count", 0)
     ffn: dict[str, Any] = {"kind": "swiglu", "d_ff": meta.number("feed_forward_length")}
-    if experts:
+    if experts := meta.number("expert_count", 0):
         ffn = {"kind": "moe", "d_ff": ffn["d_ff"], "moe": {
             "experts": experts, "top_k": meta.number("expert_used_count", 2)}}
-    bias = {p: f"blk.0.attn_{n}.bias" in f.tensors
-            for p, n in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))}
-    layers = meta.number("block_count")
-    eps = _f32(meta.number("attention.layer_norm_rms_epsilon", 1e-5, kind=float))
-    meta.check_all_understood(())
+    embed_rows = f.shape("token_embd.weight")[0] if "token_embd.weight" in f.tensors else None
     data = {
         "name": spec_name(f.path.stem, str(f.fields.get("general.name") or "")),
         "description": f"{f.fields.get('general.name') or f.path.stem} from {f.path.name}",
-        "family": "decoder", "vocab_size": vocab, "d_model": d,
-        "layers": layers, "max_seq_len": max_seq, "dtype": "f32",
-        "attention": {"heads": heads, "kv_heads": kv, "head_dim": head_dim, "bias": bias},
-        "ffn": ffn,
-        "norm": {"kind": "rmsnorm", "eps": eps},
-        "position": position,
+        "vocab_size": meta.number("vocab_size", embed_rows or len(
+            f.fields.get("tokenizer.ggml.tokens", []))),
+        "d_model": d, "layers": meta.number("block_count"), "max_seq_len": max_seq, "dtype": "f32",
+        "attention": {"heads": heads, "kv_heads": kv, "head_dim": head_dim, "bias": {
+            p: f"blk.0.attn_{n}.bias" in f.tensors
+            for p, n in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))}},
+        "ffn": ffn, "position": position,
+        "norm": {"kind": "rmsnorm",
+                 "eps": _f32(meta.number("attention.layer_norm_rms_epsilon", 1e-5, kind=float))},
         "embedding": {"tied": "output.weight" not in f.tensors},
     }
-    return data, meta
-
-
-def spec_of_file(f: GGUFFile) -> Spec:
-    data, _ = _spec_data(f)
+    meta.check_all_understood()
     return from_dict(data, source=str(f.path))
 
 
 def unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's reordering of Q/K rows: within each head it stores rows as interleaved
     pairs (0, d/2, 1, d/2+1, ...) of the original half-split order."""
-    rows = w.shape[0]
     # (heads, D/2, 2, ...) → (heads, 2, D/2, ...)
-    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(
-        w.shape).contiguous()
+    return w.reshape(heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
-def _tensor_plan(spec: Spec, f: GGUFFile) -> list[tuple[str, str, Callable[[torch.Tensor],
-                                                                            torch.Tensor]]]:
-    """(GGUF tensor, archc tensor, fix-up) for every tensor."""
-    same: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
-    heads, kv = spec.attention.heads, spec.attention.kv_heads
-    q_fix = lambda x: unpermute_rope_rows(x, heads)
-    k_fix = lambda x: unpermute_rope_rows(x, kv)
-    plan = [("token_embd.weight", "embed.weight", same),
-            ("output_norm.weight", "final_norm.weight", same)]
-    if not spec.embedding.tied:
-        plan.append(("output.weight", "head.weight", same))
-    bias = spec.attention.bias
-    for i in range(spec.layers):
-        b, a = f"blk.{i}.", f"layers.{i}."
-        plan += [(b + "attn_norm.weight", a + "attn_norm.weight", same),
-                 (b + "ffn_norm.weight", a + "ffn_norm.weight", same),
-                 (b + "attn_q.weight", a + "attn.q.weight", q_fix),
-                 (b + "attn_k.weight", a + "attn.k.weight", k_fix),
-                 (b + "attn_v.weight", a + "attn.v.weight", same),
-                 (b + "attn_output.weight", a + "attn.o.weight", same)]
-        for p, n, fix in (("q", "q", q_fix), ("k", "k", k_fix), ("v", "v", same),
-                          ("o", "output", same)):
-            if getattr(bias, p):
-                plan.append((f"{b}attn_{n}.bias", f"{a}attn.{p}.bias", fix))
-        if spec.ffn.kind == "moe":
-            plan.append((b + "ffn_gate_inp.weight", a + "ffn.router.weight", same))
-            for p in ("gate", "up", "down"):
-                plan.append((f"{b}ffn_{p}_exps.weight", f"{a}ffn.experts.{p}.weight", same))
-        else:
-            for p in ("gate", "up", "down"):
-                plan.append((f"{b}ffn_{p}.weight", f"{a}ffn.{p}.weight", same))
-    return plan
+def _rope_rows(layout: Layout, s: Spec, t: TensorMap, ckpt: Checkpoint) -> None:
+    """Q and K, weights and biases, with their rows put back in half-split order."""
+    for target in t.want:
+        if m := re.fullmatch(r"layers\.\d+\.attn\.([qk])\.(weight|bias)", target):
+            heads = s.attention.heads if m[1] == "q" else s.attention.kv_heads
+            t.add([checkpoint_name(layout, s, ckpt, target)], [t.want[target]], [target],
+                  lambda xs, h=heads: [unpermute_rope_rows(xs[0], h)])
+
+
+GATE_UP_DOWN = ("gate", "up", "down")
+LAYOUT = Layout({
+    "embed": "token_embd", "final_norm": "output_norm", "attn_norm": "attn_norm",
+    "ffn_norm": "ffn_norm", **each("attn.*", "attn_*", "qkv"), "attn.o": "attn_output",
+    **each("ffn.*", "ffn_*", GATE_UP_DOWN), "ffn.router": "ffn_gate_inp",
+    **each("ffn.experts.*", "ffn_*_exps", GATE_UP_DOWN)},
+    layer="blk.{i}.", head=("output",), special=_rope_rows)
 
 
 def load_gguf(path: Path, *, progress: Progress | None = None, dtype: str | None = None) -> Model:
     """The model of a GGUF file, its tensors dequantised to f32 (or `dtype`, one at a time)."""
-    from archc.ir.lower import lower
-    from archc.memory import check_fits, checkpoint_elements
-    from archc.runtime.weights import TORCH_DTYPES, checkpoint_shapes
-
     f = GGUFFile(path)
     spec = spec_of_file(f)
-    program = lower(spec)
-    want = checkpoint_shapes(program)
-    plan = _tensor_plan(spec, f)
-    for name, target, _ in plan:  # check everything before dequantising anything
-        if name not in f.tensors:
-            raise WeightsError(f"{path}: tensor {name!r} is missing (expected shape "
-                               f"{list(want[target])})")
-        if f.shape(name) != want[target]:
-            raise WeightsError(f"{path}: tensor {name!r} has shape {list(f.shape(name))}, "
-                               f"expected {list(want[target])}")
     # rope_freqs.weight, when there, was read into the spec's RoPE scaling
-    extra = sorted(set(f.tensors) - {name for name, _, _ in plan} - {"rope_freqs.weight"})
-    if extra:
-        more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
-        raise WeightsError(f"{path}: tensors the model does not use: {', '.join(extra[:3])}"
-                           f"{more}")
-    held = dtype or "f32"
-    check_fits(spec.name, "its weights", checkpoint_elements(program), held, spec.family)
-    weights: dict[str, torch.Tensor] = {}
-    for done, (name, target, fix) in enumerate(plan):
-        weights[target] = fix(f.load(name)).to(TORCH_DTYPES[held])
-        if progress is not None:
-            progress(done + 1, len(plan))
+    weights, _ = read_checkpoint(spec, Checkpoint(f), LAYOUT, skip=(r"rope_freqs\.weight",),
+                                 progress=progress, dtype=dtype)
     tokenizer = gguf_tokenizer(f)
     return Model(spec, weights, tokenizer=tokenizer,
                  chat_template=tokenizer.chat_template if tokenizer else None,
@@ -284,7 +240,6 @@ def load_gguf(path: Path, *, progress: Progress | None = None, dtype: str | None
 
 def gguf_tokenizer(f: GGUFFile) -> Any:
     """The tokenizer stored in the file's `tokenizer.ggml.*` metadata (None if it has none)."""
-    from archc.tokenizer import from_gguf_vocab
     fields = f.fields
     tokens = fields.get("tokenizer.ggml.tokens")
     if not tokens:

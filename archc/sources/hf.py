@@ -13,29 +13,17 @@ from pathlib import Path
 from typing import Any
 
 from archc.errors import SpecError
-from archc.model import Model
+from archc.model import Model, Progress
 from archc.sources.architectures import ARCHITECTURES
-from archc.sources.architectures.base import Architecture, Checkpoint
+from archc.sources.architectures.base import Architecture, spec_data
 from archc.sources.hf_config import HFConfig, spec_name
 from archc.sources.safetensors_files import SafetensorsFiles
-from archc.sources.tensor_map import LegacyNames, Progress, TensorMap, apply_rules
+from archc.sources.tensor_map import Checkpoint, read_checkpoint
 from archc.spec import from_dict
 from archc.spec.schema import Spec
+from archc.tokenizer import load_hf_tokenizer
 
 CONFIG = "config.json"
-
-
-class _NoTensors:
-    """A checkpoint with no tensors: a spec from the config alone."""
-
-    def names(self) -> list[str]:
-        return []
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        raise KeyError(name)
-
-    def load(self, name: str) -> Any:
-        raise KeyError(name)
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -60,72 +48,51 @@ def read_config(directory: Path) -> HFConfig:
     return HFConfig(data, str(path))
 
 
-def architecture_of(cfg: HFConfig) -> Architecture:
-    mt = cfg.data.get("model_type")
-    for arch in ARCHITECTURES:
-        if mt in arch.model_types:
-            return arch
-    supported = sorted(t for a in ARCHITECTURES for t in a.model_types)
-    shown = "missing" if mt is None else f"{mt!r} is not supported"
-    raise SpecError("model_type", shown, source=cfg.source, allowed=", ".join(supported))
-
-
-def _spec(directory: Path, cfg: HFConfig, arch: Architecture, ckpt: Checkpoint) -> Spec:
-    data = arch.spec(cfg, ckpt)
+def _read(directory: Path, weights: bool) -> tuple[HFConfig, Architecture, Checkpoint, Spec]:
+    """The config, architecture, checkpoint (without weights: none) and spec of a directory."""
+    cfg = read_config(directory)
+    arch = next((a for a in ARCHITECTURES if cfg.model_type in a.model_types), None)
+    if arch is None:
+        shown = f"{cfg.model_type!r} is not supported" if cfg.model_type else "missing"
+        raise SpecError("model_type", shown, source=cfg.source, allowed=", ".join(
+            sorted(t for a in ARCHITECTURES for t in a.model_types)))
+    ckpt = Checkpoint(SafetensorsFiles(directory) if weights else None, arch.prefixes)
+    data = spec_data(arch, cfg, ckpt)
     cfg.check_all_understood(arch.inert)
-    data = {"name": spec_name(str(cfg.data.get("_name_or_path") or ""), directory.resolve().name),
-            "description": f"{cfg.model_type} from {directory}", **data}
-    return from_dict(data, source=cfg.source)
+    name = spec_name(str(cfg.data.get("_name_or_path") or ""), directory.resolve().name)
+    spec = from_dict({"name": name, "description": f"{cfg.model_type} from {directory}", **data},
+                     source=cfg.source)
+    return cfg, arch, ckpt, spec
 
 
 def hf_spec(directory: Path) -> Spec:
     """The spec of an HF directory (its safetensors headers are read, if present, to see
     whether the head is tied)."""
-    cfg = read_config(directory)
-    arch = architecture_of(cfg)
-    has_weights = any(directory.glob("*.safetensors"))
-    source = LegacyNames(SafetensorsFiles(directory)) if has_weights else _NoTensors()
-    return _spec(directory, cfg, arch, Checkpoint(source, arch.prefixes))
+    return _read(directory, any(directory.glob("*.safetensors")))[3]
 
 
 def load_hf(directory: Path, *, progress: Progress | None = None,
-            dtype: str | None = None) -> Any:
+            dtype: str | None = None) -> Model:
     """An HF directory → archc Model with its weights (in their stored dtype, or `dtype`),
     tokenizer and EOS ids."""
-    from archc.ir.lower import lower
-    from archc.memory import check_fits, checkpoint_elements
-    from archc.runtime.weights import checkpoint_shapes
-    from archc.tokenizer import load_hf_tokenizer
-
-    cfg = read_config(directory)
-    arch = architecture_of(cfg)
-    files = LegacyNames(SafetensorsFiles(directory))
-    ckpt = Checkpoint(files, arch.prefixes)
-    spec = _spec(directory, cfg, arch, ckpt)
-    program = lower(spec)
-    check_fits(spec.name, "its weights", checkpoint_elements(program), dtype or spec.dtype,
-               spec.family)
-    tmap = TensorMap(checkpoint_shapes(program))
-    arch.tensors(spec, tmap, ckpt)
-    weights, skipped = apply_rules(files, tmap, skip=arch.skip, progress=progress, dtype=dtype)
-    notes = [f"not part of the computed function, skipped: {', '.join(skipped)}"] if skipped \
-        else []
+    cfg, arch, ckpt, spec = _read(directory, True)
+    weights, skipped = read_checkpoint(spec, ckpt, arch.layout, skip=arch.skip,
+                                       progress=progress, dtype=dtype)
     tokenizer = load_hf_tokenizer(directory)
-    eos = _eos_ids(directory, cfg, tokenizer)
     return Model(spec, weights, tokenizer=tokenizer,
                  chat_template=tokenizer.chat_template if tokenizer else None,
-                 source=str(directory), eos_token_ids=eos, notes=tuple(notes))
+                 source=str(directory), eos_token_ids=_eos_ids(directory, cfg, tokenizer),
+                 notes=(f"not part of the computed function, skipped: {', '.join(skipped)}",)
+                 if skipped else ())
 
 
 def _eos_ids(directory: Path, cfg: HFConfig, tokenizer: Any) -> tuple[int, ...]:
     """End-of-sequence ids: generation_config.json, else config.json, else the tokenizer's."""
-    found: Any = None
-    gen = directory / "generation_config.json"
-    if gen.is_file():
-        try:
-            found = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
-        except (OSError, ValueError, AttributeError):
-            found = None
+    try:
+        found = json.loads((directory / "generation_config.json").read_text(encoding="utf-8"))\
+            .get("eos_token_id")
+    except (OSError, ValueError, AttributeError):   # absent or unreadable
+        found = None
     if found is None:
         found = cfg.data.get("eos_token_id")
     if found is None and tokenizer is not None:

@@ -1,21 +1,21 @@
 """Reading a Hugging Face ``config.json`` so that no field goes unnoticed.
 
-Every field an architecture mapper reads is recorded. What is left when the mapper is done must be
-on a list of fields known not to change the function (dropout rates, initializer ranges, generation
+Every field an architecture reads is recorded. What is left when it is done must be on a list of
+fields known not to change the function (dropout rates, initializer ranges, generation
 defaults...); anything else is refused by name, so a model never runs with a setting archc did not
-understand. The helpers here translate the settings several model types share: activations, RoPE
-(``rope_parameters`` of transformers 5 and the older ``rope_theta``/``rope_scaling``), tied
-embeddings.
+understand. The helpers here translate the settings several model types share: activations and
+RoPE (``rope_parameters`` of transformers 5 and the older ``rope_theta``/``rope_scaling``).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from archc.errors import SpecError
+from archc.spec.schema import GATED_ACTIVATION
 
 # Fields of every transformers config that do not change what the network computes: bookkeeping,
 # training-only knobs, generation defaults, label maps of task heads archc does not run.
@@ -54,49 +54,48 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu", "silu": "silu", "swish": "silu",
     "sigmoid": "sigmoid",
 }
+GATED = {act: kind for kind, act in GATED_ACTIVATION.items()}   # activation → gated FFN kind
+
+# The parameters of each RoPE scaling kind that the spec takes under the same names (absent ones
+# keep the spec's defaults, which are transformers' too).
+ROPE_SCALING = {"linear": (), "dynamic": (), "llama3": ("low_freq_factor", "high_freq_factor"),
+                "yarn": ("beta_fast", "beta_slow", "attention_factor")}
 
 _MISSING = object()
+Keys = str | Sequence[str]   # one field, or its spellings (GPT-2's `n_embd`, Llama's `hidden_size`)
 
 
 class HFConfig:
-    """A config.json mapping that records which fields were read."""
+    """A config.json mapping that records which fields were read. A nested mapping (MPT's
+    `attn_config`) or GGUF metadata is one too, its fields named with `prefix` in errors."""
 
-    def __init__(self, data: Mapping[str, Any], source: str) -> None:
+    def __init__(self, data: Mapping[str, Any], source: str, *, model_type: str | None = None,
+                 prefix: str = "") -> None:
         self.data = dict(data)
         self.source = source
-        self.model_type = str(self.data.get("model_type", ""))
+        self.model_type = model_type or str(self.data.get("model_type") or "")
+        self.prefix = prefix
         self.used: set[str] = set()
 
     def __contains__(self, key: str) -> bool:
-        return key in self.data and self.data[key] is not None
+        return self.data.get(key) is not None
 
-    def get(self, key: str, default: Any = None) -> Any:
-        """The field's value (`default` when absent or null), marking it understood."""
-        self.used.add(key)
-        value = self.data.get(key)
-        return default if value is None else value
-
-    def first(self, keys: Iterable[str], default: Any = _MISSING) -> Any:
-        """The first of several spellings of one field that is present (GPT-2 style `n_embd`
-        and Llama style `hidden_size`); all of them count as read."""
-        keys = list(keys)
+    def get(self, keys: Keys, default: Any = None) -> Any:
+        """The first present (not null) of a field's spellings, else `default`; every spelling
+        counts as read."""
+        keys = [keys] if isinstance(keys, str) else list(keys)
         self.used.update(keys)
-        for key in keys:
-            if self.data.get(key) is not None:
-                return self.data[key]
-        if default is _MISSING:
-            raise self.error(keys[0], "is missing", allowed="a value")
-        return default
+        return next((self.data[k] for k in keys if k in self), default)
 
-    def number(self, key: str, default: Any = _MISSING, *, kind: type = int) -> Any:
-        value = self.get(key, None)
+    def number(self, keys: Keys, default: Any = _MISSING, *, kind: type = int) -> Any:
+        value = self.get(keys)
         if value is None:
             if default is _MISSING:
-                raise self.error(key, "is missing", allowed=f"a {kind.__name__}")
+                raise self.error(keys, "is missing", allowed=f"a {kind.__name__}")
             return default
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (
                 kind is int and not float(value).is_integer()):
-            raise self.error(key, f"{value!r} is not a {'whole ' if kind is int else ''}number")
+            raise self.error(keys, f"{value!r} is not a {'whole ' if kind is int else ''}number")
         return kind(value)
 
     def flag(self, key: str, default: bool) -> bool:
@@ -105,143 +104,102 @@ class HFConfig:
             raise self.error(key, f"{value!r} is not true/false")
         return value
 
-    def expect(self, key: str, allowed: Collection[Any], default: Any = None) -> Any:
-        """Read a field whose only values archc can honour are `allowed` (absent = `default`)."""
-        value = self.get(key, default)
+    def expect(self, key: str, allowed: Sequence[Any]) -> Any:
+        """A field whose only values archc can honour are `allowed` (absent: the first)."""
+        value = self.get(key, allowed[0])
         if value not in allowed:
-            shown = ", ".join(repr(a) for a in allowed)
-            raise self.refuse(key, value, f"archc implements only {shown}")
+            raise self.refuse(key, value, "archc implements only "
+                              + ", ".join(repr(a) for a in allowed))
         return value
 
-    def error(self, key: str, problem: str, allowed: str | None = None) -> SpecError:
-        return SpecError(key, problem, source=self.source, allowed=allowed)
+    def error(self, keys: Keys, problem: str, allowed: str | None = None) -> SpecError:
+        """An error naming the field (its first spelling)."""
+        key = keys if isinstance(keys, str) else keys[0]
+        return SpecError(self.prefix + key, problem, source=self.source, allowed=allowed)
 
-    def refuse(self, key: str, value: Any, why: str) -> SpecError:
+    def refuse(self, key: Keys, value: Any, why: str) -> SpecError:
         """A field whose value archc cannot honour."""
-        return SpecError(key, f"{value!r} cannot be honoured for model_type "
-                         f"{self.model_type!r}: {why}", source=self.source)
+        return self.error(key, f"{value!r} cannot be honoured for model_type "
+                          f"{self.model_type!r}: {why}")
 
-    def check_all_understood(self, inert: Collection[str]) -> None:
-        """Refuse the fields no mapper read and no list calls inert."""
+    def check_all_understood(self, inert: Collection[str] = ()) -> None:
+        """Refuse the fields nothing read and no list calls inert."""
         if self.data.get("pruned_heads"):
             raise self.refuse("pruned_heads", self.data["pruned_heads"], "pruned attention "
                               "heads leave layers with different head counts")
         unknown = sorted(k for k in self.data if k not in self.used and k not in COMMON_INERT
                          and k not in inert)
         if unknown:
-            key = unknown[0]
             more = f" (also: {', '.join(unknown[1:])})" if len(unknown) > 1 else ""
-            raise SpecError(key, f"{self.data[key]!r} is a field archc does not know for "
-                            f"model_type {self.model_type!r}, so it cannot promise to honour "
-                            f"it{more}", source=self.source,
-                            allowed="remove the field if it does not change the model")
+            raise self.error(unknown[0], f"{self.data[unknown[0]]!r} is a field archc does not "
+                             f"know for model_type {self.model_type!r}, so it cannot promise to "
+                             f"honour it{more}",
+                             allowed="remove the field if it does not change the model")
 
 
-def activation(cfg: HFConfig, keys: Iterable[str], default: str) -> str:
-    keys = list(keys)
-    name = cfg.first(keys, default)
+def activation(cfg: HFConfig, keys: Keys, default: str) -> str:
+    name = cfg.get(keys, default)
     if name not in ACTIVATIONS:
-        raise cfg.refuse(keys[0], name, "archc's activations are "
-                         + ", ".join(sorted(ACTIVATIONS)))
+        raise cfg.refuse(keys, name, "archc's activations are " + ", ".join(sorted(ACTIVATIONS)))
     return ACTIVATIONS[name]
 
 
-# ---- RoPE -----------------------------------------------------------------------------------
-
-def rope_position(cfg: HFConfig, *, max_seq_len: int, theta_keys: Iterable[str] = ("rope_theta",),
-                  default_theta: float = 10000.0, fraction_keys: Iterable[str] = (
-                      "partial_rotary_factor",), default_fraction: float = 1.0,
-                  interleaved: bool = False) -> dict[str, Any]:
-    """The spec's `position` section for a RoPE model, from `rope_parameters` (transformers 5) or
-    `rope_theta` + `rope_scaling` + a partial-rotary field (transformers 4). Returns the section
-    and may change `max_seq_len` (see dynamic scaling) through the returned `_max_seq_len`."""
+def rope_position(cfg: HFConfig, max_seq_len: int, *, theta_keys: Keys = "rope_theta",
+                  fraction_keys: Keys = "partial_rotary_factor", default_fraction: float = 1.0,
+                  whole_heads: bool = False) -> dict[str, Any]:
+    """The spec's `position` and `max_seq_len` for a RoPE model, from `rope_parameters`
+    (transformers 5) over `rope_theta` + `rope_scaling` + a partial-rotary field (transformers 4).
+    `whole_heads`: the model type rotates whole heads, so a partial factor is refused."""
     params = cfg.get("rope_parameters") or {}
-    if not isinstance(params, Mapping):
+    if not isinstance(params, Mapping) or any(isinstance(v, Mapping) for v in params.values()):
         raise cfg.refuse("rope_parameters", params, "a mapping of one RoPE setting is expected "
                          "(per-layer-type RoPE is not supported)")
-    if any(isinstance(v, Mapping) for v in params.values()):
-        raise cfg.refuse("rope_parameters", params, "per-layer-type RoPE settings are not "
-                         "supported")
-    theta = params.get("rope_theta")
-    if theta is None:
-        theta = cfg.first(theta_keys, default_theta)
-    else:
-        cfg.used.update(theta_keys)
-    fraction = params.get("partial_rotary_factor")
-    if fraction is None:
-        fraction = cfg.first(fraction_keys, default_fraction)
-    else:
-        cfg.used.update(fraction_keys)
     scaling = cfg.get("rope_scaling") or {}
-    if scaling and not isinstance(scaling, Mapping):
+    if not isinstance(scaling, Mapping):
         raise cfg.refuse("rope_scaling", scaling, "a mapping is expected")
-    merged = {**scaling, **{k: v for k, v in params.items()
-                            if k not in ("rope_theta", "partial_rotary_factor")}}
     where = "rope_parameters" if params else "rope_scaling"
-    kind = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
-    merged.pop("type", None)
-    out: dict[str, Any] = {"kind": "rope", "theta": float(theta), "fraction": float(fraction)}
-    if interleaved:
-        out["interleaved"] = True
-    original = merged.pop("original_max_position_embeddings", None) or cfg.get(
+    rope = {"rope_theta": cfg.get(theta_keys, 10000.0),
+            "partial_rotary_factor": cfg.get(fraction_keys, default_fraction)}
+    for given in (scaling, params):   # a null parameter is an absent one
+        rope.update((k, v) for k, v in given.items() if v is not None)
+    fraction = float(rope.pop("partial_rotary_factor"))
+    if whole_heads and fraction != 1.0:
+        raise cfg.refuse((f"{where}." if params else "") + "partial_rotary_factor", fraction,
+                         f"{cfg.model_type} rotates whole heads")
+    out: dict[str, Any] = {"max_seq_len": max_seq_len, "position": {
+        "kind": "rope", "theta": float(rope.pop("rope_theta")), "fraction": fraction}}
+    kind = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+    rope.pop("type", None)
+    original = rope.pop("original_max_position_embeddings", None) or cfg.get(
         "original_max_position_embeddings") or max_seq_len
-    factor = merged.pop("factor", None)
-
-    def leftover(allowed: Collection[str], defaults: Mapping[str, Any] | None = None) -> None:
-        for key, value in merged.items():
-            if key in allowed:
-                continue
-            if defaults and key in defaults and value == defaults[key]:
-                continue
-            raise cfg.refuse(f"{where}.{key}", value, f"not part of archc's {kind!r} RoPE")
-
-    if kind == "default":
-        leftover((), {"factor": 1.0})
-        if factor not in (None, 1, 1.0):
-            raise cfg.refuse(f"{where}.factor", factor, "a factor needs a rope_type")
-        return out
-    if factor is None:
-        raise cfg.refuse(f"{where}.factor", None, f"{kind!r} RoPE scaling needs a factor")
-    if kind == "linear":
-        leftover(())
-        out["scaling"] = {"kind": "linear", "factor": float(factor)}
-    elif kind == "dynamic":
-        # Dynamic NTK rescales the frequencies from the current length once it passes the
-        # trained context, which transformers takes to be max_position_embeddings (whatever
-        # original_max_position_embeddings says). The factor is how far past it the model is
-        # meant to go: the KV cache is sized for that.
-        leftover(())
-        out["scaling"] = {"kind": "dynamic", "factor": float(factor),
-                          "original_max_seq_len": int(max_seq_len)}
-        out["_max_seq_len"] = max(int(max_seq_len), math.ceil(max_seq_len * float(factor)))
-    elif kind == "llama3":
-        low = merged.pop("low_freq_factor", 1.0)
-        high = merged.pop("high_freq_factor", 4.0)
-        leftover(())
-        out["scaling"] = {"kind": "llama3", "factor": float(factor),
-                          "original_max_seq_len": int(original),
-                          "low_freq_factor": float(low), "high_freq_factor": float(high)}
-    elif kind == "yarn":
-        sc: dict[str, Any] = {"kind": "yarn", "factor": float(factor),
-                              "original_max_seq_len": int(original)}
-        for key, field in (("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"),
-                           ("attention_factor", "attention_factor")):
-            value = merged.pop(key, None)
-            if value is not None:
-                sc[field] = float(value)
-        truncate = merged.pop("truncate", True)
-        if truncate is not True:
+    factor = rope.pop("factor", None)
+    if kind == "default" and factor not in (None, 1, 1.0):
+        raise cfg.refuse(f"{where}.factor", factor, "a factor needs a rope_type")
+    if kind != "default":
+        if kind not in ROPE_SCALING:
+            raise cfg.refuse(f"{where}.rope_type", kind, "archc implements default, linear, "
+                             "dynamic, llama3 and yarn RoPE")
+        if factor is None:
+            raise cfg.refuse(f"{where}.factor", None, f"{kind!r} RoPE scaling needs a factor")
+        sc = out["position"]["scaling"] = {"kind": kind, "factor": float(factor)}
+        sc.update({k: float(rope.pop(k)) for k in ROPE_SCALING[kind] if k in rope})
+        if kind in ("llama3", "yarn"):
+            sc["original_max_seq_len"] = int(original)
+        if kind == "dynamic":
+            # Dynamic NTK rescales the frequencies from the current length once it passes the
+            # trained context, which transformers takes to be max_position_embeddings (whatever
+            # original_max_position_embeddings says). The factor is how far past it the model is
+            # meant to go: the KV cache is sized for that.
+            sc["original_max_seq_len"] = int(max_seq_len)
+            out["max_seq_len"] = max(int(max_seq_len), math.ceil(max_seq_len * float(factor)))
+        if kind == "yarn" and (truncate := rope.pop("truncate", True)) is not True:
             raise cfg.refuse(f"{where}.truncate", truncate, "archc's YaRN rounds the "
                              "correction range (truncate: true)")
-        leftover((), {"mscale": None, "mscale_all_dim": None})
-        out["scaling"] = sc
-    else:
-        raise cfg.refuse(f"{where}.rope_type", kind, "archc implements default, linear, "
-                         "dynamic, llama3 and yarn RoPE")
+    if rope:   # a parameter archc would ignore
+        key = next(iter(rope))
+        raise cfg.refuse(f"{where}.{key}", rope[key], f"not part of archc's {kind!r} RoPE")
     return out
 
-
-# ---- naming ---------------------------------------------------------------------------------
 
 def spec_name(*candidates: str) -> str:
     """A valid spec name from the first usable candidate (a hub id's last part, a folder)."""
@@ -254,6 +212,5 @@ def spec_name(*candidates: str) -> str:
 
 
 def dtype_name(cfg: HFConfig) -> str:
-    text = str(cfg.first(("dtype", "torch_dtype"), "float32"))
+    text = str(cfg.get(("dtype", "torch_dtype"), "float32"))
     return {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}.get(text, "f32")
-

@@ -12,48 +12,54 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from archc.errors import WeightsError
 
 INDEX = "model.safetensors.index.json"
+# TensorFlow-era names, which transformers renames on load
+LEGACY = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}
 
 
 class SafetensorsFiles:
-    """Tensor name → file, shapes from the headers, tensors on demand."""
+    """Tensor name → (file, stored name), shapes from the headers, tensors on demand. Names are
+    the ones transformers gives on load: `LayerNorm.gamma` is `LayerNorm.weight`."""
 
     def __init__(self, directory: Path) -> None:
-        try:
-            from safetensors import safe_open
-        except ImportError:  # pragma: no cover - an optional dependency
-            raise WeightsError("reading safetensors needs the `safetensors` package "
-                               "(pip install 'archc[hf]')") from None
-        self._safe_open = safe_open
-        self.directory = directory
-        self.files = self._list_files(directory)
-        self._open: dict[Path, Any] = {}
-        self.where: dict[str, Path] = {}
-        for path in self.files:
-            names = self._handle(path).keys()
+        self.handles: dict[Path, Any] = {}
+        stored: dict[str, Path] = {}
+        for path in self._list_files(directory):
+            try:
+                self.handles[path] = safe_open(str(path), framework="pt")
+            except Exception as err:  # safetensors raises its own error types
+                raise WeightsError(f"{path}: not a readable safetensors file "
+                                   f"({str(err).strip() or type(err).__name__}); "
+                                   "is it truncated or still downloading?") from None
+            names = self.handles[path].keys()   # a safe_open handle is not a mapping
             for name in names:
-                if name in self.where:
+                if name in stored:
                     raise WeightsError(f"checkpoint tensor {name!r} is in both "
-                                       f"{self.where[name].name} and {path.name}")
-                self.where[name] = path
+                                       f"{stored[name].name} and {path.name}")
+                stored[name] = path
+        self.where: dict[str, tuple[Path, str]] = {}
+        for name, path in stored.items():
+            old = next((o for o in LEGACY if name.endswith(o)), None)
+            new = name[: -len(old)] + LEGACY[old] if old else name
+            self.where[name if new in stored else new] = (path, name)
 
     @staticmethod
     def _list_files(directory: Path) -> list[Path]:
         index = directory / INDEX
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-                names = sorted(set(weight_map.values()))
+                names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                                   .values()))
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
                 raise WeightsError(f"{index}: not a readable shard index ({err})") from None
-            files = [directory / n for n in names]
-            for f in files:
-                if not f.is_file():
-                    raise WeightsError(f"{index} lists {f.name}, which is not in {directory}")
-            return files
+            for name in names:
+                if not (directory / name).is_file():
+                    raise WeightsError(f"{index} lists {name}, which is not in {directory}")
+            return [directory / n for n in names]
         files = sorted(directory.glob("*.safetensors"))
         if not files:
             pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(
@@ -63,29 +69,18 @@ class SafetensorsFiles:
             raise WeightsError(f"{directory} has no *.safetensors weights{hint}")
         return files
 
-    def _handle(self, path: Path) -> Any:
-        handle = self._open.get(path)
-        if handle is None:
-            try:
-                handle = self._safe_open(str(path), framework="pt")
-            except Exception as err:  # safetensors raises its own error types
-                raise WeightsError(f"{path}: not a readable safetensors file "
-                                   f"({str(err).strip() or type(err).__name__}); "
-                                   "is it truncated or still downloading?") from None
-            self._open[path] = handle
-        return handle
-
     def names(self) -> list[str]:
         return list(self.where)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self.where[name]).get_slice(name).get_shape())
+        path, stored = self.where[name]
+        return tuple(self.handles[path].get_slice(stored).get_shape())
 
     def load(self, name: str) -> torch.Tensor:
-        path = self.where[name]
+        path, stored = self.where[name]
         try:
-            return self._handle(path).get_tensor(name)
+            return self.handles[path].get_tensor(stored)
         except Exception as err:
-            raise WeightsError(f"{path}: cannot read tensor {name!r} "
+            raise WeightsError(f"{path}: cannot read tensor {stored!r} "
                                f"({str(err).strip() or type(err).__name__}); "
                                "is the file truncated?") from None

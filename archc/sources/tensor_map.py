@@ -1,12 +1,12 @@
 """Checkpoint tensors → archc's parameter names, with every tensor accounted for.
 
-An architecture describes its checkpoint as a list of rules: which checkpoint tensors it reads and
-which archc tensors they become (renamed, transposed, split out of a fused Q/K/V, stacked over
-experts). Applying the rules checks each tensor before converting it: a missing tensor, a tensor
-of the wrong shape, or a tensor no rule reads is an error naming it with the expected and found
-shapes. A few tensors are known to lie outside the function archc runs (causal-mask buffers,
-cached RoPE frequencies, task heads such as BERT's pooler); an architecture lists them as patterns
-to skip, and the loader reports what it skipped.
+A source's checkpoint is described by rules: which checkpoint tensors each reads and which archc
+tensors they become (renamed, transposed, split out of a fused Q/K/V, stacked over experts). The
+rules come from a `Layout`, a table of module names, and the tensors the archc program wants.
+Every tensor is checked before any is read: a missing tensor, a tensor of the wrong shape, or a
+tensor no rule reads is an error naming it with the expected and found shapes. A few tensors are
+known to lie outside the function archc runs (causal-mask buffers, cached RoPE frequencies, task
+heads such as BERT's pooler); a source lists them as patterns to skip, and says what it skipped.
 """
 
 from __future__ import annotations
@@ -19,11 +19,17 @@ from typing import Protocol
 import torch
 
 from archc.errors import WeightsError
-from archc.runtime.weights import TORCH_DTYPES
+from archc.ir.lower import lower
+from archc.memory import check_fits, checkpoint_elements
+from archc.model import Progress
+from archc.runtime.weights import TORCH_DTYPES, checkpoint_shapes
+from archc.spec.schema import Spec
 
 Shape = tuple[int, ...]
 Convert = Callable[[list[torch.Tensor]], list[torch.Tensor]]
-Progress = Callable[[int, int], None]
+Module = str | Callable[[Spec], str]   # a checkpoint module, or the spec's choice of one
+LAYER = re.compile(r"((?:encoder|decoder)\.)?layers\.(\d+)\.(.+)")
+QKV = ("attn.q", "attn.k", "attn.v")
 
 
 class TensorSource(Protocol):
@@ -32,34 +38,6 @@ class TensorSource(Protocol):
     def shape(self, name: str) -> Shape: ...
 
     def load(self, name: str) -> torch.Tensor: ...
-
-
-class LegacyNames:
-    """A source under the names transformers gives old checkpoints on load: TensorFlow-era
-    `LayerNorm.gamma` / `LayerNorm.beta` are `LayerNorm.weight` / `LayerNorm.bias`."""
-
-    RENAMES = (("LayerNorm.gamma", "LayerNorm.weight"), ("LayerNorm.beta", "LayerNorm.bias"))
-
-    def __init__(self, source: TensorSource) -> None:
-        self.source = source
-        stored = source.names()
-        present = set(stored)
-        self.original: dict[str, str] = {}
-        for name in stored:
-            new = name
-            for old, replacement in self.RENAMES:
-                if name.endswith(old):
-                    new = name[: -len(old)] + replacement
-            self.original[new if new not in present else name] = name
-
-    def names(self) -> list[str]:
-        return list(self.original)
-
-    def shape(self, name: str) -> Shape:
-        return self.source.shape(self.original[name])
-
-    def load(self, name: str) -> torch.Tensor:
-        return self.source.load(self.original[name])
 
 
 @dataclass(frozen=True)
@@ -71,104 +49,154 @@ class Rule:
 
 
 class TensorMap:
-    """Builds the rules of one checkpoint against the shapes the archc program expects."""
+    """The rules of one checkpoint, against the shapes the archc program wants."""
 
-    def __init__(self, want: Mapping[str, Shape]) -> None:
-        self.want = dict(want)
+    def __init__(self, want: dict[str, Shape]) -> None:
+        self.want = want
         self.rules: list[Rule] = []
 
-    def _shape(self, target: str) -> Shape:
-        if target not in self.want:  # a mapper bug: it names a tensor the program lacks
-            raise KeyError(f"the archc program has no tensor {target!r}")
-        return self.want[target]
-
-    def rename(self, source: str, target: str) -> None:
-        """Same layout, new name."""
-        self.rules.append(Rule((source,), (self._shape(target),), (target,), lambda xs: xs))
-
-    def transposed(self, source: str, target: str) -> None:
-        """Stored [in, out] (GPT-2's Conv1D); archc keeps matmul weights [out, in]."""
-        shape = self._shape(target)
-        self.rules.append(Rule((source,), (shape[::-1],), (target,),
-                               lambda xs: [xs[0].t().contiguous()]))
-
-    def fused(self, source: str, targets: Sequence[str], *, groups: int = 1,
-              transpose: bool = False) -> None:
-        """One tensor holding several along dim 0 (after `transpose`), in `groups` repeats of
-        [part of target 0 | part of target 1 | ...] — a fused Q/K/V projection. groups = 1 is a
-        plain concatenation (GPT-2, MPT); groups = heads interleaves per head (BLOOM, GPT-NeoX);
-        groups = KV heads puts a GQA group's queries before its key and value (Falcon)."""
-        shapes = [self._shape(t) for t in targets]
-        rest = shapes[0][1:]
-        if any(s[1:] != rest or s[0] % groups for s in shapes):
-            raise ValueError(f"cannot fuse {list(targets)} in {groups} groups")
-        parts = [s[0] // groups for s in shapes]
-        full: Shape = (sum(s[0] for s in shapes), *rest)
-
-        def split(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-            x = xs[0].t() if transpose else xs[0]
-            x = x.reshape(groups, sum(parts), *rest)                # (groups, Σ parts, ...)
-            return [p.reshape(groups * n, *rest).contiguous()
-                    for p, n in zip(x.split(parts, dim=1), parts)]
-
-        self.rules.append(Rule((source,), (full[::-1] if transpose else full,), tuple(targets),
-                               split))
-
-    def stacked(self, sources: Sequence[str], target: str) -> None:
-        """One tensor per expert → archc's [experts, ...] tensor."""
-        shape = self._shape(target)
-        if len(sources) != shape[0]:
-            raise ValueError(f"{len(sources)} tensors for {target} of shape {shape}")
-        self.rules.append(Rule(tuple(sources), (shape[1:],) * len(sources), (target,),
-                               lambda xs: [torch.stack(xs)]))
-
-    def duplicate(self, source: str, of: str) -> None:
-        """A stored copy of archc tensor `of` (a tied head saved next to the embedding): checked,
-        not read."""
-        self.rules.append(Rule((source,), (self._shape(of),), (), lambda xs: []))
-
-    def custom(self, sources: Sequence[str], shapes: Sequence[Shape], targets: Sequence[str],
-               convert: Convert) -> None:
+    def add(self, sources: Sequence[str], shapes: Sequence[Shape], targets: Sequence[str],
+            convert: Convert) -> None:
         self.rules.append(Rule(tuple(sources), tuple(shapes), tuple(targets), convert))
 
+    def split(self, source: str, targets: Sequence[str], *, groups: int = 1,
+              transpose: bool = False) -> None:
+        """One tensor holding `targets` along dim 0 (after `transpose`: GPT-2's Conv1D stores
+        [in, out], archc [out, in]) in `groups` repeats of [part of target 0 | part of target 1
+        | ...]. One target is a plain rename; several are a fused Q/K/V: groups = 1 is a plain
+        concatenation (GPT-2, MPT), groups = heads interleaves per head (BLOOM, GPT-NeoX),
+        groups = KV heads puts a GQA group's queries before its key and value (Falcon)."""
+        rest = self.want[targets[0]][1:]
+        parts = [self.want[t][0] // groups for t in targets]
+        full = (sum(parts) * groups, *rest)
 
-def _show(shape: Iterable[int]) -> str:
-    return str(list(shape))
+        def convert(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+            x = (xs[0].t() if transpose else xs[0]).reshape(groups, sum(parts), *rest)
+            return [p.reshape(groups * n, *rest).contiguous()    # (groups, Σ parts, ...)
+                    for p, n in zip(x.split(parts, dim=1), parts)]
+
+        self.add([source], [full[::-1] if transpose else full], targets, convert)
 
 
-def apply_rules(source: TensorSource, tmap: TensorMap, *, skip: Sequence[str] = (),
-                progress: Progress | None = None,
-                dtype: str | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Read and convert every tensor the rules name (cast to `dtype`, if given, as each is
-    read). Returns archc's checkpoint and the names of the checkpoint tensors skipped (matched
-    by a `skip` pattern)."""
-    present = set(source.names())
+class Checkpoint:
+    """Checkpoint tensor names, with the prefix a task class adds (``model.``, ``bert.``) found,
+    so that base-model names resolve. No source: a config without weights."""
+
+    def __init__(self, source: TensorSource | None, prefixes: Sequence[str] = ()) -> None:
+        self.source = source
+        self.names = set(source.names()) if source else set()
+        self.prefix = next((p for p in prefixes if any(n.startswith(p) for n in self.names)), "")
+
+    def __call__(self, name: str) -> str:
+        """The full checkpoint name of base-model tensor `name`."""
+        return self.prefix + name
+
+    def differ(self, a: str, b: str) -> bool:
+        """Does the checkpoint hold both tensors, and are they different?"""
+        if self.source is None or a not in self.names or b not in self.names:
+            return False
+        return self.source.shape(a) != self.source.shape(b) or not torch.equal(
+            self.source.load(a), self.source.load(b))
+
+
+def each(mine: str, theirs: str, parts: Iterable[str]) -> dict[str, str]:
+    """Table entries for several parts alike: each("attn.*", "self_attn.*_proj", "qkv")."""
+    return {mine.replace("*", p): theirs.replace("*", p) for p in parts}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a checkpoint keeps each archc tensor (see `checkpoint_name`)."""
+
+    names: Mapping[str, Module]           # archc module → checkpoint module
+    layer: str = "layers.{i}."            # layer i's modules ({stack}: T5's encoder./decoder.)
+    head: tuple[str, ...] = ("lm_head",)  # the output head's spellings, the first found is read
+    groups: Callable[[Spec], int] = lambda s: 1   # the repeats of a fused Q/K/V (`split`)
+    conv1d: bool = False                  # layer weights stored [in, out] (GPT-2's Conv1D)
+    copies: tuple[str, ...] = ()          # stored copies of the token embedding, checked
+    # rules for the tensors a table cannot describe, added before the table maps the rest
+    special: Callable[[Layout, Spec, TensorMap, Checkpoint], None] | None = None
+
+    def head_name(self, ckpt: Checkpoint) -> str:
+        return next((h for h in self.head if f"{h}.weight" in ckpt.names), self.head[0])
+
+
+def checkpoint_name(layout: Layout, s: Spec, ckpt: Checkpoint, target: str) -> str:
+    """Where the checkpoint keeps archc tensor `target`. Its name, less the layer, is looked up
+    by its longest dotted prefix in `layout.names`, which the checkpoint module replaces: with
+    `attn.q` → `self_attn.q_proj`, `layers.3.attn.q.bias` is `model.layers.3.self_attn.q_proj.bias`.
+    T5's layer names keep their stack (`decoder.ffn_norm`), since its two stacks differ."""
+    layer = LAYER.fullmatch(target)
+    stack, i, rest = layer.groups("") if layer else ("", "", target)
+    key = stack + rest
+    module = max((m for m in layout.names if key == m or key.startswith(m + ".")), key=len)
+    value = layout.names[module]
+    within = layout.layer.format(stack=stack, i=i) if layer else ""
+    return ckpt(within + (value if isinstance(value, str) else value(s)) + key[len(module):])
+
+
+def checkpoint_rules(layout: Layout, s: Spec, t: TensorMap, ckpt: Checkpoint) -> None:
+    """A rule for every tensor the program wants. Several tensors under one checkpoint name are a
+    fused Q/K/V; `{e}` in a name numbers one tensor per expert. The head is outside the base
+    model; a tied one may be stored all the same, as a copy."""
+    if layout.special is not None:
+        layout.special(layout, s, t, ckpt)
+    done = {target for rule in t.rules for target in rule.targets}
+    head = layout.head_name(ckpt)
+    fused: dict[str, list[str]] = {}
+    for target in [x for x in t.want if x not in done]:
+        if target in ("head.weight", "head.bias"):
+            name = head + target[4:]
+        else:
+            name = checkpoint_name(layout, s, ckpt, target)
+        if "{e}" in name:   # one tensor per expert → archc's [experts, ...]
+            experts, *shape = t.want[target]
+            t.add([name.format(e=e) for e in range(experts)], [tuple(shape)] * experts, [target],
+                  lambda xs: [torch.stack(xs)])
+        else:
+            fused.setdefault(name, []).append(target)
+    for name, targets in fused.items():
+        t.split(name, targets, groups=layout.groups(s) if len(targets) > 1 else 1,
+                transpose=layout.conv1d and bool(LAYER.fullmatch(targets[0]))
+                and len(t.want[targets[0]]) == 2)
+    for name in layout.copies + ((f"{head}.weight",) if s.embedding.tied else ()):
+        if name in ckpt.names:   # checked, not read
+            t.add([name], [t.want["embed.weight"]], [], lambda xs: [])
+
+
+def read_checkpoint(spec: Spec, ckpt: Checkpoint, layout: Layout, *, skip: Sequence[str] = (),
+                    progress: Progress | None = None,
+                    dtype: str | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The archc checkpoint of `spec`, read by the rules of `layout`, each tensor cast to `dtype`
+    (if given) as it is read; its bytes are priced against the memory free first. Returns it and
+    the names of the checkpoint tensors skipped (matched by `skip`)."""
+    program = lower(spec)
+    check_fits(spec.name, "its weights", checkpoint_elements(program), dtype or spec.dtype,
+               spec.family)
+    tmap = TensorMap(checkpoint_shapes(program))
+    checkpoint_rules(layout, spec, tmap, ckpt)
+    source, present = ckpt.source, ckpt.names
     read: set[str] = set()
     for rule in tmap.rules:  # check everything before reading anything
         for name, shape in zip(rule.sources, rule.shapes):
             if name not in present:
                 raise WeightsError(f"checkpoint tensor {name!r} is missing (expected shape "
-                                   f"{_show(shape)}, for archc's {', '.join(rule.targets)})")
-            found = source.shape(name)
-            if found != shape:
-                raise WeightsError(f"checkpoint tensor {name!r} has shape {_show(found)}, "
-                                   f"expected {_show(shape)}")
+                                   f"{list(shape)}, for archc's {', '.join(rule.targets)})")
+            if source.shape(name) != shape:
+                raise WeightsError(f"checkpoint tensor {name!r} has shape "
+                                   f"{list(source.shape(name))}, expected {list(shape)}")
             read.add(name)
     patterns = [re.compile(p) for p in skip]
     skipped = sorted(n for n in present - read if any(p.fullmatch(n) for p in patterns))
     unexpected = sorted(present - read - set(skipped))
     if unexpected:
-        shown = ", ".join(f"{n!r} {_show(source.shape(n))}" for n in unexpected[:3])
+        shown = ", ".join(f"{n!r} {list(source.shape(n))}" for n in unexpected[:3])
         more = f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""
         raise WeightsError(f"checkpoint has tensors the model does not use: {shown}{more}")
     out: dict[str, torch.Tensor] = {}
     for done, rule in enumerate(tmap.rules):
         values = rule.convert([source.load(n) for n in rule.sources]) if rule.targets else []
         for target, value in zip(rule.targets, values):
-            want = tmap.want[target]
-            if tuple(value.shape) != want:  # a rule bug, not a user error
-                raise AssertionError(f"{rule.sources} gave {target} shape {list(value.shape)}, "
-                                     f"expected {list(want)}")
             out[target] = value if dtype is None else value.to(TORCH_DTYPES[dtype])
         if progress is not None:
             progress(done + 1, len(tmap.rules))

@@ -1,105 +1,163 @@
-"""Mamba (Gu & Dao 2023): pre-RMSNorm blocks of one selective state-space mixer each, no attention
-and no FFN, the head tied to the embedding. transformers' `MambaForCausalLM` keeps its blocks under
-`backbone.`; its mixer tensors map one to one onto archc's Mamba layer (the depthwise conv filter
-[C, 1, K] becomes [C, K]). Jamba reuses the mixer mapping."""
+"""State-space models.
+
+- Mamba (Gu & Dao 2023): pre-RMSNorm blocks of one selective state-space mixer each, no attention
+  and no FFN, the head tied to the embedding. `MambaForCausalLM` keeps its blocks under
+  `backbone.`; its mixer tensors map one to one onto archc's Mamba layer.
+- Jamba: a hybrid of Mamba and attention layers, one attention layer every `attn_layer_period`
+  (at `attn_layer_offset`), the rest Mamba mixers with RMSNorm on Δ, B and C; every layer has a
+  pre-norm FFN — SwiGLU, or a top-k mixture of experts every `expert_layer_period` layers (at
+  `expert_layer_offset`) with unnormalized router weights. Attention takes no positions.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from archc.sources.architectures.base import Architecture, Checkpoint, output_head
-from archc.sources.hf_config import HFConfig, activation, dtype_name
-from archc.sources.tensor_map import TensorMap
+from archc.sources.architectures.base import Architecture, layer_pattern
+from archc.sources.architectures.llama import gated_kind
+from archc.sources.hf_config import HFConfig, activation
+from archc.sources.tensor_map import Checkpoint, Layout, TensorMap, checkpoint_name, each
 from archc.spec.schema import Spec
-
-# Initialisation and training switches (time-step init range and scheme, residual rescaling),
-# implementation choices of the scan (mamba.py, associative scan) and of the original CUDA code
-# (a fused residual-add + norm kernel), the vocabulary padding already applied to vocab_size, and
-# the f32 residual, which rounds differently only below f32 (archc keeps the residual stream in
-# the model dtype).
-INERT = frozenset({"time_step_scale", "time_step_min", "time_step_max", "time_step_init_scheme",
-                   "time_step_floor", "rescale_prenorm_residual", "use_mambapy",
-                   "use_associative_scan", "residual_in_fp32", "fused_add_norm",
-                   "pad_vocab_size_multiple"})
-
-
-def layer_count(cfg: HFConfig) -> int:
-    """`num_hidden_layers`, and the original code's `n_layer` that converted configs carry too."""
-    layers = cfg.number("num_hidden_layers")
-    if "n_layer" in cfg and cfg.number("n_layer") != layers:
-        raise cfg.refuse("n_layer", cfg.data["n_layer"], f"it must equal num_hidden_layers "
-                         f"({layers})")
-    if not cfg.flag("rms_norm", True):
-        raise cfg.refuse("rms_norm", False, "transformers' Mamba blocks normalize with RMSNorm")
-    return layers
 
 
 def mixer_activation(cfg: HFConfig) -> None:
     """transformers runs the conv through `hidden_act` and gates with SiLU; archc's Mamba layer
     is SiLU in both places."""
-    if activation(cfg, ("hidden_act",), "silu") != "silu":
+    if activation(cfg, "hidden_act", "silu") != "silu":
         raise cfg.refuse("hidden_act", cfg.data.get("hidden_act"), "archc's Mamba layer "
                          "applies SiLU after the convolution")
 
 
-def spec(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
+def mamba(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
     d = cfg.number("hidden_size")
+    layers = cfg.number("num_hidden_layers")
+    # configs converted from the original code carry its layer count and norm switch too
+    if "n_layer" in cfg and cfg.number("n_layer") != layers:
+        raise cfg.refuse("n_layer", cfg.data["n_layer"], f"it must equal num_hidden_layers "
+                         f"({layers})")
+    if not cfg.flag("rms_norm", True):
+        raise cfg.refuse("rms_norm", False, "transformers' Mamba blocks normalize with RMSNorm")
     mixer_activation(cfg)
     expand = cfg.number("expand", 2)
-    inner = cfg.number("intermediate_size", expand * d)
-    if inner != expand * d:
+    if (inner := cfg.number("intermediate_size", expand * d)) != expand * d:
         raise cfg.refuse("intermediate_size", inner, f"Mamba's inner width is expand·hidden_size "
                          f"= {expand * d}")
     rank = cfg.get("time_step_rank", "auto")
-    mamba: dict[str, Any] = {
-        "d_state": cfg.number("state_size", 16), "d_conv": cfg.number("conv_kernel", 4),
-        "expand": expand, "conv_bias": cfg.flag("use_conv_bias", True),
-        "bias": cfg.flag("use_bias", False)}
-    if rank != "auto":
-        mamba["dt_rank"] = cfg.number("time_step_rank")
-    tied = ckpt.head_is_tied(cfg, "lm_head.weight", ckpt("embeddings.weight"), default=True)
     return {
-        "family": "decoder", "vocab_size": cfg.number("vocab_size"), "d_model": d,
-        "layers": layer_count(cfg), "dtype": dtype_name(cfg),
-        "mixer": {"kind": "mamba", "mamba": mamba}, "ffn": {"kind": "none"},
+        "d_model": d, "layers": layers, "mixer": {"kind": "mamba", "mamba": {
+            "d_state": cfg.number("state_size", 16), "d_conv": cfg.number("conv_kernel", 4),
+            "expand": expand, "conv_bias": cfg.flag("use_conv_bias", True),
+            "bias": cfg.flag("use_bias", False),
+            "dt_rank": None if rank == "auto" else cfg.number("time_step_rank")}},
+        "ffn": {"kind": "none"}, "position": {"kind": "none"},
         "norm": {"kind": "rmsnorm", "eps": cfg.number("layer_norm_epsilon", 1e-5, kind=float)},
-        "position": {"kind": "none"}, "embedding": {"tied": tied},
     }
 
 
-def mixer_tensors(s: Spec, t: TensorMap, hf: str, ax: str) -> None:
-    """One Mamba mixer: transformers' `in_proj`, `conv1d`, `x_proj`, `dt_proj`, `A_log`, `D`,
-    `out_proj` (and Jamba's Δ, B, C norms) under `hf` → archc's layer under `ax`."""
-    m = s.mixer.mamba
-    assert m is not None
-    inner = s.mamba_inner
-    for mine, theirs in (("in", "in_proj"), ("x", "x_proj"), ("dt", "dt_proj"),
-                         ("out", "out_proj")):
-        t.rename(f"{hf}{theirs}.weight", f"{ax}{mine}.weight")
-    t.rename(f"{hf}dt_proj.bias", f"{ax}dt.bias")
-    if m.bias:
-        t.rename(f"{hf}in_proj.bias", f"{ax}in.bias")
-        t.rename(f"{hf}out_proj.bias", f"{ax}out.bias")
-    # nn.Conv1d(groups=C) stores its depthwise filter [C, 1, K]
-    t.custom([f"{hf}conv1d.weight"], [(inner, 1, m.d_conv)], [f"{ax}conv.weight"],
-             lambda xs: [xs[0].reshape(inner, m.d_conv).contiguous()])
-    if m.conv_bias:
-        t.rename(f"{hf}conv1d.bias", f"{ax}conv.bias")
-    t.rename(f"{hf}A_log", f"{ax}A_log")
-    t.rename(f"{hf}D", f"{ax}D")
-    if m.inner_norms:
-        for mine, theirs in (("dt", "dt"), ("b", "b"), ("c", "c")):
-            t.rename(f"{hf}{theirs}_layernorm.weight", f"{ax}{mine}_norm.weight")
+def every(cfg: HFConfig, period_key: str, offset_key: str, default: tuple[int, int],
+          layers: int) -> list[bool]:
+    """Which layers are chosen by `i % period == offset`, as transformers' Jamba decides."""
+    period = cfg.number(period_key, default[0])
+    offset = cfg.number(offset_key, default[1])
+    if period < 1 or not 0 <= offset < period:
+        raise cfg.refuse(offset_key, offset, f"the offset must lie in [0, {period_key} = "
+                         f"{period})")
+    return [i % period == offset for i in range(layers)]
 
 
-def tensors(s: Spec, t: TensorMap, ckpt: Checkpoint) -> None:
-    t.rename(ckpt("embeddings.weight"), "embed.weight")
-    t.rename(ckpt("norm_f.weight"), "final_norm.weight")
-    output_head(s, t, ckpt)
+def jamba(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
+    layers = cfg.number("num_hidden_layers")
+    mixer_activation(cfg)
+    attends = every(cfg, "attn_layer_period", "attn_layer_offset", (8, 4), layers)
+    rank = cfg.get("mamba_dt_rank", "auto")
+    mamba = {"d_state": cfg.number("mamba_d_state", 16), "d_conv": cfg.number("mamba_d_conv", 4),
+             "expand": cfg.number("mamba_expand", 2), "inner_norms": True,
+             "conv_bias": cfg.flag("mamba_conv_bias", True),
+             "bias": cfg.flag("mamba_proj_bias", False),
+             "dt_rank": None if rank == "auto" else cfg.number("mamba_dt_rank")}
+    if not cfg.flag("mamba_inner_layernorms", True):   # the original code's switch
+        raise cfg.refuse("mamba_inner_layernorms", False, "transformers' Jamba normalizes Δ, B "
+                         "and C in every Mamba layer")
+    kind = gated_kind(cfg)
+    experts = cfg.number("num_experts", 16)
+    routed = every(cfg, "expert_layer_period", "expert_layer_offset", (2, 1), layers)
+    top_k = cfg.number("num_experts_per_tok", 2)
+    ffn: dict[str, Any] = {"kind": kind, "d_ff": cfg.number("intermediate_size")}
+    if experts > 1 and any(routed):
+        ffn |= {"kind": "moe", "moe": {"experts": experts, "top_k": top_k, "expert": kind,
+                                       "normalize_top_k": False},
+                "pattern": None if all(routed) else layer_pattern(
+                    ["moe" if r else "dense" for r in routed])}
+    mixer: dict[str, Any] = {"pattern": layer_pattern(
+        ["attention" if a else "mamba" for a in attends])} if any(attends) else {"kind": "mamba"}
+    attention = {"heads": cfg.number("num_attention_heads"),
+                 "kv_heads": cfg.number("num_key_value_heads", None)}
+    return {
+        "d_model": cfg.number("hidden_size"), "layers": layers,
+        "max_seq_len": cfg.number("max_position_embeddings", cfg.number("n_ctx", 262144)),
+        "mixer": {**mixer, "mamba": None if all(attends) else mamba},
+        "attention": attention if any(attends) else None, "ffn": ffn,
+        "norm": {"kind": "rmsnorm", "eps": cfg.number("rms_norm_eps", 1e-6, kind=float)},
+        "position": {"kind": "none"},
+    }
+
+
+def mixer_names(theirs: str) -> dict[str, str]:
+    """archc's Mamba layer `ssm` in transformers' mixer module `theirs` (Jamba's with Δ, B and C
+    norms)."""
+    return {"ssm": theirs, "ssm.conv": f"{theirs}.conv1d",
+            **each("ssm.*", f"{theirs}.*_proj", ("in", "x", "dt", "out")),
+            **each("ssm.*_norm", f"{theirs}.*_layernorm", ("dt", "b", "c"))}
+
+
+def depthwise_conv(layout: Layout, s: Spec, t: TensorMap, ckpt: Checkpoint) -> None:
+    """nn.Conv1d(groups=C) stores its depthwise filter [C, 1, K]; archc's is [C, K]."""
+    for target in [x for x in t.want if x.endswith("ssm.conv.weight")]:
+        c, k = t.want[target]
+        t.add([checkpoint_name(layout, s, ckpt, target)], [(c, 1, k)], [target],
+              lambda xs: [xs[0].squeeze(1)])
+
+
+def jamba_tensors(layout: Layout, s: Spec, t: TensorMap, ckpt: Checkpoint) -> None:
+    """The depthwise filters, and experts fused as transformers 5 may keep them: `gate_up_proj`
+    [E, 2F, d] (gate rows first) and `down_proj` [E, d, F]."""
+    depthwise_conv(layout, s, t, ckpt)
     for i in range(s.layers):
-        hf, ax = ckpt(f"layers.{i}."), f"layers.{i}."
-        t.rename(hf + "norm.weight", ax + "ssm_norm.weight")
-        mixer_tensors(s, t, hf + "mixer.", ax + "ssm.")
+        hf, ax = ckpt(f"layers.{i}.feed_forward.experts."), f"layers.{i}.ffn.experts."
+        if hf + "gate_up_proj" in ckpt.names:
+            n, f, d = t.want[ax + "gate.weight"]
+            t.add([hf + "gate_up_proj"], [(n, 2 * f, d)], [ax + "gate.weight", ax + "up.weight"],
+                  lambda xs: [x.contiguous() for x in xs[0].chunk(2, dim=1)])
+            t.add([hf + "down_proj"], [t.want[ax + "down.weight"]], [ax + "down.weight"],
+                  lambda xs: xs)
 
 
-MAMBA = Architecture(("mamba",), spec, tensors, INERT, prefixes=("backbone.",))
+GATE_UP_DOWN = ("gate", "up", "down")
+MAMBA = Architecture(
+    ("mamba",), mamba, Layout({"embed": "embeddings", "final_norm": "norm_f", "ssm_norm": "norm",
+                               **mixer_names("mixer")}, special=depthwise_conv),
+    tied=True,
+    # Initialisation and training switches (time-step init range and scheme, residual
+    # rescaling), implementation choices of the scan (mamba.py, associative scan) and of the
+    # original CUDA code (a fused residual-add + norm kernel), the vocabulary padding already
+    # applied to vocab_size, and the f32 residual, which rounds differently only below f32 (archc
+    # keeps the residual stream in the model dtype).
+    inert=frozenset({"time_step_scale", "time_step_min", "time_step_max",
+                     "time_step_init_scheme", "time_step_floor", "rescale_prenorm_residual",
+                     "use_mambapy", "use_associative_scan", "residual_in_fp32", "fused_add_norm",
+                     "pad_vocab_size_multiple"}),
+    prefixes=("backbone.",))
+JAMBA = Architecture(
+    ("jamba",), jamba, Layout({
+        "embed": "embed_tokens", "final_norm": "final_layernorm", "ssm_norm": "input_layernorm",
+        "attn_norm": "input_layernorm", **mixer_names("mamba"),
+        **each("attn.*", "self_attn.*_proj", "qkvo"), "ffn_norm": "pre_ff_layernorm",
+        **each("ffn.*", "feed_forward.*_proj", GATE_UP_DOWN), "ffn.router": "feed_forward.router",
+        **each("ffn.experts.*", "feed_forward.experts.{e}.*_proj", GATE_UP_DOWN)},
+        special=jamba_tensors),
+    # Training-only router settings, implementation choices of the Mamba scan, and which
+    # positions' logits the original code returns (archc returns them all).
+    inert=frozenset({"router_aux_loss_coef", "output_router_logits", "use_mamba_kernels",
+                     "use_mambapy", "use_associative_scan", "calc_logits_for_entire_prompt",
+                     "num_logits_to_keep"}),
+    prefixes=("model.",))
