@@ -1,4 +1,4 @@
-"""CLI subcommands, one module each. A module exposes ``NAME``, ``HELP``, ``add_arguments(parser)``
-and ``run(args) -> int``; ``archc.cli`` lists them in ``COMMAND_MODULES``. Flags that more than one
-command takes are added with ``vocabulary.add``; ``common`` reads sources and checks a run before
-anything loads; ``textgen`` streams generated text."""
+"""CLI subcommands, one module each, listed in ``archc.cli.COMMAND_MODULES``: ``NAME``, ``HELP``,
+``add_arguments(parser)`` and ``run(args) -> int``. Shared flags come from ``vocabulary``; the
+reading, checking, loading and writing commands share, from ``common``; generation, from
+``textgen``."""

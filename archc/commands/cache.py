@@ -27,20 +27,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "json")
 
 
+def _entries(n: int) -> str:
+    return f"{n} entr{'y' if n == 1 else 'ies'}"
+
+
 def run(args: argparse.Namespace) -> int:
     directory = args.cache_dir or kernel_cache.default_cache_dir()
-    cap = kernel_cache.parse_size(args.max_size) if args.max_size is not None else None
-    removed = []
-    if args.clear:
-        removed = kernel_cache.entries(directory)
-        for e in removed:
-            kernel_cache.remove(e)
+    cap = None if args.max_size is None else kernel_cache.parse_size(args.max_size)
+    removed = kernel_cache.entries(directory) if args.clear else []
+    for e in removed:
+        kernel_cache.remove(e)
     if cap is not None:
         kernel_cache.set_max_bytes(cap)
         removed += kernel_cache.trim(directory, cap)
     found = kernel_cache.entries(directory)
-    limit = kernel_cache.max_bytes()
-    total = sum(e.bytes for e in found)
+    limit, total = kernel_cache.max_bytes(), sum(e.bytes for e in found)
     if args.json:
         sys.stdout.write(json.dumps({
             "directory": str(directory), "max_bytes": limit, "bytes": total,
@@ -49,16 +50,16 @@ def run(args: argparse.Namespace) -> int:
                          "used": e.used} for e in found]}, indent=2) + "\n")
         return 0
     if removed:
-        console.print(f"removed {len(removed)} entr{'y' if len(removed) == 1 else 'ies'} "
+        console.print(f"removed {_entries(len(removed))} "
                       f"({nbytes(sum(e.bytes for e in removed))})")
     if found:
-        table = Table(title=f"{directory}", title_justify="left")
+        table = Table(title=str(directory), title_justify="left")
         for col in ("entry", "models", "size", "last used"):
             table.add_column(col, justify="right" if col == "size" else "left")
         for e in found:
-            used = datetime.datetime.fromtimestamp(e.used).strftime("%Y-%m-%d %H:%M")
-            table.add_row(e.path.name, ", ".join(e.models), nbytes(e.bytes), used)
+            table.add_row(e.path.name, ", ".join(e.models), nbytes(e.bytes),
+                          datetime.datetime.fromtimestamp(e.used).strftime("%Y-%m-%d %H:%M"))
         console.print(table)
-    console.print(f"{len(found)} entr{'y' if len(found) == 1 else 'ies'}, {nbytes(total)} of "
-                  f"a {nbytes(limit)} cap, in {directory}")
+    console.print(f"{_entries(len(found))}, {nbytes(total)} of a {nbytes(limit)} cap, in "
+                  f"{directory}")
     return 0

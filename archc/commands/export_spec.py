@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-from archc.commands.common import check_output, spec_of, write_text
+from archc.commands.common import check_output, emit, spec_of
 from archc.commands.vocabulary import add
 from archc.spec import dump_yaml
 
@@ -22,10 +21,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_output(args.output, "file")
-    text = dump_yaml(spec_of(args), full=args.full)
-    if args.output is None:
-        sys.stdout.write(text)
-        return 0
-    write_text(args.output, text)
-    print(f"wrote {args.output}", file=sys.stderr)
+    emit(dump_yaml(spec_of(args), full=args.full), args.output)
     return 0

@@ -35,8 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from archc.runtime.validation import validate
     check_output(args.cache_dir, "dir", "--cache-dir")
     run_ = Run(args, backend=None, lengths=(args.prompt_len, 1))
-    model = run_.load()
-    report = validate(model, dtype=run_.dtype, batch=args.batch, tokens=args.prompt_len,
+    report = validate(run_.load(), dtype=run_.dtype, batch=args.batch, tokens=args.prompt_len,
                       seed=args.seed, device=str(run_.device), cache_dir=args.cache_dir)
     used(Path(report.module_path))
     console.print(f"{report.model} ({report.dtype}): triton vs eager, per kernel (tolerance "
@@ -50,11 +49,10 @@ def run(args: argparse.Namespace) -> int:
             worst[k.phase] = k
     for k in report.kernels:
         bad = k.relative > report.tolerance
-        if not (args.all or bad or worst.get(k.phase) is k):
-            continue
-        table.add_row(k.phase, f"{k.graph} %{k.node}", escape(k.kernel), escape(k.what),
-                      f"{k.max_error:.3g}", f"{k.relative:.2e}", "[red]diverges[/]" if bad else
-                      ("worst" if worst.get(k.phase) is k else "ok"))
+        if args.all or bad or worst[k.phase] is k:
+            table.add_row(k.phase, f"{k.graph} %{k.node}", escape(k.kernel), escape(k.what),
+                          f"{k.max_error:.3g}", f"{k.relative:.2e}", "[red]diverges[/]" if bad
+                          else "worst" if worst[k.phase] is k else "ok")
     console.print(table)
     for p in report.phases:
         status = "ok" if p.relative <= report.tolerance else "[red]differs[/]"
@@ -66,8 +64,7 @@ def run(args: argparse.Namespace) -> int:
     if first is not None:
         console.print(f"[red]first divergence[/]: {first.phase}, kernel {first.kernel} "
                       f"({escape(first.what)}), implementing {first.graph} {escape(first.text)}")
-        return 1
-    if not report.ok:
+    if first is not None or not report.ok:
         return 1
     console.print("[green]all kernels agree with eager[/]")
     return 0
