@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import inspect
 import sys
 from typing import Any, NoReturn
 
@@ -59,8 +60,9 @@ def build_parser() -> Parser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         mod = importlib.import_module(f"archc.commands.{name}")
-        p = sub.add_parser(mod.NAME, help=mod.HELP,
-                           description=mod.HELP[0].upper() + mod.HELP[1:] + ".")
+        doc = inspect.cleandoc(mod.__doc__)     # its first paragraph says what the command does
+        p = sub.add_parser(name.replace("_", "-"), help=" ".join(doc.split("\n\n")[0].split()),
+                           description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(handler=mod.run)
     return parser

@@ -1,4 +1,6 @@
-"""`archc bench SOURCE`: generated kernels and whole-model speed beside PyTorch, on a GPU.
+"""Time each generated kernel beside torch.matmul, scaled_dot_product_attention and the unfused
+torch ops it replaces, and whole-model prefill and decode beside PyTorch eager and torch.compile,
+against the roofline (needs a CUDA GPU).
 
     archc bench llama3-8b --layers 4 --prompt-len 2048 --new-tokens 64 -o results.json
     archc bench tiny-llama3 --dry-run        # the whole harness on the CPU, tiny shapes
@@ -26,12 +28,6 @@ from archc.perf.summary import fmt_percent as _pct
 from archc.perf.summary import fmt_ratio as _x
 from archc.perf.summary import fmt_seconds as _t
 from archc.ui import console, err_console, si
-
-NAME = "bench"
-HELP = "time each generated kernel beside torch.matmul, scaled_dot_product_attention and the " \
-       "unfused torch ops it replaces, and whole-model prefill and decode beside PyTorch eager " \
-       "and torch.compile, against the roofline (needs a CUDA GPU; --dry-run runs on the CPU); " \
-       "--host: archc's own host time per decode step, kernels no-ops (any machine)"
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 KNOWN_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

@@ -1,4 +1,4 @@
-"""`archc cache`: the kernel cache — its entries, their size, clearing it, and its size cap."""
+"""List the kernel cache (generated modules on disk), clear it, or set its size cap."""
 
 from __future__ import annotations
 
@@ -12,9 +12,6 @@ from rich.table import Table
 from archc import kernel_cache
 from archc.commands.vocabulary import add
 from archc.ui import console, nbytes
-
-NAME = "cache"
-HELP = "list the kernel cache (generated modules on disk), clear it, or set its size cap"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

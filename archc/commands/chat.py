@@ -1,9 +1,11 @@
-"""`archc chat SOURCE`: a conversation with a checkpoint, through its chat template.
+"""Talk with a model through its chat template, from a terminal or a pipe (/reset, /exit).
 
 Each line read is a user message; the answer streams to standard output, followed by its
 timings on standard error. The conversation is kept, so every answer sees the turns before it
 (the oldest turns are dropped when it outgrows max_seq_len). Lines come from the terminal, with a
 `> ` prompt, or from a pipe: `printf 'Hi\\n/reset\\nWho are you?\\n' | archc chat model.gguf`.
+Ctrl-C stops an answer where it is: the text so far is kept, the line is ended, and the timings
+say "interrupted".
 """
 
 from __future__ import annotations
@@ -11,23 +13,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator
-from typing import Any
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
 
-from archc.commands.common import Run
-from archc.commands.textgen import (
-    Timings,
-    add_sampling_arguments,
-    answer,
-    check_text_source,
-    report,
-)
+import torch
+
+from archc.commands.common import Run, Timings, report
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
+from archc.sources import Source
 from archc.ui import err_console
 
-NAME = "chat"
-HELP = "talk with a model through its chat template, from a terminal or a pipe (/reset, /exit)"
 COMMANDS = {"/reset": "start a new conversation", "/exit": "end the chat, as end of input does"}
 
 
@@ -40,6 +38,83 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "backend", default="eager")
     add(p, "device", "dtype", "threads", "cache_dir", "quiet")
     add(p, "json", detail="one line per turn: the message, the answer and its timings")
+
+
+def add_sampling_arguments(p: Any) -> None:
+    add(p, "temperature", default=0.0)
+    add(p, "top_k", "top_p", "ignore_eos")
+
+
+def check_text_source(source: Source, what: str) -> None:
+    """Before loading: can this source take text at all?"""
+    spec = source.spec
+    if spec.family == "encoder":
+        raise ArchcError(f"{spec.name} is an encoder: it has no output head to generate "
+                         f"text with, so {what} does not apply")
+    if source.random_weights:
+        raise ArchcError(f"{spec.name} is a spec, not a checkpoint: its weights would be random "
+                         f"and it has no tokenizer, so {what} cannot be used. Give a checkpoint "
+                         "(a Hugging Face directory or a .gguf file); `archc run "
+                         f"{spec.name}` alone summarizes its logits on a random prompt")
+    if not source.tokenizer:
+        raise ArchcError(f"{spec.name} carries no tokenizer (tokenizer.json in a Hugging Face "
+                         f"directory, tokenizer.ggml.* in a GGUF file), so {what} cannot be used")
+
+
+@dataclass
+class Answer:
+    text: str
+    ids: list[int]          # the new tokens, without an end-of-sequence token
+
+
+def answer(compiled: Any, prompt_ids: Sequence[int], args: argparse.Namespace,
+           timings: Timings, *, out: TextIO | None) -> Answer:
+    """Generate after `prompt_ids`, writing text to `out` as it becomes final. Stops at the
+    model's end-of-sequence ids unless --ignore-eos, at --new-tokens, at max_seq_len, or at
+    Ctrl-C."""
+    spec, tok = compiled.spec, compiled.model.tokenizer
+    timings.prompt_tokens = len(prompt_ids)
+    room = spec.max_seq_len - (1 if spec.family == "encoder-decoder" else len(prompt_ids))
+    if room < 1:
+        raise ArchcError(f"the prompt is {len(prompt_ids)} tokens; {spec.name} takes at most "
+                         f"{spec.max_seq_len}")
+    if room < args.new_tokens and not args.quiet:
+        err_console.print(f"[dim]note: {room} new tokens fit in max_seq_len = "
+                          f"{spec.max_seq_len}[/]", soft_wrap=True)
+    eos = () if args.ignore_eos else tuple(compiled.model.eos_token_ids)
+    stream = tok.stream()
+    ids: list[int] = []
+    seen: list[float] = []
+
+    def write(text: str) -> None:
+        if out is not None and text:
+            out.write(text)
+            out.flush()
+
+    def on_token(column: torch.Tensor) -> None:
+        seen.append(time.perf_counter())
+        if int(column[0]) in eos:
+            timings.stop_token = tok.decode([int(column[0])], skip_special_tokens=False)
+        else:
+            ids.append(int(column[0]))
+            write(stream.push(ids[-1:]))
+
+    start = time.perf_counter()
+    timings.stop = "interrupted"
+    try:
+        compiled.generate(torch.tensor([list(prompt_ids)]), min(args.new_tokens, room),
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          seed=args.seed, eos_token_id=eos, on_token=on_token)
+        timings.stop = "eos" if timings.stop_token is not None else "length"
+    except KeyboardInterrupt:
+        pass
+    finally:
+        write(stream.flush())
+        timings.seconds["prefill"] = (seen[0] if seen else time.perf_counter()) - start
+        if len(seen) > 1:
+            timings.seconds["decode"] = seen[-1] - seen[0]
+        timings.generated = len(seen)
+    return Answer(tok.decode(ids), ids)
 
 
 class Conversation:

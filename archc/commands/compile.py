@@ -1,5 +1,6 @@
-"""`archc compile SOURCE`: render the Triton module of a model, and compile it for a GPU
-target."""
+"""Render a model's kernels into one Triton module (after the default passes) and, with
+--target, compile every unique kernel ahead of time for a GPU: registers, spills, shared memory,
+tensor-core instructions."""
 
 from __future__ import annotations
 
@@ -16,11 +17,6 @@ from archc.commands.passes import add_pipeline_arguments
 from archc.commands.vocabulary import add, positive_int
 from archc.errors import ArchcError
 from archc.ui import console, nbytes
-
-NAME = "compile"
-HELP = "render a model's kernels into one Triton module (after the default passes) and, with " \
-       "--target, compile every unique kernel ahead of time: registers, spills, shared memory, " \
-       "tensor-core instructions"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,5 @@
-"""`archc diff SOURCE_A SOURCE_B`: two models side by side, every number from their IR."""
+"""Compare two models side by side after the pass pipeline: nodes, kernels, parameters, FLOPs,
+bytes moved and KV-cache bytes, every number from their IR."""
 
 from __future__ import annotations
 
@@ -14,9 +15,6 @@ from archc.passes import optimize
 from archc.passes.measure import dims, kernels_per_layer, stats
 from archc.ui import console, nbytes, si
 
-NAME = "diff"
-HELP = "compare two models side by side after the pass pipeline: nodes, kernels, parameters, " \
-       "FLOPs, bytes moved and KV-cache bytes"
 ROWS = (("nodes", "nodes", "{:g}".format), ("kernels", "kernels", "{:g}".format),
         ("kernels per block", "per_block", "{:g}".format), ("parameters", "params", si),
         ("weight bytes", "weight_bytes", nbytes),

@@ -1,5 +1,4 @@
-"""`archc explain SOURCE`: every fusion the pipeline did not make, and the rule that refused
-it."""
+"""Say, for every fusion the pass pipeline did not make, which rule refused it and why."""
 
 from __future__ import annotations
 
@@ -13,9 +12,6 @@ from archc.commands.vocabulary import add
 from archc.ir.lower import lower
 from archc.passes import Decision, run_pipeline
 from archc.ui import console
-
-NAME = "explain"
-HELP = "say, for every fusion the pass pipeline did not make, which rule refused it and why"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

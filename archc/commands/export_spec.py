@@ -1,4 +1,5 @@
-"""`archc export-spec SOURCE`: the spec of a model as YAML, to read, edit and compile."""
+"""Print the YAML spec of a model (a Hugging Face directory, GGUF file, spec or zoo name), to read,
+edit and compile."""
 
 from __future__ import annotations
 
@@ -7,9 +8,6 @@ import argparse
 from archc.commands.common import check_output, emit, spec_of
 from archc.commands.vocabulary import add
 from archc.spec import dump_yaml
-
-NAME = "export-spec"
-HELP = "print the YAML spec of a model: a Hugging Face directory, GGUF file, spec or zoo name"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,5 @@
-"""`archc ir SOURCE`: the program in its text form (or DOT), before, after or between passes."""
+"""Print the IR of a model, one line per node (or Graphviz DOT with --dot), before, after or
+between passes."""
 
 from __future__ import annotations
 
@@ -14,10 +15,6 @@ from archc.ir.view import to_dot
 from archc.passes import PASSES, run_pipeline
 from archc.passes.registry import known
 from archc.passes.textdiff import step_diff
-
-NAME = "ir"
-HELP = "print the IR of a model, one line per node (or Graphviz DOT with --dot), before, " \
-       "after or between passes"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

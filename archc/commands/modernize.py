@@ -1,5 +1,5 @@
-"""`archc modernize SOURCE`: walk a model to the modern block, one architecture step at a time,
-and show what each step buys."""
+"""Walk a model to the modern block one architecture step at a time (post→pre norm, RMSNorm,
+SwiGLU, RoPE, GQA…) and report what each step buys."""
 
 from __future__ import annotations
 
@@ -15,9 +15,6 @@ from archc.modernize.report import Row, walk
 from archc.modernize.steps import DEFAULT_STEPS, STEPS, StepError, parse_steps
 from archc.sources import describe
 from archc.ui import console, nbytes, si
-
-NAME = "modernize"
-HELP = "apply architecture steps (post→pre norm, RMSNorm, SwiGLU, RoPE, GQA…) and report each"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,5 @@
-"""`archc passes SOURCE`: the pipeline as a table — what each pass did to the program."""
+"""Run the pass pipeline on a model and show, per pass, nodes, kernels, parameters, FLOPs and
+bytes per token, and what changed."""
 
 from __future__ import annotations
 
@@ -15,10 +16,6 @@ from archc.ir.lower import lower
 from archc.passes import DEFAULT_PIPELINE, PASSES, run_pipeline
 from archc.passes.measure import dims, kernels_per_layer, op_delta, stats
 from archc.ui import console, nbytes, si
-
-NAME = "passes"
-HELP = "run the pass pipeline on a model and show, per pass, nodes, kernels, parameters, " \
-       "FLOPs and bytes per token, and what changed"
 
 
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,5 +1,5 @@
-"""`archc roofline SOURCE`: roofline time of every kernel, prefill and decode, on a modelled
-GPU."""
+"""Roofline time per kernel, on a modelled GPU, for prefill and one decode step, and the decode
+floor."""
 
 from __future__ import annotations
 
@@ -19,9 +19,6 @@ from archc.perf.gpus import GPU, gpu
 from archc.perf.roofline import decode_floor, grouped, kernels, per_step
 from archc.perf.summary import fmt_seconds
 from archc.ui import console, nbytes, si
-
-NAME = "roofline"
-HELP = "roofline time per kernel for prefill and one decode step, and the decode floor"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,7 +1,9 @@
-"""`archc run SOURCE`: run a model. With --prompt or --chat it generates text, streamed to the
-terminal as tokens come; without, it summarizes the next-token logits of a random prompt. Either
-way it ends with the time of each phase (load, compile, prefill, decode) on standard error, or,
-with --json, prints everything as one JSON document."""
+"""Run a model: generate text from a prompt, or summarize its next-token logits.
+
+With --prompt or --chat it generates text, streamed to the terminal as tokens come; without, it
+summarizes the next-token logits of a random prompt. Either way it ends with the time of each
+phase (load, compile, prefill, decode) on standard error, or, with --json, prints everything as
+one JSON document."""
 
 from __future__ import annotations
 
@@ -14,14 +16,12 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from archc.commands.common import Run
-from archc.commands.textgen import add_sampling_arguments, answer, check_text_source, report
+from archc.commands.chat import add_sampling_arguments, answer, check_text_source
+from archc.commands.common import Run, report
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
 from archc.ui import console
 
-NAME = "run"
-HELP = "run a model: generate text from a prompt, or summarize its next-token logits"
 TEXT_NEW_TOKENS, SUMMARY_NEW_TOKENS = 128, 4
 
 

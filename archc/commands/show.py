@@ -1,5 +1,5 @@
-"""`archc show SOURCE`: sizes and costs of one model, every number computed from its IR in the
-model's own dtype."""
+"""Sizes, parameters, FLOPs per token, KV-cache and recurrent-state size of a model, computed
+from its IR in the model's own dtype."""
 
 from __future__ import annotations
 
@@ -22,9 +22,6 @@ from archc.ir.cost import (
 from archc.ir.lower import lower
 from archc.spec.schema import Spec
 from archc.ui import console, nbytes, si
-
-NAME = "show"
-HELP = "sizes, parameters, FLOPs per token, KV-cache and recurrent-state size of a model"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,5 +1,5 @@
-"""`archc validate SOURCE`: the generated kernels against the eager interpreter, kernel by
-kernel."""
+"""Run eager (unfused graph) and triton (kernel-level graph) on the same weights and inputs;
+print each kernel's max error and name the first kernel that diverges."""
 
 from __future__ import annotations
 
@@ -12,10 +12,6 @@ from rich.table import Table
 from archc.commands.common import Run, check_output
 from archc.commands.vocabulary import add
 from archc.ui import console
-
-NAME = "validate"
-HELP = "run eager (unfused graph) and triton (kernel-level graph) on the same weights and " \
-       "inputs; print each kernel's max error and name the first kernel that diverges"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
