@@ -22,7 +22,7 @@ from archc.spec.zoo import load_spec
 __all__ = ["CompiledModel", "Model", "from_spec", "load"]
 
 # (does this path hold it?, loader(path, progress=callback_or_None, dtype=name_or_None)); each
-# loader prices its weights with ``archc.memory.check_fits`` before reading them
+# loader prices its weights with ``archc.devices.check_fits`` before reading them
 SOURCES: list[tuple[Callable[[Path], bool], Callable[..., Model]]] = [
     (native.is_native, native.load),
     (sources.is_gguf, sources.load_gguf),

@@ -10,8 +10,8 @@
 
 ``model.spec``, ``model.graph`` (the unfused program) and ``model.weights`` (the checkpoint: tensor
 name → tensor) are public. A spec without weights gets seeded random ones (``model.random_weights``
-says so). Dtypes are 'f32', 'f16', 'bf16' or torch dtypes, by default as ``archc.devices`` says.
-Weights are priced against the memory free before they are allocated (``archc.memory``).
+says so). Dtypes are 'f32', 'f16', 'bf16' or torch dtypes, by default as ``archc.devices`` says;
+weights are priced against the memory free before they are allocated.
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ from typing import Any, Protocol
 
 import torch
 
-from archc.devices import default_dtype, dtype_name, resolve_device
+from archc.devices import check_fits, checkpoint_elements, default_dtype, dtype_name, resolve_device
 from archc.errors import ArchcError
 from archc.ir.graph import Program
 from archc.ir.lower import lower
-from archc.memory import check_fits, checkpoint_elements
 from archc.runtime.eager import EagerSession
 from archc.runtime.generate import Sampler, Sampling
 from archc.runtime.weights import TORCH_DTYPES, check_checkpoint, random_weights

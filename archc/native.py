@@ -36,8 +36,8 @@ def load(directory: Path, progress: object = None, dtype: str | None = None) -> 
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from archc.devices import check_fits, checkpoint_elements
     from archc.ir.lower import lower
-    from archc.memory import check_fits, checkpoint_elements
     from archc.runtime.weights import TORCH_DTYPES
     spec = load_yaml(directory / SPEC_FILE)
     path = directory / WEIGHTS_FILE

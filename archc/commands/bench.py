@@ -27,7 +27,7 @@ from archc.perf.gpus import GPUS, gpu
 from archc.perf.summary import fmt_percent as _pct
 from archc.perf.summary import fmt_ratio as _x
 from archc.perf.summary import fmt_seconds as _t
-from archc.ui import console, err_console, si
+from archc.ui import console, err_console, si, table
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 KNOWN_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -197,16 +197,17 @@ def print_report(data: dict[str, Any]) -> None:
             console.print(_kernel_table(phase, rows, shapes))
     pre, dec = data["model"]["prefill"], data["model"]["decode"]
     if pre.get("runs"):
-        console.print(_table(
+        console.print(table(
             f"prefill, {pre['tokens']} tokens: {si(pre['flops'], 'FLOP')}, "
             f"roofline {_t(pre['roofline_seconds'])}",
             ("runner", "time", "tokens/s", "FLOP/s", "of peak", "of roofline", "archc speed-up"),
             _runs(pre["runs"], "seconds", lambda r: [
                 _t(r["seconds"]), f"{r['tokens_per_second']:,.0f}",
                 si(r["flops_per_second"], "FLOP/s"), _pct(r["peak_fraction"]),
-                _pct(r["roofline_fraction"]), _x(r.get("archc_speedup"))])))
+                _pct(r["roofline_fraction"]), _x(r.get("archc_speedup"))]), text=("runner",),
+            no_wrap=True))
     if dec.get("runs"):
-        console.print(_table(
+        console.print(table(
             f"decode, {dec['steps']} steps from context {dec['past_first'] + 1}: "
             f"floor {_t(dec['floor_seconds'])}/step = "
             f"{dec['floor_tokens_per_second']:,.0f} tokens/s "
@@ -216,23 +217,13 @@ def print_report(data: dict[str, Any]) -> None:
             _runs(dec["runs"], "step_seconds", lambda r: [
                 f"{r['step_seconds'] * 1e3:.3f}", f"{r['tokens_per_second']:,.1f}",
                 si(r["bandwidth"], "B/s"), _pct(r["floor_fraction"]),
-                _pct(r.get("copy_fraction")), _x(r.get("archc_speedup"))])))
+                _pct(r.get("copy_fraction")), _x(r.get("archc_speedup"))]), text=("runner",),
+            no_wrap=True))
     goals = data.get("goals") or []
     if goals:
-        console.print(_table("goals (recorded, not enforced)",
-                             ("goal", "measured", "target", "met", "note"),
-                             [_goal_row(goal) for goal in goals], wrap=("goal", "met", "note")))
-
-
-def _table(title: str, columns: tuple[str, ...], rows: list[list[str]],
-           wrap: tuple[str, ...] = ("runner",)) -> Table:
-    """Columns `wrap` are text, left-aligned and wrapped; the others are numbers."""
-    t = Table(title=title, title_justify="left")
-    for col in columns:
-        t.add_column(col, justify="left" if col in wrap else "right", no_wrap=col not in wrap)
-    for row in rows:
-        t.add_row(*row)
-    return t
+        console.print(table("goals (recorded, not enforced)",
+                            ("goal", "measured", "target", "met", "note"),
+                            [_goal_row(goal) for goal in goals], text=("goal", "met", "note")))
 
 
 def _runs(runs: list[dict[str, Any]], measured: str,

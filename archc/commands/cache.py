@@ -7,11 +7,9 @@ import datetime
 import json
 import sys
 
-from rich.table import Table
-
 from archc import kernel_cache
 from archc.commands.vocabulary import add
-from archc.ui import console, nbytes
+from archc.ui import console, nbytes, table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,13 +48,10 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"removed {_entries(len(removed))} "
                       f"({nbytes(sum(e.bytes for e in removed))})")
     if found:
-        table = Table(title=str(directory), title_justify="left")
-        for col in ("entry", "models", "size", "last used"):
-            table.add_column(col, justify="right" if col == "size" else "left")
-        for e in found:
-            table.add_row(e.path.name, ", ".join(e.models), nbytes(e.bytes),
-                          datetime.datetime.fromtimestamp(e.used).strftime("%Y-%m-%d %H:%M"))
-        console.print(table)
+        console.print(table(str(directory), ("entry", "models", "size", "last used"), [
+            (e.path.name, ", ".join(e.models), nbytes(e.bytes),
+             datetime.datetime.fromtimestamp(e.used).strftime("%Y-%m-%d %H:%M"))
+            for e in found], text=("entry", "models", "last used")))
     console.print(f"{_entries(len(found))}, {nbytes(total)} of a {nbytes(limit)} cap, in "
                   f"{directory}")
     return 0

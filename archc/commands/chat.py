@@ -15,7 +15,6 @@ import json
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, TextIO
 
 import torch
@@ -61,17 +60,11 @@ def check_text_source(source: Source, what: str) -> None:
                          f"directory, tokenizer.ggml.* in a GGUF file), so {what} cannot be used")
 
 
-@dataclass
-class Answer:
-    text: str
-    ids: list[int]          # the new tokens, without an end-of-sequence token
-
-
 def answer(compiled: Any, prompt_ids: Sequence[int], args: argparse.Namespace,
-           timings: Timings, *, out: TextIO | None) -> Answer:
-    """Generate after `prompt_ids`, writing text to `out` as it becomes final. Stops at the
-    model's end-of-sequence ids unless --ignore-eos, at --new-tokens, at max_seq_len, or at
-    Ctrl-C."""
+           timings: Timings, *, out: TextIO | None) -> list[int]:
+    """The new tokens after `prompt_ids` (an end-of-sequence token left out), their text
+    written to `out` as it becomes final. Stops at the model's end-of-sequence ids unless
+    --ignore-eos, at --new-tokens, at max_seq_len, or at Ctrl-C."""
     spec, tok = compiled.spec, compiled.model.tokenizer
     timings.prompt_tokens = len(prompt_ids)
     room = spec.max_seq_len - (1 if spec.family == "encoder-decoder" else len(prompt_ids))
@@ -114,7 +107,7 @@ def answer(compiled: Any, prompt_ids: Sequence[int], args: argparse.Namespace,
         if len(seen) > 1:
             timings.seconds["decode"] = seen[-1] - seen[0]
         timings.generated = len(seen)
-    return Answer(tok.decode(ids), ids)
+    return ids
 
 
 class Conversation:
@@ -204,9 +197,10 @@ def run(args: argparse.Namespace) -> int:
                 note(f"note: the {dropped} oldest turn(s) no longer fit in max_seq_len = "
                      f"{model.spec.max_seq_len} and were dropped")
             timings = Timings()
-            result = answer(compiled, ids, args, timings, out=None if args.json else sys.stdout)
-            talk.add(line, result.text)
-            print(json.dumps({"user": line, "assistant": result.text,
+            reply = model.tokenizer.decode(answer(compiled, ids, args, timings,
+                                                  out=None if args.json else sys.stdout))
+            talk.add(line, reply)
+            print(json.dumps({"user": line, "assistant": reply,
                               "timings": timings.as_dict()}) if args.json else "", flush=True)
             report(timings, args.quiet or args.json)
             if timings.stop == "interrupted" and not interactive:

@@ -18,10 +18,9 @@ from typing import Any
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-from archc.devices import default_dtype, resolve_device
+from archc.devices import check_fits, checkpoint_elements, default_dtype, resolve_device
 from archc.errors import ArchcError, cli_option
 from archc.ir.lower import lower
-from archc.memory import check_fits, checkpoint_elements
 from archc.sources import describe
 from archc.spec.schema import Spec
 from archc.ui import console, err_console

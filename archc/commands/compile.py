@@ -10,13 +10,12 @@ import sys
 from pathlib import Path
 
 from rich.markup import escape
-from rich.table import Table
 
 from archc.commands.common import check_output, spec_of
 from archc.commands.passes import add_pipeline_arguments
 from archc.commands.vocabulary import add, positive_int
 from archc.errors import ArchcError
-from archc.ui import console, nbytes
+from archc.ui import console, nbytes, table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,15 +58,15 @@ def run(args: argparse.Namespace) -> int:
             path = shutil.copyfile(path, args.output / path.name)
         except OSError as err:
             raise ArchcError(f"cannot write {args.output}: {err.strerror}") from None
-    table = Table(title=f"{spec.name}: {len(gen.units)} unique kernels, {gen.launches} launches "
-                        f"({dtype})", title_justify="left")
-    for col in ("kernel", "family", "launches", "implements (first use)"):
-        table.add_column(col, justify="right" if col == "launches" else "left")
+    rows = []
     for u in gen.units:
         graph, _, text = u.uses[0]
-        text = text if len(text) <= 90 else text[:89] + "…"
-        table.add_row(u.name, u.family, str(len(u.uses)), escape(f"{graph} {text}"))
-    console.print(table)
+        rows.append((u.name, u.family, str(len(u.uses)),
+                     escape(f"{graph} {text if len(text) <= 90 else text[:89] + '…'}")))
+    console.print(table(f"{spec.name}: {len(gen.units)} unique kernels, {gen.launches} "
+                        f"launches ({dtype})", ("kernel", "family", "launches",
+                                                "implements (first use)"), rows,
+                        text=("kernel", "family", "implements (first use)")))
     console.print(f"generated module: {path}")
     return 0 if args.target is None else _aot(path, args.target, args.jobs)
 
@@ -77,17 +76,14 @@ def _aot(path: Path, target: str, jobs: int) -> int:
     from archc.codegen.aot_worker import TENSOR_CORE_OP
     op = TENSOR_CORE_OP[TARGETS[target]].split(".")[0]
     results = compile_module(path, target, jobs=jobs)
-    table = Table(title=f"ahead-of-time compile for {target} (bf16 buffers as generated, "
-                        "default block sizes at a full-size prefill)", title_justify="left")
-    for col in ("kernel", "family", "registers", "spill bytes", "shared mem", op, "config"):
-        table.add_column(col, justify="left" if col in ("kernel", "family", "config")
-                         else "right")
-    for r in results:
-        table.add_row(r.kernel, r.family, *(
-            (str(r.registers), str(r.spill_bytes), nbytes(r.shared_bytes),
-             str(r.tensor_core_ops), r.config) if r.ok else
-            ("-", "-", "-", "-", f"[red]{escape(r.error)}[/]")))
-    console.print(table)
+    console.print(table(
+        f"ahead-of-time compile for {target} (bf16 buffers as generated, default block sizes "
+        "at a full-size prefill)",
+        ("kernel", "family", "registers", "spill bytes", "shared mem", op, "config"),
+        [(r.kernel, r.family, str(r.registers), str(r.spill_bytes), nbytes(r.shared_bytes),
+          str(r.tensor_core_ops), r.config) if r.ok else
+         (r.kernel, r.family, "-", "-", "-", "-", f"[red]{escape(r.error)}[/]")
+         for r in results], text=("kernel", "family", "config")))
     failed = [r for r in results if not r.ok]
     spilled = [r.kernel for r in results if r.ok and r.spill_bytes]
     console.print(f"{len(results) - len(failed)}/{len(results)} kernels compile for {target}; "

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from rich.table import Table
-
 from archc.commands.common import spec_of
 from archc.commands.passes import add_dims_arguments, add_pipeline_arguments
 from archc.commands.vocabulary import add
 from archc.ir.lower import lower
 from archc.passes import optimize
 from archc.passes.measure import dims, kernels_per_layer, stats
-from archc.ui import console, nbytes, si
+from archc.ui import console, nbytes, si, table
 
 ROWS = (("nodes", "nodes", "{:g}".format), ("kernels", "kernels", "{:g}".format),
         ("kernels per block", "per_block", "{:g}".format), ("parameters", "params", si),
@@ -38,14 +36,12 @@ def run(args: argparse.Namespace) -> int:
         dtype = args.dtype or s.dtype
         facts.append({**vars(stats(optimize(lower(s, dtype), args.passes), at)),
                       "per_block": kernels_per_layer(s, args.passes, dtype)[1]})
-    table = Table(title=f"{specs[0].name} vs {specs[1].name} (passes: {args.passes}; per new "
-                        f"token at B={at['B']}, T={at['T']}, P={at['P']})", title_justify="left")
-    table.add_column("")
-    for col in (specs[0].name, specs[1].name, "B / A"):
-        table.add_column(col, justify="right")
+    rows = []
     for label, key, fmt in ROWS:
         a, b = facts[0][key], facts[1][key]
-        table.add_row(label, fmt(a), fmt(b),
-                      "=" if a == b else "new" if a == 0 else f"×{b / a:.3g}")
-    console.print(table)
+        rows.append((label, fmt(a), fmt(b),
+                     "=" if a == b else "new" if a == 0 else f"×{b / a:.3g}"))
+    console.print(table(f"{specs[0].name} vs {specs[1].name} (passes: {args.passes}; per new "
+                        f"token at B={at['B']}, T={at['T']}, P={at['P']})",
+                        ("", specs[0].name, specs[1].name, "B / A"), rows, text=("",)))
     return 0

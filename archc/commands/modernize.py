@@ -6,15 +6,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rich.table import Table
-
 from archc.commands.common import check_output, emit
 from archc.commands.vocabulary import add, positive_int
 from archc.errors import ArchcError
 from archc.modernize.report import Row, walk
 from archc.modernize.steps import DEFAULT_STEPS, STEPS, StepError, parse_steps
 from archc.sources import describe
-from archc.ui import console, nbytes, si
+from archc.ui import console, nbytes, si, table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,16 +73,13 @@ def run(args: argparse.Namespace) -> int:
         raise ArchcError(f"--context {context} exceeds max_seq_len = {spec.max_seq_len}")
     model = archc.load(args.source) if checkpoint else None
     rows = walk(spec, calls, args.batch, context)
-    t = Table(title=f"architecture steps (batch {args.batch}, context {context})",
-              title_justify="left")
-    for col in ("step", "params", "FLOPs/token", "KV/token", f"KV @ {context}", "decode AI",
-                "kernels/layer", "bytes/token"):
-        t.add_column(col, justify="left" if col == "step" else "right")
-    for r in rows:
-        t.add_row(r.step, si(r.params), si(r.flops_per_token), nbytes(r.kv_bytes_per_token),
-                  nbytes(r.kv_bytes_at_context), f"{r.intensity:.1f}",
-                  f"{r.kernels_per_layer:g}", nbytes(r.decode_bytes_per_token))
-    console.print(t)
+    console.print(table(
+        f"architecture steps (batch {args.batch}, context {context})",
+        ("step", "params", "FLOPs/token", "KV/token", f"KV @ {context}", "decode AI",
+         "kernels/layer", "bytes/token"),
+        [(r.step, si(r.params), si(r.flops_per_token), nbytes(r.kv_bytes_per_token),
+          nbytes(r.kv_bytes_at_context), f"{r.intensity:.1f}", f"{r.kernels_per_layer:g}",
+          nbytes(r.decode_bytes_per_token)) for r in rows], text=("step",)))
     if model is not None:
         from archc import native
         from archc.modernize.convert import convert

@@ -7,7 +7,6 @@ import argparse
 from collections import Counter
 
 from rich.markup import escape
-from rich.table import Table
 
 from archc.commands.common import spec_of
 from archc.commands.vocabulary import add
@@ -15,7 +14,7 @@ from archc.errors import ArchcError
 from archc.ir.lower import lower
 from archc.passes import DEFAULT_PIPELINE, PASSES, run_pipeline
 from archc.passes.measure import dims, kernels_per_layer, op_delta, stats
-from archc.ui import console, nbytes, si
+from archc.ui import console, nbytes, si, table
 
 
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,14 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _list() -> int:
-    table = Table(title="passes (the default pipeline runs them in this order)",
-                  title_justify="left")
-    for col in ("pass", "kind", "in default", "what it does"):
-        table.add_column(col, overflow="fold")
-    for name in [*DEFAULT_PIPELINE, *sorted(set(PASSES) - set(DEFAULT_PIPELINE))]:
-        table.add_row(name, PASSES[name].kind, "yes" if name in DEFAULT_PIPELINE else "",
-                      escape(PASSES[name].summary))
-    console.print(table)
+    columns = ("pass", "kind", "in default", "what it does")
+    console.print(table("passes (the default pipeline runs them in this order)", columns, [
+        (name, PASSES[name].kind, "yes" if name in DEFAULT_PIPELINE else "",
+         escape(PASSES[name].summary))
+        for name in [*DEFAULT_PIPELINE, *sorted(set(PASSES) - set(DEFAULT_PIPELINE))]],
+        text=columns, overflow="fold"))
     return 0
 
 
@@ -64,23 +61,20 @@ def run(args: argparse.Namespace) -> int:
     result = run_pipeline(lower(spec, dtype), args.passes)
     where = f"B={at['B']}, T={at['T']}, P={at['P']}" + (
         f", S={at['S']}" if spec.family == "encoder-decoder" else "")
-    table = Table(title=f"{spec.name}: pass pipeline ({dtype}; costs per new token at {where})",
-                  title_justify="left")
-    for col in ("#", "pass", "kind", "nodes", "kernels", "params", "FLOPs/token", "bytes/token",
-                "changed"):
-        table.add_column(col, justify="left" if col in ("pass", "kind", "changed") else "right",
-                         overflow="fold")
-    rows = [("", "lowered", "", result.initial, "unfused")]
+    rows = [("", "lowered", "", stats(result.initial, at), "unfused")]
     for k, step in enumerate(result.steps, 1):
         rules = Counter(d.rule for d in step.applied())
         changed = (", ".join(f"{rule} ×{n}" for rule, n in rules.items()) +
                    f": {op_delta(step.before, step.after)}") if step.changed else "not applied"
-        rows.append((str(k), step.name, step.kind, step.after, changed))
-    for num, name, kind, program, changed in rows:
-        st = stats(program, at)
-        table.add_row(num, name, kind, str(st.nodes), str(st.kernels), si(st.params),
-                      si(st.flops_per_token, "FLOP"), nbytes(st.bytes_per_token), escape(changed))
-    console.print(table)
+        rows.append((str(k), step.name, step.kind, stats(step.after, at), changed))
+    console.print(table(
+        f"{spec.name}: pass pipeline ({dtype}; costs per new token at {where})",
+        ("#", "pass", "kind", "nodes", "kernels", "params", "FLOPs/token", "bytes/token",
+         "changed"),
+        [(num, name, kind, str(st.nodes), str(st.kernels), si(st.params),
+          si(st.flops_per_token, "FLOP"), nbytes(st.bytes_per_token), escape(changed))
+         for num, name, kind, st, changed in rows],
+        text=("pass", "kind", "changed"), overflow="fold"))
     before, after = kernels_per_layer(spec, args.passes, dtype)
     console.print(f"kernels per block (embedding and head aside): {before:g} unfused → "
                   f"{after:g} after the pipeline")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 
 from rich.markup import escape
-from rich.table import Table
 
 from archc.commands.common import spec_of
 from archc.commands.passes import add_pipeline_arguments
@@ -18,7 +17,7 @@ from archc.passes import optimize
 from archc.perf.gpus import GPU, gpu
 from archc.perf.roofline import decode_floor, grouped, kernels, per_step
 from archc.perf.summary import fmt_seconds
-from archc.ui import console, nbytes, si
+from archc.ui import console, nbytes, si, table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,13 +34,11 @@ def _priced(title: str, program: Program, dims: dict[str, int],
     """Print the kernels of `program` at `dims` as a table; return their roofline time, FLOPs
     and totals in words."""
     rows = grouped(kernels(program, dims), g)
-    t = Table(title=title, title_justify="left")
-    for col in ("kernel", "reads", "launches", "FLOPs", "bytes", "FLOP/B", "bound", "time"):
-        t.add_column(col, justify="left" if col in ("kernel", "reads", "bound") else "right")
-    for r in rows:
-        t.add_row(r.op, escape(r.label), str(r.launches), si(r.flops), nbytes(r.bytes),
-                  f"{r.intensity:.1f}", r.bound, f"{r.time * 1e6:.1f} µs")
-    console.print(t)
+    console.print(table(
+        title, ("kernel", "reads", "launches", "FLOPs", "bytes", "FLOP/B", "bound", "time"),
+        [(r.op, escape(r.label), str(r.launches), si(r.flops), nbytes(r.bytes),
+          f"{r.intensity:.1f}", r.bound, f"{r.time * 1e6:.1f} µs") for r in rows],
+        text=("kernel", "reads", "bound")))
     seconds, flops = sum(r.time for r in rows), sum(r.flops for r in rows)
     return seconds, flops, f"{si(flops, 'FLOP')}, {nbytes(sum(r.bytes for r in rows))}, " \
                            f"roofline {fmt_seconds(seconds)}"

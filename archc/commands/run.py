@@ -14,13 +14,12 @@ import time
 from typing import Any
 
 import torch
-from rich.table import Table
 
 from archc.commands.chat import add_sampling_arguments, answer, check_text_source
 from archc.commands.common import Run, report
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
-from archc.ui import console
+from archc.ui import console, table
 
 TEXT_NEW_TOKENS, SUMMARY_NEW_TOKENS = 128, 4
 
@@ -94,11 +93,11 @@ def _generate_text(args: argparse.Namespace, run_: Run, model: Any) -> int:
     compiled = run_.compile(model, args.backend)
     if not args.json and args.prompt is not None and model.spec.family == "decoder":
         print(args.prompt, end="", flush=True)
-    result = answer(compiled, ids, args, run_.timings, out=None if args.json else sys.stdout)
+    new = answer(compiled, ids, args, run_.timings, out=None if args.json else sys.stdout)
     if args.json:
         _print_json(args, run_, {"prompt": args.prompt, "chat": args.chat,
-                                 "system": args.system, "text": result.text,
-                                 "tokens": result.ids})
+                                 "system": args.system, "text": tok.decode(new),
+                                 "tokens": new})
     else:
         print(flush=True)
         report(run_.timings, args.quiet)
@@ -142,13 +141,9 @@ def _summarize(args: argparse.Namespace, run_: Run, model: Any) -> int:
                   f"{list(out.shape)}; last position: "
                   + ", ".join(f"{what} {v:.4f}" for what, v in stats.items()))
     if "top5" in body:
-        table = Table(title="next token (top 5)", title_justify="left")
-        for col in ("token id", "logit", "probability"):
-            table.add_column(col, justify="right")
-        for entry in body["top5"]:
-            table.add_row(str(entry["token"]), f"{entry['logit']:.4f}",
-                          f"{entry['probability']:.4f}")
-        console.print(table)
+        console.print(table("next token (top 5)", ("token id", "logit", "probability"), [
+            (str(e["token"]), f"{e['logit']:.4f}", f"{e['probability']:.4f}")
+            for e in body["top5"]]))
     if "greedy_continuation" in body:
         carried = " and ".join(what for what, held in (
             ("the KV cache", spec.softmax_attends),

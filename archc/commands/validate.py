@@ -7,11 +7,10 @@ import argparse
 from pathlib import Path
 
 from rich.markup import escape
-from rich.table import Table
 
 from archc.commands.common import Run, check_output
 from archc.commands.vocabulary import add
-from archc.ui import console
+from archc.ui import console, table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,20 +35,14 @@ def run(args: argparse.Namespace) -> int:
     used(Path(report.module_path))
     console.print(f"{report.model} ({report.dtype}): triton vs eager, per kernel (tolerance "
                   f"{report.tolerance:g} of each output's scale)", soft_wrap=True)
-    table = Table()
-    for col in ("phase", "node", "kernel", "checks", "max error", "relative", ""):
-        table.add_column(col, justify="right" if col in ("max error", "relative") else "left")
-    worst = {}
-    for k in report.kernels:
-        if k.phase not in worst or k.relative > worst[k.phase].relative:
-            worst[k.phase] = k
-    for k in report.kernels:
-        bad = k.relative > report.tolerance
-        if args.all or bad or worst[k.phase] is k:
-            table.add_row(k.phase, f"{k.graph} %{k.node}", escape(k.kernel), escape(k.what),
-                          f"{k.max_error:.3g}", f"{k.relative:.2e}", "[red]diverges[/]" if bad
-                          else "worst" if worst[k.phase] is k else "ok")
-    console.print(table)
+    worst = {k.phase: k for k in sorted(report.kernels, key=lambda k: k.relative)}
+    rows = [(k.phase, f"{k.graph} %{k.node}", escape(k.kernel), escape(k.what),
+             f"{k.max_error:.3g}", f"{k.relative:.2e}",
+             "[red]diverges[/]" if k.relative > report.tolerance else
+             "worst" if worst[k.phase] is k else "ok") for k in report.kernels]
+    console.print(table("", ("phase", "node", "kernel", "checks", "max error", "relative", ""),
+                        [r for r in rows if args.all or r[-1] != "ok"],
+                        text=("phase", "node", "kernel", "checks", "")))
     for p in report.phases:
         status = "ok" if p.relative <= report.tolerance else "[red]differs[/]"
         console.print(f"{p.phase}: {p.output} vs eager on the unfused graph: max error "

@@ -247,8 +247,8 @@ def _tensor_plan(spec: Spec, f: GGUFFile) -> list[tuple[str, str, Callable[[torc
 
 def load_gguf(path: Path, *, progress: Progress | None = None, dtype: str | None = None) -> Model:
     """The model of a GGUF file, its tensors dequantised to f32 (or `dtype`, one at a time)."""
+    from archc.devices import check_fits, checkpoint_elements
     from archc.ir.lower import lower
-    from archc.memory import check_fits, checkpoint_elements
     from archc.runtime.weights import TORCH_DTYPES, checkpoint_shapes
 
     f = GGUFFile(path)

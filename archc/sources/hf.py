@@ -92,8 +92,8 @@ def load_hf(directory: Path, *, progress: Progress | None = None,
             dtype: str | None = None) -> Any:
     """An HF directory → archc Model with its weights (in their stored dtype, or `dtype`),
     tokenizer and EOS ids."""
+    from archc.devices import check_fits, checkpoint_elements
     from archc.ir.lower import lower
-    from archc.memory import check_fits, checkpoint_elements
     from archc.runtime.weights import checkpoint_shapes
     from archc.tokenizer import load_hf_tokenizer
 
