@@ -12,7 +12,7 @@ import difflib
 import importlib
 import inspect
 import sys
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from archc import __version__
 from archc.errors import ArchcError
@@ -37,11 +37,8 @@ class UsageError(ArchcError):
 
 class Parser(argparse.ArgumentParser):
     """argparse, with its errors raised as one line (`archc run: error: …`) instead of a usage
-    block, so that a bad argument reads like any other bad input; and no abbreviations
-    (`--prompt` must never be read as `--prompt-len`)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, allow_abbrev=False, **kwargs)
+    block, so that a bad argument reads like any other bad input. Built without abbreviations:
+    `--prompt` must never be read as `--prompt-len`."""
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(self.prog, message)
@@ -49,7 +46,7 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> Parser:
     parser = Parser(
-        prog="archc",
+        prog="archc", allow_abbrev=False,
         description="A compiler for transformer architectures: spec → IR → passes → Triton "
                     "kernels, validated against an eager PyTorch interpreter.",
         epilog="SOURCE, wherever a command takes a model, is a zoo name (`archc specs`), a spec "
@@ -62,7 +59,8 @@ def build_parser() -> Parser:
         mod = importlib.import_module(f"archc.commands.{name}")
         doc = inspect.cleandoc(mod.__doc__)     # its first paragraph says what the command does
         p = sub.add_parser(name.replace("_", "-"), help=" ".join(doc.split("\n\n")[0].split()),
-                           description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+                           description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+                           allow_abbrev=False)
         mod.add_arguments(p)
         p.set_defaults(handler=mod.run)
     return parser

@@ -23,13 +23,12 @@ DEFAULT_MAX_BYTES = 1 << 30
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
-def cache_root() -> Path:
-    """$XDG_CACHE_HOME/archc (~/.cache/archc): kernels and the cache's settings."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "archc"
-
-
 def default_cache_dir() -> Path:
-    return cache_root() / "kernels"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "archc" / "kernels"
+
+
+def _settings() -> Path:
+    return default_cache_dir().parent / "settings.json"
 
 
 @dataclass(frozen=True)
@@ -63,14 +62,14 @@ def parse_size(text: str) -> int:
 
 def max_bytes() -> int:
     try:
-        value = json.loads((cache_root() / "settings.json").read_text()).get("max_bytes")
+        value = json.loads(_settings().read_text()).get("max_bytes")
     except (OSError, ValueError, AttributeError):
         return DEFAULT_MAX_BYTES
     return value if isinstance(value, int) and value >= 0 else DEFAULT_MAX_BYTES
 
 
 def set_max_bytes(value: int) -> None:
-    path = cache_root() / "settings.json"
+    path = _settings()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"max_bytes": value}) + "\n")

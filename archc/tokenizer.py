@@ -52,15 +52,34 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]], *,
-                    add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation, through the model's chat template."""
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The prompt text of a conversation, through the model's chat template: rendered in
+        Jinja2's immutable sandbox, with the helpers transformers gives templates
+        (`raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII text)."""
+        from jinja2 import TemplateError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
         if not self.chat_template:
             raise TokenizerError(f"{self.source or 'this model'} has no chat template, so it "
                                  "cannot take a conversation; give it plain text to continue")
-        return render_template(self.chat_template, messages=list(messages),
-                               add_generation_prompt=add_generation_prompt,
-                               bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+        def raise_exception(message: str) -> None:
+            raise TokenizerError(f"chat template: {message}")
+
+        def tojson(value: Any, indent: int | None = None, **options: Any) -> str:
+            return json.dumps(value, indent=indent, **{"ensure_ascii": False, **options})
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=list(messages), add_generation_prompt=True,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError as err:
+            raise TokenizerError(f"chat template: {type(err).__name__}: {err}") from None
 
     def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         # the template writes any BOS itself, so special tokens are not added again
@@ -97,36 +116,6 @@ class TextStream:
         self.prefix = len(self.ids) if final else self.read
         self.read = len(self.ids)
         return text[len(before):]
-
-
-# ---- chat templates ---------------------------------------------------------------------------
-
-def render_template(template: str, **context: Any) -> str:
-    """Render a chat template in Jinja2's immutable sandbox, with the helpers transformers gives
-    templates (`raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII text)."""
-    from jinja2 import TemplateError
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise TokenizerError(f"chat template: {message}")
-
-    def tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False,
-               separators: Any = None, sort_keys: bool = False) -> str:
-        return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii,
-                          separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(template).render(**context)
-    except TokenizerError:
-        raise
-    except TemplateError as err:
-        raise TokenizerError(f"chat template: {type(err).__name__}: {err}") from None
 
 
 # ---- Hugging Face tokenizer.json --------------------------------------------------------------
