@@ -1,8 +1,5 @@
 """The public API: ``archc.load`` and ``archc.from_spec`` make a ``Model`` (``archc.model``).
 
-    model = archc.load(source)            # zoo name, spec YAML, HF directory or .gguf file
-    compiled = model.compile(backend="eager")
-
 A source is recognised by the first of ``SOURCES`` whose test matches its path; anything else is a
 zoo name or a spec YAML, which gets seeded random weights.
 """
@@ -16,7 +13,7 @@ import torch
 
 import archc.native as native
 import archc.sources as sources
-from archc.dtypes import dtype_name
+from archc.devices import dtype_name
 from archc.errors import ArchcError
 from archc.model import CompiledModel, Model, Progress
 from archc.spec.schema import Spec
@@ -25,7 +22,7 @@ from archc.spec.zoo import load_spec
 __all__ = ["CompiledModel", "Model", "from_spec", "load"]
 
 # (does this path hold it?, loader(path, progress=callback_or_None, dtype=name_or_None)); each
-# loader prices its weights with ``archc.memory.check_fits`` before reading them
+# loader prices its weights with ``archc.devices.check_fits`` before reading them
 SOURCES: list[tuple[Callable[[Path], bool], Callable[..., Model]]] = [
     (native.is_native, native.load),
     (sources.is_gguf, sources.load_gguf),
@@ -40,10 +37,10 @@ def from_spec(spec: Spec, *, seed: int = 0, dtype: str | torch.dtype = "f32") ->
 
 def load(source: str | Path, *, seed: int = 0, dtype: str | torch.dtype | None = None,
          progress: Progress | None = None) -> Model:
-    """A zoo name, spec YAML, HF directory or GGUF file → a Model (random weights for specs).
-    `dtype`: hold the weights in this dtype (default: f32 for random and dequantised GGUF
-    weights, the stored dtype for safetensors). `progress(done, total)` is called as weights
-    load."""
+    """A zoo name, spec YAML, HF directory, GGUF file or archc checkpoint directory → a Model
+    (random weights for specs). `dtype`: hold the weights in this dtype (default: f32 for
+    random and dequantised GGUF weights, the stored dtype for safetensors). `progress(done,
+    total)` is called as weights load."""
     name = None if dtype is None else dtype_name(dtype)
     if not isinstance(source, (str, Path)):
         raise ArchcError(f"source must be a zoo name or a path, got {type(source).__name__}")

@@ -1,17 +1,18 @@
-"""The `archc` command line. Each subcommand is a module in ``archc.commands``; the flags they
-share are declared once, in ``archc.commands.vocabulary``.
+"""The `archc` command line: a subcommand per module of ``archc.commands``, the flags they share
+declared once in ``archc.commands.vocabulary``.
 
 Bad input (a spec, a checkpoint, an argument) prints one message naming the problem and exits
-with status 2; it never shows a traceback. Every argument is checked before a model is read.
+with status 2, never with a traceback. Every argument is checked before a model is read.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
+import inspect
 import sys
-from types import ModuleType
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from archc import __version__
 from archc.errors import ArchcError
@@ -30,31 +31,22 @@ RENAMED = {
 
 class UsageError(ArchcError):
     def __init__(self, prog: str, message: str) -> None:
-        super().__init__(message)
+        super().__init__(f"{message} (see `{prog} --help`)")
         self.prog = prog
 
 
 class Parser(argparse.ArgumentParser):
     """argparse, with its errors raised as one line (`archc run: error: …`) instead of a usage
-    block, so that every bad argument reads like every other bad input; and no abbreviations
-    (`--prompt` must never be read as `--prompt-len`)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
+    block, so that a bad argument reads like any other bad input. Built without abbreviations:
+    `--prompt` must never be read as `--prompt-len`."""
 
     def error(self, message: str) -> NoReturn:
-        raise UsageError(self.prog, f"{message} (see `{self.prog} --help`)")
-
-
-def _commands() -> list[ModuleType]:
-    import importlib
-    return [importlib.import_module(f"archc.commands.{name}") for name in COMMAND_MODULES]
+        raise UsageError(self.prog, message)
 
 
 def build_parser() -> Parser:
     parser = Parser(
-        prog="archc",
+        prog="archc", allow_abbrev=False,
         description="A compiler for transformer architectures: spec → IR → passes → Triton "
                     "kernels, validated against an eager PyTorch interpreter.",
         epilog="SOURCE, wherever a command takes a model, is a zoo name (`archc specs`), a spec "
@@ -63,9 +55,12 @@ def build_parser() -> Parser:
                "mean the same everywhere (README: 'One vocabulary').")
     parser.add_argument("--version", action="version", version=f"archc {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for mod in _commands():
-        p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP[0].upper() +
-                           mod.HELP[1:] + ".")
+    for name in COMMAND_MODULES:
+        mod = importlib.import_module(f"archc.commands.{name}")
+        doc = inspect.cleandoc(mod.__doc__)     # its first paragraph says what the command does
+        p = sub.add_parser(name.replace("_", "-"), help=" ".join(doc.split("\n\n")[0].split()),
+                           description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+                           allow_abbrev=False)
         mod.add_arguments(p)
         p.set_defaults(handler=mod.run)
     return parser
@@ -78,33 +73,30 @@ def _unknown(parser: Parser, command: str | None, extra: list[str]) -> UsageErro
     prog = sub.prog if sub is not None else parser.prog
     flag = next((e.split("=")[0] for e in extra if e.startswith("-")), None)
     if flag is None:
-        return UsageError(prog, f"unexpected argument {extra[0]!r} (see `{prog} --help`)")
-    message = f"unknown option {flag}"
+        return UsageError(prog, f"unexpected argument {extra[0]!r}")
     if flag in RENAMED:
-        return UsageError(prog, f"{message}: it is {RENAMED[flag]} now")
+        return UsageError(prog, f"unknown option {flag}: it is {RENAMED[flag]} now")
+    message = f"unknown option {flag}"
     shared = next((name for name, f in FLAGS.items() if flag in f.names), None)
     if shared is not None:
-        takers = ", ".join(commands_by_flag(parser)[shared])  # the commands' names
+        takers = ", ".join(commands_by_flag(parser)[shared])
         message += f" ({FLAGS[shared].meaning}: taken by {takers})"
     options = [o for a in (sub._actions if sub else []) for o in a.option_strings]
     close = difflib.get_close_matches(flag, options, n=1, cutoff=0.6)
-    if close:
-        message += f"; did you mean {close[0]}?"
-    return UsageError(prog, f"{message} (see `{prog} --help`)")
+    return UsageError(prog, message + (f"; did you mean {close[0]}?" if close else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    prog = "archc"
     try:
         args, extra = parser.parse_known_args(argv)
+        prog = f"archc {args.command}"
         if extra:
-            raise _unknown(parser, getattr(args, "command", None), extra)
+            raise _unknown(parser, args.command, extra)
         return int(args.handler(args) or 0)
-    except UsageError as err:
-        print(f"{err.prog}: error: {err}", file=sys.stderr)
-        return err.exit_code
     except ArchcError as err:
-        print(f"archc {args.command}: error: {err}", file=sys.stderr)
+        print(f"{getattr(err, 'prog', prog)}: error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -1,44 +1,127 @@
-"""The device a model runs on: a name checked before anything is loaded onto it.
+"""Where a model runs, the dtype it computes in, and whether its weights fit there — all checked
+before anything is loaded.
 
-Without one given, a model runs on the CUDA GPU when torch sees one, else on the CPU.
+Dtypes are named as the IR prints them (f32, f16, bf16); the Python API also takes torch dtypes
+and torch's names ("float16", "bfloat16"…). Without one given, a model runs on the CUDA GPU when
+torch sees one, else on the CPU, and computes in **its own dtype** (`dtype` in its spec; a
+checkpoint's from its config or file) — **except on a CPU, where it computes in f32** (CPUs are
+slow in f16 and bf16 matmuls, and Triton's interpreter computes bf16 wrongly).
+
+Weights are priced from the IR before they are allocated: a real-size spec's random weights take
+30 GiB in f32 for Llama 3 8B, and an operating system that runs out kills the process without a
+word. What cannot fit is refused, naming the size, the memory available and what would fit.
 """
 
 from __future__ import annotations
 
+import math
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from archc.errors import ArchcError, Spell, python_option
+from archc.ir.graph import Program
+from archc.ir.shapes import DTYPE_BYTES
+from archc.ir.shapes import FLOAT_DTYPES as DTYPES
+from archc.runtime.weights import TORCH_DTYPES, checkpoint_shapes
+from archc.ui import nbytes
 
-DEVICES = ("cpu", "cuda")
+# every spelling of the three: archc's, torch's and the usual short ones
+_NAMES = {"float32": "f32", "float": "f32", "fp32": "f32", "float16": "f16", "half": "f16",
+          "fp16": "f16", "bfloat16": "bf16", **{name: name for name in DTYPES},
+          **{TORCH_DTYPES[name]: name for name in DTYPES}}
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def dtype_name(value: Any) -> str:
+    """'f32', 'f16' or 'bf16' for a name or a torch dtype."""
+    key = value.lower().removeprefix("torch.") if isinstance(value, str) else value
+    if not isinstance(key, (str, torch.dtype)) or key not in _NAMES:
+        raise ArchcError(f"dtype={value!r} is not a dtype archc computes in ('f32', 'f16', "
+                         "'bf16', or torch.float32, torch.float16, torch.bfloat16)")
+    return _NAMES[key]
+
+
+def default_dtype(model_dtype: str, device: torch.device | str | None) -> str:
+    """The dtype a model computes in when none is given. `device` None: nothing runs (the IR
+    and the costs of a model are shown in its own dtype)."""
+    if device is not None and torch.device(device).type == "cpu":
+        return "f32"
+    return model_dtype
 
 
 def resolve_device(value: Any, *, spell: Spell = python_option) -> torch.device:
-    """A torch device archc can run on (cpu, cuda, cuda:N), or an ArchcError that says why not
-    and what to pass instead. None or "auto": ``default_device()``."""
+    """A torch device archc can run on (cpu, cuda, cuda:N; None or "auto": the default), or an
+    ArchcError that says why not and what to pass instead."""
     if value is None or value == "auto":
-        return default_device()
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(value)
     except (RuntimeError, TypeError):
         raise ArchcError(f"{spell('device', value)} is not a device (use 'cpu' or 'cuda')") \
             from None
-    if device.type not in DEVICES:
+    if device.type not in ("cpu", "cuda"):
         raise ArchcError(f"{spell('device', value)}: archc runs on cpu or cuda")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            build = "a CPU-only build" if torch.version.cuda is None else \
-                f"built for CUDA {torch.version.cuda}"
-            raise ArchcError(f"{spell('device', value)}, but torch sees no CUDA GPU here "
-                             f"(torch {torch.__version__}, {build}); run on "
-                             f"{spell('device', 'cpu')} — the triton backend then runs its "
-                             "kernels under Triton's interpreter")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ArchcError(f"{spell('device', value)}: torch sees "
-                             f"{torch.cuda.device_count()} GPU(s), numbered from 0")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else \
+            f"built for CUDA {torch.version.cuda}"
+        raise ArchcError(f"{spell('device', value)}, but torch sees no CUDA GPU here (torch "
+                         f"{torch.__version__}, {build}); run on {spell('device', 'cpu')} — the "
+                         "triton backend then runs its kernels under Triton's interpreter")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ArchcError(f"{spell('device', value)}: torch sees {torch.cuda.device_count()} "
+                         "GPU(s), numbered from 0")
     return device
+
+
+# A tiny spec to suggest, per family
+TINY = {"decoder": "tiny-llama3", "encoder": "tiny-bert", "encoder-decoder": "tiny-t5"}
+
+
+def checkpoint_elements(program: Program) -> int:
+    """Elements of every checkpoint tensor the program reads."""
+    return sum(math.prod(dims) for dims in checkpoint_shapes(program).values())
+
+
+def host_available() -> int | None:
+    """Bytes of host memory a new allocation can take without swapping: the kernel's
+    MemAvailable (or free pages), within a cgroup v2 limit. None when it cannot be told."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        found = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        try:
+            found = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    cgroup = Path("/sys/fs/cgroup")
+    try:
+        limit = int((cgroup / "memory.max").read_text())     # "max": no limit, a ValueError
+        return min(found, limit - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        return found
+
+
+def check_fits(model: str, what: str, elements: int, dtype: str, family: str,
+               device: torch.device | None = None, *, spell: Spell = python_option,
+               random: bool = False) -> None:
+    """Refuse to allocate `elements` values of `dtype` for `what` ("its weights") when the
+    memory free on `device` (default: the host) cannot hold them."""
+    device = device or torch.device("cpu")
+    need = elements * DTYPE_BYTES[dtype]
+    free = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else \
+        host_available()
+    if free is None or need <= free:
+        return
+    smaller = [d for d in sorted(DTYPES, key=lambda d: (DTYPE_BYTES[d], d))
+               if DTYPE_BYTES[d] < DTYPE_BYTES[dtype] and elements * DTYPE_BYTES[d] <= free]
+    options = [" or ".join(spell("dtype", d) for d in smaller) +
+               f" ({nbytes(elements * DTYPE_BYTES[smaller[0]])})"] if smaller else []
+    if random:
+        options.append(f"a tiny spec of the same structure, such as {TINY[family]}")
+    options.append("a machine with more memory")
+    raise ArchcError(f"{model}: {what} need {nbytes(need)} ({elements:,} "
+                     f"{'random weights' if random else 'weights'} in {dtype}) and "
+                     f"{nbytes(free)} of {'GPU memory' if device.type == 'cuda' else 'memory'} "
+                     "is available. Options: " + "; ".join(options))

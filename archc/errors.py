@@ -1,8 +1,6 @@
-"""The errors archc raises on bad input. Each names the thing that is wrong.
-
-The CLI turns any ``ArchcError`` into one message on stderr and a non-zero exit (status 2 for
-bad input), never a traceback. Internal bugs are not ``ArchcError``s and do show a traceback.
-"""
+"""The errors archc raises on bad input, each naming the thing that is wrong. The CLI prints an
+``ArchcError`` as one line and exits non-zero, never with a traceback; a bug is not an
+``ArchcError`` and shows its traceback."""
 
 from __future__ import annotations
 
@@ -10,36 +8,33 @@ from collections.abc import Callable
 
 
 class ArchcError(Exception):
-    """Base of every error caused by what the user gave archc (spec, checkpoint, arguments)."""
+    """Caused by what the user gave archc: a spec, a checkpoint, an argument."""
 
     exit_code = 2
 
 
 class SpecError(ArchcError):
-    """A spec that cannot describe a model: names the file, the field path, the value and what
-    is allowed."""
+    """A spec that cannot describe a model: the file, the field path, the value and what is
+    allowed."""
 
     def __init__(self, path: str, problem: str, *, source: str | None = None,
                  allowed: str | None = None) -> None:
-        self.source = source
         self.path = path
         self.problem = problem
         self.allowed = allowed
-        where = f"{source}: " if source else ""
-        field = f"{path}: " if path else ""
-        tail = f" (allowed: {allowed})" if allowed else ""
-        super().__init__(f"{where}{field}{problem}{tail}")
+        super().__init__((f"{source}: " if source else "") + (f"{path}: " if path else "") +
+                         problem + (f" (allowed: {allowed})" if allowed else ""))
 
     def with_source(self, source: str) -> SpecError:
         return SpecError(self.path, self.problem, source=source, allowed=self.allowed)
 
 
 class IRError(ArchcError):
-    """A graph that is malformed: a verifier or parser failure, naming the node."""
+    """A malformed graph: a verifier or parser failure, naming the node."""
 
 
 class WeightsError(ArchcError):
-    """A checkpoint that does not fit the model: names the tensor, expected and found shape."""
+    """A checkpoint that does not fit the model: the tensor, expected and found shape."""
 
 
 class RunError(ArchcError):
@@ -49,7 +44,7 @@ class RunError(ArchcError):
 
 
 # How an error names an option the caller can change: a keyword argument to Python callers
-# (`dtype='bf16'`), a flag on the command line (`--dtype bf16`). Checks shared by both take one.
+# (`dtype='bf16'`), a flag on the command line (`--dtype bf16`).
 Spell = Callable[[str, object], str]
 
 

@@ -1,12 +1,11 @@
-"""The kernel cache: generated Triton modules on disk, one directory per program and options.
+"""The kernel cache: generated Triton modules on disk, one directory per program and options,
 
     $XDG_CACHE_HOME/archc/kernels/<digest>/<model>.py      (~/.cache when XDG_CACHE_HOME is unset)
 
-Codegen names each directory by a hash of what it renders, so a model compiled again reuses its
-module. The cache is kept under a size cap — `max_bytes` in ``settings.json`` beside the
-kernels, 1 GiB unless `archc cache --max-size` sets another — by deleting the entries used
-longest ago (an entry's time is its newest file's modification time: a module is rewritten,
-or touched, whenever it is loaded again). `archc cache` lists the entries and clears them.
+named by a hash of what codegen renders, so that a model compiled again reuses its module. The
+cache is kept under a size cap — `max_bytes` in ``settings.json`` beside the kernels, 1 GiB
+unless `archc cache --max-size` sets another — by deleting the entries used longest ago (an
+entry's time is its newest file's modification time: a module is touched whenever it is loaded).
 """
 
 from __future__ import annotations
@@ -15,25 +14,21 @@ import json
 import os
 import re
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from archc.errors import ArchcError
 
 DEFAULT_MAX_BYTES = 1 << 30
-SETTINGS = "settings.json"
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
-def cache_root() -> Path:
-    """$XDG_CACHE_HOME/archc (~/.cache/archc): kernels and the cache's settings."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "archc"
-
-
 def default_cache_dir() -> Path:
-    return cache_root() / "kernels"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "archc" / "kernels"
+
+
+def _settings() -> Path:
+    return default_cache_dir().parent / "settings.json"
 
 
 @dataclass(frozen=True)
@@ -47,17 +42,13 @@ class Entry:
 def entries(directory: Path | None = None) -> list[Entry]:
     """The cache's entries, most recently used first."""
     directory = directory or default_cache_dir()
-    if not directory.is_dir():
-        return []
     out = []
-    for d in directory.iterdir():
-        if not d.is_dir():
-            continue
-        files = [f for f in d.rglob("*") if f.is_file()]
-        stats = [f.stat() for f in files]
-        out.append(Entry(d, tuple(sorted(f.stem for f in files if f.suffix == ".py")),
-                         sum(s.st_size for s in stats),
-                         max((s.st_mtime for s in stats), default=d.stat().st_mtime)))
+    for d in directory.iterdir() if directory.is_dir() else ():
+        if d.is_dir():
+            files = [(f, f.stat()) for f in d.rglob("*") if f.is_file()]
+            out.append(Entry(d, tuple(sorted(f.stem for f, _ in files if f.suffix == ".py")),
+                             sum(s.st_size for _, s in files),
+                             max((s.st_mtime for _, s in files), default=d.stat().st_mtime)))
     return sorted(out, key=lambda e: e.used, reverse=True)
 
 
@@ -69,22 +60,21 @@ def parse_size(text: str) -> int:
     return int(float(found.group(1)) * _UNITS[found.group(2)])
 
 
-def max_bytes(root: Path | None = None) -> int:
-    path = (root or cache_root()) / SETTINGS
+def max_bytes() -> int:
     try:
-        value = json.loads(path.read_text(encoding="utf-8")).get("max_bytes")
+        value = json.loads(_settings().read_text()).get("max_bytes")
     except (OSError, ValueError, AttributeError):
         return DEFAULT_MAX_BYTES
     return value if isinstance(value, int) and value >= 0 else DEFAULT_MAX_BYTES
 
 
-def set_max_bytes(value: int, root: Path | None = None) -> None:
-    root = root or cache_root()
+def set_max_bytes(value: int) -> None:
+    path = _settings()
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        (root / SETTINGS).write_text(json.dumps({"max_bytes": value}) + "\n", encoding="utf-8")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"max_bytes": value}) + "\n")
     except OSError as err:
-        raise ArchcError(f"cannot write {root / SETTINGS}: {err.strerror}") from None
+        raise ArchcError(f"cannot write {path}: {err.strerror}") from None
 
 
 def remove(entry: Entry) -> None:
@@ -97,20 +87,16 @@ def remove(entry: Entry) -> None:
 def trim(directory: Path | None = None, cap: int | None = None,
          keep: Path | None = None) -> list[Entry]:
     """Delete the least recently used entries until the cache is within `cap` (default: the
-    configured cap); never `keep`, the entry in use. Returns what was deleted."""
-    directory = directory or default_cache_dir()
-    cap = max_bytes() if cap is None else cap
+    configured cap), never `keep`, the entry in use. Returns what was deleted."""
     found = entries(directory)
+    cap = max_bytes() if cap is None else cap
     total = sum(e.bytes for e in found)
     removed = []
     for e in reversed(found):            # oldest first
-        if total <= cap:
-            break
-        if keep is not None and e.path == keep:
-            continue
-        remove(e)
-        total -= e.bytes
-        removed.append(e)
+        if total > cap and e.path != keep:
+            remove(e)
+            total -= e.bytes
+            removed.append(e)
     return removed
 
 
@@ -118,8 +104,7 @@ def used(module: Path) -> None:
     """A module was just loaded: mark it used now (loading it again does not rewrite it) and,
     when it lives in the default cache, trim the cache to its cap, never deleting this one."""
     try:
-        now = time.time()
-        os.utime(module, (now, now))
+        os.utime(module)       # now
     except OSError:
         return
     if module.parent.parent == default_cache_dir():

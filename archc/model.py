@@ -10,9 +10,8 @@
 
 ``model.spec``, ``model.graph`` (the unfused program) and ``model.weights`` (the checkpoint: tensor
 name → tensor) are public. A spec without weights gets seeded random ones (``model.random_weights``
-says so). Dtypes are 'f32', 'f16', 'bf16' or torch dtypes; without one, a model computes in its own
-dtype, or in f32 on a CPU (``archc.dtypes``). Before weights are allocated their bytes are priced
-against the memory free (``archc.memory``). Errors are ``ArchcError``s that name the argument.
+says so). Dtypes are 'f32', 'f16', 'bf16' or torch dtypes, by default as ``archc.devices`` says;
+weights are priced against the memory free before they are allocated.
 """
 
 from __future__ import annotations
@@ -25,22 +24,20 @@ from typing import Any, Protocol
 
 import torch
 
-from archc.devices import resolve_device
-from archc.dtypes import default_dtype, dtype_name
+from archc.devices import check_fits, checkpoint_elements, default_dtype, dtype_name, resolve_device
 from archc.errors import ArchcError
 from archc.ir.graph import Program
 from archc.ir.lower import lower
-from archc.memory import check_fits, checkpoint_elements
 from archc.runtime.eager import EagerSession
 from archc.runtime.generate import Sampler, Sampling
 from archc.runtime.weights import TORCH_DTYPES, check_checkpoint, random_weights
 from archc.spec.schema import Spec
 
+Progress = Callable[[int, int], None]     # (done, total), while weights load
+
 
 class Session(Protocol):
     """What a backend provides: run the encoder, or decoder steps over a KV cache."""
-
-    past: int
 
     def reset(self) -> None: ...
 
@@ -82,36 +79,32 @@ class Model:
                 device: str | torch.device = "cpu", **options: Any) -> CompiledModel:
         """Ready the model to run on `backend` ("eager" or "triton"), on `device` ("cpu" or
         "cuda"), computing in `dtype` (default: the model's own dtype; f32 on a CPU)."""
+        if backend not in BACKENDS:
+            raise ArchcError(f"backend={backend!r} is not a backend (known: "
+                             f"{', '.join(BACKENDS)})")
         torch_device = resolve_device(device)
         name = default_dtype(self.spec.dtype, torch_device) if dtype is None else \
             dtype_name(dtype)
-        factory = backend_factory(backend)
         if backend == "triton" and name == "bf16" and torch_device.type == "cpu":
             raise ArchcError("dtype='bf16' with the triton backend on the CPU: Triton's "
                              "interpreter computes bfloat16 wrongly; use dtype='f32' or 'f16', "
                              "or device='cuda'")
-        self._check_copy_fits(backend, name, torch_device, options.get("passes"))
+        # A backend evaluates the parameters into new tensors unless it runs the checkpoint's
+        # own: the eager backend without weight-rewriting passes, in their dtype and place.
+        if backend != "eager" or options.get("passes") not in (None, "none") or any(
+                w.dtype != TORCH_DTYPES[name] or w.device != torch_device
+                for w in (self.weights or {}).values()):
+            check_fits(self.spec.name, "the compiled copy of its weights",
+                       checkpoint_elements(self.graph), name, self.spec.family, torch_device,
+                       random=self.random_weights)
         program = self.graph if name == "f32" else lower(self.spec, name)
-        session = factory(self, program, name, torch_device, options)
-        module = getattr(session, "module_path", None)   # a backend that generates code
-        if module is not None:
+        module, factory = BACKENDS[backend]
+        session = getattr(importlib.import_module(module), factory)(
+            self, program, name, torch_device, options)
+        if getattr(session, "module_path", None) is not None:   # a backend that generates code
             from archc.kernel_cache import used
-            used(Path(module))
+            used(Path(session.module_path))
         return CompiledModel(self, program, session, backend)
-
-    def _check_copy_fits(self, backend: str, dtype: str, device: torch.device,
-                         passes: Any) -> None:
-        """A backend evaluates the parameters into new tensors unless it runs the checkpoint's
-        own: the eager backend without weight-rewriting passes, in the checkpoint's dtype, on
-        the CPU."""
-        weights = self.weights or {}
-        same = all(w.dtype == TORCH_DTYPES[dtype] and w.device == device
-                   for w in weights.values())
-        if backend == "eager" and passes in (None, "none") and same:
-            return
-        check_fits(self.spec.name, "the compiled copy of its weights",
-                   checkpoint_elements(self.graph), dtype, self.spec.family, device,
-                   random=self.random_weights)
 
 
 # What the eager backend interprets unless told otherwise: the unfused program with each
@@ -123,27 +116,20 @@ EAGER_PIPELINE = ("share-kv-heads", "flash-attention")
 
 def _eager_backend(model: Model, program: Program, dtype: str, device: torch.device,
                    options: Mapping[str, Any]) -> Session:
+    from archc.passes import optimize
     unknown = sorted(set(options) - {"passes"})
     if unknown:
         raise ArchcError(f"the eager backend takes one option, passes (got {', '.join(unknown)})")
     passes = options.get("passes")
-    from archc.passes import optimize
     program = optimize(program, EAGER_PIPELINE if passes is None else passes)
     return EagerSession(program, model.weights, max_seq_len=model.spec.max_seq_len,
                         device=device)
 
 
-BackendFactory = Callable[[Model, Program, str, torch.device, Mapping[str, Any]], Session]
-# name → (module, factory); a backend's module is imported when it is first compiled for
+# name → (module, factory(model, program, dtype, device, options) → Session); a backend's module
+# is imported when it is first compiled for
 BACKENDS = {"eager": ("archc.model", "_eager_backend"),
             "triton": ("archc.runtime.triton_backend", "triton_backend")}
-
-
-def backend_factory(name: str) -> BackendFactory:
-    if name not in BACKENDS:
-        raise ArchcError(f"backend={name!r} is not a backend (known: {', '.join(BACKENDS)})")
-    module, factory = BACKENDS[name]
-    return getattr(importlib.import_module(module), factory)  # type: ignore[no-any-return]
 
 
 class CompiledModel:
@@ -198,11 +184,16 @@ class CompiledModel:
                 max_new_tokens < 0:
             raise ArchcError(f"max_new_tokens must be a whole number ≥ 0, got "
                              f"{max_new_tokens!r}")
+        eos = self.model.eos_token_ids if eos_token_id is None else eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos)
+        if any(isinstance(i, bool) or not isinstance(i, int) for i in eos):
+            raise ArchcError(f"eos_token_id must be a token id or a sequence of them, got "
+                             f"{eos_token_id!r}")
+        stop = torch.tensor(eos, dtype=torch.long)
         text = isinstance(input_ids, str)
-        input_ids = self._ids(input_ids)
+        tokens = input_ids = self._ids(input_ids)
         sampler = Sampler(Sampling(temperature, top_k, top_p, seed))
         extra: dict[str, Any] = {}
-        tokens = input_ids
         if self.spec.family == "encoder-decoder":
             extra = {"encoder_hidden": self.session.encode(input_ids, attention_mask),
                      "encoder_mask": attention_mask}
@@ -213,50 +204,38 @@ class CompiledModel:
                              f"max_seq_len = {self.spec.max_seq_len}")
         self.session.reset()
         out = [tokens]
-        stop = _stop_ids(self.model.eos_token_ids if eos_token_id is None else eos_token_id)
         done = torch.zeros(tokens.shape[0], dtype=torch.bool)
-        step_in = tokens
         for _ in range(max_new_tokens):
-            logits = self.session.step(step_in, **extra)
-            nxt = sampler(logits[:, -1])
-            if len(stop):
+            nxt = sampler(self.session.step(out[-1], **extra)[:, -1])
+            if eos:
                 # a finished row repeats its first stop token
                 nxt = torch.where(done, stop[0].expand_as(nxt), nxt)
                 done |= torch.isin(nxt, stop)
             out.append(nxt[:, None])
             if on_token is not None:
                 on_token(nxt)
-            if len(stop) and bool(done.all()):
+            if eos and bool(done.all()):
                 break
-            step_in = nxt[:, None]
         result = torch.cat(out, dim=1)
         if text:
-            new = [int(i) for i in result[0, tokens.shape[1]:] if int(i) not in stop.tolist()]
-            return self.model.tokenizer.decode(new)
+            return self.model.tokenizer.decode(
+                [int(i) for i in result[0, tokens.shape[1]:] if int(i) not in eos])
         return result
 
     def _ids(self, x: Any) -> torch.Tensor:
         """Token ids [B, T] from ids, or from text through the model's tokenizer."""
         if not isinstance(x, str):
             return _as_ids(x, "input_ids")
-        tok = self.model.tokenizer
-        if tok is None:
+        if self.model.tokenizer is None:
             why = " (it is a spec: its weights are random)" if self.model.random_weights else ""
             raise ArchcError(f"{self.spec.name} has no tokenizer{why}, so it cannot take text: "
                              "pass token ids [B, T], or load a checkpoint that carries a "
                              "tokenizer (a Hugging Face directory with tokenizer.json, or a "
                              ".gguf file)")
-        ids = tok.encode(x)
+        ids = self.model.tokenizer.encode(x)
         if not ids:
             raise ArchcError("the text encodes to no tokens")
         return torch.tensor([ids])
-
-
-def _stop_ids(eos: int | Sequence[int]) -> torch.Tensor:
-    ids = [eos] if isinstance(eos, int) else list(eos)
-    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-        raise ArchcError(f"eos_token_id must be a token id or a sequence of them, got {eos!r}")
-    return torch.tensor(ids, dtype=torch.long)
 
 
 def _as_ids(x: Any, name: str) -> torch.Tensor:
@@ -272,9 +251,3 @@ def _as_ids(x: Any, name: str) -> torch.Tensor:
         raise ArchcError(f"{name} must be integer token ids shaped [B, T], got "
                          f"{x.dtype}{list(x.shape)}")
     return x.long()
-
-
-# ---- sources -------------------------------------------------------------------------------
-
-
-Progress = Callable[[int, int], None]     # (done, total), while weights load

@@ -1,8 +1,6 @@
-"""archc's own checkpoint directory: `spec.yaml` plus `model.safetensors` in archc's tensor names.
-
-What `archc modernize SOURCE --steps gqa:4 -o DIR` writes for a converted checkpoint, and what
-`archc.load(DIR)` reads back.
-"""
+"""archc's own checkpoint directory: `spec.yaml` plus `model.safetensors` in archc's tensor names,
+as `archc modernize SOURCE --steps gqa:4 -o DIR` writes a converted checkpoint and
+`archc.load(DIR)` reads it back."""
 
 from __future__ import annotations
 
@@ -38,8 +36,8 @@ def load(directory: Path, progress: object = None, dtype: str | None = None) -> 
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from archc.devices import check_fits, checkpoint_elements
     from archc.ir.lower import lower
-    from archc.memory import check_fits, checkpoint_elements
     from archc.runtime.weights import TORCH_DTYPES
     spec = load_yaml(directory / SPEC_FILE)
     path = directory / WEIGHTS_FILE
@@ -54,4 +52,3 @@ def load(directory: Path, progress: object = None, dtype: str | None = None) -> 
     if dtype is not None:
         weights = {k: v.to(TORCH_DTYPES[dtype]) for k, v in weights.items()}
     return Model(spec, weights, source=str(directory))
-

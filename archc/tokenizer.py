@@ -1,10 +1,8 @@
-"""Tokenizers and chat templates.
-
-A ``Tokenizer`` wraps a ``tokenizers.Tokenizer``: from a Hugging Face ``tokenizer.json``, or built
-from the vocabulary a GGUF file stores (byte-level BPE as GPT-2 and SmolLM2 use, or the
-SentencePiece BPE of Llama 2). Chat templates are Jinja2 read from model files, so they render in
-an immutable sandbox: a template can format messages, not reach Python objects.
-"""
+"""Tokenizers and chat templates. A ``Tokenizer`` wraps a ``tokenizers.Tokenizer``: from a Hugging
+Face ``tokenizer.json``, or built from the vocabulary a GGUF file stores (byte-level BPE as GPT-2
+and SmolLM2 use, or the SentencePiece BPE of Llama 2). Chat templates are Jinja2 read from model
+files, so they render in an immutable sandbox: a template can format messages, not reach Python
+objects."""
 
 from __future__ import annotations
 
@@ -16,20 +14,19 @@ from typing import Any
 
 from archc.errors import ArchcError
 
-try:
-    import tokenizers
-except ImportError:  # pragma: no cover - an optional dependency
-    tokenizers = None  # type: ignore[assignment]
-
-
-def _need_tokenizers() -> None:
-    if tokenizers is None:
-        raise ArchcError("tokenizing text needs the `tokenizers` package "
-                         "(pip install 'archc[hf]')")
-
 
 class TokenizerError(ArchcError):
     """A tokenizer or chat template that cannot be built or used."""
+
+
+def _tokenizers() -> Any:
+    """The `tokenizers` package, an optional dependency."""
+    try:
+        import tokenizers
+    except ImportError:
+        raise ArchcError("tokenizing text needs the `tokenizers` package "
+                         "(pip install 'archc[hf]')") from None
+    return tokenizers
 
 
 class Tokenizer:
@@ -45,13 +42,9 @@ class Tokenizer:
         self.add_bos = add_bos          # prepend BOS when the backend's post-processor does not
         self.source = source
 
-    @property
-    def bos_token_id(self) -> int | None:
-        return self.backend.token_to_id(self.bos_token) if self.bos_token else None
-
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
-        bos = self.bos_token_id
+        bos = self.backend.token_to_id(self.bos_token) if self.bos_token else None
         if add_special_tokens and self.add_bos and bos is not None and ids[:1] != [bos]:
             ids.insert(0, bos)
         return ids
@@ -59,15 +52,34 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]], *,
-                    add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation, through the model's chat template."""
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The prompt text of a conversation, through the model's chat template: rendered in
+        Jinja2's immutable sandbox, with the helpers transformers gives templates
+        (`raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII text)."""
+        from jinja2 import TemplateError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
         if not self.chat_template:
             raise TokenizerError(f"{self.source or 'this model'} has no chat template, so it "
                                  "cannot take a conversation; give it plain text to continue")
-        return render_template(self.chat_template, messages=list(messages),
-                               add_generation_prompt=add_generation_prompt,
-                               bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+        def raise_exception(message: str) -> None:
+            raise TokenizerError(f"chat template: {message}")
+
+        def tojson(value: Any, indent: int | None = None, **options: Any) -> str:
+            return json.dumps(value, indent=indent, **{"ensure_ascii": False, **options})
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=list(messages), add_generation_prompt=True,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError as err:
+            raise TokenizerError(f"chat template: {type(err).__name__}: {err}") from None
 
     def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         # the template writes any BOS itself, so special tokens are not added again
@@ -90,58 +102,28 @@ class TextStream:
 
     def push(self, ids: Iterable[int]) -> str:
         self.ids.extend(ids)
-        before = self.tok.decode(self.ids[self.prefix:self.read])
-        text = self.tok.decode(self.ids[self.prefix:])
-        if len(text) > len(before) and not text.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return text[len(before):]
-        return ""
+        return self._take(final=False)
 
     def flush(self) -> str:
+        return self._take(final=True)
+
+    def _take(self, final: bool) -> str:
+        """The text the tokens since `read` add, once it is final (or `final` says it is)."""
         before = self.tok.decode(self.ids[self.prefix:self.read])
         text = self.tok.decode(self.ids[self.prefix:])
-        self.prefix = self.read = len(self.ids)
+        if not final and (len(text) <= len(before) or text.endswith("\ufffd")):
+            return ""
+        self.prefix = len(self.ids) if final else self.read
+        self.read = len(self.ids)
         return text[len(before):]
-
-
-# ---- chat templates ---------------------------------------------------------------------------
-
-def render_template(template: str, **context: Any) -> str:
-    """Render a chat template in Jinja2's immutable sandbox, with the helpers transformers gives
-    templates (`raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII text)."""
-    from jinja2 import TemplateError
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise TokenizerError(f"chat template: {message}")
-
-    def tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False,
-               separators: Any = None, sort_keys: bool = False) -> str:
-        return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii,
-                          separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(template).render(**context)
-    except TokenizerError:
-        raise
-    except TemplateError as err:
-        raise TokenizerError(f"chat template: {type(err).__name__}: {err}") from None
 
 
 # ---- Hugging Face tokenizer.json --------------------------------------------------------------
 
 def _token_text(value: Any) -> str | None:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
+    """A special token as the configs write it: its text, or {"content": text, …}."""
+    value = value.get("content") if isinstance(value, Mapping) else value
+    return value if isinstance(value, str) else None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -159,7 +141,7 @@ def load_hf_tokenizer(directory: Path) -> Tokenizer | None:
     path = directory / "tokenizer.json"
     if not path.is_file():
         return None
-    _need_tokenizers()
+    tokenizers = _tokenizers()
     try:
         backend = tokenizers.Tokenizer.from_file(str(path))
     except Exception as err:  # the tokenizers package raises plain Exceptions
@@ -185,7 +167,6 @@ def load_hf_tokenizer(directory: Path) -> Tokenizer | None:
 # ---- GGUF vocabularies ------------------------------------------------------------------------
 
 # llama.cpp's pre-tokenizer regexes (``tokenizer.ggml.pre``), as `tokenizers` pre-tokenizers.
-_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|"
                  r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
                  r"\s+(?!\S)")
@@ -196,7 +177,7 @@ _DIGITS_FIRST = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exa
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 
-def _byte_level_pre(pre: str) -> Any:
+def _byte_level_pre(tokenizers: Any, pre: str) -> Any:
     p = tokenizers.pre_tokenizers
     if pre in ("default", "gpt2", "gpt-2", ""):
         return p.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -233,7 +214,7 @@ def from_gguf_vocab(*, model: str, tokens: Sequence[str], token_types: Sequence[
                     add_bos: bool | None, add_space_prefix: bool | None,
                     chat_template: str | None, source: str) -> Tokenizer:
     """A tokenizer from the vocabulary a GGUF file stores (`tokenizer.ggml.*`)."""
-    _need_tokenizers()
+    tokenizers = _tokenizers()
     m, d, n = tokenizers.models, tokenizers.decoders, tokenizers.normalizers
     vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):
@@ -247,7 +228,7 @@ def from_gguf_vocab(*, model: str, tokens: Sequence[str], token_types: Sequence[
             raise TokenizerError(f"{source}: tokenizer.ggml.merges has an entry that is not "
                                  "two tokens")
         backend = tokenizers.Tokenizer(m.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
-        backend.pre_tokenizer = _byte_level_pre(pre or "default")
+        backend.pre_tokenizer = _byte_level_pre(tokenizers, pre or "default")
         backend.decoder = d.ByteLevel()
         default_add_bos = False
     elif model == "llama":
@@ -267,14 +248,9 @@ def from_gguf_vocab(*, model: str, tokens: Sequence[str], token_types: Sequence[
     else:
         raise TokenizerError(f"{source}: tokenizer.ggml.model {model!r} is not supported "
                              "(archc builds gpt2 byte-level BPE and llama SentencePiece)")
-    types = list(token_types or [])
-    specials = [tokenizers.AddedToken(tokens[i], special=True, normalized=False)
-                for i, k in enumerate(types) if k == CONTROL]
-    user = [tokenizers.AddedToken(tokens[i], special=False, normalized=False)
-            for i, k in enumerate(types) if k == USER_DEFINED]
-    backend.add_special_tokens(specials)
-    if user:
-        backend.add_tokens(user)
+    for kind, add in ((CONTROL, backend.add_special_tokens), (USER_DEFINED, backend.add_tokens)):
+        add([tokenizers.AddedToken(tokens[i], special=kind == CONTROL, normalized=False)
+             for i, k in enumerate(token_types or ()) if k == kind])
     eos_token = tokens[eos_ids[0]] if eos_ids and 0 <= eos_ids[0] < len(tokens) else None
     bos_token = tokens[bos_id] if bos_id is not None and 0 <= bos_id < len(tokens) else None
     return Tokenizer(backend, bos_token=bos_token, eos_token=eos_token, eos_token_ids=eos_ids,

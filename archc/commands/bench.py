@@ -1,4 +1,6 @@
-"""`archc bench SOURCE`: generated kernels and whole-model speed beside PyTorch, on a GPU.
+"""Time each generated kernel beside torch.matmul, scaled_dot_product_attention and the unfused
+torch ops it replaces, and whole-model prefill and decode beside PyTorch eager and torch.compile,
+against the roofline (needs a CUDA GPU).
 
     archc bench llama3-8b --layers 4 --prompt-len 2048 --new-tokens 64 -o results.json
     archc bench tiny-llama3 --dry-run        # the whole harness on the CPU, tiny shapes
@@ -19,22 +21,16 @@ from rich.table import Table
 
 from archc.commands.common import check_output, spec_of
 from archc.commands.vocabulary import add, positive_int
-from archc.devices import resolve_device
-from archc.dtypes import default_dtype
+from archc.devices import default_dtype, resolve_device
 from archc.errors import ArchcError, cli_option
-from archc.perf.gpus import GPU, GPUS, gpu
+from archc.perf.gpus import GPUS, gpu
 from archc.perf.summary import fmt_percent as _pct
 from archc.perf.summary import fmt_ratio as _x
 from archc.perf.summary import fmt_seconds as _t
-from archc.ui import console, err_console, si
-
-NAME = "bench"
-HELP = "time each generated kernel beside torch.matmul, scaled_dot_product_attention and the " \
-       "unfused torch ops it replaces, and whole-model prefill and decode beside PyTorch eager " \
-       "and torch.compile, against the roofline (needs a CUDA GPU; --dry-run runs on the CPU); " \
-       "--host: archc's own host time per decode step, kernels no-ops (any machine)"
+from archc.ui import console, err_console, si, table
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+KNOWN_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 DRY_RUN = {"batch": 1, "prompt": 8, "decode": 4, "dtype": "f32"}
 GPU_RUN = {"batch": 1, "prompt": 512, "decode": 64, "dtype": "bf16"}
 HOST_STEPS = 1000
@@ -73,40 +69,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "cache_dir")
 
 
-def _modes(text: str) -> tuple[str, ...]:
-    if text.strip() in ("", "none"):
-        return ()
-    modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    known = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-    for m in modes:
-        if m not in known:
-            raise ArchcError(f"--compile-modes: unknown torch.compile mode {m!r} (known: "
-                             f"{', '.join(known)}, or none)")
-    return modes
-
-
-def _gpu_model(name: str, device_name: str | None) -> tuple[GPU, bool]:
-    if name != "auto":
-        return gpu(name), False
-    if device_name is None:
-        return gpu("h200"), False
-    key = device_name.lower().replace("-", "").replace(" ", "")
-    for k, g in GPUS.items():
-        if k in key:
-            return g, True
-    raise ArchcError(f"cannot tell which GPU model {device_name!r} is for the roofline: pass "
-                     f"--gpu {' | '.join(GPUS)}")
-
-
 def config_of(args: argparse.Namespace) -> Any:
     from archc.perf.bench import BenchConfig, check_config, keep_layers
     from archc.perf.timing import Timer
-    dry = bool(args.dry_run)
-    modes = _modes(args.compile_modes)
+    dry = args.dry_run
+    modes = tuple(m.strip() for m in args.compile_modes.split(",")
+                  if m.strip() not in ("", "none"))
+    unknown = [m for m in modes if m not in KNOWN_MODES]
+    if unknown:
+        raise ArchcError(f"--compile-modes: unknown torch.compile mode {unknown[0]!r} (known: "
+                         f"{', '.join(KNOWN_MODES)}, or none)")
     base = DRY_RUN if dry else GPU_RUN
-    batch = args.batch or base["batch"]
-    prompt = args.prompt_len or base["prompt"]
-    decode = args.new_tokens if args.new_tokens is not None else base["decode"]
     if dry and args.device not in (None, "cpu"):
         raise ArchcError("--dry-run runs on the CPU (Triton's interpreter); drop --device or "
                          "--dry-run")
@@ -115,50 +88,55 @@ def config_of(args: argparse.Namespace) -> Any:
                          f"{args.source} --dry-run` runs the same harness on the CPU with tiny "
                          "shapes; `archc roofline` models any GPU without one")
     device = resolve_device(args.device or ("cpu" if dry else "cuda"), spell=cli_option)
-    spec = spec_of(args)
-    layers_of_spec = spec.layers
-    spec = keep_layers(spec, args.layers)
+    full = spec_of(args)
+    spec = keep_layers(full, args.layers)
+    prompt = args.prompt_len or base["prompt"]
+    decode = base["decode"] if args.new_tokens is None else args.new_tokens
     check_config(spec, prompt, decode)
     dtype = args.dtype or default_dtype(spec.dtype, device)
     if dry and dtype == "bf16":
         raise ArchcError("--dry-run runs Triton's interpreter, which computes bf16 wrongly: "
                          "use --dtype f32 or f16")
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    model, detected = _gpu_model(args.gpu or "auto", device_name)
-    timer = Timer(device, cpu_repeats=2) if dry else Timer(device)
+    auto = args.gpu in (None, "auto")
+    model, detected = gpu("h200" if auto else args.gpu), False
+    if auto and device.type == "cuda":     # read the GPU model off the device
+        name = torch.cuda.get_device_name(device)
+        key = name.lower().replace("-", "").replace(" ", "")
+        model = next((g for k, g in GPUS.items() if k in key), None)
+        if model is None:
+            raise ArchcError(f"cannot tell which GPU model {name!r} is for the roofline: pass "
+                             f"--gpu {' | '.join(GPUS)}")
+        detected = True
     return BenchConfig(
-        spec=spec, dtype=dtype, device=device, gpu=model, gpu_detected=detected, batch=batch,
-        prompt=prompt, decode=decode, timer=timer, compile_modes=modes,
+        spec=spec, dtype=dtype, device=device, gpu=model, gpu_detected=detected,
+        batch=args.batch or base["batch"], prompt=prompt, decode=decode,
+        timer=Timer(device, cpu_repeats=2) if dry else Timer(device), compile_modes=modes,
         # a dry run traces with dynamo but compiles nothing (inductor on a CPU takes minutes)
         compile_backend="eager" if dry else "inductor",
         copy_mib=4 if dry else 1024, matmul_size=128 if dry else 8192, dry_run=dry,
         autotune=args.autotune, seed=args.seed,
-        layers_of_spec=layers_of_spec if spec.layers != layers_of_spec else None,
+        layers_of_spec=full.layers if spec.layers != full.layers else None,
         kernel_section=not args.no_kernels, cache_dir=args.cache_dir)
-
-
-def _not_for_host(args: argparse.Namespace) -> list[str]:
-    """The options given that --host has no use for."""
-    given = {"--dry-run": args.dry_run, "--prompt-len": args.prompt_len is not None,
-             "--gpu": args.gpu is not None, "--compile-modes": args.compile_modes != ",".join(
-                 COMPILE_MODES), "--no-kernels": args.no_kernels, "--autotune": args.autotune,
-             "--seed": args.seed != 0, "--json": bool(args.json)}
-    return [name for name, on in given.items() if on]
 
 
 def run_host(args: argparse.Namespace) -> int:
     from archc.perf.bench import keep_layers
     from archc.perf.host import check_host, format_host, measure_host
-    extra = _not_for_host(args)
+    given = {"--dry-run": args.dry_run, "--prompt-len": args.prompt_len is not None,
+             "--gpu": args.gpu is not None,
+             "--compile-modes": args.compile_modes != ",".join(COMPILE_MODES),
+             "--no-kernels": args.no_kernels, "--autotune": args.autotune,
+             "--seed": args.seed != 0, "--json": args.json}
+    extra = [flag for flag, on in given.items() if on]
     if extra:
         raise ArchcError(f"--host times archc's host work per decode step with no-op kernels "
                          f"and no weights: {', '.join(extra)} do{'es' if len(extra) == 1 else ''}"
                          f" not apply (it takes --batch, --new-tokens, --dtype, --layers, "
                          f"--cache-dir)")
     spec = keep_layers(spec_of(args), args.layers)
-    dtype = args.dtype or GPU_RUN["dtype"]
     check_host(spec)
-    report = measure_host(spec, dtype=dtype, batch=args.batch or GPU_RUN["batch"],
+    report = measure_host(spec, dtype=args.dtype or GPU_RUN["dtype"],
+                          batch=args.batch or GPU_RUN["batch"],
                           steps=args.new_tokens or HOST_STEPS, cache_dir=args.cache_dir)
     for line in format_host(report):
         console.print(escape(line), soft_wrap=True)
@@ -169,55 +147,34 @@ def run(args: argparse.Namespace) -> int:
     from archc.perf.bench import default_json_name, run_bench
     if args.host:
         return run_host(args)
-    if args.output is not None and not args.output.is_dir():
-        check_output(args.output, "file")
-    cfg = config_of(args)
     path = args.output
+    if path is not None and not path.is_dir():
+        check_output(path, "file")
+    cfg = config_of(args)
     if path is not None and path.is_dir():
         path = path / default_json_name(cfg)
-
-    def log(line: str) -> None:
-        err_console.print(f"[dim]bench:[/] {line}", highlight=False)
-
-    report = run_bench(cfg, path, log)
+    report = run_bench(cfg, path, lambda line: err_console.print(f"[dim]bench:[/] {line}",
+                                                                 highlight=False))
     if args.json:
         sys.stdout.write(json.dumps(report.data, indent=2) + "\n")
         return 1 if report.failed else 0
     print_report(report.data)
     if path is not None:
         console.print(f"JSON: {path}")
-    failed = report.failed
-    if failed:
-        console.print(f"[red]failed sections:[/] {', '.join(failed)}")
+    if report.failed:
+        console.print(f"[red]failed sections:[/] {', '.join(report.failed)}")
         for e in report.data["errors"]:
             console.print(f"  {e['section']}{' ' + e['kernel'] if 'kernel' in e else ''}: "
                           f"{e['error']}")
-        return 1
-    return 0
+    return 1 if report.failed else 0
 
 
 # ---- printing --------------------------------------------------------------------------------
 
-def _baseline(row: dict[str, Any], name: str) -> dict[str, Any] | None:
-    return next((b for b in row["baselines"] if b["name"] == name), None)
-
-
-def _cell(b: dict[str, Any] | None) -> tuple[str, str]:
-    if b is None:
-        return "", ""
-    if b.get("seconds") is None:
-        return "n/a", ""
-    mark = " [red]✗[/]" if b.get("agrees") is False else ""
-    return _t(b["seconds"]) + mark, _x(b.get("archc_speedup"))
-
-
 def print_report(data: dict[str, Any]) -> None:
-    env = data["environment"]
-    g = data["gpu_model"]
-    shapes = data["shapes"]
-    layers = data["layers"]
-    kept = f", first {layers} of {data['spec_layers']} blocks" if layers != data[
-        "spec_layers"] else ""
+    env, g, shapes = data["environment"], data["gpu_model"], data["shapes"]
+    kept = f", first {data['layers']} of {data['spec_layers']} blocks" \
+        if data["layers"] != data["spec_layers"] else ""
     console.print(f"[bold]{data['spec']}[/]{kept}, {data['dtype']}, batch {shapes['batch']}, "
                   f"prompt {shapes['prompt']}, decode {shapes['decode']} on "
                   f"{env.get('device_name')} (torch {env['torch']}, triton {env.get('triton')})")
@@ -229,29 +186,71 @@ def print_report(data: dict[str, Any]) -> None:
                   f"timing: {data['timing']['method']}")
     c = data.get("ceilings")
     if c:
-        m = c["matmul_shape"]
         console.print(f"measured: copy {si(c['copy_bandwidth'], 'B/s')} "
                       f"({_pct(c['copy_bandwidth'] / g['bandwidth'])} of datasheet), "
-                      f"{c['matmul_dtype']} matmul {m[0]}³ {si(c['matmul_flops'], 'FLOP/s')} "
+                      f"{c['matmul_dtype']} matmul {c['matmul_shape'][0]}³ "
+                      f"{si(c['matmul_flops'], 'FLOP/s')} "
                       f"({_pct(c['matmul_flops'] / g['peak_flops'])} of datasheet)")
     for phase in ("prefill", "decode"):
         rows = [r for r in data["kernels"] if r["phase"] == phase]
         if rows:
             console.print(_kernel_table(phase, rows, shapes))
-    _model_tables(data)
+    pre, dec = data["model"]["prefill"], data["model"]["decode"]
+    if pre.get("runs"):
+        console.print(table(
+            f"prefill, {pre['tokens']} tokens: {si(pre['flops'], 'FLOP')}, "
+            f"roofline {_t(pre['roofline_seconds'])}",
+            ("runner", "time", "tokens/s", "FLOP/s", "of peak", "of roofline", "archc speed-up"),
+            _runs(pre["runs"], "seconds", lambda r: [
+                _t(r["seconds"]), f"{r['tokens_per_second']:,.0f}",
+                si(r["flops_per_second"], "FLOP/s"), _pct(r["peak_fraction"]),
+                _pct(r["roofline_fraction"]), _x(r.get("archc_speedup"))]), text=("runner",),
+            no_wrap=True))
+    if dec.get("runs"):
+        console.print(table(
+            f"decode, {dec['steps']} steps from context {dec['past_first'] + 1}: "
+            f"floor {_t(dec['floor_seconds'])}/step = "
+            f"{dec['floor_tokens_per_second']:,.0f} tokens/s "
+            f"({si(dec['bytes_per_step'], 'B')} per step)",
+            ("runner", "ms/token", "tokens/s", "bandwidth", "of floor", "of copy",
+             "archc speed-up"),
+            _runs(dec["runs"], "step_seconds", lambda r: [
+                f"{r['step_seconds'] * 1e3:.3f}", f"{r['tokens_per_second']:,.1f}",
+                si(r["bandwidth"], "B/s"), _pct(r["floor_fraction"]),
+                _pct(r.get("copy_fraction")), _x(r.get("archc_speedup"))]), text=("runner",),
+            no_wrap=True))
     goals = data.get("goals") or []
     if goals:
-        t = Table(title="goals (recorded, not enforced)", title_justify="left")
-        for col in ("goal", "measured", "target", "met", "note"):
-            t.add_column(col, justify="right" if col in ("measured", "target") else "left")
-        for goal in goals:
-            unit = goal["unit"]
-            fmt = _x if unit == "×" else _pct
-            met = ("n/a" if not goal["applies"] else "—" if goal["met"] is None else
-                   "[green]yes[/]" if goal["met"] else "[red]no[/]")
-            target = f"{goal['target']:g}×" if unit == "×" else f"{_pct(goal['target'])} {unit}"
-            t.add_row(goal["goal"], fmt(goal["measured"]), target, met, goal["note"])
-        console.print(t)
+        console.print(table("goals (recorded, not enforced)",
+                            ("goal", "measured", "target", "met", "note"),
+                            [_goal_row(goal) for goal in goals], text=("goal", "met", "note")))
+
+
+def _runs(runs: list[dict[str, Any]], measured: str,
+          cells: Callable[[dict[str, Any]], list[str]]) -> list[list[str]]:
+    """A row per runner; one without its `measured` value failed."""
+    return [[r["name"], *(cells(r) if r.get(measured) is not None else ["[red]failed[/]"])]
+            for r in runs]
+
+
+def _goal_row(goal: dict[str, Any]) -> list[str]:
+    fmt = _x if goal["unit"] == "×" else _pct
+    met = ("n/a" if not goal["applies"] else "—" if goal["met"] is None else
+           "[green]yes[/]" if goal["met"] else "[red]no[/]")
+    target = f"{goal['target']:g}×" if goal["unit"] == "×" else \
+        f"{_pct(goal['target'])} {goal['unit']}"
+    return [goal["goal"], fmt(goal["measured"]), target, met, goal["note"]]
+
+
+def _cell(row: dict[str, Any], *names: str) -> tuple[str, str, dict[str, Any] | None]:
+    """The time and speed-up of the first of the baselines `names` the kernel has."""
+    b = next((b for n in names for b in row["baselines"] if b["name"] == n), None)
+    if b is None:
+        return "", "", None
+    if b.get("seconds") is None:
+        return "n/a", "", b
+    return (("sdpa " if b["name"] == "sdpa" else "") + _t(b["seconds"]) +
+            (" [red]✗[/]" if b.get("agrees") is False else ""), _x(b.get("archc_speedup")), b)
 
 
 def _kernel_table(phase: str, rows: list[dict[str, Any]], shapes: dict[str, int]) -> Table:
@@ -265,54 +264,10 @@ def _kernel_table(phase: str, rows: list[dict[str, Any]], shapes: dict[str, int]
                      no_wrap=col != "reads", max_width=24 if col == "reads" else None,
                      overflow="ellipsis")
     for r in rows:
-        torch_b = _baseline(r, "torch.matmul") or _baseline(r, "sdpa") or _baseline(r, "torch")
-        unf = _baseline(r, "unfused")
-        tc, tx = _cell(torch_b)
-        uc, ux = _cell(unf)
-        if torch_b and torch_b["name"] == "sdpa" and torch_b.get("seconds") is not None:
-            tc = "sdpa " + tc
-        archc = "[red]failed[/]" if r.get("error") else _t(r["archc_seconds"])
-        t.add_row(escape(r["kernel"]), escape(r["reads"]), r["shape"], str(r["launches"]), archc,
-                  tc, tx, uc, ux, str(unf.get("ops") or "") if unf else "",
+        tc, tx, _ = _cell(r, "torch.matmul", "sdpa", "torch")
+        uc, ux, unfused = _cell(r, "unfused")
+        t.add_row(escape(r["kernel"]), escape(r["reads"]), r["shape"], str(r["launches"]),
+                  "[red]failed[/]" if r.get("error") else _t(r["archc_seconds"]), tc, tx, uc,
+                  ux, str(unfused.get("ops") or "") if unfused else "",
                   f"{_pct(r.get('roofline_fraction'))} {r['bound'][:3]}")
     return t
-
-
-def _runs_table(title: str, columns: tuple[str, ...], runs: list[dict[str, Any]], measured: str,
-                cells: Callable[[dict[str, Any]], list[str]]) -> Table:
-    """One row per runner; a runner without its `measured` value is shown as failed."""
-    t = Table(title=title, title_justify="left")
-    for col in ("runner", *columns):
-        t.add_column(col, justify="left" if col == "runner" else "right",
-                     no_wrap=col != "runner")
-    for r in runs:
-        if r.get(measured) is None:
-            t.add_row(r["name"], "[red]failed[/]", *[""] * (len(columns) - 1))
-        else:
-            t.add_row(r["name"], *cells(r))
-    return t
-
-
-def _model_tables(data: dict[str, Any]) -> None:
-    pre = data["model"]["prefill"]
-    if pre.get("runs"):
-        console.print(_runs_table(
-            f"prefill, {pre['tokens']} tokens: {si(pre['flops'], 'FLOP')}, "
-            f"roofline {_t(pre['roofline_seconds'])}",
-            ("time", "tokens/s", "FLOP/s", "of peak", "of roofline", "archc speed-up"),
-            pre["runs"], "seconds",
-            lambda r: [_t(r["seconds"]), f"{r['tokens_per_second']:,.0f}",
-                       si(r["flops_per_second"], "FLOP/s"), _pct(r["peak_fraction"]),
-                       _pct(r["roofline_fraction"]), _x(r.get("archc_speedup"))]))
-    dec = data["model"]["decode"]
-    if dec.get("runs"):
-        console.print(_runs_table(
-            f"decode, {dec['steps']} steps from context {dec['past_first'] + 1}: "
-            f"floor {_t(dec['floor_seconds'])}/step = "
-            f"{dec['floor_tokens_per_second']:,.0f} tokens/s "
-            f"({si(dec['bytes_per_step'], 'B')} per step)",
-            ("ms/token", "tokens/s", "bandwidth", "of floor", "of copy", "archc speed-up"),
-            dec["runs"], "step_seconds",
-            lambda r: [f"{r['step_seconds'] * 1e3:.3f}", f"{r['tokens_per_second']:,.1f}",
-                       si(r["bandwidth"], "B/s"), _pct(r["floor_fraction"]),
-                       _pct(r.get("copy_fraction")), _x(r.get("archc_speedup"))]))

@@ -1,4 +1,4 @@
-"""`archc cache`: the kernel cache — its entries, their size, clearing it, and its size cap."""
+"""List the kernel cache (generated modules on disk), clear it, or set its size cap."""
 
 from __future__ import annotations
 
@@ -7,14 +7,9 @@ import datetime
 import json
 import sys
 
-from rich.table import Table
-
 from archc import kernel_cache
 from archc.commands.vocabulary import add
-from archc.ui import console, nbytes
-
-NAME = "cache"
-HELP = "list the kernel cache (generated modules on disk), clear it, or set its size cap"
+from archc.ui import console, nbytes, table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,20 +22,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "json")
 
 
+def _entries(n: int) -> str:
+    return f"{n} entr{'y' if n == 1 else 'ies'}"
+
+
 def run(args: argparse.Namespace) -> int:
     directory = args.cache_dir or kernel_cache.default_cache_dir()
-    cap = kernel_cache.parse_size(args.max_size) if args.max_size is not None else None
-    removed = []
-    if args.clear:
-        removed = kernel_cache.entries(directory)
-        for e in removed:
-            kernel_cache.remove(e)
+    cap = None if args.max_size is None else kernel_cache.parse_size(args.max_size)
+    removed = kernel_cache.entries(directory) if args.clear else []
+    for e in removed:
+        kernel_cache.remove(e)
     if cap is not None:
         kernel_cache.set_max_bytes(cap)
         removed += kernel_cache.trim(directory, cap)
     found = kernel_cache.entries(directory)
-    limit = kernel_cache.max_bytes()
-    total = sum(e.bytes for e in found)
+    limit, total = kernel_cache.max_bytes(), sum(e.bytes for e in found)
     if args.json:
         sys.stdout.write(json.dumps({
             "directory": str(directory), "max_bytes": limit, "bytes": total,
@@ -49,16 +45,13 @@ def run(args: argparse.Namespace) -> int:
                          "used": e.used} for e in found]}, indent=2) + "\n")
         return 0
     if removed:
-        console.print(f"removed {len(removed)} entr{'y' if len(removed) == 1 else 'ies'} "
+        console.print(f"removed {_entries(len(removed))} "
                       f"({nbytes(sum(e.bytes for e in removed))})")
     if found:
-        table = Table(title=f"{directory}", title_justify="left")
-        for col in ("entry", "models", "size", "last used"):
-            table.add_column(col, justify="right" if col == "size" else "left")
-        for e in found:
-            used = datetime.datetime.fromtimestamp(e.used).strftime("%Y-%m-%d %H:%M")
-            table.add_row(e.path.name, ", ".join(e.models), nbytes(e.bytes), used)
-        console.print(table)
-    console.print(f"{len(found)} entr{'y' if len(found) == 1 else 'ies'}, {nbytes(total)} of "
-                  f"a {nbytes(limit)} cap, in {directory}")
+        console.print(table(str(directory), ("entry", "models", "size", "last used"), [
+            (e.path.name, ", ".join(e.models), nbytes(e.bytes),
+             datetime.datetime.fromtimestamp(e.used).strftime("%Y-%m-%d %H:%M"))
+            for e in found], text=("entry", "models", "last used")))
+    console.print(f"{_entries(len(found))}, {nbytes(total)} of a {nbytes(limit)} cap, in "
+                  f"{directory}")
     return 0

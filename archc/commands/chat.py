@@ -1,10 +1,11 @@
-"""`archc chat SOURCE`: a conversation with a checkpoint, through its chat template.
+"""Talk with a model through its chat template, from a terminal or a pipe (/reset, /exit).
 
 Each line read is a user message; the answer streams to standard output, followed by its
 timings on standard error. The conversation is kept, so every answer sees the turns before it
-(the oldest turns are dropped when it outgrows max_seq_len). `/reset` starts a new conversation,
-`/exit` (or end of input) ends it. Lines come from the terminal, with a `> ` prompt, or from a
-pipe: `printf 'Hi\\n/reset\\nWho are you?\\n' | archc chat model.gguf`.
+(the oldest turns are dropped when it outgrows max_seq_len). Lines come from the terminal, with a
+`> ` prompt, or from a pipe: `printf 'Hi\\n/reset\\nWho are you?\\n' | archc chat model.gguf`.
+Ctrl-C stops an answer where it is: the text so far is kept, the line is ended, and the timings
+say "interrupted".
 """
 
 from __future__ import annotations
@@ -12,35 +13,101 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator
-from typing import Any
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, TextIO
 
-from archc.commands.common import Run
-from archc.commands.textgen import add_sampling_arguments, answer, check_text_source, report
+import torch
+
+from archc.commands.common import Run, Timings, report
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
-from archc.timings import Timings
+from archc.sources import Source
 from archc.ui import err_console
 
-NAME = "chat"
-HELP = "talk with a model through its chat template, from a terminal or a pipe (/reset, /exit)"
 COMMANDS = {"/reset": "start a new conversation", "/exit": "end the chat, as end of input does"}
-NEW_TOKENS = 256
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "source", detail="a checkpoint with a tokenizer and a chat template")
     add(p, "system", detail="the conversation's first message")
-    add(p, "new_tokens", default=NEW_TOKENS, detail="at most, per answer")
+    add(p, "new_tokens", default=256, detail="at most, per answer")
     add_sampling_arguments(p)
     add(p, "seed", default=0)
     add(p, "backend", default="eager")
-    add(p, "device")
-    add(p, "dtype")
-    add(p, "threads")
-    add(p, "cache_dir")
-    add(p, "quiet")
+    add(p, "device", "dtype", "threads", "cache_dir", "quiet")
     add(p, "json", detail="one line per turn: the message, the answer and its timings")
+
+
+def add_sampling_arguments(p: Any) -> None:
+    add(p, "temperature", default=0.0)
+    add(p, "top_k", "top_p", "ignore_eos")
+
+
+def check_text_source(source: Source, what: str) -> None:
+    """Before loading: can this source take text at all?"""
+    spec = source.spec
+    if spec.family == "encoder":
+        raise ArchcError(f"{spec.name} is an encoder: it has no output head to generate "
+                         f"text with, so {what} does not apply")
+    if source.random_weights:
+        raise ArchcError(f"{spec.name} is a spec, not a checkpoint: its weights would be random "
+                         f"and it has no tokenizer, so {what} cannot be used. Give a checkpoint "
+                         "(a Hugging Face directory or a .gguf file); `archc run "
+                         f"{spec.name}` alone summarizes its logits on a random prompt")
+    if not source.tokenizer:
+        raise ArchcError(f"{spec.name} carries no tokenizer (tokenizer.json in a Hugging Face "
+                         f"directory, tokenizer.ggml.* in a GGUF file), so {what} cannot be used")
+
+
+def answer(compiled: Any, prompt_ids: Sequence[int], args: argparse.Namespace,
+           timings: Timings, *, out: TextIO | None) -> list[int]:
+    """The new tokens after `prompt_ids` (an end-of-sequence token left out), their text
+    written to `out` as it becomes final. Stops at the model's end-of-sequence ids unless
+    --ignore-eos, at --new-tokens, at max_seq_len, or at Ctrl-C."""
+    spec, tok = compiled.spec, compiled.model.tokenizer
+    timings.prompt_tokens = len(prompt_ids)
+    room = spec.max_seq_len - (1 if spec.family == "encoder-decoder" else len(prompt_ids))
+    if room < 1:
+        raise ArchcError(f"the prompt is {len(prompt_ids)} tokens; {spec.name} takes at most "
+                         f"{spec.max_seq_len}")
+    if room < args.new_tokens and not args.quiet:
+        err_console.print(f"[dim]note: {room} new tokens fit in max_seq_len = "
+                          f"{spec.max_seq_len}[/]", soft_wrap=True)
+    eos = () if args.ignore_eos else tuple(compiled.model.eos_token_ids)
+    stream = tok.stream()
+    ids: list[int] = []
+    seen: list[float] = []
+
+    def write(text: str) -> None:
+        if out is not None and text:
+            out.write(text)
+            out.flush()
+
+    def on_token(column: torch.Tensor) -> None:
+        seen.append(time.perf_counter())
+        if int(column[0]) in eos:
+            timings.stop_token = tok.decode([int(column[0])], skip_special_tokens=False)
+        else:
+            ids.append(int(column[0]))
+            write(stream.push(ids[-1:]))
+
+    start = time.perf_counter()
+    timings.stop = "interrupted"
+    try:
+        compiled.generate(torch.tensor([list(prompt_ids)]), min(args.new_tokens, room),
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          seed=args.seed, eos_token_id=eos, on_token=on_token)
+        timings.stop = "eos" if timings.stop_token is not None else "length"
+    except KeyboardInterrupt:
+        pass
+    finally:
+        write(stream.flush())
+        timings.seconds["prefill"] = (seen[0] if seen else time.perf_counter()) - start
+        if len(seen) > 1:
+            timings.seconds["decode"] = seen[-1] - seen[0]
+        timings.generated = len(seen)
+    return ids
 
 
 class Conversation:
@@ -55,19 +122,19 @@ class Conversation:
     def reset(self) -> None:
         self.turns = []
 
-    def messages(self, user: str) -> list[dict[str, str]]:
-        out = [{"role": "system", "content": self.system}] if self.system else []
-        for question, reply in self.turns:
-            out += [{"role": "user", "content": question},
-                    {"role": "assistant", "content": reply}]
-        return out + [{"role": "user", "content": user}]
+    def add(self, user: str, reply: str) -> None:
+        self.turns.append((user, reply))
 
     def prompt(self, user: str, room: int) -> tuple[list[int], int]:
         """Token ids of the conversation with `user` appended, leaving `room` tokens to answer
-        in; drops the oldest turns until it fits. Returns the ids and the turns dropped."""
+        in, after dropping the oldest turns until it fits; and how many turns were dropped."""
         dropped = 0
         while True:
-            ids = self.tok.encode_chat(self.messages(user))
+            messages = [{"role": "system", "content": self.system}] if self.system else []
+            for question, reply in self.turns:
+                messages += [{"role": "user", "content": question},
+                             {"role": "assistant", "content": reply}]
+            ids = self.tok.encode_chat([*messages, {"role": "user", "content": user}])
             if len(ids) + room <= self.max_tokens or not self.turns:
                 break
             self.turns.pop(0)
@@ -77,9 +144,6 @@ class Conversation:
                              f"takes at most {self.max_tokens}")
         return ids, dropped
 
-    def add(self, user: str, reply: str) -> None:
-        self.turns.append((user, reply))
-
 
 def _lines(interactive: bool) -> Iterator[str]:
     """User lines until end of input; Ctrl-C at the prompt ends the chat too."""
@@ -88,7 +152,7 @@ def _lines(interactive: bool) -> Iterator[str]:
             line = input("> ") if interactive else sys.stdin.readline()
         except (EOFError, KeyboardInterrupt):
             if interactive:
-                sys.stdout.write("\n")
+                print()
             return
         if not interactive and line == "":
             return
@@ -106,45 +170,39 @@ def run(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     if interactive:
         import readline  # noqa: F401  (line editing and history for input())
-    if not args.quiet:
-        report(run_.timings, False)
-        if interactive:
-            err_console.print(f"[dim]chatting with {model.spec.name}: "
-                              + "; ".join(f"{c} to {what}" for c, what in COMMANDS.items())
-                              + "[/]", soft_wrap=True)
+
+    def note(text: str) -> None:
+        if not args.quiet:
+            err_console.print(f"[dim]{text}[/]", soft_wrap=True)
+
+    report(run_.timings, args.quiet)
+    if interactive:
+        note(f"chatting with {model.spec.name}: "
+             + "; ".join(f"{c} to {what}" for c, what in COMMANDS.items()))
     talk = Conversation(model.tokenizer, model.spec.max_seq_len, args.system)
     for line in _lines(interactive):
-        if not line:
-            continue
         if line == "/exit":
             break
         if line == "/reset":
             talk.reset()
-            if not args.quiet:
-                err_console.print("[dim]a new conversation[/]")
-            continue
-        if line.startswith("/") and " " not in line:
+            note("a new conversation")
+        elif line.startswith("/") and " " not in line:
             err_console.print(f"unknown command {line}: "
                               + ", ".join(f"{c} ({what})" for c, what in COMMANDS.items()),
                               soft_wrap=True, highlight=False, markup=False)
-            continue
-        # keep room for an answer: --new-tokens, or a quarter of the context if less
-        ids, dropped = talk.prompt(line, min(args.new_tokens, model.spec.max_seq_len // 4))
-        if dropped and not args.quiet:
-            err_console.print(f"[dim]note: the {dropped} oldest turn(s) no longer fit in "
-                              f"max_seq_len = {model.spec.max_seq_len} and were dropped[/]")
-        timings = Timings()
-        result = answer(compiled, ids, args, out=None if args.json else sys.stdout,
-                        timings=timings)
-        talk.add(line, result.text)
-        if args.json:
-            sys.stdout.write(json.dumps({"user": line, "assistant": result.text,
-                                         "timings": timings.as_dict()}) + "\n")
-            sys.stdout.flush()
-        else:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-            report(timings, args.quiet)
-        if timings.stop == "interrupted" and not interactive:
-            return 130
+        elif line:
+            # room for an answer: --new-tokens, or a quarter of the context if less
+            ids, dropped = talk.prompt(line, min(args.new_tokens, model.spec.max_seq_len // 4))
+            if dropped:
+                note(f"note: the {dropped} oldest turn(s) no longer fit in max_seq_len = "
+                     f"{model.spec.max_seq_len} and were dropped")
+            timings = Timings()
+            reply = model.tokenizer.decode(answer(compiled, ids, args, timings,
+                                                  out=None if args.json else sys.stdout))
+            talk.add(line, reply)
+            print(json.dumps({"user": line, "assistant": reply,
+                              "timings": timings.as_dict()}) if args.json else "", flush=True)
+            report(timings, args.quiet or args.json)
+            if timings.stop == "interrupted" and not interactive:
+                return 130
     return 0

@@ -1,36 +1,85 @@
 """What commands share beyond their flags (``vocabulary``): reading a source's spec without its
-weights, the checks every run makes before loading anything, loading with a progress bar, and
-writing an output."""
+weights, checking and writing an output, and a model about to run — checked before a weight is
+read, then loaded and compiled — with each phase timed as llama.cpp reports it: one line on
+standard error, never wrapped, so that a log keeps it whole. Prefill runs from the start of
+generation to the first new token; decode, from the first new token to the last."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-from archc.devices import resolve_device
-from archc.dtypes import default_dtype
+from archc.devices import check_fits, checkpoint_elements, default_dtype, resolve_device
 from archc.errors import ArchcError, cli_option
-from archc.sources import Source, describe
+from archc.ir.lower import lower
+from archc.sources import describe
 from archc.spec.schema import Spec
-from archc.timings import Timings
-from archc.ui import err_console, progress
+from archc.ui import console, err_console
+
+STOPS = {"eos": "stopped at end-of-sequence", "length": "stopped at the token limit",
+         "interrupted": "interrupted"}
 
 
-def source_of(args: argparse.Namespace, attr: str = "source") -> Source:
-    """The source named on the command line, read without its weights."""
-    return describe(getattr(args, attr))
+@dataclass
+class Timings:
+    seconds: dict[str, float] = field(default_factory=dict)   # load, compile, prefill, decode
+    prompt_tokens: int = 0
+    generated: int = 0              # new tokens, the first of them from the prefill
+    stop: str | None = None         # a key of STOPS
+    stop_token: str | None = None   # the end-of-sequence token's text
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def tokens(self, phase: str) -> int:
+        return self.prompt_tokens if phase == "prefill" else max(self.generated - 1, 0)
+
+    def tokens_per_second(self) -> dict[str, float]:
+        return {p: self.tokens(p) / self.seconds[p] for p in ("prefill", "decode")
+                if self.seconds.get(p) and self.tokens(p)}
+
+    def line(self) -> str:
+        """`load 0.41 s · compile 0.02 s · prefill 37 tokens in 0.80 s (46.3 tokens/s) · …`"""
+        rates = self.tokens_per_second()
+        parts = []
+        for name, s in self.seconds.items():
+            n = self.tokens(name)
+            parts.append((f"{name} {s:.2f} s" if name in ("load", "compile") else
+                          f"{name} {n} token{'' if n == 1 else 's'} in {s:.2f} s") +
+                         (f" ({rates[name]:.3g} tokens/s)" if name in rates else ""))
+        if self.stop is not None:
+            parts.append(STOPS[self.stop] + (f" ({self.stop_token})" if self.stop_token else ""))
+        return " · ".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"seconds": self.seconds, "prompt_tokens": self.prompt_tokens,
+                "generated_tokens": self.generated,
+                "tokens_per_second": self.tokens_per_second(), "stop": self.stop}
+
+
+def report(timings: Timings, quiet: bool) -> None:
+    """The timings line on stderr: whole, however narrow the terminal or pipe."""
+    if not quiet:
+        err_console.print(f"[dim]{timings.line()}[/]", soft_wrap=True, highlight=False)
 
 
 def spec_of(args: argparse.Namespace, attr: str = "source") -> Spec:
-    return source_of(args, attr).spec
-
-
-def inspection_dtype(args: argparse.Namespace, spec: Spec) -> str:
-    """--dtype, or the model's own dtype (nothing runs)."""
-    return str(args.dtype or default_dtype(spec.dtype, None))
+    """The spec of the source named on the command line, read without its weights."""
+    return describe(getattr(args, attr)).spec
 
 
 def check_output(path: Path | None, kind: str, flag: str = "-o") -> None:
@@ -38,88 +87,78 @@ def check_output(path: Path | None, kind: str, flag: str = "-o") -> None:
     "dir")."""
     if path is None:
         return
-    if kind == "file":
-        if path.is_dir():
-            raise ArchcError(f"{flag} {path}: is a directory; give a file name")
-        if not path.parent.is_dir():
-            raise ArchcError(f"{flag} {path}: directory {path.parent} does not exist")
-    elif path.exists() and not path.is_dir():
+    if kind == "file" and path.is_dir():
+        raise ArchcError(f"{flag} {path}: is a directory; give a file name")
+    if kind == "file" and not path.parent.is_dir():
+        raise ArchcError(f"{flag} {path}: directory {path.parent} does not exist")
+    if kind == "dir" and path.exists() and not path.is_dir():
         raise ArchcError(f"{flag} {path}: exists and is not a directory")
 
 
-def write_text(path: Path, text: str) -> None:
+def emit(text: str, path: Path | None) -> None:
+    """`text` on standard output, or written to `path` and said so."""
+    if path is None:
+        sys.stdout.write(text)
+        return
     try:
         path.write_text(text, encoding="utf-8")
     except OSError as err:
         raise ArchcError(f"cannot write {path}: {err.strerror}") from None
+    console.print(f"wrote {path}")
 
 
 class Run:
-    """A model about to run: where, in which dtype, from which source — all checked before a
-    weight is read. `backend` None: the command runs both backends (validate)."""
+    """A model about to run: its source, device and dtype, checked before a weight is read.
+    `backend` None: the command runs both backends (validate)."""
 
-    def __init__(self, args: argparse.Namespace, *, backend: str | None = "eager",
+    def __init__(self, args: argparse.Namespace, *, backend: str | None,
                  lengths: tuple[int, int] | None = None) -> None:
         self.args = args
-        self.source = source_of(args)
+        self.source = describe(args.source)
         self.spec = self.source.spec
-        self.device = resolve_device(getattr(args, "device", None), spell=cli_option)
+        self.device = resolve_device(args.device, spell=cli_option)
         self.dtype = args.dtype or default_dtype(self.spec.dtype, self.device)
         self.quiet = bool(getattr(args, "quiet", False))
-        if backend in ("triton", None) and self.dtype == "bf16" and self.device.type == "cpu":
+        self.timings = Timings()      # load and compile, as they happen
+        if backend != "eager" and self.dtype == "bf16" and self.device.type == "cpu":
             raise ArchcError("--dtype bf16 on the CPU: Triton's interpreter computes bfloat16 "
                              "wrongly; use --dtype f32 or f16, or --device cuda")
-        if lengths is not None:
-            prompt, new = lengths
-            if prompt + new > self.spec.max_seq_len:
-                raise ArchcError(f"{prompt} prompt tokens + {new} new exceed {self.spec.name}'s "
-                                 f"max_seq_len = {self.spec.max_seq_len}")
-        self._check_memory(backend)
+        if lengths is not None and sum(lengths) > self.spec.max_seq_len:
+            raise ArchcError(f"{lengths[0]} prompt tokens + {lengths[1]} new exceed "
+                             f"{self.spec.name}'s max_seq_len = {self.spec.max_seq_len}")
+        # The weights are read straight into the compute dtype, so the eager backend runs them
+        # as they are; the triton backend's passes evaluate a second copy (merged and folded
+        # weights), and validation runs both. A GPU's copies are read on the host first.
+        elements = checkpoint_elements(lower(self.spec))
+        copies = {"eager": 1, "triton": 2, None: 3}[backend]
+        host = [(torch.device("cpu"), 1)] if self.device.type == "cuda" else []
+        for device, n in [*host, (self.device, copies)]:
+            what = "its weights" + (f" and {n - 1} compiled cop{'y' if n == 2 else 'ies'}"
+                                    if n > 1 else "")
+            check_fits(self.spec.name, what, elements * n, self.dtype, self.spec.family,
+                       device, spell=cli_option, random=self.source.random_weights)
         if getattr(args, "threads", None) is not None:
             torch.set_num_threads(args.threads)
-        self.timings = Timings()      # load and compile, as they happen
-
-    def _check_memory(self, backend: str | None) -> None:
-        """The weights are read straight into the compute dtype, so the eager backend runs them
-        as they are; the triton backend's passes evaluate a second copy (merged and folded
-        weights), and validation runs both; on a GPU every copy is made there."""
-        from archc.ir.lower import lower
-        from archc.memory import check_fits, checkpoint_elements
-        elements = checkpoint_elements(lower(self.spec))
-        extra = {"eager": 0, "triton": 1}.get(backend or "", 2)
-        checks = [(self.device, 1 + extra)]
-        if self.device.type == "cuda":            # read on the host, then copied over
-            checks.insert(0, (torch.device("cpu"), 1))
-        for device, copies in checks:
-            what = "its weights" if copies == 1 else f"its weights and {copies - 1} compiled " \
-                f"cop{'y' if copies == 2 else 'ies'}"
-            check_fits(self.spec.name, what, elements * copies, self.dtype, self.spec.family,
-                       device, spell=cli_option, random=self.source.random_weights)
 
     def load(self) -> Any:
-        """The model, its weights in the compute dtype; notes on stderr unless --quiet."""
+        """The model, its weights in the compute dtype, with a progress bar on a terminal and
+        notes on stderr unless --quiet."""
         import archc
-        seed = getattr(self.args, "seed", None) or 0
-        with self.timings.phase("load"):
-            if self.quiet or not err_console.is_terminal:   # no bar in logs and pipes
-                model = archc.load(self.args.source, seed=seed, dtype=self.dtype)
-            else:
-                with progress() as bar:
-                    task = bar.add_task("loading weights", total=None)
-
-                    def report(done: int, total: int) -> None:
-                        bar.update(task, completed=done, total=total)
-
-                    model = archc.load(self.args.source, seed=seed, dtype=self.dtype,
-                                       progress=report)
+        with self.timings.phase("load"), Progress(
+                "{task.description}", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                console=err_console, transient=True,
+                disable=self.quiet or not err_console.is_terminal) as bar:
+            task = bar.add_task("loading weights", total=None)
+            model = archc.load(self.args.source, seed=self.args.seed, dtype=self.dtype,
+                               progress=lambda done, total: bar.update(task, completed=done,
+                                                                       total=total))
         if not self.quiet:
             for note in model.notes:
                 err_console.print(f"[dim]note: {note}[/]", soft_wrap=True)
         return model
 
-    def compile(self, model: Any, backend: str, **options: Any) -> Any:
-        cache_dir = getattr(self.args, "cache_dir", None)
-        if backend == "triton" and cache_dir is not None:
-            options["cache_dir"] = cache_dir
+    def compile(self, model: Any, backend: str) -> Any:
+        options = {"cache_dir": self.args.cache_dir} if backend == "triton" and \
+            self.args.cache_dir is not None else {}
         with self.timings.phase("compile"):
             return model.compile(backend, dtype=self.dtype, device=self.device, **options)

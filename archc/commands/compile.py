@@ -1,5 +1,6 @@
-"""`archc compile SOURCE`: render the Triton module of a model, and compile it for a GPU
-target."""
+"""Render a model's kernels into one Triton module (after the default passes) and, with
+--target, compile every unique kernel ahead of time for a GPU: registers, spills, shared memory,
+tensor-core instructions."""
 
 from __future__ import annotations
 
@@ -9,18 +10,12 @@ import sys
 from pathlib import Path
 
 from rich.markup import escape
-from rich.table import Table
 
-from archc.commands.common import check_output, inspection_dtype, spec_of
+from archc.commands.common import check_output, spec_of
 from archc.commands.passes import add_pipeline_arguments
 from archc.commands.vocabulary import add, positive_int
 from archc.errors import ArchcError
-from archc.ui import console, nbytes
-
-NAME = "compile"
-HELP = "render a model's kernels into one Triton module (after the default passes) and, with " \
-       "--target, compile every unique kernel ahead of time: registers, spills, shared memory, " \
-       "tensor-core instructions"
+from archc.ui import console, nbytes, table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,7 +23,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "output", detail="a directory: the module is also written there, as MODEL.py")
     p.add_argument("--target", choices=("sm_80", "sm_90a"),
                    help="compile every unique kernel for this GPU (no GPU needed)")
-    add(p, "dtype")
     add_pipeline_arguments(p)
     p.add_argument("--jobs", type=positive_int, default=2,
                    help="parallel compiles with --target (default 2)")
@@ -46,9 +40,9 @@ def run(args: argparse.Namespace) -> int:
 
     check_output(args.output, "dir")
     spec = spec_of(args)
-    dtype = inspection_dtype(args, spec)
-    program = optimize(lower(spec, dtype), args.passes)
-    gen = generate(program, CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
+    dtype = args.dtype or spec.dtype
+    gen = generate(optimize(lower(spec, dtype), args.passes),
+                   CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
     path = write_module(gen, (args.cache_dir or default_cache_dir()) / gen.digest[:24])
     used(path)
     if args.kernel is not None:
@@ -61,53 +55,41 @@ def run(args: argparse.Namespace) -> int:
     if args.output is not None:
         try:
             args.output.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(path, args.output / path.name)
+            path = shutil.copyfile(path, args.output / path.name)
         except OSError as err:
             raise ArchcError(f"cannot write {args.output}: {err.strerror}") from None
-        path = args.output / path.name
-
-    table = Table(title=f"{spec.name}: {len(gen.units)} unique kernels, {gen.launches} launches "
-                        f"({dtype})", title_justify="left")
-    for col in ("kernel", "family", "launches", "implements (first use)"):
-        table.add_column(col, justify="right" if col == "launches" else "left")
+    rows = []
     for u in gen.units:
-        graph, node, text = u.uses[0]
-        table.add_row(u.name, u.family, str(len(u.uses)), escape(f"{graph} {_short(text)}"))
-    console.print(table)
+        graph, _, text = u.uses[0]
+        rows.append((u.name, u.family, str(len(u.uses)),
+                     escape(f"{graph} {text if len(text) <= 90 else text[:89] + '…'}")))
+    console.print(table(f"{spec.name}: {len(gen.units)} unique kernels, {gen.launches} "
+                        f"launches ({dtype})", ("kernel", "family", "launches",
+                                                "implements (first use)"), rows,
+                        text=("kernel", "family", "implements (first use)")))
     console.print(f"generated module: {path}")
-    if args.target is None:
-        return 0
-    return _aot(path, args.target, args.jobs, gen)
+    return 0 if args.target is None else _aot(path, args.target, args.jobs)
 
 
-def _aot(path: Path, target: str, jobs: int, gen: object) -> int:
+def _aot(path: Path, target: str, jobs: int) -> int:
     from archc.codegen.aot import TARGETS, compile_module
     from archc.codegen.aot_worker import TENSOR_CORE_OP
     op = TENSOR_CORE_OP[TARGETS[target]].split(".")[0]
     results = compile_module(path, target, jobs=jobs)
-    table = Table(title=f"ahead-of-time compile for {target} (bf16 buffers as generated, "
-                        "default block sizes at a full-size prefill)", title_justify="left")
-    for col in ("kernel", "family", "registers", "spill bytes", "shared mem", op, "config"):
-        table.add_column(col, justify="left" if col in ("kernel", "family", "config")
-                         else "right")
-    for r in results:
-        if r.ok:
-            table.add_row(r.kernel, r.family, str(r.registers), str(r.spill_bytes),
-                          nbytes(r.shared_bytes), str(r.tensor_core_ops), r.config)
-        else:
-            table.add_row(r.kernel, r.family, "-", "-", "-", "-", f"[red]{escape(r.error)}[/]")
-    console.print(table)
+    console.print(table(
+        f"ahead-of-time compile for {target} (bf16 buffers as generated, default block sizes "
+        "at a full-size prefill)",
+        ("kernel", "family", "registers", "spill bytes", "shared mem", op, "config"),
+        [(r.kernel, r.family, str(r.registers), str(r.spill_bytes), nbytes(r.shared_bytes),
+          str(r.tensor_core_ops), r.config) if r.ok else
+         (r.kernel, r.family, "-", "-", "-", "-", f"[red]{escape(r.error)}[/]")
+         for r in results], text=("kernel", "family", "config")))
     failed = [r for r in results if not r.ok]
-    spilled = [r for r in results if r.ok and r.spill_bytes]
-    uses_tc = sum(1 for r in results if r.ok and r.tensor_core_ops)
+    spilled = [r.kernel for r in results if r.ok and r.spill_bytes]
     console.print(f"{len(results) - len(failed)}/{len(results)} kernels compile for {target}; "
-                  f"{uses_tc} use {op}; "
-                  + (f"{len(spilled)} spill registers ({', '.join(r.kernel for r in spilled)})"
-                     if spilled else "none spill registers"))
+                  f"{sum(1 for r in results if r.ok and r.tensor_core_ops)} use {op}; "
+                  + (f"{len(spilled)} spill registers ({', '.join(spilled)})" if spilled
+                     else "none spill registers"))
     for r in failed:
         console.print(f"[red]{escape(f'{r.kernel}: {r.error}')}[/]")
     return 1 if failed else 0
-
-
-def _short(text: str, width: int = 90) -> str:
-    return text if len(text) <= width else text[:width - 1] + "…"

@@ -1,16 +1,13 @@
-"""`archc export-spec SOURCE`: the spec of a model as YAML, to read, edit and compile."""
+"""Print the YAML spec of a model (a Hugging Face directory, GGUF file, spec or zoo name), to read,
+edit and compile."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 
-from archc.commands.common import check_output, spec_of, write_text
+from archc.commands.common import check_output, emit, spec_of
 from archc.commands.vocabulary import add
 from archc.spec import dump_yaml
-
-NAME = "export-spec"
-HELP = "print the YAML spec of a model: a Hugging Face directory, GGUF file, spec or zoo name"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,10 +19,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_output(args.output, "file")
-    text = dump_yaml(spec_of(args), full=args.full)
-    if args.output is None:
-        sys.stdout.write(text)
-        return 0
-    write_text(args.output, text)
-    print(f"wrote {args.output}", file=sys.stderr)
+    emit(dump_yaml(spec_of(args), full=args.full), args.output)
     return 0

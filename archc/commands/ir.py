@@ -1,24 +1,29 @@
-"""`archc ir SOURCE`: the program in its text form (or DOT), before, after or between passes."""
+"""Print the IR of a model, one line per node (or Graphviz DOT with --dot), before, after or
+between passes."""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from archc.commands.common import check_output, inspection_dtype, spec_of, write_text
+from archc.commands.common import check_output, emit, spec_of
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
+from archc.ir.graph import Program
 from archc.ir.lower import lower
 from archc.ir.text import format_program
 from archc.ir.view import to_dot
 from archc.passes import PASSES, run_pipeline
 from archc.passes.manager import step_diff
 from archc.passes.registry import known
+<<<<<<< HEAD
 from archc.ui import console
 
 NAME = "ir"
 HELP = "print the IR of a model, one line per node (or Graphviz DOT with --dot), before, " \
        "after or between passes"
+=======
+from archc.passes.textdiff import step_diff
+>>>>>>> compact-F
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,14 +45,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "output", detail="a file: the IR text (or DOT), instead of standard output")
 
 
-def emit(text: str, output: Path | None) -> None:
-    if output is None:
-        console.out(text, end="", highlight=False)
-        return
-    write_text(output, text)
-    console.print(f"wrote {output}")
-
-
 def run(args: argparse.Namespace) -> int:
     check_output(args.output, "file")
     for flag, name in (("--after", args.after), ("--diff", args.diff)):
@@ -56,33 +53,28 @@ def run(args: argparse.Namespace) -> int:
     if args.diff and args.dot:
         raise ArchcError("--diff compares the text form; it does not combine with --dot")
     spec = spec_of(args)
-    program = lower(spec, inspection_dtype(args, spec))
     staged = args.after or args.diff or args.print_after_all
-    pipeline = args.passes or ("default" if staged else "none")
-    result = run_pipeline(program, pipeline)
+    result = run_pipeline(lower(spec, args.dtype or spec.dtype),
+                          args.passes or ("default" if staged else "none"))
 
-    def text(p: object) -> str:
-        if args.dot:
-            return to_dot(p, params=args.params)  # type: ignore[arg-type]
-        return format_program(p, provenance=args.provenance)  # type: ignore[arg-type]
+    def text(p: Program) -> str:
+        return to_dot(p, params=args.params) if args.dot else \
+            format_program(p, provenance=args.provenance)
 
     if args.print_after_all:
         parts = [f"; *** IR after lowering ***\n{text(result.initial)}"]
         for k, step in enumerate(result.steps, 1):
             header = f"; *** IR after {step.name} ({step.kind}, pass {k} of " \
                      f"{len(result.steps)}) ***"
-            if not step.changed:
-                parts.append(f"{header} not applied\n")
-                continue
             log = "".join(f"; {line}\n" for line in step.log)
-            parts.append(f"{header}\n{log}{text(step.after)}")
+            parts.append(f"{header}\n{log}{text(step.after)}" if step.changed else
+                         f"{header} not applied\n")
         emit("\n".join(parts), args.output)
-    elif args.after:
-        emit(text(result.step(args.after).after), args.output)
     elif args.diff:
         step = result.step(args.diff)
         emit(step_diff(step, provenance=args.provenance) or f"; {step.name} changed nothing\n",
              args.output)
     else:
-        emit(text(result.program), args.output)
+        emit(text(result.step(args.after).after if args.after else result.program),
+             args.output)
     return 0

@@ -1,22 +1,18 @@
-"""`archc modernize SOURCE`: walk a model to the modern block, one architecture step at a time,
-and show what each step buys."""
+"""Walk a model to the modern block one architecture step at a time (post→pre norm, RMSNorm,
+SwiGLU, RoPE, GQA…) and report what each step buys."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from rich.table import Table
-
-from archc.commands.common import check_output, source_of, write_text
+from archc.commands.common import check_output, emit
 from archc.commands.vocabulary import add, positive_int
 from archc.errors import ArchcError
 from archc.modernize.report import Row, walk
 from archc.modernize.steps import DEFAULT_STEPS, STEPS, StepError, parse_steps
-from archc.ui import console, nbytes, si
-
-NAME = "modernize"
-HELP = "apply architecture steps (post→pre norm, RMSNorm, SwiGLU, RoPE, GQA…) and report each"
+from archc.sources import describe
+from archc.ui import console, nbytes, si, table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,20 +26,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "output", detail="for a spec, a file: the final spec as YAML; for a checkpoint, a "
         "directory: the converted checkpoint (spec.yaml and model.safetensors)")
     p.add_argument("--plot", type=Path, metavar="FILE.png", help="draw the columns per step")
-
-
-def _table(rows: list[Row], batch: int, context: int) -> Table:
-    t = Table(title=f"architecture steps (batch {batch}, context {context})",
-              title_justify="left")
-    cols = ("step", "params", "FLOPs/token", "KV/token", f"KV @ {context}", "decode AI",
-            "kernels/layer", "bytes/token")
-    for c in cols:
-        t.add_column(c, justify="left" if c == "step" else "right")
-    for r in rows:
-        t.add_row(r.step, si(r.params), si(r.flops_per_token), nbytes(r.kv_bytes_per_token),
-                  nbytes(r.kv_bytes_at_context), f"{r.intensity:.1f}",
-                  f"{r.kernels_per_layer:g}", nbytes(r.decode_bytes_per_token))
-    return t
 
 
 def _plot(rows: list[Row], path: Path) -> None:
@@ -60,12 +42,11 @@ def _plot(rows: list[Row], path: Path) -> None:
               ("kernels / layer", [r.kernels_per_layer for r in rows]),
               ("bytes moved / decode token", [r.decode_bytes_per_token for r in rows])]
     fig, axes = plt.subplots(len(series), 1, figsize=(8, 2.2 * len(series)), sharex=True)
-    labels = [r.step for r in rows]
     for ax, (title, values) in zip(axes, series):
         ax.bar(range(len(values)), values, color="#4c72b0")
         ax.set_title(title, fontsize=9, loc="left")
         ax.tick_params(labelsize=8)
-    axes[-1].set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+    axes[-1].set_xticks(range(len(rows)), [r.step for r in rows], rotation=30, ha="right")
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=110)
@@ -78,9 +59,8 @@ def run(args: argparse.Namespace) -> int:
     import archc
     from archc.spec.load import dump_yaml
     calls = parse_steps(args.steps)
-    source = source_of(args)
-    spec = source.spec
-    checkpoint = not source.random_weights
+    source = describe(args.source)
+    spec, checkpoint = source.spec, not source.random_weights
     check_output(args.output, "dir" if checkpoint else "file")
     check_output(args.plot, "file", "--plot")
     if checkpoint:  # refuse before any work what a checkpoint cannot go through
@@ -93,22 +73,26 @@ def run(args: argparse.Namespace) -> int:
         raise ArchcError(f"--context {context} exceeds max_seq_len = {spec.max_seq_len}")
     model = archc.load(args.source) if checkpoint else None
     rows = walk(spec, calls, args.batch, context)
-    console.print(_table(rows, args.batch, context))
+    console.print(table(
+        f"architecture steps (batch {args.batch}, context {context})",
+        ("step", "params", "FLOPs/token", "KV/token", f"KV @ {context}", "decode AI",
+         "kernels/layer", "bytes/token"),
+        [(r.step, si(r.params), si(r.flops_per_token), nbytes(r.kv_bytes_per_token),
+          nbytes(r.kv_bytes_at_context), f"{r.intensity:.1f}", f"{r.kernels_per_layer:g}",
+          nbytes(r.decode_bytes_per_token)) for r in rows], text=("step",)))
     if model is not None:
+        from archc import native
         from archc.modernize.convert import convert
-        weights, before = dict(model.weights or {}), spec
-        for call, row in zip(calls, rows[1:]):
-            weights, report = convert(call, before, row.spec, weights)
+        weights = dict(model.weights or {})
+        for call, before, row in zip(calls, rows, rows[1:]):
+            weights, report = convert(call, before.spec, row.spec, weights)
             for line in report.lines():
                 console.print(f"{call.text}: {line}")
-            before = row.spec
         if args.output:
-            from archc import native
             native.save(args.output, rows[-1].spec, weights)
             console.print(f"wrote {args.output}/ ({native.SPEC_FILE}, {native.WEIGHTS_FILE})")
     elif args.output:
-        write_text(args.output, dump_yaml(rows[-1].spec))
-        console.print(f"wrote {args.output}")
+        emit(dump_yaml(rows[-1].spec), args.output)
     if args.plot:
         _plot(rows, args.plot)
     return 0

@@ -1,28 +1,25 @@
-"""`archc passes SOURCE`: the pipeline as a table — what each pass did to the program."""
+"""Run the pass pipeline on a model and show, per pass, nodes, kernels, parameters, FLOPs and
+bytes per token, and what changed."""
 
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 
 from rich.markup import escape
-from rich.table import Table
 
-from archc.commands.common import inspection_dtype, spec_of
+from archc.commands.common import spec_of
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
 from archc.ir.lower import lower
 from archc.passes import DEFAULT_PIPELINE, PASSES, run_pipeline
-from archc.passes.manager import PassStep
 from archc.passes.measure import dims, kernels_per_layer, op_delta, stats
-from archc.ui import console, nbytes, si
-
-NAME = "passes"
-HELP = "run the pass pipeline on a model and show, per pass, nodes, kernels, parameters, " \
-       "FLOPs and bytes per token, and what changed"
+from archc.ui import console, nbytes, si, table
 
 
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "passes", default="default", detail="Passes: " + ", ".join(PASSES))
+    add(p, "dtype")
 
 
 def add_dims_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,7 +29,6 @@ def add_dims_arguments(p: argparse.ArgumentParser) -> None:
         "(1: a decode step)")
     add(p, "past", default=0)
     add(p, "encoder_len", detail="default: --prompt-len")
-    add(p, "dtype")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,26 +40,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _list() -> int:
-    table = Table(title="passes (the default pipeline runs them in this order)",
-                  title_justify="left")
-    for col in ("pass", "kind", "in default", "what it does"):
-        table.add_column(col, overflow="fold")
-    order = list(DEFAULT_PIPELINE) + sorted(set(PASSES) - set(DEFAULT_PIPELINE))
-    for name in order:
-        p = PASSES[name]
-        table.add_row(name, p.kind, "yes" if name in DEFAULT_PIPELINE else "", escape(p.summary))
-    console.print(table)
+    columns = ("pass", "kind", "in default", "what it does")
+    console.print(table("passes (the default pipeline runs them in this order)", columns, [
+        (name, PASSES[name].kind, "yes" if name in DEFAULT_PIPELINE else "",
+         escape(PASSES[name].summary))
+        for name in [*DEFAULT_PIPELINE, *sorted(set(PASSES) - set(DEFAULT_PIPELINE))]],
+        text=columns, overflow="fold"))
     return 0
-
-
-def _changed(step: PassStep) -> str:
-    if not step.changed:
-        return "not applied"
-    counts: dict[str, int] = {}
-    for d in step.applied():
-        counts[d.rule] = counts.get(d.rule, 0) + 1
-    rules = ", ".join(f"{rule} ×{n}" for rule, n in counts.items())
-    return f"{rules}: {op_delta(step.before, step.after)}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,25 +56,25 @@ def run(args: argparse.Namespace) -> int:
         raise ArchcError("give a SOURCE (a zoo name, spec YAML, HF directory or .gguf file), "
                          "or --list")
     spec = spec_of(args)
-    dtype = inspection_dtype(args, spec)
+    dtype = args.dtype or spec.dtype
     at = dims(args.batch, args.prompt_len, args.past, args.encoder_len)
     result = run_pipeline(lower(spec, dtype), args.passes)
     where = f"B={at['B']}, T={at['T']}, P={at['P']}" + (
         f", S={at['S']}" if spec.family == "encoder-decoder" else "")
-    table = Table(title=f"{spec.name}: pass pipeline ({dtype}; costs per new token at {where})",
-                  title_justify="left")
-    for col in ("#", "pass", "kind", "nodes", "kernels", "params", "FLOPs/token", "bytes/token",
-                "changed"):
-        table.add_column(col, justify="left" if col in ("pass", "kind", "changed") else "right",
-                         overflow="fold")
-    rows = [("", "lowered", "", result.initial, "unfused")]
-    rows += [(str(k + 1), s.name, s.kind, s.after, _changed(s)) for k, s in
-             enumerate(result.steps)]
-    for num, name, kind, program, changed in rows:
-        st = stats(program, at)
-        table.add_row(num, name, kind, str(st.nodes), str(st.kernels), si(st.params),
-                      si(st.flops_per_token, "FLOP"), nbytes(st.bytes_per_token), escape(changed))
-    console.print(table)
+    rows = [("", "lowered", "", stats(result.initial, at), "unfused")]
+    for k, step in enumerate(result.steps, 1):
+        rules = Counter(d.rule for d in step.applied())
+        changed = (", ".join(f"{rule} ×{n}" for rule, n in rules.items()) +
+                   f": {op_delta(step.before, step.after)}") if step.changed else "not applied"
+        rows.append((str(k), step.name, step.kind, stats(step.after, at), changed))
+    console.print(table(
+        f"{spec.name}: pass pipeline ({dtype}; costs per new token at {where})",
+        ("#", "pass", "kind", "nodes", "kernels", "params", "FLOPs/token", "bytes/token",
+         "changed"),
+        [(num, name, kind, str(st.nodes), str(st.kernels), si(st.params),
+          si(st.flops_per_token, "FLOP"), nbytes(st.bytes_per_token), escape(changed))
+         for num, name, kind, st, changed in rows],
+        text=("pass", "kind", "changed"), overflow="fold"))
     before, after = kernels_per_layer(spec, args.passes, dtype)
     console.print(f"kernels per block (embedding and head aside): {before:g} unfused → "
                   f"{after:g} after the pipeline")

@@ -1,7 +1,9 @@
-"""`archc run SOURCE`: run a model. With --prompt or --chat it generates text, streamed to the
-terminal as tokens come; without, it summarizes the next-token logits of a random prompt. Either
-way it ends with the time of each phase (load, compile, prefill, decode) on standard error, or,
-with --json, prints everything as one JSON document."""
+"""Run a model: generate text from a prompt, or summarize its next-token logits.
+
+With --prompt or --chat it generates text, streamed to the terminal as tokens come; without, it
+summarizes the next-token logits of a random prompt. Either way it ends with the time of each
+phase (load, compile, prefill, decode) on standard error, or, with --json, prints everything as
+one JSON document."""
 
 from __future__ import annotations
 
@@ -12,43 +14,30 @@ import time
 from typing import Any
 
 import torch
-from rich.table import Table
 
-from archc.commands.common import Run
-from archc.commands.textgen import (
-    add_sampling_arguments,
-    answer,
-    check_text_source,
-    ends_line,
-    report,
-)
+from archc.commands.chat import add_sampling_arguments, answer, check_text_source
+from archc.commands.common import Run, report
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
-from archc.timings import Timings
-from archc.ui import console
+from archc.ui import console, table
 
-NAME = "run"
-HELP = "run a model: generate text from a prompt, or summarize its next-token logits"
 TEXT_NEW_TOKENS, SUMMARY_NEW_TOKENS = 128, 4
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "source", detail="a spec gets random weights")
     add(p, "backend", default="eager")
-    add(p, "device")
-    add(p, "dtype")
+    add(p, "device", "dtype")
     add(p, "seed", default=0)
     add(p, "threads", detail="default: torch's choice; 1 is often fastest for decoding small "
         "models on a busy machine")
     add(p, "cache_dir")
     add(p, "new_tokens", detail=f"default {TEXT_NEW_TOKENS} with --prompt or --chat, "
         f"{SUMMARY_NEW_TOKENS} greedy steps in the logits summary")
-    add(p, "quiet")
-    add(p, "json")
+    add(p, "quiet", "json")
     text = p.add_argument_group("text generation (a checkpoint with a tokenizer)")
     what = text.add_mutually_exclusive_group()
-    add(what, "prompt")
-    add(what, "chat")
+    add(what, "prompt", "chat")
     add(text, "system", detail="with --chat")
     add_sampling_arguments(text)
     logits = p.add_argument_group("logits summary (without --prompt or --chat)")
@@ -56,141 +45,110 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(logits, "batch", detail="default 1")
 
 
-def _check(args: argparse.Namespace) -> None:
-    """Flags that do not go together, refused before anything is read."""
+def run(args: argparse.Namespace) -> int:
+    # flags that do not go together are refused before anything is read
     text = args.prompt is not None or args.chat is not None
     if args.system is not None and args.chat is None:
         raise ArchcError("--system goes with --chat")
     if text:
-        for flag, value in (("--prompt-len", args.prompt_len), ("--batch", args.batch)):
-            if value is not None:
-                raise ArchcError(f"{flag} sizes the random prompt of the logits summary; with "
-                                 "--prompt or --chat the prompt is the text")
+        wrong = {"--prompt-len": args.prompt_len, "--batch": args.batch}
+        why = "sizes the random prompt of the logits summary; with --prompt or --chat the " \
+              "prompt is the text"
     else:
-        for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p),
-                            ("--temperature", args.temperature or None),
-                            ("--ignore-eos", args.ignore_eos or None)):
-            if value is not None:
-                raise ArchcError(f"{flag} applies to text generation (--prompt or --chat); the "
-                                 "logits summary decodes greedily")
+        wrong = {"--top-k": args.top_k, "--top-p": args.top_p,
+                 "--temperature": args.temperature or None, "--ignore-eos": args.ignore_eos or None}
+        why = "applies to text generation (--prompt or --chat); the logits summary decodes " \
+              "greedily"
+    given = [flag for flag, value in wrong.items() if value is not None]
+    if given:
+        raise ArchcError(f"{given[0]} {why}")
     if args.new_tokens is None:
         args.new_tokens = TEXT_NEW_TOKENS if text else SUMMARY_NEW_TOKENS
-    args.prompt_len = args.prompt_len or 8
-    args.batch = args.batch or 1
-
-
-def run(args: argparse.Namespace) -> int:
-    _check(args)
-    text = args.prompt is not None or args.chat is not None
+    args.prompt_len, args.batch = args.prompt_len or 8, args.batch or 1
     run_ = Run(args, backend=args.backend,
                lengths=None if text else (args.prompt_len, args.new_tokens))
     if text:
         check_text_source(run_.source, "--prompt" if args.prompt is not None else "--chat")
-    model = run_.load()
-    if text:
-        return _generate_text(args, run_, model, run_.timings)
-    return _summarize(args, run_, model, run_.timings)
+    return (_generate_text if text else _summarize)(args, run_, run_.load())
 
 
-# ---- text generation ---------------------------------------------------------------------------
-
-def _generate_text(args: argparse.Namespace, run_: Run, model: Any, timings: Timings) -> int:
-    tok = model.tokenizer
-    if args.chat is not None:
-        if not tok.chat_template:
-            raise ArchcError(f"{model.spec.name} has no chat template, so --chat cannot be used; "
-                             "--prompt continues plain text")
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": args.chat}]
-        ids = tok.encode_chat(messages)
-    else:
-        ids = tok.encode(args.prompt)
-    if not ids:
-        raise ArchcError("the prompt encodes to no tokens")
-    compiled = run_.compile(model, args.backend)
-    out = None if args.json else sys.stdout
-    if out is not None and args.prompt is not None and model.spec.family == "decoder":
-        out.write(args.prompt)
-        out.flush()
-    result = answer(compiled, ids, args, out=out, timings=timings)
-    if args.json:
-        _print_json(args, run_, {"prompt": args.prompt, "chat": args.chat,
-                                 "system": args.system, "text": result.text,
-                                 "tokens": result.ids}, timings)
-    else:
-        ends_line(sys.stdout)
-        report(timings, args.quiet)
-    return 130 if timings.stop == "interrupted" else 0
-
-
-def _print_json(args: argparse.Namespace, run_: Run, body: dict[str, Any],
-                timings: Timings) -> None:
+def _print_json(args: argparse.Namespace, run_: Run, body: dict[str, Any]) -> None:
     data = {"source": args.source, "model": run_.spec.name, "backend": args.backend,
             "device": str(run_.device), "dtype": run_.dtype,
             "random_weights": run_.source.random_weights, **body,
-            "timings": timings.as_dict()}
+            "timings": run_.timings.as_dict()}
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
 
-# ---- logits summary ----------------------------------------------------------------------------
+def _generate_text(args: argparse.Namespace, run_: Run, model: Any) -> int:
+    tok = model.tokenizer
+    if args.chat is not None and not tok.chat_template:
+        raise ArchcError(f"{model.spec.name} has no chat template, so --chat cannot be used; "
+                         "--prompt continues plain text")
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    ids = tok.encode(args.prompt) if args.chat is None else \
+        tok.encode_chat([*system, {"role": "user", "content": args.chat}])
+    if not ids:
+        raise ArchcError("the prompt encodes to no tokens")
+    compiled = run_.compile(model, args.backend)
+    if not args.json and args.prompt is not None and model.spec.family == "decoder":
+        print(args.prompt, end="", flush=True)
+    new = answer(compiled, ids, args, run_.timings, out=None if args.json else sys.stdout)
+    if args.json:
+        _print_json(args, run_, {"prompt": args.prompt, "chat": args.chat,
+                                 "system": args.system, "text": tok.decode(new),
+                                 "tokens": new})
+    else:
+        print(flush=True)
+        report(run_.timings, args.quiet)
+    return 130 if run_.timings.stop == "interrupted" else 0
 
-def _summarize(args: argparse.Namespace, run_: Run, model: Any, timings: Timings) -> int:
-    spec = model.spec
+
+def _summarize(args: argparse.Namespace, run_: Run, model: Any) -> int:
+    spec, timings = model.spec, run_.timings
     compiled = run_.compile(model, args.backend)
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, spec.vocab_size, (args.batch, args.prompt_len), generator=gen)
     timings.prompt_tokens = args.prompt_len
-    out: Any
     with timings.phase("prefill"):
-        if spec.family == "encoder-decoder":
-            out = compiled(ids, decoder_input_ids=ids[:, :1])
-        else:
-            out = compiled(ids)
+        out = compiled(ids, decoder_input_ids=ids[:, :1]) \
+            if spec.family == "encoder-decoder" else compiled(ids)
     last = out[0, -1].float().cpu()
+    stats = {what: float(getattr(last, what)()) for what in ("mean", "std", "min", "max")}
     body: dict[str, Any] = {"prompt_tokens": args.prompt_len, "batch": args.batch,
-                            "output_shape": list(out.shape),
-                            "last_position": {"mean": float(last.mean()),
-                                              "std": float(last.std()),
-                                              "min": float(last.min()),
-                                              "max": float(last.max())}}
-    top = last.softmax(-1).topk(5) if spec.family != "encoder" else None
-    if top is not None:
+                            "output_shape": list(out.shape), "last_position": stats}
+    if spec.family != "encoder":
+        top = last.softmax(-1).topk(5)
         body["top5"] = [{"token": i, "logit": float(last[i]), "probability": p}
                         for p, i in zip(top.values.tolist(), top.indices.tolist())]
-    continuation = None
     if args.new_tokens > 0 and spec.family == "decoder":
         # generate() prefills again; decode is timed from its first new token to its last
         seen: list[float] = []
         seq = compiled.generate(ids, args.new_tokens, eos_token_id=(),
                                 on_token=lambda _: seen.append(time.perf_counter()))
-        continuation = seq[0, args.prompt_len:].tolist()
+        body["greedy_continuation"] = seq[0, args.prompt_len:].tolist()
         timings.generated = len(seen)
         if len(seen) > 1:
             timings.seconds["decode"] = seen[-1] - seen[0]
-        body["greedy_continuation"] = continuation
     if args.json:
-        _print_json(args, run_, body, timings)
+        _print_json(args, run_, body)
         return 0
     weights = f"random weights (seed {args.seed})" if run_.source.random_weights else \
         f"weights from {model.source}"
     console.print(f"[bold]{spec.name}[/] on {args.backend} ({run_.dtype}, {run_.device}), "
                   f"{weights}, a prompt of {args.prompt_len} random tokens")
     console.print(f"output [B, T, {'d' if spec.family == 'encoder' else 'vocab'}] = "
-                  f"{list(out.shape)}; last position: mean {last.mean():.4f}, "
-                  f"std {last.std():.4f}, min {last.min():.4f}, max {last.max():.4f}")
-    if top is not None:
-        table = Table(title="next token (top 5)", title_justify="left")
-        for col in ("token id", "logit", "probability"):
-            table.add_column(col, justify="right")
-        for entry in body["top5"]:
-            table.add_row(str(entry["token"]), f"{entry['logit']:.4f}",
-                          f"{entry['probability']:.4f}")
-        console.print(table)
-    if continuation is not None:
-        mixers = set(spec.all_mixers)
-        carried = " and ".join(([] if not spec.softmax_attends else ["the KV cache"]) +
-                               ([] if mixers <= {"attention"} else ["the recurrent state"]))
-        console.print(f"greedy continuation: {continuation} (prefill + "
+                  f"{list(out.shape)}; last position: "
+                  + ", ".join(f"{what} {v:.4f}" for what, v in stats.items()))
+    if "top5" in body:
+        console.print(table("next token (top 5)", ("token id", "logit", "probability"), [
+            (str(e["token"]), f"{e['logit']:.4f}", f"{e['probability']:.4f}")
+            for e in body["top5"]]))
+    if "greedy_continuation" in body:
+        carried = " and ".join(what for what, held in (
+            ("the KV cache", spec.softmax_attends),
+            ("the recurrent state", not set(spec.all_mixers) <= {"attention"})) if held)
+        console.print(f"greedy continuation: {body['greedy_continuation']} (prefill + "
                       f"{args.new_tokens - 1} decode steps with {carried})")
     report(timings, args.quiet)
     return 0

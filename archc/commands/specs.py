@@ -1,4 +1,4 @@
-"""`archc specs`: the bundled zoo."""
+"""List the bundled specs with their sizes and parameter counts."""
 
 from __future__ import annotations
 
@@ -10,9 +10,6 @@ from archc.ir.cost import parameter_count
 from archc.ir.lower import lower
 from archc.spec.zoo import load_spec, zoo_names
 from archc.ui import console, si
-
-NAME = "specs"
-HELP = "list the bundled specs with their sizes and parameter counts"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,5 +1,5 @@
-"""`archc validate SOURCE`: the generated kernels against the eager interpreter, kernel by
-kernel."""
+"""Run eager (unfused graph) and triton (kernel-level graph) on the same weights and inputs;
+print each kernel's max error and name the first kernel that diverges."""
 
 from __future__ import annotations
 
@@ -7,15 +7,10 @@ import argparse
 from pathlib import Path
 
 from rich.markup import escape
-from rich.table import Table
 
 from archc.commands.common import Run, check_output
 from archc.commands.vocabulary import add
-from archc.ui import console
-
-NAME = "validate"
-HELP = "run eager (unfused graph) and triton (kernel-level graph) on the same weights and " \
-       "inputs; print each kernel's max error and name the first kernel that diverges"
+from archc.ui import console, table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,27 +30,19 @@ def run(args: argparse.Namespace) -> int:
     from archc.runtime.validation import validate
     check_output(args.cache_dir, "dir", "--cache-dir")
     run_ = Run(args, backend=None, lengths=(args.prompt_len, 1))
-    model = run_.load()
-    report = validate(model, dtype=run_.dtype, batch=args.batch, tokens=args.prompt_len,
+    report = validate(run_.load(), dtype=run_.dtype, batch=args.batch, tokens=args.prompt_len,
                       seed=args.seed, device=str(run_.device), cache_dir=args.cache_dir)
     used(Path(report.module_path))
     console.print(f"{report.model} ({report.dtype}): triton vs eager, per kernel (tolerance "
                   f"{report.tolerance:g} of each output's scale)", soft_wrap=True)
-    table = Table()
-    for col in ("phase", "node", "kernel", "checks", "max error", "relative", ""):
-        table.add_column(col, justify="right" if col in ("max error", "relative") else "left")
-    worst = {}
-    for k in report.kernels:
-        if k.phase not in worst or k.relative > worst[k.phase].relative:
-            worst[k.phase] = k
-    for k in report.kernels:
-        bad = k.relative > report.tolerance
-        if not (args.all or bad or worst.get(k.phase) is k):
-            continue
-        table.add_row(k.phase, f"{k.graph} %{k.node}", escape(k.kernel), escape(k.what),
-                      f"{k.max_error:.3g}", f"{k.relative:.2e}", "[red]diverges[/]" if bad else
-                      ("worst" if worst.get(k.phase) is k else "ok"))
-    console.print(table)
+    worst = {k.phase: k for k in sorted(report.kernels, key=lambda k: k.relative)}
+    rows = [(k.phase, f"{k.graph} %{k.node}", escape(k.kernel), escape(k.what),
+             f"{k.max_error:.3g}", f"{k.relative:.2e}",
+             "[red]diverges[/]" if k.relative > report.tolerance else
+             "worst" if worst[k.phase] is k else "ok") for k in report.kernels]
+    console.print(table("", ("phase", "node", "kernel", "checks", "max error", "relative", ""),
+                        [r for r in rows if args.all or r[-1] != "ok"],
+                        text=("phase", "node", "kernel", "checks", "")))
     for p in report.phases:
         status = "ok" if p.relative <= report.tolerance else "[red]differs[/]"
         console.print(f"{p.phase}: {p.output} vs eager on the unfused graph: max error "
@@ -66,8 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if first is not None:
         console.print(f"[red]first divergence[/]: {first.phase}, kernel {first.kernel} "
                       f"({escape(first.what)}), implementing {first.graph} {escape(first.text)}")
-        return 1
-    if not report.ok:
+    if first is not None or not report.ok:
         return 1
     console.print("[green]all kernels agree with eager[/]")
     return 0

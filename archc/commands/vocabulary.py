@@ -1,12 +1,10 @@
 """The command line's shared vocabulary: every flag more than one command takes, declared once.
 
-A command adds a shared flag with ``add(parser, name)``, never with ``add_argument``, so a flag
-means the same thing, takes the same values and is checked the same way wherever it appears (a
-test walks the parser to hold every command to it). A command may give its own default and a
-line of its own (what `-o` writes, what is generated); the meaning stays. ``markdown()`` renders
-the table the README shows, with the commands that take each flag read off the parser.
-
-Every value is checked as the command line is parsed — before any model is read.
+A command adds a shared flag with ``add(parser, name)``, never with ``add_argument``, so that it
+means the same thing, takes the same values and is checked the same way — as the command line is
+parsed, before any model is read — wherever it appears (a test walks the parser to hold every
+command to it). A command may give its own default and a line of its own (what `-o` writes);
+the meaning stays. ``markdown()`` renders the table the README shows.
 """
 
 from __future__ import annotations
@@ -19,48 +17,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from archc.dtypes import DTYPES
+from archc.devices import DTYPES
 from archc.perf.gpus import GPUS
 
-Parse = Callable[[str], Any]
 
-
-def _number(text: str, kind: type, what: str) -> Any:
-    try:
-        value = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-    if kind is float and not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return value
-
-
-def int_at_least(lo: int) -> Parse:
-    def parse(text: str) -> int:
-        value = _number(text, int, "a whole number")
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"{value} must be ≥ {lo}")
+def number(kind: type, lo: float, hi: float | None = None) -> Callable[[str], Any]:
+    """An argparse type: a whole number (`kind` int) or a finite number (float) that is at least
+    `lo`, or with `hi`, in (lo, hi]."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a {'whole' if kind is int else 'finite'} number")
+        if hi is None and value < lo:
+            raise argparse.ArgumentTypeError(f"{text} must be ≥ {lo:g}")
+        if hi is not None and not lo < value <= hi:
+            raise argparse.ArgumentTypeError(f"{text} must be in ({lo:g}, {hi:g}]")
         return value
-    parse.__name__ = "whole number"
     return parse
 
 
-positive_int = int_at_least(1)
-nonnegative_int = int_at_least(0)
-
-
-def temperature(text: str) -> float:
-    value = _number(text, float, "a number")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value:g} must be ≥ 0 (0 picks the likeliest token)")
-    return value
-
-
-def probability_mass(text: str) -> float:
-    value = _number(text, float, "a number")
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{value:g} must be in (0, 1]")
-    return value
+positive_int, nonnegative_int = number(int, 1), number(int, 0)
 
 
 def device_name(text: str) -> str:
@@ -113,17 +93,16 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
          {"type": nonnegative_int}),
     Flag(("--threads",), "CPU threads torch may use", "N", {"type": positive_int}),
     Flag(("--temperature",), "sampling temperature; 0 picks the likeliest token", "T",
-         {"type": temperature}),
+         {"type": number(float, 0)}),
     Flag(("--top-k",), "sample among the K likeliest tokens", "K", {"type": positive_int}),
     Flag(("--top-p",), "sample among the likeliest tokens holding P of the probability", "P",
-         {"type": probability_mass}),
+         {"type": number(float, 0, 1)}),
     Flag(("--ignore-eos",), "keep generating past the checkpoint's end-of-sequence tokens",
          None, {"action": "store_true"}),
     Flag(("-o", "--output"), "where to write: a path; each command says whether a file or a "
          "directory, and what goes there", "PATH", {"type": Path}),
     Flag(("--json",), "print the results as JSON on standard output, in place of tables and "
-         "text", None,
-         {"action": "store_true"}),
+         "text", None, {"action": "store_true"}),
     Flag(("--quiet",), "print no notes, progress or timings on standard error", None,
          {"action": "store_true"}),
     Flag(("--cache-dir",), "where generated kernel modules are written (default: the kernel "
@@ -131,50 +110,42 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
 )}
 
 
-def add(p: argparse.ArgumentParser | Any, name: str, *, default: Any = None,
-        detail: str | None = None, metavar: str | None = None, dest: str | None = None,
-        nargs: str | None = None) -> argparse.Action:
-    """Add shared flag `name` to parser (or argument group) `p`. `detail`: what it means for
-    this command (what `-o` writes); a `default` is said in the help text. `dest` and `metavar`
-    name a second positional SOURCE (`archc diff SOURCE_A SOURCE_B`)."""
-    flag = FLAGS[name]
-    help_text = flag.meaning + (f"; {detail}" if detail else "")
-    kwargs: dict[str, Any] = dict(flag.argparse)
-    positional = not flag.names[0].startswith("-")
-    names = (dest or flag.names[0],) if positional else flag.names
-    if default is not None:
-        kwargs["default"] = default
-        if not isinstance(default, bool):
-            help_text += f" (default {default})"
-    if dest is not None and not positional:
-        kwargs["dest"] = dest
-    if flag.metavar is not None and "choices" not in kwargs and "action" not in kwargs:
-        kwargs["metavar"] = metavar or flag.metavar
-    if nargs is not None:
-        kwargs["nargs"] = nargs
-    action = p.add_argument(*names, help=help_text, **kwargs)
-    action.vocabulary = name  # type: ignore[attr-defined]  # read back by the README table
-    action.vocabulary_detail = detail  # type: ignore[attr-defined]
-    return action
+def add(p: Any, *names: str, default: Any = None, detail: str | None = None,
+        dest: str | None = None, nargs: str | None = None) -> None:
+    """Add shared flags `names` to parser (or argument group) `p`. `detail`: what a flag means
+    for this command besides (what `-o` writes); a `default` is said in the help text. `dest`
+    names a second positional SOURCE (`archc diff SOURCE_A SOURCE_B`)."""
+    for name in names:
+        flag = FLAGS[name]
+        kwargs: dict[str, Any] = {**flag.argparse, "help": flag.meaning + (
+            f"; {detail}" if detail else "")}
+        if default is not None:
+            kwargs["default"] = default
+            if not isinstance(default, bool):
+                kwargs["help"] += f" (default {default})"
+        if flag.metavar is not None and "choices" not in kwargs:
+            kwargs["metavar"] = dest.upper() if dest else flag.metavar
+        if nargs is not None:
+            kwargs["nargs"] = nargs
+        positional = not flag.names[0].startswith("-")
+        action = p.add_argument(*((dest or name,) if positional else flag.names), **kwargs)
+        action.vocabulary = name  # read back by the README table and the tests
+        action.vocabulary_detail = detail
 
 
 def commands_by_flag(parser: argparse.ArgumentParser) -> dict[str, dict[str, str | None]]:
-    """Shared flag → the commands that take it → what it means there besides, read off the
-    built parser."""
+    """Shared flag → the commands that take it → what it means there besides."""
     out: dict[str, dict[str, str | None]] = {name: {} for name in FLAGS}
     for command, sub in subcommands(parser).items():
         for action in sub._actions:
-            name = getattr(action, "vocabulary", None)
-            if name is not None and command not in out[name]:
-                out[name][command] = getattr(action, "vocabulary_detail", None)
+            if hasattr(action, "vocabulary"):
+                out[action.vocabulary].setdefault(command, action.vocabulary_detail)
     return out
 
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}
+    return next(dict(a.choices) for a in parser._actions
+                if isinstance(a, argparse._SubParsersAction))
 
 
 def markdown(parser: argparse.ArgumentParser) -> str:
@@ -184,10 +155,10 @@ def markdown(parser: argparse.ArgumentParser) -> str:
     for name, flag in FLAGS.items():
         spelled = ", ".join(f"`{n}`" for n in flag.names) if flag.names[0].startswith("-") \
             else f"`{flag.metavar}`"
-        if flag.names[0].startswith("-") and flag.metavar and "choices" not in flag.argparse:
-            spelled += f" {flag.metavar}"
-        elif "choices" in flag.argparse:
+        if "choices" in flag.argparse:
             spelled += " " + "\\|".join(flag.argparse["choices"])
+        elif flag.names[0].startswith("-") and flag.metavar:
+            spelled += f" {flag.metavar}"
         lines.append(f"| {spelled} | {flag.meaning} | {', '.join(users[name]) or '—'} |")
     lines += ["", "What `-o` writes:", ""]
     lines += [f"- `archc {command}`: {detail}" for command, detail in users["output"].items()]
