@@ -15,15 +15,6 @@ from archc.ir.view import to_dot
 from archc.passes import PASSES, run_pipeline
 from archc.passes.manager import step_diff
 from archc.passes.registry import known
-<<<<<<< HEAD
-from archc.ui import console
-
-NAME = "ir"
-HELP = "print the IR of a model, one line per node (or Graphviz DOT with --dot), before, " \
-       "after or between passes"
-=======
-from archc.passes.textdiff import step_diff
->>>>>>> compact-F
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from archc import native
+from archc.native import SPEC_FILE, is_native
 from archc.sources.gguf import GGUFFile, load_gguf, spec_of_file
 from archc.sources.hf import hf_spec, is_hf_dir, load_hf
 from archc.spec.load import load_yaml
@@ -43,8 +43,8 @@ def describe(source: str | Path) -> Source:
     if is_gguf(path):
         f = GGUFFile(path)
         return Source("gguf", spec_of_file(f), bool(f.fields.get("tokenizer.ggml.tokens")))
-    if native.is_native(path):
-        return Source("archc", load_yaml(path / native.SPEC_FILE), False)
+    if is_native(path):
+        return Source("archc", load_yaml(path / SPEC_FILE), False)
     if is_hf_dir(path):
         return Source("hf", hf_spec(path), (path / "tokenizer.json").is_file())
     return Source("spec", load_spec(source), False)

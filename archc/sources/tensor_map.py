@@ -18,9 +18,9 @@ from typing import Protocol
 
 import torch
 
+from archc.devices import check_fits, checkpoint_elements
 from archc.errors import WeightsError
 from archc.ir.lower import lower
-from archc.devices import check_fits, checkpoint_elements
 from archc.model import Progress
 from archc.runtime.weights import TORCH_DTYPES, checkpoint_shapes
 from archc.spec.schema import Spec
