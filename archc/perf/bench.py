@@ -45,7 +45,7 @@ from archc.ir.paramexpr import leaves
 from archc.ir.shapes import evaluate
 from archc.perf.baselines import Counterpart, Unavailable, counterparts, scratch_caches, state_keys
 from archc.perf.gpus import GPU
-from archc.perf.roofline import decode_floor, kernels, label
+from archc.perf.roofline import decode_floor, kernels
 from archc.perf.summary import fmt_seconds
 from archc.perf.timing import Timer, measure_ceilings, synchronize
 from archc.perf.torch_program import TorchProgram
@@ -114,13 +114,17 @@ def check_config(spec: Spec, prompt: int, decode: int) -> None:
 
 @dataclass
 class Report:
-    """Everything measured, as plain data; saved as JSON after every section."""
+    """Everything measured, as plain data; saved as JSON after every section, with the
+    speed-ups and goals derived again from what is there."""
 
+    cfg: BenchConfig
     data: dict[str, Any]
     path: Path | None = None
     log: Callable[[str], None] = lambda line: None
 
     def save(self) -> None:
+        _speedups(self.data["model"])
+        self.data["goals"] = evaluate_goals(self.cfg, self.data)
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -194,31 +198,25 @@ def _makes_tensors(program: Program) -> bool:
 
 # ---- per-kernel ------------------------------------------------------------------------------
 
-def _sizes(g: Graph, i: int, dims: Mapping[str, int]) -> dict[str, int]:
-    """The sizes that say what a kernel works on: M, N, K of a matmul; B, H, H_kv, T, L, D of
-    attention; the output's dims otherwise."""
+def _sizes(g: Graph, i: int, dims: Mapping[str, int]) -> tuple[dict[str, int], str]:
+    """The sizes that say what a kernel works on, and as text: M×N×K of a matmul; of attention
+    queries×keys heads/KV heads×head_dim (and the batch); the output's dims otherwise."""
     n = g.nodes[i]
 
     def at(j: int) -> list[int]:
         return [evaluate(d, dims) for d in g.nodes[j].shape]
     if n.op == Op.FUSED_LINEAR:
-        x = at(n.inputs[0])
-        w = at(n.inputs[2 if n.attr("concat_k") else 1])
-        return {"M": math.prod(x[:-1]), "N": w[0], "K": w[1]}
+        m = math.prod(at(n.inputs[0])[:-1])
+        cols, k = at(n.inputs[2 if n.attr("concat_k") else 1])      # the weight, [N, K]
+        return {"M": m, "N": cols, "K": k}, f"{m}×{cols}×{k}"
     if n.op == Op.ATTENTION:
         b, h, t, d = at(n.inputs[0])
         keys = dims["P"] + t if n.attr("cache_layer") is not None else at(n.inputs[1])[2]
-        return {"B": b, "H": h, "H_kv": n.attr("kv_heads") or h, "T": t, "L": keys, "D": d}
-    return {f"d{k}": v for k, v in enumerate(at(i))}
-
-
-def _shape_text(sizes: Mapping[str, int]) -> str:
-    if "H_kv" in sizes:   # queries × keys, heads/KV heads × head_dim (batch B)
-        return (f"{sizes['T']}×{sizes['L']} {sizes['H']}/{sizes['H_kv']}×{sizes['D']}"
-                + (f" B{sizes['B']}" if sizes["B"] > 1 else ""))
-    if "M" in sizes:
-        return f"{sizes['M']}×{sizes['N']}×{sizes['K']}"
-    return "×".join(str(v) for v in sizes.values())
+        kv = n.attr("kv_heads") or h
+        return ({"B": b, "H": h, "H_kv": kv, "T": t, "L": keys, "D": d},
+                f"{t}×{keys} {h}/{kv}×{d}" + (f" B{b}" if b > 1 else ""))
+    out = at(i)
+    return {f"d{k}": v for k, v in enumerate(out)}, "×".join(map(str, out))
 
 
 def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float | None:
@@ -250,10 +248,10 @@ def time_kernels(cfg: BenchConfig, session: Any, phase: str, dims: dict[str, int
     for i, step in zip(ids, steps):
         first.setdefault(step.unit, (i, step))
     for i, step in first.values():
-        n, roof, sizes = g.nodes[i], roofs[i], _sizes(g, i, dims)
+        n, roof, (sizes, shape) = g.nodes[i], roofs[i], _sizes(g, i, dims)
         row: dict[str, Any] = {
-            "phase": phase, "kernel": step.unit, "op": n.op.value, "reads": label(g, i),
-            "node": f"%{i}", "sizes": sizes, "shape": _shape_text(sizes),
+            "phase": phase, "kernel": step.unit, "op": n.op.value, "reads": roof.label,
+            "node": f"%{i}", "sizes": sizes, "shape": shape,
             "prologue": n.attr("prologue"), "epilogue": [st.fn for st in n.attr("epilogue", ())],
             "launches": launches[step.unit], "flops": roof.flops, "bytes": roof.bytes,
             "roofline_seconds": roof.time(cfg.gpu), "bound": roof.bound(cfg.gpu),
@@ -265,7 +263,6 @@ def time_kernels(cfg: BenchConfig, session: Any, phase: str, dims: dict[str, int
             row["error"] = _describe(err)
             report.error(f"kernels:{phase}", err, kernel=step.unit)
         report.log(f"  {phase} {step.unit}: {fmt_seconds(row['archc_seconds'])}")
-    report.save()
 
 
 def _time_kernel(cfg: BenchConfig, session: Any, g: Graph, i: int, call: str,
@@ -301,8 +298,8 @@ def _time_kernel(cfg: BenchConfig, session: Any, g: Graph, i: int, call: str,
     out = runner.value(i, dims).clone()
     xs = [runner.value(j, dims) for j in g.nodes[i].inputs]
     scratch = scratch_caches(g, i, dims, session.cache.dtype, cfg.device)
-    for c in counterparts(g, i, xs, dims, session.cache.store, scratch, held):
-        row["baselines"].append(_baseline_row(cfg, c, out, t))
+    row["baselines"] = [_baseline_row(cfg, c, out, t) for c in counterparts(
+        g, i, xs, dims, session.cache.store, scratch, held)]
     restore()
 
 
@@ -336,28 +333,24 @@ class _Runner:
     prompt: torch.Tensor
     reset: Callable[[], None] = lambda: None
     past: int = 0
-    next: torch.Tensor | None = None
+    next: torch.Tensor = dataclasses.field(init=False)     # the tokens the next step runs
 
     def prefill(self) -> torch.Tensor:
         self.reset()
-        self.past = 0
-        return self._run(self.prompt)
+        self.past, self.next = 0, self.prompt
+        return self.step()
 
-    def step(self) -> None:
-        assert self.next is not None
-        self._run(self.next)
-
-    def _run(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = self.forward(tokens, self.past)
-        self.past += tokens.shape[1]
+    def step(self) -> torch.Tensor:
+        logits = self.forward(self.next, self.past)
+        self.past += self.next.shape[1]
         self.next = logits[:, -1].argmax(-1, keepdim=True)
         return logits
 
 
 def measure_runner(cfg: BenchConfig, runner: _Runner, reference: torch.Tensor | None,
-                   model: dict[str, Any], report: Report) -> torch.Tensor | None:
+                   report: Report) -> torch.Tensor | None:
     """Prefill time, then decode tokens/s, of one runner; returns its prefill logits."""
-    prefill, decode = model["prefill"], model["decode"]
+    prefill, decode = report.data["model"]["prefill"], report.data["model"]["decode"]
     prow: dict[str, Any] = {"name": runner.name}
     drow: dict[str, Any] = {"name": runner.name}
     prefill["runs"].append(prow)
@@ -377,6 +370,7 @@ def measure_runner(cfg: BenchConfig, runner: _Runner, reference: torch.Tensor | 
                     roofline_fraction=prefill["roofline_seconds"] / t)
     if report.data["status"][f"model:{runner.name}:prefill"] != "done":
         report.data["status"][f"model:{runner.name}:decode"] = "skipped (prefill failed)"
+        report.save()
         return logits
     with report.section(f"model:{runner.name}:decode"):
         runner.prefill()
@@ -484,7 +478,7 @@ def environment(cfg: BenchConfig) -> dict[str, Any]:
 
 def new_report(cfg: BenchConfig, path: Path | None, log: Callable[[str], None]) -> Report:
     g = cfg.gpu
-    return Report({
+    return Report(cfg, {
         "schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": " ".join(sys.argv), "dry_run": cfg.dry_run,
         "spec": cfg.spec.name, "layers": cfg.spec.layers, "spec_layers": cfg.layers_of_spec
@@ -544,8 +538,6 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
             floor_seconds=per_step / cfg.gpu.bandwidth,
             floor_tokens_per_second=b * cfg.gpu.bandwidth / per_step)
     if data["status"]["setup"] != "done":
-        data["goals"] = evaluate_goals(cfg, data)
-        report.save()
         return report
 
     with report.section("ceilings"):
@@ -564,7 +556,6 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
                 _run_at(probe, fill, 0)
             _run_at(probe, tokens[:, :t], past)
             time_kernels(cfg, probe, phase, dims, report)
-        data["goals"] = evaluate_goals(cfg, data)
     del probe
 
     # the same checkpoint, as users run it: buffers reused, CUDA graphs for decode; the torch
@@ -587,15 +578,10 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
             runner = make(name)
         if runner is None:
             continue
-        logits = measure_runner(cfg, runner, reference, model, report)
+        logits = measure_runner(cfg, runner, reference, report)
         if reference is None and logits is not None:
             reference = logits.detach().clone()
-        _speedups(model)
-        data["goals"] = evaluate_goals(cfg, data)
         del runner
-        report.save()
-    data["goals"] = evaluate_goals(cfg, data)
-    report.save()
     return report
 
 
