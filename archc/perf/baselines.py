@@ -31,7 +31,7 @@ from archc.ir.attrs import Attrs, Call
 from archc.ir.cost import node_states
 from archc.ir.graph import Graph
 from archc.ir.ops import VIEW, Args, Op, bind, full_attrs
-from archc.ir.ops.attention import alibi_bias, relative_bias
+from archc.ir.ops.attention import ROPE_ATTRS, alibi_bias, relative_bias
 from archc.ir.ops.core import activations, selected_experts
 from archc.ir.ops.steps import STEPS, step_expr
 from archc.perf.torch_program import Store, TorchContext, eager_fn, visible_keys
@@ -103,13 +103,11 @@ def _split(rec: _Recorder, segs: list[_Seg], cuts: Sequence[int]) -> list[_Seg]:
     """Flat segments cut at `cuts` (views)."""
     out = []
     for s in segs:
-        inner = sorted(c for c in set(cuts) if s.start < c < s.stop)
-        if s.heads is not None or not inner:
-            out.append(s)
-            continue
+        inner = [] if s.heads is not None else sorted({c for c in cuts if s.start < c < s.stop})
         edges = [s.start, *inner, s.stop]
-        for a, b in zip(edges, edges[1:]):
-            out.append(_Seg(a, b, rec(Op.SLICE, s.value, start=a - s.start, stop=b - s.start)))
+        out += [s] if not inner else [
+            _Seg(a, b, rec(Op.SLICE, s.value, start=a - s.start, stop=b - s.start))
+            for a, b in zip(edges, edges[1:])]
     return out
 
 
@@ -126,7 +124,7 @@ def _epilogue_step(rec: _Recorder, segs: list[_Seg], st: Call, xs: Sequence[torc
                    later: Sequence[Call]) -> list[_Seg]:
     fn = st.fn
     width = max(s.stop for s in segs)
-    if fn in ("rms_scale", "ln_scale"):      # the norm ran before the matmul
+    if STEPS[fn].prologue is not None:      # a folded norm's step: it ran before the matmul
         return segs
     if STEPS[fn].elementwise:                # the pointwise op of its expression
         if any(s.heads is not None for s in segs):
@@ -153,11 +151,9 @@ def _epilogue_step(rec: _Recorder, segs: list[_Seg], st: Call, xs: Sequence[torc
         for s in _split(rec, segs, cuts):
             if s.stop <= cols and s.heads is None:
                 heads = (s.stop - s.start) // hd
-                x = rec(Op.SPLIT_HEADS, s.value, heads=heads)
-                s = _Seg(s.start, s.stop, rec(
-                    Op.ROPE, x, xs[0], xs[1], rotary_dim=st.kw("rotary_dim"),
-                    interleaved=st.kw("interleaved"), mscale=st.kw("mscale", 1.0),
-                    dynamic=st.kw("dynamic")), heads)
+                x = rec(Op.SPLIT_HEADS, s.value, heads=heads)    # the step's attrs are rope's
+                s = _Seg(s.start, s.stop, rec(Op.ROPE, x, xs[0], xs[1], **{
+                    d.name: st.kw(d.name) for d in ROPE_ATTRS}), heads)
             out.append(s)
         return out
     if fn == "kv_write":
@@ -317,14 +313,12 @@ def _sdpa(a: Attrs, got: Args) -> Counterpart | Unavailable:
                               "is_causal": mask is None and a["causal"] and t == length > 1}
     what = ("is_causal" if kwargs["is_causal"] else "no mask" if mask is None else
             f"{'bool' if mask.dtype == torch.bool else 'additive'} mask")
-    try:
-        F.scaled_dot_product_attention(q[:, :, :1], k[:, :, :1], v[:, :, :1],
-                                       enable_gqa=groups > 1)
-        kwargs["enable_gqa"] = groups > 1
-        what += ", enable_gqa" if groups > 1 else ""
-    except TypeError:                            # a torch without enable_gqa (before 2.5)
+    if groups > 1 and torch.__version__ >= "2.5":
+        kwargs["enable_gqa"] = True
+        what += ", enable_gqa"
+    elif groups > 1:                             # a torch without enable_gqa
         k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))
-        what += ", k/v repeated to all heads before timing" if groups > 1 else ""
+        what += ", k/v repeated to all heads before timing"
     return Counterpart("sdpa", lambda: F.scaled_dot_product_attention(q, k, v, **kwargs),
                        lambda o: o.transpose(1, 2).reshape(b, t, h * d), what, 1)
 

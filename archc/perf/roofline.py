@@ -1,12 +1,8 @@
 """The roofline model: a time for every kernel before any GPU is touched.
 
-For each compute node the IR gives FLOPs and bytes (sympy, in B, T, P, S); with a GPU's peak
-FLOP/s and bandwidth, the roofline time is max(FLOPs / peak, bytes / bandwidth) and the node is
-compute- or memory-bound by which term wins. A decode step has a floor no kernel can beat: every
-weight byte it needs plus the KV cache it attends over, read once from HBM, and the recurrent
-state of Mamba and linear-attention layers, read and written once (a fixed size, whatever the
-context). A decode step runs the decoder graph only: the encoder and the cross-KV graph run once
-per generation.
+A node's roofline time is max(FLOPs / peak, bytes / bandwidth), its FLOPs and bytes from the IR;
+it is compute- or memory-bound by which term wins. A decode step has a floor no kernel can beat:
+what it must read (and, for recurrent state, write) once from HBM.
 """
 
 from __future__ import annotations
@@ -109,10 +105,9 @@ def weight_bytes_read(program: Program, dims: Mapping[str, int]) -> int:
                 if not _is_weight(g, j):
                     continue
                 p = g.nodes[j]
-                size = evaluate(numel(p.shape), dims) * DTYPE_BYTES[p.dtype]
-                if n.op == Op.EMBEDDING:  # a gather reads only the rows it looks up
-                    size = evaluate(numel(n.shape), dims) * DTYPE_BYTES[p.dtype]
-                elif n.op == Op.MOE_LINEAR and slot == 2:
+                read = n.shape if n.op == Op.EMBEDDING else p.shape   # a gather: its rows
+                size = evaluate(numel(read), dims) * DTYPE_BYTES[p.dtype]
+                if n.op == Op.MOE_LINEAR and slot == 2:
                     x = g.nodes[n.inputs[0]].shape
                     rows = x[:-1] if n.attr("stage", "up") == "up" else x[:-2]
                     experts = evaluate(p.shape[0], dims)
