@@ -549,13 +549,13 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
     phases = (("prefill", 0, cfg.prompt), ("decode", cfg.decode_past, 1))
     for phase, past, t in phases if cfg.kernel_section else ():
         with report.section(f"kernels:{phase}"):
-            dims = {"B": cfg.batch, "T": t, "P": past, "S": 0}
+            probe.reset()
             if past:  # fill the cache up to P, then the step whose kernels are timed
                 gen = torch.Generator().manual_seed(cfg.seed + 1)
-                fill = torch.randint(0, spec.vocab_size, (cfg.batch, past), generator=gen)
-                _run_at(probe, fill, 0)
-            _run_at(probe, tokens[:, :t], past)
-            time_kernels(cfg, probe, phase, dims, report)
+                probe.step(torch.randint(0, spec.vocab_size, (cfg.batch, past), generator=gen))
+            probe.step(tokens[:, :t])
+            synchronize(cfg.device)
+            time_kernels(cfg, probe, phase, {"B": cfg.batch, "T": t, "P": past, "S": 0}, report)
     del probe
 
     # the same checkpoint, as users run it: buffers reused, CUDA graphs for decode; the torch
@@ -583,20 +583,6 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
             reference = logits.detach().clone()
         del runner
     return report
-
-
-def _run_at(session: Any, tokens: torch.Tensor, past: int) -> None:
-    """One run of the decoder graph over `tokens` after `past` cached positions."""
-    b, t = tokens.shape
-    inputs = {"tokens": tokens, "positions": torch.arange(past, past + t),
-              "prefix_len": torch.tensor(t if past == 0 else session.prefix_len or t)}
-    session.cache.ensure(b)
-    session.states.ensure(b)
-    if past == 0:   # a sequence starts: the recurrent state reads zeros
-        session.states.zero()
-    session.runners["decoder"].run(inputs, session.ctx, B=b, T=t, P=past, S=0,
-                                   kv_len_max=session.kv_len(past, t))
-    synchronize(session.device)
 
 
 def _compiled(cfg: BenchConfig, program: TorchProgram, mode: str

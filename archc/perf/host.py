@@ -98,21 +98,17 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def _timed_steps(session: HostSession, tokens: torch.Tensor, steps: int, warmup: int
-                 ) -> list[float]:
-    times: list[float] = []
+def _median_step(session: HostSession, tokens: torch.Tensor, steps: int, warmup: int) -> float:
+    times = []
     session.reset()
-    session.step(tokens)                     # the sequence's first token: not a decode step
-    for i in range(warmup + steps):
-        if session.past + 1 > session.max_seq_len:
-            session.reset()
+    for _ in range(warmup + steps):
+        if session.past in (0, session.max_seq_len):    # a sequence starts: its first token
+            session.reset()                             # is not a decode step
             session.step(tokens)
         start = time.perf_counter()
         session.step(tokens)
-        elapsed = time.perf_counter() - start
-        if i >= warmup:
-            times.append(elapsed)
-    return times
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[warmup:])
 
 
 def check_host(spec: Spec) -> None:
@@ -136,7 +132,7 @@ def measure_host(spec: Spec, *, dtype: str = "bf16", batch: int = 1, steps: int 
     try:
         for graphs in (False, True):
             session.cuda_graphs = graphs
-            medians[graphs] = statistics.median(_timed_steps(session, tokens, steps, warmup))
+            medians[graphs] = _median_step(session, tokens, steps, warmup)
     finally:
         torch.set_num_threads(threads)
     # one more decode step, counted: what it launches
