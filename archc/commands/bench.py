@@ -99,8 +99,7 @@ def _gpu_model(name: str, device_name: str | None) -> tuple[GPU, bool]:
 
 
 def config_of(args: argparse.Namespace) -> Any:
-    from archc.perf.bench import BenchConfig, check_config, keep_layers
-    from archc.perf.timing import Timer
+    from archc.perf.bench import BenchConfig, Timer, check_config, keep_layers
     dry = bool(args.dry_run)
     modes = _modes(args.compile_modes)
     base = DRY_RUN if dry else GPU_RUN
