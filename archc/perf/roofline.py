@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from archc.ir.cost import node_cost, node_states
 from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import Op
+from archc.ir.ops.core import _routed
 from archc.ir.paramexpr import leaves
 from archc.ir.shapes import DTYPE_BYTES, evaluate, numel
 from archc.perf.gpus import GPU
@@ -46,11 +47,9 @@ def _is_weight(g: Graph, j: int) -> bool:
 def label(g: Graph, i: int) -> str:
     """What a kernel works on: the first weight it reads, or its layer."""
     n = g.nodes[i]
-    for j in n.inputs:
-        if _is_weight(g, j):
-            return g.nodes[j].name
+    weight = next((g.nodes[j].name for j in n.inputs if _is_weight(g, j)), None)
     layer = n.attr("cache_layer", n.attr("layer"))
-    return f"layer {layer}" if layer is not None else n.origin
+    return weight or (f"layer {layer}" if layer is not None else n.origin)
 
 
 def per_step(program: Program) -> Program:
@@ -107,12 +106,9 @@ def weight_bytes_read(program: Program, dims: Mapping[str, int]) -> int:
                 p = g.nodes[j]
                 read = n.shape if n.op == Op.EMBEDDING else p.shape   # a gather: its rows
                 size = evaluate(numel(read), dims) * DTYPE_BYTES[p.dtype]
-                if n.op == Op.MOE_LINEAR and slot == 2:
-                    x = g.nodes[n.inputs[0]].shape
-                    rows = x[:-1] if n.attr("stage", "up") == "up" else x[:-2]
+                if n.op == Op.MOE_LINEAR and slot == 2:   # the experts some token is routed to
                     experts = evaluate(p.shape[0], dims)
-                    routed = min(experts, evaluate(numel(rows), dims) * n.attr("top_k"))
-                    size = size * routed / experts
+                    size = size * min(experts, evaluate(_routed(g.sig(i)), dims)) / experts
                 seen[p.name] = max(seen.get(p.name, 0.0), size)
     return int(sum(seen.values()))
 
