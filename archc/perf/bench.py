@@ -185,7 +185,11 @@ class Report:
     log: Callable[[str], None] = lambda line: None
 
     def save(self) -> None:
-        _speedups(self.data["model"])
+        for kind, key in (("prefill", "seconds"), ("decode", "step_seconds")):
+            runs = self.data["model"][kind]["runs"]
+            archc = next((r.get(key) for r in runs if r["name"].startswith("archc")), None)
+            for r in runs:
+                r["archc_speedup"] = r[key] / archc if r.get(key) is not None and archc else None
         self.data["goals"] = evaluate_goals(self.cfg, self.data)
         if self.path is None:
             return
@@ -448,14 +452,6 @@ def measure_runner(cfg: BenchConfig, runner: _Runner, reference: torch.Tensor | 
     return logits
 
 
-def _speedups(model: dict[str, Any]) -> None:
-    for kind, key in (("prefill", "seconds"), ("decode", "step_seconds")):
-        runs = model[kind]["runs"]
-        archc = next((r.get(key) for r in runs if r["name"].startswith("archc")), None)
-        for r in runs:
-            r["archc_speedup"] = r[key] / archc if r.get(key) is not None and archc else None
-
-
 # ---- goals -----------------------------------------------------------------------------------
 
 def evaluate_goals(cfg: BenchConfig, data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -511,9 +507,8 @@ def _goal(goal: str, values: list[float], target: float, unit: str, applies: boo
           note: str, *, strict: bool = False) -> dict[str, Any]:
     """A goal on the worst of `values` (measured: None when there are none)."""
     measured = min(values) if values else None
-    met = None
-    if measured is not None and applies:
-        met = bool(measured > target if strict else measured >= target)
+    met = (None if measured is None or not applies else
+           bool(measured > target if strict else measured >= target))
     return {"goal": goal, "measured": measured, "target": target, "unit": unit,
             "applies": applies, "met": met, "note": note}
 
