@@ -98,17 +98,19 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def _median_step(session: HostSession, tokens: torch.Tensor, steps: int, warmup: int) -> float:
+def _median_step(session: HostSession, tokens: torch.Tensor, steps: int, warmup: int
+                 ) -> tuple[float, int]:
+    """The median seconds of a decode step after `warmup` steps, and the last one's launches."""
     times = []
     session.reset()
     for _ in range(warmup + steps):
         if session.past in (0, session.max_seq_len):    # a sequence starts: its first token
             session.reset()                             # is not a decode step
             session.step(tokens)
-        start = time.perf_counter()
+        before, start = session.launches, time.perf_counter()
         session.step(tokens)
         times.append(time.perf_counter() - start)
-    return statistics.median(times[warmup:])
+    return statistics.median(times[warmup:]), session.launches - before
 
 
 def check_host(spec: Spec) -> None:
@@ -130,18 +132,11 @@ def measure_host(spec: Spec, *, dtype: str = "bf16", batch: int = 1, steps: int 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for graphs in (False, True):
+        for graphs in (True, False):    # plain launches last: they count the step's kernels
             session.cuda_graphs = graphs
-            medians[graphs] = _median_step(session, tokens, steps, warmup)
+            medians[graphs], launches = _median_step(session, tokens, steps, warmup)
     finally:
         torch.set_num_threads(threads)
-    # one more decode step, counted: what it launches
-    session.cuda_graphs = False
-    session.reset()
-    session.step(tokens)
-    before = session.launches
-    session.step(tokens)
-    launches = session.launches - before
     entries = len(session.runners["decoder"].last.launches)
     return HostReport(spec.name, dtype, batch, launches, entries - launches,
                       len(session.generated.units), medians[False], medians[True], steps,
