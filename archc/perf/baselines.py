@@ -129,13 +129,12 @@ def _epilogue_step(rec: _Recorder, segs: list[_Seg], st: Call, xs: Sequence[torc
     if STEPS[fn].elementwise:                # the pointwise op of its expression
         if any(s.heads is not None for s in segs):
             raise Unsupported("an elementwise epilogue step after rotary heads")
-        start, stop = st.kw("start", 0), st.kw("stop", width)
-        expr = step_expr(st)
+        start, stop, expr = st.kw("start", 0), st.kw("stop", width), step_expr(st)
 
-        def apply(s: _Seg) -> torch.Tensor:
-            ins = [x[s.start:s.stop] if x.dim() == 1 else x[..., s.start:s.stop] for x in xs]
-            return rec(Op.POINTWISE, s.value, *ins, expr=expr)
-        return [_Seg(s.start, s.stop, apply(s)) if start <= s.start and s.stop <= stop else s
+        def apply(s: _Seg) -> _Seg:     # the step's inputs at the segment's columns
+            ins = (x[..., s.start:s.stop] for x in xs)
+            return _Seg(s.start, s.stop, rec(Op.POINTWISE, s.value, *ins, expr=expr))
+        return [apply(s) if start <= s.start and s.stop <= stop else s
                 for s in _split(rec, segs, (start, stop))]
     if fn == "glu":
         half = width // 2

@@ -108,20 +108,21 @@ class Timer:
         return time.perf_counter() - t0
 
 
-def measure_ceilings(timer: Timer, dtype: torch.dtype, *, copy_mib: int,
-                     matmul_size: int) -> dict[str, Any]:
-    """What this card really does, beside its datasheet: a device-to-device copy of `copy_mib`
-    MiB (bytes read plus bytes written) and a square `matmul_size`³ product in `dtype` on
-    random data, timed."""
+def measure_ceilings(cfg: BenchConfig) -> dict[str, Any]:
+    """What this card really does, beside its datasheet: a device-to-device copy of
+    `cfg.copy_mib` MiB (bytes read plus bytes written) and a square `cfg.matmul_size`³ product
+    in the model dtype on random data, timed."""
+    timer, n = cfg.timer, cfg.matmul_size
     gen = torch.Generator(timer.device).manual_seed(0)
-    src = torch.randn(copy_mib * 2**20 // 4, generator=gen, device=timer.device)
+    src = torch.randn(cfg.copy_mib * 2**20 // 4, generator=gen, device=timer.device)
     dst = torch.empty_like(src)
     copy_s, copied = timer(lambda: dst.copy_(src)), 2 * src.numel() * src.element_size()
-    n = matmul_size
-    a, b = (torch.randn(n, n, generator=gen, device=timer.device).to(dtype) for _ in range(2))
+    a, b = (torch.randn(n, n, generator=gen, device=timer.device).to(TORCH_DTYPES[cfg.dtype])
+            for _ in range(2))
     mm_s = timer(lambda: torch.matmul(a, b))
     return {"copy_bytes": copied, "copy_seconds": copy_s, "copy_bandwidth": copied / copy_s,
-            "matmul_shape": (n, n, n), "matmul_seconds": mm_s, "matmul_flops": 2 * n**3 / mm_s}
+            "matmul_shape": (n, n, n), "matmul_seconds": mm_s, "matmul_flops": 2 * n**3 / mm_s,
+            "matmul_dtype": cfg.dtype}
 
 
 # ---- configuration ---------------------------------------------------------------------------
@@ -288,13 +289,12 @@ def _sizes(g: Graph, i: int, dims: Mapping[str, int]) -> tuple[dict[str, int], s
 def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float | None:
     """The largest difference over the largest magnitude of `want`; None if they differ in
     shape or the difference is not finite."""
-    got, want = got.detach().float(), want.detach().float()
     if got.shape != want.shape:
         return None
     if not want.numel():
         return 0.0
-    scale, err = float(want.abs().max()), float((got - want).abs().max())
-    err = err / scale if scale else err
+    got, want = got.detach().float(), want.detach().float()
+    err = float((got - want).abs().max()) / (float(want.abs().max()) or 1.0)
     return err if math.isfinite(err) else None
 
 
@@ -598,10 +598,7 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
         return report
 
     with report.section("ceilings"):
-        data["ceilings"] = {**measure_ceilings(cfg.timer, TORCH_DTYPES[cfg.dtype],
-                                               copy_mib=cfg.copy_mib,
-                                               matmul_size=cfg.matmul_size),
-                            "matmul_dtype": cfg.dtype}
+        data["ceilings"] = measure_ceilings(cfg)
 
     phases = (("prefill", 0, cfg.prompt), ("decode", cfg.decode_past, 1))
     for phase, past, t in phases if cfg.kernel_section else ():
