@@ -207,9 +207,8 @@ def _attention(rec: _Recorder, a: Attrs, got: Args) -> Callable[[], torch.Tensor
             s = rec(Op.POINTWISE, s, expr=E.call("softcap", E.x(0), cap=a["softcap"]))
         if bias is not None and bias.fn == "alibi":
             s = rec(Op.ALIBI, s, got["slopes"])
-        elif bias is not None:
-            s = rec(Op.REL_BIAS, s, got["rel_table"], bidirectional=bias.kw("bidirectional"),
-                    max_distance=bias.kw("max_distance"))
+        elif bias is not None:      # t5(...) carries rel_bias's attributes
+            s = rec(Op.REL_BIAS, s, got["rel_table"], **dict(bias.kwargs))
         extra = [x for x in (padding, prefix) if x is not None]
         s = rec(Op.MASK, s, *extra, causal=a["causal"], window=a["window"],
                 global_tokens=a["global_tokens"], padding=padding is not None,
