@@ -19,7 +19,7 @@ from archc.ir.paramexpr import leaves
 from archc.ir.shapes import DTYPE_BYTES, evaluate, numel
 from archc.perf.gpus import GPU
 
-_LAYER = re.compile(r"layers\.\d+\.|layer \d+")
+_LAYER = re.compile(r"(layers\.|layer )\d+\b")    # a layer's number, which grouping drops
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,7 @@ class KernelGroup:
 def grouped(ks: list[KernelRoof], g: GPU) -> list[KernelGroup]:
     rows: dict[tuple[str, str, str], list[KernelRoof]] = {}
     for k in ks:
-        any_layer = _LAYER.sub(lambda m: "layers.*." if m.group().startswith("layers.")
-                               else "layer *", k.label)
-        rows.setdefault((k.graph, k.op, any_layer), []).append(k)
+        rows.setdefault((k.graph, k.op, _LAYER.sub(r"\1*", k.label)), []).append(k)
     return [KernelGroup(op, lab, len(group), sum(k.flops for k in group),
                         sum(k.bytes for k in group), sum(k.time(g) for k in group),
                         group[0].bound(g)) for (_, op, lab), group in rows.items()]
