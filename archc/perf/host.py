@@ -66,9 +66,8 @@ class HostSession(TritonSession):
 
     def _parameters(self, graph: Graph, checkpoint: Mapping[str, torch.Tensor]
                     ) -> dict[str, torch.Tensor]:
-        return {graph.nodes[i].name: _zero_stride(concrete(graph.nodes[i].shape, {}),
-                                                  TORCH_DTYPES[graph.nodes[i].dtype])
-                for i in graph.ids(Op.PARAM)}
+        return {n.name: _zero_stride(concrete(n.shape, {}), TORCH_DTYPES[n.dtype])
+                for n in graph.nodes if n.op == Op.PARAM}
 
     def _capture(self, plan: LaunchPlan) -> Any:
         return SimpleNamespace(replay=lambda: None)
