@@ -70,8 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_of(args: argparse.Namespace) -> Any:
-    from archc.perf.bench import BenchConfig, check_config, keep_layers
-    from archc.perf.timing import Timer
+    from archc.perf.bench import BenchConfig, Timer, check_config, keep_layers
     dry = args.dry_run
     modes = tuple(m.strip() for m in args.compile_modes.split(",")
                   if m.strip() not in ("", "none"))

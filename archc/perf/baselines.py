@@ -31,7 +31,7 @@ from archc.ir.attrs import Attrs, Call
 from archc.ir.cost import node_states
 from archc.ir.graph import Graph
 from archc.ir.ops import VIEW, Args, Op, bind, full_attrs
-from archc.ir.ops.attention import alibi_bias, relative_bias
+from archc.ir.ops.attention import ROPE_ATTRS, alibi_bias, relative_bias
 from archc.ir.ops.core import activations, selected_experts
 from archc.ir.ops.steps import STEPS, step_expr
 from archc.perf.torch_program import Store, TorchContext, eager_fn, visible_keys
@@ -103,13 +103,11 @@ def _split(rec: _Recorder, segs: list[_Seg], cuts: Sequence[int]) -> list[_Seg]:
     """Flat segments cut at `cuts` (views)."""
     out = []
     for s in segs:
-        inner = sorted(c for c in set(cuts) if s.start < c < s.stop)
-        if s.heads is not None or not inner:
-            out.append(s)
-            continue
+        inner = [] if s.heads is not None else sorted({c for c in cuts if s.start < c < s.stop})
         edges = [s.start, *inner, s.stop]
-        for a, b in zip(edges, edges[1:]):
-            out.append(_Seg(a, b, rec(Op.SLICE, s.value, start=a - s.start, stop=b - s.start)))
+        out += [s] if not inner else [
+            _Seg(a, b, rec(Op.SLICE, s.value, start=a - s.start, stop=b - s.start))
+            for a, b in zip(edges, edges[1:])]
     return out
 
 
@@ -126,18 +124,17 @@ def _epilogue_step(rec: _Recorder, segs: list[_Seg], st: Call, xs: Sequence[torc
                    later: Sequence[Call]) -> list[_Seg]:
     fn = st.fn
     width = max(s.stop for s in segs)
-    if fn in ("rms_scale", "ln_scale"):      # the norm ran before the matmul
+    if STEPS[fn].prologue is not None:      # a folded norm's step: it ran before the matmul
         return segs
     if STEPS[fn].elementwise:                # the pointwise op of its expression
         if any(s.heads is not None for s in segs):
             raise Unsupported("an elementwise epilogue step after rotary heads")
-        start, stop = st.kw("start", 0), st.kw("stop", width)
-        expr = step_expr(st)
+        start, stop, expr = st.kw("start", 0), st.kw("stop", width), step_expr(st)
 
-        def apply(s: _Seg) -> torch.Tensor:
-            ins = [x[s.start:s.stop] if x.dim() == 1 else x[..., s.start:s.stop] for x in xs]
-            return rec(Op.POINTWISE, s.value, *ins, expr=expr)
-        return [_Seg(s.start, s.stop, apply(s)) if start <= s.start and s.stop <= stop else s
+        def apply(s: _Seg) -> _Seg:     # the step's inputs at the segment's columns
+            ins = (x[..., s.start:s.stop] for x in xs)
+            return _Seg(s.start, s.stop, rec(Op.POINTWISE, s.value, *ins, expr=expr))
+        return [apply(s) if start <= s.start and s.stop <= stop else s
                 for s in _split(rec, segs, (start, stop))]
     if fn == "glu":
         half = width // 2
@@ -153,11 +150,9 @@ def _epilogue_step(rec: _Recorder, segs: list[_Seg], st: Call, xs: Sequence[torc
         for s in _split(rec, segs, cuts):
             if s.stop <= cols and s.heads is None:
                 heads = (s.stop - s.start) // hd
-                x = rec(Op.SPLIT_HEADS, s.value, heads=heads)
-                s = _Seg(s.start, s.stop, rec(
-                    Op.ROPE, x, xs[0], xs[1], rotary_dim=st.kw("rotary_dim"),
-                    interleaved=st.kw("interleaved"), mscale=st.kw("mscale", 1.0),
-                    dynamic=st.kw("dynamic")), heads)
+                x = rec(Op.SPLIT_HEADS, s.value, heads=heads)    # the step's attrs are rope's
+                s = _Seg(s.start, s.stop, rec(Op.ROPE, x, xs[0], xs[1], **{
+                    d.name: st.kw(d.name) for d in ROPE_ATTRS}), heads)
             out.append(s)
         return out
     if fn == "kv_write":
@@ -212,9 +207,8 @@ def _attention(rec: _Recorder, a: Attrs, got: Args) -> Callable[[], torch.Tensor
             s = rec(Op.POINTWISE, s, expr=E.call("softcap", E.x(0), cap=a["softcap"]))
         if bias is not None and bias.fn == "alibi":
             s = rec(Op.ALIBI, s, got["slopes"])
-        elif bias is not None:
-            s = rec(Op.REL_BIAS, s, got["rel_table"], bidirectional=bias.kw("bidirectional"),
-                    max_distance=bias.kw("max_distance"))
+        elif bias is not None:      # t5(...) carries rel_bias's attributes
+            s = rec(Op.REL_BIAS, s, got["rel_table"], **dict(bias.kwargs))
         extra = [x for x in (padding, prefix) if x is not None]
         s = rec(Op.MASK, s, *extra, causal=a["causal"], window=a["window"],
                 global_tokens=a["global_tokens"], padding=padding is not None,
@@ -317,14 +311,12 @@ def _sdpa(a: Attrs, got: Args) -> Counterpart | Unavailable:
                               "is_causal": mask is None and a["causal"] and t == length > 1}
     what = ("is_causal" if kwargs["is_causal"] else "no mask" if mask is None else
             f"{'bool' if mask.dtype == torch.bool else 'additive'} mask")
-    try:
-        F.scaled_dot_product_attention(q[:, :, :1], k[:, :, :1], v[:, :, :1],
-                                       enable_gqa=groups > 1)
-        kwargs["enable_gqa"] = groups > 1
-        what += ", enable_gqa" if groups > 1 else ""
-    except TypeError:                            # a torch without enable_gqa (before 2.5)
+    if groups > 1 and torch.__version__ >= "2.5":
+        kwargs["enable_gqa"] = True
+        what += ", enable_gqa"
+    elif groups > 1:                             # a torch without enable_gqa
         k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))
-        what += ", k/v repeated to all heads before timing" if groups > 1 else ""
+        what += ", k/v repeated to all heads before timing"
     return Counterpart("sdpa", lambda: F.scaled_dot_product_attention(q, k, v, **kwargs),
                        lambda o: o.transpose(1, 2).reshape(b, t, h * d), what, 1)
 

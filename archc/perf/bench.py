@@ -24,6 +24,7 @@ import dataclasses
 import json
 import math
 import platform
+import statistics
 import sys
 import time
 import traceback
@@ -45,9 +46,8 @@ from archc.ir.paramexpr import leaves
 from archc.ir.shapes import evaluate
 from archc.perf.baselines import Counterpart, Unavailable, counterparts, scratch_caches, state_keys
 from archc.perf.gpus import GPU
-from archc.perf.roofline import decode_floor, kernels, label
+from archc.perf.roofline import decode_floor, kernels
 from archc.perf.summary import fmt_seconds
-from archc.perf.timing import Timer, measure_ceilings, synchronize
 from archc.perf.torch_program import TorchProgram
 from archc.runtime.weights import TORCH_DTYPES, checkpoint_shapes, materialize
 from archc.spec.schema import Spec
@@ -60,6 +60,69 @@ SCHEMA = "archc-bench/1"
 TOLERANCE = {"f32": 1e-4, "f16": 1e-2, "bf16": 5e-2}
 
 WARMUP_STEPS = 3       # decode steps before timing: compiles, autotunes, captures CUDA graphs
+
+
+# ---- the clock: one for every measurement of a run ---------------------------------------------
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class Timer:
+    """Seconds per call of a callable on `device` (median). On a GPU by
+    ``triton.testing.do_bench``: warm-up runs first (compiles, autotuning, allocator growth stay
+    out of the number), then repeats between CUDA events, the L2 flushed before each. On a CPU
+    (``--dry-run``) there are no device events: one untimed call, then a few host-clock repeats;
+    the numbers mean nothing, the code paths are the same."""
+
+    device: torch.device
+    warmup_ms: float = 25.0        # do_bench's warm-up budget (GPU)
+    rep_ms: float = 100.0          # do_bench's measurement budget (GPU)
+    cpu_repeats: int = 3           # host-clock repeats after one untimed call (CPU)
+
+    @property
+    def method(self) -> str:
+        if self.device.type == "cuda":
+            return (f"triton.testing.do_bench, median, warm-up {self.warmup_ms:g} ms, "
+                    f"repeats for {self.rep_ms:g} ms, L2 flushed before each")
+        return f"host clock, median of {self.cpu_repeats} after one untimed call (CPU dry run)"
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        if self.device.type == "cuda":
+            from triton.testing import do_bench
+            return float(do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms,
+                                  return_mode="median")) / 1e3
+        fn()
+        return statistics.median(self.loop(fn, 1) for _ in range(self.cpu_repeats))
+
+    def loop(self, step: Callable[[], object], n: int) -> float:
+        """Seconds for `n` calls of `step` in a row (a loop that carries state from call to
+        call, as decode steps do), between two device synchronizations."""
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        synchronize(self.device)
+        return time.perf_counter() - t0
+
+
+def measure_ceilings(cfg: BenchConfig) -> dict[str, Any]:
+    """What this card really does, beside its datasheet: a device-to-device copy of
+    `cfg.copy_mib` MiB (bytes read plus bytes written) and a square `cfg.matmul_size`³ product
+    in the model dtype on random data, timed."""
+    timer, n = cfg.timer, cfg.matmul_size
+    gen = torch.Generator(timer.device).manual_seed(0)
+    src = torch.randn(cfg.copy_mib * 2**20 // 4, generator=gen, device=timer.device)
+    dst = torch.empty_like(src)
+    copy_s, copied = timer(lambda: dst.copy_(src)), 2 * src.numel() * src.element_size()
+    a, b = (torch.randn(n, n, generator=gen, device=timer.device).to(TORCH_DTYPES[cfg.dtype])
+            for _ in range(2))
+    mm_s = timer(lambda: torch.matmul(a, b))
+    return {"copy_bytes": copied, "copy_seconds": copy_s, "copy_bandwidth": copied / copy_s,
+            "matmul_shape": (n, n, n), "matmul_seconds": mm_s, "matmul_flops": 2 * n**3 / mm_s,
+            "matmul_dtype": cfg.dtype}
 
 
 # ---- configuration ---------------------------------------------------------------------------
@@ -114,13 +177,21 @@ def check_config(spec: Spec, prompt: int, decode: int) -> None:
 
 @dataclass
 class Report:
-    """Everything measured, as plain data; saved as JSON after every section."""
+    """Everything measured, as plain data; saved as JSON after every section, with the
+    speed-ups and goals derived again from what is there."""
 
+    cfg: BenchConfig
     data: dict[str, Any]
     path: Path | None = None
     log: Callable[[str], None] = lambda line: None
 
     def save(self) -> None:
+        for kind, key in (("prefill", "seconds"), ("decode", "step_seconds")):
+            runs = self.data["model"][kind]["runs"]
+            archc = next((r.get(key) for r in runs if r["name"].startswith("archc")), None)
+            for r in runs:
+                r["archc_speedup"] = r[key] / archc if r.get(key) is not None and archc else None
+        self.data["goals"] = evaluate_goals(self.cfg, self.data)
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -194,43 +265,36 @@ def _makes_tensors(program: Program) -> bool:
 
 # ---- per-kernel ------------------------------------------------------------------------------
 
-def _sizes(g: Graph, i: int, dims: Mapping[str, int]) -> dict[str, int]:
-    """The sizes that say what a kernel works on: M, N, K of a matmul; B, H, H_kv, T, L, D of
-    attention; the output's dims otherwise."""
+def _sizes(g: Graph, i: int, dims: Mapping[str, int]) -> tuple[dict[str, int], str]:
+    """The sizes that say what a kernel works on, and as text: M×N×K of a matmul; of attention
+    queries×keys heads/KV heads×head_dim (and the batch); the output's dims otherwise."""
     n = g.nodes[i]
 
     def at(j: int) -> list[int]:
         return [evaluate(d, dims) for d in g.nodes[j].shape]
     if n.op == Op.FUSED_LINEAR:
-        x = at(n.inputs[0])
-        w = at(n.inputs[2 if n.attr("concat_k") else 1])
-        return {"M": math.prod(x[:-1]), "N": w[0], "K": w[1]}
+        m = math.prod(at(n.inputs[0])[:-1])
+        cols, k = at(n.inputs[2 if n.attr("concat_k") else 1])      # the weight, [N, K]
+        return {"M": m, "N": cols, "K": k}, f"{m}×{cols}×{k}"
     if n.op == Op.ATTENTION:
         b, h, t, d = at(n.inputs[0])
         keys = dims["P"] + t if n.attr("cache_layer") is not None else at(n.inputs[1])[2]
-        return {"B": b, "H": h, "H_kv": n.attr("kv_heads") or h, "T": t, "L": keys, "D": d}
-    return {f"d{k}": v for k, v in enumerate(at(i))}
-
-
-def _shape_text(sizes: Mapping[str, int]) -> str:
-    if "H_kv" in sizes:   # queries × keys, heads/KV heads × head_dim (batch B)
-        return (f"{sizes['T']}×{sizes['L']} {sizes['H']}/{sizes['H_kv']}×{sizes['D']}"
-                + (f" B{sizes['B']}" if sizes["B"] > 1 else ""))
-    if "M" in sizes:
-        return f"{sizes['M']}×{sizes['N']}×{sizes['K']}"
-    return "×".join(str(v) for v in sizes.values())
+        kv = n.attr("kv_heads") or h
+        return ({"B": b, "H": h, "H_kv": kv, "T": t, "L": keys, "D": d},
+                f"{t}×{keys} {h}/{kv}×{d}" + (f" B{b}" if b > 1 else ""))
+    out = at(i)
+    return {f"d{k}": v for k, v in enumerate(out)}, "×".join(map(str, out))
 
 
 def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float | None:
     """The largest difference over the largest magnitude of `want`; None if they differ in
     shape or the difference is not finite."""
-    got, want = got.detach().float(), want.detach().float()
     if got.shape != want.shape:
         return None
     if not want.numel():
         return 0.0
-    scale, err = float(want.abs().max()), float((got - want).abs().max())
-    err = err / scale if scale else err
+    got, want = got.detach().float(), want.detach().float()
+    err = float((got - want).abs().max()) / (float(want.abs().max()) or 1.0)
     return err if math.isfinite(err) else None
 
 
@@ -250,10 +314,10 @@ def time_kernels(cfg: BenchConfig, session: Any, phase: str, dims: dict[str, int
     for i, step in zip(ids, steps):
         first.setdefault(step.unit, (i, step))
     for i, step in first.values():
-        n, roof, sizes = g.nodes[i], roofs[i], _sizes(g, i, dims)
+        n, roof, (sizes, shape) = g.nodes[i], roofs[i], _sizes(g, i, dims)
         row: dict[str, Any] = {
-            "phase": phase, "kernel": step.unit, "op": n.op.value, "reads": label(g, i),
-            "node": f"%{i}", "sizes": sizes, "shape": _shape_text(sizes),
+            "phase": phase, "kernel": step.unit, "op": n.op.value, "reads": roof.label,
+            "node": f"%{i}", "sizes": sizes, "shape": shape,
             "prologue": n.attr("prologue"), "epilogue": [st.fn for st in n.attr("epilogue", ())],
             "launches": launches[step.unit], "flops": roof.flops, "bytes": roof.bytes,
             "roofline_seconds": roof.time(cfg.gpu), "bound": roof.bound(cfg.gpu),
@@ -265,7 +329,6 @@ def time_kernels(cfg: BenchConfig, session: Any, phase: str, dims: dict[str, int
             row["error"] = _describe(err)
             report.error(f"kernels:{phase}", err, kernel=step.unit)
         report.log(f"  {phase} {step.unit}: {fmt_seconds(row['archc_seconds'])}")
-    report.save()
 
 
 def _time_kernel(cfg: BenchConfig, session: Any, g: Graph, i: int, call: str,
@@ -301,8 +364,8 @@ def _time_kernel(cfg: BenchConfig, session: Any, g: Graph, i: int, call: str,
     out = runner.value(i, dims).clone()
     xs = [runner.value(j, dims) for j in g.nodes[i].inputs]
     scratch = scratch_caches(g, i, dims, session.cache.dtype, cfg.device)
-    for c in counterparts(g, i, xs, dims, session.cache.store, scratch, held):
-        row["baselines"].append(_baseline_row(cfg, c, out, t))
+    row["baselines"] = [_baseline_row(cfg, c, out, t) for c in counterparts(
+        g, i, xs, dims, session.cache.store, scratch, held)]
     restore()
 
 
@@ -336,28 +399,24 @@ class _Runner:
     prompt: torch.Tensor
     reset: Callable[[], None] = lambda: None
     past: int = 0
-    next: torch.Tensor | None = None
+    next: torch.Tensor = dataclasses.field(init=False)     # the tokens the next step runs
 
     def prefill(self) -> torch.Tensor:
         self.reset()
-        self.past = 0
-        return self._run(self.prompt)
+        self.past, self.next = 0, self.prompt
+        return self.step()
 
-    def step(self) -> None:
-        assert self.next is not None
-        self._run(self.next)
-
-    def _run(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = self.forward(tokens, self.past)
-        self.past += tokens.shape[1]
+    def step(self) -> torch.Tensor:
+        logits = self.forward(self.next, self.past)
+        self.past += self.next.shape[1]
         self.next = logits[:, -1].argmax(-1, keepdim=True)
         return logits
 
 
 def measure_runner(cfg: BenchConfig, runner: _Runner, reference: torch.Tensor | None,
-                   model: dict[str, Any], report: Report) -> torch.Tensor | None:
+                   report: Report) -> torch.Tensor | None:
     """Prefill time, then decode tokens/s, of one runner; returns its prefill logits."""
-    prefill, decode = model["prefill"], model["decode"]
+    prefill, decode = report.data["model"]["prefill"], report.data["model"]["decode"]
     prow: dict[str, Any] = {"name": runner.name}
     drow: dict[str, Any] = {"name": runner.name}
     prefill["runs"].append(prow)
@@ -377,6 +436,7 @@ def measure_runner(cfg: BenchConfig, runner: _Runner, reference: torch.Tensor | 
                     roofline_fraction=prefill["roofline_seconds"] / t)
     if report.data["status"][f"model:{runner.name}:prefill"] != "done":
         report.data["status"][f"model:{runner.name}:decode"] = "skipped (prefill failed)"
+        report.save()
         return logits
     with report.section(f"model:{runner.name}:decode"):
         runner.prefill()
@@ -390,14 +450,6 @@ def measure_runner(cfg: BenchConfig, runner: _Runner, reference: torch.Tensor | 
                     floor_fraction=decode["floor_seconds"] / step_s, bandwidth=bandwidth,
                     copy_fraction=bandwidth / copy if copy else None)
     return logits
-
-
-def _speedups(model: dict[str, Any]) -> None:
-    for kind, key in (("prefill", "seconds"), ("decode", "step_seconds")):
-        runs = model[kind]["runs"]
-        archc = next((r.get(key) for r in runs if r["name"].startswith("archc")), None)
-        for r in runs:
-            r["archc_speedup"] = r[key] / archc if r.get(key) is not None and archc else None
 
 
 # ---- goals -----------------------------------------------------------------------------------
@@ -455,9 +507,8 @@ def _goal(goal: str, values: list[float], target: float, unit: str, applies: boo
           note: str, *, strict: bool = False) -> dict[str, Any]:
     """A goal on the worst of `values` (measured: None when there are none)."""
     measured = min(values) if values else None
-    met = None
-    if measured is not None and applies:
-        met = bool(measured > target if strict else measured >= target)
+    met = (None if measured is None or not applies else
+           bool(measured > target if strict else measured >= target))
     return {"goal": goal, "measured": measured, "target": target, "unit": unit,
             "applies": applies, "met": met, "note": note}
 
@@ -484,7 +535,7 @@ def environment(cfg: BenchConfig) -> dict[str, Any]:
 
 def new_report(cfg: BenchConfig, path: Path | None, log: Callable[[str], None]) -> Report:
     g = cfg.gpu
-    return Report({
+    return Report(cfg, {
         "schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": " ".join(sys.argv), "dry_run": cfg.dry_run,
         "spec": cfg.spec.name, "layers": cfg.spec.layers, "spec_layers": cfg.layers_of_spec
@@ -544,27 +595,21 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
             floor_seconds=per_step / cfg.gpu.bandwidth,
             floor_tokens_per_second=b * cfg.gpu.bandwidth / per_step)
     if data["status"]["setup"] != "done":
-        data["goals"] = evaluate_goals(cfg, data)
-        report.save()
         return report
 
     with report.section("ceilings"):
-        data["ceilings"] = {**measure_ceilings(cfg.timer, TORCH_DTYPES[cfg.dtype],
-                                               copy_mib=cfg.copy_mib,
-                                               matmul_size=cfg.matmul_size),
-                            "matmul_dtype": cfg.dtype}
+        data["ceilings"] = measure_ceilings(cfg)
 
     phases = (("prefill", 0, cfg.prompt), ("decode", cfg.decode_past, 1))
     for phase, past, t in phases if cfg.kernel_section else ():
         with report.section(f"kernels:{phase}"):
-            dims = {"B": cfg.batch, "T": t, "P": past, "S": 0}
+            probe.reset()
             if past:  # fill the cache up to P, then the step whose kernels are timed
                 gen = torch.Generator().manual_seed(cfg.seed + 1)
-                fill = torch.randint(0, spec.vocab_size, (cfg.batch, past), generator=gen)
-                _run_at(probe, fill, 0)
-            _run_at(probe, tokens[:, :t], past)
-            time_kernels(cfg, probe, phase, dims, report)
-        data["goals"] = evaluate_goals(cfg, data)
+                probe.step(torch.randint(0, spec.vocab_size, (cfg.batch, past), generator=gen))
+            probe.step(tokens[:, :t])
+            synchronize(cfg.device)
+            time_kernels(cfg, probe, phase, {"B": cfg.batch, "T": t, "P": past, "S": 0}, report)
     del probe
 
     # the same checkpoint, as users run it: buffers reused, CUDA graphs for decode; the torch
@@ -587,30 +632,11 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
             runner = make(name)
         if runner is None:
             continue
-        logits = measure_runner(cfg, runner, reference, model, report)
+        logits = measure_runner(cfg, runner, reference, report)
         if reference is None and logits is not None:
             reference = logits.detach().clone()
-        _speedups(model)
-        data["goals"] = evaluate_goals(cfg, data)
         del runner
-        report.save()
-    data["goals"] = evaluate_goals(cfg, data)
-    report.save()
     return report
-
-
-def _run_at(session: Any, tokens: torch.Tensor, past: int) -> None:
-    """One run of the decoder graph over `tokens` after `past` cached positions."""
-    b, t = tokens.shape
-    inputs = {"tokens": tokens, "positions": torch.arange(past, past + t),
-              "prefix_len": torch.tensor(t if past == 0 else session.prefix_len or t)}
-    session.cache.ensure(b)
-    session.states.ensure(b)
-    if past == 0:   # a sequence starts: the recurrent state reads zeros
-        session.states.zero()
-    session.runners["decoder"].run(inputs, session.ctx, B=b, T=t, P=past, S=0,
-                                   kv_len_max=session.kv_len(past, t))
-    synchronize(session.device)
 
 
 def _compiled(cfg: BenchConfig, program: TorchProgram, mode: str

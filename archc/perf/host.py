@@ -66,9 +66,8 @@ class HostSession(TritonSession):
 
     def _parameters(self, graph: Graph, checkpoint: Mapping[str, torch.Tensor]
                     ) -> dict[str, torch.Tensor]:
-        return {graph.nodes[i].name: _zero_stride(concrete(graph.nodes[i].shape, {}),
-                                                  TORCH_DTYPES[graph.nodes[i].dtype])
-                for i in graph.ids(Op.PARAM)}
+        return {n.name: _zero_stride(concrete(n.shape, {}), TORCH_DTYPES[n.dtype])
+                for n in graph.nodes if n.op == Op.PARAM}
 
     def _capture(self, plan: LaunchPlan) -> Any:
         return SimpleNamespace(replay=lambda: None)
@@ -98,21 +97,19 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def _timed_steps(session: HostSession, tokens: torch.Tensor, steps: int, warmup: int
-                 ) -> list[float]:
-    times: list[float] = []
+def _median_step(session: HostSession, tokens: torch.Tensor, steps: int, warmup: int
+                 ) -> tuple[float, int]:
+    """The median seconds of a decode step after `warmup` steps, and the last one's launches."""
+    times = []
     session.reset()
-    session.step(tokens)                     # the sequence's first token: not a decode step
-    for i in range(warmup + steps):
-        if session.past + 1 > session.max_seq_len:
-            session.reset()
+    for _ in range(warmup + steps):
+        if session.past in (0, session.max_seq_len):    # a sequence starts: its first token
+            session.reset()                             # is not a decode step
             session.step(tokens)
-        start = time.perf_counter()
+        before, start = session.launches, time.perf_counter()
         session.step(tokens)
-        elapsed = time.perf_counter() - start
-        if i >= warmup:
-            times.append(elapsed)
-    return times
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[warmup:]), session.launches - before
 
 
 def check_host(spec: Spec) -> None:
@@ -134,18 +131,11 @@ def measure_host(spec: Spec, *, dtype: str = "bf16", batch: int = 1, steps: int 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for graphs in (False, True):
+        for graphs in (True, False):    # plain launches last: they count the step's kernels
             session.cuda_graphs = graphs
-            medians[graphs] = statistics.median(_timed_steps(session, tokens, steps, warmup))
+            medians[graphs], launches = _median_step(session, tokens, steps, warmup)
     finally:
         torch.set_num_threads(threads)
-    # one more decode step, counted: what it launches
-    session.cuda_graphs = False
-    session.reset()
-    session.step(tokens)
-    before = session.launches
-    session.step(tokens)
-    launches = session.launches - before
     entries = len(session.runners["decoder"].last.launches)
     return HostReport(spec.name, dtype, batch, launches, entries - launches,
                       len(session.generated.units), medians[False], medians[True], steps,

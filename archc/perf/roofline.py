@@ -1,12 +1,8 @@
 """The roofline model: a time for every kernel before any GPU is touched.
 
-For each compute node the IR gives FLOPs and bytes (sympy, in B, T, P, S); with a GPU's peak
-FLOP/s and bandwidth, the roofline time is max(FLOPs / peak, bytes / bandwidth) and the node is
-compute- or memory-bound by which term wins. A decode step has a floor no kernel can beat: every
-weight byte it needs plus the KV cache it attends over, read once from HBM, and the recurrent
-state of Mamba and linear-attention layers, read and written once (a fixed size, whatever the
-context). A decode step runs the decoder graph only: the encoder and the cross-KV graph run once
-per generation.
+A node's roofline time is max(FLOPs / peak, bytes / bandwidth), its FLOPs and bytes from the IR;
+it is compute- or memory-bound by which term wins. A decode step has a floor no kernel can beat:
+what it must read (and, for recurrent state, write) once from HBM.
 """
 
 from __future__ import annotations
@@ -18,11 +14,12 @@ from dataclasses import dataclass
 from archc.ir.cost import node_cost, node_states
 from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import Op
+from archc.ir.ops.core import _routed
 from archc.ir.paramexpr import leaves
 from archc.ir.shapes import DTYPE_BYTES, evaluate, numel
 from archc.perf.gpus import GPU
 
-_LAYER = re.compile(r"layers\.\d+\.|layer \d+")
+_LAYER = re.compile(r"(layers\.|layer )\d+\b")    # a layer's number, which grouping drops
 
 
 @dataclass(frozen=True)
@@ -50,11 +47,9 @@ def _is_weight(g: Graph, j: int) -> bool:
 def label(g: Graph, i: int) -> str:
     """What a kernel works on: the first weight it reads, or its layer."""
     n = g.nodes[i]
-    for j in n.inputs:
-        if _is_weight(g, j):
-            return g.nodes[j].name
+    weight = next((g.nodes[j].name for j in n.inputs if _is_weight(g, j)), None)
     layer = n.attr("cache_layer", n.attr("layer"))
-    return f"layer {layer}" if layer is not None else n.origin
+    return weight or (f"layer {layer}" if layer is not None else n.origin)
 
 
 def per_step(program: Program) -> Program:
@@ -88,9 +83,7 @@ class KernelGroup:
 def grouped(ks: list[KernelRoof], g: GPU) -> list[KernelGroup]:
     rows: dict[tuple[str, str, str], list[KernelRoof]] = {}
     for k in ks:
-        any_layer = _LAYER.sub(lambda m: "layers.*." if m.group().startswith("layers.")
-                               else "layer *", k.label)
-        rows.setdefault((k.graph, k.op, any_layer), []).append(k)
+        rows.setdefault((k.graph, k.op, _LAYER.sub(r"\1*", k.label)), []).append(k)
     return [KernelGroup(op, lab, len(group), sum(k.flops for k in group),
                         sum(k.bytes for k in group), sum(k.time(g) for k in group),
                         group[0].bound(g)) for (_, op, lab), group in rows.items()]
@@ -109,15 +102,11 @@ def weight_bytes_read(program: Program, dims: Mapping[str, int]) -> int:
                 if not _is_weight(g, j):
                     continue
                 p = g.nodes[j]
-                size = evaluate(numel(p.shape), dims) * DTYPE_BYTES[p.dtype]
-                if n.op == Op.EMBEDDING:  # a gather reads only the rows it looks up
-                    size = evaluate(numel(n.shape), dims) * DTYPE_BYTES[p.dtype]
-                elif n.op == Op.MOE_LINEAR and slot == 2:
-                    x = g.nodes[n.inputs[0]].shape
-                    rows = x[:-1] if n.attr("stage", "up") == "up" else x[:-2]
+                read = n.shape if n.op == Op.EMBEDDING else p.shape   # a gather: its rows
+                size = evaluate(numel(read), dims) * DTYPE_BYTES[p.dtype]
+                if n.op == Op.MOE_LINEAR and slot == 2:   # the experts some token is routed to
                     experts = evaluate(p.shape[0], dims)
-                    routed = min(experts, evaluate(numel(rows), dims) * n.attr("top_k"))
-                    size = size * routed / experts
+                    size = size * min(experts, evaluate(_routed(g.sig(i)), dims)) / experts
                 seen[p.name] = max(seen.get(p.name, 0.0), size)
     return int(sum(seen.values()))
 

@@ -14,9 +14,8 @@ from typing import Any
 
 
 def fmt_seconds(seconds: float | None) -> str:
-    if seconds is None:
-        return "—"
-    return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} µs"
+    return ("—" if seconds is None else f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else
+            f"{seconds * 1e6:.1f} µs")
 
 
 def fmt_ratio(r: float | None) -> str:

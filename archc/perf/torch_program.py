@@ -109,42 +109,41 @@ class TorchProgram:
         if unknown:
             raise ArchcError(f"the torch baseline runs decoder graphs over token ids; graph "
                              f"{graph.name} also needs {', '.join(unknown)}")
-        self.graph = graph
-        self.device = device
-        self.store: dict[tuple[int, str], torch.Tensor] = {}
-        for n in graph:
+        self.graph, self.prefix_len = graph, 0
+        self.store: Store = {}
+        for n in graph.nodes:
             if n.op == Op.KV_CACHE:     # [B, H_kv, max_len, D] per layer and k|v
-                x = graph.nodes[n.inputs[0]].shape
+                _, heads, _, d = graph.nodes[n.inputs[0]].shape
                 self.store[(n.attr("layer"), n.attr("kind"))] = torch.zeros(
-                    batch, evaluate(x[1], {}), max_len, evaluate(x[3], {}), dtype=dtype,
+                    batch, evaluate(heads, {}), max_len, evaluate(d, {}), dtype=dtype,
                     device=device)
-        self.states: dict[tuple[int, str], torch.Tensor] = {}   # recurrent mixers' state
+        self.states: Store = {}         # recurrent mixers' state
         self.values: list[torch.Tensor | None] = [None] * len(graph.nodes)
         for name, i in graph.params.items():
             self.values[i] = params[name]
         last_use = {j: i for i, n in enumerate(graph.nodes) for j in n.inputs}
-        keep = set(graph.params.values())
-        # each node: its semantics, (role, node) of each input, attributes, and the values no
-        # later node reads
+        kept = set(graph.params.values())
+        # each node: (index, semantics, (role, input) pairs, attributes, the values no later
+        # node reads)
         self.steps: list[tuple[int, Callable[..., torch.Tensor], tuple[tuple[str, int], ...],
                                Mapping[str, Any], tuple[int, ...]]] = []
         for i, n in enumerate(graph.nodes):
-            if n.op in (Op.INPUT, Op.PARAM):
-                continue
-            a = full_attrs(n.op, n.attrs)
-            frees = tuple(sorted({j for j in n.inputs if last_use[j] == i and j not in keep}))
-            args = tuple(zip(roles_of(n.op, a, len(n.inputs)), n.inputs))
-            self.steps.append((i, eager_fn(n.op), args, a, frees))
-        self.prefix_len = 0
+            if n.op not in (Op.INPUT, Op.PARAM):
+                a = full_attrs(n.op, n.attrs)
+                frees = tuple(sorted({j for j in n.inputs if last_use[j] == i and j not in kept}))
+                args = tuple(zip(roles_of(n.op, a, len(n.inputs)), n.inputs))
+                self.steps.append((i, eager_fn(n.op), args, a, frees))
 
     def forward(self, tokens: torch.Tensor, past: int) -> torch.Tensor:
         t = tokens.shape[1]
+        if past == 0:   # prefix-LM: the first call's tokens are the prefix
+            self.prefix_len = t
         ctx = TorchContext({"B": tokens.shape[0], "T": t, "P": past, "S": 0}, self.store,
                            self.states, self.states)
         values = list(self.values)
         given = {"tokens": tokens,
                  "positions": torch.arange(past, past + t, device=tokens.device),
-                 "prefix_len": torch.tensor(self.prefix_len or t, device=tokens.device)}
+                 "prefix_len": torch.tensor(self.prefix_len, device=tokens.device)}
         for name, i in self.graph.inputs.items():
             values[i] = given[name]
         for i, fn, args, attrs, frees in self.steps:
