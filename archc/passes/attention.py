@@ -31,8 +31,8 @@ from archc.passes.linear import (
     view,
     view_with_bias,
 )
+from archc.passes.manager import Refusal
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
-from archc.passes.registry import Refusal
 from archc.passes.rewrite import Rewriter, register_rewrite_pass
 
 # Score modifiers as lowering emits them, ranked in the order the `attention` op applies them: a
@@ -127,18 +127,17 @@ def _read_kv_heads(rw: Rewriter, m: Bindings) -> int:
     return rw.emit(n.op, src, like=[m["root"]], **n.attrs)
 
 
-GQA_RULES = (
+REPEATED = Pat({Op.REPEAT_KV}, one_use=True)
+register_rule_pass("share-kv-heads", "GQA/MQA: drop repeat_kv; attention reads KV head h // group "
+                   "directly", (
     # q_h · repeat_kv(k, g)_hᵀ = q_h · k_{h//g}ᵀ, and Σ_j p_hj · repeat_kv(v, g)_hj =
     # Σ_j p_hj · v_{h//g, j}: scores and the value sum read KV head h // g in place
-    Rule("share-kv-heads", Pat({Op.SCORES, Op.WEIGHTED_SUM}, "root",
-                               (None, Pat({Op.REPEAT_KV}, one_use=True))), _read_kv_heads),
+    Rule("share-kv-heads", Pat({Op.SCORES, Op.WEIGHTED_SUM}, "root", (None, REPEATED)),
+         _read_kv_heads),
     # attention over repeated k and v = attention reading KV head h // g
-    Rule("share-kv-heads", Pat({Op.ATTENTION}, "root", (
-        None, Pat({Op.REPEAT_KV}, one_use=True), Pat({Op.REPEAT_KV}, one_use=True))),
-        _read_kv_heads),
-)
-register_rule_pass("share-kv-heads", "GQA/MQA: drop repeat_kv; attention reads KV head h // group "
-                   "directly", GQA_RULES)
+    Rule("share-kv-heads", Pat({Op.ATTENTION}, "root", (None, REPEATED, REPEATED)),
+         _read_kv_heads),
+))
 
 
 def _flash(rw: Rewriter, scores: int) -> tuple[int, int]:

@@ -6,11 +6,11 @@ from collections.abc import Hashable
 
 from archc.ir.graph import Graph
 from archc.ir.ops import Op
-from archc.passes.registry import PassContext, register_pass
+from archc.passes.manager import PassContext, register_pass
 from archc.passes.rewrite import Rewriter, has_side_effect, live_nodes, register_rewrite_pass
 
 
-@register_pass("dce", "exact", "drop nodes nothing reads (cache writes and inputs stay)")
+@register_pass("dce", "drop nodes nothing reads (cache writes and inputs stay)")
 def dce(g: Graph, ctx: PassContext) -> Graph:
     # 1. Mark live: the outputs, the graph's inputs (its interface) and the nodes with side
     #    effects (cache writes), then everything they read, transitively.

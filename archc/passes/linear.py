@@ -15,15 +15,13 @@ from typing import Any
 import archc.ir.expr as E
 from archc.ir.attrs import Call
 from archc.ir.graph import Node
-from archc.ir.ops import ROW_KERNELS, Op
+from archc.ir.ops import Op
 from archc.ir.ops.steps import STEPS
 from archc.ir.ops.steps import step as step_call
-from archc.passes.registry import Refusal
+from archc.passes.manager import Refusal
 from archc.passes.rewrite import Rewriter
 
 LINEAR = frozenset({Op.MATMUL, Op.FUSED_LINEAR})
-# kernels whose epilogue a step can join: a matmul (as a fused_linear), a norm, an expert matmul
-EPILOGUE_HOSTS = ROW_KERNELS | {Op.MATMUL}
 
 
 @dataclass(frozen=True)

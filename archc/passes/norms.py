@@ -13,7 +13,7 @@ import os
 import archc.ir.expr as E
 from archc.ir.ops import Op
 from archc.passes.linear import Linear, Step, norm_parts, replace_linear, step, view, view_with_bias
-from archc.passes.registry import Refusal
+from archc.passes.manager import Refusal
 from archc.passes.rewrite import Rewriter, register_rewrite_pass
 
 

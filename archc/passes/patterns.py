@@ -7,7 +7,7 @@ a structural match illegal — an intermediate value read elsewhere — are chec
 structure matches, so a refusal can say which condition failed:
 
     # k + b: the bias joins the accumulator before it is stored
-    Rule("bias", Pat({Op.ADD}, "root", (Pat(EPILOGUE_HOSTS, "k", one_use=True),
+    Rule("bias", Pat({Op.ADD}, "root", (Pat(ROW_KERNELS, "k", one_use=True),
                                         Pat({Op.PARAM}, "b"))), append_step)
 
 A rewrite gets the rewriter and the bindings and returns the node that replaces the root, or
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from archc.errors import IRError
 from archc.ir.graph import Node
 from archc.ir.ops import OP_TABLE, Op
-from archc.passes.registry import Refusal
+from archc.passes.manager import Refusal
 from archc.passes.rewrite import Rewriter, register_rewrite_pass
 
 Bindings = dict[str, int]

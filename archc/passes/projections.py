@@ -16,8 +16,8 @@ import archc.ir.expr as E
 from archc.ir.ops import Op
 from archc.passes.attention import attention_operands, trace_up
 from archc.passes.linear import LINEAR, Linear, Step, cat_params, emit, merged_name, step, view
+from archc.passes.manager import Refusal
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
-from archc.passes.registry import Refusal
 from archc.passes.rewrite import Rewriter, register_rewrite_pass
 
 
@@ -149,12 +149,10 @@ def _glu(rw: Rewriter, m: Bindings) -> int | None:
 # act(x·W_gᵀ)·(x·W_uᵀ) = act(acc[:, :F])·acc[:, F:],  acc = x·[W_g; W_u]ᵀ: one linear with weight
 # [W_g; W_u] and epilogue glu(fn), when the gate pre-activation, the activation and the up
 # projection are read by this product only (the 2·d_ff intermediate is never stored)
-GLU_RULES = (Rule("fuse-glu", Pat({Op.MUL}, "root", (
+register_rule_pass("fuse-glu", "gated FFN: gate and up in one matmul whose epilogue computes "
+                   "act(gate)·up", (Rule("fuse-glu", Pat({Op.MUL}, "root", (
     Pat({Op.ACT}, "act", (Pat(LINEAR | {Op.ADD}, "gate", one_use=True),), one_use=True),
-    Pat(LINEAR | {Op.ADD}, "up", one_use=True))), _glu),)
-register_rule_pass("fuse-glu",
-                   "gated FFN: gate and up in one matmul whose epilogue computes act(gate)·up",
-                   GLU_RULES)
+    Pat(LINEAR | {Op.ADD}, "up", one_use=True))), _glu),))
 
 
 def _parallel_sum(rw: Rewriter, outer: int) -> tuple[int, int, Linear, Linear] | None:

@@ -16,8 +16,8 @@ from __future__ import annotations
 from archc.ir.ops import Op
 from archc.ir.ops.recurrent import FEATURE_MAPS
 from archc.passes.linear import bias_of, norm_parts
+from archc.passes.manager import Refusal
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
-from archc.passes.registry import Refusal
 from archc.passes.rewrite import Rewriter
 
 
@@ -41,17 +41,14 @@ def _conv_act(rw: Rewriter, m: Bindings) -> int:
                    **conv.attrs.replace(act=rw.node(m["root"]).attr("fn")))
 
 
-CONV_RULES = (
+CONV = Pat({Op.CAUSAL_CONV}, "conv", one_use=True)
+register_rule_pass("fuse-causal-conv", "Mamba: depthwise causal conv1d + bias + activation in one "
+                   "kernel that updates the conv state", (
     # conv(x)[t, c] + b[c]: the bias joins the accumulator of each output before it is stored
-    Rule("conv-bias", Pat({Op.ADD}, "root", (Pat({Op.CAUSAL_CONV}, "conv", one_use=True),)),
-         _conv_bias),
+    Rule("conv-bias", Pat({Op.ADD}, "root", (CONV,)), _conv_bias),
     # act(conv(x) + b) elementwise on the accumulator: the pre-activation is never stored
-    Rule("conv-act", Pat({Op.ACT}, "root", (Pat({Op.CAUSAL_CONV}, "conv", one_use=True),)),
-         _conv_act),
-)
-register_rule_pass("fuse-causal-conv",
-                   "Mamba: depthwise causal conv1d + bias + activation in one kernel that updates "
-                   "the conv state", CONV_RULES)
+    Rule("conv-act", Pat({Op.ACT}, "root", (CONV,)), _conv_act),
+))
 
 
 def _ssm_scan(rw: Rewriter, m: Bindings) -> int:
@@ -106,7 +103,8 @@ def _bc_norms(rw: Rewriter, scan: int, bm: int, cm: int
     return parts[0], parts[1], eps_b
 
 
-SCAN_RULES = (
+register_rule_pass("fuse-ssm-scan", "Mamba: selective scan + D·x skip + silu(z) gate (+ B, C "
+                   "norms) in one kernel that updates the SSM state", (
     # y = scan(x) + D·x, out = y·silu(z): the skip and the gate act on the scan's output per
     # channel and token, so they run where y_t is computed; y never leaves the kernel. Jamba's
     # B_t ← B_t·g_B/rms(B_t) (C likewise) is a per-token norm over d_state, which the scan loads
@@ -116,10 +114,7 @@ SCAN_RULES = (
                                   where=lambda n: not n.attr("gate")),
                               Pat({Op.MUL}, "skip")), one_use=True),
         Pat({Op.ACT}, "gate"))), _ssm_scan),
-)
-register_rule_pass("fuse-ssm-scan",
-                   "Mamba: selective scan + D·x skip + silu(z) gate (+ B, C norms) in one kernel "
-                   "that updates the SSM state", SCAN_RULES)
+))
 
 
 def _linear_attention(rw: Rewriter, m: Bindings) -> int:
@@ -133,13 +128,11 @@ def _linear_attention(rw: Rewriter, m: Bindings) -> int:
                    like=[m["root"], m["q"], m["k"]], **root.attrs.replace(feature=feature))
 
 
-LINEAR_ATTENTION_RULES = (
+register_rule_pass("fuse-linear-attention", "linear attention: φ(q) and φ(k) in the kernel that "
+                   "keeps the running sums and merges the heads", (
     # φq·S_i / φq·z_i with S, z the running sums of φ(k)vᵀ and φ(k): φ is elementwise, so the
     # kernel applies it to the q and k heads it loads
     Rule("linear-attention", Pat({Op.LINEAR_ATTENTION}, "root", (
         Pat({Op.ACT}, "q", one_use=True), Pat({Op.ACT}, "k", one_use=True)),
         where=lambda n: n.attr("feature") == "identity"), _linear_attention),
-)
-register_rule_pass("fuse-linear-attention",
-                   "linear attention: φ(q) and φ(k) in the kernel that keeps the running sums and "
-                   "merges the heads", LINEAR_ATTENTION_RULES)
+))

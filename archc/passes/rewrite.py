@@ -23,7 +23,7 @@ from archc.ir.ops import Op, ShapeError, canonical
 from archc.ir.paramexpr import leaf
 from archc.ir.shapes import Shape
 from archc.ir.text import format_node
-from archc.passes.registry import PassContext, Refusal, register_pass
+from archc.passes.manager import PassContext, Refusal, register_pass
 
 T = TypeVar("T")
 
@@ -217,7 +217,7 @@ def register_rewrite_pass(name: str, summary: str
                           ) -> Callable[[Callable[[Rewriter], None]], Callable[[Rewriter], None]]:
     """Register an exact pass whose body edits each graph through a Rewriter."""
     def register(fn: Callable[[Rewriter], None]) -> Callable[[Rewriter], None]:
-        @register_pass(name, "exact", summary)
+        @register_pass(name, summary)
         def run(g: Graph, ctx: PassContext) -> Graph:
             rw = Rewriter(g, ctx)
             fn(rw)
