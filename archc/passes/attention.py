@@ -104,21 +104,6 @@ def trace_up(rw: Rewriter, i: int) -> tuple[list[int], int]:
     return path, i
 
 
-def attention_operands(rw: Rewriter, i: int) -> dict[str, int]:
-    """The nodes q, k and v come from, for a node that reads them as inputs: softmax attention
-    (decomposed at its `scores`, or flash) or linear attention; {} for any other. Only the
-    projection merges use these; nothing here says a bias is invariant (φ(k + b) is not φ(k)
-    shifted, so linear attention keeps its key bias)."""
-    n = rw.node(i)
-    if n.op == Op.SCORES:
-        wsum = score_chain(rw, i).wsum
-        return {} if wsum is None else {"q": n.inputs[0], "k": n.inputs[1],
-                                        "v": rw.node(wsum).inputs[1]}
-    if n.op == Op.ATTENTION and n.attr("cache_layer") is not None:
-        return {"q": n.inputs[0]}
-    return dict(zip("qkv", n.inputs)) if n.op in (Op.ATTENTION, Op.LINEAR_ATTENTION) else {}
-
-
 # ---- share-kv-heads, flash-attention ---------------------------------------------------------
 
 def _read_kv_heads(rw: Rewriter, m: Bindings) -> int:

@@ -48,14 +48,6 @@ def _drop_zero_bias(rw: Rewriter, m: Bindings) -> int | None:
 ZERO_BIAS_RULES = (Rule("zero-bias", Pat({Op.ADD, Op.FUSED_LINEAR}, "root"), _drop_zero_bias),)
 
 
-def _projection_bias(rw: Rewriter, start: int) -> tuple[list[int], int | None]:
-    """From an attention operand up to its projection: the path, and the bias_add at its end
-    (None when the projection has no separate bias)."""
-    path, end = trace_up(rw, start)
-    found = bias_of(rw, end)
-    return path, end if found and view(rw, found[0], through_bias=False) is not None else None
-
-
 def _read_here(rw: Rewriter, nodes: list[int]) -> None:
     for i in nodes:
         if len(rw.users(i)) != 1:
@@ -64,10 +56,12 @@ def _read_here(rw: Rewriter, nodes: list[int]) -> None:
 
 def _fold_bias(rw: Rewriter, rule: str, start: int, done: str,
                fold: Callable[..., int], *args: object) -> None:
-    """Drop the bias add at the end of the projection feeding `start` when `fold(rw, path,
-    bias, *args)` may: it returns what the add reads besides the bias; or record why not."""
-    path, bias = _projection_bias(rw, start)
-    if bias is None:
+    """Drop the bias add at the end of the projection feeding attention operand `start` (traced
+    up `path`) when `fold(rw, path, bias, *args)` may: it returns what the add reads besides the
+    bias; or record why not."""
+    path, bias = trace_up(rw, start)
+    found = bias_of(rw, bias)
+    if found is None or view(rw, found[0], through_bias=False) is None:
         return
     x = rw.attempt(rule, bias, fold, rw, path, bias, *args)
     if x is not None:
@@ -148,8 +142,9 @@ def _value_bias(rw: Rewriter, path: list[int], bias: int, merge: int | None, no_
                        "attention (softmax or linear) into the output-projection bias")
 def fold_biases(rw: Rewriter) -> None:
     # 1. Zero biases: the zero-bias rule, to a fixed point.
-    # 2. Key bias: trace k up to its projection; drop the bias if only views, the cache and
-    #    repeat_kv lie between, and only shift-safe modifiers between scores and softmax.
+    # 2. Key bias (softmax only: φ(k + b) is not φ(k) shifted): trace k up to its projection;
+    #    drop the bias if only views, the cache and repeat_kv lie between, and only shift-safe
+    #    modifiers between scores and softmax.
     # 3. Value bias: trace v up to its projection; if no row can be fully masked and the heads
     #    go straight into one output projection, move the bias into that projection's bias.
     #    Linear attention likewise: out_i = φq_i·S_i / φq_i·z_i, S_i = Σ_j φk_j v_jᵀ,

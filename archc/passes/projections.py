@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import archc.ir.expr as E
 from archc.ir.ops import Op
-from archc.passes.attention import attention_operands, trace_up
+from archc.passes.attention import score_chain, trace_up
 from archc.passes.linear import LINEAR, Linear, Step, cat_params, emit, merged_name, step, view
 from archc.passes.manager import Refusal
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
@@ -108,9 +108,17 @@ def emit_with_slices(rw: Rewriter, merged: Linear, members: Sequence[Linear],
 
 
 def _projections(rw: Rewriter, site: int) -> list[tuple[list[int], Linear]]:
-    """The linear layers the q, k and v of an attention site come from, in that order, each with
-    the path up to it."""
-    found = [trace_up(rw, i) for i in attention_operands(rw, site).values()]
+    """The linear layers q, k and v come from, in that order, each with the path up to it, when
+    `site` reads them: softmax attention (decomposed at its `scores`, or flash) or linear
+    attention; [] for any other node."""
+    n = rw.node(site)
+    operands: tuple[int, ...] = ()
+    if n.op == Op.SCORES:
+        wsum = score_chain(rw, site).wsum
+        operands = () if wsum is None else (*n.inputs, rw.node(wsum).inputs[1])
+    elif n.op in (Op.ATTENTION, Op.LINEAR_ATTENTION):
+        operands = n.inputs[:1] if n.attr("cache_layer") is not None else n.inputs[:3]
+    found = [trace_up(rw, i) for i in operands]
     return [(path, lin) for path, end in found if (lin := view(rw, end)) is not None]
 
 
