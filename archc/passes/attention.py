@@ -1,13 +1,7 @@
-"""Attention: finding it in a graph — the score chain after `scores`, and the projections that
-feed q, k and v through views, per-head norms, RoPE, the KV cache and `repeat_kv` (bias folding
-and the projection merges use these too) — and the passes over it:
-
-- share-kv-heads: `repeat_kv` goes; scores and the value sum read KV head h // g directly.
-- flash-attention: scores → scale → soft-cap → position bias → mask → softmax → value sum →
-  merge_heads becomes one `attention` node.
-- fuse-qk-norm, fuse-rope: QK-norm and RoPE of q and k run in the epilogue of the projection
-  that computes them.
-- fuse-kv-write: the projection's epilogue writes k and v into the cache; attention reads it.
+"""Attention: finding it in a graph — the score chain after `scores`, the path from q, k and v
+up to their projections (bias folding and the projection merges use these too) — and the passes
+that fuse it: share-kv-heads and flash-attention, then QK-norm, RoPE and the KV-cache write in
+the epilogue of the projection that computes q, k and v.
 """
 
 from __future__ import annotations
@@ -44,8 +38,7 @@ HEAD_PATH = frozenset({Op.SPLIT_HEADS, Op.SLICE, Op.ROPE, Op.NORM, Op.KV_CACHE, 
 
 
 def modifier(n: Node) -> str | None:
-    """Which score modifier n is, if any: a pointwise scale(x(0)) or softcap(x(0)), alibi,
-    rel_bias or mask."""
+    """Which score modifier n is, if any (a pointwise scale or soft-cap of one input included)."""
     kind = unary(n) if n.op == Op.POINTWISE else n.op.value
     return kind if kind in MODIFIERS else None
 
@@ -199,19 +192,6 @@ def column_view(rw: Rewriter, i: int) -> ColumnView | None:
     return ColumnView(i, src, 0, rw.width(src), heads, hd)
 
 
-def _readers(rw: Rewriter, root: int) -> list[tuple[int, int, int, ColumnView | None]]:
-    """Every node reading the output of `root`, with the columns it reads: (reader, start,
-    stop, head view or None)."""
-    out: list[tuple[int, int, int, ColumnView | None]] = []
-    for u in rw.users(root):
-        if rw.op(u) == Op.SLICE:
-            s = rw.node(u)
-            out += [(w, s.attr("start"), s.attr("stop"), column_view(rw, w)) for w in rw.users(u)]
-        else:
-            out.append((u, 0, rw.width(root), column_view(rw, u)))
-    return out
-
-
 Heads = list[tuple[ColumnView, int]]     # head views, each with the one node reading it
 HeadStep = Callable[[Rewriter, Linear, Heads], Step]
 
@@ -223,7 +203,14 @@ def head_epilogue(rw: Rewriter, lin: Linear, op: Op, what: str, later: tuple[str
     read are [0, n·D), each view is read by that node only, and no other reader sees those
     columns. None if no view is read by `op`; Refusal if the epilogue cannot serve them.
     `later`: epilogue steps that must come after the new one."""
-    readers = _readers(rw, lin.root)
+    readers: list[tuple[int, int, int, ColumnView | None]] = []   # (node, start, stop, view)
+    for u in rw.users(lin.root):
+        s = rw.node(u)
+        if s.op == Op.SLICE:
+            readers += [(w, s.attr("start"), s.attr("stop"), column_view(rw, w))
+                        for w in rw.users(u)]
+        else:
+            readers.append((u, 0, rw.width(lin.root), column_view(rw, u)))
     views = sorted((cv for _, _, _, cv in readers
                     if cv is not None and any(rw.op(u) == op for u in rw.users(cv.split))),
                    key=lambda cv: cv.start)
