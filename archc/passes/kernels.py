@@ -1,17 +1,6 @@
-"""The last steps to kernel-level ops: epilogues, residual adds, MoE routing and experts,
-pointwise chains, and whatever is left unfused.
-
-- fuse-epilogue: a bias, activation, scale or soft-cap after a kernel that writes rows (a
-  matmul, a norm, an expert matmul) runs in its epilogue; a constant scale of a matmul's input
-  moves there too.
-- fuse-residual: a residual add joins the kernel next to it — the norm after it (post-norm), or
-  the kernel that produced one of its operands (a matmul, a norm, the experts' down matmul).
-- fuse-moe: router(x·W_rᵀ) → one router kernel over x and W_r; the gate and up stages of a
-  gated expert FFN, act(gate)·up, → one expert matmul over [W_gate; W_up] with a glu() epilogue.
-- fuse-pointwise: chains of elementwise ops left over become single `pointwise` kernels: x + y,
-  then ·0.5 → pointwise(x, y) {expr=scale(add(x(0), x(1)), by=0.5)}.
-- select-kernels: a matmul left alone is a fused_linear with an empty epilogue, an elementwise op
-  left alone a pointwise kernel. Any other op without a kernel is refused by name.
+"""The last steps to kernel-level ops: biases, activations, scales and residual adds join the
+epilogue of the kernel beside them, MoE routing and experts fuse, leftover elementwise chains
+become `pointwise` kernels, and whatever is left gets a kernel of its own or a refusal naming it.
 """
 
 from __future__ import annotations
@@ -181,8 +170,9 @@ def to_pointwise(rw: Rewriter, root: int, inline: Collection[int]) -> tuple[int,
 def fuse_pointwise(rw: Rewriter) -> None:
     # 1. An elementwise node read only by an elementwise node is inlined into it.
     # 2. Every other elementwise node roots one pointwise node whose expression walks its
-    #    inputs, inlining what step 1 marked and numbering the rest x(0), x(1)…; a pointwise
-    #    node that inlines nothing stays as it is.
+    #    inputs, inlining what step 1 marked and numbering the rest x(0), x(1)… (x + y, then
+    #    ·0.5 → pointwise(x, y) {expr=scale(add(x(0), x(1)), by=0.5)}); a pointwise node that
+    #    inlines nothing stays as it is.
     order = rw.order()
     inline = {i for i in order if rw.op(i) in ELEMENTWISE and len(rw.users(i)) == 1
               and rw.op(rw.users(i)[0]) in ELEMENTWISE}

@@ -1,18 +1,14 @@
-"""Passes by name, what they report, pipelines as lists of names, and the manager that runs them.
+"""Passes by name, the decisions they report, pipelines as lists of names, and the manager.
 
 Every candidate a pass looks at ends in a ``Decision``: applied, or refused by a *legality* rule
 ("may I?" — doing it would change the function) or a *profitability* rule ("should I?" — legal, but
-it would cost more than it saves). ``archc explain`` prints the refusals; ``archc passes`` counts
-the applications. The ``PassContext`` that collects them is passed explicitly to every pass.
-
-A pass is a function ``(Graph, PassContext) -> Graph`` run over each graph of a program, or a
-program function ``(Program, {graph: PassContext}) -> Program`` that may move nodes between
-graphs. Every registered pass is *exact*: it keeps the function up to rounding, and is
-translation-validated. The manager verifies after each pass that changed a graph and keeps the
-program before and after with the decisions, so the CLI can print the IR after any pass, explain
-refusals and diff one pass (kept nodes under their old numbers). A pass that changed nothing
-returns the same graph object: "not applied". A failure names the pass, the graph and the passes
-that ran before it.
+it would cost more than it saves), collected by the ``PassContext`` passed to the pass. A pass is
+a function ``(Graph, PassContext) -> Graph`` run over each graph of a program, or a program
+function ``(Program, {graph: PassContext}) -> Program`` that may move nodes between graphs; each
+is exact (translation-validated) and returns the same object when it changed nothing ("not
+applied"). The manager verifies after each pass that changed a graph and keeps each program and
+decision, so the CLI can print the IR after any pass, explain refusals and diff one pass. A
+failure names the pass, the graph and the passes that ran before it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""fold-norms: a norm read only by matmuls runs inside them.
-
-The gain folds into the weight once, at load time; the row statistics (1/rms, or mean and
-1/std) are gathered by the matmul's prologue along the K loop it already runs, and applied in its
-epilogue. The normalized activation is never stored.
+"""fold-norms: a norm read only by matmuls runs inside them. The gain folds into the weight once,
+at load time; the row statistics are gathered by the matmul's prologue along the K loop it already
+runs and applied in its epilogue; the normalized activation is never stored.
 """
 
 from __future__ import annotations

@@ -4,14 +4,9 @@ A ``Pat`` matches a node by op, a predicate on the node (its attributes), and, r
 first inputs, binding matched nodes by name. The operands of a commutative op (the op table says
 which) match in either order, so a rule over `add` or `mul` is written once. Conditions that make
 a structural match illegal — an intermediate value read elsewhere — are checked after the
-structure matches, so a refusal can say which condition failed:
-
-    # k + b: the bias joins the accumulator before it is stored
-    Rule("bias", Pat({Op.ADD}, "root", (Pat(ROW_KERNELS, "k", one_use=True),
-                                        Pat({Op.PARAM}, "b"))), append_step)
-
-A rewrite gets the rewriter and the bindings and returns the node that replaces the root, or
-``None`` when the match does not apply after all; it may raise ``Refusal`` to say why not.
+structure matches, so a refusal can say which condition failed. A rewrite gets the rewriter and
+the bindings and returns the node that replaces the root, or ``None`` when the match does not
+apply after all; it may raise ``Refusal`` to say why not.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""The recurrent mixers as kernels: Mamba's convolution and selective scan, causal linear attention.
-
-- fuse-causal-conv: causal_conv → + bias → act becomes one `causal_conv` (the conv state is
-  read and updated by that kernel alone).
-- fuse-ssm-scan: ssm_scan → + D·x → · silu(z) becomes one gated `ssm_scan`; Jamba's RMSNorm of
-  B and C joins it too (a norm over d_state, recomputed per token inside the scan).
-- fuse-linear-attention: φ(q), φ(k) → linear_attention becomes one `linear_attention` applying
-  φ itself, reading q, k and v as head views of their projections (GQA by index).
-
-Each rule absorbs one neighbour at a time, so a graph with only some of the pieces still gets the
-kernel, and a piece that cannot join is left for `select-kernels` to name.
+"""The recurrent mixers as kernels: Mamba's causal convolution and selective scan (with Jamba's
+B and C norms), and causal linear attention with its feature map. Each rule absorbs one neighbour
+at a time, so a graph with only some of the pieces still gets the kernel, and a piece that cannot
+join is left for `select-kernels` to name.
 """
 
 from __future__ import annotations
