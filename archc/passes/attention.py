@@ -25,9 +25,8 @@ from archc.passes.linear import (
     view,
     view_with_bias,
 )
-from archc.passes.manager import Refusal
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
-from archc.passes.rewrite import Rewriter, register_rewrite_pass
+from archc.passes.rewrite import Refusal, Rewriter, register_rewrite_pass
 
 # Score modifiers as lowering emits them, ranked in the order the `attention` op applies them: a
 # scale and a soft-cap (pointwise), a position bias, the mask.

@@ -22,9 +22,8 @@ from archc.passes.linear import (
     view,
     view_with_bias,
 )
-from archc.passes.manager import Refusal
 from archc.passes.patterns import Bindings, Pat, Rule, apply_rules
-from archc.passes.rewrite import Rewriter, register_rewrite_pass
+from archc.passes.rewrite import Refusal, Rewriter, register_rewrite_pass
 
 # Score modifiers that keep a per-row constant a per-row constant (scaled, shifted or replaced).
 SHIFT_SAFE = frozenset({"scale", "alibi", "rel_bias", "mask"})

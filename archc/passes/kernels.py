@@ -13,9 +13,8 @@ from archc.ir.graph import Node
 from archc.ir.ops import ELEMENTWISE, KERNEL_LEVEL, ROW_KERNELS, Op, is_compute
 from archc.ir.ops.core import elementwise_expr
 from archc.passes.linear import LINEAR, bias_of, cat_params, emit, extend, step, unary, view
-from archc.passes.manager import Refusal
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
-from archc.passes.rewrite import Rewriter, register_rewrite_pass
+from archc.passes.rewrite import Refusal, Rewriter, register_rewrite_pass
 
 
 def _step(rw: Rewriter, m: Bindings) -> int:

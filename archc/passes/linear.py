@@ -18,8 +18,7 @@ from archc.ir.graph import Node
 from archc.ir.ops import Op
 from archc.ir.ops.steps import STEPS
 from archc.ir.ops.steps import step as step_call
-from archc.passes.manager import Refusal
-from archc.passes.rewrite import Rewriter
+from archc.passes.rewrite import Refusal, Rewriter
 
 LINEAR = frozenset({Op.MATMUL, Op.FUSED_LINEAR})
 

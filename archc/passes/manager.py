@@ -71,14 +71,6 @@ class PassContext:
         self.decide(rule, where, "profitability" if profitability else "legality", why)
 
 
-class Refusal(Exception):
-    """Raised inside a rewrite to refuse it: `why` names the rule that said no."""
-
-    def __init__(self, why: str, *, profitability: bool = False) -> None:
-        super().__init__(why)
-        self.why, self.profitability = why, profitability
-
-
 class PassFailure(IRError):
     """A pass raised or left a graph the verifier refuses."""
 

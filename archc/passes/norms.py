@@ -11,8 +11,7 @@ import os
 import archc.ir.expr as E
 from archc.ir.ops import Op
 from archc.passes.linear import Linear, Step, norm_parts, replace_linear, step, view, view_with_bias
-from archc.passes.manager import Refusal
-from archc.passes.rewrite import Rewriter, register_rewrite_pass
+from archc.passes.rewrite import Refusal, Rewriter, register_rewrite_pass
 
 
 def _tag(weight: str, gain: str) -> str:

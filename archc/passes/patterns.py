@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from archc.errors import IRError
 from archc.ir.graph import Node
 from archc.ir.ops import OP_TABLE, Op
-from archc.passes.manager import Refusal
-from archc.passes.rewrite import Rewriter, register_rewrite_pass
+from archc.passes.rewrite import Refusal, Rewriter, register_rewrite_pass
 
 Bindings = dict[str, int]
 

@@ -16,9 +16,8 @@ import archc.ir.expr as E
 from archc.ir.ops import Op
 from archc.passes.attention import score_chain, trace_up
 from archc.passes.linear import LINEAR, Linear, Step, cat_params, emit, merged_name, step, view
-from archc.passes.manager import Refusal
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
-from archc.passes.rewrite import Rewriter, register_rewrite_pass
+from archc.passes.rewrite import Refusal, Rewriter, register_rewrite_pass
 
 
 def _split(lin: Linear, first: bool) -> tuple[Step | None, int | None, list[Step]]:

@@ -9,9 +9,8 @@ from __future__ import annotations
 from archc.ir.ops import Op
 from archc.ir.ops.recurrent import FEATURE_MAPS
 from archc.passes.linear import bias_of, norm_parts
-from archc.passes.manager import Refusal
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
-from archc.passes.rewrite import Rewriter
+from archc.passes.rewrite import Refusal, Rewriter
 
 
 def _conv_bias(rw: Rewriter, m: Bindings) -> int:

@@ -23,9 +23,17 @@ from archc.ir.ops import Op, ShapeError, canonical
 from archc.ir.paramexpr import leaf
 from archc.ir.shapes import Shape
 from archc.ir.text import format_node
-from archc.passes.manager import PassContext, Refusal, register_pass
+from archc.passes.manager import PassContext, register_pass
 
 T = TypeVar("T")
+
+
+class Refusal(Exception):
+    """Raised inside a rewrite to refuse it: `why` names the rule that said no."""
+
+    def __init__(self, why: str, *, profitability: bool = False) -> None:
+        super().__init__(why)
+        self.why, self.profitability = why, profitability
 
 
 def has_side_effect(n: Node) -> bool:
