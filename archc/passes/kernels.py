@@ -195,8 +195,7 @@ def _kernel(rw: Rewriter, m: Bindings) -> int:
 
 
 def needs_kernel(n: Node) -> bool:
-    """A compute node that is not a kernel yet (a router still reading separate logits
-    included)."""
+    """A compute node that is not a kernel yet (a router over separate logits included)."""
     return is_compute(n.op) and (len(n.inputs) == 1 if n.op == Op.ROUTER
                                  else n.op not in KERNEL_LEVEL)
 

@@ -18,7 +18,7 @@ import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from archc.errors import ArchcError, IRError
 from archc.ir.graph import Graph, Program
@@ -77,6 +77,7 @@ class PassFailure(IRError):
 
 PassFn = Callable[[Graph, PassContext], Graph]
 ProgramPassFn = Callable[[Program, Mapping[str, PassContext]], Program]
+F = TypeVar("F", PassFn, ProgramPassFn)
 
 
 @dataclass(frozen=True)
@@ -91,24 +92,18 @@ class Pass:
 PASSES: dict[str, Pass] = {}
 
 
-def _add(p: Pass) -> None:
-    if p.name in PASSES:
-        raise ValueError(f"pass {p.name!r} registered twice")
-    PASSES[p.name] = p
-
-
-def register_pass(name: str, summary: str) -> Callable[[PassFn], PassFn]:
-    def register(fn: PassFn) -> PassFn:
-        _add(Pass(name, summary, fn))
+def register_pass(name: str, summary: str, *, program: bool = False) -> Callable[[F], F]:
+    """Register `fn` under `name`: a PassFn, or a ProgramPassFn when `program`."""
+    def register(fn: F) -> F:
+        if name in PASSES:
+            raise ValueError(f"pass {name!r} registered twice")
+        PASSES[name] = Pass(name, summary, fn, program)
         return fn
     return register
 
 
 def register_program_pass(name: str, summary: str) -> Callable[[ProgramPassFn], ProgramPassFn]:
-    def register(fn: ProgramPassFn) -> ProgramPassFn:
-        _add(Pass(name, summary, fn, program=True))
-        return fn
-    return register
+    return register_pass(name, summary, program=True)
 
 
 # The default pipeline, in order. Attention is recognised first (its structure is what the
@@ -197,13 +192,9 @@ class PipelineRun:
 def run_pass(program: Program, name: str, done: Sequence[str] = ()) -> PassStep:
     """Run one pass over every graph of `program` (one context per graph), verify the result if
     it changed, and record what it did."""
-    def where(graph: str | None = None) -> str:
-        on = f" on graph {graph}" if graph else ""
-        return f"pass {name}{on} (after: {', '.join(done) or 'none'})"
-
-    p = PASSES[name]
+    p, ran = PASSES[name], f"(after: {', '.join(done) or 'none'})"
     contexts = {g.name: PassContext(name, g) for g in program}
-    graph = None
+    graph = ""      # the graph the pass is working on, for an error
     try:
         if p.program:
             after = p.fn(program, contexts)
@@ -215,29 +206,27 @@ def run_pass(program: Program, name: str, done: Sequence[str] = ()) -> PassStep:
             changed = any(a is not b for a, b in zip(graphs, program.graphs))
             after = Program(program.model, tuple(graphs)) if changed else program
     except Exception as err:
+        on = f" on graph {graph}" if graph else ""
         detail = str(err) if isinstance(err, IRError) else f"{type(err).__name__}: {err}"
-        raise PassFailure(f"{where(graph)}: {detail}") from err
+        raise PassFailure(f"pass {name}{on} {ran}: {detail}") from err
     log: list[str] = []
     for g in after:
         ctx = contexts.get(g.name)
+        applied = sum(d.applied for d in ctx.decisions) if ctx else 0
+        refused = len(ctx.decisions) - applied if ctx else 0
         if ctx is None:
-            log.append(f"{name}: graph {g.name}: added ({len(g.nodes)} nodes)")
-            continue
-        applied = sum(d.applied for d in ctx.decisions)
-        refused = len(ctx.decisions) - applied
-        if g is ctx.graph:
-            log.append(f"{name}: graph {g.name}: not applied" +
-                       (f" ({refused} candidates refused)" if refused else ""))
+            what = f"added ({len(g.nodes)} nodes)"
+        elif g is ctx.graph:
+            what = "not applied" + (f" ({refused} candidates refused)" if refused else "")
         else:
-            log.append(f"{name}: graph {g.name}: {applied} rewrites" +
-                       (f", {refused} refused" if refused else ""))
-    for line in log:
-        LOG.debug(line)
+            what = f"{applied} rewrites" + (f", {refused} refused" if refused else "")
+        log.append(f"{name}: graph {g.name}: {what}")
+        LOG.debug(log[-1])
     if after is not program:
         try:
             verify(after)
         except IRError as err:
-            raise PassFailure(f"{where()} left an invalid graph: {err}") from err
+            raise PassFailure(f"pass {name} {ran} left an invalid graph: {err}") from err
     decisions = tuple(d for ctx in contexts.values() for d in ctx.decisions)
     kept = {g: ctx.kept for g, ctx in contexts.items() if ctx.kept is not None}
     return PassStep(name, p.kind, program, after, decisions, tuple(log), kept)

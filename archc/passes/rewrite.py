@@ -186,10 +186,7 @@ class Rewriter:
         self.changed = True
 
     def kill(self, i: int) -> None:
-        """Remove node i; nothing may still read it."""
-        if self.users(i):
-            raise IRError(f"pass {self.ctx.pass_name}: cannot remove %{i}, still read by "
-                          f"{', '.join(f'%{u}' for u in self.users(i))}")
+        """Remove node i; nothing may still read it (`finish` checks)."""
         self.killed.add(i)
         self.gone.add(i)
         self.changed = True
