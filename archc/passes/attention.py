@@ -17,9 +17,9 @@ from archc.passes.linear import (
     LINEAR,
     Linear,
     Step,
+    emit,
     merged_name,
     norm_parts,
-    replace_linear,
     step,
     unary,
     view,
@@ -248,7 +248,7 @@ def fuse_heads(rw: Rewriter, rule: str, op: Op, what: str, later: tuple[str, ...
         found = rw.attempt(rule, lin.root, head_epilogue, rw, lin, op, what, later, make)
         if found is None:
             continue
-        replace_linear(rw, lin, lin.then(found[0]))
+        rw.replace(lin.root, emit(rw, lin.then(found[0]), like=lin.covers))
         for cv, reader in found[1]:
             rw.replace(reader, cv.split)
             rw.ctx.applied(rule, reader, f"{what} in the epilogue of %{lin.root}")
@@ -378,7 +378,7 @@ def fuse_kv_write(rw: Rewriter) -> None:
         if found is None:
             continue
         lin, write = found
-        replace_linear(rw, lin, lin.then(write))
+        rw.replace(lin.root, emit(rw, lin.then(write), like=lin.covers))
         layer = write.kw("layer")
         rw.replace(i, rw.emit(Op.ATTENTION, [n.inputs[0], *n.inputs[3:]], like=[i, *n.inputs[1:3]],
                               **n.attrs.replace(cache_layer=layer, kv_heads=write.kw("kv_heads"))))

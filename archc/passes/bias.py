@@ -12,16 +12,7 @@ import archc.ir.expr as E
 from archc.ir.attrs import Call
 from archc.ir.ops import Op
 from archc.passes.attention import ScoreChain, modifier, score_chain, trace_up
-from archc.passes.linear import (
-    Linear,
-    bias_of,
-    emit,
-    merged_name,
-    replace_linear,
-    step,
-    view,
-    view_with_bias,
-)
+from archc.passes.linear import Linear, bias_of, emit, merged_name, step, view, view_with_bias
 from archc.passes.patterns import Bindings, Pat, Rule, apply_rules
 from archc.passes.rewrite import Refusal, Rewriter, register_rewrite_pass
 
@@ -103,7 +94,8 @@ def _add_output_bias(rw: Rewriter, o: Linear, extra: Call, v_bias: int, like: in
         rw.replace(o.root, rw.emit(Op.ADD, [found[0], b], like=[o.root, like]))
     else:                                               # an epilogue bias step reads b
         steps = tuple(step("bias", b) if s.fn == "bias" else s for s in o.steps)
-        replace_linear(rw, o, o.replace(steps=steps if old else (*steps, step("bias", b))))
+        new = o.replace(steps=steps if old else (*steps, step("bias", b)))
+        rw.replace(o.root, emit(rw, new, like=o.covers))
 
 
 def _value_bias(rw: Rewriter, path: list[int], bias: int, merge: int | None, no_merge: str,

@@ -141,11 +141,6 @@ def emit(rw: Rewriter, lin: Linear, *, like: Sequence[int], at: int | None = Non
                    concat_k=True if len(lin.operands) == 2 else None)
 
 
-def replace_linear(rw: Rewriter, old: Linear, new: Linear) -> None:
-    """Emit `new` in place of `old`: the same value, more work fused in."""
-    rw.replace(old.root, emit(rw, new, like=old.covers))
-
-
 def extend(rw: Rewriter, i: int, new: Step, *, like: Sequence[int]) -> int:
     """The kernel node i (a matmul, fused_linear, norm or expert matmul) with `new` appended to
     its epilogue: a new node, which the caller puts in place. Refusal when the step is not one
