@@ -87,8 +87,7 @@ def score_chain(rw: Rewriter, scores: int) -> ScoreChain:
 
 
 def trace_up(rw: Rewriter, i: int) -> tuple[list[int], int]:
-    """Walk from node i up its first input while the op is a head-path op; returns the path
-    (nearest first) and the node it stops at."""
+    """The head-path ops above node i along first inputs (nearest first), and where they end."""
     path: list[int] = []
     while rw.op(i) in HEAD_PATH:
         path.append(i)
@@ -197,11 +196,10 @@ HeadStep = Callable[[Rewriter, Linear, Heads], Step]
 
 def head_epilogue(rw: Rewriter, lin: Linear, op: Op, what: str, later: tuple[str, ...],
                   make: HeadStep) -> tuple[Step, Heads] | None:
-    """The step `make` builds for the head views of `lin` read by one `op` node each, with those
-    views and nodes, if a step over the first n heads can stand for the nodes: the columns they
-    read are [0, n·D), each view is read by that node only, and no other reader sees those
-    columns. None if no view is read by `op`; Refusal if the epilogue cannot serve them.
-    `later`: epilogue steps that must come after the new one."""
+    """The step `make` builds for the head views of `lin` read by one `op` node each, and those
+    views and nodes, if a step over the first n heads can stand for the nodes: they read columns
+    [0, n·D), and nothing else reads those columns. None if no view is read by `op`. `later`:
+    epilogue steps that must come after the new one."""
     readers: list[tuple[int, int, int, ColumnView | None]] = []   # (node, start, stop, view)
     for u in rw.users(lin.root):
         s = rw.node(u)
@@ -325,8 +323,7 @@ def fuse_qk_norm(rw: Rewriter) -> None:
 
 
 def _kv_write(rw: Rewriter, att: int) -> tuple[Linear, Step]:
-    """The projection whose epilogue can write the cache this attention reads, and the step
-    that writes it; Refusal when there is none."""
+    """The projection whose epilogue can write the cache `att` reads, and the step that does."""
     q, kc, vc = rw.node(att).inputs[:3]
     k_node, v_node = rw.node(kc), rw.node(vc)
     layer = k_node.attr("layer")

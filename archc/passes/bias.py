@@ -46,9 +46,8 @@ def _read_here(rw: Rewriter, nodes: list[int]) -> None:
 
 def _fold_bias(rw: Rewriter, rule: str, start: int, done: str,
                fold: Callable[..., int], *args: object) -> None:
-    """Drop the bias add at the end of the projection feeding attention operand `start` (traced
-    up `path`) when `fold(rw, path, bias, *args)` may: it returns what the add reads besides the
-    bias; or record why not."""
+    """Drop the bias add of the projection above attention operand `start` (up `path`) when
+    `fold(rw, path, bias, *args)` may: it returns what the add reads besides the bias."""
     path, bias = trace_up(rw, start)
     found = bias_of(rw, bias)
     if found is None or view(rw, found[0], through_bias=False) is None:
@@ -100,8 +99,7 @@ def _add_output_bias(rw: Rewriter, o: Linear, extra: Call, v_bias: int, like: in
 
 def _value_bias(rw: Rewriter, path: list[int], bias: int, merge: int | None, no_merge: str,
                 refusal: str | None) -> int:
-    """Move the value bias into the output projection reading `merge` (the heads merged), when
-    each output row is a weighted average of the values."""
+    """Move the value bias into the output projection reading the merged heads `merge`."""
     if refusal is not None:
         raise Refusal(refusal)
     for i in path:

@@ -142,8 +142,7 @@ register_rule_pass("fuse-moe", "MoE: router matmul + top-k in one kernel; gate a
 
 
 def to_pointwise(rw: Rewriter, root: int, inline: Collection[int]) -> tuple[int, list[int]]:
-    """One pointwise node computing `root` over its leaves, inlining the nodes of `inline` it
-    reaches through them; and those nodes."""
+    """A pointwise node computing `root` with the nodes of `inline` it reaches inlined; those."""
     leaves: list[int] = []
     inlined: list[int] = []
 

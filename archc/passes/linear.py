@@ -37,8 +37,7 @@ class Step:
 
 
 def step(fn: str, /, *inputs: int, **kw: Any) -> Step:
-    """An epilogue step reading nodes `inputs` (keyword arguments sorted: equal steps compare
-    equal)."""
+    """An epilogue step reading nodes `inputs` (keywords sorted: equal steps compare equal)."""
     return Step(step_call(fn, **kw), tuple(inputs))
 
 

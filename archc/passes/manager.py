@@ -131,8 +131,7 @@ def known(*, pipelines: bool = True) -> str:
 
 
 def resolve_pipeline(pipeline: str | Sequence[str]) -> list[str]:
-    """Pass names of a pipeline given by name ("default", "none"), as a comma-separated list
-    of pass names, or as a sequence of names."""
+    """The pass names of a pipeline name ("default", "none"), of "a,b,c" or of a sequence."""
     if isinstance(pipeline, str):
         pipeline = [p.strip() for p in pipeline.split(",") if p.strip()]
     out: list[str] = []
@@ -190,8 +189,7 @@ class PipelineRun:
 
 
 def run_pass(program: Program, name: str, done: Sequence[str] = ()) -> PassStep:
-    """Run one pass over every graph of `program` (one context per graph), verify the result if
-    it changed, and record what it did."""
+    """Run one pass over `program`, verify the result if it changed, and record what it did."""
     p, ran = PASSES[name], f"(after: {', '.join(done) or 'none'})"
     contexts = {g.name: PassContext(name, g) for g in program}
     graph = ""      # the graph the pass is working on, for an error

@@ -109,8 +109,7 @@ def apply_rules(rw: Rewriter, rules: Collection[Rule], *, max_rounds: int = 64) 
 
 
 def register_rule_pass(name: str, summary: str, *tables: Collection[Rule]) -> None:
-    """Register an exact pass that applies rule tables, one after another, to a fixpoint each:
-    the whole body of most fusion passes."""
+    """Register a pass that applies rule tables, one after another, each to a fixed point."""
     @register_rewrite_pass(name, summary)
     def run(rw: Rewriter) -> None:
         for rules in tables:

@@ -107,9 +107,8 @@ def emit_with_slices(rw: Rewriter, merged: Linear, members: Sequence[Linear],
 
 
 def _projections(rw: Rewriter, site: int) -> list[tuple[list[int], Linear]]:
-    """The linear layers q, k and v come from, in that order, each with the path up to it, when
-    `site` reads them: softmax attention (decomposed at its `scores`, or flash) or linear
-    attention; [] for any other node."""
+    """The linear layers of q, k and v (in that order, each with the path up to it) when `site`
+    is attention: softmax (decomposed at its `scores`, or flash) or linear; else []."""
     n = rw.node(site)
     operands: tuple[int, ...] = ()
     if n.op == Op.SCORES:

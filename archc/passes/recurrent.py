@@ -69,9 +69,8 @@ def _ssm_scan(rw: Rewriter, m: Bindings) -> int:
 
 def _bc_norms(rw: Rewriter, scan: int, bm: int, cm: int
               ) -> tuple[tuple[int, int], tuple[int, int], float] | None:
-    """(B, gain), (C, gain), ε when B and C are both RMSNorms with a gain and one ε, read by
-    the scan alone (Jamba); None when neither is a norm; Refusal when the norms must stay
-    kernels of their own."""
+    """(B, gain), (C, gain), ε when B and C are both RMSNorms with a gain and one ε, read by the
+    scan alone (Jamba); None when neither is a norm."""
     if rw.op(bm) != Op.NORM and rw.op(cm) != Op.NORM:
         return None
     parts = []
