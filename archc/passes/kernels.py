@@ -142,7 +142,7 @@ register_rule_pass("fuse-moe", "MoE: router matmul + top-k in one kernel; gate a
 
 
 def to_pointwise(rw: Rewriter, root: int, inline: Collection[int]) -> tuple[int, list[int]]:
-    """A pointwise node computing `root` with the nodes of `inline` it reaches inlined; those."""
+    """A pointwise node computing `root`, inlining the nodes of `inline` it reaches; and those."""
     leaves: list[int] = []
     inlined: list[int] = []
 
