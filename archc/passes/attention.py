@@ -46,7 +46,6 @@ def modifier(n: Node) -> str | None:
 class ScoreChain:
     """scores → modifiers → softmax → weighted_sum → merge_heads, following single users."""
 
-    scores: int
     modifiers: list[int] = field(default_factory=list)
     softmax: int | None = None
     wsum: int | None = None
@@ -55,8 +54,7 @@ class ScoreChain:
 
 
 def score_chain(rw: Rewriter, scores: int) -> ScoreChain:
-    chain = ScoreChain(scores)
-    cur = scores
+    chain, cur = ScoreChain(), scores
     while rw.op(cur) != Op.SOFTMAX:
         users = rw.users(cur)
         if len(users) != 1:
