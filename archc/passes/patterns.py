@@ -62,9 +62,8 @@ def match(rw: Rewriter, pat: Pat, i: int, parent: int | None = None
         ok = [m for m in subs if m is not None]
         if len(ok) == len(subs):
             bound = {k: v for b, _ in ok for k, v in b.items()}
-            if pat.name:
-                bound[pat.name] = i
-            found.append((bound, own + [p for _, ps in ok for p in ps]))
+            found.append(({**bound, pat.name: i} if pat.name else bound,
+                          own + [p for _, ps in ok for p in ps]))
     # the first order without problems of its own operands, else the first
     return min(found, key=lambda f: len(f[1]) > len(own), default=None)
 
