@@ -13,8 +13,7 @@ from archc.ir.lower import lower
 from archc.ir.text import format_program
 from archc.ir.view import to_dot
 from archc.passes import PASSES, run_pipeline
-from archc.passes.manager import step_diff
-from archc.passes.registry import known
+from archc.passes.manager import known, step_diff
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

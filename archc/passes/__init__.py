@@ -9,22 +9,25 @@ from archc.passes import (  # noqa: F401  (each module registers its passes)
     bias,
     cleanup,
     cross_kv,
-    epilogue,
     kernels,
     norms,
     projections,
     recurrent,
 )
-from archc.passes.manager import PassFailure, PassStep, PipelineRun, optimize, run_pipeline
-from archc.passes.registry import (
+from archc.passes.manager import (
     DEFAULT_PIPELINE,
     PASSES,
     PIPELINES,
     Decision,
     PassContext,
+    PassFailure,
+    PassStep,
+    PipelineRun,
+    optimize,
     register_pass,
     register_program_pass,
     resolve_pipeline,
+    run_pipeline,
 )
 
 __all__ = [

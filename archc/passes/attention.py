@@ -1,13 +1,7 @@
-"""Attention: finding it in a graph — the score chain after `scores`, and the projections that
-feed q, k and v through views, per-head norms, RoPE, the KV cache and `repeat_kv` (bias folding
-and the projection merges use these too) — and the passes over it:
-
-- share-kv-heads: `repeat_kv` goes; scores and the value sum read KV head h // g directly.
-- flash-attention: scores → scale → soft-cap → position bias → mask → softmax → value sum →
-  merge_heads becomes one `attention` node.
-- fuse-qk-norm, fuse-rope: QK-norm and RoPE of q and k run in the epilogue of the projection
-  that computes them.
-- fuse-kv-write: the projection's epilogue writes k and v into the cache; attention reads it.
+"""Attention: finding it in a graph — the score chain after `scores`, the path from q, k and v
+up to their projections (bias folding and the projection merges use these too) — and the passes
+that fuse it: share-kv-heads and flash-attention, then QK-norm, RoPE and the KV-cache write in
+the epilogue of the projection that computes q, k and v.
 """
 
 from __future__ import annotations
@@ -23,17 +17,16 @@ from archc.passes.linear import (
     LINEAR,
     Linear,
     Step,
+    emit,
     merged_name,
     norm_parts,
-    replace_linear,
     step,
     unary,
     view,
     view_with_bias,
 )
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
-from archc.passes.registry import Refusal
-from archc.passes.rewrite import Rewriter, register_rewrite_pass
+from archc.passes.rewrite import Refusal, Rewriter, register_rewrite_pass
 
 # Score modifiers as lowering emits them, ranked in the order the `attention` op applies them: a
 # scale and a soft-cap (pointwise), a position bias, the mask.
@@ -44,8 +37,7 @@ HEAD_PATH = frozenset({Op.SPLIT_HEADS, Op.SLICE, Op.ROPE, Op.NORM, Op.KV_CACHE, 
 
 
 def modifier(n: Node) -> str | None:
-    """Which score modifier n is, if any: a pointwise scale(x(0)) or softcap(x(0)), alibi,
-    rel_bias or mask."""
+    """Which score modifier n is, if any (a pointwise scale or soft-cap of one input included)."""
     kind = unary(n) if n.op == Op.POINTWISE else n.op.value
     return kind if kind in MODIFIERS else None
 
@@ -54,7 +46,6 @@ def modifier(n: Node) -> str | None:
 class ScoreChain:
     """scores → modifiers → softmax → weighted_sum → merge_heads, following single users."""
 
-    scores: int
     modifiers: list[int] = field(default_factory=list)
     softmax: int | None = None
     wsum: int | None = None
@@ -63,8 +54,7 @@ class ScoreChain:
 
 
 def score_chain(rw: Rewriter, scores: int) -> ScoreChain:
-    chain = ScoreChain(scores)
-    cur = scores
+    chain, cur = ScoreChain(), scores
     while rw.op(cur) != Op.SOFTMAX:
         users = rw.users(cur)
         if len(users) != 1:
@@ -95,28 +85,12 @@ def score_chain(rw: Rewriter, scores: int) -> ScoreChain:
 
 
 def trace_up(rw: Rewriter, i: int) -> tuple[list[int], int]:
-    """Walk from node i up its first input while the op is a head-path op; returns the path
-    (nearest first) and the node it stops at."""
+    """The head-path ops above node i along first inputs (nearest first), and where they end."""
     path: list[int] = []
     while rw.op(i) in HEAD_PATH:
         path.append(i)
         i = rw.node(i).inputs[0]
     return path, i
-
-
-def attention_operands(rw: Rewriter, i: int) -> dict[str, int]:
-    """The nodes q, k and v come from, for a node that reads them as inputs: softmax attention
-    (decomposed at its `scores`, or flash) or linear attention; {} for any other. Only the
-    projection merges use these; nothing here says a bias is invariant (φ(k + b) is not φ(k)
-    shifted, so linear attention keeps its key bias)."""
-    n = rw.node(i)
-    if n.op == Op.SCORES:
-        wsum = score_chain(rw, i).wsum
-        return {} if wsum is None else {"q": n.inputs[0], "k": n.inputs[1],
-                                        "v": rw.node(wsum).inputs[1]}
-    if n.op == Op.ATTENTION and n.attr("cache_layer") is not None:
-        return {"q": n.inputs[0]}
-    return dict(zip("qkv", n.inputs)) if n.op in (Op.ATTENTION, Op.LINEAR_ATTENTION) else {}
 
 
 # ---- share-kv-heads, flash-attention ---------------------------------------------------------
@@ -127,18 +101,17 @@ def _read_kv_heads(rw: Rewriter, m: Bindings) -> int:
     return rw.emit(n.op, src, like=[m["root"]], **n.attrs)
 
 
-GQA_RULES = (
+REPEATED = Pat({Op.REPEAT_KV}, one_use=True)
+register_rule_pass("share-kv-heads", "GQA/MQA: drop repeat_kv; attention reads KV head h // group "
+                   "directly", (
     # q_h · repeat_kv(k, g)_hᵀ = q_h · k_{h//g}ᵀ, and Σ_j p_hj · repeat_kv(v, g)_hj =
     # Σ_j p_hj · v_{h//g, j}: scores and the value sum read KV head h // g in place
-    Rule("share-kv-heads", Pat({Op.SCORES, Op.WEIGHTED_SUM}, "root",
-                               (None, Pat({Op.REPEAT_KV}, one_use=True))), _read_kv_heads),
+    Rule("share-kv-heads", Pat({Op.SCORES, Op.WEIGHTED_SUM}, "root", (None, REPEATED)),
+         _read_kv_heads),
     # attention over repeated k and v = attention reading KV head h // g
-    Rule("share-kv-heads", Pat({Op.ATTENTION}, "root", (
-        None, Pat({Op.REPEAT_KV}, one_use=True), Pat({Op.REPEAT_KV}, one_use=True))),
-        _read_kv_heads),
-)
-register_rule_pass("share-kv-heads", "GQA/MQA: drop repeat_kv; attention reads KV head h // group "
-                   "directly", GQA_RULES)
+    Rule("share-kv-heads", Pat({Op.ATTENTION}, "root", (None, REPEATED, REPEATED)),
+         _read_kv_heads),
+))
 
 
 def _flash(rw: Rewriter, scores: int) -> tuple[int, int]:
@@ -215,31 +188,24 @@ def column_view(rw: Rewriter, i: int) -> ColumnView | None:
     return ColumnView(i, src, 0, rw.width(src), heads, hd)
 
 
-def _readers(rw: Rewriter, root: int) -> list[tuple[int, int, int, ColumnView | None]]:
-    """Every node reading the output of `root`, with the columns it reads: (reader, start,
-    stop, head view or None)."""
-    out: list[tuple[int, int, int, ColumnView | None]] = []
-    for u in rw.users(root):
-        if rw.op(u) == Op.SLICE:
-            s = rw.node(u)
-            out += [(w, s.attr("start"), s.attr("stop"), column_view(rw, w)) for w in rw.users(u)]
-        else:
-            out.append((u, 0, rw.width(root), column_view(rw, u)))
-    return out
-
-
 Heads = list[tuple[ColumnView, int]]     # head views, each with the one node reading it
 HeadStep = Callable[[Rewriter, Linear, Heads], Step]
 
 
 def head_epilogue(rw: Rewriter, lin: Linear, op: Op, what: str, later: tuple[str, ...],
                   make: HeadStep) -> tuple[Step, Heads] | None:
-    """The step `make` builds for the head views of `lin` read by one `op` node each, with those
-    views and nodes, if a step over the first n heads can stand for the nodes: the columns they
-    read are [0, n·D), each view is read by that node only, and no other reader sees those
-    columns. None if no view is read by `op`; Refusal if the epilogue cannot serve them.
-    `later`: epilogue steps that must come after the new one."""
-    readers = _readers(rw, lin.root)
+    """The step `make` builds for the head views of `lin` read by one `op` node each, and those
+    views and nodes, if a step over the first n heads can stand for the nodes: they read columns
+    [0, n·D), and nothing else reads those columns. None if no view is read by `op`. `later`:
+    epilogue steps that must come after the new one."""
+    readers: list[tuple[int, int, int, ColumnView | None]] = []   # (node, start, stop, view)
+    for u in rw.users(lin.root):
+        s = rw.node(u)
+        if s.op == Op.SLICE:
+            readers += [(w, s.attr("start"), s.attr("stop"), column_view(rw, w))
+                        for w in rw.users(u)]
+        else:
+            readers.append((u, 0, rw.width(lin.root), column_view(rw, u)))
     views = sorted((cv for _, _, _, cv in readers
                     if cv is not None and any(rw.op(u) == op for u in rw.users(cv.split))),
                    key=lambda cv: cv.start)
@@ -278,7 +244,7 @@ def fuse_heads(rw: Rewriter, rule: str, op: Op, what: str, later: tuple[str, ...
         found = rw.attempt(rule, lin.root, head_epilogue, rw, lin, op, what, later, make)
         if found is None:
             continue
-        replace_linear(rw, lin, lin.then(found[0]))
+        rw.replace(lin.root, emit(rw, lin.then(found[0]), like=lin.covers))
         for cv, reader in found[1]:
             rw.replace(reader, cv.split)
             rw.ctx.applied(rule, reader, f"{what} in the epilogue of %{lin.root}")
@@ -355,8 +321,7 @@ def fuse_qk_norm(rw: Rewriter) -> None:
 
 
 def _kv_write(rw: Rewriter, att: int) -> tuple[Linear, Step]:
-    """The projection whose epilogue can write the cache this attention reads, and the step
-    that writes it; Refusal when there is none."""
+    """The projection whose epilogue can write the cache `att` reads, and the step that does."""
     q, kc, vc = rw.node(att).inputs[:3]
     k_node, v_node = rw.node(kc), rw.node(vc)
     layer = k_node.attr("layer")
@@ -408,7 +373,7 @@ def fuse_kv_write(rw: Rewriter) -> None:
         if found is None:
             continue
         lin, write = found
-        replace_linear(rw, lin, lin.then(write))
+        rw.replace(lin.root, emit(rw, lin.then(write), like=lin.covers))
         layer = write.kw("layer")
         rw.replace(i, rw.emit(Op.ATTENTION, [n.inputs[0], *n.inputs[3:]], like=[i, *n.inputs[1:3]],
                               **n.attrs.replace(cache_layer=layer, kv_heads=write.kw("kv_heads"))))

@@ -12,19 +12,9 @@ import archc.ir.expr as E
 from archc.ir.attrs import Call
 from archc.ir.ops import Op
 from archc.passes.attention import ScoreChain, modifier, score_chain, trace_up
-from archc.passes.linear import (
-    Linear,
-    bias_of,
-    emit,
-    merged_name,
-    replace_linear,
-    step,
-    view,
-    view_with_bias,
-)
+from archc.passes.linear import Linear, bias_of, emit, merged_name, step, view, view_with_bias
 from archc.passes.patterns import Bindings, Pat, Rule, apply_rules
-from archc.passes.registry import Refusal
-from archc.passes.rewrite import Rewriter, register_rewrite_pass
+from archc.passes.rewrite import Refusal, Rewriter, register_rewrite_pass
 
 # Score modifiers that keep a per-row constant a per-row constant (scaled, shifted or replaced).
 SHIFT_SAFE = frozenset({"scale", "alibi", "rel_bias", "mask"})
@@ -48,14 +38,6 @@ def _drop_zero_bias(rw: Rewriter, m: Bindings) -> int | None:
 ZERO_BIAS_RULES = (Rule("zero-bias", Pat({Op.ADD, Op.FUSED_LINEAR}, "root"), _drop_zero_bias),)
 
 
-def _projection_bias(rw: Rewriter, start: int) -> tuple[list[int], int | None]:
-    """From an attention operand up to its projection: the path, and the bias_add at its end
-    (None when the projection has no separate bias)."""
-    path, end = trace_up(rw, start)
-    found = bias_of(rw, end)
-    return path, end if found and view(rw, found[0], through_bias=False) is not None else None
-
-
 def _read_here(rw: Rewriter, nodes: list[int]) -> None:
     for i in nodes:
         if len(rw.users(i)) != 1:
@@ -64,10 +46,11 @@ def _read_here(rw: Rewriter, nodes: list[int]) -> None:
 
 def _fold_bias(rw: Rewriter, rule: str, start: int, done: str,
                fold: Callable[..., int], *args: object) -> None:
-    """Drop the bias add at the end of the projection feeding `start` when `fold(rw, path,
-    bias, *args)` may: it returns what the add reads besides the bias; or record why not."""
-    path, bias = _projection_bias(rw, start)
-    if bias is None:
+    """Drop the bias add of the projection above attention operand `start` (up `path`) when
+    `fold(rw, path, bias, *args)` may: it returns what the add reads besides the bias."""
+    path, bias = trace_up(rw, start)
+    found = bias_of(rw, bias)
+    if found is None or view(rw, found[0], through_bias=False) is None:
         return
     x = rw.attempt(rule, bias, fold, rw, path, bias, *args)
     if x is not None:
@@ -110,13 +93,13 @@ def _add_output_bias(rw: Rewriter, o: Linear, extra: Call, v_bias: int, like: in
         rw.replace(o.root, rw.emit(Op.ADD, [found[0], b], like=[o.root, like]))
     else:                                               # an epilogue bias step reads b
         steps = tuple(step("bias", b) if s.fn == "bias" else s for s in o.steps)
-        replace_linear(rw, o, o.replace(steps=steps if old else (*steps, step("bias", b))))
+        new = o.replace(steps=steps if old else (*steps, step("bias", b)))
+        rw.replace(o.root, emit(rw, new, like=o.covers))
 
 
 def _value_bias(rw: Rewriter, path: list[int], bias: int, merge: int | None, no_merge: str,
                 refusal: str | None) -> int:
-    """Move the value bias into the output projection reading `merge` (the heads merged), when
-    each output row is a weighted average of the values."""
+    """Move the value bias into the output projection reading the merged heads `merge`."""
     if refusal is not None:
         raise Refusal(refusal)
     for i in path:
@@ -148,8 +131,9 @@ def _value_bias(rw: Rewriter, path: list[int], bias: int, merge: int | None, no_
                        "attention (softmax or linear) into the output-projection bias")
 def fold_biases(rw: Rewriter) -> None:
     # 1. Zero biases: the zero-bias rule, to a fixed point.
-    # 2. Key bias: trace k up to its projection; drop the bias if only views, the cache and
-    #    repeat_kv lie between, and only shift-safe modifiers between scores and softmax.
+    # 2. Key bias (softmax only: φ(k + b) is not φ(k) shifted): trace k up to its projection;
+    #    drop the bias if only views, the cache and repeat_kv lie between, and only shift-safe
+    #    modifiers between scores and softmax.
     # 3. Value bias: trace v up to its projection; if no row can be fully masked and the heads
     #    go straight into one output projection, move the bias into that projection's bias.
     #    Linear attention likewise: out_i = φq_i·S_i / φq_i·z_i, S_i = Σ_j φk_j v_jᵀ,

@@ -4,27 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from archc.ir.graph import Graph
 from archc.ir.ops import Op
-from archc.passes.registry import PassContext, register_pass
 from archc.passes.rewrite import Rewriter, has_side_effect, live_nodes, register_rewrite_pass
 
 
-@register_pass("dce", "exact", "drop nodes nothing reads (cache writes and inputs stay)")
-def dce(g: Graph, ctx: PassContext) -> Graph:
+@register_rewrite_pass("dce", "drop nodes nothing reads (cache writes and inputs stay)")
+def dce(rw: Rewriter) -> None:
     # 1. Mark live: the outputs, the graph's inputs (its interface) and the nodes with side
     #    effects (cache writes), then everything they read, transitively.
-    # 2. Drop the rest, keeping the order of what stays.
-    live = live_nodes(dict(enumerate(g.nodes)))
-    if len(live) == len(g.nodes):
-        return g
-    number = {i: k for k, i in enumerate(sorted(live))}
-    for i in sorted(set(range(len(g.nodes))) - live):
-        ctx.applied("dce", i, "read by nothing")
-    ctx.kept = number
-    nodes = (g.nodes[i].replace(inputs=tuple(number[j] for j in g.nodes[i].inputs))
-             for i in number)
-    return Graph(g.name, tuple(nodes))
+    # 2. Drop the rest, readers before what they read.
+    live = live_nodes(rw.nodes)
+    dead = [i for i in rw.order() if i not in live]
+    for i in reversed(dead):
+        rw.kill(i)
+    for i in dead:
+        rw.ctx.applied("dce", i, "read by nothing")
 
 
 @register_rewrite_pass("cse", "nodes computing the same value from the same inputs become one")

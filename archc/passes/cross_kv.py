@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from archc.ir.attrs import Attrs
 from archc.ir.graph import CROSS_KV, Graph, Node, Program
 from archc.ir.ops import META, VIEW, Op
-from archc.passes.registry import PassContext, register_program_pass
+from archc.passes.manager import PassContext, register_program_pass
 from archc.passes.rewrite import Rewriter, has_side_effect, unique_name
 
 SOURCE = "encoder_hidden"
@@ -57,10 +57,9 @@ def _name(g: Graph, i: int, taken: set[str]) -> str:
     return unique_name(base, taken)
 
 
-@register_program_pass(
-    "hoist-cross-kv", "exact",
-    "cross-attention K/V projections of the encoder's states leave the decoder for a cross_kv "
-    "graph run once per generation; decoder steps read them as inputs")
+@register_program_pass("hoist-cross-kv", "cross-attention K/V projections of the encoder's "
+                       "states leave the decoder for a cross_kv graph run once per generation; "
+                       "decoder steps read them as inputs")
 def hoist_cross_kv(program: Program, contexts: Mapping[str, PassContext]) -> Program:
     # 1. In the decoder, the pure nodes (no cache writes) that depend only on `encoder_hidden`
     #    and weights: the same at every step. Profitable if they include a matmul.

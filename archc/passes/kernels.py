@@ -1,12 +1,6 @@
-"""The last steps to kernel-level ops: MoE routing and experts, pointwise chains, and whatever is
-left unfused.
-
-- fuse-moe: router(x·W_rᵀ) → one router kernel over x and W_r; the gate and up stages of a
-  gated expert FFN, act(gate)·up, → one expert matmul over [W_gate; W_up] with a glu() epilogue.
-- fuse-pointwise: chains of elementwise ops left over become single `pointwise` kernels: x + y,
-  then ·0.5 → pointwise(x, y) {expr=scale(add(x(0), x(1)), by=0.5)}.
-- select-kernels: a matmul left alone is a fused_linear with an empty epilogue, an elementwise op
-  left alone a pointwise kernel. Any other op without a kernel is refused by name.
+"""The last steps to kernel-level ops: biases, activations, scales and residual adds join the
+epilogue of the kernel beside them, MoE routing and experts fuse, leftover elementwise chains
+become `pointwise` kernels, and whatever is left gets a kernel of its own or a refusal naming it.
 """
 
 from __future__ import annotations
@@ -16,12 +10,96 @@ from collections.abc import Collection
 import archc.ir.expr as E
 from archc.ir.attrs import Call
 from archc.ir.graph import Node
-from archc.ir.ops import ELEMENTWISE, KERNEL_LEVEL, Op, is_compute
+from archc.ir.ops import ELEMENTWISE, KERNEL_LEVEL, ROW_KERNELS, Op, is_compute
 from archc.ir.ops.core import elementwise_expr
-from archc.passes.linear import cat_params, emit, view
+from archc.passes.linear import LINEAR, bias_of, cat_params, emit, extend, step, unary, view
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
-from archc.passes.registry import Refusal
-from archc.passes.rewrite import Rewriter, register_rewrite_pass
+from archc.passes.rewrite import Refusal, Rewriter, register_rewrite_pass
+
+
+def _step(rw: Rewriter, m: Bindings) -> int:
+    """The root as a step appended to the kernel bound as "k": bias(b) of the vector bound as
+    "b", act(fn), or the scale or soft-cap of a pointwise fn(x(0), …)."""
+    n = rw.node(m["root"])
+    if n.op == Op.ADD:
+        new = step("bias", m["b"])
+    elif n.op == Op.ACT:
+        new = step("act", fn=n.attr("fn"))
+    else:
+        new = step(n.attr("expr").fn, **dict(n.attr("expr").kwargs))
+    return extend(rw, m["k"], new, like=[m["root"]])
+
+
+def _input_scale(rw: Rewriter, m: Bindings) -> int:
+    lin = view(rw, m["root"], through_bias=False)
+    assert lin is not None
+    if lin.prologue:
+        raise Refusal(f"%{m['root']} gathers row statistics of its input, which the scale "
+                      "changes")
+    if len(lin.operands) != 1:
+        raise Refusal(f"%{m['root']} concatenates two operands; the scale is of one")
+    s = rw.node(m["s"])
+    new = lin.replace(operands=(s.inputs[0],),
+                      steps=(step("scale", by=s.attr("expr").kw("by")), *lin.steps))
+    return emit(rw, new, like=[*lin.covers, m["s"]])
+
+
+# a kernel whose epilogue a step can join: a matmul (as a fused_linear), a norm, an expert matmul
+KERNEL = Pat(ROW_KERNELS | {Op.MATMUL}, "k", one_use=True)
+register_rule_pass("fuse-epilogue", "bias, activation, scale and soft-cap after a matmul, norm or "
+                   "expert matmul run in its epilogue", (
+    # k + b: the bias joins the accumulator before it is stored
+    Rule("bias", Pat({Op.ADD}, "root", (KERNEL, Pat({Op.PARAM}, "b",
+                                                    where=lambda n: len(n.shape) == 1))), _step),
+    # act(k): the activation runs on the accumulator
+    Rule("act", Pat({Op.ACT}, "root", (KERNEL,)), _step),
+    # c·k, and cap·tanh(k/cap): Gemma's final-logit soft-cap
+    *(Rule(fn, Pat({Op.POINTWISE}, "root", (KERNEL,), where=lambda n, fn=fn: unary(n) == fn),
+           _step) for fn in ("scale", "softcap")),
+    # (c·x)·Wᵀ = c·(x·Wᵀ): a constant scale of the input moves to the epilogue (T5's head)
+    Rule("input-scale", Pat(LINEAR, "root", (Pat({Op.POINTWISE}, "s", one_use=True,
+                                                  where=lambda n: unary(n) == "scale"),)),
+         _input_scale),
+))
+
+
+def _add_before_norm(rw: Rewriter, m: Bindings) -> int:
+    n = rw.node(m["root"])
+    if n.attr("add_before"):
+        raise Refusal(f"%{m['root']} already adds a residual before normalizing")
+    a, b = rw.node(m["sum"]).inputs
+    if rw.shape(a) != rw.shape(m["sum"]) or rw.shape(a) != rw.shape(b):
+        raise Refusal(f"the operands of %{m['sum']} differ in shape (broadcast)")
+    if bias_of(rw, m["sum"]) is not None:
+        raise Refusal(f"%{m['sum']} adds a bias vector, not a residual")
+    return rw.emit(Op.NORM, [a, n.inputs[1], b, *n.inputs[2:]], like=[m["root"], m["sum"]],
+                   **n.attrs.replace(add_before=True))
+
+
+def _residual_epilogue(rw: Rewriter, m: Bindings) -> int:
+    a, b = rw.node(m["root"]).inputs
+    other = a if b == m["k"] else b
+    if rw.shape(other) != rw.shape(m["root"]) or rw.shape(m["k"]) != rw.shape(m["root"]):
+        raise Refusal(f"the operands of %{m['root']} differ in shape (broadcast)")
+    return extend(rw, m["k"], step("residual", other), like=[m["root"]])
+
+
+# The norm rules first: an add next to a norm joins the norm rather than a matmul.
+register_rule_pass("fuse-residual", "residual adds join the norm after them, or the matmul, norm "
+                   "or expert matmul that produced an operand", (
+    # norm(a + b), the sum read by nothing else: the norm kernel adds b as it loads a row
+    # (post-norm blocks, BERT's embedding sum)
+    Rule("residual-before-norm", Pat({Op.NORM}, "root", (Pat({Op.ADD}, "sum", one_use=True),)),
+         _add_before_norm),
+    # a + norm(y), the norm read by nothing else: the norm kernel adds a to its output
+    # (sandwich blocks: x + post_norm(sublayer(x)))
+    Rule("residual-after-norm", Pat({Op.ADD}, "root", (None, Pat({Op.NORM}, "k", one_use=True))),
+         _residual_epilogue),
+), (
+    # r + (x·Wᵀ + …), r + Σ experts: the epilogue reads r and adds it before the store
+    Rule("residual-epilogue", Pat({Op.ADD}, "root", (
+        None, Pat(LINEAR | {Op.MOE_LINEAR}, "k", one_use=True))), _residual_epilogue),
+))
 
 
 def _router(rw: Rewriter, m: Bindings) -> int:
@@ -50,7 +128,8 @@ def _plain_up(n: Node) -> bool:
     return n.attr("stage") == "up" and not n.attr("epilogue")
 
 
-MOE_RULES = (
+register_rule_pass("fuse-moe", "MoE: router matmul + top-k in one kernel; gate and up expert "
+                   "stages in one grouped matmul with act(gate)·up in its epilogue", (
     # softmax-top-k(x·W_rᵀ): the router logits never leave the kernel
     Rule("topk-router", Pat({Op.ROUTER}, "root", (Pat({Op.MATMUL}, "logits", one_use=True),)),
          _router),
@@ -59,15 +138,11 @@ MOE_RULES = (
         Pat({Op.ACT}, "act", (Pat({Op.MOE_LINEAR}, "gate", one_use=True, where=_plain_up),),
             one_use=True),
         Pat({Op.MOE_LINEAR}, "up", one_use=True, where=_plain_up))), _expert_glu),
-)
-register_rule_pass("fuse-moe",
-                   "MoE: router matmul + top-k in one kernel; gate and up expert stages in one "
-                   "grouped matmul with act(gate)·up in its epilogue", MOE_RULES)
+))
 
 
 def to_pointwise(rw: Rewriter, root: int, inline: Collection[int]) -> tuple[int, list[int]]:
-    """One pointwise node computing `root` over its leaves, inlining the nodes of `inline` it
-    reaches through them; and those nodes."""
+    """A pointwise node computing `root`, inlining the nodes of `inline` it reaches; and those."""
     leaves: list[int] = []
     inlined: list[int] = []
 
@@ -93,8 +168,9 @@ def to_pointwise(rw: Rewriter, root: int, inline: Collection[int]) -> tuple[int,
 def fuse_pointwise(rw: Rewriter) -> None:
     # 1. An elementwise node read only by an elementwise node is inlined into it.
     # 2. Every other elementwise node roots one pointwise node whose expression walks its
-    #    inputs, inlining what step 1 marked and numbering the rest x(0), x(1)…; a pointwise
-    #    node that inlines nothing stays as it is.
+    #    inputs, inlining what step 1 marked and numbering the rest x(0), x(1)… (x + y, then
+    #    ·0.5 → pointwise(x, y) {expr=scale(add(x(0), x(1)), by=0.5)}); a pointwise node that
+    #    inlines nothing stays as it is.
     order = rw.order()
     inline = {i for i in order if rw.op(i) in ELEMENTWISE and len(rw.users(i)) == 1
               and rw.op(rw.users(i)[0]) in ELEMENTWISE}
@@ -118,8 +194,7 @@ def _kernel(rw: Rewriter, m: Bindings) -> int:
 
 
 def needs_kernel(n: Node) -> bool:
-    """A compute node that is not a kernel yet (a router still reading separate logits
-    included)."""
+    """A compute node that is not a kernel yet (a router over separate logits included)."""
     return is_compute(n.op) and (len(n.inputs) == 1 if n.op == Op.ROUTER
                                  else n.op not in KERNEL_LEVEL)
 
@@ -127,7 +202,6 @@ def needs_kernel(n: Node) -> bool:
 # Any other node without a kernel (a score chain flash-attention refused, a rope fuse-rope
 # refused, a router whose matmul fuse-moe could not take) is refused: explain names it and
 # codegen fails loudly.
-register_rule_pass("select-kernels",
-                   "every compute node left becomes a kernel-level op: lone matmuls and "
-                   "elementwise ops get kernels of their own",
+register_rule_pass("select-kernels", "every compute node left becomes a kernel-level op: lone "
+                   "matmuls and elementwise ops get kernels of their own",
                    (Rule("kernel", Pat(None, "root", where=needs_kernel), _kernel),))

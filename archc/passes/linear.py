@@ -15,15 +15,12 @@ from typing import Any
 import archc.ir.expr as E
 from archc.ir.attrs import Call
 from archc.ir.graph import Node
-from archc.ir.ops import ROW_KERNELS, Op
+from archc.ir.ops import Op
 from archc.ir.ops.steps import STEPS
 from archc.ir.ops.steps import step as step_call
-from archc.passes.registry import Refusal
-from archc.passes.rewrite import Rewriter
+from archc.passes.rewrite import Refusal, Rewriter
 
 LINEAR = frozenset({Op.MATMUL, Op.FUSED_LINEAR})
-# kernels whose epilogue a step can join: a matmul (as a fused_linear), a norm, an expert matmul
-EPILOGUE_HOSTS = ROW_KERNELS | {Op.MATMUL}
 
 
 @dataclass(frozen=True)
@@ -40,8 +37,7 @@ class Step:
 
 
 def step(fn: str, /, *inputs: int, **kw: Any) -> Step:
-    """An epilogue step reading nodes `inputs` (keyword arguments sorted: equal steps compare
-    equal)."""
+    """An epilogue step reading nodes `inputs` (keywords sorted: equal steps compare equal)."""
     return Step(step_call(fn, **kw), tuple(inputs))
 
 
@@ -142,11 +138,6 @@ def emit(rw: Rewriter, lin: Linear, *, like: Sequence[int], at: int | None = Non
     return rw.emit(Op.FUSED_LINEAR, inputs, like=like, at=at, prologue=lin.prologue, eps=lin.eps,
                    epilogue=tuple(s.call for s in lin.steps) or None,
                    concat_k=True if len(lin.operands) == 2 else None)
-
-
-def replace_linear(rw: Rewriter, old: Linear, new: Linear) -> None:
-    """Emit `new` in place of `old`: the same value, more work fused in."""
-    rw.replace(old.root, emit(rw, new, like=old.covers))
 
 
 def extend(rw: Rewriter, i: int, new: Step, *, like: Sequence[int]) -> int:

@@ -1,10 +1,14 @@
-"""The pass manager: runs a pipeline over every graph of a program, verifying after each pass.
+"""Passes by name, the decisions they report, pipelines as lists of names, and the manager.
 
-Each step keeps the program before and after and the decisions the pass made, so the CLI can
-print the IR after any pass, tabulate the pipeline, explain refusals and diff one pass (kept
-nodes under their old numbers, not every id the renumbering shifted). A pass that changed nothing
-returns the same graph object: "not applied". A failure names the pass, the graph and the passes
-that ran before it.
+Every candidate a pass looks at ends in a ``Decision``: applied, or refused by a *legality* rule
+("may I?" — doing it would change the function) or a *profitability* rule ("should I?" — legal, but
+it would cost more than it saves), collected by the ``PassContext`` passed to the pass. A pass is
+a function ``(Graph, PassContext) -> Graph`` run over each graph of a program, or a program
+function ``(Program, {graph: PassContext}) -> Program`` that may move nodes between graphs; each
+is exact (translation-validated) and returns the same object when it changed nothing ("not
+applied"). The manager verifies after each pass that changed a graph and keeps each program and
+decision, so the CLI can print the IR after any pass, explain refusals and diff one pass. A
+failure names the pass, the graph and the passes that ran before it.
 """
 
 from __future__ import annotations
@@ -12,20 +16,135 @@ from __future__ import annotations
 import difflib
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
 
-from archc.errors import IRError
-from archc.ir.graph import Program
+from archc.errors import ArchcError, IRError
+from archc.ir.graph import Graph, Program
 from archc.ir.text import format_node, format_program
 from archc.ir.verify import verify
-from archc.passes.registry import PASSES, Decision, GraphFailure, PassContext, resolve_pipeline
 
 LOG = logging.getLogger("archc.passes")
+Verdict = Literal["applied", "legality", "profitability"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    pass_name: str
+    graph: str
+    rule: str              # the rule that decided, e.g. "key-bias", "fold-rmsnorm"
+    node: str              # the candidate node in text form, numbered as the pass saw it
+    verdict: Verdict
+    reason: str = ""       # what was done, or why not
+
+    @property
+    def applied(self) -> bool:
+        return self.verdict == "applied"
+
+
+@dataclass
+class PassContext:
+    """Collects the decisions of one pass over one graph."""
+
+    pass_name: str
+    graph: Graph
+    decisions: list[Decision] = field(default_factory=list)
+    kept: dict[int, int] | None = None   # old id → new id of the nodes kept, set on renumbering
+
+    def describe(self, i: int) -> str:
+        """Node i of the graph as the pass received it, in text form."""
+        return format_node(i, self.graph.nodes[i]) if 0 <= i < len(self.graph.nodes) else \
+            f"%{i} (made by this pass)"
+
+    def decide(self, rule: str, where: int | str, verdict: Verdict, reason: str) -> None:
+        """`where`: a node id of the graph as the pass received it, or a node's text."""
+        text = where if isinstance(where, str) else self.describe(where)
+        self.decisions.append(Decision(self.pass_name, self.graph.name, rule, text, verdict,
+                                       reason))
+
+    def applied(self, rule: str, where: int | str, what: str = "") -> None:
+        self.decide(rule, where, "applied", what)
+
+    def refused(self, rule: str, where: int | str, why: str, *,
+                profitability: bool = False) -> None:
+        self.decide(rule, where, "profitability" if profitability else "legality", why)
 
 
 class PassFailure(IRError):
     """A pass raised or left a graph the verifier refuses."""
+
+
+PassFn = Callable[[Graph, PassContext], Graph]
+ProgramPassFn = Callable[[Program, Mapping[str, PassContext]], Program]
+F = TypeVar("F", PassFn, ProgramPassFn)
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    summary: str
+    fn: Callable[..., Any]     # a PassFn, or a ProgramPassFn when `program`
+    program: bool = False      # written over the whole program, not graph by graph
+    kind: str = "exact"
+
+
+PASSES: dict[str, Pass] = {}
+
+
+def register_pass(name: str, summary: str, *, program: bool = False) -> Callable[[F], F]:
+    """Register `fn` under `name`: a PassFn, or a ProgramPassFn when `program`."""
+    def register(fn: F) -> F:
+        if name in PASSES:
+            raise ValueError(f"pass {name!r} registered twice")
+        PASSES[name] = Pass(name, summary, fn, program)
+        return fn
+    return register
+
+
+def register_program_pass(name: str, summary: str) -> Callable[[ProgramPassFn], ProgramPassFn]:
+    return register_pass(name, summary, program=True)
+
+
+# The default pipeline, in order. Attention is recognised first (its structure is what the
+# projection merges trace from), projections are merged before norms fold (one prologue per
+# merged matmul), and the epilogue fusions run last, over merged projections — the expert gate
+# and up stages merge before them, so an activation joins a whole expert matmul. Cross-attention's
+# K and V leave the decoder once merged (one projection per layer to move), before the kernels
+# are chosen in either graph. The recurrent mixers become their kernels beside attention, before
+# the projections merge (linear attention's q, k, v trace from its kernel) and before norms fold
+# (Jamba's B and C norms join the scan, not a matmul).
+DEFAULT_PIPELINE: tuple[str, ...] = (
+    "fold-biases", "share-kv-heads", "flash-attention", "fuse-linear-attention",
+    "fuse-causal-conv", "fuse-ssm-scan", "merge-qkv", "hoist-cross-kv", "fold-norms", "fuse-glu",
+    "merge-parallel", "fuse-qk-norm", "fuse-rope", "fuse-kv-write", "fuse-moe", "fuse-epilogue",
+    "fuse-residual", "fuse-pointwise", "select-kernels", "cse", "dce",
+)
+
+PIPELINES: dict[str, tuple[str, ...]] = {"default": DEFAULT_PIPELINE, "none": ()}
+
+
+def known(*, pipelines: bool = True) -> str:
+    """Pipelines, then passes in the default pipeline's order, then any others."""
+    names = list(DEFAULT_PIPELINE) + sorted(set(PASSES) - set(DEFAULT_PIPELINE))
+    return ", ".join((list(PIPELINES) if pipelines else []) + names)
+
+
+def resolve_pipeline(pipeline: str | Sequence[str]) -> list[str]:
+    """The pass names of a pipeline name ("default", "none"), of "a,b,c" or of a sequence."""
+    if isinstance(pipeline, str):
+        pipeline = [p.strip() for p in pipeline.split(",") if p.strip()]
+    out: list[str] = []
+    for name in pipeline:
+        if name in PIPELINES:
+            out += PIPELINES[name]
+        elif name in PASSES:
+            out.append(name)
+        else:
+            close = difflib.get_close_matches(name, list(PASSES) + list(PIPELINES), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ArchcError(f"unknown pass {name!r}{hint}; known: {known()}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -70,43 +189,45 @@ class PipelineRun:
 
 
 def run_pass(program: Program, name: str, done: Sequence[str] = ()) -> PassStep:
-    """Run one pass over every graph of `program` (one context per graph), verify the result if
-    it changed, and record what it did."""
-    def where(graph: str | None = None) -> str:
-        on = f" on graph {graph}" if graph else ""
-        return f"pass {name}{on} (after: {', '.join(done) or 'none'})"
-
+    """Run one pass over `program`, verify the result if it changed, and record what it did."""
+    p, ran = PASSES[name], f"(after: {', '.join(done) or 'none'})"
     contexts = {g.name: PassContext(name, g) for g in program}
+    graph = ""      # the graph the pass is working on, for an error
     try:
-        after = PASSES[name].fn(program, contexts)
+        if p.program:
+            after = p.fn(program, contexts)
+        else:
+            graphs = []
+            for g in program:
+                graph = g.name
+                graphs.append(p.fn(g, contexts[g.name]))
+            changed = any(a is not b for a, b in zip(graphs, program.graphs))
+            after = Program(program.model, tuple(graphs)) if changed else program
     except Exception as err:
-        graph, cause = (err.graph, err.error) if isinstance(err, GraphFailure) else (None, err)
-        detail = str(cause) if isinstance(cause, IRError) else f"{type(cause).__name__}: {cause}"
-        raise PassFailure(f"{where(graph)}: {detail}") from cause
+        on = f" on graph {graph}" if graph else ""
+        detail = str(err) if isinstance(err, IRError) else f"{type(err).__name__}: {err}"
+        raise PassFailure(f"pass {name}{on} {ran}: {detail}") from err
     log: list[str] = []
     for g in after:
         ctx = contexts.get(g.name)
+        applied = sum(d.applied for d in ctx.decisions) if ctx else 0
+        refused = len(ctx.decisions) - applied if ctx else 0
         if ctx is None:
-            log.append(f"{name}: graph {g.name}: added ({len(g.nodes)} nodes)")
-            continue
-        applied = sum(d.applied for d in ctx.decisions)
-        refused = len(ctx.decisions) - applied
-        if g is ctx.graph:
-            log.append(f"{name}: graph {g.name}: not applied" +
-                       (f" ({refused} candidates refused)" if refused else ""))
+            what = f"added ({len(g.nodes)} nodes)"
+        elif g is ctx.graph:
+            what = "not applied" + (f" ({refused} candidates refused)" if refused else "")
         else:
-            log.append(f"{name}: graph {g.name}: {applied} rewrites" +
-                       (f", {refused} refused" if refused else ""))
-    for line in log:
-        LOG.debug(line)
+            what = f"{applied} rewrites" + (f", {refused} refused" if refused else "")
+        log.append(f"{name}: graph {g.name}: {what}")
+        LOG.debug(log[-1])
     if after is not program:
         try:
             verify(after)
         except IRError as err:
-            raise PassFailure(f"{where()} left an invalid graph: {err}") from err
+            raise PassFailure(f"pass {name} {ran} left an invalid graph: {err}") from err
     decisions = tuple(d for ctx in contexts.values() for d in ctx.decisions)
     kept = {g: ctx.kept for g, ctx in contexts.items() if ctx.kept is not None}
-    return PassStep(name, PASSES[name].kind, program, after, decisions, tuple(log), kept)
+    return PassStep(name, p.kind, program, after, decisions, tuple(log), kept)
 
 
 def run_pipeline(program: Program, pipeline: str | Sequence[str] = "default") -> PipelineRun:

@@ -60,13 +60,10 @@ def kernels_per_layer(spec: Spec, pipeline: str | Sequence[str] = "default",
             (_kernels(optimize(full, pipeline)) - _kernels(optimize(base, pipeline))) / layers)
 
 
-def op_counts(p: Program) -> Counter[str]:
-    return Counter(n.op.value for g in p for n in g if n.op not in (Op.INPUT, Op.OUTPUT))
-
-
 def op_delta(before: Program, after: Program) -> str:
     """'−3 matmul, +1 fused_linear, +3 slice': how the op mix changed."""
-    a, b = op_counts(before), op_counts(after)
+    a, b = (Counter(n.op.value for g in p for n in g if n.op not in (Op.INPUT, Op.OUTPUT))
+            for p in (before, after))
     return ", ".join(f"{'+' if b[op] > a[op] else '−'}{abs(b[op] - a[op])} {op}"
                      for op in sorted(set(a) | set(b), key=lambda o: (b[o] - a[o] > 0, o))
                      if b[op] != a[op])

@@ -1,8 +1,6 @@
-"""fold-norms: a norm read only by matmuls runs inside them.
-
-The gain folds into the weight once, at load time; the row statistics (1/rms, or mean and
-1/std) are gathered by the matmul's prologue along the K loop it already runs, and applied in its
-epilogue. The normalized activation is never stored.
+"""fold-norms: a norm read only by matmuls runs inside them. The gain folds into the weight once,
+at load time; the row statistics are gathered by the matmul's prologue along the K loop it already
+runs and applied in its epilogue; the normalized activation is never stored.
 """
 
 from __future__ import annotations
@@ -12,9 +10,8 @@ import os
 
 import archc.ir.expr as E
 from archc.ir.ops import Op
-from archc.passes.linear import Linear, Step, norm_parts, replace_linear, step, view, view_with_bias
-from archc.passes.registry import Refusal
-from archc.passes.rewrite import Rewriter, register_rewrite_pass
+from archc.passes.linear import Linear, Step, emit, norm_parts, step, view, view_with_bias
+from archc.passes.rewrite import Refusal, Rewriter, register_rewrite_pass
 
 
 def _tag(weight: str, gain: str) -> str:
@@ -88,8 +85,9 @@ def _fold(rw: Rewriter, norm: int, lin: Linear) -> None:
             b = rw.add_param(name, shift, (w.shape[0],), w.dtype, like=like, at=lin.root)
             head.append(step("bias", b))
     # the prologue gathers the row statistics of the norm's kind: "rms" or "layer"
-    replace_linear(rw, lin, lin.replace(operands=(x,), weight=w2, prologue=n.attr("kind"),
-                                        eps=n.attr("eps"), steps=tuple(head + rest)))
+    new = lin.replace(operands=(x,), weight=w2, prologue=n.attr("kind"), eps=n.attr("eps"),
+                      steps=tuple(head + rest))
+    rw.replace(lin.root, emit(rw, new, like=lin.covers))
 
 
 @register_rewrite_pass("fold-norms", "RMSNorm/LayerNorm read only by matmuls: gain into the "

@@ -4,14 +4,9 @@ A ``Pat`` matches a node by op, a predicate on the node (its attributes), and, r
 first inputs, binding matched nodes by name. The operands of a commutative op (the op table says
 which) match in either order, so a rule over `add` or `mul` is written once. Conditions that make
 a structural match illegal — an intermediate value read elsewhere — are checked after the
-structure matches, so a refusal can say which condition failed:
-
-    # k + b: the bias joins the accumulator before it is stored
-    Rule("bias", Pat({Op.ADD}, "root", (Pat(EPILOGUE_HOSTS, "k", one_use=True),
-                                        Pat({Op.PARAM}, "b"))), append_step)
-
-A rewrite gets the rewriter and the bindings and returns the node that replaces the root, or
-``None`` when the match does not apply after all; it may raise ``Refusal`` to say why not.
+structure matches, so a refusal can say which condition failed. A rewrite gets the rewriter and
+the bindings and returns the node that replaces the root, or ``None`` when the match does not
+apply after all; it may raise ``Refusal`` to say why not.
 """
 
 from __future__ import annotations
@@ -22,8 +17,7 @@ from dataclasses import dataclass
 from archc.errors import IRError
 from archc.ir.graph import Node
 from archc.ir.ops import OP_TABLE, Op
-from archc.passes.registry import Refusal
-from archc.passes.rewrite import Rewriter, register_rewrite_pass
+from archc.passes.rewrite import Refusal, Rewriter, register_rewrite_pass
 
 Bindings = dict[str, int]
 
@@ -68,9 +62,8 @@ def match(rw: Rewriter, pat: Pat, i: int, parent: int | None = None
         ok = [m for m in subs if m is not None]
         if len(ok) == len(subs):
             bound = {k: v for b, _ in ok for k, v in b.items()}
-            if pat.name:
-                bound[pat.name] = i
-            found.append((bound, own + [p for _, ps in ok for p in ps]))
+            found.append(({**bound, pat.name: i} if pat.name else bound,
+                          own + [p for _, ps in ok for p in ps]))
     # the first order without problems of its own operands, else the first
     return min(found, key=lambda f: len(f[1]) > len(own), default=None)
 
@@ -115,8 +108,7 @@ def apply_rules(rw: Rewriter, rules: Collection[Rule], *, max_rounds: int = 64) 
 
 
 def register_rule_pass(name: str, summary: str, *tables: Collection[Rule]) -> None:
-    """Register an exact pass that applies rule tables, one after another, to a fixpoint each:
-    the whole body of most fusion passes."""
+    """Register a pass that applies rule tables, one after another, each to a fixed point."""
     @register_rewrite_pass(name, summary)
     def run(rw: Rewriter) -> None:
         for rules in tables:

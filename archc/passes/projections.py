@@ -14,11 +14,10 @@ from collections.abc import Sequence
 
 import archc.ir.expr as E
 from archc.ir.ops import Op
-from archc.passes.attention import attention_operands, trace_up
+from archc.passes.attention import score_chain, trace_up
 from archc.passes.linear import LINEAR, Linear, Step, cat_params, emit, merged_name, step, view
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
-from archc.passes.registry import Refusal
-from archc.passes.rewrite import Rewriter, register_rewrite_pass
+from archc.passes.rewrite import Refusal, Rewriter, register_rewrite_pass
 
 
 def _split(lin: Linear, first: bool) -> tuple[Step | None, int | None, list[Step]]:
@@ -108,9 +107,16 @@ def emit_with_slices(rw: Rewriter, merged: Linear, members: Sequence[Linear],
 
 
 def _projections(rw: Rewriter, site: int) -> list[tuple[list[int], Linear]]:
-    """The linear layers the q, k and v of an attention site come from, in that order, each with
-    the path up to it."""
-    found = [trace_up(rw, i) for i in attention_operands(rw, site).values()]
+    """The linear layers of q, k and v (in that order, each with the path up to it) when `site`
+    is attention: softmax (decomposed at its `scores`, or flash) or linear; else []."""
+    n = rw.node(site)
+    operands: tuple[int, ...] = ()
+    if n.op == Op.SCORES:
+        wsum = score_chain(rw, site).wsum
+        operands = () if wsum is None else (*n.inputs, rw.node(wsum).inputs[1])
+    elif n.op in (Op.ATTENTION, Op.LINEAR_ATTENTION):
+        operands = n.inputs[:1] if n.attr("cache_layer") is not None else n.inputs[:3]
+    found = [trace_up(rw, i) for i in operands]
     return [(path, lin) for path, end in found if (lin := view(rw, end)) is not None]
 
 
@@ -149,12 +155,10 @@ def _glu(rw: Rewriter, m: Bindings) -> int | None:
 # act(x·W_gᵀ)·(x·W_uᵀ) = act(acc[:, :F])·acc[:, F:],  acc = x·[W_g; W_u]ᵀ: one linear with weight
 # [W_g; W_u] and epilogue glu(fn), when the gate pre-activation, the activation and the up
 # projection are read by this product only (the 2·d_ff intermediate is never stored)
-GLU_RULES = (Rule("fuse-glu", Pat({Op.MUL}, "root", (
+register_rule_pass("fuse-glu", "gated FFN: gate and up in one matmul whose epilogue computes "
+                   "act(gate)·up", (Rule("fuse-glu", Pat({Op.MUL}, "root", (
     Pat({Op.ACT}, "act", (Pat(LINEAR | {Op.ADD}, "gate", one_use=True),), one_use=True),
-    Pat(LINEAR | {Op.ADD}, "up", one_use=True))), _glu),)
-register_rule_pass("fuse-glu",
-                   "gated FFN: gate and up in one matmul whose epilogue computes act(gate)·up",
-                   GLU_RULES)
+    Pat(LINEAR | {Op.ADD}, "up", one_use=True))), _glu),))
 
 
 def _parallel_sum(rw: Rewriter, outer: int) -> tuple[int, int, Linear, Linear] | None:

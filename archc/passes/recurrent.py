@@ -1,14 +1,7 @@
-"""The recurrent mixers as kernels: Mamba's convolution and selective scan, causal linear attention.
-
-- fuse-causal-conv: causal_conv → + bias → act becomes one `causal_conv` (the conv state is
-  read and updated by that kernel alone).
-- fuse-ssm-scan: ssm_scan → + D·x → · silu(z) becomes one gated `ssm_scan`; Jamba's RMSNorm of
-  B and C joins it too (a norm over d_state, recomputed per token inside the scan).
-- fuse-linear-attention: φ(q), φ(k) → linear_attention becomes one `linear_attention` applying
-  φ itself, reading q, k and v as head views of their projections (GQA by index).
-
-Each rule absorbs one neighbour at a time, so a graph with only some of the pieces still gets the
-kernel, and a piece that cannot join is left for `select-kernels` to name.
+"""The recurrent mixers as kernels: Mamba's causal convolution and selective scan (with Jamba's
+B and C norms), and causal linear attention with its feature map. Each rule absorbs one neighbour
+at a time, so a graph with only some of the pieces still gets the kernel, and a piece that cannot
+join is left for `select-kernels` to name.
 """
 
 from __future__ import annotations
@@ -17,8 +10,7 @@ from archc.ir.ops import Op
 from archc.ir.ops.recurrent import FEATURE_MAPS
 from archc.passes.linear import bias_of, norm_parts
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
-from archc.passes.registry import Refusal
-from archc.passes.rewrite import Rewriter
+from archc.passes.rewrite import Refusal, Rewriter
 
 
 def _conv_bias(rw: Rewriter, m: Bindings) -> int:
@@ -41,17 +33,14 @@ def _conv_act(rw: Rewriter, m: Bindings) -> int:
                    **conv.attrs.replace(act=rw.node(m["root"]).attr("fn")))
 
 
-CONV_RULES = (
+CONV = Pat({Op.CAUSAL_CONV}, "conv", one_use=True)
+register_rule_pass("fuse-causal-conv", "Mamba: depthwise causal conv1d + bias + activation in one "
+                   "kernel that updates the conv state", (
     # conv(x)[t, c] + b[c]: the bias joins the accumulator of each output before it is stored
-    Rule("conv-bias", Pat({Op.ADD}, "root", (Pat({Op.CAUSAL_CONV}, "conv", one_use=True),)),
-         _conv_bias),
+    Rule("conv-bias", Pat({Op.ADD}, "root", (CONV,)), _conv_bias),
     # act(conv(x) + b) elementwise on the accumulator: the pre-activation is never stored
-    Rule("conv-act", Pat({Op.ACT}, "root", (Pat({Op.CAUSAL_CONV}, "conv", one_use=True),)),
-         _conv_act),
-)
-register_rule_pass("fuse-causal-conv",
-                   "Mamba: depthwise causal conv1d + bias + activation in one kernel that updates "
-                   "the conv state", CONV_RULES)
+    Rule("conv-act", Pat({Op.ACT}, "root", (CONV,)), _conv_act),
+))
 
 
 def _ssm_scan(rw: Rewriter, m: Bindings) -> int:
@@ -80,9 +69,8 @@ def _ssm_scan(rw: Rewriter, m: Bindings) -> int:
 
 def _bc_norms(rw: Rewriter, scan: int, bm: int, cm: int
               ) -> tuple[tuple[int, int], tuple[int, int], float] | None:
-    """(B, gain), (C, gain), ε when B and C are both RMSNorms with a gain and one ε, read by
-    the scan alone (Jamba); None when neither is a norm; Refusal when the norms must stay
-    kernels of their own."""
+    """(B, gain), (C, gain), ε when B and C are both RMSNorms with a gain and one ε, read by the
+    scan alone (Jamba); None when neither is a norm."""
     if rw.op(bm) != Op.NORM and rw.op(cm) != Op.NORM:
         return None
     parts = []
@@ -106,7 +94,8 @@ def _bc_norms(rw: Rewriter, scan: int, bm: int, cm: int
     return parts[0], parts[1], eps_b
 
 
-SCAN_RULES = (
+register_rule_pass("fuse-ssm-scan", "Mamba: selective scan + D·x skip + silu(z) gate (+ B, C "
+                   "norms) in one kernel that updates the SSM state", (
     # y = scan(x) + D·x, out = y·silu(z): the skip and the gate act on the scan's output per
     # channel and token, so they run where y_t is computed; y never leaves the kernel. Jamba's
     # B_t ← B_t·g_B/rms(B_t) (C likewise) is a per-token norm over d_state, which the scan loads
@@ -116,10 +105,7 @@ SCAN_RULES = (
                                   where=lambda n: not n.attr("gate")),
                               Pat({Op.MUL}, "skip")), one_use=True),
         Pat({Op.ACT}, "gate"))), _ssm_scan),
-)
-register_rule_pass("fuse-ssm-scan",
-                   "Mamba: selective scan + D·x skip + silu(z) gate (+ B, C norms) in one kernel "
-                   "that updates the SSM state", SCAN_RULES)
+))
 
 
 def _linear_attention(rw: Rewriter, m: Bindings) -> int:
@@ -133,13 +119,11 @@ def _linear_attention(rw: Rewriter, m: Bindings) -> int:
                    like=[m["root"], m["q"], m["k"]], **root.attrs.replace(feature=feature))
 
 
-LINEAR_ATTENTION_RULES = (
+register_rule_pass("fuse-linear-attention", "linear attention: φ(q) and φ(k) in the kernel that "
+                   "keeps the running sums and merges the heads", (
     # φq·S_i / φq·z_i with S, z the running sums of φ(k)vᵀ and φ(k): φ is elementwise, so the
     # kernel applies it to the q and k heads it loads
     Rule("linear-attention", Pat({Op.LINEAR_ATTENTION}, "root", (
         Pat({Op.ACT}, "q", one_use=True), Pat({Op.ACT}, "k", one_use=True)),
         where=lambda n: n.attr("feature") == "identity"), _linear_attention),
-)
-register_rule_pass("fuse-linear-attention",
-                   "linear attention: φ(q) and φ(k) in the kernel that keeps the running sums and "
-                   "merges the heads", LINEAR_ATTENTION_RULES)
+))

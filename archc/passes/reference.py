@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from archc.modernize.steps import DEFAULT_STEPS, STEPS
-from archc.passes.registry import DEFAULT_PIPELINE, PASSES
+from archc.passes.manager import DEFAULT_PIPELINE, PASSES
 
 
 def reference() -> str:

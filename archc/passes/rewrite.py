@@ -23,9 +23,17 @@ from archc.ir.ops import Op, ShapeError, canonical
 from archc.ir.paramexpr import leaf
 from archc.ir.shapes import Shape
 from archc.ir.text import format_node
-from archc.passes.registry import PassContext, Refusal, register_pass
+from archc.passes.manager import PassContext, register_pass
 
 T = TypeVar("T")
+
+
+class Refusal(Exception):
+    """Raised inside a rewrite to refuse it: `why` names the rule that said no."""
+
+    def __init__(self, why: str, *, profitability: bool = False) -> None:
+        super().__init__(why)
+        self.why, self.profitability = why, profitability
 
 
 def has_side_effect(n: Node) -> bool:
@@ -178,10 +186,7 @@ class Rewriter:
         self.changed = True
 
     def kill(self, i: int) -> None:
-        """Remove node i (a cache write replaced by an epilogue); nothing may still read it."""
-        if self.users(i):
-            raise IRError(f"pass {self.ctx.pass_name}: cannot remove %{i}, still read by "
-                          f"{', '.join(f'%{u}' for u in self.users(i))}")
+        """Remove node i; nothing may still read it (`finish` checks)."""
         self.killed.add(i)
         self.gone.add(i)
         self.changed = True
@@ -217,7 +222,7 @@ def register_rewrite_pass(name: str, summary: str
                           ) -> Callable[[Callable[[Rewriter], None]], Callable[[Rewriter], None]]:
     """Register an exact pass whose body edits each graph through a Rewriter."""
     def register(fn: Callable[[Rewriter], None]) -> Callable[[Rewriter], None]:
-        @register_pass(name, "exact", summary)
+        @register_pass(name, summary)
         def run(g: Graph, ctx: PassContext) -> Graph:
             rw = Rewriter(g, ctx)
             fn(rw)
