@@ -11,8 +11,8 @@ from pathlib import Path
 
 from archc.model import Model, Progress
 from archc.sources.hf import hf_spec, is_hf_dir, load_hf
+from archc.spec import load_spec
 from archc.spec.schema import Spec
-from archc.spec.zoo import load_spec
 
 __all__ = ["Source", "describe", "is_gguf", "is_hf_dir", "load_gguf", "load_hf"]
 

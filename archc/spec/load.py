@@ -1,6 +1,7 @@
-"""YAML (or a plain mapping) → a validated, resolved ``Spec``: a walk driven by the declarations
-in ``schema.py``, then derived fields filled in and the cross-field rules checked. Every refusal
-is one ``SpecError`` naming the file, the field path, the value and what is allowed."""
+"""YAML (a file, a zoo name from ``specs/``, or a plain mapping) → a validated, resolved ``Spec``:
+a walk driven by the declarations in ``schema.py``, then derived fields filled in and the
+cross-field rules checked. Every refusal is one ``SpecError`` naming the file, the field path, the
+value and what is allowed."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import yaml
 from archc.errors import SpecError
 from archc.spec.schema import AttentionBias, Embedding, Mamba, Spec
 
+ZOO_DIR = Path(__file__).resolve().parents[2] / "specs"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 # Every size becomes a tensor dimension, and generated kernels index with int32 offsets.
 MAX_WHOLE_NUMBER = 2**31 - 1
@@ -194,21 +196,16 @@ def _build(cls: type, data: Any, path: str) -> Any:
 
 # ---- derived fields and cross-field rules --------------------------------------------------
 
-def gated_d_ff(d_model: int, multiple_of: int, multiplier: float) -> int:
-    """The gated-FFN sizing rule: 2/3 of the 4·d_model MLP (parameter-matched), times an
-    optional multiplier, rounded up to a multiple (Llama's rule: 4096 → 11008 at 256)."""
-    hidden = int(multiplier * int(2 * 4 * d_model / 3))
-    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
-
-
 def _derived(spec: Spec) -> dict[str, Any]:
     """The value of each derived field when the spec leaves it out (None: it stays None)."""
     att, ffn, d = spec.attention, spec.ffn, spec.d_model
+    # A gated FFN takes 2/3 of the 4·d_model MLP (parameter-matched), times an optional
+    # multiplier, rounded up to a multiple (Llama's rule: 4096 → 11008 at 256).
+    gated = ffn.multiple_of * -(-int(ffn.multiplier * int(8 * d / 3)) // ffn.multiple_of)
     return {
         "attention.head_dim": d // att.heads if att.heads and d % att.heads == 0 else None,
         "attention.kv_heads": att.heads,
-        "ffn.d_ff": None if ffn.kind == "none" else
-        gated_d_ff(d, ffn.multiple_of, ffn.multiplier) if ffn.gated else 4 * d,
+        "ffn.d_ff": None if ffn.kind == "none" else gated if ffn.gated else 4 * d,
         "decoder_layers": spec.layers if spec.family == "encoder-decoder" else None,
         # ⌈d_model / 16⌉ (Gu & Dao 2023)
         "mixer.mamba.dt_rank": -(-d // 16) if spec.mixer.mamba else None,
@@ -460,6 +457,27 @@ def load_yaml(path: str | Path) -> Spec:
         raise err.with_source(source) from None
     finally:
         loader.dispose()
+
+
+def zoo_names() -> list[str]:
+    """Names of the bundled specs, real sizes first, then the tiny ones."""
+    return sorted((p.stem for p in ZOO_DIR.glob("*.yaml")),
+                  key=lambda name: (name.startswith("tiny-"), name))
+
+
+def load_spec(spec: str | Path) -> Spec:
+    """Load a spec from a YAML file, or by the name of a zoo spec."""
+    path, zoo = Path(spec), ZOO_DIR / f"{spec}.yaml"
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise SpecError("", "no such file", source=str(path))
+        return load_yaml(path)
+    if zoo.is_file():
+        return load_yaml(zoo)
+    close = difflib.get_close_matches(str(spec), zoo_names(), n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise SpecError("", f"{spec!r} is neither a spec file nor a zoo name{hint}",
+                    allowed="a .yaml path or one of `archc specs`")
 
 
 def to_dict(spec: Spec, *, full: bool = False) -> dict[str, Any]:
