@@ -11,8 +11,7 @@ from rich.table import Table
 from archc.commands.common import check_output, source_of, write_text
 from archc.commands.vocabulary import add, positive_int
 from archc.errors import ArchcError
-from archc.modernize.report import Row, walk
-from archc.modernize.steps import DEFAULT_STEPS, STEPS, StepError, parse_steps
+from archc.modernize import DEFAULT_STEPS, STEPS, Row, StepError, parse_steps, walk
 from archc.ui import console, nbytes, si
 
 NAME = "modernize"
@@ -95,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     rows = walk(spec, calls, args.batch, context)
     console.print(_table(rows, args.batch, context))
     if model is not None:
-        from archc.modernize.convert import convert
+        from archc.modernize import convert
         weights, before = dict(model.weights or {}), spec
         for call, row in zip(calls, rows[1:]):
             weights, report = convert(call, before, row.spec, weights)
