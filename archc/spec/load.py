@@ -417,37 +417,33 @@ _SpecYAMLLoader.add_implicit_resolver(
 def _refuse_repeated_keys(node: yaml.Node, path: str, seen: set[int]) -> None:
     """A key given twice in one mapping is refused with its field path; plain YAML would keep
     the last one silently. (A spec's lists hold only names, so mappings alone are walked.)"""
-    if id(node) in seen:  # an alias already walked
+    if not isinstance(node, yaml.MappingNode) or id(node) in seen:  # seen: an alias walked
         return
     seen.add(id(node))
-    if isinstance(node, yaml.MappingNode):
-        lines: dict[str, int] = {}
-        for key_node, value_node in node.value:
-            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
-            where, line = f"{path}.{key}" if path else str(key), key_node.start_mark.line + 1
-            if key in lines:
-                raise SpecError(where, f"is given twice (lines {lines[key]} and {line})",
-                                allowed="each key once")
-            if key is not None:
-                lines[key] = line
-            _refuse_repeated_keys(value_node, where, seen)
+    lines: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+        where, line = f"{path}.{key}" if path else str(key), key_node.start_mark.line + 1
+        if key in lines:
+            raise SpecError(where, f"is given twice (lines {lines[key]} and {line})",
+                            allowed="each key once")
+        if key is not None:
+            lines[key] = line
+        _refuse_repeated_keys(value_node, where, seen)
 
 
 def load_yaml(path: str | Path) -> Spec:
     """Read a spec file with a YAML safe loader (plain data; never a full loader)."""
     source = str(Path(path))
     try:
-        text = Path(source).read_text(encoding="utf-8")
+        loader = _SpecYAMLLoader(Path(source).read_text(encoding="utf-8"))
+        node = loader.get_single_node()
+        _refuse_repeated_keys(node, "", set())
+        return from_dict(None if node is None else loader.construct_document(node))
     except OSError as err:
         raise SpecError("", f"cannot read the file: {err.strerror}", source=source) from None
     except UnicodeDecodeError:
         raise SpecError("", "is not UTF-8 text", source=source) from None
-    loader = _SpecYAMLLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is not None:
-            _refuse_repeated_keys(node, "", set())
-        return from_dict(None if node is None else loader.construct_document(node))
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -455,8 +451,6 @@ def load_yaml(path: str | Path) -> Spec:
         raise SpecError("", f"is not valid YAML{at}: {problem}", source=source) from None
     except SpecError as err:
         raise err.with_source(source) from None
-    finally:
-        loader.dispose()
 
 
 def zoo_names() -> list[str]:

@@ -88,8 +88,8 @@ class AttentionBias:
 @dataclass(frozen=True)
 class Attention:
     heads: int = _f(None, "query heads", min=1, required_when="a layer attends")
-    kv_heads: int = _f(None, "key/value heads: = heads (MHA), 1 (MQA), or a divisor (GQA)",
-                       min=1, derived=True)
+    kv_heads: int = _f(None, "key/value heads: heads (MHA, the default), 1 (MQA), or a divisor "
+                       "(GQA)", min=1, derived=True)
     head_dim: int = _f(None, "dims per head (default d_model / heads)", min=1, derived=True)
     mask: MaskKind = _f("causal", "prefix: the prompt sees itself fully")
     window: int | None = _f(None, "sliding window: a query sees the last `window` keys", min=1)
