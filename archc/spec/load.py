@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import operator
 import re
 import sys
 import typing
@@ -25,6 +26,8 @@ ZOO_DIR = Path(__file__).resolve().parents[2] / "specs"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 # Every size becomes a tensor dimension, and generated kernels index with int32 offsets.
 MAX_WHOLE_NUMBER = 2**31 - 1
+# The bounds a number may declare, as a refusal writes them, and the test the value must pass.
+BOUNDS = {"min": ("≥", operator.ge), "above": (">", operator.gt), "max": ("≤", operator.le)}
 # The YAML values each scalar type takes (never a bool for a number), what a refusal calls a
 # wrong value's type, and what it allows.
 SCALARS: dict[type, tuple[tuple[type, ...], str, str]] = {
@@ -104,7 +107,7 @@ def _unknown_key(key: Any, names: list[str], path: str) -> SpecError:
 
 def describe(tp: Any, meta: Mapping[str, Any]) -> str:
     """What a field allows, for refusals and the reference: 'a whole number ≥ 1', 'a number > 0,
-    ≤ 1.0' (a float min of 0.0 is strict), 'a non-empty list of a, b', 'a string, or null'."""
+    ≤ 1.0', 'a non-empty list of a, b', 'a string, or null'."""
     if type(None) in get_args(tp):
         return describe(get_args(tp)[0], meta) + ", or null"
     if get_origin(tp) is tuple:
@@ -113,10 +116,8 @@ def describe(tp: Any, meta: Mapping[str, Any]) -> str:
         return ", ".join(get_args(tp))
     if dataclasses.is_dataclass(tp):
         return "a mapping with keys " + ", ".join(f.name for f in dataclasses.fields(tp))
-    lo, hi = meta.get("min"), meta.get("max")
-    bounds = ([] if lo is None else ["> 0" if lo == 0 and isinstance(lo, float) else f"≥ {lo}"]) \
-        + ([] if hi is None else [f"≤ {hi}"])
-    return " ".join([SCALARS[tp][2], ", ".join(bounds)]).rstrip()
+    bounds = ", ".join(f"{sign} {meta[key]}" for key, (sign, _) in BOUNDS.items() if key in meta)
+    return f"{SCALARS[tp][2]} {bounds}".rstrip()
 
 
 def _coerce(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
@@ -147,16 +148,11 @@ def _coerce(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
             too = "too large" if isinstance(value, int) else "not finite"
             raise SpecError(path, f"{_show(value)} is {too}", allowed=allowed)
         value = float(value)
-    if tp in (int, float):
-        lo, hi = meta.get("min"), meta.get("max")
-        # A float bound of 0.0 is strict: scales, caps and eps of 0 make no model.
-        strict = lo == 0 and isinstance(lo, float)
-        if lo is not None and (value <= lo if strict else value < lo) or \
-                hi is not None and value > hi:
-            raise SpecError(path, f"{_show(value)} is out of range", allowed=allowed)
-        if value > MAX_WHOLE_NUMBER and tp is int:
-            raise SpecError(path, f"{_show(value)} is too large", allowed=f"a whole number from "
-                            f"{lo or 0} to {MAX_WHOLE_NUMBER} (2³¹ − 1)")
+    if not all(holds(value, meta[key]) for key, (_, holds) in BOUNDS.items() if key in meta):
+        raise SpecError(path, f"{_show(value)} is out of range", allowed=allowed)
+    if tp is int and value > MAX_WHOLE_NUMBER:
+        raise SpecError(path, f"{_show(value)} is too large", allowed=f"a whole number from "
+                        f"{meta.get('min', 0)} to {MAX_WHOLE_NUMBER} (2³¹ − 1)")
     return value
 
 

@@ -1,10 +1,10 @@
 """The spec: a frozen, validated description of a transformer architecture.
 
 Every field is declared once here, read by the loader, ``to_dict`` and the reference. Metadata:
-``min``/``max`` (inclusive; a float ``min`` of 0.0 means > 0), ``only`` (the field applies only
-when its section's ``kind`` is one of these), ``derived`` (computed when omitted),
-``required_when`` (a condition the cross-field rules check). A field defaulting to None whose
-type does not admit None is required (where it applies)."""
+``min``/``max`` (inclusive) and ``above`` (exclusive: a scale, cap or eps of 0 makes no model),
+``only`` (the field applies only when its section's ``kind`` is one of these), ``derived``
+(computed when omitted), ``required_when`` (a condition the cross-field rules check). A field
+defaulting to None whose type does not admit None is required (where it applies)."""
 
 from __future__ import annotations
 
@@ -45,16 +45,16 @@ class RopeScaling:
     original_max_seq_len: int = _f(
         None, "context the model was trained on", min=1,
         only=("yarn", "llama3", "dynamic"))
-    low_freq_factor: float = _f(1.0, "wavelengths above original/low are scaled", min=0.0,
+    low_freq_factor: float = _f(1.0, "wavelengths above original/low are scaled", above=0,
                                 only=("llama3",))
     high_freq_factor: float = _f(4.0, "wavelengths below original/high are kept",
-                                 min=0.0, only=("llama3",))
+                                 above=0, only=("llama3",))
     beta_fast: float = _f(32.0, "rotations per context below which dims interpolate",
-                          min=0.0, only=("yarn",))
+                          above=0, only=("yarn",))
     beta_slow: float = _f(1.0, "rotations per context above which dims extrapolate",
-                          min=0.0, only=("yarn",))
+                          above=0, only=("yarn",))
     attention_factor: float | None = _f(
-        None, "cos/sin scale (default 0.1·ln(factor) + 1)", min=0.0, only=("yarn",))
+        None, "cos/sin scale (default 0.1·ln(factor) + 1)", above=0, only=("yarn",))
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Position:
     offset: int = _f(0, "rows skipped at the start of the table (OPT uses 2)", min=0,
                      only=("learned",))
     theta: float = _f(10000.0, "base of the rotation frequencies", min=1.0, only=("rope",))
-    fraction: float = _f(1.0, "fraction of each head's dims that rotate", min=0.0,
+    fraction: float = _f(1.0, "fraction of each head's dims that rotate", above=0,
                          max=1.0, only=("rope",))
     interleaved: bool = _f(False, "rotate pairs (x0,x1),(x2,x3)… instead of halves", only=("rope",))
     alibi_scaled: bool = _f(False, "the bias joins the scores before the score scale, so it is "
@@ -98,8 +98,8 @@ class Attention:
         "of a windowed layer sees them, and in an encoder they see every key", min=1)
     pattern: tuple[LayerKind, ...] | None = _f(
         None, "per-layer kinds, repeated over the layers: local (windowed) or global")
-    softcap: float | None = _f(None, "attention-logit soft-cap: cap·tanh(s/cap)", min=0.0)
-    scale: float | None = _f(None, "score scale (default 1/sqrt(head_dim))", min=0.0)
+    softcap: float | None = _f(None, "attention-logit soft-cap: cap·tanh(s/cap)", above=0)
+    scale: float | None = _f(None, "score scale (default 1/sqrt(head_dim))", above=0)
     qk_norm: bool = _f(False, "normalize q and k per head before scores (norm.kind)")
     bias: AttentionBias = _f(AttentionBias, "biases per projection (or one bool for all)")
 
@@ -147,7 +147,7 @@ class FFN:
     d_ff: int = _f(None, "hidden size (default: 4·d_model, or the gated 2/3 rule)", min=1,
                    derived=True)
     multiple_of: int = _f(1, "gated sizing rule: round the hidden size up to a multiple", min=1)
-    multiplier: float = _f(1.0, "gated sizing rule: scale 2/3·4·d_model before rounding", min=0.0)
+    multiplier: float = _f(1.0, "gated sizing rule: scale 2/3·4·d_model before rounding", above=0)
     bias: bool = _f(False, "biases on the FFN projections")
     moe: MoE = _f(None, "experts and routing", only=("moe",))
     pattern: tuple[FFNLayerKind, ...] | None = _f(
@@ -167,7 +167,7 @@ class FFN:
 @dataclass(frozen=True)
 class Norm:
     kind: Literal["layernorm", "rmsnorm"] = _f("layernorm", "kind of every norm")
-    eps: float = _f(1e-5, "added to the variance", min=0.0)
+    eps: float = _f(1e-5, "added to the variance", above=0)
     placement: Placement = _f("pre", "sandwich: a norm before and after each sublayer")
     unit_offset: bool = _f(False, "gain is (1 + w) as in Gemma", only=("rmsnorm",))
     bias: bool = _f(True, "learned shift β", only=("layernorm",))
@@ -182,7 +182,7 @@ class Block:
 @dataclass(frozen=True)
 class Embedding:
     scale: float | None = _f(None, "multiply embeddings (a number, or sqrt_d_model as Gemma)",
-                             min=0.0)
+                             above=0)
     tied: bool = _f(True, "the output head reuses the token embedding")
     norm: bool = _f(False, "a norm right after the embeddings (BERT, BLOOM)")
     token_types: int = _f(0, "token-type (segment) embeddings, as BERT", min=0)
@@ -194,10 +194,10 @@ class Embedding:
 @dataclass(frozen=True)
 class Output:
     final_norm: bool = _f(True, "a norm after the last layer")
-    softcap: float | None = _f(None, "final-logit soft-cap: cap·tanh(z/cap)", min=0.0)
+    softcap: float | None = _f(None, "final-logit soft-cap: cap·tanh(z/cap)", above=0)
     bias: bool = _f(False, "bias on the output head")
     scale: float | None = _f(None, "multiply the last hidden state before the head (T5 tied)",
-                             min=0.0)
+                             above=0)
 
 
 @dataclass(frozen=True)
