@@ -24,9 +24,8 @@ MixerKind = Literal["attention", "linear_attention", "mamba"]
 FFNLayerKind = Literal["dense", "moe"]
 
 # The activation each gated FFN applies to its gate branch (Shazeer 2020).
-GATED_ACTIVATION: dict[str, Activation] = {
-    "glu": "sigmoid", "reglu": "relu", "geglu": "gelu_tanh", "swiglu": "silu",
-}
+GATED_ACTIVATION: dict[str, Activation] = {"glu": "sigmoid", "reglu": "relu", "geglu": "gelu_tanh",
+                                           "swiglu": "silu"}
 
 
 def _f(default: Any = None, doc: str = "", **meta: Any) -> Any:
@@ -39,12 +38,10 @@ def _f(default: Any = None, doc: str = "", **meta: Any) -> Any:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    kind: RopeScalingKind = _f("linear", "dynamic: NTK from the current length past the trained "
-                               "context")
+    kind: RopeScalingKind = _f("linear", "dynamic: NTK from the length past the trained context")
     factor: float = _f(1.0, "context extension factor", min=1.0)
-    original_max_seq_len: int = _f(
-        None, "context the model was trained on", min=1,
-        only=("yarn", "llama3", "dynamic"))
+    original_max_seq_len: int = _f(None, "context the model was trained on", min=1,
+                                   only=("yarn", "llama3", "dynamic"))
     low_freq_factor: float = _f(1.0, "wavelengths above original/low are scaled", above=0,
                                 only=("llama3",))
     high_freq_factor: float = _f(4.0, "wavelengths below original/high are kept",
@@ -60,8 +57,7 @@ class RopeScaling:
 @dataclass(frozen=True)
 class Position:
     kind: PositionKind = _f("rope", "how positions enter the model")
-    offset: int = _f(0, "rows skipped at the start of the table (OPT uses 2)", min=0,
-                     only=("learned",))
+    offset: int = _f(0, "table rows skipped at the start (OPT uses 2)", min=0, only=("learned",))
     theta: float = _f(10000.0, "base of the rotation frequencies", min=1.0, only=("rope",))
     fraction: float = _f(1.0, "fraction of each head's dims that rotate", above=0,
                          max=1.0, only=("rope",))
@@ -117,8 +113,7 @@ class Mamba:
     dt_rank: int = _f(None, "rank of the Δ projection (default ⌈d_model/16⌉)", min=1, derived=True)
     conv_bias: bool = _f(True, "bias on the convolution")
     bias: bool = _f(False, "biases on the in- and out-projections")
-    inner_norms: bool = _f(False, "RMSNorm (norm.eps) on Δ, B and C after the x-projection, "
-                           "as Jamba")
+    inner_norms: bool = _f(False, "RMSNorm (norm.eps) on Δ, B and C after the x-projection (Jamba)")
 
 
 @dataclass(frozen=True)
@@ -196,8 +191,7 @@ class Output:
     final_norm: bool = _f(True, "a norm after the last layer")
     softcap: float | None = _f(None, "final-logit soft-cap: cap·tanh(z/cap)", above=0)
     bias: bool = _f(False, "bias on the output head")
-    scale: float | None = _f(None, "multiply the last hidden state before the head (T5 tied)",
-                             above=0)
+    scale: float | None = _f(None, "scale the last hidden state before the head (T5 tied)", above=0)
 
 
 @dataclass(frozen=True)
@@ -207,8 +201,7 @@ class Spec:
     vocab_size: int = _f(None, "token vocabulary", min=1)
     d_model: int = _f(None, "residual-stream width", min=1)
     layers: int = _f(None, "blocks (encoder blocks for encoder-decoder)", min=1)
-    decoder_layers: int | None = _f(None, "encoder-decoder: decoder blocks (default = layers)",
-                                    min=1)
+    decoder_layers: int | None = _f(None, "encoder-decoder: decoder blocks (default layers)", min=1)
     max_seq_len: int = _f(2048, "longest sequence (positions table, KV-cache size)", min=1)
     dtype: Literal["f32", "f16", "bf16"] = _f("bf16", "weight dtype for size and byte reports")
     description: str = _f("", "free text")
