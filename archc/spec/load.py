@@ -203,8 +203,9 @@ def _derived(spec: Spec) -> dict[str, Any]:
         "attention.kv_heads": att.heads,
         "ffn.d_ff": None if ffn.kind == "none" else gated if ffn.gated else 4 * d,
         "decoder_layers": spec.layers if spec.family == "encoder-decoder" else None,
+        "mixer.mamba": Mamba() if "mamba" in spec.all_mixers else None,
         # ⌈d_model / 16⌉ (Gu & Dao 2023)
-        "mixer.mamba.dt_rank": -(-d // 16) if spec.mixer.mamba else None,
+        "mixer.mamba.dt_rank": -(-d // 16) if "mamba" in spec.all_mixers else None,
     }
 
 
@@ -225,8 +226,6 @@ def _resolve(spec: Spec) -> Spec:
         raise SpecError("attention.heads", f"{att.heads} does not divide d_model "
                         f"({spec.d_model}) and attention.head_dim is not given",
                         allowed=f"a divisor of {spec.d_model}, or set attention.head_dim")
-    if "mamba" in spec.all_mixers and spec.mixer.mamba is None:
-        spec = _with(spec, "mixer.mamba", Mamba())
     if isinstance(spec.embedding.scale, str):
         spec = _with(spec, "embedding.scale", math.sqrt(spec.d_model))
     for path, value in _derived(spec).items():
@@ -252,8 +251,8 @@ MASKS = {"encoder": ("bidirectional", "an encoder sees the whole input"),
          "encoder-decoder": ("causal", "the encoder sees the whole prompt; the decoder, the past")}
 
 
-def _check(spec: Spec) -> None:
-    """Cross-field rules; the walk has checked each field's type and range."""
+def _check(spec: Spec) -> Spec:
+    """`spec`, once it obeys the cross-field rules (the walk checked each field on its own)."""
     att, ffn, pos, mixer, family = spec.attention, spec.ffn, spec.position, spec.mixer, spec.family
     # where the spec says which mixers its layers have, as the author wrote it
     mixers = f"mixer.pattern {_show(mixer.pattern)}" if mixer.pattern else \
@@ -387,14 +386,13 @@ def _check(spec: Spec) -> None:
         if ffn.moe.expert != "mlp":
             _refuse_set(spec, "ffn.activation", f"{ffn.moe.expert} experts take their "
                         "activation from their kind", allowed="remove it, or ffn.moe.expert: mlp")
+    return spec
 
 
 def from_dict(data: Any, source: str | None = None) -> Spec:
     """Validate and resolve a spec given as a mapping (parsed YAML)."""
     try:
-        spec = _resolve(_build(Spec, data, ""))
-        _check(spec)
-        return spec
+        return _check(_resolve(_build(Spec, data, "")))
     except SpecError as err:
         raise (err.with_source(source) if source else err) from None
 
