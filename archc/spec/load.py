@@ -54,8 +54,7 @@ def sections(cls: type = Spec, prefix: str = "") -> list[tuple[str, type]]:
     """Every section with its path prefix, depth first: ('', Spec), ('mixer.', Mixer), …"""
     out = [(prefix, cls)]
     for f, tp in typed_fields(cls):
-        inner = section_type(tp)
-        if inner is not None:
+        if (inner := section_type(tp)) is not None:
             out += sections(inner, f"{prefix}{f.name}.")
     return out
 
