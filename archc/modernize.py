@@ -1,8 +1,7 @@
-"""Architecture steps, each a Spec → Spec transform: the first seed's walk from the 2018 GPT-1
-block to the modern one, a change at a time, with what each step buys and, for the steps that
-need no training, the conversion of a loaded checkpoint. Opt-in and never part of the exact
-pipeline (they change the function); a step that does not apply says why (``StepError``) instead
-of guessing."""
+"""Architecture steps, each a Spec → Spec transform: the walk from the 2018 GPT-1 block to the
+modern one, a change at a time, what each step buys, and converting a loaded checkpoint through
+the steps that need no training. Opt-in, never in the exact pipeline (they change the function);
+a step that does not apply says why (``StepError``) instead of guessing."""
 
 from __future__ import annotations
 
