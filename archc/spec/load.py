@@ -455,9 +455,7 @@ def zoo_names() -> list[str]:
 def load_spec(spec: str | Path) -> Spec:
     """Load a spec from a YAML file, or by the name of a zoo spec."""
     path, zoo = Path(spec), ZOO_DIR / f"{spec}.yaml"
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        if not path.is_file():
-            raise SpecError("", "no such file", source=str(path))
+    if path.suffix in (".yaml", ".yml") or path.exists():  # load_yaml says why it cannot read
         return load_yaml(path)
     if zoo.is_file():
         return load_yaml(zoo)
