@@ -20,7 +20,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from archc.errors import SpecError
-from archc.spec.schema import AttentionBias, Embedding, Mamba, Spec
+from archc.spec.schema import AttentionBias, Mamba, Spec
 
 ZOO_DIR = Path(__file__).resolve().parents[2] / "specs"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
@@ -116,7 +116,7 @@ def describe(tp: Any, meta: Mapping[str, Any]) -> str:
     if dataclasses.is_dataclass(tp):
         return "a mapping with keys " + ", ".join(f.name for f in dataclasses.fields(tp))
     bounds = ", ".join(f"{sign} {meta[key]}" for key, (sign, _) in BOUNDS.items() if key in meta)
-    return f"{SCALARS[tp][2]} {bounds}".rstrip()
+    return ", ".join([f"{SCALARS[tp][2]} {bounds}".rstrip(), *meta.get("words", ())])
 
 
 def _coerce(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
@@ -140,6 +140,8 @@ def _coerce(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
             raise SpecError(path, problem, allowed=allowed)
         return tuple(_coerce(get_args(tp)[0], v, f"{path}[{i}]", {}) for i, v in enumerate(value))
     accepts, word, _ = SCALARS[tp]
+    if value in meta.get("words", ()):
+        return value  # a word for a number that _resolve works out
     if not isinstance(value, accepts) or (isinstance(value, bool) and tp is not bool):
         raise SpecError(path, f"{_show(value)} is not {word}", allowed=allowed)
     if tp is float:
@@ -179,11 +181,6 @@ def _build(cls: type, data: Any, path: str) -> Any:
             raise SpecError(where, f"{_show(data[name])} is set, but it applies only when "
                             f"{path + '.' if path else ''}kind is {' or '.join(only)} "
                             f"(kind is {kind!r})", allowed="remove it")
-        elif (cls, name) == (Embedding, "scale") and isinstance(data[name], str):
-            if data[name] != "sqrt_d_model":
-                raise SpecError(where, f"{data[name]!r} is not a number or a known word",
-                                allowed="a number > 0, sqrt_d_model")
-            values[name] = data[name]  # resolved once d_model is known
         else:
             values[name] = _coerce(tp, data[name], where, f.metadata)
     return cls(**values)

@@ -2,9 +2,10 @@
 
 Every field is declared once here, read by the loader, ``to_dict`` and the reference. Metadata:
 ``min``/``max`` (inclusive) and ``above`` (exclusive: a scale, cap or eps of 0 makes no model),
-``only`` (the field applies only when its section's ``kind`` is one of these), ``derived``
-(computed when omitted), ``required_when`` (a condition the cross-field rules check). A field
-defaulting to None whose type does not admit None is required (where it applies)."""
+``words`` (names that stand for a number the loader works out), ``only`` (the field applies only
+when its section's ``kind`` is one of these), ``derived`` (computed when omitted),
+``required_when`` (a condition the cross-field rules check). A field defaulting to None whose
+type does not admit None is required (where it applies)."""
 
 from __future__ import annotations
 
@@ -176,8 +177,8 @@ class Block:
 
 @dataclass(frozen=True)
 class Embedding:
-    scale: float | None = _f(None, "multiply embeddings (a number, or sqrt_d_model as Gemma)",
-                             above=0)
+    scale: float | None = _f(None, "multiply embeddings (Gemma: by sqrt_d_model)", above=0,
+                             words=("sqrt_d_model",))
     tied: bool = _f(True, "the output head reuses the token embedding")
     norm: bool = _f(False, "a norm right after the embeddings (BERT, BLOOM)")
     token_types: int = _f(0, "token-type (segment) embeddings, as BERT", min=0)
