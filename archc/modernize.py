@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 
@@ -84,16 +85,14 @@ def no_bias(spec: Spec, arg: int | None) -> Spec:
                    mixer=replace(spec.mixer, mamba=replace(mamba, bias=False) if mamba else None))
 
 
-def gated(kind: str) -> Callable[[Spec, int | None], Spec]:
-    def apply(spec: Spec, arg: int | None) -> Spec:
-        # 3·d·d_gated = 2·d·d_ff  ⇒  d_gated = 2/3·d_ff, rounded up to a multiple (default 1)
-        ffn, multiple = spec.ffn, arg or 1
-        if ffn.kind != "mlp":
-            raise StepError(f"{kind} replaces a plain MLP; {spec.name}'s FFN is {ffn.kind}")
-        # the gate's activation comes with the kind; `activation` is an MLP field: reset it
-        return replace(spec, ffn=replace(ffn, kind=kind, activation=FFN().activation,
-                                         d_ff=multiple * -(-(2 * ffn.d_ff) // (3 * multiple))))
-    return apply
+def gated(kind: str, spec: Spec, arg: int | None) -> Spec:
+    # 3·d·d_gated = 2·d·d_ff  ⇒  d_gated = 2/3·d_ff, rounded up to a multiple (default 1)
+    ffn, multiple = spec.ffn, arg or 1
+    if ffn.kind != "mlp":
+        raise StepError(f"{kind} replaces a plain MLP; {spec.name}'s FFN is {ffn.kind}")
+    # the gate's activation comes with the kind; `activation` is an MLP field: reset it
+    return replace(spec, ffn=replace(ffn, kind=kind, activation=FFN().activation,
+                                     d_ff=multiple * -(-(2 * ffn.d_ff) // (3 * multiple))))
 
 
 def parallel(spec: Spec, arg: int | None) -> Spec:
@@ -166,9 +165,9 @@ STEPS: dict[str, Step] = {s.name: s for s in [
     Step("rmsnorm", "LayerNorm → RMSNorm", rmsnorm),
     Step("no-bias", "drop every bias", no_bias, converts_weights=True),
     Step("swiglu", "MLP → SwiGLU at 2/3 the hidden width (swiglu:M rounds up to M)",
-         gated("swiglu"), takes_arg=True),
-    Step("geglu", "MLP → GeGLU at 2/3 the hidden width", gated("geglu"), takes_arg=True),
-    Step("reglu", "MLP → ReGLU at 2/3 the hidden width", gated("reglu"), takes_arg=True),
+         partial(gated, "swiglu"), takes_arg=True),
+    Step("geglu", "MLP → GeGLU at 2/3 the hidden width", partial(gated, "geglu"), takes_arg=True),
+    Step("reglu", "MLP → ReGLU at 2/3 the hidden width", partial(gated, "reglu"), takes_arg=True),
     Step("parallel", "serial → parallel attention and FFN", parallel),
     Step("rope", "learned or sinusoidal positions → RoPE", rope),
     Step("alibi", "positions → ALiBi attention biases", alibi),
@@ -209,8 +208,7 @@ def parse_steps(text: str) -> list[StepCall]:
         if not item:
             raise ArchcError(f"empty step in {text!r}")
         name, _, raw = item.partition(":")
-        step = STEPS.get(name)
-        if step is None:
+        if (step := STEPS.get(name)) is None:
             raise ArchcError(f"unknown step {name!r} (known: {', '.join(STEPS)})")
         if raw and not step.takes_arg:
             raise ArchcError(f"step {name} takes no argument (got {item!r})")
