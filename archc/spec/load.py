@@ -478,7 +478,7 @@ def to_dict(spec: Spec, *, full: bool = False) -> dict[str, Any]:
                 inner = section(value, where + ".")
                 if inner or full or f.default_factory is dataclasses.MISSING:
                     out[f.name] = inner
-            elif full or where == "name" or value != derived.get(where, f.default):
+            elif full or value != derived.get(where, f.default):
                 out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 
