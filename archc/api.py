@@ -16,8 +16,8 @@ import archc.sources as sources
 from archc.devices import dtype_name
 from archc.errors import ArchcError
 from archc.model import CompiledModel, Model, Progress
+from archc.spec import load_spec
 from archc.spec.schema import Spec
-from archc.spec.zoo import load_spec
 
 __all__ = ["CompiledModel", "Model", "from_spec", "load"]
 

@@ -11,9 +11,7 @@ import archc
 from archc.errors import ArchcError
 from archc.ir.cost import kv_cache_bytes_per_token, parameter_count
 from archc.ir.lower import lower
-from archc.modernize.convert import convert
-from archc.modernize.report import decode_intensity
-from archc.modernize.steps import STEPS, StepCall, StepError, parse_steps
+from archc.modernize import STEPS, StepCall, StepError, convert, decode_intensity, parse_steps
 from archc.spec import load_spec
 from tests.conftest import TINY_SPECS
 
@@ -185,8 +183,7 @@ def test_inapplicable_steps_say_why() -> None:
 
 
 def test_report_walks_gpt1_to_a_llama_style_block() -> None:
-    from archc.modernize.report import walk
-    from archc.modernize.steps import DEFAULT_STEPS
+    from archc.modernize import DEFAULT_STEPS, walk
     rows = walk(load_spec("gpt1"), parse_steps(",".join(DEFAULT_STEPS)), batch=1, context=512)
     assert [r.step for r in rows] == ["(start)", *DEFAULT_STEPS]
     final = rows[-1].spec
@@ -229,7 +226,7 @@ def test_cli_converts_a_loaded_checkpoint(tmp_path) -> None:  # noqa: ANN001
 def test_plot(tmp_path) -> None:  # noqa: ANN001
     pytest.importorskip("matplotlib", reason="--plot needs the optional plot extra")
     from archc.commands.modernize import _plot
-    from archc.modernize.report import walk
+    from archc.modernize import walk
     rows = walk(load_spec("tiny-gpt2"), parse_steps("rmsnorm,gqa:2"), batch=1, context=16)
     _plot(rows, tmp_path / "steps.png")
     assert (tmp_path / "steps.png").stat().st_size > 10_000

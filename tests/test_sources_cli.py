@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from archc.cli import main
-from archc.spec.zoo import ZOO_DIR
+from archc.spec import ZOO_DIR
 from tests.model_files import tiny_gguf, tiny_hf_dir  # noqa: F401  (fixtures)
 
 SOURCES = ("gguf", "hf", "zoo", "yaml")

@@ -8,7 +8,7 @@ from rich.table import Table
 
 from archc.ir.cost import parameter_count
 from archc.ir.lower import lower
-from archc.spec.zoo import load_spec, zoo_names
+from archc.spec import load_spec, zoo_names
 from archc.ui import console, si
 
 

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from archc.modernize.steps import DEFAULT_STEPS, STEPS
+from archc.modernize import DEFAULT_STEPS, STEPS
 from archc.passes.manager import DEFAULT_PIPELINE, PASSES
 
 

@@ -12,9 +12,8 @@ from pathlib import Path
 from archc.native import SPEC_FILE, is_native
 from archc.sources.gguf import GGUFFile, load_gguf, spec_of_file
 from archc.sources.hf import hf_spec, is_hf_dir, load_hf
-from archc.spec.load import load_yaml
+from archc.spec.load import load_spec, load_yaml
 from archc.spec.schema import Spec
-from archc.spec.zoo import load_spec
 
 __all__ = ["Source", "describe", "is_gguf", "is_hf_dir", "load_gguf", "load_hf"]
 

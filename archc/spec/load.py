@@ -1,6 +1,7 @@
-"""YAML (or a plain mapping) → a validated, resolved ``Spec``: a walk driven by the declarations
-in ``schema.py``, then derived fields filled in and the cross-field rules checked. Every refusal
-is one ``SpecError`` naming the file, the field path, the value and what is allowed."""
+"""YAML (a file, a zoo name from ``specs/``, or a plain mapping) → a validated, resolved ``Spec``:
+a walk driven by the declarations in ``schema.py``, then derived fields filled in and the
+cross-field rules checked. Every refusal is one ``SpecError`` naming the file, the field path, the
+value and what is allowed."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import operator
 import re
 import sys
 import typing
@@ -18,11 +20,14 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from archc.errors import SpecError
-from archc.spec.schema import AttentionBias, Embedding, Mamba, Spec
+from archc.spec.schema import AttentionBias, Mamba, Spec
 
+ZOO_DIR = Path(__file__).resolve().parents[2] / "specs"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 # Every size becomes a tensor dimension, and generated kernels index with int32 offsets.
 MAX_WHOLE_NUMBER = 2**31 - 1
+# The bounds a number may declare, as a refusal writes them, and the test the value must pass.
+BOUNDS = {"min": ("≥", operator.ge), "above": (">", operator.gt), "max": ("≤", operator.le)}
 # The YAML values each scalar type takes (never a bool for a number), what a refusal calls a
 # wrong value's type, and what it allows.
 SCALARS: dict[type, tuple[tuple[type, ...], str, str]] = {
@@ -49,8 +54,7 @@ def sections(cls: type = Spec, prefix: str = "") -> list[tuple[str, type]]:
     """Every section with its path prefix, depth first: ('', Spec), ('mixer.', Mixer), …"""
     out = [(prefix, cls)]
     for f, tp in typed_fields(cls):
-        inner = section_type(tp)
-        if inner is not None:
+        if (inner := section_type(tp)) is not None:
             out += sections(inner, f"{prefix}{f.name}.")
     return out
 
@@ -102,7 +106,7 @@ def _unknown_key(key: Any, names: list[str], path: str) -> SpecError:
 
 def describe(tp: Any, meta: Mapping[str, Any]) -> str:
     """What a field allows, for refusals and the reference: 'a whole number ≥ 1', 'a number > 0,
-    ≤ 1.0' (a float min of 0.0 is strict), 'a non-empty list of a, b', 'a string, or null'."""
+    ≤ 1.0', 'a non-empty list of a, b', 'a string, or null'."""
     if type(None) in get_args(tp):
         return describe(get_args(tp)[0], meta) + ", or null"
     if get_origin(tp) is tuple:
@@ -111,10 +115,8 @@ def describe(tp: Any, meta: Mapping[str, Any]) -> str:
         return ", ".join(get_args(tp))
     if dataclasses.is_dataclass(tp):
         return "a mapping with keys " + ", ".join(f.name for f in dataclasses.fields(tp))
-    lo, hi = meta.get("min"), meta.get("max")
-    bounds = ([] if lo is None else ["> 0" if lo == 0 and isinstance(lo, float) else f"≥ {lo}"]) \
-        + ([] if hi is None else [f"≤ {hi}"])
-    return " ".join([SCALARS[tp][2], ", ".join(bounds)]).rstrip()
+    bounds = ", ".join(f"{sign} {meta[key]}" for key, (sign, _) in BOUNDS.items() if key in meta)
+    return ", ".join([f"{SCALARS[tp][2]} {bounds}".rstrip(), *meta.get("words", ())])
 
 
 def _coerce(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
@@ -138,6 +140,8 @@ def _coerce(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
             raise SpecError(path, problem, allowed=allowed)
         return tuple(_coerce(get_args(tp)[0], v, f"{path}[{i}]", {}) for i, v in enumerate(value))
     accepts, word, _ = SCALARS[tp]
+    if value in meta.get("words", ()):
+        return value  # a word for a number that _resolve works out
     if not isinstance(value, accepts) or (isinstance(value, bool) and tp is not bool):
         raise SpecError(path, f"{_show(value)} is not {word}", allowed=allowed)
     if tp is float:
@@ -145,16 +149,11 @@ def _coerce(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
             too = "too large" if isinstance(value, int) else "not finite"
             raise SpecError(path, f"{_show(value)} is {too}", allowed=allowed)
         value = float(value)
-    if tp in (int, float):
-        lo, hi = meta.get("min"), meta.get("max")
-        # A float bound of 0.0 is strict: scales, caps and eps of 0 make no model.
-        strict = lo == 0 and isinstance(lo, float)
-        if lo is not None and (value <= lo if strict else value < lo) or \
-                hi is not None and value > hi:
-            raise SpecError(path, f"{_show(value)} is out of range", allowed=allowed)
-        if value > MAX_WHOLE_NUMBER and tp is int:
-            raise SpecError(path, f"{_show(value)} is too large", allowed=f"a whole number from "
-                            f"{lo or 0} to {MAX_WHOLE_NUMBER} (2³¹ − 1)")
+    if not all(holds(value, meta[key]) for key, (_, holds) in BOUNDS.items() if key in meta):
+        raise SpecError(path, f"{_show(value)} is out of range", allowed=allowed)
+    if tp is int and value > MAX_WHOLE_NUMBER:
+        raise SpecError(path, f"{_show(value)} is too large", allowed=f"a whole number from "
+                        f"{meta.get('min', 0)} to {MAX_WHOLE_NUMBER} (2³¹ − 1)")
     return value
 
 
@@ -182,11 +181,6 @@ def _build(cls: type, data: Any, path: str) -> Any:
             raise SpecError(where, f"{_show(data[name])} is set, but it applies only when "
                             f"{path + '.' if path else ''}kind is {' or '.join(only)} "
                             f"(kind is {kind!r})", allowed="remove it")
-        elif (cls, name) == (Embedding, "scale") and isinstance(data[name], str):
-            if data[name] != "sqrt_d_model":
-                raise SpecError(where, f"{data[name]!r} is not a number or a known word",
-                                allowed="a number > 0, sqrt_d_model")
-            values[name] = data[name]  # resolved once d_model is known
         else:
             values[name] = _coerce(tp, data[name], where, f.metadata)
     return cls(**values)
@@ -194,24 +188,20 @@ def _build(cls: type, data: Any, path: str) -> Any:
 
 # ---- derived fields and cross-field rules --------------------------------------------------
 
-def gated_d_ff(d_model: int, multiple_of: int, multiplier: float) -> int:
-    """The gated-FFN sizing rule: 2/3 of the 4·d_model MLP (parameter-matched), times an
-    optional multiplier, rounded up to a multiple (Llama's rule: 4096 → 11008 at 256)."""
-    hidden = int(multiplier * int(2 * 4 * d_model / 3))
-    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
-
-
 def _derived(spec: Spec) -> dict[str, Any]:
     """The value of each derived field when the spec leaves it out (None: it stays None)."""
     att, ffn, d = spec.attention, spec.ffn, spec.d_model
+    # A gated FFN takes 2/3 of the 4·d_model MLP (parameter-matched), times an optional
+    # multiplier, rounded up to a multiple (Llama's rule: 4096 → 11008 at 256).
+    gated = ffn.multiple_of * -(-int(ffn.multiplier * int(8 * d / 3)) // ffn.multiple_of)
     return {
         "attention.head_dim": d // att.heads if att.heads and d % att.heads == 0 else None,
         "attention.kv_heads": att.heads,
-        "ffn.d_ff": None if ffn.kind == "none" else
-        gated_d_ff(d, ffn.multiple_of, ffn.multiplier) if ffn.gated else 4 * d,
+        "ffn.d_ff": None if ffn.kind == "none" else gated if ffn.gated else 4 * d,
         "decoder_layers": spec.layers if spec.family == "encoder-decoder" else None,
+        "mixer.mamba": Mamba() if "mamba" in spec.all_mixers else None,
         # ⌈d_model / 16⌉ (Gu & Dao 2023)
-        "mixer.mamba.dt_rank": -(-d // 16) if spec.mixer.mamba else None,
+        "mixer.mamba.dt_rank": -(-d // 16) if "mamba" in spec.all_mixers else None,
     }
 
 
@@ -232,8 +222,6 @@ def _resolve(spec: Spec) -> Spec:
         raise SpecError("attention.heads", f"{att.heads} does not divide d_model "
                         f"({spec.d_model}) and attention.head_dim is not given",
                         allowed=f"a divisor of {spec.d_model}, or set attention.head_dim")
-    if "mamba" in spec.all_mixers and spec.mixer.mamba is None:
-        spec = _with(spec, "mixer.mamba", Mamba())
     if isinstance(spec.embedding.scale, str):
         spec = _with(spec, "embedding.scale", math.sqrt(spec.d_model))
     for path, value in _derived(spec).items():
@@ -259,8 +247,8 @@ MASKS = {"encoder": ("bidirectional", "an encoder sees the whole input"),
          "encoder-decoder": ("causal", "the encoder sees the whole prompt; the decoder, the past")}
 
 
-def _check(spec: Spec) -> None:
-    """Cross-field rules; the walk has checked each field's type and range."""
+def _check(spec: Spec) -> Spec:
+    """`spec`, once it obeys the cross-field rules (the walk checked each field on its own)."""
     att, ffn, pos, mixer, family = spec.attention, spec.ffn, spec.position, spec.mixer, spec.family
     # where the spec says which mixers its layers have, as the author wrote it
     mixers = f"mixer.pattern {_show(mixer.pattern)}" if mixer.pattern else \
@@ -394,14 +382,13 @@ def _check(spec: Spec) -> None:
         if ffn.moe.expert != "mlp":
             _refuse_set(spec, "ffn.activation", f"{ffn.moe.expert} experts take their "
                         "activation from their kind", allowed="remove it, or ffn.moe.expert: mlp")
+    return spec
 
 
 def from_dict(data: Any, source: str | None = None) -> Spec:
     """Validate and resolve a spec given as a mapping (parsed YAML)."""
     try:
-        spec = _resolve(_build(Spec, data, ""))
-        _check(spec)
-        return spec
+        return _check(_resolve(_build(Spec, data, "")))
     except SpecError as err:
         raise (err.with_source(source) if source else err) from None
 
@@ -420,37 +407,33 @@ _SpecYAMLLoader.add_implicit_resolver(
 def _refuse_repeated_keys(node: yaml.Node, path: str, seen: set[int]) -> None:
     """A key given twice in one mapping is refused with its field path; plain YAML would keep
     the last one silently. (A spec's lists hold only names, so mappings alone are walked.)"""
-    if id(node) in seen:  # an alias already walked
+    if not isinstance(node, yaml.MappingNode) or id(node) in seen:  # seen: an alias walked
         return
     seen.add(id(node))
-    if isinstance(node, yaml.MappingNode):
-        lines: dict[str, int] = {}
-        for key_node, value_node in node.value:
-            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
-            where, line = f"{path}.{key}" if path else str(key), key_node.start_mark.line + 1
-            if key in lines:
-                raise SpecError(where, f"is given twice (lines {lines[key]} and {line})",
-                                allowed="each key once")
-            if key is not None:
-                lines[key] = line
-            _refuse_repeated_keys(value_node, where, seen)
+    lines: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+        where, line = f"{path}.{key}" if path else str(key), key_node.start_mark.line + 1
+        if key in lines:
+            raise SpecError(where, f"is given twice (lines {lines[key]} and {line})",
+                            allowed="each key once")
+        if key is not None:
+            lines[key] = line
+        _refuse_repeated_keys(value_node, where, seen)
 
 
 def load_yaml(path: str | Path) -> Spec:
     """Read a spec file with a YAML safe loader (plain data; never a full loader)."""
     source = str(Path(path))
     try:
-        text = Path(source).read_text(encoding="utf-8")
+        loader = _SpecYAMLLoader(Path(source).read_text(encoding="utf-8"))
+        node = loader.get_single_node()
+        _refuse_repeated_keys(node, "", set())
+        return from_dict(None if node is None else loader.construct_document(node))
     except OSError as err:
         raise SpecError("", f"cannot read the file: {err.strerror}", source=source) from None
     except UnicodeDecodeError:
         raise SpecError("", "is not UTF-8 text", source=source) from None
-    loader = _SpecYAMLLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is not None:
-            _refuse_repeated_keys(node, "", set())
-        return from_dict(None if node is None else loader.construct_document(node))
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -458,8 +441,25 @@ def load_yaml(path: str | Path) -> Spec:
         raise SpecError("", f"is not valid YAML{at}: {problem}", source=source) from None
     except SpecError as err:
         raise err.with_source(source) from None
-    finally:
-        loader.dispose()
+
+
+def zoo_names() -> list[str]:
+    """Names of the bundled specs, real sizes first, then the tiny ones."""
+    return sorted((p.stem for p in ZOO_DIR.glob("*.yaml")),
+                  key=lambda name: (name.startswith("tiny-"), name))
+
+
+def load_spec(spec: str | Path) -> Spec:
+    """Load a spec from a YAML file, or by the name of a zoo spec."""
+    path, zoo = Path(spec), ZOO_DIR / f"{spec}.yaml"
+    if path.suffix in (".yaml", ".yml") or path.exists():  # load_yaml says why it cannot read
+        return load_yaml(path)
+    if zoo.is_file():
+        return load_yaml(zoo)
+    close = difflib.get_close_matches(str(spec), zoo_names(), n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise SpecError("", f"{spec!r} is neither a spec file nor a zoo name{hint}",
+                    allowed="a .yaml path or one of `archc specs`")
 
 
 def to_dict(spec: Spec, *, full: bool = False) -> dict[str, Any]:
@@ -478,7 +478,7 @@ def to_dict(spec: Spec, *, full: bool = False) -> dict[str, Any]:
                 inner = section(value, where + ".")
                 if inner or full or f.default_factory is dataclasses.MISSING:
                     out[f.name] = inner
-            elif full or where == "name" or value != derived.get(where, f.default):
+            elif full or value != derived.get(where, f.default):
                 out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 

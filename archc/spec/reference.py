@@ -1,8 +1,5 @@
-"""The spec language reference, generated from the field declarations in ``schema.py``.
-
-``docs/spec-reference.md`` is this text; a test keeps the two equal, so the reference can never
-drift from what the loader accepts.
-"""
+"""The spec language reference, generated from the field declarations in ``schema.py`` that the
+loader reads: ``docs/spec-reference.md`` is this text, and a test keeps the two equal."""
 
 from __future__ import annotations
 
@@ -29,11 +26,10 @@ def reference() -> str:
         "",
         "Generated from `archc/spec/schema.py` (`python -m archc.spec.reference`); a test keeps "
         "it current.",
-        "A spec is YAML read with `yaml.safe_load`. Sizes not given are derived (`head_dim` = "
-        "`d_model / heads`, `kv_heads` = `heads`, `d_ff` = 4·`d_model` for an MLP or the gated "
-        "2/3 rule, `mixer.mamba.dt_rank` = ⌈`d_model`/16⌉). A field marked *only when* applies "
-        "to that `kind` of its section; anywhere else it is refused. Bad input is refused with "
-        "the file, the field path, the value and what is allowed.",
+        "A spec is YAML read with a safe loader. A *derived* size not given is computed as its "
+        "meaning says. A field marked *only when* applies to that `kind` of its section; "
+        "anywhere else it is refused. Bad input is refused with the file, the field path, the "
+        "value and what is allowed.",
     ]
     for prefix, cls in sections():
         lines += ["", f"## {prefix.rstrip('.') or 'Top level'}", "",

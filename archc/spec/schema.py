@@ -1,7 +1,8 @@
 """The spec: a frozen, validated description of a transformer architecture.
 
 Every field is declared once here, read by the loader, ``to_dict`` and the reference. Metadata:
-``min``/``max`` (inclusive; a float ``min`` of 0.0 means > 0), ``only`` (the field applies only
+``min``/``max`` (inclusive) and ``above`` (exclusive: a scale, cap or eps of 0 makes no model),
+``words`` (names that stand for a number the loader works out), ``only`` (the field applies only
 when its section's ``kind`` is one of these), ``derived`` (computed when omitted),
 ``required_when`` (a condition the cross-field rules check). A field defaulting to None whose
 type does not admit None is required (where it applies)."""
@@ -24,9 +25,8 @@ MixerKind = Literal["attention", "linear_attention", "mamba"]
 FFNLayerKind = Literal["dense", "moe"]
 
 # The activation each gated FFN applies to its gate branch (Shazeer 2020).
-GATED_ACTIVATION: dict[str, Activation] = {
-    "glu": "sigmoid", "reglu": "relu", "geglu": "gelu_tanh", "swiglu": "silu",
-}
+GATED_ACTIVATION: dict[str, Activation] = {"glu": "sigmoid", "reglu": "relu", "geglu": "gelu_tanh",
+                                           "swiglu": "silu"}
 
 
 def _f(default: Any = None, doc: str = "", **meta: Any) -> Any:
@@ -39,31 +39,28 @@ def _f(default: Any = None, doc: str = "", **meta: Any) -> Any:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    kind: RopeScalingKind = _f("linear", "dynamic: NTK from the current length past the trained "
-                               "context")
+    kind: RopeScalingKind = _f("linear", "dynamic: NTK from the length past the trained context")
     factor: float = _f(1.0, "context extension factor", min=1.0)
-    original_max_seq_len: int = _f(
-        None, "context the model was trained on", min=1,
-        only=("yarn", "llama3", "dynamic"))
-    low_freq_factor: float = _f(1.0, "wavelengths above original/low are scaled", min=0.0,
+    original_max_seq_len: int = _f(None, "context the model was trained on", min=1,
+                                   only=("yarn", "llama3", "dynamic"))
+    low_freq_factor: float = _f(1.0, "wavelengths above original/low are scaled", above=0,
                                 only=("llama3",))
     high_freq_factor: float = _f(4.0, "wavelengths below original/high are kept",
-                                 min=0.0, only=("llama3",))
+                                 above=0, only=("llama3",))
     beta_fast: float = _f(32.0, "rotations per context below which dims interpolate",
-                          min=0.0, only=("yarn",))
+                          above=0, only=("yarn",))
     beta_slow: float = _f(1.0, "rotations per context above which dims extrapolate",
-                          min=0.0, only=("yarn",))
+                          above=0, only=("yarn",))
     attention_factor: float | None = _f(
-        None, "cos/sin scale (default 0.1·ln(factor) + 1)", min=0.0, only=("yarn",))
+        None, "cos/sin scale (default 0.1·ln(factor) + 1)", above=0, only=("yarn",))
 
 
 @dataclass(frozen=True)
 class Position:
     kind: PositionKind = _f("rope", "how positions enter the model")
-    offset: int = _f(0, "rows skipped at the start of the table (OPT uses 2)", min=0,
-                     only=("learned",))
+    offset: int = _f(0, "table rows skipped at the start (OPT uses 2)", min=0, only=("learned",))
     theta: float = _f(10000.0, "base of the rotation frequencies", min=1.0, only=("rope",))
-    fraction: float = _f(1.0, "fraction of each head's dims that rotate", min=0.0,
+    fraction: float = _f(1.0, "fraction of each head's dims that rotate", above=0,
                          max=1.0, only=("rope",))
     interleaved: bool = _f(False, "rotate pairs (x0,x1),(x2,x3)… instead of halves", only=("rope",))
     alibi_scaled: bool = _f(False, "the bias joins the scores before the score scale, so it is "
@@ -88,8 +85,8 @@ class AttentionBias:
 @dataclass(frozen=True)
 class Attention:
     heads: int = _f(None, "query heads", min=1, required_when="a layer attends")
-    kv_heads: int = _f(None, "key/value heads: = heads (MHA), 1 (MQA), or a divisor (GQA)",
-                       min=1, derived=True)
+    kv_heads: int = _f(None, "key/value heads: heads (MHA, the default), 1 (MQA), or a divisor "
+                       "(GQA)", min=1, derived=True)
     head_dim: int = _f(None, "dims per head (default d_model / heads)", min=1, derived=True)
     mask: MaskKind = _f("causal", "prefix: the prompt sees itself fully")
     window: int | None = _f(None, "sliding window: a query sees the last `window` keys", min=1)
@@ -98,8 +95,8 @@ class Attention:
         "of a windowed layer sees them, and in an encoder they see every key", min=1)
     pattern: tuple[LayerKind, ...] | None = _f(
         None, "per-layer kinds, repeated over the layers: local (windowed) or global")
-    softcap: float | None = _f(None, "attention-logit soft-cap: cap·tanh(s/cap)", min=0.0)
-    scale: float | None = _f(None, "score scale (default 1/sqrt(head_dim))", min=0.0)
+    softcap: float | None = _f(None, "attention-logit soft-cap: cap·tanh(s/cap)", above=0)
+    scale: float | None = _f(None, "score scale (default 1/sqrt(head_dim))", above=0)
     qk_norm: bool = _f(False, "normalize q and k per head before scores (norm.kind)")
     bias: AttentionBias = _f(AttentionBias, "biases per projection (or one bool for all)")
 
@@ -117,8 +114,7 @@ class Mamba:
     dt_rank: int = _f(None, "rank of the Δ projection (default ⌈d_model/16⌉)", min=1, derived=True)
     conv_bias: bool = _f(True, "bias on the convolution")
     bias: bool = _f(False, "biases on the in- and out-projections")
-    inner_norms: bool = _f(False, "RMSNorm (norm.eps) on Δ, B and C after the x-projection, "
-                           "as Jamba")
+    inner_norms: bool = _f(False, "RMSNorm (norm.eps) on Δ, B and C after the x-projection (Jamba)")
 
 
 @dataclass(frozen=True)
@@ -147,7 +143,7 @@ class FFN:
     d_ff: int = _f(None, "hidden size (default: 4·d_model, or the gated 2/3 rule)", min=1,
                    derived=True)
     multiple_of: int = _f(1, "gated sizing rule: round the hidden size up to a multiple", min=1)
-    multiplier: float = _f(1.0, "gated sizing rule: scale 2/3·4·d_model before rounding", min=0.0)
+    multiplier: float = _f(1.0, "gated sizing rule: scale 2/3·4·d_model before rounding", above=0)
     bias: bool = _f(False, "biases on the FFN projections")
     moe: MoE = _f(None, "experts and routing", only=("moe",))
     pattern: tuple[FFNLayerKind, ...] | None = _f(
@@ -167,7 +163,7 @@ class FFN:
 @dataclass(frozen=True)
 class Norm:
     kind: Literal["layernorm", "rmsnorm"] = _f("layernorm", "kind of every norm")
-    eps: float = _f(1e-5, "added to the variance", min=0.0)
+    eps: float = _f(1e-5, "added to the variance", above=0)
     placement: Placement = _f("pre", "sandwich: a norm before and after each sublayer")
     unit_offset: bool = _f(False, "gain is (1 + w) as in Gemma", only=("rmsnorm",))
     bias: bool = _f(True, "learned shift β", only=("layernorm",))
@@ -181,8 +177,8 @@ class Block:
 
 @dataclass(frozen=True)
 class Embedding:
-    scale: float | None = _f(None, "multiply embeddings (a number, or sqrt_d_model as Gemma)",
-                             min=0.0)
+    scale: float | None = _f(None, "multiply embeddings (Gemma: by sqrt_d_model)", above=0,
+                             words=("sqrt_d_model",))
     tied: bool = _f(True, "the output head reuses the token embedding")
     norm: bool = _f(False, "a norm right after the embeddings (BERT, BLOOM)")
     token_types: int = _f(0, "token-type (segment) embeddings, as BERT", min=0)
@@ -194,10 +190,9 @@ class Embedding:
 @dataclass(frozen=True)
 class Output:
     final_norm: bool = _f(True, "a norm after the last layer")
-    softcap: float | None = _f(None, "final-logit soft-cap: cap·tanh(z/cap)", min=0.0)
+    softcap: float | None = _f(None, "final-logit soft-cap: cap·tanh(z/cap)", above=0)
     bias: bool = _f(False, "bias on the output head")
-    scale: float | None = _f(None, "multiply the last hidden state before the head (T5 tied)",
-                             min=0.0)
+    scale: float | None = _f(None, "scale the last hidden state before the head (T5 tied)", above=0)
 
 
 @dataclass(frozen=True)
@@ -207,8 +202,7 @@ class Spec:
     vocab_size: int = _f(None, "token vocabulary", min=1)
     d_model: int = _f(None, "residual-stream width", min=1)
     layers: int = _f(None, "blocks (encoder blocks for encoder-decoder)", min=1)
-    decoder_layers: int | None = _f(None, "encoder-decoder: decoder blocks (default = layers)",
-                                    min=1)
+    decoder_layers: int | None = _f(None, "encoder-decoder: decoder blocks (default layers)", min=1)
     max_seq_len: int = _f(2048, "longest sequence (positions table, KV-cache size)", min=1)
     dtype: Literal["f32", "f16", "bf16"] = _f("bf16", "weight dtype for size and byte reports")
     description: str = _f("", "free text")

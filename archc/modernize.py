@@ -1,13 +1,23 @@
-"""Architecture steps, each a Spec → Spec transform: the first seed's walk from the 2018 GPT-1
-block to the modern one, a change at a time. Opt-in and never part of the exact pipeline (they
-change the function); a step that does not apply says why (``StepError``) instead of guessing."""
+"""Architecture steps, each a Spec → Spec transform: the walk from the 2018 GPT-1 block to the
+modern one, a change at a time, what each step buys, and converting a loaded checkpoint through
+the steps that need no training. Opt-in, never in the exact pipeline (they change the function);
+a step that does not apply says why (``StepError``) instead of guessing."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import partial
+
+import torch
 
 from archc.errors import ArchcError
+from archc.ir.cost import graph_cost, kv_cache_bytes_per_token, parameter_count
+from archc.ir.lower import lower
+from archc.passes import optimize
+from archc.passes.measure import kernels_per_layer
+from archc.runtime.weights import checkpoint_shapes
 from archc.spec.load import from_dict, to_dict
 from archc.spec.schema import FFN, AttentionBias, Position, Spec
 
@@ -75,16 +85,14 @@ def no_bias(spec: Spec, arg: int | None) -> Spec:
                    mixer=replace(spec.mixer, mamba=replace(mamba, bias=False) if mamba else None))
 
 
-def gated(kind: str) -> Callable[[Spec, int | None], Spec]:
-    def apply(spec: Spec, arg: int | None) -> Spec:
-        # 3·d·d_gated = 2·d·d_ff  ⇒  d_gated = 2/3·d_ff, rounded up to a multiple (default 1)
-        ffn, multiple = spec.ffn, arg or 1
-        if ffn.kind != "mlp":
-            raise StepError(f"{kind} replaces a plain MLP; {spec.name}'s FFN is {ffn.kind}")
-        # the gate's activation comes with the kind; `activation` is an MLP field: reset it
-        return replace(spec, ffn=replace(ffn, kind=kind, activation=FFN().activation,
-                                         d_ff=multiple * -(-(2 * ffn.d_ff) // (3 * multiple))))
-    return apply
+def gated(kind: str, spec: Spec, arg: int | None) -> Spec:
+    # 3·d·d_gated = 2·d·d_ff  ⇒  d_gated = 2/3·d_ff, rounded up to a multiple (default 1)
+    ffn, multiple = spec.ffn, arg or 1
+    if ffn.kind != "mlp":
+        raise StepError(f"{kind} replaces a plain MLP; {spec.name}'s FFN is {ffn.kind}")
+    # the gate's activation comes with the kind; `activation` is an MLP field: reset it
+    return replace(spec, ffn=replace(ffn, kind=kind, activation=FFN().activation,
+                                     d_ff=multiple * -(-(2 * ffn.d_ff) // (3 * multiple))))
 
 
 def parallel(spec: Spec, arg: int | None) -> Spec:
@@ -157,9 +165,9 @@ STEPS: dict[str, Step] = {s.name: s for s in [
     Step("rmsnorm", "LayerNorm → RMSNorm", rmsnorm),
     Step("no-bias", "drop every bias", no_bias, converts_weights=True),
     Step("swiglu", "MLP → SwiGLU at 2/3 the hidden width (swiglu:M rounds up to M)",
-         gated("swiglu"), takes_arg=True),
-    Step("geglu", "MLP → GeGLU at 2/3 the hidden width", gated("geglu"), takes_arg=True),
-    Step("reglu", "MLP → ReGLU at 2/3 the hidden width", gated("reglu"), takes_arg=True),
+         partial(gated, "swiglu"), takes_arg=True),
+    Step("geglu", "MLP → GeGLU at 2/3 the hidden width", partial(gated, "geglu"), takes_arg=True),
+    Step("reglu", "MLP → ReGLU at 2/3 the hidden width", partial(gated, "reglu"), takes_arg=True),
     Step("parallel", "serial → parallel attention and FFN", parallel),
     Step("rope", "learned or sinusoidal positions → RoPE", rope),
     Step("alibi", "positions → ALiBi attention biases", alibi),
@@ -200,8 +208,7 @@ def parse_steps(text: str) -> list[StepCall]:
         if not item:
             raise ArchcError(f"empty step in {text!r}")
         name, _, raw = item.partition(":")
-        step = STEPS.get(name)
-        if step is None:
+        if (step := STEPS.get(name)) is None:
             raise ArchcError(f"unknown step {name!r} (known: {', '.join(STEPS)})")
         if raw and not step.takes_arg:
             raise ArchcError(f"step {name} takes no argument (got {item!r})")
@@ -211,3 +218,105 @@ def parse_steps(text: str) -> list[StepCall]:
             raise ArchcError(f"step {name} needs an argument, e.g. {name}:4096")
         calls.append(StepCall(step, int(raw) if raw else None))
     return calls
+
+
+# ---- what each step buys ---------------------------------------------------------------------
+
+def decode_intensity(d: int, n: int, kv_heads: int, q_heads: int, b: int) -> float:
+    """The first seed's rough model ("A rough arithmetic-intensity model"): over n decode steps
+    at batch b, dense work is O(b·n·d²) against memory O(b·n·d + b·n²·d·H_kv/H_q + n·d²), so
+    AI = (1/d + n·H_kv/(d·H_q) + 1/b)⁻¹ up to constants: compare it across steps, not with a
+    GPU."""
+    return 1.0 / (1.0 / d + n * kv_heads / (d * q_heads) + 1.0 / b)
+
+
+@dataclass(frozen=True)
+class Row:
+    step: str
+    spec: Spec
+    params: int
+    flops_per_token: int
+    kv_bytes_per_token: int
+    kv_bytes_at_context: int
+    intensity: float
+    kernels_per_layer: float   # after the default exact pipeline
+    decode_bytes_per_token: int
+
+
+def measure(step: str, spec: Spec, batch: int, context: int) -> Row:
+    program = lower(spec, spec.dtype)
+    dims = {"B": batch, "T": 1, "P": context - 1, "S": context}
+    flops, moved = map(sum, zip(*(graph_cost(g).at(dims) for g in optimize(program))))
+    kv = kv_cache_bytes_per_token(program)
+    att = spec.attention
+    return Row(step, spec, parameter_count(program), flops // batch, kv, kv * context * batch,
+               decode_intensity(spec.d_model, context, att.kv_heads, att.heads, batch),
+               kernels_per_layer(spec, dtype=spec.dtype)[1], moved // batch)
+
+
+def walk(spec: Spec, calls: list[StepCall], batch: int, context: int) -> list[Row]:
+    """The starting spec and the spec after each step, measured."""
+    rows = [measure("(start)", spec, batch, context)]
+    for call in calls:
+        spec = call.apply(spec)
+        rows.append(measure(call.text, spec, batch, context))
+    return rows
+
+
+# ---- converting a loaded checkpoint ----------------------------------------------------------
+
+_KV = re.compile(r"^(.*layers\.\d+\.(?:attn|cross))\.([kv])\.(weight|bias)$")
+
+
+@dataclass
+class Conversion:
+    """What a conversion did to each tensor it touched."""
+
+    exact: list[str] = field(default_factory=list)
+    dropped: list[tuple[str, float]] = field(default_factory=list)   # name, RMS of the values
+    pooled: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        out = []
+        if self.pooled:
+            out.append(f"mean-pooled the K/V heads of {len(self.pooled)} tensors")
+        if self.exact:
+            out.append(f"removed exactly ({len(self.exact)}): " + ", ".join(self.exact[:4]) +
+                       (" …" if len(self.exact) > 4 else ""))
+        if self.dropped:
+            name, rms = max(self.dropped, key=lambda x: x[1])
+            out.append(f"dropped, changing the function ({len(self.dropped)}): largest RMS "
+                       f"{rms:.3g} in {name}")
+        return out
+
+
+def convert(call: StepCall, before: Spec, after: Spec,
+            weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Conversion]:
+    """The checkpoint of `after` from the checkpoint of `before`, or StepError. ``gqa:N``/``mqa``
+    give each new KV head the mean of the old heads of its group (Ainslie et al. 2023, "GQA:
+    Training Generalized Multi-Query Transformer Models from Multi-Head Checkpoints");
+    ``no-bias`` removes zero biases, and key biases nothing position-dependent acts on, exactly
+    (q·(k + b) = q·k + q·b is constant along the softmax axis), and drops every other bias, which
+    changes the function, reporting its size."""
+    if not call.step.converts_weights:
+        raise StepError(f"{call.text} changes what the weights compute and needs training; "
+                        "only gqa:N, mqa and no-bias convert a loaded checkpoint")
+    out, report = dict(weights), Conversion()
+    if call.step.name in ("gqa", "mqa"):
+        old, new = before.attention.kv_heads, after.attention.kv_heads
+        for name in filter(_KV.match, weights):
+            # [H_old·D, …] → [H_new, H_old/H_new, D, …]: each new head is its group's mean
+            out[name] = weights[name].unflatten(0, (new, old // new, -1)).mean(1).flatten(0, 1)
+            report.pooled.append(name)
+        return out, report
+    # no-bias. Nothing position-dependent may act on k after its bias for it to fold: RoPE
+    # rotates k_j + b by R_j (q·R_j b then varies with j); qk-norm rescales k + b per key.
+    key_bias_folds = before.position.kind != "rope" and not before.attention.qk_norm
+    for name in sorted(set(weights) - set(checkpoint_shapes(lower(after)))):
+        t, m = out.pop(name).float(), _KV.match(name)
+        key_bias = m is not None and m.group(2, 3) == ("k", "bias")
+        if not bool(t.abs().max() > 0) or (key_bias and key_bias_folds):
+            report.exact.append(name)
+        else:
+            report.dropped.append((name, float(t.pow(2).mean().sqrt())))
+    return out, report
