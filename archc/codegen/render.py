@@ -37,7 +37,7 @@ from archc.ir.text import format_node, format_program
 from archc.ir.verify import verify
 
 TEMPLATES = Path(__file__).parent / "templates"
-StateSpec = tuple[int, str, tuple[int, ...], str]     # (layer, kind, shape after B, dtype)
+StoreSpec = tuple[tuple[int, ...], str]     # a KV cache's or recurrent state's shape after B, dtype
 PLACEHOLDER = "__KERNEL__"
 
 
@@ -76,8 +76,8 @@ class Generated:
     digest: str
     units: list[RenderedUnit]
     steps: dict[str, list[Step]]
-    kv: list[tuple[int, int, int]]          # (layer, kv_heads, head_dim) of every cache written
-    states: list[StateSpec]                 # every recurrent state a kernel updates
+    # "cache" | "state" → (layer, kind) → shape and dtype of each KV cache and recurrent state
+    stores: dict[str, dict[tuple[int, str], StoreSpec]]
 
     @property
     def launches(self) -> int:
@@ -135,16 +135,19 @@ def generate(program: Program, options: CodegenOptions) -> Generated:
     units: list[RenderedUnit] = []
     counters: Counter[str] = Counter()
     steps: dict[str, list[Step]] = {}
-    kv: list[tuple[int, int, int]] = []
-    states: list[StateSpec] = []
+    stores: dict[str, dict[tuple[int, str], StoreSpec]] = {"cache": {}, "state": {}}
     for g in program:
         lays = layouts(g)
         steps[g.name] = []
         for i in g.compute_ids():
             ctx = NodeCtx(g, i, lays, options)
             unit = build(ctx)
-            kv += ctx.extras.get("kv", [])
-            states += ctx.extras.get("state", [])
+            for what, layer, kind, shape, dtype in ctx.stored:
+                other = stores[what].setdefault((layer, kind), (shape, dtype))
+                if other != (shape, dtype):
+                    raise CodegenError(f"layer {layer}'s {kind} {what} is {other[1]}"
+                                       f"{list(other[0])} in one kernel and {dtype}{list(shape)} "
+                                       "in another")
             text = _render(unit)
             ru = by_text.get((unit.template, text))
             if ru is None:
@@ -170,19 +173,7 @@ def generate(program: Program, options: CodegenOptions) -> Generated:
         version=__version__, model=program.model, kernels=kernels, graphs=graphs,
         launches=sum(len(s) for s in steps.values()), options=options.key(),
         graph_hash=digest[:16])
-    return Generated(program.model, source, digest, units, steps, sorted(set(kv)),
-                     _one_per_state(states))
-
-
-def _one_per_state(states: list[StateSpec]) -> list[StateSpec]:
-    """Each (layer, kind) once; two kernels that disagree on its shape are refused."""
-    seen: dict[tuple[int, str], StateSpec] = {}
-    for s in states:
-        other = seen.setdefault(s[:2], s)
-        if other != s:
-            raise CodegenError(f"layer {s[0]}'s {s[1]} state is {other[3]}{list(other[2])} in one "
-                               f"kernel and {s[3]}{list(s[2])} in another")
-    return sorted(seen.values())
+    return Generated(program.model, source, digest, units, steps, stores)
 
 
 def write_module(gen: Generated, directory: Path) -> Path:

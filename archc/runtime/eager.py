@@ -43,9 +43,6 @@ class KVCache:
 
     def append(self, layer: int, kind: str, x: torch.Tensor, past: int) -> torch.Tensor:
         b, h, t, d = x.shape
-        if past + t > self.max_len:
-            raise RunError(f"sequence of {past + t} tokens exceeds the KV cache "
-                           f"(max_seq_len = {self.max_len})")
         buf = self.store.get((layer, kind))
         if buf is None or buf.shape[0] != b or buf.dtype != x.dtype:
             if buf is not None and past > 0:
@@ -139,46 +136,29 @@ def run_graph(graph: Graph, params: Mapping[str, torch.Tensor],
     return outputs
 
 
-def encoder_inputs(tokens: torch.Tensor, attention_mask: torch.Tensor | None,
-                   token_types: torch.Tensor | None, device: torch.device
-                   ) -> dict[str, torch.Tensor]:
-    """An encoder graph's inputs: without a mask every token is real, without types all are 0."""
-    b, t = tokens.shape
-    mask = torch.ones(b, t) if attention_mask is None else attention_mask
-    types = torch.zeros(b, t) if token_types is None else token_types
-    return {"tokens": tokens.to(device), "positions": torch.arange(t, device=device),
-            "attention_mask": mask.long().to(device), "token_types": types.long().to(device)}
+class SessionBase:
+    """What every backend's session keeps between calls — past length P, the prefix length, the
+    cross-attention inputs — and its surface: ``encode`` runs an encoder graph; ``step`` runs the
+    decoder graph on new tokens after the P already cached (P = 0 after ``reset``). A backend
+    runs one graph in ``_run``."""
 
-
-class EagerSession:
-    """A program ready to run eagerly: parameters evaluated once, a KV cache, past length P.
-
-    ``encode`` runs an encoder graph; ``step`` runs the decoder graph on new tokens after the P
-    already cached (P = 0 after ``reset``)."""
-
-    def __init__(self, program: Program, checkpoint: Mapping[str, torch.Tensor], *,
-                 max_seq_len: int, device: str | torch.device = "cpu") -> None:
+    def __init__(self, program: Program, max_seq_len: int, device: torch.device) -> None:
         self.program = program
-        self.device = torch.device(device)
-        self.params = {g.name: materialize(g, checkpoint, self.device) for g in program}
-        self.cache = KVCache(max_seq_len)
-        self.state = RecurrentState()
+        self.max_seq_len = max_seq_len
+        self.device = device
         self.past = 0
         self.prefix_len: int | None = None
-        self.trace: Trace | None = None
         self.cross_kv = CrossKV(program, self._run_cross_kv)
+
+    def _run(self, name: str, inputs: dict[str, torch.Tensor], *, B: int, T: int,  # noqa: N803
+             P: int, S: int, held: Mapping[str, torch.Tensor] | None = None,  # noqa: N803
+             ) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
 
     def reset(self) -> None:
         self.past = 0
         self.prefix_len = None
         self.cross_kv.reset()
-        self.cache = KVCache(self.cache.max_len)
-        self.state = RecurrentState()
-
-    def _run(self, name: str, inputs: dict[str, torch.Tensor], **dims: int
-             ) -> dict[str, torch.Tensor]:
-        return run_graph(self.program.graph(name), self.params[name], inputs,
-                         EagerContext(dims, self.cache, self.state), trace=self.trace)
 
     def _run_cross_kv(self, encoder_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
         b, s = encoder_hidden.shape[:2]
@@ -186,30 +166,60 @@ class EagerSession:
 
     def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
                token_types: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states [B, T, d] of the encoder graph."""
+        """Hidden states [B, T, d] of the encoder graph: without a mask every token is real,
+        without types all are 0."""
         b, t = tokens.shape
-        inputs = encoder_inputs(tokens, attention_mask, token_types, self.device)
-        return self._run("encoder", inputs, B=b, T=t, P=0)["hidden"]
+        mask = torch.ones(b, t) if attention_mask is None else attention_mask
+        types = torch.zeros(b, t) if token_types is None else token_types
+        inputs = {"tokens": tokens, "attention_mask": mask.long(), "token_types": types.long()}
+        return self._run("encoder", inputs, B=b, T=t, P=0, S=0)["hidden"]
 
     def step(self, tokens: torch.Tensor, *, encoder_hidden: torch.Tensor | None = None,
              encoder_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab] for `tokens` following the P tokens already in the cache."""
         b, t = tokens.shape
+        if self.past + t > self.max_seq_len:
+            raise RunError(f"sequence of {self.past + t} tokens exceeds the KV cache "
+                           f"(max_seq_len = {self.max_seq_len})")
         if self.prefix_len is None:
             self.prefix_len = t  # prefix-LM: the first call's tokens are the prefix
-        inputs: dict[str, torch.Tensor] = {
-            "tokens": tokens.to(self.device),
-            "positions": torch.arange(self.past, self.past + t, device=self.device),
-            "prefix_len": torch.tensor(self.prefix_len, device=self.device),
-        }
-        dims = {"B": b, "T": t, "P": self.past}
+        s = 0
+        inputs: dict[str, torch.Tensor] = {"tokens": tokens}
+        held: dict[str, torch.Tensor] = {}
         if encoder_hidden is not None:
             s = encoder_hidden.shape[1]
-            dims["S"] = s
-            inputs["encoder_hidden"] = encoder_hidden
-            inputs["encoder_mask"] = (torch.ones(b, s, dtype=torch.long) if encoder_mask is None
-                                      else encoder_mask.long()).to(self.device)
-            inputs.update(self.cross_kv.inputs(encoder_hidden))
-        out = self._run("decoder", inputs, **dims)["logits"]
+            held = self.cross_kv.inputs(encoder_hidden)     # once per generation
+            mask = torch.ones(b, s) if encoder_mask is None else encoder_mask
+            inputs.update(held, encoder_hidden=encoder_hidden, encoder_mask=mask.long())
+        logits = self._run("decoder", inputs, B=b, T=t, P=self.past, S=s, held=held)["logits"]
         self.past += t
-        return out
+        return logits
+
+
+class EagerSession(SessionBase):
+    """A program ready to run eagerly: parameters evaluated once, a KV cache, a recurrent state."""
+
+    def __init__(self, program: Program, checkpoint: Mapping[str, torch.Tensor], *,
+                 max_seq_len: int, device: str | torch.device = "cpu") -> None:
+        super().__init__(program, max_seq_len, torch.device(device))
+        self.params = {g.name: materialize(g, checkpoint, self.device) for g in program}
+        self.cache = KVCache(max_seq_len)
+        self.state = RecurrentState()
+        self.trace: Trace | None = None
+
+    def reset(self) -> None:
+        super().reset()
+        self.cache = KVCache(self.cache.max_len)
+        self.state = RecurrentState()
+
+    def _run(self, name: str, inputs: dict[str, torch.Tensor], *, B: int, T: int,  # noqa: N803
+             P: int, S: int, held: Mapping[str, torch.Tensor] | None = None,  # noqa: N803
+             ) -> dict[str, torch.Tensor]:
+        # positions are archc's own, P … P + T − 1, as is the prefix length
+        inputs = {k: x.to(self.device) for k, x in inputs.items()}
+        inputs["positions"] = torch.arange(P, P + T, device=self.device)
+        if self.prefix_len is not None:
+            inputs["prefix_len"] = torch.tensor(self.prefix_len, device=self.device)
+        return run_graph(self.program.graph(name), self.params[name], inputs,
+                         EagerContext(dict(B=B, T=T, P=P, S=S), self.cache, self.state),
+                         trace=self.trace)

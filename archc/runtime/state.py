@@ -53,11 +53,10 @@ class StaticStore:
     captured CUDA graph keeps reading the same addresses (`generation` counts the
     allocations)."""
 
-    def __init__(self, what: str, specs: Mapping[tuple[int, str], tuple[tuple[int, ...],
-                                                                        torch.dtype]],
+    def __init__(self, what: str, specs: Mapping[tuple[int, str], tuple[tuple[int, ...], str]],
                  device: torch.device) -> None:
         self.what = what          # for errors: "no k cache for layer 3"
-        self.specs = specs        # (layer, kind) → shape after B, dtype
+        self.specs = specs        # (layer, kind) → shape after B, IR dtype (``Generated.stores``)
         self.device = device
         self.batch = 0
         self.generation = 0
@@ -70,7 +69,7 @@ class StaticStore:
     def ensure(self, batch: int) -> None:
         if batch != self.batch:
             self.generation += 1
-            self.store = {key: self.zeros((batch, *shape), dtype)
+            self.store = {key: self.zeros((batch, *shape), TORCH_DTYPES[dtype])
                           for key, (shape, dtype) in self.specs.items()}
             self.batch = batch
 
@@ -88,26 +87,6 @@ class StaticStore:
         the tensor holds."""
         for t in self.store.values():
             t.zero_()
-
-
-class StaticKVCache(StaticStore):
-    """[B, H_kv, max_len, D] per (layer, k|v) of every (layer, kv_heads, head_dim) in `kv`."""
-
-    def __init__(self, kv: list[tuple[int, int, int]], max_len: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        super().__init__("cache", {(layer, kind): ((kv_heads, max_len, hd), dtype)
-                                   for layer, kv_heads, hd in kv for kind in ("k", "v")}, device)
-        self.dtype = dtype
-
-
-class StaticState(StaticStore):
-    """The recurrent state the generated kernels update in place, as codegen recorded it
-    (``Generated.states``: layer, kind, shape after B, IR dtype)."""
-
-    def __init__(self, states: list[tuple[int, str, tuple[int, ...], str]],
-                 device: torch.device) -> None:
-        super().__init__("state", {(layer, kind): (shape, TORCH_DTYPES[dtype])
-                                   for layer, kind, shape, dtype in states}, device)
 
 
 class CrossKV:

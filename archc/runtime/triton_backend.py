@@ -28,17 +28,17 @@ import torch
 
 from archc.codegen.blocks import autotune_configs
 from archc.codegen.options import CodegenOptions
-from archc.codegen.render import Generated, generate, load_module, write_module
+from archc.codegen.render import generate, load_module, write_module
 from archc.errors import ArchcError, RunError
-from archc.ir.graph import CROSS_KV, Graph, Program
+from archc.ir.graph import Graph, Program
 from archc.ir.ops import Op
 from archc.ir.text import format_node
 from archc.kernel_cache import default_cache_dir
 from archc.passes import optimize
-from archc.runtime.eager import encoder_inputs
+from archc.runtime.eager import SessionBase
 from archc.runtime.launch import GraphRunner, LaunchContext, LaunchPlan
-from archc.runtime.state import CrossKV, StaticKVCache, StaticState
-from archc.runtime.weights import TORCH_DTYPES, materialize
+from archc.runtime.state import StaticStore
+from archc.runtime.weights import materialize
 
 
 def prepare_triton(device: torch.device) -> str:
@@ -88,20 +88,6 @@ def _interpret_loaded_triton() -> None:
                 setattr(space, name, interpreted(value))
 
 
-def check_dtype(dtype: str, target: str) -> None:
-    if dtype == "bf16" and target == "interpret":
-        raise ArchcError("bf16 on the CPU: Triton's interpreter computes bfloat16 wrongly, so the "
-                         "triton backend runs f32 or f16 there (use --dtype f32 or f16, or a GPU)")
-
-
-def compile_program(program: Program, options: CodegenOptions, cache_dir: Path | None
-                    ) -> tuple[Generated, Path, ModuleType]:
-    """Render `program`, write the module to the cache (by its digest) and import it."""
-    generated = generate(program, options)
-    path = write_module(generated, (cache_dir or default_cache_dir()) / generated.digest[:24])
-    return generated, path, load_module(path, generated.digest)
-
-
 # ---- the session ---------------------------------------------------------------------------
 
 @dataclass
@@ -132,41 +118,42 @@ def id_checks(graph: Graph) -> list[tuple[str, int, str]]:
             if n.op == Op.EMBEDDING and nodes[n.inputs[1]].op == Op.INPUT]
 
 
-class TritonSession:
-    """A program compiled to Triton kernels, with weights, a static KV cache and past length P:
-    the surface of ``EagerSession`` (``reset``, ``encode``, ``step``)."""
+class TritonSession(SessionBase):
+    """A program compiled to Triton kernels, with weights, a static KV cache and past length P."""
 
     def __init__(self, program: Program, checkpoint: Mapping[str, torch.Tensor], *,
                  max_seq_len: int, dtype: str = "f32", device: str | torch.device = "cpu",
                  options: TritonOptions | None = None) -> None:
-        self.device = torch.device(device)
-        self.target = self._target(self.device)
-        check_dtype(dtype, self.target)
+        device = torch.device(device)
+        self.target = self._target(device)
+        if dtype == "bf16" and self.target == "interpret":
+            raise ArchcError("bf16 on the CPU: Triton's interpreter computes bfloat16 wrongly, so "
+                             "the triton backend runs f32 or f16 there (use --dtype f32 or f16, "
+                             "or a GPU)")
         self.options = options or TritonOptions()
         self.dtype = dtype
         passes = self.options.passes
-        self.program = program if passes is None else optimize(program, passes)
+        super().__init__(program if passes is None else optimize(program, passes), max_seq_len,
+                         device)
         self.codegen_options = CodegenOptions(
             target=self.target, max_seq_len=max_seq_len,
             autotune=self.options.autotune and self.target == "gpu")
-        self.generated, self.module_path, self.module = compile_program(
-            self.program, self.codegen_options, self.options.cache_dir)
+        # the module is written to the cache directory by its digest, and imported from there
+        self.generated = generate(self.program, self.codegen_options)
+        self.module_path = write_module(self.generated, (
+            self.options.cache_dir or default_cache_dir()) / self.generated.digest[:24])
+        self.module = load_module(self.module_path, self.generated.digest)
         autotuned = _apply_autotune(self.module) if self.codegen_options.autotune else set()
         self.runners = {g.name: GraphRunner(self.module, g, self._parameters(g, checkpoint),
                                             self.device, reuse_buffers=self.options.reuse_buffers)
                         for g in self.program}
         self.id_checks = {g.name: id_checks(g) for g in self.program}
-        self.cache = StaticKVCache(self.generated.kv, max_seq_len, TORCH_DTYPES[dtype],
-                                   self.device)
-        self.states = StaticState(self.generated.states, self.device)
+        self.cache, self.states = (StaticStore(what, self.generated.stores[what], self.device)
+                                   for what in ("cache", "state"))
         self.ctx = LaunchContext(self.target, self.device, self.cache, self.states, autotuned)
-        self.max_seq_len = max_seq_len
-        self.past = 0
-        self.prefix_len: int | None = None
         # decode steps replay a CUDA graph of their plan (on a GPU, unless turned off)
         self.cuda_graphs = (self.target == "gpu" and self.options.cuda_graphs
                             and self.device.type == "cuda")
-        self.cross_kv = CrossKV(self.program, self._run_cross_kv)
 
     def _target(self, device: torch.device) -> str:
         return prepare_triton(device)
@@ -181,15 +168,6 @@ class TritonSession:
         The interpreter pays for every program it runs, so there the keys so far: a plan per
         past length."""
         return past + t if self.target == "interpret" else self.max_seq_len
-
-    def reset(self) -> None:
-        self.past = 0
-        self.prefix_len = None
-        self.cross_kv.reset()
-
-    def _run_cross_kv(self, encoder_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-        b, s = encoder_hidden.shape[:2]
-        return self._run(CROSS_KV, {"encoder_hidden": encoder_hidden}, B=b, T=1, P=0, S=s)
 
     def _check_ids(self, graph: str, inputs: Mapping[str, torch.Tensor], *,
                    on_device: bool = True) -> None:
@@ -216,6 +194,8 @@ class TritonSession:
         # every launch plan (and captured graph) that holds their tensors
         self.cache.ensure(B)
         self.states.ensure(B)
+        if name == "decoder" and P == 0:   # a sequence starts: the recurrent state reads zeros
+            self.states.zero()
         runner = self.runners[name]
         plan = runner.plan(self.ctx, B, T, P, S, self.kv_len(P, T), held)
         # the inputs, into the plan's buffers: one small op each, none waiting on the device;
@@ -232,35 +212,6 @@ class TritonSession:
         if graphs and plan.replay is None:
             plan.replay = self._capture(plan)
         return {k: t.clone() for k, t in plan.outputs.items()}
-
-    def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
-               token_types: torch.Tensor | None = None) -> torch.Tensor:
-        b, t = tokens.shape
-        inputs = encoder_inputs(tokens, attention_mask, token_types, self.device)
-        return self._run("encoder", inputs, B=b, T=t, P=0, S=0)["hidden"]
-
-    def step(self, tokens: torch.Tensor, *, encoder_hidden: torch.Tensor | None = None,
-             encoder_mask: torch.Tensor | None = None) -> torch.Tensor:
-        b, t = tokens.shape
-        if self.past + t > self.max_seq_len:
-            raise RunError(f"sequence of {self.past + t} tokens exceeds the KV cache "
-                           f"(max_seq_len = {self.max_seq_len})")
-        if self.prefix_len is None:
-            self.prefix_len = t
-        s = 0
-        inputs: dict[str, torch.Tensor] = {"tokens": tokens}
-        held: dict[str, torch.Tensor] = {}
-        if encoder_hidden is not None:
-            s = encoder_hidden.shape[1]
-            held = self.cross_kv.inputs(encoder_hidden)     # once per generation
-            inputs.update(held, encoder_hidden=encoder_hidden, encoder_mask=(
-                torch.ones(b, s, dtype=torch.long, device=self.device)
-                if encoder_mask is None else encoder_mask))
-        if self.past == 0:   # a sequence starts: the recurrent state reads zeros
-            self.states.zero()
-        logits = self._run("decoder", inputs, B=b, T=t, P=self.past, S=s, held=held)["logits"]
-        self.past += t
-        return logits
 
     def _capture(self, plan: LaunchPlan) -> Any:
         graph = torch.cuda.CUDAGraph()
@@ -298,8 +249,8 @@ def triton_backend(model: Any, program: Program, dtype: str, device: torch.devic
 @dataclass
 class GraphRun:
     outputs: dict[str, torch.Tensor]
-    cache: StaticKVCache                    # the KV cache and the recurrent state after the run
-    states: StaticState
+    cache: StaticStore                      # the KV cache and the recurrent state after the run
+    states: StaticStore
 
 
 def run_graph_triton(graph: Graph, params: Mapping[str, torch.Tensor],
@@ -312,29 +263,20 @@ def run_graph_triton(graph: Graph, params: Mapping[str, torch.Tensor],
     """Compile one kernel-level graph and run it once at `dims` (B, T, P, S). `past_kv` holds
     the first P positions of each (layer, k|v) cache, [B, H_kv, P, D]; `past_state` the
     recurrent state each (layer, kind) starts from (zeros where not given)."""
-    device = torch.device(device)
-    target = prepare_triton(device)
-    gen, _, module = compile_program(Program(graph.name, (graph,)),
-                                     CodegenOptions(target=target, max_seq_len=max_seq_len),
-                                     cache_dir)
+    s = TritonSession(Program(graph.name, (graph,)), params, max_seq_len=max_seq_len,
+                      device=device, options=TritonOptions(passes=None, cache_dir=cache_dir))
     full = {"B": 1, "T": 1, "P": 0, "S": 0, **dims}
-    floats = [x.dtype for x in (*inputs.values(), *params.values()) if x.is_floating_point()]
-    dtype = floats[0] if floats else torch.float32
-    cache = StaticKVCache(gen.kv, max_seq_len, dtype, device)
-    states = StaticState(gen.states, device)
-    cache.ensure(full["B"])
-    states.ensure(full["B"])
+    s.cache.ensure(full["B"])
+    s.states.ensure(full["B"])
     for (layer, kind), past in (past_kv or {}).items():
-        cache.get(layer, kind)[:, :, :past.shape[2]] = past.to(device, dtype)
+        s.cache.get(layer, kind)[:, :, :past.shape[2]] = past
     for (layer, kind), value in (past_state or {}).items():
-        held = states.get(layer, kind)
-        if tuple(value.shape) != tuple(held.shape):
+        held = s.states.get(layer, kind)
+        if value.shape != held.shape:
             raise RunError(f"the {kind} state of layer {layer} is {list(value.shape)}; the "
                            f"graph keeps {list(held.shape)}")
-        held.copy_(value.to(device, held.dtype))
-    runner = GraphRunner(module, graph, {k: v.to(device) for k, v in params.items()}, device)
-    ctx = LaunchContext(target, device, cache, states)
+        held.copy_(value)
     if decode_max_rows is not None:
-        ctx.decode_max_rows = decode_max_rows
-    outputs = runner.run(inputs, ctx, **full, kv_len_max=full["P"] + full["T"])
-    return GraphRun(outputs, cache, states)
+        s.ctx.decode_max_rows = decode_max_rows
+    outputs = s.runners[graph.name].run(inputs, s.ctx, **full, kv_len_max=full["P"] + full["T"])
+    return GraphRun(outputs, s.cache, s.states)
