@@ -221,9 +221,6 @@ def elementwise_step(c: NodeCtx, st: Call, idx: int, width: int) -> dict[str, An
 
 # ---- the builder ------------------------------------------------------------------------------
 
-Context = Callable[[NodeCtx], tuple[dict[str, Any], list[JitKernel]]]
-
-
 def build(c: NodeCtx) -> Unit:
     template = OP_TABLE[c.node.op].template
     if template is None or (c.node.op.value == "router" and len(c.node.inputs) == 1):
@@ -595,7 +592,7 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     return ctx, [JitKernel("_kernel", "matmul", sizes, c.types(**ints))]
 
 
-CONTEXTS: dict[str, Context] = {
+CONTEXTS: dict[str, Callable[[NodeCtx], tuple[dict[str, Any], list[JitKernel]]]] = {
     "matmul": _matmul, "attention": _attention, "norm": _norm, "pointwise": _pointwise,
     "embedding": _embedding, "moe": _moe, "causal_conv": _causal_conv, "ssm_scan": _ssm_scan,
     "linear_attention": _linear_attention,

@@ -21,6 +21,7 @@ plain function per use (``dim_function``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 
 import sympy
@@ -113,11 +114,7 @@ class _IndexPrinter(StrPrinter):
         return f"(({a} - ((({a} % {b}) + {b}) % {b})) // {b})"
 
     def _fold(self, e: sympy.Expr, fn: str) -> str:
-        args = [self._print(a) for a in e.args]
-        out = args[0]
-        for a in args[1:]:
-            out = f"{fn}({out}, {a})"
-        return out
+        return functools.reduce(lambda a, b: f"{fn}({a}, {b})", map(self._print, e.args))
 
     def _print_Min(self, e: sympy.Min) -> str:
         return self._fold(e, "tl.minimum" if self.device else "min")

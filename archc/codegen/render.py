@@ -28,7 +28,7 @@ from types import ModuleType
 import jinja2
 
 from archc import __version__
-from archc.codegen.build import JitKernel, NodeCtx, Unit, build
+from archc.codegen.build import JitKernel, NodeCtx, build
 from archc.codegen.layout import CodegenError, layouts
 from archc.codegen.options import CodegenOptions
 from archc.ir.expr import act_code, tanh_code
@@ -94,23 +94,12 @@ class Generated:
         return f"# {u.name} ({u.family}): {uses}\n{header}{u.source.rstrip()}\n"
 
 
-def _render(unit: Unit) -> str:
-    try:
-        return ENV.get_template(unit.template).render(name=PLACEHOLDER, **unit.context)
-    except jinja2.UndefinedError as err:
-        raise CodegenError(f"template {unit.template}: {err}") from None
-
-
-def _fingerprint() -> str:
-    """A hash of the templates and the code that fills them: a change to either is a new
-    module, never a stale one from the cache."""
-    code = [TEMPLATES.parent / f"{name}.py" for name in ("build", "render", "layout", "printer")]
-    return hashlib.sha256(__version__.encode() + b"".join(
-        p.name.encode() + p.read_bytes() for p in sorted([*TEMPLATES.glob("*.j2"), *code])
-    )).hexdigest()
-
-
-_FINGERPRINT = _fingerprint()
+# A hash of the templates and the code that fills them: a change to either is a new module, never
+# a stale one from the cache.
+_FINGERPRINT = hashlib.sha256(__version__.encode() + b"".join(
+    p.name.encode() + p.read_bytes() for p in sorted([*TEMPLATES.glob("*.j2"), *(
+        TEMPLATES.parent / f"{name}.py" for name in ("build", "render", "layout", "printer"))])
+)).hexdigest()
 
 
 def _header(uses: list[tuple[str, int, str]]) -> list[str]:
@@ -148,7 +137,10 @@ def generate(program: Program, options: CodegenOptions) -> Generated:
                     raise CodegenError(f"layer {layer}'s {kind} {what} is {other[1]}"
                                        f"{list(other[0])} in one kernel and {dtype}{list(shape)} "
                                        "in another")
-            text = _render(unit)
+            try:
+                text = ENV.get_template(unit.template).render(name=PLACEHOLDER, **unit.context)
+            except jinja2.UndefinedError as err:
+                raise CodegenError(f"template {unit.template}: {err}") from None
             ru = by_text.get((unit.template, text))
             if ru is None:
                 name = f"{unit.family}_{counters[unit.family]}"

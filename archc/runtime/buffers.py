@@ -72,20 +72,15 @@ class BufferPlan:
     def unplanned_bytes(self, dims: Dims) -> int:
         return sum(self.root_bytes(dims).values())
 
-    def buffers(self, dims: Dims, device: torch.device) -> list[torch.Tensor]:
+    def tensors(self, dims: Dims, device: torch.device) -> dict[int, torch.Tensor]:
+        """Root node → its tensor (a typed view of its slot) at `dims`."""
         key = dims if self._by_past else (dims[0], dims[1], 0, dims[3])
         bufs = self._cache.get(key)
         if bufs is None:
             if len(self._cache) >= 8:                 # distinct prompt lengths: keep a few
                 self._cache.pop(next(iter(self._cache)))
-            bufs = [torch.empty(n, dtype=torch.uint8, device=device)
-                    for n in self.slot_bytes(dims)]
-            self._cache[key] = bufs
-        return bufs
-
-    def tensors(self, dims: Dims, device: torch.device) -> dict[int, torch.Tensor]:
-        """Root node → its tensor (a typed view of its slot) at `dims`."""
-        bufs = self.buffers(dims, device)
+            bufs = self._cache[key] = [torch.empty(n, dtype=torch.uint8, device=device)
+                                       for n in self.slot_bytes(dims)]
         sizes = self._sizes(*dims)
         at = len(self.slot_of)
         out: dict[int, torch.Tensor] = {}

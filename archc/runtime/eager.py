@@ -5,16 +5,12 @@ its op declares in the op table; its result is checked against the node's symbol
 concrete B, T, P, S, and a failure names the node (``while running %42 = attention(...)``).
 Values are freed after their last use, so a real-size model runs in the memory of its weights
 plus a few activations.
-
-``EagerSession`` holds what persists between calls: the evaluated parameters, the KV cache, the
-recurrent state of Mamba and linear-attention layers, and the past length P — so a prompt can be
-prefilled and then decoded token by token.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import sympy
@@ -60,20 +56,15 @@ class EagerContext:
 
     dims: Mapping[str, int]
     cache: KVCache | None = None
-    state: RecurrentState | None = None
-
-    def _state(self) -> RecurrentState:
-        if self.state is None:
-            raise RunError("this graph keeps a recurrent state but none was given")
-        return self.state
+    state: RecurrentState = field(default_factory=RecurrentState)
 
     def state_read(self, layer: int, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor:
         """Layer `layer`'s recurrent state `kind`: zeros when a sequence starts (P = 0)."""
-        return self._state().read(layer, kind, shape, dtype, device, self.dims["P"])
+        return self.state.read(layer, kind, shape, dtype, device, self.dims["P"])
 
     def state_write(self, layer: int, kind: str, value: torch.Tensor) -> None:
-        self._state().write(layer, kind, value)
+        self.state.write(layer, kind, value)
 
     def cache_append(self, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
         if self.cache is None:
@@ -150,10 +141,8 @@ class SessionBase:
         self.prefix_len: int | None = None
         self.cross_kv = CrossKV(program, self._run_cross_kv)
 
-    def _run(self, name: str, inputs: dict[str, torch.Tensor], *, B: int, T: int,  # noqa: N803
-             P: int, S: int, held: Mapping[str, torch.Tensor] | None = None,  # noqa: N803
-             ) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+    # a backend runs one graph: _run(name, inputs, *, B, T, P, S, held=None) → outputs by name
+    _run: Callable[..., dict[str, torch.Tensor]]
 
     def reset(self) -> None:
         self.past = 0

@@ -1,14 +1,10 @@
 """What persists between calls: the KV cache, the recurrent state, the cross-attention K and V.
 
-The recurrent state is what Mamba and linear-attention layers keep instead of a KV cache — the
-conv window and the SSM state of a Mamba layer, the running sums S and z of a linear-attention
-layer — as the op table declares them (``archc.ir.ops.state``). A call at past length P = 0
-starts a sequence, so it reads zeros; later calls read what the call before them left. The size
-does not grow with the context.
-
-`hoist-cross-kv` moves what the decoder computes from the encoder's states alone (the
-cross-attention K and V projections) into a `cross_kv` graph, which a session runs once per
-generation (``CrossKV``).
+The recurrent state is what Mamba and linear-attention layers keep instead of a KV cache (the
+conv window and SSM state, the running sums S and z), as the op table declares it
+(``archc.ir.ops.state``); it does not grow with the context. A call at P = 0 starts a sequence,
+so it reads zeros. `hoist-cross-kv` moves the cross-attention K and V projections into a
+`cross_kv` graph, which a session runs once per generation (``CrossKV``).
 """
 
 from __future__ import annotations

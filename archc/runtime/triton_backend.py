@@ -4,14 +4,10 @@
 
 The default pass pipeline turns the unfused program into kernel-level graphs, codegen renders
 them into one module (cached on disk by a hash of graph + options), and each call replays a
-launch plan recorded once for its dims (``archc.runtime.launch``). Weights are evaluated once,
-in the model dtype, on the device; the KV cache ([B, H_kv, max_seq_len, D] per layer and k|v,
-written by the QKV projection's epilogue at offset P) and the recurrent state are static
-(``archc.runtime.state``), and P lives on the device too, so a decode step is the same launches
-every time — on a GPU it is captured once in a CUDA graph and replayed.
-
-Without a GPU, archc sets ``TRITON_INTERPRET=1`` before Triton is imported and the same kernels
-run under Triton's CPU interpreter (f32 or f16: the interpreter computes bf16 wrongly).
+launch plan recorded once for its dims (``archc.runtime.launch``). Weights, the KV cache, the
+recurrent state and P live on the device, so a decode step is the same launches every time — on
+a GPU, one captured CUDA graph. Without a GPU the same kernels run under Triton's CPU interpreter
+(f32 or f16: the interpreter computes bf16 wrongly).
 """
 
 from __future__ import annotations
@@ -98,24 +94,8 @@ class TritonOptions:
     cuda_graphs: bool = True
     reuse_buffers: bool = True
 
-    @classmethod
-    def parse(cls, options: Mapping[str, Any]) -> TritonOptions:
-        unknown = sorted(set(options) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ArchcError(f"unknown triton backend option {', '.join(unknown)} (known: "
-                             f"{', '.join(sorted(cls.__dataclass_fields__))})")
-        out = cls(**options)
-        out.cache_dir = None if out.cache_dir is None else Path(out.cache_dir)
-        return out
-
-
-def id_checks(graph: Graph) -> list[tuple[str, int, str]]:
-    """(input name, table rows, the node as text) of each input of `graph` that indexes an
-    embedding table."""
-    nodes = graph.nodes
-    return [(nodes[n.inputs[1]].name, int(nodes[n.inputs[0]].shape[0]), format_node(i, n))
-            for i, n in enumerate(nodes)
-            if n.op == Op.EMBEDDING and nodes[n.inputs[1]].op == Op.INPUT]
+    def __post_init__(self) -> None:
+        self.cache_dir = None if self.cache_dir is None else Path(self.cache_dir)
 
 
 class TritonSession(SessionBase):
@@ -147,7 +127,11 @@ class TritonSession(SessionBase):
         self.runners = {g.name: GraphRunner(self.module, g, self._parameters(g, checkpoint),
                                             self.device, reuse_buffers=self.options.reuse_buffers)
                         for g in self.program}
-        self.id_checks = {g.name: id_checks(g) for g in self.program}
+        # (input name, table rows, the node as text) of each input that indexes an embedding
+        self.id_checks = {g.name: [(g.nodes[n.inputs[1]].name, int(g.nodes[n.inputs[0]].shape[0]),
+                                    format_node(i, n)) for i, n in enumerate(g.nodes)
+                                   if n.op == Op.EMBEDDING and g.nodes[n.inputs[1]].op == Op.INPUT]
+                          for g in self.program}
         self.cache, self.states = (StaticStore(what, self.generated.stores[what], self.device)
                                    for what in ("cache", "state"))
         self.ctx = LaunchContext(self.target, self.device, self.cache, self.states, autotuned)
@@ -239,8 +223,12 @@ def _apply_autotune(module: ModuleType) -> set[str]:
 
 def triton_backend(model: Any, program: Program, dtype: str, device: torch.device,
                    options: Mapping[str, Any]) -> TritonSession:
+    unknown = sorted(set(options) - set(TritonOptions.__dataclass_fields__))
+    if unknown:
+        raise ArchcError(f"unknown triton backend option {', '.join(unknown)} (known: "
+                         f"{', '.join(sorted(TritonOptions.__dataclass_fields__))})")
     return TritonSession(program, model.weights, max_seq_len=model.spec.max_seq_len,
-                         dtype=dtype, device=device, options=TritonOptions.parse(options))
+                         dtype=dtype, device=device, options=TritonOptions(**options))
 
 
 
