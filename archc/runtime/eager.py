@@ -21,7 +21,7 @@ from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import OP_TABLE, Op, bind, full_attrs
 from archc.ir.shapes import DIMS
 from archc.ir.text import format_node
-from archc.runtime.state import CrossKV, RecurrentState
+from archc.runtime.state import RecurrentState
 from archc.runtime.weights import TORCH_DTYPES, materialize
 
 
@@ -139,7 +139,9 @@ class SessionBase:
         self.device = device
         self.past = 0
         self.prefix_len: int | None = None
-        self.cross_kv = CrossKV(program, self._run_cross_kv)
+        self.has_cross_kv = any(g.name == CROSS_KV for g in program)
+        self.cross_kv: dict[str, torch.Tensor] = {}    # the outputs of the cross_kv graph
+        self.cross_kv_source: torch.Tensor | None = None
 
     # a backend runs one graph: _run(name, inputs, *, B, T, P, S, held=None) → outputs by name
     _run: Callable[..., dict[str, torch.Tensor]]
@@ -147,11 +149,25 @@ class SessionBase:
     def reset(self) -> None:
         self.past = 0
         self.prefix_len = None
-        self.cross_kv.reset()
+        self.cross_kv_source = None     # a new generation: the cross-KV inputs are computed again
 
-    def _run_cross_kv(self, encoder_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-        b, s = encoder_hidden.shape[:2]
-        return self._run(CROSS_KV, {"encoder_hidden": encoder_hidden}, B=b, T=1, P=0, S=s)
+    def _cross_kv_inputs(self, encoder_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The outputs of the `cross_kv` graph (the cross-attention K and V projections, hoisted
+        there by `hoist-cross-kv`), decoder inputs of the same names: computed at the first step
+        after a reset or when a step brings another `encoder_hidden` tensor. Recomputed values
+        are copied into the tensors already held when the shapes match, so a captured decode
+        step keeps reading the same addresses."""
+        if self.has_cross_kv and self.cross_kv_source is not encoder_hidden:
+            b, s = encoder_hidden.shape[:2]
+            out = self._run(CROSS_KV, {"encoder_hidden": encoder_hidden}, B=b, T=1, P=0, S=s)
+            for name, x in out.items():
+                held = self.cross_kv.get(name)
+                if held is not None and held.shape == x.shape:
+                    held.copy_(x)
+                else:
+                    self.cross_kv[name] = x
+            self.cross_kv_source = encoder_hidden
+        return dict(self.cross_kv)
 
     def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
                token_types: torch.Tensor | None = None) -> torch.Tensor:
@@ -177,7 +193,7 @@ class SessionBase:
         held: dict[str, torch.Tensor] = {}
         if encoder_hidden is not None:
             s = encoder_hidden.shape[1]
-            held = self.cross_kv.inputs(encoder_hidden)     # once per generation
+            held = self._cross_kv_inputs(encoder_hidden)     # once per generation
             mask = torch.ones(b, s) if encoder_mask is None else encoder_mask
             inputs.update(held, encoder_hidden=encoder_hidden, encoder_mask=mask.long())
         logits = self._run("decoder", inputs, B=b, T=t, P=self.past, S=s, held=held)["logits"]

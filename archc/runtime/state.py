@@ -1,20 +1,18 @@
-"""What persists between calls: the KV cache, the recurrent state, the cross-attention K and V.
+"""What persists between calls: the KV cache and the recurrent state.
 
 The recurrent state is what Mamba and linear-attention layers keep instead of a KV cache (the
 conv window and SSM state, the running sums S and z), as the op table declares it
 (``archc.ir.ops.state``); it does not grow with the context. A call at P = 0 starts a sequence,
-so it reads zeros. `hoist-cross-kv` moves the cross-attention K and V projections into a
-`cross_kv` graph, which a session runs once per generation (``CrossKV``).
+so it reads zeros.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 
 from archc.errors import RunError
-from archc.ir.graph import CROSS_KV, Program
 from archc.runtime.weights import TORCH_DTYPES
 
 
@@ -84,33 +82,3 @@ class StaticStore:
         for t in self.store.values():
             t.zero_()
 
-
-class CrossKV:
-    """Outputs of the `cross_kv` graph, computed at the first decoder step after a reset or when
-    a step brings another `encoder_hidden` tensor, and fed to every step as decoder inputs of
-    the same names. Recomputed values are copied into the tensors already held when the shapes
-    match, so a captured decode step keeps reading the same addresses."""
-
-    def __init__(self, program: Program,
-                 run: Callable[[torch.Tensor], dict[str, torch.Tensor]]) -> None:
-        self.enabled = any(g.name == CROSS_KV for g in program)
-        self.run = run                      # encoder_hidden → the graph's outputs by name
-        self.values: dict[str, torch.Tensor] = {}
-        self.source: torch.Tensor | None = None
-
-    def reset(self) -> None:
-        """A new generation: the next step computes them again (into the same tensors)."""
-        self.source = None
-
-    def inputs(self, encoder_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The decoder inputs computed from `encoder_hidden`, computed now if not yet."""
-        if self.enabled and self.source is not encoder_hidden:
-            for name, x in self.run(encoder_hidden).items():
-                held = self.values.get(name)
-                if held is not None and held.shape == x.shape and held.dtype == x.dtype and \
-                        held.device == x.device:
-                    held.copy_(x)
-                else:
-                    self.values[name] = x
-            self.source = encoder_hidden
-        return dict(self.values)
