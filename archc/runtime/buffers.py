@@ -54,10 +54,6 @@ class BufferPlan:
             f"buffer_sizes_{self.graph}")
         self._by_past = uses_past(list(self.nbytes.values()))
 
-    @property
-    def slots(self) -> int:
-        return len(self.members)
-
     def root_bytes(self, dims: Dims) -> dict[int, int]:
         return dict(zip(self.slot_of, self._sizes(*dims)))
 
@@ -65,12 +61,6 @@ class BufferPlan:
         nbytes = self.root_bytes(dims)
         return [(max(nbytes[r] for r in roots) + ALIGN - 1) // ALIGN * ALIGN
                 for roots in self.members]
-
-    def planned_bytes(self, dims: Dims) -> int:
-        return sum(self.slot_bytes(dims))
-
-    def unplanned_bytes(self, dims: Dims) -> int:
-        return sum(self.root_bytes(dims).values())
 
     def tensors(self, dims: Dims, device: torch.device) -> dict[int, torch.Tensor]:
         """Root node → its tensor (a typed view of its slot) at `dims`."""
