@@ -11,7 +11,7 @@ import torch
 
 from archc.errors import RunError
 from archc.ir.graph import Graph, Program
-from archc.runtime.state import StaticStore
+from archc.runtime.launch import StaticStore
 from archc.runtime.triton_backend import TritonOptions, TritonSession
 
 

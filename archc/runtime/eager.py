@@ -21,7 +21,6 @@ from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import OP_TABLE, Op, bind, full_attrs
 from archc.ir.shapes import DIMS
 from archc.ir.text import format_node
-from archc.runtime.state import RecurrentState
 from archc.runtime.weights import TORCH_DTYPES, materialize
 
 
@@ -48,6 +47,34 @@ class KVCache:
                                                           device=x.device)
         buf[:, :, past:past + t] = x
         return buf[:, :, :past + t]
+
+
+class RecurrentState:
+    """The eager interpreter's per-(layer, kind) state tensors of one batch of sequences: what
+    Mamba and linear-attention layers keep instead of a KV cache (the conv window and SSM state,
+    the running sums S and z), as the op table declares it (``archc.ir.ops.state``). It does not
+    grow with the context; a call at P = 0 starts a sequence, so it reads zeros."""
+
+    def __init__(self) -> None:
+        self.store: dict[tuple[int, str], torch.Tensor] = {}
+
+    def read(self, layer: int, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device, past: int) -> torch.Tensor:
+        """The state the last call left, or zeros when a sequence starts (P = 0)."""
+        have = self.store.get((layer, kind))
+        if past == 0:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        if have is None:
+            raise RunError(f"layer {layer} continues a sequence at P = {past} but holds no "
+                           f"{kind} state: reset and prefill first")
+        if tuple(have.shape) != tuple(shape) or have.dtype != dtype:
+            raise RunError(f"layer {layer}'s {kind} state is {have.dtype}{list(have.shape)}; "
+                           f"this call needs {dtype}{list(shape)} — reset before changing the "
+                           "batch")
+        return have
+
+    def write(self, layer: int, kind: str, value: torch.Tensor) -> None:
+        self.store[(layer, kind)] = value
 
 
 @dataclass

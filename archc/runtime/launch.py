@@ -8,7 +8,8 @@ as MoE routing, made of device ops) and views of the outputs. A step copies its 
 plan's buffers, writes P to the device and replays the launches (on a GPU, one CUDA graph
 captured from them). Shapes, strides and offsets are compiled once per graph into plain
 functions of (B, T, P, S) (``dim_function``): nothing symbolic runs per step, and nothing per
-step reads P on the host.
+step reads P on the host. The KV cache and the recurrent state the kernels update in place are
+static (``StaticStore``).
 """
 
 from __future__ import annotations
@@ -29,13 +30,54 @@ from archc.errors import RunError
 from archc.ir.graph import Graph
 from archc.ir.ops import Op
 from archc.runtime.buffers import plan_buffers
-from archc.runtime.state import StaticStore
 from archc.runtime.weights import TORCH_DTYPES
 
 # (callable, positional arguments, keyword arguments): a kernel launch or a host step
 Launch = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 PlanKey = tuple[int, int, int, int, int]     # B, T, P (0 unless sizes depend on it), S, keys
 MAX_PLANS = 8                                # distinct prompt lengths: keep a few
+
+
+class StaticStore:
+    """Static tensors per (layer, kind), [B, ...], that generated kernels read and write in
+    place: allocated anew (zeroed) when the batch size changes, and kept otherwise so a
+    captured CUDA graph keeps reading the same addresses (`generation` counts the
+    allocations)."""
+
+    def __init__(self, what: str, specs: Mapping[tuple[int, str], tuple[tuple[int, ...], str]],
+                 device: torch.device) -> None:
+        self.what = what          # for errors: "no k cache for layer 3"
+        self.specs = specs        # (layer, kind) → shape after B, IR dtype (``Generated.stores``)
+        self.device = device
+        self.batch = 0
+        self.generation = 0
+        self.store: dict[tuple[int, str], torch.Tensor] = {}
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """One tensor of the store (`archc bench --host` stands in views of one element)."""
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def ensure(self, batch: int) -> None:
+        if batch != self.batch:
+            self.generation += 1
+            self.store = {key: self.zeros((batch, *shape), TORCH_DTYPES[dtype])
+                          for key, (shape, dtype) in self.specs.items()}
+            self.batch = batch
+
+    def get(self, layer: int, kind: str) -> torch.Tensor:
+        try:
+            return self.store[(layer, kind)]
+        except KeyError:
+            raise RunError(f"no {kind} {self.what} for layer {layer}") from None
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.store.values())
+
+    def zero(self) -> None:
+        """A sequence starts: a kernel at P = 0 must read a zero state, and it reads whatever
+        the tensor holds."""
+        for t in self.store.values():
+            t.zero_()
 
 
 @dataclass

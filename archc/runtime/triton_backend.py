@@ -32,8 +32,7 @@ from archc.ir.text import format_node
 from archc.kernel_cache import default_cache_dir
 from archc.passes import optimize
 from archc.runtime.eager import SessionBase
-from archc.runtime.launch import GraphRunner, LaunchContext, LaunchPlan
-from archc.runtime.state import StaticStore
+from archc.runtime.launch import GraphRunner, LaunchContext, LaunchPlan, StaticStore
 from archc.runtime.weights import materialize
 
 
