@@ -150,8 +150,7 @@ class TritonSession(SessionBase):
         past length."""
         return past + t if self.target == "interpret" else self.max_seq_len
 
-    def _check_ids(self, graph: str, inputs: Mapping[str, torch.Tensor], *,
-                   on_device: bool = True) -> None:
+    def _check_ids(self, graph: str, inputs: Mapping[str, torch.Tensor], on_device: bool) -> None:
         """Token ids index embedding tables: out-of-range ids are refused here, naming the node.
         Ids still on the host are checked there, at no cost to the device. Ids already on the
         device are checked only when `on_device` (a prefill, which waits on the GPU anyway): a
