@@ -1,15 +1,13 @@
 """Launch plans: what one run of a graph launches, built once per dims and replayed.
 
-A generated module's ``run_<graph>(v, d)`` calls one launcher per kernel-level node, which works
-out sizes, block configuration and grid. None of that changes between decode steps, so the
-launchers run once per plan key with a ``LaunchContext`` that records instead of launching. A
-``LaunchPlan`` keeps the buffers, the launches (``kernel[grid]`` bound once, and host steps such
-as MoE routing, made of device ops) and views of the outputs. A step copies its inputs into the
-plan's buffers, writes P to the device and replays the launches (on a GPU, one CUDA graph
-captured from them). Shapes, strides and offsets are compiled once per graph into plain
-functions of (B, T, P, S) (``dim_function``): nothing symbolic runs per step, and nothing per
-step reads P on the host. The KV cache and the recurrent state the kernels update in place are
-static (``StaticStore``).
+A generated module's ``run_<graph>(v, d)`` calls one launcher per kernel-level node to work out
+sizes, block configuration and grid; none of that changes between decode steps, so the launchers
+run once per plan key, with a ``LaunchContext`` that records instead of launching. A step copies
+its inputs into the ``LaunchPlan``'s buffers, writes P to the device and replays the launches (on
+a GPU, one CUDA graph captured from them). Shapes, strides and offsets are compiled once into
+plain functions of (B, T, P, S) (``dim_function``): nothing symbolic, and no read of P, runs on
+the host per step. The KV cache and the recurrent state that kernels update in place are static
+(``StaticStore``).
 """
 
 from __future__ import annotations

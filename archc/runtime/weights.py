@@ -50,12 +50,9 @@ def _roles(program: Program) -> dict[str, str]:
                     roles[src.name] = "offset_gain" if n.attr("unit_offset") else "gain"
                 elif role.startswith("bias") or n.op == Op.ADD:
                     roles[src.name] = "bias"
-                elif n.op == Op.EMBEDDING:
-                    roles[src.name] = "table"
-                elif n.op == Op.REL_BIAS:
-                    roles[src.name] = "rel_table"
                 else:
-                    roles[src.name] = "weight"
+                    roles[src.name] = {Op.EMBEDDING: "table", Op.REL_BIAS: "rel_table"}.get(
+                        n.op, "weight")
     return roles
 
 
