@@ -24,8 +24,14 @@ from archc.passes import optimize
 from archc.perf.baselines import Counterpart, Unavailable, counterparts, scratch_caches
 from archc.perf.bench import TOLERANCE, run_bench
 from archc.perf.torch_program import TorchProgram
-from archc.runtime.eager import EagerContext, EagerSession, KVCache, Trace, run_graph
-from archc.runtime.state import RecurrentState
+from archc.runtime.eager import (
+    EagerContext,
+    EagerSession,
+    KVCache,
+    RecurrentState,
+    Trace,
+    run_graph,
+)
 from archc.runtime.weights import materialize
 from tests.conftest import TINY_SPECS
 

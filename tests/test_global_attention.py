@@ -24,8 +24,8 @@ from archc.ir.ops import Op
 from archc.ir.ops.attention import visible
 from archc.ir.shapes import B, S, T, shape
 from archc.runtime.eager import EagerContext, run_graph
-from archc.runtime.triton_backend import run_graph_triton
 from tests.test_triton_kernels import DEVICE, build, check, rand
+from tests.triton_graph import run_graph_triton
 
 TOL = 1e-5
 

@@ -16,8 +16,7 @@ from archc.ir.ops import KERNEL_LEVEL, Op
 from archc.ir.shapes import B, T, shape
 from archc.passes import optimize
 from archc.passes.manager import run_pass
-from archc.runtime.eager import EagerContext, run_graph
-from archc.runtime.state import RecurrentState
+from archc.runtime.eager import EagerContext, RecurrentState, run_graph
 from archc.spec import load_spec
 
 

@@ -26,7 +26,7 @@ from archc.ir.paramexpr import rope_inv_freq
 from archc.ir.shapes import B, S, T, shape
 from archc.ir.verify import verify_graph
 from archc.runtime.eager import EagerContext, KVCache, run_graph
-from archc.runtime.triton_backend import run_graph_triton
+from tests.triton_graph import run_graph_triton
 
 TOL = {"f32": 1e-5, "f16": 2e-3, "bf16": 1.6e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

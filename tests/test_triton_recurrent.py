@@ -28,9 +28,8 @@ from archc.ir.graph import Graph, GraphBuilder
 from archc.ir.ops import Op
 from archc.ir.shapes import B, T, shape
 from archc.ir.verify import verify_graph
-from archc.runtime.eager import EagerContext, run_graph
-from archc.runtime.state import RecurrentState
-from archc.runtime.triton_backend import run_graph_triton
+from archc.runtime.eager import EagerContext, RecurrentState, run_graph
+from tests.triton_graph import run_graph_triton
 
 TOL = {"f32": 1e-5, "f16": 2e-3}
 TORCH = {"f32": torch.float32, "f16": torch.float16}

@@ -1,8 +1,6 @@
-"""The ahead-of-time compile worker, run as a script in a fresh process.
-
-It imports Triton (with TRITON_INTERPRET unset, so @triton.jit builds compiler functions) and the
-generated module, and nothing of archc — in particular not torch — so it starts in a fraction of
-a second. It reads jobs as JSON lines on stdin, one kernel each:
+"""The ahead-of-time compile worker (see ``aot``): it imports Triton and the generated module,
+and nothing of archc — in particular not torch — so it starts in a fraction of a second. It reads
+jobs as JSON lines on stdin, one kernel each:
 
     {"kernel": name, "signature": {arg: type}, "constexprs": {arg: value},
      "options": {"num_warps": w, "num_stages": s}, "capability": 80 | 90}

@@ -2,14 +2,10 @@
 
 Every launcher asks ``launch_config(family, target, **sizes)`` for its tile; on a GPU with
 autotuning on, ``autotune_configs(family)`` gives the small set ``triton.autotune`` picks from.
-
 Two targets:
-- ``gpu``: tiles from the Triton tutorials and FlashAttention-2 for sm_80/sm_90 — matmul 128×128×64
-  with 8 warps and 3 stages for prefill (compiles to wgmma on sm_90a with no spills, 115 registers
-  with a paired epilogue and the norm prologue, checked with `archc compile --target sm_90a`),
-  narrow 16-row tiles for decode, where the weights stream once and the row count is 1–16;
-  attention 128×64 query×key tiles with 8 warps (64×32 for head_dim 256).
-  (Registers and spills from `archc compile --target sm_90a`, ptxas 13.)
+- ``gpu``: tiles from the Triton tutorials and FlashAttention-2 for sm_80/sm_90, registers and
+  spills checked with `archc compile --target sm_90a` (ptxas 13): a prefill matmul compiles to
+  wgmma with no spills (115 registers with a paired epilogue and the norm prologue).
 - ``interpret``: Triton's CPU interpreter pays per operation, not per element (~0.1–0.2 ms per
   tl op on this project's CI machine), so tiles are as large as the problem allows: fewer programs
   and fewer loop iterations.

@@ -88,7 +88,9 @@ class NodeCtx:
     i: int
     lays: Sequence[Layout]
     opts: CodegenOptions
-    extras: dict[str, Any] = field(default_factory=dict)
+    # what the runtime allocates for the kernel: ("cache" | "state", layer, kind, shape after
+    # B, IR dtype) of each KV cache and recurrent state it reads or writes
+    stored: list[tuple[str, int, str, tuple[int, ...], str]] = field(default_factory=list)
     args: list[Arg] = field(default_factory=list)
 
     @property
@@ -219,9 +221,6 @@ def elementwise_step(c: NodeCtx, st: Call, idx: int, width: int) -> dict[str, An
 
 # ---- the builder ------------------------------------------------------------------------------
 
-Context = Callable[[NodeCtx], tuple[dict[str, Any], list[JitKernel]]]
-
-
 def build(c: NodeCtx) -> Unit:
     template = OP_TABLE[c.node.op].template
     if template is None or (c.node.op.value == "router" and len(c.node.inputs) == 1):
@@ -348,20 +347,20 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
 
 def _cache_arg(c: NodeCtx, param: str, kind: str, layer: int, kv_heads: int, hd: int) -> Arg:
     """Layer `layer`'s `kind` (k|v) cache, [B, kv_heads, max_seq_len, hd], as an argument."""
+    c.stored.append(("cache", layer, kind, (kv_heads, c.opts.max_seq_len, hd), c.node.dtype))
     return Arg(param, "*" + TRITON_TYPES[c.node.dtype],
                f"{'key' if kind == 'k' else 'value'} cache [B, {kv_heads}, {c.opts.max_seq_len}, "
                f"{hd}]", f'd.cache.get({layer}, "{kind}")')
 
 
 def _states(c: NodeCtx) -> None:
-    """The recurrent state tensors the node's op declares, as arguments (allocated by the runtime
-    from what is recorded in `extras`)."""
+    """The recurrent state tensors the node's op declares, as arguments."""
     for decl in node_states(c.g, c.i):
         layer = c.attrs["layer"]
         if sympy.sympify(decl.shape[0]) != B:
             raise c.fail(f"the {decl.kind} state {list(decl.shape)} does not lead with B")
         tail = tuple(c.static(d, f"the {decl.kind} state's size") for d in decl.shape[1:])
-        c.extras.setdefault("state", []).append((layer, decl.kind, tail, decl.dtype))
+        c.stored.append(("state", layer, decl.kind, tail, decl.dtype))
         c.args.append(Arg(f"{decl.kind.lower()}_state", "*" + TRITON_TYPES[decl.dtype],
                           f"{decl.dtype} [{', '.join(map(str, ('B', *tail)))}] {decl.kind} "
                           "state, updated in place", f'd.states.get({layer}, "{decl.kind}")'))
@@ -536,7 +535,6 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
                       k_start=st.kw("k_start"), v_start=st.kw("v_start"), width=kv_heads * hd,
                       stride_b=kv_heads * max_len * hd, stride_h=max_len * hd, stride_l=hd)
             target.append(kv)
-            c.extras.setdefault("kv", []).append((kv["layer"], kv_heads, hd))
         elif st.fn == "head_norm":
             hn = dict(fn="head_norm", kind=st.kw("kind"), heads=st.kw("heads"),
                       head_dim=st.kw("head_dim"), eps=repr(st.kw("eps")),
@@ -594,7 +592,7 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     return ctx, [JitKernel("_kernel", "matmul", sizes, c.types(**ints))]
 
 
-CONTEXTS: dict[str, Context] = {
+CONTEXTS: dict[str, Callable[[NodeCtx], tuple[dict[str, Any], list[JitKernel]]]] = {
     "matmul": _matmul, "attention": _attention, "norm": _norm, "pointwise": _pointwise,
     "embedding": _embedding, "moe": _moe, "causal_conv": _causal_conv, "ssm_scan": _ssm_scan,
     "linear_attention": _linear_attention,

@@ -1,7 +1,5 @@
-"""Printing sympy index and size expressions as Triton (device) or Python (host) code.
-
-Sizes and strides in the IR are sympy expressions over the dynamic dims B, T, P, S; codegen prints
-them into kernels (`b * (T*192) + t * 192`) and into launchers (grids, row counts).
+"""Printing sympy index and size expressions over B, T, P, S as Triton (device) or Python (host)
+code: into kernels (`b * (T*192) + t * 192`) and into launchers (grids, row counts).
 
 Triton's integer `//` and `%` are C-like — they truncate toward zero — while sympy's ``floor`` and
 ``Mod`` (and Python's operators) round toward minus infinity. The two agree only when the operands
@@ -11,8 +9,8 @@ and an exact form otherwise:
     Mod(a, b)        →  ((a % b) + b) % b            (b > 0)
     floor(a / b)     →  (a - Mod(a, b)) // b          (an exact division: truncation is floor)
 
-``min``/``max`` become ``tl.minimum``/``tl.maximum`` on the device. Anything that is not integer
-arithmetic (a rational, a float, an unknown function) is refused rather than printed wrongly.
+Anything that is not integer arithmetic (a rational, a float, an unknown function) is refused
+rather than printed wrongly.
 
 Evaluating an expression with sympy (``subs``, ``xreplace``) costs tens of microseconds and a
 decode step needs hundreds, so the runtime compiles the host code of those it reads into one
@@ -21,6 +19,7 @@ plain function per use (``dim_function``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 
 import sympy
@@ -113,11 +112,7 @@ class _IndexPrinter(StrPrinter):
         return f"(({a} - ((({a} % {b}) + {b}) % {b})) // {b})"
 
     def _fold(self, e: sympy.Expr, fn: str) -> str:
-        args = [self._print(a) for a in e.args]
-        out = args[0]
-        for a in args[1:]:
-            out = f"{fn}({out}, {a})"
-        return out
+        return functools.reduce(lambda a, b: f"{fn}({a}, {b})", map(self._print, e.args))
 
     def _print_Min(self, e: sympy.Min) -> str:
         return self._fold(e, "tl.minimum" if self.device else "min")

@@ -28,7 +28,7 @@ from types import ModuleType
 import jinja2
 
 from archc import __version__
-from archc.codegen.build import JitKernel, NodeCtx, Unit, build
+from archc.codegen.build import JitKernel, NodeCtx, build
 from archc.codegen.layout import CodegenError, layouts
 from archc.codegen.options import CodegenOptions
 from archc.ir.expr import act_code, tanh_code
@@ -37,7 +37,7 @@ from archc.ir.text import format_node, format_program
 from archc.ir.verify import verify
 
 TEMPLATES = Path(__file__).parent / "templates"
-StateSpec = tuple[int, str, tuple[int, ...], str]     # (layer, kind, shape after B, dtype)
+StoreSpec = tuple[tuple[int, ...], str]     # a KV cache's or recurrent state's shape after B, dtype
 PLACEHOLDER = "__KERNEL__"
 
 
@@ -76,8 +76,8 @@ class Generated:
     digest: str
     units: list[RenderedUnit]
     steps: dict[str, list[Step]]
-    kv: list[tuple[int, int, int]]          # (layer, kv_heads, head_dim) of every cache written
-    states: list[StateSpec]                 # every recurrent state a kernel updates
+    # "cache" | "state" → (layer, kind) → shape and dtype of each KV cache and recurrent state
+    stores: dict[str, dict[tuple[int, str], StoreSpec]]
 
     @property
     def launches(self) -> int:
@@ -94,23 +94,12 @@ class Generated:
         return f"# {u.name} ({u.family}): {uses}\n{header}{u.source.rstrip()}\n"
 
 
-def _render(unit: Unit) -> str:
-    try:
-        return ENV.get_template(unit.template).render(name=PLACEHOLDER, **unit.context)
-    except jinja2.UndefinedError as err:
-        raise CodegenError(f"template {unit.template}: {err}") from None
-
-
-def _fingerprint() -> str:
-    """A hash of the templates and the code that fills them: a change to either is a new
-    module, never a stale one from the cache."""
-    code = [TEMPLATES.parent / f"{name}.py" for name in ("build", "render", "layout", "printer")]
-    return hashlib.sha256(__version__.encode() + b"".join(
-        p.name.encode() + p.read_bytes() for p in sorted([*TEMPLATES.glob("*.j2"), *code])
-    )).hexdigest()
-
-
-_FINGERPRINT = _fingerprint()
+# A hash of the templates and the code that fills them: a change to either is a new module, never
+# a stale one from the cache.
+_FINGERPRINT = hashlib.sha256(__version__.encode() + b"".join(
+    p.name.encode() + p.read_bytes() for p in sorted([*TEMPLATES.glob("*.j2"), *(
+        TEMPLATES.parent / f"{name}.py" for name in ("build", "render", "layout", "printer"))])
+)).hexdigest()
 
 
 def _header(uses: list[tuple[str, int, str]]) -> list[str]:
@@ -135,17 +124,23 @@ def generate(program: Program, options: CodegenOptions) -> Generated:
     units: list[RenderedUnit] = []
     counters: Counter[str] = Counter()
     steps: dict[str, list[Step]] = {}
-    kv: list[tuple[int, int, int]] = []
-    states: list[StateSpec] = []
+    stores: dict[str, dict[tuple[int, str], StoreSpec]] = {"cache": {}, "state": {}}
     for g in program:
         lays = layouts(g)
         steps[g.name] = []
         for i in g.compute_ids():
             ctx = NodeCtx(g, i, lays, options)
             unit = build(ctx)
-            kv += ctx.extras.get("kv", [])
-            states += ctx.extras.get("state", [])
-            text = _render(unit)
+            for what, layer, kind, shape, dtype in ctx.stored:
+                other = stores[what].setdefault((layer, kind), (shape, dtype))
+                if other != (shape, dtype):
+                    raise CodegenError(f"layer {layer}'s {kind} {what} is {other[1]}"
+                                       f"{list(other[0])} in one kernel and {dtype}{list(shape)} "
+                                       "in another")
+            try:
+                text = ENV.get_template(unit.template).render(name=PLACEHOLDER, **unit.context)
+            except jinja2.UndefinedError as err:
+                raise CodegenError(f"template {unit.template}: {err}") from None
             ru = by_text.get((unit.template, text))
             if ru is None:
                 name = f"{unit.family}_{counters[unit.family]}"
@@ -170,19 +165,7 @@ def generate(program: Program, options: CodegenOptions) -> Generated:
         version=__version__, model=program.model, kernels=kernels, graphs=graphs,
         launches=sum(len(s) for s in steps.values()), options=options.key(),
         graph_hash=digest[:16])
-    return Generated(program.model, source, digest, units, steps, sorted(set(kv)),
-                     _one_per_state(states))
-
-
-def _one_per_state(states: list[StateSpec]) -> list[StateSpec]:
-    """Each (layer, kind) once; two kernels that disagree on its shape are refused."""
-    seen: dict[tuple[int, str], StateSpec] = {}
-    for s in states:
-        other = seen.setdefault(s[:2], s)
-        if other != s:
-            raise CodegenError(f"layer {s[0]}'s {s[1]} state is {other[3]}{list(other[2])} in one "
-                               f"kernel and {s[3]}{list(s[2])} in another")
-    return sorted(seen.values())
+    return Generated(program.model, source, digest, units, steps, stores)
 
 
 def write_module(gen: Generated, directory: Path) -> Path:

@@ -363,7 +363,7 @@ def _time_kernel(cfg: BenchConfig, session: Any, g: Graph, i: int, call: str,
     synchronize(cfg.device)
     out = runner.value(i, dims).clone()
     xs = [runner.value(j, dims) for j in g.nodes[i].inputs]
-    scratch = scratch_caches(g, i, dims, session.cache.dtype, cfg.device)
+    scratch = scratch_caches(g, i, dims, TORCH_DTYPES[session.dtype], cfg.device)
     row["baselines"] = [_baseline_row(cfg, c, out, t) for c in counterparts(
         g, i, xs, dims, session.cache.store, scratch, held)]
     restore()

@@ -54,10 +54,6 @@ class BufferPlan:
             f"buffer_sizes_{self.graph}")
         self._by_past = uses_past(list(self.nbytes.values()))
 
-    @property
-    def slots(self) -> int:
-        return len(self.members)
-
     def root_bytes(self, dims: Dims) -> dict[int, int]:
         return dict(zip(self.slot_of, self._sizes(*dims)))
 
@@ -66,26 +62,15 @@ class BufferPlan:
         return [(max(nbytes[r] for r in roots) + ALIGN - 1) // ALIGN * ALIGN
                 for roots in self.members]
 
-    def planned_bytes(self, dims: Dims) -> int:
-        return sum(self.slot_bytes(dims))
-
-    def unplanned_bytes(self, dims: Dims) -> int:
-        return sum(self.root_bytes(dims).values())
-
-    def buffers(self, dims: Dims, device: torch.device) -> list[torch.Tensor]:
+    def tensors(self, dims: Dims, device: torch.device) -> dict[int, torch.Tensor]:
+        """Root node → its tensor (a typed view of its slot) at `dims`."""
         key = dims if self._by_past else (dims[0], dims[1], 0, dims[3])
         bufs = self._cache.get(key)
         if bufs is None:
             if len(self._cache) >= 8:                 # distinct prompt lengths: keep a few
                 self._cache.pop(next(iter(self._cache)))
-            bufs = [torch.empty(n, dtype=torch.uint8, device=device)
-                    for n in self.slot_bytes(dims)]
-            self._cache[key] = bufs
-        return bufs
-
-    def tensors(self, dims: Dims, device: torch.device) -> dict[int, torch.Tensor]:
-        """Root node → its tensor (a typed view of its slot) at `dims`."""
-        bufs = self.buffers(dims, device)
+            bufs = self._cache[key] = [torch.empty(n, dtype=torch.uint8, device=device)
+                                       for n in self.slot_bytes(dims)]
         sizes = self._sizes(*dims)
         at = len(self.slot_of)
         out: dict[int, torch.Tensor] = {}

@@ -5,16 +5,12 @@ its op declares in the op table; its result is checked against the node's symbol
 concrete B, T, P, S, and a failure names the node (``while running %42 = attention(...)``).
 Values are freed after their last use, so a real-size model runs in the memory of its weights
 plus a few activations.
-
-``EagerSession`` holds what persists between calls: the evaluated parameters, the KV cache, the
-recurrent state of Mamba and linear-attention layers, and the past length P — so a prompt can be
-prefilled and then decoded token by token.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import sympy
@@ -25,7 +21,6 @@ from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import OP_TABLE, Op, bind, full_attrs
 from archc.ir.shapes import DIMS
 from archc.ir.text import format_node
-from archc.runtime.state import CrossKV, RecurrentState
 from archc.runtime.weights import TORCH_DTYPES, materialize
 
 
@@ -43,9 +38,6 @@ class KVCache:
 
     def append(self, layer: int, kind: str, x: torch.Tensor, past: int) -> torch.Tensor:
         b, h, t, d = x.shape
-        if past + t > self.max_len:
-            raise RunError(f"sequence of {past + t} tokens exceeds the KV cache "
-                           f"(max_seq_len = {self.max_len})")
         buf = self.store.get((layer, kind))
         if buf is None or buf.shape[0] != b or buf.dtype != x.dtype:
             if buf is not None and past > 0:
@@ -57,26 +49,49 @@ class KVCache:
         return buf[:, :, :past + t]
 
 
+class RecurrentState:
+    """The eager interpreter's per-(layer, kind) state tensors of one batch of sequences: what
+    Mamba and linear-attention layers keep instead of a KV cache (the conv window and SSM state,
+    the running sums S and z), as the op table declares it (``archc.ir.ops.state``). It does not
+    grow with the context; a call at P = 0 starts a sequence, so it reads zeros."""
+
+    def __init__(self) -> None:
+        self.store: dict[tuple[int, str], torch.Tensor] = {}
+
+    def read(self, layer: int, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device, past: int) -> torch.Tensor:
+        """The state the last call left, or zeros when a sequence starts (P = 0)."""
+        have = self.store.get((layer, kind))
+        if past == 0:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        if have is None:
+            raise RunError(f"layer {layer} continues a sequence at P = {past} but holds no "
+                           f"{kind} state: reset and prefill first")
+        if tuple(have.shape) != tuple(shape) or have.dtype != dtype:
+            raise RunError(f"layer {layer}'s {kind} state is {have.dtype}{list(have.shape)}; "
+                           f"this call needs {dtype}{list(shape)} — reset before changing the "
+                           "batch")
+        return have
+
+    def write(self, layer: int, kind: str, value: torch.Tensor) -> None:
+        self.store[(layer, kind)] = value
+
+
 @dataclass
 class EagerContext:
     """What eager op semantics may read besides their inputs."""
 
     dims: Mapping[str, int]
     cache: KVCache | None = None
-    state: RecurrentState | None = None
-
-    def _state(self) -> RecurrentState:
-        if self.state is None:
-            raise RunError("this graph keeps a recurrent state but none was given")
-        return self.state
+    state: RecurrentState = field(default_factory=RecurrentState)
 
     def state_read(self, layer: int, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor:
         """Layer `layer`'s recurrent state `kind`: zeros when a sequence starts (P = 0)."""
-        return self._state().read(layer, kind, shape, dtype, device, self.dims["P"])
+        return self.state.read(layer, kind, shape, dtype, device, self.dims["P"])
 
     def state_write(self, layer: int, kind: str, value: torch.Tensor) -> None:
-        self._state().write(layer, kind, value)
+        self.state.write(layer, kind, value)
 
     def cache_append(self, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
         if self.cache is None:
@@ -139,77 +154,104 @@ def run_graph(graph: Graph, params: Mapping[str, torch.Tensor],
     return outputs
 
 
-def encoder_inputs(tokens: torch.Tensor, attention_mask: torch.Tensor | None,
-                   token_types: torch.Tensor | None, device: torch.device
-                   ) -> dict[str, torch.Tensor]:
-    """An encoder graph's inputs: without a mask every token is real, without types all are 0."""
-    b, t = tokens.shape
-    mask = torch.ones(b, t) if attention_mask is None else attention_mask
-    types = torch.zeros(b, t) if token_types is None else token_types
-    return {"tokens": tokens.to(device), "positions": torch.arange(t, device=device),
-            "attention_mask": mask.long().to(device), "token_types": types.long().to(device)}
+class SessionBase:
+    """What every backend's session keeps between calls — past length P, the prefix length, the
+    cross-attention inputs — and its surface: ``encode`` runs an encoder graph; ``step`` runs the
+    decoder graph on new tokens after the P already cached (P = 0 after ``reset``). A backend
+    runs one graph in ``_run``."""
 
-
-class EagerSession:
-    """A program ready to run eagerly: parameters evaluated once, a KV cache, past length P.
-
-    ``encode`` runs an encoder graph; ``step`` runs the decoder graph on new tokens after the P
-    already cached (P = 0 after ``reset``)."""
-
-    def __init__(self, program: Program, checkpoint: Mapping[str, torch.Tensor], *,
-                 max_seq_len: int, device: str | torch.device = "cpu") -> None:
+    def __init__(self, program: Program, max_seq_len: int, device: torch.device) -> None:
         self.program = program
-        self.device = torch.device(device)
-        self.params = {g.name: materialize(g, checkpoint, self.device) for g in program}
-        self.cache = KVCache(max_seq_len)
-        self.state = RecurrentState()
+        self.max_seq_len = max_seq_len
+        self.device = device
         self.past = 0
         self.prefix_len: int | None = None
-        self.trace: Trace | None = None
-        self.cross_kv = CrossKV(program, self._run_cross_kv)
+        self.has_cross_kv = any(g.name == CROSS_KV for g in program)
+        self.cross_kv: dict[str, torch.Tensor] = {}    # the outputs of the cross_kv graph
+        self.cross_kv_source: torch.Tensor | None = None
+
+    # a backend runs one graph: _run(name, inputs, *, B, T, P, S, held=None) → outputs by name
+    _run: Callable[..., dict[str, torch.Tensor]]
 
     def reset(self) -> None:
         self.past = 0
         self.prefix_len = None
-        self.cross_kv.reset()
-        self.cache = KVCache(self.cache.max_len)
-        self.state = RecurrentState()
+        self.cross_kv_source = None     # a new generation: the cross-KV inputs are computed again
 
-    def _run(self, name: str, inputs: dict[str, torch.Tensor], **dims: int
-             ) -> dict[str, torch.Tensor]:
-        return run_graph(self.program.graph(name), self.params[name], inputs,
-                         EagerContext(dims, self.cache, self.state), trace=self.trace)
-
-    def _run_cross_kv(self, encoder_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-        b, s = encoder_hidden.shape[:2]
-        return self._run(CROSS_KV, {"encoder_hidden": encoder_hidden}, B=b, T=1, P=0, S=s)
+    def _cross_kv_inputs(self, encoder_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The outputs of the `cross_kv` graph (the cross-attention K and V projections, hoisted
+        there by `hoist-cross-kv`), decoder inputs of the same names: computed at the first step
+        after a reset or when a step brings another `encoder_hidden` tensor. Recomputed values
+        are copied into the tensors already held when the shapes match, so a captured decode
+        step keeps reading the same addresses."""
+        if self.has_cross_kv and self.cross_kv_source is not encoder_hidden:
+            b, s = encoder_hidden.shape[:2]
+            out = self._run(CROSS_KV, {"encoder_hidden": encoder_hidden}, B=b, T=1, P=0, S=s)
+            for name, x in out.items():
+                held = self.cross_kv.get(name)
+                if held is not None and held.shape == x.shape:
+                    held.copy_(x)
+                else:
+                    self.cross_kv[name] = x
+            self.cross_kv_source = encoder_hidden
+        return dict(self.cross_kv)
 
     def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
                token_types: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states [B, T, d] of the encoder graph."""
+        """Hidden states [B, T, d] of the encoder graph: without a mask every token is real,
+        without types all are 0."""
         b, t = tokens.shape
-        inputs = encoder_inputs(tokens, attention_mask, token_types, self.device)
-        return self._run("encoder", inputs, B=b, T=t, P=0)["hidden"]
+        mask = torch.ones(b, t) if attention_mask is None else attention_mask
+        types = torch.zeros(b, t) if token_types is None else token_types
+        inputs = {"tokens": tokens, "attention_mask": mask.long(), "token_types": types.long()}
+        return self._run("encoder", inputs, B=b, T=t, P=0, S=0)["hidden"]
 
     def step(self, tokens: torch.Tensor, *, encoder_hidden: torch.Tensor | None = None,
              encoder_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab] for `tokens` following the P tokens already in the cache."""
         b, t = tokens.shape
+        if self.past + t > self.max_seq_len:
+            raise RunError(f"sequence of {self.past + t} tokens exceeds the KV cache "
+                           f"(max_seq_len = {self.max_seq_len})")
         if self.prefix_len is None:
             self.prefix_len = t  # prefix-LM: the first call's tokens are the prefix
-        inputs: dict[str, torch.Tensor] = {
-            "tokens": tokens.to(self.device),
-            "positions": torch.arange(self.past, self.past + t, device=self.device),
-            "prefix_len": torch.tensor(self.prefix_len, device=self.device),
-        }
-        dims = {"B": b, "T": t, "P": self.past}
+        s = 0
+        inputs: dict[str, torch.Tensor] = {"tokens": tokens}
+        held: dict[str, torch.Tensor] = {}
         if encoder_hidden is not None:
             s = encoder_hidden.shape[1]
-            dims["S"] = s
-            inputs["encoder_hidden"] = encoder_hidden
-            inputs["encoder_mask"] = (torch.ones(b, s, dtype=torch.long) if encoder_mask is None
-                                      else encoder_mask.long()).to(self.device)
-            inputs.update(self.cross_kv.inputs(encoder_hidden))
-        out = self._run("decoder", inputs, **dims)["logits"]
+            held = self._cross_kv_inputs(encoder_hidden)     # once per generation
+            mask = torch.ones(b, s) if encoder_mask is None else encoder_mask
+            inputs.update(held, encoder_hidden=encoder_hidden, encoder_mask=mask.long())
+        logits = self._run("decoder", inputs, B=b, T=t, P=self.past, S=s, held=held)["logits"]
         self.past += t
-        return out
+        return logits
+
+
+class EagerSession(SessionBase):
+    """A program ready to run eagerly: parameters evaluated once, a KV cache, a recurrent state."""
+
+    def __init__(self, program: Program, checkpoint: Mapping[str, torch.Tensor], *,
+                 max_seq_len: int, device: str | torch.device = "cpu") -> None:
+        super().__init__(program, max_seq_len, torch.device(device))
+        self.params = {g.name: materialize(g, checkpoint, self.device) for g in program}
+        self.cache = KVCache(max_seq_len)
+        self.state = RecurrentState()
+        self.trace: Trace | None = None
+
+    def reset(self) -> None:
+        super().reset()
+        self.cache = KVCache(self.cache.max_len)
+        self.state = RecurrentState()
+
+    def _run(self, name: str, inputs: dict[str, torch.Tensor], *, B: int, T: int,  # noqa: N803
+             P: int, S: int, held: Mapping[str, torch.Tensor] | None = None,  # noqa: N803
+             ) -> dict[str, torch.Tensor]:
+        # positions are archc's own, P … P + T − 1, as is the prefix length
+        inputs = {k: x.to(self.device) for k, x in inputs.items()}
+        inputs["positions"] = torch.arange(P, P + T, device=self.device)
+        if self.prefix_len is not None:
+            inputs["prefix_len"] = torch.tensor(self.prefix_len, device=self.device)
+        return run_graph(self.program.graph(name), self.params[name], inputs,
+                         EagerContext(dict(B=B, T=T, P=P, S=S), self.cache, self.state),
+                         trace=self.trace)

@@ -1,18 +1,13 @@
 """Launch plans: what one run of a graph launches, built once per dims and replayed.
 
-A generated module's ``run_<graph>(v, d)`` calls one launcher per kernel-level node, which works
-out sizes, block configuration and grid. None of that changes between decode steps, so the runtime
-runs the launchers once per plan key (B, T, S, the keys attention covers, and P where sizes depend
-on it) with a ``LaunchContext`` that records instead of launching. A ``LaunchPlan`` keeps the
-buffers (parameters, one per graph input, the activations of ``archc.runtime.buffers``), the
-launches — ``kernel[grid]`` bound once, and the few host steps such as MoE routing, made of device
-ops — and views of the outputs.
-
-A step copies its inputs into the plan's buffers, writes P to the device and replays the launches
-in a tight loop (or, on a GPU, one CUDA graph captured from them). Shapes, strides and offsets are
-compiled once per graph into plain functions of (B, T, P, S) (``dim_function``): nothing
-symbolic runs per step, and nothing per step reads P on the host. Plans are dropped when the KV
-cache or the recurrent state is reallocated.
+A generated module's ``run_<graph>(v, d)`` calls one launcher per kernel-level node to work out
+sizes, block configuration and grid; none of that changes between decode steps, so the launchers
+run once per plan key, with a ``LaunchContext`` that records instead of launching. A step copies
+its inputs into the ``LaunchPlan``'s buffers, writes P to the device and replays the launches (on
+a GPU, one CUDA graph captured from them). Shapes, strides and offsets are compiled once into
+plain functions of (B, T, P, S) (``dim_function``): nothing symbolic, and no read of P, runs on
+the host per step. The KV cache and the recurrent state that kernels update in place are static
+(``StaticStore``).
 """
 
 from __future__ import annotations
@@ -33,13 +28,54 @@ from archc.errors import RunError
 from archc.ir.graph import Graph
 from archc.ir.ops import Op
 from archc.runtime.buffers import plan_buffers
-from archc.runtime.state import StaticStore
 from archc.runtime.weights import TORCH_DTYPES
 
 # (callable, positional arguments, keyword arguments): a kernel launch or a host step
 Launch = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 PlanKey = tuple[int, int, int, int, int]     # B, T, P (0 unless sizes depend on it), S, keys
 MAX_PLANS = 8                                # distinct prompt lengths: keep a few
+
+
+class StaticStore:
+    """Static tensors per (layer, kind), [B, ...], that generated kernels read and write in
+    place: allocated anew (zeroed) when the batch size changes, and kept otherwise so a
+    captured CUDA graph keeps reading the same addresses (`generation` counts the
+    allocations)."""
+
+    def __init__(self, what: str, specs: Mapping[tuple[int, str], tuple[tuple[int, ...], str]],
+                 device: torch.device) -> None:
+        self.what = what          # for errors: "no k cache for layer 3"
+        self.specs = specs        # (layer, kind) → shape after B, IR dtype (``Generated.stores``)
+        self.device = device
+        self.batch = 0
+        self.generation = 0
+        self.store: dict[tuple[int, str], torch.Tensor] = {}
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """One tensor of the store (`archc bench --host` stands in views of one element)."""
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def ensure(self, batch: int) -> None:
+        if batch != self.batch:
+            self.generation += 1
+            self.store = {key: self.zeros((batch, *shape), TORCH_DTYPES[dtype])
+                          for key, (shape, dtype) in self.specs.items()}
+            self.batch = batch
+
+    def get(self, layer: int, kind: str) -> torch.Tensor:
+        try:
+            return self.store[(layer, kind)]
+        except KeyError:
+            raise RunError(f"no {kind} {self.what} for layer {layer}") from None
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.store.values())
+
+    def zero(self) -> None:
+        """A sequence starts: a kernel at P = 0 must read a zero state, and it reads whatever
+        the tensor holds."""
+        for t in self.store.values():
+            t.zero_()
 
 
 @dataclass
@@ -186,15 +222,13 @@ class GraphRunner:
         in_shapes = {i: graph.nodes[i].shape for i in graph.inputs.values()}
         self._input_shapes = {i: dim_function(s, f"input_shape_{i}") for i, s in in_shapes.items()}
         self._layouts: dict[int, DimFn] = {}
-        for i in graph.outputs.values():             # compiled now: plans read them
-            self._layout(i)
         self.by_past = uses_past([e for s in in_shapes.values() for e in s] +
                                  [e for i in graph.outputs.values() for e in self._exprs(i)] +
                                  list(self.buffers.nbytes.values()))
         self.plans: dict[PlanKey, LaunchPlan] = {}
         self._generations: tuple[int, int] | None = None
         self.last: LaunchPlan | None = None
-        self.last_past = 0
+        self.last_dims: dict[str, int] = {}
 
     # ---- plans ---------------------------------------------------------------------------
     def plan(self, d: LaunchContext, B: int, T: int, P: int, S: int,  # noqa: N803
@@ -253,7 +287,7 @@ class GraphRunner:
         else:
             plan.launch()
         self.last = plan
-        self.last_past = P
+        self.last_dims = dict(zip("BTPS", (*plan.key[:2], P, plan.key[3])))
 
     def run(self, inputs: Mapping[str, torch.Tensor], d: LaunchContext, *, B: int,  # noqa: N803
             T: int, P: int, S: int, kv_len_max: int) -> dict[str, torch.Tensor]:  # noqa: N803
@@ -284,23 +318,9 @@ class GraphRunner:
     def last_v(self) -> list[torch.Tensor | None]:
         return self.last.v if self.last is not None else []
 
-    @property
-    def last_dims(self) -> dict[str, int]:
-        if self.last is None:
-            return {}
-        B, T, _, S, _ = self.last.key  # noqa: N806
-        return {"B": B, "T": T, "P": self.last_past, "S": S}
-
     def _exprs(self, i: int) -> list[Any]:
         lay = self.lays[i]
         return [*lay.shape, *lay.strides, lay.offset]
-
-    def _layout(self, i: int) -> DimFn:
-        """Node i's shape, strides and offset as one compiled function of the dims."""
-        fn = self._layouts.get(i)
-        if fn is None:
-            fn = self._layouts[i] = dim_function(self._exprs(i), f"layout_{i}")
-        return fn
 
     def value(self, i: int, dims: Mapping[str, int], v: list[torch.Tensor | None] | None = None
               ) -> torch.Tensor:
@@ -309,6 +329,9 @@ class GraphRunner:
         base = (self.last_v if v is None else v)[lay.root]
         if base is None:
             raise RunError(f"node %{i} has no value")
-        at = self._layout(i)(*(dims[k] for k in "BTPS"))
+        fn = self._layouts.get(i)     # shape, strides and offset: compiled on first use
+        if fn is None:
+            fn = self._layouts[i] = dim_function(self._exprs(i), f"layout_{i}")
+        at = fn(*(dims[k] for k in "BTPS"))
         r = lay.rank
         return base.as_strided(at[:r], at[r:2 * r], base.storage_offset() + at[2 * r])

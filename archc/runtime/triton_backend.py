@@ -4,14 +4,10 @@
 
 The default pass pipeline turns the unfused program into kernel-level graphs, codegen renders
 them into one module (cached on disk by a hash of graph + options), and each call replays a
-launch plan recorded once for its dims (``archc.runtime.launch``). Weights are evaluated once,
-in the model dtype, on the device; the KV cache ([B, H_kv, max_seq_len, D] per layer and k|v,
-written by the QKV projection's epilogue at offset P) and the recurrent state are static
-(``archc.runtime.state``), and P lives on the device too, so a decode step is the same launches
-every time — on a GPU it is captured once in a CUDA graph and replayed.
-
-Without a GPU, archc sets ``TRITON_INTERPRET=1`` before Triton is imported and the same kernels
-run under Triton's CPU interpreter (f32 or f16: the interpreter computes bf16 wrongly).
+launch plan recorded once for its dims (``archc.runtime.launch``). Weights, the KV cache, the
+recurrent state and P live on the device, so a decode step is the same launches every time — on
+a GPU, one captured CUDA graph. Without a GPU the same kernels run under Triton's CPU interpreter
+(f32 or f16: the interpreter computes bf16 wrongly).
 """
 
 from __future__ import annotations
@@ -28,17 +24,16 @@ import torch
 
 from archc.codegen.blocks import autotune_configs
 from archc.codegen.options import CodegenOptions
-from archc.codegen.render import Generated, generate, load_module, write_module
+from archc.codegen.render import generate, load_module, write_module
 from archc.errors import ArchcError, RunError
-from archc.ir.graph import CROSS_KV, Graph, Program
+from archc.ir.graph import Graph, Program
 from archc.ir.ops import Op
 from archc.ir.text import format_node
 from archc.kernel_cache import default_cache_dir
 from archc.passes import optimize
-from archc.runtime.eager import encoder_inputs
-from archc.runtime.launch import GraphRunner, LaunchContext, LaunchPlan
-from archc.runtime.state import CrossKV, StaticKVCache, StaticState
-from archc.runtime.weights import TORCH_DTYPES, materialize
+from archc.runtime.eager import SessionBase
+from archc.runtime.launch import GraphRunner, LaunchContext, LaunchPlan, StaticStore
+from archc.runtime.weights import materialize
 
 
 def prepare_triton(device: torch.device) -> str:
@@ -69,7 +64,7 @@ def _interpret_loaded_triton() -> None:
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
     knobs.runtime.interpret = True
-    converted: dict[int, InterpretedFunction] = {}
+    converted: dict[int, InterpretedFunction] = {}  # by id: hashing a JITFunction reads globals
 
     def interpreted(fn: JITFunction) -> InterpretedFunction:
         if id(fn) not in converted:
@@ -79,27 +74,11 @@ def _interpret_loaded_triton() -> None:
         return converted[id(fn)]
 
     import triton.language as tl
-    spaces: list[Any] = [m for name, m in list(sys.modules.items())
-                         if m is not None and name.startswith("triton.language")]
-    spaces.append(tl.tensor)
-    for space in spaces:
+    for space in [*(m for name, m in list(sys.modules.items())
+                    if m is not None and name.startswith("triton.language")), tl.tensor]:
         for name, value in list(vars(space).items()):
             if isinstance(value, JITFunction):
                 setattr(space, name, interpreted(value))
-
-
-def check_dtype(dtype: str, target: str) -> None:
-    if dtype == "bf16" and target == "interpret":
-        raise ArchcError("bf16 on the CPU: Triton's interpreter computes bfloat16 wrongly, so the "
-                         "triton backend runs f32 or f16 there (use --dtype f32 or f16, or a GPU)")
-
-
-def compile_program(program: Program, options: CodegenOptions, cache_dir: Path | None
-                    ) -> tuple[Generated, Path, ModuleType]:
-    """Render `program`, write the module to the cache (by its digest) and import it."""
-    generated = generate(program, options)
-    path = write_module(generated, (cache_dir or default_cache_dir()) / generated.digest[:24])
-    return generated, path, load_module(path, generated.digest)
 
 
 # ---- the session ---------------------------------------------------------------------------
@@ -112,61 +91,50 @@ class TritonOptions:
     cuda_graphs: bool = True
     reuse_buffers: bool = True
 
-    @classmethod
-    def parse(cls, options: Mapping[str, Any]) -> TritonOptions:
-        unknown = sorted(set(options) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ArchcError(f"unknown triton backend option {', '.join(unknown)} (known: "
-                             f"{', '.join(sorted(cls.__dataclass_fields__))})")
-        out = cls(**options)
-        out.cache_dir = None if out.cache_dir is None else Path(out.cache_dir)
-        return out
+    def __post_init__(self) -> None:
+        self.cache_dir = None if self.cache_dir is None else Path(self.cache_dir)
 
 
-def id_checks(graph: Graph) -> list[tuple[str, int, str]]:
-    """(input name, table rows, the node as text) of each input of `graph` that indexes an
-    embedding table."""
-    nodes = graph.nodes
-    return [(nodes[n.inputs[1]].name, int(nodes[n.inputs[0]].shape[0]), format_node(i, n))
-            for i, n in enumerate(nodes)
-            if n.op == Op.EMBEDDING and nodes[n.inputs[1]].op == Op.INPUT]
-
-
-class TritonSession:
-    """A program compiled to Triton kernels, with weights, a static KV cache and past length P:
-    the surface of ``EagerSession`` (``reset``, ``encode``, ``step``)."""
+class TritonSession(SessionBase):
+    """A program compiled to Triton kernels, with weights, a static KV cache and past length P."""
 
     def __init__(self, program: Program, checkpoint: Mapping[str, torch.Tensor], *,
                  max_seq_len: int, dtype: str = "f32", device: str | torch.device = "cpu",
                  options: TritonOptions | None = None) -> None:
-        self.device = torch.device(device)
-        self.target = self._target(self.device)
-        check_dtype(dtype, self.target)
+        device = torch.device(device)
+        self.target = self._target(device)
+        if dtype == "bf16" and self.target == "interpret":
+            raise ArchcError("bf16 on the CPU: Triton's interpreter computes bfloat16 wrongly, so "
+                             "the triton backend runs f32 or f16 there (use --dtype f32 or f16, "
+                             "or a GPU)")
         self.options = options or TritonOptions()
         self.dtype = dtype
         passes = self.options.passes
-        self.program = program if passes is None else optimize(program, passes)
+        super().__init__(program if passes is None else optimize(program, passes), max_seq_len,
+                         device)
         self.codegen_options = CodegenOptions(
             target=self.target, max_seq_len=max_seq_len,
             autotune=self.options.autotune and self.target == "gpu")
-        self.generated, self.module_path, self.module = compile_program(
-            self.program, self.codegen_options, self.options.cache_dir)
+        # the module is written to the cache directory by its digest, and imported from there
+        self.generated = generate(self.program, self.codegen_options)
+        self.module_path = write_module(self.generated, (
+            self.options.cache_dir or default_cache_dir()) / self.generated.digest[:24])
+        self.module = load_module(self.module_path, self.generated.digest)
         autotuned = _apply_autotune(self.module) if self.codegen_options.autotune else set()
         self.runners = {g.name: GraphRunner(self.module, g, self._parameters(g, checkpoint),
                                             self.device, reuse_buffers=self.options.reuse_buffers)
                         for g in self.program}
-        self.id_checks = {g.name: id_checks(g) for g in self.program}
-        self.cache = StaticKVCache(self.generated.kv, max_seq_len, TORCH_DTYPES[dtype],
-                                   self.device)
-        self.states = StaticState(self.generated.states, self.device)
+        # (input name, table rows, the node as text) of each input that indexes an embedding
+        self.id_checks = {g.name: [(g.nodes[n.inputs[1]].name, int(g.nodes[n.inputs[0]].shape[0]),
+                                    format_node(i, n)) for i, n in enumerate(g.nodes)
+                                   if n.op == Op.EMBEDDING and g.nodes[n.inputs[1]].op == Op.INPUT]
+                          for g in self.program}
+        self.cache, self.states = (StaticStore(what, self.generated.stores[what], self.device)
+                                   for what in ("cache", "state"))
         self.ctx = LaunchContext(self.target, self.device, self.cache, self.states, autotuned)
-        self.max_seq_len = max_seq_len
-        self.past = 0
-        self.prefix_len: int | None = None
         # decode steps replay a CUDA graph of their plan (on a GPU, unless turned off)
         self.cuda_graphs = (self.target == "gpu" and self.options.cuda_graphs
                             and self.device.type == "cuda")
-        self.cross_kv = CrossKV(self.program, self._run_cross_kv)
 
     def _target(self, device: torch.device) -> str:
         return prepare_triton(device)
@@ -182,17 +150,7 @@ class TritonSession:
         past length."""
         return past + t if self.target == "interpret" else self.max_seq_len
 
-    def reset(self) -> None:
-        self.past = 0
-        self.prefix_len = None
-        self.cross_kv.reset()
-
-    def _run_cross_kv(self, encoder_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-        b, s = encoder_hidden.shape[:2]
-        return self._run(CROSS_KV, {"encoder_hidden": encoder_hidden}, B=b, T=1, P=0, S=s)
-
-    def _check_ids(self, graph: str, inputs: Mapping[str, torch.Tensor], *,
-                   on_device: bool = True) -> None:
+    def _check_ids(self, graph: str, inputs: Mapping[str, torch.Tensor], on_device: bool) -> None:
         """Token ids index embedding tables: out-of-range ids are refused here, naming the node.
         Ids still on the host are checked there, at no cost to the device. Ids already on the
         device are checked only when `on_device` (a prefill, which waits on the GPU anyway): a
@@ -216,6 +174,8 @@ class TritonSession:
         # every launch plan (and captured graph) that holds their tensors
         self.cache.ensure(B)
         self.states.ensure(B)
+        if name == "decoder" and P == 0:   # a sequence starts: the recurrent state reads zeros
+            self.states.zero()
         runner = self.runners[name]
         plan = runner.plan(self.ctx, B, T, P, S, self.kv_len(P, T), held)
         # the inputs, into the plan's buffers: one small op each, none waiting on the device;
@@ -232,35 +192,6 @@ class TritonSession:
         if graphs and plan.replay is None:
             plan.replay = self._capture(plan)
         return {k: t.clone() for k, t in plan.outputs.items()}
-
-    def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
-               token_types: torch.Tensor | None = None) -> torch.Tensor:
-        b, t = tokens.shape
-        inputs = encoder_inputs(tokens, attention_mask, token_types, self.device)
-        return self._run("encoder", inputs, B=b, T=t, P=0, S=0)["hidden"]
-
-    def step(self, tokens: torch.Tensor, *, encoder_hidden: torch.Tensor | None = None,
-             encoder_mask: torch.Tensor | None = None) -> torch.Tensor:
-        b, t = tokens.shape
-        if self.past + t > self.max_seq_len:
-            raise RunError(f"sequence of {self.past + t} tokens exceeds the KV cache "
-                           f"(max_seq_len = {self.max_seq_len})")
-        if self.prefix_len is None:
-            self.prefix_len = t
-        s = 0
-        inputs: dict[str, torch.Tensor] = {"tokens": tokens}
-        held: dict[str, torch.Tensor] = {}
-        if encoder_hidden is not None:
-            s = encoder_hidden.shape[1]
-            held = self.cross_kv.inputs(encoder_hidden)     # once per generation
-            inputs.update(held, encoder_hidden=encoder_hidden, encoder_mask=(
-                torch.ones(b, s, dtype=torch.long, device=self.device)
-                if encoder_mask is None else encoder_mask))
-        if self.past == 0:   # a sequence starts: the recurrent state reads zeros
-            self.states.zero()
-        logits = self._run("decoder", inputs, B=b, T=t, P=self.past, S=s, held=held)["logits"]
-        self.past += t
-        return logits
 
     def _capture(self, plan: LaunchPlan) -> Any:
         graph = torch.cuda.CUDAGraph()
@@ -288,53 +219,9 @@ def _apply_autotune(module: ModuleType) -> set[str]:
 
 def triton_backend(model: Any, program: Program, dtype: str, device: torch.device,
                    options: Mapping[str, Any]) -> TritonSession:
+    unknown = sorted(set(options) - set(TritonOptions.__dataclass_fields__))
+    if unknown:
+        raise ArchcError(f"unknown triton backend option {', '.join(unknown)} (known: "
+                         f"{', '.join(sorted(TritonOptions.__dataclass_fields__))})")
     return TritonSession(program, model.weights, max_seq_len=model.spec.max_seq_len,
-                         dtype=dtype, device=device, options=TritonOptions.parse(options))
-
-
-
-# ---- one graph, for tests ----------------------------------------------------------------
-
-@dataclass
-class GraphRun:
-    outputs: dict[str, torch.Tensor]
-    cache: StaticKVCache                    # the KV cache and the recurrent state after the run
-    states: StaticState
-
-
-def run_graph_triton(graph: Graph, params: Mapping[str, torch.Tensor],
-                     inputs: Mapping[str, torch.Tensor], dims: Mapping[str, int], *,
-                     past_kv: Mapping[tuple[int, str], torch.Tensor] | None = None,
-                     past_state: Mapping[tuple[int, str], torch.Tensor] | None = None,
-                     max_seq_len: int = 64, device: str | torch.device = "cpu",
-                     cache_dir: Path | None = None, decode_max_rows: int | None = None
-                     ) -> GraphRun:
-    """Compile one kernel-level graph and run it once at `dims` (B, T, P, S). `past_kv` holds
-    the first P positions of each (layer, k|v) cache, [B, H_kv, P, D]; `past_state` the
-    recurrent state each (layer, kind) starts from (zeros where not given)."""
-    device = torch.device(device)
-    target = prepare_triton(device)
-    gen, _, module = compile_program(Program(graph.name, (graph,)),
-                                     CodegenOptions(target=target, max_seq_len=max_seq_len),
-                                     cache_dir)
-    full = {"B": 1, "T": 1, "P": 0, "S": 0, **dims}
-    floats = [x.dtype for x in (*inputs.values(), *params.values()) if x.is_floating_point()]
-    dtype = floats[0] if floats else torch.float32
-    cache = StaticKVCache(gen.kv, max_seq_len, dtype, device)
-    states = StaticState(gen.states, device)
-    cache.ensure(full["B"])
-    states.ensure(full["B"])
-    for (layer, kind), past in (past_kv or {}).items():
-        cache.get(layer, kind)[:, :, :past.shape[2]] = past.to(device, dtype)
-    for (layer, kind), value in (past_state or {}).items():
-        held = states.get(layer, kind)
-        if tuple(value.shape) != tuple(held.shape):
-            raise RunError(f"the {kind} state of layer {layer} is {list(value.shape)}; the "
-                           f"graph keeps {list(held.shape)}")
-        held.copy_(value.to(device, held.dtype))
-    runner = GraphRunner(module, graph, {k: v.to(device) for k, v in params.items()}, device)
-    ctx = LaunchContext(target, device, cache, states)
-    if decode_max_rows is not None:
-        ctx.decode_max_rows = decode_max_rows
-    outputs = runner.run(inputs, ctx, **full, kv_len_max=full["P"] + full["T"])
-    return GraphRun(outputs, cache, states)
+                         dtype=dtype, device=device, options=TritonOptions(**options))

@@ -32,17 +32,13 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 
 def checkpoint_shapes(program: Program) -> dict[str, tuple[int, ...]]:
     """Name → shape of every checkpoint tensor the program reads (params without an expr)."""
-    out: dict[str, tuple[int, ...]] = {}
-    for g in program:
-        for n in g:
-            if n.op == Op.PARAM and n.attr("expr") is None:
-                out[n.name] = concrete(n.shape, {})
-    return out
+    return {n.name: concrete(n.shape, {}) for g in program for n in g
+            if n.op == Op.PARAM and n.attr("expr") is None}
 
 
-def _roles(program: Program) -> dict[str, tuple[str, int]]:
-    """Checkpoint tensor name → (role, fan-in), from how the tensor is first used."""
-    roles: dict[str, tuple[str, int]] = {}
+def _roles(program: Program) -> dict[str, str]:
+    """Checkpoint tensor name → its role, from how the tensor is first used."""
+    roles: dict[str, str] = {}
     for g in program:
         for n in g:
             named = roles_of(n.op, full_attrs(n.op, n.attrs), len(n.inputs))
@@ -50,17 +46,13 @@ def _roles(program: Program) -> dict[str, tuple[str, int]]:
                 src = g.nodes[j]
                 if src.op != Op.PARAM or src.attr("expr") is not None or src.name in roles:
                     continue
-                dims = concrete(src.shape, {})
                 if n.op == Op.NORM and role == "weight":
-                    roles[src.name] = ("offset_gain" if n.attr("unit_offset") else "gain", 0)
+                    roles[src.name] = "offset_gain" if n.attr("unit_offset") else "gain"
                 elif role.startswith("bias") or n.op == Op.ADD:
-                    roles[src.name] = ("bias", 0)
-                elif n.op == Op.EMBEDDING:
-                    roles[src.name] = ("table", 0)
-                elif n.op == Op.REL_BIAS:
-                    roles[src.name] = ("rel_table", 0)
-                else:  # matmul, expert weights: fan-in is the last dim
-                    roles[src.name] = ("weight", dims[-1])
+                    roles[src.name] = "bias"
+                else:
+                    roles[src.name] = {Op.EMBEDDING: "table", Op.REL_BIAS: "rel_table"}.get(
+                        n.op, "weight")
     return roles
 
 
@@ -73,9 +65,9 @@ def random_weights(program: Program, seed: int = 0,
     for name, dims in checkpoint_shapes(program).items():
         gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         x = torch.randn(dims, generator=gen)
-        role, fan_in = roles.get(name, ("weight", dims[-1]))
-        if role == "weight":
-            x = x / fan_in ** 0.5
+        role = roles.get(name, "weight")
+        if role == "weight":  # matmul, expert weights: fan-in is the last dim
+            x = x / dims[-1] ** 0.5
         elif role == "gain":
             x = 1.0 + 0.1 * x
         elif role in ("offset_gain", "bias"):
