@@ -31,10 +31,10 @@ from archc.ir.attrs import Attrs, Call
 from archc.ir.cost import node_states
 from archc.ir.graph import Graph
 from archc.ir.ops import VIEW, Args, Op, bind, full_attrs
-from archc.ir.ops.attention import alibi_bias, relative_bias
+from archc.ir.ops.attention import alibi_bias, relative_bias, visible_keys
 from archc.ir.ops.core import activations, selected_experts
 from archc.ir.ops.steps import STEPS, step_expr
-from archc.perf.torch_program import Store, TorchContext, eager_fn, visible_keys
+from archc.perf.torch_program import Store, TorchContext, eager_fn
 
 
 @dataclass

@@ -202,15 +202,19 @@ def visible(t: int, length: int, causal: bool, window: int | None,
     return seen
 
 
-def apply_mask(s: torch.Tensor, a: Args, at: Attrs) -> torch.Tensor:
-    """Scores [B, H, T, L] with the keys a query may not see (as MASK_ATTRS and the operands they
-    call for say) at the dtype's minimum."""
-    prefix = int(a["prefix_len"]) if "prefix_len" in a else None
-    keep = visible(*s.shape[-2:], at["causal"], at["window"], prefix, at["global_tokens"],
-                   s.device)[None, None]
-    if "padding" in a:
-        keep = keep & a["padding"].bool()[:, None, None, :]
-    return s.masked_fill(~keep, torch.finfo(s.dtype).min)
+def visible_keys(t: int, length: int, at: Mapping[str, Any], a: Mapping[str, Any],
+                 device: torch.device) -> torch.Tensor:
+    """[B or 1, 1, T, L]: the keys each query may see under the mask attributes (MASK_ATTRS) and
+    the operands they call for, made on `device`."""
+    keep = visible(t, length, at["causal"], at["window"], a.get("prefix_len"),
+                   at["global_tokens"], device)[None, None]
+    padding = a.get("padding")
+    return keep if padding is None else keep & padding.to(device).bool()[:, None, None, :]
+
+
+def _mask(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+    s = a["scores"]
+    return s.masked_fill(~visible_keys(*s.shape[-2:], at, a, s.device), torch.finfo(s.dtype).min)
 
 
 def check_mask(sig: Sig, length: sympy.Expr) -> None:
@@ -245,17 +249,16 @@ register(OpDef(
     Op.MASK, "Hide keys a query may not see: causal, sliding window with global tokens, "
     "prefix-LM, padding.",
     "%19 : f32[B,4,T,P+T] = mask(%18) {causal=true, window=8}",
-    operands("scores", *MASK_OPERANDS), _mask_infer,
-    lambda ctx, a, at: apply_mask(a["scores"], a, at),
+    operands("scores", *MASK_OPERANDS), _mask_infer, _mask,
     attrs=MASK_ATTRS, flops=per_element(1), arity=(1, 3)))
 
 
 def alibi_bias(slopes: torch.Tensor, t: int, length: int) -> torch.Tensor:
     """[H, T, L]: −slope·(query − key) (Press et al. 2021). BLOOM adds slope·key instead; the
-    two differ by a constant along each softmax row, so they give the same attention."""
-    q, k = query_key_positions(t, length)
-    dist = (k[None, :] - q[:, None]).to(slopes.device, torch.float32)
-    return slopes.float()[:, None, None] * dist[None]
+    two differ by a constant along each softmax row, so they give the same attention. Made on
+    the slopes' device: no host-device copy per layer."""
+    q, k = query_key_positions(t, length, slopes.device)
+    return slopes.float()[:, None, None] * (k[None, :] - q[:, None]).float()[None]
 
 
 def t5_buckets(relative: torch.Tensor, bidirectional: bool, buckets: int,
@@ -343,31 +346,47 @@ def _attention_infer(sig: Sig) -> tuple[Shape, str]:
     return (q[0], q[2], q[1] * q[3]), float_dtype(sig)
 
 
+def score_bias(bias: Call, a: Args, t: int, length: int) -> torch.Tensor:
+    """[H, T, L]: attention's ALiBi or T5 `bias`, from its slopes or rel_table operand."""
+    if bias.fn == "alibi":
+        return alibi_bias(a["slopes"], t, length)
+    return relative_bias(a["rel_table"].float(), t, length, bias.kw("bidirectional"),
+                         bias.kw("max_distance"))
+
+
 def attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    """softmax(mask(bias(softcap(scale·q·kᵀ)))) · v, in f32, heads merged: [B, T, H·D]."""
-    q = a["q"]
-    layer = at["cache_layer"]
-    if layer is not None:
-        k, v = ctx.cache_read(layer, "k"), ctx.cache_read(layer, "v")
-    else:
+    """softmax(mask(bias(softcap(scale·q·kᵀ)))) · v, in f32, heads merged: [B, T, H·D].
+
+    Through F.scaled_dot_product_attention, which computes softmax(scale·q·kᵀ + M)·v without
+    storing the [B, H, T, L] scores: that makes a long eager prefill affordable (at 8192 tokens
+    the scores of one layer of SmolLM2 are 2.4 GB in f32). Everything between the scores and the
+    softmax is the additive mask M = bias − ∞·(not visible), "−∞" being f32's most negative
+    finite value, as the mask op fills it: a row whose keys are all hidden (padding) then gets
+    uniform weights, not NaN. A causal prefill (T = L) and a causal decode step (T = 1) need no
+    M. A soft-cap acts on the raw scores: with one, the scores are computed here."""
+    q, layer, bias, cap = a["q"], at["cache_layer"], at["bias"], at["softcap"]
+    if layer is None:
         k, v = a["k"], a["v"]
-    fast = sdpa_attention(q, k, v, at, padding=a.get("padding"), prefix_len=a.get("prefix_len"),
-                          bias_input=a.get("slopes", a.get("rel_table")))
-    if fast is not None:
-        return fast
+    else:
+        k, v = ctx.cache_read(layer, "k"), ctx.cache_read(layer, "v")
     b, h, t, d = q.shape
-    k, v = expand_kv(k, h).float(), expand_kv(v, h).float()
-    s = (q.float() @ k.transpose(-1, -2)) * at["scale"]
-    if at["softcap"] is not None:
-        s = at["softcap"] * torch.tanh(s / at["softcap"])
-    bias = at["bias"]
-    if bias is not None and bias.fn == "alibi":
-        s = s + alibi_bias(a["slopes"], t, s.shape[-1])[None]
-    elif bias is not None:
-        s = s + relative_bias(a["rel_table"].float(), t, s.shape[-1],
-                              bias.kw("bidirectional"), bias.kw("max_distance"))[None]
-    out = torch.softmax(apply_mask(s, a, at), dim=-1) @ v               # (B, H, T, D)
-    return out.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)
+    length = k.shape[2]
+    qf, kf, vf = q.float(), expand_kv(k, h).float(), expand_kv(v, h).float()   # (B, H, ·, D)
+    plain = at["window"] is None and bias is None and cap is None and not at["padding"] \
+        and not at["prefix"]
+    if plain and (not at["causal"] or t in (1, length)):
+        out = F.scaled_dot_product_attention(qf, kf, vf, is_causal=at["causal"] and t > 1,
+                                             scale=at["scale"])
+    else:
+        m = 0.0 if bias is None else score_bias(bias, a, t, length)[None]        # (1, H, T, L)
+        m = torch.where(visible_keys(t, length, at, a, q.device), m,
+                        torch.finfo(torch.float32).min)                          # (B, H, T, L)
+        if cap is None:
+            out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=m, scale=at["scale"])
+        else:
+            s = (qf @ kf.transpose(-1, -2)) * at["scale"]
+            out = torch.softmax(cap * torch.tanh(s / cap) + m, dim=-1) @ vf
+    return out.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)                # (B, T, H·D)
 
 
 def visible_pairs(t: sympy.Expr, length: sympy.Expr, causal: bool,
@@ -431,62 +450,3 @@ register(OpDef(
     flops=_attention_flops, bytes=_attention_bytes, template="attention", arity=(1, 6),
     docs={"padding": "1 = key present", "prefix_len": "prefix length",
           "slopes": "ALiBi slopes", "rel_table": "relative-position bias per bucket and head"}))
-
-
-# ---- the same semantics through PyTorch's fused attention ------------------------------------
-# F.scaled_dot_product_attention computes softmax(scale·q·kᵀ + M)·v without storing the [B, H, T, L]
-# scores, which is what makes a long eager prefill affordable (at 8192 tokens the scores of one
-# layer of SmolLM2 are 2.4 GB in f32). Everything between the scores and the softmax is the
-# additive mask M = bias − ∞·(not visible), except tanh soft-capping, which acts on the raw scores.
-# "−∞" is f32's most negative finite value, as apply_mask fills it: a row whose keys are all hidden
-# (padding) then gets uniform weights, not NaN. A causal prefill (T = L) and a causal decode step
-# (T = 1) need no mask at all.
-
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attrs: Mapping[str, Any],
-                   *, padding: torch.Tensor | None = None,
-                   prefix_len: torch.Tensor | int | None = None,
-                   bias_input: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Attention of q [B, H, T, D] over k, v [B, H_kv, L, D] (query row i at position
-    L − T + i), as the `attention` op defines it by its attributes (`scale`, `causal`, `window`,
-    `global_tokens`, `bias`, `softcap`), computed in f32 and returned with heads merged,
-    [B, T, H·D] in q's dtype; None when a soft-cap makes it inexpressible."""
-    if attrs.get("softcap") is not None:
-        return None
-    b, h, t, d = q.shape
-    length = k.shape[2]
-    kf, vf = expand_kv(k, h).float(), expand_kv(v, h).float()        # (B, H, L, D)
-    mask, is_causal = additive_mask(attrs, t, length, padding=padding,
-                                    prefix_len=prefix_len, bias_input=bias_input,
-                                    device=q.device)
-    out = F.scaled_dot_product_attention(q.float(), kf, vf, attn_mask=mask, is_causal=is_causal,
-                                         scale=attrs["scale"])       # (B, H, T, D)
-    return out.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)
-
-
-def additive_mask(attrs: Mapping[str, Any], t: int, length: int, *,
-                  padding: torch.Tensor | None, prefix_len: torch.Tensor | int | None,
-                  bias_input: torch.Tensor | None,
-                  device: torch.device) -> tuple[torch.Tensor | None, bool]:
-    """(M, is_causal) for scaled_dot_product_attention: M is None when no key is hidden and
-    there is no bias, or when `is_causal` says it all (a causal prefill, T = L)."""
-    causal, window, bias = attrs["causal"], attrs.get("window"), attrs.get("bias")
-    if window is None and padding is None and prefix_len is None and bias is None:
-        if not causal or t == 1:        # every key visible (a decode step sees all its past)
-            return None, False
-        if t == length:                 # a causal prefill: SDPA's own (top-left) causal mask
-            return None, True
-    prefix = None if prefix_len is None else int(prefix_len)
-    keep = visible(t, length, causal, window, prefix, attrs.get("global_tokens"),
-                   device=device)[None, None]                        # (1, 1, T, L)
-    if padding is not None:
-        keep = keep & padding.to(device).bool()[:, None, None, :]    # (B, 1, T, L)
-    if bias is None:
-        additive = torch.zeros(1, 1, t, length, device=device)
-    elif bias.fn == "alibi":
-        assert bias_input is not None
-        additive = alibi_bias(bias_input, t, length)[None].to(device)              # (1, H, T, L)
-    else:
-        assert bias_input is not None
-        additive = relative_bias(bias_input.float(), t, length, bias.kw("bidirectional"),
-                                 bias.kw("max_distance"))[None].to(device)
-    return additive.float().masked_fill(~keep, torch.finfo(torch.float32).min), False
