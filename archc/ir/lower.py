@@ -1,10 +1,8 @@
-"""Lowering: Spec → Program, faithful and unfused.
+"""Lowering: Spec → Program, faithful and unfused (separate Q/K/V projections, explicit bias adds,
+decomposed attention, ``repeat_kv`` for GQA, norms and activations as their own nodes): the passes
+earn every speed-up, and each can be seen.
 
-Nothing clever happens here: separate Q/K/V projections, explicit bias adds, decomposed attention
-(scores, scale, soft-cap, position bias, mask, softmax, value sum), ``repeat_kv`` for GQA, norms
-and activations as their own nodes. The passes earn every speed-up, and each can be seen.
-
-Every node records the spec field that made it (its ``origin``), and parameters get HF-like names
+Every node records the spec field that made it (its ``origin``); parameters get HF-like names
 (``layers.3.attn.q.weight``). A decoder graph reads and writes the KV cache at offset P, so one
 graph serves prefill (P = 0, T = prompt) and decode (T = 1).
 """

@@ -154,12 +154,11 @@ def io_bytes(sig: Sig) -> sympy.Expr:
                        zip((*sig.shapes, sig.out_shape), (*sig.dtypes, sig.out_dtype))))
 
 
-def zero(sig: Sig) -> sympy.Expr:
-    return sympy.Integer(0)
-
-
 def per_element(k: int) -> CostFn:
     return lambda sig: k * numel(sig.out_shape)
+
+
+zero = per_element(0)
 
 
 @dataclass(frozen=True)
@@ -179,8 +178,10 @@ class OpDef:
     commutative: bool = False            # its first two operands may be swapped
     arity: tuple[int, int] = (0, -1)     # for the reference: fewest and most inputs (-1: any)
 
-    def attr(self, name: str) -> Attr | None:
-        return next((a for a in self.attrs if a.name == name), None)
+    @functools.cached_property
+    def defaults(self) -> dict[str, Any]:
+        """The default of each attribute that may be absent (None: no value)."""
+        return {a.name: a.default for a in self.attrs if a.default is not REQUIRED}
 
 
 OP_TABLE: dict[Op, OpDef] = {}
@@ -196,28 +197,23 @@ def register(d: OpDef) -> OpDef:
 @functools.lru_cache(maxsize=65536)
 def full_attrs(op: Op, attrs: Attrs) -> Attrs:
     """`attrs` with the op's defaults filled in (what rules and eager semantics read)."""
-    defaults = {a.name: a.default for a in OP_TABLE[op].attrs if a.default is not REQUIRED}
+    defaults = OP_TABLE[op].defaults
     return Attrs({**defaults, **attrs}) if defaults else attrs
 
 
 def canonical(op: Op, attrs: Mapping[str, Any]) -> Attrs:
-    """`attrs` without None values and without values equal to the op's defaults."""
-    d = OP_TABLE[op]
-
-    def is_default(k: str, v: Any) -> bool:
-        a = d.attr(k)
-        return a is not None and a.default is not REQUIRED and v == a.default and \
-            type(v) is type(a.default)
-
-    return Attrs({k: v for k, v in attrs.items() if v is not None and not is_default(k, v)})
+    """`attrs` without None values and without values equal to (and typed as) their defaults."""
+    defaults = OP_TABLE[op].defaults
+    return Attrs({k: v for k, v in attrs.items() if v is not None
+                  and not (v == defaults.get(k) and type(v) is type(defaults.get(k)))})
 
 
 def attr_problems(op: Op, attrs: Attrs) -> list[str]:
     """What is wrong with a node's attributes: unknown, missing or ill-typed ones."""
-    d = OP_TABLE[op]
-    allowed = ", ".join(a.name for a in d.attrs) or "none"
-    return [f"unknown attribute {k} (allowed: {allowed})" for k in attrs if d.attr(k) is None] + \
-        [f"{a.name} {p}" for a in d.attrs if (p := a.problem(attrs.get(a.name)))]
+    declared = {a.name: a for a in OP_TABLE[op].attrs}
+    return [f"unknown attribute {k} (allowed: {', '.join(declared) or 'none'})" for k in attrs
+            if k not in declared] + \
+        [f"{k} {p}" for k, a in declared.items() if (p := a.problem(attrs.get(k)))]
 
 
 def roles_of(op: Op, attrs: Mapping[str, Any], n: int) -> list[str]:
