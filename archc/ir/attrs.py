@@ -37,19 +37,17 @@ class Call:
 class Attrs(Mapping[str, Any]):
     """An immutable mapping, ordered by key, hashable, so nodes compare as plain data."""
 
-    __slots__ = ("_items",)
+    __slots__ = ("_items", "_dict")
 
     def __init__(self, items: Mapping[str, Any] | None = None, **kw: Any) -> None:
         self._items = tuple(sorted((k, freeze(v)) for k, v in {**(items or {}), **kw}.items()))
+        self._dict = dict(self._items)
 
     def __getitem__(self, key: str) -> Any:
-        for k, v in self._items:
-            if k == key:
-                return v
-        raise KeyError(key)
+        return self._dict[key]
 
     def __iter__(self) -> Iterator[str]:
-        return (k for k, _ in self._items)
+        return iter(self._dict)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -63,11 +61,11 @@ class Attrs(Mapping[str, Any]):
         return isinstance(other, Mapping) and dict(self) == dict(other)
 
     def __repr__(self) -> str:
-        return f"Attrs({dict(self._items)!r})"
+        return f"Attrs({self._dict!r})"
 
     def replace(self, **kw: Any) -> Attrs:
         """A copy with `kw` set; a value of ``None`` removes the key."""
-        return Attrs({k: v for k, v in {**dict(self._items), **kw}.items() if v is not None})
+        return Attrs({k: v for k, v in {**self._dict, **kw}.items() if v is not None})
 
 
 def freeze(value: Any) -> Any:

@@ -168,8 +168,7 @@ class _Stack:
             v = self.linear(src, f"{base}.v", kv_heads * hd, bias.v, "attention.bias.v")
         q = self.b.emit(Op.SPLIT_HEADS, q, heads=heads, origin="attention.heads")
         with self.at("attention.kv_heads"):
-            k = self.b.emit(Op.SPLIT_HEADS, k, heads=kv_heads)
-            v = self.b.emit(Op.SPLIT_HEADS, v, heads=kv_heads)
+            k, v = (self.b.emit(Op.SPLIT_HEADS, t, heads=kv_heads) for t in (k, v))
         return q, k, v
 
     def attention(self, x: int, layer: int, name: str, *, local: bool,
@@ -188,8 +187,7 @@ class _Stack:
                 freq, scaling = self.rope_params()
                 rope = dict(rotary_dim=s.rotary_dim, interleaved=s.position.interleaved,
                             **scaling)
-                q = self.b.emit(Op.ROPE, q, self.positions, freq, **rope)
-                k = self.b.emit(Op.ROPE, k, self.positions, freq, **rope)
+                q, k = (self.b.emit(Op.ROPE, t, self.positions, freq, **rope) for t in (q, k))
         if self.causal and self_attn:
             with self.at("family"):
                 k = self.b.emit(Op.KV_CACHE, k, layer=layer, kind="k")  # (B, Hkv, P+T, D)
@@ -346,8 +344,7 @@ class _Stack:
         base = f"layers.{layer}.attn"
         q, k, v = self.qkv_heads(h, h, base)     # (B, H, T, D), (B, Hkv, T, D) twice
         with self.at("mixer.pattern" if self.s.mixer.pattern is not None else "mixer.kind"):
-            q = self.b.emit(Op.ACT, q, fn="elu_plus_one")
-            k = self.b.emit(Op.ACT, k, fn="elu_plus_one")
+            q, k = (self.b.emit(Op.ACT, t, fn="elu_plus_one") for t in (q, k))
             out = self.b.emit(Op.LINEAR_ATTENTION, q, k, v, layer=layer)   # (B, T, H·D)
         with self.at("attention.heads"):
             return self.linear(out, f"{base}.o", self.d, self.s.attention.bias.o,

@@ -10,7 +10,7 @@ over the cache; an encoder has L = T).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import sympy
@@ -293,8 +293,16 @@ def relative_bias(table: torch.Tensor, t: int, length: int, bidirectional: bool,
 T5 = (Attr("bidirectional", bool), Attr("max_distance", int, at_least=1))
 
 
+def score_bias(kind: str, table: torch.Tensor, t: int, length: int,
+               at: Mapping[str, Any]) -> torch.Tensor:
+    """[H, T, L]: ALiBi's bias from per-head slopes, or T5's from a [buckets, H] table with
+    `at`'s bidirectional and max_distance."""
+    if kind == "alibi":
+        return alibi_bias(table, t, length)
+    return relative_bias(table.float(), t, length, at["bidirectional"], at["max_distance"])
+
+
 def _score_bias(op: Op, summary: str, example: str, table: str,
-                bias: Callable[[torch.Tensor, int, int, Attrs], torch.Tensor],
                 attrs: tuple[Attr, ...] = ()) -> None:
     """alibi and rel_bias: scores plus a [H, T, L] bias made from a per-head `table`."""
     def infer(sig: Sig) -> tuple[Shape, str]:
@@ -305,21 +313,17 @@ def _score_bias(op: Op, summary: str, example: str, table: str,
 
     def eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
         s = a["scores"]
-        return (s.float() + bias(a[table], *s.shape[-2:], at)[None]).to(s.dtype)
+        return (s.float() + score_bias(op.value, a[table], *s.shape[-2:], at)[None]).to(s.dtype)
 
     register(OpDef(op, summary, example, operands("scores", table), infer, eager, attrs=attrs,
                    flops=per_element(2), arity=(2, 2)))
 
 
 _score_bias(Op.ALIBI, "Add the ALiBi bias −slope_h·(i − j) to scores.",
-            "%18 : f32[B,4,T,P+T] = alibi(%17, %3)", "slopes",
-            lambda slopes, t, length, at: alibi_bias(slopes, t, length))
+            "%18 : f32[B,4,T,P+T] = alibi(%17, %3)", "slopes")
 _score_bias(Op.REL_BIAS, "Add T5's bucketed relative-position bias (a [buckets, H] table) to "
             "scores.", "%18 : f32[B,4,T,P+T] = rel_bias(%17, %5) {bidirectional=false, "
-            "max_distance=128}", "table",
-            lambda table, t, length, at: relative_bias(table.float(), t, length,
-                                                       at["bidirectional"], at["max_distance"]),
-            T5)
+            "max_distance=128}", "table", T5)
 
 
 # ---- the attention kernel --------------------------------------------------------------------
@@ -346,14 +350,6 @@ def _attention_infer(sig: Sig) -> tuple[Shape, str]:
     return (q[0], q[2], q[1] * q[3]), float_dtype(sig)
 
 
-def score_bias(bias: Call, a: Args, t: int, length: int) -> torch.Tensor:
-    """[H, T, L]: attention's ALiBi or T5 `bias`, from its slopes or rel_table operand."""
-    if bias.fn == "alibi":
-        return alibi_bias(a["slopes"], t, length)
-    return relative_bias(a["rel_table"].float(), t, length, bias.kw("bidirectional"),
-                         bias.kw("max_distance"))
-
-
 def attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     """softmax(mask(bias(softcap(scale·q·kᵀ)))) · v, in f32, heads merged: [B, T, H·D].
 
@@ -378,7 +374,9 @@ def attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
         out = F.scaled_dot_product_attention(qf, kf, vf, is_causal=at["causal"] and t > 1,
                                              scale=at["scale"])
     else:
-        m = 0.0 if bias is None else score_bias(bias, a, t, length)[None]        # (1, H, T, L)
+        m = 0.0 if bias is None else score_bias(
+            bias.fn, a["slopes" if bias.fn == "alibi" else "rel_table"], t, length,
+            dict(bias.kwargs))[None]                                             # (1, H, T, L)
         m = torch.where(visible_keys(t, length, at, a, q.device), m,
                         torch.finfo(torch.float32).min)                          # (B, H, T, L)
         if cap is None:

@@ -127,24 +127,15 @@ def _linear_infer(sig: Sig) -> tuple[Shape, str]:
     return (*x[:-1], sympy.Integer(width)), float_dtype(sig)
 
 
-def row_stats(x: torch.Tensor, prologue: str | None, eps: float | None) -> RowStats:
-    """What the prologue gathers along the K loop: Σx², and Σx for layer (var = E[x²] − E[x]²)."""
-    if prologue is None:
-        return RowStats(None, None, x.dtype)
-    xf = x.float()
-    mean = xf.mean(-1, keepdim=True) if prologue == "layer" else None
-    square = xf.pow(2).mean(-1, keepdim=True)
-    return RowStats(mean, torch.rsqrt((square if mean is None else square - mean.pow(2)) + eps),
-                    x.dtype)
-
-
 def fused_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     xs = [a[r] for r in activations(a)]
     w, k = a["weight"].float(), xs[0].shape[-1]
     acc = F.linear(xs[0].float(), w[:, :k])
     if len(xs) == 2:  # the K loop runs over x1's columns, then x2's
         acc = acc + F.linear(xs[1].float(), w[:, k:])
-    stats = row_stats(xs[0], at["prologue"], at["eps"])
+    # the row statistics a prologue gathers along the K loop (Σx², and Σx for layer)
+    prologue = at["prologue"]
+    stats = normalize(xs[0], prologue, at["eps"])[1] if prologue else RowStats(xs[0].dtype)
     rest = list(a.values())[len(xs) + 1:]
     return apply_epilogue(ctx, acc, at["epilogue"], rest, stats).to(xs[0].dtype)
 
@@ -233,8 +224,7 @@ def moe_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
                            * g[tok, e, None])
     acc = acc.reshape(*_tokens(x.shape, up), *((k, n) if up else (n,)))
     rest = list(a.values())[3:]
-    return apply_epilogue(ctx, acc, at["epilogue"], rest, RowStats(None, None, x.dtype)).to(
-        x.dtype)
+    return apply_epilogue(ctx, acc, at["epilogue"], rest, RowStats(x.dtype)).to(x.dtype)
 
 
 def _tokens(x: Shape | torch.Size, up: bool) -> Shape:

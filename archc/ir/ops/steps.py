@@ -33,12 +33,12 @@ from archc.ir.ops.base import (
 
 @dataclass(frozen=True)
 class RowStats:
-    """Row statistics a prologue gathered — rstd = 1/sqrt(mean(x²) + eps) for rms; mean and
-    rstd = 1/sqrt(var + eps) for layer — and the dtype the kernel stores in."""
+    """The dtype the kernel stores in, and the row statistics a prologue gathered — rstd =
+    1/sqrt(mean(x²) + eps) for rms; mean and rstd = 1/sqrt(var + eps) for layer."""
 
-    mean: torch.Tensor | None
-    rstd: torch.Tensor | None
     dtype: torch.dtype
+    mean: torch.Tensor | None = None
+    rstd: torch.Tensor | None = None
 
 
 def normalize(x: torch.Tensor, kind: str, eps: float) -> tuple[torch.Tensor, RowStats]:
@@ -48,7 +48,7 @@ def normalize(x: torch.Tensor, kind: str, eps: float) -> tuple[torch.Tensor, Row
     mean = xf.mean(-1, keepdim=True) if kind == "layer" else None
     centered = xf if mean is None else xf - mean
     rstd = torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps)
-    return centered * rstd, RowStats(mean, rstd, x.dtype)
+    return centered * rstd, RowStats(x.dtype, mean, rstd)
 
 
 # a structural step's rule: the step, the width before it, its inputs' shapes and the node; it
