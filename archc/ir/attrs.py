@@ -56,9 +56,7 @@ class Attrs(Mapping[str, Any]):
         return hash(self._items)
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, Attrs):
-            return self._items == other._items
-        return isinstance(other, Mapping) and dict(self) == dict(other)
+        return self._dict == (other._dict if isinstance(other, Attrs) else other)
 
     def __repr__(self) -> str:
         return f"Attrs({self._dict!r})"
@@ -140,9 +138,7 @@ def call_problem(c: Call, params: tuple[Attr, ...]) -> str | None:
 def format_value(value: Any) -> str:
     if value is None or isinstance(value, bool):
         return {None: "none", True: "true", False: "false"}[value]
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
+    if isinstance(value, (int, float)):
         if not math.isfinite(value):
             raise ValueError(f"attr value {value} is not finite")
         return repr(value)

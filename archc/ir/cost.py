@@ -1,8 +1,5 @@
-"""Numbers computed from the IR: FLOPs, bytes moved, kernels, parameters, KV-cache size.
-
-Every figure archc prints comes from here, and everything here comes from the op table's cost
-expressions and the nodes' shapes — nothing is typed in.
-"""
+"""Numbers computed from the IR: FLOPs, bytes moved, kernels, parameters, KV-cache size — every
+figure archc prints, from the op table's cost expressions and the nodes' shapes."""
 
 from __future__ import annotations
 

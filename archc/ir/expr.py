@@ -71,16 +71,12 @@ ACTIVATIONS: dict[str, Activation] = {a.name: a for a in (
 
 @dataclass(frozen=True)
 class Function:
-    """One function of the language: its expression arguments, its literal keyword parameters,
-    its torch code, its Triton code (over the arguments' code and the parameters' literals) and
-    its FLOPs per element (act: its activation's)."""
-
     name: str
-    args: int
-    params: tuple[Attr, ...]
+    args: int                         # expression arguments
+    params: tuple[Attr, ...]          # literal keyword parameters
     torch: Callable[..., torch.Tensor]
-    triton: Callable[..., str]
-    flops: int = 1
+    triton: Callable[..., str]        # over the arguments' code and the parameters' literals
+    flops: int = 1                    # per element (act: its activation's)
 
 
 FUNCTIONS: dict[str, Function] = {f.name: f for f in (
@@ -174,11 +170,6 @@ def x(i: int) -> Call:
 def call(name: str, /, *args: Expr, **params: Any) -> Call:
     """A function application with its parameters in a canonical order."""
     return Call(name, tuple(args), tuple(sorted(params.items())))
-
-
-def activation(t: torch.Tensor, fn: str) -> torch.Tensor:
-    """An activation applied to a tensor, in its dtype (the eager semantics of `act`)."""
-    return ACTIVATIONS[fn].torch(t)
 
 
 def act_code(fn: str, code: str) -> str:

@@ -1,9 +1,6 @@
-"""The IR: plain-data nodes in topological order, graphs of them, and a builder.
-
-A ``Node`` is op, inputs (indices of earlier nodes), attrs, a sympy shape over B/T/P/S, a dtype
-and its provenance (the spec field that made it, the passes that rewrote it); nothing callable,
-so graphs print, parse, hash and compare as data. A ``Program`` is a model's graphs: ``decoder``,
-``encoder``, or both (the decoder reads the encoder's output as an input), and ``cross_kv``.
+"""The IR: plain-data nodes in topological order (nothing callable, so graphs print, parse, hash
+and compare as data), graphs of them, and a builder. A ``Program`` is a model's graphs:
+``decoder``, ``encoder``, or both (the decoder reads the encoder's output), and ``cross_kv``.
 """
 
 from __future__ import annotations

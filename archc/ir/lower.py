@@ -9,6 +9,7 @@ graph serves prefill (P = 0, T = prompt) and decode (T = 1).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -17,7 +18,7 @@ from archc.ir.attrs import Call
 from archc.ir.graph import Graph, GraphBuilder, Program
 from archc.ir.ops import Op
 from archc.ir.ops.steps import step
-from archc.ir.paramexpr import leaf, yarn_attention_factor
+from archc.ir.paramexpr import leaf
 from archc.ir.shapes import B, S, T, shape
 from archc.ir.verify import verify
 from archc.spec.schema import Spec
@@ -52,12 +53,10 @@ class _Stack:
     # ---- helpers -----------------------------------------------------------------------------
     @contextmanager
     def at(self, origin: str) -> Iterator[None]:
-        """Nodes emitted inside come from spec field `origin`."""
+        """Nodes emitted inside come from spec field `origin` (a failed lowering is discarded)."""
         saved, self.b.origin = self.b.origin, origin
-        try:
-            yield
-        finally:
-            self.b.origin = saved
+        yield
+        self.b.origin = saved
 
     def param(self, name: str, *dims: int, shared: bool = False, dtype: str | None = None,
               expr: Call | None = None) -> int:
@@ -149,16 +148,16 @@ class _Stack:
             fields = {"llama3": ("original_max_seq_len", "low_freq_factor", "high_freq_factor"),
                       "yarn": ("original_max_seq_len", "beta_fast", "beta_slow")}
             kw += [(f, getattr(sc, f)) for f in ("kind", "factor", *fields.get(sc.kind, ()))]
-            if sc.kind == "yarn":
-                attrs["mscale"] = yarn_attention_factor(sc.factor, sc.attention_factor)
+            if sc.kind == "yarn":   # cos and sin scaled by 0.1·ln(factor) + 1 unless given
+                attrs["mscale"] = sc.attention_factor if sc.attention_factor is not None else \
+                    0.1 * math.log(sc.factor) + 1.0 if sc.factor > 1 else 1.0
         with self.at("position.scaling" if sc else "position.theta"):
             freq = self.param("rope.inv_freq", self.s.rotary_dim // 2, dtype="f32", shared=True,
                               expr=Call("rope_inv_freq", (), tuple(kw)))
         return freq, attrs
 
     def qkv_heads(self, x: int, src: int, base: str) -> tuple[int, int, int]:
-        """The query projection of x and the key and value projections of src, split into
-        heads: (B, H, T, D) and twice (B, Hkv, T|S, D)."""
+        """q of x, k and v of src, split into heads: (B, H, T, D) and twice (B, Hkv, T|S, D)."""
         att = self.s.attention
         heads, kv_heads, hd, bias = att.heads, att.kv_heads, att.head_dim, att.bias
         with self.at("attention.heads"):
@@ -338,9 +337,7 @@ class _Stack:
             return self.linear(y, f"{base}.out", self.d, m.bias, "mixer.mamba.bias")
 
     def linear_attention(self, h: int, layer: int) -> int:
-        """Linear attention (Katharopoulos et al. 2020): q, k, v projections as attention's,
-        φ = elu + 1 on q and k, the running sums (heads merged on the way out), the output
-        projection."""
+        """Linear attention (Katharopoulos et al. 2020), with φ = elu + 1 on q and k."""
         base = f"layers.{layer}.attn"
         q, k, v = self.qkv_heads(h, h, base)     # (B, H, T, D), (B, Hkv, T, D) twice
         with self.at("mixer.pattern" if self.s.mixer.pattern is not None else "mixer.kind"):

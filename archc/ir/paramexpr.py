@@ -1,11 +1,10 @@
 """Parameter expressions: how a graph parameter is made from checkpoint tensors.
 
-A ``param`` node without an ``expr`` attr is the checkpoint tensor of its ``name``. A pass that
-changes a weight — folding a norm gain into a matmul, concatenating Q/K/V — gives the node an
-``expr`` instead, such as ``cat(w("layers.0.attn.q.weight"), w("layers.0.attn.k.weight"), dim=0)``,
-evaluated once when weights load; buffers no checkpoint holds (RoPE frequencies, ALiBi slopes)
-are expressions with no leaves. Evaluation is in float32 (float64 for tables whose rounding
-matters); the caller casts to the node's dtype.
+A ``param`` node without an ``expr`` is the checkpoint tensor of its ``name``. A pass that
+changes a weight (folding a norm gain, concatenating Q/K/V) gives it an ``expr`` such as
+``cat(w("layers.0.attn.q.weight"), w("layers.0.attn.k.weight"), dim=0)``, evaluated once when
+weights load; buffers no checkpoint holds (RoPE frequencies) have no leaves. Evaluation is in
+float32 (float64 where rounding matters); the caller casts to the node's dtype.
 """
 
 from __future__ import annotations
@@ -99,13 +98,6 @@ def rope_inv_freq(dim: int, theta: float, kind: str = "default", factor: float =
         extrapolate = 1 - ramp
         inv_freq = (inv_freq / factor) * (1 - extrapolate) + inv_freq * extrapolate
     return inv_freq.float()
-
-
-def yarn_attention_factor(factor: float, attention_factor: float | None) -> float:
-    """YaRN scales cos and sin by 0.1·ln(factor) + 1 unless a factor is given."""
-    if attention_factor is not None:
-        return attention_factor
-    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def alibi_slopes(heads: int) -> torch.Tensor:

@@ -27,10 +27,9 @@ def _arity(d: OpDef) -> str:
 def _attr(a: Attr) -> str:
     kind = " \\| ".join(f"{c}()" if a.type is Call else format_value(c) for c in a.choices) \
         if a.choices else TYPE_NAMES[a.type]
-    if a.default is REQUIRED:
-        return f"`{a.name}`: {kind}"
-    return f"`{a.name}`: {kind}" + (", optional" if a.default is None else
-                                    f" = {format_value(a.default)}")
+    default = "" if a.default is REQUIRED else ", optional" if a.default is None else \
+        f" = {format_value(a.default)}"
+    return f"`{a.name}`: {kind}{default}"
 
 
 def _table(ops: list[Op]) -> list[str]:

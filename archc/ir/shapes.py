@@ -1,9 +1,6 @@
-"""Symbolic shapes: sympy expressions over the dynamic dims, and their one-line text form.
-
-The dims are ``B`` (batch), ``T`` (new tokens this call), ``P`` (past tokens already in the KV
-cache) and ``S`` (encoder length, seen by a decoder's cross-attention); everything else in a
-shape is a static model size.
-"""
+"""Symbolic shapes: sympy expressions over the dynamic dims ``B`` (batch), ``T`` (new tokens),
+``P`` (tokens already cached) and ``S`` (encoder length), and their one-line text form; every
+other dim is a static model size."""
 
 from __future__ import annotations
 

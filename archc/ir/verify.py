@@ -1,10 +1,5 @@
 """The verifier, run after lowering and after every pass; its errors show the node in text form.
-
-It checks that inputs come from earlier nodes; that attributes are those the op declares, of
-their types and allowed values, and the inputs the operands they call for; that every shape and
-dtype is what the op's rule infers; that input, param and output names are unique, with at least
-one output; and that parameter expressions call only known functions.
-"""
+Each node's attributes, operands, shape and dtype must be what its op declares and infers."""
 
 from __future__ import annotations
 

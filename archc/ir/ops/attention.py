@@ -1,10 +1,8 @@
-"""Attention: rotary positions, the KV cache, GQA head repetition, scores, score modifiers
-(ALiBi, T5 relative bias, masks), the value-weighted sum — as lowering emits them — and the
-`attention` kernel (flash attention) the passes make of them.
+"""Attention as lowering emits it — rotary positions, the KV cache, GQA head repetition, scores,
+ALiBi, T5 relative bias, masks, the value sum — and the flash `attention` kernel passes make.
 
-Positions inside the score ops come from shapes: scores are [B, H, T, L] for T new queries over L
-keys, and query row i sits at absolute position L − T + i (the past length P for self-attention
-over the cache; an encoder has L = T).
+Positions come from shapes: scores are [B, H, T, L] for T new queries over L keys, and query row
+i sits at position L − T + i (P over the cache; an encoder has L = T).
 """
 
 from __future__ import annotations
@@ -38,15 +36,14 @@ from archc.ir.shapes import DTYPE_BYTES, P, Shape, numel
 
 def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rotary_dim: int,
          interleaved: bool, mscale: float = 1.0, dynamic: Call | None = None) -> torch.Tensor:
-    """Rotate the first `rotary_dim` dims of each head by angle pos·θ_j (Su et al. 2021).
-    Half-split pairs dim j with j + rotary_dim/2 (GPT-NeoX, Llama); interleaved pairs 2j with
-    2j + 1 (GPT-J). Remaining dims pass through (partial rotary).
+    """Rotate the first `rotary_dim` dims of each head by pos·θ_j (Su et al. 2021), pairing dim j
+    with j + rotary_dim/2 (GPT-NeoX, Llama) or, interleaved, 2j with 2j + 1 (GPT-J); the rest
+    pass through (partial rotary).
 
     `dynamic`, ntk(factor, original_max_seq_len), is transformers' rope_type "dynamic": with L
-    the sequence length after this call (the last position + 1), past the trained context the
-    base grows to base·s^(d/(d−2)), s = factor·L/original − (factor − 1), so each frequency
-    θ_j = base^(−2j/d) becomes θ_j·s^(−2j/(d−2)); up to it s = 1. Keys cached by earlier calls
-    keep the rotation they were written with."""
+    the sequence length after this call, past the trained context the base grows to
+    base·s^(d/(d−2)), s = factor·L/original − (factor − 1), so θ_j = base^(−2j/d) becomes
+    θ_j·s^(−2j/(d−2)); up to it s = 1. Keys cached earlier keep the rotation they had."""
     if dynamic is not None and pos.numel():
         factor, original = dynamic.kw("factor"), dynamic.kw("original_max_seq_len")
         length = pos[-1].to(inv_freq.device, torch.float64) + 1
@@ -132,8 +129,7 @@ register(OpDef(
 # ---- scores and the value sum --------------------------------------------------------------
 
 def groups(q_heads: sympy.Expr, kv_heads: sympy.Expr) -> int:
-    """Query heads per key/value head: 1 after repeat_kv, H/H_kv when attention reads the KV
-    heads directly (query head h uses KV head h // groups)."""
+    """Query heads per KV head (1 after repeat_kv): query head h uses KV head h // groups."""
     q, kv = int(q_heads), int(kv_heads)
     require(q % kv == 0, f"{q} query heads are not a multiple of {kv} key/value heads")
     return q // kv
@@ -183,10 +179,10 @@ def visible(t: int, length: int, causal: bool, window: int | None,
             prefix_len: int | torch.Tensor | None = None, global_tokens: int | None = None,
             device: torch.device | None = None) -> torch.Tensor:
     """[T, L] bool: may query row i see key j? Causal: j ≤ i. Window: within `window` of the
-    query (behind it when causal, either side when not). Prefix-LM: keys < prefix_len are seen
-    by every query. Global tokens (Longformer, beside a window): the first G positions are
-    seen by every query (causally, in a decoder) and, when not causal, see every key. Made on
-    `device` (a prefix length there stays there: nothing waits on the host)."""
+    query (behind it when causal, either side when not). Prefix-LM: every query sees keys <
+    prefix_len. Global tokens (Longformer, beside a window): every query sees the first G
+    (causally, in a decoder), and when not causal they see every key. Made on `device`, so a
+    prefix length there never waits on the host."""
     q, k = query_key_positions(t, length, device)
     dist = q[:, None] - k[None, :]
     seen = dist >= 0 if causal else torch.ones(t, length, dtype=torch.bool, device=device)
@@ -204,8 +200,7 @@ def visible(t: int, length: int, causal: bool, window: int | None,
 
 def visible_keys(t: int, length: int, at: Mapping[str, Any], a: Mapping[str, Any],
                  device: torch.device) -> torch.Tensor:
-    """[B or 1, 1, T, L]: the keys each query may see under the mask attributes (MASK_ATTRS) and
-    the operands they call for, made on `device`."""
+    """[B or 1, 1, T, L]: the keys each query may see under MASK_ATTRS and their operands."""
     keep = visible(t, length, at["causal"], at["window"], a.get("prefix_len"),
                    at["global_tokens"], device)[None, None]
     padding = a.get("padding")
@@ -274,12 +269,10 @@ def t5_buckets(relative: torch.Tensor, bidirectional: bool, buckets: int,
     else:
         relative = -torch.clamp(relative, max=0)
     exact = buckets // 2
-    small = relative < exact
     large = exact + (
         torch.log(relative.float().clamp(min=1) / exact) / math.log(max_distance / exact)
-        * (buckets - exact)).long()
-    large = torch.clamp(large, max=buckets - 1)
-    return out + torch.where(small, relative, large)
+        * (buckets - exact)).long().clamp(max=buckets - 1)
+    return out + torch.where(relative < exact, relative, large)
 
 
 def relative_bias(table: torch.Tensor, t: int, length: int, bidirectional: bool,

@@ -1,9 +1,5 @@
-"""What an op is: its kind, its groups, and its one declaration (``OpDef``).
-
-Every op is declared once, with ``register``: a summary, a one-line example, typed attributes,
-named operands, a shape/dtype rule, eager semantics, FLOP and byte counts over B, T, P, S, the
-recurrent state it keeps and, for kernel-level ops, its template. The verifier, printer, parser,
-passes, codegen and the reference page all read this declaration.
+"""What an op is: its kind, its groups, and its one declaration (``OpDef``, made once with
+``register``), which the verifier, printer, parser, passes, codegen and reference page all read.
 """
 
 from __future__ import annotations

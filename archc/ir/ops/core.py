@@ -1,9 +1,8 @@
 """Boundary ops; matmuls, fused, and grouped over routed experts; elementwise ops, norms, views.
 
 ``fused_linear`` is ``x @ wᵀ`` with a prologue and an epilogue chain in one kernel: the prologue
-gathers the row statistics of a folded norm along the K loop the matmul runs anyway (Σx² for rms;
-Σx and Σx² for layer); the epilogue (``archc.ir.ops.steps``) works on the f32 accumulator before
-the one store.
+gathers a folded norm's row statistics along the K loop the matmul runs anyway (Σx², and Σx for
+layer); the epilogue (``archc.ir.ops.steps``) works on the f32 accumulator before the one store.
 """
 
 from __future__ import annotations
@@ -133,7 +132,6 @@ def fused_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     acc = F.linear(xs[0].float(), w[:, :k])
     if len(xs) == 2:  # the K loop runs over x1's columns, then x2's
         acc = acc + F.linear(xs[1].float(), w[:, k:])
-    # the row statistics a prologue gathers along the K loop (Σx², and Σx for layer)
     prologue = at["prologue"]
     stats = normalize(xs[0], prologue, at["eps"])[1] if prologue else RowStats(xs[0].dtype)
     rest = list(a.values())[len(xs) + 1:]

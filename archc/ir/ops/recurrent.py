@@ -70,7 +70,7 @@ def _conv_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     y = F.conv1d(window.float(), w.float()[:, None, :], groups=c).transpose(1, 2)  # (B, T, C)
     if "bias" in a:
         y = y + a["bias"].float()
-    return E.activation(y, at["act"]).to(x.dtype)
+    return E.ACTIVATIONS[at["act"]].torch(y).to(x.dtype)
 
 
 register(OpDef(
@@ -180,7 +180,7 @@ def _infer(sig: Sig) -> tuple[Shape, str]:
 def _eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     """φ on q and k, then the running sums in chunks of CHUNK tokens, from and into the layer's
     S [B, H_kv, D, Dv] and z [B, H_kv, D], in f32; heads merged [B, T, H·Dv]."""
-    phi_q, phi_k = (E.activation(a[r].float(), at["feature"]) for r in ("q", "k"))
+    phi_q, phi_k = (E.ACTIVATIONS[at["feature"]].torch(a[r].float()) for r in ("q", "k"))
     (b, h, t, d), hkv, dv = phi_q.shape, phi_k.shape[1], a["v"].shape[-1]
     layer, dev = at["layer"], phi_q.device
     s = ctx.state_read(layer, "S", (b, hkv, d, dv), torch.float32, dev)

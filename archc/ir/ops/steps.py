@@ -122,7 +122,7 @@ def _act_width(st: Call, width: int, inputs: Sequence[Shape], node: Sig) -> int:
 def _apply_glu(ctx: EagerCtx, acc: torch.Tensor, st: Call, xs: Sequence[torch.Tensor],
                stats: RowStats) -> torch.Tensor:
     n = acc.shape[-1] // 2
-    return E.activation(acc[..., :n], st.kw("fn")) * acc[..., n:]
+    return E.ACTIVATIONS[st.kw("fn")].torch(acc[..., :n]) * acc[..., n:]
 
 
 def _apply_rope(ctx: EagerCtx, acc: torch.Tensor, st: Call, xs: Sequence[torch.Tensor],
