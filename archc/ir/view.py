@@ -17,9 +17,8 @@ def to_networkx(g: Graph) -> nx.DiGraph:
     """Nodes are ids with `op` and `node` data; edges run producer → consumer with the input
     slot."""
     dg = nx.DiGraph(name=g.name)
-    for i, n in enumerate(g.nodes):
+    for i, n in enumerate(g.nodes):   # inputs are earlier nodes, so added before their edges
         dg.add_node(i, op=n.op.value, node=n)
-    for i, n in enumerate(g.nodes):
         for slot, j in enumerate(n.inputs):
             dg.add_edge(j, i, slot=slot)
     return dg

@@ -177,8 +177,7 @@ def _router_infer(sig: Sig) -> tuple[Shape, str]:
 
 
 def _router(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    """Softmax over experts, keep the top k per token (renormalized to sum to 1 if asked),
-    zero the rest (Mixtral's router)."""
+    """Mixtral's: softmax over experts, the top k kept (renormalized if asked), the rest zero."""
     x = a["x"]
     logits = F.linear(x.float(), a["weight"].float()) if "weight" in a else x
     top, idx = torch.softmax(logits.float(), dim=-1).topk(at["top_k"], dim=-1)

@@ -10,9 +10,9 @@ softmax(q·kᵀ)·v becomes
 
     out_i = φ(q_i)ᵀ S_i / φ(q_i)ᵀ z_i,   S_i = Σ_{j≤i} φ(k_j) v_jᵀ,   z_i = Σ_{j≤i} φ(k_j),
 
-so a layer keeps two running sums per KV head, S [D, Dv] and z [D] in f32. Query head h reads the
-sums of KV head h // (H / H_kv), as grouped-query attention shares keys and values. Lowering
-applies φ as separate ``act`` nodes (feature "identity"); fuse-linear-attention moves φ inside.
+so a layer keeps two running sums per KV head, S [D, Dv] and z [D] in f32 (query head h reads
+KV head h // (H / H_kv), as in GQA). Lowering applies φ as separate ``act`` nodes (feature
+"identity"); fuse-linear-attention moves φ inside.
 The eager semantics compute a call's tokens in chunks: within a chunk the causal sum is the masked
 product (φq·φkᵀ ⊙ causal)·v, and the sums carry the chunks before it — the same function as the
 token-by-token recurrence, with far fewer steps.
@@ -59,9 +59,8 @@ def _conv_infer(sig: Sig) -> tuple[Shape, str]:
 
 
 def _conv_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    """y_t[c] = Σ_k w[c, k]·x_{t−K+1+k}[c] over the inputs so far, in f32: the conv state holds
-    the last K − 1 inputs of the calls before, and keeps the last K − 1 after; then the bias and
-    the activation."""
+    """y_t[c] = Σ_k w[c, k]·x_{t−K+1+k}[c] in f32, the conv state holding the last K − 1 inputs
+    of the calls before."""
     x, w, layer = a["x"], a["weight"], at["layer"]
     b, c, k = x.shape[0], x.shape[2], w.shape[1]
     past = ctx.state_read(layer, "conv", (b, c, k - 1), x.dtype, x.device)   # (B, C, K−1)
@@ -178,8 +177,7 @@ def _infer(sig: Sig) -> tuple[Shape, str]:
 
 
 def _eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    """φ on q and k, then the running sums in chunks of CHUNK tokens, from and into the layer's
-    S [B, H_kv, D, Dv] and z [B, H_kv, D], in f32; heads merged [B, T, H·Dv]."""
+    """φ on q and k, then the running sums S and z in chunks of CHUNK tokens, in f32."""
     phi_q, phi_k = (E.ACTIVATIONS[at["feature"]].torch(a[r].float()) for r in ("q", "k"))
     (b, h, t, d), hkv, dv = phi_q.shape, phi_k.shape[1], a["v"].shape[-1]
     layer, dev = at["layer"], phi_q.device

@@ -25,6 +25,7 @@ from archc.ir.ops.base import (
     EagerCtx,
     Op,
     Shape,
+    ShapeError,
     Sig,
     require,
     same_shape,
@@ -207,15 +208,14 @@ def step(name: str, /, **kw: Any) -> Call:
 
 
 def epilogue_docs(attrs: Mapping[str, Any]) -> dict[str, str]:
-    """What each epilogue input holds, by role."""
-    return {f"{name}{k}": doc for k, st in enumerate(attrs.get("epilogue") or ())
-            for name, doc in zip(STEPS[st.fn].inputs, STEPS[st.fn].docs)}
+    """What each input the epilogue reads holds, by role `<input><step index>`, in order (an
+    unknown step, which the verifier reports, reads none)."""
+    return {f"{name}{k}": doc for k, st in enumerate(attrs.get("epilogue") or ()) if st.fn in STEPS
+            for name, doc in zip(STEPS[st.fn].inputs, STEPS[st.fn].docs, strict=True)}
 
 
 def epilogue_roles(attrs: Mapping[str, Any]) -> list[str]:
-    """The roles of the inputs the epilogue reads, in order: `<input><step index>`."""
-    return [f"{name}{k}" for k, st in enumerate(attrs.get("epilogue") or ())
-            for name in (STEPS[st.fn].inputs if st.fn in STEPS else ())]
+    return list(epilogue_docs(attrs))
 
 
 def check_epilogue(sig: Sig, op: Op, width: int, taken: int, rows: Shape) -> int:
@@ -223,9 +223,8 @@ def check_epilogue(sig: Sig, op: Op, width: int, taken: int, rows: Shape) -> int
     result is `width` wide (over leading dims `rows`) before it; the width after it."""
     rest = list(sig.shapes[taken:])
     for st in sig.attr("epilogue", ()):
-        d = STEPS.get(st.fn)
-        require(d is not None, f"unknown epilogue step {st!r} (known: {', '.join(STEPS)})")
-        assert d is not None
+        if (d := STEPS.get(st.fn)) is None:
+            raise ShapeError(f"unknown epilogue step {st!r} (known: {', '.join(STEPS)})")
         require(op in d.kernels, f"{st.fn}() is not an epilogue step of {op.value}")
         require(d.prologue in (None, sig.attr("prologue")), f"{st.fn}() needs prologue "
                 f"{d.prologue!r}")
