@@ -269,9 +269,9 @@ def t5_buckets(relative: torch.Tensor, bidirectional: bool, buckets: int,
     else:
         relative = -torch.clamp(relative, max=0)
     exact = buckets // 2
-    large = exact + (
+    large = (exact + (
         torch.log(relative.float().clamp(min=1) / exact) / math.log(max_distance / exact)
-        * (buckets - exact)).long().clamp(max=buckets - 1)
+        * (buckets - exact)).long()).clamp(max=buckets - 1)
     return out + torch.where(relative < exact, relative, large)
 
 
