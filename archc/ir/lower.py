@@ -184,8 +184,7 @@ class _Stack:
         if s.position.kind == "rope" and self_attn:
             with self.at("position.kind"):
                 freq, scaling = self.rope_params()
-                rope = dict(rotary_dim=s.rotary_dim, interleaved=s.position.interleaved,
-                            **scaling)
+                rope = dict(rotary_dim=s.rotary_dim, interleaved=s.position.interleaved, **scaling)
                 q, k = (self.b.emit(Op.ROPE, t, self.positions, freq, **rope) for t in (q, k))
         if self.causal and self_attn:
             with self.at("family"):
@@ -363,8 +362,7 @@ class _Stack:
         mix_norm = "ssm_norm" if mixer == "mamba" else "attn_norm"
         if s.block.parallel:   # x + mixer(norm(x)) + ffn(norm(x))
             n1 = self.norm(x, f"{pre}.{mix_norm}")
-            n2 = n1 if s.block.shared_norm else self.norm(x, f"{pre}.ffn_norm",
-                                                          "block.shared_norm")
+            n2 = n1 if s.block.shared_norm else self.norm(x, f"{pre}.ffn_norm", "block.shared_norm")
             a, f = self.mix(n1, layer, mixer, local=local), self.ffn(n2, layer)
             with self.at("block.parallel"):
                 return self.b.emit(Op.ADD, self.b.emit(Op.ADD, x, a), f)

@@ -44,16 +44,12 @@ def _table(ops: list[Op]) -> list[str]:
 
 
 def reference() -> str:
-    lines = [
-        "# archc IR reference",
-        "",
-        "Generated from the op table by `python -m archc.ir.reference`; a test keeps this file "
-        "current. Every node has an op, inputs (earlier nodes), attributes, a shape over the "
-        "symbols `B` (batch), `T` (new tokens), `P` (tokens already cached) and `S` (encoder "
-        "length), and a dtype. Each op below declares its shape rule, its eager semantics and "
-        "its FLOP and byte counts in one place.",
-        "",
-    ]
+    lines = ["# archc IR reference", "",
+             "Generated from the op table by `python -m archc.ir.reference`; a test keeps this "
+             "file current. Every node has an op, inputs (earlier nodes), attributes, a shape over "
+             "the symbols `B` (batch), `T` (new tokens), `P` (tokens already cached) and `S` "
+             "(encoder length), and a dtype. Each op below declares its shape rule, its eager "
+             "semantics and its FLOP and byte counts in one place.", ""]
     grouped = {op for _, _, members in GROUPS for op in members}
     for title, why, members in (("Unfused", "What lowering emits from a spec: faithful to the "
                                  "model, one operation each.", set(Op) - grouped), *GROUPS):

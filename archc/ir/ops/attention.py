@@ -70,8 +70,7 @@ ROPE_ATTRS = (Attr("rotary_dim", int, at_least=2), Attr("interleaved", bool),
 def check_rope(rot: int, head_dim: sympy.Expr, tokens: sympy.Expr, pos: Shape, freq: Shape,
                dynamic: Call | None) -> None:
     """What the rope op and the rope epilogue step both require of their operands."""
-    require(len(pos) == 1 and same_dim(pos[0], tokens),
-            f"positions {list(pos)} must be [{tokens}]")
+    require(len(pos) == 1 and same_dim(pos[0], tokens), f"positions {list(pos)} must be [{tokens}]")
     require(rot % 2 == 0 and rot <= int(head_dim), f"rotary_dim={rot} for head dim {head_dim}")
     require(len(freq) == 1 and int(freq[0]) == rot // 2,
             f"frequencies {list(freq)} do not match rotary_dim={rot}")
@@ -171,8 +170,7 @@ _head_matmul(Op.WEIGHTED_SUM, "The value sum p·v per head; v may have fewer (KV
 def query_key_positions(t: int, length: int, device: torch.device | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absolute positions of the T query rows (the last T of L) and of the L keys."""
-    return (torch.arange(length - t, length, device=device),
-            torch.arange(length, device=device))
+    return (torch.arange(length - t, length, device=device), torch.arange(length, device=device))
 
 
 def visible(t: int, length: int, causal: bool, window: int | None,

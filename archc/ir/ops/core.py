@@ -120,8 +120,7 @@ def _linear_infer(sig: Sig) -> tuple[Shape, str]:
         require(sig.attr("prologue") is None, "a prologue needs a single operand")
     require(len(w) == 2 and same_dim(sum(s[-1] for s in xs), w[1]),
             f"x {[list(s) for s in xs]} and weight {list(w)} do not match as x @ wᵀ")
-    require((sig.attr("prologue") is None) == (sig.attr("eps") is None),
-            "eps goes with a prologue")
+    require((sig.attr("prologue") is None) == (sig.attr("eps") is None), "eps goes with a prologue")
     width = check_epilogue(sig, Op.FUSED_LINEAR, int(w[0]), len(xs) + 1, x[:-1])
     return (*x[:-1], sympy.Integer(width)), float_dtype(sig)
 
