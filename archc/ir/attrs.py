@@ -133,8 +133,6 @@ def call_problem(c: Call, params: tuple[Attr, ...]) -> str | None:
                 None)
 
 
-# ---- printing ------------------------------------------------------------------------------
-
 def format_value(value: Any) -> str:
     if value is None or isinstance(value, bool):
         return {None: "none", True: "true", False: "false"}[value]
@@ -159,8 +157,6 @@ def format_call(name: str, inputs: Sequence[int], attrs: Attrs) -> str:
     return text + (" {" + ", ".join(f"{k}={format_value(v)}" for k, v in attrs.items()) + "}"
                    if attrs else "")
 
-
-# ---- parsing -------------------------------------------------------------------------------
 
 _WORDS = {"true": True, "false": False, "none": None}
 

@@ -91,36 +91,25 @@ FUNCTIONS: dict[str, Function] = {f.name: f for f in (
 )}
 
 
-class ExprError(ValueError):
-    """An expression the language does not have; the message says what is wrong."""
-
-
-def _params(e: Call) -> dict[str, Any]:
-    f = FUNCTIONS[e.fn]
-    if len(e.args) != f.args:
-        raise ExprError(f"{e.fn}() takes {f.args} expression argument(s), got {len(e.args)}")
-    problem = call_problem(Call(e.fn, (), e.kwargs), f.params)
-    if problem:
-        raise ExprError(problem)
-    return dict(e.kwargs)
-
-
-def check(e: Expr, inputs: int) -> None:
-    """Raise ExprError unless `e` is an expression of the language over `inputs` inputs."""
+def problem(e: Expr, inputs: int) -> str | None:
+    """What is wrong with `e` as an expression of the language over `inputs` inputs, if
+    anything (the verifier's check: the renderings below trust it)."""
     if not isinstance(e, Call):
         if isinstance(e, bool) or not isinstance(e, (int, float)) or not math.isfinite(e):
-            raise ExprError(f"not an expression (a call or a finite number): {e!r}")
-        return
+            return f"not an expression (a call or a finite number): {e!r}"
+        return None
     if e.fn == "x":
         k = e.args[0] if len(e.args) == 1 and not e.kwargs else None
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < inputs:
-            raise ExprError(f"x({', '.join(map(repr, e.args))}) is not one of {inputs} inputs")
-        return
+            return f"x({', '.join(map(repr, e.args))}) is not one of {inputs} inputs"
+        return None
     if e.fn not in FUNCTIONS:
-        raise ExprError(f"unknown function {e.fn}() (known: {', '.join(FUNCTIONS)})")
-    _params(e)
-    for a in e.args:
-        check(a, inputs)
+        return f"unknown function {e.fn}() (known: {', '.join(FUNCTIONS)})"
+    f = FUNCTIONS[e.fn]
+    if len(e.args) != f.args:
+        return f"{e.fn}() takes {f.args} expression argument(s), got {len(e.args)}"
+    return call_problem(Call(e.fn, (), e.kwargs), f.params) or \
+        next((p for a in e.args if (p := problem(a, inputs))), None)
 
 
 def evaluate(e: Expr, xs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -139,9 +128,7 @@ def triton(e: Expr, names: Sequence[str]) -> str:
         return repr(float(e))
     if e.fn == "x":
         return names[e.args[0]]
-    params = _params(e)
-    lits = {k: repr(float(v)) if isinstance(v, (int, float)) else f'"{v}"'
-            for k, v in params.items()}
+    lits = {k: repr(float(v)) if isinstance(v, (int, float)) else f'"{v}"' for k, v in e.kwargs}
     return FUNCTIONS[e.fn].triton(*(triton(a, names) for a in e.args), **lits)
 
 

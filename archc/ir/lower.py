@@ -50,7 +50,6 @@ class _Stack:
         self.b = GraphBuilder(name)
         self.d = spec.d_model
 
-    # ---- helpers -----------------------------------------------------------------------------
     @contextmanager
     def at(self, origin: str) -> Iterator[None]:
         """Nodes emitted inside come from spec field `origin` (a failed lowering is discarded)."""

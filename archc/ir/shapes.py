@@ -56,8 +56,6 @@ def concrete(s: Sequence[sympy.Expr], dims: Mapping[str, int]) -> tuple[int, ...
     return tuple(evaluate(d, dims) for d in s)
 
 
-# ---- parsing dims --------------------------------------------------------------------------
-
 _ARITH = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 

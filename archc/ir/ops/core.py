@@ -281,10 +281,8 @@ def elementwise_expr(op: Op, attrs: Attrs) -> Call:
 def _elementwise(op: Op, summary: str, example: str, roles: RolesFn, *attrs: Attr,
                  commutative: bool = False, arity: tuple[int, int] = (2, 2)) -> None:
     def infer(sig: Sig) -> tuple[Shape, str]:
-        try:
-            E.check(elementwise_expr(op, sig.attrs), len(sig.shapes))
-        except E.ExprError as err:
-            raise ShapeError(str(err)) from None
+        problem = E.problem(elementwise_expr(op, sig.attrs), len(sig.shapes))
+        require(problem is None, str(problem))
         out = sig.shapes[0]
         for s, d in zip(sig.shapes[1:], sig.dtypes[1:]):
             require(d == sig.dtypes[0], f"dtypes differ: {sig.dtypes[0]} and {d}")
@@ -322,8 +320,6 @@ register(OpDef(
     lambda ctx, a, at: torch.softmax(a["x"].float(), dim=-1).to(a["x"].dtype),
     flops=per_element(5), arity=(1, 1)))
 
-
-# ---- norm ----------------------------------------------------------------------------------
 
 def _norm_infer(sig: Sig) -> tuple[Shape, str]:
     x, w = sig.shape("x"), sig.shape("weight")

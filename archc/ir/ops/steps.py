@@ -1,11 +1,8 @@
 """Epilogue steps: what a kernel that writes rows (``fused_linear``, ``norm``, ``moe_linear``) does
-to each row of its f32 accumulator before the one store.
-
-A node's ``epilogue`` is a list of steps such as ``[rms_scale(), bias(), act(fn="silu")]``, applied
-in order; a step's extra inputs follow the node's own operands, named by step (``bias1``,
-``pos2``…). *Elementwise* steps are an expression of the elementwise language (``archc.ir.expr``)
-over the accumulator ``x(0)`` and their inputs, so eager semantics and Triton code come from one
-declaration; *structural* steps change the width or reach across columns.
+to each row of its f32 accumulator before the one store, in order, such as ``[rms_scale(), bias(),
+act(fn="silu")]``; a step's inputs follow the node's own operands, named by step (``bias1``…).
+*Elementwise* steps are an expression (``archc.ir.expr``) over the accumulator ``x(0)`` and their
+inputs; *structural* steps change the width or reach across columns.
 """
 
 from __future__ import annotations
@@ -43,8 +40,8 @@ class RowStats:
 
 
 def normalize(x: torch.Tensor, kind: str, eps: float) -> tuple[torch.Tensor, RowStats]:
-    """x normalized over its last dim, in f32, and the statistics: rms — x/sqrt(mean(x²) + eps);
-    layer — (x − mean)/sqrt(var + eps)."""
+    """x normalized over its last dim in f32 (rms: x·rstd; layer: (x − mean)·rstd), and the
+    statistics."""
     xf = x.float()
     mean = xf.mean(-1, keepdim=True) if kind == "layer" else None
     centered = xf if mean is None else xf - mean
