@@ -44,8 +44,7 @@ def kernel_count(p: Program) -> int:
 
 
 def _checkpoint_params(p: Program) -> dict[str, Node]:
-    """Every distinct parameter the program reads, by name, computed buffers (an expression
-    with no leaves, such as RoPE frequencies) excluded."""
+    """Every distinct parameter the program reads, by name, but computed buffers (no leaves)."""
     return {n.name: n for g in p for n in g if n.op == Op.PARAM
             and (n.attr("expr") is None or leaves(n.attr("expr")))}
 
@@ -81,9 +80,8 @@ def node_states(g: Graph, i: int) -> tuple[StateDecl, ...]:
 
 
 def recurrent_state_bytes(p: Program) -> int:
-    """Bytes of recurrent state one sequence keeps — Mamba's conv window and SSM state, linear
-    attention's running sums — from the state each node declares: a fixed size, whatever the
-    context, where attention's KV cache grows with it."""
+    """Bytes of recurrent state one sequence keeps (Mamba's conv window and SSM state, linear
+    attention's sums), as each node declares it: fixed, whatever the context."""
     seen: dict[tuple[int, str], int] = {}
     for g in p:
         for i in g.compute_ids():
@@ -98,7 +96,7 @@ def per_layer(spec: Spec, count: int, count_without_layers: int) -> float:
 
 
 def without_layers(spec: Spec) -> Spec:
-    """The same model with no blocks: what is left is embeddings and head. Used to attribute
-    counts to layers by difference (lowering does not validate, so zero layers is fine)."""
+    """The model without blocks, to attribute counts to layers by difference (lowering does not
+    validate, so zero layers is fine)."""
     return dataclasses.replace(spec, layers=0,
                                decoder_layers=0 if spec.decoder_layers is not None else None)

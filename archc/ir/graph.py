@@ -12,7 +12,7 @@ from typing import Any
 from archc.errors import IRError
 from archc.ir.attrs import Attrs, Call, format_call
 from archc.ir.ops import OP_TABLE, Op, ShapeError, canonical, full_attrs, is_compute
-from archc.ir.ops.base import Sig, attr_problems, make_sig
+from archc.ir.ops.base import Sig, attr_problems, make_sig, require
 from archc.ir.shapes import Shape
 
 # The graph passes may add: what the decoder computes from the encoder's states alone, run once
@@ -118,8 +118,7 @@ def infer(op: Op, shapes: Sequence[Shape], dtypes: Sequence[str], attrs: Attrs) 
         tuple[Shape, str]:
     """Shape and dtype of a node from its attributes and its op's rule; raises ShapeError."""
     problems = attr_problems(op, attrs)
-    if problems:
-        raise ShapeError("; ".join(problems))
+    require(not problems, "; ".join(problems))
     return OP_TABLE[op].infer(make_sig(op, shapes, dtypes, attrs))
 
 

@@ -60,9 +60,8 @@ _ARITH = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
 def parse_dim(text: str) -> sympy.Expr:
-    """Parse `P+T`, `2*T`, `576`, `(P+T)*4` into a sympy expression over B, T, P, S: read by
-    Python's parser but never evaluated (as ``sympify`` would), only integers, the four dims,
-    +, - and * are accepted."""
+    """`P+T`, `2*T`, `(P+T)*4` as sympy: read by Python's parser, never evaluated (as ``sympify``
+    would); only integers, the four dims, +, - and * are accepted."""
     def build(e: ast.expr) -> sympy.Expr:
         if isinstance(e, ast.Constant) and type(e.value) is int:
             return sympy.Integer(e.value)

@@ -183,11 +183,10 @@ class OpDef:
 OP_TABLE: dict[Op, OpDef] = {}
 
 
-def register(d: OpDef) -> OpDef:
+def register(d: OpDef) -> None:
     if d.op in OP_TABLE:
         raise ValueError(f"op {d.op.value} declared twice")
     OP_TABLE[d.op] = d
-    return d
 
 
 @functools.lru_cache(maxsize=65536)
