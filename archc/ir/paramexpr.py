@@ -83,13 +83,10 @@ def rope_inv_freq(dim: int, theta: float, kind: str = "default", factor: float =
         inv_freq = torch.where(medium, smoothed, scaled)
     elif kind == "yarn":
         assert original_max_seq_len is not None
-
-        def correction_dim(rotations: float) -> float:
-            return (dim * math.log(original_max_seq_len / (rotations * 2 * math.pi))) / (
-                2 * math.log(theta))
-
-        low = max(math.floor(correction_dim(beta_fast)), 0)
-        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+        # the dims whose wavelengths turn beta_fast and beta_slow times over the original context
+        low, high = ((dim * math.log(original_max_seq_len / (rotations * 2 * math.pi)))
+                     / (2 * math.log(theta)) for rotations in (beta_fast, beta_slow))
+        low, high = max(math.floor(low), 0), min(math.ceil(high), dim - 1)
         if low == high:
             high += 0.001
         ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
