@@ -240,10 +240,9 @@ MASK_OPERANDS = (("padding", "padding"), ("prefix_len", "prefix"))
 
 register(OpDef(
     Op.MASK, "Hide keys a query may not see: causal, sliding window with global tokens, "
-    "prefix-LM, padding.",
-    "%19 : f32[B,4,T,P+T] = mask(%18) {causal=true, window=8}",
-    operands("scores", *MASK_OPERANDS), _mask_infer, _mask,
-    attrs=MASK_ATTRS, flops=per_element(1), arity=(1, 3)))
+    "prefix-LM, padding.", "%19 : f32[B,4,T,P+T] = mask(%18) {causal=true, window=8}",
+    operands("scores", *MASK_OPERANDS), _mask_infer, _mask, attrs=MASK_ATTRS,
+    flops=per_element(1), arity=(1, 3)))
 
 
 def alibi_bias(slopes: torch.Tensor, t: int, length: int) -> torch.Tensor:

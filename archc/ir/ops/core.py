@@ -151,8 +151,7 @@ register(OpDef(
     'head_dim=16, interleaved=false, rotary_dim=16), kv_write(head_dim=16, k_start=64, '
     'kv_heads=2, layer=0, v_start=96)], eps=1e-05, prologue="rms"}',
     lambda attrs, n: (["x1", "x2"] if attrs.get("concat_k") else ["x"]) + ["weight"]
-    + epilogue_roles(attrs),
-    _linear_infer, fused_linear,
+    + epilogue_roles(attrs), _linear_infer, fused_linear,
     attrs=(Attr("prologue", str, None, ("rms", "layer"),
                 doc="row statistics of a folded norm, gathered along K"),
            Attr("eps", float, None), EPILOGUE,
@@ -350,8 +349,7 @@ register(OpDef(
     "with add_before, of x + residual; then an epilogue (the LayerNorm bias, a residual add).",
     '%5 : f32[B,T,64] = norm(%4, %2, %3) {epilogue=[bias()], eps=1e-05, kind="layer"}',
     lambda attrs, n: operands("x", "weight", ("residual", "add_before"))(attrs, n)
-    + epilogue_roles(attrs),
-    _norm_infer, norm,
+    + epilogue_roles(attrs), _norm_infer, norm,
     attrs=(Attr("kind", str, choices=("rms", "layer")), Attr("eps", float),
            Attr("unit_offset", bool, False, doc="Gemma's gain 1 + w"),
            Attr("add_before", bool, False, doc="normalize x + residual (post-norm)"), EPILOGUE),
@@ -396,6 +394,5 @@ register(OpDef(
 register(OpDef(
     Op.SLICE, "View columns [start, stop) of the last dim (e.g. q, k, v of a fused QKV).",
     "%12 : f32[B,T,32] = slice(%11) {start=64, stop=96}", operands("x"), _slice_infer,
-    lambda ctx, a, at: a["x"][..., at["start"]:at["stop"]],
-    attrs=(Attr("start", int, at_least=0), Attr("stop", int, at_least=1)), bytes=zero,
-    arity=(1, 1)))
+    lambda ctx, a, at: a["x"][..., at["start"]:at["stop"]], bytes=zero, arity=(1, 1),
+    attrs=(Attr("start", int, at_least=0), Attr("stop", int, at_least=1))))

@@ -139,8 +139,7 @@ register(OpDef(
     "%30 : f32[B,T,128] = ssm_scan(%14, %27, %28, %20, %21, %9, %11) {gate=true, layer=0}",
     # Δ, A, B, C, D of the paper as dt, a, b, c and skip
     operands("x", "dt", "a", "b", "c", ("skip", "gate"), ("z", "gate"), ("b_gain", "norm_eps"),
-             ("c_gain", "norm_eps")),
-    _scan_infer, _scan_eager,
+             ("c_gain", "norm_eps")), _scan_infer, _scan_eager,
     attrs=(LAYER, Attr("gate", bool, False, doc="add the skip D·x and gate by silu(z)"),
            Attr("norm_eps", float, None, doc="RMS-normalize B and C first (Jamba)")),
     flops=_scan_flops, template="ssm_scan", arity=(5, 9),
