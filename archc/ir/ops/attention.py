@@ -351,10 +351,7 @@ def attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     uniform weights, not NaN. A causal prefill (T = L) and a causal decode step (T = 1) need no
     M. A soft-cap acts on the raw scores: with one, the scores are computed here."""
     q, layer, bias, cap = a["q"], at["cache_layer"], at["bias"], at["softcap"]
-    if layer is None:
-        k, v = a["k"], a["v"]
-    else:
-        k, v = ctx.cache_read(layer, "k"), ctx.cache_read(layer, "v")
+    k, v = (a[r] if layer is None else ctx.cache_read(layer, r) for r in ("k", "v"))
     b, h, t, d = q.shape
     length = k.shape[2]
     qf, kf, vf = q.float(), expand_kv(k, h).float(), expand_kv(v, h).float()   # (B, H, ·, D)
