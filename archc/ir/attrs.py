@@ -1,9 +1,6 @@
-"""Node attributes: an immutable, hashable mapping of plain values, their typed declarations
-(``Attr``) and their text form.
-
-Values are ``None``, bools, ints, floats, strings, tuples of values, and ``Call``s (a function
-name with positional and keyword arguments — how parameter expressions are written). The text
-grammar, shared by attrs and parameter expressions::
+"""Node attributes: an immutable, hashable mapping of plain values (``None``, bools, ints, floats,
+strings, tuples, and ``Call``s: a function with positional and keyword arguments), their typed
+declarations (``Attr``) and their text form, shared with parameter expressions::
 
     value := INT | FLOAT | STRING | true | false | none | '[' [value {',' value}] ']'
            | NAME '(' [arg {',' arg}] ')'

@@ -1,17 +1,11 @@
 """The elementwise language: one expression form for pointwise kernels, epilogue steps and
 activations, rendered to torch (the eager semantics) and to Triton (the kernels).
 
-An expression is a tree of ``Call``s, so it prints and parses as an attribute value::
-
-    x(i)                  input i (in an epilogue step, x(0) is the accumulator)
-    0.5                   a constant
-    add(a, b)  sub(a, b)  mul(a, b)
-    scale(a, by=0.5)      a·0.5
-    act(a, fn="silu")     an activation (ACTIVATIONS)
-    softcap(a, cap=50.0)  50·tanh(a/50)
-
-Every function and activation is declared once below, with its torch code, its Triton code and
-its FLOPs per element; torch computes in f32, and so does every kernel.
+An expression is a tree of ``Call``s, so it prints and parses as an attribute value: inputs
+``x(i)`` (in an epilogue step, x(0) is the accumulator), constants and the functions below, as
+in ``softcap(mul(x(0), x(1)), cap=50.0)`` = 50·tanh(x0·x1/50). Each function and activation is
+declared once, with its torch code, its Triton code and its FLOPs per element; torch computes
+in f32, and so does every kernel.
 """
 
 from __future__ import annotations

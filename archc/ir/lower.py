@@ -1,10 +1,9 @@
 """Lowering: Spec → Program, faithful and unfused (separate Q/K/V projections, explicit bias adds,
-decomposed attention, ``repeat_kv`` for GQA, norms and activations as their own nodes): the passes
-earn every speed-up, and each can be seen.
+decomposed attention, ``repeat_kv`` for GQA): the passes earn every speed-up, and each can be seen.
 
 Every node records the spec field that made it (its ``origin``); parameters get HF-like names
 (``layers.3.attn.q.weight``). A decoder graph reads and writes the KV cache at offset P, so one
-graph serves prefill (P = 0, T = prompt) and decode (T = 1).
+graph serves prefill (P = 0) and decode (T = 1).
 """
 
 from __future__ import annotations
