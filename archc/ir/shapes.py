@@ -27,10 +27,7 @@ def shape(*dims: int | sympy.Expr) -> Shape:
 
 
 def numel(s: Sequence[sympy.Expr]) -> sympy.Expr:
-    out: sympy.Expr = sympy.Integer(1)
-    for d in s:
-        out = out * d
-    return out
+    return sympy.Mul(*s)
 
 
 def format_dim(d: sympy.Expr) -> str:
