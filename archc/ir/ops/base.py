@@ -249,12 +249,10 @@ def require(cond: bool, message: str) -> None:
 def broadcast(a: Shape, b: Shape) -> Shape:
     """Numpy broadcasting of two symbolic shapes."""
     n = max(len(a), len(b))
-    out = []
-    for x, y in zip((1,) * (n - len(a)) + tuple(a), (1,) * (n - len(b)) + tuple(b)):
-        require(x == 1 or y == 1 or same_dim(x, y),
-                f"shapes {list(a)} and {list(b)} do not broadcast")
-        out.append(y if x == 1 else x)
-    return tuple(sympy.sympify(d) for d in out)
+    pairs = list(zip((1,) * (n - len(a)) + tuple(a), (1,) * (n - len(b)) + tuple(b)))
+    require(all(x == 1 or y == 1 or same_dim(x, y) for x, y in pairs),
+            f"shapes {list(a)} and {list(b)} do not broadcast")
+    return tuple(sympy.sympify(y if x == 1 else x) for x, y in pairs)
 
 
 def float_dtype(sig: Sig, i: int = 0) -> str:
