@@ -236,17 +236,17 @@ class _Stack:
         f = self.s.ffn
         base = f"layers.{layer}.ffn"
         if f.kind == "moe" and self.s.layer_ffns(self.layers)[layer] == "dense":
-            assert f.moe is not None
             with self.at("ffn.pattern"):
-                return self.dense_ffn(x, base, f.moe.expert, f.d_ff, False)
+                return self.dense_ffn(x, base, f.d_ff, False)
         if f.kind == "moe":
             return self.moe(x, base)
-        return self.dense_ffn(x, base, f.kind, f.d_ff, f.bias)
+        return self.dense_ffn(x, base, f.d_ff, f.bias)
 
-    def dense_ffn(self, x: int, base: str, kind: str, d_ff: int, bias: bool) -> int:
+    def dense_ffn(self, x: int, base: str, d_ff: int, bias: bool) -> int:
+        """The spec's FFN (of kind moe.expert in an MoE model: a dense layer, the shared expert)."""
         f = self.s.ffn
         with self.at("ffn.kind"):
-            if kind in ("glu", "reglu", "geglu", "swiglu"):
+            if f.gated:
                 gate = self.linear(x, f"{base}.gate", d_ff, bias, "ffn.bias")
                 up = self.linear(x, f"{base}.up", d_ff, bias, "ffn.bias")
                 h = self.b.emit(Op.MUL, self.b.emit(Op.ACT, gate, fn=f.gate_activation), up)
@@ -275,8 +275,7 @@ class _Stack:
             y = stage(h, "down", self.d, f.d_ff, "down")               # (B, T, d)
         if moe.shared_expert_d_ff:
             with self.at("ffn.moe.shared_expert_d_ff"):
-                shared = self.dense_ffn(x, f"{base}.shared", moe.expert, moe.shared_expert_d_ff,
-                                        False)
+                shared = self.dense_ffn(x, f"{base}.shared", moe.shared_expert_d_ff, False)
                 y = self.b.emit(Op.ADD, y, shared)
         return y
 
