@@ -3,9 +3,8 @@ figure archc prints, from the op table's cost expressions and the nodes' shapes.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sympy
 
@@ -98,5 +97,4 @@ def per_layer(spec: Spec, count: int, count_without_layers: int) -> float:
 def without_layers(spec: Spec) -> Spec:
     """The model without blocks, to attribute counts to layers by difference (lowering does not
     validate, so zero layers is fine)."""
-    return dataclasses.replace(spec, layers=0,
-                               decoder_layers=0 if spec.decoder_layers is not None else None)
+    return replace(spec, layers=0, decoder_layers=0 if spec.decoder_layers is not None else None)
