@@ -109,7 +109,7 @@ class Model:
 
 # What the eager backend interprets unless told otherwise: the unfused program with each
 # attention chain (scores → … → value sum) collapsed into one `attention` node, which runs through
-# PyTorch's fused attention wherever the mask allows (`sdpa_attention`) — so a long prompt never
+# PyTorch's fused attention unless it soft-caps (`ops.attention.attention`) — so a long prompt never
 # stores its [B, H, T, L] scores. passes="none" interprets the program exactly as lowered.
 EAGER_PIPELINE = ("share-kv-heads", "flash-attention")
 

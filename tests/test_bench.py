@@ -184,8 +184,8 @@ def test_bench_refuses_bad_input(argv: list[str], message: str,
 @pytest.mark.parametrize("spec_name", ["tiny-llama3", "tiny-mistral", "tiny-bloom",
                                        "tiny-gemma2"])
 def test_torch_program_matches_the_eager_interpreter(spec_name: str) -> None:
-    """Prefill, then decode steps past the sliding window: the same logits as the interpreter
-    (the device twins of mask and alibi included)."""
+    """Prefill, then decode steps past the sliding window: the same logits as the
+    interpreter."""
     model = archc.load(spec_name)
     program = lower(model.spec, "f32")
     g = program.graph("decoder")

@@ -2,8 +2,9 @@
 lowering emits — scores, scale, soft-cap, position bias, mask, softmax, value sum, each run by
 its own op's eager semantics — for every mask kind: causal (a prefill, a chunk after a past, a
 decode step), bidirectional, sliding window either way, Longformer global tokens either way,
-prefix-LM, padding (a fully padded row included), ALiBi, T5 buckets either way; GQA 9/3 and odd
-sizes throughout. A soft-cap is not expressible as an additive mask: that case must fall back.
+prefix-LM, padding (a fully padded row included), ALiBi, T5 buckets either way, soft-capping (not
+expressible as an additive mask: the op computes those scores itself); GQA 9/3 and odd sizes
+throughout.
 Then whole models: the eager backend (attention nodes, fused attention) against the program as
 lowered, prefill and decode, for every tiny spec.
 
@@ -29,7 +30,6 @@ import archc
 import archc.ir.expr as E
 from archc.ir.attrs import Attrs, Call
 from archc.ir.ops import OP_TABLE, Op
-from archc.ir.ops.attention import sdpa_attention
 from archc.ir.ops.base import bind, full_attrs
 from archc.runtime.eager import EagerContext
 from tests.conftest import TINY_SPECS
@@ -132,9 +132,10 @@ def decomposed(case: Case, x: dict[str, Any]) -> torch.Tensor:
     return run_op(Op.MERGE_HEADS, [run_op(Op.WEIGHTED_SUM, [p, x["v"]])])
 
 
-def fused(case: Case, x: dict[str, Any]) -> torch.Tensor | None:
-    return sdpa_attention(x["q"], x["k"], x["v"], attrs_of(case), padding=x.get("padding"),
-                          prefix_len=x.get("prefix_len"), bias_input=x.get("bias_input"))
+def fused(case: Case, x: dict[str, Any]) -> torch.Tensor:
+    """The attention op: q, k, v, then padding, prefix_len and the bias table if present."""
+    extra = [x[k] for k in ("padding", "prefix_len", "bias_input") if k in x]
+    return run_op(Op.ATTENTION, [x["q"], x["k"], x["v"], *extra], **attrs_of(case))
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -142,11 +143,10 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
-@pytest.mark.parametrize("case", [c for c in CASES if c.softcap is None], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_fused_attention_equals_the_decomposed_ops(case: Case, dtype: torch.dtype) -> None:
     x = inputs(case, dtype)
     got = fused(case, x)
-    assert got is not None, f"{case.name}: the mask is expressible, yet it fell back"
     # the attention op computes in f32 whatever its inputs (the unfused ops would round the
     # scores and probabilities of f16 inputs to f16 on the way)
     want = decomposed(case, {k: v.float() if v.is_floating_point() else v
@@ -159,17 +159,9 @@ def test_a_fully_padded_row_gets_uniform_weights_as_decomposed_not_nan() -> None
     case = next(c for c in CASES if c.name == "padding, one row fully padded")
     x = inputs(case, torch.float32)
     got = fused(case, x)
-    assert got is not None and not got.isnan().any()
+    assert not got.isnan().any()
     mean_v = x["v"][-1].repeat_interleave(HEADS // KV_HEADS, 0).mean(dim=1)   # (H, D)
     assert torch.allclose(got[-1, 0], mean_v.reshape(-1), atol=1e-6)
-
-
-def test_soft_capping_falls_back_to_the_decomposed_form() -> None:
-    case = next(c for c in CASES if c.softcap is not None)
-    x = inputs(case, torch.float32)
-    assert fused(case, x) is None
-    got = run_op(Op.ATTENTION, [x["q"], x["k"], x["v"]], **attrs_of(case))
-    assert relative_error(got, decomposed(case, x)) <= TOL[torch.float32]
 
 
 def test_each_mask_kind_changes_the_result() -> None:

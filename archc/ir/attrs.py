@@ -1,9 +1,6 @@
-"""Node attributes: an immutable, hashable mapping of plain values, their typed declarations
-(``Attr``) and their text form.
-
-Values are ``None``, bools, ints, floats, strings, tuples of values, and ``Call``s (a function
-name with positional and keyword arguments — how parameter expressions are written). The text
-grammar, shared by attrs and parameter expressions::
+"""Node attributes: an immutable, hashable mapping of plain values (``None``, bools, ints, floats,
+strings, tuples, and ``Call``s: a function with positional and keyword arguments), their typed
+declarations (``Attr``) and their text form, shared with parameter expressions::
 
     value := INT | FLOAT | STRING | true | false | none | '[' [value {',' value}] ']'
            | NAME '(' [arg {',' arg}] ')'
@@ -37,19 +34,17 @@ class Call:
 class Attrs(Mapping[str, Any]):
     """An immutable mapping, ordered by key, hashable, so nodes compare as plain data."""
 
-    __slots__ = ("_items",)
+    __slots__ = ("_items", "_dict")
 
     def __init__(self, items: Mapping[str, Any] | None = None, **kw: Any) -> None:
         self._items = tuple(sorted((k, freeze(v)) for k, v in {**(items or {}), **kw}.items()))
+        self._dict = dict(self._items)
 
     def __getitem__(self, key: str) -> Any:
-        for k, v in self._items:
-            if k == key:
-                return v
-        raise KeyError(key)
+        return self._dict[key]
 
     def __iter__(self) -> Iterator[str]:
-        return (k for k, _ in self._items)
+        return iter(self._dict)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -58,16 +53,14 @@ class Attrs(Mapping[str, Any]):
         return hash(self._items)
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, Attrs):
-            return self._items == other._items
-        return isinstance(other, Mapping) and dict(self) == dict(other)
+        return self._dict == (other._dict if isinstance(other, Attrs) else other)
 
     def __repr__(self) -> str:
-        return f"Attrs({dict(self._items)!r})"
+        return f"Attrs({self._dict!r})"
 
     def replace(self, **kw: Any) -> Attrs:
         """A copy with `kw` set; a value of ``None`` removes the key."""
-        return Attrs({k: v for k, v in {**dict(self._items), **kw}.items() if v is not None})
+        return Attrs({k: v for k, v in {**self._dict, **kw}.items() if v is not None})
 
 
 def freeze(value: Any) -> Any:
@@ -137,14 +130,10 @@ def call_problem(c: Call, params: tuple[Attr, ...]) -> str | None:
                 None)
 
 
-# ---- printing ------------------------------------------------------------------------------
-
 def format_value(value: Any) -> str:
     if value is None or isinstance(value, bool):
         return {None: "none", True: "true", False: "false"}[value]
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
+    if isinstance(value, (int, float)):
         if not math.isfinite(value):
             raise ValueError(f"attr value {value} is not finite")
         return repr(value)
@@ -165,8 +154,6 @@ def format_call(name: str, inputs: Sequence[int], attrs: Attrs) -> str:
     return text + (" {" + ", ".join(f"{k}={format_value(v)}" for k, v in attrs.items()) + "}"
                    if attrs else "")
 
-
-# ---- parsing -------------------------------------------------------------------------------
 
 _WORDS = {"true": True, "false": False, "none": None}
 

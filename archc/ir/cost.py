@@ -1,14 +1,10 @@
-"""Numbers computed from the IR: FLOPs, bytes moved, kernels, parameters, KV-cache size.
-
-Every figure archc prints comes from here, and everything here comes from the op table's cost
-expressions and the nodes' shapes — nothing is typed in.
-"""
+"""Numbers computed from the IR: FLOPs, bytes moved, kernels, parameters, KV-cache size — every
+figure archc prints, from the op table's cost expressions and the nodes' shapes."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sympy
 
@@ -47,8 +43,7 @@ def kernel_count(p: Program) -> int:
 
 
 def _checkpoint_params(p: Program) -> dict[str, Node]:
-    """Every distinct parameter the program reads, by name, computed buffers (an expression
-    with no leaves, such as RoPE frequencies) excluded."""
+    """Every distinct parameter the program reads, by name, but computed buffers (no leaves)."""
     return {n.name: n for g in p for n in g if n.op == Op.PARAM
             and (n.attr("expr") is None or leaves(n.attr("expr")))}
 
@@ -84,9 +79,8 @@ def node_states(g: Graph, i: int) -> tuple[StateDecl, ...]:
 
 
 def recurrent_state_bytes(p: Program) -> int:
-    """Bytes of recurrent state one sequence keeps — Mamba's conv window and SSM state, linear
-    attention's running sums — from the state each node declares: a fixed size, whatever the
-    context, where attention's KV cache grows with it."""
+    """Bytes of recurrent state one sequence keeps (Mamba's conv window and SSM state, linear
+    attention's sums), as each node declares it: fixed, whatever the context."""
     seen: dict[tuple[int, str], int] = {}
     for g in p:
         for i in g.compute_ids():
@@ -101,7 +95,6 @@ def per_layer(spec: Spec, count: int, count_without_layers: int) -> float:
 
 
 def without_layers(spec: Spec) -> Spec:
-    """The same model with no blocks: what is left is embeddings and head. Used to attribute
-    counts to layers by difference (lowering does not validate, so zero layers is fine)."""
-    return dataclasses.replace(spec, layers=0,
-                               decoder_layers=0 if spec.decoder_layers is not None else None)
+    """The model without blocks, to attribute counts to layers by difference (lowering does not
+    validate, so zero layers is fine)."""
+    return replace(spec, layers=0, decoder_layers=0 if spec.decoder_layers is not None else None)

@@ -1,17 +1,11 @@
 """The elementwise language: one expression form for pointwise kernels, epilogue steps and
 activations, rendered to torch (the eager semantics) and to Triton (the kernels).
 
-An expression is a tree of ``Call``s, so it prints and parses as an attribute value::
-
-    x(i)                  input i (in an epilogue step, x(0) is the accumulator)
-    0.5                   a constant
-    add(a, b)  sub(a, b)  mul(a, b)
-    scale(a, by=0.5)      a·0.5
-    act(a, fn="silu")     an activation (ACTIVATIONS)
-    softcap(a, cap=50.0)  50·tanh(a/50)
-
-Every function and activation is declared once below, with its torch code, its Triton code and
-its FLOPs per element; torch computes in f32, and so does every kernel.
+An expression is a tree of ``Call``s, so it prints and parses as an attribute value: inputs
+``x(i)`` (in an epilogue step, x(0) is the accumulator), constants and the functions below, as
+in ``softcap(mul(x(0), x(1)), cap=50.0)`` = 50·tanh(x0·x1/50). Each function and activation is
+declared once, with its torch code, its Triton code and its FLOPs per element; torch computes
+in f32, and so does every kernel.
 """
 
 from __future__ import annotations
@@ -71,24 +65,19 @@ ACTIVATIONS: dict[str, Activation] = {a.name: a for a in (
 
 @dataclass(frozen=True)
 class Function:
-    """One function of the language: its expression arguments, its literal keyword parameters,
-    its torch code, its Triton code (over the arguments' code and the parameters' literals) and
-    its FLOPs per element (act: its activation's)."""
-
     name: str
-    args: int
-    params: tuple[Attr, ...]
+    args: int                         # expression arguments
+    params: tuple[Attr, ...]          # literal keyword parameters
     torch: Callable[..., torch.Tensor]
-    triton: Callable[..., str]
-    flops: int = 1
+    triton: Callable[..., str]        # over the arguments' code and the parameters' literals
+    flops: int = 1                    # per element (act: its activation's)
 
 
 FUNCTIONS: dict[str, Function] = {f.name: f for f in (
     Function("add", 2, (), lambda a, b: a + b, lambda a, b: f"({a} + {b})"),
     Function("sub", 2, (), lambda a, b: a - b, lambda a, b: f"({a} - {b})"),
     Function("mul", 2, (), lambda a, b: a * b, lambda a, b: f"({a} * {b})"),
-    Function("scale", 1, (Attr("by", float),), lambda a, by: a * by,
-             lambda a, by: f"({a} * {by})"),
+    Function("scale", 1, (Attr("by", float),), lambda a, by: a * by, lambda a, by: f"({a} * {by})"),
     Function("act", 1, (Attr("fn", str, choices=tuple(ACTIVATIONS)),),
              lambda a, fn: ACTIVATIONS[fn].torch(a), lambda a, fn: act_code(fn.strip('"'), a)),
     Function("softcap", 1, (Attr("cap", float),), lambda a, cap: cap * torch.tanh(a / cap),
@@ -96,36 +85,25 @@ FUNCTIONS: dict[str, Function] = {f.name: f for f in (
 )}
 
 
-class ExprError(ValueError):
-    """An expression the language does not have; the message says what is wrong."""
-
-
-def _params(e: Call) -> dict[str, Any]:
-    f = FUNCTIONS[e.fn]
-    if len(e.args) != f.args:
-        raise ExprError(f"{e.fn}() takes {f.args} expression argument(s), got {len(e.args)}")
-    problem = call_problem(Call(e.fn, (), e.kwargs), f.params)
-    if problem:
-        raise ExprError(problem)
-    return dict(e.kwargs)
-
-
-def check(e: Expr, inputs: int) -> None:
-    """Raise ExprError unless `e` is an expression of the language over `inputs` inputs."""
+def problem(e: Expr, inputs: int) -> str | None:
+    """What is wrong with `e` as an expression of the language over `inputs` inputs, if
+    anything (the verifier's check: the renderings below trust it)."""
     if not isinstance(e, Call):
         if isinstance(e, bool) or not isinstance(e, (int, float)) or not math.isfinite(e):
-            raise ExprError(f"not an expression (a call or a finite number): {e!r}")
-        return
+            return f"not an expression (a call or a finite number): {e!r}"
+        return None
     if e.fn == "x":
         k = e.args[0] if len(e.args) == 1 and not e.kwargs else None
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < inputs:
-            raise ExprError(f"x({', '.join(map(repr, e.args))}) is not one of {inputs} inputs")
-        return
+            return f"x({', '.join(map(repr, e.args))}) is not one of {inputs} inputs"
+        return None
     if e.fn not in FUNCTIONS:
-        raise ExprError(f"unknown function {e.fn}() (known: {', '.join(FUNCTIONS)})")
-    _params(e)
-    for a in e.args:
-        check(a, inputs)
+        return f"unknown function {e.fn}() (known: {', '.join(FUNCTIONS)})"
+    f = FUNCTIONS[e.fn]
+    if len(e.args) != f.args:
+        return f"{e.fn}() takes {f.args} expression argument(s), got {len(e.args)}"
+    return call_problem(Call(e.fn, (), e.kwargs), f.params) or \
+        next((p for a in e.args if (p := problem(a, inputs))), None)
 
 
 def evaluate(e: Expr, xs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -144,9 +122,7 @@ def triton(e: Expr, names: Sequence[str]) -> str:
         return repr(float(e))
     if e.fn == "x":
         return names[e.args[0]]
-    params = _params(e)
-    lits = {k: repr(float(v)) if isinstance(v, (int, float)) else f'"{v}"'
-            for k, v in params.items()}
+    lits = {k: repr(float(v)) if isinstance(v, (int, float)) else f'"{v}"' for k, v in e.kwargs}
     return FUNCTIONS[e.fn].triton(*(triton(a, names) for a in e.args), **lits)
 
 
@@ -174,11 +150,6 @@ def x(i: int) -> Call:
 def call(name: str, /, *args: Expr, **params: Any) -> Call:
     """A function application with its parameters in a canonical order."""
     return Call(name, tuple(args), tuple(sorted(params.items())))
-
-
-def activation(t: torch.Tensor, fn: str) -> torch.Tensor:
-    """An activation applied to a tensor, in its dtype (the eager semantics of `act`)."""
-    return ACTIVATIONS[fn].torch(t)
 
 
 def act_code(fn: str, code: str) -> str:

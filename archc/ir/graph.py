@@ -1,9 +1,6 @@
-"""The IR: plain-data nodes in topological order, graphs of them, and a builder.
-
-A ``Node`` is op, inputs (indices of earlier nodes), attrs, a sympy shape over B/T/P/S, a dtype
-and its provenance (the spec field that made it, the passes that rewrote it); nothing callable,
-so graphs print, parse, hash and compare as data. A ``Program`` is a model's graphs: ``decoder``,
-``encoder``, or both (the decoder reads the encoder's output as an input), and ``cross_kv``.
+"""The IR: plain-data nodes in topological order (nothing callable, so graphs print, parse, hash
+and compare as data), graphs of them, and a builder. A ``Program`` is a model's graphs:
+``decoder``, ``encoder``, or both (the decoder reads the encoder's output), and ``cross_kv``.
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ from typing import Any
 from archc.errors import IRError
 from archc.ir.attrs import Attrs, Call, format_call
 from archc.ir.ops import OP_TABLE, Op, ShapeError, canonical, full_attrs, is_compute
-from archc.ir.ops.base import Sig, attr_problems, make_sig
+from archc.ir.ops.base import Sig, attr_problems, make_sig, require
 from archc.ir.shapes import Shape
 
 # The graph passes may add: what the decoder computes from the encoder's states alone, run once
@@ -121,8 +118,7 @@ def infer(op: Op, shapes: Sequence[Shape], dtypes: Sequence[str], attrs: Attrs) 
         tuple[Shape, str]:
     """Shape and dtype of a node from its attributes and its op's rule; raises ShapeError."""
     problems = attr_problems(op, attrs)
-    if problems:
-        raise ShapeError("; ".join(problems))
+    require(not problems, "; ".join(problems))
     return OP_TABLE[op].infer(make_sig(op, shapes, dtypes, attrs))
 
 

@@ -1,16 +1,14 @@
-"""Lowering: Spec → Program, faithful and unfused.
+"""Lowering: Spec → Program, faithful and unfused (separate Q/K/V projections, explicit bias adds,
+decomposed attention, ``repeat_kv`` for GQA): the passes earn every speed-up, and each can be seen.
 
-Nothing clever happens here: separate Q/K/V projections, explicit bias adds, decomposed attention
-(scores, scale, soft-cap, position bias, mask, softmax, value sum), ``repeat_kv`` for GQA, norms
-and activations as their own nodes. The passes earn every speed-up, and each can be seen.
-
-Every node records the spec field that made it (its ``origin``), and parameters get HF-like names
+Every node records the spec field that made it (its ``origin``); parameters get HF-like names
 (``layers.3.attn.q.weight``). A decoder graph reads and writes the KV cache at offset P, so one
-graph serves prefill (P = 0, T = prompt) and decode (T = 1).
+graph serves prefill (P = 0) and decode (T = 1).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -19,7 +17,7 @@ from archc.ir.attrs import Call
 from archc.ir.graph import Graph, GraphBuilder, Program
 from archc.ir.ops import Op
 from archc.ir.ops.steps import step
-from archc.ir.paramexpr import leaf, yarn_attention_factor
+from archc.ir.paramexpr import leaf
 from archc.ir.shapes import B, S, T, shape
 from archc.ir.verify import verify
 from archc.spec.schema import Spec
@@ -51,15 +49,12 @@ class _Stack:
         self.b = GraphBuilder(name)
         self.d = spec.d_model
 
-    # ---- helpers -----------------------------------------------------------------------------
     @contextmanager
     def at(self, origin: str) -> Iterator[None]:
-        """Nodes emitted inside come from spec field `origin`."""
+        """Nodes emitted inside come from spec field `origin` (a failed lowering is discarded)."""
         saved, self.b.origin = self.b.origin, origin
-        try:
-            yield
-        finally:
-            self.b.origin = saved
+        yield
+        self.b.origin = saved
 
     def param(self, name: str, *dims: int, shared: bool = False, dtype: str | None = None,
               expr: Call | None = None) -> int:
@@ -151,16 +146,16 @@ class _Stack:
             fields = {"llama3": ("original_max_seq_len", "low_freq_factor", "high_freq_factor"),
                       "yarn": ("original_max_seq_len", "beta_fast", "beta_slow")}
             kw += [(f, getattr(sc, f)) for f in ("kind", "factor", *fields.get(sc.kind, ()))]
-            if sc.kind == "yarn":
-                attrs["mscale"] = yarn_attention_factor(sc.factor, sc.attention_factor)
+            if sc.kind == "yarn":   # cos and sin scaled by 0.1·ln(factor) + 1 unless given
+                attrs["mscale"] = sc.attention_factor if sc.attention_factor is not None else \
+                    0.1 * math.log(sc.factor) + 1.0 if sc.factor > 1 else 1.0
         with self.at("position.scaling" if sc else "position.theta"):
             freq = self.param("rope.inv_freq", self.s.rotary_dim // 2, dtype="f32", shared=True,
                               expr=Call("rope_inv_freq", (), tuple(kw)))
         return freq, attrs
 
     def qkv_heads(self, x: int, src: int, base: str) -> tuple[int, int, int]:
-        """The query projection of x and the key and value projections of src, split into
-        heads: (B, H, T, D) and twice (B, Hkv, T|S, D)."""
+        """q of x, k and v of src, split into heads: (B, H, T, D) and twice (B, Hkv, T|S, D)."""
         att = self.s.attention
         heads, kv_heads, hd, bias = att.heads, att.kv_heads, att.head_dim, att.bias
         with self.at("attention.heads"):
@@ -170,8 +165,7 @@ class _Stack:
             v = self.linear(src, f"{base}.v", kv_heads * hd, bias.v, "attention.bias.v")
         q = self.b.emit(Op.SPLIT_HEADS, q, heads=heads, origin="attention.heads")
         with self.at("attention.kv_heads"):
-            k = self.b.emit(Op.SPLIT_HEADS, k, heads=kv_heads)
-            v = self.b.emit(Op.SPLIT_HEADS, v, heads=kv_heads)
+            k, v = (self.b.emit(Op.SPLIT_HEADS, t, heads=kv_heads) for t in (k, v))
         return q, k, v
 
     def attention(self, x: int, layer: int, name: str, *, local: bool,
@@ -188,10 +182,8 @@ class _Stack:
         if s.position.kind == "rope" and self_attn:
             with self.at("position.kind"):
                 freq, scaling = self.rope_params()
-                rope = dict(rotary_dim=s.rotary_dim, interleaved=s.position.interleaved,
-                            **scaling)
-                q = self.b.emit(Op.ROPE, q, self.positions, freq, **rope)
-                k = self.b.emit(Op.ROPE, k, self.positions, freq, **rope)
+                rope = dict(rotary_dim=s.rotary_dim, interleaved=s.position.interleaved, **scaling)
+                q, k = (self.b.emit(Op.ROPE, t, self.positions, freq, **rope) for t in (q, k))
         if self.causal and self_attn:
             with self.at("family"):
                 k = self.b.emit(Op.KV_CACHE, k, layer=layer, kind="k")  # (B, Hkv, P+T, D)
@@ -244,17 +236,17 @@ class _Stack:
         f = self.s.ffn
         base = f"layers.{layer}.ffn"
         if f.kind == "moe" and self.s.layer_ffns(self.layers)[layer] == "dense":
-            assert f.moe is not None
             with self.at("ffn.pattern"):
-                return self.dense_ffn(x, base, f.moe.expert, f.d_ff, False)
+                return self.dense_ffn(x, base, f.d_ff, False)
         if f.kind == "moe":
             return self.moe(x, base)
-        return self.dense_ffn(x, base, f.kind, f.d_ff, f.bias)
+        return self.dense_ffn(x, base, f.d_ff, f.bias)
 
-    def dense_ffn(self, x: int, base: str, kind: str, d_ff: int, bias: bool) -> int:
+    def dense_ffn(self, x: int, base: str, d_ff: int, bias: bool) -> int:
+        """The spec's FFN (of kind moe.expert in an MoE model: a dense layer, the shared expert)."""
         f = self.s.ffn
         with self.at("ffn.kind"):
-            if kind in ("glu", "reglu", "geglu", "swiglu"):
+            if f.gated:
                 gate = self.linear(x, f"{base}.gate", d_ff, bias, "ffn.bias")
                 up = self.linear(x, f"{base}.up", d_ff, bias, "ffn.bias")
                 h = self.b.emit(Op.MUL, self.b.emit(Op.ACT, gate, fn=f.gate_activation), up)
@@ -283,8 +275,7 @@ class _Stack:
             y = stage(h, "down", self.d, f.d_ff, "down")               # (B, T, d)
         if moe.shared_expert_d_ff:
             with self.at("ffn.moe.shared_expert_d_ff"):
-                shared = self.dense_ffn(x, f"{base}.shared", moe.expert, moe.shared_expert_d_ff,
-                                        False)
+                shared = self.dense_ffn(x, f"{base}.shared", moe.shared_expert_d_ff, False)
                 y = self.b.emit(Op.ADD, y, shared)
         return y
 
@@ -342,14 +333,11 @@ class _Stack:
             return self.linear(y, f"{base}.out", self.d, m.bias, "mixer.mamba.bias")
 
     def linear_attention(self, h: int, layer: int) -> int:
-        """Linear attention (Katharopoulos et al. 2020): q, k, v projections as attention's,
-        φ = elu + 1 on q and k, the running sums (heads merged on the way out), the output
-        projection."""
+        """Linear attention (Katharopoulos et al. 2020), with φ = elu + 1 on q and k."""
         base = f"layers.{layer}.attn"
         q, k, v = self.qkv_heads(h, h, base)     # (B, H, T, D), (B, Hkv, T, D) twice
         with self.at("mixer.pattern" if self.s.mixer.pattern is not None else "mixer.kind"):
-            q = self.b.emit(Op.ACT, q, fn="elu_plus_one")
-            k = self.b.emit(Op.ACT, k, fn="elu_plus_one")
+            q, k = (self.b.emit(Op.ACT, t, fn="elu_plus_one") for t in (q, k))
             out = self.b.emit(Op.LINEAR_ATTENTION, q, k, v, layer=layer)   # (B, T, H·D)
         with self.at("attention.heads"):
             return self.linear(out, f"{base}.o", self.d, self.s.attention.bias.o,
@@ -371,8 +359,7 @@ class _Stack:
         mix_norm = "ssm_norm" if mixer == "mamba" else "attn_norm"
         if s.block.parallel:   # x + mixer(norm(x)) + ffn(norm(x))
             n1 = self.norm(x, f"{pre}.{mix_norm}")
-            n2 = n1 if s.block.shared_norm else self.norm(x, f"{pre}.ffn_norm",
-                                                          "block.shared_norm")
+            n2 = n1 if s.block.shared_norm else self.norm(x, f"{pre}.ffn_norm", "block.shared_norm")
             a, f = self.mix(n1, layer, mixer, local=local), self.ffn(n2, layer)
             with self.at("block.parallel"):
                 return self.b.emit(Op.ADD, self.b.emit(Op.ADD, x, a), f)

@@ -1,11 +1,10 @@
 """Parameter expressions: how a graph parameter is made from checkpoint tensors.
 
-A ``param`` node without an ``expr`` attr is the checkpoint tensor of its ``name``. A pass that
-changes a weight — folding a norm gain into a matmul, concatenating Q/K/V — gives the node an
-``expr`` instead, such as ``cat(w("layers.0.attn.q.weight"), w("layers.0.attn.k.weight"), dim=0)``,
-evaluated once when weights load; buffers no checkpoint holds (RoPE frequencies, ALiBi slopes)
-are expressions with no leaves. Evaluation is in float32 (float64 for tables whose rounding
-matters); the caller casts to the node's dtype.
+A ``param`` node without an ``expr`` is the checkpoint tensor of its ``name``. A pass that
+changes a weight (folding a norm gain, concatenating Q/K/V) gives it an ``expr`` such as
+``cat(w("layers.0.attn.q.weight"), w("layers.0.attn.k.weight"), dim=0)``, evaluated once when
+weights load; buffers no checkpoint holds (RoPE frequencies) have no leaves. Evaluation is in
+float32 (float64 where rounding matters); the caller casts to the node's dtype.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ def leaves(expr: Any) -> list[str]:
 
 
 def evaluate(expr: Call, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Evaluate `expr`, reading leaves from `tensors` (checkpoint name → tensor)."""
+    """Evaluate `expr` (its functions verified), reading leaves from `tensors` by name."""
     def ev(e: Any) -> Any:
         if isinstance(e, tuple):
             return tuple(ev(a) for a in e)
@@ -50,8 +49,6 @@ def evaluate(expr: Call, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
             if e.args[0] not in tensors:
                 raise WeightsError(f"checkpoint tensor {e.args[0]!r} is missing")
             return tensors[e.args[0]].float()
-        if e.fn not in PARAM_FNS:
-            raise WeightsError(f"unknown parameter function {e.fn!r}")
         return PARAM_FNS[e.fn](*(ev(a) for a in e.args), **{k: ev(v) for k, v in e.kwargs})
 
     return ev(expr)
@@ -86,26 +83,16 @@ def rope_inv_freq(dim: int, theta: float, kind: str = "default", factor: float =
         inv_freq = torch.where(medium, smoothed, scaled)
     elif kind == "yarn":
         assert original_max_seq_len is not None
-
-        def correction_dim(rotations: float) -> float:
-            return (dim * math.log(original_max_seq_len / (rotations * 2 * math.pi))) / (
-                2 * math.log(theta))
-
-        low = max(math.floor(correction_dim(beta_fast)), 0)
-        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+        # the dims whose wavelengths turn beta_fast and beta_slow times over the original context
+        low, high = ((dim * math.log(original_max_seq_len / (rotations * 2 * math.pi)))
+                     / (2 * math.log(theta)) for rotations in (beta_fast, beta_slow))
+        low, high = max(math.floor(low), 0), min(math.ceil(high), dim - 1)
         if low == high:
             high += 0.001
         ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
         extrapolate = 1 - ramp
         inv_freq = (inv_freq / factor) * (1 - extrapolate) + inv_freq * extrapolate
     return inv_freq.float()
-
-
-def yarn_attention_factor(factor: float, attention_factor: float | None) -> float:
-    """YaRN scales cos and sin by 0.1·ln(factor) + 1 unless a factor is given."""
-    if attention_factor is not None:
-        return attention_factor
-    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def alibi_slopes(heads: int) -> torch.Tensor:

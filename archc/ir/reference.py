@@ -27,10 +27,9 @@ def _arity(d: OpDef) -> str:
 def _attr(a: Attr) -> str:
     kind = " \\| ".join(f"{c}()" if a.type is Call else format_value(c) for c in a.choices) \
         if a.choices else TYPE_NAMES[a.type]
-    if a.default is REQUIRED:
-        return f"`{a.name}`: {kind}"
-    return f"`{a.name}`: {kind}" + (", optional" if a.default is None else
-                                    f" = {format_value(a.default)}")
+    default = "" if a.default is REQUIRED else ", optional" if a.default is None else \
+        f" = {format_value(a.default)}"
+    return f"`{a.name}`: {kind}{default}"
 
 
 def _table(ops: list[Op]) -> list[str]:
@@ -45,16 +44,12 @@ def _table(ops: list[Op]) -> list[str]:
 
 
 def reference() -> str:
-    lines = [
-        "# archc IR reference",
-        "",
-        "Generated from the op table by `python -m archc.ir.reference`; a test keeps this file "
-        "current. Every node has an op, inputs (earlier nodes), attributes, a shape over the "
-        "symbols `B` (batch), `T` (new tokens), `P` (tokens already cached) and `S` (encoder "
-        "length), and a dtype. Each op below declares its shape rule, its eager semantics and "
-        "its FLOP and byte counts in one place.",
-        "",
-    ]
+    lines = ["# archc IR reference", "",
+             "Generated from the op table by `python -m archc.ir.reference`; a test keeps this "
+             "file current. Every node has an op, inputs (earlier nodes), attributes, a shape over "
+             "the symbols `B` (batch), `T` (new tokens), `P` (tokens already cached) and `S` "
+             "(encoder length), and a dtype. Each op below declares its shape rule, its eager "
+             "semantics and its FLOP and byte counts in one place.", ""]
     grouped = {op for _, _, members in GROUPS for op in members}
     for title, why, members in (("Unfused", "What lowering emits from a spec: faithful to the "
                                  "model, one operation each.", set(Op) - grouped), *GROUPS):

@@ -1,9 +1,6 @@
-"""Symbolic shapes: sympy expressions over the dynamic dims, and their one-line text form.
-
-The dims are ``B`` (batch), ``T`` (new tokens this call), ``P`` (past tokens already in the KV
-cache) and ``S`` (encoder length, seen by a decoder's cross-attention); everything else in a
-shape is a static model size.
-"""
+"""Symbolic shapes: sympy expressions over the dynamic dims ``B`` (batch), ``T`` (new tokens),
+``P`` (tokens already cached) and ``S`` (encoder length), and their one-line text form; every
+other dim is a static model size."""
 
 from __future__ import annotations
 
@@ -30,10 +27,7 @@ def shape(*dims: int | sympy.Expr) -> Shape:
 
 
 def numel(s: Sequence[sympy.Expr]) -> sympy.Expr:
-    out: sympy.Expr = sympy.Integer(1)
-    for d in s:
-        out = out * d
-    return out
+    return sympy.Mul(*s)
 
 
 def format_dim(d: sympy.Expr) -> str:
@@ -59,15 +53,12 @@ def concrete(s: Sequence[sympy.Expr], dims: Mapping[str, int]) -> tuple[int, ...
     return tuple(evaluate(d, dims) for d in s)
 
 
-# ---- parsing dims --------------------------------------------------------------------------
-
 _ARITH = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
 def parse_dim(text: str) -> sympy.Expr:
-    """Parse `P+T`, `2*T`, `576`, `(P+T)*4` into a sympy expression over B, T, P, S: read by
-    Python's parser but never evaluated (as ``sympify`` would), only integers, the four dims,
-    +, - and * are accepted."""
+    """`P+T`, `2*T`, `(P+T)*4` as sympy: read by Python's parser, never evaluated (as ``sympify``
+    would); only integers, the four dims, +, - and * are accepted."""
     def build(e: ast.expr) -> sympy.Expr:
         if isinstance(e, ast.Constant) and type(e.value) is int:
             return sympy.Integer(e.value)

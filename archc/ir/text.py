@@ -34,8 +34,6 @@ def format_program(p: Program, *, provenance: bool = False) -> str:
                      [format_graph(g, provenance=provenance) for g in p.graphs]) + "\n"
 
 
-# ---- parsing -------------------------------------------------------------------------------
-
 # %i : dtype[dims] = op(%a, …), then {name=value, …} and the provenance comment
 _STR = r'"(?:[^"\\]|\\.)*"'
 _NODE = re.compile(

@@ -1,10 +1,5 @@
 """The verifier, run after lowering and after every pass; its errors show the node in text form.
-
-It checks that inputs come from earlier nodes; that attributes are those the op declares, of
-their types and allowed values, and the inputs the operands they call for; that every shape and
-dtype is what the op's rule infers; that input, param and output names are unique, with at least
-one output; and that parameter expressions call only known functions.
-"""
+Each node's attributes, operands, shape and dtype must be what its op declares and infers."""
 
 from __future__ import annotations
 
@@ -17,39 +12,36 @@ from archc.ir.shapes import DTYPE_BYTES
 from archc.ir.text import format_node
 
 
-def _fail(g: Graph, i: int, problem: str) -> IRError:
-    return IRError(f"verifier: graph {g.name}: {format_node(i, g.nodes[i])}: {problem}")
+def _problem(g: Graph, i: int, seen: dict[tuple[Op, str], int]) -> str | None:
+    """What is wrong with node i, if anything; `seen` holds the boundary names so far."""
+    n = g.nodes[i]
+    if n.dtype not in DTYPE_BYTES:
+        return f"unknown dtype {n.dtype!r}"
+    if bad := [j for j in n.inputs if not 0 <= j < i]:
+        return f"input %{bad[0]} is not an earlier node"
+    if n.op in META:
+        if (n.op, n.name) in seen:
+            return f"{n.op.value} name {n.name!r} already used by %{seen[n.op, n.name]}"
+        seen[n.op, n.name] = i
+    if n.op in (Op.INPUT, Op.PARAM):
+        return "; ".join(attr_problems(n.op, n.attrs) + [
+            f"unknown parameter function {c.fn!r}" for c in calls(n.attr("expr"))
+            if c.fn != "w" and c.fn not in PARAM_FNS]) or None
+    try:
+        shape, dtype = infer(n.op, [g.nodes[j].shape for j in n.inputs],
+                             [g.nodes[j].dtype for j in n.inputs], n.attrs)
+    except ShapeError as err:
+        return str(err)
+    if not same_shape(shape, n.shape):
+        return f"shape should be {[str(s) for s in shape]}"
+    return None if dtype == n.dtype else f"dtype should be {dtype}"
 
 
 def verify_graph(g: Graph) -> None:
     seen: dict[tuple[Op, str], int] = {}
-    for i, n in enumerate(g.nodes):
-        if n.dtype not in DTYPE_BYTES:
-            raise _fail(g, i, f"unknown dtype {n.dtype!r}")
-        for j in n.inputs:
-            if not 0 <= j < i:
-                raise _fail(g, i, f"input %{j} is not an earlier node")
-        if n.op in META:
-            key = (n.op, n.name)
-            if key in seen:
-                raise _fail(g, i, f"{n.op.value} name {n.name!r} already used by %{seen[key]}")
-            seen[key] = i
-        if n.op in (Op.INPUT, Op.PARAM):
-            problems = attr_problems(n.op, n.attrs) + [
-                f"unknown parameter function {c.fn!r}" for c in calls(n.attr("expr"))
-                if c.fn != "w" and c.fn not in PARAM_FNS]
-            if problems:
-                raise _fail(g, i, "; ".join(problems))
-            continue
-        try:
-            shape, dtype = infer(n.op, [g.nodes[j].shape for j in n.inputs],
-                                 [g.nodes[j].dtype for j in n.inputs], n.attrs)
-        except ShapeError as err:
-            raise _fail(g, i, str(err)) from None
-        if not same_shape(shape, n.shape):
-            raise _fail(g, i, f"shape should be {[str(s) for s in shape]}")
-        if dtype != n.dtype:
-            raise _fail(g, i, f"dtype should be {dtype}")
+    for i in range(len(g.nodes)):
+        if problem := _problem(g, i, seen):
+            raise IRError(f"verifier: graph {g.name}: {format_node(i, g.nodes[i])}: {problem}")
     if not g.ids(Op.OUTPUT):
         raise IRError(f"verifier: graph {g.name} has no output")
 

@@ -14,12 +14,10 @@ from archc.ir.shapes import format_shape
 
 
 def to_networkx(g: Graph) -> nx.DiGraph:
-    """Nodes are ids with `op` and `node` data; edges run producer → consumer with the input
-    slot."""
+    """Nodes are ids with `op` and `node` data; edges run producer → consumer, with the slot."""
     dg = nx.DiGraph(name=g.name)
-    for i, n in enumerate(g.nodes):
+    for i, n in enumerate(g.nodes):   # inputs are earlier nodes, so added before their edges
         dg.add_node(i, op=n.op.value, node=n)
-    for i, n in enumerate(g.nodes):
         for slot, j in enumerate(n.inputs):
             dg.add_edge(j, i, slot=slot)
     return dg
@@ -33,9 +31,9 @@ def live_ranges(g: Graph, root_of: Sequence[int] | None = None) -> dict[int, tup
     """For each node: (defined at, last read at) in node order, for buffer planning. With
     `root_of` (node → the node whose buffer it is, for views), a read of a view is a read of its
     root. Graph outputs stay live to the end."""
-    root = list(range(len(g.nodes))) if root_of is None else list(root_of)
-    out = {i: (i, i) for i in range(len(g.nodes))}
     end = len(g.nodes)
+    root = list(range(end)) if root_of is None else list(root_of)
+    out = {i: (i, i) for i in range(end)}
     for i, n in enumerate(g.nodes):
         for j in n.inputs:
             r = root[j]

@@ -31,10 +31,10 @@ from archc.ir.attrs import Attrs, Call
 from archc.ir.cost import node_states
 from archc.ir.graph import Graph
 from archc.ir.ops import VIEW, Args, Op, bind, full_attrs
-from archc.ir.ops.attention import ROPE_ATTRS, alibi_bias, relative_bias
+from archc.ir.ops.attention import ROPE_ATTRS, score_bias, visible_keys
 from archc.ir.ops.core import activations, selected_experts
 from archc.ir.ops.steps import STEPS, step_expr
-from archc.perf.torch_program import Store, TorchContext, eager_fn, visible_keys
+from archc.perf.torch_program import Store, TorchContext, eager_fn
 
 
 @dataclass
@@ -303,9 +303,8 @@ def _sdpa(a: Attrs, got: Args) -> Counterpart | Unavailable:
     if not plain or (a["causal"] and t != length and min(t, length) > 1):
         mask = visible_keys(t, length, a, got, q.device)
         if bias is not None:
-            add = (alibi_bias(got["slopes"], t, length) if bias.fn == "alibi" else
-                   relative_bias(got["rel_table"].float(), t, length, bias.kw("bidirectional"),
-                                 bias.kw("max_distance")))
+            add = score_bias(bias.fn, got["slopes" if bias.fn == "alibi" else "rel_table"], t,
+                             length, dict(bias.kwargs))
             mask = add[None].to(q.dtype).masked_fill(~mask, float("-inf"))
     kwargs: dict[str, Any] = {"attn_mask": mask, "scale": a["scale"],
                               "is_causal": mask is None and a["causal"] and t == length > 1}

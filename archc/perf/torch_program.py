@@ -6,11 +6,7 @@ checks, so what it costs is what torch costs. Its KV cache is static ([B, H_kv, 
 layer and k|v, written at offset P), and P is a plain argument: under ``torch.compile`` it becomes
 a symbolic integer after the first decode step, so decoding does not recompile at every length.
 
-``mask`` and ``alibi`` run a device-side twin of their table semantics (``eager_fn``), which
-build query and key positions on the CPU and copy them to the scores' device — on a GPU a
-host-device synchronization per layer that a torch program would not pay; a test holds the twins
-equal to the table's. The same context serves the counterparts of single kernels
-(``archc.perf.baselines``).
+The same context serves the counterparts of single kernels (``archc.perf.baselines``).
 """
 
 from __future__ import annotations
@@ -23,8 +19,7 @@ import torch
 
 from archc.errors import ArchcError
 from archc.ir.graph import Graph
-from archc.ir.ops import OP_TABLE, Args, Op, full_attrs, roles_of
-from archc.ir.ops.attention import query_key_positions, visible
+from archc.ir.ops import OP_TABLE, Op, full_attrs, roles_of
 from archc.ir.shapes import evaluate
 
 Store = MutableMapping[tuple[int, str], torch.Tensor]
@@ -65,38 +60,9 @@ class TorchContext:
         return self.store[(layer, kind)][:, :, :self.dims["P"] + self.dims["T"]]
 
 
-def visible_keys(t: int, length: int, a: Mapping[str, Any], args: Args,
-                 device: torch.device) -> torch.Tensor:
-    """[B or 1, 1, T, L]: the keys each query may see under a mask's (or attention's) causal,
-    window and global_tokens, and its prefix_len and padding operands, made on `device`."""
-    keep = visible(t, length, a["causal"], a["window"], args.get("prefix_len"),
-                   a["global_tokens"], device=device)[None, None]
-    padding = args.get("padding")
-    return keep if padding is None else keep & padding.bool()[:, None, None, :]
-
-
-def _mask_on_device(ctx: Any, args: Args, a: Mapping[str, Any]) -> torch.Tensor:
-    """The table's ``mask`` (``archc.ir.ops.attention.visible``), positions made on the device."""
-    s = args["scores"]
-    keep = visible_keys(s.shape[-2], s.shape[-1], a, args, s.device)
-    return s.masked_fill(~keep, torch.finfo(s.dtype).min)
-
-
-def _alibi_on_device(ctx: Any, args: Args, a: Mapping[str, Any]) -> torch.Tensor:
-    """The table's ``alibi`` (−slope·(query − key)), positions made on the device."""
-    s, slopes = args["scores"], args["slopes"]
-    q, k = query_key_positions(s.shape[-2], s.shape[-1], s.device)
-    dist = (k[None, :] - q[:, None]).to(torch.float32)
-    return (s.float() + (slopes.float()[:, None, None] * dist[None])[None]).to(s.dtype)
-
-
-_ON_DEVICE: dict[Op, Callable[..., torch.Tensor]] = {Op.MASK: _mask_on_device,
-                                                     Op.ALIBI: _alibi_on_device}
-
-
 def eager_fn(op: Op) -> Callable[..., torch.Tensor]:
-    """The eager semantics torch baselines run for `op`: the op table's, or its device twin."""
-    return _ON_DEVICE.get(op, OP_TABLE[op].eager)
+    """The eager semantics torch baselines run for `op`: the op table's."""
+    return OP_TABLE[op].eager
 
 
 class TorchProgram:

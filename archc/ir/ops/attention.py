@@ -1,16 +1,14 @@
-"""Attention: rotary positions, the KV cache, GQA head repetition, scores, score modifiers
-(ALiBi, T5 relative bias, masks), the value-weighted sum — as lowering emits them — and the
-`attention` kernel (flash attention) the passes make of them.
+"""Attention as lowering emits it — rotary positions, the KV cache, GQA head repetition, scores,
+ALiBi, T5 relative bias, masks, the value sum — and the flash `attention` kernel passes make.
 
-Positions inside the score ops come from shapes: scores are [B, H, T, L] for T new queries over L
-keys, and query row i sits at absolute position L − T + i (the past length P for self-attention
-over the cache; an encoder has L = T).
+Positions come from shapes: scores are [B, H, T, L] for T new queries over L keys, and query row
+i sits at position L − T + i (P over the cache; an encoder has L = T).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import sympy
@@ -38,15 +36,14 @@ from archc.ir.shapes import DTYPE_BYTES, P, Shape, numel
 
 def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rotary_dim: int,
          interleaved: bool, mscale: float = 1.0, dynamic: Call | None = None) -> torch.Tensor:
-    """Rotate the first `rotary_dim` dims of each head by angle pos·θ_j (Su et al. 2021).
-    Half-split pairs dim j with j + rotary_dim/2 (GPT-NeoX, Llama); interleaved pairs 2j with
-    2j + 1 (GPT-J). Remaining dims pass through (partial rotary).
+    """Rotate the first `rotary_dim` dims of each head by pos·θ_j (Su et al. 2021), pairing dim j
+    with j + rotary_dim/2 (GPT-NeoX, Llama) or, interleaved, 2j with 2j + 1 (GPT-J); the rest
+    pass through (partial rotary).
 
     `dynamic`, ntk(factor, original_max_seq_len), is transformers' rope_type "dynamic": with L
-    the sequence length after this call (the last position + 1), past the trained context the
-    base grows to base·s^(d/(d−2)), s = factor·L/original − (factor − 1), so each frequency
-    θ_j = base^(−2j/d) becomes θ_j·s^(−2j/(d−2)); up to it s = 1. Keys cached by earlier calls
-    keep the rotation they were written with."""
+    the sequence length after this call, past the trained context the base grows to
+    base·s^(d/(d−2)), s = factor·L/original − (factor − 1), so θ_j = base^(−2j/d) becomes
+    θ_j·s^(−2j/(d−2)); up to it s = 1. Keys cached earlier keep the rotation they had."""
     if dynamic is not None and pos.numel():
         factor, original = dynamic.kw("factor"), dynamic.kw("original_max_seq_len")
         length = pos[-1].to(inv_freq.device, torch.float64) + 1
@@ -73,8 +70,7 @@ ROPE_ATTRS = (Attr("rotary_dim", int, at_least=2), Attr("interleaved", bool),
 def check_rope(rot: int, head_dim: sympy.Expr, tokens: sympy.Expr, pos: Shape, freq: Shape,
                dynamic: Call | None) -> None:
     """What the rope op and the rope epilogue step both require of their operands."""
-    require(len(pos) == 1 and same_dim(pos[0], tokens),
-            f"positions {list(pos)} must be [{tokens}]")
+    require(len(pos) == 1 and same_dim(pos[0], tokens), f"positions {list(pos)} must be [{tokens}]")
     require(rot % 2 == 0 and rot <= int(head_dim), f"rotary_dim={rot} for head dim {head_dim}")
     require(len(freq) == 1 and int(freq[0]) == rot // 2,
             f"frequencies {list(freq)} do not match rotary_dim={rot}")
@@ -132,8 +128,7 @@ register(OpDef(
 # ---- scores and the value sum --------------------------------------------------------------
 
 def groups(q_heads: sympy.Expr, kv_heads: sympy.Expr) -> int:
-    """Query heads per key/value head: 1 after repeat_kv, H/H_kv when attention reads the KV
-    heads directly (query head h uses KV head h // groups)."""
+    """Query heads per KV head (1 after repeat_kv): query head h uses KV head h // groups."""
     q, kv = int(q_heads), int(kv_heads)
     require(q % kv == 0, f"{q} query heads are not a multiple of {kv} key/value heads")
     return q // kv
@@ -175,18 +170,17 @@ _head_matmul(Op.WEIGHTED_SUM, "The value sum p·v per head; v may have fewer (KV
 def query_key_positions(t: int, length: int, device: torch.device | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absolute positions of the T query rows (the last T of L) and of the L keys."""
-    return (torch.arange(length - t, length, device=device),
-            torch.arange(length, device=device))
+    return (torch.arange(length - t, length, device=device), torch.arange(length, device=device))
 
 
 def visible(t: int, length: int, causal: bool, window: int | None,
             prefix_len: int | torch.Tensor | None = None, global_tokens: int | None = None,
             device: torch.device | None = None) -> torch.Tensor:
     """[T, L] bool: may query row i see key j? Causal: j ≤ i. Window: within `window` of the
-    query (behind it when causal, either side when not). Prefix-LM: keys < prefix_len are seen
-    by every query. Global tokens (Longformer, beside a window): the first G positions are
-    seen by every query (causally, in a decoder) and, when not causal, see every key. Made on
-    `device` (a prefix length there stays there: nothing waits on the host)."""
+    query (behind it when causal, either side when not). Prefix-LM: every query sees keys <
+    prefix_len. Global tokens (Longformer, beside a window): every query sees the first G
+    (causally, in a decoder), and when not causal they see every key. Made on `device`, so a
+    prefix length there never waits on the host."""
     q, k = query_key_positions(t, length, device)
     dist = q[:, None] - k[None, :]
     seen = dist >= 0 if causal else torch.ones(t, length, dtype=torch.bool, device=device)
@@ -202,15 +196,18 @@ def visible(t: int, length: int, causal: bool, window: int | None,
     return seen
 
 
-def apply_mask(s: torch.Tensor, a: Args, at: Attrs) -> torch.Tensor:
-    """Scores [B, H, T, L] with the keys a query may not see (as MASK_ATTRS and the operands they
-    call for say) at the dtype's minimum."""
-    prefix = int(a["prefix_len"]) if "prefix_len" in a else None
-    keep = visible(*s.shape[-2:], at["causal"], at["window"], prefix, at["global_tokens"],
-                   s.device)[None, None]
-    if "padding" in a:
-        keep = keep & a["padding"].bool()[:, None, None, :]
-    return s.masked_fill(~keep, torch.finfo(s.dtype).min)
+def visible_keys(t: int, length: int, at: Mapping[str, Any], a: Mapping[str, Any],
+                 device: torch.device) -> torch.Tensor:
+    """[B or 1, 1, T, L]: the keys each query may see under MASK_ATTRS and their operands."""
+    keep = visible(t, length, at["causal"], at["window"], a.get("prefix_len"),
+                   at["global_tokens"], device)[None, None]
+    padding = a.get("padding")
+    return keep if padding is None else keep & padding.to(device).bool()[:, None, None, :]
+
+
+def _mask(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+    s = a["scores"]
+    return s.masked_fill(~visible_keys(*s.shape[-2:], at, a, s.device), torch.finfo(s.dtype).min)
 
 
 def check_mask(sig: Sig, length: sympy.Expr) -> None:
@@ -243,19 +240,17 @@ MASK_OPERANDS = (("padding", "padding"), ("prefix_len", "prefix"))
 
 register(OpDef(
     Op.MASK, "Hide keys a query may not see: causal, sliding window with global tokens, "
-    "prefix-LM, padding.",
-    "%19 : f32[B,4,T,P+T] = mask(%18) {causal=true, window=8}",
-    operands("scores", *MASK_OPERANDS), _mask_infer,
-    lambda ctx, a, at: apply_mask(a["scores"], a, at),
-    attrs=MASK_ATTRS, flops=per_element(1), arity=(1, 3)))
+    "prefix-LM, padding.", "%19 : f32[B,4,T,P+T] = mask(%18) {causal=true, window=8}",
+    operands("scores", *MASK_OPERANDS), _mask_infer, _mask, attrs=MASK_ATTRS,
+    flops=per_element(1), arity=(1, 3)))
 
 
 def alibi_bias(slopes: torch.Tensor, t: int, length: int) -> torch.Tensor:
     """[H, T, L]: −slope·(query − key) (Press et al. 2021). BLOOM adds slope·key instead; the
-    two differ by a constant along each softmax row, so they give the same attention."""
-    q, k = query_key_positions(t, length)
-    dist = (k[None, :] - q[:, None]).to(slopes.device, torch.float32)
-    return slopes.float()[:, None, None] * dist[None]
+    two differ by a constant along each softmax row, so they give the same attention. Made on
+    the slopes' device: no host-device copy per layer."""
+    q, k = query_key_positions(t, length, slopes.device)
+    return slopes.float()[:, None, None] * (k[None, :] - q[:, None]).float()[None]
 
 
 def t5_buckets(relative: torch.Tensor, bidirectional: bool, buckets: int,
@@ -271,12 +266,10 @@ def t5_buckets(relative: torch.Tensor, bidirectional: bool, buckets: int,
     else:
         relative = -torch.clamp(relative, max=0)
     exact = buckets // 2
-    small = relative < exact
-    large = exact + (
+    large = (exact + (
         torch.log(relative.float().clamp(min=1) / exact) / math.log(max_distance / exact)
-        * (buckets - exact)).long()
-    large = torch.clamp(large, max=buckets - 1)
-    return out + torch.where(small, relative, large)
+        * (buckets - exact)).long()).clamp(max=buckets - 1)
+    return out + torch.where(relative < exact, relative, large)
 
 
 def relative_bias(table: torch.Tensor, t: int, length: int, bidirectional: bool,
@@ -290,8 +283,16 @@ def relative_bias(table: torch.Tensor, t: int, length: int, bidirectional: bool,
 T5 = (Attr("bidirectional", bool), Attr("max_distance", int, at_least=1))
 
 
+def score_bias(kind: str, table: torch.Tensor, t: int, length: int,
+               at: Mapping[str, Any]) -> torch.Tensor:
+    """[H, T, L]: ALiBi's bias from per-head slopes, or T5's from a [buckets, H] table with
+    `at`'s bidirectional and max_distance."""
+    if kind == "alibi":
+        return alibi_bias(table, t, length)
+    return relative_bias(table.float(), t, length, at["bidirectional"], at["max_distance"])
+
+
 def _score_bias(op: Op, summary: str, example: str, table: str,
-                bias: Callable[[torch.Tensor, int, int, Attrs], torch.Tensor],
                 attrs: tuple[Attr, ...] = ()) -> None:
     """alibi and rel_bias: scores plus a [H, T, L] bias made from a per-head `table`."""
     def infer(sig: Sig) -> tuple[Shape, str]:
@@ -302,21 +303,17 @@ def _score_bias(op: Op, summary: str, example: str, table: str,
 
     def eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
         s = a["scores"]
-        return (s.float() + bias(a[table], *s.shape[-2:], at)[None]).to(s.dtype)
+        return (s.float() + score_bias(op.value, a[table], *s.shape[-2:], at)[None]).to(s.dtype)
 
     register(OpDef(op, summary, example, operands("scores", table), infer, eager, attrs=attrs,
                    flops=per_element(2), arity=(2, 2)))
 
 
 _score_bias(Op.ALIBI, "Add the ALiBi bias −slope_h·(i − j) to scores.",
-            "%18 : f32[B,4,T,P+T] = alibi(%17, %3)", "slopes",
-            lambda slopes, t, length, at: alibi_bias(slopes, t, length))
+            "%18 : f32[B,4,T,P+T] = alibi(%17, %3)", "slopes")
 _score_bias(Op.REL_BIAS, "Add T5's bucketed relative-position bias (a [buckets, H] table) to "
             "scores.", "%18 : f32[B,4,T,P+T] = rel_bias(%17, %5) {bidirectional=false, "
-            "max_distance=128}", "table",
-            lambda table, t, length, at: relative_bias(table.float(), t, length,
-                                                       at["bidirectional"], at["max_distance"]),
-            T5)
+            "max_distance=128}", "table", T5)
 
 
 # ---- the attention kernel --------------------------------------------------------------------
@@ -344,30 +341,37 @@ def _attention_infer(sig: Sig) -> tuple[Shape, str]:
 
 
 def attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    """softmax(mask(bias(softcap(scale·q·kᵀ)))) · v, in f32, heads merged: [B, T, H·D]."""
-    q = a["q"]
-    layer = at["cache_layer"]
-    if layer is not None:
-        k, v = ctx.cache_read(layer, "k"), ctx.cache_read(layer, "v")
-    else:
-        k, v = a["k"], a["v"]
-    fast = sdpa_attention(q, k, v, at, padding=a.get("padding"), prefix_len=a.get("prefix_len"),
-                          bias_input=a.get("slopes", a.get("rel_table")))
-    if fast is not None:
-        return fast
+    """softmax(mask(bias(softcap(scale·q·kᵀ)))) · v, in f32, heads merged: [B, T, H·D].
+
+    Through F.scaled_dot_product_attention, which computes softmax(scale·q·kᵀ + M)·v without
+    storing the [B, H, T, L] scores: that makes a long eager prefill affordable (at 8192 tokens
+    the scores of one layer of SmolLM2 are 2.4 GB in f32). Everything between the scores and the
+    softmax is the additive mask M = bias − ∞·(not visible), "−∞" being f32's most negative
+    finite value, as the mask op fills it: a row whose keys are all hidden (padding) then gets
+    uniform weights, not NaN. A causal prefill (T = L) and a causal decode step (T = 1) need no
+    M. A soft-cap acts on the raw scores: with one, the scores are computed here."""
+    q, layer, bias, cap = a["q"], at["cache_layer"], at["bias"], at["softcap"]
+    k, v = (a[r] if layer is None else ctx.cache_read(layer, r) for r in ("k", "v"))
     b, h, t, d = q.shape
-    k, v = expand_kv(k, h).float(), expand_kv(v, h).float()
-    s = (q.float() @ k.transpose(-1, -2)) * at["scale"]
-    if at["softcap"] is not None:
-        s = at["softcap"] * torch.tanh(s / at["softcap"])
-    bias = at["bias"]
-    if bias is not None and bias.fn == "alibi":
-        s = s + alibi_bias(a["slopes"], t, s.shape[-1])[None]
-    elif bias is not None:
-        s = s + relative_bias(a["rel_table"].float(), t, s.shape[-1],
-                              bias.kw("bidirectional"), bias.kw("max_distance"))[None]
-    out = torch.softmax(apply_mask(s, a, at), dim=-1) @ v               # (B, H, T, D)
-    return out.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)
+    length = k.shape[2]
+    qf, kf, vf = q.float(), expand_kv(k, h).float(), expand_kv(v, h).float()   # (B, H, ·, D)
+    plain = at["window"] is None and bias is None and cap is None and not at["padding"] \
+        and not at["prefix"]
+    if plain and (not at["causal"] or t in (1, length)):
+        out = F.scaled_dot_product_attention(qf, kf, vf, is_causal=at["causal"] and t > 1,
+                                             scale=at["scale"])
+    else:
+        m = 0.0 if bias is None else score_bias(
+            bias.fn, a["slopes" if bias.fn == "alibi" else "rel_table"], t, length,
+            dict(bias.kwargs))[None]                                             # (1, H, T, L)
+        m = torch.where(visible_keys(t, length, at, a, q.device), m,
+                        torch.finfo(torch.float32).min)                          # (B, H, T, L)
+        if cap is None:
+            out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=m, scale=at["scale"])
+        else:
+            s = (qf @ kf.transpose(-1, -2)) * at["scale"]
+            out = torch.softmax(cap * torch.tanh(s / cap) + m, dim=-1) @ vf
+    return out.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)                # (B, T, H·D)
 
 
 def visible_pairs(t: sympy.Expr, length: sympy.Expr, causal: bool,
@@ -431,62 +435,3 @@ register(OpDef(
     flops=_attention_flops, bytes=_attention_bytes, template="attention", arity=(1, 6),
     docs={"padding": "1 = key present", "prefix_len": "prefix length",
           "slopes": "ALiBi slopes", "rel_table": "relative-position bias per bucket and head"}))
-
-
-# ---- the same semantics through PyTorch's fused attention ------------------------------------
-# F.scaled_dot_product_attention computes softmax(scale·q·kᵀ + M)·v without storing the [B, H, T, L]
-# scores, which is what makes a long eager prefill affordable (at 8192 tokens the scores of one
-# layer of SmolLM2 are 2.4 GB in f32). Everything between the scores and the softmax is the
-# additive mask M = bias − ∞·(not visible), except tanh soft-capping, which acts on the raw scores.
-# "−∞" is f32's most negative finite value, as apply_mask fills it: a row whose keys are all hidden
-# (padding) then gets uniform weights, not NaN. A causal prefill (T = L) and a causal decode step
-# (T = 1) need no mask at all.
-
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attrs: Mapping[str, Any],
-                   *, padding: torch.Tensor | None = None,
-                   prefix_len: torch.Tensor | int | None = None,
-                   bias_input: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Attention of q [B, H, T, D] over k, v [B, H_kv, L, D] (query row i at position
-    L − T + i), as the `attention` op defines it by its attributes (`scale`, `causal`, `window`,
-    `global_tokens`, `bias`, `softcap`), computed in f32 and returned with heads merged,
-    [B, T, H·D] in q's dtype; None when a soft-cap makes it inexpressible."""
-    if attrs.get("softcap") is not None:
-        return None
-    b, h, t, d = q.shape
-    length = k.shape[2]
-    kf, vf = expand_kv(k, h).float(), expand_kv(v, h).float()        # (B, H, L, D)
-    mask, is_causal = additive_mask(attrs, t, length, padding=padding,
-                                    prefix_len=prefix_len, bias_input=bias_input,
-                                    device=q.device)
-    out = F.scaled_dot_product_attention(q.float(), kf, vf, attn_mask=mask, is_causal=is_causal,
-                                         scale=attrs["scale"])       # (B, H, T, D)
-    return out.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)
-
-
-def additive_mask(attrs: Mapping[str, Any], t: int, length: int, *,
-                  padding: torch.Tensor | None, prefix_len: torch.Tensor | int | None,
-                  bias_input: torch.Tensor | None,
-                  device: torch.device) -> tuple[torch.Tensor | None, bool]:
-    """(M, is_causal) for scaled_dot_product_attention: M is None when no key is hidden and
-    there is no bias, or when `is_causal` says it all (a causal prefill, T = L)."""
-    causal, window, bias = attrs["causal"], attrs.get("window"), attrs.get("bias")
-    if window is None and padding is None and prefix_len is None and bias is None:
-        if not causal or t == 1:        # every key visible (a decode step sees all its past)
-            return None, False
-        if t == length:                 # a causal prefill: SDPA's own (top-left) causal mask
-            return None, True
-    prefix = None if prefix_len is None else int(prefix_len)
-    keep = visible(t, length, causal, window, prefix, attrs.get("global_tokens"),
-                   device=device)[None, None]                        # (1, 1, T, L)
-    if padding is not None:
-        keep = keep & padding.to(device).bool()[:, None, None, :]    # (B, 1, T, L)
-    if bias is None:
-        additive = torch.zeros(1, 1, t, length, device=device)
-    elif bias.fn == "alibi":
-        assert bias_input is not None
-        additive = alibi_bias(bias_input, t, length)[None].to(device)              # (1, H, T, L)
-    else:
-        assert bias_input is not None
-        additive = relative_bias(bias_input.float(), t, length, bias.kw("bidirectional"),
-                                 bias.kw("max_distance"))[None].to(device)
-    return additive.float().masked_fill(~keep, torch.finfo(torch.float32).min), False

@@ -1,9 +1,5 @@
-"""What an op is: its kind, its groups, and its one declaration (``OpDef``).
-
-Every op is declared once, with ``register``: a summary, a one-line example, typed attributes,
-named operands, a shape/dtype rule, eager semantics, FLOP and byte counts over B, T, P, S, the
-recurrent state it keeps and, for kernel-level ops, its template. The verifier, printer, parser,
-passes, codegen and the reference page all read this declaration.
+"""What an op is: its kind, its groups, and its one declaration (``OpDef``, made once with
+``register``), which the verifier, printer, parser, passes, codegen and reference page all read.
 """
 
 from __future__ import annotations
@@ -154,12 +150,11 @@ def io_bytes(sig: Sig) -> sympy.Expr:
                        zip((*sig.shapes, sig.out_shape), (*sig.dtypes, sig.out_dtype))))
 
 
-def zero(sig: Sig) -> sympy.Expr:
-    return sympy.Integer(0)
-
-
 def per_element(k: int) -> CostFn:
     return lambda sig: k * numel(sig.out_shape)
+
+
+zero = per_element(0)
 
 
 @dataclass(frozen=True)
@@ -179,45 +174,41 @@ class OpDef:
     commutative: bool = False            # its first two operands may be swapped
     arity: tuple[int, int] = (0, -1)     # for the reference: fewest and most inputs (-1: any)
 
-    def attr(self, name: str) -> Attr | None:
-        return next((a for a in self.attrs if a.name == name), None)
+    @functools.cached_property
+    def defaults(self) -> dict[str, Any]:
+        """The default of each attribute that may be absent (None: no value)."""
+        return {a.name: a.default for a in self.attrs if a.default is not REQUIRED}
 
 
 OP_TABLE: dict[Op, OpDef] = {}
 
 
-def register(d: OpDef) -> OpDef:
+def register(d: OpDef) -> None:
     if d.op in OP_TABLE:
         raise ValueError(f"op {d.op.value} declared twice")
     OP_TABLE[d.op] = d
-    return d
 
 
 @functools.lru_cache(maxsize=65536)
 def full_attrs(op: Op, attrs: Attrs) -> Attrs:
     """`attrs` with the op's defaults filled in (what rules and eager semantics read)."""
-    defaults = {a.name: a.default for a in OP_TABLE[op].attrs if a.default is not REQUIRED}
+    defaults = OP_TABLE[op].defaults
     return Attrs({**defaults, **attrs}) if defaults else attrs
 
 
 def canonical(op: Op, attrs: Mapping[str, Any]) -> Attrs:
-    """`attrs` without None values and without values equal to the op's defaults."""
-    d = OP_TABLE[op]
-
-    def is_default(k: str, v: Any) -> bool:
-        a = d.attr(k)
-        return a is not None and a.default is not REQUIRED and v == a.default and \
-            type(v) is type(a.default)
-
-    return Attrs({k: v for k, v in attrs.items() if v is not None and not is_default(k, v)})
+    """`attrs` without None values and without values equal to (and typed as) their defaults."""
+    defaults = OP_TABLE[op].defaults
+    return Attrs({k: v for k, v in attrs.items() if v is not None
+                  and not (v == defaults.get(k) and type(v) is type(defaults.get(k)))})
 
 
 def attr_problems(op: Op, attrs: Attrs) -> list[str]:
     """What is wrong with a node's attributes: unknown, missing or ill-typed ones."""
-    d = OP_TABLE[op]
-    allowed = ", ".join(a.name for a in d.attrs) or "none"
-    return [f"unknown attribute {k} (allowed: {allowed})" for k in attrs if d.attr(k) is None] + \
-        [f"{a.name} {p}" for a in d.attrs if (p := a.problem(attrs.get(a.name)))]
+    declared = {a.name: a for a in OP_TABLE[op].attrs}
+    return [f"unknown attribute {k} (allowed: {', '.join(declared) or 'none'})" for k in attrs
+            if k not in declared] + \
+        [f"{k} {p}" for k, a in declared.items() if (p := a.problem(attrs.get(k)))]
 
 
 def roles_of(op: Op, attrs: Mapping[str, Any], n: int) -> list[str]:
@@ -258,12 +249,10 @@ def require(cond: bool, message: str) -> None:
 def broadcast(a: Shape, b: Shape) -> Shape:
     """Numpy broadcasting of two symbolic shapes."""
     n = max(len(a), len(b))
-    out = []
-    for x, y in zip((1,) * (n - len(a)) + tuple(a), (1,) * (n - len(b)) + tuple(b)):
-        require(x == 1 or y == 1 or same_dim(x, y),
-                f"shapes {list(a)} and {list(b)} do not broadcast")
-        out.append(y if x == 1 else x)
-    return tuple(sympy.sympify(d) for d in out)
+    pairs = list(zip((1,) * (n - len(a)) + tuple(a), (1,) * (n - len(b)) + tuple(b)))
+    require(all(x == 1 or y == 1 or same_dim(x, y) for x, y in pairs),
+            f"shapes {list(a)} and {list(b)} do not broadcast")
+    return tuple(sympy.sympify(y if x == 1 else x) for x, y in pairs)
 
 
 def float_dtype(sig: Sig, i: int = 0) -> str:

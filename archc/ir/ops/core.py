@@ -1,9 +1,8 @@
 """Boundary ops; matmuls, fused, and grouped over routed experts; elementwise ops, norms, views.
 
 ``fused_linear`` is ``x @ wᵀ`` with a prologue and an epilogue chain in one kernel: the prologue
-gathers the row statistics of a folded norm along the K loop the matmul runs anyway (Σx² for rms;
-Σx and Σx² for layer); the epilogue (``archc.ir.ops.steps``) works on the f32 accumulator before
-the one store.
+gathers a folded norm's row statistics along the K loop the matmul runs anyway (Σx², and Σx for
+layer); the epilogue (``archc.ir.ops.steps``) works on the f32 accumulator before the one store.
 """
 
 from __future__ import annotations
@@ -121,21 +120,9 @@ def _linear_infer(sig: Sig) -> tuple[Shape, str]:
         require(sig.attr("prologue") is None, "a prologue needs a single operand")
     require(len(w) == 2 and same_dim(sum(s[-1] for s in xs), w[1]),
             f"x {[list(s) for s in xs]} and weight {list(w)} do not match as x @ wᵀ")
-    require((sig.attr("prologue") is None) == (sig.attr("eps") is None),
-            "eps goes with a prologue")
+    require((sig.attr("prologue") is None) == (sig.attr("eps") is None), "eps goes with a prologue")
     width = check_epilogue(sig, Op.FUSED_LINEAR, int(w[0]), len(xs) + 1, x[:-1])
     return (*x[:-1], sympy.Integer(width)), float_dtype(sig)
-
-
-def row_stats(x: torch.Tensor, prologue: str | None, eps: float | None) -> RowStats:
-    """What the prologue gathers along the K loop: Σx², and Σx for layer (var = E[x²] − E[x]²)."""
-    if prologue is None:
-        return RowStats(None, None, x.dtype)
-    xf = x.float()
-    mean = xf.mean(-1, keepdim=True) if prologue == "layer" else None
-    square = xf.pow(2).mean(-1, keepdim=True)
-    return RowStats(mean, torch.rsqrt((square if mean is None else square - mean.pow(2)) + eps),
-                    x.dtype)
 
 
 def fused_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
@@ -144,7 +131,8 @@ def fused_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     acc = F.linear(xs[0].float(), w[:, :k])
     if len(xs) == 2:  # the K loop runs over x1's columns, then x2's
         acc = acc + F.linear(xs[1].float(), w[:, k:])
-    stats = row_stats(xs[0], at["prologue"], at["eps"])
+    prologue = at["prologue"]
+    stats = normalize(xs[0], prologue, at["eps"])[1] if prologue else RowStats(xs[0].dtype)
     rest = list(a.values())[len(xs) + 1:]
     return apply_epilogue(ctx, acc, at["epilogue"], rest, stats).to(xs[0].dtype)
 
@@ -163,8 +151,7 @@ register(OpDef(
     'head_dim=16, interleaved=false, rotary_dim=16), kv_write(head_dim=16, k_start=64, '
     'kv_heads=2, layer=0, v_start=96)], eps=1e-05, prologue="rms"}',
     lambda attrs, n: (["x1", "x2"] if attrs.get("concat_k") else ["x"]) + ["weight"]
-    + epilogue_roles(attrs),
-    _linear_infer, fused_linear,
+    + epilogue_roles(attrs), _linear_infer, fused_linear,
     attrs=(Attr("prologue", str, None, ("rms", "layer"),
                 doc="row statistics of a folded norm, gathered along K"),
            Attr("eps", float, None), EPILOGUE,
@@ -188,8 +175,7 @@ def _router_infer(sig: Sig) -> tuple[Shape, str]:
 
 
 def _router(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    """Softmax over experts, keep the top k per token (renormalized to sum to 1 if asked),
-    zero the rest (Mixtral's router)."""
+    """Mixtral's: softmax over experts, the top k kept (renormalized if asked), the rest zero."""
     x = a["x"]
     logits = F.linear(x.float(), a["weight"].float()) if "weight" in a else x
     top, idx = torch.softmax(logits.float(), dim=-1).topk(at["top_k"], dim=-1)
@@ -233,8 +219,7 @@ def moe_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
                            * g[tok, e, None])
     acc = acc.reshape(*_tokens(x.shape, up), *((k, n) if up else (n,)))
     rest = list(a.values())[3:]
-    return apply_epilogue(ctx, acc, at["epilogue"], rest, RowStats(None, None, x.dtype)).to(
-        x.dtype)
+    return apply_epilogue(ctx, acc, at["epilogue"], rest, RowStats(x.dtype)).to(x.dtype)
 
 
 def _tokens(x: Shape | torch.Size, up: bool) -> Shape:
@@ -295,10 +280,8 @@ def elementwise_expr(op: Op, attrs: Attrs) -> Call:
 def _elementwise(op: Op, summary: str, example: str, roles: RolesFn, *attrs: Attr,
                  commutative: bool = False, arity: tuple[int, int] = (2, 2)) -> None:
     def infer(sig: Sig) -> tuple[Shape, str]:
-        try:
-            E.check(elementwise_expr(op, sig.attrs), len(sig.shapes))
-        except E.ExprError as err:
-            raise ShapeError(str(err)) from None
+        problem = E.problem(elementwise_expr(op, sig.attrs), len(sig.shapes))
+        require(problem is None, str(problem))
         out = sig.shapes[0]
         for s, d in zip(sig.shapes[1:], sig.dtypes[1:]):
             require(d == sig.dtypes[0], f"dtypes differ: {sig.dtypes[0]} and {d}")
@@ -337,8 +320,6 @@ register(OpDef(
     flops=per_element(5), arity=(1, 1)))
 
 
-# ---- norm ----------------------------------------------------------------------------------
-
 def _norm_infer(sig: Sig) -> tuple[Shape, str]:
     x, w = sig.shape("x"), sig.shape("weight")
     require(len(w) == 1 and same_dim(w[0], x[-1]),
@@ -368,8 +349,7 @@ register(OpDef(
     "with add_before, of x + residual; then an epilogue (the LayerNorm bias, a residual add).",
     '%5 : f32[B,T,64] = norm(%4, %2, %3) {epilogue=[bias()], eps=1e-05, kind="layer"}',
     lambda attrs, n: operands("x", "weight", ("residual", "add_before"))(attrs, n)
-    + epilogue_roles(attrs),
-    _norm_infer, norm,
+    + epilogue_roles(attrs), _norm_infer, norm,
     attrs=(Attr("kind", str, choices=("rms", "layer")), Attr("eps", float),
            Attr("unit_offset", bool, False, doc="Gemma's gain 1 + w"),
            Attr("add_before", bool, False, doc="normalize x + residual (post-norm)"), EPILOGUE),
@@ -414,6 +394,5 @@ register(OpDef(
 register(OpDef(
     Op.SLICE, "View columns [start, stop) of the last dim (e.g. q, k, v of a fused QKV).",
     "%12 : f32[B,T,32] = slice(%11) {start=64, stop=96}", operands("x"), _slice_infer,
-    lambda ctx, a, at: a["x"][..., at["start"]:at["stop"]],
-    attrs=(Attr("start", int, at_least=0), Attr("stop", int, at_least=1)), bytes=zero,
-    arity=(1, 1)))
+    lambda ctx, a, at: a["x"][..., at["start"]:at["stop"]], bytes=zero, arity=(1, 1),
+    attrs=(Attr("start", int, at_least=0), Attr("stop", int, at_least=1))))

@@ -1,21 +1,19 @@
 """The recurrent mixers keep a fixed-size per-layer state instead of a KV cache, read and updated
 in place, so a decode step costs the same at any context length.
 
-Mamba (Gu & Dao 2023) is ``causal_conv``, the depthwise causal convolution over time, and
-``ssm_scan``, the selective scan; lowering emits them plainly, and the passes fuse in the conv's
-bias and activation, the skip D·x and the gate.
+Mamba (Gu & Dao 2023) is ``causal_conv`` and ``ssm_scan``, the selective scan; the passes fuse
+into them the conv's bias and activation, the skip D·x and the gate.
 
 Causal linear attention (Katharopoulos et al. 2020): with a positive feature map φ (elu(x) + 1),
 softmax(q·kᵀ)·v becomes
 
     out_i = φ(q_i)ᵀ S_i / φ(q_i)ᵀ z_i,   S_i = Σ_{j≤i} φ(k_j) v_jᵀ,   z_i = Σ_{j≤i} φ(k_j),
 
-so a layer keeps two running sums per KV head, S [D, Dv] and z [D] in f32. Query head h reads the
-sums of KV head h // (H / H_kv), as grouped-query attention shares keys and values. Lowering
-applies φ as separate ``act`` nodes (feature "identity"); fuse-linear-attention moves φ inside.
-The eager semantics compute a call's tokens in chunks: within a chunk the causal sum is the masked
-product (φq·φkᵀ ⊙ causal)·v, and the sums carry the chunks before it — the same function as the
-token-by-token recurrence, with far fewer steps.
+so a layer keeps two running sums per KV head, S [D, Dv] and z [D] in f32 (query head h reads
+KV head h // (H / H_kv)). Lowering applies φ as ``act`` nodes; fuse-linear-attention moves it
+inside. Eager semantics run a call's tokens in chunks: within one the causal sum is the masked
+product (φq·φkᵀ ⊙ causal)·v, and the sums carry the chunks before — the recurrence's function
+in far fewer steps.
 """
 
 from __future__ import annotations
@@ -59,9 +57,8 @@ def _conv_infer(sig: Sig) -> tuple[Shape, str]:
 
 
 def _conv_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    """y_t[c] = Σ_k w[c, k]·x_{t−K+1+k}[c] over the inputs so far, in f32: the conv state holds
-    the last K − 1 inputs of the calls before, and keeps the last K − 1 after; then the bias and
-    the activation."""
+    """y_t[c] = Σ_k w[c, k]·x_{t−K+1+k}[c] in f32, the conv state holding the last K − 1 inputs
+    of the calls before."""
     x, w, layer = a["x"], a["weight"], at["layer"]
     b, c, k = x.shape[0], x.shape[2], w.shape[1]
     past = ctx.state_read(layer, "conv", (b, c, k - 1), x.dtype, x.device)   # (B, C, K−1)
@@ -70,7 +67,7 @@ def _conv_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     y = F.conv1d(window.float(), w.float()[:, None, :], groups=c).transpose(1, 2)  # (B, T, C)
     if "bias" in a:
         y = y + a["bias"].float()
-    return E.activation(y, at["act"]).to(x.dtype)
+    return E.ACTIVATIONS[at["act"]].torch(y).to(x.dtype)
 
 
 register(OpDef(
@@ -142,8 +139,7 @@ register(OpDef(
     "%30 : f32[B,T,128] = ssm_scan(%14, %27, %28, %20, %21, %9, %11) {gate=true, layer=0}",
     # Δ, A, B, C, D of the paper as dt, a, b, c and skip
     operands("x", "dt", "a", "b", "c", ("skip", "gate"), ("z", "gate"), ("b_gain", "norm_eps"),
-             ("c_gain", "norm_eps")),
-    _scan_infer, _scan_eager,
+             ("c_gain", "norm_eps")), _scan_infer, _scan_eager,
     attrs=(LAYER, Attr("gate", bool, False, doc="add the skip D·x and gate by silu(z)"),
            Attr("norm_eps", float, None, doc="RMS-normalize B and C first (Jamba)")),
     flops=_scan_flops, template="ssm_scan", arity=(5, 9),
@@ -178,9 +174,8 @@ def _infer(sig: Sig) -> tuple[Shape, str]:
 
 
 def _eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    """φ on q and k, then the running sums in chunks of CHUNK tokens, from and into the layer's
-    S [B, H_kv, D, Dv] and z [B, H_kv, D], in f32; heads merged [B, T, H·Dv]."""
-    phi_q, phi_k = (E.activation(a[r].float(), at["feature"]) for r in ("q", "k"))
+    """φ on q and k, then the running sums S and z in chunks of CHUNK tokens, in f32."""
+    phi_q, phi_k = (E.ACTIVATIONS[at["feature"]].torch(a[r].float()) for r in ("q", "k"))
     (b, h, t, d), hkv, dv = phi_q.shape, phi_k.shape[1], a["v"].shape[-1]
     layer, dev = at["layer"], phi_q.device
     s = ctx.state_read(layer, "S", (b, hkv, d, dv), torch.float32, dev)

@@ -1,11 +1,8 @@
 """Epilogue steps: what a kernel that writes rows (``fused_linear``, ``norm``, ``moe_linear``) does
-to each row of its f32 accumulator before the one store.
-
-A node's ``epilogue`` is a list of steps such as ``[rms_scale(), bias(), act(fn="silu")]``, applied
-in order; a step's extra inputs follow the node's own operands, named by step (``bias1``,
-``pos2``…). *Elementwise* steps are an expression of the elementwise language (``archc.ir.expr``)
-over the accumulator ``x(0)`` and their inputs, so eager semantics and Triton code come from one
-declaration; *structural* steps change the width or reach across columns.
+to each row of its f32 accumulator before the one store, in order, such as ``[rms_scale(), bias(),
+act(fn="silu")]``; a step's inputs follow the node's own operands, named by step (``bias1``…).
+*Elementwise* steps are an expression (``archc.ir.expr``) over the accumulator ``x(0)`` and their
+inputs; *structural* steps change the width or reach across columns.
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ from archc.ir.ops.base import (
     EagerCtx,
     Op,
     Shape,
+    ShapeError,
     Sig,
     require,
     same_shape,
@@ -33,22 +31,22 @@ from archc.ir.ops.base import (
 
 @dataclass(frozen=True)
 class RowStats:
-    """Row statistics a prologue gathered — rstd = 1/sqrt(mean(x²) + eps) for rms; mean and
-    rstd = 1/sqrt(var + eps) for layer — and the dtype the kernel stores in."""
+    """The dtype the kernel stores in, and the row statistics a prologue gathered — rstd =
+    1/sqrt(mean(x²) + eps) for rms; mean and rstd = 1/sqrt(var + eps) for layer."""
 
-    mean: torch.Tensor | None
-    rstd: torch.Tensor | None
     dtype: torch.dtype
+    mean: torch.Tensor | None = None
+    rstd: torch.Tensor | None = None
 
 
 def normalize(x: torch.Tensor, kind: str, eps: float) -> tuple[torch.Tensor, RowStats]:
-    """x normalized over its last dim, in f32, and the statistics: rms — x/sqrt(mean(x²) + eps);
-    layer — (x − mean)/sqrt(var + eps)."""
+    """x normalized over its last dim in f32 (rms: x·rstd; layer: (x − mean)·rstd), and the
+    statistics."""
     xf = x.float()
     mean = xf.mean(-1, keepdim=True) if kind == "layer" else None
     centered = xf if mean is None else xf - mean
     rstd = torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps)
-    return centered * rstd, RowStats(mean, rstd, x.dtype)
+    return centered * rstd, RowStats(x.dtype, mean, rstd)
 
 
 # a structural step's rule: the step, the width before it, its inputs' shapes and the node; it
@@ -122,7 +120,7 @@ def _act_width(st: Call, width: int, inputs: Sequence[Shape], node: Sig) -> int:
 def _apply_glu(ctx: EagerCtx, acc: torch.Tensor, st: Call, xs: Sequence[torch.Tensor],
                stats: RowStats) -> torch.Tensor:
     n = acc.shape[-1] // 2
-    return E.activation(acc[..., :n], st.kw("fn")) * acc[..., n:]
+    return E.ACTIVATIONS[st.kw("fn")].torch(acc[..., :n]) * acc[..., n:]
 
 
 def _apply_rope(ctx: EagerCtx, acc: torch.Tensor, st: Call, xs: Sequence[torch.Tensor],
@@ -207,15 +205,14 @@ def step(name: str, /, **kw: Any) -> Call:
 
 
 def epilogue_docs(attrs: Mapping[str, Any]) -> dict[str, str]:
-    """What each epilogue input holds, by role."""
-    return {f"{name}{k}": doc for k, st in enumerate(attrs.get("epilogue") or ())
-            for name, doc in zip(STEPS[st.fn].inputs, STEPS[st.fn].docs)}
+    """What each input the epilogue reads holds, by role `<input><step index>`, in order (an
+    unknown step, which the verifier reports, reads none)."""
+    return {f"{name}{k}": doc for k, st in enumerate(attrs.get("epilogue") or ()) if st.fn in STEPS
+            for name, doc in zip(STEPS[st.fn].inputs, STEPS[st.fn].docs, strict=True)}
 
 
 def epilogue_roles(attrs: Mapping[str, Any]) -> list[str]:
-    """The roles of the inputs the epilogue reads, in order: `<input><step index>`."""
-    return [f"{name}{k}" for k, st in enumerate(attrs.get("epilogue") or ())
-            for name in (STEPS[st.fn].inputs if st.fn in STEPS else ())]
+    return list(epilogue_docs(attrs))
 
 
 def check_epilogue(sig: Sig, op: Op, width: int, taken: int, rows: Shape) -> int:
@@ -223,9 +220,8 @@ def check_epilogue(sig: Sig, op: Op, width: int, taken: int, rows: Shape) -> int
     result is `width` wide (over leading dims `rows`) before it; the width after it."""
     rest = list(sig.shapes[taken:])
     for st in sig.attr("epilogue", ()):
-        d = STEPS.get(st.fn)
-        require(d is not None, f"unknown epilogue step {st!r} (known: {', '.join(STEPS)})")
-        assert d is not None
+        if (d := STEPS.get(st.fn)) is None:
+            raise ShapeError(f"unknown epilogue step {st!r} (known: {', '.join(STEPS)})")
         require(op in d.kernels, f"{st.fn}() is not an epilogue step of {op.value}")
         require(d.prologue in (None, sig.attr("prologue")), f"{st.fn}() needs prologue "
                 f"{d.prologue!r}")
