@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from archc.ir.cost import node_cost, node_states
 from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import Op
-from archc.ir.ops.core import _routed
+from archc.ir.ops.core import routed_pairs
 from archc.ir.paramexpr import leaves
 from archc.ir.shapes import DTYPE_BYTES, evaluate, numel
 from archc.perf.gpus import GPU
@@ -106,7 +106,7 @@ def weight_bytes_read(program: Program, dims: Mapping[str, int]) -> int:
                 size = evaluate(numel(read), dims) * DTYPE_BYTES[p.dtype]
                 if n.op == Op.MOE_LINEAR and slot == 2:   # the experts some token is routed to
                     experts = evaluate(p.shape[0], dims)
-                    size = size * min(experts, evaluate(_routed(g.sig(i)), dims)) / experts
+                    size = size * min(experts, evaluate(routed_pairs(g.sig(i)), dims)) / experts
                 seen[p.name] = max(seen.get(p.name, 0.0), size)
     return int(sum(seen.values()))
 

@@ -240,7 +240,7 @@ def _moe_infer(sig: Sig) -> tuple[Shape, str]:
     return (*rows, sympy.Integer(width)), float_dtype(sig)
 
 
-def _routed(sig: Sig) -> sympy.Expr:
+def routed_pairs(sig: Sig) -> sympy.Expr:
     """(token, slot) pairs: each is one row through one expert."""
     return numel(_tokens(sig.shape("x"), sig.attr("stage") == "up")) * sig.attr("top_k")
 
@@ -248,7 +248,7 @@ def _routed(sig: Sig) -> sympy.Expr:
 def _moe_bytes(sig: Sig) -> sympy.Expr:
     # every input and the output once, but only the weights of experts some token is routed to
     w = sig.shape("weight")
-    unread = w[0] - sympy.Min(w[0], _routed(sig))
+    unread = w[0] - sympy.Min(w[0], routed_pairs(sig))
     return io_bytes(sig) - unread * w[1] * w[2] * DTYPE_BYTES[sig.dtype("weight")]
 
 
@@ -260,7 +260,7 @@ register(OpDef(
     'top_k=2}',
     lambda attrs, n: ["x", "gates", "weight", *epilogue_roles(attrs)], _moe_infer, moe_linear,
     attrs=(Attr("stage", str, choices=("up", "down")), Attr("top_k", int, at_least=1), EPILOGUE),
-    flops=lambda sig: 2 * _routed(sig) * sig.shape("weight")[1] * sig.shape("weight")[2],
+    flops=lambda sig: 2 * routed_pairs(sig) * sig.shape("weight")[1] * sig.shape("weight")[2],
     bytes=_moe_bytes, template="moe", arity=(3, -1),
     docs={"x": "activations, or one row per (token, slot)", "gates": "dense gates",
           "weight": "expert weights"}))
