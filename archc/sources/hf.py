@@ -3,7 +3,11 @@
 The config becomes a spec through ``archc.spec.from_dict``, so it meets the same validation as a
 YAML spec; every config field is either honoured, known not to matter, or refused by name. The
 checkpoint's tensors are mapped to archc's parameter names with shape checks (see
-``tensor_map``). ``hf_spec`` stops after the spec, for ``archc export-spec``.
+``tensor_map``), read lazily from one ``*.safetensors`` file or the shards that
+``model.safetensors.index.json`` lists. ``hf_spec`` stops after the spec, for ``archc export-spec``.
+
+safetensors only: a ``pytorch_model.bin`` is a pickle, and unpickling runs code from the file, so
+archc refuses it with a message saying how to convert it.
 """
 
 from __future__ import annotations
@@ -12,18 +16,87 @@ import json
 from pathlib import Path
 from typing import Any
 
-from archc.errors import SpecError
+import torch
+from safetensors import safe_open
+
+from archc.errors import SpecError, WeightsError
 from archc.model import Model, Progress
 from archc.sources.architectures import ARCHITECTURES
-from archc.sources.architectures.base import Architecture, spec_data
-from archc.sources.hf_config import HFConfig, spec_name
-from archc.sources.safetensors_files import SafetensorsFiles
+from archc.sources.hf_config import Architecture, HFConfig, dtype_name, spec_name
 from archc.sources.tensor_map import Checkpoint, read_checkpoint
 from archc.spec import from_dict
 from archc.spec.schema import Spec
 from archc.tokenizer import load_hf_tokenizer
 
 CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+# TensorFlow-era names, which transformers renames on load
+LEGACY = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}
+
+
+class SafetensorsFiles:
+    """Tensor name → (file, stored name), shapes from the headers, tensors on demand. Names are
+    the ones transformers gives on load: `LayerNorm.gamma` is `LayerNorm.weight`."""
+
+    def __init__(self, directory: Path) -> None:
+        self.handles: dict[Path, Any] = {}
+        stored: dict[str, Path] = {}
+        for path in self._list_files(directory):
+            try:
+                self.handles[path] = safe_open(str(path), framework="pt")
+            except Exception as err:  # safetensors raises its own error types
+                raise WeightsError(f"{path}: not a readable safetensors file "
+                                   f"({str(err).strip() or type(err).__name__}); "
+                                   "is it truncated or still downloading?") from None
+            names = self.handles[path].keys()   # a safe_open handle is not a mapping
+            for name in names:
+                if name in stored:
+                    raise WeightsError(f"checkpoint tensor {name!r} is in both "
+                                       f"{stored[name].name} and {path.name}")
+                stored[name] = path
+        self.where: dict[str, tuple[Path, str]] = {}
+        for name, path in stored.items():
+            old = next((o for o in LEGACY if name.endswith(o)), None)
+            new = name[: -len(old)] + LEGACY[old] if old else name
+            self.where[name if new in stored else new] = (path, name)
+
+    @staticmethod
+    def _list_files(directory: Path) -> list[Path]:
+        index = directory / INDEX
+        if index.is_file():
+            try:
+                names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                                   .values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+                raise WeightsError(f"{index}: not a readable shard index ({err})") from None
+            for name in names:
+                if not (directory / name).is_file():
+                    raise WeightsError(f"{index} lists {name}, which is not in {directory}")
+            return [directory / n for n in names]
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(
+                p.name for p in directory.glob("*.pt"))
+            hint = (f"; {', '.join(pickles)} is a pickle, which archc never loads — convert it "
+                    "with `save_pretrained(..., safe_serialization=True)`" if pickles else "")
+            raise WeightsError(f"{directory} has no *.safetensors weights{hint}")
+        return files
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        path, stored = self.where[name]
+        return tuple(self.handles[path].get_slice(stored).get_shape())
+
+    def load(self, name: str) -> torch.Tensor:
+        path, stored = self.where[name]
+        try:
+            return self.handles[path].get_tensor(stored)
+        except Exception as err:
+            raise WeightsError(f"{path}: cannot read tensor {stored!r} "
+                               f"({str(err).strip() or type(err).__name__}); "
+                               "is the file truncated?") from None
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -46,6 +119,26 @@ def read_config(directory: Path) -> HFConfig:
     if not isinstance(data, dict):
         raise SpecError("", "is not a JSON object", source=str(path))
     return HFConfig(data, str(path))
+
+
+def spec_data(arch: Architecture, cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
+    """The spec mapping of an HF config. The head is tied as transformers decides: by the
+    config's `tie_word_embeddings`, unless the checkpoint holds a head that differs from the
+    embedding (then the stored head is used)."""
+    for key, allowed in arch.only.items():
+        cfg.expect(key, allowed)
+    data = {"vocab_size": cfg.number("vocab_size"), "dtype": dtype_name(cfg),
+            **arch.spec(cfg, ckpt)}
+    if arch.tied is not None:
+        head = f"{arch.layout.head_name(ckpt)}.weight"
+        embed = ckpt(f"{arch.layout.names['embed']}.weight")
+        tied = cfg.flag("tie_word_embeddings", arch.tied) and not ckpt.differ(head, embed)
+        data.setdefault("embedding", {})["tied"] = tied
+    return _given(data)
+
+
+def _given(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: _given(v) if isinstance(v, dict) else v for k, v in data.items() if v is not None}
 
 
 def _read(directory: Path, weights: bool) -> tuple[HFConfig, Architecture, Checkpoint, Spec]:

@@ -3,18 +3,21 @@
 Every field an architecture reads is recorded. What is left when it is done must be on a list of
 fields known not to change the function (dropout rates, initializer ranges, generation
 defaults...); anything else is refused by name, so a model never runs with a setting archc did not
-understand. The helpers here translate the settings several model types share: activations and
-RoPE (``rope_parameters`` of transformers 5 and the older ``rope_theta``/``rope_scaling``).
+understand. The helpers here translate the settings several model types share: activations,
+RoPE (``rope_parameters`` of transformers 5 and the older ``rope_theta``/``rope_scaling``) and
+per-layer kinds; an `Architecture` says what one model type tells the loader.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from archc.errors import SpecError
+from archc.sources.tensor_map import Checkpoint, Layout
 from archc.spec.schema import GATED_ACTIVATION
 
 # Fields of every transformers config that do not change what the network computes: bookkeeping,
@@ -137,11 +140,44 @@ class HFConfig:
                              allowed="remove the field if it does not change the model")
 
 
+@dataclass(frozen=True)
+class Architecture:
+    """How a model type's config becomes a spec, where its checkpoint keeps each archc tensor,
+    which config fields do not matter and which checkpoint tensors lie outside the function."""
+
+    model_types: tuple[str, ...]
+    # config (and checkpoint) → spec sections; a None value is a field left to its default
+    spec: Callable[[HFConfig, Checkpoint], dict[str, Any]]
+    layout: Layout
+    tied: bool | None = False       # tie_word_embeddings' default; None: `spec` decides
+    # config fields with the only values archc honours (absent: the first)
+    only: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    inert: frozenset[str] = frozenset()   # config fields known not to change the function
+    skip: tuple[str, ...] = ()            # checkpoint tensors outside the function (regexes)
+    prefixes: tuple[str, ...] = ()        # what task classes put before base-model names
+
+
+def layer_pattern(kinds: Sequence[str]) -> list[str]:
+    """The shortest prefix of per-layer kinds that repeats to all of them (spec's
+    `attention.pattern` repeats over the layers)."""
+    n = len(kinds)
+    period = next(p for p in range(1, n + 1) if all(kinds[i] == kinds[i % p] for i in range(n)))
+    return list(kinds[:period])
+
+
 def activation(cfg: HFConfig, keys: Keys, default: str) -> str:
     name = cfg.get(keys, default)
     if name not in ACTIVATIONS:
         raise cfg.refuse(keys, name, "archc's activations are " + ", ".join(sorted(ACTIVATIONS)))
     return ACTIVATIONS[name]
+
+
+def gated_kind(cfg: HFConfig, keys: Keys = "hidden_act") -> str:
+    act = activation(cfg, keys, "silu")
+    if act not in GATED:
+        raise cfg.refuse(keys, cfg.get(keys), "a gated FFN with exact (erf) GELU has no spec "
+                         "kind; archc's GEGLU uses the tanh GELU")
+    return GATED[act]
 
 
 def rope_position(cfg: HFConfig, max_seq_len: int, *, theta_keys: Keys = "rope_theta",

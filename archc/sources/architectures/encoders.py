@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from archc.sources.architectures.base import Architecture
-from archc.sources.hf_config import ACTIVATIONS, GATED, HFConfig, activation
+from archc.sources.hf_config import ACTIVATIONS, GATED, Architecture, HFConfig, activation
 from archc.sources.tensor_map import Checkpoint, Layout, Module
 
 

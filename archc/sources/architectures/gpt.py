@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from archc.sources.architectures.base import Architecture
-from archc.sources.hf_config import HFConfig, activation, rope_position
+from archc.sources.hf_config import Architecture, HFConfig, activation, rope_position
 from archc.sources.tensor_map import QKV, Checkpoint, Layout, each
 
 GPT_SKIP = (r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)",)   # causal-mask buffers

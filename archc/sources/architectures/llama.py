@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from archc.sources.architectures.base import Architecture, layer_pattern
-from archc.sources.hf_config import GATED, HFConfig, Keys, activation, rope_position
+from archc.sources.hf_config import Architecture, HFConfig, gated_kind, layer_pattern, rope_position
 from archc.sources.tensor_map import Checkpoint, Layout, each
 
 # transformers' Llama rotates halves, never the pairs a Nanotron export may say it used, and has
@@ -22,14 +21,6 @@ ONLY = {"rope_interleaved": (False,), "use_mrope": (False,)}
 INERT = frozenset({"pretraining_tp", "router_jitter_noise", "router_aux_loss_coef",
                    "output_router_logits", "is_llama_config", "transformers.js_config"})
 SKIP = (r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)   # a cached RoPE buffer
-
-
-def gated_kind(cfg: HFConfig, keys: Keys = "hidden_act") -> str:
-    act = activation(cfg, keys, "silu")
-    if act not in GATED:
-        raise cfg.refuse(keys, cfg.get(keys), "a gated FFN with exact (erf) GELU has no spec "
-                         "kind; archc's GEGLU uses the tanh GELU")
-    return GATED[act]
 
 
 def sliding_window(cfg: HFConfig, slides: list[bool]) -> dict[str, Any]:

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from archc.sources.architectures.base import Architecture, layer_pattern
-from archc.sources.architectures.llama import gated_kind
-from archc.sources.hf_config import HFConfig, activation
+from archc.sources.hf_config import Architecture, HFConfig, activation, gated_kind, layer_pattern
 from archc.sources.tensor_map import Checkpoint, Layout, TensorMap, checkpoint_name, each
 from archc.spec.schema import Spec
 
