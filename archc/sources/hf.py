@@ -149,7 +149,8 @@ def _read(directory: Path, weights: bool) -> tuple[HFConfig, Architecture, Check
         shown = f"{cfg.model_type!r} is not supported" if cfg.model_type else "missing"
         raise SpecError("model_type", shown, source=cfg.source, allowed=", ".join(
             sorted(t for a in ARCHITECTURES for t in a.model_types)))
-    ckpt = Checkpoint(SafetensorsFiles(directory) if weights else None, arch.prefixes)
+    ckpt = Checkpoint(SafetensorsFiles(directory) if weights else None,
+                      arch.layout.names["embed"])
     data = spec_data(arch, cfg, ckpt)
     cfg.check_all_understood(arch.inert)
     name = spec_name(str(cfg.data.get("_name_or_path") or ""), directory.resolve().name)

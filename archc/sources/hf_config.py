@@ -154,7 +154,6 @@ class Architecture:
     only: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
     inert: frozenset[str] = frozenset()   # config fields known not to change the function
     skip: tuple[str, ...] = ()            # checkpoint tensors outside the function (regexes)
-    prefixes: tuple[str, ...] = ()        # what task classes put before base-model names
 
 
 def layer_pattern(kinds: Sequence[str]) -> list[str]:

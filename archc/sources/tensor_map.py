@@ -79,13 +79,16 @@ class TensorMap:
 
 
 class Checkpoint:
-    """Checkpoint tensor names, with the prefix a task class adds (``model.``, ``bert.``) found,
-    so that base-model names resolve. No source: a config without weights."""
+    """Checkpoint tensor names, with the prefix a task class adds (``model.``, ``bert.``) read off
+    the token embedding's name (`embed`), so that base-model names resolve. No source: a config
+    without weights."""
 
-    def __init__(self, source: TensorSource | None, prefixes: Sequence[str] = ()) -> None:
+    def __init__(self, source: TensorSource | None, embed: str = "") -> None:
         self.source = source
         self.names = set(source.names()) if source else set()
-        self.prefix = next((p for p in prefixes if any(n.startswith(p) for n in self.names)), "")
+        tail = f"{embed}.weight"
+        self.prefix = min((n[: -len(tail)] for n in self.names if n.endswith("." + tail)),
+                          default="")
 
     def __call__(self, name: str) -> str:
         """The full checkpoint name of base-model tensor `name`."""

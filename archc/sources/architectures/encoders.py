@@ -102,8 +102,7 @@ BERT = Architecture(
     # the pooler and pre-training heads sit on top of the hidden states archc returns; the
     # position-id buffer older checkpoints saved is arange(max_seq_len)
     skip=(r"(bert\.)?pooler\.dense\.(weight|bias)", r"cls\..*",
-          r"(bert\.)?embeddings\.position_ids"),
-    prefixes=("bert.",))
+          r"(bert\.)?embeddings\.position_ids"))
 T5 = Architecture(
     ("t5",), t5, Layout({
         "embed": "shared", **t5_stack("encoder", 1), **t5_stack("decoder", 2),

@@ -202,13 +202,13 @@ GPT2 = Architecture(
     inert=frozenset({"summary_type", "summary_use_proj", "summary_activation",
                      "summary_proj_to_labels", "summary_first_dropout",
                      "reorder_and_upcast_attn", "n_ctx"}),
-    skip=GPT_SKIP, prefixes=("transformer.",))
+    skip=GPT_SKIP)
 GPTJ = Architecture(
     ("gptj",), gptj, Layout({
         "embed": "wte", "final_norm": "ln_f", "attn_norm": "ln_1",
         **each("attn.*", "attn.*_proj", "qkv"), "attn.o": "attn.out_proj",
         "ffn.up": "mlp.fc_in", "ffn.down": "mlp.fc_out"}, layer="h.{i}."),
-    skip=GPT_SKIP, prefixes=("transformer.",))
+    skip=GPT_SKIP)
 NEOX = Architecture(
     ("gpt_neox",), neox, Layout({
         "embed": "embed_in", "final_norm": "final_layer_norm", "attn_norm": "input_layernorm",
@@ -216,8 +216,7 @@ NEOX = Architecture(
         **dict.fromkeys(QKV, "attention.query_key_value"), "attn.o": "attention.dense",
         **H_TO_4H}, head=("embed_out", "lm_head"), groups=lambda s: s.attention.heads),
     # causal-mask and RoPE buffers older checkpoints saved
-    skip=(r"(gpt_neox\.)?layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)",),
-    prefixes=("gpt_neox.",))
+    skip=(r"(gpt_neox\.)?layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)",))
 BLOOM = Architecture(
     ("bloom",), bloom, Layout(BLOOM_NAMES, layer="h.{i}.", groups=lambda s: s.attention.heads),
     tied=True, only={"apply_residual_connection_post_layernorm": (False,), "n_inner": (None,)},
@@ -226,8 +225,7 @@ BLOOM = Architecture(
     # sums).
     inert=frozenset({"pretraining_tp", "slow_but_exact", "attention_softmax_in_fp32",
                      "bias_dropout_fusion", "masked_softmax_fusion", "offset_alibi",
-                     "skip_bias_add", "skip_bias_add_qkv", "seq_length"}),
-    prefixes=("transformer.",))
+                     "skip_bias_add", "skip_bias_add_qkv", "seq_length"}))
 FALCON = Architecture(
     ("falcon",), falcon, Layout({
         **BLOOM_NAMES,
@@ -235,7 +233,7 @@ FALCON = Architecture(
         else "input_layernorm",
         "ffn_norm": lambda s: "ln_mlp" if s.block.parallel else "post_attention_layernorm"},
         layer="h.{i}.", groups=lambda s: s.attention.kv_heads),
-    tied=True, prefixes=("transformer.",))
+    tied=True)
 MPT = Architecture(
     ("mpt",), mpt, Layout({
         "embed": "wte", "final_norm": "norm_f", "attn_norm": "norm_1", "ffn_norm": "norm_2",
@@ -245,8 +243,7 @@ MPT = Architecture(
                      "norm_type": ("low_precision_layernorm", "layernorm")},
     # training-time switches: initialisation, embedding-gradient scaling, logging, kernel choice
     inert=frozenset({"init_device", "embedding_fraction", "verbose", "init_config", "fc_type",
-                     "ffn_config"}),
-    prefixes=("transformer.",))
+                     "ffn_config"}))
 OPT = Architecture(
     ("opt",), opt, Layout({
         "embed": "embed_tokens", "embed.project_in": "project_in", "pos_embed": "embed_positions",
@@ -254,12 +251,10 @@ OPT = Architecture(
         "attn_norm": "self_attn_layer_norm", "ffn_norm": "final_layer_norm",
         **each("attn.*", "self_attn.*_proj", "qkv"), "attn.o": "self_attn.out_proj",
         "ffn.up": "fc1", "ffn.down": "fc2"}),
-    tied=True, only={"layer_norm_elementwise_affine": (True,)}, inert=frozenset({"init_std"}),
-    prefixes=("model.decoder.", "decoder."))
+    tied=True, only={"layer_norm_elementwise_affine": (True,)}, inert=frozenset({"init_std"}))
 PHI = Architecture(
     ("phi",), phi, Layout({
         "embed": "embed_tokens", "final_norm": "final_layernorm", "attn_norm": "input_layernorm",
         **each("attn.*", "self_attn.*_proj", "qkv"), **each("attn.*_norm", "self_attn.*_layernorm",
                                                              "qk"),
-        "attn.o": "self_attn.dense", "ffn.up": "mlp.fc1", "ffn.down": "mlp.fc2"}),
-    prefixes=("model.",))
+        "attn.o": "self_attn.dense", "ffn.up": "mlp.fc1", "ffn.down": "mlp.fc2"}))

@@ -102,10 +102,10 @@ NAMES = {
     "ffn.experts.up": "block_sparse_moe.experts.{e}.w3",
 }
 LLAMA = Architecture(("llama", "mistral", "qwen2", "mixtral"), llama, Layout(NAMES), only=ONLY,
-                     inert=INERT, skip=SKIP, prefixes=("model.",))
+                     inert=INERT, skip=SKIP)
 GEMMA = Architecture(
     ("gemma", "gemma2"), gemma, Layout({
         **NAMES, "ffn_norm": lambda s: "pre_feedforward_layernorm" if s.norm.placement ==
         "sandwich" else "post_attention_layernorm", "attn_post_norm": "post_attention_layernorm",
         "ffn_post_norm": "post_feedforward_layernorm"}),
-    tied=True, only={"use_bidirectional_attention": (False,)}, skip=SKIP, prefixes=("model.",))
+    tied=True, only={"use_bidirectional_attention": (False,)}, skip=SKIP)

@@ -143,8 +143,7 @@ MAMBA = Architecture(
     inert=frozenset({"time_step_scale", "time_step_min", "time_step_max",
                      "time_step_init_scheme", "time_step_floor", "rescale_prenorm_residual",
                      "use_mambapy", "use_associative_scan", "residual_in_fp32", "fused_add_norm",
-                     "pad_vocab_size_multiple"}),
-    prefixes=("backbone.",))
+                     "pad_vocab_size_multiple"}))
 JAMBA = Architecture(
     ("jamba",), jamba, Layout({
         "embed": "embed_tokens", "final_norm": "final_layernorm", "ssm_norm": "input_layernorm",
@@ -157,5 +156,4 @@ JAMBA = Architecture(
     # positions' logits the original code returns (archc returns them all).
     inert=frozenset({"router_aux_loss_coef", "output_router_logits", "use_mamba_kernels",
                      "use_mambapy", "use_associative_scan", "calc_logits_for_entire_prompt",
-                     "num_logits_to_keep"}),
-    prefixes=("model.",))
+                     "num_logits_to_keep"}))
