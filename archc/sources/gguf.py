@@ -226,31 +226,23 @@ LAYOUT = Layout({
 
 
 def load_gguf(path: Path, *, progress: Progress | None = None, dtype: str | None = None) -> Model:
-    """The model of a GGUF file, its tensors dequantised to f32 (or `dtype`, one at a time)."""
+    """The model of a GGUF file, its tensors dequantised to f32 (or `dtype`, one at a time), with
+    the tokenizer its `tokenizer.ggml.*` metadata stores, if any."""
     f = GGUFFile(path)
     spec = spec_of_file(f)
     # rope_freqs.weight, when there, was read into the spec's RoPE scaling
     weights, _ = read_checkpoint(spec, Checkpoint(f), LAYOUT, skip=(r"rope_freqs\.weight",),
                                  progress=progress, dtype=dtype)
-    tokenizer = gguf_tokenizer(f)
+    tok = {k.removeprefix("tokenizer.ggml."): v for k, v in f.fields.items()}
+    eos = [tok[k] for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+           if isinstance(tok.get(k), int)]
+    tokenizer = from_gguf_vocab(
+        model=str(tok.get("model", "gpt2")), tokens=tok["tokens"],
+        token_types=tok.get("token_type"), merges=tok.get("merges"), scores=tok.get("scores"),
+        pre=tok.get("pre"), bos_id=tok.get("bos_token_id"), eos_ids=list(dict.fromkeys(eos)),
+        add_bos=tok.get("add_bos_token"), add_space_prefix=tok.get("add_space_prefix"),
+        chat_template=tok.get("tokenizer.chat_template"), source=str(path),
+    ) if tok.get("tokens") else None
     return Model(spec, weights, tokenizer=tokenizer,
                  chat_template=tokenizer.chat_template if tokenizer else None,
                  source=str(path), eos_token_ids=tokenizer.eos_token_ids if tokenizer else ())
-
-
-def gguf_tokenizer(f: GGUFFile) -> Any:
-    """The tokenizer stored in the file's `tokenizer.ggml.*` metadata (None if it has none)."""
-    fields = f.fields
-    tokens = fields.get("tokenizer.ggml.tokens")
-    if not tokens:
-        return None
-    eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                               "tokenizer.ggml.eom_token_id") if isinstance(fields.get(k), int)]
-    return from_gguf_vocab(
-        model=str(fields.get("tokenizer.ggml.model", "gpt2")), tokens=tokens,
-        token_types=fields.get("tokenizer.ggml.token_type"),
-        merges=fields.get("tokenizer.ggml.merges"), scores=fields.get("tokenizer.ggml.scores"),
-        pre=fields.get("tokenizer.ggml.pre"), bos_id=fields.get("tokenizer.ggml.bos_token_id"),
-        eos_ids=list(dict.fromkeys(eos)), add_bos=fields.get("tokenizer.ggml.add_bos_token"),
-        add_space_prefix=fields.get("tokenizer.ggml.add_space_prefix"),
-        chat_template=fields.get("tokenizer.chat_template"), source=str(f.path))

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from archc.errors import SpecError, WeightsError
 from archc.model import Model, Progress
 from archc.sources.architectures import ARCHITECTURES
-from archc.sources.hf_config import Architecture, HFConfig, dtype_name, spec_name
+from archc.sources.hf_config import Architecture, HFConfig, spec_name
 from archc.sources.tensor_map import Checkpoint, read_checkpoint
 from archc.spec import from_dict
 from archc.spec.schema import Spec
@@ -121,42 +121,37 @@ def read_config(directory: Path) -> HFConfig:
     return HFConfig(data, str(path))
 
 
-def spec_data(arch: Architecture, cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
-    """The spec mapping of an HF config. The head is tied as transformers decides: by the
-    config's `tie_word_embeddings`, unless the checkpoint holds a head that differs from the
-    embedding (then the stored head is used)."""
-    for key, allowed in arch.only.items():
-        cfg.expect(key, allowed)
-    data = {"vocab_size": cfg.number("vocab_size"), "dtype": dtype_name(cfg),
-            **arch.spec(cfg, ckpt)}
-    if arch.tied is not None:
-        head = f"{arch.layout.head_name(ckpt)}.weight"
-        embed = ckpt(f"{arch.layout.names['embed']}.weight")
-        tied = cfg.flag("tie_word_embeddings", arch.tied) and not ckpt.differ(head, embed)
-        data.setdefault("embedding", {})["tied"] = tied
-    return _given(data)
-
-
 def _given(data: dict[str, Any]) -> dict[str, Any]:
     return {k: _given(v) if isinstance(v, dict) else v for k, v in data.items() if v is not None}
 
 
 def _read(directory: Path, weights: bool) -> tuple[HFConfig, Architecture, Checkpoint, Spec]:
-    """The config, architecture, checkpoint (without weights: none) and spec of a directory."""
+    """The config, architecture, checkpoint (without weights: none) and spec of a directory.
+    The head is tied as transformers decides: by the config's `tie_word_embeddings`, unless the
+    checkpoint holds a head that differs from the embedding (then the stored head is used)."""
     cfg = read_config(directory)
     arch = next((a for a in ARCHITECTURES if cfg.model_type in a.model_types), None)
     if arch is None:
         shown = f"{cfg.model_type!r} is not supported" if cfg.model_type else "missing"
         raise SpecError("model_type", shown, source=cfg.source, allowed=", ".join(
             sorted(t for a in ARCHITECTURES for t in a.model_types)))
-    ckpt = Checkpoint(SafetensorsFiles(directory) if weights else None,
-                      arch.layout.names["embed"])
-    data = spec_data(arch, cfg, ckpt)
+    embed = arch.layout.names["embed"]
+    ckpt = Checkpoint(SafetensorsFiles(directory) if weights else None, embed)
+    for key, allowed in arch.only.items():
+        cfg.expect(key, allowed)
+    dtype = str(cfg.get(("dtype", "torch_dtype")))
+    data = {"name": spec_name(str(cfg.data.get("_name_or_path") or ""), directory.resolve().name),
+            "description": f"{cfg.model_type} from {directory}",
+            "vocab_size": cfg.number("vocab_size"),
+            "dtype": {"float16": "f16", "bfloat16": "bf16"}.get(dtype, "f32"),
+            **arch.spec(cfg, ckpt)}
+    if arch.tied is not None:
+        head = f"{arch.layout.head_name(ckpt)}.weight"
+        tied = cfg.flag("tie_word_embeddings", arch.tied) and not ckpt.differ(
+            head, ckpt(f"{embed}.weight"))
+        data.setdefault("embedding", {})["tied"] = tied
     cfg.check_all_understood(arch.inert)
-    name = spec_name(str(cfg.data.get("_name_or_path") or ""), directory.resolve().name)
-    spec = from_dict({"name": name, "description": f"{cfg.model_type} from {directory}", **data},
-                     source=cfg.source)
-    return cfg, arch, ckpt, spec
+    return cfg, arch, ckpt, from_dict(_given(data), source=cfg.source)
 
 
 def hf_spec(directory: Path) -> Spec:

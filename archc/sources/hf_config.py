@@ -245,7 +245,3 @@ def spec_name(*candidates: str) -> str:
             return text
     return "model"
 
-
-def dtype_name(cfg: HFConfig) -> str:
-    text = str(cfg.get(("dtype", "torch_dtype"), "float32"))
-    return {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}.get(text, "f32")
