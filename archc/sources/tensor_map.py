@@ -1,12 +1,10 @@
 """Checkpoint tensors → archc's parameter names, with every tensor accounted for.
 
-A source's checkpoint is described by rules: which checkpoint tensors each reads and which archc
-tensors they become (renamed, transposed, split out of a fused Q/K/V, stacked over experts). The
-rules come from a `Layout`, a table of module names, and the tensors the archc program wants.
-Every tensor is checked before any is read: a missing tensor, a tensor of the wrong shape, or a
-tensor no rule reads is an error naming it with the expected and found shapes. A few tensors are
-known to lie outside the function archc runs (causal-mask buffers, cached RoPE frequencies, task
-heads such as BERT's pooler); a source lists them as patterns to skip, and says what it skipped.
+A `Layout` (a table of module names) and the tensors the archc program wants give the rules: which
+checkpoint tensors each reads and which archc tensors they become (renamed, transposed, split out
+of a fused Q/K/V, stacked over experts). All are checked before any is read: a tensor missing,
+misshaped or read by no rule is an error naming it and its shapes, unless a source skips it as
+outside the function archc runs (causal-mask buffers, cached RoPE frequencies, BERT's pooler).
 """
 
 from __future__ import annotations
@@ -34,9 +32,7 @@ QKV = ("attn.q", "attn.k", "attn.v")
 
 class TensorSource(Protocol):
     def names(self) -> list[str]: ...
-
     def shape(self, name: str) -> Shape: ...
-
     def load(self, name: str) -> torch.Tensor: ...
 
 
@@ -90,8 +86,7 @@ class Checkpoint:
         self.prefix = min((n[: -len(tail)] for n in self.names if n.endswith("." + tail)),
                           default="")
 
-    def __call__(self, name: str) -> str:
-        """The full checkpoint name of base-model tensor `name`."""
+    def __call__(self, name: str) -> str:   # base-model name → checkpoint name
         return self.prefix + name
 
     def differ(self, a: str, b: str) -> bool:
