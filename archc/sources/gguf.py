@@ -1,12 +1,11 @@
-"""GGUF files of the llama architecture → Model: metadata → spec, tensors dequantised with the
-`gguf` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K are tested here; any other type
-its `quants` module implements is read the same way), the tokenizer and chat template stored in
-the file.
+"""GGUF files of the llama architecture → Model: metadata → spec (fields in the `llama.`
+namespace that archc does not know are refused by name, as config.json fields are), tensors
+dequantised by the `gguf` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K are tested;
+any other type its `quants` implements reads the same way), the tokenizer and chat template.
 
 llama.cpp's converter reorders the rows of each head of the Q and K projections so that its RoPE
 can rotate interleaved pairs; archc's Llama rotates halves (as the original checkpoint does), so
-the loader puts the rows back. Metadata in the `llama.` namespace that archc does not know is
-refused by name, as config.json fields are.
+the loader puts the rows back.
 """
 
 from __future__ import annotations
@@ -23,14 +22,7 @@ from archc.errors import ArchcError, SpecError, WeightsError
 from archc.ir.paramexpr import rope_inv_freq
 from archc.model import Model, Progress
 from archc.sources.hf_config import HFConfig, spec_name
-from archc.sources.tensor_map import (
-    Checkpoint,
-    Layout,
-    TensorMap,
-    checkpoint_name,
-    each,
-    read_checkpoint,
-)
+from archc.sources.tensor_map import Checkpoint, Layout, TensorMap, each, read_checkpoint
 from archc.spec import from_dict
 from archc.spec.schema import Spec
 from archc.tokenizer import from_gguf_vocab
@@ -189,8 +181,7 @@ def spec_of_file(f: GGUFFile) -> Spec:
             f.fields.get("tokenizer.ggml.tokens", []))),
         "d_model": d, "layers": meta.number("block_count"), "max_seq_len": max_seq, "dtype": "f32",
         "attention": {"heads": heads, "kv_heads": kv, "head_dim": head_dim, "bias": {
-            p: f"blk.0.attn_{n}.bias" in f.tensors
-            for p, n in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))}},
+            p[0]: f"blk.0.attn_{p}.bias" in f.tensors for p in ("q", "k", "v", "output")}},
         "ffn": ffn, "position": position,
         "norm": {"kind": "rmsnorm",
                  "eps": _f32(meta.number("attention.layer_norm_rms_epsilon", 1e-5, kind=float))},
@@ -207,12 +198,12 @@ def unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
-def _rope_rows(layout: Layout, s: Spec, t: TensorMap, ckpt: Checkpoint) -> None:
+def _rope_rows(t: TensorMap) -> None:
     """Q and K, weights and biases, with their rows put back in half-split order."""
     for target in t.want:
         if m := re.fullmatch(r"layers\.\d+\.attn\.([qk])\.(weight|bias)", target):
-            heads = s.attention.heads if m[1] == "q" else s.attention.kv_heads
-            t.add([checkpoint_name(layout, s, ckpt, target)], [t.want[target]], [target],
+            heads = t.spec.attention.heads if m[1] == "q" else t.spec.attention.kv_heads
+            t.add([t.name(target)], [t.want[target]], [target],
                   lambda xs, h=heads: [unpermute_rope_rows(xs[0], h)])
 
 

@@ -45,11 +45,36 @@ class Rule:
 
 
 class TensorMap:
-    """The rules of one checkpoint, against the shapes the archc program wants."""
+    """The rules that read checkpoint `ckpt`, laid out by `layout`, into the tensors the program
+    of `spec` wants (`want`: name → shape): one for each. Several tensors under one checkpoint
+    name are a fused Q/K/V; `{e}` in a name numbers one tensor per expert. The head is outside the
+    base model; a tied one may be stored all the same, as a copy."""
 
-    def __init__(self, want: dict[str, Shape]) -> None:
-        self.want = want
+    def __init__(self, layout: Layout, spec: Spec, ckpt: Checkpoint,
+                 want: dict[str, Shape]) -> None:
+        self.layout, self.spec, self.ckpt, self.want = layout, spec, ckpt, want
         self.rules: list[Rule] = []
+        if layout.special is not None:
+            layout.special(self)
+        done = {target for rule in self.rules for target in rule.targets}
+        head = layout.head_name(ckpt)
+        fused: dict[str, list[str]] = {}
+        for target in [x for x in want if x not in done]:
+            name = head + target[4:] if target in ("head.weight", "head.bias") else \
+                self.name(target)
+            if "{e}" in name:   # one tensor per expert → archc's [experts, ...]
+                experts, *shape = want[target]
+                self.add([name.format(e=e) for e in range(experts)], [tuple(shape)] * experts,
+                         [target], lambda xs: [torch.stack(xs)])
+            else:
+                fused.setdefault(name, []).append(target)
+        for name, targets in fused.items():
+            self.split(name, targets, groups=layout.groups(spec) if len(targets) > 1 else 1,
+                       transpose=layout.conv1d and bool(LAYER.fullmatch(targets[0]))
+                       and len(want[targets[0]]) == 2)
+        for name in layout.copies + ((f"{head}.weight",) if spec.embedding.tied else ()):
+            if name in ckpt.names:   # checked, not read
+                self.add([name], [want["embed.weight"]], [], lambda xs: [])
 
     def add(self, sources: Sequence[str], shapes: Sequence[Shape], targets: Sequence[str],
             convert: Convert) -> None:
@@ -72,6 +97,22 @@ class TensorMap:
                     for p, n in zip(x.split(parts, dim=1), parts)]
 
         self.add([source], [full[::-1] if transpose else full], targets, convert)
+
+    def name(self, target: str) -> str:
+        """Where the checkpoint keeps archc tensor `target`. Its name, less the layer, is looked
+        up by its longest dotted prefix in `layout.names`, which the checkpoint module replaces:
+        with `attn.q` → `self_attn.q_proj`, `layers.3.attn.q.bias` is
+        `model.layers.3.self_attn.q_proj.bias`. T5's layer names keep their stack
+        (`decoder.ffn_norm`), since its two stacks differ."""
+        layer = LAYER.fullmatch(target)
+        stack, i, rest = layer.groups("") if layer else ("", "", target)
+        key = stack + rest
+        names = self.layout.names
+        module = max((m for m in names if key == m or key.startswith(m + ".")), key=len)
+        value = names[module]
+        within = self.layout.layer.format(stack=stack, i=i) if layer else ""
+        return self.ckpt(within + (value if isinstance(value, str) else value(self.spec))
+                         + key[len(module):])
 
 
 class Checkpoint:
@@ -104,7 +145,7 @@ def each(mine: str, theirs: str, parts: Iterable[str]) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a checkpoint keeps each archc tensor (see `checkpoint_name`)."""
+    """Where a checkpoint keeps each archc tensor (see `TensorMap.name`)."""
 
     names: Mapping[str, Module]           # archc module → checkpoint module
     layer: str = "layers.{i}."            # layer i's modules ({stack}: T5's encoder./decoder.)
@@ -113,53 +154,10 @@ class Layout:
     conv1d: bool = False                  # layer weights stored [in, out] (GPT-2's Conv1D)
     copies: tuple[str, ...] = ()          # stored copies of the token embedding, checked
     # rules for the tensors a table cannot describe, added before the table maps the rest
-    special: Callable[[Layout, Spec, TensorMap, Checkpoint], None] | None = None
+    special: Callable[[TensorMap], None] | None = None
 
     def head_name(self, ckpt: Checkpoint) -> str:
         return next((h for h in self.head if f"{h}.weight" in ckpt.names), self.head[0])
-
-
-def checkpoint_name(layout: Layout, s: Spec, ckpt: Checkpoint, target: str) -> str:
-    """Where the checkpoint keeps archc tensor `target`. Its name, less the layer, is looked up
-    by its longest dotted prefix in `layout.names`, which the checkpoint module replaces: with
-    `attn.q` → `self_attn.q_proj`, `layers.3.attn.q.bias` is `model.layers.3.self_attn.q_proj.bias`.
-    T5's layer names keep their stack (`decoder.ffn_norm`), since its two stacks differ."""
-    layer = LAYER.fullmatch(target)
-    stack, i, rest = layer.groups("") if layer else ("", "", target)
-    key = stack + rest
-    module = max((m for m in layout.names if key == m or key.startswith(m + ".")), key=len)
-    value = layout.names[module]
-    within = layout.layer.format(stack=stack, i=i) if layer else ""
-    return ckpt(within + (value if isinstance(value, str) else value(s)) + key[len(module):])
-
-
-def checkpoint_rules(layout: Layout, s: Spec, t: TensorMap, ckpt: Checkpoint) -> None:
-    """A rule for every tensor the program wants. Several tensors under one checkpoint name are a
-    fused Q/K/V; `{e}` in a name numbers one tensor per expert. The head is outside the base
-    model; a tied one may be stored all the same, as a copy."""
-    if layout.special is not None:
-        layout.special(layout, s, t, ckpt)
-    done = {target for rule in t.rules for target in rule.targets}
-    head = layout.head_name(ckpt)
-    fused: dict[str, list[str]] = {}
-    for target in [x for x in t.want if x not in done]:
-        if target in ("head.weight", "head.bias"):
-            name = head + target[4:]
-        else:
-            name = checkpoint_name(layout, s, ckpt, target)
-        if "{e}" in name:   # one tensor per expert → archc's [experts, ...]
-            experts, *shape = t.want[target]
-            t.add([name.format(e=e) for e in range(experts)], [tuple(shape)] * experts, [target],
-                  lambda xs: [torch.stack(xs)])
-        else:
-            fused.setdefault(name, []).append(target)
-    for name, targets in fused.items():
-        t.split(name, targets, groups=layout.groups(s) if len(targets) > 1 else 1,
-                transpose=layout.conv1d and bool(LAYER.fullmatch(targets[0]))
-                and len(t.want[targets[0]]) == 2)
-    for name in layout.copies + ((f"{head}.weight",) if s.embedding.tied else ()):
-        if name in ckpt.names:   # checked, not read
-            t.add([name], [t.want["embed.weight"]], [], lambda xs: [])
 
 
 def read_checkpoint(spec: Spec, ckpt: Checkpoint, layout: Layout, *, skip: Sequence[str] = (),
@@ -171,8 +169,7 @@ def read_checkpoint(spec: Spec, ckpt: Checkpoint, layout: Layout, *, skip: Seque
     program = lower(spec)
     check_fits(spec.name, "its weights", checkpoint_elements(program), dtype or spec.dtype,
                spec.family)
-    tmap = TensorMap(checkpoint_shapes(program))
-    checkpoint_rules(layout, spec, tmap, ckpt)
+    tmap = TensorMap(layout, spec, ckpt, checkpoint_shapes(program))
     source, present = ckpt.source, ckpt.names
     read: set[str] = set()
     for rule in tmap.rules:  # check everything before reading anything

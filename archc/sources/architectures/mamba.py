@@ -14,8 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from archc.sources.hf_config import Architecture, HFConfig, activation, gated_kind, layer_pattern
-from archc.sources.tensor_map import Checkpoint, Layout, TensorMap, checkpoint_name, each
-from archc.spec.schema import Spec
+from archc.sources.tensor_map import Checkpoint, Layout, TensorMap, each
 
 
 def mixer_activation(cfg: HFConfig) -> None:
@@ -108,21 +107,20 @@ def mixer_names(theirs: str) -> dict[str, str]:
             **each("ssm.*_norm", f"{theirs}.*_layernorm", ("dt", "b", "c"))}
 
 
-def depthwise_conv(layout: Layout, s: Spec, t: TensorMap, ckpt: Checkpoint) -> None:
+def depthwise_conv(t: TensorMap) -> None:
     """nn.Conv1d(groups=C) stores its depthwise filter [C, 1, K]; archc's is [C, K]."""
     for target in [x for x in t.want if x.endswith("ssm.conv.weight")]:
         c, k = t.want[target]
-        t.add([checkpoint_name(layout, s, ckpt, target)], [(c, 1, k)], [target],
-              lambda xs: [xs[0].squeeze(1)])
+        t.add([t.name(target)], [(c, 1, k)], [target], lambda xs: [xs[0].squeeze(1)])
 
 
-def jamba_tensors(layout: Layout, s: Spec, t: TensorMap, ckpt: Checkpoint) -> None:
+def jamba_tensors(t: TensorMap) -> None:
     """The depthwise filters, and experts fused as transformers 5 may keep them: `gate_up_proj`
     [E, 2F, d] (gate rows first) and `down_proj` [E, d, F]."""
-    depthwise_conv(layout, s, t, ckpt)
-    for i in range(s.layers):
-        hf, ax = ckpt(f"layers.{i}.feed_forward.experts."), f"layers.{i}.ffn.experts."
-        if hf + "gate_up_proj" in ckpt.names:
+    depthwise_conv(t)
+    for i in range(t.spec.layers):
+        hf, ax = t.ckpt(f"layers.{i}.feed_forward.experts."), f"layers.{i}.ffn.experts."
+        if hf + "gate_up_proj" in t.ckpt.names:
             n, f, d = t.want[ax + "gate.weight"]
             t.add([hf + "gate_up_proj"], [(n, 2 * f, d)], [ax + "gate.weight", ax + "up.weight"],
                   lambda xs: [x.contiguous() for x in xs[0].chunk(2, dim=1)])
