@@ -62,9 +62,6 @@ class GGUFFile:
             except Exception as err:
                 raise WeightsError(f"{path}: metadata {name!r} cannot be read ({err})") from None
 
-    def names(self) -> list[str]:
-        return list(self.tensors)
-
     def shape(self, name: str) -> tuple[int, ...]:
         """[out, in] as torch orders it (GGUF lists dims innermost first)."""
         return tuple(int(d) for d in reversed(self.tensors[name].shape))

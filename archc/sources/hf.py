@@ -54,11 +54,11 @@ class SafetensorsFiles:
                     raise WeightsError(f"checkpoint tensor {name!r} is in both "
                                        f"{stored[name].name} and {path.name}")
                 stored[name] = path
-        self.where: dict[str, tuple[Path, str]] = {}
+        self.tensors: dict[str, tuple[Path, str]] = {}
         for name, path in stored.items():
             old = next((o for o in LEGACY if name.endswith(o)), None)
             new = name[: -len(old)] + LEGACY[old] if old else name
-            self.where[name if new in stored else new] = (path, name)
+            self.tensors[name if new in stored else new] = (path, name)
 
     @staticmethod
     def _list_files(directory: Path) -> list[Path]:
@@ -82,15 +82,12 @@ class SafetensorsFiles:
             raise WeightsError(f"{directory} has no *.safetensors weights{hint}")
         return files
 
-    def names(self) -> list[str]:
-        return list(self.where)
-
     def shape(self, name: str) -> tuple[int, ...]:
-        path, stored = self.where[name]
+        path, stored = self.tensors[name]
         return tuple(self.handles[path].get_slice(stored).get_shape())
 
     def load(self, name: str) -> torch.Tensor:
-        path, stored = self.where[name]
+        path, stored = self.tensors[name]
         try:
             return self.handles[path].get_tensor(stored)
         except Exception as err:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -31,7 +31,7 @@ QKV = ("attn.q", "attn.k", "attn.v")
 
 
 class TensorSource(Protocol):
-    def names(self) -> list[str]: ...
+    tensors: Mapping[str, Any]   # name → where it is stored
     def shape(self, name: str) -> Shape: ...
     def load(self, name: str) -> torch.Tensor: ...
 
@@ -122,7 +122,7 @@ class Checkpoint:
 
     def __init__(self, source: TensorSource | None, embed: str = "") -> None:
         self.source = source
-        self.names = set(source.names()) if source else set()
+        self.names = set(source.tensors) if source else set()
         tail = f"{embed}.weight"
         self.prefix = min((n[: -len(tail)] for n in self.names if n.endswith("." + tail)),
                           default="")
