@@ -30,21 +30,16 @@ from archc.tokenizer import from_gguf_vocab
 ARCH = "llama"
 
 
-def _gguf() -> Any:
-    try:
-        import gguf
-    except ImportError:  # pragma: no cover - an optional dependency
-        raise ArchcError("reading GGUF files needs the `gguf` package "
-                         "(pip install 'archc[gguf]')") from None
-    return gguf
-
-
 class GGUFFile:
     """Metadata fields and tensors of one GGUF file."""
 
     def __init__(self, path: Path) -> None:
-        gguf = _gguf()
-        self.path = path
+        try:
+            import gguf
+        except ImportError:  # pragma: no cover - an optional dependency
+            raise ArchcError("reading GGUF files needs the `gguf` package "
+                             "(pip install 'archc[gguf]')") from None
+        self.path, self.dequantize = path, gguf.quants.dequantize
         if not path.is_file():
             raise WeightsError(f"{path}: no such file")
         try:
@@ -67,11 +62,10 @@ class GGUFFile:
         return tuple(int(d) for d in reversed(self.tensors[name].shape))
 
     def load(self, name: str) -> torch.Tensor:
-        gguf = _gguf()
         t = self.tensors[name]
         kind = t.tensor_type.name
         try:
-            values = gguf.quants.dequantize(t.data, t.tensor_type)
+            values = self.dequantize(t.data, t.tensor_type)
         except NotImplementedError:
             raise WeightsError(f"tensor {name!r} is stored as {kind}, which the gguf package "
                                f"cannot dequantise") from None

@@ -56,8 +56,7 @@ class SafetensorsFiles:
                 stored[name] = path
         self.tensors: dict[str, tuple[Path, str]] = {}
         for name, path in stored.items():
-            old = next((o for o in LEGACY if name.endswith(o)), None)
-            new = name[: -len(old)] + LEGACY[old] if old else name
+            new = next((name[: -len(o)] + n for o, n in LEGACY.items() if name.endswith(o)), name)
             self.tensors[name if new in stored else new] = (path, name)
 
     @staticmethod
