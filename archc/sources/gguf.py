@@ -137,12 +137,10 @@ def spec_of_file(f: GGUFFile) -> Spec:
                               "number of KV heads")
         kv = kv[0]
     head_dim = meta.number("attention.key_length", d // heads)
-    if (value_dim := meta.number("attention.value_length", head_dim)) != head_dim:
-        raise meta.refuse("attention.value_length", value_dim, f"keys and values of different "
-                          f"widths ({head_dim})")
-    if (rotary := meta.number("rope.dimension_count", head_dim)) != head_dim:
-        raise meta.refuse("rope.dimension_count", rotary, f"llama rotates the whole head "
-                          f"({head_dim} dims)")
+    meta.expect("attention.value_length", (head_dim,), f"keys and values of different widths "
+                f"({head_dim})")
+    meta.expect("rope.dimension_count", (head_dim,), f"llama rotates the whole head ({head_dim} "
+                "dims)")
     max_seq = meta.number("context_length", 2048)
     position: dict[str, Any] = {"kind": "rope",
                                 "theta": _f32(meta.number("rope.freq_base", 10000.0, kind=float))}
@@ -159,7 +157,7 @@ def spec_of_file(f: GGUFFile) -> Spec:
         if "scaling" in position:
             raise meta.refuse("rope.scaling.type", scaling, "the file also holds per-frequency "
                               "factors (rope_freqs.weight): one scaling at a time")
-        position["scaling"] = llama3_scaling(f, position["theta"], rotary)
+        position["scaling"] = llama3_scaling(f, position["theta"], head_dim)
     ffn: dict[str, Any] = {"kind": "swiglu", "d_ff": meta.number("feed_forward_length")}
     if experts := meta.number("expert_count", 0):
         ffn = {"kind": "moe", "d_ff": ffn["d_ff"], "moe": {

@@ -21,13 +21,19 @@ from safetensors import safe_open
 
 from archc.errors import SpecError, WeightsError
 from archc.model import Model, Progress
-from archc.sources.architectures import ARCHITECTURES
+from archc.sources.architectures.encoders import BERT, T5
+from archc.sources.architectures.gpt import BLOOM, FALCON, GPT2, GPTJ, MPT, NEOX, OPT, PHI
+from archc.sources.architectures.llama import GEMMA, LLAMA
+from archc.sources.architectures.mamba import JAMBA, MAMBA
 from archc.sources.hf_config import Architecture, HFConfig, spec_name
 from archc.sources.tensor_map import Checkpoint, read_checkpoint
 from archc.spec import from_dict
 from archc.spec.schema import Spec
 from archc.tokenizer import load_hf_tokenizer
 
+# the architectures archc reads, one per family of model types
+ARCHITECTURES = (LLAMA, GEMMA, GPT2, GPTJ, NEOX, FALCON, BLOOM, MPT, OPT, PHI, BERT, T5, MAMBA,
+                 JAMBA)
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 # TensorFlow-era names, which transformers renames on load

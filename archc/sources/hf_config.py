@@ -107,11 +107,11 @@ class HFConfig:
             raise self.error(key, f"{value!r} is not true/false")
         return value
 
-    def expect(self, key: str, allowed: Sequence[Any]) -> Any:
+    def expect(self, key: str, allowed: Sequence[Any], why: str | None = None) -> Any:
         """A field whose only values archc can honour are `allowed` (absent: the first)."""
         value = self.get(key, allowed[0])
         if value not in allowed:
-            raise self.refuse(key, value, "archc implements only "
+            raise self.refuse(key, value, why or "archc implements only "
                               + ", ".join(repr(a) for a in allowed))
         return value
 

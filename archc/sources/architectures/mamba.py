@@ -29,16 +29,12 @@ def mamba(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
     d = cfg.number("hidden_size")
     layers = cfg.number("num_hidden_layers")
     # configs converted from the original code carry its layer count and norm switch too
-    if "n_layer" in cfg and cfg.number("n_layer") != layers:
-        raise cfg.refuse("n_layer", cfg.data["n_layer"], f"it must equal num_hidden_layers "
-                         f"({layers})")
-    if not cfg.flag("rms_norm", True):
-        raise cfg.refuse("rms_norm", False, "transformers' Mamba blocks normalize with RMSNorm")
+    cfg.expect("n_layer", (layers,), f"it must equal num_hidden_layers ({layers})")
+    cfg.expect("rms_norm", (True,), "transformers' Mamba blocks normalize with RMSNorm")
     mixer_activation(cfg)
     expand = cfg.number("expand", 2)
-    if (inner := cfg.number("intermediate_size", expand * d)) != expand * d:
-        raise cfg.refuse("intermediate_size", inner, f"Mamba's inner width is expand·hidden_size "
-                         f"= {expand * d}")
+    cfg.expect("intermediate_size", (expand * d,), f"Mamba's inner width is expand·hidden_size "
+               f"= {expand * d}")
     rank = cfg.get("time_step_rank", "auto")
     return {
         "d_model": d, "layers": layers, "mixer": {"kind": "mamba", "mamba": {
@@ -72,9 +68,8 @@ def jamba(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
              "conv_bias": cfg.flag("mamba_conv_bias", True),
              "bias": cfg.flag("mamba_proj_bias", False),
              "dt_rank": None if rank == "auto" else cfg.number("mamba_dt_rank")}
-    if not cfg.flag("mamba_inner_layernorms", True):   # the original code's switch
-        raise cfg.refuse("mamba_inner_layernorms", False, "transformers' Jamba normalizes Δ, B "
-                         "and C in every Mamba layer")
+    cfg.expect("mamba_inner_layernorms", (True,), "transformers' Jamba normalizes Δ, B and C "
+               "in every Mamba layer")   # the original code's switch
     kind = gated_kind(cfg)
     experts = cfg.number("num_experts", 16)
     routed = every(cfg, "expert_layer_period", "expert_layer_offset", (2, 1), layers)
