@@ -100,24 +100,19 @@ def llama3_scaling(f: GGUFFile, theta: float, rotary_dim: int) -> dict[str, Any]
     base = rope_inv_freq(rotary_dim, theta).double()
     factor = float(factors.max())
     medium = (factors > 1.0 + 1e-6) & (factors < factor * (1 - 1e-6))
-    if factor <= 1.0 + 1e-6 or int(medium.sum()) < 2:
-        raise SpecError(where, "per-frequency RoPE factors that are not Llama 3's scaling "
-                        "(it needs factors > 1 and at least two blended frequencies)",
-                        source=str(f.path))
-    inv_wavelen = base[medium] / (2 * math.pi)
-    blend = (1 / factors[medium] - 1 / factor) / (1 - 1 / factor)
-    design = torch.stack([inv_wavelen, torch.ones_like(inv_wavelen)], dim=1)
-    slope, intercept = (float(v) for v in torch.linalg.lstsq(design, blend[:, None]).solution)
-    params: dict[str, Any] = {"kind": "llama3", "factor": _f32(factor)}
-    if intercept < 0 and slope > 0:
-        params.update(original_max_seq_len=round(-slope / intercept), low_freq_factor=1.0,
-                      high_freq_factor=_f32(1.0 - 1.0 / intercept))
-        got = rope_inv_freq(rotary_dim, theta, **{k: v for k, v in params.items()
-                                                  if k != "kind"}, kind="llama3").double()
-        if torch.allclose(got, (base / factors).float().double(), rtol=1e-5, atol=0.0):
-            return params
-    raise SpecError(where, "per-frequency RoPE factors that do not follow Llama 3's scaling "
-                    "rule", source=str(f.path))
+    if factor > 1.0 + 1e-6 and int(medium.sum()) >= 2:
+        inv_wavelen = base[medium] / (2 * math.pi)
+        blend = (1 / factors[medium] - 1 / factor) / (1 - 1 / factor)
+        design = torch.stack([inv_wavelen, torch.ones_like(inv_wavelen)], dim=1)
+        slope, intercept = (float(v) for v in torch.linalg.lstsq(design, blend[:, None]).solution)
+        if intercept < 0 and slope > 0:
+            params = {"factor": _f32(factor), "original_max_seq_len": round(-slope / intercept),
+                      "low_freq_factor": 1.0, "high_freq_factor": _f32(1.0 - 1.0 / intercept)}
+            got = rope_inv_freq(rotary_dim, theta, **params, kind="llama3").double()
+            if torch.allclose(got, (base / factors).float().double(), rtol=1e-5, atol=0.0):
+                return {"kind": "llama3", **params}
+    raise SpecError(where, "per-frequency RoPE factors that do not follow Llama 3's scaling rule "
+                    "(factors > 1, at least two of them blended)", source=str(f.path))
 
 
 def spec_of_file(f: GGUFFile) -> Spec:

@@ -31,7 +31,6 @@ from archc.spec import from_dict
 from archc.spec.schema import Spec
 from archc.tokenizer import load_hf_tokenizer
 
-# the architectures archc reads, one per family of model types
 ARCHITECTURES = (LLAMA, GEMMA, GPT2, GPTJ, NEOX, FALCON, BLOOM, MPT, OPT, PHI, BERT, T5, MAMBA,
                  JAMBA)
 CONFIG = "config.json"

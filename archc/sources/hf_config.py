@@ -185,13 +185,11 @@ def rope_position(cfg: HFConfig, max_seq_len: int, *, theta_keys: Keys = "rope_t
     """The spec's `position` and `max_seq_len` for a RoPE model, from `rope_parameters`
     (transformers 5) over `rope_theta` + `rope_scaling` + a partial-rotary field (transformers 4).
     `whole_heads`: the model type rotates whole heads, so a partial factor is refused."""
-    params = cfg.get("rope_parameters") or {}
-    if not isinstance(params, Mapping) or any(isinstance(v, Mapping) for v in params.values()):
-        raise cfg.refuse("rope_parameters", params, "a mapping of one RoPE setting is expected "
-                         "(per-layer-type RoPE is not supported)")
-    scaling = cfg.get("rope_scaling") or {}
-    if not isinstance(scaling, Mapping):
-        raise cfg.refuse("rope_scaling", scaling, "a mapping is expected")
+    params, scaling = cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}
+    for key, given in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(given, Mapping) or any(isinstance(v, Mapping) for v in given.values()):
+            raise cfg.refuse(key, given, "a mapping of one RoPE setting is expected "
+                             "(per-layer-type RoPE is not supported)")
     where = "rope_parameters" if params else "rope_scaling"
     rope = {"rope_theta": cfg.get(theta_keys, 10000.0),
             "partial_rotary_factor": cfg.get(fraction_keys, default_fraction)}
@@ -203,7 +201,7 @@ def rope_position(cfg: HFConfig, max_seq_len: int, *, theta_keys: Keys = "rope_t
                          f"{cfg.model_type} rotates whole heads")
     out: dict[str, Any] = {"max_seq_len": max_seq_len, "position": {
         "kind": "rope", "theta": float(rope.pop("rope_theta")), "fraction": fraction}}
-    kind = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+    kind = rope.pop("rope_type", None) or rope.get("type") or "default"
     rope.pop("type", None)
     original = rope.pop("original_max_position_embeddings", None) or cfg.get(
         "original_max_position_embeddings") or max_seq_len
