@@ -13,16 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from archc.sources.hf_config import Architecture, HFConfig, activation, gated_kind, layer_pattern
+from archc.sources.hf_config import Architecture, HFConfig, gated_kind, layer_pattern
 from archc.sources.tensor_map import Checkpoint, Layout, TensorMap, each
-
-
-def mixer_activation(cfg: HFConfig) -> None:
-    """transformers runs the conv through `hidden_act` and gates with SiLU; archc's Mamba layer
-    is SiLU in both places."""
-    if activation(cfg, "hidden_act", "silu") != "silu":
-        raise cfg.refuse("hidden_act", cfg.data.get("hidden_act"), "archc's Mamba layer "
-                         "applies SiLU after the convolution")
 
 
 def mamba(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
@@ -31,7 +23,9 @@ def mamba(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
     # configs converted from the original code carry its layer count and norm switch too
     cfg.expect("n_layer", (layers,), f"it must equal num_hidden_layers ({layers})")
     cfg.expect("rms_norm", (True,), "transformers' Mamba blocks normalize with RMSNorm")
-    mixer_activation(cfg)
+    # transformers runs the conv through `hidden_act` and gates with SiLU; archc, SiLU in both
+    cfg.expect("hidden_act", ("silu", "swish"), "archc's Mamba layer applies SiLU after the "
+               "convolution")
     expand = cfg.number("expand", 2)
     cfg.expect("intermediate_size", (expand * d,), f"Mamba's inner width is expand·hidden_size "
                f"= {expand * d}")
@@ -60,7 +54,8 @@ def every(cfg: HFConfig, period_key: str, offset_key: str, default: tuple[int, i
 
 def jamba(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
     layers = cfg.number("num_hidden_layers")
-    mixer_activation(cfg)
+    cfg.expect("hidden_act", ("silu", "swish"), "archc's Mamba layer applies SiLU after the "
+               "convolution")
     attends = every(cfg, "attn_layer_period", "attn_layer_offset", (8, 4), layers)
     rank = cfg.get("mamba_dt_rank", "auto")
     mamba = {"d_state": cfg.number("mamba_d_state", 16), "d_conv": cfg.number("mamba_d_conv", 4),
