@@ -33,7 +33,6 @@ COMMON_INERT = frozenset({
     "_experts_implementation", "tie_encoder_decoder", "is_decoder", "base_model_tp_plan",
     "base_model_pp_plan", "keys_to_ignore_at_inference", "_commit_hash", "layerdrop",
     "is_encoder_decoder", "cross_attention_hidden_size", "tf_legacy_loss", "use_bfloat16",
-    "pruned_heads",  # checked to be empty below
     # bookkeeping written by fine-tuning and conversion tools: special-token ids the tokenizer
     # owns, where the weights came from
     "unk_token_id", "cls_token_id", "mask_token_id", "_model_name_or_path",
@@ -127,9 +126,8 @@ class HFConfig:
 
     def check_all_understood(self, inert: Collection[str] = ()) -> None:
         """Refuse the fields nothing read and no list calls inert."""
-        if self.data.get("pruned_heads"):
-            raise self.refuse("pruned_heads", self.data["pruned_heads"], "pruned attention "
-                              "heads leave layers with different head counts")
+        self.expect("pruned_heads", ({},), "pruned attention heads leave layers with different "
+                    "head counts")
         unknown = sorted(k for k in self.data if k not in self.used and k not in COMMON_INERT
                          and k not in inert)
         if unknown:

@@ -85,15 +85,11 @@ def falcon(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
     kv = cfg.number(("num_kv_heads", "n_head_kv"), None)
     multi_query = cfg.flag("multi_query", True)   # the new architecture ignores it
     parallel = cfg.flag("parallel_attn", True)
-    norms = cfg.get("num_ln_in_parallel_attn")
     if cfg.flag("new_decoder_architecture", False):   # KV-head groups of [queries | k | v]
-        if not parallel:
-            raise cfg.refuse("parallel_attn", False, "transformers' Falcon has no serial block "
-                             "in the new decoder architecture")
-        norms = 2 if norms is None else norms
-        if norms not in (1, 2):
-            raise cfg.refuse("num_ln_in_parallel_attn", norms, "1 or 2 norms")
-    elif norms not in (None, 1):
+        cfg.expect("parallel_attn", (True,), "transformers' Falcon has no serial block in the "
+                   "new decoder architecture")
+        norms = cfg.expect("num_ln_in_parallel_attn", (2, 1), "1 or 2 norms")
+    elif (norms := cfg.get("num_ln_in_parallel_attn")) not in (None, 1):
         raise cfg.refuse("num_ln_in_parallel_attn", norms, "transformers' Falcon reads it only "
                          "with new_decoder_architecture")
     elif multi_query:
