@@ -1,13 +1,10 @@
 """Hugging Face directories: ``config.json`` + ``*.safetensors`` (+ ``tokenizer.json``) → Model.
 
-The config becomes a spec through ``archc.spec.from_dict``, so it meets the same validation as a
-YAML spec; every config field is either honoured, known not to matter, or refused by name. The
-checkpoint's tensors are mapped to archc's parameter names with shape checks (see
-``tensor_map``), read lazily from one ``*.safetensors`` file or the shards that
-``model.safetensors.index.json`` lists. ``hf_spec`` stops after the spec, for ``archc export-spec``.
-
-safetensors only: a ``pytorch_model.bin`` is a pickle, and unpickling runs code from the file, so
-archc refuses it with a message saying how to convert it.
+The config becomes a spec through ``archc.spec.from_dict``, meeting the validation a YAML spec
+meets; every config field is honoured, known not to matter, or refused by name. The tensors, read
+lazily from one file or the shards ``model.safetensors.index.json`` lists, map to archc's names
+with shape checks (``tensor_map``). A ``pytorch_model.bin`` is a pickle, and unpickling runs code
+from the file, so archc refuses it, saying how to convert it.
 """
 
 from __future__ import annotations
@@ -156,15 +153,13 @@ def _read(directory: Path, weights: bool) -> tuple[HFConfig, Architecture, Check
 
 
 def hf_spec(directory: Path) -> Spec:
-    """The spec of an HF directory (its safetensors headers are read, if present, to see
-    whether the head is tied)."""
+    """The spec of an HF directory (safetensors headers, if any, say if the head is tied)."""
     return _read(directory, any(directory.glob("*.safetensors")))[3]
 
 
 def load_hf(directory: Path, *, progress: Progress | None = None,
             dtype: str | None = None) -> Model:
-    """An HF directory → archc Model with its weights (in their stored dtype, or `dtype`),
-    tokenizer and EOS ids."""
+    """An HF directory's Model: weights (in their stored dtype, or `dtype`), tokenizer, EOS ids."""
     cfg, arch, ckpt, spec = _read(directory, True)
     weights, skipped = read_checkpoint(spec, ckpt, arch.layout, skip=arch.skip,
                                        progress=progress, dtype=dtype)

@@ -1,11 +1,7 @@
-"""Reading a Hugging Face ``config.json`` so that no field goes unnoticed.
-
-Every field an architecture reads is recorded. What is left when it is done must be on a list of
-fields known not to change the function (dropout rates, initializer ranges, generation
-defaults...); anything else is refused by name, so a model never runs with a setting archc did not
-understand. The helpers here translate the settings several model types share: activations,
-RoPE (``rope_parameters`` of transformers 5 and the older ``rope_theta``/``rope_scaling``) and
-per-layer kinds; an `Architecture` says what one model type tells the loader.
+"""Reading a Hugging Face ``config.json`` so that no field goes unnoticed: the fields left unread
+must be known not to change the function (dropout rates, generation defaults...), or they are
+refused by name. The helpers translate what several model types share: activations, RoPE
+(transformers 5's ``rope_parameters``, the older ``rope_theta``/``rope_scaling``), layer patterns.
 """
 
 from __future__ import annotations
