@@ -76,8 +76,7 @@ class SafetensorsFiles:
             return [directory / n for n in names]
         files = sorted(directory.glob("*.safetensors"))
         if not files:
-            pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(
-                p.name for p in directory.glob("*.pt"))
+            pickles = sorted(p.name for g in ("*.bin", "*.pt") for p in directory.glob(g))
             hint = (f"; {', '.join(pickles)} is a pickle, which archc never loads — convert it "
                     "with `save_pretrained(..., safe_serialization=True)`" if pickles else "")
             raise WeightsError(f"{directory} has no *.safetensors weights{hint}")
