@@ -152,6 +152,7 @@ def opt(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
     d = cfg.number("hidden_size")
     proj = cfg.number("word_embed_proj_dim", d)
     pre = cfg.flag("do_layer_norm_before", True)
+    removed = cfg.flag("_remove_final_layer_norm", False)
     bias = cfg.flag("enable_bias", True)
     return {
         "d_model": d, "layers": cfg.number("num_hidden_layers"),
@@ -162,7 +163,7 @@ def opt(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         "norm": {"kind": "layernorm", "eps": 1e-5, "placement": "pre" if pre else "post"},
         "position": {"kind": "learned", "offset": 2},   # the table's first two rows are unused
         "embedding": {"project_dim": proj if proj != d else None},
-        "output": {"final_norm": pre and not cfg.flag("_remove_final_layer_norm", False)},
+        "output": {"final_norm": pre and not removed},
     }
 
 
