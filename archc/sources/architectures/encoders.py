@@ -87,8 +87,7 @@ def t5_stack(stack: str, ffn: int) -> dict[str, Module]:
             **{f"{stack}.{mine}": theirs for mine, theirs in layer.items()}}
 
 
-BERT = Architecture(
-    ("bert",), bert, Layout({
+BERT = Architecture(("bert",), bert, Layout({
         **{mine: f"embeddings.{theirs}" for mine, theirs in (
             ("embed", "word_embeddings"), ("pos_embed", "position_embeddings"),
             ("type_embed", "token_type_embeddings"), ("embed_norm", "LayerNorm"))},
@@ -103,8 +102,7 @@ BERT = Architecture(
     # position-id buffer older checkpoints saved is arange(max_seq_len)
     skip=(r"(bert\.)?pooler\.dense\.(weight|bias)", r"cls\..*",
           r"(bert\.)?embeddings\.position_ids"))
-T5 = Architecture(
-    ("t5",), t5, Layout({
+T5 = Architecture(("t5",), t5, Layout({
         "embed": "shared", **t5_stack("encoder", 1), **t5_stack("decoder", 2),
         "decoder.cross_norm": "1.layer_norm", "decoder.cross": "1.EncDecAttention"},
         layer="{stack}block.{i}.layer.",

@@ -188,8 +188,7 @@ BLOOM_NAMES = {
     **dict.fromkeys(QKV, "self_attention.query_key_value"), "attn.o": "self_attention.dense",
     **H_TO_4H}
 
-GPT2 = Architecture(
-    ("gpt2",), gpt2, Layout({
+GPT2 = Architecture(("gpt2",), gpt2, Layout({
         "embed": "wte", "pos_embed": "wpe", "final_norm": "ln_f", "attn_norm": "ln_1",
         "ffn_norm": "ln_2", **dict.fromkeys(QKV, "attn.c_attn"), "attn.o": "attn.c_proj",
         "ffn.up": "mlp.c_fc", "ffn.down": "mlp.c_proj"}, layer="h.{i}.", conv1d=True),
@@ -197,16 +196,12 @@ GPT2 = Architecture(
     # GPT2DoubleHeadsModel's multiple-choice head and numerics-only switches
     inert=frozenset({"summary_type", "summary_use_proj", "summary_activation",
                      "summary_proj_to_labels", "summary_first_dropout",
-                     "reorder_and_upcast_attn", "n_ctx"}),
-    skip=GPT_SKIP)
-GPTJ = Architecture(
-    ("gptj",), gptj, Layout({
+                     "reorder_and_upcast_attn", "n_ctx"}), skip=GPT_SKIP)
+GPTJ = Architecture(("gptj",), gptj, Layout({
         "embed": "wte", "final_norm": "ln_f", "attn_norm": "ln_1",
         **each("attn.*", "attn.*_proj", "qkv"), "attn.o": "attn.out_proj",
-        "ffn.up": "mlp.fc_in", "ffn.down": "mlp.fc_out"}, layer="h.{i}."),
-    skip=GPT_SKIP)
-NEOX = Architecture(
-    ("gpt_neox",), neox, Layout({
+        "ffn.up": "mlp.fc_in", "ffn.down": "mlp.fc_out"}, layer="h.{i}."), skip=GPT_SKIP)
+NEOX = Architecture(("gpt_neox",), neox, Layout({
         "embed": "embed_in", "final_norm": "final_layer_norm", "attn_norm": "input_layernorm",
         "ffn_norm": "post_attention_layernorm",
         **dict.fromkeys(QKV, "attention.query_key_value"), "attn.o": "attention.dense",
@@ -222,16 +217,13 @@ BLOOM = Architecture(
     inert=frozenset({"pretraining_tp", "slow_but_exact", "attention_softmax_in_fp32",
                      "bias_dropout_fusion", "masked_softmax_fusion", "offset_alibi",
                      "skip_bias_add", "skip_bias_add_qkv", "seq_length"}))
-FALCON = Architecture(
-    ("falcon",), falcon, Layout({
+FALCON = Architecture(("falcon",), falcon, Layout({
         **BLOOM_NAMES,
         "attn_norm": lambda s: "ln_attn" if s.block.parallel and not s.block.shared_norm
         else "input_layernorm",
         "ffn_norm": lambda s: "ln_mlp" if s.block.parallel else "post_attention_layernorm"},
-        layer="h.{i}.", groups=lambda s: s.attention.kv_heads),
-    tied=True)
-MPT = Architecture(
-    ("mpt",), mpt, Layout({
+        layer="h.{i}.", groups=lambda s: s.attention.kv_heads), tied=True)
+MPT = Architecture(("mpt",), mpt, Layout({
         "embed": "wte", "final_norm": "norm_f", "attn_norm": "norm_1", "ffn_norm": "norm_2",
         **dict.fromkeys(QKV, "attn.Wqkv"), "attn.o": "attn.out_proj",
         **each("ffn.*", "ffn.*_proj", ("up", "down"))}, layer="blocks.{i}."),
@@ -240,17 +232,15 @@ MPT = Architecture(
     # training-time switches: initialisation, embedding-gradient scaling, logging, kernel choice
     inert=frozenset({"init_device", "embedding_fraction", "verbose", "init_config", "fc_type",
                      "ffn_config"}))
-OPT = Architecture(
-    ("opt",), opt, Layout({
+OPT = Architecture(("opt",), opt, Layout({
         "embed": "embed_tokens", "embed.project_in": "project_in", "pos_embed": "embed_positions",
         "head.project_out": "project_out", "final_norm": "final_layer_norm",
         "attn_norm": "self_attn_layer_norm", "ffn_norm": "final_layer_norm",
         **each("attn.*", "self_attn.*_proj", "qkv"), "attn.o": "self_attn.out_proj",
         "ffn.up": "fc1", "ffn.down": "fc2"}),
     tied=True, only={"layer_norm_elementwise_affine": (True,)}, inert=frozenset({"init_std"}))
-PHI = Architecture(
-    ("phi",), phi, Layout({
+PHI = Architecture(("phi",), phi, Layout({
         "embed": "embed_tokens", "final_norm": "final_layernorm", "attn_norm": "input_layernorm",
-        **each("attn.*", "self_attn.*_proj", "qkv"), **each("attn.*_norm", "self_attn.*_layernorm",
-                                                             "qk"),
-        "attn.o": "self_attn.dense", "ffn.up": "mlp.fc1", "ffn.down": "mlp.fc2"}))
+        **each("attn.*", "self_attn.*_proj", "qkv"), "attn.o": "self_attn.dense",
+        **each("attn.*_norm", "self_attn.*_layernorm", "qk"), "ffn.up": "mlp.fc1",
+        "ffn.down": "mlp.fc2"}))

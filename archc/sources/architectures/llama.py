@@ -103,8 +103,7 @@ NAMES = {
 }
 LLAMA = Architecture(("llama", "mistral", "qwen2", "mixtral"), llama, Layout(NAMES), only=ONLY,
                      inert=INERT, skip=SKIP)
-GEMMA = Architecture(
-    ("gemma", "gemma2"), gemma, Layout({
+GEMMA = Architecture(("gemma", "gemma2"), gemma, Layout({
         **NAMES, "ffn_norm": lambda s: "pre_feedforward_layernorm" if s.norm.placement ==
         "sandwich" else "post_attention_layernorm", "attn_post_norm": "post_attention_layernorm",
         "ffn_post_norm": "post_feedforward_layernorm"}),

@@ -119,10 +119,9 @@ def jamba_tensors(t: TensorMap) -> None:
 
 
 GATE_UP_DOWN = ("gate", "up", "down")
-MAMBA = Architecture(
-    ("mamba",), mamba, Layout({"embed": "embeddings", "final_norm": "norm_f", "ssm_norm": "norm",
-                               **mixer_names("mixer")}, special=depthwise_conv),
-    tied=True,
+MAMBA = Architecture(("mamba",), mamba, Layout({
+        "embed": "embeddings", "final_norm": "norm_f", "ssm_norm": "norm", **mixer_names("mixer")},
+        special=depthwise_conv), tied=True,
     # Initialisation and training switches (time-step init range and scheme, residual
     # rescaling), implementation choices of the scan (mamba.py, associative scan) and of the
     # original CUDA code (a fused residual-add + norm kernel), the vocabulary padding already
@@ -132,8 +131,7 @@ MAMBA = Architecture(
                      "time_step_init_scheme", "time_step_floor", "rescale_prenorm_residual",
                      "use_mambapy", "use_associative_scan", "residual_in_fp32", "fused_add_norm",
                      "pad_vocab_size_multiple"}))
-JAMBA = Architecture(
-    ("jamba",), jamba, Layout({
+JAMBA = Architecture(("jamba",), jamba, Layout({
         "embed": "embed_tokens", "final_norm": "final_layernorm", "ssm_norm": "input_layernorm",
         "attn_norm": "input_layernorm", **mixer_names("mamba"),
         **each("attn.*", "self_attn.*_proj", "qkvo"), "ffn_norm": "pre_ff_layernorm",
