@@ -116,7 +116,6 @@ class HFConfig:
         return SpecError(self.prefix + key, problem, source=self.source, allowed=allowed)
 
     def refuse(self, key: Keys, value: Any, why: str) -> SpecError:
-        """A field whose value archc cannot honour."""
         return self.error(key, f"{value!r} cannot be honoured for model_type "
                           f"{self.model_type!r}: {why}")
 

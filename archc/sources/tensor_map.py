@@ -99,11 +99,10 @@ class TensorMap:
         self.add([source], [full[::-1] if transpose else full], targets, convert)
 
     def name(self, target: str) -> str:
-        """Where the checkpoint keeps archc tensor `target`. Its name, less the layer, is looked
-        up by its longest dotted prefix in `layout.names`, which the checkpoint module replaces:
-        with `attn.q` → `self_attn.q_proj`, `layers.3.attn.q.bias` is
-        `model.layers.3.self_attn.q_proj.bias`. T5's layer names keep their stack
-        (`decoder.ffn_norm`), since its two stacks differ."""
+        """Where the checkpoint keeps archc tensor `target`: its longest dotted prefix, less the
+        layer, replaced by its module in `layout.names` (`attn.q` → `self_attn.q_proj`: so
+        `layers.3.attn.q.bias` is `model.layers.3.self_attn.q_proj.bias`). T5's layer names keep
+        their stack (`decoder.ffn_norm`), since its two stacks differ."""
         layer = LAYER.fullmatch(target)
         stack, i, rest = layer.groups("") if layer else ("", "", target)
         key = stack + rest

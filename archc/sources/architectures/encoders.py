@@ -88,9 +88,8 @@ def t5_stack(stack: str, ffn: int) -> dict[str, Module]:
 
 
 BERT = Architecture(("bert",), bert, Layout({
-        **{mine: f"embeddings.{theirs}" for mine, theirs in (
-            ("embed", "word_embeddings"), ("pos_embed", "position_embeddings"),
-            ("type_embed", "token_type_embeddings"), ("embed_norm", "LayerNorm"))},
+        "embed": "embeddings.word_embeddings", "pos_embed": "embeddings.position_embeddings",
+        "type_embed": "embeddings.token_type_embeddings", "embed_norm": "embeddings.LayerNorm",
         "attn.q": "attention.self.query", "attn.k": "attention.self.key",
         "attn.v": "attention.self.value", "attn.o": "attention.output.dense",
         "attn_norm": "attention.output.LayerNorm", "ffn.up": "intermediate.dense",

@@ -211,9 +211,8 @@ NEOX = Architecture(("gpt_neox",), neox, Layout({
 BLOOM = Architecture(
     ("bloom",), bloom, Layout(BLOOM_NAMES, layer="h.{i}.", groups=lambda s: s.attention.heads),
     tied=True, only={"apply_residual_connection_post_layernorm": (False,), "n_inner": (None,)},
-    # Megatron-DeepSpeed training and kernel switches saved with the released checkpoints; the
-    # model code never reads them (`pretraining_tp` and `slow_but_exact` only reorder the same
-    # sums).
+    # Megatron-DeepSpeed training and kernel switches saved with the checkpoints, which the model
+    # code never reads (`pretraining_tp` and `slow_but_exact` only reorder the same sums)
     inert=frozenset({"pretraining_tp", "slow_but_exact", "attention_softmax_in_fp32",
                      "bias_dropout_fusion", "masked_softmax_fusion", "offset_alibi",
                      "skip_bias_add", "skip_bias_add_qkv", "seq_length"}))

@@ -122,11 +122,10 @@ GATE_UP_DOWN = ("gate", "up", "down")
 MAMBA = Architecture(("mamba",), mamba, Layout({
         "embed": "embeddings", "final_norm": "norm_f", "ssm_norm": "norm", **mixer_names("mixer")},
         special=depthwise_conv), tied=True,
-    # Initialisation and training switches (time-step init range and scheme, residual
-    # rescaling), implementation choices of the scan (mamba.py, associative scan) and of the
-    # original CUDA code (a fused residual-add + norm kernel), the vocabulary padding already
-    # applied to vocab_size, and the f32 residual, which rounds differently only below f32 (archc
-    # keeps the residual stream in the model dtype).
+    # Initialisation and training switches (time-step init, residual rescaling), choices of the
+    # scan (mamba.py, associative) and of the original CUDA code (a fused residual-add + norm),
+    # the vocabulary padding already in vocab_size, and the f32 residual, which rounds differently
+    # only below f32 (archc keeps the residual stream in the model dtype).
     inert=frozenset({"time_step_scale", "time_step_min", "time_step_max",
                      "time_step_init_scheme", "time_step_floor", "rescale_prenorm_residual",
                      "use_mambapy", "use_associative_scan", "residual_in_fp32", "fused_add_norm",
