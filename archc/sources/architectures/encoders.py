@@ -1,11 +1,9 @@
 """The encoders and encoder-decoders.
 
-- BERT: word, position and token-type embeddings and a LayerNorm over their sum, post-LayerNorm
-  blocks, GELU MLP. archc returns the last hidden state; the pooler and the pre-training heads
-  are task heads on top of it and are skipped.
-- T5: RMSNorm before each sublayer, no score scaling, a bucketed relative-position bias learned
-  in each stack's first layer and shared by all its layers, a ReLU MLP (T5) or a gated one (T5
-  v1.1's gated-gelu), and one embedding shared by both stacks.
+- BERT: word, position and token-type embeddings summed and normalized, post-LayerNorm blocks, a
+  GELU MLP; archc returns the last hidden state (the pooler and pre-training heads are skipped).
+- T5: pre-RMSNorm, no score scaling, a bucketed relative-position bias learned in each stack's
+  first layer and shared by its layers, a ReLU MLP (or v1.1's gated GELU), one shared embedding.
 """
 
 from __future__ import annotations

@@ -2,13 +2,11 @@
 
 - GPT-2: learned positions, a fused Q/K/V, Conv1D projections that store weights [in, out].
 - GPT-J: attention and MLP in parallel off one norm, rotate-every-two RoPE on `rotary_dim` dims.
-- GPT-NeoX (Pythia): fused per-head Q/K/V, partial RoPE, a parallel block with a norm per branch
-  (or serial).
+- GPT-NeoX (Pythia): fused per-head Q/K/V, partial RoPE, parallel with a norm per branch, or serial.
 - BLOOM: ALiBi, a LayerNorm right after the embeddings, fused per-head Q/K/V.
 - Falcon: fused Q/K/V per head, multi-query, or per KV-head group (`new_decoder_architecture`);
   parallel off one or two norms, or serial; RoPE, or ALiBi before the score scale (Falcon-RW).
-- MPT: ALiBi, no biases, a fused Q/K/V; the attention settings live in a nested `attn_config`,
-  checked field by field like the top level.
+- MPT: ALiBi, no biases, a fused Q/K/V; the nested `attn_config` is checked field by field.
 - OPT: a position table that starts 2 rows in; 350m normalizes after each sublayer and embeds
   tokens narrower than the residual stream, with projections in and out.
 - Phi: attention and MLP in parallel off one norm, partial RoPE, optional LayerNorm on q and k.

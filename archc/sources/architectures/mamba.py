@@ -1,12 +1,11 @@
 """State-space models.
 
 - Mamba (Gu & Dao 2023): pre-RMSNorm blocks of one selective state-space mixer each, no attention
-  and no FFN, the head tied to the embedding. `MambaForCausalLM` keeps its blocks under
-  `backbone.`; its mixer tensors map one to one onto archc's Mamba layer.
-- Jamba: a hybrid of Mamba and attention layers, one attention layer every `attn_layer_period`
-  (at `attn_layer_offset`), the rest Mamba mixers with RMSNorm on Δ, B and C; every layer has a
-  pre-norm FFN — SwiGLU, or a top-k mixture of experts every `expert_layer_period` layers (at
-  `expert_layer_offset`) with unnormalized router weights. Attention takes no positions.
+  or FFN, a tied head; its mixer tensors map one to one onto archc's Mamba layer.
+- Jamba: Mamba layers (RMSNorm on Δ, B and C) and an attention layer, taking no positions, every
+  `attn_layer_period` (at `attn_layer_offset`); every layer has a pre-norm FFN: SwiGLU, or every
+  `expert_layer_period` (at `expert_layer_offset`) a top-k mixture of experts with unnormalized
+  router weights.
 """
 
 from __future__ import annotations
