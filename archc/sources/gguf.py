@@ -139,15 +139,13 @@ def spec_of_file(f: GGUFFile) -> Spec:
     max_seq = meta.number("context_length", 2048)
     position: dict[str, Any] = {"kind": "rope",
                                 "theta": _f32(meta.number("rope.freq_base", 10000.0, kind=float))}
-    scaling = meta.get("rope.scaling.type", "none")
+    scaling = meta.expect("rope.scaling.type", ("none", "linear", "yarn"))
     factor = meta.number("rope.scaling.factor", 1.0, kind=float)
     if scaling == "linear" and factor != 1.0:
         position["scaling"] = {"kind": "linear", "factor": factor}
     elif scaling == "yarn":
         position["scaling"] = {"kind": "yarn", "factor": factor, "original_max_seq_len":
                                meta.number("rope.scaling.original_context_length", max_seq)}
-    elif scaling not in ("none", "linear"):
-        raise meta.refuse("rope.scaling.type", scaling, "archc reads none, linear and yarn")
     if "rope_freqs.weight" in f.tensors:
         if "scaling" in position:
             raise meta.refuse("rope.scaling.type", scaling, "the file also holds per-frequency "
