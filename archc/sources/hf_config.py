@@ -47,11 +47,9 @@ COMMON_INERT = frozenset({
 
 # HF activation names (``ACT2FN``) → archc activations. gelu_new, gelu_fast and
 # gelu_pytorch_tanh are all the tanh approximation; gelu and gelu_python the exact erf form.
-ACTIVATIONS = {
-    "gelu": "gelu", "gelu_python": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
-    "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu", "silu": "silu", "swish": "silu",
-    "sigmoid": "sigmoid",
-}
+ACTIVATIONS = {"gelu": "gelu", "gelu_python": "gelu", "gelu_new": "gelu_tanh",
+               "gelu_fast": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
+               "silu": "silu", "swish": "silu", "sigmoid": "sigmoid"}
 GATED = {act: kind for kind, act in GATED_ACTIVATION.items()}   # activation → gated FFN kind
 
 # The parameters of each RoPE scaling kind that the spec takes under the same names (absent ones
