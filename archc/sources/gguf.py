@@ -153,8 +153,8 @@ def spec_of_file(f: GGUFFile) -> Spec:
         position["scaling"] = llama3_scaling(f, position["theta"], head_dim)
     ffn: dict[str, Any] = {"kind": "swiglu", "d_ff": meta.number("feed_forward_length")}
     if experts := meta.number("expert_count", 0):
-        ffn = {"kind": "moe", "d_ff": ffn["d_ff"], "moe": {
-            "experts": experts, "top_k": meta.number("expert_used_count", 2)}}
+        ffn |= {"kind": "moe", "moe": {"experts": experts,
+                                       "top_k": meta.number("expert_used_count", 2)}}
     embed_rows = f.shape("token_embd.weight")[0] if "token_embd.weight" in f.tensors else None
     data = {
         "name": spec_name(f.path.stem, str(f.fields.get("general.name") or "")),

@@ -31,14 +31,12 @@ from archc.tokenizer import load_hf_tokenizer
 ARCHITECTURES = (LLAMA, GEMMA, GPT2, GPTJ, NEOX, FALCON, BLOOM, MPT, OPT, PHI, BERT, T5, MAMBA,
                  JAMBA)
 CONFIG = "config.json"
-INDEX = "model.safetensors.index.json"
-# TensorFlow-era names, which transformers renames on load
 LEGACY = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}
 
 
 class SafetensorsFiles:
     """Tensor name → (file, stored name), shapes from the headers, tensors on demand. Names are
-    the ones transformers gives on load: `LayerNorm.gamma` is `LayerNorm.weight`."""
+    the ones transformers gives on load: TensorFlow-era `LayerNorm.gamma` is `LayerNorm.weight`."""
 
     def __init__(self, directory: Path) -> None:
         self.handles: dict[Path, Any] = {}
@@ -63,7 +61,7 @@ class SafetensorsFiles:
 
     @staticmethod
     def _list_files(directory: Path) -> list[Path]:
-        index = directory / INDEX
+        index = directory / "model.safetensors.index.json"
         if index.is_file():
             try:
                 names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"]
