@@ -20,17 +20,16 @@ from archc.spec.schema import GATED_ACTIVATION
 # training-only knobs, generation defaults, label maps of task heads archc does not run.
 COMMON_INERT = frozenset({
     "_name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
-    "auto_map", "use_cache", "initializer_range", "bos_token_id", "eos_token_id",
-    "pad_token_id", "sep_token_id", "decoder_start_token_id", "id2label", "label2id",
-    "num_labels", "problem_type", "finetuning_task", "tokenizer_class", "prefix",
-    "task_specific_params", "output_attentions", "output_hidden_states", "return_dict",
-    "torchscript", "use_return_dict", "gradient_checkpointing", "chunk_size_feed_forward",
-    "_attn_implementation", "_attn_implementation_autoset", "attn_implementation",
-    "_experts_implementation", "tie_encoder_decoder", "is_decoder", "base_model_tp_plan",
-    "base_model_pp_plan", "keys_to_ignore_at_inference", "_commit_hash", "layerdrop",
-    "is_encoder_decoder", "cross_attention_hidden_size", "tf_legacy_loss", "use_bfloat16",
-    # bookkeeping written by fine-tuning and conversion tools: special-token ids the tokenizer
-    # owns, where the weights came from
+    "auto_map", "use_cache", "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id",
+    "sep_token_id", "decoder_start_token_id", "id2label", "label2id", "num_labels", "problem_type",
+    "finetuning_task", "tokenizer_class", "prefix", "task_specific_params", "output_attentions",
+    "output_hidden_states", "return_dict", "torchscript", "use_return_dict",
+    "gradient_checkpointing", "chunk_size_feed_forward", "_attn_implementation",
+    "_attn_implementation_autoset", "attn_implementation", "_experts_implementation",
+    "tie_encoder_decoder", "is_decoder", "base_model_tp_plan", "base_model_pp_plan",
+    "keys_to_ignore_at_inference", "_commit_hash", "layerdrop", "is_encoder_decoder",
+    "cross_attention_hidden_size", "tf_legacy_loss", "use_bfloat16",
+    # bookkeeping of fine-tuning and conversion tools: token ids the tokenizer owns, weight origin
     "unk_token_id", "cls_token_id", "mask_token_id", "_model_name_or_path",
     # generation defaults (the sampler's settings, not the model's function)
     "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
