@@ -43,17 +43,15 @@ class GGUFFile:
         if not path.is_file():
             raise WeightsError(f"{path}: no such file")
         try:
-            self.reader = gguf.GGUFReader(str(path))
+            reader = gguf.GGUFReader(str(path))
         except Exception as err:  # gguf raises ValueError, struct and numpy errors
             raise WeightsError(f"{path}: not a readable GGUF file ({err}); is it truncated "
                                "or not GGUF at all?") from None
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.tensors = {t.name: t for t in reader.tensors}
         self.fields: dict[str, Any] = {}
-        for name, f in self.reader.fields.items():
-            if name.startswith("GGUF."):
-                continue
+        for name in [n for n in reader.fields if not n.startswith("GGUF.")]:
             try:
-                self.fields[name] = f.contents()
+                self.fields[name] = reader.fields[name].contents()
             except Exception as err:
                 raise WeightsError(f"{path}: metadata {name!r} cannot be read ({err})") from None
 
