@@ -154,19 +154,15 @@ def layer_pattern(kinds: Sequence[str]) -> list[str]:
     return list(kinds[:period])
 
 
-def activation(cfg: HFConfig, keys: Keys, default: str) -> str:
+def activation(cfg: HFConfig, keys: Keys, default: str, *, gated: bool = False) -> str:
+    """archc's activation for the HF one field `keys` names; `gated`: the gated FFN kind of it."""
     name = cfg.get(keys, default)
     if name not in ACTIVATIONS:
         raise cfg.refuse(keys, name, "archc's activations are " + ", ".join(sorted(ACTIVATIONS)))
-    return ACTIVATIONS[name]
-
-
-def gated_kind(cfg: HFConfig, keys: Keys = "hidden_act") -> str:
-    act = activation(cfg, keys, "silu")
-    if act not in GATED:
-        raise cfg.refuse(keys, cfg.get(keys), "a gated FFN with exact (erf) GELU has no spec "
-                         "kind; archc's GEGLU uses the tanh GELU")
-    return GATED[act]
+    if gated and ACTIVATIONS[name] not in GATED:
+        raise cfg.refuse(keys, name, "a gated FFN with exact (erf) GELU has no spec kind; "
+                         "archc's GEGLU uses the tanh GELU")
+    return GATED[ACTIVATIONS[name]] if gated else ACTIVATIONS[name]
 
 
 def rope_position(cfg: HFConfig, max_seq_len: int, *, theta_keys: Keys = "rope_theta",

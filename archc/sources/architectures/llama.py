@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from archc.sources.hf_config import Architecture, HFConfig, gated_kind, layer_pattern, rope_position
+from archc.sources.hf_config import Architecture, HFConfig, activation, layer_pattern, rope_position
 from archc.sources.tensor_map import Checkpoint, Layout, each
 
 # transformers' Llama rotates halves, never the pairs a Nanotron export may say it used, and has
@@ -52,7 +52,8 @@ def llama(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
             cfg.expect("attention_bias", (False,))
         use, first = True, 0
     slides = [use and "sliding_window" in cfg and i >= first for i in range(layers)]
-    ffn: dict[str, Any] = {"kind": gated_kind(cfg), "d_ff": cfg.number("intermediate_size"),
+    ffn: dict[str, Any] = {"kind": activation(cfg, "hidden_act", "silu", gated=True),
+                           "d_ff": cfg.number("intermediate_size"),
                            "bias": cfg.flag("mlp_bias", False) if mt == "llama" else False}
     if mt == "mixtral":
         ffn = {"kind": "moe", "d_ff": ffn["d_ff"], "moe": {
@@ -82,7 +83,7 @@ def gemma(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
                       **sliding_window(cfg, [i % 2 == 0 for i in range(layers)])}
     return {
         "d_model": cfg.number("hidden_size"), "layers": layers, "attention": attention,
-        "ffn": {"kind": gated_kind(cfg, ("hidden_activation", "hidden_act")),
+        "ffn": {"kind": activation(cfg, ("hidden_activation", "hidden_act"), "silu", gated=True),
                 "d_ff": cfg.number("intermediate_size")},
         "norm": {"kind": "rmsnorm", "eps": cfg.number("rms_norm_eps", 1e-6, kind=float),
                  "unit_offset": True, "placement": "sandwich" if gemma2 else "pre"},

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from archc.sources.hf_config import Architecture, HFConfig, gated_kind, layer_pattern
+from archc.sources.hf_config import Architecture, HFConfig, activation, layer_pattern
 from archc.sources.tensor_map import Checkpoint, Layout, TensorMap, each
 
 
@@ -64,7 +64,7 @@ def jamba(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
              "dt_rank": None if rank == "auto" else cfg.number("mamba_dt_rank")}
     cfg.expect("mamba_inner_layernorms", (True,), "transformers' Jamba normalizes Δ, B and C "
                "in every Mamba layer")   # the original code's switch
-    kind = gated_kind(cfg)
+    kind = activation(cfg, "hidden_act", "silu", gated=True)
     experts = cfg.number("num_experts", 16)
     routed = every(cfg, "expert_layer_period", "expert_layer_offset", (2, 1), layers)
     top_k = cfg.number("num_experts_per_tok", 2)
