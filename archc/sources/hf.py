@@ -175,9 +175,7 @@ def _eos_ids(directory: Path, cfg: HFConfig, tokenizer: Any) -> tuple[int, ...]:
             .get("eos_token_id")
     except (OSError, ValueError, AttributeError):   # absent or unreadable
         found = None
-    if found is None:
-        found = cfg.data.get("eos_token_id")
-    if found is None and tokenizer is not None:
-        found = list(tokenizer.eos_token_ids)
+    if found is None:   # a null field is an absent one
+        found = cfg.get("eos_token_id", list(tokenizer.eos_token_ids) if tokenizer else None)
     ids = found if isinstance(found, list) else [found]
     return tuple(int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool))

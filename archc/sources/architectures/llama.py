@@ -100,8 +100,7 @@ NAMES = {
     **each("ffn.*", "mlp.*_proj", ("gate", "up", "down")), "ffn.router": "block_sparse_moe.gate",
     "ffn.experts.gate": "block_sparse_moe.experts.{e}.w1",
     "ffn.experts.down": "block_sparse_moe.experts.{e}.w2",
-    "ffn.experts.up": "block_sparse_moe.experts.{e}.w3",
-}
+    "ffn.experts.up": "block_sparse_moe.experts.{e}.w3"}
 LLAMA = Architecture(("llama", "mistral", "qwen2", "mixtral"), llama, Layout(NAMES), only=ONLY,
                      inert=INERT, skip=SKIP)
 GEMMA = Architecture(("gemma", "gemma2"), gemma, Layout({
