@@ -170,7 +170,6 @@ def read_checkpoint(spec: Spec, ckpt: Checkpoint, layout: Layout, *, skip: Seque
                spec.family)
     tmap = TensorMap(layout, spec, ckpt, checkpoint_shapes(program))
     source, present = ckpt.source, ckpt.names
-    read: set[str] = set()
     for rule in tmap.rules:  # check everything before reading anything
         for name, shape in zip(rule.sources, rule.shapes):
             if name not in present:
@@ -179,9 +178,8 @@ def read_checkpoint(spec: Spec, ckpt: Checkpoint, layout: Layout, *, skip: Seque
             if source.shape(name) != shape:
                 raise WeightsError(f"checkpoint tensor {name!r} has shape "
                                    f"{list(source.shape(name))}, expected {list(shape)}")
-            read.add(name)
-    patterns = [re.compile(p) for p in skip]
-    skipped = sorted(n for n in present - read if any(p.fullmatch(n) for p in patterns))
+    read = {name for rule in tmap.rules for name in rule.sources}
+    skipped = sorted(n for n in present - read if any(re.fullmatch(p, n) for p in skip))
     unexpected = sorted(present - read - set(skipped))
     if unexpected:
         shown = ", ".join(f"{n!r} {list(source.shape(n))}" for n in unexpected[:3])
