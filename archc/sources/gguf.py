@@ -118,9 +118,8 @@ def spec_of_file(f: GGUFFile) -> Spec:
     if arch != ARCH:
         raise SpecError("general.architecture", f"{arch!r} is not supported: archc reads "
                         "llama-architecture GGUF files", source=str(f.path), allowed=ARCH)
-    meta = HFConfig({k[len(ARCH) + 1:]: v for k, v in f.fields.items()
-                     if k.startswith(ARCH + ".")}, str(f.path), model_type=ARCH,
-                    prefix=ARCH + ".")
+    meta = HFConfig({k.removeprefix("llama."): v for k, v in f.fields.items()
+                     if k.startswith("llama.")}, str(f.path), model_type=ARCH, prefix="llama.")
     d = meta.number("embedding_length")
     heads = meta.number("attention.head_count")
     kv = meta.get("attention.head_count_kv", heads)

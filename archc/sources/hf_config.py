@@ -72,15 +72,12 @@ class HFConfig:
         self.prefix = prefix
         self.used: set[str] = set()
 
-    def __contains__(self, key: str) -> bool:
-        return self.data.get(key) is not None
-
     def get(self, keys: Keys, default: Any = None) -> Any:
         """The first present (not null) of a field's spellings, else `default`; every spelling
         counts as read."""
         keys = [keys] if isinstance(keys, str) else list(keys)
         self.used.update(keys)
-        return next((self.data[k] for k in keys if k in self), default)
+        return next((self.data[k] for k in keys if self.data.get(k) is not None), default)
 
     def number(self, keys: Keys, default: Any = _MISSING, *, kind: type = int) -> Any:
         value = self.get(keys)
