@@ -117,8 +117,7 @@ class HFConfig:
         """Refuse the fields nothing read and no list calls inert."""
         self.expect("pruned_heads", ({},), "pruned attention heads leave layers with different "
                     "head counts")
-        unknown = sorted(k for k in self.data if k not in self.used and k not in COMMON_INERT
-                         and k not in inert)
+        unknown = sorted(set(self.data) - self.used - COMMON_INERT - set(inert))
         if unknown:
             more = f" (also: {', '.join(unknown[1:])})" if len(unknown) > 1 else ""
             raise self.error(unknown[0], f"{self.data[unknown[0]]!r} is a field archc does not "
