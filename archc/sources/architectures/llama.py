@@ -51,8 +51,7 @@ def llama(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         bias = cfg.flag("attention_bias", False) if mt == "llama" else \
             cfg.expect("attention_bias", (False,))
         use, first = True, 0
-    window = cfg.get("sliding_window") is not None
-    slides = [use and window and i >= first for i in range(layers)]
+    slides = [use and cfg.get("sliding_window") is not None and i >= first for i in range(layers)]
     ffn: dict[str, Any] = {"kind": activation(cfg, "hidden_act", "silu", gated=True),
                            "d_ff": cfg.number("intermediate_size"),
                            "bias": cfg.flag("mlp_bias", False) if mt == "llama" else False}
