@@ -186,12 +186,11 @@ def _rope_rows(t: TensorMap) -> None:
                   lambda xs, h=heads: [unpermute_rope_rows(xs[0], h)])
 
 
-GATE_UP_DOWN = ("gate", "up", "down")
 LAYOUT = Layout({
     "embed": "token_embd", "final_norm": "output_norm", "attn_norm": "attn_norm",
-    "ffn_norm": "ffn_norm", **each("attn.*", "attn_*", "qkv"), "attn.o": "attn_output",
-    **each("ffn.*", "ffn_*", GATE_UP_DOWN), "ffn.router": "ffn_gate_inp",
-    **each("ffn.experts.*", "ffn_*_exps", GATE_UP_DOWN)},
+    "ffn_norm": "ffn_norm", **each("attn.*", "attn_*", "q k v"), "attn.o": "attn_output",
+    **each("ffn.*", "ffn_*", "gate up down"), "ffn.router": "ffn_gate_inp",
+    **each("ffn.experts.*", "ffn_*_exps", "gate up down")},
     layer="blk.{i}.", head=("output",), special=_rope_rows)
 
 

@@ -10,7 +10,7 @@ outside the function archc runs (causal-mask buffers, cached RoPE frequencies, B
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -137,9 +137,9 @@ class Checkpoint:
             self.source.load(a), self.source.load(b))
 
 
-def each(mine: str, theirs: str, parts: Iterable[str]) -> dict[str, str]:
-    """Table entries for several parts alike: each("attn.*", "self_attn.*_proj", "qkv")."""
-    return {mine.replace("*", p): theirs.replace("*", p) for p in parts}
+def each(mine: str, theirs: str, parts: str) -> dict[str, str]:
+    """Table entries for several parts alike: each("attn.*", "self_attn.*_proj", "q k v")."""
+    return {mine.replace("*", p): theirs.replace("*", p) for p in parts.split()}
 
 
 @dataclass(frozen=True)

@@ -197,7 +197,7 @@ GPT2 = Architecture(("gpt2",), gpt2, Layout({
                      "reorder_and_upcast_attn", "n_ctx"}), skip=GPT_SKIP)
 GPTJ = Architecture(("gptj",), gptj, Layout({
         "embed": "wte", "final_norm": "ln_f", "attn_norm": "ln_1",
-        **each("attn.*", "attn.*_proj", "qkv"), "attn.o": "attn.out_proj",
+        **each("attn.*", "attn.*_proj", "q k v"), "attn.o": "attn.out_proj",
         "ffn.up": "mlp.fc_in", "ffn.down": "mlp.fc_out"}, layer="h.{i}."), skip=GPT_SKIP)
 NEOX = Architecture(("gpt_neox",), neox, Layout({
         "embed": "embed_in", "final_norm": "final_layer_norm", "attn_norm": "input_layernorm",
@@ -223,7 +223,7 @@ FALCON = Architecture(("falcon",), falcon, Layout({
 MPT = Architecture(("mpt",), mpt, Layout({
         "embed": "wte", "final_norm": "norm_f", "attn_norm": "norm_1", "ffn_norm": "norm_2",
         **dict.fromkeys(QKV, "attn.Wqkv"), "attn.o": "attn.out_proj",
-        **each("ffn.*", "ffn.*_proj", ("up", "down"))}, layer="blocks.{i}."),
+        **each("ffn.*", "ffn.*_proj", "up down")}, layer="blocks.{i}."),
     tied=True, only={"logit_scale": (None,),
                      "norm_type": ("low_precision_layernorm", "layernorm")},
     # training-time switches: initialisation, embedding-gradient scaling, logging, kernel choice
@@ -233,11 +233,11 @@ OPT = Architecture(("opt",), opt, Layout({
         "embed": "embed_tokens", "embed.project_in": "project_in", "pos_embed": "embed_positions",
         "head.project_out": "project_out", "final_norm": "final_layer_norm",
         "attn_norm": "self_attn_layer_norm", "ffn_norm": "final_layer_norm",
-        **each("attn.*", "self_attn.*_proj", "qkv"), "attn.o": "self_attn.out_proj",
+        **each("attn.*", "self_attn.*_proj", "q k v"), "attn.o": "self_attn.out_proj",
         "ffn.up": "fc1", "ffn.down": "fc2"}),
     tied=True, only={"layer_norm_elementwise_affine": (True,)}, inert=frozenset({"init_std"}))
 PHI = Architecture(("phi",), phi, Layout({
         "embed": "embed_tokens", "final_norm": "final_layernorm", "attn_norm": "input_layernorm",
-        **each("attn.*", "self_attn.*_proj", "qkv"), "attn.o": "self_attn.dense",
-        **each("attn.*_norm", "self_attn.*_layernorm", "qk"), "ffn.up": "mlp.fc1",
+        **each("attn.*", "self_attn.*_proj", "q k v"), "attn.o": "self_attn.dense",
+        **each("attn.*_norm", "self_attn.*_layernorm", "q k"), "ffn.up": "mlp.fc1",
         "ffn.down": "mlp.fc2"}))

@@ -96,8 +96,8 @@ def gemma(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
 
 NAMES = {
     "embed": "embed_tokens", "final_norm": "norm", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm", **each("attn.*", "self_attn.*_proj", "qkvo"),
-    **each("ffn.*", "mlp.*_proj", ("gate", "up", "down")), "ffn.router": "block_sparse_moe.gate",
+    "ffn_norm": "post_attention_layernorm", **each("attn.*", "self_attn.*_proj", "q k v o"),
+    **each("ffn.*", "mlp.*_proj", "gate up down"), "ffn.router": "block_sparse_moe.gate",
     "ffn.experts.gate": "block_sparse_moe.experts.{e}.w1",
     "ffn.experts.down": "block_sparse_moe.experts.{e}.w2",
     "ffn.experts.up": "block_sparse_moe.experts.{e}.w3"}

@@ -92,8 +92,8 @@ def mixer_names(theirs: str) -> dict[str, str]:
     """archc's Mamba layer `ssm` in transformers' mixer module `theirs` (Jamba's with Δ, B and C
     norms)."""
     return {"ssm": theirs, "ssm.conv": f"{theirs}.conv1d",
-            **each("ssm.*", f"{theirs}.*_proj", ("in", "x", "dt", "out")),
-            **each("ssm.*_norm", f"{theirs}.*_layernorm", ("dt", "b", "c"))}
+            **each("ssm.*", f"{theirs}.*_proj", "in x dt out"),
+            **each("ssm.*_norm", f"{theirs}.*_layernorm", "dt b c")}
 
 
 def depthwise_conv(t: TensorMap) -> None:
@@ -117,7 +117,6 @@ def jamba_tensors(t: TensorMap) -> None:
                   lambda xs: xs)
 
 
-GATE_UP_DOWN = ("gate", "up", "down")
 MAMBA = Architecture(("mamba",), mamba, Layout({
         "embed": "embeddings", "final_norm": "norm_f", "ssm_norm": "norm", **mixer_names("mixer")},
         special=depthwise_conv), tied=True,
@@ -132,9 +131,9 @@ MAMBA = Architecture(("mamba",), mamba, Layout({
 JAMBA = Architecture(("jamba",), jamba, Layout({
         "embed": "embed_tokens", "final_norm": "final_layernorm", "ssm_norm": "input_layernorm",
         "attn_norm": "input_layernorm", **mixer_names("mamba"),
-        **each("attn.*", "self_attn.*_proj", "qkvo"), "ffn_norm": "pre_ff_layernorm",
-        **each("ffn.*", "feed_forward.*_proj", GATE_UP_DOWN), "ffn.router": "feed_forward.router",
-        **each("ffn.experts.*", "feed_forward.experts.{e}.*_proj", GATE_UP_DOWN)},
+        **each("attn.*", "self_attn.*_proj", "q k v o"), "ffn_norm": "pre_ff_layernorm",
+        **each("ffn.*", "feed_forward.*_proj", "gate up down"), "ffn.router": "feed_forward.router",
+        **each("ffn.experts.*", "feed_forward.experts.{e}.*_proj", "gate up down")},
         special=jamba_tensors),
     # Training-only router settings, implementation choices of the Mamba scan, and which
     # positions' logits the original code returns (archc returns them all).
