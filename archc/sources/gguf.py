@@ -164,8 +164,7 @@ def spec_of_file(f: GGUFFile) -> Spec:
         "ffn": ffn, "position": position,
         "norm": {"kind": "rmsnorm",
                  "eps": _f32(meta.number("attention.layer_norm_rms_epsilon", 1e-5, kind=float))},
-        "embedding": {"tied": "output.weight" not in f.tensors},
-    }
+        "embedding": {"tied": "output.weight" not in f.tensors}}
     meta.check_all_understood()
     return from_dict(data, source=str(f.path))
 

@@ -41,8 +41,7 @@ COMMON_INERT = frozenset({
     # dropout of every spelling: inactive at inference
     "attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop",
     "classifier_dropout", "attention_probs_dropout_prob", "hidden_dropout_prob", "dropout_rate",
-    "emb_pdrop", "activation_dropout",
-})
+    "emb_pdrop", "activation_dropout"})
 
 # HF activation names (``ACT2FN``) → archc activations. gelu_new, gelu_fast and
 # gelu_pytorch_tanh are all the tanh approximation; gelu and gelu_python the exact erf form.

@@ -27,8 +27,7 @@ def bert(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
                  "eps": cfg.number("layer_norm_eps", 1e-12, kind=float)},
         "position": {"kind": "learned"},
         "embedding": {"norm": True, "token_types": cfg.number("type_vocab_size", 2)},
-        "output": {"final_norm": False},
-    }
+        "output": {"final_norm": False}}
 
 
 def t5_ffn(cfg: HFConfig) -> dict[str, Any]:
@@ -68,8 +67,7 @@ def t5(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
                      "buckets": cfg.number("relative_attention_num_buckets", 32),
                      "max_distance": cfg.number("relative_attention_max_distance", 128)},
         "embedding": {"tied": not ckpt.differ("lm_head.weight", "shared.weight")},
-        "output": {"scale": d ** -0.5 if scale else None},
-    }
+        "output": {"scale": d ** -0.5 if scale else None}}
 
 
 def t5_stack(stack: str, ffn: int) -> dict[str, Module]:

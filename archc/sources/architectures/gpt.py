@@ -31,8 +31,7 @@ def gpt2(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         "ffn": {"kind": "mlp", "bias": True, "d_ff": cfg.number("n_inner", None),
                 "activation": activation(cfg, "activation_function", "gelu_new")},
         "norm": {"kind": "layernorm", "eps": cfg.number("layer_norm_epsilon", 1e-5, kind=float)},
-        "position": {"kind": "learned"},
-    }
+        "position": {"kind": "learned"}}
 
 
 def gptj(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
@@ -46,8 +45,7 @@ def gptj(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         "norm": {"kind": "layernorm", "eps": cfg.number("layer_norm_epsilon", 1e-5, kind=float)},
         "block": {"parallel": True}, "output": {"bias": True},
         "position": {"kind": "rope", "theta": 10000.0, "interleaved": True,
-                     "fraction": cfg.number("rotary_dim", head_dim) / head_dim},
-    }
+                     "fraction": cfg.number("rotary_dim", head_dim) / head_dim}}
 
 
 def neox(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
@@ -63,8 +61,7 @@ def neox(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         **rope_position(cfg, cfg.number("max_position_embeddings", 2048),
                         theta_keys=("rotary_emb_base", "rope_theta"),
                         fraction_keys=("rotary_pct", "partial_rotary_factor"),
-                        default_fraction=0.25),
-    }
+                        default_fraction=0.25)}
 
 
 def bloom(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
@@ -74,8 +71,7 @@ def bloom(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         "attention": {"heads": cfg.number(("num_attention_heads", "n_head")), "bias": True},
         "ffn": {"kind": "mlp", "bias": True, "d_ff": 4 * d, "activation": "gelu_tanh"},
         "norm": {"kind": "layernorm", "eps": cfg.number("layer_norm_epsilon", 1e-5, kind=float)},
-        "position": {"kind": "alibi"}, "embedding": {"norm": True},
-    }
+        "position": {"kind": "alibi"}, "embedding": {"norm": True}}
 
 
 def falcon(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
@@ -109,8 +105,7 @@ def falcon(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         "ffn": {"kind": "mlp", "bias": bias, "d_ff": cfg.number("ffn_hidden_size", None),
                 "activation": activation(cfg, "activation", "gelu")},
         "norm": {"kind": "layernorm", "eps": cfg.number("layer_norm_epsilon", 1e-5, kind=float)},
-        "block": {"parallel": True, "shared_norm": norms != 2} if parallel else {}, **position,
-    }
+        "block": {"parallel": True, "shared_norm": norms != 2} if parallel else {}, **position}
 
 
 MPT_ATTENTION_ONLY = {
@@ -142,8 +137,7 @@ def mpt(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
                 "d_ff": int(cfg.number("expansion_ratio", 4, kind=float) * d)},
         "norm": {"kind": "layernorm", "bias": bias,
                  "eps": cfg.number("layer_norm_epsilon", 1e-5, kind=float)},
-        "position": {"kind": "alibi"},
-    }
+        "position": {"kind": "alibi"}}
 
 
 def opt(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
@@ -161,8 +155,7 @@ def opt(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         "norm": {"kind": "layernorm", "eps": 1e-5, "placement": "pre" if pre else "post"},
         "position": {"kind": "learned", "offset": 2},   # the table's first two rows are unused
         "embedding": {"project_dim": proj if proj != d else None},
-        "output": {"final_norm": pre and not removed},
-    }
+        "output": {"final_norm": pre and not removed}}
 
 
 def phi(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
@@ -175,8 +168,7 @@ def phi(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
                 "activation": activation(cfg, "hidden_act", "gelu_new")},
         "norm": {"kind": "layernorm", "eps": cfg.number("layer_norm_eps", 1e-5, kind=float)},
         "block": {"parallel": True}, "output": {"bias": True},
-        **rope_position(cfg, cfg.number("max_position_embeddings", 2048), default_fraction=0.5),
-    }
+        **rope_position(cfg, cfg.number("max_position_embeddings", 2048), default_fraction=0.5)}
 
 
 H_TO_4H = {"ffn.up": "mlp.dense_h_to_4h", "ffn.down": "mlp.dense_4h_to_h"}

@@ -67,8 +67,7 @@ def llama(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
                       **sliding_window(cfg, slides)},
         "ffn": ffn,
         "norm": {"kind": "rmsnorm", "eps": cfg.number("rms_norm_eps", 1e-6, kind=float)},
-        **rope_position(cfg, cfg.number("max_position_embeddings", 2048), whole_heads=True),
-    }
+        **rope_position(cfg, cfg.number("max_position_embeddings", 2048), whole_heads=True)}
 
 
 def gemma(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
@@ -90,8 +89,7 @@ def gemma(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         "embedding": {"scale": "sqrt_d_model"},
         "output": {"softcap": cfg.number("final_logit_softcapping", None, kind=float)
                    if gemma2 else None},
-        **rope_position(cfg, cfg.number("max_position_embeddings", 8192), whole_heads=True),
-    }
+        **rope_position(cfg, cfg.number("max_position_embeddings", 8192), whole_heads=True)}
 
 
 NAMES = {

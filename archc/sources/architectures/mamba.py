@@ -36,8 +36,7 @@ def mamba(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
             "bias": cfg.flag("use_bias", False),
             "dt_rank": None if rank == "auto" else cfg.number("time_step_rank")}},
         "ffn": {"kind": "none"}, "position": {"kind": "none"},
-        "norm": {"kind": "rmsnorm", "eps": cfg.number("layer_norm_epsilon", 1e-5, kind=float)},
-    }
+        "norm": {"kind": "rmsnorm", "eps": cfg.number("layer_norm_epsilon", 1e-5, kind=float)}}
 
 
 def every(cfg: HFConfig, period_key: str, offset_key: str, default: tuple[int, int],
@@ -84,8 +83,7 @@ def jamba(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         "mixer": {**mixer, "mamba": None if all(attends) else mamba},
         "attention": attention if any(attends) else None, "ffn": ffn,
         "norm": {"kind": "rmsnorm", "eps": cfg.number("rms_norm_eps", 1e-6, kind=float)},
-        "position": {"kind": "none"},
-    }
+        "position": {"kind": "none"}}
 
 
 def mixer_names(theirs: str) -> dict[str, str]:
