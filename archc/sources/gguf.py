@@ -161,9 +161,8 @@ def spec_of_file(f: GGUFFile) -> Spec:
         "d_model": d, "layers": meta.number("block_count"), "max_seq_len": max_seq, "dtype": "f32",
         "attention": {"heads": heads, "kv_heads": kv, "head_dim": head_dim, "bias": {
             p[0]: f"blk.0.attn_{p}.bias" in f.tensors for p in ("q", "k", "v", "output")}},
-        "ffn": ffn, "position": position,
-        "norm": {"kind": "rmsnorm",
-                 "eps": _f32(meta.number("attention.layer_norm_rms_epsilon", 1e-5, kind=float))},
+        "ffn": ffn, "position": position, "norm": {"kind": "rmsnorm", "eps": _f32(
+            meta.number("attention.layer_norm_rms_epsilon", 1e-5, kind=float))},
         "embedding": {"tied": "output.weight" not in f.tensors}}
     meta.check_all_understood()
     return from_dict(data, source=str(f.path))

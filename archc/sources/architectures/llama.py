@@ -64,8 +64,7 @@ def llama(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         "attention": {"heads": cfg.number("num_attention_heads"),
                       "kv_heads": cfg.number("num_key_value_heads", None),
                       "head_dim": cfg.number("head_dim", None), "bias": bias,
-                      **sliding_window(cfg, slides)},
-        "ffn": ffn,
+                      **sliding_window(cfg, slides)}, "ffn": ffn,
         "norm": {"kind": "rmsnorm", "eps": cfg.number("rms_norm_eps", 1e-6, kind=float)},
         **rope_position(cfg, cfg.number("max_position_embeddings", 2048), whole_heads=True)}
 
