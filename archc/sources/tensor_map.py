@@ -115,9 +115,8 @@ class TensorMap:
 
 
 class Checkpoint:
-    """Checkpoint tensor names, with the prefix a task class adds (``model.``, ``bert.``) read off
-    the token embedding's name (`embed`), so that base-model names resolve. No source: a config
-    without weights."""
+    """Checkpoint tensor names, with the prefix a task class adds (``model.``, ``bert.``), read off
+    the token embedding's name `embed`, that base-model names take. No source: no weights."""
 
     def __init__(self, source: TensorSource | None, embed: str = "") -> None:
         self.source = source

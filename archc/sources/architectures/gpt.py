@@ -215,8 +215,7 @@ MPT = Architecture(("mpt",), mpt, Layout({
         "embed": "wte", "final_norm": "norm_f", "attn_norm": "norm_1", "ffn_norm": "norm_2",
         **dict.fromkeys(QKV, "attn.Wqkv"), "attn.o": "attn.out_proj",
         **each("ffn.*", "ffn.*_proj", "up down")}, layer="blocks.{i}."),
-    tied=True, only={"logit_scale": (None,),
-                     "norm_type": ("low_precision_layernorm", "layernorm")},
+    tied=True, only={"logit_scale": (None,), "norm_type": ("low_precision_layernorm", "layernorm")},
     # training-time switches: initialisation, embedding-gradient scaling, logging, kernel choice
     inert=frozenset({"init_device", "embedding_fraction", "verbose", "init_config", "fc_type",
                      "ffn_config"}))
