@@ -1,12 +1,11 @@
-"""GGUF files of the llama architecture → Model: metadata → spec, tensors dequantised with the
-`gguf` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K are tested here; any other type
-its `quants` module implements is read the same way), the tokenizer and chat template stored in
-the file.
+"""GGUF files of the llama architecture → Model: metadata → spec (fields in the `llama.`
+namespace that archc does not know are refused by name, as config.json fields are), tensors
+dequantised by the `gguf` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K are tested;
+any other type its `quants` implements reads the same way), the tokenizer and chat template.
 
 llama.cpp's converter reorders the rows of each head of the Q and K projections so that its RoPE
 can rotate interleaved pairs; archc's Llama rotates halves (as the original checkpoint does), so
-the loader puts the rows back. Metadata in the `llama.` namespace that archc does not know is
-refused by name, as config.json fields are.
+the loader puts the rows back.
 """
 
 from __future__ import annotations
@@ -23,14 +22,7 @@ from archc.errors import ArchcError, SpecError, WeightsError
 from archc.ir.paramexpr import rope_inv_freq
 from archc.model import Model, Progress
 from archc.sources.hf_config import HFConfig, spec_name
-from archc.sources.tensor_map import (
-    Checkpoint,
-    Layout,
-    TensorMap,
-    checkpoint_name,
-    each,
-    read_checkpoint,
-)
+from archc.sources.tensor_map import Checkpoint, Layout, TensorMap, each, read_checkpoint
 from archc.spec import from_dict
 from archc.spec.schema import Spec
 from archc.tokenizer import from_gguf_vocab
@@ -38,51 +30,40 @@ from archc.tokenizer import from_gguf_vocab
 ARCH = "llama"
 
 
-def _gguf() -> Any:
-    try:
-        import gguf
-    except ImportError:  # pragma: no cover - an optional dependency
-        raise ArchcError("reading GGUF files needs the `gguf` package "
-                         "(pip install 'archc[gguf]')") from None
-    return gguf
-
-
 class GGUFFile:
     """Metadata fields and tensors of one GGUF file."""
 
     def __init__(self, path: Path) -> None:
-        gguf = _gguf()
-        self.path = path
+        try:
+            import gguf
+        except ImportError:  # pragma: no cover - an optional dependency
+            raise ArchcError("reading GGUF files needs the `gguf` package "
+                             "(pip install 'archc[gguf]')") from None
+        self.path, self.dequantize = path, gguf.quants.dequantize
         if not path.is_file():
             raise WeightsError(f"{path}: no such file")
         try:
-            self.reader = gguf.GGUFReader(str(path))
+            reader = gguf.GGUFReader(str(path))
         except Exception as err:  # gguf raises ValueError, struct and numpy errors
             raise WeightsError(f"{path}: not a readable GGUF file ({err}); is it truncated "
                                "or not GGUF at all?") from None
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.tensors = {t.name: t for t in reader.tensors}
         self.fields: dict[str, Any] = {}
-        for name, f in self.reader.fields.items():
-            if name.startswith("GGUF."):
-                continue
+        for name in [n for n in reader.fields if not n.startswith("GGUF.")]:
             try:
-                self.fields[name] = f.contents()
+                self.fields[name] = reader.fields[name].contents()
             except Exception as err:
                 raise WeightsError(f"{path}: metadata {name!r} cannot be read ({err})") from None
-
-    def names(self) -> list[str]:
-        return list(self.tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """[out, in] as torch orders it (GGUF lists dims innermost first)."""
         return tuple(int(d) for d in reversed(self.tensors[name].shape))
 
     def load(self, name: str) -> torch.Tensor:
-        gguf = _gguf()
         t = self.tensors[name]
         kind = t.tensor_type.name
         try:
-            values = gguf.quants.dequantize(t.data, t.tensor_type)
+            values = self.dequantize(t.data, t.tensor_type)
         except NotImplementedError:
             raise WeightsError(f"tensor {name!r} is stored as {kind}, which the gguf package "
                                f"cannot dequantise") from None
@@ -117,24 +98,19 @@ def llama3_scaling(f: GGUFFile, theta: float, rotary_dim: int) -> dict[str, Any]
     base = rope_inv_freq(rotary_dim, theta).double()
     factor = float(factors.max())
     medium = (factors > 1.0 + 1e-6) & (factors < factor * (1 - 1e-6))
-    if factor <= 1.0 + 1e-6 or int(medium.sum()) < 2:
-        raise SpecError(where, "per-frequency RoPE factors that are not Llama 3's scaling "
-                        "(it needs factors > 1 and at least two blended frequencies)",
-                        source=str(f.path))
-    inv_wavelen = base[medium] / (2 * math.pi)
-    blend = (1 / factors[medium] - 1 / factor) / (1 - 1 / factor)
-    design = torch.stack([inv_wavelen, torch.ones_like(inv_wavelen)], dim=1)
-    slope, intercept = (float(v) for v in torch.linalg.lstsq(design, blend[:, None]).solution)
-    params: dict[str, Any] = {"kind": "llama3", "factor": _f32(factor)}
-    if intercept < 0 and slope > 0:
-        params.update(original_max_seq_len=round(-slope / intercept), low_freq_factor=1.0,
-                      high_freq_factor=_f32(1.0 - 1.0 / intercept))
-        got = rope_inv_freq(rotary_dim, theta, **{k: v for k, v in params.items()
-                                                  if k != "kind"}, kind="llama3").double()
-        if torch.allclose(got, (base / factors).float().double(), rtol=1e-5, atol=0.0):
-            return params
-    raise SpecError(where, "per-frequency RoPE factors that do not follow Llama 3's scaling "
-                    "rule", source=str(f.path))
+    if factor > 1.0 + 1e-6 and int(medium.sum()) >= 2:
+        inv_wavelen = base[medium] / (2 * math.pi)
+        blend = (1 / factors[medium] - 1 / factor) / (1 - 1 / factor)
+        design = torch.stack([inv_wavelen, torch.ones_like(inv_wavelen)], dim=1)
+        slope, intercept = (float(v) for v in torch.linalg.lstsq(design, blend[:, None]).solution)
+        if intercept < 0 and slope > 0:
+            params = {"factor": _f32(factor), "original_max_seq_len": round(-slope / intercept),
+                      "low_freq_factor": 1.0, "high_freq_factor": _f32(1.0 - 1.0 / intercept)}
+            got = rope_inv_freq(rotary_dim, theta, **params, kind="llama3").double()
+            if torch.allclose(got, (base / factors).float().double(), rtol=1e-5, atol=0.0):
+                return {"kind": "llama3", **params}
+    raise SpecError(where, "per-frequency RoPE factors that do not follow Llama 3's scaling rule "
+                    "(factors > 1, at least two of them blended)", source=str(f.path))
 
 
 def spec_of_file(f: GGUFFile) -> Spec:
@@ -142,9 +118,8 @@ def spec_of_file(f: GGUFFile) -> Spec:
     if arch != ARCH:
         raise SpecError("general.architecture", f"{arch!r} is not supported: archc reads "
                         "llama-architecture GGUF files", source=str(f.path), allowed=ARCH)
-    meta = HFConfig({k[len(ARCH) + 1:]: v for k, v in f.fields.items()
-                     if k.startswith(ARCH + ".")}, str(f.path), model_type=ARCH,
-                    prefix=ARCH + ".")
+    meta = HFConfig({k.removeprefix("llama."): v for k, v in f.fields.items()
+                     if k.startswith("llama.")}, str(f.path), model_type=ARCH, prefix="llama.")
     d = meta.number("embedding_length")
     heads = meta.number("attention.head_count")
     kv = meta.get("attention.head_count_kv", heads)
@@ -154,33 +129,29 @@ def spec_of_file(f: GGUFFile) -> Spec:
                               "number of KV heads")
         kv = kv[0]
     head_dim = meta.number("attention.key_length", d // heads)
-    if (value_dim := meta.number("attention.value_length", head_dim)) != head_dim:
-        raise meta.refuse("attention.value_length", value_dim, f"keys and values of different "
-                          f"widths ({head_dim})")
-    if (rotary := meta.number("rope.dimension_count", head_dim)) != head_dim:
-        raise meta.refuse("rope.dimension_count", rotary, f"llama rotates the whole head "
-                          f"({head_dim} dims)")
+    meta.expect("attention.value_length", (head_dim,), f"keys and values of different widths "
+                f"({head_dim})")
+    meta.expect("rope.dimension_count", (head_dim,), f"llama rotates the whole head ({head_dim} "
+                "dims)")
     max_seq = meta.number("context_length", 2048)
     position: dict[str, Any] = {"kind": "rope",
                                 "theta": _f32(meta.number("rope.freq_base", 10000.0, kind=float))}
-    scaling = meta.get("rope.scaling.type", "none")
+    scaling = meta.expect("rope.scaling.type", ("none", "linear", "yarn"))
     factor = meta.number("rope.scaling.factor", 1.0, kind=float)
     if scaling == "linear" and factor != 1.0:
         position["scaling"] = {"kind": "linear", "factor": factor}
     elif scaling == "yarn":
         position["scaling"] = {"kind": "yarn", "factor": factor, "original_max_seq_len":
                                meta.number("rope.scaling.original_context_length", max_seq)}
-    elif scaling not in ("none", "linear"):
-        raise meta.refuse("rope.scaling.type", scaling, "archc reads none, linear and yarn")
     if "rope_freqs.weight" in f.tensors:
         if "scaling" in position:
             raise meta.refuse("rope.scaling.type", scaling, "the file also holds per-frequency "
                               "factors (rope_freqs.weight): one scaling at a time")
-        position["scaling"] = llama3_scaling(f, position["theta"], rotary)
+        position["scaling"] = llama3_scaling(f, position["theta"], head_dim)
     ffn: dict[str, Any] = {"kind": "swiglu", "d_ff": meta.number("feed_forward_length")}
     if experts := meta.number("expert_count", 0):
-        ffn = {"kind": "moe", "d_ff": ffn["d_ff"], "moe": {
-            "experts": experts, "top_k": meta.number("expert_used_count", 2)}}
+        ffn |= {"kind": "moe", "moe": {"experts": experts,
+                                       "top_k": meta.number("expert_used_count", 2)}}
     embed_rows = f.shape("token_embd.weight")[0] if "token_embd.weight" in f.tensors else None
     data = {
         "name": spec_name(f.path.stem, str(f.fields.get("general.name") or "")),
@@ -189,13 +160,10 @@ def spec_of_file(f: GGUFFile) -> Spec:
             f.fields.get("tokenizer.ggml.tokens", []))),
         "d_model": d, "layers": meta.number("block_count"), "max_seq_len": max_seq, "dtype": "f32",
         "attention": {"heads": heads, "kv_heads": kv, "head_dim": head_dim, "bias": {
-            p: f"blk.0.attn_{n}.bias" in f.tensors
-            for p, n in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))}},
-        "ffn": ffn, "position": position,
-        "norm": {"kind": "rmsnorm",
-                 "eps": _f32(meta.number("attention.layer_norm_rms_epsilon", 1e-5, kind=float))},
-        "embedding": {"tied": "output.weight" not in f.tensors},
-    }
+            p[0]: f"blk.0.attn_{p}.bias" in f.tensors for p in ("q", "k", "v", "output")}},
+        "ffn": ffn, "position": position, "norm": {"kind": "rmsnorm", "eps": _f32(
+            meta.number("attention.layer_norm_rms_epsilon", 1e-5, kind=float))},
+        "embedding": {"tied": "output.weight" not in f.tensors}}
     meta.check_all_understood()
     return from_dict(data, source=str(f.path))
 
@@ -207,50 +175,41 @@ def unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
-def _rope_rows(layout: Layout, s: Spec, t: TensorMap, ckpt: Checkpoint) -> None:
+def _rope_rows(t: TensorMap) -> None:
     """Q and K, weights and biases, with their rows put back in half-split order."""
     for target in t.want:
         if m := re.fullmatch(r"layers\.\d+\.attn\.([qk])\.(weight|bias)", target):
-            heads = s.attention.heads if m[1] == "q" else s.attention.kv_heads
-            t.add([checkpoint_name(layout, s, ckpt, target)], [t.want[target]], [target],
+            heads = t.spec.attention.heads if m[1] == "q" else t.spec.attention.kv_heads
+            t.add([t.name(target)], [t.want[target]], [target],
                   lambda xs, h=heads: [unpermute_rope_rows(xs[0], h)])
 
 
-GATE_UP_DOWN = ("gate", "up", "down")
 LAYOUT = Layout({
     "embed": "token_embd", "final_norm": "output_norm", "attn_norm": "attn_norm",
-    "ffn_norm": "ffn_norm", **each("attn.*", "attn_*", "qkv"), "attn.o": "attn_output",
-    **each("ffn.*", "ffn_*", GATE_UP_DOWN), "ffn.router": "ffn_gate_inp",
-    **each("ffn.experts.*", "ffn_*_exps", GATE_UP_DOWN)},
+    "ffn_norm": "ffn_norm", **each("attn.*", "attn_*", "q k v"), "attn.o": "attn_output",
+    **each("ffn.*", "ffn_*", "gate up down"), "ffn.router": "ffn_gate_inp",
+    **each("ffn.experts.*", "ffn_*_exps", "gate up down")},
     layer="blk.{i}.", head=("output",), special=_rope_rows)
 
 
 def load_gguf(path: Path, *, progress: Progress | None = None, dtype: str | None = None) -> Model:
-    """The model of a GGUF file, its tensors dequantised to f32 (or `dtype`, one at a time)."""
+    """The model of a GGUF file, its tensors dequantised to f32 (or `dtype`, one at a time), with
+    the tokenizer its `tokenizer.ggml.*` metadata stores, if any."""
     f = GGUFFile(path)
     spec = spec_of_file(f)
     # rope_freqs.weight, when there, was read into the spec's RoPE scaling
     weights, _ = read_checkpoint(spec, Checkpoint(f), LAYOUT, skip=(r"rope_freqs\.weight",),
                                  progress=progress, dtype=dtype)
-    tokenizer = gguf_tokenizer(f)
+    tok = {k.removeprefix("tokenizer.ggml."): v for k, v in f.fields.items()}
+    eos = [tok[k] for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+           if isinstance(tok.get(k), int)]
+    tokenizer = from_gguf_vocab(
+        model=str(tok.get("model", "gpt2")), tokens=tok["tokens"],
+        token_types=tok.get("token_type"), merges=tok.get("merges"), scores=tok.get("scores"),
+        pre=tok.get("pre"), bos_id=tok.get("bos_token_id"), eos_ids=list(dict.fromkeys(eos)),
+        add_bos=tok.get("add_bos_token"), add_space_prefix=tok.get("add_space_prefix"),
+        chat_template=tok.get("tokenizer.chat_template"), source=str(path),
+    ) if tok.get("tokens") else None
     return Model(spec, weights, tokenizer=tokenizer,
                  chat_template=tokenizer.chat_template if tokenizer else None,
                  source=str(path), eos_token_ids=tokenizer.eos_token_ids if tokenizer else ())
-
-
-def gguf_tokenizer(f: GGUFFile) -> Any:
-    """The tokenizer stored in the file's `tokenizer.ggml.*` metadata (None if it has none)."""
-    fields = f.fields
-    tokens = fields.get("tokenizer.ggml.tokens")
-    if not tokens:
-        return None
-    eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                               "tokenizer.ggml.eom_token_id") if isinstance(fields.get(k), int)]
-    return from_gguf_vocab(
-        model=str(fields.get("tokenizer.ggml.model", "gpt2")), tokens=tokens,
-        token_types=fields.get("tokenizer.ggml.token_type"),
-        merges=fields.get("tokenizer.ggml.merges"), scores=fields.get("tokenizer.ggml.scores"),
-        pre=fields.get("tokenizer.ggml.pre"), bos_id=fields.get("tokenizer.ggml.bos_token_id"),
-        eos_ids=list(dict.fromkeys(eos)), add_bos=fields.get("tokenizer.ggml.add_bos_token"),
-        add_space_prefix=fields.get("tokenizer.ggml.add_space_prefix"),
-        chat_template=fields.get("tokenizer.chat_template"), source=str(f.path))

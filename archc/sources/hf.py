@@ -1,9 +1,10 @@
 """Hugging Face directories: ``config.json`` + ``*.safetensors`` (+ ``tokenizer.json``) → Model.
 
-The config becomes a spec through ``archc.spec.from_dict``, so it meets the same validation as a
-YAML spec; every config field is either honoured, known not to matter, or refused by name. The
-checkpoint's tensors are mapped to archc's parameter names with shape checks (see
-``tensor_map``). ``hf_spec`` stops after the spec, for ``archc export-spec``.
+The config becomes a spec through ``archc.spec.from_dict``, meeting the validation a YAML spec
+meets; every config field is honoured, known not to matter, or refused by name. The tensors, read
+lazily from one file or the shards ``model.safetensors.index.json`` lists, map to archc's names
+with shape checks (``tensor_map``). A ``pytorch_model.bin`` is a pickle, and unpickling runs code
+from the file, so archc refuses it, saying how to convert it.
 """
 
 from __future__ import annotations
@@ -12,18 +13,85 @@ import json
 from pathlib import Path
 from typing import Any
 
-from archc.errors import SpecError
+import torch
+from safetensors import safe_open
+
+from archc.errors import SpecError, WeightsError
 from archc.model import Model, Progress
-from archc.sources.architectures import ARCHITECTURES
-from archc.sources.architectures.base import Architecture, spec_data
-from archc.sources.hf_config import HFConfig, spec_name
-from archc.sources.safetensors_files import SafetensorsFiles
+from archc.sources.architectures.encoders import BERT, T5
+from archc.sources.architectures.gpt import BLOOM, FALCON, GPT2, GPTJ, MPT, NEOX, OPT, PHI
+from archc.sources.architectures.llama import GEMMA, LLAMA
+from archc.sources.architectures.mamba import JAMBA, MAMBA
+from archc.sources.hf_config import Architecture, HFConfig, spec_name
 from archc.sources.tensor_map import Checkpoint, read_checkpoint
 from archc.spec import from_dict
 from archc.spec.schema import Spec
 from archc.tokenizer import load_hf_tokenizer
 
+ARCHITECTURES = (LLAMA, GEMMA, GPT2, GPTJ, NEOX, FALCON, BLOOM, MPT, OPT, PHI, BERT, T5, MAMBA,
+                 JAMBA)
 CONFIG = "config.json"
+LEGACY = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}
+
+
+class SafetensorsFiles:
+    """Tensor name → (file, stored name), shapes from the headers, tensors on demand. Names are
+    the ones transformers gives on load: TensorFlow-era `LayerNorm.gamma` is `LayerNorm.weight`."""
+
+    def __init__(self, directory: Path) -> None:
+        self.handles: dict[Path, Any] = {}
+        stored: dict[str, Path] = {}
+        for path in self._list_files(directory):
+            try:
+                self.handles[path] = safe_open(str(path), framework="pt")
+            except Exception as err:  # safetensors raises its own error types
+                raise WeightsError(f"{path}: not a readable safetensors file "
+                                   f"({str(err).strip() or type(err).__name__}); "
+                                   "is it truncated or still downloading?") from None
+            names = self.handles[path].keys()   # a safe_open handle is not a mapping
+            for name in names:
+                if name in stored:
+                    raise WeightsError(f"checkpoint tensor {name!r} is in both "
+                                       f"{stored[name].name} and {path.name}")
+                stored[name] = path
+        self.tensors: dict[str, tuple[Path, str]] = {}
+        for name, path in stored.items():
+            new = next((name[: -len(o)] + n for o, n in LEGACY.items() if name.endswith(o)), name)
+            self.tensors[name if new in stored else new] = (path, name)
+
+    @staticmethod
+    def _list_files(directory: Path) -> list[Path]:
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                                   .values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+                raise WeightsError(f"{index}: not a readable shard index ({err})") from None
+            for name in names:
+                if not (directory / name).is_file():
+                    raise WeightsError(f"{index} lists {name}, which is not in {directory}")
+            return [directory / n for n in names]
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            pickles = sorted(p.name for g in ("*.bin", "*.pt") for p in directory.glob(g))
+            hint = (f"; {', '.join(pickles)} is a pickle, which archc never loads — convert it "
+                    "with `save_pretrained(..., safe_serialization=True)`" if pickles else "")
+            raise WeightsError(f"{directory} has no *.safetensors weights{hint}")
+        return files
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        path, stored = self.tensors[name]
+        return tuple(self.handles[path].get_slice(stored).get_shape())
+
+    def load(self, name: str) -> torch.Tensor:
+        path, stored = self.tensors[name]
+        try:
+            return self.handles[path].get_tensor(stored)
+        except Exception as err:
+            raise WeightsError(f"{path}: cannot read tensor {stored!r} "
+                               f"({str(err).strip() or type(err).__name__}); "
+                               "is the file truncated?") from None
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -48,33 +116,47 @@ def read_config(directory: Path) -> HFConfig:
     return HFConfig(data, str(path))
 
 
+def _given(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: _given(v) if isinstance(v, dict) else v for k, v in data.items() if v is not None}
+
+
 def _read(directory: Path, weights: bool) -> tuple[HFConfig, Architecture, Checkpoint, Spec]:
-    """The config, architecture, checkpoint (without weights: none) and spec of a directory."""
+    """The config, architecture, checkpoint (without weights: none) and spec of a directory.
+    The head is tied as transformers decides: by the config's `tie_word_embeddings`, unless the
+    checkpoint holds a head that differs from the embedding (then the stored head is used)."""
     cfg = read_config(directory)
     arch = next((a for a in ARCHITECTURES if cfg.model_type in a.model_types), None)
     if arch is None:
         shown = f"{cfg.model_type!r} is not supported" if cfg.model_type else "missing"
         raise SpecError("model_type", shown, source=cfg.source, allowed=", ".join(
             sorted(t for a in ARCHITECTURES for t in a.model_types)))
-    ckpt = Checkpoint(SafetensorsFiles(directory) if weights else None, arch.prefixes)
-    data = spec_data(arch, cfg, ckpt)
+    embed = arch.layout.names["embed"]
+    ckpt = Checkpoint(SafetensorsFiles(directory) if weights else None, embed)
+    for key, allowed in arch.only.items():
+        cfg.expect(key, allowed)
+    dtype = str(cfg.get(("dtype", "torch_dtype")))
+    data = {"name": spec_name(str(cfg.data.get("_name_or_path") or ""), directory.resolve().name),
+            "description": f"{cfg.model_type} from {directory}",
+            "vocab_size": cfg.number("vocab_size"),
+            "dtype": {"float16": "f16", "bfloat16": "bf16"}.get(dtype, "f32"),
+            **arch.spec(cfg, ckpt)}
+    if arch.tied is not None:
+        head = f"{arch.layout.head_name(ckpt)}.weight"
+        tied = cfg.flag("tie_word_embeddings", arch.tied) and not ckpt.differ(
+            head, ckpt(f"{embed}.weight"))
+        data.setdefault("embedding", {})["tied"] = tied
     cfg.check_all_understood(arch.inert)
-    name = spec_name(str(cfg.data.get("_name_or_path") or ""), directory.resolve().name)
-    spec = from_dict({"name": name, "description": f"{cfg.model_type} from {directory}", **data},
-                     source=cfg.source)
-    return cfg, arch, ckpt, spec
+    return cfg, arch, ckpt, from_dict(_given(data), source=cfg.source)
 
 
 def hf_spec(directory: Path) -> Spec:
-    """The spec of an HF directory (its safetensors headers are read, if present, to see
-    whether the head is tied)."""
+    """The spec of an HF directory (safetensors headers, if any, say if the head is tied)."""
     return _read(directory, any(directory.glob("*.safetensors")))[3]
 
 
 def load_hf(directory: Path, *, progress: Progress | None = None,
             dtype: str | None = None) -> Model:
-    """An HF directory → archc Model with its weights (in their stored dtype, or `dtype`),
-    tokenizer and EOS ids."""
+    """An HF directory's Model: weights (in their stored dtype, or `dtype`), tokenizer, EOS ids."""
     cfg, arch, ckpt, spec = _read(directory, True)
     weights, skipped = read_checkpoint(spec, ckpt, arch.layout, skip=arch.skip,
                                        progress=progress, dtype=dtype)
@@ -93,9 +175,7 @@ def _eos_ids(directory: Path, cfg: HFConfig, tokenizer: Any) -> tuple[int, ...]:
             .get("eos_token_id")
     except (OSError, ValueError, AttributeError):   # absent or unreadable
         found = None
-    if found is None:
-        found = cfg.data.get("eos_token_id")
-    if found is None and tokenizer is not None:
-        found = list(tokenizer.eos_token_ids)
+    if found is None:   # a null field is an absent one
+        found = cfg.get("eos_token_id", list(tokenizer.eos_token_ids) if tokenizer else None)
     ids = found if isinstance(found, list) else [found]
     return tuple(int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool))

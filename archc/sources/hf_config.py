@@ -1,38 +1,35 @@
-"""Reading a Hugging Face ``config.json`` so that no field goes unnoticed.
-
-Every field an architecture reads is recorded. What is left when it is done must be on a list of
-fields known not to change the function (dropout rates, initializer ranges, generation
-defaults...); anything else is refused by name, so a model never runs with a setting archc did not
-understand. The helpers here translate the settings several model types share: activations and
-RoPE (``rope_parameters`` of transformers 5 and the older ``rope_theta``/``rope_scaling``).
+"""Reading a Hugging Face ``config.json`` so that no field goes unnoticed: the fields left unread
+must be known not to change the function (dropout rates, generation defaults...), or they are
+refused by name. The helpers translate what several model types share: activations, RoPE
+(transformers 5's ``rope_parameters``, the older ``rope_theta``/``rope_scaling``), layer patterns.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from archc.errors import SpecError
+from archc.sources.tensor_map import Checkpoint, Layout
 from archc.spec.schema import GATED_ACTIVATION
 
 # Fields of every transformers config that do not change what the network computes: bookkeeping,
 # training-only knobs, generation defaults, label maps of task heads archc does not run.
 COMMON_INERT = frozenset({
     "_name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
-    "auto_map", "use_cache", "initializer_range", "bos_token_id", "eos_token_id",
-    "pad_token_id", "sep_token_id", "decoder_start_token_id", "id2label", "label2id",
-    "num_labels", "problem_type", "finetuning_task", "tokenizer_class", "prefix",
-    "task_specific_params", "output_attentions", "output_hidden_states", "return_dict",
-    "torchscript", "use_return_dict", "gradient_checkpointing", "chunk_size_feed_forward",
-    "_attn_implementation", "_attn_implementation_autoset", "attn_implementation",
-    "_experts_implementation", "tie_encoder_decoder", "is_decoder", "base_model_tp_plan",
-    "base_model_pp_plan", "keys_to_ignore_at_inference", "_commit_hash", "layerdrop",
-    "is_encoder_decoder", "cross_attention_hidden_size", "tf_legacy_loss", "use_bfloat16",
-    "pruned_heads",  # checked to be empty below
-    # bookkeeping written by fine-tuning and conversion tools: special-token ids the tokenizer
-    # owns, where the weights came from
+    "auto_map", "use_cache", "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id",
+    "sep_token_id", "decoder_start_token_id", "id2label", "label2id", "num_labels", "problem_type",
+    "finetuning_task", "tokenizer_class", "prefix", "task_specific_params", "output_attentions",
+    "output_hidden_states", "return_dict", "torchscript", "use_return_dict",
+    "gradient_checkpointing", "chunk_size_feed_forward", "_attn_implementation",
+    "_attn_implementation_autoset", "attn_implementation", "_experts_implementation",
+    "tie_encoder_decoder", "is_decoder", "base_model_tp_plan", "base_model_pp_plan",
+    "keys_to_ignore_at_inference", "_commit_hash", "layerdrop", "is_encoder_decoder",
+    "cross_attention_hidden_size", "tf_legacy_loss", "use_bfloat16",
+    # bookkeeping of fine-tuning and conversion tools: token ids the tokenizer owns, weight origin
     "unk_token_id", "cls_token_id", "mask_token_id", "_model_name_or_path",
     # generation defaults (the sampler's settings, not the model's function)
     "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
@@ -44,16 +41,13 @@ COMMON_INERT = frozenset({
     # dropout of every spelling: inactive at inference
     "attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop",
     "classifier_dropout", "attention_probs_dropout_prob", "hidden_dropout_prob", "dropout_rate",
-    "emb_pdrop", "activation_dropout",
-})
+    "emb_pdrop", "activation_dropout"})
 
 # HF activation names (``ACT2FN``) → archc activations. gelu_new, gelu_fast and
 # gelu_pytorch_tanh are all the tanh approximation; gelu and gelu_python the exact erf form.
-ACTIVATIONS = {
-    "gelu": "gelu", "gelu_python": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
-    "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu", "silu": "silu", "swish": "silu",
-    "sigmoid": "sigmoid",
-}
+ACTIVATIONS = {"gelu": "gelu", "gelu_python": "gelu", "gelu_new": "gelu_tanh",
+               "gelu_fast": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
+               "silu": "silu", "swish": "silu", "sigmoid": "sigmoid"}
 GATED = {act: kind for kind, act in GATED_ACTIVATION.items()}   # activation → gated FFN kind
 
 # The parameters of each RoPE scaling kind that the spec takes under the same names (absent ones
@@ -77,15 +71,12 @@ class HFConfig:
         self.prefix = prefix
         self.used: set[str] = set()
 
-    def __contains__(self, key: str) -> bool:
-        return self.data.get(key) is not None
-
     def get(self, keys: Keys, default: Any = None) -> Any:
         """The first present (not null) of a field's spellings, else `default`; every spelling
         counts as read."""
         keys = [keys] if isinstance(keys, str) else list(keys)
         self.used.update(keys)
-        return next((self.data[k] for k in keys if k in self), default)
+        return next((self.data[k] for k in keys if self.data.get(k) is not None), default)
 
     def number(self, keys: Keys, default: Any = _MISSING, *, kind: type = int) -> Any:
         value = self.get(keys)
@@ -104,11 +95,11 @@ class HFConfig:
             raise self.error(key, f"{value!r} is not true/false")
         return value
 
-    def expect(self, key: str, allowed: Sequence[Any]) -> Any:
+    def expect(self, key: str, allowed: Sequence[Any], why: str | None = None) -> Any:
         """A field whose only values archc can honour are `allowed` (absent: the first)."""
         value = self.get(key, allowed[0])
         if value not in allowed:
-            raise self.refuse(key, value, "archc implements only "
+            raise self.refuse(key, value, why or "archc implements only "
                               + ", ".join(repr(a) for a in allowed))
         return value
 
@@ -118,17 +109,14 @@ class HFConfig:
         return SpecError(self.prefix + key, problem, source=self.source, allowed=allowed)
 
     def refuse(self, key: Keys, value: Any, why: str) -> SpecError:
-        """A field whose value archc cannot honour."""
         return self.error(key, f"{value!r} cannot be honoured for model_type "
                           f"{self.model_type!r}: {why}")
 
     def check_all_understood(self, inert: Collection[str] = ()) -> None:
         """Refuse the fields nothing read and no list calls inert."""
-        if self.data.get("pruned_heads"):
-            raise self.refuse("pruned_heads", self.data["pruned_heads"], "pruned attention "
-                              "heads leave layers with different head counts")
-        unknown = sorted(k for k in self.data if k not in self.used and k not in COMMON_INERT
-                         and k not in inert)
+        self.expect("pruned_heads", ({},), "pruned attention heads leave layers with different "
+                    "head counts")
+        unknown = sorted(set(self.data) - self.used - COMMON_INERT - set(inert))
         if unknown:
             more = f" (also: {', '.join(unknown[1:])})" if len(unknown) > 1 else ""
             raise self.error(unknown[0], f"{self.data[unknown[0]]!r} is a field archc does not "
@@ -137,11 +125,39 @@ class HFConfig:
                              allowed="remove the field if it does not change the model")
 
 
-def activation(cfg: HFConfig, keys: Keys, default: str) -> str:
+@dataclass(frozen=True)
+class Architecture:
+    """How a model type's config becomes a spec, where its checkpoint keeps each archc tensor,
+    which config fields do not matter and which checkpoint tensors lie outside the function."""
+
+    model_types: tuple[str, ...]
+    # config (and checkpoint) → spec sections; a None value is a field left to its default
+    spec: Callable[[HFConfig, Checkpoint], dict[str, Any]]
+    layout: Layout
+    tied: bool | None = False       # tie_word_embeddings' default; None: `spec` decides
+    # config fields with the only values archc honours (absent: the first)
+    only: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    inert: frozenset[str] = frozenset()   # config fields known not to change the function
+    skip: tuple[str, ...] = ()            # checkpoint tensors outside the function (regexes)
+
+
+def layer_pattern(kinds: Sequence[str]) -> list[str]:
+    """The shortest prefix of per-layer kinds that repeats to all of them (spec's
+    `attention.pattern` repeats over the layers)."""
+    n = len(kinds)
+    period = next(p for p in range(1, n + 1) if all(kinds[i] == kinds[i % p] for i in range(n)))
+    return list(kinds[:period])
+
+
+def activation(cfg: HFConfig, keys: Keys, default: str, *, gated: bool = False) -> str:
+    """archc's activation for the HF one field `keys` names; `gated`: the gated FFN kind of it."""
     name = cfg.get(keys, default)
     if name not in ACTIVATIONS:
         raise cfg.refuse(keys, name, "archc's activations are " + ", ".join(sorted(ACTIVATIONS)))
-    return ACTIVATIONS[name]
+    if gated and ACTIVATIONS[name] not in GATED:
+        raise cfg.refuse(keys, name, "a gated FFN with exact (erf) GELU has no spec kind; "
+                         "archc's GEGLU uses the tanh GELU")
+    return GATED[ACTIVATIONS[name]] if gated else ACTIVATIONS[name]
 
 
 def rope_position(cfg: HFConfig, max_seq_len: int, *, theta_keys: Keys = "rope_theta",
@@ -150,13 +166,11 @@ def rope_position(cfg: HFConfig, max_seq_len: int, *, theta_keys: Keys = "rope_t
     """The spec's `position` and `max_seq_len` for a RoPE model, from `rope_parameters`
     (transformers 5) over `rope_theta` + `rope_scaling` + a partial-rotary field (transformers 4).
     `whole_heads`: the model type rotates whole heads, so a partial factor is refused."""
-    params = cfg.get("rope_parameters") or {}
-    if not isinstance(params, Mapping) or any(isinstance(v, Mapping) for v in params.values()):
-        raise cfg.refuse("rope_parameters", params, "a mapping of one RoPE setting is expected "
-                         "(per-layer-type RoPE is not supported)")
-    scaling = cfg.get("rope_scaling") or {}
-    if not isinstance(scaling, Mapping):
-        raise cfg.refuse("rope_scaling", scaling, "a mapping is expected")
+    params, scaling = cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}
+    for key, given in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(given, Mapping) or any(isinstance(v, Mapping) for v in given.values()):
+            raise cfg.refuse(key, given, "a mapping of one RoPE setting is expected "
+                             "(per-layer-type RoPE is not supported)")
     where = "rope_parameters" if params else "rope_scaling"
     rope = {"rope_theta": cfg.get(theta_keys, 10000.0),
             "partial_rotary_factor": cfg.get(fraction_keys, default_fraction)}
@@ -168,7 +182,7 @@ def rope_position(cfg: HFConfig, max_seq_len: int, *, theta_keys: Keys = "rope_t
                          f"{cfg.model_type} rotates whole heads")
     out: dict[str, Any] = {"max_seq_len": max_seq_len, "position": {
         "kind": "rope", "theta": float(rope.pop("rope_theta")), "fraction": fraction}}
-    kind = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+    kind = rope.pop("rope_type", None) or rope.get("type") or "default"
     rope.pop("type", None)
     original = rope.pop("original_max_position_embeddings", None) or cfg.get(
         "original_max_position_embeddings") or max_seq_len
@@ -210,7 +224,3 @@ def spec_name(*candidates: str) -> str:
             return text
     return "model"
 
-
-def dtype_name(cfg: HFConfig) -> str:
-    text = str(cfg.get(("dtype", "torch_dtype"), "float32"))
-    return {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}.get(text, "f32")

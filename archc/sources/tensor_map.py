@@ -1,20 +1,18 @@
 """Checkpoint tensors → archc's parameter names, with every tensor accounted for.
 
-A source's checkpoint is described by rules: which checkpoint tensors each reads and which archc
-tensors they become (renamed, transposed, split out of a fused Q/K/V, stacked over experts). The
-rules come from a `Layout`, a table of module names, and the tensors the archc program wants.
-Every tensor is checked before any is read: a missing tensor, a tensor of the wrong shape, or a
-tensor no rule reads is an error naming it with the expected and found shapes. A few tensors are
-known to lie outside the function archc runs (causal-mask buffers, cached RoPE frequencies, task
-heads such as BERT's pooler); a source lists them as patterns to skip, and says what it skipped.
+A `Layout` (a table of module names) and the tensors the archc program wants give the rules: which
+checkpoint tensors each reads and which archc tensors they become (renamed, transposed, split out
+of a fused Q/K/V, stacked over experts). All are checked before any is read: a tensor missing,
+misshaped or read by no rule is an error naming it and its shapes, unless a source skips it as
+outside the function archc runs (causal-mask buffers, cached RoPE frequencies, BERT's pooler).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -33,10 +31,8 @@ QKV = ("attn.q", "attn.k", "attn.v")
 
 
 class TensorSource(Protocol):
-    def names(self) -> list[str]: ...
-
+    tensors: Mapping[str, Any]   # name → where it is stored
     def shape(self, name: str) -> Shape: ...
-
     def load(self, name: str) -> torch.Tensor: ...
 
 
@@ -49,11 +45,36 @@ class Rule:
 
 
 class TensorMap:
-    """The rules of one checkpoint, against the shapes the archc program wants."""
+    """The rules that read checkpoint `ckpt`, laid out by `layout`, into the tensors the program
+    of `spec` wants (`want`: name → shape): one for each. Several tensors under one checkpoint
+    name are a fused Q/K/V; `{e}` in a name numbers one tensor per expert. The head is outside the
+    base model; a tied one may be stored all the same, as a copy."""
 
-    def __init__(self, want: dict[str, Shape]) -> None:
-        self.want = want
+    def __init__(self, layout: Layout, spec: Spec, ckpt: Checkpoint,
+                 want: dict[str, Shape]) -> None:
+        self.layout, self.spec, self.ckpt, self.want = layout, spec, ckpt, want
         self.rules: list[Rule] = []
+        if layout.special is not None:
+            layout.special(self)
+        done = {target for rule in self.rules for target in rule.targets}
+        head = layout.head_name(ckpt)
+        fused: dict[str, list[str]] = {}
+        for target in [x for x in want if x not in done]:
+            name = head + target[4:] if target in ("head.weight", "head.bias") else \
+                self.name(target)
+            if "{e}" in name:   # one tensor per expert → archc's [experts, ...]
+                experts, *shape = want[target]
+                self.add([name.format(e=e) for e in range(experts)], [tuple(shape)] * experts,
+                         [target], lambda xs: [torch.stack(xs)])
+            else:
+                fused.setdefault(name, []).append(target)
+        for name, targets in fused.items():
+            self.split(name, targets, groups=layout.groups(spec) if len(targets) > 1 else 1,
+                       transpose=layout.conv1d and bool(LAYER.fullmatch(targets[0]))
+                       and len(want[targets[0]]) == 2)
+        for name in layout.copies + ((f"{head}.weight",) if spec.embedding.tied else ()):
+            if name in ckpt.names:   # checked, not read
+                self.add([name], [want["embed.weight"]], [], lambda xs: [])
 
     def add(self, sources: Sequence[str], shapes: Sequence[Shape], targets: Sequence[str],
             convert: Convert) -> None:
@@ -77,18 +98,34 @@ class TensorMap:
 
         self.add([source], [full[::-1] if transpose else full], targets, convert)
 
+    def name(self, target: str) -> str:
+        """Where the checkpoint keeps archc tensor `target`: its longest dotted prefix, less the
+        layer, replaced by its module in `layout.names` (`attn.q` → `self_attn.q_proj`: so
+        `layers.3.attn.q.bias` is `model.layers.3.self_attn.q_proj.bias`). T5's layer names keep
+        their stack (`decoder.ffn_norm`), since its two stacks differ."""
+        layer = LAYER.fullmatch(target)
+        stack, i, rest = layer.groups("") if layer else ("", "", target)
+        key = stack + rest
+        names = self.layout.names
+        module = max((m for m in names if key == m or key.startswith(m + ".")), key=len)
+        value = names[module]
+        within = self.layout.layer.format(stack=stack, i=i) if layer else ""
+        return self.ckpt(within + (value if isinstance(value, str) else value(self.spec))
+                         + key[len(module):])
+
 
 class Checkpoint:
-    """Checkpoint tensor names, with the prefix a task class adds (``model.``, ``bert.``) found,
-    so that base-model names resolve. No source: a config without weights."""
+    """Checkpoint tensor names, with the prefix a task class adds (``model.``, ``bert.``), read off
+    the token embedding's name `embed`, that base-model names take. No source: no weights."""
 
-    def __init__(self, source: TensorSource | None, prefixes: Sequence[str] = ()) -> None:
+    def __init__(self, source: TensorSource | None, embed: str = "") -> None:
         self.source = source
-        self.names = set(source.names()) if source else set()
-        self.prefix = next((p for p in prefixes if any(n.startswith(p) for n in self.names)), "")
+        self.names = set(source.tensors) if source else set()
+        tail = f"{embed}.weight"
+        self.prefix = min((n[: -len(tail)] for n in self.names if n.endswith("." + tail)),
+                          default="")
 
-    def __call__(self, name: str) -> str:
-        """The full checkpoint name of base-model tensor `name`."""
+    def __call__(self, name: str) -> str:   # base-model name → checkpoint name
         return self.prefix + name
 
     def differ(self, a: str, b: str) -> bool:
@@ -99,14 +136,14 @@ class Checkpoint:
             self.source.load(a), self.source.load(b))
 
 
-def each(mine: str, theirs: str, parts: Iterable[str]) -> dict[str, str]:
-    """Table entries for several parts alike: each("attn.*", "self_attn.*_proj", "qkv")."""
-    return {mine.replace("*", p): theirs.replace("*", p) for p in parts}
+def each(mine: str, theirs: str, parts: str) -> dict[str, str]:
+    """Table entries for several parts alike: each("attn.*", "self_attn.*_proj", "q k v")."""
+    return {mine.replace("*", p): theirs.replace("*", p) for p in parts.split()}
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a checkpoint keeps each archc tensor (see `checkpoint_name`)."""
+    """Where a checkpoint keeps each archc tensor (see `TensorMap.name`)."""
 
     names: Mapping[str, Module]           # archc module → checkpoint module
     layer: str = "layers.{i}."            # layer i's modules ({stack}: T5's encoder./decoder.)
@@ -115,53 +152,10 @@ class Layout:
     conv1d: bool = False                  # layer weights stored [in, out] (GPT-2's Conv1D)
     copies: tuple[str, ...] = ()          # stored copies of the token embedding, checked
     # rules for the tensors a table cannot describe, added before the table maps the rest
-    special: Callable[[Layout, Spec, TensorMap, Checkpoint], None] | None = None
+    special: Callable[[TensorMap], None] | None = None
 
     def head_name(self, ckpt: Checkpoint) -> str:
         return next((h for h in self.head if f"{h}.weight" in ckpt.names), self.head[0])
-
-
-def checkpoint_name(layout: Layout, s: Spec, ckpt: Checkpoint, target: str) -> str:
-    """Where the checkpoint keeps archc tensor `target`. Its name, less the layer, is looked up
-    by its longest dotted prefix in `layout.names`, which the checkpoint module replaces: with
-    `attn.q` → `self_attn.q_proj`, `layers.3.attn.q.bias` is `model.layers.3.self_attn.q_proj.bias`.
-    T5's layer names keep their stack (`decoder.ffn_norm`), since its two stacks differ."""
-    layer = LAYER.fullmatch(target)
-    stack, i, rest = layer.groups("") if layer else ("", "", target)
-    key = stack + rest
-    module = max((m for m in layout.names if key == m or key.startswith(m + ".")), key=len)
-    value = layout.names[module]
-    within = layout.layer.format(stack=stack, i=i) if layer else ""
-    return ckpt(within + (value if isinstance(value, str) else value(s)) + key[len(module):])
-
-
-def checkpoint_rules(layout: Layout, s: Spec, t: TensorMap, ckpt: Checkpoint) -> None:
-    """A rule for every tensor the program wants. Several tensors under one checkpoint name are a
-    fused Q/K/V; `{e}` in a name numbers one tensor per expert. The head is outside the base
-    model; a tied one may be stored all the same, as a copy."""
-    if layout.special is not None:
-        layout.special(layout, s, t, ckpt)
-    done = {target for rule in t.rules for target in rule.targets}
-    head = layout.head_name(ckpt)
-    fused: dict[str, list[str]] = {}
-    for target in [x for x in t.want if x not in done]:
-        if target in ("head.weight", "head.bias"):
-            name = head + target[4:]
-        else:
-            name = checkpoint_name(layout, s, ckpt, target)
-        if "{e}" in name:   # one tensor per expert → archc's [experts, ...]
-            experts, *shape = t.want[target]
-            t.add([name.format(e=e) for e in range(experts)], [tuple(shape)] * experts, [target],
-                  lambda xs: [torch.stack(xs)])
-        else:
-            fused.setdefault(name, []).append(target)
-    for name, targets in fused.items():
-        t.split(name, targets, groups=layout.groups(s) if len(targets) > 1 else 1,
-                transpose=layout.conv1d and bool(LAYER.fullmatch(targets[0]))
-                and len(t.want[targets[0]]) == 2)
-    for name in layout.copies + ((f"{head}.weight",) if s.embedding.tied else ()):
-        if name in ckpt.names:   # checked, not read
-            t.add([name], [t.want["embed.weight"]], [], lambda xs: [])
 
 
 def read_checkpoint(spec: Spec, ckpt: Checkpoint, layout: Layout, *, skip: Sequence[str] = (),
@@ -173,10 +167,8 @@ def read_checkpoint(spec: Spec, ckpt: Checkpoint, layout: Layout, *, skip: Seque
     program = lower(spec)
     check_fits(spec.name, "its weights", checkpoint_elements(program), dtype or spec.dtype,
                spec.family)
-    tmap = TensorMap(checkpoint_shapes(program))
-    checkpoint_rules(layout, spec, tmap, ckpt)
+    tmap = TensorMap(layout, spec, ckpt, checkpoint_shapes(program))
     source, present = ckpt.source, ckpt.names
-    read: set[str] = set()
     for rule in tmap.rules:  # check everything before reading anything
         for name, shape in zip(rule.sources, rule.shapes):
             if name not in present:
@@ -185,9 +177,8 @@ def read_checkpoint(spec: Spec, ckpt: Checkpoint, layout: Layout, *, skip: Seque
             if source.shape(name) != shape:
                 raise WeightsError(f"checkpoint tensor {name!r} has shape "
                                    f"{list(source.shape(name))}, expected {list(shape)}")
-            read.add(name)
-    patterns = [re.compile(p) for p in skip]
-    skipped = sorted(n for n in present - read if any(p.fullmatch(n) for p in patterns))
+    read = {name for rule in tmap.rules for name in rule.sources}
+    skipped = sorted(n for n in present - read if any(re.fullmatch(p, n) for p in skip))
     unexpected = sorted(present - read - set(skipped))
     if unexpected:
         shown = ", ".join(f"{n!r} {list(source.shape(n))}" for n in unexpected[:3])

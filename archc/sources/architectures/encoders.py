@@ -1,19 +1,16 @@
 """The encoders and encoder-decoders.
 
-- BERT: word, position and token-type embeddings and a LayerNorm over their sum, post-LayerNorm
-  blocks, GELU MLP. archc returns the last hidden state; the pooler and the pre-training heads
-  are task heads on top of it and are skipped.
-- T5: RMSNorm before each sublayer, no score scaling, a bucketed relative-position bias learned
-  in each stack's first layer and shared by all its layers, a ReLU MLP (T5) or a gated one (T5
-  v1.1's gated-gelu), and one embedding shared by both stacks.
+- BERT: word, position and token-type embeddings summed and normalized, post-LayerNorm blocks, a
+  GELU MLP; archc returns the last hidden state (the pooler and pre-training heads are skipped).
+- T5: pre-RMSNorm, no score scaling, a bucketed relative-position bias learned in each stack's
+  first layer and shared by its layers, a ReLU MLP (or v1.1's gated GELU), one shared embedding.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from archc.sources.architectures.base import Architecture
-from archc.sources.hf_config import ACTIVATIONS, GATED, HFConfig, activation
+from archc.sources.hf_config import ACTIVATIONS, GATED, Architecture, HFConfig, activation
 from archc.sources.tensor_map import Checkpoint, Layout, Module
 
 
@@ -30,8 +27,7 @@ def bert(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
                  "eps": cfg.number("layer_norm_eps", 1e-12, kind=float)},
         "position": {"kind": "learned"},
         "embedding": {"norm": True, "token_types": cfg.number("type_vocab_size", 2)},
-        "output": {"final_norm": False},
-    }
+        "output": {"final_norm": False}}
 
 
 def t5_ffn(cfg: HFConfig) -> dict[str, Any]:
@@ -64,15 +60,13 @@ def t5(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         "decoder_layers": cfg.number("num_decoder_layers", layers),
         "max_seq_len": max(512, cfg.number("n_positions", 512)),
         "attention": {"heads": cfg.number("num_heads"), "head_dim": cfg.number("d_kv"),
-                      "scale": 1.0},
-        "ffn": t5_ffn(cfg),
+                      "scale": 1.0}, "ffn": t5_ffn(cfg),
         "norm": {"kind": "rmsnorm", "eps": cfg.number("layer_norm_epsilon", 1e-6, kind=float)},
         "position": {"kind": "relative",
                      "buckets": cfg.number("relative_attention_num_buckets", 32),
                      "max_distance": cfg.number("relative_attention_max_distance", 128)},
         "embedding": {"tied": not ckpt.differ("lm_head.weight", "shared.weight")},
-        "output": {"scale": d ** -0.5 if scale else None},
-    }
+        "output": {"scale": d ** -0.5 if scale else None}}
 
 
 def t5_stack(stack: str, ffn: int) -> dict[str, Module]:
@@ -88,11 +82,9 @@ def t5_stack(stack: str, ffn: int) -> dict[str, Module]:
             **{f"{stack}.{mine}": theirs for mine, theirs in layer.items()}}
 
 
-BERT = Architecture(
-    ("bert",), bert, Layout({
-        **{mine: f"embeddings.{theirs}" for mine, theirs in (
-            ("embed", "word_embeddings"), ("pos_embed", "position_embeddings"),
-            ("type_embed", "token_type_embeddings"), ("embed_norm", "LayerNorm"))},
+BERT = Architecture(("bert",), bert, Layout({
+        "embed": "embeddings.word_embeddings", "pos_embed": "embeddings.position_embeddings",
+        "type_embed": "embeddings.token_type_embeddings", "embed_norm": "embeddings.LayerNorm",
         "attn.q": "attention.self.query", "attn.k": "attention.self.key",
         "attn.v": "attention.self.value", "attn.o": "attention.output.dense",
         "attn_norm": "attention.output.LayerNorm", "ffn.up": "intermediate.dense",
@@ -103,10 +95,8 @@ BERT = Architecture(
     # the pooler and pre-training heads sit on top of the hidden states archc returns; the
     # position-id buffer older checkpoints saved is arange(max_seq_len)
     skip=(r"(bert\.)?pooler\.dense\.(weight|bias)", r"cls\..*",
-          r"(bert\.)?embeddings\.position_ids"),
-    prefixes=("bert.",))
-T5 = Architecture(
-    ("t5",), t5, Layout({
+          r"(bert\.)?embeddings\.position_ids"))
+T5 = Architecture(("t5",), t5, Layout({
         "embed": "shared", **t5_stack("encoder", 1), **t5_stack("decoder", 2),
         "decoder.cross_norm": "1.layer_norm", "decoder.cross": "1.EncDecAttention"},
         layer="{stack}block.{i}.layer.",

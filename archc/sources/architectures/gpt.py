@@ -2,13 +2,11 @@
 
 - GPT-2: learned positions, a fused Q/K/V, Conv1D projections that store weights [in, out].
 - GPT-J: attention and MLP in parallel off one norm, rotate-every-two RoPE on `rotary_dim` dims.
-- GPT-NeoX (Pythia): fused per-head Q/K/V, partial RoPE, a parallel block with a norm per branch
-  (or serial).
+- GPT-NeoX (Pythia): fused per-head Q/K/V, partial RoPE, parallel with a norm per branch, or serial.
 - BLOOM: ALiBi, a LayerNorm right after the embeddings, fused per-head Q/K/V.
 - Falcon: fused Q/K/V per head, multi-query, or per KV-head group (`new_decoder_architecture`);
   parallel off one or two norms, or serial; RoPE, or ALiBi before the score scale (Falcon-RW).
-- MPT: ALiBi, no biases, a fused Q/K/V; the attention settings live in a nested `attn_config`,
-  checked field by field like the top level.
+- MPT: ALiBi, no biases, a fused Q/K/V; the nested `attn_config` is checked field by field.
 - OPT: a position table that starts 2 rows in; 350m normalizes after each sublayer and embeds
   tokens narrower than the residual stream, with projections in and out.
 - Phi: attention and MLP in parallel off one norm, partial RoPE, optional LayerNorm on q and k.
@@ -18,8 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from archc.sources.architectures.base import Architecture
-from archc.sources.hf_config import HFConfig, activation, rope_position
+from archc.sources.hf_config import Architecture, HFConfig, activation, rope_position
 from archc.sources.tensor_map import QKV, Checkpoint, Layout, each
 
 GPT_SKIP = (r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)",)   # causal-mask buffers
@@ -34,8 +31,7 @@ def gpt2(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         "ffn": {"kind": "mlp", "bias": True, "d_ff": cfg.number("n_inner", None),
                 "activation": activation(cfg, "activation_function", "gelu_new")},
         "norm": {"kind": "layernorm", "eps": cfg.number("layer_norm_epsilon", 1e-5, kind=float)},
-        "position": {"kind": "learned"},
-    }
+        "position": {"kind": "learned"}}
 
 
 def gptj(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
@@ -49,8 +45,7 @@ def gptj(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         "norm": {"kind": "layernorm", "eps": cfg.number("layer_norm_epsilon", 1e-5, kind=float)},
         "block": {"parallel": True}, "output": {"bias": True},
         "position": {"kind": "rope", "theta": 10000.0, "interleaved": True,
-                     "fraction": cfg.number("rotary_dim", head_dim) / head_dim},
-    }
+                     "fraction": cfg.number("rotary_dim", head_dim) / head_dim}}
 
 
 def neox(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
@@ -66,8 +61,7 @@ def neox(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         **rope_position(cfg, cfg.number("max_position_embeddings", 2048),
                         theta_keys=("rotary_emb_base", "rope_theta"),
                         fraction_keys=("rotary_pct", "partial_rotary_factor"),
-                        default_fraction=0.25),
-    }
+                        default_fraction=0.25)}
 
 
 def bloom(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
@@ -77,8 +71,7 @@ def bloom(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         "attention": {"heads": cfg.number(("num_attention_heads", "n_head")), "bias": True},
         "ffn": {"kind": "mlp", "bias": True, "d_ff": 4 * d, "activation": "gelu_tanh"},
         "norm": {"kind": "layernorm", "eps": cfg.number("layer_norm_epsilon", 1e-5, kind=float)},
-        "position": {"kind": "alibi"}, "embedding": {"norm": True},
-    }
+        "position": {"kind": "alibi"}, "embedding": {"norm": True}}
 
 
 def falcon(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
@@ -86,15 +79,11 @@ def falcon(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
     kv = cfg.number(("num_kv_heads", "n_head_kv"), None)
     multi_query = cfg.flag("multi_query", True)   # the new architecture ignores it
     parallel = cfg.flag("parallel_attn", True)
-    norms = cfg.get("num_ln_in_parallel_attn")
     if cfg.flag("new_decoder_architecture", False):   # KV-head groups of [queries | k | v]
-        if not parallel:
-            raise cfg.refuse("parallel_attn", False, "transformers' Falcon has no serial block "
-                             "in the new decoder architecture")
-        norms = 2 if norms is None else norms
-        if norms not in (1, 2):
-            raise cfg.refuse("num_ln_in_parallel_attn", norms, "1 or 2 norms")
-    elif norms not in (None, 1):
+        cfg.expect("parallel_attn", (True,), "transformers' Falcon has no serial block in the "
+                   "new decoder architecture")
+        norms = cfg.expect("num_ln_in_parallel_attn", (2, 1), "1 or 2 norms")
+    elif (norms := cfg.get("num_ln_in_parallel_attn")) not in (None, 1):
         raise cfg.refuse("num_ln_in_parallel_attn", norms, "transformers' Falcon reads it only "
                          "with new_decoder_architecture")
     elif multi_query:
@@ -116,8 +105,7 @@ def falcon(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         "ffn": {"kind": "mlp", "bias": bias, "d_ff": cfg.number("ffn_hidden_size", None),
                 "activation": activation(cfg, "activation", "gelu")},
         "norm": {"kind": "layernorm", "eps": cfg.number("layer_norm_epsilon", 1e-5, kind=float)},
-        "block": {"parallel": True, "shared_norm": norms != 2} if parallel else {}, **position,
-    }
+        "block": {"parallel": True, "shared_norm": norms != 2} if parallel else {}, **position}
 
 
 MPT_ATTENTION_ONLY = {
@@ -144,13 +132,11 @@ def mpt(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         "d_model": d, "layers": cfg.number(("n_layers", "num_hidden_layers")),
         "max_seq_len": cfg.number("max_seq_len", 2048),
         "attention": {"heads": cfg.number(("n_heads", "num_attention_heads")), "bias": bias,
-                      "scale": scale},
-        "ffn": {"kind": "mlp", "bias": bias, "activation": "gelu",
+                      "scale": scale}, "ffn": {"kind": "mlp", "bias": bias, "activation": "gelu",
                 "d_ff": int(cfg.number("expansion_ratio", 4, kind=float) * d)},
         "norm": {"kind": "layernorm", "bias": bias,
                  "eps": cfg.number("layer_norm_epsilon", 1e-5, kind=float)},
-        "position": {"kind": "alibi"},
-    }
+        "position": {"kind": "alibi"}}
 
 
 def opt(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
@@ -168,8 +154,7 @@ def opt(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         "norm": {"kind": "layernorm", "eps": 1e-5, "placement": "pre" if pre else "post"},
         "position": {"kind": "learned", "offset": 2},   # the table's first two rows are unused
         "embedding": {"project_dim": proj if proj != d else None},
-        "output": {"final_norm": pre and not removed},
-    }
+        "output": {"final_norm": pre and not removed}}
 
 
 def phi(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
@@ -182,8 +167,7 @@ def phi(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
                 "activation": activation(cfg, "hidden_act", "gelu_new")},
         "norm": {"kind": "layernorm", "eps": cfg.number("layer_norm_eps", 1e-5, kind=float)},
         "block": {"parallel": True}, "output": {"bias": True},
-        **rope_position(cfg, cfg.number("max_position_embeddings", 2048), default_fraction=0.5),
-    }
+        **rope_position(cfg, cfg.number("max_position_embeddings", 2048), default_fraction=0.5)}
 
 
 H_TO_4H = {"ffn.up": "mlp.dense_h_to_4h", "ffn.down": "mlp.dense_4h_to_h"}
@@ -193,8 +177,7 @@ BLOOM_NAMES = {
     **dict.fromkeys(QKV, "self_attention.query_key_value"), "attn.o": "self_attention.dense",
     **H_TO_4H}
 
-GPT2 = Architecture(
-    ("gpt2",), gpt2, Layout({
+GPT2 = Architecture(("gpt2",), gpt2, Layout({
         "embed": "wte", "pos_embed": "wpe", "final_norm": "ln_f", "attn_norm": "ln_1",
         "ffn_norm": "ln_2", **dict.fromkeys(QKV, "attn.c_attn"), "attn.o": "attn.c_proj",
         "ffn.up": "mlp.c_fc", "ffn.down": "mlp.c_proj"}, layer="h.{i}.", conv1d=True),
@@ -202,65 +185,49 @@ GPT2 = Architecture(
     # GPT2DoubleHeadsModel's multiple-choice head and numerics-only switches
     inert=frozenset({"summary_type", "summary_use_proj", "summary_activation",
                      "summary_proj_to_labels", "summary_first_dropout",
-                     "reorder_and_upcast_attn", "n_ctx"}),
-    skip=GPT_SKIP, prefixes=("transformer.",))
-GPTJ = Architecture(
-    ("gptj",), gptj, Layout({
+                     "reorder_and_upcast_attn", "n_ctx"}), skip=GPT_SKIP)
+GPTJ = Architecture(("gptj",), gptj, Layout({
         "embed": "wte", "final_norm": "ln_f", "attn_norm": "ln_1",
-        **each("attn.*", "attn.*_proj", "qkv"), "attn.o": "attn.out_proj",
-        "ffn.up": "mlp.fc_in", "ffn.down": "mlp.fc_out"}, layer="h.{i}."),
-    skip=GPT_SKIP, prefixes=("transformer.",))
-NEOX = Architecture(
-    ("gpt_neox",), neox, Layout({
+        **each("attn.*", "attn.*_proj", "q k v"), "attn.o": "attn.out_proj",
+        "ffn.up": "mlp.fc_in", "ffn.down": "mlp.fc_out"}, layer="h.{i}."), skip=GPT_SKIP)
+NEOX = Architecture(("gpt_neox",), neox, Layout({
         "embed": "embed_in", "final_norm": "final_layer_norm", "attn_norm": "input_layernorm",
         "ffn_norm": "post_attention_layernorm",
         **dict.fromkeys(QKV, "attention.query_key_value"), "attn.o": "attention.dense",
         **H_TO_4H}, head=("embed_out", "lm_head"), groups=lambda s: s.attention.heads),
     # causal-mask and RoPE buffers older checkpoints saved
-    skip=(r"(gpt_neox\.)?layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)",),
-    prefixes=("gpt_neox.",))
+    skip=(r"(gpt_neox\.)?layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)",))
 BLOOM = Architecture(
     ("bloom",), bloom, Layout(BLOOM_NAMES, layer="h.{i}.", groups=lambda s: s.attention.heads),
     tied=True, only={"apply_residual_connection_post_layernorm": (False,), "n_inner": (None,)},
-    # Megatron-DeepSpeed training and kernel switches saved with the released checkpoints; the
-    # model code never reads them (`pretraining_tp` and `slow_but_exact` only reorder the same
-    # sums).
+    # Megatron-DeepSpeed training and kernel switches saved with the checkpoints, which the model
+    # code never reads (`pretraining_tp` and `slow_but_exact` only reorder the same sums)
     inert=frozenset({"pretraining_tp", "slow_but_exact", "attention_softmax_in_fp32",
                      "bias_dropout_fusion", "masked_softmax_fusion", "offset_alibi",
-                     "skip_bias_add", "skip_bias_add_qkv", "seq_length"}),
-    prefixes=("transformer.",))
-FALCON = Architecture(
-    ("falcon",), falcon, Layout({
+                     "skip_bias_add", "skip_bias_add_qkv", "seq_length"}))
+FALCON = Architecture(("falcon",), falcon, Layout({
         **BLOOM_NAMES,
         "attn_norm": lambda s: "ln_attn" if s.block.parallel and not s.block.shared_norm
         else "input_layernorm",
         "ffn_norm": lambda s: "ln_mlp" if s.block.parallel else "post_attention_layernorm"},
-        layer="h.{i}.", groups=lambda s: s.attention.kv_heads),
-    tied=True, prefixes=("transformer.",))
-MPT = Architecture(
-    ("mpt",), mpt, Layout({
+        layer="h.{i}.", groups=lambda s: s.attention.kv_heads), tied=True)
+MPT = Architecture(("mpt",), mpt, Layout({
         "embed": "wte", "final_norm": "norm_f", "attn_norm": "norm_1", "ffn_norm": "norm_2",
         **dict.fromkeys(QKV, "attn.Wqkv"), "attn.o": "attn.out_proj",
-        **each("ffn.*", "ffn.*_proj", ("up", "down"))}, layer="blocks.{i}."),
-    tied=True, only={"logit_scale": (None,),
-                     "norm_type": ("low_precision_layernorm", "layernorm")},
+        **each("ffn.*", "ffn.*_proj", "up down")}, layer="blocks.{i}."),
+    tied=True, only={"logit_scale": (None,), "norm_type": ("low_precision_layernorm", "layernorm")},
     # training-time switches: initialisation, embedding-gradient scaling, logging, kernel choice
     inert=frozenset({"init_device", "embedding_fraction", "verbose", "init_config", "fc_type",
-                     "ffn_config"}),
-    prefixes=("transformer.",))
-OPT = Architecture(
-    ("opt",), opt, Layout({
+                     "ffn_config"}))
+OPT = Architecture(("opt",), opt, Layout({
         "embed": "embed_tokens", "embed.project_in": "project_in", "pos_embed": "embed_positions",
         "head.project_out": "project_out", "final_norm": "final_layer_norm",
         "attn_norm": "self_attn_layer_norm", "ffn_norm": "final_layer_norm",
-        **each("attn.*", "self_attn.*_proj", "qkv"), "attn.o": "self_attn.out_proj",
+        **each("attn.*", "self_attn.*_proj", "q k v"), "attn.o": "self_attn.out_proj",
         "ffn.up": "fc1", "ffn.down": "fc2"}),
-    tied=True, only={"layer_norm_elementwise_affine": (True,)}, inert=frozenset({"init_std"}),
-    prefixes=("model.decoder.", "decoder."))
-PHI = Architecture(
-    ("phi",), phi, Layout({
+    tied=True, only={"layer_norm_elementwise_affine": (True,)}, inert=frozenset({"init_std"}))
+PHI = Architecture(("phi",), phi, Layout({
         "embed": "embed_tokens", "final_norm": "final_layernorm", "attn_norm": "input_layernorm",
-        **each("attn.*", "self_attn.*_proj", "qkv"), **each("attn.*_norm", "self_attn.*_layernorm",
-                                                             "qk"),
-        "attn.o": "self_attn.dense", "ffn.up": "mlp.fc1", "ffn.down": "mlp.fc2"}),
-    prefixes=("model.",))
+        **each("attn.*", "self_attn.*_proj", "q k v"), "attn.o": "self_attn.dense",
+        **each("attn.*_norm", "self_attn.*_layernorm", "q k"), "ffn.up": "mlp.fc1",
+        "ffn.down": "mlp.fc2"}))

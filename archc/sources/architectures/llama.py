@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from archc.sources.architectures.base import Architecture, layer_pattern
-from archc.sources.hf_config import GATED, HFConfig, Keys, activation, rope_position
+from archc.sources.hf_config import Architecture, HFConfig, activation, layer_pattern, rope_position
 from archc.sources.tensor_map import Checkpoint, Layout, each
 
 # transformers' Llama rotates halves, never the pairs a Nanotron export may say it used, and has
@@ -22,14 +21,6 @@ ONLY = {"rope_interleaved": (False,), "use_mrope": (False,)}
 INERT = frozenset({"pretraining_tp", "router_jitter_noise", "router_aux_loss_coef",
                    "output_router_logits", "is_llama_config", "transformers.js_config"})
 SKIP = (r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)   # a cached RoPE buffer
-
-
-def gated_kind(cfg: HFConfig, keys: Keys = "hidden_act") -> str:
-    act = activation(cfg, keys, "silu")
-    if act not in GATED:
-        raise cfg.refuse(keys, cfg.get(keys), "a gated FFN with exact (erf) GELU has no spec "
-                         "kind; archc's GEGLU uses the tanh GELU")
-    return GATED[act]
 
 
 def sliding_window(cfg: HFConfig, slides: list[bool]) -> dict[str, Any]:
@@ -60,8 +51,9 @@ def llama(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         bias = cfg.flag("attention_bias", False) if mt == "llama" else \
             cfg.expect("attention_bias", (False,))
         use, first = True, 0
-    slides = [use and "sliding_window" in cfg and i >= first for i in range(layers)]
-    ffn: dict[str, Any] = {"kind": gated_kind(cfg), "d_ff": cfg.number("intermediate_size"),
+    slides = [use and cfg.get("sliding_window") is not None and i >= first for i in range(layers)]
+    ffn: dict[str, Any] = {"kind": activation(cfg, "hidden_act", "silu", gated=True),
+                           "d_ff": cfg.number("intermediate_size"),
                            "bias": cfg.flag("mlp_bias", False) if mt == "llama" else False}
     if mt == "mixtral":
         ffn = {"kind": "moe", "d_ff": ffn["d_ff"], "moe": {
@@ -72,11 +64,9 @@ def llama(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         "attention": {"heads": cfg.number("num_attention_heads"),
                       "kv_heads": cfg.number("num_key_value_heads", None),
                       "head_dim": cfg.number("head_dim", None), "bias": bias,
-                      **sliding_window(cfg, slides)},
-        "ffn": ffn,
+                      **sliding_window(cfg, slides)}, "ffn": ffn,
         "norm": {"kind": "rmsnorm", "eps": cfg.number("rms_norm_eps", 1e-6, kind=float)},
-        **rope_position(cfg, cfg.number("max_position_embeddings", 2048), whole_heads=True),
-    }
+        **rope_position(cfg, cfg.number("max_position_embeddings", 2048), whole_heads=True)}
 
 
 def gemma(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
@@ -91,30 +81,27 @@ def gemma(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
                       **sliding_window(cfg, [i % 2 == 0 for i in range(layers)])}
     return {
         "d_model": cfg.number("hidden_size"), "layers": layers, "attention": attention,
-        "ffn": {"kind": gated_kind(cfg, ("hidden_activation", "hidden_act")),
+        "ffn": {"kind": activation(cfg, ("hidden_activation", "hidden_act"), "silu", gated=True),
                 "d_ff": cfg.number("intermediate_size")},
         "norm": {"kind": "rmsnorm", "eps": cfg.number("rms_norm_eps", 1e-6, kind=float),
                  "unit_offset": True, "placement": "sandwich" if gemma2 else "pre"},
         "embedding": {"scale": "sqrt_d_model"},
         "output": {"softcap": cfg.number("final_logit_softcapping", None, kind=float)
                    if gemma2 else None},
-        **rope_position(cfg, cfg.number("max_position_embeddings", 8192), whole_heads=True),
-    }
+        **rope_position(cfg, cfg.number("max_position_embeddings", 8192), whole_heads=True)}
 
 
 NAMES = {
     "embed": "embed_tokens", "final_norm": "norm", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm", **each("attn.*", "self_attn.*_proj", "qkvo"),
-    **each("ffn.*", "mlp.*_proj", ("gate", "up", "down")), "ffn.router": "block_sparse_moe.gate",
+    "ffn_norm": "post_attention_layernorm", **each("attn.*", "self_attn.*_proj", "q k v o"),
+    **each("ffn.*", "mlp.*_proj", "gate up down"), "ffn.router": "block_sparse_moe.gate",
     "ffn.experts.gate": "block_sparse_moe.experts.{e}.w1",
     "ffn.experts.down": "block_sparse_moe.experts.{e}.w2",
-    "ffn.experts.up": "block_sparse_moe.experts.{e}.w3",
-}
+    "ffn.experts.up": "block_sparse_moe.experts.{e}.w3"}
 LLAMA = Architecture(("llama", "mistral", "qwen2", "mixtral"), llama, Layout(NAMES), only=ONLY,
-                     inert=INERT, skip=SKIP, prefixes=("model.",))
-GEMMA = Architecture(
-    ("gemma", "gemma2"), gemma, Layout({
+                     inert=INERT, skip=SKIP)
+GEMMA = Architecture(("gemma", "gemma2"), gemma, Layout({
         **NAMES, "ffn_norm": lambda s: "pre_feedforward_layernorm" if s.norm.placement ==
         "sandwich" else "post_attention_layernorm", "attn_post_norm": "post_attention_layernorm",
         "ffn_post_norm": "post_feedforward_layernorm"}),
-    tied=True, only={"use_bidirectional_attention": (False,)}, skip=SKIP, prefixes=("model.",))
+    tied=True, only={"use_bidirectional_attention": (False,)}, skip=SKIP)

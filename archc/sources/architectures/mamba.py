@@ -1,47 +1,33 @@
 """State-space models.
 
 - Mamba (Gu & Dao 2023): pre-RMSNorm blocks of one selective state-space mixer each, no attention
-  and no FFN, the head tied to the embedding. `MambaForCausalLM` keeps its blocks under
-  `backbone.`; its mixer tensors map one to one onto archc's Mamba layer.
-- Jamba: a hybrid of Mamba and attention layers, one attention layer every `attn_layer_period`
-  (at `attn_layer_offset`), the rest Mamba mixers with RMSNorm on Δ, B and C; every layer has a
-  pre-norm FFN — SwiGLU, or a top-k mixture of experts every `expert_layer_period` layers (at
-  `expert_layer_offset`) with unnormalized router weights. Attention takes no positions.
+  or FFN, a tied head; its mixer tensors map one to one onto archc's Mamba layer.
+- Jamba: Mamba layers (RMSNorm on Δ, B and C) and an attention layer, taking no positions, every
+  `attn_layer_period` (at `attn_layer_offset`); every layer has a pre-norm FFN: SwiGLU, or every
+  `expert_layer_period` (at `expert_layer_offset`) a top-k mixture of experts with unnormalized
+  router weights.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from archc.sources.architectures.base import Architecture, layer_pattern
-from archc.sources.architectures.llama import gated_kind
-from archc.sources.hf_config import HFConfig, activation
-from archc.sources.tensor_map import Checkpoint, Layout, TensorMap, checkpoint_name, each
-from archc.spec.schema import Spec
-
-
-def mixer_activation(cfg: HFConfig) -> None:
-    """transformers runs the conv through `hidden_act` and gates with SiLU; archc's Mamba layer
-    is SiLU in both places."""
-    if activation(cfg, "hidden_act", "silu") != "silu":
-        raise cfg.refuse("hidden_act", cfg.data.get("hidden_act"), "archc's Mamba layer "
-                         "applies SiLU after the convolution")
+from archc.sources.hf_config import Architecture, HFConfig, activation, layer_pattern
+from archc.sources.tensor_map import Checkpoint, Layout, TensorMap, each
 
 
 def mamba(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
     d = cfg.number("hidden_size")
     layers = cfg.number("num_hidden_layers")
     # configs converted from the original code carry its layer count and norm switch too
-    if "n_layer" in cfg and cfg.number("n_layer") != layers:
-        raise cfg.refuse("n_layer", cfg.data["n_layer"], f"it must equal num_hidden_layers "
-                         f"({layers})")
-    if not cfg.flag("rms_norm", True):
-        raise cfg.refuse("rms_norm", False, "transformers' Mamba blocks normalize with RMSNorm")
-    mixer_activation(cfg)
+    cfg.expect("n_layer", (layers,), f"it must equal num_hidden_layers ({layers})")
+    cfg.expect("rms_norm", (True,), "transformers' Mamba blocks normalize with RMSNorm")
+    # transformers runs the conv through `hidden_act` and gates with SiLU; archc, SiLU in both
+    cfg.expect("hidden_act", ("silu", "swish"), "archc's Mamba layer applies SiLU after the "
+               "convolution")
     expand = cfg.number("expand", 2)
-    if (inner := cfg.number("intermediate_size", expand * d)) != expand * d:
-        raise cfg.refuse("intermediate_size", inner, f"Mamba's inner width is expand·hidden_size "
-                         f"= {expand * d}")
+    cfg.expect("intermediate_size", (expand * d,), f"Mamba's inner width is expand·hidden_size "
+               f"= {expand * d}")
     rank = cfg.get("time_step_rank", "auto")
     return {
         "d_model": d, "layers": layers, "mixer": {"kind": "mamba", "mamba": {
@@ -50,8 +36,7 @@ def mamba(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
             "bias": cfg.flag("use_bias", False),
             "dt_rank": None if rank == "auto" else cfg.number("time_step_rank")}},
         "ffn": {"kind": "none"}, "position": {"kind": "none"},
-        "norm": {"kind": "rmsnorm", "eps": cfg.number("layer_norm_epsilon", 1e-5, kind=float)},
-    }
+        "norm": {"kind": "rmsnorm", "eps": cfg.number("layer_norm_epsilon", 1e-5, kind=float)}}
 
 
 def every(cfg: HFConfig, period_key: str, offset_key: str, default: tuple[int, int],
@@ -67,7 +52,8 @@ def every(cfg: HFConfig, period_key: str, offset_key: str, default: tuple[int, i
 
 def jamba(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
     layers = cfg.number("num_hidden_layers")
-    mixer_activation(cfg)
+    cfg.expect("hidden_act", ("silu", "swish"), "archc's Mamba layer applies SiLU after the "
+               "convolution")
     attends = every(cfg, "attn_layer_period", "attn_layer_offset", (8, 4), layers)
     rank = cfg.get("mamba_dt_rank", "auto")
     mamba = {"d_state": cfg.number("mamba_d_state", 16), "d_conv": cfg.number("mamba_d_conv", 4),
@@ -75,10 +61,9 @@ def jamba(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
              "conv_bias": cfg.flag("mamba_conv_bias", True),
              "bias": cfg.flag("mamba_proj_bias", False),
              "dt_rank": None if rank == "auto" else cfg.number("mamba_dt_rank")}
-    if not cfg.flag("mamba_inner_layernorms", True):   # the original code's switch
-        raise cfg.refuse("mamba_inner_layernorms", False, "transformers' Jamba normalizes Δ, B "
-                         "and C in every Mamba layer")
-    kind = gated_kind(cfg)
+    cfg.expect("mamba_inner_layernorms", (True,), "transformers' Jamba normalizes Δ, B and C "
+               "in every Mamba layer")   # the original code's switch
+    kind = activation(cfg, "hidden_act", "silu", gated=True)
     experts = cfg.number("num_experts", 16)
     routed = every(cfg, "expert_layer_period", "expert_layer_offset", (2, 1), layers)
     top_k = cfg.number("num_experts_per_tok", 2)
@@ -98,33 +83,31 @@ def jamba(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         "mixer": {**mixer, "mamba": None if all(attends) else mamba},
         "attention": attention if any(attends) else None, "ffn": ffn,
         "norm": {"kind": "rmsnorm", "eps": cfg.number("rms_norm_eps", 1e-6, kind=float)},
-        "position": {"kind": "none"},
-    }
+        "position": {"kind": "none"}}
 
 
 def mixer_names(theirs: str) -> dict[str, str]:
     """archc's Mamba layer `ssm` in transformers' mixer module `theirs` (Jamba's with Δ, B and C
     norms)."""
     return {"ssm": theirs, "ssm.conv": f"{theirs}.conv1d",
-            **each("ssm.*", f"{theirs}.*_proj", ("in", "x", "dt", "out")),
-            **each("ssm.*_norm", f"{theirs}.*_layernorm", ("dt", "b", "c"))}
+            **each("ssm.*", f"{theirs}.*_proj", "in x dt out"),
+            **each("ssm.*_norm", f"{theirs}.*_layernorm", "dt b c")}
 
 
-def depthwise_conv(layout: Layout, s: Spec, t: TensorMap, ckpt: Checkpoint) -> None:
+def depthwise_conv(t: TensorMap) -> None:
     """nn.Conv1d(groups=C) stores its depthwise filter [C, 1, K]; archc's is [C, K]."""
     for target in [x for x in t.want if x.endswith("ssm.conv.weight")]:
         c, k = t.want[target]
-        t.add([checkpoint_name(layout, s, ckpt, target)], [(c, 1, k)], [target],
-              lambda xs: [xs[0].squeeze(1)])
+        t.add([t.name(target)], [(c, 1, k)], [target], lambda xs: [xs[0].squeeze(1)])
 
 
-def jamba_tensors(layout: Layout, s: Spec, t: TensorMap, ckpt: Checkpoint) -> None:
+def jamba_tensors(t: TensorMap) -> None:
     """The depthwise filters, and experts fused as transformers 5 may keep them: `gate_up_proj`
     [E, 2F, d] (gate rows first) and `down_proj` [E, d, F]."""
-    depthwise_conv(layout, s, t, ckpt)
-    for i in range(s.layers):
-        hf, ax = ckpt(f"layers.{i}.feed_forward.experts."), f"layers.{i}.ffn.experts."
-        if hf + "gate_up_proj" in ckpt.names:
+    depthwise_conv(t)
+    for i in range(t.spec.layers):
+        hf, ax = t.ckpt(f"layers.{i}.feed_forward.experts."), f"layers.{i}.ffn.experts."
+        if hf + "gate_up_proj" in t.ckpt.names:
             n, f, d = t.want[ax + "gate.weight"]
             t.add([hf + "gate_up_proj"], [(n, 2 * f, d)], [ax + "gate.weight", ax + "up.weight"],
                   lambda xs: [x.contiguous() for x in xs[0].chunk(2, dim=1)])
@@ -132,32 +115,26 @@ def jamba_tensors(layout: Layout, s: Spec, t: TensorMap, ckpt: Checkpoint) -> No
                   lambda xs: xs)
 
 
-GATE_UP_DOWN = ("gate", "up", "down")
-MAMBA = Architecture(
-    ("mamba",), mamba, Layout({"embed": "embeddings", "final_norm": "norm_f", "ssm_norm": "norm",
-                               **mixer_names("mixer")}, special=depthwise_conv),
-    tied=True,
-    # Initialisation and training switches (time-step init range and scheme, residual
-    # rescaling), implementation choices of the scan (mamba.py, associative scan) and of the
-    # original CUDA code (a fused residual-add + norm kernel), the vocabulary padding already
-    # applied to vocab_size, and the f32 residual, which rounds differently only below f32 (archc
-    # keeps the residual stream in the model dtype).
+MAMBA = Architecture(("mamba",), mamba, Layout({
+        "embed": "embeddings", "final_norm": "norm_f", "ssm_norm": "norm", **mixer_names("mixer")},
+        special=depthwise_conv), tied=True,
+    # Initialisation and training switches (time-step init, residual rescaling), choices of the
+    # scan (mamba.py, associative) and of the original CUDA code (a fused residual-add + norm),
+    # the vocabulary padding already in vocab_size, and the f32 residual, which rounds differently
+    # only below f32 (archc keeps the residual stream in the model dtype).
     inert=frozenset({"time_step_scale", "time_step_min", "time_step_max",
                      "time_step_init_scheme", "time_step_floor", "rescale_prenorm_residual",
                      "use_mambapy", "use_associative_scan", "residual_in_fp32", "fused_add_norm",
-                     "pad_vocab_size_multiple"}),
-    prefixes=("backbone.",))
-JAMBA = Architecture(
-    ("jamba",), jamba, Layout({
+                     "pad_vocab_size_multiple"}))
+JAMBA = Architecture(("jamba",), jamba, Layout({
         "embed": "embed_tokens", "final_norm": "final_layernorm", "ssm_norm": "input_layernorm",
         "attn_norm": "input_layernorm", **mixer_names("mamba"),
-        **each("attn.*", "self_attn.*_proj", "qkvo"), "ffn_norm": "pre_ff_layernorm",
-        **each("ffn.*", "feed_forward.*_proj", GATE_UP_DOWN), "ffn.router": "feed_forward.router",
-        **each("ffn.experts.*", "feed_forward.experts.{e}.*_proj", GATE_UP_DOWN)},
+        **each("attn.*", "self_attn.*_proj", "q k v o"), "ffn_norm": "pre_ff_layernorm",
+        **each("ffn.*", "feed_forward.*_proj", "gate up down"), "ffn.router": "feed_forward.router",
+        **each("ffn.experts.*", "feed_forward.experts.{e}.*_proj", "gate up down")},
         special=jamba_tensors),
     # Training-only router settings, implementation choices of the Mamba scan, and which
     # positions' logits the original code returns (archc returns them all).
     inert=frozenset({"router_aux_loss_coef", "output_router_logits", "use_mamba_kernels",
                      "use_mambapy", "use_associative_scan", "calc_logits_for_entire_prompt",
-                     "num_logits_to_keep"}),
-    prefixes=("model.",))
+                     "num_logits_to_keep"}))
