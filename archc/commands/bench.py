@@ -97,15 +97,14 @@ def config_of(args: argparse.Namespace) -> Any:
         raise ArchcError("--dry-run runs Triton's interpreter, which computes bf16 wrongly: "
                          "use --dtype f32 or f16")
     auto = args.gpu in (None, "auto")
-    model, detected = gpu("h200" if auto else args.gpu), False
-    if auto and device.type == "cuda":     # read the GPU model off the device
+    model, detected = gpu("h200" if auto else args.gpu), auto and device.type == "cuda"
+    if detected:     # read the GPU model off the device
         name = torch.cuda.get_device_name(device)
         key = name.lower().replace("-", "").replace(" ", "")
         model = next((g for k, g in GPUS.items() if k in key), None)
         if model is None:
             raise ArchcError(f"cannot tell which GPU model {name!r} is for the roofline: pass "
                              f"--gpu {' | '.join(GPUS)}")
-        detected = True
     return BenchConfig(
         spec=spec, dtype=dtype, device=device, gpu=model, gpu_detected=detected,
         batch=args.batch or base["batch"], prompt=prompt, decode=decode,
@@ -121,12 +120,11 @@ def config_of(args: argparse.Namespace) -> Any:
 def run_host(args: argparse.Namespace) -> int:
     from archc.perf.bench import keep_layers
     from archc.perf.host import check_host, format_host, measure_host
-    given = {"--dry-run": args.dry_run, "--prompt-len": args.prompt_len is not None,
-             "--gpu": args.gpu is not None,
-             "--compile-modes": args.compile_modes != ",".join(COMPILE_MODES),
-             "--no-kernels": args.no_kernels, "--autotune": args.autotune,
-             "--seed": args.seed != 0, "--json": args.json}
-    extra = [flag for flag, on in given.items() if on]
+    # the flags that do not apply, as the parser leaves them when not given
+    defaults = {"dry_run": False, "prompt_len": None, "gpu": None,
+                "compile_modes": ",".join(COMPILE_MODES), "no_kernels": False,
+                "autotune": False, "seed": 0, "json": False}
+    extra = [f"--{k.replace('_', '-')}" for k, v in defaults.items() if getattr(args, k) != v]
     if extra:
         raise ArchcError(f"--host times archc's host work per decode step with no-op kernels "
                          f"and no weights: {', '.join(extra)} do{'es' if len(extra) == 1 else ''}"
