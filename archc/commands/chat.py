@@ -15,6 +15,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import torch
@@ -110,14 +111,14 @@ def answer(compiled: Any, prompt_ids: Sequence[int], args: argparse.Namespace,
     return ids
 
 
+@dataclass
 class Conversation:
     """The messages so far, rendered through the chat template to fit the context."""
 
-    def __init__(self, tokenizer: Any, max_tokens: int, system: str | None) -> None:
-        self.tok = tokenizer
-        self.max_tokens = max_tokens
-        self.system = system
-        self.turns: list[tuple[str, str]] = []    # (user, assistant)
+    tok: Any
+    max_tokens: int
+    system: str | None
+    turns: list[tuple[str, str]] = field(default_factory=list)    # (user, assistant)
 
     def reset(self) -> None:
         self.turns = []
