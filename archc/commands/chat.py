@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 import torch
 
-from archc.commands.common import Run, Timings, report
+from archc.commands.common import Run, Timings
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
 from archc.sources import Source
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             err_console.print(f"[dim]{text}[/]", soft_wrap=True)
 
-    report(run_.timings, args.quiet)
+    run_.timings.report(args.quiet)
     if interactive:
         note(f"chatting with {model.spec.name}: "
              + "; ".join(f"{c} to {what}" for c, what in COMMANDS.items()))
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
             talk.add(line, reply)
             print(json.dumps({"user": line, "assistant": reply,
                               "timings": timings.as_dict()}) if args.json else "", flush=True)
-            report(timings, args.quiet or args.json)
+            timings.report(args.quiet or args.json)
             if timings.stop == "interrupted" and not interactive:
                 return 130
     return 0

@@ -65,16 +65,15 @@ class Timings:
             parts.append(STOPS[self.stop] + (f" ({self.stop_token})" if self.stop_token else ""))
         return " · ".join(parts)
 
+    def report(self, quiet: bool) -> None:
+        """The line on stderr: whole, however narrow the terminal or pipe."""
+        if not quiet:
+            err_console.print(f"[dim]{self.line()}[/]", soft_wrap=True, highlight=False)
+
     def as_dict(self) -> dict[str, Any]:
         return {"seconds": self.seconds, "prompt_tokens": self.prompt_tokens,
                 "generated_tokens": self.generated,
                 "tokens_per_second": self.tokens_per_second(), "stop": self.stop}
-
-
-def report(timings: Timings, quiet: bool) -> None:
-    """The timings line on stderr: whole, however narrow the terminal or pipe."""
-    if not quiet:
-        err_console.print(f"[dim]{timings.line()}[/]", soft_wrap=True, highlight=False)
 
 
 def spec_of(args: argparse.Namespace, attr: str = "source") -> Spec:

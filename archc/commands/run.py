@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from archc.commands.chat import add_sampling_arguments, answer, check_text_source
-from archc.commands.common import Run, report
+from archc.commands.common import Run
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
 from archc.ui import console, table
@@ -100,7 +100,7 @@ def _generate_text(args: argparse.Namespace, run_: Run, model: Any) -> int:
                                  "tokens": new})
     else:
         print(flush=True)
-        report(run_.timings, args.quiet)
+        run_.timings.report(args.quiet)
     return 130 if run_.timings.stop == "interrupted" else 0
 
 
@@ -150,5 +150,5 @@ def _summarize(args: argparse.Namespace, run_: Run, model: Any) -> int:
             ("the recurrent state", not set(spec.all_mixers) <= {"attention"})) if held)
         console.print(f"greedy continuation: {body['greedy_continuation']} (prefill + "
                       f"{args.new_tokens - 1} decode steps with {carried})")
-    report(timings, args.quiet)
+    timings.report(args.quiet)
     return 0
