@@ -227,7 +227,6 @@ def from_gguf_vocab(*, model: str, tokens: Sequence[str], token_types: Sequence[
         backend = tokenizers.Tokenizer(m.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
         backend.pre_tokenizer = _byte_level_pre(tokenizers, pre or "default")
         backend.decoder = d.ByteLevel()
-        default_add_bos = False
     elif model == "llama":
         if scores is None:
             raise TokenizerError(f"{source}: tokenizer.ggml.scores is missing for a "
@@ -235,13 +234,10 @@ def from_gguf_vocab(*, model: str, tokens: Sequence[str], token_types: Sequence[
         unk = next((t for t, k in zip(tokens, token_types or ()) if k == UNKNOWN), None)
         backend = tokenizers.Tokenizer(m.BPE(vocab, _spm_merges(tokens, scores, vocab),
                                              unk_token=unk, fuse_unk=True, byte_fallback=True))
-        steps = [n.Replace(" ", "▁")]
-        if add_space_prefix is not False:
-            steps.insert(0, n.Prepend("▁"))
-        backend.normalizer = n.Sequence(steps)
-        backend.decoder = d.Sequence([d.Replace("▁", " "), d.ByteFallback(), d.Fuse()] + (
-            [d.Strip(" ", 1, 0)] if add_space_prefix is not False else []))
-        default_add_bos = True
+        prefix = add_space_prefix is not False      # "▁" before the text, stripped after
+        backend.normalizer = n.Sequence([n.Prepend("▁")] * prefix + [n.Replace(" ", "▁")])
+        backend.decoder = d.Sequence([d.Replace("▁", " "), d.ByteFallback(), d.Fuse()] +
+                                     [d.Strip(" ", 1, 0)] * prefix)
     else:
         raise TokenizerError(f"{source}: tokenizer.ggml.model {model!r} is not supported "
                              "(archc builds gpt2 byte-level BPE and llama SentencePiece)")
@@ -252,4 +248,4 @@ def from_gguf_vocab(*, model: str, tokens: Sequence[str], token_types: Sequence[
     bos_token = tokens[bos_id] if bos_id is not None and 0 <= bos_id < len(tokens) else None
     return Tokenizer(backend, bos_token=bos_token, eos_token=eos_token,
                      eos_token_ids=tuple(eos_ids), chat_template=chat_template,
-                     add_bos=default_add_bos if add_bos is None else add_bos, source=source)
+                     add_bos=model == "llama" if add_bos is None else add_bos, source=source)
