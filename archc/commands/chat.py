@@ -23,7 +23,6 @@ import torch
 from archc.commands.common import Run, Timings
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
-from archc.sources import Source
 from archc.ui import err_console
 
 COMMANDS = {"/reset": "start a new conversation", "/exit": "end the chat, as end of input does"}
@@ -45,9 +44,11 @@ def add_sampling_arguments(p: Any) -> None:
     add(p, "top_k", "top_p", "ignore_eos")
 
 
-def check_text_source(source: Source, what: str) -> None:
-    """Before loading: can this source take text at all?"""
-    spec = source.spec
+def load_for_text(args: argparse.Namespace, what: str, *, chat: bool) -> tuple[Run, Any]:
+    """The model, loaded once the source is known to take text (and, for `chat`, to have a
+    chat template); `what` names the flag or command that needs it."""
+    run_ = Run(args, backend=args.backend)
+    spec, source = run_.spec, run_.source
     if spec.family == "encoder":
         raise ArchcError(f"{spec.name} is an encoder: it has no output head to generate "
                          f"text with, so {what} does not apply")
@@ -59,6 +60,11 @@ def check_text_source(source: Source, what: str) -> None:
     if not source.tokenizer:
         raise ArchcError(f"{spec.name} carries no tokenizer (tokenizer.json in a Hugging Face "
                          f"directory, tokenizer.ggml.* in a GGUF file), so {what} cannot be used")
+    model = run_.load()
+    if chat and not model.tokenizer.chat_template:
+        raise ArchcError(f"{spec.name} has no chat template, so {what} cannot be used; "
+                         "`archc run SOURCE --prompt TEXT` continues plain text")
+    return run_, model
 
 
 def answer(compiled: Any, prompt_ids: Sequence[int], args: argparse.Namespace,
@@ -161,12 +167,7 @@ def _lines(interactive: bool) -> Iterator[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    run_ = Run(args, backend=args.backend)
-    check_text_source(run_.source, "archc chat")
-    model = run_.load()
-    if not model.tokenizer.chat_template:
-        raise ArchcError(f"{model.spec.name} has no chat template, so it cannot chat; "
-                         "`archc run SOURCE --prompt TEXT` continues plain text")
+    run_, model = load_for_text(args, "archc chat", chat=True)
     compiled = run_.compile(model, args.backend)
     interactive = sys.stdin.isatty()
     if interactive:

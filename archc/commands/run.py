@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from archc.commands.chat import add_sampling_arguments, answer, check_text_source
+from archc.commands.chat import add_sampling_arguments, answer, load_for_text
 from archc.commands.common import Run
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
@@ -65,11 +65,11 @@ def run(args: argparse.Namespace) -> int:
     if args.new_tokens is None:
         args.new_tokens = TEXT_NEW_TOKENS if text else SUMMARY_NEW_TOKENS
     args.prompt_len, args.batch = args.prompt_len or 8, args.batch or 1
-    run_ = Run(args, backend=args.backend,
-               lengths=None if text else (args.prompt_len, args.new_tokens))
     if text:
-        check_text_source(run_.source, "--prompt" if args.prompt is not None else "--chat")
-    return (_generate_text if text else _summarize)(args, run_, run_.load())
+        return _generate_text(args, *load_for_text(
+            args, "--prompt" if args.chat is None else "--chat", chat=args.chat is not None))
+    run_ = Run(args, backend=args.backend, lengths=(args.prompt_len, args.new_tokens))
+    return _summarize(args, run_, run_.load())
 
 
 def _print_json(args: argparse.Namespace, run_: Run, body: dict[str, Any]) -> None:
@@ -82,9 +82,6 @@ def _print_json(args: argparse.Namespace, run_: Run, body: dict[str, Any]) -> No
 
 def _generate_text(args: argparse.Namespace, run_: Run, model: Any) -> int:
     tok = model.tokenizer
-    if args.chat is not None and not tok.chat_template:
-        raise ArchcError(f"{model.spec.name} has no chat template, so --chat cannot be used; "
-                         "--prompt continues plain text")
     system = [{"role": "system", "content": args.system}] if args.system else []
     ids = tok.encode(args.prompt) if args.chat is None else \
         tok.encode_chat([*system, {"role": "user", "content": args.chat}])
