@@ -142,21 +142,20 @@ class CompiledModel:
         """Full forward pass: logits (decoder, encoder-decoder) or hidden states (encoder).
         `input_ids`: token ids [B, T], or text when the model has a tokenizer."""
         input_ids = self._ids(input_ids)
-        family = self.spec.family
+        family, extra = self.spec.family, {}
         if family == "encoder":
             return self.session.encode(input_ids, attention_mask, token_type_ids)
         if family == "encoder-decoder":
             if decoder_input_ids is None:
                 raise ArchcError("an encoder-decoder needs decoder_input_ids")
-            hidden = self.session.encode(input_ids, attention_mask)
-            self.session.reset()
-            return self.session.step(_as_ids(decoder_input_ids, "decoder_input_ids"),
-                                     encoder_hidden=hidden, encoder_mask=attention_mask)
-        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            extra = {"encoder_hidden": self.session.encode(input_ids, attention_mask),
+                     "encoder_mask": attention_mask}
+            input_ids = _as_ids(decoder_input_ids, "decoder_input_ids")
+        elif attention_mask is not None and not bool(attention_mask.bool().all()):
             raise ArchcError("padding masks are supported for encoders; a decoder forward "
                              "takes unpadded sequences")
         self.session.reset()
-        return self.session.step(input_ids)
+        return self.session.step(input_ids, **extra)
 
     def generate(self, input_ids: torch.Tensor | str, max_new_tokens: int = 20, *,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
