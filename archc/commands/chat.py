@@ -168,7 +168,7 @@ def _lines(interactive: bool) -> Iterator[str]:
 
 def run(args: argparse.Namespace) -> int:
     run_, model = load_for_text(args, "archc chat", chat=True)
-    compiled = run_.compile(model, args.backend)
+    compiled = run_.compile(model)
     interactive = sys.stdin.isatty()
     if interactive:
         import readline  # noqa: F401  (line editing and history for input())

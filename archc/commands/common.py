@@ -156,8 +156,9 @@ class Run:
                 err_console.print(f"[dim]note: {note}[/]", soft_wrap=True)
         return model
 
-    def compile(self, model: Any, backend: str) -> Any:
-        options = {"cache_dir": self.args.cache_dir} if backend == "triton" and \
-            self.args.cache_dir is not None else {}
+    def compile(self, model: Any) -> Any:
+        """The model compiled for --backend, kernels written to --cache-dir when given."""
+        backend, cache_dir = self.args.backend, self.args.cache_dir
+        options = {"cache_dir": cache_dir} if backend == "triton" and cache_dir is not None else {}
         with self.timings.phase("compile"):
             return model.compile(backend, dtype=self.dtype, device=self.device, **options)

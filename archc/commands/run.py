@@ -87,7 +87,7 @@ def _generate_text(args: argparse.Namespace, run_: Run, model: Any) -> int:
         tok.encode_chat([*system, {"role": "user", "content": args.chat}])
     if not ids:
         raise ArchcError("the prompt encodes to no tokens")
-    compiled = run_.compile(model, args.backend)
+    compiled = run_.compile(model)
     if not args.json and args.prompt is not None and model.spec.family == "decoder":
         print(args.prompt, end="", flush=True)
     new = answer(compiled, ids, args, run_.timings, out=None if args.json else sys.stdout)
@@ -103,7 +103,7 @@ def _generate_text(args: argparse.Namespace, run_: Run, model: Any) -> int:
 
 def _summarize(args: argparse.Namespace, run_: Run, model: Any) -> int:
     spec, timings = model.spec, run_.timings
-    compiled = run_.compile(model, args.backend)
+    compiled = run_.compile(model)
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, spec.vocab_size, (args.batch, args.prompt_len), generator=gen)
     timings.prompt_tokens = args.prompt_len
