@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from archc.commands.chat import add_sampling_arguments, answer, load_for_text
+from archc.commands.chat import Conversation, add_sampling_arguments, answer, load_for_text
 from archc.commands.common import Run
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
@@ -82,9 +82,8 @@ def _print_json(args: argparse.Namespace, run_: Run, body: dict[str, Any]) -> No
 
 def _generate_text(args: argparse.Namespace, run_: Run, model: Any) -> int:
     tok = model.tokenizer
-    system = [{"role": "system", "content": args.system}] if args.system else []
     ids = tok.encode(args.prompt) if args.chat is None else \
-        tok.encode_chat([*system, {"role": "user", "content": args.chat}])
+        Conversation(tok, model.spec.max_seq_len, args.system).prompt(args.chat, room=0)[0]
     if not ids:
         raise ArchcError("the prompt encodes to no tokens")
     compiled = run_.compile(model)
