@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 
@@ -68,10 +68,10 @@ def load_for_text(args: argparse.Namespace, what: str, *, chat: bool) -> tuple[R
 
 
 def answer(compiled: Any, prompt_ids: Sequence[int], args: argparse.Namespace,
-           timings: Timings, *, out: TextIO | None) -> list[int]:
-    """The new tokens after `prompt_ids` (an end-of-sequence token left out), their text
-    written to `out` as it becomes final. Stops at the model's end-of-sequence ids unless
-    --ignore-eos, at --new-tokens, at max_seq_len, or at Ctrl-C."""
+           timings: Timings) -> list[int]:
+    """The new tokens after `prompt_ids` (an end-of-sequence token left out), their text on
+    standard output (unless --json) as it becomes final. Stops at the model's end-of-sequence ids
+    unless --ignore-eos, at --new-tokens, at max_seq_len, or at Ctrl-C."""
     spec, tok = compiled.spec, compiled.model.tokenizer
     timings.prompt_tokens = len(prompt_ids)
     room = spec.max_seq_len - (1 if spec.family == "encoder-decoder" else len(prompt_ids))
@@ -87,9 +87,8 @@ def answer(compiled: Any, prompt_ids: Sequence[int], args: argparse.Namespace,
     seen: list[float] = []
 
     def write(text: str) -> None:
-        if out is not None and text:
-            out.write(text)
-            out.flush()
+        if text and not args.json:
+            print(text, end="", flush=True)
 
     def on_token(column: torch.Tensor) -> None:
         seen.append(time.perf_counter())
@@ -199,8 +198,7 @@ def run(args: argparse.Namespace) -> int:
                 note(f"note: the {dropped} oldest turn(s) no longer fit in max_seq_len = "
                      f"{model.spec.max_seq_len} and were dropped")
             timings = Timings()
-            reply = model.tokenizer.decode(answer(compiled, ids, args, timings,
-                                                  out=None if args.json else sys.stdout))
+            reply = model.tokenizer.decode(answer(compiled, ids, args, timings))
             talk.add(line, reply)
             print(json.dumps({"user": line, "assistant": reply,
                               "timings": timings.as_dict()}) if args.json else "", flush=True)

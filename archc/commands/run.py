@@ -89,7 +89,7 @@ def _generate_text(args: argparse.Namespace, run_: Run, model: Any) -> int:
     compiled = run_.compile(model)
     if not args.json and args.prompt is not None and model.spec.family == "decoder":
         print(args.prompt, end="", flush=True)
-    new = answer(compiled, ids, args, run_.timings, out=None if args.json else sys.stdout)
+    new = answer(compiled, ids, args, run_.timings)
     if args.json:
         _print_json(args, run_, {"prompt": args.prompt, "chat": args.chat,
                                  "system": args.system, "text": tok.decode(new),
