@@ -47,7 +47,7 @@ def add_sampling_arguments(p: Any) -> None:
 def load_for_text(args: argparse.Namespace, what: str, *, chat: bool) -> tuple[Run, Any]:
     """The model, loaded once the source is known to take text (and, for `chat`, to have a
     chat template); `what` names the flag or command that needs it."""
-    run_ = Run(args, backend=args.backend)
+    run_ = Run(args)
     spec, source = run_.spec, run_.source
     if spec.family == "encoder":
         raise ArchcError(f"{spec.name} is an encoder: it has no output head to generate "

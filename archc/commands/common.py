@@ -108,11 +108,11 @@ def emit(text: str, path: Path | None) -> None:
 
 class Run:
     """A model about to run: its source, device and dtype, checked before a weight is read.
-    `backend` None: the command runs both backends (validate)."""
+    A command without --backend runs both backends (validate)."""
 
-    def __init__(self, args: argparse.Namespace, *, backend: str | None,
-                 lengths: tuple[int, int] | None = None) -> None:
+    def __init__(self, args: argparse.Namespace, lengths: tuple[int, int] | None = None) -> None:
         self.args = args
+        backend = getattr(args, "backend", None)
         self.source = describe(args.source)
         self.spec = self.source.spec
         self.device = resolve_device(args.device, spell=cli_option)

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     if text:
         return _generate_text(args, *load_for_text(
             args, "--prompt" if args.chat is None else "--chat", chat=args.chat is not None))
-    run_ = Run(args, backend=args.backend, lengths=(args.prompt_len, args.new_tokens))
+    run_ = Run(args, lengths=(args.prompt_len, args.new_tokens))
     return _summarize(args, run_, run_.load())
 
 
