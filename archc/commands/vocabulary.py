@@ -58,12 +58,9 @@ class Flag:
     metavar: str | None = None
     argparse: dict[str, Any] = field(default_factory=dict)   # type, choices, action…
 
-    @property
-    def dest(self) -> str:
-        return self.names[-1].lstrip("-").replace("-", "_")
 
-
-FLAGS: dict[str, Flag] = {f.dest: f for f in (
+# keyed as argparse names the attribute: --prompt-len is prompt_len
+FLAGS: dict[str, Flag] = {f.names[-1].lstrip("-").replace("-", "_"): f for f in (
     Flag(("source",), "the model: a zoo name (`archc specs`), a spec YAML, a Hugging Face "
          "directory, a .gguf file, or an archc checkpoint directory", "SOURCE"),
     Flag(("--prompt",), "text to continue", "TEXT"),
