@@ -46,9 +46,7 @@ def dtype_name(value: Any) -> str:
 def default_dtype(model_dtype: str, device: torch.device | str | None) -> str:
     """The dtype a model computes in when none is given. `device` None: nothing runs (the IR
     and the costs of a model are shown in its own dtype)."""
-    if device is not None and torch.device(device).type == "cpu":
-        return "f32"
-    return model_dtype
+    return "f32" if device is not None and torch.device(device).type == "cpu" else model_dtype
 
 
 def resolve_device(value: Any, *, spell: Spell = python_option) -> torch.device:

@@ -77,13 +77,6 @@ def set_max_bytes(value: int) -> None:
         raise ArchcError(f"cannot write {path}: {err.strerror}") from None
 
 
-def remove(entry: Entry) -> None:
-    try:
-        shutil.rmtree(entry.path)
-    except OSError as err:
-        raise ArchcError(f"cannot remove {entry.path}: {err.strerror}") from None
-
-
 def trim(directory: Path | None = None, cap: int | None = None,
          keep: Path | None = None) -> list[Entry]:
     """Delete the least recently used entries until the cache is within `cap` (default: the
@@ -94,7 +87,10 @@ def trim(directory: Path | None = None, cap: int | None = None,
     removed = []
     for e in reversed(found):            # oldest first
         if total > cap and e.path != keep:
-            remove(e)
+            try:
+                shutil.rmtree(e.path)
+            except OSError as err:
+                raise ArchcError(f"cannot remove {e.path}: {err.strerror}") from None
             total -= e.bytes
             removed.append(e)
     return removed

@@ -16,7 +16,6 @@ weights are priced against the memory free before they are allocated.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from archc.runtime.weights import TORCH_DTYPES, check_checkpoint, random_weights
 from archc.spec.schema import Spec
 
 Progress = Callable[[int, int], None]     # (done, total), while weights load
+BACKENDS = ("eager", "triton")
 
 
 class Session(Protocol):
@@ -98,11 +98,12 @@ class Model:
                        checkpoint_elements(self.graph), name, self.spec.family, torch_device,
                        random=self.random_weights)
         program = self.graph if name == "f32" else lower(self.spec, name)
-        module, factory = BACKENDS[backend]
-        session = getattr(importlib.import_module(module), factory)(
-            self, program, name, torch_device, options)
-        if getattr(session, "module_path", None) is not None:   # a backend that generates code
+        if backend == "eager":
+            session = _eager_session(self, program, torch_device, options)
+        else:     # imported when first compiled for
             from archc.kernel_cache import used
+            from archc.runtime.triton_backend import triton_backend
+            session = triton_backend(self, program, name, torch_device, options)
             used(Path(session.module_path))
         return CompiledModel(self, program, session, backend)
 
@@ -114,7 +115,7 @@ class Model:
 EAGER_PIPELINE = ("share-kv-heads", "flash-attention")
 
 
-def _eager_backend(model: Model, program: Program, dtype: str, device: torch.device,
+def _eager_session(model: Model, program: Program, device: torch.device,
                    options: Mapping[str, Any]) -> Session:
     from archc.passes import optimize
     unknown = sorted(set(options) - {"passes"})
@@ -124,12 +125,6 @@ def _eager_backend(model: Model, program: Program, dtype: str, device: torch.dev
     program = optimize(program, EAGER_PIPELINE if passes is None else passes)
     return EagerSession(program, model.weights, max_seq_len=model.spec.max_seq_len,
                         device=device)
-
-
-# name → (module, factory(model, program, dtype, device, options) → Session); a backend's module
-# is imported when it is first compiled for
-BACKENDS = {"eager": ("archc.model", "_eager_backend"),
-            "triton": ("archc.runtime.triton_backend", "triton_backend")}
 
 
 class CompiledModel:
@@ -147,21 +142,20 @@ class CompiledModel:
         """Full forward pass: logits (decoder, encoder-decoder) or hidden states (encoder).
         `input_ids`: token ids [B, T], or text when the model has a tokenizer."""
         input_ids = self._ids(input_ids)
-        family = self.spec.family
+        family, extra = self.spec.family, {}
         if family == "encoder":
             return self.session.encode(input_ids, attention_mask, token_type_ids)
         if family == "encoder-decoder":
             if decoder_input_ids is None:
                 raise ArchcError("an encoder-decoder needs decoder_input_ids")
-            hidden = self.session.encode(input_ids, attention_mask)
-            self.session.reset()
-            return self.session.step(_as_ids(decoder_input_ids, "decoder_input_ids"),
-                                     encoder_hidden=hidden, encoder_mask=attention_mask)
-        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            extra = {"encoder_hidden": self.session.encode(input_ids, attention_mask),
+                     "encoder_mask": attention_mask}
+            input_ids = _as_ids(decoder_input_ids, "decoder_input_ids")
+        elif attention_mask is not None and not bool(attention_mask.bool().all()):
             raise ArchcError("padding masks are supported for encoders; a decoder forward "
                              "takes unpadded sequences")
         self.session.reset()
-        return self.session.step(input_ids)
+        return self.session.step(input_ids, **extra)
 
     def generate(self, input_ids: torch.Tensor | str, max_new_tokens: int = 20, *,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -29,18 +30,15 @@ def _tokenizers() -> Any:
     return tokenizers
 
 
+@dataclass
 class Tokenizer:
-    def __init__(self, backend: Any, *, bos_token: str | None = None,
-                 eos_token: str | None = None, eos_token_ids: Sequence[int] = (),
-                 chat_template: str | None = None, add_bos: bool = False,
-                 source: str = "") -> None:
-        self.backend = backend
-        self.bos_token = bos_token
-        self.eos_token = eos_token
-        self.eos_token_ids = tuple(eos_token_ids)
-        self.chat_template = chat_template
-        self.add_bos = add_bos          # prepend BOS when the backend's post-processor does not
-        self.source = source
+    backend: Any
+    bos_token: str | None = None
+    eos_token: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    chat_template: str | None = None
+    add_bos: bool = False          # prepend BOS when the backend's post-processor does not
+    source: str = ""
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -170,7 +168,8 @@ def load_hf_tokenizer(directory: Path) -> Tokenizer | None:
 _LLAMA3_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|"
                  r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
                  r"\s+(?!\S)")
-_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+_PRE_REGEX = {"llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX,
+              "qwen2": _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}"), "smaug-bpe": _LLAMA3_REGEX}
 _DIGITS_FIRST = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
 
 # GGUF token types
@@ -179,19 +178,17 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 def _byte_level_pre(tokenizers: Any, pre: str) -> Any:
     p = tokenizers.pre_tokenizers
+    byte_level = p.ByteLevel(add_prefix_space=False, use_regex=pre not in _PRE_REGEX)
     if pre in ("default", "gpt2", "gpt-2", ""):
-        return p.ByteLevel(add_prefix_space=False, use_regex=True)
+        return byte_level
     if pre in _DIGITS_FIRST:
-        return p.Sequence([p.Digits(individual_digits=True),
-                           p.ByteLevel(add_prefix_space=False, use_regex=True)])
-    regex = {"llama3": _LLAMA3_REGEX, "llama-bpe": _LLAMA3_REGEX, "qwen2": _QWEN2_REGEX,
-             "smaug-bpe": _LLAMA3_REGEX}.get(pre)
-    if regex is None:
-        known = ["default", "gpt2", "llama-bpe", "llama3", "qwen2", "smaug-bpe", *_DIGITS_FIRST]
+        return p.Sequence([p.Digits(individual_digits=True), byte_level])
+    if pre not in _PRE_REGEX:
+        known = ["default", "gpt2", *_PRE_REGEX, *_DIGITS_FIRST]
         raise TokenizerError(f"tokenizer.ggml.pre: {pre!r} is not a pre-tokenizer archc knows "
                              f"(known: {', '.join(known)})")
-    return p.Sequence([p.Split(tokenizers.Regex(regex), behavior="isolated"),
-                       p.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return p.Sequence([p.Split(tokenizers.Regex(_PRE_REGEX[pre]), behavior="isolated"),
+                       byte_level])
 
 
 def _spm_merges(tokens: Sequence[str], scores: Sequence[float],
@@ -230,7 +227,6 @@ def from_gguf_vocab(*, model: str, tokens: Sequence[str], token_types: Sequence[
         backend = tokenizers.Tokenizer(m.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
         backend.pre_tokenizer = _byte_level_pre(tokenizers, pre or "default")
         backend.decoder = d.ByteLevel()
-        default_add_bos = False
     elif model == "llama":
         if scores is None:
             raise TokenizerError(f"{source}: tokenizer.ggml.scores is missing for a "
@@ -238,13 +234,10 @@ def from_gguf_vocab(*, model: str, tokens: Sequence[str], token_types: Sequence[
         unk = next((t for t, k in zip(tokens, token_types or ()) if k == UNKNOWN), None)
         backend = tokenizers.Tokenizer(m.BPE(vocab, _spm_merges(tokens, scores, vocab),
                                              unk_token=unk, fuse_unk=True, byte_fallback=True))
-        steps = [n.Replace(" ", "▁")]
-        if add_space_prefix is not False:
-            steps.insert(0, n.Prepend("▁"))
-        backend.normalizer = n.Sequence(steps)
-        backend.decoder = d.Sequence([d.Replace("▁", " "), d.ByteFallback(), d.Fuse()] + (
-            [d.Strip(" ", 1, 0)] if add_space_prefix is not False else []))
-        default_add_bos = True
+        prefix = add_space_prefix is not False      # "▁" before the text, stripped after
+        backend.normalizer = n.Sequence([n.Prepend("▁")] * prefix + [n.Replace(" ", "▁")])
+        backend.decoder = d.Sequence([d.Replace("▁", " "), d.ByteFallback(), d.Fuse()] +
+                                     [d.Strip(" ", 1, 0)] * prefix)
     else:
         raise TokenizerError(f"{source}: tokenizer.ggml.model {model!r} is not supported "
                              "(archc builds gpt2 byte-level BPE and llama SentencePiece)")
@@ -253,6 +246,6 @@ def from_gguf_vocab(*, model: str, tokens: Sequence[str], token_types: Sequence[
              for i, k in enumerate(token_types or ()) if k == kind])
     eos_token = tokens[eos_ids[0]] if eos_ids and 0 <= eos_ids[0] < len(tokens) else None
     bos_token = tokens[bos_id] if bos_id is not None and 0 <= bos_id < len(tokens) else None
-    return Tokenizer(backend, bos_token=bos_token, eos_token=eos_token, eos_token_ids=eos_ids,
-                     chat_template=chat_template,
-                     add_bos=default_add_bos if add_bos is None else add_bos, source=source)
+    return Tokenizer(backend, bos_token=bos_token, eos_token=eos_token,
+                     eos_token_ids=tuple(eos_ids), chat_template=chat_template,
+                     add_bos=model == "llama" if add_bos is None else add_bos, source=source)

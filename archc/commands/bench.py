@@ -97,15 +97,14 @@ def config_of(args: argparse.Namespace) -> Any:
         raise ArchcError("--dry-run runs Triton's interpreter, which computes bf16 wrongly: "
                          "use --dtype f32 or f16")
     auto = args.gpu in (None, "auto")
-    model, detected = gpu("h200" if auto else args.gpu), False
-    if auto and device.type == "cuda":     # read the GPU model off the device
+    model, detected = gpu("h200" if auto else args.gpu), auto and device.type == "cuda"
+    if detected:     # read the GPU model off the device
         name = torch.cuda.get_device_name(device)
         key = name.lower().replace("-", "").replace(" ", "")
         model = next((g for k, g in GPUS.items() if k in key), None)
         if model is None:
             raise ArchcError(f"cannot tell which GPU model {name!r} is for the roofline: pass "
                              f"--gpu {' | '.join(GPUS)}")
-        detected = True
     return BenchConfig(
         spec=spec, dtype=dtype, device=device, gpu=model, gpu_detected=detected,
         batch=args.batch or base["batch"], prompt=prompt, decode=decode,
@@ -121,12 +120,11 @@ def config_of(args: argparse.Namespace) -> Any:
 def run_host(args: argparse.Namespace) -> int:
     from archc.perf.bench import keep_layers
     from archc.perf.host import check_host, format_host, measure_host
-    given = {"--dry-run": args.dry_run, "--prompt-len": args.prompt_len is not None,
-             "--gpu": args.gpu is not None,
-             "--compile-modes": args.compile_modes != ",".join(COMPILE_MODES),
-             "--no-kernels": args.no_kernels, "--autotune": args.autotune,
-             "--seed": args.seed != 0, "--json": args.json}
-    extra = [flag for flag, on in given.items() if on]
+    # the flags that do not apply, as the parser leaves them when not given
+    defaults = {"dry_run": False, "prompt_len": None, "gpu": None,
+                "compile_modes": ",".join(COMPILE_MODES), "no_kernels": False,
+                "autotune": False, "seed": 0, "json": False}
+    extra = [f"--{k.replace('_', '-')}" for k, v in defaults.items() if getattr(args, k) != v]
     if extra:
         raise ArchcError(f"--host times archc's host work per decode step with no-op kernels "
                          f"and no weights: {', '.join(extra)} do{'es' if len(extra) == 1 else ''}"
@@ -196,28 +194,24 @@ def print_report(data: dict[str, Any]) -> None:
             console.print(_kernel_table(phase, rows, shapes))
     pre, dec = data["model"]["prefill"], data["model"]["decode"]
     if pre.get("runs"):
-        console.print(table(
+        console.print(_runs_table(
             f"prefill, {pre['tokens']} tokens: {si(pre['flops'], 'FLOP')}, "
             f"roofline {_t(pre['roofline_seconds'])}",
-            ("runner", "time", "tokens/s", "FLOP/s", "of peak", "of roofline", "archc speed-up"),
-            _runs(pre["runs"], "seconds", lambda r: [
-                _t(r["seconds"]), f"{r['tokens_per_second']:,.0f}",
-                si(r["flops_per_second"], "FLOP/s"), _pct(r["peak_fraction"]),
-                _pct(r["roofline_fraction"]), _x(r.get("archc_speedup"))]), text=("runner",),
-            no_wrap=True))
+            ("time", "tokens/s", "FLOP/s", "of peak", "of roofline"), pre["runs"], "seconds",
+            lambda r: [_t(r["seconds"]), f"{r['tokens_per_second']:,.0f}",
+                       si(r["flops_per_second"], "FLOP/s"), _pct(r["peak_fraction"]),
+                       _pct(r["roofline_fraction"])]))
     if dec.get("runs"):
-        console.print(table(
+        console.print(_runs_table(
             f"decode, {dec['steps']} steps from context {dec['past_first'] + 1}: "
             f"floor {_t(dec['floor_seconds'])}/step = "
             f"{dec['floor_tokens_per_second']:,.0f} tokens/s "
             f"({si(dec['bytes_per_step'], 'B')} per step)",
-            ("runner", "ms/token", "tokens/s", "bandwidth", "of floor", "of copy",
-             "archc speed-up"),
-            _runs(dec["runs"], "step_seconds", lambda r: [
-                f"{r['step_seconds'] * 1e3:.3f}", f"{r['tokens_per_second']:,.1f}",
-                si(r["bandwidth"], "B/s"), _pct(r["floor_fraction"]),
-                _pct(r.get("copy_fraction")), _x(r.get("archc_speedup"))]), text=("runner",),
-            no_wrap=True))
+            ("ms/token", "tokens/s", "bandwidth", "of floor", "of copy"), dec["runs"],
+            "step_seconds",
+            lambda r: [f"{r['step_seconds'] * 1e3:.3f}", f"{r['tokens_per_second']:,.1f}",
+                       si(r["bandwidth"], "B/s"), _pct(r["floor_fraction"]),
+                       _pct(r.get("copy_fraction"))]))
     goals = data.get("goals") or []
     if goals:
         console.print(table("goals (recorded, not enforced)",
@@ -225,11 +219,12 @@ def print_report(data: dict[str, Any]) -> None:
                             [_goal_row(goal) for goal in goals], text=("goal", "met", "note")))
 
 
-def _runs(runs: list[dict[str, Any]], measured: str,
-          cells: Callable[[dict[str, Any]], list[str]]) -> list[list[str]]:
+def _runs_table(title: str, columns: tuple[str, ...], runs: list[dict[str, Any]],
+                measured: str, cells: Callable[[dict[str, Any]], list[str]]) -> Table:
     """A row per runner; one without its `measured` value failed."""
-    return [[r["name"], *(cells(r) if r.get(measured) is not None else ["[red]failed[/]"])]
-            for r in runs]
+    return table(title, ("runner", *columns, "archc speed-up"), [
+        [r["name"], *([*cells(r), _x(r.get("archc_speedup"))] if r.get(measured) is not None
+                      else ["[red]failed[/]"])] for r in runs], text=("runner",), no_wrap=True)
 
 
 def _goal_row(goal: dict[str, Any]) -> list[str]:
@@ -241,32 +236,29 @@ def _goal_row(goal: dict[str, Any]) -> list[str]:
     return [goal["goal"], fmt(goal["measured"]), target, met, goal["note"]]
 
 
-def _cell(row: dict[str, Any], *names: str) -> tuple[str, str, dict[str, Any] | None]:
-    """The time and speed-up of the first of the baselines `names` the kernel has."""
+def _cell(row: dict[str, Any], *names: str) -> tuple[str, str, str]:
+    """The time, speed-up and op count of the first of the baselines `names` the kernel has."""
     b = next((b for n in names for b in row["baselines"] if b["name"] == n), None)
     if b is None:
-        return "", "", None
+        return "", "", ""
+    ops = str(b.get("ops") or "")
     if b.get("seconds") is None:
-        return "n/a", "", b
+        return "n/a", "", ops
     return (("sdpa " if b["name"] == "sdpa" else "") + _t(b["seconds"]) +
-            (" [red]✗[/]" if b.get("agrees") is False else ""), _x(b.get("archc_speedup")), b)
+            (" [red]✗[/]" if b.get("agrees") is False else ""), _x(b.get("archc_speedup")), ops)
 
 
 def _kernel_table(phase: str, rows: list[dict[str, Any]], shapes: dict[str, int]) -> Table:
     where = (f"prompt {shapes['prompt']}" if phase == "prefill" else
              f"one step at context {shapes['kernel_decode_past'] + 1}")
-    t = Table(title=f"kernels, {phase} ({where}); shape M×N×K or T×L heads/kv×D; × = torch "
-                    "time / archc time; ✗: differs from the kernel", title_justify="left")
-    for col in ("kernel", "reads", "shape", "n", "archc", "torch", "×", "unfused", "×",
-                "ops", "roofline"):
-        t.add_column(col, justify="left" if col in ("kernel", "reads", "shape") else "right",
-                     no_wrap=col != "reads", max_width=24 if col == "reads" else None,
-                     overflow="ellipsis")
-    for r in rows:
-        tc, tx, _ = _cell(r, "torch.matmul", "sdpa", "torch")
-        uc, ux, unfused = _cell(r, "unfused")
-        t.add_row(escape(r["kernel"]), escape(r["reads"]), r["shape"], str(r["launches"]),
-                  "[red]failed[/]" if r.get("error") else _t(r["archc_seconds"]), tc, tx, uc,
-                  ux, str(unfused.get("ops") or "") if unfused else "",
-                  f"{_pct(r.get('roofline_fraction'))} {r['bound'][:3]}")
+    t = table(f"kernels, {phase} ({where}); shape M×N×K or T×L heads/kv×D; × = torch time / "
+              "archc time; ✗: differs from the kernel",
+              ("kernel", "reads", "shape", "n", "archc", "torch", "×", "unfused", "×", "ops",
+               "roofline"),
+              [(escape(r["kernel"]), escape(r["reads"]), r["shape"], str(r["launches"]),
+                "[red]failed[/]" if r.get("error") else _t(r["archc_seconds"]),
+                *_cell(r, "torch.matmul", "sdpa", "torch")[:2], *_cell(r, "unfused"),
+                f"{_pct(r.get('roofline_fraction'))} {r['bound'][:3]}") for r in rows],
+              text=("kernel", "reads", "shape"), no_wrap=True, overflow="ellipsis")
+    t.columns[1].no_wrap, t.columns[1].max_width = False, 24      # reads
     return t

@@ -28,13 +28,10 @@ def _entries(n: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     directory = args.cache_dir or kernel_cache.default_cache_dir()
-    cap = None if args.max_size is None else kernel_cache.parse_size(args.max_size)
-    removed = kernel_cache.entries(directory) if args.clear else []
-    for e in removed:
-        kernel_cache.remove(e)
-    if cap is not None:
-        kernel_cache.set_max_bytes(cap)
-        removed += kernel_cache.trim(directory, cap)
+    if args.max_size is not None:
+        kernel_cache.set_max_bytes(kernel_cache.parse_size(args.max_size))
+    removed = kernel_cache.trim(directory, 0) if args.clear else \
+        kernel_cache.trim(directory) if args.max_size is not None else []
     found = kernel_cache.entries(directory)
     limit, total = kernel_cache.max_bytes(), sum(e.bytes for e in found)
     if args.json:

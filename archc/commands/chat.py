@@ -15,14 +15,14 @@ import json
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, TextIO
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from archc.commands.common import Run, Timings, report
+from archc.commands.common import Run, Timings
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
-from archc.sources import Source
 from archc.ui import err_console
 
 COMMANDS = {"/reset": "start a new conversation", "/exit": "end the chat, as end of input does"}
@@ -44,9 +44,11 @@ def add_sampling_arguments(p: Any) -> None:
     add(p, "top_k", "top_p", "ignore_eos")
 
 
-def check_text_source(source: Source, what: str) -> None:
-    """Before loading: can this source take text at all?"""
-    spec = source.spec
+def load_for_text(args: argparse.Namespace, what: str, *, chat: bool) -> tuple[Run, Any]:
+    """The model, loaded once the source is known to take text (and, for `chat`, to have a
+    chat template); `what` names the flag or command that needs it."""
+    run_ = Run(args)
+    spec, source = run_.spec, run_.source
     if spec.family == "encoder":
         raise ArchcError(f"{spec.name} is an encoder: it has no output head to generate "
                          f"text with, so {what} does not apply")
@@ -58,13 +60,18 @@ def check_text_source(source: Source, what: str) -> None:
     if not source.tokenizer:
         raise ArchcError(f"{spec.name} carries no tokenizer (tokenizer.json in a Hugging Face "
                          f"directory, tokenizer.ggml.* in a GGUF file), so {what} cannot be used")
+    model = run_.load()
+    if chat and not model.tokenizer.chat_template:
+        raise ArchcError(f"{spec.name} has no chat template, so {what} cannot be used; "
+                         "`archc run SOURCE --prompt TEXT` continues plain text")
+    return run_, model
 
 
 def answer(compiled: Any, prompt_ids: Sequence[int], args: argparse.Namespace,
-           timings: Timings, *, out: TextIO | None) -> list[int]:
-    """The new tokens after `prompt_ids` (an end-of-sequence token left out), their text
-    written to `out` as it becomes final. Stops at the model's end-of-sequence ids unless
-    --ignore-eos, at --new-tokens, at max_seq_len, or at Ctrl-C."""
+           timings: Timings) -> list[int]:
+    """The new tokens after `prompt_ids` (an end-of-sequence token left out), their text on
+    standard output (unless --json) as it becomes final. Stops at the model's end-of-sequence ids
+    unless --ignore-eos, at --new-tokens, at max_seq_len, or at Ctrl-C."""
     spec, tok = compiled.spec, compiled.model.tokenizer
     timings.prompt_tokens = len(prompt_ids)
     room = spec.max_seq_len - (1 if spec.family == "encoder-decoder" else len(prompt_ids))
@@ -80,9 +87,8 @@ def answer(compiled: Any, prompt_ids: Sequence[int], args: argparse.Namespace,
     seen: list[float] = []
 
     def write(text: str) -> None:
-        if out is not None and text:
-            out.write(text)
-            out.flush()
+        if text and not args.json:
+            print(text, end="", flush=True)
 
     def on_token(column: torch.Tensor) -> None:
         seen.append(time.perf_counter())
@@ -110,14 +116,14 @@ def answer(compiled: Any, prompt_ids: Sequence[int], args: argparse.Namespace,
     return ids
 
 
+@dataclass
 class Conversation:
     """The messages so far, rendered through the chat template to fit the context."""
 
-    def __init__(self, tokenizer: Any, max_tokens: int, system: str | None) -> None:
-        self.tok = tokenizer
-        self.max_tokens = max_tokens
-        self.system = system
-        self.turns: list[tuple[str, str]] = []    # (user, assistant)
+    tok: Any
+    max_tokens: int
+    system: str | None
+    turns: list[tuple[str, str]] = field(default_factory=list)    # (user, assistant)
 
     def reset(self) -> None:
         self.turns = []
@@ -160,13 +166,8 @@ def _lines(interactive: bool) -> Iterator[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    run_ = Run(args, backend=args.backend)
-    check_text_source(run_.source, "archc chat")
-    model = run_.load()
-    if not model.tokenizer.chat_template:
-        raise ArchcError(f"{model.spec.name} has no chat template, so it cannot chat; "
-                         "`archc run SOURCE --prompt TEXT` continues plain text")
-    compiled = run_.compile(model, args.backend)
+    run_, model = load_for_text(args, "archc chat", chat=True)
+    compiled = run_.compile(model)
     interactive = sys.stdin.isatty()
     if interactive:
         import readline  # noqa: F401  (line editing and history for input())
@@ -175,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             err_console.print(f"[dim]{text}[/]", soft_wrap=True)
 
-    report(run_.timings, args.quiet)
+    run_.timings.report(args.quiet)
     if interactive:
         note(f"chatting with {model.spec.name}: "
              + "; ".join(f"{c} to {what}" for c, what in COMMANDS.items()))
@@ -197,12 +198,11 @@ def run(args: argparse.Namespace) -> int:
                 note(f"note: the {dropped} oldest turn(s) no longer fit in max_seq_len = "
                      f"{model.spec.max_seq_len} and were dropped")
             timings = Timings()
-            reply = model.tokenizer.decode(answer(compiled, ids, args, timings,
-                                                  out=None if args.json else sys.stdout))
+            reply = model.tokenizer.decode(answer(compiled, ids, args, timings))
             talk.add(line, reply)
             print(json.dumps({"user": line, "assistant": reply,
                               "timings": timings.as_dict()}) if args.json else "", flush=True)
-            report(timings, args.quiet or args.json)
+            timings.report(args.quiet or args.json)
             if timings.stop == "interrupted" and not interactive:
                 return 130
     return 0

@@ -65,16 +65,15 @@ class Timings:
             parts.append(STOPS[self.stop] + (f" ({self.stop_token})" if self.stop_token else ""))
         return " · ".join(parts)
 
+    def report(self, quiet: bool) -> None:
+        """The line on stderr: whole, however narrow the terminal or pipe."""
+        if not quiet:
+            err_console.print(f"[dim]{self.line()}[/]", soft_wrap=True, highlight=False)
+
     def as_dict(self) -> dict[str, Any]:
         return {"seconds": self.seconds, "prompt_tokens": self.prompt_tokens,
                 "generated_tokens": self.generated,
                 "tokens_per_second": self.tokens_per_second(), "stop": self.stop}
-
-
-def report(timings: Timings, quiet: bool) -> None:
-    """The timings line on stderr: whole, however narrow the terminal or pipe."""
-    if not quiet:
-        err_console.print(f"[dim]{timings.line()}[/]", soft_wrap=True, highlight=False)
 
 
 def spec_of(args: argparse.Namespace, attr: str = "source") -> Spec:
@@ -109,11 +108,11 @@ def emit(text: str, path: Path | None) -> None:
 
 class Run:
     """A model about to run: its source, device and dtype, checked before a weight is read.
-    `backend` None: the command runs both backends (validate)."""
+    A command without --backend runs both backends (validate)."""
 
-    def __init__(self, args: argparse.Namespace, *, backend: str | None,
-                 lengths: tuple[int, int] | None = None) -> None:
+    def __init__(self, args: argparse.Namespace, lengths: tuple[int, int] | None = None) -> None:
         self.args = args
+        backend = getattr(args, "backend", None)
         self.source = describe(args.source)
         self.spec = self.source.spec
         self.device = resolve_device(args.device, spell=cli_option)
@@ -157,8 +156,9 @@ class Run:
                 err_console.print(f"[dim]note: {note}[/]", soft_wrap=True)
         return model
 
-    def compile(self, model: Any, backend: str) -> Any:
-        options = {"cache_dir": self.args.cache_dir} if backend == "triton" and \
-            self.args.cache_dir is not None else {}
+    def compile(self, model: Any) -> Any:
+        """The model compiled for --backend, kernels written to --cache-dir when given."""
+        backend, cache_dir = self.args.backend, self.args.cache_dir
+        options = {"cache_dir": cache_dir} if backend == "triton" and cache_dir is not None else {}
         with self.timings.phase("compile"):
             return model.compile(backend, dtype=self.dtype, device=self.device, **options)

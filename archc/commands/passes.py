@@ -39,19 +39,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_dims_arguments(p)
 
 
-def _list() -> int:
-    columns = ("pass", "kind", "in default", "what it does")
-    console.print(table("passes (the default pipeline runs them in this order)", columns, [
-        (name, PASSES[name].kind, "yes" if name in DEFAULT_PIPELINE else "",
-         escape(PASSES[name].summary))
-        for name in [*DEFAULT_PIPELINE, *sorted(set(PASSES) - set(DEFAULT_PIPELINE))]],
-        text=columns, overflow="fold"))
-    return 0
-
-
 def run(args: argparse.Namespace) -> int:
     if args.list:
-        return _list()
+        columns = ("pass", "kind", "in default", "what it does")
+        console.print(table("passes (the default pipeline runs them in this order)", columns, [
+            (name, PASSES[name].kind, "yes" if name in DEFAULT_PIPELINE else "",
+             escape(PASSES[name].summary))
+            for name in [*DEFAULT_PIPELINE, *sorted(set(PASSES) - set(DEFAULT_PIPELINE))]],
+            text=columns, overflow="fold"))
+        return 0
     if args.source is None:
         raise ArchcError("give a SOURCE (a zoo name, spec YAML, HF directory or .gguf file), "
                          "or --list")

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from archc.commands.chat import add_sampling_arguments, answer, check_text_source
-from archc.commands.common import Run, report
+from archc.commands.chat import Conversation, add_sampling_arguments, answer, load_for_text
+from archc.commands.common import Run
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
 from archc.ui import console, table
@@ -65,11 +65,11 @@ def run(args: argparse.Namespace) -> int:
     if args.new_tokens is None:
         args.new_tokens = TEXT_NEW_TOKENS if text else SUMMARY_NEW_TOKENS
     args.prompt_len, args.batch = args.prompt_len or 8, args.batch or 1
-    run_ = Run(args, backend=args.backend,
-               lengths=None if text else (args.prompt_len, args.new_tokens))
     if text:
-        check_text_source(run_.source, "--prompt" if args.prompt is not None else "--chat")
-    return (_generate_text if text else _summarize)(args, run_, run_.load())
+        return _generate_text(args, *load_for_text(
+            args, "--prompt" if args.chat is None else "--chat", chat=args.chat is not None))
+    run_ = Run(args, lengths=(args.prompt_len, args.new_tokens))
+    return _summarize(args, run_, run_.load())
 
 
 def _print_json(args: argparse.Namespace, run_: Run, body: dict[str, Any]) -> None:
@@ -82,31 +82,27 @@ def _print_json(args: argparse.Namespace, run_: Run, body: dict[str, Any]) -> No
 
 def _generate_text(args: argparse.Namespace, run_: Run, model: Any) -> int:
     tok = model.tokenizer
-    if args.chat is not None and not tok.chat_template:
-        raise ArchcError(f"{model.spec.name} has no chat template, so --chat cannot be used; "
-                         "--prompt continues plain text")
-    system = [{"role": "system", "content": args.system}] if args.system else []
     ids = tok.encode(args.prompt) if args.chat is None else \
-        tok.encode_chat([*system, {"role": "user", "content": args.chat}])
+        Conversation(tok, model.spec.max_seq_len, args.system).prompt(args.chat, room=0)[0]
     if not ids:
         raise ArchcError("the prompt encodes to no tokens")
-    compiled = run_.compile(model, args.backend)
+    compiled = run_.compile(model)
     if not args.json and args.prompt is not None and model.spec.family == "decoder":
         print(args.prompt, end="", flush=True)
-    new = answer(compiled, ids, args, run_.timings, out=None if args.json else sys.stdout)
+    new = answer(compiled, ids, args, run_.timings)
     if args.json:
         _print_json(args, run_, {"prompt": args.prompt, "chat": args.chat,
                                  "system": args.system, "text": tok.decode(new),
                                  "tokens": new})
     else:
         print(flush=True)
-        report(run_.timings, args.quiet)
+        run_.timings.report(args.quiet)
     return 130 if run_.timings.stop == "interrupted" else 0
 
 
 def _summarize(args: argparse.Namespace, run_: Run, model: Any) -> int:
     spec, timings = model.spec, run_.timings
-    compiled = run_.compile(model, args.backend)
+    compiled = run_.compile(model)
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, spec.vocab_size, (args.batch, args.prompt_len), generator=gen)
     timings.prompt_tokens = args.prompt_len
@@ -150,5 +146,5 @@ def _summarize(args: argparse.Namespace, run_: Run, model: Any) -> int:
             ("the recurrent state", not set(spec.all_mixers) <= {"attention"})) if held)
         console.print(f"greedy continuation: {body['greedy_continuation']} (prefill + "
                       f"{args.new_tokens - 1} decode steps with {carried})")
-    report(timings, args.quiet)
+    timings.report(args.quiet)
     return 0

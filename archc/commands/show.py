@@ -32,14 +32,10 @@ def _attention(s: Spec) -> str:
     att = s.attention
     kind = "MHA" if att.kv_heads == att.heads else "MQA" if att.kv_heads == 1 else "GQA"
     parts = [f"{kind} {att.heads} heads, {att.kv_heads} KV, head_dim {att.head_dim}", att.mask]
-    if att.window:
-        parts.append(f"window {att.window}")
-    if att.pattern:
-        parts.append("pattern " + "/".join(att.pattern))
-    if att.softcap:
-        parts.append(f"softcap {att.softcap:g}")
-    if att.qk_norm:
-        parts.append("qk-norm")
+    parts += [f"window {att.window}"] if att.window else []
+    parts += ["pattern " + "/".join(att.pattern)] if att.pattern else []
+    parts += [f"softcap {att.softcap:g}"] if att.softcap else []
+    parts += ["qk-norm"] if att.qk_norm else []
     return ", ".join(parts)
 
 

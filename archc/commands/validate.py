@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from archc.kernel_cache import used
     from archc.runtime.validation import validate
     check_output(args.cache_dir, "dir", "--cache-dir")
-    run_ = Run(args, backend=None, lengths=(args.prompt_len, 1))
+    run_ = Run(args, lengths=(args.prompt_len, 1))
     report = validate(run_.load(), dtype=run_.dtype, batch=args.batch, tokens=args.prompt_len,
                       seed=args.seed, device=str(run_.device), cache_dir=args.cache_dir)
     used(Path(report.module_path))

@@ -58,12 +58,9 @@ class Flag:
     metavar: str | None = None
     argparse: dict[str, Any] = field(default_factory=dict)   # type, choices, action…
 
-    @property
-    def dest(self) -> str:
-        return self.names[-1].lstrip("-").replace("-", "_")
 
-
-FLAGS: dict[str, Flag] = {f.dest: f for f in (
+# keyed as argparse names the attribute: --prompt-len is prompt_len
+FLAGS: dict[str, Flag] = {f.names[-1].lstrip("-").replace("-", "_"): f for f in (
     Flag(("source",), "the model: a zoo name (`archc specs`), a spec YAML, a Hugging Face "
          "directory, a .gguf file, or an archc checkpoint directory", "SOURCE"),
     Flag(("--prompt",), "text to continue", "TEXT"),
@@ -111,22 +108,19 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
 
 
 def add(p: Any, *names: str, default: Any = None, detail: str | None = None,
-        dest: str | None = None, nargs: str | None = None) -> None:
+        dest: str | None = None, **options: Any) -> None:
     """Add shared flags `names` to parser (or argument group) `p`. `detail`: what a flag means
     for this command besides (what `-o` writes); a `default` is said in the help text. `dest`
-    names a second positional SOURCE (`archc diff SOURCE_A SOURCE_B`)."""
+    names a second positional SOURCE (`archc diff SOURCE_A SOURCE_B`); `options` go to argparse."""
     for name in names:
         flag = FLAGS[name]
-        kwargs: dict[str, Any] = {**flag.argparse, "help": flag.meaning + (
-            f"; {detail}" if detail else "")}
+        kwargs: dict[str, Any] = {**flag.argparse, **options,
+                                  "help": flag.meaning + (f"; {detail}" if detail else "")}
         if default is not None:
             kwargs["default"] = default
-            if not isinstance(default, bool):
-                kwargs["help"] += f" (default {default})"
+            kwargs["help"] += f" (default {default})"
         if flag.metavar is not None and "choices" not in kwargs:
             kwargs["metavar"] = dest.upper() if dest else flag.metavar
-        if nargs is not None:
-            kwargs["nargs"] = nargs
         positional = not flag.names[0].startswith("-")
         action = p.add_argument(*((dest or name,) if positional else flag.names), **kwargs)
         action.vocabulary = name  # read back by the README table and the tests
