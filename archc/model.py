@@ -16,6 +16,7 @@ weights are priced against the memory free before they are allocated.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,6 @@ from archc.runtime.weights import TORCH_DTYPES, check_checkpoint, random_weights
 from archc.spec.schema import Spec
 
 Progress = Callable[[int, int], None]     # (done, total), while weights load
-BACKENDS = ("eager", "triton")
 
 
 class Session(Protocol):
@@ -98,12 +98,11 @@ class Model:
                        checkpoint_elements(self.graph), name, self.spec.family, torch_device,
                        random=self.random_weights)
         program = self.graph if name == "f32" else lower(self.spec, name)
-        if backend == "eager":
-            session = _eager_session(self, program, torch_device, options)
-        else:     # imported when first compiled for
+        module, factory = BACKENDS[backend]
+        session = getattr(importlib.import_module(module), factory)(
+            self, program, name, torch_device, options)
+        if getattr(session, "module_path", None) is not None:   # a backend that generates code
             from archc.kernel_cache import used
-            from archc.runtime.triton_backend import triton_backend
-            session = triton_backend(self, program, name, torch_device, options)
             used(Path(session.module_path))
         return CompiledModel(self, program, session, backend)
 
@@ -115,7 +114,7 @@ class Model:
 EAGER_PIPELINE = ("share-kv-heads", "flash-attention")
 
 
-def _eager_session(model: Model, program: Program, device: torch.device,
+def _eager_backend(model: Model, program: Program, dtype: str, device: torch.device,
                    options: Mapping[str, Any]) -> Session:
     from archc.passes import optimize
     unknown = sorted(set(options) - {"passes"})
@@ -125,6 +124,12 @@ def _eager_session(model: Model, program: Program, device: torch.device,
     program = optimize(program, EAGER_PIPELINE if passes is None else passes)
     return EagerSession(program, model.weights, max_seq_len=model.spec.max_seq_len,
                         device=device)
+
+
+# name → (module, factory(model, program, dtype, device, options) → Session); a backend's module
+# is imported when it is first compiled for
+BACKENDS = {"eager": ("archc.model", "_eager_backend"),
+            "triton": ("archc.runtime.triton_backend", "triton_backend")}
 
 
 class CompiledModel:
