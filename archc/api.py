@@ -1,8 +1,4 @@
-"""The public API: ``archc.load`` and ``archc.from_spec`` make a ``Model`` (``archc.model``).
-
-A source is recognised by the first of ``SOURCES`` whose test matches its path; anything else is a
-zoo name or a spec YAML, which gets seeded random weights.
-"""
+"""The public API: ``archc.load`` and ``archc.from_spec`` make a ``Model`` (``archc.model``)."""
 
 from __future__ import annotations
 
@@ -21,8 +17,9 @@ from archc.spec.schema import Spec
 
 __all__ = ["CompiledModel", "Model", "from_spec", "load"]
 
-# (does this path hold it?, loader(path, progress=callback_or_None, dtype=name_or_None)); each
-# loader prices its weights with ``archc.devices.check_fits`` before reading them
+# (does this path hold it?, loader(path, progress=callback_or_None, dtype=name_or_None)): the
+# first that holds a path loads it, pricing its weights with ``archc.devices.check_fits`` first;
+# anything else is a zoo name or a spec YAML
 SOURCES: list[tuple[Callable[[Path], bool], Callable[..., Model]]] = [
     (native.is_native, native.load),
     (sources.is_gguf, sources.load_gguf),

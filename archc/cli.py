@@ -1,9 +1,5 @@
-"""The `archc` command line: a subcommand per module of ``archc.commands``, the flags they share
-declared once in ``archc.commands.vocabulary``.
-
-Bad input (a spec, a checkpoint, an argument) prints one message naming the problem and exits
-with status 2, never with a traceback. Every argument is checked before a model is read.
-"""
+"""The `archc` command line: a subcommand per module of ``archc.commands``. Bad input prints one
+line (``archc.errors``); every argument is checked before a model is read."""
 
 from __future__ import annotations
 

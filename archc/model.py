@@ -8,10 +8,8 @@
     ids = compiled.generate(input_ids, max_new_tokens=20) # prompt + new tokens
     text = compiled.generate("Once upon a time")          # the continuation (needs a tokenizer)
 
-``model.spec``, ``model.graph`` (the unfused program) and ``model.weights`` (the checkpoint: tensor
-name → tensor) are public. A spec without weights gets seeded random ones (``model.random_weights``
-says so). Dtypes are 'f32', 'f16', 'bf16' or torch dtypes, by default as ``archc.devices`` says;
-weights are priced against the memory free before they are allocated.
+``model.spec``, ``model.graph`` (the unfused program) and ``model.weights`` are public; dtypes,
+devices and the memory weights may take are as ``archc.devices`` says.
 """
 
 from __future__ import annotations

@@ -83,9 +83,6 @@ class Tokenizer:
         # the template writes any BOS itself, so special tokens are not added again
         return self.encode(self.render_chat(messages), add_special_tokens=False)
 
-    def stream(self) -> TextStream:
-        return TextStream(self)
-
 
 class TextStream:
     """Turns tokens into text as they arrive. Text is emitted only once it is final: a token may

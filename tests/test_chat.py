@@ -65,8 +65,8 @@ def test_the_oldest_turns_go_when_the_conversation_outgrows_the_context(
     for _ in range(6):
         ids, dropped = talk.prompt("the cat sat on the mat", room=one_turn)
         assert len(ids) + one_turn <= 4 * one_turn
-        talk.add("the cat sat on the mat", "the end")
+        talk.turns.append(("the cat sat on the mat", "the end"))
     assert dropped >= 1 and 1 <= len(talk.turns) < 6
-    talk.reset()
+    talk.turns.clear()
     ids, dropped = talk.prompt("hello", room=1)
     assert dropped == 0 and ids == tok.encode_chat([{"role": "user", "content": "hello"}])

@@ -18,7 +18,7 @@ from archc.runtime.generate import Sampler, Sampling
 tokenizers = pytest.importorskip("tokenizers", reason="needs tokenizers (pip install "
                                  "'archc[hf]')")
 
-from archc.tokenizer import Tokenizer, TokenizerError, load_hf_tokenizer  # noqa: E402
+from archc.tokenizer import TextStream, Tokenizer, TokenizerError, load_hf_tokenizer  # noqa: E402
 
 CORPUS = ["the cat sat on the mat", "hello world, the end", "café crème brûlée"] * 10
 
@@ -150,12 +150,12 @@ def test_streamed_text_waits_for_whole_characters(tmp_path: Path) -> None:
     byte_tokens = [tok.backend.token_to_id(c) for c in
                    tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
                    .pre_tokenize_str(text)[0][0]]  # one token per byte of "café"
-    stream = tok.stream()
+    stream = TextStream(tok)
     pieces = [stream.push([t]) for t in byte_tokens]
     assert "".join(pieces) + stream.flush() == "café"
     assert "\ufffd" not in "".join(pieces)
     assert pieces[-2] == ""  # the first byte of "é" alone is not text yet
-    stream = tok.stream()
+    stream = TextStream(tok)
     ids = tok.encode(text)
     assert "".join(stream.push([t]) for t in ids) + stream.flush() == text
 

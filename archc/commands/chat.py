@@ -23,6 +23,7 @@ import torch
 from archc.commands.common import Run, Timings
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
+from archc.tokenizer import TextStream
 from archc.ui import err_console
 
 COMMANDS = {"/reset": "start a new conversation", "/exit": "end the chat, as end of input does"}
@@ -82,7 +83,7 @@ def answer(compiled: Any, prompt_ids: Sequence[int], args: argparse.Namespace,
         err_console.print(f"[dim]note: {room} new tokens fit in max_seq_len = "
                           f"{spec.max_seq_len}[/]", soft_wrap=True)
     eos = () if args.ignore_eos else tuple(compiled.model.eos_token_ids)
-    stream = tok.stream()
+    stream = TextStream(tok)
     ids: list[int] = []
     seen: list[float] = []
 
@@ -124,12 +125,6 @@ class Conversation:
     max_tokens: int
     system: str | None
     turns: list[tuple[str, str]] = field(default_factory=list)    # (user, assistant)
-
-    def reset(self) -> None:
-        self.turns = []
-
-    def add(self, user: str, reply: str) -> None:
-        self.turns.append((user, reply))
 
     def prompt(self, user: str, room: int) -> tuple[list[int], int]:
         """Token ids of the conversation with `user` appended, leaving `room` tokens to answer
@@ -185,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         if line == "/exit":
             break
         if line == "/reset":
-            talk.reset()
+            talk.turns.clear()
             note("a new conversation")
         elif line.startswith("/") and " " not in line:
             err_console.print(f"unknown command {line}: "
@@ -199,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
                      f"{model.spec.max_seq_len} and were dropped")
             timings = Timings()
             reply = model.tokenizer.decode(answer(compiled, ids, args, timings))
-            talk.add(line, reply)
+            talk.turns.append((line, reply))
             print(json.dumps({"user": line, "assistant": reply,
                               "timings": timings.as_dict()}) if args.json else "", flush=True)
             timings.report(args.quiet or args.json)

@@ -66,7 +66,6 @@ class Timings:
         return " · ".join(parts)
 
     def report(self, quiet: bool) -> None:
-        """The line on stderr: whole, however narrow the terminal or pipe."""
         if not quiet:
             err_console.print(f"[dim]{self.line()}[/]", soft_wrap=True, highlight=False)
 

@@ -9,16 +9,7 @@ from rich.table import Table
 
 from archc.commands.common import spec_of
 from archc.commands.vocabulary import add
-from archc.ir.cost import (
-    graph_cost,
-    kernel_count,
-    kv_cache_bytes_per_token,
-    parameter_bytes,
-    parameter_count,
-    per_layer,
-    recurrent_state_bytes,
-    without_layers,
-)
+from archc.ir import cost
 from archc.ir.lower import lower
 from archc.spec.schema import Spec
 from archc.ui import console, nbytes, si
@@ -75,7 +66,7 @@ def _ffn(s: Spec) -> str:
 def run(args: argparse.Namespace) -> int:
     s = spec_of(args)
     program = lower(s, s.dtype)
-    kernels = kernel_count(program)
+    kernels, params = cost.kernel_count(program), cost.parameter_count(program)
     rows = [("", s.description or None),
             ("family", s.family),
             ("layers", str(s.layers) if s.decoder_layers is None else
@@ -89,17 +80,17 @@ def run(args: argparse.Namespace) -> int:
             ("block", "parallel" if s.block.parallel else "serial"),
             ("positions", _positions(s)),
             ("vocab", f"{s.vocab_size}, head {'tied' if s.embedding.tied else 'untied'}"
-             if s.has_head else str(s.vocab_size)),
+             if s.family != "encoder" else str(s.vocab_size)),
             ("", ""),
-            ("parameters", f"{parameter_count(program):,} ({si(parameter_count(program))})"),
-            ("weights", f"{nbytes(parameter_bytes(program))} in {s.dtype}")]
+            ("parameters", f"{params:,} ({si(params)})"),
+            ("weights", f"{nbytes(cost.parameter_bytes(program))} in {s.dtype}")]
     empty, full = {"B": 1, "T": 1, "P": 0, "S": 1}, {"B": 1, "T": 1, "P": s.max_seq_len - 1,
                                                      "S": s.max_seq_len}
     for g in program:
-        cost = graph_cost(g)
-        rows.append((f"FLOPs/token ({g.name})", f"{si(cost.at(empty)[0], 'FLOP')} at context "
-                     f"0, {si(cost.at(full)[0], 'FLOP')} at context {s.max_seq_len - 1}"))
-    kv, state = kv_cache_bytes_per_token(program), recurrent_state_bytes(program)
+        at = cost.graph_cost(g).at
+        rows.append((f"FLOPs/token ({g.name})", f"{si(at(empty)[0], 'FLOP')} at context "
+                     f"0, {si(at(full)[0], 'FLOP')} at context {s.max_seq_len - 1}"))
+    kv, state = cost.kv_cache_bytes_per_token(program), cost.recurrent_state_bytes(program)
     if kv:
         rows.append(("KV cache", f"{nbytes(kv)} per token, {nbytes(kv * s.max_seq_len)} at "
                      f"{s.max_seq_len} tokens ({s.dtype}, batch 1)"))
@@ -109,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                  if mixer in s.all_mixers]
         rows.append(("recurrent state", f"{nbytes(state)} per sequence at any context "
                      f"({' and '.join(kinds)})"))
-    per = per_layer(s, kernels, kernel_count(lower(without_layers(s), s.dtype)))
+    per = cost.per_layer(s, kernels, cost.kernel_count(lower(cost.without_layers(s), s.dtype)))
     rows.append(("compute nodes", f"{kernels} unfused ({per:g} per layer)"))
     t = Table(show_header=False, box=None, title=s.name, title_justify="left")
     t.add_column(style="bold")

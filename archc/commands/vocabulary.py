@@ -3,9 +3,7 @@
 A command adds a shared flag with ``add(parser, name)``, never with ``add_argument``, so that it
 means the same thing, takes the same values and is checked the same way — as the command line is
 parsed, before any model is read — wherever it appears (a test walks the parser to hold every
-command to it). A command may give its own default and a line of its own (what `-o` writes);
-the meaning stays. ``markdown()`` renders the table the README shows.
-"""
+command to it)."""
 
 from __future__ import annotations
 

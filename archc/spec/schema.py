@@ -217,11 +217,6 @@ class Spec:
 
     # ---- derived views -------------------------------------------------------------------
     @property
-    def has_head(self) -> bool:
-        """Decoders and encoder-decoders end in a vocabulary head; encoders return states."""
-        return self.family != "encoder"
-
-    @property
     def rotary_dim(self) -> int:
         """Dims of each head that RoPE rotates (0 without RoPE)."""
         rope = self.position.kind == "rope"
