@@ -8,9 +8,7 @@ checkpoint's from its config or file) — **except on a CPU, where it computes i
 slow in f16 and bf16 matmuls, and Triton's interpreter computes bf16 wrongly).
 
 Weights are priced from the IR before they are allocated: a real-size spec's random weights take
-30 GiB in f32 for Llama 3 8B, and an operating system that runs out kills the process without a
-word. What cannot fit is refused, naming the size, the memory available and what would fit.
-"""
+30 GiB in f32 for Llama 3 8B, and a process that exhausts memory is killed without a word."""
 
 from __future__ import annotations
 
@@ -73,12 +71,10 @@ def resolve_device(value: Any, *, spell: Spell = python_option) -> torch.device:
     return device
 
 
-# A tiny spec to suggest, per family
 TINY = {"decoder": "tiny-llama3", "encoder": "tiny-bert", "encoder-decoder": "tiny-t5"}
 
 
 def checkpoint_elements(program: Program) -> int:
-    """Elements of every checkpoint tensor the program reads."""
     return sum(math.prod(dims) for dims in checkpoint_shapes(program).values())
 
 
@@ -105,7 +101,7 @@ def check_fits(model: str, what: str, elements: int, dtype: str, family: str,
                device: torch.device | None = None, *, spell: Spell = python_option,
                random: bool = False) -> None:
     """Refuse to allocate `elements` values of `dtype` for `what` ("its weights") when the
-    memory free on `device` (default: the host) cannot hold them."""
+    memory free on `device` (default: the host) cannot hold them, saying what would fit."""
     device = device or torch.device("cpu")
     need = elements * DTYPE_BYTES[dtype]
     free = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else \

@@ -19,9 +19,7 @@ class SpecError(ArchcError):
 
     def __init__(self, path: str, problem: str, *, source: str | None = None,
                  allowed: str | None = None) -> None:
-        self.path = path
-        self.problem = problem
-        self.allowed = allowed
+        self.path, self.problem, self.allowed = path, problem, allowed
         super().__init__((f"{source}: " if source else "") + (f"{path}: " if path else "") +
                          problem + (f" (allowed: {allowed})" if allowed else ""))
 

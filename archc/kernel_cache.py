@@ -5,8 +5,7 @@
 named by a hash of what codegen renders, so that a model compiled again reuses its module. The
 cache is kept under a size cap — `max_bytes` in ``settings.json`` beside the kernels, 1 GiB
 unless `archc cache --max-size` sets another — by deleting the entries used longest ago (an
-entry's time is its newest file's modification time: a module is touched whenever it is loaded).
-"""
+entry's time is its newest file's modification time: a module is touched whenever it is loaded)."""
 
 from __future__ import annotations
 

@@ -9,8 +9,7 @@
     text = compiled.generate("Once upon a time")          # the continuation (needs a tokenizer)
 
 ``model.spec``, ``model.graph`` (the unfused program) and ``model.weights`` are public; dtypes,
-devices and the memory weights may take are as ``archc.devices`` says.
-"""
+devices and the memory weights may take are as ``archc.devices`` says."""
 
 from __future__ import annotations
 
@@ -75,8 +74,7 @@ class Model:
 
     def compile(self, backend: str = "eager", *, dtype: str | torch.dtype | None = None,
                 device: str | torch.device = "cpu", **options: Any) -> CompiledModel:
-        """Ready the model to run on `backend` ("eager" or "triton"), on `device` ("cpu" or
-        "cuda"), computing in `dtype` (default: the model's own dtype; f32 on a CPU)."""
+        """Ready the model to run on `backend` ("eager" or "triton") on `device`, in `dtype`."""
         if backend not in BACKENDS:
             raise ArchcError(f"backend={backend!r} is not a backend (known: "
                              f"{', '.join(BACKENDS)})")
@@ -226,9 +224,8 @@ class CompiledModel:
         if self.model.tokenizer is None:
             why = " (it is a spec: its weights are random)" if self.model.random_weights else ""
             raise ArchcError(f"{self.spec.name} has no tokenizer{why}, so it cannot take text: "
-                             "pass token ids [B, T], or load a checkpoint that carries a "
-                             "tokenizer (a Hugging Face directory with tokenizer.json, or a "
-                             ".gguf file)")
+                             "pass token ids [B, T], or load a checkpoint that carries a tokenizer "
+                             "(a Hugging Face directory with tokenizer.json, or a .gguf file)")
         ids = self.model.tokenizer.encode(x)
         if not ids:
             raise ArchcError("the text encodes to no tokens")

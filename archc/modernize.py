@@ -220,8 +220,6 @@ def parse_steps(text: str) -> list[StepCall]:
     return calls
 
 
-# ---- what each step buys ---------------------------------------------------------------------
-
 def decode_intensity(d: int, n: int, kv_heads: int, q_heads: int, b: int) -> float:
     """The first seed's rough model ("A rough arithmetic-intensity model"): over n decode steps
     at batch b, dense work is O(b·n·d²) against memory O(b·n·d + b·n²·d·H_kv/H_q + n·d²), so
@@ -262,8 +260,6 @@ def walk(spec: Spec, calls: list[StepCall], batch: int, context: int) -> list[Ro
         rows.append(measure(call.text, spec, batch, context))
     return rows
 
-
-# ---- converting a loaded checkpoint ----------------------------------------------------------
 
 _KV = re.compile(r"^(.*layers\.\d+\.(?:attn|cross))\.([kv])\.(weight|bias)$")
 

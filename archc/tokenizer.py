@@ -21,7 +21,6 @@ class TokenizerError(ArchcError):
 
 
 def _tokenizers() -> Any:
-    """The `tokenizers` package, an optional dependency."""
     try:
         import tokenizers
     except ImportError:
@@ -95,15 +94,9 @@ class TextStream:
         self.prefix = 0      # start of the window decoded for context
         self.read = 0        # tokens before this are already emitted
 
-    def push(self, ids: Iterable[int]) -> str:
-        self.ids.extend(ids)
-        return self._take(final=False)
-
-    def flush(self) -> str:
-        return self._take(final=True)
-
-    def _take(self, final: bool) -> str:
+    def push(self, ids: Iterable[int], final: bool = False) -> str:
         """The text the tokens since `read` add, once it is final (or `final` says it is)."""
+        self.ids.extend(ids)
         before = self.tok.decode(self.ids[self.prefix:self.read])
         text = self.tok.decode(self.ids[self.prefix:])
         if not final and (len(text) <= len(before) or text.endswith("\ufffd")):
@@ -112,8 +105,9 @@ class TextStream:
         self.read = len(self.ids)
         return text[len(before):]
 
+    def flush(self) -> str:
+        return self.push((), final=True)
 
-# ---- Hugging Face tokenizer.json --------------------------------------------------------------
 
 def _token_text(value: Any) -> str | None:
     """A special token as the configs write it: its text, or {"content": text, …}."""
@@ -153,13 +147,10 @@ def load_hf_tokenizer(directory: Path) -> Tokenizer | None:
     bos = _token_text(config.get("bos_token")) or _token_text(special.get("bos_token"))
     eos = _token_text(config.get("eos_token")) or _token_text(special.get("eos_token"))
     eos_id = backend.token_to_id(eos) if eos else None
-    return Tokenizer(backend, bos_token=bos, eos_token=eos,
+    return Tokenizer(backend, bos_token=bos, eos_token=eos, source=str(directory),
                      eos_token_ids=() if eos_id is None else (eos_id,),
-                     chat_template=template if isinstance(template, str) else None,
-                     source=str(directory))
+                     chat_template=template if isinstance(template, str) else None)
 
-
-# ---- GGUF vocabularies ------------------------------------------------------------------------
 
 # llama.cpp's pre-tokenizer regexes (``tokenizer.ggml.pre``), as `tokenizers` pre-tokenizers.
 _LLAMA3_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|"
@@ -210,9 +201,7 @@ def from_gguf_vocab(*, model: str, tokens: Sequence[str], token_types: Sequence[
     """A tokenizer from the vocabulary a GGUF file stores (`tokenizer.ggml.*`)."""
     tokenizers = _tokenizers()
     m, d, n = tokenizers.models, tokenizers.decoders, tokenizers.normalizers
-    vocab: dict[str, int] = {}
-    for i, tok in enumerate(tokens):
-        vocab.setdefault(tok, i)
+    vocab = {tok: i for i, tok in reversed(list(enumerate(tokens)))}  # a repeat keeps its first id
     if model == "gpt2":
         if merges is None:
             raise TokenizerError(f"{source}: tokenizer.ggml.merges is missing for a BPE "

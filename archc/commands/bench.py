@@ -4,8 +4,7 @@ against the roofline (needs a CUDA GPU).
 
     archc bench llama3-8b --layers 4 --prompt-len 2048 --new-tokens 64 -o results.json
     archc bench tiny-llama3 --dry-run        # the whole harness on the CPU, tiny shapes
-    archc bench llama3-8b --host             # archc's host time per decode step, any machine
-"""
+    archc bench llama3-8b --host             # archc's host time per decode step, any machine"""
 
 from __future__ import annotations
 
@@ -126,10 +125,9 @@ def run_host(args: argparse.Namespace) -> int:
                 "autotune": False, "seed": 0, "json": False}
     extra = [f"--{k.replace('_', '-')}" for k, v in defaults.items() if getattr(args, k) != v]
     if extra:
-        raise ArchcError(f"--host times archc's host work per decode step with no-op kernels "
-                         f"and no weights: {', '.join(extra)} do{'es' if len(extra) == 1 else ''}"
-                         f" not apply (it takes --batch, --new-tokens, --dtype, --layers, "
-                         f"--cache-dir)")
+        raise ArchcError(f"--host times archc's host work per decode step with no-op kernels and "
+                         f"no weights: {', '.join(extra)} do{'es' if len(extra) == 1 else ''} not "
+                         "apply (it takes --batch, --new-tokens, --dtype, --layers, --cache-dir)")
     spec = keep_layers(spec_of(args), args.layers)
     check_host(spec)
     report = measure_host(spec, dtype=args.dtype or GPU_RUN["dtype"],
@@ -166,8 +164,6 @@ def run(args: argparse.Namespace) -> int:
     return 1 if report.failed else 0
 
 
-# ---- printing --------------------------------------------------------------------------------
-
 def print_report(data: dict[str, Any]) -> None:
     env, g, shapes = data["environment"], data["gpu_model"], data["shapes"]
     kept = f", first {data['layers']} of {data['spec_layers']} blocks" \
@@ -181,8 +177,7 @@ def print_report(data: dict[str, Any]) -> None:
     console.print(f"roofline: {g['name']} {'(read off the device)' if g['detected'] else ''}"
                   f"{si(g['peak_flops'], 'FLOP/s')}, {si(g['bandwidth'], 'B/s')}; "
                   f"timing: {data['timing']['method']}")
-    c = data.get("ceilings")
-    if c:
+    if c := data.get("ceilings"):
         console.print(f"measured: copy {si(c['copy_bandwidth'], 'B/s')} "
                       f"({_pct(c['copy_bandwidth'] / g['bandwidth'])} of datasheet), "
                       f"{c['matmul_dtype']} matmul {c['matmul_shape'][0]}³ "
@@ -212,8 +207,7 @@ def print_report(data: dict[str, Any]) -> None:
             lambda r: [f"{r['step_seconds'] * 1e3:.3f}", f"{r['tokens_per_second']:,.1f}",
                        si(r["bandwidth"], "B/s"), _pct(r["floor_fraction"]),
                        _pct(r.get("copy_fraction"))]))
-    goals = data.get("goals") or []
-    if goals:
+    if goals := data.get("goals"):
         console.print(table("goals (recorded, not enforced)",
                             ("goal", "measured", "target", "met", "note"),
                             [_goal_row(goal) for goal in goals], text=("goal", "met", "note")))

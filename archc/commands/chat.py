@@ -5,8 +5,7 @@ timings on standard error. The conversation is kept, so every answer sees the tu
 (the oldest turns are dropped when it outgrows max_seq_len). Lines come from the terminal, with a
 `> ` prompt, or from a pipe: `printf 'Hi\\n/reset\\nWho are you?\\n' | archc chat model.gguf`.
 Ctrl-C stops an answer where it is: the text so far is kept, the line is ended, and the timings
-say "interrupted".
-"""
+say "interrupted"."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """What commands share beyond their flags (``vocabulary``): reading a source's spec without its
-weights, checking and writing an output, and a model about to run — checked before a weight is
-read, then loaded and compiled — with each phase timed as llama.cpp reports it: one line on
-standard error, never wrapped, so that a log keeps it whole. Prefill runs from the start of
-generation to the first new token; decode, from the first new token to the last."""
+weights, checking and writing an output, and a model about to run (``Run``), each phase timed
+as llama.cpp reports it: one line on standard error, never wrapped, so that a log keeps it
+whole. Prefill runs from the start of generation to the first new token; decode, on to the last."""
 
 from __future__ import annotations
 
@@ -81,8 +80,7 @@ def spec_of(args: argparse.Namespace, attr: str = "source") -> Spec:
 
 
 def check_output(path: Path | None, kind: str, flag: str = "-o") -> None:
-    """Refuse, before any work, an output path that cannot be written as `kind` ("file" or
-    "dir")."""
+    """Refuse, before any work, an output path that cannot be written as a `kind` (file, dir)."""
     if path is None:
         return
     if kind == "file" and path.is_dir():

@@ -63,10 +63,9 @@ def run(args: argparse.Namespace) -> int:
         graph, _, text = u.uses[0]
         rows.append((u.name, u.family, str(len(u.uses)),
                      escape(f"{graph} {text if len(text) <= 90 else text[:89] + '…'}")))
-    console.print(table(f"{spec.name}: {len(gen.units)} unique kernels, {gen.launches} "
-                        f"launches ({dtype})", ("kernel", "family", "launches",
-                                                "implements (first use)"), rows,
-                        text=("kernel", "family", "implements (first use)")))
+    console.print(table(f"{spec.name}: {len(gen.units)} unique kernels, {gen.launches} launches "
+                        f"({dtype})", ("kernel", "family", "launches", "implements (first use)"),
+                        rows, text=("kernel", "family", "implements (first use)")))
     console.print(f"generated module: {path}")
     return 0 if args.target is None else _aot(path, args.target, args.jobs)
 

@@ -27,9 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--after, --diff or --print-after-all). Passes: " + ", ".join(PASSES))
     show = p.add_mutually_exclusive_group()
     show.add_argument("--after", metavar="PASS", help="print the IR right after PASS")
-    show.add_argument("--print-after-all", action="store_true",
-                      help="print the IR after every pass (a header only when one changed "
-                           "nothing)")
+    show.add_argument("--print-after-all", action="store_true", help="print the IR after every "
+                      "pass (a header only when one changed nothing)")
     show.add_argument("--diff", metavar="PASS",
                       help="a unified diff of the text form before and after PASS")
     add(p, "output", detail="a file: the IR text (or DOT), instead of standard output")

@@ -9,7 +9,7 @@ from pathlib import Path
 from archc.commands.common import check_output, emit
 from archc.commands.vocabulary import add, positive_int
 from archc.errors import ArchcError
-from archc.modernize import DEFAULT_STEPS, STEPS, Row, StepError, parse_steps, walk
+from archc.modernize import DEFAULT_STEPS, STEPS, Row, StepError, convert, parse_steps, walk
 from archc.sources import describe
 from archc.ui import console, nbytes, si, table
 
@@ -81,7 +81,6 @@ def run(args: argparse.Namespace) -> int:
           nbytes(r.decode_bytes_per_token)) for r in rows], text=("step",)))
     if model is not None:
         from archc import native
-        from archc.modernize import convert
         weights = dict(model.weights or {})
         for call, before, row in zip(calls, rows, rows[1:]):
             weights, report = convert(call, before.spec, row.spec, weights)

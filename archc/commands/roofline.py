@@ -59,9 +59,8 @@ def run(args: argparse.Namespace) -> int:
         args.passes, f"after {args.passes}")
     if args.passes != "none":
         program = optimize(program, args.passes)
-    console.print(f"[bold]{spec.name}[/] on {g.name} ({si(g.peak_flops, 'FLOP/s')} "
-                  f"{dtype}, {si(g.bandwidth, 'B/s')}; ridge {g.ridge:.0f} FLOP/B), "
-                  f"{kind} graph, batch {b}")
+    console.print(f"[bold]{spec.name}[/] on {g.name} ({si(g.peak_flops, 'FLOP/s')} {dtype}, "
+                  f"{si(g.bandwidth, 'B/s')}; ridge {g.ridge:.0f} FLOP/B), {kind} graph, batch {b}")
     seconds, flops, totals = _priced(f"prefill: {n} tokens", program,
                                      {"B": b, "T": n, "P": 0, "S": n}, g)
     console.print(f"prefill: {totals} = {flops / seconds / 1e12:.0f} TFLOP/s, "

@@ -75,8 +75,7 @@ def run(args: argparse.Namespace) -> int:
 def _print_json(args: argparse.Namespace, run_: Run, body: dict[str, Any]) -> None:
     data = {"source": args.source, "model": run_.spec.name, "backend": args.backend,
             "device": str(run_.device), "dtype": run_.dtype,
-            "random_weights": run_.source.random_weights, **body,
-            "timings": run_.timings.as_dict()}
+            "random_weights": run_.source.random_weights, **body, "timings": run_.timings.as_dict()}
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
 
@@ -91,9 +90,8 @@ def _generate_text(args: argparse.Namespace, run_: Run, model: Any) -> int:
         print(args.prompt, end="", flush=True)
     new = answer(compiled, ids, args, run_.timings)
     if args.json:
-        _print_json(args, run_, {"prompt": args.prompt, "chat": args.chat,
-                                 "system": args.system, "text": tok.decode(new),
-                                 "tokens": new})
+        _print_json(args, run_, {"prompt": args.prompt, "chat": args.chat, "system": args.system,
+                                 "text": tok.decode(new), "tokens": new})
     else:
         print(flush=True)
         run_.timings.report(args.quiet)

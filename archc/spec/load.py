@@ -40,7 +40,6 @@ SCALARS: dict[type, tuple[tuple[type, ...], str, str]] = {
 # ---- reading the declarations (here, in to_dict and in the reference) -----------------------
 
 def typed_fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
-    """The fields of a section with their resolved type hints."""
     hints = typing.get_type_hints(cls)
     return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
 
@@ -398,10 +397,8 @@ class _SpecYAMLLoader(yaml.SafeLoader):
     number, as YAML 1.2 does (YAML 1.1 wants ``1.0e-5`` and would read ``1e-5`` as text)."""
 
 
-_SpecYAMLLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"))
+_SpecYAMLLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
+    r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
 
 
 def _refuse_repeated_keys(node: yaml.Node, path: str, seen: set[int]) -> None:

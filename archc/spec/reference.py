@@ -21,16 +21,12 @@ def _default_text(f: dataclasses.Field, tp: Any) -> str:
 
 
 def reference() -> str:
-    lines = [
-        "# The spec language",
-        "",
-        "Generated from `archc/spec/schema.py` (`python -m archc.spec.reference`); a test keeps "
-        "it current.",
-        "A spec is YAML read with a safe loader. A *derived* size not given is computed as its "
-        "meaning says. A field marked *only when* applies to that `kind` of its section; "
-        "anywhere else it is refused. Bad input is refused with the file, the field path, the "
-        "value and what is allowed.",
-    ]
+    lines = ["# The spec language", "", "Generated from `archc/spec/schema.py` (`python -m "
+             "archc.spec.reference`); a test keeps it current.",
+             "A spec is YAML read with a safe loader. A *derived* size not given is computed as "
+             "its meaning says. A field marked *only when* applies to that `kind` of its section; "
+             "anywhere else it is refused. Bad input is refused with the file, the field path, "
+             "the value and what is allowed."]
     for prefix, cls in sections():
         lines += ["", f"## {prefix.rstrip('.') or 'Top level'}", "",
                   "| field | allowed | default | meaning |", "|---|---|---|---|"]

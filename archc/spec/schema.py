@@ -30,7 +30,6 @@ GATED_ACTIVATION: dict[str, Activation] = {"glu": "sigmoid", "reglu": "relu", "g
 
 
 def _f(default: Any = None, doc: str = "", **meta: Any) -> Any:
-    """A spec field: default, one-line doc and validation metadata in one place."""
     meta["doc"] = doc
     if isinstance(default, type):  # a nested section: build its defaults
         return field(default_factory=default, metadata=meta)
@@ -215,7 +214,6 @@ class Spec:
     embedding: Embedding = _f(Embedding, "embeddings")
     output: Output = _f(Output, "output head")
 
-    # ---- derived views -------------------------------------------------------------------
     @property
     def rotary_dim(self) -> int:
         """Dims of each head that RoPE rotates (0 without RoPE)."""
