@@ -38,7 +38,6 @@ def graph_cost(g: Graph) -> Cost:
 
 
 def kernel_count(p: Program) -> int:
-    """Compute nodes — one kernel each once codegen runs."""
     return sum(len(g.compute_ids()) for g in p)
 
 

@@ -134,7 +134,6 @@ class GraphBuilder:
 
     def declare(self, op: Op, name: str, shape: Shape, dtype: str, *, expr: Call | None = None,
                 origin: str | None = None) -> int:
-        """An input or param, given its shape (deduplicated by name)."""
         i = self._by_name.get((op, name))
         if i is None:
             self.nodes.append(Node(op, (), canonical(op, {"name": name, "expr": expr}),
@@ -170,9 +169,6 @@ class GraphBuilder:
 
     def output(self, name: str, x: int, origin: str | None = None) -> int:
         return self.emit(Op.OUTPUT, x, name=name, origin=origin)
-
-    def shape(self, i: int) -> Shape:
-        return self.nodes[i].shape
 
     def build(self) -> Graph:
         return Graph(self.name, tuple(self.nodes))

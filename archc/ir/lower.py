@@ -67,7 +67,7 @@ class _Stack:
 
     def norm(self, x: int, name: str, origin: str = "norm.kind") -> int:
         """The spec's norm over the last dim of x, with gain (and LayerNorm bias) params."""
-        n, width = self.s.norm, int(self.b.shape(x)[-1])
+        n, width = self.s.norm, int(self.b.nodes[x].shape[-1])
         with self.at(origin):
             w = self.param(f"{name}.weight", width)
             if n.kind == "rmsnorm":
@@ -77,7 +77,7 @@ class _Stack:
                                epilogue=(step("bias"),) if n.bias else ())
 
     def linear(self, x: int, name: str, n_out: int, bias: bool, bias_origin: str) -> int:
-        n_in = int(self.b.shape(x)[-1])
+        n_in = int(self.b.nodes[x].shape[-1])
         y = self.b.emit(Op.MATMUL, x, self.param(f"{name}.weight", n_out, n_in))
         if bias:
             with self.at(bias_origin):
@@ -289,9 +289,7 @@ class _Stack:
             Δ      = softplus(dt_proj(Δ) + dt_bias)         # (Jamba: RMSNorm on Δ, B, C first)
             y      = selective_scan(x, Δ, A = −exp(A_log), B, C) + D·x
             out    = out_proj(y · silu(z))
-
-        The recurrences carry their state between calls themselves, so one graph serves
-        prefill and decode, as the KV cache does for attention."""
+        """
         s, m = self.s, self.s.mixer.mamba
         assert m is not None and m.dt_rank is not None
         inner, n, rank = s.mamba_inner, m.d_state, m.dt_rank

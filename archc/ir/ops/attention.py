@@ -272,24 +272,19 @@ def t5_buckets(relative: torch.Tensor, bidirectional: bool, buckets: int,
     return out + torch.where(relative < exact, relative, large)
 
 
-def relative_bias(table: torch.Tensor, t: int, length: int, bidirectional: bool,
-                  max_distance: int) -> torch.Tensor:
-    """[H, T, L] bias looked up from a [buckets, H] table."""
-    q, k = query_key_positions(t, length)
-    bucket = t5_buckets(k[None, :] - q[:, None], bidirectional, table.shape[0], max_distance)
-    return table[bucket.to(table.device)].permute(2, 0, 1)
-
-
 T5 = (Attr("bidirectional", bool), Attr("max_distance", int, at_least=1))
 
 
 def score_bias(kind: str, table: torch.Tensor, t: int, length: int,
                at: Mapping[str, Any]) -> torch.Tensor:
-    """[H, T, L]: ALiBi's bias from per-head slopes, or T5's from a [buckets, H] table with
-    `at`'s bidirectional and max_distance."""
+    """[H, T, L]: ALiBi's bias from per-head slopes, or T5's looked up from a [buckets, H]
+    table with `at`'s bidirectional and max_distance."""
     if kind == "alibi":
         return alibi_bias(table, t, length)
-    return relative_bias(table.float(), t, length, at["bidirectional"], at["max_distance"])
+    q, k = query_key_positions(t, length)
+    bucket = t5_buckets(k[None, :] - q[:, None], at["bidirectional"], table.shape[0],
+                        at["max_distance"])
+    return table.float()[bucket.to(table.device)].permute(2, 0, 1)
 
 
 def _score_bias(op: Op, summary: str, example: str, table: str,

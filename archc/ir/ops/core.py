@@ -1,9 +1,6 @@
 """Boundary ops; matmuls, fused, and grouped over routed experts; elementwise ops, norms, views.
-
-``fused_linear`` is ``x @ wᵀ`` with a prologue and an epilogue chain in one kernel: the prologue
-gathers a folded norm's row statistics along the K loop the matmul runs anyway (Σx², and Σx for
-layer); the epilogue (``archc.ir.ops.steps``) works on the f32 accumulator before the one store.
-"""
+A fused matmul's prologue is a folded norm's (``archc.passes.norms``), its epilogue steps are
+``archc.ir.ops.steps``."""
 
 from __future__ import annotations
 
@@ -162,10 +159,7 @@ register(OpDef(
           "weight": "weight, K-contiguous"}))
 
 
-# ---- mixture of experts -------------------------------------------------------------------
-# Lowering emits a gated expert FFN as gate and up stages, an activation, a product and the down
-# stage, as it lowers a dense one; fuse-moe makes gate and up one matmul with a glu() epilogue.
-# Only routed experts are computed, and costs count only them.
+# ---- mixture of experts: only routed experts are computed, and costs count only them ------
 
 def _router_infer(sig: Sig) -> tuple[Shape, str]:
     gates, dtype = matmul_infer(sig) if sig.has("weight") else (sig.shape("x"), float_dtype(sig))

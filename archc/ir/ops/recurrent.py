@@ -1,19 +1,16 @@
 """The recurrent mixers keep a fixed-size per-layer state instead of a KV cache, read and updated
 in place, so a decode step costs the same at any context length.
 
-Mamba (Gu & Dao 2023) is ``causal_conv`` and ``ssm_scan``, the selective scan; the passes fuse
-into them the conv's bias and activation, the skip D·x and the gate.
-
-Causal linear attention (Katharopoulos et al. 2020): with a positive feature map φ (elu(x) + 1),
-softmax(q·kᵀ)·v becomes
+Mamba (Gu & Dao 2023) is ``causal_conv`` and ``ssm_scan``, the selective scan. Causal linear
+attention (Katharopoulos et al. 2020): with a positive feature map φ (elu(x) + 1), softmax(q·kᵀ)·v
+becomes
 
     out_i = φ(q_i)ᵀ S_i / φ(q_i)ᵀ z_i,   S_i = Σ_{j≤i} φ(k_j) v_jᵀ,   z_i = Σ_{j≤i} φ(k_j),
 
 so a layer keeps two running sums per KV head, S [D, Dv] and z [D] in f32 (query head h reads
-KV head h // (H / H_kv)). Lowering applies φ as ``act`` nodes; fuse-linear-attention moves it
-inside. Eager semantics run a call's tokens in chunks: within one the causal sum is the masked
-product (φq·φkᵀ ⊙ causal)·v, and the sums carry the chunks before — the recurrence's function
-in far fewer steps.
+KV head h // (H / H_kv)). Eager semantics run a call's tokens in chunks: within one the causal
+sum is the masked product (φq·φkᵀ ⊙ causal)·v, and the sums carry the chunks before — the
+recurrence's function in far fewer steps.
 """
 
 from __future__ import annotations
