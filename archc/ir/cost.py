@@ -78,8 +78,7 @@ def node_states(g: Graph, i: int) -> tuple[StateDecl, ...]:
 
 
 def recurrent_state_bytes(p: Program) -> int:
-    """Bytes of recurrent state one sequence keeps (Mamba's conv window and SSM state, linear
-    attention's sums), as each node declares it: fixed, whatever the context."""
+    """Bytes of recurrent state one sequence keeps, as its nodes declare it: fixed at any length."""
     seen: dict[tuple[int, str], int] = {}
     for g in p:
         for i in g.compute_ids():

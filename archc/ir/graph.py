@@ -15,8 +15,7 @@ from archc.ir.ops import OP_TABLE, Op, ShapeError, canonical, full_attrs, is_com
 from archc.ir.ops.base import Sig, attr_problems, make_sig, require
 from archc.ir.shapes import Shape
 
-# The graph passes may add: what the decoder computes from the encoder's states alone, run once
-# per generation and read by every decoder step as inputs named after its outputs.
+# the graph hoist-cross-kv adds (archc.passes.cross_kv)
 CROSS_KV = "cross_kv"
 
 
@@ -57,9 +56,6 @@ class Graph:
     def __iter__(self) -> Iterator[Node]:
         return iter(self.nodes)
 
-    def __getitem__(self, i: int) -> Node:
-        return self.nodes[i]
-
     def ids(self, op: Op) -> list[int]:
         return [i for i, n in enumerate(self.nodes) if n.op == op]
 
@@ -80,7 +76,6 @@ class Graph:
         return self.named(Op.OUTPUT)
 
     def compute_ids(self) -> list[int]:
-        """Nodes that become kernels: not boundaries, not views."""
         return [i for i, n in enumerate(self.nodes) if is_compute(n.op)]
 
     def users(self) -> list[list[int]]:
@@ -91,7 +86,6 @@ class Graph:
         return out
 
     def sig(self, i: int) -> Sig:
-        """What op rules see of node i: inputs by role, attrs, output shape and dtype."""
         n = self.nodes[i]
         return make_sig(n.op, [self.nodes[j].shape for j in n.inputs],
                         [self.nodes[j].dtype for j in n.inputs], n.attrs, n.shape, n.dtype)

@@ -269,4 +269,4 @@ def vector(sig: Sig, role: str, width: sympy.Expr) -> None:
     require(len(s) == 1 and same_dim(s[0], width), f"{role} {list(s)} must be [{width}]")
 
 
-LAYER = Attr("layer", int, at_least=0, doc="the layer whose cache or state it uses")
+LAYER = Attr("layer", int, at_least=0)

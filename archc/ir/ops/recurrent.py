@@ -137,8 +137,7 @@ register(OpDef(
     # Δ, A, B, C, D of the paper as dt, a, b, c and skip
     operands("x", "dt", "a", "b", "c", ("skip", "gate"), ("z", "gate"), ("b_gain", "norm_eps"),
              ("c_gain", "norm_eps")), _scan_infer, _scan_eager,
-    attrs=(LAYER, Attr("gate", bool, False, doc="add the skip D·x and gate by silu(z)"),
-           Attr("norm_eps", float, None, doc="RMS-normalize B and C first (Jamba)")),
+    attrs=(LAYER, Attr("gate", bool, False), Attr("norm_eps", float, None)),
     flops=_scan_flops, template="ssm_scan", arity=(5, 9),
     states=lambda sig: (StateDecl("ssm", (sig.shape("x")[0], sig.shape("x")[2],
                                           sig.shape("a")[1]), "f32"),),
