@@ -142,14 +142,11 @@ class GraphBuilder:
     def input(self, name: str, shape: Shape, dtype: str, origin: str | None = None) -> int:
         return self.declare(Op.INPUT, name, shape, dtype, origin=origin)
 
-    def param(self, name: str, shape: Shape, dtype: str, *, expr: Call | None = None,
-              origin: str | None = None) -> int:
-        return self.declare(Op.PARAM, name, shape, dtype, expr=expr, origin=origin)
+    def param(self, name: str, shape: Shape, dtype: str, *, expr: Call | None = None) -> int:
+        return self.declare(Op.PARAM, name, shape, dtype, expr=expr)
 
-    def emit(self, op: Op | str, *inputs: int, origin: str | None = None,
-             passes: tuple[str, ...] = (), **attrs: Any) -> int:
+    def emit(self, op: Op, *inputs: int, origin: str | None = None, **attrs: Any) -> int:
         """Append a compute (or output) node; its shape comes from the op's rule."""
-        op = Op(op)
         at = canonical(op, attrs)
         try:
             out_shape, dtype = infer(op, [self.nodes[i].shape for i in inputs],
@@ -158,7 +155,7 @@ class GraphBuilder:
             raise IRError(f"cannot build {format_call(op.value, inputs, at)} in graph "
                           f"{self.name}: {err}") from None
         self.nodes.append(Node(op, tuple(inputs), at, out_shape, dtype,
-                               origin=self.origin if origin is None else origin, passes=passes))
+                               origin=self.origin if origin is None else origin))
         return len(self.nodes) - 1
 
     def output(self, name: str, x: int, origin: str | None = None) -> int:

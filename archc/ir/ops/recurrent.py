@@ -54,8 +54,7 @@ def _conv_infer(sig: Sig) -> tuple[Shape, str]:
 
 
 def _conv_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    """y_t[c] = Σ_k w[c, k]·x_{t−K+1+k}[c] in f32, the conv state holding the last K − 1 inputs
-    of the calls before."""
+    """y_t[c] = Σ_k w[c, k]·x_{t−K+1+k}[c] in f32, over the conv state and then x."""
     x, w, layer = a["x"], a["weight"], at["layer"]
     b, c, k = x.shape[0], x.shape[2], w.shape[1]
     past = ctx.state_read(layer, "conv", (b, c, k - 1), x.dtype, x.device)   # (B, C, K−1)
@@ -101,8 +100,7 @@ def _scan_infer(sig: Sig) -> tuple[Shape, str]:
 
 
 def _scan_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    """The selective scan in f32, one step at a time from the layer's SSM state h [B, C, N]:
-    h ← exp(Δ_t·A)·h + (Δ_t·x_t)·B_t, y_t = Σ_n h·C_t; then the skip and gate."""
+    """The selective scan in f32, one token at a time from the layer's SSM state h [B, C, N]."""
     x, dt, af = a["x"].float(), a["dt"].float(), a["a"].float()
     bm, cm, eps, layer = a["b"].float(), a["c"].float(), at["norm_eps"], at["layer"]
     if eps is not None:  # Jamba: B and C normalized per token before the scan
