@@ -189,9 +189,8 @@ class _Stack:
                 k = self.b.emit(Op.KV_CACHE, k, layer=layer, kind="k")  # (B, Hkv, P+T, D)
                 v = self.b.emit(Op.KV_CACHE, v, layer=layer, kind="v")
         if att.group_size > 1:
-            with self.at("attention.kv_heads"):
-                k = self.b.emit(Op.REPEAT_KV, k, groups=att.group_size)  # (B, H, L, D)
-                v = self.b.emit(Op.REPEAT_KV, v, groups=att.group_size)
+            with self.at("attention.kv_heads"):   # k, v: (B, H, L, D)
+                k, v = (self.b.emit(Op.REPEAT_KV, t, groups=att.group_size) for t in (k, v))
         scores = self.b.emit(Op.SCORES, q, k, origin="attention")       # (B, H, T, L)
         if s.attention_scale != 1.0:
             scores = self.pointwise(scores, "attention.head_dim" if att.scale is None else
