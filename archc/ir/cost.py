@@ -73,7 +73,6 @@ def kv_cache_bytes_per_token(p: Program) -> int:
 
 
 def node_states(g: Graph, i: int) -> tuple[StateDecl, ...]:
-    """The recurrent state node i keeps between calls, as its op declares it (none for most)."""
     return OP_TABLE[g.nodes[i].op].states(g.sig(i))
 
 

@@ -60,7 +60,6 @@ class Graph:
         return [i for i, n in enumerate(self.nodes) if n.op == op]
 
     def named(self, op: Op) -> dict[str, int]:
-        """Name → id of the inputs, params or outputs."""
         return {self.nodes[i].name: i for i in self.ids(op)}
 
     @property
@@ -146,7 +145,6 @@ class GraphBuilder:
         return self.declare(Op.PARAM, name, shape, dtype, expr=expr)
 
     def emit(self, op: Op, *inputs: int, origin: str | None = None, **attrs: Any) -> int:
-        """Append a compute (or output) node; its shape comes from the op's rule."""
         at = canonical(op, attrs)
         try:
             out_shape, dtype = infer(op, [self.nodes[i].shape for i in inputs],

@@ -342,7 +342,6 @@ class _Stack:
 
     # ---- blocks --------------------------------------------------------------------------------
     def mix(self, h: int, layer: int, mixer: str, *, local: bool) -> int:
-        """The layer's sequence mixer over h: softmax attention, linear attention or Mamba."""
         if mixer == "mamba":
             return self.mamba(h, layer)
         if mixer == "linear_attention":

@@ -224,7 +224,6 @@ def make_sig(op: Op, shapes: Sequence[Shape], dtypes: Sequence[str], attrs: Attr
 
 
 def bind(op: Op, attrs: Attrs, xs: Sequence[torch.Tensor]) -> Args:
-    """A node's input values by role."""
     return dict(zip(roles_of(op, attrs, len(xs)), xs))
 
 
