@@ -127,7 +127,6 @@ def triton(e: Expr, names: Sequence[str]) -> str:
 
 
 def flops(e: Expr) -> int:
-    """FLOPs per element."""
     if not isinstance(e, Call) or e.fn == "x":
         return 0
     own = ACTIVATIONS[e.kw("fn")].flops if e.fn == "act" else FUNCTIONS[e.fn].flops

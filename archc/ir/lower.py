@@ -84,7 +84,6 @@ class _Stack:
                 y = self.b.emit(Op.ADD, y, self.param(f"{name}.bias", n_out))
         return y
 
-    # ---- inputs and embeddings -----------------------------------------------------------------
     def inputs(self) -> None:
         s, b, causal = self.s, self.b, self.causal
         self.tokens = b.input("tokens", shape(B, T), "i64", "family")
@@ -131,7 +130,6 @@ class _Stack:
                 x = self.b.emit(Op.ADD, x, self.b.emit(Op.EMBEDDING, table, self.token_types))
         return self.norm(x, "embed_norm", "embedding.norm") if s.embedding.norm else x
 
-    # ---- attention -----------------------------------------------------------------------------
     def rope_params(self) -> tuple[int, dict[str, object]]:
         """The inverse-frequency buffer, and the rope attrs that depend on the scaling: the
         cos/sin scale (YaRN's attention factor) and dynamic NTK's rescaling, which needs the
@@ -230,7 +228,6 @@ class _Stack:
                            padding=self.padding is not None, prefix=self.prefix_len is not None,
                            window=window, global_tokens=global_tokens)
 
-    # ---- feed-forward --------------------------------------------------------------------------
     def ffn(self, x: int, layer: int) -> int:
         f = self.s.ffn
         base = f"layers.{layer}.ffn"
@@ -278,7 +275,6 @@ class _Stack:
                 y = self.b.emit(Op.ADD, y, shared)
         return y
 
-    # ---- recurrent mixers -----------------------------------------------------------------
     def mamba(self, h: int, layer: int) -> int:
         """Mamba (Gu & Dao 2023), as the reference implementation lays it out::
 
@@ -340,7 +336,6 @@ class _Stack:
             return self.linear(out, f"{base}.o", self.d, self.s.attention.bias.o,
                                "attention.bias.o")
 
-    # ---- blocks --------------------------------------------------------------------------------
     def mix(self, h: int, layer: int, mixer: str, *, local: bool) -> int:
         if mixer == "mamba":
             return self.mamba(h, layer)

@@ -347,8 +347,7 @@ def attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     M. A soft-cap acts on the raw scores: with one, the scores are computed here."""
     q, layer, bias, cap = a["q"], at["cache_layer"], at["bias"], at["softcap"]
     k, v = (a[r] if layer is None else ctx.cache_read(layer, r) for r in ("k", "v"))
-    b, h, t, d = q.shape
-    length = k.shape[2]
+    (b, h, t, d), length = q.shape, k.shape[2]
     qf, kf, vf = q.float(), expand_kv(k, h).float(), expand_kv(v, h).float()   # (B, H, ·, D)
     plain = at["window"] is None and bias is None and cap is None and not at["padding"] \
         and not at["prefix"]
@@ -411,10 +410,9 @@ def _attention_bytes(sig: Sig) -> sympy.Expr:
     q, length = sig.shape("q"), _keys(sig)
     kv_heads = sig.shape("k")[1] if sig.has("k") else sig.attr("kv_heads")
     window, g = sig.attr("window"), sig.attr("global_tokens")
-    if window is None or (g is not None and not sig.attr("causal")):
-        keys = length       # bidirectional global rows read every key
-    else:
-        keys = sympy.Min(length, window + q[2] + (g or 0))
+    # bidirectional global rows read every key
+    keys = length if window is None or (g is not None and not sig.attr("causal")) else \
+        sympy.Min(length, window + q[2] + (g or 0))
     return (2 * numel(q) + 2 * q[0] * kv_heads * keys * q[3]) * DTYPE_BYTES[sig.dtype("q")]
 
 

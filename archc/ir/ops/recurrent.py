@@ -41,7 +41,6 @@ from archc.ir.ops.base import (
 from archc.ir.ops.steps import normalize
 from archc.ir.shapes import Shape, numel
 
-# ---- the causal convolution ------------------------------------------------------------------
 
 def _conv_infer(sig: Sig) -> tuple[Shape, str]:
     x, w = sig.shape("x"), sig.shape("weight")
@@ -78,8 +77,6 @@ register(OpDef(
                                            sig.shape("weight")[1] - 1), sig.dtype("x")),),
     template="causal_conv", arity=(2, 3), docs={"x": "input", "weight": "depthwise filter"}))
 
-
-# ---- the selective scan ----------------------------------------------------------------------
 
 def _scan_infer(sig: Sig) -> tuple[Shape, str]:
     x, dt, a = sig.shape("x"), sig.shape("dt"), sig.shape("a")
@@ -144,19 +141,17 @@ register(OpDef(
           "b_gain": "RMSNorm gain of B", "c_gain": "RMSNorm gain of C"}))
 
 
-# ---- causal linear attention -----------------------------------------------------------------
-
 CHUNK = 64                   # tokens per chunk of the eager semantics
 FEATURE_MAPS = ("identity", "elu_plus_one")
 
 
-def _states(sig: Sig) -> tuple[StateDecl, ...]:
+def _linear_attention_states(sig: Sig) -> tuple[StateDecl, ...]:
     q, k, v = sig.shapes
     return (StateDecl("S", (q[0], k[1], k[3], v[3]), "f32"),
             StateDecl("z", (q[0], k[1], k[3]), "f32"))
 
 
-def _infer(sig: Sig) -> tuple[Shape, str]:
+def _linear_attention_infer(sig: Sig) -> tuple[Shape, str]:
     q, k, v = sig.shapes
     require(len(q) == 4 and len(k) == 4 and len(v) == 4,
             "takes q [B, H, T, D], k [B, H_kv, T, D] and v [B, H_kv, T, Dv]")
@@ -167,7 +162,7 @@ def _infer(sig: Sig) -> tuple[Shape, str]:
     return (q[0], q[2], q[1] * v[3]), float_dtype(sig)
 
 
-def _eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+def _linear_attention_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     """φ on q and k, then the running sums S and z in chunks of CHUNK tokens, in f32."""
     phi_q, phi_k = (E.ACTIVATIONS[at["feature"]].torch(a[r].float()) for r in ("q", "k"))
     (b, h, t, d), hkv, dv = phi_q.shape, phi_k.shape[1], a["v"].shape[-1]
@@ -192,7 +187,7 @@ def _eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     return out.transpose(1, 2).flatten(2).to(a["q"].dtype)             # (B, T, H·Dv)
 
 
-def _flops(sig: Sig) -> sympy.Expr:
+def _linear_attention_flops(sig: Sig) -> sympy.Expr:
     q, k, v = sig.shapes
     d, dv = q[3], v[3]
     # per token: S += φk vᵀ and z += φk per KV head; φq·S, φq·z and the division per query
@@ -205,6 +200,6 @@ register(OpDef(
     Op.LINEAR_ATTENTION, "Causal linear attention: φ (the feature map) on q and k, the running "
     "sums S and z (per KV head, f32) read and updated in place, heads merged [B, T, H·Dv].",
     '%20 : f32[B,T,48] = linear_attention(%17, %18, %19) {feature="elu_plus_one", layer=0}',
-    operands("q", "k", "v"), _infer, _eager,
-    attrs=(LAYER, Attr("feature", str, "identity", FEATURE_MAPS)),
-    flops=_flops, states=_states, template="linear_attention", arity=(3, 3)))
+    operands("q", "k", "v"), _linear_attention_infer, _linear_attention_eager,
+    attrs=(LAYER, Attr("feature", str, "identity", FEATURE_MAPS)), flops=_linear_attention_flops,
+    states=_linear_attention_states, template="linear_attention", arity=(3, 3)))
