@@ -101,7 +101,6 @@ class Attr:
     default: Any = REQUIRED
     choices: tuple[Any, ...] | Mapping[str, tuple[Attr, ...]] = ()
     at_least: float | None = None
-    doc: str = ""
 
     def problem(self, v: Any) -> str | None:
         """What is wrong with `v` as this attribute's value; None when nothing is."""

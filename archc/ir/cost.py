@@ -38,7 +38,6 @@ def graph_cost(g: Graph) -> Cost:
 
 
 def kernel_count(p: Program) -> int:
-    """Compute nodes — one kernel each once codegen runs."""
     return sum(len(g.compute_ids()) for g in p)
 
 
@@ -74,13 +73,11 @@ def kv_cache_bytes_per_token(p: Program) -> int:
 
 
 def node_states(g: Graph, i: int) -> tuple[StateDecl, ...]:
-    """The recurrent state node i keeps between calls, as its op declares it (none for most)."""
     return OP_TABLE[g.nodes[i].op].states(g.sig(i))
 
 
 def recurrent_state_bytes(p: Program) -> int:
-    """Bytes of recurrent state one sequence keeps (Mamba's conv window and SSM state, linear
-    attention's sums), as each node declares it: fixed, whatever the context."""
+    """Bytes of recurrent state one sequence keeps, as its nodes declare it: fixed at any length."""
     seen: dict[tuple[int, str], int] = {}
     for g in p:
         for i in g.compute_ids():

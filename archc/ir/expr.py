@@ -127,7 +127,6 @@ def triton(e: Expr, names: Sequence[str]) -> str:
 
 
 def flops(e: Expr) -> int:
-    """FLOPs per element."""
     if not isinstance(e, Call) or e.fn == "x":
         return 0
     own = ACTIVATIONS[e.kw("fn")].flops if e.fn == "act" else FUNCTIONS[e.fn].flops
@@ -135,7 +134,6 @@ def flops(e: Expr) -> int:
 
 
 def substitute(e: Expr, leaves: Sequence[Expr]) -> Expr:
-    """`e` with input i replaced by leaves[i]."""
     if not isinstance(e, Call):
         return e
     if e.fn == "x":
@@ -148,10 +146,9 @@ def x(i: int) -> Call:
 
 
 def call(name: str, /, *args: Expr, **params: Any) -> Call:
-    """A function application with its parameters in a canonical order."""
-    return Call(name, tuple(args), tuple(sorted(params.items())))
+    """A function application with its parameters in a canonical order, None ones left out."""
+    return Call(name, args, tuple(sorted((k, v) for k, v in params.items() if v is not None)))
 
 
 def act_code(fn: str, code: str) -> str:
-    """An activation over Triton code `code`."""
     return ACTIVATIONS[fn].triton.replace("{x}", code)

@@ -15,8 +15,7 @@ from archc.ir.ops import OP_TABLE, Op, ShapeError, canonical, full_attrs, is_com
 from archc.ir.ops.base import Sig, attr_problems, make_sig, require
 from archc.ir.shapes import Shape
 
-# The graph passes may add: what the decoder computes from the encoder's states alone, run once
-# per generation and read by every decoder step as inputs named after its outputs.
+# the graph hoist-cross-kv adds (archc.passes.cross_kv)
 CROSS_KV = "cross_kv"
 
 
@@ -57,14 +56,10 @@ class Graph:
     def __iter__(self) -> Iterator[Node]:
         return iter(self.nodes)
 
-    def __getitem__(self, i: int) -> Node:
-        return self.nodes[i]
-
     def ids(self, op: Op) -> list[int]:
         return [i for i, n in enumerate(self.nodes) if n.op == op]
 
     def named(self, op: Op) -> dict[str, int]:
-        """Name → id of the inputs, params or outputs."""
         return {self.nodes[i].name: i for i in self.ids(op)}
 
     @property
@@ -80,7 +75,6 @@ class Graph:
         return self.named(Op.OUTPUT)
 
     def compute_ids(self) -> list[int]:
-        """Nodes that become kernels: not boundaries, not views."""
         return [i for i, n in enumerate(self.nodes) if is_compute(n.op)]
 
     def users(self) -> list[list[int]]:
@@ -91,7 +85,6 @@ class Graph:
         return out
 
     def sig(self, i: int) -> Sig:
-        """What op rules see of node i: inputs by role, attrs, output shape and dtype."""
         n = self.nodes[i]
         return make_sig(n.op, [self.nodes[j].shape for j in n.inputs],
                         [self.nodes[j].dtype for j in n.inputs], n.attrs, n.shape, n.dtype)
@@ -134,7 +127,6 @@ class GraphBuilder:
 
     def declare(self, op: Op, name: str, shape: Shape, dtype: str, *, expr: Call | None = None,
                 origin: str | None = None) -> int:
-        """An input or param, given its shape (deduplicated by name)."""
         i = self._by_name.get((op, name))
         if i is None:
             self.nodes.append(Node(op, (), canonical(op, {"name": name, "expr": expr}),
@@ -149,14 +141,10 @@ class GraphBuilder:
     def input(self, name: str, shape: Shape, dtype: str, origin: str | None = None) -> int:
         return self.declare(Op.INPUT, name, shape, dtype, origin=origin)
 
-    def param(self, name: str, shape: Shape, dtype: str, *, expr: Call | None = None,
-              origin: str | None = None) -> int:
-        return self.declare(Op.PARAM, name, shape, dtype, expr=expr, origin=origin)
+    def param(self, name: str, shape: Shape, dtype: str, *, expr: Call | None = None) -> int:
+        return self.declare(Op.PARAM, name, shape, dtype, expr=expr)
 
-    def emit(self, op: Op | str, *inputs: int, origin: str | None = None,
-             passes: tuple[str, ...] = (), **attrs: Any) -> int:
-        """Append a compute (or output) node; its shape comes from the op's rule."""
-        op = Op(op)
+    def emit(self, op: Op, *inputs: int, origin: str | None = None, **attrs: Any) -> int:
         at = canonical(op, attrs)
         try:
             out_shape, dtype = infer(op, [self.nodes[i].shape for i in inputs],
@@ -165,14 +153,11 @@ class GraphBuilder:
             raise IRError(f"cannot build {format_call(op.value, inputs, at)} in graph "
                           f"{self.name}: {err}") from None
         self.nodes.append(Node(op, tuple(inputs), at, out_shape, dtype,
-                               origin=self.origin if origin is None else origin, passes=passes))
+                               origin=self.origin if origin is None else origin))
         return len(self.nodes) - 1
 
     def output(self, name: str, x: int, origin: str | None = None) -> int:
         return self.emit(Op.OUTPUT, x, name=name, origin=origin)
-
-    def shape(self, i: int) -> Shape:
-        return self.nodes[i].shape
 
     def build(self) -> Graph:
         return Graph(self.name, tuple(self.nodes))

@@ -67,7 +67,7 @@ class _Stack:
 
     def norm(self, x: int, name: str, origin: str = "norm.kind") -> int:
         """The spec's norm over the last dim of x, with gain (and LayerNorm bias) params."""
-        n, width = self.s.norm, int(self.b.shape(x)[-1])
+        n, width = self.s.norm, int(self.b.nodes[x].shape[-1])
         with self.at(origin):
             w = self.param(f"{name}.weight", width)
             if n.kind == "rmsnorm":
@@ -77,14 +77,13 @@ class _Stack:
                                epilogue=(step("bias"),) if n.bias else ())
 
     def linear(self, x: int, name: str, n_out: int, bias: bool, bias_origin: str) -> int:
-        n_in = int(self.b.shape(x)[-1])
+        n_in = int(self.b.nodes[x].shape[-1])
         y = self.b.emit(Op.MATMUL, x, self.param(f"{name}.weight", n_out, n_in))
         if bias:
             with self.at(bias_origin):
                 y = self.b.emit(Op.ADD, y, self.param(f"{name}.bias", n_out))
         return y
 
-    # ---- inputs and embeddings -----------------------------------------------------------------
     def inputs(self) -> None:
         s, b, causal = self.s, self.b, self.causal
         self.tokens = b.input("tokens", shape(B, T), "i64", "family")
@@ -131,7 +130,6 @@ class _Stack:
                 x = self.b.emit(Op.ADD, x, self.b.emit(Op.EMBEDDING, table, self.token_types))
         return self.norm(x, "embed_norm", "embedding.norm") if s.embedding.norm else x
 
-    # ---- attention -----------------------------------------------------------------------------
     def rope_params(self) -> tuple[int, dict[str, object]]:
         """The inverse-frequency buffer, and the rope attrs that depend on the scaling: the
         cos/sin scale (YaRN's attention factor) and dynamic NTK's rescaling, which needs the
@@ -189,9 +187,8 @@ class _Stack:
                 k = self.b.emit(Op.KV_CACHE, k, layer=layer, kind="k")  # (B, Hkv, P+T, D)
                 v = self.b.emit(Op.KV_CACHE, v, layer=layer, kind="v")
         if att.group_size > 1:
-            with self.at("attention.kv_heads"):
-                k = self.b.emit(Op.REPEAT_KV, k, groups=att.group_size)  # (B, H, L, D)
-                v = self.b.emit(Op.REPEAT_KV, v, groups=att.group_size)
+            with self.at("attention.kv_heads"):   # k, v: (B, H, L, D)
+                k, v = (self.b.emit(Op.REPEAT_KV, t, groups=att.group_size) for t in (k, v))
         scores = self.b.emit(Op.SCORES, q, k, origin="attention")       # (B, H, T, L)
         if s.attention_scale != 1.0:
             scores = self.pointwise(scores, "attention.head_dim" if att.scale is None else
@@ -231,7 +228,6 @@ class _Stack:
                            padding=self.padding is not None, prefix=self.prefix_len is not None,
                            window=window, global_tokens=global_tokens)
 
-    # ---- feed-forward --------------------------------------------------------------------------
     def ffn(self, x: int, layer: int) -> int:
         f = self.s.ffn
         base = f"layers.{layer}.ffn"
@@ -279,7 +275,6 @@ class _Stack:
                 y = self.b.emit(Op.ADD, y, shared)
         return y
 
-    # ---- recurrent mixers -----------------------------------------------------------------
     def mamba(self, h: int, layer: int) -> int:
         """Mamba (Gu & Dao 2023), as the reference implementation lays it out::
 
@@ -289,9 +284,7 @@ class _Stack:
             Δ      = softplus(dt_proj(Δ) + dt_bias)         # (Jamba: RMSNorm on Δ, B, C first)
             y      = selective_scan(x, Δ, A = −exp(A_log), B, C) + D·x
             out    = out_proj(y · silu(z))
-
-        The recurrences carry their state between calls themselves, so one graph serves
-        prefill and decode, as the KV cache does for attention."""
+        """
         s, m = self.s, self.s.mixer.mamba
         assert m is not None and m.dt_rank is not None
         inner, n, rank = s.mamba_inner, m.d_state, m.dt_rank
@@ -343,9 +336,7 @@ class _Stack:
             return self.linear(out, f"{base}.o", self.d, self.s.attention.bias.o,
                                "attention.bias.o")
 
-    # ---- blocks --------------------------------------------------------------------------------
     def mix(self, h: int, layer: int, mixer: str, *, local: bool) -> int:
-        """The layer's sequence mixer over h: softmax attention, linear attention or Mamba."""
         if mixer == "mamba":
             return self.mamba(h, layer)
         if mixer == "linear_attention":

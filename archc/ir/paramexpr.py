@@ -54,8 +54,6 @@ def evaluate(expr: Call, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return ev(expr)
 
 
-# ---- computed buffers ----------------------------------------------------------------------
-
 def rope_inv_freq(dim: int, theta: float, kind: str = "default", factor: float = 1.0,
                   original_max_seq_len: int | None = None, low_freq_factor: float = 1.0,
                   high_freq_factor: float = 4.0, beta_fast: float = 32.0,

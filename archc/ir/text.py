@@ -24,14 +24,12 @@ def format_node(i: int, n: Node, *, provenance: bool = False) -> str:
     return line + "  # " + " ".join(parts) if provenance and parts else line
 
 
-def format_graph(g: Graph, *, provenance: bool = False) -> str:
-    nodes = ["  " + format_node(i, n, provenance=provenance) for i, n in enumerate(g.nodes)]
-    return "\n".join([f"graph {g.name} {{", *nodes, "}"])
-
-
 def format_program(p: Program, *, provenance: bool = False) -> str:
-    return "\n".join([f"program {p.model}"] +
-                     [format_graph(g, provenance=provenance) for g in p.graphs]) + "\n"
+    lines = [f"program {p.model}"]
+    for g in p.graphs:
+        lines += [f"graph {g.name} {{", *("  " + format_node(i, n, provenance=provenance)
+                                          for i, n in enumerate(g.nodes)), "}"]
+    return "\n".join(lines) + "\n"
 
 
 # %i : dtype[dims] = op(%a, …), then {name=value, …} and the provenance comment

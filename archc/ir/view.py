@@ -33,15 +33,13 @@ def live_ranges(g: Graph, root_of: Sequence[int] | None = None) -> dict[int, tup
     root. Graph outputs stay live to the end."""
     end = len(g.nodes)
     root = list(range(end)) if root_of is None else list(root_of)
-    out = {i: (i, i) for i in range(end)}
+    last = list(range(end))
     for i, n in enumerate(g.nodes):
         for j in n.inputs:
-            r = root[j]
-            out[r] = (out[r][0], max(out[r][1], i))
+            last[root[j]] = max(last[root[j]], i)
         if n.op == Op.OUTPUT:
-            r = root[i]
-            out[r] = (out[r][0], end)
-    return out
+            last[root[i]] = end
+    return {i: (i, last[i]) for i in range(end)}
 
 
 _COLORS = ((META, "#eeeeee"), (MATMUL, "#aec7e8"), (REDUCTION, "#ffbb78"),

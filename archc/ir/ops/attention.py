@@ -272,24 +272,19 @@ def t5_buckets(relative: torch.Tensor, bidirectional: bool, buckets: int,
     return out + torch.where(relative < exact, relative, large)
 
 
-def relative_bias(table: torch.Tensor, t: int, length: int, bidirectional: bool,
-                  max_distance: int) -> torch.Tensor:
-    """[H, T, L] bias looked up from a [buckets, H] table."""
-    q, k = query_key_positions(t, length)
-    bucket = t5_buckets(k[None, :] - q[:, None], bidirectional, table.shape[0], max_distance)
-    return table[bucket.to(table.device)].permute(2, 0, 1)
-
-
 T5 = (Attr("bidirectional", bool), Attr("max_distance", int, at_least=1))
 
 
 def score_bias(kind: str, table: torch.Tensor, t: int, length: int,
                at: Mapping[str, Any]) -> torch.Tensor:
-    """[H, T, L]: ALiBi's bias from per-head slopes, or T5's from a [buckets, H] table with
-    `at`'s bidirectional and max_distance."""
+    """[H, T, L]: ALiBi's bias from per-head slopes, or T5's looked up from a [buckets, H]
+    table with `at`'s bidirectional and max_distance."""
     if kind == "alibi":
         return alibi_bias(table, t, length)
-    return relative_bias(table.float(), t, length, at["bidirectional"], at["max_distance"])
+    q, k = query_key_positions(t, length)
+    bucket = t5_buckets(k[None, :] - q[:, None], at["bidirectional"], table.shape[0],
+                        at["max_distance"])
+    return table.float()[bucket.to(table.device)].permute(2, 0, 1)
 
 
 def _score_bias(op: Op, summary: str, example: str, table: str,
@@ -352,8 +347,7 @@ def attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     M. A soft-cap acts on the raw scores: with one, the scores are computed here."""
     q, layer, bias, cap = a["q"], at["cache_layer"], at["bias"], at["softcap"]
     k, v = (a[r] if layer is None else ctx.cache_read(layer, r) for r in ("k", "v"))
-    b, h, t, d = q.shape
-    length = k.shape[2]
+    (b, h, t, d), length = q.shape, k.shape[2]
     qf, kf, vf = q.float(), expand_kv(k, h).float(), expand_kv(v, h).float()   # (B, H, ·, D)
     plain = at["window"] is None and bias is None and cap is None and not at["padding"] \
         and not at["prefix"]
@@ -416,10 +410,9 @@ def _attention_bytes(sig: Sig) -> sympy.Expr:
     q, length = sig.shape("q"), _keys(sig)
     kv_heads = sig.shape("k")[1] if sig.has("k") else sig.attr("kv_heads")
     window, g = sig.attr("window"), sig.attr("global_tokens")
-    if window is None or (g is not None and not sig.attr("causal")):
-        keys = length       # bidirectional global rows read every key
-    else:
-        keys = sympy.Min(length, window + q[2] + (g or 0))
+    # bidirectional global rows read every key
+    keys = length if window is None or (g is not None and not sig.attr("causal")) else \
+        sympy.Min(length, window + q[2] + (g or 0))
     return (2 * numel(q) + 2 * q[0] * kv_heads * keys * q[3]) * DTYPE_BYTES[sig.dtype("q")]
 
 

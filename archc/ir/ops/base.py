@@ -114,10 +114,8 @@ class Sig:
 
 
 class EagerCtx(Protocol):
-    """What eager semantics may read besides their inputs: concrete dims, the KV cache and the
-    recurrent state of each layer (zeros at P = 0, so a prefill starts fresh)."""
-
-    dims: Mapping[str, int]
+    """What eager semantics may read besides their inputs: the KV cache and the recurrent state
+    of each layer (zeros at P = 0, so a prefill starts fresh)."""
 
     def cache_append(self, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor: ...
     def cache_read(self, layer: int, kind: str) -> torch.Tensor: ...
@@ -132,8 +130,7 @@ CostFn = Callable[[Sig], sympy.Expr]
 
 @dataclass(frozen=True)
 class StateDecl:
-    """One recurrent state tensor of a layer: `kind` names it ("conv", "ssm", "S", "z"); its
-    shape leads with B. A sequence's state starts at zero (a call at P = 0 reads zeros)."""
+    """A layer's recurrent state tensor `kind` ("conv", "ssm", "S", "z"), shape leading with B."""
 
     kind: str
     shape: Shape
@@ -227,7 +224,6 @@ def make_sig(op: Op, shapes: Sequence[Shape], dtypes: Sequence[str], attrs: Attr
 
 
 def bind(op: Op, attrs: Attrs, xs: Sequence[torch.Tensor]) -> Args:
-    """A node's input values by role."""
     return dict(zip(roles_of(op, attrs, len(xs)), xs))
 
 
@@ -269,4 +265,4 @@ def vector(sig: Sig, role: str, width: sympy.Expr) -> None:
     require(len(s) == 1 and same_dim(s[0], width), f"{role} {list(s)} must be [{width}]")
 
 
-LAYER = Attr("layer", int, at_least=0, doc="the layer whose cache or state it uses")
+LAYER = Attr("layer", int, at_least=0)

@@ -1,9 +1,6 @@
 """Boundary ops; matmuls, fused, and grouped over routed experts; elementwise ops, norms, views.
-
-``fused_linear`` is ``x @ wᵀ`` with a prologue and an epilogue chain in one kernel: the prologue
-gathers a folded norm's row statistics along the K loop the matmul runs anyway (Σx², and Σx for
-layer); the epilogue (``archc.ir.ops.steps``) works on the f32 accumulator before the one store.
-"""
+A fused matmul's prologue is a folded norm's (``archc.passes.norms``), its epilogue steps are
+``archc.ir.ops.steps``."""
 
 from __future__ import annotations
 
@@ -49,7 +46,7 @@ def _given(*_: object) -> NoReturn:
     raise ShapeError("input and param nodes are given their shape and value, not computed")
 
 
-NAME = Attr("name", str, doc="the name callers and checkpoints know it by")
+NAME = Attr("name", str)
 EPILOGUE = Attr("epilogue", tuple, ())
 
 register(OpDef(
@@ -152,20 +149,15 @@ register(OpDef(
     'kv_heads=2, layer=0, v_start=96)], eps=1e-05, prologue="rms"}',
     lambda attrs, n: (["x1", "x2"] if attrs.get("concat_k") else ["x"]) + ["weight"]
     + epilogue_roles(attrs), _linear_infer, fused_linear,
-    attrs=(Attr("prologue", str, None, ("rms", "layer"),
-                doc="row statistics of a folded norm, gathered along K"),
-           Attr("eps", float, None), EPILOGUE,
-           Attr("concat_k", bool, False, doc="x is two operands concatenated along K")),
+    attrs=(Attr("prologue", str, None, ("rms", "layer")), Attr("eps", float, None), EPILOGUE,
+           Attr("concat_k", bool, False)),
     flops=lambda sig: matmul_flops(sig) + 4 * numel(sig.out_shape), bytes=_linear_bytes,
     template="matmul", arity=(2, -1),
     docs={"x": "activations", "x1": "first operand", "x2": "second operand",
           "weight": "weight, K-contiguous"}))
 
 
-# ---- mixture of experts -------------------------------------------------------------------
-# Lowering emits a gated expert FFN as gate and up stages, an activation, a product and the down
-# stage, as it lowers a dense one; fuse-moe makes gate and up one matmul with a glu() epilogue.
-# Only routed experts are computed, and costs count only them.
+# ---- mixture of experts: only routed experts are computed, and costs count only them ------
 
 def _router_infer(sig: Sig) -> tuple[Shape, str]:
     gates, dtype = matmul_infer(sig) if sig.has("weight") else (sig.shape("x"), float_dtype(sig))
@@ -210,8 +202,6 @@ def moe_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     acc = torch.zeros((rows.shape[0], k, n) if up else (rows.shape[0], n), device=x.device)
     for e in range(n_experts):
         tok, slot = torch.nonzero(pairs == e, as_tuple=True)
-        if tok.numel() == 0:
-            continue
         if up:
             acc[tok, slot] = F.linear(rows[tok].float(), w[e].float())
         else:
@@ -351,8 +341,7 @@ register(OpDef(
     lambda attrs, n: operands("x", "weight", ("residual", "add_before"))(attrs, n)
     + epilogue_roles(attrs), _norm_infer, norm,
     attrs=(Attr("kind", str, choices=("rms", "layer")), Attr("eps", float),
-           Attr("unit_offset", bool, False, doc="Gemma's gain 1 + w"),
-           Attr("add_before", bool, False, doc="normalize x + residual (post-norm)"), EPILOGUE),
+           Attr("unit_offset", bool, False), Attr("add_before", bool, False), EPILOGUE),
     flops=lambda sig: (4 if sig.attr("kind") == "rms" else 8) * numel(sig.out_shape),
     template="norm", arity=(2, -1),
     docs={"x": "rows to normalize", "weight": "gain", "residual": "residual, added before"}))

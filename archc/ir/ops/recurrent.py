@@ -1,19 +1,16 @@
 """The recurrent mixers keep a fixed-size per-layer state instead of a KV cache, read and updated
 in place, so a decode step costs the same at any context length.
 
-Mamba (Gu & Dao 2023) is ``causal_conv`` and ``ssm_scan``, the selective scan; the passes fuse
-into them the conv's bias and activation, the skip D·x and the gate.
-
-Causal linear attention (Katharopoulos et al. 2020): with a positive feature map φ (elu(x) + 1),
-softmax(q·kᵀ)·v becomes
+Mamba (Gu & Dao 2023) is ``causal_conv`` and ``ssm_scan``, the selective scan. Causal linear
+attention (Katharopoulos et al. 2020): with a positive feature map φ (elu(x) + 1), softmax(q·kᵀ)·v
+becomes
 
     out_i = φ(q_i)ᵀ S_i / φ(q_i)ᵀ z_i,   S_i = Σ_{j≤i} φ(k_j) v_jᵀ,   z_i = Σ_{j≤i} φ(k_j),
 
 so a layer keeps two running sums per KV head, S [D, Dv] and z [D] in f32 (query head h reads
-KV head h // (H / H_kv)). Lowering applies φ as ``act`` nodes; fuse-linear-attention moves it
-inside. Eager semantics run a call's tokens in chunks: within one the causal sum is the masked
-product (φq·φkᵀ ⊙ causal)·v, and the sums carry the chunks before — the recurrence's function
-in far fewer steps.
+KV head h // (H / H_kv)). Eager semantics run a call's tokens in chunks: within one the causal
+sum is the masked product (φq·φkᵀ ⊙ causal)·v, and the sums carry the chunks before — the
+recurrence's function in far fewer steps.
 """
 
 from __future__ import annotations
@@ -44,7 +41,6 @@ from archc.ir.ops.base import (
 from archc.ir.ops.steps import normalize
 from archc.ir.shapes import Shape, numel
 
-# ---- the causal convolution ------------------------------------------------------------------
 
 def _conv_infer(sig: Sig) -> tuple[Shape, str]:
     x, w = sig.shape("x"), sig.shape("weight")
@@ -57,8 +53,7 @@ def _conv_infer(sig: Sig) -> tuple[Shape, str]:
 
 
 def _conv_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    """y_t[c] = Σ_k w[c, k]·x_{t−K+1+k}[c] in f32, the conv state holding the last K − 1 inputs
-    of the calls before."""
+    """y_t[c] = Σ_k w[c, k]·x_{t−K+1+k}[c] in f32, over the conv state and then x."""
     x, w, layer = a["x"], a["weight"], at["layer"]
     b, c, k = x.shape[0], x.shape[2], w.shape[1]
     past = ctx.state_read(layer, "conv", (b, c, k - 1), x.dtype, x.device)   # (B, C, K−1)
@@ -83,8 +78,6 @@ register(OpDef(
     template="causal_conv", arity=(2, 3), docs={"x": "input", "weight": "depthwise filter"}))
 
 
-# ---- the selective scan ----------------------------------------------------------------------
-
 def _scan_infer(sig: Sig) -> tuple[Shape, str]:
     x, dt, a = sig.shape("x"), sig.shape("dt"), sig.shape("a")
     require(len(x) == 3, f"the scan takes x [B, T, C], got {list(x)}")
@@ -104,8 +97,7 @@ def _scan_infer(sig: Sig) -> tuple[Shape, str]:
 
 
 def _scan_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    """The selective scan in f32, one step at a time from the layer's SSM state h [B, C, N]:
-    h ← exp(Δ_t·A)·h + (Δ_t·x_t)·B_t, y_t = Σ_n h·C_t; then the skip and gate."""
+    """The selective scan in f32, one token at a time from the layer's SSM state h [B, C, N]."""
     x, dt, af = a["x"].float(), a["dt"].float(), a["a"].float()
     bm, cm, eps, layer = a["b"].float(), a["c"].float(), at["norm_eps"], at["layer"]
     if eps is not None:  # Jamba: B and C normalized per token before the scan
@@ -140,8 +132,7 @@ register(OpDef(
     # Δ, A, B, C, D of the paper as dt, a, b, c and skip
     operands("x", "dt", "a", "b", "c", ("skip", "gate"), ("z", "gate"), ("b_gain", "norm_eps"),
              ("c_gain", "norm_eps")), _scan_infer, _scan_eager,
-    attrs=(LAYER, Attr("gate", bool, False, doc="add the skip D·x and gate by silu(z)"),
-           Attr("norm_eps", float, None, doc="RMS-normalize B and C first (Jamba)")),
+    attrs=(LAYER, Attr("gate", bool, False), Attr("norm_eps", float, None)),
     flops=_scan_flops, template="ssm_scan", arity=(5, 9),
     states=lambda sig: (StateDecl("ssm", (sig.shape("x")[0], sig.shape("x")[2],
                                           sig.shape("a")[1]), "f32"),),
@@ -150,19 +141,17 @@ register(OpDef(
           "b_gain": "RMSNorm gain of B", "c_gain": "RMSNorm gain of C"}))
 
 
-# ---- causal linear attention -----------------------------------------------------------------
-
 CHUNK = 64                   # tokens per chunk of the eager semantics
 FEATURE_MAPS = ("identity", "elu_plus_one")
 
 
-def _states(sig: Sig) -> tuple[StateDecl, ...]:
+def _linear_attention_states(sig: Sig) -> tuple[StateDecl, ...]:
     q, k, v = sig.shapes
     return (StateDecl("S", (q[0], k[1], k[3], v[3]), "f32"),
             StateDecl("z", (q[0], k[1], k[3]), "f32"))
 
 
-def _infer(sig: Sig) -> tuple[Shape, str]:
+def _linear_attention_infer(sig: Sig) -> tuple[Shape, str]:
     q, k, v = sig.shapes
     require(len(q) == 4 and len(k) == 4 and len(v) == 4,
             "takes q [B, H, T, D], k [B, H_kv, T, D] and v [B, H_kv, T, Dv]")
@@ -173,7 +162,7 @@ def _infer(sig: Sig) -> tuple[Shape, str]:
     return (q[0], q[2], q[1] * v[3]), float_dtype(sig)
 
 
-def _eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+def _linear_attention_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     """φ on q and k, then the running sums S and z in chunks of CHUNK tokens, in f32."""
     phi_q, phi_k = (E.ACTIVATIONS[at["feature"]].torch(a[r].float()) for r in ("q", "k"))
     (b, h, t, d), hkv, dv = phi_q.shape, phi_k.shape[1], a["v"].shape[-1]
@@ -198,7 +187,7 @@ def _eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     return out.transpose(1, 2).flatten(2).to(a["q"].dtype)             # (B, T, H·Dv)
 
 
-def _flops(sig: Sig) -> sympy.Expr:
+def _linear_attention_flops(sig: Sig) -> sympy.Expr:
     q, k, v = sig.shapes
     d, dv = q[3], v[3]
     # per token: S += φk vᵀ and z += φk per KV head; φq·S, φq·z and the division per query
@@ -211,6 +200,6 @@ register(OpDef(
     Op.LINEAR_ATTENTION, "Causal linear attention: φ (the feature map) on q and k, the running "
     "sums S and z (per KV head, f32) read and updated in place, heads merged [B, T, H·Dv].",
     '%20 : f32[B,T,48] = linear_attention(%17, %18, %19) {feature="elu_plus_one", layer=0}',
-    operands("q", "k", "v"), _infer, _eager,
-    attrs=(LAYER, Attr("feature", str, "identity", FEATURE_MAPS)),
-    flops=_flops, states=_states, template="linear_attention", arity=(3, 3)))
+    operands("q", "k", "v"), _linear_attention_infer, _linear_attention_eager,
+    attrs=(LAYER, Attr("feature", str, "identity", FEATURE_MAPS)), flops=_linear_attention_flops,
+    states=_linear_attention_states, template="linear_attention", arity=(3, 3)))

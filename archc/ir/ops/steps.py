@@ -199,9 +199,7 @@ def step_expr(st: Call) -> Call:
     return E.call(e.fn, *e.args, **{**dict(e.kwargs), **params})
 
 
-def step(name: str, /, **kw: Any) -> Call:
-    """An epilogue step; keyword arguments sorted so equal steps compare equal."""
-    return Call(name, (), tuple(sorted((k, v) for k, v in kw.items() if v is not None)))
+step = E.call   # an epilogue step: a call with keyword parameters only
 
 
 def epilogue_docs(attrs: Mapping[str, Any]) -> dict[str, str]:
