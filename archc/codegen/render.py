@@ -116,9 +116,7 @@ def _comment_safe(text: str) -> str:
 
 
 def generate(program: Program, options: CodegenOptions) -> Generated:
-    """Render every compute node of `program` (kernel-level) into one module. The program is
-    verified first: every attribute that reaches generated code is of its declared type and
-    allowed values before anything renders."""
+    """Render every compute node of `program` (kernel-level, verified first) into one module."""
     verify(program)
     by_text: dict[tuple[str, str], RenderedUnit] = {}
     units: list[RenderedUnit] = []

@@ -49,15 +49,11 @@ from archc.perf.gpus import GPU
 from archc.perf.roofline import decode_floor, kernels
 from archc.perf.summary import fmt_seconds
 from archc.perf.torch_program import TorchProgram
+from archc.runtime.validation import TOLERANCE
 from archc.runtime.weights import TORCH_DTYPES, checkpoint_shapes, materialize
 from archc.spec.schema import Spec
 
 SCHEMA = "archc-bench/1"
-
-# Relative to the kernel output's largest magnitude: the unfused sequence rounds to the model
-# dtype after every op where the kernel rounds once, so a few roundings of the dtype, as in
-# validation (f32 1e-4 allows for TF32-free summation order; 16-bit: several roundings).
-TOLERANCE = {"f32": 1e-4, "f16": 1e-2, "bf16": 5e-2}
 
 WARMUP_STEPS = 3       # decode steps before timing: compiles, autotunes, captures CUDA graphs
 
@@ -346,7 +342,7 @@ def _time_kernel(cfg: BenchConfig, session: Any, g: Graph, i: int, call: str,
         for key, value in held.items():
             states[key].copy_(value)
     # the launches the line makes, recorded once at the dims of the run's plan
-    namespace = {**vars(session.module), "v": runner.last_v, "d": session.ctx}
+    namespace = {**vars(session.module), "v": runner.last.v, "d": session.ctx}
     batch, tokens, _, enc_len, kv_len = runner.last.key
     recorded = session.ctx.record(lambda: eval(call, namespace),  # noqa: S307
                                   batch, tokens, enc_len, kv_len)
@@ -375,7 +371,7 @@ def _baseline_row(cfg: BenchConfig, c: Counterpart | Unavailable, out: torch.Ten
         return {"name": c.name, "seconds": None, "unavailable": c.reason}
     row: dict[str, Any] = {"name": c.name, "what": c.what, "ops": c.ops}
     try:
-        if c.result is not None:
+        if c.result is not None:    # validation's tolerance: a few roundings of the dtype
             err = _rel_error(c.result(c.run()), out)
             row.update(max_rel_error=err, tolerance=TOLERANCE[cfg.dtype],
                        agrees=err is not None and err <= TOLERANCE[cfg.dtype])

@@ -60,11 +60,6 @@ class TorchContext:
         return self.store[(layer, kind)][:, :, :self.dims["P"] + self.dims["T"]]
 
 
-def eager_fn(op: Op) -> Callable[..., torch.Tensor]:
-    """The eager semantics torch baselines run for `op`: the op table's."""
-    return OP_TABLE[op].eager
-
-
 class TorchProgram:
     """A decoder graph (unfused) with its parameters, ready to run as plain torch:
     ``program(tokens, past)`` → logits, writing the new keys and values at offset ``past``."""
@@ -98,7 +93,7 @@ class TorchProgram:
                 a = full_attrs(n.op, n.attrs)
                 frees = tuple(sorted({j for j in n.inputs if last_use[j] == i and j not in kept}))
                 args = tuple(zip(roles_of(n.op, a, len(n.inputs)), n.inputs))
-                self.steps.append((i, eager_fn(n.op), args, a, frees))
+                self.steps.append((i, OP_TABLE[n.op].eager, args, a, frees))
 
     def forward(self, tokens: torch.Tensor, past: int) -> torch.Tensor:
         t = tokens.shape[1]

@@ -51,9 +51,7 @@ class KVCache:
 
 class RecurrentState:
     """The eager interpreter's per-(layer, kind) state tensors of one batch of sequences: what
-    Mamba and linear-attention layers keep instead of a KV cache (the conv window and SSM state,
-    the running sums S and z), as the op table declares it (``archc.ir.ops.state``). It does not
-    grow with the context; a call at P = 0 starts a sequence, so it reads zeros."""
+    Mamba and linear-attention layers keep instead of a KV cache (``archc.ir.ops.state``)."""
 
     def __init__(self) -> None:
         self.store: dict[tuple[int, str], torch.Tensor] = {}
@@ -73,9 +71,6 @@ class RecurrentState:
                            "batch")
         return have
 
-    def write(self, layer: int, kind: str, value: torch.Tensor) -> None:
-        self.store[(layer, kind)] = value
-
 
 @dataclass
 class EagerContext:
@@ -91,7 +86,7 @@ class EagerContext:
         return self.state.read(layer, kind, shape, dtype, device, self.dims["P"])
 
     def state_write(self, layer: int, kind: str, value: torch.Tensor) -> None:
-        self.state.write(layer, kind, value)
+        self.state.store[(layer, kind)] = value
 
     def cache_append(self, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
         if self.cache is None:

@@ -314,10 +314,6 @@ class GraphRunner:
             buf.copy_(x)
 
     # ---- reading values --------------------------------------------------------------------
-    @property
-    def last_v(self) -> list[torch.Tensor | None]:
-        return self.last.v if self.last is not None else []
-
     def _exprs(self, i: int) -> list[Any]:
         lay = self.lays[i]
         return [*lay.shape, *lay.strides, lay.offset]
@@ -326,7 +322,7 @@ class GraphRunner:
               ) -> torch.Tensor:
         """Node i's value after the last run (or in buffers `v`), read through its layout."""
         lay = self.lays[i]
-        base = (self.last_v if v is None else v)[lay.root]
+        base = (self.last.v if v is None else v)[lay.root]  # type: ignore[union-attr]
         if base is None:
             raise RunError(f"node %{i} has no value")
         fn = self._layouts.get(i)     # shape, strides and offset: compiled on first use

@@ -2,12 +2,10 @@
 
     compiled = archc.load("tiny-llama3").compile("triton")     # same API as eager
 
-The default pass pipeline turns the unfused program into kernel-level graphs, codegen renders
-them into one module (cached on disk by a hash of graph + options), and each call replays a
-launch plan recorded once for its dims (``archc.runtime.launch``). Weights, the KV cache, the
-recurrent state and P live on the device, so a decode step is the same launches every time — on
-a GPU, one captured CUDA graph. Without a GPU the same kernels run under Triton's CPU interpreter
-(f32 or f16: the interpreter computes bf16 wrongly).
+The default pass pipeline reaches kernel level, codegen renders one module
+(``archc.codegen.render``), and each call replays a launch plan (``archc.runtime.launch``).
+Without a GPU the same kernels run under Triton's CPU interpreter (f32 or f16: the interpreter
+computes bf16 wrongly).
 """
 
 from __future__ import annotations
@@ -115,7 +113,6 @@ class TritonSession(SessionBase):
         self.codegen_options = CodegenOptions(
             target=self.target, max_seq_len=max_seq_len,
             autotune=self.options.autotune and self.target == "gpu")
-        # the module is written to the cache directory by its digest, and imported from there
         self.generated = generate(self.program, self.codegen_options)
         self.module_path = write_module(self.generated, (
             self.options.cache_dir or default_cache_dir()) / self.generated.digest[:24])
@@ -132,7 +129,6 @@ class TritonSession(SessionBase):
         self.cache, self.states = (StaticStore(what, self.generated.stores[what], self.device)
                                    for what in ("cache", "state"))
         self.ctx = LaunchContext(self.target, self.device, self.cache, self.states, autotuned)
-        # decode steps replay a CUDA graph of their plan (on a GPU, unless turned off)
         self.cuda_graphs = (self.target == "gpu" and self.options.cuda_graphs
                             and self.device.type == "cuda")
 
