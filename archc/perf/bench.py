@@ -49,7 +49,7 @@ from archc.perf.gpus import GPU
 from archc.perf.roofline import decode_floor, kernels
 from archc.perf.summary import fmt_seconds
 from archc.perf.torch_program import TorchProgram
-from archc.runtime.validation import TOLERANCE
+from archc.runtime.validation import TOLERANCE, error_and_scale
 from archc.runtime.weights import TORCH_DTYPES, checkpoint_shapes, materialize
 from archc.spec.schema import Spec
 
@@ -285,12 +285,8 @@ def _sizes(g: Graph, i: int, dims: Mapping[str, int]) -> tuple[dict[str, int], s
 def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float | None:
     """The largest difference over the largest magnitude of `want`; None if they differ in
     shape or the difference is not finite."""
-    if got.shape != want.shape:
-        return None
-    if not want.numel():
-        return 0.0
-    got, want = got.detach().float(), want.detach().float()
-    err = float((got - want).abs().max()) / (float(want.abs().max()) or 1.0)
+    diff, scale = error_and_scale(got, want)
+    err = diff / (scale or 1.0)
     return err if math.isfinite(err) else None
 
 

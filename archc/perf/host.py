@@ -6,13 +6,11 @@ Python alone, on the CPU, with nothing real-size allocated: the session users ru
 the GPU target (its block sizes, grids and attention splits), every kernel launch a no-op that
 counts its calls, the weights and the KV cache zero-stride views of one element.
 
-After one token (not timed), each decode step — `session.step` on batch B × 1 token — is timed
-on the host clock with plain launches (the step's launch plan replayed launch by launch) and
-through the CUDA-graph path (the replay a no-op: inputs copied in, P written to the device,
-logits read back); the median over many steps after a warm-up, a sequence that reaches
-max_seq_len starting again (untimed). Torch's CPU ops (the input copies, reading the logits)
-stand in for device ops here and run on one thread: waking a thread pool for a 256 KB copy
-measures the machine's load (8 ms on a busy 2-core machine, 4 µs on one thread), not archc.
+Each decode step (`session.step` on B × 1 token) is timed on the host clock, the median over
+many steps after a warm-up, with plain launches and through the CUDA-graph path (its replay a
+no-op). Torch's CPU ops (the input copies, reading the logits) stand in for device ops here and
+run on one thread: waking a thread pool for a 256 KB copy measures the machine's load (8 ms on a
+busy 2-core machine, 4 µs on one thread), not archc.
 """
 
 from __future__ import annotations

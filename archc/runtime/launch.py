@@ -289,18 +289,6 @@ class GraphRunner:
         self.last = plan
         self.last_dims = dict(zip("BTPS", (*plan.key[:2], P, plan.key[3])))
 
-    def run(self, inputs: Mapping[str, torch.Tensor], d: LaunchContext, *, B: int,  # noqa: N803
-            T: int, P: int, S: int, kv_len_max: int) -> dict[str, torch.Tensor]:  # noqa: N803
-        """Run the graph once on `inputs`: each is checked against its shape and copied into
-        the plan's buffer. Returns copies of the outputs."""
-        plan = self.plan(d, B, T, P, S, kv_len_max)
-        missing = [name for name in plan.inputs if name not in inputs]
-        if missing:
-            raise RunError(f"graph {self.graph.name} needs input {missing[0]!r}")
-        self.feed(plan, inputs)
-        self.execute(plan, d, P)
-        return {name: t.clone() for name, t in plan.outputs.items()}
-
     def feed(self, plan: LaunchPlan, inputs: Mapping[str, torch.Tensor]) -> None:
         """Copy `inputs` into the plan's buffers, each checked against its shape (an input the
         plan reads in place stays put; one it does not read is ignored)."""

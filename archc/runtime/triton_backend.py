@@ -89,9 +89,6 @@ class TritonOptions:
     cuda_graphs: bool = True
     reuse_buffers: bool = True
 
-    def __post_init__(self) -> None:
-        self.cache_dir = None if self.cache_dir is None else Path(self.cache_dir)
-
 
 class TritonSession(SessionBase):
     """A program compiled to Triton kernels, with weights, a static KV cache and past length P."""
@@ -114,7 +111,7 @@ class TritonSession(SessionBase):
             target=self.target, max_seq_len=max_seq_len,
             autotune=self.options.autotune and self.target == "gpu")
         self.generated = generate(self.program, self.codegen_options)
-        self.module_path = write_module(self.generated, (
+        self.module_path = write_module(self.generated, Path(
             self.options.cache_dir or default_cache_dir()) / self.generated.digest[:24])
         self.module = load_module(self.module_path, self.generated.digest)
         autotuned = _apply_autotune(self.module) if self.codegen_options.autotune else set()
@@ -166,8 +163,6 @@ class TritonSession(SessionBase):
         """Graph `name` on `inputs`, copied into its plan's buffers (`held` ones are read in
         place): copies of its outputs."""
         self._check_ids(name, inputs, on_device=P == 0)
-        # KV cache and recurrent state for B sequences: reallocated together, and with them
-        # every launch plan (and captured graph) that holds their tensors
         self.cache.ensure(B)
         self.states.ensure(B)
         if name == "decoder" and P == 0:   # a sequence starts: the recurrent state reads zeros
@@ -181,8 +176,7 @@ class TritonSession(SessionBase):
         if "prefix_len" in plan.inputs:
             plan.inputs["prefix_len"].fill_(self.prefix_len)
         runner.feed(plan, inputs)
-        # On a GPU, a decode step replays a CUDA graph of its plan: the plan's first step
-        # launches normally — compiling and tuning the kernels — and is then captured.
+        # a decode step's plan launches once (compiling, tuning), then replays as a CUDA graph
         graphs = self.cuda_graphs and T == 1 and name == "decoder"
         runner.execute(plan, self.ctx, P, replay=graphs and plan.replay is not None)
         if graphs and plan.replay is None:
