@@ -28,9 +28,8 @@ from types import ModuleType
 import jinja2
 
 from archc import __version__
-from archc.codegen.build import JitKernel, NodeCtx, build
+from archc.codegen.build import CodegenOptions, JitKernel, NodeCtx, build
 from archc.codegen.layout import CodegenError, layouts
-from archc.codegen.options import CodegenOptions
 from archc.ir.expr import act_code, tanh_code
 from archc.ir.graph import Program
 from archc.ir.text import format_node, format_program

@@ -153,7 +153,7 @@ class SessionBase:
     """What every backend's session keeps between calls — past length P, the prefix length, the
     cross-attention inputs — and its surface: ``encode`` runs an encoder graph; ``step`` runs the
     decoder graph on new tokens after the P already cached (P = 0 after ``reset``). A backend
-    runs one graph in ``_run``."""
+    runs one graph: ``_run(name, inputs, *, B, T, P, S, held=None)`` → outputs by name."""
 
     def __init__(self, program: Program, max_seq_len: int, device: torch.device) -> None:
         self.program = program
@@ -165,7 +165,6 @@ class SessionBase:
         self.cross_kv: dict[str, torch.Tensor] = {}    # the outputs of the cross_kv graph
         self.cross_kv_source: torch.Tensor | None = None
 
-    # a backend runs one graph: _run(name, inputs, *, B, T, P, S, held=None) → outputs by name
     _run: Callable[..., dict[str, torch.Tensor]]
 
     def reset(self) -> None:

@@ -242,10 +242,7 @@ class GraphRunner:
             self.plans.clear()
             self._generations = generations
         key = (B, T, P if self.by_past else 0, S, kv_len_max)
-        plan = self.plans.get(key)
-        if plan is None:
-            plan = self._build(d, key, held or {})
-        return plan
+        return self.plans.get(key) or self._build(d, key, held or {})
 
     def _build(self, d: LaunchContext, key: PlanKey, held: Mapping[str, torch.Tensor]
                ) -> LaunchPlan:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from archc.codegen.blocks import autotune_configs
-from archc.codegen.options import CodegenOptions
+from archc.codegen.build import CodegenOptions
 from archc.codegen.render import generate, load_module, write_module
 from archc.errors import ArchcError, RunError
 from archc.ir.graph import Graph, Program
