@@ -6,11 +6,10 @@ section, so a run cut short keeps what it measured and says which section it was
 2. ceilings — a large device-to-device copy and a large matmul, measured;
 3. kernels — at the prefill shape and at one decode step, each unique generated kernel launched
    alone on the buffers of a real run by its own launch line (the very kernel and layouts the
-   model runs), beside its PyTorch counterparts (``archc.perf.baselines``), each checked
-   against the kernel's output;
-4. model — the whole prefill and batch decode tokens/s (a greedy loop, after a warm-up that
-   compiles, autotunes and captures) of archc as users run it (CUDA graphs for decode), PyTorch
-   eager (the unfused graph) and ``torch.compile`` of the same torch program in each mode;
+   model runs), beside its PyTorch counterparts (``archc.perf.baselines``);
+4. model — the whole prefill and batch decode tokens/s (a greedy loop after a warm-up) of archc
+   as users run it (CUDA graphs for decode), PyTorch eager (the unfused graph) and
+   ``torch.compile`` of the same torch program in each mode;
 5. goals — the issue's targets on what was measured (recorded, never asserted).
 
 Speed-ups are baseline time / archc time (above 1: archc is faster). Fractions of the roofline

@@ -45,8 +45,7 @@ def _zero_stride(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 class HostSession(TritonSession):
-    """A TritonSession on the CPU that runs the GPU target's host code and launches nothing:
-    every bound kernel (`kernel[grid]`) is a no-op that counts its calls in `launches`."""
+    """The session of the module docstring: each bound kernel counts its calls in `launches`."""
 
     def __init__(self, program: Program, *, max_seq_len: int, dtype: str,
                  cache_dir: Path | None = None) -> None:
@@ -149,8 +148,7 @@ def format_host(r: HostReport) -> list[str]:
         f"kernel launch a no-op",
         f"  gpu-target module: {r.unique_kernels} unique kernels, {r.launches} launches per "
         f"step{other}",
-        f"  plain launches:  {r.plain_seconds * 1e6:8.1f} us/step ({per_launch:.2f} us per "
-        f"launch)",
+        f"  plain launches:  {r.plain_seconds * 1e6:8.1f} us/step ({per_launch:.2f} us per launch)",
         f"  CUDA-graph path: {r.graph_seconds * 1e6:8.1f} us/step (inputs in, P to the device, "
         f"replay, logits out)",
         f"method: median of {r.steps} steps after {r.warmup} warm-up steps, host clock around "

@@ -5,8 +5,6 @@ table, in order, values dropped after their last use — with none of the interp
 checks, so what it costs is what torch costs. Its KV cache is static ([B, H_kv, max_len, D] per
 layer and k|v, written at offset P), and P is a plain argument: under ``torch.compile`` it becomes
 a symbolic integer after the first decode step, so decoding does not recompile at every length.
-
-The same context serves the counterparts of single kernels (``archc.perf.baselines``).
 """
 
 from __future__ import annotations

@@ -82,7 +82,6 @@ class EagerContext:
 
     def state_read(self, layer: int, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor:
-        """Layer `layer`'s recurrent state `kind`: zeros when a sequence starts (P = 0)."""
         return self.state.read(layer, kind, shape, dtype, device, self.dims["P"])
 
     def state_write(self, layer: int, kind: str, value: torch.Tensor) -> None:

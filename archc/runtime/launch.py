@@ -72,17 +72,15 @@ class StaticStore:
         return sum(t.numel() * t.element_size() for t in self.store.values())
 
     def zero(self) -> None:
-        """A sequence starts: a kernel at P = 0 must read a zero state, and it reads whatever
-        the tensor holds."""
+        """A sequence starts: kernels at P = 0 read the state as it is, so it must be zeros."""
         for t in self.store.values():
             t.zero_()
 
 
 @dataclass
 class LaunchContext:
-    """What generated launchers read while a plan is built: the plan's dims, the past length on
-    the device, the KV cache, the recurrent state, scratch buffers and block sizes. ``launch``
-    records a kernel launch into the plan being built; it launches nothing."""
+    """What generated launchers read while a plan is built, as a generated module's docstring
+    lists it. ``launch`` records a kernel launch into the plan being built; it launches nothing."""
 
     target: str
     device: torch.device

@@ -36,7 +36,6 @@ from archc.runtime.weights import materialize
 
 def prepare_triton(device: torch.device) -> str:
     """Make Triton importable for `device`; returns the codegen target ("gpu" | "interpret").
-
     On a CPU, Triton's interpreter must be chosen before any kernel is defined:
     TRITON_INTERPRET=1 is set here, ahead of the first import of triton by archc."""
     if device.type == "cuda":
