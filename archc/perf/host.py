@@ -15,6 +15,7 @@ busy 2-core machine, 4 µs on one thread), not archc.
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import statistics
 import time
@@ -85,12 +86,10 @@ class HostReport:
 
 
 def cpu_name() -> str:
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or platform.machine() or "unknown CPU"
 
 

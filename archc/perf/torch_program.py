@@ -82,8 +82,7 @@ class TorchProgram:
             self.values[i] = params[name]
         last_use = {j: i for i, n in enumerate(graph.nodes) for j in n.inputs}
         kept = set(graph.params.values())
-        # each node: (index, semantics, (role, input) pairs, attributes, the values no later
-        # node reads)
+        # each node: (index, semantics, (role, input) pairs, attributes, values freed after it)
         self.steps: list[tuple[int, Callable[..., torch.Tensor], tuple[tuple[str, int], ...],
                                Mapping[str, Any], tuple[int, ...]]] = []
         for i, n in enumerate(graph.nodes):

@@ -233,8 +233,7 @@ class GraphRunner:
              kv_len_max: int, held: Mapping[str, torch.Tensor] | None = None) -> LaunchPlan:
         """The launch plan at these dims, built on first use. `held` inputs (tensors that stay
         put, such as the cross-KV cache) are read in place rather than copied."""
-        # a plan holds the KV cache's and the recurrent state's tensors: rebuilt when either is
-        # allocated again
+        # a plan holds the KV cache's and the recurrent state's tensors: rebuilt with either
         generations = (d.cache.generation, d.states.generation)
         if generations != self._generations:
             self.plans.clear()

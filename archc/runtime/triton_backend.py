@@ -159,8 +159,7 @@ class TritonSession(SessionBase):
     def _run(self, name: str, inputs: dict[str, torch.Tensor], *, B: int, T: int,  # noqa: N803
              P: int, S: int, held: Mapping[str, torch.Tensor] | None = None,  # noqa: N803
              ) -> dict[str, torch.Tensor]:
-        """Graph `name` on `inputs`, copied into its plan's buffers (`held` ones are read in
-        place): copies of its outputs."""
+        """Graph `name` on `inputs` (copied into its plan's buffers): copies of its outputs."""
         self._check_ids(name, inputs, on_device=P == 0)
         self.cache.ensure(B)
         self.states.ensure(B)
