@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from archc.codegen.aot import AotResult, compile_module
-from archc.codegen.options import CodegenOptions
+from archc.codegen.build import CodegenOptions
 from archc.codegen.render import generate, write_module
 from archc.ir.lower import lower
 from archc.passes import optimize

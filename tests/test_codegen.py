@@ -16,8 +16,8 @@ import pytest
 import sympy
 import torch
 
+from archc.codegen.build import CodegenOptions
 from archc.codegen.layout import CodegenError, layouts
-from archc.codegen.options import CodegenOptions
 from archc.codegen.printer import PrintError, pexpr, texpr
 from archc.codegen.render import generate, load_module, write_module
 from archc.errors import ArchcError

@@ -47,5 +47,11 @@ def run_graph_triton(graph: Graph, params: Mapping[str, torch.Tensor],
         held.copy_(value)
     if decode_max_rows is not None:
         s.ctx.decode_max_rows = decode_max_rows
-    outputs = s.runners[graph.name].run(inputs, s.ctx, **full, kv_len_max=full["P"] + full["T"])
-    return GraphRun(outputs, s.cache, s.states)
+    runner = s.runners[graph.name]
+    plan = runner.plan(s.ctx, **full, kv_len_max=full["P"] + full["T"])
+    missing = [name for name in plan.inputs if name not in inputs]
+    if missing:
+        raise RunError(f"graph {graph.name} needs input {missing[0]!r}")
+    runner.feed(plan, inputs)
+    runner.execute(plan, s.ctx, full["P"])
+    return GraphRun({name: t.clone() for name, t in plan.outputs.items()}, s.cache, s.states)

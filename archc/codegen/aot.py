@@ -7,9 +7,7 @@ without a GPU (``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)
 
 Triton decides when it is first imported whether ``@triton.jit`` builds compiler or interpreter
 functions, so compiles run in fresh worker processes (``aot_worker.py``) with ``TRITON_INTERPRET``
-unset — they work the same from a process that runs kernels under the interpreter. This side reads
-the module's ``KERNELS`` table (argument types) as a literal and picks block sizes, warps and
-stages at a full-size prefill shape (``blocks.aot_config``).
+unset — they work the same from a process that runs kernels under the interpreter.
 """
 
 from __future__ import annotations

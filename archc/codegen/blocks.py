@@ -38,8 +38,6 @@ def _cfg(warps: int = 4, stages: int = 1, **blocks: int) -> dict[str, Any]:
 
 def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
     """Block sizes (constexprs) plus num_warps and num_stages for one launch."""
-    if target not in TARGETS:
-        raise ValueError(f"unknown target {target!r}")
     gpu = target == "gpu"
     if family == "matmul":
         m, paired = sizes["M"], sizes.get("paired", 0)
@@ -163,10 +161,9 @@ def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
 
 def decode_splits(target: str, keys: int, programs: int, block_n: int) -> tuple[int, int]:
     """Flash-decoding: (splits, keys per split) for `keys` keys and `programs` (batch × KV head)
-    programs per split. On a GPU, enough splits to fill two waves of SMs, for the whole cache
-    (`keys` is max_seq_len there: one launch plan, and one captured graph, serves every step;
-    splits past the live length end at once); under the interpreter, one block per split (few
-    keys in tests, and it exercises the merge)."""
+    programs per split. On a GPU, enough splits to fill two waves of SMs over the whole cache
+    (``TritonSession.kv_len``: splits past the live length end at once); under the interpreter,
+    one block per split (few keys in tests, and it exercises the merge)."""
     keys = max(keys, 1)
     split = block_n
     if target == "gpu":

@@ -14,17 +14,17 @@ naming the node — never rendered as something else.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import sympy
 
 import archc.ir.expr as E
-from archc.codegen.blocks import next_pow2
+from archc.codegen.blocks import TARGETS, next_pow2
 from archc.codegen.layout import CodegenError, Layout
-from archc.codegen.options import CodegenOptions
 from archc.codegen.printer import pexpr, texpr
 from archc.ir.attrs import Attrs, Call
 from archc.ir.cost import node_states
@@ -39,6 +39,24 @@ TRITON_TYPES = {"f32": "fp32", "f16": "fp16", "bf16": "bf16", "i64": "i64", "i32
 LOG2E = 1.4426950408889634
 # Index symbols kernels define: the sequence, the query head, the KV head.
 BATCH, HEAD, KV_HEAD = (sympy.Symbol(s, integer=True, nonnegative=True) for s in ("b", "h", "kv_h"))
+
+
+@dataclass(frozen=True)
+class CodegenOptions:
+    """What a compile depends on besides the graph: an options object, passed explicitly."""
+
+    target: str = "interpret"        # "gpu" (compiled) or "interpret" (Triton's CPU interpreter)
+    max_seq_len: int = 2048          # KV-cache length: static, baked into cache strides
+    autotune: bool = False           # on a GPU: triton.autotune over blocks.autotune_configs
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise ValueError(f"unknown target {self.target!r} (known: {', '.join(TARGETS)})")
+        if not isinstance(self.max_seq_len, int) or self.max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be a positive int, got {self.max_seq_len!r}")
+
+    def key(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
 
 
 @dataclass

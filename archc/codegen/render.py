@@ -28,9 +28,8 @@ from types import ModuleType
 import jinja2
 
 from archc import __version__
-from archc.codegen.build import JitKernel, NodeCtx, build
+from archc.codegen.build import CodegenOptions, JitKernel, NodeCtx, build
 from archc.codegen.layout import CodegenError, layouts
-from archc.codegen.options import CodegenOptions
 from archc.ir.expr import act_code, tanh_code
 from archc.ir.graph import Program
 from archc.ir.text import format_node, format_program
@@ -116,9 +115,7 @@ def _comment_safe(text: str) -> str:
 
 
 def generate(program: Program, options: CodegenOptions) -> Generated:
-    """Render every compute node of `program` (kernel-level) into one module. The program is
-    verified first: every attribute that reaches generated code is of its declared type and
-    allowed values before anything renders."""
+    """Render every compute node of `program` (kernel-level, verified first) into one module."""
     verify(program)
     by_text: dict[tuple[str, str], RenderedUnit] = {}
     units: list[RenderedUnit] = []

@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from archc.codegen.options import CodegenOptions
+    from archc.codegen.build import CodegenOptions
     from archc.codegen.render import generate, write_module
     from archc.ir.lower import lower
     from archc.kernel_cache import default_cache_dir, used

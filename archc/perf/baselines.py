@@ -4,12 +4,12 @@ PyTorch user would run instead.
 - ``torch.matmul`` on the same GEMM ([M, K] × [K, N], the weight as stored) for ``fused_linear``;
 - ``scaled_dot_product_attention`` (``is_causal`` or an equivalent mask, ``enable_gqa``) for
   ``attention``;
-- for every kernel, the *unfused sequence*: the ops the fusion replaced, each run by its eager
-  semantics (``archc.perf.torch_program.eager_fn``) in the model dtype — a folded norm is its norm
-  op again (gain ones: it was folded into the weight), a merged projection one matmul whose column
-  ranges later ops read as views, an epilogue step the ops it was, attention repeat_kv → scores →
-  … → softmax → weighted_sum → merge_heads, a recurrent kernel the ops lowering emits for it, on
-  the recurrent state the kernel read.
+- for every kernel, the *unfused sequence*: the ops the fusion replaced, each run by the op
+  table's eager semantics in the model dtype — a folded norm is its norm op again (gain ones: it
+  was folded into the weight), a merged projection one matmul whose column ranges later ops read
+  as views, an epilogue step the ops it was, attention repeat_kv → scores → … → softmax →
+  weighted_sum → merge_heads, a recurrent kernel the ops lowering emits for it, on the recurrent
+  state the kernel read.
 
 Each counterpart that computes the kernel's function is checked against the kernel's output
 (``result`` brings what it returns to the kernel's layout, untimed); a kernel without one gets an
@@ -30,11 +30,11 @@ import archc.ir.expr as E
 from archc.ir.attrs import Attrs, Call
 from archc.ir.cost import node_states
 from archc.ir.graph import Graph
-from archc.ir.ops import VIEW, Args, Op, bind, full_attrs
+from archc.ir.ops import OP_TABLE, VIEW, Args, Op, bind, full_attrs
 from archc.ir.ops.attention import ROPE_ATTRS, score_bias, visible_keys
 from archc.ir.ops.core import activations, selected_experts
 from archc.ir.ops.steps import STEPS, step_expr
-from archc.perf.torch_program import Store, TorchContext, eager_fn
+from archc.perf.torch_program import Store, TorchContext
 
 
 @dataclass
@@ -67,7 +67,7 @@ class _Recorder:
         if self.ops is not None and op not in VIEW:
             self.ops.append(op.value)
         full = full_attrs(op, Attrs({k: v for k, v in attrs.items() if v is not None}))
-        return eager_fn(op)(self.ctx, bind(op, full, xs), full)
+        return OP_TABLE[op].eager(self.ctx, bind(op, full, xs), full)
 
 
 def _unfused(rec: _Recorder, body: Callable[[], Any]) -> Counterpart:

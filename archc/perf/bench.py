@@ -6,11 +6,10 @@ section, so a run cut short keeps what it measured and says which section it was
 2. ceilings — a large device-to-device copy and a large matmul, measured;
 3. kernels — at the prefill shape and at one decode step, each unique generated kernel launched
    alone on the buffers of a real run by its own launch line (the very kernel and layouts the
-   model runs), beside its PyTorch counterparts (``archc.perf.baselines``), each checked
-   against the kernel's output;
-4. model — the whole prefill and batch decode tokens/s (a greedy loop, after a warm-up that
-   compiles, autotunes and captures) of archc as users run it (CUDA graphs for decode), PyTorch
-   eager (the unfused graph) and ``torch.compile`` of the same torch program in each mode;
+   model runs), beside its PyTorch counterparts (``archc.perf.baselines``);
+4. model — the whole prefill and batch decode tokens/s (a greedy loop after a warm-up) of archc
+   as users run it (CUDA graphs for decode), PyTorch eager (the unfused graph) and
+   ``torch.compile`` of the same torch program in each mode;
 5. goals — the issue's targets on what was measured (recorded, never asserted).
 
 Speed-ups are baseline time / archc time (above 1: archc is faster). Fractions of the roofline
@@ -49,15 +48,11 @@ from archc.perf.gpus import GPU
 from archc.perf.roofline import decode_floor, kernels
 from archc.perf.summary import fmt_seconds
 from archc.perf.torch_program import TorchProgram
+from archc.runtime.validation import TOLERANCE, error_and_scale
 from archc.runtime.weights import TORCH_DTYPES, checkpoint_shapes, materialize
 from archc.spec.schema import Spec
 
 SCHEMA = "archc-bench/1"
-
-# Relative to the kernel output's largest magnitude: the unfused sequence rounds to the model
-# dtype after every op where the kernel rounds once, so a few roundings of the dtype, as in
-# validation (f32 1e-4 allows for TF32-free summation order; 16-bit: several roundings).
-TOLERANCE = {"f32": 1e-4, "f16": 1e-2, "bf16": 5e-2}
 
 WARMUP_STEPS = 3       # decode steps before timing: compiles, autotunes, captures CUDA graphs
 
@@ -289,12 +284,8 @@ def _sizes(g: Graph, i: int, dims: Mapping[str, int]) -> tuple[dict[str, int], s
 def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float | None:
     """The largest difference over the largest magnitude of `want`; None if they differ in
     shape or the difference is not finite."""
-    if got.shape != want.shape:
-        return None
-    if not want.numel():
-        return 0.0
-    got, want = got.detach().float(), want.detach().float()
-    err = float((got - want).abs().max()) / (float(want.abs().max()) or 1.0)
+    diff, scale = error_and_scale(got, want)
+    err = diff / (scale or 1.0)
     return err if math.isfinite(err) else None
 
 
@@ -346,7 +337,7 @@ def _time_kernel(cfg: BenchConfig, session: Any, g: Graph, i: int, call: str,
         for key, value in held.items():
             states[key].copy_(value)
     # the launches the line makes, recorded once at the dims of the run's plan
-    namespace = {**vars(session.module), "v": runner.last_v, "d": session.ctx}
+    namespace = {**vars(session.module), "v": runner.last.v, "d": session.ctx}
     batch, tokens, _, enc_len, kv_len = runner.last.key
     recorded = session.ctx.record(lambda: eval(call, namespace),  # noqa: S307
                                   batch, tokens, enc_len, kv_len)
@@ -375,7 +366,7 @@ def _baseline_row(cfg: BenchConfig, c: Counterpart | Unavailable, out: torch.Ten
         return {"name": c.name, "seconds": None, "unavailable": c.reason}
     row: dict[str, Any] = {"name": c.name, "what": c.what, "ops": c.ops}
     try:
-        if c.result is not None:
+        if c.result is not None:    # validation's tolerance: a few roundings of the dtype
             err = _rel_error(c.result(c.run()), out)
             row.update(max_rel_error=err, tolerance=TOLERANCE[cfg.dtype],
                        agrees=err is not None and err <= TOLERANCE[cfg.dtype])

@@ -6,17 +6,16 @@ Python alone, on the CPU, with nothing real-size allocated: the session users ru
 the GPU target (its block sizes, grids and attention splits), every kernel launch a no-op that
 counts its calls, the weights and the KV cache zero-stride views of one element.
 
-After one token (not timed), each decode step — `session.step` on batch B × 1 token — is timed
-on the host clock with plain launches (the step's launch plan replayed launch by launch) and
-through the CUDA-graph path (the replay a no-op: inputs copied in, P written to the device,
-logits read back); the median over many steps after a warm-up, a sequence that reaches
-max_seq_len starting again (untimed). Torch's CPU ops (the input copies, reading the logits)
-stand in for device ops here and run on one thread: waking a thread pool for a 256 KB copy
-measures the machine's load (8 ms on a busy 2-core machine, 4 µs on one thread), not archc.
+Each decode step (`session.step` on B × 1 token) is timed on the host clock, the median over
+many steps after a warm-up, with plain launches and through the CUDA-graph path (its replay a
+no-op). Torch's CPU ops (the input copies, reading the logits) stand in for device ops here and
+run on one thread: waking a thread pool for a 256 KB copy measures the machine's load (8 ms on a
+busy 2-core machine, 4 µs on one thread), not archc.
 """
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import statistics
 import time
@@ -47,8 +46,7 @@ def _zero_stride(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 class HostSession(TritonSession):
-    """A TritonSession on the CPU that runs the GPU target's host code and launches nothing:
-    every bound kernel (`kernel[grid]`) is a no-op that counts its calls in `launches`."""
+    """The session of the module docstring: each bound kernel counts its calls in `launches`."""
 
     def __init__(self, program: Program, *, max_seq_len: int, dtype: str,
                  cache_dir: Path | None = None) -> None:
@@ -88,12 +86,10 @@ class HostReport:
 
 
 def cpu_name() -> str:
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
@@ -151,8 +147,7 @@ def format_host(r: HostReport) -> list[str]:
         f"kernel launch a no-op",
         f"  gpu-target module: {r.unique_kernels} unique kernels, {r.launches} launches per "
         f"step{other}",
-        f"  plain launches:  {r.plain_seconds * 1e6:8.1f} us/step ({per_launch:.2f} us per "
-        f"launch)",
+        f"  plain launches:  {r.plain_seconds * 1e6:8.1f} us/step ({per_launch:.2f} us per launch)",
         f"  CUDA-graph path: {r.graph_seconds * 1e6:8.1f} us/step (inputs in, P to the device, "
         f"replay, logits out)",
         f"method: median of {r.steps} steps after {r.warmup} warm-up steps, host clock around "

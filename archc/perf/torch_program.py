@@ -5,8 +5,6 @@ table, in order, values dropped after their last use — with none of the interp
 checks, so what it costs is what torch costs. Its KV cache is static ([B, H_kv, max_len, D] per
 layer and k|v, written at offset P), and P is a plain argument: under ``torch.compile`` it becomes
 a symbolic integer after the first decode step, so decoding does not recompile at every length.
-
-The same context serves the counterparts of single kernels (``archc.perf.baselines``).
 """
 
 from __future__ import annotations
@@ -60,11 +58,6 @@ class TorchContext:
         return self.store[(layer, kind)][:, :, :self.dims["P"] + self.dims["T"]]
 
 
-def eager_fn(op: Op) -> Callable[..., torch.Tensor]:
-    """The eager semantics torch baselines run for `op`: the op table's."""
-    return OP_TABLE[op].eager
-
-
 class TorchProgram:
     """A decoder graph (unfused) with its parameters, ready to run as plain torch:
     ``program(tokens, past)`` → logits, writing the new keys and values at offset ``past``."""
@@ -89,8 +82,7 @@ class TorchProgram:
             self.values[i] = params[name]
         last_use = {j: i for i, n in enumerate(graph.nodes) for j in n.inputs}
         kept = set(graph.params.values())
-        # each node: (index, semantics, (role, input) pairs, attributes, the values no later
-        # node reads)
+        # each node: (index, semantics, (role, input) pairs, attributes, values freed after it)
         self.steps: list[tuple[int, Callable[..., torch.Tensor], tuple[tuple[str, int], ...],
                                Mapping[str, Any], tuple[int, ...]]] = []
         for i, n in enumerate(graph.nodes):
@@ -98,7 +90,7 @@ class TorchProgram:
                 a = full_attrs(n.op, n.attrs)
                 frees = tuple(sorted({j for j in n.inputs if last_use[j] == i and j not in kept}))
                 args = tuple(zip(roles_of(n.op, a, len(n.inputs)), n.inputs))
-                self.steps.append((i, eager_fn(n.op), args, a, frees))
+                self.steps.append((i, OP_TABLE[n.op].eager, args, a, frees))
 
     def forward(self, tokens: torch.Tensor, past: int) -> torch.Tensor:
         t = tokens.shape[1]

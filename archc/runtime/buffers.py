@@ -10,8 +10,7 @@ root and keep it alive. The plan is made once per graph, symbolically, and sized
    freed. (Freeing after allocating keeps a kernel's output from aliasing its own inputs.)
 3. At run time each slot is one byte buffer as large as its largest member at the concrete
    B, T, P, S, allocated once per distinct shape and reused by every call with that shape — so
-   decode steps run on the same addresses, as a captured CUDA graph needs. Sizes and shapes come
-   from one function of the dims compiled with the plan (``dim_function``), not sympy.
+   decode steps run on the same addresses, as a captured CUDA graph needs.
 """
 
 from __future__ import annotations

@@ -51,9 +51,7 @@ class KVCache:
 
 class RecurrentState:
     """The eager interpreter's per-(layer, kind) state tensors of one batch of sequences: what
-    Mamba and linear-attention layers keep instead of a KV cache (the conv window and SSM state,
-    the running sums S and z), as the op table declares it (``archc.ir.ops.state``). It does not
-    grow with the context; a call at P = 0 starts a sequence, so it reads zeros."""
+    Mamba and linear-attention layers keep instead of a KV cache (``archc.ir.ops.state``)."""
 
     def __init__(self) -> None:
         self.store: dict[tuple[int, str], torch.Tensor] = {}
@@ -73,9 +71,6 @@ class RecurrentState:
                            "batch")
         return have
 
-    def write(self, layer: int, kind: str, value: torch.Tensor) -> None:
-        self.store[(layer, kind)] = value
-
 
 @dataclass
 class EagerContext:
@@ -87,11 +82,10 @@ class EagerContext:
 
     def state_read(self, layer: int, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor:
-        """Layer `layer`'s recurrent state `kind`: zeros when a sequence starts (P = 0)."""
         return self.state.read(layer, kind, shape, dtype, device, self.dims["P"])
 
     def state_write(self, layer: int, kind: str, value: torch.Tensor) -> None:
-        self.state.write(layer, kind, value)
+        self.state.store[(layer, kind)] = value
 
     def cache_append(self, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
         if self.cache is None:
@@ -158,7 +152,7 @@ class SessionBase:
     """What every backend's session keeps between calls — past length P, the prefix length, the
     cross-attention inputs — and its surface: ``encode`` runs an encoder graph; ``step`` runs the
     decoder graph on new tokens after the P already cached (P = 0 after ``reset``). A backend
-    runs one graph in ``_run``."""
+    runs one graph: ``_run(name, inputs, *, B, T, P, S, held=None)`` → outputs by name."""
 
     def __init__(self, program: Program, max_seq_len: int, device: torch.device) -> None:
         self.program = program
@@ -170,7 +164,6 @@ class SessionBase:
         self.cross_kv: dict[str, torch.Tensor] = {}    # the outputs of the cross_kv graph
         self.cross_kv_source: torch.Tensor | None = None
 
-    # a backend runs one graph: _run(name, inputs, *, B, T, P, S, held=None) → outputs by name
     _run: Callable[..., dict[str, torch.Tensor]]
 
     def reset(self) -> None:

@@ -72,17 +72,15 @@ class StaticStore:
         return sum(t.numel() * t.element_size() for t in self.store.values())
 
     def zero(self) -> None:
-        """A sequence starts: a kernel at P = 0 must read a zero state, and it reads whatever
-        the tensor holds."""
+        """A sequence starts: kernels at P = 0 read the state as it is, so it must be zeros."""
         for t in self.store.values():
             t.zero_()
 
 
 @dataclass
 class LaunchContext:
-    """What generated launchers read while a plan is built: the plan's dims, the past length on
-    the device, the KV cache, the recurrent state, scratch buffers and block sizes. ``launch``
-    records a kernel launch into the plan being built; it launches nothing."""
+    """What generated launchers read while a plan is built, as a generated module's docstring
+    lists it. ``launch`` records a kernel launch into the plan being built; it launches nothing."""
 
     target: str
     device: torch.device
@@ -235,17 +233,13 @@ class GraphRunner:
              kv_len_max: int, held: Mapping[str, torch.Tensor] | None = None) -> LaunchPlan:
         """The launch plan at these dims, built on first use. `held` inputs (tensors that stay
         put, such as the cross-KV cache) are read in place rather than copied."""
-        # a plan holds the KV cache's and the recurrent state's tensors: rebuilt when either is
-        # allocated again
+        # a plan holds the KV cache's and the recurrent state's tensors: rebuilt with either
         generations = (d.cache.generation, d.states.generation)
         if generations != self._generations:
             self.plans.clear()
             self._generations = generations
         key = (B, T, P if self.by_past else 0, S, kv_len_max)
-        plan = self.plans.get(key)
-        if plan is None:
-            plan = self._build(d, key, held or {})
-        return plan
+        return self.plans.get(key) or self._build(d, key, held or {})
 
     def _build(self, d: LaunchContext, key: PlanKey, held: Mapping[str, torch.Tensor]
                ) -> LaunchPlan:
@@ -289,18 +283,6 @@ class GraphRunner:
         self.last = plan
         self.last_dims = dict(zip("BTPS", (*plan.key[:2], P, plan.key[3])))
 
-    def run(self, inputs: Mapping[str, torch.Tensor], d: LaunchContext, *, B: int,  # noqa: N803
-            T: int, P: int, S: int, kv_len_max: int) -> dict[str, torch.Tensor]:  # noqa: N803
-        """Run the graph once on `inputs`: each is checked against its shape and copied into
-        the plan's buffer. Returns copies of the outputs."""
-        plan = self.plan(d, B, T, P, S, kv_len_max)
-        missing = [name for name in plan.inputs if name not in inputs]
-        if missing:
-            raise RunError(f"graph {self.graph.name} needs input {missing[0]!r}")
-        self.feed(plan, inputs)
-        self.execute(plan, d, P)
-        return {name: t.clone() for name, t in plan.outputs.items()}
-
     def feed(self, plan: LaunchPlan, inputs: Mapping[str, torch.Tensor]) -> None:
         """Copy `inputs` into the plan's buffers, each checked against its shape (an input the
         plan reads in place stays put; one it does not read is ignored)."""
@@ -314,10 +296,6 @@ class GraphRunner:
             buf.copy_(x)
 
     # ---- reading values --------------------------------------------------------------------
-    @property
-    def last_v(self) -> list[torch.Tensor | None]:
-        return self.last.v if self.last is not None else []
-
     def _exprs(self, i: int) -> list[Any]:
         lay = self.lays[i]
         return [*lay.shape, *lay.strides, lay.offset]
@@ -326,7 +304,7 @@ class GraphRunner:
               ) -> torch.Tensor:
         """Node i's value after the last run (or in buffers `v`), read through its layout."""
         lay = self.lays[i]
-        base = (self.last_v if v is None else v)[lay.root]
+        base = (self.last.v if v is None else v)[lay.root]  # type: ignore[union-attr]
         if base is None:
             raise RunError(f"node %{i} has no value")
         fn = self._layouts.get(i)     # shape, strides and offset: compiled on first use

@@ -2,12 +2,10 @@
 
     compiled = archc.load("tiny-llama3").compile("triton")     # same API as eager
 
-The default pass pipeline turns the unfused program into kernel-level graphs, codegen renders
-them into one module (cached on disk by a hash of graph + options), and each call replays a
-launch plan recorded once for its dims (``archc.runtime.launch``). Weights, the KV cache, the
-recurrent state and P live on the device, so a decode step is the same launches every time — on
-a GPU, one captured CUDA graph. Without a GPU the same kernels run under Triton's CPU interpreter
-(f32 or f16: the interpreter computes bf16 wrongly).
+The default pass pipeline reaches kernel level, codegen renders one module
+(``archc.codegen.render``), and each call replays a launch plan (``archc.runtime.launch``).
+Without a GPU the same kernels run under Triton's CPU interpreter (f32 or f16: the interpreter
+computes bf16 wrongly).
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from typing import Any
 import torch
 
 from archc.codegen.blocks import autotune_configs
-from archc.codegen.options import CodegenOptions
+from archc.codegen.build import CodegenOptions
 from archc.codegen.render import generate, load_module, write_module
 from archc.errors import ArchcError, RunError
 from archc.ir.graph import Graph, Program
@@ -38,7 +36,6 @@ from archc.runtime.weights import materialize
 
 def prepare_triton(device: torch.device) -> str:
     """Make Triton importable for `device`; returns the codegen target ("gpu" | "interpret").
-
     On a CPU, Triton's interpreter must be chosen before any kernel is defined:
     TRITON_INTERPRET=1 is set here, ahead of the first import of triton by archc."""
     if device.type == "cuda":
@@ -91,9 +88,6 @@ class TritonOptions:
     cuda_graphs: bool = True
     reuse_buffers: bool = True
 
-    def __post_init__(self) -> None:
-        self.cache_dir = None if self.cache_dir is None else Path(self.cache_dir)
-
 
 class TritonSession(SessionBase):
     """A program compiled to Triton kernels, with weights, a static KV cache and past length P."""
@@ -115,9 +109,8 @@ class TritonSession(SessionBase):
         self.codegen_options = CodegenOptions(
             target=self.target, max_seq_len=max_seq_len,
             autotune=self.options.autotune and self.target == "gpu")
-        # the module is written to the cache directory by its digest, and imported from there
         self.generated = generate(self.program, self.codegen_options)
-        self.module_path = write_module(self.generated, (
+        self.module_path = write_module(self.generated, Path(
             self.options.cache_dir or default_cache_dir()) / self.generated.digest[:24])
         self.module = load_module(self.module_path, self.generated.digest)
         autotuned = _apply_autotune(self.module) if self.codegen_options.autotune else set()
@@ -132,7 +125,6 @@ class TritonSession(SessionBase):
         self.cache, self.states = (StaticStore(what, self.generated.stores[what], self.device)
                                    for what in ("cache", "state"))
         self.ctx = LaunchContext(self.target, self.device, self.cache, self.states, autotuned)
-        # decode steps replay a CUDA graph of their plan (on a GPU, unless turned off)
         self.cuda_graphs = (self.target == "gpu" and self.options.cuda_graphs
                             and self.device.type == "cuda")
 
@@ -167,11 +159,8 @@ class TritonSession(SessionBase):
     def _run(self, name: str, inputs: dict[str, torch.Tensor], *, B: int, T: int,  # noqa: N803
              P: int, S: int, held: Mapping[str, torch.Tensor] | None = None,  # noqa: N803
              ) -> dict[str, torch.Tensor]:
-        """Graph `name` on `inputs`, copied into its plan's buffers (`held` ones are read in
-        place): copies of its outputs."""
+        """Graph `name` on `inputs` (copied into its plan's buffers): copies of its outputs."""
         self._check_ids(name, inputs, on_device=P == 0)
-        # KV cache and recurrent state for B sequences: reallocated together, and with them
-        # every launch plan (and captured graph) that holds their tensors
         self.cache.ensure(B)
         self.states.ensure(B)
         if name == "decoder" and P == 0:   # a sequence starts: the recurrent state reads zeros
@@ -185,8 +174,7 @@ class TritonSession(SessionBase):
         if "prefix_len" in plan.inputs:
             plan.inputs["prefix_len"].fill_(self.prefix_len)
         runner.feed(plan, inputs)
-        # On a GPU, a decode step replays a CUDA graph of its plan: the plan's first step
-        # launches normally — compiling and tuning the kernels — and is then captured.
+        # a decode step's plan launches once (compiling, tuning), then replays as a CUDA graph
         graphs = self.cuda_graphs and T == 1 and name == "decoder"
         runner.execute(plan, self.ctx, P, replay=graphs and plan.replay is not None)
         if graphs and plan.replay is None:

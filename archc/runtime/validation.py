@@ -76,7 +76,7 @@ class Report:
                                                      for p in self.phases)
 
 
-def _err(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+def error_and_scale(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     """The largest |got − want|, and the largest |want| (the scale)."""
     got, want = got.detach().float().cpu(), want.detach().float().cpu()
     if got.shape != want.shape:
@@ -131,8 +131,8 @@ def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int =
             at = (name, graph, i, format_node(i, g.nodes[i]), units[(graph, i)])
             for what, got, want in [("output", runner.value(i, dims), fused.trace.values[i]),
                                     *more[i]]:
-                report.kernels.append(KernelCheck(*_err(got, want), *at, what))
-        report.phases.append(PhaseCheck(*_err(outs[2], outs[0]), name,
+                report.kernels.append(KernelCheck(*error_and_scale(got, want), *at, what))
+        report.phases.append(PhaseCheck(*error_and_scale(outs[2], outs[0]), name,
                                         output or list(g.outputs)[0]))
         fused.trace = None
 
