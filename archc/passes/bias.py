@@ -1,8 +1,4 @@
-"""fold-biases: drop the biases that provably do not change the output, fold the rest forward.
-
-Three rules. Zero biases vanish. A key bias is dropped when softmax cannot see it. A value bias
-moves through attention — softmax or linear — into the output projection's bias.
-"""
+"""fold-biases: drop the biases that provably do not change the output, fold the rest forward."""
 
 from __future__ import annotations
 

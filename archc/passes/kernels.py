@@ -18,8 +18,7 @@ from archc.passes.rewrite import Refusal, Rewriter, register_rewrite_pass
 
 
 def _step(rw: Rewriter, m: Bindings) -> int:
-    """The root as a step appended to the kernel bound as "k": bias(b) of the vector bound as
-    "b", act(fn), or the scale or soft-cap of a pointwise fn(x(0), …)."""
+    """The root as a step appended to the epilogue of the kernel bound as "k"."""
     n = rw.node(m["root"])
     if n.op == Op.ADD:
         new = step("bias", m["b"])

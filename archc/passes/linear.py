@@ -141,9 +141,8 @@ def emit(rw: Rewriter, lin: Linear, *, like: Sequence[int], at: int | None = Non
 
 
 def extend(rw: Rewriter, i: int, new: Step, *, like: Sequence[int]) -> int:
-    """The kernel node i (a matmul, fused_linear, norm or expert matmul) with `new` appended to
-    its epilogue: a new node, which the caller puts in place. Refusal when the step is not one
-    of that kernel's."""
+    """Kernel node i (a matmul, fused_linear, norm or expert matmul) with `new` appended to its
+    epilogue, as a new node for the caller to put in place; Refusal if it has no such step."""
     op = rw.op(i)
     if (Op.FUSED_LINEAR if op == Op.MATMUL else op) not in STEPS[new.fn].kernels:
         raise Refusal(f"{op.value} %{i} has no {new.fn}() epilogue step")

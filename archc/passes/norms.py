@@ -101,9 +101,7 @@ def fold_norms(rw: Rewriter) -> None:
     #    would store a second, scaled copy of the table.
     # 3. Each reader gets W' = W·diag(γ) (γ = 1 + w for Gemma) and, for RMSNorm, prologue rms
     #    and epilogue rms_scale, …; for LayerNorm prologue layer, ln_scale(Σ_k W'), bias(W·β + c).
-    for i in rw.order():
-        if rw.op(i) != Op.NORM:
-            continue
+    for i in [i for i in rw.order() if rw.op(i) == Op.NORM]:
         rule = "fold-rmsnorm" if rw.node(i).attr("kind") == "rms" else "fold-layernorm"
         readers = rw.attempt(rule, i, _readers, rw, i)
         if readers is None:

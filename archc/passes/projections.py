@@ -21,9 +21,7 @@ from archc.passes.rewrite import Refusal, Rewriter, register_rewrite_pass
 
 
 def _split(lin: Linear, first: bool) -> tuple[Step | None, int | None, list[Step]]:
-    """A member's epilogue in its column-wise parts: the row scale of a folded norm (rms_scale
-    or ln_scale), the bias vector, and the rest: act on columns; rope and kv_write, valid only
-    where columns do not move, on the first member."""
+    """A member's epilogue as (row scale of a folded norm, bias vector, the column-wise rest)."""
     scale: Step | None = None
     bias: int | None = None
     tail: list[Step] = []
@@ -41,9 +39,8 @@ def _split(lin: Linear, first: bool) -> tuple[Step | None, int | None, list[Step
 
 def concat_rows(rw: Rewriter, members: Sequence[Linear], acts: Sequence[int | None] = (),
                 ) -> tuple[Linear, list[int]]:
-    """One linear layer computing every member's columns side by side (in member order), and
-    each member's column offset. `acts[i]` is an act node reading member i that becomes
-    act(start, stop) over its columns. Raises Refusal when it would change the function."""
+    """One linear layer computing every member's columns side by side, and each member's column
+    offset; `acts[i]`, an act node reading member i, becomes act(start, stop) over its columns."""
     first = members[0]
     for m in members[1:]:
         if m.operands != first.operands:

@@ -1,16 +1,16 @@
-"""Editing a graph inside a pass: add nodes, redirect uses, drop what the edit made dead.
+"""Editing a graph inside a pass: add nodes, redirect uses, drop what the edit made dead; and the
+two passes that only clean up, dce and cse.
 
 A ``Rewriter`` holds a graph's nodes by id while a pass edits them. New nodes get new ids and a
 position key just before an anchor node, so the printed graph keeps the order a reader expects;
-``finish`` sorts topologically (by key among the nodes that are ready), renumbers, and drops the
-nodes the edits made dead. Nodes that were already dead before the pass are left for ``dce``.
-A pass that changed nothing gets its own graph object back.
+``finish`` sorts, renumbers and drops the nodes the edits made dead (nodes already dead before
+the pass are left for ``dce``).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import networkx as nx
@@ -128,8 +128,8 @@ class Rewriter:
             self.ctx.refused(rule, self.describe(where), r.why, profitability=r.profitability)
             return None
 
-    def _new(self, op: Op, inputs: Sequence[int], attrs: Attrs, shape: Shape, dtype: str,
-             like: Sequence[int], at: int) -> int:
+    def add_node(self, op: Op, inputs: Sequence[int], attrs: Attrs, shape: Shape, dtype: str,
+                 like: Sequence[int], at: int) -> int:
         """A node placed just before `at`, with the origin of `like[0]` and the passes of all
         `like` nodes and this one."""
         passes = dict.fromkeys([p for j in like for p in self.nodes[j].passes]
@@ -153,18 +153,14 @@ class Rewriter:
         except ShapeError as err:
             raise IRError(f"pass {self.ctx.pass_name}: cannot build "
                           f"{format_call(op.value, inputs, a)}: {err}") from None
-        return self._new(op, inputs, a, shape, dtype, like, like[0] if at is None else at)
+        return self.add_node(op, inputs, a, shape, dtype, like, like[0] if at is None else at)
 
     def add_param(self, base: str, expr: Call, shape: Shape, dtype: str, *,
                   like: Sequence[int], at: int) -> int:
         """A new parameter computed at weight-load time from `expr`, named after `base`."""
-        return self._new(Op.PARAM, (), Attrs(name=unique_name(base, self.param_names), expr=expr),
-                         [sympy.Integer(int(d)) for d in shape], dtype, like, at)
-
-    def add_input(self, name: str, shape: Shape, dtype: str, *, like: Sequence[int],
-                  at: int) -> int:
-        """A new graph input, placed just before node `at`."""
-        return self._new(Op.INPUT, (), Attrs(name=name), shape, dtype, like, at)
+        name = unique_name(base, self.param_names)
+        return self.add_node(Op.PARAM, (), Attrs(name=name, expr=expr),
+                             [sympy.Integer(int(d)) for d in shape], dtype, like, at)
 
     def replace(self, old: int, new: int) -> None:
         """Every use of `old` reads `new` instead."""
@@ -229,3 +225,37 @@ def register_rewrite_pass(name: str, summary: str
             return rw.finish()
         return fn
     return register
+
+
+@register_rewrite_pass("dce", "drop nodes nothing reads (cache writes and inputs stay)")
+def dce(rw: Rewriter) -> None:
+    # 1. Mark live: the outputs, the graph's inputs (its interface) and the nodes with side
+    #    effects (cache writes), then everything they read, transitively.
+    # 2. Drop the rest, readers before what they read.
+    live = live_nodes(rw.nodes)
+    dead = [i for i in rw.order() if i not in live]
+    for i in reversed(dead):
+        rw.kill(i)
+    for i in dead:
+        rw.ctx.applied("dce", i, "read by nothing")
+
+
+@register_rewrite_pass("cse", "nodes computing the same value from the same inputs become one")
+def cse(rw: Rewriter) -> None:
+    # 1. Walk in order; each node's inputs already point at their representatives.
+    # 2. Key: op, inputs, attrs, shape, dtype — for a computed parameter its expression. Graph
+    #    inputs, outputs, checkpoint parameters (a name, not a value) and cache writes never
+    #    merge; a node whose key was seen is replaced by the first node with that key.
+    seen: dict[Hashable, int] = {}
+    for i in rw.order():
+        n = rw.node(i)
+        if n.op in (Op.INPUT, Op.OUTPUT) or has_side_effect(n) or (
+                n.op == Op.PARAM and n.attr("expr") is None):
+            continue
+        key = ("param", n.attr("expr"), n.shape, n.dtype) if n.op == Op.PARAM else \
+            (n.op, n.inputs, n.attrs, n.shape, n.dtype)
+        if key in seen:
+            rw.replace(i, seen[key])
+            rw.ctx.applied("cse", i, f"same as %{seen[key]}")
+        else:
+            seen[key] = i
