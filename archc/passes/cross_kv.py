@@ -13,7 +13,7 @@ from archc.ir.attrs import Attrs
 from archc.ir.graph import CROSS_KV, Graph, Node, Program
 from archc.ir.ops import META, VIEW, Op
 from archc.passes.manager import PassContext, register_pass
-from archc.passes.rewrite import Rewriter, has_side_effect, unique_name
+from archc.passes.rewrite import Rewriter, is_root, unique_name
 
 SOURCE = "encoder_hidden"
 # repeat_kv only copies KV heads: hoisting it would store every query head's copy; left in the
@@ -28,7 +28,7 @@ def constant_over_steps(g: Graph) -> set[int]:
         return set()
     fixed: set[int] = set()
     for i, n in enumerate(g.nodes):
-        if n.op in META or n.op in NOT_HOISTED or has_side_effect(n):
+        if n.op in META or n.op in NOT_HOISTED or is_root(n):
             continue
         if all(j == source or j in fixed or g.nodes[j].op == Op.PARAM for j in n.inputs) and \
                 any(j == source or j in fixed for j in n.inputs):
@@ -68,8 +68,7 @@ def hoist_cross_kv(program: Program, contexts: Mapping[str, PassContext]) -> Pro
     names = [g.name for g in program]
     if "decoder" not in names or CROSS_KV in names:
         return program
-    g = program.graph("decoder")
-    ctx = contexts["decoder"]
+    g, ctx = program.graph("decoder"), contexts["decoder"]
     fixed = constant_over_steps(g)
     if not fixed:
         return program

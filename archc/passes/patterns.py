@@ -41,7 +41,7 @@ def match(rw: Rewriter, pat: Pat, i: int, parent: int | None = None
     """The bindings of `pat` at node i and the conditions that fail there, or None when the
     structure does not match. Of a commutative op's two operand orders, the first that matches
     cleanly wins, else the first that matches."""
-    n = rw.node(i)
+    n = rw.nodes[i]
     if (pat.ops is not None and n.op not in pat.ops) or len(n.inputs) < len(pat.src) or \
             (pat.where is not None and not pat.where(n)):
         return None

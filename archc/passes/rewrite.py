@@ -36,17 +36,17 @@ class Refusal(Exception):
         self.why, self.profitability = why, profitability
 
 
-def has_side_effect(n: Node) -> bool:
-    """Writes the KV cache: live even when nothing in the graph reads its value."""
-    return n.op == Op.KV_CACHE or (n.op == Op.FUSED_LINEAR and any(
+def is_root(n: Node) -> bool:
+    """An output, an input (the graph's interface) or a KV-cache write: live even when nothing in
+    the graph reads its value."""
+    return n.op in (Op.OUTPUT, Op.INPUT, Op.KV_CACHE) or (n.op == Op.FUSED_LINEAR and any(
         st.fn == "kv_write" for st in n.attr("epilogue", ())))
 
 
 def live_nodes(nodes: dict[int, Node], killed: Iterable[int] = ()) -> set[int]:
-    """Nodes reachable (through inputs) from outputs, inputs and side effects."""
+    """Nodes reachable (through inputs) from the roots."""
     dead = set(killed)
-    stack = [i for i, n in nodes.items() if i not in dead and (
-        n.op in (Op.OUTPUT, Op.INPUT) or has_side_effect(n))]
+    stack = [i for i, n in nodes.items() if i not in dead and is_root(n)]
     live: set[int] = set()
     while stack:
         i = stack.pop()
@@ -81,9 +81,6 @@ class Rewriter:
         self.changed = False
         self.param_names = {n.name for n in g.nodes if n.op == Op.PARAM}
 
-    def node(self, i: int) -> Node:
-        return self.nodes[i]
-
     def op(self, i: int) -> Op:
         return self.nodes[i].op
 
@@ -93,15 +90,10 @@ class Rewriter:
 
     def is_dead(self, i: int) -> bool:
         """Replaced or removed: nothing reads it and it is not a root."""
-        n = self.nodes[i]
-        return i in self.gone or (not self.users(i) and n.op not in (Op.OUTPUT, Op.INPUT)
-                                  and not has_side_effect(n))
+        return i in self.gone or (not self.users(i) and not is_root(self.nodes[i]))
 
     def shape(self, i: int) -> Shape:
         return self.nodes[i].shape
-
-    def width(self, i: int) -> int:
-        return int(self.nodes[i].shape[-1])
 
     def order(self) -> list[int]:
         """Live node ids in position order (a snapshot; safe to edit while iterating)."""
@@ -229,15 +221,13 @@ def register_rewrite_pass(name: str, summary: str
 
 @register_rewrite_pass("dce", "drop nodes nothing reads (cache writes and inputs stay)")
 def dce(rw: Rewriter) -> None:
-    # 1. Mark live: the outputs, the graph's inputs (its interface) and the nodes with side
-    #    effects (cache writes), then everything they read, transitively.
-    # 2. Drop the rest, readers before what they read.
+    # 1. Mark live: the roots (outputs, inputs, cache writes) and what they read, transitively.
+    # 2. Drop the rest.
     live = live_nodes(rw.nodes)
-    dead = [i for i in rw.order() if i not in live]
-    for i in reversed(dead):
-        rw.kill(i)
-    for i in dead:
-        rw.ctx.applied("dce", i, "read by nothing")
+    for i in rw.order():
+        if i not in live:
+            rw.kill(i)
+            rw.ctx.applied("dce", i, "read by nothing")
 
 
 @register_rewrite_pass("cse", "nodes computing the same value from the same inputs become one")
@@ -248,9 +238,8 @@ def cse(rw: Rewriter) -> None:
     #    merge; a node whose key was seen is replaced by the first node with that key.
     seen: dict[Hashable, int] = {}
     for i in rw.order():
-        n = rw.node(i)
-        if n.op in (Op.INPUT, Op.OUTPUT) or has_side_effect(n) or (
-                n.op == Op.PARAM and n.attr("expr") is None):
+        n = rw.nodes[i]
+        if is_root(n) or (n.op == Op.PARAM and n.attr("expr") is None):
             continue
         key = ("param", n.attr("expr"), n.shape, n.dtype) if n.op == Op.PARAM else \
             (n.op, n.inputs, n.attrs, n.shape, n.dtype)
