@@ -1,8 +1,7 @@
 """Attention: finding it in a graph — the score chain after `scores`, the path from q, k and v
 up to their projections (bias folding and the projection merges use these too) — and the passes
 that fuse it: share-kv-heads and flash-attention, then QK-norm, RoPE and the KV-cache write in
-the epilogue of the projection that computes q, k and v.
-"""
+the epilogue of the projection that computes q, k and v."""
 
 from __future__ import annotations
 
@@ -63,7 +62,7 @@ def score_chain(rw: Rewriter, scores: int) -> ScoreChain:
             return chain
         nxt = users[0]
         if rw.op(nxt) != Op.SOFTMAX:
-            if modifier(rw.node(nxt)) is None or rw.node(nxt).inputs[0] != cur:
+            if modifier(rw.nodes[nxt]) is None or rw.nodes[nxt].inputs[0] != cur:
                 chain.problem = (f"%{nxt} ({rw.op(nxt).value}) between scores and softmax is "
                                  "not a score modifier")
                 return chain
@@ -71,7 +70,7 @@ def score_chain(rw: Rewriter, scores: int) -> ScoreChain:
         cur = nxt
     chain.softmax = cur
     users = rw.users(cur)
-    if len(users) != 1 or rw.op(users[0]) != Op.WEIGHTED_SUM or rw.node(users[0]).inputs[0] != cur:
+    if len(users) != 1 or rw.op(users[0]) != Op.WEIGHTED_SUM or rw.nodes[users[0]].inputs[0] != cur:
         chain.problem = f"the probabilities %{cur} are read by something other than one " \
                         "weighted_sum"
         return chain
@@ -89,15 +88,15 @@ def trace_up(rw: Rewriter, i: int) -> tuple[list[int], int]:
     path: list[int] = []
     while rw.op(i) in HEAD_PATH:
         path.append(i)
-        i = rw.node(i).inputs[0]
+        i = rw.nodes[i].inputs[0]
     return path, i
 
 
 # ---- share-kv-heads, flash-attention ---------------------------------------------------------
 
 def _read_kv_heads(rw: Rewriter, m: Bindings) -> int:
-    n = rw.node(m["root"])
-    src = [rw.node(i).inputs[0] if rw.op(i) == Op.REPEAT_KV else i for i in n.inputs]
+    n = rw.nodes[m["root"]]
+    src = [rw.nodes[i].inputs[0] if rw.op(i) == Op.REPEAT_KV else i for i in n.inputs]
     return rw.emit(n.op, src, like=[m["root"]], **n.attrs)
 
 
@@ -119,21 +118,21 @@ def _flash(rw: Rewriter, scores: int) -> tuple[int, int]:
     chain = score_chain(rw, scores)
     if chain.merge is None or chain.wsum is None:
         raise Refusal(chain.problem)
-    kinds = [modifier(rw.node(i)) or "" for i in chain.modifiers]
+    kinds = [modifier(rw.nodes[i]) or "" for i in chain.modifiers]
     ranks = [MODIFIERS[k] for k in kinds]
     if ranks != sorted(set(ranks)):
         raise Refusal("the score modifiers " + " → ".join(kinds)
                       + " are not in the order attention applies them (scale, softcap, "
                         "position bias, mask), each at most once")
-    q, k = rw.node(scores).inputs
-    v = rw.node(chain.wsum).inputs[1]
+    q, k = rw.nodes[scores].inputs
+    v = rw.nodes[chain.wsum].inputs[1]
     if rw.shape(k) != rw.shape(v):
         raise Refusal(f"k %{k} {list(rw.shape(k))} and v %{v} {list(rw.shape(v))} differ in "
                       "shape (share-kv-heads must treat both)")
     attrs: dict[str, object] = {"scale": 1.0}
     extra: list[int] = []    # the mask's padding and prefix_len, then ALiBi slopes or T5 table
     for i, kind in zip(chain.modifiers, kinds):
-        n = rw.node(i)
+        n = rw.nodes[i]
         if kind in ("scale", "softcap"):
             attrs[kind] = n.attr("expr").kw("by" if kind == "scale" else "cap")
         elif kind == "mask":
@@ -178,14 +177,14 @@ class ColumnView:
 
 
 def column_view(rw: Rewriter, i: int) -> ColumnView | None:
-    n = rw.node(i)
+    n = rw.nodes[i]
     if n.op != Op.SPLIT_HEADS:
         return None
     heads, hd, src = n.attr("heads"), int(n.shape[3]), n.inputs[0]
     if rw.op(src) == Op.SLICE:
-        s = rw.node(src)
+        s = rw.nodes[src]
         return ColumnView(i, s.inputs[0], s.attr("start"), s.attr("stop"), heads, hd)
-    return ColumnView(i, src, 0, rw.width(src), heads, hd)
+    return ColumnView(i, src, 0, int(rw.shape(src)[-1]), heads, hd)
 
 
 Heads = list[tuple[ColumnView, int]]     # head views, each with the one node reading it
@@ -194,18 +193,17 @@ HeadStep = Callable[[Rewriter, Linear, Heads], Step]
 
 def head_epilogue(rw: Rewriter, lin: Linear, op: Op, what: str, later: tuple[str, ...],
                   make: HeadStep) -> tuple[Step, Heads] | None:
-    """The step `make` builds for the head views of `lin` read by one `op` node each, and those
-    views and nodes, if a step over the first n heads can stand for the nodes: they read columns
-    [0, n·D), and nothing else reads those columns. None if no view is read by `op`. `later`:
-    epilogue steps that must come after the new one."""
+    """The step `make` builds for the head views of `lin` read by one `op` node each, with those
+    views and nodes, if they are columns [0, n·D) that nothing else reads; None if no view is read
+    by `op`. `later`: epilogue steps that must come after the new one."""
     readers: list[tuple[int, int, int, ColumnView | None]] = []   # (node, start, stop, view)
     for u in rw.users(lin.root):
-        s = rw.node(u)
+        s = rw.nodes[u]
         if s.op == Op.SLICE:
             readers += [(w, s.attr("start"), s.attr("stop"), column_view(rw, w))
                         for w in rw.users(u)]
         else:
-            readers.append((u, 0, rw.width(lin.root), column_view(rw, u)))
+            readers.append((u, 0, int(rw.shape(lin.root)[-1]), column_view(rw, u)))
     views = sorted((cv for _, _, _, cv in readers
                     if cv is not None and any(rw.op(u) == op for u in rw.users(cv.split))),
                    key=lambda cv: cv.start)
@@ -252,9 +250,9 @@ def fuse_heads(rw: Rewriter, rule: str, op: Op, what: str, later: tuple[str, ...
 
 def _rope(rw: Rewriter, lin: Linear, heads: Heads) -> Step:
     # rope(x·Wᵀ)[heads] in the epilogue = the same rotation applied to the stored heads
-    r0 = rw.node(heads[0][1])
+    r0 = rw.nodes[heads[0][1]]
     for _, reader in heads:
-        n = rw.node(reader)
+        n = rw.nodes[reader]
         if n.inputs[1:] != r0.inputs[1:] or n.attrs != r0.attrs:
             raise Refusal(f"rope %{reader} and %{heads[0][1]} differ in positions, "
                           "frequencies or attributes")
@@ -273,7 +271,7 @@ def fuse_rope(rw: Rewriter) -> None:
     # 3. Append rope(heads=n) to the epilogue; each rope node is replaced by its head view.
     fuse_heads(rw, "fuse-rope", Op.ROPE, "rotated", ("rope", "kv_write", "glu"), _rope)
     for i in rw.order():
-        src = rw.node(i).inputs[0] if rw.op(i) == Op.ROPE else None
+        src = rw.nodes[i].inputs[0] if rw.op(i) == Op.ROPE else None
         if src is not None and column_view(rw, src) is None:
             rw.ctx.refused("fuse-rope", i, f"it rotates %{src} ({rw.op(src).value}), not heads "
                         "split from a projection's columns, so no matmul epilogue computes its "
@@ -282,11 +280,11 @@ def fuse_rope(rw: Rewriter) -> None:
 
 def _head_norm(rw: Rewriter, lin: Linear, heads: Heads) -> Step:
     # norm over each head's D columns of x·Wᵀ, in the epilogue: the tile holds whole heads
-    first = rw.node(heads[0][1])
+    first = rw.nodes[heads[0][1]]
     gains: list[Call] = []
     shifts: list[Call] = []
     for cv, reader in heads:
-        n = rw.node(reader)
+        n = rw.nodes[reader]
         if (n.attr("kind"), n.attr("eps")) != (first.attr("kind"), first.attr("eps")):
             raise Refusal(f"%{reader} and %{heads[0][1]} are different norms")
         _, gain, shift = norm_parts(rw, reader)
@@ -298,9 +296,9 @@ def _head_norm(rw: Rewriter, lin: Linear, heads: Heads) -> Step:
                       else E.call("zeros", shape=(cv.stop - cv.start,)))
     cols, hd = heads[-1][0].stop, heads[0][0].head_dim
     like = [reader for _, reader in heads]
-    name = merged_name([rw.node(rw.node(reader).inputs[1]).name for reader in like])
+    name = merged_name([rw.nodes[rw.nodes[reader].inputs[1]].name for reader in like])
     gain_p, shift_p = (rw.add_param(n, E.call("cat", *parts, dim=0), (cols,),
-                                    rw.node(first.inputs[1]).dtype, like=like, at=lin.root)
+                                    rw.nodes[first.inputs[1]].dtype, like=like, at=lin.root)
                        for n, parts in ((name + ".tiled", gains),
                                         (name.removesuffix(".weight") + ".shift", shifts)))
     return step("head_norm", gain_p, shift_p, kind=first.attr("kind"), eps=first.attr("eps"),
@@ -322,17 +320,17 @@ def fuse_qk_norm(rw: Rewriter) -> None:
 
 def _kv_write(rw: Rewriter, att: int) -> tuple[Linear, Step]:
     """The projection whose epilogue can write the cache `att` reads, and the step that does."""
-    q, kc, vc = rw.node(att).inputs[:3]
-    k_node, v_node = rw.node(kc), rw.node(vc)
+    q, kc, vc = rw.nodes[att].inputs[:3]
+    k_node, v_node = rw.nodes[kc], rw.nodes[vc]
     layer = k_node.attr("layer")
     if (k_node.attr("kind"), v_node.attr("kind")) != ("k", "v") or v_node.attr("layer") != layer:
         raise Refusal(f"%{kc} and %{vc} are not the k and v cache of one layer")
     for c in (kc, vc):
         if rw.users(c) != [att]:
             raise Refusal(f"the cache values %{c} are read outside this attention")
-    kv, vv = (column_view(rw, rw.node(c).inputs[0]) for c in (kc, vc))
+    kv, vv = (column_view(rw, rw.nodes[c].inputs[0]) for c in (kc, vc))
     if kv is None or vv is None:
-        src = rw.node(kc if kv is None else vc).inputs[0]
+        src = rw.nodes[kc if kv is None else vc].inputs[0]
         raise Refusal(f"%{src} ({rw.op(src).value}) stands between the projection and the "
                       "cache write (fuse-rope must fold RoPE into the projection first)")
     if kv.source != vv.source:
@@ -365,7 +363,7 @@ def fuse_kv_write(rw: Rewriter) -> None:
     # 3. The projection's epilogue writes k and v from the accumulator (the values it would
     #    store); the attention reads cache_layer; the kv_cache nodes go.
     for i in rw.order():
-        n = rw.node(i)
+        n = rw.nodes[i]
         if n.op != Op.ATTENTION or n.attr("cache_layer") is not None or \
                 {rw.op(j) for j in n.inputs[1:3]} != {Op.KV_CACHE}:
             continue
@@ -374,9 +372,9 @@ def fuse_kv_write(rw: Rewriter) -> None:
             continue
         lin, write = found
         rw.replace(lin.root, emit(rw, lin.then(write), like=lin.covers))
-        layer = write.kw("layer")
+        layer, kv_heads = write.call.kw("layer"), write.call.kw("kv_heads")
         rw.replace(i, rw.emit(Op.ATTENTION, [n.inputs[0], *n.inputs[3:]], like=[i, *n.inputs[1:3]],
-                              **n.attrs.replace(cache_layer=layer, kv_heads=write.kw("kv_heads"))))
+                              **n.attrs.replace(cache_layer=layer, kv_heads=kv_heads)))
         for c in n.inputs[1:3]:
             rw.kill(c)
         rw.ctx.applied("fuse-kv-write", i, f"layer {layer} cache written by %{lin.root}")

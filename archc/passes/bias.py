@@ -1,8 +1,4 @@
-"""fold-biases: drop the biases that provably do not change the output, fold the rest forward.
-
-Three rules. Zero biases vanish. A key bias is dropped when softmax cannot see it. A value bias
-moves through attention — softmax or linear — into the output projection's bias.
-"""
+"""fold-biases: drop the biases that provably do not change the output, fold the rest forward."""
 
 from __future__ import annotations
 
@@ -68,8 +64,8 @@ def _key_bias(rw: Rewriter, path: list[int], bias: int, chain: ScoreChain) -> in
             raise Refusal(f"norm %{i} (qk-norm) normalizes k after its bias, which is not "
                           "linear")
     for i in chain.modifiers:
-        if modifier(rw.node(i)) not in SHIFT_SAFE:
-            raise Refusal(f"{modifier(rw.node(i))} %{i} between scores and softmax is not "
+        if modifier(rw.nodes[i]) not in SHIFT_SAFE:
+            raise Refusal(f"{modifier(rw.nodes[i])} %{i} between scores and softmax is not "
                           "linear, so the row constant q·b does not pass through it unchanged")
     _read_here(rw, [bias, *path])
     return bias_of(rw, bias)[0]  # type: ignore[index]
@@ -79,16 +75,16 @@ def _add_output_bias(rw: Rewriter, o: Linear, extra: Call, v_bias: int, like: in
     """Add `extra` (an expression of a vector) to the output projection's bias."""
     old = [s.inputs[0] for s in o.steps if s.fn == "bias"]
     # named after both biases: layers.0.attn.o.bias + layers.0.attn.v.bias → layers.0.attn.o+v.bias
-    name = merged_name([rw.node(o.weight).name.removesuffix(".weight") + ".bias",
-                        rw.node(v_bias).name])
+    name = merged_name([rw.nodes[o.weight].name.removesuffix(".weight") + ".bias",
+                        rw.nodes[v_bias].name])
     b = rw.add_param(name, E.call("add", rw.param_expr(old[0]), extra) if old else extra,
-                     (rw.shape(o.weight)[0],), rw.node(o.weight).dtype, like=[like], at=o.root)
+                     (rw.shape(o.weight)[0],), rw.nodes[o.weight].dtype, like=[like], at=o.root)
     found = bias_of(rw, o.root)
     if not o.steps and rw.op(o.root) == Op.MATMUL:     # x·W_oᵀ → x·W_oᵀ + b
         new = rw.emit(Op.ADD, [o.root, b], like=[like], at=o.root)
         for u in rw.users(o.root):
             if u != new:
-                rw.rewire(u, [new if j == o.root else j for j in rw.node(u).inputs])
+                rw.rewire(u, [new if j == o.root else j for j in rw.nodes[u].inputs])
     elif found is not None:                             # x·W_oᵀ + b_o → x·W_oᵀ + b
         rw.replace(o.root, rw.emit(Op.ADD, [found[0], b], like=[o.root, like]))
     else:                                               # an epilogue bias step reads b
@@ -119,10 +115,10 @@ def _value_bias(rw: Rewriter, path: list[int], bias: int, merge: int | None, no_
     # Σ_j p_ij (v_j + b_v) W_oᵀ + b_o = (Σ_j p_ij v_j) W_oᵀ + (W_o b_v + b_o),  as Σ_j p_ij = 1;
     # query head h reads KV head h // g, so b_v is repeated g times along the merged heads.
     x, b_v = bias_of(rw, bias)  # type: ignore[misc]
-    groups = rw.width(merge) // int(rw.shape(b_v)[0])
+    groups = int(rw.shape(merge)[-1]) // int(rw.shape(b_v)[0])
     split = next(i for i in path if rw.op(i) == Op.SPLIT_HEADS)
     expanded = rw.param_expr(b_v) if groups == 1 else E.call(
-        "repeat_heads", rw.param_expr(b_v), groups=groups, heads=rw.node(split).attr("heads"))
+        "repeat_heads", rw.param_expr(b_v), groups=groups, heads=rw.nodes[split].attr("heads"))
     _add_output_bias(rw, o, E.call("mm", rw.param_expr(o.weight), expanded), b_v, like=bias)
     return x
 
@@ -143,15 +139,15 @@ def fold_biases(rw: Rewriter) -> None:
     moved = "folded into the output projection's bias"
     for i in rw.order():
         if rw.op(i) == Op.LINEAR_ATTENTION:
-            _fold_bias(rw, "value-bias", rw.node(i).inputs[2], moved, _value_bias, i, "", None)
+            _fold_bias(rw, "value-bias", rw.nodes[i].inputs[2], moved, _value_bias, i, "", None)
         chain = score_chain(rw, i) if rw.op(i) == Op.SCORES else None
         if chain is None or chain.wsum is None:
             continue
-        _fold_bias(rw, "key-bias", rw.node(i).inputs[1],
+        _fold_bias(rw, "key-bias", rw.nodes[i].inputs[1],
                    "dropped: a key bias is constant along each softmax row", _key_bias, chain)
         mask = next((j for j in chain.modifiers if rw.op(j) == Op.MASK), None)
-        padded = mask is not None and rw.node(mask).attr("padding")
-        _fold_bias(rw, "value-bias", rw.node(chain.wsum).inputs[1], moved, _value_bias,
+        padded = mask is not None and rw.nodes[mask].attr("padding")
+        _fold_bias(rw, "value-bias", rw.nodes[chain.wsum].inputs[1], moved, _value_bias,
                    chain.merge, chain.problem,
                    f"mask %{mask} takes a padding mask: a fully padded row has no "
                    "probabilities summing to 1 to carry the bias through" if padded else None)

@@ -1,9 +1,8 @@
 """hoist-cross-kv: cross-attention's keys and values are computed once per generation.
 
 The decoder's cross-attention projects the encoder's states to K and V at every decode step,
-although they are the same at every step: they depend on `encoder_hidden` and weights alone.
-This program pass moves that work into a graph of its own, ``cross_kv``, which a session runs
-once (at the first step of a generation) and whose outputs every decoder step reads as inputs.
+though they depend on `encoder_hidden` and weights alone. This program pass moves that work into
+a graph ``cross_kv``, run once per generation; every decoder step reads its outputs as inputs.
 """
 
 from __future__ import annotations
@@ -13,8 +12,8 @@ from collections.abc import Mapping
 from archc.ir.attrs import Attrs
 from archc.ir.graph import CROSS_KV, Graph, Node, Program
 from archc.ir.ops import META, VIEW, Op
-from archc.passes.manager import PassContext, register_program_pass
-from archc.passes.rewrite import Rewriter, has_side_effect, unique_name
+from archc.passes.manager import PassContext, register_pass
+from archc.passes.rewrite import Rewriter, is_root, unique_name
 
 SOURCE = "encoder_hidden"
 # repeat_kv only copies KV heads: hoisting it would store every query head's copy; left in the
@@ -29,7 +28,7 @@ def constant_over_steps(g: Graph) -> set[int]:
         return set()
     fixed: set[int] = set()
     for i, n in enumerate(g.nodes):
-        if n.op in META or n.op in NOT_HOISTED or has_side_effect(n):
+        if n.op in META or n.op in NOT_HOISTED or is_root(n):
             continue
         if all(j == source or j in fixed or g.nodes[j].op == Op.PARAM for j in n.inputs) and \
                 any(j == source or j in fixed for j in n.inputs):
@@ -57,9 +56,9 @@ def _name(g: Graph, i: int, taken: set[str]) -> str:
     return unique_name(base, taken)
 
 
-@register_program_pass("hoist-cross-kv", "cross-attention K/V projections of the encoder's "
-                       "states leave the decoder for a cross_kv graph run once per generation; "
-                       "decoder steps read them as inputs")
+@register_pass("hoist-cross-kv", "cross-attention K/V projections of the encoder's states leave "
+               "the decoder for a cross_kv graph run once per generation; decoder steps read them "
+               "as inputs", program=True)
 def hoist_cross_kv(program: Program, contexts: Mapping[str, PassContext]) -> Program:
     # 1. In the decoder, the pure nodes (no cache writes) that depend only on `encoder_hidden`
     #    and weights: the same at every step. Profitable if they include a matmul.
@@ -69,8 +68,7 @@ def hoist_cross_kv(program: Program, contexts: Mapping[str, PassContext]) -> Pro
     names = [g.name for g in program]
     if "decoder" not in names or CROSS_KV in names:
         return program
-    g = program.graph("decoder")
-    ctx = contexts["decoder"]
+    g, ctx = program.graph("decoder"), contexts["decoder"]
     fixed = constant_over_steps(g)
     if not fixed:
         return program
@@ -101,7 +99,8 @@ def hoist_cross_kv(program: Program, contexts: Mapping[str, PassContext]) -> Pro
     rw = Rewriter(g, ctx)
     for i in frontier:
         n = g.nodes[i]
-        rw.replace(i, rw.add_input(out_names[i], n.shape, n.dtype, like=[i], at=source))
+        rw.replace(i, rw.add_node(Op.INPUT, (), Attrs(name=out_names[i]), n.shape, n.dtype,
+                                  like=[i], at=source))
         ctx.applied("hoist-cross-kv", i, f"computed once per generation in {CROSS_KV}, read as "
                     f"input {out_names[i]!r}")
     for i in sorted(fixed - set(frontier), reverse=True):

@@ -18,9 +18,8 @@ from archc.passes.rewrite import Refusal, Rewriter, register_rewrite_pass
 
 
 def _step(rw: Rewriter, m: Bindings) -> int:
-    """The root as a step appended to the kernel bound as "k": bias(b) of the vector bound as
-    "b", act(fn), or the scale or soft-cap of a pointwise fn(x(0), …)."""
-    n = rw.node(m["root"])
+    """The root as a step appended to the epilogue of the kernel bound as "k"."""
+    n = rw.nodes[m["root"]]
     if n.op == Op.ADD:
         new = step("bias", m["b"])
     elif n.op == Op.ACT:
@@ -38,7 +37,7 @@ def _input_scale(rw: Rewriter, m: Bindings) -> int:
                       "changes")
     if len(lin.operands) != 1:
         raise Refusal(f"%{m['root']} concatenates two operands; the scale is of one")
-    s = rw.node(m["s"])
+    s = rw.nodes[m["s"]]
     new = lin.replace(operands=(s.inputs[0],),
                       steps=(step("scale", by=s.attr("expr").kw("by")), *lin.steps))
     return emit(rw, new, like=[*lin.covers, m["s"]])
@@ -64,10 +63,10 @@ register_rule_pass("fuse-epilogue", "bias, activation, scale and soft-cap after 
 
 
 def _add_before_norm(rw: Rewriter, m: Bindings) -> int:
-    n = rw.node(m["root"])
+    n = rw.nodes[m["root"]]
     if n.attr("add_before"):
         raise Refusal(f"%{m['root']} already adds a residual before normalizing")
-    a, b = rw.node(m["sum"]).inputs
+    a, b = rw.nodes[m["sum"]].inputs
     if rw.shape(a) != rw.shape(m["sum"]) or rw.shape(a) != rw.shape(b):
         raise Refusal(f"the operands of %{m['sum']} differ in shape (broadcast)")
     if bias_of(rw, m["sum"]) is not None:
@@ -77,7 +76,7 @@ def _add_before_norm(rw: Rewriter, m: Bindings) -> int:
 
 
 def _residual_epilogue(rw: Rewriter, m: Bindings) -> int:
-    a, b = rw.node(m["root"]).inputs
+    a, b = rw.nodes[m["root"]].inputs
     other = a if b == m["k"] else b
     if rw.shape(other) != rw.shape(m["root"]) or rw.shape(m["k"]) != rw.shape(m["root"]):
         raise Refusal(f"the operands of %{m['root']} differ in shape (broadcast)")
@@ -103,12 +102,12 @@ register_rule_pass("fuse-residual", "residual adds join the norm after them, or 
 
 
 def _router(rw: Rewriter, m: Bindings) -> int:
-    return rw.emit(Op.ROUTER, rw.node(m["logits"]).inputs, like=[m["root"], m["logits"]],
-                   **rw.node(m["root"]).attrs)
+    return rw.emit(Op.ROUTER, rw.nodes[m["logits"]].inputs, like=[m["root"], m["logits"]],
+                   **rw.nodes[m["root"]].attrs)
 
 
 def _expert_glu(rw: Rewriter, m: Bindings) -> int:
-    gate, up = rw.node(m["gate"]), rw.node(m["up"])
+    gate, up = rw.nodes[m["gate"]], rw.nodes[m["up"]]
     if gate.inputs[:2] != up.inputs[:2] or gate.attr("top_k") != up.attr("top_k"):
         raise Refusal(f"the gate %{m['gate']} and up %{m['up']} stages read different tokens "
                       "or routes")
@@ -119,7 +118,7 @@ def _expert_glu(rw: Rewriter, m: Bindings) -> int:
     # [W_gate; W_up] per expert: one grouped matmul, act(gate)·up in its epilogue
     like = [m["gate"], m["act"], m["up"], m["root"]]
     weight = cat_params(rw, [wg, wu], 1, like=like, at=m["gate"])
-    glu = E.call("glu", fn=rw.node(m["act"]).attr("fn"))
+    glu = E.call("glu", fn=rw.nodes[m["act"]].attr("fn"))
     return rw.emit(Op.MOE_LINEAR, [*gate.inputs[:2], weight], like=like, stage="up",
                    top_k=gate.attr("top_k"), epilogue=(glu,))
 
@@ -147,7 +146,7 @@ def to_pointwise(rw: Rewriter, root: int, inline: Collection[int]) -> tuple[int,
     inlined: list[int] = []
 
     def expression(i: int) -> Call:
-        n = rw.node(i)
+        n = rw.nodes[i]
         return E.substitute(elementwise_expr(n.op, n.attrs), [arg(j) for j in n.inputs])
 
     def arg(j: int) -> Call:
@@ -176,7 +175,7 @@ def fuse_pointwise(rw: Rewriter) -> None:
               and rw.op(rw.users(i)[0]) in ELEMENTWISE}
     for i in order:
         if rw.op(i) not in ELEMENTWISE or i in inline or (
-                rw.op(i) == Op.POINTWISE and not inline.intersection(rw.node(i).inputs)):
+                rw.op(i) == Op.POINTWISE and not inline.intersection(rw.nodes[i].inputs)):
             continue
         new, chain = to_pointwise(rw, i, inline)
         rw.replace(i, new)

@@ -32,9 +32,6 @@ class Step:
     def fn(self) -> str:
         return self.call.fn
 
-    def kw(self, name: str, default: Any = None) -> Any:
-        return self.call.kw(name, default)
-
 
 def step(fn: str, /, *inputs: int, **kw: Any) -> Step:
     """An epilogue step reading nodes `inputs` (keywords sorted: equal steps compare equal)."""
@@ -49,7 +46,7 @@ def unary(n: Node) -> str | None:
 
 def bias_of(rw: Rewriter, i: int) -> tuple[int, int] | None:
     """(value, bias) when node i adds a [N] parameter along the last dim of the value."""
-    n = rw.node(i)
+    n = rw.nodes[i]
     if n.op != Op.ADD:
         return None
     for a, b in (n.inputs, n.inputs[::-1]):
@@ -60,9 +57,9 @@ def bias_of(rw: Rewriter, i: int) -> tuple[int, int] | None:
 
 def epilogue_steps(rw: Rewriter, i: int, taken: int) -> tuple[Step, ...]:
     """The epilogue of node i as steps with the nodes they read (after its `taken` operands)."""
-    rest = iter(rw.node(i).inputs[taken:])
+    rest = iter(rw.nodes[i].inputs[taken:])
     return tuple(Step(call, tuple(islice(rest, len(STEPS[call.fn].inputs))))
-                 for call in rw.node(i).attr("epilogue", ()))
+                 for call in rw.nodes[i].attr("epilogue", ()))
 
 
 @dataclass(frozen=True)
@@ -101,15 +98,15 @@ def cat_params(rw: Rewriter, params: Sequence[int], dim: int, *, like: Sequence[
     """One parameter: `params` concatenated along `dim` at load time, named after them all."""
     shape = list(rw.shape(params[0]))
     shape[dim] = sum(rw.shape(p)[dim] for p in params)
-    return rw.add_param(merged_name([rw.node(p).name for p in params]),
+    return rw.add_param(merged_name([rw.nodes[p].name for p in params]),
                         E.call("cat", *map(rw.param_expr, params), dim=dim), shape,
-                        rw.node(params[0]).dtype, like=like, at=at)
+                        rw.nodes[params[0]].dtype, like=like, at=at)
 
 
 def view(rw: Rewriter, i: int, *, through_bias: bool = True) -> Linear | None:
     """The linear layer computed by node i, or None. A bias `add` over a matmul read by nothing
     else is seen as the matmul with a `bias` step."""
-    n = rw.node(i)
+    n = rw.nodes[i]
     if n.op == Op.MATMUL:
         return Linear(i, (n.inputs[0],), n.inputs[1], covers=(i,))
     if n.op == Op.FUSED_LINEAR:
@@ -141,16 +138,15 @@ def emit(rw: Rewriter, lin: Linear, *, like: Sequence[int], at: int | None = Non
 
 
 def extend(rw: Rewriter, i: int, new: Step, *, like: Sequence[int]) -> int:
-    """The kernel node i (a matmul, fused_linear, norm or expert matmul) with `new` appended to
-    its epilogue: a new node, which the caller puts in place. Refusal when the step is not one
-    of that kernel's."""
+    """Kernel node i (a matmul, fused_linear, norm or expert matmul) with `new` appended to its
+    epilogue, as a new node for the caller to put in place; Refusal if it has no such step."""
     op = rw.op(i)
     if (Op.FUSED_LINEAR if op == Op.MATMUL else op) not in STEPS[new.fn].kernels:
         raise Refusal(f"{op.value} %{i} has no {new.fn}() epilogue step")
     lin = view(rw, i, through_bias=False)
     if lin is not None:
         return emit(rw, lin.then(new), like=[*lin.covers, *like])
-    n = rw.node(i)
+    n = rw.nodes[i]
     return rw.emit(op, [*n.inputs, *new.inputs], like=[i, *like],
                    **n.attrs.replace(epilogue=(*n.attr("epilogue", ()), new.call)))
 
@@ -158,7 +154,7 @@ def extend(rw: Rewriter, i: int, new: Step, *, like: Sequence[int]) -> int:
 def norm_parts(rw: Rewriter, i: int) -> tuple[int, int, int | None]:
     """(x, gain, shift or None) of a plain norm node — no residual, no epilogue but its bias —
     whose gain and shift are parameters, so a pass can move them; Refusal otherwise."""
-    n = rw.node(i)
+    n = rw.nodes[i]
     if n.attr("add_before"):
         raise Refusal(f"%{i} adds a residual before normalizing")
     steps = epilogue_steps(rw, i, 2)

@@ -2,13 +2,10 @@
 
 Every candidate a pass looks at ends in a ``Decision``: applied, or refused by a *legality* rule
 ("may I?" — doing it would change the function) or a *profitability* rule ("should I?" — legal, but
-it would cost more than it saves), collected by the ``PassContext`` passed to the pass. A pass is
-a function ``(Graph, PassContext) -> Graph`` run over each graph of a program, or a program
-function ``(Program, {graph: PassContext}) -> Program`` that may move nodes between graphs; each
-is exact (translation-validated) and returns the same object when it changed nothing ("not
-applied"). The manager verifies after each pass that changed a graph and keeps each program and
-decision, so the CLI can print the IR after any pass, explain refusals and diff one pass. A
-failure names the pass, the graph and the passes that ran before it.
+it would cost more than it saves). A pass, over each graph or the whole program, is exact and
+returns the same object when it changed nothing ("not applied"). The manager verifies after each
+pass that changed a graph and keeps each program and decision for the CLI (the IR after any pass,
+refusals, one pass's diff); a failure names the pass, the graph and the passes before it.
 """
 
 from __future__ import annotations
@@ -100,10 +97,6 @@ def register_pass(name: str, summary: str, *, program: bool = False) -> Callable
         PASSES[name] = Pass(name, summary, fn, program)
         return fn
     return register
-
-
-def register_program_pass(name: str, summary: str) -> Callable[[ProgramPassFn], ProgramPassFn]:
-    return register_pass(name, summary, program=True)
 
 
 # The default pipeline, in order. Attention is recognised first (its structure is what the

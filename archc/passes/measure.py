@@ -34,8 +34,7 @@ class Stats:
 
 def dims(batch: int = 1, tokens: int = 1, past: int = 0, encoder_len: int | None = None
          ) -> dict[str, int]:
-    return {"B": batch, "T": tokens, "P": past,
-            "S": encoder_len if encoder_len is not None else tokens}
+    return {"B": batch, "T": tokens, "P": past, "S": tokens if encoder_len is None else encoder_len}
 
 
 def _kernels(p: Program) -> int:

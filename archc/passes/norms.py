@@ -43,7 +43,7 @@ def _readers(rw: Rewriter, norm: int) -> list[Linear]:
     for lin in out:
         others = [u for u in rw.users(lin.weight) if u not in lin.covers]
         if others:
-            w = rw.node(lin.weight)
+            w = rw.nodes[lin.weight]
             raise Refusal(f"weight {w.name!r} is also read by %{others[0]} "
                           f"({rw.op(others[0]).value}): folding the gain would store a second, "
                           f"scaled copy of it ({math.prod(int(d) for d in w.shape):,} elements)",
@@ -52,10 +52,10 @@ def _readers(rw: Rewriter, norm: int) -> list[Linear]:
 
 
 def _fold(rw: Rewriter, norm: int, lin: Linear) -> None:
-    n = rw.node(norm)
+    n = rw.nodes[norm]
     x, gain, beta = norm_parts(rw, norm)
-    w = rw.node(lin.weight)
-    tag = _tag(w.name, rw.node(gain).name)
+    w = rw.nodes[lin.weight]
+    tag = _tag(w.name, rw.nodes[gain].name)
     gamma = rw.param_expr(gain)
     if n.attr("unit_offset"):
         gamma = E.call("offset", gamma, by=1.0)        # Gemma: γ = 1 + w
@@ -79,7 +79,7 @@ def _fold(rw: Rewriter, norm: int, lin: Linear) -> None:
             if rest and rest[0].fn == "bias":
                 old = rest.pop(0).inputs[0]
                 shift = E.call("add", shift, rw.param_expr(old))
-                name = f"{rw.node(old).name}*{tag}"
+                name = f"{rw.nodes[old].name}*{tag}"
             else:
                 name = f"{w.name.removesuffix('.weight')}.bias*{tag}"
             b = rw.add_param(name, shift, (w.shape[0],), w.dtype, like=like, at=lin.root)
@@ -101,10 +101,8 @@ def fold_norms(rw: Rewriter) -> None:
     #    would store a second, scaled copy of the table.
     # 3. Each reader gets W' = W·diag(γ) (γ = 1 + w for Gemma) and, for RMSNorm, prologue rms
     #    and epilogue rms_scale, …; for LayerNorm prologue layer, ln_scale(Σ_k W'), bias(W·β + c).
-    for i in rw.order():
-        if rw.op(i) != Op.NORM:
-            continue
-        rule = "fold-rmsnorm" if rw.node(i).attr("kind") == "rms" else "fold-layernorm"
+    for i in [i for i in rw.order() if rw.op(i) == Op.NORM]:
+        rule = "fold-rmsnorm" if rw.nodes[i].attr("kind") == "rms" else "fold-layernorm"
         readers = rw.attempt(rule, i, _readers, rw, i)
         if readers is None:
             continue

@@ -1,12 +1,10 @@
 """Local rewrites as data: a table of (pattern, rewrite) rules, applied to a fixed point.
 
-A ``Pat`` matches a node by op, a predicate on the node (its attributes), and, recursively, its
-first inputs, binding matched nodes by name. The operands of a commutative op (the op table says
-which) match in either order, so a rule over `add` or `mul` is written once. Conditions that make
-a structural match illegal — an intermediate value read elsewhere — are checked after the
-structure matches, so a refusal can say which condition failed. A rewrite gets the rewriter and
-the bindings and returns the node that replaces the root, or ``None`` when the match does not
-apply after all; it may raise ``Refusal`` to say why not.
+The operands of a commutative op (the op table says which) match in either order, so a rule over
+`add` or `mul` is written once. Conditions that make a structural match illegal — an intermediate
+value read elsewhere — are checked after the structure matches, so a refusal can say which
+condition failed. A rewrite returns the node that replaces the root, or ``None`` when the match
+does not apply after all; it may raise ``Refusal`` to say why not.
 """
 
 from __future__ import annotations
@@ -41,9 +39,9 @@ class Rule:
 def match(rw: Rewriter, pat: Pat, i: int, parent: int | None = None
           ) -> tuple[Bindings, list[str]] | None:
     """The bindings of `pat` at node i and the conditions that fail there, or None when the
-    structure does not match. The operands of a commutative op match in either order: the first
-    order that matches cleanly wins, else the first that matches."""
-    n = rw.node(i)
+    structure does not match. Of a commutative op's two operand orders, the first that matches
+    cleanly wins, else the first that matches."""
+    n = rw.nodes[i]
     if (pat.ops is not None and n.op not in pat.ops) or len(n.inputs) < len(pat.src) or \
             (pat.where is not None and not pat.where(n)):
         return None
@@ -64,7 +62,6 @@ def match(rw: Rewriter, pat: Pat, i: int, parent: int | None = None
             bound = {k: v for b, _ in ok for k, v in b.items()}
             found.append(({**bound, pat.name: i} if pat.name else bound,
                           own + [p for _, ps in ok for p in ps]))
-    # the first order without problems of its own operands, else the first
     return min(found, key=lambda f: len(f[1]) > len(own), default=None)
 
 

@@ -21,9 +21,7 @@ from archc.passes.rewrite import Refusal, Rewriter, register_rewrite_pass
 
 
 def _split(lin: Linear, first: bool) -> tuple[Step | None, int | None, list[Step]]:
-    """A member's epilogue in its column-wise parts: the row scale of a folded norm (rms_scale
-    or ln_scale), the bias vector, and the rest: act on columns; rope and kv_write, valid only
-    where columns do not move, on the first member."""
+    """A member's epilogue as (row scale of a folded norm, bias vector, the column-wise rest)."""
     scale: Step | None = None
     bias: int | None = None
     tail: list[Step] = []
@@ -41,9 +39,8 @@ def _split(lin: Linear, first: bool) -> tuple[Step | None, int | None, list[Step
 
 def concat_rows(rw: Rewriter, members: Sequence[Linear], acts: Sequence[int | None] = (),
                 ) -> tuple[Linear, list[int]]:
-    """One linear layer computing every member's columns side by side (in member order), and
-    each member's column offset. `acts[i]` is an act node reading member i that becomes
-    act(start, stop) over its columns. Raises Refusal when it would change the function."""
+    """One linear layer computing every member's columns side by side, and each member's column
+    offset; `acts[i]`, an act node reading member i, becomes act(start, stop) over its columns."""
     first = members[0]
     for m in members[1:]:
         if m.operands != first.operands:
@@ -56,7 +53,7 @@ def concat_rows(rw: Rewriter, members: Sequence[Linear], acts: Sequence[int | No
     scales = {scale.fn if scale else None for scale, _, _ in forms}
     if len(scales) > 1:
         raise Refusal("the members fold different norms: " + ", ".join(map(str, scales)))
-    dtypes = {rw.node(m.weight).dtype for m in members}
+    dtypes = {rw.nodes[m.weight].dtype for m in members}
     if len(dtypes) > 1:
         raise Refusal(f"weights of different dtypes {sorted(dtypes)}")
     widths = [int(rw.shape(m.weight)[0]) for m in members]
@@ -66,7 +63,7 @@ def concat_rows(rw: Rewriter, members: Sequence[Linear], acts: Sequence[int | No
 
     def vector(parts: list[int | None], dtype: str) -> int:
         """The members' vectors side by side, zeros where a member has none."""
-        names = [rw.node(p).name for p in parts if p is not None]
+        names = [rw.nodes[p].name for p in parts if p is not None]
         return rw.add_param(
             merged_name(names) if len(names) > 1 else names[0] + ".padded",
             E.call("cat", *(rw.param_expr(p) if p is not None else E.call("zeros", shape=(w,))
@@ -78,14 +75,14 @@ def concat_rows(rw: Rewriter, members: Sequence[Linear], acts: Sequence[int | No
     steps: list[Step] = []
     if scale is not None:     # rms_scale as it is; ln_scale's column sums concatenate
         steps.append(scale if scale.fn == "rms_scale" else step("ln_scale", vector(
-            [s.inputs[0] for s, _, _ in forms], rw.node(scale.inputs[0]).dtype)))
+            [s.inputs[0] for s, _, _ in forms], rw.nodes[scale.inputs[0]].dtype)))
     if any(b is not None for _, b, _ in forms):
-        steps.append(step("bias", vector([b for _, b, _ in forms], rw.node(first.weight).dtype)))
+        steps.append(step("bias", vector([b for _, b, _ in forms], rw.nodes[first.weight].dtype)))
     for (_, _, tail), off, w, act in zip(forms, offsets, widths, acts or [None] * len(members)):
-        steps += [step("act", fn=s.kw("fn"), start=off + s.kw("start", 0),
-                       stop=off + s.kw("stop", w)) if s.fn == "act" else s for s in tail]
+        steps += [step("act", fn=s.call.kw("fn"), start=off + s.call.kw("start", 0),
+                       stop=off + s.call.kw("stop", w)) if s.fn == "act" else s for s in tail]
         if act is not None:
-            steps.append(step("act", fn=rw.node(act).attr("fn"), start=off, stop=off + w))
+            steps.append(step("act", fn=rw.nodes[act].attr("fn"), start=off, stop=off + w))
     return Linear(at, first.operands, weight, first.prologue, first.eps, tuple(steps),
                   covers=tuple(like)), offsets
 
@@ -100,7 +97,7 @@ def emit_with_slices(rw: Rewriter, merged: Linear, members: Sequence[Linear],
         rw.replace(out, sl)
         for u in rw.users(sl):   # a slice of a slice is one slice
             if rw.op(u) == Op.SLICE:
-                n = rw.node(u)
+                n = rw.nodes[u]
                 rw.replace(u, rw.emit(Op.SLICE, [new], like=[u], start=off + n.attr("start"),
                                       stop=off + n.attr("stop")))
     return new
@@ -109,11 +106,11 @@ def emit_with_slices(rw: Rewriter, merged: Linear, members: Sequence[Linear],
 def _projections(rw: Rewriter, site: int) -> list[tuple[list[int], Linear]]:
     """The linear layers of q, k and v (in that order, each with the path up to it) when `site`
     is attention: softmax (decomposed at its `scores`, or flash) or linear; else []."""
-    n = rw.node(site)
+    n = rw.nodes[site]
     operands: tuple[int, ...] = ()
     if n.op == Op.SCORES:
         wsum = score_chain(rw, site).wsum
-        operands = () if wsum is None else (*n.inputs, rw.node(wsum).inputs[1])
+        operands = () if wsum is None else (*n.inputs, rw.nodes[wsum].inputs[1])
     elif n.op in (Op.ATTENTION, Op.LINEAR_ATTENTION):
         operands = n.inputs[:1] if n.attr("cache_layer") is not None else n.inputs[:3]
     found = [trace_up(rw, i) for i in operands]
@@ -133,9 +130,8 @@ def merge_qkv(rw: Rewriter) -> None:
         for path, lin in _projections(rw, site):
             if not any(rw.op(j) == Op.SLICE for j in path):
                 groups.setdefault(lin.x, []).append(lin)
-        for members in groups.values():
-            found = rw.attempt("merge-qkv", members[0].root, concat_rows, rw, members) \
-                if len(members) > 1 else None
+        for members in [ms for ms in groups.values() if len(ms) > 1]:
+            found = rw.attempt("merge-qkv", members[0].root, concat_rows, rw, members)
             if found is not None:
                 emit_with_slices(rw, found[0], members, found[1])
                 rw.ctx.applied("merge-qkv", members[0].root, f"{len(members)} projections in one")
@@ -148,7 +144,7 @@ def _glu(rw: Rewriter, m: Bindings) -> int | None:
     if any(s.fn not in ("rms_scale", "ln_scale", "bias") for s in (*gate.steps, *up.steps)):
         raise Refusal("gate or up already has a nonlinear epilogue")
     merged, _ = concat_rows(rw, [gate, up])
-    return emit(rw, merged.then(step("glu", fn=rw.node(m["act"]).attr("fn"))),
+    return emit(rw, merged.then(step("glu", fn=rw.nodes[m["act"]].attr("fn"))),
                 like=[*gate.covers, m["act"], *up.covers, m["root"]], at=m["root"])
 
 
@@ -163,12 +159,12 @@ register_rule_pass("fuse-glu", "gated FFN: gate and up in one matmul whose epilo
 
 def _parallel_sum(rw: Rewriter, outer: int) -> tuple[int, int, Linear, Linear] | None:
     """(inner add, residual, A, F) for add(add(x, A), F), A and F linear layers."""
-    a, b = rw.node(outer).inputs
+    a, b = rw.nodes[outer].inputs
     for inner, f in ((a, b), (b, a)):
         f_lin = view(rw, f)
         if rw.op(inner) != Op.ADD or rw.users(inner) != [outer] or f_lin is None:
             continue
-        x, y = rw.node(inner).inputs
+        x, y = rw.nodes[inner].inputs
         for res, att in ((x, y), (y, x)):
             a_lin = view(rw, att)
             if a_lin is not None and rw.shape(res) == rw.shape(outer):
@@ -192,13 +188,12 @@ def _merge_out(rw: Rewriter, outer: int, inner: int, res: int, a: Linear, f: Lin
     steps: list[Step] = []
     if biases:
         exprs = [rw.param_expr(b) for b in biases]
-        bias = rw.add_param(merged_name([rw.node(b).name for b in biases]),
+        bias = rw.add_param(merged_name([rw.nodes[b].name for b in biases]),
                             exprs[0] if len(exprs) == 1 else E.call("add", *exprs),
-                            (rw.shape(a.weight)[0],), rw.node(a.weight).dtype, like=like, at=at)
+                            (rw.shape(a.weight)[0],), rw.nodes[a.weight].dtype, like=like, at=at)
         steps.append(step("bias", bias))
-    out = Linear(at, (a.x, f.x), weight, steps=(*steps, step("residual", res)),
-                 covers=tuple(like))
-    return emit(rw, out, like=like, at=outer)
+    return emit(rw, Linear(at, (a.x, f.x), weight, steps=(*steps, step("residual", res)),
+                           covers=tuple(like)), like=like, at=outer)
 
 
 def _ffn_input(rw: Rewriter, h: int) -> tuple[Linear, int | None] | None:
@@ -207,7 +202,7 @@ def _ffn_input(rw: Rewriter, h: int) -> tuple[Linear, int | None] | None:
     if rw.op(h) != Op.ACT:
         lin = view(rw, h)
         return (lin, None) if lin is not None else None
-    lin = view(rw, rw.node(h).inputs[0])
+    lin = view(rw, rw.nodes[h].inputs[0])
     return (lin, h) if lin is not None and rw.users(lin.root) == [h] else None
 
 

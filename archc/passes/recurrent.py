@@ -14,7 +14,7 @@ from archc.passes.rewrite import Refusal, Rewriter
 
 
 def _conv_bias(rw: Rewriter, m: Bindings) -> int:
-    conv = rw.node(m["conv"])
+    conv = rw.nodes[m["conv"]]
     if conv.attr("bias") or conv.attr("act") != "identity":
         raise Refusal(f"%{m['conv']} already adds a bias or applies {conv.attr('act')}: the "
                       "bias would come after it")
@@ -26,11 +26,11 @@ def _conv_bias(rw: Rewriter, m: Bindings) -> int:
 
 
 def _conv_act(rw: Rewriter, m: Bindings) -> int:
-    conv = rw.node(m["conv"])
+    conv = rw.nodes[m["conv"]]
     if conv.attr("act") != "identity":
         raise Refusal(f"%{m['conv']} already applies {conv.attr('act')}")
     return rw.emit(Op.CAUSAL_CONV, conv.inputs, like=[m["conv"], m["root"]],
-                   **conv.attrs.replace(act=rw.node(m["root"]).attr("fn")))
+                   **conv.attrs.replace(act=rw.nodes[m["root"]].attr("fn")))
 
 
 CONV = Pat({Op.CAUSAL_CONV}, "conv", one_use=True)
@@ -45,7 +45,7 @@ register_rule_pass("fuse-causal-conv", "Mamba: depthwise causal conv1d + bias + 
 
 def _ssm_scan(rw: Rewriter, m: Bindings) -> int:
     # (scan(x, Δ, A, B, C) + x·D) · silu(z)
-    scan, skip, gate = rw.node(m["scan"]), rw.node(m["skip"]), rw.node(m["gate"])
+    scan, skip, gate = rw.nodes[m["scan"]], rw.nodes[m["skip"]], rw.nodes[m["gate"]]
     x = scan.inputs[0]
     a, b = skip.inputs
     d = b if a == x else a if b == x else None
@@ -75,7 +75,7 @@ def _bc_norms(rw: Rewriter, scan: int, bm: int, cm: int
         return None
     parts = []
     for name, i in (("B", bm), ("C", cm)):
-        norm = rw.node(i)
+        norm = rw.nodes[i]
         if norm.op != Op.NORM or norm.attr("kind") != "rms" or norm.attr("unit_offset"):
             raise Refusal(f"{name} (%{i}) is not normalized as x·w/rms(x) with a gain w, "
                           "and the kernel normalizes both or neither")
@@ -88,7 +88,7 @@ def _bc_norms(rw: Rewriter, scan: int, bm: int, cm: int
                           + ", ".join(f"%{u} ({rw.op(u).value})" for u in others)
                           + "; the scan kernel never stores it")
         parts.append((x, gain))
-    eps_b, eps_c = rw.node(bm).attr("eps"), rw.node(cm).attr("eps")
+    eps_b, eps_c = rw.nodes[bm].attr("eps"), rw.nodes[cm].attr("eps")
     if eps_b != eps_c:
         raise Refusal(f"the B and C norms differ in ε ({eps_b} vs {eps_c})")
     return parts[0], parts[1], eps_b
@@ -109,12 +109,12 @@ register_rule_pass("fuse-ssm-scan", "Mamba: selective scan + D·x skip + silu(z)
 
 
 def _linear_attention(rw: Rewriter, m: Bindings) -> int:
-    q_act, k_act = rw.node(m["q"]), rw.node(m["k"])
+    q_act, k_act = rw.nodes[m["q"]], rw.nodes[m["k"]]
     feature = q_act.attr("fn")
     if feature not in FEATURE_MAPS or k_act.attr("fn") != feature:
         raise Refusal(f"φ(q) is {feature} and φ(k) {k_act.attr('fn')}: the kernel applies one "
                       f"feature map of {', '.join(FEATURE_MAPS)} to both")
-    root = rw.node(m["root"])
+    root = rw.nodes[m["root"]]
     return rw.emit(Op.LINEAR_ATTENTION, [q_act.inputs[0], k_act.inputs[0], root.inputs[2]],
                    like=[m["root"], m["q"], m["k"]], **root.attrs.replace(feature=feature))
 

@@ -1,7 +1,4 @@
-"""The pass reference, generated from the pass registry and the architecture steps.
-
-``docs/passes-reference.md`` is this text; a test keeps the two equal.
-"""
+"""The text of docs/passes-reference.md, from the pass registry and the architecture steps."""
 
 from __future__ import annotations
 

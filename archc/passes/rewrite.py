@@ -1,16 +1,16 @@
-"""Editing a graph inside a pass: add nodes, redirect uses, drop what the edit made dead.
+"""Editing a graph inside a pass: add nodes, redirect uses, drop what the edit made dead; and the
+two passes that only clean up, dce and cse.
 
 A ``Rewriter`` holds a graph's nodes by id while a pass edits them. New nodes get new ids and a
 position key just before an anchor node, so the printed graph keeps the order a reader expects;
-``finish`` sorts topologically (by key among the nodes that are ready), renumbers, and drops the
-nodes the edits made dead. Nodes that were already dead before the pass are left for ``dce``.
-A pass that changed nothing gets its own graph object back.
+``finish`` sorts, renumbers and drops the nodes the edits made dead (nodes already dead before
+the pass are left for ``dce``).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import networkx as nx
@@ -36,17 +36,17 @@ class Refusal(Exception):
         self.why, self.profitability = why, profitability
 
 
-def has_side_effect(n: Node) -> bool:
-    """Writes the KV cache: live even when nothing in the graph reads its value."""
-    return n.op == Op.KV_CACHE or (n.op == Op.FUSED_LINEAR and any(
+def is_root(n: Node) -> bool:
+    """An output, an input (the graph's interface) or a KV-cache write: live even when nothing in
+    the graph reads its value."""
+    return n.op in (Op.OUTPUT, Op.INPUT, Op.KV_CACHE) or (n.op == Op.FUSED_LINEAR and any(
         st.fn == "kv_write" for st in n.attr("epilogue", ())))
 
 
 def live_nodes(nodes: dict[int, Node], killed: Iterable[int] = ()) -> set[int]:
-    """Nodes reachable (through inputs) from outputs, inputs and side effects."""
+    """Nodes reachable (through inputs) from the roots."""
     dead = set(killed)
-    stack = [i for i, n in nodes.items() if i not in dead and (
-        n.op in (Op.OUTPUT, Op.INPUT) or has_side_effect(n))]
+    stack = [i for i, n in nodes.items() if i not in dead and is_root(n)]
     live: set[int] = set()
     while stack:
         i = stack.pop()
@@ -81,9 +81,6 @@ class Rewriter:
         self.changed = False
         self.param_names = {n.name for n in g.nodes if n.op == Op.PARAM}
 
-    def node(self, i: int) -> Node:
-        return self.nodes[i]
-
     def op(self, i: int) -> Op:
         return self.nodes[i].op
 
@@ -93,15 +90,10 @@ class Rewriter:
 
     def is_dead(self, i: int) -> bool:
         """Replaced or removed: nothing reads it and it is not a root."""
-        n = self.nodes[i]
-        return i in self.gone or (not self.users(i) and n.op not in (Op.OUTPUT, Op.INPUT)
-                                  and not has_side_effect(n))
+        return i in self.gone or (not self.users(i) and not is_root(self.nodes[i]))
 
     def shape(self, i: int) -> Shape:
         return self.nodes[i].shape
-
-    def width(self, i: int) -> int:
-        return int(self.nodes[i].shape[-1])
 
     def order(self) -> list[int]:
         """Live node ids in position order (a snapshot; safe to edit while iterating)."""
@@ -128,8 +120,8 @@ class Rewriter:
             self.ctx.refused(rule, self.describe(where), r.why, profitability=r.profitability)
             return None
 
-    def _new(self, op: Op, inputs: Sequence[int], attrs: Attrs, shape: Shape, dtype: str,
-             like: Sequence[int], at: int) -> int:
+    def add_node(self, op: Op, inputs: Sequence[int], attrs: Attrs, shape: Shape, dtype: str,
+                 like: Sequence[int], at: int) -> int:
         """A node placed just before `at`, with the origin of `like[0]` and the passes of all
         `like` nodes and this one."""
         passes = dict.fromkeys([p for j in like for p in self.nodes[j].passes]
@@ -153,18 +145,14 @@ class Rewriter:
         except ShapeError as err:
             raise IRError(f"pass {self.ctx.pass_name}: cannot build "
                           f"{format_call(op.value, inputs, a)}: {err}") from None
-        return self._new(op, inputs, a, shape, dtype, like, like[0] if at is None else at)
+        return self.add_node(op, inputs, a, shape, dtype, like, like[0] if at is None else at)
 
     def add_param(self, base: str, expr: Call, shape: Shape, dtype: str, *,
                   like: Sequence[int], at: int) -> int:
         """A new parameter computed at weight-load time from `expr`, named after `base`."""
-        return self._new(Op.PARAM, (), Attrs(name=unique_name(base, self.param_names), expr=expr),
-                         [sympy.Integer(int(d)) for d in shape], dtype, like, at)
-
-    def add_input(self, name: str, shape: Shape, dtype: str, *, like: Sequence[int],
-                  at: int) -> int:
-        """A new graph input, placed just before node `at`."""
-        return self._new(Op.INPUT, (), Attrs(name=name), shape, dtype, like, at)
+        name = unique_name(base, self.param_names)
+        return self.add_node(Op.PARAM, (), Attrs(name=name, expr=expr),
+                             [sympy.Integer(int(d)) for d in shape], dtype, like, at)
 
     def replace(self, old: int, new: int) -> None:
         """Every use of `old` reads `new` instead."""
@@ -229,3 +217,34 @@ def register_rewrite_pass(name: str, summary: str
             return rw.finish()
         return fn
     return register
+
+
+@register_rewrite_pass("dce", "drop nodes nothing reads (cache writes and inputs stay)")
+def dce(rw: Rewriter) -> None:
+    # 1. Mark live: the roots (outputs, inputs, cache writes) and what they read, transitively.
+    # 2. Drop the rest.
+    live = live_nodes(rw.nodes)
+    for i in rw.order():
+        if i not in live:
+            rw.kill(i)
+            rw.ctx.applied("dce", i, "read by nothing")
+
+
+@register_rewrite_pass("cse", "nodes computing the same value from the same inputs become one")
+def cse(rw: Rewriter) -> None:
+    # 1. Walk in order; each node's inputs already point at their representatives.
+    # 2. Key: op, inputs, attrs, shape, dtype — for a computed parameter its expression. Graph
+    #    inputs, outputs, checkpoint parameters (a name, not a value) and cache writes never
+    #    merge; a node whose key was seen is replaced by the first node with that key.
+    seen: dict[Hashable, int] = {}
+    for i in rw.order():
+        n = rw.nodes[i]
+        if is_root(n) or (n.op == Op.PARAM and n.attr("expr") is None):
+            continue
+        key = ("param", n.attr("expr"), n.shape, n.dtype) if n.op == Op.PARAM else \
+            (n.op, n.inputs, n.attrs, n.shape, n.dtype)
+        if key in seen:
+            rw.replace(i, seen[key])
+            rw.ctx.applied("cse", i, f"same as %{seen[key]}")
+        else:
+            seen[key] = i
