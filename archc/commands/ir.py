@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="show the spec field that made each node and the passes that rewrote it")
     add(p, "dtype")
     add(p, "passes", detail="run it before printing (default: none, or default with "
-        "--after, --diff or --print-after-all). Passes: " + ", ".join(PASSES))
+        "--after, --diff or --print-after-all). Passes: " + known(pipelines=False))
     show = p.add_mutually_exclusive_group()
     show.add_argument("--after", metavar="PASS", help="print the IR right after PASS")
     show.add_argument("--print-after-all", action="store_true", help="print the IR after every "

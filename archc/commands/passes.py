@@ -13,12 +13,13 @@ from archc.commands.vocabulary import add
 from archc.errors import ArchcError
 from archc.ir.lower import lower
 from archc.passes import DEFAULT_PIPELINE, PASSES, run_pipeline
+from archc.passes.manager import known
 from archc.passes.measure import dims, kernels_per_layer, op_delta, stats
 from archc.ui import console, nbytes, si, table
 
 
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
-    add(p, "passes", default="default", detail="Passes: " + ", ".join(PASSES))
+    add(p, "passes", default="default", detail="Passes: " + known(pipelines=False))
     add(p, "dtype")
 
 
