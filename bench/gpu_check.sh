@@ -223,7 +223,7 @@ finish() {
     return "$failed"
 }
 # Interrupted (INT, TERM): stop the running stage, note it, and still write the summary.
-# shellcheck disable=SC2317  # run by the trap below
+# shellcheck disable=SC2317,SC2329  # run by the trap below
 on_signal() {
     note "interrupted"
     if [[ -n "$CHILD" ]]; then
