@@ -202,6 +202,8 @@ def moe_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     acc = torch.zeros((rows.shape[0], k, n) if up else (rows.shape[0], n), device=x.device)
     for e in range(n_experts):
         tok, slot = torch.nonzero(pairs == e, as_tuple=True)
+        if not len(tok):      # unrouted: its weights are not even converted to f32
+            continue
         if up:
             acc[tok, slot] = F.linear(rows[tok].float(), w[e].float())
         else:
