@@ -172,5 +172,28 @@ def decode_splits(target: str, keys: int, programs: int, block_n: int) -> tuple[
     return _cdiv(keys, split), split
 
 
+def decode_split_count(target: str, programs: int, block_n: int, max_keys: int) -> int:
+    """Flash-decoding's split count: fixed for a launch plan, so the grid (`programs` =
+    batch × KV heads, × splits) replays under CUDA graphs at any past length. Each program finds
+    its keys on the device from the live length (``split_blocks``). On a GPU, enough splits for two
+    waves of SMs; under the interpreter four (short test sequences still exercise the merge).
+    Never more splits than the cache has key blocks."""
+    want = _cdiv(DECODE_TARGET_PROGRAMS, max(programs, 1)) if target == "gpu" else 4
+    return max(1, min(want, _cdiv(max(max_keys, 1), block_n)))
+
+
+def split_blocks(keys: int, splits: int, block_n: int, split: int) -> tuple[int, int]:
+    """Key blocks [first, end) of split `split` at live length `keys`: the cdiv(keys, block_n)
+    blocks dealt out evenly (⌊s·n / splits⌋), so every split has work while there are at least
+    as many blocks as splits. The decode kernel computes the same on the device."""
+    n = _cdiv(keys, block_n)
+    return split * n // splits, (split + 1) * n // splits
+
+
+def decode_work(keys: int, splits: int, block_n: int) -> int:
+    """Splits that have keys to read at live length `keys` (``split_blocks``)."""
+    return min(splits, _cdiv(keys, block_n))
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)

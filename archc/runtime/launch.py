@@ -138,6 +138,18 @@ class LaunchContext:
             self._scratch[key] = buf
         return buf[:numel]
 
+    def counters(self, name: str, numel: int) -> torch.Tensor:
+        """At least `numel` int32 counters, zeroed once and shared by every launch that asks for
+        `name`. A kernel whose programs count arrivals (the last program of a tile reduces the
+        others' partial results) sets each counter it used back to zero before it ends, so the
+        next launch — or the next replay of a CUDA graph — finds them zeroed."""
+        key = (f"counters:{name}", torch.int32)
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.zeros(max(numel, 1), dtype=torch.int32, device=self.device)
+            self._scratch[key] = buf
+        return buf[:numel]
+
     def decode_splits(self, keys: int, programs: int, block_n: int) -> tuple[int, int]:
         return blocks.decode_splits(self.target, keys, programs, block_n)
 
