@@ -3,6 +3,7 @@ torch ops it replaces, and whole-model prefill and decode beside PyTorch eager a
 against the roofline (needs a CUDA GPU).
 
     archc bench llama3-8b --layers 4 --prompt-len 2048 --new-tokens 64 -o results.json
+    archc bench llama3-8b --layers 4 --contexts 512 2048   # batch-1 decode at two contexts
     archc bench tiny-llama3 --dry-run        # the whole harness on the CPU, tiny shapes
     archc bench llama3-8b --host             # archc's host time per decode step, any machine"""
 
@@ -56,6 +57,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-modes", default=",".join(COMPILE_MODES), metavar="MODES",
                    help="torch.compile modes to measure, comma-separated, or none "
                         f"(default {','.join(COMPILE_MODES)})")
+    p.add_argument("--contexts", type=positive_int, nargs="+", default=(), metavar="N",
+                   help="also decode after a prefill of N tokens, for each N: every runner's "
+                        "tokens/s against the decode floor at that context, and the decode "
+                        "attention kernel alone at that past length beside a device-to-device "
+                        "copy of the same KV bytes")
     p.add_argument("--no-kernels", action="store_true",
                    help="skip the per-kernel section (whole-model numbers only)")
     p.add_argument("--autotune", action="store_true",
@@ -90,7 +96,8 @@ def config_of(args: argparse.Namespace) -> Any:
     spec = keep_layers(full, args.layers)
     prompt = args.prompt_len or base["prompt"]
     decode = base["decode"] if args.new_tokens is None else args.new_tokens
-    check_config(spec, prompt, decode)
+    contexts = tuple(args.contexts)
+    check_config(spec, prompt, decode, contexts)
     dtype = args.dtype or default_dtype(spec.dtype, device)
     if dry and dtype == "bf16":
         raise ArchcError("--dry-run runs Triton's interpreter, which computes bf16 wrongly: "
@@ -113,14 +120,14 @@ def config_of(args: argparse.Namespace) -> Any:
         copy_mib=4 if dry else 1024, matmul_size=128 if dry else 8192, dry_run=dry,
         autotune=args.autotune, seed=args.seed,
         layers_of_spec=full.layers if spec.layers != full.layers else None,
-        kernel_section=not args.no_kernels, cache_dir=args.cache_dir)
+        kernel_section=not args.no_kernels, cache_dir=args.cache_dir, contexts=contexts)
 
 
 def run_host(args: argparse.Namespace) -> int:
     from archc.perf.bench import keep_layers
     from archc.perf.host import check_host, format_host, measure_host
     # the flags that do not apply, as the parser leaves them when not given
-    defaults = {"dry_run": False, "prompt_len": None, "gpu": None,
+    defaults = {"dry_run": False, "prompt_len": None, "gpu": None, "contexts": (),
                 "compile_modes": ",".join(COMPILE_MODES), "no_kernels": False,
                 "autotune": False, "seed": 0, "json": False}
     extra = [f"--{k.replace('_', '-')}" for k, v in defaults.items() if getattr(args, k) != v]
@@ -207,10 +214,43 @@ def print_report(data: dict[str, Any]) -> None:
             lambda r: [f"{r['step_seconds'] * 1e3:.3f}", f"{r['tokens_per_second']:,.1f}",
                        si(r["bandwidth"], "B/s"), _pct(r["floor_fraction"]),
                        _pct(r.get("copy_fraction"))]))
+    for c in data["model"].get("contexts", []):
+        _print_context(c)
     if goals := data.get("goals"):
         console.print(table("goals (recorded, not enforced)",
                             ("goal", "measured", "target", "met", "note"),
                             [_goal_row(goal) for goal in goals], text=("goal", "met", "note")))
+
+
+def _print_context(c: dict[str, Any]) -> None:
+    """One context: every runner's decode against the floor at that length, and the decode
+    attention kernel beside a copy of its KV bytes."""
+    if c["runs"]:
+        console.print(_runs_table(
+            f"decode at context {c['context']} ({c['steps']} steps after a prefill of "
+            f"{c['context']} tokens): floor {_t(c['floor_seconds'])}/step = "
+            f"{c['floor_tokens_per_second']:,.0f} tokens/s ({si(c['bytes_per_step'], 'B')} "
+            "per step)", ("ms/token", "tokens/s", "bandwidth", "of floor"), c["runs"],
+            "step_seconds",
+            lambda r: [f"{r['step_seconds'] * 1e3:.3f}", f"{r['tokens_per_second']:,.1f}",
+                       si(r["bandwidth"], "B/s"), _pct(r["floor_fraction"])]))
+    if c["attention"]:
+        console.print(table(
+            f"decode attention at context {c['context']} beside a copy of the same KV bytes "
+            "(bandwidth: bytes moved per second; a copy reads and writes)",
+            ("kernel", "shape", "KV bytes", "archc", "bandwidth", "copy", "copy bandwidth",
+             "× copy", "sdpa ×"),
+            [(escape(r["kernel"]), r["shape"], _si(r.get("kv_bytes"), "B"),
+              "[red]failed[/]" if r.get("error") else _t(r["archc_seconds"]),
+              _si(r.get("achieved_bandwidth"), "B/s"), _t(r.get("copy_seconds")),
+              _si(r.get("copy_bandwidth"), "B/s"), _x(r.get("copy_fraction")),
+              _cell(r, "sdpa")[1]) for r in c["attention"]],
+            text=("kernel", "shape"), no_wrap=True))
+
+
+def _si(value: float | None, unit: str) -> str:
+    """`value` with an SI prefix, or a dash when it was not measured."""
+    return "—" if value is None else si(value, unit)
 
 
 def _runs_table(title: str, columns: tuple[str, ...], runs: list[dict[str, Any]],

@@ -1,8 +1,10 @@
 """A short text summary of `archc bench` JSON reports — what the GPU check prints at the end:
-``python -m archc.perf.summary results/*.json``. For each report: the model and shapes, the
-sections that did not finish (and why), every runner's prefill and decode with archc's speed-up
-over it, the kernels where archc is slowest against a PyTorch counterpart, and the goals. A
-missing or unreadable file is named, not fatal.
+``python -m archc.perf.summary results/*.json``. For each report: the model and shapes, then
+the headline — decode at each measured context (archc's tokens/s and fraction of the bandwidth
+bound, its speed-up over each torch.compile mode, decode attention against a copy of the same KV
+bytes) and the goals —, then the sections that did not finish (and why), every runner's prefill
+and decode with archc's speed-up over it, and the kernels where archc is slowest against a
+PyTorch counterpart. A missing or unreadable file is named, not fatal.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def summarize(data: dict[str, Any], *, worst: int = 4) -> list[str]:
     lines = [f"{data.get('spec')}{kept}, {data.get('dtype')}, batch {shapes.get('batch')}, "
              f"prompt {shapes.get('prompt')}, decode {shapes.get('decode')} — "
              f"{env.get('device_name')}{' (DRY RUN)' if data.get('dry_run') else ''}"]
+    lines += headline(data)
     unfinished = {k: v for k, v in data.get("status", {}).items() if v != "done"}
     if unfinished:
         lines.append("  NOT DONE: " + ", ".join(f"{k} ({v})" for k, v in unfinished.items()))
@@ -68,12 +71,31 @@ def summarize(data: dict[str, Any], *, worst: int = 4) -> list[str]:
         lines.append(f"  slow: {k['phase']} {k['kernel']} ({k['shape']}) "
                      f"{fmt_seconds(k['archc_seconds'])} vs {b['name']} "
                      f"{fmt_seconds(b['seconds'])}: {fmt_ratio(ratio)}")
+    return lines
+
+
+def headline(data: dict[str, Any]) -> list[str]:
+    """Decode at each context, then the goals: what the run was for."""
+    lines = []
+    for c in data.get("model", {}).get("contexts", []):
+        runs = {r["name"]: r for r in c.get("runs", [])}
+        archc = next((r for name, r in runs.items() if name.startswith("archc")), None)
+        if archc is None or archc.get("step_seconds") is None:
+            lines.append(f"  decode at context {c['context']}: no archc result")
+            continue
+        parts = [f"archc {archc['tokens_per_second']:,.1f} tokens/s, "
+                 f"{fmt_percent(archc['floor_fraction'])} of the bandwidth bound"]
+        parts += [f"{fmt_ratio(r.get('archc_speedup'))} {name}" for name, r in runs.items()
+                  if name.startswith("torch.compile")]
+        parts += [f"attention {fmt_ratio(a.get('copy_fraction'))} a copy of its KV bytes"
+                  for a in c.get("attention", [])]
+        lines.append(f"  decode at context {c['context']}: " + "; ".join(parts))
     for g in data.get("goals", []):
         if not g.get("applies"):
             continue
         met = "—" if g.get("met") is None else "met" if g["met"] else "NOT met"
         value = fmt_ratio(g["measured"]) if g["unit"] == "×" else fmt_percent(g["measured"])
-        lines.append(f"  goal {met}: {g['goal']} — {value}")
+        lines.append(f"  goal {met}: {g['goal']} — {value} ({g.get('note')})")
     return lines
 
 
