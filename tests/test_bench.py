@@ -37,6 +37,8 @@ from tests.conftest import TINY_SPECS
 
 # The dry run chooses Triton's interpreter, for the rest of the process: not beside GPU tests.
 # On a GPU, bench/gpu_check.sh runs `archc bench` itself.
+CONTEXTS = (12, 20)      # the dry run's --contexts: past lengths beyond its prompt of 8
+
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(),
                               reason="the dry run is the CPU stand-in for archc bench")
 
@@ -46,7 +48,8 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench")
     path = out / "tiny.json"
     rc = main(["bench", "tiny-llama3", "--dry-run", "--compile-modes", "default",
-               "-o", str(path), "--cache-dir", str(out / "kernels")])
+               "--contexts", *map(str, CONTEXTS), "-o", str(path),
+               "--cache-dir", str(out / "kernels")])
     assert rc == 0
     return json.loads(path.read_text())
 
@@ -59,7 +62,9 @@ def test_dry_run_completes_every_section(dry_run: dict) -> None:
     sections = set(dry_run["status"])
     for runner in ("torch eager", "archc", "torch.compile default"):
         assert {f"model:{runner}:prefill", f"model:{runner}:decode"} <= sections
+        assert {f"model:{runner}:decode@{c}" for c in CONTEXTS} <= sections
     assert {"setup", "ceilings", "kernels:prefill", "kernels:decode"} <= sections
+    assert {f"kernels:decode@{c}" for c in CONTEXTS} <= sections
 
 
 @cpu_only
@@ -129,6 +134,112 @@ def test_dry_run_whole_model_numbers(dry_run: dict) -> None:
 
 
 @cpu_only
+def test_dry_run_decodes_at_each_context(dry_run: dict) -> None:
+    """Each context: every runner decoded after a prefill of that many tokens, against the
+    floor at that length (the same weights, a KV cache as long as the context)."""
+    spec = archc.load("tiny-llama3").spec
+    main_decode = dry_run["model"]["decode"]
+    entries = dry_run["model"]["contexts"]
+    assert [e["context"] for e in entries] == list(CONTEXTS) == dry_run["shapes"]["contexts"]
+    m = dry_run["shapes"]["decode"]
+    heads, hd = spec.attention.kv_heads, spec.d_model // spec.attention.heads
+    for e in entries:
+        c = e["context"]
+        assert (e["past_first"], e["past_last"], e["steps"]) == (c, c + m - 1, m)
+        assert e["weight_bytes"] == main_decode["weight_bytes"]
+        # K and V of every layer over c + 1 … c + m keys, f32: the mean step's
+        keys = (c + 1 + c + m) / 2
+        assert e["kv_bytes_mean"] == pytest.approx(2 * spec.layers * heads * hd * keys * 4)
+        assert e["bytes_per_step"] == pytest.approx(e["weight_bytes"] + e["kv_bytes_mean"])
+        assert e["floor_seconds"] == pytest.approx(e["bytes_per_step"] /
+                                                   dry_run["gpu_model"]["bandwidth"])
+        assert [r["name"] for r in e["runs"]] == [r["name"] for r in main_decode["runs"]]
+        archc_run = next(r for r in e["runs"] if r["name"] == "archc")
+        for r in e["runs"]:
+            assert r["step_seconds"] > 0
+            assert r["tokens_per_second"] == pytest.approx(1 / r["step_seconds"])
+            assert r["floor_fraction"] == pytest.approx(e["floor_seconds"] / r["step_seconds"])
+            assert r["bandwidth"] == pytest.approx(e["bytes_per_step"] / r["step_seconds"])
+            assert r["archc_speedup"] == pytest.approx(r["step_seconds"] /
+                                                       archc_run["step_seconds"])
+    assert entries[1]["kv_bytes_mean"] > entries[0]["kv_bytes_mean"]
+
+
+@cpu_only
+def test_dry_run_times_decode_attention_at_each_context_beside_a_copy(dry_run: dict) -> None:
+    """The attention kernel runs at the context's past length: sdpa over the cache's first
+    P + 1 keys computes what it computed, and the copy moved the bytes of those keys."""
+    spec = archc.load("tiny-llama3").spec
+    unique = {r["kernel"] for r in dry_run["kernels"] if r["op"] == "attention"}
+    heads, hd = spec.attention.kv_heads, spec.d_model // spec.attention.heads
+    for e in dry_run["model"]["contexts"]:
+        c, rows = e["context"], e["attention"]
+        assert {r["kernel"] for r in rows} == unique and len(rows) == len(unique)
+        for r in rows:
+            assert r["phase"] == f"decode@{c}" and r["error"] is None
+            assert r["sizes"]["T"] == 1 and r["sizes"]["L"] == c + 1
+            assert r["kv_bytes"] == 2 * heads * (c + 1) * hd * 4
+            assert r["copy_bandwidth"] == pytest.approx(2 * r["kv_bytes"] / r["copy_seconds"])
+            assert r["copy_fraction"] == pytest.approx(r["achieved_bandwidth"] /
+                                                       r["copy_bandwidth"])
+            sdpa = next(b for b in r["baselines"] if b["name"] == "sdpa")
+            assert sdpa["agrees"], sdpa
+    # the kernels section's decode attention gets the same copy beside it
+    for r in dry_run["kernels"]:
+        if r["phase"] == "decode" and r["op"] == "attention":
+            assert r["copy_fraction"] == pytest.approx(r["achieved_bandwidth"] /
+                                                       r["copy_bandwidth"])
+
+
+@cpu_only
+def test_the_context_floor_is_of_the_layers_kept(tmp_path: Path) -> None:
+    """--layers 1: the floor counts one block's matrices, the head and one embedding row —
+    counted here from the spec's sizes. Without the kernel section no attention is timed."""
+    path = tmp_path / "one.json"
+    assert main(["bench", "tiny-llama3", "--dry-run", "--layers", "1", "--no-kernels",
+                 "--compile-modes", "none", "--contexts", "16", "-o", str(path),
+                 "--cache-dir", str(tmp_path / "kernels")]) == 0
+    data = json.loads(path.read_text())
+    spec = archc.load("tiny-llama3").spec
+    d, hd = spec.d_model, spec.d_model // spec.attention.heads
+    qkvo = d * hd * (2 * spec.attention.heads + 2 * spec.attention.kv_heads)
+    block = qkvo + 3 * d * spec.ffn.d_ff
+    (entry,) = data["model"]["contexts"]
+    assert data["layers"] == 1 and data["spec_layers"] == 2
+    assert entry["weight_bytes"] == 4 * (block + spec.vocab_size * d + d)
+    assert entry["attention"] == [] and "kernels:decode@16" not in data["status"]
+    assert [r["name"] for r in entry["runs"]] == ["torch eager", "archc"]
+    assert set(data["status"].values()) == {"done"}
+
+
+def test_torch_compile_decodes_a_new_context_without_recompiling() -> None:
+    """A context's prefill runs the eager program (no compiled prefill per length); the
+    compiled decode then continues from that cache without a recompile."""
+    from torch._dynamo.testing import CompileCounter
+    model = archc.load("tiny-llama3")
+    g = lower(model.spec, "f32").graph("decoder")
+    plain = TorchProgram(g, materialize(g, model.weights), batch=1, max_len=64,
+                         device=torch.device("cpu"), dtype=torch.float32)
+    ids = torch.randint(0, model.spec.vocab_size, (1, 20), generator=torch.Generator()
+                        .manual_seed(0))
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    compiled = torch.compile(plain.forward, backend=counter)
+    compiled(ids[:, :9], 0)
+    for past in range(9, 12):       # tokens of their own, as the argmax makes them
+        compiled(ids[:, past:past + 1].clone(), past)
+    assert counter.frame_count == 2     # the prefill, and the decode with P symbolic
+    plain.forward(ids[:, :16], 0)
+    reference = EagerSession(lower(model.spec, "f32"), model.weights, max_seq_len=64)
+    reference.step(ids[:, :16])
+    for past in range(16, 19):
+        token = ids[:, past - 15:past - 14].clone()
+        assert torch.allclose(compiled(token, past), reference.step(token), atol=1e-5, rtol=0)
+    assert counter.frame_count == 2
+    torch._dynamo.reset()
+
+
+@cpu_only
 def test_dry_run_records_goals_without_judging_them(dry_run: dict) -> None:
     goals = dry_run["goals"]
     assert len(goals) == 8  # prefill attention, fused matmuls ×2 per phase, decode ×3
@@ -167,6 +278,9 @@ def test_report_is_saved_after_each_section_and_names_a_failure(tmp_path: Path,
     (["bench", "tiny-llama3", "--dry-run", "--prompt-len", "60", "--new-tokens", "8"],
      "max_seq_len"),
     (["bench", "tiny-llama3", "--dry-run", "--compile-modes", "fast"], "unknown torch.compile"),
+    (["bench", "tiny-llama3", "--dry-run", "--contexts", "16", "61"], "--contexts 61"),
+    (["bench", "tiny-llama3", "--dry-run", "--contexts", "16", "16"], "given twice"),
+    (["bench", "tiny-llama3", "--dry-run", "--contexts", "0"], "--contexts"),
     (["bench", "tiny-llama3", "--dry-run", "--gpu", "v100"], "unknown GPU"),
 ])
 def test_bench_refuses_bad_input(argv: list[str], message: str,

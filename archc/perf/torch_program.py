@@ -100,8 +100,10 @@ class TorchProgram:
                            self.states, self.states)
         values = list(self.values)
         given = {"tokens": tokens,
-                 "positions": torch.arange(past, past + t, device=tokens.device),
-                 "prefix_len": torch.tensor(self.prefix_len, device=tokens.device)}
+                 "positions": torch.arange(past, past + t, device=tokens.device)}
+        if "prefix_len" in self.graph.inputs:   # read only where taken: under torch.compile a
+            # read is a guard, and a new prompt length would recompile a causal model's decode
+            given["prefix_len"] = torch.tensor(self.prefix_len, device=tokens.device)
         for name, i in self.graph.inputs.items():
             values[i] = given[name]
         for i, fn, args, attrs, frees in self.steps:
