@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check: the GPU-relevant tests on the GPU (f32, f16 and bf16), then `archc bench` for
-# tiny-llama3 and for llama3-8b (its first blocks), in at most 8 minutes, with no network.
+# tiny-llama3 and for llama3-8b (its first blocks), in at most 8 minutes, with no network. The
+# llama3-8b bench also measures batch-1 decode at contexts 512 and 2048 (`--contexts`): archc's
+# tokens/s against the bandwidth bound of the blocks kept and the head, against torch.compile in
+# the same run, and decode attention against a copy of the same KV bytes.
 #
 #   bench/gpu_check.sh              on a machine with a CUDA GPU, torch and triton
 #   bench/gpu_check.sh --dry-run    the same stages on a CPU: a small test selection and
@@ -9,7 +12,8 @@
 # Each stage runs under its own time limit, and a stage that fails or runs out of time does not
 # stop the next. Results go to bench/results/ (a temporary directory in a dry run), named
 # <UTC date>_<GPU>_<what>, and are copied to $OUT when it is set:
-#   *_summary.txt    what ran, what failed, the headline numbers   (read this first)
+#   *_summary.txt    what ran, what failed, the headline numbers (decode at each context and
+#                    the goals)                                      (read this first)
 #   *_tests.log      pytest output;  *_tests.xml  its JUnit report (when pytest finished)
 #   *_<spec>.json    the bench report (saved after every section, so a cut run keeps its part)
 #   *_<spec>.log     the bench tables and progress lines
@@ -51,7 +55,8 @@ if [[ "$DRY_RUN" == 1 ]]; then
     BENCH_FLAGS=(--dry-run)
     TINY_ARGS=(tiny-llama3 --prompt-len 8 --new-tokens 4)
     BIG_SPEC="tiny-mistral"
-    BIG_ARGS=(tiny-mistral --layers 1 --prompt-len 8 --new-tokens 4)
+    # contexts past the prompt, the second past tiny-mistral's window of 8
+    BIG_ARGS=(tiny-mistral --layers 1 --prompt-len 8 --new-tokens 4 --contexts 12 20)
     BUDGETS=(120 90 90)
 else
     # archc chooses Triton's interpreter only for a CPU device; a stray setting would stop it
@@ -74,7 +79,8 @@ tests/test_bench.py tests/test_roofline.py}"
     # max-autotune's minute of GEMM tuning is better spent on llama3-8b
     TINY_ARGS=(tiny-llama3 --dtype bf16 --prompt-len 32 --new-tokens 16 --compile-modes default)
     BIG_SPEC="llama3-8b"
-    BIG_ARGS=(llama3-8b --layers "$LAYERS" --prompt-len 2048 --new-tokens 64)
+    BIG_ARGS=(llama3-8b --layers "$LAYERS" --prompt-len 2048 --new-tokens 64
+              --contexts 512 2048)
     BUDGETS=(160 60 270)
 fi
 read -r -a EXTRA <<< "${ARCHC_BENCH_EXTRA:-}"

@@ -239,6 +239,78 @@ def test_torch_compile_decodes_a_new_context_without_recompiling() -> None:
     torch._dynamo.reset()
 
 
+def _fabricated(archc_ms: dict[int, float], compile_ms: dict[int, tuple[float, float]],
+                floor_fraction: dict[int, float], copy: dict[int, float]) -> dict:
+    """A report's data with made-up decode numbers at each context: archc's step time and
+    fraction of the floor, two torch.compile modes' step times, attention's copy fraction."""
+    def runs(c: int) -> list[dict]:
+        modes = zip(("default", "max-autotune-no-cudagraphs"), compile_ms[c])
+        return [{"name": "torch eager", "step_seconds": 9e-3},
+                {"name": "archc (CUDA graphs)", "step_seconds": archc_ms[c] * 1e-3,
+                 "floor_fraction": floor_fraction[c]},
+                *({"name": f"torch.compile {m}", "step_seconds": t * 1e-3} for m, t in modes)]
+    return {"kernels": [], "ceilings": None,
+            "model": {"prefill": {"runs": []},
+                      "decode": {"past_first": max(archc_ms), "runs": runs(max(archc_ms))},
+                      "contexts": [{"context": c, "runs": runs(c),
+                                    "attention": [{"copy_fraction": copy[c]}]}
+                                   for c in archc_ms]}}
+
+
+def _decode_goals(cfg: object, data: dict) -> dict[str, dict]:
+    """The three decode goals of `data` after a save (the speed-ups from the step times, then
+    the goals), by what they hold against: bound, torch.compile, copy."""
+    from archc.perf.bench import Report
+    Report(cfg, data).save()            # type: ignore[arg-type]
+    keys = {"bandwidth bound": "bound", "torch.compile": "compile", "a device-to-device copy":
+            "copy"}
+    return {key: g for g in data["goals"] for text, key in keys.items() if text in g["goal"]}
+
+
+def test_decode_goals_are_evaluated_on_the_worst_context() -> None:
+    """Fabricated numbers: each decode goal takes the worst context (and the slowest
+    torch.compile mode) and says whether it reaches its target; a dry run or a batch other
+    than 1 makes them not apply; without contexts the main decode run is judged."""
+    import dataclasses
+
+    from archc.cli import build_parser
+    from archc.commands.bench import config_of
+    cfg = dataclasses.replace(config_of(build_parser().parse_args(
+        ["bench", "llama3-8b", "--dry-run", "--dtype", "f16", "--layers", "4",
+         "--contexts", "512", "2048"])), dry_run=False)
+    goals = _decode_goals(cfg, _fabricated(
+        {512: 1.0, 2048: 2.0}, {512: (1.5, 1.3), 2048: (2.5, 2.38)},
+        {512: 0.85, 2048: 0.78}, {512: 0.95, 2048: 0.92}))
+    bound, compiled, copy = goals["bound"], goals["compile"], goals["copy"]
+    assert (bound["measured"], bound["target"], bound["met"]) == (0.78, 0.80, False)
+    assert "context 512: 85%" in bound["note"] and "context 2048: 78%" in bound["note"]
+    assert compiled["measured"] == pytest.approx(1.19)
+    assert (compiled["target"], compiled["met"]) == (1.2, False)
+    assert (copy["measured"], copy["target"], copy["met"]) == (0.92, 0.9, True)
+    assert all(g["applies"] for g in goals.values())
+
+    goals = _decode_goals(cfg, _fabricated(
+        {512: 1.0, 2048: 2.0}, {512: (1.5, 1.3), 2048: (2.5, 2.4)},
+        {512: 0.85, 2048: 0.80}, {512: 0.89, 2048: 0.92}))
+    assert {k: g["met"] for k, g in goals.items()} == {"bound": True, "compile": True,
+                                                        "copy": False}
+
+    # no contexts: the main decode run is judged; no attention was timed beside a copy
+    data = _fabricated({2048: 2.0}, {2048: (2.6, 2.5)}, {2048: 0.81}, {2048: 0.95})
+    data["model"]["contexts"] = []
+    goals = _decode_goals(cfg, data)
+    assert goals["bound"]["measured"] == 0.81 and goals["bound"]["met"]
+    assert goals["compile"]["measured"] == pytest.approx(1.25) and goals["compile"]["met"]
+    assert goals["copy"]["measured"] is None and goals["copy"]["met"] is None
+
+    for other in (dataclasses.replace(cfg, dry_run=True), dataclasses.replace(cfg, batch=2)):
+        goals = _decode_goals(other, _fabricated({512: 1.0}, {512: (1.5, 1.3)}, {512: 0.85},
+                                                 {512: 0.95}))
+        assert not goals["bound"]["applies"] and goals["bound"]["met"] is None
+        assert not goals["compile"]["applies"] and goals["compile"]["met"] is None
+        assert goals["copy"]["applies"] == (not other.dry_run)
+
+
 @cpu_only
 def test_dry_run_records_goals_without_judging_them(dry_run: dict) -> None:
     goals = dry_run["goals"]

@@ -33,6 +33,7 @@ case "$args" in
         exit 1 ;;
     *"bench tiny-llama3"*) echo $$ > "$FAKE_PIDFILE"; exec sleep 60 ;;
     *"bench tiny-mistral"*)
+        echo "$args" > "$FAKE_ARGS"
         json="${@: -1}"
         cp "$FAKE_REPORT" "$json"
         echo "bench tables"
@@ -61,6 +62,7 @@ def _stand_in(tmp_path: Path) -> dict[str, str]:
     fake.chmod(0o755)
     return {**os.environ, "PYTHON": str(fake), "REAL_PYTHON": sys.executable,
             "FAKE_PIDFILE": str(tmp_path / "pid"), "FAKE_REPORT": str(tmp_path / "report.json"),
+            "FAKE_ARGS": str(tmp_path / "args"),
             "OUT": str(tmp_path / "out"), "ARCHC_GPU_CHECK_RESULTS": str(tmp_path / "results")}
 
 
@@ -69,11 +71,26 @@ def test_stages_fail_time_out_and_still_report(tmp_path: Path) -> None:
               "dtype": "f32", "dry_run": True, "shapes": {"batch": 1, "prompt": 8, "decode": 4},
               "environment": {"device_name": "CPU"},
               "status": {"setup": "done", "model:archc:decode": "running"}, "errors": [],
-              "kernels": [], "goals": [],
+              "kernels": [],
+              "goals": [{"goal": "batch-1 decode ≥ 80% of the bandwidth bound", "unit": "of bound",
+                         "measured": 0.8125, "target": 0.8, "applies": True, "met": True,
+                         "note": "context 12: 81%"},
+                        {"goal": "prefill attention ≥ 1.2× sdpa", "unit": "×", "measured": 2.0,
+                         "target": 1.2, "applies": False, "met": None, "note": ""}],
               "model": {"prefill": {"runs": [{"name": "archc", "seconds": 0.002,
                                               "flops_per_second": 1e9, "peak_fraction": 0.1,
                                               "archc_speedup": 1.0}]},
-                        "decode": {"runs": []}}}
+                        "decode": {"runs": []},
+                        "contexts": [
+                            {"context": 12, "attention": [{"copy_fraction": 0.875}], "runs": [
+                                {"name": "archc", "step_seconds": 0.004,
+                                 "tokens_per_second": 250.0, "floor_fraction": 0.8125,
+                                 "archc_speedup": 1.0},
+                                {"name": "torch.compile default", "step_seconds": 0.005,
+                                 "tokens_per_second": 200.0, "floor_fraction": 0.65,
+                                 "archc_speedup": 1.25}]},
+                            {"context": 20, "attention": [], "runs": [
+                                {"name": "archc", "step_seconds": None}]}]}}
     (tmp_path / "report.json").write_text(json.dumps(report))
     results, out = tmp_path / "results", tmp_path / "out"
     env = {**_stand_in(tmp_path), "ARCHC_GPU_CHECK_BUDGET_TINY": "2"}
@@ -90,6 +107,16 @@ def test_stages_fail_time_out_and_still_report(tmp_path: Path) -> None:
     # the report is summarized, its unfinished section named
     assert "tiny-mistral, first 1 of 2 blocks" in text
     assert "NOT DONE: model:archc:decode (running)" in text
+    # the headline: decode at each context, then the goals that apply, before the details
+    headline = ["decode at context 12: archc 250.0 tokens/s, 81% of the bandwidth bound; 1.25× "
+                "torch.compile default; attention 0.88× a copy of its KV bytes",
+                "decode at context 20: no archc result",
+                "goal met: batch-1 decode ≥ 80% of the bandwidth bound — 81% (context 12: 81%)"]
+    at = [text.index(line) for line in headline]
+    assert at == sorted(at) and at[-1] < text.index("NOT DONE")
+    assert "prefill attention" not in text
+    # the dry run's bench measures decode at contexts too
+    assert "--contexts 12 20" in (tmp_path / "args").read_text()
     assert "environment:" in text and "python (stand-in)" in text
     # what comes back from a device run: at most 8 plain files, safe names, one run's prefix
     files = sorted(p.name for p in out.iterdir())
