@@ -313,9 +313,16 @@ def test_decode_goals_are_evaluated_on_the_worst_context() -> None:
 
 @cpu_only
 def test_dry_run_records_goals_without_judging_them(dry_run: dict) -> None:
+    from archc.perf.summary import summarize
     goals = dry_run["goals"]
     assert len(goals) == 8  # prefill attention, fused matmuls ×2 per phase, decode ×3
     assert all(not g["applies"] and g["met"] is None for g in goals)
+    # the summary's headline: decode at each context, and the goals left unjudged
+    lines = summarize(dry_run)
+    assert [line.split(":")[0].strip() for line in lines[1:4]] == [
+        *(f"decode at context {c}" for c in CONTEXTS), "goals"]
+    assert lines[3] == "  goals: not judged in a dry run"
+    assert not any(line.startswith("  goal ") for line in lines)
 
 
 @cpu_only

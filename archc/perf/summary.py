@@ -85,11 +85,13 @@ def headline(data: dict[str, Any]) -> list[str]:
             continue
         parts = [f"archc {archc['tokens_per_second']:,.1f} tokens/s, "
                  f"{fmt_percent(archc['floor_fraction'])} of the bandwidth bound"]
-        parts += [f"{fmt_ratio(r.get('archc_speedup'))} {name}" for name, r in runs.items()
-                  if name.startswith("torch.compile")]
+        parts += [f"archc speed-up {fmt_ratio(r.get('archc_speedup'))} over {name}"
+                  for name, r in runs.items() if name.startswith("torch.compile")]
         parts += [f"attention {fmt_ratio(a.get('copy_fraction'))} a copy of its KV bytes"
                   for a in c.get("attention", [])]
         lines.append(f"  decode at context {c['context']}: " + "; ".join(parts))
+    if data.get("dry_run") and data.get("goals"):
+        lines.append("  goals: not judged in a dry run")
     for g in data.get("goals", []):
         if not g.get("applies"):
             continue
