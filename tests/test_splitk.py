@@ -302,3 +302,36 @@ def test_model_decodes_token_by_token(kernel_dir: Path, monkeypatch: pytest.Monk
         assert err <= MODEL_TOL * want.float().abs().max(), f"max error {err:.3g}"
         x = want.argmax(-1)[:, None]
     spy.check_ran()
+
+
+# ---- compiled for Hopper -------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_decode_kernels_compile_for_sm90a_without_spills(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama3-8b's matmuls at their batch-1 decode configuration (split-K for QKV, o-proj and
+    down-proj; one split for gate/up and the lm head) compile for sm_90a without spills: the
+    interpreter cannot see what the compiled split path does (the early return of all but the
+    last split, the atomic, the L2 loads)."""
+    from archc.codegen import aot
+    from archc.codegen.build import CodegenOptions
+    from archc.codegen.render import generate, write_module
+    from archc.ir.lower import lower
+    from archc.passes import optimize
+    from archc.spec import load_spec
+
+    spec = load_spec("llama3-8b")
+    gen = generate(optimize(lower(spec, "bf16")),
+                   CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
+    path = write_module(gen, tmp_path / spec.name)
+    decode = {name: blocks.launch_config("matmul", "gpu", M=1, **entry["sizes"])
+              for name, entry in aot.kernel_table(path).items() if entry["family"] == "matmul"}
+    assert sorted(cfg["SPLIT_K"] for cfg in decode.values()) == [1, 1, 2, 3, 3]
+    monkeypatch.setattr(aot, "aot_config", lambda family, sizes: blocks.launch_config(
+        family, "gpu", M=1, **sizes))
+    results = aot.compile_module(path, "sm_90a", jobs=1, kernels=sorted(decode))
+    failed = [f"{r.kernel}: {r.error}" for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
+    assert all(r.registers > 0 for r in results)
+    spilled = [f"{r.kernel} ({r.spill_bytes} bytes)" for r in results if r.spill_bytes]
+    assert not spilled, f"kernels spill registers: {', '.join(spilled)}"
