@@ -22,6 +22,9 @@ TARGETS = ("gpu", "interpret")
 DECODE_MAX_ROWS = 128
 # Programs the decode-attention grid aims for on a GPU: two waves of an H100/H200's 132 SMs.
 DECODE_TARGET_PROGRAMS = 264
+# Decode GEMVs split their K loop (split-K) into parts of at least this many BLOCK_K steps:
+# shorter parts would spend more on writing and re-reading partial sums than on streaming weights.
+DECODE_MIN_SPLIT_STEPS = 4
 
 
 def next_pow2(n: int) -> int:
@@ -46,8 +49,9 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
                        BLOCK_N=_clamp_pow2(sizes["N"], 32 if paired else 16, 1024),
                        BLOCK_K=_clamp_pow2(sizes["K"], 16, 512))
         elif m <= 16:
-            # decode streams the weight once: narrow column tiles and long K steps give
-            # ≥ 1 wave of programs on 132 SMs for N ≥ 4096, each with 4 loads in flight
+            # decode streams the weight once: narrow column tiles and long K steps, each
+            # program with 4 loads in flight; split-K (below) adds programs where the tiles
+            # alone are fewer than two per SM
             cfg = _cfg(4, 4, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256)
         elif m <= 64:
             cfg = _cfg(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64)
@@ -61,6 +65,11 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         # epilogues that reduce over a head (QK-norm) need whole heads in a tile
         cfg["BLOCK_N"] = max(cfg["BLOCK_N"], sizes.get("align", 16))
         cfg["GROUP_M"] = 8
+        cfg["SPLIT_K"] = 1
+        if gpu and m <= 16 and sizes.get("operands", 1) == 1:
+            tile_n = cfg["BLOCK_N"] // 2 if paired else cfg["BLOCK_N"]
+            tiles = _cdiv(m, cfg["BLOCK_M"]) * _cdiv(sizes.get("cols", sizes["N"]), tile_n)
+            cfg["SPLIT_K"] = split_k_count(tiles, sizes["K"], cfg["BLOCK_K"])
         return cfg
     if family == "attention":
         if not gpu:
@@ -127,6 +136,27 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
     raise ValueError(f"no launch configuration for kernel family {family!r}")
 
 
+def split_k_count(tiles: int, k: int, block_k: int) -> int:
+    """Splits of the K loop for a decode GEMV of `tiles` output tiles: the fewest that make
+    tiles × splits ≥ DECODE_TARGET_PROGRAMS (two programs per SM), each split at least
+    DECODE_MIN_SPLIT_STEPS steps of `block_k` columns. A split spans cdiv(steps, splits) steps,
+    so the count is trimmed to the splits that then have work (none is empty)."""
+    if tiles >= DECODE_TARGET_PROGRAMS:
+        return 1
+    steps = _cdiv(k, block_k)
+    splits = min(_cdiv(DECODE_TARGET_PROGRAMS, max(tiles, 1)),
+                 max(1, steps // DECODE_MIN_SPLIT_STEPS))
+    return _cdiv(steps, _cdiv(steps, splits))
+
+
+def split_k_range(k: int, block_k: int, splits: int, split: int) -> tuple[int, int]:
+    """K columns [lo, hi) that split `split` of `splits` sums: the same number of whole
+    `block_k` steps for each split, so the last is short, or empty when the steps run out first.
+    The matmul kernel computes the same on the device."""
+    span = _cdiv(_cdiv(k, block_k), splits) * block_k
+    return min(split * span, k), min((split + 1) * span, k)
+
+
 def aot_config(family: str, sizes: dict[str, int]) -> dict[str, Any]:
     """The launch configuration an ahead-of-time compile assumes: a full-size prefill, decode
     with 4 heads per KV head, and 64 key splits to merge (a block size the combine's launcher
@@ -146,7 +176,8 @@ def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
         tiles = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 8, 3),
                  (128, 64, 64, 4, 4), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
                  (32, 128, 64, 4, 4)]
-        return [_cfg(w, s, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8)
+        # one split: the scratch a split-K launch needs is sized before the autotuner chooses
+        return [_cfg(w, s, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, SPLIT_K=1)
                 for m, n, k, w, s in tiles if n % sizes.get("align", 16) == 0]
     if family == "attention":
         if sizes.get("D", 128) > 128:

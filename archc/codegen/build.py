@@ -604,10 +604,14 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
                M=pexpr(numel(c.node.shape[:-1])), align=align, has_head_norm=int(
                    bool(head_norms)), head_group=head_group, layer_norm=layer_norm,
                **_k_loop(c, w, n_rows, k_total, ("cols",) if pair is None else ("cols1", "cols2")))
-    sizes = dict(N=n_rows, K=k_total, paired=int(pair is not None), align=align,
-                 head_norm=int(bool(head_norms)), layer_norm=layer_norm)
+    # cols: output columns, or pairs of a paired epilogue (what a tile's TILE_N lanes cover);
+    # operands: K loops over more than one concatenated input do not split (split-K)
+    sizes = dict(N=n_rows, K=k_total, cols=n_rows if pair is None else pair["NP"],
+                 paired=int(pair is not None), align=align, head_norm=int(bool(head_norms)),
+                 layer_norm=layer_norm, operands=len(operands))
     ints = dict(M="i32", T="i32", **({"S": "i32"} if c.reads_encoder_len else {}))
-    return ctx, [JitKernel("_kernel", "matmul", sizes, c.types(**ints))]
+    return ctx, [JitKernel("_kernel", "matmul", sizes,
+                           c.types(part_ptr="*fp32", count_ptr="*i32", **ints))]
 
 
 CONTEXTS: dict[str, Callable[[NodeCtx], tuple[dict[str, Any], list[JitKernel]]]] = {
