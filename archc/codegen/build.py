@@ -345,21 +345,21 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     gated = bool(steps) and steps[0].fn == "glu"   # pairs gate and up rows: first, if at all
     width = nw // 2 if gated else nw
     ctx = dict(kind="experts", stage=a["stage"], E=e, NW=nw, top_k=a["top_k"], gated=gated,
+               BLOCK_E=max(16, next_pow2(e)),
                M=pexpr(numel(n.shape[:-2] if up else n.shape[:-1])),
                glu_fn=steps[0].kw("fn") if gated else "",
                steps=[elementwise_step(c, st, idx, width) for idx, st in enumerate(steps)
                       if not (gated and idx == 0)],
-               epilogue_params_="".join(f"{a.param}, " for a in c.args[3:]),
                gates_row_off=row_offset(gates, "token"),
                x=dict(row_off=row_offset(x, "token" if up else "pair")),
                **_k_loop(c, w, width, k, ("cols", f"cols + {width}") if gated else ("cols",)))
-    own = c.args if up else c.args[:3]
-    kernels = [JitKernel("_kernel", "moe", dict(N=nw, K=k),
-                         c.types(own, pairs_ptr="*i32", block_expert_ptr="*i32", T="i32"))]
-    if not up:
-        kernels[0].types["out_ptr"] = "*fp32"
-        kernels.append(JitKernel("_sum", "moe_sum", dict(C=width),
-                                 c.types(c.args[3:], part_ptr="*fp32", M="i32")))
+    table = dict(pairs_ptr="*i32", block_expert_ptr="*i32")
+    own = dict(table, part_ptr="*fp32", arrived_ptr="*i32") if not up else table
+    kernels = [JitKernel("_kernel", "moe", dict(N=nw, K=k, E=e, top_k=a["top_k"], gated=int(gated)),
+                         c.types(**own, T="i32")),
+               JitKernel("_routing", "moe_routing", dict(E=e),
+                         {"gates_ptr": c.arg("gates").type, "table_ptr": "*i32",
+                          "block_expert_ptr": "*i32", "M": "i32", "T": "i32"})]
     return ctx, kernels
 
 
