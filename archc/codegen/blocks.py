@@ -102,13 +102,16 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
                         BLOCK_K=_clamp_pow2(sizes["K"], 16, 512))
         if sizes["M"] <= 32:
             block_n = _moe_decode_block_n(sizes)
-            return _cfg(4, 4, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256 if block_n < 64 else 128)
-        return _cfg(4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64)
+            return _cfg(4, 4, BLOCK_M=moe_block_m(target, sizes["M"]), BLOCK_N=block_n,
+                        BLOCK_K=256 if block_n < 64 else 128)
+        return _cfg(4, 3, BLOCK_M=moe_block_m(target, sizes["M"]), BLOCK_N=128, BLOCK_K=64)
     if family == "moe_routing":
-        # one program; [rows, experts] tiles of about `elements` values (E up to 256: 16 rows)
+        # one program; [rows, experts] tiles of about `elements` values (E = 256: 8 rows), no
+        # more rows than tokens; BLOCK_M: the expert matmuls' rows, the table's block
         block_e = max(16, next_pow2(sizes["E"]))
-        elements = 4096 if gpu else 16384
-        return _cfg(4, 1, BLOCK_R=_clamp_pow2(sizes["M"], 16, max(16, elements // block_e)))
+        elements = 2048 if gpu else 16384
+        return _cfg(4, 1, BLOCK_M=moe_block_m(target, sizes["M"]),
+                    BLOCK_R=_clamp_pow2(sizes["M"], 1, max(1, elements // block_e)))
     # The recurrent kernels run one program per (sequence, channel block) or (sequence, KV head),
     # each looping over the new tokens in order: the grid is fixed by the model, not by T.
     if family == "causal_conv":
@@ -131,6 +134,12 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         big = sizes["D"] * sizes["DV"] > 64 * 64
         return _cfg(8 if big else 4, BLOCK_T=16 if sizes["T"] <= 16 or big else 32)
     raise ValueError(f"no launch configuration for kernel family {family!r}")
+
+
+def moe_block_m(target: str, tokens: int) -> int:
+    """(token, slot) pairs per program of an expert matmul: the block each expert's run of the
+    routing table is padded to."""
+    return 16 if target != "gpu" or tokens <= 32 else 64
 
 
 def _moe_decode_block_n(sizes: dict[str, int]) -> int:
