@@ -28,6 +28,7 @@ from archc.ir.graph import Program
 from archc.ir.ops import Op
 from archc.ir.ops.core import selected_experts
 from archc.ir.shapes import B, T, shape
+from archc.runtime.eager import EagerContext, KVCache, run_graph
 from archc.runtime.launch import LaunchPlan
 from archc.runtime.triton_backend import TritonOptions, TritonSession
 from tests.test_triton_kernels import build
@@ -73,39 +74,100 @@ def tied_gates(tokens: int, n_experts: int, idle: int, seed: int) -> torch.Tenso
     return g
 
 
-def moe_session(n_experts: int, top_k: int, d: int = 8, f: int = 16,
+def moe_session(n_experts: int, top_k: int, *, router: bool, d: int = 8, f: int = 16,
                 kernel_dir: Path | None = None) -> tuple[TritonSession, Any]:
-    """A session over x → up (SiLU) → down (+ x): the gates an input, so tests choose them."""
+    """A session over x → up (SiLU) → down (+ x). The gates are an input (tests choose them:
+    the routing kernel routes), or with `router` come from x through a router (its last
+    program routes)."""
     def fn(b: Any, i: dict[str, int]) -> int:
-        h = b.emit(Op.MOE_LINEAR, i["x"], i["gates"], i["up"], stage="up", top_k=top_k,
+        gates = (b.emit(Op.ROUTER, i["x"], i["wr"], top_k=top_k, normalize=True) if router
+                 else i["gates"])
+        h = b.emit(Op.MOE_LINEAR, i["x"], gates, i["up"], stage="up", top_k=top_k,
                    epilogue=(Call("act", (), (("fn", "silu"),)),))
-        return b.emit(Op.MOE_LINEAR, h, i["gates"], i["down"], i["x"], stage="down",
+        return b.emit(Op.MOE_LINEAR, h, gates, i["down"], i["x"], stage="down",
                       top_k=top_k, epilogue=(Call("residual"),))
 
-    g = build({"x": (shape(B, T, d), "f32"), "gates": (shape(B, T, n_experts), "f32"),
-               "up": (shape(n_experts, f, d), "f32"),
+    gates = {"wr": (shape(n_experts, d), "f32")} if router else \
+        {"gates": (shape(B, T, n_experts), "f32")}
+    g = build({"x": (shape(B, T, d), "f32"), **gates, "up": (shape(n_experts, f, d), "f32"),
                "down": (shape(n_experts, d, f), "f32")}, fn)
     s = TritonSession(Program(g.name, (g,)), {}, max_seq_len=8, device=DEVICE,
                       options=TritonOptions(passes=None, cache_dir=kernel_dir))
     return s, g
 
 
-def routing_launches(plan: LaunchPlan) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
-    """The arguments of the plan's routing launches (the only ones with a BLOCK_R and a
-    BLOCK_M)."""
-    return [(args, kw) for _, args, kw in plan.launches if {"BLOCK_R", "BLOCK_M"} <= kw.keys()]
+Routing = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]   # gates, table, blocks, BLOCK_P
+
+
+def routings(plan: LaunchPlan) -> list[Routing]:
+    """What each launch of the plan that routes (a routing kernel, or a router whose last
+    program routes: the launches with a BLOCK_P) reads and writes: the gates (its first
+    argument), the table and block experts (its first i32 arguments), and the table's block."""
+    found = []
+    for _, args, kw in plan.launches:
+        if "BLOCK_P" in kw:
+            table, block_expert = [a for a in args if isinstance(a, torch.Tensor)
+                                   and a.dtype == torch.int32][:2]
+            found.append((args[0], table, block_expert, kw["BLOCK_P"]))
+    return found
 
 
 def counters(plan: LaunchPlan, past: torch.Tensor) -> list[torch.Tensor]:
     """The i32 tensors the plan's launches take besides the routing's tables and P: the arrival
     counters."""
-    known = {id(past)} | {id(a) for args, _ in routing_launches(plan) for a in args[1:3]}
+    known = {id(past)} | {id(t) for _, *tables, _ in routings(plan) for t in tables}
     return [a for _, args, _ in plan.launches for a in args
             if isinstance(a, torch.Tensor) and a.dtype == torch.int32 and id(a) not in known]
 
 
 def rand(*dims: int, seed: int) -> torch.Tensor:
     return torch.randn(*dims, generator=torch.Generator().manual_seed(seed))
+
+
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Routing loops over chunks of 16 tokens (table slots, blocks), and routers over programs
+    of 16 tokens: a few dozen tokens span several of each."""
+    config = blocks.launch_config
+
+    def small(family: str, target: str, **sizes: int) -> dict[str, Any]:
+        cfg = config(family, target, **sizes)
+        if "BLOCK_R" in cfg and family in ("moe_routing", "router"):
+            cfg["BLOCK_R"] = 16
+        if family == "router":
+            cfg["BLOCK_M"] = 16
+        return cfg
+
+    monkeypatch.setattr(blocks, "launch_config", small)
+
+
+def run_moe(n_experts: int, top_k: int, tokens: int, gates: torch.Tensor | None,
+            kernel_dir: Path) -> None:
+    """Route and run x → up → down on the kernels; the table equals the torch version from the
+    gates the kernels read, the output eager's, and the counters are back to zero."""
+    s, g = moe_session(n_experts, top_k, router=gates is None, kernel_dir=kernel_dir)
+    runner = s.runners[g.name]
+    s.cache.ensure(1)
+    s.states.ensure(1)
+    plan = runner.plan(s.ctx, B=1, T=tokens, P=0, S=0, kv_len_max=tokens)
+    d, f = 8, 16
+    inputs = {"x": rand(1, tokens, d, seed=1), "up": rand(n_experts, f, d, seed=2) / d ** 0.5,
+              "down": rand(n_experts, d, f, seed=3) / f ** 0.5,
+              **({"wr": rand(n_experts, d, seed=4)} if gates is None else {"gates": gates})}
+    runner.feed(plan, inputs)
+    runner.execute(plan, s.ctx, 0)
+    [(read, table, block_expert, block_p)] = routings(plan)   # one routing for both stages
+    want_table, want_blocks = reference_routing(read.cpu(), top_k, block_p, block_expert.numel())
+    assert torch.equal(table.cpu(), want_table)
+    assert torch.equal(block_expert.cpu(), want_blocks)
+
+    # the down projection's sum of pairs agrees with eager, and leaves its counters at zero
+    want = run_graph(g, {}, inputs, EagerContext({"B": 1, "T": tokens, "P": 0}, KVCache(8)))["y"]
+    first = plan.outputs["y"].cpu().clone()
+    assert (first - want).abs().max() <= TOL * want.abs().max()
+    arrived = counters(plan, s.ctx.past)
+    assert arrived and all(int(c.abs().sum()) == 0 for c in arrived)
+    runner.execute(plan, s.ctx, 0)               # the same plan again: the counters were reset
+    assert torch.equal(plan.outputs["y"].cpu(), first)
 
 
 @pytest.mark.parametrize("n_experts,top_k,tokens,idle", [
@@ -116,44 +178,20 @@ def rand(*dims: int, seed: int) -> torch.Tensor:
 ])
 def test_routing_kernel_equals_torch(n_experts: int, top_k: int, tokens: int, idle: int,
                                      kernel_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    config = blocks.launch_config
-
-    def small_chunks(family: str, target: str, **sizes: int) -> dict[str, Any]:
-        cfg = config(family, target, **sizes)
-        if family == "moe_routing":
-            cfg["BLOCK_R"] = 16     # tokens span several chunks of the kernel's loops
-        return cfg
-
-    monkeypatch.setattr(blocks, "launch_config", small_chunks)
-    s, g = moe_session(n_experts, top_k, kernel_dir=kernel_dir)
-    runner = s.runners[g.name]
-    s.cache.ensure(1)
-    s.states.ensure(1)
-    plan = runner.plan(s.ctx, B=1, T=tokens, P=0, S=0, kv_len_max=tokens)
-    d, f = 8, 16
+    small_blocks(monkeypatch)
     gates = tied_gates(tokens, n_experts, idle, seed=n_experts)
-    inputs = {"x": rand(1, tokens, d, seed=1), "gates": gates,
-              "up": rand(n_experts, f, d, seed=2) / d ** 0.5,
-              "down": rand(n_experts, d, f, seed=3) / f ** 0.5}
-    runner.feed(plan, inputs)
-    runner.execute(plan, s.ctx, 0)
-    [(args, kw)] = routing_launches(plan)
-    table, block_expert = args[1], args[2]
-    want_table, want_blocks = reference_routing(gates, top_k, kw["BLOCK_M"], block_expert.numel())
-    assert torch.equal(table.cpu(), want_table)
-    assert torch.equal(block_expert.cpu(), want_blocks)
-    used = set(want_blocks.tolist()) - {-1}
+    used = set(reference_routing(gates, top_k, 16, 64)[1].tolist()) - {-1}
     assert len(used) > 1 and max(used) < n_experts - idle   # the idle experts have no block
+    run_moe(n_experts, top_k, tokens, gates, kernel_dir)
 
-    # the down projection's sum of pairs agrees with eager, and leaves its counters at zero
-    from archc.runtime.eager import EagerContext, KVCache, run_graph
-    want = run_graph(g, {}, inputs, EagerContext({"B": 1, "T": tokens, "P": 0}, KVCache(8)))["y"]
-    first = plan.outputs["y"].cpu().clone()
-    assert (first - want).abs().max() <= TOL * want.abs().max()
-    arrived = counters(plan, s.ctx.past)
-    assert arrived and all(int(c.abs().sum()) == 0 for c in arrived)
-    runner.execute(plan, s.ctx, 0)               # the same plan again: the counters were reset
-    assert torch.equal(plan.outputs["y"].cpu(), first)
+
+@pytest.mark.parametrize("n_experts,top_k,tokens", [(6, 2, 45), (4, 1, 5)])
+def test_router_last_program_routes(n_experts: int, top_k: int, tokens: int, kernel_dir: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router's last program routes from the gates all programs stored (three programs of
+    16 tokens, or one): the expert matmuls launch no routing of their own."""
+    small_blocks(monkeypatch)
+    run_moe(n_experts, top_k, tokens, None, kernel_dir)
 
 
 @pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-jamba"])
@@ -174,6 +212,6 @@ def test_moe_models_prefill_and_decode_match_eager(name: str, kernel_dir: Path) 
             x = want.argmax(-1)[:, None]
     plan = triton.session.runners["decoder"].last
     moe_layers = sum(kind == "moe" for kind in model.spec.layer_ffns())
-    assert len(routing_launches(plan)) == moe_layers >= 1    # one routing per MoE layer
+    assert len(routings(plan)) == moe_layers >= 1    # one routing per MoE layer: the router's
     arrived = counters(plan, triton.session.ctx.past)
     assert arrived and all(int(c.abs().sum()) == 0 for c in arrived)

@@ -81,8 +81,11 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         # merges many rows per program
         return _cfg(BLOCK_ROWS=1 if gpu else _clamp_pow2(sizes["R"], 1, 64))
     if family == "router":
-        return _cfg(4, 3 if gpu else 1, BLOCK_M=16 if gpu or sizes["M"] <= 16 else 64,
-                    BLOCK_K=_clamp_pow2(sizes["K"], 16, 128 if gpu else 512))
+        cfg = _cfg(4, 3 if gpu else 1, BLOCK_M=16 if gpu or sizes["M"] <= 16 else 64,
+                   BLOCK_K=_clamp_pow2(sizes["K"], 16, 128 if gpu else 512))
+        if sizes.get("route"):  # its last program routes the pairs (see "moe_routing")
+            cfg.update(_routing_blocks(target, sizes["M"], sizes["N"]))
+        return cfg
     if family == "norm":
         block_n = next_pow2(sizes["N"])
         if not gpu:
@@ -106,12 +109,7 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
                         BLOCK_K=256 if block_n < 64 else 128)
         return _cfg(4, 3, BLOCK_M=moe_block_m(target, sizes["M"]), BLOCK_N=128, BLOCK_K=64)
     if family == "moe_routing":
-        # one program; [rows, experts] tiles of about `elements` values (E = 256: 8 rows), no
-        # more rows than tokens; BLOCK_M: the expert matmuls' rows, the table's block
-        block_e = max(16, next_pow2(sizes["E"]))
-        elements = 2048 if gpu else 16384
-        return _cfg(4, 1, BLOCK_M=moe_block_m(target, sizes["M"]),
-                    BLOCK_R=_clamp_pow2(sizes["M"], 1, max(1, elements // block_e)))
+        return _cfg(4, 1, **_routing_blocks(target, sizes["M"], sizes["E"]))
     # The recurrent kernels run one program per (sequence, channel block) or (sequence, KV head),
     # each looping over the new tokens in order: the grid is fixed by the model, not by T.
     if family == "causal_conv":
@@ -140,6 +138,16 @@ def moe_block_m(target: str, tokens: int) -> int:
     """(token, slot) pairs per program of an expert matmul: the block each expert's run of the
     routing table is padded to."""
     return 16 if target != "gpu" or tokens <= 32 else 64
+
+
+def _routing_blocks(target: str, tokens: int, experts: int) -> dict[str, int]:
+    """The routing of MoE pairs, by one program: BLOCK_P, the expert matmuls' rows (the table's
+    block), and BLOCK_R rows of [rows, experts] tiles of about `elements` values (E = 256: 8
+    rows on a GPU), no more rows than tokens."""
+    block_e = max(16, next_pow2(experts))
+    elements = 2048 if target == "gpu" else 16384
+    return dict(BLOCK_P=moe_block_m(target, tokens),
+                BLOCK_R=_clamp_pow2(tokens, 1, max(1, elements // block_e)))
 
 
 def _moe_decode_block_n(sizes: dict[str, int]) -> int:

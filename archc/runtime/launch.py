@@ -159,8 +159,9 @@ class LaunchContext:
         of pairs sorted by expert, each expert's run padded to `block_m` with −1, and the expert
         of each block (−1 past the end) — the upper bound cdiv(tokens·k, block_m) + experts
         blocks, so nothing waits on the host — and whether a launch already fills them. Once per
-        gates tensor: an MoE layer's up and down projections share it, and the first launches
-        the routing kernel."""
+        gates tensor: the first launcher to ask routes (the router whose last program routes,
+        or an expert matmul's routing kernel); the others — an MoE layer's up and down
+        projections — read the same table."""
         key = (id(gates), top_k, block_m)
         if key in self._routing:
             return (*self._routing[key][1:], True)
