@@ -3,7 +3,8 @@
 - Routing: the table of (token, slot) pairs sorted by expert and padded per expert to BLOCK_M, and
   each block's expert, equal those of a plain torch version (below) on gates with ties and exact
   zeros, experts no token picks, top-1 to top-8, expert counts that are not powers of two, and
-  enough tokens to span several chunks of the kernel's token loop.
+  enough tokens to span many chunks of the routing's token loop — by the routing kernel (gates
+  from an input) and by a router's last program (gates from the router, over several programs).
 - The down projection: its last arriving program per (token, column tile) adds the token's
   partials and runs the epilogue; the result agrees with eager, and the arrival counters are back
   to zero after the run (a second run of the same plan gives the same output).
@@ -175,12 +176,14 @@ def run_moe(n_experts: int, top_k: int, tokens: int, gates: torch.Tensor | None,
     (12, 1, 37, 4),     # top-1, E not a power of two, four idle experts
     (3, 3, 9, 0),       # every expert for every token
     (256, 8, 21, 200),  # the widest expert tile
+    (8, 2, 640, 2),     # a prefill: 40 chunks of tokens, 88 blocks of pairs
 ])
 def test_routing_kernel_equals_torch(n_experts: int, top_k: int, tokens: int, idle: int,
                                      kernel_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     small_blocks(monkeypatch)
     gates = tied_gates(tokens, n_experts, idle, seed=n_experts)
-    used = set(reference_routing(gates, top_k, 16, 64)[1].tolist()) - {-1}
+    used = set(reference_routing(gates, top_k, 16, -(-tokens * top_k // 16) + n_experts)[1]
+               .tolist()) - {-1}
     assert len(used) > 1 and max(used) < n_experts - idle   # the idle experts have no block
     run_moe(n_experts, top_k, tokens, gates, kernel_dir)
 
