@@ -174,13 +174,16 @@ def test_plans_follow_the_encoder_length(kernel_dir: Path) -> None:
     assert plans[5] is not plans[7]
 
 
-def test_moe_routing_is_one_host_step_per_layer(kernel_dir: Path) -> None:
-    """An MoE layer's up and down projections read the same gates: the plan routes once."""
-    from archc.runtime.launch import moe_routing
+def test_moe_routing_is_one_launch_per_layer(kernel_dir: Path) -> None:
+    """An MoE layer's up and down projections read the same gates: the plan routes once — the
+    router's last program, no launch or host step of its own."""
     s = host_session("tiny-mixtral", kernel_dir)
+    calls: list[tuple[str, dict[str, Any]]] = []
+    s.ctx.bind = lambda kernel, grid: lambda *args, **meta: calls.append((kernel.__name__, meta))
     s.step(ids(1, 3))
-    routes = [fn for fn, _, _ in s.runners["decoder"].last.launches if fn is moe_routing]
-    assert len(routes) == load_spec("tiny-mixtral").layers
+    assert len(calls) == len(s.runners["decoder"].last.launches)   # every entry a launch
+    routes = [name for name, meta in calls if "BLOCK_P" in meta]     # the table's block
+    assert routes == ["router_0_kernel"] * load_spec("tiny-mixtral").layers
 
 
 # ---- the replay path gives the logits of plain launches -------------------------------------

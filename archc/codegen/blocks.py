@@ -90,18 +90,21 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         # merges many rows per program
         return _cfg(BLOCK_ROWS=1 if gpu else _clamp_pow2(sizes["R"], 1, 64))
     if family == "router":
-        return _cfg(4, 3 if gpu else 1, BLOCK_M=16 if gpu or sizes["M"] <= 16 else 64,
-                    BLOCK_K=_clamp_pow2(sizes["K"], 16, 128 if gpu else 512))
+        cfg = _cfg(4, 3 if gpu else 1, BLOCK_M=16 if gpu or sizes["M"] <= 16 else 64,
+                   BLOCK_K=_clamp_pow2(sizes["K"], 16, 128 if gpu else 512))
+        if sizes.get("route"):  # its last program routes the pairs (see "moe_routing")
+            cfg.update(_routing_blocks(target, sizes["M"], sizes["N"]))
+        return cfg
     if family == "norm":
         block_n = next_pow2(sizes["N"])
         if not gpu:
             return _cfg(BLOCK_R=_clamp_pow2(sizes["M"], 1, 64), BLOCK_N=block_n)
         return _cfg(4 if block_n <= 1024 else 8 if block_n <= 4096 else 16,
                     BLOCK_R=max(1, min(16, 2048 // block_n)), BLOCK_N=block_n)
-    if family in ("pointwise", "embedding", "moe_sum"):
+    if family in ("pointwise", "embedding"):
         # rows of BLOCK_C columns, about `elements` values a program
-        wide = 1024 if gpu or family == "moe_sum" else 4096
-        elements = 16384 if not gpu else 1024 if family == "moe_sum" else 4096
+        wide = 1024 if gpu else 4096
+        elements = 16384 if not gpu else 4096
         block_c = min(next_pow2(sizes["C"]), wide)
         return _cfg(BLOCK_R=min(max(1, elements // block_c), _clamp_pow2(sizes["M"], 1, 1 << 20)),
                     BLOCK_C=block_c)
@@ -110,8 +113,12 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
             return _cfg(BLOCK_M=16, BLOCK_N=_clamp_pow2(sizes["N"], 32, 1024),
                         BLOCK_K=_clamp_pow2(sizes["K"], 16, 512))
         if sizes["M"] <= 32:
-            return _cfg(4, 4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)
-        return _cfg(4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64)
+            block_n = _moe_decode_block_n(sizes)
+            return _cfg(4, 4, BLOCK_M=moe_block_m(target, sizes["M"]), BLOCK_N=block_n,
+                        BLOCK_K=256 if block_n < 64 else 128)
+        return _cfg(4, 3, BLOCK_M=moe_block_m(target, sizes["M"]), BLOCK_N=128, BLOCK_K=64)
+    if family == "moe_routing":
+        return _cfg(4, 1, **_routing_blocks(target, sizes["M"], sizes["E"]))
     # The recurrent kernels run one program per (sequence, channel block) or (sequence, KV head),
     # each looping over the new tokens in order: the grid is fixed by the model, not by T.
     if family == "causal_conv":
@@ -155,6 +162,38 @@ def split_k_range(k: int, block_k: int, splits: int, split: int) -> tuple[int, i
     The matmul kernel computes the same on the device."""
     span = _cdiv(_cdiv(k, block_k), splits) * block_k
     return min(split * span, k), min((split + 1) * span, k)
+
+
+def moe_block_m(target: str, tokens: int) -> int:
+    """(token, slot) pairs per program of an expert matmul: the block each expert's run of the
+    routing table is padded to."""
+    return 16 if target != "gpu" or tokens <= 32 else 64
+
+
+def _routing_blocks(target: str, tokens: int, experts: int) -> dict[str, int]:
+    """The routing of MoE pairs, by one program: BLOCK_P, the expert matmuls' rows (the table's
+    block), and BLOCK_R rows of [rows, experts] tiles of about `elements` values (E = 256: 8
+    rows on a GPU), no more rows than tokens."""
+    block_e = max(16, next_pow2(experts))
+    elements = 2048 if target == "gpu" else 16384
+    return dict(BLOCK_P=moe_block_m(target, tokens),
+                BLOCK_R=_clamp_pow2(tokens, 1, max(1, elements // block_e)))
+
+
+def _moe_decode_block_n(sizes: dict[str, int]) -> int:
+    """Column tile of a decode-size expert matmul: the widest of 64, 32, 16 that still gives
+    DECODE_TARGET_PROGRAMS programs with work. Only the routed experts' blocks have pairs — at
+    most min(E, M·k) blocks of 16 — and a gated tile holds BLOCK_N // 2 output columns (≥ 16 for
+    tl.dot). Mixtral at batch 1: 2 blocks × 4096 / 16 columns = 512 programs for the down
+    projection, 2 × 14336 / 32 = 896 for the gated up projection."""
+    gated = bool(sizes.get("gated", 0))
+    busy = min(sizes.get("E", 1), sizes["M"] * sizes.get("top_k", 1))
+    out_cols = sizes["N"] // 2 if gated else sizes["N"]
+    for block_n in (64, 32, 16 if not gated else 32):
+        tile = block_n // 2 if gated else block_n
+        if busy * _cdiv(out_cols, tile) >= DECODE_TARGET_PROGRAMS:
+            return block_n
+    return 32 if gated else 16
 
 
 def aot_config(family: str, sizes: dict[str, int]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from archc.codegen.printer import pexpr, texpr
 from archc.ir.attrs import Attrs, Call
 from archc.ir.cost import node_states
 from archc.ir.graph import Graph, Node
-from archc.ir.ops import OP_TABLE, full_attrs, roles_of
+from archc.ir.ops import OP_TABLE, Op, full_attrs, roles_of
 from archc.ir.ops.steps import STEPS, epilogue_docs, step_expr
 from archc.ir.shapes import B, S, numel
 from archc.ir.text import format_node
@@ -322,6 +322,17 @@ def _k_loop(c: NodeCtx, weight: Layout, rows_n: int, k: int, cols: Sequence[str]
                 w_row_stride=texpr(weight.strides[-2]), dot_kw=c.dot_kw, N=rows_n, K=k)
 
 
+def _routes_experts(c: NodeCtx, top_k: int) -> bool:
+    """Does an expert matmul read these gates — the router's own buffer, routed to as many
+    experts? Then the router's last program routes the pairs for it (the expert matmuls find
+    the routing of that buffer done)."""
+    if c.lays[c.i].root != c.i:
+        return False
+    return any(c.g.nodes[u].op == Op.MOE_LINEAR and c.g.nodes[u].inputs[1] == c.i
+               and full_attrs(c.g.nodes[u].op, c.g.nodes[u].attrs)["top_k"] == top_k
+               for u in c.g.users()[c.i])
+
+
 def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     a, n = c.attrs, c.node
     if n.op.value == "router":
@@ -329,12 +340,14 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         if w.rank != 2 or w.strides[1] != 1 or w.offset != 0 or x.strides[-1] != 1:
             raise c.fail("the router needs contiguous rows of x and of its [E, K] weight")
         experts, k = c.static(w.shape[0], "experts"), c.static(w.shape[1], "router K")
+        route = _routes_experts(c, a["top_k"])
         ctx = dict(kind="router", E=experts, K=k, BLOCK_E=max(16, next_pow2(experts)),
                    top_k=a["top_k"], normalize=a["normalize"], x=rows(x),
                    w_row_stride=texpr(w.strides[0]), dot_kw=c.dot_kw,
-                   M=pexpr(numel(n.shape[:-1])))
-        return ctx, [JitKernel("_kernel", "router", dict(N=experts, K=k),
-                               c.types(M="i32", T="i32"))]
+                   M=pexpr(numel(n.shape[:-1])), route=route, gates_row_off=f"token * {experts}")
+        table = dict(table_ptr="*i32", block_expert_ptr="*i32", arrived_ptr="*i32") if route else {}
+        return ctx, [JitKernel("_kernel", "router", dict(N=experts, K=k, route=int(route)),
+                               c.types(**table, M="i32", T="i32"))]
     x, gates, w = c.lay("x"), c.lay("gates"), c.lay("weight")
     e, nw, k = (c.static(d, "the expert weights' size") for d in w.shape)
     contiguous(c, "weight", e, nw, k)
@@ -345,21 +358,21 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     gated = bool(steps) and steps[0].fn == "glu"   # pairs gate and up rows: first, if at all
     width = nw // 2 if gated else nw
     ctx = dict(kind="experts", stage=a["stage"], E=e, NW=nw, top_k=a["top_k"], gated=gated,
+               BLOCK_E=max(16, next_pow2(e)), route=False,
                M=pexpr(numel(n.shape[:-2] if up else n.shape[:-1])),
                glu_fn=steps[0].kw("fn") if gated else "",
                steps=[elementwise_step(c, st, idx, width) for idx, st in enumerate(steps)
                       if not (gated and idx == 0)],
-               epilogue_params_="".join(f"{a.param}, " for a in c.args[3:]),
                gates_row_off=row_offset(gates, "token"),
                x=dict(row_off=row_offset(x, "token" if up else "pair")),
                **_k_loop(c, w, width, k, ("cols", f"cols + {width}") if gated else ("cols",)))
-    own = c.args if up else c.args[:3]
-    kernels = [JitKernel("_kernel", "moe", dict(N=nw, K=k),
-                         c.types(own, pairs_ptr="*i32", block_expert_ptr="*i32", T="i32"))]
-    if not up:
-        kernels[0].types["out_ptr"] = "*fp32"
-        kernels.append(JitKernel("_sum", "moe_sum", dict(C=width),
-                                 c.types(c.args[3:], part_ptr="*fp32", M="i32")))
+    table = dict(pairs_ptr="*i32", block_expert_ptr="*i32")
+    own = dict(table, part_ptr="*fp32", arrived_ptr="*i32") if not up else table
+    kernels = [JitKernel("_kernel", "moe", dict(N=nw, K=k, E=e, top_k=a["top_k"], gated=int(gated)),
+                         c.types(**own, T="i32")),
+               JitKernel("_routing", "moe_routing", dict(E=e),
+                         {"gates_ptr": c.arg("gates").type, "table_ptr": "*i32",
+                          "block_expert_ptr": "*i32", "M": "i32", "T": "i32"})]
     return ctx, kernels
 
 

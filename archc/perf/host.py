@@ -77,7 +77,7 @@ class HostReport:
     dtype: str
     batch: int
     launches: int                   # kernel launches per decode step
-    host_steps: int                 # other plan entries per step (MoE routing)
+    host_steps: int                 # other plan entries per step (host work between launches)
     unique_kernels: int
     plain_seconds: float            # median per step, plain launches
     graph_seconds: float            # median per step, the CUDA-graph path with a no-op replay

@@ -153,52 +153,28 @@ class LaunchContext:
     def decode_splits(self, keys: int, programs: int, block_n: int) -> tuple[int, int]:
         return blocks.decode_splits(self.target, keys, programs, block_n)
 
-    def moe_routing(self, gates: torch.Tensor, top_k: int, block_m: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token, slot) pairs sorted by expert, each expert's run padded to `block_m` with −1,
-        and the expert of each block (−1 past the end), in tensors of the plan that a host step
-        fills before the launches that read them — once per gates tensor: an MoE layer's up
-        and down projections share it. Device ops only: the block count is the upper bound
-        cdiv(pairs, block_m) + E, so nothing waits on the host."""
+    def moe_routing(self, gates: torch.Tensor, tokens: int, experts: int, top_k: int,
+                    block_m: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The routing of an MoE layer's (token, slot) pairs: tensors of the plan for the table
+        of pairs sorted by expert, each expert's run padded to `block_m` with −1, and the expert
+        of each block (−1 past the end) — the upper bound cdiv(tokens·k, block_m) + experts
+        blocks, so nothing waits on the host — and whether a launch already fills them. Once per
+        gates tensor: the first launcher to ask routes (the router whose last program routes,
+        or an expert matmul's routing kernel); the others — an MoE layer's up and down
+        projections — read the same table."""
         key = (id(gates), top_k, block_m)
         if key in self._routing:
-            return self._routing[key][1:]
-        n_experts = gates.shape[-1]
-        n_blocks = -(-(gates.numel() // n_experts * top_k) // block_m) + n_experts
+            return (*self._routing[key][1:], True)
+        n_blocks = -(-(tokens * top_k) // block_m) + experts
         table = torch.empty(n_blocks * block_m, dtype=torch.int32, device=gates.device)
         block_expert = torch.empty(n_blocks, dtype=torch.int32, device=gates.device)
-        self.call(moe_routing, gates, top_k, block_m, table, block_expert)
         self._routing[key] = (gates, table, block_expert)     # gates held: its id stays its own
-        return table, block_expert
+        return table, block_expert, False
 
     def config(self, kernel: str, family: str, **sizes: int) -> dict[str, Any]:
         if kernel in self.autotuned:
             return {}
         return blocks.launch_config(family, self.target, **sizes)  # looked up now: tests patch it
-
-
-def moe_routing(gates: torch.Tensor, top_k: int, block_m: int, table: torch.Tensor,
-                block_expert: torch.Tensor) -> None:
-    """Fill `table` and `block_expert` (see ``LaunchContext.moe_routing``) from `gates`."""
-    from archc.ir.ops.core import selected_experts
-    n_experts = gates.shape[-1]
-    chosen = selected_experts(gates.reshape(-1, n_experts), top_k)   # (M, k), ascending experts
-    experts = chosen.reshape(-1)                                    # pair p = token·k + slot
-    pairs = experts.numel()
-    order = torch.argsort(experts, stable=True)
-    counts = torch.zeros(n_experts, dtype=torch.long, device=gates.device)
-    counts.scatter_add_(0, experts, torch.ones_like(experts))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)
-    start = ends - padded                                           # each expert's first slot
-    first = torch.cumsum(counts, 0) - counts                        # its first sorted pair
-    sorted_experts = experts[order]
-    dest = start[sorted_experts] + torch.arange(pairs, device=gates.device) - first[sorted_experts]
-    table.fill_(-1)
-    table[dest] = order.to(torch.int32)
-    block_start = torch.arange(block_expert.numel(), device=gates.device) * block_m
-    owner = torch.searchsorted(ends, block_start, right=True)
-    block_expert.copy_(torch.where(owner < n_experts, owner, -1))
 
 
 @dataclass(eq=False)

@@ -187,8 +187,11 @@ register(OpDef(
 
 
 def selected_experts(gates: torch.Tensor, top_k: int) -> torch.Tensor:
-    """The experts each token was routed to, in ascending expert order: [..., top_k]."""
-    return gates.float().topk(top_k, dim=-1).indices.sort(dim=-1).values
+    """The experts each token was routed to, in ascending expert order: [..., top_k]. The
+    largest gates, the lowest expert first among equal gates (as the router picks them, and as
+    the routing kernel does): a stable sort, since `topk` breaks ties arbitrarily on a CPU."""
+    order = torch.sort(gates.float(), dim=-1, descending=True, stable=True).indices
+    return order[..., :top_k].sort(dim=-1).values
 
 
 def moe_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
