@@ -3,8 +3,9 @@
 A ``param`` node without an ``expr`` is the checkpoint tensor of its ``name``. A pass that
 changes a weight (folding a norm gain, concatenating Q/K/V) gives it an ``expr`` such as
 ``cat(w("layers.0.attn.q.weight"), w("layers.0.attn.k.weight"), dim=0)``, evaluated once when
-weights load; buffers no checkpoint holds (RoPE frequencies and cos/sin tables) have no leaves. Evaluation is in
-float32 (float64 where rounding matters); the caller casts to the node's dtype.
+weights load; buffers no checkpoint holds (RoPE frequencies and cos/sin tables) have no
+leaves. Evaluation is in float32 (float64 where rounding matters); the caller casts to the
+node's dtype.
 """
 
 from __future__ import annotations

@@ -84,7 +84,8 @@ def rope(x: torch.Tensor, pos: torch.Tensor, rotation: torch.Tensor, rotary_dim:
 NTK = (Attr("factor", float, at_least=1.0), Attr("original_max_seq_len", int, at_least=1))
 ROPE_ATTRS = (Attr("rotary_dim", int, at_least=2), Attr("interleaved", bool),
               Attr("dynamic", Call, None, {"ntk": NTK}))
-ROTATION_DOC = "cos/sin table (row p: cos, then sin, of p·θ_j), or with `dynamic` inverse frequencies"
+ROTATION_DOC = ("cos/sin table (row p: cos, then sin, of p·θ_j), or with `dynamic` inverse "
+                "frequencies")
 
 
 def check_rope(rot: int, head_dim: sympy.Expr, tokens: sympy.Expr, pos: Shape, rotation: Shape,
