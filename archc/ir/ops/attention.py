@@ -117,12 +117,18 @@ def _rope_infer(sig: Sig) -> tuple[Shape, str]:
     return x, float_dtype(sig)
 
 
+def rotation_bytes(pos: Shape, rotation: Shape, dynamic: Call | None) -> sympy.Expr:
+    """Bytes a rope reads of its rotation operand (f32): of the cos/sin table only the rows at
+    its positions, not the max_seq_len rows; under dynamic NTK all the frequencies."""
+    return (numel(rotation) if dynamic is not None else
+            numel(pos) * numel(rotation[1:])) * DTYPE_BYTES["f32"]
+
+
 def _rope_bytes(sig: Sig) -> sympy.Expr:
-    # x in, the result out, the positions, and of the table only the rows at those positions
+    # x in, the result out, the positions, and what it reads of the rotation operand
     x, pos, rotation = sig.shapes
-    rows = numel(pos) * numel(rotation[1:]) if sig.attr("dynamic") is None else numel(rotation)
-    return (2 * numel(x) * DTYPE_BYTES[sig.dtypes[0]] + numel(pos) * DTYPE_BYTES["i64"]
-            + rows * DTYPE_BYTES["f32"])
+    return (2 * numel(x) * DTYPE_BYTES[sig.dtypes[0]] + numel(pos) * DTYPE_BYTES[sig.dtypes[1]]
+            + rotation_bytes(pos, rotation, sig.attr("dynamic")))
 
 
 register(OpDef(
