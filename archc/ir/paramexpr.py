@@ -96,9 +96,10 @@ def rope_inv_freq(dim: int, theta: float, kind: str = "default", factor: float =
 
 def rope_cos_sin(inv_freq: torch.Tensor, rows: int, mscale: float = 1.0) -> torch.Tensor:
     """The RoPE table [rows, 2, R/2]: row p holds cos(p·θ_j)·mscale, then sin(p·θ_j)·mscale,
-    for the R/2 frequencies θ_j of `inv_freq`. The formula is the rope op's own, step by step
-    in f32 (positions to f32, times θ, cos and sin, times mscale), so a row is bitwise the
-    values the op would compute for that position."""
+    for the R/2 frequencies θ_j of `inv_freq`, computed once at load. The formula is the one
+    the rope op computes per call under dynamic NTK, step by step in f32 (positions to f32,
+    times θ, cos and sin, times mscale), so row p is bitwise what a call at position p would
+    compute, whatever the other positions of that call."""
     positions = torch.arange(rows)                                     # i64, as the op's input
     angles = positions.to(torch.float32)[:, None] * inv_freq.float()[None, :]  # (rows, R/2)
     return torch.stack([angles.cos() * mscale, angles.sin() * mscale], dim=1)  # (rows, 2, R/2)
