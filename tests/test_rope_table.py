@@ -9,7 +9,9 @@ attention scale), partial rotary (phi-2, GPT-NeoX) and interleaved pairs (GPT-J)
 reading the table equals that formula's rotation bitwise too. Dynamic NTK keeps computing its
 angles from the frequencies. The table is a param like any other: the verifier holds it to
 its expression's shape and to rotary_dim, it is not counted as a checkpoint weight, and a
-rope reads only the rows at its positions. Positions past the table are refused by name.
+rope reads only the rows at its positions. Sequences longer than the table are refused by the
+session (decoder steps, encoder inputs, on eager and on the generated kernels), and a rope run
+alone past it fails naming its node.
 
 No tolerances: eager and kernels read the same table values, and the table equals the old
 values exactly.
@@ -28,17 +30,18 @@ import archc
 from archc.errors import IRError, RunError
 from archc.ir import cost
 from archc.ir.attrs import Call
-from archc.ir.graph import Graph, Node, Program
+from archc.ir.graph import Graph, GraphBuilder, Node, Program
 from archc.ir.lower import lower
 from archc.ir.ops import Op
 from archc.ir.ops.attention import rope
 from archc.ir.paramexpr import evaluate, rope_cos_sin, rope_inv_freq
-from archc.ir.shapes import shape
+from archc.ir.shapes import T, shape
 from archc.ir.verify import verify
-from archc.runtime.eager import EagerSession
+from archc.runtime.eager import EagerContext, EagerSession, run_graph
 from archc.spec import from_dict, load_spec
 from archc.spec.load import to_dict
 from archc.spec.schema import Spec
+from tests.test_triton_kernels import build
 
 
 def variant(base: str, max_seq_len: int | None = None, **position: object) -> Spec:
@@ -183,11 +186,21 @@ def test_the_table_is_a_buffer_not_a_weight_and_a_rope_reads_its_rows() -> None:
         2 * n_x * 4 + 5 * 8 + rows * 4
 
 
-def test_a_position_past_the_table_is_refused_by_the_rope_op() -> None:
+def test_a_position_past_the_table_is_refused_naming_the_rope_node() -> None:
+    """Run on its own (no session to check the length first), the rope op's gather refuses a
+    row past the table, and the interpreter names the node."""
     table = rope_cos_sin(rope_inv_freq(dim=8, theta=10000.0), rows=16)
-    x = torch.zeros(1, 2, 3, 8)
-    with pytest.raises(RunError, match="position 17 is past the RoPE table's 16 rows"):
-        rope(x, torch.arange(15, 18), table, 8, False)
+
+    def fn(b: GraphBuilder, i: dict[str, int]) -> int:
+        return b.emit(Op.ROPE, i["x"], i["pos"], i["table"], rotary_dim=8, interleaved=False)
+
+    g = build({"x": (shape(1, 2, T, 8), "f32"), "pos": (shape(T), "i64"),
+               "table": (shape(16, 2, 4), "f32")}, fn)
+    values = {"x": torch.zeros(1, 2, 3, 8), "table": table}
+    run_graph(g, {}, {**values, "pos": torch.arange(13, 16)}, EagerContext({"T": 3, "P": 0}))
+    with pytest.raises(RunError, match=r"while running %3 : .* = rope\(%0, %1, %2\) .*: "
+                                      r"IndexError: index 16 is out of bounds"):
+        run_graph(g, {}, {**values, "pos": torch.arange(15, 18)}, EagerContext({"T": 3, "P": 0}))
 
 
 def test_a_session_longer_than_the_table_is_refused() -> None:

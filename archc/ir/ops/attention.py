@@ -15,7 +15,6 @@ import sympy
 import torch
 import torch.nn.functional as F
 
-from archc.errors import RunError
 from archc.ir.attrs import Attr, Attrs, Call
 from archc.ir.ops.base import (
     LAYER,
@@ -36,11 +35,10 @@ from archc.ir.shapes import DTYPE_BYTES, P, Shape, numel
 # ---- rotary positions ----------------------------------------------------------------------
 
 def rope_table_rows(pos: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (T, R/2) of the table rows at `pos`; a position past the table (max_seq_len
-    rows) is refused rather than read out of bounds."""
-    if pos.numel() and int(pos.max()) >= table.shape[0]:
-        raise RunError(f"position {int(pos.max())} is past the RoPE table's {table.shape[0]} "
-                       "rows (max_seq_len): the sequence is longer than the model allows")
+    """cos and sin (T, R/2) of the table rows at `pos`. Sessions refuse sequences longer than
+    the table before they run (``SessionBase``); a bounds check here would read the positions
+    back to the host at every call, and stop torch.compile's graph in the PyTorch baseline
+    that runs these semantics. Torch's own indexing still refuses a row past the table."""
     rows = table[pos.to(table.device)]              # (T, 2, R/2)
     return rows[:, 0], rows[:, 1]
 
