@@ -149,7 +149,7 @@ def run_graph(graph: Graph, params: Mapping[str, torch.Tensor],
     return outputs
 
 
-def rope_table_rows(program: Program) -> int | None:
+def rope_table_length(program: Program) -> int | None:
     """Positions the program's RoPE cos/sin tables cover (None without one)."""
     rows = [int(n.shape[0]) for g in program for n in g if n.op == Op.PARAM
             and isinstance(n.attr("expr"), Call) and n.attr("expr").fn == "rope_cos_sin"]
@@ -165,7 +165,7 @@ class SessionBase:
     def __init__(self, program: Program, max_seq_len: int, device: torch.device) -> None:
         self.program = program
         self.max_seq_len = max_seq_len
-        self.rope_rows = rope_table_rows(program)
+        self.rope_rows = rope_table_length(program)
         self.device = device
         self.past = 0
         self.prefix_len: int | None = None
@@ -177,8 +177,8 @@ class SessionBase:
 
     def _check_positions(self, length: int) -> None:
         """Positions 0 … length − 1 index the RoPE cos/sin table: refuse a sequence it does not
-        cover (an encoder's input, a session longer than the model's max_seq_len) rather than
-        let a kernel read past it."""
+        cover (an encoder's input, a session longer than the model's max_seq_len): the kernels
+        mask rows past the table, so unchecked they would rotate by the wrong angle."""
         if self.rope_rows is not None and length > self.rope_rows:
             raise RunError(f"sequence of {length} tokens is longer than the RoPE table's "
                            f"{self.rope_rows} positions (the model's max_seq_len)")
