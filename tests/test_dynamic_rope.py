@@ -27,7 +27,7 @@ from archc.ir.attrs import Call
 from archc.ir.graph import GraphBuilder
 from archc.ir.ops import Op
 from archc.ir.ops.attention import rope
-from archc.ir.paramexpr import rope_inv_freq
+from archc.ir.paramexpr import rope_cos_sin, rope_inv_freq
 from archc.ir.shapes import B, T, shape
 from archc.runtime.eager import EagerContext, run_graph
 from tests.test_triton_kernels import build, check, rand
@@ -67,10 +67,10 @@ def test_rope_op_rescales_the_base_past_the_trained_context(start: int, t: int,
     x = rand(2, 3, t, hd)
     pos = torch.arange(start, start + t)
     freq = rope_inv_freq(dim=rot, theta=theta)
-    got = rope(x, pos, freq, rot, False, 1.0, ntk(factor, original))
+    got = rope(x, pos, freq, rot, False, ntk(factor, original))
     want = rotate_with_new_base(x, pos, theta, rot, factor, original)
     assert (got - want).abs().max() <= TOL * want.abs().max()
-    plain = rope(x, pos, freq, rot, False)
+    plain = rope(x, pos, rope_cos_sin(freq, rows=start + t), rot, False)
     assert torch.equal(got, plain) == (start + t <= original)
 
 
@@ -87,13 +87,13 @@ def test_epilogue_rope_equals_the_rope_op() -> None:
     def unfused(b: GraphBuilder, i: dict[str, int]) -> int:
         h = b.emit(Op.SPLIT_HEADS, b.emit(Op.MATMUL, i["x"], i["w"]), heads=heads)
         h = b.emit(Op.ROPE, h, i["pos"], i["freq"], rotary_dim=rot, interleaved=False,
-                   mscale=1.0, dynamic=dynamic)
+                   dynamic=dynamic)
         return b.emit(Op.MERGE_HEADS, h)
 
     def fused(b: GraphBuilder, i: dict[str, int]) -> int:
         return b.emit(Op.FUSED_LINEAR, i["x"], i["w"], i["pos"], i["freq"], epilogue=(
             Call("rope", (), (("dynamic", dynamic), ("head_dim", hd), ("heads", heads),
-                              ("interleaved", False), ("mscale", 1.0), ("rotary_dim", rot))),))
+                              ("interleaved", False), ("rotary_dim", rot))),))
 
     outs = []
     for fn in (unfused, fused):
@@ -116,7 +116,7 @@ def test_matmul_template_dynamic_rope(kernel_dir: Path, interleaved: bool, rot: 
         return b.emit(Op.FUSED_LINEAR, i["x"], i["w"], i["pos"], i["freq"], epilogue=(
             Call("rope", (), (("dynamic", ntk(3.0, 8)), ("head_dim", hd),
                               ("heads", heads + kv_heads), ("interleaved", interleaved),
-                              ("mscale", 1.0), ("rotary_dim", rot))),
+                              ("rotary_dim", rot))),
             Call("kv_write", (), (("head_dim", hd), ("k_start", heads * hd),
                                   ("kv_heads", kv_heads), ("layer", 0),
                                   ("v_start", (heads + kv_heads) * hd)))))

@@ -16,7 +16,7 @@ import archc.ir.expr as E
 from archc.ir.attrs import Call
 from archc.ir.graph import GraphBuilder
 from archc.ir.ops import Op
-from archc.ir.paramexpr import rope_inv_freq
+from archc.ir.paramexpr import rope_cos_sin, rope_inv_freq
 from archc.ir.shapes import B, P, T, shape
 from archc.ir.verify import verify_graph
 from archc.runtime.eager import EagerContext, KVCache, run_graph
@@ -118,9 +118,9 @@ def test_fused_linear_rope_and_kv_write_then_cached_attention(interleaved: bool)
     x = rand(2, 5, d)
     wq, wk, wv = rand(heads * hd, d), rand(kv_heads * hd, d), rand(kv_heads * hd, d)
     past_k, past_v = rand(2, kv_heads, 3, hd), rand(2, kv_heads, 3, hd)
-    freq = rope_inv_freq(dim=rot, theta=10000.0)
+    freq = rope_cos_sin(rope_inv_freq(dim=rot, theta=10000.0), rows=8)
     pos = torch.arange(3, 8)
-    rope_attrs = dict(rotary_dim=rot, interleaved=interleaved, mscale=1.0)
+    rope_attrs = dict(rotary_dim=rot, interleaved=interleaved)
 
     def unfused(b: GraphBuilder, i: dict[str, int]) -> int:
         q = b.emit(Op.SPLIT_HEADS, b.emit(Op.MATMUL, i["x"], i["wq"]), heads=heads)
@@ -139,8 +139,7 @@ def test_fused_linear_rope_and_kv_write_then_cached_attention(interleaved: bool)
     def fused(b: GraphBuilder, i: dict[str, int]) -> int:
         qkv = b.emit(Op.FUSED_LINEAR, i["x"], i["wqkv"], i["pos"], i["freq"], epilogue=(
             Call("rope", (), (("heads", heads + kv_heads), ("head_dim", hd),
-                              ("interleaved", interleaved), ("mscale", 1.0),
-                              ("rotary_dim", rot))),
+                              ("interleaved", interleaved), ("rotary_dim", rot))),
             Call("kv_write", (), (("head_dim", hd), ("k_start", heads * hd),
                                   ("kv_heads", kv_heads), ("layer", 0),
                                   ("v_start", (heads + kv_heads) * hd)))))
@@ -152,7 +151,7 @@ def test_fused_linear_rope_and_kv_write_then_cached_attention(interleaved: bool)
     run_both({"x": (shape(B, T, d), "f32"), "wq": (shape(heads * hd, d), "f32"),
               "wk": (shape(kv_heads * hd, d), "f32"), "wv": (shape(kv_heads * hd, d), "f32"),
               "wqkv": (shape((heads + 2 * kv_heads) * hd, d), "f32"),
-              "pos": (shape(T), "i64"), "freq": (shape(rot // 2), "f32")},
+              "pos": (shape(T), "i64"), "freq": (shape(8, 2, rot // 2), "f32")},
              unfused, fused,
              {"x": x, "wq": wq, "wk": wk, "wv": wv, "wqkv": torch.cat([wq, wk, wv]),
               "pos": pos, "freq": freq, "_cache": {(0, "k"): past_k, (0, "v"): past_v}})
@@ -331,7 +330,7 @@ def test_fused_linear_head_norm_then_rope(kind: str) -> None:
     heads, hd, d = 3, 8, 16
     x, w = rand(2, 5, d), rand(heads * hd + 8, d)     # 8 trailing columns the norm leaves alone
     g, b = 1 + 0.1 * rand(hd), 0.1 * rand(hd)
-    freq = rope_inv_freq(dim=hd, theta=10000.0)
+    freq = rope_cos_sin(rope_inv_freq(dim=hd, theta=10000.0), rows=8)
     pos = torch.arange(3, 8)
 
     def unfused(bd: GraphBuilder, i: dict[str, int]) -> int:
@@ -358,6 +357,6 @@ def test_fused_linear_head_norm_then_rope(kind: str) -> None:
     run_both({"x": (shape(B, T, d), "f32"), "w": (shape(heads * hd + 8, d), "f32"),
               "g": (shape(hd), "f32"), "b": (shape(hd), "f32"),
               "gains": (shape(heads * hd), "f32"), "shifts": (shape(heads * hd), "f32"),
-              "pos": (shape(T), "i64"), "freq": (shape(hd // 2), "f32")},
+              "pos": (shape(T), "i64"), "freq": (shape(8, 2, hd // 2), "f32")},
              unfused, fused, {"x": x, "w": w, "g": g, "b": b, "gains": g.repeat(heads),
                               "shifts": shift, "pos": pos, "freq": freq})

@@ -22,7 +22,7 @@ import torch
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph, GraphBuilder
 from archc.ir.ops import Op
-from archc.ir.paramexpr import rope_inv_freq
+from archc.ir.paramexpr import rope_cos_sin, rope_inv_freq
 from archc.ir.shapes import B, S, T, shape
 from archc.ir.verify import verify_graph
 from archc.runtime.eager import EagerContext, KVCache, run_graph
@@ -122,13 +122,13 @@ def test_matmul_rope_kv_write_then_cached_attention(kernel_dir: Path, interleave
     write in the epilogue, then attention over the cache with a past of 3 tokens."""
     heads, kv_heads, d, t, past = 6, 2, 24, 5, 3
     width = (heads + 2 * kv_heads) * hd
-    freq = rope_inv_freq(dim=rot, theta=10000.0)
+    # a table with an attention scale (YaRN's mscale), one row past the last position
+    table = rope_cos_sin(rope_inv_freq(dim=rot, theta=10000.0), rows=past + t + 1, mscale=1.25)
 
     def fn(b: GraphBuilder, i: dict[str, int]) -> int:
-        qkv = b.emit(Op.FUSED_LINEAR, i["x"], i["w"], i["pos"], i["freq"], epilogue=(
+        qkv = b.emit(Op.FUSED_LINEAR, i["x"], i["w"], i["pos"], i["table"], epilogue=(
             Call("rope", (), (("heads", heads + kv_heads), ("head_dim", hd),
-                              ("interleaved", interleaved), ("mscale", 1.25),
-                              ("rotary_dim", rot))),
+                              ("interleaved", interleaved), ("rotary_dim", rot))),
             Call("kv_write", (), (("head_dim", hd), ("k_start", heads * hd),
                                   ("kv_heads", kv_heads), ("layer", 1),
                                   ("v_start", (heads + kv_heads) * hd)))))
@@ -137,9 +137,9 @@ def test_matmul_rope_kv_write_then_cached_attention(kernel_dir: Path, interleave
                       causal=True, padding=False, prefix=False, window=4)
 
     g = build({"x": (shape(B, T, d), "f32"), "w": (shape(width, d), "f32"),
-               "pos": (shape(T), "i64"), "freq": (shape(rot // 2), "f32")}, fn)
+               "pos": (shape(T), "i64"), "table": (shape(*table.shape), "f32")}, fn)
     check(g, {"x": rand(2, t, d), "w": rand(width, d), "pos": torch.arange(past, past + t),
-              "freq": freq}, {"B": 2, "T": t, "P": past}, kernel_dir,
+              "table": table}, {"B": 2, "T": t, "P": past}, kernel_dir,
           past_kv={(1, "k"): rand(2, kv_heads, past, hd, seed=1),
                    (1, "v"): rand(2, kv_heads, past, hd, seed=2)})
 
@@ -343,7 +343,7 @@ def test_matmul_head_norm(kernel_dir: Path, kind: str, rope: bool, hd: int,
                                     ("kind", kind)))]
     if rope:
         steps += [Call("rope", (), (("heads", heads + kv_heads), ("head_dim", hd),
-                                    ("interleaved", False), ("mscale", 1.0), ("rotary_dim", hd))),
+                                    ("interleaved", False), ("rotary_dim", hd))),
                   Call("kv_write", (), (("head_dim", hd), ("k_start", heads * hd),
                                         ("kv_heads", kv_heads), ("layer", 0),
                                         ("v_start", normed)))]
@@ -355,10 +355,11 @@ def test_matmul_head_norm(kernel_dir: Path, kind: str, rope: bool, hd: int,
 
     g = build({"x": (shape(B, T, d), "f32"), "w": (shape(width, d), "f32"),
                "gain": (shape(normed), "f32"), "shift": (shape(normed), "f32"),
-               "pos": (shape(T), "i64"), "freq": (shape(hd // 2), "f32")}, fn)
+               "pos": (shape(T), "i64"), "freq": (shape(t, 2, hd // 2), "f32")}, fn)
     check(g, {"x": rand(2, t, d), "w": rand(width, d), "gain": 1 + 0.1 * rand(normed),
               "shift": 0.1 * rand(normed, seed=1), "pos": torch.arange(t),
-              "freq": rope_inv_freq(dim=hd, theta=10000.0)}, {"B": 2, "T": t, "P": 0},
+              "freq": rope_cos_sin(rope_inv_freq(dim=hd, theta=10000.0), rows=t)},
+          {"B": 2, "T": t, "P": 0},
           kernel_dir)
 
 

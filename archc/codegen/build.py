@@ -508,7 +508,10 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
 
 def _rope_pair(st: Call, width: int, idx: int, c: NodeCtx) -> dict[str, Any]:
     """Rotary pairs over the first `heads` heads, then the remaining columns paired half their
-    count apart; runs of pairs that map to contiguous, aligned columns (half-split only)."""
+    count apart; runs of pairs that map to contiguous, aligned columns (half-split only). Cos
+    and sin come from the table [rows, 2, rotary_dim/2] (row-major, its rows and offset static);
+    under dynamic NTK from the inverse frequencies, rescaled and turned into angles in the
+    kernel."""
     heads, hd, rot = st.kw("heads"), st.kw("head_dim"), st.kw("rotary_dim")
     interleaved = st.kw("interleaved")
     tail = width - heads * hd
@@ -517,17 +520,23 @@ def _rope_pair(st: Call, width: int, idx: int, c: NodeCtx) -> dict[str, Any]:
     if not interleaved and tail % 2 == 0:
         run = math.gcd(rot // 2, hd // 2 - rot // 2, heads * hd // 2, tail_half)
         run = run & -run  # the largest power of two dividing it
-    dynamic = st.kw("dynamic")
+    dynamic, table = st.kw("dynamic"), None
     if dynamic is not None:  # θ_j·s^(−2j/(d−2)), s from the sequence length (dynamic NTK)
         factor = dynamic.kw("factor")
         dynamic = dict(factor=repr(factor), factor_less_one=repr(factor - 1.0),
                        original=repr(float(dynamic.kw("original_max_seq_len"))),
                        step=repr(2.0 / (rot - 2)))
+    else:
+        lay = c.lay(f"rotation{idx}")
+        if tuple(lay.strides) != (rot, rot // 2, 1) or not sympy.sympify(lay.offset).is_Integer:
+            raise c.fail("the RoPE cos/sin table must be a row-major [rows, 2, "
+                         f"{rot // 2}] buffer at a static offset")
+        table = dict(rows=c.static(lay.shape[0], "the RoPE table's rows"),
+                     base=f"{int(lay.offset)} + " if int(lay.offset) else "")
     return dict(fn="rope", heads=heads, head_dim=hd, per_head=hd // 2, run=run,
                 rot_pairs=rot // 2, interleaved=interleaved, tail=tail, tail_half=tail_half,
-                NP=heads * hd // 2 + tail_half, mscale=repr(st.kw("mscale", 1.0)),
-                dynamic=dynamic, pos_ptr=c.arg(f"pos{idx}").name,
-                freq_ptr=c.arg(f"freq{idx}").name)
+                NP=heads * hd // 2 + tail_half, dynamic=dynamic, table=table,
+                pos_ptr=c.arg(f"pos{idx}").name, rotation_ptr=c.arg(f"rotation{idx}").name)
 
 
 def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:

@@ -131,26 +131,35 @@ class _Stack:
         return self.norm(x, "embed_norm", "embedding.norm") if s.embedding.norm else x
 
     def rope_params(self) -> tuple[int, dict[str, object]]:
-        """The inverse-frequency buffer, and the rope attrs that depend on the scaling: the
-        cos/sin scale (YaRN's attention factor) and dynamic NTK's rescaling, which needs the
-        sequence length and so happens in the rope op, over the default frequencies."""
+        """The rotation buffer the rope ops read, and the attrs that depend on the scaling.
+        Without dynamic NTK it is the cos/sin table [max_seq_len, 2, rotary_dim/2], computed once
+        at load from the (scaled) frequencies with any attention scale (YaRN's mscale) applied,
+        so kernels read cos and sin rather than compute them. Dynamic NTK's frequencies depend
+        on the sequence length: its rope ops read the default inverse frequencies and rescale
+        them as they run."""
         pos, sc = self.s.position, self.s.position.scaling
         kw: list[tuple[str, object]] = [("dim", self.s.rotary_dim), ("theta", pos.theta)]
-        attrs: dict[str, object] = {"mscale": 1.0}
         if sc is not None and sc.kind == "dynamic":
-            attrs["dynamic"] = Call("ntk", (), (("factor", sc.factor),
-                                                ("original_max_seq_len", sc.original_max_seq_len)))
-        elif sc is not None:
+            dynamic = Call("ntk", (), (("factor", sc.factor),
+                                       ("original_max_seq_len", sc.original_max_seq_len)))
+            with self.at("position.scaling"):
+                freq = self.param("rope.inv_freq", self.s.rotary_dim // 2, dtype="f32",
+                                  shared=True, expr=Call("rope_inv_freq", (), tuple(kw)))
+            return freq, {"dynamic": dynamic}
+        mscale = 1.0
+        if sc is not None:
             fields = {"llama3": ("original_max_seq_len", "low_freq_factor", "high_freq_factor"),
                       "yarn": ("original_max_seq_len", "beta_fast", "beta_slow")}
             kw += [(f, getattr(sc, f)) for f in ("kind", "factor", *fields.get(sc.kind, ()))]
             if sc.kind == "yarn":   # cos and sin scaled by 0.1·ln(factor) + 1 unless given
-                attrs["mscale"] = sc.attention_factor if sc.attention_factor is not None else \
+                mscale = sc.attention_factor if sc.attention_factor is not None else \
                     0.1 * math.log(sc.factor) + 1.0 if sc.factor > 1 else 1.0
+        rows = self.s.max_seq_len    # positions run below it: the KV cache's length
+        table = Call("rope_cos_sin", (Call("rope_inv_freq", (), tuple(kw)),),
+                     (("rows", rows),) + ((("mscale", mscale),) if mscale != 1.0 else ()))
         with self.at("position.scaling" if sc else "position.theta"):
-            freq = self.param("rope.inv_freq", self.s.rotary_dim // 2, dtype="f32", shared=True,
-                              expr=Call("rope_inv_freq", (), tuple(kw)))
-        return freq, attrs
+            return self.param("rope.cos_sin", rows, 2, self.s.rotary_dim // 2, dtype="f32",
+                              shared=True, expr=table), {}
 
     def qkv_heads(self, x: int, src: int, base: str) -> tuple[int, int, int]:
         """q of x, k and v of src, split into heads: (B, H, T, D) and twice (B, Hkv, T|S, D)."""

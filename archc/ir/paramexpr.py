@@ -3,8 +3,9 @@
 A ``param`` node without an ``expr`` is the checkpoint tensor of its ``name``. A pass that
 changes a weight (folding a norm gain, concatenating Q/K/V) gives it an ``expr`` such as
 ``cat(w("layers.0.attn.q.weight"), w("layers.0.attn.k.weight"), dim=0)``, evaluated once when
-weights load; buffers no checkpoint holds (RoPE frequencies) have no leaves. Evaluation is in
-float32 (float64 where rounding matters); the caller casts to the node's dtype.
+weights load; buffers no checkpoint holds (RoPE frequencies and cos/sin tables) have no
+leaves. Evaluation is in float32 (float64 where rounding matters); the caller casts to the
+node's dtype.
 """
 
 from __future__ import annotations
@@ -93,6 +94,29 @@ def rope_inv_freq(dim: int, theta: float, kind: str = "default", factor: float =
     return inv_freq.float()
 
 
+def rope_cos_sin(inv_freq: torch.Tensor, rows: int, mscale: float = 1.0) -> torch.Tensor:
+    """The RoPE table [rows, 2, R/2]: row p holds cos(p·θ_j)·mscale, then sin(p·θ_j)·mscale,
+    for the R/2 frequencies θ_j of `inv_freq`, computed once at load. The formula is the one
+    the rope op computes per call under dynamic NTK, step by step in f32 (positions to f32,
+    times θ, cos and sin, times mscale), so row p is bitwise what a call at position p would
+    compute, whatever the other positions of that call."""
+    positions = torch.arange(rows)                                     # i64, as the op's input
+    angles = positions.to(torch.float32)[:, None] * inv_freq.float()[None, :]  # (rows, R/2)
+    return torch.stack([angles.cos() * mscale, angles.sin() * mscale], dim=1)  # (rows, 2, R/2)
+
+
+def buffer_shape(expr: object) -> tuple[int, ...] | None:
+    """The shape a computed RoPE buffer's expression makes (None for any other expression),
+    so the verifier can hold its param node to it: the table's rows are the model's
+    max_seq_len, its pairs rotary_dim/2."""
+    if not isinstance(expr, Call) or expr.fn not in ("rope_inv_freq", "rope_cos_sin"):
+        return None
+    if expr.fn == "rope_inv_freq":
+        return (int(expr.kw("dim")) // 2,)
+    freq = buffer_shape(expr.args[0]) if expr.args else None
+    return None if freq is None else (int(expr.kw("rows")), 2, *freq)
+
+
 def alibi_slopes(heads: int) -> torch.Tensor:
     """Press et al. 2021: a geometric sequence 2^(-8/n), 2^(-16/n)… for n a power of two; other
     counts interleave the slopes of the next power of two."""
@@ -138,6 +162,7 @@ PARAM_FNS: dict[str, Callable[..., torch.Tensor]] = {
     "tile": lambda a, times: a.repeat(times),   # one head's norm gain for every head
     # computed buffers
     "rope_inv_freq": rope_inv_freq,
+    "rope_cos_sin": rope_cos_sin,
     "alibi_slopes": alibi_slopes,
     "sinusoidal": sinusoidal,
 }

@@ -7,7 +7,7 @@ from archc.errors import IRError
 from archc.ir.graph import Graph, Program, infer
 from archc.ir.ops import META, Op, ShapeError
 from archc.ir.ops.base import attr_problems, same_shape
-from archc.ir.paramexpr import PARAM_FNS, calls
+from archc.ir.paramexpr import PARAM_FNS, buffer_shape, calls
 from archc.ir.shapes import DTYPE_BYTES
 from archc.ir.text import format_node
 
@@ -24,9 +24,12 @@ def _problem(g: Graph, i: int, seen: dict[tuple[Op, str], int]) -> str | None:
             return f"{n.op.value} name {n.name!r} already used by %{seen[n.op, n.name]}"
         seen[n.op, n.name] = i
     if n.op in (Op.INPUT, Op.PARAM):
+        made = buffer_shape(n.attr("expr"))   # a RoPE buffer's shape follows from its expression
         return "; ".join(attr_problems(n.op, n.attrs) + [
             f"unknown parameter function {c.fn!r}" for c in calls(n.attr("expr"))
-            if c.fn != "w" and c.fn not in PARAM_FNS]) or None
+            if c.fn != "w" and c.fn not in PARAM_FNS] + (
+            [f"shape should be {list(made)}, as its expression makes it"]
+            if made is not None and not same_shape(made, n.shape) else [])) or None
     try:
         shape, dtype = infer(n.op, [g.nodes[j].shape for j in n.inputs],
                              [g.nodes[j].dtype for j in n.inputs], n.attrs)

@@ -255,11 +255,11 @@ def _rope(rw: Rewriter, lin: Linear, heads: Heads) -> Step:
         n = rw.nodes[reader]
         if n.inputs[1:] != r0.inputs[1:] or n.attrs != r0.attrs:
             raise Refusal(f"rope %{reader} and %{heads[0][1]} differ in positions, "
-                          "frequencies or attributes")
+                          "cos/sin table (or frequencies) or attributes")
     hd = heads[0][0].head_dim
     return step("rope", *r0.inputs[1:], heads=heads[-1][0].stop // hd, head_dim=hd,
                 rotary_dim=r0.attr("rotary_dim"), interleaved=r0.attr("interleaved"),
-                mscale=r0.attr("mscale", 1.0), dynamic=r0.attr("dynamic"))
+                dynamic=r0.attr("dynamic"))
 
 
 @register_rewrite_pass("fuse-rope", "rotate q and k in the epilogue of the projection that "

@@ -17,6 +17,7 @@ import sympy
 import torch
 
 from archc.errors import ArchcError, RunError
+from archc.ir.attrs import Call
 from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import OP_TABLE, Op, bind, full_attrs
 from archc.ir.shapes import DIMS
@@ -148,6 +149,13 @@ def run_graph(graph: Graph, params: Mapping[str, torch.Tensor],
     return outputs
 
 
+def rope_table_length(program: Program) -> int | None:
+    """Positions the program's RoPE cos/sin tables cover (None without one)."""
+    rows = [int(n.shape[0]) for g in program for n in g if n.op == Op.PARAM
+            and isinstance(n.attr("expr"), Call) and n.attr("expr").fn == "rope_cos_sin"]
+    return min(rows, default=None)
+
+
 class SessionBase:
     """What every backend's session keeps between calls — past length P, the prefix length, the
     cross-attention inputs — and its surface: ``encode`` runs an encoder graph; ``step`` runs the
@@ -157,6 +165,7 @@ class SessionBase:
     def __init__(self, program: Program, max_seq_len: int, device: torch.device) -> None:
         self.program = program
         self.max_seq_len = max_seq_len
+        self.rope_rows = rope_table_length(program)
         self.device = device
         self.past = 0
         self.prefix_len: int | None = None
@@ -165,6 +174,14 @@ class SessionBase:
         self.cross_kv_source: torch.Tensor | None = None
 
     _run: Callable[..., dict[str, torch.Tensor]]
+
+    def _check_positions(self, length: int) -> None:
+        """Positions 0 … length − 1 index the RoPE cos/sin table: refuse a sequence it does not
+        cover (an encoder's input, a session longer than the model's max_seq_len): the kernels
+        mask rows past the table, so unchecked they would rotate by the wrong angle."""
+        if self.rope_rows is not None and length > self.rope_rows:
+            raise RunError(f"sequence of {length} tokens is longer than the RoPE table's "
+                           f"{self.rope_rows} positions (the model's max_seq_len)")
 
     def reset(self) -> None:
         self.past = 0
@@ -194,6 +211,7 @@ class SessionBase:
         """Hidden states [B, T, d] of the encoder graph: without a mask every token is real,
         without types all are 0."""
         b, t = tokens.shape
+        self._check_positions(t)
         mask = torch.ones(b, t) if attention_mask is None else attention_mask
         types = torch.zeros(b, t) if token_types is None else token_types
         inputs = {"tokens": tokens, "attention_mask": mask.long(), "token_types": types.long()}
@@ -206,6 +224,7 @@ class SessionBase:
         if self.past + t > self.max_seq_len:
             raise RunError(f"sequence of {self.past + t} tokens exceeds the KV cache "
                            f"(max_seq_len = {self.max_seq_len})")
+        self._check_positions(self.past + t)
         if self.prefix_len is None:
             self.prefix_len = t  # prefix-LM: the first call's tokens are the prefix
         s = 0

@@ -34,24 +34,41 @@ from archc.ir.shapes import DTYPE_BYTES, P, Shape, numel
 
 # ---- rotary positions ----------------------------------------------------------------------
 
-def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rotary_dim: int,
-         interleaved: bool, mscale: float = 1.0, dynamic: Call | None = None) -> torch.Tensor:
+def rope_table_rows(pos: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (T, R/2) of the table rows at `pos`. Sessions refuse sequences longer than
+    the table before they run (``SessionBase``); a bounds check here would read the positions
+    back to the host at every call, and stop torch.compile's graph in the PyTorch baseline
+    that runs these semantics. Torch's own indexing still refuses a row past the table."""
+    rows = table[pos.to(table.device)]              # (T, 2, R/2)
+    return rows[:, 0], rows[:, 1]
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, rotation: torch.Tensor, rotary_dim: int,
+         interleaved: bool, dynamic: Call | None = None) -> torch.Tensor:
     """Rotate the first `rotary_dim` dims of each head by pos·θ_j (Su et al. 2021), pairing dim j
     with j + rotary_dim/2 (GPT-NeoX, Llama) or, interleaved, 2j with 2j + 1 (GPT-J); the rest
     pass through (partial rotary).
 
-    `dynamic`, ntk(factor, original_max_seq_len), is transformers' rope_type "dynamic": with L
-    the sequence length after this call, past the trained context the base grows to
-    base·s^(d/(d−2)), s = factor·L/original − (factor − 1), so θ_j = base^(−2j/d) becomes
-    θ_j·s^(−2j/(d−2)); up to it s = 1. Keys cached earlier keep the rotation they had."""
-    if dynamic is not None and pos.numel():
-        factor, original = dynamic.kw("factor"), dynamic.kw("original_max_seq_len")
-        length = pos[-1].to(inv_freq.device, torch.float64) + 1
-        s = torch.clamp(factor * length / original - (factor - 1), min=1.0)
-        j = torch.arange(inv_freq.shape[0], dtype=torch.float64, device=inv_freq.device)
-        inv_freq = (inv_freq.double() * s ** (-2 * j / (rotary_dim - 2))).float()
-    angles = pos.to(torch.float32)[:, None] * inv_freq.float()[None, :]  # (T, R/2)
-    cos, sin = angles.cos() * mscale, angles.sin() * mscale
+    `rotation` is the cos/sin table [max_seq_len, 2, R/2] computed at load (``rope_cos_sin``,
+    any attention scale already in it): the rows at `pos` are gathered. With `dynamic` the
+    frequencies depend on the sequence length, so `rotation` is the inverse frequencies [R/2]
+    and the angles are computed here. `dynamic`, ntk(factor, original_max_seq_len), is
+    transformers' rope_type "dynamic": with L the sequence length after this call, past the
+    trained context the base grows to base·s^(d/(d−2)), s = factor·L/original − (factor − 1),
+    so θ_j = base^(−2j/d) becomes θ_j·s^(−2j/(d−2)); up to it s = 1. Keys cached earlier keep
+    the rotation they had."""
+    if dynamic is None:
+        cos, sin = rope_table_rows(pos, rotation)
+    else:
+        inv_freq = rotation
+        if pos.numel():
+            factor, original = dynamic.kw("factor"), dynamic.kw("original_max_seq_len")
+            length = pos[-1].to(inv_freq.device, torch.float64) + 1
+            s = torch.clamp(factor * length / original - (factor - 1), min=1.0)
+            j = torch.arange(inv_freq.shape[0], dtype=torch.float64, device=inv_freq.device)
+            inv_freq = (inv_freq.double() * s ** (-2 * j / (rotary_dim - 2))).float()
+        angles = pos.to(torch.float32)[:, None] * inv_freq.float()[None, :]  # (T, R/2)
+        cos, sin = angles.cos(), angles.sin()
     rot, rest = x[..., :rotary_dim].float(), x[..., rotary_dim:]
     if interleaved:
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
@@ -64,35 +81,65 @@ def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rotary_dim:
 
 NTK = (Attr("factor", float, at_least=1.0), Attr("original_max_seq_len", int, at_least=1))
 ROPE_ATTRS = (Attr("rotary_dim", int, at_least=2), Attr("interleaved", bool),
-              Attr("mscale", float, 1.0), Attr("dynamic", Call, None, {"ntk": NTK}))
+              Attr("dynamic", Call, None, {"ntk": NTK}))
+ROTATION_DOC = ("cos/sin table (row p: cos, then sin, of p·θ_j), or with `dynamic` inverse "
+                "frequencies")
 
 
-def check_rope(rot: int, head_dim: sympy.Expr, tokens: sympy.Expr, pos: Shape, freq: Shape,
-               dynamic: Call | None) -> None:
-    """What the rope op and the rope epilogue step both require of their operands."""
+def check_rope(rot: int, head_dim: sympy.Expr, tokens: sympy.Expr, pos: Shape, rotation: Shape,
+               rotation_dtype: str, dynamic: Call | None) -> None:
+    """What the rope op and the rope epilogue step both require of their operands: the table
+    [rows, 2, rotary_dim/2] (rows = max_seq_len, static), or under dynamic NTK the frequencies
+    [rotary_dim/2], in f32."""
     require(len(pos) == 1 and same_dim(pos[0], tokens), f"positions {list(pos)} must be [{tokens}]")
     require(rot % 2 == 0 and rot <= int(head_dim), f"rotary_dim={rot} for head dim {head_dim}")
-    require(len(freq) == 1 and int(freq[0]) == rot // 2,
-            f"frequencies {list(freq)} do not match rotary_dim={rot}")
-    require(dynamic is None or rot >= 4, f"dynamic NTK needs ≥ 4 rotary dims, got {rot}")
+    require(rotation_dtype == "f32", f"the RoPE rotation operand must be f32, got "
+            f"{rotation_dtype}")
+    if dynamic is None:
+        require(len(rotation) == 3 and rotation[0].is_Integer and int(rotation[0]) >= 1 and
+                int(rotation[1]) == 2 and int(rotation[2]) == rot // 2,
+                f"cos/sin table {list(rotation)} must be [max_seq_len, 2, {rot // 2}] for "
+                f"rotary_dim={rot}")
+    else:
+        require(len(rotation) == 1 and int(rotation[0]) == rot // 2,
+                f"frequencies {list(rotation)} do not match rotary_dim={rot}")
+        require(rot >= 4, f"dynamic NTK needs ≥ 4 rotary dims, got {rot}")
 
 
 def _rope_infer(sig: Sig) -> tuple[Shape, str]:
-    x, pos, freq = sig.shapes
+    x, pos, rotation = sig.shapes
     require(len(x) == 4, f"rope takes [B, H, T, D], got {list(x)}")
     require(sig.dtypes[1] == "i64", f"positions must be i64, got {sig.dtypes[1]}")
-    check_rope(sig.attr("rotary_dim"), x[3], x[2], pos, freq, sig.attr("dynamic"))
+    check_rope(sig.attr("rotary_dim"), x[3], x[2], pos, rotation, sig.dtypes[2],
+               sig.attr("dynamic"))
     return x, float_dtype(sig)
 
 
+def rotation_bytes(pos: Shape, rotation: Shape, dynamic: Call | None) -> sympy.Expr:
+    """Bytes a rope reads of its rotation operand (f32): of the cos/sin table only the rows at
+    its positions, not the max_seq_len rows; under dynamic NTK all the frequencies."""
+    return (numel(rotation) if dynamic is not None else
+            numel(pos) * numel(rotation[1:])) * DTYPE_BYTES["f32"]
+
+
+def _rope_bytes(sig: Sig) -> sympy.Expr:
+    # x in, the result out, the positions, and what it reads of the rotation operand
+    x, pos, rotation = sig.shapes
+    return (2 * numel(x) * DTYPE_BYTES[sig.dtypes[0]] + numel(pos) * DTYPE_BYTES[sig.dtypes[1]]
+            + rotation_bytes(pos, rotation, sig.attr("dynamic")))
+
+
 register(OpDef(
-    Op.ROPE, "Rotary position embedding of q or k at the given positions; with `dynamic`, "
-    "frequencies rescaled from the sequence length (dynamic NTK).",
+    Op.ROPE, "Rotary position embedding of q or k at the given positions, cos and sin read "
+    "from the table computed at load; with `dynamic`, frequencies rescaled from the sequence "
+    "length (dynamic NTK) and the angles computed.",
     "%12 : f32[B,4,T,16] = rope(%11, %1, %2) {interleaved=false, rotary_dim=16}",
-    operands("x", "positions", "inv_freq"), _rope_infer,
-    lambda ctx, a, at: rope(a["x"], a["positions"], a["inv_freq"], at["rotary_dim"],
-                            at["interleaved"], at["mscale"], at["dynamic"]),
-    attrs=ROPE_ATTRS, flops=per_element(3), arity=(3, 3)))
+    operands("x", "positions", "rotation"), _rope_infer,
+    lambda ctx, a, at: rope(a["x"], a["positions"], a["rotation"], at["rotary_dim"],
+                            at["interleaved"], at["dynamic"]),
+    attrs=ROPE_ATTRS, flops=per_element(3), bytes=_rope_bytes, arity=(3, 3),
+    docs={"x": "q or k, [B, H, T, D]", "positions": "positions, [T]",
+          "rotation": ROTATION_DOC}))
 
 
 # ---- KV cache and GQA ----------------------------------------------------------------------

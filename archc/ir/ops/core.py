@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import archc.ir.expr as E
 from archc.ir.attrs import Attr, Attrs, Call
+from archc.ir.ops.attention import rotation_bytes
 from archc.ir.ops.base import (
     Args,
     EagerCtx,
@@ -135,10 +136,17 @@ def fused_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
 
 
 def _linear_bytes(sig: Sig) -> sympy.Expr:
-    # k and v rows go to the cache as well
+    # k and v rows go to the cache as well; a rope step reads only the cos/sin table rows at
+    # its positions, not the whole table io_bytes counts
     rows = numel(sig.shapes[0][:-1]) * DTYPE_BYTES[sig.out_dtype]
-    return io_bytes(sig) + sum(2 * rows * st.kw("kv_heads") * st.kw("head_dim")
-                               for st in sig.attr("epilogue") if st.fn == "kv_write")
+    total = io_bytes(sig) + sum(2 * rows * st.kw("kv_heads") * st.kw("head_dim")
+                                for st in sig.attr("epilogue") if st.fn == "kv_write")
+    for k, st in enumerate(sig.attr("epilogue")):
+        if st.fn == "rope":
+            pos, rotation = sig.shape(f"pos{k}"), sig.shape(f"rotation{k}")
+            total += rotation_bytes(pos, rotation, st.kw("dynamic")) - \
+                numel(rotation) * DTYPE_BYTES[sig.dtype(f"rotation{k}")]
+    return total
 
 
 register(OpDef(

@@ -16,7 +16,7 @@ import torch
 
 import archc.ir.expr as E
 from archc.ir.attrs import Attr, Call, call_problem
-from archc.ir.ops.attention import ROPE_ATTRS, check_rope, rope
+from archc.ir.ops.attention import ROPE_ATTRS, ROTATION_DOC, check_rope, rope
 from archc.ir.ops.base import (
     ROW_KERNELS,
     EagerCtx,
@@ -89,8 +89,10 @@ def _heads(st: Call, width: int) -> int:
 
 def _rope_width(st: Call, width: int, inputs: Sequence[Shape], node: Sig) -> int:
     _heads(st, width)
-    check_rope(st.kw("rotary_dim"), st.kw("head_dim"), node.shapes[0][-2], *inputs,
-               st.kw("dynamic"))
+    pos, rotation = inputs
+    k = list(node.attr("epilogue")).index(st)     # the step's inputs are named by its index
+    check_rope(st.kw("rotary_dim"), st.kw("head_dim"), node.shapes[0][-2], pos, rotation,
+               node.dtype(f"rotation{k}"), st.kw("dynamic"))
     return width
 
 
@@ -127,8 +129,7 @@ def _apply_rope(ctx: EagerCtx, acc: torch.Tensor, st: Call, xs: Sequence[torch.T
                 stats: RowStats) -> torch.Tensor:
     heads, hd = st.kw("heads"), st.kw("head_dim")
     x = acc[..., :heads * hd].unflatten(-1, (heads, hd)).transpose(-3, -2)   # (B, heads, T, D)
-    x = rope(x, xs[0], xs[1], st.kw("rotary_dim"), st.kw("interleaved"), st.kw("mscale", 1.0),
-             st.kw("dynamic"))
+    x = rope(x, xs[0], xs[1], st.kw("rotary_dim"), st.kw("interleaved"), st.kw("dynamic"))
     return torch.cat([x.transpose(-3, -2).flatten(-2), acc[..., heads * hd:]], dim=-1)
 
 
@@ -168,10 +169,10 @@ STEPS: dict[str, StepDecl] = {d.name: d for d in (
     StepDecl("act", "act(acc) on columns [start, stop)",
              params=(ACT_FN, Attr("start", int, 0, at_least=0), Attr("stop", int, None)),
              expr=E.call("act", ACC, fn="identity"), width=_act_width, kernels=ROW_KERNELS),
-    StepDecl("rope", "rotate the first `heads` heads (positions, inverse frequencies; "
-             "`dynamic`: rescaled from the sequence length)", ("pos", "freq"),
-             params=(*HEADS, *ROPE_ATTRS), width=_rope_width, apply=_apply_rope,
-             docs=("positions", "inverse frequencies")),
+    StepDecl("rope", "rotate the first `heads` heads (positions; cos and sin from the table, "
+             "or with `dynamic` from frequencies rescaled by the sequence length)",
+             ("pos", "rotation"), params=(*HEADS, *ROPE_ATTRS), width=_rope_width,
+             apply=_apply_rope, docs=("positions", ROTATION_DOC)),
     StepDecl("kv_write", "write k/v columns into layer `layer`'s cache at offset P",
              params=(Attr("head_dim", int, at_least=1), Attr("k_start", int, at_least=0),
                      Attr("kv_heads", int, at_least=1), Attr("layer", int, at_least=0),
