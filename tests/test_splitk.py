@@ -21,7 +21,7 @@ from archc.codegen import blocks
 from archc.ir.attrs import Call
 from archc.ir.graph import GraphBuilder
 from archc.ir.ops import Op
-from archc.ir.paramexpr import rope_inv_freq
+from archc.ir.paramexpr import rope_cos_sin, rope_inv_freq
 from archc.ir.shapes import B, T, shape
 from archc.runtime.launch import LaunchContext
 from tests.test_triton_kernels import DTYPES, build, check, rand
@@ -215,8 +215,7 @@ def test_rope_pair_kv_write_decode_step(kernel_dir: Path, monkeypatch: pytest.Mo
                      eps=1e-5, epilogue=(
                          Call("rms_scale"),
                          Call("rope", (), (("heads", heads + kv_heads), ("head_dim", hd),
-                                           ("interleaved", False), ("mscale", 1.0),
-                                           ("rotary_dim", hd))),
+                                           ("interleaved", False), ("rotary_dim", hd))),
                          Call("kv_write", (), (("head_dim", hd), ("k_start", heads * hd),
                                                ("kv_heads", kv_heads), ("layer", 0),
                                                ("v_start", (heads + kv_heads) * hd)))))
@@ -225,9 +224,10 @@ def test_rope_pair_kv_write_decode_step(kernel_dir: Path, monkeypatch: pytest.Mo
                       causal=True, padding=False, prefix=False, window=None)
 
     g = build({"x": (shape(B, T, d), "f32"), "w": (shape(width, d), "f32"),
-               "pos": (shape(T), "i64"), "freq": (shape(hd // 2), "f32")}, fn)
+               "pos": (shape(T), "i64"), "freq": (shape(past + 1, 2, hd // 2), "f32")}, fn)
     check(g, {"x": rand(2, 1, d), "w": rand(width, d), "pos": torch.arange(past, past + 1),
-              "freq": rope_inv_freq(dim=hd, theta=10000.0)}, {"B": 2, "T": 1, "P": past},
+              "freq": rope_cos_sin(rope_inv_freq(dim=hd, theta=10000.0), rows=past + 1)},
+          {"B": 2, "T": 1, "P": past},
           kernel_dir, past_kv={(0, "k"): rand(2, kv_heads, past, hd, seed=1),
                                (0, "v"): rand(2, kv_heads, past, hd, seed=2)})
     spy.check_ran()
@@ -245,7 +245,7 @@ def test_head_norm_rope(kernel_dir: Path, monkeypatch: pytest.MonkeyPatch, kind:
     steps = (Call("head_norm", (), (("eps", 1e-6), ("head_dim", hd), ("heads", heads + kv_heads),
                                     ("kind", kind))),
              Call("rope", (), (("heads", heads + kv_heads), ("head_dim", hd),
-                               ("interleaved", False), ("mscale", 1.0), ("rotary_dim", hd))),
+                               ("interleaved", False), ("rotary_dim", hd))),
              Call("kv_write", (), (("head_dim", hd), ("k_start", heads * hd),
                                    ("kv_heads", kv_heads), ("layer", 0), ("v_start", normed))))
 
@@ -255,10 +255,11 @@ def test_head_norm_rope(kernel_dir: Path, monkeypatch: pytest.MonkeyPatch, kind:
 
     g = build({"x": (shape(B, T, d), "f32"), "w": (shape(width, d), "f32"),
                "gain": (shape(normed), "f32"), "shift": (shape(normed), "f32"),
-               "pos": (shape(T), "i64"), "freq": (shape(hd // 2), "f32")}, fn)
+               "pos": (shape(T), "i64"), "freq": (shape(t, 2, hd // 2), "f32")}, fn)
     check(g, {"x": rand(2, t, d), "w": rand(width, d), "gain": 1 + 0.1 * rand(normed),
               "shift": 0.1 * rand(normed, seed=1), "pos": torch.arange(t),
-              "freq": rope_inv_freq(dim=hd, theta=10000.0)}, {"B": 2, "T": t, "P": 0},
+              "freq": rope_cos_sin(rope_inv_freq(dim=hd, theta=10000.0), rows=t)},
+          {"B": 2, "T": t, "P": 0},
           kernel_dir)
     spy.check_ran()
 
