@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich import box
 from rich.markup import escape
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -53,7 +54,7 @@ from archc.perf.host import HostSession
 from archc.perf.roofline import KernelRoof, kernels, label
 from archc.perf.summary import fmt_seconds
 from archc.spec.schema import Spec
-from archc.ui import nbytes, si, table
+from archc.ui import si, table
 
 PHASES = ("prefill", "decode")
 DEFAULT_CONTEXTS = (512, 2048, 8192)
@@ -371,34 +372,42 @@ class Occupancy:
         spilled = _collapse(x for p in self.plans if p.context == context for x in p.launches
                             if x.aot is not None and x.aot.ok and x.aot.spill_bytes)
         over = {layer: n for layer, n in plan.per_layer().items() if n > plan.layer_limit}
-        counts = sorted(set(plan.per_layer().values()))
-        spread = "–".join(str(n) for n in (counts[0], counts[-1]) if counts) if counts else "0"
-        if len(counts) == 1:
-            spread = str(counts[0])
+        by_count: dict[int, list[int]] = {}
+        for layer, n in over.items():
+            by_count.setdefault(n, []).append(layer)
         return [
             Verdict(f"decode launches moving ≥ {STREAMING_BYTES >> 20} MiB have ≥ {want} "
                     f"programs with work ({PROGRAMS_PER_SM} per SM)", not thin,
-                    [f"{name}: {x.work} of {x.programs} programs" for name, x in thin]),
+                    [f"{name}: " + (f"{x.work} of {x.programs} programs with work"
+                                    if x.work != x.programs else f"{x.programs} programs")
+                     for name, x in thin]),
             Verdict("no kernel spills registers (prefill and decode)", not spilled,
                     [f"{name}: {x.aot.spill_bytes} bytes" for name, x in spilled
                      if x.aot is not None]),
             Verdict(f"decode launches per layer ≤ {plan.layer_limit} (one per kernel-level "
-                    f"node, plus one routing launch in an MoE layer): {spread}", not over,
-                    [f"layer {layer}: {n}" for layer, n in list(over.items())[:4]]
-                    + ([f"… {len(over) - 4} more layers"] if len(over) > 4 else [])),
+                    "node, plus one routing launch in an MoE layer)", not over,
+                    [f"{n} in {_span(layers)}" for n, layers in by_count.items()]),
         ]
 
 
+def _span(layers: list[int]) -> str:
+    """`layer 3`, `layers 0–31` (a run) or `5 layers (0, 2, 4, 6, 8)`."""
+    if len(layers) == 1:
+        return f"layer {layers[0]}"
+    if layers == list(range(layers[0], layers[-1] + 1)):
+        return f"layers {layers[0]}–{layers[-1]}"
+    return f"{len(layers)} layers ({', '.join(map(str, layers))})"
+
+
 def _collapse(launches: Iterable[KernelLaunch]) -> list[tuple[str, KernelLaunch]]:
-    """One (name, launch) per kernel and label across layers: `fused_linear_1_kernel
-    (layers.*.attn.o.weight ×32)`."""
+    """One (name, launch) per kernel and label across layers: `fused_linear_1 (attn.o ×32)`."""
     groups: dict[tuple[str, str], list[KernelLaunch]] = {}
     for x in launches:
         groups.setdefault((x.kernel, x.layer_label), []).append(x)
     out = []
     for (kernel, lab), xs in groups.items():
         times = f" ×{len(xs)}" if len(xs) > 1 else ""
-        out.append((f"{kernel} ({lab}{times})", xs[0]))
+        out.append((f"{kernel.removesuffix('_kernel')} ({_short(lab)}{times})", xs[0]))
     return out
 
 
@@ -462,27 +471,42 @@ def _rows(rep: Occupancy, plan: PhasePlan) -> list[tuple[str, ...]]:
         groups.setdefault((*key, lab), []).append(item)
     rows = []
     for key, items in groups.items():
-        x, lab, times = items[0], key[-1], str(len(items))
+        x, lab, times = items[0], _short(key[-1]), str(len(items))
         if isinstance(x, HostStep):
-            rows.append((f"{x.name} (host)", escape(lab), times, f"{x.torch_ops} torch ops",
-                         *[""] * 10))
+            rows.append((f"{x.name} (host)", escape(lab), times, f"{x.torch_ops} ops",
+                         *[""] * 8))
             continue
         r = x.aot
         compiled = r is not None and r.ok
         waves = rep.waves(x)
+        spill = ("/[red]" + str(r.spill_bytes) + "[/]" if r.spill_bytes else "/0") \
+            if compiled else ""
         rows.append((
-            x.kernel, escape(lab), times,
+            x.kernel.removesuffix("_kernel"), escape(lab), times,
             f"{x.work}/{x.programs}" if x.work != x.programs else str(x.programs),
-            f"{x.work / rep.gpu.sms:.2f}", "—" if waves is None else str(waves),
-            str(r.registers) if compiled else "—",
-            ("[red]" + str(r.spill_bytes) + "[/]" if r.spill_bytes else "0") if compiled else "—",
-            nbytes(r.shared_bytes) if compiled else "—",
-            ", ".join(r.wgmma) if compiled and r.wgmma else "—",
+            "—" if waves is None else str(waves),
+            f"{r.registers}{spill}" if compiled else "—",
+            _size(r.shared_bytes) if compiled else "—",
+            " ".join(r.wgmma) if compiled and r.wgmma else "—",
             ("yes" if r.tma else "no") if compiled else "—",
-            "—" if x.bytes is None else nbytes(x.bytes),
-            "—" if x.flops is None else si(x.flops),
-            fmt_seconds(x.seconds)))
+            "—" if x.bytes is None else _size(x.bytes),
+            "—" if x.seconds is None else f"{x.seconds * 1e6:.1f}"))
     return rows
+
+
+def _short(text: str) -> str:
+    """A label without what the `×` column says and the norm a prologue applies: `attn.q+k+v`
+    for `layers.*.attn.q+k+v.weight*attn_norm`."""
+    return re.sub(r"^layers\.\*\.|\.weight\b|\*\w.*$", "", text)
+
+
+def _size(n: int) -> str:
+    """Bytes in three figures: `264 B`, `16.5 KiB`, `112 MiB`."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    v, i = float(n), 0
+    while v >= 1024 and i < len(units) - 1:
+        v, i = v / 1024, i + 1
+    return f"{n} B" if i == 0 else f"{v:.3g} {units[i]}" if v < 1000 else f"{v:.0f} {units[i]}"
 
 
 def _order(plan: PhasePlan) -> Callable[[KernelLaunch | HostStep], tuple[int, int]]:
@@ -512,20 +536,27 @@ def format_report(rep: Occupancy) -> list[Any]:
                 f"decode step at context {plan.context} (1 token after {plan.context - 1})")
         host = sum(h.torch_ops for h in plan.host_steps)
         seconds = sum(x.seconds or 0.0 for x in plan.launches)
-        out.append(table(
+        t = table(
             f"{what}: {len(plan.launches)} kernel launches"
             + (f" + {host} torch ops in {len(plan.host_steps)} host steps" if host else "")
             + f", {_layers(plan)}; roofline {fmt_seconds(seconds)}",
-            ("kernel", "works on", "×", "programs", "/SM", "waves", "regs", "spill", "smem",
-             "wgmma", "TMA", "bytes", "FLOPs", "roofline"),
-            _rows(rep, plan), text=("kernel", "works on", "wgmma", "TMA")))
+            ("kernel", "works on", "×", "programs", "waves", "regs/spill", "smem", "wgmma",
+             "TMA", "bytes", "roofline"),
+            _rows(rep, plan), text=("kernel", "works on", "wgmma", "TMA"))
+        # narrow, to fit 120 columns: what the launch works on wraps, wgmma shapes one a line
+        t.box, t.padding, t.show_edge = box.SIMPLE_HEAD, (0, 1), False
+        t.collapse_padding, t.pad_edge = True, False
+        for col in t.columns:
+            col.no_wrap = col.header not in ("works on", "wgmma")
+            col.max_width = 10 if col.header == "wgmma" else None
+        out.append(t)
     out += [
-        "programs: with work/in the grid (all have work unless shown); /SM: programs with work "
-        f"per SM of {g.sms}; waves: ⌈programs with work / ({g.sms} SMs × programs resident per "
-        "SM)⌉, residency from registers, warps and shared memory",
-        "regs, spill, smem, wgmma, TMA: an ahead-of-time compile of each kernel at the block "
-        "sizes of its launch; bytes, FLOPs: the IR node's cost model, on its main launch (— on "
-        f"a helper launch); roofline: max(FLOPs / peak, bytes / bandwidth) on the {g.name}",
+        "×: launches alike in every layer (and grid); programs: with work/in the grid (all "
+        f"have work unless shown); waves: ⌈programs with work / ({g.sms} SMs × programs "
+        "resident per SM)⌉, residency from registers, warps and shared memory",
+        "regs/spill (bytes), smem, wgmma, TMA: an ahead-of-time compile of each kernel at the "
+        "block sizes of its launch; bytes: the IR node's cost model, on its main launch (— on a "
+        f"helper launch); roofline: max(FLOPs / peak, bytes / bandwidth) on the {g.name}, in µs",
         f"assumed: {BALANCED}; a host step counts as one launch per torch op"]
     for c in rep.contexts:
         for v in rep.verdicts(c):
