@@ -124,49 +124,58 @@ def _compile(module_path: Path, work: list[dict[str, Any]], results: list[AotRes
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     worker = Path(__file__).with_name("aot_worker.py")
-    # stderr to files: a full pipe nobody reads yet would stop a worker
-    logs = [tempfile.TemporaryFile("w+") for _ in range(jobs)]
-    procs = [(subprocess.Popen([sys.executable, str(worker), str(module_path)],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[i],
-                               text=True, env=env), work[i::jobs], logs[i])
-             for i in range(jobs)]
-    for p, chunk, _ in procs:
-        # every chunk is written before any answer is read: the workers run side by side
-        assert p.stdin is not None
-        p.stdin.write("".join(json.dumps(j) + "\n" for j in chunk))
-        p.stdin.close()
-    for p, chunk, log in procs:
-        assert p.stdout is not None
-        by_index = {j["index"]: j for j in chunk}
-        done: set[int] = set()
-        watchdog = threading.Timer(timeout, p.kill)     # a compile that hangs ends its worker
-        watchdog.start()
-        try:
-            for line in p.stdout:
-                if not line.startswith("{"):
-                    continue
-                got = json.loads(line)
-                job = by_index[got["index"]]
-                r = results[job["index"]]
-                for k in MEASURED:
-                    setattr(r, k, got[k])
-                done.add(job["index"])
-                if cache_dir is not None and r.ok:
-                    _write_cached(cache_dir / f"{job['key']}.json", r)
-                if progress is not None:
-                    progress(r)
-            p.wait()
-        finally:
-            watchdog.cancel()
-        log.seek(0)
-        err = log.read()
-        log.close()
-        for job in chunk:
-            if job["index"] not in done:
-                r = results[job["index"]]
-                r.error = last_line(err) or "the compile worker failed"
-                if progress is not None:
-                    progress(r)
+    with contextlib.ExitStack() as stack:
+        procs = []
+        for chunk in (work[i::jobs] for i in range(jobs)):
+            # stderr to a file: a full pipe nobody reads yet would stop the worker
+            log = stack.enter_context(tempfile.TemporaryFile("w+"))
+            p = subprocess.Popen([sys.executable, str(worker), str(module_path)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                 text=True, env=env)
+            # every chunk is written before any answer is read: the workers run side by side
+            assert p.stdin is not None
+            p.stdin.write("".join(json.dumps(j) + "\n" for j in chunk))
+            p.stdin.close()
+            procs.append((p, chunk, log))
+        for p, chunk, log in procs:
+            done = _collect(p, chunk, results, timeout, cache_dir, progress)
+            log.seek(0)
+            err = log.read()
+            for job in chunk:
+                if job["index"] not in done:
+                    r = results[job["index"]]
+                    r.error = last_line(err) or "the compile worker failed"
+                    if progress is not None:
+                        progress(r)
+
+
+def _collect(p: subprocess.Popen, chunk: list[dict[str, Any]], results: list[AotResult],
+             timeout: float, cache_dir: Path | None,
+             progress: Callable[[AotResult], None] | None) -> set[int]:
+    """Read a worker's answers into `results`, as they come; the indices answered."""
+    assert p.stdout is not None
+    by_index = {j["index"]: j for j in chunk}
+    done: set[int] = set()
+    watchdog = threading.Timer(timeout, p.kill)     # a compile that hangs ends its worker
+    watchdog.start()
+    try:
+        for line in p.stdout:
+            if not line.startswith("{"):
+                continue
+            got = json.loads(line)
+            job = by_index[got["index"]]
+            r = results[job["index"]]
+            for k in MEASURED:
+                setattr(r, k, got[k])
+            done.add(job["index"])
+            if cache_dir is not None and r.ok:
+                _write_cached(cache_dir / f"{job['key']}.json", r)
+            if progress is not None:
+                progress(r)
+        p.wait()
+    finally:
+        watchdog.cancel()
+    return done
 
 
 def _cache_key(source: str, kernel: str, config: Mapping[str, Any], target: str) -> str:

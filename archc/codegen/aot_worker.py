@@ -6,9 +6,10 @@ jobs as JSON lines on stdin, one kernel each:
      "options": {"num_warps": w, "num_stages": s}, "capability": 80 | 90, "index": i}
 
 and writes one JSON line per kernel, with the job's index: registers and spill bytes (from the
-log of Triton's ptxas run), shared memory (Triton's metadata), the count of tensor-core instructions in the PTX
-(`mma.sync` for sm_80, `wgmma.mma_async` for sm_90a), the wgmma shapes (`m64n128k16`), whether
-it moves tiles with the Hopper tensor-memory accelerator (`cp.async.bulk.tensor`), or the error.
+log of Triton's ptxas run), shared memory (Triton's metadata), the count of tensor-core
+instructions in the PTX (`mma.sync` for sm_80, `wgmma.mma_async` for sm_90a), the wgmma shapes
+(`m64n128k16`), whether it moves tiles with the Hopper tensor-memory accelerator
+(`cp.async.bulk.tensor`), or the error.
 """
 
 import contextlib
@@ -41,8 +42,9 @@ def compile_one(module: object, job: dict) -> dict:
     from triton import knobs
     from triton.backends.compiler import GPUTarget
 
-    out = {"kernel": job["kernel"], "index": job.get("index", 0), "registers": 0, "spill_bytes": 0, "shared_bytes": 0,
-           "tensor_core_ops": 0, "wgmma": [], "tma": False, "error": ""}
+    out = {"kernel": job["kernel"], "index": job.get("index", 0), "registers": 0,
+           "spill_bytes": 0, "shared_bytes": 0, "tensor_core_ops": 0, "wgmma": [], "tma": False,
+           "error": ""}
     t0 = time.perf_counter()
     try:
         fn = getattr(module, job["kernel"])

@@ -141,19 +141,18 @@ def _occupancy(args: argparse.Namespace, spec: Spec, dtype: str) -> int:
 
     from archc.codegen.aot import compile_configs
     from archc.ir.lower import lower
+    from archc.perf import occupancy as occ
     from archc.perf.gpus import TARGET_GPU, gpu
-    from archc.perf.occupancy import (DEFAULT_CONTEXTS, Occupancy, attach, compile_jobs,
-                                      format_report, record, to_json)
     g = gpu(args.gpu or TARGET_GPU[args.target])
     if g.arch != args.target:
         raise ArchcError(f"--gpu {args.gpu} is not an {args.target} GPU (those: "
                          f"{', '.join(k for k, v in GPUS.items() if v.arch == args.target)})")
-    contexts = sorted(set(args.context or [c for c in DEFAULT_CONTEXTS if c <= spec.max_seq_len]
-                          or [spec.max_seq_len]))
+    within = [c for c in occ.DEFAULT_CONTEXTS if c <= spec.max_seq_len] or [spec.max_seq_len]
+    contexts = sorted(set(args.context or within))
     batch = args.batch or 1
-    recorder, plans = record(lower(spec, dtype), spec, dtype=dtype, batch=batch,
-                             contexts=contexts, gpu=g, cache_dir=args.cache_dir)
-    jobs = compile_jobs(plans)
+    recorder, plans = occ.record(lower(spec, dtype), spec, dtype=dtype, batch=batch,
+                                 contexts=contexts, gpu=g, cache_dir=args.cache_dir)
+    jobs = occ.compile_jobs(plans)
     with Progress("{task.description}", BarColumn(), MofNCompleteColumn(),
                   TimeRemainingColumn(), console=err_console, transient=True,
                   disable=not err_console.is_terminal) as bar:
@@ -161,12 +160,12 @@ def _occupancy(args: argparse.Namespace, spec: Spec, dtype: str) -> int:
         results = compile_configs(recorder.module_path, args.target, jobs, jobs=args.jobs,
                                   cache_dir=recorder.module_path.parent / "aot",
                                   progress=lambda r: bar.advance(task))
-    attach(plans, results)
-    rep = Occupancy(spec.name, dtype, args.target, g, batch, contexts, plans,
-                    recorder.module_path, results)
+    occ.attach(plans, results)
+    rep = occ.Occupancy(spec.name, dtype, args.target, g, batch, contexts, plans,
+                        recorder.module_path, results)
     if args.json:
-        sys.stdout.write(json.dumps(to_json(rep), indent=1) + "\n")
+        sys.stdout.write(json.dumps(occ.to_json(rep), indent=1) + "\n")
     else:
-        for item in format_report(rep):
+        for item in occ.format_report(rep):
             console.print(item)
     return 1 if rep.failed else 0

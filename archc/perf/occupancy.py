@@ -369,8 +369,11 @@ class Occupancy:
         want = PROGRAMS_PER_SM * self.gpu.sms
         thin = _collapse(x for x in plan.launches
                          if x.bytes is not None and x.bytes >= STREAMING_BYTES and x.work < want)
-        spilled = _collapse(x for p in self.plans if p.context == context for x in p.launches
-                            if x.aot is not None and x.aot.ok and x.aot.spill_bytes)
+        spilled: dict[int, tuple[AotResult, set[str]]] = {}    # by id: one per compile
+        for p in self.plans:
+            for x in p.launches:
+                if p.context == context and x.aot is not None and x.aot.spill_bytes:
+                    spilled.setdefault(id(x.aot), (x.aot, set()))[1].add(p.phase)
         over = {layer: n for layer, n in plan.per_layer().items() if n > plan.layer_limit}
         by_count: dict[int, list[int]] = {}
         for layer, n in over.items():
@@ -382,8 +385,8 @@ class Occupancy:
                                     if x.work != x.programs else f"{x.programs} programs")
                      for name, x in thin]),
             Verdict("no kernel spills registers (prefill and decode)", not spilled,
-                    [f"{name}: {x.aot.spill_bytes} bytes" for name, x in spilled
-                     if x.aot is not None]),
+                    [f"{r.kernel.removesuffix('_kernel')} in {' and '.join(sorted(phases))} "
+                     f"({r.config}): {r.spill_bytes} bytes" for r, phases in spilled.values()]),
             Verdict(f"decode launches per layer ≤ {plan.layer_limit} (one per kernel-level "
                     "node, plus one routing launch in an MoE layer)", not over,
                     [f"{n} in {_span(layers)}" for n, layers in by_count.items()]),
@@ -580,6 +583,7 @@ def to_json(rep: Occupancy) -> dict[str, Any]:
         compiled = r is not None and r.ok
         return {
             "kernel": x.kernel, "unit": x.unit, "family": x.family, "phase": x.phase,
+            "context": x.context,
             "node": x.node, "layer": x.layer, "label": x.label, "grid": list(x.grid),
             "programs": x.programs, "programs_with_work": x.work,
             "waves": rep.waves(x), "resident_per_sm": rep.resident(x),
