@@ -70,7 +70,7 @@ def phase(data: dict[str, Any], name: str, context: int) -> dict[str, Any]:
 def test_tiny_llama3_json(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
                           cache_dir: Path) -> None:
     spec = load_spec("tiny-llama3")
-    data = report(capsys, monkeypatch, "tiny-llama3", "--context", "24", "--context", "40",
+    data = report(capsys, monkeypatch, "tiny-llama3", "--context", "24", "40",
                   "--cache-dir", str(cache_dir))
     assert data["target"] == "sm_90a" and data["gpu"]["sms"] == 132 and data["batch"] == 1
     assert [(p["phase"], p["context"]) for p in data["phases"]] == [

@@ -43,9 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "exit status is 0 whatever the verdicts, 1 when a kernel fails to compile")
     occupancy.add_argument("--occupancy", action="store_true",
                            help="report occupancy instead of the per-kernel compile table")
-    occupancy.add_argument("--context", type=positive_int, nargs="+", action="extend",
-                           metavar="N", help="contexts in tokens, one or more, repeatable "
-                           "(default 512 2048 8192, those within max_seq_len)")
+    add(occupancy, "context", nargs="+", detail="one or more: a prefill of N tokens and the "
+        "decode step at context N each (default 512 2048 8192, those within max_seq_len)")
     add(occupancy, "batch", detail="default 1")
     add(occupancy, "gpu", detail="default: h200 for sm_90a, a100 for sm_80")
     add(occupancy, "json", detail="the occupancy report")
