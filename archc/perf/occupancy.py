@@ -493,8 +493,16 @@ def _rows(rep: Occupancy, plan: PhasePlan) -> list[tuple[str, ...]]:
             " ".join(r.wgmma) if compiled and r.wgmma else "—",
             ("yes" if r.tma else "no") if compiled else "—",
             "—" if x.bytes is None else _size(x.bytes),
-            "—" if x.seconds is None else f"{x.seconds * 1e6:.1f}"))
+            _micros(x.seconds)))
     return rows
+
+
+def _micros(seconds: float | None) -> str:
+    """Microseconds: one decimal, or two significant figures below 1 µs."""
+    if seconds is None:
+        return "—"
+    us = seconds * 1e6
+    return f"{us:.1f}" if us >= 1 else f"{us:.2g}"
 
 
 def _short(text: str) -> str:
