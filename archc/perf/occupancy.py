@@ -15,8 +15,9 @@ graphs covers the whole cache and reads the live length on the device). For each
   kernel at the launch's own block sizes (``archc.codegen.aot``; decode tiles differ from prefill
   ones), each (kernel, configuration) compiled once.
 - bytes and FLOPs: the IR node's cost model (``archc.perf.roofline``) at the phase's dims,
-  charged to the node's main launch; a helper launch (the merge of attention splits, the sum of
-  expert outputs) shows none. Roofline time: max(FLOPs / peak, bytes / bandwidth).
+  charged to the node's main launch (its widest that is not a helper); a helper launch (the
+  merge of attention splits, the sum of expert outputs) and any other launch of the node show
+  none. Roofline time: max(FLOPs / peak, bytes / bandwidth).
 - waves: ⌈programs with work / (SMs × programs resident per SM)⌉, residency bounded by the
   compiled kernel's registers, warps and shared memory (``perf.gpus.SM``).
 
@@ -34,7 +35,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +120,6 @@ class PhasePlan:
     launches: list[KernelLaunch]
     host_steps: list[HostStep]
     layer_limit: int            # launches a layer may make (the verdict's bound)
-    layer_nodes: dict[int, int] = field(default_factory=dict)  # layer → kernel-level nodes
 
     def per_layer(self) -> dict[int, int]:
         """Layer → its launches, a host step counting one per torch op."""
@@ -131,6 +131,15 @@ class PhasePlan:
             if h.layer is not None:
                 count[h.layer] = count.get(h.layer, 0) + h.torch_ops
         return dict(sorted(count.items()))
+
+    def parts(self, layer: int) -> str:
+        """What a layer's count is made of, when host steps add to it: ` (9 kernel launches +
+        31 torch ops)`."""
+        ops = sum(h.torch_ops for h in self.host_steps if h.layer == layer)
+        if not ops:
+            return ""
+        launched = sum(1 for x in self.launches if x.layer == layer)
+        return f" ({launched} kernel launches + {ops} torch ops)"
 
 
 def dims(phase: str, batch: int, context: int) -> dict[str, int]:
@@ -178,7 +187,8 @@ class _Bound:
 
 
 class _CountOps(TorchDispatchMode):
-    """Counts the torch ops dispatched under it, views (no device work) left out."""
+    """Counts the torch ops dispatched under it, views and bare allocations (no device work)
+    left out."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -186,7 +196,7 @@ class _CountOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        if not func.is_view:
+        if not func.is_view and not str(func).startswith("aten.empty"):
             self.ops += 1
         return func(*args, **(kwargs or {}))
 
@@ -260,9 +270,9 @@ def _moe_sizes(g: Graph, i: int) -> tuple[int, int]:
     return int(evaluate(g.nodes[n.inputs[2]].shape[0], {})), int(n.attr("top_k"))
 
 
-def _layer_limit(g: Graph) -> tuple[int, dict[int, int]]:
+def _layer_limit(g: Graph) -> int:
     """The most launches a decode layer may make: one per kernel-level node, plus one routing
-    launch when it has MoE experts; and each layer's kernel-level nodes."""
+    launch when it has MoE experts."""
     nodes: dict[int, int] = {}
     moe: set[int] = set()
     for i in g.compute_ids():
@@ -271,8 +281,7 @@ def _layer_limit(g: Graph) -> tuple[int, dict[int, int]]:
             nodes[layer] = nodes.get(layer, 0) + 1
             if g.nodes[i].op == Op.MOE_LINEAR:
                 moe.add(layer)
-    limit = max((n + (layer in moe) for layer, n in nodes.items()), default=0)
-    return limit, nodes
+    return max((n + (layer in moe) for layer, n in nodes.items()), default=0)
 
 
 def phase_plan(recorder: PlanRecorder, phase: str, batch: int, context: int,
@@ -296,8 +305,7 @@ def phase_plan(recorder: PlanRecorder, phase: str, batch: int, context: int,
         name = fn.kernel.fn.__name__
         entry = table[name]
         named = {**dict(zip(fn.kernel.arg_names, args)), **kw}
-        grid = tuple(int(x) for x in (fn.grid if isinstance(fn.grid, tuple | list)
-                                      else (fn.grid,)))
+        grid = _grid(fn.grid)
         experts, top_k = _moe_sizes(g, node)
         work = programs_with_work(entry["family"], grid, named, keys=d["P"] + d["T"],
                                   tokens=d["B"] * d["T"], experts=experts, top_k=top_k)
@@ -308,20 +316,26 @@ def phase_plan(recorder: PlanRecorder, phase: str, batch: int, context: int,
             roof = roofs[node]
             x.flops, x.bytes, x.seconds = roof.flops, roof.bytes, roof.time(gpu)
         launches.append(x)
-    limit, nodes = _layer_limit(g)
-    return PhasePlan(phase, context, launches, steps, limit, nodes)
+    return PhasePlan(phase, context, launches, steps, _layer_limit(g))
 
 
 def _main_launches(entries: list[tuple[int, Any, tuple, dict]],
                    table: Mapping[str, Any]) -> set[int]:
-    """Positions of each node's main launch: its first kernel launch that is not a helper (or
-    its first, when all are)."""
-    by_node: dict[int, list[tuple[bool, int]]] = {}
+    """Positions of each node's main launch, which its bytes and FLOPs are charged to: of its
+    kernel launches that are not helpers (or of all, when all are), the one with the most
+    programs — a node's main work is spread widest (a routing or merge kernel is small)."""
+    by_node: dict[int, list[tuple[bool, int, int]]] = {}
     for at, (node, fn, _, _) in enumerate(entries):
         if isinstance(fn, _Bound):
             helper = table[fn.kernel.fn.__name__]["family"] in HELPER_FAMILIES
-            by_node.setdefault(node, []).append((helper, at))
-    return {min(launches)[1] for launches in by_node.values()}
+            programs = math.prod(_grid(fn.grid))
+            by_node.setdefault(node, []).append((helper, -programs, at))
+    return {min(launches)[2] for launches in by_node.values()}
+
+
+def _grid(grid: Any) -> tuple[int, ...]:
+    """A launch's grid, evaluated (launchers evaluate grid functions as they record)."""
+    return tuple(int(x) for x in (grid if isinstance(grid, tuple | list) else (grid,)))
 
 
 # ---- the report -------------------------------------------------------------------------------
@@ -389,7 +403,8 @@ class Occupancy:
                      f"({r.config}): {r.spill_bytes} bytes" for r, phases in spilled.values()]),
             Verdict(f"decode launches per layer ≤ {plan.layer_limit} (one per kernel-level "
                     "node, plus one routing launch in an MoE layer)", not over,
-                    [f"{n} in {_span(layers)}" for n, layers in by_count.items()]),
+                    [f"{n} in {_span(layers)}{plan.parts(layers[0])}"
+                     for n, layers in by_count.items()]),
         ]
 
 
@@ -404,11 +419,11 @@ def _span(layers: list[int]) -> str:
 
 def _collapse(launches: Iterable[KernelLaunch]) -> list[tuple[str, KernelLaunch]]:
     """One (name, launch) per kernel and label across layers: `fused_linear_1 (attn.o ×32)`."""
-    groups: dict[tuple[str, str], list[KernelLaunch]] = {}
+    groups: dict[tuple[str, str, int, int], list[KernelLaunch]] = {}
     for x in launches:
-        groups.setdefault((x.kernel, x.layer_label), []).append(x)
+        groups.setdefault((x.kernel, x.layer_label, x.work, x.programs), []).append(x)
     out = []
-    for (kernel, lab), xs in groups.items():
+    for (kernel, lab, _, _), xs in groups.items():
         times = f" ×{len(xs)}" if len(xs) > 1 else ""
         out.append((f"{kernel.removesuffix('_kernel')} ({_short(lab)}{times})", xs[0]))
     return out
