@@ -10,6 +10,7 @@ import argparse
 import json
 import shutil
 import sys
+import textwrap
 from pathlib import Path
 
 from rich.markup import escape
@@ -34,13 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel", metavar="NAME",
                    help="print only this kernel's source (e.g. fused_linear_0), as in the module")
     add(p, "cache_dir")
-    occupancy = p.add_argument_group(
-        "occupancy report (with --target)",
+    # the parser keeps descriptions as written (RawDescriptionHelpFormatter): wrapped here
+    occupancy = p.add_argument_group("occupancy report (with --target)", textwrap.fill(
         "every launch of a prefill of N tokens and of the decode step at context N, as the "
         "runtime makes it on the GPU: programs with work, waves on the GPU's SMs, registers, "
         "spills, shared memory, wgmma shapes and TMA use of each launch's own configuration, "
         "bytes moved and roofline time; then pass/FAIL verdict lines for the decode step. The "
-        "exit status is 0 whatever the verdicts, 1 when a kernel fails to compile")
+        "exit status is 0 whatever the verdicts, 1 when a kernel fails to compile.", 76))
     occupancy.add_argument("--occupancy", action="store_true",
                            help="report occupancy instead of the per-kernel compile table")
     add(occupancy, "context", nargs="+", detail="one or more: a prefill of N tokens and the "
