@@ -119,7 +119,14 @@ class PhasePlan:
     context: int
     launches: list[KernelLaunch]
     host_steps: list[HostStep]
-    layer_limit: int            # launches a layer may make (the verdict's bound)
+    layer_limits: dict[int, int]    # layer → launches it may make (the verdict's bound)
+
+    @property
+    def limit_text(self) -> str:
+        """`5`, or `3–11` when layers differ."""
+        low, high = min(self.layer_limits.values(), default=0), max(
+            self.layer_limits.values(), default=0)
+        return str(low) if low == high else f"{low}–{high}"
 
     def per_layer(self) -> dict[int, int]:
         """Layer → its launches, a host step counting one per torch op."""
@@ -270,9 +277,9 @@ def _moe_sizes(g: Graph, i: int) -> tuple[int, int]:
     return int(evaluate(g.nodes[n.inputs[2]].shape[0], {})), int(n.attr("top_k"))
 
 
-def _layer_limit(g: Graph) -> int:
-    """The most launches a decode layer may make: one per kernel-level node, plus one routing
-    launch when it has MoE experts."""
+def _layer_limits(g: Graph) -> dict[int, int]:
+    """Layer → the most launches it may make: one per kernel-level node, plus one routing launch
+    when it has MoE experts."""
     nodes: dict[int, int] = {}
     moe: set[int] = set()
     for i in g.compute_ids():
@@ -281,7 +288,7 @@ def _layer_limit(g: Graph) -> int:
             nodes[layer] = nodes.get(layer, 0) + 1
             if g.nodes[i].op == Op.MOE_LINEAR:
                 moe.add(layer)
-    return max((n + (layer in moe) for layer, n in nodes.items()), default=0)
+    return {layer: n + (layer in moe) for layer, n in sorted(nodes.items())}
 
 
 def phase_plan(recorder: PlanRecorder, phase: str, batch: int, context: int,
@@ -316,7 +323,7 @@ def phase_plan(recorder: PlanRecorder, phase: str, batch: int, context: int,
             roof = roofs[node]
             x.flops, x.bytes, x.seconds = roof.flops, roof.bytes, roof.time(gpu)
         launches.append(x)
-    return PhasePlan(phase, context, launches, steps, _layer_limit(g))
+    return PhasePlan(phase, context, launches, steps, _layer_limits(g))
 
 
 def _main_launches(entries: list[tuple[int, Any, tuple, dict]],
@@ -388,7 +395,8 @@ class Occupancy:
             for x in p.launches:
                 if p.context == context and x.aot is not None and x.aot.spill_bytes:
                     spilled.setdefault(id(x.aot), (x.aot, set()))[1].add(p.phase)
-        over = {layer: n for layer, n in plan.per_layer().items() if n > plan.layer_limit}
+        over = {layer: n for layer, n in plan.per_layer().items()
+                if n > plan.layer_limits.get(layer, 0)}
         by_count: dict[int, list[int]] = {}
         for layer, n in over.items():
             by_count.setdefault(n, []).append(layer)
@@ -401,7 +409,7 @@ class Occupancy:
             Verdict("no kernel spills registers (prefill and decode)", not spilled,
                     [f"{r.kernel.removesuffix('_kernel')} in {' and '.join(sorted(phases))} "
                      f"({r.config}): {r.spill_bytes} bytes" for r, phases in spilled.values()]),
-            Verdict(f"decode launches per layer ≤ {plan.layer_limit} (one per kernel-level "
+            Verdict(f"decode launches per layer ≤ {plan.limit_text} (one per kernel-level "
                     "node, plus one routing launch in an MoE layer)", not over,
                     [f"{n} in {_span(layers)}{plan.parts(layers[0])}"
                      for n, layers in by_count.items()]),
@@ -635,7 +643,7 @@ def to_json(rep: Occupancy) -> dict[str, Any]:
             "host_steps": [{"name": h.name, "node": h.node, "layer": h.layer, "label": h.label,
                             "torch_ops": h.torch_ops} for h in p.host_steps],
             "launches_per_layer": {str(k): v for k, v in p.per_layer().items()},
-            "layer_limit": p.layer_limit,
+            "layer_limits": {str(k): v for k, v in p.layer_limits.items()},
         } for p in rep.plans],
         "verdicts": {str(c): [{"what": v.what, "pass": v.ok, "offending": v.offending}
                               for v in rep.verdicts(c)] for c in rep.contexts},
