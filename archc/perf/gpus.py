@@ -40,8 +40,8 @@ class GPU:
     name: str
     peak_flops: float       # dense bf16/fp16 tensor-core FLOP/s
     bandwidth: float        # HBM bytes/s
-    sms: int = 0            # streaming multiprocessors
-    arch: str = ""          # the compile target of its SMs (a key of ``SMS``)
+    sms: int                # streaming multiprocessors
+    arch: str               # the compile target of its SMs (a key of ``SMS``)
 
     @property
     def ridge(self) -> float:
