@@ -94,3 +94,43 @@ def test_recurrent_kernels_compile_for_sm90a_without_spills(name: str, tmp: Path
     for r in results:
         assert r.ok, f"{r.kernel}: {r.error}"
         assert r.registers > 0 and r.spill_bytes == 0, f"{r.kernel}: {r.spill_bytes} bytes spill"
+
+
+def test_wgmma_shapes_and_tma_from_ptx_text() -> None:
+    from archc.codegen.aot_worker import TMA_OP, wgmma_shapes
+    ptx = ("\twgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%f1}, %rd1, %rd2;\n"
+           "\twgmma.fence.sync.aligned;\n"
+           "\twgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%f2}, %rd3, %rd4;\n"
+           "\twgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%f3}, %rd5, %rd6;\n")
+    assert wgmma_shapes(ptx) == ["m64n64k16", "m64n128k16"]
+    assert wgmma_shapes("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == []
+    assert TMA_OP in "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+
+
+def test_explicit_configs_compile_once_and_are_cached(tmp: Path) -> None:
+    """One kernel at a prefill tile (wgmma, 128 rows) and a decode tile (16 rows: too few for
+    wgmma's 64), compiled for sm_90a; asked again, both come from the on-disk cache."""
+    from archc.codegen.aot import compile_configs
+    spec = load_spec("tiny-llama3")
+    gen = generate(optimize(lower(spec, "bf16")),
+                   CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
+    path = write_module(gen, tmp / "explicit")
+    prefill = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
+    decode = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=2)
+    configs = [("fused_linear_1_kernel", prefill), ("fused_linear_1_kernel", decode)]
+    seen: list[AotResult] = []
+    first = compile_configs(path, "sm_90a", configs, jobs=1, cache_dir=tmp / "aot-cache",
+                            progress=seen.append)
+    assert len(seen) == 2 and all(r.ok and not r.cached for r in first), first
+    big, small = first
+    assert big.config == "BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, " \
+                         "num_stages=3"
+    assert big.tensor_core_ops > 0 and big.wgmma and all(
+        s.startswith("m64n") and s.endswith("k16") for s in big.wgmma)
+    assert small.wgmma == [] and small.registers > 0
+    assert big.tma is False and small.tma is False      # pointer loads: no tensor descriptors
+    again = compile_configs(path, "sm_90a", configs, jobs=1, cache_dir=tmp / "aot-cache")
+    assert all(r.cached for r in again)
+    for a, b in zip(first, again):
+        assert (a.registers, a.spill_bytes, a.shared_bytes, a.wgmma, a.tma) == \
+               (b.registers, b.spill_bytes, b.shared_bytes, b.wgmma, b.tma)

@@ -3,11 +3,13 @@ and nothing of archc — in particular not torch — so it starts in a fraction 
 jobs as JSON lines on stdin, one kernel each:
 
     {"kernel": name, "signature": {arg: type}, "constexprs": {arg: value},
-     "options": {"num_warps": w, "num_stages": s}, "capability": 80 | 90}
+     "options": {"num_warps": w, "num_stages": s}, "capability": 80 | 90, "index": i}
 
-and writes one JSON line per kernel: registers and spill bytes (from the log of Triton's ptxas
-run), shared memory (Triton's metadata), the count of tensor-core instructions in the PTX
-(`mma.sync` for sm_80, `wgmma.mma_async` for sm_90a), or the error.
+and writes one JSON line per kernel, with the job's index: registers and spill bytes (from the
+log of Triton's ptxas run), shared memory (Triton's metadata), the count of tensor-core
+instructions in the PTX (`mma.sync` for sm_80, `wgmma.mma_async` for sm_90a), the wgmma shapes
+(`m64n128k16`), whether it moves tiles with the Hopper tensor-memory accelerator
+(`cp.async.bulk.tensor`), or the error.
 """
 
 import contextlib
@@ -20,6 +22,14 @@ import sys
 import time
 
 TENSOR_CORE_OP = {80: "mma.sync", 90: "wgmma.mma_async"}
+WGMMA_SHAPE = re.compile(r"wgmma\.mma_async\S*?\.(m\d+n\d+k\d+)\b")
+TMA_OP = "cp.async.bulk.tensor"
+
+
+def wgmma_shapes(ptx: str) -> list[str]:
+    """The distinct wgmma shapes of a PTX text, smallest first (`m64n128k16`)."""
+    return sorted(set(WGMMA_SHAPE.findall(ptx)),
+                  key=lambda s: tuple(int(x) for x in re.findall(r"\d+", s)))
 
 
 def last_line(text: object) -> str:
@@ -32,8 +42,9 @@ def compile_one(module: object, job: dict) -> dict:
     from triton import knobs
     from triton.backends.compiler import GPUTarget
 
-    out = {"kernel": job["kernel"], "registers": 0, "spill_bytes": 0, "shared_bytes": 0,
-           "tensor_core_ops": 0, "error": ""}
+    out = {"kernel": job["kernel"], "index": job.get("index", 0), "registers": 0,
+           "spill_bytes": 0, "shared_bytes": 0, "tensor_core_ops": 0, "wgmma": [], "tma": False,
+           "error": ""}
     t0 = time.perf_counter()
     try:
         fn = getattr(module, job["kernel"])
@@ -66,7 +77,10 @@ def compile_one(module: object, job: dict) -> dict:
         out["registers"] = int(regs.group(1))
         out["spill_bytes"] = sum(int(m.group(1)) for m in (stores, loads) if m)
         out["shared_bytes"] = int(compiled.metadata.shared)
-        out["tensor_core_ops"] = compiled.asm["ptx"].count(TENSOR_CORE_OP[job["capability"]])
+        ptx = compiled.asm["ptx"]
+        out["tensor_core_ops"] = ptx.count(TENSOR_CORE_OP[job["capability"]])
+        out["wgmma"] = wgmma_shapes(ptx)
+        out["tma"] = TMA_OP in ptx
     except Exception as err:  # reported per kernel; the caller's table shows all of them
         out["error"] = f"{type(err).__name__}: {last_line(err)}"
     out["seconds"] = time.perf_counter() - t0

@@ -1,12 +1,16 @@
 """Render a model's kernels into one Triton module (after the default passes) and, with
 --target, compile every unique kernel ahead of time for a GPU: registers, spills, shared memory,
-tensor-core instructions."""
+tensor-core instructions. With --occupancy, every launch of a prefill and a decode step as the
+runtime makes it for that GPU instead: programs with work, waves, the compile of each launch's
+own configuration and its roofline time, with verdicts (``archc.perf.occupancy``)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
+import textwrap
 from pathlib import Path
 
 from rich.markup import escape
@@ -15,7 +19,9 @@ from archc.commands.common import check_output, spec_of
 from archc.commands.passes import add_pipeline_arguments
 from archc.commands.vocabulary import add, positive_int
 from archc.errors import ArchcError
-from archc.ui import console, nbytes, table
+from archc.perf.gpus import GPUS
+from archc.spec.schema import Spec
+from archc.ui import console, err_console, nbytes, table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,6 +35,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel", metavar="NAME",
                    help="print only this kernel's source (e.g. fused_linear_0), as in the module")
     add(p, "cache_dir")
+    # the parser keeps descriptions as written (RawDescriptionHelpFormatter): wrapped here
+    occupancy = p.add_argument_group("occupancy report (with --target)", textwrap.fill(
+        "every launch of a prefill of N tokens and of the decode step at context N, as the "
+        "runtime makes it on the GPU: programs with work, waves on the GPU's SMs, registers, "
+        "spills, shared memory, wgmma shapes and TMA use of each launch's own configuration, "
+        "bytes moved and roofline time; then pass/FAIL verdict lines for the decode step. The "
+        "exit status is 0 whatever the verdicts, 1 when a kernel fails to compile.", 76))
+    occupancy.add_argument("--occupancy", action="store_true",
+                           help="report occupancy instead of the per-kernel compile table")
+    add(occupancy, "context", nargs="+", detail="one or more: a prefill of N tokens and the "
+        "decode step at context N each (default 512 2048 8192, those within max_seq_len)")
+    add(occupancy, "batch", detail="default 1")
+    add(occupancy, "gpu", detail="default: h200 for sm_90a, a100 for sm_80")
+    add(occupancy, "json", detail="the occupancy report")
+
+
+def _check_occupancy_flags(args: argparse.Namespace) -> None:
+    given = [flag for flag, value in (("--context", args.context), ("--batch", args.batch),
+                                      ("--gpu", args.gpu), ("--json", args.json)) if value]
+    if not args.occupancy and given:
+        raise ArchcError(f"{', '.join(given)} go{'es' if len(given) == 1 else ''} with "
+                         "--occupancy")
+    if not args.occupancy:
+        return
+    if args.target is None:
+        raise ArchcError("--occupancy needs a GPU to report on: add --target sm_90a (or sm_80)")
+    if args.passes != "default":
+        raise ArchcError("--occupancy reports the kernels the runtime runs, after the default "
+                         "passes: leave out --passes")
+    for flag, value in (("--kernel", args.kernel), ("-o", args.output)):
+        if value is not None:
+            raise ArchcError(f"{flag} does not go with --occupancy")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,9 +76,12 @@ def run(args: argparse.Namespace) -> int:
     from archc.kernel_cache import default_cache_dir, used
     from archc.passes import optimize
 
+    _check_occupancy_flags(args)
     check_output(args.output, "dir")
     spec = spec_of(args)
     dtype = args.dtype or spec.dtype
+    if args.occupancy:
+        return _occupancy(args, spec, dtype)
     gen = generate(optimize(lower(spec, dtype), args.passes),
                    CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
     path = write_module(gen, (args.cache_dir or default_cache_dir()) / gen.digest[:24])
@@ -92,3 +133,39 @@ def _aot(path: Path, target: str, jobs: int) -> int:
     for r in failed:
         console.print(f"[red]{escape(f'{r.kernel}: {r.error}')}[/]")
     return 1 if failed else 0
+
+
+def _occupancy(args: argparse.Namespace, spec: Spec, dtype: str) -> int:
+    """The occupancy report (``archc.perf.occupancy``): tables and verdicts, or JSON."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    from archc.codegen.aot import compile_configs
+    from archc.ir.lower import lower
+    from archc.perf import occupancy as occ
+    from archc.perf.gpus import TARGET_GPU, gpu
+    g = gpu(args.gpu or TARGET_GPU[args.target])
+    if g.arch != args.target:
+        raise ArchcError(f"--gpu {args.gpu} is not an {args.target} GPU (those: "
+                         f"{', '.join(k for k, v in GPUS.items() if v.arch == args.target)})")
+    within = [c for c in occ.DEFAULT_CONTEXTS if c <= spec.max_seq_len] or [spec.max_seq_len]
+    contexts = sorted(set(args.context or within))
+    batch = args.batch or 1
+    recorder, plans = occ.record(lower(spec, dtype), spec, dtype=dtype, batch=batch,
+                                 contexts=contexts, gpu=g, cache_dir=args.cache_dir)
+    jobs = occ.compile_jobs(plans)
+    with Progress("{task.description}", BarColumn(), MofNCompleteColumn(),
+                  TimeRemainingColumn(), console=err_console, transient=True,
+                  disable=not err_console.is_terminal) as bar:
+        task = bar.add_task(f"compiling for {args.target}", total=len(jobs))
+        results = compile_configs(recorder.module_path, args.target, jobs, jobs=args.jobs,
+                                  cache_dir=recorder.module_path.parent / "aot",
+                                  progress=lambda r: bar.advance(task))
+    occ.attach(plans, results)
+    rep = occ.Occupancy(spec.name, dtype, args.target, g, batch, contexts, plans,
+                        recorder.module_path, results)
+    if args.json:
+        sys.stdout.write(json.dumps(occ.to_json(rep), indent=1) + "\n")
+    else:
+        for item in occ.format_report(rep):
+            console.print(item)
+    return 1 if rep.failed else 0

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from archc.commands.common import check_output, emit
-from archc.commands.vocabulary import add, positive_int
+from archc.commands.vocabulary import add
 from archc.errors import ArchcError
 from archc.modernize import DEFAULT_STEPS, STEPS, Row, StepError, convert, parse_steps, walk
 from archc.sources import describe
@@ -20,8 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", default=",".join(DEFAULT_STEPS),
                    help=f"comma-separated steps (default: {','.join(DEFAULT_STEPS)}). {steps}")
     add(p, "batch", default=1)
-    p.add_argument("--context", type=positive_int, metavar="N",
-                   help="context length for KV bytes and intensity (default: max_seq_len)")
+    add(p, "context", detail="for KV bytes and intensity (default: max_seq_len)")
     add(p, "output", detail="for a spec, a file: the final spec as YAML; for a checkpoint, a "
         "directory: the converted checkpoint (spec.yaml and model.safetensors)")
     p.add_argument("--plot", type=Path, metavar="FILE.png", help="draw the columns per step")

@@ -73,6 +73,8 @@ FLAGS: dict[str, Flag] = {f.names[-1].lstrip("-").replace("-", "_"): f for f in 
     Flag(("--encoder-len",), "encoder length S of an encoder-decoder", "S",
          {"type": positive_int}),
     Flag(("--batch",), "sequences per batch", "N", {"type": positive_int}),
+    Flag(("--context",), "context length in tokens: the keys a decode step attends over", "N",
+         {"type": positive_int}),
     Flag(("--dtype",), "the dtype weights and activations are computed in; default: the "
          "model's own (its spec's `dtype`, a checkpoint's), f32 when it runs on a CPU", None,
          {"choices": DTYPES}),

@@ -1,5 +1,7 @@
-"""Peak dense 16-bit tensor throughput and HBM bandwidth of the GPUs archc models: the vendor's
-datasheet figures for dense (not 2:4 sparse) bf16/fp16 tensor-core math and peak bandwidth."""
+"""Peak dense 16-bit tensor throughput, HBM bandwidth and SM count of the GPUs archc models: the
+vendor's datasheet figures for dense (not 2:4 sparse) bf16/fp16 tensor-core math, peak bandwidth
+and streaming multiprocessors; and what one SM of each architecture holds (CUDA programming
+guide, compute capabilities 8.0 and 9.0), which bounds the programs resident on it."""
 
 from __future__ import annotations
 
@@ -9,10 +11,37 @@ from archc.errors import ArchcError
 
 
 @dataclass(frozen=True)
+class SM:
+    """What one streaming multiprocessor of an architecture holds at once."""
+
+    registers: int          # 32-bit registers
+    shared_bytes: int       # shared memory, of which the runtime reserves 1 KB per program
+    warps: int              # resident warps
+    programs: int           # resident thread blocks
+
+    def resident(self, registers: int, warps: int, shared_bytes: int) -> int:
+        """Programs of a kernel that fit on one SM at once: registers are allocated per warp
+        in units of 256 (8 per thread)."""
+        per_warp = -(-max(registers, 1) * 32 // 256) * 256
+        return max(0, min(self.programs, self.warps // warps,
+                          self.registers // (per_warp * warps),
+                          self.shared_bytes // (shared_bytes + 1024)))
+
+
+# compute capability 9.0 (H100/H200) and 8.0 (A100)
+SMS: dict[str, SM] = {
+    "sm_90a": SM(65536, 228 * 1024, 64, 32),
+    "sm_80": SM(65536, 164 * 1024, 64, 32),
+}
+
+
+@dataclass(frozen=True)
 class GPU:
     name: str
     peak_flops: float       # dense bf16/fp16 tensor-core FLOP/s
     bandwidth: float        # HBM bytes/s
+    sms: int                # streaming multiprocessors
+    arch: str               # the compile target of its SMs (a key of ``SMS``)
 
     @property
     def ridge(self) -> float:
@@ -21,10 +50,12 @@ class GPU:
 
 
 GPUS: dict[str, GPU] = {
-    "a100": GPU("A100-80GB SXM", 312e12, 2.039e12),     # A100 datasheet (2021), HBM2e
-    "h100": GPU("H100 SXM", 989.4e12, 3.35e12),         # H100 datasheet (2023), HBM3
-    "h200": GPU("H200 SXM", 989e12, 4.8e12),            # H200 datasheet (2024), HBM3e
+    "a100": GPU("A100-80GB SXM", 312e12, 2.039e12, 108, "sm_80"),  # A100 datasheet (2021), HBM2e
+    "h100": GPU("H100 SXM", 989.4e12, 3.35e12, 132, "sm_90a"),     # H100 datasheet (2023), HBM3
+    "h200": GPU("H200 SXM", 989e12, 4.8e12, 132, "sm_90a"),        # H200 datasheet (2024), HBM3e
 }
+# the GPU a compile target's report models unless --gpu names another of its architecture
+TARGET_GPU = {"sm_90a": "h200", "sm_80": "a100"}
 
 
 def gpu(name: str) -> GPU:

@@ -1,0 +1,257 @@
+"""The occupancy report, `archc compile SPEC --target sm_90a --occupancy`.
+
+The launches are the runtime's own (a launch plan built for the GPU target, nothing launched);
+the ahead-of-time compiles are faked here (one real compile is in test_aot.py), so these tests
+check what the report computes from the plans: programs with work, bytes, launches per layer and
+the verdicts. Expected values come from the spec and plain arithmetic, not from the code under
+test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import archc.codegen.aot as aot
+from archc.cli import main
+from archc.codegen import blocks
+from archc.codegen.aot import AotResult, config_text
+from archc.ir.lower import lower
+from archc.passes import optimize
+from archc.perf.gpus import GPUS, SMS
+from archc.perf.occupancy import balanced_blocks, programs_with_work
+from archc.perf.roofline import kernels
+from archc.runtime.launch import moe_routing
+from archc.spec import load_spec
+
+FIELDS = ("kernel", "family", "phase", "programs", "programs_with_work", "bytes", "registers",
+          "spill_bytes", "shared_bytes", "wgmma", "tma")
+
+
+def fake_compile(spill: dict[str, int] | None = None):  # noqa: ANN201
+    """A stand-in for ``compile_configs``: 32 registers, 1 KiB of shared memory, `spill`
+    bytes for the kernels named there."""
+    def compile_configs(module_path: Path, target: str, configs: list[tuple[str, Any]], *,
+                        progress: Any = None, **_: Any) -> list[AotResult]:
+        table = aot.kernel_table(module_path)
+        out = []
+        for name, cfg in configs:
+            r = AotResult(name, table[name]["unit"], table[name]["family"], target,
+                          registers=32, shared_bytes=1024, config=config_text(cfg),
+                          spill_bytes=(spill or {}).get(name, 0), wgmma=["m64n32k16"])
+            out.append(r)
+            if progress is not None:
+                progress(r)
+        return out
+    return compile_configs
+
+
+def report(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+           *argv: str, spill: dict[str, int] | None = None) -> dict[str, Any]:
+    monkeypatch.setattr(aot, "compile_configs", fake_compile(spill))
+    assert main(["compile", *argv, "--target", "sm_90a", "--occupancy", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("occupancy")
+
+
+def phase(data: dict[str, Any], name: str, context: int) -> dict[str, Any]:
+    return next(p for p in data["phases"] if p["phase"] == name and p["context"] == context)
+
+
+def test_tiny_llama3_json(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                          cache_dir: Path) -> None:
+    spec = load_spec("tiny-llama3")
+    data = report(capsys, monkeypatch, "tiny-llama3", "--context", "24", "40",
+                  "--cache-dir", str(cache_dir))
+    assert data["target"] == "sm_90a" and data["gpu"]["sms"] == 132 and data["batch"] == 1
+    assert [(p["phase"], p["context"]) for p in data["phases"]] == [
+        ("prefill", 24), ("decode", 24), ("prefill", 40), ("decode", 40)]
+    program = optimize(lower(spec, spec.dtype))
+    graph = program.graph("decoder")
+    for p in data["phases"]:
+        for x in p["launches"]:
+            assert all(k in x for k in FIELDS), x
+            assert x["programs"] == math.prod(x["grid"]) >= x["programs_with_work"] >= 1
+        # every node of the decoder is launched, its bytes charged once: they add up to the
+        # roofline's bytes at the phase's dims
+        assert {x["node"] for x in p["launches"]} == set(graph.compute_ids())
+        c = p["context"]
+        dims = ({"B": 1, "T": c, "P": 0, "S": 0} if p["phase"] == "prefill" else
+                {"B": 1, "T": 1, "P": c - 1, "S": 0})
+        want = sum(k.bytes for k in kernels(program, dims) if k.graph == "decoder")
+        assert sum(x["bytes"] or 0 for x in p["launches"]) == want
+        # a layer: q+k+v, attention, o, gate+up, down
+        assert set(p["layer_limits"].values()) == {5}
+        assert set(p["launches_per_layer"]) == {str(i) for i in range(spec.layers)}
+    # decode attention covers the whole cache (CUDA graphs); programs with work reach the live
+    # keys: the current kernel gives each split `split` keys of the cache
+    for c in (24, 40):
+        atts = [x for x in phase(data, "decode", c)["launches"]
+                if x["family"] == "attention_decode"]
+        assert len(atts) == spec.layers
+        for att in atts:
+            rows = spec.attention.kv_heads          # B · KV heads
+            splits, split = blocks.decode_splits("gpu", spec.max_seq_len, rows,
+                                                 att["config"]["BLOCK_N"])
+            assert att["grid"] == [rows, splits]
+            assert att["programs_with_work"] == rows * min(splits, -(-c // split))
+    # the fake compile's numbers reach every launch; nothing spills, the verdict says so
+    assert all(x["registers"] == 32 and x["wgmma"] == ["m64n32k16"] and x["tma"] is False
+               for p in data["phases"] for x in p["launches"])
+    no_spill = [v for v in data["verdicts"]["24"] if "spill" in v["what"]]
+    assert no_spill and no_spill[0]["pass"]
+
+
+def test_tiny_mixtral_experts_with_work(capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
+    spec = load_spec("tiny-mixtral")
+    experts, top_k = spec.ffn.moe.experts, spec.ffn.moe.top_k
+    data = report(capsys, monkeypatch, "tiny-mixtral", "--context", "48", "--cache-dir",
+                  str(cache_dir))
+    assert any("balanced" in a for a in data["assumptions"])
+    for name, tokens in (("decode", 1), ("prefill", 48)):
+        p = phase(data, name, 48)
+        moe = [x for x in p["launches"] if x["family"] == "moe"]
+        assert len(moe) == 2 * spec.layers         # up and down in every layer
+        for x in moe:
+            block_m = x["config"]["BLOCK_M"]
+            # the grid: an upper bound of row blocks, cdiv(pairs, BLOCK_M) + E
+            assert x["grid"][0] == -(-tokens * top_k // block_m) + experts
+            # with work: one token routes to top_k distinct experts, one block each; a
+            # prefill's pairs dealt evenly over the experts
+            per_expert = [tokens * top_k // experts + (e < tokens * top_k % experts)
+                          for e in range(experts)]
+            routed = sum(-(-n // block_m) for n in per_expert)
+            if tokens == 1:
+                assert routed == top_k
+            assert x["programs_with_work"] == routed * math.prod(x["grid"][1:])
+        # host steps count one launch per torch op: the layer's launches add up
+        for layer, count in p["launches_per_layer"].items():
+            ops = sum(h["torch_ops"] for h in p["host_steps"] if h["layer"] == int(layer))
+            launched = sum(1 for x in p["launches"] if x["layer"] == int(layer))
+            assert count == launched + ops and ops > 0
+        # a layer: q+k+v, attention, o, norm, router, up, down, and its routing
+        assert set(p["layer_limits"].values()) == {8}
+    (launch_verdict,) = [v for v in data["verdicts"]["48"] if "per layer" in v["what"]]
+    over = any(int(n) > 8 for n in phase(data, "decode", 48)["launches_per_layer"].values())
+    assert launch_verdict["pass"] is not over
+
+
+def test_balanced_blocks_match_the_runtime_routing() -> None:
+    """Row blocks of routing where every expert gets its even share, counted from the
+    runtime's own routing tables."""
+    for tokens, experts, top_k, block_m in ((1, 8, 2, 16), (5, 4, 2, 4), (37, 8, 2, 16),
+                                            (64, 8, 2, 16)):
+        gates = torch.zeros(tokens, experts)
+        for t in range(tokens):
+            for j in range(top_k):      # token t's j-th choice: pair t·k + j, dealt round-robin
+                gates[t, (t * top_k + j) % experts] = 1.0 + j * 1e-3
+        n_blocks = -(-tokens * top_k // block_m) + experts
+        table = torch.empty(n_blocks * block_m, dtype=torch.int32)
+        block_expert = torch.empty(n_blocks, dtype=torch.int32)
+        moe_routing(gates, top_k, block_m, table, block_expert)
+        used = int((block_expert >= 0).sum())
+        assert balanced_blocks(tokens * top_k, experts, block_m) == used
+
+
+def test_programs_with_work_of_split_kv_attention() -> None:
+    # the kernel of today: each split a fixed run of SPLIT keys
+    args = {"SPLIT": 256, "BLOCK_N": 64}
+    assert programs_with_work("attention_decode", (8, 32), args, keys=2049, tokens=1) == 8 * 9
+    assert programs_with_work("attention_decode", (8, 32), args, keys=8192, tokens=1) == 256
+    # a fixed grid whose programs deal the live key blocks out: every split works once there
+    # are as many blocks as splits
+    args = {"BLOCK_N": 64}
+    assert programs_with_work("attention_decode", (8, 33), args, keys=512, tokens=1) == 8 * 8
+    assert programs_with_work("attention_decode", (8, 33), args, keys=4096, tokens=1) == 8 * 33
+    # others: every program
+    assert programs_with_work("matmul", (128,), {}, keys=0, tokens=1) == 128
+
+
+def test_resident_programs_per_sm() -> None:
+    sm = SMS["sm_90a"]
+    # 4 warps of 128 threads at 64 registers: 8192 registers each, 8 fit in 65536
+    assert sm.resident(64, 4, 0) == 8
+    # shared memory bounds: 100 KiB + 1 KiB reserved each, 2 in 228 KiB
+    assert sm.resident(32, 4, 100 * 1024) == 2
+    # 255 registers round up to 256 a thread: 8 warps take 65536, one program
+    assert sm.resident(255, 8, 0) == 1
+    assert GPUS["h200"].sms == 132 and GPUS["a100"].sms == 108
+
+
+def test_verdict_catches_too_few_programs(capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch,
+                                          cache_dir: Path) -> None:
+    """llama3-8b decode at context 512: matmul tiles 8 columns wide give every projection ≥ 512
+    programs (pass; the KV cache is 2 MiB a layer, under the bar); 256 columns for the down
+    projection (K = 14336) give it 4096 / 256 = 16 programs (FAIL, naming it)."""
+    real = blocks.launch_config
+
+    def narrow(down: int):  # noqa: ANN202
+        def config(family: str, target: str, **sizes: int) -> dict[str, Any]:
+            cfg = real(family, target, **sizes)
+            if family == "matmul" and sizes["M"] <= 16:
+                cfg["BLOCK_N"] = down if sizes["K"] == 14336 else 8
+            return cfg
+        return config
+
+    verdicts = {}
+    for width in (8, 256):
+        monkeypatch.setattr(blocks, "launch_config", narrow(width))
+        data = report(capsys, monkeypatch, "llama3-8b", "--context", "512", "--cache-dir",
+                      str(cache_dir))
+        (v,) = [v for v in data["verdicts"]["512"] if "programs with work" in v["what"]]
+        verdicts[width] = v
+    assert verdicts[8]["pass"] and not verdicts[8]["offending"]
+    assert not verdicts[256]["pass"]
+    assert verdicts[256]["offending"] == ["fused_linear_3 (ffn.down ×32): 16 programs"]
+
+
+def test_spills_fail_their_verdict(capsys: pytest.CaptureFixture[str],
+                                   monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
+    data = report(capsys, monkeypatch, "tiny-llama3", "--context", "16", "--cache-dir",
+                  str(cache_dir), spill={"fused_linear_1_kernel": 96})
+    (v,) = [v for v in data["verdicts"]["16"] if "spill" in v["what"]]
+    assert not v["pass"] and all(o.startswith("fused_linear_1 in") and o.endswith(": 96 bytes")
+                                 for o in v["offending"])
+
+
+def test_the_table_report(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                          cache_dir: Path) -> None:
+    monkeypatch.setattr(aot, "compile_configs", fake_compile())
+    assert main(["compile", "tiny-mixtral", "--target", "sm_90a", "--occupancy", "--context",
+                 "32", "--cache-dir", str(cache_dir)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "decode step at context 32 (1 token after 31)" in out
+    assert "prefill of 32 tokens" in out
+    assert "moe_routing (host)" in out and "H200 SXM" in out
+    assert out.count("context 32: ") == 3
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--occupancy"], "--occupancy needs a GPU to report on: add --target sm_90a"),
+    (["--context", "16"], "--context goes with --occupancy"),
+    (["--target", "sm_90a", "--occupancy", "--context", "65"],
+     "--context 65 exceeds tiny-llama3's max_seq_len = 64"),
+    (["--target", "sm_90a", "--occupancy", "--gpu", "a100"], "--gpu a100 is not an sm_90a GPU"),
+    (["--target", "sm_90a", "--occupancy", "--passes", "none"], "leave out --passes"),
+])
+def test_cli_errors(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    assert main(["compile", "tiny-llama3", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_context_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    for bad, why in (("0", "0 must be ≥ 1"), ("2k", "'2k' is not a whole number")):
+        assert main(["compile", "tiny-llama3", "--target", "sm_90a", "--occupancy",
+                     "--context", bad]) == 2
+        assert f"argument --context: {why}" in capsys.readouterr().err
