@@ -10,7 +10,9 @@ ONE plan built for more keys than any step has, at several past lengths:
   a sliding window (splits that see no key) and global tokens;
 - the keys each split read, from its partial sums, against ``blocks.split_blocks``;
 - the arrival counters are zero again after every launch;
-- cache positions past the live length are NaN: a split that read one would spread it.
+- cache positions past the live length are NaN: a split that read one would spread it; and no
+  NaN is computed anywhere, not even from a merge step of only empty splits (numpy's
+  RuntimeWarning is an error).
 Also the GPU sizing: llama3-8b's and mixtral-8x7b's decode grids keep two waves of programs
 with work from 1k keys of context to the whole cache.
 """
@@ -48,13 +50,17 @@ def kernel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def deal(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """Force the decode grid's key block and split count (the interpreter's defaults give four
-    splits of one block each at most: no uneven deal)."""
+    splits of one block each at most: no uneven deal), and the splits and columns the merge
+    takes a step (the interpreter's: all four splits, whole heads)."""
     launch_config, split_count = blocks.launch_config, blocks.decode_split_count
 
-    def force(block_n: int, splits: int) -> None:
+    def force(block_n: int, splits: int, block_s: int = 4, block_dm: int | None = None) -> None:
         def config(family: str, target: str, **sizes: int) -> dict[str, Any]:
             cfg = launch_config(family, target, **sizes)
-            return {**cfg, "BLOCK_N": block_n} if family == "attention_decode" else cfg
+            if family != "attention_decode":
+                return cfg
+            return {**cfg, "BLOCK_N": block_n, "BLOCK_S": block_s,
+                    "BLOCK_DM": block_dm or cfg["BLOCK_DM"]}
 
         def count(target: str, programs: int, block: int, max_keys: int) -> int:
             assert block == block_n and max_keys == KV_LEN_MAX
@@ -124,22 +130,27 @@ class Replay:
 
 
 CASES = [
-    # heads, kv_heads, head_dim, T, window, global tokens, BLOCK_N, splits, past lengths
-    (4, 2, 16, 1, None, None, 16, 4, (0, 19, 40, 86, 119)),    # GQA; 1, 2, 3, 6 and 8 blocks
-    (3, 1, 16, 2, None, None, 16, 3, (5, 50, 118)),            # MQA, T = 2; uneven deals
-    (4, 4, 24, 1, None, None, 16, 5, (7, 33, 100)),            # MHA, head_dim 24, 5 splits
-    (4, 2, 16, 1, 5, None, 16, 4, (3, 45, 110)),               # window: splits that see nothing
-    (4, 2, 16, 3, 6, 3, 16, 4, (2, 61, 117)),                  # window + global tokens
-    (4, 1, 16, 1, 4, 20, 16, 3, (10, 70, 119)),                # global keys over two blocks
-    (4, 2, 16, 1, None, None, 32, 2, (0, 64, 119)),            # the interpreter's own BLOCK_N
+    # heads, kv_heads, head_dim, T, window, global tokens, BLOCK_N, splits, merge step
+    # (BLOCK_S, BLOCK_DM), past lengths
+    (4, 2, 16, 1, None, None, 16, 4, (4, None), (0, 19, 40, 86, 119)),  # GQA: 1 to 8 blocks
+    (3, 1, 16, 2, None, None, 16, 3, (2, None), (5, 50, 118)),          # MQA, T = 2; uneven
+    (4, 4, 24, 1, None, None, 16, 5, (2, 16), (0, 7, 33, 100)),         # MHA; head_dim 24 in
+    #                                                           16 + 8 (of 16) columns a step
+    (4, 2, 16, 1, 5, None, 16, 4, (2, None), (3, 45, 110)),             # window: splits that
+    #                                                                     see no key
+    (4, 2, 16, 3, 6, 3, 16, 4, (4, None), (2, 61, 117)),                # window + global
+    (4, 1, 16, 1, 4, 20, 16, 3, (4, None), (10, 70, 119)),              # global keys in two
+    #                                                                     blocks
+    (4, 2, 16, 1, None, None, 32, 2, (4, None), (0, 64, 119)),          # interpreter's BLOCK_N
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:8])))
+@pytest.mark.filterwarnings("error::RuntimeWarning")   # numpy's: a NaN computed anywhere
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:9])))
 def test_one_plan_replayed_at_every_past_length_agrees_with_eager(kernel_dir: Path, deal: Any,
                                                                   case: tuple) -> None:
-    heads, kv_heads, hd, t, window, g, block_n, splits, pasts = case
-    deal(block_n, splits)
+    heads, kv_heads, hd, t, window, g, block_n, splits, step, pasts = case
+    deal(block_n, splits, *step)
     replay = Replay(cached_attention(heads, kv_heads, hd, window=window, global_tokens=g),
                     2, t, kv_heads, hd, kernel_dir)
     for past in pasts:

@@ -71,13 +71,20 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         return _cfg(8, 3, BLOCK_M=128, BLOCK_N=64)
     if family == "attention_decode":
         rows = _clamp_pow2(sizes["R"], 16, DECODE_MAX_ROWS)  # the G·T query rows of a KV head
+        block_d = _clamp_pow2(sizes["D"], 16, 1 << 16)
         if not gpu:  # about one block per split (decode_split_count: four), so short test
             # sequences still exercise the merge
-            return _cfg(BLOCK_R=rows, BLOCK_N=_clamp_pow2(sizes["L"] // 4, 16, 128))
-        # 32 keys a block: at 1k+ keys of context a KV head's cdiv(keys, 32) blocks fill the 33
-        # splits that 8 KV heads need for 264 busy programs (64 would leave a quarter idle at 1k)
-        wide = rows > 16 or sizes["D"] > 128
-        return _cfg(8 if rows > 64 else 4, 2 if wide else 3, BLOCK_R=rows, BLOCK_N=32)
+            return _cfg(BLOCK_R=rows, BLOCK_N=_clamp_pow2(sizes["L"] // 4, 16, 128), BLOCK_S=4,
+                        BLOCK_DM=block_d)
+        # key blocks of about 4096 values (32 keys of head_dim 128, 64 of 64, 16 of 256): once a
+        # layer's KV reaches 4 MiB (bf16), a KV head has at least as many blocks as the
+        # splits that fill two waves with work (decode_split_count: 33 for 8 KV heads at 1k
+        # keys of head_dim 128)
+        block_n = max(16, min(64, 4096 // block_d))
+        # the merge: 64 splits (all of them at batch 1 with 8 KV heads) × 64 columns a step, 32
+        # values a thread (twice that spills with head_dim 256)
+        return _cfg(8 if rows > 64 else 4, 2 if rows > 16 else 3, BLOCK_R=rows, BLOCK_N=block_n,
+                    BLOCK_S=64, BLOCK_DM=min(block_d, 64))
     if family == "router":
         return _cfg(4, 3 if gpu else 1, BLOCK_M=16 if gpu or sizes["M"] <= 16 else 64,
                     BLOCK_K=_clamp_pow2(sizes["K"], 16, 128 if gpu else 512))
