@@ -14,7 +14,7 @@ ONE plan built for more keys than any step has, at several past lengths:
   NaN is computed anywhere, not even from a merge step of only empty splits (numpy's
   RuntimeWarning is an error).
 Also the GPU sizing: llama3-8b's and mixtral-8x7b's decode grids keep two waves of programs
-with work from 1k keys of context to the whole cache.
+with work from a context of 1024 tokens (4 MiB of KV per layer) to the whole cache.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def test_each_split_reads_the_key_blocks_split_blocks_deals_it(kernel_dir: Path,
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "mixtral-8x7b"])
-def test_gpu_decode_grid_keeps_two_waves_busy_from_1k_keys(name: str) -> None:
+def test_gpu_decode_grid_keeps_two_waves_busy_from_a_1k_context(name: str) -> None:
     """At batch 1 (the KV heads' G·T = 4 rows a program), every context from 1024 past tokens
     to the whole cache leaves at least two programs with work per SM of an H100/H200."""
     spec = load_spec(name)
