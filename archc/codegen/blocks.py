@@ -80,15 +80,20 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         return _cfg(8, 3, BLOCK_M=128, BLOCK_N=64)
     if family == "attention_decode":
         rows = _clamp_pow2(sizes["R"], 16, DECODE_MAX_ROWS)  # the G·T query rows of a KV head
-        if not gpu:  # about four splits, so short test sequences still exercise the merge
-            return _cfg(BLOCK_R=rows, BLOCK_N=_clamp_pow2(sizes["L"] // 4, 16, 128))
-        wide = rows > 16 or sizes["D"] > 128
-        return _cfg(8 if rows > 64 else 4, 2 if wide else 3, BLOCK_R=rows,
-                    BLOCK_N=32 if wide else 64)
-    if family == "attention_combine":
-        # one row per program on a GPU (a [splits, D] tile in registers); the interpreter
-        # merges many rows per program
-        return _cfg(BLOCK_ROWS=1 if gpu else _clamp_pow2(sizes["R"], 1, 64))
+        block_d = _clamp_pow2(sizes["D"], 16, 1 << 16)
+        if not gpu:  # about one block per split (decode_split_count: four), so short test
+            # sequences still exercise the merge
+            return _cfg(BLOCK_R=rows, BLOCK_N=_clamp_pow2(sizes["L"] // 4, 16, 128), BLOCK_S=4,
+                        BLOCK_DM=block_d)
+        # key blocks of about 4096 values (32 keys of head_dim 128, 64 of 64, 16 of 256): once a
+        # layer's KV reaches 4 MiB (bf16), a KV head has at least as many blocks as the
+        # splits that fill two waves with work (decode_split_count: 33 for 8 KV heads at 1k
+        # keys of head_dim 128)
+        block_n = max(16, min(64, 4096 // block_d))
+        # the merge: 64 splits (all of them at batch 1 with 8 KV heads) × 64 columns a step, 32
+        # values a thread (twice that spills with head_dim 256)
+        return _cfg(8 if rows > 64 else 4, 2 if rows > 16 else 3, BLOCK_R=rows, BLOCK_N=block_n,
+                    BLOCK_S=64, BLOCK_DM=min(block_d, 64))
     if family == "router":
         cfg = _cfg(4, 3 if gpu else 1, BLOCK_M=16 if gpu or sizes["M"] <= 16 else 64,
                    BLOCK_K=_clamp_pow2(sizes["K"], 16, 128 if gpu else 512))
@@ -197,15 +202,11 @@ def _moe_decode_block_n(sizes: dict[str, int]) -> int:
 
 
 def aot_config(family: str, sizes: dict[str, int]) -> dict[str, Any]:
-    """The launch configuration an ahead-of-time compile assumes: a full-size prefill, decode
-    with 4 heads per KV head, and 64 key splits to merge (a block size the combine's launcher
-    picks from the call, not from `launch_config`)."""
+    """The launch configuration an ahead-of-time compile assumes: a full-size prefill, and
+    decode with 4 heads per KV head."""
     full = {"M": 4096, "T": 4096, "L": 4096, "R": 4 if family == "attention_decode" else 32,
             **sizes}
-    cfg = launch_config(family, "gpu", **full)
-    if family == "attention_combine":
-        cfg["BLOCK_S"] = 64
-    return cfg
+    return launch_config(family, "gpu", **full)
 
 
 def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
@@ -224,22 +225,9 @@ def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
         else:
             tiles = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)]
         return [_cfg(w, s, BLOCK_M=m, BLOCK_N=n) for m, n, w, s in tiles]
-    # attention_decode is not tuned: its split size, chosen before the launch, must be a
-    # multiple of the key block
+    # attention_decode is not tuned: its split count, chosen before the launch, depends on the
+    # key block
     return []
-
-
-def decode_splits(target: str, keys: int, programs: int, block_n: int) -> tuple[int, int]:
-    """Flash-decoding: (splits, keys per split) for `keys` keys and `programs` (batch × KV head)
-    programs per split. On a GPU, enough splits to fill two waves of SMs over the whole cache
-    (``TritonSession.kv_len``: splits past the live length end at once); under the interpreter,
-    one block per split (few keys in tests, and it exercises the merge)."""
-    keys = max(keys, 1)
-    split = block_n
-    if target == "gpu":
-        splits = min(max(1, DECODE_TARGET_PROGRAMS // max(programs, 1)), _cdiv(keys, block_n))
-        split = _cdiv(_cdiv(keys, splits), block_n) * block_n
-    return _cdiv(keys, split), split
 
 
 def decode_split_count(target: str, programs: int, block_n: int, max_keys: int) -> int:

@@ -494,13 +494,9 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     ints = dict(B="i32", T="i32", S="i32")
     kernels = [JitKernel("_prefill", "attention", dict(D=hd), c.types(**ints))]
     if ctx["decode"]:
-        dec = {k: v for k, v in c.types(**ints).items() if k != "out_ptr"}
-        kernels += [JitKernel("_decode", "attention_decode", dict(D=hd), dict(
-                        part_acc_ptr="*fp32", part_ml_ptr="*fp32", **dec, SPLIT="i32",
-                        SPLITS="i32")),
-                    JitKernel("_combine", "attention_combine", dict(D=hd), c.types(
-                        [], part_acc_ptr="*fp32", part_ml_ptr="*fp32", T="i32", ROWS="i32",
-                        SPLITS="i32"))]
+        kernels.append(JitKernel("_decode", "attention_decode", dict(D=hd), dict(
+            c.types(**ints), part_acc_ptr="*fp32", part_ml_ptr="*fp32", count_ptr="*i32",
+            SPLITS="i32")))
     return ctx, kernels
 
 
