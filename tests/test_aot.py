@@ -46,6 +46,9 @@ def test_every_kernel_compiles_for_sm90a(name: str, tmp: Path) -> None:
     failed = [f"{r.kernel}: {r.error}" for r in results if not r.ok]
     assert not failed, "\n".join(failed)
     assert all(r.registers > 0 for r in results)
+    # every kernel waits for the previous one's writes before it reads (programmatic dependent
+    # launch): a kernel launched with PDL that did not would race its producer
+    assert all(r.pdl for r in results), [r.kernel for r in results if not r.pdl]
     if name not in FULL_SIZE:
         return
     # at full size: tensor cores in every matmul and prefill attention, no spills anywhere
@@ -65,6 +68,7 @@ def test_sm80_matmul_and_attention_use_mma(tmp: Path) -> None:
         assert r.ok, r.error
         assert r.tensor_core_ops > 0, f"no mma.sync in {r.kernel}"
         assert r.spill_bytes == 0
+        assert not r.pdl        # griddepcontrol is sm_90's: the PDL branch compiles away
 
 
 def _linear_attention_8b():  # noqa: ANN202
@@ -115,20 +119,23 @@ def test_explicit_configs_compile_once_and_are_cached(tmp: Path) -> None:
     gen = generate(optimize(lower(spec, "bf16")),
                    CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
     path = write_module(gen, tmp / "explicit")
-    prefill = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
-    decode = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=2)
+    prefill = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, num_warps=4,
+                   num_stages=3)
+    decode = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=8, SPLIT_K=2, num_warps=4,
+                  num_stages=2)
     configs = [("fused_linear_1_kernel", prefill), ("fused_linear_1_kernel", decode)]
     seen: list[AotResult] = []
     first = compile_configs(path, "sm_90a", configs, jobs=1, cache_dir=tmp / "aot-cache",
                             progress=seen.append)
     assert len(seen) == 2 and all(r.ok and not r.cached for r in first), first
     big, small = first
-    assert big.config == "BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, " \
-                         "num_stages=3"
+    assert big.config == "BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, " \
+                         "num_warps=4, num_stages=3"
     assert big.tensor_core_ops > 0 and big.wgmma and all(
         s.startswith("m64n") and s.endswith("k16") for s in big.wgmma)
     assert small.wgmma == [] and small.registers > 0
     assert big.tma is False and small.tma is False      # pointer loads: no tensor descriptors
+    assert big.pdl and small.pdl                        # sm_90a: programmatic dependent launch
     again = compile_configs(path, "sm_90a", configs, jobs=1, cache_dir=tmp / "aot-cache")
     assert all(r.cached for r in again)
     for a, b in zip(first, again):

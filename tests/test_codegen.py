@@ -8,6 +8,7 @@ is a visible diff. When a change is intended, regenerate the file the failure na
 
 from __future__ import annotations
 
+import ast
 import importlib
 import sys
 from pathlib import Path
@@ -30,6 +31,7 @@ from archc.passes import optimize
 from archc.runtime.buffers import plan_buffers
 from archc.runtime.triton_backend import prepare_triton
 from archc.spec import load_spec
+from tests.conftest import ALL_SPECS
 from tests.golden_text import assert_matches_golden
 
 GOLDEN = Path(__file__).parent / "golden" / "kernels"
@@ -242,8 +244,8 @@ def test_generated_module_imports_and_lists_its_kernels(tmp_path: Path) -> None:
     for name, entry in mod.KERNELS.items():
         fn = getattr(mod, name)
         for arg in fn.arg_names:  # every runtime argument has a type for AOT compiles
-            assert arg in entry["types"] or arg.startswith("BLOCK_") or arg in ("GROUP_M",
-                                                                               "SPLIT_K"), arg
+            assert arg in entry["types"] or arg.startswith("BLOCK_") or arg in (
+                "GROUP_M", "SPLIT_K", "PDL"), arg
 
 
 # ---- golden kernels -------------------------------------------------------------------------
@@ -271,3 +273,36 @@ def test_compile_table_prints_ir_text_with_its_brackets(capsys: pytest.CaptureFi
     assert main(["compile", "tiny-llama3", "--dtype", "f32"]) == 0
     out = capsys.readouterr().out
     assert "{epilogue=[residual()]}" in out
+
+
+# ---- programmatic dependent launch ------------------------------------------------------------
+
+def _first_memory_access(fn: ast.FunctionDef) -> int:
+    """The line of the first tl.load / tl.store / tl.atomic_* call in `fn`, or a huge number."""
+    lines = [n.lineno for n in ast.walk(fn) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
+             and n.func.value.id == "tl"
+             and (n.func.attr in ("load", "store") or n.func.attr.startswith("atomic_"))]
+    return min(lines, default=1 << 30)
+
+
+@pytest.mark.parametrize("name", ALL_SPECS)
+def test_every_launched_kernel_waits_for_its_producer_first(name: str) -> None:
+    """Kernels launch with programmatic dependent launch on sm_90: one may start before the
+    kernel writing its inputs has finished, so every launched kernel takes the PDL constexpr and
+    waits (gdc_wait) as its first statement, before any memory access. A kernel that did not
+    would race its producer on a GPU and pass every test on the CPU."""
+    spec = load_spec(name)
+    gen = generate(optimize(lower(spec, "bf16")),
+                   CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
+    tree = ast.parse(gen.source)
+    launched = {u.name + k.suffix for u in gen.units for k in u.kernels}
+    funcs = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+    assert launched <= set(funcs)
+    for kernel in sorted(launched):
+        fn = funcs[kernel]
+        assert fn.args.args[-1].arg == "PDL", f"{kernel}: PDL is not its last parameter"
+        first = fn.body[0]
+        assert isinstance(first, ast.If) and ast.unparse(first.test) == "PDL", kernel
+        assert ast.unparse(first.body[0]) == "tl.extra.cuda.gdc_wait()", kernel
+        assert first.lineno < _first_memory_access(fn), f"{kernel} touches memory before it waits"

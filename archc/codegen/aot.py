@@ -35,9 +35,10 @@ from archc.codegen.aot_worker import last_line
 from archc.codegen.blocks import aot_config
 
 TARGETS = {"sm_80": 80, "sm_90a": 90}
-MEASURED = ("registers", "spill_bytes", "shared_bytes", "tensor_core_ops", "wgmma", "tma",
+MEASURED = ("registers", "spill_bytes", "shared_bytes", "tensor_core_ops", "wgmma", "tma", "pdl",
             "seconds", "error")
 OPTIONS = ("num_warps", "num_stages")       # compile options; the rest of a config: constexprs
+LAUNCH = ("PDL", "launch_pdl")              # how a launch is made: set here from the target
 
 
 @dataclass
@@ -55,6 +56,7 @@ class AotResult:
     error: str = ""
     wgmma: list[str] = field(default_factory=list)     # shapes, "m64n128k16"
     tma: bool = False              # cp.async.bulk.tensor in the PTX
+    pdl: bool = False              # griddepcontrol.wait in the PTX: programmatic dependent launch
     cached: bool = False           # read from the on-disk cache, not compiled now
 
     @property
@@ -75,7 +77,8 @@ def compile_module(module_path: Path, target: str, *, jobs: int = 2,
 
 def config_text(config: Mapping[str, Any]) -> str:
     """`BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=4`: block sizes first, then options."""
-    ordered = [*(k for k in config if k not in OPTIONS), *(k for k in OPTIONS if k in config)]
+    ordered = [*(k for k in config if k not in OPTIONS + LAUNCH),
+               *(k for k in OPTIONS if k in config)]
     return ", ".join(f"{k}={config[k]}" for k in ordered)
 
 
@@ -98,8 +101,10 @@ def compile_configs(module_path: Path, target: str,
         if entry is None:
             results.append(AotResult(name, "", "", target, error="no such kernel"))
             continue
-        constexprs = {k: v for k, v in config.items() if k not in OPTIONS}
-        options = {k: config[k] for k in OPTIONS if k in config}
+        # programmatic dependent launch where the target has it (sm_90), as the runtime launches
+        pdl = TARGETS[target] >= 90
+        constexprs = {k: v for k, v in config.items() if k not in OPTIONS + LAUNCH} | {"PDL": pdl}
+        options = {k: config[k] for k in OPTIONS if k in config} | {"launch_pdl": pdl}
         r = AotResult(name, entry["unit"], entry["family"], target, config=config_text(config))
         results.append(r)
         key = _cache_key(source, name, config, target)

@@ -3,13 +3,15 @@ and nothing of archc — in particular not torch — so it starts in a fraction 
 jobs as JSON lines on stdin, one kernel each:
 
     {"kernel": name, "signature": {arg: type}, "constexprs": {arg: value},
-     "options": {"num_warps": w, "num_stages": s}, "capability": 80 | 90, "index": i}
+     "options": {"num_warps": w, "num_stages": s, "launch_pdl": b}, "capability": 80 | 90,
+     "index": i}
 
 and writes one JSON line per kernel, with the job's index: registers and spill bytes (from the
 log of Triton's ptxas run), shared memory (Triton's metadata), the count of tensor-core
 instructions in the PTX (`mma.sync` for sm_80, `wgmma.mma_async` for sm_90a), the wgmma shapes
 (`m64n128k16`), whether it moves tiles with the Hopper tensor-memory accelerator
-(`cp.async.bulk.tensor`), or the error.
+(`cp.async.bulk.tensor`), whether it waits on the previous kernel for programmatic dependent
+launch (`griddepcontrol.wait`), or the error.
 """
 
 import contextlib
@@ -24,6 +26,7 @@ import time
 TENSOR_CORE_OP = {80: "mma.sync", 90: "wgmma.mma_async"}
 WGMMA_SHAPE = re.compile(r"wgmma\.mma_async\S*?\.(m\d+n\d+k\d+)\b")
 TMA_OP = "cp.async.bulk.tensor"
+PDL_OP = "griddepcontrol.wait"
 
 
 def wgmma_shapes(ptx: str) -> list[str]:
@@ -44,7 +47,7 @@ def compile_one(module: object, job: dict) -> dict:
 
     out = {"kernel": job["kernel"], "index": job.get("index", 0), "registers": 0,
            "spill_bytes": 0, "shared_bytes": 0, "tensor_core_ops": 0, "wgmma": [], "tma": False,
-           "error": ""}
+           "pdl": False, "error": ""}
     t0 = time.perf_counter()
     try:
         fn = getattr(module, job["kernel"])
@@ -81,6 +84,7 @@ def compile_one(module: object, job: dict) -> dict:
         out["tensor_core_ops"] = ptx.count(TENSOR_CORE_OP[job["capability"]])
         out["wgmma"] = wgmma_shapes(ptx)
         out["tma"] = TMA_OP in ptx
+        out["pdl"] = PDL_OP in ptx
     except Exception as err:  # reported per kernel; the caller's table shows all of them
         out["error"] = f"{type(err).__name__}: {last_line(err)}"
     out["seconds"] = time.perf_counter() - t0

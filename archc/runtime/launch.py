@@ -92,6 +92,7 @@ class LaunchContext:
     S: int = 0
     kv_len_max: int = 0                 # keys a decode-attention grid must cover
     decode_max_rows: int = blocks.DECODE_MAX_ROWS   # tests force either attention kernel
+    pdl: bool = False                   # programmatic dependent launch (a GPU of sm_90 or later)
     # kernel, grid → the launch: Triton's kernel[grid] (`archc bench --host` binds no-ops)
     bind: Callable[[Any, Any], Callable[..., Any]] = operator.getitem
     _scratch: dict[tuple[str, torch.dtype], torch.Tensor] = field(default_factory=dict)
@@ -118,7 +119,9 @@ class LaunchContext:
         evaluated now, unless the kernel is autotuned (its sizes are chosen at the launch)."""
         if meta and callable(grid):
             grid = grid(meta)
-        self.call(self.bind(kernel, grid), *args, **meta)
+        if self.pdl:  # every kernel waits for the previous one's writes (templates/pdl.j2)
+            meta = {**meta, "launch_pdl": True}
+        self.call(self.bind(kernel, grid), *args, PDL=self.pdl, **meta)
 
     def call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
         """Record `fn(*args, **kw)`: a launch, or a host step (device ops) the plan runs in order

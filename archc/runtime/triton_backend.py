@@ -87,6 +87,7 @@ class TritonOptions:
     autotune: bool = False
     cuda_graphs: bool = True
     reuse_buffers: bool = True
+    pdl: bool = True                    # programmatic dependent launch on sm_90 and later
 
 
 class TritonSession(SessionBase):
@@ -125,6 +126,9 @@ class TritonSession(SessionBase):
         self.cache, self.states = (StaticStore(what, self.generated.stores[what], self.device)
                                    for what in ("cache", "state"))
         self.ctx = LaunchContext(self.target, self.device, self.cache, self.states, autotuned)
+        # each kernel's prologue overlaps the previous kernel's tail (templates/pdl.j2)
+        self.ctx.pdl = (self.options.pdl and self.device.type == "cuda" and self.target == "gpu"
+                        and torch.cuda.get_device_capability(self.device)[0] >= 9)
         self.cuda_graphs = (self.target == "gpu" and self.options.cuda_graphs
                             and self.device.type == "cuda")
 
