@@ -75,6 +75,7 @@ def test_tiny_llama3_json(capsys: pytest.CaptureFixture[str], monkeypatch: pytes
     data = report(capsys, monkeypatch, "tiny-llama3", "--context", "24", "40",
                   "--cache-dir", str(cache_dir))
     assert data["target"] == "sm_90a" and data["gpu"]["sms"] == 132 and data["batch"] == 1
+    assert not any("balanced" in a or "host step" in a for a in data["assumptions"])  # no MoE
     assert [(p["phase"], p["context"]) for p in data["phases"]] == [
         ("prefill", 24), ("decode", 24), ("prefill", 40), ("decode", 40)]
     program = optimize(lower(spec, spec.dtype))
@@ -327,6 +328,7 @@ def test_host_steps_are_shown_and_counted(capsys: pytest.CaptureFixture[str],
                  "16", "--cache-dir", str(cache_dir)]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "lengths (host)" in out and f"+ {spec.layers} host steps" in out
+    assert "assumed: a host step counts as one launch" in out
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -64,6 +64,7 @@ DEFAULT_CONTEXTS = (512, 2048, 8192)
 STREAMING_BYTES = 4 << 20           # a decode launch that moves this much must fill the GPU
 PROGRAMS_PER_SM = 2                 # … with this many programs with work per SM
 BALANCED = "MoE routing balanced: M·k pairs dealt evenly over E experts (exact for one token)"
+HOST_STEP = "a host step counts as one launch"
 _LAYER = re.compile(r"(?:layers\.|layer )(\d+)\b")
 
 
@@ -337,6 +338,14 @@ class Occupancy:
     def failed(self) -> list[AotResult]:
         return [r for r in self.results if not r.ok]
 
+    @property
+    def assumed(self) -> list[str]:
+        """The assumptions the numbers rest on, of those that apply: balanced routing where
+        there are expert GEMMs, the count of host steps where there are any."""
+        launches = [x for p in self.plans for x in p.launches]
+        return ([BALANCED] if any(x.family == "moe" for x in launches) else []) + \
+            ([HOST_STEP] if any(p.host_steps for p in self.plans) else [])
+
     def resident(self, x: KernelLaunch) -> int | None:
         """Programs of `x` resident per SM, None without a compile result."""
         r = x.aot
@@ -550,9 +559,9 @@ def format_report(rep: Occupancy) -> list[Any]:
         "resident per SM)⌉, residency from registers, warps and shared memory",
         "regs/spill (bytes), smem, wgmma, TMA: an ahead-of-time compile of each kernel at the "
         "block sizes of its launch; bytes: the IR node's cost model, on its widest launch (— on "
-        f"another); roofline: max(FLOPs / peak, bytes / bandwidth) on the {g.name}, in µs",
-        f"assumed: {BALANCED}" + ("; a host step counts as one launch"
-                                  if any(p.host_steps for p in rep.plans) else "")]
+        f"another); roofline: max(FLOPs / peak, bytes / bandwidth) on the {g.name}, in µs"]
+    if rep.assumed:
+        out.append(f"assumed: {'; '.join(rep.assumed)}")
     for c in rep.contexts:
         for v in rep.verdicts(c):
             mark = "[green]pass[/]" if v.ok else "[red]FAIL[/]"
@@ -593,11 +602,10 @@ def to_json(rep: Occupancy) -> dict[str, Any]:
         "gpu": {"name": rep.gpu.name, "sms": rep.gpu.sms, "bandwidth": rep.gpu.bandwidth,
                 "peak_flops": rep.gpu.peak_flops},
         "module": str(rep.module),
-        "assumptions": [BALANCED,
+        "assumptions": [*rep.assumed,
                         "decode at context N: one token after N - 1 cached; prefill: N tokens",
-                        "bytes and FLOPs: the IR node's cost model, on the node's main launch",
-                        "waves: ceil(programs with work / (SMs x programs resident per SM))",
-                        "a host step counts as one launch"],
+                        "bytes and FLOPs: the IR node's cost model, on the node's widest launch",
+                        "waves: ceil(programs with work / (SMs x programs resident per SM))"],
         "phases": [{
             "phase": p.phase, "context": p.context,
             "launches": [launch(x) for x in p.launches],
