@@ -18,6 +18,8 @@ import pytest
 import torch
 
 import archc.codegen.aot as aot
+import archc.codegen.build as build
+import archc.perf.occupancy as occupancy
 from archc.cli import main
 from archc.codegen import blocks
 from archc.codegen.aot import AotResult, config_text
@@ -26,8 +28,8 @@ from archc.passes import optimize
 from archc.perf.gpus import GPUS, SMS
 from archc.perf.occupancy import balanced_blocks, programs_with_work
 from archc.perf.roofline import kernels
-from archc.runtime.launch import moe_routing
 from archc.spec import load_spec
+from tests.test_moe_kernels import reference_routing
 
 FIELDS = ("kernel", "family", "phase", "programs", "programs_with_work", "bytes", "registers",
           "spill_bytes", "shared_bytes", "wgmma", "tma")
@@ -73,6 +75,7 @@ def test_tiny_llama3_json(capsys: pytest.CaptureFixture[str], monkeypatch: pytes
     data = report(capsys, monkeypatch, "tiny-llama3", "--context", "24", "40",
                   "--cache-dir", str(cache_dir))
     assert data["target"] == "sm_90a" and data["gpu"]["sms"] == 132 and data["batch"] == 1
+    assert not any("balanced" in a or "host step" in a for a in data["assumptions"])  # no MoE
     assert [(p["phase"], p["context"]) for p in data["phases"]] == [
         ("prefill", 24), ("decode", 24), ("prefill", 40), ("decode", 40)]
     program = optimize(lower(spec, spec.dtype))
@@ -92,18 +95,19 @@ def test_tiny_llama3_json(capsys: pytest.CaptureFixture[str], monkeypatch: pytes
         # a layer: q+k+v, attention, o, gate+up, down
         assert set(p["layer_limits"].values()) == {5}
         assert set(p["launches_per_layer"]) == {str(i) for i in range(spec.layers)}
-    # decode attention covers the whole cache (CUDA graphs); programs with work reach the live
-    # keys: the current kernel gives each split `split` keys of the cache
+    # decode attention covers the whole cache (CUDA graphs): a fixed grid (B · KV heads,
+    # splits); the live keys' blocks are dealt over the splits, so a split has work while
+    # there is a block for it
     for c in (24, 40):
         atts = [x for x in phase(data, "decode", c)["launches"]
                 if x["family"] == "attention_decode"]
         assert len(atts) == spec.layers
         for att in atts:
-            rows = spec.attention.kv_heads          # B · KV heads
-            splits, split = blocks.decode_splits("gpu", spec.max_seq_len, rows,
-                                                 att["config"]["BLOCK_N"])
+            rows, block_n = spec.attention.kv_heads, att["config"]["BLOCK_N"]   # B = 1
+            splits = blocks.decode_split_count("gpu", rows, block_n, spec.max_seq_len)
             assert att["grid"] == [rows, splits]
-            assert att["programs_with_work"] == rows * min(splits, -(-c // split))
+            key_blocks = -(-c // block_n)
+            assert att["programs_with_work"] == rows * min(splits, key_blocks)
     # the fake compile's numbers reach every launch; nothing spills, the verdict says so
     assert all(x["registers"] == 32 and x["wgmma"] == ["m64n32k16"] and x["tma"] is False
                for p in data["phases"] for x in p["launches"])
@@ -134,11 +138,12 @@ def test_tiny_mixtral_experts_with_work(capsys: pytest.CaptureFixture[str],
             if tokens == 1:
                 assert routed == top_k
             assert x["programs_with_work"] == routed * math.prod(x["grid"][1:])
-        # host steps count one launch per torch op: the layer's launches add up
+        # the router's last program routes: no host step, no routing launch; a layer's
+        # launches are its kernel-level nodes
+        assert not p["host_steps"] and not [x for x in p["launches"]
+                                            if x["family"] == "moe_routing"]
         for layer, count in p["launches_per_layer"].items():
-            ops = sum(h["torch_ops"] for h in p["host_steps"] if h["layer"] == int(layer))
-            launched = sum(1 for x in p["launches"] if x["layer"] == int(layer))
-            assert count == launched + ops and ops > 0
+            assert count == sum(1 for x in p["launches"] if x["layer"] == int(layer)) == 7
         # a layer: q+k+v, attention, o, norm, router, up, down, and its routing
         assert set(p["layer_limits"].values()) == {8}
     (launch_verdict,) = [v for v in data["verdicts"]["48"] if "per layer" in v["what"]]
@@ -146,9 +151,9 @@ def test_tiny_mixtral_experts_with_work(capsys: pytest.CaptureFixture[str],
     assert launch_verdict["pass"] is not over
 
 
-def test_balanced_blocks_match_the_runtime_routing() -> None:
-    """Row blocks of routing where every expert gets its even share, counted from the
-    runtime's own routing tables."""
+def test_balanced_blocks_match_a_routing() -> None:
+    """Row blocks of routing where every expert gets its even share, counted from the tables of
+    the torch routing the routing kernel is tested against."""
     for tokens, experts, top_k, block_m in ((1, 8, 2, 16), (5, 4, 2, 4), (37, 8, 2, 16),
                                             (64, 8, 2, 16)):
         gates = torch.zeros(tokens, experts)
@@ -156,25 +161,56 @@ def test_balanced_blocks_match_the_runtime_routing() -> None:
             for j in range(top_k):      # token t's j-th choice: pair t·k + j, dealt round-robin
                 gates[t, (t * top_k + j) % experts] = 1.0 + j * 1e-3
         n_blocks = -(-tokens * top_k // block_m) + experts
-        table = torch.empty(n_blocks * block_m, dtype=torch.int32)
-        block_expert = torch.empty(n_blocks, dtype=torch.int32)
-        moe_routing(gates, top_k, block_m, table, block_expert)
+        _, block_expert = reference_routing(gates, top_k, block_m, n_blocks)
         used = int((block_expert >= 0).sum())
         assert balanced_blocks(tokens * top_k, experts, block_m) == used
 
 
-def test_programs_with_work_of_split_kv_attention() -> None:
-    # the kernel of today: each split a fixed run of SPLIT keys
-    args = {"SPLIT": 256, "BLOCK_N": 64}
-    assert programs_with_work("attention_decode", (8, 32), args, keys=2049, tokens=1) == 8 * 9
-    assert programs_with_work("attention_decode", (8, 32), args, keys=8192, tokens=1) == 256
-    # a fixed grid whose programs deal the live key blocks out: every split works once there
-    # are as many blocks as splits
+def test_programs_with_work_by_family() -> None:
+    # decode attention: a fixed grid whose splits deal the live key blocks out; every split
+    # works once there are as many blocks as splits
     args = {"BLOCK_N": 64}
     assert programs_with_work("attention_decode", (8, 33), args, keys=512, tokens=1) == 8 * 8
+    assert programs_with_work("attention_decode", (8, 33), args, keys=513, tokens=1) == 8 * 9
     assert programs_with_work("attention_decode", (8, 33), args, keys=4096, tokens=1) == 8 * 33
-    # others: every program
-    assert programs_with_work("matmul", (128,), {}, keys=0, tokens=1) == 128
+    # expert GEMMs: one token's 2 pairs go to 2 experts, a block each, of 9 row blocks
+    moe = {"BLOCK_M": 16}
+    assert programs_with_work("moe", (9, 256), moe, keys=0, tokens=1, experts=8,
+                              top_k=2) == 2 * 256
+    # others: every program, split-K splits and the routing's one program included
+    assert programs_with_work("matmul", (128, 3), {"SPLIT_K": 3}, keys=0, tokens=1) == 384
+    assert programs_with_work("moe_routing", (1,), {}, keys=0, tokens=1) == 1
+
+
+def test_llama3_8b_decode_split_k(capsys: pytest.CaptureFixture[str],
+                                  monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
+    """llama3-8b's decode GEMVs: the grid (tiles, SPLIT_K), tiles from the projection's shape;
+    every split has K steps, so every program has work; a layer makes 5 launches."""
+    spec = load_spec("llama3-8b")
+    a, d = spec.attention, spec.d_model
+    shapes = {"attn.q+k+v": ((a.heads + 2 * a.kv_heads) * a.head_dim, d),   # (N, K)
+              "attn.o": (d, a.heads * a.head_dim), "ffn.gate+up": (2 * spec.ffn.d_ff, d),
+              "ffn.down": (d, spec.ffn.d_ff), "head": (spec.vocab_size, d)}
+    data = report(capsys, monkeypatch, "llama3-8b", "--context", "2048", "--cache-dir",
+                  str(cache_dir))
+    p = phase(data, "decode", 2048)
+    matmuls = [x for x in p["launches"] if x["family"] == "matmul"]
+    assert len(matmuls) == 4 * spec.layers + 1
+    split = set()
+    for x in matmuls:
+        (n, k), cfg = shapes[x["label"].split(".", 2)[-1].split(".weight")[0]
+                             if x["layer"] is not None else "head"], x["config"]
+        assert n % cfg["BLOCK_N"] == 0 and cfg["BLOCK_M"] >= 1       # one row block, whole tiles
+        tiles, splits = n // cfg["BLOCK_N"], cfg["SPLIT_K"]
+        assert x["grid"] == [tiles, splits]
+        # split s sums K steps [s·span, (s + 1)·span): the last split starts inside K
+        steps = -(-k // cfg["BLOCK_K"])
+        assert (splits - 1) * -(-steps // splits) < steps
+        assert x["programs_with_work"] == x["programs"] == tiles * splits >= 264
+        if splits > 1:
+            split.add(x["label"].split(".", 2)[-1])
+    assert split      # split-K is exercised (the o and down projections: 128 tiles each)
+    assert set(p["launches_per_layer"].values()) == set(p["layer_limits"].values()) == {5}
 
 
 def test_resident_programs_per_sm() -> None:
@@ -191,9 +227,9 @@ def test_resident_programs_per_sm() -> None:
 def test_verdict_catches_too_few_programs(capsys: pytest.CaptureFixture[str],
                                           monkeypatch: pytest.MonkeyPatch,
                                           cache_dir: Path) -> None:
-    """llama3-8b decode at context 512: matmul tiles 8 columns wide give every projection ≥ 512
-    programs (pass; the KV cache is 2 MiB a layer, under the bar); 256 columns for the down
-    projection (K = 14336) give it 4096 / 256 = 16 programs (FAIL, naming it)."""
+    """llama3-8b decode at context 512, without split-K: matmul tiles 8 columns wide give every
+    projection ≥ 512 programs (pass; the KV cache is 2 MiB a layer, under the bar); 256 columns
+    for the down projection (K = 14336) give it 4096 / 256 = 16 programs (FAIL, naming it)."""
     real = blocks.launch_config
 
     def narrow(down: int):  # noqa: ANN202
@@ -201,6 +237,7 @@ def test_verdict_catches_too_few_programs(capsys: pytest.CaptureFixture[str],
             cfg = real(family, target, **sizes)
             if family == "matmul" and sizes["M"] <= 16:
                 cfg["BLOCK_N"] = down if sizes["K"] == 14336 else 8
+                cfg["SPLIT_K"] = 1
             return cfg
         return config
 
@@ -233,8 +270,65 @@ def test_the_table_report(capsys: pytest.CaptureFixture[str], monkeypatch: pytes
     out = " ".join(capsys.readouterr().out.split())
     assert "decode step at context 32 (1 token after 31)" in out
     assert "prefill of 32 tokens" in out
-    assert "moe_routing (host)" in out and "H200 SXM" in out
+    assert "router_0" in out and "moe_linear_1" in out and "H200 SXM" in out
+    assert "(host)" not in out and "host step" not in out      # the plans make launches only
     assert out.count("context 32: ") == 3
+
+
+def test_a_routing_launch(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                          cache_dir: Path) -> None:
+    """A router that does not route: the up projection launches the routing kernel first, one
+    program, charged nothing (the expert GEMM, the node's widest launch, carries its bytes);
+    the layer makes its 8 launches, the bound."""
+    monkeypatch.setattr(build, "_routes_experts", lambda c, top_k: False)
+    spec = load_spec("tiny-mixtral")
+    data = report(capsys, monkeypatch, "tiny-mixtral", "--context", "32", "--cache-dir",
+                  str(cache_dir))
+    p = phase(data, "decode", 32)
+    routing = [x for x in p["launches"] if x["family"] == "moe_routing"]
+    assert len(routing) == spec.layers
+    for x in routing:
+        assert x["grid"] == [1] and x["programs_with_work"] == 1 and x["bytes"] is None
+        (gemm,) = [y for y in p["launches"] if y["node"] == x["node"] and y is not x]
+        assert gemm["family"] == "moe" and gemm["bytes"] > 0
+    assert set(p["launches_per_layer"].values()) == set(p["layer_limits"].values()) == {8}
+    (v,) = [v for v in data["verdicts"]["32"] if "per layer" in v["what"]]
+    assert v["pass"]
+
+
+def test_host_steps_are_shown_and_counted(capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch,
+                                          cache_dir: Path) -> None:
+    """A plan entry that is not a kernel launch (a function called before each decode
+    attention): listed, counted as a launch of its layer, so a layer of tiny-llama3 makes 6,
+    one over its bound, and the verdict says what they are."""
+    def lengths() -> None:
+        """A stand-in for host work."""
+
+    record = occupancy.PlanRecorder._call
+
+    def call(self: Any, fn: Any, *args: Any, **kw: Any) -> None:
+        if isinstance(fn, occupancy._Bound) and fn.kernel.fn.__name__.endswith("_decode"):
+            record(self, lengths)
+        record(self, fn, *args, **kw)
+
+    monkeypatch.setattr(occupancy.PlanRecorder, "_call", call)
+    spec = load_spec("tiny-llama3")
+    data = report(capsys, monkeypatch, "tiny-llama3", "--context", "16", "--cache-dir",
+                  str(cache_dir))
+    p = phase(data, "decode", 16)
+    assert [(h["name"], h["layer"]) for h in p["host_steps"]] == [
+        ("lengths", i) for i in range(spec.layers)]
+    assert set(p["launches_per_layer"].values()) == {6} and set(p["layer_limits"].values()) == {5}
+    (v,) = [v for v in data["verdicts"]["16"] if "per layer" in v["what"]]
+    assert not v["pass"]
+    assert v["offending"] == [f"6 in layers 0–{spec.layers - 1} (5 kernel launches + 1 host step)"]
+    monkeypatch.setattr(aot, "compile_configs", fake_compile())
+    assert main(["compile", "tiny-llama3", "--target", "sm_90a", "--occupancy", "--context",
+                 "16", "--cache-dir", str(cache_dir)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "lengths (host)" in out and f"+ {spec.layers} host steps" in out
+    assert "assumed: a host step counts as one launch" in out
 
 
 @pytest.mark.parametrize(("argv", "message"), [

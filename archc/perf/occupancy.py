@@ -7,22 +7,26 @@ no-ops, weights and KV cache as zero-stride views), keys covered as on a GPU (de
 graphs covers the whole cache and reads the live length on the device). For each launch:
 
 - programs: the grid, evaluated; **with work**: the programs that have something to do. All of
-  them, except split-KV decode attention (splits past the live keys end at once) and the MoE
-  expert GEMM (one row block per expert that tokens are routed to; the grid is sized for the
-  worst case). Routing is assumed balanced — the M·k (token, slot) pairs dealt evenly over the
-  E experts — which is exact for one token (its k experts are distinct).
+  them (a split-K matmul's splits included: none is empty), except decode attention and the MoE
+  expert GEMM, whose grids are sized for the worst case. Decode attention's grid is (batch × KV
+  heads, splits) for the whole cache; the live keys' blocks are dealt over the splits
+  (``blocks.split_blocks``), so a split has work while there are blocks for it. An expert GEMM
+  has one row block per expert that tokens are routed to; routing is assumed balanced — the M·k
+  (token, slot) pairs dealt evenly over the E experts — which is exact for one token (its k
+  experts are distinct).
 - registers, spills, shared memory, wgmma shapes and TMA use: an ahead-of-time compile of the
   kernel at the launch's own block sizes (``archc.codegen.aot``; decode tiles differ from prefill
   ones), each (kernel, configuration) compiled once.
 - bytes and FLOPs: the IR node's cost model (``archc.perf.roofline``) at the phase's dims,
-  charged to the node's main launch (its widest that is not a helper); a helper launch (the
-  merge of attention splits, the sum of expert outputs) and any other launch of the node show
-  none. Roofline time: max(FLOPs / peak, bytes / bandwidth).
+  charged to the node's main launch, its widest; another launch of the node (the one-program
+  routing an expert GEMM launches when no router routes for it) shows none. Roofline time:
+  max(FLOPs / peak, bytes / bandwidth).
 - waves: ⌈programs with work / (SMs × programs resident per SM)⌉, residency bounded by the
   compiled kernel's registers, warps and shared memory (``perf.gpus.SM``).
 
-Host steps in a plan (device work done by torch ops, such as today's MoE routing) are counted
-as launches, one per torch op they dispatch.
+The generated launchers make kernel launches only; should a plan hold any other entry (a host
+step: a function the plan calls between launches), it is listed and counted as one launch, the
+least it costs.
 
 Verdicts, per context, for the decode step: every launch that moves at least 4 MiB (weights or
 KV cache) has at least two programs with work per SM; no kernel spills registers; a layer makes
@@ -39,10 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich import box
 from rich.markup import escape
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from archc.codegen import blocks
 from archc.codegen.aot import OPTIONS, AotResult, config_text
@@ -61,8 +63,8 @@ PHASES = ("prefill", "decode")
 DEFAULT_CONTEXTS = (512, 2048, 8192)
 STREAMING_BYTES = 4 << 20           # a decode launch that moves this much must fill the GPU
 PROGRAMS_PER_SM = 2                 # … with this many programs with work per SM
-HELPER_FAMILIES = ("attention_combine", "moe_sum")   # launches that finish another's work
 BALANCED = "MoE routing balanced: M·k pairs dealt evenly over E experts (exact for one token)"
+HOST_STEP = "a host step counts as one launch"
 _LAYER = re.compile(r"(?:layers\.|layer )(\d+)\b")
 
 
@@ -83,7 +85,7 @@ class KernelLaunch:
     grid: tuple[int, ...]
     work: int                   # programs with work
     config: dict[str, Any]      # block sizes, num_warps, num_stages
-    flops: int | None = None    # the node's, on its main launch; None on a helper launch
+    flops: int | None = None    # the node's, on its main launch; None on another
     bytes: int | None = None
     seconds: float | None = None    # roofline time
     aot: AotResult | None = None
@@ -100,7 +102,7 @@ class KernelLaunch:
 
 @dataclass
 class HostStep:
-    """A plan entry that is not a kernel launch: device work done by torch ops."""
+    """A plan entry that is not a kernel launch: a function the plan calls between launches."""
 
     phase: str
     context: int
@@ -108,7 +110,6 @@ class HostStep:
     layer: int | None
     label: str
     name: str                   # the function
-    torch_ops: int              # ops it dispatches: each at least one launch on a GPU
 
 
 @dataclass
@@ -129,24 +130,21 @@ class PhasePlan:
         return str(low) if low == high else f"{low}–{high}"
 
     def per_layer(self) -> dict[int, int]:
-        """Layer → its launches, a host step counting one per torch op."""
+        """Layer → its launches, a host step counting one."""
         count: dict[int, int] = {}
-        for x in self.launches:
+        for x in [*self.launches, *self.host_steps]:
             if x.layer is not None:
                 count[x.layer] = count.get(x.layer, 0) + 1
-        for h in self.host_steps:
-            if h.layer is not None:
-                count[h.layer] = count.get(h.layer, 0) + h.torch_ops
         return dict(sorted(count.items()))
 
     def parts(self, layer: int) -> str:
-        """What a layer's count is made of, when host steps add to it: ` (9 kernel launches +
-        31 torch ops)`."""
-        ops = sum(h.torch_ops for h in self.host_steps if h.layer == layer)
-        if not ops:
+        """What a layer's count is made of, when host steps add to it: ` (7 kernel launches +
+        2 host steps)`."""
+        steps = sum(1 for h in self.host_steps if h.layer == layer)
+        if not steps:
             return ""
         launched = sum(1 for x in self.launches if x.layer == layer)
-        return f" ({launched} kernel launches + {ops} torch ops)"
+        return f" ({launched} kernel launches + {steps} host step{'s' if steps > 1 else ''})"
 
 
 def dims(phase: str, batch: int, context: int) -> dict[str, int]:
@@ -167,20 +165,15 @@ def balanced_blocks(pairs: int, experts: int, block_m: int) -> int:
 def programs_with_work(family: str, grid: tuple[int, ...], args: Mapping[str, Any], *,
                        keys: int, tokens: int, experts: int = 0, top_k: int = 0) -> int:
     """Programs of a launch that have work (see the module docstring). `args`: the launch's
-    arguments by name (block sizes included); `keys`: the live keys of decode attention;
+    arguments by name (block sizes included); `keys`: the live keys of decode attention, P + T;
     `tokens`: B·T."""
-    rest = math.prod(grid[1:])
-    if family == "attention_decode":
+    if family == "attention_decode":    # (batch × KV heads, splits): splits with key blocks
         splits = grid[1] if len(grid) > 1 else 1
-        if "SPLIT" in args:       # each split a fixed run of SPLIT keys
-            live = min(splits, -(-keys // args["SPLIT"]))
-        else:                     # the key blocks dealt over the splits from the live length
-            live = blocks.decode_work(keys, splits, args["BLOCK_N"])
-        return grid[0] * live * math.prod(grid[2:])
-    if family == "moe" and experts:
+        return grid[0] * blocks.decode_work(keys, splits, args["BLOCK_N"]) * math.prod(grid[2:])
+    if family == "moe" and experts:     # (row blocks, column tiles): the routed row blocks
         routed = balanced_blocks(tokens * top_k, experts, args["BLOCK_M"])
-        return min(grid[0], routed) * rest
-    return grid[0] * rest
+        return min(grid[0], routed) * math.prod(grid[1:])
+    return math.prod(grid)
 
 
 class _Bound:
@@ -191,28 +184,6 @@ class _Bound:
 
     def __call__(self, *args: Any, **meta: Any) -> None:
         pass
-
-
-class _CountOps(TorchDispatchMode):
-    """Counts the torch ops dispatched under it, views and bare allocations (no device work)
-    left out."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        if not func.is_view and not str(func).startswith("aten.empty"):
-            self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
-def torch_ops(fn: Callable[..., Any], args: tuple[Any, ...], kw: Mapping[str, Any]) -> int:
-    """The torch ops `fn(*args, **kw)` dispatches (run on the CPU, its tensors the plan's)."""
-    with _CountOps() as mode:
-        fn(*args, **kw)
-    return mode.ops
 
 
 class PlanRecorder(HostSession):
@@ -302,12 +273,12 @@ def phase_plan(recorder: PlanRecorder, phase: str, batch: int, context: int,
     steps: list[HostStep] = []
     entries = recorder.entries(d["B"], d["T"], d["P"])
     table = recorder.module.KERNELS
-    main = _main_launches(entries, table)
+    main = _main_launches(entries)
     for at, (node, fn, args, kw) in enumerate(entries):
         text = label(g, node)
         if not isinstance(fn, _Bound):
             steps.append(HostStep(phase, context, node, _layer_of(text), text,
-                                  getattr(fn, "__name__", repr(fn)), torch_ops(fn, args, kw)))
+                                  getattr(fn, "__name__", repr(fn))))
             continue
         name = fn.kernel.fn.__name__
         entry = table[name]
@@ -326,18 +297,15 @@ def phase_plan(recorder: PlanRecorder, phase: str, batch: int, context: int,
     return PhasePlan(phase, context, launches, steps, _layer_limits(g))
 
 
-def _main_launches(entries: list[tuple[int, Any, tuple, dict]],
-                   table: Mapping[str, Any]) -> set[int]:
-    """Positions of each node's main launch, which its bytes and FLOPs are charged to: of its
-    kernel launches that are not helpers (or of all, when all are), the one with the most
-    programs — a node's main work is spread widest (a routing or merge kernel is small)."""
-    by_node: dict[int, list[tuple[bool, int, int]]] = {}
+def _main_launches(entries: list[tuple[int, Any, tuple, dict]]) -> set[int]:
+    """Positions of each node's main launch, which its bytes and FLOPs are charged to: the one
+    with the most programs — a node's main work is spread widest (the routing an expert GEMM
+    may launch first is one program) — and of equals the last (what comes first prepares)."""
+    by_node: dict[int, tuple[int, int]] = {}
     for at, (node, fn, _, _) in enumerate(entries):
         if isinstance(fn, _Bound):
-            helper = table[fn.kernel.fn.__name__]["family"] in HELPER_FAMILIES
-            programs = math.prod(_grid(fn.grid))
-            by_node.setdefault(node, []).append((helper, -programs, at))
-    return {min(launches)[2] for launches in by_node.values()}
+            by_node[node] = max(by_node.get(node, (0, -1)), (math.prod(_grid(fn.grid)), at))
+    return {at for _, at in by_node.values()}
 
 
 def _grid(grid: Any) -> tuple[int, ...]:
@@ -369,6 +337,14 @@ class Occupancy:
     @property
     def failed(self) -> list[AotResult]:
         return [r for r in self.results if not r.ok]
+
+    @property
+    def assumed(self) -> list[str]:
+        """The assumptions the numbers rest on, of those that apply: balanced routing where
+        there are expert GEMMs, the count of host steps where there are any."""
+        launches = [x for p in self.plans for x in p.launches]
+        return ([BALANCED] if any(x.family == "moe" for x in launches) else []) + \
+            ([HOST_STEP] if any(p.host_steps for p in self.plans) else [])
 
     def resident(self, x: KernelLaunch) -> int | None:
         """Programs of `x` resident per SM, None without a compile result."""
@@ -454,12 +430,7 @@ def record(program: Program, spec: Spec, *, dtype: str, batch: int, contexts: li
     check_occupancy(spec, contexts)
     recorder = PlanRecorder(program, max_seq_len=spec.max_seq_len, dtype=dtype,
                             cache_dir=cache_dir)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)    # host steps run on tiny tensors: no thread pool to wake
-    try:
-        plans = [phase_plan(recorder, phase, batch, c, gpu) for c in contexts for phase in PHASES]
-    finally:
-        torch.set_num_threads(threads)
+    plans = [phase_plan(recorder, phase, batch, c, gpu) for c in contexts for phase in PHASES]
     return recorder, plans
 
 
@@ -492,15 +463,14 @@ def _rows(rep: Occupancy, plan: PhasePlan) -> list[tuple[str, ...]]:
                                     config_text(item.config), item.bytes)
             lab = item.layer_label
         else:
-            key = (item.name, _LAYER.sub("*", item.label), item.torch_ops)
+            key = (item.name, _LAYER.sub("*", item.label))
             lab = _LAYER.sub(lambda m: m.group(0).replace(m.group(1), "*"), item.label)
         groups.setdefault((*key, lab), []).append(item)
     rows = []
     for key, items in groups.items():
         x, lab, times = items[0], _short(key[-1]), str(len(items))
         if isinstance(x, HostStep):
-            rows.append((f"{x.name} (host)", escape(lab), times, f"{x.torch_ops} ops",
-                         *[""] * 8))
+            rows.append((f"{x.name} (host)", escape(lab), times, *[""] * 8))
             continue
         r = x.aot
         compiled = r is not None and r.ok
@@ -568,11 +538,10 @@ def format_report(rep: Occupancy) -> list[Any]:
     for plan in rep.plans:
         what = (f"prefill of {plan.context} tokens" if plan.phase == "prefill" else
                 f"decode step at context {plan.context} (1 token after {plan.context - 1})")
-        host = sum(h.torch_ops for h in plan.host_steps)
         seconds = sum(x.seconds or 0.0 for x in plan.launches)
         t = table(
             f"{what}: {len(plan.launches)} kernel launches"
-            + (f" + {host} torch ops in {len(plan.host_steps)} host steps" if host else "")
+            + (f" + {len(plan.host_steps)} host steps" if plan.host_steps else "")
             + f", {_layers(plan)}; roofline {fmt_seconds(seconds)}",
             ("kernel", "works on", "×", "programs", "waves", "regs/spill", "smem", "wgmma",
              "TMA", "bytes", "roofline"),
@@ -589,9 +558,10 @@ def format_report(rep: Occupancy) -> list[Any]:
         f"have work unless shown); waves: ⌈programs with work / ({g.sms} SMs × programs "
         "resident per SM)⌉, residency from registers, warps and shared memory",
         "regs/spill (bytes), smem, wgmma, TMA: an ahead-of-time compile of each kernel at the "
-        "block sizes of its launch; bytes: the IR node's cost model, on its main launch (— on a "
-        f"helper launch); roofline: max(FLOPs / peak, bytes / bandwidth) on the {g.name}, in µs",
-        f"assumed: {BALANCED}; a host step counts as one launch per torch op"]
+        "block sizes of its launch; bytes: the IR node's cost model, on its widest launch (— on "
+        f"another); roofline: max(FLOPs / peak, bytes / bandwidth) on the {g.name}, in µs"]
+    if rep.assumed:
+        out.append(f"assumed: {'; '.join(rep.assumed)}")
     for c in rep.contexts:
         for v in rep.verdicts(c):
             mark = "[green]pass[/]" if v.ok else "[red]FAIL[/]"
@@ -632,16 +602,15 @@ def to_json(rep: Occupancy) -> dict[str, Any]:
         "gpu": {"name": rep.gpu.name, "sms": rep.gpu.sms, "bandwidth": rep.gpu.bandwidth,
                 "peak_flops": rep.gpu.peak_flops},
         "module": str(rep.module),
-        "assumptions": [BALANCED,
+        "assumptions": [*rep.assumed,
                         "decode at context N: one token after N - 1 cached; prefill: N tokens",
-                        "bytes and FLOPs: the IR node's cost model, on the node's main launch",
-                        "waves: ceil(programs with work / (SMs x programs resident per SM))",
-                        "a host step counts one launch per torch op it dispatches"],
+                        "bytes and FLOPs: the IR node's cost model, on the node's widest launch",
+                        "waves: ceil(programs with work / (SMs x programs resident per SM))"],
         "phases": [{
             "phase": p.phase, "context": p.context,
             "launches": [launch(x) for x in p.launches],
-            "host_steps": [{"name": h.name, "node": h.node, "layer": h.layer, "label": h.label,
-                            "torch_ops": h.torch_ops} for h in p.host_steps],
+            "host_steps": [{"name": h.name, "node": h.node, "layer": h.layer, "label": h.label}
+                           for h in p.host_steps],
             "launches_per_layer": {str(k): v for k, v in p.per_layer().items()},
             "layer_limits": {str(k): v for k, v in p.layer_limits.items()},
         } for p in rep.plans],
