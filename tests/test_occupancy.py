@@ -32,7 +32,7 @@ from archc.spec import load_spec
 from tests.test_moe_kernels import reference_routing
 
 FIELDS = ("kernel", "family", "phase", "programs", "programs_with_work", "bytes", "registers",
-          "spill_bytes", "shared_bytes", "wgmma", "tma")
+          "spill_bytes", "shared_bytes", "wgmma", "tma", "pdl")
 
 
 def fake_compile(spill: dict[str, int] | None = None):  # noqa: ANN201

@@ -595,6 +595,7 @@ def to_json(rep: Occupancy) -> dict[str, Any]:
             "shared_bytes": r.shared_bytes if compiled else None,
             "wgmma": r.wgmma if compiled else None,
             "tma": r.tma if compiled else None,
+            "pdl": r.pdl if compiled else None,
             "compile_error": r.error if r is not None and not r.ok else None,
         }
     return {
