@@ -539,10 +539,12 @@ def format_report(rep: Occupancy) -> list[Any]:
         what = (f"prefill of {plan.context} tokens" if plan.phase == "prefill" else
                 f"decode step at context {plan.context} (1 token after {plan.context - 1})")
         seconds = sum(x.seconds or 0.0 for x in plan.launches)
+        # the heading on its own line: a table's title wraps at the table's width
+        out.append(f"{what}: {len(plan.launches)} kernel launches"
+                   + (f" + {len(plan.host_steps)} host steps" if plan.host_steps else "")
+                   + f", {_layers(plan)}; roofline {fmt_seconds(seconds)}")
         t = table(
-            f"{what}: {len(plan.launches)} kernel launches"
-            + (f" + {len(plan.host_steps)} host steps" if plan.host_steps else "")
-            + f", {_layers(plan)}; roofline {fmt_seconds(seconds)}",
+            "",
             ("kernel", "works on", "×", "programs", "waves", "regs/spill", "smem", "wgmma",
              "TMA", "bytes", "roofline"),
             _rows(rep, plan), text=("kernel", "works on", "wgmma", "TMA"))
