@@ -71,7 +71,10 @@ else
     # Tests whose kernels run on the GPU when there is one (f32, f16 and bf16). Not
     # tests/test_triton_validate.py: it validates on the CPU, and Triton's interpreter, once
     # chosen, is the process's for good — it cannot share a pytest worker with GPU tests.
-    read -r -a TESTS <<< "${ARCHC_GPU_CHECK_TESTS:-tests/test_triton_kernels.py \
+    # The split-K, decode-attention and MoE tests come first: their last-arriving programs
+    # reduce the others' partial sums through atomics, a race only a GPU can show.
+    read -r -a TESTS <<< "${ARCHC_GPU_CHECK_TESTS:-tests/test_splitk.py \
+tests/test_decode_attention.py tests/test_moe_kernels.py tests/test_triton_kernels.py \
 tests/test_triton_recurrent.py tests/test_triton_models.py tests/test_triton_gguf.py \
 tests/test_bench.py tests/test_roofline.py}"
     BENCH_FLAGS=()
