@@ -24,7 +24,15 @@ from archc.ir.ops import Op
 from archc.ir.paramexpr import rope_cos_sin, rope_inv_freq
 from archc.ir.shapes import B, T, shape
 from archc.runtime.launch import LaunchContext
-from tests.test_triton_kernels import DTYPES, build, check, rand
+from tests.test_triton_kernels import (
+    DTYPES,
+    build,
+    check,
+    check_concat_k_operands,
+    check_head_norm,
+    check_rms_prologue_glu_bias_residual,
+    rand,
+)
 
 BLOCK_K = 16
 MODEL_TOL = 1e-4   # a whole model in f32, as tests/test_triton_models.py
@@ -167,17 +175,7 @@ def test_rms_prologue_glu_pair(kernel_dir: Path, monkeypatch: pytest.MonkeyPatch
                                dtype: str) -> None:
     """Folded RMSNorm (Σx² from every split) and the GLU pair (both accumulators split)."""
     spy = SplitK(monkeypatch, splits)
-    k, n = 40, 2 * 23
-
-    def fn(b: GraphBuilder, i: dict[str, int]) -> int:
-        return b.emit(Op.FUSED_LINEAR, i["x"], i["w"], i["bias"], i["r"], prologue="rms",
-                      eps=1e-5, epilogue=(Call("rms_scale"), Call("glu", (), (("fn", "silu"),)),
-                                          Call("bias"), Call("residual")))
-
-    g = build({"x": (shape(B, T, k), dtype), "w": (shape(n, k), dtype),
-               "bias": (shape(n // 2), dtype), "r": (shape(B, T, n // 2), dtype)}, fn)
-    check(g, {"x": rand(3, 7, k), "w": rand(n, k) / k ** 0.5, "bias": rand(n // 2),
-              "r": rand(3, 7, n // 2)}, {"B": 3, "T": 7, "P": 0}, kernel_dir, dtype=dtype)
+    check_rms_prologue_glu_bias_residual(kernel_dir, dtype)
     spy.check_ran()
 
 
@@ -239,28 +237,7 @@ def test_head_norm_rope(kernel_dir: Path, monkeypatch: pytest.MonkeyPatch, kind:
     """QK-norm after the split sums: whole heads per tile (a reshape for 16, head-aligned tiles
     for 20), then RoPE and the cache write."""
     spy = SplitK(monkeypatch, 3, block_n=64)
-    heads, kv_heads, d, t = 4, 2, 40, 3
-    normed = (heads + kv_heads) * hd
-    width = normed + kv_heads * hd
-    steps = (Call("head_norm", (), (("eps", 1e-6), ("head_dim", hd), ("heads", heads + kv_heads),
-                                    ("kind", kind))),
-             Call("rope", (), (("heads", heads + kv_heads), ("head_dim", hd),
-                               ("interleaved", False), ("rotary_dim", hd))),
-             Call("kv_write", (), (("head_dim", hd), ("k_start", heads * hd),
-                                   ("kv_heads", kv_heads), ("layer", 0), ("v_start", normed))))
-
-    def fn(b: GraphBuilder, i: dict[str, int]) -> int:
-        return b.emit(Op.FUSED_LINEAR, i["x"], i["w"], i["gain"], i["shift"], i["pos"], i["freq"],
-                      epilogue=steps)
-
-    g = build({"x": (shape(B, T, d), "f32"), "w": (shape(width, d), "f32"),
-               "gain": (shape(normed), "f32"), "shift": (shape(normed), "f32"),
-               "pos": (shape(T), "i64"), "freq": (shape(t, 2, hd // 2), "f32")}, fn)
-    check(g, {"x": rand(2, t, d), "w": rand(width, d), "gain": 1 + 0.1 * rand(normed),
-              "shift": 0.1 * rand(normed, seed=1), "pos": torch.arange(t),
-              "freq": rope_cos_sin(rope_inv_freq(dim=hd, theta=10000.0), rows=t)},
-          {"B": 2, "T": t, "P": 0},
-          kernel_dir)
+    check_head_norm(kernel_dir, kind, hd, rope=True, d=40, t=3)
     spy.check_ran()
 
 
@@ -268,15 +245,7 @@ def test_concatenated_operands_do_not_split(kernel_dir: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A K loop over two inputs keeps SPLIT_K = 1 (the forcing skips it) and is still right."""
     spy = SplitK(monkeypatch, 2)
-
-    def fn(b: GraphBuilder, i: dict[str, int]) -> int:
-        return b.emit(Op.FUSED_LINEAR, i["a"], i["h"], i["w"], i["r"], concat_k=True,
-                      epilogue=(Call("residual"),))
-
-    g = build({"a": (shape(B, T, 20), "f32"), "h": (shape(B, T, 36), "f32"),
-               "w": (shape(9, 56), "f32"), "r": (shape(B, T, 9), "f32")}, fn)
-    check(g, {"a": rand(2, 3, 20), "h": rand(2, 3, 36), "w": rand(9, 56), "r": rand(2, 3, 9)},
-          {"B": 2, "T": 3, "P": 0}, kernel_dir)
+    check_concat_k_operands(kernel_dir)
     assert not spy.split_configs
 
 

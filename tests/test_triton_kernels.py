@@ -83,6 +83,11 @@ def check(g: Graph, values: dict[str, torch.Tensor], dims: dict[str, int], kerne
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matmul_rms_prologue_glu_bias_residual(kernel_dir: Path, dtype: str) -> None:
+    check_rms_prologue_glu_bias_residual(kernel_dir, dtype)
+
+
+def check_rms_prologue_glu_bias_residual(kernel_dir: Path, dtype: str) -> None:
+    """Folded RMSNorm, the GLU pair, a bias and the residual in one kernel (also run split-K)."""
     k, n = 40, 2 * 23  # K not a multiple of 16; 23 output columns
 
     def fn(b: GraphBuilder, i: dict[str, int]) -> int:
@@ -145,6 +150,11 @@ def test_matmul_rope_kv_write_then_cached_attention(kernel_dir: Path, interleave
 
 
 def test_matmul_concat_k_operands(kernel_dir: Path) -> None:
+    check_concat_k_operands(kernel_dir)
+
+
+def check_concat_k_operands(kernel_dir: Path) -> None:
+    """A K loop over two inputs (the concatenation never materialized) and a residual."""
     def fn(b: GraphBuilder, i: dict[str, int]) -> int:
         return b.emit(Op.FUSED_LINEAR, i["a"], i["h"], i["w"], i["r"], concat_k=True,
                       epilogue=(Call("residual"),))
@@ -336,7 +346,14 @@ def test_matmul_head_norm(kernel_dir: Path, kind: str, rope: bool, hd: int,
         return cfg
 
     monkeypatch.setattr(blocks, "launch_config", narrow)
-    heads, kv_heads, d, t = 4, 2, 24, 5
+    check_head_norm(kernel_dir, kind, hd, rope)
+
+
+def check_head_norm(kernel_dir: Path, kind: str, hd: int, rope: bool, d: int = 24,
+                    t: int = 5) -> None:
+    """QK-norm over the first 6 of 8 heads, then RoPE and the cache write when `rope`, against
+    eager (also run split-K)."""
+    heads, kv_heads = 4, 2
     normed = (heads + kv_heads) * hd
     width = normed + kv_heads * hd
     steps = [Call("head_norm", (), (("eps", 1e-6), ("head_dim", hd), ("heads", heads + kv_heads),
