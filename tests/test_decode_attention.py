@@ -8,7 +8,7 @@ ONE plan built for more keys than any step has, at several past lengths:
 - the output against eager at 1e-4 of its scale (f32; both sides sum in f32 in different orders,
   a few ulps of the scale), with more splits than blocks (empty splits), uneven deals, GQA, MQA,
   a sliding window (splits that see no key) and global tokens;
-- the keys each split read, from its partial sums, against ``blocks.split_blocks``;
+- the keys each split read, from its partial sums, against ``blocks.split_keys``;
 - the arrival counters are zero again after every launch;
 - cache positions past the live length are NaN: a split that read one would spread it; and no
   NaN is computed anywhere, not even from a merge step of only empty splits (numpy's
@@ -62,8 +62,8 @@ def deal(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
             return {**cfg, "BLOCK_N": block_n, "BLOCK_S": block_s,
                     "BLOCK_DM": block_dm or cfg["BLOCK_DM"]}
 
-        def count(target: str, programs: int, block: int, max_keys: int) -> int:
-            assert block == block_n and max_keys == KV_LEN_MAX
+        def count(target: str, programs: int, max_keys: int) -> int:
+            assert max_keys == KV_LEN_MAX
             return splits
         monkeypatch.setattr(blocks, "launch_config", config)
         monkeypatch.setattr(blocks, "decode_split_count", count)
@@ -163,8 +163,8 @@ def test_one_plan_replayed_at_every_past_length_agrees_with_eager(kernel_dir: Pa
 
 
 @pytest.mark.parametrize("block_n, splits", [(16, 3), (16, 5), (32, 4)])
-def test_each_split_reads_the_key_blocks_split_blocks_deals_it(kernel_dir: Path, deal: Any,
-                                                               block_n: int, splits: int) -> None:
+def test_each_split_reads_the_keys_split_keys_deals_it(kernel_dir: Path, deal: Any,
+                                                        block_n: int, splits: int) -> None:
     """With q = 0 every visible key scores alike, so a split's partial Σp is the number of keys
     it read and Σp·v / Σp their mean value; values that are the key positions make these the
     count and the mean position of the split's keys: the range itself."""
@@ -181,8 +181,8 @@ def test_each_split_reads_the_key_blocks_split_blocks_deals_it(kernel_dir: Path,
         acc = replay.s.ctx.scratch("attention_acc", part * hd, "f32").cpu().view(
             splits, rows, hd)
         for s in range(splits):
-            first, end = blocks.split_blocks(length, splits, block_n, s)
-            keys = torch.arange(first * block_n, min(end * block_n, length), dtype=torch.float32)
+            first, end = blocks.split_keys(length, splits, s)
+            keys = torch.arange(first, end, dtype=torch.float32)
             for r in range(heads):
                 assert ml[s, r, 1] == len(keys), f"past {past}, split {s}: {ml[s, r, 1]} keys"
                 assert torch.equal(acc[s, r], keys.sum().expand(hd)), f"past {past}, split {s}"
@@ -197,21 +197,26 @@ def test_gpu_decode_grid_keeps_two_waves_busy_from_a_1k_context(name: str) -> No
     group = spec.attention.heads // kv_heads
     cfg = blocks.launch_config("attention_decode", "gpu", L=spec.max_seq_len, D=hd, R=group)
     assert cfg["BLOCK_N"] >= 16                          # tl.dot's smallest tile
-    splits = blocks.decode_split_count("gpu", kv_heads, cfg["BLOCK_N"], spec.max_seq_len)
-    busy = [kv_heads * blocks.decode_work(past + 1, splits, cfg["BLOCK_N"])
-            for past in range(1024, spec.max_seq_len)]
+    splits = blocks.decode_split_count("gpu", kv_heads, spec.max_seq_len)
+    kv_bytes = 2 * kv_heads * hd * 2                     # K and V of one key, bf16
+    first = (4 << 20) // kv_bytes                        # the first context of ≥ 4 MiB of KV
+    assert first == 1024
+    busy = [kv_heads * blocks.decode_work(keys, splits)
+            for keys in range(first, spec.max_seq_len + 1)]
     assert min(busy) >= blocks.DECODE_TARGET_PROGRAMS
 
 
-def test_split_blocks_deal_every_block_once() -> None:
-    """The deal the kernel computes: consecutive, covering [0, cdiv(keys, block_n)), sizes
-    differing by at most one, and every split busy while there are enough blocks."""
-    for keys in (1, 15, 16, 17, 100, 1025):
+def test_split_keys_deal_every_key_once() -> None:
+    """The deal the kernel computes: consecutive ranges covering [0, keys), starting on units of
+    DECODE_DEAL keys, sizes differing by at most one unit, every split busy while there are
+    enough units."""
+    unit = blocks.DECODE_DEAL
+    for keys in (1, 15, 16, 17, 100, 1024, 1025):
         for splits in (1, 3, 4, 33):
-            deal = [blocks.split_blocks(keys, splits, 16, s) for s in range(splits)]
-            n = -(-keys // 16)
-            assert deal[0][0] == 0 and deal[-1][1] == n
+            deal = [blocks.split_keys(keys, splits, s) for s in range(splits)]
+            assert deal[0][0] == 0 and deal[-1][1] == keys
             assert all(a[1] == b[0] for a, b in zip(deal, deal[1:]))
+            assert all(first % unit == 0 for first, _ in deal)
             sizes = [end - first for first, end in deal]
-            assert max(sizes) - min(sizes) <= 1
-            assert sum(size > 0 for size in sizes) == blocks.decode_work(keys, splits, 16)
+            assert max(sizes) - min(sizes) <= unit
+            assert sum(size > 0 for size in sizes) == blocks.decode_work(keys, splits)

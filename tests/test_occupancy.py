@@ -96,18 +96,18 @@ def test_tiny_llama3_json(capsys: pytest.CaptureFixture[str], monkeypatch: pytes
         assert set(p["layer_limits"].values()) == {5}
         assert set(p["launches_per_layer"]) == {str(i) for i in range(spec.layers)}
     # decode attention covers the whole cache (CUDA graphs): a fixed grid (B · KV heads,
-    # splits); the live keys' blocks are dealt over the splits, so a split has work while
-    # there is a block for it
+    # splits); the live keys are dealt over the splits in units of 16, so a split has work
+    # while there is a unit for it
     for c in (24, 40):
         atts = [x for x in phase(data, "decode", c)["launches"]
                 if x["family"] == "attention_decode"]
         assert len(atts) == spec.layers
         for att in atts:
-            rows, block_n = spec.attention.kv_heads, att["config"]["BLOCK_N"]   # B = 1
-            splits = blocks.decode_split_count("gpu", rows, block_n, spec.max_seq_len)
+            rows = spec.attention.kv_heads   # B = 1
+            splits = blocks.decode_split_count("gpu", rows, spec.max_seq_len)
             assert att["grid"] == [rows, splits]
-            key_blocks = -(-c // block_n)
-            assert att["programs_with_work"] == rows * min(splits, key_blocks)
+            units = -(-c // 16)
+            assert att["programs_with_work"] == rows * min(splits, units)
     # the fake compile's numbers reach every launch; nothing spills, the verdict says so
     assert all(x["registers"] == 32 and x["wgmma"] == ["m64n32k16"] and x["tma"] is False
                for p in data["phases"] for x in p["launches"])
@@ -167,12 +167,13 @@ def test_balanced_blocks_match_a_routing() -> None:
 
 
 def test_programs_with_work_by_family() -> None:
-    # decode attention: a fixed grid whose splits deal the live key blocks out; every split
-    # works once there are as many blocks as splits
+    # decode attention: a fixed grid whose splits deal the live keys out in units of 16; every
+    # split works once there are as many units as splits
     args = {"BLOCK_N": 64}
-    assert programs_with_work("attention_decode", (8, 33), args, keys=512, tokens=1) == 8 * 8
-    assert programs_with_work("attention_decode", (8, 33), args, keys=513, tokens=1) == 8 * 9
-    assert programs_with_work("attention_decode", (8, 33), args, keys=4096, tokens=1) == 8 * 33
+    assert programs_with_work("attention_decode", (8, 33), args, keys=128, tokens=1) == 8 * 8
+    assert programs_with_work("attention_decode", (8, 33), args, keys=129, tokens=1) == 8 * 9
+    assert programs_with_work("attention_decode", (8, 33), args, keys=512, tokens=1) == 8 * 32
+    assert programs_with_work("attention_decode", (8, 33), args, keys=528, tokens=1) == 8 * 33
     # expert GEMMs: one token's 2 pairs go to 2 experts, a block each, of 9 row blocks
     moe = {"BLOCK_M": 16}
     assert programs_with_work("moe", (9, 256), moe, keys=0, tokens=1, experts=8,

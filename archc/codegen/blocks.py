@@ -22,6 +22,9 @@ TARGETS = ("gpu", "interpret")
 DECODE_MAX_ROWS = 128
 # Programs the decode-attention grid aims for on a GPU: two waves of an H100/H200's 132 SMs.
 DECODE_TARGET_PROGRAMS = 264
+# Keys the decode-attention splits are dealt in: the smallest tile (tl.dot's 16), not the key
+# block a program steps by, so a short context still has a unit for every split.
+DECODE_DEAL = 16
 # Decode GEMVs split their K loop (split-K) into parts of at least this many BLOCK_K steps:
 # shorter parts would spend more on writing and re-reading partial sums than on streaming weights.
 DECODE_MIN_SPLIT_STEPS = 4
@@ -82,13 +85,13 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         rows = _clamp_pow2(sizes["R"], 16, DECODE_MAX_ROWS)  # the G·T query rows of a KV head
         block_d = _clamp_pow2(sizes["D"], 16, 1 << 16)
         if not gpu:  # about one block per split (decode_split_count: four), so short test
-            # sequences still exercise the merge
+            # sequences still exercise the merge and splits that end inside a block
             return _cfg(BLOCK_R=rows, BLOCK_N=_clamp_pow2(sizes["L"] // 4, 16, 128), BLOCK_S=4,
                         BLOCK_DM=block_d)
-        # key blocks of about 4096 values (32 keys of head_dim 128, 64 of 64, 16 of 256): once a
-        # layer's KV reaches 4 MiB (bf16), a KV head has at least as many blocks as the
-        # splits that fill two waves with work (decode_split_count: 33 for 8 KV heads at 1k
-        # keys of head_dim 128)
+        # key blocks of about 4096 values (32 keys of head_dim 128, 64 of 64, 16 of 256); the
+        # splits are dealt in units of DECODE_DEAL keys, so once a layer's KV reaches 4 MiB
+        # (bf16: 1k keys of 8 KV heads of 128) every one of the splits that fill two waves has
+        # keys (decode_split_count: 33 for 8 KV heads)
         block_n = max(16, min(64, 4096 // block_d))
         # the merge: 64 splits (all of them at batch 1 with 8 KV heads) × 64 columns a step, 32
         # values a thread (twice that spills with head_dim 256)
@@ -230,27 +233,29 @@ def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
     return []
 
 
-def decode_split_count(target: str, programs: int, block_n: int, max_keys: int) -> int:
+def decode_split_count(target: str, programs: int, max_keys: int) -> int:
     """Flash-decoding's split count: fixed for a launch plan, so the grid (`programs` =
     batch × KV heads, × splits) replays under CUDA graphs at any past length. Each program finds
-    its keys on the device from the live length (``split_blocks``). On a GPU, enough splits for two
+    its keys on the device from the live length (``split_keys``). On a GPU, enough splits for two
     waves of SMs; under the interpreter four (short test sequences still exercise the merge).
-    Never more splits than the cache has key blocks."""
+    Never more splits than the cache has units of DECODE_DEAL keys."""
     want = _cdiv(DECODE_TARGET_PROGRAMS, max(programs, 1)) if target == "gpu" else 4
-    return max(1, min(want, _cdiv(max(max_keys, 1), block_n)))
+    return max(1, min(want, _cdiv(max(max_keys, 1), DECODE_DEAL)))
 
 
-def split_blocks(keys: int, splits: int, block_n: int, split: int) -> tuple[int, int]:
-    """Key blocks [first, end) of split `split` at live length `keys`: the cdiv(keys, block_n)
-    blocks dealt out evenly (⌊s·n / splits⌋), so every split has work while there are at least
-    as many blocks as splits. The decode kernel computes the same on the device."""
-    n = _cdiv(keys, block_n)
-    return split * n // splits, (split + 1) * n // splits
+def split_keys(keys: int, splits: int, split: int) -> tuple[int, int]:
+    """Keys [first, end) of split `split` at live length `keys`: the cdiv(keys, DECODE_DEAL)
+    units of DECODE_DEAL keys dealt out evenly (⌊s·n / splits⌋), so every split has work while
+    there are at least as many units as splits. The decode kernel computes the same on the
+    device (its loop steps by its own key block, masked at the split's end)."""
+    n = _cdiv(keys, DECODE_DEAL)
+    return (min(split * n // splits * DECODE_DEAL, keys),
+            min((split + 1) * n // splits * DECODE_DEAL, keys))
 
 
-def decode_work(keys: int, splits: int, block_n: int) -> int:
-    """Splits that have keys to read at live length `keys` (``split_blocks``)."""
-    return min(splits, _cdiv(keys, block_n))
+def decode_work(keys: int, splits: int) -> int:
+    """Splits that have keys to read at live length `keys` (``split_keys``)."""
+    return min(splits, _cdiv(keys, DECODE_DEAL))
 
 
 def _cdiv(a: int, b: int) -> int:

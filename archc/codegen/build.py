@@ -23,7 +23,7 @@ from typing import Any
 import sympy
 
 import archc.ir.expr as E
-from archc.codegen.blocks import TARGETS, next_pow2
+from archc.codegen.blocks import DECODE_DEAL, TARGETS, next_pow2
 from archc.codegen.layout import CodegenError, Layout
 from archc.codegen.printer import pexpr, texpr
 from archc.ir.attrs import Attrs, Call
@@ -473,6 +473,7 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     scale, softcap, bias = a["scale"], a["softcap"], a["bias"]
     ctx: dict[str, Any] = dict(
         H=heads, KVH=kv_heads, G=heads // kv_heads, D=hd, BLOCK_D=max(16, next_pow2(hd)),
+        deal=DECODE_DEAL,
         q=by_sequence(c, "q", HEAD), k=kv["k"], v=kv["v"], cached=cached, L=length,
         L_host=length_host, dot_kw=c.dot_kw, causal=a["causal"], padding=a["padding"],
         prefix=a["prefix"], softcap=softcap is not None, qk_scale=repr(scale * LOG2E),

@@ -9,8 +9,8 @@ graphs covers the whole cache and reads the live length on the device). For each
 - programs: the grid, evaluated; **with work**: the programs that have something to do. All of
   them (a split-K matmul's splits included: none is empty), except decode attention and the MoE
   expert GEMM, whose grids are sized for the worst case. Decode attention's grid is (batch × KV
-  heads, splits) for the whole cache; the live keys' blocks are dealt over the splits
-  (``blocks.split_blocks``), so a split has work while there are blocks for it. An expert GEMM
+  heads, splits) for the whole cache; the live keys are dealt over the splits in units of 16
+  (``blocks.split_keys``), so a split has work while there are keys for it. An expert GEMM
   has one row block per expert that tokens are routed to; routing is assumed balanced — the M·k
   (token, slot) pairs dealt evenly over the E experts — which is exact for one token (its k
   experts are distinct).
@@ -167,9 +167,9 @@ def programs_with_work(family: str, grid: tuple[int, ...], args: Mapping[str, An
     """Programs of a launch that have work (see the module docstring). `args`: the launch's
     arguments by name (block sizes included); `keys`: the live keys of decode attention, P + T;
     `tokens`: B·T."""
-    if family == "attention_decode":    # (batch × KV heads, splits): splits with key blocks
+    if family == "attention_decode":    # (batch × KV heads, splits): splits with keys
         splits = grid[1] if len(grid) > 1 else 1
-        return grid[0] * blocks.decode_work(keys, splits, args["BLOCK_N"]) * math.prod(grid[2:])
+        return grid[0] * blocks.decode_work(keys, splits) * math.prod(grid[2:])
     if family == "moe" and experts:     # (row blocks, column tiles): the routed row blocks
         routed = balanced_blocks(tokens * top_k, experts, args["BLOCK_M"])
         return min(grid[0], routed) * math.prod(grid[1:])

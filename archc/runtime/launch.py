@@ -153,9 +153,9 @@ class LaunchContext:
             self._scratch[key] = buf
         return buf[:numel]
 
-    def decode_split_count(self, programs: int, block_n: int, max_keys: int) -> int:
+    def decode_split_count(self, programs: int, max_keys: int) -> int:
         """Splits of a decode-attention grid on this target (``blocks.decode_split_count``)."""
-        return blocks.decode_split_count(self.target, programs, block_n, max_keys)
+        return blocks.decode_split_count(self.target, programs, max_keys)
 
     def moe_routing(self, gates: torch.Tensor, tokens: int, experts: int, top_k: int,
                     block_m: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
