@@ -146,6 +146,10 @@ PARAM_FNS: dict[str, Callable[..., torch.Tensor]] = {
     "t": lambda a: a.transpose(-1, -2).contiguous(),
     "rows": lambda a, start=0, stop=None: a[start:stop].contiguous(),
     "reshape": lambda a, shape: a.reshape(shape).contiguous(),
+    # the two halves of `dim` interleaved (rows n and n + N/2 made neighbours 2n and 2n + 1): a
+    # permutation, exact, that puts a paired epilogue's partners side by side in one tile
+    "interleave": lambda a, dim=0: a.unflatten(dim, (2, a.shape[dim] // 2)).transpose(
+        dim, dim + 1).flatten(dim, dim + 1).contiguous(),
     # arithmetic, for passes that rewrite weights
     "add": lambda a, b: a + b,
     "mul": lambda a, b: a * b,
