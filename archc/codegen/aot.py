@@ -2,8 +2,8 @@
 
 Tests under Triton's interpreter cannot see a kernel that will not compile for a GPU: a `tl.dot`
 on blocks smaller than 16, a dtype the hardware lacks, registers that spill. Triton compiles
-without a GPU (``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``), and the
-``ptxas`` that ships with Triton reports registers and spills.
+without a GPU (``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``; 100 for
+Blackwell's sm_100a), and the ``ptxas`` that ships with Triton reports registers and spills.
 
 Triton decides when it is first imported whether ``@triton.jit`` builds compiler or interpreter
 functions, so compiles run in fresh worker processes (``aot_worker.py``) with ``TRITON_INTERPRET``
@@ -34,9 +34,9 @@ from typing import Any
 from archc.codegen.aot_worker import last_line
 from archc.codegen.blocks import aot_config
 
-TARGETS = {"sm_80": 80, "sm_90a": 90}
-MEASURED = ("registers", "spill_bytes", "shared_bytes", "tensor_core_ops", "wgmma", "tma", "pdl",
-            "seconds", "error")
+TARGETS = {"sm_80": 80, "sm_90a": 90, "sm_100a": 100}
+MEASURED = ("registers", "spill_bytes", "shared_bytes", "tensor_core_ops", "wgmma", "mma", "tma",
+            "pdl", "warp_specialized", "warps", "seconds", "error")
 OPTIONS = ("num_warps", "num_stages")       # compile options; the rest of a config: constexprs
 LAUNCH = ("PDL", "launch_pdl")              # how a launch is made: set here from the target
 
@@ -50,13 +50,16 @@ class AotResult:
     registers: int = 0
     spill_bytes: int = 0           # spill stores + spill loads
     shared_bytes: int = 0
-    tensor_core_ops: int = 0       # mma.sync (sm_80) / wgmma.mma_async (sm_90a) in the PTX
+    tensor_core_ops: int = 0       # mma.sync / wgmma.mma_async / tcgen05.mma in the PTX
     config: str = ""
     seconds: float = 0.0
     error: str = ""
     wgmma: list[str] = field(default_factory=list)     # shapes, "m64n128k16"
+    mma: list[str] = field(default_factory=list)       # the target's: wgmma or tcgen05 shapes
     tma: bool = False              # cp.async.bulk.tensor in the PTX
     pdl: bool = False              # griddepcontrol.wait in the PTX: programmatic dependent launch
+    warp_specialized: bool = False  # its loop split into producer/consumer warp partitions
+    warps: int = 0                 # warps a program runs with (partitions included); 0: unknown
     cached: bool = False           # read from the on-disk cache, not compiled now
 
     @property
@@ -101,7 +104,8 @@ def compile_configs(module_path: Path, target: str,
         if entry is None:
             results.append(AotResult(name, "", "", target, error="no such kernel"))
             continue
-        # programmatic dependent launch where the target has it (sm_90), as the runtime launches
+        # programmatic dependent launch where the target has it (sm_90 and later), as the
+        # runtime launches
         pdl = TARGETS[target] >= 90
         constexprs = {k: v for k, v in config.items() if k not in OPTIONS + LAUNCH} | {"PDL": pdl}
         options = {k: config[k] for k in OPTIONS if k in config} | {"launch_pdl": pdl}

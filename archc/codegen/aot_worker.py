@@ -3,15 +3,17 @@ and nothing of archc — in particular not torch — so it starts in a fraction 
 jobs as JSON lines on stdin, one kernel each:
 
     {"kernel": name, "signature": {arg: type}, "constexprs": {arg: value},
-     "options": {"num_warps": w, "num_stages": s, "launch_pdl": b}, "capability": 80 | 90,
-     "index": i}
+     "options": {"num_warps": w, "num_stages": s, "launch_pdl": b},
+     "capability": 80 | 90 | 100, "index": i}
 
 and writes one JSON line per kernel, with the job's index: registers and spill bytes (from the
-log of Triton's ptxas run), shared memory (Triton's metadata), the count of tensor-core
-instructions in the PTX (`mma.sync` for sm_80, `wgmma.mma_async` for sm_90a), the wgmma shapes
-(`m64n128k16`), whether it moves tiles with the Hopper tensor-memory accelerator
-(`cp.async.bulk.tensor`), whether it waits on the previous kernel for programmatic dependent
-launch (`griddepcontrol.wait`), or the error.
+log of Triton's ptxas run), shared memory and the warps of a program (Triton's metadata: a
+warp-specialized kernel has more than it asked for), the count of tensor-core instructions in
+the PTX (`mma.sync` for sm_80, `wgmma.mma_async` for sm_90a, `tcgen05.mma` for sm_100a), the
+shapes of the asynchronous ones (`m64n128k16`), whether it moves tiles with the tensor-memory
+accelerator (`cp.async.bulk.tensor`), whether it waits on the previous kernel for programmatic
+dependent launch (`griddepcontrol.wait`), whether Triton split its loop into warp-specialized
+partitions (a `ttg.warp_specialize` op in the TTGIR), or the error.
 """
 
 import contextlib
@@ -23,16 +25,48 @@ import re
 import sys
 import time
 
-TENSOR_CORE_OP = {80: "mma.sync", 90: "wgmma.mma_async"}
+TENSOR_CORE_OP = {80: "mma.sync", 90: "wgmma.mma_async", 100: "tcgen05.mma"}
 WGMMA_SHAPE = re.compile(r"wgmma\.mma_async\S*?\.(m\d+n\d+k\d+)\b")
 TMA_OP = "cp.async.bulk.tensor"
 PDL_OP = "griddepcontrol.wait"
+WARP_SPECIALIZE_OP = "ttg.warp_specialize"
+# A tcgen05.mma names no shape: M and N are fields of its 32-bit instruction descriptor (operand
+# 4), which Triton materializes with `mov.b32 %rN, <constant>`; K is fixed by the kind — 32 bytes
+# of A and B per instruction (PTX ISA, "Instruction descriptor" of tcgen05.mma: bits 17–22 hold
+# N >> 3, bits 24–28 hold M >> 4)
+TCGEN05_MMA = re.compile(r"tcgen05\.mma\.\S*?kind::(\w+)\s+\[[^\]]*\],\s*[^,]+,\s*[^,]+,"
+                         r"\s*(%r\d+)")
+TCGEN05_K = {"f16": 16, "tf32": 8, "f8f6f4": 32, "i8": 32}
 
 
 def wgmma_shapes(ptx: str) -> list[str]:
     """The distinct wgmma shapes of a PTX text, smallest first (`m64n128k16`)."""
-    return sorted(set(WGMMA_SHAPE.findall(ptx)),
-                  key=lambda s: tuple(int(x) for x in re.findall(r"\d+", s)))
+    return _by_size(set(WGMMA_SHAPE.findall(ptx)))
+
+
+def tcgen05_shapes(ptx: str) -> list[str]:
+    """The distinct tcgen05.mma shapes of a PTX text, smallest first (`m128n128k16`): those
+    whose instruction descriptor is a constant in the PTX and whose kind has a known K."""
+    shapes = set()
+    for kind, reg in TCGEN05_MMA.findall(ptx):
+        const = re.search(rf"mov\.b32\s+{re.escape(reg)},\s*(\d+);", ptx)
+        if const is None or kind not in TCGEN05_K:
+            continue
+        desc = int(const.group(1))
+        shapes.add(f"m{((desc >> 24) & 0x1F) << 4}n{((desc >> 17) & 0x3F) << 3}"
+                   f"k{TCGEN05_K[kind]}")
+    return _by_size(shapes)
+
+
+def mma_shapes(ptx: str, capability: int) -> list[str]:
+    """The shapes of the target's asynchronous tensor-core instructions (none for sm_80's
+    mma.sync, whose shape is fixed per warp)."""
+    return tcgen05_shapes(ptx) if capability >= 100 else wgmma_shapes(ptx) if capability >= 90 \
+        else []
+
+
+def _by_size(shapes: set[str]) -> list[str]:
+    return sorted(shapes, key=lambda s: tuple(int(x) for x in re.findall(r"\d+", s)))
 
 
 def last_line(text: object) -> str:
@@ -46,8 +80,8 @@ def compile_one(module: object, job: dict) -> dict:
     from triton.backends.compiler import GPUTarget
 
     out = {"kernel": job["kernel"], "index": job.get("index", 0), "registers": 0,
-           "spill_bytes": 0, "shared_bytes": 0, "tensor_core_ops": 0, "wgmma": [], "tma": False,
-           "pdl": False, "error": ""}
+           "spill_bytes": 0, "shared_bytes": 0, "tensor_core_ops": 0, "wgmma": [], "mma": [],
+           "tma": False, "pdl": False, "warp_specialized": False, "warps": 0, "error": ""}
     t0 = time.perf_counter()
     try:
         fn = getattr(module, job["kernel"])
@@ -82,9 +116,12 @@ def compile_one(module: object, job: dict) -> dict:
         out["shared_bytes"] = int(compiled.metadata.shared)
         ptx = compiled.asm["ptx"]
         out["tensor_core_ops"] = ptx.count(TENSOR_CORE_OP[job["capability"]])
+        out["mma"] = mma_shapes(ptx, job["capability"])
         out["wgmma"] = wgmma_shapes(ptx)
         out["tma"] = TMA_OP in ptx
         out["pdl"] = PDL_OP in ptx
+        out["warp_specialized"] = WARP_SPECIALIZE_OP in compiled.asm["ttgir"]
+        out["warps"] = int(compiled.metadata.num_warps)
     except Exception as err:  # reported per kernel; the caller's table shows all of them
         out["error"] = f"{type(err).__name__}: {last_line(err)}"
     out["seconds"] = time.perf_counter() - t0

@@ -15,11 +15,12 @@ from pathlib import Path
 
 from rich.markup import escape
 
+from archc.codegen.aot import TARGETS
 from archc.commands.common import check_output, spec_of
 from archc.commands.passes import add_pipeline_arguments
 from archc.commands.vocabulary import add, positive_int
 from archc.errors import ArchcError
-from archc.perf.gpus import GPUS
+from archc.perf.gpus import GPUS, TARGET_GPU
 from archc.spec.schema import Spec
 from archc.ui import console, err_console, nbytes, table
 
@@ -27,8 +28,9 @@ from archc.ui import console, err_console, nbytes, table
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "source")
     add(p, "output", detail="a directory: the module is also written there, as MODEL.py")
-    p.add_argument("--target", choices=("sm_80", "sm_90a"),
-                   help="compile every unique kernel for this GPU (no GPU needed)")
+    p.add_argument("--target", choices=tuple(TARGETS),
+                   help="compile every unique kernel for this GPU (no GPU needed): A100, "
+                        "Hopper, Blackwell")
     add_pipeline_arguments(p)
     p.add_argument("--jobs", type=positive_int, default=2,
                    help="parallel compiles with --target (default 2)")
@@ -39,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     occupancy = p.add_argument_group("occupancy report (with --target)", textwrap.fill(
         "every launch of a prefill of N tokens and of the decode step at context N, as the "
         "runtime makes it on the GPU: programs with work, waves on the GPU's SMs, registers, "
-        "spills, shared memory, wgmma shapes and TMA use of each launch's own configuration, "
+        "spills, shared memory, tensor-core shapes (wgmma on sm_90a, tcgen05 on sm_100a) and TMA "
+        "use of each launch's own configuration, "
         "bytes moved and roofline time; then pass/FAIL verdict lines for the decode step. The "
         "exit status is 0 whatever the verdicts, 1 when a kernel fails to compile.", 76))
     occupancy.add_argument("--occupancy", action="store_true",
@@ -47,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(occupancy, "context", nargs="+", detail="one or more: a prefill of N tokens and the "
         "decode step at context N each (default 512 2048 8192, those within max_seq_len)")
     add(occupancy, "batch", detail="default 1")
-    add(occupancy, "gpu", detail="default: h200 for sm_90a, a100 for sm_80")
+    add(occupancy, "gpu", detail="default: " + ", ".join(f"{g} for {t}"
+                                                         for t, g in TARGET_GPU.items()))
     add(occupancy, "json", detail="the occupancy report")
 
 
@@ -60,7 +64,8 @@ def _check_occupancy_flags(args: argparse.Namespace) -> None:
     if not args.occupancy:
         return
     if args.target is None:
-        raise ArchcError("--occupancy needs a GPU to report on: add --target sm_90a (or sm_80)")
+        raise ArchcError("--occupancy needs a GPU to report on: add --target "
+                         f"{' | '.join(TARGETS)}")
     if args.passes != "default":
         raise ArchcError("--occupancy reports the kernels the runtime runs, after the default "
                          "passes: leave out --passes")
@@ -116,18 +121,27 @@ def _aot(path: Path, target: str, jobs: int) -> int:
     from archc.codegen.aot_worker import TENSOR_CORE_OP
     op = TENSOR_CORE_OP[TARGETS[target]].split(".")[0]
     results = compile_module(path, target, jobs=jobs)
+    # Blackwell: the MMA shapes (the PTX names none on the instruction) and whether Triton
+    # split the K loop into warp-specialized partitions, which it does there
+    blackwell = TARGETS[target] >= 100
+    extra = ("shapes", "warp spec.") if blackwell else ()
     console.print(table(
         f"ahead-of-time compile for {target} (bf16 buffers as generated, default block sizes "
         "at a full-size prefill)",
-        ("kernel", "family", "registers", "spill bytes", "shared mem", op, "config"),
+        ("kernel", "family", "registers", "spill bytes", "shared mem", op, *extra, "config"),
         [(r.kernel, r.family, str(r.registers), str(r.spill_bytes), nbytes(r.shared_bytes),
-          str(r.tensor_core_ops), r.config) if r.ok else
-         (r.kernel, r.family, "-", "-", "-", "-", f"[red]{escape(r.error)}[/]")
-         for r in results], text=("kernel", "family", "config")))
+          str(r.tensor_core_ops),
+          *((" ".join(r.mma) or "—", "yes" if r.warp_specialized else "no") if blackwell
+            else ()), r.config) if r.ok else
+         (r.kernel, r.family, "-", "-", "-", "-", *("-" for _ in extra),
+          f"[red]{escape(r.error)}[/]")
+         for r in results], text=("kernel", "family", *extra, "config")))
     failed = [r for r in results if not r.ok]
     spilled = [r.kernel for r in results if r.ok and r.spill_bytes]
+    specialized = sum(1 for r in results if r.ok and r.warp_specialized)
     console.print(f"{len(results) - len(failed)}/{len(results)} kernels compile for {target}; "
                   f"{sum(1 for r in results if r.ok and r.tensor_core_ops)} use {op}; "
+                  + (f"{specialized} warp-specialized; " if blackwell else "")
                   + (f"{len(spilled)} spill registers ({', '.join(spilled)})" if spilled
                      else "none spill registers"))
     for r in failed:

@@ -1,7 +1,7 @@
 """Peak dense 16-bit tensor throughput, HBM bandwidth and SM count of the GPUs archc models: the
 vendor's datasheet figures for dense (not 2:4 sparse) bf16/fp16 tensor-core math, peak bandwidth
 and streaming multiprocessors; and what one SM of each architecture holds (CUDA programming
-guide, compute capabilities 8.0 and 9.0), which bounds the programs resident on it."""
+guide, compute capabilities 8.0, 9.0 and 10.0), which bounds the programs resident on it."""
 
 from __future__ import annotations
 
@@ -28,8 +28,11 @@ class SM:
                           self.shared_bytes // (shared_bytes + 1024)))
 
 
-# compute capability 9.0 (H100/H200) and 8.0 (A100)
+# compute capability 10.0 (B200), 9.0 (H100/H200) and 8.0 (A100); 10.0 keeps 9.0's register
+# file, shared memory, warps and blocks per SM (its tensor memory holds tcgen05 accumulators,
+# not registers)
 SMS: dict[str, SM] = {
+    "sm_100a": SM(65536, 228 * 1024, 64, 32),
     "sm_90a": SM(65536, 228 * 1024, 64, 32),
     "sm_80": SM(65536, 164 * 1024, 64, 32),
 }
@@ -53,9 +56,13 @@ GPUS: dict[str, GPU] = {
     "a100": GPU("A100-80GB SXM", 312e12, 2.039e12, 108, "sm_80"),  # A100 datasheet (2021), HBM2e
     "h100": GPU("H100 SXM", 989.4e12, 3.35e12, 132, "sm_90a"),     # H100 datasheet (2023), HBM3
     "h200": GPU("H200 SXM", 989e12, 4.8e12, 132, "sm_90a"),        # H200 datasheet (2024), HBM3e
+    # HGX B200 datasheet (2024), per GPU at 1000 W: 2.25 PFLOP/s dense BF16 (4.5 with 2:4
+    # sparsity), 8 TB/s HBM3e; the datasheet gives no SM count: 148 (74 enabled of each die's
+    # 80) is Chips and Cheese's "Nvidia's B200: Keeping the CUDA Juggernaut Rolling" (2025)
+    "b200": GPU("B200 SXM", 2.25e15, 8e12, 148, "sm_100a"),
 }
 # the GPU a compile target's report models unless --gpu names another of its architecture
-TARGET_GPU = {"sm_90a": "h200", "sm_80": "a100"}
+TARGET_GPU = {"sm_100a": "b200", "sm_90a": "h200", "sm_80": "a100"}
 
 
 def gpu(name: str) -> GPU:

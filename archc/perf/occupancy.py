@@ -14,15 +14,17 @@ graphs covers the whole cache and reads the live length on the device). For each
   has one row block per expert that tokens are routed to; routing is assumed balanced — the M·k
   (token, slot) pairs dealt evenly over the E experts — which is exact for one token (its k
   experts are distinct).
-- registers, spills, shared memory, wgmma shapes and TMA use: an ahead-of-time compile of the
-  kernel at the launch's own block sizes (``archc.codegen.aot``; decode tiles differ from prefill
+- registers, spills, shared memory, tensor-core shapes (wgmma on sm_90a, tcgen05 on sm_100a),
+  TMA use and warp specialization: an ahead-of-time compile of the kernel at the launch's own
+  block sizes (``archc.codegen.aot``; decode tiles differ from prefill
   ones), each (kernel, configuration) compiled once.
 - bytes and FLOPs: the IR node's cost model (``archc.perf.roofline``) at the phase's dims,
   charged to the node's main launch, its widest; another launch of the node (the one-program
   routing an expert GEMM launches when no router routes for it) shows none. Roofline time:
   max(FLOPs / peak, bytes / bandwidth).
 - waves: ⌈programs with work / (SMs × programs resident per SM)⌉, residency bounded by the
-  compiled kernel's registers, warps and shared memory (``perf.gpus.SM``).
+  compiled kernel's registers, warps (a warp-specialized kernel's partitions included) and
+  shared memory (``perf.gpus.SM``).
 
 The generated launchers make kernel launches only; should a plan hold any other entry (a host
 step: a function the plan calls between launches), it is listed and counted as one launch, the
@@ -47,7 +49,8 @@ from rich import box
 from rich.markup import escape
 
 from archc.codegen import blocks
-from archc.codegen.aot import OPTIONS, AotResult, config_text
+from archc.codegen.aot import OPTIONS, TARGETS, AotResult, config_text
+from archc.codegen.aot_worker import TENSOR_CORE_OP
 from archc.errors import ArchcError
 from archc.ir.graph import Graph, Program
 from archc.ir.ops import Op
@@ -351,8 +354,9 @@ class Occupancy:
         r = x.aot
         if r is None or not r.ok:
             return None
-        return SMS[self.target].resident(r.registers, int(x.config.get("num_warps", 4)),
-                                         r.shared_bytes)
+        # the compiled warps where known: warp specialization adds partitions' warps
+        warps = r.warps or int(x.config.get("num_warps", 4))
+        return SMS[self.target].resident(r.registers, warps, r.shared_bytes)
 
     def waves(self, x: KernelLaunch) -> int | None:
         fit = self.resident(x)
@@ -483,7 +487,7 @@ def _rows(rep: Occupancy, plan: PhasePlan) -> list[tuple[str, ...]]:
             "—" if waves is None else str(waves),
             f"{r.registers}{spill}" if compiled else "—",
             _size(r.shared_bytes) if compiled else "—",
-            " ".join(r.wgmma) if compiled and r.wgmma else "—",
+            " ".join(r.mma) if compiled and r.mma else "—",
             ("yes" if r.tma else "no") if compiled else "—",
             "—" if x.bytes is None else _size(x.bytes),
             _micros(x.seconds)))
@@ -529,9 +533,24 @@ def _layers(plan: PhasePlan) -> str:
     return f"{each} per layer ({len(counts)} layers)"
 
 
+def mma_op(target: str) -> str:
+    """The name of the target's tensor-core instruction family: `wgmma`, `tcgen05`, `mma`."""
+    return TENSOR_CORE_OP[TARGETS[target]].split(".")[0]
+
+
+def _specialized(rep: Occupancy) -> str:
+    """`warp-specialized: none` or the kernels (and configurations) Triton split into
+    partitions."""
+    names = sorted({f"{r.kernel.removesuffix('_kernel')} ({r.config})" for r in rep.results
+                    if r.ok and r.warp_specialized})
+    return "warp-specialized (loop split into producer and consumer warps): " + (
+        "; ".join(names) if names else "none")
+
+
 def format_report(rep: Occupancy) -> list[Any]:
     """Tables (one per phase and context) and lines: the report of ``--occupancy``."""
     g = rep.gpu
+    op = mma_op(rep.target)
     out: list[Any] = [
         f"[bold]{escape(rep.spec)}[/] ({rep.dtype}, batch {rep.batch}) on {rep.target}: "
         f"{g.name}, {g.sms} SMs, {si(g.bandwidth, 'B/s')}, {si(g.peak_flops, 'FLOP/s')}"]
@@ -545,23 +564,24 @@ def format_report(rep: Occupancy) -> list[Any]:
                    + f", {_layers(plan)}; roofline {fmt_seconds(seconds)}")
         t = table(
             "",
-            ("kernel", "works on", "×", "programs", "waves", "regs/spill", "smem", "wgmma",
+            ("kernel", "works on", "×", "programs", "waves", "regs/spill", "smem", op,
              "TMA", "bytes", "roofline"),
-            _rows(rep, plan), text=("kernel", "works on", "wgmma", "TMA"))
-        # narrow, to fit 120 columns: what the launch works on wraps, wgmma shapes one a line
+            _rows(rep, plan), text=("kernel", "works on", op, "TMA"))
+        # narrow, to fit 120 columns: what the launch works on wraps, MMA shapes one a line
         t.box, t.padding, t.show_edge = box.SIMPLE_HEAD, (0, 1), False
         t.collapse_padding, t.pad_edge = True, False
         for col in t.columns:
-            col.no_wrap = col.header not in ("works on", "wgmma")
-            col.max_width = 10 if col.header == "wgmma" else None
+            col.no_wrap = col.header not in ("works on", op)
+            col.max_width = 11 if col.header == op else None
         out.append(t)
     out += [
         "×: launches alike in every layer (and grid); programs: with work/in the grid (all "
         f"have work unless shown); waves: ⌈programs with work / ({g.sms} SMs × programs "
         "resident per SM)⌉, residency from registers, warps and shared memory",
-        "regs/spill (bytes), smem, wgmma, TMA: an ahead-of-time compile of each kernel at the "
-        "block sizes of its launch; bytes: the IR node's cost model, on its widest launch (— on "
-        f"another); roofline: max(FLOPs / peak, bytes / bandwidth) on the {g.name}, in µs"]
+        f"regs/spill (bytes), smem, {op} (shapes), TMA: an ahead-of-time compile of each kernel "
+        "at the block sizes of its launch; bytes: the IR node's cost model, on its widest launch "
+        f"(— on another); roofline: max(FLOPs / peak, bytes / bandwidth) on the {g.name}, in µs",
+        _specialized(rep)]
     if rep.assumed:
         out.append(f"assumed: {'; '.join(rep.assumed)}")
     for c in rep.contexts:
@@ -596,12 +616,16 @@ def to_json(rep: Occupancy) -> dict[str, Any]:
             "spill_bytes": r.spill_bytes if compiled else None,
             "shared_bytes": r.shared_bytes if compiled else None,
             "wgmma": r.wgmma if compiled else None,
+            "mma": r.mma if compiled else None,
             "tma": r.tma if compiled else None,
             "pdl": r.pdl if compiled else None,
+            "warp_specialized": r.warp_specialized if compiled else None,
+            "warps": (r.warps or None) if compiled else None,
             "compile_error": r.error if r is not None and not r.ok else None,
         }
     return {
-        "spec": rep.spec, "dtype": rep.dtype, "target": rep.target, "batch": rep.batch,
+        "spec": rep.spec, "dtype": rep.dtype, "target": rep.target, "mma_op": mma_op(rep.target),
+        "batch": rep.batch,
         "gpu": {"name": rep.gpu.name, "sms": rep.gpu.sms, "bandwidth": rep.gpu.bandwidth,
                 "peak_flops": rep.gpu.peak_flops},
         "module": str(rep.module),
