@@ -64,8 +64,8 @@ def _check_occupancy_flags(args: argparse.Namespace) -> None:
     if not args.occupancy:
         return
     if args.target is None:
-        raise ArchcError("--occupancy needs a GPU to report on: add --target "
-                         f"{' | '.join(TARGETS)}")
+        others = " or ".join(t for t in TARGETS if t != "sm_90a")
+        raise ArchcError(f"--occupancy needs a GPU to report on: add --target sm_90a ({others})")
     if args.passes != "default":
         raise ArchcError("--occupancy reports the kernels the runtime runs, after the default "
                          "passes: leave out --passes")
