@@ -141,3 +141,88 @@ def test_explicit_configs_compile_once_and_are_cached(tmp: Path) -> None:
     for a, b in zip(first, again):
         assert (a.registers, a.spill_bytes, a.shared_bytes, a.wgmma, a.tma) == \
                (b.registers, b.spill_bytes, b.shared_bytes, b.wgmma, b.tma)
+
+
+# ---- Blackwell (sm_100a) ----------------------------------------------------------------------
+
+# One bf16 matmul tile per program, its operands moved by tensor descriptors (TMA), its K loop
+# warp-specialized when WS is set: the shape of the generated matmul, small enough to compile in
+# a second. BLOCK_M × BLOCK_N = 128 × 64 and 16-bit operands make one tcgen05.mma m128n64k16.
+TCGEN05_MODULE = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tile_kernel(out_ptr, x_ptr, w_ptr, M, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WS: tl.constexpr,
+                PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    x = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
+                                  block_shape=[BLOCK_M, BLOCK_K])
+    w = tl.make_tensor_descriptor(w_ptr, shape=[BLOCK_N, K], strides=[K, 1],
+                                  block_shape=[BLOCK_N, BLOCK_K])
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in tl.range(0, K, BLOCK_K, warp_specialize=WS):
+        acc = tl.dot(x.load([tl.program_id(0) * BLOCK_M, k]), w.load([0, k]).T, acc)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + rows[:, None] * BLOCK_N + cols[None, :], acc.to(tl.bfloat16),
+             mask=rows[:, None] < M)
+
+
+KERNELS = {"tile_kernel": {"family": "matmul", "unit": "tile", "sizes": {},
+                           "types": {"out_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16",
+                                     "M": "i32"}}}
+'''
+
+
+def test_bf16_dot_compiles_to_tcgen05_for_sm100a(tmp: Path) -> None:
+    """A real compile for Blackwell: tensor-core MMAs are tcgen05.mma of the tile's shape, tiles
+    come by TMA, every program waits for the previous kernel (PDL), and warp_specialize=True
+    splits the loop into partitions that add warps to the program."""
+    from archc.codegen.aot import compile_configs
+    path = tmp / "tcgen05.py"
+    path.write_text(TCGEN05_MODULE)
+    tile = dict(K=256, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+    plain, specialized = compile_configs(
+        path, "sm_100a", [("tile_kernel", tile | {"WS": False}),
+                          ("tile_kernel", tile | {"WS": True})], jobs=1)
+    for r in (plain, specialized):
+        assert r.ok, r.error
+        assert r.tensor_core_ops > 0 and r.mma == ["m128n64k16"] and r.wgmma == []
+        assert r.tma and r.pdl and r.registers > 0 and r.spill_bytes == 0
+    assert not plain.warp_specialized and plain.warps == 4
+    assert specialized.warp_specialized and specialized.warps > 4
+
+
+def test_tcgen05_shapes_from_ptx_text() -> None:
+    """M and N come from the instruction descriptor's bit fields, K from the kind; an MMA whose
+    descriptor is not a constant in the PTX has no readable shape."""
+    from archc.codegen.aot_worker import mma_shapes, tcgen05_shapes
+
+    def descriptor(m: int, n: int) -> int:
+        # bf16 A and B (1 at bits 7 and 10), f32 D (1 at bit 4), N >> 3 at 17, M >> 4 at 24
+        return (m >> 4) << 24 | (n >> 3) << 17 | 1 << 10 | 1 << 7 | 1 << 4
+
+    ptx = (f"\tmov.b32 \t%r82, {descriptor(128, 256)};\n"
+           "\t@%p9 tcgen05.mma.cta_group::1.kind::f16 [ %r353 + 0 ], %rd44, %rd45, %r82, %p8;\n"
+           f"\tmov.b32 \t%r90, {descriptor(64, 32)};\n"
+           "\ttcgen05.mma.cta_group::1.kind::tf32 [ %r354 + 0 ], %rd46, %rd47, %r90, %p8;\n"
+           "\ttcgen05.mma.cta_group::1.kind::f16 [ %r355 + 0 ], %rd48, %rd49, %r91, %p8;\n")
+    assert tcgen05_shapes(ptx) == ["m64n32k8", "m128n256k16"]
+    assert mma_shapes(ptx, 100) == tcgen05_shapes(ptx)
+    assert mma_shapes(ptx, 90) == [] and mma_shapes(ptx, 80) == []
+    assert tcgen05_shapes("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == []
+
+
+@pytest.mark.slow
+def test_every_tiny_llama3_kernel_compiles_for_sm100a(tmp: Path) -> None:
+    results = aot("tiny-llama3", "sm_100a", tmp)
+    assert results
+    failed = [f"{r.kernel}: {r.error}" for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
+    assert all(r.registers > 0 and r.warps > 0 for r in results)
+    assert all(r.pdl for r in results), [r.kernel for r in results if not r.pdl]
