@@ -35,9 +35,9 @@ FIELDS = ("kernel", "family", "phase", "programs", "programs_with_work", "bytes"
           "spill_bytes", "shared_bytes", "wgmma", "tma", "pdl")
 
 
-def fake_compile(spill: dict[str, int] | None = None):  # noqa: ANN201
+def fake_compile(spill: dict[str, int] | None = None, **measured: Any):  # noqa: ANN201
     """A stand-in for ``compile_configs``: 32 registers, 1 KiB of shared memory, `spill`
-    bytes for the kernels named there."""
+    bytes for the kernels named there, and any other `measured` fields of ``AotResult``."""
     def compile_configs(module_path: Path, target: str, configs: list[tuple[str, Any]], *,
                         progress: Any = None, **_: Any) -> list[AotResult]:
         table = aot.kernel_table(module_path)
@@ -45,7 +45,8 @@ def fake_compile(spill: dict[str, int] | None = None):  # noqa: ANN201
         for name, cfg in configs:
             r = AotResult(name, table[name]["unit"], table[name]["family"], target,
                           registers=32, shared_bytes=1024, config=config_text(cfg),
-                          spill_bytes=(spill or {}).get(name, 0), wgmma=["m64n32k16"])
+                          spill_bytes=(spill or {}).get(name, 0),
+                          **({"wgmma": ["m64n32k16"]} | measured))
             out.append(r)
             if progress is not None:
                 progress(r)
@@ -350,3 +351,61 @@ def test_bad_context_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str]
         assert main(["compile", "tiny-llama3", "--target", "sm_90a", "--occupancy",
                      "--context", bad]) == 2
         assert f"argument --context: {why}" in capsys.readouterr().err
+
+
+# ---- Blackwell (sm_100a) ----------------------------------------------------------------------
+
+def test_sm100a_json_models_a_b200(capsys: pytest.CaptureFixture[str],
+                                   monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
+    """sm_100a reports on a B200 by default: its 148 SMs, tcgen05 shapes where wgmma's were,
+    and residency from the compiled program's warps — a warp-specialized kernel runs more warps
+    than its configuration asks for."""
+    monkeypatch.setattr(aot, "compile_configs", fake_compile(
+        wgmma=[], mma=["m128n64k16"], warp_specialized=True, warps=8, tma=True, pdl=True))
+    assert main(["compile", "tiny-llama3", "--target", "sm_100a", "--occupancy", "--json",
+                 "--context", "24", "--cache-dir", str(cache_dir)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["target"] == "sm_100a" and data["mma_op"] == "tcgen05"
+    assert data["gpu"]["name"] == "B200 SXM" and data["gpu"]["sms"] == 148
+    launches = [x for p in data["phases"] for x in p["launches"]]
+    assert launches
+    for x in launches:
+        assert x["mma"] == ["m128n64k16"] and x["wgmma"] == []
+        assert x["warp_specialized"] is True and x["warps"] == 8 and x["tma"] and x["pdl"]
+        # 32 registers × 32 threads = 1024 a warp: 8 warps take 8192 of 65536, and 64 warps
+        # fit on an SM, so 8 programs (shared memory: 228 KiB / 2 KiB allows 114)
+        assert x["resident_per_sm"] == 8
+        assert x["waves"] == -(-x["programs_with_work"] // (148 * 8))
+
+
+def test_sm100a_table_names_tcgen05_and_warp_specialization(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        cache_dir: Path) -> None:
+    monkeypatch.setattr(aot, "compile_configs", fake_compile(
+        wgmma=[], mma=["m128n64k16"], warp_specialized=False))
+    assert main(["compile", "tiny-llama3", "--target", "sm_100a", "--occupancy",
+                 "--context", "24", "--cache-dir", str(cache_dir)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "on sm_100a: B200 SXM, 148 SMs" in out
+    assert "tcgen05" in out and "wgmma" not in out and "m128n64k16" in out
+    assert "warp-specialized (loop split into producer and consumer warps): none" in out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--target", "sm_100a", "--occupancy", "--gpu", "h200"],
+     "--gpu h200 is not an sm_100a GPU (those: b200)"),
+    (["--target", "sm_90a", "--occupancy", "--gpu", "b200"], "--gpu b200 is not an sm_90a GPU"),
+    (["--target", "sm_70"], "argument --target: invalid choice: 'sm_70'"),
+])
+def test_sm100a_cli_errors(capsys: pytest.CaptureFixture[str], argv: list[str],
+                           message: str) -> None:
+    assert main(["compile", "tiny-llama3", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_target_choices_include_blackwell(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["compile", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "{sm_80,sm_90a,sm_100a}" in out
+    assert "b200 for sm_100a" in out
