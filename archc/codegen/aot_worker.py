@@ -66,6 +66,7 @@ def mma_shapes(ptx: str, capability: int) -> list[str]:
 
 
 def _by_size(shapes: set[str]) -> list[str]:
+    """Shapes ordered by (M, N, K)."""
     return sorted(shapes, key=lambda s: tuple(int(x) for x in re.findall(r"\d+", s)))
 
 
