@@ -310,3 +310,25 @@ def test_no_autotune_reaches_bench() -> None:
     for flags, want in (([], True), (["--no-autotune"], False)):
         args = build_parser().parse_args(["bench", "tiny-llama3", "--dry-run", *flags])
         assert config_of(args).autotune is want
+
+
+def test_compile_takes_autotune(kernel_dir: Path) -> None:
+    import archc
+    compiled = archc.load("tiny-llama3").compile("triton", autotune=False,
+                                                 cache_dir=kernel_dir)
+    assert compiled.session.options.autotune is False
+    assert compiled.session.tuning_stats()["enabled"] is False
+
+
+def test_the_kernel_cache_counts_and_clears_tuning(tmp_path: Path) -> None:
+    from archc import kernel_cache
+    entry = tmp_path / "0123456789abcdef01234567"
+    entry.mkdir()
+    (entry / "model.py").write_text("KERNELS = {}\n")
+    TuningCache(entry, DIGEST, "NVIDIA H200").put("mm_kernel", bucket({"M": 64}), CONFIG)
+    tuned = entry / "tuning" / "nvidia-h200.json"
+    found, = kernel_cache.entries(tmp_path)
+    assert found.models == ("model",)
+    assert found.bytes == len("KERNELS = {}\n") + tuned.stat().st_size
+    kernel_cache.trim(tmp_path, cap=0)
+    assert not tuned.exists()
