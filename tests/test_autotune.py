@@ -134,8 +134,8 @@ def test_a_corrupt_cache_is_ignored_with_a_warning(tmp_path: Path, text: str) ->
     cache = TuningCache(tmp_path, DIGEST, "NVIDIA H200")
     with pytest.warns(UserWarning, match="ignoring the tuning cache"):
         assert cache.get("mm_kernel", bucket({"M": 64})) is None
-    with warnings.catch_warnings():   # rewritten whole at the next choice
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings():   # said once; rewritten whole at the next choice
+        warnings.simplefilter("error")
         cache.put("mm_kernel", bucket({"M": 64}), CONFIG)
     assert TuningCache(tmp_path, DIGEST, "NVIDIA H200").get("mm_kernel",
                                                             bucket({"M": 64})) == CONFIG

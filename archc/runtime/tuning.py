@@ -128,19 +128,22 @@ class TuningCache:
         self.triton = _triton_version()
         self._choices: dict[str, dict[str, Config]] | None = None   # read on first use
 
-    def _read(self) -> dict[str, dict[str, Config]]:
-        """The file's choices for this module, GPU and Triton ({} when there are none)."""
+    def _read(self, *, warn: bool = True) -> dict[str, dict[str, Config]]:
+        """The file's choices for this module, GPU and Triton ({} when there are none); an
+        unreadable file is said once, when first read."""
         try:
             data = json.loads(self.path.read_text())
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as err:
-            warnings.warn(f"ignoring the tuning cache {self.path}: {err}", stacklevel=3)
+            if warn:
+                warnings.warn(f"ignoring the tuning cache {self.path}: {err}", stacklevel=3)
             return {}
         if not isinstance(data, dict) or not isinstance(data.get("choices"), dict) or any(
                 not isinstance(v, dict) for v in data["choices"].values()):
-            warnings.warn(f"ignoring the tuning cache {self.path}: not a tuning cache file",
-                          stacklevel=3)
+            if warn:
+                warnings.warn(f"ignoring the tuning cache {self.path}: not a tuning cache file",
+                              stacklevel=3)
             return {}
         if (data.get("format"), data.get("module"), data.get("gpu"), data.get("triton")) != \
                 (FORMAT, self.digest, self.gpu, self.triton):
@@ -162,7 +165,7 @@ class TuningCache:
         """Keep `config` for `kernel` at `b`: merged into the file as it is now (another process
         may have added choices), written whole to a temporary file and renamed over it. A cache
         that cannot be written costs only a tuning next time."""
-        merged = self._read()
+        merged = self._read(warn=self._choices is None)
         merged.setdefault(kernel, {})[bucket_text(b)] = dict(config)
         self._choices = merged
         data = {"format": FORMAT, "module": self.digest, "gpu": self.gpu, "triton": self.triton,
