@@ -11,9 +11,10 @@ gives no candidates there):
    (``archc.codegen.aot.compile_configs``, itself cached on disk); one that does not compile or
    spills registers is dropped. The set is never empty: the heuristic config
    (``blocks.launch_config``) stays when nothing else is left;
-3. timing: each remaining candidate runs on the launch's own arguments (the tuned kernels —
-   matmuls and prefill attention — compute their outputs from their inputs, so running one again
-   changes nothing), the fastest is kept in memory and written to the cache.
+3. timing: each remaining candidate runs on the launch's own arguments — the tuned kernels,
+   matmuls and prefill attention, compute their outputs from inputs they never alias
+   (``archc.runtime.buffers``), a KV-cache write epilogue writing the same values again, so
+   running one again changes nothing — and the fastest is kept in memory and in the cache.
 
 The cache is one JSON file per generated module and GPU, beside the module in the kernel cache
 (``<module dir>/tuning/<gpu>.json``: `archc cache` lists and clears it with the module):
