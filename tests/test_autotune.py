@@ -332,3 +332,25 @@ def test_the_kernel_cache_counts_and_clears_tuning(tmp_path: Path) -> None:
     assert found.bytes == len("KERNELS = {}\n") + tuned.stat().st_size
     kernel_cache.trim(tmp_path, cap=0)
     assert not tuned.exists()
+
+
+def test_a_candidate_that_fails_to_run_is_ruled_out(monkeypatch: pytest.MonkeyPatch,
+                                                    tmp_path: Path) -> None:
+    import triton.testing
+
+    def bench(fn: Any, **kw: Any) -> float:
+        fn()
+        return 3.0                                  # milliseconds
+
+    def run(config: dict[str, Any]) -> None:
+        if config["BLOCK_M"] != 64:
+            raise RuntimeError("out of shared memory")
+
+    monkeypatch.setattr(triton.testing, "do_bench", bench)
+    configs = [dict(CONFIG, BLOCK_M=m) for m in (128, 64, 32)]
+    assert tuning.time_configs("mm_kernel", configs, run) == [float("inf"), 3e-3, float("inf")]
+    tuner = Tuner({"mm_kernel"}, TuningCache(tmp_path, DIGEST, "NVIDIA H200"))
+    assert tuner.choose("mm_kernel", bucket({"M": 64}), configs, run)["BLOCK_M"] == 64
+    # none runs: the heuristic
+    tuner = Tuner({"mm_kernel"}, TuningCache(tmp_path / "b", DIGEST, "NVIDIA H200"))
+    assert tuner.choose("mm_kernel", bucket({"M": 64}), configs[::2], run) == configs[0]
