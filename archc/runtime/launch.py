@@ -118,6 +118,7 @@ class LaunchContext:
         finally:
             self._launches = None
             self._routing.clear()
+            self._tuning.clear()
 
     def launch(self, kernel: Any, grid: Any, *args: Any, **meta: Any) -> None:
         """Record `kernel[grid](*args, **meta)`. A grid that is a function of the block sizes is
