@@ -1,7 +1,8 @@
 """Block sizes, warps and pipeline stages: chosen here and nowhere else.
 
 Every launcher asks ``launch_config(family, target, **sizes)`` for its tile; on a GPU with
-autotuning on, ``autotune_configs(family)`` gives the small set ``triton.autotune`` picks from.
+autotuning on, ``autotune_configs(family, **sizes)`` gives the small set a prefill launch is
+tuned over (``archc.runtime.tuning``).
 Two targets:
 - ``gpu``: tiles from the Triton tutorials and FlashAttention-2 for sm_80/sm_90, registers and
   spills checked with `archc compile --target sm_90a` (ptxas 13): a prefill matmul compiles to
@@ -25,6 +26,8 @@ DECODE_TARGET_PROGRAMS = 264
 # Keys the decode-attention splits are dealt in: the smallest tile (tl.dot's 16), not the key
 # block a program steps by, so a short context still has a unit for every split.
 DECODE_DEAL = 16
+# Launches of at most this many rows (matmul M, attention T) are decode steps: never tuned.
+DECODE_ROWS = 16
 # Decode GEMVs split their K loop (split-K) into parts of at least this many BLOCK_K steps:
 # shorter parts would spend more on writing and re-reading partial sums than on streaming weights.
 DECODE_MIN_SPLIT_STEPS = 4
@@ -213,8 +216,12 @@ def aot_config(family: str, sizes: dict[str, int]) -> dict[str, Any]:
 
 
 def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
-    """The small config set `triton.autotune` chooses from on a GPU (block sizes + warps +
-    stages)."""
+    """The small config set a launch at `sizes` is tuned over on a GPU (block sizes + warps +
+    stages; ``archc.runtime.tuning`` lays each over the heuristic ``launch_config``). Empty
+    for decode sizes — M (or T) ≤ 16 keeps its heuristic tiles and split-K — and for families
+    that are not tuned."""
+    if sizes.get("M" if family == "matmul" else "T", DECODE_ROWS + 1) <= DECODE_ROWS:
+        return []
     if family == "matmul":
         tiles = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 8, 3),
                  (128, 64, 64, 4, 4), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),

@@ -64,9 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "copy of the same KV bytes")
     p.add_argument("--no-kernels", action="store_true",
                    help="skip the per-kernel section (whole-model numbers only)")
-    p.add_argument("--autotune", action="store_true",
-                   help="let Triton autotune archc's kernels in the whole-model runs (longer "
-                        "first run; the per-kernel section times the default block sizes)")
+    add(p, "no_autotune")
     add(p, "seed", default=0)
     add(p, "output", detail="a file: the results as JSON, saved after every section; an "
         "existing directory gets a file named by date, device, model and dtype")
@@ -118,7 +116,7 @@ def config_of(args: argparse.Namespace) -> Any:
         # a dry run traces with dynamo but compiles nothing (inductor on a CPU takes minutes)
         compile_backend="eager" if dry else "inductor",
         copy_mib=4 if dry else 1024, matmul_size=128 if dry else 8192, dry_run=dry,
-        autotune=args.autotune, seed=args.seed,
+        autotune=not args.no_autotune, seed=args.seed,
         layers_of_spec=full.layers if spec.layers != full.layers else None,
         kernel_section=not args.no_kernels, cache_dir=args.cache_dir, contexts=contexts)
 
@@ -129,7 +127,7 @@ def run_host(args: argparse.Namespace) -> int:
     # the flags that do not apply, as the parser leaves them when not given
     defaults = {"dry_run": False, "prompt_len": None, "gpu": None, "contexts": (),
                 "compile_modes": ",".join(COMPILE_MODES), "no_kernels": False,
-                "autotune": False, "seed": 0, "json": False}
+                "no_autotune": False, "seed": 0, "json": False}
     extra = [f"--{k.replace('_', '-')}" for k, v in defaults.items() if getattr(args, k) != v]
     if extra:
         raise ArchcError(f"--host times archc's host work per decode step with no-op kernels and "

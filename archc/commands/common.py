@@ -154,8 +154,13 @@ class Run:
         return model
 
     def compile(self, model: Any) -> Any:
-        """The model compiled for --backend, kernels written to --cache-dir when given."""
+        """The model compiled for --backend, kernels written to --cache-dir when given, not
+        tuned with --no-autotune."""
         backend, cache_dir = self.args.backend, self.args.cache_dir
-        options = {"cache_dir": cache_dir} if backend == "triton" and cache_dir is not None else {}
+        options: dict[str, Any] = {}
+        if backend == "triton" and cache_dir is not None:
+            options["cache_dir"] = cache_dir
+        if backend == "triton" and getattr(self.args, "no_autotune", False):
+            options["autotune"] = False
         with self.timings.phase("compile"):
             return model.compile(backend, dtype=self.dtype, device=self.device, **options)

@@ -21,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "batch", default=2)
     add(p, "seed", default=0)
     add(p, "cache_dir")
+    add(p, "no_autotune")
     p.add_argument("--all", action="store_true", help="list every kernel, not only the worst "
                    "per phase and the divergent ones")
 
@@ -31,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
     check_output(args.cache_dir, "dir", "--cache-dir")
     run_ = Run(args, lengths=(args.prompt_len, 1))
     report = validate(run_.load(), dtype=run_.dtype, batch=args.batch, tokens=args.prompt_len,
-                      seed=args.seed, device=str(run_.device), cache_dir=args.cache_dir)
+                      seed=args.seed, device=str(run_.device), cache_dir=args.cache_dir,
+                      autotune=not args.no_autotune)
     used(Path(report.module_path))
     console.print(f"{report.model} ({report.dtype}): triton vs eager, per kernel (tolerance "
                   f"{report.tolerance:g} of each output's scale)", soft_wrap=True)

@@ -102,6 +102,9 @@ FLAGS: dict[str, Flag] = {f.names[-1].lstrip("-").replace("-", "_"): f for f in 
          "text", None, {"action": "store_true"}),
     Flag(("--quiet",), "print no notes, progress or timings on standard error", None,
          {"action": "store_true"}),
+    Flag(("--no-autotune",), "launch every kernel at its heuristic block sizes: no tuning on "
+         "a GPU (by default the first run tunes prefill kernels and caches the choices on disk)",
+         None, {"action": "store_true"}),
     Flag(("--cache-dir",), "where generated kernel modules are written (default: the kernel "
          "cache, `archc cache`)", "DIR", {"type": Path}),
 )}

@@ -27,6 +27,7 @@ from archc.codegen.printer import DimFn, dim_function, uses_past
 from archc.errors import RunError
 from archc.ir.graph import Graph
 from archc.ir.ops import Op
+from archc.runtime import tuning
 from archc.runtime.buffers import plan_buffers
 from archc.runtime.weights import TORCH_DTYPES
 
@@ -87,6 +88,9 @@ class LaunchContext:
     cache: StaticStore
     states: StaticStore
     autotuned: set[str] = field(default_factory=set)
+    # on a GPU with tuning on (archc.runtime.tuning.Tuner): tuned launches choose their blocks
+    tuner: Any = None
+    types: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # kernel → signature
     B: int = 1
     T: int = 1
     S: int = 0
@@ -98,6 +102,7 @@ class LaunchContext:
     _scratch: dict[tuple[str, torch.dtype], torch.Tensor] = field(default_factory=dict)
     _launches: list[Launch] | None = None
     _routing: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    _tuning: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # kernel → candidates
 
     def __post_init__(self) -> None:
         self.past = torch.zeros(1, dtype=torch.int32, device=self.device)   # P, on the device
@@ -113,10 +118,16 @@ class LaunchContext:
         finally:
             self._launches = None
             self._routing.clear()
+            self._tuning.clear()
 
     def launch(self, kernel: Any, grid: Any, *args: Any, **meta: Any) -> None:
         """Record `kernel[grid](*args, **meta)`. A grid that is a function of the block sizes is
         evaluated now, unless the kernel is autotuned (its sizes are chosen at the launch)."""
+        candidates = self._tuning.pop(getattr(kernel, "__name__", ""), None) if not meta \
+            else None
+        if candidates is not None:  # tuned: the kernel's first launch chooses its block sizes
+            name = kernel.__name__
+            kernel = self.tuner.kernel(kernel, name, candidates, self.types.get(name, {}), args)
         if meta and callable(grid):
             grid = grid(meta)
         if self.pdl:  # every kernel waits for the previous one's writes (templates/pdl.j2)
@@ -176,8 +187,13 @@ class LaunchContext:
         return table, block_expert, False
 
     def config(self, kernel: str, family: str, **sizes: int) -> dict[str, Any]:
-        if kernel in self.autotuned:
-            return {}
+        """Block sizes for a launch of `kernel` at `sizes`: the heuristic's, or none (`{}`) for a
+        launch that is tuned — its `launch` then records a tuned kernel over the candidates."""
+        if kernel in self.autotuned and self.tuner is not None:
+            configs = tuning.candidates(family, sizes, self.target)
+            if configs:
+                self._tuning[kernel] = configs
+                return {}
         return blocks.launch_config(family, self.target, **sizes)  # looked up now: tests patch it
 
 

@@ -13,14 +13,12 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 
-from archc.codegen.blocks import autotune_configs
 from archc.codegen.build import CodegenOptions
 from archc.codegen.render import generate, load_module, write_module
 from archc.errors import ArchcError, RunError
@@ -29,6 +27,7 @@ from archc.ir.ops import Op
 from archc.ir.text import format_node
 from archc.kernel_cache import default_cache_dir
 from archc.passes import optimize
+from archc.runtime import tuning
 from archc.runtime.eager import SessionBase
 from archc.runtime.launch import GraphRunner, LaunchContext, LaunchPlan, StaticStore
 from archc.runtime.weights import materialize
@@ -84,7 +83,7 @@ def _interpret_loaded_triton() -> None:
 class TritonOptions:
     passes: str | None = "default"      # pass pipeline to reach kernel level (None: as given)
     cache_dir: Path | None = None
-    autotune: bool = False
+    autotune: bool = True               # on a CUDA GPU: tune prefill tiles (archc.runtime.tuning)
     cuda_graphs: bool = True
     reuse_buffers: bool = True
     pdl: bool = True                    # programmatic dependent launch on sm_90 and later
@@ -107,14 +106,17 @@ class TritonSession(SessionBase):
         passes = self.options.passes
         super().__init__(program if passes is None else optimize(program, passes), max_seq_len,
                          device)
-        self.codegen_options = CodegenOptions(
-            target=self.target, max_seq_len=max_seq_len,
-            autotune=self.options.autotune and self.target == "gpu")
+        # tuning happens at launch, not in the generated code: a tuned and an untuned session
+        # share one module (and its ahead-of-time compiles)
+        self.codegen_options = CodegenOptions(target=self.target, max_seq_len=max_seq_len)
         self.generated = generate(self.program, self.codegen_options)
         self.module_path = write_module(self.generated, Path(
             self.options.cache_dir or default_cache_dir()) / self.generated.digest[:24])
         self.module = load_module(self.module_path, self.generated.digest)
-        autotuned = _apply_autotune(self.module) if self.codegen_options.autotune else set()
+        self.tuner = None
+        if tuning.tuning_enabled(self.options.autotune, self.target, self.device.type):
+            self.tuner = _tuner(self.module.KERNELS, self.module_path, self.generated.digest,
+                                self.device)
         self.runners = {g.name: GraphRunner(self.module, g, self._parameters(g, checkpoint),
                                             self.device, reuse_buffers=self.options.reuse_buffers)
                         for g in self.program}
@@ -125,7 +127,9 @@ class TritonSession(SessionBase):
                           for g in self.program}
         self.cache, self.states = (StaticStore(what, self.generated.stores[what], self.device)
                                    for what in ("cache", "state"))
-        self.ctx = LaunchContext(self.target, self.device, self.cache, self.states, autotuned)
+        self.ctx = LaunchContext(self.target, self.device, self.cache, self.states,
+                                 self.tuner.tuned if self.tuner else set(), tuner=self.tuner,
+                                 types={k: e["types"] for k, e in self.module.KERNELS.items()})
         # each kernel's prologue overlaps the previous kernel's tail (templates/pdl.j2)
         self.ctx.pdl = (self.options.pdl and self.device.type == "cuda" and self.target == "gpu"
                         and torch.cuda.get_device_capability(self.device)[0] >= 9)
@@ -185,6 +189,14 @@ class TritonSession(SessionBase):
             plan.replay = self._capture(plan)
         return {k: t.clone() for k, t in plan.outputs.items()}
 
+    def tuning_stats(self) -> dict[str, Any]:
+        """What autotuning cost this session so far — its first-run cost: `seconds` spent
+        tuning (pre-filter compiles and timing, the device synced), `kernels_tuned`,
+        `cache_hits`, `cache_misses`, `configs_dropped` by the pre-filter — and whether it
+        tunes at all (`enabled`)."""
+        stats = self.tuner.summary() if self.tuner else asdict(tuning.TuningStats())
+        return {"enabled": self.tuner is not None, **stats}
+
     def _capture(self, plan: LaunchPlan) -> Any:
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
@@ -193,20 +205,17 @@ class TritonSession(SessionBase):
         return graph
 
 
-def _apply_autotune(module: ModuleType) -> set[str]:
-    """Wrap each kernel of a family with a config set in triton.autotune; returns their names."""
-    import triton
-    tuned: set[str] = set()
-    for name, entry in module.KERNELS.items():
-        configs = [triton.Config({k: v for k, v in c.items()
-                                  if k not in ("num_warps", "num_stages")},
-                                 num_warps=c["num_warps"], num_stages=c["num_stages"])
-                   for c in autotune_configs(entry["family"], **entry["sizes"])]
-        if configs:
-            key = [k for k, t in entry["types"].items() if t == "i32"]
-            setattr(module, name, triton.autotune(configs=configs, key=key)(getattr(module, name)))
-            tuned.add(name)
-    return tuned
+def _tuner(kernels: Mapping[str, Mapping[str, Any]], module_path: Path, digest: str,
+           device: torch.device) -> tuning.Tuner:
+    """The tuning of a module's kernels on CUDA `device`: those of a family with candidates
+    (``blocks.autotune_configs``), the cache beside the module keyed by the device's name, and
+    the pre-filter for the device's capability (none where the ahead-of-time compile has no
+    target for it)."""
+    target = tuning.aot_target(torch.cuda.get_device_capability(device))
+    cache = tuning.TuningCache(module_path.parent, digest, torch.cuda.get_device_name(device))
+    return tuning.Tuner(tuning.tuned_kernels(kernels), cache,
+                        prefilter=tuning.aot_prefilter(module_path, target) if target else None,
+                        synchronize=lambda: torch.cuda.synchronize(device))
 
 
 def triton_backend(model: Any, program: Program, dtype: str, device: torch.device,

@@ -87,8 +87,10 @@ def error_and_scale(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float
 
 
 def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int = 7,
-             seed: int = 0, device: str = "cpu", cache_dir: Path | None = None) -> Report:
-    """Run `model` (an archc.Model) three ways and compare; see the module docstring."""
+             seed: int = 0, device: str = "cpu", cache_dir: Path | None = None,
+             autotune: bool = True) -> Report:
+    """Run `model` (an archc.Model) three ways and compare; see the module docstring.
+    `autotune`: let the triton session tune its kernels on a GPU (``TritonOptions``)."""
     from archc.ir.lower import lower
     from archc.runtime.triton_backend import TritonOptions, TritonSession
     spec = model.spec  # type: ignore[attr-defined]
@@ -97,7 +99,8 @@ def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int =
     triton = TritonSession(unfused, weights, max_seq_len=spec.max_seq_len, dtype=dtype,
                            device=device, options=TritonOptions(reuse_buffers=False,
                                                                 cuda_graphs=False,
-                                                                cache_dir=cache_dir))
+                                                                cache_dir=cache_dir,
+                                                                autotune=autotune))
     reference = EagerSession(unfused, weights, max_seq_len=spec.max_seq_len, device=device)
     fused = EagerSession(triton.program, weights, max_seq_len=spec.max_seq_len, device=device)
     sessions = (reference, fused, triton)
