@@ -118,13 +118,20 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
                     BLOCK_C=block_c)
     if family == "moe":
         if not gpu:
-            return _cfg(BLOCK_M=16, BLOCK_N=_clamp_pow2(sizes["N"], 32, 1024),
-                        BLOCK_K=_clamp_pow2(sizes["K"], 16, 512))
-        if sizes["M"] <= 32:
+            cfg = _cfg(BLOCK_M=16, BLOCK_N=_clamp_pow2(sizes["N"], 32, 1024),
+                       BLOCK_K=_clamp_pow2(sizes["K"], 16, 512))
+        elif sizes["M"] <= 32:
             block_n = _moe_decode_block_n(sizes)
-            return _cfg(4, 4, BLOCK_M=moe_block_m(target, sizes["M"]), BLOCK_N=block_n,
-                        BLOCK_K=256 if block_n < 64 else 128)
-        return _cfg(4, 3, BLOCK_M=moe_block_m(target, sizes["M"]), BLOCK_N=128, BLOCK_K=64)
+            cfg = _cfg(4, 4, BLOCK_M=moe_block_m(target, sizes["M"]), BLOCK_N=block_n,
+                       BLOCK_K=256 if block_n < 64 else 128)
+        else:
+            # prefill: 256 weight rows for a gated tile (one accumulator over interleaved gate
+            # and up rows: m64n256 wgmma, 128 outputs), 128 otherwise (m64n128)
+            cfg = _cfg(4, 3, BLOCK_M=moe_block_m(target, sizes["M"]),
+                       BLOCK_N=256 if sizes.get("gated") else 128, BLOCK_K=64)
+        if sizes.get("tma"):  # the weight's rows allow a tensor descriptor: on a GPU, use it
+            cfg["TMA"] = int(gpu)
+        return cfg
     if family == "moe_routing":
         return _cfg(4, 1, **_routing_blocks(target, sizes["M"], sizes["E"]))
     # The recurrent kernels run one program per (sequence, channel block) or (sequence, KV head),
