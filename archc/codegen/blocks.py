@@ -129,8 +129,10 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
             # and up rows: m64n256 wgmma, 128 outputs), 128 otherwise (m64n128)
             cfg = _cfg(4, 3, BLOCK_M=moe_block_m(target, sizes["M"]),
                        BLOCK_N=256 if sizes.get("gated") else 128, BLOCK_K=64)
-        if sizes.get("tma"):  # the weight's rows allow a tensor descriptor: on a GPU, use it
-            cfg["TMA"] = int(gpu)
+        if sizes.get("tma"):
+            # the weight's rows allow a tensor descriptor: a GPU prefill loads its weight tiles
+            # with TMA; decode keeps the pointer loads its narrow split tiles were shaped for
+            cfg["TMA"] = int(gpu and sizes["M"] > 32)
         return cfg
     if family == "moe_routing":
         return _cfg(4, 1, **_routing_blocks(target, sizes["M"], sizes["E"]))
