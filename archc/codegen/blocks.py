@@ -126,8 +126,10 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
                        BLOCK_K=256 if block_n < 64 else 128)
         else:
             # prefill: 256 weight rows for a gated tile (one accumulator over interleaved gate
-            # and up rows: m64n256 wgmma, 128 outputs), 128 otherwise (m64n128)
-            cfg = _cfg(4, 3, BLOCK_M=moe_block_m(target, sizes["M"]),
+            # and up rows: m64n256 wgmma, 128 outputs), 128 otherwise (m64n128); a warpgroup
+            # per 64 pairs (128 pairs, 8 warps: 165 and 179 registers on mixtral-8x7b)
+            block_m = moe_block_m(target, sizes["M"])
+            cfg = _cfg(block_m // 16, 3, BLOCK_M=block_m,
                        BLOCK_N=256 if sizes.get("gated") else 128, BLOCK_K=64)
         if sizes.get("tma"):
             # the weight's rows allow a tensor descriptor: a GPU prefill loads its weight tiles
@@ -183,8 +185,12 @@ def split_k_range(k: int, block_k: int, splits: int, split: int) -> tuple[int, i
 
 def moe_block_m(target: str, tokens: int) -> int:
     """(token, slot) pairs per program of an expert matmul: the block each expert's run of the
-    routing table is padded to."""
-    return 16 if target != "gpu" or tokens <= 32 else 64
+    routing table is padded to. A long prefill takes 128 (each weight tile read by half as many
+    programs); a short one 64, since each expert's run is padded to a whole block (512 tokens of
+    Mixtral: 128 pairs per expert when balanced)."""
+    if target != "gpu" or tokens <= 32:
+        return 16
+    return 64 if tokens <= 512 else 128
 
 
 def _routing_blocks(target: str, tokens: int, experts: int) -> dict[str, int]:
