@@ -9,7 +9,11 @@
   partials and runs the epilogue; the result agrees with eager, and the arrival counters are back
   to zero after the run (a second run of the same plan gives the same output).
 - Whole models: tiny-mixtral and tiny-jamba, prefill then token-by-token decode, agree with eager
-  at 1e-4 (f32).
+  at 1e-4 (f32), with the expert weight tiles from pointer loads and from tensor descriptors
+  (TMA), the latter with column tiles of 128 weight rows that run past an expert's last row.
+- The gated up projection: the passes stack each expert's gate and up rows interleaved (exactly
+  the permuted stack) and the kernel's one accumulator, split in registers, agrees with eager
+  over gate-first rows on both load paths, with column tiles that end inside an expert.
 Without a GPU the kernels run under Triton's interpreter.
 """
 
@@ -26,13 +30,19 @@ import archc
 from archc.codegen import blocks
 from archc.ir.attrs import Call
 from archc.ir.graph import Program
+from archc.ir.lower import lower
 from archc.ir.ops import Op
 from archc.ir.ops.core import selected_experts
+from archc.ir.paramexpr import PARAM_FNS
 from archc.ir.shapes import B, T, shape
+from archc.passes import optimize
 from archc.runtime.eager import EagerContext, KVCache, run_graph
 from archc.runtime.launch import LaunchPlan
 from archc.runtime.triton_backend import TritonOptions, TritonSession
+from archc.runtime.weights import materialize
+from archc.spec import load_spec
 from tests.test_triton_kernels import build
+from tests.triton_graph import run_graph_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-4                                   # f32, relative to the output's largest magnitude
@@ -197,10 +207,38 @@ def test_router_last_program_routes(n_experts: int, top_k: int, tokens: int, ker
     run_moe(n_experts, top_k, tokens, None, kernel_dir)
 
 
+def expert_loads(monkeypatch: pytest.MonkeyPatch, path: str, max_block_n: int | None = None
+                 ) -> None:
+    """Expert matmuls load their weight tiles by `path` ("pointer" or "tma": the interpreter
+    runs tensor descriptors too), with at most `max_block_n` weight rows per tile if given."""
+    config = blocks.launch_config
+
+    def forced(family: str, target: str, **sizes: int) -> dict[str, Any]:
+        cfg = config(family, target, **sizes)
+        if family == "moe":
+            assert "TMA" in cfg          # the weights here are contiguous rows of 16-byte multiples
+            cfg["TMA"] = int(path == "tma")
+            if max_block_n is not None:
+                cfg["BLOCK_N"] = min(cfg["BLOCK_N"], max_block_n)
+        return cfg
+
+    monkeypatch.setattr(blocks, "launch_config", forced)
+
+
+def expert_paths(plan: LaunchPlan) -> set[int]:
+    """The TMA constexprs the plan's expert matmul launches run with."""
+    return {kw["TMA"] for _, _, kw in plan.launches if "TMA" in kw}
+
+
+@pytest.mark.parametrize("path", ["pointer", "tma"])
 @pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-jamba"])
-def test_moe_models_prefill_and_decode_match_eager(name: str, kernel_dir: Path) -> None:
+def test_moe_models_prefill_and_decode_match_eager(name: str, path: str, kernel_dir: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A 6-token prefill of two sequences, then token by token: MoE layers route on the device
-    and their down projections sum their own pairs; logits agree with eager at 1e-4."""
+    and their down projections sum their own pairs; logits agree with eager at 1e-4. Through
+    tensor descriptors, 128-row weight tiles: the gate+up tile past row 128 of an expert's 192
+    and the down tile over 64 rows read rows of the next expert (or zeros after the last)."""
+    expert_loads(monkeypatch, path, 128 if path == "tma" else None)
     model = archc.load(name, seed=3)
     eager = model.compile("eager", dtype="f32", device=DEVICE)
     triton = model.compile("triton", dtype="f32", device=DEVICE, cache_dir=kernel_dir)
@@ -214,7 +252,65 @@ def test_moe_models_prefill_and_decode_match_eager(name: str, kernel_dir: Path) 
             assert (got - want).abs().max() <= TOL * want.abs().max()
             x = want.argmax(-1)[:, None]
     plan = triton.session.runners["decoder"].last
+    assert expert_paths(plan) == {int(path == "tma")}
     moe_layers = sum(kind == "moe" for kind in model.spec.layer_ffns())
     assert len(routings(plan)) == moe_layers >= 1    # one routing per MoE layer: the router's
     arrived = counters(plan, triton.session.ctx.past)
     assert arrived and all(int(c.abs().sum()) == 0 for c in arrived)
+
+
+@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-jamba"])
+def test_gate_up_expert_weight_is_the_interleaved_stack(name: str) -> None:
+    """The gated up projection's weight after the passes: expert e's row 2n is its gate row n
+    and row 2n + 1 its up row n, exactly; its glu says the rows are interleaved."""
+    model = archc.load(name, seed=3)
+    graph = optimize(lower(load_spec(name))).graphs[0]
+    ups = [n for n in graph if n.op == Op.MOE_LINEAR and n.attr("stage") == "up"]
+    assert ups
+    params = materialize(graph, model.weights)
+    for n in ups:
+        [glu] = n.attr("epilogue")
+        assert glu.fn == "glu" and glu.kw("interleaved") is True
+        weight = graph.nodes[n.inputs[2]].name
+        base = weight.removesuffix("gate+up.weight")
+        gate, up = model.weights[base + "gate.weight"], model.weights[base + "up.weight"]
+        w = params[weight]
+        assert w.shape == (gate.shape[0], 2 * gate.shape[1], gate.shape[2])
+        assert torch.equal(w[:, 0::2], gate) and torch.equal(w[:, 1::2], up)
+        assert not torch.equal(w, torch.cat([gate, up], dim=1))   # a permutation, not the stack
+
+
+@pytest.mark.parametrize("path", ["pointer", "tma"])
+def test_interleaved_gated_experts_match_gate_first_rows(path: str, kernel_dir: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel over interleaved gate/up rows (one accumulator split in registers), and eager's
+    glu over them, against eager over the same weights stacked gate rows first: 20 outputs per
+    expert in tiles of 8 (16 weight rows), so an expert's last tile runs past its 40 rows;
+    K = 24 in steps of 32."""
+    n_experts, top_k, d, f, tokens = 5, 2, 24, 20, 11
+    expert_loads(monkeypatch, path, 16)
+
+    def graph(interleaved: bool) -> Any:
+        glu = (("fn", "silu"), ("interleaved", True)) if interleaved else (("fn", "silu"),)
+
+        def fn(b: Any, i: dict[str, int]) -> int:
+            return b.emit(Op.MOE_LINEAR, i["x"], i["gates"], i["gu"], stage="up", top_k=top_k,
+                          epilogue=(Call("glu", (), glu),))
+
+        return build({"x": (shape(B, T, d), "f32"), "gates": (shape(B, T, n_experts), "f32"),
+                      "gu": (shape(n_experts, 2 * f, d), "f32")}, fn)
+
+    gate, up = rand(n_experts, f, d, seed=2) / d ** 0.5, rand(n_experts, f, d, seed=3) / d ** 0.5
+    x, gates = rand(1, tokens, d, seed=1), tied_gates(tokens, n_experts, 1, seed=7)
+    stacked = torch.cat([gate, up], dim=1)
+    dims = {"B": 1, "T": tokens, "P": 0}
+    want = run_graph(graph(False), {}, {"x": x, "gates": gates, "gu": stacked},
+                     EagerContext(dims, KVCache(8)))["y"]
+    paired = {"x": x, "gates": gates, "gu": PARAM_FNS["interleave"](stacked, dim=1)}
+    run = run_graph_triton(graph(True), {}, paired, dims, max_seq_len=8, device=DEVICE,
+                           cache_dir=kernel_dir)
+    # eager's glu over interleaved rows, and the kernel's, against gate-first rows
+    eager = run_graph(graph(True), {}, paired, EagerContext(dims, KVCache(8)))["y"]
+    for got in (eager, run.outputs["y"].cpu()):
+        assert got.shape == want.shape
+        assert (got - want).abs().max() <= TOL * want.abs().max()

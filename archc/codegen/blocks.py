@@ -121,13 +121,24 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
                     BLOCK_C=block_c)
     if family == "moe":
         if not gpu:
-            return _cfg(BLOCK_M=16, BLOCK_N=_clamp_pow2(sizes["N"], 32, 1024),
-                        BLOCK_K=_clamp_pow2(sizes["K"], 16, 512))
-        if sizes["M"] <= 32:
+            cfg = _cfg(BLOCK_M=16, BLOCK_N=_clamp_pow2(sizes["N"], 32, 1024),
+                       BLOCK_K=_clamp_pow2(sizes["K"], 16, 512))
+        elif sizes["M"] <= 32:
             block_n = _moe_decode_block_n(sizes)
-            return _cfg(4, 4, BLOCK_M=moe_block_m(target, sizes["M"]), BLOCK_N=block_n,
-                        BLOCK_K=256 if block_n < 64 else 128)
-        return _cfg(4, 3, BLOCK_M=moe_block_m(target, sizes["M"]), BLOCK_N=128, BLOCK_K=64)
+            cfg = _cfg(4, 4, BLOCK_M=moe_block_m(target, sizes["M"]), BLOCK_N=block_n,
+                       BLOCK_K=256 if block_n < 64 else 128)
+        else:
+            # prefill: 256 weight rows for a gated tile (one accumulator over interleaved gate
+            # and up rows: m64n256 wgmma, 128 outputs), 128 otherwise (m64n128); a warpgroup
+            # per 64 pairs (128 pairs, 8 warps: 165 and 179 registers on mixtral-8x7b)
+            block_m = moe_block_m(target, sizes["M"])
+            cfg = _cfg(block_m // 16, 3, BLOCK_M=block_m,
+                       BLOCK_N=256 if sizes.get("gated") else 128, BLOCK_K=64)
+        if sizes.get("tma"):
+            # the weight's rows allow a tensor descriptor: a GPU prefill loads its weight tiles
+            # with TMA; decode keeps the pointer loads its narrow split tiles were shaped for
+            cfg["TMA"] = int(gpu and sizes["M"] > 32)
+        return cfg
     if family == "moe_routing":
         return _cfg(4, 1, **_routing_blocks(target, sizes["M"], sizes["E"]))
     # The recurrent kernels run one program per (sequence, channel block) or (sequence, KV head),
@@ -177,8 +188,12 @@ def split_k_range(k: int, block_k: int, splits: int, split: int) -> tuple[int, i
 
 def moe_block_m(target: str, tokens: int) -> int:
     """(token, slot) pairs per program of an expert matmul: the block each expert's run of the
-    routing table is padded to."""
-    return 16 if target != "gpu" or tokens <= 32 else 64
+    routing table is padded to. A long prefill takes 128 (each weight tile read by half as many
+    programs); a short one 64, since each expert's run is padded to a whole block (512 tokens of
+    Mixtral: 128 pairs per expert when balanced)."""
+    if target != "gpu" or tokens <= 32:
+        return 16
+    return 64 if tokens <= 512 else 128
 
 
 def _routing_blocks(target: str, tokens: int, experts: int) -> dict[str, int]:

@@ -31,7 +31,7 @@ from archc.ir.cost import node_states
 from archc.ir.graph import Graph, Node
 from archc.ir.ops import OP_TABLE, Op, full_attrs, roles_of
 from archc.ir.ops.steps import STEPS, epilogue_docs, step_expr
-from archc.ir.shapes import B, S, numel
+from archc.ir.shapes import DTYPE_BYTES, B, S, numel
 from archc.ir.text import format_node
 
 TRITON_TYPES = {"f32": "fp32", "f16": "fp16", "bf16": "bf16", "i64": "i64", "i32": "i32",
@@ -356,20 +356,29 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     up = a["stage"] == "up"
     steps = list(a["epilogue"])
     gated = bool(steps) and steps[0].fn == "glu"   # pairs gate and up rows: first, if at all
+    interleaved = gated and bool(steps[0].kw("interleaved", False))
     width = nw // 2 if gated else nw
+    if gated and interleaved:
+        cols: tuple[str, ...] = ("w_rows",)          # one tile of alternating gate and up rows
+    else:
+        cols = ("cols", f"cols + {width}") if gated else ("cols",)
+    # weight tiles by TMA when one accumulator takes them and a weight row (a descriptor's
+    # stride) is a multiple of 16 bytes
+    row_bytes = k * DTYPE_BYTES[c.g.nodes[n.inputs[c.roles["weight"]]].dtype]
+    tma = len(cols) == 1 and row_bytes % 16 == 0
     ctx = dict(kind="experts", stage=a["stage"], E=e, NW=nw, top_k=a["top_k"], gated=gated,
-               BLOCK_E=max(16, next_pow2(e)), route=False,
+               interleaved=interleaved, tma=tma, BLOCK_E=max(16, next_pow2(e)), route=False,
                M=pexpr(numel(n.shape[:-2] if up else n.shape[:-1])),
                glu_fn=steps[0].kw("fn") if gated else "",
                steps=[elementwise_step(c, st, idx, width) for idx, st in enumerate(steps)
                       if not (gated and idx == 0)],
                gates_row_off=row_offset(gates, "token"),
                x=dict(row_off=row_offset(x, "token" if up else "pair")),
-               **_k_loop(c, w, width, k, ("cols", f"cols + {width}") if gated else ("cols",)))
+               **_k_loop(c, w, width, k, cols))
     table = dict(pairs_ptr="*i32", block_expert_ptr="*i32")
     own = dict(table, part_ptr="*fp32", arrived_ptr="*i32") if not up else table
-    kernels = [JitKernel("_kernel", "moe", dict(N=nw, K=k, E=e, top_k=a["top_k"], gated=int(gated)),
-                         c.types(**own, T="i32")),
+    sizes = dict(N=nw, K=k, E=e, top_k=a["top_k"], gated=int(gated), **({"tma": 1} if tma else {}))
+    kernels = [JitKernel("_kernel", "moe", sizes, c.types(**own, T="i32")),
                JitKernel("_routing", "moe_routing", dict(E=e),
                          {"gates_ptr": c.arg("gates").type, "table_ptr": "*i32",
                           "block_expert_ptr": "*i32", "M": "i32", "T": "i32"})]

@@ -12,7 +12,7 @@ from archc.ir.attrs import Call
 from archc.ir.graph import Node
 from archc.ir.ops import ELEMENTWISE, KERNEL_LEVEL, ROW_KERNELS, Op, is_compute
 from archc.ir.ops.core import elementwise_expr
-from archc.passes.linear import LINEAR, bias_of, cat_params, emit, extend, step, unary, view
+from archc.passes.linear import LINEAR, bias_of, emit, extend, merged_name, step, unary, view
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
 from archc.passes.rewrite import Refusal, Rewriter, register_rewrite_pass
 
@@ -115,10 +115,18 @@ def _expert_glu(rw: Rewriter, m: Bindings) -> int:
     if rw.shape(wu) != rw.shape(wg):
         raise Refusal(f"gate weights {list(rw.shape(wg))} and up weights {list(rw.shape(wu))} "
                       "differ")
-    # [W_gate; W_up] per expert: one grouped matmul, act(gate)·up in its epilogue
+    # [W_gate; W_up] per expert, its rows interleaved at load time (gate row n and up row n
+    # become rows 2n and 2n + 1: a permutation, exact), so that one column tile holds both
+    # partners of each of its outputs: one grouped matmul with one accumulator, act(gate)·up in
+    # its epilogue
     like = [m["gate"], m["act"], m["up"], m["root"]]
-    weight = cat_params(rw, [wg, wu], 1, like=like, at=m["gate"])
-    glu = E.call("glu", fn=rw.nodes[m["act"]].attr("fn"))
+    stacked = E.call("cat", rw.param_expr(wg), rw.param_expr(wu), dim=1)
+    shape = list(rw.shape(wg))
+    shape[1] *= 2
+    weight = rw.add_param(merged_name([rw.nodes[wg].name, rw.nodes[wu].name]),
+                          E.call("interleave", stacked, dim=1), shape, rw.nodes[wg].dtype,
+                          like=like, at=m["gate"])
+    glu = E.call("glu", fn=rw.nodes[m["act"]].attr("fn"), interleaved=True)
     return rw.emit(Op.MOE_LINEAR, [*gate.inputs[:2], weight], like=like, stage="up",
                    top_k=gate.attr("top_k"), epilogue=(glu,))
 

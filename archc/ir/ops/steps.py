@@ -121,8 +121,12 @@ def _act_width(st: Call, width: int, inputs: Sequence[Shape], node: Sig) -> int:
 
 def _apply_glu(ctx: EagerCtx, acc: torch.Tensor, st: Call, xs: Sequence[torch.Tensor],
                stats: RowStats) -> torch.Tensor:
-    n = acc.shape[-1] // 2
-    return E.ACTIVATIONS[st.kw("fn")].torch(acc[..., :n]) * acc[..., n:]
+    if st.kw("interleaved", False):   # gate row n and up row n side by side: columns 2n, 2n + 1
+        gate, up = acc[..., 0::2], acc[..., 1::2]
+    else:
+        n = acc.shape[-1] // 2
+        gate, up = acc[..., :n], acc[..., n:]
+    return E.ACTIVATIONS[st.kw("fn")].torch(gate) * up
 
 
 def _apply_rope(ctx: EagerCtx, acc: torch.Tensor, st: Call, xs: Sequence[torch.Tensor],
@@ -163,8 +167,10 @@ STEPS: dict[str, StepDecl] = {d.name: d for d in (
              apply=lambda ctx, acc, st, xs, s: (acc - s.mean * xs[0].float()) * s.rstd),
     StepDecl("bias", "acc + b", ("bias",), expr=E.call("add", ACC, E.x(1)), kernels=ROW_KERNELS,
              docs=("bias",)),
-    StepDecl("glu", "act(acc[:, :N]) · acc[:, N:] — gate rows first, then up rows",
-             params=(ACT_FN,), width=_glu_width, apply=_apply_glu,
+    StepDecl("glu", "act(acc[:, :N]) · acc[:, N:] — gate rows first, then up rows; with "
+             "`interleaved` act(acc[:, 0::2]) · acc[:, 1::2] — gate row n and up row n side by "
+             "side (the weight's halves interleaved at load time)",
+             params=(ACT_FN, Attr("interleaved", bool, False)), width=_glu_width, apply=_apply_glu,
              kernels=frozenset({Op.FUSED_LINEAR, Op.MOE_LINEAR})),
     StepDecl("act", "act(acc) on columns [start, stop)",
              params=(ACT_FN, Attr("start", int, 0, at_least=0), Attr("stop", int, None)),
