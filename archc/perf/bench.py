@@ -724,7 +724,7 @@ def new_report(cfg: BenchConfig, path: Path | None, log: Callable[[str], None]) 
         "timing": {"method": cfg.timer.method, "decode": f"greedy loop of {cfg.decode} steps "
                    f"after {WARMUP_STEPS} warm-up steps, host clock between device syncs",
                    "compile_backend": cfg.compile_backend,
-                   "autotune": "whole-model archc runs" if cfg.autotune else False},
+                   "autotune": "every archc session" if cfg.autotune else False},
         "status": {}, "section_seconds": {}, "errors": [], "ceilings": None, "kernels": [],
         "model": {"prefill": {"runs": []}, "decode": {"runs": []}, "contexts": []},
         "autotune": autotune_entry(cfg), "goals": [],
@@ -747,9 +747,9 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
         unfused = lower(spec, cfg.dtype)
         checkpoint = random_checkpoint(unfused, cfg.device, cfg.seed,
                                        evaluated_by=(optimize(unfused),))
-        # every node's buffer kept and no CUDA graphs: kernels are launched one by one. Never
-        # autotuned: both sessions share one generated module, which autotuning wraps in place
-        probe = session(reuse_buffers=False, cuda_graphs=False)
+        # every node's buffer kept and no CUDA graphs: kernels are launched one by one, with
+        # the block sizes the model runs with (tuned at launch unless autotuning is off)
+        probe = session(reuse_buffers=False, cuda_graphs=False, autotune=cfg.autotune)
         data.update(module=str(probe.module_path), unique_kernels=len(probe.generated.units),
                     launches_per_pass={g: len(s) for g, s in probe.generated.steps.items()})
         decoder = unfused.graph("decoder")
