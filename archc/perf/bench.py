@@ -566,6 +566,7 @@ FA3_SOURCE = ("FlashAttention-3 paper (arXiv:2407.08608) Fig. 5: H100 80GB SXM5,
               "forward, head dim 128, without causal mask")
 FA3_GPUS = ("H100", "H200")     # Hopper parts with the H100's tensor cores
 
+
 def evaluate_goals(cfg: BenchConfig, data: dict[str, Any]) -> list[dict[str, Any]]:
     """The performance targets, on what this run measured. Recorded, never asserted."""
     measured = not cfg.dry_run
