@@ -543,6 +543,35 @@ def test_report_is_saved_after_each_section_and_names_a_failure(tmp_path: Path,
     assert saved["status"]["model:archc:decode"] == "done"
 
 
+@cpu_only
+def test_autotune_section_runs_real_sessions_last(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The autotune section with archc's own sessions (on the CPU they never tune): it runs
+    after the model's sections, each run timed, and records the sessions' tuning statistics —
+    or that the session has no such hook."""
+    import archc.perf.bench as bench
+    from archc.cli import build_parser
+    from archc.commands.bench import config_of
+    from archc.runtime.triton_backend import TritonSession
+    monkeypatch.setattr(bench, "autotune_entry", lambda cfg: {"applicable": True, "runs": [],
+                                                              "tuning_stats": None})
+    cfg = config_of(build_parser().parse_args([
+        "bench", "tiny-llama3", "--dry-run", "--layers", "1", "--no-kernels", "--compile-modes",
+        "none", "--cache-dir", str(tmp_path / "kernels")]))
+    saved = run_bench(cfg, tmp_path / "r.json").data
+    assert saved["errors"] == [] and list(saved["status"])[-1] == "autotune"
+    assert saved["status"]["autotune"] == "done"
+    entry = saved["autotune"]
+    assert len(entry["runs"]) == 2 and all(r["seconds"] > 0 for r in entry["runs"])
+    if hasattr(TritonSession, "tuning_stats"):
+        assert entry["tuning_stats"] == "available"
+        assert all({"seconds", "kernels_tuned", "cache_hits", "cache_misses"} <= set(r["tuning"])
+                   for r in entry["runs"])
+    else:
+        assert entry["tuning_stats"].startswith("unavailable")
+        assert [r["tuning"] for r in entry["runs"]] == [None, None]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["bench", "tiny-llama3"], "no CUDA GPU here"),
     (["bench", "tiny-llama3", "--dry-run", "--layers", "3"], "has 2 blocks"),
