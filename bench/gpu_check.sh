@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check: the GPU-relevant tests on the GPU (f32, f16 and bf16), then `archc bench` for
 # tiny-llama3 and for llama3-8b (its first blocks), in at most 8 minutes, with no network. The
-# llama3-8b bench also measures batch-1 decode at contexts 512 and 2048 (`--contexts`): archc's
-# tokens/s against the bandwidth bound of the blocks kept and the head, against torch.compile in
-# the same run, and decode attention against a copy of the same KV bytes.
+# llama3-8b bench measures prefill at 2048 tokens: each fused matmul against torch.matmul on the
+# same GEMM and against the unfused sequence, attention against scaled_dot_product_attention and,
+# in TFLOP/s, against FlashAttention-3's published forward figure, and (autotuning on) the
+# autotune cache's first-run cost; and batch-1 decode at contexts 512 and 2048 (`--contexts`):
+# archc's tokens/s against the bandwidth bound of the blocks kept and the head, against
+# torch.compile in the same run, and decode attention against a copy of the same KV bytes.
 #
 #   bench/gpu_check.sh              on a machine with a CUDA GPU, torch and triton
 #   bench/gpu_check.sh --dry-run    the same stages on a CPU: a small test selection and
@@ -12,8 +15,9 @@
 # Each stage runs under its own time limit, and a stage that fails or runs out of time does not
 # stop the next. Results go to bench/results/ (a temporary directory in a dry run), named
 # <UTC date>_<GPU>_<what>, and are copied to $OUT when it is set:
-#   *_summary.txt    what ran, what failed, the headline numbers (decode at each context and
-#                    the goals)                                      (read this first)
+#   *_summary.txt    what ran, what failed, the headline numbers (decode at each context, the
+#                    prefill kernels against their bounds, the autotune first-run cost, the
+#                    goals)                                          (read this first)
 #   *_tests.log      pytest output;  *_tests.xml  its JUnit report (when pytest finished)
 #   *_<spec>.json    the bench report (saved after every section, so a cut run keeps its part)
 #   *_<spec>.log     the bench tables and progress lines
@@ -82,6 +86,7 @@ tests/test_bench.py tests/test_roofline.py}"
     # max-autotune's minute of GEMM tuning is better spent on llama3-8b
     TINY_ARGS=(tiny-llama3 --dtype bf16 --prompt-len 32 --new-tokens 16 --compile-modes default)
     BIG_SPEC="llama3-8b"
+    # prefill at 2048 tokens: the length FlashAttention-3's published figure is compared at
     BIG_ARGS=(llama3-8b --layers "$LAYERS" --prompt-len 2048 --new-tokens 64
               --contexts 512 2048)
     BUDGETS=(160 60 270)

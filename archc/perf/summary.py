@@ -2,9 +2,11 @@
 ``python -m archc.perf.summary results/*.json``. For each report: the model and shapes, then
 the headline — decode at each measured context (archc's tokens/s and fraction of the bandwidth
 bound, its speed-up over each torch.compile mode, decode attention against a copy of the same KV
-bytes) and the goals —, then the sections that did not finish (and why), every runner's prefill
-and decode with archc's speed-up over it, and the kernels where archc is slowest against a
-PyTorch counterpart. A missing or unreadable file is named, not fatal.
+bytes), the prefill kernels (the slowest fused matmul against torch.matmul and the unfused
+sequence, attention against sdpa and FlashAttention-3's published TFLOP/s), the autotune
+cache's first-run cost, and the goals —, then the sections that did not finish (and why),
+every runner's prefill and decode with archc's speed-up over it, and the kernels where archc is
+slowest against a PyTorch counterpart. A missing or unreadable file is named, not fatal.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ def summarize(data: dict[str, Any], *, worst: int = 4) -> list[str]:
 
 
 def headline(data: dict[str, Any]) -> list[str]:
-    """Decode at each context, then the goals: what the run was for."""
+    """Decode at each context, the prefill kernels and autotuning, then the goals: what the
+    run was for."""
     lines = []
     for c in data.get("model", {}).get("contexts", []):
         runs = {r["name"]: r for r in c.get("runs", [])}
@@ -90,6 +93,7 @@ def headline(data: dict[str, Any]) -> list[str]:
         parts += [f"attention {fmt_ratio(a.get('copy_fraction'))} a copy of its KV bytes"
                   for a in c.get("attention", [])]
         lines.append(f"  decode at context {c['context']}: " + "; ".join(parts))
+    lines += prefill_headline(data)
     if data.get("dry_run") and data.get("goals"):
         lines.append("  goals: not judged in a dry run")
     for g in data.get("goals", []):
@@ -99,6 +103,70 @@ def headline(data: dict[str, Any]) -> list[str]:
         value = fmt_ratio(g["measured"]) if g["unit"] == "×" else fmt_percent(g["measured"])
         lines.append(f"  goal {met}: {g['goal']} — {value} ({g.get('note')})")
     return lines
+
+
+def _slowest(data: dict[str, Any], op: str, baseline: str) -> tuple[float, str] | None:
+    """archc's lowest speed-up over `baseline` among the prefill kernels of `op`, and the
+    kernel's name; None when none was timed beside it."""
+    found = [(b["archc_speedup"], k["kernel"]) for k in data.get("kernels", [])
+             if k.get("phase") == "prefill" and k.get("op") == op
+             for b in k.get("baselines", [])
+             if b.get("name") == baseline and b.get("archc_speedup") is not None]
+    return min(found) if found else None
+
+
+def prefill_headline(data: dict[str, Any]) -> list[str]:
+    """The prefill kernels against their bounds — the slowest fused matmul beside torch.matmul
+    and the unfused sequence, attention beside sdpa and FlashAttention-3's published TFLOP/s —
+    and the autotune cache's first-run cost."""
+    lines = []
+    parts = []
+    for baseline, what in (("torch.matmul", "torch.matmul"), ("unfused", "the unfused sequence")):
+        found = _slowest(data, "fused_linear", baseline)
+        if found is not None:
+            parts.append(f"{fmt_ratio(found[0])} {what} ({found[1]})")
+    if parts:
+        lines.append("  prefill matmuls, the slowest: " + "; ".join(parts))
+    goals = {g.get("key"): g for g in data.get("goals", [])}
+    for k in data.get("kernels", []):
+        if k.get("phase") != "prefill" or k.get("op") != "attention":
+            continue
+        sdpa = next((b.get("archc_speedup") for b in k.get("baselines", [])
+                     if b.get("name") == "sdpa"), None)
+        parts = [f"{fmt_ratio(sdpa)} sdpa"]
+        if k.get("fa_flops_per_second") is not None:
+            parts.append(f"{k['fa_flops_per_second'] / 1e12:.1f} TFLOP/s")
+        fa3 = goals.get("prefill_attention_vs_fa3", {}).get("measured")
+        if fa3 is not None:
+            parts.append(f"{fmt_ratio(fa3)} FlashAttention-3's published figure")
+        lines.append(f"  prefill attention ({k.get('kernel')}): " + ", ".join(parts))
+    lines += autotune_headline(data.get("autotune"))
+    return lines
+
+
+def autotune_headline(entry: dict[str, Any] | None) -> list[str]:
+    """The autotune cache's first-run cost: each run's seconds and tuning statistics, or why
+    it was not measured."""
+    if not entry:
+        return []
+    if not entry.get("applicable"):
+        return [f"  autotune: {entry.get('reason')}"]
+    runs = entry.get("runs", [])
+    if len(runs) < 2 or any(r.get("seconds") is None for r in runs):
+        return ["  autotune: not measured (the section did not finish)"]
+
+    def stats(r: dict[str, Any]) -> str:
+        t = r.get("tuning")
+        if t is None:
+            return ""
+        return (f" (tuning {t.get('seconds', 0):.1f} s, {t.get('kernels_tuned')} kernels tuned, "
+                f"cache {t.get('cache_hits')} hits / {t.get('cache_misses')} misses)")
+    first, second = runs[:2]
+    line = (f"  autotune first run: {first['seconds']:.1f} s to build and prefill"
+            f"{stats(first)}; second run {second['seconds']:.1f} s{stats(second)}")
+    if first.get("tuning") is None:
+        line += f"; {entry.get('tuning_stats')}"
+    return [line]
 
 
 def main(argv: list[str] | None = None) -> int:
