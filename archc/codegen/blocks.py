@@ -83,6 +83,8 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
                         BLOCK_N=_clamp_pow2(sizes["L"], 16, 128), TMA=tma)
         if sizes["D"] > 128:  # head_dim 256: 4 warps spill (255 registers); 8 warps fit in 205
             return _cfg(8, 2, BLOCK_M=64, BLOCK_N=32, TMA=tma)
+        if sizes.get("t5", 0):  # T5's buckets are integer tiles per score: 128 keys spill
+            return _cfg(8, 3, BLOCK_M=128, BLOCK_N=64, TMA=tma)
         # 128×128 tiles: both products at wgmma m64n128 (each of the 8 warps' groups holds 64
         # query rows); 2 stages of K and V (64 KiB in bf16 at head_dim 128) compile without spills
         return _cfg(8, 2, BLOCK_M=128, BLOCK_N=128, TMA=tma)
@@ -230,6 +232,8 @@ def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
     if family == "attention":
         if sizes.get("D", 128) > 128:
             tiles = [(64, 32, 8, 2), (64, 16, 4, 2), (32, 32, 4, 2)]
+        elif sizes.get("t5", 0):
+            tiles = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)]
         else:
             tiles = [(128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)]
         tma = int(bool(sizes.get("tma", 0)))

@@ -531,7 +531,8 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     # arguments after q, k and v: the mask's, the position bias's, the past length
     ctx["more_params_"] = "".join(f"{a.param}, " for a in c.args[3:])
     ints = dict(B="i32", T="i32", S="i32")
-    kernels = [JitKernel("_prefill", "attention", dict(D=hd, tma=int(tma)), c.types(**ints))]
+    sizes = dict(D=hd, tma=int(tma), t5=int(ctx["t5"] is not None))  # for blocks.launch_config
+    kernels = [JitKernel("_prefill", "attention", sizes, c.types(**ints))]
     if ctx["decode"]:
         kernels.append(JitKernel("_decode", "attention_decode", dict(D=hd), dict(
             c.types(**ints), part_acc_ptr="*fp32", part_ml_ptr="*fp32", count_ptr="*i32",
