@@ -469,22 +469,19 @@ def _multiple_of(e: sympy.Expr | int, n: int) -> bool:
     return all(getattr(k, "is_Integer", False) and int(k) % n == 0 for k in coeffs)
 
 
-def _tma_layout(c: NodeCtx, lays: Sequence[Layout | None], dtype: str) -> bool:
-    """Can every operand tile be read through a tensor descriptor: each [B, H, rows, D] operand
-    (None: the KV cache, laid out [B, H_kv, max_seq_len, D] by the build) starts and steps from
-    row to row, head to head and sequence to sequence at a multiple of 16 bytes (buffers start
-    256-byte aligned)? q, k and v are often column slices of one fused projection, whose offsets
-    and row strides decide it."""
-    n = TMA_ALIGN // math.gcd(TMA_ALIGN, DTYPE_BYTES.get(dtype, 1))
-    for lay in lays:
-        if lay is None:
-            hd = c.static(c.lay("q").shape[3], "head_dim")
-            if (hd * DTYPE_BYTES.get(dtype, 1)) % TMA_ALIGN:
-                return False
-            continue
-        if lay.strides[-1] != 1 or not all(_multiple_of(e, n) for e in (lay.offset, *lay.strides[:-1])):
-            return False
-    return True
+def _tma_layout(lays: Sequence[Layout], cache_row: int | None, dtype: str) -> bool:
+    """Can every operand tile be read through a tensor descriptor? Each [B, H, rows, D] operand
+    must start and step from row to row, head to head and sequence to sequence at a multiple of
+    16 bytes (buffers start 256-byte aligned): q, k and v are often column slices of one fused
+    projection, whose offsets and row strides decide it. `cache_row`: the elements of a KV-cache
+    row, when k and v are read from the cache ([B, H_kv, max_seq_len, D], laid out by the build;
+    its other strides are multiples of a row)."""
+    size = DTYPE_BYTES.get(dtype, 1)
+    n = TMA_ALIGN // math.gcd(TMA_ALIGN, size)
+    if cache_row is not None and (cache_row * size) % TMA_ALIGN:
+        return False
+    return all(lay.strides[-1] == 1 and all(_multiple_of(e, n) for e in
+                                             (lay.offset, *lay.strides[:-1])) for lay in lays)
 
 
 def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
@@ -505,7 +502,8 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         kv = {kind: by_sequence(c, kind, KV_HEAD) for kind in "kv"}
         length, length_host = texpr(c.lay("k").shape[2]), pexpr(c.lay("k").shape[2])
     scale, softcap, bias = a["scale"], a["softcap"], a["bias"]
-    tma = _tma_layout(c, [q] + ([None] if cached else [c.lay("k"), c.lay("v")]), c.node.dtype)
+    tma = _tma_layout([q] if cached else [q, c.lay("k"), c.lay("v")],
+                      hd if cached else None, c.node.dtype)
     ctx: dict[str, Any] = dict(
         H=heads, KVH=kv_heads, G=heads // kv_heads, D=hd, BLOCK_D=max(16, next_pow2(hd)),
         deal=DECODE_DEAL,
