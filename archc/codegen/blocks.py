@@ -85,6 +85,8 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
             return _cfg(8, 2, BLOCK_M=64, BLOCK_N=32, TMA=tma)
         if sizes.get("t5", 0):  # T5's buckets are integer tiles per score: 128 keys spill
             return _cfg(8, 3, BLOCK_M=128, BLOCK_N=64, TMA=tma)
+        if sizes.get("sm", 90) < 90:  # mma.sync holds Q, S and P in registers: 128 keys spill
+            return _cfg(8, 3, BLOCK_M=128, BLOCK_N=64, TMA=tma)
         # 128×128 tiles: both products at wgmma m64n128 (each of the 8 warps' groups holds 64
         # query rows); 2 stages of K and V (64 KiB in bf16 at head_dim 128) compile without spills
         return _cfg(8, 2, BLOCK_M=128, BLOCK_N=128, TMA=tma)
@@ -211,11 +213,11 @@ def _moe_decode_block_n(sizes: dict[str, int]) -> int:
     return 32 if gated else 16
 
 
-def aot_config(family: str, sizes: dict[str, int]) -> dict[str, Any]:
-    """The launch configuration an ahead-of-time compile assumes: a full-size prefill, and
-    decode with 4 heads per KV head."""
+def aot_config(family: str, sizes: dict[str, int], sm: int = 90) -> dict[str, Any]:
+    """The launch configuration an ahead-of-time compile for compute capability `sm` (80, 90)
+    assumes: a full-size prefill, and decode with 4 heads per KV head."""
     full = {"M": 4096, "T": 4096, "L": 4096, "R": 4 if family == "attention_decode" else 32,
-            **sizes}
+            "sm": sm, **sizes}
     return launch_config(family, "gpu", **full)
 
 
