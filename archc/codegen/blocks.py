@@ -76,15 +76,18 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         return cfg
     if family == "attention":
         # TMA: Q, K, V tiles through tensor descriptors on a GPU, where the layout allows
-        # (`tma`: the build found it 16-byte aligned); the interpreter reads through pointers
-        tma = int(gpu and bool(sizes.get("tma", 0)))
+        # (`tma`: the build found it 16-byte aligned) and the products run on tensor cores
+        # (16-bit operands: f32 multiplies in IEEE on the CUDA cores, its tiles in registers,
+        # which descriptor loads spill); the interpreter reads through pointers
+        wide = sizes.get("bytes", 2) > 2
+        tma = int(gpu and bool(sizes.get("tma", 0)) and not wide)
         if not gpu:
             return _cfg(BLOCK_M=_clamp_pow2(sizes["T"], 16, 128),
                         BLOCK_N=_clamp_pow2(sizes["L"], 16, 128), TMA=tma)
         if sizes["D"] > 128:  # head_dim 256: 4 warps spill (255 registers); 8 warps fit in 205
             return _cfg(8, 2, BLOCK_M=64, BLOCK_N=32, TMA=tma)
-        if sizes.get("t5", 0):  # T5's buckets are integer tiles per score: 128 keys spill
-            return _cfg(8, 3, BLOCK_M=128, BLOCK_N=64, TMA=tma)
+        if sizes.get("t5", 0) or wide:  # T5's buckets are integer tiles per score, f32
+            return _cfg(8, 3, BLOCK_M=128, BLOCK_N=64, TMA=tma)   # products too: 128 keys spill
         if sizes.get("sm", 90) < 90:  # mma.sync holds Q, S and P in registers: 128 keys spill
             return _cfg(8, 3, BLOCK_M=128, BLOCK_N=64, TMA=tma)
         # 128×128 tiles: both products at wgmma m64n128 (each of the 8 warps' groups holds 64
@@ -238,7 +241,7 @@ def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
             tiles = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)]
         else:
             tiles = [(128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)]
-        tma = int(bool(sizes.get("tma", 0)))
+        tma = int(bool(sizes.get("tma", 0)) and sizes.get("bytes", 2) <= 2)
         return [_cfg(w, s, BLOCK_M=m, BLOCK_N=n, TMA=tma) for m, n, w, s in tiles]
     # attention_decode is not tuned: its split count, chosen before the launch, depends on the
     # key block

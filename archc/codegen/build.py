@@ -514,7 +514,8 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         global_tokens=a["global_tokens"], decode=cached or c.g.name == "decoder",
         # the scale goes into the exponent's FMA where nothing comes between it and the softmax
         # (the running max is then the raw scores' max times the scale: a positive one)
-        fold_scale=softcap is None and bias is None and scale > 0, tma=int(tma))
+        fold_scale=softcap is None and bias is None and scale > 0, tma=int(tma),
+        elem_bytes=DTYPE_BYTES.get(c.node.dtype, 2))
     if softcap is not None:
         ctx.update(cap_log2=repr(softcap * LOG2E), pre_cap=repr(scale / softcap))
     if a["padding"]:
@@ -529,7 +530,9 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     # arguments after q, k and v: the mask's, the position bias's, the past length
     ctx["more_params_"] = "".join(f"{a.param}, " for a in c.args[3:])
     ints = dict(B="i32", T="i32", S="i32")
-    sizes = dict(D=hd, tma=int(tma), t5=int(ctx["t5"] is not None))  # for blocks.launch_config
+    # what blocks.launch_config chooses the tiles and the load path by
+    sizes = dict(D=hd, tma=int(tma), t5=int(ctx["t5"] is not None),
+                 bytes=DTYPE_BYTES.get(c.node.dtype, 2))
     kernels = [JitKernel("_prefill", "attention", sizes, c.types(**ints))]
     if ctx["decode"]:
         kernels.append(JitKernel("_decode", "attention_decode", dict(D=hd), dict(
