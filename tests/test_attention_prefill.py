@@ -132,3 +132,26 @@ def test_multiple_of_holds_at_every_value_of_the_dims() -> None:
     assert not _multiple_of(72 * t + 2, 4)
     assert not _multiple_of(3 * t * s, 4)          # 12 at T = 2, S = 2, not at T = S = 1
     assert not _multiple_of(sympy.floor(t / 2) * 8, 4)   # not a polynomial: not proven
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama3-8b", "mixtral-8x7b"])
+def test_hopper_prefill_runs_both_products_at_m64n128(name: str, tmp_path: Path) -> None:
+    """The ahead-of-time compile for sm_90a at the launch configuration of a full-size prefill:
+    128×128 tiles, QKᵀ and PV both at wgmma m64n128k16 (no narrower shape), Q, K and V through
+    TMA, no spills."""
+    from archc.codegen.aot import compile_module
+    from archc.codegen.render import write_module
+    from archc.ir.lower import lower
+    from archc.passes import optimize
+    from archc.spec import load_spec
+
+    spec = load_spec(name)
+    gen = generate(optimize(lower(spec, "bf16")),
+                   CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
+    path = write_module(gen, tmp_path / name)
+    [r] = compile_module(path, "sm_90a", jobs=1, kernels=["attention_0_prefill"])
+    assert r.ok, r.error
+    assert "BLOCK_M=128, BLOCK_N=128" in r.config and "TMA=1" in r.config, r.config
+    assert r.wgmma == ["m64n128k16"], r.wgmma
+    assert r.tma and r.spill_bytes == 0, (r.tma, r.spill_bytes)
