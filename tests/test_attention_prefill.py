@@ -24,7 +24,6 @@ from archc.ir.graph import Graph, GraphBuilder, Program
 from archc.ir.ops import Op
 from archc.ir.shapes import B, S, T, shape
 from tests.test_triton_kernels import DEVICE, build, check, force_tma, rand
-from tests.triton_graph import run_graph_triton
 
 
 @pytest.fixture(scope="module")
@@ -50,19 +49,42 @@ def attention_graph(heads: int, kv_heads: int, hd: int, q_offset: int, causal: b
                   "kvp": (shape(B, S, 2 * kv_heads * hd), "f32")}, fn)
 
 
+def small_blocks(monkeypatch: pytest.MonkeyPatch, block: int) -> None:
+    """Prefill attention at `block` queries × `block` keys: short sequences then span several
+    blocks, some of them seen in full (no mask) by a tile's queries."""
+    real = blocks.launch_config
+
+    def config(family: str, target: str, **sizes: int) -> dict:
+        cfg = real(family, target, **sizes)
+        if family == "attention":
+            cfg.update(BLOCK_M=block, BLOCK_N=block)
+        return cfg
+
+    monkeypatch.setattr(blocks, "launch_config", config)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+def test_unmasked_blocks_scale_scores_in_the_exponent(kernel_dir: Path, causal: bool, tma: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """16 × 16 tiles over 37 queries: the blocks below a causal diagonal (every block without
+    a mask) take the raw scores' max times the scale, and exp2(qk·scale − m) in one FMA; the
+    diagonal and edge blocks scale first and mask. Both must agree with eager, on both load
+    paths."""
+    if tma:
+        force_tma(monkeypatch)
+    small_blocks(monkeypatch, 16)
+    g = attention_graph(2, 1, 16, 8, causal=causal)
+    values = {"qp": rand(2, 37, 40), "kvp": 3 * rand(2, 37, 32, seed=1)}
+    check(g, values, {"B": 2, "T": 37, "P": 0, "S": 37}, kernel_dir, decode_max_rows=0)
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="records the stores of Triton's interpreter")
 def test_query_blocks_run_heaviest_first_each_once(kernel_dir: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from triton.runtime import interpreter
 
     heads, hd, t, block = 2, 16, 37, 16        # 3 query blocks, the last one short
-    real = blocks.launch_config
-
-    def small(family: str, target: str, **sizes: int) -> dict:
-        cfg = real(family, target, **sizes)
-        if family == "attention":
-            cfg.update(BLOCK_M=block, BLOCK_N=block)
-        return cfg
 
     stores: list[tuple[tuple[int, int], tuple[int, int], np.ndarray]] = []
     store = interpreter.InterpreterBuilder.create_masked_store
@@ -72,13 +94,12 @@ def test_query_blocks_run_heaviest_first_each_once(kernel_dir: Path,
                        ptrs.data[mask.data].copy()))
         return store(self, ptrs, value, mask, cache_policy)
 
-    monkeypatch.setattr(blocks, "launch_config", small)
+    small_blocks(monkeypatch, block)
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_store", record)
     g = attention_graph(heads, 1, hd, 8, causal=True)
     values = {"qp": rand(2, t, heads * hd + 8), "kvp": rand(2, t, 2 * hd, seed=1)}
     dims = {"B": 2, "T": t, "P": 0, "S": t}
-    run_graph_triton(g, {}, values, dims, device=DEVICE, cache_dir=kernel_dir,
-                     decode_max_rows=0)
+    check(g, values, dims, kernel_dir, decode_max_rows=0)
     # the graph launches the prefill kernel only (slices and head splits are views); it
     # stores nothing but its output
     grid = {dim for _, dim, _ in stores}
