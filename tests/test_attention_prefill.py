@@ -20,6 +20,7 @@ import sympy
 from archc.codegen import blocks
 from archc.codegen.build import CodegenOptions, _multiple_of
 from archc.codegen.render import generate
+from archc.ir.attrs import Call
 from archc.ir.graph import Graph, GraphBuilder, Program
 from archc.ir.ops import Op
 from archc.ir.shapes import B, S, T, shape
@@ -77,6 +78,34 @@ def test_unmasked_blocks_scale_scores_in_the_exponent(kernel_dir: Path, causal: 
     g = attention_graph(2, 1, 16, 8, causal=causal)
     values = {"qp": rand(2, 37, 40), "kvp": 3 * rand(2, 37, 32, seed=1)}
     check(g, values, {"B": 2, "T": 37, "P": 0, "S": 37}, kernel_dir, decode_max_rows=0)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_prefill_over_a_cached_past(kernel_dir: Path, tma: bool,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt of 21 tokens after 11 cached ones, read from the KV cache (its K and V tiles
+    through descriptors over the cache's live P + T rows), the prefill kernel at 16 × 16 tiles:
+    full blocks over the past, masked ones on the diagonal."""
+    if tma:
+        force_tma(monkeypatch)
+    small_blocks(monkeypatch, 16)
+    heads, kv_heads, hd, d, t, past = 4, 2, 16, 24, 21, 11
+    width = (heads + 2 * kv_heads) * hd
+
+    def fn(b: GraphBuilder, i: dict[str, int]) -> int:
+        qkv = b.emit(Op.FUSED_LINEAR, i["x"], i["w"], epilogue=(
+            Call("kv_write", (), (("head_dim", hd), ("k_start", heads * hd),
+                                  ("kv_heads", kv_heads), ("layer", 0),
+                                  ("v_start", (heads + kv_heads) * hd))),))
+        q = b.emit(Op.SPLIT_HEADS, b.emit(Op.SLICE, qkv, start=0, stop=heads * hd), heads=heads)
+        return b.emit(Op.ATTENTION, q, cache_layer=0, kv_heads=kv_heads, scale=hd ** -0.5,
+                      causal=True, padding=False, prefix=False)
+
+    g = build({"x": (shape(B, T, d), "f32"), "w": (shape(width, d), "f32")}, fn)
+    check(g, {"x": rand(2, t, d), "w": rand(width, d)}, {"B": 2, "T": t, "P": past},
+          kernel_dir, decode_max_rows=0,
+          past_kv={(0, "k"): rand(2, kv_heads, past, hd, seed=1),
+                   (0, "v"): rand(2, kv_heads, past, hd, seed=2)})
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="records the stores of Triton's interpreter")
