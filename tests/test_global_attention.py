@@ -24,7 +24,7 @@ from archc.ir.ops import Op
 from archc.ir.ops.attention import visible
 from archc.ir.shapes import B, S, T, shape
 from archc.runtime.eager import EagerContext, run_graph
-from tests.test_triton_kernels import DEVICE, build, check, rand
+from tests.test_triton_kernels import DEVICE, build, check, force_tma, rand
 from tests.triton_graph import run_graph_triton
 
 TOL = 1e-5
@@ -135,9 +135,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("kernel", ["prefill", "decode"])
+@pytest.mark.parametrize("kernel", ["prefill", "prefill-tma", "decode"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_attention_kernels_with_global_tokens(kernel_dir: Path, case: tuple, kernel: str) -> None:
+def test_attention_kernels_with_global_tokens(kernel_dir: Path, case: tuple, kernel: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    if kernel == "prefill-tma":  # the prefill kernel's tensor-descriptor load path
+        force_tma(monkeypatch)
     heads, kv_heads, hd, t, keys, causal, window, g, padding = case
     graph, width = attention_graph(heads, kv_heads, hd, causal, window, g, padding)
     values = {"qp": rand(2, t, width), "kvp": rand(2, keys, 2 * kv_heads * hd, seed=1)}
@@ -146,16 +149,19 @@ def test_attention_kernels_with_global_tokens(kernel_dir: Path, case: tuple, ker
         pad[1, keys // 2:] = 0
         values["pad"] = pad
     check(graph, values, {"B": 2, "T": t, "P": 0, "S": keys}, kernel_dir,
-          decode_max_rows=0 if kernel == "prefill" else 1 << 20)
+          decode_max_rows=1 << 20 if kernel == "decode" else 0)
 
 
-@pytest.mark.parametrize("kernel", ["prefill", "decode"])
+@pytest.mark.parametrize("kernel", ["prefill", "prefill-tma", "decode"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_blocks_neither_near_nor_global_are_skipped(kernel_dir: Path, kernel: str,
-                                                    causal: bool) -> None:
+                                                    causal: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Three queries at the end of 600 keys, window 8, 5 global tokens: under the interpreter
     the key blocks are 128 wide, and keys [128, 512) lie in blocks no query may see. They are
     NaN here; the kernels must give eager's output on clean keys, so they never touched them."""
+    if kernel == "prefill-tma":
+        force_tma(monkeypatch)
     heads, kv_heads, hd, t, keys, window, g = 4, 2, 16, 3, 600, 8, 5
     graph, width = attention_graph(heads, kv_heads, hd, causal, window, g)
     clean = rand(2, keys, 2 * kv_heads * hd, seed=1)
@@ -166,7 +172,7 @@ def test_blocks_neither_near_nor_global_are_skipped(kernel_dir: Path, kernel: st
     want = run_graph(graph, {}, {"qp": q, "kvp": clean}, EagerContext(dims))["y"]
     got = run_graph_triton(graph, {}, {"qp": q, "kvp": poisoned}, dims, device=DEVICE,
                            cache_dir=kernel_dir,
-                           decode_max_rows=0 if kernel == "prefill" else 1 << 20).outputs["y"]
+                           decode_max_rows=1 << 20 if kernel == "decode" else 0).outputs["y"]
     got = got.cpu()
     assert torch.isfinite(got).all()
     assert (got - want).abs().max() <= TOL * want.abs().max()

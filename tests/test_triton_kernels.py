@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from archc.codegen import blocks
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph, GraphBuilder
 from archc.ir.ops import Op
@@ -186,11 +187,31 @@ ATTENTION_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kernel", ["prefill", "decode"])
+def force_tma(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill attention reads its Q, K, V tiles through tensor descriptors (the GPU's load
+    path; the interpreter's default is pointers). The build must have found the layout aligned:
+    a kernel without the descriptor path would otherwise pass unseen on pointers."""
+    real = blocks.launch_config
+
+    def config(family: str, target: str, **sizes: int) -> dict:
+        cfg = real(family, target, **sizes)
+        if family == "attention":
+            assert sizes["tma"], "the build found no tensor-descriptor path for this layout"
+            cfg["TMA"] = 1
+        return cfg
+
+    monkeypatch.setattr(blocks, "launch_config", config)
+
+
+@pytest.mark.parametrize("kernel", ["prefill", "prefill-tma", "decode"])
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_attention(kernel_dir: Path, case: tuple, kernel: str) -> None:
-    """Each case through both kernels: FlashAttention-2 tiles over the queries, and split-KV
-    decoding with the GQA group's heads as the rows of one tile."""
+def test_attention(kernel_dir: Path, case: tuple, kernel: str,
+                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each case through both kernels: FlashAttention-2 tiles over the queries (both load paths:
+    pointers and tensor descriptors), and split-KV decoding with the GQA group's heads as the
+    rows of one tile."""
+    if kernel == "prefill-tma":
+        force_tma(monkeypatch)
     heads, kv_heads, hd, t, keys, causal, window, padding, softcap, bias, prefix = case
     width = heads * hd
     values = {"qp": rand(2, t, width + 8), "kvp": rand(2, keys, 2 * kv_heads * hd, seed=1)}
@@ -225,7 +246,7 @@ def test_attention(kernel_dir: Path, case: tuple, kernel: str) -> None:
 
     g = build(inputs, fn)
     check(g, values, {"B": 2, "T": t, "P": 0, "S": keys}, kernel_dir,
-          decode_max_rows=0 if kernel == "prefill" else 1 << 20)
+          decode_max_rows=1 << 20 if kernel == "decode" else 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

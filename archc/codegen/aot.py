@@ -73,7 +73,8 @@ def compile_module(module_path: Path, target: str, *, jobs: int = 2,
     ``aot_config``."""
     table = kernel_table(module_path)
     names = kernels if kernels is not None else list(table)
-    configs = [(n, aot_config(table[n]["family"], table[n]["sizes"]) if n in table else {})
+    configs = [(n, aot_config(table[n]["family"], table[n]["sizes"], TARGETS.get(target, 90))
+                if n in table else {})
                for n in names]
     return compile_configs(module_path, target, configs, jobs=jobs, timeout=timeout)
 

@@ -78,12 +78,24 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
             cfg["SPLIT_K"] = split_k_count(tiles, sizes["K"], cfg["BLOCK_K"])
         return cfg
     if family == "attention":
+        # TMA: Q, K, V tiles through tensor descriptors on a GPU, where the layout allows
+        # (`tma`: the build found it 16-byte aligned) and the products run on tensor cores
+        # (16-bit operands: f32 multiplies in IEEE on the CUDA cores, its tiles in registers,
+        # which descriptor loads spill); the interpreter reads through pointers
+        wide = sizes.get("bytes", 2) > 2
+        tma = int(gpu and bool(sizes.get("tma", 0)) and not wide)
         if not gpu:
             return _cfg(BLOCK_M=_clamp_pow2(sizes["T"], 16, 128),
-                        BLOCK_N=_clamp_pow2(sizes["L"], 16, 128))
+                        BLOCK_N=_clamp_pow2(sizes["L"], 16, 128), TMA=tma)
         if sizes["D"] > 128:  # head_dim 256: 4 warps spill (255 registers); 8 warps fit in 205
-            return _cfg(8, 2, BLOCK_M=64, BLOCK_N=32)
-        return _cfg(8, 3, BLOCK_M=128, BLOCK_N=64)
+            return _cfg(8, 2, BLOCK_M=64, BLOCK_N=32, TMA=tma)
+        if sizes.get("t5", 0) or wide:  # T5's buckets are integer tiles per score, f32
+            return _cfg(8, 3, BLOCK_M=128, BLOCK_N=64, TMA=tma)   # products too: 128 keys spill
+        if sizes.get("sm", 90) < 90:  # mma.sync holds Q, S and P in registers: 128 keys spill
+            return _cfg(8, 3, BLOCK_M=128, BLOCK_N=64, TMA=tma)
+        # 128×128 tiles: both products at wgmma m64n128 (each of the 8 warps' groups holds 64
+        # query rows); 2 stages of K and V (64 KiB in bf16 at head_dim 128) compile without spills
+        return _cfg(8, 2, BLOCK_M=128, BLOCK_N=128, TMA=tma)
     if family == "attention_decode":
         rows = _clamp_pow2(sizes["R"], 16, DECODE_MAX_ROWS)  # the G·T query rows of a KV head
         block_d = _clamp_pow2(sizes["D"], 16, 1 << 16)
@@ -222,11 +234,11 @@ def _moe_decode_block_n(sizes: dict[str, int]) -> int:
     return 32 if gated else 16
 
 
-def aot_config(family: str, sizes: dict[str, int]) -> dict[str, Any]:
-    """The launch configuration an ahead-of-time compile assumes: a full-size prefill, and
-    decode with 4 heads per KV head."""
+def aot_config(family: str, sizes: dict[str, int], sm: int = 90) -> dict[str, Any]:
+    """The launch configuration an ahead-of-time compile for compute capability `sm` (80, 90)
+    assumes: a full-size prefill, and decode with 4 heads per KV head."""
     full = {"M": 4096, "T": 4096, "L": 4096, "R": 4 if family == "attention_decode" else 32,
-            **sizes}
+            "sm": sm, **sizes}
     return launch_config(family, "gpu", **full)
 
 
@@ -247,9 +259,12 @@ def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
     if family == "attention":
         if sizes.get("D", 128) > 128:
             tiles = [(64, 32, 8, 2), (64, 16, 4, 2), (32, 32, 4, 2)]
+        elif sizes.get("t5", 0):
+            tiles = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)]
         else:
-            tiles = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)]
-        return [_cfg(w, s, BLOCK_M=m, BLOCK_N=n) for m, n, w, s in tiles]
+            tiles = [(128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)]
+        tma = int(bool(sizes.get("tma", 0)) and sizes.get("bytes", 2) <= 2)
+        return [_cfg(w, s, BLOCK_M=m, BLOCK_N=n, TMA=tma) for m, n, w, s in tiles]
     # attention_decode is not tuned: its split count, chosen before the launch, depends on the
     # key block
     return []

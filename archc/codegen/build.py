@@ -462,6 +462,37 @@ def t5_thresholds(buckets: int, bidirectional: bool, max_distance: int) -> dict[
     return dict(nb=nb, exact=exact, thresholds=thresholds, bidirectional=bidirectional)
 
 
+DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+TMA_ALIGN = 16   # bytes: a tensor descriptor's base and row strides are multiples of this
+
+
+def _multiple_of(e: sympy.Expr | int, n: int) -> bool:
+    """Is `e` a multiple of `n` at every value of its dims — an integer polynomial in them whose
+    coefficients all are?"""
+    e = sympy.expand(sympy.sympify(e))
+    try:
+        poly = sympy.Poly(e, *sorted(e.free_symbols, key=str)) if e.free_symbols else None
+    except sympy.PolynomialError:
+        return False
+    coeffs = poly.coeffs() if poly is not None else [e]
+    return all(getattr(k, "is_Integer", False) and int(k) % n == 0 for k in coeffs)
+
+
+def _tma_layout(lays: Sequence[Layout], cache_row: int | None, dtype: str) -> bool:
+    """Can every operand tile be read through a tensor descriptor? Each [B, H, rows, D] operand
+    must start and step from row to row, head to head and sequence to sequence at a multiple of
+    16 bytes (buffers start 256-byte aligned): q, k and v are often column slices of one fused
+    projection, whose offsets and row strides decide it. `cache_row`: the elements of a KV-cache
+    row, when k and v are read from the cache ([B, H_kv, max_seq_len, D], laid out by the build;
+    its other strides are multiples of a row)."""
+    size = DTYPE_BYTES.get(dtype, 1)
+    n = TMA_ALIGN // math.gcd(TMA_ALIGN, size)
+    if cache_row is not None and (cache_row * size) % TMA_ALIGN:
+        return False
+    return all(lay.strides[-1] == 1 and all(_multiple_of(e, n) for e in
+                                             (lay.offset, *lay.strides[:-1])) for lay in lays)
+
+
 def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     a = c.attrs
     q = c.lay("q")
@@ -480,6 +511,8 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         kv = {kind: by_sequence(c, kind, KV_HEAD) for kind in "kv"}
         length, length_host = texpr(c.lay("k").shape[2]), pexpr(c.lay("k").shape[2])
     scale, softcap, bias = a["scale"], a["softcap"], a["bias"]
+    tma = _tma_layout([q] if cached else [q, c.lay("k"), c.lay("v")],
+                      hd if cached else None, c.node.dtype)
     ctx: dict[str, Any] = dict(
         H=heads, KVH=kv_heads, G=heads // kv_heads, D=hd, BLOCK_D=max(16, next_pow2(hd)),
         deal=DECODE_DEAL,
@@ -487,7 +520,11 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         L_host=length_host, dot_kw=c.dot_kw, causal=a["causal"], padding=a["padding"],
         prefix=a["prefix"], softcap=softcap is not None, qk_scale=repr(scale * LOG2E),
         bias=None if bias is None else bias.fn, t5=None, window=a["window"],
-        global_tokens=a["global_tokens"], decode=cached or c.g.name == "decoder")
+        global_tokens=a["global_tokens"], decode=cached or c.g.name == "decoder",
+        # the scale goes into the exponent's FMA where nothing comes between it and the softmax
+        # (the running max is then the raw scores' max times the scale: a positive one)
+        fold_scale=softcap is None and bias is None and scale > 0, tma=int(tma),
+        elem_bytes=DTYPE_BYTES.get(c.node.dtype, 2))
     if softcap is not None:
         ctx.update(cap_log2=repr(softcap * LOG2E), pre_cap=repr(scale / softcap))
     if a["padding"]:
@@ -502,7 +539,10 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     # arguments after q, k and v: the mask's, the position bias's, the past length
     ctx["more_params_"] = "".join(f"{a.param}, " for a in c.args[3:])
     ints = dict(B="i32", T="i32", S="i32")
-    kernels = [JitKernel("_prefill", "attention", dict(D=hd), c.types(**ints))]
+    # what blocks.launch_config chooses the tiles and the load path by
+    sizes = dict(D=hd, tma=int(tma), t5=int(ctx["t5"] is not None),
+                 bytes=DTYPE_BYTES.get(c.node.dtype, 2))
+    kernels = [JitKernel("_prefill", "attention", sizes, c.types(**ints))]
     if ctx["decode"]:
         kernels.append(JitKernel("_decode", "attention_decode", dict(D=hd), dict(
             c.types(**ints), part_acc_ptr="*fp32", part_ml_ptr="*fp32", count_ptr="*i32",
