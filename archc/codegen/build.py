@@ -462,7 +462,6 @@ def t5_thresholds(buckets: int, bidirectional: bool, max_distance: int) -> dict[
     return dict(nb=nb, exact=exact, thresholds=thresholds, bidirectional=bidirectional)
 
 
-DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 TMA_ALIGN = 16   # bytes: a tensor descriptor's base and row strides are multiples of this
 
 
