@@ -316,7 +316,7 @@ def _k_loop(c: NodeCtx, weight: Layout, rows_n: int, k: int, cols: Sequence[str]
             ) -> dict[str, Any]:
     """The weight-tile loads of a K loop (templates/kloop.j2): an accumulator for each set of
     weight rows `cols` (two for a paired epilogue)."""
-    suffixes = [""] if len(cols) == 1 else ["1", "2"]
+    suffixes = [""] if len(cols) == 1 else ["1", "2"]   # one set: "acc"; two: "acc1", "acc2"
     return dict(wsets=[dict(name=f"w{j}", ptrs=f"w{j}_ptrs", acc=f"acc{j}", cols=col)
                        for j, col in zip(suffixes, cols)],
                 w_row_stride=texpr(weight.strides[-2]), dot_kw=c.dot_kw, N=rows_n, K=k)
@@ -585,6 +585,12 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
             width //= 2
         else:
             pair = _rope_pair(st, width, idx, c)
+    if a["paired"]:   # the weight rows are paired-adjacent: one accumulator, split in registers
+        if pair is None:
+            raise c.fail("paired weight rows need a glu() or rope() step")
+        pair["adjacent"] = True
+    elif pair is not None:
+        pair["adjacent"] = False
     if kv is not None:   # how many columns land contiguously in the cache
         cols_run = pair["run"] if pair is not None and pair["fn"] == "rope" else 1 << 16
         run = math.gcd(cols_run, kv["head_dim"], kv["k_start"], kv["v_start"])
@@ -612,8 +618,12 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
             head_group = hn["group"]
     for hn in head_norms:
         hn["pow2"] = head_group is None
-    one = [dict(acc="acc", cols="cols")]
-    accs_pre = one if pair is None else [dict(acc=f"acc{j}", cols=f"cols{j}") for j in (1, 2)]
+    one = [dict(acc="acc", cols="cols", ok="col_ok")]
+    # an odd RoPE tail's last pair has no partner: under paired-adjacent rows its second column
+    # is past the weight (ok2 masks it)
+    ok2 = "ok2" if pair is not None and pair["adjacent"] and pair.get("tail", 0) % 2 else "col_ok"
+    accs_pre = one if pair is None else [dict(acc="acc1", cols="cols1", ok="col_ok"),
+                                         dict(acc="acc2", cols="cols2", ok=ok2)]
     accs_post = one if pair is not None and pair["fn"] == "glu" else accs_pre
     layer_norm = int(a["prologue"] == "layer")
     ctx = dict(operands=operands, n_out=width, prologue=a["prologue"], eps=repr(a["eps"]),
@@ -622,11 +632,13 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
                    pair is not None and pair["fn"] == "rope"),
                M=pexpr(numel(c.node.shape[:-1])), align=align, has_head_norm=int(
                    bool(head_norms)), head_group=head_group, layer_norm=layer_norm,
-               **_k_loop(c, w, n_rows, k_total, ("cols",) if pair is None else ("cols1", "cols2")))
+               **_k_loop(c, w, n_rows, k_total, ("cols",) if pair is None else ("wrows",)
+                         if pair["adjacent"] else ("cols1", "cols2")))
     # cols: output columns, or pairs of a paired epilogue (what a tile's TILE_N lanes cover);
     # operands: K loops over more than one concatenated input do not split (split-K)
     sizes = dict(N=n_rows, K=k_total, cols=n_rows if pair is None else pair["NP"],
-                 paired=int(pair is not None), align=align, head_norm=int(bool(head_norms)),
+                 paired=int(pair is not None), adjacent=int(bool(pair and pair["adjacent"])),
+                 align=align, head_norm=int(bool(head_norms)),
                  layer_norm=layer_norm, operands=len(operands))
     ints = dict(M="i32", T="i32", **({"S": "i32"} if c.reads_encoder_len else {}))
     return ctx, [JitKernel("_kernel", "matmul", sizes,
