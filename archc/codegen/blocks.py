@@ -63,10 +63,6 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
             # accumulators with LayerNorm's two statistics (falcon-7b's QKV+MLP: 348 bytes);
             # 64 rows × 8 warps fit (140 registers for the per-head norm)
             cfg = _cfg(8, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64)
-        elif sizes.get("adjacent"):
-            # paired-adjacent weight rows: one 128 × 256 accumulator, wgmma m64n256 (128
-            # pairs a tile)
-            cfg = _cfg(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64)
         else:
             cfg = _cfg(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)
         # epilogues that reduce over a head (QK-norm) need whole heads in a tile

@@ -201,6 +201,8 @@ def _pair_rows(rw: Rewriter, i: int) -> int:
                       head_dim=st.kw("head_dim"), rotary_dim=st.kw("rotary_dim"),
                       interleaved=st.kw("interleaved"))
     w = rw.nodes[lin.weight]
+    if rw.users(lin.weight) == [i]:   # read by this projection alone: the new one keeps its name
+        rw.param_names.discard(w.name)
     weight = rw.add_param(w.name, expr, w.shape, w.dtype, like=[lin.weight], at=i)
     return emit(rw, lin.replace(weight=weight, paired=True), like=[i])
 

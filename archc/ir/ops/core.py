@@ -34,8 +34,8 @@ from archc.ir.ops.base import (
     zero,
 )
 from archc.ir.ops.steps import (
-    RowStats,
     PAIRING,
+    RowStats,
     apply_epilogue,
     check_epilogue,
     epilogue_roles,

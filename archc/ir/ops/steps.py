@@ -17,7 +17,6 @@ import torch
 import archc.ir.expr as E
 from archc.ir.attrs import Attr, Call, call_problem
 from archc.ir.ops.attention import ROPE_ATTRS, ROTATION_DOC, check_rope, rope
-from archc.ir.paramexpr import rope_pair_order
 from archc.ir.ops.base import (
     ROW_KERNELS,
     EagerCtx,
@@ -28,6 +27,7 @@ from archc.ir.ops.base import (
     require,
     same_shape,
 )
+from archc.ir.paramexpr import rope_pair_order
 
 
 @dataclass(frozen=True)
