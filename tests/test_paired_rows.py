@@ -36,15 +36,18 @@ def kernel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("kernels")
 
 
-@pytest.fixture
-def narrow(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Column tiles of at most 32 weight rows (16 pairs): several tiles per projection."""
+@pytest.fixture(params=["pointers", "tma"])
+def narrow(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Column tiles of at most 32 weight rows (16 pairs): several tiles per projection; the K
+    loop's tiles loaded through pointers, or through tensor descriptors (TMA = 1, which the
+    interpreter runs too)."""
     config = blocks.launch_config
 
     def capped(family: str, target: str, **sizes: int) -> dict:
         cfg = config(family, target, **sizes)
         if family == "matmul":
             cfg["BLOCK_N"] = max(min(cfg["BLOCK_N"], 32), sizes.get("align", 16))
+            cfg["TMA"] = int(request.param == "tma")
         return cfg
 
     monkeypatch.setattr(blocks, "launch_config", capped)

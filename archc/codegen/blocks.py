@@ -69,6 +69,10 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         cfg["BLOCK_N"] = max(cfg["BLOCK_N"], sizes.get("align", 16))
         cfg["GROUP_M"] = 8
         cfg["SPLIT_K"] = 1
+        # prefill on a GPU loads its tiles by TMA where the layouts allow (the kernel decides
+        # that at codegen); decode keeps its pointer loads, and the interpreter too unless a test
+        # forces TMA = 1 (it runs tensor descriptors as well)
+        cfg["TMA"] = int(gpu and m > 16)
         if gpu and m <= 16 and sizes.get("operands", 1) == 1:
             tile_n = cfg["BLOCK_N"] // 2 if paired else cfg["BLOCK_N"]
             tiles = _cdiv(m, cfg["BLOCK_M"]) * _cdiv(sizes.get("cols", sizes["N"]), tile_n)
@@ -220,7 +224,7 @@ def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
                  (128, 64, 64, 4, 4), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
                  (32, 128, 64, 4, 4)]
         # one split: the scratch a split-K launch needs is sized before the autotuner chooses
-        return [_cfg(w, s, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, SPLIT_K=1)
+        return [_cfg(w, s, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, SPLIT_K=1, TMA=int(m > 16))
                 for m, n, k, w, s in tiles if n % sizes.get("align", 16) == 0]
     if family == "attention":
         if sizes.get("D", 128) > 128:

@@ -31,7 +31,7 @@ from archc.ir.cost import node_states
 from archc.ir.graph import Graph, Node
 from archc.ir.ops import OP_TABLE, Op, full_attrs, roles_of
 from archc.ir.ops.steps import STEPS, epilogue_docs, step_expr
-from archc.ir.shapes import B, S, numel
+from archc.ir.shapes import DTYPE_BYTES, B, S, numel
 from archc.ir.text import format_node
 
 TRITON_TYPES = {"f32": "fp32", "f16": "fp16", "bf16": "bf16", "i64": "i64", "i32": "i32",
@@ -536,6 +536,24 @@ def _rope_pair(st: Call, width: int, idx: int, c: NodeCtx) -> dict[str, Any]:
                 pos_ptr=c.arg(f"pos{idx}").name, rotation_ptr=c.arg(f"rotation{idx}").name)
 
 
+TMA_ALIGN = 16   # bytes: a tensor descriptor's base address and row stride are multiples of it
+
+
+def tma_rows(lay: Layout, elem: int) -> dict[str, str] | None:
+    """A 2-D tensor descriptor over the rows of `lay` — [rows, columns] with contiguous columns,
+    the leading dims one row index of static stride, base and stride 16-byte aligned — as its
+    static element offset and row stride; None when the layout cannot be one (a column-strided
+    view, a row stride or start that breaks the alignment: the pointer path reads it)."""
+    if lay.rank < 2 or lay.strides[-1] != 1 or not lay.contiguous_rows:
+        return None
+    stride, offset = sympy.sympify(lay.strides[-2]), sympy.sympify(lay.offset)
+    if not (stride.is_Integer and offset.is_Integer) or int(stride) <= 0:
+        return None
+    if (int(stride) * elem) % TMA_ALIGN or (int(offset) * elem) % TMA_ALIGN:
+        return None
+    return dict(offset=f" + {int(offset)}" if int(offset) else "", stride=str(int(stride)))
+
+
 def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     a = c.attrs
     names = ["x1", "x2"] if a["concat_k"] else ["x"]
@@ -551,7 +569,8 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         r = rows(lay)
         operands.append(dict(name=name, ptr=c.arg(name).name, K=kj, k0=k0, row_off=r["row_off"],
                              comment=f"{name} [M, {kj}]", w_base=f"{base} + " if base else "",
-                             k_mul=r["col_mul"]))
+                             k_mul=r["col_mul"], tma=tma_rows(lay, DTYPE_BYTES[
+                                 c.g.nodes[lay.root].dtype])))
         k0 += kj
     width, pair, kv = n_rows, None, None
     steps_pre: list[dict[str, Any]] = []
@@ -626,12 +645,19 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
                                          dict(acc="acc2", cols="cols2", ok=ok2)]
     accs_post = one if pair is not None and pair["fn"] == "glu" else accs_pre
     layer_norm = int(a["prologue"] == "layer")
+    # TMA (tensor descriptors) for the K loop's tiles where every operand's rows and the
+    # weight's allow one and a tile's weight rows are contiguous (not two gathered partner sets)
+    w_bytes = DTYPE_BYTES[c.g.nodes[w.root].dtype]
+    w_tma = tma_rows(w, w_bytes)
+    tma = w_tma is not None and all(x["tma"] is not None for x in operands) and (
+        pair is None or pair["adjacent"])
     ctx = dict(operands=operands, n_out=width, prologue=a["prologue"], eps=repr(a["eps"]),
                pair=pair, steps_pre=steps_pre, steps_post=steps_post, accs_pre=accs_pre,
                accs_post=accs_post, kv=kv, needs_t=kv is not None or (
                    pair is not None and pair["fn"] == "rope"),
                M=pexpr(numel(c.node.shape[:-1])), align=align, has_head_norm=int(
-                   bool(head_norms)), head_group=head_group, layer_norm=layer_norm,
+                   bool(head_norms)), head_group=head_group, layer_norm=layer_norm, tma=tma,
+               w_tma=w_tma,
                **_k_loop(c, w, n_rows, k_total, ("cols",) if pair is None else ("wrows",)
                          if pair["adjacent"] else ("cols1", "cols2")))
     # cols: output columns, or pairs of a paired epilogue (what a tile's TILE_N lanes cover);
