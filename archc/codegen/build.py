@@ -664,11 +664,18 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     # operands: K loops over more than one concatenated input do not split (split-K)
     sizes = dict(N=n_rows, K=k_total, cols=n_rows if pair is None else pair["NP"],
                  paired=int(pair is not None), adjacent=int(bool(pair and pair["adjacent"])),
+                 rope=int(pair is not None and pair["fn"] == "rope"),
                  align=align, head_norm=int(bool(head_norms)),
                  layer_norm=layer_norm, operands=len(operands))
     ints = dict(M="i32", T="i32", **({"S": "i32"} if c.reads_encoder_len else {}))
-    return ctx, [JitKernel("_kernel", "matmul", sizes,
-                           c.types(part_ptr="*fp32", count_ptr="*i32", **ints))]
+    stats = {"stats_ptr": "*fp32"} if a["prologue"] else {}
+    kernels = [JitKernel("_kernel", "matmul", sizes,
+                         c.types(part_ptr="*fp32", count_ptr="*i32", **stats, **ints))]
+    if a["prologue"]:   # the row statistics' pre-pass (prefill)
+        x = c.arg(names[0])
+        kernels.append(JitKernel("_rowstats", "matmul_rowstats", dict(K=k_total),
+                                 {x.name: x.type, "stats_ptr": "*fp32", **ints}))
+    return ctx, kernels
 
 
 CONTEXTS: dict[str, Callable[[NodeCtx], tuple[dict[str, Any], list[JitKernel]]]] = {
