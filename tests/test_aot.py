@@ -119,22 +119,22 @@ def test_explicit_configs_compile_once_and_are_cached(tmp: Path) -> None:
     gen = generate(optimize(lower(spec, "bf16")),
                    CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
     path = write_module(gen, tmp / "explicit")
-    prefill = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, num_warps=4,
-                   num_stages=3)
-    decode = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=8, SPLIT_K=2, num_warps=4,
-                  num_stages=2)
+    prefill = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, TMA=1,
+                   ROW_STATS=1, num_warps=4, num_stages=3)
+    decode = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=8, SPLIT_K=2, TMA=0, ROW_STATS=0,
+                  num_warps=4, num_stages=2)
     configs = [("fused_linear_1_kernel", prefill), ("fused_linear_1_kernel", decode)]
     seen: list[AotResult] = []
     first = compile_configs(path, "sm_90a", configs, jobs=1, cache_dir=tmp / "aot-cache",
                             progress=seen.append)
     assert len(seen) == 2 and all(r.ok and not r.cached for r in first), first
     big, small = first
-    assert big.config == "BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, " \
-                         "num_warps=4, num_stages=3"
+    assert big.config == "BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, TMA=1, " \
+                         "ROW_STATS=1, num_warps=4, num_stages=3"
     assert big.tensor_core_ops > 0 and big.wgmma and all(
         s.startswith("m64n") and s.endswith("k16") for s in big.wgmma)
     assert small.wgmma == [] and small.registers > 0
-    assert big.tma is False and small.tma is False      # pointer loads: no tensor descriptors
+    assert big.tma is True and small.tma is False       # prefill's tiles by TMA, decode's not
     assert big.pdl and small.pdl                        # sm_90a: programmatic dependent launch
     again = compile_configs(path, "sm_90a", configs, jobs=1, cache_dir=tmp / "aot-cache")
     assert all(r.cached for r in again)

@@ -245,7 +245,7 @@ def test_generated_module_imports_and_lists_its_kernels(tmp_path: Path) -> None:
         fn = getattr(mod, name)
         for arg in fn.arg_names:  # every runtime argument has a type for AOT compiles
             assert arg in entry["types"] or arg.startswith("BLOCK_") or arg in (
-                "GROUP_M", "SPLIT_K", "TMA", "PDL"), arg
+                "GROUP_M", "SPLIT_K", "TMA", "ROW_STATS", "PDL"), arg
 
 
 # ---- golden kernels -------------------------------------------------------------------------

@@ -172,7 +172,7 @@ def test_provenance_records_origin_and_passes_and_round_trips() -> None:
     p = optimized("tiny-llama3")
     qkv = next(n for n in p.graphs[0] if n.op == Op.FUSED_LINEAR)
     assert qkv.origin == "attention.heads"
-    assert qkv.passes == ("merge-qkv", "fold-norms", "fuse-rope", "fuse-kv-write")
+    assert qkv.passes == ("merge-qkv", "fold-norms", "fuse-rope", "fuse-kv-write", "pair-rows")
     embedding = next(n for n in p.graphs[0] if n.op == Op.EMBEDDING)
     assert embedding.passes == ()
     for name in TINY_SPECS:
@@ -185,7 +185,8 @@ def test_provenance_records_origin_and_passes_and_round_trips() -> None:
 def test_rewritten_weights_are_parameter_expressions() -> None:
     exprs = param_exprs(optimized("tiny-llama3"))
     qkv = exprs["layers.0.attn.q+k+v.weight*attn_norm"]
-    assert qkv == Call("mul", (Call("cat", tuple(Call("w", (f"layers.0.attn.{r}.weight",))
+    assert qkv.fn == "rope_pairs"    # the rows in RoPE's pair order (pair-rows)
+    assert qkv.args[0] == Call("mul", (Call("cat", tuple(Call("w", (f"layers.0.attn.{r}.weight",))
                                                  for r in "qkv"), (("dim", 0),)),
                                Call("w", ("layers.0.attn_norm.weight",))))
     assert "layers.0.attn.q.weight" not in exprs       # read only through the expression
@@ -262,7 +263,7 @@ def test_norm_folds_into_every_reader_or_stays() -> None:
     assert sum(not d.applied and "(add)" in d.reason for d in post) == 8   # 2 post-norms × 4
     exprs = param_exprs(optimized("tiny-gemma2"))
     assert Call("offset", (Call("w", ("layers.0.attn_norm.weight",)),), (("by", 1.0),)) in \
-        exprs["layers.0.attn.q+k+v.weight*attn_norm"].args
+        exprs["layers.0.attn.q+k+v.weight*attn_norm"].args[0].args   # under rope_pairs
 
 
 def test_parallel_blocks_are_three_kernels() -> None:
@@ -377,7 +378,7 @@ def test_ir_after_diff_and_print_after_all(capsys: pytest.CaptureFixture[str]) -
     assert out.count("program tiny-llama3") == 1 + sum(
         s.changed for s in run_pipeline(lower(load_spec("tiny-llama3"))).steps)
     assert main(["ir", "tiny-llama3", "--passes", "default", "--provenance"]) == 0
-    assert 'passes=["merge-qkv", "fold-norms", "fuse-rope", "fuse-kv-write"]' in \
+    assert 'passes=["merge-qkv", "fold-norms", "fuse-rope", "fuse-kv-write", "pair-rows"]' in \
         capsys.readouterr().out
 
 

@@ -66,17 +66,34 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
             # accumulators with LayerNorm's two statistics (falcon-7b's QKV+MLP: 348 bytes);
             # 64 rows × 8 warps fit (140 registers for the per-head norm)
             cfg = _cfg(8, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64)
+        elif sizes.get("adjacent") and not sizes.get("rope"):
+            # GLU over paired-adjacent weight rows: one 128 × 256 accumulator, wgmma m64n256,
+            # TMA loads and the norm's row statistics from the pre-pass: 176 registers, no
+            # spill (RoPE's cos/sin tiles spill at 256 columns: 128 × 128 below)
+            cfg = _cfg(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64)
         else:
             cfg = _cfg(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)
         # epilogues that reduce over a head (QK-norm) need whole heads in a tile
         cfg["BLOCK_N"] = max(cfg["BLOCK_N"], sizes.get("align", 16))
         cfg["GROUP_M"] = 8
         cfg["SPLIT_K"] = 1
+        # prefill on a GPU loads its tiles by TMA where the layouts allow (the kernel decides
+        # that at codegen); decode keeps its pointer loads, and the interpreter too unless a test
+        # forces TMA = 1 (it runs tensor descriptors as well)
+        cfg["TMA"] = int(gpu and m > 16)
+        # prefill: a folded norm's row statistics once per row, by a pre-pass the launcher adds,
+        # not in every column tile's K loop; decode keeps one launch a projection
+        cfg["ROW_STATS"] = int(m > 16)
         if gpu and m <= 16 and sizes.get("operands", 1) == 1:
             tile_n = cfg["BLOCK_N"] // 2 if paired else cfg["BLOCK_N"]
             tiles = _cdiv(m, cfg["BLOCK_M"]) * _cdiv(sizes.get("cols", sizes["N"]), tile_n)
             cfg["SPLIT_K"] = split_k_count(tiles, sizes["K"], cfg["BLOCK_K"])
         return cfg
+    if family == "matmul_rowstats":
+        # a folded norm's row statistics ahead of a prefill matmul: rows of K values, a
+        # [BLOCK_R, BLOCK_K] tile a step; fewer programs than the matmul it serves
+        return _cfg(4, BLOCK_R=16 if gpu else _clamp_pow2(sizes["M"], 1, 64),
+                    BLOCK_K=_clamp_pow2(sizes["K"], 16, 512))
     if family == "attention":
         # TMA: Q, K, V tiles through tensor descriptors on a GPU, where the layout allows
         # (`tma`: the build found it 16-byte aligned) and the products run on tensor cores
@@ -253,8 +270,10 @@ def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
         tiles = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 8, 3),
                  (128, 64, 64, 4, 4), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
                  (32, 128, 64, 4, 4)]
-        # one split: the scratch a split-K launch needs is sized before the autotuner chooses
-        return [_cfg(w, s, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, SPLIT_K=1)
+        # one split: the scratch a split-K launch needs is sized before the autotuner chooses;
+        # the row statistics in the K loop, as the launcher cannot know the tile beforehand
+        return [_cfg(w, s, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, SPLIT_K=1, TMA=int(m > 16),
+                     ROW_STATS=0)
                 for m, n, k, w, s in tiles if n % sizes.get("align", 16) == 0]
     if family == "attention":
         if sizes.get("D", 128) > 128:

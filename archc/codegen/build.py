@@ -316,7 +316,7 @@ def _k_loop(c: NodeCtx, weight: Layout, rows_n: int, k: int, cols: Sequence[str]
             ) -> dict[str, Any]:
     """The weight-tile loads of a K loop (templates/kloop.j2): an accumulator for each set of
     weight rows `cols` (two for a paired epilogue)."""
-    suffixes = [""] if len(cols) == 1 else ["1", "2"]
+    suffixes = [""] if len(cols) == 1 else ["1", "2"]   # one set: "acc"; two: "acc1", "acc2"
     return dict(wsets=[dict(name=f"w{j}", ptrs=f"w{j}_ptrs", acc=f"acc{j}", cols=col)
                        for j, col in zip(suffixes, cols)],
                 w_row_stride=texpr(weight.strides[-2]), dot_kw=c.dot_kw, N=rows_n, K=k)
@@ -584,6 +584,24 @@ def _rope_pair(st: Call, width: int, idx: int, c: NodeCtx) -> dict[str, Any]:
                 pos_ptr=c.arg(f"pos{idx}").name, rotation_ptr=c.arg(f"rotation{idx}").name)
 
 
+TMA_ALIGN = 16   # bytes: a tensor descriptor's base address and row stride are multiples of it
+
+
+def tma_rows(lay: Layout, elem: int) -> dict[str, str] | None:
+    """A 2-D tensor descriptor over the rows of `lay` — [rows, columns] with contiguous columns,
+    the leading dims one row index of static stride, base and stride 16-byte aligned — as its
+    static element offset and row stride; None when the layout cannot be one (a column-strided
+    view, a row stride or start that breaks the alignment: the pointer path reads it)."""
+    if lay.rank < 2 or lay.strides[-1] != 1 or not lay.contiguous_rows:
+        return None
+    stride, offset = sympy.sympify(lay.strides[-2]), sympy.sympify(lay.offset)
+    if not (stride.is_Integer and offset.is_Integer) or int(stride) <= 0:
+        return None
+    if (int(stride) * elem) % TMA_ALIGN or (int(offset) * elem) % TMA_ALIGN:
+        return None
+    return dict(offset=f" + {int(offset)}" if int(offset) else "", stride=str(int(stride)))
+
+
 def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     a = c.attrs
     names = ["x1", "x2"] if a["concat_k"] else ["x"]
@@ -599,7 +617,8 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         r = rows(lay)
         operands.append(dict(name=name, ptr=c.arg(name).name, K=kj, k0=k0, row_off=r["row_off"],
                              comment=f"{name} [M, {kj}]", w_base=f"{base} + " if base else "",
-                             k_mul=r["col_mul"]))
+                             k_mul=r["col_mul"], tma=tma_rows(lay, DTYPE_BYTES[
+                                 c.g.nodes[lay.root].dtype])))
         k0 += kj
     width, pair, kv = n_rows, None, None
     steps_pre: list[dict[str, Any]] = []
@@ -633,6 +652,12 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
             width //= 2
         else:
             pair = _rope_pair(st, width, idx, c)
+    if a["paired"]:   # the weight rows are paired-adjacent: one accumulator, split in registers
+        if pair is None:
+            raise c.fail("paired weight rows need a glu() or rope() step")
+        pair["adjacent"] = True
+    elif pair is not None:
+        pair["adjacent"] = False
     if kv is not None:   # how many columns land contiguously in the cache
         cols_run = pair["run"] if pair is not None and pair["fn"] == "rope" else 1 << 16
         run = math.gcd(cols_run, kv["head_dim"], kv["k_start"], kv["v_start"])
@@ -660,25 +685,45 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
             head_group = hn["group"]
     for hn in head_norms:
         hn["pow2"] = head_group is None
-    one = [dict(acc="acc", cols="cols")]
-    accs_pre = one if pair is None else [dict(acc=f"acc{j}", cols=f"cols{j}") for j in (1, 2)]
+    one = [dict(acc="acc", cols="cols", ok="col_ok")]
+    # an odd RoPE tail's last pair has no partner: under paired-adjacent rows its second column
+    # is past the weight (ok2 masks it)
+    ok2 = "ok2" if pair is not None and pair["adjacent"] and pair.get("tail", 0) % 2 else "col_ok"
+    accs_pre = one if pair is None else [dict(acc="acc1", cols="cols1", ok="col_ok"),
+                                         dict(acc="acc2", cols="cols2", ok=ok2)]
     accs_post = one if pair is not None and pair["fn"] == "glu" else accs_pre
     layer_norm = int(a["prologue"] == "layer")
+    # TMA (tensor descriptors) for the K loop's tiles where every operand's rows and the
+    # weight's allow one and a tile's weight rows are contiguous (not two gathered partner sets)
+    w_bytes = DTYPE_BYTES[c.g.nodes[w.root].dtype]
+    w_tma = tma_rows(w, w_bytes)
+    tma = w_tma is not None and all(x["tma"] is not None for x in operands) and (
+        pair is None or pair["adjacent"])
     ctx = dict(operands=operands, n_out=width, prologue=a["prologue"], eps=repr(a["eps"]),
                pair=pair, steps_pre=steps_pre, steps_post=steps_post, accs_pre=accs_pre,
                accs_post=accs_post, kv=kv, needs_t=kv is not None or (
                    pair is not None and pair["fn"] == "rope"),
                M=pexpr(numel(c.node.shape[:-1])), align=align, has_head_norm=int(
-                   bool(head_norms)), head_group=head_group, layer_norm=layer_norm,
-               **_k_loop(c, w, n_rows, k_total, ("cols",) if pair is None else ("cols1", "cols2")))
+                   bool(head_norms)), head_group=head_group, layer_norm=layer_norm, tma=tma,
+               w_tma=w_tma,
+               **_k_loop(c, w, n_rows, k_total, ("cols",) if pair is None else ("wrows",)
+                         if pair["adjacent"] else ("cols1", "cols2")))
     # cols: output columns, or pairs of a paired epilogue (what a tile's TILE_N lanes cover);
     # operands: K loops over more than one concatenated input do not split (split-K)
     sizes = dict(N=n_rows, K=k_total, cols=n_rows if pair is None else pair["NP"],
-                 paired=int(pair is not None), align=align, head_norm=int(bool(head_norms)),
+                 paired=int(pair is not None), adjacent=int(bool(pair and pair["adjacent"])),
+                 rope=int(pair is not None and pair["fn"] == "rope"),
+                 align=align, head_norm=int(bool(head_norms)),
                  layer_norm=layer_norm, operands=len(operands))
     ints = dict(M="i32", T="i32", **({"S": "i32"} if c.reads_encoder_len else {}))
-    return ctx, [JitKernel("_kernel", "matmul", sizes,
-                           c.types(part_ptr="*fp32", count_ptr="*i32", **ints))]
+    stats = {"stats_ptr": "*fp32"} if a["prologue"] else {}
+    kernels = [JitKernel("_kernel", "matmul", sizes,
+                         c.types(part_ptr="*fp32", count_ptr="*i32", **stats, **ints))]
+    if a["prologue"]:   # the row statistics' pre-pass (prefill)
+        x = c.arg(names[0])
+        kernels.append(JitKernel("_rowstats", "matmul_rowstats", dict(K=k_total),
+                                 {x.name: x.type, "stats_ptr": "*fp32", **ints}))
+    return ctx, kernels
 
 
 CONTEXTS: dict[str, Callable[[NodeCtx], tuple[dict[str, Any], list[JitKernel]]]] = {

@@ -117,6 +117,41 @@ def buffer_shape(expr: object) -> tuple[int, ...] | None:
     return None if freq is None else (int(expr.kw("rows")), 2, *freq)
 
 
+def rope_pair_order(width: int, heads: int, head_dim: int, rotary_dim: int,
+                    interleaved: bool) -> list[int]:
+    """The columns of a rope() epilogue step over `width` columns, pair after pair: each pair's
+    two columns side by side (2p, 2p + 1 ← cols1[p], cols2[p]), as the matmul kernel pairs them —
+    over the first `heads` heads the rotary pairs (interleaved: dims 2j and 2j + 1; half-split: j
+    and j + rotary_dim/2), then the dims past rotary_dim paired half their count apart; then the
+    `width − heads·head_dim` tail columns paired half their count (rounded up) apart. An odd tail's
+    last column has no partner: it appears once, so the order is a permutation of the columns."""
+    per_head, rot_pairs = head_dim // 2, rotary_dim // 2
+    tail = width - heads * head_dim
+    tail_half = (tail + 1) // 2
+    order: list[int] = []
+    for p in range(heads * per_head + tail_half):
+        if p < heads * per_head:
+            h, e = divmod(p, per_head)
+            if e < rot_pairs:
+                first = h * head_dim + (2 * e if interleaved else e)
+                second = first + (1 if interleaved else rot_pairs)
+            else:   # passed through, paired (per_head − rot_pairs) apart
+                first = h * head_dim + 2 * rot_pairs + (e - rot_pairs)
+                second = first + per_head - rot_pairs
+        else:
+            first = heads * head_dim + (p - heads * per_head)
+            second = first + tail_half
+        order += [first] if second >= width else [first, second]
+    return order
+
+
+def rope_pairs(a: torch.Tensor, heads: int, head_dim: int, rotary_dim: int, interleaved: bool,
+               dim: int = 0) -> torch.Tensor:
+    """`a` with the entries of `dim` in rope_pair_order: a rope() step's partners side by side."""
+    order = rope_pair_order(a.shape[dim], heads, head_dim, rotary_dim, interleaved)
+    return a.index_select(dim, torch.tensor(order, dtype=torch.long)).contiguous()
+
+
 def alibi_slopes(heads: int) -> torch.Tensor:
     """Press et al. 2021: a geometric sequence 2^(-8/n), 2^(-16/n)… for n a power of two; other
     counts interleave the slopes of the next power of two."""
@@ -150,6 +185,8 @@ PARAM_FNS: dict[str, Callable[..., torch.Tensor]] = {
     # permutation, exact, that puts a paired epilogue's partners side by side in one tile
     "interleave": lambda a, dim=0: a.unflatten(dim, (2, a.shape[dim] // 2)).transpose(
         dim, dim + 1).flatten(dim, dim + 1).contiguous(),
+    # a rope() step's partner rows side by side (rope_pair_order): a permutation, exact
+    "rope_pairs": rope_pairs,
     # arithmetic, for passes that rewrite weights
     "add": lambda a, b: a + b,
     "mul": lambda a, b: a * b,

@@ -12,7 +12,17 @@ from archc.ir.attrs import Call
 from archc.ir.graph import Node
 from archc.ir.ops import ELEMENTWISE, KERNEL_LEVEL, ROW_KERNELS, Op, is_compute
 from archc.ir.ops.core import elementwise_expr
-from archc.passes.linear import LINEAR, bias_of, emit, extend, merged_name, step, unary, view
+from archc.ir.ops.steps import PAIRING
+from archc.passes.linear import (
+    LINEAR,
+    bias_of,
+    emit,
+    extend,
+    merged_name,
+    step,
+    unary,
+    view,
+)
 from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
 from archc.passes.rewrite import Refusal, Rewriter, register_rewrite_pass
 
@@ -188,6 +198,52 @@ def fuse_pointwise(rw: Rewriter) -> None:
         new, chain = to_pointwise(rw, i, inline)
         rw.replace(i, new)
         rw.ctx.applied("pointwise", i, " → ".join(rw.op(j).value for j in [*chain, i]))
+
+
+def _pair_rows(rw: Rewriter, i: int) -> int:
+    """fused_linear i with its weight rows permuted so that the partners of its glu/rope step are
+    neighbours (the new weight computed at load time), marked `paired`."""
+    lin = view(rw, i)
+    assert lin is not None
+    if lin.paired:
+        raise Refusal("its weight rows are paired already")
+    pairing = [s.call for s in lin.steps if s.fn in PAIRING]
+    if len(pairing) != 1:
+        raise Refusal("no glu() or rope() step pairs its columns")
+    st = pairing[0]
+    if st.fn == "glu":
+        expr = E.call("interleave", rw.param_expr(lin.weight))
+    else:
+        expr = E.call("rope_pairs", rw.param_expr(lin.weight), heads=st.kw("heads"),
+                      head_dim=st.kw("head_dim"), rotary_dim=st.kw("rotary_dim"),
+                      interleaved=st.kw("interleaved"))
+    w = rw.nodes[lin.weight]
+    if rw.users(lin.weight) == [i]:   # read by this projection alone: the new one keeps its name
+        rw.param_names.discard(w.name)
+    weight = rw.add_param(w.name, expr, w.shape, w.dtype, like=[lin.weight], at=i)
+    return emit(rw, lin.replace(weight=weight, paired=True), like=[i])
+
+
+@register_rewrite_pass("pair-rows", "a projection whose epilogue pairs columns (glu, rope) has its "
+                       "weight rows permuted at load time so partners are neighbours: one "
+                       "accumulator, split in registers")
+def pair_rows(rw: Rewriter) -> None:
+    # 1. For each fused_linear with a glu() or rope() step, the pairing step's column order
+    #    (steps.pair_order) as a load-time permutation of the weight rows (interleave for glu,
+    #    rope_pairs for rope); the weight must be a parameter.
+    # 2. The node is rebuilt over the new weight, marked paired: its eager value is unchanged
+    #    (the accumulator is put back in column order), and the kernel's tile of BLOCK_N
+    #    contiguous weight rows holds BLOCK_N // 2 whole pairs.
+    for i in rw.order():
+        if rw.op(i) != Op.FUSED_LINEAR or not any(
+                s.fn in PAIRING for s in rw.nodes[i].attr("epilogue", ())):
+            continue
+        new = rw.attempt("pair-rows", i, _pair_rows, rw, i)
+        if new is not None:
+            rw.replace(i, new)
+            rw.kill(i)   # a cache write is a root: the old node would stay and write it too
+            rw.ctx.applied("pair-rows", i, f"weight %{view(rw, new).weight} "  # type: ignore[union-attr]
+                           "in pair order")
 
 
 def _kernel(rw: Rewriter, m: Bindings) -> int:

@@ -71,6 +71,7 @@ class Linear:
     eps: float | None = None
     steps: tuple[Step, ...] = ()       # the epilogue, each step with the inputs it reads
     covers: tuple[int, ...] = ()       # the nodes it stands for: matmul [, bias_add]
+    paired: bool = False               # weight rows in the order of the glu/rope step's pairs
 
     @property
     def x(self) -> int:
@@ -112,7 +113,7 @@ def view(rw: Rewriter, i: int, *, through_bias: bool = True) -> Linear | None:
     if n.op == Op.FUSED_LINEAR:
         k = 2 if n.attr("concat_k") else 1
         return Linear(i, tuple(n.inputs[:k]), n.inputs[k], n.attr("prologue"), n.attr("eps"),
-                      epilogue_steps(rw, i, k + 1), covers=(i,))
+                      epilogue_steps(rw, i, k + 1), covers=(i,), paired=bool(n.attr("paired")))
     found = bias_of(rw, i) if through_bias else None
     inner = view(rw, found[0], through_bias=False) if found else None
     if inner is None or rw.users(inner.root) != [i]:
@@ -134,7 +135,7 @@ def emit(rw: Rewriter, lin: Linear, *, like: Sequence[int], at: int | None = Non
     inputs = [*lin.operands, lin.weight, *(j for s in lin.steps for j in s.inputs)]
     return rw.emit(Op.FUSED_LINEAR, inputs, like=like, at=at, prologue=lin.prologue, eps=lin.eps,
                    epilogue=tuple(s.call for s in lin.steps) or None,
-                   concat_k=True if len(lin.operands) == 2 else None)
+                   concat_k=True if len(lin.operands) == 2 else None, paired=lin.paired or None)
 
 
 def extend(rw: Rewriter, i: int, new: Step, *, like: Sequence[int]) -> int:

@@ -107,11 +107,13 @@ def register_pass(name: str, summary: str, *, program: bool = False) -> Callable
 # are chosen in either graph. The recurrent mixers become their kernels beside attention, before
 # the projections merge (linear attention's q, k, v trace from its kernel) and before norms fold
 # (Jamba's B and C norms join the scan, not a matmul).
+# Projections whose epilogue pairs columns (glu, rope) get their weight rows permuted last, once
+# their epilogues are complete.
 DEFAULT_PIPELINE: tuple[str, ...] = (
     "fold-biases", "share-kv-heads", "flash-attention", "fuse-linear-attention",
     "fuse-causal-conv", "fuse-ssm-scan", "merge-qkv", "hoist-cross-kv", "fold-norms", "fuse-glu",
     "merge-parallel", "fuse-qk-norm", "fuse-rope", "fuse-kv-write", "fuse-moe", "fuse-epilogue",
-    "fuse-residual", "fuse-pointwise", "select-kernels", "cse", "dce",
+    "fuse-residual", "fuse-pointwise", "pair-rows", "select-kernels", "cse", "dce",
 )
 
 PIPELINES: dict[str, tuple[str, ...]] = {"default": DEFAULT_PIPELINE, "none": ()}

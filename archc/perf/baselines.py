@@ -33,7 +33,7 @@ from archc.ir.graph import Graph
 from archc.ir.ops import OP_TABLE, VIEW, Args, Op, bind, full_attrs
 from archc.ir.ops.attention import ROPE_ATTRS, score_bias, visible_keys
 from archc.ir.ops.core import activations, selected_experts
-from archc.ir.ops.steps import STEPS, step_expr
+from archc.ir.ops.steps import STEPS, step_expr, unpair
 from archc.perf.torch_program import Store, TorchContext
 
 
@@ -181,7 +181,10 @@ def _epilogue(rec: _Recorder, y: torch.Tensor, a: Attrs, got: Args) -> list[_Seg
 def _fused_linear(rec: _Recorder, a: Attrs, got: Args) -> Callable[[], list[_Seg]]:
     xs = [got[r] for r in activations(got)]
     # the weight's columns that multiply each operand (a merged K: two matmuls, then add)
-    ws = [w.contiguous() for w in got["weight"].split([x.shape[-1] for x in xs], dim=1)]
+    weight = got["weight"]
+    if a["paired"]:   # rows in the pairing step's order: the unfused matmul's in column order
+        weight = unpair(weight.transpose(0, 1), a["epilogue"]).transpose(0, 1)
+    ws = [w.contiguous() for w in weight.split([x.shape[-1] for x in xs], dim=1)]
     gain = torch.ones(xs[0].shape[-1], dtype=xs[0].dtype, device=xs[0].device)
 
     def body() -> list[_Seg]:

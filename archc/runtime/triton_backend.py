@@ -51,6 +51,19 @@ def prepare_triton(device: torch.device) -> str:
     return "interpret"
 
 
+def install_tma_allocator(device: torch.device) -> None:
+    """Device-side tensor descriptors (the matmul's TMA loads, `tl.make_tensor_descriptor`) keep
+    each descriptor in a global scratch that Triton asks for at launch: a torch allocation on the
+    device (torch's blocks are 512-byte aligned, past the 128 bytes asked for), so CUDA-graph
+    capture takes it from the graph's pool like any other tensor."""
+    import triton
+
+    def alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    triton.set_allocator(alloc)
+
+
 def _interpret_loaded_triton() -> None:
     """Something imported Triton before archc chose its interpreter (Hugging Face code does):
     the standard library's @triton.jit functions (tl.sum, tl.max, tl.cdiv…) were then built for
@@ -117,6 +130,8 @@ class TritonSession(SessionBase):
         if tuning.tuning_enabled(self.options.autotune, self.target, self.device.type):
             self.tuner = _tuner(self.module.KERNELS, self.module_path, self.generated.digest,
                                 self.device)
+        if self.target == "gpu":
+            install_tma_allocator(self.device)
         self.runners = {g.name: GraphRunner(self.module, g, self._parameters(g, checkpoint),
                                             self.device, reuse_buffers=self.options.reuse_buffers)
                         for g in self.program}

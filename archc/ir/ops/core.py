@@ -34,11 +34,13 @@ from archc.ir.ops.base import (
     zero,
 )
 from archc.ir.ops.steps import (
+    PAIRING,
     RowStats,
     apply_epilogue,
     check_epilogue,
     epilogue_roles,
     normalize,
+    unpair,
 )
 from archc.ir.shapes import DTYPE_BYTES, Shape, numel
 
@@ -120,6 +122,10 @@ def _linear_infer(sig: Sig) -> tuple[Shape, str]:
             f"x {[list(s) for s in xs]} and weight {list(w)} do not match as x @ wᵀ")
     require((sig.attr("prologue") is None) == (sig.attr("eps") is None), "eps goes with a prologue")
     width = check_epilogue(sig, Op.FUSED_LINEAR, int(w[0]), len(xs) + 1, x[:-1])
+    if sig.attr("paired"):
+        pairing = [st.fn for st in sig.attr("epilogue", ()) if st.fn in PAIRING]
+        require(len(pairing) == 1, "paired weight rows need exactly one glu() or rope() step, "
+                f"got {pairing or 'none'}")
     return (*x[:-1], sympy.Integer(width)), float_dtype(sig)
 
 
@@ -129,6 +135,8 @@ def fused_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     acc = F.linear(xs[0].float(), w[:, :k])
     if len(xs) == 2:  # the K loop runs over x1's columns, then x2's
         acc = acc + F.linear(xs[1].float(), w[:, k:])
+    if at["paired"]:   # the weight rows are paired-adjacent: back to column order
+        acc = unpair(acc, at["epilogue"])
     prologue = at["prologue"]
     stats = normalize(xs[0], prologue, at["eps"])[1] if prologue else RowStats(xs[0].dtype)
     rest = list(a.values())[len(xs) + 1:]
@@ -151,14 +159,16 @@ def _linear_bytes(sig: Sig) -> sympy.Expr:
 
 register(OpDef(
     Op.FUSED_LINEAR, "x @ wᵀ with a norm prologue and an epilogue chain, one kernel; with "
-    "concat_k, x is two operands concatenated along K (parallel blocks' out + down).",
+    "concat_k, x is two operands concatenated along K (parallel blocks' out + down); with "
+    "paired, the weight rows are in the order of the glu/rope step's pairs, partners side by "
+    "side (the accumulator is put back in column order before the epilogue).",
     '%9 : f32[B,T,128] = fused_linear(%3, %8, %1, %7) {epilogue=[rms_scale(), rope(heads=6, '
     'head_dim=16, interleaved=false, rotary_dim=16), kv_write(head_dim=16, k_start=64, '
     'kv_heads=2, layer=0, v_start=96)], eps=1e-05, prologue="rms"}',
     lambda attrs, n: (["x1", "x2"] if attrs.get("concat_k") else ["x"]) + ["weight"]
     + epilogue_roles(attrs), _linear_infer, fused_linear,
     attrs=(Attr("prologue", str, None, ("rms", "layer")), Attr("eps", float, None), EPILOGUE,
-           Attr("concat_k", bool, False)),
+           Attr("concat_k", bool, False), Attr("paired", bool, False)),
     flops=lambda sig: matmul_flops(sig) + 4 * numel(sig.out_shape), bytes=_linear_bytes,
     template="matmul", arity=(2, -1),
     docs={"x": "activations", "x1": "first operand", "x2": "second operand",

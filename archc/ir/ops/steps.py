@@ -27,6 +27,7 @@ from archc.ir.ops.base import (
     require,
     same_shape,
 )
+from archc.ir.paramexpr import rope_pair_order
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,30 @@ STEPS: dict[str, StepDecl] = {d.name: d for d in (
              params=(Attr("kind", str, choices=("rms", "layer")), Attr("eps", float), *HEADS),
              width=_head_norm_width, apply=_apply_head_norm, docs=("head gains", "head shifts")),
 )}
+
+
+PAIRING = ("glu", "rope")   # the steps that combine two columns of the accumulator
+
+
+def pair_order(steps: Sequence[Call], width: int) -> list[int]:
+    """The weight rows of a projection whose rows are paired-adjacent (fused_linear's
+    `paired`): the columns of its pairing step (glu, rope) pair after pair, each pair's partners
+    side by side — glu: gate n, up n + N/2 (the param function `interleave`); rope:
+    `rope_pair_order` (the param function `rope_pairs`)."""
+    for st in steps:
+        if st.fn == "glu":
+            return [c for n in range(width // 2) for c in (n, n + width // 2)]
+        if st.fn == "rope":
+            return rope_pair_order(width, st.kw("heads"), st.kw("head_dim"), st.kw("rotary_dim"),
+                                   st.kw("interleaved"))
+    raise ShapeError("paired rows need a glu() or rope() epilogue step")
+
+
+def unpair(acc: torch.Tensor, steps: Sequence[Call]) -> torch.Tensor:
+    """The accumulator of paired-adjacent weight rows back in column order (a permutation)."""
+    out = torch.empty_like(acc)
+    out[..., pair_order(steps, acc.shape[-1])] = acc
+    return out
 
 
 def step_expr(st: Call) -> Call:
