@@ -62,7 +62,7 @@ def deal(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
             return {**cfg, "BLOCK_N": block_n, "BLOCK_S": block_s,
                     "BLOCK_DM": block_dm or cfg["BLOCK_DM"]}
 
-        def count(target: str, programs: int, max_keys: int) -> int:
+        def count(target: str, programs: int, max_keys: int, sms: int = 0) -> int:
             assert max_keys == KV_LEN_MAX
             return splits
         monkeypatch.setattr(blocks, "launch_config", config)

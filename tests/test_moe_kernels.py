@@ -226,8 +226,10 @@ def expert_loads(monkeypatch: pytest.MonkeyPatch, path: str, max_block_n: int | 
 
 
 def expert_paths(plan: LaunchPlan) -> set[int]:
-    """The TMA constexprs the plan's expert matmul launches run with."""
-    return {kw["TMA"] for _, _, kw in plan.launches if "TMA" in kw}
+    """The TMA constexprs the plan's expert matmul launches run with (theirs: a K loop, no
+    GROUP_M — the dense matmuls and prefill attention take a TMA constexpr too)."""
+    return {kw["TMA"] for _, _, kw in plan.launches
+            if "TMA" in kw and "BLOCK_K" in kw and "GROUP_M" not in kw}
 
 
 @pytest.mark.parametrize("path", ["pointer", "tma"])

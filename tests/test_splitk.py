@@ -297,8 +297,8 @@ def test_decode_kernels_compile_for_sm90a_without_spills(tmp_path: Path,
     decode = {name: blocks.launch_config("matmul", "gpu", M=1, **entry["sizes"])
               for name, entry in aot.kernel_table(path).items() if entry["family"] == "matmul"}
     assert sorted(cfg["SPLIT_K"] for cfg in decode.values()) == [1, 1, 2, 3, 3]
-    monkeypatch.setattr(aot, "aot_config", lambda family, sizes: blocks.launch_config(
-        family, "gpu", M=1, **sizes))
+    monkeypatch.setattr(aot, "aot_config", lambda family, sizes, sm=90: blocks.launch_config(
+        family, "gpu", M=1, sm=sm, **sizes))
     results = aot.compile_module(path, "sm_90a", jobs=1, kernels=sorted(decode))
     failed = [f"{r.kernel}: {r.error}" for r in results if not r.ok]
     assert not failed, "\n".join(failed)

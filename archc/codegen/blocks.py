@@ -21,8 +21,15 @@ TARGETS = ("gpu", "interpret")
 # Decode attention: the split-KV (flash-decoding) kernel while the query rows of one KV head,
 # G·T, fit one tile of at most 128 rows (MQA with 71 heads included); otherwise the prefill kernel.
 DECODE_MAX_ROWS = 128
-# Programs the decode-attention grid aims for on a GPU: two waves of an H100/H200's 132 SMs.
-DECODE_TARGET_PROGRAMS = 264
+# Decode launches aim for two programs per SM: `sms` in a launch's sizes is the GPU's SM count
+# (the runtime's device, the occupancy report's modelled GPU), an H100/H200's 132 by default.
+DEFAULT_SMS = 132
+DECODE_TARGET_PROGRAMS = 2 * DEFAULT_SMS
+
+
+def target_programs(sizes: dict[str, int]) -> int:
+    """Programs a decode launch aims for: two per SM of the GPU in `sizes` (``sms``)."""
+    return 2 * sizes.get("sms", DEFAULT_SMS)
 # Keys the decode-attention splits are dealt in: the smallest tile (tl.dot's 16), not the key
 # block a program steps by, so a short context still has a unit for every split.
 DECODE_DEAL = 16
@@ -87,7 +94,8 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         if gpu and m <= 16 and sizes.get("operands", 1) == 1:
             tile_n = cfg["BLOCK_N"] // 2 if paired else cfg["BLOCK_N"]
             tiles = _cdiv(m, cfg["BLOCK_M"]) * _cdiv(sizes.get("cols", sizes["N"]), tile_n)
-            cfg["SPLIT_K"] = split_k_count(tiles, sizes["K"], cfg["BLOCK_K"])
+            cfg["SPLIT_K"] = split_k_count(tiles, sizes["K"], cfg["BLOCK_K"],
+                                           target_programs(sizes))
         return cfg
     if family == "matmul_rowstats":
         # a folded norm's row statistics ahead of a prefill matmul: rows of K values, a
@@ -194,15 +202,15 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
     raise ValueError(f"no launch configuration for kernel family {family!r}")
 
 
-def split_k_count(tiles: int, k: int, block_k: int) -> int:
+def split_k_count(tiles: int, k: int, block_k: int, want: int = DECODE_TARGET_PROGRAMS) -> int:
     """Splits of the K loop for a decode GEMV of `tiles` output tiles: the fewest that make
-    tiles × splits ≥ DECODE_TARGET_PROGRAMS (two programs per SM), each split at least
+    tiles × splits ≥ `want` (two programs per SM), each split at least
     DECODE_MIN_SPLIT_STEPS steps of `block_k` columns. A split spans cdiv(steps, splits) steps,
     so the count is trimmed to the splits that then have work (none is empty)."""
-    if tiles >= DECODE_TARGET_PROGRAMS:
+    if tiles >= want:
         return 1
     steps = _cdiv(k, block_k)
-    splits = min(_cdiv(DECODE_TARGET_PROGRAMS, max(tiles, 1)),
+    splits = min(_cdiv(want, max(tiles, 1)),
                  max(1, steps // DECODE_MIN_SPLIT_STEPS))
     return _cdiv(steps, _cdiv(steps, splits))
 
@@ -237,16 +245,16 @@ def _routing_blocks(target: str, tokens: int, experts: int) -> dict[str, int]:
 
 def _moe_decode_block_n(sizes: dict[str, int]) -> int:
     """Column tile of a decode-size expert matmul: the widest of 64, 32, 16 that still gives
-    DECODE_TARGET_PROGRAMS programs with work. Only the routed experts' blocks have pairs — at
-    most min(E, M·k) blocks of 16 — and a gated tile holds BLOCK_N // 2 output columns (≥ 16 for
-    tl.dot). Mixtral at batch 1: 2 blocks × 4096 / 16 columns = 512 programs for the down
-    projection, 2 × 14336 / 32 = 896 for the gated up projection."""
+    two programs per SM with work (``target_programs``). Only the routed experts' blocks have
+    pairs — at most min(E, M·k) blocks of 16 — and a gated tile holds BLOCK_N // 2 output
+    columns (≥ 16 for tl.dot). Mixtral at batch 1: 2 blocks × 4096 / 16 columns = 512 programs
+    for the down projection, 2 × 14336 / 32 = 896 for the gated up projection."""
     gated = bool(sizes.get("gated", 0))
     busy = min(sizes.get("E", 1), sizes["M"] * sizes.get("top_k", 1))
     out_cols = sizes["N"] // 2 if gated else sizes["N"]
     for block_n in (64, 32, 16 if not gated else 32):
         tile = block_n // 2 if gated else block_n
-        if busy * _cdiv(out_cols, tile) >= DECODE_TARGET_PROGRAMS:
+        if busy * _cdiv(out_cols, tile) >= target_programs(sizes):
             return block_n
     return 32 if gated else 16
 
@@ -289,13 +297,14 @@ def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
     return []
 
 
-def decode_split_count(target: str, programs: int, max_keys: int) -> int:
+def decode_split_count(target: str, programs: int, max_keys: int, sms: int = DEFAULT_SMS
+                       ) -> int:
     """Flash-decoding's split count: fixed for a launch plan, so the grid (`programs` =
     batch × KV heads, × splits) replays under CUDA graphs at any past length. Each program finds
     its keys on the device from the live length (``split_keys``). On a GPU, enough splits for two
-    waves of SMs; under the interpreter four (short test sequences still exercise the merge).
-    Never more splits than the cache has units of DECODE_DEAL keys."""
-    want = _cdiv(DECODE_TARGET_PROGRAMS, max(programs, 1)) if target == "gpu" else 4
+    waves of the GPU's `sms` SMs; under the interpreter four (short test sequences still exercise
+    the merge). Never more splits than the cache has units of DECODE_DEAL keys."""
+    want = _cdiv(2 * sms, max(programs, 1)) if target == "gpu" else 4
     return max(1, min(want, _cdiv(max(max_keys, 1), DECODE_DEAL)))
 
 

@@ -434,6 +434,8 @@ def record(program: Program, spec: Spec, *, dtype: str, batch: int, contexts: li
     check_occupancy(spec, contexts)
     recorder = PlanRecorder(program, max_seq_len=spec.max_seq_len, dtype=dtype,
                             cache_dir=cache_dir)
+    # the launch heuristics see the modelled GPU, as the runtime's see its device
+    recorder.ctx.sm, recorder.ctx.sms = TARGETS[gpu.arch], gpu.sms
     plans = [phase_plan(recorder, phase, batch, c, gpu) for c in contexts for phase in PHASES]
     return recorder, plans
 

@@ -97,6 +97,8 @@ class LaunchContext:
     kv_len_max: int = 0                 # keys a decode-attention grid must cover
     decode_max_rows: int = blocks.DECODE_MAX_ROWS   # tests force either attention kernel
     pdl: bool = False                   # programmatic dependent launch (a GPU of sm_90 or later)
+    sm: int = 90                        # the GPU's compute capability (tiles differ below sm_90)
+    sms: int = blocks.DEFAULT_SMS       # its SM count: decode launches aim for two programs each
     # kernel, grid → the launch: Triton's kernel[grid] (`archc bench --host` binds no-ops)
     bind: Callable[[Any, Any], Callable[..., Any]] = operator.getitem
     _scratch: dict[tuple[str, torch.dtype], torch.Tensor] = field(default_factory=dict)
@@ -166,7 +168,7 @@ class LaunchContext:
 
     def decode_split_count(self, programs: int, max_keys: int) -> int:
         """Splits of a decode-attention grid on this target (``blocks.decode_split_count``)."""
-        return blocks.decode_split_count(self.target, programs, max_keys)
+        return blocks.decode_split_count(self.target, programs, max_keys, self.sms)
 
     def moe_routing(self, gates: torch.Tensor, tokens: int, experts: int, top_k: int,
                     block_m: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -189,6 +191,7 @@ class LaunchContext:
     def config(self, kernel: str, family: str, **sizes: int) -> dict[str, Any]:
         """Block sizes for a launch of `kernel` at `sizes`: the heuristic's, or none (`{}`) for a
         launch that is tuned — its `launch` then records a tuned kernel over the candidates."""
+        sizes = {"sm": self.sm, "sms": self.sms, **sizes}   # the GPU's, for the heuristics
         if kernel in self.autotuned and self.tuner is not None:
             configs = tuning.candidates(family, sizes, self.target)
             if configs:

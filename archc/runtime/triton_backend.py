@@ -148,6 +148,9 @@ class TritonSession(SessionBase):
         # each kernel's prologue overlaps the previous kernel's tail (templates/pdl.j2)
         self.ctx.pdl = (self.options.pdl and self.device.type == "cuda" and self.target == "gpu"
                         and torch.cuda.get_device_capability(self.device)[0] >= 9)
+        if self.device.type == "cuda":  # the heuristics' GPU: its capability and SM count
+            props = torch.cuda.get_device_properties(self.device)
+            self.ctx.sm, self.ctx.sms = 10 * props.major + props.minor, props.multi_processor_count
         self.cuda_graphs = (self.target == "gpu" and self.options.cuda_graphs
                             and self.device.type == "cuda")
 
