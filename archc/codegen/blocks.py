@@ -134,9 +134,10 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         # keys (decode_split_count: 33 for 8 KV heads)
         block_n = max(16, min(64, 4096 // block_d))
         # the merge: 64 splits (all of them at batch 1 with 8 KV heads) × 64 columns a step, 32
-        # values a thread (twice that spills with head_dim 256)
+        # values a thread (twice that spills with head_dim 256; sm_100a spills 24 bytes at 64
+        # columns: 32 there)
         return _cfg(8 if rows > 64 else 4, 2 if rows > 16 else 3, BLOCK_R=rows, BLOCK_N=block_n,
-                    BLOCK_S=64, BLOCK_DM=min(block_d, 64))
+                    BLOCK_S=64, BLOCK_DM=min(block_d, 64 if sizes.get("sm", 90) < 100 else 32))
     if family == "router":
         cfg = _cfg(4, 3 if gpu else 1, BLOCK_M=16 if gpu or sizes["M"] <= 16 else 64,
                    BLOCK_K=_clamp_pow2(sizes["K"], 16, 128 if gpu else 512))
