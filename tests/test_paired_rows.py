@@ -140,6 +140,13 @@ def test_paired_needs_a_pairing_step() -> None:
         graph((call("bias"),), 8, {"bias": (shape(8), "f32")}, paired=True)
 
 
+def test_a_dense_glu_is_not_marked_interleaved() -> None:
+    """Interleaved glu rows are the experts' marking; a dense projection says paired=true (the
+    matmul template reads only that), so the other marking is refused, never half-honoured."""
+    with pytest.raises(IRError, match="interleaved=true"):
+        graph((call("glu", fn="silu", interleaved=True),), 8, {})
+
+
 def test_paired_prints_and_parses_back() -> None:
     g = graph((call("glu", fn="silu"),), 8, {}, paired=True)
     text = format_program(Program("m", (g,)))

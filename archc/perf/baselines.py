@@ -328,6 +328,10 @@ def _moe_linear(a: Attrs, got: Args, rec: _Recorder) -> Counterpart:
     epilogue's ops (not counted: the ops per expert vary with the routing)."""
     x, gates, w = got["x"], got["gates"], got["weight"]
     top_k = a["top_k"]
+    if any(st.fn == "glu" and st.kw("interleaved", False) for st in a["epilogue"]):
+        # gate and up rows as a PyTorch MoE stores them (gate rows, then up rows): the glu below
+        # takes the two halves
+        w = w.unflatten(1, (w.shape[1] // 2, 2)).transpose(1, 2).flatten(1, 2)
     flat_idx = selected_experts(gates, top_k).reshape(-1, top_k)
     flat_gates = gates.reshape(-1, gates.shape[-1])
 

@@ -122,6 +122,10 @@ def _linear_infer(sig: Sig) -> tuple[Shape, str]:
             f"x {[list(s) for s in xs]} and weight {list(w)} do not match as x @ wᵀ")
     require((sig.attr("prologue") is None) == (sig.attr("eps") is None), "eps goes with a prologue")
     width = check_epilogue(sig, Op.FUSED_LINEAR, int(w[0]), len(xs) + 1, x[:-1])
+    require(not any(st.fn == "glu" and st.kw("interleaved", False)
+                    for st in sig.attr("epilogue", ())),
+            "glu(interleaved=true) is for expert weights (moe_linear); a fused_linear's paired "
+            "rows are marked by paired=true")
     if sig.attr("paired"):
         pairing = [st.fn for st in sig.attr("epilogue", ()) if st.fn in PAIRING]
         require(len(pairing) == 1, "paired weight rows need exactly one glu() or rope() step, "
