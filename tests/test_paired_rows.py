@@ -144,7 +144,7 @@ def test_a_dense_glu_is_not_marked_interleaved() -> None:
     """Interleaved glu rows are the experts' marking; a dense projection says paired=true (the
     matmul template reads only that), so the other marking is refused, never half-honoured."""
     with pytest.raises(IRError, match="interleaved=true"):
-        graph((call("glu", fn="silu", interleaved=True),), 8, {})
+        graph((call("glu", fn="silu", interleaved=True),), 8, {}, paired=False)
 
 
 def test_paired_prints_and_parses_back() -> None:
