@@ -264,6 +264,33 @@ def test_tuned_launch_runs_the_chosen_config(kernel_dir: Path, tmp_path: Path,
     assert [t.summary()["cache_hits"] for t in tuners] == [0, 0, 1]
 
 
+@pytest.mark.parametrize("pick", [0, -1])
+def test_every_candidate_of_a_normed_projection_is_right(pick: int, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folded RMSNorm's projection tuned at prefill size: whichever candidate wins (the
+    heuristic, first; a tile of the list, last), the launch computes what eager does — each
+    candidate reads the row statistics of the pre-pass its launcher ran."""
+    from archc.ir.attrs import Call
+
+    def fastest(kernel: str, configs: list[dict[str, Any]], run: Any) -> list[float]:
+        for c in configs:
+            run(c)
+        return [1.0 if i == range(len(configs))[pick] else 2.0 for i in range(len(configs))]
+
+    monkeypatch.setattr(tuning, "tuning_enabled", lambda *a: True)
+    monkeypatch.setattr(backend, "_tuner", lambda kernels, module_path, digest, device: Tuner(
+        tuning.tuned_kernels(kernels), TuningCache(module_path.parent, digest, "Test GPU"),
+        benchmark=fastest))
+
+    def fn(b: GraphBuilder, i: dict[str, int]) -> int:
+        return b.emit(Op.FUSED_LINEAR, i["x"], i["w"], prologue="rms", eps=1e-5,
+                      epilogue=(Call("rms_scale"),))
+
+    g = build({"x": (shape(B, T, 24), "f32"), "w": (shape(40, 24), "f32")}, fn)
+    check(g, {"x": rand(3, 7, 24), "w": rand(40, 24) / 24 ** 0.5}, {"B": 3, "T": 7, "P": 0},
+          tmp_path)
+
+
 # ---- the command line ----------------------------------------------------------------------
 
 class Compiled(Exception):

@@ -280,9 +280,9 @@ def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
                  (128, 64, 64, 4, 4), (16, 32, 256, 4, 4), (16, 64, 128, 4, 4),
                  (32, 128, 64, 4, 4)]
         # one split: the scratch a split-K launch needs is sized before the autotuner chooses;
-        # the row statistics in the K loop, as the launcher cannot know the tile beforehand
-        return [_cfg(w, s, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, SPLIT_K=1, TMA=int(m > 16),
-                     ROW_STATS=0)
+        # the row statistics (ROW_STATS) are the heuristic's, from the pre-pass every tuned
+        # launch runs (tuning.candidates lays each tile over the heuristic config)
+        return [_cfg(w, s, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, SPLIT_K=1, TMA=int(m > 16))
                 for m, n, k, w, s in tiles if n % sizes.get("align", 16) == 0]
     if family == "attention":
         if sizes.get("D", 128) > 128:
