@@ -33,16 +33,31 @@ def from_spec(spec: Spec, *, seed: int = 0, dtype: str | torch.dtype = "f32") ->
 
 
 def load(source: str | Path, *, seed: int = 0, dtype: str | torch.dtype | None = None,
-         progress: Progress | None = None) -> Model:
+         progress: Progress | None = None, quantize: str | None = None, group: int = 128,
+         dequantize: bool = False) -> Model:
     """A zoo name, spec YAML, HF directory, GGUF file or archc checkpoint directory → a Model
     (random weights for specs). `dtype`: hold the weights in this dtype (default: f32 for
     random and dequantised GGUF weights, the stored dtype for safetensors). `progress(done,
-    total)` is called as weights load."""
+    total)` is called as weights load. A GGUF file's quantized tensors stay quantized unless
+    `dequantize`; `quantize` ("int8" or "int4", in groups of `group`) quantizes the weights of
+    linear layers and experts of a float checkpoint (``Model.quantized``)."""
     name = None if dtype is None else dtype_name(dtype)
     if not isinstance(source, (str, Path)):
         raise ArchcError(f"source must be a zoo name or a path, got {type(source).__name__}")
+    if quantize not in (None, "int8", "int4"):
+        raise ArchcError(f"quantize={quantize!r}: use 'int8' or 'int4'")
+    if group not in (32, 64, 128):
+        raise ArchcError(f"group={group!r}: int4 groups are 32, 64 or 128 elements")
     path = Path(source)
+    if dequantize and not sources.is_gguf(path):
+        raise ArchcError(f"dequantize=True is for GGUF files; {source} holds no quantized "
+                         "tensors")
+    model = None
     for matches, loader in SOURCES:
         if matches(path):
-            return loader(path, progress=progress, dtype=name)
-    return from_spec(load_spec(source), seed=seed, dtype=name or "f32")
+            extra = {"dequantize": True} if dequantize else {}
+            model = loader(path, progress=progress, dtype=name, **extra)
+            break
+    if model is None:
+        model = from_spec(load_spec(source), seed=seed, dtype=name or "f32")
+    return model if quantize is None else model.quantized(quantize, group)

@@ -13,6 +13,7 @@ devices and the memory weights may take are as ``archc.devices`` says."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,9 +26,16 @@ from archc.devices import check_fits, checkpoint_elements, default_dtype, dtype_
 from archc.errors import ArchcError
 from archc.ir.graph import Program
 from archc.ir.lower import lower
+from archc.quant import QTensor
 from archc.runtime.eager import EagerSession
 from archc.runtime.generate import Sampler, Sampling
-from archc.runtime.weights import TORCH_DTYPES, check_checkpoint, random_weights
+from archc.runtime.weights import (
+    TORCH_DTYPES,
+    check_checkpoint,
+    quant_schemes,
+    quantizable,
+    random_weights,
+)
 from archc.spec.schema import Spec
 
 Progress = Callable[[int, int], None]     # (done, total), while weights load
@@ -62,7 +70,7 @@ class Model:
     random_weights: bool = field(init=False)   # no checkpoint: the weights mean nothing
 
     def __post_init__(self) -> None:
-        self.graph = lower(self.spec)
+        self.graph = lower(self.spec, quant=self.quant)
         self.random_weights = self.weights is None
         if self.weights is None:
             check_fits(self.spec.name, "its weights", checkpoint_elements(self.graph),
@@ -71,6 +79,32 @@ class Model:
             self.notes += (f"{self.spec.name} is a spec, not a checkpoint: its weights are "
                            f"random (seed {self.seed}), so what it computes means nothing",)
         check_checkpoint(self.graph, self.weights)
+
+    def quantized(self, kind: str, group: int = 128) -> Model:
+        """This model with the weights of its linear layers and experts quantized (weight-only,
+        round-to-nearest: `kind` "int8" per output channel, "int4" in groups of `group`)."""
+        from archc.quant.pack import quantize
+        names = quantizable(self.graph)
+        already = sorted({w.dtype for w in (self.weights or {}).values()
+                          if isinstance(w, QTensor)})
+        if already:
+            raise ArchcError(f"{self.source or self.spec.name} is already quantized "
+                             f"({', '.join(already)}); quantize a float checkpoint (a GGUF file "
+                             "read with dequantize=True is one)")
+        weights = dict(self.weights or {})
+        for name in names:
+            weights[name] = quantize(weights[name], kind, group)
+        scheme = next((w.dtype for w in weights.values() if isinstance(w, QTensor)), None)
+        notes = self.notes + ((f"{len(names)} weight tensors quantized to {scheme} "
+                               "(round-to-nearest) at load",) if scheme else ())
+        out = dataclasses.replace(self, weights=weights, notes=notes)
+        out.random_weights = self.random_weights
+        return out
+
+    @property
+    def quant(self) -> dict[str, str]:
+        """Checkpoint tensor → scheme, for the weights kept quantized (empty when none is)."""
+        return quant_schemes(self.weights or {})
 
     def compile(self, backend: str = "eager", *, dtype: str | torch.dtype | None = None,
                 device: str | torch.device = "cpu", **options: Any) -> CompiledModel:
@@ -89,11 +123,11 @@ class Model:
         # own: the eager backend without weight-rewriting passes, in their dtype and place.
         if backend != "eager" or options.get("passes") not in (None, "none") or any(
                 w.dtype != TORCH_DTYPES[name] or w.device != torch_device
-                for w in (self.weights or {}).values()):
+                for w in (self.weights or {}).values() if isinstance(w, torch.Tensor)):
             check_fits(self.spec.name, "the compiled copy of its weights",
                        checkpoint_elements(self.graph), name, self.spec.family, torch_device,
                        random=self.random_weights)
-        program = self.graph if name == "f32" else lower(self.spec, name)
+        program = self.graph if name == "f32" else lower(self.spec, name, self.quant)
         module, factory = BACKENDS[backend]
         session = getattr(importlib.import_module(module), factory)(
             self, program, name, torch_device, options)

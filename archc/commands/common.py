@@ -147,7 +147,10 @@ class Run:
             task = bar.add_task("loading weights", total=None)
             model = archc.load(self.args.source, seed=self.args.seed, dtype=self.dtype,
                                progress=lambda done, total: bar.update(task, completed=done,
-                                                                       total=total))
+                                                                       total=total),
+                               quantize=getattr(self.args, "quantize", None),
+                               group=getattr(self.args, "group", None) or 128,
+                               dequantize=bool(getattr(self.args, "dequantize", False)))
         if not self.quiet:
             for note in model.notes:
                 err_console.print(f"[dim]note: {note}[/]", soft_wrap=True)
@@ -162,5 +165,7 @@ class Run:
             options["cache_dir"] = cache_dir
         if backend == "triton" and getattr(self.args, "no_autotune", False):
             options["autotune"] = False
+        if getattr(self.args, "kv_cache", None) is not None:
+            options["kv_cache"] = self.args.kv_cache
         with self.timings.phase("compile"):
             return model.compile(backend, dtype=self.dtype, device=self.device, **options)

@@ -21,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "batch", default=2)
     add(p, "seed", default=0)
     add(p, "cache_dir")
+    add(p, "quantize", "group", "dequantize", "kv_cache")
     add(p, "no_autotune")
     p.add_argument("--all", action="store_true", help="list every kernel, not only the worst "
                    "per phase and the divergent ones")

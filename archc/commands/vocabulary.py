@@ -105,6 +105,17 @@ FLAGS: dict[str, Flag] = {f.names[-1].lstrip("-").replace("-", "_"): f for f in 
     Flag(("--no-autotune",), "launch every kernel at its heuristic block sizes: no tuning on "
          "a GPU (by default the first run tunes prefill kernels and caches the choices on disk)",
          None, {"action": "store_true"}),
+    Flag(("--quantize",), "quantize the weights of linear layers and experts as they load: "
+         "weight-only, round-to-nearest, int8 per output channel or int4 in groups of --group",
+         None, {"choices": ("int8", "int4")}),
+    Flag(("--group",), "elements per int4 scale with --quantize int4", None,
+         {"type": int, "choices": (32, 64, 128)}),
+    Flag(("--dequantize",), "read a GGUF file's quantized tensors as floats, dequantized at "
+         "load (by default they stay quantized and the kernels dequantize them)", None,
+         {"action": "store_true"}),
+    Flag(("--kv-cache",), "hold the KV cache in int8 (a scale per token and head) or fp8 e4m3 "
+         "(GPUs from sm_89) instead of the compute dtype", None,
+         {"choices": ("int8", "fp8")}),
     Flag(("--cache-dir",), "where generated kernel modules are written (default: the kernel "
          "cache, `archc cache`)", "DIR", {"type": Path}),
 )}

@@ -9,7 +9,7 @@ graph serves prefill (P = 0) and decode (T = 1).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 import archc.ir.expr as E
@@ -18,21 +18,24 @@ from archc.ir.graph import Graph, GraphBuilder, Program
 from archc.ir.ops import Op
 from archc.ir.ops.steps import step
 from archc.ir.paramexpr import leaf
-from archc.ir.shapes import B, S, T, shape
+from archc.ir.shapes import QUANT_DTYPES, B, S, T, shape
 from archc.ir.verify import verify
 from archc.spec.schema import Spec
 
 
-def lower(spec: Spec, dtype: str = "f32") -> Program:
-    """The unfused program of `spec`, with activations and weights in `dtype`."""
+def lower(spec: Spec, dtype: str = "f32", quant: Mapping[str, str] | None = None) -> Program:
+    """The unfused program of `spec`, with activations and weights in `dtype` — but the weights
+    `quant` names (checkpoint tensor → scheme), which stay quantized."""
+    q = dict(quant or {})
     if spec.family == "encoder-decoder":
         assert spec.decoder_layers is not None
-        graphs = (_Stack(spec, dtype, "encoder", "encoder.", spec.layers, causal=False).build(),
+        graphs = (_Stack(spec, dtype, "encoder", "encoder.", spec.layers, causal=False,
+                         quant=q).build(),
                   _Stack(spec, dtype, "decoder", "decoder.", spec.decoder_layers, causal=True,
-                         cross=True).build())
+                         cross=True, quant=q).build())
     else:
         graphs = (_Stack(spec, dtype, spec.family, "", spec.layers,
-                         causal=spec.family == "decoder").build(),)
+                         causal=spec.family == "decoder", quant=q).build(),)
     program = Program(spec.name, graphs)
     verify(program)
     return program
@@ -42,8 +45,10 @@ class _Stack:
     """Builds one graph: embeddings, `layers` blocks, final norm, and head or hidden output."""
 
     def __init__(self, spec: Spec, dtype: str, name: str, prefix: str, layers: int, *,
-                 causal: bool, cross: bool = False) -> None:
+                 causal: bool, cross: bool = False, quant: Mapping[str, str] | None = None,
+                 ) -> None:
         self.s, self.dt, self.prefix, self.layers = spec, dtype, prefix, layers
+        self.quant = quant or {}
         self.causal = causal          # a decoder stack: causal self-attention over a KV cache
         self.cross = cross            # reads encoder states through cross-attention
         self.b = GraphBuilder(name)
@@ -58,8 +63,13 @@ class _Stack:
 
     def param(self, name: str, *dims: int, shared: bool = False, dtype: str | None = None,
               expr: Call | None = None) -> int:
-        return self.b.param(name if shared else self.prefix + name, shape(*dims), dtype or self.dt,
-                            expr=expr)
+        full = name if shared else self.prefix + name
+        return self.b.param(full, shape(*dims), dtype or self.quant.get(full, self.dt), expr=expr)
+
+    def gather(self, table: int, ids: int) -> int:
+        """Rows of `table` by `ids`; a quantized table's rows come out in the model dtype."""
+        quantized = self.b.nodes[table].dtype in QUANT_DTYPES
+        return self.b.emit(Op.EMBEDDING, table, ids, dtype=self.dt if quantized else None)
 
     def pointwise(self, x: int, origin: str, fn: str, **params: float) -> int:
         """fn(x) in the elementwise language (a scale, a soft-cap), from spec field `origin`."""
@@ -103,7 +113,7 @@ class _Stack:
         width = s.embedding.project_dim or self.d
         with self.at("vocab_size"):
             table = self.param("embed.weight", s.vocab_size, width, shared=True)
-            x = self.b.emit(Op.EMBEDDING, table, self.tokens)
+            x = self.gather(table, self.tokens)
         if s.embedding.scale is not None:
             x = self.pointwise(x, "embedding.scale", "scale", by=s.embedding.scale)
         if s.embedding.project_dim is not None:
@@ -123,11 +133,11 @@ class _Stack:
                     table = self.param("pos_embed.sinusoidal", s.max_seq_len, self.d,
                                        expr=Call("sinusoidal", (), (("rows", s.max_seq_len),
                                                                     ("dim", self.d))))
-                x = self.b.emit(Op.ADD, x, self.b.emit(Op.EMBEDDING, table, self.positions))
+                x = self.b.emit(Op.ADD, x, self.gather(table, self.positions))
         if self.token_types is not None:
             with self.at("embedding.token_types"):
                 table = self.param("type_embed.weight", s.embedding.token_types, self.d)
-                x = self.b.emit(Op.ADD, x, self.b.emit(Op.EMBEDDING, table, self.token_types))
+                x = self.b.emit(Op.ADD, x, self.gather(table, self.token_types))
         return self.norm(x, "embed_norm", "embedding.norm") if s.embedding.norm else x
 
     def rope_params(self) -> tuple[int, dict[str, object]]:

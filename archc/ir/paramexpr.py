@@ -18,6 +18,8 @@ import torch
 
 from archc.errors import WeightsError
 from archc.ir.attrs import Call
+from archc.quant.schemes import is_quantized
+from archc.quant.tensor import QTensor, Weight
 
 
 def leaf(name: str) -> Call:
@@ -39,8 +41,10 @@ def leaves(expr: Any) -> list[str]:
     return list(dict.fromkeys(c.args[0] for c in calls(expr) if c.fn == "w"))
 
 
-def evaluate(expr: Call, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Evaluate `expr` (its functions verified), reading leaves from `tensors` by name."""
+def evaluate(expr: Call, tensors: Mapping[str, Weight]) -> Weight:
+    """Evaluate `expr` (its functions verified), reading leaves from `tensors` by name. A
+    quantized leaf stays quantized through functions that only move its rows (ROW_FNS) and is
+    dequantized to f32 by any other."""
     def ev(e: Any) -> Any:
         if isinstance(e, tuple):
             return tuple(ev(a) for a in e)
@@ -49,10 +53,48 @@ def evaluate(expr: Call, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         if e.fn == "w":
             if e.args[0] not in tensors:
                 raise WeightsError(f"checkpoint tensor {e.args[0]!r} is missing")
-            return tensors[e.args[0]].float()
-        return PARAM_FNS[e.fn](*(ev(a) for a in e.args), **{k: ev(v) for k, v in e.kwargs})
+            w = tensors[e.args[0]]
+            return w if isinstance(w, QTensor) else w.float()
+        args = [ev(a) for a in e.args]
+        kwargs = {k: ev(v) for k, v in e.kwargs}
+        if any(isinstance(a, QTensor) for a in args):
+            if e.fn in ROW_FNS and all(isinstance(a, QTensor) for a in args):
+                return ROW_FNS[e.fn](*args, **kwargs)
+            args = [a.float() if isinstance(a, QTensor) else a for a in args]
+        return PARAM_FNS[e.fn](*args, **kwargs)
 
     return ev(expr)
+
+
+def quantized_result(expr: Any, known: Mapping[Call, str]) -> str | None:
+    """The scheme a parameter expression's value keeps: that of its quantized operands when
+    only ROW_FNS touch them and they share one scheme; None when the value is a plain tensor.
+    `known` gives the dtype of expressions already declared (each param node's expression, or
+    its leaf); a leaf not in it is a plain tensor. Raises WeightsError for a row function joining
+    weights of different schemes."""
+    if not isinstance(expr, Call):
+        return None
+    if expr in known:
+        return known[expr] if is_quantized(known[expr]) else None
+    below = [quantized_result(a, known) for a in expr.args if isinstance(a, Call)]
+    if not any(below) or expr.fn not in ROW_FNS or not all(below):
+        return None
+    if len(set(below)) > 1:
+        raise WeightsError(f"{expr.fn}() joins weights of different schemes: "
+                           f"{', '.join(dict.fromkeys(b for b in below if b))}")
+    return below[0]
+
+
+def _q_interleave(a: QTensor, dim: int = 0) -> QTensor:
+    half = a.shape[dim] // 2
+    order = torch.arange(2 * half).reshape(2, half).t().flatten()
+    return a.index_select(dim, order)
+
+
+def _q_rope_pairs(a: QTensor, heads: int, head_dim: int, rotary_dim: int, interleaved: bool,
+                  dim: int = 0) -> QTensor:
+    order = rope_pair_order(a.shape[dim], heads, head_dim, rotary_dim, interleaved)
+    return a.index_select(dim, torch.tensor(order, dtype=torch.long))
 
 
 def rope_inv_freq(dim: int, theta: float, kind: str = "default", factor: float = 1.0,
@@ -206,4 +248,14 @@ PARAM_FNS: dict[str, Callable[..., torch.Tensor]] = {
     "rope_cos_sin": rope_cos_sin,
     "alibi_slopes": alibi_slopes,
     "sinusoidal": sinusoidal,
+}
+
+# the functions that move whole rows, and so keep a quantized weight quantized (each the same
+# permutation of rows as its PARAM_FNS entry)
+ROW_FNS: dict[str, Callable[..., QTensor]] = {
+    "cat": lambda *parts, dim=0: QTensor.cat(parts, dim=dim),
+    "stack": lambda *parts, dim=0: QTensor.stack(parts, dim=dim),
+    "rows": lambda a, start=0, stop=None: a.rows(start, stop),
+    "interleave": _q_interleave,
+    "rope_pairs": _q_rope_pairs,
 }

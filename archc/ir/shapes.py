@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 
 import sympy
 
+from archc.quant.schemes import SCHEMES
+
 B = sympy.Symbol("B", integer=True, positive=True)
 T = sympy.Symbol("T", integer=True, positive=True)
 P = sympy.Symbol("P", integer=True, nonnegative=True)
@@ -18,8 +20,13 @@ DIMS: dict[str, sympy.Symbol] = {"B": B, "T": T, "P": P, "S": S}
 
 Shape = tuple[sympy.Expr, ...]
 
-DTYPE_BYTES: dict[str, int] = {"f32": 4, "f16": 2, "bf16": 2, "i64": 8, "i32": 4, "bool": 1}
+DTYPE_BYTES: dict[str, int | sympy.Rational] = {
+    "f32": 4, "f16": 2, "bf16": 2, "i64": 8, "i32": 4, "bool": 1,
+    # a quantized weight's scheme is its dtype: bytes per element, codes and scales together
+    **{name: sympy.Rational(s.bytes_per_element.numerator, s.bytes_per_element.denominator)
+       for name, s in SCHEMES.items()}}
 FLOAT_DTYPES = ("f32", "f16", "bf16")
+QUANT_DTYPES = tuple(SCHEMES)
 
 
 def shape(*dims: int | sympy.Expr) -> Shape:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from archc.errors import IRError
 from archc.ir.graph import Graph, Program, infer
-from archc.ir.ops import META, Op, ShapeError
+from archc.ir.ops import META, OP_TABLE, Op, ShapeError, full_attrs, roles_of
 from archc.ir.ops.base import attr_problems, same_shape
 from archc.ir.paramexpr import PARAM_FNS, buffer_shape, calls
-from archc.ir.shapes import DTYPE_BYTES
+from archc.ir.shapes import DTYPE_BYTES, QUANT_DTYPES
 from archc.ir.text import format_node
 
 
@@ -19,6 +19,13 @@ def _problem(g: Graph, i: int, seen: dict[tuple[Op, str], int]) -> str | None:
         return f"unknown dtype {n.dtype!r}"
     if bad := [j for j in n.inputs if not 0 <= j < i]:
         return f"input %{bad[0]} is not an earlier node"
+    if n.dtype in QUANT_DTYPES and n.op != Op.PARAM:
+        return f"only a param is quantized ({n.dtype})"
+    roles = roles_of(n.op, full_attrs(n.op, n.attrs), len(n.inputs))
+    for role, j in zip(roles, n.inputs):
+        if g.nodes[j].dtype in QUANT_DTYPES and role not in OP_TABLE[n.op].quantized:
+            return (f"its {role} %{j} is {g.nodes[j].dtype}: {n.op.value} reads a quantized "
+                    f"weight only as {' or '.join(OP_TABLE[n.op].quantized) or 'nothing'}")
     if n.op in META:
         if (n.op, n.name) in seen:
             return f"{n.op.value} name {n.name!r} already used by %{seen[n.op, n.name]}"

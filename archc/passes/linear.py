@@ -19,6 +19,7 @@ from archc.ir.ops import Op
 from archc.ir.ops.steps import STEPS
 from archc.ir.ops.steps import step as step_call
 from archc.passes.rewrite import Refusal, Rewriter
+from archc.quant.schemes import SCHEMES
 
 LINEAR = frozenset({Op.MATMUL, Op.FUSED_LINEAR})
 
@@ -72,6 +73,7 @@ class Linear:
     steps: tuple[Step, ...] = ()       # the epilogue, each step with the inputs it reads
     covers: tuple[int, ...] = ()       # the nodes it stands for: matmul [, bias_add]
     paired: bool = False               # weight rows in the order of the glu/rope step's pairs
+    gain: int | None = None            # a [K] gain applied to x as it is read (a folded norm's)
 
     @property
     def x(self) -> int:
@@ -96,8 +98,15 @@ def merged_name(names: Sequence[str]) -> str:
 
 def cat_params(rw: Rewriter, params: Sequence[int], dim: int, *, like: Sequence[int],
                at: int) -> int:
-    """One parameter: `params` concatenated along `dim` at load time, named after them all."""
+    """One parameter: `params` concatenated along `dim` at load time, named after them all.
+    Quantized weights join along K only where each ends on a whole group of its scheme."""
     shape = list(rw.shape(params[0]))
+    dtype = rw.nodes[params[0]].dtype
+    if dtype in SCHEMES and dim % len(shape) == len(shape) - 1:
+        align = SCHEMES[dtype].align
+        if any(int(rw.shape(p)[-1]) % align for p in params[:-1]):
+            raise Refusal(f"{dtype} weights join along K only at multiples of {align} "
+                          f"elements; K = {[int(rw.shape(p)[-1]) for p in params]}")
     shape[dim] = sum(rw.shape(p)[dim] for p in params)
     return rw.add_param(merged_name([rw.nodes[p].name for p in params]),
                         E.call("cat", *map(rw.param_expr, params), dim=dim), shape,
@@ -112,8 +121,10 @@ def view(rw: Rewriter, i: int, *, through_bias: bool = True) -> Linear | None:
         return Linear(i, (n.inputs[0],), n.inputs[1], covers=(i,))
     if n.op == Op.FUSED_LINEAR:
         k = 2 if n.attr("concat_k") else 1
+        gain = n.inputs[k + 1] if n.attr("gain") else None
         return Linear(i, tuple(n.inputs[:k]), n.inputs[k], n.attr("prologue"), n.attr("eps"),
-                      epilogue_steps(rw, i, k + 1), covers=(i,), paired=bool(n.attr("paired")))
+                      epilogue_steps(rw, i, k + 1 + (gain is not None)), covers=(i,),
+                      paired=bool(n.attr("paired")), gain=gain)
     found = bias_of(rw, i) if through_bias else None
     inner = view(rw, found[0], through_bias=False) if found else None
     if inner is None or rw.users(inner.root) != [i]:
@@ -132,10 +143,12 @@ def view_with_bias(rw: Rewriter, i: int) -> Linear | None:
 
 def emit(rw: Rewriter, lin: Linear, *, like: Sequence[int], at: int | None = None) -> int:
     """The `fused_linear` node of `lin`."""
-    inputs = [*lin.operands, lin.weight, *(j for s in lin.steps for j in s.inputs)]
+    inputs = [*lin.operands, lin.weight, *([] if lin.gain is None else [lin.gain]),
+              *(j for s in lin.steps for j in s.inputs)]
     return rw.emit(Op.FUSED_LINEAR, inputs, like=like, at=at, prologue=lin.prologue, eps=lin.eps,
                    epilogue=tuple(s.call for s in lin.steps) or None,
-                   concat_k=True if len(lin.operands) == 2 else None, paired=lin.paired or None)
+                   concat_k=True if len(lin.operands) == 2 else None, paired=lin.paired or None,
+                   gain=True if lin.gain is not None else None)
 
 
 def extend(rw: Rewriter, i: int, new: Step, *, like: Sequence[int]) -> int:

@@ -1,6 +1,10 @@
 """fold-norms: a norm read only by matmuls runs inside them. The gain folds into the weight once,
 at load time; the row statistics are gathered by the matmul's prologue along the K loop it already
 runs and applied in its epilogue; the normalized activation is never stored.
+
+A quantized weight's stored values cannot change, so there the same algebra runs on the other
+side of the product: x·diag(γ)·Wᵀ = (x∘γ)·Wᵀ, the gain applied to the activations as the K loop
+reads them (fused_linear's `gain` operand).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import os
 
 import archc.ir.expr as E
 from archc.ir.ops import Op
+from archc.ir.shapes import QUANT_DTYPES
 from archc.passes.linear import Linear, Step, emit, norm_parts, step, view, view_with_bias
 from archc.passes.rewrite import Refusal, Rewriter, register_rewrite_pass
 
@@ -42,7 +47,7 @@ def _readers(rw: Rewriter, norm: int) -> list[Linear]:
     norm_parts(rw, norm)
     for lin in out:
         others = [u for u in rw.users(lin.weight) if u not in lin.covers]
-        if others:
+        if others and rw.nodes[lin.weight].dtype not in QUANT_DTYPES:   # (no copy: x∘γ)
             w = rw.nodes[lin.weight]
             raise Refusal(f"weight {w.name!r} is also read by %{others[0]} "
                           f"({rw.op(others[0]).value}): folding the gain would store a second, "
@@ -62,7 +67,13 @@ def _fold(rw: Rewriter, norm: int, lin: Linear) -> None:
     # W' = W·diag(γ): scale column k of W by γ_k
     folded = E.call("mul", rw.param_expr(lin.weight), gamma)
     like = [norm, *lin.covers]
-    w2 = rw.add_param(f"{w.name}*{tag}", folded, w.shape, w.dtype, like=like, at=lin.root)
+    on_x = None
+    if w.dtype in QUANT_DTYPES:     # the weight keeps its values; x∘γ as the K loop reads it
+        w2 = lin.weight
+        on_x = gain if not n.attr("unit_offset") else rw.add_param(
+            f"{rw.nodes[gain].name}+1", gamma, (w.shape[1],), "f32", like=like, at=lin.root)
+    else:
+        w2 = rw.add_param(f"{w.name}*{tag}", folded, w.shape, w.dtype, like=like, at=lin.root)
     rest = list(lin.steps)
     if n.attr("kind") == "rms":
         # rms(x)·γ·Wᵀ = rstd·(x·W'ᵀ),  rstd = 1/sqrt(mean(x²) + eps)
@@ -86,7 +97,7 @@ def _fold(rw: Rewriter, norm: int, lin: Linear) -> None:
             head.append(step("bias", b))
     # the prologue gathers the row statistics of the norm's kind: "rms" or "layer"
     new = lin.replace(operands=(x,), weight=w2, prologue=n.attr("kind"), eps=n.attr("eps"),
-                      steps=tuple(head + rest))
+                      steps=tuple(head + rest), gain=on_x)
     rw.replace(lin.root, emit(rw, new, like=lin.covers))
 
 
@@ -108,4 +119,7 @@ def fold_norms(rw: Rewriter) -> None:
             continue
         for lin in readers:
             _fold(rw, i, lin)
-        rw.ctx.applied(rule, i, f"into {len(readers)} matmul(s)")
+        quantized = sorted({rw.nodes[lin.weight].dtype for lin in readers} & set(QUANT_DTYPES))
+        why = f"; the gain scales the activations instead of the {', '.join(quantized)} " \
+            "weights, whose stored values cannot change" if quantized else ""
+        rw.ctx.applied(rule, i, f"into {len(readers)} matmul(s){why}")

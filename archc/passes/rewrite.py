@@ -16,12 +16,12 @@ from typing import Any, TypeVar
 import networkx as nx
 import sympy
 
-from archc.errors import IRError
+from archc.errors import IRError, WeightsError
 from archc.ir.attrs import Attrs, Call, format_call
 from archc.ir.graph import Graph, Node, infer
 from archc.ir.ops import Op, ShapeError, canonical
-from archc.ir.paramexpr import leaf
-from archc.ir.shapes import Shape
+from archc.ir.paramexpr import leaf, quantized_result
+from archc.ir.shapes import FLOAT_DTYPES, QUANT_DTYPES, Shape
 from archc.ir.text import format_node
 from archc.passes.manager import PassContext, register_pass
 
@@ -80,6 +80,12 @@ class Rewriter:
         self.gone: set[int] = set()      # replaced or killed: their reads no longer count
         self.changed = False
         self.param_names = {n.name for n in g.nodes if n.op == Op.PARAM}
+        # the dtype of each parameter's expression: what a new parameter built from it keeps
+        self.expr_dtypes = {n.attr("expr") or leaf(n.name): n.dtype for n in g.nodes
+                            if n.op == Op.PARAM}
+        # the activations' dtype: what a parameter computed from a quantized weight is held in
+        self.compute_dtype = next((n.dtype for n in g.nodes if n.op not in (Op.PARAM, Op.INPUT)
+                                   and n.dtype in FLOAT_DTYPES), "f32")
 
     def op(self, i: int) -> Op:
         return self.nodes[i].op
@@ -149,7 +155,18 @@ class Rewriter:
 
     def add_param(self, base: str, expr: Call, shape: Shape, dtype: str, *,
                   like: Sequence[int], at: int) -> int:
-        """A new parameter computed at weight-load time from `expr`, named after `base`."""
+        """A new parameter computed at weight-load time from `expr`, named after `base`. Its
+        dtype is `dtype`, but where `expr` reads quantized weights: then it is their scheme when
+        `expr` only moves their rows, the activations' dtype when it computes with them."""
+        try:
+            scheme = quantized_result(expr, self.expr_dtypes)
+        except WeightsError as err:
+            raise Refusal(str(err)) from None
+        if scheme is not None:
+            dtype = scheme
+        elif dtype in QUANT_DTYPES:
+            dtype = self.compute_dtype
+        self.expr_dtypes[expr] = dtype
         name = unique_name(base, self.param_names)
         return self.add_node(Op.PARAM, (), Attrs(name=name, expr=expr),
                              [sympy.Integer(int(d)) for d in shape], dtype, like, at)

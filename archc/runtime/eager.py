@@ -22,6 +22,7 @@ from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import OP_TABLE, Op, bind, full_attrs
 from archc.ir.shapes import DIMS
 from archc.ir.text import format_node
+from archc.quant import QTensor
 from archc.runtime.weights import TORCH_DTYPES, materialize
 
 
@@ -134,7 +135,8 @@ def run_graph(graph: Graph, params: Mapping[str, torch.Tensor],
                 raise RunError(f"while running {format_node(i, n)}: "
                                f"{type(err).__name__}: {err}") from err
         want = tuple(_dim_value(d, dims) for d in n.shape)
-        if tuple(value.shape) != want or value.dtype != TORCH_DTYPES[n.dtype]:
+        if tuple(value.shape) != want or (value.dtype != n.dtype if isinstance(value, QTensor)
+                                          else value.dtype != TORCH_DTYPES[n.dtype]):
             raise RunError(f"while running {format_node(i, n)}: produced "
                            f"{value.dtype}{list(value.shape)}, the IR says {n.dtype}{list(want)}")
         values[i] = value

@@ -21,13 +21,10 @@ import torch
 from archc.errors import WeightsError
 from archc.ir.graph import Graph, Program
 from archc.ir.ops import Op, full_attrs, roles_of
+from archc.ir.ops.base import TORCH_DTYPES
 from archc.ir.paramexpr import evaluate, leaf
 from archc.ir.shapes import concrete
-
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
-    "i64": torch.int64, "i32": torch.int32, "bool": torch.bool,
-}
+from archc.quant import QTensor, Weight, is_quantized
 
 
 def checkpoint_shapes(program: Program) -> dict[str, tuple[int, ...]]:
@@ -96,10 +93,11 @@ def check_checkpoint(program: Program, tensors: Mapping[str, torch.Tensor]) -> N
                            f"{', '.join(extra[:3])}{more}")
 
 
-def materialize(graph: Graph, tensors: Mapping[str, torch.Tensor],
-                device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Evaluate every param of `graph` from checkpoint `tensors`: name → tensor in its dtype."""
-    out: dict[str, torch.Tensor] = {}
+def materialize(graph: Graph, tensors: Mapping[str, Weight],
+                device: str | torch.device = "cpu") -> dict[str, Weight]:
+    """Evaluate every param of `graph` from checkpoint `tensors`: name → tensor in its dtype,
+    or the quantized tensor of its scheme (a quantized weight is never dequantized here)."""
+    out: dict[str, Weight] = {}
     for i in graph.ids(Op.PARAM):
         n = graph.nodes[i]
         expr = n.attr("expr") or leaf(n.name)
@@ -108,5 +106,39 @@ def materialize(graph: Graph, tensors: Mapping[str, torch.Tensor],
         if tuple(value.shape) != dims:
             raise WeightsError(f"parameter {n.name!r} evaluates to shape {list(value.shape)}, "
                                f"the graph declares {list(dims)}")
-        out[n.name] = value.to(device=device, dtype=TORCH_DTYPES[n.dtype])
+        if is_quantized(n.dtype) or isinstance(value, QTensor):
+            if not isinstance(value, QTensor) or value.dtype != n.dtype:
+                got = value.dtype if isinstance(value, QTensor) else "a plain tensor"
+                raise WeightsError(f"parameter {n.name!r} is {got}, the graph declares "
+                                   f"{n.dtype}")
+            out[n.name] = value.to(device)
+        else:
+            out[n.name] = value.to(device=device, dtype=TORCH_DTYPES[n.dtype])
     return out
+
+
+def quant_schemes(tensors: Mapping[str, Weight]) -> dict[str, str]:
+    """Checkpoint tensor name → scheme, for the tensors kept quantized."""
+    return {k: w.dtype for k, w in tensors.items() if isinstance(w, QTensor)}
+
+
+def quantizable(program: Program) -> list[str]:
+    """The checkpoint tensors `quantize=` turns into quantized weights: the weights of linear
+    layers and experts (what a matmul streams). Embedding tables (a tied head included), norms,
+    biases, routers and recurrent mixers' tensors keep their dtype."""
+    roles = _roles(program)
+    table_of: set[str] = set()
+    linear: set[str] = set()
+    for g in program:
+        for n in g:
+            named = roles_of(n.op, full_attrs(n.op, n.attrs), len(n.inputs))
+            for role, j in zip(named, n.inputs):
+                src = g.nodes[j]
+                if src.op != Op.PARAM or src.attr("expr") is not None:
+                    continue
+                if n.op == Op.EMBEDDING:
+                    table_of.add(src.name)
+                elif role == "weight" and n.op in (Op.MATMUL, Op.FUSED_LINEAR, Op.MOE_LINEAR):
+                    linear.add(src.name)
+    return [name for name in checkpoint_shapes(program)
+            if name in linear and name not in table_of and roles.get(name) == "weight"]

@@ -6,7 +6,7 @@ path beside zoo names and spec files; ``describe`` reads just the spec of any so
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from archc.native import SPEC_FILE, is_native
@@ -29,6 +29,7 @@ class Source:
     kind: str          # "spec" (a zoo name or YAML: random weights), "gguf", "hf" or "archc"
     spec: Spec
     tokenizer: bool    # does it carry a tokenizer?
+    quant: dict[str, str] = field(default_factory=dict)  # tensor → scheme, for quantized ones
 
     @property
     def random_weights(self) -> bool:

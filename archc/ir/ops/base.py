@@ -170,6 +170,7 @@ class OpDef:
     docs: Mapping[str, str] = field(default_factory=dict)   # what each operand role holds
     commutative: bool = False            # its first two operands may be swapped
     arity: tuple[int, int] = (0, -1)     # for the reference: fewest and most inputs (-1: any)
+    quantized: tuple[str, ...] = ()      # operand roles that may be a quantized weight
 
     @functools.cached_property
     def defaults(self) -> dict[str, Any]:
@@ -178,6 +179,11 @@ class OpDef:
 
 
 OP_TABLE: dict[Op, OpDef] = {}
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+    "i64": torch.int64, "i32": torch.int32, "bool": torch.bool,
+}
 
 
 def register(d: OpDef) -> None:

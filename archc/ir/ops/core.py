@@ -14,6 +14,7 @@ import archc.ir.expr as E
 from archc.ir.attrs import Attr, Attrs, Call
 from archc.ir.ops.attention import rotation_bytes
 from archc.ir.ops.base import (
+    TORCH_DTYPES,
     Args,
     EagerCtx,
     Op,
@@ -31,6 +32,7 @@ from archc.ir.ops.base import (
     same_as_input,
     same_dim,
     same_shape,
+    vector,
     zero,
 )
 from archc.ir.ops.steps import (
@@ -42,7 +44,8 @@ from archc.ir.ops.steps import (
     normalize,
     unpair,
 )
-from archc.ir.shapes import DTYPE_BYTES, Shape, numel
+from archc.ir.shapes import DTYPE_BYTES, FLOAT_DTYPES, QUANT_DTYPES, Shape, numel
+from archc.quant.tensor import QTensor, dense
 
 
 def _given(*_: object) -> NoReturn:
@@ -74,17 +77,30 @@ def _embedding_infer(sig: Sig) -> tuple[Shape, str]:
     table, ids = sig.shape("table"), sig.shape("ids")
     require(len(table) == 2, f"table must be 2-D, got {list(table)}")
     require(sig.dtype("ids") == "i64", f"ids must be i64, got {sig.dtype('ids')}")
-    return (*ids, table[1]), sig.dtype("table")
+    quantized = sig.dtype("table") in QUANT_DTYPES
+    require(quantized == (sig.attr("dtype") is not None),
+            "a quantized table needs dtype= (the rows' dtype), a float one none")
+    return (*ids, table[1]), sig.attr("dtype") or sig.dtype("table")
+
+
+def _embedding(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+    table = a["table"]
+    if isinstance(table, QTensor):       # only the gathered rows are dequantized
+        return table.take(a["ids"]).dequantize(TORCH_DTYPES[at["dtype"]])
+    return F.embedding(a["ids"], table)
 
 
 register(OpDef(
     Op.EMBEDDING, "Gather rows of a table by integer ids.",
     "%3 : f32[B,T,64] = embedding(%1, %0)", operands("table", "ids"), _embedding_infer,
-    lambda ctx, a, at: F.embedding(a["ids"], a["table"]),
+    _embedding, attrs=(Attr("dtype", str, None, FLOAT_DTYPES),),
     # reads only the gathered rows, and the ids
-    bytes=lambda sig: 2 * numel(sig.out_shape) * DTYPE_BYTES[sig.out_dtype]
+    bytes=lambda sig: numel(sig.out_shape) * (DTYPE_BYTES[sig.dtype("table")]
+                                              + DTYPE_BYTES[sig.out_dtype])
     + numel(sig.shape("ids")) * DTYPE_BYTES["i64"],
-    template="embedding", arity=(2, 2), docs={"ids": "integer ids, one per row"}))
+    template="embedding", arity=(2, 2), quantized=("table",),
+    docs={"ids": "integer ids, one per row", "table": "the table (rows of any dtype, or "
+          "quantized: then `dtype` is the rows' dtype)"}))
 
 
 def matmul_flops(sig: Sig) -> sympy.Expr:
@@ -102,7 +118,8 @@ def matmul_infer(sig: Sig) -> tuple[Shape, str]:
 register(OpDef(
     Op.MATMUL, "x @ wᵀ with the weight stored [N, K] as torch.nn.Linear does.",
     "%9 : f32[B,T,64] = matmul(%8, %2)", operands("x", "weight"), matmul_infer,
-    lambda ctx, a, at: F.linear(a["x"], a["weight"]), flops=matmul_flops, arity=(2, 2)))
+    lambda ctx, a, at: F.linear(a["x"], dense(a["weight"], a["x"].dtype)), flops=matmul_flops,
+    arity=(2, 2), quantized=("weight",)))
 
 
 def activations(roles: Sig | Args) -> list[str]:
@@ -121,7 +138,11 @@ def _linear_infer(sig: Sig) -> tuple[Shape, str]:
     require(len(w) == 2 and same_dim(sum(s[-1] for s in xs), w[1]),
             f"x {[list(s) for s in xs]} and weight {list(w)} do not match as x @ wᵀ")
     require((sig.attr("prologue") is None) == (sig.attr("eps") is None), "eps goes with a prologue")
-    width = check_epilogue(sig, Op.FUSED_LINEAR, int(w[0]), len(xs) + 1, x[:-1])
+    if sig.attr("gain"):
+        require(len(xs) == 1, "a gain scales a single operand")
+        vector(sig, "gain", w[1])
+    width = check_epilogue(sig, Op.FUSED_LINEAR, int(w[0]), len(xs) + 1 + bool(sig.attr("gain")),
+                           x[:-1])
     require(not any(st.fn == "glu" and st.kw("interleaved", False)
                     for st in sig.attr("epilogue", ())),
             "glu(interleaved=true) is for expert weights (moe_linear); a fused_linear's paired "
@@ -135,15 +156,16 @@ def _linear_infer(sig: Sig) -> tuple[Shape, str]:
 
 def fused_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     xs = [a[r] for r in activations(a)]
-    w, k = a["weight"].float(), xs[0].shape[-1]
-    acc = F.linear(xs[0].float(), w[:, :k])
+    w, k = dense(a["weight"], xs[0].dtype).float(), xs[0].shape[-1]
+    x = xs[0].float() * a["gain"].float() if at["gain"] else xs[0].float()
+    acc = F.linear(x, w[:, :k])
     if len(xs) == 2:  # the K loop runs over x1's columns, then x2's
         acc = acc + F.linear(xs[1].float(), w[:, k:])
     if at["paired"]:   # the weight rows are paired-adjacent: back to column order
         acc = unpair(acc, at["epilogue"])
     prologue = at["prologue"]
     stats = normalize(xs[0], prologue, at["eps"])[1] if prologue else RowStats(xs[0].dtype)
-    rest = list(a.values())[len(xs) + 1:]
+    rest = list(a.values())[len(xs) + 1 + bool(at["gain"]):]
     return apply_epilogue(ctx, acc, at["epilogue"], rest, stats).to(xs[0].dtype)
 
 
@@ -165,18 +187,22 @@ register(OpDef(
     Op.FUSED_LINEAR, "x @ wᵀ with a norm prologue and an epilogue chain, one kernel; with "
     "concat_k, x is two operands concatenated along K (parallel blocks' out + down); with "
     "paired, the weight rows are in the order of the glu/rope step's pairs, partners side by "
-    "side (the accumulator is put back in column order before the epilogue).",
+    "side (the accumulator is put back in column order before the epilogue); with gain, x is "
+    "multiplied by a [K] gain as it is read (a norm's gain folded into a quantized weight's "
+    "activations, since the weight's stored values cannot change).",
     '%9 : f32[B,T,128] = fused_linear(%3, %8, %1, %7) {epilogue=[rms_scale(), rope(heads=6, '
     'head_dim=16, interleaved=false, rotary_dim=16), kv_write(head_dim=16, k_start=64, '
     'kv_heads=2, layer=0, v_start=96)], eps=1e-05, prologue="rms"}',
     lambda attrs, n: (["x1", "x2"] if attrs.get("concat_k") else ["x"]) + ["weight"]
-    + epilogue_roles(attrs), _linear_infer, fused_linear,
+    + (["gain"] if attrs.get("gain") else []) + epilogue_roles(attrs), _linear_infer,
+    fused_linear,
     attrs=(Attr("prologue", str, None, ("rms", "layer")), Attr("eps", float, None), EPILOGUE,
-           Attr("concat_k", bool, False), Attr("paired", bool, False)),
+           Attr("concat_k", bool, False), Attr("paired", bool, False), Attr("gain", bool, False)),
+    quantized=("weight",),
     flops=lambda sig: matmul_flops(sig) + 4 * numel(sig.out_shape), bytes=_linear_bytes,
     template="matmul", arity=(2, -1),
     docs={"x": "activations", "x1": "first operand", "x2": "second operand",
-          "weight": "weight, K-contiguous"}))
+          "weight": "weight, K-contiguous", "gain": "a gain over K applied to x as it is read"}))
 
 
 # ---- mixture of experts: only routed experts are computed, and costs count only them ------
@@ -191,7 +217,7 @@ def _router_infer(sig: Sig) -> tuple[Shape, str]:
 def _router(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     """Mixtral's: softmax over experts, the top k kept (renormalized if asked), the rest zero."""
     x = a["x"]
-    logits = F.linear(x.float(), a["weight"].float()) if "weight" in a else x
+    logits = F.linear(x.float(), dense(a["weight"]).float()) if "weight" in a else x
     top, idx = torch.softmax(logits.float(), dim=-1).topk(at["top_k"], dim=-1)
     if at["normalize"]:
         top = top / top.sum(dim=-1, keepdim=True)
@@ -205,7 +231,8 @@ register(OpDef(
     lambda attrs, n: ["x", "weight"][:max(1, min(n, 2))], _router_infer, _router,
     attrs=(Attr("top_k", int, at_least=1), Attr("normalize", bool)),
     flops=lambda sig: matmul_flops(sig) if sig.has("weight") else 6 * numel(sig.out_shape),
-    template="moe", arity=(1, 2), docs={"x": "activations", "weight": "router weight"}))
+    template="moe", arity=(1, 2), quantized=("weight",),
+    docs={"x": "activations", "weight": "router weight"}))
 
 
 def selected_experts(gates: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -229,10 +256,11 @@ def moe_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
         tok, slot = torch.nonzero(pairs == e, as_tuple=True)
         if not len(tok):      # unrouted: its weights are not even converted to f32
             continue
+        we = dense(w.rows(e, e + 1), x.dtype)[0] if isinstance(w, QTensor) else w[e]
         if up:
-            acc[tok, slot] = F.linear(rows[tok].float(), w[e].float())
+            acc[tok, slot] = F.linear(rows[tok].float(), we.float())
         else:
-            acc.index_add_(0, tok, F.linear(rows[tok, slot].float(), w[e].float())
+            acc.index_add_(0, tok, F.linear(rows[tok, slot].float(), we.float())
                            * g[tok, e, None])
     acc = acc.reshape(*_tokens(x.shape, up), *((k, n) if up else (n,)))
     rest = list(a.values())[3:]
@@ -278,7 +306,7 @@ register(OpDef(
     lambda attrs, n: ["x", "gates", "weight", *epilogue_roles(attrs)], _moe_infer, moe_linear,
     attrs=(Attr("stage", str, choices=("up", "down")), Attr("top_k", int, at_least=1), EPILOGUE),
     flops=lambda sig: 2 * routed_pairs(sig) * sig.shape("weight")[1] * sig.shape("weight")[2],
-    bytes=_moe_bytes, template="moe", arity=(3, -1),
+    bytes=_moe_bytes, template="moe", arity=(3, -1), quantized=("weight",),
     docs={"x": "activations, or one row per (token, slot)", "gates": "dense gates",
           "weight": "expert weights"}))
 

@@ -1,0 +1,184 @@
+"""A quantized tensor: its scheme, its logical shape [..., N, K] and its stored parts
+(`archc.quant.schemes` says what each part holds). Operations that only move whole rows — take
+rows, concatenate or stack along a leading dim, permute rows — apply to every part alike, so a
+merged or reordered weight stays quantized; anything that would change a value dequantizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from archc.errors import WeightsError
+from archc.quant.schemes import SCHEMES, SUPER, Scheme
+
+PART_DTYPES: dict[str, torch.dtype] = {"i8": torch.int8, "u8": torch.uint8,
+                                       "f16": torch.float16, "f32": torch.float32}
+
+
+class QTensor:
+    """A weight kept quantized: `scheme` names the layout, `parts` hold its bits."""
+
+    def __init__(self, scheme: str | Scheme, shape: Sequence[int],
+                 parts: Mapping[str, torch.Tensor]) -> None:
+        self.scheme = SCHEMES[scheme] if isinstance(scheme, str) else scheme
+        self.shape = torch.Size(shape)
+        self.parts = dict(parts)
+        if len(self.shape) < 2:
+            raise WeightsError(f"a {self.scheme.name} tensor is at least 2-D, got "
+                               f"{list(self.shape)}")
+        want = self.scheme.part_shapes(self.shape[-2], self.shape[-1])
+        if set(want) != set(self.parts):
+            raise WeightsError(f"a {self.scheme.name} tensor has parts {sorted(want)}, got "
+                               f"{sorted(self.parts)}")
+        for name, ((rows, cols), dtype) in want.items():
+            p = self.parts[name]
+            if tuple(p.shape) != (*self.shape[:-2], rows, cols) or p.dtype != PART_DTYPES[dtype]:
+                raise WeightsError(f"part {name!r} of a {self.scheme.name}{list(self.shape)} "
+                                   f"tensor is {p.dtype}{list(p.shape)}, expected "
+                                   f"{PART_DTYPES[dtype]}{[*self.shape[:-2], rows, cols]}")
+
+    # ---- what a tensor answers ----------------------------------------------------------
+    @property
+    def dtype(self) -> str:
+        """The IR dtype of the tensor: its scheme's name."""
+        return self.scheme.name
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts["q"].device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parts.values())
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        return f"QTensor({self.scheme.name}, {list(self.shape)}, {self.nbytes:,} bytes)"
+
+    def to(self, device: str | torch.device | None = None) -> QTensor:
+        if device is None or torch.device(device) == self.device:
+            return self
+        return self._map(lambda p: p.to(device))
+
+    # ---- values ---------------------------------------------------------------------------
+    def codes(self) -> torch.Tensor:
+        """The integer codes c [..., N, K] (int32), high bits joined to low."""
+        k, s = self.shape[-1], self.scheme
+        q = self.parts["q"]
+        if s.bits == 8:
+            return q.to(torch.int32)
+        low = torch.stack([q & 0x0F, q >> 4], dim=-1).flatten(-2)[..., :k].to(torch.int32)
+        if not s.high_bits:
+            return low
+        per_byte = 8 // s.high_bits
+        shifts = torch.arange(per_byte, dtype=torch.uint8, device=q.device) * s.high_bits
+        high = (self.parts["qh"][..., None] >> shifts) & ((1 << s.high_bits) - 1)
+        return low | (high.flatten(-2)[..., :k].to(torch.int32) << 4)
+
+    def _per_element(self, part: str, group: int) -> torch.Tensor:
+        """A per-group part as f32, repeated over each group's elements: [..., N, K]."""
+        k = self.shape[-1]
+        return self.parts[part].float().repeat_interleave(min(group, k), dim=-1)[..., :k]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The values, computed in f32 in the order the module docstring gives, then cast."""
+        s = self.scheme
+        c = self.codes()
+        if s.two_level:
+            scale = self._per_element("d", SUPER) * self._per_element("sc", s.group)
+        else:
+            scale = self._per_element("scale", s.group)
+        v = scale * (c - s.zero).float()
+        if s.offset == "f16":
+            v = v + self._per_element("min", s.group)
+        elif s.offset == "super":
+            v = v - self._per_element("dmin", SUPER) * self._per_element("mn", s.group)
+        return v.to(dtype)
+
+    def float(self) -> torch.Tensor:
+        return self.dequantize(torch.float32)
+
+    # ---- moving whole rows ------------------------------------------------------------------
+    def _map(self, fn, shape: Sequence[int] | None = None) -> QTensor:  # noqa: ANN001
+        parts = {k: fn(p) for k, p in self.parts.items()}
+        lead = next(iter(parts.values())).shape[:-1]
+        return QTensor(self.scheme, shape or (*lead, self.shape[-1]), parts)
+
+    def _lead_dim(self, dim: int) -> int:
+        dim = dim % self.dim()
+        if dim == self.dim() - 1:
+            raise WeightsError(f"a {self.scheme.name} tensor moves whole rows; dim {dim} is "
+                               "its packed K")
+        return dim
+
+    def index_select(self, dim: int, index: torch.Tensor) -> QTensor:
+        d = self._lead_dim(dim)
+        return self._map(lambda p: p.index_select(d, index.to(p.device)).contiguous())
+
+    def rows(self, start: int = 0, stop: int | None = None) -> QTensor:
+        return self._map(lambda p: p[start:stop].contiguous())
+
+    def take(self, ids: torch.Tensor) -> QTensor:
+        """Rows of a 2-D table by integer ids of any shape: [*ids, K] (an embedding gather)."""
+        flat = ids.reshape(-1).to(self.device)
+        out = self._map(lambda p: p.index_select(0, flat))
+        return QTensor(self.scheme, (*ids.shape, self.shape[-1]),
+                       {k: p.reshape(*ids.shape, p.shape[-1]) for k, p in out.parts.items()})
+
+    def reshape_rows(self, lead: Sequence[int]) -> QTensor:
+        """The same rows under other leading dims ([E·N, K] ↔ [E, N, K])."""
+        return self._map(lambda p: p.reshape(*lead, p.shape[-1]).contiguous(),
+                         (*lead, self.shape[-1]))
+
+    @staticmethod
+    def cat(tensors: Sequence[QTensor], dim: int = 0) -> QTensor:
+        first = tensors[0]
+        if any(t.scheme != first.scheme for t in tensors):
+            raise WeightsError("cannot join weights of different schemes: "
+                               + ", ".join(t.scheme.name for t in tensors))
+        dim = dim % first.dim()
+        if dim < first.dim() - 1:
+            return QTensor(first.scheme, (*first.shape[:dim], sum(t.shape[dim] for t in tensors),
+                                          *first.shape[dim + 1:]),
+                           {k: torch.cat([t.parts[k] for t in tensors], dim=dim)
+                            for k in first.parts})
+        # along K: every weight but the last must end on a whole group, super-block and byte
+        if any(t.shape[-1] % first.scheme.align for t in tensors[:-1]):
+            raise WeightsError(f"cannot join {first.scheme.name} weights along K: K = "
+                               f"{[t.shape[-1] for t in tensors]} must be multiples of "
+                               f"{first.scheme.align}")
+        return QTensor(first.scheme, (*first.shape[:-1], sum(t.shape[-1] for t in tensors)),
+                       {k: torch.cat([t.parts[k] for t in tensors], dim=-1) for k in first.parts})
+
+    @staticmethod
+    def stack(tensors: Sequence[QTensor], dim: int = 0) -> QTensor:
+        first = tensors[0]
+        if any(t.scheme != first.scheme or t.shape != first.shape for t in tensors):
+            raise WeightsError("cannot stack weights of different schemes or shapes")
+        dim = dim % (first.dim() + 1)
+        if dim >= first.dim():
+            raise WeightsError("quantized weights stack along a leading dim")
+        shape = (*first.shape[:dim], len(tensors), *first.shape[dim:])
+        return QTensor(first.scheme, shape,
+                       {k: torch.stack([t.parts[k] for t in tensors], dim=dim)
+                        for k in first.parts})
+
+
+Weight = torch.Tensor | QTensor
+
+
+def dense(w: Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A weight as a plain tensor: a quantized one dequantized into `dtype` (what eager reads)."""
+    return w.dequantize(dtype) if isinstance(w, QTensor) else w
+
+
+def tensor_bytes(w: Weight) -> int:
+    """Bytes a weight holds in memory, quantized or not."""
+    return w.nbytes if isinstance(w, QTensor) else w.numel() * w.element_size()
