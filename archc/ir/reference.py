@@ -6,6 +6,7 @@ from __future__ import annotations
 from archc.ir.attrs import REQUIRED, Attr, Call, format_value
 from archc.ir.ops import KERNEL_LEVEL, META, OP_TABLE, VIEW, Op
 from archc.ir.ops.base import RECURRENT, OpDef
+from archc.quant.schemes import SCHEMES
 
 # the sections after "Unfused" (every op in none of these): title, what they hold, their ops
 GROUPS = (
@@ -54,7 +55,24 @@ def reference() -> str:
     for title, why, members in (("Unfused", "What lowering emits from a spec: faithful to the "
                                  "model, one operation each.", set(Op) - grouped), *GROUPS):
         lines += [f"## {title}", "", why, "", *_table([op for op in Op if op in members]), ""]
-    return "\n".join(lines)
+    return "\n".join(lines + _schemes())
+
+
+def _schemes() -> list[str]:
+    """The quantization schemes a param's dtype may name, and the operands that may read one."""
+    readers = ", ".join(f"`{op.value}` {' and '.join(f'`{r}`' for r in d.quantized)}"
+                        for op, d in OP_TABLE.items() if d.quantized)
+    lines = ["## Quantized weights", "",
+             "A param's dtype may be a quantization scheme: the weight stays quantized in memory "
+             "and the kernel that reads it dequantizes inside its K loop. The stored layout and "
+             "the formula of a value are in `archc/quant/schemes.py`. Only these operands may "
+             f"read a quantized param: {readers}.", "",
+             "| dtype | code bits | group | bytes per element | stores |", "|---|---|---|---|---|"]
+    for name, s in SCHEMES.items():
+        group = "row" if s.group >= 1 << 30 else str(s.group)
+        lines.append(f"| `{name}` | {s.bits} | {group} | {float(s.bytes_per_element):.4g} | "
+                     f"{s.summary} |")
+    return [*lines, ""]
 
 
 if __name__ == "__main__":

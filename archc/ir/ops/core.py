@@ -99,8 +99,8 @@ register(OpDef(
                                               + DTYPE_BYTES[sig.out_dtype])
     + numel(sig.shape("ids")) * DTYPE_BYTES["i64"],
     template="embedding", arity=(2, 2), quantized=("table",),
-    docs={"ids": "integer ids, one per row", "table": "the table (rows of any dtype, or "
-          "quantized: then `dtype` is the rows' dtype)"}))
+    docs={"ids": "integer ids, one per row",
+          "table": "table, or a quantized one (`dtype`: its rows' dtype)"}))
 
 
 def matmul_flops(sig: Sig) -> sympy.Expr:
