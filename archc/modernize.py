@@ -297,6 +297,11 @@ def convert(call: StepCall, before: Spec, after: Spec,
     if not call.step.converts_weights:
         raise StepError(f"{call.text} changes what the weights compute and needs training; "
                         "only gqa:N, mqa and no-bias convert a loaded checkpoint")
+    quantized = sorted(k for k, w in weights.items() if not isinstance(w, torch.Tensor))
+    if quantized:
+        raise StepError(f"{call.text} converts float weights; {quantized[0]} and "
+                        f"{len(quantized) - 1} more are quantized: convert the float "
+                        "checkpoint, then quantize the result")
     out, report = dict(weights), Conversion()
     if call.step.name in ("gqa", "mqa"):
         old, new = before.attention.kv_heads, after.attention.kv_heads

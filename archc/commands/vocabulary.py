@@ -164,7 +164,7 @@ def markdown(parser: argparse.ArgumentParser) -> str:
         spelled = ", ".join(f"`{n}`" for n in flag.names) if flag.names[0].startswith("-") \
             else f"`{flag.metavar}`"
         if "choices" in flag.argparse:
-            spelled += " " + "\\|".join(flag.argparse["choices"])
+            spelled += " " + "\\|".join(map(str, flag.argparse["choices"]))
         elif flag.names[0].startswith("-") and flag.metavar:
             spelled += f" {flag.metavar}"
         lines.append(f"| {spelled} | {flag.meaning} | {', '.join(users[name]) or '—'} |")
