@@ -8,7 +8,7 @@ from collections import Counter
 
 from rich.markup import escape
 
-from archc.commands.common import spec_of
+from archc.commands.common import quant_of
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
 from archc.ir.lower import lower
@@ -21,6 +21,14 @@ from archc.ui import console, nbytes, si, table
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "passes", default="default", detail="Passes: " + known(pipelines=False))
     add(p, "dtype")
+    add_quant_arguments(p)
+
+
+def add_quant_arguments(p: argparse.ArgumentParser) -> None:
+    """--quantize and --group: lower the program with the weights `archc.load(quantize=...)`
+    would quantize held in their scheme (a quantized source's own schemes without them)."""
+    add(p, "quantize", detail="here: price the weights as they would be quantized")
+    add(p, "group", detail="default 128")
 
 
 def add_dims_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,10 +60,10 @@ def run(args: argparse.Namespace) -> int:
     if args.source is None:
         raise ArchcError("give a SOURCE (a zoo name, spec YAML, HF directory or .gguf file), "
                          "or --list")
-    spec = spec_of(args)
+    spec, quant = quant_of(args)
     dtype = args.dtype or spec.dtype
     at = dims(args.batch, args.prompt_len, args.past, args.encoder_len)
-    result = run_pipeline(lower(spec, dtype), args.passes)
+    result = run_pipeline(lower(spec, dtype, quant), args.passes)
     where = f"B={at['B']}, T={at['T']}, P={at['P']}" + (
         f", S={at['S']}" if spec.family == "encoder-decoder" else "")
     rows = [("", "lowered", "", stats(result.initial, at), "unfused")]

@@ -39,8 +39,8 @@ class Source:
 
 def describe(source: str | Path) -> Source:
     """The kind, spec and tokenizer presence of any source: an HF directory's config, a GGUF
-    file's metadata, an archc checkpoint directory's spec, an archc quantized file's metadata, a spec
-    file or zoo name."""
+    file's metadata, an archc checkpoint directory's spec, an archc quantized file's metadata,
+    a spec file or zoo name."""
     path = Path(source)
     if is_gguf(path):
         f = GGUFFile(path)
