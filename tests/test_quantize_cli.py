@@ -248,3 +248,31 @@ def test_quant_schemes_of_a_loaded_file_match_the_header(tmp_path: Path) -> None
     path = _quantize(tmp_path, "--quantize", "int4", "--group", "32")
     assert quant_schemes(archc.load(path).weights) == \
         {k: s for k, (s, _) in read_header(path)[1].items()}
+
+
+def test_bench_prices_the_quantized_model_beside_the_dense_one() -> None:
+    from archc.cli import build_parser
+    from archc.commands.bench import config_of
+    from archc.perf.bench import decode_steps_floor, quantized, random_checkpoint
+    from archc.perf.summary import quant_line
+    args = build_parser().parse_args(["bench", "tiny-llama3", "--dry-run", "--quantize", "int4",
+                                      "--group", "32"])
+    cfg = config_of(args)
+    assert cfg.quant == "int4_g32"
+    dense = lower(cfg.spec, cfg.dtype)
+    program, checkpoint = quantized(cfg, dense, random_checkpoint(dense, cfg.device, 0))
+    names = quantizable(dense)
+    assert quant_schemes(checkpoint) == dict.fromkeys(names, "int4_g32")
+    assert {n.dtype for g in program for n in g if n.name in names} == {"int4_g32"}
+    q, d = (decode_steps_floor(cfg, p, cfg.prompt) for p in (program, dense))
+    assert q["weight_bytes"] < d["weight_bytes"] and q["kv_bytes_mean"] == d["kv_bytes_mean"]
+    line = quant_line(cfg.quant, cfg.dtype, q, d)
+    assert f"{d['floor_seconds'] / q['floor_seconds']:.2f}×" in line
+
+
+def test_bench_without_a_gpu_refuses_quantize_as_it_refuses_any_run(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    capsys.readouterr()
+    assert main(["bench", "llama3-8b", "--quantize", "int4"]) == 2
+    assert "no CUDA GPU here" in capsys.readouterr().err
