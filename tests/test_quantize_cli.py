@@ -25,6 +25,8 @@ from archc.runtime.eager import EagerSession
 from archc.runtime.weights import quant_schemes, quantizable
 from archc.sources import describe
 from archc.spec import load_spec
+from tests.model_files import tiny_gguf  # noqa: F401  (a fixture)
+from tests.test_sources_cli import INSPECTION
 
 
 def _quantize(tmp_path: Path, *flags: str, source: str = "tiny-llama3") -> Path:
@@ -276,3 +278,42 @@ def test_bench_without_a_gpu_refuses_quantize_as_it_refuses_any_run(
     capsys.readouterr()
     assert main(["bench", "llama3-8b", "--quantize", "int4"]) == 2
     assert "no CUDA GPU here" in capsys.readouterr().err
+
+
+# compile generates kernels (the triton backend's part); modernize converts float weights
+@pytest.mark.parametrize("command", [c for c in INSPECTION if c not in ("compile", "modernize")])
+def test_inspection_commands_read_a_quantized_file(command: str, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = _quantize(tmp_path, "--quantize", "int4", "--group", "32")
+    capsys.readouterr()
+    assert main([command, str(path), *INSPECTION[command]]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "error" not in err
+
+
+def test_run_reads_a_quantized_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _quantize(tmp_path, "--quantize", "int8")
+    capsys.readouterr()
+    argv = ["--backend", "eager", "--prompt-len", "3", "--new-tokens", "2", "--quiet"]
+    assert main(["run", str(path), *argv]) == 0
+    from_file = capsys.readouterr().out
+    assert main(["run", "tiny-llama3", "--quantize", "int8", *argv]) == 0
+    from_spec = capsys.readouterr().out
+    # the same numbers and tokens; only the title line says where the weights came from
+    assert " ".join(from_file.split()).split("tokens", 1)[1] == \
+        " ".join(from_spec.split()).split("tokens", 1)[1]
+    assert "weights from" in from_file
+
+
+def test_a_gguf_file_is_written_as_it_loads(tiny_gguf: Path, tmp_path: Path) -> None:  # noqa: F811
+    path = _quantize(tmp_path, source=str(tiny_gguf))
+    want, got = archc.load(tiny_gguf), archc.load(path)
+    assert got.quant == want.quant and got.spec == want.spec
+    for name, w in want.weights.items():
+        g = got.weights[name]
+        if isinstance(w, QTensor):
+            assert all(torch.equal(g.parts[k], w.parts[k]) for k in w.parts), name
+        else:
+            assert torch.equal(g, w), name
