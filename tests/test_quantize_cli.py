@@ -214,7 +214,7 @@ def test_roofline_quantize_buys_the_expected_decode_floor(
     g = GPUS["h200"]
     out = _floor_line(capsys, "--quantize", "int4", "--passes", "none")
     floors = {}
-    for scheme in (None, "int4_g128"):
+    for scheme in (None, "int4_g128", "int8_ch"):
         program = lower(spec, spec.dtype, {} if scheme is None else dict.fromkeys(linear,
                                                                                  scheme))
         floors[scheme] = decode_floor(program, g, 1, 64)

@@ -48,6 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_dims_arguments(p)
 
 
+def _weights(quant: dict[str, str]) -> str:
+    """`, weights int4_g128 ×225` when weights are quantized."""
+    counts = Counter(quant.values()).most_common()
+    return ", weights " + ", ".join(f"{s} ×{n}" for s, n in counts) if counts else ""
+
+
 def run(args: argparse.Namespace) -> int:
     if args.list:
         columns = ("pass", "kind", "in default", "what it does")
@@ -73,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
                    f": {op_delta(step.before, step.after)}") if step.changed else "not applied"
         rows.append((str(k), step.name, step.kind, stats(step.after, at), changed))
     console.print(table(
-        f"{spec.name}: pass pipeline ({dtype}; costs per new token at {where})",
+        f"{spec.name}: pass pipeline ({dtype}{_weights(quant)}; costs per new token at "
+        f"{where})",
         ("#", "pass", "kind", "nodes", "kernels", "params", "FLOPs/token", "bytes/token",
          "changed"),
         [(num, name, kind, str(st.nodes), str(st.kernels), si(st.params),

@@ -13,6 +13,7 @@ from archc.commands.vocabulary import add
 from archc.ir import cost
 from archc.ir.graph import Program
 from archc.ir.lower import lower
+from archc.quant.schemes import is_quantized
 from archc.spec.schema import Spec
 from archc.ui import console, nbytes, si
 
@@ -66,9 +67,12 @@ def _ffn(s: Spec) -> str:
            if ffn.moe else "") + (", biases" if ffn.bias else "")
 
 
-def _weights(program: Program) -> str:
-    """Resident weight bytes and what holds them: `88.43 MiB (q4_1 ×30 tensors, f32 ×61)`."""
+def _weights(program: Program, dtype: str) -> str:
+    """Resident weight bytes and what holds them: `14.96 GiB in bf16`, or with quantized
+    weights `88.43 MiB (q4_1 ×30 tensors, f32 ×61)`."""
     kinds = cost.parameter_dtypes(program)
+    if not any(is_quantized(k) for k in kinds):
+        return f"{nbytes(cost.parameter_bytes(program))} in {dtype}"
     held = ", ".join(f"{dtype} ×{n}" + (" tensors" if k == 0 else "")
                      for k, (dtype, n) in enumerate(kinds.items()))
     return f"{nbytes(cost.parameter_bytes(program))} ({held})"
@@ -94,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
              if s.family != "encoder" else str(s.vocab_size)),
             ("", ""),
             ("parameters", f"{params:,} ({si(params)})"),
-            ("weights", _weights(program))]
+            ("weights", _weights(program, s.dtype))]
     empty, full = {"B": 1, "T": 1, "P": 0, "S": 1}, {"B": 1, "T": 1, "P": s.max_seq_len - 1,
                                                      "S": s.max_seq_len}
     for g in program:
