@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 import archc.native as native
+import archc.quant.file as quantized_file
 import archc.sources as sources
 from archc.devices import dtype_name
 from archc.errors import ArchcError
@@ -24,6 +25,7 @@ SOURCES: list[tuple[Callable[[Path], bool], Callable[..., Model]]] = [
     (native.is_native, native.load),
     (sources.is_gguf, sources.load_gguf),
     (sources.is_hf_dir, sources.load_hf),
+    (quantized_file.is_quantized_file, quantized_file.load_model),
 ]
 
 
@@ -35,7 +37,8 @@ def from_spec(spec: Spec, *, seed: int = 0, dtype: str | torch.dtype = "f32") ->
 def load(source: str | Path, *, seed: int = 0, dtype: str | torch.dtype | None = None,
          progress: Progress | None = None, quantize: str | None = None, group: int = 128,
          dequantize: bool = False) -> Model:
-    """A zoo name, spec YAML, HF directory, GGUF file or archc checkpoint directory → a Model
+    """A zoo name, spec YAML, HF directory, GGUF file, archc checkpoint directory or archc
+    quantized file (`archc quantize`) → a Model
     (random weights for specs). `dtype`: hold the weights in this dtype (default: f32 for
     random and dequantised GGUF weights, the stored dtype for safetensors). `progress(done,
     total)` is called as weights load. A GGUF file's quantized tensors stay quantized unless

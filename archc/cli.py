@@ -14,7 +14,8 @@ from archc import __version__
 from archc.errors import ArchcError
 
 COMMAND_MODULES = ("specs", "show", "ir", "passes", "explain", "diff", "compile", "roofline",
-                   "export_spec", "modernize", "run", "chat", "validate", "bench", "cache")
+                   "export_spec", "modernize", "quantize", "run", "chat", "validate", "bench",
+                   "cache")
 
 # Flags of earlier versions, and what to write instead
 RENAMED = {
@@ -46,7 +47,8 @@ def build_parser() -> Parser:
         description="A compiler for transformer architectures: spec → IR → passes → Triton "
                     "kernels, validated against an eager PyTorch interpreter.",
         epilog="SOURCE, wherever a command takes a model, is a zoo name (`archc specs`), a spec "
-               "YAML, a Hugging Face directory, a .gguf file or an archc checkpoint directory. "
+               "YAML, a Hugging Face directory, a .gguf file, an archc checkpoint directory or a "
+               "quantized .safetensors file (`archc quantize`). "
                "Run `archc COMMAND --help` for a command's options; the flags commands share "
                "mean the same everywhere (README: 'One vocabulary').")
     parser.add_argument("--version", action="version", version=f"archc {__version__}")

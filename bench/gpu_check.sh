@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The GPU check: the GPU-relevant tests on the GPU (f32, f16 and bf16), then `archc bench` for
-# tiny-llama3 and for llama3-8b (its first blocks), in at most 8 minutes, with no network. The
+# tiny-llama3 and for llama3-8b (its first blocks), dense and with its weights quantized (int4,
+# int8), in at most 9½ minutes, with no network. The
 # llama3-8b bench measures prefill at 2048 tokens: each fused matmul against torch.matmul on the
 # same GEMM and against the unfused sequence, attention against scaled_dot_product_attention and,
 # in TFLOP/s, against FlashAttention-3's published forward figure, and (autotuning on) the
 # autotune cache's first-run cost; and batch-1 decode at contexts 512 and 2048 (`--contexts`):
 # archc's tokens/s against the bandwidth bound of the blocks kept and the head, against
 # torch.compile in the same run, and decode attention against a copy of the same KV bytes.
+# Quantized (`--quantize int4`, then `int8`): batch-1 decode of the quantized model against the
+# decode floor of its quantized bytes and against the bf16 model's floor.
 #
 #   bench/gpu_check.sh              on a machine with a CUDA GPU, torch and triton
 #   bench/gpu_check.sh --dry-run    the same stages on a CPU: a small test selection and
@@ -21,11 +24,13 @@
 #   *_tests.log      pytest output;  *_tests.xml  its JUnit report (when pytest finished)
 #   *_<spec>.json    the bench report (saved after every section, so a cut run keeps its part)
 #   *_<spec>.log     the bench tables and progress lines
+#   *_<spec>-int4.json, *_<spec>-int8.json, *_<spec>-quantized.log   the quantized benches
 #
 # Optional environment: PYTHON (default python3), OUT, ARCHC_GPU_CHECK_RESULTS (results
 # directory), ARCHC_GPU_CHECK_TESTS (pytest selection, space-separated), ARCHC_GPU_CHECK_BUDGET
-# (total seconds, default 470), ARCHC_GPU_CHECK_BUDGET_TESTS / _TINY / _BIG (each stage's
-# limit, default 160 / 60 / 270, cut to what is left of the total), ARCHC_GPU_CHECK_LAYERS
+# (total seconds, default 560), ARCHC_GPU_CHECK_BUDGET_TESTS / _TINY / _BIG / _QUANT (each
+# stage's limit, default 160 / 60 / 270 / 90, cut to what is left of the total),
+# ARCHC_GPU_CHECK_LAYERS
 # (llama3-8b blocks kept, default 4), ARCHC_BENCH_EXTRA (extra flags for every `archc bench`).
 
 set -u
@@ -41,7 +46,7 @@ esac
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 2
 PY="${PYTHON:-python3}"
-BUDGET="${ARCHC_GPU_CHECK_BUDGET:-470}"     # seconds for everything, the summary included
+BUDGET="${ARCHC_GPU_CHECK_BUDGET:-560}"     # seconds for everything, the summary included
 RESERVE=15                                  # kept back for the summary and copies
 GRACE=10                                    # a stage gets TERM, then KILL this much later
 LAYERS="${ARCHC_GPU_CHECK_LAYERS:-4}"
@@ -61,7 +66,9 @@ if [[ "$DRY_RUN" == 1 ]]; then
     BIG_SPEC="tiny-mistral"
     # contexts past the prompt, the second past tiny-mistral's window of 8
     BIG_ARGS=(tiny-mistral --layers 1 --prompt-len 8 --new-tokens 4 --contexts 12 20)
-    BUDGETS=(120 90 90)
+    QUANT_ARGS=(tiny-mistral --layers 1 --prompt-len 8 --new-tokens 4 --no-kernels
+                --compile-modes none)
+    BUDGETS=(120 90 90 90)
 else
     # archc chooses Triton's interpreter only for a CPU device; a stray setting would stop it
     unset TRITON_INTERPRET
@@ -91,12 +98,16 @@ tests/test_bench.py tests/test_roofline.py}"
     # prefill at 2048 tokens: the length FlashAttention-3's published figure is compared at
     BIG_ARGS=(llama3-8b --layers "$LAYERS" --prompt-len 2048 --new-tokens 64
               --contexts 512 2048)
-    BUDGETS=(160 60 270)
+    # quantized: whole-model decode only, no tuning (the dense run above shows the kernels)
+    QUANT_ARGS=(llama3-8b --layers "$LAYERS" --prompt-len 512 --new-tokens 64 --no-kernels
+                --compile-modes none --no-autotune)
+    BUDGETS=(160 60 270 90)
 fi
 read -r -a EXTRA <<< "${ARCHC_BENCH_EXTRA:-}"
 BUDGET_TESTS="${ARCHC_GPU_CHECK_BUDGET_TESTS:-${BUDGETS[0]}}"
 BUDGET_TINY="${ARCHC_GPU_CHECK_BUDGET_TINY:-${BUDGETS[1]}}"
 BUDGET_BIG="${ARCHC_GPU_CHECK_BUDGET_BIG:-${BUDGETS[2]}}"
+BUDGET_QUANT="${ARCHC_GPU_CHECK_BUDGET_QUANT:-${BUDGETS[3]}}"
 
 SLUG="$(printf '%s' "$GPU_NAME" | tr '[:upper:]' '[:lower:]' | tr -c 'a-z0-9' '-' \
         | tr -s '-' | sed 's/^-//; s/-$//')"
@@ -314,6 +325,16 @@ run_stage "bench $BIG_SPEC" "$BUDGET_BIG" "$RESULTS/${PREFIX}_${BIG_SPEC}.log" \
     "$PY" -m archc.cli bench "${BIG_ARGS[@]}" \
     ${BENCH_FLAGS[@]+"${BENCH_FLAGS[@]}"} ${EXTRA[@]+"${EXTRA[@]}"} \
     -o "$RESULTS/${PREFIX}_${BIG_SPEC}.json"
+# both quantized benches in one stage and one log; int8 runs even when int4 fails
+# shellcheck disable=SC2016  # the variables belong to the inner shell
+run_stage "bench quantized" "$BUDGET_QUANT" "$RESULTS/${PREFIX}_${BIG_SPEC}-quantized.log" \
+    bash -c 'py="$1" out="$2"; shift 2; rc=0
+        for kind in int4 int8; do
+            echo "== archc bench --quantize $kind"
+            "$py" -m archc.cli bench "$@" --quantize "$kind" -o "$out-$kind.json" || rc=$?
+        done
+        exit "$rc"' bash "$PY" "$RESULTS/${PREFIX}_${BIG_SPEC}" "${QUANT_ARGS[@]}" \
+    ${BENCH_FLAGS[@]+"${BENCH_FLAGS[@]}"} ${EXTRA[@]+"${EXTRA[@]}"}
 
 finish
 exit $?

@@ -33,7 +33,7 @@ case "$args" in
         exit 1 ;;
     *"bench tiny-llama3"*) echo $$ > "$FAKE_PIDFILE"; exec sleep 60 ;;
     *"bench tiny-mistral"*)
-        echo "$args" > "$FAKE_ARGS"
+        echo "$args" >> "$FAKE_ARGS"
         json="${@: -1}"
         cp "$FAKE_REPORT" "$json"
         echo "bench tables"
@@ -151,7 +151,13 @@ def test_stages_fail_time_out_and_still_report(tmp_path: Path) -> None:
     assert all(f.startswith(prefix) for f in files)
     assert {f.removeprefix(prefix) for f in files} == {
         "_summary.txt", "_tests.log", "_tiny-llama3.log", "_tiny-mistral.json",
-        "_tiny-mistral.log"}
+        "_tiny-mistral.log", "_tiny-mistral-quantized.log", "_tiny-mistral-int4.json",
+        "_tiny-mistral-int8.json"}
+    # the quantized benches: int4 then int8, each its own report
+    assert re.search(r"bench quantized\s+ok", text)
+    calls = (tmp_path / "args").read_text().splitlines()
+    assert [c.split("--quantize ")[1].split()[0] for c in calls if "--quantize" in c] == \
+        ["int4", "int8"]
     assert sorted(p.name for p in results.iterdir()) == files
 
 

@@ -27,6 +27,7 @@ from archc.perf.gpus import GPUS, gpu
 from archc.perf.summary import fmt_percent as _pct
 from archc.perf.summary import fmt_ratio as _x
 from archc.perf.summary import fmt_seconds as _t
+from archc.perf.summary import quant_line
 from archc.ui import console, err_console, si, table
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
@@ -54,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "new_tokens", detail=f"the decode steps timed: default {GPU_RUN['decode']}; "
         f"{DRY_RUN['decode']} in a dry run")
     add(p, "dtype")
+    add(p, "quantize", detail="here: archc runs the quantized model; PyTorch and the dense "
+        "decode floor stay in --dtype")
+    add(p, "group", detail="default 128")
     p.add_argument("--compile-modes", default=",".join(COMPILE_MODES), metavar="MODES",
                    help="torch.compile modes to measure, comma-separated, or none "
                         f"(default {','.join(COMPILE_MODES)})")
@@ -118,7 +122,17 @@ def config_of(args: argparse.Namespace) -> Any:
         copy_mib=4 if dry else 1024, matmul_size=128 if dry else 8192, dry_run=dry,
         autotune=not args.no_autotune, seed=args.seed,
         layers_of_spec=full.layers if spec.layers != full.layers else None,
-        kernel_section=not args.no_kernels, cache_dir=args.cache_dir, contexts=contexts)
+        kernel_section=not args.no_kernels, cache_dir=args.cache_dir, contexts=contexts,
+        quant=quant_scheme(args))
+
+
+def quant_scheme(args: argparse.Namespace) -> str | None:
+    """The scheme --quantize and --group name (None without --quantize)."""
+    if args.group is not None and args.quantize != "int4":
+        raise ArchcError("--group sets int4 groups: give it with --quantize int4")
+    if args.quantize is None:
+        return None
+    return "int8_ch" if args.quantize == "int8" else f"int4_g{args.group or 128}"
 
 
 def run_host(args: argparse.Namespace) -> int:
@@ -212,6 +226,8 @@ def print_report(data: dict[str, Any]) -> None:
             lambda r: [f"{r['step_seconds'] * 1e3:.3f}", f"{r['tokens_per_second']:,.1f}",
                        si(r["bandwidth"], "B/s"), _pct(r["floor_fraction"]),
                        _pct(r.get("copy_fraction"))]))
+    if dense := dec.get("dense_floor"):
+        console.print(quant_line(data["quantize"], data["dtype"], dec, dense))
     for c in data["model"].get("contexts", []):
         _print_context(c)
     if goals := data.get("goals"):

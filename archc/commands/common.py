@@ -79,6 +79,26 @@ def spec_of(args: argparse.Namespace, attr: str = "source") -> Spec:
     return describe(getattr(args, attr)).spec
 
 
+def quant_of(args: argparse.Namespace, attr: str = "source") -> tuple[Spec, dict[str, str]]:
+    """The spec of the source named on the command line and the map of its quantized weights
+    (checkpoint tensor → scheme), read without its weights: the source's own quantized tensors,
+    or with --quantize, those `archc.load(quantize=...)` would quantize."""
+    from archc.runtime.weights import quantizable
+    source = describe(getattr(args, attr))
+    quant = dict(source.quant)
+    kind, group = getattr(args, "quantize", None), getattr(args, "group", None)
+    if group is not None and kind != "int4":
+        raise ArchcError("--group sets int4 groups: give it with --quantize int4")
+    if kind is not None:
+        if quant:
+            raise ArchcError(f"{getattr(args, attr)} is already quantized "
+                             f"({', '.join(sorted(set(quant.values())))}); --quantize is for "
+                             "float checkpoints")
+        name = "int8_ch" if kind == "int8" else f"int4_g{group or 128}"
+        quant = {t: name for t in quantizable(lower(source.spec))}
+    return source.spec, quant
+
+
 def check_output(path: Path | None, kind: str, flag: str = "-o") -> None:
     """Refuse, before any work, an output path that cannot be written as a `kind` (file, dir)."""
     if path is None:

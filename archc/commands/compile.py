@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.markup import escape
 
 from archc.codegen.aot import TARGETS
-from archc.commands.common import check_output, spec_of
+from archc.commands.common import check_output, quant_of
 from archc.commands.passes import add_pipeline_arguments
 from archc.commands.vocabulary import add, positive_int
 from archc.errors import ArchcError
@@ -83,11 +83,11 @@ def run(args: argparse.Namespace) -> int:
 
     _check_occupancy_flags(args)
     check_output(args.output, "dir")
-    spec = spec_of(args)
+    spec, quant = quant_of(args)
     dtype = args.dtype or spec.dtype
     if args.occupancy:
-        return _occupancy(args, spec, dtype)
-    gen = generate(optimize(lower(spec, dtype), args.passes),
+        return _occupancy(args, spec, dtype, quant)
+    gen = generate(optimize(lower(spec, dtype, quant), args.passes),
                    CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
     path = write_module(gen, (args.cache_dir or default_cache_dir()) / gen.digest[:24])
     used(path)
@@ -149,7 +149,8 @@ def _aot(path: Path, target: str, jobs: int) -> int:
     return 1 if failed else 0
 
 
-def _occupancy(args: argparse.Namespace, spec: Spec, dtype: str) -> int:
+def _occupancy(args: argparse.Namespace, spec: Spec, dtype: str,
+               quant: dict[str, str]) -> int:
     """The occupancy report (``archc.perf.occupancy``): tables and verdicts, or JSON."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
@@ -164,7 +165,7 @@ def _occupancy(args: argparse.Namespace, spec: Spec, dtype: str) -> int:
     within = [c for c in occ.DEFAULT_CONTEXTS if c <= spec.max_seq_len] or [spec.max_seq_len]
     contexts = sorted(set(args.context or within))
     batch = args.batch or 1
-    recorder, plans = occ.record(lower(spec, dtype), spec, dtype=dtype, batch=batch,
+    recorder, plans = occ.record(lower(spec, dtype, quant), spec, dtype=dtype, batch=batch,
                                  contexts=contexts, gpu=g, cache_dir=args.cache_dir)
     jobs = occ.compile_jobs(plans)
     with Progress("{task.description}", BarColumn(), MofNCompleteColumn(),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from archc.commands.common import spec_of
+from archc.commands.common import quant_of
 from archc.commands.passes import add_dims_arguments, add_pipeline_arguments
 from archc.commands.vocabulary import add
 from archc.ir.lower import lower
@@ -29,12 +29,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    specs = [spec_of(args, "source_a"), spec_of(args, "source_b")]
+    sources = [quant_of(args, "source_a"), quant_of(args, "source_b")]
+    specs = [s for s, _ in sources]
     at = dims(args.batch, args.prompt_len, args.past, args.encoder_len)
     facts = []
-    for s in specs:
+    for s, quant in sources:
         dtype = args.dtype or s.dtype
-        facts.append({**vars(stats(optimize(lower(s, dtype), args.passes), at)),
+        facts.append({**vars(stats(optimize(lower(s, dtype, quant), args.passes), at)),
                       "per_block": kernels_per_layer(s, args.passes, dtype)[1]})
     rows = []
     for label, key, fmt in ROWS:

@@ -6,7 +6,7 @@ import argparse
 import re
 from collections import Counter
 
-from archc.commands.common import spec_of
+from archc.commands.common import quant_of
 from archc.commands.passes import add_pipeline_arguments
 from archc.commands.vocabulary import add
 from archc.ir.lower import lower
@@ -31,8 +31,9 @@ def _same_refusal(d: Decision) -> tuple[str, str, str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = spec_of(args)
-    decisions = run_pipeline(lower(spec, args.dtype or spec.dtype), args.passes).decisions()
+    spec, quant = quant_of(args)
+    decisions = run_pipeline(lower(spec, args.dtype or spec.dtype, quant),
+                             args.passes).decisions()
     refused: dict[tuple[str, str, str, str], list[Decision]] = {}   # same refusal, each node
     for d in decisions:
         if not d.applied:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from archc.commands.common import check_output, emit, spec_of
+from archc.commands.common import check_output, emit, quant_of
+from archc.commands.passes import add_quant_arguments
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
 from archc.ir.graph import Program
@@ -23,6 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--provenance", action="store_true",
                    help="show the spec field that made each node and the passes that rewrote it")
     add(p, "dtype")
+    add_quant_arguments(p)
     add(p, "passes", detail="run it before printing (default: none, or default with "
         "--after, --diff or --print-after-all). Passes: " + known(pipelines=False))
     show = p.add_mutually_exclusive_group()
@@ -41,9 +43,9 @@ def run(args: argparse.Namespace) -> int:
             raise ArchcError(f"{flag}: unknown pass {name!r}; known: {known(pipelines=False)}")
     if args.diff and args.dot:
         raise ArchcError("--diff compares the text form; it does not combine with --dot")
-    spec = spec_of(args)
+    spec, quant = quant_of(args)
     staged = args.after or args.diff or args.print_after_all
-    result = run_pipeline(lower(spec, args.dtype or spec.dtype),
+    result = run_pipeline(lower(spec, args.dtype or spec.dtype, quant),
                           args.passes or ("default" if staged else "none"))
 
     def text(p: Program) -> str:

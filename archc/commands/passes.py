@@ -8,7 +8,7 @@ from collections import Counter
 
 from rich.markup import escape
 
-from archc.commands.common import spec_of
+from archc.commands.common import quant_of
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
 from archc.ir.lower import lower
@@ -21,6 +21,14 @@ from archc.ui import console, nbytes, si, table
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "passes", default="default", detail="Passes: " + known(pipelines=False))
     add(p, "dtype")
+    add_quant_arguments(p)
+
+
+def add_quant_arguments(p: argparse.ArgumentParser) -> None:
+    """--quantize and --group: lower the program with the weights `archc.load(quantize=...)`
+    would quantize held in their scheme (a quantized source's own schemes without them)."""
+    add(p, "quantize", detail="here: price the weights as they would be quantized")
+    add(p, "group", detail="default 128")
 
 
 def add_dims_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,6 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_dims_arguments(p)
 
 
+def _weights(quant: dict[str, str]) -> str:
+    """`, weights int4_g128 ×225` when weights are quantized."""
+    counts = Counter(quant.values()).most_common()
+    return ", weights " + ", ".join(f"{s} ×{n}" for s, n in counts) if counts else ""
+
+
 def run(args: argparse.Namespace) -> int:
     if args.list:
         columns = ("pass", "kind", "in default", "what it does")
@@ -52,10 +66,10 @@ def run(args: argparse.Namespace) -> int:
     if args.source is None:
         raise ArchcError("give a SOURCE (a zoo name, spec YAML, HF directory or .gguf file), "
                          "or --list")
-    spec = spec_of(args)
+    spec, quant = quant_of(args)
     dtype = args.dtype or spec.dtype
     at = dims(args.batch, args.prompt_len, args.past, args.encoder_len)
-    result = run_pipeline(lower(spec, dtype), args.passes)
+    result = run_pipeline(lower(spec, dtype, quant), args.passes)
     where = f"B={at['B']}, T={at['T']}, P={at['P']}" + (
         f", S={at['S']}" if spec.family == "encoder-decoder" else "")
     rows = [("", "lowered", "", stats(result.initial, at), "unfused")]
@@ -65,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
                    f": {op_delta(step.before, step.after)}") if step.changed else "not applied"
         rows.append((str(k), step.name, step.kind, stats(step.after, at), changed))
     console.print(table(
-        f"{spec.name}: pass pipeline ({dtype}; costs per new token at {where})",
+        f"{spec.name}: pass pipeline ({dtype}{_weights(quant)}; costs per new token at "
+        f"{where})",
         ("#", "pass", "kind", "nodes", "kernels", "params", "FLOPs/token", "bytes/token",
          "changed"),
         [(num, name, kind, str(st.nodes), str(st.kernels), si(st.params),

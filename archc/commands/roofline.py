@@ -4,10 +4,11 @@ floor."""
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 
 from rich.markup import escape
 
-from archc.commands.common import spec_of
+from archc.commands.common import quant_of
 from archc.commands.passes import add_pipeline_arguments
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
@@ -17,6 +18,7 @@ from archc.passes import optimize
 from archc.perf.gpus import GPU, gpu
 from archc.perf.roofline import decode_floor, grouped, kernels, per_step
 from archc.perf.summary import fmt_seconds
+from archc.spec.schema import Spec
 from archc.ui import console, nbytes, si, table
 
 
@@ -46,7 +48,7 @@ def _priced(title: str, program: Program, dims: dict[str, int],
 
 def run(args: argparse.Namespace) -> int:
     g = gpu(args.gpu)
-    spec = spec_of(args)
+    spec, quant = quant_of(args)
     b, n, m = args.batch, args.prompt_len, args.new_tokens
     if spec.family == "encoder" and m:
         raise ArchcError(f"{spec.name} is an encoder: it does not decode (use --new-tokens 0)")
@@ -54,11 +56,9 @@ def run(args: argparse.Namespace) -> int:
         raise ArchcError(f"--prompt-len {n} + --new-tokens {m} exceed max_seq_len = "
                          f"{spec.max_seq_len}")
     dtype = args.dtype or spec.dtype
-    program = lower(spec, dtype)
     kind = {"none": "unfused", "default": "kernel-level (default passes)"}.get(
         args.passes, f"after {args.passes}")
-    if args.passes != "none":
-        program = optimize(program, args.passes)
+    program = _program(spec, dtype, quant, args.passes)
     console.print(f"[bold]{spec.name}[/] on {g.name} ({si(g.peak_flops, 'FLOP/s')} {dtype}, "
                   f"{si(g.bandwidth, 'B/s')}; ridge {g.ridge:.0f} FLOP/B), {kind} graph, batch {b}")
     seconds, flops, totals = _priced(f"prefill: {n} tokens", program,
@@ -80,4 +80,17 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"decode step: {totals} ({b / seconds:,.0f} tokens/s); floor "
                   f"{fmt_seconds(floor.seconds)} = {' + '.join(parts)} at "
                   f"{si(g.bandwidth, 'B/s')} → {floor.tokens_per_second:,.0f} tokens/s")
+    if quant:
+        dense = decode_floor(_program(spec, dtype, {}, args.passes), g, b, past)
+        schemes = ", ".join(f"{s} ×{k}" for s, k in Counter(quant.values()).most_common())
+        console.print(f"quantized weights ({schemes}): decode floor {fmt_seconds(floor.seconds)}"
+                      f" against {fmt_seconds(dense.seconds)} with {dtype} weights (weights "
+                      f"{nbytes(dense.weight_bytes)}) → {dense.seconds / floor.seconds:.2f}× "
+                      "faster")
     return 0
+
+
+def _program(spec: Spec, dtype: str, quant: dict[str, str], passes: str) -> Program:
+    """The program priced: lowered with `quant`'s weights quantized, after `passes`."""
+    program = lower(spec, dtype, quant)
+    return program if passes == "none" else optimize(program, passes)

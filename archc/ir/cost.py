@@ -3,6 +3,7 @@ figure archc prints, from the op table's cost expressions and the nodes' shapes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -13,7 +14,10 @@ from archc.ir.ops import OP_TABLE, Op
 from archc.ir.ops.base import StateDecl
 from archc.ir.paramexpr import leaves
 from archc.ir.shapes import DTYPE_BYTES, B, T, evaluate, numel
+from archc.quant.schemes import is_quantized, scheme
 from archc.spec.schema import Spec
+
+PART_BYTES = {"i8": 1, "u8": 1, "f16": 2, "f32": 4}    # a stored part's element, by its dtype
 
 
 @dataclass(frozen=True)
@@ -51,9 +55,28 @@ def parameter_count(p: Program) -> int:
     return sum(evaluate(numel(n.shape), {}) for n in _checkpoint_params(p).values())
 
 
+def param_bytes(n: Node) -> int:
+    """Bytes a parameter holds: elements × bytes of its dtype, or for a quantized weight the
+    bytes of its stored parts (codes, scales, offsets; a last, partial group or byte counted
+    whole — ``Scheme.part_shapes``)."""
+    shape = [evaluate(d, {}) for d in n.shape]
+    if not is_quantized(n.dtype):
+        return evaluate(numel(n.shape), {}) * int(DTYPE_BYTES[n.dtype])
+    lead = math.prod(shape[:-2])
+    return lead * sum(rows * cols * PART_BYTES[dtype] for (rows, cols), dtype
+                      in scheme(n.dtype).part_shapes(shape[-2], shape[-1]).values())
+
+
 def parameter_bytes(p: Program) -> int:
-    return sum(evaluate(numel(n.shape), {}) * DTYPE_BYTES[n.dtype]
-               for n in _checkpoint_params(p).values())
+    return sum(param_bytes(n) for n in _checkpoint_params(p).values())
+
+
+def parameter_dtypes(p: Program) -> dict[str, int]:
+    """Dtype (or scheme) → how many parameters hold it, the most common first."""
+    counts: dict[str, int] = {}
+    for n in _checkpoint_params(p).values():
+        counts[n.dtype] = counts.get(n.dtype, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def kv_cache_bytes_per_token(p: Program) -> int:

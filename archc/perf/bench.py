@@ -59,6 +59,7 @@ from archc.perf.gpus import GPU
 from archc.perf.roofline import decode_floor, kernels
 from archc.perf.summary import fmt_percent, fmt_ratio, fmt_seconds
 from archc.perf.torch_program import TorchProgram
+from archc.quant.schemes import SCHEMES
 from archc.runtime.validation import TOLERANCE, error_and_scale
 from archc.runtime.weights import TORCH_DTYPES, checkpoint_shapes, materialize
 from archc.spec.schema import Spec
@@ -155,6 +156,7 @@ class BenchConfig:
     kernel_section: bool = True
     cache_dir: Path | None = None
     contexts: tuple[int, ...] = ()      # past lengths decode is also measured at (--contexts)
+    quant: str | None = None            # the scheme linear weights are quantized to (--quantize)
 
     @property
     def decode_past(self) -> int:
@@ -268,6 +270,23 @@ def random_checkpoint(program: Program, device: torch.device, seed: int, *,
         x = torch.randn(dims, generator=gen, device=device)
         out[name] = x / dims[-1] ** 0.5 if len(dims) > 1 else 1.0 + 0.1 * x
     return out
+
+
+def quantized(cfg: BenchConfig, dense: Program, checkpoint: dict[str, torch.Tensor]
+              ) -> tuple[Program, dict[str, Any]]:
+    """The program and checkpoint archc runs: `dense`'s, or with `cfg.quant`, the weights of
+    linear layers and experts quantized round-to-nearest to that scheme."""
+    if cfg.quant is None:
+        return dense, checkpoint
+    from archc.quant.pack import quantize
+    from archc.runtime.weights import quantizable
+    scheme = SCHEMES[cfg.quant]
+    kind, group = ("int8", 128) if scheme.bits == 8 else ("int4", scheme.group)
+    names = quantizable(dense)
+    out: dict[str, Any] = dict(checkpoint)
+    for name in names:
+        out[name] = quantize(checkpoint[name], kind, group)
+    return lower(cfg.spec, cfg.dtype, dict.fromkeys(names, cfg.quant)), out
 
 
 def _makes_tensors(program: Program) -> bool:
@@ -714,8 +733,8 @@ def new_report(cfg: BenchConfig, path: Path | None, log: Callable[[str], None]) 
     return Report(cfg, {
         "schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": " ".join(sys.argv), "dry_run": cfg.dry_run,
-        "spec": cfg.spec.name, "layers": cfg.spec.layers, "spec_layers": cfg.layers_of_spec
-        or cfg.spec.layers, "dtype": cfg.dtype,
+        "spec": cfg.spec.name, "quantize": cfg.quant, "layers": cfg.spec.layers,
+        "spec_layers": cfg.layers_of_spec or cfg.spec.layers, "dtype": cfg.dtype,
         "shapes": {"batch": cfg.batch, "prompt": cfg.prompt, "decode": cfg.decode,
                    "contexts": list(cfg.contexts),
                    "kernel_decode_past": cfg.decode_past},
@@ -745,16 +764,18 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
                              options=TritonOptions(**{"cache_dir": cfg.cache_dir, **options}))
 
     with report.section("setup"):
-        unfused = lower(spec, cfg.dtype)
-        checkpoint = random_checkpoint(unfused, cfg.device, cfg.seed,
-                                       evaluated_by=(optimize(unfused),))
+        # archc runs the quantized model (--quantize); PyTorch and the bf16 floor, the dense one
+        dense = lower(spec, cfg.dtype)
+        dense_checkpoint = random_checkpoint(dense, cfg.device, cfg.seed,
+                                             evaluated_by=(optimize(dense),))
+        unfused, checkpoint = quantized(cfg, dense, dense_checkpoint)
         # every node's buffer kept and no CUDA graphs: kernels are launched one by one, with
         # the block sizes the model runs with (tuned at launch unless autotuning is off)
         probe = session(reuse_buffers=False, cuda_graphs=False, autotune=cfg.autotune)
         data.update(module=str(probe.module_path), unique_kernels=len(probe.generated.units),
                     launches_per_pass={g: len(s) for g, s in probe.generated.steps.items()})
-        decoder = unfused.graph("decoder")
-        program = TorchProgram(decoder, materialize(decoder, checkpoint, cfg.device),
+        decoder = dense.graph("decoder")
+        program = TorchProgram(decoder, materialize(decoder, dense_checkpoint, cfg.device),
                                batch=cfg.batch, max_len=spec.max_seq_len, device=cfg.device,
                                dtype=TORCH_DTYPES[cfg.dtype])
         tokens = torch.randint(0, spec.vocab_size, (cfg.batch, cfg.prompt),
@@ -765,6 +786,8 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
                                 bytes=sum(k.bytes for k in roofs),
                                 roofline_seconds=sum(k.time(cfg.gpu) for k in roofs))
         model["decode"].update(decode_steps_floor(cfg, probe.program, n))
+        if cfg.quant is not None:     # the floor the quantized bytes buy, beside the dense one
+            model["decode"]["dense_floor"] = decode_steps_floor(cfg, optimize(dense), n)
         model["contexts"] = [{"context": c, **decode_steps_floor(cfg, probe.program, c),
                               "runs": [], "attention": []} for c in cfg.contexts]
         # a context's prompt: the same random tokens for every runner, on the host

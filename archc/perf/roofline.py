@@ -11,13 +11,14 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from archc.ir.cost import node_cost, node_states
+from archc.ir.cost import node_cost, node_states, param_bytes
 from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import Op
 from archc.ir.ops.core import routed_pairs
 from archc.ir.paramexpr import leaves
 from archc.ir.shapes import DTYPE_BYTES, evaluate, numel
 from archc.perf.gpus import GPU
+from archc.quant.schemes import is_quantized
 
 _LAYER = re.compile(r"(layers\.|layer )\d+\b")    # a layer's number, which grouping drops
 
@@ -93,7 +94,8 @@ def grouped(ks: list[KernelRoof], g: GPU) -> list[KernelGroup]:
 
 def weight_bytes_read(program: Program, dims: Mapping[str, int]) -> int:
     """Bytes of every weight a step reads once: embedding tables only the rows looked up, MoE
-    expert weights only the experts tokens are routed to (min(E, tokens·k) of E)."""
+    expert weights only the experts tokens are routed to (min(E, tokens·k) of E); a quantized
+    weight, the bytes of its stored parts (codes, scales, offsets)."""
     seen: dict[str, float] = {}
     for g in program:
         for i in g.compute_ids():
@@ -104,6 +106,9 @@ def weight_bytes_read(program: Program, dims: Mapping[str, int]) -> int:
                 p = g.nodes[j]
                 read = n.shape if n.op == Op.EMBEDDING else p.shape   # a gather: its rows
                 size = evaluate(numel(read), dims) * DTYPE_BYTES[p.dtype]
+                if is_quantized(p.dtype):   # its stored parts, a row's scales counted whole
+                    size = param_bytes(p) * evaluate(numel(read), dims) / evaluate(
+                        numel(p.shape), dims)
                 if n.op == Op.MOE_LINEAR and slot == 2:   # the experts some token is routed to
                     experts = evaluate(p.shape[0], dims)
                     size = size * min(experts, evaluate(routed_pairs(g.sig(i)), dims)) / experts

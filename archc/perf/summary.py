@@ -46,6 +46,9 @@ def summarize(data: dict[str, Any], *, worst: int = 4) -> list[str]:
     for e in data.get("errors", []):
         where = e.get("section", "") + (f" {e['kernel']}" if "kernel" in e else "")
         lines.append(f"  error in {where}: {e.get('error')}")
+    dec = data.get("model", {}).get("decode", {})
+    if data.get("quantize") and dec.get("dense_floor"):
+        lines.append("  " + quant_line(data["quantize"], data["dtype"], dec, dec["dense_floor"]))
     c = data.get("ceilings")
     if c:
         lines.append(f"  ceilings: copy {c['copy_bandwidth'] / 1e12:.2f} TB/s, "
@@ -74,6 +77,15 @@ def summarize(data: dict[str, Any], *, worst: int = 4) -> list[str]:
                      f"{fmt_seconds(k['archc_seconds'])} vs {b['name']} "
                      f"{fmt_seconds(b['seconds'])}: {fmt_ratio(ratio)}")
     return lines
+
+
+def quant_line(scheme: str, dtype: str, decode: dict[str, Any], dense: dict[str, Any]) -> str:
+    """The decode floor the quantized weights buy, beside the dense model's."""
+    return (f"weights quantized to {scheme}: decode floor {fmt_seconds(decode['floor_seconds'])}"
+            f"/step ({decode['weight_bytes'] / 2**30:.2f} GiB of weights) against "
+            f"{fmt_seconds(dense['floor_seconds'])}/step with {dtype} weights "
+            f"({dense['weight_bytes'] / 2**30:.2f} GiB): "
+            f"{fmt_ratio(dense['floor_seconds'] / decode['floor_seconds'])}")
 
 
 def headline(data: dict[str, Any]) -> list[str]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from archc.native import SPEC_FILE, is_native
+from archc.quant.file import is_quantized_file, read_header
 from archc.sources.gguf import GGUFFile, load_gguf, spec_of_file
 from archc.sources.hf import hf_spec, is_hf_dir, load_hf
 from archc.spec.load import load_spec, load_yaml
@@ -38,7 +39,8 @@ class Source:
 
 def describe(source: str | Path) -> Source:
     """The kind, spec and tokenizer presence of any source: an HF directory's config, a GGUF
-    file's metadata, an archc checkpoint directory's spec, a spec file or zoo name."""
+    file's metadata, an archc checkpoint directory's spec, an archc quantized file's metadata,
+    a spec file or zoo name."""
     path = Path(source)
     if is_gguf(path):
         f = GGUFFile(path)
@@ -47,4 +49,7 @@ def describe(source: str | Path) -> Source:
         return Source("archc", load_yaml(path / SPEC_FILE), False)
     if is_hf_dir(path):
         return Source("hf", hf_spec(path), (path / "tokenizer.json").is_file())
+    if is_quantized_file(path):     # archc's quantized file: spec and schemes in its metadata
+        spec, quant = read_header(path)
+        return Source("archc", spec, False, {name: s for name, (s, _) in quant.items()})
     return Source("spec", load_spec(source), False)
