@@ -25,8 +25,8 @@ import torch
 from archc.devices import check_fits, checkpoint_elements, default_dtype, dtype_name, resolve_device
 from archc.errors import ArchcError
 from archc.ir.graph import Program
-from archc.ir.ops.attention import KV_QUANT
 from archc.ir.lower import lower
+from archc.ir.ops.attention import KV_QUANT
 from archc.quant import QTensor
 from archc.runtime.eager import EagerSession
 from archc.runtime.generate import Sampler, Sampling

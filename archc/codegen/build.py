@@ -402,8 +402,9 @@ def _cache_arg(c: NodeCtx, param: str, kind: str, layer: int, kv_heads: int, hd:
 def _scale_arg(c: NodeCtx, param: str, kind: str, layer: int, kv_heads: int) -> Arg:
     """The f32 scales of a quantized `kind` cache, one per (sequence, KV head, position)."""
     c.stored.append(("cache", layer, f"{kind}_scale", (kv_heads, c.opts.max_seq_len), "f32"))
-    return Arg(param, "*fp32", f"f32 scales of the {'key' if kind == 'k' else 'value'} cache's "
-               f"rows [B, {kv_heads}, {c.opts.max_seq_len}]", f'd.cache.get({layer}, "{kind}_scale")')
+    what = "key" if kind == "k" else "value"
+    return Arg(param, "*fp32", f"f32 scales of the {what} cache's rows [B, {kv_heads}, "
+               f"{c.opts.max_seq_len}]", f'd.cache.get({layer}, "{kind}_scale")')
 
 
 def _states(c: NodeCtx) -> None:

@@ -26,6 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "batch", default=1)
     add(p, "prompt_len", default=512)
     add(p, "new_tokens", default=128, detail="the decode step priced is the last")
+    add(p, "kv_cache")
     add_pipeline_arguments(p)
 
 
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         raise ArchcError(f"--prompt-len {n} + --new-tokens {m} exceed max_seq_len = "
                          f"{spec.max_seq_len}")
     dtype = args.dtype or spec.dtype
-    program = lower(spec, dtype)
+    program = lower(spec, dtype, kv_cache=getattr(args, "kv_cache", None))
     kind = {"none": "unfused", "default": "kernel-level (default passes)"}.get(
         args.passes, f"after {args.passes}")
     if args.passes != "none":

@@ -17,6 +17,7 @@ from archc.ui import console, nbytes, si
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "source")
+    add(p, "kv_cache")
 
 
 def _attention(s: Spec) -> str:
@@ -63,9 +64,15 @@ def _ffn(s: Spec) -> str:
            if ffn.moe else "") + (", biases" if ffn.bias else "")
 
 
+def kv_cache_format(dtype: str, kv_cache: str | None) -> str:
+    """How the KV cache holds a row: in the model dtype, or as codes and a scale."""
+    return dtype if kv_cache is None else f"{kv_cache} codes + an f32 scale per token and head"
+
+
 def run(args: argparse.Namespace) -> int:
     s = spec_of(args)
-    program = lower(s, s.dtype)
+    kv_cache = getattr(args, "kv_cache", None)
+    program = lower(s, s.dtype, kv_cache=kv_cache)
     kernels, params = cost.kernel_count(program), cost.parameter_count(program)
     rows = [("", s.description or None),
             ("family", s.family),
@@ -93,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
     kv, state = cost.kv_cache_bytes_per_token(program), cost.recurrent_state_bytes(program)
     if kv:
         rows.append(("KV cache", f"{nbytes(kv)} per token, {nbytes(kv * s.max_seq_len)} at "
-                     f"{s.max_seq_len} tokens ({s.dtype}, batch 1)"))
+                     f"{s.max_seq_len} tokens ({kv_cache_format(s.dtype, kv_cache)}, "
+                     "batch 1)"))
     if state:
         kinds = [what for what, mixer in (("conv windows and SSM states", "mamba"),
                                           ("running sums", "linear_attention"))
