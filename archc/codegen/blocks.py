@@ -102,6 +102,11 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         # [BLOCK_R, BLOCK_K] tile a step; fewer programs than the matmul it serves
         return _cfg(4, BLOCK_R=16 if gpu else _clamp_pow2(sizes["M"], 1, 64),
                     BLOCK_K=_clamp_pow2(sizes["K"], 16, 512))
+    if family == "kv_quant":
+        # a quantized KV cache's new rows after the projection that computed them: BLOCK_R
+        # (token, head) rows of BLOCK_D values a program, codes and a scale each
+        return _cfg(BLOCK_R=16 if gpu else _clamp_pow2(sizes["M"], 1, 16),
+                    BLOCK_D=next_pow2(sizes["D"]))
     if family == "attention":
         # TMA: Q, K, V tiles through tensor descriptors on a GPU, where the layout allows
         # (`tma`: the build found it 16-byte aligned) and the products run on tensor cores

@@ -35,7 +35,9 @@ from archc.ir.shapes import DTYPE_BYTES, B, S, numel
 from archc.ir.text import format_node
 
 TRITON_TYPES = {"f32": "fp32", "f16": "fp16", "bf16": "bf16", "i64": "i64", "i32": "i32",
-                "bool": "i1"}
+                "bool": "i1", "i8": "i8", "f8e4m3": "fp8e4nv"}
+# a quantized KV cache's codes: their dtype, and the largest code (scale = max|x|/QMAX)
+KV_CODES = {"int8": ("i8", 127.0), "fp8": ("f8e4m3", 448.0)}
 LOG2E = 1.4426950408889634
 # Index symbols kernels define: the sequence, the query head, the KV head.
 BATCH, HEAD, KV_HEAD = (sympy.Symbol(s, integer=True, nonnegative=True) for s in ("b", "h", "kv_h"))
@@ -385,12 +387,24 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     return ctx, kernels
 
 
-def _cache_arg(c: NodeCtx, param: str, kind: str, layer: int, kv_heads: int, hd: int) -> Arg:
-    """Layer `layer`'s `kind` (k|v) cache, [B, kv_heads, max_seq_len, hd], as an argument."""
-    c.stored.append(("cache", layer, kind, (kv_heads, c.opts.max_seq_len, hd), c.node.dtype))
-    return Arg(param, "*" + TRITON_TYPES[c.node.dtype],
-               f"{'key' if kind == 'k' else 'value'} cache [B, {kv_heads}, {c.opts.max_seq_len}, "
-               f"{hd}]", f'd.cache.get({layer}, "{kind}")')
+def _cache_arg(c: NodeCtx, param: str, kind: str, layer: int, kv_heads: int, hd: int,
+               quant: str | None = None) -> Arg:
+    """Layer `layer`'s `kind` (k|v) cache, [B, kv_heads, max_seq_len, hd], as an argument: in
+    the node's dtype, or the codes of a quantized cache (`quant`)."""
+    dtype = c.node.dtype if quant is None else KV_CODES[quant][0]
+    c.stored.append(("cache", layer, kind, (kv_heads, c.opts.max_seq_len, hd), dtype))
+    codes = "" if quant is None else f" of {quant} codes"
+    return Arg(param, "*" + TRITON_TYPES[dtype],
+               f"{'key' if kind == 'k' else 'value'} cache{codes} [B, {kv_heads}, "
+               f"{c.opts.max_seq_len}, {hd}]", f'd.cache.get({layer}, "{kind}")')
+
+
+def _scale_arg(c: NodeCtx, param: str, kind: str, layer: int, kv_heads: int) -> Arg:
+    """The f32 scales of a quantized `kind` cache, one per (sequence, KV head, position)."""
+    c.stored.append(("cache", layer, f"{kind}_scale", (kv_heads, c.opts.max_seq_len), "f32"))
+    what = "key" if kind == "k" else "value"
+    return Arg(param, "*fp32", f"f32 scales of the {what} cache's rows [B, {kv_heads}, "
+               f"{c.opts.max_seq_len}]", f'd.cache.get({layer}, "{kind}_scale")')
 
 
 def _states(c: NodeCtx) -> None:
@@ -500,7 +514,10 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     max_len = c.opts.max_seq_len
     if cached:   # the layer's cache, read in place of k and v operands
         kv_heads, layer = a["kv_heads"], a["cache_layer"]
-        c.args[1:1] = [_cache_arg(c, kind, kind, layer, kv_heads, hd) for kind in "kv"]
+        quant = a["kv_quant"]
+        c.args[1:1] = [_cache_arg(c, kind, kind, layer, kv_heads, hd, quant) for kind in "kv"]
+        if quant is not None:   # and each row's scale, after the codes
+            c.args[3:3] = [_scale_arg(c, f"{kind}_scale", kind, layer, kv_heads) for kind in "kv"]
         kv = {kind: dict(base=f"b * {kv_heads * max_len * hd} + kv_h * {max_len * hd}",
                          stride_t=str(hd)) for kind in "kv"}
         length = length_host = ""
@@ -510,8 +527,9 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         kv = {kind: by_sequence(c, kind, KV_HEAD) for kind in "kv"}
         length, length_host = texpr(c.lay("k").shape[2]), pexpr(c.lay("k").shape[2])
     scale, softcap, bias = a["scale"], a["softcap"], a["bias"]
-    tma = _tma_layout([q] if cached else [q, c.lay("k"), c.lay("v")],
-                      hd if cached else None, c.node.dtype)
+    # a quantized cache's codes are dequantized as they are loaded: through pointers
+    tma = a["kv_quant"] is None and _tma_layout([q] if cached else [q, c.lay("k"), c.lay("v")],
+                                                hd if cached else None, c.node.dtype)
     ctx: dict[str, Any] = dict(
         H=heads, KVH=kv_heads, G=heads // kv_heads, D=hd, BLOCK_D=max(16, next_pow2(hd)),
         deal=DECODE_DEAL,
@@ -523,7 +541,9 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         # the scale goes into the exponent's FMA where nothing comes between it and the softmax
         # (the running max is then the raw scores' max times the scale: a positive one)
         fold_scale=softcap is None and bias is None and scale > 0, tma=int(tma),
-        elem_bytes=DTYPE_BYTES.get(c.node.dtype, 2))
+        elem_bytes=DTYPE_BYTES.get(c.node.dtype, 2),
+        kv_quant=None if a["kv_quant"] is None else dict(
+            name=a["kv_quant"], scale_base=f"b * {kv_heads * max_len} + kv_h * {max_len}"))
     if softcap is not None:
         ctx.update(cap_log2=repr(softcap * LOG2E), pre_cap=repr(scale / softcap))
     if a["padding"]:
@@ -637,7 +657,13 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
             hd, kv_heads, max_len = st.kw("head_dim"), st.kw("kv_heads"), c.opts.max_seq_len
             kv = dict(fn="kv_write", layer=st.kw("layer"), kv_heads=kv_heads, head_dim=hd,
                       k_start=st.kw("k_start"), v_start=st.kw("v_start"), width=kv_heads * hd,
-                      stride_b=kv_heads * max_len * hd, stride_h=max_len * hd, stride_l=hd)
+                      stride_b=kv_heads * max_len * hd, stride_h=max_len * hd, stride_l=hd,
+                      max_len=max_len, quant=st.kw("quant"), block_d=next_pow2(hd),
+                      qmax=repr(KV_CODES[st.kw("quant")][1]) if st.kw("quant") else None)
+            if kv["quant"] is not None and idx != len(a["epilogue"]) - 1:
+                # the codes are made from the stored rows (see _kvquant in matmul.py.j2)
+                raise c.fail("a quantized KV cache is written from the projection's stored "
+                             "rows: kv_write() must be the epilogue's last step")
             target.append(kv)
         elif st.fn == "head_norm":
             hn = dict(fn="head_norm", kind=st.kw("kind"), heads=st.kw("heads"),
@@ -663,7 +689,10 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         run = math.gcd(cols_run, kv["head_dim"], kv["k_start"], kv["v_start"])
         kv["run"] = run & -run if run else 0
         c.args += [*(_cache_arg(c, f"{kind}_cache", kind, kv["layer"], kv["kv_heads"],
-                                kv["head_dim"]) for kind in "kv"), PAST]
+                                kv["head_dim"], kv["quant"]) for kind in "kv"), PAST]
+        if kv["quant"] is not None:
+            c.args += [_scale_arg(c, f"{kind}_scale", kind, kv["layer"], kv["kv_heads"])
+                       for kind in "kv"]
     # Tiles hold whole heads. A power-of-two head is a reshape of the tile; any other size
     # (phi-2's 80) makes the tiles head-aligned: each covers ⌊TILE_N / group⌋ whole heads and
     # masks its last lanes, and the per-head sums are taken head by head.
@@ -719,6 +748,10 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     stats = {"stats_ptr": "*fp32"} if a["prologue"] else {}
     kernels = [JitKernel("_kernel", "matmul", sizes,
                          c.types(part_ptr="*fp32", count_ptr="*i32", **stats, **ints))]
+    if kv is not None and kv["quant"] is not None:   # the quantized cache rows' post-pass
+        kernels.append(JitKernel("_kvquant", "kv_quant", dict(D=kv["head_dim"]), c.types(
+            [c.arg(n) for n in ("k_cache", "v_cache", "k_scale", "v_scale", "past")],
+            M="i32", T="i32")))
     if a["prologue"]:   # the row statistics' pre-pass (prefill)
         x = c.arg(names[0])
         kernels.append(JitKernel("_rowstats", "matmul_rowstats", dict(K=k_total),

@@ -37,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel", metavar="NAME",
                    help="print only this kernel's source (e.g. fused_linear_0), as in the module")
     add(p, "cache_dir")
+    add(p, "kv_cache")
     # the parser keeps descriptions as written (RawDescriptionHelpFormatter): wrapped here
     occupancy = p.add_argument_group("occupancy report (with --target)", textwrap.fill(
         "every launch of a prefill of N tokens and of the decode step at context N, as the "
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = args.dtype or spec.dtype
     if args.occupancy:
         return _occupancy(args, spec, dtype, quant)
-    gen = generate(optimize(lower(spec, dtype, quant), args.passes),
+    gen = generate(optimize(lower(spec, dtype, quant, kv_cache=args.kv_cache), args.passes),
                    CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
     path = write_module(gen, (args.cache_dir or default_cache_dir()) / gen.digest[:24])
     used(path)
@@ -165,7 +166,8 @@ def _occupancy(args: argparse.Namespace, spec: Spec, dtype: str,
     within = [c for c in occ.DEFAULT_CONTEXTS if c <= spec.max_seq_len] or [spec.max_seq_len]
     contexts = sorted(set(args.context or within))
     batch = args.batch or 1
-    recorder, plans = occ.record(lower(spec, dtype, quant), spec, dtype=dtype, batch=batch,
+    program = lower(spec, dtype, quant, kv_cache=args.kv_cache)
+    recorder, plans = occ.record(program, spec, dtype=dtype, batch=batch,
                                  contexts=contexts, gpu=g, cache_dir=args.cache_dir)
     jobs = occ.compile_jobs(plans)
     with Progress("{task.description}", BarColumn(), MofNCompleteColumn(),

@@ -28,6 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "batch", default=1)
     add(p, "prompt_len", default=512)
     add(p, "new_tokens", default=128, detail="the decode step priced is the last")
+    add(p, "kv_cache")
     add_pipeline_arguments(p)
 
 
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = args.dtype or spec.dtype
     kind = {"none": "unfused", "default": "kernel-level (default passes)"}.get(
         args.passes, f"after {args.passes}")
-    program = _program(spec, dtype, quant, args.passes)
+    program = _program(spec, dtype, quant, args.passes, getattr(args, "kv_cache", None))
     console.print(f"[bold]{spec.name}[/] on {g.name} ({si(g.peak_flops, 'FLOP/s')} {dtype}, "
                   f"{si(g.bandwidth, 'B/s')}; ridge {g.ridge:.0f} FLOP/B), {kind} graph, batch {b}")
     seconds, flops, totals = _priced(f"prefill: {n} tokens", program,
@@ -90,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _program(spec: Spec, dtype: str, quant: dict[str, str], passes: str) -> Program:
-    """The program priced: lowered with `quant`'s weights quantized, after `passes`."""
-    program = lower(spec, dtype, quant)
+def _program(spec: Spec, dtype: str, quant: dict[str, str], passes: str,
+             kv_cache: str | None = None) -> Program:
+    """The program priced: lowered with `quant`'s weights quantized and the KV cache in
+    `kv_cache` (None: the compute dtype), after `passes`."""
+    program = lower(spec, dtype, quant, kv_cache=kv_cache)
     return program if passes == "none" else optimize(program, passes)

@@ -21,6 +21,7 @@ from archc.ui import console, nbytes, si
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "source")
     add_quant_arguments(p)
+    add(p, "kv_cache")
 
 
 def _attention(s: Spec) -> str:
@@ -78,9 +79,15 @@ def _weights(program: Program, dtype: str) -> str:
     return f"{nbytes(cost.parameter_bytes(program))} ({held})"
 
 
+def kv_cache_format(dtype: str, kv_cache: str | None) -> str:
+    """How the KV cache holds a row: in the model dtype, or as codes and a scale."""
+    return dtype if kv_cache is None else f"{kv_cache} codes + an f32 scale per token and head"
+
+
 def run(args: argparse.Namespace) -> int:
     s, quant = quant_of(args)
-    program = lower(s, s.dtype, quant)
+    kv_cache = getattr(args, "kv_cache", None)
+    program = lower(s, s.dtype, quant, kv_cache=kv_cache)
     kernels, params = cost.kernel_count(program), cost.parameter_count(program)
     rows = [("", s.description or None),
             ("family", s.family),
@@ -108,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
     kv, state = cost.kv_cache_bytes_per_token(program), cost.recurrent_state_bytes(program)
     if kv:
         rows.append(("KV cache", f"{nbytes(kv)} per token, {nbytes(kv * s.max_seq_len)} at "
-                     f"{s.max_seq_len} tokens ({s.dtype}, batch 1)"))
+                     f"{s.max_seq_len} tokens ({kv_cache_format(s.dtype, kv_cache)}, "
+                     "batch 1)"))
     if state:
         kinds = [what for what, mixer in (("conv windows and SSM states", "mamba"),
                                           ("running sums", "linear_attention"))

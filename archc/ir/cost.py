@@ -11,9 +11,10 @@ import sympy
 
 from archc.ir.graph import Graph, Node, Program
 from archc.ir.ops import OP_TABLE, Op
+from archc.ir.ops.attention import kv_row_bytes
 from archc.ir.ops.base import StateDecl
 from archc.ir.paramexpr import leaves
-from archc.ir.shapes import DTYPE_BYTES, B, T, evaluate, numel
+from archc.ir.shapes import DTYPE_BYTES, evaluate, numel
 from archc.quant.schemes import is_quantized, scheme
 from archc.spec.schema import Spec
 
@@ -81,17 +82,19 @@ def parameter_dtypes(p: Program) -> dict[str, int]:
 
 def kv_cache_bytes_per_token(p: Program) -> int:
     """Bytes the KV cache grows by per token of one sequence, from `kv_cache` nodes (unfused)
-    and `kv_write` epilogue steps (kernel-level): H_kv·d_h elements for k and again for v —
-    2·L·H_kv·d_h·bytes for a plain decoder."""
+    and `kv_write` epilogue steps (kernel-level): H_kv rows of d_h for k and again for v —
+    2·L·H_kv·d_h·bytes for a plain decoder, 2·L·H_kv·(d_h + 4) with an int8 or fp8 cache
+    (one-byte codes and an f32 scale a row)."""
     total = sympy.Integer(0)
     for g in p:
         for n in g:
             x = g.nodes[n.inputs[0]] if n.inputs else None
             if n.op == Op.KV_CACHE:   # x: the new k or v rows [B, H_kv, T, d_h]
-                total += numel(x.shape) / (B * T) * DTYPE_BYTES[x.dtype]
+                total += x.shape[1] * kv_row_bytes(x.shape[3], x.dtype, n.attr("quant"))
             elif n.op == Op.FUSED_LINEAR:
-                total += sum(2 * st.kw("kv_heads") * st.kw("head_dim") * DTYPE_BYTES[x.dtype]
-                             for st in n.attr("epilogue") if st.fn == "kv_write")
+                total += sum(2 * st.kw("kv_heads") * kv_row_bytes(
+                    st.kw("head_dim"), x.dtype, st.kw("quant"))
+                    for st in n.attr("epilogue") if st.fn == "kv_write")
     return evaluate(sympy.simplify(total), {})
 
 

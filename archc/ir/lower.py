@@ -13,9 +13,11 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 import archc.ir.expr as E
+from archc.errors import ArchcError
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph, GraphBuilder, Program
 from archc.ir.ops import Op
+from archc.ir.ops.attention import KV_QUANT
 from archc.ir.ops.steps import step
 from archc.ir.paramexpr import leaf
 from archc.ir.shapes import QUANT_DTYPES, B, S, T, shape
@@ -23,19 +25,24 @@ from archc.ir.verify import verify
 from archc.spec.schema import Spec
 
 
-def lower(spec: Spec, dtype: str = "f32", quant: Mapping[str, str] | None = None) -> Program:
+def lower(spec: Spec, dtype: str = "f32", quant: Mapping[str, str] | None = None,
+          kv_cache: str | None = None) -> Program:
     """The unfused program of `spec`, with activations and weights in `dtype` — but the weights
-    `quant` names (checkpoint tensor → scheme), which stay quantized."""
+    `quant` names (checkpoint tensor → scheme), which stay quantized — and a decoder's KV cache
+    held in `dtype`, or quantized per (token, head) with `kv_cache` int8 or fp8."""
     q = dict(quant or {})
+    if kv_cache is not None and kv_cache not in KV_QUANT:
+        raise ArchcError(f"kv_cache={kv_cache!r} is not a KV-cache format (known: "
+                         f"{', '.join(KV_QUANT)}, or None for the model dtype)")
     if spec.family == "encoder-decoder":
         assert spec.decoder_layers is not None
         graphs = (_Stack(spec, dtype, "encoder", "encoder.", spec.layers, causal=False,
                          quant=q).build(),
                   _Stack(spec, dtype, "decoder", "decoder.", spec.decoder_layers, causal=True,
-                         cross=True, quant=q).build())
+                         cross=True, quant=q, kv_cache=kv_cache).build())
     else:
         graphs = (_Stack(spec, dtype, spec.family, "", spec.layers,
-                         causal=spec.family == "decoder", quant=q).build(),)
+                         causal=spec.family == "decoder", quant=q, kv_cache=kv_cache).build(),)
     program = Program(spec.name, graphs)
     verify(program)
     return program
@@ -46,9 +53,10 @@ class _Stack:
 
     def __init__(self, spec: Spec, dtype: str, name: str, prefix: str, layers: int, *,
                  causal: bool, cross: bool = False, quant: Mapping[str, str] | None = None,
-                 ) -> None:
+                 kv_cache: str | None = None) -> None:
         self.s, self.dt, self.prefix, self.layers = spec, dtype, prefix, layers
         self.quant = quant or {}
+        self.kv_cache = {} if kv_cache is None else {"quant": kv_cache}   # kv_cache's attrs
         self.causal = causal          # a decoder stack: causal self-attention over a KV cache
         self.cross = cross            # reads encoder states through cross-attention
         self.b = GraphBuilder(name)
@@ -203,8 +211,9 @@ class _Stack:
                 q, k = (self.b.emit(Op.ROPE, t, self.positions, freq, **rope) for t in (q, k))
         if self.causal and self_attn:
             with self.at("family"):
-                k = self.b.emit(Op.KV_CACHE, k, layer=layer, kind="k")  # (B, Hkv, P+T, D)
-                v = self.b.emit(Op.KV_CACHE, v, layer=layer, kind="v")
+                k = self.b.emit(Op.KV_CACHE, k, layer=layer, kind="k",   # (B, Hkv, P+T, D)
+                                **self.kv_cache)
+                v = self.b.emit(Op.KV_CACHE, v, layer=layer, kind="v", **self.kv_cache)
         if att.group_size > 1:
             with self.at("attention.kv_heads"):   # k, v: (B, H, L, D)
                 k, v = (self.b.emit(Op.REPEAT_KV, t, groups=att.group_size) for t in (k, v))

@@ -348,8 +348,11 @@ def _kv_write(rw: Rewriter, att: int) -> tuple[Linear, Step]:
             raise Refusal(f"the head view %{c} is read outside the cache write")
     if any(s.fn == "kv_write" for s in lin.steps):
         raise Refusal(f"%{lin.root} already writes a cache")
+    if k_node.attr("quant") != v_node.attr("quant"):
+        raise Refusal(f"the k and v caches of layer {layer} are held in different formats")
+    quant = {} if k_node.attr("quant") is None else {"quant": k_node.attr("quant")}
     return lin, step("kv_write", head_dim=kv.head_dim, k_start=kv.start, v_start=vv.start,
-                     kv_heads=kv.heads, layer=layer)
+                     kv_heads=kv.heads, layer=layer, **quant)
 
 
 @register_rewrite_pass("fuse-kv-write", "write k and v to the cache from the projection's "
@@ -374,7 +377,8 @@ def fuse_kv_write(rw: Rewriter) -> None:
         rw.replace(lin.root, emit(rw, lin.then(write), like=lin.covers))
         layer, kv_heads = write.call.kw("layer"), write.call.kw("kv_heads")
         rw.replace(i, rw.emit(Op.ATTENTION, [n.inputs[0], *n.inputs[3:]], like=[i, *n.inputs[1:3]],
-                              **n.attrs.replace(cache_layer=layer, kv_heads=kv_heads)))
+                              **n.attrs.replace(cache_layer=layer, kv_heads=kv_heads,
+                                                kv_quant=write.call.kw("quant"))))
         for c in n.inputs[1:3]:
             rw.kill(c)
         rw.ctx.applied("fuse-kv-write", i, f"layer {layer} cache written by %{lin.root}")

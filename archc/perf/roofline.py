@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from archc.ir.cost import node_cost, node_states, param_bytes
 from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import Op
+from archc.ir.ops.attention import kv_row_bytes
 from archc.ir.ops.core import routed_pairs
 from archc.ir.paramexpr import leaves
 from archc.ir.shapes import DTYPE_BYTES, evaluate, numel
@@ -144,13 +145,15 @@ def kv_bytes_read(program: Program, dims: Mapping[str, int]) -> int:
         for n in g.nodes:
             if n.op == Op.KV_CACHE:     # unfused: a K or a V of [B, H_kv, T, D]
                 x = g.nodes[n.inputs[0]]
-                row = evaluate(numel(x.shape) / x.shape[2], dims)  # B·H_kv·D
-                total += row * keys(*_window_of_layer(g, n.attr("layer"))) * DTYPE_BYTES[x.dtype]
+                # B·H_kv rows of D values (codes and a scale each in a quantized cache)
+                row = evaluate(numel(x.shape[:2]) * kv_row_bytes(x.shape[3], x.dtype,
+                                                                 n.attr("quant")), dims)
+                total += row * keys(*_window_of_layer(g, n.attr("layer")))
             elif n.op == Op.ATTENTION and n.attr("cache_layer") is not None:
                 q = g.nodes[n.inputs[0]]
-                row = 2 * dims["B"] * n.attr("kv_heads") * evaluate(q.shape[3], dims)  # K and V
-                total += (row * keys(n.attr("window"), n.attr("global_tokens"))
-                          * DTYPE_BYTES[q.dtype])
+                row = 2 * dims["B"] * n.attr("kv_heads") * evaluate(   # K and V
+                    kv_row_bytes(q.shape[3], q.dtype, n.attr("kv_quant")), dims)
+                total += row * keys(n.attr("window"), n.attr("global_tokens"))
     return total
 
 

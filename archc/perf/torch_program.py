@@ -48,7 +48,10 @@ class TorchContext:
     def state_write(self, layer: int, kind: str, value: torch.Tensor) -> None:
         self.state_out[(layer, kind)] = value
 
-    def cache_append(self, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
+    def cache_append(self, layer: int, kind: str, x: torch.Tensor,
+                     quant: str | None = None) -> torch.Tensor:
+        if quant is not None:
+            raise ArchcError(f"the PyTorch baseline keeps a plain KV cache, not {quant}")
         past = self.dims["P"]
         buf = self.store[(layer, kind)]
         buf[:, :, past:past + x.shape[2]] = x

@@ -20,6 +20,7 @@ from archc.errors import ArchcError, RunError
 from archc.ir.attrs import Call
 from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import OP_TABLE, Op, bind, full_attrs
+from archc.ir.ops.attention import KV_QUANT, kv_dequantize, kv_quantize
 from archc.ir.shapes import DIMS
 from archc.ir.text import format_node
 from archc.quant import QTensor
@@ -32,23 +33,48 @@ def _dim_value(expr: sympy.Expr, dims: tuple[tuple[str, int], ...]) -> int:
 
 
 class KVCache:
-    """A static cache per (layer, k|v): [B, H_kv, max_len, D], written at offset P."""
+    """A static cache per (layer, k|v): [B, H_kv, max_len, D], written at offset P. A quantized
+    one (`quant` int8 or fp8) holds codes [B, H_kv, max_len, D] and f32 scales [B, H_kv,
+    max_len] instead, and reads back code·scale in the dtype written: what an attention kernel
+    reading that cache sees."""
 
     def __init__(self, max_len: int) -> None:
         self.max_len = max_len
         self.store: dict[tuple[int, str], torch.Tensor] = {}
+        self.scales: dict[tuple[int, str], torch.Tensor] = {}   # a quantized cache's scales
+        self.dtypes: dict[tuple[int, str], torch.dtype] = {}    # the dtype its rows read back in
 
-    def append(self, layer: int, kind: str, x: torch.Tensor, past: int) -> torch.Tensor:
+    def append(self, layer: int, kind: str, x: torch.Tensor, past: int,
+               quant: str | None = None) -> torch.Tensor:
         b, h, t, d = x.shape
-        buf = self.store.get((layer, kind))
-        if buf is None or buf.shape[0] != b or buf.dtype != x.dtype:
+        key = (layer, kind)
+        code_dtype = x.dtype if quant is None else KV_QUANT[quant][0]
+        buf = self.store.get(key)
+        if buf is None or buf.shape[0] != b or buf.dtype != code_dtype or \
+                self.dtypes[key] != x.dtype:
             if buf is not None and past > 0:
                 raise RunError(f"the KV cache holds a batch of {buf.shape[0]} {buf.dtype} "
                                f"sequences; got {b} {x.dtype} — reset before changing the batch")
-            buf = self.store[(layer, kind)] = torch.zeros(b, h, self.max_len, d, dtype=x.dtype,
-                                                          device=x.device)
-        buf[:, :, past:past + t] = x
-        return buf[:, :, :past + t]
+            buf = self.store[key] = torch.zeros(b, h, self.max_len, d, dtype=code_dtype,
+                                                device=x.device)
+            self.dtypes[key] = x.dtype
+            self.scales.pop(key, None)
+            if quant is not None:
+                self.scales[key] = torch.zeros(b, h, self.max_len, device=x.device)
+        if quant is None:
+            buf[:, :, past:past + t] = x
+        else:
+            buf[:, :, past:past + t], self.scales[key][:, :, past:past + t] = \
+                kv_quantize(x, quant)
+        return self.read(layer, kind, past + t)
+
+    def read(self, layer: int, kind: str, length: int) -> torch.Tensor:
+        """The first `length` positions of a layer's k or v cache, as attention reads them."""
+        key = (layer, kind)
+        codes = self.store[key][:, :, :length]
+        scale = self.scales.get(key)
+        return codes if scale is None else kv_dequantize(codes, scale[:, :, :length],
+                                                         self.dtypes[key])
 
 
 class RecurrentState:
@@ -89,16 +115,17 @@ class EagerContext:
     def state_write(self, layer: int, kind: str, value: torch.Tensor) -> None:
         self.state.store[(layer, kind)] = value
 
-    def cache_append(self, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
+    def cache_append(self, layer: int, kind: str, x: torch.Tensor,
+                     quant: str | None = None) -> torch.Tensor:
         if self.cache is None:
             raise RunError("this graph writes a KV cache but none was given")
-        return self.cache.append(layer, kind, x, self.dims["P"])
+        return self.cache.append(layer, kind, x, self.dims["P"], quant)
 
     def cache_read(self, layer: int, kind: str) -> torch.Tensor:
         """The first P + T positions of a layer's cache (written earlier in this step)."""
         if self.cache is None or (layer, kind) not in self.cache.store:
             raise RunError(f"layer {layer} reads its {kind} cache before anything wrote it")
-        return self.cache.store[(layer, kind)][:, :, :self.dims["P"] + self.dims["T"]]
+        return self.cache.read(layer, kind, self.dims["P"] + self.dims["T"])
 
 
 @dataclass

@@ -16,14 +16,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from archc.ir.graph import CROSS_KV
+from archc.ir.ops.attention import kv_dequantize
 from archc.ir.text import format_node
 from archc.perf.baselines import state_keys
 from archc.runtime.eager import EagerSession, Trace
+
+if TYPE_CHECKING:
+    from archc.runtime.launch import StaticStore
 
 # Relative to each output's largest magnitude. f32: kernels and eager both accumulate in f32 and
 # differ in summation order; errors grow a little through the layers, so 1e-4 rather than the
@@ -86,16 +90,28 @@ def error_and_scale(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float
     return float((got - want).abs().max()), float(want.abs().max())
 
 
+def cache_rows(cache: StaticStore, layer: int, kind: str, length: int) -> torch.Tensor:
+    """The first `length` positions of a triton session's k or v cache as attention reads them:
+    a quantized cache's codes times their row scales (in f32, as the comparison is)."""
+    rows = cache.get(layer, kind)[:, :, :length]
+    if (layer, f"{kind}_scale") not in cache.store:
+        return rows
+    return kv_dequantize(rows, cache.get(layer, f"{kind}_scale")[:, :, :length], torch.float32)
+
+
 def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int = 7,
              seed: int = 0, device: str = "cpu", cache_dir: Path | None = None,
-             autotune: bool = True) -> Report:
+             autotune: bool = True, kv_cache: str | None = None) -> Report:
     """Run `model` (an archc.Model) three ways and compare; see the module docstring.
-    `autotune`: let the triton session tune its kernels on a GPU (``TritonOptions``)."""
+    `autotune`: let the triton session tune its kernels on a GPU (``TritonOptions``);
+    `kv_cache`: int8 or fp8 to hold every session's KV cache quantized."""
     from archc.ir.lower import lower
+    from archc.model import check_kv_cache
     from archc.runtime.triton_backend import TritonOptions, TritonSession
     spec = model.spec  # type: ignore[attr-defined]
     weights = model.weights  # type: ignore[attr-defined]
-    unfused = lower(spec, dtype)
+    check_kv_cache(kv_cache, "triton", torch.device(device))
+    unfused = lower(spec, dtype, kv_cache=kv_cache)
     triton = TritonSession(unfused, weights, max_seq_len=spec.max_seq_len, dtype=dtype,
                            device=device, options=TritonOptions(reuse_buffers=False,
                                                                 cuda_graphs=False,
@@ -124,10 +140,10 @@ def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int =
                 for i in g.compute_ids()}
         writer = {st.kw("layer"): i for i in g.compute_ids()
                   for st in g.nodes[i].attr("epilogue", ()) or () if st.fn == "kv_write"}
-        for (layer, kind), buf in fused.cache.store.items():
+        for layer, kind in fused.cache.store:   # the values each holds, code·scale if quantized
             if layer in writer:
-                more[writer[layer]].append((f"{kind} cache", triton.cache.get(layer, kind)[
-                    :, :, :length], buf[:, :, :length]))
+                more[writer[layer]].append((f"{kind} cache", cache_rows(
+                    triton.cache, layer, kind, length), fused.cache.read(layer, kind, length)))
         for i in g.compute_ids():
             if i not in fused.trace.values:
                 continue

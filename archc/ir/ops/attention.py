@@ -15,6 +15,7 @@ import sympy
 import torch
 import torch.nn.functional as F
 
+from archc.errors import ArchcError
 from archc.ir.attrs import Attr, Attrs, Call
 from archc.ir.ops.base import (
     LAYER,
@@ -144,19 +145,66 @@ register(OpDef(
 
 # ---- KV cache and GQA ----------------------------------------------------------------------
 
+# How a quantized KV cache stores a row (one token of one KV head, head_dim values): codes of
+# this torch dtype and one f32 scale = max|x|/QMAX over the row, so a value reads back as
+# code·scale. f32, not f16, for the scale: it costs 2 more bytes per row (≈3% of a 64-wide int8
+# row) and the kernels and the interpreter then compute the same scale bit for bit, with no
+# second rounding and no f16 overflow or underflow for rows near 0. fp8 e4m3 gets a scale too:
+# its largest value is 448, and a key row above that would saturate without one.
+KV_QUANT: dict[str, tuple[torch.dtype | None, float]] = {
+    "int8": (torch.int8, 127.0),
+    "fp8": (getattr(torch, "float8_e4m3fn", None), 448.0),
+}
+KV_SCALE_BYTES = 4
+KV_QUANT_ATTR = Attr("quant", str, None, choices=tuple(KV_QUANT))
+
+
+def kv_row_bytes(head_dim: int | sympy.Expr, dtype: str, quant: str | None) -> sympy.Expr:
+    """Bytes one cached row (one token, one KV head) takes: head_dim values in `dtype`, or
+    head_dim one-byte codes and an f32 scale."""
+    if quant is None:
+        return head_dim * DTYPE_BYTES[dtype]
+    return head_dim * 1 + KV_SCALE_BYTES
+
+
+def kv_quantize(x: torch.Tensor, quant: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [..., D] and f32 scales [...] of rows x [..., D]: scale = max|x|/QMAX over the row;
+    int8 codes round half up, floor(x/scale + 0.5) (what the kernels compute); fp8 codes are
+    x/scale cast to e4m3 (round to nearest even). A row of zeros has scale 0 and codes 0."""
+    dtype, qmax = KV_QUANT[quant]
+    if dtype is None:
+        raise ArchcError(f"this torch ({torch.__version__}) has no float8_e4m3fn for an fp8 "
+                         "KV cache; use int8")
+    xf = x.float()
+    scale = xf.abs().amax(-1) / qmax
+    q = xf / torch.where(scale > 0, scale, 1.0)[..., None]
+    if quant == "int8":
+        return torch.floor(q + 0.5).clamp(-qmax, qmax).to(dtype), scale
+    return q.clamp(-qmax, qmax).to(dtype), scale
+
+
+def kv_dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows code·scale in `dtype`, as an attention kernel reads them from a quantized cache."""
+    return (codes.float() * scale[..., None]).to(dtype)
+
+
 def _kv_infer(sig: Sig) -> tuple[Shape, str]:
-    x = sig.shapes[0]
+    x = sig.shape("x")
     require(len(x) == 4, f"kv_cache takes [B, H, T, D], got {list(x)}")
     return (x[0], x[1], P + x[2], x[3]), float_dtype(sig)
 
 
 register(OpDef(
-    Op.KV_CACHE, "Write the new keys or values at offset P; return the cache's first P+T.",
-    '%14 : f32[B,2,P+T,16] = kv_cache(%13) {kind="k", layer=0}', operands("x"), _kv_infer,
-    lambda ctx, a, at: ctx.cache_append(at["layer"], at["kind"], a["x"]),
+    Op.KV_CACHE, "Write the new keys or values at offset P; return the cache's first P+T. With "
+    "`quant` the cache holds int8 or fp8 e4m3 codes and an f32 scale per (token, head), and "
+    "returns what it holds, code·scale.",
+    '%14 : f32[B,2,P+T,16] = kv_cache(%13) {kind="k", layer=0, quant="int8"}', operands("x"),
+    _kv_infer,
+    lambda ctx, a, at: ctx.cache_append(at["layer"], at["kind"], a["x"], at["quant"]),
     # read the new rows, write them into the cache; readers of the cache pay for reading it
-    bytes=lambda sig: 2 * numel(sig.shapes[0]) * DTYPE_BYTES[sig.dtypes[0]],
-    attrs=(LAYER, Attr("kind", str, choices=("k", "v"))), arity=(1, 1)))
+    bytes=lambda sig: numel(sig.shapes[0]) * DTYPE_BYTES[sig.dtypes[0]] + numel(
+        sig.shapes[0][:3]) * kv_row_bytes(sig.shapes[0][3], sig.dtypes[0], sig.attr("quant")),
+    attrs=(LAYER, Attr("kind", str, choices=("k", "v")), KV_QUANT_ATTR), arity=(1, 1)))
 
 
 def _repeat_infer(sig: Sig) -> tuple[Shape, str]:
@@ -378,6 +426,8 @@ def _attention_infer(sig: Sig) -> tuple[Shape, str]:
     else:
         require(sig.attr("kv_heads") is not None, "a cached attention needs kv_heads")
         groups(q[1], sympy.Integer(sig.attr("kv_heads")))
+    require(sig.attr("kv_quant") is None or not sig.has("k"),
+            "kv_quant describes the layer's cache: an attention given k and v reads no cache")
     check_mask(sig, _keys(sig))
     return (q[0], q[2], q[1] * q[3]), float_dtype(sig)
 
@@ -460,7 +510,9 @@ def _attention_bytes(sig: Sig) -> sympy.Expr:
     # bidirectional global rows read every key
     keys = length if window is None or (g is not None and not sig.attr("causal")) else \
         sympy.Min(length, window + q[2] + (g or 0))
-    return (2 * numel(q) + 2 * q[0] * kv_heads * keys * q[3]) * DTYPE_BYTES[sig.dtype("q")]
+    # q in and out, and each visible key's k and v rows (codes and scales from a quantized cache)
+    return 2 * numel(q) * DTYPE_BYTES[sig.dtype("q")] + 2 * q[0] * kv_heads * keys * \
+        kv_row_bytes(q[3], sig.dtype("q"), sig.attr("kv_quant"))
 
 
 register(OpDef(
@@ -471,7 +523,8 @@ register(OpDef(
     "window=8}", _attention_roles, _attention_infer, attention,
     attrs=(Attr("scale", float), *MASK_ATTRS, Attr("softcap", float, None),
            Attr("bias", Call, None, {"alibi": (), "t5": T5}),
-           Attr("cache_layer", int, None, at_least=0), Attr("kv_heads", int, None, at_least=1)),
+           Attr("cache_layer", int, None, at_least=0), Attr("kv_heads", int, None, at_least=1),
+           Attr("kv_quant", str, None, choices=tuple(KV_QUANT))),
     flops=_attention_flops, bytes=_attention_bytes, template="attention", arity=(1, 6),
     docs={"padding": "1 = key present", "prefix_len": "prefix length",
           "slopes": "ALiBi slopes", "rel_table": "relative-position bias per bucket and head"}))

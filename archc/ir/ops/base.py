@@ -117,7 +117,8 @@ class EagerCtx(Protocol):
     """What eager semantics may read besides their inputs: the KV cache and the recurrent state
     of each layer (zeros at P = 0, so a prefill starts fresh)."""
 
-    def cache_append(self, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor: ...
+    def cache_append(self, layer: int, kind: str, x: torch.Tensor,
+                     quant: str | None = None) -> torch.Tensor: ...
     def cache_read(self, layer: int, kind: str) -> torch.Tensor: ...
     def state_read(self, layer: int, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor: ...
@@ -183,6 +184,9 @@ OP_TABLE: dict[Op, OpDef] = {}
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
     "i64": torch.int64, "i32": torch.int32, "bool": torch.bool,
+    # the codes of a quantized KV cache (runtime storage, not IR values)
+    "i8": torch.int8,
+    **({"f8e4m3": torch.float8_e4m3fn} if hasattr(torch, "float8_e4m3fn") else {}),
 }
 
 

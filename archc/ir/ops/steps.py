@@ -16,7 +16,7 @@ import torch
 
 import archc.ir.expr as E
 from archc.ir.attrs import Attr, Call, call_problem
-from archc.ir.ops.attention import ROPE_ATTRS, ROTATION_DOC, check_rope, rope
+from archc.ir.ops.attention import KV_QUANT_ATTR, ROPE_ATTRS, ROTATION_DOC, check_rope, rope
 from archc.ir.ops.base import (
     ROW_KERNELS,
     EagerCtx,
@@ -144,7 +144,8 @@ def _apply_kv_write(ctx: EagerCtx, acc: torch.Tensor, st: Call, xs: Sequence[tor
     for kind in ("k", "v"):
         start = st.kw(f"{kind}_start")
         part = acc[..., start:start + kv * hd].unflatten(-1, (kv, hd)).transpose(1, 2)
-        ctx.cache_append(st.kw("layer"), kind, part.to(stats.dtype).contiguous())  # (B, Hkv, T, D)
+        ctx.cache_append(st.kw("layer"), kind, part.to(stats.dtype).contiguous(),   # (B, Hkv, T, D)
+                         st.kw("quant"))
     return acc
 
 
@@ -180,10 +181,11 @@ STEPS: dict[str, StepDecl] = {d.name: d for d in (
              "or with `dynamic` from frequencies rescaled by the sequence length)",
              ("pos", "rotation"), params=(*HEADS, *ROPE_ATTRS), width=_rope_width,
              apply=_apply_rope, docs=("positions", ROTATION_DOC)),
-    StepDecl("kv_write", "write k/v columns into layer `layer`'s cache at offset P",
+    StepDecl("kv_write", "write k/v columns into layer `layer`'s cache at offset P; with "
+             "`quant` (int8, fp8) as codes and an f32 scale per (token, head) = max|x|/QMAX",
              params=(Attr("head_dim", int, at_least=1), Attr("k_start", int, at_least=0),
                      Attr("kv_heads", int, at_least=1), Attr("layer", int, at_least=0),
-                     Attr("v_start", int, at_least=0)),
+                     Attr("v_start", int, at_least=0), KV_QUANT_ATTR),
              width=_kv_write_width, apply=_apply_kv_write),
     StepDecl("residual", "acc + r", ("res",), expr=E.call("add", ACC, E.x(1)),
              kernels=ROW_KERNELS, docs=("residual rows",)),
