@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import archc
-from archc.errors import WeightsError
+from archc.errors import ArchcError, WeightsError
 from archc.quant.gguf_repack import repack
 from archc.quant.schemes import BY_GGUF
 from archc.quant.tensor import QTensor
@@ -199,3 +199,19 @@ def test_an_unsupported_quantized_type_is_refused_unless_dequantized(tmp_path: P
     # what inspection sees: the supported tensors' schemes, not the Q2_K one
     assert set(describe(path).quant.values()) == {"q8_0"}
     assert "layers.0.ffn.down.weight" not in describe(path).quant
+
+
+def test_memory_is_priced_at_the_bytes_a_quantized_file_holds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host with room for the quantized weights but not for their floats: the file loads
+    kept quantized and is refused, with what it would need, when read as floats."""
+    path = tmp_path / "q4.gguf"
+    write_tiny(path, {"*": "Q4_0"})
+    floats = sum(w.numel() * 4 for w in archc.load(path, dequantize=True).weights.values())
+    kept = sum(w.nbytes if isinstance(w, QTensor) else w.numel() * 4
+               for w in archc.load(path).weights.values())
+    assert 2 * kept < floats
+    monkeypatch.setattr("archc.devices.host_available", lambda: (kept + floats) // 2)
+    assert archc.load(path).quant
+    with pytest.raises(ArchcError, match=r"its weights need .* in f32\) and"):
+        archc.load(path, dequantize=True)
