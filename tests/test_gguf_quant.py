@@ -135,23 +135,33 @@ MATRICES = {"token_embd.weight": (VOCAB, D), "output.weight": (VOCAB, D),
 NORMS = ("output_norm.weight", "blk.0.attn_norm.weight", "blk.0.ffn_norm.weight")
 
 
-def write_tiny(path: Path, kinds: dict[str, str]) -> dict[str, np.ndarray]:
+def write_tiny(path: Path, kinds: dict[str, str], experts: int = 0) -> dict[str, np.ndarray]:
     """A one-layer llama GGUF: each matrix in `kinds[name]` (default the "*" entry), random;
-    norms F32. Returns the raw bytes of the quantized matrices."""
+    norms F32. With `experts`, a mixture of experts (llama.cpp's [experts, rows, cols] tensors,
+    an F32 router) instead of the FFN. Returns the raw bytes of the quantized matrices."""
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), "llama")
     _metadata(w)
     raws: dict[str, np.ndarray] = {}
     for name in NORMS:
         w.add_tensor(name, (1 + 0.1 * rng.standard_normal(D)).astype(np.float32))
-    for name, (rows, cols) in MATRICES.items():
+    matrices = dict(MATRICES)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(2)
+        w.add_tensor("blk.0.ffn_gate_inp.weight",
+                     rng.standard_normal((experts, D)).astype(np.float32))
+        for part in ("gate", "up", "down"):
+            rows, cols = matrices.pop(f"blk.0.ffn_{part}.weight")
+            matrices[f"blk.0.ffn_{part}_exps.weight"] = (experts, rows, cols)
+    for name, (*rows, cols) in matrices.items():
         kind = kinds.get(name, kinds["*"])
         if kind == "Q2_K":   # d, dmin f16 at the end of each 84-byte block: small, finite
-            raw = rng.integers(0, 256, (rows, cols // 256, 84), dtype=np.uint8)
+            raw = rng.integers(0, 256, (*rows, cols // 256, 84), dtype=np.uint8)
             raw[..., 80:84] = np.array([1e-3, 1e-3], dtype="<f2").view(np.uint8)
-            raw = raw.reshape(rows, -1)
+            raw = raw.reshape(*rows, -1)
         else:
-            raw = raw_tensor(kind, rows, cols, rng)
+            raw = raw_tensor(kind, int(np.prod(rows)), cols, rng).reshape(*rows, -1)
         raws[name] = raw
         w.add_tensor(name, raw, raw_dtype=Q[kind])
     w.write_header_to_file()
@@ -215,3 +225,20 @@ def test_memory_is_priced_at_the_bytes_a_quantized_file_holds(
     assert archc.load(path).quant
     with pytest.raises(ArchcError, match=r"its weights need .* in f32\) and"):
         archc.load(path, dequantize=True)
+
+
+def test_experts_stored_as_one_quantized_tensor_each_stay_quantized(tmp_path: Path) -> None:
+    path = tmp_path / "moe.gguf"
+    raws = write_tiny(path, {"*": "Q4_K", "blk.0.ffn_down_exps.weight": "Q6_K"}, experts=4)
+    kept, floats = archc.load(path), archc.load(path, dequantize=True)
+    experts = {n: w for n, w in kept.weights.items() if ".experts." in n}
+    assert {n: (w.dtype, w.shape) for n, w in experts.items()} == {
+        "layers.0.ffn.experts.gate.weight": ("q4_k", (4, FF, D)),
+        "layers.0.ffn.experts.up.weight": ("q4_k", (4, FF, D)),
+        "layers.0.ffn.experts.down.weight": ("q6_k", (4, D, FF))}
+    down = raws["blk.0.ffn_down_exps.weight"]
+    assert torch.equal(experts["layers.0.ffn.experts.down.weight"].dequantize(),
+                       gguf_values(down.reshape(4 * D, -1), "Q6_K").reshape(4, D, FF))
+    assert isinstance(kept.weights["layers.0.ffn.router.weight"], torch.Tensor)
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(kept.compile()(ids), floats.compile()(ids))
