@@ -100,6 +100,7 @@ class GGUFFile:
 
 
 def unsupported(name: str, kind: str) -> WeightsError:
+    """The error for a tensor of a quantized type archc has no scheme for."""
     return WeightsError(f"tensor {name!r} is stored as {kind}, a quantized type archc does not "
                         f"keep quantized (it keeps {', '.join(UNPACK)}); --dequantize "
                         "(dequantize=True) reads the file as floats")
