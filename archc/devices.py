@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,18 @@ def resolve_device(value: Any, *, spell: Spell = python_option) -> torch.device:
 TINY = {"decoder": "tiny-llama3", "encoder": "tiny-bert", "encoder-decoder": "tiny-t5"}
 
 
-def checkpoint_elements(program: Program) -> int:
-    return sum(math.prod(dims) for dims in checkpoint_shapes(program).values())
+def checkpoint_elements(program: Program, quant: Mapping[str, str] | None = None) -> int:
+    """Elements of the checkpoint tensors held as floats (those `quant` does not keep
+    quantized)."""
+    return sum(math.prod(dims) for name, dims in checkpoint_shapes(program).items()
+               if name not in (quant or {}))
+
+
+def quantized_bytes(program: Program, quant: Mapping[str, str]) -> int:
+    """Bytes of the checkpoint tensors kept quantized (`quant`: tensor → scheme), scales
+    included: what they hold whatever the compute dtype."""
+    return sum(math.ceil(math.prod(dims) * DTYPE_BYTES[quant[name]])
+               for name, dims in checkpoint_shapes(program).items() if name in quant)
 
 
 def host_available() -> int | None:
@@ -99,23 +110,26 @@ def host_available() -> int | None:
 
 def check_fits(model: str, what: str, elements: int, dtype: str, family: str,
                device: torch.device | None = None, *, spell: Spell = python_option,
-               random: bool = False) -> None:
-    """Refuse to allocate `elements` values of `dtype` for `what` ("its weights") when the
-    memory free on `device` (default: the host) cannot hold them, saying what would fit."""
+               random: bool = False, quantized: int = 0) -> None:
+    """Refuse to allocate `elements` values of `dtype` for `what` ("its weights"), and
+    `quantized` bytes of weights kept quantized, when the memory free on `device` (default: the
+    host) cannot hold them, saying what would fit."""
     device = device or torch.device("cpu")
-    need = elements * DTYPE_BYTES[dtype]
+    need = elements * DTYPE_BYTES[dtype] + quantized
     free = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else \
         host_available()
     if free is None or need <= free:
         return
     smaller = [d for d in sorted(DTYPES, key=lambda d: (DTYPE_BYTES[d], d))
-               if DTYPE_BYTES[d] < DTYPE_BYTES[dtype] and elements * DTYPE_BYTES[d] <= free]
+               if DTYPE_BYTES[d] < DTYPE_BYTES[dtype]
+               and elements * DTYPE_BYTES[d] + quantized <= free]
     options = [" or ".join(spell("dtype", d) for d in smaller) +
-               f" ({nbytes(elements * DTYPE_BYTES[smaller[0]])})"] if smaller else []
+               f" ({nbytes(elements * DTYPE_BYTES[smaller[0]] + quantized)})"] if smaller else []
     if random:
         options.append(f"a tiny spec of the same structure, such as {TINY[family]}")
     options.append("a machine with more memory")
     raise ArchcError(f"{model}: {what} need {nbytes(need)} ({elements:,} "
-                     f"{'random weights' if random else 'weights'} in {dtype}) and "
+                     f"{'random weights' if random else 'weights'} in {dtype}"
+                     + (f" and {nbytes(quantized)} quantized" if quantized else "") + ") and "
                      f"{nbytes(free)} of {'GPU memory' if device.type == 'cuda' else 'memory'} "
                      "is available. Options: " + "; ".join(options))

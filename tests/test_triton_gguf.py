@@ -25,7 +25,7 @@ TOL = 1e-4
 
 @pytest.mark.slow
 def test_smollm2_gguf_answers_the_same_on_triton(tmp_path: Path) -> None:
-    model = archc.load(smollm2_gguf())
+    model = archc.load(smollm2_gguf(), dequantize=True)
     prompt = torch.tensor([model.tokenizer.encode("The capital of France is")])
     # on a GPU when there is one: choosing the interpreter would hold for the whole worker
     device = "cuda" if torch.cuda.is_available() else "cpu"

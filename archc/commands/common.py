@@ -17,7 +17,13 @@ from typing import Any
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-from archc.devices import check_fits, checkpoint_elements, default_dtype, resolve_device
+from archc.devices import (
+    check_fits,
+    checkpoint_elements,
+    default_dtype,
+    quantized_bytes,
+    resolve_device,
+)
 from archc.errors import ArchcError, cli_option
 from archc.ir.lower import lower
 from archc.sources import describe
@@ -145,14 +151,17 @@ class Run:
         # The weights are read straight into the compute dtype, so the eager backend runs them
         # as they are; the triton backend's passes evaluate a second copy (merged and folded
         # weights), and validation runs both. A GPU's copies are read on the host first.
-        elements = checkpoint_elements(lower(self.spec))
+        program = lower(self.spec)   # tensors a source keeps quantized priced at their bytes
+        quant = {} if getattr(args, "dequantize", False) else self.source.quant
+        elements, quantized = checkpoint_elements(program, quant), quantized_bytes(program, quant)
         copies = {"eager": 1, "triton": 2, None: 3}[backend]
         host = [(torch.device("cpu"), 1)] if self.device.type == "cuda" else []
         for device, n in [*host, (self.device, copies)]:
             what = "its weights" + (f" and {n - 1} compiled cop{'y' if n == 2 else 'ies'}"
                                     if n > 1 else "")
             check_fits(self.spec.name, what, elements * n, self.dtype, self.spec.family,
-                       device, spell=cli_option, random=self.source.random_weights)
+                       device, spell=cli_option, random=self.source.random_weights,
+                       quantized=quantized * n)
         if getattr(args, "threads", None) is not None:
             torch.set_num_threads(args.threads)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from archc.native import SPEC_FILE, is_native
 from archc.quant.file import is_quantized_file, read_header
-from archc.sources.gguf import GGUFFile, load_gguf, spec_of_file
+from archc.sources.gguf import GGUFFile, file_quant, load_gguf, spec_of_file
 from archc.sources.hf import hf_spec, is_hf_dir, load_hf
 from archc.spec.load import load_spec, load_yaml
 from archc.spec.schema import Spec
@@ -44,7 +44,9 @@ def describe(source: str | Path) -> Source:
     path = Path(source)
     if is_gguf(path):
         f = GGUFFile(path)
-        return Source("gguf", spec_of_file(f), bool(f.fields.get("tokenizer.ggml.tokens")))
+        spec = spec_of_file(f)
+        return Source("gguf", spec, bool(f.fields.get("tokenizer.ggml.tokens")),
+                      file_quant(f, spec))
     if is_native(path):
         return Source("archc", load_yaml(path / SPEC_FILE), False)
     if is_hf_dir(path):

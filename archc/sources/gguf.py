@@ -1,7 +1,12 @@
 """GGUF files of the llama architecture → Model: metadata → spec (fields in the `llama.`
-namespace that archc does not know are refused by name, as config.json fields are), tensors
-dequantised by the `gguf` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K are tested;
-any other type its `quants` implements reads the same way), the tokenizer and chat template.
+namespace that archc does not know are refused by name, as config.json fields are), tensors, the
+tokenizer and chat template.
+
+Tensors of the block types archc has a scheme for (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+Q6_K: `archc.quant.schemes.BY_GGUF`) stay quantized: their bytes are repacked, exactly, into
+archc's planar layout (`archc.quant.gguf_repack`). F32, F16 and BF16 tensors read as floats. Any
+other quantized type is refused, unless the file is read with `dequantize=True` (`--dequantize`),
+which dequantises every tensor with the `gguf` package (any type its `quants` implements).
 
 llama.cpp's converter reorders the rows of each head of the Q and K projections so that its RoPE
 can rotate interleaved pairs; archc's Llama rotates halves (as the original checkpoint does), so
@@ -19,8 +24,13 @@ import numpy as np
 import torch
 
 from archc.errors import ArchcError, SpecError, WeightsError
+from archc.ir.lower import lower
 from archc.ir.paramexpr import rope_inv_freq
 from archc.model import Model, Progress
+from archc.quant.gguf_repack import UNPACK, repack, supported
+from archc.quant.schemes import BY_GGUF
+from archc.quant.tensor import QTensor
+from archc.runtime.weights import checkpoint_shapes
 from archc.sources.hf_config import HFConfig, spec_name
 from archc.sources.tensor_map import Checkpoint, Layout, TensorMap, each, read_checkpoint
 from archc.spec import from_dict
@@ -31,15 +41,17 @@ ARCH = "llama"
 
 
 class GGUFFile:
-    """Metadata fields and tensors of one GGUF file."""
+    """Metadata fields and tensors of one GGUF file. `keep_quantized`: `load` returns the
+    tensors of a block type archc has a scheme for as QTensors (else as f32 values)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, keep_quantized: bool = False) -> None:
         try:
             import gguf
         except ImportError:  # pragma: no cover - an optional dependency
             raise ArchcError("reading GGUF files needs the `gguf` package "
                              "(pip install 'archc[gguf]')") from None
         self.path, self.dequantize = path, gguf.quants.dequantize
+        self.keep_quantized, self.block_sizes = keep_quantized, gguf.GGML_QUANT_SIZES
         if not path.is_file():
             raise WeightsError(f"{path}: no such file")
         try:
@@ -59,9 +71,21 @@ class GGUFFile:
         """[out, in] as torch orders it (GGUF lists dims innermost first)."""
         return tuple(int(d) for d in reversed(self.tensors[name].shape))
 
-    def load(self, name: str) -> torch.Tensor:
+    def kind(self, name: str) -> str:
+        """The GGML type a tensor is stored as ("F32", "Q4_K")."""
+        return self.tensors[name].tensor_type.name
+
+    def quantized(self, name: str) -> bool:
+        """Is the tensor stored in blocks of quantized values (not F32/F16/BF16 or integers)?"""
+        return self.block_sizes[self.tensors[name].tensor_type][0] > 1
+
+    def load(self, name: str) -> torch.Tensor | QTensor:
         t = self.tensors[name]
         kind = t.tensor_type.name
+        if self.keep_quantized and self.quantized(name):
+            if not supported(kind):
+                raise unsupported(name, kind)
+            return repack(t.data, kind, self.shape(name))
         try:
             values = self.dequantize(t.data, t.tensor_type)
         except NotImplementedError:
@@ -73,6 +97,13 @@ class GGUFFile:
         # a copy only where the values are not already a writeable f32 array
         return torch.from_numpy(np.require(values, np.float32, ("C", "W")).reshape(
             self.shape(name)))
+
+
+def unsupported(name: str, kind: str) -> WeightsError:
+    """The error for a tensor of a quantized type archc has no scheme for."""
+    return WeightsError(f"tensor {name!r} is stored as {kind}, a quantized type archc does not "
+                        f"keep quantized (it keeps {', '.join(UNPACK)}); --dequantize "
+                        "(dequantize=True) reads the file as floats")
 
 
 def _f32(value: float) -> float:
@@ -168,11 +199,14 @@ def spec_of_file(f: GGUFFile) -> Spec:
     return from_dict(data, source=str(f.path))
 
 
-def unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+def unpermute_rope_rows(w: torch.Tensor | QTensor, heads: int) -> torch.Tensor | QTensor:
     """Undo llama.cpp's reordering of Q/K rows: within each head it stores rows as interleaved
-    pairs (0, d/2, 1, d/2+1, ...) of the original half-split order."""
-    # (heads, D/2, 2, ...) → (heads, 2, D/2, ...)
-    return w.reshape(heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+    pairs (0, d/2, 1, d/2+1, ...) of the original half-split order. Whole rows move, so a
+    quantized weight stays quantized."""
+    # row order (heads, D/2, 2) → (heads, 2, D/2)
+    rows = torch.arange(w.shape[0]).reshape(heads, -1, 2).transpose(1, 2).reshape(-1)
+    return w.index_select(0, rows).contiguous() if isinstance(w, torch.Tensor) else \
+        w.index_select(0, rows)
 
 
 def _rope_rows(t: TensorMap) -> None:
@@ -192,14 +226,34 @@ LAYOUT = Layout({
     layer="blk.{i}.", head=("output",), special=_rope_rows)
 
 
-def load_gguf(path: Path, *, progress: Progress | None = None, dtype: str | None = None) -> Model:
-    """The model of a GGUF file, its tensors dequantised to f32 (or `dtype`, one at a time), with
-    the tokenizer its `tokenizer.ggml.*` metadata stores, if any."""
-    f = GGUFFile(path)
+def file_quant(f: GGUFFile, spec: Spec) -> dict[str, str]:
+    """archc tensor → scheme for the tensors of `f` that load kept quantized, read off the
+    tensor types alone (no data is read)."""
+    tmap = TensorMap(LAYOUT, spec, Checkpoint(f), checkpoint_shapes(lower(spec)))
+    out: dict[str, str] = {}
+    for rule in tmap.rules:
+        kinds = {f.kind(n) if n in f.tensors else None for n in rule.sources}
+        if len(kinds) == 1 and (kind := kinds.pop()) is not None and supported(kind):
+            out |= dict.fromkeys(rule.targets, BY_GGUF[kind].name)
+    return out
+
+
+def load_gguf(path: Path, *, progress: Progress | None = None, dtype: str | None = None,
+              dequantize: bool = False) -> Model:
+    """The model of a GGUF file, with the tokenizer its `tokenizer.ggml.*` metadata stores, if
+    any. Tensors of the quantized types archc has a scheme for stay quantized (any other
+    quantized type is refused); the rest are read in f32 (or `dtype`, one at a time). With
+    `dequantize`, every tensor is dequantised to f32 (or `dtype`) instead."""
+    f = GGUFFile(path, keep_quantized=not dequantize)
     spec = spec_of_file(f)
+    if not dequantize:   # refused before anything is read
+        for name in f.tensors:
+            if f.quantized(name) and not supported(f.kind(name)):
+                raise unsupported(name, f.kind(name))
     # rope_freqs.weight, when there, was read into the spec's RoPE scaling
     weights, _ = read_checkpoint(spec, Checkpoint(f), LAYOUT, skip=(r"rope_freqs\.weight",),
-                                 progress=progress, dtype=dtype)
+                                 progress=progress, dtype=dtype,
+                                 quant={} if dequantize else file_quant(f, spec))
     tok = {k.removeprefix("tokenizer.ggml."): v for k, v in f.fields.items()}
     eos = [tok[k] for k in ("eos_token_id", "eot_token_id", "eom_token_id")
            if isinstance(tok.get(k), int)]

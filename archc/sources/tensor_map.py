@@ -16,10 +16,11 @@ from typing import Any, Protocol
 
 import torch
 
-from archc.devices import check_fits, checkpoint_elements
+from archc.devices import check_fits, checkpoint_elements, quantized_bytes
 from archc.errors import WeightsError
 from archc.ir.lower import lower
 from archc.model import Progress
+from archc.quant.tensor import QTensor
 from archc.runtime.weights import TORCH_DTYPES, checkpoint_shapes
 from archc.spec.schema import Spec
 
@@ -65,7 +66,8 @@ class TensorMap:
             if "{e}" in name:   # one tensor per expert → archc's [experts, ...]
                 experts, *shape = want[target]
                 self.add([name.format(e=e) for e in range(experts)], [tuple(shape)] * experts,
-                         [target], lambda xs: [torch.stack(xs)])
+                         [target], lambda xs: [QTensor.stack(xs) if isinstance(xs[0], QTensor)
+                                               else torch.stack(xs)])
             else:
                 fused.setdefault(name, []).append(target)
         for name, targets in fused.items():
@@ -92,6 +94,8 @@ class TensorMap:
         full = (sum(parts) * groups, *rest)
 
         def convert(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+            if isinstance(xs[0], QTensor) and len(targets) == 1 and not transpose:
+                return xs   # a rename: a quantized weight moves as it is
             x = (xs[0].t() if transpose else xs[0]).reshape(groups, sum(parts), *rest)
             return [p.reshape(groups * n, *rest).contiguous()    # (groups, Σ parts, ...)
                     for p, n in zip(x.split(parts, dim=1), parts)]
@@ -160,13 +164,15 @@ class Layout:
 
 def read_checkpoint(spec: Spec, ckpt: Checkpoint, layout: Layout, *, skip: Sequence[str] = (),
                     progress: Progress | None = None,
-                    dtype: str | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:
+                    dtype: str | None = None, quant: dict[str, str] | None = None,
+                    ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The archc checkpoint of `spec`, read by the rules of `layout`, each tensor cast to `dtype`
-    (if given) as it is read; its bytes are priced against the memory free first. Returns it and
-    the names of the checkpoint tensors skipped (matched by `skip`)."""
+    (if given) as it is read, except those the source reads quantized (`quant`: archc tensor →
+    scheme, which prices them at their scheme's bytes); its bytes are priced against the memory
+    free first. Returns it and the names of the checkpoint tensors skipped (matched by `skip`)."""
     program = lower(spec)
-    check_fits(spec.name, "its weights", checkpoint_elements(program), dtype or spec.dtype,
-               spec.family)
+    check_fits(spec.name, "its weights", checkpoint_elements(program, quant),
+               dtype or spec.dtype, spec.family, quantized=quantized_bytes(program, quant or {}))
     tmap = TensorMap(layout, spec, ckpt, checkpoint_shapes(program))
     source, present = ckpt.source, ckpt.names
     for rule in tmap.rules:  # check everything before reading anything
@@ -188,7 +194,8 @@ def read_checkpoint(spec: Spec, ckpt: Checkpoint, layout: Layout, *, skip: Seque
     for done, rule in enumerate(tmap.rules):
         values = rule.convert([source.load(n) for n in rule.sources]) if rule.targets else []
         for target, value in zip(rule.targets, values):
-            out[target] = value if dtype is None else value.to(TORCH_DTYPES[dtype])
+            keep = dtype is None or isinstance(value, QTensor)   # quantized: as stored
+            out[target] = value if keep else value.to(TORCH_DTYPES[dtype])
         if progress is not None:
             progress(done + 1, len(tmap.rules))
     return out, skipped
