@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from archc.errors import WeightsError
 from archc.quant.schemes import SCHEMES, SUPER, Scheme
@@ -70,37 +71,48 @@ class QTensor:
     # ---- values ---------------------------------------------------------------------------
     def codes(self) -> torch.Tensor:
         """The integer codes c [..., N, K] (int32), high bits joined to low."""
+        return self._codes().to(torch.int32)
+
+    def _codes(self) -> torch.Tensor:
+        """The codes in the narrowest integer dtype that holds them (uint8, int8 for 8 bits)."""
         k, s = self.shape[-1], self.scheme
         q = self.parts["q"]
         if s.bits == 8:
-            return q.to(torch.int32)
-        low = torch.stack([q & 0x0F, q >> 4], dim=-1).flatten(-2)[..., :k].to(torch.int32)
+            return q
+        low = torch.stack([q & 0x0F, q >> 4], dim=-1).flatten(-2)[..., :k]
         if not s.high_bits:
             return low
         per_byte = 8 // s.high_bits
         shifts = torch.arange(per_byte, dtype=torch.uint8, device=q.device) * s.high_bits
         high = (self.parts["qh"][..., None] >> shifts) & ((1 << s.high_bits) - 1)
-        return low | (high.flatten(-2)[..., :k].to(torch.int32) << 4)
+        return low | (high.flatten(-2)[..., :k] << 4)
 
-    def _per_element(self, part: str, group: int) -> torch.Tensor:
-        """A per-group part as f32, repeated over each group's elements: [..., N, K]."""
-        k = self.shape[-1]
-        return self.parts[part].float().repeat_interleave(min(group, k), dim=-1)[..., :k]
+    def _per_group(self, part: str, size: int, group: int, groups: int) -> torch.Tensor:
+        """A part held per `size` elements, as f32 per `group` elements: [..., N, groups]."""
+        v = self.parts[part].float()
+        return v if size == group else v.repeat_interleave(size // group, dim=-1)[..., :groups]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The values, computed in f32 in the order the module docstring gives, then cast."""
-        s = self.scheme
-        c = self.codes()
+        """The values, computed in f32 in the order the module docstring gives, then cast:
+        group by group, each group's scale (and offset) broadcast over its elements."""
+        s, k = self.scheme, self.shape[-1]
+        group = min(s.group, k)
+        groups = -(-k // group)
+        c = self._codes().float()          # small integers: exact in f32, as is c − zero
+        if groups * group != k:
+            c = F.pad(c, (0, groups * group - k))
+        c = c.unflatten(-1, (groups, group))
         if s.two_level:
-            scale = self._per_element("d", SUPER) * self._per_element("sc", s.group)
+            scale = self._per_group("d", SUPER, group, groups) * self.parts["sc"].float()
         else:
-            scale = self._per_element("scale", s.group)
-        v = scale * (c - s.zero).float()
+            scale = self.parts["scale"].float()
+        v = scale[..., None] * (c - s.zero if s.zero else c)
         if s.offset == "f16":
-            v = v + self._per_element("min", s.group)
+            v = v + self.parts["min"].float()[..., None]
         elif s.offset == "super":
-            v = v - self._per_element("dmin", SUPER) * self._per_element("mn", s.group)
-        return v.to(dtype)
+            v = v - (self._per_group("dmin", SUPER, group, groups)
+                     * self.parts["mn"].float())[..., None]
+        return v.flatten(-2)[..., :k].to(dtype)
 
     def float(self) -> torch.Tensor:
         return self.dequantize(torch.float32)
