@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,14 +22,16 @@ from archc.devices import (
     check_fits,
     checkpoint_elements,
     default_dtype,
+    dtype_name,
     quantized_bytes,
     resolve_device,
 )
 from archc.errors import ArchcError, cli_option
 from archc.ir.lower import lower
+from archc.quant import QTensor, tensor_bytes
 from archc.sources import describe
 from archc.spec.schema import Spec
-from archc.ui import console, err_console
+from archc.ui import console, err_console, nbytes
 
 STOPS = {"eos": "stopped at end-of-sequence", "length": "stopped at the token limit",
          "interrupted": "interrupted"}
@@ -41,6 +44,8 @@ class Timings:
     generated: int = 0              # new tokens, the first of them from the prefill
     stop: str | None = None         # a key of STOPS
     stop_token: str | None = None   # the end-of-sequence token's text
+    weight_bytes: int | None = None         # what the loaded weights hold in memory
+    weight_kinds: dict[str, int] = field(default_factory=dict)   # dtype or scheme → tensors
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -63,6 +68,10 @@ class Timings:
         parts = []
         for name, s in self.seconds.items():
             n = self.tokens(name)
+            if name == "load" and self.weight_bytes is not None:
+                kinds = ", ".join(f"{k} ×{c}" for k, c in self.weight_kinds.items())
+                parts.append(f"load {s:.2f} s, {nbytes(self.weight_bytes)} of weights ({kinds})")
+                continue
             parts.append((f"{name} {s:.2f} s" if name in ("load", "compile") else
                           f"{name} {n} token{'' if n == 1 else 's'} in {s:.2f} s") +
                          (f" ({rates[name]:.3g} tokens/s)" if name in rates else ""))
@@ -75,7 +84,8 @@ class Timings:
             err_console.print(f"[dim]{self.line()}[/]", soft_wrap=True, highlight=False)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"seconds": self.seconds, "prompt_tokens": self.prompt_tokens,
+        return {"seconds": self.seconds, "weight_bytes": self.weight_bytes,
+                "weight_tensors": self.weight_kinds, "prompt_tokens": self.prompt_tokens,
                 "generated_tokens": self.generated,
                 "tokens_per_second": self.tokens_per_second(), "stop": self.stop}
 
@@ -183,6 +193,11 @@ class Run:
         if not self.quiet:
             for note in model.notes:
                 err_console.print(f"[dim]note: {note}[/]", soft_wrap=True)
+        weights = list((model.weights or {}).values())
+        self.timings.weight_bytes = sum(map(tensor_bytes, weights))
+        kinds = Counter(w.dtype if isinstance(w, QTensor) else dtype_name(w.dtype)
+                        for w in weights)
+        self.timings.weight_kinds = dict(kinds.most_common())
         return model
 
     def compile(self, model: Any) -> Any:
