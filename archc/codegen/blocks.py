@@ -87,7 +87,7 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         # prefill on a GPU loads its tiles by TMA where the layouts allow (the kernel decides
         # that at codegen); decode keeps its pointer loads, and the interpreter too unless a test
         # forces TMA = 1 (it runs tensor descriptors as well)
-        cfg["TMA"] = int(gpu and m > 16)
+        cfg["TMA"] = int(gpu and m > 16 and not sizes.get("quant"))   # quantized: never TMA
         # prefill: a folded norm's row statistics once per row, by a pre-pass the launcher adds,
         # not in every column tile's K loop; decode keeps one launch a projection
         cfg["ROW_STATS"] = int(m > 16)
@@ -282,7 +282,8 @@ def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
         # one split: the scratch a split-K launch needs is sized before the autotuner chooses;
         # the row statistics (ROW_STATS) are the heuristic's, from the pre-pass every tuned
         # launch runs (tuning.candidates lays each tile over the heuristic config)
-        return [_cfg(w, s, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, SPLIT_K=1, TMA=int(m > 16))
+        return [_cfg(w, s, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, SPLIT_K=1,
+                     TMA=int(m > 16 and not sizes.get("quant")))
                 for m, n, k, w, s in tiles if n % sizes.get("align", 16) == 0]
     if family == "attention":
         if sizes.get("D", 128) > 128:
