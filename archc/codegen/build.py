@@ -281,12 +281,6 @@ def quant_weight(c: NodeCtx, role: str) -> dict[str, Any] | None:
                 stride={p: cols for p, ((_, cols), _) in parts.items()})
 
 
-def weight_bytes(dtype: str) -> float:
-    """Bytes per element of a weight: its dtype's, or its scheme's (scales included) as a float
-    — what launch decisions size by."""
-    return float(DTYPE_BYTES[dtype])
-
-
 # ---- the builder ------------------------------------------------------------------------------
 
 def build(c: NodeCtx) -> Unit:
@@ -326,6 +320,7 @@ def _embedding(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     ids_rows = Layout(ids.root, ids.offset, (*ids.shape, sympy.Integer(1)),
                       (*ids.strides, sympy.Integer(1)))
     ctx = dict(V=vocab, D=width, ids_off=row_offset(ids_rows, "rows"),
+               quant=quant_weight(c, "table"),
                table_stride=texpr(table.strides[0]),
                table_base=f"{texpr(table.offset)} + " if table.offset != 0 else "",
                R=pexpr(numel(c.node.shape[:-1])))
@@ -398,7 +393,8 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         ctx = dict(kind="router", E=experts, K=k, BLOCK_E=max(16, next_pow2(experts)),
                    top_k=a["top_k"], normalize=a["normalize"], x=rows(x),
                    w_row_stride=texpr(w.strides[0]), dot_kw=c.dot_kw,
-                   M=pexpr(numel(n.shape[:-1])), route=route, gates_row_off=f"token * {experts}")
+                   M=pexpr(numel(n.shape[:-1])), route=route, gates_row_off=f"token * {experts}",
+                   quant=quant_weight(c, "weight"))
         table = dict(table_ptr="*i32", block_expert_ptr="*i32", arrived_ptr="*i32") if route else {}
         return ctx, [JitKernel("_kernel", "router", dict(N=experts, K=k, route=int(route)),
                                c.types(**table, M="i32", T="i32"))]
@@ -418,8 +414,9 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         cols = ("cols", f"cols + {width}") if gated else ("cols",)
     # weight tiles by TMA when one accumulator takes them and a weight row (a descriptor's
     # stride) is a multiple of 16 bytes
-    row_bytes = k * DTYPE_BYTES[c.g.nodes[n.inputs[c.roles["weight"]]].dtype]
-    tma = len(cols) == 1 and row_bytes % 16 == 0
+    w_dtype = c.g.nodes[n.inputs[c.roles["weight"]]].dtype
+    # (a quantized weight's tiles are dequantized from its parts: never TMA)
+    tma = len(cols) == 1 and not is_quantized(w_dtype) and (k * DTYPE_BYTES[w_dtype]) % 16 == 0
     ctx = dict(kind="experts", stage=a["stage"], E=e, NW=nw, top_k=a["top_k"], gated=gated,
                interleaved=interleaved, tma=tma, BLOCK_E=max(16, next_pow2(e)), route=False,
                M=pexpr(numel(n.shape[:-2] if up else n.shape[:-1])),
@@ -429,6 +426,8 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
                gates_row_off=row_offset(gates, "token"),
                x=dict(row_off=row_offset(x, "token" if up else "pair")),
                **_k_loop(c, w, width, k, cols))
+    for wset in ctx["wsets"]:   # a quantized weight's rows: the expert's, flat over [E·NW]
+        wset["rows"] = f"expert.to(tl.int64) * {nw} + ({wset['cols']})"
     table = dict(pairs_ptr="*i32", block_expert_ptr="*i32")
     own = dict(table, part_ptr="*fp32", arrived_ptr="*i32") if not up else table
     sizes = dict(N=nw, K=k, E=e, top_k=a["top_k"], gated=int(gated), **({"tma": 1} if tma else {}))
