@@ -80,6 +80,14 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
             cfg = _cfg(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64)
         else:
             cfg = _cfg(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)
+        if gpu and sizes.get("quant"):
+            # a quantized weight's tile is dequantized in registers (codes, scales, offsets and
+            # their addresses live together): sm_90a spills at decode's 256-column K steps (q4_k:
+            # 972 bytes) and at 128 × 128 prefill tiles (q4_k QKV: 16 bytes); 128-column steps
+            # and 64-row weight tiles fit (165 and 255 registers, no spill)
+            cfg["BLOCK_K"] = min(cfg["BLOCK_K"], 128)
+            if m > 16:
+                cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 64)
         # epilogues that reduce over a head (QK-norm) need whole heads in a tile
         cfg["BLOCK_N"] = max(cfg["BLOCK_N"], sizes.get("align", 16))
         cfg["GROUP_M"] = 8
