@@ -180,6 +180,17 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
             block_m = moe_block_m(target, sizes["M"])
             cfg = _cfg(block_m // 16, 3, BLOCK_M=block_m,
                        BLOCK_N=256 if sizes.get("gated") else 128, BLOCK_K=64)
+        if gpu and sizes.get("quant"):
+            # dequantized expert tiles (codes, scales, offsets and their addresses in registers)
+            # spill on sm_90a at the float tiles (mixtral-8x7b q4_k: 11980 bytes at 64 × 256,
+            # 7816 at decode's 16 × 64 × 128); 64 weight rows in 32-column K steps with 8 warps
+            # in prefill (223 registers at 128 pairs) and, at decode, 16 × 32 × 64 gated (239: a
+            # gated tile needs 16 columns per half) or 16 × 16 × 128 (121) fit
+            if sizes["M"] <= 32:
+                cfg.update(BLOCK_N=32, BLOCK_K=64) if sizes.get("gated") else cfg.update(
+                    BLOCK_N=16, BLOCK_K=128)
+            else:
+                cfg.update(BLOCK_N=64, BLOCK_K=32, num_warps=max(8, cfg["num_warps"]))
         if sizes.get("tma"):
             # the weight's rows allow a tensor descriptor: a GPU prefill loads its weight tiles
             # with TMA; decode keeps the pointer loads its narrow split tiles were shaped for

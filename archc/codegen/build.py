@@ -431,6 +431,8 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     table = dict(pairs_ptr="*i32", block_expert_ptr="*i32")
     own = dict(table, part_ptr="*fp32", arrived_ptr="*i32") if not up else table
     sizes = dict(N=nw, K=k, E=e, top_k=a["top_k"], gated=int(gated), **({"tma": 1} if tma else {}))
+    if ctx["quant"]:   # the code width: tiles sized for a dequantized weight
+        sizes["quant"] = ctx["quant"]["bits"]
     kernels = [JitKernel("_kernel", "moe", sizes, c.types(**own, T="i32")),
                JitKernel("_routing", "moe_routing", dict(E=e),
                          {"gates_ptr": c.arg("gates").type, "table_ptr": "*i32",
