@@ -33,6 +33,7 @@ from archc.ir.shapes import B, T, shape
 from archc.ir.verify import verify_graph
 from archc.quant.schemes import SCHEMES
 from archc.quant.tensor import QTensor
+from archc.runtime import tuning
 from archc.runtime.eager import EagerContext, KVCache, run_graph
 from tests.test_quant_core import random_qtensor
 from tests.test_triton_kernels import DEVICE
@@ -157,6 +158,7 @@ def test_no_tma_for_quantized_weights() -> None:
     assert blocks.launch_config("matmul", "gpu", **sizes, quant=4)["TMA"] == 0
     assert any(c["TMA"] for c in blocks.autotune_configs("matmul", **sizes))
     assert not any(c["TMA"] for c in blocks.autotune_configs("matmul", **sizes, quant=4))
+    assert not any(c["TMA"] for c in tuning.candidates("matmul", {**sizes, "quant": 4}))
 
 
 # ---- epilogues, prologues and the gain ----------------------------------------------------------
@@ -182,17 +184,19 @@ def test_rms_prologue_glu_bias_residual(split: int, kernel_dir: Path,
            "r": rand(2, 3, n // 2, seed=3)}, {"B": 2, "T": 3}, kernel_dir)
 
 
-@pytest.mark.parametrize("weight", ["int4_g32", "f32"])
-def test_gain_scales_the_activations(weight: str, kernel_dir: Path,
+@pytest.mark.parametrize("weight,tma", [("int4_g32", 0), ("f32", 0), ("f32", 1)])
+def test_gain_scales_the_activations(weight: str, tma: int, kernel_dir: Path,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """x·diag(gain)·Wᵀ, for a quantized and a float weight, on prefill tiles."""
-    force(monkeypatch, BLOCK_N=16, BLOCK_M=32)
+    """x·diag(gain)·Wᵀ, for a quantized and a float weight (pointer loads and tensor
+    descriptors), on prefill tiles."""
+    seen = force(monkeypatch, BLOCK_N=16, BLOCK_M=32, TMA=tma)
     g = graph({"x": (shape(B, T, K), "f32"), "gain": (shape(K), "f32")},
               {"w": (shape(N, K), weight)},
               lambda b, i: b.emit(Op.FUSED_LINEAR, i["x"], i["w"], i["gain"], gain=True))
     w = random_qtensor(weight, (N, K), seed=1) if weight != "f32" else rand(N, K) / K ** 0.5
     got = check(g, {"w": w}, {"x": rand(1, 20, K), "gain": rand(K, seed=4)}, {"B": 1, "T": 20},
                 kernel_dir)
+    assert all(c["TMA"] == tma for c in seen)
     # the gain matters: without it the product is far from this one
     dense = w.dequantize() if isinstance(w, QTensor) else w
     assert (got - rand(1, 20, K) @ dense.T).abs().max() > 0.1 * got.abs().max()
