@@ -308,3 +308,27 @@ def test_quantized_model_prefill_then_decode(name: str, kind: str, kernel_dir: P
         err, scale = (got - want).abs().max(), want.abs().max()
         assert err <= MODEL_TOL * scale, f"max error {err:.3g} at scale {scale:.3g}"
         x = want.argmax(-1)[:, None]
+
+
+def test_kernels_are_shared_across_layers_and_keyed_by_scheme() -> None:
+    """The two layers of tiny-llama3 share every kernel with their weights quantized alike; a
+    layer whose weights are of another scheme with the same code width and group (q4_0 beside
+    int4_g32) gets kernels of its own."""
+    from archc.codegen.build import CodegenOptions
+    from archc.codegen.render import generate
+    from archc.ir.lower import lower
+    from archc.passes import optimize
+    from archc.runtime.weights import quantizable
+    from archc.spec import load_spec
+
+    spec = load_spec("tiny-llama3")
+    names = quantizable(lower(spec))
+
+    def units(scheme_of: Any) -> int:
+        quant = {name: scheme_of(name) for name in names}
+        return len(generate(optimize(lower(spec, "f32", quant)), CodegenOptions()).units)
+
+    alike = units(lambda name: "int4_g32")
+    assert alike == 7   # embedding, head; qkv, attention, o, gate/up, down shared by both layers
+    mixed = units(lambda name: "q4_0" if name.startswith("layers.1.") else "int4_g32")
+    assert mixed == alike + 4   # layer 1's four matmuls: their own kernels
