@@ -254,6 +254,21 @@ def test_rope_kv_write(paired: bool, kernel_dir: Path, monkeypatch: pytest.Monke
           {"B": 2, "T": t, "P": past}, kernel_dir)
 
 
+def test_two_operands_concatenated_along_k(kernel_dir: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """concat_k (a parallel block's out + down in one matmul): x1's 100 columns, then x2's 200,
+    read against the weight's columns [0, 100) and [100, 300) — the second loop starts inside a
+    group and a super-block."""
+    force(monkeypatch, BLOCK_N=16)
+    g = graph({"x1": (shape(B, T, 100), "f32"), "x2": (shape(B, T, K - 100), "f32"),
+               "r": (shape(B, T, N), "f32")}, {"w": (shape(N, K), "q5_k")},
+              lambda b, i: b.emit(Op.FUSED_LINEAR, i["x1"], i["x2"], i["w"], i["r"],
+                                  concat_k=True, epilogue=(Call("residual"),)))
+    check(g, {"w": random_qtensor("q5_k", (N, K), seed=11)},
+          {"x1": rand(2, 3, 100), "x2": rand(2, 3, K - 100, seed=1), "r": rand(2, 3, N, seed=2)},
+          {"B": 2, "T": 3}, kernel_dir)
+
+
 # ---- experts, router, embedding ------------------------------------------------------------------
 
 def test_experts_up_glu_down_residual_quantized_router(kernel_dir: Path,
