@@ -347,3 +347,16 @@ def test_kernels_are_shared_across_layers_and_keyed_by_scheme() -> None:
     assert alike == 7   # embedding, head; qkv, attention, o, gate/up, down shared by both layers
     mixed = units(lambda name: "q4_0" if name.startswith("layers.1.") else "int4_g32")
     assert mixed == alike + 4   # layer 1's four matmuls: their own kernels
+
+
+def test_compile_command_takes_quantized_weights(capsys: pytest.CaptureFixture[str],
+                                                 tmp_path: Path) -> None:
+    """`archc compile --quantize int4 --group 64`: the kernels read the weights' parts."""
+    from archc.cli import main
+    assert main(["compile", "tiny-llama3", "--quantize", "int4", "--group", "64",
+                 "--kernel", "fused_linear_1", "--cache-dir", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "weight_q_ptr" in text and "weight_scale_ptr" in text and "int4_g64" in text
+    assert main(["compile", "tiny-llama3", "--kernel", "fused_linear_1",
+                 "--cache-dir", str(tmp_path)]) == 0
+    assert "weight_q_ptr" not in capsys.readouterr().out

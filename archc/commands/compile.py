@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel", metavar="NAME",
                    help="print only this kernel's source (e.g. fused_linear_0), as in the module")
     add(p, "cache_dir")
+    add(p, "quantize", detail="here: the kernels for such weights (no weights are read)")
+    add(p, "group", detail="default 128")
     # the parser keeps descriptions as written (RawDescriptionHelpFormatter): wrapped here
     occupancy = p.add_argument_group("occupancy report (with --target)", textwrap.fill(
         "every launch of a prefill of N tokens and of the decode step at context N, as the "
@@ -87,7 +89,12 @@ def run(args: argparse.Namespace) -> int:
     dtype = args.dtype or spec.dtype
     if args.occupancy:
         return _occupancy(args, spec, dtype)
-    gen = generate(optimize(lower(spec, dtype), args.passes),
+    program = lower(spec, dtype)
+    if args.quantize:   # the weights a load with --quantize keeps quantized, in its scheme
+        from archc.runtime.weights import quantizable
+        scheme = "int8_ch" if args.quantize == "int8" else f"int4_g{args.group or 128}"
+        program = lower(spec, dtype, {name: scheme for name in quantizable(program)})
+    gen = generate(optimize(program, args.passes),
                    CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
     path = write_module(gen, (args.cache_dir or default_cache_dir()) / gen.digest[:24])
     used(path)
