@@ -226,3 +226,37 @@ def test_every_tiny_llama3_kernel_compiles_for_sm100a(tmp: Path) -> None:
     assert not failed, "\n".join(failed)
     assert all(r.registers > 0 and r.warps > 0 for r in results)
     assert all(r.pdl for r in results), [r.kernel for r in results if not r.pdl]
+
+
+QUANTIZED = {"llama3-8b": ["fused_linear_0_kernel", "fused_linear_2_kernel"],
+             "mixtral-8x7b": ["moe_linear_0_kernel", "moe_linear_1_kernel"]}
+
+
+@pytest.mark.parametrize("scheme", ["int4_g32", "q4_k"])
+@pytest.mark.parametrize("name", sorted(QUANTIZED))
+def test_quantized_matmuls_use_tensor_cores_without_spills(name: str, scheme: str,
+                                                           tmp: Path) -> None:
+    """Every linear weight quantized: llama3-8b's QKV (RoPE, KV write) and gate/up (GLU)
+    matmuls and mixtral-8x7b's gated up and down experts dequantize their weight tiles in the K
+    loop, at the launch heuristic's prefill tile (wgmma, pointer loads: no TMA for a quantized
+    weight) and decode tile, without spills."""
+    from archc.codegen.aot import compile_configs, kernel_table
+    from archc.codegen.blocks import launch_config
+    from archc.runtime.weights import quantizable
+    spec = load_spec(name)
+    quant = {tensor: scheme for tensor in quantizable(lower(spec, "bf16"))}
+    gen = generate(optimize(lower(spec, "bf16", quant)),
+                   CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
+    path = write_module(gen, tmp / f"{name}-{scheme}")
+    table = kernel_table(path)
+    kernels = QUANTIZED[name]
+    assert all(table[k]["sizes"].get("quant") == 4 for k in kernels)
+    configs = [(k, launch_config(table[k]["family"], "gpu", M=m, **table[k]["sizes"]))
+               for k in kernels for m in (4096, 1)]
+    results = compile_configs(path, "sm_90a", configs, jobs=1)
+    for r, (_, cfg) in zip(results, configs, strict=True):
+        assert r.ok, f"{r.kernel}: {r.error}"
+        assert r.spill_bytes == 0, f"{r.kernel} [{r.config}]: {r.spill_bytes} bytes spill"
+        assert not r.tma
+        if cfg["BLOCK_M"] >= 64:   # prefill tiles: the Hopper tensor cores
+            assert r.wgmma, f"no wgmma in {r.kernel} [{r.config}]"

@@ -80,6 +80,14 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
             cfg = _cfg(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64)
         else:
             cfg = _cfg(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)
+        if gpu and sizes.get("quant"):
+            # a quantized weight's tile is dequantized in registers (codes, scales, offsets and
+            # their addresses live together): sm_90a spills at decode's 256-column K steps (q4_k:
+            # 972 bytes) and at 128 × 128 prefill tiles (q4_k QKV: 16 bytes); 128-column steps
+            # and 64-row weight tiles fit (165 and 255 registers, no spill)
+            cfg["BLOCK_K"] = min(cfg["BLOCK_K"], 128)
+            if m > 16:
+                cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 64)
         # epilogues that reduce over a head (QK-norm) need whole heads in a tile
         cfg["BLOCK_N"] = max(cfg["BLOCK_N"], sizes.get("align", 16))
         cfg["GROUP_M"] = 8
@@ -87,7 +95,7 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         # prefill on a GPU loads its tiles by TMA where the layouts allow (the kernel decides
         # that at codegen); decode keeps its pointer loads, and the interpreter too unless a test
         # forces TMA = 1 (it runs tensor descriptors as well)
-        cfg["TMA"] = int(gpu and m > 16)
+        cfg["TMA"] = int(gpu and m > 16 and not sizes.get("quant"))   # quantized: never TMA
         # prefill: a folded norm's row statistics once per row, by a pre-pass the launcher adds,
         # not in every column tile's K loop; decode keeps one launch a projection
         cfg["ROW_STATS"] = int(m > 16)
@@ -177,6 +185,17 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
             block_m = moe_block_m(target, sizes["M"])
             cfg = _cfg(block_m // 16, 3, BLOCK_M=block_m,
                        BLOCK_N=256 if sizes.get("gated") else 128, BLOCK_K=64)
+        if gpu and sizes.get("quant"):
+            # dequantized expert tiles (codes, scales, offsets and their addresses in registers)
+            # spill on sm_90a at the float tiles (mixtral-8x7b q4_k: 11980 bytes at 64 × 256,
+            # 7816 at decode's 16 × 64 × 128); 64 weight rows in 32-column K steps with 8 warps
+            # in prefill (223 registers at 128 pairs) and, at decode, 16 × 32 × 64 gated (239: a
+            # gated tile needs 16 columns per half) or 16 × 16 × 128 (121) fit
+            if sizes["M"] <= 32:
+                cfg.update(BLOCK_N=32, BLOCK_K=64) if sizes.get("gated") else cfg.update(
+                    BLOCK_N=16, BLOCK_K=128)
+            else:
+                cfg.update(BLOCK_N=64, BLOCK_K=32, num_warps=max(8, cfg["num_warps"]))
         if sizes.get("tma"):
             # the weight's rows allow a tensor descriptor: a GPU prefill loads its weight tiles
             # with TMA; decode keeps the pointer loads its narrow split tiles were shaped for
@@ -287,7 +306,8 @@ def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
         # one split: the scratch a split-K launch needs is sized before the autotuner chooses;
         # the row statistics (ROW_STATS) are the heuristic's, from the pre-pass every tuned
         # launch runs (tuning.candidates lays each tile over the heuristic config)
-        return [_cfg(w, s, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, SPLIT_K=1, TMA=int(m > 16))
+        return [_cfg(w, s, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, SPLIT_K=1,
+                     TMA=int(m > 16 and not sizes.get("quant")))
                 for m, n, k, w, s in tiles if n % sizes.get("align", 16) == 0]
     if family == "attention":
         if sizes.get("D", 128) > 128:

@@ -33,6 +33,7 @@ from archc.ir.ops import OP_TABLE, Op, full_attrs, roles_of
 from archc.ir.ops.steps import STEPS, epilogue_docs, step_expr
 from archc.ir.shapes import DTYPE_BYTES, B, S, numel
 from archc.ir.text import format_node
+from archc.quant.schemes import is_quantized, scheme
 
 TRITON_TYPES = {"f32": "fp32", "f16": "fp16", "bf16": "bf16", "i64": "i64", "i32": "i32",
                 "bool": "i1", "i8": "i8", "f8e4m3": "fp8e4nv"}
@@ -239,6 +240,49 @@ def elementwise_step(c: NodeCtx, st: Call, idx: int, width: int) -> dict[str, An
                 full=start == 0 and stop == width)
 
 
+# ---- quantized weights ------------------------------------------------------------------------
+
+PART_TYPES = {"i8": "*i8", "u8": "*u8", "f16": "*fp16", "f32": "*fp32"}
+
+
+def _whole(c: NodeCtx, role: str) -> Layout:
+    """The layout of a quantized operand, refused unless it is the whole contiguous tensor (its
+    parts are indexed by row: no view of a quantized tensor reaches a kernel)."""
+    lay = c.lay(role)
+    root = c.g.nodes[lay.root]
+    if (lay.offset != 0 or tuple(lay.shape) != tuple(root.shape) or not lay.contiguous_rows
+            or lay.strides[-1] != 1):
+        raise c.fail(f"the quantized {role} ({root.dtype}) must be read whole, not through a "
+                     "view")
+    return lay
+
+
+def quant_args(c: NodeCtx, role: str, dtype: str, dims: str, doc: str) -> list[Arg]:
+    """The arguments of a quantized operand: a pointer to each stored part (`<role>_<part>`)."""
+    lay = _whole(c, role)
+    n, k = (c.static(d, f"the quantized {role}'s size") for d in lay.shape[-2:])
+    return [Arg(f"{role}_{part}", PART_TYPES[pdt], f"{dtype} [{dims}] {doc}: part {part} "
+                f"[.., {rows}, {cols}] {pdt}", f'v[{lay.root}].parts["{part}"]')
+            for part, ((rows, cols), pdt) in scheme(dtype).part_shapes(n, k).items()]
+
+
+def quant_weight(c: NodeCtx, role: str) -> dict[str, Any] | None:
+    """What templates/dequant.j2 reads of a quantized operand — its scheme's facts, each part's
+    kernel pointer and static row stride (elements) — or None for a plain tensor."""
+    lay = c.lay(role)
+    dtype = c.g.nodes[lay.root].dtype
+    if not is_quantized(dtype):
+        return None
+    s = scheme(dtype)
+    n, k = (c.static(d, f"the quantized {role}'s size") for d in _whole(c, role).shape[-2:])
+    parts = s.part_shapes(n, k)
+    return dict(name=s.name, bits=s.bits, group=s.group, zero=s.zero, scale=s.scale,
+                two_level=s.two_level, signed_sc=s.signed_sc, offset=s.offset,
+                high_bits=s.high_bits, per_row=s.group >= k,
+                ptr={p: f"{role}_{p}_ptr" for p in parts},
+                stride={p: cols for p, ((_, cols), _) in parts.items()})
+
+
 # ---- the builder ------------------------------------------------------------------------------
 
 def build(c: NodeCtx) -> Unit:
@@ -252,6 +296,9 @@ def build(c: NodeCtx) -> Unit:
         lay = c.lay(k)
         root = c.g.nodes[lay.root]
         dims = ", ".join(str(d).replace(" ", "") for d in lay.shape)
+        if is_quantized(root.dtype):   # one argument per stored part of the quantized tensor
+            c.args += quant_args(c, role, root.dtype, dims, docs.get(role, role))
+            continue
         read = "" if lay.root == c.node.inputs[k] else ", read through strides"
         c.args.append(Arg(role, "*" + TRITON_TYPES[root.dtype],
                           f"[{dims}] {docs.get(role, role)}{read}", f"v[{lay.root}]"))
@@ -275,6 +322,7 @@ def _embedding(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     ids_rows = Layout(ids.root, ids.offset, (*ids.shape, sympy.Integer(1)),
                       (*ids.strides, sympy.Integer(1)))
     ctx = dict(V=vocab, D=width, ids_off=row_offset(ids_rows, "rows"),
+               quant=quant_weight(c, "table"),
                table_stride=texpr(table.strides[0]),
                table_base=f"{texpr(table.offset)} + " if table.offset != 0 else "",
                R=pexpr(numel(c.node.shape[:-1])))
@@ -321,7 +369,8 @@ def _k_loop(c: NodeCtx, weight: Layout, rows_n: int, k: int, cols: Sequence[str]
     suffixes = [""] if len(cols) == 1 else ["1", "2"]   # one set: "acc"; two: "acc1", "acc2"
     return dict(wsets=[dict(name=f"w{j}", ptrs=f"w{j}_ptrs", acc=f"acc{j}", cols=col)
                        for j, col in zip(suffixes, cols)],
-                w_row_stride=texpr(weight.strides[-2]), dot_kw=c.dot_kw, N=rows_n, K=k)
+                w_row_stride=texpr(weight.strides[-2]), dot_kw=c.dot_kw, N=rows_n, K=k,
+                quant=quant_weight(c, "weight"))
 
 
 def _routes_experts(c: NodeCtx, top_k: int) -> bool:
@@ -346,7 +395,8 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         ctx = dict(kind="router", E=experts, K=k, BLOCK_E=max(16, next_pow2(experts)),
                    top_k=a["top_k"], normalize=a["normalize"], x=rows(x),
                    w_row_stride=texpr(w.strides[0]), dot_kw=c.dot_kw,
-                   M=pexpr(numel(n.shape[:-1])), route=route, gates_row_off=f"token * {experts}")
+                   M=pexpr(numel(n.shape[:-1])), route=route, gates_row_off=f"token * {experts}",
+                   quant=quant_weight(c, "weight"))
         table = dict(table_ptr="*i32", block_expert_ptr="*i32", arrived_ptr="*i32") if route else {}
         return ctx, [JitKernel("_kernel", "router", dict(N=experts, K=k, route=int(route)),
                                c.types(**table, M="i32", T="i32"))]
@@ -366,8 +416,9 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         cols = ("cols", f"cols + {width}") if gated else ("cols",)
     # weight tiles by TMA when one accumulator takes them and a weight row (a descriptor's
     # stride) is a multiple of 16 bytes
-    row_bytes = k * DTYPE_BYTES[c.g.nodes[n.inputs[c.roles["weight"]]].dtype]
-    tma = len(cols) == 1 and row_bytes % 16 == 0
+    w_dtype = c.g.nodes[n.inputs[c.roles["weight"]]].dtype
+    # (a quantized weight's tiles are dequantized from its parts: never TMA)
+    tma = len(cols) == 1 and not is_quantized(w_dtype) and (k * DTYPE_BYTES[w_dtype]) % 16 == 0
     ctx = dict(kind="experts", stage=a["stage"], E=e, NW=nw, top_k=a["top_k"], gated=gated,
                interleaved=interleaved, tma=tma, BLOCK_E=max(16, next_pow2(e)), route=False,
                M=pexpr(numel(n.shape[:-2] if up else n.shape[:-1])),
@@ -377,9 +428,13 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
                gates_row_off=row_offset(gates, "token"),
                x=dict(row_off=row_offset(x, "token" if up else "pair")),
                **_k_loop(c, w, width, k, cols))
+    for wset in ctx["wsets"]:   # a quantized weight's rows: the expert's, flat over [E·NW]
+        wset["rows"] = f"expert.to(tl.int64) * {nw} + ({wset['cols']})"
     table = dict(pairs_ptr="*i32", block_expert_ptr="*i32")
     own = dict(table, part_ptr="*fp32", arrived_ptr="*i32") if not up else table
     sizes = dict(N=nw, K=k, E=e, top_k=a["top_k"], gated=int(gated), **({"tma": 1} if tma else {}))
+    if ctx["quant"]:   # the code width: tiles sized for a dequantized weight
+        sizes["quant"] = ctx["quant"]["bits"]
     kernels = [JitKernel("_kernel", "moe", sizes, c.types(**own, T="i32")),
                JitKernel("_routing", "moe_routing", dict(E=e),
                          {"gates_ptr": c.arg("gates").type, "table_ptr": "*i32",
@@ -626,7 +681,7 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     a = c.attrs
     names = ["x1", "x2"] if a["concat_k"] else ["x"]
     w = c.lay("weight")
-    if w.rank != 2 or w.strides[1] != 1 or not w.offset.is_Integer:
+    if w.rank != 2 or w.strides[1] != 1 or not sympy.sympify(w.offset).is_Integer:
         raise c.fail("the weight must be a row-major [N, K] matrix at a static offset")
     n_rows, k_total = c.static(w.shape[0], "the weight's N"), c.static(w.shape[1], "the K")
     operands, k0 = [], 0
@@ -724,8 +779,13 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     layer_norm = int(a["prologue"] == "layer")
     # TMA (tensor descriptors) for the K loop's tiles where every operand's rows and the
     # weight's allow one and a tile's weight rows are contiguous (not two gathered partner sets)
-    w_bytes = DTYPE_BYTES[c.g.nodes[w.root].dtype]
-    w_tma = tma_rows(w, w_bytes)
+    w_dtype = c.g.nodes[w.root].dtype
+    # a quantized weight's tiles are dequantized from its parts: pointer loads, never TMA
+    w_tma = None if is_quantized(w_dtype) else tma_rows(w, DTYPE_BYTES[w_dtype])
+    gain = None
+    if a["gain"]:   # x · gain[k] as it is read: a contiguous [K] vector
+        contiguous(c, "gain", k_total)
+        gain = c.arg("gain").name
     tma = w_tma is not None and all(x["tma"] is not None for x in operands) and (
         pair is None or pair["adjacent"])
     ctx = dict(operands=operands, n_out=width, prologue=a["prologue"], eps=repr(a["eps"]),
@@ -734,7 +794,7 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
                    pair is not None and pair["fn"] == "rope"),
                M=pexpr(numel(c.node.shape[:-1])), align=align, has_head_norm=int(
                    bool(head_norms)), head_group=head_group, layer_norm=layer_norm, tma=tma,
-               w_tma=w_tma,
+               w_tma=w_tma, gain=gain,
                **_k_loop(c, w, n_rows, k_total, ("cols",) if pair is None else ("wrows",)
                          if pair["adjacent"] else ("cols1", "cols2")))
     # cols: output columns, or pairs of a paired epilogue (what a tile's TILE_N lanes cover);
@@ -744,6 +804,8 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
                  rope=int(pair is not None and pair["fn"] == "rope"),
                  align=align, head_norm=int(bool(head_norms)),
                  layer_norm=layer_norm, operands=len(operands))
+    if is_quantized(w_dtype):   # the code width: no TMA, and a different kernel per scheme
+        sizes["quant"] = scheme(w_dtype).bits
     ints = dict(M="i32", T="i32", **({"S": "i32"} if c.reads_encoder_len else {}))
     stats = {"stats_ptr": "*fp32"} if a["prologue"] else {}
     kernels = [JitKernel("_kernel", "matmul", sizes,

@@ -47,6 +47,8 @@ def concat_rows(rw: Rewriter, members: Sequence[Linear], acts: Sequence[int | No
             raise Refusal(f"%{first.root} and %{m.root} read different inputs")
         if (m.prologue, m.eps) != (first.prologue, first.eps):
             raise Refusal(f"%{first.root} and %{m.root} have different prologues")
+        if m.gain != first.gain:   # the merged layer scales x by one gain, or none
+            raise Refusal(f"%{first.root} and %{m.root} scale their input by different gains")
     if len(first.operands) != 1:
         raise Refusal(f"%{first.root} already concatenates two operands along K")
     forms = [_split(m, k == 0) for k, m in enumerate(members)]
@@ -84,7 +86,7 @@ def concat_rows(rw: Rewriter, members: Sequence[Linear], acts: Sequence[int | No
         if act is not None:
             steps.append(step("act", fn=rw.nodes[act].attr("fn"), start=off, stop=off + w))
     return Linear(at, first.operands, weight, first.prologue, first.eps, tuple(steps),
-                  covers=tuple(like)), offsets
+                  covers=tuple(like), gain=first.gain), offsets
 
 
 def emit_with_slices(rw: Rewriter, merged: Linear, members: Sequence[Linear],
