@@ -101,11 +101,13 @@ def test_round_to_nearest_error_is_half_a_step() -> None:
         assert bool(((q.dequantize() - w).abs() <= step / 2 * (1 + 1e-3) + 1e-7).all()), kind
 
 
-def _quantized(name: str) -> tuple[object, dict]:
+def _quantized(name: str, mixed: bool = True) -> tuple[object, dict]:
+    """A tiny spec's random weights with its linear weights quantized: in two schemes by turns
+    (`mixed`: merges of Q/K/V, gate/up must refuse them), or all int4 (merges apply)."""
     spec = load_spec(name)
     weights = random_weights(lower(spec))
-    for i, k in enumerate(quantizable(lower(spec))):   # two schemes: merges must refuse mixes
-        weights[k] = quantize(weights[k], "int4" if i % 2 else "int8", 32)
+    for i, k in enumerate(quantizable(lower(spec))):
+        weights[k] = quantize(weights[k], "int4" if i % 2 or not mixed else "int8", 32)
     return spec, weights
 
 
@@ -138,9 +140,10 @@ def test_a_quantized_param_is_read_only_as_a_weight() -> None:
     assert b.nodes[y].dtype == "f16"
 
 
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "int4"])
 @pytest.mark.parametrize("name", TINY_SPECS)
-def test_the_pipeline_keeps_the_function_of_quantized_models(name: str) -> None:
-    spec, weights = _quantized(name)
+def test_the_pipeline_keeps_the_function_of_quantized_models(name: str, mixed: bool) -> None:
+    spec, weights = _quantized(name, mixed)
     unfused = lower(spec, quant=quant_schemes(weights))
     run = run_pipeline(unfused)
     ids = torch.randint(0, spec.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))

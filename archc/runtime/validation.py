@@ -111,7 +111,7 @@ def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int =
     spec = model.spec  # type: ignore[attr-defined]
     weights = model.weights  # type: ignore[attr-defined]
     check_kv_cache(kv_cache, "triton", torch.device(device))
-    unfused = lower(spec, dtype, kv_cache=kv_cache)
+    unfused = lower(spec, dtype, model.quant, kv_cache=kv_cache)  # type: ignore[attr-defined]
     triton = TritonSession(unfused, weights, max_seq_len=spec.max_seq_len, dtype=dtype,
                            device=device, options=TritonOptions(reuse_buffers=False,
                                                                 cuda_graphs=False,
