@@ -164,14 +164,16 @@ class Run:
         program = lower(self.spec)   # tensors a source keeps quantized priced at their bytes
         quant = {} if getattr(args, "dequantize", False) else self.source.quant
         elements, quantized = checkpoint_elements(program, quant), quantized_bytes(program, quant)
+        # the eager reference holds quantized weights dequantized (EagerSession)
+        dense = checkpoint_elements(program) - elements if backend != "triton" else 0
         copies = {"eager": 1, "triton": 2, None: 3}[backend]
         host = [(torch.device("cpu"), 1)] if self.device.type == "cuda" else []
         for device, n in [*host, (self.device, copies)]:
             what = "its weights" + (f" and {n - 1} compiled cop{'y' if n == 2 else 'ies'}"
                                     if n > 1 else "")
-            check_fits(self.spec.name, what, elements * n, self.dtype, self.spec.family,
-                       device, spell=cli_option, random=self.source.random_weights,
-                       quantized=quantized * n)
+            check_fits(self.spec.name, what, elements * n + dense * (device == self.device),
+                       self.dtype, self.spec.family, device, spell=cli_option,
+                       random=self.source.random_weights, quantized=quantized * n)
         if getattr(args, "threads", None) is not None:
             torch.set_num_threads(args.threads)
 

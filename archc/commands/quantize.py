@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemaining
 
 from archc.commands.common import check_output
 from archc.commands.vocabulary import add
+from archc.devices import dtype_name
 from archc.errors import ArchcError
 from archc.quant.file import SUFFIX, save
 from archc.quant.tensor import QTensor, tensor_bytes
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     after = save(args.output, model.spec, weights, source=str(args.source))
     schemes: dict[str, int] = {}
     for w in weights.values():
-        key = w.dtype if isinstance(w, QTensor) else str(w.dtype).removeprefix("torch.")
+        key = w.dtype if isinstance(w, QTensor) else dtype_name(w.dtype)
         schemes[key] = schemes.get(key, 0) + 1
     kinds = ", ".join(f"{k} ×{n}" for k, n in sorted(schemes.items(), key=lambda kv: -kv[1]))
     console.print(f"wrote {args.output}: {source.spec.name}, {len(weights)} tensors ({kinds}), "

@@ -13,7 +13,7 @@ from archc.errors import IRError
 from archc.ir.attrs import Attrs, Call, format_call
 from archc.ir.ops import OP_TABLE, Op, ShapeError, canonical, full_attrs, is_compute
 from archc.ir.ops.base import Sig, attr_problems, make_sig, require
-from archc.ir.shapes import Shape
+from archc.ir.shapes import FLOAT_DTYPES, Shape
 
 # the graph hoist-cross-kv adds (archc.passes.cross_kv)
 CROSS_KV = "cross_kv"
@@ -73,6 +73,13 @@ class Graph:
     @property
     def outputs(self) -> dict[str, int]:
         return self.named(Op.OUTPUT)
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the graph computes in: its first float node past the inputs and params
+        (what a parameter computed from a quantized weight is held in)."""
+        return next((n.dtype for n in self.nodes if n.op not in (Op.PARAM, Op.INPUT)
+                     and n.dtype in FLOAT_DTYPES), "f32")
 
     def compute_ids(self) -> list[int]:
         return [i for i, n in enumerate(self.nodes) if is_compute(n.op)]

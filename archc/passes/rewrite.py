@@ -21,7 +21,7 @@ from archc.ir.attrs import Attrs, Call, format_call
 from archc.ir.graph import Graph, Node, infer
 from archc.ir.ops import Op, ShapeError, canonical
 from archc.ir.paramexpr import leaf, quantized_result
-from archc.ir.shapes import FLOAT_DTYPES, QUANT_DTYPES, Shape
+from archc.ir.shapes import QUANT_DTYPES, Shape
 from archc.ir.text import format_node
 from archc.passes.manager import PassContext, register_pass
 
@@ -84,8 +84,7 @@ class Rewriter:
         self.expr_dtypes = {n.attr("expr") or leaf(n.name): n.dtype for n in g.nodes
                             if n.op == Op.PARAM}
         # the activations' dtype: what a parameter computed from a quantized weight is held in
-        self.compute_dtype = next((n.dtype for n in g.nodes if n.op not in (Op.PARAM, Op.INPUT)
-                                   and n.dtype in FLOAT_DTYPES), "f32")
+        self.compute_dtype = g.compute_dtype
 
     def op(self, i: int) -> Op:
         return self.nodes[i].op

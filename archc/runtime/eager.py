@@ -21,9 +21,9 @@ from archc.ir.attrs import Call
 from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import OP_TABLE, Op, bind, full_attrs
 from archc.ir.ops.attention import KV_QUANT, kv_dequantize, kv_quantize
-from archc.ir.shapes import DIMS
+from archc.ir.shapes import DIMS, QUANT_DTYPES
 from archc.ir.text import format_node
-from archc.quant import QTensor
+from archc.quant import QTensor, dense
 from archc.runtime.weights import TORCH_DTYPES, materialize
 
 
@@ -162,8 +162,12 @@ def run_graph(graph: Graph, params: Mapping[str, torch.Tensor],
                 raise RunError(f"while running {format_node(i, n)}: "
                                f"{type(err).__name__}: {err}") from err
         want = tuple(_dim_value(d, dims) for d in n.shape)
-        if tuple(value.shape) != want or (value.dtype != n.dtype if isinstance(value, QTensor)
-                                          else value.dtype != TORCH_DTYPES[n.dtype]):
+        if isinstance(value, QTensor) or n.dtype in QUANT_DTYPES:   # held quantized, or not
+            wrong = value.dtype != n.dtype if isinstance(value, QTensor) else not \
+                value.is_floating_point()
+        else:
+            wrong = value.dtype != TORCH_DTYPES[n.dtype]
+        if tuple(value.shape) != want or wrong:
             raise RunError(f"while running {format_node(i, n)}: produced "
                            f"{value.dtype}{list(value.shape)}, the IR says {n.dtype}{list(want)}")
         values[i] = value
@@ -270,12 +274,22 @@ class SessionBase:
 
 
 class EagerSession(SessionBase):
-    """A program ready to run eagerly: parameters evaluated once, a KV cache, a recurrent state."""
+    """A program ready to run eagerly: parameters evaluated once, a KV cache, a recurrent state.
+
+    Quantized weights are dequantized once, here, into the activations' dtype (`dequantize`,
+    the default): the values every op would compute from them on each call, held rather than
+    recomputed — the reference trades memory for speed; the kernels keep them quantized. With
+    dequantize=False the ops dequantize a weight each time they read it."""
 
     def __init__(self, program: Program, checkpoint: Mapping[str, torch.Tensor], *,
-                 max_seq_len: int, device: str | torch.device = "cpu") -> None:
+                 max_seq_len: int, device: str | torch.device = "cpu",
+                 dequantize: bool = True) -> None:
         super().__init__(program, max_seq_len, torch.device(device))
         self.params = {g.name: materialize(g, checkpoint, self.device) for g in program}
+        if dequantize:
+            for g in program:
+                dtype = TORCH_DTYPES[g.compute_dtype]
+                self.params[g.name] = {k: dense(v, dtype) for k, v in self.params[g.name].items()}
         self.cache = KVCache(max_seq_len)
         self.state = RecurrentState()
         self.trace: Trace | None = None
