@@ -36,7 +36,7 @@ from archc.quant.tensor import QTensor
 from archc.runtime import tuning
 from archc.runtime.eager import EagerContext, KVCache, run_graph
 from tests.test_quant_core import random_qtensor
-from tests.test_triton_kernels import DEVICE
+from tests.test_triton_kernels import DEVICE, layernorm_activations
 from tests.triton_graph import run_graph_triton
 
 TOL = {"f32": 1e-5, "f16": 2e-3}
@@ -212,13 +212,7 @@ def test_layernorm_prologue_and_activations(fn_name: str, kernel_dir: Path,
     n = 37
     w = random_qtensor("int4_g64", (n, K), seed=5)
 
-    def fn(b: GraphBuilder, i: dict[str, int]) -> int:
-        return b.emit(Op.FUSED_LINEAR, i["x"], i["w"], i["colsum"], i["bias"], prologue="layer",
-                      eps=1e-5, epilogue=(Call("ln_scale"), Call("bias"),
-                                          Call("act", (), (("fn", fn_name), ("start", 5),
-                                                           ("stop", 30))),
-                                          Call("softcap", (), (("cap", 3.0),)),
-                                          Call("scale", (), (("by", 0.5),))))
+    fn = layernorm_activations(fn_name)
 
     g = graph({"x": (shape(B, T, K), "f32"), "colsum": (shape(n), "f32"),
                "bias": (shape(n), "f32")}, {"w": (shape(n, K), "int4_g64")}, fn)

@@ -2,9 +2,10 @@
 eager interpreter.
 
 A real checkpoint through the default passes and the triton backend, twice: its Q4_1 weights kept
-quantized (the kernels dequantize them in their K loops) and dequantized to f32 at load. Under Triton's interpreter a decode step of this 30-layer model takes several seconds,
-so the check is the prompt's prefill and the first decode steps: the logits agree (f32, 1e-4 of
-their scale: the same bound as the tiny specs) and so do the greedy tokens.
+quantized (the kernels dequantize them in their K loops) and dequantized to f32 at load. Under
+Triton's interpreter a decode step of this 30-layer model takes several seconds, so the check is
+the prompt's prefill and the first decode steps: the logits agree (f32, 1e-4 of their scale: the
+same bound as the tiny specs) and so do the greedy tokens.
 """
 
 from __future__ import annotations

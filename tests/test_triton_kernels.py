@@ -102,10 +102,9 @@ def check_rms_prologue_glu_bias_residual(kernel_dir: Path, dtype: str) -> None:
               "r": rand(3, 7, n // 2)}, {"B": 3, "T": 7, "P": 0}, kernel_dir, dtype=dtype)
 
 
-@pytest.mark.parametrize("fn_name", ["gelu", "gelu_tanh", "relu", "sigmoid"])
-def test_matmul_layernorm_prologue_and_activations(kernel_dir: Path, fn_name: str) -> None:
-    k, n = 24, 37
-
+def layernorm_activations(fn_name: str) -> Callable[[GraphBuilder, dict[str, int]], int]:
+    """A fused_linear of x, w with a LayerNorm prologue (colsum, bias), then activation
+    `fn_name` over columns 5..30, a soft-cap and a scale: every kind of epilogue step at once."""
     def fn(b: GraphBuilder, i: dict[str, int]) -> int:
         return b.emit(Op.FUSED_LINEAR, i["x"], i["w"], i["colsum"], i["bias"], prologue="layer",
                       eps=1e-5, epilogue=(Call("ln_scale"), Call("bias"),
@@ -113,6 +112,14 @@ def test_matmul_layernorm_prologue_and_activations(kernel_dir: Path, fn_name: st
                                                            ("stop", 30))),
                                           Call("softcap", (), (("cap", 3.0),)),
                                           Call("scale", (), (("by", 0.5),))))
+    return fn
+
+
+@pytest.mark.parametrize("fn_name", ["gelu", "gelu_tanh", "relu", "sigmoid"])
+def test_matmul_layernorm_prologue_and_activations(kernel_dir: Path, fn_name: str) -> None:
+    k, n = 24, 37
+
+    fn = layernorm_activations(fn_name)
 
     w = rand(n, k)
     g = build({"x": (shape(B, T, k), "f32"), "w": (shape(n, k), "f32"),
