@@ -74,5 +74,6 @@ def run(args: argparse.Namespace) -> int:
         schemes[key] = schemes.get(key, 0) + 1
     kinds = ", ".join(f"{k} ×{n}" for k, n in sorted(schemes.items(), key=lambda kv: -kv[1]))
     console.print(f"wrote {args.output}: {source.spec.name}, {len(weights)} tensors ({kinds}), "
-                  f"{nbytes(before)} → {nbytes(after)} ({before / max(after, 1):.2f}× smaller)")
+                  f"{nbytes(before)} → {nbytes(after)} ({before / max(after, 1):.2f}× smaller)",
+                  soft_wrap=True)
     return 0
