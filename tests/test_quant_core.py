@@ -164,3 +164,13 @@ def test_the_pipeline_keeps_the_function_of_quantized_models(name: str, mixed: b
     folds = [d for d in run.decisions() if d.rule.startswith("fold-") and d.verdict == "applied"
              and "norm" in d.rule]
     assert all("scales the activations" in d.reason for d in folds)
+
+
+def test_explain_says_why_a_gain_scales_activations(capsys: pytest.CaptureFixture[str]) -> None:
+    from archc.cli import main
+    assert main(["explain", "tiny-llama3", "--quantize", "int4", "--group", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "fold-rmsnorm ×5: the gain scales the activations instead of the int4_g32 weights, " \
+        "whose stored values cannot change" in " ".join(out.split())
+    assert main(["explain", "tiny-llama3"]) == 0
+    assert "scales the activations" not in capsys.readouterr().out

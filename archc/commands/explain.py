@@ -1,4 +1,6 @@
-"""Say, for every fusion the pass pipeline did not make, which rule refused it and why."""
+"""Say, for every fusion the pass pipeline did not make, which rule refused it and why — and for
+every one it made another way than usual (a norm's gain applied to the activations of a quantized
+weight), how and why."""
 
 from __future__ import annotations
 
@@ -30,6 +32,11 @@ def _same_refusal(d: Decision) -> tuple[str, str, str, str]:
     return d.pass_name, d.rule, d.verdict, reason
 
 
+def _note(d: Decision) -> str:
+    """What an applied rewrite says beyond its count (after "; "): how it was made otherwise."""
+    return _same_refusal(d)[3].partition("; ")[2]
+
+
 def run(args: argparse.Namespace) -> int:
     spec, quant = quant_of(args)
     decisions = run_pipeline(lower(spec, args.dtype or spec.dtype, quant),
@@ -38,13 +45,14 @@ def run(args: argparse.Namespace) -> int:
     for d in decisions:
         if not d.applied:
             refused.setdefault(_same_refusal(d), []).append(d)
-    made = Counter((d.pass_name, d.rule) for d in decisions if d.applied)
+    made = Counter((d.pass_name, d.rule, _note(d)) for d in decisions if d.applied)
     console.print(f"[bold]{spec.name}[/]: {sum(made.values())} rewrites made; "
                   f"{sum(map(len, refused.values()))} refused "
                   f"({len(refused)} distinct reason{'' if len(refused) == 1 else 's'})")
-    if args.applied:
-        for (pass_name, rule), n in made.items():
-            console.print(f"  made  {pass_name} · {rule} ×{n}", highlight=False, markup=False)
+    for (pass_name, rule, note), n in made.items():
+        if args.applied or note:
+            console.print(f"  made  {pass_name} · {rule} ×{n}" + (f": {note}" if note else ""),
+                          highlight=False, markup=False, soft_wrap=True)
     if not refused:
         console.print("every fusion the pipeline looked for was made")
     for group in refused.values():
