@@ -32,6 +32,7 @@ from archc.ir.graph import Graph, Program
 from archc.ir.lower import lower
 from archc.ir.ops import Op
 from archc.ir.shapes import concrete
+from archc.quant import QTensor, is_quantized
 from archc.runtime.launch import LaunchPlan
 from archc.runtime.triton_backend import TritonOptions, TritonSession
 from archc.runtime.weights import TORCH_DTYPES
@@ -64,7 +65,9 @@ class HostSession(TritonSession):
 
     def _parameters(self, graph: Graph, checkpoint: Mapping[str, torch.Tensor]
                     ) -> dict[str, torch.Tensor]:
-        return {n.name: _zero_stride(concrete(n.shape, {}), TORCH_DTYPES[n.dtype])
+        return {n.name: QTensor.zeros(n.dtype, concrete(n.shape, {}), _zero_stride)
+                if is_quantized(n.dtype) else
+                _zero_stride(concrete(n.shape, {}), TORCH_DTYPES[n.dtype])
                 for n in graph.nodes if n.op == Op.PARAM}
 
     def _capture(self, plan: LaunchPlan) -> Any:

@@ -6,7 +6,7 @@ merged or reordered weight stays quantized; anything that would change a value d
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,18 @@ class QTensor:
                 raise WeightsError(f"part {name!r} of a {self.scheme.name}{list(self.shape)} "
                                    f"tensor is {p.dtype}{list(p.shape)}, expected "
                                    f"{PART_DTYPES[dtype]}{[*self.shape[:-2], rows, cols]}")
+
+    @classmethod
+    def zeros(cls, scheme: str | Scheme, shape: Sequence[int],
+              make: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+              ) -> QTensor:
+        """A tensor of scheme `scheme` whose parts are all zero, each made by `make(shape,
+        dtype)` (torch.zeros by default): stand-in weights, for launches that read no value."""
+        s = SCHEMES[scheme] if isinstance(scheme, str) else scheme
+        make = make or (lambda dims, dtype: torch.zeros(dims, dtype=dtype))
+        return cls(s, shape, {name: make((*shape[:-2], rows, cols), PART_DTYPES[dtype])
+                              for name, ((rows, cols), dtype)
+                              in s.part_shapes(shape[-2], shape[-1]).items()})
 
     # ---- what a tensor answers ----------------------------------------------------------
     @property
