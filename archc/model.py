@@ -90,8 +90,8 @@ class Model:
                           if isinstance(w, QTensor)})
         if already:
             raise ArchcError(f"{self.source or self.spec.name} is already quantized "
-                             f"({', '.join(already)}); quantize a float checkpoint (a GGUF file "
-                             "read with dequantize=True is one)")
+                             f"({', '.join(already)}); quantize a float checkpoint (--dequantize "
+                             "or dequantize=True reads a GGUF file as one)")
         weights = dict(self.weights or {})
         for name in names:
             weights[name] = quantize(weights[name], kind, group)

@@ -253,6 +253,20 @@ def test_bench_host_prints_its_report_with_the_overhead_last(kernel_dir: Path,
     assert f", {launches} launches per step" in text
 
 
+def test_bench_host_times_quantized_weights(kernel_dir: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Stand-in quantized weights (every part a zero-stride view) launch like real ones: the
+    same launches per step as float weights, each passing its weight's parts."""
+    assert main(["bench", "tiny-llama3", "--host", "--new-tokens", "5", "--dtype", "f32",
+                 "--quantize", "int4", "--group", "32", "--cache-dir", str(kernel_dir)]) == 0
+    text = capsys.readouterr().out
+    launches = len(host_session("tiny-llama3", kernel_dir).generated.steps["decoder"])
+    assert f", {launches} launches per step" in text
+    assert re.search(r"host overhead: \d+\.\d us/step", text)
+    # the kernels timed dequantize int4 weights
+    assert any("int4_g32 weight tile" in f.read_text() for f in Path(kernel_dir).rglob("*.py"))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["tiny-llama3", "--host", "--prompt-len", "8"], "--prompt-len does not apply"),
     (["tiny-llama3", "--host", "--dry-run", "--json"], "--dry-run, --json do not"),

@@ -236,6 +236,14 @@ def test_quantize_is_refused_on_a_quantized_source(
     capsys.readouterr()
     assert main(["roofline", str(path), "--quantize", "int4"]) == 2
     assert "already quantized (int8_ch)" in capsys.readouterr().err
+    assert main(["run", str(path), "--quantize", "int4", "--new-tokens", "1"]) == 2
+    assert "already quantized (int8_ch); quantize a float checkpoint" in " ".join(
+        capsys.readouterr().err.split())
+    for argv in (["run", "tiny-llama3", "--group", "32"],
+                 ["show", "tiny-llama3", "--quantize", "int8", "--group", "64"]):
+        assert main(argv) == 2, argv
+        assert "--group sets int4 groups: give it with --quantize int4" in \
+            capsys.readouterr().err
 
 
 def test_inspection_commands_take_quantize(capsys: pytest.CaptureFixture[str]) -> None:

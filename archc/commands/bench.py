@@ -19,7 +19,7 @@ import torch
 from rich.markup import escape
 from rich.table import Table
 
-from archc.commands.common import check_output, spec_of
+from archc.commands.common import check_output, quant_of, spec_of
 from archc.commands.vocabulary import add, positive_int
 from archc.devices import default_dtype, resolve_device
 from archc.errors import ArchcError, cli_option
@@ -147,11 +147,13 @@ def run_host(args: argparse.Namespace) -> int:
         raise ArchcError(f"--host times archc's host work per decode step with no-op kernels and "
                          f"no weights: {', '.join(extra)} do{'es' if len(extra) == 1 else ''} not "
                          "apply (it takes --batch, --new-tokens, --dtype, --layers, --cache-dir)")
-    spec = keep_layers(spec_of(args), args.layers)
+    spec, quant = quant_of(args)
+    spec = keep_layers(spec, args.layers)
     check_host(spec)
     report = measure_host(spec, dtype=args.dtype or GPU_RUN["dtype"],
                           batch=args.batch or GPU_RUN["batch"],
-                          steps=args.new_tokens or HOST_STEPS, cache_dir=args.cache_dir)
+                          steps=args.new_tokens or HOST_STEPS, cache_dir=args.cache_dir,
+                          quant=quant)
     for line in format_host(report):
         console.print(escape(line), soft_wrap=True)
     return 0

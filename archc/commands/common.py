@@ -95,6 +95,14 @@ def spec_of(args: argparse.Namespace, attr: str = "source") -> Spec:
     return describe(getattr(args, attr)).spec
 
 
+def quantize_flags(args: argparse.Namespace) -> tuple[str | None, int | None]:
+    """--quantize and --group as given, refusing a --group without --quantize int4."""
+    kind, group = getattr(args, "quantize", None), getattr(args, "group", None)
+    if group is not None and kind != "int4":
+        raise ArchcError("--group sets int4 groups: give it with --quantize int4")
+    return kind, group
+
+
 def quant_of(args: argparse.Namespace, attr: str = "source") -> tuple[Spec, dict[str, str]]:
     """The spec of the source named on the command line and the map of its quantized weights
     (checkpoint tensor → scheme), read without its weights: the source's own quantized tensors,
@@ -102,9 +110,7 @@ def quant_of(args: argparse.Namespace, attr: str = "source") -> tuple[Spec, dict
     from archc.runtime.weights import quantizable
     source = describe(getattr(args, attr))
     quant = dict(source.quant)
-    kind, group = getattr(args, "quantize", None), getattr(args, "group", None)
-    if group is not None and kind != "int4":
-        raise ArchcError("--group sets int4 groups: give it with --quantize int4")
+    kind, group = quantize_flags(args)
     if kind is not None:
         if quant:
             raise ArchcError(f"{getattr(args, attr)} is already quantized "
@@ -151,6 +157,7 @@ class Run:
         self.device = resolve_device(args.device, spell=cli_option)
         self.dtype = args.dtype or default_dtype(self.spec.dtype, self.device)
         self.quiet = bool(getattr(args, "quiet", False))
+        self.quantize, self.group = quantize_flags(args)
         self.timings = Timings()      # load and compile, as they happen
         if backend != "eager" and self.dtype == "bf16" and self.device.type == "cpu":
             raise ArchcError("--dtype bf16 on the CPU: Triton's interpreter computes bfloat16 "
@@ -189,8 +196,7 @@ class Run:
             model = archc.load(self.args.source, seed=self.args.seed, dtype=self.dtype,
                                progress=lambda done, total: bar.update(task, completed=done,
                                                                        total=total),
-                               quantize=getattr(self.args, "quantize", None),
-                               group=getattr(self.args, "group", None) or 128,
+                               quantize=self.quantize, group=self.group or 128,
                                dequantize=bool(getattr(self.args, "dequantize", False)))
         if not self.quiet:
             for note in model.notes:

@@ -120,10 +120,12 @@ def check_host(spec: Spec) -> None:
 
 
 def measure_host(spec: Spec, *, dtype: str = "bf16", batch: int = 1, steps: int = 1000,
-                 warmup: int = WARMUP_STEPS, cache_dir: Path | None = None) -> HostReport:
-    """archc's host time per decode step of `spec` (see the module docstring)."""
+                 warmup: int = WARMUP_STEPS, cache_dir: Path | None = None,
+                 quant: Mapping[str, str] | None = None) -> HostReport:
+    """archc's host time per decode step of `spec` (see the module docstring), the weights
+    `quant` names (tensor → scheme) quantized."""
     check_host(spec)
-    session = HostSession(lower(spec, dtype), max_seq_len=spec.max_seq_len, dtype=dtype,
+    session = HostSession(lower(spec, dtype, quant), max_seq_len=spec.max_seq_len, dtype=dtype,
                           cache_dir=cache_dir)
     tokens = torch.zeros(batch, 1, dtype=torch.long)
     medians: dict[bool, float] = {}
