@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from archc.devices import check_fits, checkpoint_elements, default_dtype, dtype_name, resolve_device
-from archc.errors import ArchcError
+from archc.errors import ArchcError, Spell, python_option
 from archc.ir.graph import Program
 from archc.ir.lower import lower
 from archc.ir.ops.attention import KV_QUANT
@@ -141,28 +141,30 @@ class Model:
         return CompiledModel(self, program, session, backend)
 
 
-def check_kv_cache(kv_cache: Any, backend: str, device: torch.device) -> None:
+def check_kv_cache(kv_cache: Any, backend: str, device: torch.device, *,
+                   spell: Spell = python_option) -> None:
     """Refuse a KV-cache format that is not one, or that `backend` cannot hold on `device`:
     fp8 e4m3 needs torch's float8_e4m3fn, and in Triton kernels a GPU of compute capability
     8.9 or later (Ada, Hopper), whose cvt instructions convert to and from e4m3."""
     if kv_cache is None:
         return
     if kv_cache not in KV_QUANT:
-        raise ArchcError(f"kv_cache={kv_cache!r} is not a KV-cache format (known: "
+        raise ArchcError(f"{spell('kv_cache', kv_cache)} is not a KV-cache format (known: "
                          f"{', '.join(map(repr, KV_QUANT))}, or None for the model dtype)")
     if kv_cache != "fp8":
         return
     if KV_QUANT["fp8"][0] is None:
-        raise ArchcError(f"kv_cache='fp8': this torch ({torch.__version__}) has no "
-                         "float8_e4m3fn; use kv_cache='int8'")
+        raise ArchcError(f"{spell('kv_cache', 'fp8')}: this torch ({torch.__version__}) has no "
+                         f"float8_e4m3fn; use {spell('kv_cache', 'int8')}")
     if backend == "triton":
         cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         if cc is None or cc < (8, 9):
             where = "the CPU (Triton's interpreter)" if cc is None else \
                 f"{torch.cuda.get_device_name(device)} (sm_{cc[0]}{cc[1]})"
-            raise ArchcError(f"kv_cache='fp8' with the triton backend needs a GPU of compute "
-                             f"capability 8.9 or later; {where} has no e4m3 conversions. Use "
-                             "kv_cache='int8' there, or the eager backend for fp8")
+            raise ArchcError(f"{spell('kv_cache', 'fp8')} with the triton backend needs a GPU "
+                             f"of compute capability 8.9 or later; {where} has no e4m3 "
+                             f"conversions. Use {spell('kv_cache', 'int8')} there, or the eager "
+                             "backend for fp8")
 
 
 # What the eager backend interprets unless told otherwise: the unfused program with each

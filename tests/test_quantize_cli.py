@@ -244,6 +244,12 @@ def test_quantize_is_refused_on_a_quantized_source(
         assert main(argv) == 2, argv
         assert "--group sets int4 groups: give it with --quantize int4" in \
             capsys.readouterr().err
+    for argv, said in (
+            (["run", "tiny-llama3", "--dequantize"], "--dequantize reads a GGUF file's"),
+            (["run", "tiny-llama3", "--backend", "triton", "--kv-cache", "fp8"],
+             "--kv-cache fp8 with the triton backend needs a GPU of compute capability 8.9")):
+        assert main(argv) == 2, argv
+        assert said in " ".join(capsys.readouterr().err.split()), argv
 
 
 def test_inspection_commands_take_quantize(capsys: pytest.CaptureFixture[str]) -> None:

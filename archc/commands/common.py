@@ -28,6 +28,7 @@ from archc.devices import (
 )
 from archc.errors import ArchcError, cli_option
 from archc.ir.lower import lower
+from archc.model import check_kv_cache
 from archc.quant import QTensor, tensor_bytes
 from archc.sources import describe
 from archc.spec.schema import Spec
@@ -158,6 +159,12 @@ class Run:
         self.dtype = args.dtype or default_dtype(self.spec.dtype, self.device)
         self.quiet = bool(getattr(args, "quiet", False))
         self.quantize, self.group = quantize_flags(args)
+        if getattr(args, "dequantize", False) and self.source.kind != "gguf":
+            raise ArchcError(f"--dequantize reads a GGUF file's quantized tensors as floats; "
+                             f"{args.source} is not a GGUF file")
+        if backend is not None:       # before any weight is read
+            check_kv_cache(getattr(args, "kv_cache", None), backend, self.device,
+                           spell=cli_option)
         self.timings = Timings()      # load and compile, as they happen
         if backend != "eager" and self.dtype == "bf16" and self.device.type == "cpu":
             raise ArchcError("--dtype bf16 on the CPU: Triton's interpreter computes bfloat16 "
