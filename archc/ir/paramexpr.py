@@ -41,10 +41,10 @@ def leaves(expr: Any) -> list[str]:
     return list(dict.fromkeys(c.args[0] for c in calls(expr) if c.fn == "w"))
 
 
-def evaluate(expr: Call, tensors: Mapping[str, Weight]) -> Weight:
+def evaluate(expr: Call, tensors: Mapping[str, Weight], *, rank: int = 0) -> Weight:
     """Evaluate `expr` (its functions verified), reading leaves from `tensors` by name. A
     quantized leaf stays quantized through functions that only move its rows (ROW_FNS) and is
-    dequantized to f32 by any other."""
+    dequantized to f32 by any other. `shard()` takes tensor-parallel rank `rank`'s slice."""
     def ev(e: Any) -> Any:
         if isinstance(e, tuple):
             return tuple(ev(a) for a in e)
@@ -57,6 +57,8 @@ def evaluate(expr: Call, tensors: Mapping[str, Weight]) -> Weight:
             return w if isinstance(w, QTensor) else w.float()
         args = [ev(a) for a in e.args]
         kwargs = {k: ev(v) for k, v in e.kwargs}
+        if e.fn == "shard":
+            kwargs["rank"] = rank
         if any(isinstance(a, QTensor) for a in args):
             if e.fn in ROW_FNS and all(isinstance(a, QTensor) for a in args):
                 return ROW_FNS[e.fn](*args, **kwargs)
@@ -83,6 +85,16 @@ def quantized_result(expr: Any, known: Mapping[Call, str]) -> str | None:
         raise WeightsError(f"{expr.fn}() joins weights of different schemes: "
                            f"{', '.join(dict.fromkeys(b for b in below if b))}")
     return below[0]
+
+
+def shard(a: Weight, dim: int, parts: int, every: int = 1, rank: int = 0) -> Weight:
+    """Part rank // every of `parts` equal parts of `a` along `dim`: a tensor-parallel rank's
+    slice of a weight (every > 1: `every` consecutive ranks share a part — KV heads replicated
+    where there are fewer than ranks). A quantized weight is cut along K only on whole groups."""
+    size, index = a.shape[dim] // parts, rank // every
+    if isinstance(a, QTensor):
+        return a.narrow(dim, index * size, size)
+    return a.narrow(dim, index * size, size).contiguous()
 
 
 def _q_interleave(a: QTensor, dim: int = 0) -> QTensor:
@@ -243,6 +255,8 @@ PARAM_FNS: dict[str, Callable[..., torch.Tensor]] = {
     "repeat_heads": lambda a, heads, groups: a.reshape(heads, -1).repeat_interleave(
         groups, dim=0).flatten(),
     "tile": lambda a, times: a.repeat(times),   # one head's norm gain for every head
+    # a tensor-parallel rank's slice (archc.passes.shard): rank given at evaluation
+    "shard": shard,
     # computed buffers
     "rope_inv_freq": rope_inv_freq,
     "rope_cos_sin": rope_cos_sin,
@@ -258,4 +272,5 @@ ROW_FNS: dict[str, Callable[..., QTensor]] = {
     "rows": lambda a, start=0, stop=None: a.rows(start, stop),
     "interleave": _q_interleave,
     "rope_pairs": _q_rope_pairs,
+    "shard": shard,
 }

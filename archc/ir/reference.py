@@ -4,7 +4,7 @@ the two equal): every op the IR has, with the one-line form the text printer wri
 from __future__ import annotations
 
 from archc.ir.attrs import REQUIRED, Attr, Call, format_value
-from archc.ir.ops import KERNEL_LEVEL, META, OP_TABLE, VIEW, Op
+from archc.ir.ops import COLLECTIVE, KERNEL_LEVEL, META, OP_TABLE, VIEW, Op
 from archc.ir.ops.base import RECURRENT, OpDef
 from archc.quant.schemes import SCHEMES
 
@@ -13,6 +13,9 @@ GROUPS = (
     ("Graph structure", "Inputs, parameters and outputs: no computation.", META),
     ("Views", "Reshape or select without moving data; codegen folds them into the kernels that "
      "read them.", VIEW),
+    ("Collectives", "What a sharded program exchanges between ranks (`archc.passes.shard`): "
+     "each names its group (tp or cp) and its size; its bytes go over the link between GPUs.",
+     COLLECTIVE),
     ("Kernel-level", "Ops with a template: each node becomes one generated kernel. Lowering "
      "emits some of them plainly (a norm, a router over logits, the expert matmuls, the "
      "recurrent mixers); the passes fuse more into them.", KERNEL_LEVEL),

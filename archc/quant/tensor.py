@@ -146,6 +146,25 @@ class QTensor:
         d = self._lead_dim(dim)
         return self._map(lambda p: p.index_select(d, index.to(p.device)).contiguous())
 
+    def narrow(self, dim: int, start: int, length: int) -> QTensor:
+        """Elements [start, start + length) of `dim`: rows of any leading dim, or columns of K
+        where both ends fall on whole groups, super-blocks and bytes (`Scheme.align`)."""
+        dim = dim % self.dim()
+        if dim < self.dim() - 1:
+            return self._map(lambda p: p.narrow(dim, start, length).contiguous(),
+                             (*self.shape[:dim], length, *self.shape[dim + 1:]))
+        align, k = self.scheme.align, self.shape[-1]
+        per_row = self.scheme.group >= k and self.scheme.bits == 8   # one scale for the row
+        if not per_row and (start % align or (start + length != k and length % align)):
+            raise WeightsError(f"a {self.scheme.name} tensor splits along K only at multiples "
+                               f"of {align} elements; columns [{start}, {start + length}) of {k}")
+        parts = {}
+        for name, p in self.parts.items():
+            cols = p.shape[-1]
+            lo, hi = start * cols // k, -(-(start + length) * cols // k)
+            parts[name] = p[..., lo:hi].contiguous()
+        return QTensor(self.scheme, (*self.shape[:-1], length), parts)
+
     def rows(self, start: int = 0, stop: int | None = None) -> QTensor:
         return self._map(lambda p: p[start:stop].contiguous())
 

@@ -24,6 +24,7 @@ from archc.ir.ops.attention import KV_QUANT, kv_dequantize, kv_quantize
 from archc.ir.shapes import DIMS, QUANT_DTYPES
 from archc.ir.text import format_node
 from archc.quant import QTensor, dense
+from archc.runtime.comm import Comm, LocalComm
 from archc.runtime.weights import TORCH_DTYPES, materialize
 
 
@@ -107,6 +108,11 @@ class EagerContext:
     dims: Mapping[str, int]
     cache: KVCache | None = None
     state: RecurrentState = field(default_factory=RecurrentState)
+    comms: Mapping[str, Comm] = field(default_factory=dict)   # by group: "tp", "cp"
+
+    def comm(self, group: str) -> Comm:
+        """This rank's communicator of `group` (a group of one when the run has none)."""
+        return self.comms.get(group) or LocalComm()
 
     def state_read(self, layer: int, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor:
@@ -283,9 +289,12 @@ class EagerSession(SessionBase):
 
     def __init__(self, program: Program, checkpoint: Mapping[str, torch.Tensor], *,
                  max_seq_len: int, device: str | torch.device = "cpu",
-                 dequantize: bool = True) -> None:
+                 dequantize: bool = True, comms: Mapping[str, Comm] | None = None) -> None:
         super().__init__(program, max_seq_len, torch.device(device))
-        self.params = {g.name: materialize(g, checkpoint, self.device) for g in program}
+        self.comms = dict(comms or {})      # a sharded program's groups: this rank's view
+        rank = self.comms["tp"].rank if "tp" in self.comms else 0
+        self.params = {g.name: materialize(g, checkpoint, self.device, rank=rank)
+                       for g in program}
         if dequantize:
             for g in program:
                 dtype = TORCH_DTYPES[g.compute_dtype]
@@ -308,5 +317,6 @@ class EagerSession(SessionBase):
         if self.prefix_len is not None:
             inputs["prefix_len"] = torch.tensor(self.prefix_len, device=self.device)
         return run_graph(self.program.graph(name), self.params[name], inputs,
-                         EagerContext(dict(B=B, T=T, P=P, S=S), self.cache, self.state),
+                         EagerContext(dict(B=B, T=T, P=P, S=S), self.cache, self.state,
+                                      self.comms),
                          trace=self.trace)

@@ -94,14 +94,15 @@ def check_checkpoint(program: Program, tensors: Mapping[str, torch.Tensor]) -> N
 
 
 def materialize(graph: Graph, tensors: Mapping[str, Weight],
-                device: str | torch.device = "cpu") -> dict[str, Weight]:
+                device: str | torch.device = "cpu", *, rank: int = 0) -> dict[str, Weight]:
     """Evaluate every param of `graph` from checkpoint `tensors`: name → tensor in its dtype,
-    or the quantized tensor of its scheme (a quantized weight is never dequantized here)."""
+    or the quantized tensor of its scheme (a quantized weight is never dequantized here). A
+    sharded program's `shard()` expressions take tensor-parallel rank `rank`'s slice."""
     out: dict[str, Weight] = {}
     for i in graph.ids(Op.PARAM):
         n = graph.nodes[i]
         expr = n.attr("expr") or leaf(n.name)
-        value = evaluate(expr, tensors)
+        value = evaluate(expr, tensors, rank=rank)
         dims = concrete(n.shape, {})
         if tuple(value.shape) != dims:
             raise WeightsError(f"parameter {n.name!r} evaluates to shape {list(value.shape)}, "

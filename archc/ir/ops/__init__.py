@@ -1,7 +1,8 @@
 """The op table: every op declared once (``OP_TABLE``), grouped by family into modules."""
 
-from archc.ir.ops import attention, core, recurrent  # noqa: F401  (they register)
+from archc.ir.ops import attention, collective, core, recurrent  # noqa: F401  (they register)
 from archc.ir.ops.base import (
+    COLLECTIVE,
     ELEMENTWISE,
     META,
     OP_TABLE,
@@ -20,6 +21,6 @@ from archc.ir.ops.base import (
 KERNEL_LEVEL = frozenset(op for op, d in OP_TABLE.items() if d.template is not None)
 
 __all__ = [
-    "ELEMENTWISE", "KERNEL_LEVEL", "META", "OP_TABLE", "ROW_KERNELS", "VIEW", "Args", "Op",
-    "ShapeError", "bind", "canonical", "full_attrs", "is_compute", "roles_of",
+    "COLLECTIVE", "ELEMENTWISE", "KERNEL_LEVEL", "META", "OP_TABLE", "ROW_KERNELS", "VIEW",
+    "Args", "Op", "ShapeError", "bind", "canonical", "full_attrs", "is_compute", "roles_of",
 ]

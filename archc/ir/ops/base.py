@@ -52,6 +52,11 @@ class Op(str, Enum):
     # what the passes leave
     FUSED_LINEAR = "fused_linear"
     ATTENTION = "attention"
+    # collectives: what sharded programs exchange between ranks
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    RING_PASS = "ring_pass"
 
 
 # Group sets: patterns, cost reports and codegen key on these, not on long lists of ops.
@@ -65,6 +70,9 @@ MATMUL = frozenset({Op.MATMUL, Op.SCORES, Op.WEIGHTED_SUM, Op.FUSED_LINEAR, Op.M
 ROW_KERNELS = frozenset({Op.FUSED_LINEAR, Op.NORM, Op.MOE_LINEAR})
 # recurrent mixers: they read and update a per-layer state (conv window, SSM state, sums)
 RECURRENT = frozenset({Op.CAUSAL_CONV, Op.SSM_SCAN, Op.LINEAR_ATTENTION})
+# collectives: they move data between the ranks of a group; no fusion crosses one, their bytes
+# go over the link between GPUs, not to memory
+COLLECTIVE = frozenset({Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.RING_PASS})
 
 
 def is_compute(op: Op) -> bool:
@@ -123,6 +131,7 @@ class EagerCtx(Protocol):
     def state_read(self, layer: int, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor: ...
     def state_write(self, layer: int, kind: str, value: torch.Tensor) -> None: ...
+    def comm(self, group: str) -> Any: ...   # archc.runtime.comm.Comm of group "tp" or "cp"
 
 
 Args = dict[str, torch.Tensor]       # a node's inputs by role
