@@ -219,6 +219,7 @@ class _Sharder:
         origin = self.graph.nodes[i].origin
         if v.kind == "sum":
             assert v.node is not None
+            origin = self.b.nodes[v.node].origin     # the projection (or block) that made it
             y = self.collective(Op.ALL_REDUCE, v.node, origin)
             self.ctx.applied("all-reduce", i, "the ranks' partial sums added once")
             for term, bias in sorted(v.terms, key=lambda t: not t[1]):   # biases first
