@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from archc.ir.cost import node_cost, node_states, param_bytes
 from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import Op
-from archc.ir.ops.base import COLLECTIVE
 from archc.ir.ops.attention import kv_row_bytes
+from archc.ir.ops.base import COLLECTIVE
 from archc.ir.ops.core import routed_pairs
 from archc.ir.paramexpr import leaves
 from archc.ir.shapes import DTYPE_BYTES, evaluate, numel
