@@ -20,6 +20,7 @@ from archc.ir.attrs import Call
 from archc.ir.graph import Program
 from archc.ir.lower import lower
 from archc.ir.ops import Op
+from archc.ir.ops.base import COLLECTIVE
 from archc.passes import optimize
 from archc.passes.shard import ShardError, shard_program, shard_step
 from archc.perf.gpus import gpu
@@ -37,9 +38,13 @@ PREFILL, DECODE, BATCH = 5, 2, 2
 
 
 def variant(name: str) -> Spec:
-    """A tiny spec, or `NAME+vocab96`: its vocabulary made 96 (divides by 2, 3 and 4)."""
+    """A tiny spec, `NAME+vocab96`: its vocabulary made 96 (divides by 2, 3 and 4), or
+    `NAME+qk_norm`: with QK-norm (a norm over each head's dims, replicated)."""
     base, _, extra = name.partition("+")
     spec = load_spec(base)
+    if extra == "qk_norm":
+        return dataclasses.replace(spec, attention=dataclasses.replace(spec.attention,
+                                                                       qk_norm=True))
     return dataclasses.replace(spec, vocab_size=96) if extra == "vocab96" else spec
 
 
@@ -134,13 +139,17 @@ def test_sharded_program_computes_the_unsharded_one(name: str, tp: int) -> None:
 @pytest.mark.parametrize(("name", "tp"), [("tiny-llama3", 2), ("tiny-llama2-70b", 4),
                                           ("tiny-falcon", 4), ("tiny-mixtral", 2),
                                           ("tiny-t5", 2), ("tiny-bloom", 4), ("tiny-phi2", 2),
-                                          ("tiny-smollm2", 3), ("tiny-gemma2+vocab96", 2)])
+                                          ("tiny-smollm2", 3), ("tiny-gemma2+vocab96", 2),
+                                          ("tiny-llama3+qk_norm", 4), ("tiny-phi2+qk_norm", 2)])
 def test_default_pipeline_on_each_rank(name: str, tp: int) -> None:
     """The optimized sharded program (the default pipeline run on it) against the unsharded
     unfused one."""
     spec, program, checkpoint = model(name)
-    fast = optimize(shard_program(program, tp))
+    sharded = shard_program(program, tp)
+    fast = optimize(sharded)
     assert not any(n.op in (Op.MATMUL, Op.SCORES) for g in fast for n in g)   # it did fuse
+    collectives = [[n.op for g in p for n in g if n.op in COLLECTIVE] for p in (sharded, fast)]
+    assert collectives[0] == collectives[1]         # no fusion took in (or dropped) one
     assert_same(spec, outputs(spec, program, checkpoint), on_ranks(spec, fast, checkpoint, tp))
 
 

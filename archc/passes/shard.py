@@ -436,6 +436,12 @@ def shard_step(program: Program, tp: int) -> PassStep:
             ctx.applied("kv-replicated", "attention.kv_heads",
                         f"{kv_split[0]} KV heads, each shared by {kv_split[1]} ranks")
         graphs.append(_Sharder(g, tp, kv_split, parallel_vocab, ctx).run())
+        whole = [n.name for n in graphs[-1] if n.op == Op.PARAM
+                 and (n.attr("expr") is None or n.attr("expr").fn != "shard")]
+        if whole:
+            ctx.applied("replicated", g.name, f"{len(whole)} params whole on every rank "
+                        f"(norm gains, routers, RoPE tables, unsplit tables): "
+                        f"{', '.join(whole[:3])}{', …' if len(whole) > 3 else ''}")
         applied = sum(d.applied for d in ctx.decisions)
         log.append(f"{NAME}: graph {g.name}: {applied} rewrites for tp={tp}")
     after = Program(program.model, tuple(graphs))
