@@ -260,9 +260,10 @@ def test_each_rank_holds_a_part_of_the_split_weights() -> None:
 def test_llama2_70b_over_eight_h100s_by_hand() -> None:
     """Llama 2 70B (d 8192, 80 layers, 64 heads, 8 KV heads of 128, d_ff 28672, vocab 32000,
     bf16) on 8 H100s, one decode step at context 512: each GPU reads an eighth of every
-    layer's weights (one KV head; the norm gains are folded into them) and of the head; sends per layer two ring all-reduces of
-    one 8192-wide bf16 row (2·7/8 of 16 KiB each), plus the embedding's all-reduce and the
-    logits' all-gather (7/8 of 32000 bf16 logits), at 450 GB/s."""
+    layer's weights (one KV head; the norm gains are folded into them) and of the head;
+    sends per layer two ring all-reduces of one 8192-wide bf16 row (2·7/8 of 16 KiB each),
+    plus the embedding's all-reduce and the logits' all-gather (7/8 of 32000 bf16 logits),
+    at 450 GB/s."""
     d, layers, hd, d_ff, vocab, tp = 8192, 80, 128, 28672, 32000, 8
     program = optimize(shard_program(lower(load_spec("llama2-70b"), "bf16"), tp))
     floor = decode_floor(program, gpu("h100"), batch=1, past=511)
