@@ -21,7 +21,7 @@ from archc.ir.graph import Program
 from archc.ir.lower import lower
 from archc.ir.ops import Op
 from archc.ir.ops.base import COLLECTIVE
-from archc.passes import optimize
+from archc.passes import optimize, run_pipeline
 from archc.passes.shard import ShardError, shard_program, shard_step
 from archc.perf.gpus import gpu
 from archc.perf.roofline import decode_floor
@@ -212,10 +212,12 @@ def test_row_parallel_bias_is_added_once_after_the_all_reduce() -> None:
     assert g.nodes[user.inputs[0]].op == Op.ALL_REDUCE and g.nodes[bias].attr("expr") is None
 
 
-def test_a_parallel_block_reduces_once() -> None:
+def test_a_parallel_block_reduces_once_and_still_merges() -> None:
     spec, program, _ = model("tiny-gptj")        # attention and FFN from one input, summed
     g = shard_program(program, 2).graph("decoder")
     assert len(g.ids(Op.ALL_REDUCE)) == spec.layers
+    merged = run_pipeline(shard_program(program, 2)).step("merge-parallel").applied()
+    assert [d.rule for d in merged] == ["merge-parallel-out", "merge-parallel-in"] * spec.layers
 
 
 @pytest.mark.parametrize(("name", "change", "tp", "message"), [
