@@ -108,6 +108,10 @@ def context_parallel(program: Program, cp: int) -> Program:
         raise ContextError(f"cp={cp!r}: the number of context-parallel ranks is an integer ≥ 1")
     if cp == 1:
         return program
+    if any(n.op == Op.SCORES for g in program for n in g):
+        # ring attention is an attribute of the attention node: collapse the chains first
+        from archc.passes import optimize
+        program = optimize(program, ("flash-attention",))
     _refuse_unsplittable(program)
     out = Program(program.model, tuple(_ring(g, cp) for g in program))
     verify(out)

@@ -647,7 +647,8 @@ def _attention_bytes(sig: Sig) -> sympy.Expr:
 register(OpDef(
     Op.ATTENTION, "Flash attention: scale, soft-cap, ALiBi or T5 bias, causal/window (with "
     "global tokens)/prefix/padding mask, GQA by index, over given k/v or the layer's KV cache; "
-    "heads merged.",
+    "heads merged. With `ring`, ring attention over that many cp ranks (context parallel), "
+    "masks at the global positions given.",
     "%12 : f32[B,T,64] = attention(%11) {cache_layer=0, causal=true, kv_heads=2, scale=0.25, "
     "window=8}", _attention_roles, _attention_infer, _attention_eager,
     attrs=(Attr("scale", float), *MASK_ATTRS, Attr("softcap", float, None),
