@@ -8,7 +8,7 @@ i sits at position L − T + i (P over the cache; an encoder has L = T).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import sympy
@@ -548,6 +548,17 @@ def _padded(x: torch.Tensor, length: int, fill: int) -> torch.Tensor:
     return torch.cat([x, torch.full(shape, fill, dtype=x.dtype, device=x.device)], dim=dim)
 
 
+def _ring_pass_start(comm: Any, block: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+    """Begin passing `block` round the ring; the result waits and gives rank − 1's block. A
+    communicator that can (``TorchComm.ring_pass_start``) moves it in the background; others
+    pass it at once."""
+    start = getattr(comm, "ring_pass_start", None)
+    if start is not None:
+        return start(block)
+    got = comm.ring_pass(block)
+    return lambda: got
+
+
 def ring_attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     """Attention over the "cp" group: this rank's queries against every rank's K/V block, the
     blocks passed round the ring (``Comm.ring_pass``) while the one in hand is computed, the
@@ -579,14 +590,14 @@ def ring_attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     for step in range(comm.size):
         # the next block is asked for before this one is computed: a process group moves it
         # while the local block is in hand
-        coming = comm.ring_pass(block) if step < comm.size - 1 else None
+        coming = _ring_pass_start(comm, block) if step < comm.size - 1 else None
         kb, vb, kpos = block[:3]
         part = attention_block(qf, expand_kv(kb, h).float(), expand_kv(vb, h).float(), q_pos,
                                kpos, block[3] if padding is not None else None, table, at,
                                a.get("prefix_len"))
         o, lse = part if o is None else merge_partials(o, lse, *part)
         if coming is not None:
-            block = coming
+            block = coming()
     return o.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)                  # (B, T, H·D)
 
 
