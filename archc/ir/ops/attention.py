@@ -577,7 +577,7 @@ def ring_attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     (b, h, t, d) = q.shape
     # every rank's block is filled to the longest (T need not split evenly); filler keys have
     # position −1, which no query sees
-    longest = int(comm.all_gather(torch.tensor([t]), 0).max())
+    longest = int(comm.all_gather(torch.tensor([t], device=q.device), 0).max())
     padding = a.get("padding")
     block = [_padded(k, longest, 0), _padded(v, longest, 0), _padded(pos.to(q.device),
                                                                      longest, -1)]
