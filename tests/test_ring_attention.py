@@ -275,3 +275,21 @@ def test_ring_over_two_gloo_processes(tmp_path: Path) -> None:
         whole = run_graph(plain, {}, {**got["x"], "positions": torch.arange(21)},
                           EagerContext({"B": 1, "T": 21, "P": 0, "S": 0}))["o"]
         assert close(got["o"], whole[:, mine])
+
+
+def test_ring_costs_are_a_ranks_share() -> None:
+    """A rank's FLOPs are 1/cp of the whole sequence's; it reads all cp K/V blocks."""
+    from archc.ir.shapes import P as PAST
+    plain, ring = attention_program(CASES["causal"]), context_parallel(
+        attention_program(CASES["causal"]), 2)
+    n_plain, n_ring = (p.graphs[0].ids(Op.ATTENTION)[0] for p in (plain, ring))
+    from archc.ir.ops import OP_TABLE
+    cost = OP_TABLE[Op.ATTENTION]
+    at = {B: 1, T: 16, PAST: 0}
+    whole_flops = cost.flops(plain.graphs[0].sig(n_plain)).subs(at)
+    whole_bytes = cost.bytes(plain.graphs[0].sig(n_plain)).subs(at)
+    half = {B: 1, T: 8, PAST: 0}
+    assert cost.flops(ring.graphs[0].sig(n_ring)).subs(half) * 2 == whole_flops
+    # q in and out for half the tokens, the same k and v rows as one rank reads
+    q_bytes = 2 * HEADS * 16 * HEAD_DIM * 4
+    assert cost.bytes(ring.graphs[0].sig(n_ring)).subs(half) == whole_bytes - q_bytes // 2

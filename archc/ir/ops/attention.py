@@ -637,9 +637,14 @@ def _keys(sig: Sig) -> sympy.Expr:
 
 
 def _attention_flops(sig: Sig) -> sympy.Expr:
-    q = sig.shape("q")
-    pairs = visible_pairs(q[2], _keys(sig), sig.attr("causal"), sig.attr("window"),
-                          sig.attr("global_tokens"))
+    q, ring = sig.shape("q"), sig.attr("ring")
+    if ring is None:
+        pairs = visible_pairs(q[2], _keys(sig), sig.attr("causal"), sig.attr("window"),
+                              sig.attr("global_tokens"))
+    else:   # a ring rank's share of the whole sequence's pairs (zig-zag: the same on each)
+        whole = ring * q[2]
+        pairs = visible_pairs(whole, whole, sig.attr("causal"), sig.attr("window"),
+                              sig.attr("global_tokens")) / ring
     return q[0] * q[1] * pairs * (4 * q[3] + 5)
 
 
@@ -650,6 +655,8 @@ def _attention_bytes(sig: Sig) -> sympy.Expr:
     # bidirectional global rows read every key
     keys = length if window is None or (g is not None and not sig.attr("causal")) else \
         sympy.Min(length, window + q[2] + (g or 0))
+    if sig.attr("ring") is not None:    # a ring rank reads every rank's block in full
+        keys = sig.attr("ring") * length
     # q in and out, and each visible key's k and v rows (codes and scales from a quantized cache)
     return 2 * numel(q) * DTYPE_BYTES[sig.dtype("q")] + 2 * q[0] * kv_heads * keys * \
         kv_row_bytes(q[3], sig.dtype("q"), sig.attr("kv_quant"))
