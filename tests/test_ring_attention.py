@@ -20,8 +20,9 @@ from archc.errors import ArchcError, RunError
 from archc.ir.attrs import Call
 from archc.ir.graph import GraphBuilder, Program
 from archc.ir.lower import lower
-from archc.ir.ops import Op
+from archc.ir.ops import OP_TABLE, Op
 from archc.ir.shapes import B, T, shape
+from archc.ir.shapes import P as PAST
 from archc.model import EAGER_PIPELINE
 from archc.passes import optimize
 from archc.passes.context import ContextError, context_parallel, zigzag
@@ -279,11 +280,9 @@ def test_ring_over_two_gloo_processes(tmp_path: Path) -> None:
 
 def test_ring_costs_are_a_ranks_share() -> None:
     """A rank's FLOPs are 1/cp of the whole sequence's; it reads all cp K/V blocks."""
-    from archc.ir.shapes import P as PAST
     plain, ring = attention_program(CASES["causal"]), context_parallel(
         attention_program(CASES["causal"]), 2)
     n_plain, n_ring = (p.graphs[0].ids(Op.ATTENTION)[0] for p in (plain, ring))
-    from archc.ir.ops import OP_TABLE
     cost = OP_TABLE[Op.ATTENTION]
     at = {B: 1, T: 16, PAST: 0}
     whole_flops = cost.flops(plain.graphs[0].sig(n_plain)).subs(at)
