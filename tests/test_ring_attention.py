@@ -292,3 +292,11 @@ def test_ring_costs_are_a_ranks_share() -> None:
     # q in and out for half the tokens, the same k and v rows as one rank reads
     q_bytes = 2 * HEADS * 16 * HEAD_DIM * 4
     assert cost.bytes(ring.graphs[0].sig(n_ring)).subs(half) == whole_bytes - q_bytes // 2
+
+
+def test_ring_program_prints_and_parses_back() -> None:
+    from archc.ir.text import format_program, parse_program
+    ring = context_parallel(eager_program(archc.load("tiny-bloom")), 2)   # positions added
+    assert "positions" in ring.graphs[0].inputs
+    text = format_program(ring)
+    assert "ring=2" in text and format_program(parse_program(text)) == text
