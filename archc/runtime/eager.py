@@ -23,6 +23,7 @@ from archc.ir.ops import OP_TABLE, Op, bind, full_attrs
 from archc.ir.ops.attention import KV_QUANT, kv_dequantize, kv_quantize
 from archc.ir.shapes import DIMS, QUANT_DTYPES
 from archc.ir.text import format_node
+from archc.passes.context import zigzag
 from archc.quant import QTensor, dense
 from archc.runtime.comm import Comm, LocalComm
 from archc.runtime.weights import TORCH_DTYPES, materialize
@@ -335,7 +336,6 @@ class EagerSession(SessionBase):
         comm = self.comms.get("cp")
         if comm is None or comm.size == 1 or past > 0 or length < 2 * comm.size:
             return None
-        from archc.passes.context import zigzag
         return zigzag(length, comm.size)
 
     def _in_order(self, x: torch.Tensor, dim: int, parts: list[torch.Tensor]) -> torch.Tensor:
