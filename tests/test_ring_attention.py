@@ -300,3 +300,12 @@ def test_ring_program_prints_and_parses_back() -> None:
     assert "positions" in ring.graphs[0].inputs
     text = format_program(ring)
     assert "ring=2" in text and format_program(parse_program(text)) == text
+
+
+def test_a_cp_group_needs_ring_attention() -> None:
+    model = archc.load("tiny-llama3")
+    world = SimulatedWorld(2)
+    session = EagerSession(eager_program(model), model.weights, max_seq_len=64,
+                           comms={"cp": SimulatedComm(world, 0)})
+    with pytest.raises(RunError, match=r"apply context_parallel\(program, 2\) first"):
+        session.step(torch.zeros(1, 8, dtype=torch.long))
