@@ -82,13 +82,14 @@ def one_rank_and_ring(attrs: dict[str, Any], cp: int, length: int,
     program = attention_program(attrs)
     ring = context_parallel(program, cp)
     gen = torch.Generator().manual_seed(length)
-    x = {n: torch.randn(2, h, length, HEAD_DIM, generator=gen)
+    x = {n: torch.randn(3, h, length, HEAD_DIM, generator=gen)
          for n, h in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS))}
-    x["padding"] = torch.ones(2, length, dtype=torch.long)
+    x["padding"] = torch.ones(3, length, dtype=torch.long)
     x["padding"][1, length - 5:] = 0                 # the second sequence ends early
+    x["padding"][2] = 0                              # and the third is all padding
     x["prefix_len"] = torch.tensor(6)
     params = {"slopes": torch.rand(HEADS, generator=gen), "table": torch.randn(16, HEADS)}
-    dims = {"B": 2, "P": 0, "S": 0}
+    dims = {"B": 3, "P": 0, "S": 0}
     whole = run_graph(program.graphs[0], params, {**x, "positions": torch.arange(length)},
                       EagerContext({**dims, "T": length}))["o"]
     parts, world = zigzag(length, cp), SimulatedWorld(cp)
