@@ -106,7 +106,7 @@ def one_rank_and_ring(attrs: dict[str, Any], cp: int, length: int,
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("cp,length", [(2, 20), (3, 23)])      # 23: chunks of 4 and 3 tokens
+@pytest.mark.parametrize("cp,length", [(2, 20), (3, 23), (4, 29)])   # uneven: 23, 29
 def test_ring_attention_equals_one_rank(case: str, cp: int, length: int) -> None:
     whole, ranks, parts = one_rank_and_ring(CASES[case], cp, length)
     for got, mine in zip(ranks, parts):
