@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from archc.devices import check_fits, checkpoint_elements, default_dtype, dtype_name, resolve_device
+from archc.dist import groups, parallel_sizes
 from archc.errors import ArchcError, Spell, python_option
 from archc.ir.graph import Program
 from archc.ir.lower import lower
@@ -107,12 +108,20 @@ class Model:
         """Checkpoint tensor → scheme, for the weights kept quantized (empty when none is)."""
         return quant_schemes(self.weights or {})
 
-    def compile(self, backend: str = "eager", *, dtype: str | torch.dtype | None = None,
-                device: str | torch.device = "cpu", **options: Any) -> CompiledModel:
-        """Ready the model to run on `backend` ("eager" or "triton") on `device`, in `dtype`."""
+    def compile(self, backend: str = "eager", *, tp: int = 1, cp: int = 1,
+                dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu",
+                **options: Any) -> CompiledModel:
+        """Ready the model to run on `backend` ("eager" or "triton") on `device`, in `dtype`.
+
+        With `tp` > 1 (tensor parallel) or `cp` > 1 (context parallel) it runs as one rank of
+        an initialized torch.distributed default group of tp · cp processes, every rank calling
+        compile alike: the program is sharded (``archc.passes.shard``, ``archc.passes.context``),
+        this rank's groups are made (tp-major: ``archc.dist``), its parameters are its slices of
+        the weights, and every rank's calls return the full logits."""
         if backend not in BACKENDS:
             raise ArchcError(f"backend={backend!r} is not a backend (known: "
                              f"{', '.join(BACKENDS)})")
+        tp, cp = parallel_sizes(tp, cp)
         torch_device = resolve_device(device)
         name = default_dtype(self.spec.dtype, torch_device) if dtype is None else \
             dtype_name(dtype)
@@ -132,6 +141,8 @@ class Model:
         check_kv_cache(kv_cache, backend, torch_device)
         program = self.graph if name == "f32" and kv_cache is None else \
             lower(self.spec, name, self.quant, kv_cache=kv_cache)
+        if tp * cp > 1:
+            program, options["comms"] = self._parallel(program, tp, cp)
         module, factory = BACKENDS[backend]
         session = getattr(importlib.import_module(module), factory)(
             self, program, name, torch_device, options)
@@ -139,6 +150,17 @@ class Model:
             from archc.kernel_cache import used
             used(Path(session.module_path))
         return CompiledModel(self, program, session, backend)
+
+    def _parallel(self, program: Program, tp: int, cp: int) -> tuple[Program, dict[str, Any]]:
+        """`program` sharded over tp ranks and cp ranks, and this rank's communicators."""
+        comms = groups(tp, cp)
+        if tp > 1:
+            from archc.passes.shard import shard_program
+            program = shard_program(program, tp)
+        if cp > 1:
+            from archc.passes.context import context_parallel
+            program = context_parallel(program, cp)
+        return program, comms
 
 
 def check_kv_cache(kv_cache: Any, backend: str, device: torch.device, *,
@@ -177,13 +199,13 @@ EAGER_PIPELINE = ("share-kv-heads", "flash-attention")
 def _eager_backend(model: Model, program: Program, dtype: str, device: torch.device,
                    options: Mapping[str, Any]) -> Session:
     from archc.passes import optimize
-    unknown = sorted(set(options) - {"passes"})
+    unknown = sorted(set(options) - {"passes", "comms"})
     if unknown:
         raise ArchcError(f"the eager backend takes one option, passes (got {', '.join(unknown)})")
     passes = options.get("passes")
     program = optimize(program, EAGER_PIPELINE if passes is None else passes)
     return EagerSession(program, model.weights, max_seq_len=model.spec.max_seq_len,
-                        device=device)
+                        device=device, comms=options.get("comms"))
 
 
 # name → (module, factory(model, program, dtype, device, options) → Session); a backend's module
