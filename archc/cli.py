@@ -92,6 +92,14 @@ def main(argv: list[str] | None = None) -> int:
         prog = f"archc {args.command}"
         if extra:
             raise _unknown(parser, args.command, extra)
+        world = getattr(args, "tp", 1) * getattr(args, "cp", 1)
+        if world > 1:   # one rank of several: started here, or by torchrun
+            from archc import dist
+            if not dist.under_launcher():
+                return dist.launch(sys.argv[1:] if argv is None else argv, world, args.timeout)
+            if dist.init_from_env(world, args.timeout, getattr(args, "device", "cpu")) != 0 \
+                    and hasattr(args, "quiet"):
+                args.quiet = True   # rank 0 speaks for the run
         return int(args.handler(args) or 0)
     except ArchcError as err:
         print(f"{getattr(err, 'prog', prog)}: error: {err}", file=sys.stderr)

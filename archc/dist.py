@@ -76,7 +76,7 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def init_from_env(world: int, timeout: float, device: str) -> int:
+def init_from_env(world: int, timeout: float, device: str | None) -> int:
     """Join the default process group as the rank the environment names (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT); returns the rank. NCCL when `device` is a GPU, else gloo.
     Ranks other than 0 stop writing to standard output: rank 0 speaks for the run."""
@@ -87,6 +87,7 @@ def init_from_env(world: int, timeout: float, device: str) -> int:
         raise ArchcError(f"--tp × --cp is {world} ranks; this process was started as one of "
                          f"{size} (WORLD_SIZE)")
     if not dist.is_initialized():
+        device = device or "auto"
         gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
         if gpu:   # one GPU per rank of this node
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -122,6 +123,9 @@ def launch(argv: Sequence[str], world: int, timeout: float) -> int:
     is one error naming it, its exit status and how long the run had gone."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    import logging
+    # the launcher logs every failure with its traceback; the one line below says it instead
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     port = free_port()
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"archc-{port}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",

@@ -227,4 +227,6 @@ class Run:
         if getattr(self.args, "kv_cache", None) is not None:
             options["kv_cache"] = self.args.kv_cache
         with self.timings.phase("compile"):
-            return model.compile(backend, dtype=self.dtype, device=self.device, **options)
+            return model.compile(backend, dtype=self.dtype, device=self.device,
+                                 tp=getattr(self.args, "tp", 1), cp=getattr(self.args, "cp", 1),
+                                 **options)
