@@ -84,16 +84,28 @@ def _embedding_infer(sig: Sig) -> tuple[Shape, str]:
 
 
 def _embedding(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    table = a["table"]
+    table, ids = a["table"], a["ids"]
+    mine = None
+    if at["parts"] > 1:   # this tp rank's rows: ids of other parts read row 0, then give 0
+        rows = table.shape[0]
+        ids = ids - ctx.comm("tp").rank * rows
+        mine = (ids >= 0) & (ids < rows)
+        ids = torch.where(mine, ids, torch.zeros_like(ids))
     if isinstance(table, QTensor):       # only the gathered rows are dequantized
-        return table.take(a["ids"]).dequantize(TORCH_DTYPES[at["dtype"]])
-    return F.embedding(a["ids"], table)
+        out = table.take(ids).dequantize(TORCH_DTYPES[at["dtype"]])
+    else:
+        out = F.embedding(ids, table)
+    return out if mine is None else out * mine.unsqueeze(-1).to(out.dtype)
 
 
 register(OpDef(
     Op.EMBEDDING, "Gather rows of a table by integer ids.",
     "%3 : f32[B,T,64] = embedding(%1, %0)", operands("table", "ids"), _embedding_infer,
-    _embedding, attrs=(Attr("dtype", str, None, FLOAT_DTYPES),),
+    _embedding, attrs=(Attr("dtype", str, None, FLOAT_DTYPES),
+                       # vocabulary-parallel (archc.passes.shard): the table is tp rank r's
+                       # part r of `parts` equal parts of the vocabulary; ids outside it give 0
+                       # rows, and an all_reduce over the ranks makes the whole embedding
+                       Attr("parts", int, 1, at_least=1)),
     # reads only the gathered rows, and the ids
     bytes=lambda sig: numel(sig.out_shape) * (DTYPE_BYTES[sig.dtype("table")]
                                               + DTYPE_BYTES[sig.out_dtype])

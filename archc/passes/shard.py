@@ -1,0 +1,449 @@
+"""Tensor parallelism: ``shard_program(program, tp)`` rewrites the unfused program (as ``lower``
+makes it) into the program every one of `tp` ranks runs, Megatron-style.
+
+One program serves every rank: a weight a rank holds part of is a ``param`` whose expression is
+``shard(w("NAME"), dim=D, parts=P, every=E)`` (the rank is chosen when weights load), shapes and
+attributes are a rank's (heads/tp, d_ff/tp, …), and the ranks meet at collective ops.
+
+- Column-parallel: Q/K/V, gate and up projections (and their biases) keep rows of the rank's
+  heads or FFN columns; the attention between them runs on the rank's heads alone. KV heads are
+  split kv/tp per rank, or replicated (`every` = tp/kv ranks share one) when kv < tp divides tp,
+  as serving engines do. Per-head parameters (ALiBi slopes, T5 relative-bias columns) are cut
+  alike; head-dim norms (QK-norm) are replicated.
+- Row-parallel: the output and down projections read the rank's slice of K and give a partial
+  sum; one ``all_reduce`` makes the whole, and a row-parallel bias is added once, after it.
+  Partial sums that are only added to each other (a parallel block's attention and FFN, an MoE's
+  routed and shared experts) share one all_reduce.
+- Vocabulary-parallel embedding (each rank its rows; ids of other ranks give 0; all_reduce) and
+  head (a rank's logits columns; ``all_gather`` along the vocabulary), when the vocabulary divides
+  by tp; otherwise both are replicated (a decision the pass reports).
+- MoE: each expert's FFN width is split (up rows, down columns); the router is replicated.
+- Norms and everything else are replicated: a value a replicated op needs whole is made whole
+  first (all_reduce of a partial sum, all_gather of a split).
+
+Refused, with a ``ShardError`` naming the spec field, its value and the tp values that work:
+heads, KV heads or FFN widths that do not divide, quantized row-parallel weights whose K would not
+split on whole groups, and the recurrent mixers (Mamba, linear attention), which are not split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from archc.errors import ArchcError
+from archc.ir.attrs import Call
+from archc.ir.graph import Graph, GraphBuilder, Node, Program
+from archc.ir.ops import Op
+from archc.ir.ops.base import ELEMENTWISE, RECURRENT
+from archc.ir.paramexpr import leaf
+from archc.ir.verify import verify
+from archc.passes.manager import PassContext, PassStep
+from archc.quant.schemes import is_quantized, scheme
+
+NAME = "shard"
+# the projections whose output features split (column-parallel), by the last part of the weight
+# name before ".weight", and the layers they belong to
+COLUMN = frozenset({"q", "k", "v", "gate", "up"})
+OWNERS = frozenset({"attn", "cross", "ffn", "shared"})
+HEAD_TABLES = frozenset({"head.weight", "embed.weight"})
+TOKEN_TABLE = "embed.weight"
+
+
+class ShardError(ArchcError):
+    """A program that cannot be split over the requested tensor-parallel ranks."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One divisibility requirement of the program: spec `field` has `value`, and `works(tp)`."""
+
+    field: str
+    value: int | str
+    problem: str                       # why a tp fails, after "field = value"
+    works: Callable[[int], bool]
+
+
+def _weight_name(name: str) -> tuple[str, str] | None:
+    """(owner, projection) of a weight `...owner.projection.weight`, else None."""
+    parts = name.split(".")
+    if len(parts) >= 3 and parts[-1] == "weight":
+        return parts[-3], parts[-2]
+    return None
+
+
+def _is_column(name: str) -> bool:
+    got = _weight_name(name)
+    return got is not None and got[0] in OWNERS and got[1] in COLUMN
+
+
+def _rules(program: Program) -> list[Rule]:
+    """The requirements tp must meet for `program`, read from its unfused graphs."""
+    rules: dict[tuple[str, int | str, str], Rule] = {}
+
+    def need(field: str, value: int | str, problem: str, works: Callable[[int], bool]) -> None:
+        rules.setdefault((field, value, problem), Rule(field, value, problem, works))
+
+    for g in program:
+        for n in g:
+            if n.op in RECURRENT:
+                mixer = "linear_attention" if n.op == Op.LINEAR_ATTENTION else "mamba"
+                need("mixer.pattern" if n.origin == "mixer.pattern" else "mixer.kind", mixer,
+                     "layers are not split by tensor parallelism", lambda tp: tp == 1)
+            elif n.op == Op.SPLIT_HEADS and n.origin == "attention.heads":
+                h = int(n.attr("heads"))
+                need("attention.heads", h, "does not divide by tp", lambda tp, h=h: h % tp == 0)
+            elif n.op == Op.SPLIT_HEADS and n.origin == "attention.kv_heads":
+                kv = int(n.attr("heads"))
+                need("attention.kv_heads", kv, "neither divides by tp nor divides tp",
+                     lambda tp, kv=kv: kv % tp == 0 or tp % kv == 0)
+            elif n.op == Op.MATMUL and g.nodes[n.inputs[1]].op == Op.PARAM:
+                _matmul_rules(g, n, need)
+            elif n.op == Op.MOE_LINEAR:
+                w = g.nodes[n.inputs[2]]
+                width = int(w.shape[1] if n.attr("stage") == "up" else w.shape[2])
+                need("ffn.d_ff", width, "does not divide by tp", lambda tp, f=width: f % tp == 0)
+                if n.attr("stage") == "down" and is_quantized(w.dtype):
+                    _group_rule(need, "ffn.d_ff", width, w.dtype)
+    return list(rules.values())
+
+
+def _matmul_rules(g: Graph, n: Node, need: Callable[..., None]) -> None:
+    """Requirements of a column- or row-parallel projection."""
+    w = g.nodes[n.inputs[1]]
+    got = _weight_name(w.name)
+    if got is None or got[0] not in OWNERS:
+        return
+    owner, proj = got
+    field_ = "ffn.moe.shared_expert_d_ff" if owner == "shared" else "ffn.d_ff"
+    if owner in ("ffn", "shared") and proj in ("gate", "up"):
+        rows = int(w.shape[0])
+        need(field_, rows, "does not divide by tp", lambda tp, f=rows: f % tp == 0)
+    elif proj in ("o", "down") and is_quantized(w.dtype):
+        _group_rule(need, "attention.heads" if proj == "o" else field_, int(w.shape[1]),
+                    w.dtype)
+
+
+def _group_rule(need: Callable[..., None], field_: str, k: int, dtype: str) -> None:
+    """A quantized row-parallel weight splits along K only on whole groups."""
+    align = scheme(dtype).align
+    need(field_, k, f"(K of a {dtype} weight) does not split into tp parts of whole "
+         f"{align}-element groups", lambda tp, k=k: k % tp == 0 and (k // tp) % align == 0)
+
+
+def check(program: Program, tp: int) -> None:
+    """Raise ShardError when `program` cannot be split over `tp` ranks, naming the spec field,
+    its value and the tp values that do work."""
+    if tp < 1:
+        raise ShardError(f"tp={tp}: the number of tensor-parallel ranks must be at least 1")
+    rules = _rules(program)
+    failed = [r for r in rules if not r.works(tp)]
+    if not failed:
+        return
+    top = max([r.value for r in rules if isinstance(r.value, int)] + [8])
+    working = [t for t in range(1, 2 * top + 1) if all(r.works(t) for r in rules)]
+    r = min(failed, key=lambda r: isinstance(r.value, int))   # a mixer first: no tp helps
+    raise ShardError(f"cannot shard {program.model} over tp={tp}: {r.field} = {r.value} "
+                     f"{r.problem}; tp values that work: {', '.join(map(str, working))}")
+
+
+# ---- layouts ---------------------------------------------------------------------------------
+
+Kind = Literal["rep", "split", "sum"]
+
+
+@dataclass(frozen=True)
+class Val:
+    """How a value of the unsharded graph is held on a rank.
+
+    rep: whole on every rank (`node`). split: `parts` parts of its features (last dim; dim 1 of
+    heads-major [B, H, T, D] values when `heads`), rank r holding part r // `every`. sum: the whole
+    is all_reduce(`node`) (a partial sum, None when there is none) plus the replicated `terms`
+    (node, is_bias), which are added after the all_reduce so that each counts once."""
+
+    kind: Kind
+    node: int | None
+    parts: int = 1
+    every: int = 1
+    heads: bool = False
+    terms: tuple[tuple[int, bool], ...] = ()
+
+
+@dataclass
+class _Sharder:
+    """Rewrites one graph for `tp` ranks, value by value, recording its decisions."""
+
+    graph: Graph
+    tp: int
+    kv_split: tuple[int, int]          # (parts, every) of the KV projections' rows
+    vocab: bool                        # vocabulary-parallel embedding and head
+    ctx: PassContext
+    b: GraphBuilder = field(init=False)
+    vals: dict[int, Val] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.b = GraphBuilder(self.graph.name)
+
+    # -- parameters
+
+    def param(self, i: int, dim: int | None = None, parts: int = 1, every: int = 1) -> int:
+        """Param node i whole, or its `parts` parts along `dim` (rank r: part r // every)."""
+        n = self.graph.nodes[i]
+        expr = n.attr("expr")
+        if dim is None or parts == 1:
+            return self.b.param(n.name, n.shape, n.dtype, expr=expr)
+        dim %= len(n.shape)
+        sliced = Call("shard", (expr or leaf(n.name),),
+                      (("dim", dim), ("parts", parts)) + ((("every", every),) if every > 1 else ()))
+        shape = tuple(s // parts if d == dim else s for d, s in enumerate(n.shape))
+        return self.b.param(n.name, shape, n.dtype, expr=sliced)
+
+    # -- values
+
+    def emit(self, i: int, *inputs: int, **attrs: object) -> int:
+        n = self.graph.nodes[i]
+        return self.b.emit(n.op, *inputs, origin=n.origin, **{**dict(n.attrs), **attrs})
+
+    def collective(self, op: Op, x: int, origin: str, **attrs: object) -> int:
+        return self.b.emit(op, x, origin=origin, group="tp", ranks=self.tp, **attrs)
+
+    def whole(self, i: int) -> int:
+        """Value i of the old graph whole on this rank: partial sums reduced, splits gathered."""
+        if self.graph.nodes[i].op == Op.PARAM:
+            return self.param(i)
+        v = self.vals[i]
+        if v.kind == "rep":
+            assert v.node is not None
+            return v.node
+        origin = self.graph.nodes[i].origin
+        if v.kind == "sum":
+            assert v.node is not None
+            y = self.collective(Op.ALL_REDUCE, v.node, origin)
+            self.ctx.applied("all-reduce", i, "the ranks' partial sums added once")
+            for term, bias in sorted(v.terms, key=lambda t: not t[1]):   # biases first
+                y = self.b.emit(Op.ADD, *((y, term) if bias else (term, y)), origin=origin)
+        else:
+            if v.parts != self.tp or v.every != 1:
+                raise ShardError(f"graph {self.graph.name}: {self.ctx.describe(i)} is needed "
+                                 f"whole but is split into {v.parts} parts shared by {v.every} "
+                                 f"ranks each")
+            assert v.node is not None
+            y = self.collective(Op.ALL_GATHER, v.node, origin, dim=1 if v.heads else -1)
+            self.ctx.applied("all-gather", i, f"the ranks' {v.parts} parts concatenated")
+        self.vals[i] = Val("rep", y)
+        return y
+
+
+    # -- rules by op
+
+    def node(self, i: int) -> Val | None:
+        n, g = self.graph.nodes[i], self.graph
+        if n.op == Op.PARAM:
+            return None                    # emitted where used, whole or sliced
+        if n.op == Op.INPUT:
+            return Val("rep", self.b.input(n.name, n.shape, n.dtype, n.origin))
+        if n.op == Op.MATMUL and g.nodes[n.inputs[1]].op == Op.PARAM:
+            return self.matmul(i)
+        if n.op == Op.MOE_LINEAR:
+            return self.moe_linear(i)
+        if n.op == Op.EMBEDDING and self.vocab and g.nodes[n.inputs[0]].name == TOKEN_TABLE:
+            table = self.param(n.inputs[0], 0, self.tp)
+            self.ctx.applied("vocab-parallel", i, f"{self.tp} parts of the vocabulary's rows")
+            return Val("sum", self.emit(i, table, self.whole(n.inputs[1]), parts=self.tp))
+        if n.op == Op.ADD:
+            return self.add(i)
+        if n.op in (Op.ALIBI, Op.REL_BIAS):
+            return self.per_head(i)
+        if n.op in (Op.SPLIT_HEADS, Op.MERGE_HEADS, Op.ROPE, Op.KV_CACHE, Op.REPEAT_KV, Op.MASK,
+                    Op.SOFTMAX, Op.SCORES, Op.WEIGHTED_SUM, Op.NORM) or n.op in ELEMENTWISE:
+            return self.keep_split(i)
+        return self.rep(i)
+
+    def matmul(self, i: int) -> Val:
+        n, g = self.graph.nodes[i], self.graph
+        x, w = n.inputs
+        name = g.nodes[w].name
+        xv = self.vals[x]
+        if xv.kind == "split" and not xv.heads:       # row-parallel: this rank's slice of K
+            y = self.emit(i, xv.node, self.param(w, 1, xv.parts, xv.every))
+            self.ctx.applied("row-parallel", i, f"K split in {xv.parts}; a partial sum")
+            return Val("sum", y)
+        if _is_column(name):
+            _, proj = _weight_name(name) or ("", "")
+            parts, every = self.kv_split if proj in ("k", "v") else (self.tp, 1)
+            y = self.emit(i, self.whole(x), self.param(w, 0, parts, every))
+            shared = f", each part shared by {every} ranks" if every > 1 else ""
+            self.ctx.applied("column-parallel", i, f"rows split in {parts}{shared}")
+            return Val("split", y, parts, every)
+        if self.vocab and name in HEAD_TABLES:
+            y = self.emit(i, self.whole(x), self.param(w, 0, self.tp))
+            self.ctx.applied("vocab-parallel", i, f"the logits' {self.tp} parts of the vocabulary")
+            return Val("split", y, self.tp)
+        return Val("rep", self.emit(i, self.whole(x), self.param(w)))
+
+    def moe_linear(self, i: int) -> Val:
+        n = self.graph.nodes[i]
+        x, gates, w = n.inputs
+        if n.attr("stage") == "down":
+            xv = self.vals[x]
+            if xv.kind != "split":
+                return self.rep(i)
+            y = self.emit(i, xv.node, self.whole(gates), self.param(w, 2, xv.parts, xv.every))
+            self.ctx.applied("row-parallel", i, f"each expert's K split in {xv.parts}")
+            return Val("sum", y)
+        y = self.emit(i, self.whole(x), self.whole(gates), self.param(w, 1, self.tp))
+        self.ctx.applied("column-parallel", i, f"each expert's rows split in {self.tp}")
+        return Val("split", y, self.tp)
+
+    def add(self, i: int) -> Val:
+        n = self.graph.nodes[i]
+        a, c = n.inputs
+        kinds = {self.vals_of(j).kind for j in (a, c)}
+        if "sum" in kinds and "split" not in kinds:
+            return self.add_sums(a, c, i)
+        return self.keep_split(i)
+
+    def vals_of(self, j: int) -> Val:
+        """The layout of old value j (a param not yet emitted counts as replicated)."""
+        return self.vals.get(j) or Val("rep", None)
+
+    def add_sums(self, a: int, c: int, i: int) -> Val:
+        """a + c where one is (or both are) a partial sum: the partials add before the one
+        all_reduce, the replicated terms after it."""
+        partial: int | None = None
+        terms: list[tuple[int, bool]] = []
+        for j in (a, c):
+            v = self.vals_of(j)
+            if v.kind == "sum":
+                terms += v.terms
+                if v.node is not None:
+                    partial = v.node if partial is None else \
+                        self.b.emit(Op.ADD, partial, v.node, origin=self.graph.nodes[i].origin)
+            elif self.graph.nodes[j].op == Op.PARAM:
+                terms.append((self.param(j), True))
+            else:
+                terms.append((self.whole(j), False))
+        return Val("sum", partial, terms=tuple(terms))
+
+    def keep_split(self, i: int) -> Val:
+        """An op that works head by head or feature by feature on a split value: a split output,
+        with the params it reads cut alike; otherwise a replicated op."""
+        n = self.graph.nodes[i]
+        first = self.vals_of(n.inputs[0])
+        if first.kind != "split" or not self._splits(n, first):
+            return self.rep(i)
+        ins = []
+        for j in n.inputs:
+            v = self.vals_of(j)
+            if self.graph.nodes[j].op == Op.PARAM:
+                cut = v.kind == "rep" and n.op in ELEMENTWISE and \
+                    self.graph.nodes[j].shape[-1:] == self.graph.nodes[i].shape[-1:]
+                ins.append(self.param(j, -1, first.parts, first.every) if cut and not first.heads
+                           else self.param(j))
+            elif v.kind == "split":
+                if (v.parts, v.every, v.heads) != (first.parts, first.every, first.heads):
+                    return self.rep(i)
+                ins.append(v.node)
+            else:
+                ins.append(self.whole(j))
+        out = Val("split", None, first.parts, first.every, first.heads)
+        attrs: dict[str, object] = {}
+        if n.op == Op.SPLIT_HEADS:
+            attrs["heads"] = int(n.attr("heads")) // first.parts
+            out = Val("split", None, first.parts, first.every, True)
+        elif n.op == Op.MERGE_HEADS:
+            out = Val("split", None, first.parts, first.every, False)
+        elif n.op == Op.REPEAT_KV:
+            local_kv = int(self.b.nodes[ins[0]].shape[1])
+            heads = int(self.graph.nodes[n.inputs[0]].shape[1]) * int(n.attr("groups"))
+            attrs["groups"] = heads // self.tp // local_kv
+            out = Val("split", None, self.tp, 1, True)
+        return Val(out.kind, self.emit(i, *ins, **attrs), out.parts, out.every, out.heads)
+
+    def _splits(self, n: Node, v: Val) -> bool:
+        """Can op n run on each rank's part of split value v alone?"""
+        if n.op in (Op.SPLIT_HEADS, Op.MERGE_HEADS):
+            return n.op == Op.SPLIT_HEADS and not v.heads or n.op == Op.MERGE_HEADS and v.heads
+        if n.op in (Op.NORM, Op.SOFTMAX, Op.ROPE, Op.MASK, Op.KV_CACHE, Op.REPEAT_KV, Op.SCORES,
+                    Op.WEIGHTED_SUM):
+            return v.heads     # over the head dim or along the sequence: head by head
+        return n.op in ELEMENTWISE
+
+    def rep(self, i: int) -> Val:
+        """Node i replicated: every input whole."""
+        return Val("rep", self.emit(i, *(self.whole(j) for j in self.graph.nodes[i].inputs)))
+
+    def per_head(self, i: int) -> Val:
+        """ALiBi slopes [heads] and relative-bias tables [buckets, heads]: the rank's heads."""
+        n = self.graph.nodes[i]
+        scores, table = n.inputs
+        v = self.vals[scores]
+        if v.kind != "split" or not v.heads:
+            return self.rep(i)
+        dim = 0 if n.op == Op.ALIBI else 1
+        self.ctx.applied("per-head", i, f"the per-head parameter cut in {v.parts}")
+        return Val("split", self.emit(i, v.node, self.param(table, dim, v.parts, v.every)),
+                   v.parts, v.every, True)
+
+    def run(self) -> Graph:
+        for i, n in enumerate(self.graph.nodes):
+            if n.op == Op.OUTPUT:
+                self.b.emit(Op.OUTPUT, self.whole(n.inputs[0]), origin=n.origin, **dict(n.attrs))
+                continue
+            v = self.node(i)
+            if v is not None:
+                self.vals[i] = v
+        return self.b.build()
+
+
+def _kv_split(program: Program, tp: int) -> tuple[int, int]:
+    """(parts, every) of the K/V projections' rows: kv/tp heads per rank, or tp/kv ranks sharing
+    each of kv heads when there are fewer than tp."""
+    kvs = [int(n.attr("heads")) for g in program for n in g
+           if n.op == Op.SPLIT_HEADS and n.origin == "attention.kv_heads"]
+    kv = kvs[0] if kvs else tp
+    return (tp, 1) if kv % tp == 0 else (kv, tp // kv)
+
+
+def _vocab(program: Program) -> int | None:
+    for g in program:
+        for n in g:
+            if n.op == Op.PARAM and n.name == TOKEN_TABLE:
+                return int(n.shape[0])
+    return None
+
+
+def shard_step(program: Program, tp: int) -> PassStep:
+    """The shard pass as a step of a pipeline run: the program for `tp` ranks and the decisions
+    (what was split, replicated, reduced), for `archc passes --tp` and `explain`."""
+    check(program, tp)
+    contexts = {g.name: PassContext(NAME, g) for g in program}
+    if tp == 1:
+        return PassStep(NAME, "exact", program, program, (), (f"{NAME}: tp=1, not applied",))
+    kv_split = _kv_split(program, tp)
+    vocab = _vocab(program)
+    parallel_vocab = vocab is not None and vocab % tp == 0
+    graphs, log = [], []
+    for g in program:
+        ctx = contexts[g.name]
+        if vocab is not None and not parallel_vocab:
+            ctx.refused("vocab-parallel", "embed.weight",
+                        f"vocab_size {vocab} does not divide by tp={tp}: embedding and head "
+                        f"replicated")
+        if kv_split[1] > 1:
+            ctx.applied("kv-replicated", "attention.kv_heads",
+                        f"{kv_split[0]} KV heads, each shared by {kv_split[1]} ranks")
+        graphs.append(_Sharder(g, tp, kv_split, parallel_vocab, ctx).run())
+        applied = sum(d.applied for d in ctx.decisions)
+        log.append(f"{NAME}: graph {g.name}: {applied} rewrites for tp={tp}")
+    after = Program(program.model, tuple(graphs))
+    verify(after)
+    decisions = tuple(d for ctx in contexts.values() for d in ctx.decisions)
+    return PassStep(NAME, "exact", program, after, decisions, tuple(log))
+
+
+def shard_program(program: Program, tp: int) -> Program:
+    """`program` (unfused, as lowered) split over `tp` tensor-parallel ranks: the one program
+    each rank runs, its weights read through shard() slices. tp=1 returns it unchanged."""
+    return shard_step(program, tp).after

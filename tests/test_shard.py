@@ -1,0 +1,245 @@
+"""Translation validation of the tensor-parallel shard pass: the sharded program, run for N
+simulated ranks (threads of one process meeting at collectives) on the eager interpreter, gives
+what the unsharded program gives — prefill, then decode steps through each rank's KV cache —
+for every tiny spec where the split applies, alone and after the default pipeline per rank, with
+plain and with int4 (group 32) weights, and with a vocabulary that divides by N (the vocabulary-
+parallel embedding and head). Where the spec cannot be split, the refusal names the spec field
+and the tp values that work. Tolerance as tests/test_translation.py: 1e-5 of the output scale
+(the sharded program sums the same products in a different order: per rank, then across)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from archc.ir.attrs import Call
+from archc.ir.graph import Program
+from archc.ir.lower import lower
+from archc.ir.ops import Op
+from archc.passes import optimize
+from archc.passes.shard import ShardError, shard_program, shard_step
+from archc.quant.pack import quantize
+from archc.runtime.comm import SimulatedComm, SimulatedWorld, run_simulated
+from archc.runtime.eager import EagerSession
+from archc.runtime.weights import materialize, quantizable, random_weights
+from archc.spec import load_spec
+from archc.spec.schema import Spec
+from tests.conftest import TINY_SPECS
+
+TOL = 1e-5
+PREFILL, DECODE, BATCH = 5, 2, 2
+
+
+def variant(name: str) -> Spec:
+    """A tiny spec, or `NAME+vocab96`: its vocabulary made 96 (divides by 2, 3 and 4)."""
+    base, _, extra = name.partition("+")
+    spec = load_spec(base)
+    return dataclasses.replace(spec, vocab_size=96) if extra == "vocab96" else spec
+
+
+@functools.cache
+def model(name: str, quant: str | None = None) -> tuple[Spec, Program, dict]:
+    """Spec, unsharded program and a seeded random checkpoint (int4 in groups of 32 for every
+    linear weight when `quant`)."""
+    spec = variant(name)
+    plain = lower(spec)
+    checkpoint = random_weights(plain, seed=5)
+    if quant is None:
+        return spec, plain, checkpoint
+    names = quantizable(plain)
+    for k in names:
+        checkpoint[k] = quantize(checkpoint[k], "int4", group=32)
+    return spec, lower(spec, quant={k: quant for k in names}), checkpoint
+
+
+def refusal(spec: Spec, tp: int) -> str | None:
+    """The spec field a split over tp ranks must be refused for, from the spec alone."""
+    if any(m != "attention" for m in spec.layer_mixers(spec.layers)):
+        return "mixer.kind"
+    att, ffn = spec.attention, spec.ffn
+    if att.heads % tp:
+        return "attention.heads"
+    if att.kv_heads % tp and tp % att.kv_heads:
+        return "attention.kv_heads"
+    if ffn.kind != "none" and ffn.d_ff % tp:
+        return "ffn.d_ff"
+    return None
+
+
+def outputs(spec: Spec, program: Program, checkpoint: dict,
+            comm: SimulatedComm | None = None) -> list[torch.Tensor]:
+    """Prefill then DECODE single-token steps (an encoder: one padded encode) on one rank."""
+    gen = torch.Generator().manual_seed(11)
+    session = EagerSession(program, checkpoint, max_seq_len=spec.max_seq_len,
+                           comms={"tp": comm} if comm else None)
+    ids = torch.randint(0, spec.vocab_size, (BATCH, PREFILL + DECODE), generator=gen)
+    mask = torch.ones(BATCH, PREFILL, dtype=torch.long)
+    mask[1, 3:] = 0
+    if spec.family == "encoder":
+        return [session.encode(ids[:, :PREFILL], mask)]
+    extra = {}
+    if spec.family == "encoder-decoder":
+        extra = {"encoder_hidden": session.encode(ids[:, :PREFILL], mask), "encoder_mask": mask}
+    out = [session.step(ids[:, :PREFILL], **extra)]
+    for t in range(PREFILL, PREFILL + DECODE):
+        out.append(session.step(ids[:, t:t + 1], **extra))
+    return out
+
+
+def on_ranks(spec: Spec, program: Program, checkpoint: dict, tp: int) -> list[list[torch.Tensor]]:
+    world = SimulatedWorld(tp)
+    return run_simulated(tp, lambda r: outputs(spec, program, checkpoint,
+                                               SimulatedComm(world, r)))
+
+
+def assert_same(spec: Spec, want: list[torch.Tensor], ranks: list[list[torch.Tensor]]) -> None:
+    """Every rank's every call within TOL of the unsharded one; greedy tokens identical."""
+    for r, got in enumerate(ranks):
+        assert len(got) == len(want)
+        for k, (a, b) in enumerate(zip(want, got)):
+            assert a.shape == b.shape, f"rank {r} call {k}: {list(b.shape)} for {list(a.shape)}"
+            err, scale = float((a - b).abs().max()), float(a.abs().max())
+            assert err <= TOL * scale, f"rank {r} call {k}: max error {err:.3g} at {scale:.3g}"
+            if spec.family != "encoder":
+                assert torch.equal(a[:, -1].argmax(-1), b[:, -1].argmax(-1))
+
+
+def is_slice(expr: object) -> bool:
+    """Is a param expression a rank's shard() of a checkpoint tensor?"""
+    return isinstance(expr, Call) and expr.fn == "shard" and expr.args[0].fn == "w"
+
+
+CASES = [(name, tp) for name in TINY_SPECS for tp in (2, 3, 4)]
+
+
+@pytest.mark.parametrize(("name", "tp"), CASES, ids=[f"{n}-tp{t}" for n, t in CASES])
+def test_sharded_program_computes_the_unsharded_one(name: str, tp: int) -> None:
+    spec, program, checkpoint = model(name)
+    field = refusal(spec, tp)
+    if field is not None:
+        with pytest.raises(ShardError, match=rf"{field} = .*tp values that work: 1\b"):
+            shard_program(program, tp)
+        return
+    sharded = shard_program(program, tp)
+    assert sum(n.op == Op.ALL_REDUCE for g in sharded for n in g) >= spec.layers
+    assert_same(spec, outputs(spec, program, checkpoint), on_ranks(spec, sharded, checkpoint, tp))
+
+
+@pytest.mark.parametrize(("name", "tp"), [("tiny-llama3", 2), ("tiny-llama2-70b", 4),
+                                          ("tiny-falcon", 4), ("tiny-mixtral", 2),
+                                          ("tiny-t5", 2), ("tiny-bloom", 4), ("tiny-phi2", 2),
+                                          ("tiny-smollm2", 3), ("tiny-gemma2+vocab96", 2)])
+def test_default_pipeline_on_each_rank(name: str, tp: int) -> None:
+    """The optimized sharded program (the default pipeline run on it) against the unsharded
+    unfused one."""
+    spec, program, checkpoint = model(name)
+    fast = optimize(shard_program(program, tp))
+    assert not any(n.op in (Op.MATMUL, Op.SCORES) for g in fast for n in g)   # it did fuse
+    assert_same(spec, outputs(spec, program, checkpoint), on_ranks(spec, fast, checkpoint, tp))
+
+
+@pytest.mark.parametrize(("name", "tp"), [("tiny-gpt2", 2), ("tiny-llama2-70b", 2)])
+def test_quantized_weights_split_on_whole_groups(name: str, tp: int) -> None:
+    spec, program, checkpoint = model(name, "int4_g32")
+    sharded = shard_program(program, tp)
+    assert any(n.dtype == "int4_g32" and is_slice(n.attr("expr"))
+               for g in sharded for n in g if n.op == Op.PARAM)
+    assert_same(spec, outputs(spec, program, checkpoint), on_ranks(spec, sharded, checkpoint, tp))
+
+
+def test_quantized_k_that_splits_off_a_group_is_refused() -> None:
+    _, program, _ = model("tiny-llama3", "int4_g32")     # d_ff 224: 112 per rank, not 32·k
+    with pytest.raises(ShardError, match=r"ffn\.d_ff = 224 \(K of a int4_g32 weight\) .* "
+                                         r"32-element groups; tp values that work: 1$"):
+        shard_program(program, 2)
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4])
+def test_vocabulary_parallel_embedding_and_head(tp: int) -> None:
+    name = "tiny-llama3+vocab96" if tp != 3 else "tiny-smollm2+vocab96"
+    spec, program, checkpoint = model(name)
+    step = shard_step(program, tp)
+    g = step.after.graph("decoder")
+    embedding = g.nodes[g.ids(Op.EMBEDDING)[0]]
+    assert embedding.attr("parts") == tp and embedding.shape[-1] == spec.d_model
+    assert g.nodes[embedding.inputs[0]].shape == (96 // tp, spec.d_model)
+    assert len(g.ids(Op.ALL_GATHER)) == 1
+    assert {d.rule for d in step.applied()} >= {"vocab-parallel", "column-parallel",
+                                                  "row-parallel", "all-reduce"}
+    assert_same(spec, outputs(spec, program, checkpoint),
+                on_ranks(spec, step.after, checkpoint, tp))
+
+
+def test_a_vocabulary_that_does_not_divide_is_replicated() -> None:
+    _, program, _ = model("tiny-llama3")      # vocab 97
+    step = shard_step(program, 2)
+    g = step.after.graph("decoder")
+    assert not g.ids(Op.ALL_GATHER)
+    assert g.nodes[g.params["embed.weight"]].attr("expr") is None
+    assert any(d.rule == "vocab-parallel" and not d.applied and "97" in d.reason
+               for d in step.decisions)
+
+
+def test_kv_heads_fewer_than_ranks_are_replicated() -> None:
+    _, program, _ = model("tiny-llama2-70b")     # 8 heads, 2 KV heads
+    step = shard_step(program, 4)
+    k = step.after.graph("decoder").params["layers.0.attn.k.weight"]
+    expr = step.after.graph("decoder").nodes[k].attr("expr")
+    assert (expr.kw("dim"), expr.kw("parts"), expr.kw("every")) == (0, 2, 2)
+    assert any(d.rule == "kv-replicated" for d in step.applied())
+
+
+def test_row_parallel_bias_is_added_once_after_the_all_reduce() -> None:
+    _, program, _ = model("tiny-gpt2")
+    g = shard_program(program, 2).graph("decoder")
+    bias = g.params["layers.0.attn.o.bias"]
+    (user,) = [n for n in g if bias in n.inputs]
+    assert g.nodes[user.inputs[0]].op == Op.ALL_REDUCE and g.nodes[bias].attr("expr") is None
+
+
+def test_a_parallel_block_reduces_once() -> None:
+    spec, program, _ = model("tiny-gptj")        # attention and FFN from one input, summed
+    g = shard_program(program, 2).graph("decoder")
+    assert len(g.ids(Op.ALL_REDUCE)) == spec.layers
+
+
+@pytest.mark.parametrize(("name", "change", "tp", "message"), [
+    ("tiny-smollm2", {}, 2, r"attention\.heads = 9 does not divide by tp; tp values that work: "
+                           r"1, 3$"),
+    ("tiny-mamba", {}, 2, r"mixer\.kind = mamba layers are not split .* work: 1$"),
+    ("tiny-linear-attention", {}, 4, r"mixer\.kind = linear_attention layers"),
+    ("tiny-llama3", {"d_ff": 90}, 4, r"ffn\.d_ff = 90 does not divide by tp; tp values that "
+                                      r"work: 1, 2$"),
+    ("tiny-mixtral", {"d_ff": 90}, 4, r"ffn\.d_ff = 90 does not divide"),
+])
+def test_refusals_name_the_field_and_the_tp_that_work(name: str, change: dict, tp: int,
+                                                      message: str) -> None:
+    spec = load_spec(name)
+    if change:
+        spec = dataclasses.replace(spec, ffn=dataclasses.replace(spec.ffn, **change))
+    with pytest.raises(ShardError, match=message):
+        shard_program(lower(spec), tp)
+
+
+def test_each_rank_holds_a_part_of_the_split_weights() -> None:
+    """Resident bytes, from what materialize gives each rank: the replicated params whole,
+    the split ones 1/N each, and the N ranks' parts make up the whole of them (tp=2: the two
+    KV heads split too, none shared)."""
+    tp = 2
+    _, program, checkpoint = model("tiny-llama3+vocab96")
+    sharded = shard_program(program, tp).graph("decoder")
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts.values())  # noqa: E731
+    whole = materialize(program.graph("decoder"), checkpoint)
+    split = {n.name for n in sharded if n.op == Op.PARAM and is_slice(n.attr("expr"))}
+    replicated = nbytes({k: v for k, v in whole.items() if k not in split})
+    split_bytes = nbytes({k: v for k, v in whole.items() if k in split})
+    assert split_bytes > 0.9 * nbytes(whole)
+    parts = [materialize(sharded, checkpoint, rank=r) for r in range(tp)]
+    for mine in parts:
+        assert nbytes(mine) == replicated + split_bytes // tp
+    for name in ("layers.0.attn.q.weight", "layers.0.ffn.down.weight"):   # parts make the whole
+        dim = 1 if "down" in name else 0
+        assert torch.equal(torch.cat([p[name] for p in parts], dim), whole[name])
