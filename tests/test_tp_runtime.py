@@ -2,21 +2,13 @@
 joining a torch.distributed group, compiling the same model with `tp`, and returning what the
 single-process run returns — logits to 1e-5 relative, greedy tokens identical — on the eager and
 triton backends; the command line's `--tp` (its own launcher, and torchrun's environment); a
-rank's resident weight bytes; and a rank that dies.
-
-Until the model's program is sharded by the shard pass, `hand_shard` splits each feed-forward
-block the Megatron way (gate/up by output rows, down by input columns, an all-reduce after it):
-a program sharded as that pass's contract says (`shard(w(NAME), dim, parts)` params)."""
+rank's resident weight bytes; and a rank that dies."""
 
 from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
-import time
 import traceback
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,49 +18,11 @@ import torch
 import torch.multiprocessing as mp
 
 import archc
-from archc.errors import ArchcError
-from archc.ir.attrs import Call
-from archc.ir.graph import GraphBuilder, Program
-from archc.ir.ops import Op
-from archc.ir.paramexpr import leaf
 from archc.quant import tensor_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [[5, 17, 3, 42, 8, 11]]
 NEW_TOKENS = 4
-
-
-def hand_shard(program: Program, tp: int) -> Program:
-    """`program` with every feed-forward block split over `tp` ranks: gate and up by output
-    rows, down by input columns, and an all-reduce of down's partial sums."""
-    graphs = []
-    for g in program:
-        b, new = GraphBuilder(g.name), {}
-        for i, n in enumerate(g.nodes):
-            if n.op == Op.PARAM and n.name.split(".")[-2:-1] in (["gate"], ["up"], ["down"]) \
-                    and ".ffn." in n.name:
-                dim = 1 if ".down." in n.name else 0
-                shape = list(n.shape)
-                shape[dim] //= tp
-                new[i] = b.param(n.name, tuple(shape), n.dtype, expr=Call(
-                    "shard", (leaf(n.name),), (("dim", dim), ("parts", tp))))
-            elif n.op == Op.PARAM:
-                new[i] = b.param(n.name, n.shape, n.dtype, expr=n.attr("expr"))
-            elif n.op == Op.INPUT:
-                new[i] = b.input(n.name, n.shape, n.dtype)
-            else:
-                new[i] = b.emit(n.op, *(new[j] for j in n.inputs), **dict(n.attrs))
-                if n.op == Op.MATMUL and g.nodes[n.inputs[1]].name.endswith("ffn.down.weight"):
-                    new[i] = b.emit(Op.ALL_REDUCE, new[i], group="tp", ranks=tp)
-        graphs.append(b.build())
-    return Program(program.model, tuple(graphs))
-
-
-def use_hand_shard() -> None:
-    """Model.compile(tp=…) shards through `hand_shard` (in this process)."""
-    module = types.ModuleType("archc.passes.shard")
-    module.shard_program = hand_shard  # type: ignore[attr-defined]
-    sys.modules["archc.passes.shard"] = module
 
 
 # ---- spawning ranks -------------------------------------------------------------------------
@@ -123,7 +77,6 @@ def spawn(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 90) -
 
 def run_tp(source: str, backend: str, tp: int) -> dict[str, Any]:
     """tp-way logits and greedy tokens of `source` (tp = 1: a plain single-process compile)."""
-    use_hand_shard()
     options = {"autotune": False} if backend == "triton" else {}
     model = archc.load(source)
     compiled = model.compile(backend, tp=tp, dtype="f32", **options)
