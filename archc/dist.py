@@ -111,7 +111,12 @@ def free_port() -> int:
 def _worker(argv: Sequence[str]) -> int:
     """One spawned rank: the same command line, run as the rank the launcher made this."""
     from archc.cli import main
-    rc = main(list(argv))
+    try:
+        rc = main(list(argv))
+    except Exception:   # a bug, not bad input: its traceback, then the launcher's one line
+        import traceback
+        traceback.print_exc()
+        raise SystemExit(1) from None
     if rc:
         raise SystemExit(rc)
     return rc
@@ -125,7 +130,8 @@ def launch(argv: Sequence[str], world: int, timeout: float) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
     import logging
     # the launcher logs every failure with its traceback; the one line below says it instead
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     port = free_port()
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"archc-{port}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",

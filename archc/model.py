@@ -153,14 +153,14 @@ class Model:
 
     def _parallel(self, program: Program, tp: int, cp: int) -> tuple[Program, dict[str, Any]]:
         """`program` sharded over tp ranks and cp ranks, and this rank's communicators."""
-        comms = groups(tp, cp)
+        # the program first: a model that does not split is refused before any process waits
         if tp > 1:
             from archc.passes.shard import shard_program
             program = shard_program(program, tp)
         if cp > 1:
             from archc.passes.context import context_parallel
             program = context_parallel(program, cp)
-        return program, comms
+        return program, groups(tp, cp)
 
 
 def check_kv_cache(kv_cache: Any, backend: str, device: torch.device, *,

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +21,11 @@ import torch
 import torch.multiprocessing as mp
 
 import archc
+from archc.errors import ArchcError
+from archc.ir.ops import Op
+from archc.ir.paramexpr import calls
+from archc.ir.shapes import DTYPE_BYTES, numel
+from archc.passes.shard import shard_program
 from archc.quant import tensor_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,3 +118,87 @@ def test_eager_tp_equals_one_process(source: str, tp: int) -> None:
 def test_triton_tp_equals_one_process(source: str, tp: int) -> None:
     single = run_tp(source, "triton", 1)
     expect_same(single, spawn(tp, run_tp, source, "triton", tp))
+
+
+def test_a_rank_holds_its_slices_of_the_weights() -> None:
+    """tp = 2: a rank's parameters are half of the sharded weights plus the replicated ones
+    (each priced from the sharded program's own params, not from the run)."""
+    single = run_tp("tiny-llama3", "eager", 1)["resident"]
+    ranks = spawn(2, run_tp, "tiny-llama3", "eager", 2)
+    program = shard_program(archc.load("tiny-llama3").graph, 2)
+    split = replicated = 0
+    for g in program:
+        for n in g.nodes:
+            if n.op == Op.PARAM:
+                size = int(numel(n.shape)) * DTYPE_BYTES[n.dtype]
+                if any(c.fn == "shard" for c in calls(n.attr("expr"))):
+                    split += size
+                else:
+                    replicated += size
+    assert split > 0 and replicated > 0
+    assert split * 2 + replicated == single     # the whole model, once
+    for got in ranks:
+        assert got["resident"] == split + replicated < 0.75 * single
+
+
+# ---- the command line ------------------------------------------------------------------------
+
+RUN = ["run", "tiny-llama3", "--quiet", "--new-tokens", "3"]
+
+
+def archc_cli(args: list[str], env: dict[str, str] | None = None, timeout: float = 120
+              ) -> subprocess.CompletedProcess[str]:
+    """`python -m archc ARGS` in a new process, this checkout's archc first on the path."""
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if env is None or name not in env:
+            environ.pop(name, None)
+    return subprocess.run([sys.executable, "-m", "archc", *args], capture_output=True,
+                          text=True, env=environ, timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def one_process_output() -> str:
+    done = archc_cli(RUN)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_run_tp_2_prints_what_one_process_prints(one_process_output: str) -> None:
+    done = archc_cli([*RUN, "--tp", "2"])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == one_process_output
+    assert "greedy continuation" in done.stdout
+
+
+def test_ranks_started_as_torchrun_starts_them(one_process_output: str) -> None:
+    """Each process given RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT runs as that rank:
+    rank 0 prints the run, rank 1 nothing."""
+    port = str(free_port())
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    procs = [subprocess.Popen([sys.executable, "-m", "archc", *RUN, "--tp", "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), **env,
+                                   "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e for _, e in outs]
+    assert outs[0][0] == one_process_output
+    assert outs[1][0] == ""
+
+
+def test_a_rank_that_dies_stops_the_run_with_an_error() -> None:
+    start = time.monotonic()
+    done = archc_cli([*RUN, "--tp", "2", "--timeout", "30"], env={"ARCHC_TEST_EXIT_RANK": "1"})
+    elapsed = time.monotonic() - start
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "archc run: error: rank 1 exited with status 3; the other ranks were stopped after")
+    assert "Traceback" not in done.stderr
+    assert elapsed < 30 + 15      # the timeout, and the time to start the processes
+
+
+def test_tp_without_a_process_group_is_refused() -> None:
+    with pytest.raises(ArchcError, match="initialize a torch.distributed process group of 2"):
+        archc.load("tiny-llama3").compile("eager", tp=2)
+    with pytest.raises(ArchcError, match="tp must be a whole number"):
+        archc.load("tiny-llama3").compile("eager", tp=0)
