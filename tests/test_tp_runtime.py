@@ -25,7 +25,7 @@ from archc.errors import ArchcError
 from archc.ir.ops import Op
 from archc.ir.paramexpr import calls
 from archc.ir.shapes import DTYPE_BYTES, numel
-from archc.passes.shard import shard_program
+from archc.passes.shard import ShardError, shard_program
 from archc.quant import tensor_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,3 +202,24 @@ def test_tp_without_a_process_group_is_refused() -> None:
         archc.load("tiny-llama3").compile("eager", tp=2)
     with pytest.raises(ArchcError, match="tp must be a whole number"):
         archc.load("tiny-llama3").compile("eager", tp=0)
+
+
+# ---- a real checkpoint -----------------------------------------------------------------------
+
+def chat_answer(path: str, tp: int) -> str:
+    """SmolLM2's greedy answer (eager, weights kept quantized until the session reads them)."""
+    model = archc.load(path)
+    ids = model.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of "
+                                        "France?"}])
+    return model.compile("eager", tp=tp).generate(ids, 8)[0].tolist()
+
+
+def test_smollm2_answers_alike_on_3_ranks() -> None:
+    """9 heads and 3 KV heads split over 3 ranks; 2 does not divide them, and is refused
+    before any process group is needed, naming the spec field."""
+    from tests.test_gguf_smollm2 import smollm2_gguf
+    path = str(smollm2_gguf())
+    with pytest.raises(ShardError, match="heads"):
+        archc.load(path).compile("eager", tp=2)
+    single = chat_answer(path, 1)
+    assert spawn(3, chat_answer, path, 3, timeout=120) == [single] * 3
