@@ -285,7 +285,17 @@ def quant_weight(c: NodeCtx, role: str) -> dict[str, Any] | None:
 
 # ---- the builder ------------------------------------------------------------------------------
 
+def _refuse_ring(c: NodeCtx) -> None:
+    """Ring attention (context parallel) has no kernel: refuse it by name, at its attention
+    or at the cache writes before it that no pass could fuse into a projection."""
+    if c.node.op.value in ("kv_cache", "attention") and any(
+            n.op.value == "attention" and n.attr("ring") is not None for n in c.g.nodes):
+        raise c.fail("ring attention (context parallel, cp > 1) has no Triton kernel: run "
+                     "cp > 1 on the eager backend")
+
+
 def build(c: NodeCtx) -> Unit:
+    _refuse_ring(c)
     template = OP_TABLE[c.node.op].template
     if template is None or (c.node.op.value == "router" and len(c.node.inputs) == 1):
         known = ", ".join(sorted(op.value for op, d in OP_TABLE.items() if d.template))

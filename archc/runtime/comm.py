@@ -167,3 +167,25 @@ class TorchComm:
         for req in dist.batch_isend_irecv(ops):
             req.wait()
         return got
+
+    def ring_pass_start(self, xs: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+        """``ring_pass`` begun and not waited for: the sends and receives run in the background
+        (batch_isend_irecv) while the caller computes; calling the result waits for them and
+        gives the tensors of rank − 1. Ring attention overlaps each K/V block's transfer with
+        the attention over the block in hand this way."""
+        dist = self.dist
+        nxt, prv = ((self.rank + d) % self.size for d in (1, -1))
+        if self.group is not None:
+            nxt, prv = (dist.get_global_rank(self.group, r) for r in (nxt, prv))
+        sent = [x.contiguous() for x in xs]     # held until the sends are done
+        got = [torch.empty_like(x) for x in xs]
+        ops = [dist.P2POp(dist.isend, x, nxt, self.group) for x in sent] + \
+            [dist.P2POp(dist.irecv, g, prv, self.group) for g in got]
+        requests = dist.batch_isend_irecv(ops)
+
+        def wait() -> list[torch.Tensor]:
+            for req in requests:
+                req.wait()
+            sent.clear()
+            return got
+        return wait

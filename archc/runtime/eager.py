@@ -23,6 +23,7 @@ from archc.ir.ops import OP_TABLE, Op, bind, full_attrs
 from archc.ir.ops.attention import KV_QUANT, kv_dequantize, kv_quantize
 from archc.ir.shapes import DIMS, QUANT_DTYPES
 from archc.ir.text import format_node
+from archc.passes.context import zigzag
 from archc.quant import QTensor, dense
 from archc.runtime.comm import Comm, LocalComm
 from archc.runtime.weights import TORCH_DTYPES, materialize
@@ -302,6 +303,7 @@ class EagerSession(SessionBase):
         self.cache = KVCache(max_seq_len)
         self.state = RecurrentState()
         self.trace: Trace | None = None
+        self._ring_positions: torch.Tensor | None = None    # this rank's tokens in a ring step
 
     def reset(self) -> None:
         super().reset()
@@ -311,12 +313,94 @@ class EagerSession(SessionBase):
     def _run(self, name: str, inputs: dict[str, torch.Tensor], *, B: int, T: int,  # noqa: N803
              P: int, S: int, held: Mapping[str, torch.Tensor] | None = None,  # noqa: N803
              ) -> dict[str, torch.Tensor]:
-        # positions are archc's own, P … P + T − 1, as is the prefix length
+        # positions are archc's own, P … P + T − 1, as is the prefix length; in a ring step, the
+        # global positions of this rank's tokens. Outside one the "cp" group is left out: its
+        # ring attentions then run whole over what every rank holds.
         inputs = {k: x.to(self.device) for k, x in inputs.items()}
-        inputs["positions"] = torch.arange(P, P + T, device=self.device)
+        ring = self._ring_positions is not None and name != CROSS_KV
+        inputs["positions"] = self._ring_positions.to(self.device) if ring else \
+            torch.arange(P, P + T, device=self.device)
         if self.prefix_len is not None:
             inputs["prefix_len"] = torch.tensor(self.prefix_len, device=self.device)
+        comms = self.comms if ring else {k: c for k, c in self.comms.items() if k != "cp"}
         return run_graph(self.program.graph(name), self.params[name], inputs,
-                         EagerContext(dict(B=B, T=T, P=P, S=S), self.cache, self.state,
-                                      self.comms),
+                         EagerContext(dict(B=B, T=T, P=P, S=S), self.cache, self.state, comms),
                          trace=self.trace)
+
+    # ---- context parallel: a prefill as a ring over the "cp" group ---------------------------
+
+    def _ring_split(self, length: int, past: int = 0) -> list[torch.Tensor] | None:
+        """Every rank's zig-zag positions when a run of `length` tokens after `past` runs as a
+        ring (a "cp" group of several ranks, at P = 0, with a chunk for each of 2·cp); else
+        None: the run is whole on every rank."""
+        comm = self.comms.get("cp")
+        if comm is None or comm.size == 1 or past > 0 or length < 2 * comm.size:
+            return None
+        return zigzag(length, comm.size)
+
+    def _in_order(self, x: torch.Tensor, dim: int, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Every rank's rows of x along `dim` (rank r's at positions parts[r]) gathered from the
+        "cp" group and put in sequence order, on every rank. Rows are filled to the longest
+        rank's count first: a process group gathers equal shapes."""
+        comm = self.comms["cp"]
+        longest = max(len(p) for p in parts)
+        shape = list(x.shape)
+        shape[dim] = longest - x.shape[dim]
+        filled = torch.cat([x, x.new_zeros(shape)], dim=dim)
+        blocks = comm.all_gather(filled.contiguous(), dim).split(longest, dim=dim)
+        rows = torch.cat([blk.narrow(dim, 0, len(p)) for blk, p in zip(blocks, parts)], dim=dim)
+        order = torch.cat(parts).argsort().to(x.device)
+        return rows.index_select(dim, order)
+
+    def _gather_cache(self, parts: list[torch.Tensor]) -> None:
+        """After a ring prefill every rank holds its tokens' K/V; gather every layer's cache so
+        that each rank holds the whole sequence's, in order (codes and scales of a quantized
+        one alike): the steps that follow run whole on every rank."""
+        mine, length = len(parts[self.comms["cp"].rank]), sum(len(p) for p in parts)
+        for held in (self.cache.store, self.cache.scales):
+            for key in sorted(held):
+                held[key][:, :, :length] = self._in_order(held[key][:, :, :mine], 2, parts)
+
+    def _ring(self, parts: list[torch.Tensor], run: Callable[[torch.Tensor], torch.Tensor],
+              ) -> torch.Tensor:
+        """run(this rank's positions) as a ring step; its [B, T_rank, ·] result gathered in
+        sequence order."""
+        self._ring_positions = parts[self.comms["cp"].rank]
+        try:
+            local = run(self._ring_positions)
+        finally:
+            self._ring_positions = None
+        return self._in_order(local, 1, parts)
+
+    def step(self, tokens: torch.Tensor, *, encoder_hidden: torch.Tensor | None = None,
+             encoder_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab]; with a "cp" group, a prefill runs as a ring (module
+        ``archc.passes.context``) and every rank returns the whole sequence's logits."""
+        t = tokens.shape[1]
+        parts = self._ring_split(t, self.past)
+        if parts is None:
+            return super().step(tokens, encoder_hidden=encoder_hidden,
+                                encoder_mask=encoder_mask)
+        if t > self.max_seq_len:
+            raise RunError(f"sequence of {t} tokens exceeds the KV cache (max_seq_len = "
+                           f"{self.max_seq_len})")
+        self._check_positions(t)
+        if self.prefix_len is None:
+            self.prefix_len = t     # the whole prompt, not this rank's part of it
+        logits = self._ring(parts, lambda mine: super(EagerSession, self).step(
+            tokens[:, mine], encoder_hidden=encoder_hidden, encoder_mask=encoder_mask))
+        self.past = t
+        self._gather_cache(parts)
+        return logits
+
+    def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               token_types: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [B, T, d]; with a "cp" group, computed as a ring, whole on every rank."""
+        t = tokens.shape[1]
+        parts = self._ring_split(t)
+        if parts is None:
+            return super().encode(tokens, attention_mask, token_types)
+        self._check_positions(t)
+        return self._ring(parts, lambda mine: super(EagerSession, self).encode(
+            tokens[:, mine], None if attention_mask is None else attention_mask[:, mine],
+            None if token_types is None else token_types[:, mine]))

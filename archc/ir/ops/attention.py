@@ -8,7 +8,7 @@ i sits at position L − T + i (P over the cache; an encoder has L = T).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import sympy
@@ -277,8 +277,16 @@ def visible(t: int, length: int, causal: bool, window: int | None,
     (causally, in a decoder), and when not causal they see every key. Made on `device`, so a
     prefix length there never waits on the host."""
     q, k = query_key_positions(t, length, device)
+    return visible_at(q, k, causal, window, prefix_len, global_tokens)
+
+
+def visible_at(q: torch.Tensor, k: torch.Tensor, causal: bool, window: int | None,
+               prefix_len: int | torch.Tensor | None = None,
+               global_tokens: int | None = None) -> torch.Tensor:
+    """[T, L] bool: ``visible`` for queries and keys at the absolute positions `q` [T] and `k`
+    [L], in any order (ring attention's blocks hold zig-zag slices of the sequence)."""
     dist = q[:, None] - k[None, :]
-    seen = dist >= 0 if causal else torch.ones(t, length, dtype=torch.bool, device=device)
+    seen = dist >= 0 if causal else torch.ones(dist.shape, dtype=torch.bool, device=q.device)
     if window is not None:
         near = (dist < window) if causal else (dist.abs() < window)
         if global_tokens is not None:
@@ -376,7 +384,16 @@ def score_bias(kind: str, table: torch.Tensor, t: int, length: int,
     table with `at`'s bidirectional and max_distance."""
     if kind == "alibi":
         return alibi_bias(table, t, length)
-    q, k = query_key_positions(t, length)
+    return score_bias_at(kind, table, *query_key_positions(t, length), at)
+
+
+def score_bias_at(kind: str, table: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  at: Mapping[str, Any]) -> torch.Tensor:
+    """[H, T, L]: ``score_bias`` for queries and keys at the absolute positions `q` and `k`."""
+    if kind == "alibi":
+        q, k = q.to(table.device), k.to(table.device)
+        return table.float()[:, None, None] * (k[None, :] - q[:, None]).float()[None]
+    q, k = q.cpu(), k.cpu()
     bucket = t5_buckets(k[None, :] - q[:, None], at["bidirectional"], table.shape[0],
                         at["max_distance"])
     return table.float()[bucket.to(table.device)].permute(2, 0, 1)
@@ -412,7 +429,8 @@ def _attention_roles(attrs: Mapping[str, Any], n: int) -> list[str]:
     bias = attrs.get("bias")
     return ["q", *(["k", "v"] if attrs.get("cache_layer") is None else []),
             *operands(*MASK_OPERANDS)(attrs, n),
-            *([] if bias is None else ["slopes" if bias.fn == "alibi" else "rel_table"])]
+            *([] if bias is None else ["slopes" if bias.fn == "alibi" else "rel_table"]),
+            *(["positions"] if attrs.get("ring") is not None else [])]
 
 
 def _attention_infer(sig: Sig) -> tuple[Shape, str]:
@@ -429,6 +447,13 @@ def _attention_infer(sig: Sig) -> tuple[Shape, str]:
     require(sig.attr("kv_quant") is None or not sig.has("k"),
             "kv_quant describes the layer's cache: an attention given k and v reads no cache")
     check_mask(sig, _keys(sig))
+    if sig.attr("ring") is not None:
+        require(sig.has("k"), "ring attention circulates the k and v it is given; it reads no "
+                "cache (cache_layer)")
+        pos = sig.shape("positions")
+        require(len(pos) == 1 and same_dim(pos[0], q[2]) and sig.dtype("positions") == "i64",
+                f"ring attention's positions must be i64[{q[2]}], got "
+                f"{sig.dtype('positions')}{list(pos)}")
     return (q[0], q[2], q[1] * q[3]), float_dtype(sig)
 
 
@@ -465,6 +490,121 @@ def attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     return out.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)                # (B, T, H·D)
 
 
+# ---- ring attention (context parallel) -------------------------------------------------------
+#
+# With cp ranks the sequence is cut into 2·cp chunks and rank r holds chunks r and 2·cp − 1 − r
+# ("zig-zag": under a causal mask the early chunk sees few keys and the late one many, so every
+# rank has the same work; ``archc.passes.context``). An attention with ring=cp computes its
+# rank's queries against its own K/V block, then cp − 1 times passes the block in hand to rank
+# r + 1 and takes rank r − 1's, each block carrying its tokens' global positions (masks and
+# position biases are functions of global positions). Each block gives a partial output o and
+# its log-sum-exp; the partials merge with the online-softmax rescale, which is exact.
+
+def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                    k_pos: torch.Tensor, padding: torch.Tensor | None, table: torch.Tensor | None,
+                    at: Mapping[str, Any], prefix_len: torch.Tensor | None,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partial attention of queries q [B, H, T, D] (f32) over one block of keys and values
+    [B, H, L, D] (f32, heads expanded) at global positions `q_pos` [T] and `k_pos` [L] (−1: a
+    filler row no query sees): o = softmax over the block's visible keys · v, and lse [B, H, T]
+    = log Σ exp(score) over them (−∞, with o = 0, where a row sees none of the block)."""
+    s = (q @ k.transpose(-1, -2)) * at["scale"]
+    if at["softcap"] is not None:
+        s = at["softcap"] * torch.tanh(s / at["softcap"])
+    if at["bias"] is not None:
+        s = s + score_bias_at(at["bias"].fn, table, q_pos, k_pos, dict(at["bias"].kwargs))[None]
+    keep = visible_at(q_pos, k_pos, at["causal"], at["window"], prefix_len,
+                      at["global_tokens"]) & (k_pos >= 0)[None, :]
+    keep = keep[None, None]
+    if padding is not None:
+        keep = keep & padding.bool()[:, None, None, :]
+    s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    finite = torch.where(torch.isfinite(lse), lse, 0.0)
+    return torch.exp(s - finite[..., None]) @ v, lse
+
+
+def merge_partials(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial attentions over disjoint key sets merged into the attention over both: the
+    online-softmax rescale o = o1·e^(lse1 − lse) + o2·e^(lse2 − lse), lse = log(e^lse1 + e^lse2).
+    Rows that see no key in either stay o = 0, lse = −∞."""
+    lse = torch.logaddexp(lse1, lse2)
+    finite = torch.where(torch.isfinite(lse), lse, 0.0)
+    return (o1 * torch.exp(lse1 - finite)[..., None] + o2 * torch.exp(lse2 - finite)[..., None],
+            lse)
+
+
+def _padded(x: torch.Tensor, length: int, fill: int) -> torch.Tensor:
+    """x with its dim 2 (keys; dim 0 for positions, dim 1 for a padding mask) filled to
+    `length` rows: blocks of one ring all have the longest rank's length, so a process-group
+    send and receive agree on the shape."""
+    dim = {1: 0, 2: 1}.get(x.dim(), 2)
+    missing = length - x.shape[dim]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x, torch.full(shape, fill, dtype=x.dtype, device=x.device)], dim=dim)
+
+
+def _ring_pass_start(comm: Any, block: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+    """Begin passing `block` round the ring; the result waits and gives rank − 1's block. A
+    communicator that can (``TorchComm.ring_pass_start``) moves it in the background; others
+    pass it at once."""
+    start = getattr(comm, "ring_pass_start", None)
+    if start is not None:
+        return start(block)
+    got = comm.ring_pass(block)
+    return lambda: got
+
+
+def ring_attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+    """Attention over the "cp" group: this rank's queries against every rank's K/V block, the
+    blocks passed round the ring (``Comm.ring_pass``) while the one in hand is computed, the
+    partials merged exactly. In a group of one it is plain attention over the k and v given:
+    what a step after a ring prefill runs, every rank then holding the whole sequence."""
+    comm = ctx.comm("cp")
+    if comm.size == 1:
+        return attention(ctx, a, at)
+    if comm.size != at["ring"]:
+        raise ValueError(f"the program's attention is a ring over {at['ring']} cp ranks; this "
+                         f"run has {comm.size}")
+    q, k, v, pos = a["q"], a["k"], a["v"], a["positions"]
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"a ring step attends over its own {q.shape[2]} tokens; it was given "
+                         f"{k.shape[2]} keys (a ring runs at P = 0, after a reset)")
+    (b, h, t, d) = q.shape
+    # every rank's block is filled to the longest (T need not split evenly); filler keys have
+    # position −1, which no query sees
+    longest = int(comm.all_gather(torch.tensor([t], device=q.device), 0).max())
+    padding = a.get("padding")
+    block = [_padded(k, longest, 0), _padded(v, longest, 0), _padded(pos.to(q.device),
+                                                                     longest, -1)]
+    if padding is not None:
+        block.append(_padded(padding.to(q.device), longest, 0))
+    bias = at["bias"]
+    table = None if bias is None else a["slopes" if bias.fn == "alibi" else "rel_table"]
+    qf, q_pos = q.float(), pos.to(q.device)
+    o, lse = None, None
+    for step in range(comm.size):
+        # the next block is asked for before this one is computed: a process group moves it
+        # while the local block is in hand
+        coming = _ring_pass_start(comm, block) if step < comm.size - 1 else None
+        kb, vb, kpos = block[:3]
+        part = attention_block(qf, expand_kv(kb, h).float(), expand_kv(vb, h).float(), q_pos,
+                               kpos, block[3] if padding is not None else None, table, at,
+                               a.get("prefix_len"))
+        o, lse = part if o is None else merge_partials(o, lse, *part)
+        if coming is not None:
+            block = coming()
+    return o.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)                  # (B, T, H·D)
+
+
+def _attention_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+    return attention(ctx, a, at) if at["ring"] is None else ring_attention(ctx, a, at)
+
+
 def visible_pairs(t: sympy.Expr, length: sympy.Expr, causal: bool,
                   window: int | None, global_tokens: int | None = None) -> sympy.Expr:
     """Query-key pairs a mask lets through, for T queries at the end of L keys. Causal row i
@@ -497,9 +637,14 @@ def _keys(sig: Sig) -> sympy.Expr:
 
 
 def _attention_flops(sig: Sig) -> sympy.Expr:
-    q = sig.shape("q")
-    pairs = visible_pairs(q[2], _keys(sig), sig.attr("causal"), sig.attr("window"),
-                          sig.attr("global_tokens"))
+    q, ring = sig.shape("q"), sig.attr("ring")
+    if ring is None:
+        pairs = visible_pairs(q[2], _keys(sig), sig.attr("causal"), sig.attr("window"),
+                              sig.attr("global_tokens"))
+    else:   # a ring rank's share of the whole sequence's pairs (zig-zag: the same on each)
+        whole = ring * q[2]
+        pairs = visible_pairs(whole, whole, sig.attr("causal"), sig.attr("window"),
+                              sig.attr("global_tokens")) / ring
     return q[0] * q[1] * pairs * (4 * q[3] + 5)
 
 
@@ -510,6 +655,8 @@ def _attention_bytes(sig: Sig) -> sympy.Expr:
     # bidirectional global rows read every key
     keys = length if window is None or (g is not None and not sig.attr("causal")) else \
         sympy.Min(length, window + q[2] + (g or 0))
+    if sig.attr("ring") is not None:    # a ring rank reads every rank's block in full
+        keys = sig.attr("ring") * length
     # q in and out, and each visible key's k and v rows (codes and scales from a quantized cache)
     return 2 * numel(q) * DTYPE_BYTES[sig.dtype("q")] + 2 * q[0] * kv_heads * keys * \
         kv_row_bytes(q[3], sig.dtype("q"), sig.attr("kv_quant"))
@@ -518,13 +665,16 @@ def _attention_bytes(sig: Sig) -> sympy.Expr:
 register(OpDef(
     Op.ATTENTION, "Flash attention: scale, soft-cap, ALiBi or T5 bias, causal/window (with "
     "global tokens)/prefix/padding mask, GQA by index, over given k/v or the layer's KV cache; "
-    "heads merged.",
+    "heads merged. With `ring`, ring attention over that many cp ranks (context parallel), "
+    "masks at the global positions given.",
     "%12 : f32[B,T,64] = attention(%11) {cache_layer=0, causal=true, kv_heads=2, scale=0.25, "
-    "window=8}", _attention_roles, _attention_infer, attention,
+    "window=8}", _attention_roles, _attention_infer, _attention_eager,
     attrs=(Attr("scale", float), *MASK_ATTRS, Attr("softcap", float, None),
            Attr("bias", Call, None, {"alibi": (), "t5": T5}),
            Attr("cache_layer", int, None, at_least=0), Attr("kv_heads", int, None, at_least=1),
-           Attr("kv_quant", str, None, choices=tuple(KV_QUANT))),
-    flops=_attention_flops, bytes=_attention_bytes, template="attention", arity=(1, 6),
+           Attr("kv_quant", str, None, choices=tuple(KV_QUANT)),
+           Attr("ring", int, None, at_least=2)),
+    flops=_attention_flops, bytes=_attention_bytes, template="attention", arity=(1, 7),
     docs={"padding": "1 = key present", "prefix_len": "prefix length",
+          "positions": "with `ring`: the global positions of this rank's tokens",
           "slopes": "ALiBi slopes", "rel_table": "relative-position bias per bucket and head"}))
