@@ -126,9 +126,10 @@ def launch(argv: Sequence[str], world: int, timeout: float) -> int:
     """Run the command `argv` as `world` local ranks (torch.distributed's elastic launcher,
     no restarts); returns rank 0's exit status. A rank that fails stops the others: the result
     is one error naming it, its exit status and how long the run had gone."""
+    import logging
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-    import logging
     # the launcher logs every failure with its traceback; the one line below says it instead
     for name in ("torch.distributed.elastic", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)

@@ -83,11 +83,12 @@ def spawn(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 90) -
 
 # ---- what a rank runs -----------------------------------------------------------------------
 
-def run_tp(source: str, backend: str, tp: int) -> dict[str, Any]:
-    """tp-way logits and greedy tokens of `source` (tp = 1: a plain single-process compile)."""
+def run_tp(source: str, backend: str, tp: int, cp: int = 1) -> dict[str, Any]:
+    """tp × cp-way logits and greedy tokens of `source` (1 × 1: a plain single-process
+    compile), and the bytes of the rank's parameters."""
     options = {"autotune": False} if backend == "triton" else {}
     model = archc.load(source)
-    compiled = model.compile(backend, tp=tp, dtype="f32", **options)
+    compiled = model.compile(backend, tp=tp, cp=cp, dtype="f32", **options)
     ids = torch.tensor(PROMPT)
     logits = compiled(ids)
     tokens = compiled.generate(ids, NEW_TOKENS, eos_token_id=())
@@ -107,11 +108,13 @@ def expect_same(single: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
         assert torch.equal(got["tokens"], single["tokens"]), f"rank {r}"
 
 
-@pytest.mark.parametrize(("source", "tp"), [("tiny-llama3", 2), ("tiny-llama3", 4),
-                                            ("tiny-qwen2", 2)])
-def test_eager_tp_equals_one_process(source: str, tp: int) -> None:
+@pytest.mark.parametrize(("source", "tp", "cp"), [("tiny-llama3", 4, 1), ("tiny-qwen2", 2, 1),
+                                                  ("tiny-llama3", 2, 2)])
+def test_eager_tp_equals_one_process(source: str, tp: int, cp: int) -> None:
+    """tp ranks alone, and tp × cp ranks laid out tp-major (ring attention across the cp
+    groups)."""
     single = run_tp(source, "eager", 1)
-    expect_same(single, spawn(tp, run_tp, source, "eager", tp))
+    expect_same(single, spawn(tp * cp, run_tp, source, "eager", tp, cp))
 
 
 @pytest.mark.parametrize(("source", "tp"), [("tiny-llama3", 2)])
@@ -120,11 +123,14 @@ def test_triton_tp_equals_one_process(source: str, tp: int) -> None:
     expect_same(single, spawn(tp, run_tp, source, "triton", tp))
 
 
-def test_a_rank_holds_its_slices_of_the_weights() -> None:
-    """tp = 2: a rank's parameters are half of the sharded weights plus the replicated ones
-    (each priced from the sharded program's own params, not from the run)."""
-    single = run_tp("tiny-llama3", "eager", 1)["resident"]
+def test_eager_tp_2_and_a_ranks_slices_of_the_weights() -> None:
+    """tp = 2 gives one process's logits and tokens, and a rank's parameters are half of the
+    sharded weights plus the replicated ones (each priced from the sharded program's own
+    params, not from the run)."""
+    whole = run_tp("tiny-llama3", "eager", 1)
     ranks = spawn(2, run_tp, "tiny-llama3", "eager", 2)
+    expect_same(whole, ranks)
+    single = whole["resident"]
     program = shard_program(archc.load("tiny-llama3").graph, 2)
     split = replicated = 0
     for g in program:
