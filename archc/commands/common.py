@@ -226,7 +226,12 @@ class Run:
             options["autotune"] = False
         if getattr(self.args, "kv_cache", None) is not None:
             options["kv_cache"] = self.args.kv_cache
+        tp, cp = getattr(self.args, "tp", 1), getattr(self.args, "cp", 1)
         with self.timings.phase("compile"):
-            return model.compile(backend, dtype=self.dtype, device=self.device,
-                                 tp=getattr(self.args, "tp", 1), cp=getattr(self.args, "cp", 1),
-                                 **options)
+            compiled = model.compile(backend, dtype=self.dtype, device=self.device, tp=tp, cp=cp,
+                                     **options)
+        if tp * cp > 1 and model.weights is not None:
+            # the session holds this rank's slices; the whole checkpoint is let go (the command
+            # compiles once)
+            model.weights.clear()
+        return compiled
