@@ -25,6 +25,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from archc.errors import ArchcError, RunError
+from archc.ir.attrs import Call
+from archc.ir.graph import Graph, Program
+from archc.ir.ops import Op, canonical
+from archc.ir.paramexpr import leaves, shard
+from archc.quant.tensor import Weight
 from archc.runtime.comm import Comm, LocalComm, TorchComm
 
 DEFAULT_TIMEOUT = 120.0   # seconds a rank waits in a collective, or to join the group
@@ -154,3 +159,53 @@ def failed_ranks(err: Any, elapsed: float) -> str:
         how = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
         parts.append(f"rank {rank} {how}")
     return (f"{'; '.join(parts)}; the other ranks were stopped after {elapsed:.1f} s")
+
+
+# ---- a rank's slices of a checkpoint ---------------------------------------------------------
+
+def rank_slices(sharded: Program) -> dict[str, tuple[int, int, int]]:
+    """Checkpoint tensor → (dim, parts, every) for each tensor a sharded program reads only as
+    ``shard(w(NAME), …)`` into a param of that name: what a rank's loader may read just its
+    slice of. A tensor read any other way as well is read whole."""
+    slices: dict[str, tuple[int, int, int]] = {}
+    whole: set[str] = set()
+    for g in sharded:
+        for n in g.nodes:
+            if n.op != Op.PARAM:
+                continue
+            expr = n.attr("expr")
+            cut = _plain_shard(expr)
+            if cut is not None and cut[0] == n.name:
+                slices[n.name] = cut[1]
+            else:
+                whole.update(leaves(expr) if expr is not None else [n.name])
+    return {k: v for k, v in slices.items() if k not in whole}
+
+
+def _plain_shard(expr: Any) -> tuple[str, tuple[int, int, int]] | None:
+    """(NAME, (dim, parts, every)) when `expr` is ``shard(w(NAME), dim, parts, every)``."""
+    if not isinstance(expr, Call) or expr.fn != "shard" or len(expr.args) != 1:
+        return None
+    arg, kw = expr.args[0], dict(expr.kwargs)
+    if not isinstance(arg, Call) or arg.fn != "w":
+        return None
+    return arg.args[0], (int(kw["dim"]), int(kw["parts"]), int(kw.get("every", 1)))
+
+
+def take_slice(w: Weight, cut: tuple[int, int, int], rank: int) -> Weight:
+    """Rank `rank`'s part of `w` (a copy: the whole tensor can be let go)."""
+    dim, parts, every = cut
+    return shard(w, dim, parts, every, rank=rank)
+
+
+def presliced(sharded: Program, names: set[str]) -> Program:
+    """`sharded` reading the tensors `names` as they are: their ``shard()`` already taken when
+    the checkpoint was read (``archc.load(…, tp=…, rank=…)``)."""
+    graphs = []
+    for g in sharded:
+        nodes = tuple(n.replace(attrs=canonical(Op.PARAM, {**dict(n.attrs), "expr": None}))
+                      if n.op == Op.PARAM and n.name in names and
+                      (_plain_shard(n.attr("expr")) or ("",))[0] == n.name else n
+                      for n in g.nodes)
+        graphs.append(Graph(g.name, nodes))
+    return Program(sharded.model, tuple(graphs))

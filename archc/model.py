@@ -68,6 +68,9 @@ class Model:
     eos_token_ids: tuple[int, ...] = ()   # generation stops at any of these
     notes: tuple[str, ...] = ()           # what the loader wants the user to know
     weights_dtype: str = "f32"            # the dtype random weights are held in
+    # (tp, rank): the weights are tensor-parallel rank `rank`'s slices of the checkpoint, for
+    # a program sharded over tp ranks (``archc.load(…, tp=…, rank=…)``); None: whole
+    shard: tuple[int, int] | None = None
     graph: Program = field(init=False)
     random_weights: bool = field(init=False)   # no checkpoint: the weights mean nothing
 
@@ -80,7 +83,27 @@ class Model:
             self.weights = random_weights(self.graph, seed=self.seed, dtype=self.weights_dtype)
             self.notes += (f"{self.spec.name} is a spec, not a checkpoint: its weights are "
                            f"random (seed {self.seed}), so what it computes means nothing",)
-        check_checkpoint(self.graph, self.weights)
+        check_checkpoint(self.graph if self.shard is None else
+                         self._presliced(self.graph, self.shard[0]), self.weights)
+
+    def _presliced(self, program: Program, tp: int) -> Program:
+        """`program` sharded over tp ranks, reading the slices this model already holds."""
+        from archc.dist import presliced, rank_slices
+        from archc.passes.shard import shard_program
+        sharded = shard_program(program, tp)
+        return presliced(sharded, set(rank_slices(sharded)))
+
+    def sliced(self, tp: int, rank: int) -> Model:
+        """This model holding only tensor-parallel rank `rank`'s slices of the weights a program
+        sharded over tp ranks reads through ``shard()`` (the rest whole)."""
+        from archc.dist import rank_slices, take_slice
+        from archc.passes.shard import shard_program
+        cuts = rank_slices(shard_program(self.graph, tp))
+        weights = {k: take_slice(w, cuts[k], rank) if k in cuts else w
+                   for k, w in (self.weights or {}).items()}
+        out = dataclasses.replace(self, weights=weights, shard=(tp, rank))
+        out.random_weights = self.random_weights
+        return out
 
     def quantized(self, kind: str, group: int = 128) -> Model:
         """This model with the weights of its linear layers and experts quantized (weight-only,
@@ -122,6 +145,9 @@ class Model:
             raise ArchcError(f"backend={backend!r} is not a backend (known: "
                              f"{', '.join(BACKENDS)})")
         tp, cp = parallel_sizes(tp, cp)
+        if self.shard is not None and tp != self.shard[0]:
+            raise ArchcError(f"the model holds its weights' slices for tp={self.shard[0]} (rank "
+                             f"{self.shard[1]}); compile it with tp={self.shard[0]}")
         torch_device = resolve_device(device)
         name = default_dtype(self.spec.dtype, torch_device) if dtype is None else \
             dtype_name(dtype)
@@ -154,13 +180,21 @@ class Model:
     def _parallel(self, program: Program, tp: int, cp: int) -> tuple[Program, dict[str, Any]]:
         """`program` sharded over tp ranks and cp ranks, and this rank's communicators."""
         # the program first: a model that does not split is refused before any process waits
+        if self.shard is not None and self.shard[0] != tp:
+            raise ArchcError(f"the model holds its weights' slices for tp={self.shard[0]} (rank "
+                             f"{self.shard[1]}); it cannot compile for tp={tp}")
         if tp > 1:
             from archc.passes.shard import shard_program
-            program = shard_program(program, tp)
+            program = shard_program(program, tp) if self.shard is None else \
+                self._presliced(program, tp)
         if cp > 1:
             from archc.passes.context import context_parallel
             program = context_parallel(program, cp)
-        return program, groups(tp, cp)
+        comms = groups(tp, cp)
+        if self.shard is not None and comms["tp"].rank != self.shard[1]:
+            raise ArchcError(f"the model holds tp rank {self.shard[1]}'s slices of its weights; "
+                             f"this process is tp rank {comms['tp'].rank}")
+        return program, comms
 
 
 def check_kv_cache(kv_cache: Any, backend: str, device: torch.device, *,

@@ -87,7 +87,8 @@ def run_tp(source: str, backend: str, tp: int, cp: int = 1) -> dict[str, Any]:
     """tp × cp-way logits and greedy tokens of `source` (1 × 1: a plain single-process
     compile), and the bytes of the rank's parameters."""
     options = {"autotune": False} if backend == "triton" else {}
-    model = archc.load(source)
+    # a rank loads its slices (tp-major: its tp rank is its global rank mod tp)
+    model = archc.load(source, tp=tp, rank=torch.distributed.get_rank() % tp if tp > 1 else 0)
     compiled = model.compile(backend, tp=tp, cp=cp, dtype="f32", **options)
     ids = torch.tensor(PROMPT)
     logits = compiled(ids)
@@ -97,7 +98,8 @@ def run_tp(source: str, backend: str, tp: int, cp: int = 1) -> dict[str, Any]:
                     compiled.session.runners[g].params)) for g in compiled.session.runners}
     resident = sum(tensor_bytes(w) for ps in params.values() for w in ps.values()
                    if w is not None)
-    return {"logits": logits, "tokens": tokens, "resident": resident}
+    return {"logits": logits, "tokens": tokens, "resident": resident,
+            "loaded": sum(tensor_bytes(w) for w in model.weights.values())}
 
 
 def expect_same(single: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
@@ -143,8 +145,10 @@ def test_eager_tp_2_and_a_ranks_slices_of_the_weights() -> None:
                     replicated += size
     assert split > 0 and replicated > 0
     assert split * 2 + replicated == single     # the whole model, once
+    loaded = run_tp("tiny-llama3", "eager", 1)["loaded"]
     for got in ranks:
         assert got["resident"] == split + replicated < 0.75 * single
+        assert got["loaded"] < 0.75 * loaded      # archc.load(…, tp=2, rank=r): its slices
 
 
 # ---- the command line ------------------------------------------------------------------------
@@ -212,12 +216,14 @@ def test_tp_without_a_process_group_is_refused() -> None:
 
 # ---- a real checkpoint -----------------------------------------------------------------------
 
-def chat_answer(path: str, tp: int) -> str:
-    """SmolLM2's greedy answer (eager, weights kept quantized until the session reads them)."""
-    model = archc.load(path)
+def chat_answer(path: str, tp: int) -> tuple[list[int], int]:
+    """SmolLM2's greedy answer (eager) and the bytes of the weights this rank loaded (its
+    slices, cut from the file one tensor at a time)."""
+    model = archc.load(path, tp=tp, rank=torch.distributed.get_rank() if tp > 1 else 0)
     ids = model.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of "
                                         "France?"}])
-    return model.compile("eager", tp=tp).generate(ids, 8)[0].tolist()
+    loaded = sum(tensor_bytes(w) for w in model.weights.values())
+    return model.compile("eager", tp=tp).generate(ids, 8)[0].tolist(), loaded
 
 
 def test_smollm2_answers_alike_on_3_ranks() -> None:
@@ -227,5 +233,9 @@ def test_smollm2_answers_alike_on_3_ranks() -> None:
     path = str(smollm2_gguf())
     with pytest.raises(ShardError, match="heads"):
         archc.load(path).compile("eager", tp=2)
-    single = chat_answer(path, 1)
-    assert spawn(3, chat_answer, path, 3, timeout=120) == [single] * 3
+    single, whole = chat_answer(path, 1)
+    ranks = spawn(3, chat_answer, path, 3, timeout=120)
+    assert [answer for answer, _ in ranks] == [single] * 3
+    # the embedding and head (49152 rows split 3 ways) and every layer's projections are cut
+    for _, loaded in ranks:
+        assert whole / 3 < loaded < 0.45 * whole

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 import re
 import sys
 import textwrap
@@ -177,7 +178,8 @@ def write_module(gen: Generated, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', gen.model)[:80] or 'model'}.py"
     if not path.exists() or path.read_text() != gen.source:
-        tmp = path.with_suffix(".py.tmp")
+        # a file of this process's own: ranks started together write the same module at once
+        tmp = path.with_suffix(f".py.{os.getpid()}.tmp")
         tmp.write_text(gen.source)
         tmp.replace(path)
     return path
