@@ -27,6 +27,7 @@ from archc.ir.paramexpr import calls
 from archc.ir.shapes import DTYPE_BYTES, numel
 from archc.passes.shard import ShardError, shard_program
 from archc.quant import tensor_bytes
+from tests.model_files import tiny_hf_dir  # noqa: F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [[5, 17, 3, 42, 8, 11]]
@@ -239,3 +240,20 @@ def test_smollm2_answers_alike_on_3_ranks() -> None:
     # the embedding and head (49152 rows split 3 ways) and every layer's projections are cut
     for _, loaded in ranks:
         assert whole / 3 < loaded < 0.45 * whole
+
+
+def test_a_rank_reads_its_slices_of_a_hf_directory(tiny_hf_dir: Path) -> None:  # noqa: F811
+    """Cut as each tensor is read: the same tensors as the whole checkpoint cut afterwards,
+    and about half its bytes (the sharded projections halved, norms whole)."""
+    whole = archc.load(tiny_hf_dir)
+    total = sum(tensor_bytes(w) for w in whole.weights.values())
+    for rank in range(2):
+        got = archc.load(tiny_hf_dir, tp=2, rank=rank)
+        want = whole.sliced(2, rank)
+        assert got.shard == want.shard == (2, rank)
+        assert got.weights.keys() == want.weights.keys()
+        for name, w in want.weights.items():
+            assert torch.equal(got.weights[name], w), name
+        assert sum(tensor_bytes(w) for w in got.weights.values()) < 0.6 * total
+    with pytest.raises(ArchcError, match="compile it with tp=2"):
+        got.compile("eager")
