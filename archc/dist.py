@@ -63,12 +63,18 @@ def groups(tp: int, cp: int) -> dict[str, Comm]:
         raise ArchcError(f"tp={tp} × cp={cp} needs {want} ranks; the process group has {world}")
     rank = dist.get_rank()
     out: dict[str, Comm] = {}
-    # every rank creates every group (new_group is collective), keeping its own
+    # every rank creates every group (new_group is collective), keeping its own; a group of
+    # every rank is the default group itself (nothing to create, nothing to wait for)
     for name, size, members in (
             ("tp", tp, [[c * tp + t for t in range(tp)] for c in range(cp)]),
             ("cp", cp, [[c * tp + t for c in range(cp)] for t in range(tp)])):
         for ranks in members:
-            group = dist.new_group(ranks) if size > 1 else None
+            if size == 1:
+                group: object | None = None
+            elif size == world:
+                group = dist.group.WORLD
+            else:
+                group = dist.new_group(ranks)
             if rank in ranks:
                 out[name] = TorchComm(group) if size > 1 else LocalComm()
     return out

@@ -182,17 +182,26 @@ def test_run_tp_2_prints_what_one_process_prints(one_process_output: str) -> Non
     assert "greedy continuation" in done.stdout
 
 
-def test_ranks_started_as_torchrun_starts_them(one_process_output: str) -> None:
-    """Each process given RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT runs as that rank:
-    rank 0 prints the run, rank 1 nothing."""
+def torchrun_style(args: list[str], world: int, env: dict[str, str] | None = None
+                   ) -> tuple[list[int], list[tuple[str, str]]]:
+    """`python -m archc ARGS` in `world` processes given RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT as torchrun gives them: their exit statuses and (stdout, stderr)."""
     port = str(free_port())
-    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-    procs = [subprocess.Popen([sys.executable, "-m", "archc", *RUN, "--tp", "2"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                              env={**os.environ, "PYTHONPATH": str(ROOT), **env,
-                                   "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    common = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": str(world),
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **(env or {})}
+    procs = [subprocess.Popen([sys.executable, "-m", "archc", *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              env={**common, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(world)]
     outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [e for _, e in outs]
+    return [p.returncode for p in procs], outs
+
+
+def test_ranks_started_as_torchrun_starts_them(one_process_output: str) -> None:
+    """Each process given torchrun's environment runs as that rank: rank 0 prints the run,
+    rank 1 nothing."""
+    codes, outs = torchrun_style([*RUN, "--tp", "2"], 2)
+    assert codes == [0, 0], [e for _, e in outs]
     assert outs[0][0] == one_process_output
     assert outs[1][0] == ""
 
@@ -206,6 +215,17 @@ def test_a_rank_that_dies_stops_the_run_with_an_error() -> None:
         "archc run: error: rank 1 exited with status 3; the other ranks were stopped after")
     assert "Traceback" not in done.stderr
     assert elapsed < 30 + 15      # the timeout, and the time to start the processes
+
+
+def test_a_rank_that_dies_under_torchrun_fails_the_collective_waiting_on_it() -> None:
+    start = time.monotonic()
+    codes, outs = torchrun_style([*RUN, "--tp", "2", "--timeout", "20"], 2,
+                                 {"ARCHC_TEST_EXIT_RANK": "1"})
+    assert time.monotonic() - start < 20 + 15
+    assert codes[1] == 3 and codes[0] == 1
+    assert outs[0][1].startswith("archc run: error: while running %")
+    assert "rank 0: all_reduce failed — another rank stopped or did not answer within the " \
+        "timeout" in outs[0][1]
 
 
 def test_tp_without_a_process_group_is_refused() -> None:
