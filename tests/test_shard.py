@@ -164,7 +164,7 @@ def test_quantized_weights_split_on_whole_groups(name: str, tp: int) -> None:
 
 def test_quantized_k_that_splits_off_a_group_is_refused() -> None:
     _, program, _ = model("tiny-llama3", "int4_g32")     # d_ff 224: 112 per rank, not 32·k
-    with pytest.raises(ShardError, match=r"ffn\.d_ff = 224 \(K of a int4_g32 weight\) .* "
+    with pytest.raises(ShardError, match=r"ffn\.d_ff = 224 \(K of the int4_g32 weights\) .* "
                                          r"32-element groups; tp values that work: 1$"):
         shard_program(program, 2)
 

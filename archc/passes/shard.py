@@ -121,14 +121,14 @@ def _matmul_rules(g: Graph, n: Node, need: Callable[..., None]) -> None:
         rows = int(w.shape[0])
         need(field_, rows, "does not divide by tp", lambda tp, f=rows: f % tp == 0)
     elif proj in ("o", "down") and is_quantized(w.dtype):
-        _group_rule(need, "attention.heads" if proj == "o" else field_, int(w.shape[1]),
-                    w.dtype)
+        _group_rule(need, "attention.heads × attention.head_dim" if proj == "o" else field_,
+                    int(w.shape[1]), w.dtype)
 
 
 def _group_rule(need: Callable[..., None], field_: str, k: int, dtype: str) -> None:
     """A quantized row-parallel weight splits along K only on whole groups."""
     align = scheme(dtype).align
-    need(field_, k, f"(K of a {dtype} weight) does not split into tp parts of whole "
+    need(field_, k, f"(K of the {dtype} weights) does not split into tp parts of whole "
          f"{align}-element groups", lambda tp, k=k: k % tp == 0 and (k // tp) % align == 0)
 
 
