@@ -15,12 +15,16 @@ import functools
 import pytest
 import torch
 
+from archc.cli import main
 from archc.ir.attrs import Call
 from archc.ir.graph import Program
 from archc.ir.lower import lower
 from archc.ir.ops import Op
-from archc.passes import optimize
+from archc.ir.ops.base import COLLECTIVE
+from archc.passes import optimize, run_pipeline
 from archc.passes.shard import ShardError, shard_program, shard_step
+from archc.perf.gpus import gpu
+from archc.perf.roofline import decode_floor
 from archc.quant.pack import quantize
 from archc.runtime.comm import SimulatedComm, SimulatedWorld, run_simulated
 from archc.runtime.eager import EagerSession
@@ -34,9 +38,13 @@ PREFILL, DECODE, BATCH = 5, 2, 2
 
 
 def variant(name: str) -> Spec:
-    """A tiny spec, or `NAME+vocab96`: its vocabulary made 96 (divides by 2, 3 and 4)."""
+    """A tiny spec, `NAME+vocab96`: its vocabulary made 96 (divides by 2, 3 and 4), or
+    `NAME+qk_norm`: with QK-norm (a norm over each head's dims, replicated)."""
     base, _, extra = name.partition("+")
     spec = load_spec(base)
+    if extra == "qk_norm":
+        return dataclasses.replace(spec, attention=dataclasses.replace(spec.attention,
+                                                                       qk_norm=True))
     return dataclasses.replace(spec, vocab_size=96) if extra == "vocab96" else spec
 
 
@@ -131,13 +139,17 @@ def test_sharded_program_computes_the_unsharded_one(name: str, tp: int) -> None:
 @pytest.mark.parametrize(("name", "tp"), [("tiny-llama3", 2), ("tiny-llama2-70b", 4),
                                           ("tiny-falcon", 4), ("tiny-mixtral", 2),
                                           ("tiny-t5", 2), ("tiny-bloom", 4), ("tiny-phi2", 2),
-                                          ("tiny-smollm2", 3), ("tiny-gemma2+vocab96", 2)])
+                                          ("tiny-smollm2", 3), ("tiny-gemma2+vocab96", 2),
+                                          ("tiny-llama3+qk_norm", 4), ("tiny-phi2+qk_norm", 2)])
 def test_default_pipeline_on_each_rank(name: str, tp: int) -> None:
     """The optimized sharded program (the default pipeline run on it) against the unsharded
     unfused one."""
     spec, program, checkpoint = model(name)
-    fast = optimize(shard_program(program, tp))
+    sharded = shard_program(program, tp)
+    fast = optimize(sharded)
     assert not any(n.op in (Op.MATMUL, Op.SCORES) for g in fast for n in g)   # it did fuse
+    collectives = [[n.op for g in p for n in g if n.op in COLLECTIVE] for p in (sharded, fast)]
+    assert collectives[0] == collectives[1]         # no fusion took in (or dropped) one
     assert_same(spec, outputs(spec, program, checkpoint), on_ranks(spec, fast, checkpoint, tp))
 
 
@@ -152,7 +164,7 @@ def test_quantized_weights_split_on_whole_groups(name: str, tp: int) -> None:
 
 def test_quantized_k_that_splits_off_a_group_is_refused() -> None:
     _, program, _ = model("tiny-llama3", "int4_g32")     # d_ff 224: 112 per rank, not 32·k
-    with pytest.raises(ShardError, match=r"ffn\.d_ff = 224 \(K of a int4_g32 weight\) .* "
+    with pytest.raises(ShardError, match=r"ffn\.d_ff = 224 \(K of the int4_g32 weights\) .* "
                                          r"32-element groups; tp values that work: 1$"):
         shard_program(program, 2)
 
@@ -200,10 +212,12 @@ def test_row_parallel_bias_is_added_once_after_the_all_reduce() -> None:
     assert g.nodes[user.inputs[0]].op == Op.ALL_REDUCE and g.nodes[bias].attr("expr") is None
 
 
-def test_a_parallel_block_reduces_once() -> None:
+def test_a_parallel_block_reduces_once_and_still_merges() -> None:
     spec, program, _ = model("tiny-gptj")        # attention and FFN from one input, summed
     g = shard_program(program, 2).graph("decoder")
     assert len(g.ids(Op.ALL_REDUCE)) == spec.layers
+    merged = run_pipeline(shard_program(program, 2)).step("merge-parallel").applied()
+    assert [d.rule for d in merged] == ["merge-parallel-out", "merge-parallel-in"] * spec.layers
 
 
 @pytest.mark.parametrize(("name", "change", "tp", "message"), [
@@ -243,3 +257,50 @@ def test_each_rank_holds_a_part_of_the_split_weights() -> None:
     for name in ("layers.0.attn.q.weight", "layers.0.ffn.down.weight"):   # parts make the whole
         dim = 1 if "down" in name else 0
         assert torch.equal(torch.cat([p[name] for p in parts], dim), whole[name])
+
+
+def test_llama2_70b_over_eight_h100s_by_hand() -> None:
+    """Llama 2 70B (d 8192, 80 layers, 64 heads, 8 KV heads of 128, d_ff 28672, vocab 32000,
+    bf16) on 8 H100s, one decode step at context 512: each GPU reads an eighth of every
+    layer's weights (one KV head; the norm gains are folded into them) and of the head;
+    sends per layer two ring all-reduces of one 8192-wide bf16 row (2·7/8 of 16 KiB each),
+    plus the embedding's all-reduce and the logits' all-gather (7/8 of 32000 bf16 logits),
+    at 450 GB/s."""
+    d, layers, hd, d_ff, vocab, tp = 8192, 80, 128, 28672, 32000, 8
+    program = optimize(shard_program(lower(load_spec("llama2-70b"), "bf16"), tp))
+    floor = decode_floor(program, gpu("h100"), batch=1, past=511)
+    per_layer = (2 * d * d + 2 * d * 8 * hd + 3 * d * d_ff) // tp   # q, o; k, v; gate, up, down
+    weights = 2 * (layers * per_layer + vocab // tp * d + d)     # head; the one embedding row
+    assert floor.weight_bytes == weights
+    assert floor.kv_bytes == layers * 2 * 1 * 512 * hd * 2      # one KV head per GPU
+    row = 2 * d
+    link = (2 * layers + 1) * 2 * row * 7 // 8 + vocab * 2 * 7 // 8
+    assert floor.link_bytes == link
+    assert floor.link_seconds == pytest.approx(link / 450e9)
+    assert floor.seconds == pytest.approx((weights + floor.kv_bytes) / 3.35e12 + link / 450e9)
+    single = decode_floor(optimize(lower(load_spec("llama2-70b"), "bf16")), gpu("h100"), 1, 511)
+    assert 7.5 < single.seconds / floor.seconds < 8     # the link costs a little of 8×
+
+
+def test_passes_cli_shows_the_shard_pass_first(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["passes", "tiny-llama3", "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    first = next(line for line in out.splitlines() if "│  1 │" in line)
+    assert "shard" in first and "column-parallel" in first
+    # 2 layers × 2 all-reduces of 64 f32 (256 B), each rank sending 2·1/2 of it: 1 KiB a token
+    assert "each rank sends 1.00 KiB per token over the link (all_reduce 1.00 KiB)" in out
+    assert main(["passes", "tiny-smollm2", "--tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "attention.heads = 9" in err and "tp values that work: 1, 3" in err
+    assert "Traceback" not in err
+
+
+def test_roofline_and_show_cli_price_one_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["roofline", "tiny-llama3", "--tp", "2", "--prompt-len", "8", "--new-tokens",
+                 "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 × H200 SXM, tensor parallel" in out and "all_reduce" in out and "link" in out
+    assert "collectives 1.00 KiB sent at 450.00 GB/s" in out
+    assert main(["show", "tiny-llama3", "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel ×2" in out and "1.00 KiB sent over the link per decoded token" in out

@@ -11,10 +11,15 @@ from rich.markup import escape
 from archc.commands.common import quant_of
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
+from archc.ir.cost import node_cost
+from archc.ir.graph import Program
 from archc.ir.lower import lower
+from archc.ir.ops.base import COLLECTIVE
+from archc.ir.shapes import evaluate
 from archc.passes import DEFAULT_PIPELINE, PASSES, run_pipeline
 from archc.passes.manager import known
 from archc.passes.measure import dims, kernels_per_layer, op_delta, stats
+from archc.passes.shard import shard_step
 from archc.ui import console, nbytes, si, table
 
 
@@ -45,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--list", action="store_true",
                    help="list the registered passes and the default pipeline, then exit")
     add_pipeline_arguments(p)
+    add(p, "tp", default=1, detail="the shard pass runs first; costs are one rank's")
     add_dims_arguments(p)
 
 
@@ -69,11 +75,14 @@ def run(args: argparse.Namespace) -> int:
     spec, quant = quant_of(args)
     dtype = args.dtype or spec.dtype
     at = dims(args.batch, args.prompt_len, args.past, args.encoder_len)
-    result = run_pipeline(lower(spec, dtype, quant), args.passes)
+    lowered = lower(spec, dtype, quant)
+    sharded = shard_step(lowered, args.tp)
+    result = run_pipeline(sharded.after, args.passes)
+    steps = ([sharded] if args.tp > 1 else []) + list(result.steps)
     where = f"B={at['B']}, T={at['T']}, P={at['P']}" + (
         f", S={at['S']}" if spec.family == "encoder-decoder" else "")
-    rows = [("", "lowered", "", stats(result.initial, at), "unfused")]
-    for k, step in enumerate(result.steps, 1):
+    rows = [("", "lowered", "", stats(lowered, at), "unfused")]
+    for k, step in enumerate(steps, 1):
         rules = Counter(d.rule for d in step.applied())
         changed = (", ".join(f"{rule} ×{n}" for rule, n in rules.items()) +
                    f": {op_delta(step.before, step.after)}") if step.changed else "not applied"
@@ -90,4 +99,20 @@ def run(args: argparse.Namespace) -> int:
     before, after = kernels_per_layer(spec, args.passes, dtype)
     console.print(f"kernels per block (embedding and head aside): {before:g} unfused → "
                   f"{after:g} after the pipeline")
+    if args.tp > 1:
+        _communicated(result.program, at, args.tp)
     return 0
+
+
+def _communicated(program: Program, at: dict[str, int], tp: int) -> None:
+    """What one rank of a tensor-parallel program sends to the others per new token (counted
+    in the bytes/token column too), by collective."""
+    tokens = at["B"] * at["T"]
+    sent: Counter[str] = Counter()
+    for g in program:
+        for i in g.compute_ids():
+            if g.nodes[i].op in COLLECTIVE:
+                sent[g.nodes[i].op.value] += int(evaluate(node_cost(g, i).bytes, at))
+    by_op = ", ".join(f"{op} {nbytes(n / tokens)}" for op, n in sent.items())
+    console.print(f"tensor parallel over {tp} ranks: each rank sends "
+                  f"{nbytes(sum(sent.values()) / tokens)} per token over the link ({by_op})")

@@ -15,6 +15,7 @@ from archc.errors import ArchcError
 from archc.ir.graph import Program
 from archc.ir.lower import lower
 from archc.passes import optimize
+from archc.passes.shard import shard_program
 from archc.perf.gpus import GPU, gpu
 from archc.perf.roofline import decode_floor, grouped, kernels, per_step
 from archc.perf.summary import fmt_seconds
@@ -29,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "prompt_len", default=512)
     add(p, "new_tokens", default=128, detail="the decode step priced is the last")
     add(p, "kv_cache")
+    add(p, "tp", default=1, detail="costs, weights and the floor are one GPU's, its "
+        "collectives priced at the link's bandwidth")
     add_pipeline_arguments(p)
 
 
@@ -43,8 +46,10 @@ def _priced(title: str, program: Program, dims: dict[str, int],
           f"{r.intensity:.1f}", r.bound, f"{r.time * 1e6:.1f} µs") for r in rows],
         text=("kernel", "reads", "bound")))
     seconds, flops = sum(r.time for r in rows), sum(r.flops for r in rows)
-    return seconds, flops, f"{si(flops, 'FLOP')}, {nbytes(sum(r.bytes for r in rows))}, " \
-                           f"roofline {fmt_seconds(seconds)}"
+    link = sum(r.bytes for r in rows if r.bound == "link")    # sent to other GPUs, not HBM
+    hbm = sum(r.bytes for r in rows) - link
+    return seconds, flops, f"{si(flops, 'FLOP')}, {nbytes(hbm)}" + (
+        f" + {nbytes(link)} over the link" if link else "") + f", roofline {fmt_seconds(seconds)}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,8 +64,11 @@ def run(args: argparse.Namespace) -> int:
     dtype = args.dtype or spec.dtype
     kind = {"none": "unfused", "default": "kernel-level (default passes)"}.get(
         args.passes, f"after {args.passes}")
-    program = _program(spec, dtype, quant, args.passes, getattr(args, "kv_cache", None))
-    console.print(f"[bold]{spec.name}[/] on {g.name} ({si(g.peak_flops, 'FLOP/s')} {dtype}, "
+    tp = args.tp
+    program = _program(spec, dtype, quant, args.passes, getattr(args, "kv_cache", None), tp)
+    on = f"{tp} × {g.name}, tensor parallel (each GPU's share; link {si(g.link, 'B/s')} each " \
+         f"way)" if tp > 1 else g.name
+    console.print(f"[bold]{spec.name}[/] on {on} ({si(g.peak_flops, 'FLOP/s')} {dtype}, "
                   f"{si(g.bandwidth, 'B/s')}; ridge {g.ridge:.0f} FLOP/B), {kind} graph, batch {b}")
     seconds, flops, totals = _priced(f"prefill: {n} tokens", program,
                                      {"B": b, "T": n, "P": 0, "S": n}, g)
@@ -78,11 +86,17 @@ def run(args: argparse.Namespace) -> int:
         parts.append(f"KV cache {nbytes(floor.kv_bytes)}")
     if floor.state_bytes:
         parts.append(f"recurrent state {nbytes(floor.state_bytes)} (read and written)")
+    link = f" + collectives {nbytes(floor.link_bytes)} sent at {si(g.link, 'B/s')} " \
+           f"({fmt_seconds(floor.link_seconds)})" if floor.link_bytes else ""
     console.print(f"decode step: {totals} ({b / seconds:,.0f} tokens/s); floor "
                   f"{fmt_seconds(floor.seconds)} = {' + '.join(parts)} at "
-                  f"{si(g.bandwidth, 'B/s')} → {floor.tokens_per_second:,.0f} tokens/s")
+                  f"{si(g.bandwidth, 'B/s')}{link} → {floor.tokens_per_second:,.0f} tokens/s")
+    if tp > 1:
+        console.print(f"per GPU: weights {nbytes(floor.weight_bytes)} read per step, "
+                      f"collectives {fmt_seconds(floor.link_seconds)} of the "
+                      f"{fmt_seconds(floor.seconds)} floor")
     if quant:
-        dense = decode_floor(_program(spec, dtype, {}, args.passes), g, b, past)
+        dense = decode_floor(_program(spec, dtype, {}, args.passes, tp=tp), g, b, past)
         schemes = ", ".join(f"{s} ×{k}" for s, k in Counter(quant.values()).most_common())
         console.print(f"quantized weights ({schemes}): decode floor {fmt_seconds(floor.seconds)}"
                       f" against {fmt_seconds(dense.seconds)} with {dtype} weights (weights "
@@ -92,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _program(spec: Spec, dtype: str, quant: dict[str, str], passes: str,
-             kv_cache: str | None = None) -> Program:
+             kv_cache: str | None = None, tp: int = 1) -> Program:
     """The program priced: lowered with `quant`'s weights quantized and the KV cache in
-    `kv_cache` (None: the compute dtype), after `passes`."""
-    program = lower(spec, dtype, quant, kv_cache=kv_cache)
+    `kv_cache` (None: the compute dtype), split over `tp` ranks (one rank's), after `passes`."""
+    program = shard_program(lower(spec, dtype, quant, kv_cache=kv_cache), tp)
     return program if passes == "none" else optimize(program, passes)

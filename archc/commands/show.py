@@ -13,6 +13,9 @@ from archc.commands.vocabulary import add
 from archc.ir import cost
 from archc.ir.graph import Program
 from archc.ir.lower import lower
+from archc.ir.ops.base import COLLECTIVE
+from archc.ir.shapes import evaluate
+from archc.passes.shard import shard_program
 from archc.quant.schemes import is_quantized
 from archc.spec.schema import Spec
 from archc.ui import console, nbytes, si
@@ -22,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "source")
     add_quant_arguments(p)
     add(p, "kv_cache")
+    add(p, "tp", default=1, detail="adds what one rank holds and sends")
 
 
 def _attention(s: Spec) -> str:
@@ -79,6 +83,20 @@ def _weights(program: Program, dtype: str) -> str:
     return f"{nbytes(cost.parameter_bytes(program))} ({held})"
 
 
+def _tensor_parallel(rank: Program, tp: int, dtype: str) -> list[tuple[str, str]]:
+    """What one of `tp` ranks holds (weights, KV cache per token) and sends per decoded token."""
+    at = {"B": 1, "T": 1, "P": 0, "S": 1}
+    sent = sum(int(evaluate(cost.node_cost(g, i).bytes, at)) for g in rank
+               for i in g.compute_ids() if g.nodes[i].op in COLLECTIVE)
+    rows = [("", ""), (f"tensor parallel ×{tp}", f"per rank: weights {_weights(rank, dtype)}")]
+    kv = cost.kv_cache_bytes_per_token(rank)
+    if kv:
+        rows.append(("", f"per rank: KV cache {nbytes(kv)} per token"))
+    rows.append(("", f"per rank: {nbytes(sent)} sent over the link per decoded token "
+                     f"({sum(n.op in COLLECTIVE for g in rank for n in g)} collectives)"))
+    return rows
+
+
 def kv_cache_format(dtype: str, kv_cache: str | None) -> str:
     """How the KV cache holds a row: in the model dtype, or as codes and a scale."""
     return dtype if kv_cache is None else f"{kv_cache} codes + an f32 scale per token and head"
@@ -125,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
                      f"({' and '.join(kinds)})"))
     per = cost.per_layer(s, kernels, cost.kernel_count(lower(cost.without_layers(s), s.dtype)))
     rows.append(("compute nodes", f"{kernels} unfused ({per:g} per layer)"))
+    if args.tp > 1:
+        rows += _tensor_parallel(shard_program(program, args.tp), args.tp, s.dtype)
     t = Table(show_header=False, box=None, title=s.name, title_justify="left")
     t.add_column(style="bold")
     t.add_column()

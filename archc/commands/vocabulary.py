@@ -85,6 +85,8 @@ FLAGS: dict[str, Flag] = {f.names[-1].lstrip("-").replace("-", "_"): f for f in 
          "(the generated kernels)", None, {"choices": ("eager", "triton")}),
     Flag(("--passes",), "the pass pipeline: default, none, or pass names separated by commas "
          "(`archc passes --list`)", "PIPELINE"),
+    Flag(("--tp",), "tensor-parallel GPUs: the model split over N ranks (heads, FFN columns, "
+         "vocabulary), each rank's program priced", "N", {"type": positive_int}),
     Flag(("--gpu",), "the GPU the roofline models: " + ", ".join(GPUS), "MODEL"),
     Flag(("--seed",), "seed of random weights, random prompts and sampling", "N",
          {"type": nonnegative_int}),

@@ -159,9 +159,14 @@ register_rule_pass("fuse-glu", "gated FFN: gate and up in one matmul whose epilo
     Pat(LINEAR | {Op.ADD}, "up", one_use=True))), _glu),))
 
 
-def _parallel_sum(rw: Rewriter, outer: int) -> tuple[int, int, Linear, Linear] | None:
-    """(inner add, residual, A, F) for add(add(x, A), F), A and F linear layers."""
+def _parallel_sum(rw: Rewriter, outer: int) -> tuple[int | None, int | None, Linear, Linear] | None:
+    """(inner add, residual, A, F) for add(add(x, A), F), A and F linear layers; or
+    (None, None, A, F) for add(A, F) read only by an all_reduce: a tensor-parallel rank's
+    partial sums of the block, its residual added after the all_reduce."""
     a, b = rw.nodes[outer].inputs
+    if [rw.op(u) for u in rw.users(outer)] == [Op.ALL_REDUCE]:
+        a_lin, f_lin = view(rw, a), view(rw, b)
+        return None if a_lin is None or f_lin is None else (None, None, a_lin, f_lin)
     for inner, f in ((a, b), (b, a)):
         f_lin = view(rw, f)
         if rw.op(inner) != Op.ADD or rw.users(inner) != [outer] or f_lin is None:
@@ -174,9 +179,11 @@ def _parallel_sum(rw: Rewriter, outer: int) -> tuple[int, int, Linear, Linear] |
     return None
 
 
-def _merge_out(rw: Rewriter, outer: int, inner: int, res: int, a: Linear, f: Linear) -> int:
-    # x + (a·W_Aᵀ + b_A) + (h·W_Fᵀ + b_F) = [a, h]·[W_A, W_F]ᵀ + (b_A + b_F) + x
-    for m, reader in ((a, inner), (f, outer)):
+def _merge_out(rw: Rewriter, outer: int, inner: int | None, res: int | None, a: Linear,
+               f: Linear) -> int:
+    # x + (a·W_Aᵀ + b_A) + (h·W_Fᵀ + b_F) = [a, h]·[W_A, W_F]ᵀ + (b_A + b_F) + x (no x: no
+    # residual step)
+    for m, reader in ((a, outer if inner is None else inner), (f, outer)):
         if rw.users(m.root) != [reader]:
             raise Refusal(f"%{m.root} is read outside the block's sum")
         if m.prologue or len(m.operands) != 1 or any(s.fn != "bias" for s in m.steps):
@@ -184,7 +191,7 @@ def _merge_out(rw: Rewriter, outer: int, inner: int, res: int, a: Linear, f: Lin
     if rw.shape(a.weight)[0] != rw.shape(f.weight)[0]:
         raise Refusal("the two projections have different output widths")
     at = min(a.root, f.root, key=rw.key.__getitem__)
-    like = [*a.covers, *f.covers, inner, outer]
+    like = [*a.covers, *f.covers, *([] if inner is None else [inner]), outer]
     weight = cat_params(rw, [a.weight, f.weight], 1, like=like, at=at)
     biases = [s.inputs[0] for m in (a, f) for s in m.steps]
     steps: list[Step] = []
@@ -194,7 +201,8 @@ def _merge_out(rw: Rewriter, outer: int, inner: int, res: int, a: Linear, f: Lin
                             exprs[0] if len(exprs) == 1 else E.call("add", *exprs),
                             (rw.shape(a.weight)[0],), rw.nodes[a.weight].dtype, like=like, at=at)
         steps.append(step("bias", bias))
-    return emit(rw, Linear(at, (a.x, f.x), weight, steps=(*steps, step("residual", res)),
+    residual = () if res is None else (step("residual", res),)
+    return emit(rw, Linear(at, (a.x, f.x), weight, steps=(*steps, *residual),
                            covers=tuple(like)), like=like, at=outer)
 
 

@@ -121,14 +121,14 @@ def _matmul_rules(g: Graph, n: Node, need: Callable[..., None]) -> None:
         rows = int(w.shape[0])
         need(field_, rows, "does not divide by tp", lambda tp, f=rows: f % tp == 0)
     elif proj in ("o", "down") and is_quantized(w.dtype):
-        _group_rule(need, "attention.heads" if proj == "o" else field_, int(w.shape[1]),
-                    w.dtype)
+        _group_rule(need, "attention.heads × attention.head_dim" if proj == "o" else field_,
+                    int(w.shape[1]), w.dtype)
 
 
 def _group_rule(need: Callable[..., None], field_: str, k: int, dtype: str) -> None:
     """A quantized row-parallel weight splits along K only on whole groups."""
     align = scheme(dtype).align
-    need(field_, k, f"(K of a {dtype} weight) does not split into tp parts of whole "
+    need(field_, k, f"(K of the {dtype} weights) does not split into tp parts of whole "
          f"{align}-element groups", lambda tp, k=k: k % tp == 0 and (k // tp) % align == 0)
 
 
@@ -219,6 +219,7 @@ class _Sharder:
         origin = self.graph.nodes[i].origin
         if v.kind == "sum":
             assert v.node is not None
+            origin = self.b.nodes[v.node].origin     # the projection (or block) that made it
             y = self.collective(Op.ALL_REDUCE, v.node, origin)
             self.ctx.applied("all-reduce", i, "the ranks' partial sums added once")
             for term, bias in sorted(v.terms, key=lambda t: not t[1]):   # biases first
@@ -435,6 +436,12 @@ def shard_step(program: Program, tp: int) -> PassStep:
             ctx.applied("kv-replicated", "attention.kv_heads",
                         f"{kv_split[0]} KV heads, each shared by {kv_split[1]} ranks")
         graphs.append(_Sharder(g, tp, kv_split, parallel_vocab, ctx).run())
+        whole = [n.name for n in graphs[-1] if n.op == Op.PARAM
+                 and (n.attr("expr") is None or n.attr("expr").fn != "shard")]
+        if whole:
+            ctx.applied("replicated", g.name, f"{len(whole)} params whole on every rank "
+                        f"(norm gains, routers, RoPE tables, unsplit tables): "
+                        f"{', '.join(whole[:3])}{', …' if len(whole) > 3 else ''}")
         applied = sum(d.applied for d in ctx.decisions)
         log.append(f"{NAME}: graph {g.name}: {applied} rewrites for tp={tp}")
     after = Program(program.model, tuple(graphs))

@@ -45,6 +45,9 @@ class GPU:
     bandwidth: float        # HBM bytes/s
     sms: int                # streaming multiprocessors
     arch: str               # the compile target of its SMs (a key of ``SMS``)
+    # GPU-to-GPU link (NVLink) bytes/s one GPU sends, and receives, at once: half the datasheet's
+    # total, which counts both directions. A ring collective's bytes are those one rank sends.
+    link: float = 0.0
 
     @property
     def ridge(self) -> float:
@@ -52,14 +55,20 @@ class GPU:
         return self.peak_flops / self.bandwidth
 
 
+# Links: the datasheets' NVLink bandwidth per GPU counts both directions — A100 SXM 600 GB/s
+# (NVLink 3), H100 and H200 SXM 900 GB/s (NVLink 4), B200 1.8 TB/s (NVLink 5) — so each way
+# is half of it: 300, 450 and 900 GB/s.
 GPUS: dict[str, GPU] = {
-    "a100": GPU("A100-80GB SXM", 312e12, 2.039e12, 108, "sm_80"),  # A100 datasheet (2021), HBM2e
-    "h100": GPU("H100 SXM", 989.4e12, 3.35e12, 132, "sm_90a"),     # H100 datasheet (2023), HBM3
-    "h200": GPU("H200 SXM", 989e12, 4.8e12, 132, "sm_90a"),        # H200 datasheet (2024), HBM3e
+    "a100": GPU("A100-80GB SXM", 312e12, 2.039e12, 108, "sm_80",   # A100 datasheet (2021), HBM2e
+                link=600e9 / 2),
+    "h100": GPU("H100 SXM", 989.4e12, 3.35e12, 132, "sm_90a",      # H100 datasheet (2023), HBM3
+                link=900e9 / 2),
+    "h200": GPU("H200 SXM", 989e12, 4.8e12, 132, "sm_90a",         # H200 datasheet (2024), HBM3e
+                link=900e9 / 2),
     # HGX B200 datasheet (2024), per GPU at 1000 W: 2.25 PFLOP/s dense BF16 (4.5 with 2:4
     # sparsity), 8 TB/s HBM3e; the datasheet gives no SM count: 148 (74 enabled of each die's
     # 80) is Chips and Cheese's "Nvidia's B200: Keeping the CUDA Juggernaut Rolling" (2025)
-    "b200": GPU("B200 SXM", 2.25e15, 8e12, 148, "sm_100a"),
+    "b200": GPU("B200 SXM", 2.25e15, 8e12, 148, "sm_100a", link=1.8e12 / 2),
 }
 # the GPU a compile target's report models unless --gpu names another of its architecture
 TARGET_GPU = {"sm_100a": "b200", "sm_90a": "h200", "sm_80": "a100"}

@@ -1,8 +1,12 @@
 """The roofline model: a time for every kernel before any GPU is touched.
 
 A node's roofline time is max(FLOPs / peak, bytes / bandwidth), its FLOPs and bytes from the IR;
-it is compute- or memory-bound by which term wins. A decode step has a floor no kernel can beat:
-what it must read (and, for recurrent state, write) once from HBM.
+it is compute- or memory-bound by which term wins. A collective (a tensor-parallel program's
+all_reduce, all_gather…) is no kernel over HBM: its bytes are those one GPU sends over the link
+to the others, priced at the link's bandwidth, and kept apart from memory traffic. A decode step
+has a floor no kernel can beat: what it must read (and, for recurrent state, write) once from
+HBM, plus, for a tensor-parallel program, what its collectives must send, which cannot overlap
+the layers that wait on them.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from archc.ir.cost import node_cost, node_states, param_bytes
 from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import Op
 from archc.ir.ops.attention import kv_row_bytes
+from archc.ir.ops.base import COLLECTIVE
 from archc.ir.ops.core import routed_pairs
 from archc.ir.paramexpr import leaves
 from archc.ir.shapes import DTYPE_BYTES, evaluate, numel
@@ -33,10 +38,19 @@ class KernelRoof:
     flops: int
     bytes: int
 
+    @property
+    def collective(self) -> bool:
+        """Bytes over the GPU-to-GPU link, not through memory."""
+        return Op(self.op) in COLLECTIVE
+
     def time(self, g: GPU) -> float:
+        if self.collective:
+            return self.bytes / g.link
         return max(self.flops / g.peak_flops, self.bytes / g.bandwidth)
 
     def bound(self, g: GPU) -> str:
+        if self.collective:
+            return "link"
         return "compute" if self.flops / g.peak_flops >= self.bytes / g.bandwidth else "memory"
 
 
@@ -164,6 +178,13 @@ def state_bytes_moved(program: Program, dims: Mapping[str, int]) -> int:
                for d in node_states(g, i))
 
 
+def link_bytes_sent(program: Program, dims: Mapping[str, int]) -> int:
+    """Bytes one GPU sends over the link in a call: its collectives' (ring all-reduce of n
+    bytes over N ranks: 2·(N − 1)/N·n)."""
+    return int(sum(evaluate(node_cost(g, i).bytes, dims) for g in program
+                   for i in g.compute_ids() if g.nodes[i].op in COLLECTIVE))
+
+
 @dataclass(frozen=True)
 class DecodeFloor:
     weight_bytes: int
@@ -171,17 +192,24 @@ class DecodeFloor:
     seconds: float
     tokens_per_second: float
     state_bytes: int = 0        # recurrent state read and written (Mamba, linear attention)
+    link_bytes: int = 0         # sent to the other GPUs by a tensor-parallel program's collectives
+    link_seconds: float = 0.0   # link_bytes at the link's bandwidth (part of `seconds`)
 
     @property
     def bytes(self) -> int:
+        """Bytes through HBM (the link's apart)."""
         return self.weight_bytes + self.kv_bytes + self.state_bytes
 
 
 def decode_floor(program: Program, g: GPU, batch: int, past: int) -> DecodeFloor:
-    """The fastest a decode step can be: weights and KV cache read once, recurrent state read
-    and written once, at full bandwidth."""
+    """The fastest a decode step can be on one GPU running `program` (a tensor-parallel rank's,
+    when sharded): weights and KV cache read once, recurrent state read and written once, at
+    full bandwidth; then its collectives' bytes sent at the link's bandwidth — each layer waits
+    on its all-reduce, so that time adds (a collective's latency is left out)."""
     dims = {"B": batch, "T": 1, "P": past, "S": max(past, 1)}
     step = per_step(program)
     w, kv, state = (f(step, dims) for f in (weight_bytes_read, kv_bytes_read, state_bytes_moved))
-    seconds = (w + kv + state) / g.bandwidth
-    return DecodeFloor(w, kv, seconds, batch / seconds, state)
+    link = link_bytes_sent(step, dims)
+    link_seconds = link / g.link if link else 0.0
+    seconds = (w + kv + state) / g.bandwidth + link_seconds
+    return DecodeFloor(w, kv, seconds, batch / seconds, state, link, link_seconds)
