@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         prog = f"archc {args.command}"
         if extra:
             raise _unknown(parser, args.command, extra)
-        world = getattr(args, "tp", 1) * getattr(args, "cp", 1)
+        # the commands that run a model as ranks take --timeout; the others price one rank
+        world = args.tp * args.cp if hasattr(args, "timeout") else 1
         if world > 1:   # one rank of several: started here, or by torchrun
             from archc import dist
             if not dist.under_launcher():
