@@ -82,13 +82,14 @@ def one_rank_and_ring(attrs: dict[str, Any], cp: int, length: int,
     program = attention_program(attrs)
     ring = context_parallel(program, cp)
     gen = torch.Generator().manual_seed(length)
-    x = {n: torch.randn(2, h, length, HEAD_DIM, generator=gen)
+    x = {n: torch.randn(3, h, length, HEAD_DIM, generator=gen)
          for n, h in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS))}
-    x["padding"] = torch.ones(2, length, dtype=torch.long)
+    x["padding"] = torch.ones(3, length, dtype=torch.long)
     x["padding"][1, length - 5:] = 0                 # the second sequence ends early
+    x["padding"][2] = 0                              # and the third is all padding
     x["prefix_len"] = torch.tensor(6)
     params = {"slopes": torch.rand(HEADS, generator=gen), "table": torch.randn(16, HEADS)}
-    dims = {"B": 2, "P": 0, "S": 0}
+    dims = {"B": 3, "P": 0, "S": 0}
     whole = run_graph(program.graphs[0], params, {**x, "positions": torch.arange(length)},
                       EagerContext({**dims, "T": length}))["o"]
     parts, world = zigzag(length, cp), SimulatedWorld(cp)
@@ -105,7 +106,7 @@ def one_rank_and_ring(attrs: dict[str, Any], cp: int, length: int,
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("cp,length", [(2, 20), (3, 23)])      # 23: chunks of 4 and 3 tokens
+@pytest.mark.parametrize("cp,length", [(2, 20), (3, 23), (4, 29)])   # uneven: 23, 29
 def test_ring_attention_equals_one_rank(case: str, cp: int, length: int) -> None:
     whole, ranks, parts = one_rank_and_ring(CASES[case], cp, length)
     for got, mine in zip(ranks, parts):
@@ -300,3 +301,12 @@ def test_ring_program_prints_and_parses_back() -> None:
     assert "positions" in ring.graphs[0].inputs
     text = format_program(ring)
     assert "ring=2" in text and format_program(parse_program(text)) == text
+
+
+def test_a_cp_group_needs_ring_attention() -> None:
+    model = archc.load("tiny-llama3")
+    world = SimulatedWorld(2)
+    session = EagerSession(eager_program(model), model.weights, max_seq_len=64,
+                           comms={"cp": SimulatedComm(world, 0)})
+    with pytest.raises(RunError, match=r"apply context_parallel\(program, 2\) first"):
+        session.step(torch.zeros(1, 8, dtype=torch.long))

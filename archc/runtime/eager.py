@@ -334,7 +334,14 @@ class EagerSession(SessionBase):
         ring (a "cp" group of several ranks, at P = 0, with a chunk for each of 2·cp); else
         None: the run is whole on every rank."""
         comm = self.comms.get("cp")
-        if comm is None or comm.size == 1 or past > 0 or length < 2 * comm.size:
+        if comm is None or comm.size == 1:
+            return None
+        if not any(n.op == Op.ATTENTION and n.attr("ring") is not None
+                   for g in self.program for n in g):
+            # each rank would attend over its own slice only
+            raise RunError(f"a cp group of {comm.size} ranks runs a program with ring "
+                           f"attention: apply context_parallel(program, {comm.size}) first")
+        if past > 0 or length < 2 * comm.size:
             return None
         return zigzag(length, comm.size)
 

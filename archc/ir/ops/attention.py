@@ -587,17 +587,23 @@ def ring_attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     table = None if bias is None else a["slopes" if bias.fn == "alibi" else "rel_table"]
     qf, q_pos = q.float(), pos.to(q.device)
     o, lse = None, None
+    v_sum, keys = 0.0, 0        # every real key's value: for rows that see no key at all
     for step in range(comm.size):
         # the next block is asked for before this one is computed: a process group moves it
         # while the local block is in hand
         coming = _ring_pass_start(comm, block) if step < comm.size - 1 else None
         kb, vb, kpos = block[:3]
-        part = attention_block(qf, expand_kv(kb, h).float(), expand_kv(vb, h).float(), q_pos,
-                               kpos, block[3] if padding is not None else None, table, at,
+        vf = expand_kv(vb, h).float()
+        part = attention_block(qf, expand_kv(kb, h).float(), vf, q_pos, kpos,
+                               block[3] if padding is not None else None, table, at,
                                a.get("prefix_len"))
         o, lse = part if o is None else merge_partials(o, lse, *part)
+        v_sum, keys = v_sum + (vf * (kpos >= 0)[:, None]).sum(2), keys + int((kpos >= 0).sum())
         if coming is not None:
             block = coming()
+    # a row whose keys are all hidden (a sequence all padding) gets uniform weights over every
+    # key, as in one rank's attention, where hidden scores are f32's most negative finite value
+    o = torch.where(torch.isfinite(lse)[..., None], o, (v_sum / keys)[:, :, None])
     return o.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)                  # (B, T, H·D)
 
 
