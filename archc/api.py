@@ -11,6 +11,7 @@ import archc.native as native
 import archc.quant.file as quantized_file
 import archc.sources as sources
 from archc.devices import dtype_name
+from archc.dist import parallel_sizes
 from archc.errors import ArchcError
 from archc.model import CompiledModel, Model, Progress
 from archc.spec import load_spec
@@ -36,14 +37,19 @@ def from_spec(spec: Spec, *, seed: int = 0, dtype: str | torch.dtype = "f32") ->
 
 def load(source: str | Path, *, seed: int = 0, dtype: str | torch.dtype | None = None,
          progress: Progress | None = None, quantize: str | None = None, group: int = 128,
-         dequantize: bool = False) -> Model:
+         dequantize: bool = False, tp: int = 1, rank: int = 0) -> Model:
     """A zoo name, spec YAML, HF directory, GGUF file, archc checkpoint directory or archc
     quantized file (`archc quantize`) → a Model
     (random weights for specs). `dtype`: hold the weights in this dtype (default: f32 for
     random and dequantised GGUF weights, the stored dtype for safetensors). `progress(done,
     total)` is called as weights load. A GGUF file's quantized tensors stay quantized unless
     `dequantize`; `quantize` ("int8" or "int4", in groups of `group`) quantizes the weights of
-    linear layers and experts of a float checkpoint (``Model.quantized``)."""
+    linear layers and experts of a float checkpoint (``Model.quantized``).
+
+    `tp` > 1 with `rank`: hold only tensor-parallel rank `rank`'s slices of the weights the model
+    sharded over tp ranks reads in parts (the rest whole) — for ``compile(tp=tp)`` in that rank's
+    process. A GGUF file or a Hugging Face directory is read one tensor at a time, each cut as
+    it is read, so the whole checkpoint is never held; other sources are read whole, then cut."""
     name = None if dtype is None else dtype_name(dtype)
     if not isinstance(source, (str, Path)):
         raise ArchcError(f"source must be a zoo name or a path, got {type(source).__name__}")
@@ -51,6 +57,10 @@ def load(source: str | Path, *, seed: int = 0, dtype: str | torch.dtype | None =
         raise ArchcError(f"quantize={quantize!r}: use 'int8' or 'int4'")
     if group not in (32, 64, 128):
         raise ArchcError(f"group={group!r}: int4 groups are 32, 64 or 128 elements")
+    tp, _ = parallel_sizes(tp, 1)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp:
+        raise ArchcError(f"rank must be a whole number in [0, {tp}), got {rank!r}")
+    shard = (tp, rank) if tp > 1 else None
     path = Path(source)
     if dequantize and not sources.is_gguf(path):
         raise ArchcError(f"dequantize=True is for GGUF files; {source} holds no quantized "
@@ -58,9 +68,13 @@ def load(source: str | Path, *, seed: int = 0, dtype: str | torch.dtype | None =
     model = None
     for matches, loader in SOURCES:
         if matches(path):
-            extra = {"dequantize": True} if dequantize else {}
+            extra: dict = {"dequantize": True} if dequantize else {}
+            if shard is not None and loader in (sources.load_gguf, sources.load_hf):
+                extra["shard"] = shard      # cut as read
             model = loader(path, progress=progress, dtype=name, **extra)
             break
     if model is None:
         model = from_spec(load_spec(source), seed=seed, dtype=name or "f32")
-    return model if quantize is None else model.quantized(quantize, group)
+    if quantize is not None:
+        model = model.quantized(quantize, group)
+    return model if shard is None or model.shard is not None else model.sliced(*shard)

@@ -87,14 +87,25 @@ def _unknown(parser: Parser, command: str | None, extra: list[str]) -> UsageErro
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     prog = "archc"
+    rank = 0            # of a --tp/--cp run: rank 0 alone reports bad input, as every rank meets it
     try:
         args, extra = parser.parse_known_args(argv)
         prog = f"archc {args.command}"
         if extra:
             raise _unknown(parser, args.command, extra)
+        # the commands that run a model as ranks take --timeout; the others price one rank
+        world = args.tp * args.cp if hasattr(args, "timeout") else 1
+        if world > 1:   # one rank of several: started here, or by torchrun
+            from archc import dist
+            if not dist.under_launcher():
+                return dist.launch(sys.argv[1:] if argv is None else argv, world, args.timeout)
+            rank = dist.init_from_env(world, args.timeout, getattr(args, "device", "cpu"))
+            if rank != 0 and hasattr(args, "quiet"):
+                args.quiet = True   # rank 0 speaks for the run
         return int(args.handler(args) or 0)
     except ArchcError as err:
-        print(f"{getattr(err, 'prog', prog)}: error: {err}", file=sys.stderr)
+        if rank == 0:
+            print(f"{getattr(err, 'prog', prog)}: error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from archc.devices import check_fits, checkpoint_elements, default_dtype, dtype_name, resolve_device
+from archc.dist import groups, parallel_sizes
 from archc.errors import ArchcError, Spell, python_option
 from archc.ir.graph import Program
 from archc.ir.lower import lower
@@ -67,6 +68,9 @@ class Model:
     eos_token_ids: tuple[int, ...] = ()   # generation stops at any of these
     notes: tuple[str, ...] = ()           # what the loader wants the user to know
     weights_dtype: str = "f32"            # the dtype random weights are held in
+    # (tp, rank): the weights are tensor-parallel rank `rank`'s slices of the checkpoint, for
+    # a program sharded over tp ranks (``archc.load(…, tp=…, rank=…)``); None: whole
+    shard: tuple[int, int] | None = None
     graph: Program = field(init=False)
     random_weights: bool = field(init=False)   # no checkpoint: the weights mean nothing
 
@@ -79,7 +83,27 @@ class Model:
             self.weights = random_weights(self.graph, seed=self.seed, dtype=self.weights_dtype)
             self.notes += (f"{self.spec.name} is a spec, not a checkpoint: its weights are "
                            f"random (seed {self.seed}), so what it computes means nothing",)
-        check_checkpoint(self.graph, self.weights)
+        check_checkpoint(self.graph if self.shard is None else
+                         self._presliced(self.graph, self.shard[0]), self.weights)
+
+    def _presliced(self, program: Program, tp: int) -> Program:
+        """`program` sharded over tp ranks, reading the slices this model already holds."""
+        from archc.dist import presliced, rank_slices
+        from archc.passes.shard import shard_program
+        sharded = shard_program(program, tp)
+        return presliced(sharded, set(rank_slices(sharded)))
+
+    def sliced(self, tp: int, rank: int) -> Model:
+        """This model holding only tensor-parallel rank `rank`'s slices of the weights a program
+        sharded over tp ranks reads through ``shard()`` (the rest whole)."""
+        from archc.dist import rank_slices, take_slice
+        from archc.passes.shard import shard_program
+        cuts = rank_slices(shard_program(self.graph, tp))
+        weights = {k: take_slice(w, cuts[k], rank) if k in cuts else w
+                   for k, w in (self.weights or {}).items()}
+        out = dataclasses.replace(self, weights=weights, shard=(tp, rank))
+        out.random_weights = self.random_weights
+        return out
 
     def quantized(self, kind: str, group: int = 128) -> Model:
         """This model with the weights of its linear layers and experts quantized (weight-only,
@@ -107,12 +131,23 @@ class Model:
         """Checkpoint tensor → scheme, for the weights kept quantized (empty when none is)."""
         return quant_schemes(self.weights or {})
 
-    def compile(self, backend: str = "eager", *, dtype: str | torch.dtype | None = None,
-                device: str | torch.device = "cpu", **options: Any) -> CompiledModel:
-        """Ready the model to run on `backend` ("eager" or "triton") on `device`, in `dtype`."""
+    def compile(self, backend: str = "eager", *, tp: int = 1, cp: int = 1,
+                dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu",
+                **options: Any) -> CompiledModel:
+        """Ready the model to run on `backend` ("eager" or "triton") on `device`, in `dtype`.
+
+        With `tp` > 1 (tensor parallel) or `cp` > 1 (context parallel) it runs as one rank of
+        an initialized torch.distributed default group of tp · cp processes, every rank calling
+        compile alike: the program is sharded (``archc.passes.shard``, ``archc.passes.context``),
+        this rank's groups are made (tp-major: ``archc.dist``), its parameters are its slices of
+        the weights, and every rank's calls return the full logits."""
         if backend not in BACKENDS:
             raise ArchcError(f"backend={backend!r} is not a backend (known: "
                              f"{', '.join(BACKENDS)})")
+        tp, cp = parallel_sizes(tp, cp)
+        if self.shard is not None and tp != self.shard[0]:
+            raise ArchcError(f"the model holds its weights' slices for tp={self.shard[0]} (rank "
+                             f"{self.shard[1]}); compile it with tp={self.shard[0]}")
         torch_device = resolve_device(device)
         name = default_dtype(self.spec.dtype, torch_device) if dtype is None else \
             dtype_name(dtype)
@@ -132,6 +167,8 @@ class Model:
         check_kv_cache(kv_cache, backend, torch_device)
         program = self.graph if name == "f32" and kv_cache is None else \
             lower(self.spec, name, self.quant, kv_cache=kv_cache)
+        if tp * cp > 1:
+            program, options["comms"] = self._parallel(program, tp, cp)
         module, factory = BACKENDS[backend]
         session = getattr(importlib.import_module(module), factory)(
             self, program, name, torch_device, options)
@@ -139,6 +176,25 @@ class Model:
             from archc.kernel_cache import used
             used(Path(session.module_path))
         return CompiledModel(self, program, session, backend)
+
+    def _parallel(self, program: Program, tp: int, cp: int) -> tuple[Program, dict[str, Any]]:
+        """`program` sharded over tp ranks and cp ranks, and this rank's communicators."""
+        # the program first: a model that does not split is refused before any process waits
+        if self.shard is not None and self.shard[0] != tp:
+            raise ArchcError(f"the model holds its weights' slices for tp={self.shard[0]} (rank "
+                             f"{self.shard[1]}); it cannot compile for tp={tp}")
+        if tp > 1:
+            from archc.passes.shard import shard_program
+            program = shard_program(program, tp) if self.shard is None else \
+                self._presliced(program, tp)
+        if cp > 1:
+            from archc.passes.context import context_parallel
+            program = context_parallel(program, cp)
+        comms = groups(tp, cp)
+        if self.shard is not None and comms["tp"].rank != self.shard[1]:
+            raise ArchcError(f"the model holds tp rank {self.shard[1]}'s slices of its weights; "
+                             f"this process is tp rank {comms['tp'].rank}")
+        return program, comms
 
 
 def check_kv_cache(kv_cache: Any, backend: str, device: torch.device, *,
@@ -177,13 +233,13 @@ EAGER_PIPELINE = ("share-kv-heads", "flash-attention")
 def _eager_backend(model: Model, program: Program, dtype: str, device: torch.device,
                    options: Mapping[str, Any]) -> Session:
     from archc.passes import optimize
-    unknown = sorted(set(options) - {"passes"})
+    unknown = sorted(set(options) - {"passes", "comms"})
     if unknown:
         raise ArchcError(f"the eager backend takes one option, passes (got {', '.join(unknown)})")
     passes = options.get("passes")
     program = optimize(program, EAGER_PIPELINE if passes is None else passes)
     return EagerSession(program, model.weights, max_seq_len=model.spec.max_seq_len,
-                        device=device)
+                        device=device, comms=options.get("comms"))
 
 
 # name → (module, factory(model, program, dtype, device, options) → Session); a backend's module

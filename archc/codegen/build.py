@@ -321,6 +321,24 @@ def build(c: NodeCtx) -> Unit:
     return Unit(c.node.op.value, f"{template}.py.j2", context, kernels, call)
 
 
+def collective_call(c: NodeCtx) -> str:
+    """The host step a collective node becomes in a graph's run function: no kernel, but
+    ``d.collective(op, out, x, group=…, ranks=…, dim=…)``, which records the exchange through
+    the rank's communicator between the launches before and after it (on a GPU, NCCL
+    collectives on the launch stream, captured into the CUDA graph with the kernels). Both
+    the value sent and the one received must be whole buffers (their own roots): the
+    communicator reads and writes plain tensors, not strided views."""
+    x = c.node.inputs[0]
+    for what, i in (("its input", x), ("its output", c.i)):
+        if c.lays[i].root != i:
+            raise c.fail(f"{what} is a view of %{c.lays[i].root}; a collective exchanges whole "
+                         "buffers")
+    a = c.attrs
+    dim = f", dim={int(a['dim'])}" if "dim" in a else ""
+    return (f"d.collective({c.node.op.value!r}, v[{c.i}], v[{x}], group={a['group']!r}, "
+            f"ranks={int(a['ranks'])}{dim})")
+
+
 # ---- the families -----------------------------------------------------------------------------
 
 def _embedding(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:

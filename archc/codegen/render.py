@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 import re
 import sys
 import textwrap
@@ -28,10 +29,11 @@ from types import ModuleType
 import jinja2
 
 from archc import __version__
-from archc.codegen.build import CodegenOptions, JitKernel, NodeCtx, build
+from archc.codegen.build import CodegenOptions, JitKernel, NodeCtx, build, collective_call
 from archc.codegen.layout import CodegenError, layouts
 from archc.ir.expr import act_code, tanh_code
 from archc.ir.graph import Program
+from archc.ir.ops import COLLECTIVE
 from archc.ir.text import format_node, format_program
 from archc.ir.verify import verify
 
@@ -63,7 +65,7 @@ class RenderedUnit:
 class Step:
     node: str          # the IR node, as text
     call: str          # the launch statement
-    unit: str          # the unit's name
+    unit: str          # the unit's name ("" for a host step: a collective)
 
 
 @dataclass
@@ -80,7 +82,7 @@ class Generated:
 
     @property
     def launches(self) -> int:
-        return sum(len(s) for s in self.steps.values())
+        return sum(1 for s in self.steps.values() for step in s if step.unit)
 
     def unit(self, name: str) -> RenderedUnit:
         return next(u for u in self.units if u.name == name)
@@ -127,6 +129,10 @@ def generate(program: Program, options: CodegenOptions) -> Generated:
         steps[g.name] = []
         for i in g.compute_ids():
             ctx = NodeCtx(g, i, lays, options)
+            if g.nodes[i].op in COLLECTIVE:   # a host step between launches, not a kernel
+                steps[g.name].append(Step(_comment_safe(format_node(i, g.nodes[i])),
+                                          collective_call(ctx), ""))
+                continue
             unit = build(ctx)
             for what, layer, kind, shape, dtype in ctx.stored:
                 other = stores[what].setdefault((layer, kind), (shape, dtype))
@@ -156,11 +162,14 @@ def generate(program: Program, options: CodegenOptions) -> Generated:
                         f"{u.name + k.suffix!r}: "
                         f"{dict(family=k.family, unit=u.name, sizes=k.sizes, types=k.types)!r}"
                         for k in u.kernels]) for u in units]
-    graphs = [dict(name=g.name, steps=steps[g.name], unique=len({s.unit for s in steps[g.name]}))
+    graphs = [dict(name=g.name, steps=steps[g.name],
+                   launches=sum(1 for s in steps[g.name] if s.unit),
+                   hosted=sum(1 for s in steps[g.name] if not s.unit),
+                   unique=len({s.unit for s in steps[g.name] if s.unit}))
               for g in program]
     source = ENV.get_template("module.py.j2").render(
         version=__version__, model=program.model, kernels=kernels, graphs=graphs,
-        launches=sum(len(s) for s in steps.values()), options=options.key(),
+        launches=sum(1 for s in steps.values() for step in s if step.unit), options=options.key(),
         graph_hash=digest[:16])
     return Generated(program.model, source, digest, units, steps, stores)
 
@@ -169,7 +178,8 @@ def write_module(gen: Generated, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', gen.model)[:80] or 'model'}.py"
     if not path.exists() or path.read_text() != gen.source:
-        tmp = path.with_suffix(".py.tmp")
+        # a file of this process's own: ranks started together write the same module at once
+        tmp = path.with_suffix(f".py.{os.getpid()}.tmp")
         tmp.write_text(gen.source)
         tmp.replace(path)
     return path

@@ -36,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "seed", default=0)
     add(p, "backend", default="eager")
     add(p, "device", "dtype", "threads", "cache_dir", "quiet")
+    add(p, "tp", default=1, detail="see docs/distributed.md")
+    add(p, "cp", "timeout", detail="see docs/distributed.md")
     add(p, "quantize", "group", "dequantize", "kv_cache")
     add(p, "no_autotune", detail="with --backend triton")
     add(p, "json", detail="one line per turn: the message, the answer and its timings")

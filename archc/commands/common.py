@@ -195,6 +195,11 @@ class Run:
         """The model, its weights in the compute dtype, with a progress bar on a terminal and
         notes on stderr unless --quiet."""
         import archc
+        tp = getattr(self.args, "tp", 1)
+        # a rank reads its tensor-parallel slices only (tp-major: its tp rank is g mod tp)
+        if tp > 1:
+            import torch.distributed as dist
+        rank = 0 if tp == 1 else dist.get_rank() % tp
         with self.timings.phase("load"), Progress(
                 "{task.description}", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                 console=err_console, transient=True,
@@ -204,7 +209,8 @@ class Run:
                                progress=lambda done, total: bar.update(task, completed=done,
                                                                        total=total),
                                quantize=self.quantize, group=self.group or 128,
-                               dequantize=bool(getattr(self.args, "dequantize", False)))
+                               dequantize=bool(getattr(self.args, "dequantize", False)),
+                               tp=tp, rank=rank)
         if not self.quiet:
             for note in model.notes:
                 err_console.print(f"[dim]note: {note}[/]", soft_wrap=True)
@@ -226,5 +232,12 @@ class Run:
             options["autotune"] = False
         if getattr(self.args, "kv_cache", None) is not None:
             options["kv_cache"] = self.args.kv_cache
+        tp, cp = getattr(self.args, "tp", 1), getattr(self.args, "cp", 1)
         with self.timings.phase("compile"):
-            return model.compile(backend, dtype=self.dtype, device=self.device, **options)
+            compiled = model.compile(backend, dtype=self.dtype, device=self.device, tp=tp, cp=cp,
+                                     **options)
+        if tp * cp > 1 and model.weights is not None:
+            # the session holds this rank's slices; the whole checkpoint is let go (the command
+            # compiles once)
+            model.weights.clear()
+        return compiled

@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "threads", detail="default: torch's choice; 1 is often fastest for decoding small "
         "models on a busy machine")
     add(p, "cache_dir")
+    add(p, "tp", default=1, detail="see docs/distributed.md")
+    add(p, "cp", "timeout", detail="see docs/distributed.md")
     add(p, "quantize", "group", "dequantize", "kv_cache")
     add(p, "no_autotune", detail="with --backend triton")
     add(p, "new_tokens", detail=f"default {TEXT_NEW_TOKENS} with --prompt or --chat, "

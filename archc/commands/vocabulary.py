@@ -86,11 +86,17 @@ FLAGS: dict[str, Flag] = {f.names[-1].lstrip("-").replace("-", "_"): f for f in 
     Flag(("--passes",), "the pass pipeline: default, none, or pass names separated by commas "
          "(`archc passes --list`)", "PIPELINE"),
     Flag(("--tp",), "tensor-parallel GPUs: the model split over N ranks (heads, FFN columns, "
-         "vocabulary), each rank's program priced", "N", {"type": positive_int}),
+         "vocabulary): run and chat start N processes (or join torchrun's), the others price "
+         "each rank's program", "N", {"type": positive_int}),
     Flag(("--gpu",), "the GPU the roofline models: " + ", ".join(GPUS), "MODEL"),
     Flag(("--seed",), "seed of random weights, random prompts and sampling", "N",
          {"type": nonnegative_int}),
     Flag(("--threads",), "CPU threads torch may use", "N", {"type": positive_int}),
+    Flag(("--cp",), "context-parallel ranks: the sequence split over M processes (ring "
+         "attention), each also --tp wide", "M", {"type": positive_int, "default": 1}),
+    Flag(("--timeout",), "seconds a rank of a --tp/--cp run waits for the others (to start, or "
+         "in a collective) before the run stops with an error", "SECONDS",
+         {"type": number(float, 0, 86400), "default": 120.0}),
     Flag(("--temperature",), "sampling temperature; 0 picks the likeliest token", "T",
          {"type": number(float, 0)}),
     Flag(("--top-k",), "sample among the K likeliest tokens", "K", {"type": positive_int}),

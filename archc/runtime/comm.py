@@ -132,6 +132,20 @@ def run_simulated(size: int, fn: Callable[[int], T], timeout: float = 120.0) -> 
     return results  # type: ignore[return-value]
 
 
+def _peers_lost(fn: Callable[..., T]) -> Callable[..., T]:
+    """A TorchComm collective whose failure — a peer process gone (its connection closed), or
+    the group's timeout run out while waiting for one — is a RunError naming this rank."""
+    @functools.wraps(fn)
+    def run(self: TorchComm, *args: object) -> T:
+        try:
+            return fn(self, *args)
+        except RuntimeError as err:   # torch's DistBackendError and gloo's errors
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise RunError(f"rank {self.dist.get_rank()}: {fn.__name__} failed — another rank "
+                           f"stopped or did not answer within the timeout ({first})") from None
+    return run
+
+
 class TorchComm:
     """A torch.distributed process group (None: the default group), as a Comm."""
 
@@ -141,11 +155,13 @@ class TorchComm:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
 
+    @_peers_lost
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         out = x.clone()
         self.dist.all_reduce(out, group=self.group)
         return out
 
+    @_peers_lost
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self.dist.all_gather(parts, x.contiguous(), group=self.group)
@@ -155,6 +171,7 @@ class TorchComm:
         # gloo has no reduce_scatter: the sum everywhere, then this rank's slice
         return self.all_reduce(x).chunk(self.size, dim=dim)[self.rank].contiguous()
 
+    @_peers_lost
     def ring_pass(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         dist = self.dist
         nxt = dist.get_global_rank(self.group, (self.rank + 1) % self.size) \

@@ -29,6 +29,7 @@ from archc.ir.graph import Graph
 from archc.ir.ops import Op
 from archc.runtime import tuning
 from archc.runtime.buffers import plan_buffers
+from archc.runtime.comm import Comm, LocalComm
 from archc.runtime.weights import TORCH_DTYPES
 
 # (callable, positional arguments, keyword arguments): a kernel launch or a host step
@@ -78,6 +79,15 @@ class StaticStore:
             t.zero_()
 
 
+# a collective op → what it computes through a communicator (archc.runtime.comm.Comm)
+_EXCHANGES: dict[str, Callable[[Comm, torch.Tensor, int], torch.Tensor]] = {
+    "all_reduce": lambda c, x, dim: c.all_reduce(x),
+    "all_gather": lambda c, x, dim: c.all_gather(x, dim),
+    "reduce_scatter": lambda c, x, dim: c.reduce_scatter(x, dim),
+    "ring_pass": lambda c, x, dim: c.ring_pass([x])[0],
+}
+
+
 @dataclass
 class LaunchContext:
     """What generated launchers read while a plan is built, as a generated module's docstring
@@ -101,6 +111,8 @@ class LaunchContext:
     sms: int = blocks.DEFAULT_SMS       # its SM count: decode launches aim for two programs each
     # kernel, grid → the launch: Triton's kernel[grid] (`archc bench --host` binds no-ops)
     bind: Callable[[Any, Any], Callable[..., Any]] = operator.getitem
+    # a sharded program's groups ("tp", "cp"): this rank's communicators (none: groups of one)
+    comms: Mapping[str, Comm] = field(default_factory=dict)
     _scratch: dict[tuple[str, torch.dtype], torch.Tensor] = field(default_factory=dict)
     _launches: list[Launch] | None = None
     _routing: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)
@@ -142,6 +154,24 @@ class LaunchContext:
         if self._launches is None:
             raise RunError("a generated launcher ran outside a launch plan")
         self._launches.append((fn, args, kw))
+
+    def collective(self, op: str, out: torch.Tensor, x: torch.Tensor, *, group: str,
+                   ranks: int, dim: int = -1) -> None:
+        """Record a collective node's host step: `op` ("all_reduce", "all_gather",
+        "reduce_scatter", "ring_pass") of x over this rank's communicator of `group`, written
+        into out. It runs in order with the launches around it — on a GPU on the same stream,
+        so the kernels before it have written x and those after it read out (and a CUDA graph
+        captures NCCL's kernels with them)."""
+        comm = self.comms.get(group) or LocalComm()
+        if comm.size != ranks:
+            raise RunError(f"the program is sharded over {ranks} {group} ranks; this run has "
+                           f"{comm.size}")
+        exchange = _EXCHANGES[op]
+
+        def step() -> None:
+            out.copy_(exchange(comm, x, dim))
+
+        self.call(step)
 
     def scratch(self, name: str, numel: int, dtype: str) -> torch.Tensor:
         """A scratch buffer of at least `numel` elements of IR dtype `dtype`, shared by every

@@ -28,6 +28,7 @@ from archc.ir.text import format_node
 from archc.kernel_cache import default_cache_dir
 from archc.passes import optimize
 from archc.runtime import tuning
+from archc.runtime.comm import Comm
 from archc.runtime.eager import SessionBase
 from archc.runtime.launch import GraphRunner, LaunchContext, LaunchPlan, StaticStore
 from archc.runtime.weights import materialize
@@ -107,8 +108,10 @@ class TritonSession(SessionBase):
 
     def __init__(self, program: Program, checkpoint: Mapping[str, torch.Tensor], *,
                  max_seq_len: int, dtype: str = "f32", device: str | torch.device = "cpu",
-                 options: TritonOptions | None = None) -> None:
+                 options: TritonOptions | None = None,
+                 comms: Mapping[str, Comm] | None = None) -> None:
         device = torch.device(device)
+        self.comms = dict(comms or {})      # a sharded program's groups: this rank's view
         self.target = self._target(device)
         if dtype == "bf16" and self.target == "interpret":
             raise ArchcError("bf16 on the CPU: Triton's interpreter computes bfloat16 wrongly, so "
@@ -144,22 +147,28 @@ class TritonSession(SessionBase):
                                    for what in ("cache", "state"))
         self.ctx = LaunchContext(self.target, self.device, self.cache, self.states,
                                  self.tuner.tuned if self.tuner else set(), tuner=self.tuner,
-                                 types={k: e["types"] for k, e in self.module.KERNELS.items()})
+                                 types={k: e["types"] for k, e in self.module.KERNELS.items()},
+                                 comms=self.comms)
         # each kernel's prologue overlaps the previous kernel's tail (templates/pdl.j2)
         self.ctx.pdl = (self.options.pdl and self.device.type == "cuda" and self.target == "gpu"
                         and torch.cuda.get_device_capability(self.device)[0] >= 9)
         if self.device.type == "cuda":  # the heuristics' GPU: its capability and SM count
             props = torch.cuda.get_device_properties(self.device)
             self.ctx.sm, self.ctx.sms = 10 * props.major + props.minor, props.multi_processor_count
+        # a CUDA graph captures NCCL collectives with the kernels; any other process group
+        # (gloo) runs on the host, which a replay would skip
         self.cuda_graphs = (self.target == "gpu" and self.options.cuda_graphs
-                            and self.device.type == "cuda")
+                            and self.device.type == "cuda"
+                            and all(_capturable(c) for c in self.comms.values()))
 
     def _target(self, device: torch.device) -> str:
         return prepare_triton(device)
 
     def _parameters(self, graph: Graph, checkpoint: Mapping[str, torch.Tensor]
                     ) -> dict[str, torch.Tensor]:
-        return materialize(graph, checkpoint, self.device)
+        """The graph's parameters; a sharded program's `shard()` slices are this rank's."""
+        rank = self.comms["tp"].rank if "tp" in self.comms else 0
+        return materialize(graph, checkpoint, self.device, rank=rank)
 
     def kv_len(self, past: int, t: int) -> int:
         """Keys a decode-attention grid covers. On a GPU the whole cache: one plan (and one
@@ -223,6 +232,17 @@ class TritonSession(SessionBase):
         return graph
 
 
+def _capturable(comm: Comm) -> bool:
+    """Can a CUDA graph capture `comm`'s collectives? NCCL's, which run as kernels on the
+    current stream; a group of one moves nothing."""
+    if comm.size == 1:
+        return True
+    group = getattr(comm, "group", None)
+    if getattr(comm, "dist", None) is None:
+        return False
+    return str(comm.dist.get_backend(group)) == "nccl"
+
+
 def _tuner(kernels: Mapping[str, Mapping[str, Any]], module_path: Path, digest: str,
            device: torch.device) -> tuning.Tuner:
     """The tuning of a module's kernels on CUDA `device`: those of a family with candidates
@@ -238,9 +258,12 @@ def _tuner(kernels: Mapping[str, Mapping[str, Any]], module_path: Path, digest: 
 
 def triton_backend(model: Any, program: Program, dtype: str, device: torch.device,
                    options: Mapping[str, Any]) -> TritonSession:
+    options = dict(options)
+    comms = options.pop("comms", None)
     unknown = sorted(set(options) - set(TritonOptions.__dataclass_fields__))
     if unknown:
         raise ArchcError(f"unknown triton backend option {', '.join(unknown)} (known: "
                          f"{', '.join(sorted(TritonOptions.__dataclass_fields__))})")
     return TritonSession(program, model.weights, max_seq_len=model.spec.max_seq_len,
-                         dtype=dtype, device=device, options=TritonOptions(**options))
+                         dtype=dtype, device=device, options=TritonOptions(**options),
+                         comms=comms)

@@ -239,7 +239,7 @@ def file_quant(f: GGUFFile, spec: Spec) -> dict[str, str]:
 
 
 def load_gguf(path: Path, *, progress: Progress | None = None, dtype: str | None = None,
-              dequantize: bool = False) -> Model:
+              dequantize: bool = False, shard: tuple[int, int] | None = None) -> Model:
     """The model of a GGUF file, with the tokenizer its `tokenizer.ggml.*` metadata stores, if
     any. Tensors of the quantized types archc has a scheme for stay quantized (any other
     quantized type is refused); the rest are read in f32 (or `dtype`, one at a time). With
@@ -253,7 +253,7 @@ def load_gguf(path: Path, *, progress: Progress | None = None, dtype: str | None
     # rope_freqs.weight, when there, was read into the spec's RoPE scaling
     weights, _ = read_checkpoint(spec, Checkpoint(f), LAYOUT, skip=(r"rope_freqs\.weight",),
                                  progress=progress, dtype=dtype,
-                                 quant={} if dequantize else file_quant(f, spec))
+                                 quant={} if dequantize else file_quant(f, spec), shard=shard)
     tok = {k.removeprefix("tokenizer.ggml."): v for k, v in f.fields.items()}
     eos = [tok[k] for k in ("eos_token_id", "eot_token_id", "eom_token_id")
            if isinstance(tok.get(k), int)]
@@ -264,6 +264,6 @@ def load_gguf(path: Path, *, progress: Progress | None = None, dtype: str | None
         add_bos=tok.get("add_bos_token"), add_space_prefix=tok.get("add_space_prefix"),
         chat_template=tok.get("tokenizer.chat_template"), source=str(path),
     ) if tok.get("tokens") else None
-    return Model(spec, weights, tokenizer=tokenizer,
+    return Model(spec, weights, tokenizer=tokenizer, shard=shard,
                  chat_template=tokenizer.chat_template if tokenizer else None,
                  source=str(path), eos_token_ids=tokenizer.eos_token_ids if tokenizer else ())

@@ -155,13 +155,13 @@ def hf_spec(directory: Path) -> Spec:
 
 
 def load_hf(directory: Path, *, progress: Progress | None = None,
-            dtype: str | None = None) -> Model:
+            dtype: str | None = None, shard: tuple[int, int] | None = None) -> Model:
     """An HF directory's Model: weights (in their stored dtype, or `dtype`), tokenizer, EOS ids."""
     cfg, arch, ckpt, spec = _read(directory, True)
     weights, skipped = read_checkpoint(spec, ckpt, arch.layout, skip=arch.skip,
-                                       progress=progress, dtype=dtype)
+                                       progress=progress, dtype=dtype, shard=shard)
     tokenizer = load_hf_tokenizer(directory)
-    return Model(spec, weights, tokenizer=tokenizer,
+    return Model(spec, weights, tokenizer=tokenizer, shard=shard,
                  chat_template=tokenizer.chat_template if tokenizer else None,
                  source=str(directory), eos_token_ids=_eos_ids(directory, cfg, tokenizer),
                  notes=(f"not part of the computed function, skipped: {', '.join(skipped)}",)

@@ -165,11 +165,15 @@ class Layout:
 def read_checkpoint(spec: Spec, ckpt: Checkpoint, layout: Layout, *, skip: Sequence[str] = (),
                     progress: Progress | None = None,
                     dtype: str | None = None, quant: dict[str, str] | None = None,
+                    shard: tuple[int, int] | None = None,
                     ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The archc checkpoint of `spec`, read by the rules of `layout`, each tensor cast to `dtype`
     (if given) as it is read, except those the source reads quantized (`quant`: archc tensor →
     scheme, which prices them at their scheme's bytes); its bytes are priced against the memory
-    free first. Returns it and the names of the checkpoint tensors skipped (matched by `skip`)."""
+    free first. Returns it and the names of the checkpoint tensors skipped (matched by `skip`).
+    `shard` (tp, rank): keep only tensor-parallel rank `rank`'s slice of each tensor the program
+    sharded over tp ranks reads through ``shard()`` (``archc.dist.rank_slices``), each tensor
+    read, cut and let go in turn, so the whole checkpoint is never held."""
     program = lower(spec)
     check_fits(spec.name, "its weights", checkpoint_elements(program, quant),
                dtype or spec.dtype, spec.family, quantized=quantized_bytes(program, quant or {}))
@@ -190,10 +194,18 @@ def read_checkpoint(spec: Spec, ckpt: Checkpoint, layout: Layout, *, skip: Seque
         shown = ", ".join(f"{n!r} {list(source.shape(n))}" for n in unexpected[:3])
         more = f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""
         raise WeightsError(f"checkpoint has tensors the model does not use: {shown}{more}")
+    cuts: dict[str, tuple[int, int, int]] = {}
+    if shard is not None:
+        from archc.dist import rank_slices
+        from archc.passes.shard import shard_program
+        cuts = rank_slices(shard_program(program, shard[0]))
     out: dict[str, torch.Tensor] = {}
     for done, rule in enumerate(tmap.rules):
         values = rule.convert([source.load(n) for n in rule.sources]) if rule.targets else []
         for target, value in zip(rule.targets, values):
+            if target in cuts:   # the rank's part, kept; the whole tensor is let go
+                from archc.dist import take_slice
+                value = take_slice(value, cuts[target], shard[1])  # type: ignore[index]
             keep = dtype is None or isinstance(value, QTensor)   # quantized: as stored
             out[target] = value if keep else value.to(TORCH_DTYPES[dtype])
         if progress is not None:
