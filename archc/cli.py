@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         if world > 1:   # one rank of several: started here, or by torchrun
             from archc import dist
             if not dist.under_launcher():
+                dist.check_before_launch(args)
                 return dist.launch(sys.argv[1:] if argv is None else argv, world, args.timeout)
             rank = dist.init_from_env(world, args.timeout, getattr(args, "device", "cpu"))
             if rank != 0 and hasattr(args, "quiet"):

@@ -133,6 +133,24 @@ def _worker(argv: Sequence[str]) -> int:
     return rc
 
 
+# the exit statuses of an error archc reported itself (ArchcError: bad input, a failed run)
+REPORTED = (1, 2)
+
+
+def check_before_launch(args: Any) -> None:
+    """What can be refused before any rank starts: a source that does not shard over --tp or
+    run as a ring over --cp (every rank would refuse it, each after loading)."""
+    from archc.ir.lower import lower
+    from archc.passes.context import context_parallel
+    from archc.passes.shard import shard_program
+    from archc.sources import describe
+    program = lower(describe(args.source).spec)
+    if args.tp > 1:
+        program = shard_program(program, args.tp)
+    if args.cp > 1:
+        context_parallel(program, args.cp)
+
+
 def launch(argv: Sequence[str], world: int, timeout: float) -> int:
     """Run the command `argv` as `world` local ranks (torch.distributed's elastic launcher,
     no restarts); returns rank 0's exit status. A rank that fails stops the others: the result
@@ -153,6 +171,9 @@ def launch(argv: Sequence[str], world: int, timeout: float) -> int:
     try:
         elastic_launch(config, _worker)(list(argv))
     except ChildFailedError as err:
+        own = err.failures.get(0)
+        if own is not None and all(f.exitcode in REPORTED for f in err.failures.values()):
+            return own.exitcode     # rank 0 said why (every rank meets the same bad input)
         raise RunError(failed_ranks(err, time.monotonic() - start)) from None
     return 0
 

@@ -228,6 +228,16 @@ def test_a_rank_that_dies_under_torchrun_fails_the_collective_waiting_on_it() ->
         "timeout" in outs[0][1]
 
 
+def test_a_model_that_does_not_shard_is_refused_before_any_rank_starts() -> None:
+    start = time.monotonic()
+    done = archc_cli([*RUN, "--tp", "3"])
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "archc run: error: cannot shard tiny-llama3 over tp=3: attention.heads = 4 does not "
+        "divide by tp; tp values that work: 1, 2, 4"]
+    assert time.monotonic() - start < 15     # no rank was started
+
+
 def test_tp_without_a_process_group_is_refused() -> None:
     with pytest.raises(ArchcError, match="initialize a torch.distributed process group of 2"):
         archc.load("tiny-llama3").compile("eager", tp=2)
