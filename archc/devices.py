@@ -75,18 +75,35 @@ def resolve_device(value: Any, *, spell: Spell = python_option) -> torch.device:
 TINY = {"decoder": "tiny-llama3", "encoder": "tiny-bert", "encoder-decoder": "tiny-t5"}
 
 
-def checkpoint_elements(program: Program, quant: Mapping[str, str] | None = None) -> int:
+def rank_shapes(program: Program, tp: int = 1) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor → the shape one of `tp` tensor-parallel ranks holds of it (its slice,
+    or the whole tensor where the shard pass replicates it)."""
+    shapes = checkpoint_shapes(program)
+    if tp == 1:
+        return shapes
+    from archc.dist import rank_slices
+    from archc.passes.shard import shard_program
+    out = dict(shapes)
+    for name, (dim, parts, _) in rank_slices(shard_program(program, tp)).items():
+        dims = list(shapes[name])
+        dims[dim] //= parts
+        out[name] = tuple(dims)
+    return out
+
+
+def checkpoint_elements(program: Program, quant: Mapping[str, str] | None = None,
+                        tp: int = 1) -> int:
     """Elements of the checkpoint tensors held as floats (those `quant` does not keep
-    quantized)."""
-    return sum(math.prod(dims) for name, dims in checkpoint_shapes(program).items()
+    quantized), by one of `tp` tensor-parallel ranks."""
+    return sum(math.prod(dims) for name, dims in rank_shapes(program, tp).items()
                if name not in (quant or {}))
 
 
-def quantized_bytes(program: Program, quant: Mapping[str, str]) -> int:
+def quantized_bytes(program: Program, quant: Mapping[str, str], tp: int = 1) -> int:
     """Bytes of the checkpoint tensors kept quantized (`quant`: tensor → scheme), scales
-    included: what they hold whatever the compute dtype."""
+    included: what they hold whatever the compute dtype, on one of `tp` ranks."""
     return sum(math.ceil(math.prod(dims) * DTYPE_BYTES[quant[name]])
-               for name, dims in checkpoint_shapes(program).items() if name in quant)
+               for name, dims in rank_shapes(program, tp).items() if name in quant)
 
 
 def host_available() -> int | None:

@@ -287,3 +287,23 @@ def test_a_rank_reads_its_slices_of_a_hf_directory(tiny_hf_dir: Path) -> None:  
         assert sum(tensor_bytes(w) for w in got.weights.values()) < 0.6 * total
     with pytest.raises(ArchcError, match="compile it with tp=2"):
         got.compile("eager")
+
+
+@pytest.mark.parametrize("name,tp", [("tiny-llama3", 2), ("tiny-llama3", 4), ("tiny-mixtral", 2)])
+def test_a_rank_is_priced_at_its_slices(name: str, tp: int) -> None:
+    """What memory checks price a rank at: the elements of the params it materializes."""
+    from archc.devices import checkpoint_elements
+    from archc.ir.lower import lower
+    from archc.ir.paramexpr import leaf, leaves
+    from archc.runtime.weights import materialize, random_weights
+    from archc.spec import load_spec
+    program = lower(load_spec(name))
+    sharded = shard_program(program, tp)
+    weights = random_weights(program)
+    held = 0
+    for g in sharded:
+        params = materialize(g, weights, rank=tp - 1)
+        held += sum(params[n.name].numel() for n in g.nodes if n.op == Op.PARAM
+                    and leaves(n.attr("expr") or leaf(n.name)))
+    assert checkpoint_elements(program, tp=tp) == held
+    assert held < checkpoint_elements(program)

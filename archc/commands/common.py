@@ -177,9 +177,11 @@ class Run:
         # weights), and validation runs both. A GPU's copies are read on the host first.
         program = lower(self.spec)   # tensors a source keeps quantized priced at their bytes
         quant = {} if getattr(args, "dequantize", False) else self.source.quant
-        elements, quantized = checkpoint_elements(program, quant), quantized_bytes(program, quant)
+        tp = getattr(args, "tp", 1)  # a rank of a --tp run holds its slices only
+        elements = checkpoint_elements(program, quant, tp)
+        quantized = quantized_bytes(program, quant, tp)
         # the eager reference holds quantized weights dequantized (EagerSession)
-        dense = checkpoint_elements(program) - elements if backend != "triton" else 0
+        dense = checkpoint_elements(program, tp=tp) - elements if backend != "triton" else 0
         copies = {"eager": 1, "triton": 2, None: 3}[backend]
         host = [(torch.device("cpu"), 1)] if self.device.type == "cuda" else []
         for device, n in [*host, (self.device, copies)]:

@@ -175,8 +175,10 @@ def read_checkpoint(spec: Spec, ckpt: Checkpoint, layout: Layout, *, skip: Seque
     sharded over tp ranks reads through ``shard()`` (``archc.dist.rank_slices``), each tensor
     read, cut and let go in turn, so the whole checkpoint is never held."""
     program = lower(spec)
-    check_fits(spec.name, "its weights", checkpoint_elements(program, quant),
-               dtype or spec.dtype, spec.family, quantized=quantized_bytes(program, quant or {}))
+    tp = shard[0] if shard is not None else 1      # a rank prices only its slices
+    check_fits(spec.name, "its weights" if tp == 1 else f"its weights' slices for 1 of {tp} ranks",
+               checkpoint_elements(program, quant, tp), dtype or spec.dtype, spec.family,
+               quantized=quantized_bytes(program, quant or {}, tp))
     tmap = TensorMap(layout, spec, ckpt, checkpoint_shapes(program))
     source, present = ckpt.source, ckpt.names
     for rule in tmap.rules:  # check everything before reading anything
