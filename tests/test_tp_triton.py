@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from archc.ir.graph import Program
-from archc.ir.ops import Op
 from archc.ir.lower import lower
+from archc.ir.ops import Op
 from archc.passes.shard import shard_program
 from archc.runtime.comm import Comm, SimulatedComm, SimulatedWorld, TorchComm, run_simulated
 from archc.runtime.triton_backend import TritonOptions, TritonSession
@@ -93,8 +93,9 @@ def gloo_rank(name: str, vocab: int, tp: int, cache_dir: str
     """outputs() of this process's rank (a spawned gloo process) of the tp-sharded program."""
     spec, program, checkpoint = model(name, vocab)
     sharded = shard_program(program, tp)
-    return outputs(spec, session(spec, sharded, checkpoint, Path(cache_dir),
-                                 {"tp": TorchComm()}))
+    comm = TorchComm()   # a cache directory per rank: processes never read a half-written module
+    return outputs(spec, session(spec, sharded, checkpoint, Path(cache_dir) / str(comm.rank),
+                                 {"tp": comm}))
 
 
 def test_vocabulary_parallel_embedding_in_gloo_processes(tmp_path: Path) -> None:
