@@ -12,9 +12,13 @@ from pathlib import Path
 
 import torch
 
+from archc.codegen.aot import compile_module
+from archc.codegen.build import CodegenOptions
+from archc.codegen.render import generate, write_module
 from archc.ir.graph import Program
 from archc.ir.lower import lower
 from archc.ir.ops import Op
+from archc.passes import optimize
 from archc.passes.shard import shard_program
 from archc.runtime.comm import Comm, SimulatedComm, SimulatedWorld, TorchComm, run_simulated
 from archc.runtime.triton_backend import TritonOptions, TritonSession
@@ -103,3 +107,18 @@ def test_vocabulary_parallel_embedding_in_gloo_processes(tmp_path: Path) -> None
     spec, program, checkpoint = model("tiny-llama3", vocab=96)
     want = outputs(spec, session(spec, program, checkpoint, tmp_path))
     assert_same(want, spawn(2, gloo_rank, "tiny-llama3", 96, 2, str(tmp_path)))
+
+
+def test_vocabulary_parallel_embedding_compiles_for_sm90a(tmp_path: Path) -> None:
+    """The masked embedding kernel (its rank's first row a runtime argument) compiles ahead of
+    time for Hopper without spills."""
+    spec = load_spec("llama3-8b")          # no weights: only the kernels are compiled
+    sharded = optimize(shard_program(lower(spec, "bf16"), 2))
+    g = sharded.graph("decoder")
+    assert g.nodes[g.ids(Op.EMBEDDING)[0]].attr("parts") == 2
+    gen = generate(sharded, CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
+    results = compile_module(write_module(gen, tmp_path / "gen"), "sm_90a", jobs=1,
+                             kernels=["embedding_0_kernel"])
+    assert "ids = ids - LO" in gen.source       # the masked kernel, not the whole-table one
+    assert len(results) == 1 and not results[0].error, results
+    assert results[0].registers > 0 and results[0].spill_bytes == 0
