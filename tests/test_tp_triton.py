@@ -20,6 +20,7 @@ from archc.ir.lower import lower
 from archc.ir.ops import Op
 from archc.passes import optimize
 from archc.passes.shard import shard_program
+from archc.quant.pack import quantize
 from archc.runtime.comm import Comm, SimulatedComm, SimulatedWorld, TorchComm, run_simulated
 from archc.runtime.triton_backend import TritonOptions, TritonSession
 from archc.runtime.weights import random_weights
@@ -122,3 +123,18 @@ def test_vocabulary_parallel_embedding_compiles_for_sm90a(tmp_path: Path) -> Non
     assert "ids = ids - LO" in gen.source       # the masked kernel, not the whole-table one
     assert len(results) == 1 and not results[0].error, results
     assert results[0].registers > 0 and results[0].spill_bytes == 0
+
+
+def test_quantized_vocabulary_parallel_table_on_triton(tmp_path: Path) -> None:
+    """A quantized table (int4 in groups of 32, as a GGUF file's may be) split by rows: each
+    rank dequantizes only the rows of its part, the others give 0."""
+    spec, _, checkpoint = model("tiny-llama3", vocab=96)
+    checkpoint = {**checkpoint, "embed.weight": quantize(checkpoint["embed.weight"], "int4",
+                                                         group=32)}
+    program = lower(spec, quant={"embed.weight": "int4_g32"})
+    sharded = shard_program(program, 2)
+    g = sharded.graph("decoder")
+    table = g.nodes[g.nodes[g.ids(Op.EMBEDDING)[0]].inputs[0]]
+    assert table.dtype == "int4_g32" and table.shape[0] == 48
+    want = outputs(spec, session(spec, program, checkpoint, tmp_path))
+    assert_same(want, on_ranks(spec, sharded, checkpoint, tmp_path, 2))
