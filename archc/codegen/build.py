@@ -353,8 +353,12 @@ def _embedding(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
                quant=quant_weight(c, "table"),
                table_stride=texpr(table.strides[0]),
                table_base=f"{texpr(table.offset)} + " if table.offset != 0 else "",
-               R=pexpr(numel(c.node.shape[:-1])))
-    return ctx, [JitKernel("_kernel", "embedding", dict(C=width), c.types(R="i32", T="i32"))]
+               R=pexpr(numel(c.node.shape[:-1])),
+               # vocabulary-parallel: the launcher passes this tp rank's first row (LO)
+               parts=int(c.attrs.get("parts", 1)) > 1)
+    lo = {"LO": "i32"} if ctx["parts"] else {}
+    return ctx, [JitKernel("_kernel", "embedding", dict(C=width),
+                           c.types(R="i32", T="i32", **lo))]
 
 
 def _norm(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:

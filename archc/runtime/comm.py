@@ -75,7 +75,9 @@ class SimulatedWorld:
         self.slots: list[object] = [None] * size
 
     def exchange(self, rank: int, value: T) -> list[T]:
-        self.slots[rank] = value
+        # a copy: the rank goes on once all have read, and may overwrite its buffer (a triton
+        # plan reuses buffers) while a slower rank still sums the values it read
+        self.slots[rank] = _copy(value)
         try:
             self.barrier.wait()
             out = list(self.slots)
@@ -84,6 +86,15 @@ class SimulatedWorld:
             raise RunError(f"rank {rank}: another rank of the group stopped or timed out "
                            "during a collective") from None
         return out  # type: ignore[return-value]
+
+
+def _copy(value: T) -> T:
+    """A tensor, or a list of tensors, copied (anything else as it is)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()  # type: ignore[return-value]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copy(v) for v in value)  # type: ignore[return-value]
+    return value
 
 
 class SimulatedComm:

@@ -12,7 +12,9 @@ the host per step. The KV cache and the recurrent state that kernels update in p
 
 from __future__ import annotations
 
+import functools
 import operator
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -80,6 +82,21 @@ class StaticStore:
 
 
 # a collective op → what it computes through a communicator (archc.runtime.comm.Comm)
+# Triton's interpreter patches triton.language module-wide while a kernel runs: the kernels of
+# simulated ranks (threads of one process, archc.runtime.comm.run_simulated) take turns. Only a
+# kernel holds it, never a collective (ranks meet there).
+_INTERPRETER = threading.Lock()
+
+
+def _one_at_a_time(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (an interpreted kernel launch) run under the interpreter's lock."""
+    @functools.wraps(fn)
+    def locked(*args: Any, **kw: Any) -> Any:
+        with _INTERPRETER:
+            return fn(*args, **kw)
+    return locked
+
+
 _EXCHANGES: dict[str, Callable[[Comm, torch.Tensor, int], torch.Tensor]] = {
     "all_reduce": lambda c, x, dim: c.all_reduce(x),
     "all_gather": lambda c, x, dim: c.all_gather(x, dim),
@@ -146,7 +163,10 @@ class LaunchContext:
             grid = grid(meta)
         if self.pdl:  # every kernel waits for the previous one's writes (templates/pdl.j2)
             meta = {**meta, "launch_pdl": True}
-        self.call(self.bind(kernel, grid), *args, PDL=self.pdl, **meta)
+        run = self.bind(kernel, grid)
+        if self.target == "interpret":
+            run = _one_at_a_time(run)
+        self.call(run, *args, PDL=self.pdl, **meta)
 
     def call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
         """Record `fn(*args, **kw)`: a launch, or a host step (device ops) the plan runs in order
@@ -154,6 +174,12 @@ class LaunchContext:
         if self._launches is None:
             raise RunError("a generated launcher ran outside a launch plan")
         self._launches.append((fn, args, kw))
+
+    def rank(self, group: str) -> int:
+        """This rank's index in `group` ("tp", "cp"): 0 in a group of one. A vocabulary-parallel
+        embedding's launcher reads it to find its part of the table."""
+        comm = self.comms.get(group)
+        return comm.rank if comm is not None else 0
 
     def collective(self, op: str, out: torch.Tensor, x: torch.Tensor, *, group: str,
                    ranks: int, dim: int = -1) -> None:

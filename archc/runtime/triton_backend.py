@@ -138,8 +138,10 @@ class TritonSession(SessionBase):
         self.runners = {g.name: GraphRunner(self.module, g, self._parameters(g, checkpoint),
                                             self.device, reuse_buffers=self.options.reuse_buffers)
                         for g in self.program}
-        # (input name, table rows, the node as text) of each input that indexes an embedding
-        self.id_checks = {g.name: [(g.nodes[n.inputs[1]].name, int(g.nodes[n.inputs[0]].shape[0]),
+        # (input name, table rows, the node as text) of each input that indexes an embedding;
+        # a vocabulary-parallel table holds 1/parts of the rows the ids index
+        self.id_checks = {g.name: [(g.nodes[n.inputs[1]].name,
+                                    int(g.nodes[n.inputs[0]].shape[0]) * int(n.attr("parts") or 1),
                                     format_node(i, n)) for i, n in enumerate(g.nodes)
                                    if n.op == Op.EMBEDDING and g.nodes[n.inputs[1]].op == Op.INPUT]
                           for g in self.program}

@@ -1,0 +1,140 @@
+"""Sharded programs on the triton backend (Triton's interpreter, f32): tp ranks as threads of one
+process (archc.runtime.comm.run_simulated) running the kernels a sharded program compiles to,
+with the collectives as host steps between launches, give the one-rank run's logits to 1e-5
+relative — a vocabulary-parallel embedding (each rank's kernel masks the ids outside its part of
+the table) and a vocabulary-parallel head (its logits all_gathered)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import torch
+
+from archc.codegen.aot import compile_module
+from archc.codegen.build import CodegenOptions
+from archc.codegen.render import generate, write_module
+from archc.ir.graph import Program
+from archc.ir.lower import lower
+from archc.ir.ops import Op
+from archc.passes import optimize
+from archc.passes.shard import shard_program
+from archc.quant.pack import quantize
+from archc.runtime.comm import Comm, SimulatedComm, SimulatedWorld, TorchComm, run_simulated
+from archc.runtime.triton_backend import TritonOptions, TritonSession
+from archc.runtime.weights import random_weights
+from archc.spec import load_spec
+from archc.spec.schema import Spec
+from tests.test_tp_runtime import spawn
+
+TOL = 1e-5
+PREFILL, DECODE, BATCH = 4, 2, 2
+
+
+@functools.cache
+def model(name: str, vocab: int | None = None) -> tuple[Spec, Program, dict]:
+    """A tiny spec (its vocabulary made `vocab`), its unsharded program, a seeded checkpoint."""
+    spec = load_spec(name)
+    if vocab is not None:
+        spec = dataclasses.replace(spec, vocab_size=vocab)
+    program = lower(spec)
+    return spec, program, random_weights(program, seed=5)
+
+
+def session(spec: Spec, program: Program, checkpoint: dict, cache_dir: Path,
+            comms: dict[str, Comm] | None = None) -> TritonSession:
+    """A rank's session. Made in the test's thread: ranks share one generated module, written
+    and loaded once."""
+    return TritonSession(program, checkpoint, max_seq_len=spec.max_seq_len,
+                         options=TritonOptions(autotune=False, cache_dir=str(cache_dir)),
+                         comms=comms)
+
+
+def outputs(spec: Spec, s: TritonSession) -> tuple[list[torch.Tensor], list[int]]:
+    """Prefill, then DECODE greedy steps on one rank: the logits of each step, and the tokens."""
+    ids = torch.randint(0, spec.vocab_size, (BATCH, PREFILL),
+                        generator=torch.Generator().manual_seed(11))
+    logits = [s.step(ids)]
+    tokens: list[int] = []
+    for _ in range(DECODE):
+        nxt = logits[-1][:, -1].argmax(-1, keepdim=True)
+        tokens += nxt.flatten().tolist()
+        logits.append(s.step(nxt))
+    return logits, tokens
+
+
+def on_ranks(spec: Spec, program: Program, checkpoint: dict, cache_dir: Path, size: int,
+             group: str = "tp") -> list[tuple[list[torch.Tensor], list[int]]]:
+    """outputs() of `size` simulated ranks of `group` running `program`'s kernels."""
+    world = SimulatedWorld(size)
+    sessions = [session(spec, program, checkpoint, cache_dir, {group: SimulatedComm(world, r)})
+                for r in range(size)]
+    return run_simulated(size, lambda r: outputs(spec, sessions[r]))
+
+
+def assert_same(want: tuple[list[torch.Tensor], list[int]],
+                ranks: list[tuple[list[torch.Tensor], list[int]]]) -> None:
+    for rank, (logits, tokens) in enumerate(ranks):
+        assert tokens == want[1], f"rank {rank}'s greedy tokens differ"
+        for step, (a, b) in enumerate(zip(logits, want[0], strict=True)):
+            assert a.shape == b.shape
+            err = float((a - b).abs().max() / b.abs().max())
+            assert err <= TOL, f"rank {rank}, step {step}: relative error {err:.2e}"
+
+
+def test_vocabulary_parallel_embedding_and_head_on_triton(tmp_path: Path) -> None:
+    spec, program, checkpoint = model("tiny-llama3", vocab=96)
+    sharded = shard_program(program, 2)
+    g = sharded.graph("decoder")
+    embedding = g.nodes[g.ids(Op.EMBEDDING)[0]]
+    assert embedding.attr("parts") == 2 and len(g.ids(Op.ALL_GATHER)) == 1   # both are split
+    want = outputs(spec, session(spec, program, checkpoint, tmp_path))
+    assert_same(want, on_ranks(spec, sharded, checkpoint, tmp_path, 2))
+
+
+def gloo_rank(name: str, vocab: int, tp: int, cache_dir: str
+              ) -> tuple[list[torch.Tensor], list[int]]:
+    """outputs() of this process's rank (a spawned gloo process) of the tp-sharded program."""
+    spec, program, checkpoint = model(name, vocab)
+    sharded = shard_program(program, tp)
+    comm = TorchComm()   # a cache directory per rank: processes never read a half-written module
+    return outputs(spec, session(spec, sharded, checkpoint, Path(cache_dir) / str(comm.rank),
+                                 {"tp": comm}))
+
+
+def test_vocabulary_parallel_embedding_in_gloo_processes(tmp_path: Path) -> None:
+    """The same, each rank a process of its own (a torch.distributed gloo group)."""
+    spec, program, checkpoint = model("tiny-llama3", vocab=96)
+    want = outputs(spec, session(spec, program, checkpoint, tmp_path))
+    assert_same(want, spawn(2, gloo_rank, "tiny-llama3", 96, 2, str(tmp_path)))
+
+
+def test_vocabulary_parallel_embedding_compiles_for_sm90a(tmp_path: Path) -> None:
+    """The masked embedding kernel (its rank's first row a runtime argument) compiles ahead of
+    time for Hopper without spills."""
+    spec = load_spec("llama3-8b")          # no weights: only the kernels are compiled
+    sharded = optimize(shard_program(lower(spec, "bf16"), 2))
+    g = sharded.graph("decoder")
+    assert g.nodes[g.ids(Op.EMBEDDING)[0]].attr("parts") == 2
+    gen = generate(sharded, CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
+    results = compile_module(write_module(gen, tmp_path / "gen"), "sm_90a", jobs=1,
+                             kernels=["embedding_0_kernel"])
+    assert "ids = ids - LO" in gen.source       # the masked kernel, not the whole-table one
+    assert len(results) == 1 and not results[0].error, results
+    assert results[0].registers > 0 and results[0].spill_bytes == 0
+
+
+def test_quantized_vocabulary_parallel_table_on_triton(tmp_path: Path) -> None:
+    """A quantized table (int4 in groups of 32, as a GGUF file's may be) split by rows: each
+    rank dequantizes only the rows of its part, the others give 0."""
+    spec, _, checkpoint = model("tiny-llama3", vocab=96)
+    checkpoint = {**checkpoint, "embed.weight": quantize(checkpoint["embed.weight"], "int4",
+                                                         group=32)}
+    program = lower(spec, quant={"embed.weight": "int4_g32"})
+    sharded = shard_program(program, 2)
+    g = sharded.graph("decoder")
+    table = g.nodes[g.nodes[g.ids(Op.EMBEDDING)[0]].inputs[0]]
+    assert table.dtype == "int4_g32" and table.shape[0] == 48
+    want = outputs(spec, session(spec, program, checkpoint, tmp_path))
+    assert_same(want, on_ranks(spec, sharded, checkpoint, tmp_path, 2))
