@@ -103,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             rank = dist.init_from_env(world, args.timeout, getattr(args, "device", "cpu"))
             if rank != 0 and hasattr(args, "quiet"):
                 args.quiet = True   # rank 0 speaks for the run
+            try:
+                return int(args.handler(args) or 0)
+            finally:
+                dist.leave()
         return int(args.handler(args) or 0)
     except ArchcError as err:
         if rank == 0:

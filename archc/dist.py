@@ -16,6 +16,7 @@ rather than hangs, and a worker that dies makes the launcher stop the others and
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -110,6 +111,16 @@ def init_from_env(world: int, timeout: float, device: str | None) -> int:
     if rank != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of the process
     return rank
+
+
+def leave() -> None:
+    """Leave the default process group this process joined (its threads stopped before the
+    interpreter exits, which would otherwise abort a rank that has finished)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        # a group whose peers are gone has nothing left to leave
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def free_port() -> int:

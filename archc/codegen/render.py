@@ -21,6 +21,7 @@ import os
 import re
 import sys
 import textwrap
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,8 +179,9 @@ def write_module(gen: Generated, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', gen.model)[:80] or 'model'}.py"
     if not path.exists() or path.read_text() != gen.source:
-        # a file of this process's own: ranks started together write the same module at once
-        tmp = path.with_suffix(f".py.{os.getpid()}.tmp")
+        # a file of this process's and thread's own, then renamed into place: ranks started
+        # together (processes, or simulated ranks' threads) write the same module at once
+        tmp = path.with_suffix(f".py.{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(gen.source)
         tmp.replace(path)
     return path
