@@ -7,6 +7,7 @@ rank's resident weight bytes; and a rank that dies."""
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -51,7 +52,9 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: t
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo")
-        results.put((rank, fn(*args), None))
+        # by value: a tensor put on the queue as it is would be shared through this process,
+        # which may have exited by the time the test reads it
+        results.put((rank, pickle.dumps(fn(*args)), None))
     except BaseException:  # noqa: BLE001 - reported to the test
         results.put((rank, None, traceback.format_exc()))
     finally:
@@ -73,7 +76,7 @@ def spawn(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 90) -
         for _ in range(world):
             rank, value, error = results.get(timeout=timeout)
             assert error is None, f"rank {rank} failed:\n{error}"
-            got[rank] = value
+            got[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(10)
