@@ -239,6 +239,11 @@ def test_a_model_that_does_not_shard_is_refused_before_any_rank_starts() -> None
         "archc run: error: cannot shard tiny-llama3 over tp=3: attention.heads = 4 does not "
         "divide by tp; tp values that work: 1, 2, 4"]
     assert time.monotonic() - start < 15     # no rank was started
+    done = archc_cli([*RUN, "--cp", "2", "--backend", "triton"])
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "archc run: error: --cp with --backend triton: ring attention has no Triton kernel yet; "
+        "run --cp on the eager backend"]
 
 
 def test_tp_without_a_process_group_is_refused() -> None:
