@@ -33,8 +33,6 @@ from archc.ir.paramexpr import leaves, shard
 from archc.quant.tensor import Weight
 from archc.runtime.comm import Comm, LocalComm, TorchComm
 
-DEFAULT_TIMEOUT = 120.0   # seconds a rank waits in a collective, or to join the group
-
 # Test hook: a worker whose rank this names exits at once with status 3 after joining the group,
 # the way a rank that crashes does — how the tests check that the others stop with an error.
 EXIT_RANK_VARIABLE = "ARCHC_TEST_EXIT_RANK"

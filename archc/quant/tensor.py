@@ -175,11 +175,6 @@ class QTensor:
         return QTensor(self.scheme, (*ids.shape, self.shape[-1]),
                        {k: p.reshape(*ids.shape, p.shape[-1]) for k, p in out.parts.items()})
 
-    def reshape_rows(self, lead: Sequence[int]) -> QTensor:
-        """The same rows under other leading dims ([E·N, K] ↔ [E, N, K])."""
-        return self._map(lambda p: p.reshape(*lead, p.shape[-1]).contiguous(),
-                         (*lead, self.shape[-1]))
-
     @staticmethod
     def cat(tensors: Sequence[QTensor], dim: int = 0) -> QTensor:
         first = tensors[0]
