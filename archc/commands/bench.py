@@ -19,7 +19,7 @@ import torch
 from rich.markup import escape
 from rich.table import Table
 
-from archc.commands.common import check_output, quant_of, spec_of
+from archc.commands.common import check_output, quant_of, quant_scheme, spec_of
 from archc.commands.vocabulary import add, positive_int
 from archc.devices import default_dtype, resolve_device
 from archc.errors import ArchcError, cli_option
@@ -124,15 +124,6 @@ def config_of(args: argparse.Namespace) -> Any:
         layers_of_spec=full.layers if spec.layers != full.layers else None,
         kernel_section=not args.no_kernels, cache_dir=args.cache_dir, contexts=contexts,
         quant=quant_scheme(args))
-
-
-def quant_scheme(args: argparse.Namespace) -> str | None:
-    """The scheme --quantize and --group name (None without --quantize)."""
-    if args.group is not None and args.quantize != "int4":
-        raise ArchcError("--group sets int4 groups: give it with --quantize int4")
-    if args.quantize is None:
-        return None
-    return "int8_ch" if args.quantize == "int8" else f"int4_g{args.group or 128}"
 
 
 def run_host(args: argparse.Namespace) -> int:

@@ -104,6 +104,13 @@ def quantize_flags(args: argparse.Namespace) -> tuple[str | None, int | None]:
     return kind, group
 
 
+def quant_scheme(args: argparse.Namespace) -> str | None:
+    """The scheme --quantize and --group name (None without --quantize)."""
+    from archc.quant.pack import scheme_name
+    kind, group = quantize_flags(args)
+    return None if kind is None else scheme_name(kind, group or 128)
+
+
 def quant_of(args: argparse.Namespace, attr: str = "source") -> tuple[Spec, dict[str, str]]:
     """The spec of the source named on the command line and the map of its quantized weights
     (checkpoint tensor → scheme), read without its weights: the source's own quantized tensors,
@@ -111,13 +118,12 @@ def quant_of(args: argparse.Namespace, attr: str = "source") -> tuple[Spec, dict
     from archc.runtime.weights import quantizable
     source = describe(getattr(args, attr))
     quant = dict(source.quant)
-    kind, group = quantize_flags(args)
-    if kind is not None:
+    name = quant_scheme(args)
+    if name is not None:
         if quant:
             raise ArchcError(f"{getattr(args, attr)} is already quantized "
                              f"({', '.join(sorted(set(quant.values())))}); --quantize is for "
                              "float checkpoints")
-        name = "int8_ch" if kind == "int8" else f"int4_g{group or 128}"
         quant = {t: name for t in quantizable(lower(source.spec))}
     return source.spec, quant
 

@@ -28,19 +28,23 @@ def pack_codes(scheme: Scheme, codes: torch.Tensor) -> dict[str, torch.Tensor]:
     return parts
 
 
+def scheme_name(kind: str, group: int = 128) -> str:
+    """The scheme `quantize(w, kind, group)` makes: int8_ch, or int4_g32/64/128."""
+    if kind == "int8":
+        return "int8_ch"
+    if kind == "int4":
+        if group not in (32, 64, 128):
+            raise WeightsError(f"int4 groups of {group}: use 32, 64 or 128")
+        return f"int4_g{group}"
+    raise WeightsError(f"quantize={kind!r}: use 'int8' or 'int4'")
+
+
 def quantize(w: torch.Tensor, kind: str, group: int = 128) -> QTensor:
     """Round-to-nearest, weight-only, symmetric: "int8" per output channel (row), "int4" per
     `group` elements of a row (32, 64 or 128; a last, shorter group where K is not a multiple).
     The scale is max|w| / 127 (int8) or max|w| / 7 (int4, codes −8…7 stored as 0…15)."""
-    if kind == "int8":
-        name, top = "int8_ch", 127
-    elif kind == "int4":
-        if group not in (32, 64, 128):
-            raise WeightsError(f"int4 groups of {group}: use 32, 64 or 128")
-        name, top = f"int4_g{group}", 7
-    else:
-        raise WeightsError(f"quantize={kind!r}: use 'int8' or 'int4'")
-    s = SCHEMES[name]
+    s = SCHEMES[scheme_name(kind, group)]
+    top = 127 if s.bits == 8 else 7
     x = w.float()
     k = x.shape[-1]
     g = k if s.bits == 8 else group
