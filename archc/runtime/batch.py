@@ -1,0 +1,58 @@
+"""Many sequences decoding together: what a server's scheduler drives.
+
+    engine = archc.load("tiny-llama3").compile("eager").engine(block_size=16)
+    logits = engine.prefill(7, prompt_ids, total_tokens=len(prompt_ids) + 32)   # [vocab]
+    logits = engine.decode([7, 9], [next_7, next_9])                            # [2, vocab]
+    engine.release(7)
+
+Sequences are named by the caller's integer ids. Each holds blocks of ``block_size`` tokens of
+the KV cache, from one pool of ``blocks_total`` blocks; a sequence reserves, when it starts, the
+blocks it can ever need (``total_tokens``), so a running sequence never waits for memory. The
+rows of one ``decode`` call may have any past lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from archc.errors import ArchcError
+
+
+class PoolExhausted(ArchcError):
+    """The KV-cache pool has too few free blocks for a sequence: wait for others to finish."""
+
+
+class BatchEngine(Protocol):
+    """A compiled model running many sequences over one pool of KV-cache blocks."""
+
+    block_size: int          # tokens per block
+    blocks_total: int        # blocks in the pool
+    max_batch: int           # rows one decode call may hold
+    max_seq_len: int         # tokens one sequence may reach
+
+    def blocks_free(self) -> int:
+        """Blocks neither held nor reserved by a live sequence."""
+        ...
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks a sequence of `tokens` tokens holds."""
+        ...
+
+    def prefill(self, seq: int, tokens: Sequence[int], total_tokens: int) -> torch.Tensor:
+        """Start sequence `seq` on its prompt `tokens`, reserving the blocks of `total_tokens`
+        tokens (prompt and every token it may generate): the logits of its last token, [vocab].
+        Raises PoolExhausted when the pool cannot reserve them, ArchcError for a known `seq` or
+        a `total_tokens` past max_seq_len."""
+        ...
+
+    def decode(self, seqs: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        """One step of each live sequence in `seqs`, fed its next token (`tokens`, in the same
+        order): logits [len(seqs), vocab]. The rows may have any past lengths."""
+        ...
+
+    def release(self, seq: int) -> None:
+        """Sequence `seq` is done (finished or cancelled): its blocks go back to the pool."""
+        ...
