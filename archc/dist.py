@@ -153,9 +153,6 @@ def check_before_launch(args: Any) -> None:
     from archc.passes.context import context_parallel
     from archc.passes.shard import shard_program
     from archc.sources import describe
-    if args.cp > 1 and getattr(args, "backend", None) == "triton":
-        raise ArchcError("--cp with --backend triton: ring attention has no Triton kernel yet; "
-                         "run --cp on the eager backend")
     program = lower(describe(args.source).spec)
     if args.tp > 1:
         program = shard_program(program, args.tp)

@@ -31,7 +31,7 @@ from archc.ir.cost import node_states
 from archc.ir.graph import Graph, Node
 from archc.ir.ops import OP_TABLE, Op, full_attrs, roles_of
 from archc.ir.ops.steps import STEPS, epilogue_docs, step_expr
-from archc.ir.shapes import DTYPE_BYTES, B, S, numel
+from archc.ir.shapes import DTYPE_BYTES, B, P, S, numel
 from archc.ir.text import format_node
 from archc.quant.schemes import is_quantized, scheme
 
@@ -285,17 +285,7 @@ def quant_weight(c: NodeCtx, role: str) -> dict[str, Any] | None:
 
 # ---- the builder ------------------------------------------------------------------------------
 
-def _refuse_ring(c: NodeCtx) -> None:
-    """Ring attention (context parallel) has no kernel: refuse it by name, at its attention
-    or at the cache writes before it that no pass could fuse into a projection."""
-    if c.node.op.value in ("kv_cache", "attention") and any(
-            n.op.value == "attention" and n.attr("ring") is not None for n in c.g.nodes):
-        raise c.fail("ring attention (context parallel, cp > 1) has no Triton kernel: run "
-                     "cp > 1 on the eager backend")
-
-
 def build(c: NodeCtx) -> Unit:
-    _refuse_ring(c)
     template = OP_TABLE[c.node.op].template
     if template is None or (c.node.op.value == "router" and len(c.node.inputs) == 1):
         known = ", ".join(sorted(op.value for op, d in OP_TABLE.items() if d.template))
@@ -653,7 +643,56 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         kernels.append(JitKernel("_decode", "attention_decode", dict(D=hd), dict(
             c.types(**ints), part_acc_ptr="*fp32", part_ml_ptr="*fp32", count_ptr="*i32",
             SPLITS="i32")))
+    ctx.update(ring=None, ring_kv=None)
+    if a["ring"] is not None:
+        ctx.update(_ring(c, cached, kv_heads, hd))
+        kernels.append(JitKernel("_ring", "attention_ring", {**sizes, "tma": 0}, {
+            "out_ptr": "*" + TRITON_TYPES[c.node.dtype], "acc_ptr": "*fp32",
+            "ml_ptr": "*fp32", **{x.name: x.type for x in c.args}, "kpos_ptr": "*i64", **ints,
+            "KEYS": "i32", "FIRST": "i32", "LAST": "i32"}))
     return ctx, kernels
+
+
+def _host_view(c: NodeCtx, role: str) -> str:
+    """The launcher's view of operand `role` at P = 0 (a ring step's): its root buffer (the
+    launcher's parameter) through the operand's layout."""
+    lay = c.lay(role)
+    at = [pexpr(sympy.sympify(e).xreplace({P: 0})) for e in (*lay.shape, *lay.strides, lay.offset)]
+    r = lay.rank
+    return (f"{role}.as_strided(({', '.join(at[:r])},), ({', '.join(at[r:2 * r])},), "
+            f"{role}.storage_offset() + {at[2 * r]})")
+
+
+def _ring(c: NodeCtx, cached: bool, kv_heads: int, hd: int) -> dict[str, Any]:
+    """What the ring kernel and its launcher read: the tensors of this rank's K/V block (host
+    views of its own rows: k and v — codes and scales of a quantized cache — its positions and
+    its keys' padding), each one's token dimension and filler, and the kernel's arguments with
+    the block's tensors in place of the operands they stand for."""
+    pos = c.lay("positions")
+    if tuple(pos.strides) != (1,) or pos.offset != 0:
+        raise c.fail("ring attention's positions must be a whole contiguous [T] tensor")
+    names = {a.param for a in c.args}
+    local, dims, fills, sub = [], [], [], {}
+    for role in ("k", "v", "k_scale", "v_scale", "padding"):
+        if role not in names:
+            continue
+        sub[role] = f"blk[{len(local)}]"
+        if cached:      # the cache's first T rows: this rank's, written at P = 0
+            local.append(f"{role}[:, :, :T]" if role != "padding" else _host_view(c, role))
+        else:
+            local.append(_host_view(c, role))
+        dims.append("1" if role == "padding" else "2")
+        fills.append("0")
+    kpos = f"blk[{len(local)}]"
+    local.append("positions")
+    dims.append("0")
+    fills.append("-1")
+    what = ", ".join(r for r in ("k", "v", "k_scale", "v_scale", "padding") if r in sub)
+    return dict(
+        ring=dict(ranks=c.attrs["ring"], local=", ".join(local), dims=", ".join(dims),
+                  fills=", ".join(fills), what=f"{what} and their positions", args=c.args,
+                  call=", ".join([*(sub.get(a.param, a.param) for a in c.args), kpos])),
+        ring_kv=dict(stride_t=str(hd)))
 
 
 # ---- fused_linear -----------------------------------------------------------------------------

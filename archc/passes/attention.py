@@ -320,9 +320,6 @@ def fuse_qk_norm(rw: Rewriter) -> None:
 
 def _kv_write(rw: Rewriter, att: int) -> tuple[Linear, Step]:
     """The projection whose epilogue can write the cache `att` reads, and the step that does."""
-    if rw.nodes[att].attr("ring") is not None:
-        raise Refusal("ring attention passes the k and v it is given round the ring; it "
-                      "reads no cache")
     q, kc, vc = rw.nodes[att].inputs[:3]
     k_node, v_node = rw.nodes[kc], rw.nodes[vc]
     layer = k_node.attr("layer")

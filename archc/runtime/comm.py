@@ -211,9 +211,21 @@ class TorchComm:
             [dist.P2POp(dist.irecv, g, prv, self.group) for g in got]
         requests = dist.batch_isend_irecv(ops)
 
-        def wait() -> list[torch.Tensor]:
+        @_peers_lost
+        def ring_pass_wait(self: TorchComm) -> list[torch.Tensor]:
             for req in requests:
                 req.wait()
             sent.clear()
             return got
-        return wait
+        return lambda: ring_pass_wait(self)
+
+
+def ring_pass_start(comm: Comm, xs: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+    """Begin passing `xs` round `comm`'s ring; calling the result waits and gives rank − 1's
+    tensors. A communicator that can (``TorchComm.ring_pass_start``) moves them in the
+    background while the caller computes; others pass them at once."""
+    start = getattr(comm, "ring_pass_start", None)
+    if start is not None:
+        return start(xs)
+    got = comm.ring_pass(xs)
+    return lambda: got

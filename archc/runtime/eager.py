@@ -202,7 +202,8 @@ class SessionBase:
     decoder graph on new tokens after the P already cached (P = 0 after ``reset``). A backend
     runs one graph: ``_run(name, inputs, *, B, T, P, S, held=None)`` → outputs by name."""
 
-    def __init__(self, program: Program, max_seq_len: int, device: torch.device) -> None:
+    def __init__(self, program: Program, max_seq_len: int, device: torch.device,
+                 comms: Mapping[str, Comm] | None = None) -> None:
         self.program = program
         self.max_seq_len = max_seq_len
         self.rope_rows = rope_table_length(program)
@@ -212,6 +213,9 @@ class SessionBase:
         self.has_cross_kv = any(g.name == CROSS_KV for g in program)
         self.cross_kv: dict[str, torch.Tensor] = {}    # the outputs of the cross_kv graph
         self.cross_kv_source: torch.Tensor | None = None
+        self.comms = dict(comms or {})      # a sharded program's groups: this rank's view
+        self._ring_positions: torch.Tensor | None = None    # this rank's tokens in a ring step
+        self._ring_keys = 0     # and the longest rank's token count: a ring's K/V block rows
 
     _run: Callable[..., dict[str, torch.Tensor]]
 
@@ -246,8 +250,8 @@ class SessionBase:
             self.cross_kv_source = encoder_hidden
         return dict(self.cross_kv)
 
-    def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
-               token_types: torch.Tensor | None = None) -> torch.Tensor:
+    def _encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_types: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [B, T, d] of the encoder graph: without a mask every token is real,
         without types all are 0."""
         b, t = tokens.shape
@@ -257,8 +261,8 @@ class SessionBase:
         inputs = {"tokens": tokens, "attention_mask": mask.long(), "token_types": types.long()}
         return self._run("encoder", inputs, B=b, T=t, P=0, S=0)["hidden"]
 
-    def step(self, tokens: torch.Tensor, *, encoder_hidden: torch.Tensor | None = None,
-             encoder_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def _step(self, tokens: torch.Tensor, *, encoder_hidden: torch.Tensor | None = None,
+              encoder_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab] for `tokens` following the P tokens already in the cache."""
         b, t = tokens.shape
         if self.past + t > self.max_seq_len:
@@ -278,54 +282,6 @@ class SessionBase:
         logits = self._run("decoder", inputs, B=b, T=t, P=self.past, S=s, held=held)["logits"]
         self.past += t
         return logits
-
-
-class EagerSession(SessionBase):
-    """A program ready to run eagerly: parameters evaluated once, a KV cache, a recurrent state.
-
-    Quantized weights are dequantized once, here, into the activations' dtype (`dequantize`,
-    the default): the values every op would compute from them on each call, held rather than
-    recomputed — the reference trades memory for speed; the kernels keep them quantized. With
-    dequantize=False the ops dequantize a weight each time they read it."""
-
-    def __init__(self, program: Program, checkpoint: Mapping[str, torch.Tensor], *,
-                 max_seq_len: int, device: str | torch.device = "cpu",
-                 dequantize: bool = True, comms: Mapping[str, Comm] | None = None) -> None:
-        super().__init__(program, max_seq_len, torch.device(device))
-        self.comms = dict(comms or {})      # a sharded program's groups: this rank's view
-        rank = self.comms["tp"].rank if "tp" in self.comms else 0
-        self.params = {g.name: materialize(g, checkpoint, self.device, rank=rank)
-                       for g in program}
-        if dequantize:
-            for g in program:
-                dtype = TORCH_DTYPES[g.compute_dtype]
-                self.params[g.name] = {k: dense(v, dtype) for k, v in self.params[g.name].items()}
-        self.cache = KVCache(max_seq_len)
-        self.state = RecurrentState()
-        self.trace: Trace | None = None
-        self._ring_positions: torch.Tensor | None = None    # this rank's tokens in a ring step
-
-    def reset(self) -> None:
-        super().reset()
-        self.cache = KVCache(self.cache.max_len)
-        self.state = RecurrentState()
-
-    def _run(self, name: str, inputs: dict[str, torch.Tensor], *, B: int, T: int,  # noqa: N803
-             P: int, S: int, held: Mapping[str, torch.Tensor] | None = None,  # noqa: N803
-             ) -> dict[str, torch.Tensor]:
-        # positions are archc's own, P … P + T − 1, as is the prefix length; in a ring step, the
-        # global positions of this rank's tokens. Outside one the "cp" group is left out: its
-        # ring attentions then run whole over what every rank holds.
-        inputs = {k: x.to(self.device) for k, x in inputs.items()}
-        ring = self._ring_positions is not None and name != CROSS_KV
-        inputs["positions"] = self._ring_positions.to(self.device) if ring else \
-            torch.arange(P, P + T, device=self.device)
-        if self.prefix_len is not None:
-            inputs["prefix_len"] = torch.tensor(self.prefix_len, device=self.device)
-        comms = self.comms if ring else {k: c for k, c in self.comms.items() if k != "cp"}
-        return run_graph(self.program.graph(name), self.params[name], inputs,
-                         EagerContext(dict(B=B, T=T, P=P, S=S), self.cache, self.state, comms),
-                         trace=self.trace)
 
     # ---- context parallel: a prefill as a ring over the "cp" group ---------------------------
 
@@ -359,24 +315,29 @@ class EagerSession(SessionBase):
         order = torch.cat(parts).argsort().to(x.device)
         return rows.index_select(dim, order)
 
+    def _cache_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the KV cache — [B, H_kv, max_len, …], codes and scales of a quantized
+        one alike — in the same order on every rank."""
+        raise NotImplementedError
+
     def _gather_cache(self, parts: list[torch.Tensor]) -> None:
         """After a ring prefill every rank holds its tokens' K/V; gather every layer's cache so
-        that each rank holds the whole sequence's, in order (codes and scales of a quantized
-        one alike): the steps that follow run whole on every rank."""
+        that each rank holds the whole sequence's, in order: the steps that follow run whole on
+        every rank."""
         mine, length = len(parts[self.comms["cp"].rank]), sum(len(p) for p in parts)
-        for held in (self.cache.store, self.cache.scales):
-            for key in sorted(held):
-                held[key][:, :, :length] = self._in_order(held[key][:, :, :mine], 2, parts)
+        for held in self._cache_tensors():
+            held[:, :, :length] = self._in_order(held[:, :, :mine], 2, parts)
 
     def _ring(self, parts: list[torch.Tensor], run: Callable[[torch.Tensor], torch.Tensor],
               ) -> torch.Tensor:
         """run(this rank's positions) as a ring step; its [B, T_rank, ·] result gathered in
         sequence order."""
         self._ring_positions = parts[self.comms["cp"].rank]
+        self._ring_keys = max(len(p) for p in parts)
         try:
             local = run(self._ring_positions)
         finally:
-            self._ring_positions = None
+            self._ring_positions, self._ring_keys = None, 0
         return self._in_order(local, 1, parts)
 
     def step(self, tokens: torch.Tensor, *, encoder_hidden: torch.Tensor | None = None,
@@ -386,15 +347,14 @@ class EagerSession(SessionBase):
         t = tokens.shape[1]
         parts = self._ring_split(t, self.past)
         if parts is None:
-            return super().step(tokens, encoder_hidden=encoder_hidden,
-                                encoder_mask=encoder_mask)
+            return self._step(tokens, encoder_hidden=encoder_hidden, encoder_mask=encoder_mask)
         if t > self.max_seq_len:
             raise RunError(f"sequence of {t} tokens exceeds the KV cache (max_seq_len = "
                            f"{self.max_seq_len})")
         self._check_positions(t)
         if self.prefix_len is None:
             self.prefix_len = t     # the whole prompt, not this rank's part of it
-        logits = self._ring(parts, lambda mine: super(EagerSession, self).step(
+        logits = self._ring(parts, lambda mine: self._step(
             tokens[:, mine], encoder_hidden=encoder_hidden, encoder_mask=encoder_mask))
         self.past = t
         self._gather_cache(parts)
@@ -406,8 +366,58 @@ class EagerSession(SessionBase):
         t = tokens.shape[1]
         parts = self._ring_split(t)
         if parts is None:
-            return super().encode(tokens, attention_mask, token_types)
+            return self._encode(tokens, attention_mask, token_types)
         self._check_positions(t)
-        return self._ring(parts, lambda mine: super(EagerSession, self).encode(
+        return self._ring(parts, lambda mine: self._encode(
             tokens[:, mine], None if attention_mask is None else attention_mask[:, mine],
             None if token_types is None else token_types[:, mine]))
+
+
+class EagerSession(SessionBase):
+    """A program ready to run eagerly: parameters evaluated once, a KV cache, a recurrent state.
+
+    Quantized weights are dequantized once, here, into the activations' dtype (`dequantize`,
+    the default): the values every op would compute from them on each call, held rather than
+    recomputed — the reference trades memory for speed; the kernels keep them quantized. With
+    dequantize=False the ops dequantize a weight each time they read it."""
+
+    def __init__(self, program: Program, checkpoint: Mapping[str, torch.Tensor], *,
+                 max_seq_len: int, device: str | torch.device = "cpu",
+                 dequantize: bool = True, comms: Mapping[str, Comm] | None = None) -> None:
+        super().__init__(program, max_seq_len, torch.device(device), comms)
+        rank = self.comms["tp"].rank if "tp" in self.comms else 0
+        self.params = {g.name: materialize(g, checkpoint, self.device, rank=rank)
+                       for g in program}
+        if dequantize:
+            for g in program:
+                dtype = TORCH_DTYPES[g.compute_dtype]
+                self.params[g.name] = {k: dense(v, dtype) for k, v in self.params[g.name].items()}
+        self.cache = KVCache(max_seq_len)
+        self.state = RecurrentState()
+        self.trace: Trace | None = None
+
+    def reset(self) -> None:
+        super().reset()
+        self.cache = KVCache(self.cache.max_len)
+        self.state = RecurrentState()
+
+    def _run(self, name: str, inputs: dict[str, torch.Tensor], *, B: int, T: int,  # noqa: N803
+             P: int, S: int, held: Mapping[str, torch.Tensor] | None = None,  # noqa: N803
+             ) -> dict[str, torch.Tensor]:
+        # positions are archc's own, P … P + T − 1, as is the prefix length; in a ring step, the
+        # global positions of this rank's tokens. Outside one the "cp" group is left out: its
+        # ring attentions then run whole over what every rank holds.
+        inputs = {k: x.to(self.device) for k, x in inputs.items()}
+        ring = self._ring_positions is not None and name != CROSS_KV
+        inputs["positions"] = self._ring_positions.to(self.device) if ring else \
+            torch.arange(P, P + T, device=self.device)
+        if self.prefix_len is not None:
+            inputs["prefix_len"] = torch.tensor(self.prefix_len, device=self.device)
+        comms = self.comms if ring else {k: c for k, c in self.comms.items() if k != "cp"}
+        return run_graph(self.program.graph(name), self.params[name], inputs,
+                         EagerContext(dict(B=B, T=T, P=P, S=S), self.cache, self.state, comms),
+                         trace=self.trace)
+
+    def _cache_tensors(self) -> list[torch.Tensor]:
+        return [held[key] for held in (self.cache.store, self.cache.scales)
+                for key in sorted(held)]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import operator
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -31,12 +31,13 @@ from archc.ir.graph import Graph
 from archc.ir.ops import Op
 from archc.runtime import tuning
 from archc.runtime.buffers import plan_buffers
-from archc.runtime.comm import Comm, LocalComm
+from archc.runtime.comm import Comm, LocalComm, ring_pass_start
 from archc.runtime.weights import TORCH_DTYPES
 
 # (callable, positional arguments, keyword arguments): a kernel launch or a host step
 Launch = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
-PlanKey = tuple[int, int, int, int, int]     # B, T, P (0 unless sizes depend on it), S, keys
+# B, T, P (0 unless sizes depend on it), S, keys, ring block rows (0 outside a ring step)
+PlanKey = tuple[int, int, int, int, int, int]
 MAX_PLANS = 8                                # distinct prompt lengths: keep a few
 
 
@@ -122,6 +123,7 @@ class LaunchContext:
     T: int = 1
     S: int = 0
     kv_len_max: int = 0                 # keys a decode-attention grid must cover
+    ring_keys: int = 0                  # in a ring step (context parallel): a K/V block's rows
     decode_max_rows: int = blocks.DECODE_MAX_ROWS   # tests force either attention kernel
     pdl: bool = False                   # programmatic dependent launch (a GPU of sm_90 or later)
     sm: int = 90                        # the GPU's compute capability (tiles differ below sm_90)
@@ -139,9 +141,10 @@ class LaunchContext:
         self.past = torch.zeros(1, dtype=torch.int32, device=self.device)   # P, on the device
 
     def record(self, run: Callable[[], None], B: int, T: int, S: int,  # noqa: N803
-               kv_len_max: int) -> list[Launch]:
+               kv_len_max: int, ring_keys: int = 0) -> list[Launch]:
         """The launches `run` (a graph's run function or one launcher) makes at these dims."""
         self.B, self.T, self.S, self.kv_len_max = B, T, S, kv_len_max
+        self.ring_keys = ring_keys
         self._launches = []
         try:
             run()
@@ -198,6 +201,51 @@ class LaunchContext:
             out.copy_(exchange(comm, x, dim))
 
         self.call(step)
+
+    def ring(self, ranks: int, local: Sequence[torch.Tensor], dims: Sequence[int],
+             fills: Sequence[float], launch: Callable[[list[torch.Tensor], int, int], None],
+             ) -> None:
+        """Record a ring attention's steps over the "cp" group of `ranks` ranks. `local`: this
+        rank's K/V block — its own tokens' rows of k and v (codes and scales of a quantized
+        cache), their positions, the keys' padding — each with its tokens along `dims`. Every
+        rank's block is filled to `ring_keys` rows (`fills`: position −1, which no query sees)
+        so that a send and its receive agree on the shape. Then `ranks` times: begin passing
+        the block in hand to rank + 1 (and receiving rank − 1's into the other buffer), record
+        `launch(block, first, last)` over the block in hand, wait for the one coming. Two
+        buffers alternate, so a pass never overwrites the block a kernel reads."""
+        comm = self.comms.get("cp") or LocalComm()
+        if comm.size != ranks:
+            raise RunError(f"the program's attention is a ring over {ranks} cp ranks; this run "
+                           f"has {comm.size}")
+        keys = self.ring_keys
+        shapes = [tuple(keys if j == dim else n for j, n in enumerate(x.shape))
+                  for x, dim in zip(local, dims)]
+        buffers = [[torch.full(shape, fill, dtype=x.dtype, device=self.device)
+                    for x, shape, fill in zip(local, shapes, fills)] for _ in range(2)]
+
+        def fill_in() -> None:   # this rank's rows, then the filler (received rows linger)
+            for x, buf, dim, fill in zip(local, buffers[0], dims, fills):
+                n = x.shape[dim]
+                buf.narrow(dim, n, keys - n).fill_(fill)
+                buf.narrow(dim, 0, n).copy_(x)
+
+        self.call(fill_in)
+        coming: list[Callable[[], list[torch.Tensor]]] = []
+
+        def start(block: list[torch.Tensor]) -> None:
+            coming.append(ring_pass_start(comm, block))
+
+        def land(into: list[torch.Tensor]) -> None:
+            for buf, got in zip(into, coming.pop()()):
+                buf.copy_(got)
+
+        for step in range(ranks):
+            block, nxt = buffers[step % 2], buffers[(step + 1) % 2]
+            if step < ranks - 1:
+                self.call(start, block)
+            launch(block, int(step == 0), int(step == ranks - 1))
+            if step < ranks - 1:
+                self.call(land, nxt)
 
     def scratch(self, name: str, numel: int, dtype: str) -> torch.Tensor:
         """A scratch buffer of at least `numel` elements of IR dtype `dtype`, shared by every
@@ -297,20 +345,22 @@ class GraphRunner:
 
     # ---- plans ---------------------------------------------------------------------------
     def plan(self, d: LaunchContext, B: int, T: int, P: int, S: int,  # noqa: N803
-             kv_len_max: int, held: Mapping[str, torch.Tensor] | None = None) -> LaunchPlan:
+             kv_len_max: int, held: Mapping[str, torch.Tensor] | None = None, *,
+             ring: int = 0) -> LaunchPlan:
         """The launch plan at these dims, built on first use. `held` inputs (tensors that stay
-        put, such as the cross-KV cache) are read in place rather than copied."""
+        put, such as the cross-KV cache) are read in place rather than copied. `ring`: in a
+        ring step, the rows of the K/V blocks its attentions pass round the cp group."""
         # a plan holds the KV cache's and the recurrent state's tensors: rebuilt with either
         generations = (d.cache.generation, d.states.generation)
         if generations != self._generations:
             self.plans.clear()
             self._generations = generations
-        key = (B, T, P if self.by_past else 0, S, kv_len_max)
+        key = (B, T, P if self.by_past else 0, S, kv_len_max, ring)
         return self.plans.get(key) or self._build(d, key, held or {})
 
     def _build(self, d: LaunchContext, key: PlanKey, held: Mapping[str, torch.Tensor]
                ) -> LaunchPlan:
-        B, T, P, S, kv_len_max = key  # noqa: N806
+        B, T, P, S, kv_len_max, ring = key  # noqa: N806
         dims = (B, T, P, S)
         g = self.graph
         v = list(self.params)
@@ -324,7 +374,7 @@ class GraphRunner:
             inputs[name] = v[i] = x
         for root, t in self.buffers.tensors(dims, self.device).items():
             v[root] = t
-        launches = d.record(lambda: self.run_fn(v, d), B, T, S, kv_len_max)
+        launches = d.record(lambda: self.run_fn(v, d), B, T, S, kv_len_max, ring)
         outputs = {name: self.value(o, dict(zip("BTPS", dims)), v)
                    for name, o in g.outputs.items()}
         plan = LaunchPlan(key, v, inputs, launches, outputs)

@@ -22,7 +22,7 @@ import torch
 from archc.codegen.build import CodegenOptions
 from archc.codegen.render import generate, load_module, write_module
 from archc.errors import ArchcError, RunError
-from archc.ir.graph import Graph, Program
+from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import Op
 from archc.ir.text import format_node
 from archc.kernel_cache import default_cache_dir
@@ -111,7 +111,6 @@ class TritonSession(SessionBase):
                  options: TritonOptions | None = None,
                  comms: Mapping[str, Comm] | None = None) -> None:
         device = torch.device(device)
-        self.comms = dict(comms or {})      # a sharded program's groups: this rank's view
         self.target = self._target(device)
         if dtype == "bf16" and self.target == "interpret":
             raise ArchcError("bf16 on the CPU: Triton's interpreter computes bfloat16 wrongly, so "
@@ -121,7 +120,7 @@ class TritonSession(SessionBase):
         self.dtype = dtype
         passes = self.options.passes
         super().__init__(program if passes is None else optimize(program, passes), max_seq_len,
-                         device)
+                         device, comms)
         # tuning happens at launch, not in the generated code: a tuned and an untuned session
         # share one module (and its ahead-of-time compiles)
         self.codegen_options = CodegenOptions(target=self.target, max_seq_len=max_seq_len)
@@ -203,11 +202,18 @@ class TritonSession(SessionBase):
         if name == "decoder" and P == 0:   # a sequence starts: the recurrent state reads zeros
             self.states.zero()
         runner = self.runners[name]
-        plan = runner.plan(self.ctx, B, T, P, S, self.kv_len(P, T), held)
+        # a ring step (context parallel): its attentions pass K/V blocks of the longest rank's
+        # token count round the cp group (the cross-KV graph has none)
+        ring = self._ring_keys if name != CROSS_KV else 0
+        plan = runner.plan(self.ctx, B, T, P, S, self.kv_len(P, T), held, ring=ring)
         # the inputs, into the plan's buffers: one small op each, none waiting on the device;
-        # positions are archc's own: below max_seq_len, within every position table
+        # positions are archc's own: below max_seq_len, within every position table — in a
+        # ring step, the global positions of this rank's tokens
         if "positions" in plan.inputs:
-            torch.arange(P, P + T, out=plan.inputs["positions"])
+            if ring:
+                plan.inputs["positions"].copy_(self._ring_positions)
+            else:
+                torch.arange(P, P + T, out=plan.inputs["positions"])
         if "prefix_len" in plan.inputs:
             plan.inputs["prefix_len"].fill_(self.prefix_len)
         runner.feed(plan, inputs)
@@ -217,6 +223,9 @@ class TritonSession(SessionBase):
         if graphs and plan.replay is None:
             plan.replay = self._capture(plan)
         return {k: t.clone() for k, t in plan.outputs.items()}
+
+    def _cache_tensors(self) -> list[torch.Tensor]:
+        return [self.cache.get(*key) for key in sorted(self.generated.stores["cache"])]
 
     def tuning_stats(self) -> dict[str, Any]:
         """What autotuning cost this session so far — its first-run cost: `seconds` spent

@@ -8,7 +8,7 @@ i sits at position L − T + i (P over the cache; an encoder has L = T).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import sympy
@@ -32,6 +32,7 @@ from archc.ir.ops.base import (
     same_dim,
 )
 from archc.ir.shapes import DTYPE_BYTES, P, Shape, numel
+from archc.runtime.comm import ring_pass_start
 
 # ---- rotary positions ----------------------------------------------------------------------
 
@@ -448,8 +449,6 @@ def _attention_infer(sig: Sig) -> tuple[Shape, str]:
             "kv_quant describes the layer's cache: an attention given k and v reads no cache")
     check_mask(sig, _keys(sig))
     if sig.attr("ring") is not None:
-        require(sig.has("k"), "ring attention circulates the k and v it is given; it reads no "
-                "cache (cache_layer)")
         pos = sig.shape("positions")
         require(len(pos) == 1 and same_dim(pos[0], q[2]) and sig.dtype("positions") == "i64",
                 f"ring attention's positions must be i64[{q[2]}], got "
@@ -548,17 +547,6 @@ def _padded(x: torch.Tensor, length: int, fill: int) -> torch.Tensor:
     return torch.cat([x, torch.full(shape, fill, dtype=x.dtype, device=x.device)], dim=dim)
 
 
-def _ring_pass_start(comm: Any, block: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
-    """Begin passing `block` round the ring; the result waits and gives rank − 1's block. A
-    communicator that can (``TorchComm.ring_pass_start``) moves it in the background; others
-    pass it at once."""
-    start = getattr(comm, "ring_pass_start", None)
-    if start is not None:
-        return start(block)
-    got = comm.ring_pass(block)
-    return lambda: got
-
-
 def ring_attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     """Attention over the "cp" group: this rank's queries against every rank's K/V block, the
     blocks passed round the ring (``Comm.ring_pass``) while the one in hand is computed, the
@@ -570,7 +558,9 @@ def ring_attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     if comm.size != at["ring"]:
         raise ValueError(f"the program's attention is a ring over {at['ring']} cp ranks; this "
                          f"run has {comm.size}")
-    q, k, v, pos = a["q"], a["k"], a["v"], a["positions"]
+    q, pos, layer = a["q"], a["positions"], at["cache_layer"]
+    # k and v given, or this rank's rows of the layer's cache (written at P = 0 just before)
+    k, v = (a[r] if layer is None else ctx.cache_read(layer, r) for r in ("k", "v"))
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"a ring step attends over its own {q.shape[2]} tokens; it was given "
                          f"{k.shape[2]} keys (a ring runs at P = 0, after a reset)")
@@ -591,7 +581,7 @@ def ring_attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     for step in range(comm.size):
         # the next block is asked for before this one is computed: a process group moves it
         # while the local block is in hand
-        coming = _ring_pass_start(comm, block) if step < comm.size - 1 else None
+        coming = ring_pass_start(comm, block) if step < comm.size - 1 else None
         kb, vb, kpos = block[:3]
         vf = expand_kv(vb, h).float()
         part = attention_block(qf, expand_kv(kb, h).float(), vf, q_pos, kpos,
