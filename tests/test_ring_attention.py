@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 import archc
-from archc.errors import ArchcError, RunError
+from archc.errors import RunError
 from archc.ir.attrs import Call
 from archc.ir.graph import GraphBuilder, Program
 from archc.ir.lower import lower
@@ -234,15 +234,6 @@ def test_cp_values() -> None:
     # the unfused program: its attention chains are collapsed first
     unfused = context_parallel(archc.load("tiny-llama3").graph, 2)
     assert [n.attr("ring") for n in unfused.graphs[0] if n.op == Op.ATTENTION] == [2, 2]
-
-
-def test_triton_refuses_ring_attention() -> None:
-    from archc.runtime.triton_backend import TritonSession
-    model = archc.load("tiny-llama3")
-    with pytest.raises(ArchcError, match="ring attention .* has no Triton kernel"):
-        TritonSession(context_parallel(model.graph, 2), model.weights,
-                      max_seq_len=model.spec.max_seq_len, dtype="f32",
-                      device=torch.device("cpu"))
 
 
 # ---- two processes over gloo --------------------------------------------------------------

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import archc
+from archc.ir.graph import Program
+from archc.ir.lower import lower
 from archc.passes.context import context_parallel
 from archc.runtime import launch
 from archc.runtime.comm import SimulatedComm, SimulatedWorld, run_simulated
@@ -21,7 +23,7 @@ from tests.conftest import TINY_SPECS
 from tests.test_ring_attention import close, run, splittable
 
 
-def session(model: archc.Model, program: archc.ir.graph.Program, cache_dir: Path,
+def session(model: archc.Model, program: Program, cache_dir: Path,
             comms: dict | None = None) -> TritonSession:
     return TritonSession(program, model.weights, max_seq_len=model.spec.max_seq_len,
                          options=TritonOptions(autotune=False, cache_dir=str(cache_dir)),
@@ -33,8 +35,7 @@ def check_spec(name: str, cp: int, length: int, tmp_path: Path, kv_cache: str | 
     """The ring program of `name` on cp simulated ranks against the one-rank program, both on
     the triton backend; returns each ring attention's block rows, as launched."""
     model = archc.load(name, seed=5)
-    program = model.graph if kv_cache is None else archc.ir.lower.lower(
-        model.spec, "f32", kv_cache=kv_cache)
+    program = model.graph if kv_cache is None else lower(model.spec, "f32", kv_cache=kv_cache)
     ids = torch.randint(0, model.spec.vocab_size, (2, length),
                         generator=torch.Generator().manual_seed(cp))
     go = run(model, program, ids, decode=decode)
@@ -64,6 +65,18 @@ def check_spec(name: str, cp: int, length: int, tmp_path: Path, kv_cache: str | 
 
 @pytest.mark.parametrize("name", [n for n in TINY_SPECS if splittable(n)])
 def test_tiny_spec_cp2_equals_one_rank(name: str, tmp_path: Path) -> None:
-    # 11 tokens: chunks of 3, 3, 3, 2 — rank 0 holds 6, rank 1 holds 5 (a filler row)
+    # 11 tokens: chunks of 3, 3, 3, 2 — rank 0 holds chunks 0 and 3 (5 tokens and a filler
+    # row in its block), rank 1 chunks 1 and 2 (6 tokens)
     blocks = check_spec(name, 2, 11, tmp_path)
     assert 6 in blocks, "the prefill did not run as a ring"
+
+
+def test_cp3_uneven(tmp_path: Path) -> None:
+    # 20 tokens in 6 chunks (4, 4, 3, 3, 3, 3): ranks of 7, 7 and 6 tokens; past the window of 8
+    assert set(check_spec("tiny-mistral", 3, 20, tmp_path, decode=1)) == {7}
+
+
+def test_quantized_kv_cache(tmp_path: Path) -> None:
+    """An int8 cache: each block carries the codes and their scales round the ring; the codes
+    and scales each rank wrote are gathered for the decode steps."""
+    assert check_spec("tiny-llama3", 2, 16, tmp_path, kv_cache="int8")

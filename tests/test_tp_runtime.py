@@ -123,10 +123,12 @@ def test_eager_tp_equals_one_process(source: str, tp: int, cp: int) -> None:
     expect_same(single, spawn(tp * cp, run_tp, source, "eager", tp, cp))
 
 
-@pytest.mark.parametrize(("source", "tp"), [("tiny-llama3", 2)])
-def test_triton_tp_equals_one_process(source: str, tp: int) -> None:
+@pytest.mark.parametrize(("source", "tp", "cp"), [("tiny-llama3", 2, 1), ("tiny-llama3", 2, 2)])
+def test_triton_tp_equals_one_process(source: str, tp: int, cp: int) -> None:
+    """On the kernels too: tp ranks, and tp × cp ranks whose prefill runs the ring kernel, the
+    K/V blocks passed between processes by gloo."""
     single = run_tp(source, "triton", 1)
-    expect_same(single, spawn(tp, run_tp, source, "triton", tp))
+    expect_same(single, spawn(tp * cp, run_tp, source, "triton", tp, cp))
 
 
 def test_eager_tp_2_and_a_ranks_slices_of_the_weights() -> None:
@@ -185,6 +187,16 @@ def test_run_tp_2_prints_what_one_process_prints(one_process_output: str) -> Non
     assert "greedy continuation" in done.stdout
 
 
+def test_run_cp_2_on_triton_prints_what_one_process_prints() -> None:
+    """`archc run --cp 2 --backend triton`: two processes, the prompt's attention a ring of
+    Triton kernels over gloo, print what one process prints."""
+    args = [*RUN, "--backend", "triton", "--dtype", "f32"]
+    one, ring = archc_cli(args), archc_cli([*args, "--cp", "2"])
+    assert one.returncode == 0 and ring.returncode == 0, ring.stderr
+    assert ring.stdout == one.stdout
+    assert "greedy continuation" in ring.stdout
+
+
 def torchrun_style(args: list[str], world: int, env: dict[str, str] | None = None
                    ) -> tuple[list[int], list[tuple[str, str]]]:
     """`python -m archc ARGS` in `world` processes given RANK, WORLD_SIZE, MASTER_ADDR and
@@ -239,11 +251,6 @@ def test_a_model_that_does_not_shard_is_refused_before_any_rank_starts() -> None
         "archc run: error: cannot shard tiny-llama3 over tp=3: attention.heads = 4 does not "
         "divide by tp; tp values that work: 1, 2, 4"]
     assert time.monotonic() - start < 15     # no rank was started
-    done = archc_cli([*RUN, "--cp", "2", "--backend", "triton"])
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [
-        "archc run: error: --cp with --backend triton: ring attention has no Triton kernel yet; "
-        "run --cp on the eager backend"]
 
 
 def test_tp_without_a_process_group_is_refused() -> None:
