@@ -13,12 +13,17 @@ import pytest
 import torch
 
 import archc
+from archc.codegen.aot import compile_module, kernel_table
+from archc.codegen.build import CodegenOptions
+from archc.codegen.render import generate, write_module
 from archc.ir.graph import Program
 from archc.ir.lower import lower
+from archc.passes import optimize
 from archc.passes.context import context_parallel
 from archc.runtime import launch
 from archc.runtime.comm import SimulatedComm, SimulatedWorld, run_simulated
 from archc.runtime.triton_backend import TritonOptions, TritonSession
+from archc.spec import load_spec
 from tests.conftest import TINY_SPECS
 from tests.test_ring_attention import close, run, splittable
 
@@ -80,3 +85,18 @@ def test_quantized_kv_cache(tmp_path: Path) -> None:
     """An int8 cache: each block carries the codes and their scales round the ring; the codes
     and scales each rank wrote are gathered for the decode steps."""
     assert check_spec("tiny-llama3", 2, 16, tmp_path, kv_cache="int8")
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "gemma2-9b"])
+def test_ring_kernel_uses_tensor_cores_without_spills_on_sm90a(name: str, tmp_path: Path
+                                                                ) -> None:
+    """At full size, in bf16, the ring kernel compiles for Hopper with wgmma and no spill."""
+    spec = load_spec(name)
+    program = optimize(context_parallel(lower(spec, "bf16"), 2), "default")
+    path = write_module(generate(program, CodegenOptions(target="gpu", max_seq_len=8192)),
+                        tmp_path)
+    rings = [n for n in kernel_table(path) if n.endswith("_ring")]
+    assert rings
+    for r in compile_module(path, "sm_90a", jobs=1, kernels=rings):
+        assert r.ok, r.error
+        assert r.spill_bytes == 0 and r.wgmma, (r.kernel, r.config, r.spill_bytes, r.wgmma)

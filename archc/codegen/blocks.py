@@ -135,9 +135,14 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         # query rows); 2 stages of K and V (64 KiB in bf16 at head_dim 128) compile without spills
         return _cfg(8, 2, BLOCK_M=128, BLOCK_N=128, TMA=tma)
     if family == "attention_ring":
-        # a ring step's block: the prefill tiles, through pointers (a block is a plain buffer)
-        return {k: v for k, v in launch_config("attention", target, **sizes).items()
-                if k != "TMA"}
+        # a ring step's block: the prefill tiles, through pointers (a block is a plain buffer).
+        # Every block is masked by its keys' loaded positions: at 128 × 128 that spills on
+        # sm_90a (255 registers, 16 bytes, llama3-8b bf16); 64 keys a step fit (223, none)
+        cfg = {k: v for k, v in launch_config("attention", target, **sizes).items()
+               if k != "TMA"}
+        if gpu:
+            cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 64)
+        return cfg
     if family == "attention_decode":
         rows = _clamp_pow2(sizes["R"], 16, DECODE_MAX_ROWS)  # the G·T query rows of a KV head
         block_d = _clamp_pow2(sizes["D"], 16, 1 << 16)
