@@ -72,7 +72,7 @@ def check_spec(name: str, cp: int, length: int, tmp_path: Path, kv_cache: str | 
 def test_tiny_spec_cp2_equals_one_rank(name: str, tmp_path: Path) -> None:
     # 11 tokens: chunks of 3, 3, 3, 2 — rank 0 holds chunks 0 and 3 (5 tokens and a filler
     # row in its block), rank 1 chunks 1 and 2 (6 tokens)
-    blocks = check_spec(name, 2, 11, tmp_path)
+    blocks = check_spec(name, 2, 11, tmp_path, decode=1)
     assert 6 in blocks, "the prefill did not run as a ring"
 
 

@@ -10,8 +10,10 @@ import dataclasses
 import functools
 from pathlib import Path
 
+import pytest
 import torch
 
+import archc
 from archc.codegen.aot import compile_module
 from archc.codegen.build import CodegenOptions
 from archc.codegen.render import generate, write_module
@@ -26,6 +28,9 @@ from archc.runtime.triton_backend import TritonOptions, TritonSession
 from archc.runtime.weights import random_weights
 from archc.spec import load_spec
 from archc.spec.schema import Spec
+from tests.conftest import TINY_SPECS
+from tests.test_ring_attention import run
+from tests.test_shard import refusal
 from tests.test_tp_runtime import spawn
 
 TOL = 1e-5
@@ -138,3 +143,30 @@ def test_quantized_vocabulary_parallel_table_on_triton(tmp_path: Path) -> None:
     assert table.dtype == "int4_g32" and table.shape[0] == 48
     want = outputs(spec, session(spec, program, checkpoint, tmp_path))
     assert_same(want, on_ranks(spec, sharded, checkpoint, tmp_path, 2))
+
+
+# tp = 2 on every tiny spec that shards; tp = 4 where it shows something more: KV heads
+# replicated (llama2-70b's 2, falcon's 1), experts split four ways, an encoder's 4 heads
+TINY_TP = [*((name, 2) for name in TINY_SPECS if refusal(load_spec(name), 2) is None),
+           *((name, 4) for name in ("tiny-llama2-70b", "tiny-falcon", "tiny-mixtral", "tiny-bert")
+             if refusal(load_spec(name), 4) is None)]
+
+
+@pytest.mark.parametrize(("name", "tp"), TINY_TP, ids=[f"{n}-tp{t}" for n, t in TINY_TP])
+def test_tiny_spec_on_tp_ranks_equals_one_rank(name: str, tp: int, tmp_path: Path) -> None:
+    """Tiny specs sharded over tp ranks, on the kernels: an encoder's padded encode, a
+    decoder's (an encoder-decoder's, after its encoder) prefill and a greedy decode step."""
+    model = archc.load(name, seed=5)
+    ids = torch.randint(0, model.spec.vocab_size, (2, 9),
+                        generator=torch.Generator().manual_seed(tp))
+    go = run(model, model.graph, ids, decode=1)
+    want = go(session(model.spec, model.graph, model.weights, tmp_path))
+    sharded = shard_program(model.graph, tp)
+    world = SimulatedWorld(tp)
+    sessions = [session(model.spec, sharded, model.weights, tmp_path,
+                        {"tp": SimulatedComm(world, r)}) for r in range(tp)]
+    for rank, got in enumerate(run_simulated(tp, lambda r: go(sessions[r]))):
+        for step, (a, b) in enumerate(zip(got, want, strict=True)):
+            err = float((a - b).abs().max() / b.abs().max())
+            assert err <= TOL, f"rank {rank}, call {step}: relative error {err:.2e}"
+            assert a.argmax(-1).tolist() == b.argmax(-1).tolist(), f"rank {rank}, call {step}"
