@@ -67,6 +67,10 @@ def test_sixteen_streams_at_once_each_complete_and_correct(tiny: Running) -> Non
         assert (text, finish) == (want["text"], want["finish"]), want["prompt"]
     after = tiny.wait_idle()
     assert after["archc_batch_size_max"] > 1
+    steps = after["archc_decode_batch_size_count"] - before["archc_decode_batch_size_count"]
+    single = after['archc_decode_batch_size_bucket{le="1"}'] - \
+        before['archc_decode_batch_size_bucket{le="1"}']
+    assert single < steps          # some decode steps ran several rows
     assert after["archc_requests_received_total"] - \
         before["archc_requests_received_total"] == CLIENTS
     finished = sum(after.get(f'archc_requests_finished_total{{reason="{r}"}}', 0) -

@@ -58,7 +58,7 @@ METRICS = {
     "archc_generation_tokens_total": ("counter", "tokens generated"),
     "archc_queue_depth": ("gauge", "requests waiting for admission (a batch row and KV blocks)"),
     "archc_batch_size": ("gauge", "sequences in the running batch"),
-    "archc_batch_size_max": ("gauge", "the most sequences one decode step has held"),
+    "archc_batch_size_max": ("gauge", "the most rows one decode step has run"),
     "archc_decode_batch_size": ("histogram", "rows per decode step"),
     "archc_time_to_first_token_seconds": ("histogram", "from a request's arrival to its first "
                                           "token"),
@@ -94,9 +94,11 @@ class Metrics:
     def set(self, name: str, value: float) -> None:
         with self.lock:
             self.counts[name][()] = value
-            if name == "archc_batch_size":
-                top = self.counts["archc_batch_size_max"]
-                top[()] = max(top[()], value)
+
+    def peak(self, name: str, value: float) -> None:
+        """Raise gauge `name` to `value` if it is lower (a maximum seen)."""
+        with self.lock:
+            self.counts[name][()] = max(self.counts[name].get((), 0), value)
 
     def observe(self, name: str, value: float) -> None:
         with self.lock:

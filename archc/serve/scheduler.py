@@ -273,10 +273,11 @@ class Scheduler:
     def _step(self) -> None:
         """One decode step of the whole running batch."""
         batch = list(self.running.values())
-        self.metrics.observe("archc_decode_batch_size", len(batch))
         self.metrics.set("archc_batch_size", len(batch))
         try:
             logits = self.engine.decode([v.seq for v in batch], [v.last_token for v in batch])
+            self.metrics.observe("archc_decode_batch_size", logits.shape[0])
+            self.metrics.peak("archc_batch_size_max", logits.shape[0])
         except Exception as err:  # the engine failed: every row of the step ends in error
             for live in batch:
                 self._finish(live, "error", "", f"{type(err).__name__}: {err}")
