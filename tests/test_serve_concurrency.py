@@ -5,12 +5,15 @@ for everyone makes requests wait their turn rather than fail."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.model_files import tiny_gguf  # noqa: F401  (a fixture)
@@ -122,3 +125,49 @@ def test_a_small_pool_makes_requests_wait_never_fail(tiny_gguf: Path,  # noqa: F
         assert m["archc_batch_size_max"] == 2
         assert m['archc_requests_finished_total{reason="stop"}'] + \
             m.get('archc_requests_finished_total{reason="length"}', 0) == len(wants)
+
+
+@contextlib.contextmanager
+def slowed(running: Running, seconds: float) -> Iterator[None]:
+    """Each decode step of the server's engine takes `seconds` longer."""
+    engine = running.served.scheduler.engine
+    decode = engine.decode
+
+    def slow(*args: Any) -> Any:
+        time.sleep(seconds)
+        return decode(*args)
+
+    engine.decode = slow
+    try:
+        yield
+    finally:
+        del engine.decode
+
+
+def test_a_client_that_stops_waiting_cancels_its_request(tiny: Running) -> None:
+    """Not streamed: the client gives up (a read timeout closes its connection) long before
+    the 50 tokens it asked for, and the server cancels the request."""
+    before = tiny.wait_idle()
+    cancelled = 'archc_requests_finished_total{reason="cancelled"}'
+    body = {"model": tiny.name, "prompt": [10, 15, 20], "max_tokens": 50, "temperature": 0}
+    assert len(tiny.expected(body["prompt"], 50)[0]) == 50     # no end-of-sequence on the way
+    with slowed(tiny, 0.05):
+        start = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{tiny.url}/v1/completions", json=body, timeout=0.5)
+        after = tiny.wait_idle()
+        assert time.monotonic() - start < 50 * 0.05     # it did not run to its end
+    assert after.get(cancelled, 0) == before.get(cancelled, 0) + 1
+    assert after["archc_kv_blocks_free"] == after["archc_kv_blocks_total"]
+
+
+def test_without_max_tokens_a_chat_asks_for_what_the_pool_holds(tiny_gguf: Path,  # noqa: F811
+                                                               ) -> None:
+    """The context is 64 tokens; a pool of 2 blocks of 16 holds 32."""
+    with serving(str(tiny_gguf), blocks=2) as small:
+        messages = [{"role": "user", "content": "the cat"}]
+        ids = small.model.tokenizer.encode_chat(messages)
+        new, text = small.expected(ids, 32 - len(ids))
+        out = client(small).chat.completions.create(model=small.name, messages=messages,
+                                                    temperature=0)
+        assert (out.choices[0].message.content, out.usage.completion_tokens) == (text, len(new))

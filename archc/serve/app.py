@@ -41,6 +41,7 @@ from archc.serve.scheduler import Event, Request, Scheduler
 
 DEFAULT_COMPLETION_TOKENS = 16      # OpenAI's default max_tokens for /v1/completions
 MAX_STOP_STRINGS = 4                # as OpenAI allows
+DISCONNECT_POLL_S = 0.25            # how often a request not streamed asks if its client left
 # fields of OpenAI's requests this server does not implement: a value other than the default
 # (the second item) is refused rather than silently ignored
 UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None,), "echo": (None, False),
@@ -246,12 +247,13 @@ def _job(kind: str, body: dict[str, Any], served: Served) -> Job:
         raise bad_field("stop", "this model has no tokenizer to read text with")
     if kind == "chat":
         prompt, param = _chat_ids(body, served), "messages"
-        room = served.scheduler.max_seq_len - len(prompt)
+        room = served.scheduler.room(len(prompt))
         asked = _whole(body, "max_completion_tokens", 1, None)
         max_tokens = _whole(body, "max_tokens", 1, asked if asked is not None else room)
     else:
         prompt, param = _prompt_ids(body, served), "prompt"
-        max_tokens = _whole(body, "max_tokens", 1, DEFAULT_COMPLETION_TOKENS)
+        room = served.scheduler.room(len(prompt))
+        max_tokens = _whole(body, "max_tokens", 1, min(DEFAULT_COMPLETION_TOKENS, room))
     assert max_tokens is not None
     served.scheduler.check(len(prompt), max(max_tokens, 1), prompt_param=param)
     return Job(kind, prompt, max_tokens, sampling, stop, stream, include_usage)
@@ -329,13 +331,18 @@ async def _events(served: Served, job: Job, is_gone: Callable[[], Any]) -> Async
     request = Request(job.prompt, job.max_tokens, lambda e: loop.call_soon_threadsafe(
         queue.put_nowait, e), job.sampling, job.stop, served.eos)
     served.scheduler.submit(request)
+    checked = time.monotonic()
     try:
         while True:
             try:
-                event = await asyncio.wait_for(queue.get(), timeout=0.5)
+                event = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
             except TimeoutError:
+                event = None
+            if time.monotonic() - checked >= DISCONNECT_POLL_S:   # tokens may never pause
                 if await is_gone():
                     return
+                checked = time.monotonic()
+            if event is None:
                 continue
             yield event
             if event.finish is not None:

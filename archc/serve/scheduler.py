@@ -167,6 +167,15 @@ class Scheduler:
                            f"server's --max-tokens-in-flight of {limit}", param="max_tokens",
                            code="context_length_exceeded")
 
+    def room(self, prompt_tokens: int) -> int:
+        """The most tokens a request with this prompt may ask for: what the context, the pool
+        and --max-tokens-in-flight leave (< 1: none)."""
+        tokens = min(self.max_seq_len, self.engine.blocks_total * self.engine.block_size,
+                     self.max_tokens_in_flight or self.max_seq_len)
+        while tokens > prompt_tokens and self.engine.blocks_for(tokens) > self.engine.blocks_total:
+            tokens -= 1
+        return tokens - prompt_tokens
+
     def submit(self, request: Request) -> None:
         """Queue `request` (already checked); its events start once it is admitted."""
         self.check(len(request.prompt), request.max_tokens)
@@ -211,10 +220,14 @@ class Scheduler:
                     self.cond.wait()
                 if self.stopping:
                     return
-            self._drop_cancelled()
-            self._admit()
-            if self.running:
-                self._step()
+            try:
+                self._drop_cancelled()
+                self._admit()
+                if self.running:
+                    self._step()
+            except Exception as err:  # a bug must not leave clients waiting on a dead loop
+                for live in list(self.running.values()):
+                    self._finish(live, "error", "", f"{type(err).__name__}: {err}")
             self._gauges()
 
     def _gauges(self) -> None:
