@@ -162,8 +162,9 @@ def serving(source: str, *, max_batch: int = 16, blocks: int | None = None,
             server.stop()
 
 
-def client(running: Running, **options: Any) -> Any:
-    """The official OpenAI client, pointed at the server."""
+def client(server: Running | str, **options: Any) -> Any:
+    """The official OpenAI client, pointed at the server (or its URL)."""
     import openai
-    return openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=0,
+    url = server if isinstance(server, str) else server.url
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
                          timeout=options.pop("timeout", 60), **options)

@@ -239,3 +239,46 @@ def test_smollm2_streams_whole_characters(smollm2: Running) -> None:
         if stopped:
             break
     assert stopped and "".join(pieces) == "Voilà: naïve café 🎉🇫"
+
+
+def test_the_command_serves_a_checkpoint(tiny_gguf: Path,  # noqa: F811
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`archc serve FILE --port 0` as the command line runs it, stopped from the test."""
+    import threading
+    import time
+
+    from archc.cli import main
+    from archc.serve import app
+    from tests.serve_helpers import scaffold_engine
+    started: list[app.Server] = []
+    run = app.Server.run
+
+    def remembered(self: app.Server) -> None:
+        started.append(self)
+        run(self)
+
+    monkeypatch.setattr(app.Server, "run", remembered)
+    status: list[int] = []
+    with scaffold_engine():
+        thread = threading.Thread(target=lambda: status.append(main(
+            ["serve", str(tiny_gguf), "--port", "0", "--max-batch", "3", "--quiet",
+             "--model-name", "tiny", "--max-tokens-in-flight", "40"])))
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not (started and started[0].server.started):
+            assert thread.is_alive() and time.monotonic() < deadline
+            time.sleep(0.05)
+        server = started[0]
+        url = f"http://127.0.0.1:{server.port}"
+        try:
+            api = client(url)
+            assert [m.id for m in api.models.list().data] == ["tiny"]
+            out = api.completions.create(model="tiny", prompt="the cat", max_tokens=5)
+            assert out.usage.prompt_tokens == 2 and out.choices[0].finish_reason
+            error = httpx.post(f"{url}/v1/completions", json={
+                "model": "tiny", "prompt": "the cat", "max_tokens": 39}).json()["error"]
+            assert "--max-tokens-in-flight of 40" in error["message"]
+        finally:
+            server.server.should_exit = True
+            thread.join(30)
+    assert status == [0]
