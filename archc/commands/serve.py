@@ -51,8 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model's name in the API (default: the spec's name)")
     add(p, "backend", default="eager")
     add(p, "device", "dtype", "threads", "cache_dir", "quiet")
-    add(p, "seed", default=0, detail="a request without a seed samples from the seed it is "
-        "given here onwards")
+    add(p, "seed", default=0, detail="requests that give no seed draw theirs from a generator "
+        "seeded with it")
     add(p, "quantize", "group", "dequantize", "kv_cache")
     add(p, "no_autotune", detail="with --backend triton")
 
