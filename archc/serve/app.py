@@ -323,32 +323,39 @@ def _failure(event: Event) -> APIError:
     return APIError(500, f"generation failed: {event.error}", code="engine_error")
 
 
-async def _events(served: Served, job: Job, is_gone: Callable[[], Any]) -> AsyncIterator[Event]:
-    """The request's events as they come; the request is cancelled when the consumer stops
-    early (a closed stream) or `is_gone` says the client has disconnected."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[Event] = asyncio.Queue()
-    request = Request(job.prompt, job.max_tokens, lambda e: loop.call_soon_threadsafe(
-        queue.put_nowait, e), job.sampling, job.stop, served.eos)
-    served.scheduler.submit(request)
-    checked = time.monotonic()
-    try:
-        while True:
-            try:
-                event = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
-            except TimeoutError:
-                event = None
-            if time.monotonic() - checked >= DISCONNECT_POLL_S:   # tokens may never pause
-                if await is_gone():
+class Submitted:
+    """A job queued in the scheduler, its events gathered on the event loop of the handler
+    that submitted it."""
+
+    def __init__(self, served: Served, job: Job) -> None:
+        loop = asyncio.get_running_loop()
+        self.served = served
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.request = Request(job.prompt, job.max_tokens, lambda e: loop.call_soon_threadsafe(
+            self.events.put_nowait, e), job.sampling, job.stop, served.eos)
+        served.scheduler.submit(self.request)    # refused here, before any response starts
+
+    async def each(self, is_gone: Callable[[], Any]) -> AsyncIterator[Event]:
+        """The events as they come; the request is cancelled when the consumer stops early (a
+        closed stream) or `is_gone` says the client has disconnected."""
+        checked = time.monotonic()
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(self.events.get(), timeout=DISCONNECT_POLL_S)
+                except TimeoutError:
+                    event = None
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:   # tokens may never pause
+                    if await is_gone():
+                        return
+                    checked = time.monotonic()
+                if event is None:
+                    continue
+                yield event
+                if event.finish is not None:
                     return
-                checked = time.monotonic()
-            if event is None:
-                continue
-            yield event
-            if event.finish is not None:
-                return
-    finally:
-        served.scheduler.cancel(request)
+        finally:
+            self.served.scheduler.cancel(self.request)
 
 
 async def _never() -> bool:
@@ -399,23 +406,23 @@ def build_app(served: Served) -> FastAPI:
 
     async def generate(kind: str, request: HTTPRequest) -> Any:
         job = _job(kind, await body_of(request), served)
-        answer = Answer(job, served)
+        answer, submitted = Answer(job, served), Submitted(served, job)
         if job.stream:
-            return EventStream(_stream(job, answer, request), media_type="text/event-stream",
+            return EventStream(_stream(job, answer, submitted), media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"})
         finish = "cancelled"
-        async for event in _events(served, job, request.is_disconnected):
+        async for event in submitted.each(request.is_disconnected):
             if event.finish == "error":
                 raise _failure(event)
             answer.take(event)
             finish = event.finish or finish
         return JSONResponse(answer.whole(finish))
 
-    async def _stream(job: Job, answer: Answer, request: HTTPRequest) -> AsyncIterator[str]:
+    async def _stream(job: Job, answer: Answer, submitted: Submitted) -> AsyncIterator[str]:
         if job.kind == "chat":
             yield _sse(answer.first_chunk())
         # the response itself listens for the client going away (EventStream)
-        async for event in _events(served, job, _never):
+        async for event in submitted.each(_never):
             if event.finish == "error":
                 yield _sse(_failure(event).body())
                 break

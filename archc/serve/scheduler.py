@@ -229,6 +229,9 @@ class Scheduler:
                 for live in list(self.running.values()):
                     self._finish(live, "error", "", f"{type(err).__name__}: {err}")
             self._gauges()
+            if self.queue and not self.running:
+                with self.cond:     # a queue the engine refused: wait for a change, not spin
+                    self.cond.wait(timeout=0.05)
 
     def _gauges(self) -> None:
         self.metrics.set("archc_queue_depth", len(self.queue))
