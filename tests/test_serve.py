@@ -14,7 +14,7 @@ import pytest
 
 from archc.serve.scheduler import StopText
 from tests.model_files import tiny_gguf  # noqa: F401  (a fixture)
-from tests.serve_helpers import Running, client, serving
+from tests.serving import Running, client, serving
 from tests.test_gguf_smollm2 import smollm2_gguf
 
 pytest.importorskip("openai", reason="needs the openai client (pip install 'archc[test]')")
@@ -249,7 +249,7 @@ def test_the_command_serves_a_checkpoint(tiny_gguf: Path,  # noqa: F811
 
     from archc.cli import main
     from archc.serve import app
-    from tests.serve_helpers import scaffold_engine
+    from tests.serving import scaffold_engine
     started: list[app.Server] = []
     run = app.Server.run
 

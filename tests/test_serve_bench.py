@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serve_helpers import scaffold_engine
+from tests.serving import scaffold_engine
 
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "serve_load.py"
 

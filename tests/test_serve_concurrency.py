@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.model_files import tiny_gguf  # noqa: F401  (a fixture)
-from tests.serve_helpers import Running, client, serving
+from tests.serving import Running, client, serving
 
 pytest.importorskip("openai", reason="needs the openai client (pip install 'archc[test]')")
 

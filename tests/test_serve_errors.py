@@ -16,7 +16,7 @@ import archc
 import archc.commands.common
 from archc.cli import main
 from tests.model_files import tiny_gguf  # noqa: F401  (a fixture)
-from tests.serve_helpers import Running, client, serving
+from tests.serving import Running, client, serving
 
 openai = pytest.importorskip("openai", reason="needs the openai client (pip install "
                              "'archc[test]')")
