@@ -183,3 +183,29 @@ def test_a_source_that_cannot_be_served_is_one_line(source: str, message: str,
     assert main(["serve", source, "--port", "0", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_an_engine_failure_ends_its_requests_with_an_error_and_the_server_goes_on(
+        tiny: Running) -> None:
+    engine = tiny.served.scheduler.engine
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("device lost")
+
+    engine.decode = broken
+    try:
+        r = httpx.post(f"{tiny.url}/v1/completions", timeout=10, json=completion(
+            model=tiny.name, prompt=[10, 15, 20], max_tokens=8))
+        assert r.status_code == 500
+        assert r.json()["error"]["message"] == "generation failed: RuntimeError: device lost"
+        with httpx.stream("POST", f"{tiny.url}/v1/chat/completions", timeout=10, json=chat(
+                model=tiny.name, max_tokens=8, stream=True)) as r:
+            events = [line for line in r.iter_lines() if line]
+        assert "device lost" in events[-2] and events[-1] == "data: [DONE]"
+    finally:
+        del engine.decode
+    m = tiny.wait_idle()
+    assert m['archc_requests_finished_total{reason="error"}'] == 2
+    out = client(tiny).completions.create(model=tiny.name, prompt=[10, 15, 20], max_tokens=8,
+                                          temperature=0)
+    assert out.usage.completion_tokens == 8
