@@ -22,10 +22,12 @@ import archc
 from archc.errors import ArchcError
 from archc.model import CompiledModel
 from archc.runtime.batch import PoolExhausted
-from archc.serve.app import Served, Server, build_app, listen
+from archc.serve.app import build_app
 from archc.serve.engine import engine_for
 from archc.serve.metrics import parse
+from archc.serve.protocol import Served
 from archc.serve.scheduler import Scheduler
+from archc.serve.server import Server, listen
 
 
 class ScaffoldEngine:

@@ -249,16 +249,16 @@ def test_the_command_serves_a_checkpoint(tiny_gguf: Path,  # noqa: F811
     import time
 
     from archc.cli import main
-    from archc.serve import app
+    from archc.serve import server as served_by
     from tests.serving import scaffold_engine
-    started: list[app.Server] = []
-    run = app.Server.run
+    started: list[served_by.Server] = []
+    run = served_by.Server.run
 
-    def remembered(self: app.Server) -> None:
+    def remembered(self: served_by.Server) -> None:
         started.append(self)
         run(self)
 
-    monkeypatch.setattr(app.Server, "run", remembered)
+    monkeypatch.setattr(served_by.Server, "run", remembered)
     status: list[int] = []
     with scaffold_engine():
         thread = threading.Thread(target=lambda: status.append(main(

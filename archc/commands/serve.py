@@ -58,9 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from archc.serve.app import Served, Server, build_app, listen
+    from archc.serve.app import build_app
     from archc.serve.engine import engine_for
+    from archc.serve.protocol import Served
     from archc.serve.scheduler import Scheduler
+    from archc.serve.server import Server, listen
     _check_installed()
     sock = listen(args.listen, args.port)     # an address in use is refused before loading
     try:
