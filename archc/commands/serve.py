@@ -1,0 +1,99 @@
+"""Serve a model over HTTP with OpenAI's API, batching every request together.
+
+`POST /v1/completions` and `POST /v1/chat/completions` (the checkpoint's chat template) answer
+as OpenAI's do, streamed as server-sent events with `"stream": true`; `GET /v1/models` names the
+model, `GET /health` says the server is up and `GET /metrics` gives Prometheus counters
+(requests, tokens, queue depth, batch size, time to first token, inter-token latency, KV-cache
+blocks). One scheduler runs every live request in one batch (continuous batching): a new request
+is prefilled and joins the next decode step, a finished or cancelled one leaves at once. A
+request waits in the queue until the batch has a row free and the KV-cache pool holds every block
+it can need, so none ever stops mid-stream for lack of memory. Any OpenAI client talks to it:
+`OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")`."""
+
+from __future__ import annotations
+
+import argparse
+
+from archc.commands.chat import load_for_text
+from archc.commands.vocabulary import add, number, positive_int
+from archc.ui import err_console
+
+port_number = number(int, 0, None)
+
+
+def _port(text: str) -> int:
+    value = port_number(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a TCP port (0 … 65535)")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add(p, "source", detail="a checkpoint with a tokenizer (chat needs its chat template)")
+    # not --host: `archc bench --host` measures host time, and a flag means one thing everywhere
+    p.add_argument("--listen", default="127.0.0.1", metavar="ADDRESS",
+                   help="the address to listen on (default 127.0.0.1: this machine only; "
+                        "0.0.0.0 for every interface)")
+    p.add_argument("--port", type=_port, default=8000, metavar="PORT",
+                   help="the TCP port to listen on; 0 picks a free one (default 8000)")
+    p.add_argument("--max-batch", type=positive_int, default=16, metavar="N",
+                   help="sequences one decode step runs together, at most (default 16)")
+    p.add_argument("--max-tokens-in-flight", type=positive_int, metavar="N",
+                   help="tokens (prompt and max_tokens) the running requests may reserve "
+                        "together; a request waits in the queue beyond it (default: as many "
+                        "as the KV-cache pool holds)")
+    p.add_argument("--block-size", type=positive_int, default=16, metavar="N",
+                   help="tokens per KV-cache block (default 16)")
+    p.add_argument("--blocks", type=positive_int, metavar="N",
+                   help="KV-cache blocks in the pool (default: the engine's, enough for "
+                        "--max-batch sequences of max_seq_len tokens)")
+    p.add_argument("--model-name", metavar="NAME",
+                   help="the model's name in the API (default: the spec's name)")
+    add(p, "backend", default="eager")
+    add(p, "device", "dtype", "threads", "cache_dir", "quiet")
+    add(p, "seed", default=0, detail="requests that give no seed draw theirs from a generator "
+        "seeded with it")
+    add(p, "quantize", "group", "dequantize", "kv_cache")
+    add(p, "no_autotune", detail="with --backend triton")
+
+
+def run(args: argparse.Namespace) -> int:
+    from archc.serve.app import build_app
+    from archc.serve.engine import engine_for
+    from archc.serve.protocol import Served
+    from archc.serve.scheduler import Scheduler
+    from archc.serve.server import Server, listen
+    _check_installed()
+    sock = listen(args.listen, args.port)     # an address in use is refused before loading
+    try:
+        run_, model = load_for_text(args, "archc serve", chat=False)
+        compiled = run_.compile(model)
+        engine = engine_for(compiled, max_batch=args.max_batch, block_size=args.block_size,
+                            blocks=args.blocks)
+        scheduler = Scheduler(engine, tokenizer=model.tokenizer,
+                              max_tokens_in_flight=args.max_tokens_in_flight,
+                              max_seq_len=model.spec.max_seq_len)
+        name = args.model_name or model.spec.name
+        served = Served(scheduler, name, model.tokenizer, model.spec.vocab_size,
+                        tuple(model.eos_token_ids), seed=args.seed)
+        run_.timings.report(args.quiet)
+        if not args.quiet:
+            host, port = sock.getsockname()[:2]
+            err_console.print(
+                f"serving {name} at http://{host}:{port}/v1 · batches of up to "
+                f"{engine.max_batch} · {engine.blocks_total} KV-cache blocks of "
+                f"{engine.block_size} tokens · context {scheduler.max_seq_len} tokens",
+                soft_wrap=True, highlight=False, markup=False)
+        Server(build_app(served), sock, log_level="warning" if args.quiet else "info").run()
+    finally:
+        sock.close()
+    return 0
+
+
+def _check_installed() -> None:
+    from archc.errors import ArchcError
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as err:
+        raise ArchcError(f"archc serve needs {err.name}: pip install 'archc[serve]'") from None

@@ -1,0 +1,194 @@
+"""The HTTP surface: OpenAI's completions and chat completions over the scheduler.
+
+    GET  /v1/models             the one model served
+    POST /v1/completions        a prompt (text or token ids) continued
+    POST /v1/chat/completions   messages, through the checkpoint's chat template
+    GET  /health                200 while the scheduler runs
+    GET  /metrics               Prometheus text (``archc.serve.metrics``)
+
+Every request body is checked (``archc.serve.protocol``) before it reaches the scheduler; every
+error, a route or method that does not exist included, is in OpenAI's error shape. With
+``stream: true`` the answer comes as server-sent events in OpenAI's chunk format, ending
+``data: [DONE]``; a client that goes away, streamed or not, cancels its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from archc.serve.errors import APIError
+from archc.serve.protocol import Answer, Job, Served, read_job, sse
+from archc.serve.scheduler import Event, Request
+
+DISCONNECT_POLL_S = 0.25            # how often a request not streamed asks if its client left
+
+
+def _failure(event: Event) -> APIError:
+    return APIError(500, f"generation failed: {event.error}", code="engine_error")
+
+
+class Submitted:
+    """A job queued in the scheduler, its events gathered on the event loop of the handler
+    that submitted it."""
+
+    def __init__(self, served: Served, job: Job) -> None:
+        loop = asyncio.get_running_loop()
+        self.served = served
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.request = Request(job.prompt, job.max_tokens, lambda e: loop.call_soon_threadsafe(
+            self.events.put_nowait, e), job.sampling, job.stop, served.eos)
+        served.scheduler.submit(self.request)    # refused here, before any response starts
+
+    async def each(self, is_gone: Callable[[], Any]) -> AsyncIterator[Event]:
+        """The events as they come; the request is cancelled when the consumer stops early (a
+        closed stream) or `is_gone` says the client has disconnected."""
+        checked = time.monotonic()
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(self.events.get(), timeout=DISCONNECT_POLL_S)
+                except TimeoutError:
+                    event = None
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:   # tokens may never pause
+                    if await is_gone():
+                        return
+                    checked = time.monotonic()
+                if event is None:
+                    continue
+                yield event
+                if event.finish is not None:
+                    return
+        finally:
+            self.served.scheduler.cancel(self.request)
+
+
+async def _never() -> bool:
+    return False
+
+def build_app(served: Served) -> FastAPI:
+    """The FastAPI application serving `served`; its scheduler runs while the app does."""
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        if served.scheduler.thread is None:
+            served.scheduler.start()
+        yield
+        served.scheduler.stop()
+
+    app = FastAPI(title="archc", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+
+    def error(err: APIError) -> JSONResponse:
+        served.metrics.add("archc_requests_rejected_total", status=str(err.status))
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: HTTPRequest, err: APIError) -> JSONResponse:
+        return error(err)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: HTTPRequest, err: HTTPException) -> JSONResponse:
+        what = {404: f"no route {request.method} {request.url.path}",
+                405: f"{request.method} is not allowed on {request.url.path}"}
+        return error(APIError(err.status_code, what.get(err.status_code, str(err.detail)),
+                              code="not_found" if err.status_code == 404 else None))
+
+    @app.exception_handler(Exception)
+    async def internal(_: HTTPRequest, err: Exception) -> JSONResponse:
+        return error(APIError(500, f"internal error: {type(err).__name__}: {err}",
+                              code="internal_error"))
+
+    async def body_of(request: HTTPRequest) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            raise APIError(400, "the request body is not valid JSON",
+                           code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        return body
+
+    async def generate(kind: str, request: HTTPRequest) -> Any:
+        job = read_job(kind, await body_of(request), served)
+        answer, submitted = Answer(job, served), Submitted(served, job)
+        if job.stream:
+            return EventStream(_stream(job, answer, submitted), media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"})
+        finish = "cancelled"
+        async for event in submitted.each(request.is_disconnected):
+            if event.finish == "error":
+                raise _failure(event)
+            answer.take(event)
+            finish = event.finish or finish
+        return JSONResponse(answer.whole(finish))
+
+    async def _stream(job: Job, answer: Answer, submitted: Submitted) -> AsyncIterator[str]:
+        if job.kind == "chat":
+            yield sse(answer.first_chunk())
+        # the response itself listens for the client going away (EventStream)
+        async for event in submitted.each(_never):
+            if event.finish == "error":
+                yield sse(_failure(event).body())
+                break
+            answer.take(event)
+            if event.text or event.finish is not None:
+                yield sse(answer.chunk(event))
+        if job.include_usage:
+            yield sse(answer.usage_chunk())
+        yield sse("[DONE]")
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest) -> Any:
+        return await generate("completion", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HTTPRequest) -> Any:
+        return await generate("chat", request)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": served.name, "object": "model", "created": served.created,
+                "owned_by": "archc", "max_model_len": served.scheduler.max_seq_len}
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> Any:
+        if name != served.name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{served.name!r}", param="model", code="model_not_found")
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> Any:
+        thread = served.scheduler.thread
+        if thread is None or not thread.is_alive():
+            raise APIError(503, "the scheduler is not running", code="unhealthy")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        return PlainTextResponse(served.metrics.text(),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    class EventStream(StreamingResponse):
+        """A stream whose generator is always closed when the response ends, however it ends
+        (finished, or the client gone), so that its request is cancelled at once."""
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                await self.body_iterator.aclose()   # type: ignore[attr-defined]
+
+    return app
