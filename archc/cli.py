@@ -14,8 +14,8 @@ from archc import __version__
 from archc.errors import ArchcError
 
 COMMAND_MODULES = ("specs", "show", "ir", "passes", "explain", "diff", "compile", "roofline",
-                   "export_spec", "modernize", "quantize", "run", "chat", "validate", "bench",
-                   "cache")
+                   "export_spec", "modernize", "quantize", "run", "chat", "validate", "report",
+                   "bench", "cache")
 
 # Flags of earlier versions, and what to write instead
 RENAMED = {
