@@ -13,10 +13,9 @@ import webbrowser
 from pathlib import Path
 from typing import Any
 
-from archc.codegen.aot import TARGETS
 from archc.commands.common import Run, check_output, quant_of
 from archc.commands.passes import add_quant_arguments
-from archc.commands.vocabulary import add, positive_int
+from archc.commands.vocabulary import add
 from archc.errors import ArchcError
 from archc.perf.gpus import gpu
 from archc.spec.schema import Spec
@@ -37,11 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--validate", action="store_true",
                    help="run the kernels against eager and show each kernel's error (weights "
                         "are read; a spec gets random ones)")
-    p.add_argument("--target", choices=tuple(TARGETS),
-                   help="compile every unique kernel ahead of time for this GPU (no GPU "
-                        "needed): registers, spills, shared memory, tensor-core instructions")
-    p.add_argument("--jobs", type=positive_int, default=2,
-                   help="parallel compiles with --target (default 2)")
+    add(p, "target", detail="shown beside each kernel")
+    add(p, "jobs", default=2)
     add(p, "gpu", default="h200", detail="the roofline's")
     add(p, "prompt_len", detail=f"the roofline's prefill (default {PROMPT_LEN}, less where "
         "max_seq_len is shorter)")

@@ -217,7 +217,6 @@ def _matching_units(drawn: Generated, full: list[RenderedUnit]) -> dict[tuple[st
 def kernels_data(gen: Generated) -> list[dict[str, Any]]:
     """Codegen's units: source, family, launches and the nodes each implements."""
     return [{"name": u.name, "family": u.family, "launches": len(u.uses), "source": u.source,
-             "header": gen.unit_text(u.name).split(u.source.rstrip())[0],
              "uses": [{"graph": g, "node": i, "text": text} for g, i, text in u.uses]}
             for u in gen.units]
 

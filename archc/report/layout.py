@@ -46,17 +46,20 @@ def depths(g: Graph) -> list[int]:
 def _sweep(rows: list[list[int]], neighbours: list[list[int]], order: range) -> None:
     """Reorder each row of `order` by the mean position of each node's `neighbours` in the
     rows already placed; a node without any keeps its place."""
+    def centred(row: list[int]) -> dict[int, float]:
+        """Positions as drawn: rows are centred, so a slot counts from the row's middle."""
+        return {i: k - (len(row) - 1) / 2 for k, i in enumerate(row)}
+
     pos: dict[int, float] = {}
-    for r in order:
-        for k, i in enumerate(rows[r]):
-            pos.setdefault(i, k)
+    for row in rows:
+        pos.update(centred(row))
     for r in order:
         keyed = []
         for k, i in enumerate(rows[r]):
-            near = [pos[j] for j in neighbours[i] if j in pos and j not in rows[r]]
-            keyed.append((sum(near) / len(near) if near else k, k, i))
+            near = [pos[j] for j in neighbours[i] if j not in rows[r]]
+            keyed.append((sum(near) / len(near) if near else pos[i], k, i))
         rows[r] = [i for _, _, i in sorted(keyed)]
-        pos.update({i: k for k, i in enumerate(rows[r])})
+        pos.update(centred(rows[r]))
 
 
 def place(g: Graph) -> Placed:
