@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "source")
     add(p, "output", detail="the HTML file (default: MODEL-report.html here)")
     p.add_argument("--open", action="store_true", help="open the page in a web browser")
-    add(p, "json", detail="the data the page embeds; the page too only with -o")
+    add(p, "json", detail="the data the page embeds (the page is written too with -o or --open)")
     p.add_argument("--validate", action="store_true",
                    help="run the kernels against eager and show each kernel's error (weights "
                         "are read; a spec gets random ones)")
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     data = report_data.build(spec, quant, options, validate=validate, cache_dir=args.cache_dir)
     if args.json:
         sys.stdout.write(report_data.to_json(data) + "\n")
-        if args.output is None:
+        if args.output is None and not args.open:
             return 0
     path = args.output or default_output(spec.name)
     try:
