@@ -114,6 +114,10 @@ def test_page_steps_through_passes_offline(browser_context: Any, one_layer: tupl
     assert len(set(seen)) > 3          # the passes did change the drawing
     page.fill("#pass-slider", "0")     # the slider goes back to the unfused graph
     assert opened.count() == table[0][1]
+    page.click("#pass-last")
+    assert opened.count() == table[-1][1]
+    page.click("#pass-first")
+    assert opened.count() == table[0][1]
     page.screenshot(path=str(tmp_path / "passes.png"))
     opened.offline_and_clean(path)
 

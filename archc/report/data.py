@@ -233,11 +233,10 @@ def roofline_data(program: Program, gen: Generated, g: GPU, batch: int, prompt_l
         # the units of each row: kernels keyed as `grouped` keys them, in its order
         names: dict[tuple[str, str, str], list[str]] = {}
         for k in ks:
-            key = (k.graph, k.op, grouped([k], g)[0].label)
+            row = names.setdefault((k.graph, k.op, grouped([k], g)[0].label), [])
             unit = units.get((k.graph, k.index))
-            if unit is not None and unit not in names.setdefault(key, []):
-                names[key].append(unit)
-            names.setdefault(key, [])
+            if unit is not None and unit not in row:
+                row.append(unit)
         return {"dims": at, "rows": [
             {"op": r.op, "label": r.label, "launches": r.launches, "flops": r.flops,
              "bytes": r.bytes, "intensity": r.intensity if r.bytes else None, "time": r.time,

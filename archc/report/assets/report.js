@@ -115,9 +115,11 @@ function drawPipeline() {
   const drawnNote = DATA.drawn.layers === DATA.drawn.of ? "the whole model" :
     `${DATA.drawn.layers} of ${DATA.drawn.of} blocks: one period of the layer pattern`;
   s.append(el("div", { class: "stepper" },
+    el("button", { id: "pass-first", onclick: () => selectStep(0) }, "before the passes"),
     el("button", { id: "pass-prev", onclick: () => selectStep(Math.max(state.step - 1, 0)) }, "◀"),
     slider,
     el("button", { id: "pass-next", onclick: () => selectStep(Math.min(state.step + 1, last)) }, "▶"),
+    el("button", { id: "pass-last", onclick: () => selectStep(last) }, "after the passes"),
     el("span", { class: "current", id: "pass-name" }, ""),
     el("span", {}, "nodes drawn: ", el("span", { id: "drawn-count" }, ""), ` (${drawnNote})`)));
   s.append(el("div", { class: "legend" }, ...["io", "param", "view", "matmul", "attention",
