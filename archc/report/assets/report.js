@@ -370,7 +370,7 @@ function rooflinePlot(phase, title) {
              sv("line", { class: "axis", x1: L, x2: L, y1: T, y2: H - B }));
   const roof = [x0, gpu.ridge, x1].map((v) => `${X(v)},${Y(perf(v))}`).join(" ");
   svg.append(sv("polyline", { class: "roof-line", points: roof }));
-  const total = phase.rows.reduce((a, r) => a + r.time, 0);
+  const total = phase.rows.reduce((a, r) => a + r.time, 0) || 1;   // no kernel: no share
   for (const r of pts) {      // a kernel sits on the roof; its area is its share of the time
     const c = sv("circle", { class: `point ${r.bound}`, cx: X(r.intensity), cy: Y(perf(r.intensity)),
                              r: 3 + 12 * Math.sqrt(r.time / total) });
@@ -390,7 +390,7 @@ function rooflinePlot(phase, title) {
 }
 
 function rooflineTable(phase) {
-  const total = phase.rows.reduce((a, r) => a + r.time, 0);
+  const total = phase.rows.reduce((a, r) => a + r.time, 0) || 1;   // no kernel: no share
   return table([["kernel", false], ["reads", false], ["units", false], ["launches", true],
                 ["FLOPs", true], ["bytes", true], ["FLOP/B", true], ["bound", false],
                 ["time", true], ["share", true]],
