@@ -191,3 +191,26 @@ def test_bad_input_is_one_line(argv: list[str], message: str,
     assert main(["report", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_quantized_gguf_s_kernels_are_codegens(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A GGUF whose weights stay quantized: the page says which schemes, and its kernels are
+    the ones codegen renders for the quantized program (dequantizing in their prologues)."""
+    from tests.test_gguf import Q, hf_llama, write_gguf
+    path = tmp_path / "q4_1.gguf"
+    write_gguf(hf_llama(64, 96), path, Q.Q4_1)
+    source = describe(str(path))
+    assert source.quant, "the file's weights should stay quantized"
+    data = report_json(capsys, str(path), "--prompt-len", "8", "--new-tokens", "2")
+    schemes = sorted(set(source.quant.values()))
+    assert sorted(data["quantized"]) == schemes
+    assert data["quantized"] == {s: list(source.quant.values()).count(s) for s in schemes}
+    spec = source.spec
+    gen = generate(optimize(lower(spec, spec.dtype, dict(source.quant))),
+                   CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
+    assert [(k["name"], k["source"]) for k in data["kernels"]] == \
+        [(u.name, u.source) for u in gen.units]
+    dense = generate(optimize(lower(spec, spec.dtype)),
+                     CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
+    assert [k["source"] for k in data["kernels"]] != [u.source for u in dense.units]

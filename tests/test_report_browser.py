@@ -146,6 +146,12 @@ def test_kernel_source_and_provenance_open(browser_context: Any, one_layer: tupl
     assert f"spec field{final.nodes[i].origin}" in provenance
     assert f"last changed by{final.nodes[i].passes[-1]}" in provenance
     page.screenshot(path=str(tmp_path / "kernel.png"), full_page=True)
+    # the roofline: a plot per phase, a point per kernel row that does arithmetic
+    roof = data["roofline"]
+    assert page.locator("svg.roof").count() == 2
+    for k, phase in enumerate(("prefill", "decode")):
+        points = [r for r in roof[phase]["rows"] if r["flops"] and r["intensity"] is not None]
+        assert page.locator("svg.roof").nth(k).locator("circle").count() == len(points) > 0
     # validation, run with --validate: a row per kernel output checked, none diverging
     rows = page.locator("#validation table").nth(1).locator("tr")
     assert rows.count() == len(data["validation"]["kernels"]) + 1 > 1
