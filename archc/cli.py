@@ -15,7 +15,7 @@ from archc.errors import ArchcError
 
 COMMAND_MODULES = ("specs", "show", "ir", "passes", "explain", "diff", "compile", "roofline",
                    "export_spec", "modernize", "quantize", "run", "chat", "serve", "validate",
-                   "bench", "cache")
+                   "report", "bench", "cache")
 
 # Flags of earlier versions, and what to write instead
 RENAMED = {

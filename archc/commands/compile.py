@@ -18,7 +18,7 @@ from rich.markup import escape
 from archc.codegen.aot import TARGETS
 from archc.commands.common import check_output, quant_of
 from archc.commands.passes import add_pipeline_arguments
-from archc.commands.vocabulary import add, positive_int
+from archc.commands.vocabulary import add
 from archc.errors import ArchcError
 from archc.perf.gpus import GPUS, TARGET_GPU
 from archc.spec.schema import Spec
@@ -28,12 +28,9 @@ from archc.ui import console, err_console, nbytes, table
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "source")
     add(p, "output", detail="a directory: the module is also written there, as MODEL.py")
-    p.add_argument("--target", choices=tuple(TARGETS),
-                   help="compile every unique kernel for this GPU (no GPU needed): A100, "
-                        "Hopper, Blackwell")
+    add(p, "target")
     add_pipeline_arguments(p)
-    p.add_argument("--jobs", type=positive_int, default=2,
-                   help="parallel compiles with --target (default 2)")
+    add(p, "jobs", default=2)
     p.add_argument("--kernel", metavar="NAME",
                    help="print only this kernel's source (e.g. fused_linear_0), as in the module")
     add(p, "cache_dir")

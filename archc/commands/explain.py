@@ -37,15 +37,23 @@ def _note(d: Decision) -> str:
     return _same_refusal(d)[3].partition("; ")[2]
 
 
-def run(args: argparse.Namespace) -> int:
-    spec, quant = quant_of(args)
-    decisions = run_pipeline(lower(spec, args.dtype or spec.dtype, quant),
-                             args.passes).decisions()
-    refused: dict[tuple[str, str, str, str], list[Decision]] = {}   # same refusal, each node
+Refusals = dict[tuple[str, str, str, str], list[Decision]]
+
+
+def grouped(decisions: list[Decision]) -> tuple[Counter[tuple[str, str, str]], Refusals]:
+    """The rewrites made, counted by (pass, rule, note), and the refusals grouped by what makes
+    them the same up to node numbers and layers (each group: one decision per node)."""
+    refused: Refusals = {}
     for d in decisions:
         if not d.applied:
             refused.setdefault(_same_refusal(d), []).append(d)
-    made = Counter((d.pass_name, d.rule, _note(d)) for d in decisions if d.applied)
+    return Counter((d.pass_name, d.rule, _note(d)) for d in decisions if d.applied), refused
+
+
+def run(args: argparse.Namespace) -> int:
+    spec, quant = quant_of(args)
+    made, refused = grouped(run_pipeline(lower(spec, args.dtype or spec.dtype, quant),
+                                         args.passes).decisions())
     console.print(f"[bold]{spec.name}[/]: {sum(made.values())} rewrites made; "
                   f"{sum(map(len, refused.values()))} refused "
                   f"({len(refused)} distinct reason{'' if len(refused) == 1 else 's'})")

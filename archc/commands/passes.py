@@ -17,7 +17,7 @@ from archc.ir.lower import lower
 from archc.ir.ops.base import COLLECTIVE
 from archc.ir.shapes import evaluate
 from archc.passes import DEFAULT_PIPELINE, PASSES, run_pipeline
-from archc.passes.manager import known
+from archc.passes.manager import PassStep, known
 from archc.passes.measure import dims, kernels_per_layer, op_delta, stats
 from archc.passes.shard import shard_step
 from archc.ui import console, nbytes, si, table
@@ -60,6 +60,15 @@ def _weights(quant: dict[str, str]) -> str:
     return ", weights " + ", ".join(f"{s} ×{n}" for s, n in counts) if counts else ""
 
 
+def changed(step: PassStep) -> str:
+    """What a pass changed: 'merge-qkv ×2: −6 matmul, …', or 'not applied'."""
+    if not step.changed:
+        return "not applied"
+    rules = Counter(d.rule for d in step.applied())
+    return ", ".join(f"{rule} ×{n}" for rule, n in rules.items()) + \
+        f": {op_delta(step.before, step.after)}"
+
+
 def run(args: argparse.Namespace) -> int:
     if args.list:
         columns = ("pass", "kind", "in default", "what it does")
@@ -83,18 +92,15 @@ def run(args: argparse.Namespace) -> int:
         f", S={at['S']}" if spec.family == "encoder-decoder" else "")
     rows = [("", "lowered", "", stats(lowered, at), "unfused")]
     for k, step in enumerate(steps, 1):
-        rules = Counter(d.rule for d in step.applied())
-        changed = (", ".join(f"{rule} ×{n}" for rule, n in rules.items()) +
-                   f": {op_delta(step.before, step.after)}") if step.changed else "not applied"
-        rows.append((str(k), step.name, step.kind, stats(step.after, at), changed))
+        rows.append((str(k), step.name, step.kind, stats(step.after, at), changed(step)))
     console.print(table(
         f"{spec.name}: pass pipeline ({dtype}{_weights(quant)}; costs per new token at "
         f"{where})",
         ("#", "pass", "kind", "nodes", "kernels", "params", "FLOPs/token", "bytes/token",
          "changed"),
         [(num, name, kind, str(st.nodes), str(st.kernels), si(st.params),
-          si(st.flops_per_token, "FLOP"), nbytes(st.bytes_per_token), escape(changed))
-         for num, name, kind, st, changed in rows],
+          si(st.flops_per_token, "FLOP"), nbytes(st.bytes_per_token), escape(what))
+         for num, name, kind, st, what in rows],
         text=("pass", "kind", "changed"), overflow="fold"))
     before, after = kernels_per_layer(spec, args.passes, dtype)
     console.print(f"kernels per block (embedding and head aside): {before:g} unfused → "

@@ -102,9 +102,9 @@ def kv_cache_format(dtype: str, kv_cache: str | None) -> str:
     return dtype if kv_cache is None else f"{kv_cache} codes + an f32 scale per token and head"
 
 
-def run(args: argparse.Namespace) -> int:
-    s, quant = quant_of(args)
-    kv_cache = getattr(args, "kv_cache", None)
+def facts(s: Spec, quant: dict[str, str], kv_cache: str | None = None, tp: int = 1
+          ) -> list[tuple[str, str | None]]:
+    """The rows `archc show` prints, (label, text); text None: the row does not apply."""
     program = lower(s, s.dtype, quant, kv_cache=kv_cache)
     kernels, params = cost.kernel_count(program), cost.parameter_count(program)
     rows = [("", s.description or None),
@@ -143,8 +143,14 @@ def run(args: argparse.Namespace) -> int:
                      f"({' and '.join(kinds)})"))
     per = cost.per_layer(s, kernels, cost.kernel_count(lower(cost.without_layers(s), s.dtype)))
     rows.append(("compute nodes", f"{kernels} unfused ({per:g} per layer)"))
-    if args.tp > 1:
-        rows += _tensor_parallel(shard_program(program, args.tp), args.tp, s.dtype)
+    if tp > 1:
+        rows += _tensor_parallel(shard_program(program, tp), tp, s.dtype)
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    s, quant = quant_of(args)
+    rows = facts(s, quant, getattr(args, "kv_cache", None), args.tp)
     t = Table(show_header=False, box=None, title=s.name, title_justify="left")
     t.add_column(style="bold")
     t.add_column()
