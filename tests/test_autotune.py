@@ -49,7 +49,7 @@ def test_on_by_default_for_a_gpu_off_on_the_interpreter(kernel_dir: Path) -> Non
     assert tuning.tuning_enabled(True, "gpu", "cuda")
     assert not tuning.tuning_enabled(False, "gpu", "cuda")          # --no-autotune
     assert not tuning.tuning_enabled(True, "interpret", "cpu")      # the interpreter
-    assert not tuning.tuning_enabled(True, "gpu", "cpu")            # bench --host, occupancy
+    assert not tuning.tuning_enabled(True, "gpu", "cpu")            # bench --host-time, occupancy
     g = matmul_graph()
     s = TritonSession(Program(g.name, (g,)), {}, max_seq_len=64, device="cpu",
                       options=TritonOptions(passes=None, cache_dir=kernel_dir))

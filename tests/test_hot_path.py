@@ -1,5 +1,5 @@
 """The hot path: a step replays a launch plan built once per dims, does no symbolic work, and
-`archc bench --host` measures what is left of it on the CPU.
+`archc bench --host-time` measures what is left of it on the CPU.
 
 Most tests run a `HostSession` — the GPU target's launch code with no-op kernels and zero-stride
 weights — so plans are built and replayed exactly as on a GPU at no cost; the logits tests run
@@ -231,12 +231,12 @@ def test_replayed_decode_matches_plain_launches(name: str, kernel_dir: Path) -> 
     assert len(captured) == 2 and all(c.replays == 1 for c in captured)
 
 
-# ---- archc bench --host --------------------------------------------------------------------
+# ---- archc bench --host-time --------------------------------------------------------------------
 
 def test_bench_host_prints_its_report_with_the_overhead_last(kernel_dir: Path,
                                                              capsys: pytest.CaptureFixture[str]
                                                              ) -> None:
-    assert main(["bench", "tiny-llama3", "--host", "--new-tokens", "20", "--dtype", "f32",
+    assert main(["bench", "tiny-llama3", "--host-time", "--new-tokens", "20", "--dtype", "f32",
                  "--cache-dir", str(kernel_dir)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     text = "\n".join(lines)
@@ -257,7 +257,7 @@ def test_bench_host_times_quantized_weights(kernel_dir: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     """Stand-in quantized weights (every part a zero-stride view) launch like real ones: the
     same launches per step as float weights, each passing its weight's parts."""
-    assert main(["bench", "tiny-llama3", "--host", "--new-tokens", "5", "--dtype", "f32",
+    assert main(["bench", "tiny-llama3", "--host-time", "--new-tokens", "5", "--dtype", "f32",
                  "--quantize", "int4", "--group", "32", "--cache-dir", str(kernel_dir)]) == 0
     text = capsys.readouterr().out
     launches = len(host_session("tiny-llama3", kernel_dir).generated.steps["decoder"])
@@ -268,10 +268,10 @@ def test_bench_host_times_quantized_weights(kernel_dir: Path,
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["tiny-llama3", "--host", "--prompt-len", "8"], "--prompt-len does not apply"),
-    (["tiny-llama3", "--host", "--dry-run", "--json"], "--dry-run, --json do not"),
-    (["tiny-bert", "--host"], "decoder-only models; tiny-bert is an encoder"),
-    (["tiny-llama3", "--host", "--layers", "9"], "--layers 9: tiny-llama3 has 2 blocks"),
+    (["tiny-llama3", "--host-time", "--prompt-len", "8"], "--prompt-len does not apply"),
+    (["tiny-llama3", "--host-time", "--dry-run", "--json"], "--dry-run, --json do not"),
+    (["tiny-bert", "--host-time"], "decoder-only models; tiny-bert is an encoder"),
+    (["tiny-llama3", "--host-time", "--layers", "9"], "--layers 9: tiny-llama3 has 2 blocks"),
 ])
 def test_bench_host_refuses_what_does_not_apply(argv: list[str], message: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:

@@ -151,8 +151,8 @@ def nothing_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     ("serve tiny-llama3 --max-tokens-in-flight -5", "--max-tokens-in-flight: -5 must be ≥ 1"),
     ("serve tiny-llama3 --block-size x", "--block-size: 'x' is not a whole number"),
     ("serve tiny-llama3 --backend fast", "--backend: invalid choice: 'fast'"),
-    ("serve tiny-llama3 --listen no.such.host.invalid --port 0",
-     "--listen no.such.host.invalid: not an address"),
+    ("serve tiny-llama3 --host no.such.host.invalid --port 0",
+     "--host no.such.host.invalid: not an address"),
 ])
 def test_a_bad_command_line_is_one_line_before_anything_loads(
         argv: str, message: str, nothing_loads: None,

@@ -5,7 +5,7 @@ against the roofline (needs a CUDA GPU).
     archc bench llama3-8b --layers 4 --prompt-len 2048 --new-tokens 64 -o results.json
     archc bench llama3-8b --layers 4 --contexts 512 2048   # batch-1 decode at two contexts
     archc bench tiny-llama3 --dry-run        # the whole harness on the CPU, tiny shapes
-    archc bench llama3-8b --host             # archc's host time per decode step, any machine"""
+    archc bench llama3-8b --host-time        # archc's host time per decode step, any machine"""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ HOST_STEPS = 1000
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "source")
     add(p, "gpu", detail="default: read off the device; h200 in a dry run")
-    p.add_argument("--host", action="store_true",
+    p.add_argument("--host-time", action="store_true",
                    help="time archc's own host work per decode step, on the CPU: the GPU "
                         "target's launch code with every kernel launch a no-op, plain and "
                         "through the CUDA-graph path; weights and KV cache are never allocated")
@@ -135,9 +135,10 @@ def run_host(args: argparse.Namespace) -> int:
                 "no_autotune": False, "seed": 0, "json": False}
     extra = [f"--{k.replace('_', '-')}" for k, v in defaults.items() if getattr(args, k) != v]
     if extra:
-        raise ArchcError(f"--host times archc's host work per decode step with no-op kernels and "
-                         f"no weights: {', '.join(extra)} do{'es' if len(extra) == 1 else ''} not "
-                         "apply (it takes --batch, --new-tokens, --dtype, --layers, --cache-dir)")
+        raise ArchcError(f"--host-time times archc's host work per decode step with no-op kernels "
+                         f"and no weights: {', '.join(extra)} "
+                         f"do{'es' if len(extra) == 1 else ''} not apply (it takes --batch, "
+                         "--new-tokens, --dtype, --layers, --cache-dir)")
     spec, quant = quant_of(args)
     spec = keep_layers(spec, args.layers)
     check_host(spec)
@@ -152,7 +153,7 @@ def run_host(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from archc.perf.bench import default_json_name, run_bench
-    if args.host:
+    if args.host_time:
         return run_host(args)
     path = args.output
     if path is not None and not path.is_dir():

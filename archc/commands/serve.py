@@ -30,8 +30,7 @@ def _port(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "source", detail="a checkpoint with a tokenizer (chat needs its chat template)")
-    # not --host: `archc bench --host` measures host time, and a flag means one thing everywhere
-    p.add_argument("--listen", default="127.0.0.1", metavar="ADDRESS",
+    p.add_argument("--host", default="127.0.0.1", metavar="ADDRESS",
                    help="the address to listen on (default 127.0.0.1: this machine only; "
                         "0.0.0.0 for every interface)")
     p.add_argument("--port", type=_port, default=8000, metavar="PORT",
@@ -64,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from archc.serve.scheduler import Scheduler
     from archc.serve.server import Server, listen
     _check_installed()
-    sock = listen(args.listen, args.port)     # an address in use is refused before loading
+    sock = listen(args.host, args.port)     # an address in use is refused before loading
     try:
         run_, model = load_for_text(args, "archc serve", chat=False)
         compiled = run_.compile(model)

@@ -1,4 +1,4 @@
-"""`archc bench SPEC --host`: archc's own host time per decode step, measured on any machine.
+"""`archc bench SPEC --host-time`: archc's own host time per decode step, measured on any machine.
 
 On a GPU a decode step of a large model takes a few milliseconds of device time; the Python
 around the kernels must stay far below that, or the GPU waits on the host. This measures that
@@ -113,7 +113,7 @@ def _median_step(session: HostSession, tokens: torch.Tensor, steps: int, warmup:
 
 def check_host(spec: Spec) -> None:
     if spec.family != "decoder":
-        raise ArchcError(f"archc bench --host times decode steps of decoder-only models; "
+        raise ArchcError(f"archc bench --host-time times decode steps of decoder-only models; "
                          f"{spec.name} is an {spec.family}")
     if spec.max_seq_len < 2:
         raise ArchcError(f"{spec.name}: max_seq_len {spec.max_seq_len} leaves no decode step")

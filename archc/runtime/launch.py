@@ -57,7 +57,7 @@ class StaticStore:
         self.store: dict[tuple[int, str], torch.Tensor] = {}
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """One tensor of the store (`archc bench --host` stands in views of one element)."""
+        """One tensor of the store (`archc bench --host-time` stands in views of one element)."""
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def ensure(self, batch: int) -> None:
@@ -128,7 +128,7 @@ class LaunchContext:
     pdl: bool = False                   # programmatic dependent launch (a GPU of sm_90 or later)
     sm: int = 90                        # the GPU's compute capability (tiles differ below sm_90)
     sms: int = blocks.DEFAULT_SMS       # its SM count: decode launches aim for two programs each
-    # kernel, grid → the launch: Triton's kernel[grid] (`archc bench --host` binds no-ops)
+    # kernel, grid → the launch: Triton's kernel[grid] (`archc bench --host-time` binds no-ops)
     bind: Callable[[Any, Any], Callable[..., Any]] = operator.getitem
     # a sharded program's groups ("tp", "cp"): this rank's communicators (none: groups of one)
     comms: Mapping[str, Comm] = field(default_factory=dict)

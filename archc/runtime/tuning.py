@@ -58,7 +58,7 @@ Benchmark = Callable[[str, list[Config], Callable[[Config], None]], list[float]]
 def tuning_enabled(autotune: bool, target: str, device_type: str) -> bool:
     """Whether a session tunes: asked for (the default), generating for the GPU, and running on
     a CUDA device. The interpreter never tunes, nor a GPU-target session on the host (`archc
-    bench --host`, the occupancy report), whose launches never run."""
+    bench --host-time`, the occupancy report), whose launches never run."""
     return bool(autotune) and target == "gpu" and device_type == "cuda"
 
 

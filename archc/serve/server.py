@@ -17,7 +17,7 @@ def listen(host: str, port: int) -> socket.socket:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as err:
-        raise ArchcError(f"--listen {host}: not an address this machine can listen on "
+        raise ArchcError(f"--host {host}: not an address this machine can listen on "
                          f"({err.strerror})") from None
     family, _, _, _, address = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
