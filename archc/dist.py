@@ -231,6 +231,15 @@ def _plain_shard(expr: Any) -> tuple[str, tuple[int, int, int]] | None:
     return arg.args[0], (int(kw["dim"]), int(kw["parts"]), int(kw.get("every", 1)))
 
 
+def rank_span(cut: tuple[int, int, int], length: int, rank: int) -> tuple[int, int, int]:
+    """(dim, start, stop): the elements of `dim` (of `length` in the whole tensor) that rank
+    `rank` keeps of a tensor cut `cut` — what `take_slice` takes, and a loader reads."""
+    dim, parts, every = cut
+    size = length // parts
+    index = rank // every
+    return dim, index * size, (index + 1) * size
+
+
 def take_slice(w: Weight, cut: tuple[int, int, int], rank: int) -> Weight:
     """Rank `rank`'s part of `w` (a copy: the whole tensor can be let go)."""
     dim, parts, every = cut
