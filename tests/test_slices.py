@@ -121,9 +121,10 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out["quant-int4"] = root / "llama-int4.safetensors"
     q = whole.quantized("int4", 32)
     quant_file.save(out["quant-int4"], q.spec, q.weights)
-    # fused Q/K/V: concatenated (GPT-2, stored transposed), per head (GPT-NeoX, BLOOM), per KV
-    # group with one KV head replicated (Falcon MQA); 4 heads: tp = 2
-    for case in ("gpt2", "gpt_neox", "bloom", "falcon-mqa", "mixtral"):
+    # fused Q/K/V: concatenated (GPT-2, stored transposed; Falcon MQA, its one KV head
+    # replicated), per head (GPT-NeoX, BLOOM), per KV group (Falcon's new architecture: at
+    # tp = 4 two ranks share a group's K and V and split its queries); experts one tensor each
+    for case in ("gpt2", "gpt_neox", "bloom", "falcon-mqa", "falcon-new-arch", "mixtral"):
         out[f"hf-{case}"] = root / case
         build(case, out[f"hf-{case}"])
     return out
@@ -134,7 +135,8 @@ CASES = [(name, tp) for name in ("gguf-F32", "gguf-F16", "gguf-BF16", "gguf-Q8_0
                                  "gguf-moe-Q8_0", "hf", "hf-sharded", "native", "quant-int4")
               for tp in (2, 3)] + [
     ("gguf-Q4_K", 3), ("gguf-Q6_K", 3), ("hf-gpt2", 2), ("hf-gpt_neox", 2), ("hf-bloom", 2),
-    ("hf-falcon-mqa", 2), ("hf-falcon-mqa", 4), ("hf-mixtral", 2)]
+    ("hf-falcon-mqa", 2), ("hf-falcon-mqa", 4), ("hf-falcon-new-arch", 2),
+    ("hf-falcon-new-arch", 4), ("hf-mixtral", 2)]
 
 
 def same(a: Any, b: Any) -> bool:
@@ -275,7 +277,8 @@ def file_shares(name: str, path: Path, model: archc.Model, tp: int) -> dict[str,
 
 @pytest.mark.parametrize(("name", "tp"), [
     ("gguf-F32", 3), ("gguf-Q4_1", 2), ("gguf-Q4_K", 3), ("gguf-moe-Q8_0", 3), ("hf-sharded", 3),
-    ("hf-gpt2", 2), ("hf-falcon-mqa", 4), ("hf-mixtral", 2), ("native", 2), ("quant-int4", 3)])
+    ("hf-gpt2", 2), ("hf-bloom", 2), ("hf-falcon-mqa", 4), ("hf-falcon-new-arch", 4),
+    ("hf-mixtral", 2), ("native", 2), ("quant-int4", 3)])
 def test_a_rank_reads_its_share_of_each_tensor(files: dict[str, Path], reads: Reads, name: str,
                                                tp: int) -> None:
     """Each checkpoint tensor's bytes read by one rank are its share of the bytes one process

@@ -263,12 +263,12 @@ def _narrow_rope_rows(name: str, span: Span, heads: int, rows: int) -> Part | No
     splits a head (which the shard pass, cutting whole heads, never makes) is read whole."""
     dim, start, stop = span
     if dim != 0:
-        return Part(((name, span),), lambda xs: [unpermute_rope_rows(xs[0], heads)], (None,))
+        return Part(((name, span),), lambda xs: [unpermute_rope_rows(xs[0], heads)])
     per_head = rows // heads
     if start % per_head or stop % per_head:
         return None
     return Part(((name, span),),
-                lambda xs: [unpermute_rope_rows(xs[0], (stop - start) // per_head)], (None,))
+                lambda xs: [unpermute_rope_rows(xs[0], (stop - start) // per_head)])
 
 
 LAYOUT = Layout({

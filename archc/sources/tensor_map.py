@@ -46,13 +46,11 @@ class TensorSource(Protocol):
 @dataclass(frozen=True)
 class Part:
     """What a tensor-parallel rank reads for one rule: each checkpoint tensor read and the span
-    read of it (None: whole), the convert of what was read into one value per target, and the
-    span of each value the rank keeps (None: all of it; else a cut that does not fall on what
-    could be read apart, taken from the little more that was)."""
+    read of it (None: whole), and the convert of what was read into the rank's slice of each
+    target."""
 
     reads: tuple[tuple[str, Span | None], ...]
     convert: Convert
-    keep: tuple[Span | None, ...]
 
 
 # the spans a rank keeps of a rule's targets (a target absent: kept whole) → what to read for
@@ -151,8 +149,8 @@ def _narrow_stack(sources: Sequence[str], target: str, spans: Mapping[str, Span]
     tensors of those experts, a cut within them the same span of each (one dim down)."""
     dim, start, stop = spans[target]
     if dim == 0:
-        return Part(tuple((s, None) for s in sources[start:stop]), _stack, (None,))
-    return Part(tuple((s, (dim - 1, start, stop)) for s in sources), _stack, (None,))
+        return Part(tuple((s, None) for s in sources[start:stop]), _stack)
+    return Part(tuple((s, (dim - 1, start, stop)) for s in sources), _stack)
 
 
 def _fused(parts: Sequence[int], rest: Shape, groups: int, transpose: bool) -> Convert:
@@ -180,34 +178,41 @@ def _narrow_fused(source: str, targets: Sequence[str], parts: Sequence[int], res
     the rows of that tensor (its columns, when stored transposed).
 
     1. A plain rename: the target's span, on the stored dim it came from.
-    2. Targets one after another (groups = 1): each target's span is one run of rows; each is
-       read apart.
-    3. Targets interleaved in `groups` repeats: a span of whole repeats is the same rows of
-       each target; the rows of the repeats any span touches are read together, split as a
-       smaller fused tensor, and each target's span taken of its part.
+    2. Fused targets: target i's rows lie in `groups` runs of parts[i] rows, one in each
+       repeat of [part 0 | part 1 | ...]. A span of target i's rows is read run by run — the
+       part of each run it covers, a contiguous piece of the tensor — and the pieces joined
+       in order: the rank reads its rows of each target and nothing else, however the span
+       falls on the repeats (a KV group's queries split over ranks that share its K and V).
     A span along any other dim of a fused tensor (which the shard pass never makes) is read
     whole."""
     def stored(dim: int) -> int:    # the dim of the tensor as stored
         return 1 - dim if transpose else dim
     if len(targets) == 1 and groups == 1:
         dim, start, stop = spans[targets[0]]
-        return Part(((source, (stored(dim), start, stop)),), lambda xs: _own(xs, transpose),
-                    (None,))
+        return Part(((source, (stored(dim), start, stop)),), lambda xs: _own(xs, transpose))
     rows = [spans.get(t, (0, 0, groups * n)) for t, n in zip(targets, parts)]
     if any(dim != 0 for dim, _, _ in rows):
         return None
-    if groups == 1:
-        offsets = [sum(parts[:i]) for i in range(len(parts))]
-        return Part(tuple((source, (stored(0), off + start, off + stop))
-                          for off, (_, start, stop) in zip(offsets, rows)),
-                    lambda xs: _own(xs, transpose), (None,) * len(targets))
-    first = min(start // n for (_, start, _), n in zip(rows, parts))
-    last = max(-(-stop // n) for (_, _, stop), n in zip(rows, parts))
-    keep = tuple(None if (start, stop) == (first * n, last * n) else
-                 (0, start - first * n, stop - first * n)
-                 for (_, start, stop), n in zip(rows, parts))
-    return Part(((source, (stored(0), first * sum(parts), last * sum(parts))),),
-                _fused(parts, rest, last - first, transpose), keep)
+    repeat = sum(parts)
+    reads: list[tuple[str, Span | None]] = []
+    pieces: list[int] = []   # how many pieces each target is read in
+    for i, ((_, start, stop), n) in enumerate(zip(rows, parts)):
+        offset = sum(parts[:i])
+        runs = [(g * repeat + offset + max(start - g * n, 0),
+                 g * repeat + offset + min(stop - g * n, n))
+                for g in range(start // n, -(-stop // n))]   # the repeats the span touches
+        reads += [(source, (stored(0), lo, hi)) for lo, hi in runs]
+        pieces.append(len(runs))
+
+    def convert(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        out, first = [], 0
+        for count in pieces:
+            got = _own(xs[first:first + count], transpose)
+            join = QTensor.cat if isinstance(got[0], QTensor) else torch.cat
+            out.append(got[0] if count == 1 else join(got))
+            first += count
+        return out
+    return Part(tuple(reads), convert)
 
 
 class Checkpoint:
@@ -323,13 +328,5 @@ def _read_rule(source: TensorSource, rule: Rule, cuts: Mapping[str, tuple[int, i
         values = rule.convert([source.load(n) for n in rule.sources])
         return [take_slice(v, cuts[t], rank) if t in cuts else v
                 for t, v in zip(rule.targets, values)]
-    values = part.convert([source.load(n) if span is None else source.load_slice(n, span)
-                           for n, span in part.reads])
-    return [v if keep is None else _narrowed(v, keep) for v, keep in zip(values, part.keep)]
-
-
-def _narrowed(w: Any, span: Span) -> Any:
-    """`span` of a tensor, quantized or not, as its own copy (as `take_slice` gives it)."""
-    dim, start, stop = span
-    out = w.narrow(dim, start, stop - start)
-    return out if isinstance(w, QTensor) else out.contiguous()
+    return part.convert([source.load(n) if span is None else source.load_slice(n, span)
+                         for n, span in part.reads])
