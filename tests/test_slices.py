@@ -21,7 +21,7 @@ import torch
 import archc
 import archc.native as native
 import archc.quant.file as quant_file
-from archc.dist import rank_slices
+from archc.dist import rank_slices, rank_span
 from archc.passes.shard import shard_program
 from archc.quant.tensor import QTensor, tensor_bytes
 from archc.sources.gguf import LAYOUT, GGUFFile
@@ -161,6 +161,11 @@ def test_a_rank_reads_what_reading_whole_and_cutting_gives(files: dict[str, Path
         assert got.weights.keys() == want.weights.keys()
         for key, w in want.weights.items():
             assert same(got.weights[key], w), f"{name}, tp={tp}, rank {rank}: {key}"
+            if isinstance(w, QTensor) and key in cuts:   # its values: the whole's, cut
+                dim, start, stop = rank_span(cuts[key], w.shape[cuts[key][0]] * cuts[key][1],
+                                             rank)
+                assert torch.equal(got.weights[key].dequantize(), whole.weights[key]
+                                   .dequantize().narrow(dim, start, stop - start)), key
 
 
 @pytest.mark.parametrize(("name", "tp"), [("gguf-Q4_K", 3), ("gguf-Q4_K", 2), ("gguf-Q8_0", 3)])
