@@ -50,8 +50,8 @@ def load(source: str | Path, *, seed: int = 0, dtype: str | torch.dtype | None =
     sharded over tp ranks reads in parts (the rest whole) — for ``compile(tp=tp)`` in that rank's
     process. Of a checkpoint (GGUF file, Hugging Face directory, archc checkpoint directory or
     quantized file) only the rank's slices are read from the file, so no rank holds the whole
-    checkpoint, or any whole tensor it cuts (but an archc directory or file that `quantize`
-    quantizes at load, which is read whole, quantized and then cut)."""
+    checkpoint, or any whole tensor it cuts (an archc directory or file quantized at load by
+    `quantize` is read whole, quantized, then cut)."""
     name = None if dtype is None else dtype_name(dtype)
     if not isinstance(source, (str, Path)):
         raise ArchcError(f"source must be a zoo name or a path, got {type(source).__name__}")
