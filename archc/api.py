@@ -48,8 +48,10 @@ def load(source: str | Path, *, seed: int = 0, dtype: str | torch.dtype | None =
 
     `tp` > 1 with `rank`: hold only tensor-parallel rank `rank`'s slices of the weights the model
     sharded over tp ranks reads in parts (the rest whole) — for ``compile(tp=tp)`` in that rank's
-    process. A GGUF file or a Hugging Face directory is read one tensor at a time, each cut as
-    it is read, so the whole checkpoint is never held; other sources are read whole, then cut."""
+    process. Of a checkpoint (GGUF file, Hugging Face directory, archc checkpoint directory or
+    quantized file) only the rank's slices are read from the file, so no rank holds the whole
+    checkpoint, or any whole tensor it cuts (an archc directory or file quantized at load by
+    `quantize` is read whole, quantized, then cut)."""
     name = None if dtype is None else dtype_name(dtype)
     if not isinstance(source, (str, Path)):
         raise ArchcError(f"source must be a zoo name or a path, got {type(source).__name__}")
@@ -69,8 +71,10 @@ def load(source: str | Path, *, seed: int = 0, dtype: str | torch.dtype | None =
     for matches, loader in SOURCES:
         if matches(path):
             extra: dict = {"dequantize": True} if dequantize else {}
-            if shard is not None and loader in (sources.load_gguf, sources.load_hf):
-                extra["shard"] = shard      # cut as read
+            # cut as read; a model quantized at load is quantized whole, then cut
+            if shard is not None and (quantize is None or loader in (sources.load_gguf,
+                                                                       sources.load_hf)):
+                extra["shard"] = shard
             model = loader(path, progress=progress, dtype=name, **extra)
             break
     if model is None:

@@ -46,10 +46,12 @@ def parallel_sizes(tp: Any, cp: Any) -> tuple[int, int]:
     return tp, cp
 
 
-def groups(tp: int, cp: int) -> dict[str, Comm]:
+def groups(tp: int, cp: int, timeout: float | None = None) -> dict[str, Comm]:
     """This rank's communicators of the "tp" and "cp" groups, over the initialized default
     process group of tp · cp ranks (laid out tp-major, as the module says). Every rank must
-    call it, in the same order: creating a group is itself collective."""
+    call it, in the same order: creating a group is itself collective. Each group waits
+    `timeout` seconds for a rank (default: as long as the default group does), in its creation
+    and in every collective on it."""
     import torch.distributed as dist
     want = tp * cp
     if not dist.is_available() or not dist.is_initialized():
@@ -61,6 +63,7 @@ def groups(tp: int, cp: int) -> dict[str, Comm]:
     if world != want:
         raise ArchcError(f"tp={tp} × cp={cp} needs {want} ranks; the process group has {world}")
     rank = dist.get_rank()
+    wait = datetime.timedelta(seconds=timeout) if timeout is not None else group_timeout()
     out: dict[str, Comm] = {}
     # every rank creates every group (new_group is collective), keeping its own; a group of
     # every rank is the default group itself (nothing to create, nothing to wait for)
@@ -73,10 +76,40 @@ def groups(tp: int, cp: int) -> dict[str, Comm]:
             elif size == world:
                 group = dist.group.WORLD
             else:
-                group = dist.new_group(ranks)
+                group = _new_group(name, ranks, wait)
             if rank in ranks:
                 out[name] = TorchComm(group) if size > 1 else LocalComm()
     return out
+
+
+def _new_group(name: str, ranks: list[int], timeout: datetime.timedelta) -> object:
+    """A new process group of `ranks` that waits `timeout` for any of them — torch's own
+    default (30 minutes for gloo) would hang a run on a rank that died for as long — and
+    that, when one does not come, fails with a RunError naming the group."""
+    import torch.distributed as dist
+    try:
+        return dist.new_group(ranks, timeout=timeout)
+    except RuntimeError as err:   # torch's DistBackendError and gloo's errors
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RunError(f"rank {dist.get_rank()}: making the {name} group of ranks "
+                       f"{', '.join(map(str, ranks))} failed — another rank stopped or did "
+                       f"not answer within the timeout ({first})") from None
+
+
+def group_timeout() -> datetime.timedelta:
+    """How long the default process group waits for a rank: the timeout it was initialized
+    with (`init_process_group(timeout=…)`, `archc run --timeout`). torch keeps it in the
+    group's backend options and has no public getter; where those cannot be read, its own
+    default."""
+    import torch
+    import torch.distributed as dist
+    world = dist.group.WORLD
+    for device in ("cuda", "cpu"):
+        with contextlib.suppress(Exception):   # a backend this group does not have
+            found = world._get_backend(torch.device(device)).options._timeout
+            if isinstance(found, datetime.timedelta):
+                return found
+    return dist.default_pg_timeout
 
 
 # ---- starting the ranks ----------------------------------------------------------------------
@@ -226,6 +259,15 @@ def _plain_shard(expr: Any) -> tuple[str, tuple[int, int, int]] | None:
     if not isinstance(arg, Call) or arg.fn != "w":
         return None
     return arg.args[0], (int(kw["dim"]), int(kw["parts"]), int(kw.get("every", 1)))
+
+
+def rank_span(cut: tuple[int, int, int], length: int, rank: int) -> tuple[int, int, int]:
+    """(dim, start, stop): the elements of `dim` (of `length` in the whole tensor) that rank
+    `rank` keeps of a tensor cut `cut` — what `take_slice` takes, and a loader reads."""
+    dim, parts, every = cut
+    size = length // parts
+    index = rank // every
+    return dim, index * size, (index + 1) * size
 
 
 def take_slice(w: Weight, cut: tuple[int, int, int], rank: int) -> Weight:

@@ -32,23 +32,42 @@ def save(directory: Path, spec: Spec, weights: dict[str, torch.Tensor]) -> None:
         raise ArchcError(f"cannot write {directory}: {err.strerror}") from None
 
 
-def load(directory: Path, progress: object = None, dtype: str | None = None) -> Model:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def load(directory: Path, progress: object = None, dtype: str | None = None,
+         shard: tuple[int, int] | None = None) -> Model:
+    """The model of a checkpoint directory. `shard` (tp, rank): of each tensor the program
+    sharded over tp ranks reads in parts, only rank `rank`'s slice is read from the file."""
+    from safetensors import SafetensorError, safe_open
 
     from archc.devices import check_fits, checkpoint_elements
+    from archc.dist import rank_slices, rank_span
     from archc.ir.lower import lower
+    from archc.passes.shard import shard_program
     from archc.runtime.weights import TORCH_DTYPES
     spec = load_yaml(directory / SPEC_FILE)
     path = directory / WEIGHTS_FILE
     if not path.is_file():
         return Model(spec, source=str(directory), weights_dtype=dtype or "f32")
-    check_fits(spec.name, "its weights", checkpoint_elements(lower(spec)), dtype or spec.dtype,
-               spec.family)
+    tp, rank = shard if shard is not None else (1, 0)
+    program = lower(spec)
+    check_fits(spec.name, "its weights" if tp == 1 else
+               f"its weights' slices for 1 of {tp} ranks",
+               checkpoint_elements(program, tp=tp), dtype or spec.dtype, spec.family)
+    cuts = rank_slices(shard_program(program, tp)) if tp > 1 else {}
+    weights: dict[str, torch.Tensor] = {}
     try:
-        weights = load_file(str(path))
+        with safe_open(str(path), "pt") as f:
+            names = f.keys()    # a safe_open handle is not a mapping
+            for name in names:
+                if name in cuts:   # only the bytes of the rank's slice are read
+                    dim, start, stop = rank_span(cuts[name],
+                                                 f.get_slice(name).get_shape()[cuts[name][0]],
+                                                 rank)
+                    weights[name] = f.get_slice(name)[(slice(None),) * dim +
+                                                      (slice(start, stop),)]
+                else:
+                    weights[name] = f.get_tensor(name)
     except (SafetensorError, OSError) as err:
         raise WeightsError(f"{path}: not a readable safetensors file ({err})") from None
     if dtype is not None:
         weights = {k: v.to(TORCH_DTYPES[dtype]) for k, v in weights.items()}
-    return Model(spec, weights, source=str(directory))
+    return Model(spec, weights, source=str(directory), shard=shard)

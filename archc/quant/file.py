@@ -15,7 +15,7 @@ under their own names, as they are. The safetensors metadata (string → string)
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import yaml
 
 from archc.errors import ArchcError, WeightsError
 from archc.quant.schemes import SCHEMES
-from archc.quant.tensor import QTensor, Weight
+from archc.quant.tensor import QTensor, Weight, part_spans
 from archc.spec.load import dump_yaml, from_dict
 from archc.spec.schema import Spec
 
@@ -132,14 +132,18 @@ def _quant(path: Path, text: str | None) -> dict[str, tuple[str, tuple[int, ...]
     return out
 
 
-def load(path: Path, *, progress: Progress | None = None,
-         dtype: str | None = None) -> tuple[Spec, dict[str, Weight]]:
+def load(path: Path, *, progress: Progress | None = None, dtype: str | None = None,
+         shard: tuple[int, int] | None = None) -> tuple[Spec, dict[str, Weight]]:
     """The spec and weights of a quantized file: QTensors for quantized tensors, exactly as
-    written; float tensors in `dtype` if given, else as stored."""
+    written; float tensors in `dtype` if given, else as stored. `shard` (tp, rank): of each
+    tensor the program sharded over tp ranks reads in parts, only rank `rank`'s slice is read
+    (of a quantized one, the spans of its parts that hold it)."""
     from safetensors import SafetensorError, safe_open
 
     from archc.runtime.weights import TORCH_DTYPES
     spec, quant = read_header(path)
+    cuts = _cuts(spec, quant, shard[0]) if shard is not None else {}
+    rank = shard[1] if shard is not None else 0
     weights: dict[str, Weight] = {}
     parts: dict[str, dict[str, torch.Tensor]] = {name: {} for name in quant}
     try:
@@ -148,9 +152,12 @@ def load(path: Path, *, progress: Progress | None = None,
             for done, key in enumerate(keys, 1):
                 owner, _, part = key.rpartition(".")
                 if owner in quant:
-                    parts[owner][part] = f.get_tensor(key)
+                    parts[owner][part] = _read(f, key, _part_span(quant[owner], cuts.get(owner),
+                                                                  part, rank))
                 else:
-                    t = f.get_tensor(key)
+                    span = _span(cuts[key], f.get_slice(key).get_shape(), rank) \
+                        if key in cuts else None
+                    t = _read(f, key, span)
                     weights[key] = t.to(TORCH_DTYPES[dtype]) \
                         if dtype is not None and t.is_floating_point() else t
                 if progress is not None:
@@ -158,6 +165,9 @@ def load(path: Path, *, progress: Progress | None = None,
     except (SafetensorError, OSError) as err:
         raise WeightsError(f"{path}: not a readable safetensors file ({err})") from None
     for name, (scheme, shape) in quant.items():
+        if name in cuts:
+            dim, start, stop = _span(cuts[name], shape, rank)
+            shape = (*shape[:dim], stop - start, *shape[dim + 1:])
         try:
             weights[name] = QTensor(scheme, shape, parts[name])
         except WeightsError as err:
@@ -165,8 +175,50 @@ def load(path: Path, *, progress: Progress | None = None,
     return spec, weights
 
 
-def load_model(path: Path, *, progress: Progress | None = None, dtype: str | None = None) -> Any:
-    """The ``archc.Model`` of a quantized file (an ``archc.api.SOURCES`` loader)."""
+Cut = tuple[int, int, int]   # (dim, parts, every): how the shard pass cuts a tensor
+Span = tuple[int, int, int]  # (dim, start, stop): the elements of dim a rank keeps
+
+
+def _cuts(spec: Spec, quant: dict[str, tuple[str, tuple[int, ...]]], tp: int) -> dict[str, Cut]:
+    """Tensor → its cut, for the tensors the program of `spec` (with the quantized tensors
+    `quant`) sharded over tp ranks reads in parts."""
+    from archc.dist import rank_slices
+    from archc.ir.lower import lower
+    from archc.passes.shard import shard_program
+    program = lower(spec, quant={name: scheme for name, (scheme, _) in quant.items()})
+    return rank_slices(shard_program(program, tp))
+
+
+def _span(cut: Cut, shape: Sequence[int], rank: int) -> Span:
+    from archc.dist import rank_span
+    return rank_span(cut, shape[cut[0]], rank)
+
+
+def _part_span(entry: tuple[str, tuple[int, ...]], cut: Cut | None, part: str,
+               rank: int) -> Span | None:
+    """The span of part `part` of quantized tensor `entry` (scheme, shape) that holds rank
+    `rank`'s slice of it (None: all of it, uncut or a part its scheme does not have, which
+    `QTensor` then refuses by name)."""
+    if cut is None:
+        return None
+    scheme, shape = entry
+    dim, start, stop = _span(cut, shape, rank)
+    return part_spans(SCHEMES[scheme], shape, dim, start, stop - start).get(part)
+
+
+def _read(f: Any, key: str, span: Span | None) -> torch.Tensor:
+    """Tensor `key` of an open safetensors file, whole or just the elements `span` (only the
+    bytes that hold them are read)."""
+    if span is None:
+        return f.get_tensor(key)
+    dim, start, stop = span
+    return f.get_slice(key)[(slice(None),) * dim + (slice(start, stop),)]
+
+
+def load_model(path: Path, *, progress: Progress | None = None, dtype: str | None = None,
+               shard: tuple[int, int] | None = None) -> Any:
+    """The ``archc.Model`` of a quantized file (an ``archc.api.SOURCES`` loader); `shard`
+    (tp, rank): holding only that rank's slices (``load``)."""
     from archc.model import Model
-    spec, weights = load(path, progress=progress, dtype=dtype)
-    return Model(spec, weights, source=str(path))
+    spec, weights = load(path, progress=progress, dtype=dtype, shard=shard)
+    return Model(spec, weights, source=str(path), shard=shard)

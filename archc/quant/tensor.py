@@ -150,20 +150,10 @@ class QTensor:
         """Elements [start, start + length) of `dim`: rows of any leading dim, or columns of K
         where both ends fall on whole groups, super-blocks and bytes (`Scheme.align`)."""
         dim = dim % self.dim()
-        if dim < self.dim() - 1:
-            return self._map(lambda p: p.narrow(dim, start, length).contiguous(),
-                             (*self.shape[:dim], length, *self.shape[dim + 1:]))
-        align, k = self.scheme.align, self.shape[-1]
-        per_row = self.scheme.group >= k and self.scheme.bits == 8   # one scale for the row
-        if not per_row and (start % align or (start + length != k and length % align)):
-            raise WeightsError(f"a {self.scheme.name} tensor splits along K only at multiples "
-                               f"of {align} elements; columns [{start}, {start + length}) of {k}")
-        parts = {}
-        for name, p in self.parts.items():
-            cols = p.shape[-1]
-            lo, hi = start * cols // k, -(-(start + length) * cols // k)
-            parts[name] = p[..., lo:hi].contiguous()
-        return QTensor(self.scheme, (*self.shape[:-1], length), parts)
+        spans = part_spans(self.scheme, self.shape, dim, start, length)
+        parts = {name: p.narrow(d, lo, hi - lo).contiguous()
+                 for name, p in self.parts.items() for d, lo, hi in [spans[name]]}
+        return QTensor(self.scheme, (*self.shape[:dim], length, *self.shape[dim + 1:]), parts)
 
     def rows(self, start: int = 0, stop: int | None = None) -> QTensor:
         return self._map(lambda p: p[start:stop].contiguous())
@@ -207,6 +197,29 @@ class QTensor:
         return QTensor(first.scheme, shape,
                        {k: torch.stack([t.parts[k] for t in tensors], dim=dim)
                         for k in first.parts})
+
+
+def part_spans(scheme: Scheme, shape: Sequence[int], dim: int, start: int,
+               length: int) -> dict[str, tuple[int, int, int]]:
+    """Part → (dim, lo, hi): the span of each stored part of a `scheme` tensor of `shape` that
+    holds its elements [start, start + length) of `dim` — what `QTensor.narrow` keeps, and what
+    a loader reads of a file to get the same tensor. A leading dim cuts every part alike; K
+    only where both ends fall on whole groups, super-blocks and bytes (`Scheme.align`)."""
+    dim = dim % len(shape)
+    parts = scheme.part_shapes(shape[-2], shape[-1])
+    if dim < len(shape) - 1:
+        return {name: (dim, start, start + length) for name in parts}
+    align, k = scheme.align, shape[-1]
+    per_row = scheme.group >= k and scheme.bits == 8   # one scale for the row
+    if not per_row and (start % align or (start + length != k and length % align)):
+        raise WeightsError(f"a {scheme.name} tensor splits along K only at multiples "
+                           f"of {align} elements; columns [{start}, {start + length}) of {k}")
+    spans = {}
+    for name, ((_, cols), _) in parts.items():
+        # a part stored per `k / cols` elements: the columns that hold any of the kept ones
+        lo, hi = start * cols // k, -(-(start + length) * cols // k)
+        spans[name] = (dim, lo, hi)
+    return spans
 
 
 Weight = torch.Tensor | QTensor

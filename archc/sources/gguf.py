@@ -32,7 +32,15 @@ from archc.quant.schemes import BY_GGUF
 from archc.quant.tensor import QTensor
 from archc.runtime.weights import checkpoint_shapes
 from archc.sources.hf_config import HFConfig, spec_name
-from archc.sources.tensor_map import Checkpoint, Layout, TensorMap, each, read_checkpoint
+from archc.sources.tensor_map import (
+    Checkpoint,
+    Layout,
+    Part,
+    Span,
+    TensorMap,
+    each,
+    read_checkpoint,
+)
 from archc.spec import from_dict
 from archc.spec.schema import Spec
 from archc.tokenizer import from_gguf_vocab
@@ -80,14 +88,42 @@ class GGUFFile:
         return self.block_sizes[self.tensors[name].tensor_type][0] > 1
 
     def load(self, name: str) -> torch.Tensor | QTensor:
+        return self._values(name, self.tensors[name].data, self.shape(name))
+
+    def load_slice(self, name: str, span: Span) -> torch.Tensor | QTensor:
+        """Elements [start, stop) of dim `dim` of a tensor, read through the file's memory map
+        alone: rows of a leading dim, or columns of the last where both ends fall on whole
+        blocks of its type (each row is a run of blocks); else read whole and narrowed."""
+        dim, start, stop = span
+        t, shape = self.tensors[name], self.shape(name)
+        dim %= len(shape)
+        index: list[slice] = [slice(None)] * len(shape)
+        if dim < len(shape) - 1:
+            index[dim] = slice(start, stop)
+        else:
+            block, size = self.block_sizes[t.tensor_type]
+            if start % block or stop % block:   # not whole blocks: whole rows, narrowed after
+                whole = self.load(name)
+                out = whole.narrow(dim, start, stop - start)
+                return out if isinstance(out, QTensor) else out.contiguous()
+            # a quantized (or BF16) row is stored as bytes, `size` of them per `block` elements
+            per = (1, 1) if t.data.dtype != np.uint8 else (block, size)
+            index[dim] = slice(start // per[0] * per[1], stop // per[0] * per[1])
+        cut = tuple(stop - start if d == dim else n for d, n in enumerate(shape))
+        return self._values(name, t.data[tuple(index)], cut)
+
+    def _values(self, name: str, data: np.ndarray, shape: tuple[int, ...]
+                ) -> torch.Tensor | QTensor:
+        """The tensor `shape` of tensor `name`'s stored `data` (all of it, or a view of some
+        rows or blocks): repacked, kept quantized, or as f32 values."""
         t = self.tensors[name]
         kind = t.tensor_type.name
         if self.keep_quantized and self.quantized(name):
             if not supported(kind):
                 raise unsupported(name, kind)
-            return repack(t.data, kind, self.shape(name))
+            return repack(data, kind, shape)
         try:
-            values = self.dequantize(t.data, t.tensor_type)
+            values = self.dequantize(data, t.tensor_type)
         except NotImplementedError:
             raise WeightsError(f"tensor {name!r} is stored as {kind}, which the gguf package "
                                f"cannot dequantise") from None
@@ -95,8 +131,7 @@ class GGUFFile:
             raise WeightsError(f"{self.path}: tensor {name!r} ({kind}) cannot be read "
                                f"({err}); is the file truncated?") from None
         # a copy only where the values are not already a writeable f32 array
-        return torch.from_numpy(np.require(values, np.float32, ("C", "W")).reshape(
-            self.shape(name)))
+        return torch.from_numpy(np.require(values, np.float32, ("C", "W")).reshape(shape))
 
 
 def unsupported(name: str, kind: str) -> WeightsError:
@@ -214,8 +249,26 @@ def _rope_rows(t: TensorMap) -> None:
     for target in t.want:
         if m := re.fullmatch(r"layers\.\d+\.attn\.([qk])\.(weight|bias)", target):
             heads = t.spec.attention.heads if m[1] == "q" else t.spec.attention.kv_heads
-            t.add([t.name(target)], [t.want[target]], [target],
-                  lambda xs, h=heads: [unpermute_rope_rows(xs[0], h)])
+            name, rows = t.name(target), t.want[target][0]
+            t.add([name], [t.want[target]], [target],
+                  lambda xs, h=heads: [unpermute_rope_rows(xs[0], h)],
+                  lambda spans, n=name, x=target, h=heads, r=rows:
+                  _narrow_rope_rows(n, spans[x], h, r))
+
+
+def _narrow_rope_rows(name: str, span: Span, heads: int, rows: int) -> Part | None:
+    """A rank's slice of Q or K (`rows` rows over `heads` heads) read from the file: the
+    un-permutation moves rows within each head, so a span of whole heads is the same rows of
+    the file, put back head by head, and a span of columns commutes with it. A span that
+    splits a head (which the shard pass, cutting whole heads, never makes) is read whole."""
+    dim, start, stop = span
+    if dim != 0:
+        return Part(((name, span),), lambda xs: [unpermute_rope_rows(xs[0], heads)])
+    per_head = rows // heads
+    if start % per_head or stop % per_head:
+        return None
+    return Part(((name, span),),
+                lambda xs: [unpermute_rope_rows(xs[0], (stop - start) // per_head)])
 
 
 LAYOUT = Layout({

@@ -93,6 +93,19 @@ class SafetensorsFiles:
                                f"({str(err).strip() or type(err).__name__}); "
                                "is the file truncated?") from None
 
+    def load_slice(self, name: str, span: tuple[int, int, int]) -> torch.Tensor:
+        """Elements [start, stop) of dim `dim` of a tensor, reading only the bytes that hold
+        them (safetensors' `get_slice`)."""
+        path, stored = self.tensors[name]
+        dim, start, stop = span
+        try:
+            return self.handles[path].get_slice(stored)[
+                (slice(None),) * dim + (slice(start, stop),)]
+        except Exception as err:
+            raise WeightsError(f"{path}: cannot read tensor {stored!r} "
+                               f"({str(err).strip() or type(err).__name__}); "
+                               "is the file truncated?") from None
+
 
 def is_hf_dir(path: Path) -> bool:
     """Any directory but archc's own checkpoint directories (a `spec.yaml` beside weights)."""

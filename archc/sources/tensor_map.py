@@ -9,6 +9,7 @@ outside the function archc runs (causal-mask buffers, cached RoPE frequencies, B
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,16 +26,36 @@ from archc.runtime.weights import TORCH_DTYPES, checkpoint_shapes
 from archc.spec.schema import Spec
 
 Shape = tuple[int, ...]
+Span = tuple[int, int, int]   # (dim, start, stop): elements [start, stop) of dim
 Convert = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 Module = str | Callable[[Spec], str]   # a checkpoint module, or the spec's choice of one
 LAYER = re.compile(r"((?:encoder|decoder)\.)?layers\.(\d+)\.(.+)")
 QKV = ("attn.q", "attn.k", "attn.v")
+ROWS_COMPARED = 1 << 22   # elements of two tables compared at a time (`Checkpoint.differ`)
 
 
 class TensorSource(Protocol):
     tensors: Mapping[str, Any]   # name → where it is stored
     def shape(self, name: str) -> Shape: ...
     def load(self, name: str) -> torch.Tensor: ...
+    # the elements `span` of a tensor, reading no more of the file than they need: exactly
+    # load(name) narrowed to `span` (a copy)
+    def load_slice(self, name: str, span: Span) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Part:
+    """What a tensor-parallel rank reads for one rule: each checkpoint tensor read and the span
+    read of it (None: whole), and the convert of what was read into the rank's slice of each
+    target."""
+
+    reads: tuple[tuple[str, Span | None], ...]
+    convert: Convert
+
+
+# the spans a rank keeps of a rule's targets (a target absent: kept whole) → what to read for
+# them; None where the cut cannot be mapped back through the rule's convert
+Narrow = Callable[[Mapping[str, Span]], Part | None]
 
 
 @dataclass(frozen=True)
@@ -43,6 +64,11 @@ class Rule:
     shapes: tuple[Shape, ...]      # the shape each must have
     targets: tuple[str, ...]       # archc tensors produced
     convert: Convert               # sources → targets, in order
+    # how a rank reads only its slices. None: the sources are read whole, converted and then
+    # cut — the rules a special layout adds without one: Mamba's depthwise conv (squeezed)
+    # and Jamba's fused expert gate_up, both of models the shard pass refuses (recurrent
+    # mixers), so never cut
+    narrow: Narrow | None = None
 
 
 class TensorMap:
@@ -65,9 +91,9 @@ class TensorMap:
                 self.name(target)
             if "{e}" in name:   # one tensor per expert → archc's [experts, ...]
                 experts, *shape = want[target]
-                self.add([name.format(e=e) for e in range(experts)], [tuple(shape)] * experts,
-                         [target], lambda xs: [QTensor.stack(xs) if isinstance(xs[0], QTensor)
-                                               else torch.stack(xs)])
+                sources = [name.format(e=e) for e in range(experts)]
+                self.add(sources, [tuple(shape)] * experts, [target], _stack,
+                         narrow=lambda spans, s=sources, t=target: _narrow_stack(s, t, spans))
             else:
                 fused.setdefault(name, []).append(target)
         for name, targets in fused.items():
@@ -79,8 +105,8 @@ class TensorMap:
                 self.add([name], [want["embed.weight"]], [], lambda xs: [])
 
     def add(self, sources: Sequence[str], shapes: Sequence[Shape], targets: Sequence[str],
-            convert: Convert) -> None:
-        self.rules.append(Rule(tuple(sources), tuple(shapes), tuple(targets), convert))
+            convert: Convert, narrow: Narrow | None = None) -> None:
+        self.rules.append(Rule(tuple(sources), tuple(shapes), tuple(targets), convert, narrow))
 
     def split(self, source: str, targets: Sequence[str], *, groups: int = 1,
               transpose: bool = False) -> None:
@@ -92,15 +118,10 @@ class TensorMap:
         rest = self.want[targets[0]][1:]
         parts = [self.want[t][0] // groups for t in targets]
         full = (sum(parts) * groups, *rest)
-
-        def convert(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-            if isinstance(xs[0], QTensor) and len(targets) == 1 and not transpose:
-                return xs   # a rename: a quantized weight moves as it is
-            x = (xs[0].t() if transpose else xs[0]).reshape(groups, sum(parts), *rest)
-            return [p.reshape(groups * n, *rest).contiguous()    # (groups, Σ parts, ...)
-                    for p, n in zip(x.split(parts, dim=1), parts)]
-
-        self.add([source], [full[::-1] if transpose else full], targets, convert)
+        self.add([source], [full[::-1] if transpose else full], targets,
+                 _fused(parts, rest, groups, transpose),
+                 lambda spans: _narrow_fused(source, targets, parts, rest, groups, transpose,
+                                             spans))
 
     def name(self, target: str) -> str:
         """Where the checkpoint keeps archc tensor `target`: its longest dotted prefix, less the
@@ -116,6 +137,82 @@ class TensorMap:
         within = self.layout.layer.format(stack=stack, i=i) if layer else ""
         return self.ckpt(within + (value if isinstance(value, str) else value(self.spec))
                          + key[len(module):])
+
+
+def _stack(xs: list[Any]) -> list[Any]:
+    """Experts' tensors → one [experts, ...] (a quantized weight stays quantized)."""
+    return [QTensor.stack(xs) if isinstance(xs[0], QTensor) else torch.stack(xs)]
+
+
+def _narrow_stack(sources: Sequence[str], target: str, spans: Mapping[str, Span]) -> Part:
+    """A rank's slice of experts stacked from one tensor each: a cut of the experts is the
+    tensors of those experts, a cut within them the same span of each (one dim down)."""
+    dim, start, stop = spans[target]
+    if dim == 0:
+        return Part(tuple((s, None) for s in sources[start:stop]), _stack)
+    return Part(tuple((s, (dim - 1, start, stop)) for s in sources), _stack)
+
+
+def _fused(parts: Sequence[int], rest: Shape, groups: int, transpose: bool) -> Convert:
+    """One tensor [groups · Σ parts, *rest] (after `transpose`) → its targets, target i of
+    [groups · parts[i], *rest]: see `TensorMap.split`."""
+    def convert(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        if isinstance(xs[0], QTensor) and len(parts) == 1 and not transpose:
+            return xs   # a rename: a quantized weight moves as it is
+        x = (xs[0].t() if transpose else xs[0]).reshape(groups, sum(parts), *rest)
+        return [p.reshape(groups * n, *rest).contiguous()    # (groups, Σ parts, ...)
+                for p, n in zip(x.split(parts, dim=1), parts)]
+    return convert
+
+
+def _own(xs: list[torch.Tensor], transpose: bool) -> list[torch.Tensor]:
+    """Tensors read apart, one per target: each its own contiguous copy, transposed as
+    `TensorMap.split` transposes."""
+    return [x if isinstance(x, QTensor) else (x.t() if transpose else x).contiguous()
+            for x in xs]
+
+
+def _narrow_fused(source: str, targets: Sequence[str], parts: Sequence[int], rest: Shape,
+                  groups: int, transpose: bool, spans: Mapping[str, Span]) -> Part | None:
+    """A rank's slices of the targets `TensorMap.split` cuts out of one tensor, mapped back to
+    the rows of that tensor (its columns, when stored transposed).
+
+    1. A plain rename: the target's span, on the stored dim it came from.
+    2. Fused targets: target i's rows lie in `groups` runs of parts[i] rows, one in each
+       repeat of [part 0 | part 1 | ...]. A span of target i's rows is read run by run — the
+       part of each run it covers, a contiguous piece of the tensor — and the pieces joined
+       in order: the rank reads its rows of each target and nothing else, however the span
+       falls on the repeats (a KV group's queries split over ranks that share its K and V).
+    A span along any other dim of a fused tensor (which the shard pass never makes) is read
+    whole."""
+    def stored(dim: int) -> int:    # the dim of the tensor as stored
+        return 1 - dim if transpose else dim
+    if len(targets) == 1 and groups == 1:
+        dim, start, stop = spans[targets[0]]
+        return Part(((source, (stored(dim), start, stop)),), lambda xs: _own(xs, transpose))
+    rows = [spans.get(t, (0, 0, groups * n)) for t, n in zip(targets, parts)]
+    if any(dim != 0 for dim, _, _ in rows):
+        return None
+    repeat = sum(parts)
+    reads: list[tuple[str, Span | None]] = []
+    pieces: list[int] = []   # how many pieces each target is read in
+    for i, ((_, start, stop), n) in enumerate(zip(rows, parts)):
+        offset = sum(parts[:i])
+        runs = [(g * repeat + offset + max(start - g * n, 0),
+                 g * repeat + offset + min(stop - g * n, n))
+                for g in range(start // n, -(-stop // n))]   # the repeats the span touches
+        reads += [(source, (stored(0), lo, hi)) for lo, hi in runs]
+        pieces.append(len(runs))
+
+    def convert(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        out, first = [], 0
+        for count in pieces:
+            got = _own(xs[first:first + count], transpose)
+            join = QTensor.cat if isinstance(got[0], QTensor) else torch.cat
+            out.append(got[0] if count == 1 else join(got))
+            first += count
+        return out
+    return Part(tuple(reads), convert)
 
 
 class Checkpoint:
@@ -136,8 +233,13 @@ class Checkpoint:
         """Does the checkpoint hold both tensors, and are they different?"""
         if self.source is None or a not in self.names or b not in self.names:
             return False
-        return self.source.shape(a) != self.source.shape(b) or not torch.equal(
-            self.source.load(a), self.source.load(b))
+        shape = self.source.shape(a)
+        if self.source.shape(b) != shape:
+            return True
+        # compared a run of rows at a time: a tensor-parallel rank holds no whole table
+        step = max(1, ROWS_COMPARED // max(1, math.prod(shape[1:])))
+        return any(not torch.equal(self.source.load_slice(a, span), self.source.load_slice(b, span))
+                   for span in ((0, i, min(i + step, shape[0])) for i in range(0, shape[0], step)))
 
 
 def each(mine: str, theirs: str, parts: str) -> dict[str, str]:
@@ -203,13 +305,28 @@ def read_checkpoint(spec: Spec, ckpt: Checkpoint, layout: Layout, *, skip: Seque
         cuts = rank_slices(shard_program(program, shard[0]))
     out: dict[str, torch.Tensor] = {}
     for done, rule in enumerate(tmap.rules):
-        values = rule.convert([source.load(n) for n in rule.sources]) if rule.targets else []
+        values = _read_rule(source, rule, cuts, tmap.want, shard[1] if shard else 0) \
+            if rule.targets else []
         for target, value in zip(rule.targets, values):
-            if target in cuts:   # the rank's part, kept; the whole tensor is let go
-                from archc.dist import take_slice
-                value = take_slice(value, cuts[target], shard[1])  # type: ignore[index]
             keep = dtype is None or isinstance(value, QTensor)   # quantized: as stored
             out[target] = value if keep else value.to(TORCH_DTYPES[dtype])
         if progress is not None:
             progress(done + 1, len(tmap.rules))
     return out, skipped
+
+
+def _read_rule(source: TensorSource, rule: Rule, cuts: Mapping[str, tuple[int, int, int]],
+               want: Mapping[str, Shape], rank: int) -> list[torch.Tensor]:
+    """The targets of `rule`, each cut to tensor-parallel rank `rank`'s slice where `cuts`
+    has one: read as slices of the sources where the rule maps the cut back through its
+    convert, else read whole, converted and cut (the whole tensors let go in turn)."""
+    from archc.dist import rank_span, take_slice
+    spans = {t: rank_span(cuts[t], want[t][cuts[t][0]], rank)
+             for t in rule.targets if t in cuts}
+    part = rule.narrow(spans) if spans and rule.narrow is not None else None
+    if part is None:
+        values = rule.convert([source.load(n) for n in rule.sources])
+        return [take_slice(v, cuts[t], rank) if t in cuts else v
+                for t, v in zip(rule.targets, values)]
+    return part.convert([source.load(n) if span is None else source.load_slice(n, span)
+                         for n, span in part.reads])
