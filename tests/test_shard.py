@@ -50,8 +50,8 @@ def variant(name: str) -> Spec:
 
 @functools.cache
 def model(name: str, quant: str | None = None) -> tuple[Spec, Program, dict]:
-    """Spec, unsharded program and a seeded random checkpoint (int4 in groups of 32 for every
-    linear weight when `quant`)."""
+    """Spec, unsharded program and a seeded random checkpoint (every linear weight int4 in
+    groups of 32 when `quant` is int4_g32, int8 with a scale per row when it is int8_ch)."""
     spec = variant(name)
     plain = lower(spec)
     checkpoint = random_weights(plain, seed=5)
@@ -59,7 +59,8 @@ def model(name: str, quant: str | None = None) -> tuple[Spec, Program, dict]:
         return spec, plain, checkpoint
     names = quantizable(plain)
     for k in names:
-        checkpoint[k] = quantize(checkpoint[k], "int4", group=32)
+        checkpoint[k] = quantize(checkpoint[k], "int8") if quant == "int8_ch" else \
+            quantize(checkpoint[k], "int4", group=32)
     return spec, lower(spec, quant={k: quant for k in names}), checkpoint
 
 
@@ -158,6 +159,17 @@ def test_quantized_weights_split_on_whole_groups(name: str, tp: int) -> None:
     spec, program, checkpoint = model(name, "int4_g32")
     sharded = shard_program(program, tp)
     assert any(n.dtype == "int4_g32" and is_slice(n.attr("expr"))
+               for g in sharded for n in g if n.op == Op.PARAM)
+    assert_same(spec, outputs(spec, program, checkpoint), on_ranks(spec, sharded, checkpoint, tp))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_int8_weights_with_a_scale_per_row_split_along_k_anywhere(tp: int) -> None:
+    """One scale covers a whole row of int8 codes: a row-parallel cut keeps every row's scale
+    and any columns (tiny-llama3's d_ff of 224 into 112 or 56)."""
+    spec, program, checkpoint = model("tiny-llama3", "int8_ch")
+    sharded = shard_program(program, tp)
+    assert any(n.dtype == "int8_ch" and is_slice(n.attr("expr")) and n.shape[1] == 224 // tp
                for g in sharded for n in g if n.op == Op.PARAM)
     assert_same(spec, outputs(spec, program, checkpoint), on_ranks(spec, sharded, checkpoint, tp))
 

@@ -127,9 +127,11 @@ def _matmul_rules(g: Graph, n: Node, need: Callable[..., None]) -> None:
 
 def _group_rule(need: Callable[..., None], field_: str, k: int, dtype: str) -> None:
     """A quantized row-parallel weight splits along K only on whole groups."""
-    align = scheme(dtype).align
-    need(field_, k, f"(K of the {dtype} weights) does not split into tp parts of whole "
-         f"{align}-element groups", lambda tp, k=k: k % tp == 0 and (k // tp) % align == 0)
+    step = scheme(dtype).k_step(k)
+    what = "does not divide by tp" if step == 1 else \
+        f"does not split into tp parts of whole {step}-element groups"
+    need(field_, k, f"(K of the {dtype} weights) {what}",
+         lambda tp, k=k: k % tp == 0 and (k // tp) % step == 0)
 
 
 def check(program: Program, tp: int) -> None:

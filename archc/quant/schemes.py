@@ -59,6 +59,12 @@ class Scheme:
         bytes end together)."""
         return SUPER if self.two_level or self.offset == "super" else max(self.group, 8)
 
+    def k_step(self, k: int) -> int:
+        """A weight of K = k columns may be cut along K at multiples of this: 1 where one scale
+        covers the whole row and every code is a byte of its own (int8 per channel), else
+        `align` (whole groups, super-blocks and bytes)."""
+        return 1 if self.group >= k and self.bits == 8 else self.align
+
     @property
     def bytes_per_element(self) -> Fraction:
         """Bytes per weight element when K is a multiple of `align`: codes, scales, offsets."""

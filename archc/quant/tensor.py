@@ -209,11 +209,11 @@ def part_spans(scheme: Scheme, shape: Sequence[int], dim: int, start: int,
     parts = scheme.part_shapes(shape[-2], shape[-1])
     if dim < len(shape) - 1:
         return {name: (dim, start, start + length) for name in parts}
-    align, k = scheme.align, shape[-1]
-    per_row = scheme.group >= k and scheme.bits == 8   # one scale for the row
-    if not per_row and (start % align or (start + length != k and length % align)):
+    k = shape[-1]
+    step = scheme.k_step(k)
+    if start % step or (start + length != k and length % step):
         raise WeightsError(f"a {scheme.name} tensor splits along K only at multiples "
-                           f"of {align} elements; columns [{start}, {start + length}) of {k}")
+                           f"of {step} elements; columns [{start}, {start + length}) of {k}")
     spans = {}
     for name, ((_, cols), _) in parts.items():
         # a part stored per `k / cols` elements: the columns that hold any of the kept ones
