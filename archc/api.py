@@ -50,8 +50,9 @@ def load(source: str | Path, *, seed: int = 0, dtype: str | torch.dtype | None =
     sharded over tp ranks reads in parts (the rest whole) — for ``compile(tp=tp)`` in that rank's
     process. Of a checkpoint (GGUF file, Hugging Face directory, archc checkpoint directory or
     quantized file) only the rank's slices are read from the file, so no rank holds the whole
-    checkpoint, or any whole tensor it cuts (an archc directory or file quantized at load by
-    `quantize` is read whole, quantized, then cut)."""
+    checkpoint, or any whole tensor it cuts (but a checkpoint quantized at load by `quantize`
+    is read whole, quantized, then cut; int4 from a GGUF file or a Hugging Face directory is cut
+    as read)."""
     name = None if dtype is None else dtype_name(dtype)
     if not isinstance(source, (str, Path)):
         raise ArchcError(f"source must be a zoo name or a path, got {type(source).__name__}")
@@ -71,9 +72,12 @@ def load(source: str | Path, *, seed: int = 0, dtype: str | torch.dtype | None =
     for matches, loader in SOURCES:
         if matches(path):
             extra: dict = {"dequantize": True} if dequantize else {}
-            # cut as read; a model quantized at load is quantized whole, then cut
-            if shard is not None and (quantize is None or loader in (sources.load_gguf,
-                                                                       sources.load_hf)):
+            # cut as read. A model quantized at load is quantized whole, then cut — except a
+            # GGUF file's or HF directory's int4 weights, whose groups lie within the cuts
+            # (the shard pass cuts K on whole groups), so they are cut, then quantized; an
+            # int8 row's one scale is its whole row's, which a rank's part does not know
+            if shard is not None and (quantize is None or quantize == "int4" and loader in (
+                    sources.load_gguf, sources.load_hf)):
                 extra["shard"] = shard
             model = loader(path, progress=progress, dtype=name, **extra)
             break

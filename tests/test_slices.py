@@ -117,10 +117,11 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     whole = archc.load(out["hf"])
     out["native"] = root / "native"
     native.save(out["native"], whole.spec, whole.weights)
-    # int4 in groups of 32 (int8 is one scale per row, which the shard pass does not cut)
-    out["quant-int4"] = root / "llama-int4.safetensors"
-    q = whole.quantized("int4", 32)
-    quant_file.save(out["quant-int4"], q.spec, q.weights)
+    # int4 in groups of 32; int8 with one scale per row, cut along K anywhere
+    for kind in ("int4", "int8"):
+        out[f"quant-{kind}"] = root / f"llama-{kind}.safetensors"
+        q = whole.quantized(kind, 32)
+        quant_file.save(out[f"quant-{kind}"], q.spec, q.weights)
     # fused Q/K/V: concatenated (GPT-2, stored transposed; Falcon MQA, its one KV head
     # replicated), per head (GPT-NeoX, BLOOM), per KV group (Falcon's new architecture: at
     # tp = 4 two ranks share a group's K and V and split its queries); experts one tensor each
@@ -132,7 +133,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 # (file, tp): every kind of source at tp = 2 and 3 where its shapes split
 CASES = [(name, tp) for name in ("gguf-F32", "gguf-F16", "gguf-BF16", "gguf-Q8_0", "gguf-Q4_1",
-                                 "gguf-moe-Q8_0", "hf", "hf-sharded", "native", "quant-int4")
+                                 "gguf-moe-Q8_0", "hf", "hf-sharded", "native", "quant-int4",
+                                 "quant-int8")
               for tp in (2, 3)] + [
     ("gguf-Q4_K", 3), ("gguf-Q6_K", 3), ("hf-gpt2", 2), ("hf-gpt_neox", 2), ("hf-bloom", 2),
     ("hf-falcon-mqa", 2), ("hf-falcon-mqa", 4), ("hf-falcon-new-arch", 2),
@@ -166,6 +168,20 @@ def test_a_rank_reads_what_reading_whole_and_cutting_gives(files: dict[str, Path
                                              rank)
                 assert torch.equal(got.weights[key].dequantize(), whole.weights[key]
                                    .dequantize().narrow(dim, start, stop - start)), key
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_rank_quantizing_at_load_holds_the_whole_models_quantized_slices(
+        files: dict[str, Path], kind: str) -> None:
+    """--quantize with --tp: each rank holds what quantizing the whole checkpoint and cutting
+    gives — an int8 row's scale is its whole row's, also where the rank holds part of the row."""
+    whole = archc.load(files["hf"], quantize=kind, group=32)
+    for rank in range(2):
+        got, want = archc.load(files["hf"], quantize=kind, group=32, tp=2, rank=rank), \
+            whole.sliced(2, rank)
+        assert got.weights.keys() == want.weights.keys()
+        for key, w in want.weights.items():
+            assert same(got.weights[key], w), f"{kind}, rank {rank}: {key}"
 
 
 @pytest.mark.parametrize(("name", "tp"), [("gguf-Q4_K", 3), ("gguf-Q4_K", 2), ("gguf-Q8_0", 3)])
