@@ -60,7 +60,7 @@ def _check_node(g: Graph, i: int) -> None:
         raise _refuse(g, i, "rescales its frequencies from the sequence length (dynamic NTK), "
                       "which a row of another sequence does not share")
     if n.op == Op.KV_CACHE and n.attr("quant") is not None:
-        raise _refuse(g, i, f"holds a {n.attr('quant')} cache; a paged pool holds the model "
+        raise _refuse(g, i, f"holds an {n.attr('quant')} cache; a paged pool holds the model "
                       "dtype (kv_cache=None)")
     if n.op == Op.FUSED_LINEAR and any(st.fn == "kv_write" and st.kw("quant") is not None
                                        for st in n.attr("epilogue", ())):
