@@ -123,9 +123,21 @@ def test_prefill_raises_pool_exhausted_and_reserves_nothing() -> None:
     assert engine.blocks_free() == 3
 
 
-def test_blocks_default_to_max_batch_sequences_of_max_seq_len() -> None:
-    engine = archc.load("tiny-llama3").compile("eager").engine(block_size=16, max_batch=3)
+def test_blocks_default_to_max_batch_sequences_of_max_seq_len(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled = archc.load("tiny-llama3").compile("eager")
+    engine = compiled.engine(block_size=16, max_batch=3)
     assert (engine.blocks_total, engine.max_seq_len, engine.max_batch) == (3 * 64 // 16, 64, 3)
+    spec = compiled.spec
+    head_dim = spec.d_model // spec.attention.heads
+    # k and v of each layer: 16 rows of each KV head's head_dim f32 values
+    assert engine.block_bytes == spec.layers * 2 * spec.attention.kv_heads * head_dim * 16 * 4
+    # when they do not fit in half the free memory: what does
+    monkeypatch.setattr("archc.runtime.paged.host_available", lambda: 2 * 5 * engine.block_bytes)
+    assert compiled.engine(block_size=16, max_batch=3).blocks_total == 5
+    monkeypatch.setattr("archc.runtime.paged.host_available", lambda: 2 * 3 * engine.block_bytes)
+    with pytest.raises(ArchcError, match="one sequence of max_seq_len = 64 needs 32"):
+        compiled.engine(block_size=16, max_batch=3)
 
 
 @pytest.mark.parametrize(("name", "options", "message"), [

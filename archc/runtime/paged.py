@@ -22,13 +22,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from archc.devices import host_available
 from archc.errors import ArchcError
 from archc.ir.graph import Program
 from archc.ir.ops import Op
 from archc.ir.ops.base import RECURRENT
+from archc.ir.shapes import DTYPE_BYTES
 from archc.passes.paged import max_blocks, paged_kv
 from archc.runtime.batch import PoolExhausted
 from archc.runtime.eager import EagerContext, EagerSession, PagedPool, run_graph
+from archc.ui import nbytes
 
 if TYPE_CHECKING:
     from archc.model import CompiledModel
@@ -72,6 +75,32 @@ def refuse_unservable(compiled: CompiledModel) -> None:
     if compiled.backend not in ("eager", "triton"):
         raise EngineError(f"the paged engine runs the eager and triton backends, not "
                           f"{compiled.backend!r}")
+
+
+def block_bytes(program: Program, block_size: int) -> int:
+    """Bytes one block takes over every layer's k and v pools: block_size rows of each KV
+    head's head_dim values, in the dtype the attention reads."""
+    return sum(2 * n.attr("kv_heads") * int(g.nodes[n.inputs[0]].shape[3]) * block_size *
+               DTYPE_BYTES[n.dtype] for g in program for n in g
+               if n.op == Op.ATTENTION and n.attr("paged") is not None)
+
+
+def default_blocks(engine: PagedEngine, device: torch.device) -> int:
+    """blocks=None: enough for max_batch sequences of max_seq_len each, when they take at most
+    half of the memory free on `device` (the rest is for activations and the host's own); else
+    as many as that half holds. Refused when it holds not even one sequence of max_seq_len."""
+    want = engine.max_batch * engine.table_width
+    free = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else \
+        host_available()
+    if free is None or engine.block_bytes == 0 or want * engine.block_bytes <= free // 2:
+        return want
+    fits = free // 2 // engine.block_bytes
+    if fits < engine.table_width:
+        one = nbytes(engine.table_width * engine.block_bytes)
+        raise EngineError(f"the KV-cache pool of one sequence of max_seq_len = "
+                          f"{engine.max_seq_len} needs {one}; half of the {nbytes(free)} free "
+                          f"is {nbytes(free // 2)}: pass blocks= for shorter sequences")
+    return fits
 
 
 class _EagerSteps:
@@ -132,11 +161,11 @@ class PagedEngine:
         self.max_batch = _whole(max_batch, "max_batch", 1)
         self.max_seq_len = compiled.spec.max_seq_len
         self.table_width = max_blocks(self.max_seq_len, self.block_size)
-        # blocks=None: every one of max_batch sequences may reach max_seq_len
-        self.blocks_total = self.max_batch * self.table_width if blocks is None else \
-            _whole(blocks, "blocks", 1)
         session = compiled.session
         self.program = paged_kv(session.program, self.block_size, self.max_seq_len)
+        self.block_bytes = block_bytes(self.program, self.block_size)
+        self.blocks_total = default_blocks(self, session.device) if blocks is None else \
+            _whole(blocks, "blocks", 1)
         if compiled.backend == "eager":
             self.steps: _EagerSteps | _TritonSteps = _EagerSteps(
                 session, self.program, self.blocks_total, self.block_size)
