@@ -96,7 +96,9 @@ def test_paged_program_shows_the_block_table_and_round_trips() -> None:
     assert parse_program(format_program(eager, provenance=True)) == eager
 
 
-def test_paged_kv_refuses_a_bad_block_size() -> None:
+def test_paged_kv_refuses_a_bad_block_size_and_a_paged_program() -> None:
     program = archc.load("tiny-llama3").graph
     with pytest.raises(PagedError, match="block_size=0"):
         paged_kv(program, 0, 64)
+    with pytest.raises(PagedError, match="tiny-llama3's KV cache is paged already"):
+        paged_kv(paged_kv(program, 4, 64), 4, 64)

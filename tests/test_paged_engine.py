@@ -83,6 +83,12 @@ def test_engine_matches_generate_on_a_tiny_spec(backend: str) -> None:
     assert engine.blocks_free() == 15 - (3 + 3 + 2)   # still held: nothing was released
 
 
+def test_engine_runs_the_program_as_lowered() -> None:
+    """passes="none": attention chains and repeat_kv, which paged_kv collapses first."""
+    compiled = archc.load("tiny-llama3").compile("eager", passes="none")
+    check_engine(compiled, compiled.engine(block_size=4, blocks=8), prompts_of([5, 2], 97), 3)
+
+
 def test_engine_matches_generate_on_smollm2_kept_quantized() -> None:
     model = archc.load(smollm2_gguf())
     compiled = model.compile("eager", dtype="f32")

@@ -158,9 +158,13 @@ def paged_kv(program: Program, block_size: int, max_seq_len: int) -> Program:
         names = ", ".join(g.name for g in program)
         raise PagedError(f"a paged KV cache serves a decoder-only model; {program.model} has "
                          f"the graphs {names} (encoders and encoder-decoders are not served)")
-    if any(n.op == Op.SCORES for g in program for n in g):
-        from archc.passes import optimize  # attention chains into one attention node first
-        program = optimize(program, ("flash-attention",))
+    if any(n.attr("paged") is not None for g in program for n in g
+           if n.op in (Op.ATTENTION, Op.KV_CACHE)):
+        raise PagedError(f"{program.model}'s KV cache is paged already")
+    if any(n.op in (Op.SCORES, Op.REPEAT_KV) for g in program for n in g):
+        # attention chains into one attention node, reading KV head h // group in place
+        from archc.passes import optimize
+        program = optimize(program, ("share-kv-heads", "flash-attention"))
     width = max_blocks(max_seq_len, block_size)
     out = Program(program.model, tuple(_paged_graph(g, block_size, width) for g in program))
     verify(out)
