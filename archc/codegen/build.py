@@ -667,8 +667,6 @@ def _paged_attention(c: NodeCtx, heads: int, hd: int) -> tuple[dict[str, Any], l
     """Attention over the layer's paged pool (``archc.passes.paged``): the `_paged` kernel, one
     program per (token, KV head), reading keys through the token's block table."""
     a = c.attrs
-    if a["softcap"] is not None and a["bias"] is not None:
-        raise c.fail("a paged attention with both a soft-cap and a position bias")
     if a["global_tokens"] is not None:
         raise c.fail("a paged attention with global tokens (Longformer) has no Triton kernel; "
                      "run it on the eager backend")
