@@ -231,14 +231,14 @@ def paged_slots(positions: torch.Tensor, table: torch.Tensor, block_size: int
 
 def paged_keys(pool: torch.Tensor, positions: torch.Tensor, table: torch.Tensor
                ) -> torch.Tensor:
-    """[T, H_kv, L, D]: for each token t, its sequence's rows at positions 0 … L − 1 (L the
-    longest of the T tokens' positions + 1; rows past a token's own position are whatever its
-    blocks hold there, and a mask hides them)."""
+    """[R, H_kv, L, D]: for each of the R block table rows (sequences), its rows at positions
+    0 … L − 1, L the largest of `positions` + 1 (rows past a token's own position are whatever
+    its blocks hold there, and a mask hides them)."""
     block_size = pool.shape[2]
     length = int(positions.max()) + 1
     j = torch.arange(length, device=pool.device)
-    blocks = table.long()[:, j // block_size]                            # (T, L)
-    return pool[blocks, :, j % block_size].permute(0, 2, 1, 3)           # (T, H_kv, L, D)
+    blocks = table.long().to(pool.device)[:, j // block_size]            # (R, L)
+    return pool[blocks, :, j % block_size].permute(0, 2, 1, 3)           # (R, H_kv, L, D)
 
 
 def _kv_cache(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
@@ -676,29 +676,37 @@ def ring_attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
 
 def paged_attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     """Each token t (of B = 1 rows) attends to its own sequence's keys at positions
-    0 … positions[t], read from the layer's pool through its block table: [1, T, H·D]."""
-    q, pos, table = a["q"], a["positions"], a["block_table"]
+    0 … positions[t], read from the layer's pool through its block table: [1, T, H·D].
+
+    Tokens with the same block table row are one sequence's (a prefill's prompt): its keys are
+    gathered once, up to its last token's position, for all of them, so a long prompt costs
+    [T, L] of mask rather than T copies of its keys."""
+    q, pos, table = a["q"], a["positions"].to(a["q"].device), a["block_table"]
     (b, h, t, d) = q.shape
     if b != 1:
         raise ValueError(f"a paged step runs its tokens as one row (B = 1), got B = {b}")
-    pos = pos.to(q.device)
-    k, v = (expand_kv(paged_keys(ctx.paged_pool(at["cache_layer"], kind), pos, table),
-                      h).float() for kind in ("k", "v"))                        # (T, H, L, D)
-    keys = torch.arange(k.shape[2], device=q.device)
-    # token t is a batch row of its own: one query at position pos[t] over its sequence's keys
-    keep = visible_at(pos, keys, True, at["window"], None, at["global_tokens"])  # (T, L)
-    m = torch.where(keep, 0.0, torch.finfo(torch.float32).min)[:, None, None, :]  # (T, 1, 1, L)
-    bias = at["bias"]
-    if bias is not None:        # ALiBi: −slope·(query − key), each token at its own position
-        m = m + a["slopes"].float()[None, :, None, None] * (
-            keys[None, :] - pos[:, None]).float()[:, None, None, :]             # (T, H, 1, L)
-    qf = q[0].transpose(0, 1).float()[:, :, None, :]                            # (T, H, 1, D)
-    cap = at["softcap"]
-    if cap is None:
-        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=m, scale=at["scale"])
-    else:
-        s = (qf @ k.transpose(-1, -2)) * at["scale"]
-        out = torch.softmax(cap * torch.tanh(s / cap) + m, dim=-1) @ v
+    pools = [ctx.paged_pool(at["cache_layer"], kind) for kind in ("k", "v")]
+    out = torch.empty(t, h, d, dtype=torch.float32, device=q.device)
+    rows, seq_of = torch.unique(table.to(q.device), dim=0, return_inverse=True)
+    for r in range(rows.shape[0]):
+        mine = (seq_of == r).nonzero()[:, 0]                                    # its tokens
+        p = pos[mine]
+        k, v = (expand_kv(paged_keys(pool, p, rows[r:r + 1]), h).float()
+                for pool in pools)                                              # (1, H, L, D)
+        keys = torch.arange(k.shape[2], device=q.device)
+        keep = visible_at(p, keys, True, at["window"], None, at["global_tokens"])  # (n, L)
+        m = torch.where(keep, 0.0, torch.finfo(torch.float32).min)[None, None]  # (1, 1, n, L)
+        if at["bias"] is not None:   # ALiBi: −slope·(query − key), at the tokens' positions
+            m = m + a["slopes"].float()[None, :, None, None] * (
+                keys[None, :] - p[:, None]).float()[None, None]                 # (1, H, n, L)
+        qf = q[:, :, mine].float()                                              # (1, H, n, D)
+        cap = at["softcap"]
+        if cap is None:
+            o = F.scaled_dot_product_attention(qf, k, v, attn_mask=m, scale=at["scale"])
+        else:
+            s = (qf @ k.transpose(-1, -2)) * at["scale"]
+            o = torch.softmax(cap * torch.tanh(s / cap) + m, dim=-1) @ v
+        out[mine] = o[0].transpose(0, 1)                                        # (n, H, D)
     return out.reshape(1, t, h * d).to(q.dtype)                                 # (1, T, H·D)
 
 
