@@ -115,6 +115,28 @@ def test_release_returns_every_block_and_reuse_stays_right() -> None:
     assert engine.blocks_free() == 9
 
 
+@pytest.mark.parametrize("backend", ["eager"])
+def test_prompts_share_the_full_blocks_of_a_common_prefix(backend: str) -> None:
+    # a sliding window (8) shorter than the prompts: which shared block holds which positions
+    # matters, not only what keys the blocks hold
+    compiled = archc.load("tiny-mistral").compile(backend, dtype="f32")
+    engine = compiled.engine(block_size=4, blocks=12, max_batch=3)
+    prefix = prompts_of([9], 97, seed=3)[0]
+    # 11 + 3 tokens: 4 blocks; 10 + 3: 4 blocks, the prefix's 2 full ones shared; 8 + 3 (the
+    # prefix's first two blocks exactly, its last token computed): 3 blocks, 1 shared
+    check_engine(compiled, engine, [prefix + [5, 6], prefix + [7], prefix[:8]], steps=3)
+    assert engine.blocks_free() == 12 - 4 - 2 - 2
+    engine.release(0)           # its prefix blocks stay with the others
+    assert engine.blocks_free() == 12 - 2 - 2 - 2
+    engine.release(1)
+    assert engine.blocks_free() == 12 - 3
+    engine.release(2)
+    assert engine.blocks_free() == 12
+    # nothing is held any more: a new prompt with the prefix computes it afresh
+    check_engine(compiled, engine, [prefix + [1]], steps=2, first=5)
+    assert engine.blocks_free() == 12 - 3
+
+
 def test_prefill_raises_pool_exhausted_and_reserves_nothing() -> None:
     engine = archc.load("tiny-llama3").compile("eager").engine(block_size=4, blocks=5,
                                                                max_batch=2)

@@ -9,8 +9,13 @@ It runs the compiled model's program after ``archc.passes.paged.paged_kv``: a st
 tokens, each with its own position and block table, so a prefill is one sequence's prompt and a
 decode step is one token of each live sequence, whatever their lengths. A sequence reserves, at
 its prefill, every block its `total_tokens` may fill, and holds them until it is released: a
-running sequence never waits for memory. Blocks are not shared between sequences (no prefix
-sharing).
+running sequence never waits for memory.
+
+Prompts share prefixes: a full block of prompt tokens that a live sequence holds (the same
+tokens after the same earlier blocks) is held by a new sequence with that prefix too, and its
+tokens are not computed again. Only full prompt blocks are shared, and a sequence writes only at
+positions past its own length, so a shared block is never written (no copy on write); a block
+returns to the pool with its last holder.
 """
 
 from __future__ import annotations
@@ -175,6 +180,11 @@ class PagedEngine:
         # blocks handed out lowest first: a fresh engine's first sequence holds blocks 0, 1, …
         self._free = list(range(self.blocks_total - 1, -1, -1))
         self._seqs: dict[int, _Sequence] = {}
+        # shared prompt prefixes: a full block of prompt tokens is found by (the block before
+        # it, or −1, and its tokens) while a live sequence holds it; `_holders` counts them
+        self._prefix: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._key_of: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._holders: dict[int, int] = {}
 
     # ---- the pool -------------------------------------------------------------------------
 
@@ -190,7 +200,36 @@ class PagedEngine:
         """Sequence `seq` is done (finished or cancelled): its blocks go back to the pool."""
         held = self._seqs.pop(self._known(seq), None)
         assert held is not None
-        self._free.extend(reversed(held.blocks))
+        for block in reversed(held.blocks):
+            self._holders[block] -= 1
+            if self._holders[block] == 0:      # its last holder: the block is free again
+                del self._holders[block]
+                key = self._key_of.pop(block, None)
+                if key is not None:
+                    del self._prefix[key]
+                self._free.append(block)
+
+    def _shared_prefix(self, ids: list[int]) -> list[int]:
+        """The blocks of live sequences that hold the same first full blocks of prompt tokens
+        as `ids`, in order; at least the last token is left to compute (its logits)."""
+        shared: list[int] = []
+        for i in range((len(ids) - 1) // self.block_size):
+            key = (shared[-1] if shared else -1,
+                   tuple(ids[i * self.block_size:(i + 1) * self.block_size]))
+            block = self._prefix.get(key)
+            if block is None:
+                break
+            shared.append(block)
+        return shared
+
+    def _offer_prefix(self, held: _Sequence, ids: list[int]) -> None:
+        """After a prefill: the full blocks of its prompt may be shared by later prompts."""
+        for i in range(len(ids) // self.block_size):
+            key = (held.blocks[i - 1] if i else -1,
+                   tuple(ids[i * self.block_size:(i + 1) * self.block_size]))
+            if key not in self._prefix and held.blocks[i] not in self._key_of:
+                self._prefix[key] = held.blocks[i]
+                self._key_of[held.blocks[i]] = key
 
     # ---- steps ----------------------------------------------------------------------------
 
@@ -211,18 +250,26 @@ class PagedEngine:
         if total > self.max_seq_len:
             raise EngineError(f"sequence {seq}: total_tokens={total} exceeds max_seq_len = "
                               f"{self.max_seq_len}")
-        need = self.blocks_for(total)
+        # full blocks of a prompt prefix that a live sequence holds are shared, not computed
+        # again: a sequence never writes below its length, so they stay as they are
+        shared = self._shared_prefix(ids)
+        need = self.blocks_for(total) - len(shared)
         if need > len(self._free):
             raise PoolExhausted(f"sequence {seq} needs {need} blocks of {self.block_size} "
                                 f"tokens; {len(self._free)} of {self.blocks_total} are free")
-        held = _Sequence([self._free.pop() for _ in range(need)], 0, total)
+        held = _Sequence(shared + [self._free.pop() for _ in range(need)], 0, total)
+        for block in held.blocks:
+            self._holders[block] = self._holders.get(block, 0) + 1
         self._seqs[seq] = held
+        start = len(shared) * self.block_size
         try:
-            logits = self._step([held] * len(ids), list(range(len(ids))), ids)
+            logits = self._step([held] * (len(ids) - start), list(range(start, len(ids))),
+                                ids[start:])
         except BaseException:
             self.release(seq)
             raise
         held.length = len(ids)
+        self._offer_prefix(held, ids)
         return logits[-1]
 
     def decode(self, seqs: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
