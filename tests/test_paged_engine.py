@@ -115,7 +115,7 @@ def test_release_returns_every_block_and_reuse_stays_right() -> None:
     assert engine.blocks_free() == 9
 
 
-@pytest.mark.parametrize("backend", ["eager"])
+@pytest.mark.parametrize("backend", ["eager", "triton"])
 def test_prompts_share_the_full_blocks_of_a_common_prefix(backend: str) -> None:
     # a sliding window (8) shorter than the prompts: which shared block holds which positions
     # matters, not only what keys the blocks hold
