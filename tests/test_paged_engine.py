@@ -182,6 +182,17 @@ def test_engine_refuses_what_it_cannot_serve(name: str, options: dict[str, str],
         compiled.engine()
 
 
+def test_engine_refuses_a_model_over_several_ranks() -> None:
+    class TwoRanks:     # what a tensor-parallel session holds: a communicator of 2 ranks
+        size = 2
+
+    compiled = archc.load("tiny-llama3").compile("eager")
+    compiled.session.comms = {"tp": TwoRanks()}
+    with pytest.raises(ArchcError, match=r"over several ranks \(tp=2\); the paged engine runs "
+                       r"a model on one device"):
+        compiled.engine()
+
+
 def test_engine_refuses_bad_calls() -> None:
     engine = archc.load("tiny-llama3").compile("eager").engine(block_size=4, blocks=20,
                                                                max_batch=2)
