@@ -3,8 +3,9 @@ list of them (its block table), so that many sequences of different lengths deco
 (``archc.runtime.paged``, what a server's scheduler drives).
 
 A paged step's T rows are tokens, each of its own sequence and at its own position: a prefill's
-T tokens are one sequence's prompt, a decode step's are the next token of each of T sequences
-(B = 1 throughout). Every op of a transformer block but attention acts on each token alone, so
+T tokens are one sequence's prompt (or what follows a prefix it shares), a decode step's are the
+next token of each of T sequences (B = 1 throughout), each row's position being its sequence's
+past length. Every op of a transformer block but attention acts on each token alone, so
 those run unchanged; RoPE and learned positions read the `positions` input, which now holds each
 token's own position. The transform adds two inputs, `positions` i64[T] (when the graph had
 none) and `block_table` i32[T, blocks] (token t's row: the blocks of its sequence; blocks =
