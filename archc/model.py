@@ -18,7 +18,7 @@ import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -39,6 +39,9 @@ from archc.runtime.weights import (
     random_weights,
 )
 from archc.spec.schema import Spec
+
+if TYPE_CHECKING:
+    from archc.runtime.paged import PagedEngine
 
 Progress = Callable[[int, int], None]     # (done, total), while weights load
 
@@ -336,6 +339,14 @@ class CompiledModel:
             return self.model.tokenizer.decode(
                 [int(i) for i in result[0, tokens.shape[1]:] if int(i) not in eos])
         return result
+
+    def engine(self, block_size: int = 16, blocks: int | None = None,
+               max_batch: int = 16) -> PagedEngine:
+        """Many sequences over one pool of `blocks` KV-cache blocks of `block_size` tokens,
+        decoded `max_batch` at a time (``archc.runtime.batch.BatchEngine``). blocks=None: enough
+        for max_batch sequences of max_seq_len each. Decoder-only models on one device."""
+        from archc.runtime.paged import PagedEngine
+        return PagedEngine(self, block_size, blocks, max_batch)
 
     def _ids(self, x: Any) -> torch.Tensor:
         """Token ids [B, T] from ids, or from text through the model's tokenizer."""

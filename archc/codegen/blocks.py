@@ -160,6 +160,11 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         # columns: 32 there)
         return _cfg(8 if rows > 64 else 4, 2 if rows > 16 else 3, BLOCK_R=rows, BLOCK_N=block_n,
                     BLOCK_S=64, BLOCK_DM=min(block_d, 64 if sizes.get("sm", 90) < 100 else 32))
+    if family == "attention_paged":
+        # one program per (token, KV head): the group's query heads as ≥ 16 rows for tl.dot,
+        # keys 64 at a time on a GPU (16 in the interpreter, which pays per element)
+        return _cfg(4, 2, BLOCK_R=_clamp_pow2(sizes["R"], 16, 1 << 16),
+                    BLOCK_N=64 if gpu else 16)
     if family == "router":
         cfg = _cfg(4, 3 if gpu else 1, BLOCK_M=16 if gpu or sizes["M"] <= 16 else 64,
                    BLOCK_K=_clamp_pow2(sizes["K"], 16, 128 if gpu else 512))

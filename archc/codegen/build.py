@@ -465,15 +465,20 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
 
 
 def _cache_arg(c: NodeCtx, param: str, kind: str, layer: int, kv_heads: int, hd: int,
-               quant: str | None = None) -> Arg:
+               quant: str | None = None, block_size: int | None = None) -> Arg:
     """Layer `layer`'s `kind` (k|v) cache, [B, kv_heads, max_seq_len, hd], as an argument: in
-    the node's dtype, or the codes of a quantized cache (`quant`)."""
+    the node's dtype, or the codes of a quantized cache (`quant`). Paged (`block_size`): the
+    layer's pool of blocks, [blocks, kv_heads, block_size, hd] (the store's "batch" is the
+    block count the runtime allocates)."""
     dtype = c.node.dtype if quant is None else KV_CODES[quant][0]
-    c.stored.append(("cache", layer, kind, (kv_heads, c.opts.max_seq_len, hd), dtype))
+    rows = c.opts.max_seq_len if block_size is None else block_size
+    c.stored.append(("cache", layer, kind, (kv_heads, rows, hd), dtype))
     codes = "" if quant is None else f" of {quant} codes"
+    what = f"{'key' if kind == 'k' else 'value'} cache{codes}"
     return Arg(param, "*" + TRITON_TYPES[dtype],
-               f"{'key' if kind == 'k' else 'value'} cache{codes} [B, {kv_heads}, "
-               f"{c.opts.max_seq_len}, {hd}]", f'd.cache.get({layer}, "{kind}")')
+               f"{what} [B, {kv_heads}, {rows}, {hd}]" if block_size is None else
+               f"{what} pool [blocks, {kv_heads}, {block_size}, {hd}]",
+               f'd.cache.get({layer}, "{kind}")')
 
 
 def _scale_arg(c: NodeCtx, param: str, kind: str, layer: int, kv_heads: int) -> Arg:
@@ -589,6 +594,8 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     heads, hd = c.static(q.shape[1], "query heads"), c.static(q.shape[3], "head_dim")
     cached = a["cache_layer"] is not None
     max_len = c.opts.max_seq_len
+    if a["paged"] is not None:
+        return _paged_attention(c, heads, hd)
     if cached:   # the layer's cache, read in place of k and v operands
         kv_heads, layer = a["kv_heads"], a["cache_layer"]
         quant = a["kv_quant"]
@@ -609,7 +616,7 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
                                                 hd if cached else None, c.node.dtype)
     ctx: dict[str, Any] = dict(
         H=heads, KVH=kv_heads, G=heads // kv_heads, D=hd, BLOCK_D=max(16, next_pow2(hd)),
-        deal=DECODE_DEAL,
+        deal=DECODE_DEAL, paged=None,
         q=by_sequence(c, "q", HEAD), k=kv["k"], v=kv["v"], cached=cached, L=length,
         L_host=length_host, dot_kw=c.dot_kw, causal=a["causal"], padding=a["padding"],
         prefix=a["prefix"], softcap=softcap is not None, qk_scale=repr(scale * LOG2E),
@@ -695,6 +702,35 @@ def _ring(c: NodeCtx, cached: bool, kv_heads: int, hd: int) -> dict[str, Any]:
         ring_kv=dict(stride_t=str(hd)))
 
 
+def _paged_attention(c: NodeCtx, heads: int, hd: int) -> tuple[dict[str, Any], list[JitKernel]]:
+    """Attention over the layer's paged pool (``archc.passes.paged``): the `_paged` kernel, one
+    program per (token, KV head), reading keys through the token's block table."""
+    a = c.attrs
+    if a["global_tokens"] is not None:
+        raise c.fail("a paged attention with global tokens (Longformer) has no Triton kernel; "
+                     "run it on the eager backend")
+    kv_heads, layer, bs = a["kv_heads"], a["cache_layer"], a["paged"]
+    c.args[1:1] = [_cache_arg(c, kind, kind, layer, kv_heads, hd, block_size=bs)
+                   for kind in "kv"]
+    table = c.lay("block_table")    # an input: a contiguous [T, blocks] buffer of its own
+    scale, softcap = a["scale"], a["softcap"]
+    ctx: dict[str, Any] = dict(
+        H=heads, KVH=kv_heads, G=heads // kv_heads, D=hd, BLOCK_D=max(16, next_pow2(hd)),
+        q=by_sequence(c, "q", HEAD), k={}, v={}, dot_kw=c.dot_kw, causal=True, padding=False,
+        prefix=False, softcap=softcap is not None, qk_scale=repr(scale * LOG2E),
+        bias=None if a["bias"] is None else a["bias"].fn, t5=None, window=a["window"],
+        global_tokens=None, fold_scale=False, tma=0, kv_quant=None, cached=True, decode=False,
+        ring=None, ring_kv=None,
+        paged=dict(block_size=bs, width=c.static(table.shape[1], "the block table's width"),
+                   stride_block=kv_heads * bs * hd, stride_head=bs * hd))
+    if softcap is not None:
+        ctx.update(cap_log2=repr(softcap * LOG2E), pre_cap=repr(scale / softcap))
+    ctx["more_params_"] = "".join(f"{x.param}, " for x in c.args[3:])
+    kernels = [JitKernel("_paged", "attention_paged", dict(D=hd),
+                         c.types(B="i32", T="i32", S="i32"))]
+    return ctx, kernels
+
+
 # ---- fused_linear -----------------------------------------------------------------------------
 
 def _rope_pair(st: Call, width: int, idx: int, c: NodeCtx) -> dict[str, Any]:
@@ -777,15 +813,23 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
                                if st.fn == "ln_scale" else ""))
         elif STEPS[st.fn].elementwise:
             target.append(elementwise_step(c, st, idx, width))
-        elif st.fn == "kv_write":
+        elif st.fn in ("kv_write", "paged_kv_write"):
             if kv is not None:
                 raise c.fail("more than one kv_write() step")
-            hd, kv_heads, max_len = st.kw("head_dim"), st.kw("kv_heads"), c.opts.max_seq_len
+            hd, kv_heads = st.kw("head_dim"), st.kw("kv_heads")
+            # a paged cache's rows: a block of block_size rows per (block, KV head)
+            paged = st.kw("block_size")
+            max_len = c.opts.max_seq_len if paged is None else paged
             kv = dict(fn="kv_write", layer=st.kw("layer"), kv_heads=kv_heads, head_dim=hd,
                       k_start=st.kw("k_start"), v_start=st.kw("v_start"), width=kv_heads * hd,
                       stride_b=kv_heads * max_len * hd, stride_h=max_len * hd, stride_l=hd,
                       max_len=max_len, quant=st.kw("quant"), block_d=next_pow2(hd),
-                      qmax=repr(KV_CODES[st.kw("quant")][1]) if st.kw("quant") else None)
+                      qmax=repr(KV_CODES[st.kw("quant")][1]) if st.kw("quant") else None,
+                      paged=None if paged is None else dict(
+                          block_size=paged, pos_ptr=c.arg(f"pos{idx}").name,
+                          table_ptr=c.arg(f"block_table{idx}").name,
+                          width=c.static(c.lay(f"block_table{idx}").shape[1],
+                                         "the block table's width")))
             if kv["quant"] is not None and idx != len(a["epilogue"]) - 1:
                 # the codes are made from the stored rows (see _kvquant in matmul.py.j2)
                 raise c.fail("a quantized KV cache is written from the projection's stored "
@@ -814,8 +858,12 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         cols_run = pair["run"] if pair is not None and pair["fn"] == "rope" else 1 << 16
         run = math.gcd(cols_run, kv["head_dim"], kv["k_start"], kv["v_start"])
         kv["run"] = run & -run if run else 0
-        c.args += [*(_cache_arg(c, f"{kind}_cache", kind, kv["layer"], kv["kv_heads"],
-                                kv["head_dim"], kv["quant"]) for kind in "kv"), PAST]
+        c.args += [_cache_arg(c, f"{kind}_cache", kind, kv["layer"], kv["kv_heads"],
+                              kv["head_dim"], kv["quant"],
+                              None if kv["paged"] is None else kv["paged"]["block_size"])
+                   for kind in "kv"]
+        if kv["paged"] is None:   # a paged write finds each row's place from its position
+            c.args.append(PAST)
         if kv["quant"] is not None:
             c.args += [_scale_arg(c, f"{kind}_scale", kind, kv["layer"], kv["kv_heads"])
                        for kind in "kv"]

@@ -40,7 +40,7 @@ def is_root(n: Node) -> bool:
     """An output, an input (the graph's interface) or a KV-cache write: live even when nothing in
     the graph reads its value."""
     return n.op in (Op.OUTPUT, Op.INPUT, Op.KV_CACHE) or (n.op == Op.FUSED_LINEAR and any(
-        st.fn == "kv_write" for st in n.attr("epilogue", ())))
+        st.fn in ("kv_write", "paged_kv_write") for st in n.attr("epilogue", ())))
 
 
 def live_nodes(nodes: dict[int, Node], killed: Iterable[int] = ()) -> set[int]:

@@ -20,7 +20,7 @@ from archc.errors import ArchcError, RunError
 from archc.ir.attrs import Call
 from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import OP_TABLE, Op, bind, full_attrs
-from archc.ir.ops.attention import KV_QUANT, kv_dequantize, kv_quantize
+from archc.ir.ops.attention import KV_QUANT, kv_dequantize, kv_quantize, paged_slots
 from archc.ir.shapes import DIMS, QUANT_DTYPES
 from archc.ir.text import format_node
 from archc.passes.context import zigzag
@@ -102,6 +102,34 @@ class RecurrentState:
         return have
 
 
+class PagedPool:
+    """The pools of a paged KV cache (``archc.passes.paged``): per (layer, k|v) one tensor
+    [blocks, H_kv, block_size, D], allocated at the first write, of the dtype written."""
+
+    def __init__(self, blocks: int, block_size: int) -> None:
+        self.blocks = blocks
+        self.block_size = block_size
+        self.store: dict[tuple[int, str], torch.Tensor] = {}
+
+    def write(self, layer: int, kind: str, x: torch.Tensor, positions: torch.Tensor,
+              table: torch.Tensor) -> None:
+        """Rows x [1, H_kv, T, D] of T tokens into their blocks, at their positions."""
+        pool = self.store.get((layer, kind))
+        if pool is None:
+            pool = self.store[(layer, kind)] = torch.zeros(
+                self.blocks, x.shape[1], self.block_size, x.shape[3], dtype=x.dtype,
+                device=x.device)
+        block, offset = paged_slots(positions, table, self.block_size)
+        pool[block.to(pool.device), :, offset.to(pool.device)] = x[0].transpose(0, 1).to(
+            pool.dtype)                                                         # (T, H_kv, D)
+
+    def read(self, layer: int, kind: str) -> torch.Tensor:
+        pool = self.store.get((layer, kind))
+        if pool is None:
+            raise RunError(f"layer {layer} reads its paged {kind} pool before anything wrote it")
+        return pool
+
+
 @dataclass
 class EagerContext:
     """What eager op semantics may read besides their inputs."""
@@ -110,6 +138,19 @@ class EagerContext:
     cache: KVCache | None = None
     state: RecurrentState = field(default_factory=RecurrentState)
     comms: Mapping[str, Comm] = field(default_factory=dict)   # by group: "tp", "cp"
+    paged: PagedPool | None = None
+
+    def paged_write(self, layer: int, kind: str, x: torch.Tensor, positions: torch.Tensor,
+                    table: torch.Tensor) -> None:
+        self._pool().write(layer, kind, x, positions, table)
+
+    def paged_pool(self, layer: int, kind: str) -> torch.Tensor:
+        return self._pool().read(layer, kind)
+
+    def _pool(self) -> PagedPool:
+        if self.paged is None:
+            raise RunError("this graph reads a paged KV cache but no block pool was given")
+        return self.paged
 
     def comm(self, group: str) -> Comm:
         """This rank's communicator of `group` (a group of one when the run has none)."""

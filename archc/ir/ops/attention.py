@@ -192,20 +192,78 @@ def kv_dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
 def _kv_infer(sig: Sig) -> tuple[Shape, str]:
     x = sig.shape("x")
     require(len(x) == 4, f"kv_cache takes [B, H, T, D], got {list(x)}")
+    if sig.attr("paged") is not None:
+        require(sig.attr("quant") is None, "a paged KV cache holds the model dtype (no quant)")
+        check_paged(sig, x[2])
+        return x, float_dtype(sig)       # the rows it wrote: attention reads the pool itself
     return (x[0], x[1], P + x[2], x[3]), float_dtype(sig)
+
+
+# ---- the paged KV cache ------------------------------------------------------------------------
+#
+# A paged cache (``archc.passes.paged``) keeps each layer's k and v in one pool of fixed-size
+# blocks, [blocks, H_kv, block_size, D]; a sequence owns a list of blocks, its block table. The
+# T rows of a paged step are tokens, each of its own sequence and at its own position: a
+# prefill's T are one sequence's prompt, a decode step's T are one token of each of T sequences.
+# Token t at position p lives in block block_table[t, p // block_size], at offset
+# p % block_size, and attends to the keys of its sequence at positions 0 … p.
+
+PAGED_ATTR = Attr("paged", int, None, at_least=1)
+
+
+def check_paged(sig: Sig, tokens: sympy.Expr) -> None:
+    """A paged node's operands: positions i64[T] and the block table i32[T, blocks]."""
+    pos, table = sig.shape("positions"), sig.shape("block_table")
+    require(len(pos) == 1 and same_dim(pos[0], tokens) and sig.dtype("positions") == "i64",
+            f"paged positions must be i64[{tokens}], got {sig.dtype('positions')}{list(pos)}")
+    require(len(table) == 2 and same_dim(table[0], tokens) and table[1].is_Integer and
+            sig.dtype("block_table") == "i32",
+            f"the block table must be i32[{tokens}, blocks] (blocks static), got "
+            f"{sig.dtype('block_table')}{list(table)}")
+
+
+def paged_slots(positions: torch.Tensor, table: torch.Tensor, block_size: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (block, offset) in the pool of each token t at positions[t] — [T] each."""
+    pos = positions.to(table.device).long()
+    block = table.long().gather(1, (pos // block_size)[:, None])[:, 0]
+    return block, pos % block_size
+
+
+def paged_keys(pool: torch.Tensor, positions: torch.Tensor, table: torch.Tensor
+               ) -> torch.Tensor:
+    """[R, H_kv, L, D]: for each of the R block table rows (sequences), its rows at positions
+    0 … L − 1, L the largest of `positions` + 1 (rows past a token's own position are whatever
+    its blocks hold there, and a mask hides them)."""
+    block_size = pool.shape[2]
+    length = int(positions.max()) + 1
+    j = torch.arange(length, device=pool.device)
+    blocks = table.long().to(pool.device)[:, j // block_size]            # (R, L)
+    return pool[blocks, :, j % block_size].permute(0, 2, 1, 3)           # (R, H_kv, L, D)
+
+
+def _kv_cache(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+    if at["paged"] is None:
+        return ctx.cache_append(at["layer"], at["kind"], a["x"], at["quant"])
+    ctx.paged_write(at["layer"], at["kind"], a["x"], a["positions"], a["block_table"])
+    return a["x"]
 
 
 register(OpDef(
     Op.KV_CACHE, "Write the new keys or values at offset P; return the cache's first P+T. With "
     "`quant` the cache holds int8 or fp8 e4m3 codes and an f32 scale per (token, head), and "
-    "returns what it holds, code·scale.",
-    '%14 : f32[B,2,P+T,16] = kv_cache(%13) {kind="k", layer=0, quant="int8"}', operands("x"),
+    "returns what it holds, code·scale. With `paged` (the block size) each token's row goes "
+    "to its block of the layer's pool (block_table at its position), and it returns the rows.",
+    '%14 : f32[B,2,P+T,16] = kv_cache(%13) {kind="k", layer=0, quant="int8"}',
+    operands("x", ("positions", "paged"), ("block_table", "paged")),
     _kv_infer,
-    lambda ctx, a, at: ctx.cache_append(at["layer"], at["kind"], a["x"], at["quant"]),
+    _kv_cache,
     # read the new rows, write them into the cache; readers of the cache pay for reading it
     bytes=lambda sig: numel(sig.shapes[0]) * DTYPE_BYTES[sig.dtypes[0]] + numel(
         sig.shapes[0][:3]) * kv_row_bytes(sig.shapes[0][3], sig.dtypes[0], sig.attr("quant")),
-    attrs=(LAYER, Attr("kind", str, choices=("k", "v")), KV_QUANT_ATTR), arity=(1, 1)))
+    attrs=(LAYER, Attr("kind", str, choices=("k", "v")), KV_QUANT_ATTR, PAGED_ATTR),
+    arity=(1, 3), docs={"positions": "with `paged`: each token's position",
+                        "block_table": "with `paged`: each token's sequence's blocks"}))
 
 
 def _repeat_infer(sig: Sig) -> tuple[Shape, str]:
@@ -431,7 +489,9 @@ def _attention_roles(attrs: Mapping[str, Any], n: int) -> list[str]:
     return ["q", *(["k", "v"] if attrs.get("cache_layer") is None else []),
             *operands(*MASK_OPERANDS)(attrs, n),
             *([] if bias is None else ["slopes" if bias.fn == "alibi" else "rel_table"]),
-            *(["positions"] if attrs.get("ring") is not None else [])]
+            *(["positions"] if attrs.get("ring") is not None or attrs.get("paged") is not None
+              else []),
+            *(["block_table"] if attrs.get("paged") is not None else [])]
 
 
 def _attention_infer(sig: Sig) -> tuple[Shape, str]:
@@ -448,6 +508,13 @@ def _attention_infer(sig: Sig) -> tuple[Shape, str]:
     require(sig.attr("kv_quant") is None or not sig.has("k"),
             "kv_quant describes the layer's cache: an attention given k and v reads no cache")
     check_mask(sig, _keys(sig))
+    if sig.attr("paged") is not None:
+        require(not sig.has("k") and sig.attr("kv_quant") is None,
+                "a paged attention reads its layer's pool (cache_layer), unquantized")
+        require(sig.attr("causal") and not sig.attr("prefix") and not sig.attr("padding") and
+                (sig.attr("bias") is None or sig.attr("bias").fn == "alibi"),
+                "a paged attention is causal, with no prefix, padding or T5 bias")
+        check_paged(sig, q[2])
     if sig.attr("ring") is not None:
         pos = sig.shape("positions")
         require(len(pos) == 1 and same_dim(pos[0], q[2]) and sig.dtype("positions") == "i64",
@@ -597,7 +664,45 @@ def ring_attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     return o.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)                  # (B, T, H·D)
 
 
+def paged_attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+    """Each token t (of B = 1 rows) attends to its own sequence's keys at positions
+    0 … positions[t], read from the layer's pool through its block table: [1, T, H·D].
+
+    Tokens with the same block table row are one sequence's (a prefill's prompt): its keys are
+    gathered once, up to its last token's position, for all of them, so a long prompt costs
+    [T, L] of mask rather than T copies of its keys."""
+    q, pos, table = a["q"], a["positions"].to(a["q"].device), a["block_table"]
+    (b, h, t, d) = q.shape
+    if b != 1:
+        raise ValueError(f"a paged step runs its tokens as one row (B = 1), got B = {b}")
+    pools = [ctx.paged_pool(at["cache_layer"], kind) for kind in ("k", "v")]
+    out = torch.empty(t, h, d, dtype=torch.float32, device=q.device)
+    rows, seq_of = torch.unique(table.to(q.device), dim=0, return_inverse=True)
+    for r in range(rows.shape[0]):
+        mine = (seq_of == r).nonzero()[:, 0]                                    # its tokens
+        p = pos[mine]
+        k, v = (expand_kv(paged_keys(pool, p, rows[r:r + 1]), h).float()
+                for pool in pools)                                              # (1, H, L, D)
+        keys = torch.arange(k.shape[2], device=q.device)
+        keep = visible_at(p, keys, True, at["window"], None, at["global_tokens"])  # (n, L)
+        m = torch.where(keep, 0.0, torch.finfo(torch.float32).min)[None, None]  # (1, 1, n, L)
+        if at["bias"] is not None:   # ALiBi: −slope·(query − key), at the tokens' positions
+            m = m + a["slopes"].float()[None, :, None, None] * (
+                keys[None, :] - p[:, None]).float()[None, None]                 # (1, H, n, L)
+        qf = q[:, :, mine].float()                                              # (1, H, n, D)
+        cap = at["softcap"]
+        if cap is None:
+            o = F.scaled_dot_product_attention(qf, k, v, attn_mask=m, scale=at["scale"])
+        else:
+            s = (qf @ k.transpose(-1, -2)) * at["scale"]
+            o = torch.softmax(cap * torch.tanh(s / cap) + m, dim=-1) @ v
+        out[mine] = o[0].transpose(0, 1)                                        # (n, H, D)
+    return out.reshape(1, t, h * d).to(q.dtype)                                 # (1, T, H·D)
+
+
 def _attention_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+    if at["paged"] is not None:
+        return paged_attention(ctx, a, at)
     return attention(ctx, a, at) if at["ring"] is None else ring_attention(ctx, a, at)
 
 
@@ -662,15 +767,18 @@ register(OpDef(
     Op.ATTENTION, "Flash attention: scale, soft-cap, ALiBi or T5 bias, causal/window (with "
     "global tokens)/prefix/padding mask, GQA by index, over given k/v or the layer's KV cache; "
     "heads merged. With `ring`, ring attention over that many cp ranks (context parallel), "
-    "masks at the global positions given.",
+    "masks at the global positions given. With `paged` (the block size), each token attends to "
+    "its own sequence's keys up to its position, read through its block table.",
     "%12 : f32[B,T,64] = attention(%11) {cache_layer=0, causal=true, kv_heads=2, scale=0.25, "
     "window=8}", _attention_roles, _attention_infer, _attention_eager,
     attrs=(Attr("scale", float), *MASK_ATTRS, Attr("softcap", float, None),
            Attr("bias", Call, None, {"alibi": (), "t5": T5}),
            Attr("cache_layer", int, None, at_least=0), Attr("kv_heads", int, None, at_least=1),
            Attr("kv_quant", str, None, choices=tuple(KV_QUANT)),
-           Attr("ring", int, None, at_least=2)),
+           Attr("ring", int, None, at_least=2), PAGED_ATTR),
     flops=_attention_flops, bytes=_attention_bytes, template="attention", arity=(1, 7),
     docs={"padding": "1 = key present", "prefix_len": "prefix length",
-          "positions": "with `ring`: the global positions of this rank's tokens",
+          "positions": "with `ring`: the global positions of this rank's tokens; with "
+          "`paged`: each token's position",
+          "block_table": "with `paged`: each token's sequence's blocks in the layer's pool",
           "slopes": "ALiBi slopes", "rel_table": "relative-position bias per bucket and head"}))

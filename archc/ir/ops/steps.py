@@ -114,6 +114,16 @@ def _kv_write_width(st: Call, width: int, inputs: Sequence[Shape], node: Sig) ->
     return width
 
 
+def _paged_kv_write_width(st: Call, width: int, inputs: Sequence[Shape], node: Sig) -> int:
+    _kv_write_width(st, width, inputs, node)
+    pos, table = inputs
+    tokens = node.shapes[0][1]
+    require(len(pos) == 1 and pos[0] == tokens and len(table) == 2 and table[0] == tokens and
+            table[1].is_Integer, f"paged_kv_write() takes positions [{tokens}] and a block "
+            f"table [{tokens}, blocks], got {list(pos)} and {list(table)}")
+    return width
+
+
 def _act_width(st: Call, width: int, inputs: Sequence[Shape], node: Sig) -> int:
     start, stop = st.kw("start", 0), st.kw("stop", width)
     require(start < stop <= width, f"act() columns [{start}, {stop}) outside {width}")
@@ -146,6 +156,16 @@ def _apply_kv_write(ctx: EagerCtx, acc: torch.Tensor, st: Call, xs: Sequence[tor
         part = acc[..., start:start + kv * hd].unflatten(-1, (kv, hd)).transpose(1, 2)
         ctx.cache_append(st.kw("layer"), kind, part.to(stats.dtype).contiguous(),   # (B, Hkv, T, D)
                          st.kw("quant"))
+    return acc
+
+
+def _apply_paged_kv_write(ctx: EagerCtx, acc: torch.Tensor, st: Call,
+                          xs: Sequence[torch.Tensor], stats: RowStats) -> torch.Tensor:
+    hd, kv = st.kw("head_dim"), st.kw("kv_heads")
+    for kind in ("k", "v"):
+        start = st.kw(f"{kind}_start")
+        part = acc[..., start:start + kv * hd].unflatten(-1, (kv, hd)).transpose(1, 2)
+        ctx.paged_write(st.kw("layer"), kind, part.to(stats.dtype), *xs)    # (1, Hkv, T, D)
     return acc
 
 
@@ -187,6 +207,14 @@ STEPS: dict[str, StepDecl] = {d.name: d for d in (
                      Attr("kv_heads", int, at_least=1), Attr("layer", int, at_least=0),
                      Attr("v_start", int, at_least=0), KV_QUANT_ATTR),
              width=_kv_write_width, apply=_apply_kv_write),
+    StepDecl("paged_kv_write", "write k/v columns into layer `layer`'s paged pool: token t "
+             "at position pos[t] into block block_table[t, pos[t] // block_size], offset "
+             "pos[t] % block_size", ("pos", "block_table"),
+             params=(Attr("block_size", int, at_least=1), Attr("head_dim", int, at_least=1),
+                     Attr("k_start", int, at_least=0), Attr("kv_heads", int, at_least=1),
+                     Attr("layer", int, at_least=0), Attr("v_start", int, at_least=0)),
+             width=_paged_kv_write_width, apply=_apply_paged_kv_write,
+             docs=("positions", "each token's sequence's blocks")),
     StepDecl("residual", "acc + r", ("res",), expr=E.call("add", ACC, E.x(1)),
              kernels=ROW_KERNELS, docs=("residual rows",)),
     StepDecl("softcap", "cap·tanh(acc/cap)", params=(Attr("cap", float),),
