@@ -250,7 +250,6 @@ def test_the_command_serves_a_checkpoint(tiny_gguf: Path,  # noqa: F811
 
     from archc.cli import main
     from archc.serve import server as served_by
-    from tests.serving import scaffold_engine
     started: list[served_by.Server] = []
     run = served_by.Server.run
 
@@ -260,26 +259,25 @@ def test_the_command_serves_a_checkpoint(tiny_gguf: Path,  # noqa: F811
 
     monkeypatch.setattr(served_by.Server, "run", remembered)
     status: list[int] = []
-    with scaffold_engine():
-        thread = threading.Thread(target=lambda: status.append(main(
-            ["serve", str(tiny_gguf), "--port", "0", "--max-batch", "3", "--quiet",
-             "--model-name", "tiny", "--max-tokens-in-flight", "40"])))
-        thread.start()
-        deadline = time.monotonic() + 60
-        while not (started and started[0].server.started):
-            assert thread.is_alive() and time.monotonic() < deadline
-            time.sleep(0.05)
-        server = started[0]
-        url = f"http://127.0.0.1:{server.port}"
-        try:
-            api = client(url)
-            assert [m.id for m in api.models.list().data] == ["tiny"]
-            out = api.completions.create(model="tiny", prompt="the cat", max_tokens=5)
-            assert out.usage.prompt_tokens == 2 and out.choices[0].finish_reason
-            error = httpx.post(f"{url}/v1/completions", json={
-                "model": "tiny", "prompt": "the cat", "max_tokens": 39}).json()["error"]
-            assert "--max-tokens-in-flight of 40" in error["message"]
-        finally:
-            server.server.should_exit = True
-            thread.join(30)
+    thread = threading.Thread(target=lambda: status.append(main(
+        ["serve", str(tiny_gguf), "--port", "0", "--max-batch", "3", "--quiet",
+         "--model-name", "tiny", "--max-tokens-in-flight", "40"])))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not (started and started[0].server.started):
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.05)
+    server = started[0]
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        api = client(url)
+        assert [m.id for m in api.models.list().data] == ["tiny"]
+        out = api.completions.create(model="tiny", prompt="the cat", max_tokens=5)
+        assert out.usage.prompt_tokens == 2 and out.choices[0].finish_reason
+        error = httpx.post(f"{url}/v1/completions", json={
+            "model": "tiny", "prompt": "the cat", "max_tokens": 39}).json()["error"]
+        assert "--max-tokens-in-flight of 40" in error["message"]
+    finally:
+        server.server.should_exit = True
+        thread.join(30)
     assert status == [0]

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving import scaffold_engine
-
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "serve_load.py"
 
 
@@ -21,8 +19,7 @@ def test_the_serving_benchmark_measures_both_runs(tmp_path: Path,
     out = tmp_path / "serve.json"
     monkeypatch.setattr(sys, "argv", ["serve_load.py", "tiny-llama3", "--streams", "4",
                                       "--prompt-len", "6", "--new-tokens", "5", "-o", str(out)])
-    with scaffold_engine():
-        runpy.run_path(str(SCRIPT), run_name="__main__")
+    runpy.run_path(str(SCRIPT), run_name="__main__")
     data = json.loads(out.read_text())
     for run in data["results"].values():
         assert run["tokens"] == 4 * 5
