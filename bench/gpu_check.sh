@@ -17,7 +17,8 @@
 #
 # Each stage runs under its own time limit, and a stage that fails or runs out of time does not
 # stop the next. Results go to bench/results/ (a temporary directory in a dry run), named
-# <UTC date>_<GPU>_<what>, and are copied to $OUT when it is set:
+# <UTC date>_<GPU>_<what>; when $OUT is set, the summary and an archive of them all
+# (<prefix>_results.tar.gz) go there:
 #   *_summary.txt    what ran, what failed, the headline numbers (decode at each context, the
 #                    prefill kernels against their bounds, the autotune first-run cost, the
 #                    goals)                                          (read this first)
@@ -25,11 +26,13 @@
 #   *_<spec>.json    the bench report (saved after every section, so a cut run keeps its part)
 #   *_<spec>.log     the bench tables and progress lines
 #   *_<spec>-int4.json, *_<spec>-int8.json, *_<spec>-quantized.log   the quantized benches
+#   *_serve.json, *_serve.log   continuous batching: N streams together against one at a time
+#                    (bench/serve_load.py, the paged engine on the triton backend)
 #
 # Optional environment: PYTHON (default python3), OUT, ARCHC_GPU_CHECK_RESULTS (results
 # directory), ARCHC_GPU_CHECK_TESTS (pytest selection, space-separated), ARCHC_GPU_CHECK_BUDGET
-# (total seconds, default 560), ARCHC_GPU_CHECK_BUDGET_TESTS / _TINY / _BIG / _QUANT (each
-# stage's limit, default 160 / 60 / 270 / 90, cut to what is left of the total),
+# (total seconds, default 560), ARCHC_GPU_CHECK_BUDGET_TESTS / _TINY / _BIG / _QUANT / _SERVE
+# (each stage's limit, default 140 / 50 / 240 / 80 / 60, cut to what is left of the total),
 # ARCHC_GPU_CHECK_LAYERS
 # (llama3-8b blocks kept, default 4), ARCHC_BENCH_EXTRA (extra flags for every `archc bench`).
 
@@ -68,7 +71,8 @@ if [[ "$DRY_RUN" == 1 ]]; then
     BIG_ARGS=(tiny-mistral --layers 1 --prompt-len 8 --new-tokens 4 --contexts 12 20)
     QUANT_ARGS=(tiny-mistral --layers 1 --prompt-len 8 --new-tokens 4 --no-kernels
                 --compile-modes none)
-    BUDGETS=(120 90 90 90)
+    SERVE_ARGS=(tiny-llama3 --streams 4 --prompt-len 6 --new-tokens 4)
+    BUDGETS=(120 90 90 90 90)
 else
     # archc chooses Triton's interpreter only for a CPU device; a stray setting would stop it
     unset TRITON_INTERPRET
@@ -101,13 +105,17 @@ tests/test_bench.py tests/test_roofline.py}"
     # quantized: whole-model decode only, no tuning (the dense run above shows the kernels)
     QUANT_ARGS=(llama3-8b --layers "$LAYERS" --prompt-len 512 --new-tokens 64 --no-kernels
                 --compile-modes none --no-autotune)
-    BUDGETS=(160 60 270 90)
+    # serving: llama3-8b's shapes (its first blocks), 16 streams through the paged engine
+    SERVE_ARGS=(llama3-8b --layers "$LAYERS" --backend triton --device cuda --dtype bf16
+                --streams 16 --prompt-len 256 --new-tokens 32)
+    BUDGETS=(140 50 240 80 60)
 fi
 read -r -a EXTRA <<< "${ARCHC_BENCH_EXTRA:-}"
 BUDGET_TESTS="${ARCHC_GPU_CHECK_BUDGET_TESTS:-${BUDGETS[0]}}"
 BUDGET_TINY="${ARCHC_GPU_CHECK_BUDGET_TINY:-${BUDGETS[1]}}"
 BUDGET_BIG="${ARCHC_GPU_CHECK_BUDGET_BIG:-${BUDGETS[2]}}"
 BUDGET_QUANT="${ARCHC_GPU_CHECK_BUDGET_QUANT:-${BUDGETS[3]}}"
+BUDGET_SERVE="${ARCHC_GPU_CHECK_BUDGET_SERVE:-${BUDGETS[4]}}"
 
 SLUG="$(printf '%s' "$GPU_NAME" | tr '[:upper:]' '[:lower:]' | tr -c 'a-z0-9' '-' \
         | tr -s '-' | sed 's/^-//; s/-$//')"
@@ -131,13 +139,19 @@ outputs() {
     done
 }
 
+# $OUT gets the summary and one archive of every file (a device run brings back at most 8)
 publish() {
     [[ -n "${OUT:-}" ]] || return 0
     mkdir -p "$OUT" || return 0
+    local names=()
     local f
     while IFS= read -r f; do
-        cp -f -- "$f" "$OUT/" || note "could not copy $f to \$OUT"
+        names+=("$(basename -- "$f")")
     done < <(outputs)
+    cp -f -- "$SUMMARY" "$OUT/" || note "could not copy the summary to \$OUT"
+    (( ${#names[@]} )) || return 0
+    tar -czf "$OUT/${PREFIX}_results.tar.gz" -C "$RESULTS" -- "${names[@]}" \
+        || note "could not archive the results into \$OUT"
 }
 
 # run_stage NAME BUDGET LOG COMMAND...: COMMAND under `timeout`, all output to LOG; the result
@@ -335,6 +349,8 @@ run_stage "bench quantized" "$BUDGET_QUANT" "$RESULTS/${PREFIX}_${BIG_SPEC}-quan
         done
         exit "$rc"' bash "$PY" "$RESULTS/${PREFIX}_${BIG_SPEC}" "${QUANT_ARGS[@]}" \
     ${BENCH_FLAGS[@]+"${BENCH_FLAGS[@]}"} ${EXTRA[@]+"${EXTRA[@]}"}
+run_stage "bench serve" "$BUDGET_SERVE" "$RESULTS/${PREFIX}_serve.log" \
+    "$PY" bench/serve_load.py "${SERVE_ARGS[@]}" -o "$RESULTS/${PREFIX}_serve.json"
 
 finish
 exit $?

@@ -33,8 +33,10 @@ from typing import Any
 import torch
 
 import archc
+from archc.perf.bench import keep_layers
 from archc.serve.engine import engine_for
 from archc.serve.scheduler import Event, Request, Scheduler
+from archc.spec import load_spec
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -108,12 +110,19 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int,
+                        help="keep the first N blocks of a zoo spec (a GPU-sized run of a big "
+                             "spec: llama3-8b's shapes, fewer layers)")
     parser.add_argument("-o", "--output", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
 
-    model = archc.load(args.source, dtype=args.dtype, seed=args.seed)
+    if args.layers is None:
+        model = archc.load(args.source, dtype=args.dtype, seed=args.seed)
+    else:
+        spec = keep_layers(load_spec(args.source), args.layers)
+        model = archc.from_spec(spec, seed=args.seed, dtype=args.dtype)
     compiled = model.compile(args.backend, dtype=args.dtype, device=args.device)
     engine = engine_for(compiled, max_batch=args.streams, block_size=args.block_size)
     scheduler = Scheduler(engine, max_seq_len=model.spec.max_seq_len).start()
@@ -148,7 +157,8 @@ def main() -> None:
     print(f"throughput together / one at a time: {speedup:.2f}×")
     if args.output is not None:
         data = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "source": args.source, "backend": args.backend, "device": args.device,
+                "source": args.source, "layers": args.layers, "backend": args.backend,
+                "device": args.device,
                 "dtype": args.dtype, "streams": args.streams, "prompt_lengths": lengths,
                 "new_tokens": args.new_tokens, "block_size": args.block_size,
                 "engine": f"{type(engine).__module__}.{type(engine).__name__}",

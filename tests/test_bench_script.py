@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -38,6 +39,7 @@ case "$args" in
         cp "$FAKE_REPORT" "$json"
         echo "bench tables"
         exit 0 ;;
+    *"serve_load.py"*) echo "$args" >> "$FAKE_ARGS"; echo "serving tables"; exit 0 ;;
     *"import xdist"* | *"import pytest_timeout"*) exit 1 ;;
     *"import importlib"*) echo "python (stand-in)"; exit 0 ;;
 esac
@@ -118,6 +120,7 @@ def test_stages_fail_time_out_and_still_report(tmp_path: Path) -> None:
     assert "1 failed, 1 passed" in text and "FAILED tests/test_x.py::test_b" in text
     assert re.search(r"bench tiny\s+TIMED OUT after 2s", text)
     assert re.search(r"bench tiny-mistral\s+ok", text)
+    assert re.search(r"bench serve\s+ok", text)
     assert "SOME STAGES DID NOT PASS" in text
     # the report is summarized, its unfinished section named
     assert "tiny-mistral, first 1 of 2 blocks" in text
@@ -143,22 +146,25 @@ def test_stages_fail_time_out_and_still_report(tmp_path: Path) -> None:
     # the dry run's bench measures decode at contexts too
     assert "--contexts 12 20" in (tmp_path / "args").read_text()
     assert "environment:" in text and "python (stand-in)" in text
-    # what comes back from a device run: at most 8 plain files, safe names, one run's prefix
+    # what comes back from a device run: at most 8 plain files, safe names, one run's prefix —
+    # the summary and an archive holding every file of the run
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= 8 and all(re.fullmatch(r"[A-Za-z0-9._-]+", f) for f in files)
+    with tarfile.open(next(out.glob("*_results.tar.gz"))) as archive:
+        held = sorted(archive.getnames())
     prefix = summary.name.removesuffix("_summary.txt")
     assert re.fullmatch(r"\d{8}-\d{6}_cpu-dry-run", prefix)
-    assert all(f.startswith(prefix) for f in files)
-    assert {f.removeprefix(prefix) for f in files} == {
+    assert {f.removeprefix(prefix) for f in files} == {"_summary.txt", "_results.tar.gz"}
+    assert {f.removeprefix(prefix) for f in held} == {
         "_summary.txt", "_tests.log", "_tiny-llama3.log", "_tiny-mistral.json",
         "_tiny-mistral.log", "_tiny-mistral-quantized.log", "_tiny-mistral-int4.json",
-        "_tiny-mistral-int8.json"}
+        "_tiny-mistral-int8.json", "_serve.log"}
     # the quantized benches: int4 then int8, each its own report
     assert re.search(r"bench quantized\s+ok", text)
     calls = (tmp_path / "args").read_text().splitlines()
     assert [c.split("--quantize ")[1].split()[0] for c in calls if "--quantize" in c] == \
         ["int4", "int8"]
-    assert sorted(p.name for p in results.iterdir()) == files
+    assert sorted(p.name for p in results.iterdir()) == held
 
 
 def test_an_interrupted_check_stops_its_stage_and_still_reports(tmp_path: Path) -> None:
