@@ -400,9 +400,9 @@ def _time_kernel(cfg: BenchConfig, session: Any, g: Graph, i: int, call: str,
             states[key].copy_(value)
     # the launches the line makes, recorded once at the dims of the run's plan
     namespace = {**vars(session.module), "v": runner.last.v, "d": session.ctx}
-    batch, tokens, _, enc_len, kv_len = runner.last.key
+    batch, tokens, _, enc_len, kv_len, ring = runner.last.key
     recorded = session.ctx.record(lambda: eval(call, namespace),  # noqa: S307
-                                  batch, tokens, enc_len, kv_len)
+                                  batch, tokens, enc_len, kv_len, ring)
 
     def launch() -> None:
         for fn, args, meta in recorded:
