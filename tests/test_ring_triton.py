@@ -41,7 +41,9 @@ def check_spec(name: str, cp: int, length: int, tmp_path: Path, kv_cache: str | 
     the triton backend; returns each ring attention's block rows, as launched."""
     model = archc.load(name, seed=5)
     program = model.graph if kv_cache is None else lower(model.spec, "f32", kv_cache=kv_cache)
-    ids = torch.randint(0, model.spec.vocab_size, (2, length),
+    # one sequence (two for an encoder: the second padded), to keep the interpreter's grids small
+    rows = 2 if model.spec.family == "encoder" else 1
+    ids = torch.randint(0, model.spec.vocab_size, (rows, length),
                         generator=torch.Generator().manual_seed(cp))
     go = run(model, program, ids, decode=decode)
     want = go(session(model, program, tmp_path))

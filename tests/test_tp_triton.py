@@ -157,7 +157,9 @@ def test_tiny_spec_on_tp_ranks_equals_one_rank(name: str, tp: int, tmp_path: Pat
     """Tiny specs sharded over tp ranks, on the kernels: an encoder's padded encode, a
     decoder's (an encoder-decoder's, after its encoder) prefill and a greedy decode step."""
     model = archc.load(name, seed=5)
-    ids = torch.randint(0, model.spec.vocab_size, (2, 9),
+    # one sequence (two for an encoder: the second padded), to keep the interpreter's grids small
+    rows = 2 if model.spec.family == "encoder" else 1
+    ids = torch.randint(0, model.spec.vocab_size, (rows, 9),
                         generator=torch.Generator().manual_seed(tp))
     go = run(model, model.graph, ids, decode=1)
     want = go(session(model.spec, model.graph, model.weights, tmp_path))
