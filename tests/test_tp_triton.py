@@ -145,11 +145,10 @@ def test_quantized_vocabulary_parallel_table_on_triton(tmp_path: Path) -> None:
     assert_same(want, on_ranks(spec, sharded, checkpoint, tmp_path, 2))
 
 
-# tp = 2 on every tiny spec that shards; tp = 4 where it shows something more: KV heads
-# replicated (llama2-70b's 2, falcon's 1), experts split four ways, an encoder's 4 heads
-TINY_TP = [*((name, 2) for name in TINY_SPECS if refusal(load_spec(name), 2) is None),
-           *((name, 4) for name in ("tiny-llama2-70b", "tiny-falcon", "tiny-mixtral", "tiny-bert")
-             if refusal(load_spec(name), 4) is None)]
+# every tiny spec that shards over 2 and 4 ranks (at 4, llama2-70b's 2 KV heads and falcon's
+# one are replicated, mixtral's experts split four ways)
+TINY_TP = [(name, tp) for tp in (2, 4) for name in TINY_SPECS
+           if refusal(load_spec(name), tp) is None]
 
 
 @pytest.mark.parametrize(("name", "tp"), TINY_TP, ids=[f"{n}-tp{t}" for n, t in TINY_TP])
