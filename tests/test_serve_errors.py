@@ -12,8 +12,6 @@ from typing import Any
 import httpx
 import pytest
 
-import archc
-import archc.commands.common
 from archc.cli import main
 from tests.model_files import tiny_gguf  # noqa: F401  (a fixture)
 from tests.serving import Running, client, serving
@@ -134,14 +132,6 @@ def test_a_server_without_room_for_a_request_refuses_it(tiny_gguf: Path) -> None
         too_big["max_tokens"] = 30       # 2 blocks, 32 tokens
         error = httpx.post(f"{small.url}/v1/completions", json=too_big).json()["error"]
         assert "exceed the server's --max-tokens-in-flight of 24" in error["message"]
-
-
-@pytest.fixture
-def nothing_loads(monkeypatch: pytest.MonkeyPatch) -> None:
-    def forbidden(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a model was read before the arguments were checked")
-    monkeypatch.setattr(archc, "load", forbidden)
-    monkeypatch.setattr(archc.commands.common, "describe", forbidden)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-import archc
-import archc.commands.common
 from archc.cli import RENAMED, build_parser, main
 from archc.commands.vocabulary import FLAGS, markdown, subcommands
 
@@ -63,15 +61,6 @@ def test_every_model_command_takes_a_source() -> None:
     takers = {c for c, sub in COMMANDS.items() for a in sub._actions
               if getattr(a, "vocabulary", None) == "source"}
     assert takers == set(COMMANDS) - {"specs", "cache"}
-
-
-@pytest.fixture
-def nothing_loads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Reading a source or its weights fails the test: the refusal must come first."""
-    def forbidden(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a model was read before the arguments were checked")
-    monkeypatch.setattr(archc, "load", forbidden)
-    monkeypatch.setattr(archc.commands.common, "describe", forbidden)
 
 
 @pytest.mark.parametrize("argv,message", [
