@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "device", "dtype", "threads", "cache_dir", "quiet")
     add(p, "seed", default=0, detail="requests that give no seed draw theirs from a generator "
         "seeded with it")
-    add(p, "quantize", "group", "dequantize", "kv_cache")
+    add(p, "quantize", "group", "dequantize")   # no --kv-cache: a paged pool holds the model dtype
     add(p, "no_autotune", detail="with --backend triton")
 
 
