@@ -3,10 +3,12 @@ as threads of one process (archc.runtime.comm.run_simulated), each running the k
 ring program on its zig-zag slice of the prompt — each attention one launch per K/V block, the
 blocks passed round the ring between launches — give the one-rank run's output to 1e-5
 relative, and the decode steps after the prefill (every rank then holding the whole cache)
-its greedy tokens."""
+its greedy tokens. Every tiny spec that splits runs at cp = 2 in tests/test_tp_triton.py,
+beside tensor parallelism on the same reference run."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,8 +26,7 @@ from archc.runtime import launch
 from archc.runtime.comm import SimulatedComm, SimulatedWorld, run_simulated
 from archc.runtime.triton_backend import TritonOptions, TritonSession
 from archc.spec import load_spec
-from tests.conftest import TINY_SPECS
-from tests.test_ring_attention import close, run, splittable
+from tests.test_ring_attention import close, run
 
 
 def session(model: archc.Model, program: Program, cache_dir: Path,
@@ -35,21 +36,13 @@ def session(model: archc.Model, program: Program, cache_dir: Path,
                          comms=comms)
 
 
-def check_spec(name: str, cp: int, length: int, tmp_path: Path, kv_cache: str | None = None,
-               decode: int = 2) -> list[int]:
-    """The ring program of `name` on cp simulated ranks against the one-rank program, both on
-    the triton backend; returns each ring attention's block rows, as launched."""
-    model = archc.load(name, seed=5)
-    program = model.graph if kv_cache is None else lower(model.spec, "f32", kv_cache=kv_cache)
-    # one sequence (two for an encoder: the second padded), to keep the interpreter's grids small
-    rows = 2 if model.spec.family == "encoder" else 1
-    ids = torch.randint(0, model.spec.vocab_size, (rows, length),
-                        generator=torch.Generator().manual_seed(cp))
-    go = run(model, program, ids, decode=decode)
-    want = go(session(model, program, tmp_path))
+def on_ring(model: archc.Model, program: Program, go: Callable[[TritonSession], list],
+            cp: int, cache_dir: Path) -> tuple[list[list[torch.Tensor]], list[int]]:
+    """go() on cp simulated ranks of `program` made a ring: each rank's outputs, and the block
+    rows of every ring attention launched (a prefill that ran whole launches none)."""
     ring = context_parallel(program, cp)
     world = SimulatedWorld(cp)
-    sessions = [session(model, ring, tmp_path, {"cp": SimulatedComm(world, r)})
+    sessions = [session(model, ring, cache_dir, {"cp": SimulatedComm(world, r)})
                 for r in range(cp)]
     blocks: list[int] = []
     record = launch.LaunchContext.ring
@@ -60,22 +53,27 @@ def check_spec(name: str, cp: int, length: int, tmp_path: Path, kv_cache: str | 
 
     launch.LaunchContext.ring = counted   # type: ignore[method-assign]
     try:
-        ranks = run_simulated(cp, lambda r: go(sessions[r]))
+        return run_simulated(cp, lambda r: go(sessions[r])), blocks
     finally:
         launch.LaunchContext.ring = record   # type: ignore[method-assign]
+
+
+def check_spec(name: str, cp: int, length: int, tmp_path: Path, kv_cache: str | None = None,
+               decode: int = 2) -> list[int]:
+    """The ring program of `name` on cp simulated ranks against the one-rank program, both on
+    the triton backend; returns each ring attention's block rows, as launched."""
+    model = archc.load(name, seed=5)
+    program = model.graph if kv_cache is None else lower(model.spec, "f32", kv_cache=kv_cache)
+    ids = torch.randint(0, model.spec.vocab_size, (1, length),
+                        generator=torch.Generator().manual_seed(cp))
+    go = run(model, program, ids, decode=decode)
+    want = go(session(model, program, tmp_path))
+    ranks, blocks = on_ring(model, program, go, cp, tmp_path)
     for got in ranks:                                # every rank returns the whole sequence's
         for g, w in zip(got, want, strict=True):
             assert close(g, w), name
         assert [g.argmax(-1).tolist() for g in got] == [w.argmax(-1).tolist() for w in want]
     return blocks
-
-
-@pytest.mark.parametrize("name", [n for n in TINY_SPECS if splittable(n)])
-def test_tiny_spec_cp2_equals_one_rank(name: str, tmp_path: Path) -> None:
-    # 11 tokens: chunks of 3, 3, 3, 2 — rank 0 holds chunks 0 and 3 (5 tokens and a filler
-    # row in its block), rank 1 chunks 1 and 2 (6 tokens)
-    blocks = check_spec(name, 2, 11, tmp_path, decode=1)
-    assert 6 in blocks, "the prefill did not run as a ring"
 
 
 def test_cp3_uneven(tmp_path: Path) -> None:

@@ -29,7 +29,8 @@ from archc.runtime.weights import random_weights
 from archc.spec import load_spec
 from archc.spec.schema import Spec
 from tests.conftest import TINY_SPECS
-from tests.test_ring_attention import run
+from tests.test_ring_attention import run, splittable
+from tests.test_ring_triton import on_ring
 from tests.test_shard import refusal
 from tests.test_tp_runtime import spawn
 
@@ -145,29 +146,47 @@ def test_quantized_vocabulary_parallel_table_on_triton(tmp_path: Path) -> None:
     assert_same(want, on_ranks(spec, sharded, checkpoint, tmp_path, 2))
 
 
-# every tiny spec that shards over 2 and 4 ranks (at 4, llama2-70b's 2 KV heads and falcon's
-# one are replicated, mixtral's experts split four ways)
-TINY_TP = [(name, tp) for tp in (2, 4) for name in TINY_SPECS
-           if refusal(load_spec(name), tp) is None]
+# every tiny spec that shards over tp ranks or splits over cp ranks
+PARALLEL = [name for name in TINY_SPECS if splittable(name)
+            or any(refusal(load_spec(name), tp) is None for tp in (2, 4))]
 
 
-@pytest.mark.parametrize(("name", "tp"), TINY_TP, ids=[f"{n}-tp{t}" for n, t in TINY_TP])
-def test_tiny_spec_on_tp_ranks_equals_one_rank(name: str, tp: int, tmp_path: Path) -> None:
-    """Tiny specs sharded over tp ranks, on the kernels: an encoder's padded encode, a
-    decoder's (an encoder-decoder's, after its encoder) prefill and a greedy decode step."""
+def assert_ranks_match(what: str, ranks: list[list[torch.Tensor]],
+                       want: list[torch.Tensor]) -> None:
+    """Every rank's every call within TOL of the one-rank run's scale, greedy tokens identical."""
+    for rank, got in enumerate(ranks):
+        for call, (a, b) in enumerate(zip(got, want, strict=True)):
+            err = float((a - b).abs().max() / b.abs().max())
+            assert err <= TOL, f"{what}, rank {rank}, call {call}: relative error {err:.2e}"
+            assert a.argmax(-1).tolist() == b.argmax(-1).tolist(), f"{what}, rank {rank}"
+
+
+@pytest.mark.parametrize("name", PARALLEL)
+def test_tiny_spec_on_tp_and_cp_ranks_equals_one_rank(name: str, tmp_path: Path) -> None:
+    """Tiny specs on the kernels, against one rank's run: sharded over tp = 2 and 4 ranks where
+    they shard (at 4, llama2-70b's 2 KV heads and falcon's one replicated, mixtral's experts
+    split four ways), and their prefill a ring over cp = 2 ranks where they split. An encoder's
+    padded encode; a decoder's (an encoder-decoder's, after its encoder) prefill and a greedy
+    decode step."""
     model = archc.load(name, seed=5)
-    # one sequence (two for an encoder: the second padded), to keep the interpreter's grids small
+    # one sequence (two for an encoder: the second padded), to keep the interpreter's grids
+    # small; 11 tokens in a ring of 2 are chunks of 3, 3, 3, 2: rank 0 holds chunks 0 and 3
+    # (5 tokens and a filler row in its block), rank 1 chunks 1 and 2 (6 tokens)
     rows = 2 if model.spec.family == "encoder" else 1
-    ids = torch.randint(0, model.spec.vocab_size, (rows, 9),
-                        generator=torch.Generator().manual_seed(tp))
+    ids = torch.randint(0, model.spec.vocab_size, (rows, 11),
+                        generator=torch.Generator().manual_seed(0))
     go = run(model, model.graph, ids, decode=1)
     want = go(session(model.spec, model.graph, model.weights, tmp_path))
-    sharded = shard_program(model.graph, tp)
-    world = SimulatedWorld(tp)
-    sessions = [session(model.spec, sharded, model.weights, tmp_path,
-                        {"tp": SimulatedComm(world, r)}) for r in range(tp)]
-    for rank, got in enumerate(run_simulated(tp, lambda r: go(sessions[r]))):
-        for step, (a, b) in enumerate(zip(got, want, strict=True)):
-            err = float((a - b).abs().max() / b.abs().max())
-            assert err <= TOL, f"rank {rank}, call {step}: relative error {err:.2e}"
-            assert a.argmax(-1).tolist() == b.argmax(-1).tolist(), f"rank {rank}, call {step}"
+    for tp in (2, 4):
+        if refusal(model.spec, tp) is not None:
+            continue
+        sharded = shard_program(model.graph, tp)
+        world = SimulatedWorld(tp)
+        sessions = [session(model.spec, sharded, model.weights, tmp_path,
+                            {"tp": SimulatedComm(world, r)}) for r in range(tp)]
+        ranks = run_simulated(tp, lambda r, held=sessions: go(held[r]))
+        assert_ranks_match(f"tp = {tp}", ranks, want)
+    if splittable(name):
+        ranks, blocks = on_ring(model, model.graph, go, 2, tmp_path)
+        assert 6 in blocks, "the prefill did not run as a ring"
+        assert_ranks_match("cp = 2", ranks, want)
