@@ -62,11 +62,13 @@ class Running:
 
 @contextlib.contextmanager
 def serving(source: str, *, max_batch: int = 16, blocks: int | None = None,
-            max_tokens_in_flight: int | None = None, dtype: str = "f32") -> Iterator[Running]:
-    """A server for `source` on a free loopback port, for as long as it is entered."""
+            max_tokens_in_flight: int | None = None, dtype: str = "f32",
+            backend: str = "eager") -> Iterator[Running]:
+    """A server for `source` on a free loopback port, for as long as it is entered; the
+    reference answers are eager's, whatever the server's backend."""
     torch.manual_seed(0)
     model = archc.load(source, dtype=dtype)
-    engine = engine_for(model.compile("eager", dtype=dtype), max_batch=max_batch, blocks=blocks)
+    engine = engine_for(model.compile(backend, dtype=dtype), max_batch=max_batch, blocks=blocks)
     scheduler = Scheduler(engine, tokenizer=model.tokenizer,
                           max_tokens_in_flight=max_tokens_in_flight,
                           max_seq_len=model.spec.max_seq_len)

@@ -6,6 +6,7 @@ SmolLM2-135M-Instruct."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,22 @@ def test_completions_are_what_generate_gives(tiny: Running, max_tokens: int) -> 
             stream_options={"include_usage": True}), chat=False)
         assert (got, finish) == (text, finish_of(new, tiny))
         assert chunks[-1].usage.completion_tokens == len(new)
+
+
+def test_the_kernels_serve_requests_together_as_generate_answers(
+        tiny_gguf: Path) -> None:  # noqa: F811
+    """The server over the paged engine on the triton backend (its kernels under Triton's
+    interpreter, f32): four requests at once share decode steps, and each greedy answer is
+    eager `generate`'s."""
+    with serving(str(tiny_gguf), backend="triton") as running:
+        api = client(running)
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            outs = list(pool.map(lambda p: api.completions.create(
+                model=running.name, prompt=p, max_tokens=8, temperature=0), PROMPTS))
+        for prompt, out in zip(PROMPTS, outs):
+            new, text = running.expected(running.model.tokenizer.encode(prompt), 8)
+            assert out.choices[0].text == text, prompt
+        assert running.metrics()["archc_batch_size_max"] > 1
 
 
 def test_a_prompt_of_token_ids(tiny: Running) -> None:
