@@ -181,12 +181,15 @@ REPORTED = (1, 2)
 
 def check_before_launch(args: Any) -> None:
     """What can be refused before any rank starts: a source that does not shard over --tp or
-    run as a ring over --cp (every rank would refuse it, each after loading)."""
+    run as a ring over --cp (every rank would refuse it, each after loading). Its weights as
+    they will be held — quantized in the file, or by --quantize — since a quantized weight
+    splits along K only on whole groups."""
+    from archc.commands.common import quant_of
     from archc.ir.lower import lower
     from archc.passes.context import context_parallel
     from archc.passes.shard import shard_program
-    from archc.sources import describe
-    program = lower(describe(args.source).spec)
+    spec, quant = quant_of(args)
+    program = lower(spec, quant=quant)
     if args.tp > 1:
         program = shard_program(program, args.tp)
     if args.cp > 1:

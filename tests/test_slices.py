@@ -22,7 +22,7 @@ import archc
 import archc.native as native
 import archc.quant.file as quant_file
 from archc.dist import rank_slices, rank_span
-from archc.passes.shard import shard_program
+from archc.passes.shard import ShardError, shard_program
 from archc.quant.tensor import QTensor, tensor_bytes
 from archc.sources.gguf import LAYOUT, GGUFFile
 from archc.sources.hf import SafetensorsFiles
@@ -40,7 +40,7 @@ Q = gguf.GGMLQuantizationType
 
 # ---- tiny checkpoints that split 2 and 3 ways --------------------------------------------------
 
-def llama_12_heads(experts: int = 0) -> Any:
+def llama_12_heads() -> Any:
     """A random Llama of 12 heads over 6 KV heads, d = 192 and FFN 192 (every cut along K is
     whole 32-element blocks at tp = 2 and 3), vocabulary 96 (split too)."""
     kw: dict[str, Any] = dict(vocab_size=96, hidden_size=192, intermediate_size=192,
@@ -168,6 +168,23 @@ def test_a_rank_reads_what_reading_whole_and_cutting_gives(files: dict[str, Path
                                              rank)
                 assert torch.equal(got.weights[key].dequantize(), whole.weights[key]
                                    .dequantize().narrow(dim, start, stop - start)), key
+
+
+def test_a_quantized_k_that_does_not_split_is_refused_before_any_read(
+        files: dict[str, Path]) -> None:
+    """Q4_K's 256-element super-blocks: K = 768 does not split over 2 ranks. Refused by the
+    shard pass with the field and the tp that work — on load and before any rank starts — not
+    by a failed cut after the ranks are running."""
+    from archc.cli import main
+    message = (r"attention.heads × attention.head_dim = 768 \(K of the q4_k weights\) does not "
+               r"split into tp parts of whole 256-element groups; tp values that work: 1, 3")
+    with pytest.raises(ShardError, match=message):
+        archc.load(files["gguf-Q4_K"], tp=2, rank=0)
+    started = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("archc.dist.launch", lambda *a, **kw: started.append(a) or 0)
+        assert main(["run", str(files["gguf-Q4_K"]), "--tp", "2", "--quiet"]) == 2
+    assert not started
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

@@ -275,8 +275,10 @@ def read_checkpoint(spec: Spec, ckpt: Checkpoint, layout: Layout, *, skip: Seque
     free first. Returns it and the names of the checkpoint tensors skipped (matched by `skip`).
     `shard` (tp, rank): keep only tensor-parallel rank `rank`'s slice of each tensor the program
     sharded over tp ranks reads through ``shard()`` (``archc.dist.rank_slices``), each tensor
-    read, cut and let go in turn, so the whole checkpoint is never held."""
-    program = lower(spec)
+    read, cut and let go in turn, so the whole checkpoint is never held. The cuts are those of
+    the program with the weights the source holds quantized: a quantized weight that does not
+    split along K on whole groups is refused by the shard pass, naming the field."""
+    program = lower(spec, quant=quant or {})
     tp = shard[0] if shard is not None else 1      # a rank prices only its slices
     check_fits(spec.name, "its weights" if tp == 1 else f"its weights' slices for 1 of {tp} ranks",
                checkpoint_elements(program, quant, tp), dtype or spec.dtype, spec.family,
