@@ -72,13 +72,12 @@ def groups(tp: int, cp: int, timeout: float | None = None) -> dict[str, Comm]:
             ("cp", cp, [[c * tp + t for c in range(cp)] for t in range(tp)])):
         for ranks in members:
             if size == 1:
-                group: object | None = None
-            elif size == world:
-                group = dist.group.WORLD
-            else:
-                group = _new_group(name, ranks, wait)
+                if rank in ranks:
+                    out[name] = LocalComm()
+                continue
+            group = dist.group.WORLD if size == world else _new_group(name, ranks, wait)
             if rank in ranks:
-                out[name] = TorchComm(group) if size > 1 else LocalComm()
+                out[name] = TorchComm(group)
     return out
 
 
@@ -172,7 +171,7 @@ def _worker(argv: Sequence[str]) -> int:
         raise SystemExit(1) from None
     if rc:
         raise SystemExit(rc)
-    return rc
+    return 0
 
 
 # the exit statuses of an error archc reported itself (ArchcError: bad input, a failed run)

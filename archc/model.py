@@ -183,9 +183,6 @@ class Model:
     def _parallel(self, program: Program, tp: int, cp: int) -> tuple[Program, dict[str, Any]]:
         """`program` sharded over tp ranks and cp ranks, and this rank's communicators."""
         # the program first: a model that does not split is refused before any process waits
-        if self.shard is not None and self.shard[0] != tp:
-            raise ArchcError(f"the model holds its weights' slices for tp={self.shard[0]} (rank "
-                             f"{self.shard[1]}); it cannot compile for tp={tp}")
         if tp > 1:
             from archc.passes.shard import shard_program
             program = shard_program(program, tp) if self.shard is None else \

@@ -144,6 +144,25 @@ def test_plans_are_reused_across_steps_and_rebuilt_when_dims_change(kernel_dir: 
     assert all(p is not prefill for p in runner.plans.values())
 
 
+def test_the_plan_used_least_recently_is_the_one_dropped(kernel_dir: Path) -> None:
+    """A plan kept hot (a decode step between prompts of many lengths) is never rebuilt; the
+    oldest unused one goes when the runner holds max_plans."""
+    s = host_session("tiny-llama3", kernel_dir)
+    runner = s.runners["decoder"]
+    runner.max_plans = 3
+    s.step(ids(1, 3))
+    s.step(ids(1, 1))
+    decode = runner.last
+    for prompt in (4, 5, 6):
+        s.reset()
+        first = runner.plans.get((1, prompt, 0, 0, prompt, 0))
+        s.step(ids(1, prompt))
+        assert first is None and runner.last.key[:2] == (1, prompt)
+        s.step(ids(1, 1))
+        assert runner.last is decode, f"the decode plan was rebuilt after a {prompt}-token prompt"
+        assert len(runner.plans) <= 3
+
+
 def test_plans_are_rebuilt_when_the_recurrent_state_is_reallocated(kernel_dir: Path) -> None:
     s = host_session("tiny-mamba", kernel_dir)
     runner = s.runners["decoder"]

@@ -183,6 +183,9 @@ def test_ahead_of_time_results_reach_the_data(monkeypatch: pytest.MonkeyPatch,
     (["tiny-llama3", "--device", "cpu"], "--device goes with --validate"),
     (["tiny-bert", "--new-tokens", "4"], "is an encoder: it does not decode"),
     (["tiny-llama3", "--prompt-len", "4000", "--new-tokens", "10"], "exceed max_seq_len"),
+    (["tiny-llama3", "--prompt-len", "64"], "--prompt-len 64 leaves no room for a decode step "
+     "within max_seq_len = 64"),
+    (["tiny-bert", "--prompt-len", "4000"], "--prompt-len 4000 exceeds max_seq_len"),
     (["tiny-llama3", "--gpu", "toaster"], "unknown GPU"),
     (["no-such-model"], "no-such-model"),
 ])

@@ -54,32 +54,39 @@ def default_output(model: str) -> Path:
     return Path(f"{re.sub(r'[^A-Za-z0-9_.-]', '_', model)}-report.html")
 
 
-def _check(args: argparse.Namespace, max_seq_len: int) -> None:
+def _check(args: argparse.Namespace) -> None:
     """Refuse what would fail after the work, before it."""
     check_output(args.output, "file")
     check_output(args.cache_dir, "dir", "--cache-dir")
     for flag, value in (("--device", args.device), ("--seed", args.seed != 0 or None)):
         if value is not None and not args.validate:
             raise ArchcError(f"{flag} goes with --validate")
-    if args.prompt_len is not None and args.new_tokens is not None and \
-            args.prompt_len + args.new_tokens > max_seq_len:
-        raise ArchcError(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} "
-                         f"exceed max_seq_len = {max_seq_len}")
 
 
 def roofline_lengths(args: argparse.Namespace, spec: Spec) -> tuple[int, int]:
-    """The roofline's prompt and new tokens: as given, else the defaults within max_seq_len."""
+    """The roofline's prompt and new tokens: as given, else the defaults within max_seq_len.
+    What is given must fit: a prompt and, for a decoder, at least one new token."""
+    most = spec.max_seq_len
     if spec.family == "encoder":
         if args.new_tokens:
             raise ArchcError(f"{spec.name} is an encoder: it does not decode (leave out "
                              "--new-tokens)")
-        return min(args.prompt_len or PROMPT_LEN, spec.max_seq_len), 0
+        if args.prompt_len is not None and args.prompt_len > most:
+            raise ArchcError(f"--prompt-len {args.prompt_len} exceeds max_seq_len = {most}")
+        return args.prompt_len or min(PROMPT_LEN, most), 0
+    if args.prompt_len is not None and args.new_tokens is not None and \
+            args.prompt_len + args.new_tokens > most:
+        raise ArchcError(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} "
+                         f"exceed max_seq_len = {most}")
+    if args.prompt_len is not None and args.prompt_len >= most:
+        raise ArchcError(f"--prompt-len {args.prompt_len} leaves no room for a decode step "
+                         f"within max_seq_len = {most}")
     new = args.new_tokens if args.new_tokens is not None else min(
-        NEW_TOKENS, spec.max_seq_len // 4, spec.max_seq_len - (args.prompt_len or 1))
-    prompt = args.prompt_len or min(PROMPT_LEN, spec.max_seq_len - new)
+        NEW_TOKENS, most // 4, most - (args.prompt_len or 1))
+    prompt = args.prompt_len or min(PROMPT_LEN, most - new)
     if prompt < 1:
         raise ArchcError(f"--new-tokens {new} leaves no room for a prompt within "
-                         f"max_seq_len = {spec.max_seq_len}")
+                         f"max_seq_len = {most}")
     return prompt, new
 
 
@@ -87,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from archc.report import data as report_data
     from archc.report.page import render
     spec, quant = quant_of(args)
-    _check(args, spec.max_seq_len)
+    _check(args)
     prompt_len, new_tokens = roofline_lengths(args, spec)
     options = report_data.Options(args.source, dtype=args.dtype, gpu=gpu(args.gpu),
                                   prompt_len=prompt_len, new_tokens=new_tokens,

@@ -339,6 +339,7 @@ class GraphRunner:
                                  [e for i in graph.outputs.values() for e in self._exprs(i)] +
                                  list(self.buffers.nbytes.values()))
         self.plans: dict[PlanKey, LaunchPlan] = {}
+        self.max_plans = MAX_PLANS
         self._generations: tuple[int, int] | None = None
         self.last: LaunchPlan | None = None
         self.last_dims: dict[str, int] = {}
@@ -356,7 +357,11 @@ class GraphRunner:
             self.plans.clear()
             self._generations = generations
         key = (B, T, P if self.by_past else 0, S, kv_len_max, ring)
-        return self.plans.get(key) or self._build(d, key, held or {})
+        plan = self.plans.pop(key, None)     # kept last: the least recently used goes first
+        if plan is None:
+            return self._build(d, key, held or {})
+        self.plans[key] = plan
+        return plan
 
     def _build(self, d: LaunchContext, key: PlanKey, held: Mapping[str, torch.Tensor]
                ) -> LaunchPlan:
@@ -378,7 +383,7 @@ class GraphRunner:
         outputs = {name: self.value(o, dict(zip("BTPS", dims)), v)
                    for name, o in g.outputs.items()}
         plan = LaunchPlan(key, v, inputs, launches, outputs)
-        if len(self.plans) >= MAX_PLANS:
+        if len(self.plans) >= self.max_plans:
             self.plans.pop(next(iter(self.plans)))
         self.plans[key] = plan
         return plan

@@ -36,6 +36,7 @@ from archc.ir.shapes import DTYPE_BYTES
 from archc.passes.paged import max_blocks, paged_kv
 from archc.runtime.batch import PoolExhausted
 from archc.runtime.eager import EagerContext, EagerSession, PagedPool, run_graph
+from archc.runtime.launch import MAX_PLANS
 from archc.ui import nbytes
 
 if TYPE_CHECKING:
@@ -128,7 +129,8 @@ class _TritonSteps:
     """Paged steps on the paged program's generated kernels; the compiled session's
     parameters are shared, not evaluated again."""
 
-    def __init__(self, session: TritonSession, program: Program, blocks: int) -> None:
+    def __init__(self, session: TritonSession, program: Program, blocks: int,
+                 max_batch: int) -> None:
         from archc.runtime.triton_backend import TritonSession
 
         held = {g.name: {n.name: session.runners[g.name].params[i]
@@ -143,6 +145,8 @@ class _TritonSteps:
         options = replace(session.options, passes=None, cuda_graphs=False, autotune=False)
         self.session = _Paged(program, {}, max_seq_len=session.max_seq_len, dtype=session.dtype,
                               device=session.device, options=options)
+        # a plan per decode batch size (1 … max_batch rows) stays, beside a few prompt lengths
+        self.session.runners["decoder"].max_plans = max_batch + MAX_PLANS
         self.blocks = blocks
 
     def run(self, inputs: Mapping[str, torch.Tensor], tokens: int) -> torch.Tensor:
@@ -175,7 +179,7 @@ class PagedEngine:
             self.steps: _EagerSteps | _TritonSteps = _EagerSteps(
                 session, self.program, self.blocks_total, self.block_size)
         else:
-            self.steps = _TritonSteps(session, self.program, self.blocks_total)
+            self.steps = _TritonSteps(session, self.program, self.blocks_total, self.max_batch)
         self.vocab = compiled.model.spec.vocab_size
         # blocks handed out lowest first: a fresh engine's first sequence holds blocks 0, 1, …
         self._free = list(range(self.blocks_total - 1, -1, -1))

@@ -298,6 +298,7 @@ class Scheduler:
             for live in batch:
                 self._finish(live, "error", "", f"{type(err).__name__}: {err}")
             return
+        logits = logits.float().cpu()   # one copy to the host for the whole step
         for row, live in enumerate(batch):
             self._accept(live, logits[row:row + 1])
 
