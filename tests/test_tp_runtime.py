@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 import archc
+from archc.dist import free_port
 from archc.errors import ArchcError
 from archc.ir.ops import Op
 from archc.ir.paramexpr import calls
@@ -36,12 +36,6 @@ NEW_TOKENS = 4
 
 
 # ---- spawning ranks -------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple,
                results: Any) -> None:

@@ -28,7 +28,7 @@ from archc.codegen.layout import layouts
 from archc.codegen.printer import DimFn, dim_function, uses_past
 from archc.errors import RunError
 from archc.ir.graph import Graph
-from archc.ir.ops import Op
+from archc.ir.ops import OP_TABLE, Op
 from archc.runtime import tuning
 from archc.runtime.buffers import plan_buffers
 from archc.runtime.comm import Comm, LocalComm, ring_pass_start
@@ -82,7 +82,6 @@ class StaticStore:
             t.zero_()
 
 
-# a collective op → what it computes through a communicator (archc.runtime.comm.Comm)
 # Triton's interpreter patches triton.language module-wide while a kernel runs: the kernels of
 # simulated ranks (threads of one process, archc.runtime.comm.run_simulated) take turns. Only a
 # kernel holds it, never a collective (ranks meet there).
@@ -96,14 +95,6 @@ def _one_at_a_time(fn: Callable[..., Any]) -> Callable[..., Any]:
         with _INTERPRETER:
             return fn(*args, **kw)
     return locked
-
-
-_EXCHANGES: dict[str, Callable[[Comm, torch.Tensor, int], torch.Tensor]] = {
-    "all_reduce": lambda c, x, dim: c.all_reduce(x),
-    "all_gather": lambda c, x, dim: c.all_gather(x, dim),
-    "reduce_scatter": lambda c, x, dim: c.reduce_scatter(x, dim),
-    "ring_pass": lambda c, x, dim: c.ring_pass([x])[0],
-}
 
 
 @dataclass
@@ -178,11 +169,15 @@ class LaunchContext:
             raise RunError("a generated launcher ran outside a launch plan")
         self._launches.append((fn, args, kw))
 
+    def comm(self, group: str) -> Comm:
+        """This rank's communicator of `group` ("tp", "cp"): a group of one when the run has
+        none."""
+        return self.comms.get(group) or LocalComm()
+
     def rank(self, group: str) -> int:
-        """This rank's index in `group` ("tp", "cp"): 0 in a group of one. A vocabulary-parallel
+        """This rank's index in `group`: 0 in a group of one. A vocabulary-parallel
         embedding's launcher reads it to find its part of the table."""
-        comm = self.comms.get(group)
-        return comm.rank if comm is not None else 0
+        return self.comm(group).rank
 
     def collective(self, op: str, out: torch.Tensor, x: torch.Tensor, *, group: str,
                    ranks: int, dim: int = -1) -> None:
@@ -191,14 +186,14 @@ class LaunchContext:
         into out. It runs in order with the launches around it — on a GPU on the same stream,
         so the kernels before it have written x and those after it read out (and a CUDA graph
         captures NCCL's kernels with them)."""
-        comm = self.comms.get(group) or LocalComm()
+        comm = self.comm(group)
         if comm.size != ranks:
             raise RunError(f"the program is sharded over {ranks} {group} ranks; this run has "
                            f"{comm.size}")
-        exchange = _EXCHANGES[op]
+        exchange, attrs = OP_TABLE[Op(op)].eager, {"group": group, "ranks": ranks, "dim": dim}
 
-        def step() -> None:
-            out.copy_(exchange(comm, x, dim))
+        def step() -> None:   # the op's own semantics, through this rank's communicator
+            out.copy_(exchange(self, {"x": x}, attrs))
 
         self.call(step)
 
@@ -213,7 +208,7 @@ class LaunchContext:
         the block in hand to rank + 1 (and receiving rank − 1's into the other buffer), record
         `launch(block, first, last)` over the block in hand, wait for the one coming. Two
         buffers alternate, so a pass never overwrites the block a kernel reads."""
-        comm = self.comms.get("cp") or LocalComm()
+        comm = self.comm("cp")
         if comm.size != ranks:
             raise RunError(f"the program's attention is a ring over {ranks} cp ranks; this run "
                            f"has {comm.size}")
