@@ -20,6 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from archc.commands.common import check_output, quant_of, quant_scheme, spec_of
+from archc.commands.defaults import fit_lengths
 from archc.commands.vocabulary import add, positive_int
 from archc.devices import default_dtype, resolve_device
 from archc.errors import ArchcError, cli_option
@@ -51,9 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=positive_int, metavar="N",
                    help="keep the first N blocks (a real-size model in less time and memory)")
     add(p, "batch", detail=f"default {GPU_RUN['batch']}")
-    add(p, "prompt_len", detail=f"default {GPU_RUN['prompt']}; {DRY_RUN['prompt']} in a dry run")
+    add(p, "prompt_len", detail=f"default {GPU_RUN['prompt']}; {DRY_RUN['prompt']} in a dry run "
+        "(less where max_seq_len is shorter)")
     add(p, "new_tokens", detail=f"the decode steps timed: default {GPU_RUN['decode']}; "
-        f"{DRY_RUN['decode']} in a dry run")
+        f"{DRY_RUN['decode']} in a dry run (less where max_seq_len is shorter)")
     add(p, "dtype")
     add(p, "quantize", detail="here: archc runs the quantized model; PyTorch and the dense "
         "decode floor stay in --dtype")
@@ -77,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_of(args: argparse.Namespace) -> Any:
-    from archc.perf.bench import BenchConfig, Timer, check_config, keep_layers
+    from archc.perf.bench import WARMUP_STEPS, BenchConfig, Timer, check_config, keep_layers
     dry = args.dry_run
     modes = tuple(m.strip() for m in args.compile_modes.split(",")
                   if m.strip() not in ("", "none"))
@@ -96,8 +98,11 @@ def config_of(args: argparse.Namespace) -> Any:
     device = resolve_device(args.device or ("cpu" if dry else "cuda"), spell=cli_option)
     full = spec_of(args)
     spec = keep_layers(full, args.layers)
-    prompt = args.prompt_len or base["prompt"]
-    decode = base["decode"] if args.new_tokens is None else args.new_tokens
+    # a decoder's defaults fitted to its max_seq_len, with room for the warm-up steps; the
+    # others are refused by check_config
+    prompt, decode = fit_lengths(spec, args.prompt_len, args.new_tokens,
+                                 (base["prompt"], base["decode"]), reserve=WARMUP_STEPS) \
+        if spec.family == "decoder" else (args.prompt_len or base["prompt"], base["decode"])
     contexts = tuple(args.contexts)
     check_config(spec, prompt, decode, contexts)
     dtype = args.dtype or default_dtype(spec.dtype, device)

@@ -175,9 +175,8 @@ class Run:
         if backend != "eager" and self.dtype == "bf16" and self.device.type == "cpu":
             raise ArchcError("--dtype bf16 on the CPU: Triton's interpreter computes bfloat16 "
                              "wrongly; use --dtype f32 or f16, or --device cuda")
-        if lengths is not None and sum(lengths) > self.spec.max_seq_len:
-            raise ArchcError(f"{lengths[0]} prompt tokens + {lengths[1]} new exceed "
-                             f"{self.spec.name}'s max_seq_len = {self.spec.max_seq_len}")
+        if lengths is not None:
+            self.check_lengths(*lengths)
         # The weights are read straight into the compute dtype, so the eager backend runs them
         # as they are; the triton backend's passes evaluate a second copy (merged and folded
         # weights), and validation runs both. A GPU's copies are read on the host first.
@@ -198,6 +197,12 @@ class Run:
                        random=self.source.random_weights, quantized=quantized * n)
         if getattr(args, "threads", None) is not None:
             torch.set_num_threads(args.threads)
+
+    def check_lengths(self, prompt: int, new: int) -> None:
+        """Refuse a prompt and new tokens that exceed the model's max_seq_len."""
+        if prompt + new > self.spec.max_seq_len:
+            raise ArchcError(f"{prompt} prompt tokens + {new} new exceed "
+                             f"{self.spec.name}'s max_seq_len = {self.spec.max_seq_len}")
 
     def load(self) -> Any:
         """The model, its weights in the compute dtype, with a progress bar on a terminal and
