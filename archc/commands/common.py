@@ -246,11 +246,8 @@ class Run:
         if getattr(self.args, "kv_cache", None) is not None:
             options["kv_cache"] = self.args.kv_cache
         tp, cp = getattr(self.args, "tp", 1), getattr(self.args, "cp", 1)
+        # the command compiles once: the weights are handed to the session (a rank's slices,
+        # a merged copy), never held twice
         with self.timings.phase("compile"):
-            compiled = model.compile(backend, dtype=self.dtype, device=self.device, tp=tp, cp=cp,
-                                     **options)
-        if tp * cp > 1 and model.weights is not None:
-            # the session holds this rank's slices; the whole checkpoint is let go (the command
-            # compiles once)
-            model.weights.clear()
-        return compiled
+            return model.compile(backend, dtype=self.dtype, device=self.device, tp=tp, cp=cp,
+                                 keep_weights=False, **options)

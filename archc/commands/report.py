@@ -25,7 +25,6 @@ from archc.perf.gpus import gpu
 from archc.ui import console
 
 
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "source")
     add(p, "output", detail="the HTML file (default: MODEL-report.html here)")

@@ -134,6 +134,7 @@ class TritonSession(SessionBase):
                                 self.device)
         if self.target == "gpu":
             install_tma_allocator(self.device)
+        self._hand_over(checkpoint)
         self.runners = {g.name: GraphRunner(self.module, g, self._parameters(g, checkpoint),
                                             self.device, reuse_buffers=self.options.reuse_buffers)
                         for g in self.program}
@@ -267,14 +268,14 @@ def _tuner(kernels: Mapping[str, Mapping[str, Any]], module_path: Path, digest: 
                         synchronize=lambda: torch.cuda.synchronize(device))
 
 
-def triton_backend(model: Any, program: Program, dtype: str, device: torch.device,
-                   options: Mapping[str, Any]) -> TritonSession:
+def triton_backend(model: Any, weights: Mapping[str, Any], program: Program, dtype: str,
+                   device: torch.device, options: Mapping[str, Any]) -> TritonSession:
     options = dict(options)
     comms = options.pop("comms", None)
     unknown = sorted(set(options) - set(TritonOptions.__dataclass_fields__))
     if unknown:
         raise ArchcError(f"unknown triton backend option {', '.join(unknown)} (known: "
                          f"{', '.join(sorted(TritonOptions.__dataclass_fields__))})")
-    return TritonSession(program, model.weights, max_seq_len=model.spec.max_seq_len,
+    return TritonSession(program, weights, max_seq_len=model.spec.max_seq_len,
                          dtype=dtype, device=device, options=TritonOptions(**options),
                          comms=comms)
