@@ -27,6 +27,7 @@ from archc.devices import (
     resolve_device,
 )
 from archc.errors import ArchcError, cli_option
+from archc.memory import peak_resident
 from archc.ir.lower import lower
 from archc.model import check_kv_cache
 from archc.quant import QTensor, tensor_bytes
@@ -64,7 +65,8 @@ class Timings:
                 if self.seconds.get(p) and self.tokens(p)}
 
     def line(self) -> str:
-        """`load 0.41 s · compile 0.02 s · prefill 37 tokens in 0.80 s (46.3 tokens/s) · …`"""
+        """`load 0.41 s · compile 0.02 s · prefill 37 tokens in 0.80 s (46.3 tokens/s) · …`, and
+        the most memory the process has held resident so far."""
         rates = self.tokens_per_second()
         parts = []
         for name, s in self.seconds.items():
@@ -76,6 +78,9 @@ class Timings:
             parts.append((f"{name} {s:.2f} s" if name in ("load", "compile") else
                           f"{name} {n} token{'' if n == 1 else 's'} in {s:.2f} s") +
                          (f" ({rates[name]:.3g} tokens/s)" if name in rates else ""))
+        peak = peak_resident()
+        if peak is not None:
+            parts.append(f"peak memory {nbytes(peak)}")
         if self.stop is not None:
             parts.append(STOPS[self.stop] + (f" ({self.stop_token})" if self.stop_token else ""))
         return " · ".join(parts)
@@ -88,7 +93,8 @@ class Timings:
         return {"seconds": self.seconds, "weight_bytes": self.weight_bytes,
                 "weight_tensors": self.weight_kinds, "prompt_tokens": self.prompt_tokens,
                 "generated_tokens": self.generated,
-                "tokens_per_second": self.tokens_per_second(), "stop": self.stop}
+                "tokens_per_second": self.tokens_per_second(), "stop": self.stop,
+                "peak_memory_bytes": peak_resident()}
 
 
 def spec_of(args: argparse.Namespace, attr: str = "source") -> Spec:
