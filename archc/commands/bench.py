@@ -98,13 +98,6 @@ def config_of(args: argparse.Namespace) -> Any:
     device = resolve_device(args.device or ("cpu" if dry else "cuda"), spell=cli_option)
     full = spec_of(args)
     spec = keep_layers(full, args.layers)
-    # a decoder's defaults fitted to its max_seq_len, with room for the warm-up steps; the
-    # others are refused by check_config
-    prompt, decode = fit_lengths(spec, args.prompt_len, args.new_tokens,
-                                 (base["prompt"], base["decode"]), reserve=WARMUP_STEPS) \
-        if spec.family == "decoder" else (args.prompt_len or base["prompt"], base["decode"])
-    contexts = tuple(args.contexts)
-    check_config(spec, prompt, decode, contexts)
     dtype = args.dtype or default_dtype(spec.dtype, device)
     if dry and dtype == "bf16":
         raise ArchcError("--dry-run runs Triton's interpreter, which computes bf16 wrongly: "
@@ -118,6 +111,13 @@ def config_of(args: argparse.Namespace) -> Any:
         if model is None:
             raise ArchcError(f"cannot tell which GPU model {name!r} is for the roofline: pass "
                              f"--gpu {' | '.join(GPUS)}")
+    # a decoder's defaults fitted to its max_seq_len, with room for the warm-up steps; the
+    # others are refused by check_config
+    prompt, decode = fit_lengths(spec, args.prompt_len, args.new_tokens,
+                                 (base["prompt"], base["decode"]), reserve=WARMUP_STEPS) \
+        if spec.family == "decoder" else (args.prompt_len or base["prompt"], base["decode"])
+    contexts = tuple(args.contexts)
+    check_config(spec, prompt, decode, contexts)
     return BenchConfig(
         spec=spec, dtype=dtype, device=device, gpu=model, gpu_detected=detected,
         batch=args.batch or base["batch"], prompt=prompt, decode=decode,

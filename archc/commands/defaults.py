@@ -57,8 +57,8 @@ def fit_lengths(spec: Spec, prompt: int | None, new: int | None, defaults: tuple
         if new:
             raise ArchcError(f"{name} is an encoder: it does not decode (leave out "
                              "--new-tokens, or give 0)")
-        return fitted("--prompt-len", prompt, defaults[0], most,
-                      f"{name}'s max_seq_len = {most}", quiet=quiet), 0
+        return fitted("--prompt-len", prompt, defaults[0], most, f"max_seq_len = {most}",
+                      quiet=quiet), 0
     def held(n: int) -> int:    # positions n new tokens take after the prompt
         return max(n, reserve) if n else 0
 

@@ -65,9 +65,10 @@ def run(args: argparse.Namespace) -> int:
     from archc.report.page import render
     spec, quant = quant_of(args)
     _check(args)
+    g = gpu(args.gpu)
     prompt_len, new_tokens = fit_lengths(spec, args.prompt_len, args.new_tokens,
                                          (PROMPT_LEN, NEW_TOKENS))
-    options = report_data.Options(args.source, dtype=args.dtype, gpu=gpu(args.gpu),
+    options = report_data.Options(args.source, dtype=args.dtype, gpu=g,
                                   prompt_len=prompt_len, new_tokens=new_tokens,
                                   target=args.target, jobs=args.jobs)
     validate = None
