@@ -27,8 +27,8 @@ from archc.devices import (
     resolve_device,
 )
 from archc.errors import ArchcError, cli_option
-from archc.memory import peak_resident
 from archc.ir.lower import lower
+from archc.memory import peak_resident
 from archc.model import check_kv_cache
 from archc.quant import QTensor, tensor_bytes
 from archc.sources import describe

@@ -161,6 +161,7 @@ def _occupancy(args: argparse.Namespace, spec: Spec, dtype: str,
     if g.arch != args.target:
         raise ArchcError(f"--gpu {args.gpu} is not an {args.target} GPU (those: "
                          f"{', '.join(k for k, v in GPUS.items() if v.arch == args.target)})")
+    occ.check_occupancy(spec, args.context or [])    # before a default is fitted and said
     contexts = sorted(set(fitted_all("--context", args.context, occ.DEFAULT_CONTEXTS,
                                      spec.max_seq_len, f"{spec.name}'s max_seq_len = "
                                      f"{spec.max_seq_len}")))

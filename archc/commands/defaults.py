@@ -66,7 +66,8 @@ def fit_lengths(spec: Spec, prompt: int | None, new: int | None, defaults: tuple
         raise ArchcError(f"--prompt-len {prompt} + --new-tokens {held(new)} exceed "
                          f"max_seq_len = {most}")
     if prompt is not None and new is None and prompt + reserve > most:
-        raise ArchcError(f"--prompt-len {prompt} leaves no room for a decode step within "
+        steps = "a decode step" if reserve == 1 else f"{reserve} decode steps"
+        raise ArchcError(f"--prompt-len {prompt} leaves no room for {steps} within "
                          f"max_seq_len = {most}")
     if new is not None and held(new) >= most:
         raise ArchcError(f"--new-tokens {new} leaves no room for a prompt within "

@@ -65,6 +65,10 @@ def run(args: argparse.Namespace) -> int:
     check_output(args.plot, "file", "--plot")
     if checkpoint and args.steps is None:   # the default walk: the steps weights go through
         calls = [call for call in calls if call.step.converts_weights]
+        if source.quant:
+            note(f"{', '.join(c.text for c in calls)} left out of the default steps: they "
+                 f"convert float weights, and {spec.name}'s are quantized")
+            calls = []
     if checkpoint:  # refuse before any work what a checkpoint cannot go through
         for call in calls:
             if not call.step.converts_weights:
