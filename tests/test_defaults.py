@@ -18,6 +18,8 @@ line."""
 from __future__ import annotations
 
 import io
+import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 FAMILIES = ("tiny-llama3", "tiny-bert", "tiny-t5")
+CONTEXTS = {"hf-256": HF_CONTEXT, "gguf-6": GGUF_CONTEXT}
 CHECKPOINTS = ("hf-256", "gguf-6")
 
 # command → (its arguments after the source, the sources it runs on)
@@ -104,12 +107,21 @@ def test_a_command_with_its_defaults_runs_on_every_model(
     name, *flags = command.split()
     extra = [sources[source] if a == "SOURCE" else a for a in COMMANDS[command][0]]
     status = main([name, sources[source], *flags, *extra])
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     refused = refusal(command, source)
     if refused is not None:
         assert status == 2 and refused in err and len(err.strip().splitlines()) == 1, err
-    else:
-        assert status == 0, err
+        return
+    assert status == 0, err
+    # what the pricing commands price lies within the context (they would price any length)
+    most = CONTEXTS.get(source) or load_spec(source).max_seq_len
+    if command == "roofline":
+        assert all(int(c) <= most for c in re.findall(r"decode step at context (\d+)", out))
+        assert all(int(t) <= most for t in re.findall(r"prefill: (\d+) tokens", out))
+    if command == "report":
+        priced = json.loads(out)["roofline"]
+        assert priced["prefill"]["dims"]["T"] <= most
+        assert "decode" not in priced or priced["decode"]["dims"]["P"] + 1 <= most
 
 
 
