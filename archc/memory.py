@@ -9,6 +9,7 @@ import math
 import mmap
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +41,16 @@ def zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str =
 
 def peak_resident() -> int | None:
     """The most bytes of host memory this process has held resident (its high-water mark),
-    None where it cannot be told."""
+    None where it cannot be told. Linux's VmHWM, which starts afresh when a program starts;
+    elsewhere getrusage's ru_maxrss (on Linux that one keeps the parent's mark across the
+    fork and exec that started the process)."""
+    status = Path("/proc/self/status")
+    try:
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     try:
         import resource
     except ImportError:  # pragma: no cover - not on Windows
