@@ -251,9 +251,11 @@ def dense(w: Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return w.dequantize(dtype) if isinstance(w, QTensor) else w
 
 
-# elements of a quantized weight dequantized at once by `by_rows`: 4 MiB in f32, so that
-# computing from a weight costs a few blocks of memory beside it, never its dense copy
-ROW_BLOCK = 1 << 20
+# elements of a quantized weight dequantized at once by `by_rows`: 1 MiB in f32, so that
+# computing from a weight costs a few blocks of memory beside it, never its dense copy. Blocks
+# of 4 MiB left SmolLM2's eager run (Q4_1) peaking 6-12 MiB higher, by hash seed, the heap
+# fragmenting around them; these cost ~20% of its decode time (this project's CI machine)
+ROW_BLOCK = 1 << 18
 
 
 def by_rows(w: Weight, dtype: torch.dtype, fn: Callable[[torch.Tensor], torch.Tensor]
