@@ -166,10 +166,12 @@ class Model:
                              "interpreter computes bfloat16 wrongly; use dtype='f32' or 'f16', "
                              "or device='cuda'")
         # A backend evaluates the parameters into new tensors unless it runs the checkpoint's
-        # own: the eager backend without weight-rewriting passes, in their dtype and place.
-        if backend != "eager" or options.get("passes") not in (None, "none") or any(
-                w.dtype != TORCH_DTYPES[name] or w.device != torch_device
-                for w in (self.weights or {}).values() if isinstance(w, torch.Tensor)):
+        # own: the eager backend without weight-rewriting passes, in their dtype and place; or
+        # the checkpoint is handed over, each tensor let go as its replacement is made.
+        if keep_weights and (backend != "eager" or options.get("passes") not in (None, "none")
+                             or any(w.dtype != TORCH_DTYPES[name] or w.device != torch_device
+                                    for w in (self.weights or {}).values()
+                                    if isinstance(w, torch.Tensor))):
             check_fits(self.spec.name, "the compiled copy of its weights",
                        checkpoint_elements(self.graph), name, self.spec.family, torch_device,
                        random=self.random_weights)

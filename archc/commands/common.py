@@ -184,23 +184,24 @@ class Run:
         if lengths is not None:
             self.check_lengths(*lengths)
         # The weights are read straight into the compute dtype, so the eager backend runs them
-        # as they are; the triton backend's passes evaluate a second copy (merged and folded
-        # weights), and validation runs both. A GPU's copies are read on the host first.
+        # as they are (quantized ones too: it dequantizes them as it reads them); the triton
+        # backend's passes evaluate merged and folded weights, each taking the place of the
+        # tensors it is made of (the command compiles once: `Run.compile`); validation keeps
+        # the checkpoint beside the eager and the kernels' copies. A GPU's copies are read on
+        # the host first.
         program = lower(self.spec)   # tensors a source keeps quantized priced at their bytes
         quant = {} if getattr(args, "dequantize", False) else self.source.quant
         tp = getattr(args, "tp", 1)  # a rank of a --tp run holds its slices only
         elements = checkpoint_elements(program, quant, tp)
         quantized = quantized_bytes(program, quant, tp)
-        # the eager reference holds quantized weights dequantized (EagerSession)
-        dense = checkpoint_elements(program, tp=tp) - elements if backend != "triton" else 0
-        copies = {"eager": 1, "triton": 2, None: 3}[backend]
+        copies = {"eager": 1, "triton": 1, None: 3}[backend]
         host = [(torch.device("cpu"), 1)] if self.device.type == "cuda" else []
         for device, n in [*host, (self.device, copies)]:
             what = "its weights" + (f" and {n - 1} compiled cop{'y' if n == 2 else 'ies'}"
                                     if n > 1 else "")
-            check_fits(self.spec.name, what, elements * n + dense * (device == self.device),
-                       self.dtype, self.spec.family, device, spell=cli_option,
-                       random=self.source.random_weights, quantized=quantized * n)
+            check_fits(self.spec.name, what, elements * n, self.dtype, self.spec.family, device,
+                       spell=cli_option, random=self.source.random_weights,
+                       quantized=quantized * n)
         if getattr(args, "threads", None) is not None:
             torch.set_num_threads(args.threads)
 
