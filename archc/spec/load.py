@@ -459,8 +459,10 @@ def _check_layers(spec: Spec) -> Spec:
 def _in_type(err: SpecError, t: LayerType) -> SpecError:
     """A refusal met resolving layer type `t`: at the field the type sets, or else naming the
     type and the model's field that its values make invalid."""
+    parent = err.path.rpartition(".")[0]
     if any(err.path == p or err.path.startswith((p + ".", p + "[")) or p.startswith(err.path + ".")
-           for p, _ in t.overrides):
+           or err.problem.startswith("is missing") and p.rpartition(".")[0] == parent
+           for p, _ in t.overrides):   # (a field missing beside those the type sets: there)
         return SpecError(f"layer_types.{t.name}.{err.path}", err.problem, allowed=err.allowed)
     return SpecError(f"layer_types.{t.name}", f"makes {err.path} invalid: {err.problem}"
                      if err.path else err.problem, allowed=err.allowed)
@@ -595,6 +597,8 @@ def _check_model(spec: Spec) -> None:
     if pos.kind == "sinusoidal" and spec.d_model % 2:
         raise SpecError("d_model", f"{spec.d_model} is odd but sinusoidal positions come in "
                         "sin/cos pairs", allowed="an even number")
+    if spec.weights is not None and not spec.weights.strip():
+        raise SpecError("weights", "is an empty string", allowed="the path of a checkpoint")
     if not spec.block.parallel:
         _refuse_set(spec, "block.shared_norm", "a serial block always has one norm per "
                     "sublayer", allowed="set block.parallel: true, or remove it")
@@ -642,7 +646,11 @@ def load_yaml(path: str | Path) -> Spec:
         loader = _SpecYAMLLoader(Path(source).read_text(encoding="utf-8"))
         node = loader.get_single_node()
         _refuse_repeated_keys(node, "", set())
-        return from_dict(None if node is None else loader.construct_document(node))
+        spec = from_dict(None if node is None else loader.construct_document(node))
+        if spec.weights is not None:   # a checkpoint beside the spec file
+            spec = dataclasses.replace(spec, weights=str((Path(source).parent /
+                                                          spec.weights).absolute()))
+        return spec
     except OSError as err:
         raise SpecError("", f"cannot read the file: {err.strerror}", source=source) from None
     except UnicodeDecodeError:

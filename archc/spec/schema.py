@@ -295,7 +295,7 @@ class Spec:
     def layer_mixers(self, layers: int | None = None) -> tuple[MixerKind, ...]:
         """The sequence mixer of each layer (read off the layer types, unresolved)."""
         kinds = {t.name: t.get("mixer.kind", self.mixer.kind) for t in self.layer_plan()[0]}
-        return tuple(kinds[name] for name in self.layer_type_names(layers))
+        return tuple(kinds.get(name, self.mixer.kind) for name in self.layer_type_names(layers))
 
     @property
     def attends(self) -> bool:
