@@ -24,7 +24,7 @@ from archc.spec.schema import LAYER_SECTIONS, AttentionBias, LayerType, Mamba, S
 
 ZOO_DIR = Path(__file__).resolve().parents[2] / "specs"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
-TYPE_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_\-]{0,63}$")
+TYPE_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_+\-]{0,63}$")
 # Every size becomes a tensor dimension, and generated kernels index with int32 offsets.
 MAX_WHOLE_NUMBER = 2**31 - 1
 # The bounds a number may declare, as a refusal writes them, and the test the value must pass.
@@ -204,7 +204,7 @@ def _layer_types(data: Any, path: str) -> tuple[LayerType, ...]:
         where = f"{path}.{name}"
         if not isinstance(name, str) or not TYPE_NAME_RE.match(name):
             raise SpecError(f"{path}.{_show(name)}", "is not a valid layer type name",
-                            allowed="1-64 letters, digits, '_', '-', starting with a letter")
+                            allowed="1-64 letters, digits, '_', '+', '-', starting with a letter")
         overrides = {} if overrides is None else overrides
         if not isinstance(overrides, Mapping):
             raise SpecError(where, f"{_show(overrides)} is not a mapping",
@@ -452,8 +452,16 @@ def _check_layers(spec: Spec) -> Spec:
             _check_layer(layer)
         except SpecError as err:
             raise (_in_type(err, t) if named else err) from None
-        loaded.append(LayerType(t.name, tuple((p, _get(layer, p)) for p, _ in t.overrides)))
-    return dataclasses.replace(spec, layer_types=tuple(loaded)) if named else spec
+        loaded.append(LayerType(t.name, tuple(sorted(
+            ((p, _get(layer, p)) for p, _ in t.overrides),
+            key=lambda o: [(name != "kind", name) for name in o[0].split(".")]))))
+    if not named:
+        return spec
+    # in a canonical order, so that one model is one spec: types by first use, fields by path
+    # (a section's kind first)
+    first = {name: i for i, name in reversed(list(enumerate(spec.layer_pattern or ())))}
+    return dataclasses.replace(spec, layer_types=tuple(sorted(loaded,
+                                                              key=lambda t: first[t.name])))
 
 
 def _in_type(err: SpecError, t: LayerType) -> SpecError:
