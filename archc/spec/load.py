@@ -10,6 +10,7 @@ import difflib
 import functools
 import math
 import operator
+import os
 import re
 import sys
 import typing
@@ -656,8 +657,8 @@ def load_yaml(path: str | Path) -> Spec:
         _refuse_repeated_keys(node, "", set())
         spec = from_dict(None if node is None else loader.construct_document(node))
         if spec.weights is not None:   # a checkpoint beside the spec file
-            spec = dataclasses.replace(spec, weights=str((Path(source).parent /
-                                                          spec.weights).absolute()))
+            spec = dataclasses.replace(spec, weights=os.path.normpath(
+                (Path(source).parent / spec.weights).absolute()))
         return spec
     except OSError as err:
         raise SpecError("", f"cannot read the file: {err.strerror}", source=source) from None
