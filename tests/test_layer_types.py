@@ -309,3 +309,13 @@ def test_bad_layer_types_are_refused(row: Bad) -> None:
     with pytest.raises(SpecError) as info:
         from_dict(data, source="x.yaml")
     _check_message(info.value, "x.yaml", row)
+
+
+def test_an_architecture_step_applies_to_every_layer_or_is_refused() -> None:
+    from archc.modernize import StepError, parse_steps
+    step = parse_steps("qk-norm")[0].apply(spec())
+    assert all(step.layer(i).attention.qk_norm for i in range(4))
+    assert step.layer(0).attention.window == 4    # what the type sets stays
+    with pytest.raises(StepError, match="changes attention.window, which layer type 'local' "
+                                        "sets"):
+        parse_steps("sliding-window:8")[0].apply(spec())
