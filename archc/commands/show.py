@@ -79,8 +79,9 @@ def _norm(s: Spec) -> str:
 
 def _sections(s: Spec) -> dict[str, str | None]:
     """What one kind of layer runs, in the words of the rows below (None: it has none)."""
-    return {"mixer": s.mixer.kind.replace("_", " "), "attention": _attention(s) if s.attends
-            else None, "ffn": _ffn(s), "norm": _norm(s), "positions": _positions(s)}
+    return {"mixer": s.mixer.kind.replace("_", " "),
+            "attention": _attention(s) if s.attends and s.attention.heads else None,
+            "ffn": _ffn(s), "norm": _norm(s), "positions": _positions(s)}
 
 
 def _layer_list(layers: list[int]) -> str:
@@ -105,7 +106,7 @@ def _difference(mine: str | None, model: str | None) -> str:
     if mine is None or mine == model:
         return ""
     ours, theirs = mine.split(", "), (model or "").split(", ")
-    if ours[0].split()[0] != theirs[0].split()[0]:
+    if model is None or ours[0].split()[0] != theirs[0].split()[0]:
         return mine
     words = {p.split()[0] for p in ours}
     dropped = [f"no {p.split()[0]}" for p in theirs if p.split()[0] not in words and
@@ -170,7 +171,7 @@ def facts(s: Spec, quant: dict[str, str], kv_cache: str | None = None, tp: int =
              f"{s.layers} encoder + {s.decoder_layers} decoder"),
             ("d_model", str(s.d_model)),
             ("mixers", _mixers(s) if set(s.layer_mixers()) != {"attention"} else None),
-            ("attention", _attention(s) if s.attends else None),
+            ("attention", _attention(s) if s.attends and s.attention.heads else None),
             ("ffn", _ffn(s)),
             ("norm", _norm(s)),
             ("block", "parallel" if s.block.parallel else "serial"),

@@ -276,9 +276,9 @@ class Spec:
             return (LayerType(""),), ("",)
         period = min(math.lcm(*map(len, given)), max(self.layers, self.decoder_layers or 0))
         kinds = [tuple(p[i % len(p)] for p in given) for i in range(period)]
-        types = {"+".join(name for name, _ in kind): LayerType(
-            "+".join(name for name, _ in kind), sum((o for _, o in kind), ())) for kind in kinds}
-        return tuple(types.values()), tuple("+".join(name for name, _ in k) for k in kinds)
+        names = ["+".join(name for name, _ in kind) for kind in kinds]
+        types = {n: LayerType(n, sum((o for _, o in kind), ())) for n, kind in zip(names, kinds)}
+        return tuple(types.values()), tuple(names)
 
     def layer_type_names(self, layers: int | None = None) -> tuple[str, ...]:
         """The type of each layer (of a stack of `layers`, default the model's)."""
