@@ -204,10 +204,11 @@ class _Stack:
         ls = self.specs[layer]
         name, dims, expr, attrs = self.rope_rotation(ls)
 
-        def key(other: Spec) -> object:
-            rotates = other.mixer.kind == "attention" and other.position.kind == "rope"
-            return self.rope_rotation(other)[2] if rotates and \
-                self.rope_rotation(other)[0] == name else None
+        def key(other: Spec) -> object:   # the table (or frequencies) another layer reads
+            if other.mixer.kind != "attention" or other.position.kind != "rope":
+                return None
+            other_name, _, other_expr, _ = self.rope_rotation(other)
+            return other_expr if other_name == name else None
         with self.at("position.scaling" if ls.position.scaling else "position.theta"):
             return self.param(self.shared(layer, name, key), *dims, dtype="f32", shared=True,
                               expr=expr), attrs
