@@ -56,3 +56,11 @@ def test_a_test_that_leaves_triton_state_behind_fails(tmp_path: Path) -> None:
     assert len(rebound) == 1 and "functions of triton.language rebound" in rebound[0]
     assert "triton.language.cdiv" in rebound[0]
     assert later == []
+
+
+def test_the_suite_does_not_tune_unless_a_test_asks() -> None:
+    """tests/conftest.py: sessions built without saying (``archc.load(...).compile("triton")``
+    and ``TritonOptions()``) do not tune; tests/test_autotune.py asks for the users' default."""
+    from archc.runtime.triton_backend import TritonOptions
+    assert TritonOptions().autotune is False
+    assert TritonOptions(autotune=True).autotune is True
