@@ -33,6 +33,8 @@
 #                                   --dry-run`, a small test selection): checks this script,
 #                                   measures nothing
 #   bench/gpu_check.sh --plan       print the stage table (order, seconds given) and stop
+#   bench/gpu_check.sh --selection  print the test stages' selection (`short: ` the -k of the
+#                                   short one, `tests: ` the files) and stop
 #
 # Every run prints the stage table first. A headline stage is cut to the time left; a stage of
 # the rest is skipped when its whole budget is not left (a cut run would measure nothing), and
@@ -63,15 +65,17 @@
 set -u
 set -o pipefail
 
-usage() { echo "usage: $0 [--dry-run] [--rest] [--plan]" >&2; }
+usage() { echo "usage: $0 [--dry-run] [--rest] [--plan | --selection]" >&2; }
 DRY_RUN=0
 REST=0
 PLAN_ONLY=0
+SELECTION_ONLY=0
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY_RUN=1 ;;
         --rest) REST=1 ;;
         --plan) PLAN_ONLY=1 ;;
+        --selection) SELECTION_ONLY=1 ;;
         -h | --help) usage; exit 0 ;;
         *) usage; exit 2 ;;
     esac
@@ -135,7 +139,7 @@ else
     GPU_BUDGET="$BUDGET"
     DRY_STAGE_SECONDS=""
     GPU_NAME=""
-    if [[ "$PLAN_ONLY" == 0 ]]; then
+    if [[ "$PLAN_ONLY$SELECTION_ONLY" == 00 ]]; then
         GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)"
         if [[ -z "$GPU_NAME" ]]; then
             GPU_NAME="$(timeout 20 "$PY" -c 'import torch; print(torch.cuda.get_device_name())' \
@@ -257,6 +261,11 @@ print_plan() {
 
 if [[ "$PLAN_ONLY" == 1 ]]; then
     print_plan
+    exit 0
+fi
+if [[ "$SELECTION_ONLY" == 1 ]]; then   # the test stages' selection, for bench/rehearse.sh
+    echo "short: $SHORT"
+    echo "tests: ${TESTS[*]}"
     exit 0
 fi
 
