@@ -136,7 +136,11 @@ def test_stages_fail_time_out_and_still_report(tmp_path: Path) -> None:
     pytest_calls = [c for c in (tmp_path / "args").read_text().splitlines() if "-m pytest" in c]
     assert len(pytest_calls) == 2
     assert "-m not slow -k cli" in pytest_calls[0] and "-k not (cli)" in pytest_calls[1]
-    # the report is summarized, its unfinished section named
+    # each report is summarized under its file's name, in stage order, its unfinished section
+    # named
+    reports = re.findall(r"^\d{8}-\d{6}_cpu-dry-run_(\S+)\.json:$", text, re.M)
+    assert reports == ["tiny-mistral", "tiny-mistral-int4", "tiny-mistral-int8",
+                       "tiny-mistral-autotune", "tiny-mistral-max-autotune"]
     assert "tiny-mistral, first 1 of 2 blocks" in text
     assert "NOT DONE: model:archc:decode (running)" in text
     # the headline: decode at each context, the prefill kernels, the autotune first-run cost,

@@ -27,7 +27,8 @@ from typing import Any
 import pytest
 import torch
 
-UNSET = "unset"
+UNSET = object()
+TENSOR = "triton.language.tensor (the class)"
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,11 @@ class TritonState:
     def now(cls) -> TritonState:
         import triton.language as tl
         from triton import knobs
-        from triton.runtime.jit import KernelInterface   # compiled and interpreted alike
+        from triton.runtime.jit import KernelInterface  # compiled and interpreted alike
         spaces = [(name, m) for name, m in list(sys.modules.items())
                   if m is not None and name.startswith("triton.language")]
         functions = {(space, name): value
-                     for space, holder in [*spaces, ("triton.language.tensor", tl.tensor)]
+                     for space, holder in [*spaces, (TENSOR, tl.tensor)]
                      for name, value in list(vars(holder).items())
                      if isinstance(value, KernelInterface)}
         return cls(os.environ.get("TRITON_INTERPRET"), bool(knobs.runtime.interpret),
@@ -82,11 +83,9 @@ class TritonState:
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = self.env
+        import triton.language as tl
         for (space, name), f in self.functions.items():
-            holder = sys.modules.get(space)
-            if space == "triton.language.tensor":
-                import triton.language as tl
-                holder = tl.tensor
+            holder = tl.tensor if space == TENSOR else sys.modules.get(space)
             if holder is not None:
                 setattr(holder, name, f)
 

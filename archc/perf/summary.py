@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as err:
             print(f"{path.name}: no report ({type(err).__name__}: {err})")
             continue
+        print(f"{path.name}:")      # which run: the file names the stage that made it
         print("\n".join(summarize(data)))
     return 0
 
