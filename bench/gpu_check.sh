@@ -33,8 +33,9 @@
 #                                   --dry-run`, a small test selection): checks this script,
 #                                   measures nothing
 #   bench/gpu_check.sh --plan       print the stage table (order, seconds given) and stop
-#   bench/gpu_check.sh --selection  print the test stages' selection (`short: ` the -k of the
-#                                   short one, `tests: ` the files) and stop
+#   bench/gpu_check.sh --args       print each stage's commands' arguments and stop, one line
+#                                   a command: STAGE<TAB>KIND<TAB>ARG… (KIND: bench, pytest or
+#                                   serve), what bench/rehearse.sh checks without a GPU
 #
 # Every run prints the stage table first. A headline stage is cut to the time left; a stage of
 # the rest is skipped when its whole budget is not left (a cut run would measure nothing), and
@@ -65,17 +66,17 @@
 set -u
 set -o pipefail
 
-usage() { echo "usage: $0 [--dry-run] [--rest] [--plan | --selection]" >&2; }
+usage() { echo "usage: $0 [--dry-run] [--rest] [--plan | --args]" >&2; }
 DRY_RUN=0
 REST=0
 PLAN_ONLY=0
-SELECTION_ONLY=0
+ARGS_ONLY=0
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY_RUN=1 ;;
         --rest) REST=1 ;;
         --plan) PLAN_ONLY=1 ;;
-        --selection) SELECTION_ONLY=1 ;;
+        --args) ARGS_ONLY=1 ;;
         -h | --help) usage; exit 0 ;;
         *) usage; exit 2 ;;
     esac
@@ -139,7 +140,7 @@ else
     GPU_BUDGET="$BUDGET"
     DRY_STAGE_SECONDS=""
     GPU_NAME=""
-    if [[ "$PLAN_ONLY$SELECTION_ONLY" == 00 ]]; then
+    if [[ "$PLAN_ONLY$ARGS_ONLY" == 00 ]]; then
         GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)"
         if [[ -z "$GPU_NAME" ]]; then
             GPU_NAME="$(timeout 20 "$PY" -c 'import torch; print(torch.cuda.get_device_name())' \
@@ -183,6 +184,9 @@ test_moe_kernels or cuda_graph or wait_on_the_gpu}"
                 --streams 16 --prompt-len 256 --new-tokens 32)
 fi
 read -r -a EXTRA <<< "${ARCHC_BENCH_EXTRA:-}"
+QUANT_KINDS=(int4 int8)
+SHORT_ARGS=(-m "not slow" -k "$SHORT")      # the tests stage's selection of TESTS
+MORE_ARGS=(-k "not ($SHORT)")               # more-tests': the rest of it
 
 # the stages this run makes: all, the rest (--rest), or those named
 if [[ -n "${ARCHC_GPU_CHECK_STAGES:-}" ]]; then
@@ -259,13 +263,30 @@ print_plan() {
     fi
 }
 
+# Each stage's commands, as this run would make them (results paths aside): one line a command,
+# STAGE<TAB>KIND<TAB>ARG… — the arguments of `archc bench`, of pytest and of serve_load.py.
+print_args() {
+    emit() { local IFS=$'\t'; echo "$*"; }
+    local kind bench_flags=(${BENCH_FLAGS[@]+"${BENCH_FLAGS[@]}"} ${EXTRA[@]+"${EXTRA[@]}"})
+    emit headline bench "${HEADLINE_ARGS[@]}" ${bench_flags[@]+"${bench_flags[@]}"}
+    emit tests pytest "${SHORT_ARGS[@]}" "${TESTS[@]}"
+    for kind in "${QUANT_KINDS[@]}"; do
+        emit quantized bench "${QUANT_ARGS[@]}" ${bench_flags[@]+"${bench_flags[@]}"} \
+            --quantize "$kind"
+    done
+    emit autotune bench "${AUTOTUNE_ARGS[@]}" ${bench_flags[@]+"${bench_flags[@]}"}
+    emit serve serve "${SERVE_ARGS[@]}"
+    emit more-tests pytest "${MORE_ARGS[@]}" "${TESTS[@]}"
+    emit max-autotune bench "${MAX_AUTOTUNE_ARGS[@]}" ${bench_flags[@]+"${bench_flags[@]}"}
+    emit tiny bench "${TINY_ARGS[@]}" ${bench_flags[@]+"${bench_flags[@]}"}
+}
+
 if [[ "$PLAN_ONLY" == 1 ]]; then
     print_plan
     exit 0
 fi
-if [[ "$SELECTION_ONLY" == 1 ]]; then   # the test stages' selection, for bench/rehearse.sh
-    echo "short: $SHORT"
-    echo "tests: ${TESTS[*]}"
+if [[ "$ARGS_ONLY" == 1 ]]; then
+    print_args
     exit 0
 fi
 
@@ -541,27 +562,29 @@ run_stage env "$ENV_LOG" bash -c '
 # ---- the headline, then the short tests ------------------------------------------------------
 bench headline "$RESULTS/${PREFIX}_${BIG_SPEC}.log" "$RESULTS/${PREFIX}_${BIG_SPEC}.json" \
     "${HEADLINE_ARGS[@]}"
-tests tests -m "not slow" -k "$SHORT"
+tests tests "${SHORT_ARGS[@]}"
 
 # ---- the rest, while time is left ------------------------------------------------------------
 # both quantized benches in one stage and one log; int8 runs even when int4 fails
 if wanted quantized; then
-    REPORTS+=("$RESULTS/${PREFIX}_${BIG_SPEC}-int4.json" "$RESULTS/${PREFIX}_${BIG_SPEC}-int8.json")
+    for kind in "${QUANT_KINDS[@]}"; do
+        REPORTS+=("$RESULTS/${PREFIX}_${BIG_SPEC}-$kind.json")
+    done
 fi
 # shellcheck disable=SC2016  # the variables belong to the inner shell
 run_stage quantized "$RESULTS/${PREFIX}_quantized.log" \
-    bash -c 'py="$1" out="$2"; shift 2; rc=0
-        for kind in int4 int8; do
+    bash -c 'py="$1" out="$2" kinds="$3"; shift 3; rc=0
+        for kind in $kinds; do
             echo "== archc bench --quantize $kind"
             "$py" -m archc.cli bench "$@" --quantize "$kind" -o "$out-$kind.json" || rc=$?
         done
-        exit "$rc"' bash "$PY" "$RESULTS/${PREFIX}_${BIG_SPEC}" "${QUANT_ARGS[@]}" \
-    ${BENCH_FLAGS[@]+"${BENCH_FLAGS[@]}"} ${EXTRA[@]+"${EXTRA[@]}"}
+        exit "$rc"' bash "$PY" "$RESULTS/${PREFIX}_${BIG_SPEC}" "${QUANT_KINDS[*]}" \
+    "${QUANT_ARGS[@]}" ${BENCH_FLAGS[@]+"${BENCH_FLAGS[@]}"} ${EXTRA[@]+"${EXTRA[@]}"}
 bench autotune "$RESULTS/${PREFIX}_${BIG_SPEC}-autotune.log" \
     "$RESULTS/${PREFIX}_${BIG_SPEC}-autotune.json" "${AUTOTUNE_ARGS[@]}"
 run_stage serve "$RESULTS/${PREFIX}_serve.log" \
     "$PY" bench/serve_load.py "${SERVE_ARGS[@]}" -o "$RESULTS/${PREFIX}_serve.json"
-tests more-tests -k "not ($SHORT)"
+tests more-tests "${MORE_ARGS[@]}"
 bench max-autotune "$RESULTS/${PREFIX}_${BIG_SPEC}-max-autotune.log" \
     "$RESULTS/${PREFIX}_${BIG_SPEC}-max-autotune.json" "${MAX_AUTOTUNE_ARGS[@]}"
 bench tiny "$RESULTS/${PREFIX}_tiny-llama3.log" "$RESULTS/${PREFIX}_tiny-llama3.json" \

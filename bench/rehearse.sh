@@ -2,21 +2,24 @@
 # A rehearsal, on a CPU, of everything in bench/gpu_check.sh that does not need a GPU, with the
 # GPU machine's software: Triton 3.6.0 and numpy >= 2.4 (that machine has Python 3.12, torch
 # 2.11, triton 3.6.0, numpy 2.5, no network and nothing installable; a GPU lease is 15 minutes,
-# so a check that breaks on its software should break here first). Steps, each timed, all run
-# even when one fails:
+# so a check that breaks on its software should break here first). The steps (the work of most
+# is bench/rehearse.py's), each timed, all run even when one fails:
 #
 #   software   the versions of Python, torch, Triton and numpy in use
 #   scripts    bash -n of gpu_check.sh and this script; `gpu_check.sh --plan`
 #   imports    every archc module (one that needs a package the GPU machine lacks, such as gguf
 #              or fastapi, is listed, not failed), then the modules the stages run and
 #              bench/serve_load.py, which must import
-#   collect    `pytest --collect-only` of each test stage's selection (`gpu_check.sh
-#              --selection`): each must collect, and select tests
-#   compile    the ahead-of-time compile for sm_90a of what the bench stages run, with the
-#              occupancy report's verdicts, every one of which must pass: llama3-8b in bf16 at
-#              contexts 512 and 2048 (the headline), with int4 and int8 weights at 512 (the
-#              quantized stage), tiny-llama3 in bf16 (the tiny stage); and the headline's
-#              launch code with no-op kernels (`archc bench llama3-8b --layers 4 --host-time`)
+#   arguments  every command of the stages, as `gpu_check.sh --args` gives them: archc bench
+#              checks all its arguments before it looks for a GPU, so each bench command must
+#              be refused here for want of one and for nothing else; serve_load.py's parse
+#   collect    `pytest --collect-only` of each test stage's selection: each must select tests
+#   compile    the ahead-of-time compile for sm_90a of what each bench command runs, with the
+#              occupancy report's verdicts, every one of which must pass — llama3-8b in bf16 at
+#              the prefill lengths and contexts the headline, autotune and max-autotune stages
+#              use, with int4 and int8 weights (the quantized stage), tiny-llama3 in bf16 —
+#              and the headline's launch code with no-op kernels (`archc bench llama3-8b
+#              --layers 4 --host-time`)
 #   dry-run    `gpu_check.sh --dry-run`: the stages at tiny shapes on the CPU. Its bench stages
 #              run Triton's interpreter, which fails under triton 3.6.0 with numpy >= 2.4 (a
 #              GPU run never uses it): where a probe of the interpreter fails, the dry run keeps
@@ -107,96 +110,12 @@ software() {
 }
 
 scripts() {
-    bash -n bench/gpu_check.sh && bash -n bench/rehearse.sh && PYTHON="$PY" bench/gpu_check.sh --plan
+    bash -n bench/gpu_check.sh && bash -n bench/rehearse.sh && bench/gpu_check.sh --plan
 }
 
-IMPORTS_PY="$(cat <<'EOF'
-import importlib, importlib.util, pkgutil, sys
-import archc
-# packages of archc's extras the GPU machine does not have: a module that needs one is listed
-OPTIONAL = {"gguf", "fastapi", "uvicorn", "transformers", "tokenizers", "openai", "matplotlib",
-            "playwright"}
-# what the stages run: archc bench (its tables, JSON, summary), the triton backend, tuning and
-# the ahead-of-time compile, the serving engine of bench/serve_load.py, Triton's timer
-STAGES = ["archc.cli", "archc.commands.bench", "archc.perf.bench", "archc.perf.baselines",
-          "archc.perf.summary", "archc.versions", "archc.runtime.triton_backend",
-          "archc.runtime.tuning", "archc.codegen.aot", "archc.codegen.aot_worker",
-          "archc.serve.engine", "archc.serve.scheduler", "triton.testing"]
-failed, optional, n = [], [], 0
-for info in pkgutil.walk_packages(archc.__path__, "archc."):
-    if info.name.endswith("__main__"):
-        continue
-    n += 1
-    try:
-        importlib.import_module(info.name)
-    except ModuleNotFoundError as err:
-        root = (err.name or "").split(".")[0]
-        (optional if root in OPTIONAL else failed).append(f"{info.name}: {err}")
-    except Exception as err:
-        failed.append(f"{info.name}: {type(err).__name__}: {err}")
-for name in STAGES:
-    try:
-        importlib.import_module(name)
-    except Exception as err:
-        failed.append(f"{name} (a stage runs it): {type(err).__name__}: {err}")
-spec = importlib.util.spec_from_file_location("serve_load", "bench/serve_load.py")
-try:
-    spec.loader.exec_module(importlib.util.module_from_spec(spec))
-except Exception as err:
-    failed.append(f"bench/serve_load.py: {type(err).__name__}: {err}")
-print(f"{n} archc modules; {len(STAGES)} modules the stages run, and bench/serve_load.py")
-for line in optional:
-    print("not on the GPU machine either:", line)
-for line in failed:
-    print("FAILED:", line)
-sys.exit(1 if failed else 0)
-EOF
-)"
-
-imports() { "$PY" -c "$IMPORTS_PY"; }
-
-# collect: each test stage's selection collects, and selects tests
-collect() {
-    local selection short tests
-    selection="$(PYTHON="$PY" bench/gpu_check.sh --selection)" || return 1
-    short="$(sed -n 's/^short: //p' <<< "$selection")"
-    read -r -a tests <<< "$(sed -n 's/^tests: //p' <<< "$selection")"
-    echo "== tests: -m 'not slow' -k '$short'"
-    "$PY" -m pytest --collect-only -q -p no:cacheprovider -m "not slow" -k "$short" \
-        "${tests[@]}" || return 1
-    echo "== more-tests: -k 'not ($short)'"
-    "$PY" -m pytest --collect-only -q -p no:cacheprovider -k "not ($short)" "${tests[@]}"
-}
-
-# occupancy ARGS...: `archc compile ARGS --target sm_90a --occupancy`; a FAIL verdict fails
-occupancy() {
-    local out rc=0
-    out="$("$PY" -m archc.cli compile "$@" --target sm_90a --occupancy --cache-dir "$CACHE" \
-           2>&1)" || rc=$?
-    printf '%s\n' "$out"
-    (( rc == 0 )) || return "$rc"
-    if grep -q ': FAIL ' <<< "$out"; then
-        echo "== a verdict fails: $*"
-        return 1
-    fi
-}
-
-compile() {
-    local rc=0
-    echo "== llama3-8b, bf16 (the headline)"
-    occupancy llama3-8b --context 512 2048 || rc=1
-    for kind in int4 int8; do
-        echo "== llama3-8b, $kind weights (the quantized stage)"
-        occupancy llama3-8b --quantize "$kind" --context 512 || rc=1
-    done
-    echo "== tiny-llama3, bf16 (the tiny stage)"
-    "$PY" -m archc.cli compile tiny-llama3 --dtype bf16 --target sm_90a --cache-dir "$CACHE" \
-        || rc=1
-    echo "== the headline's launch code, every kernel a no-op"
-    "$PY" -m archc.cli bench llama3-8b --layers 4 --host-time --new-tokens 50 \
-        --cache-dir "$CACHE" || rc=1
-    return "$rc"
-}
+# the stages' own arguments, as a GPU run makes them: what the next steps check
+ARGS="$LOGS/stage-args.tsv"
+bench/gpu_check.sh --args > "$ARGS" || { echo "gpu_check.sh --args failed" >&2; exit 2; }
 
 # dry_run: gpu_check.sh --dry-run; its bench stages only where Triton's interpreter runs
 dry_run() {
@@ -215,9 +134,10 @@ archc.load("tiny-llama3").compile("triton", device="cpu", cache_dir="'"$CACHE"'"
 
 step software software
 step scripts scripts
-step imports imports
-step collect collect
-step compile compile
+step imports "$PY" bench/rehearse.py imports
+step arguments "$PY" bench/rehearse.py arguments "$ARGS"
+step collect "$PY" bench/rehearse.py collect "$ARGS"
+step compile "$PY" bench/rehearse.py compile "$ARGS" "$CACHE"
 step dry-run dry_run
 
 echo

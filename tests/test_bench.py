@@ -573,7 +573,8 @@ def test_autotune_section_runs_real_sessions_last(tmp_path: Path,
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["bench", "tiny-llama3"], "no CUDA GPU here"),
+    (["bench", "tiny-llama3", "--prompt-len", "8", "--new-tokens", "4"], "no CUDA GPU here"),
+    (["bench", "tiny-llama3"], "--prompt-len 512 + --new-tokens 64 exceed"),   # a GPU's default
     (["bench", "tiny-llama3", "--dry-run", "--layers", "3"], "has 2 blocks"),
     (["bench", "tiny-bert", "--dry-run"], "decoder-only"),
     (["bench", "tiny-llama3", "--dry-run", "--dtype", "bf16"], "computes bf16 wrongly"),
@@ -584,6 +585,12 @@ def test_autotune_section_runs_real_sessions_last(tmp_path: Path,
     (["bench", "tiny-llama3", "--dry-run", "--contexts", "16", "16"], "given twice"),
     (["bench", "tiny-llama3", "--dry-run", "--contexts", "0"], "--contexts"),
     (["bench", "tiny-llama3", "--dry-run", "--gpu", "v100"], "unknown GPU"),
+    # a GPU run's arguments are checked before the GPU is looked for
+    *((["bench", "tiny-llama3", "--prompt-len", "8", "--new-tokens", "4", *flags], message)
+      for flags, message in ((["--layers", "3"], "has 2 blocks"),
+                             (["--contexts", "61"], "--contexts 61"),
+                             (["--gpu", "v100"], "unknown GPU"),
+                             (["--compile-modes", "fast"], "unknown torch.compile"))),
 ])
 def test_bench_refuses_bad_input(argv: list[str], message: str,
                                  capsys: pytest.CaptureFixture[str],

@@ -270,3 +270,30 @@ def test_a_stage_that_does_not_fit_is_left_for_a_later_run(tmp_path: Path) -> No
     bad = subprocess.run(["bash", str(SCRIPT), "--plan"], capture_output=True, text=True,
                          env={**os.environ, "ARCHC_GPU_CHECK_STAGES": "headline nope"})
     assert bad.returncode == 2 and "no stage 'nope'" in bad.stderr
+
+
+def test_the_gpu_runs_commands_pass_their_argument_checks(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]
+                                                          ) -> None:
+    """Every command a GPU run makes, as `gpu_check.sh --args` gives it, passes archc bench's
+    argument checks (which come before it looks for a GPU) and serve_load.py's parse: a typo in
+    the script fails here, not in a lease (bench/rehearse.py's `arguments` step)."""
+    import importlib.util
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    args = tmp_path / "args.tsv"
+    args.write_text(subprocess.run(["bash", str(SCRIPT), "--args"], capture_output=True,
+                                   text=True, check=True, timeout=60).stdout)
+    stages = [line.split("\t")[:2] for line in args.read_text().splitlines()]
+    assert [s for s, _ in stages] == ["headline", "tests", "quantized", "quantized", "autotune",
+                                      "serve", "more-tests", "max-autotune", "tiny"]
+    spec = importlib.util.spec_from_file_location("rehearse", ROOT / "bench" / "rehearse.py")
+    rehearse = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rehearse)
+    assert rehearse.arguments(str(args)) == []
+    out = capsys.readouterr().out
+    assert out.count("ok: archc bench: error: no CUDA GPU here") == 6     # bench lines
+    # a wrong argument is caught
+    args.write_text(args.read_text().replace("--contexts\t512\t2048", "--contexts\t512\t9000", 1))
+    (failed,) = rehearse.arguments(str(args))
+    assert failed.startswith("headline:") and "--contexts 9000" in failed
