@@ -54,8 +54,9 @@
 #   *_tiny-llama3.json, .log, *_serve.json, .log                     the rest
 #
 # Optional environment: PYTHON (default python3), OUT, ARCHC_GPU_CHECK_RESULTS (results
-# directory), ARCHC_GPU_CHECK_BUDGET (total seconds, default 450; 1800 in a dry run),
-# ARCHC_GPU_CHECK_BUDGET_<STAGE> (one stage's seconds, e.g. _HEADLINE, _MORE_TESTS),
+# directory), ARCHC_GPU_CHECK_BUDGET (total seconds, default 450; 3600 in a dry run),
+# ARCHC_GPU_CHECK_BUDGET_<STAGE> (one stage's seconds, e.g. _HEADLINE, _MORE_TESTS; 300 each in
+# a dry run),
 # ARCHC_GPU_CHECK_STAGES (the stages to run, space-separated; env always runs),
 # ARCHC_GPU_CHECK_TESTS (the pytest selection, space-separated), ARCHC_GPU_CHECK_SHORT (the -k
 # expression of the short selection; more-tests runs the rest of the selection),
