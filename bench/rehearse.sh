@@ -31,10 +31,11 @@
 #   bench/rehearse.sh --python PY  rehearse with an interpreter already set up (the project's
 #                                  .venv, with triton 3.9.0)
 #
-# Takes, on 2 shared CPU cores (an AMD EPYC): about 7 minutes with triton 3.6.0 in a reused
-# environment (building it first adds the time to install torch from disk and download triton,
-# a minute or two here), about 12 with triton 3.9.0 (the dry run's bench stages run under the
-# interpreter there). The compiles go to a fresh kernel cache each run.
+# Takes, measured on 2 CPU cores of an AMD EPYC shared with other work (load average 4 to 5):
+# 4 minutes with triton 3.6.0 in an environment built before; 8 from a clean clone, 3 of them to
+# build the environment (torch from the wheel on disk, triton downloaded); 5 with triton 3.9.0,
+# whose interpreter runs the dry run's bench stages. The compiles go to a fresh kernel cache
+# each run.
 #
 # Environment: ARCHC_REHEARSE_VENV (where the environment is built; default
 # ~/.cache/archc/rehearse-triton-3.6.0), ARCHC_REHEARSE_BASE_PYTHON (the interpreter it is built
