@@ -13,6 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+PLUGIN = 'pytest_plugins = ["tests.triton_state"]\n'
 LEAKS = '''
 import os
 
@@ -35,15 +36,22 @@ def test_later_tests_find_the_state_at_the_start():
 '''
 
 
+def _pytest(tmp_path: Path, conftest: str, tests: str, *args: str,
+            **env: str) -> subprocess.CompletedProcess[str]:
+    """pytest on `tests` in a directory of its own, with `conftest`; the environment this
+    process started with (less the interpreter this suite chose), and `env`."""
+    (tmp_path / "conftest.py").write_text(conftest)
+    (tmp_path / "test_it.py").write_text(tests)
+    base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs",
+                           *args, "test_it.py"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**base, "PYTHONPATH": path, **env}, timeout=300)
+
+
 def test_a_test_that_leaves_triton_state_behind_fails(tmp_path: Path) -> None:
-    (tmp_path / "conftest.py").write_text('pytest_plugins = ["tests.triton_state"]\n')
-    (tmp_path / "test_leaks.py").write_text(LEAKS)
     report = tmp_path / "report.xml"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
-        "PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
-                          f"--junitxml={report}", "test_leaks.py"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+    run = _pytest(tmp_path, PLUGIN, LEAKS, f"--junitxml={report}")
     assert run.returncode == 1, run.stdout + run.stderr
     errors: dict[str, list[str]] = {}
     for case in ET.parse(report).getroot().iter("testcase"):
@@ -56,6 +64,38 @@ def test_a_test_that_leaves_triton_state_behind_fails(tmp_path: Path) -> None:
     assert len(rebound) == 1 and "functions of triton.language rebound" in rebound[0]
     assert "triton.language.cdiv" in rebound[0]
     assert later == []
+
+
+# the plugin as on a machine with a CUDA GPU: torch says there is one
+ON_A_GPU = "import torch\ntorch.cuda.is_available = lambda: True\n" + PLUGIN
+CPU_SESSION = '''
+import os
+
+import torch
+
+from archc.runtime import triton_backend
+
+
+def test_a_session_on_the_cpu_is_skipped_before_it_changes_anything():
+    triton_backend.prepare_triton(torch.device("cpu"))
+    raise AssertionError("not skipped")
+
+
+def test_the_interpreter_was_not_chosen():
+    assert os.environ.get("TRITON_INTERPRET") is None
+'''
+
+
+def test_with_a_gpu_a_test_that_needs_the_interpreter_is_skipped(tmp_path: Path) -> None:
+    """On a GPU machine a test that would choose Triton's interpreter (a triton session on the
+    CPU) is skipped at that point, and TRITON_INTERPRET set at the start stops the run."""
+    run = _pytest(tmp_path, ON_A_GPU, CPU_SESSION)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "1 passed, 1 skipped" in run.stdout
+    assert "needs Triton's interpreter, which one test cannot choose" in run.stdout
+    refused = _pytest(tmp_path, ON_A_GPU, CPU_SESSION, TRITON_INTERPRET="1")
+    assert refused.returncode == 4      # a usage error
+    assert "TRITON_INTERPRET is set on a machine with a CUDA GPU" in refused.stderr
 
 
 def test_the_suite_does_not_tune_unless_a_test_asks() -> None:
