@@ -30,6 +30,8 @@ from tests.test_triton_kernels import build, check, rand
 
 DIGEST = "ab" * 32
 
+pytestmark = pytest.mark.autotune       # sessions tune by default here, as users' do
+
 
 @pytest.fixture(scope="module")
 def kernel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -326,7 +328,7 @@ def test_no_autotune_reaches_validate(monkeypatch: pytest.MonkeyPatch) -> None:
         raise Compiled(kw)
 
     monkeypatch.setattr(validation, "validate", stand_in)
-    for flags, want in (([], True), (["--no-autotune"], False)):
+    for flags, want in (([], None), (["--no-autotune"], False)):   # None: the default
         with pytest.raises(Compiled) as got:
             main(["validate", "tiny-llama3", "--device", "cpu", *flags])
         assert got.value.args[0]["autotune"] is want

@@ -33,6 +33,7 @@ from typing import Any
 
 from archc.codegen.aot_worker import last_line
 from archc.codegen.blocks import aot_config
+from archc.versions import version
 
 TARGETS = {"sm_80": 80, "sm_90a": 90, "sm_100a": 100}
 MEASURED = ("registers", "spill_bytes", "shared_bytes", "tensor_core_ops", "wgmma", "mma", "tma",
@@ -189,10 +190,7 @@ def _collect(p: subprocess.Popen, chunk: list[dict[str, Any]], results: list[Aot
 
 
 def _cache_key(source: str, kernel: str, config: Mapping[str, Any], target: str) -> str:
-    import importlib.metadata
-    triton = ""
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        triton = importlib.metadata.version("triton")
+    triton = version("triton") or ""
     worker = hashlib.sha256(Path(__file__).with_name("aot_worker.py").read_bytes()).hexdigest()
     text = json.dumps([source, kernel, sorted(config.items()), target, triton, worker])
     return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -89,23 +89,27 @@ def config_of(args: argparse.Namespace) -> Any:
     if dry and args.device not in (None, "cpu"):
         raise ArchcError("--dry-run runs on the CPU (Triton's interpreter); drop --device or "
                          "--dry-run")
-    if not dry and (args.device == "cpu" or not torch.cuda.is_available()):
-        raise ArchcError("no CUDA GPU here: archc bench times kernels on a GPU. `archc bench "
-                         f"{args.source} --dry-run` runs the same harness on the CPU with tiny "
-                         "shapes; `archc roofline` models any GPU without one")
-    device = resolve_device(args.device or ("cpu" if dry else "cuda"), spell=cli_option)
+    # every argument is checked before the GPU is looked for: `no CUDA GPU here` on a CPU says
+    # that the rest of the command is fine (bench/rehearse.sh relies on it)
     full = spec_of(args)
     spec = keep_layers(full, args.layers)
     prompt = args.prompt_len or base["prompt"]
     decode = base["decode"] if args.new_tokens is None else args.new_tokens
     contexts = tuple(args.contexts)
     check_config(spec, prompt, decode, contexts)
-    dtype = args.dtype or default_dtype(spec.dtype, device)
+    dtype = args.dtype or default_dtype(spec.dtype, "cpu" if dry else "cuda")
     if dry and dtype == "bf16":
         raise ArchcError("--dry-run runs Triton's interpreter, which computes bf16 wrongly: "
                          "use --dtype f32 or f16")
+    scheme = quant_scheme(args)
     auto = args.gpu in (None, "auto")
-    model, detected = gpu("h200" if auto else args.gpu), auto and device.type == "cuda"
+    model = gpu("h200" if auto else args.gpu)
+    if not dry and (args.device == "cpu" or not torch.cuda.is_available()):
+        raise ArchcError("no CUDA GPU here: archc bench times kernels on a GPU. `archc bench "
+                         f"{args.source} --dry-run` runs the same harness on the CPU with tiny "
+                         "shapes; `archc roofline` models any GPU without one")
+    device = resolve_device(args.device or ("cpu" if dry else "cuda"), spell=cli_option)
+    detected = auto and device.type == "cuda"
     if detected:     # read the GPU model off the device
         name = torch.cuda.get_device_name(device)
         key = name.lower().replace("-", "").replace(" ", "")
@@ -123,7 +127,7 @@ def config_of(args: argparse.Namespace) -> Any:
         autotune=not args.no_autotune, seed=args.seed,
         layers_of_spec=full.layers if spec.layers != full.layers else None,
         kernel_section=not args.no_kernels, cache_dir=args.cache_dir, contexts=contexts,
-        quant=quant_scheme(args))
+        quant=scheme)
 
 
 def run_host(args: argparse.Namespace) -> int:

@@ -41,7 +41,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ from archc.perf.roofline import KernelRoof, kernels, label
 from archc.perf.summary import fmt_seconds
 from archc.spec.schema import Spec
 from archc.ui import si, table
+from archc.versions import software, software_text
 
 PHASES = ("prefill", "decode")
 DEFAULT_CONTEXTS = (512, 2048, 8192)
@@ -336,6 +337,9 @@ class Occupancy:
     plans: list[PhasePlan]
     module: Path
     results: list[AotResult]            # one per distinct (kernel, configuration)
+    # the versions that compiled the kernels (the workers run this interpreter): registers and
+    # spills, and so the verdicts, change with Triton's
+    software: dict[str, str | None] = field(default_factory=software)
 
     @property
     def failed(self) -> list[AotResult]:
@@ -555,7 +559,8 @@ def format_report(rep: Occupancy) -> list[Any]:
     op = mma_op(rep.target)
     out: list[Any] = [
         f"[bold]{escape(rep.spec)}[/] ({rep.dtype}, batch {rep.batch}) on {rep.target}: "
-        f"{g.name}, {g.sms} SMs, {si(g.bandwidth, 'B/s')}, {si(g.peak_flops, 'FLOP/s')}"]
+        f"{g.name}, {g.sms} SMs, {si(g.bandwidth, 'B/s')}, {si(g.peak_flops, 'FLOP/s')}",
+        software_text(rep.software)]
     for plan in rep.plans:
         what = (f"prefill of {plan.context} tokens" if plan.phase == "prefill" else
                 f"decode step at context {plan.context} (1 token after {plan.context - 1})")
@@ -630,7 +635,7 @@ def to_json(rep: Occupancy) -> dict[str, Any]:
         "batch": rep.batch,
         "gpu": {"name": rep.gpu.name, "sms": rep.gpu.sms, "bandwidth": rep.gpu.bandwidth,
                 "peak_flops": rep.gpu.peak_flops},
-        "module": str(rep.module),
+        "module": str(rep.module), "software": rep.software,
         "assumptions": [*rep.assumed,
                         "decode at context N: one token after N - 1 cached; prefill: N tokens",
                         "bytes and FLOPs: the IR node's cost model, on the node's widest launch",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -93,11 +93,18 @@ def _interpret_loaded_triton() -> None:
 
 # ---- the session ---------------------------------------------------------------------------
 
+# Whether a session tunes when its options leave it unsaid: yes. A test suite sets it off
+# (tests/conftest.py): on a GPU every launch of more than 16 rows would tune, and only the
+# tests of tuning should.
+AUTOTUNE_DEFAULT = True
+
+
 @dataclass
 class TritonOptions:
     passes: str | None = "default"      # pass pipeline to reach kernel level (None: as given)
     cache_dir: Path | None = None
-    autotune: bool = True               # on a CUDA GPU: tune prefill tiles (archc.runtime.tuning)
+    # on a CUDA GPU: tune prefill tiles (archc.runtime.tuning); default AUTOTUNE_DEFAULT
+    autotune: bool = field(default_factory=lambda: AUTOTUNE_DEFAULT)
     cuda_graphs: bool = True
     reuse_buffers: bool = True
     pdl: bool = True                    # programmatic dependent launch on sm_90 and later
