@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from archc.ir.attrs import Call
+from archc.ir.attrs import Call, format_value
 from archc.ir.modifiers.language import (
     CALLS,
     FUNCTIONS,
@@ -38,13 +38,21 @@ def _name(t: Type) -> str:
     return t.__name__
 
 
+def _shown(e: Expr) -> str:
+    """A subexpression of a tree read from the IR, as the IR prints it."""
+    try:
+        return format_value(e)
+    except (TypeError, ValueError):
+        return repr(e)
+
+
 class _Checker:
     def __init__(self, field: str, kind: Kind, env: Env, parsed: Parsed) -> None:
         self.field, self.kind, self.env, self.parsed = field, kind, env, parsed
 
     def fail(self, e: Expr, problem: str, allowed: str | None = None) -> ExprError:
         col = self.parsed.column(e)
-        where = f" (in {format_expr(e)})" if col is None and not is_literal(e) else ""
+        where = f" (in {_shown(e)})" if col is None and not is_literal(e) else ""
         return ExprError(self.field, col, problem + where, allowed)
 
     def names(self) -> str:
@@ -69,6 +77,10 @@ class _Checker:
             raise self.fail(e, f"{what} takes {f.arity} argument{'s' * (f.arity > 1)}, got "
                             f"{len(e.args)}")
         types = [self.type(a) for a in e.args]
+        try:
+            result = f.typing(*types)[1]
+        except TypeProblem as err:
+            raise self.fail(e, f"{what} {err}, got {' and '.join(map(_name, types))}") from None
         if e.fn in INTEGER_DIVISOR:
             d = e.args[1]
             if isinstance(d, Call) and d.fn == "var" and d.args[0] in self.env.constants:
@@ -76,18 +88,19 @@ class _Checker:
             if not (isinstance(d, int) and not isinstance(d, bool) and d >= 1):
                 raise self.fail(e, f"{what} divides by {format_expr(d)}",
                                 allowed="a positive integer literal or constant on the right")
-        try:
-            return f.typing(*types)[1]
-        except TypeProblem as err:
-            raise self.fail(e, f"{what} {err}, got {' and '.join(map(_name, types))}") from None
+        return result
 
-    def literal(self, v: bool | int | float) -> Type:
+    def literal(self, v: bool | int | float, named: Call | None = None) -> Type:
+        """A literal's type, or for `named`, a constant's; refused past the bounds."""
+        at, what = (v, "the") if named is None else (named, f"the constant {named.args[0]} =")
         if not isinstance(v, bool) and isinstance(v, int) and abs(v) > MAX_INT:
-            raise self.fail(v, f"the integer {v} is too large",
+            raise self.fail(at, f"{what} integer {v} is too large",
                             allowed=f"magnitudes up to {MAX_INT}")
         if isinstance(v, float) and not (math.isfinite(v) and abs(v) <= MAX_FLOAT):
-            raise self.fail(v, f"the number {v!r} is out of range",
+            raise self.fail(at, f"{what} number {v!r} is out of range",
                             allowed=f"finite magnitudes up to {MAX_FLOAT:g}")
+        if not isinstance(v, (bool, int, float)):
+            raise self.fail(at, f"{what} value {v!r} is not a number or a bool")
         return type_of_literal(v)
 
     def variable(self, e: Call) -> Type:
@@ -105,7 +118,7 @@ class _Checker:
             hint = ": write true or false" if name in ("True", "False") else ""
             raise self.fail(e, f"undefined name {name!r}{hint}", allowed=self.names())
         if kind == "constant":
-            self.literal(self.env.constants[name])
+            return self.literal(self.env.constants[name], e)
         return self.env.leaf_type(e)
 
     def indexed(self, e: Call) -> Type:

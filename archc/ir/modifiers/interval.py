@@ -181,9 +181,9 @@ def increasing(f: Callable[[float], float], domain_lo: float = -INF,
     def rule(a: Interval) -> Interval:
         if a.hi < domain_lo:
             return ANY_FLOAT
-        lo = max(a.lo, domain_lo)
-        flo = at_domain_lo if lo == domain_lo and at_domain_lo is not None else f(lo)
-        return widen(flo, f(a.hi), a.nan or a.lo < domain_lo)
+        def g(x: float) -> float:
+            return at_domain_lo if x == domain_lo and at_domain_lo is not None else f(x)
+        return widen(g(max(a.lo, domain_lo)), g(a.hi), a.nan or a.lo < domain_lo)
     return rule
 
 

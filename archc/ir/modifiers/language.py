@@ -217,6 +217,10 @@ def _tl(fn: str) -> Callable[..., str]:
     return lambda *a: f"{fn}({', '.join(a)})"
 
 
+def _nan_kept(fn: str) -> Callable[[str, str], str]:
+    return lambda a, b: f"{fn}({a}, {b}, propagate_nan=tl.PropagateNan.ALL)"
+
+
 def _bin(sym: str) -> Callable[[str, str], str]:
     return lambda a, b: f"({a} {sym} {b})"
 
@@ -257,9 +261,10 @@ FUNCTIONS: dict[str, Function] = {f.name: f for f in (
     Function("not_", 1, logic, torch.logical_not, lambda a: f"(~{a})", iv.not_, "not a",
              "not", 3),
     Function("where", 3, choice, torch.where, _tl("tl.where"), iv.where, "a if c else b"),
-    Function("min", 2, same_number, torch.minimum, _tl("tl.minimum"), iv.minimum,
+    # NaN propagates, as in torch (Triton's default returns the other operand)
+    Function("min", 2, same_number, torch.minimum, _nan_kept("tl.minimum"), iv.minimum,
              "the smaller of a and b", by_float=True),
-    Function("max", 2, same_number, torch.maximum, _tl("tl.maximum"), iv.maximum,
+    Function("max", 2, same_number, torch.maximum, _nan_kept("tl.maximum"), iv.maximum,
              "the larger of a and b", by_float=True),
     Function("abs", 1, same_number, torch.abs, _tl("tl.abs"), iv.abs_, "|a|", by_float=True),
     Function("exp", 1, real, torch.exp, _tl("tl.exp"), iv.exp, "eᵃ"),
@@ -307,6 +312,20 @@ def fold(e: Expr, env: Env, backend: Backend[V]) -> tuple[V, Type]:
     values = [backend.to_float(v) if t is int and w is float else v
               for (v, t), w in zip(args, want)]
     return backend.apply(f, values, result), result
+
+
+class _Types:
+    """A rendering to nothing: `fold` then gives the type alone."""
+
+    def literal(self, v: bool | int | float) -> None: ...
+    def leaf(self, e: Call, t: Type) -> None: ...
+    def to_float(self, v: None) -> None: ...
+    def apply(self, f: Function, args: list[None], result: Type) -> None: ...
+
+
+def type_of(e: Expr, env: Env) -> Type:
+    """The type of `e` (checked over `env`)."""
+    return fold(e, env, _Types())[1]
 
 
 def substitute(e: Expr, replace: Mapping[Expr, Expr]) -> Expr:

@@ -35,8 +35,9 @@ class TileClass(str, Enum):
 
 @dataclass(frozen=True)
 class Tile:
-    """What a (query tile, key tile) pair knows: inclusive ranges, and for each per-token input
-    its (min, max) over the query tile and over the key tile."""
+    """What a (query tile, key tile) pair knows: inclusive ranges, for each per-token input
+    its (min, max) over the query tile and over the key tile, and for each per-head parameter
+    its range at every head and KV head of the tile."""
 
     q_pos: Range
     kv_pos: Range
