@@ -126,9 +126,11 @@ def _run(exprs: list[object], tmp: Path) -> None:
     torch.save(dict(dtypes=[DTYPE[t] for t in types], H=H, BM=BM, BN=BN, GROUP=H // KV_HEADS,
                     Q0=Q0, K0=K0, score=score, slope=slope, doc=doc, prefix=prefix),
                tmp / "inputs.pt")
-    subprocess.run([sys.executable, "-c", DRIVER, str(tmp / "kernels.py"), str(tmp / "inputs.pt"),
-                    str(tmp / "outputs.pt")], check=True, timeout=300, cwd=ROOT,
-                   env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)})
+    run = subprocess.run([sys.executable, "-c", DRIVER, str(tmp / "kernels.py"),
+                          str(tmp / "inputs.pt"), str(tmp / "outputs.pt")],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr[-3000:]
     outs = torch.load(tmp / "outputs.pt")
     for e, en, t, out in zip(exprs, envs, types, outs):
         values = EagerValues(

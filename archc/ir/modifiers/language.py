@@ -211,6 +211,9 @@ class Function:
     prec: int = 8
     bind: bool = False
     by_float: bool = False    # `interval` takes the float flag
+    # and/or of a scalar bool (a head's) and a tile's: Triton's interpreter cannot broadcast a
+    # scalar int1 into & or | (3.6 and 3.9), so the scalar (first) selects instead
+    triton_mixed: Callable[[str, str], str] | None = None
 
 
 def _tl(fn: str) -> Callable[..., str]:
@@ -256,8 +259,10 @@ FUNCTIONS: dict[str, Function] = {f.name: f for f in (
     Function("ge", 2, order, torch.ge, _bin(">="), iv.ge, "a ≥ b", ">=", 4),
     Function("eq", 2, equality, torch.eq, _bin("=="), iv.eq, "a = b", "==", 4),
     Function("ne", 2, equality, torch.ne, _bin("!="), iv.ne, "a ≠ b", "!=", 4),
-    Function("and_", 2, logic, torch.logical_and, _bin("&"), iv.and_, "a and b", "and", 2),
-    Function("or_", 2, logic, torch.logical_or, _bin("|"), iv.or_, "a or b", "or", 1),
+    Function("and_", 2, logic, torch.logical_and, _bin("&"), iv.and_, "a and b", "and", 2,
+             triton_mixed=lambda s, t: f"tl.where({s}, {t}, False)"),
+    Function("or_", 2, logic, torch.logical_or, _bin("|"), iv.or_, "a or b", "or", 1,
+             triton_mixed=lambda s, t: f"tl.where({s}, True, {t})"),
     Function("not_", 1, logic, torch.logical_not, lambda a: f"(~{a})", iv.not_, "not a",
              "not", 3),
     Function("where", 3, choice, torch.where, _tl("tl.where"), iv.where, "a if c else b"),

@@ -11,6 +11,7 @@ as a column, kv positions as a row, the head a scalar (or a column of the group'
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -99,6 +100,15 @@ class _Code:
     text: str
     atom: bool = True                        # needs no parentheses before .to(...)
     literal: bool | int | float | None = None
+    scalar: bool = True                      # one value for the whole tile
+
+
+def _on_tile(e: Call) -> bool:
+    """Does the leaf vary over the tile? Positions, scores and per-token inputs do; a head, its
+    parameters and per-sequence scalars are one value (in a kernel whose rows are several
+    heads they are a column, which the renderings below treat alike)."""
+    at = e.args[1].args[0] if e.fn == "index" else e.args[0]
+    return at in ("score", "q_pos", "kv_pos")
 
 
 class _Triton:
@@ -108,27 +118,38 @@ class _Triton:
 
     def literal(self, v: bool | int | float) -> _Code:
         # a bool literal as a tensor: ~ and & of Python's bools are integer operators
-        return _Code(f"tl.full((), {v}, tl.int1)" if isinstance(v, bool) else repr(v),
-                     literal=v)
+        text = f"tl.full((), {v}, tl.int1)" if isinstance(v, bool) else repr(v) if \
+            not isinstance(v, float) or math.isfinite(v) else f'float("{v}")'
+        return _Code(text, literal=v)
 
     def leaf(self, e: Call, t: Type) -> _Code:
         if e not in self.code:
             raise KeyError(f"no Triton value given for {e}")
-        return _Code(self.code[e])
+        return _Code(self.code[e], scalar=not _on_tile(e))
 
     def to_float(self, x: _Code) -> _Code:
         if x.literal is not None:
             return _Code(repr(float(x.literal)), literal=float(x.literal))
-        return _Code(f"{x.text if x.atom else f'({x.text})'}.to(tl.float32)")
+        return _Code(f"{x.text if x.atom else f'({x.text})'}.to(tl.float32)", scalar=x.scalar)
 
     def apply(self, f: Function, args: list[_Code], result: Type) -> _Code:
+        if all(a.literal is not None for a in args):
+            # constants fold here, by torch: a kernel would fold Python numbers by Python's
+            # rules, into numbers without .to()
+            v = f.torch(*(torch.tensor(a.literal, dtype=_DTYPES[type(a.literal)])
+                          for a in args)).item()
+            return self.literal(v)
         codes = [a.text for a in args]
+        scalar = all(a.scalar for a in args)
+        if f.triton_mixed is not None and args[0].scalar != args[1].scalar:
+            one, tile = sorted(args, key=lambda a: not a.scalar)
+            return _Code(f.triton_mixed(one.text, tile.text), atom=False, scalar=False)
         if f.bind and not (args[0].atom and args[0].literal is None and
                            codes[0].isidentifier()):
             name = f"{self.prefix}{len(self.lines)}"
             self.lines.append(f"{name} = {codes[0]}")
             codes[0] = name
-        return _Code(f.triton(*codes), atom=False)
+        return _Code(f.triton(*codes), atom=False, scalar=scalar)
 
 
 def triton(e: Expr, env: Env, code: Mapping[Expr, str], prefix: str = "mod_") -> TritonCode:
