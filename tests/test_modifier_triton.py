@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from archc.ir.modifiers import (
@@ -30,7 +30,8 @@ from archc.ir.modifiers import (
     triton,
     var,
 )
-from archc.ir.modifiers.language import type_of
+from archc.ir.modifiers.language import FUNCTIONS, type_of
+from archc.ir.paramexpr import calls
 from archc.ir.modifiers.library import library_env
 from tests.modifier_exprs import ENV, bools, exact, floats, ints
 
@@ -94,6 +95,17 @@ def _negative_operands() -> list[object]:
     return [parse(t, "test").tree for t in texts]
 
 
+# every function of the table, on tile values (and kv_head, which GQA maps from head)
+EVERY_FUNCTION = [
+    "score + slope[kv_head] * kv_head - q_pos * 0.5", "score * 2.0 - -score / 3.0",
+    "(q_pos - 7 * kv_pos) // 4 - (kv_pos - q_pos) % 3", "-score", "abs(score - 1.0)",
+    "where(score > 0.0, min(score, 1.5), max(score, -0.5))", "exp(score / 4.0)",
+    "log(abs(score) + 0.5)", "tanh(score)", "sigmoid(score)", "sqrt(abs(score))",
+    "1.0 * floor(score * 3.0)", "where(not q_pos < kv_pos or kv_pos == 5 and q_pos != 22, "
+    "1.0, 0.0) + where(q_pos >= kv_pos, 2.0, 0.0) + where(q_pos <= 2 * kv_pos, 4.0, 0.0)",
+    "where(head == 1 and kv_pos < 10 or kv_head > 0, score, 0.0)"]
+
+
 def _library() -> list[object]:
     constants = dict(window=5, global_tokens=2, chunk=8, dilation=3, softcap=2.5)
     return [builtin(name, **constants) for name in (
@@ -106,8 +118,9 @@ def _run(exprs: list[object], tmp: Path) -> None:
     env = ENV
     lib_env = library_env({})
     envs = [env] * len(exprs)
-    exprs = [*exprs, *_negative_operands(), *_library()]
-    envs += [env] * 6 + [lib_env] * 11
+    fixed = [*_negative_operands(), *(parse(t, "test").tree for t in EVERY_FUNCTION)]
+    exprs = [*exprs, *fixed, *_library()]
+    envs += [env] * len(fixed) + [lib_env] * 11
     kernels, types = [], []
     for i, (e, en) in enumerate(zip(exprs, envs)):
         code = triton(e, en, CODE)
@@ -146,7 +159,13 @@ def _run(exprs: list[object], tmp: Path) -> None:
             assert torch.equal(out.to(want.dtype), want), format_expr(e)
 
 
-@settings(max_examples=1, deadline=None, derandomize=True)
+def test_every_function_is_rendered_here() -> None:
+    used = {c.fn for t in EVERY_FUNCTION for c in calls(parse(t, "test").tree)}
+    assert set(FUNCTIONS) <= used, set(FUNCTIONS) - used
+
+
+# one batch, one subprocess; a failure names its expression, so no shrinking (a run each)
+@settings(max_examples=1, deadline=None, derandomize=True, phases=[Phase.generate])
 @given(st.tuples(st.lists(ints(3), min_size=14, max_size=14),
                  st.lists(bools(3), min_size=14, max_size=14),
                  st.lists(exact(2), min_size=6, max_size=6),
