@@ -20,6 +20,7 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
+from archc.codegen.aot import compile_configs
 from archc.ir.modifiers import (
     EagerValues,
     builtin,
@@ -172,3 +173,30 @@ def test_every_function_is_rendered_here() -> None:
                  st.lists(floats(2), min_size=14, max_size=14)))
 def test_triton_rendering_matches_torch(tmp_path_factory: object, batches: tuple) -> None:
     _run([e for batch in batches for e in batch], tmp_path_factory.mktemp("modifiers"))
+
+
+def test_rendered_expressions_compile_for_hopper(tmp_path: Path) -> None:
+    """The fixed expressions and the library's, stored from one kernel, compile for sm_90a with
+    Triton's own compiler (no GPU needed), without spills."""
+    body = []
+    exprs = [(e, ENV) for e in [*_negative_operands(),
+                                *(parse(t, "test").tree for t in EVERY_FUNCTION)]]
+    exprs += [(e, library_env({})) for e in _library()]
+    for i, (e, en) in enumerate(exprs):
+        code = triton(e, en, CODE, prefix=f"e{i}_")
+        body += [*code.lines, f"value = {code.value}",
+                 f"tl.store(out_ptr + {i} * N + tile, ({STORE[type_of(e, en)]}).to(tl.float32))"]
+    kernel = KERNEL.format(i="all", text="every fixed expression", lines="\n".join(
+        "    " + ln for ln in body), value="0.0", store="value")
+    kernel = kernel.replace("BN: tl.constexpr):", "BN: tl.constexpr, N: tl.constexpr, "
+                            "PDL: tl.constexpr):")
+    types = {"out_ptr": "*fp32", "score_ptr": "*fp32", "slope_ptr": "*fp32", "doc_ptr": "*i64",
+             "prefix_ptr": "*i64", "Q0": "i32", "K0": "i32"}
+    table = {"expr_all": {"unit": "modifiers", "family": "modifiers", "types": types,
+                          "sizes": {}}}
+    path = tmp_path / "kernels.py"
+    path.write_text(f"import triton\nimport triton.language as tl\nKERNELS = {table!r}\n{kernel}")
+    [result] = compile_configs(path, "sm_90a", [("expr_all", dict(
+        GROUP=2, BM=64, BN=64, N=H * 64 * 64, num_warps=4, num_stages=1))], timeout=300)
+    assert result.ok, result.error
+    assert result.spill_bytes == 0 and result.registers > 0
