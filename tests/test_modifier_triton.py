@@ -32,8 +32,8 @@ from archc.ir.modifiers import (
     var,
 )
 from archc.ir.modifiers.language import FUNCTIONS, type_of
-from archc.ir.paramexpr import calls
 from archc.ir.modifiers.library import library_env
+from archc.ir.paramexpr import calls
 from tests.modifier_exprs import ENV, bools, exact, floats, ints
 
 H, KV_HEADS, BM, BN, Q0, K0 = 4, 2, 8, 16, 21, 3

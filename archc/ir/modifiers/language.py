@@ -196,9 +196,10 @@ def choice(c: Type, a: Type, b: Type) -> Signature:
 class Function:
     """One function of the language. `symbol` and `prec` (Python's precedence, 1 = or … 7 =
     unary minus) make it an operator; otherwise it is written `name(args)`. `triton` takes the
-    arguments' code; `bind`: it uses an argument's code twice, so a rendering names an argument
-    that is not a leaf first. `interval` takes the arguments' intervals (and, for the rules
-    that differ between ints and floats, whether the result is a float)."""
+    arguments' code and returns a primary expression (parenthesized, or a call); `bind`: it
+    uses its first argument's code twice, so a rendering names that argument first unless it
+    is a leaf. `interval` takes the arguments' intervals (and, for the rules that differ
+    between ints and floats, whether the result is a float)."""
 
     name: str
     arity: int
@@ -214,6 +215,8 @@ class Function:
     # and/or of a scalar bool (a head's) and a tile's: Triton's interpreter cannot broadcast a
     # scalar int1 into & or | (3.6 and 3.9), so the scalar (first) selects instead
     triton_mixed: Callable[[str, str], str] | None = None
+    # its code where the first argument is known ≥ 0 (C's // and % are Python's there)
+    triton_nonnegative: Callable[[str, str], str] | None = None
 
 
 def _tl(fn: str) -> Callable[..., str]:
@@ -248,9 +251,10 @@ FUNCTIONS: dict[str, Function] = {f.name: f for f in (
     Function("truediv", 2, real, torch.div, _bin("/"), iv.truediv, "a / b, a float", "/", 6),
     Function("floordiv", 2, integers, lambda a, b: torch.div(a, b, rounding_mode="floor"),
              _py_floordiv, iv.floordiv, "⌊a / b⌋ (Python's //), b a positive integer literal",
-             "//", 6, bind=True),
+             "//", 6, bind=True, triton_nonnegative=_bin("//")),
     Function("mod", 2, integers, torch.remainder, _py_mod, iv.mod,
-             "a − b·⌊a / b⌋ ∈ [0, b) (Python's %), b a positive integer literal", "%", 6),
+             "a − b·⌊a / b⌋ ∈ [0, b) (Python's %), b a positive integer literal", "%", 6,
+             triton_nonnegative=_bin("%")),
     Function("neg", 1, same_number, torch.neg, lambda a: f"(-{a})", iv.neg, "−a", "-", 7,
              by_float=True),
     Function("lt", 2, order, torch.lt, _bin("<"), iv.lt, "a < b", "<", 4),

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from archc.ir.attrs import Call
+from archc.ir.modifiers import interval as iv
 from archc.ir.modifiers.language import Env, Expr, Function, Type, fold
+from archc.ir.modifiers.tiles import Intervals, Tile
 
 _DTYPES: dict[Type, torch.dtype] = {bool: torch.bool, int: torch.int64, float: torch.float32}
 
@@ -97,8 +99,9 @@ class TritonCode:
 
 @dataclass(frozen=True)
 class _Code:
-    text: str
-    atom: bool = True                        # needs no parentheses before .to(...)
+    text: str                                # a primary expression: a name, call, subscript
+    range: iv.Value                          # or parenthesized, so `.to(…)` may follow it
+    leaf: bool = True
     literal: bool | int | float | None = None
     scalar: bool = True                      # one value for the whole tile
 
@@ -111,28 +114,36 @@ def _on_tile(e: Call) -> bool:
     return at in ("score", "q_pos", "kv_pos")
 
 
+# what a kernel knows of every tile: positions and heads are ≥ 0 (a ring's filler keys at −1
+# are hidden whatever the mask says), so // and % of them are C's, and cheaper
+KERNEL_TILE = Tile((0, math.inf), (0, math.inf))
+
+
 class _Triton:
     def __init__(self, code: Mapping[Expr, str], prefix: str) -> None:
         self.code, self.prefix = code, prefix
+        self.ranges = Intervals(KERNEL_TILE)
         self.lines: list[str] = []
 
     def literal(self, v: bool | int | float) -> _Code:
         # a bool literal as a tensor: ~ and & of Python's bools are integer operators
         text = f"tl.full((), {v}, tl.int1)" if isinstance(v, bool) else repr(v) if \
             not isinstance(v, float) or math.isfinite(v) else f'float("{v}")'
-        return _Code(text, literal=v)
+        return _Code(text, iv.point(v), literal=v)
 
     def leaf(self, e: Call, t: Type) -> _Code:
         if e not in self.code:
             raise KeyError(f"no Triton value given for {e}")
-        return _Code(self.code[e], scalar=not _on_tile(e))
+        return _Code(self.code[e], self.ranges.leaf(e, t), scalar=not _on_tile(e))
 
     def to_float(self, x: _Code) -> _Code:
+        r = self.ranges.to_float(x.range)
         if x.literal is not None:
-            return _Code(repr(float(x.literal)), literal=float(x.literal))
-        return _Code(f"{x.text if x.atom else f'({x.text})'}.to(tl.float32)", scalar=x.scalar)
+            return _Code(repr(float(x.literal)), r, literal=float(x.literal))
+        return _Code(f"{x.text}.to(tl.float32)", r, leaf=False, scalar=x.scalar)
 
     def apply(self, f: Function, args: list[_Code], result: Type) -> _Code:
+        r = self.ranges.apply(f, [a.range for a in args], result)
         if all(a.literal is not None for a in args):
             # constants fold here, by torch: a kernel would fold Python numbers by Python's
             # rules, into numbers without .to()
@@ -143,19 +154,21 @@ class _Triton:
         scalar = all(a.scalar for a in args)
         if f.triton_mixed is not None and args[0].scalar != args[1].scalar:
             one, tile = sorted(args, key=lambda a: not a.scalar)
-            return _Code(f.triton_mixed(one.text, tile.text), atom=False, scalar=False)
-        if f.bind and not (args[0].atom and args[0].literal is None and
-                           codes[0].isidentifier()):
+            return _Code(f.triton_mixed(one.text, tile.text), r, leaf=False, scalar=False)
+        first = args[0].range
+        if f.triton_nonnegative is not None and isinstance(first, iv.Interval) and first.lo >= 0:
+            return _Code(f.triton_nonnegative(*codes), r, leaf=False, scalar=scalar)
+        if f.bind and not args[0].leaf:
             name = f"{self.prefix}{len(self.lines)}"
             self.lines.append(f"{name} = {codes[0]}")
             codes[0] = name
-        return _Code(f.triton(*codes), atom=False, scalar=scalar)
+        return _Code(f.triton(*codes), r, leaf=False, scalar=scalar)
 
 
 def triton(e: Expr, env: Env, code: Mapping[Expr, str], prefix: str = "mod_") -> TritonCode:
     """`e` (checked over `env`) as Triton over `code`, the kernel's value of each leaf of `e`
-    (``leaves(e)``: var("q_pos") → "q_pos[:, None]", index("slope", var("head")) → "slope"),
-    with temporaries named `prefix`0, `prefix`1 …"""
+    (``leaves(e)``: var("q_pos") → "q_pos[:, None]", index("slope", var("head")) → "slope";
+    each a primary expression), with temporaries named `prefix`0, `prefix`1 …"""
     backend = _Triton(code, prefix)
     value, _ = fold(e, env, backend)
     return TritonCode(tuple(backend.lines), value.text)

@@ -48,7 +48,9 @@ class Tile:
     head_params: Mapping[str, Range] = field(default_factory=dict)
 
 
-class _Intervals:
+class Intervals:
+    """The interval rendering over one tile (what `fold` calls)."""
+
     def __init__(self, tile: Tile) -> None:
         self.tile = tile
 
@@ -76,7 +78,7 @@ class _Intervals:
 
 def value_range(e: Expr, env: Env, tile: Tile) -> iv.Value:
     """The interval of `e` (or its Truth, for a bool) over `tile`."""
-    return fold(e, env, _Intervals(tile))[0]
+    return fold(e, env, Intervals(tile))[0]
 
 
 def classify(mask: Expr, env: Env, tile: Tile) -> TileClass:
