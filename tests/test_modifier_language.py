@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import operator
+import re
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from archc.ir.modifiers import (
     Env,
     ExprError,
     check,
+    check_int32,
     evaluate,
     format_expr,
     index,
@@ -211,3 +213,19 @@ def test_constants_become_literals() -> None:
     assert e == parse_field("q_pos - kv_pos < 512 and kv_pos % 512 == 0", "f", "mask", FULL)
     assert parse_field("slope[kv_head] * score", "f", "score", FULL) == \
         Call("mul", (index("slope", "kv_head"), var("score")))
+
+
+@pytest.mark.parametrize("text,refused", [
+    ("q_pos * 100000 < kv_pos", "q_pos * 100000 reaches 1.31071e+10 at positions below 131072"),
+    ("q_pos * kv_pos < 5", "q_pos * kv_pos reaches 1.71796e+10"),
+    ("kv_pos <= q_pos and q_pos // 8192 == kv_pos // 8192", None),
+    ("q_pos * 16000 < kv_pos", None),                   # 131071·16000 < 2³¹
+    ("doc[q_pos] * 100000 == 3", None),                 # unknown values: not refused
+])
+def test_int32_overflow_at_the_longest_sequence(text: str, refused: str | None) -> None:
+    e = parse_field(text, "attention.mask", "mask", FULL)
+    if refused is None:
+        check_int32(e, "attention.mask", FULL, 131072)
+        return
+    with pytest.raises(ExprError, match=re.escape(f"attention.mask: {refused}")):
+        check_int32(e, "attention.mask", FULL, 131072)

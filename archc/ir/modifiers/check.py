@@ -10,6 +10,7 @@ import math
 from typing import Literal
 
 from archc.ir.attrs import Call, format_value
+from archc.ir.modifiers import interval as iv
 from archc.ir.modifiers.language import (
     CALLS,
     FUNCTIONS,
@@ -25,10 +26,12 @@ from archc.ir.modifiers.language import (
     TypeProblem,
     is_literal,
     substitute,
+    type_of,
     type_of_literal,
     var,
 )
 from archc.ir.modifiers.syntax import ExprError, Parsed, format_expr, parse
+from archc.ir.modifiers.tiles import Tile, value_range
 
 Kind = Literal["score", "mask"]
 FIELD_TYPES: dict[str, Type] = {"score": float, "mask": bool}
@@ -174,3 +177,28 @@ def parse_field(text: str, field: str, kind: Kind, env: Env | None = None) -> Ex
     parsed = parse(text, field)
     check(parsed.tree, field, kind, env, parsed)
     return substitute(parsed.tree, {var(n): v for n, v in env.constants.items()})
+
+
+def _subtrees(e: Expr) -> list[Call]:
+    """The calls of `e` that are not leaves, each after its arguments."""
+    if is_literal(e) or e.fn in ("var", "index"):
+        return []
+    return [*(s for a in e.args for s in _subtrees(a)), e]
+
+
+def check_int32(e: Expr, field: str, env: Env, max_position: int) -> None:
+    """Refuse `e` (checked) if an integer it computes can leave int32 (the kernels' positions)
+    at positions below `max_position`: each integer subexpression's interval over the tile of
+    every position and head. What is computed from per-token inputs or scalars, whose values
+    are not known here, is not refused."""
+    tile = Tile((0, max_position - 1), (0, max_position - 1))
+    for sub in _subtrees(e):
+        if type_of(sub, env) is not int:
+            continue
+        r = value_range(sub, env, tile)
+        assert isinstance(r, iv.Interval)
+        past = [b for b in (r.lo, r.hi) if math.isfinite(b) and abs(b) > MAX_INT]
+        if past:
+            raise ExprError(field, None, f"{format_expr(sub)} reaches {past[0]:g} at positions "
+                            f"below {max_position}",
+                            allowed=f"integers within ±{MAX_INT}, the kernels' int32")
