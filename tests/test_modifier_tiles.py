@@ -5,6 +5,7 @@ brute force with the torch rendering; and the built-ins classify exactly (maps d
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,3 +181,26 @@ def test_each_interval_rule_is_sound(name: str, data: st.DataObject) -> None:
             assert out.nan, (name, point, out)
         else:
             assert out.lo <= v <= out.hi, (name, point, v, out)
+
+
+def test_the_documents_maps_and_fractions_are_computed() -> None:
+    """docs/attention-expressions.md shows maps and fractions of tiles visited: these."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "attention-expressions.md").read_text()
+    causal = _map(builtin("causal"), 64, 64, 8, 8).splitlines()
+    chunked = _map(builtin("chunked", chunk=16), 64, 64, 8, 8).splitlines()
+    assert "\n".join(f"{a}      {b}" for a, b in zip(causal, chunked)) in doc
+
+    def visited(mask: object, **kw: object) -> str:
+        m = tile_map(mask, library_env(), t=8192, length=8192, block_m=64, block_n=64, **kw)
+        return f"{m.visited:.4f}"
+    per_head = parse_field("kv_pos <= q_pos and q_pos - kv_pos < where(head < 4, 128, 4096)",
+                           "f", "mask")
+    assert (f"causal {visited(builtin('causal'))}; a causal window of\n4096, "
+            f"{visited(builtin('sliding_window', window=4096))}; Longformer's window of 512 "
+            f"with 16 global tokens, {visited(builtin('longformer', window=512, global_tokens=16))}"
+            f"; the window per head\nabove, {visited(per_head, heads=8)} over all 8 heads and "
+            f"{visited(per_head, heads=4)} over heads 0–3 alone.") in doc
+    for name, f in FUNCTIONS.items():      # every function of the table is documented
+        form = f"`{name}(" if f.symbol is None else f"`a {f.symbol} b`" if f.arity == 2 else \
+            "`-e`" if f.symbol == "-" else f"`{f.symbol} a`"
+        assert form in doc, name
