@@ -268,9 +268,3 @@ def where(c: Truth, a: Value, b: Value) -> Value:
         return b
     return hull(a, b)
 
-
-def hull_of(values: Sequence[Value]) -> Value:
-    out = values[0]
-    for v in values[1:]:
-        out = hull(out, v)
-    return out

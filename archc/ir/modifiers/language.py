@@ -52,10 +52,6 @@ def index(name: str, at: str) -> Call:
     return Call("index", (name, var(at)))
 
 
-def op(name: str, *args: Expr) -> Call:
-    return Call(name, args)
-
-
 def is_literal(e: Expr) -> bool:
     return isinstance(e, (bool, int, float))
 
