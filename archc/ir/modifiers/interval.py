@@ -13,7 +13,7 @@ outside their domain, ∞ − ∞, 0/0) carries `nan`: every comparison with NaN
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 INF = math.inf
