@@ -910,7 +910,11 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         gain = c.arg("gain").name
     tma = w_tma is not None and all(x["tma"] is not None for x in operands) and (
         pair is None or pair["adjacent"])
+    # programmatic dependent launch: a weight that is a parameter (no kernel writes it) starts
+    # loading its first tiles before the wait for the previous kernel (templates/kloop.j2)
+    early = c.g.nodes[w.root].op == Op.PARAM
     ctx = dict(operands=operands, n_out=width, prologue=a["prologue"], eps=repr(a["eps"]),
+               early=early,
                pair=pair, steps_pre=steps_pre, steps_post=steps_post, accs_pre=accs_pre,
                accs_post=accs_post, kv=kv, needs_t=kv is not None or (
                    pair is not None and pair["fn"] == "rope"),
