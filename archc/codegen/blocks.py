@@ -1,8 +1,9 @@
 """Block sizes, warps and pipeline stages: chosen here and nowhere else.
 
 Every launcher asks ``launch_config(family, target, **sizes)`` for its tile; on a GPU with
-autotuning on, ``autotune_configs(family, **sizes)`` gives the small set a prefill launch is
-tuned over (``archc.runtime.tuning``).
+autotuning on, ``autotune_configs(family, **sizes)`` gives the small set a launch is tuned over
+(``archc.runtime.tuning``): prefill matmuls and attention, and decode GEMVs with their split-K
+counts.
 Two targets:
 - ``gpu``: tiles from the Triton tutorials and FlashAttention-2 for sm_80/sm_90, registers and
   spills checked with `archc compile --target sm_90a` (ptxas 13): a prefill matmul compiles to
@@ -38,7 +39,8 @@ DECODE_MAX_SPLITS = 64
 # A decode launch that moves this many bytes must fill the GPU: two programs per SM with work
 # (the occupancy report's verdict); decode attention keeps all its splits busy from there.
 STREAMING_BYTES = 4 << 20
-# Launches of at most this many rows (matmul M, attention T) are decode steps: never tuned.
+# Launches of at most this many rows (matmul M, attention T) are decode steps: a matmul is tuned
+# over GEMV tiles and split-K counts (DECODE_TILES), attention not at all.
 DECODE_ROWS = 16
 # Decode GEMVs split their K loop (split-K) into parts of at least this many BLOCK_K steps:
 # shorter parts would spend more on writing and re-reading partial sums than on streaming weights.
@@ -325,11 +327,19 @@ def aot_config(family: str, sizes: dict[str, int], sm: int = 90) -> dict[str, An
     return launch_config(family, "gpu", **full)
 
 
+# Decode GEMV tiles a GPU tunes over (M ≤ 16 rows: BLOCK_M = 16): output columns, K step, warps,
+# stages — the heuristic's first — each with the split-K count split_k_count gives it, and half
+# and twice that (within the K loop's steps)
+DECODE_TILES = ((32, 256, 4, 4), (16, 256, 4, 4), (64, 128, 4, 4), (32, 128, 8, 3))
+
+
 def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
     """The small config set a launch at `sizes` is tuned over on a GPU (block sizes + warps +
-    stages; ``archc.runtime.tuning`` lays each over the heuristic ``launch_config``). Empty
-    for decode sizes — M (or T) ≤ 16 keeps its heuristic tiles and split-K — and for families
-    that are not tuned."""
+    stages; ``archc.runtime.tuning`` lays each over the heuristic ``launch_config``). A decode
+    GEMV (a matmul of M ≤ 16 rows) is tuned over DECODE_TILES and their split-K counts; decode
+    attention (T ≤ 16) and the families that are not tuned have none."""
+    if family == "matmul" and sizes.get("M", DECODE_ROWS + 1) <= DECODE_ROWS:
+        return _decode_matmul_configs(sizes)
     if sizes.get("M" if family == "matmul" else "T", DECODE_ROWS + 1) <= DECODE_ROWS:
         return []
     if family == "matmul":
@@ -354,6 +364,28 @@ def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
     # attention_decode is not tuned: its split count, chosen before the launch, depends on the
     # key block
     return []
+
+
+def _decode_matmul_configs(sizes: dict[str, int]) -> list[dict[str, Any]]:
+    """A decode GEMV's candidates: DECODE_TILES that hold the epilogue (a paired tile 16 pairs
+    or more, a head-aligned one whole heads; a quantized weight's K steps of 128 at most), each
+    at its split-K counts — none for concatenated operands, which do not split. Pointer loads,
+    the row statistics in the K loop: decode's launch count stays."""
+    paired, quant = sizes.get("paired", 0), sizes.get("quant")
+    out = []
+    for n, k, warps, stages in DECODE_TILES:
+        if (paired and n < 32) or n < sizes.get("align", 16) or (quant and k > 128):
+            continue
+        splits = [1]
+        if sizes.get("operands", 1) == 1:
+            tiles = _cdiv(sizes["M"], 16) * _cdiv(sizes.get("cols", sizes["N"]),
+                                                  n // 2 if paired else n)
+            steps = _cdiv(sizes["K"], k)
+            base = split_k_count(tiles, sizes["K"], k, target_programs(sizes))
+            splits = sorted({max(1, base // 2), base, min(steps, 2 * base)})
+        out += [_cfg(warps, stages, BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, SPLIT_K=split,
+                     TMA=0, ROW_STATS=0) for split in splits]
+    return out
 
 
 def decode_split_count(target: str, programs: int, max_keys: int, sms: int = DEFAULT_SMS

@@ -287,6 +287,13 @@ class LaunchContext:
         self._routing[key] = (gates, table, block_expert)     # gates held: its id stays its own
         return table, block_expert, False
 
+    def configs(self, kernel: str, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+        """The configs a launch of `kernel` may run with: `cfg`, or for a tuned launch (`cfg`
+        empty) every candidate — what its scratch buffers must be sized for."""
+        if not cfg and kernel in self._tuning:
+            return self._tuning[kernel]
+        return [cfg]
+
     def config(self, kernel: str, family: str, **sizes: int) -> dict[str, Any]:
         """Block sizes for a launch of `kernel` at `sizes`: the heuristic's, or none (`{}`) for a
         launch that is tuned — its `launch` then records a tuned kernel over the candidates."""
