@@ -24,9 +24,9 @@ from archc.ir.graph import GraphBuilder, Program
 from archc.ir.ops import Op
 from archc.ir.shapes import B, T, shape
 from archc.runtime import tuning
+from archc.runtime.eager import EagerContext, run_graph
 from archc.runtime.triton_backend import TritonOptions, TritonSession
 from archc.runtime.tuning import Tuner, TuningCache, bucket
-from archc.runtime.eager import EagerContext, run_graph
 from tests.test_triton_kernels import build, check, rand
 
 DIGEST = "ab" * 32
