@@ -134,6 +134,32 @@ def test_decode_matmuls_load_their_weight_before_the_pdl_wait(tmp: Path) -> None
     assert att.early_reads == []
 
 
+def test_the_last_token_head_compiles_for_sm90a(tmp: Path) -> None:
+    """The LM head of the last-token-logits variant reads each sequence's last row through a
+    strided view (no TMA: rows T apart): at a batch of one (a GEMV tile) and of 64 prompts (a
+    prefill tile: wgmma), it compiles for sm_90a without spills, loading its weight before the
+    PDL wait."""
+    from archc.codegen.aot import compile_configs, kernel_table
+    from archc.codegen.blocks import launch_config
+    from archc.ir.graph import LAST_TOKEN
+    from archc.passes.logits import last_token_graph
+    spec = load_spec("llama3-8b")
+    program = optimize(lower(spec, "bf16"))
+    gen = generate(program, CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len),
+                   {LAST_TOKEN: last_token_graph(program)})
+    head = gen.steps[LAST_TOKEN][-1].unit
+    assert head not in {step.unit for step in gen.steps["decoder"]}
+    path = write_module(gen, tmp / "llama3-8b-last")
+    kernel = f"{head}_kernel"
+    sizes = kernel_table(path)[kernel]["sizes"]
+    configs = [(kernel, launch_config("matmul", "gpu", M=m, **sizes)) for m in (1, 64)]
+    one, many = compile_configs(path, "sm_90a", configs, jobs=1)
+    for r in (one, many):
+        assert r.ok and r.spill_bytes == 0 and not r.tma, (r.config, r.error)
+        assert r.early_reads == ["weight_ptr"]
+    assert many.wgmma
+
+
 def test_reads_before_wait_follow_the_parameters_into_addresses() -> None:
     """A load's address computed from a parameter reads that parameter; registers loaded from
     memory carry nothing; the reads after the wait do not count."""

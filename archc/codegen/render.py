@@ -89,6 +89,16 @@ class Generated:
         return sum(1 for run, s in self.steps.items() if run not in self.variants
                    for step in s if step.unit)
 
+    @property
+    def program_steps(self) -> dict[str, list[Step]]:
+        """The steps of the program's graphs, by graph (its variants aside)."""
+        return {run: s for run, s in self.steps.items() if run not in self.variants}
+
+    @property
+    def program_units(self) -> int:
+        """Unique kernels the program's graphs launch (a variant's own aside)."""
+        return len({step.unit for s in self.program_steps.values() for step in s if step.unit})
+
     def unit(self, name: str) -> RenderedUnit:
         return next(u for u in self.units if u.name == name)
 
