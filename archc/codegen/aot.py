@@ -37,7 +37,9 @@ from archc.codegen.blocks import aot_config
 TARGETS = {"sm_80": 80, "sm_90a": 90, "sm_100a": 100}
 MEASURED = ("registers", "spill_bytes", "shared_bytes", "tensor_core_ops", "wgmma", "mma", "tma",
             "pdl", "early_reads", "warp_specialized", "warps", "seconds", "error")
-OPTIONS = ("num_warps", "num_stages")       # compile options; the rest of a config: constexprs
+# compile options (maxnreg: the register budget ptxas is held to, where a config sets one); the
+# rest of a config: constexprs
+OPTIONS = ("num_warps", "num_stages", "maxnreg")
 LAUNCH = ("PDL", "launch_pdl")              # how a launch is made: set here from the target
 
 

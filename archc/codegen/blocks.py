@@ -171,16 +171,18 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         # once a layer's KV reaches STREAMING_BYTES, 4 MiB)
         block_n = max(16, min(64, 4096 // block_d))
         # 8 warps, the merge's tile 32 values a thread (llama3-8b at batch 1, 33 splits of 4
-        # rows: 64 × 4 × 32, 4 column blocks of a head of 128): ptxas spills none under Triton
-        # 3.6 or 3.9 (103–111 registers for llama3-8b, qwen2-7b, gemma2-9b). At 4 warps, or 16
-        # values a thread, one Triton or the other spills a few bytes at 72–96 registers
-        # (llama3-8b under 3.6: 8 bytes; gemma2-9b under 3.9: 40; qwen2-7b under 3.6: 8)
+        # rows: 64 × 4 × 32, 4 column blocks of a head of 128), and ptxas held to 128 registers
+        # (two programs an SM): left to choose, ptxas spills a few bytes at 72–96 registers under
+        # one Triton or the other (4 warps: llama3-8b under 3.6, 8 bytes; gemma2-9b under 3.9,
+        # 40; 8 warps: t5-small's cross-attention under 3.6, 8 at 80 registers, none at 108
+        # with the budget)
         warps = 8
         tile = 32 * 32 * warps
         block_mr = min(next_pow2(sizes["R"]), max(1, tile // (block_s * 8)))
         block_dm = min(block_d, max(1, tile // (block_s * block_mr)))
-        return _cfg(warps, 2 if rows > 16 else 3, BLOCK_R=rows, BLOCK_N=block_n,
-                    SPLIT_KEYS=per_split, BLOCK_S=block_s, BLOCK_MR=block_mr, BLOCK_DM=block_dm)
+        return dict(_cfg(warps, 2 if rows > 16 else 3, BLOCK_R=rows, BLOCK_N=block_n,
+                         SPLIT_KEYS=per_split, BLOCK_S=block_s, BLOCK_MR=block_mr,
+                         BLOCK_DM=block_dm), maxnreg=128)
     if family == "attention_paged":
         # one program per (token, KV head): the group's query heads as ≥ 16 rows for tl.dot,
         # keys 64 at a time on a GPU (16 in the interpreter, which pays per element)
