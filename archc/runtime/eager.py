@@ -248,12 +248,11 @@ class SessionBase:
                  comms: Mapping[str, Comm] | None = None) -> None:
         self.program = program
         # what `_run` runs, by name: the program's graphs, and the decoder's last-token-logits
-        # variant (archc.passes.logits) for a step that asks for the last logits only
+        # variant (archc.passes.logits) for a step that asks for the last logits only — made
+        # when first needed (``has_last_token``)
         self.runs: dict[str, Graph] = {g.name: g for g in program}
         self.program_graphs = set(self.runs)
-        last = last_token_graph(program)
-        if last is not None:
-            self.runs[LAST_TOKEN] = last
+        self._variant_made = False
         self.max_seq_len = max_seq_len
         self.rope_rows = rope_table_length(program)
         self.device = device
@@ -267,6 +266,16 @@ class SessionBase:
         self._ring_keys = 0     # and the longest rank's token count: a ring's K/V block rows
 
     _run: Callable[..., dict[str, torch.Tensor]]
+
+    def has_last_token(self) -> bool:
+        """Does the last-token-logits variant run here (``LAST_TOKEN`` in `runs`)? Made from the
+        program on first asking; a program the pass does not apply to has none."""
+        if not self._variant_made:
+            self._variant_made = True
+            last = last_token_graph(self.program)
+            if last is not None:
+                self.runs[LAST_TOKEN] = last
+        return LAST_TOKEN in self.runs
 
     def _check_positions(self, length: int) -> None:
         """Positions 0 … length − 1 index the RoPE cos/sin table: refuse a sequence it does not
@@ -329,7 +338,7 @@ class SessionBase:
             held = self._cross_kv_inputs(encoder_hidden)     # once per generation
             mask = torch.ones(b, s) if encoder_mask is None else encoder_mask
             inputs.update(held, encoder_hidden=encoder_hidden, encoder_mask=mask.long())
-        name = LAST_TOKEN if last and t > 1 and LAST_TOKEN in self.runs else "decoder"
+        name = LAST_TOKEN if last and t > 1 and self.has_last_token() else "decoder"
         logits = self._run(name, inputs, B=b, T=t, P=self.past, S=s, held=held)["logits"]
         self.past += t
         return logits[:, -1:] if last else logits

@@ -124,6 +124,7 @@ class TritonSession(SessionBase):
         # tuning happens at launch, not in the generated code: a tuned and an untuned session
         # share one module (and its ahead-of-time compiles)
         self.codegen_options = CodegenOptions(target=self.target, max_seq_len=max_seq_len)
+        self.has_last_token()           # the variant's kernels are the module's too
         self.generated = generate(self.program, self.codegen_options, {
             name: g for name, g in self.runs.items() if name not in self.program_graphs})
         self.module_path = write_module(self.generated, Path(
