@@ -767,8 +767,9 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
         # every node's buffer kept and no CUDA graphs: kernels are launched one by one, with
         # the block sizes the model runs with (tuned at launch unless autotuning is off)
         probe = session(reuse_buffers=False, cuda_graphs=False, autotune=cfg.autotune)
-        data.update(module=str(probe.module_path), unique_kernels=len(probe.generated.units),
-                    launches_per_pass={g: len(s) for g, s in probe.generated.steps.items()})
+        data.update(module=str(probe.module_path), unique_kernels=probe.generated.program_units,
+                    launches_per_pass={g: len(s)
+                                       for g, s in probe.generated.program_steps.items()})
         decoder = dense.graph("decoder")
         program = TorchProgram(decoder, materialize(decoder, dense_checkpoint, cfg.device),
                                batch=cfg.batch, max_len=spec.max_seq_len, device=cfg.device,

@@ -9,8 +9,8 @@ graphs covers the whole cache and reads the live length on the device). For each
 - programs: the grid, evaluated; **with work**: the programs that have something to do. All of
   them (a split-K matmul's splits included: none is empty), except decode attention and the MoE
   expert GEMM, whose grids are sized for the worst case. Decode attention's grid is (batch × KV
-  heads, splits) for the whole cache; the live keys are dealt over the splits in units of 16
-  (``blocks.split_keys``), so a split has work while there are keys for it. An expert GEMM
+  heads, splits) for the whole cache; one split is busy per SPLIT_KEYS live keys, and the keys
+  are dealt over the busy splits in units of 16 (``blocks.split_keys``). An expert GEMM
   has one row block per expert that tokens are routed to; routing is assumed balanced — the M·k
   (token, slot) pairs dealt evenly over the E experts — which is exact for one token (its k
   experts are distinct).
@@ -65,7 +65,7 @@ from archc.versions import software, software_text
 
 PHASES = ("prefill", "decode")
 DEFAULT_CONTEXTS = (512, 2048, 8192)
-STREAMING_BYTES = 4 << 20           # a decode launch that moves this much must fill the GPU
+STREAMING_BYTES = blocks.STREAMING_BYTES   # a decode launch that moves this much must fill the GPU
 PROGRAMS_PER_SM = 2                 # … with this many programs with work per SM
 BALANCED = "MoE routing balanced: M·k pairs dealt evenly over E experts (exact for one token)"
 HOST_STEP = "a host step counts as one launch"
@@ -173,7 +173,8 @@ def programs_with_work(family: str, grid: tuple[int, ...], args: Mapping[str, An
     `tokens`: B·T."""
     if family == "attention_decode":    # (batch × KV heads, splits): splits with keys
         splits = grid[1] if len(grid) > 1 else 1
-        return grid[0] * blocks.decode_work(keys, splits) * math.prod(grid[2:])
+        busy = blocks.decode_work(keys, splits, args.get("SPLIT_KEYS", blocks.DECODE_DEAL))
+        return grid[0] * busy * math.prod(grid[2:])
     if family == "moe" and experts:     # (row blocks, column tiles): the routed row blocks
         routed = balanced_blocks(tokens * top_k, experts, args["BLOCK_M"])
         return min(grid[0], routed) * math.prod(grid[1:])
