@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,7 +54,10 @@ def load(source: str | Path, *, seed: int = 0, dtype: str | torch.dtype | None =
     quantized file) only the rank's slices are read from the file, so no rank holds the whole
     checkpoint, or any whole tensor it cuts (but a checkpoint quantized at load by `quantize`
     is read whole, quantized, then cut; int4 from a GGUF file or a Hugging Face directory is cut
-    as read)."""
+    as read).
+
+    A spec that names a checkpoint (`weights: PATH`) is that checkpoint's tensors run by the
+    spec's program: every tensor's shape is checked against the program before any is read."""
     name = None if dtype is None else dtype_name(dtype)
     if not isinstance(source, (str, Path)):
         raise ArchcError(f"source must be a zoo name or a path, got {type(source).__name__}")
@@ -65,12 +69,17 @@ def load(source: str | Path, *, seed: int = 0, dtype: str | torch.dtype | None =
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp:
         raise ArchcError(f"rank must be a whole number in [0, {tp}), got {rank!r}")
     shard = (tp, rank) if tp > 1 else None
-    path = Path(source)
+    path, model, borrower = Path(source), None, None
+    if not any(matches(path) for matches, _ in SOURCES):   # a zoo name or a spec YAML
+        spec = load_spec(source)
+        if spec.weights is None:
+            model = from_spec(spec, seed=seed, dtype=name or "f32")
+        else:   # its shapes checked before any tensor is read
+            borrower, path = sources.borrowed(spec).spec, Path(spec.weights)
     if dequantize and not sources.is_gguf(path):
         raise ArchcError(f"dequantize=True is for GGUF files; {source} holds no quantized "
                          "tensors")
-    model = None
-    for matches, loader in SOURCES:
+    for matches, loader in SOURCES if model is None else ():
         if matches(path):
             extra: dict = {"dequantize": True} if dequantize else {}
             # cut as read. A model quantized at load is quantized whole, then cut — except a
@@ -82,8 +91,11 @@ def load(source: str | Path, *, seed: int = 0, dtype: str | torch.dtype | None =
                 extra["shard"] = shard
             model = loader(path, progress=progress, dtype=name, **extra)
             break
-    if model is None:
-        model = from_spec(load_spec(source), seed=seed, dtype=name or "f32")
+    assert model is not None
+    if borrower is not None:   # the spec's program over the checkpoint's tensors
+        model = dataclasses.replace(model, spec=dataclasses.replace(borrower, weights=None),
+                                    notes=model.notes + (f"{borrower.name} runs the weights of "
+                                                         f"{path}",))
     if quantize is not None:
         model = model.quantized(quantize, group)
     model = model if shard is None or model.shard is not None else model.sliced(*shard)

@@ -57,7 +57,7 @@ class Session(Protocol):
                token_types: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def step(self, tokens: torch.Tensor, *, encoder_hidden: torch.Tensor | None = None,
-             encoder_mask: torch.Tensor | None = None) -> torch.Tensor: ...
+             encoder_mask: torch.Tensor | None = None, last: bool = False) -> torch.Tensor: ...
 
 
 @dataclass
@@ -332,7 +332,9 @@ class CompiledModel:
         out = [tokens]
         done = torch.zeros(tokens.shape[0], dtype=torch.bool)
         for _ in range(max_new_tokens):
-            nxt = sampler(self.session.step(out[-1], **extra)[:, -1])
+            # the next token reads the last logits alone: the prompt's LM head runs on its last
+            # row only (archc.passes.logits)
+            nxt = sampler(self.session.step(out[-1], **extra, last=True)[:, -1])
             if eos:
                 # a finished row repeats its first stop token
                 nxt = torch.where(done, stop[0].expand_as(nxt), nxt)

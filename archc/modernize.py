@@ -198,7 +198,26 @@ class StepCall:
         new = replace(self.step.apply(spec, self.arg),
                       name=f"{spec.name}-{self.text.replace(':', '')}"[:64],
                       description=f"{spec.name} after {self.text}: {self.step.doc}")
+        self._keep_layer_types(spec, new)
         return from_dict(to_dict(new), source=f"{new.name} (after a step)")
+
+    def _keep_layer_types(self, before: Spec, after: Spec) -> None:
+        """A step changes the model's fields; one that a layer type sets for its layers would
+        stay as the type sets it, and the step not do what it says: refused."""
+        def leaves(data: object, path: str = "") -> dict[str, object]:
+            if not isinstance(data, dict):
+                return {path: data}
+            return {k: v for key, value in data.items()
+                    for k, v in leaves(value, f"{path}.{key}" if path else key).items()}
+        old, new = leaves(to_dict(before, full=True)), leaves(to_dict(after, full=True))
+        changed = [p for p in old.keys() | new.keys() if old.get(p) != new.get(p)]
+        for t in before.layer_types or ():
+            for path, _ in t.overrides:
+                hit = next((c for c in changed if (c + ".").startswith(path + ".") or
+                            (path + ".").startswith(c + ".")), None)
+                if hit is not None:
+                    raise StepError(f"{self.text} changes {hit}, which layer type {t.name!r} "
+                                    f"sets ({path}): edit layer_types instead")
 
 
 def parse_steps(text: str) -> list[StepCall]:

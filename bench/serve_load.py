@@ -98,7 +98,7 @@ def run(scheduler: Scheduler, prompts: list[list[int]], new_tokens: int,
     return out
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("source", nargs="?", default="tiny-llama3")
     parser.add_argument("--streams", type=int, default=16)
@@ -114,7 +114,11 @@ def main() -> None:
                         help="keep the first N blocks of a zoo spec (a GPU-sized run of a big "
                              "spec: llama3-8b's shapes, fewer layers)")
     parser.add_argument("-o", "--output", type=Path, help="write the results as JSON here")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
 

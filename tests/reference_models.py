@@ -12,6 +12,9 @@ Sizes come from the checkpoint's shapes; the config holds only what the shapes c
 - ``Llama``: Touvron et al. 2023: RMSNorm, rotary positions with half-split pairs (Su et al. 2021,
   as Hugging Face's ``rotate_half``), grouped-query attention (Ainslie et al. 2023) with each KV
   head repeated for its group of query heads, SwiGLU (Shazeer 2020), no biases, untied head.
+  Layers may differ (one config each): RoPE base, linear position interpolation (Chen et al.
+  2023) or no RoPE at all, a sliding window (Beltagy et al. 2020), and a mixture of SwiGLU
+  experts (Jiang et al. 2024, Mixtral: softmax router, top-k, weights renormalized).
 - ``Bert``: Devlin et al. 2019: token + position + token-type embeddings, embedding LayerNorm,
   post-norm blocks, erf GELU, a padding mask over the keys; returns the last hidden states.
 
@@ -223,6 +226,10 @@ class LlamaConfig:
     kv_heads: int
     eps: float
     theta: float
+    rope: bool = True                 # False: no rotary positions (NoPE)
+    rope_factor: float = 1.0          # linear interpolation: position m rotates as m / factor
+    window: int | None = None         # a query sees the last `window` keys
+    top_k: int = 0                    # > 0: a mixture of experts routes each token to top_k
 
 
 class LlamaAttention(nn.Module):
@@ -235,7 +242,8 @@ class LlamaAttention(nn.Module):
         self.k = nn.Linear(d, kv_width, bias=False)
         self.v = nn.Linear(d, kv_width, bias=False)
         self.o = nn.Linear(d, d, bias=False)
-        self.inv_freq = rope_inv_freq(self.head_dim, cfg.theta)
+        self.inv_freq = rope_inv_freq(self.head_dim, cfg.theta) / cfg.rope_factor
+        self.rope, self.window = cfg.rope, cfg.window
 
     def forward(self, x: torch.Tensor, layer: int, cache: KVCache | None) -> torch.Tensor:
         past = cache.length if cache is not None else 0
@@ -243,13 +251,17 @@ class LlamaAttention(nn.Module):
         q = split_heads(self.q(x), self.heads)       # (B, H, T, D)
         k = split_heads(self.k(x), self.kv_heads)    # (B, H_kv, T, D)
         v = split_heads(self.v(x), self.kv_heads)
-        q = rope_half_split(q, positions, self.inv_freq)
-        k = rope_half_split(k, positions, self.inv_freq)
+        if self.rope:
+            q = rope_half_split(q, positions, self.inv_freq)
+            k = rope_half_split(k, positions, self.inv_freq)
         if cache is not None:
             k, v = cache.extend(layer, k, v)         # (B, H_kv, past + T, D)
         groups = self.heads // self.kv_heads
         k, v = repeat_kv(k, groups), repeat_kv(v, groups)   # (B, H, past + T, D)
-        y = attend(q, k, v, causal_mask(x.shape[1], past))
+        keep = causal_mask(x.shape[1], past)
+        if self.window is not None:   # key j at distance i − j < window of query i
+            keep = keep & ~causal_mask(x.shape[1], past).tril(diagonal=past - self.window)
+        y = attend(q, k, v, keep)
         return self.o(merge_heads(y))
 
 
@@ -267,13 +279,51 @@ class SwiGLU(nn.Module):
         return self.down(g * torch.sigmoid(g) * self.up(x))
 
 
+class Stacked(nn.Module):
+    """One weight per expert, stacked: [experts, out, in]."""
+
+    def __init__(self, experts: int, rows: int, cols: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(experts, rows, cols))
+
+
+class Experts(nn.Module):
+    """Σ over the top_k experts e of softmax(router(x))_e, renormalized over the top_k, times
+    SwiGLU expert e of x."""
+
+    def __init__(self, d: int, d_ff: int, experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(d, experts, bias=False)
+        self.experts = nn.Module()
+        self.experts.gate = Stacked(experts, d_ff, d)
+        self.experts.up = Stacked(experts, d_ff, d)
+        self.experts.down = Stacked(experts, d, d_ff)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.router(x), dim=-1)                # (B, T, E)
+        weight, chosen = probs.topk(self.top_k, dim=-1)              # (B, T, k)
+        weight = weight / weight.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for slot in range(self.top_k):
+            for e in range(probs.shape[-1]):
+                rows = chosen[..., slot] == e                        # (B, T)
+                if rows.any():
+                    h = x[rows]
+                    g = h @ self.experts.gate.weight[e].T
+                    y = (g * torch.sigmoid(g) * (h @ self.experts.up.weight[e].T)) \
+                        @ self.experts.down.weight[e].T
+                    out[rows] += weight[..., slot][rows, None] * y
+        return out
+
+
 class LlamaBlock(nn.Module):
-    def __init__(self, d: int, d_ff: int, cfg: LlamaConfig) -> None:
+    def __init__(self, d: int, d_ff: int, cfg: LlamaConfig, experts: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(d, cfg.eps)
         self.attn = LlamaAttention(d, cfg)
         self.ffn_norm = RMSNorm(d, cfg.eps)
-        self.ffn = SwiGLU(d, d_ff)
+        self.ffn = Experts(d, d_ff, experts, cfg.top_k) if cfg.top_k else SwiGLU(d, d_ff)
 
     def forward(self, x: torch.Tensor, layer: int, cache: KVCache | None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), layer, cache)
@@ -281,14 +331,24 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor]) -> None:
+    """`cfg` for every layer, or one config per layer."""
+
+    def __init__(self, cfg: LlamaConfig | list[LlamaConfig],
+                 weights: dict[str, torch.Tensor]) -> None:
         super().__init__()
         vocab, d = weights["embed.weight"].shape
-        d_ff = weights["layers.0.ffn.gate.weight"].shape[0]
+        n = _checkpoint_layers(weights)
+        configs = cfg if isinstance(cfg, list) else [cfg] * n
         self.embed = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList(LlamaBlock(d, d_ff, cfg)
-                                    for _ in range(_checkpoint_layers(weights)))
-        self.final_norm = RMSNorm(d, cfg.eps)
+        blocks = []
+        for i, c in enumerate(configs):
+            experts = weights.get(f"layers.{i}.ffn.router.weight")
+            gate = weights[f"layers.{i}.ffn.experts.gate.weight" if c.top_k else
+                           f"layers.{i}.ffn.gate.weight"]
+            blocks.append(LlamaBlock(d, gate.shape[-2], c,
+                                     experts.shape[0] if experts is not None else 0))
+        self.layers = nn.ModuleList(blocks)
+        self.final_norm = RMSNorm(d, configs[0].eps)
         self.head = nn.Linear(d, vocab, bias=False)
         self.load_state_dict(weights, strict=True)
 

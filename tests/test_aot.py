@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from archc.codegen.aot import AotResult, compile_module
+from archc.codegen.blocks import aot_config
 from archc.codegen.build import CodegenOptions
 from archc.codegen.render import generate, write_module
 from archc.ir.lower import lower
@@ -98,6 +99,84 @@ def test_recurrent_kernels_compile_for_sm90a_without_spills(name: str, tmp: Path
     for r in results:
         assert r.ok, f"{r.kernel}: {r.error}"
         assert r.registers > 0 and r.spill_bytes == 0, f"{r.kernel}: {r.spill_bytes} bytes spill"
+
+
+def test_decode_matmuls_load_their_weight_before_the_pdl_wait(tmp: Path) -> None:
+    """Programmatic dependent launch: a decode projection may start before the kernel writing
+    its activations has finished, so it reads them only after griddepcontrol.wait — but its
+    weight, which no kernel writes, starts loading before it (the first K step's tiles). Read
+    from the PTX of a real sm_90a compile at each launch's own decode tile (llama3-8b, split-K
+    included): the only pointer argument read before the wait is the weight. A prefill tile
+    loads by TMA, whose descriptors are written after the wait; attention reads nothing before
+    it."""
+    from archc.codegen.aot import compile_configs, kernel_table
+    from archc.codegen.blocks import launch_config
+    spec = load_spec("llama3-8b")
+    gen = generate(optimize(lower(spec, "bf16")),
+                   CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
+    path = write_module(gen, tmp / "llama3-8b-pdl")
+    table = kernel_table(path)
+    matmuls = sorted(k for k, e in table.items() if e["family"] == "matmul")
+    assert len(matmuls) == 5                                 # q+k+v, o, gate+up, down, head
+    decode = [(k, launch_config("matmul", "gpu", M=1, **table[k]["sizes"])) for k in matmuls]
+    assert any(cfg["SPLIT_K"] > 1 for _, cfg in decode)
+    prefill = ("fused_linear_1_kernel", launch_config(
+        "matmul", "gpu", M=4096, **table["fused_linear_1_kernel"]["sizes"]))
+    attention = ("attention_0_decode", aot_config("attention_decode",
+                                                   table["attention_0_decode"]["sizes"]))
+    results = compile_configs(path, "sm_90a", [*decode, prefill, attention], jobs=1)
+    for r in results:
+        assert r.ok and r.pdl and r.spill_bytes == 0, (r.kernel, r.config, r.error)
+    *mm, tiled, att = results
+    for r in mm:
+        assert r.early_reads == ["weight_ptr"], (r.kernel, r.early_reads)
+    assert tiled.tma and tiled.early_reads == []
+    assert att.early_reads == []
+
+
+def test_the_last_token_head_compiles_for_sm90a(tmp: Path) -> None:
+    """The LM head of the last-token-logits variant reads each sequence's last row through a
+    strided view (no TMA: rows T apart): at a batch of one (a GEMV tile) and of 64 prompts (a
+    prefill tile: wgmma), it compiles for sm_90a without spills, loading its weight before the
+    PDL wait."""
+    from archc.codegen.aot import compile_configs, kernel_table
+    from archc.codegen.blocks import launch_config
+    from archc.ir.graph import LAST_TOKEN
+    from archc.passes.logits import last_token_graph
+    spec = load_spec("llama3-8b")
+    program = optimize(lower(spec, "bf16"))
+    gen = generate(program, CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len),
+                   {LAST_TOKEN: last_token_graph(program)})
+    head = gen.steps[LAST_TOKEN][-1].unit
+    assert head not in {step.unit for step in gen.steps["decoder"]}
+    path = write_module(gen, tmp / "llama3-8b-last")
+    kernel = f"{head}_kernel"
+    sizes = kernel_table(path)[kernel]["sizes"]
+    configs = [(kernel, launch_config("matmul", "gpu", M=m, **sizes)) for m in (1, 64)]
+    one, many = compile_configs(path, "sm_90a", configs, jobs=1)
+    for r in (one, many):
+        assert r.ok and r.spill_bytes == 0 and not r.tma, (r.config, r.error)
+        assert r.early_reads == ["weight_ptr"]
+    assert many.wgmma
+
+
+def test_reads_before_wait_follow_the_parameters_into_addresses() -> None:
+    """A load's address computed from a parameter reads that parameter; registers loaded from
+    memory carry nothing; the reads after the wait do not count."""
+    from archc.codegen.aot_worker import reads_before_wait
+    ptx = ("\tld.param.b64 \t%rd1, [k_param_0];\n"
+           "\tld.param.b64 \t%rd2, [k_param_1];\n"
+           "\tld.param.b32 \t%r1, [k_param_2];\n"
+           "\tmad.wide.s32 \t%rd3, %r1, 2, %rd2;\n"
+           "\t@%p1 ld.global.v4.b32 { %r2, %r3, %r4, %r5 }, [ %rd3 + 0 ];\n"
+           "\tmul.wide.s32 \t%rd4, %r2, 4;\n"
+           "\tadd.s64 \t%rd5, %rd4, 64;\n"
+           "\tcp.async.cg.shared.global [ %r9 + 0 ], [ %rd5 + 0 ], 0x10, %r10;\n"
+           "\tgriddepcontrol.wait ;\n"
+           "\tld.global.b32 \t%r6, [ %rd1 + 0 ];\n")
+    assert reads_before_wait(ptx, ["x_ptr", "weight_ptr", "M"]) == ["weight_ptr", "M"]
+    assert reads_before_wait(ptx.replace("%rd2;", "%rd1;"), ["x_ptr", "weight_ptr", "M"]) == \
+        ["x_ptr", "M"]
 
 
 def test_wgmma_shapes_and_tma_from_ptx_text() -> None:

@@ -20,15 +20,19 @@ import torch
 import archc.runtime.triton_backend as backend
 from archc.cli import build_parser
 from archc.codegen import aot, blocks
+from archc.ir.attrs import Call
 from archc.ir.graph import GraphBuilder, Program
 from archc.ir.ops import Op
 from archc.ir.shapes import B, T, shape
 from archc.runtime import tuning
+from archc.runtime.eager import EagerContext, run_graph
 from archc.runtime.triton_backend import TritonOptions, TritonSession
 from archc.runtime.tuning import Tuner, TuningCache, bucket
 from tests.test_triton_kernels import build, check, rand
 
 DIGEST = "ab" * 32
+
+pytestmark = pytest.mark.autotune       # sessions tune by default here, as users' do
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +72,30 @@ def test_aot_target_of_a_capability() -> None:
 
 # ---- candidates and buckets ----------------------------------------------------------------
 
-def test_decode_keeps_its_heuristic_tiles() -> None:
-    """M ≤ 16 (decode) is never tuned: its split-K and narrow tiles stay."""
+def test_decode_gemvs_are_tuned_over_their_tiles_and_splits() -> None:
+    """M ≤ 16 (decode): GEMV tiles of 16 rows, each at its split-K counts — the heuristic (with
+    its split-K) first — pointer loads and the row statistics in the K loop, as the heuristic
+    (decode's launch count and fixed shape stay). Decode attention is not tuned."""
     sizes = dict(N=4096, K=4096, cols=4096, paired=0, align=16, head_norm=0, layer_norm=0,
                  operands=1)
-    assert tuning.candidates("matmul", {**sizes, "M": 1}) == []
-    assert tuning.candidates("matmul", {**sizes, "M": 16}) == []
+    for m in (1, 16):
+        found = tuning.candidates("matmul", {**sizes, "M": m})
+        heuristic = blocks.launch_config("matmul", "gpu", **sizes, M=m)
+        assert found[0] == heuristic and heuristic["SPLIT_K"] > 1
+        assert len(found) > 4 and all(set(c) == set(heuristic) for c in found)
+        assert len({json.dumps(c, sort_keys=True) for c in found}) == len(found)
+        assert all(c["BLOCK_M"] == 16 and c["TMA"] == 0 and c["ROW_STATS"] == 0 for c in found)
+        assert {c["SPLIT_K"] for c in found} > {heuristic["SPLIT_K"]}   # other splits too
+        for c in found:                                 # no split without a K step
+            assert 1 <= c["SPLIT_K"] <= -(-4096 // c["BLOCK_K"])
+    # paired columns: 16 pairs a tile at least; a quantized weight: K steps of 128 at most;
+    # concatenated operands do not split
+    paired = tuning.candidates("matmul", {**sizes, "M": 1, "paired": 1, "cols": 2048})
+    assert paired and all(c["BLOCK_N"] >= 32 for c in paired)
+    quant = tuning.candidates("matmul", {**sizes, "M": 1, "quant": 4})
+    assert quant and all(c["BLOCK_K"] <= 128 for c in quant)
+    concat = tuning.candidates("matmul", {**sizes, "M": 1, "operands": 2})
+    assert concat and all(c["SPLIT_K"] == 1 for c in concat)
     assert tuning.candidates("attention", {"T": 1, "L": 4096, "D": 128}) == []
     assert tuning.candidates("attention_decode", {"R": 4, "L": 4096, "D": 128}) == []
     assert tuning.candidates("norm", {"M": 4096, "N": 4096}) == []
@@ -260,8 +282,64 @@ def test_tuned_launch_runs_the_chosen_config(kernel_dir: Path, tmp_path: Path,
         "M=32,T=8"]
     check(g, values | {"x": rand(3, 5, 24)}, {"B": 3, "T": 5, "P": 0}, tmp_path)  # M=15: decode
     check(g, values | {"x": rand(3, 6, 24)}, {"B": 3, "T": 6, "P": 0}, tmp_path)  # M=18: cached
-    assert len(clock.calls) == 1 and len(launched) == 2 and launched[1].config["BLOCK_M"] == 16
+    # decode's own candidates (GEMV tiles of 16 rows), then the prefill choice from the cache
+    assert len(clock.calls) == 2 and all(c["BLOCK_M"] == 16 for c in clock.calls[1])
+    assert len(launched) == 3 and launched[2].config["BLOCK_M"] == 16
     assert [t.summary()["cache_hits"] for t in tuners] == [0, 0, 1]
+
+
+def tune_with(monkeypatch: pytest.MonkeyPatch, benchmark: tuning.Benchmark) -> None:
+    """Sessions tune (as on a GPU) with `benchmark` standing in for the timer."""
+    monkeypatch.setattr(tuning, "tuning_enabled", lambda *a: True)
+    monkeypatch.setattr(backend, "_tuner", lambda kernels, module_path, digest, device: Tuner(
+        tuning.tuned_kernels(kernels), TuningCache(module_path.parent, digest, "Test GPU"),
+        benchmark=benchmark))
+
+
+def normed_projection(b: GraphBuilder, i: dict[str, int]) -> int:
+    """A projection with a folded RMSNorm: its row statistics in the K loop or a pre-pass."""
+    return b.emit(Op.FUSED_LINEAR, i["x"], i["w"], prologue="rms", eps=1e-5,
+                  epilogue=(Call("rms_scale"),))
+
+
+def test_a_tuned_decode_gemv_splits_its_k_loop_and_replays_its_choice(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode-size launch (M = 2) of a normed projection, tuned under the interpreter: every
+    candidate runs — split-K ones among them, their partial sums (the norm's Σx² too) in a
+    scratch sized for the largest — and the stand-in timer calls the one with the most splits
+    fastest. The launch computes what eager does, its arrival counters end at zero, and the
+    choice is kept at the bucket M=2, T=1. The plan is a decode step's fixed shape: replayed, it
+    launches the chosen config and times nothing again."""
+    calls: list[list[dict[str, Any]]] = []
+
+    def most_splits(kernel: str, configs: list[dict[str, Any]], run: Any) -> list[float]:
+        calls.append(configs)
+        for c in configs:
+            run(c)
+        best = max(c["SPLIT_K"] for c in configs)
+        first = next(i for i, c in enumerate(configs) if c["SPLIT_K"] == best)
+        return [1.0 if i == first else 2.0 for i in range(len(configs))]
+
+    tune_with(monkeypatch, most_splits)
+    k = 512                                              # 4 steps of 128, 2 of 256
+    g = build({"x": (shape(B, T, k), "f32"), "w": (shape(40, k), "f32")}, normed_projection)
+    s = TritonSession(Program(g.name, (g,)), {}, max_seq_len=64, device="cpu",
+                      options=TritonOptions(passes=None, cache_dir=tmp_path))
+    runner = s.runners[g.name]
+    plan = runner.plan(s.ctx, 2, 1, 0, 0, 1)
+    assert len(plan.launches) == 1 and not calls     # one launch; chosen when it first runs
+    values = {"x": rand(2, 1, k), "w": rand(40, k) / k ** 0.5}
+    want = run_graph(g, {}, values, EagerContext({"B": 2, "T": 1, "P": 0, "S": 0}, None))["y"]
+    for step in range(2):
+        runner.feed(plan, values)
+        runner.execute(plan, s.ctx, 0)
+        got = plan.outputs["y"]
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), f"step {step}"
+        assert not s.ctx.counters("matmul_splitk", 3).any()  # ⌈40 / 16⌉ tiles at most
+    (tried,) = calls                                     # timed once, at the first launch
+    assert {c["SPLIT_K"] for c in tried} >= {1, 2} and all(c["BLOCK_M"] == 16 for c in tried)
+    chosen = s.tuner.cache.get(next(iter(s.tuner.tuned)), (("M", 2), ("T", 1)))
+    assert chosen is not None and chosen["SPLIT_K"] == max(c["SPLIT_K"] for c in tried) > 1
 
 
 @pytest.mark.parametrize("pick", [0, -1])
@@ -270,23 +348,14 @@ def test_every_candidate_of_a_normed_projection_is_right(pick: int, tmp_path: Pa
     """A folded RMSNorm's projection tuned at prefill size: whichever candidate wins (the
     heuristic, first; a tile of the list, last), the launch computes what eager does — each
     candidate reads the row statistics of the pre-pass its launcher ran."""
-    from archc.ir.attrs import Call
 
     def fastest(kernel: str, configs: list[dict[str, Any]], run: Any) -> list[float]:
         for c in configs:
             run(c)
         return [1.0 if i == range(len(configs))[pick] else 2.0 for i in range(len(configs))]
 
-    monkeypatch.setattr(tuning, "tuning_enabled", lambda *a: True)
-    monkeypatch.setattr(backend, "_tuner", lambda kernels, module_path, digest, device: Tuner(
-        tuning.tuned_kernels(kernels), TuningCache(module_path.parent, digest, "Test GPU"),
-        benchmark=fastest))
-
-    def fn(b: GraphBuilder, i: dict[str, int]) -> int:
-        return b.emit(Op.FUSED_LINEAR, i["x"], i["w"], prologue="rms", eps=1e-5,
-                      epilogue=(Call("rms_scale"),))
-
-    g = build({"x": (shape(B, T, 24), "f32"), "w": (shape(40, 24), "f32")}, fn)
+    tune_with(monkeypatch, fastest)
+    g = build({"x": (shape(B, T, 24), "f32"), "w": (shape(40, 24), "f32")}, normed_projection)
     check(g, {"x": rand(3, 7, 24), "w": rand(40, 24) / 24 ** 0.5}, {"B": 3, "T": 7, "P": 0},
           tmp_path)
 
@@ -326,7 +395,7 @@ def test_no_autotune_reaches_validate(monkeypatch: pytest.MonkeyPatch) -> None:
         raise Compiled(kw)
 
     monkeypatch.setattr(validation, "validate", stand_in)
-    for flags, want in (([], True), (["--no-autotune"], False)):
+    for flags, want in (([], None), (["--no-autotune"], False)):   # None: the default
         with pytest.raises(Compiled) as got:
             main(["validate", "tiny-llama3", "--device", "cpu", *flags])
         assert got.value.args[0]["autotune"] is want

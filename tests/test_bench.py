@@ -10,6 +10,7 @@ every field the GPU run fills.
 from __future__ import annotations
 
 import json
+import platform
 from pathlib import Path
 
 import pytest
@@ -493,17 +494,19 @@ def test_dry_run_records_goals_without_judging_them(dry_run: dict) -> None:
     # tiny-llama3's head dim of 16 has no published FlashAttention-3 figure to compare with
     fa3 = goals[1]
     assert fa3["measured"] is None and "no comparable kernel" in fa3["note"]
-    # the summary's headline: decode at each context, the prefill kernels, autotuning (not in a
-    # dry run), and the goals left unjudged
+    # the summary: the versions that made the numbers, then the headline — decode at each
+    # context, the prefill kernels, autotuning (not in a dry run), and the goals left unjudged
     lines = summarize(dry_run)
-    assert [line.split(":")[0].strip() for line in lines[1:7]] == [
+    assert lines[1].startswith("  software: triton ")
+    assert f"torch {torch.__version__}, python {platform.python_version()}" in lines[1]
+    assert [line.split(":")[0].strip() for line in lines[2:8]] == [
         *(f"decode at context {c}" for c in CONTEXTS), "prefill matmuls, the slowest",
         "prefill attention (attention_0)", "autotune", "goals"]
-    assert " torch.matmul (fused_linear_" in lines[3] and " the unfused sequence (" in lines[3]
-    assert " sdpa, " in lines[4] and " TFLOP/s" in lines[4]
-    assert lines[5] == ("  autotune: not applicable: a dry run launches the kernels under "
+    assert " torch.matmul (fused_linear_" in lines[4] and " the unfused sequence (" in lines[4]
+    assert " sdpa, " in lines[5] and " TFLOP/s" in lines[5]
+    assert lines[6] == ("  autotune: not applicable: a dry run launches the kernels under "
                         "Triton's interpreter, which never autotunes")
-    assert lines[6] == "  goals: not judged in a dry run"
+    assert lines[7] == "  goals: not judged in a dry run"
     assert not any(line.startswith("  goal ") for line in lines)
 
 
@@ -573,7 +576,8 @@ def test_autotune_section_runs_real_sessions_last(tmp_path: Path,
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["bench", "tiny-llama3"], "no CUDA GPU here"),
+    (["bench", "tiny-llama3", "--prompt-len", "8", "--new-tokens", "4"], "no CUDA GPU here"),
+    (["bench", "tiny-llama3"], "--prompt-len 512 + --new-tokens 64 exceed"),   # a GPU's default
     (["bench", "tiny-llama3", "--dry-run", "--layers", "3"], "has 2 blocks"),
     (["bench", "tiny-bert", "--dry-run"], "decoder-only"),
     (["bench", "tiny-llama3", "--dry-run", "--dtype", "bf16"], "computes bf16 wrongly"),
@@ -584,6 +588,12 @@ def test_autotune_section_runs_real_sessions_last(tmp_path: Path,
     (["bench", "tiny-llama3", "--dry-run", "--contexts", "16", "16"], "given twice"),
     (["bench", "tiny-llama3", "--dry-run", "--contexts", "0"], "--contexts"),
     (["bench", "tiny-llama3", "--dry-run", "--gpu", "v100"], "unknown GPU"),
+    # a GPU run's arguments are checked before the GPU is looked for
+    *((["bench", "tiny-llama3", "--prompt-len", "8", "--new-tokens", "4", *flags], message)
+      for flags, message in ((["--layers", "3"], "has 2 blocks"),
+                             (["--contexts", "61"], "--contexts 61"),
+                             (["--gpu", "v100"], "unknown GPU"),
+                             (["--compile-modes", "fast"], "unknown torch.compile"))),
 ])
 def test_bench_refuses_bad_input(argv: list[str], message: str,
                                  capsys: pytest.CaptureFixture[str],

@@ -50,17 +50,21 @@ def kernel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def deal(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """Force the decode grid's key block and split count (the interpreter's defaults give four
-    splits of one block each at most: no uneven deal), and the splits and columns the merge
-    takes a step (the interpreter's: all four splits, whole heads)."""
+    splits of one block each at most: no uneven deal), the keys per busy split (SPLIT_KEYS: the
+    interpreter's keep every split busy) and the rows and columns the merge takes a step (the
+    interpreter's: all rows, whole heads). The merge always takes every split in one tile."""
     launch_config, split_count = blocks.launch_config, blocks.decode_split_count
 
-    def force(block_n: int, splits: int, block_s: int = 4, block_dm: int | None = None) -> None:
+    def force(block_n: int, splits: int, block_mr: int | None = None,
+              block_dm: int | None = None, split_keys: int | None = None) -> None:
         def config(family: str, target: str, **sizes: int) -> dict[str, Any]:
             cfg = launch_config(family, target, **sizes)
             if family != "attention_decode":
                 return cfg
-            return {**cfg, "BLOCK_N": block_n, "BLOCK_S": block_s,
-                    "BLOCK_DM": block_dm or cfg["BLOCK_DM"]}
+            assert cfg["BLOCK_S"] >= splits           # the merge's tile holds every split
+            return {**cfg, "BLOCK_N": block_n, "BLOCK_MR": block_mr or cfg["BLOCK_MR"],
+                    "BLOCK_DM": block_dm or cfg["BLOCK_DM"],
+                    "SPLIT_KEYS": split_keys or cfg["SPLIT_KEYS"]}
 
         def count(target: str, programs: int, max_keys: int, sms: int = 0) -> int:
             assert max_keys == KV_LEN_MAX
@@ -131,26 +135,32 @@ class Replay:
 
 CASES = [
     # heads, kv_heads, head_dim, T, window, global tokens, BLOCK_N, splits, merge step
-    # (BLOCK_S, BLOCK_DM), past lengths
-    (4, 2, 16, 1, None, None, 16, 4, (4, None), (0, 19, 40, 86, 119)),  # GQA: 1 to 8 blocks
-    (3, 1, 16, 2, None, None, 16, 3, (2, None), (5, 50, 118)),          # MQA, T = 2; uneven
-    (4, 4, 24, 1, None, None, 16, 5, (2, 16), (0, 7, 33, 100)),         # MHA; head_dim 24 in
-    #                                                           16 + 8 (of 16) columns a step
-    (4, 2, 16, 1, 5, None, 16, 4, (2, None), (3, 45, 110)),             # window: splits that
-    #                                                                     see no key
-    (4, 2, 16, 3, 6, 3, 16, 4, (4, None), (2, 61, 117)),                # window + global
-    (4, 1, 16, 1, 4, 20, 16, 3, (4, None), (10, 70, 119)),              # global keys in two
-    #                                                                     blocks
-    (4, 2, 16, 1, None, None, 32, 2, (4, None), (0, 64, 119)),          # interpreter's BLOCK_N
+    # (BLOCK_MR, BLOCK_DM), keys per busy split (SPLIT_KEYS), past lengths
+    (4, 2, 16, 1, None, None, 16, 4, (None, None), None, (0, 19, 40, 86, 119)),  # GQA: 1 to 8
+    #                                                                             blocks
+    (3, 1, 16, 2, None, None, 16, 3, (2, None), None, (5, 50, 118)),   # MQA, T = 2: 6 rows, 2
+    #                                                                    a merge step; uneven
+    (4, 4, 24, 1, None, None, 16, 5, (None, 16), None, (0, 7, 33, 100)),   # MHA; head_dim 24 in
+    #                                                             16 + 8 (of 16) columns a step
+    (4, 2, 16, 1, 5, None, 16, 4, (None, None), None, (3, 45, 110)),  # window: splits that see
+    #                                                                   no key
+    (4, 2, 16, 3, 6, 3, 16, 4, (4, None), None, (2, 61, 117)),        # window + global: 12 rows
+    (4, 1, 16, 1, 4, 20, 16, 3, (None, None), None, (10, 70, 119)),   # global keys in two
+    #                                                                   blocks
+    (4, 2, 16, 1, None, None, 32, 2, (None, None), None, (0, 64, 119)),   # interpreter's BLOCK_N
+    # few busy splits: one per 40 keys of 5 (a lone split writes its output itself at 1 to 40
+    # keys; 2 splits at 41 to 80, 3 across block and split edges, all 5 only past 160)
+    (4, 2, 16, 1, None, None, 16, 5, (None, None), 40, (0, 39, 40, 57, 80, 97, 119)),
+    (3, 1, 16, 2, 6, None, 16, 4, (2, 8), 48, (1, 46, 47, 95, 118)),   # T = 2 over an edge
 ]
 
 
 @pytest.mark.filterwarnings("error::RuntimeWarning")   # numpy's: a NaN computed anywhere
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:9])))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:10])))
 def test_one_plan_replayed_at_every_past_length_agrees_with_eager(kernel_dir: Path, deal: Any,
                                                                   case: tuple) -> None:
-    heads, kv_heads, hd, t, window, g, block_n, splits, step, pasts = case
-    deal(block_n, splits, *step)
+    heads, kv_heads, hd, t, window, g, block_n, splits, step, per_split, pasts = case
+    deal(block_n, splits, *step, per_split)
     replay = Replay(cached_attention(heads, kv_heads, hd, window=window, global_tokens=g),
                     2, t, kv_heads, hd, kernel_dir)
     for past in pasts:
@@ -162,61 +172,85 @@ def test_one_plan_replayed_at_every_past_length_agrees_with_eager(kernel_dir: Pa
         assert not replay.counters(kv_heads).any(), f"past {past}: counters left non-zero"
 
 
-@pytest.mark.parametrize("block_n, splits", [(16, 3), (16, 5), (32, 4)])
+@pytest.mark.parametrize("block_n, splits, per_split", [(16, 3, None), (16, 5, None),
+                                                        (32, 4, None), (16, 5, 40)])
 def test_each_split_reads_the_keys_split_keys_deals_it(kernel_dir: Path, deal: Any,
-                                                        block_n: int, splits: int) -> None:
+                                                        block_n: int, splits: int,
+                                                        per_split: int | None) -> None:
     """With q = 0 every visible key scores alike, so a split's partial Σp is the number of keys
     it read and Σp·v / Σp their mean value; values that are the key positions make these the
-    count and the mean position of the split's keys: the range itself."""
-    deal(block_n, splits)
+    count and the mean position of the split's keys: the range itself. Only busy splits leave a
+    partial, and only when there are two or more (a lone one writes the output)."""
+    deal(block_n, splits, split_keys=per_split)
+    per_split = per_split or blocks.DECODE_DEAL
     heads, kv_heads, hd, batch = 2, 1, 16, 1
     replay = Replay(cached_attention(heads, kv_heads, hd), batch, 1, kv_heads, hd, kernel_dir)
     replay.kv["v"][:] = torch.arange(MAX_SEQ_LEN, dtype=torch.float32)[:, None]
     rows = 16                                           # BLOCK_R: G·T = 2 rows, padded
+    part = batch * kv_heads * splits * rows
+    checked = 0
     for past in (0, 17, 40, 95, 119):
+        ml = replay.s.ctx.scratch("attention_ml", part * 2, "f32")
+        ml.fill_(-1.0)                                  # what no split wrote stays −1
         replay.step(past, torch.zeros(batch, 1, heads * hd))
         length = past + 1
-        part = batch * kv_heads * splits * rows
-        ml = replay.s.ctx.scratch("attention_ml", part * 2, "f32").cpu().view(splits, rows, 2)
+        busy = blocks.decode_work(length, splits, per_split)
+        ml = ml.cpu().view(splits, rows, 2)
         acc = replay.s.ctx.scratch("attention_acc", part * hd, "f32").cpu().view(
             splits, rows, hd)
         for s in range(splits):
-            first, end = blocks.split_keys(length, splits, s)
+            first, end = blocks.split_keys(length, splits, s, per_split)
+            if busy == 1 or s >= busy:
+                assert (ml[s] == -1.0).all(), f"past {past}: split {s} of {busy} busy wrote"
+                continue
             keys = torch.arange(first, end, dtype=torch.float32)
+            assert len(keys) > 0
             for r in range(heads):
                 assert ml[s, r, 1] == len(keys), f"past {past}, split {s}: {ml[s, r, 1]} keys"
                 assert torch.equal(acc[s, r], keys.sum().expand(hd)), f"past {past}, split {s}"
+            checked += 1
+    assert checked
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "mixtral-8x7b"])
 def test_gpu_decode_grid_keeps_two_waves_busy_from_a_1k_context(name: str) -> None:
     """At batch 1 (the KV heads' G·T = 4 rows a program), every context from 1024 past tokens
-    to the whole cache leaves at least two programs with work per SM of an H100/H200."""
+    (4 MiB of KV a layer) to the whole cache leaves at least two programs with work per SM of an
+    H100/H200; a shorter one keeps fewer splits busy, one per SPLIT_KEYS keys."""
     spec = load_spec(name)
     kv_heads, hd = spec.attention.kv_heads, spec.attention.head_dim
     group = spec.attention.heads // kv_heads
-    cfg = blocks.launch_config("attention_decode", "gpu", L=spec.max_seq_len, D=hd, R=group)
+    cfg = blocks.launch_config("attention_decode", "gpu", L=spec.max_seq_len, D=hd, R=group,
+                               KVH=kv_heads, bytes=2)
     assert cfg["BLOCK_N"] >= 16                          # tl.dot's smallest tile
     splits = blocks.decode_split_count("gpu", kv_heads, spec.max_seq_len)
+    assert cfg["BLOCK_S"] >= splits                      # the merge's one tile
     kv_bytes = 2 * kv_heads * hd * 2                     # K and V of one key, bf16
     first = (4 << 20) // kv_bytes                        # the first context of ≥ 4 MiB of KV
     assert first == 1024
-    busy = [kv_heads * blocks.decode_work(keys, splits)
+    per_split = cfg["SPLIT_KEYS"]
+    busy = [kv_heads * blocks.decode_work(keys, splits, per_split)
             for keys in range(first, spec.max_seq_len + 1)]
     assert min(busy) >= blocks.DECODE_TARGET_PROGRAMS
+    for keys in (1, 100, 512):
+        work = blocks.decode_work(keys, splits, per_split)
+        assert work == -(-keys // per_split) < splits, (keys, work)
 
 
-def test_split_keys_deal_every_key_once() -> None:
+@pytest.mark.parametrize("per_split", [blocks.DECODE_DEAL, 31, 40])
+def test_split_keys_deal_every_key_once(per_split: int) -> None:
     """The deal the kernel computes: consecutive ranges covering [0, keys), starting on units of
-    DECODE_DEAL keys, sizes differing by at most one unit, every split busy while there are
-    enough units."""
+    DECODE_DEAL keys, the busy splits' sizes differing by at most one unit, one busy split per
+    `per_split` keys while there are splits, the others empty."""
     unit = blocks.DECODE_DEAL
     for keys in (1, 15, 16, 17, 100, 1024, 1025):
         for splits in (1, 3, 4, 33):
-            deal = [blocks.split_keys(keys, splits, s) for s in range(splits)]
-            assert deal[0][0] == 0 and deal[-1][1] == keys
-            assert all(a[1] == b[0] for a, b in zip(deal, deal[1:]))
-            assert all(first % unit == 0 for first, _ in deal)
+            deal = [blocks.split_keys(keys, splits, s, per_split) for s in range(splits)]
+            busy = blocks.decode_work(keys, splits, per_split)
+            assert busy == min(splits, -(-keys // per_split))
+            assert deal[0][0] == 0 and deal[busy - 1][1] == keys
+            assert all(a[1] == b[0] for a, b in zip(deal[:busy], deal[1:busy]))
+            assert all(first % unit == 0 for first, _ in deal[:busy])
             sizes = [end - first for first, end in deal]
-            assert max(sizes) - min(sizes) <= unit
-            assert sum(size > 0 for size in sizes) == blocks.decode_work(keys, splits)
+            assert max(sizes[:busy]) - min(sizes[:busy]) <= unit
+            assert min(sizes[:busy]) > 0 and not any(sizes[busy:])

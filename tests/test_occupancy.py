@@ -24,6 +24,7 @@ from archc.cli import main
 from archc.codegen import blocks
 from archc.codegen.aot import AotResult, config_text
 from archc.ir.lower import lower
+from archc.ir.shapes import DTYPE_BYTES
 from archc.passes import optimize
 from archc.perf.gpus import GPUS, SMS
 from archc.perf.occupancy import balanced_blocks, programs_with_work
@@ -97,8 +98,10 @@ def test_tiny_llama3_json(capsys: pytest.CaptureFixture[str], monkeypatch: pytes
         assert set(p["layer_limits"].values()) == {5}
         assert set(p["launches_per_layer"]) == {str(i) for i in range(spec.layers)}
     # decode attention covers the whole cache (CUDA graphs): a fixed grid (B · KV heads,
-    # splits); the live keys are dealt over the splits in units of 16, so a split has work
-    # while there is a unit for it
+    # splits); one split is busy per SPLIT_KEYS live keys — a split's share of 4 MiB of keys
+    # and values over two programs per SM — and the others return at once
+    key_bytes = 2 * spec.attention.head_dim * DTYPE_BYTES[spec.dtype]
+    per_split = max(16, (4 << 20) // (2 * 132) // key_bytes)
     for c in (24, 40):
         atts = [x for x in phase(data, "decode", c)["launches"]
                 if x["family"] == "attention_decode"]
@@ -107,8 +110,7 @@ def test_tiny_llama3_json(capsys: pytest.CaptureFixture[str], monkeypatch: pytes
             rows = spec.attention.kv_heads   # B = 1
             splits = blocks.decode_split_count("gpu", rows, spec.max_seq_len)
             assert att["grid"] == [rows, splits]
-            units = -(-c // 16)
-            assert att["programs_with_work"] == rows * min(splits, units)
+            assert att["programs_with_work"] == rows * min(splits, -(-c // per_split))
     # the fake compile's numbers reach every launch; nothing spills, the verdict says so
     assert all(x["registers"] == 32 and x["wgmma"] == ["m64n32k16"] and x["tma"] is False
                for p in data["phases"] for x in p["launches"])

@@ -25,6 +25,7 @@ from archc.ir.paramexpr import rope_cos_sin, rope_inv_freq
 from archc.ir.shapes import B, T, shape
 from archc.runtime.launch import LaunchContext
 from tests.test_triton_kernels import (
+    DEVICE,
     DTYPES,
     build,
     check,
@@ -260,8 +261,8 @@ def test_model_decodes_token_by_token(kernel_dir: Path, monkeypatch: pytest.Monk
     tiny-gpt2: LayerNorm prologues, biases, residuals."""
     spy = SplitK(monkeypatch, 3)
     model = archc.load(name, seed=3)
-    eager = model.compile("eager", dtype="f32", device="cpu")
-    triton = model.compile("triton", dtype="f32", device="cpu", cache_dir=kernel_dir)
+    eager = model.compile("eager", dtype="f32", device=DEVICE)
+    triton = model.compile("triton", dtype="f32", device=DEVICE, cache_dir=kernel_dir)
     sessions = (eager.session, triton.session)
     for s in sessions:
         s.reset()

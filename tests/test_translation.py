@@ -6,7 +6,8 @@ the output visibly) over shapes hypothesis draws: batch 1 or 2, a prefill of T =
 T > the tiny sliding window of 8, then decode steps through the KV cache; encoders get padding
 masks, the encoder-decoder a padded source. Checked: each step of the default pipeline (before
 vs after, where the pass changed something), each exact pass alone on the unfused program, and
-the whole default pipeline — and the same for QK-norm variants of three specs.
+the whole default pipeline — and the same for QK-norm variants of three specs and for a spec of
+layer types.
 
 Tolerance: max|after − before| ≤ 1e-5 · max|before|, in f32. A pass reorders sums (a gain folded
 into the weight, 1/rms applied after the dot product, E[x²] − E[x]² for the variance, a sum of two
@@ -32,9 +33,10 @@ from archc.passes import PASSES, run_pipeline
 from archc.passes.manager import PipelineRun, run_pass
 from archc.runtime.eager import EagerSession
 from archc.runtime.weights import random_weights
-from archc.spec import load_spec
+from archc.spec import from_dict, load_spec
 from archc.spec.schema import Spec
 from tests.conftest import TINY_SPECS
+from tests.test_layer_types import LAYER_TYPES
 
 TOL = 1e-5
 EXACT = [name for name, p in PASSES.items() if p.kind == "exact"]
@@ -59,14 +61,15 @@ LONG = Shapes(batch=2, prefill=11, decode=2, source=9, seed=1)
 
 
 # Variants the zoo does not hold but the spec language and `archc modernize` produce:
-# QK-norm over RMSNorm (llama3), LayerNorm with biases (phi-2) and Gemma's 1 + w.
-VARIANTS = ["tiny-llama3+qk_norm", "tiny-phi2+qk_norm", "tiny-gemma2+qk_norm"]
+# QK-norm over RMSNorm (llama3), LayerNorm with biases (phi-2) and Gemma's 1 + w; and layer
+# types differing in RoPE θ and scaling, NoPE, window and dense or MoE FFN (test_layer_types).
+VARIANTS = ["tiny-llama3+qk_norm", "tiny-phi2+qk_norm", "tiny-gemma2+qk_norm", "layer-types"]
 
 
 @functools.cache
 def model(name: str) -> tuple[Spec, Program, dict[str, torch.Tensor], PipelineRun]:
     base, _, variant = name.partition("+")
-    spec = load_spec(base)
+    spec = from_dict(LAYER_TYPES) if name == "layer-types" else load_spec(base)
     if variant == "qk_norm":
         spec = dataclasses.replace(spec, attention=dataclasses.replace(spec.attention,
                                                                        qk_norm=True))

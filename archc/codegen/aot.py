@@ -33,11 +33,14 @@ from typing import Any
 
 from archc.codegen.aot_worker import last_line
 from archc.codegen.blocks import aot_config
+from archc.versions import version
 
 TARGETS = {"sm_80": 80, "sm_90a": 90, "sm_100a": 100}
 MEASURED = ("registers", "spill_bytes", "shared_bytes", "tensor_core_ops", "wgmma", "mma", "tma",
-            "pdl", "warp_specialized", "warps", "seconds", "error")
-OPTIONS = ("num_warps", "num_stages")       # compile options; the rest of a config: constexprs
+            "pdl", "early_reads", "warp_specialized", "warps", "seconds", "error")
+# compile options (maxnreg: the register budget ptxas is held to, where a config sets one); the
+# rest of a config: constexprs
+OPTIONS = ("num_warps", "num_stages", "maxnreg")
 LAUNCH = ("PDL", "launch_pdl")              # how a launch is made: set here from the target
 
 
@@ -58,6 +61,8 @@ class AotResult:
     mma: list[str] = field(default_factory=list)       # the target's: wgmma or tcgen05 shapes
     tma: bool = False              # cp.async.bulk.tensor in the PTX
     pdl: bool = False              # griddepcontrol.wait in the PTX: programmatic dependent launch
+    # pointer arguments read before that wait (a matmul's weight tiles: no kernel writes them)
+    early_reads: list[str] = field(default_factory=list)
     warp_specialized: bool = False  # its loop split into producer/consumer warp partitions
     warps: int = 0                 # warps a program runs with (partitions included); 0: unknown
     cached: bool = False           # read from the on-disk cache, not compiled now
@@ -189,10 +194,7 @@ def _collect(p: subprocess.Popen, chunk: list[dict[str, Any]], results: list[Aot
 
 
 def _cache_key(source: str, kernel: str, config: Mapping[str, Any], target: str) -> str:
-    import importlib.metadata
-    triton = ""
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        triton = importlib.metadata.version("triton")
+    triton = version("triton") or ""
     worker = hashlib.sha256(Path(__file__).with_name("aot_worker.py").read_bytes()).hexdigest()
     text = json.dumps([source, kernel, sorted(config.items()), target, triton, worker])
     return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -12,8 +12,9 @@ warp-specialized kernel has more than it asked for), the count of tensor-core in
 the PTX (`mma.sync` for sm_80, `wgmma.mma_async` for sm_90a, `tcgen05.mma` for sm_100a), the
 shapes of the asynchronous ones (`m64n128k16`), whether it moves tiles with the tensor-memory
 accelerator (`cp.async.bulk.tensor`), whether it waits on the previous kernel for programmatic
-dependent launch (`griddepcontrol.wait`), whether Triton split its loop into warp-specialized
-partitions (a `ttg.warp_specialize` op in the TTGIR), or the error.
+dependent launch (`griddepcontrol.wait`) and which of its pointer arguments it reads before that
+wait (a matmul's weight, no kernel's output: ``reads_before_wait``), whether Triton split its loop
+into warp-specialized partitions (a `ttg.warp_specialize` op in the TTGIR), or the error.
 """
 
 import contextlib
@@ -70,6 +71,70 @@ def _by_size(shapes: set[str]) -> list[str]:
     return sorted(shapes, key=lambda s: tuple(int(x) for x in re.findall(r"\d+", s)))
 
 
+# PTX instructions, one a line: an optional predicate, the opcode, its operands
+PTX_INSTRUCTION = re.compile(r"^\s*(?:@!?%\w+\s+)?([a-z][\w.:]*)\s*(.*?);")
+PTX_REGISTER = re.compile(r"%[a-z]+\d+")
+PTX_PARAM = re.compile(r"\[\s*(\w+_param_(\d+))\s*\]")
+# instructions that read global memory, and the operand that holds the address (cp.async: the
+# source; a TMA copy: its tensor map)
+GLOBAL_READS = (("ld.global", 1), ("cp.async.bulk.tensor", 1), ("cp.async", 1),
+                ("prefetch.global", 0))
+
+
+def _operands(text: str) -> list[str]:
+    """Operands split at top-level commas (a vector `{%r1, %r2}` or address `[%rd1 + 0]` is one)."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch in "{[") - (ch in "}]")
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return [*out, cur.strip()] if cur.strip() else out
+
+
+def reads_before_wait(ptx: str, params: list[str]) -> list[str]:
+    """The kernel parameters (`params`, by PTX parameter index) whose memory the kernel reads
+    before its first griddepcontrol.wait, in the order first read. Values flow from each
+    ``ld.param`` through every instruction's operands into its destination registers; a global
+    load, cp.async or TMA copy reads the parameters its address depends on. Straight-line code
+    before the wait is all there is to follow (the wait comes before the kernel's loops)."""
+    taint: dict[str, set[int]] = {}
+    seen: list[str] = []
+    for line in ptx.splitlines():
+        m = PTX_INSTRUCTION.match(line)
+        if m is None:
+            continue
+        opcode, rest = m.groups()
+        if opcode.startswith("griddepcontrol.wait"):
+            return seen
+        ops = _operands(rest)
+        param = PTX_PARAM.search(rest)
+        if opcode.startswith("ld.param") and param:
+            for reg in PTX_REGISTER.findall(ops[0]):
+                taint[reg] = {int(param.group(2))}
+            continue
+        read = next((k for prefix, k in GLOBAL_READS if opcode.startswith(prefix)), None)
+        if read is not None and len(ops) > read:
+            for i in sorted(set().union(*(taint.get(r, set())
+                                          for r in PTX_REGISTER.findall(ops[read])))):
+                name = params[i] if i < len(params) else f"param_{i}"
+                if name not in seen:
+                    seen.append(name)
+            if opcode.startswith("ld."):   # the loaded values come from memory, not the address
+                for reg in PTX_REGISTER.findall(ops[0]):
+                    taint[reg] = set()
+            continue
+        if not ops or opcode.startswith(("st.", "cp.", "bar.", "fence", "red.", "atom.")):
+            continue
+        srcs = set().union(*(taint.get(r, set()) for op in ops[1:]
+                             for r in PTX_REGISTER.findall(op)))
+        for reg in PTX_REGISTER.findall(ops[0]):
+            taint[reg] = srcs
+    return seen
+
+
 def last_line(text: object) -> str:
     lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
     return lines[-1][:300] if lines else ""
@@ -82,7 +147,8 @@ def compile_one(module: object, job: dict) -> dict:
 
     out = {"kernel": job["kernel"], "index": job.get("index", 0), "registers": 0,
            "spill_bytes": 0, "shared_bytes": 0, "tensor_core_ops": 0, "wgmma": [], "mma": [],
-           "tma": False, "pdl": False, "warp_specialized": False, "warps": 0, "error": ""}
+           "tma": False, "pdl": False, "early_reads": [], "warp_specialized": False, "warps": 0,
+           "error": ""}
     t0 = time.perf_counter()
     try:
         fn = getattr(module, job["kernel"])
@@ -121,6 +187,10 @@ def compile_one(module: object, job: dict) -> dict:
         out["wgmma"] = wgmma_shapes(ptx)
         out["tma"] = TMA_OP in ptx
         out["pdl"] = PDL_OP in ptx
+        # the pointer arguments read before that wait: PTX numbers the runtime arguments in order
+        runtime = [arg for arg in fn.arg_names if signature[arg] != "constexpr"]
+        out["early_reads"] = [arg for arg in reads_before_wait(ptx, runtime)
+                              if signature.get(arg, "").startswith("*")] if out["pdl"] else []
         out["warp_specialized"] = WARP_SPECIALIZE_OP in compiled.asm["ttgir"]
         out["warps"] = int(compiled.metadata.num_warps)
     except Exception as err:  # reported per kernel; the caller's table shows all of them

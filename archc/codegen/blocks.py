@@ -1,8 +1,9 @@
 """Block sizes, warps and pipeline stages: chosen here and nowhere else.
 
 Every launcher asks ``launch_config(family, target, **sizes)`` for its tile; on a GPU with
-autotuning on, ``autotune_configs(family, **sizes)`` gives the small set a prefill launch is
-tuned over (``archc.runtime.tuning``).
+autotuning on, ``autotune_configs(family, **sizes)`` gives the small set a launch is tuned over
+(``archc.runtime.tuning``): prefill matmuls and attention, and decode GEMVs with their split-K
+counts.
 Two targets:
 - ``gpu``: tiles from the Triton tutorials and FlashAttention-2 for sm_80/sm_90, registers and
   spills checked with `archc compile --target sm_90a` (ptxas 13): a prefill matmul compiles to
@@ -31,9 +32,15 @@ def target_programs(sizes: dict[str, int]) -> int:
     """Programs a decode launch aims for: two per SM of the GPU in `sizes` (``sms``)."""
     return 2 * sizes.get("sms", DEFAULT_SMS)
 # Keys the decode-attention splits are dealt in: the smallest tile (tl.dot's 16), not the key
-# block a program steps by, so a short context still has a unit for every split.
+# block a program steps by, so a short context still has a unit for every busy split.
 DECODE_DEAL = 16
-# Launches of at most this many rows (matmul M, attention T) are decode steps: never tuned.
+# At most this many splits per (batch, KV head): the last to finish merges them in one tile.
+DECODE_MAX_SPLITS = 64
+# A decode launch that moves this many bytes must fill the GPU: two programs per SM with work
+# (the occupancy report's verdict); decode attention keeps all its splits busy from there.
+STREAMING_BYTES = 4 << 20
+# Launches of at most this many rows (matmul M, attention T) are decode steps: a matmul is tuned
+# over GEMV tiles and split-K counts (DECODE_TILES), attention not at all.
 DECODE_ROWS = 16
 # Decode GEMVs split their K loop (split-K) into parts of at least this many BLOCK_K steps:
 # shorter parts would spend more on writing and re-reading partial sums than on streaming weights.
@@ -150,20 +157,36 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
     if family == "attention_decode":
         rows = _clamp_pow2(sizes["R"], 16, DECODE_MAX_ROWS)  # the G·T query rows of a KV head
         block_d = _clamp_pow2(sizes["D"], 16, 1 << 16)
+        splits = sizes.get("splits") or decode_split_count(
+            target, sizes.get("KVH", 1), sizes["L"], sizes.get("sms", DEFAULT_SMS))
+        per_split = decode_split_keys(target, sizes["D"], sizes.get("bytes", 2),
+                                      sizes.get("sms", DEFAULT_SMS))
+        # the merge takes every split at once (BLOCK_S ≥ splits), the rows and columns of a
+        # [BLOCK_S, BLOCK_MR, BLOCK_DM] tile at a time
+        block_s = next_pow2(splits)
         if not gpu:  # about one block per split (decode_split_count: four), so short test
-            # sequences still exercise the merge and splits that end inside a block
-            return _cfg(BLOCK_R=rows, BLOCK_N=_clamp_pow2(sizes["L"] // 4, 16, 128), BLOCK_S=4,
-                        BLOCK_DM=block_d)
+            # sequences still exercise the merge and splits that end inside a block; the merge
+            # in one tile (the interpreter pays per operation)
+            return _cfg(BLOCK_R=rows, BLOCK_N=_clamp_pow2(sizes["L"] // 4, 16, 128),
+                        SPLIT_KEYS=per_split, BLOCK_S=block_s,
+                        BLOCK_MR=next_pow2(sizes["R"]), BLOCK_DM=block_d)
         # key blocks of about 4096 values (32 keys of head_dim 128, 64 of 64, 16 of 256); the
-        # splits are dealt in units of DECODE_DEAL keys, so once a layer's KV reaches 4 MiB
-        # (bf16: 1k keys of 8 KV heads of 128) every one of the splits that fill two waves has
-        # keys (decode_split_count: 33 for 8 KV heads)
+        # splits are dealt in units of DECODE_DEAL keys (decode_split_keys: all of them busy
+        # once a layer's KV reaches STREAMING_BYTES, 4 MiB)
         block_n = max(16, min(64, 4096 // block_d))
-        # the merge: 64 splits (all of them at batch 1 with 8 KV heads) × 64 columns a step, 32
-        # values a thread (twice that spills with head_dim 256; sm_100a spills 24 bytes at 64
-        # columns: 32 there)
-        return _cfg(8 if rows > 64 else 4, 2 if rows > 16 else 3, BLOCK_R=rows, BLOCK_N=block_n,
-                    BLOCK_S=64, BLOCK_DM=min(block_d, 64 if sizes.get("sm", 90) < 100 else 32))
+        # 8 warps, the merge's tile 32 values a thread (llama3-8b at batch 1, 33 splits of 4
+        # rows: 64 × 4 × 32, 4 column blocks of a head of 128), and ptxas held to 128 registers
+        # (two programs an SM): left to choose, ptxas spills a few bytes at 72–96 registers under
+        # one Triton or the other (4 warps: llama3-8b under 3.6, 8 bytes; gemma2-9b under 3.9,
+        # 40; 8 warps: t5-small's cross-attention under 3.6, 8 at 80 registers, none at 108
+        # with the budget)
+        warps = 8
+        tile = 32 * 32 * warps
+        block_mr = min(next_pow2(sizes["R"]), max(1, tile // (block_s * 8)))
+        block_dm = min(block_d, max(1, tile // (block_s * block_mr)))
+        return dict(_cfg(warps, 2 if rows > 16 else 3, BLOCK_R=rows, BLOCK_N=block_n,
+                         SPLIT_KEYS=per_split, BLOCK_S=block_s, BLOCK_MR=block_mr,
+                         BLOCK_DM=block_dm), maxnreg=128)
     if family == "attention_paged":
         # one program per (token, KV head): the group's query heads as ≥ 16 rows for tl.dot,
         # keys 64 at a time on a GPU (16 in the interpreter, which pays per element)
@@ -310,11 +333,19 @@ def aot_config(family: str, sizes: dict[str, int], sm: int = 90) -> dict[str, An
     return launch_config(family, "gpu", **full)
 
 
+# Decode GEMV tiles a GPU tunes over (M ≤ 16 rows: BLOCK_M = 16): output columns, K step, warps,
+# stages — the heuristic's first — each with the split-K count split_k_count gives it, and half
+# and twice that (within the K loop's steps)
+DECODE_TILES = ((32, 256, 4, 4), (16, 256, 4, 4), (64, 128, 4, 4), (32, 128, 8, 3))
+
+
 def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
     """The small config set a launch at `sizes` is tuned over on a GPU (block sizes + warps +
-    stages; ``archc.runtime.tuning`` lays each over the heuristic ``launch_config``). Empty
-    for decode sizes — M (or T) ≤ 16 keeps its heuristic tiles and split-K — and for families
-    that are not tuned."""
+    stages; ``archc.runtime.tuning`` lays each over the heuristic ``launch_config``). A decode
+    GEMV (a matmul of M ≤ 16 rows) is tuned over DECODE_TILES and their split-K counts; decode
+    attention (T ≤ 16) and the families that are not tuned have none."""
+    if family == "matmul" and sizes.get("M", DECODE_ROWS + 1) <= DECODE_ROWS:
+        return _decode_matmul_configs(sizes)
     if sizes.get("M" if family == "matmul" else "T", DECODE_ROWS + 1) <= DECODE_ROWS:
         return []
     if family == "matmul":
@@ -341,30 +372,73 @@ def autotune_configs(family: str, **sizes: int) -> list[dict[str, Any]]:
     return []
 
 
+def _decode_matmul_configs(sizes: dict[str, int]) -> list[dict[str, Any]]:
+    """A decode GEMV's candidates: DECODE_TILES that hold the epilogue (a paired tile 16 pairs
+    or more, a head-aligned one whole heads; a quantized weight's K steps of 128 at most), each
+    at its split-K counts — none for concatenated operands, which do not split. Pointer loads,
+    the row statistics in the K loop: decode's launch count stays."""
+    paired, quant = sizes.get("paired", 0), sizes.get("quant")
+    out = []
+    for n, k, warps, stages in DECODE_TILES:
+        if (paired and n < 32) or n < sizes.get("align", 16) or (quant and k > 128):
+            continue
+        splits = [1]
+        if sizes.get("operands", 1) == 1:
+            tiles = _cdiv(sizes["M"], 16) * _cdiv(sizes.get("cols", sizes["N"]),
+                                                  n // 2 if paired else n)
+            steps = _cdiv(sizes["K"], k)
+            base = split_k_count(tiles, sizes["K"], k, target_programs(sizes))
+            splits = sorted({max(1, base // 2), base, min(steps, 2 * base)})
+        out += [_cfg(warps, stages, BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, SPLIT_K=split,
+                     TMA=0, ROW_STATS=0) for split in splits]
+    return out
+
+
 def decode_split_count(target: str, programs: int, max_keys: int, sms: int = DEFAULT_SMS
                        ) -> int:
     """Flash-decoding's split count: fixed for a launch plan, so the grid (`programs` =
     batch × KV heads, × splits) replays under CUDA graphs at any past length. Each program finds
     its keys on the device from the live length (``split_keys``). On a GPU, enough splits for two
-    waves of the GPU's `sms` SMs; under the interpreter four (short test sequences still exercise
-    the merge). Never more splits than the cache has units of DECODE_DEAL keys."""
-    want = _cdiv(2 * sms, max(programs, 1)) if target == "gpu" else 4
+    waves of the GPU's `sms` SMs, at most DECODE_MAX_SPLITS (the merge takes them in one tile);
+    under the interpreter four (short test sequences still exercise the merge). Never more
+    splits than the cache has units of DECODE_DEAL keys."""
+    want = min(_cdiv(2 * sms, max(programs, 1)), DECODE_MAX_SPLITS) if target == "gpu" else 4
     return max(1, min(want, _cdiv(max(max_keys, 1), DECODE_DEAL)))
 
 
-def split_keys(keys: int, splits: int, split: int) -> tuple[int, int]:
+def decode_split_keys(target: str, head_dim: int, elem_bytes: int, sms: int = DEFAULT_SMS
+                      ) -> int:
+    """Keys a busy split of decode attention reads, at least, on average (the kernel's
+    SPLIT_KEYS): one split is busy per SPLIT_KEYS live keys, so a short context runs few splits
+    and its merge reads few partials. On a GPU a split's share of a launch that streams
+    STREAMING_BYTES of keys and values over two programs per SM — a context that large keeps
+    every split of the two-wave grid busy (llama3-8b: 31 keys, all 33 splits from 1024 keys;
+    512 keys keep 17). Under the interpreter DECODE_DEAL: short test sequences keep every split
+    busy."""
+    if target != "gpu":
+        return DECODE_DEAL
+    key_bytes = 2 * head_dim * elem_bytes         # its key and its value
+    return max(DECODE_DEAL, STREAMING_BYTES // (2 * sms) // key_bytes)
+
+
+def decode_work(keys: int, splits: int, per_split: int = DECODE_DEAL) -> int:
+    """Splits of a decode-attention grid that have keys at live length `keys`: one per
+    `per_split` keys (the kernel's SPLIT_KEYS), at most `splits`; the others return at once."""
+    return max(1, min(splits, _cdiv(keys, per_split)))
+
+
+def split_keys(keys: int, splits: int, split: int, per_split: int = DECODE_DEAL
+               ) -> tuple[int, int]:
     """Keys [first, end) of split `split` at live length `keys`: the cdiv(keys, DECODE_DEAL)
-    units of DECODE_DEAL keys dealt out evenly (⌊s·n / splits⌋), so every split has work while
-    there are at least as many units as splits. The decode kernel computes the same on the
-    device (its loop steps by its own key block, masked at the split's end)."""
-    n = _cdiv(keys, DECODE_DEAL)
-    return (min(split * n // splits * DECODE_DEAL, keys),
-            min((split + 1) * n // splits * DECODE_DEAL, keys))
-
-
-def decode_work(keys: int, splits: int) -> int:
-    """Splits that have keys to read at live length `keys` (``split_keys``)."""
-    return min(splits, _cdiv(keys, DECODE_DEAL))
+    units of DECODE_DEAL keys dealt out evenly (⌊s·n / busy⌋) over the busy splits
+    (``decode_work``), each of which has work; a split past them has none. The decode kernel
+    computes the same on the device (its loop steps by its own key block, masked at the split's
+    end)."""
+    n, busy = _cdiv(keys, DECODE_DEAL), decode_work(keys, splits, per_split)
+    if split >= busy:
+        return keys, keys
+    return (min(split * n // busy * DECODE_DEAL, keys),
+            min((split + 1) * n // busy * DECODE_DEAL, keys))
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -626,6 +626,8 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         # (the running max is then the raw scores' max times the scale: a positive one)
         fold_scale=softcap is None and bias is None and scale > 0, tma=int(tma),
         elem_bytes=DTYPE_BYTES.get(c.node.dtype, 2),
+        # bytes of a cached key's value: the codes of a quantized cache, else the model's dtype
+        kv_bytes=1 if a["kv_quant"] is not None else DTYPE_BYTES.get(c.node.dtype, 2),
         kv_quant=None if a["kv_quant"] is None else dict(
             name=a["kv_quant"], scale_base=f"b * {kv_heads * max_len} + kv_h * {max_len}"))
     if softcap is not None:
@@ -647,7 +649,8 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
                  bytes=DTYPE_BYTES.get(c.node.dtype, 2))
     kernels = [JitKernel("_prefill", "attention", sizes, c.types(**ints))]
     if ctx["decode"]:
-        kernels.append(JitKernel("_decode", "attention_decode", dict(D=hd), dict(
+        kernels.append(JitKernel("_decode", "attention_decode", dict(
+            D=hd, KVH=kv_heads, bytes=ctx["kv_bytes"]), dict(
             c.types(**ints), part_acc_ptr="*fp32", part_ml_ptr="*fp32", count_ptr="*i32",
             SPLITS="i32")))
     ctx.update(ring=None, ring_kv=None)
@@ -907,7 +910,11 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         gain = c.arg("gain").name
     tma = w_tma is not None and all(x["tma"] is not None for x in operands) and (
         pair is None or pair["adjacent"])
+    # programmatic dependent launch: a weight that is a parameter (no kernel writes it) starts
+    # loading its first tiles before the wait for the previous kernel (templates/kloop.j2)
+    early = c.g.nodes[w.root].op == Op.PARAM
     ctx = dict(operands=operands, n_out=width, prologue=a["prologue"], eps=repr(a["eps"]),
+               early=early,
                pair=pair, steps_pre=steps_pre, steps_post=steps_post, accs_pre=accs_pre,
                accs_post=accs_post, kv=kv, needs_t=kv is not None or (
                    pair is not None and pair["fn"] == "rope"),

@@ -5,6 +5,7 @@ merge_heads) own nothing: they change the offset and strides through which their
 so kernels read q, k and v straight out of a fused QKV projection — never through copies.
 
     slice(start, stop) on the last dim:  offset += start·stride[-1]
+    last_token: [B, T, D] → [B, 1, D]:   offset += (T − 1)·stride[1]
     split_heads(H): [B, T, H·D] (sb, st, 1) → [B, H, T, D] (sb, D, st, 1)
     merge_heads:    [B, H, T, D] (sb, sh, st, sd) → [B, T, H·D] (sb, st, sd), needs sh = D·sd
 """
@@ -64,6 +65,10 @@ def layouts(g: Graph) -> list[Layout]:
                 raise CodegenError(f"{format_node(i, n)}: heads of %{n.inputs[0]} are not "
                                    "adjacent in memory; merging them needs a copy")
             out.append(Layout(src.root, src.offset, shape, (sb, st, sd)))
+        elif n.op == Op.LAST_TOKEN:   # row T − 1 of each sequence: [B, 1, D], same strides
+            src = out[n.inputs[0]]
+            out.append(Layout(src.root, src.offset + (src.shape[1] - 1) * src.strides[1], shape,
+                              src.strides))
         elif n.op == Op.OUTPUT:
             out.append(out[n.inputs[0]])
         else:

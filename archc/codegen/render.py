@@ -23,6 +23,7 @@ import sys
 import textwrap
 import threading
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -33,10 +34,10 @@ from archc import __version__
 from archc.codegen.build import CodegenOptions, JitKernel, NodeCtx, build, collective_call
 from archc.codegen.layout import CodegenError, layouts
 from archc.ir.expr import act_code, tanh_code
-from archc.ir.graph import Program
+from archc.ir.graph import Graph, Program
 from archc.ir.ops import COLLECTIVE
 from archc.ir.text import format_node, format_program
-from archc.ir.verify import verify
+from archc.ir.verify import verify, verify_graph
 
 TEMPLATES = Path(__file__).parent / "templates"
 StoreSpec = tuple[tuple[int, ...], str]     # a KV cache's or recurrent state's shape after B, dtype
@@ -80,10 +81,23 @@ class Generated:
     steps: dict[str, list[Step]]
     # "cache" | "state" → (layer, kind) → shape and dtype of each KV cache and recurrent state
     stores: dict[str, dict[tuple[int, str], StoreSpec]]
+    variants: tuple[str, ...] = ()     # run functions of graphs besides the program's
 
     @property
     def launches(self) -> int:
-        return sum(1 for s in self.steps.values() for step in s if step.unit)
+        """Launches of one pass over the program's graphs (its variants aside)."""
+        return sum(1 for run, s in self.steps.items() if run not in self.variants
+                   for step in s if step.unit)
+
+    @property
+    def program_steps(self) -> dict[str, list[Step]]:
+        """The steps of the program's graphs, by graph (its variants aside)."""
+        return {run: s for run, s in self.steps.items() if run not in self.variants}
+
+    @property
+    def program_units(self) -> int:
+        """Unique kernels the program's graphs launch (a variant's own aside)."""
+        return len({step.unit for s in self.program_steps.values() for step in s if step.unit})
 
     def unit(self, name: str) -> RenderedUnit:
         return next(u for u in self.units if u.name == name)
@@ -117,22 +131,29 @@ def _comment_safe(text: str) -> str:
     return "".join(ch if ch.isprintable() else "?" for ch in text)
 
 
-def generate(program: Program, options: CodegenOptions) -> Generated:
-    """Render every compute node of `program` (kernel-level, verified first) into one module."""
+def generate(program: Program, options: CodegenOptions,
+             variants: Mapping[str, Graph] | None = None) -> Generated:
+    """Render every compute node of `program` (kernel-level, verified first) into one module;
+    `variants` adds graphs the runtime runs besides the program's, by the name of their run
+    function (the decoder's last-token-logits variant, ``LAST_TOKEN``): their nodes share the
+    program's kernels wherever they render alike."""
     verify(program)
+    runs = [(g.name, g) for g in program] + list((variants or {}).items())
+    for _, g in runs[len(program.graphs):]:
+        verify_graph(g)
     by_text: dict[tuple[str, str], RenderedUnit] = {}
     units: list[RenderedUnit] = []
     counters: Counter[str] = Counter()
     steps: dict[str, list[Step]] = {}
     stores: dict[str, dict[tuple[int, str], StoreSpec]] = {"cache": {}, "state": {}}
-    for g in program:
+    for run, g in runs:
         lays = layouts(g)
-        steps[g.name] = []
+        steps[run] = []
         for i in g.compute_ids():
             ctx = NodeCtx(g, i, lays, options)
             if g.nodes[i].op in COLLECTIVE:   # a host step between launches, not a kernel
-                steps[g.name].append(Step(_comment_safe(format_node(i, g.nodes[i])),
-                                          collective_call(ctx), ""))
+                steps[run].append(Step(_comment_safe(format_node(i, g.nodes[i])),
+                                       collective_call(ctx), ""))
                 continue
             unit = build(ctx)
             for what, layer, kind, shape, dtype in ctx.stored:
@@ -153,26 +174,30 @@ def generate(program: Program, options: CodegenOptions) -> Generated:
                     name, unit.family, text.replace(PLACEHOLDER, name), unit.kernels)
                 units.append(ru)
             node_text = format_node(i, g.nodes[i])
-            ru.uses.append((g.name, i, node_text))
-            steps[g.name].append(Step(_comment_safe(node_text), f"{ru.name}(d, {unit.call})",
-                                      ru.name))
-    digest = hashlib.sha256(f"{format_program(program)}\n{options.key()}\n{_FINGERPRINT}".encode()
-                            ).hexdigest()
+            ru.uses.append((run, i, node_text))
+            steps[run].append(Step(_comment_safe(node_text), f"{ru.name}(d, {unit.call})",
+                                   ru.name))
+    text = format_program(program) + "".join(
+        f"\n{run}: {format_program(Program(program.model, (g,)))}"
+        for run, g in runs[len(program.graphs):])
+    digest = hashlib.sha256(f"{text}\n{options.key()}\n{_FINGERPRINT}".encode()).hexdigest()
     kernels = [dict(name=u.name, family=u.family, uses=u.uses, header=_header(u.uses),
                     source=u.source.rstrip("\n"), entries=[
                         f"{u.name + k.suffix!r}: "
                         f"{dict(family=k.family, unit=u.name, sizes=k.sizes, types=k.types)!r}"
                         for k in u.kernels]) for u in units]
-    graphs = [dict(name=g.name, steps=steps[g.name],
-                   launches=sum(1 for s in steps[g.name] if s.unit),
-                   hosted=sum(1 for s in steps[g.name] if not s.unit),
-                   unique=len({s.unit for s in steps[g.name] if s.unit}))
-              for g in program]
+    graphs = [dict(name=run, steps=steps[run],
+                   launches=sum(1 for s in steps[run] if s.unit),
+                   hosted=sum(1 for s in steps[run] if not s.unit),
+                   unique=len({s.unit for s in steps[run] if s.unit}))
+              for run, _ in runs]
     source = ENV.get_template("module.py.j2").render(
         version=__version__, model=program.model, kernels=kernels, graphs=graphs,
-        launches=sum(1 for s in steps.values() for step in s if step.unit), options=options.key(),
+        launches=sum(1 for g in program for step in steps[g.name] if step.unit),
+        options=options.key(),
         graph_hash=digest[:16])
-    return Generated(program.model, source, digest, units, steps, stores)
+    return Generated(program.model, source, digest, units, steps, stores,
+                     tuple(run for run, _ in runs[len(program.graphs):]))
 
 
 def write_module(gen: Generated, directory: Path) -> Path:

@@ -91,19 +91,33 @@ def config_of(args: argparse.Namespace) -> Any:
     if dry and args.device not in (None, "cpu"):
         raise ArchcError("--dry-run runs on the CPU (Triton's interpreter); drop --device or "
                          "--dry-run")
+    # every argument is checked before the GPU is looked for: `no CUDA GPU here` on a CPU says
+    # that the rest of the command is fine (bench/rehearse.sh relies on it)
+    full = spec_of(args)
+    spec = keep_layers(full, args.layers)
+    # a decoder's defaults fitted to its max_seq_len, with room for the warm-up steps (said once
+    # every argument is checked); the others are refused by check_config
+    def lengths(quiet: bool) -> tuple[int, int]:
+        if spec.family != "decoder":
+            return args.prompt_len or base["prompt"], base["decode"]
+        return fit_lengths(spec, args.prompt_len, args.new_tokens,
+                           (base["prompt"], base["decode"]), reserve=WARMUP_STEPS, quiet=quiet)
+    prompt, decode = lengths(quiet=True)
+    contexts = tuple(args.contexts)
+    check_config(spec, prompt, decode, contexts)
+    dtype = args.dtype or default_dtype(spec.dtype, "cpu" if dry else "cuda")
+    if dry and dtype == "bf16":
+        raise ArchcError("--dry-run runs Triton's interpreter, which computes bf16 wrongly: "
+                         "use --dtype f32 or f16")
+    scheme = quant_scheme(args)
+    auto = args.gpu in (None, "auto")
+    model = gpu("h200" if auto else args.gpu)
     if not dry and (args.device == "cpu" or not torch.cuda.is_available()):
         raise ArchcError("no CUDA GPU here: archc bench times kernels on a GPU. `archc bench "
                          f"{args.source} --dry-run` runs the same harness on the CPU with tiny "
                          "shapes; `archc roofline` models any GPU without one")
     device = resolve_device(args.device or ("cpu" if dry else "cuda"), spell=cli_option)
-    full = spec_of(args)
-    spec = keep_layers(full, args.layers)
-    dtype = args.dtype or default_dtype(spec.dtype, device)
-    if dry and dtype == "bf16":
-        raise ArchcError("--dry-run runs Triton's interpreter, which computes bf16 wrongly: "
-                         "use --dtype f32 or f16")
-    auto = args.gpu in (None, "auto")
-    model, detected = gpu("h200" if auto else args.gpu), auto and device.type == "cuda"
+    detected = auto and device.type == "cuda"
     if detected:     # read the GPU model off the device
         name = torch.cuda.get_device_name(device)
         key = name.lower().replace("-", "").replace(" ", "")
@@ -111,13 +125,7 @@ def config_of(args: argparse.Namespace) -> Any:
         if model is None:
             raise ArchcError(f"cannot tell which GPU model {name!r} is for the roofline: pass "
                              f"--gpu {' | '.join(GPUS)}")
-    # a decoder's defaults fitted to its max_seq_len, with room for the warm-up steps; the
-    # others are refused by check_config
-    prompt, decode = fit_lengths(spec, args.prompt_len, args.new_tokens,
-                                 (base["prompt"], base["decode"]), reserve=WARMUP_STEPS) \
-        if spec.family == "decoder" else (args.prompt_len or base["prompt"], base["decode"])
-    contexts = tuple(args.contexts)
-    check_config(spec, prompt, decode, contexts)
+    lengths(quiet=False)
     return BenchConfig(
         spec=spec, dtype=dtype, device=device, gpu=model, gpu_detected=detected,
         batch=args.batch or base["batch"], prompt=prompt, decode=decode,
@@ -128,7 +136,7 @@ def config_of(args: argparse.Namespace) -> Any:
         autotune=not args.no_autotune, seed=args.seed,
         layers_of_spec=full.layers if spec.layers != full.layers else None,
         kernel_section=not args.no_kernels, cache_dir=args.cache_dir, contexts=contexts,
-        quant=quant_scheme(args))
+        quant=scheme)
 
 
 def run_host(args: argparse.Namespace) -> int:

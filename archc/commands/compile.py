@@ -24,6 +24,7 @@ from archc.errors import ArchcError
 from archc.perf.gpus import GPUS, TARGET_GPU
 from archc.spec.schema import Spec
 from archc.ui import console, err_console, nbytes, table
+from archc.versions import software_text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -143,6 +144,7 @@ def _aot(path: Path, target: str, jobs: int) -> int:
                   + (f"{specialized} warp-specialized; " if blackwell else "")
                   + (f"{len(spilled)} spill registers ({', '.join(spilled)})" if spilled
                      else "none spill registers"))
+    console.print(software_text())
     for r in failed:
         console.print(f"[red]{escape(f'{r.kernel}: {r.error}')}[/]")
     return 1 if failed else 0

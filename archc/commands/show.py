@@ -72,6 +72,64 @@ def _ffn(s: Spec) -> str:
            if ffn.moe else "") + (", biases" if ffn.bias else "")
 
 
+def _norm(s: Spec) -> str:
+    return f"{s.norm.kind} ({s.norm.placement}), eps {s.norm.eps:g}" + \
+        (", 1 + w" if s.norm.unit_offset else "")
+
+
+def _sections(s: Spec) -> dict[str, str | None]:
+    """What one kind of layer runs, in the words of the rows below (None: it has none)."""
+    return {"mixer": s.mixer.kind.replace("_", " "),
+            "attention": _attention(s) if s.attends and s.attention.heads else None,
+            "ffn": _ffn(s), "norm": _norm(s), "positions": _positions(s)}
+
+
+def _layer_list(layers: list[int]) -> str:
+    """Layer indices as runs: `layers 0-4, 6-10, 12`, cut short past six runs."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    text = [str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs]
+    if len(text) > 6:
+        text = [*text[:3], "…", text[-1]]
+    return ("layer " if len(layers) == 1 else "layers ") + ", ".join(text) + \
+        (f" ({len(layers)} layers)" if len(runs) > 6 else "")
+
+
+def _difference(mine: str | None, model: str | None) -> str:
+    """What a row of a layer type says that the model's row does not: all of it where the
+    kind (its first word) differs, else the parts it changes and `no X` for those it drops
+    (the model's per-layer pattern aside)."""
+    if mine is None or mine == model:
+        return ""
+    ours, theirs = mine.split(", "), (model or "").split(", ")
+    if model is None or ours[0].split()[0] != theirs[0].split()[0]:
+        return mine
+    words = {p.split()[0] for p in ours}
+    dropped = [f"no {p.split()[0]}" for p in theirs if p.split()[0] not in words and
+               not p.startswith("pattern ")]
+    return ", ".join([p for p in ours if p not in theirs] + dropped)
+
+
+def _layer_types(s: Spec) -> list[tuple[str, str]]:
+    """A row per layer type: its layers and what it runs that the rows below do not say."""
+    types, _ = s.layer_plan()
+    if len(types) == 1 and not types[0].overrides:
+        return []
+    names, model = s.layer_type_names(), _sections(s)
+    rows = []
+    for k, t in enumerate(types):
+        layer = names.index(t.name)
+        differs = [f"{label} {text}" for label, mine in _sections(s.layer(layer)).items()
+                   if (text := _difference(mine, model[label]))]
+        rows.append(("layer types" if k == 0 else "", f"{t.name}: " + _layer_list(
+            [i for i, n in enumerate(names) if n == t.name]) + "".join("; " + d for d in differs)))
+    return rows
+
+
 def _weights(program: Program, dtype: str) -> str:
     """Resident weight bytes and what holds them: `14.96 GiB in bf16`, or with quantized
     weights `88.43 MiB (q4_1 ×30 tensors, f32 ×61)`."""
@@ -113,14 +171,14 @@ def facts(s: Spec, quant: dict[str, str], kv_cache: str | None = None, tp: int =
              f"{s.layers} encoder + {s.decoder_layers} decoder"),
             ("d_model", str(s.d_model)),
             ("mixers", _mixers(s) if set(s.layer_mixers()) != {"attention"} else None),
-            ("attention", _attention(s) if s.attends else None),
+            ("attention", _attention(s) if s.attends and s.attention.heads else None),
             ("ffn", _ffn(s)),
-            ("norm", f"{s.norm.kind} ({s.norm.placement}), eps {s.norm.eps:g}" +
-             (", 1 + w" if s.norm.unit_offset else "")),
+            ("norm", _norm(s)),
             ("block", "parallel" if s.block.parallel else "serial"),
             ("positions", _positions(s)),
             ("vocab", f"{s.vocab_size}, head {'tied' if s.embedding.tied else 'untied'}"
              if s.family != "encoder" else str(s.vocab_size)),
+            *_layer_types(s),
             ("", ""),
             ("parameters", f"{params:,} ({si(params)})"),
             ("weights", _weights(program, s.dtype))]

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     run_.check_lengths(args.prompt_len, 1)
     report = validate(run_.load(), dtype=run_.dtype, batch=args.batch, tokens=args.prompt_len,
                       seed=args.seed, device=str(run_.device), cache_dir=args.cache_dir,
-                      autotune=not args.no_autotune, kv_cache=args.kv_cache)
+                      autotune=False if args.no_autotune else None, kv_cache=args.kv_cache)
     used(Path(report.module_path))
     console.print(f"{report.model} ({report.dtype}): triton vs eager, per kernel (tolerance "
                   f"{report.tolerance:g} of each output's scale)", soft_wrap=True)

@@ -112,7 +112,8 @@ FLAGS: dict[str, Flag] = {f.names[-1].lstrip("-").replace("-", "_"): f for f in 
     Flag(("--quiet",), "print no notes, progress or timings on standard error", None,
          {"action": "store_true"}),
     Flag(("--no-autotune",), "launch every kernel at its heuristic block sizes: no tuning on "
-         "a GPU (by default the first run tunes prefill kernels and caches the choices on disk)",
+         "a GPU (by default the first run tunes the matmuls and prefill attention and caches the "
+         "choices on disk)",
          None, {"action": "store_true"}),
     Flag(("--quantize",), "quantize the weights of linear layers and experts as they load: "
          "weight-only, round-to-nearest, int8 per output channel or int4 in groups of --group",

@@ -17,6 +17,9 @@ from archc.ir.shapes import FLOAT_DTYPES, Shape
 
 # the graph hoist-cross-kv adds (archc.passes.cross_kv)
 CROSS_KV = "cross_kv"
+# what the runtime runs the decoder's last-token-logits variant as (archc.passes.logits): a
+# prefill whose caller uses only each sequence's last logits
+LAST_TOKEN = "decoder_last"
 
 
 @dataclass(frozen=True)

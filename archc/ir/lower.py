@@ -3,7 +3,8 @@ decomposed attention, ``repeat_kv`` for GQA): the passes earn every speed-up, an
 
 Every node records the spec field that made it (its ``origin``); parameters get HF-like names
 (``layers.3.attn.q.weight``). A decoder graph reads and writes the KV cache at offset P, so one
-graph serves prefill (P = 0) and decode (T = 1).
+graph serves prefill (P = 0) and decode (T = 1). Each block is lowered from what its layer runs
+(``Spec.layer``); the embeddings, final norm and head from the model's fields.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from archc.ir.ops.steps import step
 from archc.ir.paramexpr import leaf
 from archc.ir.shapes import QUANT_DTYPES, B, S, T, shape
 from archc.ir.verify import verify
-from archc.spec.schema import Spec
+from archc.spec.schema import FFN, Norm, Spec
 
 
 def lower(spec: Spec, dtype: str = "f32", quant: Mapping[str, str] | None = None,
@@ -61,6 +62,9 @@ class _Stack:
         self.cross = cross            # reads encoder states through cross-attention
         self.b = GraphBuilder(name)
         self.d = spec.d_model
+        self.kinds = spec.layer_type_names(layers)            # the type of each layer
+        self.specs = [spec.layer(i) for i in range(layers)]   # and what it runs
+        self._shared: dict[str, dict[object, str]] = {}
 
     @contextmanager
     def at(self, origin: str) -> Iterator[None]:
@@ -83,9 +87,25 @@ class _Stack:
         """fn(x) in the elementwise language (a scale, a soft-cap), from spec field `origin`."""
         return self.b.emit(Op.POINTWISE, x, origin=origin, expr=E.call(fn, E.x(0), **params))
 
-    def norm(self, x: int, name: str, origin: str = "norm.kind") -> int:
-        """The spec's norm over the last dim of x, with gain (and LayerNorm bias) params."""
-        n, width = self.s.norm, int(self.b.nodes[x].shape[-1])
+    def shared(self, layer: int, name: str, key: Callable[[Spec], object]) -> str:
+        """The name of a parameter computed at load that layers share (`rope.cos_sin`): `name`,
+        or where this stack's layer types compute it differently (`key` of what a layer runs;
+        None: the layer has none), the name of the first type that computes it as layer `layer`
+        does: `rope.global.cos_sin`."""
+        if name not in self._shared:
+            found: dict[object, str] = {}
+            for kind, ls in zip(self.kinds, self.specs):
+                if (k := key(ls)) is not None:
+                    found.setdefault(k, kind)
+            self._shared[name] = found
+        found = self._shared[name]
+        head, _, tail = name.partition(".")
+        return name if len(found) <= 1 else f"{head}.{found[key(self.specs[layer])]}.{tail}"
+
+    def norm(self, x: int, name: str, origin: str = "norm.kind", norm: Norm | None = None) -> int:
+        """A norm (the model's, or a layer's `norm`) over the last dim of x, with gain (and
+        LayerNorm bias) params."""
+        n, width = norm or self.s.norm, int(self.b.nodes[x].shape[-1])
         with self.at(origin):
             w = self.param(f"{name}.weight", width)
             if n.kind == "rmsnorm":
@@ -104,12 +124,14 @@ class _Stack:
 
     def inputs(self) -> None:
         s, b, causal = self.s, self.b, self.causal
+        softmax = [ls for ls in self.specs if ls.mixer.kind == "attention"]
+        rope = any(ls.position.kind == "rope" for ls in softmax)
         self.tokens = b.input("tokens", shape(B, T), "i64", "family")
         self.positions = (b.input("positions", shape(T), "i64", "position.kind")
-                          if s.position.kind in ("learned", "sinusoidal", "rope") else None)
+                          if s.position.kind in ("learned", "sinusoidal") or rope else None)
         self.padding = None if causal else b.input("attention_mask", shape(B, T), "i64", "family")
-        self.prefix_len = (b.input("prefix_len", (), "i64", "attention.mask")
-                           if causal and s.attention.mask == "prefix" else None)
+        self.prefix_len = (b.input("prefix_len", (), "i64", "attention.mask") if causal and any(
+            ls.attention.mask == "prefix" for ls in softmax) else None)
         self.token_types = (b.input("token_types", shape(B, T), "i64", "embedding.token_types")
                             if s.embedding.token_types and not causal else None)
         if self.cross:
@@ -148,22 +170,21 @@ class _Stack:
                 x = self.b.emit(Op.ADD, x, self.gather(table, self.token_types))
         return self.norm(x, "embed_norm", "embedding.norm") if s.embedding.norm else x
 
-    def rope_params(self) -> tuple[int, dict[str, object]]:
-        """The rotation buffer the rope ops read, and the attrs that depend on the scaling.
-        Without dynamic NTK it is the cos/sin table [max_seq_len, 2, rotary_dim/2], computed once
-        at load from the (scaled) frequencies with any attention scale (YaRN's mscale) applied,
-        so kernels read cos and sin rather than compute them. Dynamic NTK's frequencies depend
-        on the sequence length: its rope ops read the default inverse frequencies and rescale
-        them as they run."""
-        pos, sc = self.s.position, self.s.position.scaling
-        kw: list[tuple[str, object]] = [("dim", self.s.rotary_dim), ("theta", pos.theta)]
+    @staticmethod
+    def rope_rotation(s: Spec) -> tuple[str, tuple[int, ...], Call, dict[str, object]]:
+        """The rotation buffer the rope ops of a layer running `s` read — its name, dims and
+        expression — and the attrs that depend on the scaling. Without dynamic NTK it is the
+        cos/sin table [max_seq_len, 2, rotary_dim/2], computed once at load from the (scaled)
+        frequencies with any attention scale (YaRN's mscale) applied, so kernels read cos and
+        sin rather than compute them. Dynamic NTK's frequencies depend on the sequence length:
+        its rope ops read the default inverse frequencies and rescale them as they run."""
+        pos, sc = s.position, s.position.scaling
+        kw: list[tuple[str, object]] = [("dim", s.rotary_dim), ("theta", pos.theta)]
         if sc is not None and sc.kind == "dynamic":
             dynamic = Call("ntk", (), (("factor", sc.factor),
                                        ("original_max_seq_len", sc.original_max_seq_len)))
-            with self.at("position.scaling"):
-                freq = self.param("rope.inv_freq", self.s.rotary_dim // 2, dtype="f32",
-                                  shared=True, expr=Call("rope_inv_freq", (), tuple(kw)))
-            return freq, {"dynamic": dynamic}
+            return "rope.inv_freq", (s.rotary_dim // 2,), Call("rope_inv_freq", (), tuple(kw)), \
+                {"dynamic": dynamic}
         mscale = 1.0
         if sc is not None:
             fields = {"llama3": ("original_max_seq_len", "low_freq_factor", "high_freq_factor"),
@@ -172,16 +193,29 @@ class _Stack:
             if sc.kind == "yarn":   # cos and sin scaled by 0.1·ln(factor) + 1 unless given
                 mscale = sc.attention_factor if sc.attention_factor is not None else \
                     0.1 * math.log(sc.factor) + 1.0 if sc.factor > 1 else 1.0
-        rows = self.s.max_seq_len    # positions run below it: the KV cache's length
+        rows = s.max_seq_len    # positions run below it: the KV cache's length
         table = Call("rope_cos_sin", (Call("rope_inv_freq", (), tuple(kw)),),
                      (("rows", rows),) + ((("mscale", mscale),) if mscale != 1.0 else ()))
-        with self.at("position.scaling" if sc else "position.theta"):
-            return self.param("rope.cos_sin", rows, 2, self.s.rotary_dim // 2, dtype="f32",
-                              shared=True, expr=table), {}
+        return "rope.cos_sin", (rows, 2, s.rotary_dim // 2), table, {}
 
-    def qkv_heads(self, x: int, src: int, base: str) -> tuple[int, int, int]:
+    def rope_params(self, layer: int) -> tuple[int, dict[str, object]]:
+        """The rotation buffer layer `layer`'s rope ops read (``rope_rotation``), shared by the
+        layers that rotate alike, and the rope attrs of its scaling."""
+        ls = self.specs[layer]
+        name, dims, expr, attrs = self.rope_rotation(ls)
+
+        def key(other: Spec) -> object:   # the table (or frequencies) another layer reads
+            if other.mixer.kind != "attention" or other.position.kind != "rope":
+                return None
+            other_name, _, other_expr, _ = self.rope_rotation(other)
+            return other_expr if other_name == name else None
+        with self.at("position.scaling" if ls.position.scaling else "position.theta"):
+            return self.param(self.shared(layer, name, key), *dims, dtype="f32", shared=True,
+                              expr=expr), attrs
+
+    def qkv_heads(self, ls: Spec, x: int, src: int, base: str) -> tuple[int, int, int]:
         """q of x, k and v of src, split into heads: (B, H, T, D) and twice (B, Hkv, T|S, D)."""
-        att = self.s.attention
+        att = ls.attention
         heads, kv_heads, hd, bias = att.heads, att.kv_heads, att.head_dim, att.bias
         with self.at("attention.heads"):
             q = self.linear(x, f"{base}.q", heads * hd, bias.q, "attention.bias.q")
@@ -193,20 +227,20 @@ class _Stack:
             k, v = (self.b.emit(Op.SPLIT_HEADS, t, heads=kv_heads) for t in (k, v))
         return q, k, v
 
-    def attention(self, x: int, layer: int, name: str, *, local: bool,
-                  kv_source: int | None = None) -> int:
+    def attention(self, x: int, layer: int, name: str, kv_source: int | None = None) -> int:
         """Multi-head attention of x over itself (through the KV cache in a decoder) or, for
-        cross-attention, over `kv_source` (the encoder states)."""
-        s, att = self.s, self.s.attention
+        cross-attention, over `kv_source` (the encoder states), as layer `layer` runs it."""
+        s = self.specs[layer]
+        att = s.attention
         self_attn = kv_source is None
         base = f"layers.{layer}.{name}"
-        q, k, v = self.qkv_heads(x, x if self_attn else kv_source, base)
+        q, k, v = self.qkv_heads(s, x, x if self_attn else kv_source, base)
         if att.qk_norm:
-            q = self.norm(q, f"{base}.q_norm", "attention.qk_norm")
-            k = self.norm(k, f"{base}.k_norm", "attention.qk_norm")
+            q = self.norm(q, f"{base}.q_norm", "attention.qk_norm", s.norm)
+            k = self.norm(k, f"{base}.k_norm", "attention.qk_norm", s.norm)
         if s.position.kind == "rope" and self_attn:
             with self.at("position.kind"):
-                freq, scaling = self.rope_params()
+                freq, scaling = self.rope_params(layer)
                 rope = dict(rotary_dim=s.rotary_dim, interleaved=s.position.interleaved, **scaling)
                 q, k = (self.b.emit(Op.ROPE, t, self.positions, freq, **rope) for t in (q, k))
         if self.causal and self_attn:
@@ -225,50 +259,54 @@ class _Stack:
             scores = self.pointwise(scores, "attention.softcap", "softcap", cap=att.softcap)
         if s.position.kind == "alibi" and self_attn:
             with self.at("position.kind"):
-                slopes = Call("alibi_slopes", (), (("heads", att.heads),))
-                if s.position.alibi_scaled:  # (q·k + bias)·scale = q·k·scale + bias·scale
-                    slopes = Call("scale", (slopes,), (("by", s.attention_scale),))
-                slopes = self.param("alibi.slopes", att.heads, dtype="f32", shared=True,
-                                    expr=slopes)
+                slopes = self.alibi_slopes(s)
+                slopes = self.param(self.shared(layer, "alibi.slopes", self.alibi_slopes),
+                                    att.heads, dtype="f32", shared=True, expr=slopes)
                 scores = self.b.emit(Op.ALIBI, scores, slopes)
         if s.position.kind == "relative" and self_attn:
             with self.at("position.kind"):
                 table = self.param("layers.0.attn.rel_bias.weight", s.position.buckets, att.heads)
                 scores = self.b.emit(Op.REL_BIAS, scores, table, bidirectional=not self.causal,
                                      max_distance=s.position.max_distance)
-        scores = self.mask(scores, cross=not self_attn, local=local)
+        scores = self.mask(s, scores, cross=not self_attn)
         with self.at("attention"):
             out = self.b.emit(Op.WEIGHTED_SUM, self.b.emit(Op.SOFTMAX, scores), v)   # (B, H, T, D)
             out = self.b.emit(Op.MERGE_HEADS, out)                                  # (B, T, H·D)
         with self.at("attention.heads"):
             return self.linear(out, f"{base}.o", self.d, att.bias.o, "attention.bias.o")
 
-    def mask(self, scores: int, *, cross: bool, local: bool) -> int:
+    @staticmethod
+    def alibi_slopes(s: Spec) -> Call | None:
+        """The ALiBi slopes a layer running `s` adds (None: it adds none)."""
+        if s.position.kind != "alibi" or s.mixer.kind != "attention":
+            return None
+        slopes = Call("alibi_slopes", (), (("heads", s.attention.heads),))
+        if s.position.alibi_scaled:  # (q·k + bias)·scale = q·k·scale + bias·scale
+            slopes = Call("scale", (slopes,), (("by", s.attention_scale),))
+        return slopes
+
+    def mask(self, s: Spec, scores: int, *, cross: bool) -> int:
         if cross:
             return self.b.emit(Op.MASK, scores, self.enc_mask, padding=True, origin="family")
-        att = self.s.attention
-        window = att.window if local else None
-        global_tokens = att.global_tokens if window else None
+        window = s.attention.window
+        global_tokens = s.attention.global_tokens if window else None
         origin = "attention.global_tokens" if global_tokens else \
             "attention.window" if window else "attention.mask"
-        extra = [i for i in (self.padding, self.prefix_len) if i is not None]
+        prefix = self.prefix_len is not None and s.attention.mask == "prefix"
+        extra = [i for i in (self.padding, self.prefix_len if prefix else None) if i is not None]
         return self.b.emit(Op.MASK, scores, *extra, origin=origin, causal=self.causal,
-                           padding=self.padding is not None, prefix=self.prefix_len is not None,
+                           padding=self.padding is not None, prefix=prefix,
                            window=window, global_tokens=global_tokens)
 
     def ffn(self, x: int, layer: int) -> int:
-        f = self.s.ffn
+        f = self.specs[layer].ffn
         base = f"layers.{layer}.ffn"
-        if f.kind == "moe" and self.s.layer_ffns(self.layers)[layer] == "dense":
-            with self.at("ffn.pattern"):
-                return self.dense_ffn(x, base, f.d_ff, False)
         if f.kind == "moe":
-            return self.moe(x, base)
-        return self.dense_ffn(x, base, f.d_ff, f.bias)
+            return self.moe(f, x, base)
+        return self.dense_ffn(f, x, base, f.d_ff, f.bias)
 
-    def dense_ffn(self, x: int, base: str, d_ff: int, bias: bool) -> int:
-        """The spec's FFN (of kind moe.expert in an MoE model: a dense layer, the shared expert)."""
-        f = self.s.ffn
+    def dense_ffn(self, f: FFN, x: int, base: str, d_ff: int, bias: bool) -> int:
+        """FFN `f` (of kind moe.expert for an MoE model's shared expert)."""
         with self.at("ffn.kind"):
             if f.gated:
                 gate = self.linear(x, f"{base}.gate", d_ff, bias, "ffn.bias")
@@ -279,8 +317,8 @@ class _Stack:
                 h = self.b.emit(Op.ACT, h, fn=f.activation, origin="ffn.activation")
             return self.linear(h, f"{base}.down", self.d, bias, "ffn.bias")
 
-    def moe(self, x: int, base: str) -> int:
-        f, moe = self.s.ffn, self.s.ffn.moe
+    def moe(self, f: FFN, x: int, base: str) -> int:
+        moe = f.moe
         assert moe is not None
         with self.at("ffn.moe"):
             router = self.param(f"{base}.router.weight", moe.experts, self.d)
@@ -299,7 +337,7 @@ class _Stack:
             y = stage(h, "down", self.d, f.d_ff, "down")               # (B, T, d)
         if moe.shared_expert_d_ff:
             with self.at("ffn.moe.shared_expert_d_ff"):
-                shared = self.dense_ffn(x, f"{base}.shared", moe.shared_expert_d_ff, False)
+                shared = self.dense_ffn(f, x, f"{base}.shared", moe.shared_expert_d_ff, False)
                 y = self.b.emit(Op.ADD, y, shared)
         return y
 
@@ -313,7 +351,8 @@ class _Stack:
             y      = selective_scan(x, Δ, A = −exp(A_log), B, C) + D·x
             out    = out_proj(y · silu(z))
         """
-        s, m = self.s, self.s.mixer.mamba
+        s = self.specs[layer]
+        m = s.mixer.mamba
         assert m is not None and m.dt_rank is not None
         inner, n, rank = s.mamba_inner, m.d_state, m.dt_rank
         base = f"layers.{layer}.ssm"
@@ -355,49 +394,50 @@ class _Stack:
 
     def linear_attention(self, h: int, layer: int) -> int:
         """Linear attention (Katharopoulos et al. 2020), with φ = elu + 1 on q and k."""
-        base = f"layers.{layer}.attn"
-        q, k, v = self.qkv_heads(h, h, base)     # (B, H, T, D), (B, Hkv, T, D) twice
+        base, s = f"layers.{layer}.attn", self.specs[layer]
+        q, k, v = self.qkv_heads(s, h, h, base)     # (B, H, T, D), (B, Hkv, T, D) twice
         with self.at("mixer.pattern" if self.s.mixer.pattern is not None else "mixer.kind"):
             q, k = (self.b.emit(Op.ACT, t, fn="elu_plus_one") for t in (q, k))
             out = self.b.emit(Op.LINEAR_ATTENTION, q, k, v, layer=layer)   # (B, T, H·D)
         with self.at("attention.heads"):
-            return self.linear(out, f"{base}.o", self.d, self.s.attention.bias.o,
-                               "attention.bias.o")
+            return self.linear(out, f"{base}.o", self.d, s.attention.bias.o, "attention.bias.o")
 
-    def mix(self, h: int, layer: int, mixer: str, *, local: bool) -> int:
+    def mix(self, h: int, layer: int) -> int:
+        mixer = self.specs[layer].mixer.kind
         if mixer == "mamba":
             return self.mamba(h, layer)
         if mixer == "linear_attention":
             return self.linear_attention(h, layer)
-        return self.attention(h, layer, "attn", local=local)
+        return self.attention(h, layer, "attn")
 
-    def block(self, x: int, layer: int, local: bool, mixer: str) -> int:
+    def block(self, x: int, layer: int) -> int:
         """One layer: its sequence mixer, a decoder's cross-attention over the encoder states,
-        and the FFN, each with its residual add and its norms where the spec places them."""
-        s, pre = self.s, f"layers.{layer}"
-        mix_norm = "ssm_norm" if mixer == "mamba" else "attn_norm"
+        and the FFN, each with its residual add and its norms where the layer places them."""
+        s, pre = self.specs[layer], f"layers.{layer}"
+        mix_norm = "ssm_norm" if s.mixer.kind == "mamba" else "attn_norm"
+
+        def norm(x: int, name: str, origin: str = "norm.kind") -> int:
+            return self.norm(x, f"{pre}.{name}", origin, s.norm)
         if s.block.parallel:   # x + mixer(norm(x)) + ffn(norm(x))
-            n1 = self.norm(x, f"{pre}.{mix_norm}")
-            n2 = n1 if s.block.shared_norm else self.norm(x, f"{pre}.ffn_norm", "block.shared_norm")
-            a, f = self.mix(n1, layer, mixer, local=local), self.ffn(n2, layer)
+            n1 = norm(x, mix_norm)
+            n2 = n1 if s.block.shared_norm else norm(x, "ffn_norm", "block.shared_norm")
+            a, f = self.mix(n1, layer), self.ffn(n2, layer)
             with self.at("block.parallel"):
                 return self.b.emit(Op.ADD, self.b.emit(Op.ADD, x, a), f)
         sublayers: list[tuple[str, Callable[[int], int]]] = [
-            (mix_norm, lambda h: self.mix(h, layer, mixer, local=local))]
+            (mix_norm, lambda h: self.mix(h, layer))]
         if self.cross:
             sublayers.append(("cross_norm", lambda h: self.attention(
-                h, layer, "cross", local=False, kv_source=self.enc)))
+                h, layer, "cross", kv_source=self.enc)))
         if s.ffn.kind != "none":
             sublayers.append(("ffn_norm", lambda h: self.ffn(h, layer)))
-        for norm, fn in sublayers:
+        for name, fn in sublayers:
             if s.norm.placement == "post":
-                x = self.norm(self.b.emit(Op.ADD, x, fn(x), origin="norm.placement"),
-                              f"{pre}.{norm}")
+                x = norm(self.b.emit(Op.ADD, x, fn(x), origin="norm.placement"), name)
                 continue
-            out = fn(self.norm(x, f"{pre}.{norm}"))
+            out = fn(norm(x, name))
             if s.norm.placement == "sandwich":
-                out = self.norm(out, f"{pre}.{norm.replace('_norm', '_post_norm')}",
-                                "norm.placement")
+                out = norm(out, name.replace("_norm", "_post_norm"), "norm.placement")
             x = self.b.emit(Op.ADD, x, out, origin="norm.placement")
         return x
 
@@ -405,9 +445,8 @@ class _Stack:
         s = self.s
         self.inputs()
         x = self.embed()
-        mixers = s.layer_mixers(self.layers)
-        for layer, kind in enumerate(s.layer_kinds(self.layers)):
-            x = self.block(x, layer, kind == "local", mixers[layer])
+        for layer in range(self.layers):
+            x = self.block(x, layer)
         if s.output.final_norm:
             x = self.norm(x, "final_norm", "output.final_norm")
         if not self.causal:

@@ -6,6 +6,7 @@ from archc.passes import (  # noqa: F401  (each module registers its passes)
     bias,
     cross_kv,
     kernels,
+    logits,
     norms,
     projections,
     recurrent,

@@ -89,12 +89,15 @@ class Pass:
 PASSES: dict[str, Pass] = {}
 
 
-def register_pass(name: str, summary: str, *, program: bool = False) -> Callable[[F], F]:
-    """Register `fn` under `name`: a PassFn, or a ProgramPassFn when `program`."""
+def register_pass(name: str, summary: str, *, program: bool = False, kind: str = "exact"
+                  ) -> Callable[[F], F]:
+    """Register `fn` under `name`: a PassFn, or a ProgramPassFn when `program`. `kind`:
+    "exact" (the function kept), or "variant" (a program for callers that use part of the
+    outputs, which agree with the program's there; never in the default pipeline)."""
     def register(fn: F) -> F:
         if name in PASSES:
             raise ValueError(f"pass {name!r} registered twice")
-        PASSES[name] = Pass(name, summary, fn, program)
+        PASSES[name] = Pass(name, summary, fn, program, kind)
         return fn
     return register
 

@@ -63,6 +63,7 @@ from archc.quant.schemes import SCHEMES
 from archc.runtime.validation import TOLERANCE, error_and_scale
 from archc.runtime.weights import TORCH_DTYPES, checkpoint_shapes, materialize
 from archc.spec.schema import Spec
+from archc.versions import software
 
 SCHEMA = "archc-bench/1"
 
@@ -711,13 +712,7 @@ def _goal(key: str, goal: str, values: list[float], target: float, unit: str, ap
 # ---- the run ---------------------------------------------------------------------------------
 
 def environment(cfg: BenchConfig) -> dict[str, Any]:
-    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                           "device": str(cfg.device)}
-    try:
-        import triton
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
+    env: dict[str, Any] = {**software(), "device": str(cfg.device)}
     if cfg.device.type == "cuda":
         p = torch.cuda.get_device_properties(cfg.device)
         env.update(device_name=p.name, capability=f"{p.major}.{p.minor}",
@@ -772,8 +767,9 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
         # every node's buffer kept and no CUDA graphs: kernels are launched one by one, with
         # the block sizes the model runs with (tuned at launch unless autotuning is off)
         probe = session(reuse_buffers=False, cuda_graphs=False, autotune=cfg.autotune)
-        data.update(module=str(probe.module_path), unique_kernels=len(probe.generated.units),
-                    launches_per_pass={g: len(s) for g, s in probe.generated.steps.items()})
+        data.update(module=str(probe.module_path), unique_kernels=probe.generated.program_units,
+                    launches_per_pass={g: len(s)
+                                       for g, s in probe.generated.program_steps.items()})
         decoder = dense.graph("decoder")
         program = TorchProgram(decoder, materialize(decoder, dense_checkpoint, cfg.device),
                                batch=cfg.batch, max_len=spec.max_seq_len, device=cfg.device,

@@ -139,7 +139,7 @@ def measure_host(spec: Spec, *, dtype: str = "bf16", batch: int = 1, steps: int 
         torch.set_num_threads(threads)
     entries = len(session.runners["decoder"].last.launches)
     return HostReport(spec.name, dtype, batch, launches, entries - launches,
-                      len(session.generated.units), medians[False], medians[True], steps,
+                      session.generated.program_units, medians[False], medians[True], steps,
                       warmup)
 
 

@@ -9,8 +9,8 @@ graphs covers the whole cache and reads the live length on the device). For each
 - programs: the grid, evaluated; **with work**: the programs that have something to do. All of
   them (a split-K matmul's splits included: none is empty), except decode attention and the MoE
   expert GEMM, whose grids are sized for the worst case. Decode attention's grid is (batch × KV
-  heads, splits) for the whole cache; the live keys are dealt over the splits in units of 16
-  (``blocks.split_keys``), so a split has work while there are keys for it. An expert GEMM
+  heads, splits) for the whole cache; one split is busy per SPLIT_KEYS live keys, and the keys
+  are dealt over the busy splits in units of 16 (``blocks.split_keys``). An expert GEMM
   has one row block per expert that tokens are routed to; routing is assumed balanced — the M·k
   (token, slot) pairs dealt evenly over the E experts — which is exact for one token (its k
   experts are distinct).
@@ -41,7 +41,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,10 +61,11 @@ from archc.perf.roofline import KernelRoof, kernels, label
 from archc.perf.summary import fmt_seconds
 from archc.spec.schema import Spec
 from archc.ui import si, table
+from archc.versions import software, software_text
 
 PHASES = ("prefill", "decode")
 DEFAULT_CONTEXTS = (512, 2048, 8192)
-STREAMING_BYTES = 4 << 20           # a decode launch that moves this much must fill the GPU
+STREAMING_BYTES = blocks.STREAMING_BYTES   # a decode launch that moves this much must fill the GPU
 PROGRAMS_PER_SM = 2                 # … with this many programs with work per SM
 BALANCED = "MoE routing balanced: M·k pairs dealt evenly over E experts (exact for one token)"
 HOST_STEP = "a host step counts as one launch"
@@ -172,7 +173,8 @@ def programs_with_work(family: str, grid: tuple[int, ...], args: Mapping[str, An
     `tokens`: B·T."""
     if family == "attention_decode":    # (batch × KV heads, splits): splits with keys
         splits = grid[1] if len(grid) > 1 else 1
-        return grid[0] * blocks.decode_work(keys, splits) * math.prod(grid[2:])
+        busy = blocks.decode_work(keys, splits, args.get("SPLIT_KEYS", blocks.DECODE_DEAL))
+        return grid[0] * busy * math.prod(grid[2:])
     if family == "moe" and experts:     # (row blocks, column tiles): the routed row blocks
         routed = balanced_blocks(tokens * top_k, experts, args["BLOCK_M"])
         return min(grid[0], routed) * math.prod(grid[1:])
@@ -336,6 +338,9 @@ class Occupancy:
     plans: list[PhasePlan]
     module: Path
     results: list[AotResult]            # one per distinct (kernel, configuration)
+    # the versions that compiled the kernels (the workers run this interpreter): registers and
+    # spills, and so the verdicts, change with Triton's
+    software: dict[str, str | None] = field(default_factory=software)
 
     @property
     def failed(self) -> list[AotResult]:
@@ -555,7 +560,8 @@ def format_report(rep: Occupancy) -> list[Any]:
     op = mma_op(rep.target)
     out: list[Any] = [
         f"[bold]{escape(rep.spec)}[/] ({rep.dtype}, batch {rep.batch}) on {rep.target}: "
-        f"{g.name}, {g.sms} SMs, {si(g.bandwidth, 'B/s')}, {si(g.peak_flops, 'FLOP/s')}"]
+        f"{g.name}, {g.sms} SMs, {si(g.bandwidth, 'B/s')}, {si(g.peak_flops, 'FLOP/s')}",
+        software_text(rep.software)]
     for plan in rep.plans:
         what = (f"prefill of {plan.context} tokens" if plan.phase == "prefill" else
                 f"decode step at context {plan.context} (1 token after {plan.context - 1})")
@@ -630,7 +636,7 @@ def to_json(rep: Occupancy) -> dict[str, Any]:
         "batch": rep.batch,
         "gpu": {"name": rep.gpu.name, "sms": rep.gpu.sms, "bandwidth": rep.gpu.bandwidth,
                 "peak_flops": rep.gpu.peak_flops},
-        "module": str(rep.module),
+        "module": str(rep.module), "software": rep.software,
         "assumptions": [*rep.assumed,
                         "decode at context N: one token after N - 1 cached; prefill: N tokens",
                         "bytes and FLOPs: the IR node's cost model, on the node's widest launch",

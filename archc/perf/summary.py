@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from archc.versions import software_text
+
 
 def fmt_seconds(seconds: float | None) -> str:
     return ("—" if seconds is None else f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else
@@ -39,6 +41,8 @@ def summarize(data: dict[str, Any], *, worst: int = 4) -> list[str]:
     lines = [f"{data.get('spec')}{kept}, {data.get('dtype')}, batch {shapes.get('batch')}, "
              f"prompt {shapes.get('prompt')}, decode {shapes.get('decode')} — "
              f"{env.get('device_name')}{' (DRY RUN)' if data.get('dry_run') else ''}"]
+    if "torch" in env:      # the versions that produced the numbers
+        lines.append("  " + software_text({k: env.get(k) for k in ("triton", "torch", "python")}))
     lines += headline(data)
     unfinished = {k: v for k, v in data.get("status", {}).items() if v != "done"}
     if unfinished:
@@ -189,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as err:
             print(f"{path.name}: no report ({type(err).__name__}: {err})")
             continue
+        print(f"{path.name}:")      # which run: the file names the stage that made it
         print("\n".join(summarize(data)))
     return 0
 

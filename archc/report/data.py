@@ -133,11 +133,9 @@ def pipeline_data(spec: Spec, run: PipelineRun, dtype: str) -> dict[str, Any]:
 # ---- the graph drawn --------------------------------------------------------------------------
 
 def period(spec: Spec) -> int:
-    """Blocks in one period of the spec's per-layer patterns (mixers, attention kinds, FFNs):
-    the fewest blocks that show every kind of block, capped at the model's."""
-    lengths = [len(p) for p in (spec.mixer.pattern, spec.attention.pattern, spec.ffn.pattern)
-               if p]
-    return min(math.lcm(*lengths) if lengths else 1, spec.layers)
+    """Blocks in one period of the spec's layer types: the fewest blocks that show every kind
+    of block, capped at the model's."""
+    return min(len(spec.layer_plan()[1]), spec.layers)
 
 
 def drawn_spec(spec: Spec) -> Spec:

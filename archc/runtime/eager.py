@@ -18,13 +18,14 @@ import torch
 
 from archc.errors import ArchcError, RunError
 from archc.ir.attrs import Call
-from archc.ir.graph import CROSS_KV, Graph, Program
+from archc.ir.graph import CROSS_KV, LAST_TOKEN, Graph, Program
 from archc.ir.ops import OP_TABLE, Op, bind, full_attrs
 from archc.ir.ops.attention import KV_QUANT, kv_dequantize, kv_quantize, paged_slots
 from archc.ir.shapes import DIMS, QUANT_DTYPES
 from archc.ir.text import format_node
 from archc.memory import zeros
 from archc.passes.context import zigzag
+from archc.passes.logits import last_token_graph
 from archc.quant import QTensor, Weight
 from archc.runtime.comm import Comm, LocalComm
 from archc.runtime.weights import TORCH_DTYPES, Handover, materialize
@@ -246,6 +247,12 @@ class SessionBase:
     def __init__(self, program: Program, max_seq_len: int, device: torch.device,
                  comms: Mapping[str, Comm] | None = None) -> None:
         self.program = program
+        # what `_run` runs, by name: the program's graphs, and the decoder's last-token-logits
+        # variant (archc.passes.logits) for a step that asks for the last logits only — made
+        # when first needed (``has_last_token``)
+        self.runs: dict[str, Graph] = {g.name: g for g in program}
+        self.program_graphs = set(self.runs)
+        self._variant_made = False
         self.max_seq_len = max_seq_len
         self.rope_rows = rope_table_length(program)
         self.device = device
@@ -265,6 +272,16 @@ class SessionBase:
         once this session's program has read it for the last time."""
         if isinstance(checkpoint, Handover):
             checkpoint.plan(self.program)
+
+    def has_last_token(self) -> bool:
+        """Does the last-token-logits variant run here (``LAST_TOKEN`` in `runs`)? Made from the
+        program on first asking; a program the pass does not apply to has none."""
+        if not self._variant_made:
+            self._variant_made = True
+            last = last_token_graph(self.program)
+            if last is not None:
+                self.runs[LAST_TOKEN] = last
+        return LAST_TOKEN in self.runs
 
     def _check_positions(self, length: int) -> None:
         """Positions 0 … length − 1 index the RoPE cos/sin table: refuse a sequence it does not
@@ -309,8 +326,9 @@ class SessionBase:
         return self._run("encoder", inputs, B=b, T=t, P=0, S=0)["hidden"]
 
     def _step(self, tokens: torch.Tensor, *, encoder_hidden: torch.Tensor | None = None,
-              encoder_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab] for `tokens` following the P tokens already in the cache."""
+              encoder_mask: torch.Tensor | None = None, last: bool = False) -> torch.Tensor:
+        """Logits [B, T, vocab] for `tokens` following the P tokens already in the cache; with
+        `last`, of the last token only, [B, 1, vocab] (the variant, where there is one)."""
         b, t = tokens.shape
         if self.past + t > self.max_seq_len:
             raise RunError(f"sequence of {self.past + t} tokens exceeds the KV cache "
@@ -326,9 +344,10 @@ class SessionBase:
             held = self._cross_kv_inputs(encoder_hidden)     # once per generation
             mask = torch.ones(b, s) if encoder_mask is None else encoder_mask
             inputs.update(held, encoder_hidden=encoder_hidden, encoder_mask=mask.long())
-        logits = self._run("decoder", inputs, B=b, T=t, P=self.past, S=s, held=held)["logits"]
+        name = LAST_TOKEN if last and t > 1 and self.has_last_token() else "decoder"
+        logits = self._run(name, inputs, B=b, T=t, P=self.past, S=s, held=held)["logits"]
         self.past += t
-        return logits
+        return logits[:, -1:] if last else logits
 
     # ---- context parallel: a prefill as a ring over the "cp" group ---------------------------
 
@@ -388,13 +407,15 @@ class SessionBase:
         return self._in_order(local, 1, parts)
 
     def step(self, tokens: torch.Tensor, *, encoder_hidden: torch.Tensor | None = None,
-             encoder_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab]; with a "cp" group, a prefill runs as a ring (module
+             encoder_mask: torch.Tensor | None = None, last: bool = False) -> torch.Tensor:
+        """Logits [B, T, vocab]; with `last`, the last token's only, [B, 1, vocab] — computed
+        for that row alone (``LAST_TOKEN``). With a "cp" group, a prefill runs as a ring (module
         ``archc.passes.context``) and every rank returns the whole sequence's logits."""
         t = tokens.shape[1]
         parts = self._ring_split(t, self.past)
         if parts is None:
-            return self._step(tokens, encoder_hidden=encoder_hidden, encoder_mask=encoder_mask)
+            return self._step(tokens, encoder_hidden=encoder_hidden, encoder_mask=encoder_mask,
+                              last=last)
         if t > self.max_seq_len:
             raise RunError(f"sequence of {t} tokens exceeds the KV cache (max_seq_len = "
                            f"{self.max_seq_len})")
@@ -405,7 +426,7 @@ class SessionBase:
             tokens[:, mine], encoder_hidden=encoder_hidden, encoder_mask=encoder_mask))
         self.past = t
         self._gather_cache(parts)
-        return logits
+        return logits[:, -1:] if last else logits   # a ring's ranks each hold some rows
 
     def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
                token_types: torch.Tensor | None = None) -> torch.Tensor:
@@ -458,7 +479,8 @@ class EagerSession(SessionBase):
         if self.prefix_len is not None:
             inputs["prefix_len"] = torch.tensor(self.prefix_len, device=self.device)
         comms = self.comms if ring else {k: c for k, c in self.comms.items() if k != "cp"}
-        return run_graph(self.program.graph(name), self.params[name], inputs,
+        graph = self.runs[name]       # a variant reads its graph's parameters
+        return run_graph(graph, self.params[graph.name], inputs,
                          EagerContext(dict(B=B, T=T, P=P, S=S), self.cache, self.state, comms),
                          trace=self.trace)
 

@@ -289,6 +289,13 @@ class LaunchContext:
         self._routing[key] = (gates, table, block_expert)     # gates held: its id stays its own
         return table, block_expert, False
 
+    def configs(self, kernel: str, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+        """The configs a launch of `kernel` may run with: `cfg`, or for a tuned launch (`cfg`
+        empty) every candidate — what its scratch buffers must be sized for."""
+        if not cfg and kernel in self._tuning:
+            return self._tuning[kernel]
+        return [cfg]
+
     def config(self, kernel: str, family: str, **sizes: int) -> dict[str, Any]:
         """Block sizes for a launch of `kernel` at `sizes`: the heuristic's, or none (`{}`) for a
         launch that is tuned — its `launch` then records a tuned kernel over the candidates."""
@@ -322,12 +329,14 @@ class GraphRunner:
     launch plans built so far."""
 
     def __init__(self, module: ModuleType, graph: Graph, params: Mapping[str, torch.Tensor],
-                 device: torch.device, *, reuse_buffers: bool = True) -> None:
+                 device: torch.device, *, run: str | None = None,
+                 reuse_buffers: bool = True) -> None:
         self.graph = graph
         self.device = device
         self.lays = layouts(graph)
         self.buffers = plan_buffers(graph, self.lays, reuse=reuse_buffers)
-        self.run_fn = getattr(module, f"run_{graph.name}")
+        # the module's run function: the graph's, or a variant's (``generate``'s `variants`)
+        self.run_fn = getattr(module, f"run_{run or graph.name}")
         self.params = [params[n.name] if n.op == Op.PARAM else None for n in graph.nodes]
         in_shapes = {i: graph.nodes[i].shape for i in graph.inputs.values()}
         self._input_shapes = {i: dim_function(s, f"input_shape_{i}") for i, s in in_shapes.items()}

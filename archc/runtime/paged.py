@@ -29,10 +29,11 @@ import torch
 
 from archc.devices import host_available
 from archc.errors import ArchcError
-from archc.ir.graph import Program
+from archc.ir.graph import LAST_TOKEN, Program
 from archc.ir.ops import Op
 from archc.ir.ops.base import RECURRENT
 from archc.ir.shapes import DTYPE_BYTES
+from archc.passes.logits import last_token_graph
 from archc.passes.paged import max_blocks, paged_kv
 from archc.runtime.batch import PoolExhausted
 from archc.runtime.eager import EagerContext, EagerSession, PagedPool, run_graph
@@ -116,14 +117,17 @@ class _EagerSteps:
     def __init__(self, session: EagerSession, program: Program, blocks: int,
                  block_size: int) -> None:
         self.graph = program.graph("decoder")
+        # a prefill's variant: the LM head over the prompt's last token (archc.passes.logits)
+        self.last = last_token_graph(program) or self.graph
         self.params = session.params["decoder"]
         self.device = session.device
         self.pool = PagedPool(blocks, block_size)
 
-    def run(self, inputs: Mapping[str, torch.Tensor], tokens: int) -> torch.Tensor:
+    def run(self, inputs: Mapping[str, torch.Tensor], tokens: int, last: bool = False
+            ) -> torch.Tensor:
         inputs = {k: x.to(self.device) for k, x in inputs.items()}
         ctx = EagerContext(dict(B=1, T=tokens, P=0, S=0), None, paged=self.pool)
-        return run_graph(self.graph, self.params, inputs, ctx)["logits"]
+        return run_graph(self.last if last else self.graph, self.params, inputs, ctx)["logits"]
 
 
 class _TritonSteps:
@@ -150,10 +154,12 @@ class _TritonSteps:
         self.session.runners["decoder"].max_plans = max_batch + MAX_PLANS
         self.blocks = blocks
 
-    def run(self, inputs: Mapping[str, torch.Tensor], tokens: int) -> torch.Tensor:
+    def run(self, inputs: Mapping[str, torch.Tensor], tokens: int, last: bool = False
+            ) -> torch.Tensor:
         s = self.session
         s.cache.ensure(self.blocks)          # the pools: [blocks, H_kv, block_size, D]
-        runner = s.runners["decoder"]
+        # a prefill's LM head over its last token: the variant's runner, its own plans
+        runner = s.runners[LAST_TOKEN if last and LAST_TOKEN in s.runners else "decoder"]
         plan = runner.plan(s.ctx, 1, tokens, 0, 0, tokens)
         runner.feed(plan, {k: x.to(s.device) for k, x in inputs.items()})
         runner.execute(plan, s.ctx, 0)
@@ -267,9 +273,9 @@ class PagedEngine:
             self._holders[block] = self._holders.get(block, 0) + 1
         self._seqs[seq] = held
         start = len(shared) * self.block_size
-        try:
+        try:    # the logits of the prompt's last token only
             logits = self._step([held] * (len(ids) - start), list(range(start, len(ids))),
-                                ids[start:])
+                                ids[start:], last=True)
         except BaseException:
             self.release(seq)
             raise
@@ -300,14 +306,16 @@ class PagedEngine:
             h.length += 1
         return logits
 
-    def _step(self, rows: list[_Sequence], positions: list[int], ids: list[int]) -> torch.Tensor:
-        """Logits [T, vocab] of T tokens, token t of sequence rows[t] at positions[t]."""
+    def _step(self, rows: list[_Sequence], positions: list[int], ids: list[int], *,
+              last: bool = False) -> torch.Tensor:
+        """Logits [T, vocab] of T tokens, token t of sequence rows[t] at positions[t]; with
+        `last` (a prefill: one sequence's tokens), of the last token only, [1, vocab]."""
         table = torch.zeros(len(rows), self.table_width, dtype=torch.int32)
         for t, r in enumerate(rows):
             table[t, :len(r.blocks)] = torch.tensor(r.blocks, dtype=torch.int32)
         inputs = {"tokens": torch.tensor([ids]), "positions": torch.tensor(positions),
                   "block_table": table}
-        return self.steps.run(inputs, len(ids))[0]
+        return self.steps.run(inputs, len(ids), last)[0]
 
     def _known(self, seq: int) -> int:
         if seq not in self._seqs:

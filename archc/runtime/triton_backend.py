@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -93,11 +93,18 @@ def _interpret_loaded_triton() -> None:
 
 # ---- the session ---------------------------------------------------------------------------
 
+# Whether a session tunes when its options leave it unsaid: yes. A test suite sets it off
+# (tests/conftest.py): on a GPU every launch of more than 16 rows would tune, and only the
+# tests of tuning should.
+AUTOTUNE_DEFAULT = True
+
+
 @dataclass
 class TritonOptions:
     passes: str | None = "default"      # pass pipeline to reach kernel level (None: as given)
     cache_dir: Path | None = None
-    autotune: bool = True               # on a CUDA GPU: tune prefill tiles (archc.runtime.tuning)
+    # on a CUDA GPU: tune prefill tiles (archc.runtime.tuning); default AUTOTUNE_DEFAULT
+    autotune: bool = field(default_factory=lambda: AUTOTUNE_DEFAULT)
     cuda_graphs: bool = True
     reuse_buffers: bool = True
     pdl: bool = True                    # programmatic dependent launch on sm_90 and later
@@ -124,7 +131,9 @@ class TritonSession(SessionBase):
         # tuning happens at launch, not in the generated code: a tuned and an untuned session
         # share one module (and its ahead-of-time compiles)
         self.codegen_options = CodegenOptions(target=self.target, max_seq_len=max_seq_len)
-        self.generated = generate(self.program, self.codegen_options)
+        self.has_last_token()           # the variant's kernels are the module's too
+        self.generated = generate(self.program, self.codegen_options, {
+            name: g for name, g in self.runs.items() if name not in self.program_graphs})
         self.module_path = write_module(self.generated, Path(
             self.options.cache_dir or default_cache_dir()) / self.generated.digest[:24])
         self.module = load_module(self.module_path, self.generated.digest)
@@ -134,17 +143,19 @@ class TritonSession(SessionBase):
                                 self.device)
         if self.target == "gpu":
             install_tma_allocator(self.device)
+        # a variant reads the parameters of the graph it varies (its name's), evaluated once
         self._hand_over(checkpoint)
-        self.runners = {g.name: GraphRunner(self.module, g, self._parameters(g, checkpoint),
-                                            self.device, reuse_buffers=self.options.reuse_buffers)
-                        for g in self.program}
+        params = {g.name: self._parameters(g, checkpoint) for g in self.program}
+        self.runners = {name: GraphRunner(self.module, g, params[g.name], self.device, run=name,
+                                          reuse_buffers=self.options.reuse_buffers)
+                        for name, g in self.runs.items()}
         # (input name, table rows, the node as text) of each input that indexes an embedding;
         # a vocabulary-parallel table holds 1/parts of the rows the ids index
-        self.id_checks = {g.name: [(g.nodes[n.inputs[1]].name,
-                                    int(g.nodes[n.inputs[0]].shape[0]) * int(n.attr("parts") or 1),
-                                    format_node(i, n)) for i, n in enumerate(g.nodes)
-                                   if n.op == Op.EMBEDDING and g.nodes[n.inputs[1]].op == Op.INPUT]
-                          for g in self.program}
+        self.id_checks = {name: [(g.nodes[n.inputs[1]].name,
+                                  int(g.nodes[n.inputs[0]].shape[0]) * int(n.attr("parts") or 1),
+                                  format_node(i, n)) for i, n in enumerate(g.nodes)
+                                 if n.op == Op.EMBEDDING and g.nodes[n.inputs[1]].op == Op.INPUT]
+                          for name, g in self.runs.items()}
         self.cache, self.states = (StaticStore(what, self.generated.stores[what], self.device)
                                    for what in ("cache", "state"))
         self.ctx = LaunchContext(self.target, self.device, self.cache, self.states,
@@ -200,9 +211,9 @@ class TritonSession(SessionBase):
         self._check_ids(name, inputs, on_device=P == 0)
         self.cache.ensure(B)
         self.states.ensure(B)
-        if name == "decoder" and P == 0:   # a sequence starts: the recurrent state reads zeros
-            self.states.zero()
         runner = self.runners[name]
+        if runner.graph.name == "decoder" and P == 0:   # a sequence starts: the recurrent
+            self.states.zero()                          # state reads zeros
         # a ring step (context parallel): its attentions pass K/V blocks of the longest rank's
         # token count round the cp group (the cross-KV graph has none)
         ring = self._ring_keys if name != CROSS_KV else 0

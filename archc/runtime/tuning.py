@@ -1,9 +1,11 @@
 """Autotuning on a GPU: block sizes chosen by timing, over configs the ahead-of-time compile let
 through, each choice kept on disk so that only a model's first run pays for it.
 
-A kernel that ``blocks.autotune_configs`` gives candidates for, launched at prefill sizes, is
-tuned at its first launch (decode keeps its heuristic tiles and split-K: ``autotune_configs``
-gives no candidates there):
+A kernel that ``blocks.autotune_configs`` gives candidates for is tuned at its first launch:
+prefill matmuls and attention, and decode GEMVs (M ≤ 16) over narrow tiles at their split-K
+counts — their scratch sized for the largest candidate, their first launch before the decode
+step's CUDA graph is captured, which then replays the choice (decode attention keeps its
+heuristic split count):
 
 1. the cache: a choice made before for this kernel's source, shape bucket and GPU launches as it
    is, nothing timed;
@@ -83,7 +85,7 @@ def bucket_text(b: Bucket) -> str:
 def candidates(family: str, sizes: Mapping[str, int], target: str = "gpu") -> list[Config]:
     """The configs a launch at `sizes` is tuned over: the heuristic config first, then each of
     ``blocks.autotune_configs`` laid over it (so every constexpr the heuristic sets is set), no
-    two alike. Empty when the launch is not tuned (decode sizes, untuned families)."""
+    two alike. Empty when the launch is not tuned (decode attention, untuned families)."""
     tiles = blocks.autotune_configs(family, **sizes)
     if not tiles:
         return []

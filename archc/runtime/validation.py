@@ -101,9 +101,10 @@ def cache_rows(cache: StaticStore, layer: int, kind: str, length: int) -> torch.
 
 def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int = 7,
              seed: int = 0, device: str = "cpu", cache_dir: Path | None = None,
-             autotune: bool = True, kv_cache: str | None = None) -> Report:
+             autotune: bool | None = None, kv_cache: str | None = None) -> Report:
     """Run `model` (an archc.Model) three ways and compare; see the module docstring.
-    `autotune`: let the triton session tune its kernels on a GPU (``TritonOptions``);
+    `autotune`: let the triton session tune its kernels on a GPU (None: ``TritonOptions``'s
+    default);
     `kv_cache`: int8 or fp8 to hold every session's KV cache quantized."""
     from archc.ir.lower import lower
     from archc.model import check_kv_cache
@@ -112,11 +113,11 @@ def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int =
     weights = model.weights  # type: ignore[attr-defined]
     check_kv_cache(kv_cache, "triton", torch.device(device))
     unfused = lower(spec, dtype, model.quant, kv_cache=kv_cache)  # type: ignore[attr-defined]
+    tuning = {} if autotune is None else {"autotune": autotune}
     triton = TritonSession(unfused, weights, max_seq_len=spec.max_seq_len, dtype=dtype,
                            device=device, options=TritonOptions(reuse_buffers=False,
                                                                 cuda_graphs=False,
-                                                                cache_dir=cache_dir,
-                                                                autotune=autotune))
+                                                                cache_dir=cache_dir, **tuning))
     reference = EagerSession(unfused, weights, max_seq_len=spec.max_seq_len, device=device)
     fused = EagerSession(triton.program, weights, max_seq_len=spec.max_seq_len, device=device)
     sessions = (reference, fused, triton)

@@ -78,16 +78,20 @@ def random_weights(program: Program, seed: int = 0,
 
 def check_checkpoint(program: Program, tensors: Mapping[str, torch.Tensor]) -> None:
     """Every tensor the program reads is present and of the right shape; nothing is left over."""
-    want = checkpoint_shapes(program)
+    check_shapes(checkpoint_shapes(program), {k: tuple(v.shape) for k, v in tensors.items()})
+
+
+def check_shapes(want: Mapping[str, tuple[int, ...]], held: Mapping[str, tuple[int, ...]]) -> None:
+    """The tensors `held` (name → shape) are those `want` names, each of the shape it wants."""
     for name, dims in want.items():
-        if name not in tensors:
+        if name not in held:
             raise WeightsError(f"checkpoint tensor {name!r} is missing (expected shape "
                                f"{list(dims)})")
-        found = tuple(tensors[name].shape)
+        found = tuple(held[name])
         if found != dims:
             raise WeightsError(f"checkpoint tensor {name!r} has shape {list(found)}, expected "
                                f"{list(dims)}")
-    extra = sorted(set(tensors) - set(want))
+    extra = sorted(set(held) - set(want))
     if extra:
         more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
         raise WeightsError(f"checkpoint has tensors the model does not use: "

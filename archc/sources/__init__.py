@@ -1,7 +1,8 @@
 """Sources of real models: Hugging Face directories and GGUF files.
 
 ``archc.load`` tries both loaders (``archc.api.SOURCES``), so it accepts a directory or a ``.gguf``
-path beside zoo names and spec files; ``describe`` reads just the spec of any source.
+path beside zoo names and spec files; ``describe`` reads just the spec of any source. A spec
+that names a checkpoint (``weights:``) runs that checkpoint's tensors (``borrowed``).
 """
 
 from __future__ import annotations
@@ -9,14 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from archc.errors import SpecError, WeightsError
+from archc.ir.lower import lower
 from archc.native import SPEC_FILE, is_native
 from archc.quant.file import is_quantized_file, read_header
+from archc.runtime.weights import check_shapes, checkpoint_shapes
 from archc.sources.gguf import GGUFFile, file_quant, load_gguf, spec_of_file
 from archc.sources.hf import hf_spec, is_hf_dir, load_hf
 from archc.spec.load import load_spec, load_yaml
 from archc.spec.schema import Spec
 
-__all__ = ["Source", "describe", "is_gguf", "is_hf_dir", "load_gguf", "load_hf"]
+__all__ = ["Source", "borrowed", "describe", "is_gguf", "is_hf_dir", "load_gguf", "load_hf"]
 
 
 def is_gguf(path: Path) -> bool:
@@ -54,4 +58,26 @@ def describe(source: str | Path) -> Source:
     if is_quantized_file(path):     # archc's quantized file: spec and schemes in its metadata
         spec, quant = read_header(path)
         return Source("archc", spec, False, {name: s for name, (s, _) in quant.items()})
-    return Source("spec", load_spec(source), False)
+    spec = load_spec(source)
+    return Source("spec", spec, False) if spec.weights is None else borrowed(spec)
+
+
+def borrowed(spec: Spec) -> Source:
+    """The checkpoint a spec names (`weights:`) as a source of `spec`: its kind, tokenizer and
+    quantized tensors, once each of its tensors (as its own spec maps them to archc's names) has
+    the shape the program of `spec` wants. Nothing is read but the checkpoint's config or
+    header."""
+    assert spec.weights is not None
+    path = Path(spec.weights)
+    kinds = "a Hugging Face directory, GGUF file, archc checkpoint directory or quantized file"
+    if not path.exists():
+        raise SpecError("weights", f"{str(path)!r} does not exist", allowed=kinds)
+    held = describe(path)
+    if held.kind == "spec":
+        raise SpecError("weights", f"{str(path)!r} is a spec, not a checkpoint", allowed=kinds)
+    try:
+        check_shapes(checkpoint_shapes(lower(spec, quant=held.quant)),
+                     checkpoint_shapes(lower(held.spec, quant=held.quant)))
+    except WeightsError as err:
+        raise WeightsError(f"{spec.name} cannot run the weights of {path}: {err}") from None
+    return Source(held.kind, spec, held.tokenizer, held.quant)

@@ -10,6 +10,7 @@ import difflib
 import functools
 import math
 import operator
+import os
 import re
 import sys
 import typing
@@ -20,10 +21,11 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from archc.errors import SpecError
-from archc.spec.schema import AttentionBias, Mamba, Spec
+from archc.spec.schema import LAYER_SECTIONS, AttentionBias, LayerType, Mamba, Spec
 
 ZOO_DIR = Path(__file__).resolve().parents[2] / "specs"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+TYPE_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_+\-]{0,63}$")
 # Every size becomes a tensor dimension, and generated kernels index with int32 offsets.
 MAX_WHOLE_NUMBER = 2**31 - 1
 # The bounds a number may declare, as a refusal writes them, and the test the value must pass.
@@ -108,8 +110,12 @@ def describe(tp: Any, meta: Mapping[str, Any]) -> str:
     ≤ 1.0', 'a non-empty list of a, b', 'a string, or null'."""
     if type(None) in get_args(tp):
         return describe(get_args(tp)[0], meta) + ", or null"
+    if get_origin(tp) is tuple and get_args(tp)[0] is LayerType:
+        return "a mapping of type names to the fields each sets in " + ", ".join(LAYER_SECTIONS)
     if get_origin(tp) is tuple:
-        return "a non-empty list of " + ", ".join(get_args(get_args(tp)[0]))
+        item = get_args(tp)[0]
+        return "a non-empty list of " + (", ".join(get_args(item)) if get_origin(item) is Literal
+                                         else "layer type names")
     if get_origin(tp) is Literal:
         return ", ".join(get_args(tp))
     if dataclasses.is_dataclass(tp):
@@ -124,6 +130,8 @@ def _coerce(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
         return None if value is None else _coerce(get_args(tp)[0], value, path, meta)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, path)
+    if get_origin(tp) is tuple and get_args(tp)[0] is LayerType:
+        return _layer_types(value, path)
     allowed = describe(tp, meta)
     if value is None:
         raise SpecError(path, "is null but a value is required", allowed=allowed)
@@ -185,6 +193,61 @@ def _build(cls: type, data: Any, path: str) -> Any:
     return cls(**values)
 
 
+def _layer_types(data: Any, path: str) -> tuple[LayerType, ...]:
+    """`layer_types` as written: type name → {section: {field: value}}, each field a known one
+    of a per-layer section. The values are checked, and typed, where each type is resolved on
+    the model (``_layer_spec``)."""
+    if not isinstance(data, Mapping) or not data:
+        problem = "is an empty mapping" if data == {} else f"{_show(data)} is not a mapping"
+        raise SpecError(path, problem, allowed=describe(tuple[LayerType, ...], {}))
+    out = []
+    for name, overrides in data.items():
+        where = f"{path}.{name}"
+        if not isinstance(name, str) or not TYPE_NAME_RE.match(name):
+            raise SpecError(f"{path}.{_show(name)}", "is not a valid layer type name",
+                            allowed="1-64 letters, digits, '_', '+', '-', starting with a letter")
+        overrides = {} if overrides is None else overrides
+        if not isinstance(overrides, Mapping):
+            raise SpecError(where, f"{_show(overrides)} is not a mapping",
+                            allowed="the fields the type sets: {section: {field: value}} for "
+                            "sections " + ", ".join(LAYER_SECTIONS))
+        leaves: list[tuple[str, Any]] = []
+        for key, section in overrides.items():
+            if key not in LAYER_SECTIONS:
+                if key in {f.name for f in dataclasses.fields(Spec)}:
+                    raise SpecError(f"{where}.{key}", "is the model's, not a layer's",
+                                    allowed="fields of " + ", ".join(LAYER_SECTIONS))
+                raise _unknown_key(key, list(LAYER_SECTIONS), where)
+            cls = section_type(typing.get_type_hints(Spec)[key])
+            if not isinstance(section, Mapping):
+                raise SpecError(f"{where}.{key}", f"{_show(section)} is not a mapping",
+                                allowed=describe(cls, {}))
+            leaves += _leaves(cls, section, f"{where}.{key}", f"{key}.")
+        out.append(LayerType(name, tuple(leaves)))
+    return tuple(out)
+
+
+def _leaves(cls: type, data: Mapping[str, Any], path: str, prefix: str) -> list[tuple[str, Any]]:
+    """The (field path, value) pairs a layer type's section mapping sets; a nested section
+    given as a mapping sets its fields one by one (an empty one: the section at its
+    defaults)."""
+    fields = dict((f.name, tp) for f, tp in typed_fields(cls))
+    out: list[tuple[str, Any]] = []
+    for key, value in data.items():
+        if key not in fields:
+            raise _unknown_key(key, list(fields), path)
+        if key == "pattern":
+            raise SpecError(f"{path}.{key}", f"{_show(value)} is set in a layer type, which "
+                            "is one kind of layer", allowed="remove it; layer_pattern gives "
+                            "each layer its type")
+        inner = section_type(fields[key])
+        if inner is not None and isinstance(value, Mapping) and value:
+            out += _leaves(inner, value, f"{path}.{key}", f"{prefix}{key}.")
+        else:
+            out.append((prefix + key, value))
+    return out
+
+
 # ---- derived fields and cross-field rules --------------------------------------------------
 
 def _derived(spec: Spec) -> dict[str, Any]:
@@ -240,28 +303,122 @@ def _refuse_set(spec: Spec, paths: str, why: str, allowed: str = "remove it") ->
             raise SpecError(path, f"{shown}is set, but {why}", allowed=allowed)
 
 
+# ---- layer types: what each kind of layer runs ------------------------------------------
+
+def _override(data: dict[str, Any], path: str, value: Any) -> None:
+    """Set field `path` of the spec mapping `data` to `value`. A new `kind` first drops the
+    fields that only the old kind takes, so a section changing kind keeps what still applies
+    (an FFN's d_ff, a norm's eps) and nothing that no longer does."""
+    *parents, key = path.split(".")
+    node, cls = data, Spec
+    for name in parents:
+        cls = section_type(typing.get_type_hints(cls)[name])
+        sub = node.get(name)
+        if isinstance(sub, bool):   # attention.bias: one bool for all four
+            sub = dict.fromkeys((f.name for f in dataclasses.fields(AttentionBias)), sub)
+        node[name] = dict(sub) if isinstance(sub, Mapping) else {}
+        node = node[name]
+    if key == "kind" and value != node.get("kind", getattr(cls(), "kind", None)):
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("only") and value not in f.metadata["only"]:
+                node.pop(f.name, None)
+    node[key] = _plain(value)
+
+
+def _layer_spec(spec: Spec, t: LayerType) -> Spec:
+    """What layers of type `t` run: the model's resolved fields (derived sizes included) with
+    the type's set over them, as a uniform spec — no layer types, no per-layer patterns."""
+    if not t.overrides and spec.layer_types is None and \
+            all(_get(spec, p) is None for p in SHORTHANDS):
+        return spec
+    data = to_dict(spec, full=True)
+    for key in ("layer_types", "layer_pattern", "weights"):
+        data.pop(key, None)
+    for path in SHORTHANDS:
+        data[path.split(".")[0]].pop("pattern", None)
+    # kinds first, outer sections before inner, so that a kind drops only the model's fields
+    for path, value in sorted(t.overrides, key=lambda o: (not o[0].endswith(".kind"),
+                                                          o[0].count("."))):
+        _override(data, path, value)
+    return _resolve(_build(Spec, data, ""))
+
+
+@functools.lru_cache(maxsize=64)
+def layer_specs(spec: Spec) -> tuple[Spec, ...]:
+    """What each of `spec`'s layer types runs, in ``Spec.layer_plan`` order (``Spec.layer``)."""
+    return tuple(_layer_spec(spec, t) for t in spec.layer_plan()[0])
+
+
 # The masks each family allows, and why.
 MASKS = {"encoder": ("bidirectional", "an encoder sees the whole input"),
          "decoder": ("causal, prefix", "a decoder must not see future tokens"),
          "encoder-decoder": ("causal", "the encoder sees the whole prompt; the decoder, the past")}
+# The per-layer shorthands for layer types.
+SHORTHANDS = ("mixer.pattern", "attention.pattern", "ffn.pattern")
+# The attention fields that act on softmax scores.
+SCORE_FIELDS = ("mask", "window", "pattern", "softcap", "scale", "qk_norm", "global_tokens")
+# Positions that are the model's, not a layer's: added to the embeddings once (learned,
+# sinusoidal), or one bias table that every layer reads (relative).
+MODEL_POSITIONS = ("learned", "sinusoidal", "relative")
 
 
 def _check(spec: Spec) -> Spec:
-    """`spec`, once it obeys the cross-field rules (the walk checked each field on its own)."""
-    att, ffn, pos, mixer, family = spec.attention, spec.ffn, spec.position, spec.mixer, spec.family
-    # where the spec says which mixers its layers have, as the author wrote it
-    mixers = f"mixer.pattern {_show(mixer.pattern)}" if mixer.pattern else \
-        f"mixer.kind {mixer.kind!r}"
+    """`spec`, once it obeys the cross-field rules (the walk checked each field on its own):
+    how its layers are laid out, each kind of layer on its own (``_check_layer``), then the
+    model as a whole."""
+    _check_layout(spec)
+    spec = _check_layers(spec)
+    _check_model(spec)
+    return spec
+
+
+def _mixers_written(spec: Spec) -> str:
+    """Where the spec says which mixers its layers have, as the author wrote it."""
+    if spec.mixer.pattern:
+        return f"mixer.pattern {_show(spec.mixer.pattern)}"
+    if spec.layer_types and any(t.get("mixer.kind", None) for t in spec.layer_types):
+        return f"layer_types ({' and '.join(sorted(set(spec.all_mixers)))})"
+    return f"mixer.kind {spec.mixer.kind!r}"
+
+
+def _check_layout(spec: Spec) -> None:
+    """The name, and how the spec gives its layers their kinds."""
+    mixer, family, mixers = spec.mixer, spec.family, _mixers_written(spec)
     if not NAME_RE.match(spec.name):
         raise SpecError("name", f"{spec.name!r} is not a valid model name",
                         allowed="1-64 letters, digits, '.', '_', '-', starting alphanumeric")
     layers = max(spec.layers, spec.decoder_layers or 0)
-    for where in ("mixer.pattern", "attention.pattern", "ffn.pattern"):
+    for where in (*SHORTHANDS, "layer_pattern"):
         pattern = _get(spec, where)
         if pattern is not None and len(pattern) > layers:
             raise SpecError(where, f"{_show(pattern)} has {len(pattern)} entries for {layers} "
                             "layers", allowed=f"at most {layers} entries")
-    # ---- mixers and what applies to the layers they make
+    # ---- layer types
+    types, pattern = spec.layer_types, spec.layer_pattern
+    if types is not None and pattern is None:
+        raise SpecError("layer_pattern", "is missing, and layer_types names types", allowed=(
+            "the type of each layer, repeated: a list of " + ", ".join(t.name for t in types)))
+    if pattern is not None and types is None:
+        raise SpecError("layer_pattern", f"{_show(pattern)} names layer types, but "
+                        "layer_types is not set", allowed="set layer_types, or remove it")
+    if types is not None and pattern is not None:
+        for where in SHORTHANDS:
+            if _get(spec, where) is not None:
+                raise SpecError(where, f"{_show(_get(spec, where))} is set beside layer_pattern",
+                                allowed="one of them: layer types, or this shorthand for them")
+        names = [t.name for t in types]
+        for i, name in enumerate(pattern):
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                raise SpecError(f"layer_pattern[{i}]", f"{name!r} is not a layer type"
+                                f"{_did_you_mean(close)}", allowed=", ".join(names))
+        used = set(spec.layer_type_names(layers))
+        for name in names:
+            if name not in used:
+                raise SpecError(f"layer_types.{name}", f"no layer has this type (layer_pattern "
+                                f"{_show(pattern)} over {layers} layers)",
+                                allowed="remove it, or name it in layer_pattern")
+    # ---- mixers
     if mixer.pattern is not None and mixer.kind != "attention":
         raise SpecError("mixer.kind", f"{mixer.kind!r} is set beside {mixers}",
                         allowed="one of them: kind for every layer, or pattern per layer")
@@ -270,35 +427,85 @@ def _check(spec: Spec) -> Spec:
         where, written = mixers.split(" ", 1)
         raise SpecError(where, f"{written} in an {family}: {' and '.join(recurrent)} layers are "
                         "causal recurrences", allowed="attention, or family: decoder")
-    if att.heads is None and spec.attends:
+    plan = {t.name: t for t in spec.layer_plan()[0]}
+    if spec.attention.heads is None and any(
+            plan[name].get("mixer.kind", mixer.kind) != "mamba" and
+            plan[name].get("attention.heads", None) is None
+            for name in spec.layer_type_names(layers)):
         raise SpecError("attention.heads", f"is missing, and {mixers} attends",
                         allowed="query heads: a whole number ≥ 1")
-    if "mamba" not in spec.all_mixers:
-        _refuse_set(spec, "mixer.mamba", f"no layer is mamba ({mixers})",
-                    allowed="remove it, or give some layers the mamba mixer")
-    if not spec.attends:
-        _refuse_set(spec, "attention.heads attention.kv_heads attention.head_dim attention.bias",
-                    f"no layer attends ({mixers})")
-    if not spec.softmax_attends:
-        _refuse_set(spec, "attention.mask attention.window attention.pattern attention.softcap "
-                    "attention.scale attention.qk_norm",
-                    f"it acts in softmax attention and no layer has it ({mixers})")
-        if pos.kind in ("rope", "alibi", "relative"):
-            raise SpecError("position.kind", f"{pos.kind!r} acts inside softmax attention, and "
-                            f"no layer has it ({mixers})", allowed="none, learned, sinusoidal")
+    ffn = spec.ffn
+    if ffn.kind == "moe" and ffn.pattern is not None and "moe" not in ffn.pattern:
+        raise SpecError("ffn.pattern", f"{_show(ffn.pattern)} has no moe layer",
+                        allowed=f"a pattern with moe layers, or ffn.kind: {ffn.moe.expert}")
+
+
+def _check_layers(spec: Spec) -> Spec:
+    """`spec` once each of its layer types makes a valid layer, with the values its layer types
+    set as loaded (10000 → 10000.0). A refusal within a type the spec names says which."""
+    named = spec.layer_types is not None
+    loaded = []
+    for t in spec.layer_plan()[0]:
+        try:
+            layer = _layer_spec(spec, t)
+            if named:
+                _check_type(spec, t, layer)
+            _check_layer(layer)
+        except SpecError as err:
+            raise (_in_type(err, t) if named else err) from None
+        loaded.append(LayerType(t.name, tuple(sorted(
+            ((p, _get(layer, p)) for p, _ in t.overrides),
+            key=lambda o: [(name != "kind", name) for name in o[0].split(".")]))))
+    if not named:
+        return spec
+    # in a canonical order, so that one model is one spec: types by first use, fields by path
+    # (a section's kind first)
+    first = {name: i for i, name in reversed(list(enumerate(spec.layer_pattern or ())))}
+    return dataclasses.replace(spec, layer_types=tuple(sorted(loaded,
+                                                              key=lambda t: first[t.name])))
+
+
+def _in_type(err: SpecError, t: LayerType) -> SpecError:
+    """A refusal met resolving layer type `t`: at the field the type sets, or else naming the
+    type and the model's field that its values make invalid."""
+    parent = err.path.rpartition(".")[0]
+    if any(err.path == p or err.path.startswith((p + ".", p + "[")) or p.startswith(err.path + ".")
+           or err.problem.startswith("is missing") and p.rpartition(".")[0] == parent
+           for p, _ in t.overrides):   # (a field missing beside those the type sets: there)
+        return SpecError(f"layer_types.{t.name}.{err.path}", err.problem, allowed=err.allowed)
+    return SpecError(f"layer_types.{t.name}", f"makes {err.path} invalid: {err.problem}"
+                     if err.path else err.problem, allowed=err.allowed)
+
+
+def _check_type(spec: Spec, t: LayerType, layer: Spec) -> None:
+    """A layer type sets only what acts in its kind of layer."""
+    mixer = layer.mixer.kind
+    for path, _ in t.overrides:
+        section, name = path.split(".")[:2]
+        acts = {"attention": mixer != "mamba" and (name not in SCORE_FIELDS or
+                                                  mixer == "attention"),
+                "position": mixer == "attention",
+                "mixer": name != "mamba" or mixer == "mamba"}.get(section, True)
+        if not acts:
+            raise SpecError(path, f"is set, but layers of this type are {mixer} layers",
+                            allowed="remove it, or set what acts in them")
+    moved = [p for p, _ in t.overrides if p.startswith("position.")]
+    kinds = {spec.position.kind, layer.position.kind} & set(MODEL_POSITIONS)
+    if moved and kinds:
+        raise SpecError(moved[0], f"is set, but {' and '.join(sorted(kinds))} positions are "
+                        "the model's, not a layer's", allowed="remove it; a layer type may set "
+                        "rope, alibi or none positions")
+
+
+def _check_layer(spec: Spec) -> None:
+    """The rules within one kind of layer (a uniform spec, as ``Spec.layer`` gives), each where
+    its mixer has what it constrains."""
+    att, ffn, pos, family = spec.attention, spec.ffn, spec.position, spec.family
     # ---- attention
     if spec.attends and att.heads % att.kv_heads:
         divisors = [d for d in range(1, att.heads + 1) if att.heads % d == 0]
         raise SpecError("attention.kv_heads", f"{att.kv_heads} does not divide attention.heads "
                         f"({att.heads})", allowed="one of " + ", ".join(map(str, divisors)))
-    if att.pattern is not None and "local" in att.pattern and att.window is None:
-        raise SpecError("attention.pattern", f"{_show(att.pattern)} has local layers but "
-                        "attention.window is not set",
-                        allowed="set attention.window, or only global layers")
-    if att.pattern is not None and "local" not in att.pattern:
-        _refuse_set(spec, "attention.window", f"attention.pattern {_show(att.pattern)} has no "
-                    "local layer to use it",
-                    allowed="remove it, or put local layers in attention.pattern")
     if att.window is None:
         _refuse_set(spec, "attention.global_tokens", "global tokens are seen beside a sliding "
                     "window, and attention.window is not set", allowed="remove it, or a window")
@@ -312,19 +519,8 @@ def _check(spec: Spec) -> Spec:
     if att.mask not in masks.split(", "):
         raise SpecError("attention.mask", f"{att.mask!r} with family {family}: {why}",
                         allowed=masks)
-    # ---- what each family has
-    if family == "encoder":
-        _refuse_set(spec, "embedding.tied output.softcap output.bias output.scale",
-                    "an encoder has no output head: it returns hidden states",
-                    allowed="remove it; an encoder takes only output.final_norm")
-    if family == "decoder":
-        _refuse_set(spec, "embedding.token_types", "a decoder takes no token types",
-                    allowed="0, or family: encoder")
-    if family != "encoder-decoder":
-        _refuse_set(spec, "decoder_layers", f"a {family} has one stack",
-                    allowed="only with family: encoder-decoder")
     # ---- positions
-    if pos.kind == "rope":
+    if pos.kind == "rope" and spec.softmax_attends:
         if att.head_dim % 2:
             raise SpecError("attention.head_dim", f"{att.head_dim} is odd but RoPE rotates "
                             "pairs of dims", allowed="an even number")
@@ -341,9 +537,6 @@ def _check(spec: Spec) -> Spec:
             raise SpecError("position.scaling.high_freq_factor", f"{sc.high_freq_factor} is not "
                             f"above low_freq_factor ({sc.low_freq_factor})",
                             allowed="a number > low_freq_factor")
-    if pos.kind == "sinusoidal" and spec.d_model % 2:
-        raise SpecError("d_model", f"{spec.d_model} is odd but sinusoidal positions come in "
-                        "sin/cos pairs", allowed="an even number")
     if pos.kind == "relative" and pos.max_distance < pos.buckets:
         raise SpecError("position.max_distance", f"{pos.max_distance} is below position.buckets "
                         f"({pos.buckets})", allowed=f"a whole number ≥ {pos.buckets}")
@@ -351,9 +544,6 @@ def _check(spec: Spec) -> Spec:
     if spec.norm.placement != "pre":
         _refuse_set(spec, "block.parallel", f"a parallel block needs pre-norm, not "
                     f"{spec.norm.placement!r}", allowed="norm.placement: pre, or false")
-    if not spec.block.parallel:
-        _refuse_set(spec, "block.shared_norm", "a serial block always has one norm per "
-                    "sublayer", allowed="set block.parallel: true, or remove it")
     if ffn.kind == "none":
         _refuse_set(spec, "ffn.d_ff ffn.bias", "ffn.kind is 'none'",
                     allowed="remove it, or choose an ffn.kind")
@@ -375,13 +565,52 @@ def _check(spec: Spec) -> Spec:
                             f"({ffn.moe.experts})", allowed=f"1 to {ffn.moe.experts}")
         _refuse_set(spec, "ffn.bias", "MoE experts have no biases",
                     allowed="false, or a dense ffn.kind")
-        if ffn.pattern is not None and "moe" not in ffn.pattern:
-            raise SpecError("ffn.pattern", f"{_show(ffn.pattern)} has no moe layer",
-                            allowed=f"a pattern with moe layers, or ffn.kind: {ffn.moe.expert}")
         if ffn.moe.expert != "mlp":
             _refuse_set(spec, "ffn.activation", f"{ffn.moe.expert} experts take their "
                         "activation from their kind", allowed="remove it, or ffn.moe.expert: mlp")
-    return spec
+
+
+def _check_model(spec: Spec) -> None:
+    """The rules over the whole model: what no layer uses, and what each family has."""
+    att, pos, family, mixers = spec.attention, spec.position, spec.family, _mixers_written(spec)
+    if "mamba" not in spec.all_mixers:
+        _refuse_set(spec, "mixer.mamba", f"no layer is mamba ({mixers})",
+                    allowed="remove it, or give some layers the mamba mixer")
+    if not spec.attends:
+        _refuse_set(spec, "attention.heads attention.kv_heads attention.head_dim attention.bias",
+                    f"no layer attends ({mixers})")
+    if not spec.softmax_attends:
+        _refuse_set(spec, " ".join(f"attention.{name}" for name in SCORE_FIELDS),
+                    f"it acts in softmax attention and no layer has it ({mixers})")
+        if pos.kind in ("rope", "alibi", "relative"):
+            raise SpecError("position.kind", f"{pos.kind!r} acts inside softmax attention, and "
+                            f"no layer has it ({mixers})", allowed="none, learned, sinusoidal")
+    if att.pattern is not None and "local" in att.pattern and att.window is None:
+        raise SpecError("attention.pattern", f"{_show(att.pattern)} has local layers but "
+                        "attention.window is not set",
+                        allowed="set attention.window, or only global layers")
+    if att.pattern is not None and "local" not in att.pattern:
+        _refuse_set(spec, "attention.window", f"attention.pattern {_show(att.pattern)} has no "
+                    "local layer to use it",
+                    allowed="remove it, or put local layers in attention.pattern")
+    if family == "encoder":
+        _refuse_set(spec, "embedding.tied output.softcap output.bias output.scale",
+                    "an encoder has no output head: it returns hidden states",
+                    allowed="remove it; an encoder takes only output.final_norm")
+    if family == "decoder":
+        _refuse_set(spec, "embedding.token_types", "a decoder takes no token types",
+                    allowed="0, or family: encoder")
+    if family != "encoder-decoder":
+        _refuse_set(spec, "decoder_layers", f"a {family} has one stack",
+                    allowed="only with family: encoder-decoder")
+    if pos.kind == "sinusoidal" and spec.d_model % 2:
+        raise SpecError("d_model", f"{spec.d_model} is odd but sinusoidal positions come in "
+                        "sin/cos pairs", allowed="an even number")
+    if spec.weights is not None and not spec.weights.strip():
+        raise SpecError("weights", "is an empty string", allowed="the path of a checkpoint")
+    if not spec.block.parallel:
+        _refuse_set(spec, "block.shared_norm", "a serial block always has one norm per "
+                    "sublayer", allowed="set block.parallel: true, or remove it")
 
 
 def from_dict(data: Any, source: str | None = None) -> Spec:
@@ -426,7 +655,11 @@ def load_yaml(path: str | Path) -> Spec:
         loader = _SpecYAMLLoader(Path(source).read_text(encoding="utf-8"))
         node = loader.get_single_node()
         _refuse_repeated_keys(node, "", set())
-        return from_dict(None if node is None else loader.construct_document(node))
+        spec = from_dict(None if node is None else loader.construct_document(node))
+        if spec.weights is not None:   # a checkpoint beside the spec file
+            spec = dataclasses.replace(spec, weights=os.path.normpath(
+                (Path(source).parent / spec.weights).absolute()))
+        return spec
     except OSError as err:
         raise SpecError("", f"cannot read the file: {err.strerror}", source=source) from None
     except UnicodeDecodeError:
@@ -459,27 +692,49 @@ def load_spec(spec: str | Path) -> Spec:
                     allowed="a .yaml path or one of `archc specs`")
 
 
+def _plain(value: Any) -> Any:
+    """A loaded value as plain data for YAML: a section as its mapping, a tuple as a list."""
+    if dataclasses.is_dataclass(value):
+        return _data(value, "", {}, full=True)
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _nested(overrides: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    """A layer type's (field path, value) pairs as the mapping a spec writes."""
+    out: dict[str, Any] = {}
+    for path, value in overrides:
+        *parents, key = path.split(".")
+        node = out
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[key] = _plain(value)
+    return out
+
+
+def _data(obj: Any, path: str, derived: Mapping[str, Any], full: bool) -> dict[str, Any]:
+    """Section `obj` (at `path`) as plain data: see ``to_dict``."""
+    out: dict[str, Any] = {}
+    for f, tp in typed_fields(type(obj)):
+        value, where, only = getattr(obj, f.name), path + f.name, f.metadata.get("only")
+        if value is None and type(None) not in get_args(tp) or \
+                only and getattr(obj, "kind", None) not in only:
+            continue  # a field the spec does not have, or one its section's kind refuses
+        if dataclasses.is_dataclass(value):
+            inner = _data(value, where + ".", derived, full)
+            if inner or full or f.default_factory is dataclasses.MISSING:
+                out[f.name] = inner
+        elif f.name == "layer_types" and value is not None:
+            out[f.name] = {t.name: _nested(t.overrides) for t in value}
+        elif full or value != derived.get(where, f.default):
+            out[f.name] = _plain(value)
+    return out
+
+
 def to_dict(spec: Spec, *, full: bool = False) -> dict[str, Any]:
     """The spec as plain data for YAML. Without `full`, a field is left out when it holds its
-    default, or, for a derived field, what the loader would derive."""
-    derived = _derived(spec)
-
-    def section(obj: Any, path: str) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for f, tp in typed_fields(type(obj)):
-            value, where, only = getattr(obj, f.name), path + f.name, f.metadata.get("only")
-            if value is None and type(None) not in get_args(tp) or \
-                    only and getattr(obj, "kind", None) not in only:
-                continue  # a field the spec does not have, or one its section's kind refuses
-            if dataclasses.is_dataclass(value):
-                inner = section(value, where + ".")
-                if inner or full or f.default_factory is dataclasses.MISSING:
-                    out[f.name] = inner
-            elif full or value != derived.get(where, f.default):
-                out[f.name] = list(value) if isinstance(value, tuple) else value
-        return out
-
-    return section(spec, "")
+    default, or, for a derived field, what the loader would derive. A layer type writes the
+    fields it sets."""
+    return _data(spec, "", _derived(spec), full)
 
 
 def dump_yaml(spec: Spec, *, full: bool = False) -> str:

@@ -5,13 +5,22 @@ Every field is declared once here, read by the loader, ``to_dict`` and the refer
 ``words`` (names that stand for a number the loader works out), ``only`` (the field applies only
 when its section's ``kind`` is one of these), ``derived`` (computed when omitted),
 ``required_when`` (a condition the cross-field rules check). A field defaulting to None whose
-type does not admit None is required (where it applies)."""
+type does not admit None is required (where it applies).
+
+Layers vary by *layer types*: each names the fields it sets in the per-layer sections
+(``LAYER_SECTIONS``), and ``layer_pattern`` gives each layer its type. The older per-layer
+patterns (``mixer.pattern``, ``attention.pattern``, ``ffn.pattern``) are shorthand for layer
+types (``Spec.layer_plan``); ``Spec.layer(i)`` is what layer i runs."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+# The sections a layer type may change; everything else (sizes, embeddings, block arrangement,
+# output head) is the model's.
+LAYER_SECTIONS = ("mixer", "attention", "position", "ffn", "norm")
 
 Family = Literal["decoder", "encoder", "encoder-decoder"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "sigmoid"]
@@ -195,6 +204,20 @@ class Output:
 
 
 @dataclass(frozen=True)
+class LayerType:
+    """One kind of layer: the fields it sets in the model's per-layer sections, as (field path,
+    value) pairs such as ("attention.window", 1024) or ("position.kind", "none"); every other
+    field is the model's."""
+
+    name: str
+    overrides: tuple[tuple[str, Any], ...] = ()
+
+    def get(self, path: str, default: Any) -> Any:
+        """The value this type sets at `path`, else `default`."""
+        return next((v for p, v in self.overrides if p == path), default)
+
+
+@dataclass(frozen=True)
 class Spec:
     name: str = _f(None, "model name (letters, digits, . _ -)")
     family: Family = _f("decoder", "encoders return hidden states; the others end in a head")
@@ -205,6 +228,10 @@ class Spec:
     max_seq_len: int = _f(2048, "longest sequence (positions table, KV-cache size)", min=1)
     dtype: Literal["f32", "f16", "bf16"] = _f("bf16", "weight dtype for size and byte reports")
     description: str = _f("", "free text")
+    weights: str | None = _f(
+        None, "a checkpoint to run this spec with: a Hugging Face directory, GGUF file, archc "
+        "checkpoint directory or quantized file, relative to the spec file; each tensor's shape "
+        "must be the one this spec's program wants")
     mixer: Mixer = _f(Mixer, "sequence mixer per layer")
     attention: Attention = _f(Attention, "attention")
     ffn: FFN = _f(FFN, "feed-forward")
@@ -213,6 +240,12 @@ class Spec:
     position: Position = _f(Position, "positions")
     embedding: Embedding = _f(Embedding, "embeddings")
     output: Output = _f(Output, "output head")
+    layer_types: tuple[LayerType, ...] | None = _f(
+        None, "named kinds of layer, each the fields it sets in mixer, attention, position, ffn "
+        "and norm: {local: {attention: {window: 1024}}, global: {position: {theta: 1e6}}}")
+    layer_pattern: tuple[str, ...] | None = _f(
+        None, "the type of each layer, repeated over the layers (one entry per layer: an "
+        "explicit list)")
 
     @property
     def rotary_dim(self) -> int:
@@ -224,9 +257,45 @@ class Spec:
     def attention_scale(self) -> float:
         return self.attention.scale or 1.0 / math.sqrt(self.attention.head_dim)  # scale > 0
 
+    def layer_plan(self) -> tuple[tuple[LayerType, ...], tuple[str, ...]]:
+        """The layer types and the type of each layer of one period (repeated over the layers).
+        Without `layer_types`, the per-layer shorthands make them: `mixer.pattern` a type per
+        mixer, `attention.pattern` local (the window) and global (none), `ffn.pattern` moe and
+        dense (one FFN of kind moe.expert); together, a type per combination (`mamba+dense`).
+        A model without either has one type, named ''."""
+        if self.layer_types is not None and self.layer_pattern is not None:
+            return self.layer_types, self.layer_pattern
+        no_window = (("attention.window", None), ("attention.global_tokens", None))
+        shorthands = [
+            [(k, (("mixer.kind", k),)) for k in self.mixer.pattern or ()],
+            [(k, () if k == "local" else no_window) for k in self.attention.pattern or ()],
+            [(k, () if k == "moe" else (("ffn.kind", self.ffn.moe.expert),))
+             for k in (self.ffn.pattern or ()) if self.ffn.moe is not None]]
+        given = [p for p in shorthands if p]
+        if not given:
+            return (LayerType(""),), ("",)
+        period = min(math.lcm(*map(len, given)), max(self.layers, self.decoder_layers or 0))
+        kinds = [tuple(p[i % len(p)] for p in given) for i in range(period)]
+        names = ["+".join(name for name, _ in kind) for kind in kinds]
+        types = {n: LayerType(n, sum((o for _, o in kind), ())) for n, kind in zip(names, kinds)}
+        return tuple(types.values()), tuple(names)
+
+    def layer_type_names(self, layers: int | None = None) -> tuple[str, ...]:
+        """The type of each layer (of a stack of `layers`, default the model's)."""
+        return _repeat(self.layer_plan()[1], layers or self.layers)
+
+    def layer(self, i: int) -> Spec:
+        """What layer i runs: the model with its layer type's fields set, and no layer types or
+        patterns (a uniform spec, whose every section is this layer's). Both stacks of an
+        encoder-decoder repeat the pattern alike."""
+        from archc.spec.load import layer_specs  # the loader's rules resolve the fields
+        types, pattern = self.layer_plan()
+        return layer_specs(self)[[t.name for t in types].index(pattern[i % len(pattern)])]
+
     def layer_mixers(self, layers: int | None = None) -> tuple[MixerKind, ...]:
-        """The sequence mixer of each layer, from `mixer.pattern` (repeated) or `mixer.kind`."""
-        return _repeat(self.mixer.pattern or (self.mixer.kind,), layers or self.layers)
+        """The sequence mixer of each layer (read off the layer types, unresolved)."""
+        kinds = {t.name: t.get("mixer.kind", self.mixer.kind) for t in self.layer_plan()[0]}
+        return tuple(kinds.get(name, self.mixer.kind) for name in self.layer_type_names(layers))
 
     @property
     def attends(self) -> bool:
@@ -249,13 +318,14 @@ class Spec:
         return self.mixer.mamba.expand * self.d_model if self.mixer.mamba else 0
 
     def layer_ffns(self, layers: int | None = None) -> tuple[FFNLayerKind, ...]:
-        """Dense or MoE FFN for each layer of an MoE model, from `ffn.pattern` (repeated)."""
-        return _repeat(self.ffn.pattern or ("moe",), layers or self.layers)
+        """Dense or MoE FFN for each layer."""
+        return tuple("moe" if self.layer(i).ffn.kind == "moe" else "dense"
+                     for i in range(layers or self.layers))
 
     def layer_kinds(self, layers: int | None = None) -> tuple[LayerKind, ...]:
-        """Local (windowed) or global attention for each layer, from `attention.pattern`."""
-        kind: LayerKind = "local" if self.attention.window else "global"
-        return _repeat(self.attention.pattern or (kind,), layers or self.layers)
+        """Local (windowed) or global attention for each layer."""
+        return tuple("local" if self.layer(i).attention.window else "global"
+                     for i in range(layers or self.layers))
 
 
 def _repeat(pattern: tuple[Any, ...], n: int) -> tuple[Any, ...]:

@@ -26,6 +26,7 @@ class Op(str, Enum):
     SPLIT_HEADS = "split_heads"
     MERGE_HEADS = "merge_heads"
     SLICE = "slice"
+    LAST_TOKEN = "last_token"
     # as lowering emits them
     MATMUL = "matmul"
     ADD = "add"
@@ -61,7 +62,7 @@ class Op(str, Enum):
 
 # Group sets: patterns, cost reports and codegen key on these, not on long lists of ops.
 META = frozenset({Op.INPUT, Op.PARAM, Op.OUTPUT})
-VIEW = frozenset({Op.SPLIT_HEADS, Op.MERGE_HEADS, Op.SLICE})
+VIEW = frozenset({Op.SPLIT_HEADS, Op.MERGE_HEADS, Op.SLICE, Op.LAST_TOKEN})
 ELEMENTWISE = frozenset({Op.ADD, Op.MUL, Op.ACT, Op.POINTWISE})
 POINTWISE = ELEMENTWISE | {Op.ROPE, Op.MASK, Op.ALIBI, Op.REL_BIAS}
 REDUCTION = frozenset({Op.NORM, Op.SOFTMAX})

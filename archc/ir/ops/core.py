@@ -455,6 +455,18 @@ register(OpDef(
     "%30 : f32[B,T,64] = merge_heads(%29)", operands("x"), _merge_infer,
     lambda ctx, a, at: a["x"].transpose(1, 2).flatten(2), bytes=zero, arity=(1, 1)))
 
+def _last_token_infer(sig: Sig) -> tuple[Shape, str]:
+    x = sig.shapes[0]
+    require(len(x) == 3, f"last_token takes [B, T, D], got {list(x)}")
+    return (x[0], sympy.Integer(1), x[2]), sig.dtypes[0]
+
+
+register(OpDef(
+    Op.LAST_TOKEN, "View the last token of each sequence, row T − 1 of [B, T, D]: the rows "
+    "whose logits a prefill's caller uses (`last-token-logits`).",
+    "%40 : f32[B,1,64] = last_token(%39)", operands("x"), _last_token_infer,
+    lambda ctx, a, at: a["x"][:, -1:], bytes=zero, arity=(1, 1)))
+
 register(OpDef(
     Op.SLICE, "View columns [start, stop) of the last dim (e.g. q, k, v of a fused QKV).",
     "%12 : f32[B,T,32] = slice(%11) {start=64, stop=96}", operands("x"), _slice_infer,
