@@ -14,6 +14,7 @@ import archc.sources as sources
 from archc.devices import dtype_name
 from archc.dist import parallel_sizes
 from archc.errors import ArchcError
+from archc.memory import release_freed
 from archc.model import CompiledModel, Model, Progress
 from archc.spec import load_spec
 from archc.spec.schema import Spec
@@ -97,4 +98,6 @@ def load(source: str | Path, *, seed: int = 0, dtype: str | torch.dtype | None =
                                                          f"{path}",))
     if quantize is not None:
         model = model.quantized(quantize, group)
-    return model if shard is None or model.shard is not None else model.sliced(*shard)
+    model = model if shard is None or model.shard is not None else model.sliced(*shard)
+    release_freed()     # what reading the checkpoint freed goes back to the system
+    return model

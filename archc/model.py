@@ -28,11 +28,13 @@ from archc.errors import ArchcError, Spell, python_option
 from archc.ir.graph import Program
 from archc.ir.lower import lower
 from archc.ir.ops.attention import KV_QUANT
+from archc.memory import release_freed
 from archc.quant import QTensor
 from archc.runtime.eager import EagerSession
 from archc.runtime.generate import Sampler, Sampling
 from archc.runtime.weights import (
     TORCH_DTYPES,
+    Handover,
     check_checkpoint,
     quant_schemes,
     quantizable,
@@ -136,8 +138,13 @@ class Model:
 
     def compile(self, backend: str = "eager", *, tp: int = 1, cp: int = 1,
                 dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu",
-                **options: Any) -> CompiledModel:
+                keep_weights: bool = True, **options: Any) -> CompiledModel:
         """Ready the model to run on `backend` ("eager" or "triton") on `device`, in `dtype`.
+
+        With keep_weights=False the weights are handed to the compiled model: each leaves
+        ``model.weights`` as the backend takes what it needs of it, so a backend that merges
+        weights never holds them twice (what a program that compiles once wants); the model
+        cannot be compiled again.
 
         With `tp` > 1 (tensor parallel) or `cp` > 1 (context parallel) it runs as one rank of
         an initialized torch.distributed default group of tp · cp processes, every rank calling
@@ -159,10 +166,12 @@ class Model:
                              "interpreter computes bfloat16 wrongly; use dtype='f32' or 'f16', "
                              "or device='cuda'")
         # A backend evaluates the parameters into new tensors unless it runs the checkpoint's
-        # own: the eager backend without weight-rewriting passes, in their dtype and place.
-        if backend != "eager" or options.get("passes") not in (None, "none") or any(
-                w.dtype != TORCH_DTYPES[name] or w.device != torch_device
-                for w in (self.weights or {}).values() if isinstance(w, torch.Tensor)):
+        # own: the eager backend without weight-rewriting passes, in their dtype and place; or
+        # the checkpoint is handed over, each tensor let go as its replacement is made.
+        if keep_weights and (backend != "eager" or options.get("passes") not in (None, "none")
+                             or any(w.dtype != TORCH_DTYPES[name] or w.device != torch_device
+                                    for w in (self.weights or {}).values()
+                                    if isinstance(w, torch.Tensor))):
             check_fits(self.spec.name, "the compiled copy of its weights",
                        checkpoint_elements(self.graph), name, self.spec.family, torch_device,
                        random=self.random_weights)
@@ -173,11 +182,13 @@ class Model:
         if tp * cp > 1:
             program, options["comms"] = self._parallel(program, tp, cp)
         module, factory = BACKENDS[backend]
+        weights = (self.weights or {}) if keep_weights else Handover(self.weights or {})
         session = getattr(importlib.import_module(module), factory)(
-            self, program, name, torch_device, options)
+            self, weights, program, name, torch_device, options)
         if getattr(session, "module_path", None) is not None:   # a backend that generates code
             from archc.kernel_cache import used
             used(Path(session.module_path))
+        release_freed()     # the passes' and the code generator's transients
         return CompiledModel(self, program, session, backend)
 
     def _parallel(self, program: Program, tp: int, cp: int) -> tuple[Program, dict[str, Any]]:
@@ -230,20 +241,20 @@ def check_kv_cache(kv_cache: Any, backend: str, device: torch.device, *,
 EAGER_PIPELINE = ("share-kv-heads", "flash-attention")
 
 
-def _eager_backend(model: Model, program: Program, dtype: str, device: torch.device,
-                   options: Mapping[str, Any]) -> Session:
+def _eager_backend(model: Model, weights: Mapping[str, Any], program: Program, dtype: str,
+                   device: torch.device, options: Mapping[str, Any]) -> Session:
     from archc.passes import optimize
     unknown = sorted(set(options) - {"passes", "comms"})
     if unknown:
         raise ArchcError(f"the eager backend takes one option, passes (got {', '.join(unknown)})")
     passes = options.get("passes")
     program = optimize(program, EAGER_PIPELINE if passes is None else passes)
-    return EagerSession(program, model.weights, max_seq_len=model.spec.max_seq_len,
+    return EagerSession(program, weights, max_seq_len=model.spec.max_seq_len,
                         device=device, comms=options.get("comms"))
 
 
-# name → (module, factory(model, program, dtype, device, options) → Session); a backend's module
-# is imported when it is first compiled for
+# name → (module, factory(model, weights, program, dtype, device, options) → Session); a
+# backend's module is imported when it is first compiled for
 BACKENDS = {"eager": ("archc.model", "_eager_backend"),
             "triton": ("archc.runtime.triton_backend", "triton_backend")}
 

@@ -258,6 +258,7 @@ class Row:
     intensity: float
     kernels_per_layer: float   # after the default exact pipeline
     decode_bytes_per_token: int
+    call: StepCall | None = None   # the step that made it (None: the start)
 
 
 def measure(step: str, spec: Spec, batch: int, context: int) -> Row:
@@ -266,17 +267,27 @@ def measure(step: str, spec: Spec, batch: int, context: int) -> Row:
     flops, moved = map(sum, zip(*(graph_cost(g).at(dims) for g in optimize(program))))
     kv = kv_cache_bytes_per_token(program)
     att = spec.attention
+    # a model without softmax attention keeps no KV cache that grows with the context
+    kv_heads, heads = (att.kv_heads, att.heads) if spec.softmax_attends else (0, 1)
     return Row(step, spec, parameter_count(program), flops // batch, kv, kv * context * batch,
-               decode_intensity(spec.d_model, context, att.kv_heads, att.heads, batch),
+               decode_intensity(spec.d_model, context, kv_heads, heads, batch),
                kernels_per_layer(spec, dtype=spec.dtype)[1], moved // batch)
 
 
-def walk(spec: Spec, calls: list[StepCall], batch: int, context: int) -> list[Row]:
-    """The starting spec and the spec after each step, measured."""
+def walk(spec: Spec, calls: list[StepCall], batch: int, context: int, *,
+         skipped: Callable[[StepCall, StepError], None] | None = None) -> list[Row]:
+    """The starting spec and the spec after each step, measured. With `skipped`, a step that
+    does not apply is passed to it and left out (else its StepError is raised)."""
     rows = [measure("(start)", spec, batch, context)]
     for call in calls:
-        spec = call.apply(spec)
-        rows.append(measure(call.text, spec, batch, context))
+        try:
+            spec = call.apply(spec)
+        except StepError as err:
+            if skipped is None:
+                raise
+            skipped(call, err)
+            continue
+        rows.append(replace(measure(call.text, spec, batch, context), call=call))
     return rows
 
 

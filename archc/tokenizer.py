@@ -201,7 +201,8 @@ def from_gguf_vocab(*, model: str, tokens: Sequence[str], token_types: Sequence[
     """A tokenizer from the vocabulary a GGUF file stores (`tokenizer.ggml.*`)."""
     tokenizers = _tokenizers()
     m, d, n = tokenizers.models, tokenizers.decoders, tokenizers.normalizers
-    vocab = {tok: i for i, tok in reversed(list(enumerate(tokens)))}  # a repeat keeps its first id
+    # a repeat keeps its first id (built without a list of pairs: a vocabulary is 10⁵ tokens)
+    vocab = dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1)))
     if model == "gpt2":
         if merges is None:
             raise TokenizerError(f"{source}: tokenizer.ggml.merges is missing for a BPE "

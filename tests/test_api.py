@@ -129,3 +129,17 @@ def test_the_compiled_copy_is_priced_too(monkeypatch: pytest.MonkeyPatch) -> Non
     model.compile()      # the eager backend runs the checkpoint's own f32 tensors: no copy
     with pytest.raises(ArchcError, match="the compiled copy of its weights need"):
         model.compile(dtype="f16")
+    # handed over, each f32 tensor goes as its f16 copy is made: no second copy to price
+    model.compile(dtype="f16", keep_weights=False)
+    assert model.weights == {}
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_weights_handed_over_compute_the_same(backend: str) -> None:
+    """A model compiled with keep_weights=False gives its tensors to the backend as it takes
+    them (merged Q/K/V and gate/up for the kernels): the same logits as one that keeps them."""
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    kept = archc.load("tiny-qwen2").compile(backend)(ids)
+    model = archc.load("tiny-qwen2")
+    got = model.compile(backend, keep_weights=False)(ids)
+    assert model.weights == {} and torch.equal(got, kept)

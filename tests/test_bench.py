@@ -577,7 +577,9 @@ def test_autotune_section_runs_real_sessions_last(tmp_path: Path,
 
 @pytest.mark.parametrize("argv, message", [
     (["bench", "tiny-llama3", "--prompt-len", "8", "--new-tokens", "4"], "no CUDA GPU here"),
-    (["bench", "tiny-llama3"], "--prompt-len 512 + --new-tokens 64 exceed"),   # a GPU's default
+    # a GPU run's defaults (512 + 64) fit tiny-llama3's 64 positions: only the GPU is missing
+    (["bench", "tiny-llama3"], "no CUDA GPU here"),
+    (["bench", "tiny-llama3", "--prompt-len", "512"], "--prompt-len 512 leaves no room"),
     (["bench", "tiny-llama3", "--dry-run", "--layers", "3"], "has 2 blocks"),
     (["bench", "tiny-bert", "--dry-run"], "decoder-only"),
     (["bench", "tiny-llama3", "--dry-run", "--dtype", "bf16"], "computes bf16 wrongly"),

@@ -4,6 +4,7 @@ answers a question end to end through `archc run`."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -88,17 +89,31 @@ def test_smollm2_kept_quantized_answers_as_transformers_does() -> None:
 
 
 PEAK = """
-import re, sys
+import json, re, sys
 from pathlib import Path
-import archc
 
 def high_water() -> int:   # this process's peak resident kB (VmHWM: reset by exec, not inherited)
     return int(re.search(r"VmHWM:\\s+(\\d+)", Path("/proc/self/status").read_text())[1])
 
-before = high_water()
-archc.load(sys.argv[1], dequantize=sys.argv[2] == "1")
-print(high_water() - before)
+if sys.argv[1] == "load":   # the peak a load adds: kept quantized (0) or dequantized (1)
+    import archc
+    before = high_water()
+    archc.load(sys.argv[2], dequantize=sys.argv[3] == "1")
+    print(high_water() - before)
+else:                       # an archc command, in this process; then its peak resident bytes
+    from archc.cli import main
+    status = main(sys.argv[1:])
+    print(json.dumps({"status": status, "peak": high_water() * 1024}))
 """
+
+
+def in_fresh_process(*argv: str) -> tuple[str, str]:
+    """What `PEAK` prints for `argv`, run in a new Python process: the lines before its last
+    (a command's own output) and its last."""
+    run = subprocess.run([sys.executable, "-c", PEAK, *argv], capture_output=True, text=True,
+                         check=True, cwd=Path(archc.__file__).parents[1])
+    *before, last = run.stdout.splitlines()
+    return "\n".join(before), last
 
 
 @pytest.mark.slow
@@ -107,12 +122,39 @@ def test_smollm2_kept_quantized_loads_in_well_under_the_memory_of_floats() -> No
     dequantized: the quantized load never holds f32 copies of its tensors."""
     if not Path("/proc/self/status").is_file():
         pytest.skip("reads the peak resident memory from Linux's /proc/self/status")
-
-    def peak(dequantize: bool) -> int:
-        run = subprocess.run([sys.executable, "-c", PEAK, str(smollm2_gguf()),
-                              "1" if dequantize else "0"], capture_output=True, text=True,
-                             check=True, cwd=Path(archc.__file__).parents[1])
-        return int(run.stdout.split()[-1])
-
-    kept, floats = peak(False), peak(True)
+    kept, floats = (int(in_fresh_process("load", str(smollm2_gguf()), flag)[1])
+                    for flag in "01")
     assert 0 < kept < 0.5 * floats, (kept, floats)
+
+
+# The greedy continuation of "The capital of France is": " Paris", ".", as transformers reads
+# the file (the f32 model its GGUF loader dequantizes) and as the eager reference did when it
+# held a dense copy of every weight.
+PARIS = [7042, 30]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, new_tokens", [("eager", 2), ("triton", 1)])
+def test_smollm2_runs_in_the_memory_of_its_quantized_weights(backend: str,
+                                                             new_tokens: int) -> None:
+    """`archc run` on the Q4_1 file peaks (VmHWM, a fresh process) under what `archc run
+    tiny-llama3` peaks at on the same backend (Python, torch, Triton and their first kernels)
+    plus 1.5× the weights' bytes: no dense copy of a quantized weight (6.4× their bytes in f32),
+    no second copy of a merged one, no whole-file transient. The answer is the greedy one. The
+    triton backend, slow under Triton's interpreter, prefills and stops."""
+    import gguf
+    if not Path("/proc/self/status").is_file():
+        pytest.skip("reads the peak resident memory from Linux's /proc/self/status")
+    path = smollm2_gguf()
+    weights = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+    baseline = json.loads(in_fresh_process("run", "tiny-llama3", "--backend", backend,
+                                           "--new-tokens", "2", "--quiet")[1])
+    out, line = in_fresh_process("run", str(path), "--prompt", "The capital of France is",
+                                 "--new-tokens", str(new_tokens), "--backend", backend,
+                                 "--json", "--quiet", "--threads", "1")
+    got = json.loads(line)
+    assert got["status"] == 0 and baseline["status"] == 0
+    assert json.loads(out)["tokens"] == PARIS[:new_tokens]
+    over = got["peak"] - baseline["peak"]
+    assert over < 1.5 * weights, f"{over / 2**20:.1f} MiB over the baseline for " \
+        f"{weights / 2**20:.1f} MiB of weights"

@@ -163,8 +163,15 @@ def test_blocks_default_to_max_batch_sequences_of_max_seq_len(
     # when they do not fit in half the free memory: what does
     monkeypatch.setattr("archc.runtime.paged.host_available", lambda: 2 * 5 * engine.block_bytes)
     assert compiled.engine(block_size=16, max_batch=3).blocks_total == 5
+    # fewer than one sequence of max_seq_len (4 blocks): shorter sequences, the pool refusing
+    # one that needs more blocks than it holds
     monkeypatch.setattr("archc.runtime.paged.host_available", lambda: 2 * 3 * engine.block_bytes)
-    with pytest.raises(ArchcError, match="one sequence of max_seq_len = 64 needs 32"):
+    short = compiled.engine(block_size=16, max_batch=3)
+    assert short.blocks_total == 3
+    with pytest.raises(PoolExhausted):
+        short.prefill(0, [1, 2, 3], total_tokens=64)
+    monkeypatch.setattr("archc.runtime.paged.host_available", lambda: engine.block_bytes)
+    with pytest.raises(ArchcError, match="one KV-cache block of 16 tokens needs 8.00 KiB"):
         compiled.engine(block_size=16, max_batch=3)
 
 

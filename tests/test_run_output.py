@@ -35,7 +35,7 @@ def test_every_run_ends_with_the_time_of_each_phase_on_one_line(
     timing = lines[-1]
     assert len(lines) == 2 and len(timing) > 80          # longer than a pipe's 80 columns
     for part in ("load ", " · compile ", " · prefill 8 tokens in ", " · decode 2 tokens in ",
-                 "tokens/s"):
+                 "tokens/s", " · peak memory "):
         assert part in timing, timing
 
 
@@ -46,9 +46,30 @@ def test_quiet_prints_nothing_on_standard_error(tiny_gguf: Path,  # noqa: F811
     assert status == 0 and err == "" and out.startswith("the cat") and out.endswith("\n")
 
 
+def status_bytes(field: str) -> int:
+    """A field of Linux's /proc/self/status in bytes (VmRSS: resident now, VmHWM: the most)."""
+    status = Path("/proc/self/status")
+    if not status.is_file():
+        pytest.skip("reads resident memory from Linux's /proc/self/status")
+    return int(next(line.split()[1] for line in status.read_text().splitlines()
+                    if line.startswith(f"{field}:"))) * 1024
+
+
+def resident_now() -> int:
+    return status_bytes("VmRSS")
+
+
+def high_water() -> int:
+    return status_bytes("VmHWM")
+
+
 def test_json_of_a_logits_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    before = resident_now()
     status, out, err = run(capsys, "tiny-llama3", "--new-tokens", "3", "--json", "--quiet")
     data = json.loads(out)
+    # the process's high-water mark when the run reported: at least what it held before the
+    # run, at most the mark read after it
+    assert before <= data["timings"]["peak_memory_bytes"] <= high_water()
     assert status == 0 and data["random_weights"] and data["model"] == "tiny-llama3"
     assert data["output_shape"] == [1, 8, 97] and len(data["greedy_continuation"]) == 3
     assert [t["token"] for t in data["top5"]][0] == data["greedy_continuation"][0]
@@ -113,7 +134,8 @@ def test_weights_that_cannot_fit_are_refused_in_the_words_of_the_command_line(
     assert status == 2 and err.count("\n") == 1
     assert "300.00 MiB of memory is available" in err
     assert "--dtype bf16 or --dtype f16" in err and "dtype=" not in err
-    # the triton backend's passes evaluate a second copy: that is priced too
+    # validation keeps the checkpoint beside the eager and the kernels' copies: priced too
     monkeypatch.setattr(archc.devices, "host_available", lambda: 600 << 20)
-    status, out, err = run(capsys, "smollm2-135m", "--backend", "triton")
-    assert status == 2 and "its weights and 1 compiled copy need" in err
+    capsys.readouterr()
+    assert main(["validate", "smollm2-135m"]) == 2
+    assert "its weights and 2 compiled copies need" in capsys.readouterr().err

@@ -20,6 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from archc.commands.common import check_output, quant_of, quant_scheme, spec_of
+from archc.commands.defaults import fit_lengths
 from archc.commands.vocabulary import add, positive_int
 from archc.devices import default_dtype, resolve_device
 from archc.errors import ArchcError, cli_option
@@ -51,9 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=positive_int, metavar="N",
                    help="keep the first N blocks (a real-size model in less time and memory)")
     add(p, "batch", detail=f"default {GPU_RUN['batch']}")
-    add(p, "prompt_len", detail=f"default {GPU_RUN['prompt']}; {DRY_RUN['prompt']} in a dry run")
+    add(p, "prompt_len", detail=f"default {GPU_RUN['prompt']}; {DRY_RUN['prompt']} in a dry run "
+        "(less where max_seq_len is shorter)")
     add(p, "new_tokens", detail=f"the decode steps timed: default {GPU_RUN['decode']}; "
-        f"{DRY_RUN['decode']} in a dry run")
+        f"{DRY_RUN['decode']} in a dry run (less where max_seq_len is shorter)")
     add(p, "dtype")
     add(p, "quantize", detail="here: archc runs the quantized model; PyTorch and the dense "
         "decode floor stay in --dtype")
@@ -77,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_of(args: argparse.Namespace) -> Any:
-    from archc.perf.bench import BenchConfig, Timer, check_config, keep_layers
+    from archc.perf.bench import WARMUP_STEPS, BenchConfig, Timer, check_config, keep_layers
     dry = args.dry_run
     modes = tuple(m.strip() for m in args.compile_modes.split(",")
                   if m.strip() not in ("", "none"))
@@ -93,8 +95,14 @@ def config_of(args: argparse.Namespace) -> Any:
     # that the rest of the command is fine (bench/rehearse.sh relies on it)
     full = spec_of(args)
     spec = keep_layers(full, args.layers)
-    prompt = args.prompt_len or base["prompt"]
-    decode = base["decode"] if args.new_tokens is None else args.new_tokens
+    # a decoder's defaults fitted to its max_seq_len, with room for the warm-up steps (said once
+    # every argument is checked); the others are refused by check_config
+    def lengths(quiet: bool) -> tuple[int, int]:
+        if spec.family != "decoder":
+            return args.prompt_len or base["prompt"], base["decode"]
+        return fit_lengths(spec, args.prompt_len, args.new_tokens,
+                           (base["prompt"], base["decode"]), reserve=WARMUP_STEPS, quiet=quiet)
+    prompt, decode = lengths(quiet=True)
     contexts = tuple(args.contexts)
     check_config(spec, prompt, decode, contexts)
     dtype = args.dtype or default_dtype(spec.dtype, "cpu" if dry else "cuda")
@@ -117,6 +125,7 @@ def config_of(args: argparse.Namespace) -> Any:
         if model is None:
             raise ArchcError(f"cannot tell which GPU model {name!r} is for the roofline: pass "
                              f"--gpu {' | '.join(GPUS)}")
+    lengths(quiet=False)
     return BenchConfig(
         spec=spec, dtype=dtype, device=device, gpu=model, gpu_detected=detected,
         batch=args.batch or base["batch"], prompt=prompt, decode=decode,

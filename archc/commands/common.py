@@ -28,6 +28,7 @@ from archc.devices import (
 )
 from archc.errors import ArchcError, cli_option
 from archc.ir.lower import lower
+from archc.memory import peak_resident
 from archc.model import check_kv_cache
 from archc.quant import QTensor, tensor_bytes
 from archc.sources import describe
@@ -64,7 +65,8 @@ class Timings:
                 if self.seconds.get(p) and self.tokens(p)}
 
     def line(self) -> str:
-        """`load 0.41 s · compile 0.02 s · prefill 37 tokens in 0.80 s (46.3 tokens/s) · …`"""
+        """`load 0.41 s · compile 0.02 s · prefill 37 tokens in 0.80 s (46.3 tokens/s) · …`, and
+        the most memory the process has held resident so far."""
         rates = self.tokens_per_second()
         parts = []
         for name, s in self.seconds.items():
@@ -76,6 +78,9 @@ class Timings:
             parts.append((f"{name} {s:.2f} s" if name in ("load", "compile") else
                           f"{name} {n} token{'' if n == 1 else 's'} in {s:.2f} s") +
                          (f" ({rates[name]:.3g} tokens/s)" if name in rates else ""))
+        peak = peak_resident()
+        if peak is not None:
+            parts.append(f"peak memory {nbytes(peak)}")
         if self.stop is not None:
             parts.append(STOPS[self.stop] + (f" ({self.stop_token})" if self.stop_token else ""))
         return " · ".join(parts)
@@ -88,7 +93,8 @@ class Timings:
         return {"seconds": self.seconds, "weight_bytes": self.weight_bytes,
                 "weight_tensors": self.weight_kinds, "prompt_tokens": self.prompt_tokens,
                 "generated_tokens": self.generated,
-                "tokens_per_second": self.tokens_per_second(), "stop": self.stop}
+                "tokens_per_second": self.tokens_per_second(), "stop": self.stop,
+                "peak_memory_bytes": peak_resident()}
 
 
 def spec_of(args: argparse.Namespace, attr: str = "source") -> Spec:
@@ -175,29 +181,35 @@ class Run:
         if backend != "eager" and self.dtype == "bf16" and self.device.type == "cpu":
             raise ArchcError("--dtype bf16 on the CPU: Triton's interpreter computes bfloat16 "
                              "wrongly; use --dtype f32 or f16, or --device cuda")
-        if lengths is not None and sum(lengths) > self.spec.max_seq_len:
-            raise ArchcError(f"{lengths[0]} prompt tokens + {lengths[1]} new exceed "
-                             f"{self.spec.name}'s max_seq_len = {self.spec.max_seq_len}")
+        if lengths is not None:
+            self.check_lengths(*lengths)
         # The weights are read straight into the compute dtype, so the eager backend runs them
-        # as they are; the triton backend's passes evaluate a second copy (merged and folded
-        # weights), and validation runs both. A GPU's copies are read on the host first.
+        # as they are (quantized ones too: it dequantizes them as it reads them); the triton
+        # backend's passes evaluate merged and folded weights, each taking the place of the
+        # tensors it is made of (the command compiles once: `Run.compile`); validation keeps
+        # the checkpoint beside the eager and the kernels' copies. A GPU's copies are read on
+        # the host first.
         program = lower(self.spec)   # tensors a source keeps quantized priced at their bytes
         quant = {} if getattr(args, "dequantize", False) else self.source.quant
         tp = getattr(args, "tp", 1)  # a rank of a --tp run holds its slices only
         elements = checkpoint_elements(program, quant, tp)
         quantized = quantized_bytes(program, quant, tp)
-        # the eager reference holds quantized weights dequantized (EagerSession)
-        dense = checkpoint_elements(program, tp=tp) - elements if backend != "triton" else 0
-        copies = {"eager": 1, "triton": 2, None: 3}[backend]
+        copies = {"eager": 1, "triton": 1, None: 3}[backend]
         host = [(torch.device("cpu"), 1)] if self.device.type == "cuda" else []
         for device, n in [*host, (self.device, copies)]:
             what = "its weights" + (f" and {n - 1} compiled cop{'y' if n == 2 else 'ies'}"
                                     if n > 1 else "")
-            check_fits(self.spec.name, what, elements * n + dense * (device == self.device),
-                       self.dtype, self.spec.family, device, spell=cli_option,
-                       random=self.source.random_weights, quantized=quantized * n)
+            check_fits(self.spec.name, what, elements * n, self.dtype, self.spec.family, device,
+                       spell=cli_option, random=self.source.random_weights,
+                       quantized=quantized * n)
         if getattr(args, "threads", None) is not None:
             torch.set_num_threads(args.threads)
+
+    def check_lengths(self, prompt: int, new: int) -> None:
+        """Refuse a prompt and new tokens that exceed the model's max_seq_len."""
+        if prompt + new > self.spec.max_seq_len:
+            raise ArchcError(f"{prompt} prompt tokens + {new} new exceed "
+                             f"{self.spec.name}'s max_seq_len = {self.spec.max_seq_len}")
 
     def load(self) -> Any:
         """The model, its weights in the compute dtype, with a progress bar on a terminal and
@@ -241,11 +253,8 @@ class Run:
         if getattr(self.args, "kv_cache", None) is not None:
             options["kv_cache"] = self.args.kv_cache
         tp, cp = getattr(self.args, "tp", 1), getattr(self.args, "cp", 1)
+        # the command compiles once: the weights are handed to the session (a rank's slices,
+        # a merged copy), never held twice
         with self.timings.phase("compile"):
-            compiled = model.compile(backend, dtype=self.dtype, device=self.device, tp=tp, cp=cp,
-                                     **options)
-        if tp * cp > 1 and model.weights is not None:
-            # the session holds this rank's slices; the whole checkpoint is let go (the command
-            # compiles once)
-            model.weights.clear()
-        return compiled
+            return model.compile(backend, dtype=self.dtype, device=self.device, tp=tp, cp=cp,
+                                 keep_weights=False, **options)

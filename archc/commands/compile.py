@@ -17,6 +17,7 @@ from rich.markup import escape
 
 from archc.codegen.aot import TARGETS
 from archc.commands.common import check_output, quant_of
+from archc.commands.defaults import fitted_all
 from archc.commands.passes import add_pipeline_arguments
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
@@ -162,8 +163,10 @@ def _occupancy(args: argparse.Namespace, spec: Spec, dtype: str,
     if g.arch != args.target:
         raise ArchcError(f"--gpu {args.gpu} is not an {args.target} GPU (those: "
                          f"{', '.join(k for k, v in GPUS.items() if v.arch == args.target)})")
-    within = [c for c in occ.DEFAULT_CONTEXTS if c <= spec.max_seq_len] or [spec.max_seq_len]
-    contexts = sorted(set(args.context or within))
+    occ.check_occupancy(spec, args.context or [])    # before a default is fitted and said
+    contexts = sorted(set(fitted_all("--context", args.context, occ.DEFAULT_CONTEXTS,
+                                     spec.max_seq_len, f"{spec.name}'s max_seq_len = "
+                                     f"{spec.max_seq_len}")))
     batch = args.batch or 1
     program = lower(spec, dtype, quant, kv_cache=args.kv_cache)
     recorder, plans = occ.record(program, spec, dtype=dtype, batch=batch,

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from archc.commands.common import check_output, emit
+from archc.commands.defaults import fitted, note
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
 from archc.modernize import DEFAULT_STEPS, STEPS, Row, StepError, convert, parse_steps, walk
@@ -17,8 +18,9 @@ from archc.ui import console, nbytes, si, table
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "source", detail="a spec is walked as a spec; a checkpoint's weights are converted")
     steps = "; ".join(f"{s.name}: {s.doc}" for s in STEPS.values())
-    p.add_argument("--steps", default=",".join(DEFAULT_STEPS),
-                   help=f"comma-separated steps (default: {','.join(DEFAULT_STEPS)}). {steps}")
+    p.add_argument("--steps", help=f"comma-separated steps (default: those of "
+                   f"{','.join(DEFAULT_STEPS)} that apply; on a checkpoint, those that convert "
+                   f"its weights). {steps}")
     add(p, "batch", default=1)
     add(p, "context", detail="for KV bytes and intensity (default: max_seq_len)")
     add(p, "output", detail="for a spec, a file: the final spec as YAML; for a checkpoint, a "
@@ -56,21 +58,29 @@ def _plot(rows: list[Row], path: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     import archc
     from archc.spec.load import dump_yaml
-    calls = parse_steps(args.steps)
+    calls = parse_steps(args.steps or ",".join(DEFAULT_STEPS))
     source = describe(args.source)
     spec, checkpoint = source.spec, not source.random_weights
     check_output(args.output, "dir" if checkpoint else "file")
     check_output(args.plot, "file", "--plot")
+    if checkpoint and args.steps is None:   # the default walk: the steps weights go through
+        calls = [call for call in calls if call.step.converts_weights]
+        if source.quant:
+            note(f"{', '.join(c.text for c in calls)} left out of the default steps: they "
+                 f"convert float weights, and {spec.name}'s are quantized")
+            calls = []
     if checkpoint:  # refuse before any work what a checkpoint cannot go through
         for call in calls:
             if not call.step.converts_weights:
                 raise StepError(f"{call.text} changes what the weights compute and needs "
                                 "training; on a checkpoint only gqa:N, mqa and no-bias apply")
-    context = args.context or spec.max_seq_len
-    if context > spec.max_seq_len:
-        raise ArchcError(f"--context {context} exceeds max_seq_len = {spec.max_seq_len}")
+    context = fitted("--context", args.context, spec.max_seq_len, spec.max_seq_len,
+                     f"max_seq_len = {spec.max_seq_len}")
     model = archc.load(args.source) if checkpoint else None
-    rows = walk(spec, calls, args.batch, context)
+    # the default walk leaves out, and says, the steps that do not apply to this model
+    rows = walk(spec, calls, args.batch, context, skipped=None if args.steps else (
+        lambda call, err: note(f"{call.text} left out of the default steps: {err}")))
+    calls = [r.call for r in rows[1:] if r.call is not None]
     console.print(table(
         f"architecture steps (batch {args.batch}, context {context})",
         ("step", "params", "FLOPs/token", "KV/token", f"KV @ {context}", "decode AI",

@@ -14,18 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from archc.commands.common import Run, check_output, quant_of
+from archc.commands.defaults import fit_lengths
 from archc.commands.passes import add_quant_arguments
+from archc.commands.roofline import NEW_TOKENS, PROMPT_LEN
+from archc.commands.validate import BATCH as VALIDATE_BATCH
+from archc.commands.validate import prompt_len as validate_prompt_len
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
 from archc.perf.gpus import gpu
-from archc.spec.schema import Spec
 from archc.ui import console
-
-# the roofline's defaults, as `archc roofline`'s; a model with a shorter max_seq_len gets a
-# quarter of it for new tokens and the rest for the prompt
-PROMPT_LEN, NEW_TOKENS = 512, 128
-# --validate runs as `archc validate` does by default: 2 sequences of 7 tokens, then a step
-VALIDATE_BATCH, VALIDATE_TOKENS = 2, 7
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,50 +60,27 @@ def _check(args: argparse.Namespace) -> None:
             raise ArchcError(f"{flag} goes with --validate")
 
 
-def roofline_lengths(args: argparse.Namespace, spec: Spec) -> tuple[int, int]:
-    """The roofline's prompt and new tokens: as given, else the defaults within max_seq_len.
-    What is given must fit: a prompt and, for a decoder, at least one new token."""
-    most = spec.max_seq_len
-    if spec.family == "encoder":
-        if args.new_tokens:
-            raise ArchcError(f"{spec.name} is an encoder: it does not decode (leave out "
-                             "--new-tokens)")
-        if args.prompt_len is not None and args.prompt_len > most:
-            raise ArchcError(f"--prompt-len {args.prompt_len} exceeds max_seq_len = {most}")
-        return args.prompt_len or min(PROMPT_LEN, most), 0
-    if args.prompt_len is not None and args.new_tokens is not None and \
-            args.prompt_len + args.new_tokens > most:
-        raise ArchcError(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} "
-                         f"exceed max_seq_len = {most}")
-    if args.prompt_len is not None and args.prompt_len >= most:
-        raise ArchcError(f"--prompt-len {args.prompt_len} leaves no room for a decode step "
-                         f"within max_seq_len = {most}")
-    new = args.new_tokens if args.new_tokens is not None else min(
-        NEW_TOKENS, most // 4, most - (args.prompt_len or 1))
-    prompt = args.prompt_len or min(PROMPT_LEN, most - new)
-    if prompt < 1:
-        raise ArchcError(f"--new-tokens {new} leaves no room for a prompt within "
-                         f"max_seq_len = {most}")
-    return prompt, new
-
-
 def run(args: argparse.Namespace) -> int:
     from archc.report import data as report_data
     from archc.report.page import render
     spec, quant = quant_of(args)
     _check(args)
-    prompt_len, new_tokens = roofline_lengths(args, spec)
-    options = report_data.Options(args.source, dtype=args.dtype, gpu=gpu(args.gpu),
+    g = gpu(args.gpu)
+    prompt_len, new_tokens = fit_lengths(spec, args.prompt_len, args.new_tokens,
+                                         (PROMPT_LEN, NEW_TOKENS))
+    options = report_data.Options(args.source, dtype=args.dtype, gpu=g,
                                   prompt_len=prompt_len, new_tokens=new_tokens,
                                   target=args.target, jobs=args.jobs)
     validate = None
     if args.validate:
-        run_ = Run(args, lengths=(VALIDATE_TOKENS, 1))   # checked before any work
+        # as `archc validate` runs by default
+        tokens = validate_prompt_len(spec, "--validate's prompt", quiet=False)
+        run_ = Run(args, lengths=(tokens, 1))   # checked before any work
 
         def validate() -> Any:
             from archc.runtime.validation import validate as check
             return check(run_.load(), dtype=run_.dtype, batch=VALIDATE_BATCH,
-                         tokens=VALIDATE_TOKENS, seed=args.seed, device=str(run_.device),
+                         tokens=tokens, seed=args.seed, device=str(run_.device),
                          cache_dir=args.cache_dir, kv_cache=None)
     data = report_data.build(spec, quant, options, validate=validate, cache_dir=args.cache_dir)
     if args.json:

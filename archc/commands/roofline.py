@@ -9,9 +9,9 @@ from collections import Counter
 from rich.markup import escape
 
 from archc.commands.common import quant_of
+from archc.commands.defaults import fit_lengths
 from archc.commands.passes import add_pipeline_arguments
 from archc.commands.vocabulary import add
-from archc.errors import ArchcError
 from archc.ir.graph import Program
 from archc.ir.lower import lower
 from archc.passes import optimize
@@ -22,13 +22,17 @@ from archc.perf.summary import fmt_seconds
 from archc.spec.schema import Spec
 from archc.ui import console, nbytes, si, table
 
+# a real model's prefill and decode; a shorter max_seq_len fits them (`fit_lengths`)
+PROMPT_LEN, NEW_TOKENS = 512, 128
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "source")
     add(p, "gpu", default="h200")
     add(p, "batch", default=1)
-    add(p, "prompt_len", default=512)
-    add(p, "new_tokens", default=128, detail="the decode step priced is the last")
+    add(p, "prompt_len", detail=f"default {PROMPT_LEN}, less where max_seq_len is shorter")
+    add(p, "new_tokens", detail=f"the decode step priced is the last (default {NEW_TOKENS}, less "
+        "where max_seq_len is shorter; an encoder does not decode)")
     add(p, "kv_cache")
     add(p, "tp", default=1, detail="costs, weights and the floor are one GPU's, its "
         "collectives priced at the link's bandwidth")
@@ -55,12 +59,8 @@ def _priced(title: str, program: Program, dims: dict[str, int],
 def run(args: argparse.Namespace) -> int:
     g = gpu(args.gpu)
     spec, quant = quant_of(args)
-    b, n, m = args.batch, args.prompt_len, args.new_tokens
-    if spec.family == "encoder" and m:
-        raise ArchcError(f"{spec.name} is an encoder: it does not decode (use --new-tokens 0)")
-    if n + m > spec.max_seq_len:
-        raise ArchcError(f"--prompt-len {n} + --new-tokens {m} exceed max_seq_len = "
-                         f"{spec.max_seq_len}")
+    b = args.batch
+    n, m = fit_lengths(spec, args.prompt_len, args.new_tokens, (PROMPT_LEN, NEW_TOKENS))
     dtype = args.dtype or spec.dtype
     kind = {"none": "unfused", "default": "kernel-level (default passes)"}.get(
         args.passes, f"after {args.passes}")

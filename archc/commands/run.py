@@ -17,11 +17,13 @@ import torch
 
 from archc.commands.chat import Conversation, add_sampling_arguments, answer, load_for_text
 from archc.commands.common import Run
+from archc.commands.defaults import fit_lengths
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
 from archc.ui import console, table
 
-TEXT_NEW_TOKENS, SUMMARY_NEW_TOKENS = 128, 4
+TEXT_NEW_TOKENS = 128
+SUMMARY_PROMPT_LEN, SUMMARY_NEW_TOKENS = 8, 4      # a random prompt, then greedy steps
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(text, "system", detail="with --chat")
     add_sampling_arguments(text)
     logits = p.add_argument_group("logits summary (without --prompt or --chat)")
-    add(logits, "prompt_len", detail="of the random prompt (default 8)")
+    add(logits, "prompt_len", detail=f"of the random prompt (default {SUMMARY_PROMPT_LEN}, less "
+        "where max_seq_len is shorter)")
     add(logits, "batch", detail="default 1")
 
 
@@ -66,13 +69,19 @@ def run(args: argparse.Namespace) -> int:
     given = [flag for flag, value in wrong.items() if value is not None]
     if given:
         raise ArchcError(f"{given[0]} {why}")
-    if args.new_tokens is None:
-        args.new_tokens = TEXT_NEW_TOKENS if text else SUMMARY_NEW_TOKENS
-    args.prompt_len, args.batch = args.prompt_len or 8, args.batch or 1
-    if text:
+    args.batch = args.batch or 1
+    if text:   # new tokens past max_seq_len are left out, and said so (`chat.answer`)
+        if args.new_tokens is None:
+            args.new_tokens = TEXT_NEW_TOKENS
         return _generate_text(args, *load_for_text(
             args, "--prompt" if args.chat is None else "--chat", chat=args.chat is not None))
-    run_ = Run(args, lengths=(args.prompt_len, args.new_tokens))
+    run_ = Run(args)
+    decodes = run_.spec.family == "decoder"     # the others summarize the prefill alone
+    args.prompt_len, new = fit_lengths(run_.spec, args.prompt_len,
+                                       args.new_tokens if decodes else None,
+                                       (SUMMARY_PROMPT_LEN, SUMMARY_NEW_TOKENS), quiet=args.quiet)
+    args.new_tokens = new if decodes else args.new_tokens or 0
+    run_.check_lengths(args.prompt_len, args.new_tokens)
     return _summarize(args, run_, run_.load())
 
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 import argparse
 
 from archc.commands.chat import load_for_text
+from archc.commands.defaults import fitted, note
 from archc.commands.vocabulary import add, number, positive_int
 from archc.ui import err_console
 
 port_number = number(int, 0, None)
+BLOCK_SIZE = 16     # tokens per KV-cache block
 
 
 def _port(text: str) -> int:
@@ -41,11 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens (prompt and max_tokens) the running requests may reserve "
                         "together; a request waits in the queue beyond it (default: as many "
                         "as the KV-cache pool holds)")
-    p.add_argument("--block-size", type=positive_int, default=16, metavar="N",
-                   help="tokens per KV-cache block (default 16)")
+    p.add_argument("--block-size", type=positive_int, metavar="N",
+                   help=f"tokens per KV-cache block (default {BLOCK_SIZE}, or max_seq_len "
+                        "where that is shorter)")
     p.add_argument("--blocks", type=positive_int, metavar="N",
-                   help="KV-cache blocks in the pool (default: the engine's, enough for "
-                        "--max-batch sequences of max_seq_len tokens)")
+                   help="KV-cache blocks in the pool (default: enough for --max-batch sequences "
+                        "of max_seq_len tokens, or as many as half the free memory holds)")
     p.add_argument("--model-name", metavar="NAME",
                    help="the model's name in the API (default: the spec's name)")
     add(p, "backend", default="eager")
@@ -67,11 +70,24 @@ def run(args: argparse.Namespace) -> int:
     try:
         run_, model = load_for_text(args, "archc serve", chat=False)
         compiled = run_.compile(model)
-        engine = engine_for(compiled, max_batch=args.max_batch, block_size=args.block_size,
+        spec = model.spec
+        block_size = args.block_size or fitted(
+            "--block-size", None, BLOCK_SIZE, spec.max_seq_len,
+            f"{spec.name}'s max_seq_len = {spec.max_seq_len}", quiet=args.quiet)
+        engine = engine_for(compiled, max_batch=args.max_batch, block_size=block_size,
                             blocks=args.blocks)
+        # a default pool holds what half the free memory does: fewer sequences of max_seq_len
+        # at once, or, when not even one, a shorter context
+        context = min(spec.max_seq_len, engine.blocks_total * engine.block_size)
+        if args.blocks is None and \
+                engine.blocks_total < engine.max_batch * engine.blocks_for(spec.max_seq_len):
+            note(f"--blocks {engine.blocks_total}: the default pool ({engine.max_batch} "
+                 f"sequences of max_seq_len = {spec.max_seq_len}) exceeds half the free memory"
+                 + (f"; the context served is {context} tokens"
+                    if context < spec.max_seq_len else ""), args.quiet)
         scheduler = Scheduler(engine, tokenizer=model.tokenizer,
                               max_tokens_in_flight=args.max_tokens_in_flight,
-                              max_seq_len=model.spec.max_seq_len)
+                              max_seq_len=context)
         name = args.model_name or model.spec.name
         served = Served(scheduler, name, model.tokenizer, model.spec.vocab_size,
                         tuple(model.eos_token_ids), seed=args.seed)

@@ -9,16 +9,28 @@ from pathlib import Path
 from rich.markup import escape
 
 from archc.commands.common import Run, check_output
+from archc.commands.defaults import fitted
 from archc.commands.vocabulary import add
+from archc.spec.schema import Spec
 from archc.ui import console, table
+
+# sequences and prompt tokens checked (`archc report --validate` runs the same), then a step
+BATCH, PROMPT_LEN = 2, 7
+
+
+def prompt_len(spec: Spec, flag: str, *, quiet: bool) -> int:
+    """The default prompt, within max_seq_len less the decode step that follows it."""
+    return fitted(flag, None, PROMPT_LEN, spec.max_seq_len - 1,
+                  f"{spec.name}'s max_seq_len = {spec.max_seq_len} less a decode step",
+                  quiet=quiet)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "source", detail="a spec gets random weights")
     add(p, "dtype", detail="bf16 needs a GPU")
     add(p, "device")
-    add(p, "prompt_len", default=7)
-    add(p, "batch", default=2)
+    add(p, "prompt_len", detail=f"default {PROMPT_LEN}, less where max_seq_len is shorter")
+    add(p, "batch", default=BATCH)
     add(p, "seed", default=0)
     add(p, "cache_dir")
     add(p, "quantize", "group", "dequantize", "kv_cache")
@@ -31,7 +43,10 @@ def run(args: argparse.Namespace) -> int:
     from archc.kernel_cache import used
     from archc.runtime.validation import validate
     check_output(args.cache_dir, "dir", "--cache-dir")
-    run_ = Run(args, lengths=(args.prompt_len, 1))
+    run_ = Run(args)
+    if args.prompt_len is None:
+        args.prompt_len = prompt_len(run_.spec, "--prompt-len", quiet=False)
+    run_.check_lengths(args.prompt_len, 1)
     report = validate(run_.load(), dtype=run_.dtype, batch=args.batch, tokens=args.prompt_len,
                       seed=args.seed, device=str(run_.device), cache_dir=args.cache_dir,
                       autotune=False if args.no_autotune else None, kv_cache=args.kv_cache)

@@ -31,7 +31,8 @@ def reference() -> str:
         "\n## Architecture steps\n",
         "Steps change the model on purpose; they never run unless named "
         "(`archc modernize SPEC --steps a,b:N`). Each is a spec → spec transform. "
-        f"The default walk: {', '.join(f'`{s}`' for s in DEFAULT_STEPS)}.\n",
+        f"The default walk: {', '.join(f'`{s}`' for s in DEFAULT_STEPS)}, each that applies to "
+        "the model (on a checkpoint, each that converts its weights).\n",
         "| step | what it does | argument | on loaded weights |",
         "|---|---|---|---|",
     ]

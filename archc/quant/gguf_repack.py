@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from archc.errors import WeightsError
+from archc.memory import mapped
 from archc.quant.schemes import BY_GGUF, SUPER, Scheme
 from archc.quant.tensor import QTensor
 
@@ -39,6 +40,8 @@ from archc.quant.tensor import QTensor
 BLOCK_BYTES: dict[str, int] = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24,
                                "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 Parts = dict[str, np.ndarray]
+TORCH_OF = {np.dtype(np.uint8): torch.uint8, np.dtype(np.int8): torch.int8,
+            np.dtype(np.float16): torch.float16}
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -153,7 +156,13 @@ def repack(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> QTensor:
                            f"{rows * (k // block) * BLOCK_BYTES[kind]} bytes, got {data.size}")
     blocks = data.reshape(rows, k // block, BLOCK_BYTES[kind])
     parts = UNPACK[kind](blocks)
-    # each part: [rows, blocks, per block] → [..., N, per row], as its own contiguous tensor
-    return QTensor(scheme, shape, {
-        name: torch.from_numpy(np.array(p.reshape(*shape[:-1], -1), copy=True))
-        for name, p in parts.items()})
+    # each part: [rows, blocks, per block] → [..., N, per row], as its own contiguous tensor in
+    # pages of its own (`archc.memory.mapped`): when a backend merges it into another weight
+    # and lets it go, its memory goes back to the system (freed heap memory would stay)
+    out = {}
+    for name, p in parts.items():
+        p = p.reshape(*shape[:-1], -1)
+        held = mapped(p.shape, TORCH_OF[p.dtype])
+        np.copyto(held.numpy(), p)
+        out[name] = held
+    return QTensor(scheme, shape, out)

@@ -99,6 +99,18 @@ class QTensor:
         high = (self.parts["qh"][..., None] >> shifts) & ((1 << s.high_bits) - 1)
         return low | (high.flatten(-2)[..., :k] << 4)
 
+    def _float_codes(self) -> torch.Tensor:
+        """The codes as a new f32 tensor [..., N, K] (small integers: exact). Four-bit codes
+        are written straight from their nibbles, without an integer copy between."""
+        s, q = self.scheme, self.parts["q"]
+        if s.bits != 4:
+            return self._codes().float()
+        c = torch.empty((*q.shape, 2), dtype=torch.float32, device=q.device)
+        c[..., 0] = q & 0x0F
+        c[..., 1] = q >> 4
+        c = c.flatten(-2)
+        return c if c.shape[-1] == self.shape[-1] else c[..., :self.shape[-1]].contiguous()
+
     def _per_group(self, part: str, size: int, group: int, groups: int) -> torch.Tensor:
         """A part held per `size` elements, as f32 per `group` elements: [..., N, groups]."""
         v = self.parts[part].float()
@@ -110,20 +122,24 @@ class QTensor:
         s, k = self.scheme, self.shape[-1]
         group = min(s.group, k)
         groups = -(-k // group)
-        c = self._codes().float()          # small integers: exact in f32, as is c − zero
+        c = self._float_codes()            # small integers: exact in f32, as is c − zero
         if groups * group != k:
             c = F.pad(c, (0, groups * group - k))
-        c = c.unflatten(-1, (groups, group))
+        v = c.unflatten(-1, (groups, group))
         if s.two_level:
             scale = self._per_group("d", SUPER, group, groups) * self.parts["sc"].float()
         else:
             scale = self.parts["scale"].float()
-        v = scale[..., None] * (c - s.zero if s.zero else c)
+        # in place on the codes' own f32 copy: the same operations, rounded alike, without a
+        # new tensor for each
+        if s.zero:
+            v.sub_(s.zero)
+        v.mul_(scale[..., None])
         if s.offset == "f16":
-            v = v + self.parts["min"].float()[..., None]
+            v.add_(self.parts["min"].float()[..., None])
         elif s.offset == "super":
-            v = v - (self._per_group("dmin", SUPER, group, groups)
-                     * self.parts["mn"].float())[..., None]
+            v.sub_((self._per_group("dmin", SUPER, group, groups)
+                    * self.parts["mn"].float())[..., None])
         return v.flatten(-2)[..., :k].to(dtype)
 
     def float(self) -> torch.Tensor:
@@ -157,6 +173,11 @@ class QTensor:
 
     def rows(self, start: int = 0, stop: int | None = None) -> QTensor:
         return self._map(lambda p: p[start:stop].contiguous())
+
+    def select(self, index: int) -> QTensor:
+        """Entry `index` of the first dim, that dim dropped (an expert of [E, N, K])."""
+        self._lead_dim(0)
+        return QTensor(self.scheme, self.shape[1:], {k: p[index] for k, p in self.parts.items()})
 
     def take(self, ids: torch.Tensor) -> QTensor:
         """Rows of a 2-D table by integer ids of any shape: [*ids, K] (an embedding gather)."""
@@ -226,8 +247,47 @@ Weight = torch.Tensor | QTensor
 
 
 def dense(w: Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A weight as a plain tensor: a quantized one dequantized into `dtype` (what eager reads)."""
+    """A weight as a plain tensor: a quantized one dequantized into `dtype`."""
     return w.dequantize(dtype) if isinstance(w, QTensor) else w
+
+
+# elements of a quantized weight dequantized at once by `by_rows`: 1 MiB in f32, so that
+# computing from a weight costs a few blocks of memory beside it, never its dense copy. Blocks
+# of 4 MiB left SmolLM2's eager run (Q4_1) peaking 6-12 MiB higher, by hash seed, the heap
+# fragmenting around them; these cost ~20% of its decode time (this project's CI machine)
+ROW_BLOCK = 1 << 18
+
+
+def by_rows(w: Weight, dtype: torch.dtype, fn: Callable[[torch.Tensor], torch.Tensor]
+            ) -> torch.Tensor:
+    """fn(values) for a weight [N, K] whose rows are the output columns (x @ wᵀ): a plain
+    tensor whole; a quantized one a block of rows at a time, each dequantized into `dtype` as
+    it is used, the results joined along the last dim. Each output column is computed from the
+    same values as from the whole dense weight (what the eager reference reads)."""
+    if not isinstance(w, QTensor):
+        return fn(w)
+    n = w.shape[0]
+    step = max(1, ROW_BLOCK // max(1, w.shape[-1]))
+    if step >= n:
+        return fn(w.dequantize(dtype))
+    # each block's result goes straight into the output, allocated once: nothing allocated
+    # for a block outlives it, so the next block reuses its memory (a list of results would
+    # pin the heap a little higher block after block)
+    out: torch.Tensor | None = None
+    for start in range(0, n, step):
+        part = fn(w.rows(start, min(start + step, n)).dequantize(dtype))
+        if out is None:
+            out = part.new_empty((*part.shape[:-1], n))
+        out[..., start:start + part.shape[-1]] = part
+        del part
+    assert out is not None
+    return out
+
+
+def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """x @ wᵀ (torch.nn.functional.linear) in x's dtype, a quantized weight dequantized a block
+    of rows at a time (`by_rows`)."""
+    return by_rows(w, x.dtype, lambda values: F.linear(x, values))
 
 
 def tensor_bytes(w: Weight) -> int:

@@ -23,11 +23,12 @@ from archc.ir.ops import OP_TABLE, Op, bind, full_attrs
 from archc.ir.ops.attention import KV_QUANT, kv_dequantize, kv_quantize, paged_slots
 from archc.ir.shapes import DIMS, QUANT_DTYPES
 from archc.ir.text import format_node
+from archc.memory import zeros
 from archc.passes.context import zigzag
 from archc.passes.logits import last_token_graph
-from archc.quant import QTensor, dense
+from archc.quant import QTensor, Weight
 from archc.runtime.comm import Comm, LocalComm
-from archc.runtime.weights import TORCH_DTYPES, materialize
+from archc.runtime.weights import TORCH_DTYPES, Handover, materialize
 
 
 @functools.lru_cache(maxsize=4096)
@@ -58,12 +59,12 @@ class KVCache:
             if buf is not None and past > 0:
                 raise RunError(f"the KV cache holds a batch of {buf.shape[0]} {buf.dtype} "
                                f"sequences; got {b} {x.dtype} — reset before changing the batch")
-            buf = self.store[key] = torch.zeros(b, h, self.max_len, d, dtype=code_dtype,
-                                                device=x.device)
+            # rows past those written stay unmapped zero pages on the host (`zeros`)
+            buf = self.store[key] = zeros((b, h, self.max_len, d), code_dtype, x.device)
             self.dtypes[key] = x.dtype
             self.scales.pop(key, None)
             if quant is not None:
-                self.scales[key] = torch.zeros(b, h, self.max_len, device=x.device)
+                self.scales[key] = zeros((b, h, self.max_len), torch.float32, x.device)
         if quant is None:
             buf[:, :, past:past + t] = x
         else:
@@ -117,9 +118,8 @@ class PagedPool:
         """Rows x [1, H_kv, T, D] of T tokens into their blocks, at their positions."""
         pool = self.store.get((layer, kind))
         if pool is None:
-            pool = self.store[(layer, kind)] = torch.zeros(
-                self.blocks, x.shape[1], self.block_size, x.shape[3], dtype=x.dtype,
-                device=x.device)
+            pool = self.store[(layer, kind)] = zeros(
+                (self.blocks, x.shape[1], self.block_size, x.shape[3]), x.dtype, x.device)
         block, offset = paged_slots(positions, table, self.block_size)
         pool[block.to(pool.device), :, offset.to(pool.device)] = x[0].transpose(0, 1).to(
             pool.dtype)                                                         # (T, H_kv, D)
@@ -266,6 +266,12 @@ class SessionBase:
         self._ring_keys = 0     # and the longest rank's token count: a ring's K/V block rows
 
     _run: Callable[..., dict[str, torch.Tensor]]
+
+    def _hand_over(self, checkpoint: Mapping[str, Weight]) -> None:
+        """A checkpoint handed over (``Model.compile(keep_weights=False)``) lets each tensor go
+        once this session's program has read it for the last time."""
+        if isinstance(checkpoint, Handover):
+            checkpoint.plan(self.program)
 
     def has_last_token(self) -> bool:
         """Does the last-token-logits variant run here (``LAST_TOKEN`` in `runs`)? Made from the
@@ -438,22 +444,19 @@ class SessionBase:
 class EagerSession(SessionBase):
     """A program ready to run eagerly: parameters evaluated once, a KV cache, a recurrent state.
 
-    Quantized weights are dequantized once, here, into the activations' dtype (`dequantize`,
-    the default): the values every op would compute from them on each call, held rather than
-    recomputed — the reference trades memory for speed; the kernels keep them quantized. With
-    dequantize=False the ops dequantize a weight each time they read it."""
+    Quantized weights stay quantized, as the kernels keep them: an op dequantizes the rows of a
+    weight it reads a block at a time as it computes (``archc.quant.by_rows``), so a model runs
+    in the memory of its quantized weights, not of a dense copy (an 8B model's 4.7 GB of Q4
+    would be 32 GB in f32)."""
 
     def __init__(self, program: Program, checkpoint: Mapping[str, torch.Tensor], *,
                  max_seq_len: int, device: str | torch.device = "cpu",
-                 dequantize: bool = True, comms: Mapping[str, Comm] | None = None) -> None:
+                 comms: Mapping[str, Comm] | None = None) -> None:
         super().__init__(program, max_seq_len, torch.device(device), comms)
         rank = self.comms["tp"].rank if "tp" in self.comms else 0
+        self._hand_over(checkpoint)
         self.params = {g.name: materialize(g, checkpoint, self.device, rank=rank)
                        for g in program}
-        if dequantize:
-            for g in program:
-                dtype = TORCH_DTYPES[g.compute_dtype]
-                self.params[g.name] = {k: dense(v, dtype) for k, v in self.params[g.name].items()}
         self.cache = KVCache(max_seq_len)
         self.state = RecurrentState()
         self.trace: Trace | None = None

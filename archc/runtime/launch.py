@@ -29,6 +29,7 @@ from archc.codegen.printer import DimFn, dim_function, uses_past
 from archc.errors import RunError
 from archc.ir.graph import Graph
 from archc.ir.ops import OP_TABLE, Op
+from archc.memory import zeros
 from archc.runtime import tuning
 from archc.runtime.buffers import plan_buffers
 from archc.runtime.comm import Comm, LocalComm, ring_pass_start
@@ -57,8 +58,9 @@ class StaticStore:
         self.store: dict[tuple[int, str], torch.Tensor] = {}
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """One tensor of the store (`archc bench --host-time` stands in views of one element)."""
-        return torch.zeros(shape, dtype=dtype, device=self.device)
+        """One tensor of the store (`archc bench --host-time` stands in views of one element):
+        on the host, rows not yet written hold no memory (`archc.devices.zeros`)."""
+        return zeros(shape, dtype, self.device)
 
     def ensure(self, batch: int) -> None:
         if batch != self.batch:

@@ -95,18 +95,19 @@ def block_bytes(program: Program, block_size: int) -> int:
 def default_blocks(engine: PagedEngine, device: torch.device) -> int:
     """blocks=None: enough for max_batch sequences of max_seq_len each, when they take at most
     half of the memory free on `device` (the rest is for activations and the host's own); else
-    as many as that half holds. Refused when it holds not even one sequence of max_seq_len."""
+    as many as that half holds — fewer sequences at once, or shorter ones than max_seq_len (a
+    sequence the pool cannot hold is refused when it starts). Refused when that half holds not
+    one block."""
     want = engine.max_batch * engine.table_width
     free = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else \
         host_available()
     if free is None or engine.block_bytes == 0 or want * engine.block_bytes <= free // 2:
         return want
     fits = free // 2 // engine.block_bytes
-    if fits < engine.table_width:
-        one = nbytes(engine.table_width * engine.block_bytes)
-        raise EngineError(f"the KV-cache pool of one sequence of max_seq_len = "
-                          f"{engine.max_seq_len} needs {one}; half of the {nbytes(free)} free "
-                          f"is {nbytes(free // 2)}: pass blocks= for shorter sequences")
+    if fits < 1:
+        raise EngineError(f"one KV-cache block of {engine.block_size} tokens needs "
+                          f"{nbytes(engine.block_bytes)}; half of the {nbytes(free)} free is "
+                          f"{nbytes(free // 2)}")
     return fits
 
 

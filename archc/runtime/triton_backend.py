@@ -144,6 +144,7 @@ class TritonSession(SessionBase):
         if self.target == "gpu":
             install_tma_allocator(self.device)
         # a variant reads the parameters of the graph it varies (its name's), evaluated once
+        self._hand_over(checkpoint)
         params = {g.name: self._parameters(g, checkpoint) for g in self.program}
         self.runners = {name: GraphRunner(self.module, g, params[g.name], self.device, run=name,
                                           reuse_buffers=self.options.reuse_buffers)
@@ -278,14 +279,14 @@ def _tuner(kernels: Mapping[str, Mapping[str, Any]], module_path: Path, digest: 
                         synchronize=lambda: torch.cuda.synchronize(device))
 
 
-def triton_backend(model: Any, program: Program, dtype: str, device: torch.device,
-                   options: Mapping[str, Any]) -> TritonSession:
+def triton_backend(model: Any, weights: Mapping[str, Any], program: Program, dtype: str,
+                   device: torch.device, options: Mapping[str, Any]) -> TritonSession:
     options = dict(options)
     comms = options.pop("comms", None)
     unknown = sorted(set(options) - set(TritonOptions.__dataclass_fields__))
     if unknown:
         raise ArchcError(f"unknown triton backend option {', '.join(unknown)} (known: "
                          f"{', '.join(sorted(TritonOptions.__dataclass_fields__))})")
-    return TritonSession(program, model.weights, max_seq_len=model.spec.max_seq_len,
+    return TritonSession(program, weights, max_seq_len=model.spec.max_seq_len,
                          dtype=dtype, device=device, options=TritonOptions(**options),
                          comms=comms)

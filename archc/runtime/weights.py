@@ -14,7 +14,8 @@ a gain change the output visibly.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -22,7 +23,7 @@ from archc.errors import WeightsError
 from archc.ir.graph import Graph, Program
 from archc.ir.ops import Op, full_attrs, roles_of
 from archc.ir.ops.base import TORCH_DTYPES
-from archc.ir.paramexpr import evaluate, leaf
+from archc.ir.paramexpr import calls, evaluate, leaf
 from archc.ir.shapes import concrete
 from archc.quant import QTensor, Weight, is_quantized
 
@@ -95,6 +96,39 @@ def check_shapes(want: Mapping[str, tuple[int, ...]], held: Mapping[str, tuple[i
         more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
         raise WeightsError(f"checkpoint has tensors the model does not use: "
                            f"{', '.join(extra[:3])}{more}")
+
+
+class Handover(Mapping[str, Weight]):
+    """A model's checkpoint handed to the one session compiled from it: a tensor leaves the
+    model's dict once every parameter that reads it has been evaluated (`plan` counts those
+    reads in the session's program). A parameter made of several tensors (Q, K and V merged)
+    is then held beside its sources one at a time, never the whole model twice."""
+
+    def __init__(self, weights: dict[str, Weight]) -> None:
+        self.weights = weights
+        self.reads: Counter[str] | None = None
+
+    def plan(self, program: Program) -> None:
+        self.reads = Counter(c.args[0] for g in program for n in g if n.op == Op.PARAM
+                             for c in calls(n.attr("expr") or leaf(n.name)) if c.fn == "w")
+
+    def __getitem__(self, name: str) -> Weight:
+        if self.reads is None:
+            raise WeightsError("a handed-over checkpoint is read after plan(program)")
+        w = self.weights[name]
+        self.reads[name] -= 1
+        if self.reads[name] <= 0:
+            del self.weights[name]
+        return w
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.weights
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
 
 
 def materialize(graph: Graph, tensors: Mapping[str, Weight],

@@ -49,7 +49,7 @@ def describe(source: str | Path) -> Source:
     if is_gguf(path):
         f = GGUFFile(path)
         spec = spec_of_file(f)
-        return Source("gguf", spec, bool(f.fields.get("tokenizer.ggml.tokens")),
+        return Source("gguf", spec, f.fields.size("tokenizer.ggml.tokens") > 0,
                       file_quant(f, spec))
     if is_native(path):
         return Source("archc", load_yaml(path / SPEC_FILE), False)

@@ -26,11 +26,13 @@ import torch
 from archc.errors import ArchcError, SpecError, WeightsError
 from archc.ir.lower import lower
 from archc.ir.paramexpr import rope_inv_freq
+from archc.memory import release_freed
 from archc.model import Model, Progress
 from archc.quant.gguf_repack import UNPACK, repack, supported
 from archc.quant.schemes import BY_GGUF
 from archc.quant.tensor import QTensor
 from archc.runtime.weights import checkpoint_shapes
+from archc.sources.gguf_reader import read_gguf
 from archc.sources.hf_config import HFConfig, spec_name
 from archc.sources.tensor_map import (
     Checkpoint,
@@ -43,7 +45,7 @@ from archc.sources.tensor_map import (
 )
 from archc.spec import from_dict
 from archc.spec.schema import Spec
-from archc.tokenizer import from_gguf_vocab
+from archc.tokenizer import Tokenizer, from_gguf_vocab
 
 ARCH = "llama"
 
@@ -62,18 +64,9 @@ class GGUFFile:
         self.keep_quantized, self.block_sizes = keep_quantized, gguf.GGML_QUANT_SIZES
         if not path.is_file():
             raise WeightsError(f"{path}: no such file")
-        try:
-            reader = gguf.GGUFReader(str(path))
-        except Exception as err:  # gguf raises ValueError, struct and numpy errors
-            raise WeightsError(f"{path}: not a readable GGUF file ({err}); is it truncated "
-                               "or not GGUF at all?") from None
-        self.tensors = {t.name: t for t in reader.tensors}
-        self.fields: dict[str, Any] = {}
-        for name in [n for n in reader.fields if not n.startswith("GGUF.")]:
-            try:
-                self.fields[name] = reader.fields[name].contents()
-            except Exception as err:
-                raise WeightsError(f"{path}: metadata {name!r} cannot be read ({err})") from None
+        # plain reads of the metadata; each tensor's bytes mapped only while it is read
+        self.fields, self.tensors = read_gguf(path, gguf.GGML_QUANT_SIZES,
+                                              gguf.GGMLQuantizationType)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """[out, in] as torch orders it (GGUF lists dims innermost first)."""
@@ -222,8 +215,8 @@ def spec_of_file(f: GGUFFile) -> Spec:
     data = {
         "name": spec_name(f.path.stem, str(f.fields.get("general.name") or "")),
         "description": f"{f.fields.get('general.name') or f.path.stem} from {f.path.name}",
-        "vocab_size": meta.number("vocab_size", embed_rows or len(
-            f.fields.get("tokenizer.ggml.tokens", []))),
+        "vocab_size": meta.number("vocab_size", embed_rows or
+                                  f.fields.size("tokenizer.ggml.tokens")),
         "d_model": d, "layers": meta.number("block_count"), "max_seq_len": max_seq, "dtype": "f32",
         "attention": {"heads": heads, "kv_heads": kv, "head_dim": head_dim, "bias": {
             p[0]: f"blk.0.attn_{p}.bias" in f.tensors for p in ("q", "k", "v", "output")}},
@@ -291,6 +284,22 @@ def file_quant(f: GGUFFile, spec: Spec) -> dict[str, str]:
     return out
 
 
+def _tokenizer(f: GGUFFile) -> Tokenizer | None:
+    """The tokenizer the file's `tokenizer.ggml.*` metadata stores, if any."""
+    if not f.fields.size("tokenizer.ggml.tokens"):
+        return None
+    tok = {k.removeprefix("tokenizer.ggml."): f.fields[k] for k in f.fields
+           if k.startswith("tokenizer.")}
+    eos = [tok[k] for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+           if isinstance(tok.get(k), int)]
+    return from_gguf_vocab(
+        model=str(tok.get("model", "gpt2")), tokens=tok["tokens"],
+        token_types=tok.get("token_type"), merges=tok.get("merges"), scores=tok.get("scores"),
+        pre=tok.get("pre"), bos_id=tok.get("bos_token_id"), eos_ids=list(dict.fromkeys(eos)),
+        add_bos=tok.get("add_bos_token"), add_space_prefix=tok.get("add_space_prefix"),
+        chat_template=tok.get("tokenizer.chat_template"), source=str(f.path))
+
+
 def load_gguf(path: Path, *, progress: Progress | None = None, dtype: str | None = None,
               dequantize: bool = False, shard: tuple[int, int] | None = None) -> Model:
     """The model of a GGUF file, with the tokenizer its `tokenizer.ggml.*` metadata stores, if
@@ -303,20 +312,12 @@ def load_gguf(path: Path, *, progress: Progress | None = None, dtype: str | None
         for name in f.tensors:
             if f.quantized(name) and not supported(f.kind(name)):
                 raise unsupported(name, f.kind(name))
+    tokenizer = _tokenizer(f)   # first: its vocabulary's strings are gone before the weights
+    release_freed()
     # rope_freqs.weight, when there, was read into the spec's RoPE scaling
     weights, _ = read_checkpoint(spec, Checkpoint(f), LAYOUT, skip=(r"rope_freqs\.weight",),
                                  progress=progress, dtype=dtype,
                                  quant={} if dequantize else file_quant(f, spec), shard=shard)
-    tok = {k.removeprefix("tokenizer.ggml."): v for k, v in f.fields.items()}
-    eos = [tok[k] for k in ("eos_token_id", "eot_token_id", "eom_token_id")
-           if isinstance(tok.get(k), int)]
-    tokenizer = from_gguf_vocab(
-        model=str(tok.get("model", "gpt2")), tokens=tok["tokens"],
-        token_types=tok.get("token_type"), merges=tok.get("merges"), scores=tok.get("scores"),
-        pre=tok.get("pre"), bos_id=tok.get("bos_token_id"), eos_ids=list(dict.fromkeys(eos)),
-        add_bos=tok.get("add_bos_token"), add_space_prefix=tok.get("add_space_prefix"),
-        chat_template=tok.get("tokenizer.chat_template"), source=str(path),
-    ) if tok.get("tokens") else None
     return Model(spec, weights, tokenizer=tokenizer, shard=shard,
                  chat_template=tokenizer.chat_template if tokenizer else None,
                  source=str(path), eos_token_ids=tokenizer.eos_token_ids if tokenizer else ())

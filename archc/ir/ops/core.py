@@ -45,7 +45,7 @@ from archc.ir.ops.steps import (
     unpair,
 )
 from archc.ir.shapes import DTYPE_BYTES, FLOAT_DTYPES, QUANT_DTYPES, Shape, numel
-from archc.quant.tensor import QTensor, dense
+from archc.quant.tensor import QTensor, by_rows, linear
 
 
 def _given(*_: object) -> NoReturn:
@@ -130,7 +130,7 @@ def matmul_infer(sig: Sig) -> tuple[Shape, str]:
 register(OpDef(
     Op.MATMUL, "x @ wᵀ with the weight stored [N, K] as torch.nn.Linear does.",
     "%9 : f32[B,T,64] = matmul(%8, %2)", operands("x", "weight"), matmul_infer,
-    lambda ctx, a, at: F.linear(a["x"], dense(a["weight"], a["x"].dtype)), flops=matmul_flops,
+    lambda ctx, a, at: linear(a["x"], a["weight"]), flops=matmul_flops,
     arity=(2, 2), quantized=("weight",)))
 
 
@@ -168,11 +168,17 @@ def _linear_infer(sig: Sig) -> tuple[Shape, str]:
 
 def fused_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     xs = [a[r] for r in activations(a)]
-    w, k = dense(a["weight"], xs[0].dtype).float(), xs[0].shape[-1]
+    k = xs[0].shape[-1]
     x = xs[0].float() * a["gain"].float() if at["gain"] else xs[0].float()
-    acc = F.linear(x, w[:, :k])
-    if len(xs) == 2:  # the K loop runs over x1's columns, then x2's
-        acc = acc + F.linear(xs[1].float(), w[:, k:])
+
+    def product(w: torch.Tensor) -> torch.Tensor:
+        w = w.float()
+        acc = F.linear(x, w[:, :k])
+        if len(xs) == 2:  # the K loop runs over x1's columns, then x2's
+            acc = acc + F.linear(xs[1].float(), w[:, k:])
+        return acc
+
+    acc = by_rows(a["weight"], xs[0].dtype, product)
     if at["paired"]:   # the weight rows are paired-adjacent: back to column order
         acc = unpair(acc, at["epilogue"])
     prologue = at["prologue"]
@@ -229,7 +235,8 @@ def _router_infer(sig: Sig) -> tuple[Shape, str]:
 def _router(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     """Mixtral's: softmax over experts, the top k kept (renormalized if asked), the rest zero."""
     x = a["x"]
-    logits = F.linear(x.float(), dense(a["weight"]).float()) if "weight" in a else x
+    logits = by_rows(a["weight"], torch.float32, lambda w: F.linear(x.float(), w.float())) \
+        if "weight" in a else x
     top, idx = torch.softmax(logits.float(), dim=-1).topk(at["top_k"], dim=-1)
     if at["normalize"]:
         top = top / top.sum(dim=-1, keepdim=True)
@@ -268,12 +275,13 @@ def moe_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
         tok, slot = torch.nonzero(pairs == e, as_tuple=True)
         if not len(tok):      # unrouted: its weights are not even converted to f32
             continue
-        we = dense(w.rows(e, e + 1), x.dtype)[0] if isinstance(w, QTensor) else w[e]
+        we = w.select(e) if isinstance(w, QTensor) else w[e]
+        picked = (rows[tok] if up else rows[tok, slot]).float()
+        out = by_rows(we, x.dtype, lambda v, picked=picked: F.linear(picked, v.float()))
         if up:
-            acc[tok, slot] = F.linear(rows[tok].float(), we.float())
+            acc[tok, slot] = out
         else:
-            acc.index_add_(0, tok, F.linear(rows[tok, slot].float(), we.float())
-                           * g[tok, e, None])
+            acc.index_add_(0, tok, out * g[tok, e, None])
     acc = acc.reshape(*_tokens(x.shape, up), *((k, n) if up else (n,)))
     rest = list(a.values())[3:]
     return apply_epilogue(ctx, acc, at["epilogue"], rest, RowStats(x.dtype)).to(x.dtype)
