@@ -76,9 +76,9 @@ def modifiers_of(at: Mapping[str, Any]) -> Modifiers:
 
 
 def modifier_roles(at: Mapping[str, Any]) -> list[str]:
-    """The operands the modifiers read, in order: padding, prefix_len, ALiBi slopes (where the
-    shorthand has them), then the other per-head parameters, per-token inputs and scalars,
-    each group by name."""
+    """The operands the modifiers read, in order: padding, prefix_len, ALiBi slopes (where
+    they are read), then every other name they read — per-head parameters, per-token inputs
+    and scalars — sorted by name."""
     env = modifiers_of(at).env
     heads, tokens, scalars = (set(names) for names in
                               (env.head_params, env.token_inputs, env.scalars))
