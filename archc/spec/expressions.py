@@ -5,6 +5,7 @@ naming the field — for an expression, with the column and what is allowed (``p
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections.abc import Mapping
@@ -88,6 +89,16 @@ def has_expressions(spec: Spec) -> bool:
         att.normalizer != Normalizer() or bool(att.params) or bool(att.inputs)
 
 
+def _mask_word(text: str) -> None:
+    """A mask written as one unknown word is a misspelt kind, not an expression."""
+    if text.isidentifier() and text not in ("true", "false"):
+        close = difflib.get_close_matches(text, MASK_KINDS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise SpecError("attention.mask", f"{text!r} is not a known choice{hint}",
+                        allowed=", ".join(MASK_KINDS) + ", or a bool expression of q_pos, "
+                        "kv_pos, head, kv_head, params and inputs")
+
+
 def expressions(spec: Spec) -> tuple[Expr | None, Expr | None]:
     """A layer's `score` and `mask` expressions as trees (None: not given)."""
     att, env = spec.attention, expression_env(spec)
@@ -121,6 +132,8 @@ def check_expressions(spec: Spec) -> None:
     if spec.position.kind == "alibi" and "slopes" in env.head_params:
         raise SpecError("attention.params.slopes", "is the name of position.kind alibi's "
                         "slopes", allowed="another name")
+    if att.mask not in MASK_KINDS:
+        _mask_word(att.mask)
     score, mask = expressions(spec)
     for e, field in ((score, "attention.score"), (mask, "attention.mask")):
         if e is not None:
