@@ -20,8 +20,8 @@ import torch
 
 import archc.ir.expr as E
 from archc.ir.graph import GraphBuilder
-from archc.ir.ops import Op
 from archc.ir.modifiers import EagerValues, evaluate, from_attention_attrs
+from archc.ir.ops import Op
 from archc.ir.ops.attention import query_key_positions
 from archc.ir.shapes import B, S, T, shape
 from archc.runtime.eager import EagerContext, run_graph
