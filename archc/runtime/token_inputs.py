@@ -66,8 +66,9 @@ class TokenInputs:
                 elif default is not None:
                     x = torch.full((b, t), default, dtype=torch.int32)
                 else:
-                    raise RunError(f"this model's attention reads the per-token input {name!r} "
-                                   f"and it has no default: pass inputs={{{name!r}: ids [B, T]}}")
+                    raise RunError(f"this model's attention reads the per-token input {name!r}, "
+                                   f"which has no default (attention.inputs.{name}: null): pass "
+                                   f"inputs={{{name!r}: ids [B, T]}}, or give it a default")
             x = torch.as_tensor(x)
             if x.dim() == 1:
                 x = x[None]

@@ -377,7 +377,8 @@ MASKS = {"encoder": ("bidirectional", "an encoder sees the whole input"),
 # The per-layer shorthands for layer types.
 SHORTHANDS = ("mixer.pattern", "attention.pattern", "ffn.pattern")
 # The attention fields that act on softmax scores.
-SCORE_FIELDS = ("mask", "window", "pattern", "softcap", "scale", "qk_norm", "global_tokens")
+SCORE_FIELDS = ("mask", "window", "pattern", "softcap", "scale", "qk_norm", "global_tokens",
+                "score", "normalizer", "params", "inputs")
 # Positions that are the model's, not a layer's: added to the embeddings once (learned,
 # sinusoidal), or one bias table that every layer reads (relative).
 MODEL_POSITIONS = ("learned", "sinusoidal", "relative")
