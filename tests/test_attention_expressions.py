@@ -429,3 +429,58 @@ def test_expressions_print_and_parse_back() -> None:
     att = next(n for n in fused.graphs[0].nodes if n.op == Op.ATTENTION)
     assert att.attr("normalizer") == Call("softmax", (), (("sinks", "sink"),))
     assert att.attr("score") is not None and att.attr("mask") is not None
+
+
+# ---- paged and ring attention run the same expressions ------------------------------------
+
+def test_paged_eager_runs_the_expressions(tmp_path: Path) -> None:
+    """The paged engine's steps (scattered blocks, rows of several sequences) give the
+    contiguous cache's logits with ALiBi slopes, sinks and a window written as expressions."""
+    from tests.test_paged import check_against_contiguous
+    attention = {key: PACKED[key] for key in ("score", "params", "normalizer")}
+    attention["mask"] = "kv_pos <= q_pos and q_pos - kv_pos < 5"
+    path = tmp_path / "paged.yaml"
+    path.write_text(yaml.safe_dump(smollm2(attention, name="paged-expressions")))
+    check_against_contiguous(str(path), "eager")
+
+
+RING = {"alibi-sinks-chunks": dict(mask="kv_pos <= q_pos and q_pos // 5 == kv_pos // 5",
+                                   score="score - slope[head] * (q_pos - kv_pos)",
+                                   normalizer=Call("softmax", (), (("sinks", "sink"),))),
+        "sigmoid-dilated": dict(mask="kv_pos <= q_pos and (q_pos - kv_pos) % 2 == 0",
+                                score="score - slope[head] * abs(q_pos - kv_pos)",
+                                normalizer=Call("sigmoid", (), (("bias", -1.0),)))}
+
+
+@pytest.mark.parametrize("case", RING)
+@pytest.mark.parametrize("cp,length", [(2, 20), (3, 23)])
+def test_ring_attention_runs_the_expressions(case: str, cp: int, length: int) -> None:
+    """Each rank's zig-zag tokens against every block passed round the ring, one online step
+    of the normalizer each, equal the attention on one rank."""
+    from archc.ir.shapes import T
+    from archc.passes.context import context_parallel, zigzag
+    from archc.runtime.comm import SimulatedComm, SimulatedWorld, run_simulated
+    b = GraphBuilder("decoder")
+    q = b.input("q", shape(B, HEADS, T, D), "f32")
+    k, v = (b.input(n, shape(B, KV_HEADS, T, D), "f32") for n in ("k", "v"))
+    names = [b.param(n, shape(HEADS), "f32") for n in
+             (("sink", "slope") if "sinks" in case else ("slope",))]
+    at = {key: parse(x, key).tree if isinstance(x, str) else x for key, x in RING[case].items()}
+    b.output("o", b.emit(Op.ATTENTION, q, k, v, *names, scale=0.3, **at))
+    program = Program("m", (b.build(),))
+    ring = context_parallel(program, cp)
+    g = torch.Generator().manual_seed(length)
+    x = {n: torch.randn(2, h, length, D, generator=g)
+         for n, h in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS))}
+    params = {"slope": SLOPES, "sink": SINKS}
+    dims = {"B": 2, "P": 0, "S": 0}
+    whole = run_graph(program.graphs[0], params, x, EagerContext({**dims, "T": length}))["o"]
+    parts, world = zigzag(length, cp), SimulatedWorld(cp)
+
+    def rank(r: int) -> torch.Tensor:
+        mine = parts[r]
+        inputs = {n: t[:, :, mine] for n, t in x.items()}
+        ctx = EagerContext({**dims, "T": len(mine)}, comms={"cp": SimulatedComm(world, r)})
+        return run_graph(ring.graphs[0], params, {**inputs, "positions": mine}, ctx)["o"]
+    for got, mine in zip(run_simulated(cp, rank), parts):
+        assert close(got, whole[:, mine]), case
