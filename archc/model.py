@@ -238,8 +238,9 @@ def check_kv_cache(kv_cache: Any, backend: str, device: torch.device, *,
 
 # What the eager backend interprets unless told otherwise: the unfused program with each
 # attention chain (scores → … → value sum) collapsed into one `attention` node, which runs through
-# PyTorch's fused attention unless it soft-caps (`ops.attention.attention`) — so a long prompt never
-# stores its [B, H, T, L] scores. passes="none" interprets the program exactly as lowered.
+# PyTorch's fused attention unless its score is more than the scores plus a bias (a soft-cap) or
+# it normalizes otherwise than by softmax (`ops.attention.modified_attention`) — so a long prompt
+# never stores its [B, H, T, L] scores. passes="none" interprets the program exactly as lowered.
 EAGER_PIPELINE = ("share-kv-heads", "flash-attention")
 
 
