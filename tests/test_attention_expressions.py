@@ -41,6 +41,7 @@ from archc.runtime.eager import EagerContext, EagerSession, run_graph
 from archc.spec import load_spec
 from archc.spec.load import from_dict, layer_specs, to_dict
 from tests.conftest import TINY_SPECS
+from tests.model_files import tiny_hf_dir  # noqa: F401  (a fixture)
 
 TOL = 1e-5
 HEADS, KV_HEADS, D = 9, 3, 8
@@ -484,3 +485,48 @@ def test_ring_attention_runs_the_expressions(case: str, cp: int, length: int) ->
         return run_graph(ring.graphs[0], params, {**inputs, "positions": mine}, ctx)["o"]
     for got, mine in zip(run_simulated(cp, rank), parts):
         assert close(got, whole[:, mine]), case
+
+
+# ---- explain, and a borrowed checkpoint --------------------------------------------------
+
+def brute_force_tiles(seen: torch.Tensor, block_m: int, block_n: int) -> tuple[int, int, int]:
+    """(full, partial, empty) tiles of a [T, L] visibility, pair by pair."""
+    counts = [0, 0, 0]
+    for a in range(0, seen.shape[0], block_m):
+        for b in range(0, seen.shape[1], block_n):
+            tile = seen[a:a + block_m, b:b + block_n]
+            counts[0 if bool(tile.all()) else 2 if not bool(tile.any()) else 1] += 1
+    return counts[0], counts[1], counts[2]
+
+
+def test_explain_shows_expressions_and_tiles(capsys: pytest.CaptureFixture[str]) -> None:
+    from archc.cli import main
+    from archc.codegen.blocks import launch_config
+    length = 300                                     # tiles that end inside the sequence
+    assert main(["explain", "sinks-banded", "--length", str(length), "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    cfg = launch_config("attention", "gpu", T=length, L=length, D=16, bytes=2)
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    for mask, seen in (("kv_pos <= q_pos and q_pos - kv_pos < 128", (j <= i) & (i - j < 128)),
+                       ("kv_pos <= q_pos", j <= i)):
+        full, partial, empty = brute_force_tiles(seen, cfg["BLOCK_M"], cfg["BLOCK_N"])
+        tiles = full + partial + empty
+        block = out.split(f"  mask       {mask}\n")[1].split("\n\n")[0]
+        assert 'normalizer softmax(sinks="sinks")' in block
+        assert f"tiles      {tiles}: {full} full, {partial} partial, {empty} empty; " \
+            f"{1 - empty / tiles:.4f} visited" in block, block
+    assert f"at {length} tokens, tiles of {cfg['BLOCK_M']} × {cfg['BLOCK_N']}" in out
+
+
+def test_a_borrowed_checkpoint_runs_with_an_expression(tiny_hf_dir: Path,  # noqa: F811
+                                                       tmp_path: Path) -> None:
+    """`weights: PATH` with the attention changed to an expression: the window written as a
+    mask runs the checkpoint as the window shorthand does, and not as the checkpoint does."""
+    from tests.test_borrowed_weights import variant
+    window = variant(tiny_hf_dir, tmp_path / "window", {"attention": {"window": 4}})
+    written = variant(tiny_hf_dir, tmp_path / "mask",
+                      {"attention": {"mask": "kv_pos <= q_pos and q_pos - kv_pos < 4"}})
+    ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(0))
+    want = archc.load(window).compile("eager")(ids)
+    assert close(archc.load(written).compile("eager")(ids), want)
+    assert not close(archc.load(tiny_hf_dir).compile("eager")(ids), want, 1e-3)
