@@ -8,7 +8,6 @@ i sits at position L − T + i (P over the cache; an encoder has L = T).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 import sympy
@@ -351,41 +350,56 @@ def _addend(score: Expr) -> Expr | None:
     return None
 
 
+def _t5(at: Attrs, a: Mapping[str, torch.Tensor], q_pos: torch.Tensor, kv_pos: torch.Tensor
+        ) -> torch.Tensor | None:
+    bias = at["bias"]
+    return None if bias is None or bias.fn != "t5" else \
+        t5_bias(a["rel_table"], q_pos, kv_pos, dict(bias.kwargs))
+
+
+def modified_scores(q: torch.Tensor, k: torch.Tensor, kv_heads: int, q_pos: torch.Tensor,
+                    kv_pos: torch.Tensor, at: Attrs, a: Mapping[str, torch.Tensor]
+                    ) -> torch.Tensor:
+    """The scores [B, H, T, L] the normalizer sees — the score expression of scale·q·kᵀ (and a
+    T5 bias) where the mask shows a key, f32's most negative finite value where it hides one —
+    for q [B, H, T, D] and k [B, H, L, D] (f32, heads expanded from `kv_heads`) at absolute
+    positions `q_pos` [T] and `kv_pos` [L]; `a`: the operands the modifiers read."""
+    mods = modifiers_of(at)
+    values = eager_values(mods, a, q_pos, kv_pos, q.shape[1], kv_heads,
+                          (q @ k.transpose(-1, -2)) * at["scale"])
+    s, t5 = evaluate(mods.score, mods.env, values), _t5(at, a, q_pos, kv_pos)
+    return torch.where(evaluate(mods.mask, mods.env, values), s if t5 is None else s + t5[None],
+                       MASKED).expand(*q.shape[:3], k.shape[2])
+
+
 def modified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: int,
                        positions: tuple[torch.Tensor, torch.Tensor] | None, at: Attrs,
-                       a: Mapping[str, torch.Tensor], t5: torch.Tensor | None = None,
-                       ) -> torch.Tensor:
-    """normalizer(score(scale·q·kᵀ) | mask)·v — [B, H, T, D] f32 for q [B, H, T, D] and k, v
-    [B, H, L, D] (f32, heads expanded from `kv_heads`) at absolute `positions` (q [T], kv [L];
-    None: the queries are the last T of keys 0 … L − 1); `t5` [H, T, L] added to the score.
+                       a: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """normalizer(modified_scores)·v: [B, H, T, D] f32 for q [B, H, T, D] and k, v [B, H, L, D]
+    (f32, heads expanded) at absolute `positions` (q [T], kv [L]; None: the queries are the
+    last T of keys 0 … L − 1).
 
-    Hidden scores are f32's most negative finite value, so a softmax row whose keys are all
-    hidden (padding) averages the values, not NaN. Under a softmax whose score is an additive
-    bias of the scaled score (ALiBi, none), the bias and mask go to
+    A softmax row whose keys are all hidden (padding) averages the values, not NaN. Under a
+    softmax whose score is the scaled score plus a bias (ALiBi, none), bias and mask go to
     F.scaled_dot_product_attention as one additive mask, without storing the [B, H, T, L]
-    scores (at 8192 tokens one layer of SmolLM2's are 2.4 GB in f32); a causal prefill
-    (T = L) or decode step (T = 1) at positions 0 … L − 1 needs no mask at all."""
-    mods = modifiers_of(at)
-    t, length, scale = q.shape[2], k.shape[2], at["scale"]
-    values = eager_values(mods, a, *(positions or query_key_positions(t, length, q.device)),
-                          q.shape[1], kv_heads)
-    addend = _addend(mods.score)
+    scores (at 8192 tokens one layer of SmolLM2's are 2.4 GB in f32); a causal prefill (T = L)
+    or decode step (T = 1) at positions 0 … L − 1 needs no mask at all."""
+    mods, (t, length) = modifiers_of(at), (q.shape[2], k.shape[2])
+    q_pos, kv_pos = positions or query_key_positions(t, length, q.device)
+    addend, t5 = _addend(mods.score), _t5(at, a, q_pos, kv_pos)
     if mods.normalizer == SOFTMAX and addend is not None:
-        plain = addend == 0.0 and t5 is None
         ordered = positions is None and t in (1, length)
-        if plain and (mods.mask is True or mods.mask == CAUSAL and ordered):
+        if addend == 0.0 and t5 is None and (mods.mask is True or mods.mask == CAUSAL and
+                                             ordered):
             return F.scaled_dot_product_attention(q, k, v, is_causal=mods.mask is not True
-                                                  and t > 1, scale=scale)
+                                                  and t > 1, scale=at["scale"])
+        values = eager_values(mods, a, q_pos, kv_pos, q.shape[1], kv_heads)
         add = evaluate(addend, mods.env, values).float() + (0.0 if t5 is None else t5[None])
         m = torch.where(evaluate(mods.mask, mods.env, values), add, MASKED)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale)
-    s = (q @ k.transpose(-1, -2)) * scale
-    score = evaluate(mods.score, mods.env, replace(values, score=s))
-    score = score if t5 is None else score + t5[None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=at["scale"])
     sinks = mods.normalizer.kw("sinks")
-    return attend(mods.normalizer, score, evaluate(mods.mask, mods.env, values), v,
-                  None if sinks is None else a[sinks])
-
+    return attend(mods.normalizer, modified_scores(q, k, kv_heads, q_pos, kv_pos, at, a),
+                  torch.tensor(True), v, None if sinks is None else a[sinks])
 
 
 def _attention_roles(attrs: Mapping[str, Any], n: int) -> list[str]:
@@ -433,21 +447,14 @@ def _attention_infer(sig: Sig) -> tuple[Shape, str]:
     return (q[0], q[2], q[1] * q[3]), float_dtype(sig)
 
 
-def _t5(at: Attrs, a: Args, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor | None:
-    bias = at["bias"]
-    return None if bias is None or bias.fn != "t5" else \
-        t5_bias(a["rel_table"], q_pos, kv_pos, dict(bias.kwargs))
-
-
 def attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     """The attention of q over the k and v given (or the layer's cache) with its modifiers
     (``modified_attention``), in f32, heads merged: [B, T, H·D]."""
     q, layer = a["q"], at["cache_layer"]
     k, v = (a[r] if layer is None else ctx.cache_read(layer, r) for r in ("k", "v"))
-    (b, h, t, d), length = q.shape, k.shape[2]
+    (b, h, t, d) = q.shape
     out = modified_attention(q.float(), expand_kv(k, h).float(), expand_kv(v, h).float(),
-                             k.shape[1], None, at, a,
-                             _t5(at, a, *query_key_positions(t, length, q.device)))
+                             k.shape[1], None, at, a)
     return out.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)                # (B, T, H·D)
 
 
@@ -481,20 +488,15 @@ def ring_step(state: State | None, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     """The online normalizer's state after one block of keys and values [B, H, L, D] (f32,
     heads expanded) at global positions `kv_pos` [L] (the block's real rows), for queries q
     [B, H, T, D] at `q_pos`; `a`: the modifiers' operands, a padding mask over these keys."""
-    mods = modifiers_of(at)
     if "padding" in a:   # a per-token input is read by absolute position
         full = a["padding"].new_zeros(a["padding"].shape[0], int(kv_pos.max()) + 1)
         a = {**a, "padding": full.index_copy(1, kv_pos, a["padding"])}
-    values = eager_values(mods, a, q_pos, kv_pos, q.shape[1], kv_heads,
-                          (q @ k.transpose(-1, -2)) * at["scale"])
-    s = evaluate(mods.score, mods.env, values)
-    t5 = _t5(at, a, q_pos, kv_pos)
-    s = torch.where(evaluate(mods.mask, mods.env, values), s if t5 is None else s + t5[None],
-                    MASKED).expand(*q.shape[:3], k.shape[2])
-    form, sinks = ONLINE[mods.normalizer.fn], mods.normalizer.kw("sinks")
+    s = modified_scores(q, k, kv_heads, q_pos, kv_pos, at, a)
+    nz = modifiers_of(at).normalizer
+    form, sinks = ONLINE[nz.fn], nz.kw("sinks")
     if state is None:
-        state = form.init(mods.normalizer, s, v.shape[-1], None if sinks is None else a[sinks])
-    return form.step(mods.normalizer, state, s, v)
+        state = form.init(nz, s, v.shape[-1], None if sinks is None else a[sinks])
+    return form.step(nz, state, s, v)
 
 
 def ring_attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
