@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 import archc.ir.expr as E
+from archc.dtypes import KV_CODES
 from archc.errors import ArchcError
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph, GraphBuilder, Program
 from archc.ir.ops import Op
-from archc.ir.ops.attention import KV_QUANT
 from archc.ir.ops.steps import step
 from archc.ir.paramexpr import leaf
 from archc.ir.shapes import QUANT_DTYPES, B, S, T, shape
@@ -32,9 +32,9 @@ def lower(spec: Spec, dtype: str = "f32", quant: Mapping[str, str] | None = None
     `quant` names (checkpoint tensor → scheme), which stay quantized — and a decoder's KV cache
     held in `dtype`, or quantized per (token, head) with `kv_cache` int8 or fp8."""
     q = dict(quant or {})
-    if kv_cache is not None and kv_cache not in KV_QUANT:
+    if kv_cache is not None and kv_cache not in KV_CODES:
         raise ArchcError(f"kv_cache={kv_cache!r} is not a KV-cache format (known: "
-                         f"{', '.join(KV_QUANT)}, or None for the model dtype)")
+                         f"{', '.join(KV_CODES)}, or None for the model dtype)")
     if spec.family == "encoder-decoder":
         assert spec.decoder_layers is not None
         graphs = (_Stack(spec, dtype, "encoder", "encoder.", spec.layers, causal=False,
