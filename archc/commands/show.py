@@ -17,6 +17,7 @@ from archc.ir.ops.base import COLLECTIVE
 from archc.ir.shapes import evaluate
 from archc.passes.shard import shard_program
 from archc.quant.schemes import is_quantized
+from archc.spec.load import layer_spec
 from archc.spec.schema import Spec
 from archc.ui import console, nbytes, si
 
@@ -123,7 +124,7 @@ def _layer_types(s: Spec) -> list[tuple[str, str]]:
     rows = []
     for k, t in enumerate(types):
         layer = names.index(t.name)
-        differs = [f"{label} {text}" for label, mine in _sections(s.layer(layer)).items()
+        differs = [f"{label} {text}" for label, mine in _sections(layer_spec(s, layer)).items()
                    if (text := _difference(mine, model[label]))]
         rows.append(("layer types" if k == 0 else "", f"{t.name}: " + _layer_list(
             [i for i, n in enumerate(names) if n == t.name]) + "".join("; " + d for d in differs)))

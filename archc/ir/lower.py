@@ -4,7 +4,7 @@ decomposed attention, ``repeat_kv`` for GQA): the passes earn every speed-up, an
 Every node records the spec field that made it (its ``origin``); parameters get HF-like names
 (``layers.3.attn.q.weight``). A decoder graph reads and writes the KV cache at offset P, so one
 graph serves prefill (P = 0) and decode (T = 1). Each block is lowered from what its layer runs
-(``Spec.layer``); the embeddings, final norm and head from the model's fields.
+(``archc.spec.load.layer_spec``); the embeddings, final norm and head from the model's fields.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from archc.ir.ops.steps import step
 from archc.ir.paramexpr import leaf
 from archc.ir.shapes import QUANT_DTYPES, B, S, T, shape
 from archc.ir.verify import verify
+from archc.spec.load import layer_spec
 from archc.spec.schema import FFN, Norm, Spec
 
 
@@ -63,7 +64,7 @@ class _Stack:
         self.b = GraphBuilder(name)
         self.d = spec.d_model
         self.kinds = spec.layer_type_names(layers)            # the type of each layer
-        self.specs = [spec.layer(i) for i in range(layers)]   # and what it runs
+        self.specs = [layer_spec(spec, i) for i in range(layers)]   # and what it runs
         self._shared: dict[str, dict[object, str]] = {}
 
     @contextmanager

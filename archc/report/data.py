@@ -24,7 +24,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from archc import __version__
 from archc.codegen.build import CodegenOptions
 from archc.codegen.render import Generated, RenderedUnit, generate
 from archc.commands.explain import grouped as grouped_decisions
@@ -45,6 +44,7 @@ from archc.perf.roofline import decode_floor, grouped, kernels, per_step
 from archc.report.layout import NODE_H, NODE_W, kernel_groups, place
 from archc.spec import dump_yaml
 from archc.spec.schema import Spec
+from archc.versions import ARCHC
 
 FORMAT = "archc-report/1"
 # Op families the page colours by, first match wins (the op groups of archc.ir.ops)
@@ -284,7 +284,7 @@ def build(spec: Spec, quant: dict[str, str], options: Options, *,
     codegen = CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len)
     gen = generate(run.program, codegen)
     data: dict[str, Any] = {
-        "format": FORMAT, "archc": __version__, "model": spec.name, "source": options.source,
+        "format": FORMAT, "archc": ARCHC, "model": spec.name, "source": options.source,
         "dtype": dtype, "quantized": dict(sorted(Counter(quant.values()).items())),
         "spec": spec_data(spec, quant, lowered),
         "pipeline": pipeline_data(spec, run, dtype),
