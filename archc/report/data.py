@@ -3,9 +3,9 @@
 Every part comes from the functions the other commands print from, so the page is a view of
 the same numbers, never a second computation:
 
-- the spec and its derived numbers: `archc show` (``commands.show.facts``) and ``ir.cost``;
-- the pipeline, pass by pass: `archc passes` (``passes.measure.stats``, ``commands.passes``) and
-  `archc explain` (``commands.explain.grouped``), over the whole model;
+- the spec and its derived numbers: `archc show` (``report.facts``) and ``ir.cost``;
+- the pipeline, pass by pass: `archc passes` (``passes.measure.stats``, ``passes.decisions``)
+  and `archc explain` (``passes.decisions.grouped``), over the whole model;
 - the graph drawn: the model cut to one period of its layer pattern (one block, for a model
   whose blocks are alike), after each pass, with `archc ir --diff`'s text (``step_diff``);
 - kernels: codegen's units (``codegen.render.generate``, as `archc compile`), each with the
@@ -26,9 +26,6 @@ from typing import Any
 
 from archc.codegen.build import CodegenOptions
 from archc.codegen.render import Generated, RenderedUnit, generate
-from archc.commands.explain import grouped as grouped_decisions
-from archc.commands.passes import changed
-from archc.commands.show import facts
 from archc.ir import cost
 from archc.ir.graph import Graph, Program
 from archc.ir.lower import lower
@@ -37,10 +34,13 @@ from archc.ir.ops.base import MATMUL, POINTWISE, RECURRENT, REDUCTION
 from archc.ir.shapes import format_shape
 from archc.ir.text import format_node
 from archc.passes import run_pipeline
+from archc.passes.decisions import changed
+from archc.passes.decisions import grouped as grouped_decisions
 from archc.passes.manager import PassStep, PipelineRun, step_diff
 from archc.passes.measure import Stats, dims, kernels_per_layer, stats
 from archc.perf.gpus import GPU
 from archc.perf.roofline import decode_floor, grouped, kernels, per_step
+from archc.report.facts import facts
 from archc.report.layout import NODE_H, NODE_W, kernel_groups, place
 from archc.spec import dump_yaml
 from archc.spec.schema import Spec
