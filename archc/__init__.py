@@ -4,6 +4,8 @@ one, rendered to Triton kernels, run, and proved against an eager PyTorch interp
 
 from archc.api import CompiledModel, Model, from_spec, load
 from archc.errors import ArchcError, SpecError
+from archc.versions import ARCHC
 
-__version__ = "0.1.0"
+__version__ = ARCHC
+
 __all__ = ["ArchcError", "CompiledModel", "Model", "SpecError", "from_spec", "load"]

@@ -10,8 +10,8 @@ import inspect
 import sys
 from typing import NoReturn
 
-from archc import __version__
 from archc.errors import ArchcError
+from archc.versions import ARCHC
 
 COMMAND_MODULES = ("specs", "show", "ir", "passes", "explain", "diff", "compile", "roofline",
                    "export_spec", "modernize", "quantize", "run", "chat", "serve", "validate",
@@ -51,7 +51,7 @@ def build_parser() -> Parser:
                "quantized .safetensors file (`archc quantize`). "
                "Run `archc COMMAND --help` for a command's options; the flags commands share "
                "mean the same everywhere (README: 'One vocabulary').")
-    parser.add_argument("--version", action="version", version=f"archc {__version__}")
+    parser.add_argument("--version", action="version", version=f"archc {ARCHC}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         mod = importlib.import_module(f"archc.commands.{name}")

@@ -20,17 +20,17 @@ from typing import Any
 
 import torch
 
+from archc import dtypes
+from archc.dtypes import FLOAT_DTYPES as DTYPES
 from archc.errors import ArchcError, Spell, python_option
 from archc.ir.graph import Program
 from archc.ir.shapes import DTYPE_BYTES
-from archc.ir.shapes import FLOAT_DTYPES as DTYPES
-from archc.runtime.weights import TORCH_DTYPES, checkpoint_shapes
+from archc.runtime.weights import checkpoint_shapes
 from archc.ui import nbytes
 
 # every spelling of the three: archc's, torch's and the usual short ones
-_NAMES = {"float32": "f32", "float": "f32", "fp32": "f32", "float16": "f16", "half": "f16",
-          "fp16": "f16", "bfloat16": "bf16", **{name: name for name in DTYPES},
-          **{TORCH_DTYPES[name]: name for name in DTYPES}}
+_NAMES = {spelling: name for name in DTYPES
+          for spelling in (name, dtypes.DTYPES[name].torch, *dtypes.DTYPES[name].aliases)}
 
 
 def dtype_name(value: Any) -> str:

@@ -24,10 +24,10 @@ import torch
 
 from archc.devices import check_fits, checkpoint_elements, default_dtype, dtype_name, resolve_device
 from archc.dist import groups, parallel_sizes
+from archc.dtypes import KV_CODES
 from archc.errors import ArchcError, Spell, python_option
 from archc.ir.graph import Program
 from archc.ir.lower import lower
-from archc.ir.ops.attention import KV_QUANT
 from archc.memory import release_freed
 from archc.quant import QTensor
 from archc.runtime.eager import EagerSession
@@ -217,12 +217,12 @@ def check_kv_cache(kv_cache: Any, backend: str, device: torch.device, *,
     8.9 or later (Ada, Hopper), whose cvt instructions convert to and from e4m3."""
     if kv_cache is None:
         return
-    if kv_cache not in KV_QUANT:
+    if kv_cache not in KV_CODES:
         raise ArchcError(f"{spell('kv_cache', kv_cache)} is not a KV-cache format (known: "
-                         f"{', '.join(map(repr, KV_QUANT))}, or None for the model dtype)")
+                         f"{', '.join(map(repr, KV_CODES))}, or None for the model dtype)")
     if kv_cache != "fp8":
         return
-    if KV_QUANT["fp8"][0] is None:
+    if KV_CODES["fp8"].torch is None:
         raise ArchcError(f"{spell('kv_cache', 'fp8')}: this torch ({torch.__version__}) has no "
                          f"float8_e4m3fn; use {spell('kv_cache', 'int8')}")
     if backend == "triton":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 
+ARCHC = "0.1.0"          # this package's version (pyproject.toml states it for packaging)
 PACKAGES = ("triton", "torch")
 
 

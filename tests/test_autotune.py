@@ -20,6 +20,7 @@ import torch
 import archc.runtime.triton_backend as backend
 from archc.cli import build_parser
 from archc.codegen import aot, blocks
+from archc.codegen.targets import GPU_TARGETS, target_of
 from archc.ir.attrs import Call
 from archc.ir.graph import GraphBuilder, Program
 from archc.ir.ops import Op
@@ -63,11 +64,11 @@ def test_on_by_default_for_a_gpu_off_on_the_interpreter(kernel_dir: Path) -> Non
 
 
 def test_aot_target_of_a_capability() -> None:
-    assert tuning.aot_target((9, 0)) == "sm_90a"
-    assert tuning.aot_target((8, 6)) == "sm_80"
+    assert target_of((9, 0)) == "sm_90a"
+    assert target_of((8, 6)) == "sm_80"
     # 10.x only where the ahead-of-time compile knows sm_100a; 7.x never: no pre-filter
-    assert tuning.aot_target((10, 0)) == ("sm_100a" if "sm_100a" in aot.TARGETS else None)
-    assert tuning.aot_target((7, 5)) is None
+    assert target_of((10, 0)) == ("sm_100a" if "sm_100a" in GPU_TARGETS else None)
+    assert target_of((7, 5)) is None
 
 
 # ---- candidates and buckets ----------------------------------------------------------------

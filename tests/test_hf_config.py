@@ -13,6 +13,7 @@ import pytest
 
 from archc.errors import SpecError
 from archc.sources.hf import hf_spec
+from archc.spec.load import layer_kinds
 
 LLAMA = {"model_type": "llama", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 48,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -76,7 +77,7 @@ def test_qwen2_windows_only_the_upper_layers(tmp_path: Path) -> None:
     s = spec_of(tmp_path, {**LLAMA, "model_type": "qwen2", "num_hidden_layers": 4,
                            "use_sliding_window": True, "sliding_window": 8,
                            "max_window_layers": 2})
-    assert s.attention.window == 8 and s.layer_kinds() == ("global", "global", "local", "local")
+    assert s.attention.window == 8 and layer_kinds(s) == ("global", "global", "local", "local")
     assert s.attention.bias.q and s.attention.bias.k and not s.attention.bias.o
 
 

@@ -27,6 +27,7 @@ from archc.ir.lower import lower
 from archc.ir.ops import Op
 from archc.ir.text import format_program
 from archc.spec import dump_yaml, from_dict, load_spec, load_yaml, to_dict
+from archc.spec.load import layer_ffns, layer_kinds, layer_spec
 from archc.spec.schema import Spec
 from tests.reference_models import KVCache, Llama, LlamaConfig, prefill_then_decode
 from tests.test_spec_errors import DELETE, Bad, _check_message, with_edits
@@ -71,14 +72,16 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_each_layer_runs_its_type() -> None:
     s = spec()
     assert s.layer_type_names() == tuple(PATTERN)
-    assert [s.layer(i).attention.window for i in range(4)] == [4, None, 4, None]
-    assert [s.layer(i).position.theta for i in range(3)] == [1e4, 1e6, 1e4]
-    assert s.layer(1).position.scaling.factor == 4.0 and s.layer(0).position.scaling is None
-    assert s.layer(3).position.kind == "none"
-    assert [s.layer(i).ffn.kind for i in range(4)] == ["moe", "swiglu", "moe", "swiglu"]
-    assert (s.layer(1).ffn.d_ff, s.layer(3).ffn.d_ff, s.layer(0).ffn.moe.experts) == (64, 48, 4)
-    assert s.layer_ffns() == ("moe", "dense", "moe", "dense")
-    assert s.layer_kinds() == ("local", "global", "local", "global")
+    assert [layer_spec(s, i).attention.window for i in range(4)] == [4, None, 4, None]
+    assert [layer_spec(s, i).position.theta for i in range(3)] == [1e4, 1e6, 1e4]
+    assert layer_spec(s, 1).position.scaling.factor == 4.0
+    assert layer_spec(s, 0).position.scaling is None
+    assert layer_spec(s, 3).position.kind == "none"
+    assert [layer_spec(s, i).ffn.kind for i in range(4)] == ["moe", "swiglu", "moe", "swiglu"]
+    assert (layer_spec(s, 1).ffn.d_ff, layer_spec(s, 3).ffn.d_ff,
+            layer_spec(s, 0).ffn.moe.experts) == (64, 48, 4)
+    assert layer_ffns(s) == ("moe", "dense", "moe", "dense")
+    assert layer_kinds(s) == ("local", "global", "local", "global")
 
 
 def test_the_program_follows_each_layers_type() -> None:
@@ -316,8 +319,8 @@ def test_bad_layer_types_are_refused(row: Bad) -> None:
 def test_an_architecture_step_applies_to_every_layer_or_is_refused() -> None:
     from archc.modernize import StepError, parse_steps
     step = parse_steps("qk-norm")[0].apply(spec())
-    assert all(step.layer(i).attention.qk_norm for i in range(4))
-    assert step.layer(0).attention.window == 4    # what the type sets stays
+    assert all(layer_spec(step, i).attention.qk_norm for i in range(4))
+    assert layer_spec(step, 0).attention.window == 4    # what the type sets stays
     with pytest.raises(StepError, match="changes attention.window, which layer type 'local' "
                                         "sets"):
         parse_steps("sliding-window:8")[0].apply(spec())

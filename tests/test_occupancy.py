@@ -23,10 +23,11 @@ import archc.perf.occupancy as occupancy
 from archc.cli import main
 from archc.codegen import blocks
 from archc.codegen.aot import AotResult, config_text
+from archc.codegen.targets import GPU_TARGETS
 from archc.ir.lower import lower
 from archc.ir.shapes import DTYPE_BYTES
 from archc.passes import optimize
-from archc.perf.gpus import GPUS, SMS
+from archc.perf.gpus import GPUS
 from archc.perf.occupancy import balanced_blocks, programs_with_work
 from archc.perf.roofline import kernels
 from archc.spec import load_spec
@@ -221,7 +222,7 @@ def test_llama3_8b_decode_split_k(capsys: pytest.CaptureFixture[str],
 
 
 def test_resident_programs_per_sm() -> None:
-    sm = SMS["sm_90a"]
+    sm = GPU_TARGETS["sm_90a"].sm
     # 4 warps of 128 threads at 64 registers: 8192 registers each, 8 fit in 65536
     assert sm.resident(64, 4, 0) == 8
     # shared memory bounds: 100 KiB + 1 KiB reserved each, 2 in 228 KiB

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from archc.dtypes import TORCH_DTYPES
 from archc.errors import IRError, WeightsError
 from archc.ir.attrs import Attrs
 from archc.ir.graph import GraphBuilder, Node
@@ -23,7 +24,6 @@ from archc.ir.verify import verify, verify_graph
 from archc.passes import run_pipeline
 from archc.quant import SCHEMES, QTensor
 from archc.quant.pack import pack_codes, quantize
-from archc.quant.tensor import PART_DTYPES
 from archc.runtime.eager import EagerSession
 from archc.runtime.weights import quant_schemes, quantizable, random_weights
 from archc.spec import load_spec
@@ -45,7 +45,7 @@ def random_qtensor(name: str, shape: tuple[int, ...], seed: int = 0) -> QTensor:
             value = torch.randint(1 if dtype == "u8" else -32, 64, dims, generator=gen)
         else:
             value = torch.rand(dims, generator=gen) * 0.02 + (0.001 if part != "min" else -0.01)
-        parts[part] = value.to(PART_DTYPES[dtype])
+        parts[part] = value.to(TORCH_DTYPES[dtype])
     return QTensor(s, shape, parts)
 
 

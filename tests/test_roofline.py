@@ -136,15 +136,15 @@ def test_roofline_cli_shows_the_recurrent_state(capsys: pytest.CaptureFixture[st
 def test_b200_in_the_gpu_table() -> None:
     """B200: HGX B200 datasheet figures per GPU (2.25 PFLOP/s dense BF16, 8 TB/s), 148 SMs of
     compute capability 10.0, the GPU an sm_100a report models by default."""
-    from archc.perf.gpus import SMS, TARGET_GPU
+    from archc.codegen.targets import GPU_TARGETS
     b200 = gpu("b200")
     assert GPUS["b200"] is b200 and gpu("B200-SXM") is b200
     assert (b200.peak_flops, b200.bandwidth, b200.sms, b200.arch) == (2.25e15, 8e12, 148,
                                                                       "sm_100a")
     assert b200.ridge == pytest.approx(281.25)        # 2.25e15 / 8e12 FLOP per byte
-    assert TARGET_GPU["sm_100a"] == "b200" and b200.arch in SMS
+    assert GPU_TARGETS["sm_100a"].gpu == "b200" and b200.arch in GPU_TARGETS
     # its SM holds what a Hopper SM does: 8 programs of 8 warps at 32 registers a thread
-    assert SMS["sm_100a"].resident(32, 8, 0) == 8
+    assert GPU_TARGETS["sm_100a"].sm.resident(32, 8, 0) == 8
 
 
 def test_roofline_cli_on_b200(capsys: pytest.CaptureFixture[str]) -> None:

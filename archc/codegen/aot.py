@@ -33,9 +33,9 @@ from typing import Any
 
 from archc.codegen.aot_worker import last_line
 from archc.codegen.blocks import aot_config
+from archc.codegen.targets import GPU_TARGETS
 from archc.versions import version
 
-TARGETS = {"sm_80": 80, "sm_90a": 90, "sm_100a": 100}
 MEASURED = ("registers", "spill_bytes", "shared_bytes", "tensor_core_ops", "wgmma", "mma", "tma",
             "pdl", "early_reads", "warp_specialized", "warps", "seconds", "error")
 # compile options (maxnreg: the register budget ptxas is held to, where a config sets one); the
@@ -78,7 +78,8 @@ def compile_module(module_path: Path, target: str, *, jobs: int = 2,
     ``aot_config``."""
     table = kernel_table(module_path)
     names = kernels if kernels is not None else list(table)
-    configs = [(n, aot_config(table[n]["family"], table[n]["sizes"], TARGETS.get(target, 90))
+    capability = GPU_TARGETS[target].capability if target in GPU_TARGETS else 90
+    configs = [(n, aot_config(table[n]["family"], table[n]["sizes"], capability)
                 if n in table else {})
                for n in names]
     return compile_configs(module_path, target, configs, jobs=jobs, timeout=timeout)
@@ -99,8 +100,8 @@ def compile_configs(module_path: Path, target: str,
     configuration holds its block sizes (constexprs) and, optionally, num_warps and num_stages.
     With `cache_dir`, results found there are not compiled again and new ones are kept there.
     `progress` is called with each result as it is known."""
-    if target not in TARGETS:
-        raise ValueError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
+    if target not in GPU_TARGETS:
+        raise ValueError(f"unknown target {target!r} (known: {', '.join(GPU_TARGETS)})")
     table = kernel_table(module_path)
     source = hashlib.sha256(module_path.read_bytes()).hexdigest()
     results: list[AotResult] = []
@@ -112,7 +113,7 @@ def compile_configs(module_path: Path, target: str,
             continue
         # programmatic dependent launch where the target has it (sm_90 and later), as the
         # runtime launches
-        pdl = TARGETS[target] >= 90
+        pdl = GPU_TARGETS[target].pdl
         constexprs = {k: v for k, v in config.items() if k not in OPTIONS + LAUNCH} | {"PDL": pdl}
         options = {k: config[k] for k in OPTIONS if k in config} | {"launch_pdl": pdl}
         r = AotResult(name, entry["unit"], entry["family"], target, config=config_text(config))
@@ -121,7 +122,9 @@ def compile_configs(module_path: Path, target: str,
         if cache_dir is not None and _read_cached(cache_dir / f"{key}.json", r):
             continue
         work.append({"kernel": name, "signature": entry["types"], "constexprs": constexprs,
-                     "options": options, "capability": TARGETS[target], "index": i, "key": key})
+                     "options": options, "capability": GPU_TARGETS[target].capability,
+                     "tensor_core_op": GPU_TARGETS[target].tensor_core_op, "index": i,
+                     "key": key})
     for r in results:
         if progress is not None and (r.cached or not r.ok):
             progress(r)

@@ -4,7 +4,7 @@ jobs as JSON lines on stdin, one kernel each:
 
     {"kernel": name, "signature": {arg: type}, "constexprs": {arg: value},
      "options": {"num_warps": w, "num_stages": s, "launch_pdl": b},
-     "capability": 80 | 90 | 100, "index": i}
+     "capability": 80 | 90 | 100, "tensor_core_op": "wgmma.mma_async", "index": i}
 
 and writes one JSON line per kernel, with the job's index: registers and spill bytes (from the
 log of Triton's ptxas run), shared memory and the warps of a program (Triton's metadata: a
@@ -26,7 +26,6 @@ import re
 import sys
 import time
 
-TENSOR_CORE_OP = {80: "mma.sync", 90: "wgmma.mma_async", 100: "tcgen05.mma"}
 WGMMA_SHAPE = re.compile(r"wgmma\.mma_async\S*?\.(m\d+n\d+k\d+)\b")
 TMA_OP = "cp.async.bulk.tensor"
 PDL_OP = "griddepcontrol.wait"
@@ -182,7 +181,7 @@ def compile_one(module: object, job: dict) -> dict:
         out["spill_bytes"] = sum(int(m.group(1)) for m in (stores, loads) if m)
         out["shared_bytes"] = int(compiled.metadata.shared)
         ptx = compiled.asm["ptx"]
-        out["tensor_core_ops"] = ptx.count(TENSOR_CORE_OP[job["capability"]])
+        out["tensor_core_ops"] = ptx.count(job["tensor_core_op"])
         out["mma"] = mma_shapes(ptx, job["capability"])
         out["wgmma"] = wgmma_shapes(ptx)
         out["tma"] = TMA_OP in ptx

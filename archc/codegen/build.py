@@ -26,6 +26,8 @@ import archc.ir.expr as E
 from archc.codegen.blocks import DECODE_DEAL, TARGETS, next_pow2
 from archc.codegen.layout import CodegenError, Layout
 from archc.codegen.printer import pexpr, texpr
+from archc.codegen.targets import TMA_ALIGN
+from archc.dtypes import KV_CODES, triton_pointer
 from archc.ir.attrs import Attrs, Call
 from archc.ir.cost import node_states
 from archc.ir.graph import Graph, Node
@@ -35,10 +37,6 @@ from archc.ir.shapes import DTYPE_BYTES, B, P, S, numel
 from archc.ir.text import format_node
 from archc.quant.schemes import is_quantized, scheme
 
-TRITON_TYPES = {"f32": "fp32", "f16": "fp16", "bf16": "bf16", "i64": "i64", "i32": "i32",
-                "bool": "i1", "i8": "i8", "f8e4m3": "fp8e4nv"}
-# a quantized KV cache's codes: their dtype, and the largest code (scale = max|x|/QMAX)
-KV_CODES = {"int8": ("i8", 127.0), "fp8": ("f8e4m3", 448.0)}
 LOG2E = 1.4426950408889634
 # Index symbols kernels define: the sequence, the query head, the KV head.
 BATCH, HEAD, KV_HEAD = (sympy.Symbol(s, integer=True, nonnegative=True) for s in ("b", "h", "kv_h"))
@@ -138,7 +136,7 @@ class NodeCtx:
 
     def types(self, args: Sequence[Arg] | None = None, **ints: str) -> dict[str, str]:
         """Argument types of a kernel: out_ptr, the args (all by default), then `ints`."""
-        return {"out_ptr": "*" + TRITON_TYPES[self.node.dtype],
+        return {"out_ptr": triton_pointer(self.node.dtype),
                 **{a.name: a.type for a in (self.args if args is None else args)}, **ints}
 
     def fail(self, problem: str) -> CodegenError:
@@ -242,9 +240,6 @@ def elementwise_step(c: NodeCtx, st: Call, idx: int, width: int) -> dict[str, An
 
 # ---- quantized weights ------------------------------------------------------------------------
 
-PART_TYPES = {"i8": "*i8", "u8": "*u8", "f16": "*fp16", "f32": "*fp32"}
-
-
 def _whole(c: NodeCtx, role: str) -> Layout:
     """The layout of a quantized operand, refused unless it is the whole contiguous tensor (its
     parts are indexed by row: no view of a quantized tensor reaches a kernel)."""
@@ -261,7 +256,7 @@ def quant_args(c: NodeCtx, role: str, dtype: str, dims: str, doc: str) -> list[A
     """The arguments of a quantized operand: a pointer to each stored part (`<role>_<part>`)."""
     lay = _whole(c, role)
     n, k = (c.static(d, f"the quantized {role}'s size") for d in lay.shape[-2:])
-    return [Arg(f"{role}_{part}", PART_TYPES[pdt], f"{dtype} [{dims}] {doc}: part {part} "
+    return [Arg(f"{role}_{part}", triton_pointer(pdt), f"{dtype} [{dims}] {doc}: part {part} "
                 f"[.., {rows}, {cols}] {pdt}", f'v[{lay.root}].parts["{part}"]')
             for part, ((rows, cols), pdt) in scheme(dtype).part_shapes(n, k).items()]
 
@@ -300,7 +295,7 @@ def build(c: NodeCtx) -> Unit:
             c.args += quant_args(c, role, root.dtype, dims, docs.get(role, role))
             continue
         read = "" if lay.root == c.node.inputs[k] else ", read through strides"
-        c.args.append(Arg(role, "*" + TRITON_TYPES[root.dtype],
+        c.args.append(Arg(role, triton_pointer(root.dtype),
                           f"[{dims}] {docs.get(role, role)}{read}", f"v[{lay.root}]"))
     _states(c)
     context, kernels = CONTEXTS[template](c)
@@ -437,10 +432,11 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     else:
         cols = ("cols", f"cols + {width}") if gated else ("cols",)
     # weight tiles by TMA when one accumulator takes them and a weight row (a descriptor's
-    # stride) is a multiple of 16 bytes
+    # stride) is a multiple of TMA_ALIGN bytes
     w_dtype = c.g.nodes[n.inputs[c.roles["weight"]]].dtype
     # (a quantized weight's tiles are dequantized from its parts: never TMA)
-    tma = len(cols) == 1 and not is_quantized(w_dtype) and (k * DTYPE_BYTES[w_dtype]) % 16 == 0
+    tma = len(cols) == 1 and not is_quantized(w_dtype) and \
+        (k * DTYPE_BYTES[w_dtype]) % TMA_ALIGN == 0
     ctx = dict(kind="experts", stage=a["stage"], E=e, NW=nw, top_k=a["top_k"], gated=gated,
                interleaved=interleaved, tma=tma, BLOCK_E=max(16, next_pow2(e)), route=False,
                M=pexpr(numel(n.shape[:-2] if up else n.shape[:-1])),
@@ -470,12 +466,12 @@ def _cache_arg(c: NodeCtx, param: str, kind: str, layer: int, kv_heads: int, hd:
     the node's dtype, or the codes of a quantized cache (`quant`). Paged (`block_size`): the
     layer's pool of blocks, [blocks, kv_heads, block_size, hd] (the store's "batch" is the
     block count the runtime allocates)."""
-    dtype = c.node.dtype if quant is None else KV_CODES[quant][0]
+    dtype = c.node.dtype if quant is None else KV_CODES[quant].dtype
     rows = c.opts.max_seq_len if block_size is None else block_size
     c.stored.append(("cache", layer, kind, (kv_heads, rows, hd), dtype))
     codes = "" if quant is None else f" of {quant} codes"
     what = f"{'key' if kind == 'k' else 'value'} cache{codes}"
-    return Arg(param, "*" + TRITON_TYPES[dtype],
+    return Arg(param, triton_pointer(dtype),
                f"{what} [B, {kv_heads}, {rows}, {hd}]" if block_size is None else
                f"{what} pool [blocks, {kv_heads}, {block_size}, {hd}]",
                f'd.cache.get({layer}, "{kind}")')
@@ -497,7 +493,7 @@ def _states(c: NodeCtx) -> None:
             raise c.fail(f"the {decl.kind} state {list(decl.shape)} does not lead with B")
         tail = tuple(c.static(d, f"the {decl.kind} state's size") for d in decl.shape[1:])
         c.stored.append(("state", layer, decl.kind, tail, decl.dtype))
-        c.args.append(Arg(f"{decl.kind.lower()}_state", "*" + TRITON_TYPES[decl.dtype],
+        c.args.append(Arg(f"{decl.kind.lower()}_state", triton_pointer(decl.dtype),
                           f"{decl.dtype} [{', '.join(map(str, ('B', *tail)))}] {decl.kind} "
                           "state, updated in place", f'd.states.get({layer}, "{decl.kind}")'))
 
@@ -556,9 +552,6 @@ def t5_thresholds(buckets: int, bidirectional: bool, max_distance: int) -> dict[
     mag = t5_buckets(-dist, False, nb, max_distance)
     thresholds = [int(dist[mag >= v][0]) for v in range(exact + 1, nb) if bool((mag >= v).any())]
     return dict(nb=nb, exact=exact, thresholds=thresholds, bidirectional=bidirectional)
-
-
-TMA_ALIGN = 16   # bytes: a tensor descriptor's base and row strides are multiples of this
 
 
 def _multiple_of(e: sympy.Expr | int, n: int) -> bool:
@@ -657,7 +650,7 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     if a["ring"] is not None:
         ctx.update(_ring(c, cached, kv_heads, hd))
         kernels.append(JitKernel("_ring", "attention_ring", {**sizes, "tma": 0}, {
-            "out_ptr": "*" + TRITON_TYPES[c.node.dtype], "acc_ptr": "*fp32",
+            "out_ptr": triton_pointer(c.node.dtype), "acc_ptr": "*fp32",
             "ml_ptr": "*fp32", **{x.name: x.type for x in c.args}, "kpos_ptr": "*i64", **ints,
             "KEYS": "i32", "FIRST": "i32", "LAST": "i32"}))
     return ctx, kernels
@@ -769,9 +762,6 @@ def _rope_pair(st: Call, width: int, idx: int, c: NodeCtx) -> dict[str, Any]:
                 pos_ptr=c.arg(f"pos{idx}").name, rotation_ptr=c.arg(f"rotation{idx}").name)
 
 
-TMA_ALIGN = 16   # bytes: a tensor descriptor's base address and row stride are multiples of it
-
-
 def tma_rows(lay: Layout, elem: int) -> dict[str, str] | None:
     """A 2-D tensor descriptor over the rows of `lay` — [rows, columns] with contiguous columns,
     the leading dims one row index of static stride, base and stride 16-byte aligned — as its
@@ -827,7 +817,7 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
                       k_start=st.kw("k_start"), v_start=st.kw("v_start"), width=kv_heads * hd,
                       stride_b=kv_heads * max_len * hd, stride_h=max_len * hd, stride_l=hd,
                       max_len=max_len, quant=st.kw("quant"), block_d=next_pow2(hd),
-                      qmax=repr(KV_CODES[st.kw("quant")][1]) if st.kw("quant") else None,
+                      qmax=repr(KV_CODES[st.kw("quant")].qmax) if st.kw("quant") else None,
                       paged=None if paged is None else dict(
                           block_size=paged, pos_ptr=c.arg(f"pos{idx}").name,
                           table_ptr=c.arg(f"block_table{idx}").name,

@@ -30,7 +30,6 @@ from types import ModuleType
 
 import jinja2
 
-from archc import __version__
 from archc.codegen.build import CodegenOptions, JitKernel, NodeCtx, build, collective_call
 from archc.codegen.layout import CodegenError, layouts
 from archc.ir.expr import act_code, tanh_code
@@ -38,6 +37,7 @@ from archc.ir.graph import Graph, Program
 from archc.ir.ops import COLLECTIVE
 from archc.ir.text import format_node, format_program
 from archc.ir.verify import verify, verify_graph
+from archc.versions import ARCHC
 
 TEMPLATES = Path(__file__).parent / "templates"
 StoreSpec = tuple[tuple[int, ...], str]     # a KV cache's or recurrent state's shape after B, dtype
@@ -112,7 +112,7 @@ class Generated:
 
 # A hash of the templates and the code that fills them: a change to either is a new module, never
 # a stale one from the cache.
-_FINGERPRINT = hashlib.sha256(__version__.encode() + b"".join(
+_FINGERPRINT = hashlib.sha256(ARCHC.encode() + b"".join(
     p.name.encode() + p.read_bytes() for p in sorted([*TEMPLATES.glob("*.j2"), *(
         TEMPLATES.parent / f"{name}.py" for name in ("build", "render", "layout", "printer"))])
 )).hexdigest()
@@ -192,7 +192,7 @@ def generate(program: Program, options: CodegenOptions,
                    unique=len({s.unit for s in steps[run] if s.unit}))
               for run, _ in runs]
     source = ENV.get_template("module.py.j2").render(
-        version=__version__, model=program.model, kernels=kernels, graphs=graphs,
+        version=ARCHC, model=program.model, kernels=kernels, graphs=graphs,
         launches=sum(1 for g in program for step in steps[g.name] if step.unit),
         options=options.key(),
         graph_hash=digest[:16])

@@ -15,13 +15,13 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from archc.codegen.aot import TARGETS
+from archc.codegen.targets import GPU_TARGETS
 from archc.commands.common import check_output, quant_of
 from archc.commands.defaults import fitted_all
 from archc.commands.passes import add_pipeline_arguments
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
-from archc.perf.gpus import GPUS, TARGET_GPU
+from archc.perf.gpus import GPUS
 from archc.spec.schema import Spec
 from archc.ui import console, err_console, nbytes, table
 from archc.versions import software_text
@@ -50,8 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(occupancy, "context", nargs="+", detail="one or more: a prefill of N tokens and the "
         "decode step at context N each (default 512 2048 8192, those within max_seq_len)")
     add(occupancy, "batch", detail="default 1")
-    add(occupancy, "gpu", detail="default: " + ", ".join(f"{g} for {t}"
-                                                         for t, g in TARGET_GPU.items()))
+    add(occupancy, "gpu", detail="default: " + ", ".join(f"{t.gpu} for {t.name}" for t in
+                                                         reversed(GPU_TARGETS.values())))
     add(occupancy, "json", detail="the occupancy report")
 
 
@@ -64,7 +64,7 @@ def _check_occupancy_flags(args: argparse.Namespace) -> None:
     if not args.occupancy:
         return
     if args.target is None:
-        others = " or ".join(t for t in TARGETS if t != "sm_90a")
+        others = " or ".join(t for t in GPU_TARGETS if t != "sm_90a")
         raise ArchcError(f"--occupancy needs a GPU to report on: add --target sm_90a ({others})")
     if args.passes != "default":
         raise ArchcError("--occupancy reports the kernels the runtime runs, after the default "
@@ -117,13 +117,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _aot(path: Path, target: str, jobs: int) -> int:
-    from archc.codegen.aot import TARGETS, compile_module
-    from archc.codegen.aot_worker import TENSOR_CORE_OP
-    op = TENSOR_CORE_OP[TARGETS[target]].split(".")[0]
+    from archc.codegen.aot import compile_module
+    op = GPU_TARGETS[target].mma
     results = compile_module(path, target, jobs=jobs)
     # Blackwell: the MMA shapes (the PTX names none on the instruction) and whether Triton
     # split the K loop into warp-specialized partitions, which it does there
-    blackwell = TARGETS[target] >= 100
+    blackwell = GPU_TARGETS[target].capability >= 100
     extra = ("shapes", "warp spec.") if blackwell else ()
     console.print(table(
         f"ahead-of-time compile for {target} (bf16 buffers as generated, default block sizes "
@@ -158,8 +157,8 @@ def _occupancy(args: argparse.Namespace, spec: Spec, dtype: str,
     from archc.codegen.aot import compile_configs
     from archc.ir.lower import lower
     from archc.perf import occupancy as occ
-    from archc.perf.gpus import TARGET_GPU, gpu
-    g = gpu(args.gpu or TARGET_GPU[args.target])
+    from archc.perf.gpus import gpu
+    g = gpu(args.gpu or GPU_TARGETS[args.target].gpu)
     if g.arch != args.target:
         raise ArchcError(f"--gpu {args.gpu} is not an {args.target} GPU (those: "
                          f"{', '.join(k for k, v in GPUS.items() if v.arch == args.target)})")

@@ -5,15 +5,14 @@ weight), how and why."""
 from __future__ import annotations
 
 import argparse
-import re
-from collections import Counter
 
 from archc.commands.common import quant_of
 from archc.commands.passes import add_pipeline_arguments
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
 from archc.ir.lower import lower
-from archc.passes import Decision, run_pipeline
+from archc.passes import run_pipeline
+from archc.passes.decisions import grouped
 from archc.perf.attention_tiles import AttentionTiles, attention_tiles
 from archc.ui import console
 
@@ -26,33 +25,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length", type=int, metavar="N",
                    help="classify each attention kernel's tiles over a prefill of N tokens "
                    "(default: max_seq_len, at most 4096)")
-
-
-def _same_refusal(d: Decision) -> tuple[str, str, str, str]:
-    """What makes two refusals the same up to node numbers and layer indices."""
-    reason = d.reason
-    for place, any_place in ((r"%\d+", "%_"), (r"layers\.\d+", "layers.N"),
-                             (r"layer \d+", "layer N")):
-        reason = re.sub(place, any_place, reason)
-    return d.pass_name, d.rule, d.verdict, reason
-
-
-def _note(d: Decision) -> str:
-    """What an applied rewrite says beyond its count (after "; "): how it was made otherwise."""
-    return _same_refusal(d)[3].partition("; ")[2]
-
-
-Refusals = dict[tuple[str, str, str, str], list[Decision]]
-
-
-def grouped(decisions: list[Decision]) -> tuple[Counter[tuple[str, str, str]], Refusals]:
-    """The rewrites made, counted by (pass, rule, note), and the refusals grouped by what makes
-    them the same up to node numbers and layers (each group: one decision per node)."""
-    refused: Refusals = {}
-    for d in decisions:
-        if not d.applied:
-            refused.setdefault(_same_refusal(d), []).append(d)
-    return Counter((d.pass_name, d.rule, _note(d)) for d in decisions if d.applied), refused
 
 
 def run(args: argparse.Namespace) -> int:

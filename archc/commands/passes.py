@@ -17,8 +17,9 @@ from archc.ir.lower import lower
 from archc.ir.ops.base import COLLECTIVE
 from archc.ir.shapes import evaluate
 from archc.passes import DEFAULT_PIPELINE, PASSES, run_pipeline
-from archc.passes.manager import PassStep, known
-from archc.passes.measure import dims, kernels_per_layer, op_delta, stats
+from archc.passes.decisions import changed
+from archc.passes.manager import known
+from archc.passes.measure import dims, kernels_per_layer, stats
 from archc.passes.shard import shard_step
 from archc.ui import console, nbytes, si, table
 
@@ -58,15 +59,6 @@ def _weights(quant: dict[str, str]) -> str:
     """`, weights int4_g128 ×225` when weights are quantized."""
     counts = Counter(quant.values()).most_common()
     return ", weights " + ", ".join(f"{s} ×{n}" for s, n in counts) if counts else ""
-
-
-def changed(step: PassStep) -> str:
-    """What a pass changed: 'merge-qkv ×2: −6 matmul, …', or 'not applied'."""
-    if not step.changed:
-        return "not applied"
-    rules = Counter(d.rule for d in step.applied())
-    return ", ".join(f"{rule} ×{n}" for rule, n in rules.items()) + \
-        f": {op_delta(step.before, step.after)}"
 
 
 def run(args: argparse.Namespace) -> int:

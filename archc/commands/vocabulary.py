@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from archc.codegen.aot import TARGETS
+from archc.codegen.targets import GPU_TARGETS
 from archc.devices import DTYPES
 from archc.perf.gpus import GPUS
 
@@ -130,7 +130,7 @@ FLAGS: dict[str, Flag] = {f.names[-1].lstrip("-").replace("-", "_"): f for f in 
          "cache, `archc cache`)", "DIR", {"type": Path}),
     Flag(("--target",), "compile every unique kernel ahead of time for this GPU, without one: "
          "registers, spills, shared memory, tensor-core instructions (sm_80 A100, sm_90a Hopper, "
-         "sm_100a Blackwell)", None, {"choices": tuple(TARGETS)}),
+         "sm_100a Blackwell)", None, {"choices": tuple(GPU_TARGETS)}),
     Flag(("--jobs",), "ahead-of-time compiles run in parallel with --target", "N",
          {"type": positive_int}),
 )}

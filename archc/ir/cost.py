@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 import sympy
 
+from archc.dtypes import DTYPES
 from archc.ir.graph import Graph, Node, Program
 from archc.ir.ops import OP_TABLE, Op
 from archc.ir.ops.attention import kv_row_bytes
@@ -17,8 +18,6 @@ from archc.ir.paramexpr import leaves
 from archc.ir.shapes import DTYPE_BYTES, evaluate, numel
 from archc.quant.schemes import is_quantized, scheme
 from archc.spec.schema import Spec
-
-PART_BYTES = {"i8": 1, "u8": 1, "f16": 2, "f32": 4}    # a stored part's element, by its dtype
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,7 @@ def param_bytes(n: Node) -> int:
     if not is_quantized(n.dtype):
         return evaluate(numel(n.shape), {}) * int(DTYPE_BYTES[n.dtype])
     lead = math.prod(shape[:-2])
-    return lead * sum(rows * cols * PART_BYTES[dtype] for (rows, cols), dtype
+    return lead * sum(rows * cols * DTYPES[dtype].bytes for (rows, cols), dtype
                       in scheme(n.dtype).part_shapes(shape[-2], shape[-1]).values())
 
 

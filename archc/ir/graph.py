@@ -9,11 +9,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from archc.dtypes import FLOAT_DTYPES
 from archc.errors import IRError
 from archc.ir.attrs import Attrs, Call, format_call
 from archc.ir.ops import OP_TABLE, Op, ShapeError, canonical, full_attrs, is_compute
 from archc.ir.ops.base import Sig, attr_problems, make_sig, require
-from archc.ir.shapes import FLOAT_DTYPES, Shape
+from archc.ir.shapes import Shape
 
 # the graph hoist-cross-kv adds (archc.passes.cross_kv)
 CROSS_KV = "cross_kv"

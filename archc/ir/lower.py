@@ -4,7 +4,7 @@ decomposed attention, ``repeat_kv`` for GQA): the passes earn every speed-up, an
 Every node records the spec field that made it (its ``origin``); parameters get HF-like names
 (``layers.3.attn.q.weight``). A decoder graph reads and writes the KV cache at offset P, so one
 graph serves prefill (P = 0) and decode (T = 1). Each block is lowered from what its layer runs
-(``Spec.layer``); the embeddings, final norm and head from the model's fields.
+(``archc.spec.load.layer_spec``); the embeddings, final norm and head from the model's fields.
 """
 
 from __future__ import annotations
@@ -14,17 +14,18 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 import archc.ir.expr as E
+from archc.dtypes import KV_CODES
 from archc.errors import ArchcError
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph, GraphBuilder, Program
 from archc.ir.modifiers import leaves
 from archc.ir.ops import Op
-from archc.ir.ops.attention import KV_QUANT
 from archc.ir.ops.steps import step
 from archc.ir.paramexpr import leaf
 from archc.ir.shapes import QUANT_DTYPES, B, P, S, T, shape
 from archc.ir.verify import verify
 from archc.spec.expressions import expressions, head_count
+from archc.spec.load import layer_spec
 from archc.spec.schema import FFN, Norm, Spec
 
 
@@ -34,9 +35,9 @@ def lower(spec: Spec, dtype: str = "f32", quant: Mapping[str, str] | None = None
     `quant` names (checkpoint tensor → scheme), which stay quantized — and a decoder's KV cache
     held in `dtype`, or quantized per (token, head) with `kv_cache` int8 or fp8."""
     q = dict(quant or {})
-    if kv_cache is not None and kv_cache not in KV_QUANT:
+    if kv_cache is not None and kv_cache not in KV_CODES:
         raise ArchcError(f"kv_cache={kv_cache!r} is not a KV-cache format (known: "
-                         f"{', '.join(KV_QUANT)}, or None for the model dtype)")
+                         f"{', '.join(KV_CODES)}, or None for the model dtype)")
     if spec.family == "encoder-decoder":
         assert spec.decoder_layers is not None
         graphs = (_Stack(spec, dtype, "encoder", "encoder.", spec.layers, causal=False,
@@ -65,7 +66,7 @@ class _Stack:
         self.b = GraphBuilder(name)
         self.d = spec.d_model
         self.kinds = spec.layer_type_names(layers)            # the type of each layer
-        self.specs = [spec.layer(i) for i in range(layers)]   # and what it runs
+        self.specs = [layer_spec(spec, i) for i in range(layers)]   # and what it runs
         self._shared: dict[str, dict[object, str]] = {}
 
     @contextmanager

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import sympy
 
+from archc.dtypes import VALUE_BYTES
 from archc.quant.schemes import SCHEMES
 
 B = sympy.Symbol("B", integer=True, positive=True)
@@ -20,12 +21,12 @@ DIMS: dict[str, sympy.Symbol] = {"B": B, "T": T, "P": P, "S": S}
 
 Shape = tuple[sympy.Expr, ...]
 
+# the dtypes an IR value may have, and the bytes of one element
 DTYPE_BYTES: dict[str, int | sympy.Rational] = {
-    "f32": 4, "f16": 2, "bf16": 2, "i64": 8, "i32": 4, "bool": 1,
+    **VALUE_BYTES,
     # a quantized weight's scheme is its dtype: bytes per element, codes and scales together
     **{name: sympy.Rational(s.bytes_per_element.numerator, s.bytes_per_element.denominator)
        for name, s in SCHEMES.items()}}
-FLOAT_DTYPES = ("f32", "f16", "bf16")
 QUANT_DTYPES = tuple(SCHEMES)
 
 

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from archc.dtypes import TORCH_DTYPES
 from archc.errors import ArchcError
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph, Program
@@ -61,7 +62,7 @@ from archc.perf.summary import fmt_percent, fmt_ratio, fmt_seconds
 from archc.perf.torch_program import TorchProgram
 from archc.quant.schemes import SCHEMES
 from archc.runtime.validation import TOLERANCE, error_and_scale
-from archc.runtime.weights import TORCH_DTYPES, checkpoint_shapes, materialize
+from archc.runtime.weights import checkpoint_shapes, materialize
 from archc.spec.schema import Spec
 from archc.versions import software
 

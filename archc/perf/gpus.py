@@ -1,7 +1,7 @@
 """Peak dense 16-bit tensor throughput, HBM bandwidth and SM count of the GPUs archc models: the
 vendor's datasheet figures for dense (not 2:4 sparse) bf16/fp16 tensor-core math, peak bandwidth
-and streaming multiprocessors; and what one SM of each architecture holds (CUDA programming
-guide, compute capabilities 8.0, 9.0 and 10.0), which bounds the programs resident on it."""
+and streaming multiprocessors. What one SM of each architecture holds is its compile target's
+(``archc.codegen.targets``)."""
 
 from __future__ import annotations
 
@@ -11,40 +11,12 @@ from archc.errors import ArchcError
 
 
 @dataclass(frozen=True)
-class SM:
-    """What one streaming multiprocessor of an architecture holds at once."""
-
-    registers: int          # 32-bit registers
-    shared_bytes: int       # shared memory, of which the runtime reserves 1 KB per program
-    warps: int              # resident warps
-    programs: int           # resident thread blocks
-
-    def resident(self, registers: int, warps: int, shared_bytes: int) -> int:
-        """Programs of a kernel that fit on one SM at once: registers are allocated per warp
-        in units of 256 (8 per thread)."""
-        per_warp = -(-max(registers, 1) * 32 // 256) * 256
-        return max(0, min(self.programs, self.warps // warps,
-                          self.registers // (per_warp * warps),
-                          self.shared_bytes // (shared_bytes + 1024)))
-
-
-# compute capability 10.0 (B200), 9.0 (H100/H200) and 8.0 (A100); 10.0 keeps 9.0's register
-# file, shared memory, warps and blocks per SM (its tensor memory holds tcgen05 accumulators,
-# not registers)
-SMS: dict[str, SM] = {
-    "sm_100a": SM(65536, 228 * 1024, 64, 32),
-    "sm_90a": SM(65536, 228 * 1024, 64, 32),
-    "sm_80": SM(65536, 164 * 1024, 64, 32),
-}
-
-
-@dataclass(frozen=True)
 class GPU:
     name: str
     peak_flops: float       # dense bf16/fp16 tensor-core FLOP/s
     bandwidth: float        # HBM bytes/s
     sms: int                # streaming multiprocessors
-    arch: str               # the compile target of its SMs (a key of ``SMS``)
+    arch: str               # the compile target of its SMs (a key of ``GPU_TARGETS``)
     # GPU-to-GPU link (NVLink) bytes/s one GPU sends, and receives, at once: half the datasheet's
     # total, which counts both directions. A ring collective's bytes are those one rank sends.
     link: float = 0.0
@@ -70,8 +42,6 @@ GPUS: dict[str, GPU] = {
     # 80) is Chips and Cheese's "Nvidia's B200: Keeping the CUDA Juggernaut Rolling" (2025)
     "b200": GPU("B200 SXM", 2.25e15, 8e12, 148, "sm_100a", link=1.8e12 / 2),
 }
-# the GPU a compile target's report models unless --gpu names another of its architecture
-TARGET_GPU = {"sm_100a": "b200", "sm_90a": "h200", "sm_80": "a100"}
 
 
 def gpu(name: str) -> GPU:

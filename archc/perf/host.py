@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from archc.dtypes import TORCH_DTYPES
 from archc.errors import ArchcError
 from archc.ir.graph import Graph, Program
 from archc.ir.lower import lower
@@ -35,7 +36,6 @@ from archc.ir.shapes import concrete
 from archc.quant import QTensor, is_quantized
 from archc.runtime.launch import LaunchPlan
 from archc.runtime.triton_backend import TritonOptions, TritonSession
-from archc.runtime.weights import TORCH_DTYPES
 from archc.spec.schema import Spec
 
 WARMUP_STEPS = 50

@@ -49,13 +49,13 @@ from rich import box
 from rich.markup import escape
 
 from archc.codegen import blocks
-from archc.codegen.aot import OPTIONS, TARGETS, AotResult, config_text
-from archc.codegen.aot_worker import TENSOR_CORE_OP
+from archc.codegen.aot import OPTIONS, AotResult, config_text
+from archc.codegen.targets import GPU_TARGETS
 from archc.errors import ArchcError
 from archc.ir.graph import Graph, Program
 from archc.ir.ops import Op
 from archc.ir.shapes import evaluate
-from archc.perf.gpus import GPU, SMS
+from archc.perf.gpus import GPU
 from archc.perf.host import HostSession
 from archc.perf.roofline import KernelRoof, kernels, label
 from archc.perf.summary import fmt_seconds
@@ -361,7 +361,7 @@ class Occupancy:
             return None
         # the compiled warps where known: warp specialization adds partitions' warps
         warps = r.warps or int(x.config.get("num_warps", 4))
-        return SMS[self.target].resident(r.registers, warps, r.shared_bytes)
+        return GPU_TARGETS[self.target].sm.resident(r.registers, warps, r.shared_bytes)
 
     def waves(self, x: KernelLaunch) -> int | None:
         fit = self.resident(x)
@@ -440,7 +440,7 @@ def record(program: Program, spec: Spec, *, dtype: str, batch: int, contexts: li
     recorder = PlanRecorder(program, max_seq_len=spec.max_seq_len, dtype=dtype,
                             cache_dir=cache_dir)
     # the launch heuristics see the modelled GPU, as the runtime's see its device
-    recorder.ctx.sm, recorder.ctx.sms = TARGETS[gpu.arch], gpu.sms
+    recorder.ctx.sm, recorder.ctx.sms = GPU_TARGETS[gpu.arch].capability, gpu.sms
     plans = [phase_plan(recorder, phase, batch, c, gpu) for c in contexts for phase in PHASES]
     return recorder, plans
 
@@ -542,7 +542,7 @@ def _layers(plan: PhasePlan) -> str:
 
 def mma_op(target: str) -> str:
     """The name of the target's tensor-core instruction family: `wgmma`, `tcgen05`, `mma`."""
-    return TENSOR_CORE_OP[TARGETS[target]].split(".")[0]
+    return GPU_TARGETS[target].mma
 
 
 def _specialized(rep: Occupancy) -> str:

@@ -11,11 +11,9 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from archc.dtypes import TORCH_DTYPES
 from archc.errors import WeightsError
 from archc.quant.schemes import SCHEMES, SUPER, Scheme
-
-PART_DTYPES: dict[str, torch.dtype] = {"i8": torch.int8, "u8": torch.uint8,
-                                       "f16": torch.float16, "f32": torch.float32}
 
 
 class QTensor:
@@ -35,10 +33,10 @@ class QTensor:
                                f"{sorted(self.parts)}")
         for name, ((rows, cols), dtype) in want.items():
             p = self.parts[name]
-            if tuple(p.shape) != (*self.shape[:-2], rows, cols) or p.dtype != PART_DTYPES[dtype]:
+            if tuple(p.shape) != (*self.shape[:-2], rows, cols) or p.dtype != TORCH_DTYPES[dtype]:
                 raise WeightsError(f"part {name!r} of a {self.scheme.name}{list(self.shape)} "
                                    f"tensor is {p.dtype}{list(p.shape)}, expected "
-                                   f"{PART_DTYPES[dtype]}{[*self.shape[:-2], rows, cols]}")
+                                   f"{TORCH_DTYPES[dtype]}{[*self.shape[:-2], rows, cols]}")
 
     @classmethod
     def zeros(cls, scheme: str | Scheme, shape: Sequence[int],
@@ -48,7 +46,7 @@ class QTensor:
         dtype)` (torch.zeros by default): stand-in weights, for launches that read no value."""
         s = SCHEMES[scheme] if isinstance(scheme, str) else scheme
         make = make or (lambda dims, dtype: torch.zeros(dims, dtype=dtype))
-        return cls(s, shape, {name: make((*shape[:-2], rows, cols), PART_DTYPES[dtype])
+        return cls(s, shape, {name: make((*shape[:-2], rows, cols), TORCH_DTYPES[dtype])
                               for name, ((rows, cols), dtype)
                               in s.part_shapes(shape[-2], shape[-1]).items()})
 

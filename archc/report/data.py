@@ -3,9 +3,9 @@
 Every part comes from the functions the other commands print from, so the page is a view of
 the same numbers, never a second computation:
 
-- the spec and its derived numbers: `archc show` (``commands.show.facts``) and ``ir.cost``;
-- the pipeline, pass by pass: `archc passes` (``passes.measure.stats``, ``commands.passes``) and
-  `archc explain` (``commands.explain.grouped``), over the whole model;
+- the spec and its derived numbers: `archc show` (``report.facts``) and ``ir.cost``;
+- the pipeline, pass by pass: `archc passes` (``passes.measure.stats``, ``passes.decisions``)
+  and `archc explain` (``passes.decisions.grouped``), over the whole model;
 - the graph drawn: the model cut to one period of its layer pattern (one block, for a model
   whose blocks are alike), after each pass, with `archc ir --diff`'s text (``step_diff``);
 - kernels: codegen's units (``codegen.render.generate``, as `archc compile`), each with the
@@ -24,12 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from archc import __version__
 from archc.codegen.build import CodegenOptions
 from archc.codegen.render import Generated, RenderedUnit, generate
-from archc.commands.explain import grouped as grouped_decisions
-from archc.commands.passes import changed
-from archc.commands.show import facts
 from archc.ir import cost
 from archc.ir.graph import Graph, Program
 from archc.ir.lower import lower
@@ -38,14 +34,18 @@ from archc.ir.ops.base import MATMUL, POINTWISE, RECURRENT, REDUCTION
 from archc.ir.shapes import format_shape
 from archc.ir.text import format_node
 from archc.passes import run_pipeline
+from archc.passes.decisions import changed
+from archc.passes.decisions import grouped as grouped_decisions
 from archc.passes.manager import PassStep, PipelineRun, step_diff
 from archc.passes.measure import Stats, dims, kernels_per_layer, stats
 from archc.perf.attention_tiles import attention_tiles
 from archc.perf.gpus import GPU
 from archc.perf.roofline import decode_floor, grouped, kernels, per_step
+from archc.report.facts import facts
 from archc.report.layout import NODE_H, NODE_W, kernel_groups, place
 from archc.spec import dump_yaml
 from archc.spec.schema import Spec
+from archc.versions import ARCHC
 
 FORMAT = "archc-report/1"
 # Op families the page colours by, first match wins (the op groups of archc.ir.ops)
@@ -291,7 +291,7 @@ def build(spec: Spec, quant: dict[str, str], options: Options, *,
     codegen = CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len)
     gen = generate(run.program, codegen)
     data: dict[str, Any] = {
-        "format": FORMAT, "archc": __version__, "model": spec.name, "source": options.source,
+        "format": FORMAT, "archc": ARCHC, "model": spec.name, "source": options.source,
         "dtype": dtype, "quantized": dict(sorted(Counter(quant.values()).items())),
         "spec": spec_data(spec, quant, lowered),
         "pipeline": pipeline_data(spec, run, dtype),

@@ -24,10 +24,10 @@ import torch
 
 from archc.codegen.layout import Layout
 from archc.codegen.printer import DimFn, dim_function, uses_past
+from archc.dtypes import TORCH_DTYPES
 from archc.ir.graph import Graph
 from archc.ir.shapes import DTYPE_BYTES, numel
 from archc.ir.view import live_ranges
-from archc.runtime.weights import TORCH_DTYPES
 
 Dims = tuple[int, int, int, int]       # B, T, P, S
 

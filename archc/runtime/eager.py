@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 
+from archc.dtypes import KV_CODES, TORCH_DTYPES
 from archc.errors import ArchcError, RunError
 from archc.ir.attrs import Call
 from archc.ir.graph import CROSS_KV, LAST_TOKEN, Graph, Program
 from archc.ir.ops import OP_TABLE, Op, bind, full_attrs
-from archc.ir.ops.attention import KV_QUANT, kv_dequantize, kv_quantize, paged_slots
+from archc.ir.ops.attention import kv_dequantize, kv_quantize, paged_slots
 from archc.ir.shapes import DIMS, QUANT_DTYPES
 from archc.ir.text import format_node
 from archc.memory import zeros
@@ -29,7 +30,7 @@ from archc.passes.logits import last_token_graph
 from archc.quant import QTensor, Weight
 from archc.runtime.comm import Comm, LocalComm
 from archc.runtime.token_inputs import TokenInputs
-from archc.runtime.weights import TORCH_DTYPES, Handover, materialize
+from archc.runtime.weights import Handover, materialize
 
 
 @functools.lru_cache(maxsize=4096)
@@ -53,7 +54,7 @@ class KVCache:
                quant: str | None = None) -> torch.Tensor:
         b, h, t, d = x.shape
         key = (layer, kind)
-        code_dtype = x.dtype if quant is None else KV_QUANT[quant][0]
+        code_dtype = x.dtype if quant is None else KV_CODES[quant].torch
         buf = self.store.get(key)
         if buf is None or buf.shape[0] != b or buf.dtype != code_dtype or \
                 self.dtypes[key] != x.dtype:

@@ -26,6 +26,7 @@ import torch
 from archc.codegen import blocks
 from archc.codegen.layout import layouts
 from archc.codegen.printer import DimFn, dim_function, uses_past
+from archc.dtypes import TORCH_DTYPES
 from archc.errors import RunError
 from archc.ir.graph import Graph
 from archc.ir.ops import OP_TABLE, Op
@@ -33,7 +34,6 @@ from archc.memory import zeros
 from archc.runtime import tuning
 from archc.runtime.buffers import plan_buffers
 from archc.runtime.comm import Comm, LocalComm, ring_pass_start
-from archc.runtime.weights import TORCH_DTYPES
 
 # (callable, positional arguments, keyword arguments): a kernel launch or a host step
 Launch = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]

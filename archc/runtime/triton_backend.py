@@ -21,6 +21,7 @@ import torch
 
 from archc.codegen.build import CodegenOptions
 from archc.codegen.render import generate, load_module, write_module
+from archc.codegen.targets import target_of
 from archc.errors import ArchcError, RunError
 from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import Op
@@ -272,7 +273,7 @@ def _tuner(kernels: Mapping[str, Mapping[str, Any]], module_path: Path, digest: 
     (``blocks.autotune_configs``), the cache beside the module keyed by the device's name, and
     the pre-filter for the device's capability (none where the ahead-of-time compile has no
     target for it)."""
-    target = tuning.aot_target(torch.cuda.get_device_capability(device))
+    target = target_of(torch.cuda.get_device_capability(device))
     cache = tuning.TuningCache(module_path.parent, digest, torch.cuda.get_device_name(device))
     return tuning.Tuner(tuning.tuned_kernels(kernels), cache,
                         prefilter=tuning.aot_prefilter(module_path, target) if target else None,

@@ -46,8 +46,6 @@ from archc.codegen import aot, blocks
 
 FORMAT = 1
 TUNING_DIR = "tuning"          # beside the module, in its kernel-cache entry
-# capability major → the ahead-of-time target that stands for it (used when aot.TARGETS has it)
-AOT_TARGETS = {8: "sm_80", 9: "sm_90a", 10: "sm_100a"}
 
 Config = dict[str, Any]        # block sizes (constexprs) + num_warps + num_stages
 Bucket = tuple[tuple[str, int], ...]
@@ -62,13 +60,6 @@ def tuning_enabled(autotune: bool, target: str, device_type: str) -> bool:
     a CUDA device. The interpreter never tunes, nor a GPU-target session on the host (`archc
     bench --host-time`, the occupancy report), whose launches never run."""
     return bool(autotune) and target == "gpu" and device_type == "cuda"
-
-
-def aot_target(capability: tuple[int, int]) -> str | None:
-    """The ahead-of-time target for a device's compute capability, or None where there is none
-    (the pre-filter is then skipped)."""
-    target = AOT_TARGETS.get(capability[0])
-    return target if target in aot.TARGETS else None
 
 
 def bucket(values: Mapping[str, int]) -> Bucket:

@@ -19,10 +19,10 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from archc.dtypes import TORCH_DTYPES
 from archc.errors import WeightsError
 from archc.ir.graph import Graph, Program
 from archc.ir.ops import Op, full_attrs, roles_of
-from archc.ir.ops.base import TORCH_DTYPES
 from archc.ir.paramexpr import calls, evaluate, leaf
 from archc.ir.shapes import concrete
 from archc.quant import QTensor, Weight, is_quantized

@@ -26,7 +26,9 @@ from archc.spec.schema import (
     LAYER_SECTIONS,
     MASK_KINDS,
     AttentionBias,
+    FFNLayerKind,
     HeadParam,
+    LayerKind,
     LayerType,
     Mamba,
     Normalizer,
@@ -366,8 +368,28 @@ def _layer_spec(spec: Spec, t: LayerType) -> Spec:
 
 @functools.lru_cache(maxsize=64)
 def layer_specs(spec: Spec) -> tuple[Spec, ...]:
-    """What each of `spec`'s layer types runs, in ``Spec.layer_plan`` order (``Spec.layer``)."""
+    """What each of `spec`'s layer types runs, in ``Spec.layer_plan`` order (``layer_spec``)."""
     return tuple(_layer_spec(spec, t) for t in spec.layer_plan()[0])
+
+
+def layer_spec(spec: Spec, i: int) -> Spec:
+    """What layer i runs: the model with its layer type's fields set, and no layer types or
+    patterns (a uniform spec, whose every section is this layer's). Both stacks of an
+    encoder-decoder repeat the pattern alike."""
+    types, pattern = spec.layer_plan()
+    return layer_specs(spec)[[t.name for t in types].index(pattern[i % len(pattern)])]
+
+
+def layer_ffns(spec: Spec, layers: int | None = None) -> tuple[FFNLayerKind, ...]:
+    """Dense or MoE FFN for each layer."""
+    return tuple("moe" if layer_spec(spec, i).ffn.kind == "moe" else "dense"
+                 for i in range(layers or spec.layers))
+
+
+def layer_kinds(spec: Spec, layers: int | None = None) -> tuple[LayerKind, ...]:
+    """Local (windowed) or global attention for each layer."""
+    return tuple("local" if layer_spec(spec, i).attention.window else "global"
+                 for i in range(layers or spec.layers))
 
 
 # The masks each family allows, and why.
@@ -520,7 +542,7 @@ def _check_type(spec: Spec, t: LayerType, layer: Spec) -> None:
 
 
 def _check_layer(spec: Spec) -> None:
-    """The rules within one kind of layer (a uniform spec, as ``Spec.layer`` gives), each where
+    """The rules within one kind of layer (a uniform spec, as ``layer_spec`` gives), each where
     its mixer has what it constrains."""
     att, ffn, pos, family = spec.attention, spec.ffn, spec.position, spec.family
     # ---- attention

@@ -10,7 +10,7 @@ type does not admit None is required (where it applies).
 Layers vary by *layer types*: each names the fields it sets in the per-layer sections
 (``LAYER_SECTIONS``), and ``layer_pattern`` gives each layer its type. The older per-layer
 patterns (``mixer.pattern``, ``attention.pattern``, ``ffn.pattern``) are shorthand for layer
-types (``Spec.layer_plan``); ``Spec.layer(i)`` is what layer i runs."""
+types (``Spec.layer_plan``); ``archc.spec.load.layer_spec(spec, i)`` is what layer i runs."""
 
 from __future__ import annotations
 
@@ -330,14 +330,6 @@ class Spec:
         """The type of each layer (of a stack of `layers`, default the model's)."""
         return _repeat(self.layer_plan()[1], layers or self.layers)
 
-    def layer(self, i: int) -> Spec:
-        """What layer i runs: the model with its layer type's fields set, and no layer types or
-        patterns (a uniform spec, whose every section is this layer's). Both stacks of an
-        encoder-decoder repeat the pattern alike."""
-        from archc.spec.load import layer_specs  # the loader's rules resolve the fields
-        types, pattern = self.layer_plan()
-        return layer_specs(self)[[t.name for t in types].index(pattern[i % len(pattern)])]
-
     def layer_mixers(self, layers: int | None = None) -> tuple[MixerKind, ...]:
         """The sequence mixer of each layer (read off the layer types, unresolved)."""
         kinds = {t.name: t.get("mixer.kind", self.mixer.kind) for t in self.layer_plan()[0]}
@@ -363,15 +355,6 @@ class Spec:
         """Inner width of a mamba layer (expand·d_model; 0 without mamba layers)."""
         return self.mixer.mamba.expand * self.d_model if self.mixer.mamba else 0
 
-    def layer_ffns(self, layers: int | None = None) -> tuple[FFNLayerKind, ...]:
-        """Dense or MoE FFN for each layer."""
-        return tuple("moe" if self.layer(i).ffn.kind == "moe" else "dense"
-                     for i in range(layers or self.layers))
-
-    def layer_kinds(self, layers: int | None = None) -> tuple[LayerKind, ...]:
-        """Local (windowed) or global attention for each layer."""
-        return tuple("local" if self.layer(i).attention.window else "global"
-                     for i in range(layers or self.layers))
 
 
 def _repeat(pattern: tuple[Any, ...], n: int) -> tuple[Any, ...]:

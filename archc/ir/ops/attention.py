@@ -14,6 +14,7 @@ import sympy
 import torch
 import torch.nn.functional as F
 
+from archc.dtypes import KV_CODES
 from archc.errors import ArchcError
 from archc.ir.attrs import Attr, Attrs, Call, Expression
 from archc.ir.modifiers import SOFTMAX, Expr, attend, builtin, evaluate, leaves, var
@@ -165,13 +166,10 @@ register(OpDef(
 # code·scale. f32, not f16, for the scale: it costs 2 more bytes per row (≈3% of a 64-wide int8
 # row) and the kernels and the interpreter then compute the same scale bit for bit, with no
 # second rounding and no f16 overflow or underflow for rows near 0. fp8 e4m3 gets a scale too:
-# its largest value is 448, and a key row above that would saturate without one.
-KV_QUANT: dict[str, tuple[torch.dtype | None, float]] = {
-    "int8": (torch.int8, 127.0),
-    "fp8": (getattr(torch, "float8_e4m3fn", None), 448.0),
-}
+# its largest value is 448, and a key row above that would saturate without one. The code
+# dtypes and QMAX: ``archc.dtypes.KV_CODES``.
 KV_SCALE_BYTES = 4
-KV_QUANT_ATTR = Attr("quant", str, None, choices=tuple(KV_QUANT))
+KV_QUANT_ATTR = Attr("quant", str, None, choices=tuple(KV_CODES))
 
 
 def kv_row_bytes(head_dim: int | sympy.Expr, dtype: str, quant: str | None) -> sympy.Expr:
@@ -186,7 +184,7 @@ def kv_quantize(x: torch.Tensor, quant: str) -> tuple[torch.Tensor, torch.Tensor
     """Codes [..., D] and f32 scales [...] of rows x [..., D]: scale = max|x|/QMAX over the row;
     int8 codes round half up, floor(x/scale + 0.5) (what the kernels compute); fp8 codes are
     x/scale cast to e4m3 (round to nearest even). A row of zeros has scale 0 and codes 0."""
-    dtype, qmax = KV_QUANT[quant]
+    dtype, qmax = KV_CODES[quant].torch, KV_CODES[quant].qmax
     if dtype is None:
         raise ArchcError(f"this torch ({torch.__version__}) has no float8_e4m3fn for an fp8 "
                          "KV cache; use int8")
@@ -643,7 +641,7 @@ register(OpDef(
            Attr("softcap", float, None),
            Attr("bias", Call, None, {"alibi": (), "t5": T5}),
            Attr("cache_layer", int, None, at_least=0), Attr("kv_heads", int, None, at_least=1),
-           Attr("kv_quant", str, None, choices=tuple(KV_QUANT)),
+           Attr("kv_quant", str, None, choices=tuple(KV_CODES)),
            Attr("ring", int, None, at_least=2), PAGED_ATTR),
     flops=_attention_flops, bytes=_attention_bytes, template="attention", arity=(1, -1),
     docs={"padding": "1 = key present", "prefix_len": "prefix length",

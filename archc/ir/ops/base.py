@@ -13,8 +13,9 @@ from typing import Any, Protocol
 import sympy
 import torch
 
+from archc.dtypes import FLOAT_DTYPES
 from archc.ir.attrs import REQUIRED, Attr, Attrs
-from archc.ir.shapes import DTYPE_BYTES, FLOAT_DTYPES, Shape, numel
+from archc.ir.shapes import DTYPE_BYTES, Shape, numel
 
 
 class Op(str, Enum):
@@ -195,14 +196,6 @@ class OpDef:
 
 
 OP_TABLE: dict[Op, OpDef] = {}
-
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
-    "i64": torch.int64, "i32": torch.int32, "bool": torch.bool,
-    # the codes of a quantized KV cache (runtime storage, not IR values)
-    "i8": torch.int8,
-    **({"f8e4m3": torch.float8_e4m3fn} if hasattr(torch, "float8_e4m3fn") else {}),
-}
 
 
 def register(d: OpDef) -> None:

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 import archc.ir.expr as E
+from archc.dtypes import FLOAT_DTYPES, TORCH_DTYPES
 from archc.ir.attrs import Attr, Attrs, Call
 from archc.ir.ops.attention import rotation_bytes
 from archc.ir.ops.base import (
-    TORCH_DTYPES,
     Args,
     EagerCtx,
     Op,
@@ -44,7 +44,7 @@ from archc.ir.ops.steps import (
     normalize,
     unpair,
 )
-from archc.ir.shapes import DTYPE_BYTES, FLOAT_DTYPES, QUANT_DTYPES, Shape, numel
+from archc.ir.shapes import DTYPE_BYTES, QUANT_DTYPES, Shape, numel
 from archc.quant.tensor import QTensor, by_rows, linear
 
 
