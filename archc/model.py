@@ -54,10 +54,12 @@ class Session(Protocol):
     def reset(self) -> None: ...
 
     def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
-               token_types: torch.Tensor | None = None) -> torch.Tensor: ...
+               token_types: torch.Tensor | None = None,
+               inputs: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor: ...
 
     def step(self, tokens: torch.Tensor, *, encoder_hidden: torch.Tensor | None = None,
-             encoder_mask: torch.Tensor | None = None, last: bool = False) -> torch.Tensor: ...
+             encoder_mask: torch.Tensor | None = None, last: bool = False,
+             inputs: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor: ...
 
 
 @dataclass
@@ -236,8 +238,9 @@ def check_kv_cache(kv_cache: Any, backend: str, device: torch.device, *,
 
 # What the eager backend interprets unless told otherwise: the unfused program with each
 # attention chain (scores → … → value sum) collapsed into one `attention` node, which runs through
-# PyTorch's fused attention unless it soft-caps (`ops.attention.attention`) — so a long prompt never
-# stores its [B, H, T, L] scores. passes="none" interprets the program exactly as lowered.
+# PyTorch's fused attention unless its score is more than the scores plus a bias (a soft-cap) or
+# it normalizes otherwise than by softmax (`ops.attention.modified_attention`) — so a long prompt
+# never stores its [B, H, T, L] scores. passes="none" interprets the program exactly as lowered.
 EAGER_PIPELINE = ("share-kv-heads", "flash-attention")
 
 
@@ -270,13 +273,15 @@ class CompiledModel:
     def __call__(self, input_ids: torch.Tensor | str, *,
                  attention_mask: torch.Tensor | None = None,
                  decoder_input_ids: torch.Tensor | None = None,
-                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+                 token_type_ids: torch.Tensor | None = None,
+                 inputs: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Full forward pass: logits (decoder, encoder-decoder) or hidden states (encoder).
-        `input_ids`: token ids [B, T], or text when the model has a tokenizer."""
+        `input_ids`: token ids [B, T], or text when the model has a tokenizer; `inputs`: the
+        attention's per-token inputs (``attention.inputs``), each [B, T] integers."""
         input_ids = self._ids(input_ids)
         family, extra = self.spec.family, {}
         if family == "encoder":
-            return self.session.encode(input_ids, attention_mask, token_type_ids)
+            return self.session.encode(input_ids, attention_mask, token_type_ids, inputs)
         if family == "encoder-decoder":
             if decoder_input_ids is None:
                 raise ArchcError("an encoder-decoder needs decoder_input_ids")
@@ -287,14 +292,15 @@ class CompiledModel:
             raise ArchcError("padding masks are supported for encoders; a decoder forward "
                              "takes unpadded sequences")
         self.session.reset()
-        return self.session.step(input_ids, **extra)
+        return self.session.step(input_ids, **extra, inputs=inputs)
 
     def generate(self, input_ids: torch.Tensor | str, max_new_tokens: int = 20, *,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
                  attention_mask: torch.Tensor | None = None,
                  decoder_start_token_id: int = 0,
-                 on_token: Callable[[torch.Tensor], None] | None = None) -> Any:
+                 on_token: Callable[[torch.Tensor], None] | None = None,
+                 inputs: Mapping[str, torch.Tensor] | None = None) -> Any:
         """Prompt followed by up to `max_new_tokens` new tokens (greedy unless a temperature is
         given). Given text (a model with a tokenizer), returns the text of the new tokens.
 
@@ -302,7 +308,8 @@ class CompiledModel:
         checkpoint's (``model.eos_token_ids``); `eos_token_id` replaces them (one id or
         several; ``()`` never stops early). `on_token` sees each new column of tokens [B] as it
         is chosen. For an encoder-decoder, returns the decoder tokens (starting with
-        `decoder_start_token_id`)."""
+        `decoder_start_token_id`). `inputs`: the attention's per-token inputs of the prompt
+        (``attention.inputs``), each [B, T]; new tokens continue each row's last value."""
         if self.spec.family == "encoder":
             raise ArchcError(f"{self.spec.name} is an encoder: it has no output head to "
                              "generate with")
@@ -331,10 +338,11 @@ class CompiledModel:
         self.session.reset()
         out = [tokens]
         done = torch.zeros(tokens.shape[0], dtype=torch.bool)
-        for _ in range(max_new_tokens):
+        for i in range(max_new_tokens):
             # the next token reads the last logits alone: the prompt's LM head runs on its last
             # row only (archc.passes.logits)
-            nxt = sampler(self.session.step(out[-1], **extra, last=True)[:, -1])
+            nxt = sampler(self.session.step(out[-1], **extra, last=True,
+                                            inputs=inputs if i == 0 else None)[:, -1])
             if eos:
                 # a finished row repeats its first stop token
                 nxt = torch.where(done, stop[0].expand_as(nxt), nxt)

@@ -20,8 +20,9 @@ import torch
 
 import archc.ir.expr as E
 from archc.ir.graph import GraphBuilder
+from archc.ir.modifiers import EagerValues, evaluate, from_attention_attrs
 from archc.ir.ops import Op
-from archc.ir.ops.attention import visible
+from archc.ir.ops.attention import query_key_positions
 from archc.ir.shapes import B, S, T, shape
 from archc.runtime.eager import EagerContext, run_graph
 from tests.test_triton_kernels import DEVICE, build, check, force_tma, rand
@@ -59,6 +60,14 @@ def test_visible_is_the_longformer_pattern(causal: bool, t: int, length: int, wi
     assert torch.equal(visible(t, length, causal, window, global_tokens=g), want)
     # the global tokens matter: without them fewer pairs are seen
     assert int(visible(t, length, causal, window).sum()) < int(want.sum()) or window >= length
+
+
+def visible(t: int, length: int, causal: bool, window: int,
+            global_tokens: int | None = None) -> torch.Tensor:
+    """[T, L]: the attention op's mask attributes as its library expression computes them."""
+    mods = from_attention_attrs(dict(causal=causal, window=window, global_tokens=global_tokens))
+    seen = evaluate(mods.mask, mods.env, EagerValues(*query_key_positions(t, length), 1, 1))
+    return seen.expand(1, 1, t, length)[0, 0]
 
 
 def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -1,8 +1,9 @@
-"""The built-in variants as library expressions equal today's eager semantics: each combination
-of the attention op's mask attributes equals ``visible_at`` (and the padding mask), its ALiBi
-bias and soft-cap ``score_bias_at`` and ``cap·tanh(s/cap)``, on random positions — a prefill,
-odd lengths, a decode step, zig-zag (ring) blocks — and the whole attention op equals the
-library's score and mask under the softmax normalizer, GQA 9 heads over 3."""
+"""The built-in variants as library expressions equal the attention op's shorthand semantics,
+written here in plain torch: each combination of the mask attributes equals ``visible_at``
+(and the padding mask), its ALiBi bias and soft-cap ``alibi_at`` and ``cap·tanh(s/cap)``, on
+random positions — a prefill, odd lengths, a decode step, zig-zag (ring) blocks — and the
+whole attention op equals the library's score and mask under the softmax normalizer, GQA 9
+heads over 3."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from archc.ir.modifiers import (
 )
 from archc.ir.modifiers.library import LIBRARY, library_env
 from archc.ir.ops import Op
-from archc.ir.ops.attention import attention, expand_kv, score_bias_at, visible_at
+from archc.ir.ops.attention import attention, expand_kv
 from archc.ir.ops.base import full_attrs
 
 # (T, L): a prefill, odd lengths with a past, a decode step
@@ -32,6 +33,31 @@ MASKS = [dict(causal=c, window=w, global_tokens=g, prefix=p, padding=pad)
          for c, w, g, p, pad in itertools.product((False, True), (None, 4), (None, 2),
                                                   (False, True), (False, True))
          if g is None or w is not None]
+
+
+def visible_at(q: torch.Tensor, k: torch.Tensor, causal: bool, window: int | None,
+               prefix_len: int | torch.Tensor | None = None,
+               global_tokens: int | None = None) -> torch.Tensor:
+    """[T, L] bool, the shorthand's meaning: causal j ≤ i; a window within `window` of the
+    query (behind it when causal, either side when not); global tokens beside a window seen
+    by every query (and, when not causal, seeing every key); keys < prefix_len seen by all."""
+    dist = q[:, None] - k[None, :]
+    seen = dist >= 0 if causal else torch.ones(dist.shape, dtype=torch.bool)
+    if window is not None:
+        near = (dist < window) if causal else (dist.abs() < window)
+        if global_tokens is not None:
+            near |= k[None, :] < global_tokens
+            if not causal:
+                near |= q[:, None] < global_tokens
+        seen &= near
+    if prefix_len is not None:
+        seen |= k[None, :] < prefix_len
+    return seen
+
+
+def alibi_at(slopes: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """[H, T, L]: ALiBi's −slope·(query − key)."""
+    return slopes.float()[:, None, None] * (k[None, :] - q[:, None]).float()[None]
 
 
 def _positions(t: int, length: int, zigzag: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +103,7 @@ def test_alibi_and_softcap_equal_todays(t: int, length: int, zigzag: bool) -> No
     s = torch.randn(2, 9, t, length, generator=g) * 20
     slopes = torch.rand(9, generator=g)
     v = _values(q, k, score=s, head_params={"slopes": slopes})
-    bias = score_bias_at("alibi", slopes, q, k, {})[None]
+    bias = alibi_at(slopes, q, k)[None]
     for cap, alibi in itertools.product((None, 30.0), (False, True)):
         mods = from_attention_attrs(dict(softcap=cap, bias=Call("alibi") if alibi else None))
         want = s if cap is None else cap * torch.tanh(s / cap)

@@ -46,6 +46,7 @@ KERNELS_PER_BLOCK = {
     "tiny-gpt2": 5, "tiny-gptj": 3, "tiny-llama2": 5, "tiny-llama2-70b": 5, "tiny-llama3": 5,
     "tiny-mistral": 5, "tiny-mixtral": 7, "tiny-neox": 3, "tiny-phi2": 3, "tiny-qwen2": 5,
     "tiny-smollm2": 5, "tiny-t5": 7, "tiny-longctx": 5, "tiny-longformer": 7,
+    "sinks-banded": 5,
     # recurrent mixers: a Mamba mixer is in_proj, causal_conv, x_proj, dt_proj, ssm_scan,
     # out_proj (6); linear attention is qkv, linear_attention, o (3) as softmax attention is.
     # A MoE FFN is norm, router, gate+up experts, down experts with the residual in its sum (4).

@@ -114,10 +114,18 @@ def test_ring_attention_equals_one_rank(case: str, cp: int, length: int) -> None
 
 
 def test_a_broken_merge_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rescale matters: merging partials with equal weights is visibly wrong."""
-    import archc.ir.ops.attention as att
-    monkeypatch.setattr(att, "merge_partials", lambda o1, l1, o2, l2: ((o1 + o2) / 2,
-                                                                      torch.maximum(l1, l2)))
+    """The rescale matters: blocks merged without rescaling the running sums by e^(m − m′)
+    are visibly wrong."""
+    from dataclasses import replace
+
+    from archc.ir.modifiers import normalizers as nz
+
+    def no_rescale(n: Call, state: nz.State, s: torch.Tensor, v: torch.Tensor) -> nz.State:
+        m, total, acc = state
+        m_new = torch.maximum(m, s.amax(-1))
+        p = torch.exp(s - m_new[..., None])
+        return m_new, total + p.sum(-1), acc + p @ v
+    monkeypatch.setitem(nz.ONLINE, "softmax", replace(nz.ONLINE["softmax"], step=no_rescale))
     whole, ranks, parts = one_rank_and_ring(CASES["causal"], 2, 20)
     assert not all(close(got, whole[:, mine]) for got, mine in zip(ranks, parts))
 

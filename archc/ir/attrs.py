@@ -75,6 +75,11 @@ def freeze(value: Any) -> Any:
 
 REQUIRED: Any = ...   # the default of an attribute that must be given
 
+
+class Expression:
+    """The type of an attribute holding an attention modifier expression (``archc.ir.modifiers``):
+    a Call tree, or a literal (a mask of ``true``)."""
+
 # each attribute type: what its values must be, and the test
 _TYPES: dict[type, tuple[str, Callable[[Any], bool]]] = {
     bool: ("true or false", lambda v: isinstance(v, bool)),
@@ -85,6 +90,8 @@ _TYPES: dict[type, tuple[str, Callable[[Any], bool]]] = {
     Call: ("a call", lambda v: isinstance(v, Call)),
     tuple: ("a list of calls", lambda v: isinstance(v, tuple)
             and all(isinstance(s, Call) for s in v)),
+    Expression: ("an expression (a call or a literal)",
+                 lambda v: isinstance(v, (Call, bool, int, float))),
 }
 
 

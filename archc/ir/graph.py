@@ -137,20 +137,25 @@ class GraphBuilder:
     _by_name: dict[tuple[Op, str], int] = field(default_factory=dict)
 
     def declare(self, op: Op, name: str, shape: Shape, dtype: str, *, expr: Call | None = None,
-                origin: str | None = None) -> int:
+                origin: str | None = None, default: int | None = None) -> int:
         i = self._by_name.get((op, name))
         if i is None:
-            self.nodes.append(Node(op, (), canonical(op, {"name": name, "expr": expr}),
+            at = {"name": name, "expr": expr} if op == Op.PARAM else {"name": name,
+                                                                       "default": default}
+            self.nodes.append(Node(op, (), canonical(op, at),
                                    tuple(shape), dtype, self.origin if origin is None else origin))
             i = self._by_name[op, name] = len(self.nodes) - 1
         have = self.nodes[i]
-        if have.shape != tuple(shape) or have.dtype != dtype or have.attr("expr") != expr:
+        if have.shape != tuple(shape) or have.dtype != dtype or have.attr("expr") != expr or \
+                have.attr("default") != default:
             raise IRError(f"{op.value} {name!r} declared twice with different shapes: "
                           f"{list(have.shape)} and {list(shape)}")
         return i
 
-    def input(self, name: str, shape: Shape, dtype: str, origin: str | None = None) -> int:
-        return self.declare(Op.INPUT, name, shape, dtype, origin=origin)
+    def input(self, name: str, shape: Shape, dtype: str, origin: str | None = None, *,
+              default: int | None = None) -> int:
+        """A runtime input; `default`: a per-token input's value where the caller gives none."""
+        return self.declare(Op.INPUT, name, shape, dtype, origin=origin, default=default)
 
     def param(self, name: str, shape: Shape, dtype: str, *, expr: Call | None = None) -> int:
         return self.declare(Op.PARAM, name, shape, dtype, expr=expr)

@@ -18,11 +18,13 @@ from archc.dtypes import KV_CODES
 from archc.errors import ArchcError
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph, GraphBuilder, Program
+from archc.ir.modifiers import leaves
 from archc.ir.ops import Op
 from archc.ir.ops.steps import step
 from archc.ir.paramexpr import leaf
-from archc.ir.shapes import QUANT_DTYPES, B, S, T, shape
+from archc.ir.shapes import QUANT_DTYPES, B, P, S, T, shape
 from archc.ir.verify import verify
+from archc.spec.expressions import expressions, head_count
 from archc.spec.load import layer_spec
 from archc.spec.schema import FFN, Norm, Spec
 
@@ -135,6 +137,10 @@ class _Stack:
             ls.attention.mask == "prefix" for ls in softmax) else None)
         self.token_types = (b.input("token_types", shape(B, T), "i64", "embedding.token_types")
                             if s.embedding.token_types and not causal else None)
+        # per-token inputs of the attention expressions, over every key position
+        self.token_inputs = {i.name: b.input(i.name, shape(B, P + T) if causal else shape(B, T),
+                                             "i32", "attention.inputs", default=i.default)
+                             for ls in softmax for i in ls.attention.inputs or ()}
         if self.cross:
             self.enc = b.input("encoder_hidden", shape(B, S, self.d), self.dt, "family")
             self.enc_mask = b.input("encoder_mask", shape(B, S), "i64", "family")
@@ -269,9 +275,26 @@ class _Stack:
                 table = self.param("layers.0.attn.rel_bias.weight", s.position.buckets, att.heads)
                 scores = self.b.emit(Op.REL_BIAS, scores, table, bidirectional=not self.causal,
                                      max_distance=s.position.max_distance)
-        scores = self.mask(s, scores, cross=not self_attn)
+        score, mask = expressions(s) if self_attn else (None, None)
+        named = self.named_operands(layer) if self_attn else {}
+        kv_heads = {"kv_heads": att.kv_heads} if att.group_size > 1 else {}
+        if score is not None:
+            scores = self.b.emit(Op.SCORE_MOD, scores, *self.operands(score, named),
+                                 origin="attention.score", score=score, **kv_heads)
+        scores = self.mask(s, scores, cross=not self_attn, explicit=mask, named=named)
+        nz = att.normalizer
+        if self_attn and nz.kind == "softmax" and nz.sinks is not None:
+            with self.at("attention.normalizer"):
+                probs = self.b.emit(Op.NORMALIZE, scores, named[nz.sinks],
+                                    normalizer=Call("softmax", (), (("sinks", nz.sinks),)))
+        elif self_attn and nz.kind == "sigmoid":
+            with self.at("attention.normalizer"):
+                probs = self.b.emit(Op.NORMALIZE, scores,
+                                    normalizer=Call("sigmoid", (), (("bias", nz.bias),)))
+        else:
+            probs = self.b.emit(Op.SOFTMAX, scores, origin="attention")
         with self.at("attention"):
-            out = self.b.emit(Op.WEIGHTED_SUM, self.b.emit(Op.SOFTMAX, scores), v)   # (B, H, T, D)
+            out = self.b.emit(Op.WEIGHTED_SUM, probs, v)                         # (B, H, T, D)
             out = self.b.emit(Op.MERGE_HEADS, out)                                  # (B, T, H·D)
         with self.at("attention.heads"):
             return self.linear(out, f"{base}.o", self.d, att.bias.o, "attention.bias.o")
@@ -286,9 +309,38 @@ class _Stack:
             slopes = Call("scale", (slopes,), (("by", s.attention_scale),))
         return slopes
 
-    def mask(self, s: Spec, scores: int, *, cross: bool) -> int:
+    def named_operands(self, layer: int) -> dict[str, int]:
+        """The nodes of the names layer `layer`'s expressions read: its per-head parameters (a
+        checkpoint tensor, or the spec's values) and the per-token inputs."""
+        s, out = self.specs[layer], dict(self.token_inputs)
+        with self.at("attention.params"):
+            for p in s.attention.params or ():
+                n = head_count(s, p.name)
+                if p.weight is not None:
+                    out[p.name] = self.param(p.weight.replace("{layer}", str(layer)), n,
+                                             dtype="f32", shared=True)
+                else:
+                    values = p.values if len(p.values) == n else p.values * n
+                    out[p.name] = self.param(f"layers.{layer}.attn.{p.name}", n, dtype="f32",
+                                             expr=Call("values", (), (("values", values),)))
+        return out
+
+    @staticmethod
+    def operands(e: object, named: Mapping[str, int]) -> list[int]:
+        """The nodes of the names `e` reads, in the order of an op's modifier operands (by
+        name: per-head parameters, per-token inputs)."""
+        return [named[n] for n in sorted({x.args[0] for x in leaves(e)} & set(named))]
+
+    def mask(self, s: Spec, scores: int, *, cross: bool, explicit: object = None,
+             named: Mapping[str, int] | None = None) -> int:
         if cross:
             return self.b.emit(Op.MASK, scores, self.enc_mask, padding=True, origin="family")
+        if explicit is not None:
+            kv_heads = {"kv_heads": s.attention.kv_heads} if s.attention.group_size > 1 else {}
+            pad = [self.padding] if self.padding is not None else []
+            return self.b.emit(Op.MASK, scores, *pad, *self.operands(explicit, named or {}),
+                               origin="attention.mask", padding=bool(pad), mask=explicit,
+                               **kv_heads)
         window = s.attention.window
         global_tokens = s.attention.global_tokens if window else None
         origin = "attention.global_tokens" if global_tokens else \

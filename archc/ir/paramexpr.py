@@ -250,6 +250,7 @@ PARAM_FNS: dict[str, Callable[..., torch.Tensor]] = {
     "mm": lambda a, b: a @ b,
     "sum": lambda a, dim=-1: a.sum(dim=dim),
     "zeros": lambda shape: torch.zeros(shape),
+    "values": lambda values: torch.tensor(values, dtype=torch.float32),   # given by the spec
     # a per-head vector [heads·D] with each head repeated `groups` times (GQA: KV head h //
     # groups serves query head h)
     "repeat_heads": lambda a, heads, groups: a.reshape(heads, -1).repeat_interleave(

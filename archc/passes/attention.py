@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import archc.ir.expr as E
 from archc.ir.attrs import Call
 from archc.ir.graph import Node
-from archc.ir.ops import Op
+from archc.ir.ops import Op, canonical, full_attrs, roles_of
 from archc.passes.linear import (
     LINEAR,
     Linear,
@@ -28,8 +28,9 @@ from archc.passes.patterns import Bindings, Pat, Rule, register_rule_pass
 from archc.passes.rewrite import Refusal, Rewriter, register_rewrite_pass
 
 # Score modifiers as lowering emits them, ranked in the order the `attention` op applies them: a
-# scale and a soft-cap (pointwise), a position bias, the mask.
-MODIFIERS = {"scale": 0, "softcap": 1, "alibi": 2, "rel_bias": 2, "mask": 3}
+# scale and a soft-cap (pointwise), a position bias, an explicit score expression, the mask.
+MODIFIERS = {"scale": 0, "softcap": 1, "alibi": 2, "rel_bias": 2, "score_mod": 3, "mask": 4}
+NORMALIZERS = (Op.SOFTMAX, Op.NORMALIZE)
 
 # Ops a q/k/v value may pass through between its projection and the attention that reads it.
 HEAD_PATH = frozenset({Op.SPLIT_HEADS, Op.SLICE, Op.ROPE, Op.NORM, Op.KV_CACHE, Op.REPEAT_KV})
@@ -54,14 +55,14 @@ class ScoreChain:
 
 def score_chain(rw: Rewriter, scores: int) -> ScoreChain:
     chain, cur = ScoreChain(), scores
-    while rw.op(cur) != Op.SOFTMAX:
+    while rw.op(cur) not in NORMALIZERS:
         users = rw.users(cur)
         if len(users) != 1:
             chain.problem = (f"%{cur} ({rw.op(cur).value}) is read by "
                              f"{len(users)} nodes, not only by the next step of attention")
             return chain
         nxt = users[0]
-        if rw.op(nxt) != Op.SOFTMAX:
+        if rw.op(nxt) not in NORMALIZERS:
             if modifier(rw.nodes[nxt]) is None or rw.nodes[nxt].inputs[0] != cur:
                 chain.problem = (f"%{nxt} ({rw.op(nxt).value}) between scores and softmax is "
                                  "not a score modifier")
@@ -123,38 +124,50 @@ def _flash(rw: Rewriter, scores: int) -> tuple[int, int]:
     if ranks != sorted(set(ranks)):
         raise Refusal("the score modifiers " + " → ".join(kinds)
                       + " are not in the order attention applies them (scale, softcap, "
-                        "position bias, mask), each at most once")
+                        "position bias, score expression, mask), each at most once")
     q, k = rw.nodes[scores].inputs
     v = rw.nodes[chain.wsum].inputs[1]
     if rw.shape(k) != rw.shape(v):
         raise Refusal(f"k %{k} {list(rw.shape(k))} and v %{v} {list(rw.shape(v))} differ in "
                       "shape (share-kv-heads must treat both)")
     attrs: dict[str, object] = {"scale": 1.0}
-    extra: list[int] = []    # the mask's padding and prefix_len, then ALiBi slopes or T5 table
+    named = {"q": q, "k": k, "v": v}     # every operand by its role in the attention node
     for i, kind in zip(chain.modifiers, kinds):
         n = rw.nodes[i]
         if kind in ("scale", "softcap"):
             attrs[kind] = n.attr("expr").kw("by" if kind == "scale" else "cap")
-        elif kind == "mask":
-            attrs.update(n.attrs)       # causal, window, global_tokens, padding, prefix
-            extra[:0] = n.inputs[1:]
+            continue
+        if kind == "mask":      # causal, window, global_tokens, padding, prefix, mask
+            attrs.update((a, x) for a, x in n.attrs.items() if a != "kv_heads")
+        elif kind == "score_mod":
+            attrs["score"] = n.attr("score")
         else:
             attrs["bias"] = E.call("alibi") if kind == "alibi" else E.call(
                 "t5", bidirectional=n.attr("bidirectional"), max_distance=n.attr("max_distance"))
-            extra.append(n.inputs[1])
+        roles = roles_of(n.op, full_attrs(n.op, n.attrs), len(n.inputs))
+        named.update(zip(roles[1:], n.inputs[1:]))
+        if kind == "rel_bias":
+            named["rel_table"] = n.inputs[1]
+    soft = rw.nodes[chain.softmax]
+    if soft.op == Op.NORMALIZE:
+        attrs["normalizer"] = soft.attr("normalizer")
+        named.update({soft.attr("normalizer").kw("sinks"): soft.inputs[1]}
+                     if len(soft.inputs) > 1 else {})
+    full = full_attrs(Op.ATTENTION, canonical(Op.ATTENTION, attrs))
+    inputs = [named[r] for r in roles_of(Op.ATTENTION, full, 0)]
     like = [scores, *chain.modifiers, chain.softmax, chain.wsum, chain.merge]
-    return chain.merge, rw.emit(Op.ATTENTION, [q, k, v, *extra], like=like,  # type: ignore
+    return chain.merge, rw.emit(Op.ATTENTION, inputs, like=like,  # type: ignore
                                 at=chain.merge, **attrs)
 
 
-@register_rewrite_pass("flash-attention", "scores → scale → softcap → bias → mask → softmax → "
-                       "value sum: one attention node")
+@register_rewrite_pass("flash-attention", "scores → scale → softcap → bias → score_mod → mask → "
+                       "softmax or normalize → value sum: one attention node")
 def flash_attention(rw: Rewriter) -> None:
     # 1. From each scores node follow single users — modifiers, softmax, weighted_sum,
     #    merge_heads: nothing else may see the scores or probabilities a flash kernel never stores.
     # 2. The modifiers must come in the order the attention op applies them.
-    # 3. In place of merge_heads: attention(q, k, v, [padding], [prefix_len], [slopes |
-    #    rel_table]) with the modifiers as attributes; its output is [B, T, H·D].
+    # 3. In place of merge_heads: attention(q, k, v, then the operands its modifiers read, by
+    #    name) with the modifiers as attributes; its output is [B, T, H·D].
     for i in rw.order():
         found = rw.attempt("flash-attention", i, _flash, rw, i) if rw.op(i) == Op.SCORES else None
         if found is not None:

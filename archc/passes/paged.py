@@ -31,8 +31,9 @@ import sympy
 
 from archc.errors import ArchcError
 from archc.ir.graph import Graph, Node, Program
-from archc.ir.ops import Op, canonical
+from archc.ir.ops import Op, canonical, full_attrs
 from archc.ir.ops.base import RECURRENT
+from archc.ir.ops.modifiers import modifiers_of
 from archc.ir.ops.steps import STEPS, step
 from archc.ir.shapes import T
 from archc.ir.verify import verify
@@ -71,12 +72,17 @@ def _check_node(g: Graph, i: int) -> None:
             raise _refuse(g, i, "is ring attention (cp > 1); a paged engine runs with cp = 1")
         if n.attr("kv_quant") is not None:
             raise _refuse(g, i, "reads a quantized cache; a paged pool holds the model dtype")
-        if not n.attr("causal") or n.attr("prefix") or n.attr("padding"):
+        if not (n.attr("causal") or n.attr("mask") is not None) or n.attr("prefix") or \
+                n.attr("padding"):
             raise _refuse(g, i, "is not a plain causal attention (bidirectional, prefix-LM or "
                           "padded): only a causal decoder decodes token by token")
         bias = n.attr("bias")
         if bias is not None and bias.fn != "alibi":
             raise _refuse(g, i, f"adds a {bias.fn} position bias, which has no paged form")
+        own = sorted(set(modifiers_of(full_attrs(n.op, n.attrs)).env.token_inputs) - {"padding"})
+        if own:
+            raise _refuse(g, i, f"reads the per-token input {own[0]!r}, which a paged engine's "
+                          "sequences do not carry")
         cached = n.attr("cache_layer") is not None or all(
             g.nodes[j].op == Op.KV_CACHE for j in n.inputs[1:3])
         if not cached:

@@ -30,9 +30,17 @@ import archc.ir.expr as E
 from archc.ir.attrs import Attrs, Call
 from archc.ir.cost import node_states
 from archc.ir.graph import Graph
+from archc.ir.modifiers import SOFTMAX, evaluate
 from archc.ir.ops import OP_TABLE, VIEW, Args, Op, bind, full_attrs
-from archc.ir.ops.attention import ROPE_ATTRS, score_bias, visible_keys
+from archc.ir.ops.attention import ROPE_ATTRS
 from archc.ir.ops.core import activations, selected_experts
+from archc.ir.ops.modifiers import (
+    eager_values,
+    modifier_roles,
+    modifiers_of,
+    query_key_positions,
+    t5_bias,
+)
 from archc.ir.ops.steps import STEPS, step_expr, unpair
 from archc.perf.torch_program import Store, TorchContext
 
@@ -212,11 +220,18 @@ def _attention(rec: _Recorder, a: Attrs, got: Args) -> Callable[[], torch.Tensor
             s = rec(Op.ALIBI, s, got["slopes"])
         elif bias is not None:      # t5(...) carries rel_bias's attributes
             s = rec(Op.REL_BIAS, s, got["rel_table"], **dict(bias.kwargs))
-        extra = [x for x in (padding, prefix) if x is not None]
-        s = rec(Op.MASK, s, *extra, causal=a["causal"], window=a["window"],
-                global_tokens=a["global_tokens"], padding=padding is not None,
-                prefix=prefix is not None)
-        return rec(Op.MERGE_HEADS, rec(Op.WEIGHTED_SUM, rec(Op.SOFTMAX, s), vv))
+        if a["score"] is not None:
+            s = rec(Op.SCORE_MOD, s, *(got[r] for r in modifier_roles(Attrs(score=a["score"]))),
+                    score=a["score"], kv_heads=k.shape[1])
+        mask = Attrs(causal=a["causal"], window=a["window"], global_tokens=a["global_tokens"],
+                     padding=padding is not None, prefix=prefix is not None, mask=a["mask"])
+        s = rec(Op.MASK, s, *(got[r] for r in modifier_roles(mask)), **dict(mask),
+                kv_heads=k.shape[1])
+        nz = a["normalizer"]
+        p = rec(Op.SOFTMAX, s) if nz == SOFTMAX else \
+            rec(Op.NORMALIZE, s, *([got[nz.kw("sinks")]] if nz.kw("sinks") else []),
+                normalizer=nz)
+        return rec(Op.MERGE_HEADS, rec(Op.WEIGHTED_SUM, p, vv))
     return body
 
 
@@ -297,17 +312,22 @@ def _matmul(got: Args) -> Counterpart:
 def _sdpa(a: Attrs, got: Args) -> Counterpart | Unavailable:
     if a["softcap"] is not None:
         return Unavailable("sdpa", "scaled_dot_product_attention has no soft-capping")
+    if a["score"] is not None or a["normalizer"] != SOFTMAX:
+        return Unavailable("sdpa", "scaled_dot_product_attention takes no score expression "
+                           "and normalizes by softmax alone")
     q, k, v = got["q"], got["k"], got["v"]
     b, h, t, d = q.shape
     length, groups, bias = k.shape[2], h // k.shape[1], a["bias"]
     plain = (a["window"] is None and bias is None and "prefix_len" not in got
-             and "padding" not in got)
+             and "padding" not in got and a["mask"] is None)
     mask: torch.Tensor | None = None
     if not plain or (a["causal"] and t != length and min(t, length) > 1):
-        mask = visible_keys(t, length, a, got, q.device)
+        mods, (qp, kp) = modifiers_of(a), query_key_positions(t, length, q.device)
+        mask = evaluate(mods.mask, mods.env, eager_values(mods, got, qp, kp, h, k.shape[1]))
+        mask = mask.expand(mask.shape[0], mask.shape[1], t, length)
         if bias is not None:
-            add = score_bias(bias.fn, got["slopes" if bias.fn == "alibi" else "rel_table"], t,
-                             length, dict(bias.kwargs))
+            add = t5_bias(got["rel_table"], qp, kp, dict(bias.kwargs)) if bias.fn == "t5" \
+                else got["slopes"].float()[:, None, None] * (kp[None, :] - qp[:, None])[None]
             mask = add[None].to(q.dtype).masked_fill(~mask, float("-inf"))
     kwargs: dict[str, Any] = {"attn_mask": mask, "scale": a["scale"],
                               "is_causal": mask is None and a["causal"] and t == length > 1}

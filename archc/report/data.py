@@ -38,6 +38,7 @@ from archc.passes.decisions import changed
 from archc.passes.decisions import grouped as grouped_decisions
 from archc.passes.manager import PassStep, PipelineRun, step_diff
 from archc.passes.measure import Stats, dims, kernels_per_layer, stats
+from archc.perf.attention_tiles import attention_tiles
 from archc.perf.gpus import GPU
 from archc.perf.roofline import decode_floor, grouped, kernels, per_step
 from archc.report.facts import facts
@@ -219,6 +220,12 @@ def kernels_data(gen: Generated) -> list[dict[str, Any]]:
             for u in gen.units]
 
 
+def attention_data(program: Program, length: int, dtype: str) -> list[dict[str, Any]]:
+    """Each attention kernel's score, mask and normalizer, and its tiles at `length` tokens."""
+    return [{**dataclasses.asdict(a), "tiles": a.tiles, "visited": a.visited}
+            for a in attention_tiles(program, length, dtype)]
+
+
 def roofline_data(program: Program, gen: Generated, g: GPU, batch: int, prompt_len: int,
                   new_tokens: int) -> dict[str, Any]:
     """`archc roofline`'s rows for a prefill of `prompt_len` tokens and the last decode step
@@ -291,6 +298,7 @@ def build(spec: Spec, quant: dict[str, str], options: Options, *,
         "drawn": drawn_data(spec, dtype, quant, [s.name for s in run.steps], gen.units, codegen),
         "kernels": kernels_data(gen),
         "launches": gen.launches,
+        "attention": attention_data(run.program, min(spec.max_seq_len, 4096), dtype),
         "roofline": None if options.gpu is None else roofline_data(
             run.program, gen, options.gpu, 1, options.prompt_len, options.new_tokens),
         "aot": None if options.target is None else aot_data(gen, options.target, options.jobs,

@@ -12,14 +12,19 @@ from archc.ir.shapes import evaluate
 from archc.passes.shard import shard_program
 from archc.quant.schemes import is_quantized
 from archc.spec.load import layer_spec
-from archc.spec.schema import Spec
+from archc.spec.schema import MASK_KINDS, Spec
 from archc.ui import nbytes, si
 
 
 def _attention(s: Spec) -> str:
     att = s.attention
     kind = "MHA" if att.kv_heads == att.heads else "MQA" if att.kv_heads == 1 else "GQA"
-    parts = [f"{kind} {att.heads} heads, {att.kv_heads} KV, head_dim {att.head_dim}", att.mask]
+    parts = [f"{kind} {att.heads} heads, {att.kv_heads} KV, head_dim {att.head_dim}",
+             att.mask if att.mask in MASK_KINDS else f"mask {att.mask}"]
+    parts += [f"score {att.score}"] if att.score else []
+    nz = att.normalizer
+    parts += [f"softmax with sinks {nz.sinks}"] if nz.sinks else \
+        [f"sigmoid(score + {nz.bias:g})"] if nz.kind == "sigmoid" else []
     parts += [f"window {att.window}"] if att.window else []
     parts += ["pattern " + "/".join(att.pattern)] if att.pattern else []
     parts += [f"softcap {att.softcap:g}"] if att.softcap else []

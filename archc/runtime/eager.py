@@ -29,6 +29,7 @@ from archc.passes.context import zigzag
 from archc.passes.logits import last_token_graph
 from archc.quant import QTensor, Weight
 from archc.runtime.comm import Comm, LocalComm
+from archc.runtime.token_inputs import TokenInputs
 from archc.runtime.weights import Handover, materialize
 
 
@@ -265,6 +266,7 @@ class SessionBase:
         self.comms = dict(comms or {})      # a sharded program's groups: this rank's view
         self._ring_positions: torch.Tensor | None = None    # this rank's tokens in a ring step
         self._ring_keys = 0     # and the longest rank's token count: a ring's K/V block rows
+        self.token_inputs = TokenInputs(program)    # an attention's per-token inputs, held
 
     _run: Callable[..., dict[str, torch.Tensor]]
 
@@ -295,6 +297,7 @@ class SessionBase:
     def reset(self) -> None:
         self.past = 0
         self.prefix_len = None
+        self.token_inputs.reset()
         self.cross_kv_source = None     # a new generation: the cross-KV inputs are computed again
 
     def _cross_kv_inputs(self, encoder_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -316,20 +319,26 @@ class SessionBase:
         return dict(self.cross_kv)
 
     def _encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_types: torch.Tensor | None = None) -> torch.Tensor:
+                token_types: torch.Tensor | None = None,
+                inputs: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Hidden states [B, T, d] of the encoder graph: without a mask every token is real,
-        without types all are 0."""
+        without types all are 0; `inputs`: the attention's per-token inputs."""
         b, t = tokens.shape
         self._check_positions(t)
         mask = torch.ones(b, t) if attention_mask is None else attention_mask
         types = torch.zeros(b, t) if token_types is None else token_types
-        inputs = {"tokens": tokens, "attention_mask": mask.long(), "token_types": types.long()}
+        given = self.token_inputs.take(inputs, b, t, 0)
+        inputs = {"tokens": tokens, "attention_mask": mask.long(), "token_types": types.long(),
+                  **given}
         return self._run("encoder", inputs, B=b, T=t, P=0, S=0)["hidden"]
 
     def _step(self, tokens: torch.Tensor, *, encoder_hidden: torch.Tensor | None = None,
-              encoder_mask: torch.Tensor | None = None, last: bool = False) -> torch.Tensor:
+              encoder_mask: torch.Tensor | None = None, last: bool = False,
+              inputs: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Logits [B, T, vocab] for `tokens` following the P tokens already in the cache; with
-        `last`, of the last token only, [B, 1, vocab] (the variant, where there is one)."""
+        `last`, of the last token only, [B, 1, vocab] (the variant, where there is one);
+        `inputs`: the attention's per-token inputs for these tokens."""
+        given = inputs
         b, t = tokens.shape
         if self.past + t > self.max_seq_len:
             raise RunError(f"sequence of {self.past + t} tokens exceeds the KV cache "
@@ -338,7 +347,7 @@ class SessionBase:
         if self.prefix_len is None:
             self.prefix_len = t  # prefix-LM: the first call's tokens are the prefix
         s = 0
-        inputs: dict[str, torch.Tensor] = {"tokens": tokens}
+        inputs = {"tokens": tokens, **self.token_inputs.take(given, b, t, self.past)}
         held: dict[str, torch.Tensor] = {}
         if encoder_hidden is not None:
             s = encoder_hidden.shape[1]
@@ -408,7 +417,8 @@ class SessionBase:
         return self._in_order(local, 1, parts)
 
     def step(self, tokens: torch.Tensor, *, encoder_hidden: torch.Tensor | None = None,
-             encoder_mask: torch.Tensor | None = None, last: bool = False) -> torch.Tensor:
+             encoder_mask: torch.Tensor | None = None, last: bool = False,
+             inputs: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Logits [B, T, vocab]; with `last`, the last token's only, [B, 1, vocab] — computed
         for that row alone (``LAST_TOKEN``). With a "cp" group, a prefill runs as a ring (module
         ``archc.passes.context``) and every rank returns the whole sequence's logits."""
@@ -416,7 +426,7 @@ class SessionBase:
         parts = self._ring_split(t, self.past)
         if parts is None:
             return self._step(tokens, encoder_hidden=encoder_hidden, encoder_mask=encoder_mask,
-                              last=last)
+                              last=last, inputs=inputs)
         if t > self.max_seq_len:
             raise RunError(f"sequence of {t} tokens exceeds the KV cache (max_seq_len = "
                            f"{self.max_seq_len})")
@@ -430,12 +440,13 @@ class SessionBase:
         return logits[:, -1:] if last else logits   # a ring's ranks each hold some rows
 
     def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
-               token_types: torch.Tensor | None = None) -> torch.Tensor:
+               token_types: torch.Tensor | None = None,
+               inputs: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Hidden states [B, T, d]; with a "cp" group, computed as a ring, whole on every rank."""
         t = tokens.shape[1]
         parts = self._ring_split(t)
         if parts is None:
-            return self._encode(tokens, attention_mask, token_types)
+            return self._encode(tokens, attention_mask, token_types, inputs)
         self._check_positions(t)
         return self._ring(parts, lambda mine: self._encode(
             tokens[:, mine], None if attention_mask is None else attention_mask[:, mine],

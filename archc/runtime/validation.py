@@ -125,6 +125,10 @@ def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int =
     report = Report(spec.name, dtype, TOLERANCE[dtype], module_path=str(triton.module_path))
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, spec.vocab_size, (batch, tokens), generator=gen)
+    # per-token inputs of the attention's expressions: non-decreasing ids in 0 … 2 per row (a
+    # few packed documents), so that a mask over them is not everywhere alike
+    given = {name: torch.randint(0, 3, (batch, tokens), generator=gen).sort(dim=1).values
+             for name in reference.token_inputs.declared}
 
     def phase(name: str, graph: str, run: Callable[[Any], torch.Tensor],
               output: str | None = None) -> None:
@@ -160,7 +164,7 @@ def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int =
         mask = torch.ones(batch, tokens, dtype=torch.long)
         if batch > 1:
             mask[-1, max(1, tokens - 2):] = 0  # the last row padded
-        phase("encode", "encoder", lambda s: s.encode(ids, mask))
+        phase("encode", "encoder", lambda s: s.encode(ids, mask, inputs=given))
         return report
     hidden: dict[int, torch.Tensor] = {}     # each session's encoder states
     prompt, last = ids, ids[:, -1:]
@@ -169,14 +173,14 @@ def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int =
         prompt = torch.cat([torch.zeros(batch, 1, dtype=torch.long), ids[:, :2]], 1)
         last = ids[:, 2:3]
 
-    def step(s: Any, x: torch.Tensor) -> torch.Tensor:
-        return s.step(x, encoder_hidden=hidden.get(id(s)))
+    def step(s: Any, x: torch.Tensor, inputs: Any = None) -> torch.Tensor:
+        return s.step(x, encoder_hidden=hidden.get(id(s)), inputs=inputs)
     if CROSS_KV in triton.runners:
         for s in sessions:
             s.reset()
         phase("cross-kv", CROSS_KV, lambda s: step(s, prompt), output="logits")
     for s in sessions:
         s.reset()
-    phase("prefill", "decoder", lambda s: step(s, prompt))
+    phase("prefill", "decoder", lambda s: step(s, prompt, given))
     phase("decode", "decoder", lambda s: step(s, last))
     return report

@@ -21,14 +21,19 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from archc.errors import SpecError
+from archc.spec.expressions import check_expressions, head_params, token_inputs
 from archc.spec.schema import (
     LAYER_SECTIONS,
+    MASK_KINDS,
     AttentionBias,
     FFNLayerKind,
+    HeadParam,
     LayerKind,
     LayerType,
     Mamba,
+    Normalizer,
     Spec,
+    TokenInput,
 )
 
 ZOO_DIR = Path(__file__).resolve().parents[2] / "specs"
@@ -120,6 +125,10 @@ def describe(tp: Any, meta: Mapping[str, Any]) -> str:
         return describe(get_args(tp)[0], meta) + ", or null"
     if get_origin(tp) is tuple and get_args(tp)[0] is LayerType:
         return "a mapping of type names to the fields each sets in " + ", ".join(LAYER_SECTIONS)
+    if get_origin(tp) is tuple and get_args(tp)[0] is HeadParam:
+        return "a mapping of names to a tensor name, a number or a list of numbers"
+    if get_origin(tp) is tuple and get_args(tp)[0] is TokenInput:
+        return "a mapping of names to a whole number or null"
     if get_origin(tp) is tuple:
         item = get_args(tp)[0]
         return "a non-empty list of " + (", ".join(get_args(item)) if get_origin(item) is Literal
@@ -140,6 +149,10 @@ def _coerce(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
         return _build(tp, value, path)
     if get_origin(tp) is tuple and get_args(tp)[0] is LayerType:
         return _layer_types(value, path)
+    if get_origin(tp) is tuple and get_args(tp)[0] is HeadParam:
+        return head_params(value, path)
+    if get_origin(tp) is tuple and get_args(tp)[0] is TokenInput:
+        return token_inputs(value, path)
     allowed = describe(tp, meta)
     if value is None:
         raise SpecError(path, "is null but a value is required", allowed=allowed)
@@ -176,6 +189,8 @@ def _build(cls: type, data: Any, path: str) -> Any:
     """Section `cls` from mapping `data`; derived fields it leaves out stay None."""
     if cls is AttentionBias and isinstance(data, bool):
         return AttentionBias(q=data, k=data, v=data, o=data)
+    if cls is Normalizer and isinstance(data, str):
+        data = {"kind": data}     # a word is its kind
     fields = {f.name: (f, tp) for f, tp in typed_fields(cls)}
     if not isinstance(data, Mapping):
         either = "true, false, or " if cls is AttentionBias else ""
@@ -384,7 +399,8 @@ MASKS = {"encoder": ("bidirectional", "an encoder sees the whole input"),
 # The per-layer shorthands for layer types.
 SHORTHANDS = ("mixer.pattern", "attention.pattern", "ffn.pattern")
 # The attention fields that act on softmax scores.
-SCORE_FIELDS = ("mask", "window", "pattern", "softcap", "scale", "qk_norm", "global_tokens")
+SCORE_FIELDS = ("mask", "window", "pattern", "softcap", "scale", "qk_norm", "global_tokens",
+                "score", "normalizer", "params", "inputs")
 # Positions that are the model's, not a layer's: added to the embeddings once (learned,
 # sinusoidal), or one bias table that every layer reads (relative).
 MODEL_POSITIONS = ("learned", "sinusoidal", "relative")
@@ -544,9 +560,12 @@ def _check_layer(spec: Spec) -> None:
         raise SpecError("attention.global_tokens", f"{att.global_tokens} is more than "
                         f"max_seq_len ({spec.max_seq_len})", allowed=f"1 to {spec.max_seq_len}")
     masks, why = MASKS[family]
-    if att.mask not in masks.split(", "):
+    if att.mask in MASK_KINDS and att.mask not in masks.split(", "):
         raise SpecError("attention.mask", f"{att.mask!r} with family {family}: {why}",
-                        allowed=masks)
+                        allowed=masks + (", or an expression" if family != "encoder-decoder"
+                                         else ""))
+    if spec.softmax_attends:
+        check_expressions(spec)
     # ---- positions
     if pos.kind == "rope" and spec.softmax_attends:
         if att.head_dim % 2:
@@ -722,6 +741,11 @@ def load_spec(spec: str | Path) -> Spec:
 
 def _plain(value: Any) -> Any:
     """A loaded value as plain data for YAML: a section as its mapping, a tuple as a list."""
+    if isinstance(value, tuple) and value and isinstance(value[0], HeadParam):
+        return {p.name: p.weight if p.weight is not None else
+                list(p.values) if len(p.values) > 1 else p.values[0] for p in value}
+    if isinstance(value, tuple) and value and isinstance(value[0], TokenInput):
+        return {i.name: i.default for i in value}
     if dataclasses.is_dataclass(value):
         return _data(value, "", {}, full=True)
     return list(value) if isinstance(value, tuple) else value

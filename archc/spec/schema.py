@@ -27,6 +27,7 @@ Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "sigmoid"]
 Placement = Literal["pre", "post", "sandwich"]
 FFNKind = Literal["mlp", "glu", "reglu", "geglu", "swiglu", "moe", "none"]
 MaskKind = Literal["causal", "bidirectional", "prefix"]
+MASK_KINDS: tuple[str, ...] = ("causal", "bidirectional", "prefix")
 LayerKind = Literal["local", "global"]
 PositionKind = Literal["none", "learned", "sinusoidal", "rope", "alibi", "relative"]
 RopeScalingKind = Literal["linear", "ntk", "yarn", "llama3", "dynamic"]
@@ -91,12 +92,57 @@ class AttentionBias:
 
 
 @dataclass(frozen=True)
+class Normalizer:
+    kind: Literal["softmax", "sigmoid"] = _f(
+        "softmax", "how scores become weights: softmax, or sigmoid σ(score + bias) with no "
+        "denominator (sigmoid attention, Ramapuram et al. 2024)")
+    sinks: str | None = _f(None, "a per-head parameter (attention.params) whose logit joins the "
+                           "softmax denominator only: attention sinks (gpt-oss)",
+                           only=("softmax",))
+    bias: float = _f(0.0, "added to every score before the sigmoid (the paper: −ln of the "
+                     "training length)", only=("sigmoid",))
+
+
+@dataclass(frozen=True)
+class HeadParam:
+    """A named per-head parameter of the attention expressions: a checkpoint tensor (`weight`,
+    with {layer} for the layer's index) or values given in the spec, one per head."""
+
+    name: str
+    weight: str | None = None
+    values: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
+class TokenInput:
+    """A named per-token integer input of the attention expressions, given with each call;
+    `default` is its value where the caller gives none (None: it must be given)."""
+
+    name: str
+    default: int | None = None
+
+
+@dataclass(frozen=True)
 class Attention:
     heads: int = _f(None, "query heads", min=1, required_when="a layer attends")
     kv_heads: int = _f(None, "key/value heads: heads (MHA, the default), 1 (MQA), or a divisor "
                        "(GQA)", min=1, derived=True)
     head_dim: int = _f(None, "dims per head (default d_model / heads)", min=1, derived=True)
-    mask: MaskKind = _f("causal", "prefix: the prompt sees itself fully")
+    mask: str = _f("causal", "causal, bidirectional, prefix (the prompt sees itself fully), or "
+                   "a bool expression of q_pos, kv_pos, head, kv_head, params and inputs, true "
+                   "where a query sees a key (docs/attention-expressions.md)")
+    score: str | None = _f(None, "a float expression of score (scaled, after softcap and ALiBi), "
+                           "q_pos, kv_pos, head, kv_head, params and inputs: the score the "
+                           "normalizer sees")
+    normalizer: Normalizer = _f(Normalizer, "softmax (default), {kind: softmax, sinks: NAME}, "
+                                "or {kind: sigmoid, bias: B}; a word is its kind")
+    params: tuple[HeadParam, ...] | None = _f(
+        None, "per-head parameters the expressions read as NAME[head] or NAME[kv_head]: NAME: "
+        "a checkpoint tensor name ({layer}: the layer's index), a number for every head, or a "
+        "list of one per head")
+    inputs: tuple[TokenInput, ...] | None = _f(
+        None, "per-token integer inputs the expressions read as NAME[q_pos] or NAME[kv_pos], "
+        "given with each call: NAME: its default where none is given, or null (required)")
     window: int | None = _f(None, "sliding window: a query sees the last `window` keys", min=1)
     global_tokens: int | None = _f(
         None, "sparse attention (Longformer): the first G positions are global — every query "

@@ -14,14 +14,25 @@ which the language does not have; the attention op keeps it as an attribute.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from archc.ir.attrs import Call
-from archc.ir.modifiers.check import Kind, parse_field
-from archc.ir.modifiers.language import Env, Expr, Type, leaves, substitute, var
+from archc.ir.attrs import Attrs, Call
+from archc.ir.modifiers.check import Kind, check, parse_field
+from archc.ir.modifiers.language import (
+    HEAD_INDEX,
+    VARIABLES,
+    Env,
+    Expr,
+    Type,
+    leaves,
+    substitute,
+    var,
+)
 from archc.ir.modifiers.normalizers import SOFTMAX
+from archc.ir.modifiers.syntax import ExprError
 
 INPUTS = Env(head_params={"slopes": float}, token_inputs={"padding": int, "doc": int},
              scalars={"prefix_len": int})
@@ -108,24 +119,89 @@ def _mask_text(at: Mapping[str, Any]) -> str:
     return text
 
 
+def env_of(*exprs: Expr) -> Env:
+    """The names expressions read from the IR, typed as the attention op's operands hold them:
+    ``NAME[head]`` and ``NAME[kv_head]`` a per-head f32 parameter, ``NAME[q_pos]`` and
+    ``NAME[kv_pos]`` a per-token integer input, any other name not a variable a per-sequence
+    integer scalar. A name read both ways is refused."""
+    heads: dict[str, Type] = {}
+    tokens: dict[str, Type] = {}
+    scalars: dict[str, Type] = {}
+    for e in exprs:
+        for x in [] if e is None or isinstance(e, (bool, int, float)) else leaves(e):
+            name = x.args[0]
+            if x.fn == "index" and isinstance(x.args[1], Call) and x.args[1].args:
+                (heads if x.args[1].args[0] in HEAD_INDEX else tokens)[name] = \
+                    float if x.args[1].args[0] in HEAD_INDEX else int
+            elif x.fn == "var" and name not in VARIABLES:
+                scalars[name] = int
+    for name in heads.keys() & tokens.keys() | (heads.keys() | tokens.keys()) & scalars.keys():
+        raise ExprError("attention", None, f"{name} is read both per head and per token, or "
+                        "both indexed and not", allowed="one use per name")
+    return Env(heads, tokens, scalars)
+
+
+def _merged(*envs: Env) -> Env:
+    return Env({k: v for e in envs for k, v in e.head_params.items()},
+               {k: v for e in envs for k, v in e.token_inputs.items()},
+               {k: v for e in envs for k, v in e.scalars.items()})
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached(at: Attrs) -> Modifiers:
+    return _from_attrs(at)
+
+
 def from_attention_attrs(at: Mapping[str, Any]) -> Modifiers:
-    """The expressions of the attention op's shorthand: MASK_ATTRS (causal, padding, prefix,
-    window, global_tokens), `softcap` and an ALiBi `bias` — the soft-cap applies to the raw
-    scores, the bias after it. A T5 bias is refused (see the module's note)."""
+    """The Modifiers of an attention (or mask) op's attributes: the shorthand MASK_ATTRS
+    (causal, padding, prefix, window, global_tokens), `softcap` and an ALiBi `bias` as library
+    expressions — the soft-cap on the raw scores, the bias after it — combined with the
+    explicit ones:
+
+    - ``score``: applied over the shorthand's score (its ``score`` is the scaled score after
+      the soft-cap and ALiBi);
+    - ``mask``: replaces the shorthand mask (causal, window, global_tokens, prefix); a padding
+      mask (``padding``: an encoder's attention_mask) still applies, and-ed with it;
+    - ``normalizer``: softmax() by default, softmax(sinks=NAME) with NAME a per-head
+      parameter, or sigmoid(bias=b).
+
+    A T5 bias is refused (see the module's note). Cached for the IR's own (hashable) Attrs."""
+    if isinstance(at, Attrs):
+        return _cached(at)
+    return _from_attrs(at)
+
+
+def _from_attrs(at: Mapping[str, Any]) -> Modifiers:
     bias, cap = at.get("bias"), at.get("softcap")
     if bias is not None and bias.fn != "alibi":
         raise ValueError(f"the {bias.fn} bias is not an expression of the modifier language")
     constants = {k: at[k] for k in ("window", "global_tokens", "softcap")
                  if at.get(k) is not None}
     env = library_env(constants)
-    mask = parse_field(_mask_text(at), "attention.mask", "mask", env)
+    explicit_score, explicit_mask = at.get("score"), at.get("mask")
+    own = env_of(explicit_score, explicit_mask)
+    if explicit_mask is None:
+        mask = parse_field(_mask_text(at), "attention.mask", "mask", env)
+    else:
+        check(explicit_mask, "attention.mask", "mask", own)
+        mask = explicit_mask
+        if at.get("padding"):
+            pad = parse_field(LIBRARY["padding"].text, "attention.padding", "mask", env)
+            mask = pad if mask is True else Call("and_", (mask, pad))
     score: Expr = var("score")
     if cap is not None:
         score = parse_field(LIBRARY["softcap"].text, "attention.softcap", "score", env)
     if bias is not None:
         score = substitute(parse_field(LIBRARY["alibi"].text, "attention.bias", "score", env),
                            {var("score"): score})
-    return Modifiers(score, mask, SOFTMAX, used_env(env, score, mask))
+    if explicit_score is not None:
+        check(explicit_score, "attention.score", "score", own)
+        score = substitute(explicit_score, {var("score"): score})
+    normalizer = at.get("normalizer") or SOFTMAX
+    sinks = normalizer.kw("sinks")
+    sink_env = Env({sinks: float}) if sinks is not None else Env()
+    return Modifiers(score, mask, normalizer,
+                     _merged(used_env(env, score, mask), own, sink_env))
 
 
 def used_env(env: Env, *exprs: Expr) -> Env:

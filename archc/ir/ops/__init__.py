@@ -1,6 +1,12 @@
 """The op table: every op declared once (``OP_TABLE``), grouped by family into modules."""
 
-from archc.ir.ops import attention, collective, core, recurrent  # noqa: F401  (they register)
+from archc.ir.ops import (  # noqa: F401  (they register)
+    attention,
+    collective,
+    core,
+    modifiers,
+    recurrent,
+)
 from archc.ir.ops.base import (
     COLLECTIVE,
     ELEMENTWISE,

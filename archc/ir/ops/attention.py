@@ -7,7 +7,6 @@ i sits at position L − T + i (P over the cache; an encoder has L = T).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,7 +16,9 @@ import torch.nn.functional as F
 
 from archc.dtypes import KV_CODES
 from archc.errors import ArchcError
-from archc.ir.attrs import Attr, Attrs, Call
+from archc.ir.attrs import Attr, Attrs, Call, Expression
+from archc.ir.modifiers import SOFTMAX, Expr, attend, builtin, evaluate, leaves, var
+from archc.ir.modifiers.normalizers import MASKED, ONLINE, State
 from archc.ir.ops.base import (
     LAYER,
     Args,
@@ -31,6 +32,19 @@ from archc.ir.ops.base import (
     register,
     require,
     same_dim,
+)
+from archc.ir.ops.modifiers import (
+    MASK_ATTRS,
+    NORMALIZER,
+    T5,
+    check_mask,
+    check_modifiers,
+    eager_values,
+    modifier_roles,
+    modifiers_of,
+    query_key_positions,
+    t5_bias,
+    t5_buckets,  # noqa: F401  (read here by codegen's T5 thresholds)
 )
 from archc.ir.shapes import DTYPE_BYTES, P, Shape, numel
 from archc.runtime.comm import ring_pass_start
@@ -317,176 +331,80 @@ _head_matmul(Op.WEIGHTED_SUM, "The value sum p·v per head; v may have fewer (KV
              "%22 : f32[B,4,T,16] = weighted_sum(%21, %20)", "p", "v", transpose=False)
 
 
-# ---- score modifiers -----------------------------------------------------------------------
-
-def query_key_positions(t: int, length: int, device: torch.device | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absolute positions of the T query rows (the last T of L) and of the L keys."""
-    return (torch.arange(length - t, length, device=device), torch.arange(length, device=device))
-
-
-def visible(t: int, length: int, causal: bool, window: int | None,
-            prefix_len: int | torch.Tensor | None = None, global_tokens: int | None = None,
-            device: torch.device | None = None) -> torch.Tensor:
-    """[T, L] bool: may query row i see key j? Causal: j ≤ i. Window: within `window` of the
-    query (behind it when causal, either side when not). Prefix-LM: every query sees keys <
-    prefix_len. Global tokens (Longformer, beside a window): every query sees the first G
-    (causally, in a decoder), and when not causal they see every key. Made on `device`, so a
-    prefix length there never waits on the host."""
-    q, k = query_key_positions(t, length, device)
-    return visible_at(q, k, causal, window, prefix_len, global_tokens)
-
-
-def visible_at(q: torch.Tensor, k: torch.Tensor, causal: bool, window: int | None,
-               prefix_len: int | torch.Tensor | None = None,
-               global_tokens: int | None = None) -> torch.Tensor:
-    """[T, L] bool: ``visible`` for queries and keys at the absolute positions `q` [T] and `k`
-    [L], in any order (ring attention's blocks hold zig-zag slices of the sequence)."""
-    dist = q[:, None] - k[None, :]
-    seen = dist >= 0 if causal else torch.ones(dist.shape, dtype=torch.bool, device=q.device)
-    if window is not None:
-        near = (dist < window) if causal else (dist.abs() < window)
-        if global_tokens is not None:
-            near |= k[None, :] < global_tokens
-            if not causal:
-                near |= q[:, None] < global_tokens
-        seen &= near
-    if prefix_len is not None:
-        seen |= k[None, :] < prefix_len
-    return seen
-
-
-def visible_keys(t: int, length: int, at: Mapping[str, Any], a: Mapping[str, Any],
-                 device: torch.device) -> torch.Tensor:
-    """[B or 1, 1, T, L]: the keys each query may see under MASK_ATTRS and their operands."""
-    keep = visible(t, length, at["causal"], at["window"], a.get("prefix_len"),
-                   at["global_tokens"], device)[None, None]
-    padding = a.get("padding")
-    return keep if padding is None else keep & padding.to(device).bool()[:, None, None, :]
-
-
-def _mask(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    s = a["scores"]
-    return s.masked_fill(~visible_keys(*s.shape[-2:], at, a, s.device), torch.finfo(s.dtype).min)
-
-
-def check_mask(sig: Sig, length: sympy.Expr) -> None:
-    """The mask operands over L keys, and global tokens only beside a window, with no prefix."""
-    if sig.has("padding"):
-        pad = sig.shape("padding")
-        require(len(pad) == 2 and same_dim(pad[1], length),
-                f"padding mask {list(pad)} must be [B, L] with L = {length}")
-    if sig.has("prefix_len"):
-        require(len(sig.shape("prefix_len")) == 0 and sig.dtype("prefix_len") == "i64",
-                "prefix_len must be i64[]")
-    if sig.attr("global_tokens") is not None:
-        require(sig.attr("window") is not None,
-                "global_tokens are seen beside a window, and there is none")
-        require(not sig.attr("prefix"), "global_tokens with a prefix-LM mask")
-
-
-def _mask_infer(sig: Sig) -> tuple[Shape, str]:
-    s = sig.shape("scores")
-    require(len(s) == 4, f"mask takes scores [B, H, T, L], got {list(s)}")
-    check_mask(sig, s[3])
-    return s, float_dtype(sig)
-
-
-# what a mask (and the attention kernel) knows of which keys a query sees, and its operands
-MASK_ATTRS = (Attr("causal", bool, False), Attr("padding", bool, False),
-              Attr("prefix", bool, False), Attr("window", int, None, at_least=1),
-              Attr("global_tokens", int, None, at_least=1))
-MASK_OPERANDS = (("padding", "padding"), ("prefix_len", "prefix"))
-
-register(OpDef(
-    Op.MASK, "Hide keys a query may not see: causal, sliding window with global tokens, "
-    "prefix-LM, padding.", "%19 : f32[B,4,T,P+T] = mask(%18) {causal=true, window=8}",
-    operands("scores", *MASK_OPERANDS), _mask_infer, _mask, attrs=MASK_ATTRS,
-    flops=per_element(1), arity=(1, 3)))
-
-
-def alibi_bias(slopes: torch.Tensor, t: int, length: int) -> torch.Tensor:
-    """[H, T, L]: −slope·(query − key) (Press et al. 2021). BLOOM adds slope·key instead; the
-    two differ by a constant along each softmax row, so they give the same attention. Made on
-    the slopes' device: no host-device copy per layer."""
-    q, k = query_key_positions(t, length, slopes.device)
-    return slopes.float()[:, None, None] * (k[None, :] - q[:, None]).float()[None]
-
-
-def t5_buckets(relative: torch.Tensor, bidirectional: bool, buckets: int,
-               max_distance: int) -> torch.Tensor:
-    """T5's bucket of each key − query distance: exact for small distances, logarithmic up to
-    `max_distance`, then the last bucket; a bidirectional model spends half the buckets on keys
-    after the query."""
-    out = torch.zeros_like(relative)
-    if bidirectional:
-        buckets //= 2
-        out += (relative > 0).long() * buckets
-        relative = relative.abs()
-    else:
-        relative = -torch.clamp(relative, max=0)
-    exact = buckets // 2
-    large = (exact + (
-        torch.log(relative.float().clamp(min=1) / exact) / math.log(max_distance / exact)
-        * (buckets - exact)).long()).clamp(max=buckets - 1)
-    return out + torch.where(relative < exact, relative, large)
-
-
-T5 = (Attr("bidirectional", bool), Attr("max_distance", int, at_least=1))
-
-
-def score_bias(kind: str, table: torch.Tensor, t: int, length: int,
-               at: Mapping[str, Any]) -> torch.Tensor:
-    """[H, T, L]: ALiBi's bias from per-head slopes, or T5's looked up from a [buckets, H]
-    table with `at`'s bidirectional and max_distance."""
-    if kind == "alibi":
-        return alibi_bias(table, t, length)
-    return score_bias_at(kind, table, *query_key_positions(t, length), at)
-
-
-def score_bias_at(kind: str, table: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                  at: Mapping[str, Any]) -> torch.Tensor:
-    """[H, T, L]: ``score_bias`` for queries and keys at the absolute positions `q` and `k`."""
-    if kind == "alibi":
-        q, k = q.to(table.device), k.to(table.device)
-        return table.float()[:, None, None] * (k[None, :] - q[:, None]).float()[None]
-    q, k = q.cpu(), k.cpu()
-    bucket = t5_buckets(k[None, :] - q[:, None], at["bidirectional"], table.shape[0],
-                        at["max_distance"])
-    return table.float()[bucket.to(table.device)].permute(2, 0, 1)
-
-
-def _score_bias(op: Op, summary: str, example: str, table: str,
-                attrs: tuple[Attr, ...] = ()) -> None:
-    """alibi and rel_bias: scores plus a [H, T, L] bias made from a per-head `table`."""
-    def infer(sig: Sig) -> tuple[Shape, str]:
-        s, heads = sig.shape("scores"), sig.shape(table)[-1]
-        require(len(s) == 4, f"takes scores [B, H, T, L], got {list(s)}")
-        require(same_dim(heads, s[1]), f"table has {heads} heads, scores have {s[1]}")
-        return s, float_dtype(sig)
-
-    def eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-        s = a["scores"]
-        return (s.float() + score_bias(op.value, a[table], *s.shape[-2:], at)[None]).to(s.dtype)
-
-    register(OpDef(op, summary, example, operands("scores", table), infer, eager, attrs=attrs,
-                   flops=per_element(2), arity=(2, 2)))
-
-
-_score_bias(Op.ALIBI, "Add the ALiBi bias −slope_h·(i − j) to scores.",
-            "%18 : f32[B,4,T,P+T] = alibi(%17, %3)", "slopes")
-_score_bias(Op.REL_BIAS, "Add T5's bucketed relative-position bias (a [buckets, H] table) to "
-            "scores.", "%18 : f32[B,4,T,P+T] = rel_bias(%17, %5) {bidirectional=false, "
-            "max_distance=128}", "table", T5)
-
-
 # ---- the attention kernel --------------------------------------------------------------------
+
+CAUSAL = builtin("causal")
+
+
+def _addend(score: Expr) -> Expr | None:
+    """X where the score expression is score + X (0.0 for score itself), so that a softmax
+    can take it as an additive mask; None where it is not."""
+    if score == var("score"):
+        return 0.0
+    if isinstance(score, Call) and score.fn in ("add", "sub") and var("score") in score.args:
+        x = score.args[1] if score.args[0] == var("score") else score.args[0]
+        if var("score") not in leaves(x) and (score.fn == "add" or x is score.args[1]):
+            return x if score.fn == "add" else Call("neg", (x,))
+    return None
+
+
+def _t5(at: Attrs, a: Mapping[str, torch.Tensor], q_pos: torch.Tensor, kv_pos: torch.Tensor
+        ) -> torch.Tensor | None:
+    bias = at["bias"]
+    return None if bias is None or bias.fn != "t5" else \
+        t5_bias(a["rel_table"], q_pos, kv_pos, dict(bias.kwargs))
+
+
+def modified_scores(q: torch.Tensor, k: torch.Tensor, kv_heads: int, q_pos: torch.Tensor,
+                    kv_pos: torch.Tensor, at: Attrs, a: Mapping[str, torch.Tensor]
+                    ) -> torch.Tensor:
+    """The scores [B, H, T, L] the normalizer sees — the score expression of scale·q·kᵀ (and a
+    T5 bias) where the mask shows a key, f32's most negative finite value where it hides one —
+    for q [B, H, T, D] and k [B, H, L, D] (f32, heads expanded from `kv_heads`) at absolute
+    positions `q_pos` [T] and `kv_pos` [L]; `a`: the operands the modifiers read."""
+    mods = modifiers_of(at)
+    values = eager_values(mods, a, q_pos, kv_pos, q.shape[1], kv_heads,
+                          (q @ k.transpose(-1, -2)) * at["scale"])
+    s, t5 = evaluate(mods.score, mods.env, values), _t5(at, a, q_pos, kv_pos)
+    return torch.where(evaluate(mods.mask, mods.env, values), s if t5 is None else s + t5[None],
+                       MASKED).expand(*q.shape[:3], k.shape[2])
+
+
+def modified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: int,
+                       positions: tuple[torch.Tensor, torch.Tensor] | None, at: Attrs,
+                       a: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """normalizer(modified_scores)·v: [B, H, T, D] f32 for q [B, H, T, D] and k, v [B, H, L, D]
+    (f32, heads expanded) at absolute `positions` (q [T], kv [L]; None: the queries are the
+    last T of keys 0 … L − 1).
+
+    A softmax row whose keys are all hidden (padding) averages the values, not NaN. Under a
+    softmax whose score is the scaled score plus a bias (ALiBi, none), bias and mask go to
+    F.scaled_dot_product_attention as one additive mask, without storing the [B, H, T, L]
+    scores (at 8192 tokens one layer of SmolLM2's are 2.4 GB in f32); a causal prefill (T = L)
+    or decode step (T = 1) at positions 0 … L − 1 needs no mask at all."""
+    mods, (t, length) = modifiers_of(at), (q.shape[2], k.shape[2])
+    q_pos, kv_pos = positions or query_key_positions(t, length, q.device)
+    addend, t5 = _addend(mods.score), _t5(at, a, q_pos, kv_pos)
+    if mods.normalizer == SOFTMAX and addend is not None:
+        ordered = positions is None and t in (1, length)
+        if addend == 0.0 and t5 is None and (mods.mask is True or mods.mask == CAUSAL and
+                                             ordered):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=mods.mask is not True
+                                                  and t > 1, scale=at["scale"])
+        values = eager_values(mods, a, q_pos, kv_pos, q.shape[1], kv_heads)
+        add = evaluate(addend, mods.env, values).float() + (0.0 if t5 is None else t5[None])
+        m = torch.where(evaluate(mods.mask, mods.env, values), add, MASKED)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=at["scale"])
+    sinks = mods.normalizer.kw("sinks")
+    return attend(mods.normalizer, modified_scores(q, k, kv_heads, q_pos, kv_pos, at, a),
+                  torch.tensor(True), v, None if sinks is None else a[sinks])
+
 
 def _attention_roles(attrs: Mapping[str, Any], n: int) -> list[str]:
     bias = attrs.get("bias")
     return ["q", *(["k", "v"] if attrs.get("cache_layer") is None else []),
-            *operands(*MASK_OPERANDS)(attrs, n),
-            *([] if bias is None else ["slopes" if bias.fn == "alibi" else "rel_table"]),
+            *modifier_roles(attrs), *(["rel_table"] if bias is not None and bias.fn == "t5"
+                                      else []),
             *(["positions"] if attrs.get("ring") is not None or attrs.get("paged") is not None
               else []),
             *(["block_table"] if attrs.get("paged") is not None else [])]
@@ -506,51 +424,35 @@ def _attention_infer(sig: Sig) -> tuple[Shape, str]:
     require(sig.attr("kv_quant") is None or not sig.has("k"),
             "kv_quant describes the layer's cache: an attention given k and v reads no cache")
     check_mask(sig, _keys(sig))
+    kv_heads = sig.shape("k")[1] if sig.has("k") else sympy.Integer(sig.attr("kv_heads"))
+    check_modifiers(sig, q[1], kv_heads, _keys(sig))
+    own_inputs = set(modifiers_of(sig.attrs).env.token_inputs) - {"padding"}
     if sig.attr("paged") is not None:
         require(not sig.has("k") and sig.attr("kv_quant") is None,
                 "a paged attention reads its layer's pool (cache_layer), unquantized")
-        require(sig.attr("causal") and not sig.attr("prefix") and not sig.attr("padding") and
+        require((sig.attr("causal") or sig.attr("mask") is not None) and not sig.attr("prefix")
+                and not sig.attr("padding") and not own_inputs and
                 (sig.attr("bias") is None or sig.attr("bias").fn == "alibi"),
-                "a paged attention is causal, with no prefix, padding or T5 bias")
+                "a paged attention is causal or masked by positions alone, with no prefix, "
+                "padding, per-token input or T5 bias")
         check_paged(sig, q[2])
     if sig.attr("ring") is not None:
         pos = sig.shape("positions")
         require(len(pos) == 1 and same_dim(pos[0], q[2]) and sig.dtype("positions") == "i64",
                 f"ring attention's positions must be i64[{q[2]}], got "
                 f"{sig.dtype('positions')}{list(pos)}")
+        require(not own_inputs, "ring attention reads no per-token input but padding")
     return (q[0], q[2], q[1] * q[3]), float_dtype(sig)
 
 
 def attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    """softmax(mask(bias(softcap(scale·q·kᵀ)))) · v, in f32, heads merged: [B, T, H·D].
-
-    Through F.scaled_dot_product_attention, which computes softmax(scale·q·kᵀ + M)·v without
-    storing the [B, H, T, L] scores: that makes a long eager prefill affordable (at 8192 tokens
-    the scores of one layer of SmolLM2 are 2.4 GB in f32). Everything between the scores and the
-    softmax is the additive mask M = bias − ∞·(not visible), "−∞" being f32's most negative
-    finite value, as the mask op fills it: a row whose keys are all hidden (padding) then gets
-    uniform weights, not NaN. A causal prefill (T = L) and a causal decode step (T = 1) need no
-    M. A soft-cap acts on the raw scores: with one, the scores are computed here."""
-    q, layer, bias, cap = a["q"], at["cache_layer"], at["bias"], at["softcap"]
+    """The attention of q over the k and v given (or the layer's cache) with its modifiers
+    (``modified_attention``), in f32, heads merged: [B, T, H·D]."""
+    q, layer = a["q"], at["cache_layer"]
     k, v = (a[r] if layer is None else ctx.cache_read(layer, r) for r in ("k", "v"))
-    (b, h, t, d), length = q.shape, k.shape[2]
-    qf, kf, vf = q.float(), expand_kv(k, h).float(), expand_kv(v, h).float()   # (B, H, ·, D)
-    plain = at["window"] is None and bias is None and cap is None and not at["padding"] \
-        and not at["prefix"]
-    if plain and (not at["causal"] or t in (1, length)):
-        out = F.scaled_dot_product_attention(qf, kf, vf, is_causal=at["causal"] and t > 1,
-                                             scale=at["scale"])
-    else:
-        m = 0.0 if bias is None else score_bias(
-            bias.fn, a["slopes" if bias.fn == "alibi" else "rel_table"], t, length,
-            dict(bias.kwargs))[None]                                             # (1, H, T, L)
-        m = torch.where(visible_keys(t, length, at, a, q.device), m,
-                        torch.finfo(torch.float32).min)                          # (B, H, T, L)
-        if cap is None:
-            out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=m, scale=at["scale"])
-        else:
-            s = (qf @ kf.transpose(-1, -2)) * at["scale"]
-            out = torch.softmax(cap * torch.tanh(s / cap) + m, dim=-1) @ vf
+    (b, h, t, d) = q.shape
+    out = modified_attention(q.float(), expand_kv(k, h).float(), expand_kv(v, h).float(),
+                             k.shape[1], None, at, a)
     return out.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)                # (B, T, H·D)
 
 
@@ -561,43 +463,9 @@ def attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
 # rank has the same work; ``archc.passes.context``). An attention with ring=cp computes its
 # rank's queries against its own K/V block, then cp − 1 times passes the block in hand to rank
 # r + 1 and takes rank r − 1's, each block carrying its tokens' global positions (masks and
-# position biases are functions of global positions). Each block gives a partial output o and
-# its log-sum-exp; the partials merge with the online-softmax rescale, which is exact.
-
-def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                    k_pos: torch.Tensor, padding: torch.Tensor | None, table: torch.Tensor | None,
-                    at: Mapping[str, Any], prefix_len: torch.Tensor | None,
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The partial attention of queries q [B, H, T, D] (f32) over one block of keys and values
-    [B, H, L, D] (f32, heads expanded) at global positions `q_pos` [T] and `k_pos` [L] (−1: a
-    filler row no query sees): o = softmax over the block's visible keys · v, and lse [B, H, T]
-    = log Σ exp(score) over them (−∞, with o = 0, where a row sees none of the block)."""
-    s = (q @ k.transpose(-1, -2)) * at["scale"]
-    if at["softcap"] is not None:
-        s = at["softcap"] * torch.tanh(s / at["softcap"])
-    if at["bias"] is not None:
-        s = s + score_bias_at(at["bias"].fn, table, q_pos, k_pos, dict(at["bias"].kwargs))[None]
-    keep = visible_at(q_pos, k_pos, at["causal"], at["window"], prefix_len,
-                      at["global_tokens"]) & (k_pos >= 0)[None, :]
-    keep = keep[None, None]
-    if padding is not None:
-        keep = keep & padding.bool()[:, None, None, :]
-    s = s.masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    finite = torch.where(torch.isfinite(lse), lse, 0.0)
-    return torch.exp(s - finite[..., None]) @ v, lse
-
-
-def merge_partials(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor,
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two partial attentions over disjoint key sets merged into the attention over both: the
-    online-softmax rescale o = o1·e^(lse1 − lse) + o2·e^(lse2 − lse), lse = log(e^lse1 + e^lse2).
-    Rows that see no key in either stay o = 0, lse = −∞."""
-    lse = torch.logaddexp(lse1, lse2)
-    finite = torch.where(torch.isfinite(lse), lse, 0.0)
-    return (o1 * torch.exp(lse1 - finite)[..., None] + o2 * torch.exp(lse2 - finite)[..., None],
-            lse)
-
+# position biases are functions of global positions). Each block is one step of the
+# normalizer's online form (``archc.ir.modifiers.normalizers``: for softmax, the running max
+# and sum's rescale), which is exact.
 
 def _padded(x: torch.Tensor, length: int, fill: int) -> torch.Tensor:
     """x with its dim 2 (keys; dim 0 for positions, dim 1 for a padding mask) filled to
@@ -612,10 +480,27 @@ def _padded(x: torch.Tensor, length: int, fill: int) -> torch.Tensor:
     return torch.cat([x, torch.full(shape, fill, dtype=x.dtype, device=x.device)], dim=dim)
 
 
+def ring_step(state: State | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              kv_heads: int, q_pos: torch.Tensor, kv_pos: torch.Tensor, at: Attrs,
+              a: Mapping[str, torch.Tensor]) -> State:
+    """The online normalizer's state after one block of keys and values [B, H, L, D] (f32,
+    heads expanded) at global positions `kv_pos` [L] (the block's real rows), for queries q
+    [B, H, T, D] at `q_pos`; `a`: the modifiers' operands, a padding mask over these keys."""
+    if "padding" in a:   # a per-token input is read by absolute position
+        full = a["padding"].new_zeros(a["padding"].shape[0], int(kv_pos.max()) + 1)
+        a = {**a, "padding": full.index_copy(1, kv_pos, a["padding"])}
+    s = modified_scores(q, k, kv_heads, q_pos, kv_pos, at, a)
+    nz = modifiers_of(at).normalizer
+    form, sinks = ONLINE[nz.fn], nz.kw("sinks")
+    if state is None:
+        state = form.init(nz, s, v.shape[-1], None if sinks is None else a[sinks])
+    return form.step(nz, state, s, v)
+
+
 def ring_attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     """Attention over the "cp" group: this rank's queries against every rank's K/V block, the
-    blocks passed round the ring (``Comm.ring_pass``) while the one in hand is computed, the
-    partials merged exactly. In a group of one it is plain attention over the k and v given:
+    blocks passed round the ring (``Comm.ring_pass``) while the one in hand is computed, each
+    an exact online step. In a group of one it is plain attention over the k and v given:
     what a step after a ring prefill runs, every rank then holding the whole sequence."""
     comm = ctx.comm("cp")
     if comm.size == 1:
@@ -631,34 +516,28 @@ def ring_attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
                          f"{k.shape[2]} keys (a ring runs at P = 0, after a reset)")
     (b, h, t, d) = q.shape
     # every rank's block is filled to the longest (T need not split evenly); filler keys have
-    # position −1, which no query sees
+    # position −1 and are left out of each step
     longest = int(comm.all_gather(torch.tensor([t], device=q.device), 0).max())
     padding = a.get("padding")
     block = [_padded(k, longest, 0), _padded(v, longest, 0), _padded(pos.to(q.device),
                                                                      longest, -1)]
     if padding is not None:
         block.append(_padded(padding.to(q.device), longest, 0))
-    bias = at["bias"]
-    table = None if bias is None else a["slopes" if bias.fn == "alibi" else "rel_table"]
     qf, q_pos = q.float(), pos.to(q.device)
-    o, lse = None, None
-    v_sum, keys = 0.0, 0        # every real key's value: for rows that see no key at all
+    state: State | None = None
     for step in range(comm.size):
         # the next block is asked for before this one is computed: a process group moves it
         # while the local block is in hand
         coming = ring_pass_start(comm, block) if step < comm.size - 1 else None
-        kb, vb, kpos = block[:3]
-        vf = expand_kv(vb, h).float()
-        part = attention_block(qf, expand_kv(kb, h).float(), vf, q_pos, kpos,
-                               block[3] if padding is not None else None, table, at,
-                               a.get("prefix_len"))
-        o, lse = part if o is None else merge_partials(o, lse, *part)
-        v_sum, keys = v_sum + (vf * (kpos >= 0)[:, None]).sum(2), keys + int((kpos >= 0).sum())
+        n = int((block[2] >= 0).sum())              # its real rows come first
+        kb, vb, kpos = (x[:, :, :n] if x.dim() == 4 else x[:n] for x in block[:3])
+        mine = {**a, **({"padding": block[3][:, :n]} if padding is not None else {})}
+        state = ring_step(state, qf, expand_kv(kb, h).float(), expand_kv(vb, h).float(),
+                          k.shape[1], q_pos, kpos, at, mine)
         if coming is not None:
             block = coming()
-    # a row whose keys are all hidden (a sequence all padding) gets uniform weights over every
-    # key, as in one rank's attention, where hidden scores are f32's most negative finite value
-    o = torch.where(torch.isfinite(lse)[..., None], o, (v_sum / keys)[:, :, None])
+    assert state is not None
+    o = ONLINE[modifiers_of(at).normalizer.fn].finish(state)
     return o.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)                  # (B, T, H·D)
 
 
@@ -678,22 +557,10 @@ def paged_attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     rows, seq_of = torch.unique(table.to(q.device), dim=0, return_inverse=True)
     for r in range(rows.shape[0]):
         mine = (seq_of == r).nonzero()[:, 0]                                    # its tokens
-        p = pos[mine]
-        k, v = (expand_kv(paged_keys(pool, p, rows[r:r + 1]), h).float()
-                for pool in pools)                                              # (1, H, L, D)
+        k, v = (paged_keys(pool, pos[mine], rows[r:r + 1]) for pool in pools)  # (1, H_kv, L, D)
         keys = torch.arange(k.shape[2], device=q.device)
-        keep = visible_at(p, keys, True, at["window"], None, at["global_tokens"])  # (n, L)
-        m = torch.where(keep, 0.0, torch.finfo(torch.float32).min)[None, None]  # (1, 1, n, L)
-        if at["bias"] is not None:   # ALiBi: −slope·(query − key), at the tokens' positions
-            m = m + a["slopes"].float()[None, :, None, None] * (
-                keys[None, :] - p[:, None]).float()[None, None]                 # (1, H, n, L)
-        qf = q[:, :, mine].float()                                              # (1, H, n, D)
-        cap = at["softcap"]
-        if cap is None:
-            o = F.scaled_dot_product_attention(qf, k, v, attn_mask=m, scale=at["scale"])
-        else:
-            s = (qf @ k.transpose(-1, -2)) * at["scale"]
-            o = torch.softmax(cap * torch.tanh(s / cap) + m, dim=-1) @ v
+        o = modified_attention(q[:, :, mine].float(), expand_kv(k, h).float(),
+                               expand_kv(v, h).float(), k.shape[1], (pos[mine], keys), at, a)
         out[mine] = o[0].transpose(0, 1)                                        # (n, H, D)
     return out.reshape(1, t, h * d).to(q.dtype)                                 # (1, T, H·D)
 
@@ -763,20 +630,24 @@ def _attention_bytes(sig: Sig) -> sympy.Expr:
 
 register(OpDef(
     Op.ATTENTION, "Flash attention: scale, soft-cap, ALiBi or T5 bias, causal/window (with "
-    "global tokens)/prefix/padding mask, GQA by index, over given k/v or the layer's KV cache; "
-    "heads merged. With `ring`, ring attention over that many cp ranks (context parallel), "
+    "global tokens)/prefix/padding mask, explicit `score` and `mask` expressions over them and "
+    "a `normalizer`, GQA by index, over given k/v or the layer's KV cache; heads merged. "
+    "With `ring`, ring attention over that many cp ranks (context parallel), "
     "masks at the global positions given. With `paged` (the block size), each token attends to "
     "its own sequence's keys up to its position, read through its block table.",
     "%12 : f32[B,T,64] = attention(%11) {cache_layer=0, causal=true, kv_heads=2, scale=0.25, "
     "window=8}", _attention_roles, _attention_infer, _attention_eager,
-    attrs=(Attr("scale", float), *MASK_ATTRS, Attr("softcap", float, None),
+    attrs=(Attr("scale", float), *MASK_ATTRS, Attr("score", Expression, None), NORMALIZER,
+           Attr("softcap", float, None),
            Attr("bias", Call, None, {"alibi": (), "t5": T5}),
            Attr("cache_layer", int, None, at_least=0), Attr("kv_heads", int, None, at_least=1),
            Attr("kv_quant", str, None, choices=tuple(KV_CODES)),
            Attr("ring", int, None, at_least=2), PAGED_ATTR),
-    flops=_attention_flops, bytes=_attention_bytes, template="attention", arity=(1, 7),
+    flops=_attention_flops, bytes=_attention_bytes, template="attention", arity=(1, -1),
     docs={"padding": "1 = key present", "prefix_len": "prefix length",
           "positions": "with `ring`: the global positions of this rank's tokens; with "
           "`paged`: each token's position",
           "block_table": "with `paged`: each token's sequence's blocks in the layer's pool",
-          "slopes": "ALiBi slopes", "rel_table": "relative-position bias per bucket and head"}))
+          "slopes": "ALiBi slopes", "rel_table": "relative-position bias per bucket and head",
+          "NAME": "each name the modifiers read: a per-head parameter f32[H] (or [H_kv]), a "
+          "per-token input [B, L] by key position, a per-sequence scalar i64[]"}))

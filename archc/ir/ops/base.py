@@ -41,6 +41,8 @@ class Op(str, Enum):
     MASK = "mask"
     ALIBI = "alibi"
     REL_BIAS = "rel_bias"
+    SCORE_MOD = "score_mod"
+    NORMALIZE = "normalize"
     WEIGHTED_SUM = "weighted_sum"
     # both: lowering emits them plainly, passes fuse more into them
     EMBEDDING = "embedding"
@@ -65,8 +67,8 @@ class Op(str, Enum):
 META = frozenset({Op.INPUT, Op.PARAM, Op.OUTPUT})
 VIEW = frozenset({Op.SPLIT_HEADS, Op.MERGE_HEADS, Op.SLICE, Op.LAST_TOKEN})
 ELEMENTWISE = frozenset({Op.ADD, Op.MUL, Op.ACT, Op.POINTWISE})
-POINTWISE = ELEMENTWISE | {Op.ROPE, Op.MASK, Op.ALIBI, Op.REL_BIAS}
-REDUCTION = frozenset({Op.NORM, Op.SOFTMAX})
+POINTWISE = ELEMENTWISE | {Op.ROPE, Op.MASK, Op.ALIBI, Op.REL_BIAS, Op.SCORE_MOD}
+REDUCTION = frozenset({Op.NORM, Op.SOFTMAX, Op.NORMALIZE})
 MATMUL = frozenset({Op.MATMUL, Op.SCORES, Op.WEIGHTED_SUM, Op.FUSED_LINEAR, Op.MOE_LINEAR})
 # ops whose kernels write rows through an epilogue chain of steps
 ROW_KERNELS = frozenset({Op.FUSED_LINEAR, Op.NORM, Op.MOE_LINEAR})

@@ -56,8 +56,10 @@ NAME = Attr("name", str)
 EPILOGUE = Attr("epilogue", tuple, ())
 
 register(OpDef(
-    Op.INPUT, "A runtime input: token ids, positions, masks, encoder states.",
-    '%0 : i64[B,T] = input() {name="tokens"}', operands(), _given, _given, attrs=(NAME,),
+    Op.INPUT, "A runtime input: token ids, positions, masks, encoder states, an attention's "
+    "per-token inputs (with the `default` value a position takes where the caller gives none).",
+    '%0 : i64[B,T] = input() {name="tokens"}', operands(), _given, _given,
+    attrs=(NAME, Attr("default", int, None)),
     bytes=zero, arity=(0, 0)))
 
 register(OpDef(

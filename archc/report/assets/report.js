@@ -311,6 +311,15 @@ function drawKernels() {
                                  "data-kernel": DATA.kernels[r].name,
                                  onclick: () => openKernel(DATA.kernels[r].name) })),
     el("div", { id: "kernel-source" }, el("span", { class: "muted" }, "no kernel chosen"))));
+  if (!DATA.attention.length) return;
+  const a0 = DATA.attention[0];
+  s.append(el("h3", {}, `Attention: modifiers and tiles at ${a0.length} tokens`));
+  s.append(table([["nodes", false], ["score", false], ["mask", false], ["normalizer", false],
+                  ["tile", false], ["full", true], ["partial", true], ["empty", true],
+                  ["visited", true]],
+    DATA.attention.map((a) => [`${a.graph} ${a.nodes.map((i) => "%" + i).join(", ")}`, a.score,
+                               a.mask, a.normalizer, `${a.block_m} × ${a.block_n}`, a.full,
+                               a.partial, a.empty, Number(a.visited).toFixed(4)])));
 }
 
 /** Open a kernel's source panel and light the drawn nodes it implements after the pipeline. */
