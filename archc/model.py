@@ -40,6 +40,7 @@ from archc.runtime.weights import (
     quantizable,
     random_weights,
 )
+from archc.spec.load import layer_specs
 from archc.spec.schema import Spec
 
 if TYPE_CHECKING:
@@ -262,6 +263,19 @@ BACKENDS = {"eager": ("archc.model", "_eager_backend"),
             "triton": ("archc.runtime.triton_backend", "triton_backend")}
 
 
+def longrope_switch(spec: Spec) -> int | None:
+    """The sequence length past which LongRoPE layers rotate by their long factors (None: no
+    layer has LongRoPE)."""
+    lengths = {ls.position.scaling.original_max_seq_len
+               for ls in layer_specs(spec)
+               if ls.position.kind == "rope" and ls.position.scaling is not None
+               and ls.position.scaling.kind == "longrope"}
+    if len(lengths) > 1:
+        raise ArchcError(f"{spec.name}: LongRoPE layers trained on different contexts "
+                         f"({', '.join(map(str, sorted(lengths)))}) cannot switch together")
+    return lengths.pop() if lengths else None
+
+
 class CompiledModel:
     def __init__(self, model: Model, program: Program, session: Session, backend: str) -> None:
         self.model = model
@@ -338,11 +352,21 @@ class CompiledModel:
         self.session.reset()
         out = [tokens]
         done = torch.zeros(tokens.shape[0], dtype=torch.bool)
-        for i in range(max_new_tokens):
+        switch, past = longrope_switch(self.spec), 0
+        for _ in range(max_new_tokens):
+            feed = out[-1]
+            if switch is not None and 0 < past <= switch < past + feed.shape[1]:
+                # LongRoPE: the first call past the trained context rotates every position by
+                # the long factors, so the sequence so far is computed again (as transformers
+                # generates): its cached keys were rotated by the short ones
+                self.session.reset()
+                feed, past = torch.cat(out, dim=1), 0
+            first = past == 0
+            past += feed.shape[1]
             # the next token reads the last logits alone: the prompt's LM head runs on its last
             # row only (archc.passes.logits)
-            nxt = sampler(self.session.step(out[-1], **extra, last=True,
-                                            inputs=inputs if i == 0 else None)[:, -1])
+            nxt = sampler(self.session.step(feed, **extra, last=True,
+                                            inputs=inputs if first else None)[:, -1])
             if eos:
                 # a finished row repeats its first stop token
                 nxt = torch.where(done, stop[0].expand_as(nxt), nxt)

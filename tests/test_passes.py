@@ -47,6 +47,10 @@ KERNELS_PER_BLOCK = {
     "tiny-mistral": 5, "tiny-mixtral": 7, "tiny-neox": 3, "tiny-phi2": 3, "tiny-qwen2": 5,
     "tiny-smollm2": 5, "tiny-t5": 7, "tiny-longctx": 5, "tiny-longformer": 7,
     "sinks-banded": 5,
+    # QK-norm in the QKV epilogue (Qwen3, Gemma 3); NoPE layers (SmolLM3) and a window (Phi-3)
+    # cost nothing; Gemma 3's sandwich norms two kernels each, as Gemma 2's
+    "qwen3-8b": 5, "gemma3-12b": 7, "smollm3-3b": 5, "phi3-mini": 5,
+    "tiny-qwen3": 5, "tiny-gemma3": 7, "tiny-smollm3": 5, "tiny-phi3": 5,
     # recurrent mixers: a Mamba mixer is in_proj, causal_conv, x_proj, dt_proj, ssm_scan,
     # out_proj (6); linear attention is qkv, linear_attention, o (3) as softmax attention is.
     # A MoE FFN is norm, router, gate+up experts, down experts with the residual in its sum (4).

@@ -33,7 +33,7 @@ from archc.passes import PASSES, run_pipeline
 from archc.passes.manager import PipelineRun, run_pass
 from archc.runtime.eager import EagerSession
 from archc.runtime.weights import random_weights
-from archc.spec import from_dict, load_spec
+from archc.spec import from_dict, load_spec, to_dict
 from archc.spec.schema import Spec
 from tests.conftest import TINY_SPECS
 from tests.test_layer_types import LAYER_TYPES
@@ -63,13 +63,38 @@ LONG = Shapes(batch=2, prefill=11, decode=2, source=9, seed=1)
 # Variants the zoo does not hold but the spec language and `archc modernize` produce:
 # QK-norm over RMSNorm (llama3), LayerNorm with biases (phi-2) and Gemma's 1 + w; and layer
 # types differing in RoPE θ and scaling, NoPE, window and dense or MoE FFN (test_layer_types).
-VARIANTS = ["tiny-llama3+qk_norm", "tiny-phi2+qk_norm", "tiny-gemma2+qk_norm", "layer-types"]
+# The spec features of the 2025–26 model types, each on a tiny spec: Granite's multipliers
+# (embeddings, scores, each sublayer's output, logits); OLMo 2's norms on the sublayer outputs
+# with QK-norm over the whole projections; Phi-3's LongRoPE, trained on 8 positions so that
+# prefills and decode steps cross to the long factors; Cohere 2's logit scale on a parallel
+# block with one bias-free LayerNorm.
+FEATURES: dict[str, dict] = {
+    "tiny-llama3+multipliers": {"embedding": {"scale": 3.0}, "attention": {"scale": 0.09},
+                                "block": {"residual_scale": 0.4},
+                                "output": {"logit_scale": 0.3}},
+    "tiny-qwen3+output-norms": {"attention": {"qk_norm_over": "projection"},
+                                "norm": {"placement": "output"}},
+    "tiny-phi3+longrope": {"position": {"scaling": {
+        "kind": "longrope", "factor": 8.0, "original_max_seq_len": 8,
+        "short_factor": [1.0, 1.05, 1.1, 1.2, 1.35, 1.5, 1.7, 2.0],
+        "long_factor": [1.0, 1.5, 2.2, 3.0, 4.5, 6.0, 9.0, 12.0]}}},
+    "tiny-phi2+logit-scale": {"norm": {"bias": False}, "output": {"logit_scale": 0.3}},
+}
+VARIANTS = ["tiny-llama3+qk_norm", "tiny-phi2+qk_norm", "tiny-gemma2+qk_norm", "layer-types",
+            *FEATURES]
+
+
+def _merge(base: dict, over: dict) -> dict:
+    return {**base, **{k: _merge(base[k], v) if isinstance(v, dict) and isinstance(
+        base.get(k), dict) else v for k, v in over.items()}}
 
 
 @functools.cache
 def model(name: str) -> tuple[Spec, Program, dict[str, torch.Tensor], PipelineRun]:
     base, _, variant = name.partition("+")
     spec = from_dict(LAYER_TYPES) if name == "layer-types" else load_spec(base)
+    if name in FEATURES:
+        spec = from_dict(_merge(to_dict(spec), FEATURES[name]))
     if variant == "qk_norm":
         spec = dataclasses.replace(spec, attention=dataclasses.replace(spec.attention,
                                                                        qk_norm=True))

@@ -744,7 +744,7 @@ def _rope_pair(st: Call, width: int, idx: int, c: NodeCtx) -> dict[str, Any]:
         run = math.gcd(rot // 2, hd // 2 - rot // 2, heads * hd // 2, tail_half)
         run = run & -run  # the largest power of two dividing it
     dynamic, table = st.kw("dynamic"), None
-    if dynamic is not None:  # θ_j·s^(−2j/(d−2)), s from the sequence length (dynamic NTK)
+    if dynamic is not None and dynamic.fn == "ntk":  # θ_j·s^(−2j/(d−2)), s from the length
         factor = dynamic.kw("factor")
         dynamic = dict(factor=repr(factor), factor_less_one=repr(factor - 1.0),
                        original=repr(float(dynamic.kw("original_max_seq_len"))),
@@ -755,7 +755,11 @@ def _rope_pair(st: Call, width: int, idx: int, c: NodeCtx) -> dict[str, Any]:
             raise c.fail("the RoPE cos/sin table must be a row-major [rows, 2, "
                          f"{rot // 2}] buffer at a static offset")
         table = dict(rows=c.static(lay.shape[0], "the RoPE table's rows"),
-                     base=f"{int(lay.offset)} + " if int(lay.offset) else "")
+                     base=f"{int(lay.offset)} + " if int(lay.offset) else "", long=None)
+        if dynamic is not None:   # LongRoPE: the short table, then the long one
+            table["long"] = dict(original=int(dynamic.kw("original_max_seq_len")),
+                                 half=table["rows"] // 2)
+            dynamic = None
     return dict(fn="rope", heads=heads, head_dim=hd, per_head=hd // 2, run=run,
                 rot_pairs=rot // 2, interleaved=interleaved, tail=tail, tail_half=tail_half,
                 NP=heads * hd // 2 + tail_half, dynamic=dynamic, table=table,

@@ -193,6 +193,22 @@ class _Stack:
             return "rope.inv_freq", (s.rotary_dim // 2,), Call("rope_inv_freq", (), tuple(kw)), \
                 {"dynamic": dynamic}
         mscale = 1.0
+        rows = s.max_seq_len    # positions run below it: the KV cache's length
+        if sc is not None and sc.kind == "longrope":
+            # two tables, one per set of factors, cos and sin scaled by the attention factor
+            # (default sqrt(1 + ln(factor)/ln(original))); a call whose last position reaches
+            # past original_max_seq_len reads the long one (rows + p), as transformers picks
+            # the factors per call from its longest position
+            original = sc.original_max_seq_len
+            mscale = sc.attention_factor if sc.attention_factor is not None else math.sqrt(
+                1 + math.log(sc.factor) / math.log(original)) if sc.factor > 1 else 1.0
+            scaled = (("mscale", mscale),) if mscale != 1.0 else ()
+            tables = tuple(Call("rope_cos_sin", (Call("rope_inv_freq", (), (
+                *kw, ("kind", "longrope"), ("factors", factors))),), (("rows", rows), *scaled))
+                for factors in (sc.short_factor, sc.long_factor))
+            return "rope.cos_sin", (2 * rows, 2, s.rotary_dim // 2), \
+                Call("cat", tables, (("dim", 0),)), \
+                {"dynamic": Call("longrope", (), (("original_max_seq_len", original),))}
         if sc is not None:
             fields = {"llama3": ("original_max_seq_len", "low_freq_factor", "high_freq_factor"),
                       "yarn": ("original_max_seq_len", "beta_fast", "beta_slow")}
@@ -200,7 +216,6 @@ class _Stack:
             if sc.kind == "yarn":   # cos and sin scaled by 0.1·ln(factor) + 1 unless given
                 mscale = sc.attention_factor if sc.attention_factor is not None else \
                     0.1 * math.log(sc.factor) + 1.0 if sc.factor > 1 else 1.0
-        rows = s.max_seq_len    # positions run below it: the KV cache's length
         table = Call("rope_cos_sin", (Call("rope_inv_freq", (), tuple(kw)),),
                      (("rows", rows),) + ((("mscale", mscale),) if mscale != 1.0 else ()))
         return "rope.cos_sin", (rows, 2, s.rotary_dim // 2), table, {}
@@ -220,8 +235,10 @@ class _Stack:
             return self.param(self.shared(layer, name, key), *dims, dtype="f32", shared=True,
                               expr=expr), attrs
 
-    def qkv_heads(self, ls: Spec, x: int, src: int, base: str) -> tuple[int, int, int]:
-        """q of x, k and v of src, split into heads: (B, H, T, D) and twice (B, Hkv, T|S, D)."""
+    def qkv_heads(self, ls: Spec, x: int, src: int, base: str, *,
+                  norm_projections: bool = False) -> tuple[int, int, int]:
+        """q of x, k and v of src, split into heads: (B, H, T, D) and twice (B, Hkv, T|S, D).
+        `norm_projections`: q and k are normalized whole (over H·D and Hkv·D) before the split."""
         att = ls.attention
         heads, kv_heads, hd, bias = att.heads, att.kv_heads, att.head_dim, att.bias
         with self.at("attention.heads"):
@@ -229,6 +246,9 @@ class _Stack:
         with self.at("attention.kv_heads"):
             k = self.linear(src, f"{base}.k", kv_heads * hd, bias.k, "attention.bias.k")
             v = self.linear(src, f"{base}.v", kv_heads * hd, bias.v, "attention.bias.v")
+        if norm_projections:
+            q = self.norm(q, f"{base}.q_norm", "attention.qk_norm_over", ls.norm)   # (B, T, H·D)
+            k = self.norm(k, f"{base}.k_norm", "attention.qk_norm_over", ls.norm)
         q = self.b.emit(Op.SPLIT_HEADS, q, heads=heads, origin="attention.heads")
         with self.at("attention.kv_heads"):
             k, v = (self.b.emit(Op.SPLIT_HEADS, t, heads=kv_heads) for t in (k, v))
@@ -241,8 +261,10 @@ class _Stack:
         att = s.attention
         self_attn = kv_source is None
         base = f"layers.{layer}.{name}"
-        q, k, v = self.qkv_heads(s, x, x if self_attn else kv_source, base)
-        if att.qk_norm:
+        whole = att.qk_norm and att.qk_norm_over == "projection"
+        q, k, v = self.qkv_heads(s, x, x if self_attn else kv_source, base,
+                                 norm_projections=whole)
+        if att.qk_norm and not whole:
             q = self.norm(q, f"{base}.q_norm", "attention.qk_norm", s.norm)
             k = self.norm(k, f"{base}.k_norm", "attention.qk_norm", s.norm)
         if s.position.kind == "rope" and self_attn:
@@ -471,10 +493,14 @@ class _Stack:
 
         def norm(x: int, name: str, origin: str = "norm.kind") -> int:
             return self.norm(x, f"{pre}.{name}", origin, s.norm)
+
+        def scaled(out: int) -> int:   # a sublayer's output as the residual add takes it
+            m = s.block.residual_scale
+            return out if m is None else self.pointwise(out, "block.residual_scale", "scale", by=m)
         if s.block.parallel:   # x + mixer(norm(x)) + ffn(norm(x))
             n1 = norm(x, mix_norm)
             n2 = n1 if s.block.shared_norm else norm(x, "ffn_norm", "block.shared_norm")
-            a, f = self.mix(n1, layer), self.ffn(n2, layer)
+            a, f = scaled(self.mix(n1, layer)), scaled(self.ffn(n2, layer))
             with self.at("block.parallel"):
                 return self.b.emit(Op.ADD, self.b.emit(Op.ADD, x, a), f)
         sublayers: list[tuple[str, Callable[[int], int]]] = [
@@ -486,12 +512,12 @@ class _Stack:
             sublayers.append(("ffn_norm", lambda h: self.ffn(h, layer)))
         for name, fn in sublayers:
             if s.norm.placement == "post":
-                x = norm(self.b.emit(Op.ADD, x, fn(x), origin="norm.placement"), name)
+                x = norm(self.b.emit(Op.ADD, x, scaled(fn(x)), origin="norm.placement"), name)
                 continue
-            out = fn(norm(x, name))
-            if s.norm.placement == "sandwich":
+            out = fn(x if s.norm.placement == "output" else norm(x, name))
+            if s.norm.placement in ("sandwich", "output"):
                 out = norm(out, name.replace("_norm", "_post_norm"), "norm.placement")
-            x = self.b.emit(Op.ADD, x, out, origin="norm.placement")
+            x = self.b.emit(Op.ADD, x, scaled(out), origin="norm.placement")
         return x
 
     def build(self) -> Graph:
@@ -520,6 +546,8 @@ class _Stack:
             with self.at("output.bias"):
                 bias = self.param("head.bias", s.vocab_size, shared=True)
                 logits = self.b.emit(Op.ADD, logits, bias)
+        if s.output.logit_scale is not None:
+            logits = self.pointwise(logits, "output.logit_scale", "scale", by=s.output.logit_scale)
         if s.output.softcap is not None:
             logits = self.pointwise(logits, "output.softcap", "softcap", cap=s.output.softcap)
         self.b.output("logits", logits, origin="family")

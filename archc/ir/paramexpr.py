@@ -112,15 +112,17 @@ def _q_rope_pairs(a: QTensor, heads: int, head_dim: int, rotary_dim: int, interl
 def rope_inv_freq(dim: int, theta: float, kind: str = "default", factor: float = 1.0,
                   original_max_seq_len: int | None = None, low_freq_factor: float = 1.0,
                   high_freq_factor: float = 4.0, beta_fast: float = 32.0,
-                  beta_slow: float = 1.0) -> torch.Tensor:
+                  beta_slow: float = 1.0, factors: tuple[float, ...] = ()) -> torch.Tensor:
     """Rotation frequency of each pair of rotary dims, θ_j = theta^(-2j/dim), after scaling:
     linear (positions / factor), ntk (theta · factor^(dim/(dim-2))), llama3 (long wavelengths
-    / factor, short kept, smooth between) or yarn (per-dim blend of interpolation and
-    extrapolation)."""
+    / factor, short kept, smooth between), yarn (per-dim blend of interpolation and
+    extrapolation) or longrope (θ_j / factors[j])."""
     exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
     if kind == "ntk":
         theta = theta * factor ** (dim / (dim - 2))
     inv_freq = 1.0 / theta ** exponents
+    if kind == "longrope":
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float64)
     if kind == "linear":
         inv_freq = inv_freq / factor
     elif kind == "llama3":
@@ -163,6 +165,12 @@ def buffer_shape(expr: object) -> tuple[int, ...] | None:
     """The shape a computed RoPE buffer's expression makes (None for any other expression),
     so the verifier can hold its param node to it: the table's rows are the model's
     max_seq_len, its pairs rotary_dim/2."""
+    if isinstance(expr, Call) and expr.fn == "cat" and expr.kw("dim", 0) == 0:
+        # tables one after another (LongRoPE's short and long ones)
+        parts = [buffer_shape(a) for a in expr.args]
+        if not parts or any(p is None for p in parts) or len({p[1:] for p in parts}) != 1:
+            return None
+        return (sum(p[0] for p in parts), *parts[0][1:])
     if not isinstance(expr, Call) or expr.fn not in ("rope_inv_freq", "rope_cos_sin"):
         return None
     if expr.fn == "rope_inv_freq":

@@ -61,7 +61,8 @@ def _refuse_unsplittable(program: Program) -> None:
             if n.op == Op.ROPE and n.attr("dynamic") is not None:
                 raise ContextError(f"context parallel (cp): rope %{i} in graph {g.name} "
                                    f"({n.origin or 'position.scaling'}) rescales its "
-                                   "frequencies from the sequence length (dynamic NTK), which "
+                                   "frequencies from the sequence length (dynamic NTK, "
+                                   "LongRoPE), which "
                                    "a slice of the sequence does not know. Use cp=1")
             if n.op == Op.ATTENTION and n.attr("cache_layer") is not None:
                 raise ContextError(f"context parallel (cp): attention %{i} in graph {g.name} "

@@ -59,7 +59,8 @@ def _check_node(g: Graph, i: int) -> None:
         raise _refuse(g, i, "is an attention not collapsed into one attention node; run the "
                       "flash-attention pass first")
     if n.op == Op.ROPE and n.attr("dynamic") is not None:
-        raise _refuse(g, i, "rescales its frequencies from the sequence length (dynamic NTK), "
+        raise _refuse(g, i, "rescales its frequencies from the sequence length (dynamic NTK, "
+                      "LongRoPE), "
                       "which a row of another sequence does not share")
     if n.op == Op.KV_CACHE and n.attr("quant") is not None:
         raise _refuse(g, i, f"holds an {n.attr('quant')} cache; a paged pool holds the model "

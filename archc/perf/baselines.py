@@ -163,6 +163,21 @@ def _epilogue_step(rec: _Recorder, segs: list[_Seg], st: Call, xs: Sequence[torc
                     d.name: st.kw(d.name) for d in ROPE_ATTRS}), heads)
             out.append(s)
         return out
+    if fn == "head_norm":
+        # each head of the first `heads` normalized over its dims, then × gain + shift (the
+        # gains of q's heads, then of k's, tiled), as the norm ops of split heads were
+        hd, cols = st.kw("head_dim"), st.kw("heads") * st.kw("head_dim")
+        out = []
+        for s in _split(rec, segs, [0, cols]):
+            if s.stop <= cols and s.heads is None:
+                x = rec(Op.SPLIT_HEADS, s.value, heads=(s.stop - s.start) // hd)
+                unit = torch.ones(hd, dtype=x.dtype, device=x.device)
+                y = rec(Op.MERGE_HEADS, rec(Op.NORM, x, unit, kind=st.kw("kind"),
+                                            eps=st.kw("eps")))
+                y = rec(Op.ADD, rec(Op.MUL, y, xs[0][s.start:s.stop]), xs[1][s.start:s.stop])
+                s = _Seg(s.start, s.stop, y)
+            out.append(s)
+        return out
     if fn == "kv_write":
         hd, kv = st.kw("head_dim"), st.kw("kv_heads")
         for kind in ("k", "v"):

@@ -18,10 +18,22 @@ from safetensors import safe_open
 
 from archc.errors import SpecError, WeightsError
 from archc.model import Model, Progress
+from archc.sources.architectures.cohere2 import COHERE2
 from archc.sources.architectures.encoders import BERT, T5
+from archc.sources.architectures.gemma3 import GEMMA3
+from archc.sources.architectures.glm4 import GLM4
 from archc.sources.architectures.gpt import BLOOM, FALCON, GPT2, GPTJ, MPT, NEOX, OPT, PHI
 from archc.sources.architectures.llama import GEMMA, LLAMA
+from archc.sources.architectures.llama_variants import (
+    EXAONE4,
+    GRANITE,
+    OLMO2,
+    QWEN3,
+    SMOLLM3,
+)
 from archc.sources.architectures.mamba import JAMBA, MAMBA
+from archc.sources.architectures.phi3 import PHI3
+from archc.sources.architectures.starcoder2 import STARCODER2
 from archc.sources.hf_config import Architecture, HFConfig, spec_name
 from archc.sources.tensor_map import Checkpoint, read_checkpoint
 from archc.spec import from_dict
@@ -29,7 +41,8 @@ from archc.spec.schema import Spec
 from archc.tokenizer import load_hf_tokenizer
 
 ARCHITECTURES = (LLAMA, GEMMA, GPT2, GPTJ, NEOX, FALCON, BLOOM, MPT, OPT, PHI, BERT, T5, MAMBA,
-                 JAMBA)
+                 JAMBA, QWEN3, GEMMA3, OLMO2, SMOLLM3, GRANITE, STARCODER2,
+                 PHI3, GLM4, COHERE2, EXAONE4)
 CONFIG = "config.json"
 LEGACY = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}
 

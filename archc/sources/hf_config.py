@@ -53,7 +53,8 @@ GATED = {act: kind for kind, act in GATED_ACTIVATION.items()}   # activation →
 # The parameters of each RoPE scaling kind that the spec takes under the same names (absent ones
 # keep the spec's defaults, which are transformers' too).
 ROPE_SCALING = {"linear": (), "dynamic": (), "llama3": ("low_freq_factor", "high_freq_factor"),
-                "yarn": ("beta_fast", "beta_slow", "attention_factor")}
+                "yarn": ("beta_fast", "beta_slow", "attention_factor"),
+                "longrope": ("attention_factor",)}
 
 _MISSING = object()
 Keys = str | Sequence[str]   # one field, or its spellings (GPT-2's `n_embd`, Llama's `hidden_size`)
@@ -149,6 +150,50 @@ def layer_pattern(kinds: Sequence[str]) -> list[str]:
     return list(kinds[:period])
 
 
+# transformers 5's attention layer types → archc's local (sliding-window) and global kinds
+HF_LAYER_TYPES = {"sliding_attention": "local", "full_attention": "global"}
+
+
+def attention_kinds(cfg: HFConfig, layers: int, period_keys: Keys, period: int) -> list[str]:
+    """Each layer's kind, local or global: from `layer_types`, else (transformers 4 configs)
+    every `period`-th layer global, the period given by `period_keys` if present."""
+    every = cfg.number(period_keys, period)
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else
+                                       "sliding_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or any(
+            t not in HF_LAYER_TYPES for t in types):
+        raise cfg.refuse("layer_types", types, f"one of {', '.join(HF_LAYER_TYPES)} per layer "
+                         f"({layers}) is expected")
+    return [HF_LAYER_TYPES[t] for t in types]
+
+
+def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """Spec sections `base` with `over` set into them, mapping by mapping; a section whose
+    `kind` changes is `over`'s alone (the old kind's fields do not apply)."""
+    if "kind" in over and over["kind"] != base.get("kind", over["kind"]):
+        return dict(over)
+    out = dict(base)
+    for key, value in over.items():
+        inner = out.get(key)
+        out[key] = merge(inner, value) if isinstance(inner, Mapping) and \
+            isinstance(value, Mapping) else value
+    return out
+
+
+def typed_layers(spec: Mapping[str, Any], kinds: Sequence[str],
+                 sections: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The spec sections `spec` with layer i of kind `kinds[i]`, each kind setting its
+    `sections` (per-layer sections: attention, position…): the spec's `layer_types` and the
+    shortest `layer_pattern` that repeats to the layers, or, with one kind, its sections set on
+    the model."""
+    pattern = layer_pattern(kinds)
+    used = list(dict.fromkeys(pattern))
+    if len(used) == 1:
+        return merge(spec, sections[used[0]])
+    return {**spec, "layer_types": {k: dict(sections[k]) for k in used},
+            "layer_pattern": pattern}
+
+
 def activation(cfg: HFConfig, keys: Keys, default: str, *, gated: bool = False) -> str:
     """archc's activation for the HF one field `keys` names; `gated`: the gated FFN kind of it."""
     name = cfg.get(keys, default)
@@ -162,16 +207,25 @@ def activation(cfg: HFConfig, keys: Keys, default: str, *, gated: bool = False) 
 
 def rope_position(cfg: HFConfig, max_seq_len: int, *, theta_keys: Keys = "rope_theta",
                   fraction_keys: Keys = "partial_rotary_factor", default_fraction: float = 1.0,
-                  whole_heads: bool = False) -> dict[str, Any]:
+                  whole_heads: bool = False, layer_type: str | None = None,
+                  scaled: bool = True) -> dict[str, Any]:
     """The spec's `position` and `max_seq_len` for a RoPE model, from `rope_parameters`
     (transformers 5) over `rope_theta` + `rope_scaling` + a partial-rotary field (transformers 4).
-    `whole_heads`: the model type rotates whole heads, so a partial factor is refused."""
+    `whole_heads`: the model type rotates whole heads, so a partial factor is refused.
+    `layer_type`: the RoPE of the layers of that HF layer type, where `rope_parameters` holds
+    one setting per layer type (Gemma 3); `scaled`: does a transformers-4 `rope_scaling` apply
+    to them?"""
     params, scaling = cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}
-    for key, given in (("rope_parameters", params), ("rope_scaling", scaling)):
+    where = "rope_parameters"
+    if layer_type is not None and isinstance(params, Mapping) and \
+            isinstance(params.get(layer_type), Mapping):
+        params, where = params[layer_type], f"rope_parameters.{layer_type}"
+    scaling = scaling if scaled else {}
+    for key, given in ((where, params), ("rope_scaling", scaling)):
         if not isinstance(given, Mapping) or any(isinstance(v, Mapping) for v in given.values()):
             raise cfg.refuse(key, given, "a mapping of one RoPE setting is expected "
-                             "(per-layer-type RoPE is not supported)")
-    where = "rope_parameters" if params else "rope_scaling"
+                             f"({cfg.model_type} has no per-layer-type RoPE)")
+    where = where if params else "rope_scaling"
     rope = {"rope_theta": cfg.get(theta_keys, 10000.0),
             "partial_rotary_factor": cfg.get(fraction_keys, default_fraction)}
     for given in (scaling, params):   # a null parameter is an absent one
@@ -183,22 +237,33 @@ def rope_position(cfg: HFConfig, max_seq_len: int, *, theta_keys: Keys = "rope_t
     out: dict[str, Any] = {"max_seq_len": max_seq_len, "position": {
         "kind": "rope", "theta": float(rope.pop("rope_theta")), "fraction": fraction}}
     kind = rope.pop("rope_type", None) or rope.get("type") or "default"
+    kind = "longrope" if kind == "su" else kind   # Phi-3's first name for it
     rope.pop("type", None)
-    original = rope.pop("original_max_position_embeddings", None) or cfg.get(
-        "original_max_position_embeddings") or max_seq_len
+    top = cfg.get("original_max_position_embeddings")   # transformers 4 kept it outside
+    original = rope.pop("original_max_position_embeddings", None) or top or max_seq_len
     factor = rope.pop("factor", None)
+    if kind == "longrope" and factor is None:   # transformers: the context's extension
+        factor = max(1.0, max_seq_len / int(original))
     if kind == "default" and factor not in (None, 1, 1.0):
         raise cfg.refuse(f"{where}.factor", factor, "a factor needs a rope_type")
     if kind != "default":
         if kind not in ROPE_SCALING:
             raise cfg.refuse(f"{where}.rope_type", kind, "archc implements default, linear, "
-                             "dynamic, llama3 and yarn RoPE")
+                             "dynamic, llama3, yarn and longrope RoPE")
         if factor is None:
             raise cfg.refuse(f"{where}.factor", None, f"{kind!r} RoPE scaling needs a factor")
         sc = out["position"]["scaling"] = {"kind": kind, "factor": float(factor)}
         sc.update({k: float(rope.pop(k)) for k in ROPE_SCALING[kind] if k in rope})
-        if kind in ("llama3", "yarn"):
+        if kind in ("llama3", "yarn", "longrope"):
             sc["original_max_seq_len"] = int(original)
+        if kind == "longrope":
+            for name in ("short_factor", "long_factor"):
+                factors = rope.pop(name, None)
+                if not isinstance(factors, list) or not all(
+                        isinstance(f, (int, float)) and not isinstance(f, bool) for f in factors):
+                    raise cfg.refuse(f"{where}.{name}", factors, "LongRoPE needs a list of "
+                                     "numbers, one per rotary pair")
+                sc[name] = [float(f) for f in factors]
         if kind == "dynamic":
             # Dynamic NTK rescales the frequencies from the current length once it passes the
             # trained context, which transformers takes to be max_position_embeddings (whatever

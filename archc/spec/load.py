@@ -132,7 +132,7 @@ def describe(tp: Any, meta: Mapping[str, Any]) -> str:
     if get_origin(tp) is tuple:
         item = get_args(tp)[0]
         return "a non-empty list of " + (", ".join(get_args(item)) if get_origin(item) is Literal
-                                         else "layer type names")
+                                         else "numbers" if item is float else "layer type names")
     if get_origin(tp) is Literal:
         return ", ".join(get_args(tp))
     if dataclasses.is_dataclass(tp):
@@ -399,8 +399,8 @@ MASKS = {"encoder": ("bidirectional", "an encoder sees the whole input"),
 # The per-layer shorthands for layer types.
 SHORTHANDS = ("mixer.pattern", "attention.pattern", "ffn.pattern")
 # The attention fields that act on softmax scores.
-SCORE_FIELDS = ("mask", "window", "pattern", "softcap", "scale", "qk_norm", "global_tokens",
-                "score", "normalizer", "params", "inputs")
+SCORE_FIELDS = ("mask", "window", "pattern", "softcap", "scale", "qk_norm", "qk_norm_over",
+                "global_tokens", "score", "normalizer", "params", "inputs")
 # Positions that are the model's, not a layer's: added to the embeddings once (learned,
 # sinusoidal), or one bias table that every layer reads (relative).
 MODEL_POSITIONS = ("learned", "sinusoidal", "relative")
@@ -559,6 +559,9 @@ def _check_layer(spec: Spec) -> None:
     if (att.global_tokens or 0) > spec.max_seq_len:
         raise SpecError("attention.global_tokens", f"{att.global_tokens} is more than "
                         f"max_seq_len ({spec.max_seq_len})", allowed=f"1 to {spec.max_seq_len}")
+    if not att.qk_norm:
+        _refuse_set(spec, "attention.qk_norm_over", "attention.qk_norm is false",
+                    allowed="remove it, or set attention.qk_norm")
     masks, why = MASKS[family]
     if att.mask in MASK_KINDS and att.mask not in masks.split(", "):
         raise SpecError("attention.mask", f"{att.mask!r} with family {family}: {why}",
@@ -580,6 +583,15 @@ def _check_layer(spec: Spec) -> None:
             raise SpecError("position.scaling.kind", f"'dynamic' with {rot} rotary dims: "
                             "dynamic NTK rescales the base by s^(d/(d−2))",
                             allowed="4 or more rotary dims, or another scaling kind")
+        if sc is not None and sc.kind == "longrope":
+            for name in ("short_factor", "long_factor"):
+                factors = getattr(sc, name)
+                if len(factors) != rot // 2:
+                    raise SpecError(f"position.scaling.{name}", f"has {len(factors)} factors for "
+                                    f"{rot // 2} rotary pairs", allowed=f"{rot // 2} numbers > 0")
+                if min(factors) <= 0:
+                    raise SpecError(f"position.scaling.{name}", f"{min(factors)} is not above 0",
+                                    allowed=f"{rot // 2} numbers > 0")
         if sc is not None and sc.kind == "llama3" and sc.high_freq_factor <= sc.low_freq_factor:
             raise SpecError("position.scaling.high_freq_factor", f"{sc.high_freq_factor} is not "
                             f"above low_freq_factor ({sc.low_freq_factor})",
@@ -641,7 +653,8 @@ def _check_model(spec: Spec) -> None:
                     "local layer to use it",
                     allowed="remove it, or put local layers in attention.pattern")
     if family == "encoder":
-        _refuse_set(spec, "embedding.tied output.softcap output.bias output.scale",
+        _refuse_set(spec, "embedding.tied output.softcap output.bias output.scale "
+                    "output.logit_scale",
                     "an encoder has no output head: it returns hidden states",
                     allowed="remove it; an encoder takes only output.final_norm")
     if family == "decoder":

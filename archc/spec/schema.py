@@ -24,13 +24,13 @@ LAYER_SECTIONS = ("mixer", "attention", "position", "ffn", "norm")
 
 Family = Literal["decoder", "encoder", "encoder-decoder"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "sigmoid"]
-Placement = Literal["pre", "post", "sandwich"]
+Placement = Literal["pre", "post", "sandwich", "output"]
 FFNKind = Literal["mlp", "glu", "reglu", "geglu", "swiglu", "moe", "none"]
 MaskKind = Literal["causal", "bidirectional", "prefix"]
 MASK_KINDS: tuple[str, ...] = ("causal", "bidirectional", "prefix")
 LayerKind = Literal["local", "global"]
 PositionKind = Literal["none", "learned", "sinusoidal", "rope", "alibi", "relative"]
-RopeScalingKind = Literal["linear", "ntk", "yarn", "llama3", "dynamic"]
+RopeScalingKind = Literal["linear", "ntk", "yarn", "llama3", "dynamic", "longrope"]
 MixerKind = Literal["attention", "linear_attention", "mamba"]
 FFNLayerKind = Literal["dense", "moe"]
 
@@ -48,10 +48,11 @@ def _f(default: Any = None, doc: str = "", **meta: Any) -> Any:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    kind: RopeScalingKind = _f("linear", "dynamic: NTK from the length past the trained context")
+    kind: RopeScalingKind = _f("linear", "dynamic: NTK from the length past the trained context; "
+                               "longrope: per-frequency factors, long ones past it (Phi-3)")
     factor: float = _f(1.0, "context extension factor", min=1.0)
     original_max_seq_len: int = _f(None, "context the model was trained on", min=1,
-                                   only=("yarn", "llama3", "dynamic"))
+                                   only=("yarn", "llama3", "dynamic", "longrope"))
     low_freq_factor: float = _f(1.0, "wavelengths above original/low are scaled", above=0,
                                 only=("llama3",))
     high_freq_factor: float = _f(4.0, "wavelengths below original/high are kept",
@@ -61,7 +62,14 @@ class RopeScaling:
     beta_slow: float = _f(1.0, "rotations per context above which dims extrapolate",
                           above=0, only=("yarn",))
     attention_factor: float | None = _f(
-        None, "cos/sin scale (default 0.1·ln(factor) + 1)", above=0, only=("yarn",))
+        None, "cos/sin scale (default yarn: 0.1·ln(factor) + 1; longrope: "
+        "sqrt(1 + ln(factor)/ln(original_max_seq_len)))", above=0, only=("yarn", "longrope"))
+    short_factor: tuple[float, ...] = _f(
+        None, "longrope: the divisor of each frequency while a call stays within "
+        "original_max_seq_len (one per rotary pair)", only=("longrope",))
+    long_factor: tuple[float, ...] = _f(
+        None, "longrope: the divisors once a call reaches past original_max_seq_len",
+        only=("longrope",))
 
 
 @dataclass(frozen=True)
@@ -152,6 +160,9 @@ class Attention:
     softcap: float | None = _f(None, "attention-logit soft-cap: cap·tanh(s/cap)", above=0)
     scale: float | None = _f(None, "score scale (default 1/sqrt(head_dim))", above=0)
     qk_norm: bool = _f(False, "normalize q and k per head before scores (norm.kind)")
+    qk_norm_over: Literal["head", "projection"] = _f(
+        "head", "what the QK-norm normalizes: each head, or the whole q and k projections "
+        "(OLMo 2), with one gain per projected dim")
     bias: AttentionBias = _f(AttentionBias, "biases per projection (or one bool for all)")
 
     @property
@@ -218,7 +229,8 @@ class FFN:
 class Norm:
     kind: Literal["layernorm", "rmsnorm"] = _f("layernorm", "kind of every norm")
     eps: float = _f(1e-5, "added to the variance", above=0)
-    placement: Placement = _f("pre", "sandwich: a norm before and after each sublayer")
+    placement: Placement = _f("pre", "sandwich: a norm before and after each sublayer; output: "
+                              "one on each sublayer's output, before the residual add (OLMo 2)")
     unit_offset: bool = _f(False, "gain is (1 + w) as in Gemma", only=("rmsnorm",))
     bias: bool = _f(True, "learned shift β", only=("layernorm",))
 
@@ -227,6 +239,8 @@ class Norm:
 class Block:
     parallel: bool = _f(False, "attention and FFN read the same input and add to the residual")
     shared_norm: bool = _f(True, "parallel block: one norm feeds both branches (else one each)")
+    residual_scale: float | None = _f(None, "multiply each sublayer's output before the residual "
+                                      "add (Granite's residual_multiplier)", above=0)
 
 
 @dataclass(frozen=True)
@@ -247,6 +261,8 @@ class Output:
     softcap: float | None = _f(None, "final-logit soft-cap: cap·tanh(z/cap)", above=0)
     bias: bool = _f(False, "bias on the output head")
     scale: float | None = _f(None, "scale the last hidden state before the head (T5 tied)", above=0)
+    logit_scale: float | None = _f(None, "multiply the logits, after the head's bias and before "
+                                   "any soft-cap (Granite: 1/logits_scaling; Cohere)", above=0)
 
 
 @dataclass(frozen=True)

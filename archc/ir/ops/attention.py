@@ -72,10 +72,15 @@ def rope(x: torch.Tensor, pos: torch.Tensor, rotation: torch.Tensor, rotary_dim:
     and the angles are computed here. `dynamic`, ntk(factor, original_max_seq_len), is
     transformers' rope_type "dynamic": with L the sequence length after this call, past the
     trained context the base grows to base·s^(d/(d−2)), s = factor·L/original − (factor − 1),
-    so θ_j = base^(−2j/d) becomes θ_j·s^(−2j/(d−2)); up to it s = 1. Keys cached earlier keep
-    the rotation they had."""
+    so θ_j = base^(−2j/d) becomes θ_j·s^(−2j/(d−2)); up to it s = 1. `dynamic`
+    longrope(original_max_seq_len) is transformers' rope_type "longrope": `rotation` holds two
+    tables one after the other (short factors, then long), and a call whose sequence length
+    passes original_max_seq_len reads the long one. Keys cached earlier keep the rotation they
+    had."""
     if dynamic is None:
         cos, sin = rope_table_rows(pos, rotation)
+    elif dynamic.fn == "longrope":
+        cos, sin = rope_table_rows(longrope_rows(pos, rotation, dynamic), rotation)
     else:
         inv_freq = rotation
         if pos.numel():
@@ -96,9 +101,20 @@ def rope(x: torch.Tensor, pos: torch.Tensor, rotation: torch.Tensor, rotary_dim:
     return torch.cat([out.to(x.dtype), rest], dim=-1)
 
 
+def longrope_rows(pos: torch.Tensor, table: torch.Tensor, dynamic: Call) -> torch.Tensor:
+    """The rows of LongRoPE's two tables that positions `pos` of one call read: their own in the
+    short table, or, once the call's sequence length (last position + 1) passes
+    original_max_seq_len, in the long table after it."""
+    if not pos.numel():
+        return pos
+    long = pos[-1] + 1 > dynamic.kw("original_max_seq_len")
+    return pos + long.to(pos.dtype) * (table.shape[0] // 2)
+
+
 NTK = (Attr("factor", float, at_least=1.0), Attr("original_max_seq_len", int, at_least=1))
+LONGROPE = (Attr("original_max_seq_len", int, at_least=1),)
 ROPE_ATTRS = (Attr("rotary_dim", int, at_least=2), Attr("interleaved", bool),
-              Attr("dynamic", Call, None, {"ntk": NTK}))
+              Attr("dynamic", Call, None, {"ntk": NTK, "longrope": LONGROPE}))
 ROTATION_DOC = ("cos/sin table (row p: cos, then sin, of p·θ_j), or with `dynamic` inverse "
                 "frequencies")
 
@@ -112,7 +128,7 @@ def check_rope(rot: int, head_dim: sympy.Expr, tokens: sympy.Expr, pos: Shape, r
     require(rot % 2 == 0 and rot <= int(head_dim), f"rotary_dim={rot} for head dim {head_dim}")
     require(rotation_dtype == "f32", f"the RoPE rotation operand must be f32, got "
             f"{rotation_dtype}")
-    if dynamic is None:
+    if dynamic is None or dynamic.fn == "longrope":
         require(len(rotation) == 3 and rotation[0].is_Integer and int(rotation[0]) >= 1 and
                 int(rotation[1]) == 2 and int(rotation[2]) == rot // 2,
                 f"cos/sin table {list(rotation)} must be [max_seq_len, 2, {rot // 2}] for "
@@ -134,8 +150,9 @@ def _rope_infer(sig: Sig) -> tuple[Shape, str]:
 
 def rotation_bytes(pos: Shape, rotation: Shape, dynamic: Call | None) -> sympy.Expr:
     """Bytes a rope reads of its rotation operand (f32): of the cos/sin table only the rows at
-    its positions, not the max_seq_len rows; under dynamic NTK all the frequencies."""
-    return (numel(rotation) if dynamic is not None else
+    its positions, not the max_seq_len rows (LongRoPE: of one of its two tables); under
+    dynamic NTK all the frequencies."""
+    return (numel(rotation) if dynamic is not None and dynamic.fn == "ntk" else
             numel(pos) * numel(rotation[1:])) * DTYPE_BYTES["f32"]
 
 
