@@ -80,6 +80,10 @@ class Expression:
     """The type of an attribute holding an attention modifier expression (``archc.ir.modifiers``):
     a Call tree, or a literal (a mask of ``true``)."""
 
+
+class Widths:
+    """The type of an attribute holding a list of whole numbers ≥ 1 (a norm's column spans)."""
+
 # each attribute type: what its values must be, and the test
 _TYPES: dict[type, tuple[str, Callable[[Any], bool]]] = {
     bool: ("true or false", lambda v: isinstance(v, bool)),
@@ -90,6 +94,8 @@ _TYPES: dict[type, tuple[str, Callable[[Any], bool]]] = {
     Call: ("a call", lambda v: isinstance(v, Call)),
     tuple: ("a list of calls", lambda v: isinstance(v, tuple)
             and all(isinstance(s, Call) for s in v)),
+    Widths: ("a list of whole numbers ≥ 1", lambda v: isinstance(v, tuple) and len(v) > 0
+             and all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in v)),
     Expression: ("an expression (a call or a literal)",
                  lambda v: isinstance(v, (Call, bool, int, float))),
 }

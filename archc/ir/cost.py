@@ -14,6 +14,7 @@ from archc.ir.graph import Graph, Node, Program
 from archc.ir.ops import OP_TABLE, Op
 from archc.ir.ops.attention import kv_row_bytes
 from archc.ir.ops.base import StateDecl
+from archc.ir.ops.steps import HEAD_KERNELS
 from archc.ir.paramexpr import leaves
 from archc.ir.shapes import DTYPE_BYTES, evaluate, numel
 from archc.quant.schemes import is_quantized, scheme
@@ -90,7 +91,7 @@ def kv_cache_bytes_per_token(p: Program) -> int:
             x = g.nodes[n.inputs[0]] if n.inputs else None
             if n.op == Op.KV_CACHE:   # x: the new k or v rows [B, H_kv, T, d_h]
                 total += x.shape[1] * kv_row_bytes(x.shape[3], x.dtype, n.attr("quant"))
-            elif n.op == Op.FUSED_LINEAR:
+            elif n.op in HEAD_KERNELS:     # a projection's or a QK-norm's epilogue
                 total += sum(2 * st.kw("kv_heads") * kv_row_bytes(
                     st.kw("head_dim"), x.dtype, st.kw("quant"))
                     for st in n.attr("epilogue") if st.fn == "kv_write")

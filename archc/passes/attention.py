@@ -12,11 +12,13 @@ import archc.ir.expr as E
 from archc.ir.attrs import Call
 from archc.ir.graph import Node
 from archc.ir.ops import Op, canonical, full_attrs, roles_of
+from archc.ir.ops.steps import STEPS
 from archc.passes.linear import (
     LINEAR,
-    Linear,
     Step,
     emit,
+    epilogue_steps,
+    extend,
     merged_name,
     norm_parts,
     step,
@@ -201,22 +203,49 @@ def column_view(rw: Rewriter, i: int) -> ColumnView | None:
 
 
 Heads = list[tuple[ColumnView, int]]     # head views, each with the one node reading it
-HeadStep = Callable[[Rewriter, Linear, Heads], Step]
 
 
-def head_epilogue(rw: Rewriter, lin: Linear, op: Op, what: str, later: tuple[str, ...],
+@dataclass(frozen=True)
+class RowKernel:
+    """A kernel whose rows hold the heads of q, k and v: a projection, or a norm over its
+    columns (a QK-norm over the whole projection, which column tiles cannot compute). `steps`:
+    its epilogue; `then(step)` builds it with one step more, for the caller to put in place."""
+
+    root: int
+    steps: tuple[Step, ...]
+    then: Callable[[Step], int]
+
+
+def row_kernel(rw: Rewriter, i: int, fn: str) -> RowKernel | None:
+    """Node i as a kernel that can take epilogue step `fn` — a linear layer (with the bias add
+    that alone reads it), a norm where `fn` allows — or None."""
+    if rw.op(i) == Op.NORM:
+        if Op.NORM not in STEPS[fn].kernels:
+            return None
+        taken = 3 if rw.nodes[i].attr("add_before") else 2     # x, gain [, residual]
+        return RowKernel(i, epilogue_steps(rw, i, taken), lambda st: extend(rw, i, st, like=[]))
+    lin = view_with_bias(rw, i) if rw.op(i) in LINEAR else view(rw, i)
+    if lin is None:
+        return None
+    return RowKernel(lin.root, lin.steps, lambda st: emit(rw, lin.then(st), like=lin.covers))
+
+
+HeadStep = Callable[[Rewriter, RowKernel, Heads], Step]
+
+
+def head_epilogue(rw: Rewriter, kern: RowKernel, op: Op, what: str, later: tuple[str, ...],
                   make: HeadStep) -> tuple[Step, Heads] | None:
-    """The step `make` builds for the head views of `lin` read by one `op` node each, with those
-    views and nodes, if they are columns [0, n·D) that nothing else reads; None if no view is read
-    by `op`. `later`: epilogue steps that must come after the new one."""
+    """The step `make` builds for the head views of `kern` read by one `op` node each, with
+    those views and nodes, if they are columns [0, n·D) that nothing else reads; None if no view
+    is read by `op`. `later`: epilogue steps that must come after the new one."""
     readers: list[tuple[int, int, int, ColumnView | None]] = []   # (node, start, stop, view)
-    for u in rw.users(lin.root):
+    for u in rw.users(kern.root):
         s = rw.nodes[u]
         if s.op == Op.SLICE:
             readers += [(w, s.attr("start"), s.attr("stop"), column_view(rw, w))
                         for w in rw.users(u)]
         else:
-            readers.append((u, 0, int(rw.shape(lin.root)[-1]), column_view(rw, u)))
+            readers.append((u, 0, int(rw.shape(kern.root)[-1]), column_view(rw, u)))
     views = sorted((cv for _, _, _, cv in readers
                     if cv is not None and any(rw.op(u) == op for u in rw.users(cv.split))),
                    key=lambda cv: cv.start)
@@ -240,28 +269,30 @@ def head_epilogue(rw: Rewriter, lin: Linear, op: Op, what: str, later: tuple[str
         if (cv is None or cv not in views) and a < end:
             raise Refusal(f"%{r} ({rw.op(r).value}) reads columns [{a}, {b}), which the "
                           f"epilogue would have {what}")
-    late = [s.fn for s in lin.steps if s.fn in later]
+    late = [s.fn for s in kern.steps if s.fn in later]
     if late:
-        raise Refusal(f"%{lin.root} already ends in {late[-1]}, which must come after")
-    return make(rw, lin, heads), heads
+        raise Refusal(f"%{kern.root} already ends in {late[-1]}, which must come after")
+    return make(rw, kern, heads), heads
 
 
-def fuse_heads(rw: Rewriter, rule: str, op: Op, what: str, later: tuple[str, ...],
+def fuse_heads(rw: Rewriter, rule: str, op: Op, fn: str, what: str, later: tuple[str, ...],
                make: HeadStep) -> None:
-    """For each linear layer, the `op` nodes reading its first heads become the epilogue step
-    `make` builds; each is replaced by the head view it read."""
-    for lin in [view_with_bias(rw, i) for i in rw.order() if rw.op(i) in LINEAR]:
-        assert lin is not None
-        found = rw.attempt(rule, lin.root, head_epilogue, rw, lin, op, what, later, make)
+    """For each kernel that can take step `fn` (a linear layer; a norm where `fn` allows), the
+    `op` nodes reading its first heads become the step `make` builds; each is replaced by the
+    head view it read."""
+    for kern in [row_kernel(rw, i, fn) for i in rw.order() if rw.op(i) in (*LINEAR, Op.NORM)]:
+        if kern is None:
+            continue
+        found = rw.attempt(rule, kern.root, head_epilogue, rw, kern, op, what, later, make)
         if found is None:
             continue
-        rw.replace(lin.root, emit(rw, lin.then(found[0]), like=lin.covers))
+        rw.replace(kern.root, kern.then(found[0]))
         for cv, reader in found[1]:
             rw.replace(reader, cv.split)
-            rw.ctx.applied(rule, reader, f"{what} in the epilogue of %{lin.root}")
+            rw.ctx.applied(rule, reader, f"{what} in the epilogue of %{kern.root}")
 
 
-def _rope(rw: Rewriter, lin: Linear, heads: Heads) -> Step:
+def _rope(rw: Rewriter, kern: RowKernel, heads: Heads) -> Step:
     # rope(x·Wᵀ)[heads] in the epilogue = the same rotation applied to the stored heads
     r0 = rw.nodes[heads[0][1]]
     for _, reader in heads:
@@ -282,7 +313,7 @@ def fuse_rope(rw: Rewriter) -> None:
     # 2. Legal if they are columns [0, n·D) — the epilogue rotates the first n heads — with one
     #    set of positions, frequencies and attributes, and no other reader sees them.
     # 3. Append rope(heads=n) to the epilogue; each rope node is replaced by its head view.
-    fuse_heads(rw, "fuse-rope", Op.ROPE, "rotated", ("rope", "kv_write", "glu"), _rope)
+    fuse_heads(rw, "fuse-rope", Op.ROPE, "rope", "rotated", ("rope", "kv_write", "glu"), _rope)
     for i in rw.order():
         src = rw.nodes[i].inputs[0] if rw.op(i) == Op.ROPE else None
         if src is not None and column_view(rw, src) is None:
@@ -291,7 +322,7 @@ def fuse_rope(rw: Rewriter) -> None:
                         "input")
 
 
-def _head_norm(rw: Rewriter, lin: Linear, heads: Heads) -> Step:
+def _head_norm(rw: Rewriter, kern: RowKernel, heads: Heads) -> Step:
     # norm over each head's D columns of x·Wᵀ, in the epilogue: the tile holds whole heads
     first = rw.nodes[heads[0][1]]
     gains: list[Call] = []
@@ -311,15 +342,116 @@ def _head_norm(rw: Rewriter, lin: Linear, heads: Heads) -> Step:
     like = [reader for _, reader in heads]
     name = merged_name([rw.nodes[rw.nodes[reader].inputs[1]].name for reader in like])
     gain_p, shift_p = (rw.add_param(n, E.call("cat", *parts, dim=0), (cols,),
-                                    rw.nodes[first.inputs[1]].dtype, like=like, at=lin.root)
+                                    rw.nodes[first.inputs[1]].dtype, like=like, at=kern.root)
                        for n, parts in ((name + ".tiled", gains),
                                         (name.removesuffix(".weight") + ".shift", shifts)))
     return step("head_norm", gain_p, shift_p, kind=first.attr("kind"), eps=first.attr("eps"),
                 heads=cols // hd, head_dim=hd)
 
 
+@dataclass(frozen=True)
+class SpanNorm:
+    """A norm over columns [start, stop) of a projection, read only as heads (a QK-norm over the
+    whole q or k projection): the norm, and the slice it reads (the projection itself when it
+    reads every column)."""
+
+    norm: int
+    read: int
+    start: int
+    stop: int
+
+
+def _span_norms(rw: Rewriter, root: int) -> tuple[list[SpanNorm], list[tuple[int, int, int]]]:
+    """The norms over column spans of `root` whose every reader is a head split, and the other
+    readers of `root`'s columns (node, start, stop)."""
+    width = int(rw.shape(root)[-1])
+    spans: list[SpanNorm] = []
+    others: list[tuple[int, int, int]] = []
+    for u in rw.users(root):
+        start, stop = (rw.nodes[u].attr("start"), rw.nodes[u].attr("stop")) \
+            if rw.op(u) == Op.SLICE else (0, width)
+        readers = rw.users(u) if rw.op(u) == Op.SLICE else [u]
+        norm = readers[0] if len(readers) == 1 else None
+        if norm is not None and rw.op(norm) == Op.NORM and rw.nodes[norm].inputs[0] == u and \
+                rw.users(norm) and all(rw.op(h) == Op.SPLIT_HEADS for h in rw.users(norm)):
+            spans.append(SpanNorm(norm, u, start, stop))
+        else:
+            others.append((u, start, stop))
+    return sorted(spans, key=lambda sn: sn.start), others
+
+
+def _projection_norm(rw: Rewriter, root: int, spans: list[SpanNorm],
+                     others: list[tuple[int, int, int]]) -> int:
+    """One norm over `root`'s whole rows that normalizes each span on its own and passes the
+    columns after them through."""
+    first = rw.nodes[spans[0].norm]
+    end = 0
+    for sn in spans:
+        n = rw.nodes[sn.norm]
+        if sn.start != end:
+            raise Refusal(f"the norms' columns are not contiguous from column 0 (a gap before "
+                          f"column {sn.start})")
+        if (n.attr("kind"), n.attr("eps"), n.attr("unit_offset")) != \
+                (first.attr("kind"), first.attr("eps"), first.attr("unit_offset")):
+            raise Refusal(f"%{sn.norm} and %{spans[0].norm} are different norms")
+        end = sn.stop
+    for r, a, b in others:
+        if a < end:
+            raise Refusal(f"%{r} ({rw.op(r).value}) reads columns [{a}, {b}) un-normalized")
+    parts = [norm_parts(rw, sn.norm) for sn in spans]
+    like = [sn.norm for sn in spans]
+    width = int(rw.shape(root)[-1])
+    names = [rw.nodes[gain].name for _, gain, _ in parts]
+    gain = rw.add_param(merged_name(names), E.call("cat", *(rw.param_expr(g) for _, g, _ in parts),
+                                                   dim=0), (end,),
+                        rw.nodes[parts[0][1]].dtype, like=like, at=spans[0].norm)
+    inputs, epilogue = [root, gain], None
+    if any(shift is not None for _, _, shift in parts):   # LayerNorm biases; none past the spans
+        shifts = [rw.param_expr(shift) if shift is not None else
+                  E.call("zeros", shape=(sn.stop - sn.start,))
+                  for sn, (_, _, shift) in zip(spans, parts)]
+        shifts += [E.call("zeros", shape=(width - end,))] if width > end else []
+        inputs.append(rw.add_param(merged_name(names).removesuffix(".weight") + ".bias",
+                                   E.call("cat", *shifts, dim=0), (width,),
+                                   rw.nodes[parts[0][1]].dtype, like=like, at=spans[0].norm))
+        epilogue = (step("bias").call,)
+    return rw.emit(Op.NORM, inputs, like=like, kind=first.attr("kind"), eps=first.attr("eps"),
+                   unit_offset=first.attr("unit_offset") or None,
+                   spans=tuple(sn.stop - sn.start for sn in spans), epilogue=epilogue)
+
+
+def merge_projection_norms(rw: Rewriter) -> None:
+    """QK-norms over the whole q and k projections, columns of one projection's rows: one norm
+    over those rows, each span on its own statistics; fuse-rope and fuse-kv-write then complete
+    its epilogue, as they do a projection's."""
+    for i in rw.order():
+        if rw.op(i) not in LINEAR or rw.is_dead(i):
+            continue
+        lin = view_with_bias(rw, i)
+        assert lin is not None
+        spans, others = _span_norms(rw, lin.root)
+        if not spans or (len(spans) == 1 and spans[0].read == lin.root):
+            continue   # none, or one norm over every column: a norm kernel's epilogue as it is
+        norm = rw.attempt("fuse-qk-norm", spans[0].norm, _projection_norm, rw, lin.root, spans,
+                          others)
+        if norm is None:
+            continue
+        for sn in spans:
+            rw.replace(sn.norm, _columns(rw, norm, sn.start, sn.stop, sn.norm))
+            rw.ctx.applied("fuse-qk-norm", sn.norm, f"columns [{sn.start}, {sn.stop}) of %"
+                           f"{lin.root} normalized by %{norm} with the other spans")
+        for r, a, b in others:   # the columns after the spans, passed through the norm
+            rw.replace(r, _columns(rw, norm, a, b, r))
+
+
+def _columns(rw: Rewriter, i: int, start: int, stop: int, like: int) -> int:
+    """Columns [start, stop) of node i: i itself, or a slice of it."""
+    return i if (start, stop) == (0, int(rw.shape(i)[-1])) else \
+        rw.emit(Op.SLICE, [i], like=[like], start=start, stop=stop)
+
+
 @register_rewrite_pass("fuse-qk-norm", "QK-norm: normalize the heads of q and k in the epilogue of "
-                       "their projection")
+                       "their projection, or the whole q and k projections in one norm kernel")
 def fuse_qk_norm(rw: Rewriter) -> None:
     # 1. For each linear layer, the head views read only by a norm over each head (QK-norm).
     # 2. Legal if they are columns [0, n·D) — q then k, first in a merged QKV — with one kind
@@ -327,11 +459,18 @@ def fuse_qk_norm(rw: Rewriter) -> None:
     # 3. Append head_norm(kind, eps, heads=n) reading a gain and a shift built at load time:
     #    each head's norm weight tiled over its heads (zeros shift for RMSNorm). Each norm is
     #    replaced by its head view, where fuse-rope then finds the rotation.
-    fuse_heads(rw, "fuse-qk-norm", Op.NORM, "normalized",
+    fuse_heads(rw, "fuse-qk-norm", Op.NORM, "head_norm", "normalized",
                ("head_norm", "rope", "kv_write", "glu"), _head_norm)
+    # 4. A norm over a whole projection (OLMo 2) needs every column of a row, which a column
+    #    tile does not hold: norms over column spans of one projection, each read only as
+    #    heads and together columns [0, n) with one kind and eps, become one norm over its rows
+    #    {spans}: each span on its own statistics, the gains concatenated, the columns after
+    #    the spans (v) passed through, so the one kernel holds q, k and v for fuse-rope and
+    #    fuse-kv-write.
+    merge_projection_norms(rw)
 
 
-def _kv_write(rw: Rewriter, att: int) -> tuple[Linear, Step]:
+def _kv_write(rw: Rewriter, att: int) -> tuple[RowKernel, Step]:
     """The projection whose epilogue can write the cache `att` reads, and the step that does."""
     q, kc, vc = rw.nodes[att].inputs[:3]
     k_node, v_node = rw.nodes[kc], rw.nodes[vc]
@@ -349,9 +488,10 @@ def _kv_write(rw: Rewriter, att: int) -> tuple[Linear, Step]:
     if kv.source != vv.source:
         raise Refusal("k and v come from different projections (merge-qkv must merge them "
                       "first)")
-    lin = view(rw, kv.source)
-    if lin is None:
-        raise Refusal(f"k and v are not computed by a linear layer (%{kv.source})")
+    kern = row_kernel(rw, kv.source, "kv_write")
+    if kern is None:
+        raise Refusal(f"k and v are not computed by a linear layer or a norm over its "
+                      f"columns (%{kv.source}, {rw.op(kv.source).value})")
     qv = column_view(rw, q)
     if qv is None or qv.source != kv.source:
         raise Refusal(f"q %{q} is not computed by the kernel that writes the cache, so the "
@@ -359,12 +499,16 @@ def _kv_write(rw: Rewriter, att: int) -> tuple[Linear, Step]:
     for c in (kv.split, vv.split):
         if len(rw.users(c)) != 1:
             raise Refusal(f"the head view %{c} is read outside the cache write")
-    if any(s.fn == "kv_write" for s in lin.steps):
-        raise Refusal(f"%{lin.root} already writes a cache")
+    if any(s.fn == "kv_write" for s in kern.steps):
+        raise Refusal(f"%{kern.root} already writes a cache")
     if k_node.attr("quant") != v_node.attr("quant"):
         raise Refusal(f"the k and v caches of layer {layer} are held in different formats")
     quant = {} if k_node.attr("quant") is None else {"quant": k_node.attr("quant")}
-    return lin, step("kv_write", head_dim=kv.head_dim, k_start=kv.start, v_start=vv.start,
+    if rw.op(kern.root) == Op.NORM and k_node.attr("quant") is not None:
+        raise Refusal(f"a {k_node.attr('quant')} cache is written from a projection's stored "
+                      f"rows; the norm %{kern.root} writes it from its registers in the model "
+                      "dtype only")
+    return kern, step("kv_write", head_dim=kv.head_dim, k_start=kv.start, v_start=vv.start,
                      kv_heads=kv.heads, layer=layer, **quant)
 
 
@@ -386,12 +530,12 @@ def fuse_kv_write(rw: Rewriter) -> None:
         found = rw.attempt("fuse-kv-write", i, _kv_write, rw, i)
         if found is None:
             continue
-        lin, write = found
-        rw.replace(lin.root, emit(rw, lin.then(write), like=lin.covers))
+        kern, write = found
+        rw.replace(kern.root, kern.then(write))
         layer, kv_heads = write.call.kw("layer"), write.call.kw("kv_heads")
         rw.replace(i, rw.emit(Op.ATTENTION, [n.inputs[0], *n.inputs[3:]], like=[i, *n.inputs[1:3]],
                               **n.attrs.replace(cache_layer=layer, kv_heads=kv_heads,
                                                 kv_quant=write.call.kw("quant"))))
         for c in n.inputs[1:3]:
             rw.kill(c)
-        rw.ctx.applied("fuse-kv-write", i, f"layer {layer} cache written by %{lin.root}")
+        rw.ctx.applied("fuse-kv-write", i, f"layer {layer} cache written by %{kern.root}")

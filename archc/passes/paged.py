@@ -11,9 +11,9 @@ token's own position. The transform adds two inputs, `positions` i64[T] (when th
 none) and `block_table` i32[T, blocks] (token t's row: the blocks of its sequence; blocks =
 ⌈max_seq_len / block_size⌉), and
 
-- a KV-cache write — a `kv_cache` node, or a projection's `kv_write` epilogue step — writes
-  token t's row into block block_table[t, pos[t] // block_size] at offset pos[t] % block_size of
-  the layer's pool (`kv_cache {paged}`, the `paged_kv_write` step);
+- a KV-cache write — a `kv_cache` node, or the `kv_write` epilogue step of a projection or of
+  a QK-norm — writes token t's row into block block_table[t, pos[t] // block_size] at offset
+  pos[t] % block_size of the layer's pool (`kv_cache {paged}`, the `paged_kv_write` step);
 - each self-attention reads its layer's pool through the block table (`attention {paged}`):
   token t attends to its sequence's keys at positions 0 … pos[t], under its causal (and window,
   soft-cap, ALiBi) mask at those positions.
@@ -34,7 +34,7 @@ from archc.ir.graph import Graph, Node, Program
 from archc.ir.ops import Op, canonical, full_attrs
 from archc.ir.ops.base import RECURRENT
 from archc.ir.ops.modifiers import modifiers_of
-from archc.ir.ops.steps import STEPS, step
+from archc.ir.ops.steps import HEAD_KERNELS, STEPS, step
 from archc.ir.shapes import T
 from archc.ir.verify import verify
 
@@ -65,7 +65,7 @@ def _check_node(g: Graph, i: int) -> None:
     if n.op == Op.KV_CACHE and n.attr("quant") is not None:
         raise _refuse(g, i, f"holds an {n.attr('quant')} cache; a paged pool holds the model "
                       "dtype (kv_cache=None)")
-    if n.op == Op.FUSED_LINEAR and any(st.fn == "kv_write" and st.kw("quant") is not None
+    if n.op in HEAD_KERNELS and any(st.fn == "kv_write" and st.kw("quant") is not None
                                        for st in n.attr("epilogue", ())):
         raise _refuse(g, i, "writes a quantized cache; a paged pool holds the model dtype")
     if n.op == Op.ATTENTION:
@@ -138,7 +138,7 @@ def _paged_graph(g: Graph, bs: int, max_blocks: int) -> Graph:
                 raise _refuse(g, i, "is read by something other than its attention")
             nodes[i] = n.replace(attrs=n.attrs.replace(paged=bs), inputs=(*n.inputs, pos, table),
                                  shape=g.nodes[n.inputs[0]].shape)
-        elif n.op == Op.FUSED_LINEAR and any(st.fn == "kv_write" for st in n.attr("epilogue", ())):
+        elif n.op in HEAD_KERNELS and any(st.fn == "kv_write" for st in n.attr("epilogue", ())):
             nodes[i] = _paged_write(n, bs, pos, table)
         elif n.op == Op.ATTENTION and n.attr("cache_layer") is not None:
             nodes[i] = n.replace(attrs=n.attrs.replace(paged=bs), inputs=(*n.inputs, pos, table))

@@ -20,6 +20,7 @@ from archc.errors import IRError, WeightsError
 from archc.ir.attrs import Attrs, Call, format_call
 from archc.ir.graph import Graph, Node, infer
 from archc.ir.ops import Op, ShapeError, canonical
+from archc.ir.ops.steps import HEAD_KERNELS
 from archc.ir.paramexpr import leaf, quantized_result
 from archc.ir.shapes import QUANT_DTYPES, Shape
 from archc.ir.text import format_node
@@ -39,7 +40,7 @@ class Refusal(Exception):
 def is_root(n: Node) -> bool:
     """An output, an input (the graph's interface) or a KV-cache write: live even when nothing in
     the graph reads its value."""
-    return n.op in (Op.OUTPUT, Op.INPUT, Op.KV_CACHE) or (n.op == Op.FUSED_LINEAR and any(
+    return n.op in (Op.OUTPUT, Op.INPUT, Op.KV_CACHE) or (n.op in HEAD_KERNELS and any(
         st.fn in ("kv_write", "paged_kv_write") for st in n.attr("epilogue", ())))
 
 

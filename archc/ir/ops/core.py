@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import archc.ir.expr as E
 from archc.dtypes import FLOAT_DTYPES, TORCH_DTYPES
-from archc.ir.attrs import Attr, Attrs, Call
+from archc.ir.attrs import Attr, Attrs, Call, Widths
 from archc.ir.ops.attention import rotation_bytes
 from archc.ir.ops.base import (
     Args,
@@ -189,7 +189,9 @@ def fused_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     return apply_epilogue(ctx, acc, at["epilogue"], rest, stats).to(xs[0].dtype)
 
 
-def _linear_bytes(sig: Sig) -> sympy.Expr:
+def _row_kernel_bytes(sig: Sig) -> sympy.Expr:
+    """Bytes of a kernel that writes rows (fused_linear, norm): its operands and output, and
+    what its epilogue moves beside them."""
     # k and v rows go to the cache as well; a rope step reads only the cos/sin table rows at
     # its positions, not the whole table io_bytes counts
     rows = numel(sig.shapes[0][:-1]) * DTYPE_BYTES[sig.out_dtype]
@@ -219,7 +221,7 @@ register(OpDef(
     attrs=(Attr("prologue", str, None, ("rms", "layer")), Attr("eps", float, None), EPILOGUE,
            Attr("concat_k", bool, False), Attr("paired", bool, False), Attr("gain", bool, False)),
     quantized=("weight",),
-    flops=lambda sig: matmul_flops(sig) + 4 * numel(sig.out_shape), bytes=_linear_bytes,
+    flops=lambda sig: matmul_flops(sig) + 4 * numel(sig.out_shape), bytes=_row_kernel_bytes,
     template="matmul", arity=(2, -1),
     docs={"x": "activations", "x1": "first operand", "x2": "second operand",
           "weight": "weight, K-contiguous", "gain": "a gain over K applied to x as it is read"}))
@@ -389,8 +391,19 @@ register(OpDef(
 
 def _norm_infer(sig: Sig) -> tuple[Shape, str]:
     x, w = sig.shape("x"), sig.shape("weight")
-    require(len(w) == 1 and same_dim(w[0], x[-1]),
-            f"the gain {list(w)} does not match the last dim of {list(x)}")
+    spans = sig.attr("spans")
+    if spans is None:
+        require(len(w) == 1 and same_dim(w[0], x[-1]),
+                f"the gain {list(w)} does not match the last dim of {list(x)}")
+    else:
+        normed = sum(spans)
+        require(isinstance(x[-1], sympy.Integer) and normed <= int(x[-1]),
+                f"the spans {list(spans)} cover {normed} columns, more than the {x[-1]} of "
+                f"{list(x)}")
+        require(len(w) == 1 and same_dim(w[0], normed),
+                f"the gain {list(w)} does not match the {normed} columns the spans "
+                f"{list(spans)} normalize")
+        require(not sig.attr("add_before"), "spans normalize x alone, not x + residual")
     if sig.has("residual"):
         require(same_shape(sig.shape("residual"), x),
                 f"the residual {list(sig.shape('residual'))} does not match x {list(x)}")
@@ -404,23 +417,36 @@ def norm(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     x = a["x"]
     if "residual" in a:   # the residual stream is stored in the model dtype before the norm
         x = (x.float() + a["residual"].float()).to(x.dtype)
-    y, stats = normalize(x, at["kind"], at["eps"])
     gain = a["weight"].float()
-    y = y * (1.0 + gain if at["unit_offset"] else gain)
+    gain = 1.0 + gain if at["unit_offset"] else gain
+    if at["spans"] is None:
+        y, stats = normalize(x, at["kind"], at["eps"])
+        y = y * gain
+    else:   # each span on its own statistics; the columns past the spans pass through
+        parts, start = [], 0
+        for width in at["spans"]:
+            parts.append(normalize(x[..., start:start + width], at["kind"], at["eps"])[0])
+            start += width
+        y = torch.cat([torch.cat(parts, dim=-1) * gain, x[..., start:].float()], dim=-1)
+        stats = RowStats(x.dtype)
     rest = [v for k, v in a.items() if k not in ("x", "weight", "residual")]
     return apply_epilogue(ctx, y, at["epilogue"], rest, stats).to(x.dtype)
 
 
 register(OpDef(
     Op.NORM, "RMSNorm or LayerNorm over the last dim, times its gain (1 + w with unit_offset); "
-    "with add_before, of x + residual; then an epilogue (the LayerNorm bias, a residual add).",
+    "with add_before, of x + residual; with spans, each span of columns from column 0 on its "
+    "own statistics (the q and k columns of a projection normalized whole), the gain over the "
+    "spans, the columns past them passed through; then an epilogue (the LayerNorm bias, a "
+    "residual add, RoPE and the KV-cache write after a QK-norm).",
     '%5 : f32[B,T,64] = norm(%4, %2, %3) {epilogue=[bias()], eps=1e-05, kind="layer"}',
     lambda attrs, n: operands("x", "weight", ("residual", "add_before"))(attrs, n)
     + epilogue_roles(attrs), _norm_infer, norm,
     attrs=(Attr("kind", str, choices=("rms", "layer")), Attr("eps", float),
-           Attr("unit_offset", bool, False), Attr("add_before", bool, False), EPILOGUE),
+           Attr("unit_offset", bool, False), Attr("add_before", bool, False),
+           Attr("spans", Widths, None), EPILOGUE),
     flops=lambda sig: (4 if sig.attr("kind") == "rms" else 8) * numel(sig.out_shape),
-    template="norm", arity=(2, -1),
+    bytes=_row_kernel_bytes, template="norm", arity=(2, -1),
     docs={"x": "rows to normalize", "weight": "gain", "residual": "residual, added before"}))
 
 

@@ -180,6 +180,9 @@ def _apply_head_norm(ctx: EagerCtx, acc: torch.Tensor, st: Call, xs: Sequence[to
 ACC = E.x(0)
 ACT_FN = Attr("fn", str, choices=tuple(E.ACTIVATIONS))
 HEADS = (Attr("heads", int, at_least=1), Attr("head_dim", int, at_least=2))
+# the kernels whose rows hold whole heads of q, k and v: a projection's, and a norm over them
+# (a QK-norm over the whole projection, which a projection's column tiles cannot compute)
+HEAD_KERNELS = frozenset({Op.FUSED_LINEAR, Op.NORM})
 
 STEPS: dict[str, StepDecl] = {d.name: d for d in (
     StepDecl("rms_scale", "acc·rstd — the 1/rms of a folded RMSNorm", prologue="rms",
@@ -200,20 +203,20 @@ STEPS: dict[str, StepDecl] = {d.name: d for d in (
     StepDecl("rope", "rotate the first `heads` heads (positions; cos and sin from the table, "
              "or with `dynamic` from frequencies rescaled by the sequence length)",
              ("pos", "rotation"), params=(*HEADS, *ROPE_ATTRS), width=_rope_width,
-             apply=_apply_rope, docs=("positions", ROTATION_DOC)),
+             apply=_apply_rope, kernels=HEAD_KERNELS, docs=("positions", ROTATION_DOC)),
     StepDecl("kv_write", "write k/v columns into layer `layer`'s cache at offset P; with "
              "`quant` (int8, fp8) as codes and an f32 scale per (token, head) = max|x|/QMAX",
              params=(Attr("head_dim", int, at_least=1), Attr("k_start", int, at_least=0),
                      Attr("kv_heads", int, at_least=1), Attr("layer", int, at_least=0),
                      Attr("v_start", int, at_least=0), KV_QUANT_ATTR),
-             width=_kv_write_width, apply=_apply_kv_write),
+             width=_kv_write_width, apply=_apply_kv_write, kernels=HEAD_KERNELS),
     StepDecl("paged_kv_write", "write k/v columns into layer `layer`'s paged pool: token t "
              "at position pos[t] into block block_table[t, pos[t] // block_size], offset "
              "pos[t] % block_size", ("pos", "block_table"),
              params=(Attr("block_size", int, at_least=1), Attr("head_dim", int, at_least=1),
                      Attr("k_start", int, at_least=0), Attr("kv_heads", int, at_least=1),
                      Attr("layer", int, at_least=0), Attr("v_start", int, at_least=0)),
-             width=_paged_kv_write_width, apply=_apply_paged_kv_write,
+             width=_paged_kv_write_width, apply=_apply_paged_kv_write, kernels=HEAD_KERNELS,
              docs=("positions", "each token's sequence's blocks")),
     StepDecl("residual", "acc + r", ("res",), expr=E.call("add", ACC, E.x(1)),
              kernels=ROW_KERNELS, docs=("residual rows",)),
