@@ -32,10 +32,6 @@ VOCAB = 97
 SMALL = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 PROMPT = 11          # tokens of the compared forward pass: past every window below
 NEW_TOKENS = {"eager": 10, "triton": 3}
-# cases whose programs the generated kernels cannot run yet, and why
-NO_KERNELS: dict[str, str] = {
-    "olmo2": "a QK-norm over the whole projection stands between the projection and RoPE",
-}
 
 # name → (config factory, model class name)
 CASES: dict[str, tuple[Callable[[], Any], str]] = {
@@ -135,17 +131,9 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     directory = tmp_path_factory.mktemp(case)
     hf = build(case, directory)
     model = archc.load(directory)
-    compiled = {"eager": model.compile("eager")}
-    if case not in NO_KERNELS:
-        compiled["triton"] = model.compile("triton", cache_dir=kernel_dir)
+    compiled = {"eager": model.compile("eager"),
+                "triton": model.compile("triton", cache_dir=kernel_dir)}
     return case, hf, compiled
-
-
-def backend_of(compiled: dict[str, archc.CompiledModel], case: str,
-               backend: str) -> archc.CompiledModel:
-    if backend not in compiled:
-        pytest.skip(f"{case} on {backend}: {NO_KERNELS[case]}")
-    return compiled[backend]
 
 
 def prompt(batch: int, length: int, seed: int) -> torch.Tensor:
@@ -159,7 +147,7 @@ def test_logits_match_transformers(pair: tuple[str, Any, dict[str, archc.Compile
     ids = prompt(2 if backend == "eager" else 1, PROMPT, seed=1)
     with torch.no_grad():
         want = hf(ids).logits
-    got = backend_of(compiled, case, backend)(ids)
+    got = compiled[backend](ids)
     assert got.shape == want.shape
     err = rel_error(got, want)
     assert err <= RTOL, f"{case} on {backend}: max error {err:.2e} of the largest logit"
@@ -176,5 +164,5 @@ def test_greedy_tokens_match_transformers(
                                              do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
         want = hf.generate(ids, generation_config=settings)
-    got = backend_of(compiled, case, backend).generate(ids, max_new_tokens=new)
+    got = compiled[backend].generate(ids, max_new_tokens=new)
     assert got.tolist() == want.tolist(), f"{case} on {backend}"

@@ -157,6 +157,48 @@ def test_matmul_rope_kv_write_then_cached_attention(kernel_dir: Path, interleave
                    (1, "v"): rand(2, kv_heads, past, hd, seed=2)})
 
 
+@pytest.mark.parametrize("kind,interleaved,rot,hd,unit_offset", [
+    ("rms", False, 10, 10, False), ("rms", True, 8, 12, True), ("layer", False, 6, 10, False)])
+def test_norm_over_spans_rope_kv_write_then_cached_attention(
+        kernel_dir: Path, kind: str, interleaved: bool, rot: int, hd: int,
+        unit_offset: bool) -> None:
+    """A QK-norm over the whole q and k projections (OLMo 2): one norm over a QKV row, q's and
+    k's columns each on their own statistics, v passed through; then (a LayerNorm's shift, which
+    the rotated partners must see too) RoPE — half-split, interleaved partial, half-split
+    partial — and the cache write; then attention over the cache with a past of 3 tokens."""
+    heads, kv_heads, t, past = 6, 2, 5, 3
+    width = (heads + 2 * kv_heads) * hd
+    normed = (heads + kv_heads) * hd
+    table = rope_cos_sin(rope_inv_freq(dim=rot, theta=10000.0), rows=past + t + 1)
+    bias = kind == "layer"
+
+    def fn(b: GraphBuilder, i: dict[str, int]) -> int:
+        shift = [i["shift"]] if bias else []
+        qkv = b.emit(Op.NORM, i["x"], i["g"], *shift, i["pos"], i["table"], kind=kind,
+                     eps=1e-6, unit_offset=unit_offset, spans=(heads * hd, kv_heads * hd),
+                     epilogue=(*((Call("bias"),) if bias else ()), Call("rope", (), (
+                         ("heads", heads + kv_heads), ("head_dim", hd),
+                         ("interleaved", interleaved), ("rotary_dim", rot))),
+                         Call("kv_write", (), (("head_dim", hd), ("k_start", heads * hd),
+                                               ("kv_heads", kv_heads), ("layer", 0),
+                                               ("v_start", normed)))))
+        q = b.emit(Op.SPLIT_HEADS, b.emit(Op.SLICE, qkv, start=0, stop=heads * hd), heads=heads)
+        return b.emit(Op.ATTENTION, q, cache_layer=0, kv_heads=kv_heads, scale=hd ** -0.5,
+                      causal=True, padding=False, prefix=False)
+
+    g = build({"x": (shape(B, T, width), "f32"), "g": (shape(normed), "f32"),
+               "shift": (shape(width), "f32"), "pos": (shape(T), "i64"),
+               "table": (shape(*table.shape), "f32")}, fn)
+    # q's columns larger than k's: one statistic over the row would be visibly wrong
+    x = rand(2, t, width) * torch.cat([torch.full((heads * hd,), 3.0),
+                                       torch.ones(width - heads * hd)])
+    check(g, {"x": x + 0.5, "g": 1 + 0.3 * rand(normed), "shift": rand(width, seed=5),
+              "pos": torch.arange(past, past + t), "table": table},
+          {"B": 2, "T": t, "P": past}, kernel_dir,
+          past_kv={(0, "k"): rand(2, kv_heads, past, hd, seed=1),
+                   (0, "v"): rand(2, kv_heads, past, hd, seed=2)})
+
+
 def test_matmul_concat_k_operands(kernel_dir: Path) -> None:
     check_concat_k_operands(kernel_dir)
 

@@ -349,12 +349,39 @@ def _embedding(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
 def _norm(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     a = c.attrs
     width = c.static(c.node.shape[-1], "the norm width")
-    contiguous(c, "weight", width)
+    spans, normed = None, width
+    if a["spans"] is not None:   # [start, stop) of each span, from column 0
+        ends = [sum(a["spans"][:k + 1]) for k in range(len(a["spans"]))]
+        spans, normed = list(zip([0, *ends[:-1]], ends)), ends[-1]
+    contiguous(c, "weight", normed)
+    steps: list[dict[str, Any]] = []
+    kv = None
+    for k, st in enumerate(a["epilogue"]):
+        if st.fn == "rope":
+            rope = _rope_pair(st, width, k, c)
+            if rope["heads"] * rope["head_dim"] > normed:
+                raise c.fail("rope() over columns the norm passes through: the partner of a "
+                             "rotated column is normalized again in the kernel")
+            if a["add_before"]:
+                raise c.fail("rope() after a residual added before the norm")
+            steps.append(rope)
+        elif st.fn in ("kv_write", "paged_kv_write"):
+            if kv is not None:
+                raise c.fail("more than one kv_write() step")
+            if st.kw("quant") is not None:
+                raise c.fail(f"kv_write() to an {st.kw('quant')} cache: a norm writes the cache "
+                             "in the model dtype")
+            kv = _kv_step(c, st, k)
+            steps.append(kv)
+        else:
+            steps.append(elementwise_step(c, st, k, width))
+    if kv is not None:
+        _kv_args(c, kv, 1 << 16)   # the lanes are the columns, in order
     ctx = dict(N=width, kind=a["kind"], eps=repr(a["eps"]), unit_offset=a["unit_offset"],
                add_before=a["add_before"], R=pexpr(numel(c.node.shape[:-1])),
                x=rows(c.lay("x")), residual=rows(c.lay("residual")) if a["add_before"] else {},
-               steps=[elementwise_step(c, st, k, width)
-                      for k, st in enumerate(a["epilogue"])])
+               spans=spans, normed=normed, steps=steps, kv=kv,
+               needs_t=kv is not None or any(s["fn"] == "rope" for s in steps))
     ints = dict(R="i32", T="i32", **({"S": "i32"} if c.reads_encoder_len else {}))
     return ctx, [JitKernel("_kernel", "norm", dict(N=width), c.types(**ints))]
 
@@ -727,6 +754,43 @@ def _paged_attention(c: NodeCtx, heads: int, hd: int) -> tuple[dict[str, Any], l
     return ctx, kernels
 
 
+# ---- the KV-cache write of a kernel's epilogue (fused_linear, norm) ----------------------------
+
+def _kv_step(c: NodeCtx, st: Call, idx: int) -> dict[str, Any]:
+    """What templates/steps.j2's kv_rows and kv_store read of a kv_write() or paged_kv_write()
+    step (epilogue step `idx`)."""
+    hd, kv_heads = st.kw("head_dim"), st.kw("kv_heads")
+    # a paged cache's rows: a block of block_size rows per (block, KV head)
+    paged = st.kw("block_size")
+    max_len = c.opts.max_seq_len if paged is None else paged
+    return dict(fn="kv_write", layer=st.kw("layer"), kv_heads=kv_heads, head_dim=hd,
+                k_start=st.kw("k_start"), v_start=st.kw("v_start"), width=kv_heads * hd,
+                stride_b=kv_heads * max_len * hd, stride_h=max_len * hd, stride_l=hd,
+                max_len=max_len, quant=st.kw("quant"), block_d=next_pow2(hd),
+                qmax=repr(KV_CODES[st.kw("quant")].qmax) if st.kw("quant") else None,
+                paged=None if paged is None else dict(
+                    block_size=paged, pos_ptr=c.arg(f"pos{idx}").name,
+                    table_ptr=c.arg(f"block_table{idx}").name,
+                    width=c.static(c.lay(f"block_table{idx}").shape[1],
+                                   "the block table's width")))
+
+
+def _kv_args(c: NodeCtx, kv: dict[str, Any], cols_run: int) -> None:
+    """The caches the step writes (and P, or the quantized cache's scales) as arguments, and how
+    many columns land contiguously in the cache (`cols_run`: the lanes' own runs)."""
+    run = math.gcd(cols_run, kv["head_dim"], kv["k_start"], kv["v_start"])
+    kv["run"] = run & -run if run else 0
+    c.args += [_cache_arg(c, f"{kind}_cache", kind, kv["layer"], kv["kv_heads"],
+                          kv["head_dim"], kv["quant"],
+                          None if kv["paged"] is None else kv["paged"]["block_size"])
+               for kind in "kv"]
+    if kv["paged"] is None:   # a paged write finds each row's place from its position
+        c.args.append(PAST)
+    if kv["quant"] is not None:
+        c.args += [_scale_arg(c, f"{kind}_scale", kind, kv["layer"], kv["kv_heads"])
+                   for kind in "kv"]
+
+
 # ---- fused_linear -----------------------------------------------------------------------------
 
 def _rope_pair(st: Call, width: int, idx: int, c: NodeCtx) -> dict[str, Any]:
@@ -813,20 +877,7 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         elif st.fn in ("kv_write", "paged_kv_write"):
             if kv is not None:
                 raise c.fail("more than one kv_write() step")
-            hd, kv_heads = st.kw("head_dim"), st.kw("kv_heads")
-            # a paged cache's rows: a block of block_size rows per (block, KV head)
-            paged = st.kw("block_size")
-            max_len = c.opts.max_seq_len if paged is None else paged
-            kv = dict(fn="kv_write", layer=st.kw("layer"), kv_heads=kv_heads, head_dim=hd,
-                      k_start=st.kw("k_start"), v_start=st.kw("v_start"), width=kv_heads * hd,
-                      stride_b=kv_heads * max_len * hd, stride_h=max_len * hd, stride_l=hd,
-                      max_len=max_len, quant=st.kw("quant"), block_d=next_pow2(hd),
-                      qmax=repr(KV_CODES[st.kw("quant")].qmax) if st.kw("quant") else None,
-                      paged=None if paged is None else dict(
-                          block_size=paged, pos_ptr=c.arg(f"pos{idx}").name,
-                          table_ptr=c.arg(f"block_table{idx}").name,
-                          width=c.static(c.lay(f"block_table{idx}").shape[1],
-                                         "the block table's width")))
+            kv = _kv_step(c, st, idx)
             if kv["quant"] is not None and idx != len(a["epilogue"]) - 1:
                 # the codes are made from the stored rows (see _kvquant in matmul.py.j2)
                 raise c.fail("a quantized KV cache is written from the projection's stored "
@@ -852,18 +903,7 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     elif pair is not None:
         pair["adjacent"] = False
     if kv is not None:   # how many columns land contiguously in the cache
-        cols_run = pair["run"] if pair is not None and pair["fn"] == "rope" else 1 << 16
-        run = math.gcd(cols_run, kv["head_dim"], kv["k_start"], kv["v_start"])
-        kv["run"] = run & -run if run else 0
-        c.args += [_cache_arg(c, f"{kind}_cache", kind, kv["layer"], kv["kv_heads"],
-                              kv["head_dim"], kv["quant"],
-                              None if kv["paged"] is None else kv["paged"]["block_size"])
-                   for kind in "kv"]
-        if kv["paged"] is None:   # a paged write finds each row's place from its position
-            c.args.append(PAST)
-        if kv["quant"] is not None:
-            c.args += [_scale_arg(c, f"{kind}_scale", kind, kv["layer"], kv["kv_heads"])
-                       for kind in "kv"]
+        _kv_args(c, kv, pair["run"] if pair is not None and pair["fn"] == "rope" else 1 << 16)
     # Tiles hold whole heads. A power-of-two head is a reshape of the tile; any other size
     # (phi-2's 80) makes the tiles head-aligned: each covers ⌊TILE_N / group⌋ whole heads and
     # masks its last lanes, and the per-head sums are taken head by head.
