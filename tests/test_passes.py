@@ -51,6 +51,9 @@ KERNELS_PER_BLOCK = {
     # cost nothing; Gemma 3's sandwich norms two kernels each, as Gemma 2's
     "qwen3-8b": 5, "gemma3-12b": 7, "smollm3-3b": 5, "phi3-mini": 5,
     "tiny-qwen3": 5, "tiny-gemma3": 7, "tiny-smollm3": 5, "tiny-phi3": 5,
+    # OLMo 2: q and k normalized whole in a norm kernel after the QKV projection (which then
+    # rotates and writes the cache), and each output norm a kernel of its own with the residual
+    "olmo2-7b": 8, "tiny-olmo2": 8,
     # recurrent mixers: a Mamba mixer is in_proj, causal_conv, x_proj, dt_proj, ssm_scan,
     # out_proj (6); linear attention is qkv, linear_attention, o (3) as softmax attention is.
     # A MoE FFN is norm, router, gate+up experts, down experts with the residual in its sum (4).

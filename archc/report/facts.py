@@ -28,7 +28,7 @@ def _attention(s: Spec) -> str:
     parts += [f"window {att.window}"] if att.window else []
     parts += ["pattern " + "/".join(att.pattern)] if att.pattern else []
     parts += [f"softcap {att.softcap:g}"] if att.softcap else []
-    parts += ["qk-norm"] if att.qk_norm else []
+    parts += [f"qk-norm over each {att.qk_norm_over}"] if att.qk_norm else []
     return ", ".join(parts)
 
 
