@@ -73,8 +73,9 @@ def test_paged_eager_matches_the_contiguous_cache(name: str) -> None:
     check_against_contiguous(name, "eager")
 
 
-# GQA and RoPE; soft-caps and a window shorter than the sequences in local and global layers
-@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-gemma2"])
+# GQA and RoPE; soft-caps and a window shorter than the sequences in local and global layers;
+# OLMo 2's QK-norm over the whole projections, whose norm kernel writes the pool
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-gemma2", "tiny-olmo2"])
 def test_paged_triton_matches_the_contiguous_cache(name: str) -> None:
     check_against_contiguous(name, "triton")
 

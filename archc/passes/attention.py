@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import archc.ir.expr as E
 from archc.ir.attrs import Call
-from archc.ir.graph import Node
+from archc.ir.graph import Graph, Node
 from archc.ir.ops import Op, canonical, full_attrs, roles_of
 from archc.ir.ops.steps import STEPS
 from archc.passes.linear import (
@@ -539,3 +539,22 @@ def fuse_kv_write(rw: Rewriter) -> None:
         for c in n.inputs[1:3]:
             rw.kill(c)
         rw.ctx.applied("fuse-kv-write", i, f"layer {layer} cache written by %{kern.root}")
+
+
+def unfused_cache_writes(g: Graph) -> str | None:
+    """What leaves a KV-cache write of `g` outside every kernel (a `kv_cache` node, which only
+    the eager interpreter runs), naming where its k and v come from; None if none does."""
+    writes = [i for i, n in enumerate(g) if n.op == Op.KV_CACHE]
+    if not writes:
+        return None
+
+    def source(i: int) -> str:   # the kernel that computes what the cache write stores
+        while g.nodes[i].op in (Op.SPLIT_HEADS, Op.SLICE, Op.REPEAT_KV):   # views
+            i = g.nodes[i].inputs[0]
+        n = g.nodes[i]
+        return f"{n.op.value} %{i}" + (f" ({n.origin})" if n.origin else "")
+    parts = [f"{g.nodes[i].attr('kind')} of layer {g.nodes[i].attr('layer')} (%{i}) from "
+             f"{source(g.nodes[i].inputs[0])}" for i in writes[:2]]
+    return (f"graph {g.name}: the KV cache is written in the epilogue of the projection or "
+            f"norm that computes k and v together (fuse-kv-write), but here the "
+            + " and the ".join(parts) + " — no one kernel writes them")

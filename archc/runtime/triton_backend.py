@@ -28,6 +28,7 @@ from archc.ir.ops import Op
 from archc.ir.text import format_node
 from archc.kernel_cache import default_cache_dir
 from archc.passes import optimize
+from archc.passes.attention import unfused_cache_writes
 from archc.runtime import tuning
 from archc.runtime.comm import Comm
 from archc.runtime.eager import SessionBase
@@ -129,6 +130,10 @@ class TritonSession(SessionBase):
         passes = self.options.passes
         super().__init__(program if passes is None else optimize(program, passes), max_seq_len,
                          device, comms)
+        for g in self.program:
+            if problem := unfused_cache_writes(g):
+                raise ArchcError(f"the triton backend cannot run {program.model}: {problem}; "
+                                 "run it on the eager backend")
         # tuning happens at launch, not in the generated code: a tuned and an untuned session
         # share one module (and its ahead-of-time compiles)
         self.codegen_options = CodegenOptions(target=self.target, max_seq_len=max_seq_len)
