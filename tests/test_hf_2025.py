@@ -1,6 +1,7 @@
 """archc against transformers on the dense model types of 2025–26: one tiny random model of each,
 saved with `save_pretrained`, read with `archc.load`, and held to transformers' logits on eager and
-on the generated kernels (Triton's interpreter without a GPU), and to its greedy tokens.
+on the generated kernels (Triton's interpreter without a GPU), and to its greedy tokens — through
+the API and through `archc run` on the saved directory.
 
 Shapes are awkward on purpose: GQA 6/2 or 9/3, head_dim apart from d_model/heads, a sliding
 window shorter than the prompt, RoPE with other θ per layer type; biases and norm gains are random
@@ -13,6 +14,7 @@ more. Greedy tokens must be equal.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ import pytest
 import torch
 
 import archc
+from archc.cli import main
 from tests.test_hf_crosscheck import randomize, rel_error
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install "
@@ -124,16 +127,20 @@ def kernel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("kernels")
 
 
+Pair = tuple[str, Any, dict[str, archc.CompiledModel], Path]
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-         kernel_dir: Path) -> tuple[str, Any, dict[str, archc.CompiledModel]]:
+         kernel_dir: Path) -> Pair:
+    """The case, its transformers model, archc's compiled models and the saved directory."""
     case = request.param
     directory = tmp_path_factory.mktemp(case)
     hf = build(case, directory)
     model = archc.load(directory)
     compiled = {"eager": model.compile("eager"),
                 "triton": model.compile("triton", cache_dir=kernel_dir)}
-    return case, hf, compiled
+    return case, hf, compiled, directory
 
 
 def prompt(batch: int, length: int, seed: int) -> torch.Tensor:
@@ -141,9 +148,8 @@ def prompt(batch: int, length: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("backend", ["eager", "triton"])
-def test_logits_match_transformers(pair: tuple[str, Any, dict[str, archc.CompiledModel]],
-                                   backend: str) -> None:
-    case, hf, compiled = pair
+def test_logits_match_transformers(pair: Pair, backend: str) -> None:
+    case, hf, compiled, _ = pair
     ids = prompt(2 if backend == "eager" else 1, PROMPT, seed=1)
     with torch.no_grad():
         want = hf(ids).logits
@@ -153,16 +159,33 @@ def test_logits_match_transformers(pair: tuple[str, Any, dict[str, archc.Compile
     assert err <= RTOL, f"{case} on {backend}: max error {err:.2e} of the largest logit"
 
 
-@pytest.mark.parametrize("backend", ["eager", "triton"])
-def test_greedy_tokens_match_transformers(
-        pair: tuple[str, Any, dict[str, archc.CompiledModel]], backend: str) -> None:
-    """Prefill, then decode through the KV cache, token for token as transformers."""
-    case, hf, compiled = pair
-    ids = prompt(1, 9, seed=2)
-    new = NEW_TOKENS[backend]
+def greedy(hf: Any, ids: torch.Tensor, new: int) -> list[list[int]]:
+    """transformers' greedy continuation of `ids`, `new` tokens, with the prompt."""
     settings = transformers.GenerationConfig(max_new_tokens=new, min_new_tokens=new,
                                              do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
-        want = hf.generate(ids, generation_config=settings)
+        return hf.generate(ids, generation_config=settings).tolist()
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_greedy_tokens_match_transformers(pair: Pair, backend: str) -> None:
+    """Prefill, then decode through the KV cache, token for token as transformers."""
+    case, hf, compiled, _ = pair
+    ids = prompt(1, 9, seed=2)
+    new = NEW_TOKENS[backend]
     got = compiled[backend].generate(ids, max_new_tokens=new)
-    assert got.tolist() == want.tolist(), f"{case} on {backend}"
+    assert got.tolist() == greedy(hf, ids, new), f"{case} on {backend}"
+
+
+def test_archc_run_answers_with_the_greedy_tokens_of_transformers(
+        pair: Pair, capsys: pytest.CaptureFixture[str]) -> None:
+    """`archc run DIR` on the saved directory — its config and safetensors read from disk as a
+    user's would be — continues its random prompt (`prompt_ids`) as transformers does."""
+    case, hf, _, directory = pair
+    capsys.readouterr()
+    assert main(["run", str(directory), "--json", "--quiet", "--seed", "4", "--prompt-len",
+                 str(PROMPT), "--new-tokens", "5"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    ids = torch.tensor(data["prompt_ids"])
+    assert ids.shape == (1, PROMPT)
+    assert ids[0].tolist() + data["greedy_continuation"] == greedy(hf, ids, 5)[0], case

@@ -178,3 +178,20 @@ def test_readme_python_runs(code: str, line: int, tmp_path: Path,
     """The README's Python examples run as written (the README is this repository's own text)."""
     monkeypatch.chdir(tmp_path)
     exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "readme"})  # noqa: S102
+
+
+def test_the_model_types_listed_are_the_ones_archc_reads() -> None:
+    """The "Real checkpoints" list of Hugging Face model types and GGUF architectures is the
+    sources' own tables, no more and no less."""
+    from archc.sources.gguf_archs import GGUF_ARCHES
+    from archc.sources.hf import ARCHITECTURES
+
+    text = " ".join(README.read_text(encoding="utf-8").split())
+    found = re.search(r"of model type (.*?); or a GGUF file of llama\.cpp's architecture (.*?), "
+                      r"with", text)
+    assert found, "the README's list of model types is missing"
+
+    def names(listed: str) -> set[str]:
+        return {n.strip() for n in re.split(r",| or ", listed) if n.strip()}
+    assert names(found[1]) == {t for a in ARCHITECTURES for t in a.model_types}
+    assert names(found[2]) == set(GGUF_ARCHES)

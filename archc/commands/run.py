@@ -123,7 +123,8 @@ def _summarize(args: argparse.Namespace, run_: Run, model: Any) -> int:
     last = out[0, -1].float().cpu()
     stats = {what: float(getattr(last, what)()) for what in ("mean", "std", "min", "max")}
     body: dict[str, Any] = {"prompt_tokens": args.prompt_len, "batch": args.batch,
-                            "output_shape": list(out.shape), "last_position": stats}
+                            "prompt_ids": ids.tolist(), "output_shape": list(out.shape),
+                            "last_position": stats}
     if spec.family != "encoder":
         top = last.softmax(-1).topk(5)
         body["top5"] = [{"token": i, "logit": float(last[i]), "probability": p}
