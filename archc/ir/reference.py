@@ -3,7 +3,7 @@ the two equal): every op the IR has, with the one-line form the text printer wri
 
 from __future__ import annotations
 
-from archc.ir.attrs import REQUIRED, Attr, Call, Expression, format_value
+from archc.ir.attrs import REQUIRED, Attr, Call, Expression, Widths, format_value
 from archc.ir.ops import COLLECTIVE, KERNEL_LEVEL, META, OP_TABLE, VIEW, Op
 from archc.ir.ops.base import RECURRENT, OpDef
 from archc.quant.schemes import SCHEMES
@@ -21,7 +21,7 @@ GROUPS = (
      "recurrent mixers); the passes fuse more into them.", KERNEL_LEVEL),
 )
 TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str", Call: "call", tuple: "steps",
-              Expression: "expression"}
+              Expression: "expression", Widths: "list of int"}
 
 
 def _arity(d: OpDef) -> str:
