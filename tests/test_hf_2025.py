@@ -24,7 +24,7 @@ import torch
 
 import archc
 from archc.cli import main
-from tests.test_hf_crosscheck import randomize, rel_error
+from tests.test_hf_crosscheck import build, rel_error
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install "
                                    "'archc[hf]')")
@@ -112,16 +112,6 @@ CASES: dict[str, tuple[Callable[[], Any], str]] = {
 }
 
 
-def build(case: str, directory: Path, seed: int = 0) -> torch.nn.Module:
-    """A random transformers model of `case`, saved to `directory`."""
-    make_config, cls = CASES[case]
-    torch.manual_seed(seed)
-    model = getattr(transformers, cls)(make_config()).eval()
-    randomize(model, seed)
-    model.save_pretrained(directory)
-    return model
-
-
 @pytest.fixture(scope="module")
 def kernel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("kernels")
@@ -136,7 +126,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     """The case, its transformers model, archc's compiled models and the saved directory."""
     case = request.param
     directory = tmp_path_factory.mktemp(case)
-    hf = build(case, directory)
+    hf = build(case, directory, cases=CASES)
     model = archc.load(directory)
     compiled = {"eager": model.compile("eager"),
                 "triton": model.compile("triton", cache_dir=kernel_dir)}

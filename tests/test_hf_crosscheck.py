@@ -10,7 +10,7 @@ transformers initialises them to constants that would hide a misplaced one.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -174,9 +174,10 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(noise / p.shape[-1] ** 0.5)
 
 
-def build(case: str, directory: Path, seed: int = 0) -> torch.nn.Module:
-    """A random transformers model of `case`, saved to `directory`."""
-    make_config, cls = CASES[case]
+def build(case: str, directory: Path, seed: int = 0,
+          cases: Mapping[str, tuple[Callable[[], Any], str]] = CASES) -> torch.nn.Module:
+    """A random transformers model of `case` (a row of `cases`), saved to `directory`."""
+    make_config, cls = cases[case]
     config = make_config()
     torch.manual_seed(seed)
     model = getattr(transformers, cls)(config).eval()
