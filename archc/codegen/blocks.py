@@ -100,7 +100,16 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
             if m > 16:
                 cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 64)
         # epilogues that reduce over a head (QK-norm) need whole heads in a tile
+        base = cfg["BLOCK_N"] * cfg["BLOCK_K"]
         cfg["BLOCK_N"] = max(cfg["BLOCK_N"], sizes.get("align", 16))
+        if gpu and m <= 16:
+            # a decode GEMV widened to whole heads keeps its weight tile's size in shorter K
+            # steps (and more of them to split): on sm_90a (ptxas 13), gemma3-12b's QKV (heads
+            # of 256) at 256 × 256 asked 408 KiB of shared memory and spilled 3000 bytes over 96
+            # programs, at 256 × 32 it takes 51 KiB, 136 registers, 288 programs; qwen3-8b's
+            # (heads of 128) 216 KiB, 255 registers, 192 programs at 128 × 256, 54 KiB, 106
+            # registers, 288 programs at 128 × 64
+            cfg["BLOCK_K"] = max(16, min(cfg["BLOCK_K"], base // cfg["BLOCK_N"]))
         cfg["GROUP_M"] = 8
         cfg["SPLIT_K"] = 1
         # prefill on a GPU loads its tiles by TMA where the layouts allow (the kernel decides
