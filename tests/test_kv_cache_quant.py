@@ -3,10 +3,11 @@
 
 Checked: the eager cache and attention against a reference written out here (quantize each row,
 dequantize, attend); the Triton kernels (interpreter, f32) against eager with the same cache over
-a prefill and decode steps, on tiny-llama3 and on tiny-mistral (GQA, a sliding window the
-sequence outgrows), at 1e-4 of the logits' scale; SmolLM2-135M-Instruct (the Q4_1 GGUF) answering
-a chat question with the same greedy tokens as with an f32 cache, its logits' error printed; the
-bytes per token against the spec by hand; bad formats refused; fp8 on the eager backend.
+a prefill and decode steps, on tiny-llama3, on tiny-mistral (GQA, a sliding window the
+sequence outgrows) and on tiny-olmo2 (its cache written from the QK-norm kernel's rows), at 1e-4
+of the logits' scale; SmolLM2-135M-Instruct (the Q4_1 GGUF) answering a chat question with the
+same greedy tokens as with an f32 cache, its logits' error printed; the bytes per token against
+the spec by hand; bad formats refused; fp8 on the eager backend.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def greedy(session: object, prompt: torch.Tensor, steps: int) -> tuple[list[int]
     return tokens, torch.stack(logits)
 
 
-@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-mistral"])
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-mistral", "tiny-olmo2"])
 def test_triton_int8_cache_matches_eager(name: str, kernel_dir: Path) -> None:
     """Prefill 11 tokens, then 5 decode steps (tiny-mistral's window of 8 slides past the
     prompt's first keys): the kernels' logits are eager's with the same int8 cache, and differ

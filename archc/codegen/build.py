@@ -368,10 +368,10 @@ def _norm(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         elif st.fn in ("kv_write", "paged_kv_write"):
             if kv is not None:
                 raise c.fail("more than one kv_write() step")
-            if st.kw("quant") is not None:
-                raise c.fail(f"kv_write() to an {st.kw('quant')} cache: a norm writes the cache "
-                             "in the model dtype")
             kv = _kv_step(c, st, k)
+            if kv["quant"] is not None and k != len(a["epilogue"]) - 1:
+                raise c.fail("a quantized KV cache is written from the norm's stored rows: "
+                             "kv_write() must be the epilogue's last step")
             steps.append(kv)
         else:
             steps.append(elementwise_step(c, st, k, width))
@@ -383,7 +383,10 @@ def _norm(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
                spans=spans, normed=normed, steps=steps, kv=kv,
                needs_t=kv is not None or any(s["fn"] == "rope" for s in steps))
     ints = dict(R="i32", T="i32", **({"S": "i32"} if c.reads_encoder_len else {}))
-    return ctx, [JitKernel("_kernel", "norm", dict(N=width), c.types(**ints))]
+    kernels = [JitKernel("_kernel", "norm", dict(N=width), c.types(**ints))]
+    if kv is not None and kv["quant"] is not None:   # the quantized cache rows' post-pass
+        kernels.append(_kv_quant_kernel(c, kv))
+    return ctx, kernels
 
 
 def _pointwise(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
@@ -791,6 +794,13 @@ def _kv_args(c: NodeCtx, kv: dict[str, Any], cols_run: int) -> None:
                    for kind in "kv"]
 
 
+def _kv_quant_kernel(c: NodeCtx, kv: dict[str, Any]) -> JitKernel:
+    """The post-pass that makes a quantized cache's codes from the rows the kernel stored."""
+    return JitKernel("_kvquant", "kv_quant", dict(D=kv["head_dim"]), c.types(
+        [c.arg(n) for n in ("k_cache", "v_cache", "k_scale", "v_scale", "past")],
+        M="i32", T="i32"))
+
+
 # ---- fused_linear -----------------------------------------------------------------------------
 
 def _rope_pair(st: Call, width: int, idx: int, c: NodeCtx) -> dict[str, Any]:
@@ -971,9 +981,7 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     kernels = [JitKernel("_kernel", "matmul", sizes,
                          c.types(part_ptr="*fp32", count_ptr="*i32", **stats, **ints))]
     if kv is not None and kv["quant"] is not None:   # the quantized cache rows' post-pass
-        kernels.append(JitKernel("_kvquant", "kv_quant", dict(D=kv["head_dim"]), c.types(
-            [c.arg(n) for n in ("k_cache", "v_cache", "k_scale", "v_scale", "past")],
-            M="i32", T="i32")))
+        kernels.append(_kv_quant_kernel(c, kv))
     if a["prologue"]:   # the row statistics' pre-pass (prefill)
         x = c.arg(names[0])
         kernels.append(JitKernel("_rowstats", "matmul_rowstats", dict(K=k_total),

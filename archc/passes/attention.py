@@ -504,10 +504,6 @@ def _kv_write(rw: Rewriter, att: int) -> tuple[RowKernel, Step]:
     if k_node.attr("quant") != v_node.attr("quant"):
         raise Refusal(f"the k and v caches of layer {layer} are held in different formats")
     quant = {} if k_node.attr("quant") is None else {"quant": k_node.attr("quant")}
-    if rw.op(kern.root) == Op.NORM and k_node.attr("quant") is not None:
-        raise Refusal(f"a {k_node.attr('quant')} cache is written from a projection's stored "
-                      f"rows; the norm %{kern.root} writes it from its registers in the model "
-                      "dtype only")
     return kern, step("kv_write", head_dim=kv.head_dim, k_start=kv.start, v_start=vv.start,
                      kv_heads=kv.heads, layer=layer, **quant)
 
