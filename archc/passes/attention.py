@@ -549,8 +549,11 @@ def unfused_cache_writes(g: Graph) -> str | None:
             i = g.nodes[i].inputs[0]
         n = g.nodes[i]
         return f"{n.op.value} %{i}" + (f" ({n.origin})" if n.origin else "")
-    parts = [f"{g.nodes[i].attr('kind')} of layer {g.nodes[i].attr('layer')} (%{i}) from "
-             f"{source(g.nodes[i].inputs[0])}" for i in writes[:2]]
+    sources = [source(g.nodes[i].inputs[0]) for i in writes[:2]]
+    parts = [f"{g.nodes[i].attr('kind')} of layer {g.nodes[i].attr('layer')} (%{i}) from {src}"
+             for i, src in zip(writes, sources)]
+    why = "its epilogue does not write them (archc explain says why)" \
+        if len(set(sources)) == 1 else "no one kernel computes both"
     return (f"graph {g.name}: the KV cache is written in the epilogue of the projection or "
             f"norm that computes k and v together (fuse-kv-write), but here the "
-            + " and the ".join(parts) + " — no one kernel writes them")
+            + " and the ".join(parts) + f": {why}")
