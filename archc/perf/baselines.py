@@ -190,9 +190,11 @@ def _epilogue_step(rec: _Recorder, segs: list[_Seg], st: Call, xs: Sequence[torc
     raise Unsupported(f"no unfused form of the {fn}() epilogue step")
 
 
-def _epilogue(rec: _Recorder, y: torch.Tensor, a: Attrs, got: Args) -> list[_Seg]:
-    """The node's epilogue on `y`, step by step as the ops it was (its inputs by role)."""
-    steps, segs = a["epilogue"], [_Seg(0, y.shape[-1], y)]
+def _epilogue(rec: _Recorder, y: torch.Tensor | list[_Seg], a: Attrs, got: Args) -> list[_Seg]:
+    """The node's epilogue on `y` (or on its column segments), step by step as the ops it was
+    (its inputs by role)."""
+    steps = a["epilogue"]
+    segs = [_Seg(0, y.shape[-1], y)] if isinstance(y, torch.Tensor) else y
     for k, st in enumerate(steps):
         ins = [got[f"{name}{k}"] for name in STEPS[st.fn].inputs]
         segs = _epilogue_step(rec, segs, st, ins, steps[k + 1:])
@@ -253,9 +255,20 @@ def _attention(rec: _Recorder, a: Attrs, got: Args) -> Callable[[], torch.Tensor
 def _norm(rec: _Recorder, a: Attrs, got: Args) -> Callable[[], list[_Seg]]:
     def body() -> list[_Seg]:
         x = got["x"] if "residual" not in got else rec(Op.ADD, got["x"], got["residual"])
-        y = rec(Op.NORM, x, got["weight"], kind=a["kind"], eps=a["eps"],
-                unit_offset=a["unit_offset"])
-        return _epilogue(rec, y, a, got)
+        kw = dict(kind=a["kind"], eps=a["eps"], unit_offset=a["unit_offset"])
+        if a["spans"] is None:
+            return _epilogue(rec, rec(Op.NORM, x, got["weight"], **kw), a, got)
+        # spans: a norm over each span's columns (q's, k's) as lowering emitted them, the
+        # columns after them (v's) as they were
+        segs, start, width = [], 0, x.shape[-1]
+        for span in a["spans"]:
+            part = rec(Op.SLICE, x, start=start, stop=start + span)
+            segs.append(_Seg(start, start + span, rec(
+                Op.NORM, part, got["weight"][start:start + span], **kw)))
+            start += span
+        if start < width:
+            segs.append(_Seg(start, width, rec(Op.SLICE, x, start=start, stop=width)))
+        return _epilogue(rec, segs, a, got)
     return body
 
 
