@@ -40,7 +40,7 @@ from archc.runtime.weights import (
     quantizable,
     random_weights,
 )
-from archc.spec.load import layer_specs
+from archc.spec.load import longrope_switch
 from archc.spec.schema import Spec
 
 if TYPE_CHECKING:
@@ -261,19 +261,6 @@ def _eager_backend(model: Model, weights: Mapping[str, Any], program: Program, d
 # backend's module is imported when it is first compiled for
 BACKENDS = {"eager": ("archc.model", "_eager_backend"),
             "triton": ("archc.runtime.triton_backend", "triton_backend")}
-
-
-def longrope_switch(spec: Spec) -> int | None:
-    """The sequence length past which LongRoPE layers rotate by their long factors (None: no
-    layer has LongRoPE)."""
-    lengths = {ls.position.scaling.original_max_seq_len
-               for ls in layer_specs(spec)
-               if ls.position.kind == "rope" and ls.position.scaling is not None
-               and ls.position.scaling.kind == "longrope"}
-    if len(lengths) > 1:
-        raise ArchcError(f"{spec.name}: LongRoPE layers trained on different contexts "
-                         f"({', '.join(map(str, sorted(lengths)))}) cannot switch together")
-    return lengths.pop() if lengths else None
 
 
 class CompiledModel:

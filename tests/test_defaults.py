@@ -235,5 +235,5 @@ def test_serve_fits_its_pool_to_half_the_free_memory(
     assert main(["serve", str(path), "--port", "0"]) == 0
     err = capsys.readouterr().err
     assert served["engine"].blocks_total == 3 and served["scheduler"].max_seq_len == 48
-    assert "note: --blocks 3: the default pool (16 sequences of max_seq_len = 64) exceeds half " \
+    assert "note: --blocks 3: the default pool (16 sequences of 64 tokens) exceeds half " \
         "the free memory; the context served is 48 tokens" in err

@@ -179,3 +179,49 @@ def test_archc_run_answers_with_the_greedy_tokens_of_transformers(
     ids = torch.tensor(data["prompt_ids"])
     assert ids.shape == (1, PROMPT)
     assert ids[0].tolist() + data["greedy_continuation"] == greedy(hf, ids, 5)[0], case
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("pair", ["phi3"], indirect=True)
+def test_paged_engine_serves_longrope_within_its_trained_context(pair: Pair, backend: str
+                                                                 ) -> None:
+    """The paged engine batches sequences of different lengths, while LongRoPE rotates a whole
+    sequence by its long factors once it passes the trained context (10 tokens here): sequences
+    up to 10 tokens decode batched (on the short factors' table) as `generate` and transformers
+    do; a longer one is refused by name, not rotated by the factors of another row's length."""
+    from archc.passes.paged import PagedError, paged_kv
+    from archc.runtime.paged import EngineError
+    from tests.test_paged_engine import check_engine, prompts_of
+    case, hf, compiled, _ = pair
+    engine = compiled[backend].engine(block_size=4, max_batch=2)
+    assert engine.max_seq_len == 10
+    prompts = prompts_of([7, 4], VOCAB, seed=5)
+    check_engine(compiled[backend], engine, prompts, steps=3)
+    want = greedy(hf, torch.tensor(prompts[:1]), 3)[0][7:]
+    assert compiled[backend].generate(torch.tensor(prompts[:1]), 3)[0, 7:].tolist() == want
+    with pytest.raises(EngineError, match=r"total_tokens=11 exceeds 10: phi3.*'s LongRoPE "
+                       r"switches to its long factors past 10 tokens"):
+        engine.prefill(9, prompts[0], total_tokens=11)
+    with pytest.raises(PagedError, match=r"\(longrope past its trained context of 10 tokens "
+                       r"\(sequences of up to 11 here\)\), which a row of another sequence"):
+        paged_kv(compiled[backend].session.program, 4, 11)
+
+
+@pytest.mark.parametrize("pair", ["phi3"], indirect=True)
+def test_serve_names_the_context_a_longrope_model_is_served_in(
+        pair: Pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`archc serve` on the saved directory (with a tokenizer beside it) says, when it starts,
+    that the context it serves is LongRoPE's trained one."""
+    pytest.importorskip("fastapi")
+    import shutil
+
+    from archc.serve.server import Server
+    from tests.test_generate import trained_tokenizer
+    directory = shutil.copytree(pair[3], tmp_path / "phi3")
+    trained_tokenizer(VOCAB).save(str(directory / "tokenizer.json"))
+    monkeypatch.setattr(Server, "run", lambda self: None)
+    capsys.readouterr()
+    assert main(["serve", str(directory), "--port", "0"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "'s LongRoPE switches to its long factors past 10 tokens" in err
+    assert "context 10 tokens" in err

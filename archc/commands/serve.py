@@ -78,13 +78,15 @@ def run(args: argparse.Namespace) -> int:
                             blocks=args.blocks)
         # a default pool holds what half the free memory does: fewer sequences of max_seq_len
         # at once, or, when not even one, a shorter context
-        context = min(spec.max_seq_len, engine.blocks_total * engine.block_size)
+        context = min(engine.max_seq_len, engine.blocks_total * engine.block_size)
+        if engine.shorter_context is not None:
+            note(engine.shorter_context, args.quiet)
         if args.blocks is None and \
-                engine.blocks_total < engine.max_batch * engine.blocks_for(spec.max_seq_len):
+                engine.blocks_total < engine.max_batch * engine.blocks_for(engine.max_seq_len):
             note(f"--blocks {engine.blocks_total}: the default pool ({engine.max_batch} "
-                 f"sequences of max_seq_len = {spec.max_seq_len}) exceeds half the free memory"
+                 f"sequences of {engine.max_seq_len} tokens) exceeds half the free memory"
                  + (f"; the context served is {context} tokens"
-                    if context < spec.max_seq_len else ""), args.quiet)
+                    if context < engine.max_seq_len else ""), args.quiet)
         scheduler = Scheduler(engine, tokenizer=model.tokenizer,
                               max_tokens_in_flight=args.max_tokens_in_flight,
                               max_seq_len=context)

@@ -16,7 +16,10 @@ none) and `block_table` i32[T, blocks] (token t's row: the blocks of its sequenc
   pos[t] % block_size of the layer's pool (`kv_cache {paged}`, the `paged_kv_write` step);
 - each self-attention reads its layer's pool through the block table (`attention {paged}`):
   token t attends to its sequence's keys at positions 0 … pos[t], under its causal (and window,
-  soft-cap, ALiBi) mask at those positions.
+  soft-cap, ALiBi) mask at those positions;
+- a LongRoPE rotation, whose factors depend on the sequence's length, rotates by its short
+  factors when max_seq_len stays within its trained context (a static table); any other rotation
+  rescaled by the sequence length is refused, since the rows of one step have different lengths.
 
 The pools, [blocks, H_kv, block_size, D] per layer and k|v, belong to the runtime, as the
 static KV cache does. The writes come before the attention that reads them (a prefill reads its
@@ -30,6 +33,7 @@ import math
 import sympy
 
 from archc.errors import ArchcError
+from archc.ir.attrs import Call
 from archc.ir.graph import Graph, Node, Program
 from archc.ir.ops import Op, canonical, full_attrs
 from archc.ir.ops.base import RECURRENT
@@ -58,10 +62,6 @@ def _check_node(g: Graph, i: int) -> None:
     if n.op == Op.SCORES:
         raise _refuse(g, i, "is an attention not collapsed into one attention node; run the "
                       "flash-attention pass first")
-    if n.op == Op.ROPE and n.attr("dynamic") is not None:
-        raise _refuse(g, i, "rescales its frequencies from the sequence length (dynamic NTK, "
-                      "LongRoPE), "
-                      "which a row of another sequence does not share")
     if n.op == Op.KV_CACHE and n.attr("quant") is not None:
         raise _refuse(g, i, f"holds an {n.attr('quant')} cache; a paged pool holds the model "
                       "dtype (kv_cache=None)")
@@ -88,6 +88,40 @@ def _check_node(g: Graph, i: int) -> None:
             g.nodes[j].op == Op.KV_CACHE for j in n.inputs[1:3])
         if not cached:
             raise _refuse(g, i, "attends over k and v that are not its layer's KV cache")
+
+
+def _static_rope(g: Graph, i: int, dynamic: Call | None, max_seq_len: int) -> bool:
+    """Whether a rope that rescales its frequencies from the sequence length (`dynamic`)
+    rotates by a static table in sequences of up to max_seq_len tokens: LongRoPE by its short
+    factors (the first rows of its table) within its trained context. Any other is refused:
+    the rows of a paged step belong to sequences of different lengths."""
+    if dynamic is None:
+        return False
+    original = dynamic.kw("original_max_seq_len")
+    if dynamic.fn == "longrope" and max_seq_len <= original:
+        return True
+    past = (f" past its trained context of {original} tokens (sequences of up to "
+            f"{max_seq_len} here)" if dynamic.fn == "longrope" else "")
+    raise _refuse(g, i, f"rescales its frequencies from the sequence length ({dynamic.fn}"
+                  f"{past}), which a row of another sequence does not share")
+
+
+def _static_ropes(g: Graph, max_seq_len: int) -> Graph:
+    """`g` with each LongRoPE rotation (a rope node or an epilogue's rope step) that stays
+    within its trained context on its short table (``_static_rope``)."""
+    nodes = list(g.nodes)
+    for i, n in enumerate(nodes):
+        if n.op == Op.ROPE and _static_rope(g, i, n.attr("dynamic"), max_seq_len):
+            nodes[i] = n.replace(attrs=n.attrs.replace(dynamic=None))
+        elif n.op in HEAD_KERNELS:
+            steps = n.attr("epilogue", ())
+            static = tuple(
+                step("rope", **{k: v for k, v in st.kwargs if k != "dynamic"})
+                if st.fn == "rope" and _static_rope(g, i, st.kw("dynamic"), max_seq_len)
+                else st for st in steps)
+            if static != steps:
+                nodes[i] = n.replace(attrs=n.attrs.replace(epilogue=static))
+    return Graph(g.name, tuple(nodes))
 
 
 def _input(name: str, shape: tuple[sympy.Expr, ...], dtype: str) -> Node:
@@ -126,10 +160,10 @@ def _paged_write(n: Node, bs: int, pos: int, table: int) -> Node:
     return n.replace(attrs=n.attrs.replace(epilogue=tuple(steps)), inputs=inputs)
 
 
-def _paged_graph(g: Graph, bs: int, max_blocks: int) -> Graph:
+def _paged_graph(g: Graph, bs: int, max_seq_len: int) -> Graph:
     for i in range(len(g.nodes)):
         _check_node(g, i)
-    g, pos, table = _with_inputs(g, max_blocks)
+    g, pos, table = _with_inputs(_static_ropes(g, max_seq_len), max_blocks(max_seq_len, bs))
     nodes = list(g.nodes)
     for i, n in enumerate(nodes):
         if n.op == Op.KV_CACHE:
@@ -173,7 +207,7 @@ def paged_kv(program: Program, block_size: int, max_seq_len: int) -> Program:
         # attention chains into one attention node, reading KV head h // group in place
         from archc.passes import optimize
         program = optimize(program, ("share-kv-heads", "flash-attention"))
-    width = max_blocks(max_seq_len, block_size)
-    out = Program(program.model, tuple(_paged_graph(g, block_size, width) for g in program))
+    out = Program(program.model, tuple(_paged_graph(g, block_size, max_seq_len)
+                                       for g in program))
     verify(out)
     return out

@@ -32,6 +32,7 @@ class BatchEngine(Protocol):
     blocks_total: int        # blocks in the pool
     max_batch: int           # rows one decode call may hold
     max_seq_len: int         # tokens one sequence may reach
+    shorter_context: str | None   # why max_seq_len is below the model's (None: it is not)
 
     def blocks_free(self) -> int:
         """Blocks neither held nor reserved by a live sequence."""

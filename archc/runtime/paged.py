@@ -38,6 +38,8 @@ from archc.passes.paged import max_blocks, paged_kv
 from archc.runtime.batch import PoolExhausted
 from archc.runtime.eager import EagerContext, EagerSession, PagedPool, run_graph
 from archc.runtime.launch import MAX_PLANS
+from archc.spec.load import longrope_switch
+from archc.spec.schema import Spec
 from archc.ui import nbytes
 
 if TYPE_CHECKING:
@@ -82,6 +84,21 @@ def refuse_unservable(compiled: CompiledModel) -> None:
     if compiled.backend not in ("eager", "triton"):
         raise EngineError(f"the paged engine runs the eager and triton backends, not "
                           f"{compiled.backend!r}")
+
+
+def served_length(spec: Spec) -> tuple[int, str | None]:
+    """The most tokens one sequence of the paged engine may reach, and why when that is less
+    than max_seq_len. LongRoPE rotates every position of a sequence past its trained context by
+    the long factors (transformers computes the sequence again when it crosses), and the rows of
+    one batched step belong to sequences of different lengths: the engine serves such a model
+    on its short factors, up to the trained context."""
+    switch = longrope_switch(spec)
+    if switch is None or switch >= spec.max_seq_len:
+        return spec.max_seq_len, None
+    return switch, (f"{spec.name}'s LongRoPE switches to its long factors past "
+                    f"{switch} tokens (original_max_seq_len), rotating the whole sequence "
+                    "again; the paged engine batches sequences of different lengths, so it "
+                    f"serves sequences of at most {switch} tokens")
 
 
 def block_bytes(program: Program, block_size: int) -> int:
@@ -175,7 +192,7 @@ class PagedEngine:
         refuse_unservable(compiled)
         self.block_size = _whole(block_size, "block_size", 1)
         self.max_batch = _whole(max_batch, "max_batch", 1)
-        self.max_seq_len = compiled.spec.max_seq_len
+        self.max_seq_len, self.shorter_context = served_length(compiled.spec)
         self.table_width = max_blocks(self.max_seq_len, self.block_size)
         session = compiled.session
         self.program = paged_kv(session.program, self.block_size, self.max_seq_len)
@@ -259,8 +276,10 @@ class PagedEngine:
             raise EngineError(f"sequence {seq}: total_tokens={total} is shorter than its "
                               f"{len(ids)}-token prompt")
         if total > self.max_seq_len:
-            raise EngineError(f"sequence {seq}: total_tokens={total} exceeds max_seq_len = "
-                              f"{self.max_seq_len}")
+            raise EngineError(f"sequence {seq}: total_tokens={total} exceeds "
+                              + (f"max_seq_len = {self.max_seq_len}"
+                                 if self.shorter_context is None else
+                                 f"{self.max_seq_len}: {self.shorter_context}"))
         # full blocks of a prompt prefix that a live sequence holds are shared, not computed
         # again: a sequence never writes below its length, so they stay as they are
         shared = self._shared_prefix(ids)

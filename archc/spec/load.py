@@ -372,6 +372,19 @@ def layer_specs(spec: Spec) -> tuple[Spec, ...]:
     return tuple(_layer_spec(spec, t) for t in spec.layer_plan()[0])
 
 
+def longrope_switch(spec: Spec) -> int | None:
+    """The sequence length past which LongRoPE layers rotate by their long factors (None: no
+    layer has LongRoPE)."""
+    lengths = {ls.position.scaling.original_max_seq_len
+               for ls in layer_specs(spec)
+               if ls.position.kind == "rope" and ls.position.scaling is not None
+               and ls.position.scaling.kind == "longrope"}
+    if len(lengths) > 1:
+        raise SpecError(f"{spec.name}: LongRoPE layers trained on different contexts "
+                         f"({', '.join(map(str, sorted(lengths)))}) cannot switch together")
+    return lengths.pop() if lengths else None
+
+
 def layer_spec(spec: Spec, i: int) -> Spec:
     """What layer i runs: the model with its layer type's fields set, and no layer types or
     patterns (a uniform spec, whose every section is this layer's). Both stacks of an
