@@ -35,7 +35,7 @@ def target_programs(sizes: dict[str, int]) -> int:
 # block a program steps by, so a short context still has a unit for every busy split.
 DECODE_DEAL = 16
 # At most this many splits per (batch, KV head): the last to finish merges them in one tile.
-DECODE_MAX_SPLITS = 64
+DECODE_MAX_SPLITS = 128
 # A decode launch that moves this many bytes must fill the GPU: two programs per SM with work
 # (the occupancy report's verdict); decode attention keeps all its splits busy from there.
 STREAMING_BYTES = 4 << 20
@@ -122,8 +122,16 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         if gpu and m <= 16 and sizes.get("operands", 1) == 1:
             tile_n = cfg["BLOCK_N"] // 2 if paired else cfg["BLOCK_N"]
             tiles = _cdiv(m, cfg["BLOCK_M"]) * _cdiv(sizes.get("cols", sizes["N"]), tile_n)
-            cfg["SPLIT_K"] = split_k_count(tiles, sizes["K"], cfg["BLOCK_K"],
-                                           target_programs(sizes))
+            want = target_programs(sizes)
+            # a short K loop splits too few times at long K steps (smollm3-3b's QKV, K = 2048:
+            # 8 steps of 256, 2 splits of 96 tiles, 192 programs): shorter steps, down to 64
+            # columns (128 for a quantized weight's dequantized tile), until the splits reach
+            # two programs an SM
+            floor = 128 if sizes.get("quant") else 64
+            while cfg["BLOCK_K"] > floor and \
+                    tiles * split_k_count(tiles, sizes["K"], cfg["BLOCK_K"], want) < want:
+                cfg["BLOCK_K"] //= 2
+            cfg["SPLIT_K"] = split_k_count(tiles, sizes["K"], cfg["BLOCK_K"], want)
         return cfg
     if family == "matmul_rowstats":
         # a folded norm's row statistics ahead of a prefill matmul: rows of K values, a

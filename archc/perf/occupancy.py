@@ -31,7 +31,9 @@ step: a function the plan calls between launches), it is listed and counted as o
 least it costs.
 
 Verdicts, per context, for the decode step: every launch that moves at least 4 MiB (weights or
-KV cache) has at least two programs with work per SM; no kernel spills registers; a layer makes
+KV cache) has at least two programs with work per SM (decode attention, whose keys are dealt in
+units of 16, at least as many as it has units when that is fewer); no kernel spills registers; a
+layer makes
 at most one launch per kernel-level node, plus one routing launch per MoE layer.
 """
 
@@ -88,6 +90,7 @@ class KernelLaunch:
     family: str
     grid: tuple[int, ...]
     work: int                   # programs with work
+    units: int | None           # the most programs its work could be dealt to (work_units)
     config: dict[str, Any]      # block sizes, num_warps, num_stages
     flops: int | None = None    # the node's, on its main launch; None on another
     bytes: int | None = None
@@ -179,6 +182,15 @@ def programs_with_work(family: str, grid: tuple[int, ...], args: Mapping[str, An
         routed = balanced_blocks(tokens * top_k, experts, args["BLOCK_M"])
         return min(grid[0], routed) * math.prod(grid[1:])
     return math.prod(grid)
+
+
+def work_units(family: str, grid: tuple[int, ...], keys: int) -> int | None:
+    """The most programs a decode-attention launch could give work whatever its grid: it deals
+    its keys in units of DECODE_DEAL (tl.dot's 16 rows), so a (batch, KV head) has at most
+    ⌈keys / 16⌉ busy splits. None for any other launch: its grid is a choice."""
+    if family == "attention_decode":
+        return grid[0] * -(-max(keys, 1) // blocks.DECODE_DEAL) * math.prod(grid[2:])
+    return None
 
 
 class _Bound:
@@ -294,7 +306,8 @@ def phase_plan(recorder: PlanRecorder, phase: str, batch: int, context: int,
                                   tokens=d["B"] * d["T"], experts=experts, top_k=top_k)
         config = {k: v for k, v in kw.items() if k in OPTIONS or k in fn.kernel.arg_names}
         x = KernelLaunch(phase, context, node, _layer_of(text), text, name, entry["unit"],
-                         entry["family"], grid, work, config)
+                         entry["family"], grid, work,
+                         work_units(entry["family"], grid, d["P"] + d["T"]), config)
         if at in main:
             roof = roofs[node]
             x.flops, x.bytes, x.seconds = roof.flops, roof.bytes, roof.time(gpu)
@@ -374,7 +387,8 @@ class Occupancy:
         plan = next(p for p in self.plans if p.phase == "decode" and p.context == context)
         want = PROGRAMS_PER_SM * self.gpu.sms
         thin = _collapse(x for x in plan.launches
-                         if x.bytes is not None and x.bytes >= STREAMING_BYTES and x.work < want)
+                         if x.bytes is not None and x.bytes >= STREAMING_BYTES and
+                         x.work < min(want, x.units or want))
         spilled: dict[int, tuple[AotResult, set[str]]] = {}    # by id: one per compile
         for p in self.plans:
             for x in p.launches:
@@ -387,7 +401,8 @@ class Occupancy:
             by_count.setdefault(n, []).append(layer)
         return [
             Verdict(f"decode launches moving ≥ {STREAMING_BYTES >> 20} MiB have ≥ {want} "
-                    f"programs with work ({PROGRAMS_PER_SM} per SM)", not thin,
+                    f"programs with work ({PROGRAMS_PER_SM} per SM; decode attention: or one "
+                    f"per {blocks.DECODE_DEAL} keys of each KV head)", not thin,
                     [f"{name}: " + (f"{x.work} of {x.programs} programs with work"
                                     if x.work != x.programs else f"{x.programs} programs")
                      for name, x in thin]),
