@@ -33,8 +33,7 @@ least it costs.
 Verdicts, per context, for the decode step: every launch that moves at least 4 MiB (weights or
 KV cache) has at least two programs with work per SM (decode attention, whose keys are dealt in
 units of 16, at least as many as it has units when that is fewer); no kernel spills registers; a
-layer makes
-at most one launch per kernel-level node, plus one routing launch per MoE layer.
+layer makes at most one launch per kernel-level node, plus one routing launch per MoE layer.
 """
 
 from __future__ import annotations
