@@ -209,7 +209,8 @@ def test_paged_engine_serves_longrope_within_its_trained_context(pair: Pair, bac
 
 @pytest.mark.parametrize("pair", ["phi3"], indirect=True)
 def test_serve_names_the_context_a_longrope_model_is_served_in(
-        pair: Pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        pair: Pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
     """`archc serve` on the saved directory (with a tokenizer beside it) says, when it starts,
     that the context it serves is LongRoPE's trained one."""
     pytest.importorskip("fastapi")
