@@ -202,7 +202,7 @@ def test_paged_engine_serves_longrope_within_its_trained_context(pair: Pair, bac
     with pytest.raises(EngineError, match=r"total_tokens=11 exceeds 10: phi3.*'s LongRoPE "
                        r"switches to its long factors past 10 tokens"):
         engine.prefill(9, prompts[0], total_tokens=11)
-    with pytest.raises(PagedError, match=r"\(longrope past its trained context of 10 tokens "
+    with pytest.raises(PagedError, match=r"\(LongRoPE past its trained context of 10 tokens "
                        r"\(sequences of up to 11 here\)\), which a row of another sequence"):
         paged_kv(compiled[backend].session.program, 4, 11)
 

@@ -100,10 +100,10 @@ def _static_rope(g: Graph, i: int, dynamic: Call | None, max_seq_len: int) -> bo
     original = dynamic.kw("original_max_seq_len")
     if dynamic.fn == "longrope" and max_seq_len <= original:
         return True
-    past = (f" past its trained context of {original} tokens (sequences of up to "
-            f"{max_seq_len} here)" if dynamic.fn == "longrope" else "")
-    raise _refuse(g, i, f"rescales its frequencies from the sequence length ({dynamic.fn}"
-                  f"{past}), which a row of another sequence does not share")
+    what = (f"LongRoPE past its trained context of {original} tokens (sequences of up to "
+            f"{max_seq_len} here)" if dynamic.fn == "longrope" else "dynamic NTK")
+    raise _refuse(g, i, f"rescales its frequencies from the sequence length ({what}), which a "
+                  "row of another sequence does not share")
 
 
 def _static_ropes(g: Graph, max_seq_len: int) -> Graph:

@@ -400,8 +400,8 @@ class Occupancy:
             by_count.setdefault(n, []).append(layer)
         return [
             Verdict(f"decode launches moving ≥ {STREAMING_BYTES >> 20} MiB have ≥ {want} "
-                    f"programs with work ({PROGRAMS_PER_SM} per SM; decode attention: or one "
-                    f"per {blocks.DECODE_DEAL} keys of each KV head)", not thin,
+                    f"programs with work ({PROGRAMS_PER_SM} per SM, or one per "
+                    f"{blocks.DECODE_DEAL} keys)", not thin,
                     [f"{name}: " + (f"{x.work} of {x.programs} programs with work"
                                     if x.work != x.programs else f"{x.programs} programs")
                      for name, x in thin]),
