@@ -77,7 +77,7 @@ def test_decode_gemvs_are_tuned_over_their_tiles_and_splits() -> None:
     """M ≤ 16 (decode): GEMV tiles of 16 rows, each at its split-K counts — the heuristic (with
     its split-K) first — pointer loads and the row statistics in the K loop, as the heuristic
     (decode's launch count and fixed shape stay). Decode attention is not tuned."""
-    sizes = dict(N=4096, K=4096, cols=4096, paired=0, align=16, head_norm=0, layer_norm=0,
+    sizes = dict(N=4096, K=4096, paired=0, align=16, head_norm=0, layer_norm=0,
                  operands=1)
     for m in (1, 16):
         found = tuning.candidates("matmul", {**sizes, "M": m})
@@ -91,7 +91,7 @@ def test_decode_gemvs_are_tuned_over_their_tiles_and_splits() -> None:
             assert 1 <= c["SPLIT_K"] <= -(-4096 // c["BLOCK_K"])
     # paired columns: 16 pairs a tile at least; a quantized weight: K steps of 128 at most;
     # concatenated operands do not split
-    paired = tuning.candidates("matmul", {**sizes, "M": 1, "paired": 1, "cols": 2048})
+    paired = tuning.candidates("matmul", {**sizes, "M": 1, "paired": 1})
     assert paired and all(c["BLOCK_N"] >= 32 for c in paired)
     quant = tuning.candidates("matmul", {**sizes, "M": 1, "quant": 4})
     assert quant and all(c["BLOCK_K"] <= 128 for c in quant)
@@ -103,7 +103,7 @@ def test_decode_gemvs_are_tuned_over_their_tiles_and_splits() -> None:
 
 
 def test_candidates_start_with_the_heuristic_and_keep_its_keys() -> None:
-    sizes = dict(M=4096, N=4096, K=4096, cols=4096, paired=0, align=16, head_norm=0,
+    sizes = dict(M=4096, N=4096, K=4096, paired=0, align=16, head_norm=0,
                  layer_norm=0, operands=1)
     found = tuning.candidates("matmul", sizes)
     heuristic = blocks.launch_config("matmul", "gpu", **sizes)

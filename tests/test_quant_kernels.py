@@ -153,7 +153,7 @@ def test_f16(kernel_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_no_tma_for_quantized_weights() -> None:
     """The launch heuristic and the autotuner's candidates never choose TMA for a quantized
     weight (its tiles are dequantized from pointer loads); a float one takes it in prefill."""
-    sizes = dict(M=512, N=4096, K=4096, cols=4096, paired=0, align=16, operands=1)
+    sizes = dict(M=512, N=4096, K=4096, paired=0, align=16, operands=1)
     assert blocks.launch_config("matmul", "gpu", **sizes)["TMA"] == 1
     assert blocks.launch_config("matmul", "gpu", **sizes, quant=4)["TMA"] == 0
     assert any(c["TMA"] for c in blocks.autotune_configs("matmul", **sizes))

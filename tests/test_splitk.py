@@ -111,7 +111,7 @@ def test_decode_split_count_fills_two_waves() -> None:
     that are already enough (the lm head, gate/up) and concatenated operands do not split; the
     interpreter never splits."""
     def split(n: int, k: int, cols: int | None = None, **kw: int) -> dict[str, Any]:
-        sizes = dict(M=1, N=n, K=k, cols=cols or n, paired=int(cols is not None), align=16,
+        sizes = dict(M=1, N=n, K=k, paired=int(cols is not None), align=16,
                      head_norm=0, layer_norm=0, operands=1)
         return blocks.launch_config("matmul", "gpu", **{**sizes, **kw})
 
@@ -130,8 +130,8 @@ def test_decode_split_count_fills_two_waves() -> None:
     assert split(4096, 4096, operands=2)["SPLIT_K"] == 1
     assert split(4096, 4096, M=512)["SPLIT_K"] == 1
     assert split(64, 64)["SPLIT_K"] == 1                    # one BLOCK_K step: nothing to split
-    assert blocks.launch_config("matmul", "interpret", M=1, N=4096, K=4096, cols=4096,
-                                paired=0, align=16, operands=1)["SPLIT_K"] == 1
+    assert blocks.launch_config("matmul", "interpret", M=1, N=4096, K=4096, paired=0,
+                                align=16, operands=1)["SPLIT_K"] == 1
 
 
 # ---- kernels ---------------------------------------------------------------------------------

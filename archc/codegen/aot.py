@@ -75,13 +75,19 @@ class AotResult:
 def compile_module(module_path: Path, target: str, *, jobs: int = 2,
                    kernels: list[str] | None = None, timeout: float = 900.0) -> list[AotResult]:
     """AOT-compile every kernel of a generated module (or those named) for `target`, each at
-    ``aot_config``."""
+    ``aot_config`` — a kernel with constexpr sizes at each of their values (``static``)."""
     table = kernel_table(module_path)
     names = kernels if kernels is not None else list(table)
     capability = GPU_TARGETS[target].capability if target in GPU_TARGETS else 90
-    configs = [(n, aot_config(table[n]["family"], table[n]["sizes"], capability)
-                if n in table else {})
-               for n in names]
+    configs: list[tuple[str, Mapping[str, Any]]] = []
+    for n in names:
+        entry = table.get(n)
+        if entry is None:    # compile_configs reports it
+            configs.append((n, {}))
+            continue
+        for static in entry.get("static") or [{}]:
+            sizes = {**entry["sizes"], **static}
+            configs.append((n, {**aot_config(entry["family"], sizes, capability), **static}))
     return compile_configs(module_path, target, configs, jobs=jobs, timeout=timeout)
 
 
@@ -97,7 +103,8 @@ def compile_configs(module_path: Path, target: str,
                     timeout: float = 900.0, cache_dir: Path | None = None,
                     progress: Callable[[AotResult], None] | None = None) -> list[AotResult]:
     """AOT-compile each (kernel, configuration) of a generated module for `target`: a
-    configuration holds its block sizes (constexprs) and, optionally, num_warps and num_stages.
+    configuration holds its block sizes (constexprs) and, optionally, num_warps and num_stages;
+    a kernel's constexpr sizes (``static`` in its entry) it does not set are its first use's.
     With `cache_dir`, results found there are not compiled again and new ones are kept there.
     `progress` is called with each result as it is known."""
     if target not in GPU_TARGETS:
@@ -114,6 +121,7 @@ def compile_configs(module_path: Path, target: str,
         # programmatic dependent launch where the target has it (sm_90 and later), as the
         # runtime launches
         pdl = GPU_TARGETS[target].pdl
+        config = {**(entry.get("static") or [{}])[0], **config}
         constexprs = {k: v for k, v in config.items() if k not in OPTIONS + LAUNCH} | {"PDL": pdl}
         options = {k: config[k] for k in OPTIONS if k in config} | {"launch_pdl": pdl}
         r = AotResult(name, entry["unit"], entry["family"], target, config=config_text(config))

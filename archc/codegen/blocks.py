@@ -51,6 +51,13 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+def tile_columns(sizes: dict[str, int]) -> int:
+    """What a matmul's column tiles cover: its N output columns, or the ⌈N / 2⌉ pairs of a
+    paired epilogue (GLU's gate and up rows, RoPE's rotation partners and an odd tail's last
+    column)."""
+    return -(-sizes["N"] // 2) if sizes.get("paired") else sizes["N"]
+
+
 def _clamp_pow2(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, next_pow2(n)))
 
@@ -121,7 +128,7 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         cfg["ROW_STATS"] = int(m > 16)
         if gpu and m <= 16 and sizes.get("operands", 1) == 1:
             tile_n = cfg["BLOCK_N"] // 2 if paired else cfg["BLOCK_N"]
-            tiles = _cdiv(m, cfg["BLOCK_M"]) * _cdiv(sizes.get("cols", sizes["N"]), tile_n)
+            tiles = _cdiv(m, cfg["BLOCK_M"]) * _cdiv(tile_columns(sizes), tile_n)
             want = target_programs(sizes)
             # a short K loop splits too few times at long K steps (smollm3-3b's QKV, K = 2048:
             # 8 steps of 256, 2 splits of 96 tiles, 192 programs): shorter steps, down to 64
@@ -401,8 +408,7 @@ def _decode_matmul_configs(sizes: dict[str, int]) -> list[dict[str, Any]]:
             continue
         splits = [1]
         if sizes.get("operands", 1) == 1:
-            tiles = _cdiv(sizes["M"], 16) * _cdiv(sizes.get("cols", sizes["N"]),
-                                                  n // 2 if paired else n)
+            tiles = _cdiv(sizes["M"], 16) * _cdiv(tile_columns(sizes), n // 2 if paired else n)
             steps = _cdiv(sizes["K"], k)
             base = split_k_count(tiles, sizes["K"], k, target_programs(sizes))
             splits = sorted({max(1, base // 2), base, min(steps, 2 * base)})

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import sympy
@@ -63,12 +63,16 @@ class CodegenOptions:
 @dataclass
 class JitKernel:
     """One @triton.jit function of a unit: its name suffix, block-size family, static sizes,
-    and the Triton type of every runtime argument (pointers and ints), by parameter name."""
+    and the Triton type of every runtime argument (pointers and ints), by parameter name.
+    `static`: the sizes among `sizes` that are constexpr parameters of the kernel, passed by its
+    launcher — the kernel's text does not change with them, so nodes that differ only there
+    share one kernel (Triton compiles one specialization per value)."""
 
     suffix: str
     family: str
     sizes: dict[str, int]
     types: dict[str, str]
+    static: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,8 @@ class Unit:
     context: dict[str, Any]
     kernels: list[JitKernel]
     call: str
+    # module-level @triton.jit helpers its kernels call (templates/<helper>.py.j2), emitted once
+    helpers: tuple[str, ...] = ()
 
 
 @dataclass
@@ -111,6 +117,10 @@ class NodeCtx:
     # B, IR dtype) of each KV cache and recurrent state it reads or writes
     stored: list[tuple[str, int, str, tuple[int, ...], str]] = field(default_factory=list)
     args: list[Arg] = field(default_factory=list)
+    # operand role → {axis: name}: dims its argument's comment names by a kernel's constexpr
+    # size (`[B, T, K]`), where the value is the kernel's and so not part of its text
+    dim_names: dict[str, dict[int, str]] = field(default_factory=dict)
+    helpers: list[str] = field(default_factory=list)   # see Unit.helpers
 
     @property
     def node(self) -> Node:
@@ -166,14 +176,21 @@ class NodeCtx:
 
 # ---- reading an operand through its layout -----------------------------------------------------
 
-def row_offset(lay: Layout, rows: str) -> str:
+# A kernel's constexpr sizes (JitKernel.static), as index expressions print them
+N_SIZE, K_SIZE = (sympy.Symbol(s, integer=True, positive=True) for s in ("N", "K"))
+Named = Mapping[int, sympy.Expr]   # a static size → the constexpr expression that names it
+
+
+def row_offset(lay: Layout, rows: str, named: Named | None = None) -> str:
     """Device expression: the element offset of flat row `rows` (an i64 vector) over the leading
-    dims of `lay`, plus its static offset."""
+    dims of `lay`, plus its static offset. A row stride of contiguous rows that `named` holds
+    prints as its constexpr expression (`K * rows`)."""
     r = sympy.Symbol("r", integer=True, nonnegative=True)
     lead, strides = lay.shape[:-1], lay.strides[:-1]
     expr: sympy.Expr = lay.offset
     if lead and lay.contiguous_rows:
-        expr += r * strides[-1]
+        stride = sympy.sympify(strides[-1])
+        expr += r * (named.get(int(stride), stride) if named and stride.is_Integer else stride)
     elif lead:
         inner: sympy.Expr = sympy.Integer(1)
         for k in reversed(range(len(lead))):
@@ -187,11 +204,12 @@ def row_offset(lay: Layout, rows: str) -> str:
     return texpr(expr, {"r": rows})
 
 
-def rows(lay: Layout) -> dict[str, str]:
+def rows(lay: Layout, named: Named | None = None) -> dict[str, str]:
     """Rows of contiguous-or-strided columns: each row's offset, and ` * stride` for columns
     that are not contiguous ('' when they are)."""
     s = lay.strides[-1]
-    return dict(row_off=row_offset(lay, "rows"), col_mul="" if s == 1 else f" * {texpr(s)}")
+    return dict(row_off=row_offset(lay, "rows", named),
+                col_mul="" if s == 1 else f" * {texpr(s)}")
 
 
 def by_sequence(c: NodeCtx, role: str, head: sympy.Symbol | None = None) -> dict[str, str]:
@@ -223,14 +241,17 @@ def contiguous(c: NodeCtx, role: str, *dims: int) -> None:
 ACC = "__ACC__"   # where an elementwise step's code names the accumulator
 
 
-def elementwise_step(c: NodeCtx, st: Call, idx: int, width: int) -> dict[str, Any]:
+def elementwise_step(c: NodeCtx, st: Call, idx: int, width: int,
+                     named: Named | None = None) -> dict[str, Any]:
     """An elementwise epilogue step for the `elementwise` macro (templates/steps.j2): its
-    inputs' loads — a [width] vector along the columns, or rows read through their layout —
-    and its Triton code over the accumulator and the loaded values, on columns [start, stop)."""
+    inputs' loads — a [width] vector along the columns, or rows read through their layout (row
+    strides in `named` by their constexpr names) — and its Triton code over the accumulator
+    and the loaded values, on columns [start, stop)."""
     if not STEPS[st.fn].elementwise:
         raise c.fail(f"the {c.node.op.value} template renders elementwise epilogue steps here, "
                      f"not {st.fn}()")
-    loads = [dict(var=role, vector=c.lay(role).rank == 1, ptr=c.arg(role).name, **rows(c.lay(role)))
+    loads = [dict(var=role, vector=c.lay(role).rank == 1, ptr=c.arg(role).name,
+                  **rows(c.lay(role), named))
              for role in (f"{name}{idx}" for name in STEPS[st.fn].inputs)]
     start, stop = st.kw("start", 0), st.kw("stop", width)
     code = E.triton(step_expr(st), [ACC, *(ld["var"] for ld in loads)])
@@ -287,23 +308,37 @@ def build(c: NodeCtx) -> Unit:
         raise c.fail(f"no Triton template for {c.node.op.value} of these operands (kernel-level "
                      f"ops: {known}); run the default pass pipeline first")
     docs = {**OP_TABLE[c.node.op].docs, **epilogue_docs(c.attrs)}
+
+    def dims(role: str, names: dict[int, str]) -> str:
+        lay = c.lay(role)
+        return ", ".join(names.get(axis - lay.rank, str(d).replace(" ", ""))
+                         for axis, d in enumerate(lay.shape))
+
+    def comment(role: str, names: dict[int, str]) -> str:
+        read = "" if c.lay(role).root == c.node.inputs[c.roles[role]] else \
+            ", read through strides"
+        return f"[{dims(role, names)}] {docs.get(role, role)}{read}"
+
     for role, k in c.roles.items():
         lay = c.lay(k)
         root = c.g.nodes[lay.root]
-        dims = ", ".join(str(d).replace(" ", "") for d in lay.shape)
         if is_quantized(root.dtype):   # one argument per stored part of the quantized tensor
-            c.args += quant_args(c, role, root.dtype, dims, docs.get(role, role))
+            c.args += quant_args(c, role, root.dtype, dims(role, {}), docs.get(role, role))
             continue
-        read = "" if lay.root == c.node.inputs[k] else ", read through strides"
-        c.args.append(Arg(role, triton_pointer(root.dtype),
-                          f"[{dims}] {docs.get(role, role)}{read}", f"v[{lay.root}]"))
+        c.args.append(Arg(role, triton_pointer(root.dtype), comment(role, {}), f"v[{lay.root}]"))
     _states(c)
     context, kernels = CONTEXTS[template](c)
+    c.args = [replace(a, comment=comment(a.param, c.dim_names[a.param]))
+              if a.param in c.dim_names else a for a in c.args]
+    # the constexpr sizes the launcher passes to its kernels: parameters of the launcher, whose
+    # call in the run function names their values
+    static = {name: v for k in kernels for name, v in k.static.items()}
     params = ", ".join(a.param for a in c.args)
     context.update(args=c.args, params=params, params_=f"{params}, " if params else "",
-                   seq_s=c.reads_encoder_len)
-    call = ", ".join([f"v[{c.i}]", *(a.value for a in c.args)])
-    return Unit(c.node.op.value, f"{template}.py.j2", context, kernels, call)
+                   static_="".join(f", {name}" for name in static), seq_s=c.reads_encoder_len)
+    call = ", ".join([f"v[{c.i}]", *(a.value for a in c.args),
+                      *(f"{name}={v}" for name, v in static.items())])
+    return Unit(c.node.op.value, f"{template}.py.j2", context, kernels, call, tuple(c.helpers))
 
 
 def collective_call(c: NodeCtx) -> str:
@@ -840,11 +875,12 @@ def _rope_pair(st: Call, width: int, idx: int, c: NodeCtx) -> dict[str, Any]:
                 pos_ptr=c.arg(f"pos{idx}").name, rotation_ptr=c.arg(f"rotation{idx}").name)
 
 
-def tma_rows(lay: Layout, elem: int) -> dict[str, str] | None:
+def tma_rows(lay: Layout, elem: int, named: Named | None = None) -> dict[str, str] | None:
     """A 2-D tensor descriptor over the rows of `lay` — [rows, columns] with contiguous columns,
     the leading dims one row index of static stride, base and stride 16-byte aligned — as its
-    static element offset and row stride; None when the layout cannot be one (a column-strided
-    view, a row stride or start that breaks the alignment: the pointer path reads it)."""
+    static element offset and row stride (by its constexpr name where `named` holds it); None
+    when the layout cannot be one (a column-strided view, a row stride or start that breaks the
+    alignment: the pointer path reads it)."""
     if lay.rank < 2 or lay.strides[-1] != 1 or not lay.contiguous_rows:
         return None
     stride, offset = sympy.sympify(lay.strides[-2]), sympy.sympify(lay.offset)
@@ -852,7 +888,8 @@ def tma_rows(lay: Layout, elem: int) -> dict[str, str] | None:
         return None
     if (int(stride) * elem) % TMA_ALIGN or (int(offset) * elem) % TMA_ALIGN:
         return None
-    return dict(offset=f" + {int(offset)}" if int(offset) else "", stride=str(int(stride)))
+    return dict(offset=f" + {int(offset)}" if int(offset) else "",
+                stride=texpr((named or {}).get(int(stride), stride)))
 
 
 def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
@@ -862,16 +899,24 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     if w.rank != 2 or w.strides[1] != 1 or not sympy.sympify(w.offset).is_Integer:
         raise c.fail("the weight must be a row-major [N, K] matrix at a static offset")
     n_rows, k_total = c.static(w.shape[0], "the weight's N"), c.static(w.shape[1], "the K")
+    # N and K are constexpr parameters (JitKernel.static): the kernel's text names them wherever
+    # a stride or extent is one of them, so projections that differ only there share a kernel
+    c.dim_names["weight"] = {-2: "N", -1: "K"}
+    # one operand: its K is the kernel's K (concatenated operands' own Ks stay numbers)
+    named_k = {k_total: K_SIZE} if len(names) == 1 else {}
     operands, k0 = [], 0
     for name in names:
         lay = c.lay(name)
         kj = c.static(lay.shape[-1], f"{name}'s K")
+        k_text = "K" if named_k else str(kj)
+        if named_k:
+            c.dim_names[name] = {-1: "K"}
         base = int(w.offset) + k0   # where this operand's K columns start in the weight's rows
-        r = rows(lay)
-        operands.append(dict(name=name, ptr=c.arg(name).name, K=kj, k0=k0, row_off=r["row_off"],
-                             comment=f"{name} [M, {kj}]", w_base=f"{base} + " if base else "",
-                             k_mul=r["col_mul"], tma=tma_rows(lay, DTYPE_BYTES[
-                                 c.g.nodes[lay.root].dtype])))
+        r = rows(lay, named_k)
+        operands.append(dict(name=name, ptr=c.arg(name).name, K=kj, k0=k0, k_text=k_text,
+                             row_off=r["row_off"], comment=f"{name} [M, {k_text}]",
+                             w_base=f"{base} + " if base else "", k_mul=r["col_mul"],
+                             tma=tma_rows(lay, DTYPE_BYTES[c.g.nodes[lay.root].dtype], named_k)))
         k0 += kj
     width, pair, kv = n_rows, None, None
     steps_pre: list[dict[str, Any]] = []
@@ -883,7 +928,12 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
             target.append(dict(fn=st.fn, ptr=c.arg(f"colsum{idx}").name
                                if st.fn == "ln_scale" else ""))
         elif STEPS[st.fn].elementwise:
-            target.append(elementwise_step(c, st, idx, width))
+            # the step's inputs: rows or vectors of the width so far, N (or N // 2 after GLU)
+            named = {width: N_SIZE if width == n_rows else sympy.floor(N_SIZE / 2)}
+            target.append(elementwise_step(c, st, idx, width, named))
+            for role in (f"{name}{idx}" for name in STEPS[st.fn].inputs):
+                if c.lay(role).shape[-1] == width:
+                    c.dim_names[role] = {-1: "N" if width == n_rows else "N // 2"}
         elif st.fn in ("kv_write", "paged_kv_write"):
             if kv is not None:
                 raise c.fail("more than one kv_write() step")
@@ -947,7 +997,8 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     # weight's allow one and a tile's weight rows are contiguous (not two gathered partner sets)
     w_dtype = c.g.nodes[w.root].dtype
     # a quantized weight's tiles are dequantized from its parts: pointer loads, never TMA
-    w_tma = None if is_quantized(w_dtype) else tma_rows(w, DTYPE_BYTES[w_dtype])
+    w_tma = None if is_quantized(w_dtype) else tma_rows(w, DTYPE_BYTES[w_dtype],
+                                                        {k_total: K_SIZE})
     gain = None
     if a["gain"]:   # x · gain[k] as it is read: a contiguous [K] vector
         contiguous(c, "gain", k_total)
@@ -957,19 +1008,24 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     # programmatic dependent launch: a weight that is a parameter (no kernel writes it) starts
     # loading its first tiles before the wait for the previous kernel (templates/kloop.j2)
     early = c.g.nodes[w.root].op == Op.PARAM
-    ctx = dict(operands=operands, n_out=width, prologue=a["prologue"], eps=repr(a["eps"]),
-               early=early,
+    loop = _k_loop(c, w, n_rows, k_total, ("cols",) if pair is None else ("wrows",)
+                   if pair["adjacent"] else ("cols1", "cols2"))
+    if loop["w_row_stride"] == str(k_total):
+        loop["w_row_stride"] = "K"
+    # the output's width and the columns (or pairs) the tiles cover, as the kernel names them
+    out_n = "N" if width == n_rows else "(N // 2)"
+    cols_n = "N" if pair is None else "N // 2" if pair["fn"] == "glu" else str(pair["NP"])
+    ctx = dict(operands=operands, n_out=width, out_n=out_n, cols_n=cols_n,
+               prologue=a["prologue"], eps=repr(a["eps"]), early=early,
                pair=pair, steps_pre=steps_pre, steps_post=steps_post, accs_pre=accs_pre,
                accs_post=accs_post, kv=kv, needs_t=kv is not None or (
                    pair is not None and pair["fn"] == "rope"),
                M=pexpr(numel(c.node.shape[:-1])), align=align, has_head_norm=int(
                    bool(head_norms)), head_group=head_group, layer_norm=layer_norm, tma=tma,
-               w_tma=w_tma, gain=gain,
-               **_k_loop(c, w, n_rows, k_total, ("cols",) if pair is None else ("wrows",)
-                         if pair["adjacent"] else ("cols1", "cols2")))
-    # cols: output columns, or pairs of a paired epilogue (what a tile's TILE_N lanes cover);
-    # operands: K loops over more than one concatenated input do not split (split-K)
-    sizes = dict(N=n_rows, K=k_total, cols=n_rows if pair is None else pair["NP"],
+               w_tma=w_tma, gain=gain, **loop)
+    # (a tile's TILE_N lanes cover output columns, or ⌈N / 2⌉ pairs of a paired epilogue:
+    # blocks.tile_columns); operands: K loops over more than one concatenated input do not split
+    sizes = dict(N=n_rows, K=k_total,
                  paired=int(pair is not None), adjacent=int(bool(pair and pair["adjacent"])),
                  rope=int(pair is not None and pair["fn"] == "rope"),
                  align=align, head_norm=int(bool(head_norms)),
@@ -979,13 +1035,15 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     ints = dict(M="i32", T="i32", **({"S": "i32"} if c.reads_encoder_len else {}))
     stats = {"stats_ptr": "*fp32"} if a["prologue"] else {}
     kernels = [JitKernel("_kernel", "matmul", sizes,
-                         c.types(part_ptr="*fp32", count_ptr="*i32", **stats, **ints))]
+                         c.types(part_ptr="*fp32", count_ptr="*i32", **stats, **ints),
+                         static=dict(N=n_rows, K=k_total))]
     if kv is not None and kv["quant"] is not None:   # the quantized cache rows' post-pass
         kernels.append(_kv_quant_kernel(c, kv))
     if a["prologue"]:   # the row statistics' pre-pass (prefill)
         x = c.arg(names[0])
         kernels.append(JitKernel("_rowstats", "matmul_rowstats", dict(K=k_total),
-                                 {x.name: x.type, "stats_ptr": "*fp32", **ints}))
+                                 {x.name: x.type, "stats_ptr": "*fp32", **ints},
+                                 static=dict(K=k_total)))
     return ctx, kernels
 
 

@@ -61,6 +61,17 @@ class RenderedUnit:
     source: str
     kernels: list[JitKernel]
     uses: list[tuple[str, int, str]] = field(default_factory=list)  # (graph, node id, text)
+    # kernel suffix → the distinct values of its constexpr sizes over the uses, in first-use
+    # order (JitKernel.static): one Triton specialization each
+    static: dict[str, list[dict[str, int]]] = field(default_factory=dict)
+    helpers: tuple[str, ...] = ()
+
+    def specialize(self, kernels: list[JitKernel]) -> None:
+        """Note a use's constexpr sizes (its kernels, as `kernels` lists them)."""
+        for k in kernels:
+            seen = self.static.setdefault(k.suffix, [])
+            if k.static and k.static not in seen:
+                seen.append(k.static)
 
 
 @dataclass
@@ -171,8 +182,10 @@ def generate(program: Program, options: CodegenOptions,
                 name = f"{unit.family}_{counters[unit.family]}"
                 counters[unit.family] += 1
                 ru = by_text[(unit.template, text)] = RenderedUnit(
-                    name, unit.family, text.replace(PLACEHOLDER, name), unit.kernels)
+                    name, unit.family, text.replace(PLACEHOLDER, name), unit.kernels,
+                    helpers=unit.helpers)
                 units.append(ru)
+            ru.specialize(unit.kernels)
             node_text = format_node(i, g.nodes[i])
             ru.uses.append((run, i, node_text))
             steps[run].append(Step(_comment_safe(node_text), f"{ru.name}(d, {unit.call})",
@@ -183,21 +196,32 @@ def generate(program: Program, options: CodegenOptions,
     digest = hashlib.sha256(f"{text}\n{options.key()}\n{_FINGERPRINT}".encode()).hexdigest()
     kernels = [dict(name=u.name, family=u.family, uses=u.uses, header=_header(u.uses),
                     source=u.source.rstrip("\n"), entries=[
-                        f"{u.name + k.suffix!r}: "
-                        f"{dict(family=k.family, unit=u.name, sizes=k.sizes, types=k.types)!r}"
-                        for k in u.kernels]) for u in units]
+                        f"{u.name + k.suffix!r}: {_entry(u, k)!r}" for k in u.kernels])
+               for u in units]
+    helpers = [ENV.get_template(f"{h}.py.j2").render().strip("\n")
+               for h in dict.fromkeys(h for u in units for h in u.helpers)]
     graphs = [dict(name=run, steps=steps[run],
                    launches=sum(1 for s in steps[run] if s.unit),
                    hosted=sum(1 for s in steps[run] if not s.unit),
                    unique=len({s.unit for s in steps[run] if s.unit}))
               for run, _ in runs]
     source = ENV.get_template("module.py.j2").render(
-        version=ARCHC, model=program.model, kernels=kernels, graphs=graphs,
+        version=ARCHC, model=program.model, kernels=kernels, helpers=helpers, graphs=graphs,
         launches=sum(1 for g in program for step in steps[g.name] if step.unit),
         options=options.key(),
         graph_hash=digest[:16])
     return Generated(program.model, source, digest, units, steps, stores,
                      tuple(run for run, _ in runs[len(program.graphs):]))
+
+
+def _entry(u: RenderedUnit, k: JitKernel) -> dict[str, object]:
+    """A kernel's KERNELS entry: family, unit, the sizes of its first use, and — for a kernel
+    with constexpr sizes — their values at every use (`static`), each a specialization to
+    compile ahead of time; then the types of its runtime arguments."""
+    entry: dict[str, object] = dict(family=k.family, unit=u.name, sizes=k.sizes)
+    if u.static.get(k.suffix):
+        entry["static"] = u.static[k.suffix]
+    return {**entry, "types": k.types}
 
 
 def write_module(gen: Generated, directory: Path) -> Path:

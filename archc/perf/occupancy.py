@@ -226,9 +226,9 @@ class PlanRecorder(HostSession):
         originals = {u.name: getattr(self.module, u.name) for u in self.generated.units}
 
         def tracking(launcher: Callable[..., None]) -> Callable[..., None]:
-            def run(*args: Any) -> None:
+            def run(*args: Any, **kw: Any) -> None:
                 self._node = next(nodes)
-                launcher(*args)
+                launcher(*args, **kw)
             return run
         for name, launcher in originals.items():
             setattr(self.module, name, tracking(launcher))

@@ -149,13 +149,16 @@ class LaunchContext:
 
     def launch(self, kernel: Any, grid: Any, *args: Any, **meta: Any) -> None:
         """Record `kernel[grid](*args, **meta)`. A grid that is a function of the block sizes is
-        evaluated now, unless the kernel is autotuned (its sizes are chosen at the launch)."""
-        candidates = self._tuning.pop(getattr(kernel, "__name__", ""), None) if not meta \
-            else None
-        if candidates is not None:  # tuned: the kernel's first launch chooses its block sizes
-            name = kernel.__name__
-            kernel = self.tuner.kernel(kernel, name, candidates, self.types.get(name, {}), args)
-        if meta and callable(grid):
+        evaluated now, unless the kernel is autotuned (its sizes are chosen at the launch): a
+        tuned launch's `meta` holds none of them, only the kernel's constexpr sizes."""
+        name = getattr(kernel, "__name__", "")
+        candidates = self._tuning.get(name)
+        if candidates is not None and not meta.keys() & candidates[0].keys():
+            # tuned: the kernel's first launch chooses its block sizes
+            del self._tuning[name]
+            kernel = self.tuner.kernel(kernel, name, candidates, self.types.get(name, {}), args,
+                                       meta)
+        elif callable(grid):
             grid = grid(meta)
         if self.pdl:  # every kernel waits for the previous one's writes (templates/pdl.j2)
             meta = {**meta, "launch_pdl": True}

@@ -24,8 +24,9 @@ The cache is one JSON file per generated module and GPU, beside the module in th
     {"format": 1, "module": <digest>, "gpu": "NVIDIA H200", "triton": "3.x",
      "choices": {<kernel>: {"M=512,T=512": {"BLOCK_M": 128, …, "num_warps": 8, …}}}}
 
-The shape bucket is the kernel's integer arguments (M, T, S…), each rounded up to a power of two:
-one tuning serves every prompt length up to the next power of two.
+The shape bucket is the kernel's integer arguments (M, T, S…), each rounded up to a power of two —
+one tuning serves every prompt length up to the next power of two — then its constexpr sizes as
+they are (a matmul's N and K: `M=512,T=512,N=4096,K=14336`), one Triton specialization each.
 """
 
 from __future__ import annotations
@@ -242,16 +243,21 @@ class Tuner:
         self._chosen: dict[tuple[str, Bucket], Config] = {}
 
     def kernel(self, kernel: Any, name: str, configs: list[Config], types: Mapping[str, str],
-               args: Sequence[Any]) -> TunedKernel:
+               args: Sequence[Any], static: Mapping[str, int] | None = None) -> TunedKernel:
         """`kernel` (a Triton kernel) tuned over `configs` at the bucket of `args`' integer
-        arguments (by `types`, the kernel's signature)."""
+        arguments (by `types`, the kernel's signature) and its constexpr sizes `static`, exact:
+        each value is a specialization of its own."""
         values = {n: int(a) for (n, t), a in zip(types.items(), args) if t == "i32"}
-        return TunedKernel(self, kernel, name, configs, bucket(values))
+        static = {n: int(v) for n, v in (static or {}).items()}
+        return TunedKernel(self, kernel, name, configs, bucket(values) + tuple(static.items()),
+                           static)
 
     def choose(self, name: str, b: Bucket, configs: list[Config],
-               run: Callable[[Config], None]) -> Config:
+               run: Callable[[Config], None], static: Mapping[str, int] | None = None
+               ) -> Config:
         """The config `name` launches with at bucket `b`: from this session or the disk cache
-        if chosen before, else pre-filtered, timed with `run` and kept."""
+        if chosen before, else pre-filtered (at the kernel's constexpr sizes `static`), timed
+        with `run` and kept."""
         config = self._chosen.get((name, b))
         if config is None:
             config = self.cache.get(name, b)
@@ -263,7 +269,7 @@ class Tuner:
         self.stats.cache_misses += 1
         start = time.perf_counter()
         try:
-            config = self._tune(name, configs, run)
+            config = self._tune(name, configs, run, static or {})
         finally:
             self.synchronize()
             self.stats.seconds += time.perf_counter() - start
@@ -272,10 +278,14 @@ class Tuner:
         self.cache.put(name, b, config)
         return config
 
-    def _tune(self, name: str, configs: list[Config], run: Callable[[Config], None]) -> Config:
-        """The fastest of `configs` that pass the pre-filter; the heuristic (the first) when
-        none pass or none runs."""
-        kept = configs if self.prefilter is None else self.prefilter(name, configs)
+    def _tune(self, name: str, configs: list[Config], run: Callable[[Config], None],
+              static: Mapping[str, int]) -> Config:
+        """The fastest of `configs` that pass the pre-filter (compiled at `static`); the
+        heuristic (the first) when none pass or none runs."""
+        kept = configs
+        if self.prefilter is not None:
+            compiled = self.prefilter(name, [{**c, **static} for c in configs])
+            kept = [c for c in configs if {**c, **static} in compiled]
         self.stats.configs_dropped += len(configs) - len(kept)
         kept = kept or configs[:1]
         if len(kept) == 1:
@@ -293,9 +303,10 @@ class TunedKernel:
     the kernel with its chosen config, choosing it (``Tuner.choose``) at the first launch."""
 
     def __init__(self, tuner: Tuner, kernel: Any, name: str, configs: list[Config],
-                 b: Bucket) -> None:
+                 b: Bucket, static: Mapping[str, int] | None = None) -> None:
         self.tuner, self.kernel, self.name, self.configs, self.bucket = \
             tuner, kernel, name, configs, b
+        self.static = dict(static or {})   # its constexpr sizes: the launch passes them in meta
         self.config: Config | None = None
 
     def __getitem__(self, grid: Any) -> Callable[..., Any]:
@@ -303,6 +314,6 @@ class TunedKernel:
             if self.config is None:
                 self.config = self.tuner.choose(
                     self.name, self.bucket, self.configs,
-                    lambda config: self.kernel[grid](*args, **config, **meta))
+                    lambda config: self.kernel[grid](*args, **config, **meta), self.static)
             return self.kernel[grid](*args, **self.config, **meta)
         return launch
