@@ -277,10 +277,11 @@ def test_tuned_launch_runs_the_chosen_config(kernel_dir: Path, tmp_path: Path,
     assert tuner.summary()["kernels_tuned"] == 1 and tuner.summary()["configs_dropped"] > 0
     name, = tuner.tuned
     saved = json.loads(next((tmp_path).glob("*/tuning/test-gpu.json")).read_text())
-    assert saved["choices"][name]["M=32,T=8"]["BLOCK_M"] == 16
+    # the bucket: M and T rounded up to powers of two, the kernel's constexpr N and K as they are
+    assert saved["choices"][name]["M=32,T=8,N=40,K=24"]["BLOCK_M"] == 16
     tuned, = launched                                           # the plan's launch, chosen
-    assert tuned.bucket == (("M", 32), ("T", 8)) and tuned.config == saved["choices"][name][
-        "M=32,T=8"]
+    assert tuned.bucket == (("M", 32), ("T", 8), ("N", 40), ("K", 24))
+    assert tuned.config == saved["choices"][name]["M=32,T=8,N=40,K=24"]
     check(g, values | {"x": rand(3, 5, 24)}, {"B": 3, "T": 5, "P": 0}, tmp_path)  # M=15: decode
     check(g, values | {"x": rand(3, 6, 24)}, {"B": 3, "T": 6, "P": 0}, tmp_path)  # M=18: cached
     # decode's own candidates (GEMV tiles of 16 rows), then the prefill choice from the cache
@@ -309,7 +310,7 @@ def test_a_tuned_decode_gemv_splits_its_k_loop_and_replays_its_choice(
     candidate runs — split-K ones among them, their partial sums (the norm's Σx² too) in a
     scratch sized for the largest — and the stand-in timer calls the one with the most splits
     fastest. The launch computes what eager does, its arrival counters end at zero, and the
-    choice is kept at the bucket M=2, T=1. The plan is a decode step's fixed shape: replayed, it
+    choice is kept at the bucket M=2, T=1 (N=40, K=512). The plan is a decode step's fixed shape: replayed, it
     launches the chosen config and times nothing again."""
     calls: list[list[dict[str, Any]]] = []
 
@@ -339,7 +340,8 @@ def test_a_tuned_decode_gemv_splits_its_k_loop_and_replays_its_choice(
         assert not s.ctx.counters("matmul_splitk", 3).any()  # ⌈40 / 16⌉ tiles at most
     (tried,) = calls                                     # timed once, at the first launch
     assert {c["SPLIT_K"] for c in tried} >= {1, 2} and all(c["BLOCK_M"] == 16 for c in tried)
-    chosen = s.tuner.cache.get(next(iter(s.tuner.tuned)), (("M", 2), ("T", 1)))
+    chosen = s.tuner.cache.get(next(iter(s.tuner.tuned)),
+                               (("M", 2), ("T", 1), ("N", 40), ("K", k)))
     assert chosen is not None and chosen["SPLIT_K"] == max(c["SPLIT_K"] for c in tried) > 1
 
 
