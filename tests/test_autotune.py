@@ -310,8 +310,8 @@ def test_a_tuned_decode_gemv_splits_its_k_loop_and_replays_its_choice(
     candidate runs — split-K ones among them, their partial sums (the norm's Σx² too) in a
     scratch sized for the largest — and the stand-in timer calls the one with the most splits
     fastest. The launch computes what eager does, its arrival counters end at zero, and the
-    choice is kept at the bucket M=2, T=1 (N=40, K=512). The plan is a decode step's fixed shape: replayed, it
-    launches the chosen config and times nothing again."""
+    choice is kept at the bucket M=2, T=1 (N=40, K=512). The plan is a decode step's fixed
+    shape: replayed, it launches the chosen config and times nothing again."""
     calls: list[list[dict[str, Any]]] = []
 
     def most_splits(kernel: str, configs: list[dict[str, Any]], run: Any) -> list[float]:

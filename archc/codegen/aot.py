@@ -87,7 +87,7 @@ def compile_module(module_path: Path, target: str, *, jobs: int = 2,
             continue
         for static in entry.get("static") or [{}]:
             sizes = {**entry["sizes"], **static}
-            configs.append((n, {**aot_config(entry["family"], sizes, capability), **static}))
+            configs.append((n, {**static, **aot_config(entry["family"], sizes, capability)}))
     return compile_configs(module_path, target, configs, jobs=jobs, timeout=timeout)
 
 

@@ -138,7 +138,9 @@ def _aot(path: Path, target: str, jobs: int) -> int:
     failed = [r for r in results if not r.ok]
     spilled = [r.kernel for r in results if r.ok and r.spill_bytes]
     specialized = sum(1 for r in results if r.ok and r.warp_specialized)
-    console.print(f"{len(results) - len(failed)}/{len(results)} kernels compile for {target}; "
+    # a kernel shared by projections of different sizes compiles once per size (its `static`)
+    console.print(f"{len(results) - len(failed)}/{len(results)} kernel configurations compile "
+                  f"for {target}; "
                   f"{sum(1 for r in results if r.ok and r.tensor_core_ops)} use {op}; "
                   + (f"{specialized} warp-specialized; " if blackwell else "")
                   + (f"{len(spilled)} spill registers ({', '.join(spilled)})" if spilled
