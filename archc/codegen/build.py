@@ -818,6 +818,8 @@ def _kv_args(c: NodeCtx, kv: dict[str, Any], cols_run: int) -> None:
     many columns land contiguously in the cache (`cols_run`: the lanes' own runs)."""
     run = math.gcd(cols_run, kv["head_dim"], kv["k_start"], kv["v_start"])
     kv["run"] = run & -run if run else 0
+    if kv["quant"] is None:   # the store: templates/kv_write.py.j2
+        c.helpers.append("kv_write")
     c.args += [_cache_arg(c, f"{kind}_cache", kind, kv["layer"], kv["kv_heads"],
                           kv["head_dim"], kv["quant"],
                           None if kv["paged"] is None else kv["paged"]["block_size"])

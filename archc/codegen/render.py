@@ -93,6 +93,7 @@ class Generated:
     # "cache" | "state" → (layer, kind) → shape and dtype of each KV cache and recurrent state
     stores: dict[str, dict[tuple[int, str], StoreSpec]]
     variants: tuple[str, ...] = ()     # run functions of graphs besides the program's
+    helpers: dict[str, str] = field(default_factory=dict)   # module-level helpers' source
 
     @property
     def launches(self) -> int:
@@ -114,11 +115,13 @@ class Generated:
         return next(u for u in self.units if u.name == name)
 
     def unit_text(self, name: str) -> str:
-        """One unit's source, headed by the IR nodes it implements, as in the module."""
+        """One unit's source, headed by the IR nodes it implements, as in the module, then the
+        module's helpers it calls."""
         u = self.unit(name)
         header = "".join(f"# {line}\n" for line in _header(u.uses))
         uses = f"{len(u.uses)} launch" + ("es" if len(u.uses) != 1 else "")
-        return f"# {u.name} ({u.family}): {uses}\n{header}{u.source.rstrip()}\n"
+        return f"# {u.name} ({u.family}): {uses}\n{header}{u.source.rstrip()}\n" + "".join(
+            f"\n\n# {h} (a helper of the module)\n{self.helpers[h]}\n" for h in u.helpers)
 
 
 # A hash of the templates and the code that fills them: a change to either is a new module, never
@@ -198,20 +201,21 @@ def generate(program: Program, options: CodegenOptions,
                     source=u.source.rstrip("\n"), entries=[
                         f"{u.name + k.suffix!r}: {_entry(u, k)!r}" for k in u.kernels])
                for u in units]
-    helpers = [ENV.get_template(f"{h}.py.j2").render().strip("\n")
-               for h in dict.fromkeys(h for u in units for h in u.helpers)]
+    helpers = {h: ENV.get_template(f"{h}.py.j2").render().strip("\n")
+               for h in dict.fromkeys(h for u in units for h in u.helpers)}
     graphs = [dict(name=run, steps=steps[run],
                    launches=sum(1 for s in steps[run] if s.unit),
                    hosted=sum(1 for s in steps[run] if not s.unit),
                    unique=len({s.unit for s in steps[run] if s.unit}))
               for run, _ in runs]
     source = ENV.get_template("module.py.j2").render(
-        version=ARCHC, model=program.model, kernels=kernels, helpers=helpers, graphs=graphs,
+        version=ARCHC, model=program.model, kernels=kernels, helpers=list(helpers.values()),
+        graphs=graphs,
         launches=sum(1 for g in program for step in steps[g.name] if step.unit),
         options=options.key(),
         graph_hash=digest[:16])
     return Generated(program.model, source, digest, units, steps, stores,
-                     tuple(run for run, _ in runs[len(program.graphs):]))
+                     tuple(run for run, _ in runs[len(program.graphs):]), helpers)
 
 
 def _entry(u: RenderedUnit, k: JitKernel) -> dict[str, object]:
