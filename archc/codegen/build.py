@@ -1019,6 +1019,7 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     cols_n = "N" if pair is None else "N // 2" if pair["fn"] == "glu" else str(pair["NP"])
     ctx = dict(operands=operands, n_out=width, out_n=out_n, cols_n=cols_n,
                prologue=a["prologue"], eps=repr(a["eps"]), early=early,
+               epilogue_doc=", ".join(f"{st.fn}()" for st in a["epilogue"]),
                pair=pair, steps_pre=steps_pre, steps_post=steps_post, accs_pre=accs_pre,
                accs_post=accs_post, kv=kv, needs_t=kv is not None or (
                    pair is not None and pair["fn"] == "rope"),
