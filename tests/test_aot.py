@@ -117,8 +117,11 @@ def test_decode_matmuls_load_their_weight_before_the_pdl_wait(tmp: Path) -> None
     path = write_module(gen, tmp / "llama3-8b-pdl")
     table = kernel_table(path)
     matmuls = sorted(k for k, e in table.items() if e["family"] == "matmul")
-    assert len(matmuls) == 5                                 # q+k+v, o, gate+up, down, head
-    decode = [(k, launch_config("matmul", "gpu", M=1, **table[k]["sizes"])) for k in matmuls]
+    assert len(matmuls) == 4         # q+k+v, o and down (one kernel: only K differs), gate+up, head
+    # each at each of its sizes (N and K, its constexprs)
+    decode = [(k, {**st, **launch_config("matmul", "gpu", M=1, **{**table[k]["sizes"], **st})})
+              for k in matmuls for st in table[k]["static"]]
+    assert len(decode) == 5
     assert any(cfg["SPLIT_K"] > 1 for _, cfg in decode)
     prefill = ("fused_linear_1_kernel", launch_config(
         "matmul", "gpu", M=4096, **table["fused_linear_1_kernel"]["sizes"]))
@@ -192,7 +195,8 @@ def test_wgmma_shapes_and_tma_from_ptx_text() -> None:
 
 def test_explicit_configs_compile_once_and_are_cached(tmp: Path) -> None:
     """One kernel at a prefill tile (wgmma, 128 rows) and a decode tile (16 rows: too few for
-    wgmma's 64), compiled for sm_90a; asked again, both come from the on-disk cache."""
+    wgmma's 64), compiled for sm_90a — at its first use's constexpr sizes, which the configs do
+    not set; asked again, both come from the on-disk cache."""
     from archc.codegen.aot import compile_configs
     spec = load_spec("tiny-llama3")
     gen = generate(optimize(lower(spec, "bf16")),
@@ -208,8 +212,8 @@ def test_explicit_configs_compile_once_and_are_cached(tmp: Path) -> None:
                             progress=seen.append)
     assert len(seen) == 2 and all(r.ok and not r.cached for r in first), first
     big, small = first
-    assert big.config == "BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, TMA=1, " \
-                         "ROW_STATS=1, num_warps=4, num_stages=3"
+    assert big.config == "N=64, K=64, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, " \
+                         "SPLIT_K=1, TMA=1, ROW_STATS=1, num_warps=4, num_stages=3"
     assert big.tensor_core_ops > 0 and big.wgmma and all(
         s.startswith("m64n") and s.endswith("k16") for s in big.wgmma)
     assert small.wgmma == [] and small.registers > 0

@@ -258,7 +258,7 @@ def test_verdict_catches_too_few_programs(capsys: pytest.CaptureFixture[str],
         verdicts[width] = v
     assert verdicts[8]["pass"] and not verdicts[8]["offending"]
     assert not verdicts[256]["pass"]
-    assert verdicts[256]["offending"] == ["fused_linear_3 (ffn.down ×32): 16 programs"]
+    assert verdicts[256]["offending"] == ["fused_linear_1 (ffn.down ×32): 16 programs"]
 
 
 def test_spills_fail_their_verdict(capsys: pytest.CaptureFixture[str],
