@@ -140,9 +140,11 @@ def test_every_pass_is_registered_and_the_default_pipeline_is_exact() -> None:
     assert set(DEFAULT_PIPELINE) <= set(PASSES)
     assert all(PASSES[name].kind == "exact" for name in DEFAULT_PIPELINE)
     # every other pass is exact too, but the variants: programs whose outputs agree with the
-    # program's where their callers read them (tests/test_last_token.py checks the one there is)
+    # program's where their callers read them (tests/test_last_token.py and tests/test_paged.py
+    # check them)
     assert all(p.summary and p.kind in ("exact", "variant") for p in PASSES.values())
-    assert [n for n, p in PASSES.items() if p.kind == "variant"] == ["last-token-logits"]
+    assert sorted(n for n, p in PASSES.items() if p.kind == "variant") == \
+        ["last-token-logits", "paged-kv"]
 
 
 def test_a_pass_that_does_not_apply_returns_the_same_object() -> None:

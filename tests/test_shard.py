@@ -22,7 +22,8 @@ from archc.ir.lower import lower
 from archc.ir.ops import Op
 from archc.ir.ops.base import COLLECTIVE
 from archc.passes import optimize, run_pipeline
-from archc.passes.shard import ShardError, shard_program, shard_step
+from archc.passes.manager import run_pass
+from archc.passes.shard import ShardError, shard_program
 from archc.perf.gpus import gpu
 from archc.perf.roofline import decode_floor
 from archc.quant.pack import quantize
@@ -185,7 +186,7 @@ def test_quantized_k_that_splits_off_a_group_is_refused() -> None:
 def test_vocabulary_parallel_embedding_and_head(tp: int) -> None:
     name = "tiny-llama3+vocab96" if tp != 3 else "tiny-smollm2+vocab96"
     spec, program, checkpoint = model(name)
-    step = shard_step(program, tp)
+    step = run_pass(program, "shard", options={"tp": tp})
     g = step.after.graph("decoder")
     embedding = g.nodes[g.ids(Op.EMBEDDING)[0]]
     assert embedding.attr("parts") == tp and embedding.shape[-1] == spec.d_model
@@ -199,7 +200,7 @@ def test_vocabulary_parallel_embedding_and_head(tp: int) -> None:
 
 def test_a_vocabulary_that_does_not_divide_is_replicated() -> None:
     _, program, _ = model("tiny-llama3")      # vocab 97
-    step = shard_step(program, 2)
+    step = run_pass(program, "shard", options={"tp": 2})
     g = step.after.graph("decoder")
     assert not g.ids(Op.ALL_GATHER)
     assert g.nodes[g.params["embed.weight"]].attr("expr") is None
@@ -209,7 +210,7 @@ def test_a_vocabulary_that_does_not_divide_is_replicated() -> None:
 
 def test_kv_heads_fewer_than_ranks_are_replicated() -> None:
     _, program, _ = model("tiny-llama2-70b")     # 8 heads, 2 KV heads
-    step = shard_step(program, 4)
+    step = run_pass(program, "shard", options={"tp": 4})
     k = step.after.graph("decoder").params["layers.0.attn.k.weight"]
     expr = step.after.graph("decoder").nodes[k].attr("expr")
     assert (expr.kw("dim"), expr.kw("parts"), expr.kw("every")) == (0, 2, 2)

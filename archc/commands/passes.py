@@ -20,7 +20,6 @@ from archc.passes import DEFAULT_PIPELINE, PASSES, run_pipeline
 from archc.passes.decisions import changed
 from archc.passes.manager import known
 from archc.passes.measure import dims, kernels_per_layer, stats
-from archc.passes.shard import shard_step
 from archc.ui import console, nbytes, si, table
 
 
@@ -65,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         columns = ("pass", "kind", "in default", "what it does")
         console.print(table("passes (the default pipeline runs them in this order)", columns, [
-            (name, PASSES[name].kind, "yes" if name in DEFAULT_PIPELINE else "",
+            (PASSES[name].usage(), PASSES[name].kind, "yes" if name in DEFAULT_PIPELINE else "",
              escape(PASSES[name].summary))
             for name in [*DEFAULT_PIPELINE, *sorted(set(PASSES) - set(DEFAULT_PIPELINE))]],
             text=columns, overflow="fold"))
@@ -77,13 +76,12 @@ def run(args: argparse.Namespace) -> int:
     dtype = args.dtype or spec.dtype
     at = dims(args.batch, args.prompt_len, args.past, args.encoder_len)
     lowered = lower(spec, dtype, quant)
-    sharded = shard_step(lowered, args.tp)
-    result = run_pipeline(sharded.after, args.passes)
-    steps = ([sharded] if args.tp > 1 else []) + list(result.steps)
+    result = run_pipeline(lowered, f"shard:tp={args.tp},{args.passes}" if args.tp > 1 else
+                          args.passes)
     where = f"B={at['B']}, T={at['T']}, P={at['P']}" + (
         f", S={at['S']}" if spec.family == "encoder-decoder" else "")
     rows = [("", "lowered", "", stats(lowered, at), "unfused")]
-    for k, step in enumerate(steps, 1):
+    for k, step in enumerate(result.steps, 1):
         rows.append((str(k), step.name, step.kind, stats(step.after, at), changed(step)))
     console.print(table(
         f"{spec.name}: pass pipeline ({dtype}{_weights(quant)}; costs per new token at "

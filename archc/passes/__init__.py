@@ -4,12 +4,15 @@ name in ``PASSES``; ``run_pipeline`` runs a pipeline of them (``optimize``: just
 from archc.passes import (  # noqa: F401  (each module registers its passes)
     attention,
     bias,
+    context,
     cross_kv,
     kernels,
     logits,
     norms,
+    paged,
     projections,
     recurrent,
+    shard,
 )
 from archc.passes.manager import (
     DEFAULT_PIPELINE,

@@ -1,5 +1,6 @@
-"""context_parallel: ring attention over a "cp" group of ranks, each holding a slice of the
-sequence (context parallelism for long prefills).
+"""context-parallel (the pass, option ``cp``; ``context_parallel(program, cp)``): ring attention
+over a "cp" group of ranks, each holding a slice of the sequence (context parallelism for long
+prefills).
 
 The split is zig-zag: with cp ranks a sequence of T tokens is cut into 2·cp chunks (as equal as
 T allows: the first T mod 2·cp chunks one token longer) and rank r holds chunks r and
@@ -24,6 +25,8 @@ activations, divided by cp.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from archc.errors import ArchcError
@@ -31,7 +34,9 @@ from archc.ir.graph import Graph, Node, Program
 from archc.ir.ops import Op, canonical
 from archc.ir.ops.base import RECURRENT
 from archc.ir.shapes import S, T
-from archc.ir.verify import verify
+from archc.passes.manager import PassContext, register_pass, run_pass, run_pipeline
+
+NAME = "context-parallel"
 
 
 class ContextError(ArchcError):
@@ -101,19 +106,31 @@ def _ring(g: Graph, cp: int) -> Graph:
     return Graph(g.name, nodes)
 
 
-def context_parallel(program: Program, cp: int) -> Program:
-    """`program` with every self-attention a ring over `cp` ranks of the "cp" group (the same
-    program when cp = 1). Raises ContextError for a cp below 1 and for programs whose ops do not
-    split along the sequence."""
+@register_pass(NAME, "context parallelism: every self-attention a ring over the cp ranks of "
+               "the cp group, each holding a zig-zag slice of the sequence (attention chains "
+               "collapsed first; before fuse-kv-write)", program=True, options={"cp": 1})
+def ring(program: Program, contexts: Mapping[str, PassContext], cp: int) -> Program:
     if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
         raise ContextError(f"cp={cp!r}: the number of context-parallel ranks is an integer ≥ 1")
     if cp == 1:
         return program
-    if any(n.op == Op.SCORES for g in program for n in g):
-        # ring attention is an attribute of the attention node: collapse the chains first
-        from archc.passes import optimize
-        program = optimize(program, ("flash-attention",))
-    _refuse_unsplittable(program)
-    out = Program(program.model, tuple(_ring(g, cp) for g in program))
-    verify(out)
-    return out
+    # ring attention is an attribute of the attention node: collapse the chains first
+    unfused = any(n.op == Op.SCORES for g in program for n in g)
+    collapsed = run_pipeline(program, ("flash-attention",) if unfused else ())
+    _refuse_unsplittable(collapsed.program)
+    graphs = []
+    for g in collapsed.program:
+        out, ctx = _ring(g, cp), contexts[g.name]
+        shift = int(out is not g and "positions" not in g.inputs)   # the input put first
+        if out is not g:
+            ctx.applied(NAME, g.name, f"self-attention a ring over {cp} ranks")
+        ctx.kept = {old: new + shift for old, new in collapsed.kept(g.name).items()}
+        graphs.append(out)
+    return Program(program.model, tuple(graphs))
+
+
+def context_parallel(program: Program, cp: int) -> Program:
+    """`program` with every self-attention a ring over `cp` ranks of the "cp" group (the same
+    program when cp = 1). Raises ContextError for a cp below 1 and for programs whose ops do not
+    split along the sequence."""
+    return run_pass(program, NAME, options={"cp": cp}).after

@@ -84,20 +84,40 @@ class Pass:
     fn: Callable[..., Any]     # a PassFn, or a ProgramPassFn when `program`
     program: bool = False      # written over the whole program, not graph by graph
     kind: str = "exact"
+    # option → its default (None: required), each a whole number passed to `fn` by keyword;
+    # named in a pipeline as NAME:OPTION=N[:OPTION=N…]
+    options: Mapping[str, int | None] = field(default_factory=dict)
+
+    def usage(self) -> str:
+        """`shard:tp=1`: the pass with its options at their defaults (N: required)."""
+        return ":".join([self.name, *(f"{k}={'N' if v is None else v}"
+                                      for k, v in self.options.items())])
+
+    def given(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """`options` with the defaults of those not given; an unknown or missing one refused."""
+        unknown = sorted(set(options) - set(self.options))
+        missing = [k for k, v in self.options.items() if v is None and k not in options]
+        if unknown or missing:
+            what = f"has no option {unknown[0]!r}" if unknown else f"needs option {missing[0]!r}"
+            raise ArchcError(f"pass {self.name} {what}; it takes {self.usage()}"
+                             if self.options else f"pass {self.name} {what}; it takes none")
+        return {**self.options, **options}
 
 
 PASSES: dict[str, Pass] = {}
 
 
-def register_pass(name: str, summary: str, *, program: bool = False, kind: str = "exact"
-                  ) -> Callable[[F], F]:
+def register_pass(name: str, summary: str, *, program: bool = False, kind: str = "exact",
+                  options: Mapping[str, int | None] | None = None) -> Callable[[F], F]:
     """Register `fn` under `name`: a PassFn, or a ProgramPassFn when `program`. `kind`:
-    "exact" (the function kept), or "variant" (a program for callers that use part of the
-    outputs, which agree with the program's there; never in the default pipeline)."""
+    "exact" (the function kept), or "variant" (a program the runtime runs in the program's
+    place for some callers — the rows they read, the KV cache they page — whose outputs agree
+    with the program's where they read them; never in the default pipeline). `options`: see
+    `Pass.options`."""
     def register(fn: F) -> F:
         if name in PASSES:
             raise ValueError(f"pass {name!r} registered twice")
-        PASSES[name] = Pass(name, summary, fn, program, kind)
+        PASSES[name] = Pass(name, summary, fn, program, kind, dict(options or {}))
         return fn
     return register
 
@@ -128,20 +148,36 @@ def known(*, pipelines: bool = True) -> str:
     return ", ".join((list(PIPELINES) if pipelines else []) + names)
 
 
-def resolve_pipeline(pipeline: str | Sequence[str]) -> list[str]:
-    """The pass names of a pipeline name ("default", "none"), of "a,b,c" or of a sequence."""
+Item = tuple[str, dict[str, int]]     # a pass of a pipeline and the options it is given
+
+
+def resolve_pipeline(pipeline: str | Sequence[str]) -> list[Item]:
+    """The passes, with their options, of a pipeline name ("default", "none"), of "a,b,c" or of
+    a sequence; a pass given options is named "shard:tp=2"."""
     if isinstance(pipeline, str):
         pipeline = [p.strip() for p in pipeline.split(",") if p.strip()]
-    out: list[str] = []
-    for name in pipeline:
-        if name in PIPELINES:
-            out += PIPELINES[name]
+    out: list[Item] = []
+    for item in pipeline:
+        name, *given = item.split(":")
+        if name in PIPELINES and not given:
+            out += [(n, {}) for n in PIPELINES[name]]
         elif name in PASSES:
-            out.append(name)
+            out.append((name, _options(item, given)))
         else:
             close = difflib.get_close_matches(name, list(PASSES) + list(PIPELINES), n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ArchcError(f"unknown pass {name!r}{hint}; known: {known()}")
+    return out
+
+
+def _options(item: str, given: Sequence[str]) -> dict[str, int]:
+    """The OPTION=N parts of a pipeline item, each a whole number."""
+    out: dict[str, int] = {}
+    for part in given:
+        key, eq, value = part.partition("=")
+        if not (eq and key and re.fullmatch(r"-?\d+", value.strip())):
+            raise ArchcError(f"pass {item!r}: {part!r} is not OPTION=N (a whole number)")
+        out[key.strip()] = int(value)
     return out
 
 
@@ -185,23 +221,38 @@ class PipelineRun:
     def decisions(self) -> list[Decision]:
         return [d for s in self.steps for d in s.decisions]
 
+    def kept(self, graph: str) -> dict[int, int]:
+        """Id in the initial program → id in the final one, of the nodes of `graph` that every
+        step kept (a step that renumbered nothing keeps ids as they are)."""
+        ids = {i: i for i in range(len(self.initial.graph(graph).nodes))}
+        for s in self.steps:
+            if graph in s.kept:
+                ids = {old: s.kept[graph][new] for old, new in ids.items() if new in s.kept[graph]}
+        return ids
 
-def run_pass(program: Program, name: str, done: Sequence[str] = ()) -> PassStep:
-    """Run one pass over `program`, verify the result if it changed, and record what it did."""
+
+def run_pass(program: Program, name: str, done: Sequence[str] = (),
+             options: Mapping[str, Any] | None = None) -> PassStep:
+    """Run one pass over `program` with `options`, verify the result if it changed, and record
+    what it did. A pass that refuses its options or the program (an ArchcError other than an
+    IRError, in its own words) raises that error as it is."""
     p, ran = PASSES[name], f"(after: {', '.join(done) or 'none'})"
+    given = p.given(options or {})
     contexts = {g.name: PassContext(name, g) for g in program}
     graph = ""      # the graph the pass is working on, for an error
     try:
         if p.program:
-            after = p.fn(program, contexts)
+            after = p.fn(program, contexts, **given)
         else:
             graphs = []
             for g in program:
                 graph = g.name
-                graphs.append(p.fn(g, contexts[g.name]))
+                graphs.append(p.fn(g, contexts[g.name], **given))
             changed = any(a is not b for a, b in zip(graphs, program.graphs))
             after = Program(program.model, tuple(graphs)) if changed else program
     except Exception as err:
+        if isinstance(err, ArchcError) and not isinstance(err, IRError):
+            raise
         on = f" on graph {graph}" if graph else ""
         detail = str(err) if isinstance(err, IRError) else f"{type(err).__name__}: {err}"
         raise PassFailure(f"pass {name}{on} {ran}: {detail}") from err
@@ -230,10 +281,11 @@ def run_pass(program: Program, name: str, done: Sequence[str] = ()) -> PassStep:
 
 def run_pipeline(program: Program, pipeline: str | Sequence[str] = "default") -> PipelineRun:
     """Run the passes of `pipeline` in order, verifying after each one that changed a graph."""
-    names = resolve_pipeline(pipeline)
+    items = resolve_pipeline(pipeline)
     steps: list[PassStep] = []
-    for k, name in enumerate(names):
-        steps.append(run_pass(steps[-1].after if steps else program, name, names[:k]))
+    for k, (name, options) in enumerate(items):
+        steps.append(run_pass(steps[-1].after if steps else program, name,
+                              [n for n, _ in items[:k]], options))
     return PipelineRun(program, tuple(steps))
 
 

@@ -1,4 +1,5 @@
-"""paged_kv: a decoder whose KV cache is a pool of fixed-size blocks, each sequence holding a
+"""paged-kv (the pass, options ``block_size`` and ``max_seq_len``; ``paged_kv(program, …)``): a
+decoder whose KV cache is a pool of fixed-size blocks, each sequence holding a
 list of them (its block table), so that many sequences of different lengths decode together
 (``archc.runtime.paged``, what a server's scheduler drives).
 
@@ -29,6 +30,7 @@ own prompt's keys), as the kv_cache nodes and the projections writing the cache 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import sympy
 
@@ -40,7 +42,9 @@ from archc.ir.ops.base import RECURRENT
 from archc.ir.ops.modifiers import modifiers_of
 from archc.ir.ops.steps import HEAD_KERNELS, STEPS, step
 from archc.ir.shapes import T
-from archc.ir.verify import verify
+from archc.passes.manager import PassContext, register_pass, run_pass, run_pipeline
+
+NAME = "paged-kv"
 
 
 class PagedError(ArchcError):
@@ -189,10 +193,12 @@ def max_blocks(max_seq_len: int, block_size: int) -> int:
     return math.ceil(max_seq_len / block_size)
 
 
-def paged_kv(program: Program, block_size: int, max_seq_len: int) -> Program:
-    """`program` with its KV cache paged in blocks of `block_size` tokens, sequences of up to
-    `max_seq_len` tokens. Raises PagedError for a bad block size and for programs a paged cache
-    cannot serve (encoders, encoder-decoders, recurrent mixers, non-causal attention…)."""
+@register_pass(NAME, "a decoder whose KV cache is a pool of block_size-token blocks, each "
+               "sequence reading its own through a block table of sequences up to max_seq_len "
+               "tokens (what the serving engine runs)", program=True, kind="variant",
+               options={"block_size": 16, "max_seq_len": None})
+def paged(program: Program, contexts: Mapping[str, PassContext], block_size: int,
+          max_seq_len: int) -> Program:
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise PagedError(f"block_size={block_size!r}: the tokens per KV-cache block are an "
                          "integer ≥ 1")
@@ -203,11 +209,21 @@ def paged_kv(program: Program, block_size: int, max_seq_len: int) -> Program:
     if any(n.attr("paged") is not None for g in program for n in g
            if n.op in (Op.ATTENTION, Op.KV_CACHE)):
         raise PagedError(f"{program.model}'s KV cache is paged already")
-    if any(n.op in (Op.SCORES, Op.REPEAT_KV) for g in program for n in g):
-        # attention chains into one attention node, reading KV head h // group in place
-        from archc.passes import optimize
-        program = optimize(program, ("share-kv-heads", "flash-attention"))
-    out = Program(program.model, tuple(_paged_graph(g, block_size, max_seq_len)
-                                       for g in program))
-    verify(out)
-    return out
+    # attention chains into one attention node, reading KV head h // group in place
+    unfused = any(n.op in (Op.SCORES, Op.REPEAT_KV) for g in program for n in g)
+    collapsed = run_pipeline(program, ("share-kv-heads", "flash-attention") if unfused else ())
+    (g,) = collapsed.program.graphs
+    out = _paged_graph(g, block_size, max_seq_len)
+    ctx = contexts[g.name]
+    ctx.applied(NAME, g.name, f"the KV cache paged in blocks of {block_size} tokens")
+    shift = len(out.nodes) - len(g.nodes)      # the inputs put first
+    ctx.kept = {old: new + shift for old, new in collapsed.kept(g.name).items()}
+    return Program(program.model, (out,))
+
+
+def paged_kv(program: Program, block_size: int, max_seq_len: int) -> Program:
+    """`program` with its KV cache paged in blocks of `block_size` tokens, sequences of up to
+    `max_seq_len` tokens. Raises PagedError for a bad block size and for programs a paged cache
+    cannot serve (encoders, encoder-decoders, recurrent mixers, non-causal attention…)."""
+    return run_pass(program, NAME, options={"block_size": block_size,
+                                            "max_seq_len": max_seq_len}).after

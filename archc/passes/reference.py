@@ -25,8 +25,10 @@ def reference() -> str:
         lines.append(f"| {k} | `{name}` | {p.summary}{scope} |")
     others = sorted(n for n, p in PASSES.items() if n not in DEFAULT_PIPELINE)
     if others:
-        lines += ["\nRegistered but not in the default pipeline:\n"]
-        lines += [f"- `{n}` ({PASSES[n].kind}): {PASSES[n].summary}" for n in others]
+        lines += ["\nRegistered but not in the default pipeline (with their options, each "
+                  "given as `NAME:OPTION=N` in a pipeline; N: required):\n"]
+        lines += [f"- `{PASSES[n].usage()}` ({PASSES[n].kind}): {PASSES[n].summary}"
+                  for n in others]
     lines += [
         "\n## Architecture steps\n",
         "Steps change the model on purpose; they never run unless named "

@@ -1,15 +1,18 @@
-"""Tensor parallelism: ``shard_program(program, tp)`` rewrites the unfused program (as ``lower``
-makes it) into the program every one of `tp` ranks runs, Megatron-style.
+"""Tensor parallelism: the ``shard`` pass (option ``tp``; ``shard_program(program, tp)``)
+rewrites the unfused program (as ``lower`` makes it) into the program every one of `tp` ranks
+runs, Megatron-style.
 
 One program serves every rank: a weight a rank holds part of is a ``param`` whose expression is
 ``shard(w("NAME"), dim=D, parts=P, every=E)`` (the rank is chosen when weights load), shapes and
 attributes are a rank's (heads/tp, d_ff/tp, …), and the ranks meet at collective ops.
 
 - Column-parallel: Q/K/V, gate and up projections (and their biases) keep rows of the rank's
-  heads or FFN columns; the attention between them runs on the rank's heads alone. KV heads are
-  split kv/tp per rank, or replicated (`every` = tp/kv ranks share one) when kv < tp divides tp,
-  as serving engines do. Per-head parameters (ALiBi slopes, T5 relative-bias columns) are cut
-  alike; head-dim norms (QK-norm) are replicated.
+  heads or FFN columns; the attention between them runs on the rank's heads alone. A projection
+  is one of them by what reads its output (``read_as``): the q, k or v operand of attention, or
+  the FFN's activation and gated product, past biases, the split into heads, norms and RoPE.
+  KV heads are split kv/tp per rank, or replicated (`every` = tp/kv ranks share one) when
+  kv < tp divides tp, as serving engines do. Per-head parameters (ALiBi slopes, T5
+  relative-bias columns) are cut alike; head-dim norms (QK-norm) are replicated.
 - Row-parallel: the output and down projections read the rank's slice of K and give a partial
   sum; one ``all_reduce`` makes the whole, and a row-parallel bias is added once, after it.
   Partial sums that are only added to each other (a parallel block's attention and FFN, an MoE's
@@ -28,27 +31,31 @@ split on whole groups, and the recurrent mixers (Mamba, linear attention), which
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 from archc.errors import ArchcError
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph, GraphBuilder, Node, Program
-from archc.ir.ops import Op
-from archc.ir.ops.base import ELEMENTWISE, RECURRENT
+from archc.ir.ops import Op, full_attrs
+from archc.ir.ops.base import ELEMENTWISE, RECURRENT, roles_of
 from archc.ir.paramexpr import leaf
-from archc.ir.verify import verify
-from archc.passes.manager import PassContext, PassStep
+from archc.passes.manager import PassContext, register_pass, run_pass
 from archc.quant.schemes import is_quantized, scheme
 
 NAME = "shard"
-# the projections whose output features split (column-parallel), by the last part of the weight
-# name before ".weight", and the layers they belong to
-COLUMN = frozenset({"q", "k", "v", "gate", "up"})
-OWNERS = frozenset({"attn", "cross", "ffn", "shared"})
-HEAD_TABLES = frozenset({"head.weight", "embed.weight"})
-TOKEN_TABLE = "embed.weight"
+# What a projection's output is read as, by the op and operand role (the op table's) that reads
+# it: attention's queries, keys and values, head by head, and the FFN's hidden features, one by
+# one by its activation and gated product, make it column-parallel; the logits, the
+# vocabulary-parallel head.
+READ_AS: dict[tuple[Op, str], str] = {
+    (Op.SCORES, "q"): "q", (Op.SCORES, "k"): "k", (Op.WEIGHTED_SUM, "v"): "v",
+    (Op.ACT, "x"): "ffn", (Op.MUL, "a"): "ffn", (Op.MUL, "b"): "ffn", (Op.OUTPUT, "x"): "logits"}
+# ops a value passes through on its way there, as their first operand beside parameters and
+# inputs alone: a bias, a scale or soft-cap, the split into heads, QK-norm, RoPE, the KV cache
+ON_THE_WAY = frozenset({Op.ADD, Op.POINTWISE, Op.SPLIT_HEADS, Op.NORM, Op.ROPE, Op.KV_CACHE,
+                        Op.REPEAT_KV})
 
 
 class ShardError(ArchcError):
@@ -65,17 +72,29 @@ class Rule:
     works: Callable[[int], bool]
 
 
-def _weight_name(name: str) -> tuple[str, str] | None:
-    """(owner, projection) of a weight `...owner.projection.weight`, else None."""
-    parts = name.split(".")
-    if len(parts) >= 3 and parts[-1] == "weight":
-        return parts[-3], parts[-2]
+def read_as(g: Graph, i: int, users: list[list[int]] | None = None) -> str | None:
+    """What the value of node i is read as (`READ_AS`), followed through `ON_THE_WAY` ops."""
+    users = users if users is not None else g.users()
+    frontier = [i]
+    while frontier:
+        j = frontier.pop(0)
+        for u in users[j]:
+            n = g.nodes[u]
+            roles = roles_of(n.op, full_attrs(n.op, n.attrs), len(n.inputs))
+            for k, (x, role) in enumerate(zip(n.inputs, roles)):
+                if x == j and (n.op, role) in READ_AS:
+                    return READ_AS[n.op, role]
+                if x == j and k == 0 and n.op in ON_THE_WAY and all(
+                        g.nodes[y].op in (Op.PARAM, Op.INPUT) for y in n.inputs[1:]):
+                    frontier.append(u)
     return None
 
 
-def _is_column(name: str) -> bool:
-    got = _weight_name(name)
-    return got is not None and got[0] in OWNERS and got[1] in COLUMN
+def _token_table(g: Graph) -> int | None:
+    """The param embedding the `tokens` input (not positions or token types), if any."""
+    return next((n.inputs[0] for n in g if n.op == Op.EMBEDDING
+                 and g.nodes[n.inputs[1]].op == Op.INPUT and g.nodes[n.inputs[1]].name == "tokens"
+                 and g.nodes[n.inputs[0]].op == Op.PARAM), None)
 
 
 def _rules(program: Program) -> list[Rule]:
@@ -86,7 +105,8 @@ def _rules(program: Program) -> list[Rule]:
         rules.setdefault((field, value, problem), Rule(field, value, problem, works))
 
     for g in program:
-        for n in g:
+        users = g.users()
+        for i, n in enumerate(g.nodes):
             if n.op in RECURRENT:
                 mixer = "linear_attention" if n.op == Op.LINEAR_ATTENTION else "mamba"
                 need("mixer.pattern" if n.origin == "mixer.pattern" else "mixer.kind", mixer,
@@ -99,7 +119,7 @@ def _rules(program: Program) -> list[Rule]:
                 need("attention.kv_heads", kv, "neither divides by tp nor divides tp",
                      lambda tp, kv=kv: kv % tp == 0 or tp % kv == 0)
             elif n.op == Op.MATMUL and g.nodes[n.inputs[1]].op == Op.PARAM:
-                _matmul_rules(g, n, need)
+                _matmul_rules(g, i, users, need)
             elif n.op == Op.MOE_LINEAR:
                 w = g.nodes[n.inputs[2]]
                 width = int(w.shape[1] if n.attr("stage") == "up" else w.shape[2])
@@ -109,20 +129,23 @@ def _rules(program: Program) -> list[Rule]:
     return list(rules.values())
 
 
-def _matmul_rules(g: Graph, n: Node, need: Callable[..., None]) -> None:
-    """Requirements of a column- or row-parallel projection."""
-    w = g.nodes[n.inputs[1]]
-    got = _weight_name(w.name)
-    if got is None or got[0] not in OWNERS:
+def _matmul_rules(g: Graph, i: int, users: list[list[int]], need: Callable[..., None]) -> None:
+    """Requirements of a row-parallel projection, over the FFN's hidden features (its K is the
+    FFN's width, which the column-parallel projections before it split too) or the heads
+    merged (only a quantized weight's groups)."""
+    x, w = (g.nodes[j] for j in g.nodes[i].inputs)
+    k = int(w.shape[1])
+    if x.op in (Op.ACT, Op.MUL):
+        shared = any(g.nodes[u].op == Op.ADD and any(   # added to the routed experts' sum
+            g.nodes[j].op == Op.MOE_LINEAR for j in g.nodes[u].inputs) for u in users[i])
+        field_ = "ffn.moe.shared_expert_d_ff" if shared else "ffn.d_ff"
+        need(field_, k, "does not divide by tp", lambda tp, f=k: f % tp == 0)
+    elif x.op == Op.MERGE_HEADS:
+        field_ = "attention.heads × attention.head_dim"
+    else:
         return
-    owner, proj = got
-    field_ = "ffn.moe.shared_expert_d_ff" if owner == "shared" else "ffn.d_ff"
-    if owner in ("ffn", "shared") and proj in ("gate", "up"):
-        rows = int(w.shape[0])
-        need(field_, rows, "does not divide by tp", lambda tp, f=rows: f % tp == 0)
-    elif proj in ("o", "down") and is_quantized(w.dtype):
-        _group_rule(need, "attention.heads × attention.head_dim" if proj == "o" else field_,
-                    int(w.shape[1]), w.dtype)
+    if is_quantized(w.dtype):
+        _group_rule(need, field_, k, w.dtype)
 
 
 def _group_rule(need: Callable[..., None], field_: str, k: int, dtype: str) -> None:
@@ -182,10 +205,17 @@ class _Sharder:
     vocab: bool                        # vocabulary-parallel embedding and head
     ctx: PassContext
     b: GraphBuilder = field(init=False)
+    users: list[list[int]] = field(init=False)
     vals: dict[int, Val] = field(default_factory=dict)
+    made: dict[int, int] = field(default_factory=dict)   # old node → the first node made for it
 
     def __post_init__(self) -> None:
         self.b = GraphBuilder(self.graph.name)
+        self.users = self.graph.users()
+
+    def _made(self, i: int, new: int) -> int:
+        self.made.setdefault(i, new)
+        return new
 
     # -- parameters
 
@@ -194,18 +224,19 @@ class _Sharder:
         n = self.graph.nodes[i]
         expr = n.attr("expr")
         if dim is None or parts == 1:
-            return self.b.param(n.name, n.shape, n.dtype, expr=expr)
+            return self._made(i, self.b.param(n.name, n.shape, n.dtype, expr=expr))
         dim %= len(n.shape)
         sliced = Call("shard", (expr or leaf(n.name),),
                       (("dim", dim), ("parts", parts)) + ((("every", every),) if every > 1 else ()))
         shape = tuple(s // parts if d == dim else s for d, s in enumerate(n.shape))
-        return self.b.param(n.name, shape, n.dtype, expr=sliced)
+        return self._made(i, self.b.param(n.name, shape, n.dtype, expr=sliced))
 
     # -- values
 
     def emit(self, i: int, *inputs: int, **attrs: object) -> int:
         n = self.graph.nodes[i]
-        return self.b.emit(n.op, *inputs, origin=n.origin, **{**dict(n.attrs), **attrs})
+        return self._made(i, self.b.emit(n.op, *inputs, origin=n.origin,
+                                         **{**dict(n.attrs), **attrs}))
 
     def collective(self, op: Op, x: int, origin: str, **attrs: object) -> int:
         return self.b.emit(op, x, origin=origin, group="tp", ranks=self.tp, **attrs)
@@ -234,7 +265,7 @@ class _Sharder:
             assert v.node is not None
             y = self.collective(Op.ALL_GATHER, v.node, origin, dim=1 if v.heads else -1)
             self.ctx.applied("all-gather", i, f"the ranks' {v.parts} parts concatenated")
-        self.vals[i] = Val("rep", y)
+        self.vals[i] = Val("rep", self._made(i, y))
         return y
 
 
@@ -245,12 +276,12 @@ class _Sharder:
         if n.op == Op.PARAM:
             return None                    # emitted where used, whole or sliced
         if n.op == Op.INPUT:
-            return Val("rep", self.b.input(n.name, n.shape, n.dtype, n.origin))
+            return Val("rep", self._made(i, self.b.input(n.name, n.shape, n.dtype, n.origin)))
         if n.op == Op.MATMUL and g.nodes[n.inputs[1]].op == Op.PARAM:
             return self.matmul(i)
         if n.op == Op.MOE_LINEAR:
             return self.moe_linear(i)
-        if n.op == Op.EMBEDDING and self.vocab and g.nodes[n.inputs[0]].name == TOKEN_TABLE:
+        if n.op == Op.EMBEDDING and self.vocab and n.inputs[0] == _token_table(g):
             table = self.param(n.inputs[0], 0, self.tp)
             self.ctx.applied("vocab-parallel", i, f"{self.tp} parts of the vocabulary's rows")
             return Val("sum", self.emit(i, table, self.whole(n.inputs[1]), parts=self.tp))
@@ -264,22 +295,20 @@ class _Sharder:
         return self.rep(i)
 
     def matmul(self, i: int) -> Val:
-        n, g = self.graph.nodes[i], self.graph
-        x, w = n.inputs
-        name = g.nodes[w].name
+        x, w = self.graph.nodes[i].inputs
         xv = self.vals[x]
         if xv.kind == "split" and not xv.heads:       # row-parallel: this rank's slice of K
             y = self.emit(i, xv.node, self.param(w, 1, xv.parts, xv.every))
             self.ctx.applied("row-parallel", i, f"K split in {xv.parts}; a partial sum")
             return Val("sum", y)
-        if _is_column(name):
-            _, proj = _weight_name(name) or ("", "")
-            parts, every = self.kv_split if proj in ("k", "v") else (self.tp, 1)
+        read = read_as(self.graph, i, self.users)
+        if read in ("q", "k", "v", "ffn"):
+            parts, every = self.kv_split if read in ("k", "v") else (self.tp, 1)
             y = self.emit(i, self.whole(x), self.param(w, 0, parts, every))
             shared = f", each part shared by {every} ranks" if every > 1 else ""
             self.ctx.applied("column-parallel", i, f"rows split in {parts}{shared}")
             return Val("split", y, parts, every)
-        if self.vocab and name in HEAD_TABLES:
+        if self.vocab and read == "logits":
             y = self.emit(i, self.whole(x), self.param(w, 0, self.tp))
             self.ctx.applied("vocab-parallel", i, f"the logits' {self.tp} parts of the vocabulary")
             return Val("split", y, self.tp)
@@ -392,7 +421,7 @@ class _Sharder:
     def run(self) -> Graph:
         for i, n in enumerate(self.graph.nodes):
             if n.op == Op.OUTPUT:
-                self.b.emit(Op.OUTPUT, self.whole(n.inputs[0]), origin=n.origin, **dict(n.attrs))
+                self.emit(i, self.whole(n.inputs[0]))
                 continue
             v = self.node(i)
             if v is not None:
@@ -410,49 +439,54 @@ def _kv_split(program: Program, tp: int) -> tuple[int, int]:
 
 
 def _vocab(program: Program) -> int | None:
+    """The vocabulary: the rows of the table embedding the tokens."""
     for g in program:
-        for n in g:
-            if n.op == Op.PARAM and n.name == TOKEN_TABLE:
-                return int(n.shape[0])
+        table = _token_table(g)
+        if table is not None:
+            return int(g.nodes[table].shape[0])
     return None
 
 
-def shard_step(program: Program, tp: int) -> PassStep:
-    """The shard pass as a step of a pipeline run: the program for `tp` ranks and the decisions
-    (what was split, replicated, reduced), for `archc passes --tp` and `explain`."""
+@register_pass(NAME, "tensor parallelism: the unfused program, as lowered, as each of tp ranks "
+               "runs it — column-parallel projections into attention heads and FFN features, "
+               "row-parallel ones after them with an all_reduce, a vocabulary-parallel "
+               "embedding and head, the rest replicated (translation-validated over tp "
+               "simulated ranks)", program=True, options={"tp": 1})
+def shard(program: Program, contexts: Mapping[str, PassContext], tp: int) -> Program:
     check(program, tp)
-    contexts = {g.name: PassContext(NAME, g) for g in program}
     if tp == 1:
-        return PassStep(NAME, "exact", program, program, (), (f"{NAME}: tp=1, not applied",))
+        return program
+    fused = next((n for g in program for n in g if n.op in (Op.FUSED_LINEAR, Op.ATTENTION)), None)
+    if fused is not None:
+        raise ShardError(f"the shard pass splits the unfused program, as lowered; "
+                         f"{program.model} has {fused.op.value} nodes: run it first")
     kv_split = _kv_split(program, tp)
     vocab = _vocab(program)
     parallel_vocab = vocab is not None and vocab % tp == 0
-    graphs, log = [], []
+    graphs = []
     for g in program:
         ctx = contexts[g.name]
         if vocab is not None and not parallel_vocab:
-            ctx.refused("vocab-parallel", "embed.weight",
+            table = _token_table(g)
+            ctx.refused("vocab-parallel", g.name if table is None else table,
                         f"vocab_size {vocab} does not divide by tp={tp}: embedding and head "
                         f"replicated")
         if kv_split[1] > 1:
             ctx.applied("kv-replicated", "attention.kv_heads",
                         f"{kv_split[0]} KV heads, each shared by {kv_split[1]} ranks")
-        graphs.append(_Sharder(g, tp, kv_split, parallel_vocab, ctx).run())
+        sharder = _Sharder(g, tp, kv_split, parallel_vocab, ctx)
+        graphs.append(sharder.run())
+        ctx.kept = sharder.made     # what `archc ir --diff shard` numbers as the old nodes
         whole = [n.name for n in graphs[-1] if n.op == Op.PARAM
                  and (n.attr("expr") is None or n.attr("expr").fn != "shard")]
         if whole:
             ctx.applied("replicated", g.name, f"{len(whole)} params whole on every rank "
                         f"(norm gains, routers, RoPE tables, unsplit tables): "
                         f"{', '.join(whole[:3])}{', …' if len(whole) > 3 else ''}")
-        applied = sum(d.applied for d in ctx.decisions)
-        log.append(f"{NAME}: graph {g.name}: {applied} rewrites for tp={tp}")
-    after = Program(program.model, tuple(graphs))
-    verify(after)
-    decisions = tuple(d for ctx in contexts.values() for d in ctx.decisions)
-    return PassStep(NAME, "exact", program, after, decisions, tuple(log))
+    return Program(program.model, tuple(graphs))
 
 
 def shard_program(program: Program, tp: int) -> Program:
     """`program` (unfused, as lowered) split over `tp` tensor-parallel ranks: the one program
     each rank runs, its weights read through shard() slices. tp=1 returns it unchanged."""
-    return shard_step(program, tp).after
+    return run_pass(program, NAME, options={"tp": tp}).after
