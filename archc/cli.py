@@ -97,9 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         world = args.tp * args.cp if hasattr(args, "timeout") else 1
         if world > 1:   # one rank of several: started here, or by torchrun
             from archc import dist
+            from archc.commands import launch
             if not dist.under_launcher():
-                dist.check_before_launch(args)
-                return dist.launch(sys.argv[1:] if argv is None else argv, world, args.timeout)
+                launch.check_before_launch(args)
+                return launch.launch(sys.argv[1:] if argv is None else argv, world,
+                                     args.timeout, main)
             rank = dist.init_from_env(world, args.timeout, getattr(args, "device", "cpu"))
             if rank != 0 and hasattr(args, "quiet"):
                 args.quiet = True   # rank 0 speaks for the run

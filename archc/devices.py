@@ -81,10 +81,9 @@ def rank_shapes(program: Program, tp: int = 1) -> dict[str, tuple[int, ...]]:
     shapes = checkpoint_shapes(program)
     if tp == 1:
         return shapes
-    from archc.dist import rank_slices
-    from archc.passes.shard import shard_program
+    from archc.passes.slices import rank_slices
     out = dict(shapes)
-    for name, (dim, parts, _) in rank_slices(shard_program(program, tp)).items():
+    for name, (dim, parts, _) in rank_slices(program, tp).items():
         dims = list(shapes[name])
         dims[dim] //= parts
         out[name] = tuple(dims)

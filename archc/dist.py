@@ -1,4 +1,4 @@
-"""Running on many processes: a rank's process groups, and the local launcher.
+"""A rank's process groups: joining the default group of a run, and its "tp" and "cp" groups.
 
 A run of tensor parallelism ``tp`` and context parallelism ``cp`` has ``tp · cp`` ranks in one
 torch.distributed default group. The layout is tp-major: global rank ``g = c · tp + t`` is tp
@@ -6,12 +6,11 @@ rank ``t`` of cp group ``c`` — the ``tp`` consecutive ranks ``c · tp … c ·
 a tensor-parallel group (the chattiest group on the nearest devices: neighbouring GPUs of one
 node), and ranks ``t, t + tp, …, t + (cp − 1) · tp`` a context-parallel ring.
 
-``archc run SRC --tp N [--cp M]`` started by hand spawns the ``N · M`` workers on this machine
-itself, through torch.distributed's elastic launcher (``launch``); started by ``torchrun
---nproc-per-node N·M -m archc run SRC --tp N`` (RANK and WORLD_SIZE set) each process is the
-rank torchrun made it (``init_from_env``). Each worker joins the default group — NCCL on GPUs,
-gloo on CPUs — with a timeout: a collective that waits longer on a rank that died fails
-rather than hangs, and a worker that dies makes the launcher stop the others and report it.
+A rank started by torchrun, or by ``archc run SRC --tp N`` (``archc.commands.launch``), finds
+RANK and WORLD_SIZE set and joins the default group (``init_from_env``) — NCCL on GPUs, gloo on
+CPUs — with a timeout: a collective that waits longer on a rank that died fails rather than
+hangs. Which tensors a rank reads of a checkpoint is the sharded program's
+(``archc.passes.slices``).
 """
 
 from __future__ import annotations
@@ -19,18 +18,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import socket
 import sys
-import time
-from collections.abc import Sequence
 from typing import Any
 
 from archc.errors import ArchcError, RunError
-from archc.ir.attrs import Call
-from archc.ir.graph import Graph, Program
-from archc.ir.ops import Op, canonical
-from archc.ir.paramexpr import leaves, shard
-from archc.quant.tensor import Weight
 from archc.runtime.comm import Comm, LocalComm, TorchComm
 
 # Test hook: a worker whose rank this names exits at once with status 3 after joining the group,
@@ -111,10 +102,10 @@ def group_timeout() -> datetime.timedelta:
     return dist.default_pg_timeout
 
 
-# ---- starting the ranks ----------------------------------------------------------------------
+# ---- joining the run's default group --------------------------------------------------------
 
 def under_launcher() -> bool:
-    """Was this process started as one rank of several (torchrun, or `launch` below)?"""
+    """Was this process started as one rank of several (torchrun, or ``archc.commands.launch``)?"""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
@@ -151,141 +142,3 @@ def leave() -> None:
         # a group whose peers are gone has nothing left to leave
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-
-
-def free_port() -> int:
-    """A TCP port on localhost that nothing listens on now (the rendezvous's)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _worker(argv: Sequence[str]) -> int:
-    """One spawned rank: the same command line, run as the rank the launcher made this."""
-    from archc.cli import main
-    try:
-        rc = main(list(argv))
-    except Exception:   # a bug, not bad input: its traceback, then the launcher's one line
-        import traceback
-        traceback.print_exc()
-        raise SystemExit(1) from None
-    if rc:
-        raise SystemExit(rc)
-    return 0
-
-
-# the exit statuses of an error archc reported itself (ArchcError: bad input, a failed run)
-REPORTED = (1, 2)
-
-
-def check_before_launch(args: Any) -> None:
-    """What can be refused before any rank starts: a source that does not shard over --tp or
-    run as a ring over --cp (every rank would refuse it, each after loading). Its weights as
-    they will be held — quantized in the file, or by --quantize — since a quantized weight
-    splits along K only on whole groups."""
-    from archc.commands.common import quant_of
-    from archc.ir.lower import lower
-    from archc.passes.context import context_parallel
-    from archc.passes.shard import shard_program
-    spec, quant = quant_of(args)
-    program = lower(spec, quant=quant)
-    if args.tp > 1:
-        program = shard_program(program, args.tp)
-    if args.cp > 1:
-        context_parallel(program, args.cp)
-
-
-def launch(argv: Sequence[str], world: int, timeout: float) -> int:
-    """Run the command `argv` as `world` local ranks (torch.distributed's elastic launcher,
-    no restarts); returns rank 0's exit status. A rank that fails stops the others: the result
-    is one error naming it, its exit status and how long the run had gone."""
-    import logging
-
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-    # the launcher logs every failure with its traceback; the one line below says it instead
-    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-    port = free_port()
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"archc-{port}",
-                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
-                          rdzv_configs={"timeout": int(timeout)}, max_restarts=0,
-                          monitor_interval=0.5, start_method="spawn")
-    start = time.monotonic()
-    try:
-        elastic_launch(config, _worker)(list(argv))
-    except ChildFailedError as err:
-        own = err.failures.get(0)
-        if own is not None and all(f.exitcode in REPORTED for f in err.failures.values()):
-            return own.exitcode     # rank 0 said why (every rank meets the same bad input)
-        raise RunError(failed_ranks(err, time.monotonic() - start)) from None
-    return 0
-
-
-def failed_ranks(err: Any, elapsed: float) -> str:
-    """A launcher's failure as one line: each failed rank and its exit status."""
-    parts = []
-    for rank, failure in sorted(err.failures.items()):
-        status = failure.exitcode
-        how = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
-        parts.append(f"rank {rank} {how}")
-    return (f"{'; '.join(parts)}; the other ranks were stopped after {elapsed:.1f} s")
-
-
-# ---- a rank's slices of a checkpoint ---------------------------------------------------------
-
-def rank_slices(sharded: Program) -> dict[str, tuple[int, int, int]]:
-    """Checkpoint tensor → (dim, parts, every) for each tensor a sharded program reads only as
-    ``shard(w(NAME), …)`` into a param of that name: what a rank's loader may read just its
-    slice of. A tensor read any other way as well is read whole."""
-    slices: dict[str, tuple[int, int, int]] = {}
-    whole: set[str] = set()
-    for g in sharded:
-        for n in g.nodes:
-            if n.op != Op.PARAM:
-                continue
-            expr = n.attr("expr")
-            cut = _plain_shard(expr)
-            if cut is not None and cut[0] == n.name:
-                slices[n.name] = cut[1]
-            else:
-                whole.update(leaves(expr) if expr is not None else [n.name])
-    return {k: v for k, v in slices.items() if k not in whole}
-
-
-def _plain_shard(expr: Any) -> tuple[str, tuple[int, int, int]] | None:
-    """(NAME, (dim, parts, every)) when `expr` is ``shard(w(NAME), dim, parts, every)``."""
-    if not isinstance(expr, Call) or expr.fn != "shard" or len(expr.args) != 1:
-        return None
-    arg, kw = expr.args[0], dict(expr.kwargs)
-    if not isinstance(arg, Call) or arg.fn != "w":
-        return None
-    return arg.args[0], (int(kw["dim"]), int(kw["parts"]), int(kw.get("every", 1)))
-
-
-def rank_span(cut: tuple[int, int, int], length: int, rank: int) -> tuple[int, int, int]:
-    """(dim, start, stop): the elements of `dim` (of `length` in the whole tensor) that rank
-    `rank` keeps of a tensor cut `cut` — what `take_slice` takes, and a loader reads."""
-    dim, parts, every = cut
-    size = length // parts
-    index = rank // every
-    return dim, index * size, (index + 1) * size
-
-
-def take_slice(w: Weight, cut: tuple[int, int, int], rank: int) -> Weight:
-    """Rank `rank`'s part of `w` (a copy: the whole tensor can be let go)."""
-    dim, parts, every = cut
-    return shard(w, dim, parts, every, rank=rank)
-
-
-def presliced(sharded: Program, names: set[str]) -> Program:
-    """`sharded` reading the tensors `names` as they are: their ``shard()`` already taken when
-    the checkpoint was read (``archc.load(…, tp=…, rank=…)``)."""
-    graphs = []
-    for g in sharded:
-        nodes = tuple(n.replace(attrs=canonical(Op.PARAM, {**dict(n.attrs), "expr": None}))
-                      if n.op == Op.PARAM and n.name in names and
-                      (_plain_shard(n.attr("expr")) or ("",))[0] == n.name else n
-                      for n in g.nodes)
-        graphs.append(Graph(g.name, nodes))
-    return Program(sharded.model, tuple(graphs))

@@ -29,6 +29,7 @@ from archc.errors import ArchcError, Spell, python_option
 from archc.ir.graph import Program
 from archc.ir.lower import lower
 from archc.memory import release_freed
+from archc.passes.slices import presliced, rank_slices, take_slice
 from archc.quant import QTensor
 from archc.runtime.eager import EagerSession
 from archc.runtime.generate import Sampler, Sampling
@@ -92,21 +93,13 @@ class Model:
             self.notes += (f"{self.spec.name} is a spec, not a checkpoint: its weights are "
                            f"random (seed {self.seed}), so what it computes means nothing",)
         check_checkpoint(self.graph if self.shard is None else
-                         self._presliced(self.graph, self.shard[0]), self.weights)
+                         presliced(self.graph, self.shard[0]), self.weights)
 
-    def _presliced(self, program: Program, tp: int) -> Program:
-        """`program` sharded over tp ranks, reading the slices this model already holds."""
-        from archc.dist import presliced, rank_slices
-        from archc.passes.shard import shard_program
-        sharded = shard_program(program, tp)
-        return presliced(sharded, set(rank_slices(sharded)))
 
     def sliced(self, tp: int, rank: int) -> Model:
         """This model holding only tensor-parallel rank `rank`'s slices of the weights a program
         sharded over tp ranks reads through ``shard()`` (the rest whole)."""
-        from archc.dist import rank_slices, take_slice
-        from archc.passes.shard import shard_program
-        cuts = rank_slices(shard_program(self.graph, tp))
+        cuts = rank_slices(self.graph, tp)
         weights = {k: take_slice(w, cuts[k], rank) if k in cuts else w
                    for k, w in (self.weights or {}).items()}
         out = dataclasses.replace(self, weights=weights, shard=(tp, rank))
@@ -200,7 +193,7 @@ class Model:
         if tp > 1:
             from archc.passes.shard import shard_program
             program = shard_program(program, tp) if self.shard is None else \
-                self._presliced(program, tp)
+                presliced(program, tp)
         if cp > 1:
             from archc.passes.context import context_parallel
             program = context_parallel(program, cp)

@@ -39,9 +39,8 @@ def load(directory: Path, progress: object = None, dtype: str | None = None,
     from safetensors import SafetensorError, safe_open
 
     from archc.devices import check_fits, checkpoint_elements
-    from archc.dist import rank_slices, rank_span
     from archc.ir.lower import lower
-    from archc.passes.shard import shard_program
+    from archc.passes.slices import rank_slices, rank_span
     from archc.runtime.weights import TORCH_DTYPES
     spec = load_yaml(directory / SPEC_FILE)
     path = directory / WEIGHTS_FILE
@@ -52,7 +51,7 @@ def load(directory: Path, progress: object = None, dtype: str | None = None,
     check_fits(spec.name, "its weights" if tp == 1 else
                f"its weights' slices for 1 of {tp} ranks",
                checkpoint_elements(program, tp=tp), dtype or spec.dtype, spec.family)
-    cuts = rank_slices(shard_program(program, tp)) if tp > 1 else {}
+    cuts = rank_slices(program, tp)
     weights: dict[str, torch.Tensor] = {}
     try:
         with safe_open(str(path), "pt") as f:

@@ -21,8 +21,8 @@ import torch
 import archc
 import archc.native as native
 import archc.quant.file as quant_file
-from archc.dist import rank_slices, rank_span
-from archc.passes.shard import ShardError, shard_program
+from archc.passes.shard import ShardError
+from archc.passes.slices import rank_slices, rank_span
 from archc.quant.tensor import QTensor, tensor_bytes
 from archc.sources.gguf import LAYOUT, GGUFFile
 from archc.sources.hf import SafetensorsFiles
@@ -155,7 +155,7 @@ def same(a: Any, b: Any) -> bool:
 def test_a_rank_reads_what_reading_whole_and_cutting_gives(files: dict[str, Path], name: str,
                                                             tp: int) -> None:
     whole = archc.load(files[name])
-    cuts = rank_slices(shard_program(whole.graph, tp))
+    cuts = rank_slices(whole.graph, tp)
     assert cuts, "nothing is cut: the case tests nothing"
     for rank in range(tp):
         got, want = archc.load(files[name], tp=tp, rank=rank), whole.sliced(tp, rank)
@@ -182,7 +182,7 @@ def test_a_quantized_k_that_does_not_split_is_refused_before_any_read(
         archc.load(files["gguf-Q4_K"], tp=2, rank=0)
     started = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("archc.dist.launch", lambda *a, **kw: started.append(a) or 0)
+        mp.setattr("archc.commands.launch.launch", lambda *a, **kw: started.append(a) or 0)
         assert main(["run", str(files["gguf-Q4_K"]), "--tp", "2", "--quiet"]) == 2
     assert not started
 
@@ -281,7 +281,7 @@ def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[Reads]:
 def share(model: archc.Model, tp: int) -> dict[str, Fraction]:
     """archc tensor → the share of it a rank keeps: 1/parts of one the sharded program cuts
     (every > 1 ranks sharing a part keep the same one), 1 of a replicated one."""
-    cuts = rank_slices(shard_program(model.graph, tp))
+    cuts = rank_slices(model.graph, tp)
     return {k: Fraction(1, cuts[k][1]) if k in cuts else Fraction(1) for k in model.weights}
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 import archc
-from archc.dist import free_port
+from archc.commands.launch import free_port
 from archc.errors import ArchcError
 from archc.ir.ops import Op
 from archc.ir.paramexpr import calls

@@ -182,15 +182,14 @@ Span = tuple[int, int, int]  # (dim, start, stop): the elements of dim a rank ke
 def _cuts(spec: Spec, quant: dict[str, tuple[str, tuple[int, ...]]], tp: int) -> dict[str, Cut]:
     """Tensor → its cut, for the tensors the program of `spec` (with the quantized tensors
     `quant`) sharded over tp ranks reads in parts."""
-    from archc.dist import rank_slices
     from archc.ir.lower import lower
-    from archc.passes.shard import shard_program
+    from archc.passes.slices import rank_slices
     program = lower(spec, quant={name: scheme for name, (scheme, _) in quant.items()})
-    return rank_slices(shard_program(program, tp))
+    return rank_slices(program, tp)
 
 
 def _span(cut: Cut, shape: Sequence[int], rank: int) -> Span:
-    from archc.dist import rank_span
+    from archc.passes.slices import rank_span
     return rank_span(cut, shape[cut[0]], rank)
 
 

@@ -274,7 +274,7 @@ def read_checkpoint(spec: Spec, ckpt: Checkpoint, layout: Layout, *, skip: Seque
     scheme, which prices them at their scheme's bytes); its bytes are priced against the memory
     free first. Returns it and the names of the checkpoint tensors skipped (matched by `skip`).
     `shard` (tp, rank): keep only tensor-parallel rank `rank`'s slice of each tensor the program
-    sharded over tp ranks reads through ``shard()`` (``archc.dist.rank_slices``), each tensor
+    sharded over tp ranks reads through ``shard()`` (``archc.passes.slices``), each tensor
     read, cut and let go in turn, so the whole checkpoint is never held. The cuts are those of
     the program with the weights the source holds quantized: a quantized weight that does not
     split along K on whole groups is refused by the shard pass, naming the field."""
@@ -302,9 +302,8 @@ def read_checkpoint(spec: Spec, ckpt: Checkpoint, layout: Layout, *, skip: Seque
         raise WeightsError(f"checkpoint has tensors the model does not use: {shown}{more}")
     cuts: dict[str, tuple[int, int, int]] = {}
     if shard is not None:
-        from archc.dist import rank_slices
-        from archc.passes.shard import shard_program
-        cuts = rank_slices(shard_program(program, shard[0]))
+        from archc.passes.slices import rank_slices
+        cuts = rank_slices(program, shard[0])
     out: dict[str, torch.Tensor] = {}
     for done, rule in enumerate(tmap.rules):
         values = _read_rule(source, rule, cuts, tmap.want, shard[1] if shard else 0) \
@@ -322,7 +321,7 @@ def _read_rule(source: TensorSource, rule: Rule, cuts: Mapping[str, tuple[int, i
     """The targets of `rule`, each cut to tensor-parallel rank `rank`'s slice where `cuts`
     has one: read as slices of the sources where the rule maps the cut back through its
     convert, else read whole, converted and cut (the whole tensors let go in turn)."""
-    from archc.dist import rank_span, take_slice
+    from archc.passes.slices import rank_span, take_slice
     spans = {t: rank_span(cuts[t], want[t][cuts[t][0]], rank)
              for t in rule.targets if t in cuts}
     part = rule.narrow(spans) if spans and rule.narrow is not None else None
