@@ -13,18 +13,18 @@ Weights are priced from the IR before they are allocated: a real-size spec's ran
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from archc import dtypes
 from archc.dtypes import FLOAT_DTYPES as DTYPES
+from archc.dtypes import KV_CODES
 from archc.errors import ArchcError, Spell, python_option
 from archc.ir.graph import Program
 from archc.ir.shapes import DTYPE_BYTES
+from archc.memory import free_bytes
 from archc.runtime.weights import checkpoint_shapes
 from archc.ui import nbytes
 
@@ -72,6 +72,39 @@ def resolve_device(value: Any, *, spell: Spell = python_option) -> torch.device:
     return device
 
 
+def check_compilable(backend: str | None, dtype: str, device: torch.device,
+                     kv_cache: Any = None, *, spell: Spell = python_option) -> None:
+    """Refuse what `backend` ("eager", "triton"; None: both, as validation runs them) cannot
+    compute on `device` before anything is loaded or compiled: bf16 in Triton's interpreter,
+    which computes bfloat16 wrongly; a KV-cache format that is not one; fp8 e4m3, which needs
+    torch's float8_e4m3fn, and in Triton kernels a GPU of compute capability 8.9 or later (Ada,
+    Hopper), whose cvt instructions convert to and from e4m3."""
+    triton = backend in ("triton", None)
+    if triton and dtype == "bf16" and device.type == "cpu":
+        raise ArchcError(f"{spell('dtype', 'bf16')} with the triton backend on the CPU: Triton's "
+                         f"interpreter computes bfloat16 wrongly; use {spell('dtype', 'f32')} or "
+                         f"{spell('dtype', 'f16')}, or {spell('device', 'cuda')}")
+    if kv_cache is None:
+        return
+    if kv_cache not in KV_CODES:
+        raise ArchcError(f"{spell('kv_cache', kv_cache)} is not a KV-cache format (known: "
+                         f"{', '.join(map(repr, KV_CODES))}, or None for the model dtype)")
+    if kv_cache != "fp8":
+        return
+    if KV_CODES["fp8"].torch is None:
+        raise ArchcError(f"{spell('kv_cache', 'fp8')}: this torch ({torch.__version__}) has no "
+                         f"float8_e4m3fn; use {spell('kv_cache', 'int8')}")
+    if triton:
+        cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        if cc is None or cc < (8, 9):
+            where = "the CPU (Triton's interpreter)" if cc is None else \
+                f"{torch.cuda.get_device_name(device)} (sm_{cc[0]}{cc[1]})"
+            raise ArchcError(f"{spell('kv_cache', 'fp8')} with the triton backend needs a GPU "
+                             f"of compute capability 8.9 or later; {where} has no e4m3 "
+                             f"conversions. Use {spell('kv_cache', 'int8')} there, or the eager "
+                             "backend for fp8")
+
+
 TINY = {"decoder": "tiny-llama3", "encoder": "tiny-bert", "encoder-decoder": "tiny-t5"}
 
 
@@ -105,25 +138,6 @@ def quantized_bytes(program: Program, quant: Mapping[str, str], tp: int = 1) -> 
                for name, dims in rank_shapes(program, tp).items() if name in quant)
 
 
-def host_available() -> int | None:
-    """Bytes of host memory a new allocation can take without swapping: the kernel's
-    MemAvailable (or free pages), within a cgroup v2 limit. None when it cannot be told."""
-    try:
-        meminfo = Path("/proc/meminfo").read_text()
-        found = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        try:
-            found = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            return None
-    cgroup = Path("/sys/fs/cgroup")
-    try:
-        limit = int((cgroup / "memory.max").read_text())     # "max": no limit, a ValueError
-        return min(found, limit - int((cgroup / "memory.current").read_text()))
-    except (OSError, ValueError):
-        return found
-
-
 def check_fits(model: str, what: str, elements: int, dtype: str, family: str,
                device: torch.device | None = None, *, spell: Spell = python_option,
                random: bool = False, quantized: int = 0) -> None:
@@ -132,8 +146,7 @@ def check_fits(model: str, what: str, elements: int, dtype: str, family: str,
     host) cannot hold them, saying what would fit."""
     device = device or torch.device("cpu")
     need = elements * DTYPE_BYTES[dtype] + quantized
-    free = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else \
-        host_available()
+    free = free_bytes(device)
     if free is None or need <= free:
         return
     smaller = [d for d in sorted(DTYPES, key=lambda d: (DTYPE_BYTES[d], d))

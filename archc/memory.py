@@ -1,5 +1,5 @@
-"""Host memory a process holds: tensors whose pages are mapped only when written, and the
-peak resident memory (what `archc run` reports)."""
+"""Memory: what a device has free for a new allocation, tensors whose pages are mapped only when
+written, and the peak resident memory a process held (what `archc run` reports)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import ctypes
 import functools
 import math
 import mmap
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,32 @@ from typing import Any
 import torch
 
 LAZY_ZEROS = 1 << 20     # bytes from which `zeros` maps memory of its own on the host
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation on `device` can take: the GPU's free memory, or the host's
+    (`host_available`); None when it cannot be told."""
+    return int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else \
+        host_available()
+
+
+def host_available() -> int | None:
+    """Bytes of host memory a new allocation can take without swapping: the kernel's
+    MemAvailable (or free pages), within a cgroup v2 limit. None when it cannot be told."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        found = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        try:
+            found = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    cgroup = Path("/sys/fs/cgroup")
+    try:
+        limit = int((cgroup / "memory.max").read_text())     # "max": no limit, a ValueError
+        return min(found, limit - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        return found
 
 
 def mapped(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

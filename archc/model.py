@@ -22,10 +22,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from archc.devices import check_fits, checkpoint_elements, default_dtype, dtype_name, resolve_device
+from archc.devices import (
+    check_compilable,
+    check_fits,
+    checkpoint_elements,
+    default_dtype,
+    dtype_name,
+    resolve_device,
+)
 from archc.dist import groups, parallel_sizes
-from archc.dtypes import KV_CODES
-from archc.errors import ArchcError, Spell, python_option
+from archc.errors import ArchcError
 from archc.ir.graph import Program
 from archc.ir.lower import lower
 from archc.memory import release_freed
@@ -157,10 +163,8 @@ class Model:
         torch_device = resolve_device(device)
         name = default_dtype(self.spec.dtype, torch_device) if dtype is None else \
             dtype_name(dtype)
-        if backend == "triton" and name == "bf16" and torch_device.type == "cpu":
-            raise ArchcError("dtype='bf16' with the triton backend on the CPU: Triton's "
-                             "interpreter computes bfloat16 wrongly; use dtype='f32' or 'f16', "
-                             "or device='cuda'")
+        kv_cache = options.pop("kv_cache", None)
+        check_compilable(backend, name, torch_device, kv_cache)
         # A backend evaluates the parameters into new tensors unless it runs the checkpoint's
         # own: the eager backend without weight-rewriting passes, in their dtype and place; or
         # the checkpoint is handed over, each tensor let go as its replacement is made.
@@ -171,8 +175,6 @@ class Model:
             check_fits(self.spec.name, "the compiled copy of its weights",
                        checkpoint_elements(self.graph), name, self.spec.family, torch_device,
                        random=self.random_weights)
-        kv_cache = options.pop("kv_cache", None)
-        check_kv_cache(kv_cache, backend, torch_device)
         program = self.graph if name == "f32" and kv_cache is None else \
             lower(self.spec, name, self.quant, kv_cache=kv_cache)
         if tp * cp > 1:
@@ -202,32 +204,6 @@ class Model:
             raise ArchcError(f"the model holds tp rank {self.shard[1]}'s slices of its weights; "
                              f"this process is tp rank {comms['tp'].rank}")
         return program, comms
-
-
-def check_kv_cache(kv_cache: Any, backend: str, device: torch.device, *,
-                   spell: Spell = python_option) -> None:
-    """Refuse a KV-cache format that is not one, or that `backend` cannot hold on `device`:
-    fp8 e4m3 needs torch's float8_e4m3fn, and in Triton kernels a GPU of compute capability
-    8.9 or later (Ada, Hopper), whose cvt instructions convert to and from e4m3."""
-    if kv_cache is None:
-        return
-    if kv_cache not in KV_CODES:
-        raise ArchcError(f"{spell('kv_cache', kv_cache)} is not a KV-cache format (known: "
-                         f"{', '.join(map(repr, KV_CODES))}, or None for the model dtype)")
-    if kv_cache != "fp8":
-        return
-    if KV_CODES["fp8"].torch is None:
-        raise ArchcError(f"{spell('kv_cache', 'fp8')}: this torch ({torch.__version__}) has no "
-                         f"float8_e4m3fn; use {spell('kv_cache', 'int8')}")
-    if backend == "triton":
-        cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-        if cc is None or cc < (8, 9):
-            where = "the CPU (Triton's interpreter)" if cc is None else \
-                f"{torch.cuda.get_device_name(device)} (sm_{cc[0]}{cc[1]})"
-            raise ArchcError(f"{spell('kv_cache', 'fp8')} with the triton backend needs a GPU "
-                             f"of compute capability 8.9 or later; {where} has no e4m3 "
-                             f"conversions. Use {spell('kv_cache', 'int8')} there, or the eager "
-                             "backend for fp8")
 
 
 # What the eager backend interprets unless told otherwise: the unfused program with each

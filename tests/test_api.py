@@ -71,7 +71,7 @@ def test_api_errors_name_arguments_not_flags(monkeypatch: pytest.MonkeyPatch) ->
                           (lambda: model.compile("fast"), r"backend='fast'"),
                           (lambda: model.compile(device="tpu"), r"device='tpu'"),
                           (lambda: model.compile("triton", dtype="bf16"),
-                           r"use dtype='f32' or 'f16', or device='cuda'")):
+                           r"use dtype='f32' or dtype='f16', or device='cuda'")):
         with pytest.raises(ArchcError, match=pattern) as err:
             call()
         assert "--" not in str(err.value)
@@ -97,7 +97,7 @@ def test_weights_that_cannot_fit_are_refused_before_they_are_allocated(
     # embedding, 30 blocks of Q/O 576², K/V 576 × 192, SwiGLU 3 × 576 × 1536 and two norms,
     # and a final norm
     params = 49152 * 576 + 30 * (2 * 576 ** 2 + 2 * 576 * 192 + 3 * 576 * 1536 + 2 * 576) + 576
-    monkeypatch.setattr(archc.devices, "host_available", lambda: 300 << 20)
+    monkeypatch.setattr("archc.memory.host_available", lambda: 300 << 20)
     allocated: list[str] = []
     monkeypatch.setattr(archc.model, "random_weights",
                         lambda *a, **k: allocated.append("yes") or {})
@@ -108,7 +108,7 @@ def test_weights_that_cannot_fit_are_refused_before_they_are_allocated(
     assert "300.00 MiB of memory is available" in message and "tiny-llama3" in message
     assert f"dtype='bf16' or dtype='f16' ({params * 2 / 2 ** 20:.2f} MiB)" in message
     assert not allocated
-    monkeypatch.setattr(archc.devices, "host_available", lambda: 100 << 20)
+    monkeypatch.setattr("archc.memory.host_available", lambda: 100 << 20)
     with pytest.raises(ArchcError) as err:
         archc.load("smollm2-135m", dtype=torch.bfloat16)
     assert "dtype=" not in str(err.value)     # nothing smaller fits: not offered
@@ -125,7 +125,7 @@ def test_bf16_random_weights_are_the_f32_draws_rounded() -> None:
 
 def test_the_compiled_copy_is_priced_too(monkeypatch: pytest.MonkeyPatch) -> None:
     model = archc.load("tiny-llama3")
-    monkeypatch.setattr(archc.devices, "host_available", lambda: 1000)
+    monkeypatch.setattr("archc.memory.host_available", lambda: 1000)
     model.compile()      # the eager backend runs the checkpoint's own f32 tensors: no copy
     with pytest.raises(ArchcError, match="the compiled copy of its weights need"):
         model.compile(dtype="f16")

@@ -221,7 +221,7 @@ def test_memory_is_priced_at_the_bytes_a_quantized_file_holds(
     kept = sum(w.nbytes if isinstance(w, QTensor) else w.numel() * 4
                for w in archc.load(path).weights.values())
     assert 2 * kept < floats
-    monkeypatch.setattr("archc.devices.host_available", lambda: (kept + floats) // 2)
+    monkeypatch.setattr("archc.memory.host_available", lambda: (kept + floats) // 2)
     assert archc.load(path).quant
     with pytest.raises(ArchcError, match=r"its weights need .* in f32\) and"):
         archc.load(path, dequantize=True)

@@ -161,16 +161,16 @@ def test_blocks_default_to_max_batch_sequences_of_max_seq_len(
     # k and v of each layer: 16 rows of each KV head's head_dim f32 values
     assert engine.block_bytes == spec.layers * 2 * spec.attention.kv_heads * head_dim * 16 * 4
     # when they do not fit in half the free memory: what does
-    monkeypatch.setattr("archc.runtime.paged.host_available", lambda: 2 * 5 * engine.block_bytes)
+    monkeypatch.setattr("archc.memory.host_available", lambda: 2 * 5 * engine.block_bytes)
     assert compiled.engine(block_size=16, max_batch=3).blocks_total == 5
     # fewer than one sequence of max_seq_len (4 blocks): shorter sequences, the pool refusing
     # one that needs more blocks than it holds
-    monkeypatch.setattr("archc.runtime.paged.host_available", lambda: 2 * 3 * engine.block_bytes)
+    monkeypatch.setattr("archc.memory.host_available", lambda: 2 * 3 * engine.block_bytes)
     short = compiled.engine(block_size=16, max_batch=3)
     assert short.blocks_total == 3
     with pytest.raises(PoolExhausted):
         short.prefill(0, [1, 2, 3], total_tokens=64)
-    monkeypatch.setattr("archc.runtime.paged.host_available", lambda: engine.block_bytes)
+    monkeypatch.setattr("archc.memory.host_available", lambda: engine.block_bytes)
     with pytest.raises(ArchcError, match="one KV-cache block of 16 tokens needs 8.00 KiB"):
         compiled.engine(block_size=16, max_batch=3)
 

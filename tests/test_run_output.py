@@ -129,13 +129,13 @@ def test_text_from_a_spec_is_refused_saying_its_weights_would_be_random(
 def test_weights_that_cannot_fit_are_refused_in_the_words_of_the_command_line(
         no_weights: None, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(archc.devices, "host_available", lambda: 300 << 20)
+    monkeypatch.setattr("archc.memory.host_available", lambda: 300 << 20)
     status, out, err = run(capsys, "smollm2-135m")
     assert status == 2 and err.count("\n") == 1
     assert "300.00 MiB of memory is available" in err
     assert "--dtype bf16 or --dtype f16" in err and "dtype=" not in err
     # validation keeps the checkpoint beside the eager and the kernels' copies: priced too
-    monkeypatch.setattr(archc.devices, "host_available", lambda: 600 << 20)
+    monkeypatch.setattr("archc.memory.host_available", lambda: 600 << 20)
     capsys.readouterr()
     assert main(["validate", "smollm2-135m"]) == 2
     assert "its weights and 2 compiled copies need" in capsys.readouterr().err

@@ -22,7 +22,7 @@ from rich.table import Table
 from archc.commands.common import check_output, quant_of, quant_scheme, spec_of
 from archc.commands.defaults import fit_lengths
 from archc.commands.vocabulary import add, positive_int
-from archc.devices import default_dtype, resolve_device
+from archc.devices import check_compilable, default_dtype, resolve_device
 from archc.errors import ArchcError, cli_option
 from archc.perf.gpus import GPUS, gpu
 from archc.perf.summary import fmt_percent as _pct
@@ -106,9 +106,6 @@ def config_of(args: argparse.Namespace) -> Any:
     contexts = tuple(args.contexts)
     check_config(spec, prompt, decode, contexts)
     dtype = args.dtype or default_dtype(spec.dtype, "cpu" if dry else "cuda")
-    if dry and dtype == "bf16":
-        raise ArchcError("--dry-run runs Triton's interpreter, which computes bf16 wrongly: "
-                         "use --dtype f32 or f16")
     scheme = quant_scheme(args)
     auto = args.gpu in (None, "auto")
     model = gpu("h200" if auto else args.gpu)
@@ -117,6 +114,7 @@ def config_of(args: argparse.Namespace) -> Any:
                          f"{args.source} --dry-run` runs the same harness on the CPU with tiny "
                          "shapes; `archc roofline` models any GPU without one")
     device = resolve_device(args.device or ("cpu" if dry else "cuda"), spell=cli_option)
+    check_compilable("triton", dtype, device, spell=cli_option)
     detected = auto and device.type == "cuda"
     if detected:     # read the GPU model off the device
         name = torch.cuda.get_device_name(device)

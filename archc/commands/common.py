@@ -19,6 +19,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
 from archc.devices import (
+    check_compilable,
     check_fits,
     checkpoint_elements,
     default_dtype,
@@ -29,7 +30,6 @@ from archc.devices import (
 from archc.errors import ArchcError, cli_option
 from archc.ir.lower import lower
 from archc.memory import peak_resident
-from archc.model import check_kv_cache
 from archc.quant import QTensor, tensor_bytes
 from archc.sources import describe
 from archc.spec.schema import Spec
@@ -174,13 +174,10 @@ class Run:
         if getattr(args, "dequantize", False) and self.source.kind != "gguf":
             raise ArchcError(f"--dequantize reads a GGUF file's quantized tensors as floats; "
                              f"{args.source} is not a GGUF file")
-        if backend is not None:       # before any weight is read
-            check_kv_cache(getattr(args, "kv_cache", None), backend, self.device,
-                           spell=cli_option)
+        # before any weight is read
+        check_compilable(backend, self.dtype, self.device, getattr(args, "kv_cache", None),
+                         spell=cli_option)
         self.timings = Timings()      # load and compile, as they happen
-        if backend != "eager" and self.dtype == "bf16" and self.device.type == "cpu":
-            raise ArchcError("--dtype bf16 on the CPU: Triton's interpreter computes bfloat16 "
-                             "wrongly; use --dtype f32 or f16, or --device cuda")
         if lengths is not None:
             self.check_lengths(*lengths)
         # The weights are read straight into the compute dtype, so the eager backend runs them

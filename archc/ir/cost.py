@@ -102,6 +102,11 @@ def node_states(g: Graph, i: int) -> tuple[StateDecl, ...]:
     return OP_TABLE[g.nodes[i].op].states(g.sig(i))
 
 
+def state_keys(g: Graph, i: int) -> list[tuple[int, str]]:
+    """The (layer, kind) of each recurrent state node i reads and updates (none for most)."""
+    return [(g.nodes[i].attr("layer"), d.kind) for d in node_states(g, i)]
+
+
 def recurrent_state_bytes(p: Program) -> int:
     """Bytes of recurrent state one sequence keeps, as its nodes declare it: fixed at any length."""
     seen: dict[tuple[int, str], int] = {}

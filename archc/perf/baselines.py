@@ -28,7 +28,6 @@ import torch.nn.functional as F
 
 import archc.ir.expr as E
 from archc.ir.attrs import Attrs, Call
-from archc.ir.cost import node_states
 from archc.ir.graph import Graph
 from archc.ir.modifiers import SOFTMAX, evaluate
 from archc.ir.ops import OP_TABLE, VIEW, Args, Op, bind, full_attrs
@@ -404,11 +403,6 @@ def _moe_linear(a: Attrs, got: Args, rec: _Recorder) -> Counterpart:
     if a["epilogue"]:
         what += " → " + ", ".join(st.fn for st in a["epilogue"])
     return Counterpart("unfused", lambda: _epilogue(rec, stage(), a, got), _output, what)
-
-
-def state_keys(g: Graph, i: int) -> list[tuple[int, str]]:
-    """The (layer, kind) of each recurrent state node i reads and updates (none for most)."""
-    return [(g.nodes[i].attr("layer"), d.kind) for d in node_states(g, i)]
 
 
 def counterparts(g: Graph, i: int, xs: Sequence[torch.Tensor], dims: Mapping[str, int],

@@ -50,12 +50,13 @@ import torch
 from archc.dtypes import TORCH_DTYPES
 from archc.errors import ArchcError
 from archc.ir.attrs import Call
+from archc.ir.cost import state_keys
 from archc.ir.graph import Graph, Program
 from archc.ir.lower import lower
 from archc.ir.ops import Op
 from archc.ir.paramexpr import leaves
 from archc.ir.shapes import DTYPE_BYTES, evaluate
-from archc.perf.baselines import Counterpart, Unavailable, counterparts, scratch_caches, state_keys
+from archc.perf.baselines import Counterpart, Unavailable, counterparts, scratch_caches
 from archc.perf.gpus import GPU
 from archc.perf.roofline import decode_floor, kernels
 from archc.perf.summary import fmt_percent, fmt_ratio, fmt_seconds

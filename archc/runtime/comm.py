@@ -45,6 +45,19 @@ class Comm(Protocol):
         """Send each of xs to rank + 1 and receive the same tensors of rank − 1 (mod size)."""
         ...
 
+    def ring_pass_start(self, xs: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+        """``ring_pass`` begun: calling the result waits and gives rank − 1's tensors. A
+        communicator that can (``TorchComm``) moves them in the background while the caller
+        computes — ring attention overlaps each K/V block's transfer with the attention over the
+        block in hand this way; the others pass them at once (``passed_at_once``)."""
+        ...
+
+
+def passed_at_once(comm: Comm, xs: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+    """``ring_pass_start`` of a communicator that passes at once."""
+    got = comm.ring_pass(xs)
+    return lambda: got
+
 
 class LocalComm:
     """A group of one rank: every collective returns its input."""
@@ -62,6 +75,9 @@ class LocalComm:
 
     def ring_pass(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [x.clone() for x in xs]
+
+    def ring_pass_start(self, xs: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+        return passed_at_once(self, xs)
 
 
 class SimulatedWorld:
@@ -115,6 +131,9 @@ class SimulatedComm:
     def ring_pass(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         every = self.world.exchange(self.rank, list(xs))
         return [x.clone() for x in every[(self.rank - 1) % self.size]]
+
+    def ring_pass_start(self, xs: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+        return passed_at_once(self, xs)
 
 
 def run_simulated(size: int, fn: Callable[[int], T], timeout: float = 120.0) -> list[T]:
@@ -198,9 +217,7 @@ class TorchComm:
 
     def ring_pass_start(self, xs: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
         """``ring_pass`` begun and not waited for: the sends and receives run in the background
-        (batch_isend_irecv) while the caller computes; calling the result waits for them and
-        gives the tensors of rank − 1. Ring attention overlaps each K/V block's transfer with
-        the attention over the block in hand this way."""
+        (batch_isend_irecv) while the caller computes; calling the result waits for them."""
         dist = self.dist
         nxt, prv = ((self.rank + d) % self.size for d in (1, -1))
         if self.group is not None:
@@ -218,14 +235,3 @@ class TorchComm:
             sent.clear()
             return got
         return lambda: ring_pass_wait(self)
-
-
-def ring_pass_start(comm: Comm, xs: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
-    """Begin passing `xs` round `comm`'s ring; calling the result waits and gives rank − 1's
-    tensors. A communicator that can (``TorchComm.ring_pass_start``) moves them in the
-    background while the caller computes; others pass them at once."""
-    start = getattr(comm, "ring_pass_start", None)
-    if start is not None:
-        return start(xs)
-    got = comm.ring_pass(xs)
-    return lambda: got

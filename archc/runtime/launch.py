@@ -33,7 +33,7 @@ from archc.ir.ops import OP_TABLE, Op
 from archc.memory import zeros
 from archc.runtime import tuning
 from archc.runtime.buffers import plan_buffers
-from archc.runtime.comm import Comm, LocalComm, ring_pass_start
+from archc.runtime.comm import Comm, LocalComm
 
 # (callable, positional arguments, keyword arguments): a kernel launch or a host step
 Launch = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
@@ -233,7 +233,7 @@ class LaunchContext:
         coming: list[Callable[[], list[torch.Tensor]]] = []
 
         def start(block: list[torch.Tensor]) -> None:
-            coming.append(ring_pass_start(comm, block))
+            coming.append(comm.ring_pass_start(block))
 
         def land(into: list[torch.Tensor]) -> None:
             for buf, got in zip(into, coming.pop()()):

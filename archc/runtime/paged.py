@@ -23,16 +23,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from archc.devices import host_available
 from archc.errors import ArchcError
 from archc.ir.graph import LAST_TOKEN, Program
 from archc.ir.ops import Op
 from archc.ir.ops.base import RECURRENT
 from archc.ir.shapes import DTYPE_BYTES
+from archc.memory import free_bytes
 from archc.passes.logits import last_token_graph
 from archc.passes.paged import max_blocks, paged_kv
 from archc.runtime.batch import PoolExhausted
@@ -43,12 +43,21 @@ from archc.spec.schema import Spec
 from archc.ui import nbytes
 
 if TYPE_CHECKING:
-    from archc.model import CompiledModel
     from archc.runtime.triton_backend import TritonSession
+    from archc.spec.schema import Spec
 
 
 class EngineError(ArchcError):
     """A model the paged engine cannot serve, or a call it refuses."""
+
+
+class Compiled(Protocol):
+    """What the engine reads of a compiled model (``archc.model.CompiledModel``)."""
+
+    spec: Spec
+    program: Program
+    session: Any           # an EagerSession or a TritonSession
+    backend: str           # "eager" or "triton"
 
 
 @dataclass
@@ -64,7 +73,7 @@ def _whole(value: Any, what: str, least: int) -> int:
     return value
 
 
-def refuse_unservable(compiled: CompiledModel) -> None:
+def refuse_unservable(compiled: Compiled) -> None:
     """One clear error for a compiled model the paged engine cannot serve."""
     spec, name = compiled.spec, compiled.spec.name
     if spec.family != "decoder":
@@ -116,8 +125,7 @@ def default_blocks(engine: PagedEngine, device: torch.device) -> int:
     sequence the pool cannot hold is refused when it starts). Refused when that half holds not
     one block."""
     want = engine.max_batch * engine.table_width
-    free = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else \
-        host_available()
+    free = free_bytes(device)
     if free is None or engine.block_bytes == 0 or want * engine.block_bytes <= free // 2:
         return want
     fits = free // 2 // engine.block_bytes
@@ -187,7 +195,7 @@ class PagedEngine:
     """A compiled decoder running many sequences over one pool of KV-cache blocks: implements
     ``archc.runtime.batch.BatchEngine``."""
 
-    def __init__(self, compiled: CompiledModel, block_size: int = 16, blocks: int | None = None,
+    def __init__(self, compiled: Compiled, block_size: int = 16, blocks: int | None = None,
                  max_batch: int = 16) -> None:
         refuse_unservable(compiled)
         self.block_size = _whole(block_size, "block_size", 1)
@@ -204,7 +212,7 @@ class PagedEngine:
                 session, self.program, self.blocks_total, self.block_size)
         else:
             self.steps = _TritonSteps(session, self.program, self.blocks_total, self.max_batch)
-        self.vocab = compiled.model.spec.vocab_size
+        self.vocab = compiled.spec.vocab_size
         # blocks handed out lowest first: a fresh engine's first sequence holds blocks 0, 1, …
         self._free = list(range(self.blocks_total - 1, -1, -1))
         self._seqs: dict[int, _Sequence] = {}

@@ -22,6 +22,7 @@ import torch
 from archc.codegen.build import CodegenOptions
 from archc.codegen.render import generate, load_module, write_module
 from archc.codegen.targets import target_of
+from archc.devices import check_compilable
 from archc.errors import ArchcError, RunError
 from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import Op
@@ -121,10 +122,7 @@ class TritonSession(SessionBase):
                  comms: Mapping[str, Comm] | None = None) -> None:
         device = torch.device(device)
         self.target = self._target(device)
-        if dtype == "bf16" and self.target == "interpret":
-            raise ArchcError("bf16 on the CPU: Triton's interpreter computes bfloat16 wrongly, so "
-                             "the triton backend runs f32 or f16 there (use --dtype f32 or f16, "
-                             "or a GPU)")
+        check_compilable("triton", dtype, device)
         self.options = options or TritonOptions()
         self.dtype = dtype
         passes = self.options.passes

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from archc.ir.cost import state_keys
 from archc.ir.graph import CROSS_KV
 from archc.ir.ops.attention import kv_dequantize
 from archc.ir.text import format_node
-from archc.perf.baselines import state_keys
 from archc.runtime.eager import EagerSession, Trace
 
 if TYPE_CHECKING:
@@ -106,12 +106,12 @@ def validate(model: object, *, dtype: str = "f32", batch: int = 2, tokens: int =
     `autotune`: let the triton session tune its kernels on a GPU (None: ``TritonOptions``'s
     default);
     `kv_cache`: int8 or fp8 to hold every session's KV cache quantized."""
+    from archc.devices import check_compilable
     from archc.ir.lower import lower
-    from archc.model import check_kv_cache
     from archc.runtime.triton_backend import TritonOptions, TritonSession
     spec = model.spec  # type: ignore[attr-defined]
     weights = model.weights  # type: ignore[attr-defined]
-    check_kv_cache(kv_cache, "triton", torch.device(device))
+    check_compilable("triton", dtype, torch.device(device), kv_cache)
     unfused = lower(spec, dtype, model.quant, kv_cache=kv_cache)  # type: ignore[attr-defined]
     tuning = {} if autotune is None else {"autotune": autotune}
     triton = TritonSession(unfused, weights, max_seq_len=spec.max_seq_len, dtype=dtype,

@@ -47,7 +47,6 @@ from archc.ir.ops.modifiers import (
     t5_buckets,  # noqa: F401  (read here by codegen's T5 thresholds)
 )
 from archc.ir.shapes import DTYPE_BYTES, P, Shape, numel
-from archc.runtime.comm import ring_pass_start
 
 # ---- rotary positions ----------------------------------------------------------------------
 
@@ -545,7 +544,7 @@ def ring_attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     for step in range(comm.size):
         # the next block is asked for before this one is computed: a process group moves it
         # while the local block is in hand
-        coming = ring_pass_start(comm, block) if step < comm.size - 1 else None
+        coming = comm.ring_pass_start(block) if step < comm.size - 1 else None
         n = int((block[2] >= 0).sum())              # its real rows come first
         kb, vb, kpos = (x[:, :, :n] if x.dim() == 4 else x[:n] for x in block[:3])
         mine = {**a, **({"padding": block[3][:, :n]} if padding is not None else {})}
