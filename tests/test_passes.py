@@ -161,6 +161,49 @@ def test_the_pipeline_is_a_fixed_point() -> None:
         assert run_pipeline(p).program is p, name
 
 
+def test_passes_with_options_run_in_a_pipeline() -> None:
+    """shard, context-parallel and paged-kv are passes like the others: named with their options
+    in a pipeline, verified by the manager, their refusals raised in their own words."""
+    from archc.passes.context import ContextError
+    from archc.passes.paged import PagedError
+    from archc.passes.shard import ShardError, shard_program
+    program = lower(load_spec("tiny-llama3"))
+    run = run_pipeline(program, "shard:tp=2,default,paged-kv:block_size=4:max_seq_len=16")
+    assert [s.name for s in run.steps] == ["shard", *DEFAULT_PIPELINE, "paged-kv"]
+    assert run.steps[0].after == shard_program(program, 2)
+    g = run.program.graph("decoder")
+    assert g.nodes[g.inputs["block_table"]].shape == (T, 4)    # ⌈16 / 4⌉ blocks a sequence
+    assert run_pass(program, "shard").after is program          # tp=1: not applied
+    for pipeline, error, message in [
+            ("paged-kv", ArchcError, r"pass paged-kv needs option 'max_seq_len'; it takes "
+                                     r"paged-kv:block_size=16:max_seq_len=N$"),
+            ("shard:cp=2", ArchcError, r"pass shard has no option 'cp'; it takes shard:tp=1$"),
+            ("shard:tp=two", ArchcError, r"'tp=two' is not OPTION=N"),
+            ("dce:x=1", ArchcError, r"pass dce has no option 'x'; it takes none$"),
+            ("default,shard:tp=2", ShardError, r"splits the unfused program, as lowered"),
+            ("shard:tp=3", ShardError, r"attention\.heads = 4 does not divide by tp"),
+            ("context-parallel:cp=0", ContextError, r"integer ≥ 1"),
+            ("paged-kv:block_size=0:max_seq_len=8", PagedError, r"block_size=0")]:
+        with pytest.raises(error, match=message):
+            run_pipeline(program, pipeline)
+
+
+def test_the_diff_of_a_pass_with_options_numbers_the_nodes_it_kept(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ir", "tiny-llama3", "--passes", "shard:tp=2", "--diff", "shard"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # the residual add after the first all_reduce keeps its number, reading the new node
+    assert "+  %+1 : f32[B,T,64] = all_reduce(%29) {group=\"tp\", ranks=2}" in lines
+    assert "+  %30 : f32[B,T,64] = add(%3, %+1)" in lines
+    assert main(["ir", "tiny-bloom", "--passes", "context-parallel:cp=2", "--diff",
+                 "context-parallel"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # positions put first (%+1), each attention chain one ring attention (%+2, %+3)
+    assert "+  %+1 : i64[T] = input() {name=\"positions\"}" in lines
+    assert "   %0 : i64[B,T] = input() {name=\"tokens\"}" in lines
+    assert sum(ln.startswith("+  %+") and "ring=2" in ln for ln in lines) == 2
+
+
 @pytest.fixture
 def broken_pass() -> str:
     @register_pass("test-break-shapes", "breaks a shape, for the test")

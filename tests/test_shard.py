@@ -17,7 +17,7 @@ import torch
 
 from archc.cli import main
 from archc.ir.attrs import Call
-from archc.ir.graph import Program
+from archc.ir.graph import Graph, Program
 from archc.ir.lower import lower
 from archc.ir.ops import Op
 from archc.ir.ops.base import COLLECTIVE
@@ -215,6 +215,22 @@ def test_kv_heads_fewer_than_ranks_are_replicated() -> None:
     expr = step.after.graph("decoder").nodes[k].attr("expr")
     assert (expr.kw("dim"), expr.kw("parts"), expr.kw("every")) == (0, 2, 2)
     assert any(d.rule == "kv-replicated" for d in step.applied())
+
+
+@pytest.mark.parametrize("name", ["tiny-llama3+vocab96", "tiny-gpt2", "tiny-mixtral"])
+def test_the_split_does_not_depend_on_weight_names(name: str) -> None:
+    """Column-parallel projections and the vocabulary-parallel tables are found by what reads
+    them: with every weight renamed, the sharded program is the same but for the names."""
+    _, program, _ = model(name)
+    renamed = Program(program.model, tuple(Graph(g.name, tuple(
+        n.replace(attrs=n.attrs.replace(name=f"w{i}")) if n.op == Op.PARAM
+        and n.attr("expr") is None else n for i, n in enumerate(g.nodes))) for g in program))
+
+    def unnamed(p: Program) -> list[tuple]:
+        cut = lambda e: e.kwargs if e is not None and e.fn == "shard" else None  # noqa: E731
+        return [(n.op, n.inputs, n.shape, n.attrs.replace(name="", expr=None),
+                 cut(n.attr("expr"))) for g in p for n in g]
+    assert unnamed(shard_program(renamed, 2)) == unnamed(shard_program(program, 2))
 
 
 def test_row_parallel_bias_is_added_once_after_the_all_reduce() -> None:
