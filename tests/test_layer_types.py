@@ -317,7 +317,7 @@ def test_bad_layer_types_are_refused(row: Bad) -> None:
 
 
 def test_an_architecture_step_applies_to_every_layer_or_is_refused() -> None:
-    from archc.modernize import StepError, parse_steps
+    from archc.spec.steps import StepError, parse_steps
     step = parse_steps("qk-norm")[0].apply(spec())
     assert all(layer_spec(step, i).attention.qk_norm for i in range(4))
     assert layer_spec(step, 0).attention.window == 4    # what the type sets stays

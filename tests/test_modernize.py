@@ -11,8 +11,9 @@ import archc
 from archc.errors import ArchcError
 from archc.ir.cost import kv_cache_bytes_per_token, parameter_count
 from archc.ir.lower import lower
-from archc.modernize import STEPS, StepCall, StepError, convert, decode_intensity, parse_steps
+from archc.modernize import convert, decode_intensity
 from archc.spec import load_spec
+from archc.spec.steps import STEPS, StepCall, StepError, parse_steps
 from tests.conftest import TINY_SPECS
 
 
@@ -183,7 +184,8 @@ def test_inapplicable_steps_say_why() -> None:
 
 
 def test_report_walks_gpt1_to_a_llama_style_block() -> None:
-    from archc.modernize import DEFAULT_STEPS, walk
+    from archc.modernize import walk
+    from archc.spec.steps import DEFAULT_STEPS
     rows = walk(load_spec("gpt1"), parse_steps(",".join(DEFAULT_STEPS)), batch=1, context=512)
     assert [r.step for r in rows] == ["(start)", *DEFAULT_STEPS]
     final = rows[-1].spec

@@ -10,8 +10,9 @@ from archc.commands.common import check_output, emit
 from archc.commands.defaults import fitted, note
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
-from archc.modernize import DEFAULT_STEPS, STEPS, Row, StepError, convert, parse_steps, walk
+from archc.modernize import Row, convert, walk
 from archc.sources import describe
+from archc.spec.steps import DEFAULT_STEPS, STEPS, StepError, parse_steps
 from archc.ui import console, nbytes, si, table
 
 

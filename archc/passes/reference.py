@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from archc.modernize import DEFAULT_STEPS, STEPS
 from archc.passes.manager import DEFAULT_PIPELINE, PASSES
+from archc.spec.steps import DEFAULT_STEPS, STEPS
 
 
 def reference() -> str:
