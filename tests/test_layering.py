@@ -67,9 +67,9 @@ def floor(module: str) -> int:
     best: tuple[int, int] | None = None
     for index, (_, prefixes) in enumerate(FLOORS):
         for prefix in prefixes:
-            if rest == prefix or (prefix and rest.startswith(prefix + ".")):
-                if best is None or len(prefix) > best[1]:
-                    best = (index, len(prefix))
+            named = rest == prefix or (prefix and rest.startswith(prefix + "."))
+            if named and (best is None or len(prefix) > best[1]):
+                best = (index, len(prefix))
     if best is None:
         raise AssertionError(f"{module} stands on no floor: add it to FLOORS")
     return best[0]
