@@ -20,7 +20,7 @@ import torch
 import archc.runtime.triton_backend as backend
 from archc.cli import build_parser
 from archc.codegen import aot, blocks
-from archc.codegen.targets import GPU_TARGETS, target_of
+from archc.gpus import GPU_TARGETS, target_of
 from archc.ir.attrs import Call
 from archc.ir.graph import GraphBuilder, Program
 from archc.ir.ops import Op

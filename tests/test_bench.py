@@ -24,7 +24,6 @@ from archc.ir.ops import Op
 from archc.passes import optimize
 from archc.perf.baselines import Counterpart, Unavailable, counterparts, scratch_caches
 from archc.perf.bench import TOLERANCE, run_bench
-from archc.perf.torch_program import TorchProgram
 from archc.runtime.eager import (
     EagerContext,
     EagerSession,
@@ -218,19 +217,17 @@ def test_torch_compile_decodes_a_new_context_without_recompiling() -> None:
     compiled decode then continues from that cache without a recompile."""
     from torch._dynamo.testing import CompileCounter
     model = archc.load("tiny-llama3")
-    g = lower(model.spec, "f32").graph("decoder")
-    plain = TorchProgram(g, materialize(g, model.weights), batch=1, max_len=64,
-                         device=torch.device("cpu"), dtype=torch.float32)
+    plain = EagerSession(lower(model.spec, "f32"), model.weights, max_seq_len=64, checks=False)
     ids = torch.randint(0, model.spec.vocab_size, (1, 20), generator=torch.Generator()
                         .manual_seed(0))
     counter = CompileCounter()
     torch._dynamo.reset()
-    compiled = torch.compile(plain.forward, backend=counter)
+    compiled = torch.compile(plain.logits, backend=counter)
     compiled(ids[:, :9], 0)
     for past in range(9, 12):       # tokens of their own, as the argmax makes them
         compiled(ids[:, past:past + 1].clone(), past)
     assert counter.frame_count == 2     # the prefill, and the decode with P symbolic
-    plain.forward(ids[:, :16], 0)
+    plain.logits(ids[:, :16], 0)
     reference = EagerSession(lower(model.spec, "f32"), model.weights, max_seq_len=64)
     reference.step(ids[:, :16])
     for past in range(16, 19):
@@ -607,41 +604,37 @@ def test_bench_refuses_bad_input(argv: list[str], message: str,
     assert err.count("\n") == 1
 
 
-# ---- the torch baseline program ----------------------------------------------------------------
+# ---- the torch baseline: the eager interpreter without its checks ------------------------------
 
 @pytest.mark.parametrize("spec_name", ["tiny-llama3", "tiny-mistral", "tiny-bloom",
                                        "tiny-gemma2"])
-def test_torch_program_matches_the_eager_interpreter(spec_name: str) -> None:
-    """Prefill, then decode steps past the sliding window: the same logits as the
-    interpreter."""
+def test_unchecked_logits_match_the_eager_interpreter(spec_name: str) -> None:
+    """Prefill, then decode steps past the sliding window, P given: the same logits as the
+    checked interpreter's steps."""
     model = archc.load(spec_name)
     program = lower(model.spec, "f32")
-    g = program.graph("decoder")
-    plain = TorchProgram(g, materialize(g, model.weights), batch=2,
-                         max_len=model.spec.max_seq_len, device=torch.device("cpu"),
-                         dtype=torch.float32)
+    plain = EagerSession(program, model.weights, max_seq_len=model.spec.max_seq_len,
+                         checks=False)
     reference = EagerSession(program, model.weights, max_seq_len=model.spec.max_seq_len)
     ids = torch.randint(0, model.spec.vocab_size, (2, 9), generator=torch.Generator()
                         .manual_seed(0))
-    assert torch.equal(plain(ids, 0), reference.step(ids))
+    assert torch.equal(plain.logits(ids, 0), reference.step(ids))
     for past in range(9, 21):
         token = ids[:, past % 9:past % 9 + 1]
-        assert torch.equal(plain(token, past), reference.step(token)), past
+        assert torch.equal(plain.logits(token, past), reference.step(token)), past
 
 
-def test_torch_program_decodes_under_torch_compile_without_recompiling() -> None:
+def test_unchecked_logits_decode_under_torch_compile_without_recompiling() -> None:
     from torch._dynamo.testing import CompileCounter
     model = archc.load("tiny-llama3")
     program = lower(model.spec, "f32")
-    g = program.graph("decoder")
-    plain = TorchProgram(g, materialize(g, model.weights), batch=2, max_len=64,
-                         device=torch.device("cpu"), dtype=torch.float32)
+    plain = EagerSession(program, model.weights, max_seq_len=64, checks=False)
     reference = EagerSession(program, model.weights, max_seq_len=64)
     ids = torch.randint(0, model.spec.vocab_size, (2, 9), generator=torch.Generator()
                         .manual_seed(0))
     counter = CompileCounter()
     torch._dynamo.reset()
-    compiled = torch.compile(plain.forward, backend=counter)
+    compiled = torch.compile(plain.logits, backend=counter)
     assert torch.allclose(compiled(ids, 0), reference.step(ids), atol=1e-5, rtol=0)
     token = ids[:, -1:]
     for past in range(9, 15):

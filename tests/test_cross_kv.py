@@ -19,12 +19,12 @@ import torch
 
 import archc
 from archc.cli import main
+from archc.gpus import GPUS
 from archc.ir.graph import CROSS_KV
 from archc.ir.lower import lower
 from archc.ir.ops import Op
 from archc.passes import optimize, run_pipeline
 from archc.passes.manager import run_pass
-from archc.perf.gpus import GPUS
 from archc.perf.roofline import decode_floor, kernels, per_step
 from archc.spec import load_spec
 from tests.test_translation import LONG, T1, Shapes, padding

@@ -23,11 +23,10 @@ import archc.perf.occupancy as occupancy
 from archc.cli import main
 from archc.codegen import blocks
 from archc.codegen.aot import AotResult, config_text
-from archc.codegen.targets import GPU_TARGETS
+from archc.gpus import GPU_TARGETS, GPUS
 from archc.ir.lower import lower
 from archc.ir.shapes import DTYPE_BYTES
 from archc.passes import optimize
-from archc.perf.gpus import GPUS
 from archc.perf.occupancy import balanced_blocks, programs_with_work
 from archc.perf.roofline import kernels
 from archc.spec import load_spec

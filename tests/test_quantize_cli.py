@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 
 import archc
 from archc.cli import main
+from archc.gpus import GPUS
 from archc.ir import cost
 from archc.ir.lower import lower
-from archc.perf.gpus import GPUS
 from archc.perf.roofline import decode_floor
 from archc.quant import SCHEMES, QTensor
 from archc.quant.file import FORMAT_KEY, QUANT_KEY, read_header

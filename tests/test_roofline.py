@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from archc.gpus import GPUS, gpu
 from archc.ir.graph import GraphBuilder, Program
 from archc.ir.lower import lower
 from archc.ir.ops import Op
 from archc.ir.shapes import B, T, shape
-from archc.perf.gpus import GPUS, gpu
 from archc.perf.roofline import decode_floor, kernels
 from archc.spec import load_spec
 
@@ -136,13 +136,13 @@ def test_roofline_cli_shows_the_recurrent_state(capsys: pytest.CaptureFixture[st
 def test_b200_in_the_gpu_table() -> None:
     """B200: HGX B200 datasheet figures per GPU (2.25 PFLOP/s dense BF16, 8 TB/s), 148 SMs of
     compute capability 10.0, the GPU an sm_100a report models by default."""
-    from archc.codegen.targets import GPU_TARGETS
+    from archc.gpus import GPU_TARGETS, default_gpu
     b200 = gpu("b200")
     assert GPUS["b200"] is b200 and gpu("B200-SXM") is b200
-    assert (b200.peak_flops, b200.bandwidth, b200.sms, b200.arch) == (2.25e15, 8e12, 148,
-                                                                      "sm_100a")
+    assert (b200.peak_flops, b200.bandwidth, b200.sms, b200.target.name) == (
+        2.25e15, 8e12, 148, "sm_100a")
     assert b200.ridge == pytest.approx(281.25)        # 2.25e15 / 8e12 FLOP per byte
-    assert GPU_TARGETS["sm_100a"].gpu == "b200" and b200.arch in GPU_TARGETS
+    assert default_gpu("sm_100a") == "b200" and b200.target is GPU_TARGETS["sm_100a"]
     # its SM holds what a Hopper SM does: 8 programs of 8 warps at 32 registers a thread
     assert GPU_TARGETS["sm_100a"].sm.resident(32, 8, 0) == 8
 

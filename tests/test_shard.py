@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from archc.cli import main
+from archc.gpus import gpu
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph, Program
 from archc.ir.lower import lower
@@ -24,7 +25,6 @@ from archc.ir.ops.base import COLLECTIVE
 from archc.passes import optimize, run_pipeline
 from archc.passes.manager import run_pass
 from archc.passes.shard import ShardError, shard_program
-from archc.perf.gpus import gpu
 from archc.perf.roofline import decode_floor
 from archc.quant.pack import quantize
 from archc.runtime.comm import SimulatedComm, SimulatedWorld, run_simulated

@@ -33,7 +33,7 @@ from typing import Any
 
 from archc.codegen.aot_worker import last_line
 from archc.codegen.blocks import aot_config
-from archc.codegen.targets import GPU_TARGETS
+from archc.gpus import GPU_TARGETS
 from archc.versions import version
 
 MEASURED = ("registers", "spill_bytes", "shared_bytes", "tensor_core_ops", "wgmma", "mma", "tma",

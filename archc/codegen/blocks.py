@@ -17,14 +17,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from archc.gpus import GPUS, default_gpu
+
 TARGETS = ("gpu", "interpret")
 
 # Decode attention: the split-KV (flash-decoding) kernel while the query rows of one KV head,
 # G·T, fit one tile of at most 128 rows (MQA with 71 heads included); otherwise the prefill kernel.
 DECODE_MAX_ROWS = 128
 # Decode launches aim for two programs per SM: `sms` in a launch's sizes is the GPU's SM count
-# (the runtime's device, the occupancy report's modelled GPU), an H100/H200's 132 by default.
-DEFAULT_SMS = 132
+# (the runtime's device, the occupancy report's modelled GPU), by default sm_90a's GPU's.
+DEFAULT_SMS = GPUS[default_gpu("sm_90a")].sms
 DECODE_TARGET_PROGRAMS = 2 * DEFAULT_SMS
 
 

@@ -26,7 +26,6 @@ import archc.ir.expr as E
 from archc.codegen.blocks import DECODE_DEAL, TARGETS, next_pow2
 from archc.codegen.layout import CodegenError, Layout
 from archc.codegen.printer import pexpr, texpr
-from archc.codegen.targets import TMA_ALIGN
 from archc.dtypes import KV_CODES, triton_pointer
 from archc.ir.attrs import Attrs, Call
 from archc.ir.cost import node_states
@@ -38,6 +37,7 @@ from archc.ir.text import format_node
 from archc.quant.schemes import is_quantized, scheme
 
 LOG2E = 1.4426950408889634
+TMA_ALIGN = 16   # bytes: a tensor descriptor's base address and row strides are multiples of it
 # Index symbols kernels define: the sequence, the query head, the KV head.
 BATCH, HEAD, KV_HEAD = (sympy.Symbol(s, integer=True, nonnegative=True) for s in ("b", "h", "kv_h"))
 

@@ -24,7 +24,7 @@ from archc.commands.defaults import fit_lengths
 from archc.commands.vocabulary import add, positive_int
 from archc.devices import check_compilable, default_dtype, resolve_device
 from archc.errors import ArchcError, cli_option
-from archc.perf.gpus import GPUS, gpu
+from archc.gpus import GPUS, find_gpu, gpu
 from archc.perf.summary import fmt_percent as _pct
 from archc.perf.summary import fmt_ratio as _x
 from archc.perf.summary import fmt_seconds as _t
@@ -118,8 +118,7 @@ def config_of(args: argparse.Namespace) -> Any:
     detected = auto and device.type == "cuda"
     if detected:     # read the GPU model off the device
         name = torch.cuda.get_device_name(device)
-        key = name.lower().replace("-", "").replace(" ", "")
-        model = next((g for k, g in GPUS.items() if k in key), None)
+        model = find_gpu(name)
         if model is None:
             raise ArchcError(f"cannot tell which GPU model {name!r} is for the roofline: pass "
                              f"--gpu {' | '.join(GPUS)}")

@@ -15,13 +15,12 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from archc.codegen.targets import GPU_TARGETS
 from archc.commands.common import check_output, quant_of
 from archc.commands.defaults import fitted_all
 from archc.commands.passes import add_pipeline_arguments
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
-from archc.perf.gpus import GPUS
+from archc.gpus import GPU_TARGETS, GPUS, default_gpu, gpu
 from archc.spec.schema import Spec
 from archc.ui import console, err_console, nbytes, table
 from archc.versions import software_text
@@ -50,8 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(occupancy, "context", nargs="+", detail="one or more: a prefill of N tokens and the "
         "decode step at context N each (default 512 2048 8192, those within max_seq_len)")
     add(occupancy, "batch", detail="default 1")
-    add(occupancy, "gpu", detail="default: " + ", ".join(f"{t.gpu} for {t.name}" for t in
-                                                         reversed(GPU_TARGETS.values())))
+    add(occupancy, "gpu", detail="default: " + ", ".join(f"{default_gpu(t)} for {t}" for t in
+                                                         reversed(GPU_TARGETS)))
     add(occupancy, "json", detail="the occupancy report")
 
 
@@ -159,11 +158,10 @@ def _occupancy(args: argparse.Namespace, spec: Spec, dtype: str,
     from archc.codegen.aot import compile_configs
     from archc.ir.lower import lower
     from archc.perf import occupancy as occ
-    from archc.perf.gpus import gpu
-    g = gpu(args.gpu or GPU_TARGETS[args.target].gpu)
-    if g.arch != args.target:
-        raise ArchcError(f"--gpu {args.gpu} is not an {args.target} GPU (those: "
-                         f"{', '.join(k for k, v in GPUS.items() if v.arch == args.target)})")
+    g = gpu(args.gpu or default_gpu(args.target))
+    if g.target.name != args.target:
+        those = ", ".join(k for k, v in GPUS.items() if v.target.name == args.target)
+        raise ArchcError(f"--gpu {args.gpu} is not an {args.target} GPU (those: {those})")
     occ.check_occupancy(spec, args.context or [])    # before a default is fitted and said
     contexts = sorted(set(fitted_all("--context", args.context, occ.DEFAULT_CONTEXTS,
                                      spec.max_seq_len, f"{spec.name}'s max_seq_len = "

@@ -21,7 +21,7 @@ from archc.commands.validate import BATCH as VALIDATE_BATCH
 from archc.commands.validate import prompt_len as validate_prompt_len
 from archc.commands.vocabulary import add
 from archc.errors import ArchcError
-from archc.perf.gpus import gpu
+from archc.gpus import gpu
 from archc.ui import console
 
 

@@ -12,11 +12,11 @@ from archc.commands.common import quant_of
 from archc.commands.defaults import fit_lengths
 from archc.commands.passes import add_pipeline_arguments
 from archc.commands.vocabulary import add
+from archc.gpus import GPU, gpu
 from archc.ir.graph import Program
 from archc.ir.lower import lower
 from archc.passes import optimize
 from archc.passes.shard import shard_program
-from archc.perf.gpus import GPU, gpu
 from archc.perf.roofline import decode_floor, grouped, kernels, per_step
 from archc.perf.summary import fmt_seconds
 from archc.spec.schema import Spec

@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from archc.codegen.targets import GPU_TARGETS
 from archc.devices import DTYPES
-from archc.perf.gpus import GPUS
+from archc.gpus import GPU_TARGETS, GPUS
 
 
 def number(kind: type, lo: float, hi: float | None = None) -> Callable[[str], Any]:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import archc.ir.expr as E
+from archc.errors import ArchcError
 from archc.ir.attrs import Attrs, Call
 from archc.ir.graph import Graph
 from archc.ir.modifiers import SOFTMAX, evaluate
@@ -41,7 +42,9 @@ from archc.ir.ops.modifiers import (
     t5_bias,
 )
 from archc.ir.ops.steps import STEPS, step_expr, unpair
-from archc.perf.torch_program import Store, TorchContext
+from archc.runtime.eager import EagerContext
+
+Store = Mapping[tuple[int, str], torch.Tensor]    # (layer, k|v or state kind) → tensor
 
 
 @dataclass
@@ -63,11 +66,38 @@ class Unsupported(Exception):
     """This kernel has no counterpart of this kind; the message says why."""
 
 
+class _CounterpartContext(EagerContext):
+    """The eager interpreter's context for a counterpart's unfused ops: KV-cache writes go into
+    `scratch` at offset P (tensors the caller sized, so the kernel's cache is left as the kernel
+    wrote it); the recurrent state is read from `states`, the state the kernel read (zeros at
+    P = 0), and written aside, so every timed run reads the same."""
+
+    def __init__(self, dims: Mapping[str, int], scratch: Store, states: Store) -> None:
+        super().__init__(dims)
+        self.scratch = scratch
+        self.state.store.update(states)
+        self.written: dict[tuple[int, str], torch.Tensor] = {}
+
+    def state_write(self, layer: int, kind: str, value: torch.Tensor) -> None:
+        self.written[(layer, kind)] = value
+
+    def cache_append(self, layer: int, kind: str, x: torch.Tensor,
+                     quant: str | None = None) -> torch.Tensor:
+        if quant is not None:
+            raise ArchcError(f"the PyTorch baseline keeps a plain KV cache, not {quant}")
+        past, buf = self.dims["P"], self.scratch[(layer, kind)]
+        buf[:, :, past:past + x.shape[2]] = x
+        return buf[:, :, :past + x.shape[2]]
+
+    def cache_read(self, layer: int, kind: str) -> torch.Tensor:
+        return self.scratch[(layer, kind)][:, :, :self.dims["P"] + self.dims["T"]]
+
+
 @dataclass
 class _Recorder:
     """Runs unfused ops by their eager semantics, recording which ran until `ops` is None."""
 
-    ctx: TorchContext
+    ctx: _CounterpartContext
     ops: list[str] | None = field(default_factory=list)
 
     def __call__(self, op: Op, *xs: torch.Tensor, **attrs: Any) -> torch.Tensor:
@@ -416,7 +446,7 @@ def counterparts(g: Graph, i: int, xs: Sequence[torch.Tensor], dims: Mapping[str
     n = g.nodes[i]
     a = full_attrs(n.op, n.attrs)
     got = bind(n.op, a, xs)
-    rec = _Recorder(TorchContext(dims, scratch, dict(states or {}), {}))
+    rec = _Recorder(_CounterpartContext(dims, scratch, states or {}))
     if n.op == Op.EMBEDDING:
         return [Counterpart("torch", lambda: F.embedding(got["ids"], got["table"]), _output,
                             "F.embedding", 1)]

@@ -2,7 +2,8 @@
 same random weights and shapes, held against the roofline. The report is saved after each
 section, so a run cut short keeps what it measured and says which section it was in:
 1. setup — one seeded random checkpoint on the device; a triton session of the kernel-level
-   program with every node's buffer kept, and the unfused graph as a plain ``TorchProgram``;
+   program with every node's buffer kept, and the unfused program on the eager interpreter
+   without its checks (``EagerSession(checks=False)``): a plain torch program;
 2. ceilings — a large device-to-device copy and a large matmul, measured;
 3. kernels — at the prefill shape and at one decode step, each unique generated kernel launched
    alone on the buffers of a real run by its own launch line (the very kernel and layouts the
@@ -49,6 +50,7 @@ import torch
 
 from archc.dtypes import TORCH_DTYPES
 from archc.errors import ArchcError
+from archc.gpus import GPU, GPUS
 from archc.ir.attrs import Call
 from archc.ir.cost import state_keys
 from archc.ir.graph import Graph, Program
@@ -57,13 +59,12 @@ from archc.ir.ops import Op
 from archc.ir.paramexpr import leaves
 from archc.ir.shapes import DTYPE_BYTES, evaluate
 from archc.perf.baselines import Counterpart, Unavailable, counterparts, scratch_caches
-from archc.perf.gpus import GPU
 from archc.perf.roofline import decode_floor, kernels
 from archc.perf.summary import fmt_percent, fmt_ratio, fmt_seconds
-from archc.perf.torch_program import TorchProgram
 from archc.quant.schemes import SCHEMES
+from archc.runtime.eager import EagerSession
 from archc.runtime.validation import TOLERANCE, error_and_scale
-from archc.runtime.weights import checkpoint_shapes, materialize
+from archc.runtime.weights import checkpoint_shapes
 from archc.spec.schema import Spec
 from archc.versions import software
 
@@ -586,7 +587,7 @@ FA3_PUBLISHED: dict[int, dict[int, float]] = {
           16384: 648e12}}
 FA3_SOURCE = ("FlashAttention-3 paper (arXiv:2407.08608) Fig. 5: H100 80GB SXM5, FP16/BF16 "
               "forward, head dim 128, without causal mask")
-FA3_GPUS = ("H100", "H200")     # Hopper parts with the H100's tensor cores
+FA3_GPUS = tuple(g.name.split()[0] for g in GPUS.values() if g.target.name == "sm_90a")   # Hopper
 
 
 def evaluate_goals(cfg: BenchConfig, data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -772,10 +773,8 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
         data.update(module=str(probe.module_path), unique_kernels=probe.generated.program_units,
                     launches_per_pass={g: len(s)
                                        for g, s in probe.generated.program_steps.items()})
-        decoder = dense.graph("decoder")
-        program = TorchProgram(decoder, materialize(decoder, dense_checkpoint, cfg.device),
-                               batch=cfg.batch, max_len=spec.max_seq_len, device=cfg.device,
-                               dtype=TORCH_DTYPES[cfg.dtype])
+        program = EagerSession(dense, dense_checkpoint, max_seq_len=spec.max_seq_len,
+                               device=cfg.device, checks=False)
         tokens = torch.randint(0, spec.vocab_size, (cfg.batch, cfg.prompt),
                                generator=torch.Generator().manual_seed(cfg.seed))
         b, n = cfg.batch, cfg.prompt
@@ -828,12 +827,12 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
         s = session(autotune=cfg.autotune)
         return _Runner(name, lambda tokens, past: s.step(tokens), tokens, s.reset)
     makers: dict[str, Callable[[str], _Runner]] = {
-        "torch eager": lambda name: _Runner(name, program.forward, on_device,
+        "torch eager": lambda name: _Runner(name, program.logits, on_device,
                                             device=cfg.device),
         "archc" + (" (CUDA graphs)" if cfg.device.type == "cuda" else ""): archc}
     for mode in cfg.compile_modes:
         makers[f"torch.compile {mode}"] = lambda name, mode=mode: _Runner(
-            name, _compiled(cfg, program, mode), on_device, fill=program.forward,
+            name, _compiled(cfg, program, mode), on_device, fill=program.logits,
             device=cfg.device)
     reference = None
     for name, make in makers.items():
@@ -909,12 +908,12 @@ def decode_steps_floor(cfg: BenchConfig, program: Program, past: int) -> dict[st
             "floor_tokens_per_second": b * cfg.gpu.bandwidth / per_step}
 
 
-def _compiled(cfg: BenchConfig, program: TorchProgram, mode: str
+def _compiled(cfg: BenchConfig, program: EagerSession, mode: str
               ) -> Callable[[torch.Tensor, int], torch.Tensor]:
     import torch._dynamo
     torch._dynamo.reset()
     # the modes are inductor's: a dry run's cheap backend takes none
-    return torch.compile(program.forward, backend=cfg.compile_backend,
+    return torch.compile(program.logits, backend=cfg.compile_backend,
                          mode=mode if cfg.compile_backend == "inductor" else None)
 
 

@@ -24,7 +24,7 @@ graphs covers the whole cache and reads the live length on the device). For each
   max(FLOPs / peak, bytes / bandwidth).
 - waves: ⌈programs with work / (SMs × programs resident per SM)⌉, residency bounded by the
   compiled kernel's registers, warps (a warp-specialized kernel's partitions included) and
-  shared memory (``perf.gpus.SM``).
+  shared memory (``archc.gpus.SM``).
 
 The generated launchers make kernel launches only; should a plan hold any other entry (a host
 step: a function the plan calls between launches), it is listed and counted as one launch, the
@@ -51,12 +51,11 @@ from rich.markup import escape
 
 from archc.codegen import blocks
 from archc.codegen.aot import OPTIONS, AotResult, config_text
-from archc.codegen.targets import GPU_TARGETS
 from archc.errors import ArchcError
+from archc.gpus import GPU, GPU_TARGETS
 from archc.ir.graph import Graph, Program
 from archc.ir.ops import Op
 from archc.ir.shapes import evaluate
-from archc.perf.gpus import GPU
 from archc.perf.host import HostSession
 from archc.perf.roofline import KernelRoof, kernels, label
 from archc.perf.summary import fmt_seconds
@@ -454,7 +453,7 @@ def record(program: Program, spec: Spec, *, dtype: str, batch: int, contexts: li
     recorder = PlanRecorder(program, max_seq_len=spec.max_seq_len, dtype=dtype,
                             cache_dir=cache_dir)
     # the launch heuristics see the modelled GPU, as the runtime's see its device
-    recorder.ctx.sm, recorder.ctx.sms = GPU_TARGETS[gpu.arch].capability, gpu.sms
+    recorder.ctx.sm, recorder.ctx.sms = gpu.target.capability, gpu.sms
     plans = [phase_plan(recorder, phase, batch, c, gpu) for c in contexts for phase in PHASES]
     return recorder, plans
 

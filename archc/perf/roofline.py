@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from archc.gpus import GPU
 from archc.ir.cost import node_cost, node_states, param_bytes
 from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import Op
@@ -23,7 +24,6 @@ from archc.ir.ops.base import COLLECTIVE
 from archc.ir.ops.core import routed_pairs
 from archc.ir.paramexpr import leaves
 from archc.ir.shapes import DTYPE_BYTES, evaluate, numel
-from archc.perf.gpus import GPU
 from archc.quant.schemes import is_quantized
 
 _LAYER = re.compile(r"(layers\.|layer )\d+\b")    # a layer's number, which grouping drops

@@ -26,6 +26,7 @@ from typing import Any
 
 from archc.codegen.build import CodegenOptions
 from archc.codegen.render import Generated, RenderedUnit, generate
+from archc.gpus import GPU
 from archc.ir import cost
 from archc.ir.graph import Graph, Program
 from archc.ir.lower import lower
@@ -39,7 +40,6 @@ from archc.passes.decisions import grouped as grouped_decisions
 from archc.passes.manager import PassStep, PipelineRun, step_diff
 from archc.passes.measure import Stats, dims, kernels_per_layer, stats
 from archc.perf.attention_tiles import attention_tiles
-from archc.perf.gpus import GPU
 from archc.perf.roofline import decode_floor, grouped, kernels, per_step
 from archc.report.facts import facts
 from archc.report.layout import NODE_H, NODE_W, kernel_groups, place

@@ -4,7 +4,8 @@ It is the reference every other backend is validated against. Each node runs the
 its op declares in the op table; its result is checked against the node's symbolic shape at the
 concrete B, T, P, S, and a failure names the node (``while running %42 = attention(...)``).
 Values are freed after their last use, so a real-size model runs in the memory of its weights
-plus a few activations.
+plus a few activations. Without its checks (``checks=False``) it is a plain torch program, what
+torch costs and what ``torch.compile`` traces: the PyTorch baselines of ``archc bench``.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import torch
 
 from archc.dtypes import KV_CODES, TORCH_DTYPES
 from archc.errors import ArchcError, RunError
-from archc.ir.attrs import Call
-from archc.ir.graph import CROSS_KV, LAST_TOKEN, Graph, Program
-from archc.ir.ops import OP_TABLE, Op, bind, full_attrs
+from archc.ir.attrs import Attrs, Call
+from archc.ir.graph import CROSS_KV, LAST_TOKEN, Graph, Node, Program
+from archc.ir.ops import OP_TABLE, Op, full_attrs, roles_of
 from archc.ir.ops.attention import kv_dequantize, kv_quantize, paged_slots
 from archc.ir.shapes import DIMS, QUANT_DTYPES
 from archc.ir.text import format_node
@@ -187,50 +188,77 @@ class Trace:
     graph: str | None = None           # only this graph's nodes (None: every graph run)
 
 
+# A node as it runs: its index, the node, its eager semantics (None: an input or a parameter),
+# its operands' roles, its full attributes, and the values no later node reads (freed after it)
+Planned = tuple[int, Node, Callable[..., torch.Tensor] | None, tuple[str, ...], Attrs,
+                tuple[int, ...]]
+
+
+def plan(graph: Graph) -> list[Planned]:
+    """`graph` ready to run: what ``run_graph`` looks up for each node, looked up once."""
+    last_use = {j: i for i, n in enumerate(graph.nodes) for j in n.inputs}
+    out: list[Planned] = []
+    for i, n in enumerate(graph.nodes):
+        frees = tuple(j for j in dict.fromkeys(n.inputs) if last_use[j] == i)
+        if n.op in (Op.INPUT, Op.PARAM):
+            out.append((i, n, None, (), n.attrs, frees))
+            continue
+        attrs = full_attrs(n.op, n.attrs)
+        out.append((i, n, OP_TABLE[n.op].eager, tuple(roles_of(n.op, attrs, len(n.inputs))),
+                    attrs, frees))
+    return out
+
+
 def run_graph(graph: Graph, params: Mapping[str, torch.Tensor],
               inputs: Mapping[str, torch.Tensor], ctx: EagerContext, *,
-              trace: Trace | None = None) -> dict[str, torch.Tensor]:
-    """Run `graph` once; returns its outputs by name."""
-    last_use = {j: i for i, n in enumerate(graph.nodes) for j in n.inputs}
-    dims = tuple(sorted(ctx.dims.items()))
+              trace: Trace | None = None, checks: bool = True,
+              planned: list[Planned] | None = None) -> dict[str, torch.Tensor]:
+    """Run `graph` once; returns its outputs by name. `planned`: ``plan(graph)``, made once by a
+    caller that runs the graph often. checks=False: no value is checked against its node's shape
+    and dtype, and an op that fails raises its own error, not one naming the node."""
+    dims = tuple(sorted(ctx.dims.items())) if checks else ()
     values: list[torch.Tensor | None] = [None] * len(graph.nodes)
     outputs: dict[str, torch.Tensor] = {}
-    for i, n in enumerate(graph.nodes):
+    for i, n, eager, roles, attrs, frees in plan(graph) if planned is None else planned:
         if n.op == Op.INPUT:
             if n.name not in inputs:
                 raise RunError(f"graph {graph.name} needs input {n.name!r}")
             value = inputs[n.name]
-        elif n.op == Op.PARAM:
+        elif eager is None:
             value = params[n.name]
+        elif not checks:
+            value = eager(ctx, dict(zip(roles, [values[j] for j in n.inputs])), attrs)
         else:
-            attrs = full_attrs(n.op, n.attrs)
-            args = bind(n.op, attrs, [values[j] for j in n.inputs])  # type: ignore[misc]
             try:
-                value = OP_TABLE[n.op].eager(ctx, args, attrs)
+                value = eager(ctx, dict(zip(roles, [values[j] for j in n.inputs])), attrs)
             except ArchcError as err:
                 raise RunError(f"while running {format_node(i, n)}: {err}") from None
             except Exception as err:  # an op's torch code failed: name the node
                 raise RunError(f"while running {format_node(i, n)}: "
                                f"{type(err).__name__}: {err}") from err
-        want = tuple(_dim_value(d, dims) for d in n.shape)
-        if isinstance(value, QTensor) or n.dtype in QUANT_DTYPES:   # held quantized, or not
-            wrong = value.dtype != n.dtype if isinstance(value, QTensor) else not \
-                value.is_floating_point()
-        else:
-            wrong = value.dtype != TORCH_DTYPES[n.dtype]
-        if tuple(value.shape) != want or wrong:
-            raise RunError(f"while running {format_node(i, n)}: produced "
-                           f"{value.dtype}{list(value.shape)}, the IR says {n.dtype}{list(want)}")
+        if checks:
+            _check(i, n, value, dims)
         values[i] = value
         if n.op == Op.OUTPUT:
             outputs[n.name] = value
-        if trace is not None and n.op not in (Op.INPUT, Op.PARAM) and trace.graph in (
-                None, graph.name):
+        if trace is not None and eager is not None and trace.graph in (None, graph.name):
             trace.values[i] = value
-        for j in n.inputs:  # free what no later node reads
-            if last_use[j] == i:
-                values[j] = None
+        for j in frees:
+            values[j] = None
     return outputs
+
+
+def _check(i: int, n: Node, value: torch.Tensor, dims: tuple[tuple[str, int], ...]) -> None:
+    """Refuse a value that is not node i's shape at `dims` and dtype."""
+    want = tuple(_dim_value(d, dims) for d in n.shape)
+    if isinstance(value, QTensor) or n.dtype in QUANT_DTYPES:   # held quantized, or not
+        wrong = value.dtype != n.dtype if isinstance(value, QTensor) else not \
+            value.is_floating_point()
+    else:
+        wrong = value.dtype != TORCH_DTYPES[n.dtype]
+    if tuple(value.shape) != want or wrong:
+        raise RunError(f"while running {format_node(i, n)}: produced "
+                       f"{value.dtype}{list(value.shape)}, the IR says {n.dtype}{list(want)}")
 
 
 def rope_table_length(program: Program) -> int | None:
@@ -459,12 +487,17 @@ class EagerSession(SessionBase):
     Quantized weights stay quantized, as the kernels keep them: an op dequantizes the rows of a
     weight it reads a block at a time as it computes (``archc.quant.by_rows``), so a model runs
     in the memory of its quantized weights, not of a dense copy (an 8B model's 4.7 GB of Q4
-    would be 32 GB in f32)."""
+    would be 32 GB in f32).
+
+    checks=False runs every node unchecked (``run_graph``), and ``logits(tokens, past)`` takes P
+    as an argument: a plain torch program that ``torch.compile`` traces once for every P."""
 
     def __init__(self, program: Program, checkpoint: Mapping[str, torch.Tensor], *,
                  max_seq_len: int, device: str | torch.device = "cpu",
-                 comms: Mapping[str, Comm] | None = None) -> None:
+                 comms: Mapping[str, Comm] | None = None, checks: bool = True) -> None:
         super().__init__(program, max_seq_len, torch.device(device), comms)
+        self.checks = checks
+        self.plans: dict[str, tuple[list[Planned], bool]] = {}   # and: does it read prefix_len?
         rank = self.comms["tp"].rank if "tp" in self.comms else 0
         self._hand_over(checkpoint)
         self.params = {g.name: materialize(g, checkpoint, self.device, rank=rank)
@@ -488,13 +521,28 @@ class EagerSession(SessionBase):
         ring = self._ring_positions is not None and name != CROSS_KV
         inputs["positions"] = self._ring_positions.to(self.device) if ring else \
             torch.arange(P, P + T, device=self.device)
-        if self.prefix_len is not None:
+        graph = self.runs[name]       # a variant reads its graph's parameters
+        if name not in self.plans:
+            self.plans[name] = plan(graph), "prefix_len" in graph.inputs
+        planned, prefixed = self.plans[name]
+        # read only where taken: under torch.compile a read is a guard, and a new prompt length
+        # would recompile a causal model's decode
+        if prefixed and self.prefix_len is not None:
             inputs["prefix_len"] = torch.tensor(self.prefix_len, device=self.device)
         comms = self.comms if ring else {k: c for k, c in self.comms.items() if k != "cp"}
-        graph = self.runs[name]       # a variant reads its graph's parameters
         return run_graph(graph, self.params[graph.name], inputs,
                          EagerContext(dict(B=B, T=T, P=P, S=S), self.cache, self.state, comms),
-                         trace=self.trace)
+                         trace=self.trace, checks=self.checks, planned=planned)
+
+    def logits(self, tokens: torch.Tensor, past: int) -> torch.Tensor:
+        """The decoder's logits [B, T, vocab] for `tokens` after the `past` tokens already in the
+        KV cache (past = 0 starts a sequence, its tokens the prefix). P is the caller's, not
+        kept: under torch.compile it becomes a symbolic integer after the first decode step, so
+        decoding does not recompile at every length."""
+        if past == 0:
+            self.prefix_len = tokens.shape[1]
+        b, t = tokens.shape
+        return self._run("decoder", {"tokens": tokens}, B=b, T=t, P=past, S=0)["logits"]
 
     def _cache_tensors(self) -> list[torch.Tensor]:
         return [held[key] for held in (self.cache.store, self.cache.scales)

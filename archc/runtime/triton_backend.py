@@ -21,9 +21,9 @@ import torch
 
 from archc.codegen.build import CodegenOptions
 from archc.codegen.render import generate, load_module, write_module
-from archc.codegen.targets import target_of
 from archc.devices import check_compilable
 from archc.errors import ArchcError, RunError
+from archc.gpus import target_of
 from archc.ir.graph import CROSS_KV, Graph, Program
 from archc.ir.ops import Op
 from archc.ir.text import format_node
