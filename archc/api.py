@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-import archc.native as native
-import archc.quant.file as quantized_file
 import archc.sources as sources
+import archc.sources.native as native
+import archc.sources.quantized as quantized_file
 from archc.devices import dtype_name
 from archc.dist import parallel_sizes
 from archc.errors import ArchcError

@@ -209,8 +209,8 @@ def test_cli_writes_a_spec_that_loads(tmp_path, capsys) -> None:  # noqa: ANN001
 
 
 def test_cli_converts_a_loaded_checkpoint(tmp_path) -> None:  # noqa: ANN001
-    from archc import native
     from archc.commands.modernize import run
+    from archc.sources import native
     src = tmp_path / "mha"
     mha = _mha("tiny-llama2-70b")
     native.save(src, mha, archc.from_spec(mha, seed=5).weights)

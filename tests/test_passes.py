@@ -178,7 +178,7 @@ def test_passes_with_options_run_in_a_pipeline() -> None:
             ("paged-kv", ArchcError, r"pass paged-kv needs option 'max_seq_len'; it takes "
                                      r"paged-kv:block_size=16:max_seq_len=N$"),
             ("shard:cp=2", ArchcError, r"pass shard has no option 'cp'; it takes shard:tp=1$"),
-            ("shard:tp=two", ArchcError, r"'tp=two' is not OPTION=N"),
+            ("shard:tp=two", ArchcError, r"'shard:tp=two': its options are OPTION=N"),
             ("dce:x=1", ArchcError, r"pass dce has no option 'x'; it takes none$"),
             ("default,shard:tp=2", ShardError, r"splits the unfused program, as lowered"),
             ("shard:tp=3", ShardError, r"attention\.heads = 4 does not divide by tp"),

@@ -20,10 +20,10 @@ from archc.ir import cost
 from archc.ir.lower import lower
 from archc.perf.roofline import decode_floor
 from archc.quant import SCHEMES, QTensor
-from archc.quant.file import FORMAT_KEY, QUANT_KEY, read_header
 from archc.runtime.eager import EagerSession
 from archc.runtime.weights import quant_schemes, quantizable
 from archc.sources import describe
+from archc.sources.quantized import FORMAT_KEY, QUANT_KEY, read_header
 from archc.spec import load_spec
 from tests.model_files import tiny_gguf  # noqa: F401  (a fixture)
 from tests.test_sources_cli import INSPECTION

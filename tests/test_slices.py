@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import archc
-import archc.native as native
-import archc.quant.file as quant_file
+import archc.sources.native as native
+import archc.sources.quantized as quant_file
 from archc.passes.shard import ShardError
 from archc.passes.slices import rank_slices, rank_span
 from archc.quant.tensor import QTensor, tensor_bytes
@@ -216,19 +216,16 @@ def test_a_gguf_file_read_as_floats_slices_alike(files: dict[str, Path], name: s
 # ---- the bytes a rank reads ---------------------------------------------------------------------
 
 class Reads:
-    """Bytes of tensor data each checkpoint tensor gave, counted at the sources: GGUF files and
-    Hugging Face directories (their `load` and `load_slice`), safetensors files opened by
-    archc's own formats (`get_tensor`, `get_slice(...)[...]`)."""
+    """Bytes of tensor data each checkpoint tensor gave, counted at the sources every reader
+    reads through: GGUF files and safetensors files (Hugging Face directories, archc's
+    checkpoint directories, the parts and float tensors of its quantized files), their `load`
+    and `load_slice`."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.bytes: dict[str, int] = defaultdict(int)
         for cls in (GGUFFile, SafetensorsFiles):
             for method in ("load", "load_slice"):
                 monkeypatch.setattr(cls, method, self._counted(getattr(cls, method)))
-        import safetensors
-        opened = safetensors.safe_open
-        monkeypatch.setattr(safetensors, "safe_open",
-                            lambda *a, **kw: _CountedFile(opened(*a, **kw), self.bytes))
 
     def _counted(self, method: Any) -> Any:
         def read(source: Any, name: str, *args: Any) -> Any:
@@ -236,41 +233,6 @@ class Reads:
             self.bytes[name] += tensor_bytes(out)
             return out
         return read
-
-
-class _CountedFile:
-    """A safetensors handle whose reads are counted into `counts`."""
-
-    def __init__(self, handle: Any, counts: dict[str, int]) -> None:
-        self.handle, self.counts = handle, counts
-
-    def __enter__(self) -> _CountedFile:
-        self.handle.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.handle.__exit__(*exc)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.handle, name)
-
-    def get_tensor(self, key: str) -> torch.Tensor:
-        out = self.handle.get_tensor(key)
-        self.counts[key] += tensor_bytes(out)
-        return out
-
-    def get_slice(self, key: str) -> Any:
-        counts, inner = self.counts, self.handle.get_slice(key)
-
-        class Slice:
-            def get_shape(self) -> list[int]:
-                return inner.get_shape()
-
-            def __getitem__(self, index: Any) -> torch.Tensor:
-                out = inner[index]
-                counts[key] += tensor_bytes(out)
-                return out
-        return Slice()
 
 
 @pytest.fixture

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
           nbytes(r.kv_bytes_at_context), f"{r.intensity:.1f}", f"{r.kernels_per_layer:g}",
           nbytes(r.decode_bytes_per_token)) for r in rows], text=("step",)))
     if model is not None:
-        from archc import native
+        from archc.sources import native
         weights = dict(model.weights or {})
         for call, before, row in zip(calls, rows, rows[1:]):
             weights, report = convert(call, before.spec, row.spec, weights)

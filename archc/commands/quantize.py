@@ -18,9 +18,9 @@ from archc.commands.common import check_output
 from archc.commands.vocabulary import add
 from archc.devices import dtype_name
 from archc.errors import ArchcError
-from archc.quant.file import SUFFIX, save
 from archc.quant.tensor import QTensor, tensor_bytes
 from archc.sources import describe, is_gguf
+from archc.sources.quantized import SUFFIX, save
 from archc.ui import console, err_console, nbytes
 
 

@@ -95,12 +95,12 @@ class Pass:
 
     def given(self, options: Mapping[str, Any]) -> dict[str, Any]:
         """`options` with the defaults of those not given; an unknown or missing one refused."""
-        unknown = sorted(set(options) - set(self.options))
-        missing = [k for k, v in self.options.items() if v is None and k not in options]
-        if unknown or missing:
-            what = f"has no option {unknown[0]!r}" if unknown else f"needs option {missing[0]!r}"
-            raise ArchcError(f"pass {self.name} {what}; it takes {self.usage()}"
-                             if self.options else f"pass {self.name} {what}; it takes none")
+        bad = [f"has no option {k!r}" for k in options if k not in self.options] + [
+            f"needs option {k!r}" for k, v in self.options.items()
+            if v is None and k not in options]
+        if bad:
+            raise ArchcError(f"pass {self.name} {bad[0]}; it takes "
+                             f"{self.usage() if self.options else 'none'}")
         return {**self.options, **options}
 
 
@@ -148,36 +148,26 @@ def known(*, pipelines: bool = True) -> str:
     return ", ".join((list(PIPELINES) if pipelines else []) + names)
 
 
-Item = tuple[str, dict[str, int]]     # a pass of a pipeline and the options it is given
-
-
-def resolve_pipeline(pipeline: str | Sequence[str]) -> list[Item]:
-    """The passes, with their options, of a pipeline name ("default", "none"), of "a,b,c" or of
-    a sequence; a pass given options is named "shard:tp=2"."""
+def resolve_pipeline(pipeline: str | Sequence[str]) -> list[tuple[str, dict[str, int]]]:
+    """The passes, with the options each is given, of a pipeline name ("default", "none"), of
+    "a,b,c" or of a sequence; a pass given options is named "shard:tp=2"."""
     if isinstance(pipeline, str):
         pipeline = [p.strip() for p in pipeline.split(",") if p.strip()]
-    out: list[Item] = []
+    out: list[tuple[str, dict[str, int]]] = []
     for item in pipeline:
         name, *given = item.split(":")
         if name in PIPELINES and not given:
             out += [(n, {}) for n in PIPELINES[name]]
         elif name in PASSES:
-            out.append((name, _options(item, given)))
+            try:
+                out.append((name, {k: int(v) for k, _, v in (g.partition("=") for g in given)}))
+            except ValueError:
+                raise ArchcError(f"pass {item!r}: its options are OPTION=N, N a whole "
+                                 "number") from None
         else:
             close = difflib.get_close_matches(name, list(PASSES) + list(PIPELINES), n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ArchcError(f"unknown pass {name!r}{hint}; known: {known()}")
-    return out
-
-
-def _options(item: str, given: Sequence[str]) -> dict[str, int]:
-    """The OPTION=N parts of a pipeline item, each a whole number."""
-    out: dict[str, int] = {}
-    for part in given:
-        key, eq, value = part.partition("=")
-        if not (eq and key and re.fullmatch(r"-?\d+", value.strip())):
-            raise ArchcError(f"pass {item!r}: {part!r} is not OPTION=N (a whole number)")
-        out[key.strip()] = int(value)
     return out
 
 

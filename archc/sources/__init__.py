@@ -12,11 +12,11 @@ from pathlib import Path
 
 from archc.errors import SpecError, WeightsError
 from archc.ir.lower import lower
-from archc.native import SPEC_FILE, is_native
-from archc.quant.file import is_quantized_file, read_header
 from archc.runtime.weights import check_shapes, checkpoint_shapes
 from archc.sources.gguf import GGUFFile, file_quant, load_gguf, spec_of_file
 from archc.sources.hf import hf_spec, is_hf_dir, load_hf
+from archc.sources.native import SPEC_FILE, is_native
+from archc.sources.quantized import is_quantized_file, read_header
 from archc.spec.load import load_spec, load_yaml
 from archc.spec.schema import Spec
 

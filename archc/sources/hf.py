@@ -13,9 +13,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors import safe_open
-
 from archc.errors import SpecError, WeightsError
 from archc.model import Model, Progress
 from archc.sources.architectures.cohere2 import COHERE2
@@ -35,7 +32,7 @@ from archc.sources.architectures.mamba import JAMBA, MAMBA
 from archc.sources.architectures.phi3 import PHI3
 from archc.sources.architectures.starcoder2 import STARCODER2
 from archc.sources.hf_config import Architecture, HFConfig, spec_name
-from archc.sources.tensor_map import Checkpoint, read_checkpoint
+from archc.sources.tensor_map import Checkpoint, SafetensorsFiles, read_checkpoint
 from archc.spec import from_dict
 from archc.spec.schema import Spec
 from archc.tokenizer import load_hf_tokenizer
@@ -44,80 +41,29 @@ ARCHITECTURES = (LLAMA, GEMMA, GPT2, GPTJ, NEOX, FALCON, BLOOM, MPT, OPT, PHI, B
                  JAMBA, QWEN3, GEMMA3, OLMO2, SMOLLM3, GRANITE, STARCODER2,
                  PHI3, GLM4, COHERE2, EXAONE4)
 CONFIG = "config.json"
-LEGACY = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}
 
 
-class SafetensorsFiles:
-    """Tensor name → (file, stored name), shapes from the headers, tensors on demand. Names are
-    the ones transformers gives on load: TensorFlow-era `LayerNorm.gamma` is `LayerNorm.weight`."""
-
-    def __init__(self, directory: Path) -> None:
-        self.handles: dict[Path, Any] = {}
-        stored: dict[str, Path] = {}
-        for path in self._list_files(directory):
-            try:
-                self.handles[path] = safe_open(str(path), framework="pt")
-            except Exception as err:  # safetensors raises its own error types
-                raise WeightsError(f"{path}: not a readable safetensors file "
-                                   f"({str(err).strip() or type(err).__name__}); "
-                                   "is it truncated or still downloading?") from None
-            names = self.handles[path].keys()   # a safe_open handle is not a mapping
-            for name in names:
-                if name in stored:
-                    raise WeightsError(f"checkpoint tensor {name!r} is in both "
-                                       f"{stored[name].name} and {path.name}")
-                stored[name] = path
-        self.tensors: dict[str, tuple[Path, str]] = {}
-        for name, path in stored.items():
-            new = next((name[: -len(o)] + n for o, n in LEGACY.items() if name.endswith(o)), name)
-            self.tensors[name if new in stored else new] = (path, name)
-
-    @staticmethod
-    def _list_files(directory: Path) -> list[Path]:
-        index = directory / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-                                   .values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-                raise WeightsError(f"{index}: not a readable shard index ({err})") from None
-            for name in names:
-                if not (directory / name).is_file():
-                    raise WeightsError(f"{index} lists {name}, which is not in {directory}")
-            return [directory / n for n in names]
-        files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            pickles = sorted(p.name for g in ("*.bin", "*.pt") for p in directory.glob(g))
-            hint = (f"; {', '.join(pickles)} is a pickle, which archc never loads — convert it "
-                    "with `save_pretrained(..., safe_serialization=True)`" if pickles else "")
-            raise WeightsError(f"{directory} has no *.safetensors weights{hint}")
-        return files
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        path, stored = self.tensors[name]
-        return tuple(self.handles[path].get_slice(stored).get_shape())
-
-    def load(self, name: str) -> torch.Tensor:
-        path, stored = self.tensors[name]
+def safetensors_files(directory: Path) -> list[Path]:
+    """The safetensors files of a Hugging Face directory: the shards its index lists, else
+    every *.safetensors file in it."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
         try:
-            return self.handles[path].get_tensor(stored)
-        except Exception as err:
-            raise WeightsError(f"{path}: cannot read tensor {stored!r} "
-                               f"({str(err).strip() or type(err).__name__}); "
-                               "is the file truncated?") from None
-
-    def load_slice(self, name: str, span: tuple[int, int, int]) -> torch.Tensor:
-        """Elements [start, stop) of dim `dim` of a tensor, reading only the bytes that hold
-        them (safetensors' `get_slice`)."""
-        path, stored = self.tensors[name]
-        dim, start, stop = span
-        try:
-            return self.handles[path].get_slice(stored)[
-                (slice(None),) * dim + (slice(start, stop),)]
-        except Exception as err:
-            raise WeightsError(f"{path}: cannot read tensor {stored!r} "
-                               f"({str(err).strip() or type(err).__name__}); "
-                               "is the file truncated?") from None
+            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                               .values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise WeightsError(f"{index}: not a readable shard index ({err})") from None
+        for name in names:
+            if not (directory / name).is_file():
+                raise WeightsError(f"{index} lists {name}, which is not in {directory}")
+        return [directory / n for n in names]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for g in ("*.bin", "*.pt") for p in directory.glob(g))
+        hint = (f"; {', '.join(pickles)} is a pickle, which archc never loads — convert it "
+                "with `save_pretrained(..., safe_serialization=True)`" if pickles else "")
+        raise WeightsError(f"{directory} has no *.safetensors weights{hint}")
+    return files
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -157,7 +103,7 @@ def _read(directory: Path, weights: bool) -> tuple[HFConfig, Architecture, Check
         raise SpecError("model_type", shown, source=cfg.source, allowed=", ".join(
             sorted(t for a in ARCHITECTURES for t in a.model_types)))
     embed = arch.layout.names["embed"]
-    ckpt = Checkpoint(SafetensorsFiles(directory) if weights else None, embed)
+    ckpt = Checkpoint(SafetensorsFiles(safetensors_files(directory)) if weights else None, embed)
     for key, allowed in arch.only.items():
         cfg.expect(key, allowed)
     dtype = str(cfg.get(("dtype", "torch_dtype")))

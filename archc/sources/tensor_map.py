@@ -13,9 +13,11 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from safetensors import safe_open
 
 from archc.devices import check_fits, checkpoint_elements, quantized_bytes
 from archc.errors import WeightsError
@@ -41,6 +43,59 @@ class TensorSource(Protocol):
     # the elements `span` of a tensor, reading no more of the file than they need: exactly
     # load(name) narrowed to `span` (a copy)
     def load_slice(self, name: str, span: Span) -> torch.Tensor: ...
+
+
+# TensorFlow-era names, as transformers renames them on load
+LEGACY = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}
+
+
+class SafetensorsFiles:
+    """The tensors of safetensors files, a TensorSource: tensor name → (file, stored name),
+    shapes from the headers, tensors on demand, a slice read as only the bytes that hold it
+    (safetensors' `get_slice`). Names are the ones transformers gives on load: TensorFlow-era
+    `LayerNorm.gamma` is `LayerNorm.weight`."""
+
+    def __init__(self, files: Sequence[Path]) -> None:
+        self.handles: dict[Path, Any] = {}
+        stored: dict[str, Path] = {}
+        for path in files:
+            try:
+                self.handles[path] = safe_open(str(path), framework="pt")
+            except Exception as err:  # safetensors raises its own error types
+                raise WeightsError(f"{path}: not a readable safetensors file "
+                                   f"({str(err).strip() or type(err).__name__}); "
+                                   "is it truncated or still downloading?") from None
+            names = self.handles[path].keys()   # a safe_open handle is not a mapping
+            for name in names:
+                if name in stored:
+                    raise WeightsError(f"checkpoint tensor {name!r} is in both "
+                                       f"{stored[name].name} and {path.name}")
+                stored[name] = path
+        self.tensors: dict[str, tuple[Path, str]] = {}
+        for name, path in stored.items():
+            new = next((name[: -len(o)] + n for o, n in LEGACY.items() if name.endswith(o)), name)
+            self.tensors[name if new in stored else new] = (path, name)
+
+    def shape(self, name: str) -> Shape:
+        path, stored = self.tensors[name]
+        return tuple(self.handles[path].get_slice(stored).get_shape())
+
+    def load(self, name: str) -> torch.Tensor:
+        return self._read(name, lambda f, stored: f.get_tensor(stored))
+
+    def load_slice(self, name: str, span: Span) -> torch.Tensor:
+        dim, start, stop = span
+        return self._read(name, lambda f, stored: f.get_slice(stored)[
+            (slice(None),) * dim + (slice(start, stop),)])
+
+    def _read(self, name: str, read: Callable[[Any, str], torch.Tensor]) -> torch.Tensor:
+        path, stored = self.tensors[name]
+        try:
+            return read(self.handles[path], stored)
+        except Exception as err:
+            raise WeightsError(f"{path}: cannot read tensor {stored!r} "
+                               f"({str(err).strip() or type(err).__name__}); "
+                               "is the file truncated?") from None
 
 
 @dataclass(frozen=True)
@@ -127,12 +182,16 @@ class TensorMap:
         """Where the checkpoint keeps archc tensor `target`: its longest dotted prefix, less the
         layer, replaced by its module in `layout.names` (`attn.q` → `self_attn.q_proj`: so
         `layers.3.attn.q.bias` is `model.layers.3.self_attn.q_proj.bias`). T5's layer names keep
-        their stack (`decoder.ffn_norm`), since its two stacks differ."""
+        their stack (`decoder.ffn_norm`), since its two stacks differ. A tensor no module names
+        is kept under its own name (`OWN_NAMES` names none)."""
         layer = LAYER.fullmatch(target)
         stack, i, rest = layer.groups("") if layer else ("", "", target)
         key = stack + rest
         names = self.layout.names
-        module = max((m for m in names if key == m or key.startswith(m + ".")), key=len)
+        module = max((m for m in names if key == m or key.startswith(m + ".")), key=len,
+                     default=None)
+        if module is None:          # kept under archc's own name
+            return self.ckpt(target)
         value = names[module]
         within = self.layout.layer.format(stack=stack, i=i) if layer else ""
         return self.ckpt(within + (value if isinstance(value, str) else value(self.spec))
@@ -262,6 +321,10 @@ class Layout:
 
     def head_name(self, ckpt: Checkpoint) -> str:
         return next((h for h in self.head if f"{h}.weight" in ckpt.names), self.head[0])
+
+
+# archc's own tensor names: its checkpoint directories and quantized files
+OWN_NAMES = Layout(names={}, head=("head",))
 
 
 def read_checkpoint(spec: Spec, ckpt: Checkpoint, layout: Layout, *, skip: Sequence[str] = (),

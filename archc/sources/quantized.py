@@ -15,7 +15,7 @@ under their own names, as they are. The safetensors metadata (string → string)
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +23,16 @@ import torch
 import yaml
 
 from archc.errors import ArchcError, WeightsError
+from archc.model import Model, Progress
 from archc.quant.schemes import SCHEMES
 from archc.quant.tensor import QTensor, Weight, part_spans
+from archc.sources.tensor_map import (
+    OWN_NAMES,
+    Checkpoint,
+    SafetensorsFiles,
+    Span,
+    read_checkpoint,
+)
 from archc.spec.load import dump_yaml, from_dict
 from archc.spec.schema import Spec
 
@@ -34,8 +42,6 @@ QUANT_KEY = "archc.quant"
 SOURCE_KEY = "archc.source"
 FORMAT_VERSION = "1"
 SUFFIX = ".safetensors"
-
-Progress = Callable[[int, int], None]
 
 
 def is_quantized_file(path: Path) -> bool:
@@ -132,92 +138,70 @@ def _quant(path: Path, text: str | None) -> dict[str, tuple[str, tuple[int, ...]
     return out
 
 
+class QuantizedFile:
+    """A quantized file as a TensorSource, in archc's names: a quantized tensor is a QTensor of
+    its parts, exactly as written, and a slice of it the spans of its parts that hold the slice
+    (``part_spans``); a float tensor is read as stored."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.spec, self.quant = read_header(path)
+        self.file = SafetensorsFiles([path])
+        self.parts: dict[str, list[str]] = {name: [] for name in self.quant}
+        floats = []
+        for key in self.file.tensors:
+            owner, _, part = key.rpartition(".")
+            if owner in self.quant:
+                self.parts[owner].append(part)
+            else:
+                floats.append(key)
+        self.tensors = {**dict.fromkeys(floats), **self.quant}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.quant[name][1] if name in self.quant else self.file.shape(name)
+
+    def load(self, name: str) -> Weight:
+        if name not in self.quant:
+            return self.file.load(name)
+        return self._qtensor(name, self.quant[name][1],
+                             {p: self.file.load(f"{name}.{p}") for p in self.parts[name]})
+
+    def load_slice(self, name: str, span: Span) -> Weight:
+        if name not in self.quant:
+            return self.file.load_slice(name, span)
+        scheme, shape = self.quant[name]
+        dim, start, stop = span
+        # a part the scheme does not have is read whole, for QTensor to refuse by name
+        spans = part_spans(SCHEMES[scheme], shape, dim, start, stop - start)
+        parts = {p: self.file.load(f"{name}.{p}") if p not in spans else
+                 self.file.load_slice(f"{name}.{p}", spans[p]) for p in self.parts[name]}
+        return self._qtensor(name, (*shape[:dim], stop - start, *shape[dim + 1:]), parts)
+
+    def _qtensor(self, name: str, shape: tuple[int, ...], parts: dict[str, torch.Tensor]
+                 ) -> QTensor:
+        try:
+            return QTensor(self.quant[name][0], shape, parts)
+        except WeightsError as err:
+            raise WeightsError(f"{self.path}: quantized tensor {name!r}: {err}") from None
+
+
 def load(path: Path, *, progress: Progress | None = None, dtype: str | None = None,
          shard: tuple[int, int] | None = None) -> tuple[Spec, dict[str, Weight]]:
-    """The spec and weights of a quantized file: QTensors for quantized tensors, exactly as
-    written; float tensors in `dtype` if given, else as stored. `shard` (tp, rank): of each
-    tensor the program sharded over tp ranks reads in parts, only rank `rank`'s slice is read
-    (of a quantized one, the spans of its parts that hold it)."""
-    from safetensors import SafetensorError, safe_open
-
-    from archc.runtime.weights import TORCH_DTYPES
-    spec, quant = read_header(path)
-    cuts = _cuts(spec, quant, shard[0]) if shard is not None else {}
-    rank = shard[1] if shard is not None else 0
-    weights: dict[str, Weight] = {}
-    parts: dict[str, dict[str, torch.Tensor]] = {name: {} for name in quant}
-    try:
-        with safe_open(str(path), "pt") as f:
-            keys = list(f.keys())
-            for done, key in enumerate(keys, 1):
-                owner, _, part = key.rpartition(".")
-                if owner in quant:
-                    parts[owner][part] = _read(f, key, _part_span(quant[owner], cuts.get(owner),
-                                                                  part, rank))
-                else:
-                    span = _span(cuts[key], f.get_slice(key).get_shape(), rank) \
-                        if key in cuts else None
-                    t = _read(f, key, span)
-                    weights[key] = t.to(TORCH_DTYPES[dtype]) \
-                        if dtype is not None and t.is_floating_point() else t
-                if progress is not None:
-                    progress(done, len(keys))
-    except (SafetensorError, OSError) as err:
-        raise WeightsError(f"{path}: not a readable safetensors file ({err})") from None
-    for name, (scheme, shape) in quant.items():
-        if name in cuts:
-            dim, start, stop = _span(cuts[name], shape, rank)
-            shape = (*shape[:dim], stop - start, *shape[dim + 1:])
-        try:
-            weights[name] = QTensor(scheme, shape, parts[name])
-        except WeightsError as err:
-            raise WeightsError(f"{path}: quantized tensor {name!r}: {err}") from None
-    return spec, weights
-
-
-Cut = tuple[int, int, int]   # (dim, parts, every): how the shard pass cuts a tensor
-Span = tuple[int, int, int]  # (dim, start, stop): the elements of dim a rank keeps
-
-
-def _cuts(spec: Spec, quant: dict[str, tuple[str, tuple[int, ...]]], tp: int) -> dict[str, Cut]:
-    """Tensor → its cut, for the tensors the program of `spec` (with the quantized tensors
-    `quant`) sharded over tp ranks reads in parts."""
-    from archc.ir.lower import lower
-    from archc.passes.slices import rank_slices
-    program = lower(spec, quant={name: scheme for name, (scheme, _) in quant.items()})
-    return rank_slices(program, tp)
-
-
-def _span(cut: Cut, shape: Sequence[int], rank: int) -> Span:
-    from archc.passes.slices import rank_span
-    return rank_span(cut, shape[cut[0]], rank)
-
-
-def _part_span(entry: tuple[str, tuple[int, ...]], cut: Cut | None, part: str,
-               rank: int) -> Span | None:
-    """The span of part `part` of quantized tensor `entry` (scheme, shape) that holds rank
-    `rank`'s slice of it (None: all of it, uncut or a part its scheme does not have, which
-    `QTensor` then refuses by name)."""
-    if cut is None:
-        return None
-    scheme, shape = entry
-    dim, start, stop = _span(cut, shape, rank)
-    return part_spans(SCHEMES[scheme], shape, dim, start, stop - start).get(part)
-
-
-def _read(f: Any, key: str, span: Span | None) -> torch.Tensor:
-    """Tensor `key` of an open safetensors file, whole or just the elements `span` (only the
-    bytes that hold them are read)."""
-    if span is None:
-        return f.get_tensor(key)
-    dim, start, stop = span
-    return f.get_slice(key)[(slice(None),) * dim + (slice(start, stop),)]
+    """The spec and weights of a quantized file, read as every checkpoint's are
+    (``read_checkpoint``): QTensors for quantized tensors, exactly as written; float tensors in
+    `dtype` if given, else as stored. `shard` (tp, rank): of each tensor the program sharded
+    over tp ranks reads in parts, only rank `rank`'s slice is read (of a quantized one, the
+    spans of its parts that hold it)."""
+    source = QuantizedFile(path)
+    weights, _ = read_checkpoint(source.spec, Checkpoint(source), OWN_NAMES, progress=progress,
+                                 dtype=dtype, shard=shard,
+                                 quant={name: s for name, (s, _) in source.quant.items()})
+    return source.spec, weights
 
 
 def load_model(path: Path, *, progress: Progress | None = None, dtype: str | None = None,
-               shard: tuple[int, int] | None = None) -> Any:
+               shard: tuple[int, int] | None = None) -> Model:
     """The ``archc.Model`` of a quantized file (an ``archc.api.SOURCES`` loader); `shard`
     (tp, rank): holding only that rank's slices (``load``)."""
-    from archc.model import Model
     spec, weights = load(path, progress=progress, dtype=dtype, shard=shard)
     return Model(spec, weights, source=str(path), shard=shard)
