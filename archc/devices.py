@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,8 +25,12 @@ from archc.errors import ArchcError, Spell, python_option
 from archc.ir.graph import Program
 from archc.ir.shapes import DTYPE_BYTES
 from archc.memory import free_bytes
+from archc.passes.slices import rank_slices
 from archc.runtime.weights import checkpoint_shapes
 from archc.ui import nbytes
+
+if TYPE_CHECKING:
+    from archc.spec.schema import Spec
 
 # every spelling of the three: archc's, torch's and the usual short ones
 _NAMES = {spelling: name for name in DTYPES
@@ -108,56 +112,48 @@ def check_compilable(backend: str | None, dtype: str, device: torch.device,
 TINY = {"decoder": "tiny-llama3", "encoder": "tiny-bert", "encoder-decoder": "tiny-t5"}
 
 
-def rank_shapes(program: Program, tp: int = 1) -> dict[str, tuple[int, ...]]:
-    """Checkpoint tensor → the shape one of `tp` tensor-parallel ranks holds of it (its slice,
-    or the whole tensor where the shard pass replicates it)."""
+def weight_sizes(program: Program, quant: Mapping[str, str] | None = None,
+                 tp: int = 1) -> tuple[int, int]:
+    """(elements held as floats, bytes kept quantized) of the checkpoint tensors `program` reads,
+    as one of `tp` tensor-parallel ranks holds them (its slices, or the whole tensor where the
+    shard pass replicates it): those `quant` (tensor → scheme) keeps quantized at their
+    scheme's bytes, scales included, whatever the compute dtype."""
     shapes = checkpoint_shapes(program)
-    if tp == 1:
-        return shapes
-    from archc.passes.slices import rank_slices
-    out = dict(shapes)
     for name, (dim, parts, _) in rank_slices(program, tp).items():
-        dims = list(shapes[name])
-        dims[dim] //= parts
-        out[name] = tuple(dims)
-    return out
+        shapes[name] = tuple(d // parts if k == dim else d for k, d in enumerate(shapes[name]))
+    quant = quant or {}
+    return (sum(math.prod(dims) for name, dims in shapes.items() if name not in quant),
+            sum(math.ceil(math.prod(dims) * DTYPE_BYTES[quant[name]])
+                for name, dims in shapes.items() if name in quant))
 
 
-def checkpoint_elements(program: Program, quant: Mapping[str, str] | None = None,
-                        tp: int = 1) -> int:
-    """Elements of the checkpoint tensors held as floats (those `quant` does not keep
-    quantized), by one of `tp` tensor-parallel ranks."""
-    return sum(math.prod(dims) for name, dims in rank_shapes(program, tp).items()
-               if name not in (quant or {}))
-
-
-def quantized_bytes(program: Program, quant: Mapping[str, str], tp: int = 1) -> int:
-    """Bytes of the checkpoint tensors kept quantized (`quant`: tensor → scheme), scales
-    included: what they hold whatever the compute dtype, on one of `tp` ranks."""
-    return sum(math.ceil(math.prod(dims) * DTYPE_BYTES[quant[name]])
-               for name, dims in rank_shapes(program, tp).items() if name in quant)
-
-
-def check_fits(model: str, what: str, elements: int, dtype: str, family: str,
-               device: torch.device | None = None, *, spell: Spell = python_option,
-               random: bool = False, quantized: int = 0) -> None:
-    """Refuse to allocate `elements` values of `dtype` for `what` ("its weights"), and
-    `quantized` bytes of weights kept quantized, when the memory free on `device` (default: the
-    host) cannot hold them, saying what would fit."""
+def check_fits(spec: Spec, program: Program, dtype: str, device: torch.device | None = None,
+               *, quant: Mapping[str, str] | None = None, tp: int = 1, copies: int = 1,
+               what: str | None = None, spell: Spell = python_option,
+               random: bool = False) -> None:
+    """Refuse to allocate the checkpoint tensors `program` (of `spec`) reads, in `dtype` (those
+    `quant` keeps quantized at their bytes), `copies` times over, on one of `tp` ranks, when the
+    memory free on `device` (default: the host) cannot hold them, saying what would fit. `what`
+    names them (default: its weights, or a rank's slices of them, and the compiled copies)."""
     device = device or torch.device("cpu")
+    elements, quantized = (copies * n for n in weight_sizes(program, quant, tp))
     need = elements * DTYPE_BYTES[dtype] + quantized
     free = free_bytes(device)
     if free is None or need <= free:
         return
+    if what is None:
+        what = ("its weights" if tp == 1 else f"its weights' slices for 1 of {tp} ranks") + (
+            f" and {copies - 1} compiled cop{'y' if copies == 2 else 'ies'}" if copies > 1
+            else "")
     smaller = [d for d in sorted(DTYPES, key=lambda d: (DTYPE_BYTES[d], d))
                if DTYPE_BYTES[d] < DTYPE_BYTES[dtype]
                and elements * DTYPE_BYTES[d] + quantized <= free]
     options = [" or ".join(spell("dtype", d) for d in smaller) +
                f" ({nbytes(elements * DTYPE_BYTES[smaller[0]] + quantized)})"] if smaller else []
     if random:
-        options.append(f"a tiny spec of the same structure, such as {TINY[family]}")
+        options.append(f"a tiny spec of the same structure, such as {TINY[spec.family]}")
     options.append("a machine with more memory")
-    raise ArchcError(f"{model}: {what} need {nbytes(need)} ({elements:,} "
+    raise ArchcError(f"{spec.name}: {what} need {nbytes(need)} ({elements:,} "
                      f"{'random weights' if random else 'weights'} in {dtype}"
                      + (f" and {nbytes(quantized)} quantized" if quantized else "") + ") and "
                      f"{nbytes(free)} of {'GPU memory' if device.type == 'cuda' else 'memory'} "

@@ -25,7 +25,6 @@ import torch
 from archc.devices import (
     check_compilable,
     check_fits,
-    checkpoint_elements,
     default_dtype,
     dtype_name,
     resolve_device,
@@ -93,8 +92,7 @@ class Model:
         self.graph = lower(self.spec, quant=self.quant)
         self.random_weights = self.weights is None
         if self.weights is None:
-            check_fits(self.spec.name, "its weights", checkpoint_elements(self.graph),
-                       self.weights_dtype, self.spec.family, random=True)
+            check_fits(self.spec, self.graph, self.weights_dtype, random=True)
             self.weights = random_weights(self.graph, seed=self.seed, dtype=self.weights_dtype)
             self.notes += (f"{self.spec.name} is a spec, not a checkpoint: its weights are "
                            f"random (seed {self.seed}), so what it computes means nothing",)
@@ -172,9 +170,8 @@ class Model:
                              or any(w.dtype != TORCH_DTYPES[name] or w.device != torch_device
                                     for w in (self.weights or {}).values()
                                     if isinstance(w, torch.Tensor))):
-            check_fits(self.spec.name, "the compiled copy of its weights",
-                       checkpoint_elements(self.graph), name, self.spec.family, torch_device,
-                       random=self.random_weights)
+            check_fits(self.spec, self.graph, name, torch_device, random=self.random_weights,
+                       what="the compiled copy of its weights")
         program = self.graph if name == "f32" and kv_cache is None else \
             lower(self.spec, name, self.quant, kv_cache=kv_cache)
         if tp * cp > 1:

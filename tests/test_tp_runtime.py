@@ -301,7 +301,7 @@ def test_a_rank_reads_its_slices_of_a_hf_directory(tiny_hf_dir: Path) -> None:  
 @pytest.mark.parametrize("name,tp", [("tiny-llama3", 2), ("tiny-llama3", 4), ("tiny-mixtral", 2)])
 def test_a_rank_is_priced_at_its_slices(name: str, tp: int) -> None:
     """What memory checks price a rank at: the elements of the params it materializes."""
-    from archc.devices import checkpoint_elements
+    from archc.devices import weight_sizes
     from archc.ir.lower import lower
     from archc.ir.paramexpr import leaf, leaves
     from archc.runtime.weights import materialize, random_weights
@@ -314,5 +314,5 @@ def test_a_rank_is_priced_at_its_slices(name: str, tp: int) -> None:
         params = materialize(g, weights, rank=tp - 1)
         held += sum(params[n.name].numel() for n in g.nodes if n.op == Op.PARAM
                     and leaves(n.attr("expr") or leaf(n.name)))
-    assert checkpoint_elements(program, tp=tp) == held
-    assert held < checkpoint_elements(program)
+    assert weight_sizes(program, tp=tp) == (held, 0)
+    assert held < weight_sizes(program)[0]

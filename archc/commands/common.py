@@ -21,10 +21,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemaining
 from archc.devices import (
     check_compilable,
     check_fits,
-    checkpoint_elements,
     default_dtype,
     dtype_name,
-    quantized_bytes,
     resolve_device,
 )
 from archc.errors import ArchcError, cli_option
@@ -189,16 +187,11 @@ class Run:
         program = lower(self.spec)   # tensors a source keeps quantized priced at their bytes
         quant = {} if getattr(args, "dequantize", False) else self.source.quant
         tp = getattr(args, "tp", 1)  # a rank of a --tp run holds its slices only
-        elements = checkpoint_elements(program, quant, tp)
-        quantized = quantized_bytes(program, quant, tp)
         copies = {"eager": 1, "triton": 1, None: 3}[backend]
         host = [(torch.device("cpu"), 1)] if self.device.type == "cuda" else []
         for device, n in [*host, (self.device, copies)]:
-            what = "its weights" + (f" and {n - 1} compiled cop{'y' if n == 2 else 'ies'}"
-                                    if n > 1 else "")
-            check_fits(self.spec.name, what, elements * n, self.dtype, self.spec.family, device,
-                       spell=cli_option, random=self.source.random_weights,
-                       quantized=quantized * n)
+            check_fits(self.spec, program, self.dtype, device, quant=quant, tp=tp, copies=n,
+                       spell=cli_option, random=self.source.random_weights)
         if getattr(args, "threads", None) is not None:
             torch.set_num_threads(args.threads)
 

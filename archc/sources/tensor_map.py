@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 from safetensors import safe_open
 
-from archc.devices import check_fits, checkpoint_elements, quantized_bytes
+from archc.devices import check_fits
 from archc.errors import WeightsError
 from archc.ir.lower import lower
 from archc.model import Progress
@@ -343,9 +343,7 @@ def read_checkpoint(spec: Spec, ckpt: Checkpoint, layout: Layout, *, skip: Seque
     split along K on whole groups is refused by the shard pass, naming the field."""
     program = lower(spec, quant=quant or {})
     tp = shard[0] if shard is not None else 1      # a rank prices only its slices
-    check_fits(spec.name, "its weights" if tp == 1 else f"its weights' slices for 1 of {tp} ranks",
-               checkpoint_elements(program, quant, tp), dtype or spec.dtype, spec.family,
-               quantized=quantized_bytes(program, quant or {}, tp))
+    check_fits(spec, program, dtype or spec.dtype, quant=quant, tp=tp)
     tmap = TensorMap(layout, spec, ckpt, checkpoint_shapes(program))
     source, present = ckpt.source, ckpt.names
     for rule in tmap.rules:  # check everything before reading anything
