@@ -38,8 +38,9 @@ class Comm(Protocol):
         ...
 
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """This rank's 1/size slice along `dim` of the sum over ranks of x."""
-        ...
+        """This rank's 1/size slice along `dim` of the sum over ranks of x: the sum everywhere,
+        then the slice (gloo has no reduce_scatter)."""
+        return self.all_reduce(x).chunk(self.size, dim=dim)[self.rank].contiguous()
 
     def ring_pass(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Send each of xs to rank + 1 and receive the same tensors of rank − 1 (mod size)."""
@@ -49,17 +50,12 @@ class Comm(Protocol):
         """``ring_pass`` begun: calling the result waits and gives rank − 1's tensors. A
         communicator that can (``TorchComm``) moves them in the background while the caller
         computes — ring attention overlaps each K/V block's transfer with the attention over the
-        block in hand this way; the others pass them at once (``passed_at_once``)."""
-        ...
+        block in hand this way; the others pass them at once."""
+        got = self.ring_pass(xs)
+        return lambda: got
 
 
-def passed_at_once(comm: Comm, xs: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
-    """``ring_pass_start`` of a communicator that passes at once."""
-    got = comm.ring_pass(xs)
-    return lambda: got
-
-
-class LocalComm:
+class LocalComm(Comm):
     """A group of one rank: every collective returns its input."""
 
     rank, size = 0, 1
@@ -70,14 +66,8 @@ class LocalComm:
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return x.clone()
 
-    def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return x.clone()
-
     def ring_pass(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [x.clone() for x in xs]
-
-    def ring_pass_start(self, xs: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
-        return passed_at_once(self, xs)
 
 
 class SimulatedWorld:
@@ -113,7 +103,7 @@ def _copy(value: T) -> T:
     return value
 
 
-class SimulatedComm:
+class SimulatedComm(Comm):
     """Rank `rank` of a SimulatedWorld."""
 
     def __init__(self, world: SimulatedWorld, rank: int) -> None:
@@ -125,15 +115,9 @@ class SimulatedComm:
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return torch.cat(self.world.exchange(self.rank, x), dim=dim)
 
-    def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return self.all_reduce(x).chunk(self.size, dim=dim)[self.rank].contiguous()
-
     def ring_pass(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         every = self.world.exchange(self.rank, list(xs))
         return [x.clone() for x in every[(self.rank - 1) % self.size]]
-
-    def ring_pass_start(self, xs: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
-        return passed_at_once(self, xs)
 
 
 def run_simulated(size: int, fn: Callable[[int], T], timeout: float = 120.0) -> list[T]:
@@ -176,7 +160,7 @@ def _peers_lost(fn: Callable[..., T]) -> Callable[..., T]:
     return run
 
 
-class TorchComm:
+class TorchComm(Comm):
     """A torch.distributed process group (None: the default group), as a Comm."""
 
     def __init__(self, group: object | None = None) -> None:
@@ -197,23 +181,9 @@ class TorchComm:
         self.dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
-    def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        # gloo has no reduce_scatter: the sum everywhere, then this rank's slice
-        return self.all_reduce(x).chunk(self.size, dim=dim)[self.rank].contiguous()
-
     @_peers_lost
     def ring_pass(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        dist = self.dist
-        nxt = dist.get_global_rank(self.group, (self.rank + 1) % self.size) \
-            if self.group is not None else (self.rank + 1) % self.size
-        prv = dist.get_global_rank(self.group, (self.rank - 1) % self.size) \
-            if self.group is not None else (self.rank - 1) % self.size
-        got = [torch.empty_like(x) for x in xs]
-        ops = [dist.P2POp(dist.isend, x.contiguous(), nxt, self.group) for x in xs] + \
-            [dist.P2POp(dist.irecv, g, prv, self.group) for g in got]
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-        return got
+        return self.ring_pass_start(xs)()
 
     def ring_pass_start(self, xs: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
         """``ring_pass`` begun and not waited for: the sends and receives run in the background
