@@ -52,9 +52,8 @@ def load(source: str | Path, *, seed: int = 0, dtype: str | torch.dtype | None =
     sharded over tp ranks reads in parts (the rest whole) — for ``compile(tp=tp)`` in that rank's
     process. Of a checkpoint (GGUF file, Hugging Face directory, archc checkpoint directory or
     quantized file) only the rank's slices are read from the file, so no rank holds the whole
-    checkpoint, or any whole tensor it cuts (but a checkpoint quantized at load by `quantize`
-    is read whole, quantized, then cut; int4 from a GGUF file or a Hugging Face directory is cut
-    as read).
+    checkpoint, or any whole tensor it cuts (but a checkpoint quantized at load to int8 is read
+    whole, quantized, then cut).
 
     A spec that names a checkpoint (`weights: PATH`) is that checkpoint's tensors run by the
     spec's program: every tensor's shape is checked against the program before any is read."""
@@ -82,12 +81,10 @@ def load(source: str | Path, *, seed: int = 0, dtype: str | torch.dtype | None =
     for matches, loader in SOURCES if model is None else ():
         if matches(path):
             extra: dict = {"dequantize": True} if dequantize else {}
-            # cut as read. A model quantized at load is quantized whole, then cut — except a
-            # GGUF file's or HF directory's int4 weights, whose groups lie within the cuts
-            # (the shard pass cuts K on whole groups), so they are cut, then quantized; an
-            # int8 row's one scale is its whole row's, which a rank's part does not know
-            if shard is not None and (quantize is None or quantize == "int4" and loader in (
-                    sources.load_gguf, sources.load_hf)):
+            # cut as read. A model quantized at load to int8 is quantized whole, then cut: an
+            # int8 row's one scale is its whole row's, which a rank's part does not know; int4
+            # groups lie within the cuts (the shard pass cuts K on whole groups)
+            if shard is not None and quantize != "int8":
                 extra["shard"] = shard
             model = loader(path, progress=progress, dtype=name, **extra)
             break

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import archc
+from archc.errors import ArchcError
 from archc.ir.ops import Op
 from archc.ir.text import format_program, parse_program
 from archc.passes.paged import PagedError, paged_kv
@@ -100,7 +101,7 @@ def test_paged_program_shows_the_block_table_and_round_trips() -> None:
 
 def test_paged_kv_refuses_a_bad_block_size_and_a_paged_program() -> None:
     program = archc.load("tiny-llama3").graph
-    with pytest.raises(PagedError, match="block_size=0"):
+    with pytest.raises(ArchcError, match="given block_size=0, not a whole number ≥ 1"):
         paged_kv(program, 0, 64)
     with pytest.raises(PagedError, match="tiny-llama3's KV cache is paged already"):
         paged_kv(paged_kv(program, 4, 64), 4, 64)

@@ -164,8 +164,6 @@ def test_the_pipeline_is_a_fixed_point() -> None:
 def test_passes_with_options_run_in_a_pipeline() -> None:
     """shard, context-parallel and paged-kv are passes like the others: named with their options
     in a pipeline, verified by the manager, their refusals raised in their own words."""
-    from archc.passes.context import ContextError
-    from archc.passes.paged import PagedError
     from archc.passes.shard import ShardError, shard_program
     program = lower(load_spec("tiny-llama3"))
     run = run_pipeline(program, "shard:tp=2,default,paged-kv:block_size=4:max_seq_len=16")
@@ -182,8 +180,8 @@ def test_passes_with_options_run_in_a_pipeline() -> None:
             ("dce:x=1", ArchcError, r"pass dce has no option 'x'; it takes none$"),
             ("default,shard:tp=2", ShardError, r"splits the unfused program, as lowered"),
             ("shard:tp=3", ShardError, r"attention\.heads = 4 does not divide by tp"),
-            ("context-parallel:cp=0", ContextError, r"integer ≥ 1"),
-            ("paged-kv:block_size=0:max_seq_len=8", PagedError, r"block_size=0")]:
+            ("context-parallel:cp=0", ArchcError, r"given cp=0, not a whole number ≥ 1"),
+            ("paged-kv:block_size=0:max_seq_len=8", ArchcError, r"given block_size=0")]:
         with pytest.raises(error, match=message):
             run_pipeline(program, pipeline)
 
@@ -195,13 +193,16 @@ def test_the_diff_of_a_pass_with_options_numbers_the_nodes_it_kept(
     # the residual add after the first all_reduce keeps its number, reading the new node
     assert "+  %+1 : f32[B,T,64] = all_reduce(%29) {group=\"tp\", ranks=2}" in lines
     assert "+  %30 : f32[B,T,64] = add(%3, %+1)" in lines
-    assert main(["ir", "tiny-bloom", "--passes", "context-parallel:cp=2", "--diff",
-                 "context-parallel"]) == 0
+    assert main(["ir", "tiny-bloom", "--passes", "flash-attention,context-parallel:cp=2",
+                 "--diff", "context-parallel"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    # positions put first (%+1), each attention chain one ring attention (%+2, %+3)
+    # positions put first (%+1), each attention a ring reading them, every number kept
     assert "+  %+1 : i64[T] = input() {name=\"positions\"}" in lines
     assert "   %0 : i64[B,T] = input() {name=\"tokens\"}" in lines
-    assert sum(ln.startswith("+  %+") and "ring=2" in ln for ln in lines) == 2
+    assert [ln.split(" = ")[0] for ln in lines if ln.startswith(("-  %", "+  %"))] == [
+        "+  %+1 : i64[T]", *(f"{s}  %{i} : f32[B,T,64]" for i in (27, 66) for s in "-+")]
+    assert main(["ir", "tiny-bloom", "--passes", "context-parallel:cp=2"]) == 2
+    assert "run flash-attention first" in capsys.readouterr().err
 
 
 @pytest.fixture

@@ -83,8 +83,8 @@ FLAGS: dict[str, Flag] = {f.names[-1].lstrip("-").replace("-", "_"): f for f in 
          {"type": device_name}),
     Flag(("--backend",), "what runs the model: eager (PyTorch ops, the reference) or triton "
          "(the generated kernels)", None, {"choices": ("eager", "triton")}),
-    Flag(("--passes",), "the pass pipeline: default, none, or pass names separated by commas "
-         "(`archc passes --list`)", "PIPELINE"),
+    Flag(("--passes",), "the pass pipeline: default, none, or pass names separated by commas, "
+         "one given options as NAME:OPTION=N (`shard:tp=2`; `archc passes --list`)", "PIPELINE"),
     Flag(("--tp",), "tensor-parallel GPUs: the model split over N ranks (heads, FFN columns, "
          "vocabulary): run and chat start N processes (or join torchrun's), the others price "
          "each rank's program", "N", {"type": positive_int}),

@@ -88,6 +88,13 @@ class Graph:
     def compute_ids(self) -> list[int]:
         return [i for i, n in enumerate(self.nodes) if is_compute(n.op)]
 
+    def with_inputs(self, inputs: Sequence[tuple[str, Shape, str]], origin: str) -> Graph:
+        """This graph with those of `inputs` (name, shape, dtype) it lacks put first."""
+        new = [Node(Op.INPUT, (), canonical(Op.INPUT, {"name": name}), shape, dtype, origin)
+               for name, shape, dtype in inputs if name not in self.inputs]
+        return Graph(self.name, (*new, *(n.replace(inputs=tuple(j + len(new) for j in n.inputs))
+                                        for n in self.nodes)))
+
     def users(self) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in self.nodes]
         for i, n in enumerate(self.nodes):

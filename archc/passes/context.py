@@ -1,6 +1,5 @@
-"""context-parallel (the pass, option ``cp``; ``context_parallel(program, cp)``): ring attention
-over a "cp" group of ranks, each holding a slice of the sequence (context parallelism for long
-prefills).
+"""context-parallel (option cp; ``context_parallel``): ring attention over a "cp" group of
+ranks, each holding a slice of the sequence (context parallelism for long prefills).
 
 The split is zig-zag: with cp ranks a sequence of T tokens is cut into 2·cp chunks (as equal as
 T allows: the first T mod 2·cp chunks one token longer) and rank r holds chunks r and
@@ -31,10 +30,10 @@ import torch
 
 from archc.errors import ArchcError
 from archc.ir.graph import Graph, Node, Program
-from archc.ir.ops import Op, canonical
+from archc.ir.ops import Op
 from archc.ir.ops.base import RECURRENT
 from archc.ir.shapes import S, T
-from archc.passes.manager import PassContext, register_pass, run_pass, run_pipeline
+from archc.passes.manager import PassContext, optimize, register_pass
 
 NAME = "context-parallel"
 
@@ -53,42 +52,30 @@ def zigzag(length: int, cp: int) -> list[torch.Tensor]:
     return [torch.cat([chunks[r], chunks[2 * cp - 1 - r]]) for r in range(cp)]
 
 
+def sequence_refusal(n: Node) -> str | None:
+    """Why op `n` cannot run on a part of a sequence, or beside rows of other sequences: it
+    carries a state along it, rescales by its length, or is an attention chain to collapse."""
+    if n.op in RECURRENT:
+        return "carries a state along the sequence (a recurrent mixer)"
+    if n.op == Op.ROPE and n.attr("dynamic") is not None:
+        return "rescales its frequencies from the sequence length (dynamic NTK, LongRoPE)"
+    if n.op == Op.SCORES:
+        return "is an attention not collapsed into one attention node; run flash-attention first"
+    return None
+
+
 def _refuse_unsplittable(program: Program) -> None:
-    """Ops that carry state along the sequence (recurrent mixers) or rotate by its length
-    (dynamic NTK RoPE) do not split into independent slices."""
     for g in program:
         for i, n in enumerate(g.nodes):
-            if n.op in RECURRENT:
-                where = n.origin or "a recurrent mixer"
+            why = sequence_refusal(n) or ("reads the KV cache itself (fuse-kv-write); ring "
+                                          "attention circulates k and v given to it: apply "
+                                          "context-parallel before fuse-kv-write"
+                                          if n.op == Op.ATTENTION and
+                                          n.attr("cache_layer") is not None else None)
+            if why is not None:
                 raise ContextError(f"context parallel (cp) splits the sequence across ranks; "
-                                   f"{n.op.value} %{i} in graph {g.name} ({where}) carries a "
-                                   "state along it. Use cp=1 for recurrent mixers")
-            if n.op == Op.ROPE and n.attr("dynamic") is not None:
-                raise ContextError(f"context parallel (cp): rope %{i} in graph {g.name} "
-                                   f"({n.origin or 'position.scaling'}) rescales its "
-                                   "frequencies from the sequence length (dynamic NTK, "
-                                   "LongRoPE), which "
-                                   "a slice of the sequence does not know. Use cp=1")
-            if n.op == Op.ATTENTION and n.attr("cache_layer") is not None:
-                raise ContextError(f"context parallel (cp): attention %{i} in graph {g.name} "
-                                   "reads the KV cache itself (fuse-kv-write); ring attention "
-                                   "circulates k and v given to it: apply context_parallel "
-                                   "before fuse-kv-write")
-            if n.op == Op.SCORES:
-                raise ContextError(f"context parallel (cp): scores %{i} in graph {g.name} is "
-                                   "an attention not collapsed into one attention node; run "
-                                   "the flash-attention pass first")
-
-
-def _positions(g: Graph) -> tuple[Graph, int]:
-    """The graph with a `positions` input (put first when it had none) and that input's id."""
-    have = g.inputs.get("positions")
-    if have is not None:
-        return g, have
-    pos = Node(Op.INPUT, (), canonical(Op.INPUT, {"name": "positions"}), (T,), "i64",
-               "context_parallel")
-    return Graph(g.name, (pos, *(n.replace(inputs=tuple(j + 1 for j in n.inputs))
-                                 for n in g.nodes))), 0
+                                   f"{n.op.value} %{i} in graph {g.name} "
+                                   f"({n.origin or n.op.value}) {why}")
 
 
 def _self_attention(g: Graph, n: Node) -> bool:
@@ -100,37 +87,32 @@ def _self_attention(g: Graph, n: Node) -> bool:
 def _ring(g: Graph, cp: int) -> Graph:
     if not any(_self_attention(g, n) for n in g.nodes):
         return g
-    g, pos = _positions(g)
+    g = g.with_inputs([("positions", (T,), "i64")], "context_parallel")
+    pos = g.inputs["positions"]
     nodes = tuple(n.replace(attrs=n.attrs.replace(ring=cp), inputs=(*n.inputs, pos))
                   if _self_attention(g, n) else n for n in g.nodes)
     return Graph(g.name, nodes)
 
 
 @register_pass(NAME, "context parallelism: every self-attention a ring over the cp ranks of "
-               "the cp group, each holding a zig-zag slice of the sequence (attention chains "
-               "collapsed first; before fuse-kv-write)", program=True, options={"cp": 1})
+               "the cp group, each holding a zig-zag slice of the sequence (after "
+               "flash-attention, before fuse-kv-write)", program=True, options={"cp": 1})
 def ring(program: Program, contexts: Mapping[str, PassContext], cp: int) -> Program:
-    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
-        raise ContextError(f"cp={cp!r}: the number of context-parallel ranks is an integer ≥ 1")
     if cp == 1:
         return program
-    # ring attention is an attribute of the attention node: collapse the chains first
-    unfused = any(n.op == Op.SCORES for g in program for n in g)
-    collapsed = run_pipeline(program, ("flash-attention",) if unfused else ())
-    _refuse_unsplittable(collapsed.program)
+    _refuse_unsplittable(program)
     graphs = []
-    for g in collapsed.program:
-        out, ctx = _ring(g, cp), contexts[g.name]
-        shift = int(out is not g and "positions" not in g.inputs)   # the input put first
-        if out is not g:
-            ctx.applied(NAME, g.name, f"self-attention a ring over {cp} ranks")
-        ctx.kept = {old: new + shift for old, new in collapsed.kept(g.name).items()}
-        graphs.append(out)
+    for g in program:
+        graphs.append(_ring(g, cp))
+        if graphs[-1] is not g:
+            shift = len(graphs[-1].nodes) - len(g.nodes)     # the positions input put first
+            contexts[g.name].applied(NAME, g.name, f"self-attention a ring over {cp} ranks")
+            contexts[g.name].kept = {i: i + shift for i in range(len(g.nodes))}
     return Program(program.model, tuple(graphs))
 
 
 def context_parallel(program: Program, cp: int) -> Program:
-    """`program` with every self-attention a ring over `cp` ranks of the "cp" group (the same
-    program when cp = 1). Raises ContextError for a cp below 1 and for programs whose ops do not
+    """`program` with its attention chains collapsed (flash-attention) and every self-attention
+    a ring over `cp` ranks of the "cp" group. Raises ContextError for programs whose ops do not
     split along the sequence."""
-    return run_pass(program, NAME, options={"cp": cp}).after
+    return optimize(program, ["flash-attention", (NAME, {"cp": cp})])

@@ -84,8 +84,8 @@ class Pass:
     fn: Callable[..., Any]     # a PassFn, or a ProgramPassFn when `program`
     program: bool = False      # written over the whole program, not graph by graph
     kind: str = "exact"
-    # option → its default (None: required), each a whole number passed to `fn` by keyword;
-    # named in a pipeline as NAME:OPTION=N[:OPTION=N…]
+    # option → its default (None: required), each a whole number ≥ 1 (a count or a size)
+    # passed to `fn` by keyword; named in a pipeline as NAME:OPTION=N[:OPTION=N…]
     options: Mapping[str, int | None] = field(default_factory=dict)
 
     def usage(self) -> str:
@@ -94,14 +94,15 @@ class Pass:
                                       for k, v in self.options.items())])
 
     def given(self, options: Mapping[str, Any]) -> dict[str, Any]:
-        """`options` with the defaults of those not given; an unknown or missing one refused."""
+        """`options` and the defaults of the rest; an unknown, missing or bad one refused."""
+        full = {**self.options, **options}
         bad = [f"has no option {k!r}" for k in options if k not in self.options] + [
-            f"needs option {k!r}" for k, v in self.options.items()
-            if v is None and k not in options]
+            f"needs option {k!r}" if v is None else f"given {k}={v!r}, not a whole number ≥ 1"
+            for k, v in full.items() if type(v) is not int or v < 1]
         if bad:
             raise ArchcError(f"pass {self.name} {bad[0]}; it takes "
                              f"{self.usage() if self.options else 'none'}")
-        return {**self.options, **options}
+        return full
 
 
 PASSES: dict[str, Pass] = {}
@@ -148,13 +149,20 @@ def known(*, pipelines: bool = True) -> str:
     return ", ".join((list(PIPELINES) if pipelines else []) + names)
 
 
-def resolve_pipeline(pipeline: str | Sequence[str]) -> list[tuple[str, dict[str, int]]]:
+Pipeline = str | Sequence[str | tuple[str, Mapping[str, Any]]]
+
+
+def resolve_pipeline(pipeline: Pipeline) -> list[tuple[str, dict[str, Any]]]:
     """The passes, with the options each is given, of a pipeline name ("default", "none"), of
-    "a,b,c" or of a sequence; a pass given options is named "shard:tp=2"."""
+    "a,b,c" or of a sequence of names and (name, options) pairs; a pass given options is named
+    "shard:tp=2"."""
     if isinstance(pipeline, str):
         pipeline = [p.strip() for p in pipeline.split(",") if p.strip()]
-    out: list[tuple[str, dict[str, int]]] = []
+    out: list[tuple[str, dict[str, Any]]] = []
     for item in pipeline:
+        if not isinstance(item, str):       # (name, options), as code gives them
+            out.append((item[0], dict(item[1])))
+            continue
         name, *given = item.split(":")
         if name in PIPELINES and not given:
             out += [(n, {}) for n in PIPELINES[name]]
@@ -211,15 +219,6 @@ class PipelineRun:
     def decisions(self) -> list[Decision]:
         return [d for s in self.steps for d in s.decisions]
 
-    def kept(self, graph: str) -> dict[int, int]:
-        """Id in the initial program → id in the final one, of the nodes of `graph` that every
-        step kept (a step that renumbered nothing keeps ids as they are)."""
-        ids = {i: i for i in range(len(self.initial.graph(graph).nodes))}
-        for s in self.steps:
-            if graph in s.kept:
-                ids = {old: s.kept[graph][new] for old, new in ids.items() if new in s.kept[graph]}
-        return ids
-
 
 def run_pass(program: Program, name: str, done: Sequence[str] = (),
              options: Mapping[str, Any] | None = None) -> PassStep:
@@ -269,7 +268,7 @@ def run_pass(program: Program, name: str, done: Sequence[str] = (),
     return PassStep(name, p.kind, program, after, decisions, tuple(log), kept)
 
 
-def run_pipeline(program: Program, pipeline: str | Sequence[str] = "default") -> PipelineRun:
+def run_pipeline(program: Program, pipeline: Pipeline = "default") -> PipelineRun:
     """Run the passes of `pipeline` in order, verifying after each one that changed a graph."""
     items = resolve_pipeline(pipeline)
     steps: list[PassStep] = []
@@ -279,7 +278,7 @@ def run_pipeline(program: Program, pipeline: str | Sequence[str] = "default") ->
     return PipelineRun(program, tuple(steps))
 
 
-def optimize(program: Program, pipeline: str | Sequence[str] = "default") -> Program:
+def optimize(program: Program, pipeline: Pipeline = "default") -> Program:
     """The program after `pipeline`."""
     return run_pipeline(program, pipeline).program
 

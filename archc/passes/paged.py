@@ -1,7 +1,7 @@
-"""paged-kv (the pass, options ``block_size`` and ``max_seq_len``; ``paged_kv(program, …)``): a
-decoder whose KV cache is a pool of fixed-size blocks, each sequence holding a
-list of them (its block table), so that many sequences of different lengths decode together
-(``archc.runtime.paged``, what a server's scheduler drives).
+"""paged-kv (options block_size, max_seq_len; ``paged_kv``): a decoder whose KV cache is a pool
+of fixed-size blocks, each sequence holding a list of them (its block table), so that many
+sequences of different lengths decode together (``archc.runtime.paged``, what a server's
+scheduler drives).
 
 A paged step's T rows are tokens, each of its own sequence and at its own position: a prefill's
 T tokens are one sequence's prompt (or what follows a prefix it shares), a decode step's are the
@@ -37,12 +37,12 @@ import sympy
 from archc.errors import ArchcError
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph, Node, Program
-from archc.ir.ops import Op, canonical, full_attrs
-from archc.ir.ops.base import RECURRENT
+from archc.ir.ops import Op, full_attrs
 from archc.ir.ops.modifiers import modifiers_of
 from archc.ir.ops.steps import HEAD_KERNELS, STEPS, step
 from archc.ir.shapes import T
-from archc.passes.manager import PassContext, register_pass, run_pass, run_pipeline
+from archc.passes.context import sequence_refusal
+from archc.passes.manager import PassContext, optimize, register_pass
 
 NAME = "paged-kv"
 
@@ -60,12 +60,8 @@ def _check_node(g: Graph, i: int) -> None:
     """Refuse what a paged step cannot run: ops that carry a state along the sequence, that need
     the sequence's length, attention chains not collapsed, masks beside the causal one."""
     n = g.nodes[i]
-    if n.op in RECURRENT:
-        raise _refuse(g, i, "carries a recurrent state, not a KV cache: recurrent mixers keep a "
-                      "state per sequence that a block pool does not hold")
-    if n.op == Op.SCORES:
-        raise _refuse(g, i, "is an attention not collapsed into one attention node; run the "
-                      "flash-attention pass first")
+    if (why := sequence_refusal(n)) is not None:
+        raise _refuse(g, i, why)
     if n.op == Op.KV_CACHE and n.attr("quant") is not None:
         raise _refuse(g, i, f"holds an {n.attr('quant')} cache; a paged pool holds the model "
                       "dtype (kv_cache=None)")
@@ -128,23 +124,6 @@ def _static_ropes(g: Graph, max_seq_len: int) -> Graph:
     return Graph(g.name, tuple(nodes))
 
 
-def _input(name: str, shape: tuple[sympy.Expr, ...], dtype: str) -> Node:
-    return Node(Op.INPUT, (), canonical(Op.INPUT, {"name": name}), shape, dtype, "paged_kv")
-
-
-def _with_inputs(g: Graph, max_blocks: int) -> tuple[Graph, int, int]:
-    """The graph with `positions` (when it had none) and `block_table` inputs put first, and
-    their ids."""
-    new: list[Node] = []
-    if "positions" not in g.inputs:
-        new.append(_input("positions", (T,), "i64"))
-    new.append(_input("block_table", (T, sympy.Integer(max_blocks)), "i32"))
-    shift = len(new)
-    nodes = (*new, *(n.replace(inputs=tuple(j + shift for j in n.inputs)) for n in g.nodes))
-    out = Graph(g.name, nodes)
-    return out, out.inputs["positions"], out.inputs["block_table"]
-
-
 def _step_offset(n: Node, k: int) -> int:
     """Where the inputs of epilogue step k start among n's inputs."""
     steps = n.attr("epilogue", ())
@@ -165,9 +144,13 @@ def _paged_write(n: Node, bs: int, pos: int, table: int) -> Node:
 
 
 def _paged_graph(g: Graph, bs: int, max_seq_len: int) -> Graph:
+    g = _static_ropes(g, max_seq_len)     # first: the checks refuse any rope left dynamic
     for i in range(len(g.nodes)):
         _check_node(g, i)
-    g, pos, table = _with_inputs(_static_ropes(g, max_seq_len), max_blocks(max_seq_len, bs))
+    g = g.with_inputs([("positions", (T,), "i64"),
+                       ("block_table", (T, sympy.Integer(max_blocks(max_seq_len, bs))), "i32")],
+                      "paged_kv")
+    pos, table = g.inputs["positions"], g.inputs["block_table"]
     nodes = list(g.nodes)
     for i, n in enumerate(nodes):
         if n.op == Op.KV_CACHE:
@@ -195,13 +178,11 @@ def max_blocks(max_seq_len: int, block_size: int) -> int:
 
 @register_pass(NAME, "a decoder whose KV cache is a pool of block_size-token blocks, each "
                "sequence reading its own through a block table of sequences up to max_seq_len "
-               "tokens (what the serving engine runs)", program=True, kind="variant",
+               "tokens, what the serving engine runs (after share-kv-heads and "
+               "flash-attention)", program=True, kind="variant",
                options={"block_size": 16, "max_seq_len": None})
 def paged(program: Program, contexts: Mapping[str, PassContext], block_size: int,
           max_seq_len: int) -> Program:
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise PagedError(f"block_size={block_size!r}: the tokens per KV-cache block are an "
-                         "integer ≥ 1")
     if [g.name for g in program] != ["decoder"]:
         names = ", ".join(g.name for g in program)
         raise PagedError(f"a paged KV cache serves a decoder-only model; {program.model} has "
@@ -209,21 +190,18 @@ def paged(program: Program, contexts: Mapping[str, PassContext], block_size: int
     if any(n.attr("paged") is not None for g in program for n in g
            if n.op in (Op.ATTENTION, Op.KV_CACHE)):
         raise PagedError(f"{program.model}'s KV cache is paged already")
-    # attention chains into one attention node, reading KV head h // group in place
-    unfused = any(n.op in (Op.SCORES, Op.REPEAT_KV) for g in program for n in g)
-    collapsed = run_pipeline(program, ("share-kv-heads", "flash-attention") if unfused else ())
-    (g,) = collapsed.program.graphs
+    (g,) = program.graphs
     out = _paged_graph(g, block_size, max_seq_len)
-    ctx = contexts[g.name]
-    ctx.applied(NAME, g.name, f"the KV cache paged in blocks of {block_size} tokens")
+    contexts[g.name].applied(NAME, g.name, f"the KV cache paged in blocks of {block_size} tokens")
     shift = len(out.nodes) - len(g.nodes)      # the inputs put first
-    ctx.kept = {old: new + shift for old, new in collapsed.kept(g.name).items()}
+    contexts[g.name].kept = {i: i + shift for i in range(len(g.nodes))}
     return Program(program.model, (out,))
 
 
 def paged_kv(program: Program, block_size: int, max_seq_len: int) -> Program:
-    """`program` with its KV cache paged in blocks of `block_size` tokens, sequences of up to
-    `max_seq_len` tokens. Raises PagedError for a bad block size and for programs a paged cache
-    cannot serve (encoders, encoder-decoders, recurrent mixers, non-causal attention…)."""
-    return run_pass(program, NAME, options={"block_size": block_size,
-                                            "max_seq_len": max_seq_len}).after
+    """`program` with its attention chains collapsed, reading KV head h // group in place
+    (share-kv-heads, flash-attention), and its KV cache paged in blocks of `block_size` tokens,
+    sequences of up to `max_seq_len` tokens. Raises PagedError for programs a paged cache cannot
+    serve (encoders, encoder-decoders, recurrent mixers, non-causal attention…)."""
+    return optimize(program, ["share-kv-heads", "flash-attention",
+                              (NAME, {"block_size": block_size, "max_seq_len": max_seq_len})])

@@ -45,10 +45,9 @@ from archc.passes.manager import PassContext, register_pass, run_pass
 from archc.quant.schemes import is_quantized, scheme
 
 NAME = "shard"
-# What a projection's output is read as, by the op and operand role (the op table's) that reads
-# it: attention's queries, keys and values, head by head, and the FFN's hidden features, one by
-# one by its activation and gated product, make it column-parallel; the logits, the
-# vocabulary-parallel head.
+# What reads a projection's output, by op and operand role (the op table's): attention's q, k and
+# v (head by head) or the FFN's activation and gated product (feature by feature) make it
+# column-parallel; the logits, the vocabulary-parallel head.
 READ_AS: dict[tuple[Op, str], str] = {
     (Op.SCORES, "q"): "q", (Op.SCORES, "k"): "k", (Op.WEIGHTED_SUM, "v"): "v",
     (Op.ACT, "x"): "ffn", (Op.MUL, "a"): "ffn", (Op.MUL, "b"): "ffn", (Op.OUTPUT, "x"): "logits"}
@@ -56,6 +55,9 @@ READ_AS: dict[tuple[Op, str], str] = {
 # inputs alone: a bias, a scale or soft-cap, the split into heads, QK-norm, RoPE, the KV cache
 ON_THE_WAY = frozenset({Op.ADD, Op.POINTWISE, Op.SPLIT_HEADS, Op.NORM, Op.ROPE, Op.KV_CACHE,
                         Op.REPEAT_KV})
+# ops that work over the head dim or along the sequence: head by head on heads split over ranks
+HEAD_WISE = frozenset({Op.NORM, Op.SOFTMAX, Op.ROPE, Op.MASK, Op.KV_CACHE, Op.REPEAT_KV,
+                       Op.SCORES, Op.WEIGHTED_SUM})
 
 
 class ShardError(ArchcError):
@@ -72,9 +74,8 @@ class Rule:
     works: Callable[[int], bool]
 
 
-def read_as(g: Graph, i: int, users: list[list[int]] | None = None) -> str | None:
+def read_as(g: Graph, i: int, users: list[list[int]]) -> str | None:
     """What the value of node i is read as (`READ_AS`), followed through `ON_THE_WAY` ops."""
-    users = users if users is not None else g.users()
     frontier = [i]
     while frontier:
         j = frontier.pop(0)
@@ -160,8 +161,6 @@ def _group_rule(need: Callable[..., None], field_: str, k: int, dtype: str) -> N
 def check(program: Program, tp: int) -> None:
     """Raise ShardError when `program` cannot be split over `tp` ranks, naming the spec field,
     its value and the tp values that do work."""
-    if tp < 1:
-        raise ShardError(f"tp={tp}: the number of tensor-parallel ranks must be at least 1")
     rules = _rules(program)
     failed = [r for r in rules if not r.works(tp)]
     if not failed:
@@ -289,8 +288,7 @@ class _Sharder:
             return self.add(i)
         if n.op in (Op.ALIBI, Op.REL_BIAS):
             return self.per_head(i)
-        if n.op in (Op.SPLIT_HEADS, Op.MERGE_HEADS, Op.ROPE, Op.KV_CACHE, Op.REPEAT_KV, Op.MASK,
-                    Op.SOFTMAX, Op.SCORES, Op.WEIGHTED_SUM, Op.NORM) or n.op in ELEMENTWISE:
+        if n.op in HEAD_WISE | ELEMENTWISE | {Op.SPLIT_HEADS, Op.MERGE_HEADS}:
             return self.keep_split(i)
         return self.rep(i)
 
@@ -397,9 +395,8 @@ class _Sharder:
         """Can op n run on each rank's part of split value v alone?"""
         if n.op in (Op.SPLIT_HEADS, Op.MERGE_HEADS):
             return n.op == Op.SPLIT_HEADS and not v.heads or n.op == Op.MERGE_HEADS and v.heads
-        if n.op in (Op.NORM, Op.SOFTMAX, Op.ROPE, Op.MASK, Op.KV_CACHE, Op.REPEAT_KV, Op.SCORES,
-                    Op.WEIGHTED_SUM):
-            return v.heads     # over the head dim or along the sequence: head by head
+        if n.op in HEAD_WISE:
+            return v.heads
         return n.op in ELEMENTWISE
 
     def rep(self, i: int) -> Val:
@@ -438,36 +435,25 @@ def _kv_split(program: Program, tp: int) -> tuple[int, int]:
     return (tp, 1) if kv % tp == 0 else (kv, tp // kv)
 
 
-def _vocab(program: Program) -> int | None:
-    """The vocabulary: the rows of the table embedding the tokens."""
-    for g in program:
-        table = _token_table(g)
-        if table is not None:
-            return int(g.nodes[table].shape[0])
-    return None
-
-
-@register_pass(NAME, "tensor parallelism: the unfused program, as lowered, as each of tp ranks "
-               "runs it — column-parallel projections into attention heads and FFN features, "
-               "row-parallel ones after them with an all_reduce, a vocabulary-parallel "
-               "embedding and head, the rest replicated (translation-validated over tp "
-               "simulated ranks)", program=True, options={"tp": 1})
+@register_pass(NAME, "tensor parallelism: the unfused program as each of tp ranks runs it, "
+               "projections column- then row-parallel (an all_reduce after), a vocabulary-"
+               "parallel embedding and head, the rest replicated", program=True, options={"tp": 1})
 def shard(program: Program, contexts: Mapping[str, PassContext], tp: int) -> Program:
     check(program, tp)
     if tp == 1:
         return program
-    fused = next((n for g in program for n in g if n.op in (Op.FUSED_LINEAR, Op.ATTENTION)), None)
-    if fused is not None:
+    if any(n.op in (Op.FUSED_LINEAR, Op.ATTENTION) for g in program for n in g):
         raise ShardError(f"the shard pass splits the unfused program, as lowered; "
-                         f"{program.model} has {fused.op.value} nodes: run it first")
+                         f"{program.model} has kernel-level nodes: run shard first")
     kv_split = _kv_split(program, tp)
-    vocab = _vocab(program)
+    tables = {g.name: _token_table(g) for g in program}    # the vocabulary: their rows
+    vocab = next((int(program.graph(g).nodes[t].shape[0]) for g, t in tables.items()
+                  if t is not None), None)
     parallel_vocab = vocab is not None and vocab % tp == 0
     graphs = []
     for g in program:
-        ctx = contexts[g.name]
+        ctx, table = contexts[g.name], tables[g.name]
         if vocab is not None and not parallel_vocab:
-            table = _token_table(g)
             ctx.refused("vocab-parallel", g.name if table is None else table,
                         f"vocab_size {vocab} does not divide by tp={tp}: embedding and head "
                         f"replicated")

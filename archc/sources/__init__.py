@@ -1,8 +1,9 @@
-"""Sources of real models: Hugging Face directories and GGUF files.
+"""Sources of real models: Hugging Face directories, GGUF files, archc's checkpoint directories
+and quantized files, each read through a ``TensorSource`` (``tensor_map``).
 
-``archc.load`` tries both loaders (``archc.api.SOURCES``), so it accepts a directory or a ``.gguf``
-path beside zoo names and spec files; ``describe`` reads just the spec of any source. A spec
-that names a checkpoint (``weights:``) runs that checkpoint's tensors (``borrowed``).
+``archc.load`` tries their loaders (``archc.api.SOURCES``) beside zoo names and spec files;
+``describe`` reads just the spec of any source. A spec that names a checkpoint (``weights:``)
+runs that checkpoint's tensors (``borrowed``).
 """
 
 from __future__ import annotations

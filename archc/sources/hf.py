@@ -44,8 +44,7 @@ CONFIG = "config.json"
 
 
 def safetensors_files(directory: Path) -> list[Path]:
-    """The safetensors files of a Hugging Face directory: the shards its index lists, else
-    every *.safetensors file in it."""
+    """The safetensors files of a Hugging Face directory: the shards its index lists, else all."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         try:

@@ -35,10 +35,9 @@ def save(directory: Path, spec: Spec, weights: dict[str, torch.Tensor]) -> None:
 
 def load(directory: Path, progress: Progress | None = None, dtype: str | None = None,
          shard: tuple[int, int] | None = None) -> Model:
-    """The model of a checkpoint directory, its weights read as every checkpoint's are
-    (``read_checkpoint``): priced first, each tensor checked against the program, cast to
-    `dtype` if given. `shard` (tp, rank): of each tensor the program sharded over tp ranks
-    reads in parts, only rank `rank`'s slice is read from the file."""
+    """The model of a checkpoint directory, read as every checkpoint is (``read_checkpoint``).
+    `shard` (tp, rank): of each tensor the program sharded over tp ranks reads in parts, only
+    rank `rank`'s slice is read from the file."""
     spec = load_yaml(directory / SPEC_FILE)
     path = directory / WEIGHTS_FILE
     if not path.is_file():

@@ -51,11 +51,6 @@ def is_quantized_file(path: Path) -> bool:
     return path.suffix.lower() == SUFFIX
 
 
-def _part_names(name: str, q: QTensor) -> dict[str, str]:
-    """File tensor name → part, for the parts of quantized tensor `name`."""
-    return {f"{name}.{part}": part for part in q.parts}
-
-
 def save(path: Path, spec: Spec, weights: Mapping[str, Weight], source: str = "") -> int:
     """Write `weights` (floats and QTensors) with `spec` to `path`; return the bytes of tensor
     data written."""
@@ -65,8 +60,7 @@ def save(path: Path, spec: Spec, weights: Mapping[str, Weight], source: str = ""
     for name, w in weights.items():
         if isinstance(w, QTensor):
             quant[name] = {"scheme": w.scheme.name, "shape": list(w.shape)}
-            for key, part in _part_names(name, w).items():
-                tensors[key] = w.parts[part].contiguous()
+            tensors.update({f"{name}.{p}": t.contiguous() for p, t in w.parts.items()})
     for name, w in weights.items():
         if not isinstance(w, QTensor):
             if name in tensors:    # a float tensor named like a part of a quantized one
@@ -82,15 +76,12 @@ def save(path: Path, spec: Spec, weights: Mapping[str, Weight], source: str = ""
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def read_header(path: Path) -> tuple[Spec, dict[str, tuple[str, tuple[int, ...]]]]:
-    """The spec and quantized tensors (name → (scheme, shape)) of a file, read from its
-    metadata alone; a file that is not archc's quantized format is refused naming why."""
-    from safetensors import SafetensorError, safe_open
-    try:
-        with safe_open(str(path), "pt") as f:
-            metadata = f.metadata() or {}
-    except (SafetensorError, OSError, ValueError) as err:
-        raise WeightsError(f"{path}: not a readable safetensors file ({err})") from None
+def read_header(path: Path, file: SafetensorsFiles | None = None
+                ) -> tuple[Spec, dict[str, tuple[str, tuple[int, ...]]]]:
+    """The spec and quantized tensors (name → (scheme, shape)) of a file (open as `file`), read
+    from its metadata alone; a file that is not archc's quantized format is refused naming
+    why."""
+    metadata = (file or SafetensorsFiles([path])).metadata
     if FORMAT_KEY not in metadata:
         raise WeightsError(f"{path}: a safetensors file without archc's metadata (no "
                            f"{FORMAT_KEY!r} key); archc reads the files `archc quantize` "
@@ -144,18 +135,14 @@ class QuantizedFile:
     (``part_spans``); a float tensor is read as stored."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        self.spec, self.quant = read_header(path)
-        self.file = SafetensorsFiles([path])
+        self.path, self.file = path, SafetensorsFiles([path])
+        self.spec, self.quant = read_header(path, self.file)
         self.parts: dict[str, list[str]] = {name: [] for name in self.quant}
-        floats = []
-        for key in self.file.tensors:
-            owner, _, part = key.rpartition(".")
+        for owner, _, part in (key.rpartition(".") for key in self.file.tensors):
             if owner in self.quant:
                 self.parts[owner].append(part)
-            else:
-                floats.append(key)
-        self.tensors = {**dict.fromkeys(floats), **self.quant}
+        self.tensors = {**{k: None for k in self.file.tensors
+                           if k.rpartition(".")[0] not in self.quant}, **self.quant}
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.quant[name][1] if name in self.quant else self.file.shape(name)
@@ -185,23 +172,15 @@ class QuantizedFile:
             raise WeightsError(f"{self.path}: quantized tensor {name!r}: {err}") from None
 
 
-def load(path: Path, *, progress: Progress | None = None, dtype: str | None = None,
-         shard: tuple[int, int] | None = None) -> tuple[Spec, dict[str, Weight]]:
-    """The spec and weights of a quantized file, read as every checkpoint's are
-    (``read_checkpoint``): QTensors for quantized tensors, exactly as written; float tensors in
-    `dtype` if given, else as stored. `shard` (tp, rank): of each tensor the program sharded
-    over tp ranks reads in parts, only rank `rank`'s slice is read (of a quantized one, the
-    spans of its parts that hold it)."""
+def load_model(path: Path, *, progress: Progress | None = None, dtype: str | None = None,
+               shard: tuple[int, int] | None = None) -> Model:
+    """The ``archc.Model`` of a quantized file (an ``archc.api.SOURCES`` loader), its weights
+    read as every checkpoint's are (``read_checkpoint``): QTensors for quantized tensors, exactly
+    as written; float tensors in `dtype` if given, else as stored. `shard` (tp, rank): of each
+    tensor the program sharded over tp ranks reads in parts, only rank `rank`'s slice is read
+    (of a quantized one, the spans of its parts that hold it)."""
     source = QuantizedFile(path)
     weights, _ = read_checkpoint(source.spec, Checkpoint(source), OWN_NAMES, progress=progress,
                                  dtype=dtype, shard=shard,
                                  quant={name: s for name, (s, _) in source.quant.items()})
-    return source.spec, weights
-
-
-def load_model(path: Path, *, progress: Progress | None = None, dtype: str | None = None,
-               shard: tuple[int, int] | None = None) -> Model:
-    """The ``archc.Model`` of a quantized file (an ``archc.api.SOURCES`` loader); `shard`
-    (tp, rank): holding only that rank's slices (``load``)."""
-    spec, weights = load(path, progress=progress, dtype=dtype, shard=shard)
-    return Model(spec, weights, source=str(path), shard=shard)
+    return Model(source.spec, weights, source=str(path), shard=shard)

@@ -23,6 +23,7 @@ from archc.devices import check_fits
 from archc.errors import WeightsError
 from archc.ir.lower import lower
 from archc.model import Progress
+from archc.passes.slices import rank_slices, rank_span, take_slice
 from archc.quant.tensor import QTensor
 from archc.runtime.weights import TORCH_DTYPES, checkpoint_shapes
 from archc.spec.schema import Spec
@@ -50,13 +51,13 @@ LEGACY = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bi
 
 
 class SafetensorsFiles:
-    """The tensors of safetensors files, a TensorSource: tensor name → (file, stored name),
-    shapes from the headers, tensors on demand, a slice read as only the bytes that hold it
-    (safetensors' `get_slice`). Names are the ones transformers gives on load: TensorFlow-era
-    `LayerNorm.gamma` is `LayerNorm.weight`."""
+    """Safetensors files as a TensorSource: name → (file, stored name), shapes from the headers,
+    a slice read as the bytes that hold it (`get_slice`). Names are those transformers gives on
+    load: TensorFlow-era `LayerNorm.gamma` is `LayerNorm.weight`."""
 
     def __init__(self, files: Sequence[Path]) -> None:
         self.handles: dict[Path, Any] = {}
+        self.metadata: dict[str, str] = {}      # the files' string → string metadata
         stored: dict[str, Path] = {}
         for path in files:
             try:
@@ -65,6 +66,7 @@ class SafetensorsFiles:
                 raise WeightsError(f"{path}: not a readable safetensors file "
                                    f"({str(err).strip() or type(err).__name__}); "
                                    "is it truncated or still downloading?") from None
+            self.metadata.update(self.handles[path].metadata() or {})
             names = self.handles[path].keys()   # a safe_open handle is not a mapping
             for name in names:
                 if name in stored:
@@ -361,10 +363,7 @@ def read_checkpoint(spec: Spec, ckpt: Checkpoint, layout: Layout, *, skip: Seque
         shown = ", ".join(f"{n!r} {list(source.shape(n))}" for n in unexpected[:3])
         more = f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""
         raise WeightsError(f"checkpoint has tensors the model does not use: {shown}{more}")
-    cuts: dict[str, tuple[int, int, int]] = {}
-    if shard is not None:
-        from archc.passes.slices import rank_slices
-        cuts = rank_slices(program, shard[0])
+    cuts = rank_slices(program, shard[0]) if shard is not None else {}
     out: dict[str, torch.Tensor] = {}
     for done, rule in enumerate(tmap.rules):
         values = _read_rule(source, rule, cuts, tmap.want, shard[1] if shard else 0) \
@@ -382,7 +381,6 @@ def _read_rule(source: TensorSource, rule: Rule, cuts: Mapping[str, tuple[int, i
     """The targets of `rule`, each cut to tensor-parallel rank `rank`'s slice where `cuts`
     has one: read as slices of the sources where the rule maps the cut back through its
     convert, else read whole, converted and cut (the whole tensors let go in turn)."""
-    from archc.passes.slices import rank_span, take_slice
     spans = {t: rank_span(cuts[t], want[t][cuts[t][0]], rank)
              for t in rule.targets if t in cuts}
     part = rule.narrow(spans) if spans and rule.narrow is not None else None
