@@ -28,18 +28,24 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from archc.errors import SpecError
 from archc.ir.paramexpr import rope_inv_freq
 from archc.quant.tensor import QTensor
+from archc.sources.gguf_reader import Metadata
 from archc.sources.hf_config import HFConfig, spec_name, typed_layers
-from archc.sources.tensor_map import Layout, Part, Span, TensorMap, each
+from archc.sources.tensor_map import Layout, Part, Span, TensorMap, TensorSource, each
 
-if TYPE_CHECKING:
-    from archc.sources.gguf import GGUFFile
+
+class GGUFSource(TensorSource, Protocol):
+    """What an architecture reads of a GGUF file (``archc.sources.gguf.GGUFFile``)."""
+
+    path: Path
+    fields: Metadata
 
 
 def f32(value: float) -> float:
@@ -49,7 +55,7 @@ def f32(value: float) -> float:
 
 # ---- the llama architecture's RoPE: scaling divisors, permuted Q/K rows ----------------------
 
-def llama3_scaling(f: GGUFFile, theta: float, rotary_dim: int) -> dict[str, Any]:
+def llama3_scaling(f: GGUFSource, theta: float, rotary_dim: int) -> dict[str, Any]:
     """Llama 3.1's RoPE scaling from the per-frequency divisors llama.cpp stores instead of its
     parameters (`rope_freqs.weight`, θ_j / f_j).
 
@@ -121,7 +127,7 @@ def _narrow_rope_rows(name: str, span: Span, heads: int, rows: int) -> Part | No
 
 # ---- metadata → spec ---------------------------------------------------------------------------
 
-def block(f: GGUFFile, meta: HFConfig, *, theta: float | None = None,
+def block(f: GGUFSource, meta: HFConfig, *, theta: float | None = None,
           rope_freqs: bool = False) -> dict[str, Any]:
     """The spec sections every architecture here shares: sizes, heads (head_dim from
     `attention.key_length`, RoPE over whole heads), RoPE θ and scaling, a SwiGLU (or MoE) FFN,
@@ -173,17 +179,17 @@ def block(f: GGUFFile, meta: HFConfig, *, theta: float | None = None,
         "embedding": {"tied": "output.weight" not in f.tensors}}
 
 
-def llama(f: GGUFFile, meta: HFConfig) -> dict[str, Any]:
+def llama(f: GGUFSource, meta: HFConfig) -> dict[str, Any]:
     return block(f, meta, rope_freqs=True)
 
 
-def qwen3(f: GGUFFile, meta: HFConfig) -> dict[str, Any]:
+def qwen3(f: GGUFSource, meta: HFConfig) -> dict[str, Any]:
     out = block(f, meta)
     out["attention"]["qk_norm"] = True
     return out
 
 
-def olmo2(f: GGUFFile, meta: HFConfig) -> dict[str, Any]:
+def olmo2(f: GGUFSource, meta: HFConfig) -> dict[str, Any]:
     out = block(f, meta)
     out["attention"] |= {"qk_norm": True, "qk_norm_over": "projection"}
     out["norm"]["placement"] = "output"
@@ -194,7 +200,7 @@ def olmo2(f: GGUFFile, meta: HFConfig) -> dict[str, Any]:
 GEMMA3_PERIOD, GEMMA3_LOCAL_THETA, GEMMA3_27B_LAYERS = 6, 10000.0, 62
 
 
-def gemma3(f: GGUFFile, meta: HFConfig) -> dict[str, Any]:
+def gemma3(f: GGUFSource, meta: HFConfig) -> dict[str, Any]:
     out = block(f, meta, theta=1e6)
     layers, att = out["layers"], out["attention"]
     pattern = meta.get("attention.sliding_window_pattern", GEMMA3_PERIOD)
@@ -246,7 +252,7 @@ class GGUFArch:
     """One `general.architecture`: its metadata as spec sections, where its tensors are, and
     the tensors that are not weights (read into the spec, or unused)."""
 
-    spec: Callable[[GGUFFile, HFConfig], dict[str, Any]]
+    spec: Callable[[GGUFSource, HFConfig], dict[str, Any]]
     layout: Layout
     skip: tuple[str, ...] = ()
 
