@@ -39,8 +39,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("runtime: eager interpreter, triton backend, paged engine, communicators, process groups, "
      "devices and pricing", ("runtime", "dist", "devices")),
     ("the model: Model and CompiledModel, the walk of architecture steps", ("model", "modernize")),
-    ("checkpoint sources (HF, GGUF, archc's own, quantized files)",
-     ("sources", "native", "quant.file")),
+    ("checkpoint sources (HF, GGUF, archc's own, quantized files)", ("sources",)),
     ("performance and the report: roofline, occupancy, benchmark, the report's data",
      ("perf", "report")),
     ("the Python API and the server", ("", "api", "serve")),
@@ -156,7 +155,7 @@ def test_the_check_finds_what_it_looks_for(tmp_path: Path) -> None:
         del MODULES["archc.passes.probe"]
     assert found == {"archc.model", "archc.passes.shard", "archc.ir.lower"}
     assert floor("archc.runtime.eager") > floor("archc.passes.shard") > floor("archc.ir.graph")
-    assert floor("archc.quant.file") > floor("archc.model") > floor("archc.quant.tensor")
+    assert floor("archc.sources.quantized") > floor("archc.model") > floor("archc.quant.tensor")
 
 
 # Importing any archc module first imports the package `archc`, whose __init__ (the Python API)
