@@ -229,7 +229,9 @@ def test_serve_fits_its_pool_to_half_the_free_memory(
     64 tokens, needs 4): the pool is those 3 blocks, and the context served 48 tokens."""
     pytest.importorskip("fastapi")
     block = 2 * 2 * 2 * 16 * 16 * 4   # layers · k and v · KV heads · head_dim · tokens · f32
-    monkeypatch.setattr("archc.memory.host_available", lambda: 2 * 3 * block)
+    # the memory free once the weights are in, as the engine sizing its pool reads it (the
+    # weights were priced against the machine's own)
+    monkeypatch.setattr("archc.runtime.paged.free_bytes", lambda device: 2 * 3 * block)
     path = Path(sources["hf-256"]).parent / "tiny.gguf"
     write_gguf(hf_llama(64, 96), path, Q.F32)
     assert main(["serve", str(path), "--port", "0"]) == 0
