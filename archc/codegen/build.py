@@ -30,7 +30,10 @@ from archc.dtypes import KV_CODES, triton_pointer
 from archc.ir.attrs import Attrs, Call
 from archc.ir.cost import node_states
 from archc.ir.graph import Graph, Node
+from archc.ir.modifiers import Modifiers, leaves, triton, var
+from archc.ir.modifiers.tiles import TileCode, triton_classify
 from archc.ir.ops import OP_TABLE, Op, full_attrs, roles_of
+from archc.ir.ops.modifiers import modifiers_of
 from archc.ir.ops.steps import STEPS, epilogue_docs, step_expr
 from archc.ir.shapes import DTYPE_BYTES, B, P, S, numel
 from archc.ir.text import format_node
@@ -646,6 +649,113 @@ def _tma_layout(lays: Sequence[Layout], cache_row: int | None, dtype: str) -> bo
                                              (lay.offset, *lay.strides[:-1])) for lay in lays)
 
 
+# Each leaf of a modifier expression as the attention kernels name its value in a tile: query
+# positions a column, key positions a row; the head a scalar in the kernels whose rows are
+# queries (prefill, ring) and a column in those whose rows are the heads of a KV group
+# (decode, paged). A name the expressions read is loaded once as `<name>_at_h` (a per-head
+# parameter at the head; `_at_kv` at the KV head), `<name>_val` (a per-sequence scalar),
+# `<name>_at_q` (a per-token input at the queries), or per key tile as `<name>_at_k`.
+ROW_KINDS = {"query": "h", "head": "head[:, None]"}
+# Where each kernel's tile ranges come from (the template's tile_class), and the head range
+TILE_KERNELS = {"prefill": "query", "decode": "head", "paged": "head", "ring": "query"}
+
+
+def _leaf_code(e: Call, head: str) -> str:
+    name = e.args[0]
+    if e.fn == "index":
+        at = e.args[1].args[0]
+        return {"head": f"{name}_at_h" + ("[:, None]" if head != "h" else ""),
+                "kv_head": f"{name}_at_kv", "q_pos": f"{name}_at_q[:, None]",
+                "kv_pos": f"{name}_at_k[None, :]"}[at]
+    return {"score": "score", "q_pos": "q_pos[:, None]", "kv_pos": "k_pos[None, :]",
+            "head": head, "kv_head": "kv_h"}.get(name, f"{name}_val")
+
+
+def _leaf_range(e: Call, kind: str) -> tuple[str, str] | None:
+    """The (lo, hi) bounds a kernel knows of a leaf over its tile (None: unknown)."""
+    name = e.args[0]
+    if e.fn == "index":
+        at = e.args[1].args[0]
+        if at in ("q_pos", "kv_pos"):
+            var_name = f"{name}_at_{'q' if at == 'q_pos' else 'k'}"
+            return f"{var_name}_lo", f"{var_name}_hi"
+        return None       # a per-head parameter: a float, any value to the classifier
+    return {"q_pos": ("q_lo", "q_hi"), "kv_pos": ("k_lo", "k_hi"),
+            "head": ("h", "h") if kind == "query" else ("h_lo", "h_hi"),
+            "kv_head": ("kv_h", "kv_h")}.get(name, (f"{name}_val", f"{name}_val"))
+
+
+def _tile_code(code: TileCode) -> TileCode:
+    """Known classes as int1 scalars: the template's loop state takes tl.where of them."""
+    def scalar(x: str | bool) -> str:
+        return x if isinstance(x, str) else f"tl.full((), {int(x)}, tl.int1)"
+    return TileCode(code.lines, scalar(code.live), scalar(code.full))
+
+
+def modifier_context(c: NodeCtx, mods: Modifiers, ring: bool = False) -> dict[str, Any]:
+    """What the attention template reads of the node's modifiers: the score and the mask as
+    Triton in each kind of kernel, the mask's tile classifier in each kernel, and the names
+    they read — per-head parameters (the sinks among them), scalars, per-token inputs — with
+    the strides of each per-token input [B, L]."""
+    env, nz = mods.env, mods.normalizer
+    used = list(dict.fromkeys([*leaves(mods.score), *leaves(mods.mask)]))
+    sinks = nz.kw("sinks") if nz.fn == "softmax" else None
+    heads = [(x.args[0], x.args[1].args[0]) for x in used
+             if x.fn == "index" and x.args[0] in env.head_params]
+    if sinks is not None and (sinks, "head") not in heads:
+        heads.append((sinks, "head"))
+
+    def token(x: Call) -> dict[str, str]:
+        lay = c.lay(x.args[0])
+        if lay.rank != 2:
+            raise c.fail(f"the per-token input {x.args[0]} must be [B, L]")
+        return dict(name=x.args[0], var=_leaf_code(x, "h").split("[")[0],
+                    sb=f"({texpr(lay.strides[0], {'P': 'past'})})",
+                    sl=f"({texpr(lay.strides[1])})")
+    tokens = [x for x in used if x.fn == "index" and x.args[0] in env.token_inputs]
+    q_inputs = [token(x) for x in tokens if x.args[1] == var("q_pos")]
+    if ring and q_inputs:
+        raise c.fail("ring attention reads per-token inputs at the keys only")
+    tiled = {var("score"), var("q_pos"), var("kv_pos")} | set(tokens)
+    ctx: dict[str, Any] = dict(
+        heads=[dict(name=n, at=at, var=f"{n}_at_{'h' if at == 'head' else 'kv'}")
+               for n, at in heads],
+        scalars=[dict(name=x.args[0], var=f"{x.args[0]}_val") for x in used
+                 if x.fn == "var" and x.args[0] in env.scalars],
+        q_inputs=q_inputs, k_inputs=[token(x) for x in tokens if x.args[1] == var("kv_pos")])
+    for kind, head in ROW_KINDS.items():
+        code = {x: _leaf_code(x, head) for x in used}
+        score = None
+        if mods.score != var("score"):
+            score = triton(mods.score, env, code, prefix="mod_s")
+            if not tiled & set(leaves(mods.score)):   # a value for the tile, not one for all
+                score = type(score)(score.lines, f"qk * 0.0 + {score.value}")
+        mask = None if mods.mask is True else triton(mods.mask, env, code, prefix="mod_m")
+        ctx[kind] = dict(score=score, mask=mask)
+    tiles = {}
+    for kernel, kind in TILE_KERNELS.items():
+        ranges = {x: r for x in used if (r := _leaf_range(x, kind)) is not None}
+        tiles[kernel] = _tile_code(triton_classify(
+            mods.mask, env, ranges, live_if="k_hi >= 0" if kernel == "ring" else None,
+            full_if="whole" if kernel == "ring" else "start_n + BLOCK_N <= key_end"))
+    return dict(mods=ctx, tiles=tiles)
+
+
+def _normalizer(mods: Modifiers, scale: float, t5: bool) -> dict[str, Any]:
+    """The normalizer's kind and constants, the units of the scores it takes (log2 for the
+    softmaxes' exp2, natural for σ), and whether an unmasked tile may scale its scores in the
+    exponent's FMA (a plain score under a softmax, a positive scale)."""
+    nz = mods.normalizer
+    sigmoid = nz.fn == "sigmoid"
+    sinks = None if sigmoid else nz.kw("sinks")
+    unit = 1.0 if sigmoid else LOG2E
+    return dict(nz=dict(kind="sigmoid" if sigmoid else "sinks" if sinks else "softmax",
+                        sink=f"{sinks}_at_h" if sinks else None,
+                        bias=repr(float(nz.kw("bias", 0.0))) if sigmoid else None),
+                unit=repr(unit), scale=repr(scale), qk_scale=repr(scale * unit),
+                fold_scale=not sigmoid and mods.score == var("score") and not t5 and scale > 0)
+
+
 def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     a = c.attrs
     q = c.lay("q")
@@ -668,38 +778,30 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         kv_heads = c.static(c.lay("k").shape[1], "KV heads")
         kv = {kind: by_sequence(c, kind, KV_HEAD) for kind in "kv"}
         length, length_host = texpr(c.lay("k").shape[2]), pexpr(c.lay("k").shape[2])
-    scale, softcap, bias = a["scale"], a["softcap"], a["bias"]
+    bias = a["bias"]
     # a quantized cache's codes are dequantized as they are loaded: through pointers
     tma = a["kv_quant"] is None and _tma_layout([q] if cached else [q, c.lay("k"), c.lay("v")],
                                                 hd if cached else None, c.node.dtype)
+    mods = modifiers_of(a)     # the shorthand as library expressions; a T5 bias apart
+    t5 = bias is not None and bias.fn == "t5"
     ctx: dict[str, Any] = dict(
         H=heads, KVH=kv_heads, G=heads // kv_heads, D=hd, BLOCK_D=max(16, next_pow2(hd)),
         deal=DECODE_DEAL, paged=None,
         q=by_sequence(c, "q", HEAD), k=kv["k"], v=kv["v"], cached=cached, L=length,
-        L_host=length_host, dot_kw=c.dot_kw, causal=a["causal"], padding=a["padding"],
-        prefix=a["prefix"], softcap=softcap is not None, qk_scale=repr(scale * LOG2E),
-        bias=None if bias is None else bias.fn, t5=None, window=a["window"],
-        global_tokens=a["global_tokens"], decode=cached or c.g.name == "decoder",
-        # the scale goes into the exponent's FMA where nothing comes between it and the softmax
-        # (the running max is then the raw scores' max times the scale: a positive one)
-        fold_scale=softcap is None and bias is None and scale > 0, tma=int(tma),
-        elem_bytes=DTYPE_BYTES.get(c.node.dtype, 2),
+        L_host=length_host, dot_kw=c.dot_kw, t5=None, decode=cached or c.g.name == "decoder",
+        tma=int(tma), elem_bytes=DTYPE_BYTES.get(c.node.dtype, 2),
         # bytes of a cached key's value: the codes of a quantized cache, else the model's dtype
         kv_bytes=1 if a["kv_quant"] is not None else DTYPE_BYTES.get(c.node.dtype, 2),
         kv_quant=None if a["kv_quant"] is None else dict(
-            name=a["kv_quant"], scale_base=f"b * {kv_heads * max_len} + kv_h * {max_len}"))
-    if softcap is not None:
-        ctx.update(cap_log2=repr(softcap * LOG2E), pre_cap=repr(scale / softcap))
-    if a["padding"]:
-        pad = c.lay("padding")
-        ctx.update(pad_stride_b=texpr(pad.strides[0]), pad_stride_l=texpr(pad.strides[1]))
-    if bias is not None and bias.fn == "t5":
+            name=a["kv_quant"], scale_base=f"b * {kv_heads * max_len} + kv_h * {max_len}"),
+        **_normalizer(mods, a["scale"], t5), **modifier_context(c, mods, a["ring"] is not None))
+    if t5:
         table = c.lay("rel_table")
-        t5 = t5_thresholds(c.static(table.shape[0], "relative buckets"),
-                           bias.kw("bidirectional"), bias.kw("max_distance"))
-        ctx["t5"] = dict(t5, stride_bucket=texpr(table.strides[0]),
+        thresholds = t5_thresholds(c.static(table.shape[0], "relative buckets"),
+                                   bias.kw("bidirectional"), bias.kw("max_distance"))
+        ctx["t5"] = dict(thresholds, stride_bucket=texpr(table.strides[0]),
                          stride_head=texpr(table.strides[1]))
-    # arguments after q, k and v: the mask's, the position bias's, the past length
+    # arguments after q, k and v: the modifiers' operands, the past length
     ctx["more_params_"] = "".join(f"{a.param}, " for a in c.args[3:])
     ints = dict(B="i32", T="i32", S="i32")
     # what blocks.launch_config chooses the tiles and the load path by
@@ -767,25 +869,18 @@ def _paged_attention(c: NodeCtx, heads: int, hd: int) -> tuple[dict[str, Any], l
     """Attention over the layer's paged pool (``archc.passes.paged``): the `_paged` kernel, one
     program per (token, KV head), reading keys through the token's block table."""
     a = c.attrs
-    if a["global_tokens"] is not None:
-        raise c.fail("a paged attention with global tokens (Longformer) has no Triton kernel; "
-                     "run it on the eager backend")
     kv_heads, layer, bs = a["kv_heads"], a["cache_layer"], a["paged"]
     c.args[1:1] = [_cache_arg(c, kind, kind, layer, kv_heads, hd, block_size=bs)
                    for kind in "kv"]
     table = c.lay("block_table")    # an input: a contiguous [T, blocks] buffer of its own
-    scale, softcap = a["scale"], a["softcap"]
+    mods = modifiers_of(a)
     ctx: dict[str, Any] = dict(
         H=heads, KVH=kv_heads, G=heads // kv_heads, D=hd, BLOCK_D=max(16, next_pow2(hd)),
-        q=by_sequence(c, "q", HEAD), k={}, v={}, dot_kw=c.dot_kw, causal=True, padding=False,
-        prefix=False, softcap=softcap is not None, qk_scale=repr(scale * LOG2E),
-        bias=None if a["bias"] is None else a["bias"].fn, t5=None, window=a["window"],
-        global_tokens=None, fold_scale=False, tma=0, kv_quant=None, cached=True, decode=False,
-        ring=None, ring_kv=None,
+        q=by_sequence(c, "q", HEAD), k={}, v={}, dot_kw=c.dot_kw, t5=None, tma=0,
+        kv_quant=None, cached=True, decode=False, ring=None, ring_kv=None,
         paged=dict(block_size=bs, width=c.static(table.shape[1], "the block table's width"),
-                   stride_block=kv_heads * bs * hd, stride_head=bs * hd))
-    if softcap is not None:
-        ctx.update(cap_log2=repr(softcap * LOG2E), pre_cap=repr(scale / softcap))
+                   stride_block=kv_heads * bs * hd, stride_head=bs * hd),
+        **_normalizer(mods, a["scale"], False), **modifier_context(c, mods))
     ctx["more_params_"] = "".join(f"{x.param}, " for x in c.args[3:])
     kernels = [JitKernel("_paged", "attention_paged", dict(D=hd),
                          c.types(B="i32", T="i32", S="i32"))]

@@ -26,6 +26,7 @@ import torch
 from archc.errors import SpecError
 from archc.ir.attrs import Call
 from archc.ir.expr import act_code, tanh_code
+from archc.ir.modifiers import bounds as bd
 from archc.ir.modifiers import interval as iv
 
 Expr = Any   # a Call tree, or an int, float or bool literal
@@ -195,7 +196,9 @@ class Function:
     arguments' code and returns a primary expression (parenthesized, or a call); `bind`: it
     uses its first argument's code twice, so a rendering names that argument first unless it
     is a leaf. `interval` takes the arguments' intervals (and, for the rules that differ
-    between ints and floats, whether the result is a float)."""
+    between ints and floats, whether the result is a float); `bounds`, the same rule over
+    integer and bool bounds a kernel computes (``bounds``: none for a float result, which a
+    kernel's classifier takes as any float)."""
 
     name: str
     arity: int
@@ -213,6 +216,7 @@ class Function:
     triton_mixed: Callable[[str, str], str] | None = None
     # its code where the first argument is known ≥ 0 (C's // and % are Python's there)
     triton_nonnegative: Callable[[str, str], str] | None = None
+    bounds: Callable[..., Any] | None = None
 
 
 def _tl(fn: str) -> Callable[..., str]:
@@ -239,39 +243,41 @@ def _py_floordiv(a: str, b: str) -> str:
 
 FUNCTIONS: dict[str, Function] = {f.name: f for f in (
     Function("add", 2, same_number, torch.add, _bin("+"), iv.add, "a + b", "+", 5,
-             by_float=True),
+             by_float=True, bounds=bd.add),
     Function("sub", 2, same_number, torch.sub, _bin("-"), iv.sub, "a − b", "-", 5,
-             by_float=True),
+             by_float=True, bounds=bd.sub),
     Function("mul", 2, same_number, torch.mul, _bin("*"), iv.mul, "a · b", "*", 6,
-             by_float=True),
+             by_float=True, bounds=bd.mul),
     Function("truediv", 2, real, torch.div, _bin("/"), iv.truediv, "a / b, a float", "/", 6),
     Function("floordiv", 2, integers, lambda a, b: torch.div(a, b, rounding_mode="floor"),
              _py_floordiv, iv.floordiv, "⌊a / b⌋ (Python's //), b a positive integer literal",
-             "//", 6, bind=True, triton_nonnegative=_bin("//")),
+             "//", 6, bind=True, triton_nonnegative=_bin("//"), bounds=bd.floordiv),
     Function("mod", 2, integers, torch.remainder, _py_mod, iv.mod,
              "a − b·⌊a / b⌋ ∈ [0, b) (Python's %), b a positive integer literal", "%", 6,
-             triton_nonnegative=_bin("%")),
+             triton_nonnegative=_bin("%"), bounds=bd.mod),
     Function("neg", 1, same_number, torch.neg, lambda a: f"(-{a})", iv.neg, "−a", "-", 7,
-             by_float=True),
-    Function("lt", 2, order, torch.lt, _bin("<"), iv.lt, "a < b", "<", 4),
-    Function("le", 2, order, torch.le, _bin("<="), iv.le, "a ≤ b", "<=", 4),
-    Function("gt", 2, order, torch.gt, _bin(">"), iv.gt, "a > b", ">", 4),
-    Function("ge", 2, order, torch.ge, _bin(">="), iv.ge, "a ≥ b", ">=", 4),
-    Function("eq", 2, equality, torch.eq, _bin("=="), iv.eq, "a = b", "==", 4),
-    Function("ne", 2, equality, torch.ne, _bin("!="), iv.ne, "a ≠ b", "!=", 4),
+             by_float=True, bounds=bd.neg),
+    Function("lt", 2, order, torch.lt, _bin("<"), iv.lt, "a < b", "<", 4, bounds=bd.lt),
+    Function("le", 2, order, torch.le, _bin("<="), iv.le, "a ≤ b", "<=", 4, bounds=bd.le),
+    Function("gt", 2, order, torch.gt, _bin(">"), iv.gt, "a > b", ">", 4, bounds=bd.gt),
+    Function("ge", 2, order, torch.ge, _bin(">="), iv.ge, "a ≥ b", ">=", 4, bounds=bd.ge),
+    Function("eq", 2, equality, torch.eq, _bin("=="), iv.eq, "a = b", "==", 4, bounds=bd.eq),
+    Function("ne", 2, equality, torch.ne, _bin("!="), iv.ne, "a ≠ b", "!=", 4, bounds=bd.ne),
     Function("and_", 2, logic, torch.logical_and, _bin("&"), iv.and_, "a and b", "and", 2,
-             triton_mixed=lambda s, t: f"tl.where({s}, {t}, False)"),
+             triton_mixed=lambda s, t: f"tl.where({s}, {t}, False)", bounds=bd.and_),
     Function("or_", 2, logic, torch.logical_or, _bin("|"), iv.or_, "a or b", "or", 1,
-             triton_mixed=lambda s, t: f"tl.where({s}, True, {t})"),
+             triton_mixed=lambda s, t: f"tl.where({s}, True, {t})", bounds=bd.or_),
     Function("not_", 1, logic, torch.logical_not, lambda a: f"(~{a})", iv.not_, "not a",
-             "not", 3),
-    Function("where", 3, choice, torch.where, _tl("tl.where"), iv.where, "a if c else b"),
+             "not", 3, bounds=bd.not_),
+    Function("where", 3, choice, torch.where, _tl("tl.where"), iv.where, "a if c else b",
+             bounds=bd.where),
     # NaN propagates, as in torch (Triton's default returns the other operand)
     Function("min", 2, same_number, torch.minimum, _nan_kept("tl.minimum"), iv.minimum,
-             "the smaller of a and b", by_float=True),
+             "the smaller of a and b", by_float=True, bounds=bd.minimum),
     Function("max", 2, same_number, torch.maximum, _nan_kept("tl.maximum"), iv.maximum,
-             "the larger of a and b", by_float=True),
-    Function("abs", 1, same_number, torch.abs, _tl("tl.abs"), iv.abs_, "|a|", by_float=True),
+             "the larger of a and b", by_float=True, bounds=bd.maximum),
+    Function("abs", 1, same_number, torch.abs, _tl("tl.abs"), iv.abs_, "|a|", by_float=True,
+             bounds=bd.abs_),
     Function("exp", 1, real, torch.exp, _tl("tl.exp"), iv.exp, "eᵃ"),
     Function("log", 1, real, torch.log, _tl("tl.log"), iv.log, "ln a (NaN below 0)"),
     Function("tanh", 1, real, torch.tanh, tanh_code, iv.tanh, "tanh a"),

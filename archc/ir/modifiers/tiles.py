@@ -21,6 +21,7 @@ from enum import Enum
 import torch
 
 from archc.ir.attrs import Call
+from archc.ir.modifiers import bounds as bd
 from archc.ir.modifiers import interval as iv
 from archc.ir.modifiers.language import Env, Expr, Function, Type, fold
 
@@ -152,3 +153,71 @@ def tile_map(mask: Expr, env: Env, *, t: int, length: int, block_m: int, block_n
                 n: (q_tok[n][i], k_tok[n][j]) for n in tokens}, **base))
             for j, ks in enumerate(k_starts)))
     return TileMap(t, length, block_m, block_n, tuple(rows))
+
+
+# ---- the same classification as Triton code, for a kernel that knows its tile when it runs ---
+
+@dataclass(frozen=True)
+class TileCode:
+    """A mask's classification of one tile as Triton scalar code: statements, then whether a
+    pair of the tile can be visible (`live`: the kernel visits the tile) and whether every pair
+    is (`full`: it skips the mask) — each the code of an int1 scalar, or a Python bool when
+    known as the kernel is generated."""
+
+    lines: tuple[str, ...]
+    live: str | bool
+    full: str | bool
+
+
+class _KernelIntervals:
+    """`fold`'s backend for a kernel's classifier: a leaf of `ranges` is the Span of its
+    bounds' code, any other leaf unknown; functions of known intervals apply interval's rule,
+    of integer or bool bounds only known at run time their ``bounds`` rule."""
+
+    def __init__(self, ranges: Mapping[Expr, tuple[str, str]], prefix: str) -> None:
+        self.ranges = ranges
+        self.scalars = bd.Scalars(prefix)
+
+    def literal(self, v: bool | int | float) -> iv.Value:
+        return iv.point(v)
+
+    def leaf(self, e: Call, t: Type) -> iv.Value | bd.Span:
+        if e in self.ranges and t is int:
+            return bd.Span(*self.ranges[e])
+        return iv.MAYBE if t is bool else iv.ANY_FLOAT if t is float else iv.ANY_INT
+
+    def to_float(self, x: iv.Value | bd.Span) -> iv.Value:
+        return iv.to_float(x) if isinstance(x, iv.Interval) else iv.ANY_FLOAT
+
+    def apply(self, f: Function, args: list, result: Type) -> iv.Value | bd.Span | bd.Maybe:
+        if all(isinstance(a, (iv.Interval, iv.Truth)) for a in args):
+            return f.interval(*args, result is float) if f.by_float else f.interval(*args)
+        if f.bounds is None:   # a float of runtime bounds (its arguments are ints here)
+            return iv.ANY_FLOAT
+        # runtime bounds: integers and bools (a float's arguments became known intervals)
+        spans = [bd.Span(a.lo, a.hi) if isinstance(a, iv.Interval) else
+                 bd.Maybe(a.can_true, a.can_false) if isinstance(a, iv.Truth) else a
+                 for a in args]
+        return f.bounds(self.scalars, *spans)
+
+
+def triton_classify(mask: Expr, env: Env, ranges: Mapping[Expr, tuple[str, str]], *,
+                    live_if: str | None = None, full_if: str | None = None,
+                    prefix: str = "cls_") -> TileCode:
+    """`mask` (a checked bool expression) classified in a kernel: `ranges` names the code of
+    the (lo, hi) bounds of each leaf the kernel knows over its tile — var("q_pos") →
+    ("q_lo", "q_hi"), index("doc", "kv_pos") → ("doc_k_lo", "doc_k_hi") — each an identifier
+    of an integer scalar; every other leaf may be anything. `live_if` and `full_if`: what the
+    tile itself needs besides (keys in it; no key past the end). Given the same ranges as a
+    ``Tile``, the result is ``classify``'s on integer masks, and never less conservative."""
+    backend = _KernelIntervals(ranges, prefix)
+    t = fold(mask, env, backend)[0]
+    s = backend.scalars
+    can_true, can_false = (t.can_true, t.can_false) if isinstance(t, iv.Truth) else \
+        (t.true, t.false)
+    live, full = can_true, s.not_(can_false)
+    if live_if is not None:
+        live = s.and_(live, s.name(live_if))
+    if full_if is not None:
+        full = s.and_(full, s.name(full_if))
+    return TileCode(tuple(s.lines), live, full)
