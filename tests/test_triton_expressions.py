@@ -33,8 +33,7 @@ from hypothesis import strategies as st
 
 import archc
 from archc.codegen import blocks
-from archc.ir.attrs import Call
-from archc.ir.graph import GraphBuilder, Program
+from archc.ir.graph import GraphBuilder
 from archc.ir.modifiers import (
     Tile,
     TileClass,
@@ -129,7 +128,7 @@ torch.save(outs, sys.argv[3])
 
 def _floats_in(e: object) -> bool:
     """Does any subexpression of `e` have a float value?"""
-    if isinstance(e, bool) or isinstance(e, int):
+    if isinstance(e, (bool, int)):
         return False
     if isinstance(e, float):
         return True
@@ -210,9 +209,10 @@ def test_classifier_code_folds_what_is_known() -> None:
 
 # ---- each kind of modifier, Triton against eager --------------------------------------------
 
-# (T, L, kernel): a prompt of 37 over 16-wide tiles (the last one short), 5 new tokens after a
-# past of 40 through the prefill kernel and through split-KV decode, one token after 44
-RUNS = [(37, 37, "prefill"), (5, 45, "prefill"), (5, 45, "decode"), (1, 45, "decode")]
+# (T, L, kernel): a prompt of 21 over 16-wide tiles (the second one short: full, partial and
+# empty tiles under a causal mask), 5 new tokens after a past of 32 through the prefill kernel
+# and through split-KV decode (three busy splits, merged), one token after 36
+RUNS = [(21, 21, "prefill"), (5, 37, "prefill"), (5, 37, "decode"), (1, 37, "decode")]
 
 
 def check_op(graph: Any, values: dict[str, torch.Tensor], t: int, length: int, kernel: str,
@@ -241,3 +241,128 @@ def test_modifier_on_triton_equals_eager(case: str, t: int, length: int, kernel:
     names = {n: f(length) for n, f in operands.items()}
     check_op(op_program(attrs, names, length, t).graphs[0],
              {**qkv(t, length, t * 31 + length), **names}, t, length, kernel, kernel_dir)
+
+
+def program(attrs: dict[str, Any], tokens: dict[str, torch.Tensor], length: int, t: int,
+            name: str = "decoder") -> Any:
+    """One attention of q [B, 9, T, 8] over k, v [B, 3, L, 8]; `tokens`: per-token inputs."""
+    b = GraphBuilder(name)
+    q = b.input("q", shape(B, HEADS, t, D), "f32")
+    k, v = (b.input(n, shape(B, KV_HEADS, length, D), "f32") for n in "kv")
+    at = {key: parse(x, key).tree if key in ("score", "mask") else x for key, x in attrs.items()}
+    extra = [b.input(n, shape(B, length), "i64") for n in sorted(tokens)]
+    b.output("o", b.emit(Op.ATTENTION, q, k, v, *extra, scale=0.3, **at))
+    return b.build()
+
+
+def documents(length: int, starts: list[list[int]]) -> torch.Tensor:
+    """[2, L] document ids, a new document at each of a row's `starts`."""
+    doc = torch.zeros(2, length, dtype=torch.long)
+    for row, where in enumerate(starts):
+        for p in where:
+            doc[row, p:] += 1
+    return doc
+
+
+# mask, per-token inputs, T, L, keys no query of the call may see (NaN in k and v)
+SKIPPED = {
+    "chunks": ("kv_pos <= q_pos and q_pos // 16 == kv_pos // 16", {}, 3, 60, (0, 48)),
+    "documents": ("kv_pos <= q_pos and doc[q_pos] == doc[kv_pos]",
+                  {"doc": documents(60, [[20, 40], [20, 40]])}, 5, 60, (0, 32)),
+    "dilated": ("kv_pos <= q_pos and q_pos - kv_pos < 3 * 2 and (q_pos - kv_pos) % 2 == 0",
+                {}, 3, 60, (0, 48)),
+    # live tiles apart: the first keys, and the window's
+    "window-and-first": ("kv_pos <= q_pos and (q_pos - kv_pos < 8 or kv_pos < 4)", {}, 3, 60,
+                         (16, 48)),
+}
+
+
+@pytest.mark.parametrize("kernel", ["prefill", "decode"])
+@pytest.mark.parametrize("case", list(SKIPPED))
+def test_empty_tiles_are_never_read(case: str, kernel: str, kernel_dir: Path,
+                                    small_tiles: None) -> None:
+    mask, tokens, t, length, (lo, hi) = SKIPPED[case]
+    clean = {**qkv(t, length, 7), **tokens}
+    poisoned = dict(clean)
+    for n in "kv":
+        poisoned[n] = clean[n].clone()
+        poisoned[n][:, :, lo:hi] = float("nan")
+    check_op(program({"mask": mask}, tokens, length, t), poisoned, t, length, kernel,
+             kernel_dir, clean)
+
+
+# a strict causal mask within documents: each document's first token sees no key, and
+# averages every value as eager's finfo.min does — prefill; decode over three splits merged, a
+# lone query the merge finds blind; and a lone busy split whose only tile is empty
+STRICT = "kv_pos < q_pos and doc[q_pos] == doc[kv_pos]"
+BLIND = [(STRICT, 21, 21, "prefill", [[7], [11, 19]]), (STRICT, 5, 37, "decode", [[34], [32, 35]]),
+         (STRICT, 1, 37, "decode", [[36], [20]]), ("kv_pos < q_pos - 20", 1, 9, "decode", None)]
+
+
+@pytest.mark.parametrize("mask,t,length,kernel,starts", BLIND, ids=lambda x: str(x))
+def test_a_row_that_sees_no_key_averages_every_value(mask: str, t: int, length: int,
+                                                    kernel: str, starts: list | None,
+                                                    kernel_dir: Path, small_tiles: None) -> None:
+    tokens = {"doc": documents(length, starts)} if starts else {}
+    check_op(program({"mask": mask}, tokens, length, t), {**qkv(t, length, 3), **tokens}, t,
+             length, kernel, kernel_dir)
+
+
+def test_padding_hides_a_whole_sequence(kernel_dir: Path, small_tiles: None) -> None:
+    """An encoder's padding mask (the shorthand, as an expression): keys missing in the middle
+    of one sequence, all of the other's."""
+    pad = torch.ones(2, 21, dtype=torch.long)
+    pad[0, 5:9] = 0
+    pad[1] = 0
+    check_op(program({"padding": True}, {"padding": pad}, 21, 21, name="encoder"),
+             {**qkv(21, 21, 5), "padding": pad}, 21, 21, "prefill", kernel_dir)
+
+
+# ---- whole models ---------------------------------------------------------------------------
+
+def test_alibi_slopes_from_a_checkpoint_on_triton() -> None:
+    shorthand, explicit = alibi_rewritten("tiny-bloom")
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(3))
+    assert close(explicit.compile("triton")(ids), shorthand.compile("eager")(ids))
+
+
+def test_packed_documents_alibi_and_sinks_prefill_then_decode() -> None:
+    """tiny-smollm2 with packed documents, ALiBi as a score and sinks: a prompt of 6 tokens,
+    then one token a step, each with its document id, on Triton against eager's whole
+    forward."""
+    model = archc.from_spec(from_dict(smollm2(PACKED)))
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1))
+    doc = doc_of(11)
+    want = model.compile("eager")(ids, inputs={"doc": doc})
+    s = model.compile("triton").session
+    s.reset()
+    steps = [s.step(ids[:, :6], inputs={"doc": doc[:, :6]})]
+    for n in range(6, 11):
+        steps.append(s.step(ids[:, n:n + 1], inputs={"doc": doc[:, n:n + 1]}))
+    assert close(torch.cat(steps, dim=1), want)
+
+
+def expression_spec(tmp_path: Path, name: str, attention: dict[str, Any]) -> str:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(smollm2(attention, name=name)))
+    return str(path)
+
+
+def test_paged_triton_runs_the_expressions(tmp_path: Path) -> None:
+    """The paged engine's Triton steps give the contiguous cache's logits with ALiBi slopes,
+    sinks and a window written as expressions."""
+    from tests.test_paged import check_against_contiguous
+    attention = {key: PACKED[key] for key in ("score", "params", "normalizer")}
+    attention["mask"] = "kv_pos <= q_pos and q_pos - kv_pos < 5"
+    check_against_contiguous(expression_spec(tmp_path, "paged-expressions", attention),
+                             "triton")
+
+
+def test_ring_triton_runs_sinks_alibi_and_chunks(tmp_path: Path) -> None:
+    """cp = 2 over 20 tokens: each rank's zig-zag queries against both blocks, sinks in the
+    first block's state, chunks of 5 across the ranks' slices."""
+    from tests.test_ring_triton import check_spec
+    attention = {"mask": "kv_pos <= q_pos and q_pos // 5 == kv_pos // 5",
+                 **{key: PACKED[key] for key in ("score", "params", "normalizer")}}
+    assert set(check_spec(expression_spec(tmp_path, "ring-expressions", attention), 2, 20,
+                          tmp_path, decode=1)) == {10}
