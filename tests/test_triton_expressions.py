@@ -358,11 +358,18 @@ def test_paged_triton_runs_the_expressions(tmp_path: Path) -> None:
                              "triton")
 
 
-def test_ring_triton_runs_sinks_alibi_and_chunks(tmp_path: Path) -> None:
-    """cp = 2 over 20 tokens: each rank's zig-zag queries against both blocks, sinks in the
-    first block's state, chunks of 5 across the ranks' slices."""
+RING = {
+    # sinks in the first block's state, chunks of 5 across the ranks' slices
+    "sinks-alibi-chunks": {"mask": "kv_pos <= q_pos and q_pos // 5 == kv_pos // 5",
+                           **{key: PACKED[key] for key in ("score", "params", "normalizer")}},
+    # the first token sees no key, and no query sees the other rank's block: that block's
+    # tiles are skipped, then visited for the first token
+    "first-keys-strict": {"mask": "kv_pos < q_pos and kv_pos < 3"}}
+
+
+@pytest.mark.parametrize("case", list(RING))
+def test_ring_triton_runs_the_expressions(case: str, tmp_path: Path) -> None:
+    """cp = 2 over 20 tokens: each rank's zig-zag queries against both blocks."""
     from tests.test_ring_triton import check_spec
-    attention = {"mask": "kv_pos <= q_pos and q_pos // 5 == kv_pos // 5",
-                 **{key: PACKED[key] for key in ("score", "params", "normalizer")}}
-    assert set(check_spec(expression_spec(tmp_path, "ring-expressions", attention), 2, 20,
-                          tmp_path, decode=1)) == {10}
+    assert set(check_spec(expression_spec(tmp_path, case, RING[case]), 2, 20, tmp_path,
+                          decode=1)) == {10}
