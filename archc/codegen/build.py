@@ -772,7 +772,8 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
             c.args[3:3] = [_scale_arg(c, f"{kind}_scale", kind, layer, kv_heads) for kind in "kv"]
         kv = {kind: dict(base=f"b * {kv_heads * max_len * hd} + kv_h * {max_len * hd}",
                          stride_t=str(hd)) for kind in "kv"}
-        length = length_host = ""
+        # keys: the cache's first P + T positions
+        length, length_host = "tl.load(past_ptr) + T", ""
         c.args.append(PAST)
     else:
         kv_heads = c.static(c.lay("k").shape[1], "KV heads")
