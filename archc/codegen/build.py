@@ -656,7 +656,8 @@ def _tma_layout(lays: Sequence[Layout], cache_row: int | None, dtype: str) -> bo
 # parameter at the head; `_at_kv` at the KV head), `<name>_val` (a per-sequence scalar),
 # `<name>_at_q` (a per-token input at the queries), or per key tile as `<name>_at_k`.
 ROW_KINDS = {"query": "h", "head": "head[:, None]"}
-# Where each kernel's tile ranges come from (the template's tile_class), and the head range
+# The rows of each kernel, by which its tile classifier knows the heads of a tile: one head
+# (prefill, ring), or the KV group's h_lo … h_hi (decode, paged)
 TILE_KERNELS = {"prefill": "query", "decode": "head", "paged": "head", "ring": "query"}
 
 
@@ -672,7 +673,8 @@ def _leaf_code(e: Call, head: str) -> str:
 
 
 def _leaf_range(e: Call, kind: str) -> tuple[str, str] | None:
-    """The (lo, hi) bounds a kernel knows of a leaf over its tile (None: unknown)."""
+    """The (lo, hi) bounds a kernel knows of a leaf over its tile, as the template's
+    tile_class names them (None: unknown)."""
     name = e.args[0]
     if e.fn == "index":
         at = e.args[1].args[0]
@@ -709,7 +711,8 @@ def modifier_context(c: NodeCtx, mods: Modifiers, ring: bool = False) -> dict[st
         lay = c.lay(x.args[0])
         if lay.rank != 2:
             raise c.fail(f"the per-token input {x.args[0]} must be [B, L]")
-        return dict(name=x.args[0], var=_leaf_code(x, "h").split("[")[0],
+        at = "q" if x.args[1] == var("q_pos") else "k"
+        return dict(name=x.args[0], var=f"{x.args[0]}_at_{at}",
                     sb=f"({texpr(lay.strides[0], {'P': 'past'})})",
                     sl=f"({texpr(lay.strides[1])})")
     tokens = [x for x in used if x.fn == "index" and x.args[0] in env.token_inputs]
