@@ -1,0 +1,134 @@
+"""archc against transformers on the mixture-of-experts model types of 2025–26: one tiny random
+model of each, saved with `save_pretrained`, read with `archc.load`, and held to transformers'
+logits on eager and on the generated kernels (Triton's interpreter without a GPU), and to its
+greedy tokens.
+
+Shapes are awkward on purpose: GQA 6/2, head_dim apart from d_model/heads, an odd number of
+experts, dense layers between routed ones. Router weights are scaled up so that the routing is
+decisive (far from ties that rounding could flip) and router, expert and sink biases are random
+(``randomize_moe``), so that a misplaced one shows. The 2×11-token prefill routes tokens to every
+expert; a decode step's single token leaves most experts without one.
+
+Tolerance, fp32: 1e-4 of the largest logit, as test_hf_crosscheck — reordered sums give ~1e-6
+over two or three layers, while a wrong gate, bias, clamp or routing choice moves logits by 1e-2
+and more. Greedy tokens must be equal.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import archc
+from tests.test_hf_crosscheck import randomize, rel_error
+
+transformers = pytest.importorskip("transformers", reason="needs transformers (pip install "
+                                   "'archc[hf]')")
+pytest.importorskip("safetensors", reason="needs safetensors (pip install 'archc[hf]')")
+
+RTOL = 1e-4
+# the routers of the cases below: Qwen3-MoE's `mlp.gate`, gpt-oss's and Llama 4's `router`
+ROUTER = re.compile(r"\.(?:mlp\.gate|mlp\.router|feed_forward\.router)\.(weight|bias)$")
+VOCAB = 97
+SMALL = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+PROMPT = 11          # tokens of the compared forward pass
+NEW_TOKENS = {"eager": 8, "triton": 3}
+# cases whose programs the generated kernels cannot run yet, and why
+NO_KERNELS: dict[str, str] = {}
+
+# name → (config factory, model class name)
+CASES: dict[str, tuple[Callable[[], Any], str]] = {
+    # 5 experts, top 2 not renormalized (norm_topk_prob false); layer 1 dense
+    # (mlp_only_layers) of its own width 80 beside the experts' 40; head_dim 24 ≠ 60/6, GQA 6/2
+    "qwen3_moe": (lambda: transformers.Qwen3MoeConfig(
+        hidden_size=60, intermediate_size=80, moe_intermediate_size=40, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=24, num_experts=5,
+        num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1],
+        max_position_embeddings=64, **SMALL), "Qwen3MoeForCausalLM"),
+}
+
+
+def randomize_moe(model: torch.nn.Module, seed: int) -> None:
+    """``randomize``, then router weights ×3 (logits of spread ~3: a decisive routing), and
+    router biases and attention sinks N(0, 1), large enough to change choices and weights."""
+    randomize(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            router = ROUTER.search(name)
+            if router and router.group(1) == "weight":
+                p.mul_(3.0)
+            elif router or name.endswith(".sinks"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+
+
+def build(case: str, directory: Path, seed: int = 0) -> torch.nn.Module:
+    """A random transformers model of `case`, saved to `directory`."""
+    make_config, cls = CASES[case]
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls)(make_config()).eval()
+    randomize_moe(model, seed)
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="module")
+def kernel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+         kernel_dir: Path) -> tuple[str, Any, dict[str, archc.CompiledModel]]:
+    case = request.param
+    directory = tmp_path_factory.mktemp(case)
+    hf = build(case, directory)
+    model = archc.load(directory)
+    compiled = {"eager": model.compile("eager")}
+    if case not in NO_KERNELS:
+        compiled["triton"] = model.compile("triton", cache_dir=kernel_dir)
+    return case, hf, compiled
+
+
+def backend_of(compiled: dict[str, archc.CompiledModel], case: str,
+               backend: str) -> archc.CompiledModel:
+    if backend not in compiled:
+        pytest.skip(f"{case} on {backend}: {NO_KERNELS[case]}")
+    return compiled[backend]
+
+
+def prompt(batch: int, length: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_logits_match_transformers(pair: tuple[str, Any, dict[str, archc.CompiledModel]],
+                                   backend: str) -> None:
+    case, hf, compiled = pair
+    ids = prompt(2, PROMPT, seed=1)
+    with torch.no_grad():
+        want = hf(ids).logits
+    got = backend_of(compiled, case, backend)(ids)
+    assert got.shape == want.shape
+    err = rel_error(got, want)
+    assert err <= RTOL, f"{case} on {backend}: max error {err:.2e} of the largest logit"
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_greedy_tokens_match_transformers(
+        pair: tuple[str, Any, dict[str, archc.CompiledModel]], backend: str) -> None:
+    """Prefill, then decode through the KV cache, token for token as transformers."""
+    case, hf, compiled = pair
+    ids = prompt(1, 9, seed=2)
+    new = NEW_TOKENS[backend]
+    settings = transformers.GenerationConfig(max_new_tokens=new, min_new_tokens=new,
+                                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        want = hf.generate(ids, generation_config=settings)
+    got = backend_of(compiled, case, backend).generate(ids, max_new_tokens=new)
+    assert got.tolist() == want.tolist(), f"{case} on {backend}"
