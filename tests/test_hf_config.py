@@ -98,7 +98,7 @@ def test_gemma2_alternates_local_and_global(tmp_path: Path) -> None:
      r".*rotates whole heads"),
     ({**LLAMA, "hidden_act": "gelu"}, r"hidden_act: 'gelu' cannot be honoured.*exact \(erf\)"),
     ({**LLAMA, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
-                                   "truncate": False}}, r"rope_parameters.truncate: False"),
+                                   "truncate": "no"}}, r"rope_parameters.truncate: 'no'"),
     ({**LLAMA, "model_type": "mistral", "attention_bias": True},
      r"attention_bias: True cannot be honoured for model_type 'mistral'"),
     ({"model_type": "bloom", "vocab_size": 50, "hidden_size": 32, "n_layer": 1, "n_head": 4,

@@ -14,7 +14,7 @@ from archc.ir.lower import lower
 from archc.modernize import convert, decode_intensity
 from archc.spec import load_spec
 from archc.spec.steps import STEPS, StepCall, StepError, parse_steps
-from tests.conftest import TINY_SPECS
+from tests.conftest import KERNEL_SPECS, TINY_SPECS
 
 
 @pytest.mark.parametrize("name", ["gpt1", "gpt2", "bert-base", "gpt-j-6b", "falcon-7b"])
@@ -73,7 +73,7 @@ def kernel_dir(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     return tmp_path_factory.mktemp("kernels")
 
 
-@pytest.mark.parametrize("name", TINY_SPECS)
+@pytest.mark.parametrize("name", KERNEL_SPECS)
 @pytest.mark.parametrize("step", STEP_CALLS)
 def test_each_step_yields_a_spec_that_compiles_and_runs(name: str, step: str,
                                                          kernel_dir) -> None:  # noqa: ANN001

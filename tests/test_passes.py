@@ -55,7 +55,7 @@ KERNELS_PER_BLOCK = {
     # rotates and writes the cache), and each output norm a kernel of its own with the residual
     "olmo2-7b": 8, "tiny-olmo2": 8,
     # MoE FFNs as Mixtral's: Qwen3-MoE's QK-norm costs nothing
-    "qwen3-30b-a3b": 7, "tiny-qwen3-moe": 7,
+    "qwen3-30b-a3b": 7, "tiny-qwen3-moe": 7, "gpt-oss-20b": 7, "tiny-gpt-oss": 7,
     # recurrent mixers: a Mamba mixer is in_proj, causal_conv, x_proj, dt_proj, ssm_scan,
     # out_proj (6); linear attention is qkv, linear_attention, o (3) as softmax attention is.
     # A MoE FFN is norm, router, gate+up experts, down experts with the residual in its sum (4).

@@ -70,6 +70,8 @@ def refusal(spec: Spec, tp: int) -> str | None:
     if any(m != "attention" for m in spec.layer_mixers(spec.layers)):
         return "mixer.kind"
     att, ffn = spec.attention, spec.ffn
+    if ffn.moe is not None and ffn.moe.bias:   # no tp helps: named first, as mixers are
+        return "ffn.moe.bias"
     if att.heads % tp:
         return "attention.heads"
     if att.kv_heads % tp and tp % att.kv_heads:

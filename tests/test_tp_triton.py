@@ -29,7 +29,7 @@ from archc.runtime.triton_backend import TritonOptions, TritonSession
 from archc.runtime.weights import random_weights
 from archc.spec import load_spec
 from archc.spec.schema import Spec
-from tests.conftest import TINY_SPECS
+from tests.conftest import KERNEL_SPECS
 from tests.test_ring_attention import run, splittable
 from tests.test_ring_triton import on_ring
 from tests.test_shard import refusal
@@ -148,7 +148,7 @@ def test_quantized_vocabulary_parallel_table_on_triton(tmp_path: Path) -> None:
 
 
 # every tiny spec that shards over tp ranks or splits over cp ranks
-PARALLEL = [name for name in TINY_SPECS if splittable(name)
+PARALLEL = [name for name in KERNEL_SPECS if splittable(name)
             or any(refusal(load_spec(name), tp) is None for tp in (2, 4))]
 
 

@@ -34,7 +34,7 @@ from archc.ir.modifiers import Modifiers, leaves, triton, var
 from archc.ir.modifiers.tiles import TileCode, triton_classify
 from archc.ir.ops import OP_TABLE, Op, full_attrs, roles_of
 from archc.ir.ops.modifiers import modifiers_of
-from archc.ir.ops.steps import STEPS, epilogue_docs, step_expr
+from archc.ir.ops.steps import STEPS, epilogue_docs, glu_triton, step_expr
 from archc.ir.shapes import DTYPE_BYTES, B, P, S, numel
 from archc.ir.text import format_node
 from archc.quant.schemes import is_quantized, scheme
@@ -477,8 +477,11 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
             raise c.fail("the router needs contiguous rows of x and of its [E, K] weight")
         experts, k = c.static(w.shape[0], "experts"), c.static(w.shape[1], "router K")
         route = _routes_experts(c, a["top_k"])
+        bias = "bias" in c.roles
+        if bias and (c.lay("bias").strides[-1] != 1 or c.lay("bias").rank != 1):
+            raise c.fail("the router's bias must be one contiguous [E] vector")
         ctx = dict(kind="router", E=experts, K=k, BLOCK_E=max(16, next_pow2(experts)),
-                   top_k=a["top_k"], normalize=a["normalize"], x=rows(x),
+                   top_k=a["top_k"], normalize=a["normalize"], fn=a["fn"], bias=bias, x=rows(x),
                    w_row_stride=texpr(w.strides[0]), dot_kw=c.dot_kw,
                    M=pexpr(numel(n.shape[:-1])), route=route, gates_row_off=f"token * {experts}",
                    quant=quant_weight(c, "weight"))
@@ -505,10 +508,15 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     # (a quantized weight's tiles are dequantized from its parts: never TMA)
     tma = len(cols) == 1 and not is_quantized(w_dtype) and \
         (k * DTYPE_BYTES[w_dtype]) % TMA_ALIGN == 0
+    if a["bias"]:
+        contiguous(c, "bias", e, nw)
+    acc_names = ("acc",) if len(cols) == 1 else ("acc1", "acc2")
     ctx = dict(kind="experts", stage=a["stage"], E=e, NW=nw, top_k=a["top_k"], gated=gated,
                interleaved=interleaved, tma=tma, BLOCK_E=max(16, next_pow2(e)), route=False,
-               M=pexpr(numel(n.shape[:-2] if up else n.shape[:-1])),
-               glu_fn=steps[0].kw("fn") if gated else "",
+               M=pexpr(numel(n.shape[:-2] if up else n.shape[:-1])), bias=a["bias"],
+               gate_input=a["gate_input"],
+               glu=glu_triton(steps[0], *(("gate", "up") if interleaved else acc_names))
+               if gated else "",
                steps=[elementwise_step(c, st, idx, width) for idx, st in enumerate(steps)
                       if not (gated and idx == 0)],
                gates_row_off=row_offset(gates, "token"),

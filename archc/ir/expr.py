@@ -63,6 +63,11 @@ ACTIVATIONS: dict[str, Activation] = {a.name: a for a in (
 )}
 
 
+def _clamp_code(a: str, lo: str | None = None, hi: str | None = None) -> str:
+    code = a if lo is None else f"tl.maximum({a}, {lo})"
+    return code if hi is None else f"tl.minimum({code}, {hi})"
+
+
 @dataclass(frozen=True)
 class Function:
     name: str
@@ -82,6 +87,9 @@ FUNCTIONS: dict[str, Function] = {f.name: f for f in (
              lambda a, fn: ACTIVATIONS[fn].torch(a), lambda a, fn: act_code(fn.strip('"'), a)),
     Function("softcap", 1, (Attr("cap", float),), lambda a, cap: cap * torch.tanh(a / cap),
              lambda a, cap: f"({cap} * {tanh_code(f'{a} / {cap}')})", 3),
+    # min(max(a, lo), hi), either bound absent (gpt-oss's clamped SwiGLU)
+    Function("clamp", 1, (Attr("lo", float, None), Attr("hi", float, None)),
+             lambda a, lo=None, hi=None: a.clamp(min=lo, max=hi), _clamp_code),
 )}
 
 

@@ -26,7 +26,23 @@ from archc.ir.shapes import QUANT_DTYPES, B, P, S, T, shape
 from archc.ir.verify import verify
 from archc.spec.expressions import expressions, head_count
 from archc.spec.load import layer_spec
-from archc.spec.schema import FFN, Norm, Spec
+from archc.spec.schema import FFN, MoE, Norm, Spec
+
+
+def expert_gate(moe: MoE, activation: str) -> Call:
+    """An expert's activation of its gate projection g, as an elementwise expression of x(0):
+    act(g), the gate clamped to ≤ clamp first, and a swish gate g·σ(β·g) for β ≠ 1."""
+    g = E.x(0) if moe.clamp is None else E.call("clamp", E.x(0), hi=moe.clamp)
+    if moe.swish_beta == 1.0:
+        return E.call("act", g, fn=activation)
+    return E.call("mul", g, E.call("act", E.call("scale", g, by=moe.swish_beta), fn="sigmoid"))
+
+
+def expert_up(moe: MoE) -> Call:
+    """A gated expert's up projection u as its product takes it: clamped to ±clamp, plus
+    up_offset."""
+    u = E.x(0) if moe.clamp is None else E.call("clamp", E.x(0), lo=-moe.clamp, hi=moe.clamp)
+    return E.call("add", u, moe.up_offset) if moe.up_offset else u
 
 
 def lower(spec: Spec, dtype: str = "f32", quant: Mapping[str, str] | None = None,
@@ -213,6 +229,8 @@ class _Stack:
             fields = {"llama3": ("original_max_seq_len", "low_freq_factor", "high_freq_factor"),
                       "yarn": ("original_max_seq_len", "beta_fast", "beta_slow")}
             kw += [(f, getattr(sc, f)) for f in ("kind", "factor", *fields.get(sc.kind, ()))]
+            if sc.kind == "yarn" and not sc.truncate:
+                kw.append(("truncate", False))
             if sc.kind == "yarn":   # cos and sin scaled by 0.1·ln(factor) + 1 unless given
                 mscale = sc.attention_factor if sc.attention_factor is not None else \
                     0.1 * math.log(sc.factor) + 1.0 if sc.factor > 1 else 1.0
@@ -398,17 +416,35 @@ class _Stack:
         with self.at("ffn.moe"):
             router = self.param(f"{base}.router.weight", moe.experts, self.d)
             logits = self.b.emit(Op.MATMUL, x, router)
-            gates = self.b.emit(Op.ROUTER, logits, top_k=moe.top_k, normalize=moe.normalize_top_k)
+        if moe.router_bias:
+            with self.at("ffn.moe.router_bias"):
+                logits = self.b.emit(Op.ADD, logits, self.param(f"{base}.router.bias",
+                                                                moe.experts))
+        with self.at("ffn.moe.router" if moe.router != "softmax" else "ffn.moe"):
+            gates = self.b.emit(Op.ROUTER, logits, top_k=moe.top_k,
+                                normalize=moe.normalize_top_k, fn=moe.router)
 
-            def stage(x: int, name: str, rows: int, cols: int, stage: str) -> int:
-                w = self.param(f"{base}.experts.{name}.weight", moe.experts, rows, cols)
-                return self.b.emit(Op.MOE_LINEAR, x, gates, w, stage=stage, top_k=moe.top_k)
+        def stage(x: int, name: str, rows: int, cols: int, stage: str) -> int:
+            w = self.param(f"{base}.experts.{name}.weight", moe.experts, rows, cols)
+            bias = [self.param(f"{base}.experts.{name}.bias", moe.experts, rows)] \
+                if moe.bias else []
+            return self.b.emit(Op.MOE_LINEAR, x, gates, w, *bias, stage=stage, top_k=moe.top_k,
+                               bias=moe.bias, gate_input=moe.score_on == "input")
 
-            # one row per routed (token, slot), as the dense FFN but over the chosen experts
-            h = self.b.emit(Op.ACT, stage(x, "gate" if f.gated else "up", f.d_ff, self.d, "up"),
-                            fn=f.gate_activation)                     # (B, T, k, F)
+        # one row per routed (token, slot), as the dense FFN but over the chosen experts
+        with self.at("ffn.moe"):
+            first = stage(x, "gate" if f.gated else "up", f.d_ff, self.d, "up")  # (B, T, k, F)
+            if moe.plain_experts:
+                h = self.b.emit(Op.ACT, first, fn=f.gate_activation)
+            else:
+                with self.at("ffn.moe.clamp" if moe.clamp else "ffn.moe.swish_beta"):
+                    h = self.b.emit(Op.POINTWISE, first, expr=expert_gate(moe, f.gate_activation))
             if f.gated:
-                h = self.b.emit(Op.MUL, h, stage(x, "up", f.d_ff, self.d, "up"))
+                up = stage(x, "up", f.d_ff, self.d, "up")
+                if moe.clamp is not None or moe.up_offset:
+                    with self.at("ffn.moe.clamp" if moe.clamp else "ffn.moe.up_offset"):
+                        up = self.b.emit(Op.POINTWISE, up, expr=expert_up(moe))
+                h = self.b.emit(Op.MUL, h, up)
             y = stage(h, "down", self.d, f.d_ff, "down")               # (B, T, d)
         if moe.shared_expert_d_ff:
             with self.at("ffn.moe.shared_expert_d_ff"):

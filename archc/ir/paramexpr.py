@@ -112,7 +112,8 @@ def _q_rope_pairs(a: QTensor, heads: int, head_dim: int, rotary_dim: int, interl
 def rope_inv_freq(dim: int, theta: float, kind: str = "default", factor: float = 1.0,
                   original_max_seq_len: int | None = None, low_freq_factor: float = 1.0,
                   high_freq_factor: float = 4.0, beta_fast: float = 32.0,
-                  beta_slow: float = 1.0, factors: tuple[float, ...] = ()) -> torch.Tensor:
+                  beta_slow: float = 1.0, truncate: bool = True,
+                  factors: tuple[float, ...] = ()) -> torch.Tensor:
     """Rotation frequency of each pair of rotary dims, θ_j = theta^(-2j/dim), after scaling:
     linear (positions / factor), ntk (theta · factor^(dim/(dim-2))), llama3 (long wavelengths
     / factor, short kept, smooth between), yarn (per-dim blend of interpolation and
@@ -141,7 +142,9 @@ def rope_inv_freq(dim: int, theta: float, kind: str = "default", factor: float =
         # the dims whose wavelengths turn beta_fast and beta_slow times over the original context
         low, high = ((dim * math.log(original_max_seq_len / (rotations * 2 * math.pi)))
                      / (2 * math.log(theta)) for rotations in (beta_fast, beta_slow))
-        low, high = max(math.floor(low), 0), min(math.ceil(high), dim - 1)
+        if truncate:   # whole dims (transformers' default; gpt-oss blends from fractions)
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001
         ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)

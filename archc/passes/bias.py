@@ -54,8 +54,26 @@ def _fold_bias(rw: Rewriter, rule: str, start: int, done: str,
         rw.ctx.applied(rule, bias, done)
 
 
+def _plain_softmax(rw: Rewriter, chain: ScoreChain) -> str | None:
+    """Why the chain's normalizer is not a plain softmax, whose rows are invariant to a shift
+    and sum to 1 (None when it is one)."""
+    assert chain.softmax is not None
+    n = rw.nodes[chain.softmax]
+    if n.op == Op.SOFTMAX:
+        return None
+    nz = n.attr("normalizer")
+    if nz.fn == "softmax" and nz.kw("sinks") is None:
+        return None
+    shown = ", ".join(f"{k}={v!r}" for k, v in nz.kwargs)
+    return (f"normalize %{chain.softmax} is {nz.fn}({shown}): its weights neither ignore a "
+            "shift of the scores nor sum to 1")
+
+
 def _key_bias(rw: Rewriter, path: list[int], bias: int, chain: ScoreChain) -> int:
     # softmax_j(q·(k_j + b)) = softmax_j(q·k_j + q·b) = softmax_j(q·k_j): q·b is constant in j
+    # (not with sinks: e^(s + c) / (e^sink + Σ e^(s + c)) depends on c; nor under a sigmoid)
+    if (why := _plain_softmax(rw, chain)) is not None:
+        raise Refusal(why)
     for i in path:
         if rw.op(i) == Op.ROPE:
             raise Refusal(f"rope %{i} rotates k after its bias: q·R_j·b varies with the "
@@ -132,6 +150,8 @@ def fold_biases(rw: Rewriter) -> None:
     #    modifiers between scores and softmax.
     # 3. Value bias: trace v up to its projection; if no row can be fully masked and the heads
     #    go straight into one output projection, move the bias into that projection's bias.
+    #    Neither 2 nor 3 under sinks or a sigmoid: their weights see a shift and need not sum
+    #    to 1.
     #    Linear attention likewise: out_i = φq_i·S_i / φq_i·z_i, S_i = Σ_j φk_j v_jᵀ,
     #    z_i = Σ_j φk_j, so the weights φq_i·φk_j / φq_i·z_i are positive (φ = elu + 1 > 0) and
     #    sum to 1 over j ≤ i, as softmax's do; the heads come out merged.
@@ -149,5 +169,7 @@ def fold_biases(rw: Rewriter) -> None:
         padded = mask is not None and rw.nodes[mask].attr("padding")
         _fold_bias(rw, "value-bias", rw.nodes[chain.wsum].inputs[1], moved, _value_bias,
                    chain.merge, chain.problem,
-                   f"mask %{mask} takes a padding mask: a fully padded row has no "
-                   "probabilities summing to 1 to carry the bias through" if padded else None)
+                   _plain_softmax(rw, chain) or (
+                       f"mask %{mask} takes a padding mask: a fully padded row has no "
+                       "probabilities summing to 1 to carry the bias through" if padded
+                       else None))

@@ -112,15 +112,17 @@ register_rule_pass("fuse-residual", "residual adds join the norm after them, or 
 
 
 def _router(rw: Rewriter, m: Bindings) -> int:
-    return rw.emit(Op.ROUTER, rw.nodes[m["logits"]].inputs, like=[m["root"], m["logits"]],
+    bias = [rw.nodes[m["bias_add"]].inputs[1]] if "bias_add" in m else []
+    return rw.emit(Op.ROUTER, [*rw.nodes[m["logits"]].inputs, *bias],
+                   like=[m["root"], *([m["bias_add"]] if bias else []), m["logits"]],
                    **rw.nodes[m["root"]].attrs)
 
 
 def _expert_glu(rw: Rewriter, m: Bindings) -> int:
     gate, up = rw.nodes[m["gate"]], rw.nodes[m["up"]]
-    if gate.inputs[:2] != up.inputs[:2] or gate.attr("top_k") != up.attr("top_k"):
+    if gate.inputs[:2] != up.inputs[:2] or gate.attrs != up.attrs:
         raise Refusal(f"the gate %{m['gate']} and up %{m['up']} stages read different tokens "
-                      "or routes")
+                      "or routes, or differ in their biases or gating")
     wg, wu = gate.inputs[2], up.inputs[2]
     if rw.shape(wu) != rw.shape(wg):
         raise Refusal(f"gate weights {list(rw.shape(wg))} and up weights {list(rw.shape(wu))} "
@@ -128,33 +130,58 @@ def _expert_glu(rw: Rewriter, m: Bindings) -> int:
     # [W_gate; W_up] per expert, its rows interleaved at load time (gate row n and up row n
     # become rows 2n and 2n + 1: a permutation, exact), so that one column tile holds both
     # partners of each of its outputs: one grouped matmul with one accumulator, act(gate)·up in
-    # its epilogue
-    like = [m["gate"], m["act"], m["up"], m["root"]]
-    stacked = E.call("cat", rw.param_expr(wg), rw.param_expr(wu), dim=1)
-    shape = list(rw.shape(wg))
-    shape[1] *= 2
-    weight = rw.add_param(merged_name([rw.nodes[wg].name, rw.nodes[wu].name]),
-                          E.call("interleave", stacked, dim=1), shape, rw.nodes[wg].dtype,
-                          like=like, at=m["gate"])
-    glu = E.call("glu", fn=rw.nodes[m["act"]].attr("fn"), interleaved=True)
-    return rw.emit(Op.MOE_LINEAR, [*gate.inputs[:2], weight], like=like, stage="up",
-                   top_k=gate.attr("top_k"), epilogue=(glu,))
+    # its epilogue; the experts' biases [E, N] interleave alike
+    act = rw.nodes[m["act"]]
+    like = [m["gate"], m["act"], m["up"], *([m["up_fn"]] if "up_fn" in m else []), m["root"]]
+
+    def interleaved(g: int, u: int) -> int:
+        stacked = E.call("cat", rw.param_expr(g), rw.param_expr(u), dim=1)
+        shape = list(rw.shape(g))
+        shape[1] *= 2
+        return rw.add_param(merged_name([rw.nodes[g].name, rw.nodes[u].name]),
+                            E.call("interleave", stacked, dim=1), shape, rw.nodes[g].dtype,
+                            like=like, at=m["gate"])
+    weights = [interleaved(wg, wu)]
+    if gate.attr("bias"):
+        weights.append(interleaved(gate.inputs[3], up.inputs[3]))
+    if act.op == Op.ACT:
+        glu = E.call("glu", fn=act.attr("fn"), interleaved=True)
+    else:   # act(g) and up(u) as elementwise expressions: glu(identity) over them
+        up_fn = rw.nodes[m["up_fn"]].attr("expr") if "up_fn" in m else None
+        glu = E.call("glu", fn="identity", interleaved=True, gate=act.attr("expr"), up=up_fn)
+    return rw.emit(Op.MOE_LINEAR, [*gate.inputs[:2], *weights], like=like,
+                   **gate.attrs.replace(epilogue=(glu,)))
 
 
 def _plain_up(n: Node) -> bool:
     return n.attr("stage") == "up" and not n.attr("epilogue")
 
 
-register_rule_pass("fuse-moe", "MoE: router matmul + top-k in one kernel; gate and up expert "
-                   "stages in one grouped matmul with act(gate)·up in its epilogue", (
-    # softmax-top-k(x·W_rᵀ): the router logits never leave the kernel
+def _unary(n: Node) -> bool:
+    """An elementwise expression of one input (a clamp, a swish gate)."""
+    return len(n.inputs) == 1
+
+
+EXPERT_UP = Pat({Op.MOE_LINEAR}, "up", one_use=True, where=_plain_up)
+# the gate stage's activation: act(g), or an elementwise expression of g
+EXPERT_GATE = (Pat({Op.MOE_LINEAR}, "gate", one_use=True, where=_plain_up),)
+register_rule_pass("fuse-moe", "MoE: router matmul (+ bias) + top-k in one kernel; gate and up "
+                   "expert stages in one grouped matmul with act(gate)·up in its epilogue", (
+    # top-k(x·W_rᵀ [+ b]): the router logits never leave the kernel
     Rule("topk-router", Pat({Op.ROUTER}, "root", (Pat({Op.MATMUL}, "logits", one_use=True),)),
          _router),
-    # act(x·W_gate,eᵀ)·(x·W_up,eᵀ) per routed expert e = glu over x·[W_gate,e; W_up,e]ᵀ
-    Rule("moe-glu", Pat({Op.MUL}, "root", (
-        Pat({Op.ACT}, "act", (Pat({Op.MOE_LINEAR}, "gate", one_use=True, where=_plain_up),),
-            one_use=True),
-        Pat({Op.MOE_LINEAR}, "up", one_use=True, where=_plain_up))), _expert_glu),
+    Rule("topk-router-bias", Pat({Op.ROUTER}, "root", (Pat({Op.ADD}, "bias_add", (
+        Pat({Op.MATMUL}, "logits", one_use=True),
+        Pat({Op.PARAM}, where=lambda n: len(n.shape) == 1)), one_use=True),)), _router),
+    # act(x·W_gate,eᵀ)·(x·W_up,eᵀ) per routed expert e = glu over x·[W_gate,e; W_up,e]ᵀ, and
+    # so with elementwise expressions of the gate and of the up (gpt-oss's clamps)
+    *(Rule(name, Pat({Op.MUL}, "root", (
+        Pat(ops, "act", EXPERT_GATE, one_use=True, where=where), up)), _expert_glu)
+      for name, ops, where, up in (
+        ("moe-glu", {Op.ACT}, None, EXPERT_UP),
+        ("moe-glu-expr", {Op.POINTWISE}, _unary, EXPERT_UP),
+        ("moe-glu-expr-up", {Op.POINTWISE}, _unary,
+         Pat({Op.POINTWISE}, "up_fn", (EXPERT_UP,), one_use=True, where=_unary)))),
 ))
 
 

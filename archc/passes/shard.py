@@ -125,6 +125,9 @@ def _rules(program: Program) -> list[Rule]:
                 w = g.nodes[n.inputs[2]]
                 width = int(w.shape[1] if n.attr("stage") == "up" else w.shape[2])
                 need("ffn.d_ff", width, "does not divide by tp", lambda tp, f=width: f % tp == 0)
+                if n.attr("bias"):   # a row-parallel down projection would add it tp times
+                    need("ffn.moe.bias", "true", "expert biases are not split over ranks",
+                         lambda tp: tp == 1)
                 if n.attr("stage") == "down" and is_quantized(w.dtype):
                     _group_rule(need, "ffn.d_ff", width, w.dtype)
     return list(rules.values())

@@ -176,6 +176,10 @@ def _epilogue_step(rec: _Recorder, segs: list[_Seg], st: Call, xs: Sequence[torc
     if fn == "glu":
         half = width // 2
         gate, up = _columns(rec, segs, 0, half), _columns(rec, segs, half, width)
+        if st.kw("gate") is not None:   # the expressions of each half first, as lowered
+            gate = rec(Op.POINTWISE, gate, expr=st.kw("gate"))
+        if st.kw("up") is not None:
+            up = rec(Op.POINTWISE, up, expr=st.kw("up"))
         return [_Seg(0, half, rec(Op.MUL, rec(Op.ACT, gate, fn=st.kw("fn")), up))]
     if fn == "rope":
         hd = st.kw("head_dim")
@@ -317,8 +321,12 @@ def _pointwise(rec: _Recorder, a: Attrs, got: Args) -> Callable[[], torch.Tensor
 
 
 def _router(rec: _Recorder, a: Attrs, got: Args) -> Callable[[], torch.Tensor]:
-    return lambda: rec(Op.ROUTER, rec(Op.MATMUL, got["x"], got["weight"]), top_k=a["top_k"],
-                       normalize=a["normalize"])
+    def body() -> torch.Tensor:
+        logits = rec(Op.MATMUL, got["x"], got["weight"])
+        if "bias" in got:
+            logits = rec(Op.ADD, logits, got["bias"])
+        return rec(Op.ROUTER, logits, top_k=a["top_k"], normalize=a["normalize"], fn=a["fn"])
+    return body
 
 
 def _causal_conv(rec: _Recorder, a: Attrs, got: Args) -> Callable[[], torch.Tensor]:
@@ -415,6 +423,12 @@ def _moe_linear(a: Attrs, got: Args, rec: _Recorder) -> Counterpart:
     up = a["stage"] == "up"     # up: [..., K] → [..., top_k, N]; down: [..., top_k, K] → [..., N]
     rows = x.shape[:-1] if up else x.shape[:-2]
 
+    bias = got.get("bias")
+    if bias is not None and any(st.fn == "glu" and st.kw("interleaved", False)
+                                for st in a["epilogue"]):
+        bias = bias.unflatten(1, (bias.shape[1] // 2, 2)).transpose(1, 2).flatten(1, 2)
+    gate_input = a["gate_input"]
+
     def stage() -> torch.Tensor:
         flat = x.reshape(-1, *x.shape[len(rows):])
         out = x.new_zeros(flat.shape[0], *([top_k] if up else []), w.shape[1])
@@ -422,14 +436,19 @@ def _moe_linear(a: Attrs, got: Args, rec: _Recorder) -> Counterpart:
             tok, slot = torch.nonzero(flat_idx == e, as_tuple=True)
             if not tok.numel():
                 continue
+            picked = flat[tok] if up else flat[tok, slot]
+            if up and gate_input:     # the gate scales the expert's input
+                picked = picked * flat_gates[tok, e, None]
+            y = F.linear(picked, w[e], None if bias is None else bias[e])
             if up:
-                out[tok, slot] = F.linear(flat[tok], w[e])
+                out[tok, slot] = y
             else:
-                out.index_add_(0, tok, F.linear(flat[tok, slot], w[e]) * flat_gates[tok, e, None])
+                out.index_add_(0, tok, y if gate_input else y * flat_gates[tok, e, None])
         return out.reshape(*rows, *out.shape[1:])
 
     rec.ops = None
-    what = "per expert: routed tokens → linear" + ("" if up else " → × gate → index_add")
+    what = "per expert: routed tokens " + ("× gate → " if up and gate_input else "") + \
+        "linear" + ("" if up or gate_input else " → × gate") + ("" if up else " → index_add")
     if a["epilogue"]:
         what += " → " + ", ".join(st.fn for st in a["epilogue"])
     return Counterpart("unfused", lambda: _epilogue(rec, stage(), a, got), _output, what)

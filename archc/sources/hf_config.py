@@ -272,8 +272,9 @@ def rope_position(cfg: HFConfig, max_seq_len: int, *, theta_keys: Keys = "rope_t
             sc["original_max_seq_len"] = int(max_seq_len)
             out["max_seq_len"] = max(int(max_seq_len), math.ceil(max_seq_len * float(factor)))
         if kind == "yarn" and (truncate := rope.pop("truncate", True)) is not True:
-            raise cfg.refuse(f"{where}.truncate", truncate, "archc's YaRN rounds the "
-                             "correction range (truncate: true)")
+            if truncate is not False:
+                raise cfg.refuse(f"{where}.truncate", truncate, "true or false is expected")
+            sc["truncate"] = False
     if rope:   # a parameter archc would ignore
         key = next(iter(rope))
         raise cfg.refuse(f"{where}.{key}", rope[key], f"not part of archc's {kind!r} RoPE")

@@ -635,11 +635,17 @@ def _check_layer(spec: Spec) -> None:
         if ffn.moe.top_k > ffn.moe.experts:
             raise SpecError("ffn.moe.top_k", f"{ffn.moe.top_k} is more than ffn.moe.experts "
                             f"({ffn.moe.experts})", allowed=f"1 to {ffn.moe.experts}")
-        _refuse_set(spec, "ffn.bias", "MoE experts have no biases",
-                    allowed="false, or a dense ffn.kind")
+        _refuse_set(spec, "ffn.bias", "the experts' biases are ffn.moe.bias",
+                    allowed="false, and ffn.moe.bias: true for biased experts")
         if ffn.moe.expert != "mlp":
             _refuse_set(spec, "ffn.activation", f"{ffn.moe.expert} experts take their "
                         "activation from their kind", allowed="remove it, or ffn.moe.expert: mlp")
+        if ffn.moe.expert != "swiglu":
+            _refuse_set(spec, "ffn.moe.swish_beta", f"{ffn.moe.expert} experts have no swish "
+                        "gate", allowed="remove it, or ffn.moe.expert: swiglu")
+        if not ffn.gated:
+            _refuse_set(spec, "ffn.moe.clamp ffn.moe.up_offset", f"{ffn.moe.expert} experts "
+                        "have no gate and up projections", allowed="remove it, or gated experts")
 
 
 def _check_model(spec: Spec) -> None:

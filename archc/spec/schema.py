@@ -61,6 +61,8 @@ class RopeScaling:
                           above=0, only=("yarn",))
     beta_slow: float = _f(1.0, "rotations per context above which dims extrapolate",
                           above=0, only=("yarn",))
+    truncate: bool = _f(True, "round the dims where the blend starts and ends to whole dims "
+                        "(false: gpt-oss)", only=("yarn",))
     attention_factor: float | None = _f(
         None, "cos/sin scale (default yarn: 0.1·ln(factor) + 1; longrope: "
         "sqrt(1 + ln(factor)/ln(original_max_seq_len)))", above=0, only=("yarn", "longrope"))
@@ -197,8 +199,29 @@ class MoE:
     experts: int = _f(None, "number of experts", min=2)
     top_k: int = _f(2, "experts each token is routed to", min=1)
     expert: Literal["mlp", "glu", "reglu", "geglu", "swiglu"] = _f("swiglu", "FFN of each expert")
-    normalize_top_k: bool = _f(True, "renormalize the top-k router weights to sum to 1")
+    router: Literal["softmax", "sigmoid"] = _f(
+        "softmax", "how the router's logits become weights: softmax over all the experts, or "
+        "σ of each chosen expert's logit (Llama 4); either way the top k logits choose")
+    router_bias: bool = _f(False, "a learned bias on the router's logits, before the choice "
+                           "(gpt-oss)")
+    normalize_top_k: bool = _f(True, "renormalize the top-k router weights to sum to 1 (softmax "
+                               "over the top-k logits only, as gpt-oss, is this)")
+    score_on: Literal["output", "input"] = _f(
+        "output", "what a token's weight for an expert scales: the expert's output (Mixtral), "
+        "or its input (Llama 4: expert(g·x), summed unweighted)")
+    bias: bool = _f(False, "biases on each expert's projections (gpt-oss)")
+    clamp: float | None = _f(None, "gated experts: the gate clamped to ≤ clamp and the up "
+                             "projection to ±clamp before the activation (gpt-oss: 7)", above=0)
+    swish_beta: float = _f(1.0, "swiglu experts: the gate's activation is g·σ(β·g), SiLU at 1 "
+                           "(gpt-oss: 1.702)", above=0)
+    up_offset: float = _f(0.0, "gated experts: added to the up projection before the product "
+                          "(gpt-oss: act(gate)·(up + 1))")
     shared_expert_d_ff: int | None = _f(None, "hidden size of an always-on shared expert", min=1)
+
+    @property
+    def plain_experts(self) -> bool:
+        """Are the experts' FFNs their kind's alone, with no clamp, slope or offset?"""
+        return self.clamp is None and self.swish_beta == 1.0 and self.up_offset == 0.0
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,7 @@ def matmul_flops(sig: Sig) -> sympy.Expr:
 
 
 def matmul_infer(sig: Sig) -> tuple[Shape, str]:
-    x, w = sig.shapes
+    x, w = sig.shapes[0], sig.shape("weight")
     require(len(w) == 2, f"weight must be 2-D [N, K], got {list(w)}")
     require(same_dim(x[-1], w[1]), f"x has K={x[-1]} but weight [N, K] has K={w[1]}")
     return (*x[:-1], w[0]), float_dtype(sig)
@@ -233,29 +233,44 @@ def _router_infer(sig: Sig) -> tuple[Shape, str]:
     gates, dtype = matmul_infer(sig) if sig.has("weight") else (sig.shape("x"), float_dtype(sig))
     require(sig.attr("top_k") <= int(gates[-1]), f"top_k {sig.attr('top_k')} of {gates[-1]} "
             "experts")
+    if sig.has("bias"):
+        vector(sig, "bias", gates[-1])
     return gates, dtype
 
 
+def route(logits: torch.Tensor, fn: str, top_k: int, normalize: bool) -> torch.Tensor:
+    """Dense gates from router logits [..., E] in f32: the top k logits choose (the lowest
+    expert first among equal ones, as `selected_experts`); softmax weighs them over all the
+    experts, sigmoid each by its own logit; renormalized to sum to 1 if asked; zero elsewhere."""
+    logits = logits.float()
+    idx = torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :top_k]
+    weights = torch.softmax(logits, dim=-1) if fn == "softmax" else torch.sigmoid(logits)
+    top = weights.gather(-1, idx)
+    if normalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(logits).scatter(-1, idx, top)
+
+
 def _router(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    """Mixtral's: softmax over experts, the top k kept (renormalized if asked), the rest zero."""
     x = a["x"]
     logits = by_rows(a["weight"], torch.float32, lambda w: F.linear(x.float(), w.float())) \
-        if "weight" in a else x
-    top, idx = torch.softmax(logits.float(), dim=-1).topk(at["top_k"], dim=-1)
-    if at["normalize"]:
-        top = top / top.sum(dim=-1, keepdim=True)
-    return torch.zeros_like(logits, dtype=torch.float32).scatter(-1, idx, top).to(x.dtype)
+        if "weight" in a else x.float()
+    if "bias" in a:
+        logits = logits + a["bias"].float()
+    return route(logits, at["fn"], at["top_k"], at["normalize"]).to(x.dtype)
 
 
 register(OpDef(
-    Op.ROUTER, "Top-k routing: dense gates (zeros off the top k) from router logits, or from x "
-    "and the router weight in one kernel (the logits never stored).",
+    Op.ROUTER, "Top-k routing: dense gates (zeros off the top k) from router logits, or from x, "
+    "the router weight and a bias in one kernel (the logits never stored). The top k logits "
+    "choose; `fn` weighs them: softmax over all the experts, or sigmoid of each.",
     "%30 : f32[B,T,4] = router(%28, %29) {normalize=true, top_k=2}",
-    lambda attrs, n: ["x", "weight"][:max(1, min(n, 2))], _router_infer, _router,
-    attrs=(Attr("top_k", int, at_least=1), Attr("normalize", bool)),
+    lambda attrs, n: ["x", "weight", "bias"][:max(1, min(n, 3))], _router_infer, _router,
+    attrs=(Attr("top_k", int, at_least=1), Attr("normalize", bool),
+           Attr("fn", str, "softmax", ("softmax", "sigmoid"))),
     flops=lambda sig: matmul_flops(sig) if sig.has("weight") else 6 * numel(sig.out_shape),
-    template="moe", arity=(1, 2), quantized=("weight",),
-    docs={"x": "activations", "weight": "router weight"}))
+    template="moe", arity=(1, 3), quantized=("weight",),
+    docs={"x": "activations", "weight": "router weight", "bias": "router bias"}))
 
 
 def selected_experts(gates: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -267,9 +282,13 @@ def selected_experts(gates: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 def moe_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
-    """Expert by expert over the (token, slot) pairs routed to it, in f32."""
+    """Expert by expert over the (token, slot) pairs routed to it, in f32: x·W_eᵀ, times the
+    pair's gate where the gates scale the input (`gate_input`: (g·x)·W_eᵀ = g·(x·W_eᵀ)), plus
+    the expert's bias; `down` sums each token's pairs, weighted by their gates unless the gates
+    scaled the input."""
     x, gates, w = a["x"], a["gates"], a["weight"]
-    k, up = at["top_k"], at["stage"] == "up"
+    k, up, gate_input = at["top_k"], at["stage"] == "up", at["gate_input"]
+    bias = a["bias"].float() if at["bias"] else None
     n_experts, n = w.shape[:2]
     pairs = selected_experts(gates, k).reshape(-1, k)                # (M, k)
     g = gates.reshape(-1, n_experts).float()
@@ -282,12 +301,16 @@ def moe_linear(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
         we = w.select(e) if isinstance(w, QTensor) else w[e]
         picked = (rows[tok] if up else rows[tok, slot]).float()
         out = by_rows(we, x.dtype, lambda v, picked=picked: F.linear(picked, v.float()))
+        if up and gate_input:
+            out = out * g[tok, e, None]
+        if bias is not None:
+            out = out + bias[e]
         if up:
             acc[tok, slot] = out
         else:
-            acc.index_add_(0, tok, out * g[tok, e, None])
+            acc.index_add_(0, tok, out if gate_input else out * g[tok, e, None])
     acc = acc.reshape(*_tokens(x.shape, up), *((k, n) if up else (n,)))
-    rest = list(a.values())[3:]
+    rest = list(a.values())[3 + bool(bias is not None):]
     return apply_epilogue(ctx, acc, at["epilogue"], rest, RowStats(x.dtype)).to(x.dtype)
 
 
@@ -305,7 +328,11 @@ def _moe_infer(sig: Sig) -> tuple[Shape, str]:
     require(up or (len(x) >= 2 and int(x[-2]) == k), f"hidden {list(x)} must be [..., {k}, "
             f"{w[2]}]")
     rows = (*x[:-1], sympy.Integer(k)) if up else x[:-2]      # [..., k] (up) or [...] (down)
-    width = check_epilogue(sig, Op.MOE_LINEAR, int(w[1]), 3, rows)
+    if sig.attr("bias"):
+        b = sig.shape("bias")
+        require(len(b) == 2 and same_dim(b[0], w[0]) and same_dim(b[1], w[1]),
+                f"expert biases {list(b)} must be [{w[0]}, {w[1]}]")
+    width = check_epilogue(sig, Op.MOE_LINEAR, int(w[1]), 3 + bool(sig.attr("bias")), rows)
     return (*rows, sympy.Integer(width)), float_dtype(sig)
 
 
@@ -324,15 +351,19 @@ def _moe_bytes(sig: Sig) -> sympy.Expr:
 register(OpDef(
     Op.MOE_LINEAR, "Grouped expert matmul over the routed (token, slot) pairs: `up` gives a row "
     "per pair [..., k, N]; `down` projects the pairs back and sums them weighted by the gates; "
-    "then an epilogue (glu or an activation after up, a residual add after down).",
+    "with `bias`, each expert's bias [E, N] joins its rows; with `gate_input`, the gates scale "
+    "the pairs' input rows instead (up: g·(x·Wᵀ); down: an unweighted sum); then an epilogue "
+    "(glu or an activation after up, a residual add after down).",
     '%31 : f32[B,T,2,96] = moe_linear(%28, %30, %26) {epilogue=[glu(fn="silu")], stage="up", '
     'top_k=2}',
-    lambda attrs, n: ["x", "gates", "weight", *epilogue_roles(attrs)], _moe_infer, moe_linear,
-    attrs=(Attr("stage", str, choices=("up", "down")), Attr("top_k", int, at_least=1), EPILOGUE),
+    lambda attrs, n: ["x", "gates", "weight", *(["bias"] if attrs.get("bias") else []),
+                      *epilogue_roles(attrs)], _moe_infer, moe_linear,
+    attrs=(Attr("stage", str, choices=("up", "down")), Attr("top_k", int, at_least=1), EPILOGUE,
+           Attr("bias", bool, False), Attr("gate_input", bool, False)),
     flops=lambda sig: 2 * routed_pairs(sig) * sig.shape("weight")[1] * sig.shape("weight")[2],
     bytes=_moe_bytes, template="moe", arity=(3, -1), quantized=("weight",),
     docs={"x": "activations, or one row per (token, slot)", "gates": "dense gates",
-          "weight": "expert weights"}))
+          "weight": "expert weights", "bias": "expert biases"}))
 
 
 # ---- elementwise: each op is an expression of the elementwise language ---------------------

@@ -76,11 +76,6 @@ class StepDecl:
 
 # ---- structural steps ---------------------------------------------------------------------------
 
-def _glu_width(st: Call, width: int, inputs: Sequence[Shape], node: Sig) -> int:
-    require(width % 2 == 0, f"glu() needs an even width, got {width}")
-    return width // 2
-
-
 def _heads(st: Call, width: int) -> int:
     """The columns of the first `heads` heads, which rope() and head_norm() work on."""
     heads, hd = st.kw("heads"), st.kw("head_dim")
@@ -130,6 +125,30 @@ def _act_width(st: Call, width: int, inputs: Sequence[Shape], node: Sig) -> int:
     return width
 
 
+def glu_expr(st: Call) -> Call:
+    """What a glu() step computes from the gate x(0) and the up x(1): act(gate)·up, with the
+    step's `gate` and `up` expressions (each over its own column, x(0)) applied first."""
+    gate, up = (E.substitute(st.kw(k), [E.x(i)]) if st.kw(k) is not None else E.x(i)
+                for i, k in enumerate(("gate", "up")))
+    return E.call("mul", E.call("act", gate, fn=st.kw("fn")), up)
+
+
+def glu_triton(st: Call, gate: str, up: str) -> str:
+    """A glu() step as Triton code over the gate and up values named `gate` and `up`."""
+    gate, up = (E.triton(st.kw(k), [v]) if st.kw(k) is not None else v
+                for k, v in (("gate", gate), ("up", up)))
+    return f"{E.act_code(st.kw('fn'), gate)} * {up}"
+
+
+def _glu_width(st: Call, width: int, inputs: Sequence[Shape], node: Sig) -> int:
+    require(width % 2 == 0, f"glu() needs an even width, got {width}")
+    for key in ("gate", "up"):
+        if st.kw(key) is not None:
+            problem = E.problem(st.kw(key), 1)
+            require(problem is None, f"glu() {key}: {problem}")
+    return width // 2
+
+
 def _apply_glu(ctx: EagerCtx, acc: torch.Tensor, st: Call, xs: Sequence[torch.Tensor],
                stats: RowStats) -> torch.Tensor:
     if st.kw("interleaved", False):   # gate row n and up row n side by side: columns 2n, 2n + 1
@@ -137,7 +156,7 @@ def _apply_glu(ctx: EagerCtx, acc: torch.Tensor, st: Call, xs: Sequence[torch.Te
     else:
         n = acc.shape[-1] // 2
         gate, up = acc[..., :n], acc[..., n:]
-    return E.ACTIVATIONS[st.kw("fn")].torch(gate) * up
+    return E.evaluate(glu_expr(st), [gate, up])
 
 
 def _apply_rope(ctx: EagerCtx, acc: torch.Tensor, st: Call, xs: Sequence[torch.Tensor],
@@ -194,8 +213,11 @@ STEPS: dict[str, StepDecl] = {d.name: d for d in (
              docs=("bias",)),
     StepDecl("glu", "act(acc[:, :N]) · acc[:, N:] — gate rows first, then up rows; with "
              "`interleaved` act(acc[:, 0::2]) · acc[:, 1::2] — gate row n and up row n side by "
-             "side (the weight's halves interleaved at load time)",
-             params=(ACT_FN, Attr("interleaved", bool, False)), width=_glu_width, apply=_apply_glu,
+             "side (the weight's halves interleaved at load time); `gate` and `up`, elementwise "
+             "expressions of x(0), apply to each half first: act(gate(g))·up(u) (gpt-oss's "
+             "clamps)",
+             params=(ACT_FN, Attr("interleaved", bool, False), Attr("gate", Call, None),
+                     Attr("up", Call, None)), width=_glu_width, apply=_apply_glu,
              kernels=frozenset({Op.FUSED_LINEAR, Op.MOE_LINEAR})),
     StepDecl("act", "act(acc) on columns [start, stop)",
              params=(ACT_FN, Attr("start", int, 0, at_least=0), Attr("stop", int, None)),

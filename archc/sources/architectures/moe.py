@@ -4,6 +4,13 @@
   top k renormalized or not (`norm_topk_prob`); dense layers where `mlp_only_layers` or
   `decoder_sparse_step` put them, of their own width (`intermediate_size`; the experts'
   is `moe_intermediate_size`).
+- gpt-oss: attention sinks (a learned logit per head in the softmax denominator, through the
+  spec's normalizer), sliding-window layers between full ones, YaRN RoPE blended from fractional
+  dims (`truncate: false`), biases on q, k, v and o; a router with a bias whose softmax runs over
+  the top-k logits only (the top k of a softmax over all, renormalized); experts with biases, their
+  gate and up columns interleaved in one [in, out] tensor, and a clamped SwiGLU:
+  min(g, L)·σ(α·min(g, L))·(clamp(u, ±L) + 1). Its published checkpoints hold the experts in
+  MXFP4, which archc does not read: a bf16 copy is refused nothing.
 """
 
 from __future__ import annotations
@@ -11,9 +18,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from archc.sources.architectures.llama import SKIP
+from archc.sources.architectures.llama import NAMES, SKIP
 from archc.sources.architectures.llama_variants import NAMES_QK, base
-from archc.sources.hf_config import Architecture, HFConfig, typed_layers
+from archc.sources.hf_config import (
+    Architecture,
+    HFConfig,
+    attention_kinds,
+    rope_position,
+    typed_layers,
+)
 from archc.sources.tensor_map import Checkpoint, Layout, TensorMap, each
 
 # Router noise and load-balancing losses act in training only.
@@ -64,30 +77,34 @@ def qwen3_moe(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
     return with_dense_layers(out, routed, {"kind": gated, "d_ff": cfg.number("intermediate_size")})
 
 
-def fused_experts(module: str, *, gate_up: str = "gate_up_proj", down: str = "down_proj",
-                  transposed: bool = False, interleaved: bool = False):  # noqa: ANN201
+def fused_experts(module: str, *, transposed: bool = False, interleaved: bool = False,
+                  biases: bool = False):  # noqa: ANN201 (a Layout.special)
     """A `Layout.special` for experts stored as one tensor per projection for all experts, as
-    transformers 5 keeps them: `gate_up` [E, 2F, d] (gate rows first; `interleaved`: gate row n
-    and up row n at 2n and 2n + 1) and `down` [E, d, F], or each [E, in, out] (`transposed`).
+    transformers 5 keeps them: `gate_up_proj` [E, 2F, d] (gate rows first; `interleaved`: gate
+    row n and up row n at 2n and 2n + 1) and `down_proj` [E, d, F], or each [E, in, out]
+    (`transposed`), with `biases` `gate_up_proj_bias` [E, 2F] and `down_proj_bias` [E, d].
     Checkpoints with one tensor per expert are left to the layout's table."""
+    def halves(x: Any) -> list[Any]:     # [E, 2F, ...] → gate and up [E, F, ...]
+        if interleaved:
+            return [x[:, 0::2].contiguous(), x[:, 1::2].contiguous()]
+        return [p.contiguous() for p in x.chunk(2, dim=1)]
+
     def special(t: TensorMap) -> None:
         for i in range(t.spec.layers):
             hf, ax = t.ckpt(f"layers.{i}.{module}."), f"layers.{i}.ffn.experts."
-            if hf + gate_up not in t.ckpt.names or ax + "gate.weight" not in t.want:
+            if hf + "gate_up_proj" not in t.ckpt.names or ax + "gate.weight" not in t.want:
                 continue
             n, f, d = t.want[ax + "gate.weight"]
-
-            def split(xs: list[Any]) -> list[Any]:
-                x = xs[0].transpose(1, 2) if transposed else xs[0]            # (E, 2F, d)
-                if interleaved:
-                    return [x[:, 0::2].contiguous(), x[:, 1::2].contiguous()]
-                return [p.contiguous() for p in x.chunk(2, dim=1)]
-            t.add([hf + gate_up], [(n, d, 2 * f) if transposed else (n, 2 * f, d)],
-                  [ax + "gate.weight", ax + "up.weight"], split)
-            want = t.want[ax + "down.weight"]                                   # (E, d, F)
-            t.add([hf + down], [(n, want[2], want[1]) if transposed else want],
+            t.add([hf + "gate_up_proj"], [(n, d, 2 * f) if transposed else (n, 2 * f, d)],
+                  [ax + "gate.weight", ax + "up.weight"],
+                  lambda xs: halves(xs[0].transpose(1, 2) if transposed else xs[0]))
+            t.add([hf + "down_proj"], [(n, f, d) if transposed else (n, d, f)],
                   [ax + "down.weight"],
                   lambda xs: [xs[0].transpose(1, 2).contiguous() if transposed else xs[0]])
+            if biases:
+                t.add([hf + "gate_up_proj_bias"], [(n, 2 * f)], [ax + "gate.bias", ax + "up.bias"],
+                      lambda xs: halves(xs[0]))
+                t.add([hf + "down_proj_bias"], [(n, d)], [ax + "down.bias"], lambda xs: xs)
     return special
 
 
@@ -95,3 +112,42 @@ QWEN3_MOE = Architecture(("qwen3_moe",), qwen3_moe, Layout(
     {**NAMES_QK, "ffn.router": "mlp.gate",
      **each("ffn.experts.*", "mlp.experts.{e}.*_proj", "gate up down")},
     special=fused_experts("mlp.experts")), inert=INERT, skip=SKIP)
+
+
+def gpt_oss(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
+    if cfg.get("quantization_config") is not None:
+        method = (cfg.get("quantization_config") or {}).get("quant_method", "?")
+        raise cfg.refuse("quantization_config", method, "archc reads float experts, not "
+                         f"{method} blocks; dequantize the checkpoint first (transformers: "
+                         "Mxfp4Config(dequantize=True), then save_pretrained)")
+    layers = cfg.number("num_hidden_layers")
+    attention = {"heads": cfg.number("num_attention_heads"),
+                 "kv_heads": cfg.number("num_key_value_heads", None),
+                 "head_dim": cfg.number("head_dim", None),
+                 "bias": cfg.flag("attention_bias", True),
+                 "params": {"sinks": "layers.{layer}.attn.sinks"},
+                 "normalizer": {"kind": "softmax", "sinks": "sinks"}}
+    # the experts' activation is the clamped SwiGLU below, whatever hidden_act says
+    cfg.get("hidden_act")
+    spec = {
+        "d_model": cfg.number("hidden_size"), "layers": layers, "attention": attention,
+        "ffn": {"kind": "moe", "d_ff": cfg.number("intermediate_size"), "moe": {
+            "experts": cfg.number(EXPERTS), "top_k": cfg.number("num_experts_per_tok", 4),
+            "expert": "swiglu", "router_bias": True, "normalize_top_k": True, "bias": True,
+            "clamp": cfg.number("swiglu_limit", 7.0, kind=float),
+            "swish_beta": cfg.number("swiglu_alpha", 1.702, kind=float), "up_offset": 1.0}},
+        "norm": {"kind": "rmsnorm", "eps": cfg.number("rms_norm_eps", 1e-5, kind=float)},
+        **rope_position(cfg, cfg.number("max_position_embeddings", 131072), whole_heads=True)}
+    kinds = attention_kinds(cfg, layers, (), 2)
+    if "local" not in kinds:
+        cfg.get("sliding_window")
+        return spec
+    return typed_layers(spec, kinds, {"local": {"attention": {
+        "window": cfg.number("sliding_window", 128)}}, "global": {}})
+
+
+GPT_OSS = Architecture(("gpt_oss",), gpt_oss, Layout(
+    {**NAMES, "attn.sinks": "self_attn.sinks", "ffn.router": "mlp.router",
+     **each("ffn.experts.*", "mlp.experts.*_proj", "gate up down")},
+    special=fused_experts("mlp.experts", transposed=True, interleaved=True, biases=True)),
+    inert=INERT, skip=SKIP)
