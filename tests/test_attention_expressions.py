@@ -40,6 +40,7 @@ from archc.passes import optimize
 from archc.runtime.eager import EagerContext, EagerSession, run_graph
 from archc.spec import load_spec
 from archc.spec.load import from_dict, layer_specs, to_dict
+from archc.spec.schema import MASK_KINDS
 from tests.conftest import TINY_SPECS
 from tests.model_files import tiny_hf_dir  # noqa: F401  (a fixture)
 
@@ -280,13 +281,18 @@ def explicit_attention(layer: Any, family: str) -> dict[str, Any]:
     """The attention fields of one kind of layer with its shorthand written as expressions."""
     att, out = layer.attention, {}
     w, g = att.window, att.global_tokens
-    if family == "encoder":
+    if att.mask not in MASK_KINDS:   # written as an expression already (Llama 4's chunks)
+        out["mask"] = att.mask
+    elif family == "encoder":
         out["mask"] = "true" if w is None else \
             f"abs(q_pos - kv_pos) < {w}" + (f" or kv_pos < {g} or q_pos < {g}" if g else "")
     else:
         near = f"q_pos - kv_pos < {w}" + (f" or kv_pos < {g}" if g else "")
         out["mask"] = "kv_pos <= q_pos" if w is None else f"kv_pos <= q_pos and ({near})"
     score = "score" if att.softcap is None else f"{att.softcap!r} * tanh(score / {att.softcap!r})"
+    if att.score is not None:   # an expression already: of the shorthand's score
+        assert score == "score" and layer.position.kind != "alibi", "a score over a shorthand"
+        score = att.score
     if layer.position.kind == "alibi":
         slopes = alibi_slopes(att.heads)
         if layer.position.alibi_scaled:

@@ -42,8 +42,10 @@ PROMPT = 11          # tokens of the compared forward pass
 NEW_TOKENS = {"eager": 8, "triton": 3}
 # cases whose programs the generated kernels cannot run yet, and why
 NO_KERNELS: dict[str, str] = {
-    "gpt_oss": "the attention kernels do not take sinks yet (its experts on the kernels: "
-               "test_gpt_oss_experts_on_kernels)",
+    "gpt_oss": "the attention kernels do not take sinks yet (its MoE on the kernels: "
+               "test_moe_on_kernels)",
+    "llama4_text": "the attention kernels do not take mask and score expressions yet (its MoE "
+                   "on the kernels: test_moe_on_kernels)",
 }
 
 # name → (config factory, model class name)
@@ -66,6 +68,20 @@ CASES: dict[str, tuple[Callable[[], Any], str]] = {
                          "beta_fast": 8.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 16}, **SMALL),
         "GptOssForCausalLM"),
+    # layers 0-2 RoPE on pairs with chunks of 4 keys and a gainless QK-norm, layer 3 NoPE with
+    # temperature tuning (floor_scale 3, attn_scale 0.5: the scale moves from 1 at position 2);
+    # MoE on layers 1 and 3 (5 experts, top 1, sigmoid router scaling the expert's input, a
+    # shared expert), dense layers 0 and 2 of width 80; llama3 RoPE scaling with equal
+    # low and high frequency factors (as Llama 4 Scout)
+    "llama4_text": (lambda: transformers.Llama4TextConfig(
+        hidden_size=60, intermediate_size=40, intermediate_size_mlp=80, num_hidden_layers=4,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=24, num_local_experts=5,
+        num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=4,
+        floor_scale=3, attn_scale=0.5, max_position_embeddings=64,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                         "original_max_position_embeddings": 16}, **SMALL),
+        "Llama4ForCausalLM"),
 }
 
 
@@ -150,25 +166,32 @@ def test_greedy_tokens_match_transformers(
     assert got.tolist() == want.tolist(), f"{case} on {backend}"
 
 
-def without_sinks(model: archc.Model) -> archc.Model:
-    """`model` with plain softmax attention: its spec without the sinks, its weights without
-    their tensors."""
-    att = dataclasses.replace(model.spec.attention, normalizer=Normalizer(), params=None)
-    return archc.Model(dataclasses.replace(model.spec, attention=att),
+def plain_attention(model: archc.Model) -> archc.Model:
+    """`model` with its attention as the kernels compute it today: the mask and score
+    expressions of its layer types and its sinks (spec and tensors) taken out."""
+    spec = model.spec
+    att = dataclasses.replace(spec.attention, normalizer=Normalizer(), params=None)
+    types = spec.layer_types and tuple(dataclasses.replace(t, overrides=tuple(
+        (k, v) for k, v in t.overrides if k not in ("attention.mask", "attention.score")))
+        for t in spec.layer_types)
+    return archc.Model(dataclasses.replace(spec, attention=att, layer_types=types),
                        {k: v for k, v in model.weights.items() if not k.endswith(".sinks")})
 
 
-def test_gpt_oss_experts_on_kernels(tmp_path: Path, kernel_dir: Path) -> None:
-    """gpt-oss's router (its bias, softmax over the chosen logits) and experts (biases,
-    interleaved gate/up rows, the clamped SwiGLU) on the generated kernels, against eager —
-    which the tests above hold to transformers — with the sinks taken out of both, as the
-    attention kernels do not take them yet: logits of a 2×11 prefill, then greedy decode."""
-    model = without_sinks(archc.load(build("gpt_oss", tmp_path)[1]))
+@pytest.mark.parametrize("case", list(NO_KERNELS))
+def test_moe_on_kernels(case: str, tmp_path: Path, kernel_dir: Path) -> None:
+    """The routing variants of the cases whose attention the kernels cannot run yet — gpt-oss's
+    biased router (softmax over the chosen logits) and experts (biases, interleaved gate/up
+    rows, the clamped SwiGLU), Llama 4's sigmoid router scaling the expert's input beside a
+    shared expert — on the generated kernels, against eager (which the tests above hold to
+    transformers), with the expressions and sinks taken out of both: logits of a 2×11
+    prefill, then greedy decode."""
+    model = plain_attention(archc.load(build(case, tmp_path)[1]))
     eager, kernels = model.compile("eager"), model.compile("triton", cache_dir=kernel_dir)
     ids = prompt(2, PROMPT, seed=1)
     err = rel_error(kernels(ids), eager(ids))
-    assert err <= RTOL, f"max error {err:.2e} of the largest logit"
+    assert err <= RTOL, f"{case}: max error {err:.2e} of the largest logit"
     ids = prompt(1, 9, seed=2)
     new = NEW_TOKENS["triton"]
     assert kernels.generate(ids, max_new_tokens=new).tolist() == \
-        eager.generate(ids, max_new_tokens=new).tolist()
+        eager.generate(ids, max_new_tokens=new).tolist(), case

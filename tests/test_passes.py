@@ -56,6 +56,8 @@ KERNELS_PER_BLOCK = {
     "olmo2-7b": 8, "tiny-olmo2": 8,
     # MoE FFNs as Mixtral's: Qwen3-MoE's QK-norm costs nothing
     "qwen3-30b-a3b": 7, "tiny-qwen3-moe": 7, "gpt-oss-20b": 7, "tiny-gpt-oss": 7,
+    # and a shared expert beside them: its gate+up and down (Llama 4)
+    "llama4-scout": 9, "tiny-llama4": 9,
     # recurrent mixers: a Mamba mixer is in_proj, causal_conv, x_proj, dt_proj, ssm_scan,
     # out_proj (6); linear attention is qkv, linear_attention, o (3) as softmax attention is.
     # A MoE FFN is norm, router, gate+up experts, down experts with the residual in its sum (4).

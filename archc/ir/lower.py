@@ -121,12 +121,15 @@ class _Stack:
         head, _, tail = name.partition(".")
         return name if len(found) <= 1 else f"{head}.{found[key(self.specs[layer])]}.{tail}"
 
-    def norm(self, x: int, name: str, origin: str = "norm.kind", norm: Norm | None = None) -> int:
+    def norm(self, x: int, name: str, origin: str = "norm.kind", norm: Norm | None = None,
+             gain: bool = True) -> int:
         """A norm (the model's, or a layer's `norm`) over the last dim of x, with gain (and
-        LayerNorm bias) params."""
+        LayerNorm bias) params; without `gain`, a gain of ones made at load (no tensor)."""
         n, width = norm or self.s.norm, int(self.b.nodes[x].shape[-1])
         with self.at(origin):
-            w = self.param(f"{name}.weight", width)
+            zeros = Call("zeros", (), (("shape", (width,)),))
+            unit = zeros if n.unit_offset else Call("offset", (zeros,), (("by", 1.0),))
+            w = self.param(f"{name}.weight", width, expr=None if gain else unit)
             if n.kind == "rmsnorm":
                 return self.b.emit(Op.NORM, x, w, kind="rms", eps=n.eps, unit_offset=n.unit_offset)
             bias = [self.param(f"{name}.bias", width)] if n.bias else []
@@ -264,9 +267,11 @@ class _Stack:
         with self.at("attention.kv_heads"):
             k = self.linear(src, f"{base}.k", kv_heads * hd, bias.k, "attention.bias.k")
             v = self.linear(src, f"{base}.v", kv_heads * hd, bias.v, "attention.bias.v")
-        if norm_projections:
-            q = self.norm(q, f"{base}.q_norm", "attention.qk_norm_over", ls.norm)   # (B, T, H·D)
-            k = self.norm(k, f"{base}.k_norm", "attention.qk_norm_over", ls.norm)
+        if norm_projections:   # (B, T, H·D)
+            q = self.norm(q, f"{base}.q_norm", "attention.qk_norm_over", ls.norm,
+                          att.qk_norm_gain)
+            k = self.norm(k, f"{base}.k_norm", "attention.qk_norm_over", ls.norm,
+                          att.qk_norm_gain)
         q = self.b.emit(Op.SPLIT_HEADS, q, heads=heads, origin="attention.heads")
         with self.at("attention.kv_heads"):
             k, v = (self.b.emit(Op.SPLIT_HEADS, t, heads=kv_heads) for t in (k, v))
@@ -283,8 +288,9 @@ class _Stack:
         q, k, v = self.qkv_heads(s, x, x if self_attn else kv_source, base,
                                  norm_projections=whole)
         if att.qk_norm and not whole:
-            q = self.norm(q, f"{base}.q_norm", "attention.qk_norm", s.norm)
-            k = self.norm(k, f"{base}.k_norm", "attention.qk_norm", s.norm)
+            origin = "attention.qk_norm" if att.qk_norm_gain else "attention.qk_norm_gain"
+            q = self.norm(q, f"{base}.q_norm", origin, s.norm, att.qk_norm_gain)
+            k = self.norm(k, f"{base}.k_norm", origin, s.norm, att.qk_norm_gain)
         if s.position.kind == "rope" and self_attn:
             with self.at("position.kind"):
                 freq, scaling = self.rope_params(layer)

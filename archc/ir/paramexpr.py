@@ -132,11 +132,14 @@ def rope_inv_freq(dim: int, theta: float, kind: str = "default", factor: float =
         high_wavelen = original_max_seq_len / high_freq_factor
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (original_max_seq_len / wavelen - low_freq_factor) / (
-            high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv_freq = torch.where(medium, smoothed, scaled)
+        if high_freq_factor > low_freq_factor:   # equal (Llama 4): no band between
+            smooth = (original_max_seq_len / wavelen - low_freq_factor) / (
+                high_freq_factor - low_freq_factor)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            inv_freq = torch.where(medium, smoothed, scaled)
+        else:
+            inv_freq = scaled
     elif kind == "yarn":
         assert original_max_seq_len is not None
         # the dims whose wavelengths turn beta_fast and beta_slow times over the original context

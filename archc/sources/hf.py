@@ -29,7 +29,7 @@ from archc.sources.architectures.llama_variants import (
     SMOLLM3,
 )
 from archc.sources.architectures.mamba import JAMBA, MAMBA
-from archc.sources.architectures.moe import GPT_OSS, QWEN3_MOE
+from archc.sources.architectures.moe import GPT_OSS, LLAMA4_TEXT, QWEN3_MOE
 from archc.sources.architectures.phi3 import PHI3
 from archc.sources.architectures.starcoder2 import STARCODER2
 from archc.sources.hf_config import Architecture, HFConfig, spec_name
@@ -40,7 +40,8 @@ from archc.tokenizer import load_hf_tokenizer
 
 ARCHITECTURES = (LLAMA, GEMMA, GPT2, GPTJ, NEOX, FALCON, BLOOM, MPT, OPT, PHI, BERT, T5, MAMBA,
                  JAMBA, QWEN3, GEMMA3, OLMO2, SMOLLM3, GRANITE, STARCODER2,
-                 PHI3, GLM4, COHERE2, EXAONE4, QWEN3_MOE, GPT_OSS)
+                 PHI3, GLM4, COHERE2, EXAONE4, QWEN3_MOE, GPT_OSS,
+                 LLAMA4_TEXT)
 CONFIG = "config.json"
 
 

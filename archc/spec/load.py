@@ -573,8 +573,8 @@ def _check_layer(spec: Spec) -> None:
         raise SpecError("attention.global_tokens", f"{att.global_tokens} is more than "
                         f"max_seq_len ({spec.max_seq_len})", allowed=f"1 to {spec.max_seq_len}")
     if not att.qk_norm:
-        _refuse_set(spec, "attention.qk_norm_over", "attention.qk_norm is false",
-                    allowed="remove it, or set attention.qk_norm")
+        _refuse_set(spec, "attention.qk_norm_over attention.qk_norm_gain",
+                    "attention.qk_norm is false", allowed="remove it, or set attention.qk_norm")
     masks, why = MASKS[family]
     if att.mask in MASK_KINDS and att.mask not in masks.split(", "):
         raise SpecError("attention.mask", f"{att.mask!r} with family {family}: {why}",
@@ -605,10 +605,10 @@ def _check_layer(spec: Spec) -> None:
                 if min(factors) <= 0:
                     raise SpecError(f"position.scaling.{name}", f"{min(factors)} is not above 0",
                                     allowed=f"{rot // 2} numbers > 0")
-        if sc is not None and sc.kind == "llama3" and sc.high_freq_factor <= sc.low_freq_factor:
-            raise SpecError("position.scaling.high_freq_factor", f"{sc.high_freq_factor} is not "
-                            f"above low_freq_factor ({sc.low_freq_factor})",
-                            allowed="a number > low_freq_factor")
+        if sc is not None and sc.kind == "llama3" and sc.high_freq_factor < sc.low_freq_factor:
+            raise SpecError("position.scaling.high_freq_factor", f"{sc.high_freq_factor} is "
+                            f"below low_freq_factor ({sc.low_freq_factor})",
+                            allowed="a number ≥ low_freq_factor")
     if pos.kind == "relative" and pos.max_distance < pos.buckets:
         raise SpecError("position.max_distance", f"{pos.max_distance} is below position.buckets "
                         f"({pos.buckets})", allowed=f"a whole number ≥ {pos.buckets}")

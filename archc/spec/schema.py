@@ -162,6 +162,8 @@ class Attention:
     softcap: float | None = _f(None, "attention-logit soft-cap: cap·tanh(s/cap)", above=0)
     scale: float | None = _f(None, "score scale (default 1/sqrt(head_dim))", above=0)
     qk_norm: bool = _f(False, "normalize q and k per head before scores (norm.kind)")
+    qk_norm_gain: bool = _f(True, "learned gains on the QK-norm (false: Llama 4's L2 norm, "
+                            "x/rms(x) alone)")
     qk_norm_over: Literal["head", "projection"] = _f(
         "head", "what the QK-norm normalizes: each head, or the whole q and k projections "
         "(OLMo 2), with one gain per projected dim")

@@ -10,7 +10,14 @@
   the top-k logits only (the top k of a softmax over all, renormalized); experts with biases, their
   gate and up columns interleaved in one [in, out] tensor, and a clamped SwiGLU:
   min(g, L)·σ(α·min(g, L))·(clamp(u, ±L) + 1). Its published checkpoints hold the experts in
-  MXFP4, which archc does not read: a bf16 copy is refused nothing.
+  MXFP4, which archc does not read (refused by name); a bf16 copy loads.
+- Llama 4 (text): RoPE on pairs of dims (interleaved) with chunked local attention
+  (`attention_chunk_size`, a mask expression) and an L2 QK-norm without gains on three layers
+  in four, the fourth global without positions (NoPE) and with attention-temperature tuning (a
+  score expression scaling by 1 + s·log(1 + ⌊(q_pos + 1)/f⌋)); MoE every
+  `interleave_moe_layer_step`-th layer — a shared expert beside the routed ones, a sigmoid
+  router over the top k logits whose score scales the expert's input — and dense layers of
+  `intermediate_size_mlp` between.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from archc.sources.architectures.llama_variants import NAMES_QK, base
 from archc.sources.hf_config import (
     Architecture,
     HFConfig,
+    activation,
     attention_kinds,
     rope_position,
     typed_layers,
@@ -151,3 +159,75 @@ GPT_OSS = Architecture(("gpt_oss",), gpt_oss, Layout(
      **each("ffn.experts.*", "mlp.experts.*_proj", "gate up down")},
     special=fused_experts("mlp.experts", transposed=True, interleaved=True, biases=True)),
     inert=INERT, skip=SKIP)
+
+
+def llama4_text(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
+    layers = cfg.number("num_hidden_layers")
+    d_ff = cfg.number("intermediate_size")
+    spec = {
+        "d_model": cfg.number("hidden_size"), "layers": layers,
+        "attention": {"heads": cfg.number("num_attention_heads"),
+                      "kv_heads": cfg.number("num_key_value_heads", None),
+                      "head_dim": cfg.number("head_dim", None),
+                      "bias": cfg.flag("attention_bias", False)},
+        "ffn": {"kind": "moe", "d_ff": d_ff, "moe": {
+            "experts": cfg.number("num_local_experts", 16),
+            "top_k": cfg.number("num_experts_per_tok", 1),
+            "expert": activation(cfg, "hidden_act", "silu", gated=True), "router": "sigmoid",
+            "normalize_top_k": False, "score_on": "input", "shared_expert_d_ff": d_ff}},
+        "norm": {"kind": "rmsnorm", "eps": cfg.number("rms_norm_eps", 1e-5, kind=float)},
+        **rope_position(cfg, cfg.number("max_position_embeddings", 131072), whole_heads=True)}
+    spec["position"]["interleaved"] = True   # complex pairs (x[2j], x[2j + 1])
+    step = cfg.number("interleave_moe_layer_step", 1)
+    if step < 1:
+        raise cfg.refuse("interleave_moe_layer_step", step, "a step of 1 or more is expected")
+    routed = moe_layers(cfg, layers, cfg.get("moe_layers") or
+                        list(range(step - 1, layers, step)), "moe_layers")
+    interval = cfg.number("no_rope_layer_interval", 4)
+    rotates = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    if not isinstance(rotates, list) or len(rotates) != layers or any(
+            r not in (0, 1) or isinstance(r, bool) for r in rotates):
+        raise cfg.refuse("no_rope_layers", rotates, f"a 1 (RoPE) or 0 (NoPE) per layer "
+                         f"({layers}) is expected")
+    chunk = cfg.number("attention_chunk_size", None)
+    types = cfg.get("layer_types") or ["chunked_attention" if r and chunk is not None else
+                                       "full_attention" for r in rotates]
+    if not isinstance(types, list) or len(types) != layers or any(
+            t not in ("chunked_attention", "full_attention") for t in types) or (
+            chunk is None and "chunked_attention" in types):
+        raise cfg.refuse("layer_types", types, "chunked_attention (with attention_chunk_size) "
+                         f"or full_attention per layer ({layers}) is expected")
+    qk_norm = cfg.flag("use_qk_norm", True)
+    # transformers' Llama 4 reads attn_temperature_tuning as a truth value (the published
+    # configs write 4)
+    tuning = cfg.get("attn_temperature_tuning", True)
+    if not isinstance(tuning, (bool, int)):
+        raise cfg.refuse("attn_temperature_tuning", tuning, "true or false is expected")
+    scale, floor = cfg.number("attn_scale", 0.1, kind=float), cfg.number("floor_scale", 8192)
+    if floor < 1:
+        raise cfg.refuse("floor_scale", floor, "a whole number ≥ 1 is expected")
+    dense = {"kind": spec["ffn"]["moe"]["expert"], "d_ff": cfg.number("intermediate_size_mlp")}
+    kinds, sections = [], {}
+    for r, t, moe in zip(rotates, types, routed):
+        attention: dict[str, Any] = {}
+        if t == "chunked_attention":   # the keys of the query's chunk, up to the query
+            attention["mask"] = f"kv_pos <= q_pos and q_pos // {chunk} == kv_pos // {chunk}"
+        if r and qk_norm:
+            attention |= {"qk_norm": True, "qk_norm_gain": False}
+        if not r and tuning:   # q·(1 + s·log(1 + ⌊(p + 1)/f⌋)) at query position p
+            attention["score"] = f"score * ({scale!r} * log((q_pos + 1) // {floor} + 1) + 1.0)"
+        kind = "+".join(("rope" if r else "nope", *(["chunked"] if attention.get("mask") else []),
+                         "moe" if moe else "dense"))
+        kinds.append(kind)
+        sections[kind] = {**({"attention": attention} if attention else {}),
+                          **({} if r else {"position": {"kind": "none"}}),
+                          **({} if moe else {"ffn": dense})}
+    return typed_layers(spec, kinds, sections)
+
+
+LLAMA4_TEXT = Architecture(("llama4_text",), llama4_text, Layout(
+    {**NAMES, **each("ffn.*", "feed_forward.*_proj", "gate up down"),
+     "ffn.router": "feed_forward.router",
+     **each("ffn.shared.*", "feed_forward.shared_expert.*_proj", "gate up down")},
+    special=fused_experts("feed_forward.experts", transposed=True)),
+    inert=INERT | {"for_llm_compressor"}, skip=SKIP)
