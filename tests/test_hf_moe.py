@@ -26,6 +26,11 @@ import pytest
 import torch
 
 import archc
+from archc.ir import cost
+from archc.ir.lower import lower
+from archc.report.facts import facts
+from archc.spec import load_spec
+from archc.spec.load import layer_spec
 from archc.spec.schema import Normalizer
 from tests.test_hf_crosscheck import randomize, rel_error
 
@@ -195,3 +200,18 @@ def test_moe_on_kernels(case: str, tmp_path: Path, kernel_dir: Path) -> None:
     new = NEW_TOKENS["triton"]
     assert kernels.generate(ids, max_new_tokens=new).tolist() == \
         eager.generate(ids, max_new_tokens=new).tolist(), case
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-20b", "llama4-scout"])
+def test_active_parameters_are_the_chosen_experts(name: str) -> None:
+    """`archc show`'s active parameters: all but the experts a token is not routed to — per
+    MoE layer, E − k experts' gate, up and down weights (and biases)."""
+    spec = load_spec(name)
+    program = lower(spec, spec.dtype)
+    moe, d, f = spec.ffn.moe, spec.d_model, spec.ffn.d_ff
+    per_expert = 3 * f * d + ((2 * f + d) if moe.bias else 0)
+    idle = sum(layer_spec(spec, i).ffn.kind == "moe" for i in range(spec.layers)) * \
+        (moe.experts - moe.top_k) * per_expert
+    assert cost.active_parameter_count(program) == cost.parameter_count(program) - idle
+    rows = dict(facts(spec, {}))
+    assert rows["active parameters"].endswith(f"per token: {moe.top_k} of {moe.experts} experts")

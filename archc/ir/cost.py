@@ -11,7 +11,7 @@ import sympy
 
 from archc.dtypes import DTYPES
 from archc.ir.graph import Graph, Node, Program
-from archc.ir.ops import OP_TABLE, Op
+from archc.ir.ops import OP_TABLE, Op, full_attrs, roles_of
 from archc.ir.ops.attention import kv_row_bytes
 from archc.ir.ops.base import StateDecl
 from archc.ir.ops.steps import HEAD_KERNELS
@@ -54,6 +54,23 @@ def _checkpoint_params(p: Program) -> dict[str, Node]:
 
 def parameter_count(p: Program) -> int:
     return sum(evaluate(numel(n.shape), {}) for n in _checkpoint_params(p).values())
+
+
+def active_parameter_count(p: Program) -> int:
+    """Parameters one token's forward pass reads: every one, but of each expert matmul's
+    weights and biases only its top_k experts' (k of E)."""
+    routed: dict[str, tuple[Node, int, int]] = {}
+    for g in p:
+        for n in g:
+            if n.op != Op.MOE_LINEAR:
+                continue
+            named = roles_of(n.op, full_attrs(n.op, n.attrs), len(n.inputs))
+            for role in ("weight", "bias"):
+                if role in named:
+                    w = g.nodes[n.inputs[named.index(role)]]
+                    routed[w.name] = (w, int(n.attr("top_k")), int(w.shape[0]))
+    idle = sum(evaluate(numel(w.shape), {}) // e * (e - k) for w, k, e in routed.values())
+    return parameter_count(p) - idle
 
 
 def param_bytes(n: Node) -> int:

@@ -12,7 +12,7 @@ from archc.ir.shapes import evaluate
 from archc.passes.shard import shard_program
 from archc.quant.schemes import is_quantized
 from archc.spec.load import layer_spec
-from archc.spec.schema import MASK_KINDS, Spec
+from archc.spec.schema import MASK_KINDS, MoE, Spec
 from archc.ui import nbytes, si
 
 
@@ -61,8 +61,22 @@ def _ffn(s: Spec) -> str:
     if ffn.kind == "none":
         return "none: a block is its mixer alone"
     return f"{ffn.kind}, d_ff {ffn.d_ff}" + (f", {ffn.activation}" if ffn.kind == "mlp" else "") \
-        + (f" × {ffn.moe.experts} experts ({ffn.moe.expert}), top-{ffn.moe.top_k}"
-           if ffn.moe else "") + (", biases" if ffn.bias else "")
+        + (_routing(ffn.moe) if ffn.moe else "") + (", biases" if ffn.bias else "")
+
+
+def _routing(moe: MoE) -> str:
+    """The experts and how tokens are routed to them."""
+    parts = [f" × {moe.experts} experts ({moe.expert}), top-{moe.top_k} by "
+             + (f"{moe.router} router" if moe.router != "softmax" else "softmax router")
+             + (" with a bias" if moe.router_bias else "")
+             + (", renormalized" if moe.normalize_top_k else "")]
+    parts += ["scores on the expert's input"] if moe.score_on == "input" else []
+    parts += ["expert biases"] if moe.bias else []
+    parts += [f"clamp {moe.clamp:g}"] if moe.clamp is not None else []
+    parts += [f"swish β {moe.swish_beta:g}"] if moe.swish_beta != 1.0 else []
+    parts += [f"up + {moe.up_offset:g}"] if moe.up_offset else []
+    parts += [f"shared expert d_ff {moe.shared_expert_d_ff}"] if moe.shared_expert_d_ff else []
+    return ", ".join(parts)
 
 
 def _norm(s: Spec) -> str:
@@ -174,6 +188,9 @@ def facts(s: Spec, quant: dict[str, str], kv_cache: str | None = None, tp: int =
             *_layer_types(s),
             ("", ""),
             ("parameters", f"{params:,} ({si(params)})"),
+            ("active parameters", f"{active:,} ({si(active)}) per token: {s.ffn.moe.top_k} of "
+             f"{s.ffn.moe.experts} experts" if (active := cost.active_parameter_count(program))
+             != params and s.ffn.moe else None),
             ("weights", _weights(program, s.dtype))]
     empty, full = {"B": 1, "T": 1, "P": 0, "S": 1}, {"B": 1, "T": 1, "P": s.max_seq_len - 1,
                                                      "S": s.max_seq_len}
