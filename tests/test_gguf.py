@@ -334,3 +334,103 @@ def test_gguf_mixtral_experts_match_transformers(tmp_path: Path) -> None:
         want = hf(ids).logits
     got = model.compile()(ids)
     assert float((got - want).abs().max() / want.abs().max()) <= RTOL
+
+
+def hf_qwen3_moe(seed: int = 0) -> Any:
+    """A tiny Qwen3-MoE as llama.cpp runs one: every layer routed, top-k renormalized;
+    head_dim 32 ≠ 64/4, GQA 4/2."""
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_experts=5, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=64,
+        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            scale = 3.0 if name.endswith("mlp.gate.weight") else 1.0   # a decisive routing
+            p.copy_(1 + 0.1 * noise if p.ndim == 1 else scale * noise / p.shape[-1] ** 0.5)
+    return model
+
+
+QWEN3MOE_NAMES = {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                  "mlp.gate": "ffn_gate_inp"}
+
+
+def write_qwen3moe_gguf(model: Any, path: Path, qtype: Any) -> dict[str, torch.Tensor]:
+    """`model` as llama.cpp's converter writes a Qwen3-MoE (Q and K rows as they are, experts
+    as [experts, rows, cols] tensors, in `qtype`, the rest F32). Returns the weights in HF
+    names as the file holds them."""
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    add_tokenizer(w, cfg.vocab_size)
+    def experts(name: str, x: np.ndarray) -> np.ndarray:
+        """[experts, rows, cols] in `qtype`; the values the file holds."""
+        if qtype == Q.F32:
+            w.add_tensor(name, x)
+            return x
+        raw = gguf.quants.quantize(x, qtype)
+        w.add_tensor(name, raw, raw_dtype=qtype)
+        return np.array(gguf.quants.dequantize(raw, qtype), dtype=np.float32)
+
+    stored: dict[str, torch.Tensor] = {}
+    for name, p in model.state_dict().items():
+        x = p.numpy().astype(np.float32)
+        layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+        if name.endswith("experts.gate_up_proj"):   # transformers' [E, 2F, d]: gate rows first
+            ff = x.shape[1] // 2
+            x = np.concatenate([experts(f"blk.{layer}.ffn_gate_exps.weight", x[:, :ff].copy()),
+                                experts(f"blk.{layer}.ffn_up_exps.weight", x[:, ff:].copy())],
+                               axis=1)
+        elif name.endswith("experts.down_proj"):
+            x = experts(f"blk.{layer}.ffn_down_exps.weight", x)
+        elif name in GGUF_NAMES:
+            w.add_tensor(GGUF_NAMES[name], x)
+        else:
+            module = ".".join(name.split(".")[3:-1])
+            gname = QWEN3MOE_NAMES.get(module) or LAYER_NAMES[module]
+            w.add_tensor(f"blk.{layer}.{gname}.{name.split('.')[-1]}", x)
+        stored[name] = torch.from_numpy(x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_gguf_qwen3moe_matches_transformers(qtype: str, tmp_path: Path) -> None:
+    """A qwen3moe file (llama.cpp's name for Qwen3-MoE): per-head QK-norm, GQA, head_dim apart
+    from d_model/heads, experts stored [experts, rows, cols] — kept quantized (Q8_0) — against
+    transformers on the values the file holds."""
+    hf = hf_qwen3_moe()
+    path = tmp_path / f"tiny-qwen3moe-{qtype}.gguf"
+    hf.load_state_dict(write_qwen3moe_gguf(hf, path, Q[qtype]))
+    model = archc.load(path)
+    spec = model.spec
+    assert spec.attention.qk_norm and spec.ffn.moe.experts == 5 and spec.ffn.moe.normalize_top_k
+    quantized = {k for k, v in model.weights.items() if not isinstance(v, torch.Tensor)}
+    assert quantized == (set() if qtype == "F32" else
+                         {f"layers.{i}.ffn.experts.{p}.weight" for i in range(2)
+                          for p in ("gate", "up", "down")})
+    ids = torch.randint(3, 96, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(ids).logits
+    got = model.compile()(ids)
+    assert float((got - want).abs().max() / want.abs().max()) <= RTOL

@@ -1,5 +1,5 @@
 """GGUF files → Model: metadata → spec by the mapping of the file's `general.architecture`
-(``archc.sources.gguf_archs``: llama, qwen3, gemma3, olmo2 — fields of its namespace that archc
+(``archc.sources.gguf_archs``: llama, qwen3, qwen3moe, gemma3, olmo2 — fields of its namespace that archc
 does not know are refused by name, as config.json fields are), tensors, the tokenizer and chat
 template.
 

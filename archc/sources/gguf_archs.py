@@ -16,6 +16,9 @@ of the `{arch}.` namespace as spec sections, and where its tensors are (``GGUF_A
   on the sliding layers unless `rope.freq_base_swa` says, and the score scale 1/sqrt(head_dim)
   — 1/sqrt(d_model/heads) for the 62-layer model (Gemma 3 27B) — unless `attention.scale` says.
   `rope.freq_base` and any `rope.scaling` are the global layers'.
+- ``qwen3moe`` (Qwen3-MoE): qwen3's attention, and every layer routes over experts of
+  `expert_feed_forward_length` columns with a softmax router whose top k weights llama.cpp
+  renormalizes.
 - ``olmo2``: norms on each sublayer's output only (`post_attention_norm`, `post_ffw_norm`), q and
   k each normalized over the whole projection (`attn_q_norm` [H·D], `attn_k_norm` [Hkv·D]).
 
@@ -189,6 +192,14 @@ def qwen3(f: GGUFSource, meta: HFConfig) -> dict[str, Any]:
     return out
 
 
+def qwen3moe(f: GGUFSource, meta: HFConfig) -> dict[str, Any]:
+    out = qwen3(f, meta)
+    out["ffn"] = {"kind": "moe", "d_ff": meta.number("expert_feed_forward_length"),
+                  "moe": {"experts": meta.number("expert_count"),
+                          "top_k": meta.number("expert_used_count"), "normalize_top_k": True}}
+    return out
+
+
 def olmo2(f: GGUFSource, meta: HFConfig) -> dict[str, Any]:
     out = block(f, meta)
     out["attention"] |= {"qk_norm": True, "qk_norm_over": "projection"}
@@ -261,6 +272,7 @@ GGUF_ARCHES: dict[str, GGUFArch] = {
     # rope_freqs.weight, when there, was read into the spec's RoPE scaling
     "llama": GGUFArch(llama, LAYOUT, skip=(r"rope_freqs\.weight",)),
     "qwen3": GGUFArch(qwen3, Layout(NAMES, layer="blk.{i}.", head=("output",))),
+    "qwen3moe": GGUFArch(qwen3moe, Layout(NAMES, layer="blk.{i}.", head=("output",))),
     "gemma3": GGUFArch(gemma3, Layout(NAMES, layer="blk.{i}.", head=("output",))),
     "olmo2": GGUFArch(olmo2, Layout(NAMES, layer="blk.{i}.", head=("output",))),
 }
