@@ -1,7 +1,7 @@
 """GGUF files → Model: metadata → spec by the mapping of the file's `general.architecture`
-(``archc.sources.gguf_archs``: llama, qwen3, qwen3moe, gemma3, olmo2 — fields of its namespace that archc
-does not know are refused by name, as config.json fields are), tensors, the tokenizer and chat
-template.
+(``archc.sources.gguf_archs``: llama, qwen3, qwen3moe, gemma3, olmo2 — fields of its namespace
+that archc does not know are refused by name, as config.json fields are), tensors, the tokenizer
+and chat template.
 
 Tensors of the block types archc has a scheme for (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
 Q6_K: `archc.quant.schemes.BY_GGUF`) stay quantized: their bytes are repacked, exactly, into
