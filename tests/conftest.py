@@ -19,12 +19,7 @@ torch.set_num_threads(1)
 ALL_SPECS = zoo_names()
 TINY_SPECS = [n for n in ALL_SPECS if n.startswith("tiny-")]
 REAL_SPECS = [n for n in ALL_SPECS if not n.startswith("tiny-")]
-# Tiny specs whose attention the attention kernels do not compute yet (they render neither
-# expressions nor normalizers), with why: the tests that run every tiny spec on the generated
-# kernels leave them out until they do.
-NO_KERNELS_YET = {"tiny-gpt-oss": "attention sinks (normalizer: softmax with sinks)",
-                  "tiny-llama4": "a chunked mask and a temperature score (expressions)"}
-KERNEL_SPECS = [n for n in TINY_SPECS if n not in NO_KERNELS_YET]
+KERNEL_SPECS = TINY_SPECS   # every tiny spec runs on the generated kernels
 
 
 @pytest.fixture(params=TINY_SPECS)

@@ -16,7 +16,6 @@ and more. Greedy tokens must be equal.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +30,6 @@ from archc.ir.lower import lower
 from archc.report.facts import facts
 from archc.spec import load_spec
 from archc.spec.load import layer_spec
-from archc.spec.schema import Normalizer
 from tests.test_hf_crosscheck import randomize, rel_error
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install "
@@ -45,13 +43,6 @@ VOCAB = 97
 SMALL = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 PROMPT = 11          # tokens of the compared forward pass
 NEW_TOKENS = {"eager": 8, "triton": 3}
-# cases whose programs the generated kernels cannot run yet, and why
-NO_KERNELS: dict[str, str] = {
-    "gpt_oss": "the attention kernels do not take sinks yet (its MoE on the kernels: "
-               "test_moe_on_kernels)",
-    "llama4_text": "the attention kernels do not take mask and score expressions yet (its MoE "
-                   "on the kernels: test_moe_on_kernels)",
-}
 
 # name → (config factory, model class name)
 CASES: dict[str, tuple[Callable[[], Any], str]] = {
@@ -126,17 +117,9 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     directory = tmp_path_factory.mktemp(case)
     hf, _ = build(case, directory)
     model = archc.load(directory)
-    compiled = {"eager": model.compile("eager")}
-    if case not in NO_KERNELS:
-        compiled["triton"] = model.compile("triton", cache_dir=kernel_dir)
+    compiled = {"eager": model.compile("eager"),
+                "triton": model.compile("triton", cache_dir=kernel_dir)}
     return case, hf, compiled
-
-
-def backend_of(compiled: dict[str, archc.CompiledModel], case: str,
-               backend: str) -> archc.CompiledModel:
-    if backend not in compiled:
-        pytest.skip(f"{case} on {backend}: {NO_KERNELS[case]}")
-    return compiled[backend]
 
 
 def prompt(batch: int, length: int, seed: int) -> torch.Tensor:
@@ -150,7 +133,7 @@ def test_logits_match_transformers(pair: tuple[str, Any, dict[str, archc.Compile
     ids = prompt(2, PROMPT, seed=1)
     with torch.no_grad():
         want = hf(ids).logits
-    got = backend_of(compiled, case, backend)(ids)
+    got = compiled[backend](ids)
     assert got.shape == want.shape
     err = rel_error(got, want)
     assert err <= RTOL, f"{case} on {backend}: max error {err:.2e} of the largest logit"
@@ -167,39 +150,8 @@ def test_greedy_tokens_match_transformers(
                                              do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
         want = hf.generate(ids, generation_config=settings)
-    got = backend_of(compiled, case, backend).generate(ids, max_new_tokens=new)
+    got = compiled[backend].generate(ids, max_new_tokens=new)
     assert got.tolist() == want.tolist(), f"{case} on {backend}"
-
-
-def plain_attention(model: archc.Model) -> archc.Model:
-    """`model` with its attention as the kernels compute it today: the mask and score
-    expressions of its layer types and its sinks (spec and tensors) taken out."""
-    spec = model.spec
-    att = dataclasses.replace(spec.attention, normalizer=Normalizer(), params=None)
-    types = spec.layer_types and tuple(dataclasses.replace(t, overrides=tuple(
-        (k, v) for k, v in t.overrides if k not in ("attention.mask", "attention.score")))
-        for t in spec.layer_types)
-    return archc.Model(dataclasses.replace(spec, attention=att, layer_types=types),
-                       {k: v for k, v in model.weights.items() if not k.endswith(".sinks")})
-
-
-@pytest.mark.parametrize("case", list(NO_KERNELS))
-def test_moe_on_kernels(case: str, tmp_path: Path, kernel_dir: Path) -> None:
-    """The routing variants of the cases whose attention the kernels cannot run yet — gpt-oss's
-    biased router (softmax over the chosen logits) and experts (biases, interleaved gate/up
-    rows, the clamped SwiGLU), Llama 4's sigmoid router scaling the expert's input beside a
-    shared expert — on the generated kernels, against eager (which the tests above hold to
-    transformers), with the expressions and sinks taken out of both: logits of a 2×11
-    prefill, then greedy decode."""
-    model = plain_attention(archc.load(build(case, tmp_path)[1]))
-    eager, kernels = model.compile("eager"), model.compile("triton", cache_dir=kernel_dir)
-    ids = prompt(2, PROMPT, seed=1)
-    err = rel_error(kernels(ids), eager(ids))
-    assert err <= RTOL, f"{case}: max error {err:.2e} of the largest logit"
-    ids = prompt(1, 9, seed=2)
-    new = NEW_TOKENS["triton"]
-    assert kernels.generate(ids, max_new_tokens=new).tolist() == \
-        eager.generate(ids, max_new_tokens=new).tolist(), case
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-20b", "llama4-scout"])

@@ -30,7 +30,7 @@ from archc.quant.pack import quantize
 from archc.runtime.comm import SimulatedComm, SimulatedWorld, run_simulated
 from archc.runtime.eager import EagerSession
 from archc.runtime.weights import materialize, quantizable, random_weights
-from archc.spec import load_spec
+from archc.spec import from_dict, load_spec, to_dict
 from archc.spec.schema import Spec
 from tests.conftest import TINY_SPECS
 
@@ -155,6 +155,34 @@ def test_default_pipeline_on_each_rank(name: str, tp: int) -> None:
     collectives = [[n.op for g in p for n in g if n.op in COLLECTIVE] for p in (sharded, fast)]
     assert collectives[0] == collectives[1]         # no fusion took in (or dropped) one
     assert_same(spec, outputs(spec, program, checkpoint), on_ranks(spec, fast, checkpoint, tp))
+
+
+# expressions over the heads (a per-head slope: on a rank's heads their local numbers would read
+# the wrong slopes) and over positions alone (a chunked mask, a temperature by the query's place)
+HEAD_EXPRESSIONS = {
+    "per-head": dict(score="score - slope[head] * (q_pos - kv_pos)",
+                     params={"slope": [0.5 ** (h + 1) for h in range(9)]}),
+    "positions": dict(score="score * (1.0 + 0.1 * log(floor((q_pos + 1) / 4) + 1.0))",
+                      mask="kv_pos <= q_pos and q_pos // 4 == kv_pos // 4")}
+
+
+@pytest.mark.parametrize("which", list(HEAD_EXPRESSIONS))
+def test_score_and_mask_expressions_split_by_head_only_when_they_do_not_read_it(
+        which: str) -> None:
+    """tiny-smollm2 (9 heads over 3 KV heads) at tp = 3 with a score and mask expression: one
+    that reads the head runs on the whole scores (gathered), one of positions alone on each
+    rank's heads; both compute the unsharded model."""
+    data = to_dict(load_spec("tiny-smollm2"))
+    data["position"] = {"kind": "none"}
+    data["attention"].update(HEAD_EXPRESSIONS[which])
+    spec = from_dict(data)
+    program = lower(spec)
+    checkpoint = random_weights(program, seed=5)
+    sharded = shard_program(program, 3)
+    gathered = any(n.op == Op.ALL_GATHER and "attention" in (n.origin or "")
+                   for g in sharded for n in g)
+    assert gathered == (which == "per-head")
+    assert_same(spec, outputs(spec, program, checkpoint), on_ranks(spec, sharded, checkpoint, 3))
 
 
 @pytest.mark.parametrize(("name", "tp"), [("tiny-gpt2", 2), ("tiny-llama2-70b", 2)])

@@ -1,6 +1,6 @@
 """Whole models on the generated kernels agree with the eager interpreter.
 
-Every tiny zoo spec (but those of conftest's `NO_KERNELS_YET`), compiled with
+Every tiny zoo spec, compiled with
 `model.compile("triton")` (the default passes, then codegen), against `model.compile("eager")` on
 the same weights: a full forward at T = 1 and at an odd T
 longer than the sliding windows (8), prefill then token-by-token decode over the KV cache, greedy

@@ -38,8 +38,10 @@ from typing import Literal
 from archc.errors import ArchcError
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph, GraphBuilder, Node, Program
+from archc.ir.modifiers import leaves
 from archc.ir.ops import Op, full_attrs
 from archc.ir.ops.base import ELEMENTWISE, RECURRENT, roles_of
+from archc.ir.ops.modifiers import modifiers_of
 from archc.ir.paramexpr import leaf
 from archc.passes.manager import PassContext, register_pass, run_pass
 from archc.quant.schemes import is_quantized, scheme
@@ -56,8 +58,9 @@ READ_AS: dict[tuple[Op, str], str] = {
 ON_THE_WAY = frozenset({Op.ADD, Op.POINTWISE, Op.SPLIT_HEADS, Op.NORM, Op.ROPE, Op.KV_CACHE,
                         Op.REPEAT_KV})
 # ops that work over the head dim or along the sequence: head by head on heads split over ranks
-HEAD_WISE = frozenset({Op.NORM, Op.SOFTMAX, Op.ROPE, Op.MASK, Op.KV_CACHE, Op.REPEAT_KV,
-                       Op.SCORES, Op.WEIGHTED_SUM})
+# (a mask or score expression only where it does not read the head: ``_reads_heads``)
+HEAD_WISE = frozenset({Op.NORM, Op.SOFTMAX, Op.ROPE, Op.MASK, Op.SCORE_MOD, Op.KV_CACHE,
+                       Op.REPEAT_KV, Op.SCORES, Op.WEIGHTED_SUM})
 
 
 class ShardError(ArchcError):
@@ -72,6 +75,19 @@ class Rule:
     value: int | str
     problem: str                       # why a tp fails, after "field = value"
     works: Callable[[int], bool]
+
+
+def _reads_heads(n: Node) -> bool:
+    """Whether a mask or score expression reads the head (`head`, `kv_head`, a per-head
+    parameter): on a rank's heads it would see their local numbers, so it runs on the whole
+    scores. An expression of positions and per-token inputs alone runs head by head."""
+    if n.op not in (Op.MASK, Op.SCORE_MOD):
+        return False
+    mods = modifiers_of(full_attrs(n.op, n.attrs))
+    exprs = (mods.mask,) if n.op == Op.MASK else (mods.score,)
+    return bool(mods.env.head_params) or any(
+        leaf.fn == "var" and leaf.args[0] in ("head", "kv_head")
+        for e in exprs for leaf in leaves(e))
 
 
 def read_as(g: Graph, i: int, users: list[list[int]]) -> str | None:
@@ -399,7 +415,7 @@ class _Sharder:
         if n.op in (Op.SPLIT_HEADS, Op.MERGE_HEADS):
             return n.op == Op.SPLIT_HEADS and not v.heads or n.op == Op.MERGE_HEADS and v.heads
         if n.op in HEAD_WISE:
-            return v.heads
+            return v.heads and not _reads_heads(n)
         return n.op in ELEMENTWISE
 
     def rep(self, i: int) -> Val:

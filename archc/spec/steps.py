@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 
-from archc.errors import ArchcError
+from archc.errors import ArchcError, SpecError
 from archc.spec.load import from_dict, to_dict
 from archc.spec.schema import FFN, AttentionBias, Position, Spec
 
@@ -191,7 +191,10 @@ class StepCall:
                       name=f"{spec.name}-{self.text.replace(':', '')}"[:64],
                       description=f"{spec.name} after {self.text}: {self.step.doc}")
         self._keep_layer_types(spec, new)
-        return from_dict(to_dict(new), source=f"{new.name} (after a step)")
+        try:
+            return from_dict(to_dict(new), source=f"{new.name} (after a step)")
+        except SpecError as err:    # the step does not fit this spec: refused, saying why
+            raise StepError(f"{self.text} does not apply to {spec.name}: {err}") from None
 
     def _keep_layer_types(self, before: Spec, after: Spec) -> None:
         """A step changes the model's fields; one that a layer type sets for its layers would
