@@ -62,8 +62,9 @@ def test_unsupported_model_type_names_the_supported_ones(
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "rwkv"}))
     with pytest.raises(SpecError, match=r"model_type: 'rwkv' is not supported \(allowed: bert, "
                        r"bloom, cohere2, exaone4, falcon, gemma, gemma2, gemma3_text, glm4, "
-                       r"gpt2, gpt_neox, gptj, granite, jamba, llama, mamba, mistral, mixtral, "
-                       r"mpt, olmo2, opt, phi, phi3, qwen2, qwen3, smollm3, starcoder2, t5\)"):
+                       r"gpt2, gpt_neox, gpt_oss, gptj, granite, jamba, llama, llama4_text, "
+                       r"mamba, mistral, mixtral, mpt, olmo2, opt, phi, phi3, qwen2, qwen3, "
+                       r"qwen3_moe, smollm3, starcoder2, t5\)"):
         archc.load(tmp_path)
     assert "'rwkv' is not supported" in cli_error(capsys, "export-spec", str(tmp_path))
 

@@ -91,6 +91,9 @@ def falcon(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
     elif kv not in (None, heads):
         raise cfg.refuse("num_kv_heads", kv, "without new_decoder_architecture or multi_query "
                          "every head has its own key and value")
+    # newer transformers also write the KV heads its attention derives from the fields above
+    cfg.expect("num_key_value_heads", (heads if kv is None else kv,), "the KV heads "
+               "num_kv_heads, multi_query and new_decoder_architecture give")
     max_seq = cfg.number("max_position_embeddings", 2048)
     if cfg.flag("alibi", False):
         cfg.used.update(("rope_theta", "rope_scaling", "rope_parameters"))
