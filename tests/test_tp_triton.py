@@ -198,3 +198,22 @@ def test_tiny_spec_on_tp_and_cp_ranks_equals_one_rank(name: str, tmp_path: Path)
         ranks, blocks = on_ring(model, model.graph, go, 2, tmp_path)
         assert 6 in blocks, "the prefill did not run as a ring"
         assert_ranks_match("cp = 2", ranks, want)
+
+
+def test_a_tp_run_the_triton_backend_refuses_is_refused_before_any_rank_starts(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """tiny-olmo2 at tp = 2: q and k normalized over the whole projection are gathered, so k
+    leaves its projection for a norm kernel while v does not, and no kernel writes the cache.
+    `archc run --backend triton` says so in one line before launching any rank (each rank's
+    triton session would refuse it after loading); the eager backend is not refused."""
+    from archc.cli import main
+    started: list[object] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("archc.commands.launch.launch", lambda *a, **kw: started.append(a) or 0)
+        capsys.readouterr()
+        assert main(["run", "tiny-olmo2", "--tp", "2", "--backend", "triton"]) == 2
+        err = capsys.readouterr().err
+        assert not started
+        assert err.count("\n") == 1 and "the triton backend cannot run tiny-olmo2" in err and \
+            "no one kernel computes both" in err, err
+        assert main(["run", "tiny-olmo2", "--tp", "2"]) == 0 and len(started) == 1

@@ -57,6 +57,10 @@ def check_before_launch(args: Any) -> None:
         program = shard_program(program, args.tp)
     if args.cp > 1:
         context_parallel(program, args.cp)
+    elif getattr(args, "backend", None) == "triton":   # what each rank's triton session refuses
+        from archc.passes import optimize
+        from archc.runtime.triton_backend import check_cache_writes
+        check_cache_writes(optimize(program))
 
 
 def launch(argv: Sequence[str], world: int, timeout: float,

@@ -102,6 +102,16 @@ def _interpret_loaded_triton() -> None:
 AUTOTUNE_DEFAULT = True
 
 
+
+def check_cache_writes(program: Program) -> None:
+    """Refuse a kernel-level `program` whose KV-cache writes no kernel's epilogue makes (the
+    triton backend has no kernel for a lone cache write)."""
+    for g in program:
+        if problem := unfused_cache_writes(g):
+            raise ArchcError(f"the triton backend cannot run {program.model}: {problem}; "
+                             "run it on the eager backend")
+
+
 @dataclass
 class TritonOptions:
     passes: str | None = "default"      # pass pipeline to reach kernel level (None: as given)
@@ -129,10 +139,7 @@ class TritonSession(SessionBase):
         passes = self.options.passes
         super().__init__(program if passes is None else optimize(program, passes), max_seq_len,
                          device, comms)
-        for g in self.program:
-            if problem := unfused_cache_writes(g):
-                raise ArchcError(f"the triton backend cannot run {program.model}: {problem}; "
-                                 "run it on the eager backend")
+        check_cache_writes(self.program)
         # tuning happens at launch, not in the generated code: a tuned and an untuned session
         # share one module (and its ahead-of-time compiles)
         self.codegen_options = CodegenOptions(target=self.target, max_seq_len=max_seq_len)
