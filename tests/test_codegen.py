@@ -251,7 +251,7 @@ def test_generated_module_imports_and_lists_its_kernels(tmp_path: Path) -> None:
         for arg in fn.arg_names:  # every runtime argument has a type for AOT compiles
             assert arg in entry["types"] or arg in entry.get("static", [{}])[0] or \
                 arg.startswith("BLOCK_") or arg in (
-                "GROUP_M", "SPLIT_K", "TMA", "ROW_STATS", "PDL", "SPLIT_KEYS"), arg
+                "GROUP_M", "SPLIT_K", "TMA", "ROW_STATS", "PDL", "SPLIT_KEYS", "ROUTE_LAST"), arg
 
 
 # ---- golden kernels -------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from archc.report.facts import facts
 from archc.spec import load_spec
 from archc.spec.load import layer_spec
 from tests.test_hf_crosscheck import randomize, rel_error
+from tests.test_moe_kernels import small_blocks
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install "
                                    "'archc[hf]')")
@@ -152,6 +153,26 @@ def test_greedy_tokens_match_transformers(
         want = hf.generate(ids, generation_config=settings)
     got = compiled[backend].generate(ids, max_new_tokens=new)
     assert got.tolist() == want.tolist(), f"{case} on {backend}"
+
+
+@pytest.mark.parametrize("case", ["gpt_oss", "llama4_text"])
+def test_prefill_routes_in_parallel_chunks(case: str, tmp_path: Path, kernel_dir: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpt-oss's biased router (softmax over the chosen logits) and experts (biases, interleaved
+    gate/up rows, the clamped SwiGLU), Llama 4's sigmoid router scaling the expert's input beside
+    a shared expert, on the generated kernels against eager (which the tests above hold to
+    transformers) with small routing blocks: a 2×11 prefill's tokens routed in parallel in
+    chunks of 16, then greedy decode, each step routed by the router's last program."""
+    small_blocks(monkeypatch, route_last=False)
+    model = archc.load(build(case, tmp_path)[1])
+    eager, kernels = model.compile("eager"), model.compile("triton", cache_dir=kernel_dir)
+    ids = prompt(2, PROMPT, seed=1)
+    err = rel_error(kernels(ids), eager(ids))
+    assert err <= RTOL, f"{case}: max error {err:.2e} of the largest logit"
+    ids = prompt(1, 9, seed=2)
+    new = NEW_TOKENS["triton"]
+    assert kernels.generate(ids, max_new_tokens=new).tolist() == \
+        eager.generate(ids, max_new_tokens=new).tolist(), case
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-20b", "llama4-scout"])

@@ -111,23 +111,43 @@ def moe_session(n_experts: int, top_k: int, *, router: bool, d: int = 8, f: int 
 Routing = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]   # gates, table, blocks, BLOCK_P
 
 
+def _tables(args: tuple[Any, ...], block_p: int) -> tuple[int, int] | None:
+    """Where a routing launch's table and block experts are among its arguments: the first
+    two consecutive i32 tensors of which the second has a block for every BLOCK_P slots of the
+    first (a parallel routing's chunk counts come before them)."""
+    for i in range(len(args) - 1):
+        a, b = args[i], args[i + 1]
+        if all(isinstance(t, torch.Tensor) and t.dtype == torch.int32 for t in (a, b)) and \
+                b.numel() * block_p == a.numel():
+            return i, i + 1
+    return None
+
+
 def routings(plan: LaunchPlan) -> list[Routing]:
-    """What each launch of the plan that routes (a routing kernel, or a router whose last
-    program routes: the launches with a BLOCK_P) reads and writes: the gates (its first
-    argument), the table and block experts (its first i32 arguments), and the table's block."""
-    found = []
+    """What the plan's routing writes, once per table: the launches with a BLOCK_P (a routing
+    kernel, the two launches of a parallel routing, or a router whose last program routes)
+    read the gates (their first argument) and write the table and block experts."""
+    found: dict[int, Routing] = {}
     for _, args, kw in plan.launches:
-        if "BLOCK_P" in kw:
-            table, block_expert = [a for a in args if isinstance(a, torch.Tensor)
-                                   and a.dtype == torch.int32][:2]
-            found.append((args[0], table, block_expert, kw["BLOCK_P"]))
-    return found
+        if "BLOCK_P" in kw and (at := _tables(args, kw["BLOCK_P"])) is not None:
+            table, block_expert = args[at[0]], args[at[1]]
+            found.setdefault(id(table), (args[0], table, block_expert, kw["BLOCK_P"]))
+    return list(found.values())
+
+
+def parallel_routings(plan: LaunchPlan) -> int:
+    """Launches of a parallel routing (chunk counts, then placement): their chunk counts come
+    just before the table."""
+    return sum(1 for _, args, kw in plan.launches if "BLOCK_P" in kw and
+               (at := _tables(args, kw["BLOCK_P"])) is not None and at[0] == 2)
 
 
 def counters(plan: LaunchPlan, past: torch.Tensor) -> list[torch.Tensor]:
-    """The i32 tensors the plan's launches take besides the routing's tables and P: the arrival
-    counters."""
+    """The i32 tensors the plan's launches take besides the routing's tables, its chunk counts
+    and P: the arrival counters."""
     known = {id(past)} | {id(t) for _, *tables, _ in routings(plan) for t in tables}
+    known |= {id(args[1]) for _, args, kw in plan.launches if "BLOCK_P" in kw and
+              (at := _tables(args, kw["BLOCK_P"])) is not None and at[0] == 2}
     return [a for _, args, _ in plan.launches for a in args
             if isinstance(a, torch.Tensor) and a.dtype == torch.int32 and id(a) not in known]
 
@@ -136,9 +156,11 @@ def rand(*dims: int, seed: int) -> torch.Tensor:
     return torch.randn(*dims, generator=torch.Generator().manual_seed(seed))
 
 
-def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+def small_blocks(monkeypatch: pytest.MonkeyPatch, route_last: bool = True) -> None:
     """Routing loops over chunks of 16 tokens (table slots, blocks), and routers over programs
-    of 16 tokens: a few dozen tokens span several of each."""
+    of 16 tokens: a few dozen tokens span several of each. More than 16 tokens of gates from
+    anywhere are routed chunk by chunk in parallel; a router's last program routes them all
+    (`route_last`) or they are routed in parallel after it."""
     config = blocks.launch_config
 
     def small(family: str, target: str, **sizes: int) -> dict[str, Any]:
@@ -147,15 +169,18 @@ def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
             cfg["BLOCK_R"] = 16
         if family == "router":
             cfg["BLOCK_M"] = 16
+        if "ROUTE_LAST" in cfg:
+            cfg["ROUTE_LAST"] = int(route_last or sizes["M"] <= 16)
         return cfg
 
     monkeypatch.setattr(blocks, "launch_config", small)
 
 
 def run_moe(n_experts: int, top_k: int, tokens: int, gates: torch.Tensor | None,
-            kernel_dir: Path) -> None:
-    """Route and run x → up → down on the kernels; the table equals the torch version from the
-    gates the kernels read, the output eager's, and the counters are back to zero."""
+            kernel_dir: Path, *, parallel: bool) -> None:
+    """Route and run x → up → down on the kernels — routed in parallel, or by one program — the
+    table equals the torch version from the gates the kernels read, the output eager's, and the
+    counters are back to zero."""
     s, g = moe_session(n_experts, top_k, router=gates is None, kernel_dir=kernel_dir)
     runner = s.runners[g.name]
     s.cache.ensure(1)
@@ -168,6 +193,7 @@ def run_moe(n_experts: int, top_k: int, tokens: int, gates: torch.Tensor | None,
     runner.feed(plan, inputs)
     runner.execute(plan, s.ctx, 0)
     [(read, table, block_expert, block_p)] = routings(plan)   # one routing for both stages
+    assert parallel_routings(plan) == (2 if parallel else 0)
     want_table, want_blocks = reference_routing(read.cpu(), top_k, block_p, block_expert.numel())
     assert torch.equal(table.cpu(), want_table)
     assert torch.equal(block_expert.cpu(), want_blocks)
@@ -185,18 +211,21 @@ def run_moe(n_experts: int, top_k: int, tokens: int, gates: torch.Tensor | None,
 @pytest.mark.parametrize("n_experts,top_k,tokens,idle", [
     (5, 2, 50, 1),      # several chunks of 16 tokens, an expert no token picks
     (12, 1, 37, 4),     # top-1, E not a power of two, four idle experts
-    (3, 3, 9, 0),       # every expert for every token
+    (3, 3, 9, 0),       # every expert for every token: one chunk, one program
     (256, 8, 21, 200),  # the widest expert tile
     (8, 2, 640, 2),     # a prefill: 40 chunks of tokens, 88 blocks of pairs
 ])
 def test_routing_kernel_equals_torch(n_experts: int, top_k: int, tokens: int, idle: int,
                                      kernel_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gates from an input: more than a chunk of tokens routed chunk by chunk in parallel (the
+    ragged loads of tied gates: some experts with a pair or two, idle ones with none), one
+    chunk by one program."""
     small_blocks(monkeypatch)
     gates = tied_gates(tokens, n_experts, idle, seed=n_experts)
     used = set(reference_routing(gates, top_k, 16, -(-tokens * top_k // 16) + n_experts)[1]
                .tolist()) - {-1}
     assert len(used) > 1 and max(used) < n_experts - idle   # the idle experts have no block
-    run_moe(n_experts, top_k, tokens, gates, kernel_dir)
+    run_moe(n_experts, top_k, tokens, gates, kernel_dir, parallel=tokens > 16)
 
 
 @pytest.mark.parametrize("n_experts,top_k,tokens", [(6, 2, 45), (4, 1, 5)])
@@ -205,7 +234,16 @@ def test_router_last_program_routes(n_experts: int, top_k: int, tokens: int, ker
     """The router's last program routes from the gates all programs stored (three programs of
     16 tokens, or one): the expert matmuls launch no routing of their own."""
     small_blocks(monkeypatch)
-    run_moe(n_experts, top_k, tokens, None, kernel_dir)
+    run_moe(n_experts, top_k, tokens, None, kernel_dir, parallel=False)
+
+
+@pytest.mark.parametrize("n_experts,top_k,tokens", [(6, 2, 45), (5, 1, 70)])
+def test_router_then_parallel_routing(n_experts: int, top_k: int, tokens: int,
+                                      kernel_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill past one chunk: the router stores its gates and the chunks are routed in
+    parallel after it (two launches), to the same table."""
+    small_blocks(monkeypatch, route_last=False)
+    run_moe(n_experts, top_k, tokens, None, kernel_dir, parallel=True)
 
 
 def expert_loads(monkeypatch: pytest.MonkeyPatch, path: str, max_block_n: int | None = None

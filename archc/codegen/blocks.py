@@ -223,6 +223,8 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
                    BLOCK_K=_clamp_pow2(sizes["K"], 16, 128 if gpu else 512))
         if sizes.get("route"):  # its last program routes the pairs (see "moe_routing")
             cfg.update(_routing_blocks(target, sizes["M"], sizes["N"]))
+            # ... as long as one chunk holds every token; more are routed chunks in parallel
+            cfg["ROUTE_LAST"] = int(sizes["M"] <= cfg["BLOCK_R"])
         return cfg
     if family == "norm":
         block_n = next_pow2(sizes["N"])
@@ -252,6 +254,11 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
             block_m = moe_block_m(target, sizes["M"])
             cfg = _cfg(block_m // 16, 3, BLOCK_M=block_m,
                        BLOCK_N=256 if sizes.get("gated") else 128, BLOCK_K=64)
+            if sizes.get("bias") and not sizes.get("gated") and block_m >= 128:
+                # the experts' bias tile beside the accumulator: 255 registers and 64 bytes of
+                # spills at 128 × 128 on gpt-oss-20b's down projection (sm_90a); 64 columns fit
+                # (64 × 128 fits: 186 registers)
+                cfg["BLOCK_N"] = 64
         if gpu and sizes.get("quant"):
             # dequantized expert tiles (codes, scales, offsets and their addresses in registers)
             # spill on sm_90a at the float tiles (mixtral-8x7b q4_k: 11980 bytes at 64 × 256,
@@ -326,9 +333,10 @@ def moe_block_m(target: str, tokens: int) -> int:
 
 
 def _routing_blocks(target: str, tokens: int, experts: int) -> dict[str, int]:
-    """The routing of MoE pairs, by one program: BLOCK_P, the expert matmuls' rows (the table's
-    block), and BLOCK_R rows of [rows, experts] tiles of about `elements` values (E = 256: 8
-    rows on a GPU), no more rows than tokens."""
+    """The routing of MoE pairs: BLOCK_P, the expert matmuls' rows (the table's block), and
+    BLOCK_R rows of [rows, experts] tiles of about `elements` values (E = 256: 8 rows on a GPU),
+    no more rows than tokens — one program loops over such chunks of tokens, or a prefill's
+    are routed a program a chunk."""
     block_e = max(16, next_pow2(experts))
     elements = 2048 if target == "gpu" else 16384
     return dict(BLOCK_P=moe_block_m(target, tokens),

@@ -486,8 +486,11 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
                    M=pexpr(numel(n.shape[:-1])), route=route, gates_row_off=f"token * {experts}",
                    quant=quant_weight(c, "weight"))
         table = dict(table_ptr="*i32", block_expert_ptr="*i32", arrived_ptr="*i32") if route else {}
-        return ctx, [JitKernel("_kernel", "router", dict(N=experts, K=k, route=int(route)),
-                               c.types(**table, M="i32", T="i32"))]
+        kernels = [JitKernel("_kernel", "router", dict(N=experts, K=k, route=int(route)),
+                             c.types(**table, M="i32", T="i32"))]
+        if route:   # a prefill's tokens are routed in parallel after the router
+            kernels += _parallel_routing(experts, triton_pointer(n.dtype))
+        return ctx, kernels
     x, gates, w = c.lay("x"), c.lay("gates"), c.lay("weight")
     e, nw, k = (c.static(d, "the expert weights' size") for d in w.shape)
     contiguous(c, "weight", e, nw, k)
@@ -526,14 +529,25 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         wset["rows"] = f"expert.to(tl.int64) * {nw} + ({wset['cols']})"
     table = dict(pairs_ptr="*i32", block_expert_ptr="*i32")
     own = dict(table, part_ptr="*fp32", arrived_ptr="*i32") if not up else table
-    sizes = dict(N=nw, K=k, E=e, top_k=a["top_k"], gated=int(gated), **({"tma": 1} if tma else {}))
+    sizes = dict(N=nw, K=k, E=e, top_k=a["top_k"], gated=int(gated),
+                 **({"bias": 1} if a["bias"] else {}), **({"tma": 1} if tma else {}))
     if ctx["quant"]:   # the code width: tiles sized for a dequantized weight
         sizes["quant"] = ctx["quant"]["bits"]
     kernels = [JitKernel("_kernel", "moe", sizes, c.types(**own, T="i32")),
                JitKernel("_routing", "moe_routing", dict(E=e),
                          {"gates_ptr": c.arg("gates").type, "table_ptr": "*i32",
-                          "block_expert_ptr": "*i32", "M": "i32", "T": "i32"})]
+                          "block_expert_ptr": "*i32", "M": "i32", "T": "i32"}),
+               *_parallel_routing(e, c.arg("gates").type)]
     return ctx, kernels
+
+
+def _parallel_routing(experts: int, gates: str) -> list[JitKernel]:
+    """The two kernels that route a prefill's chunks of tokens in parallel: counts per chunk,
+    then each chunk's pairs placed (templates/moe.py.j2)."""
+    types = {"gates_ptr": gates, "chunk_counts_ptr": "*i32", "table_ptr": "*i32",
+             "block_expert_ptr": "*i32", "M": "i32", "T": "i32"}
+    return [JitKernel(suffix, "moe_routing", dict(E=experts), types)
+            for suffix in ("_count", "_scatter")]
 
 
 def _cache_arg(c: NodeCtx, param: str, kind: str, layer: int, kv_heads: int, hd: int,
