@@ -9,6 +9,7 @@ graph serves prefill (P = 0) and decode (T = 1). Each block is lowered from what
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -235,8 +236,7 @@ class _Stack:
             if sc.kind == "yarn" and not sc.truncate:
                 kw.append(("truncate", False))
             if sc.kind == "yarn":   # cos and sin scaled by 0.1·ln(factor) + 1 unless given
-                mscale = sc.attention_factor if sc.attention_factor is not None else \
-                    0.1 * math.log(sc.factor) + 1.0 if sc.factor > 1 else 1.0
+                mscale = sc.yarn_attention_factor
         table = Call("rope_cos_sin", (Call("rope_inv_freq", (), tuple(kw)),),
                      (("rows", rows),) + ((("mscale", mscale),) if mscale != 1.0 else ()))
         return "rope.cos_sin", (rows, 2, s.rotary_dim // 2), table, {}
@@ -280,10 +280,21 @@ class _Stack:
     def attention(self, x: int, layer: int, name: str, kv_source: int | None = None) -> int:
         """Multi-head attention of x over itself (through the KV cache in a decoder) or, for
         cross-attention, over `kv_source` (the encoder states), as layer `layer` runs it."""
+        att = self.specs[layer].attention
+        self_attn = kv_source is None
+        base = f"layers.{layer}.{name}"
+        if att.latent is not None:
+            scores, v = self.latent_scores(x, layer, base)
+        else:
+            scores, v = self.scores(x, layer, base, kv_source)
+        return self.attend(scores, v, layer, base, self_attn)
+
+    def scores(self, x: int, layer: int, base: str, kv_source: int | None) -> tuple[int, int]:
+        """q·kᵀ (B, H, T, L) of x's queries over the keys of x (through the KV cache in a
+        decoder) or of `kv_source`, and the values (B, H, L, D) they weigh."""
         s = self.specs[layer]
         att = s.attention
         self_attn = kv_source is None
-        base = f"layers.{layer}.{name}"
         whole = att.qk_norm and att.qk_norm_over == "projection"
         q, k, v = self.qkv_heads(s, x, x if self_attn else kv_source, base,
                                  norm_projections=whole)
@@ -304,7 +315,68 @@ class _Stack:
         if att.group_size > 1:
             with self.at("attention.kv_heads"):   # k, v: (B, H, L, D)
                 k, v = (self.b.emit(Op.REPEAT_KV, t, groups=att.group_size) for t in (k, v))
-        scores = self.b.emit(Op.SCORES, q, k, origin="attention")       # (B, H, T, L)
+        return self.b.emit(Op.SCORES, q, k, origin="attention"), v      # (B, H, T, L)
+
+    def latent_scores(self, x: int, layer: int, base: str) -> tuple[int, int]:
+        """Multi-head latent attention's scores and values (DeepSeek-V2), unfused::
+
+            q          = q_b(norm(q_a(x)))  or  q(x)            # (B, H, T, nope + rope)
+            c, k_rope  = split(kv_a(x))                          # [kv_rank | rope_dims]
+            c          = norm(c)                                 # the latent the cache holds
+            q_rope, k_rope = rope(q_rope), rope(k_rope)          # k_rope: one head for all
+            k_nope, v  = split(kv_b(c))                          # per head, over every key
+            scores     = q_nope·k_nopeᵀ + q_rope·k_ropeᵀ
+
+        The cache holds c and k_rope per token (kv_rank + rope_dims values); every step
+        projects all of the cached latents up again, which `absorb-mla` avoids."""
+        s = self.specs[layer]
+        att, lat = s.attention, s.attention.latent
+        assert lat is not None
+        heads, hd, rope_dims = att.heads, att.head_dim, lat.rope_dims
+        nope = hd - rope_dims
+        latent_norm = dataclasses.replace(s.norm, eps=lat.eps or s.norm.eps)
+
+        def columns(t: int, start: int, stop: int) -> int:
+            return self.b.emit(Op.SLICE, t, start=start, stop=stop)
+        with self.at("attention.latent.q_rank" if lat.q_rank else "attention.heads"):
+            if lat.q_rank:
+                q = self.linear(x, f"{base}.q_a", lat.q_rank, att.bias.q, "attention.bias.q")
+                q = self.norm(q, f"{base}.q_a_norm", "attention.latent.q_rank", latent_norm)
+                q = self.linear(q, f"{base}.q_b", heads * hd, False, "attention.bias.q")
+            else:
+                q = self.linear(x, f"{base}.q", heads * hd, att.bias.q, "attention.bias.q")
+            q = self.b.emit(Op.SPLIT_HEADS, q, heads=heads)                # (B, H, T, hd)
+        with self.at("attention.latent"):
+            q_nope, q_rope = columns(q, 0, nope), columns(q, nope, hd)
+            kv = self.linear(x, f"{base}.kv_a", lat.kv_rank + rope_dims, att.bias.k,
+                             "attention.bias.k")
+            c = self.norm(columns(kv, 0, lat.kv_rank), f"{base}.kv_a_norm",
+                          "attention.latent.kv_rank", latent_norm)
+            c, k_rope = (self.b.emit(Op.SPLIT_HEADS, t, heads=1)         # (B, 1, T, ·)
+                         for t in (c, columns(kv, lat.kv_rank, lat.kv_rank + rope_dims)))
+        with self.at("position.kind"):
+            freq, scaling = self.rope_params(layer)
+            rope = dict(rotary_dim=rope_dims, interleaved=s.position.interleaved, **scaling)
+            q_rope, k_rope = (self.b.emit(Op.ROPE, t, self.positions, freq, **rope)
+                              for t in (q_rope, k_rope))
+        with self.at("family"):   # (B, 1, P+T, ·)
+            c = self.b.emit(Op.KV_CACHE, c, layer=layer, kind="latent", **self.kv_cache)
+            k_rope = self.b.emit(Op.KV_CACHE, k_rope, layer=layer, kind="k_rope",
+                                 **self.kv_cache)
+        with self.at("attention.latent"):
+            kv = self.linear(self.b.emit(Op.MERGE_HEADS, c), f"{base}.kv_b",
+                             heads * (nope + lat.v_dim), False, "attention.latent")
+            kv = self.b.emit(Op.SPLIT_HEADS, kv, heads=heads)    # (B, H, P+T, nope + v)
+            k_nope, v = columns(kv, 0, nope), columns(kv, nope, nope + lat.v_dim)
+            scores = self.b.emit(Op.ADD, self.b.emit(Op.SCORES, q_nope, k_nope),
+                                 self.b.emit(Op.SCORES, q_rope, k_rope))
+        return scores, v
+
+    def attend(self, scores: int, v: int, layer: int, base: str, self_attn: bool) -> int:
+        """Scores (B, H, T, L) scaled, capped, biased, masked and normalized; the values they
+        weigh summed per head, merged and projected out."""
+        s = self.specs[layer]
+        att = s.attention
         if s.attention_scale != 1.0:
             scores = self.pointwise(scores, "attention.head_dim" if att.scale is None else
                                     "attention.scale", "scale", by=s.attention_scale)

@@ -16,6 +16,7 @@ from typing import Any
 from archc.errors import SpecError, WeightsError
 from archc.model import Model, Progress
 from archc.sources.architectures.cohere2 import COHERE2
+from archc.sources.architectures.deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from archc.sources.architectures.encoders import BERT, T5
 from archc.sources.architectures.gemma3 import GEMMA3
 from archc.sources.architectures.glm4 import GLM4
@@ -41,7 +42,7 @@ from archc.tokenizer import load_hf_tokenizer
 ARCHITECTURES = (LLAMA, GEMMA, GPT2, GPTJ, NEOX, FALCON, BLOOM, MPT, OPT, PHI, BERT, T5, MAMBA,
                  JAMBA, QWEN3, GEMMA3, OLMO2, SMOLLM3, GRANITE, STARCODER2,
                  PHI3, GLM4, COHERE2, EXAONE4, QWEN3_MOE, GPT_OSS,
-                 LLAMA4_TEXT)
+                 LLAMA4_TEXT, DEEPSEEK_V2, DEEPSEEK_V3)
 CONFIG = "config.json"
 
 

@@ -53,7 +53,7 @@ GATED = {act: kind for kind, act in GATED_ACTIVATION.items()}   # activation →
 # The parameters of each RoPE scaling kind that the spec takes under the same names (absent ones
 # keep the spec's defaults, which are transformers' too).
 ROPE_SCALING = {"linear": (), "dynamic": (), "llama3": ("low_freq_factor", "high_freq_factor"),
-                "yarn": ("beta_fast", "beta_slow", "attention_factor"),
+                "yarn": ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"),
                 "longrope": ("attention_factor",)}
 
 _MISSING = object()

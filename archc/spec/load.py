@@ -287,6 +287,8 @@ def _derived(spec: Spec) -> dict[str, Any]:
         "mixer.mamba": Mamba() if "mamba" in spec.all_mixers else None,
         # ⌈d_model / 16⌉ (Gu & Dao 2023)
         "mixer.mamba.dt_rank": -(-d // 16) if "mamba" in spec.all_mixers else None,
+        "attention.latent.v_dim": (att.head_dim or d // att.heads) - att.latent.rope_dims
+        if att.latent is not None and att.heads and att.latent.rope_dims is not None else None,
     }
 
 
@@ -554,6 +556,34 @@ def _check_type(spec: Spec, t: LayerType, layer: Spec) -> None:
                         "rope, alibi or none positions")
 
 
+def _check_latent(spec: Spec) -> None:
+    """Latent attention: a decoder's softmax self-attention with RoPE on the last rope_dims of
+    each head, every head its own query of one shared latent."""
+    att, lat = spec.attention, spec.attention.latent
+    assert lat is not None
+    if spec.family != "decoder" or spec.layer_mixers().count("attention") < len(
+            [m for m in spec.layer_mixers() if m != "mamba"]):
+        raise SpecError("attention.latent", "is set, but latent attention is a decoder's "
+                        "softmax self-attention", allowed="family: decoder and softmax "
+                        "attention layers, or remove it")
+    if spec.position.kind != "rope":
+        raise SpecError("attention.latent", f"is set, but position.kind is "
+                        f"{spec.position.kind!r}: rope_dims of each head rotate",
+                        allowed="position.kind: rope")
+    if lat.rope_dims % 2 or lat.rope_dims >= att.head_dim:
+        raise SpecError("attention.latent.rope_dims", f"{lat.rope_dims} of head_dim "
+                        f"{att.head_dim}", allowed=f"an even number below {att.head_dim} "
+                        "(head_dim counts the no-RoPE dims too)")
+    if att.kv_heads != att.heads:
+        raise SpecError("attention.kv_heads", f"{att.kv_heads} with attention.latent: every "
+                        f"head has its own keys and values from the shared latent",
+                        allowed=f"{att.heads} (attention.heads), or remove it")
+    _refuse_set(spec, "position.fraction", "latent attention rotates rope_dims, the last dims "
+                "of each head", allowed="remove it; attention.latent.rope_dims says how many")
+    _refuse_set(spec, "attention.qk_norm attention.bias.v", "latent attention has neither (its "
+                "latents are normalized; k's bias is the latent projection's, which v shares)")
+
+
 def _check_layer(spec: Spec) -> None:
     """The rules within one kind of layer (a uniform spec, as ``layer_spec`` gives), each where
     its mixer has what it constrains."""
@@ -563,6 +593,8 @@ def _check_layer(spec: Spec) -> None:
         divisors = [d for d in range(1, att.heads + 1) if att.heads % d == 0]
         raise SpecError("attention.kv_heads", f"{att.kv_heads} does not divide attention.heads "
                         f"({att.heads})", allowed="one of " + ", ".join(map(str, divisors)))
+    if att.latent is not None and spec.attends:
+        _check_latent(spec)
     if att.window is None:
         _refuse_set(spec, "attention.global_tokens", "global tokens are seen beside a sliding "
                     "window, and attention.window is not set", allowed="remove it, or a window")

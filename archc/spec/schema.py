@@ -66,12 +66,33 @@ class RopeScaling:
     attention_factor: float | None = _f(
         None, "cos/sin scale (default yarn: 0.1·ln(factor) + 1; longrope: "
         "sqrt(1 + ln(factor)/ln(original_max_seq_len)))", above=0, only=("yarn", "longrope"))
+    mscale: float | None = _f(None, "with mscale_all_dim, the cos/sin scale's default is "
+                              "m(mscale)/m(mscale_all_dim), m(s) = 0.1·s·ln(factor) + 1",
+                              above=0, only=("yarn",))
+    mscale_all_dim: float | None = _f(
+        None, "see mscale; latent attention also scales its scores by m(mscale_all_dim)² "
+        "(DeepSeek)", above=0, only=("yarn",))
     short_factor: tuple[float, ...] = _f(
         None, "longrope: the divisor of each frequency while a call stays within "
         "original_max_seq_len (one per rotary pair)", only=("longrope",))
     long_factor: tuple[float, ...] = _f(
         None, "longrope: the divisors once a call reaches past original_max_seq_len",
         only=("longrope",))
+
+
+    def yarn_mscale(self, m: float = 1.0) -> float:
+        """YaRN's m(s) = 0.1·s·ln(factor) + 1 (1 without extension)."""
+        return 0.1 * m * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+    @property
+    def yarn_attention_factor(self) -> float:
+        """The scale of YaRN's cos and sin: attention_factor, else m(mscale)/m(mscale_all_dim)
+        where both are given, else m(1)."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return self.yarn_mscale(self.mscale) / self.yarn_mscale(self.mscale_all_dim)
+        return self.yarn_mscale()
 
 
 @dataclass(frozen=True)
@@ -133,6 +154,23 @@ class TokenInput:
 
 
 @dataclass(frozen=True)
+class Latent:
+    """Multi-head latent attention (DeepSeek-V2, 2024): keys and values are projected up per head
+    from one latent vector per token, and each head's query and key end in a part that RoPE
+    rotates, whose key is one for all heads. What a decoder caches is the latent and that key."""
+
+    kv_rank: int = _f(None, "width of the latent each token's keys and values come from (the "
+                      "KV cache holds it, normalized)", min=1)
+    rope_dims: int = _f(None, "dims at the end of each head's query and key that RoPE rotates; "
+                        "their key is one for all heads", min=2)
+    q_rank: int | None = _f(None, "queries through a low-rank latent of this width, normalized "
+                            "(none: one projection)", min=1)
+    v_dim: int = _f(None, "dims of each head's value (default head_dim − rope_dims)", min=1,
+                    derived=True)
+    eps: float | None = _f(None, "eps of the latents' norms (default norm.eps)", above=0)
+
+
+@dataclass(frozen=True)
 class Attention:
     heads: int = _f(None, "query heads", min=1, required_when="a layer attends")
     kv_heads: int = _f(None, "key/value heads: heads (MHA, the default), 1 (MQA), or a divisor "
@@ -167,7 +205,17 @@ class Attention:
     qk_norm_over: Literal["head", "projection"] = _f(
         "head", "what the QK-norm normalizes: each head, or the whole q and k projections "
         "(OLMo 2), with one gain per projected dim")
-    bias: AttentionBias = _f(AttentionBias, "biases per projection (or one bool for all)")
+    bias: AttentionBias = _f(AttentionBias, "biases per projection (or one bool for all; latent "
+                             "attention: q on the first query projection, k on the joint "
+                             "latent and RoPE-key projection)")
+    latent: Latent | None = _f(None, "multi-head latent attention (DeepSeek): "
+                               "{kv_rank, rope_dims, q_rank, v_dim}; head_dim is the query's "
+                               "and key's (no-RoPE dims + rope_dims)")
+
+    @property
+    def v_dim(self) -> int:
+        """Dims of each head's value: head_dim, or latent attention's own."""
+        return self.latent.v_dim if self.latent is not None else self.head_dim
 
     @property
     def group_size(self) -> int:
@@ -336,13 +384,25 @@ class Spec:
 
     @property
     def rotary_dim(self) -> int:
-        """Dims of each head that RoPE rotates (0 without RoPE)."""
-        rope = self.position.kind == "rope"
-        return int(self.attention.head_dim * self.position.fraction) if rope else 0
+        """Dims of each head that RoPE rotates (0 without RoPE): a fraction of the head, or
+        latent attention's rope_dims."""
+        if self.position.kind != "rope":
+            return 0
+        if self.attention.latent is not None:
+            return self.attention.latent.rope_dims
+        return int(self.attention.head_dim * self.position.fraction)
 
     @property
     def attention_scale(self) -> float:
-        return self.attention.scale or 1.0 / math.sqrt(self.attention.head_dim)  # scale > 0
+        """attention.scale, else 1/sqrt(head_dim) — for latent attention under YaRN with
+        mscale_all_dim, times m(mscale_all_dim)², as DeepSeek scales its scores."""
+        if self.attention.scale is not None:
+            return self.attention.scale
+        scale, sc = 1.0 / math.sqrt(self.attention.head_dim), self.position.scaling
+        if self.attention.latent is not None and sc is not None and sc.kind == "yarn" and \
+                sc.mscale_all_dim:
+            scale *= sc.yarn_mscale(sc.mscale_all_dim) ** 2
+        return scale
 
     def layer_plan(self) -> tuple[tuple[LayerType, ...], tuple[str, ...]]:
         """The layer types and the type of each layer of one period (repeated over the layers).

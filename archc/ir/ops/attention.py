@@ -185,6 +185,8 @@ register(OpDef(
 # its largest value is 448, and a key row above that would saturate without one. The code
 # dtypes and QMAX: ``archc.dtypes.KV_CODES``.
 KV_SCALE_BYTES = 4
+# what a KV cache holds per layer: keys and values, or latent attention's latent and RoPE key
+KV_KINDS = ("k", "v", "latent", "k_rope")
 KV_QUANT_ATTR = Attr("quant", str, None, choices=tuple(KV_CODES))
 
 
@@ -289,7 +291,7 @@ register(OpDef(
     # read the new rows, write them into the cache; readers of the cache pay for reading it
     bytes=lambda sig: numel(sig.shapes[0]) * DTYPE_BYTES[sig.dtypes[0]] + numel(
         sig.shapes[0][:3]) * kv_row_bytes(sig.shapes[0][3], sig.dtypes[0], sig.attr("quant")),
-    attrs=(LAYER, Attr("kind", str, choices=("k", "v")), KV_QUANT_ATTR, PAGED_ATTR),
+    attrs=(LAYER, Attr("kind", str, choices=KV_KINDS), KV_QUANT_ATTR, PAGED_ATTR),
     arity=(1, 3), docs={"positions": "with `paged`: each token's position",
                         "block_table": "with `paged`: each token's sequence's blocks"}))
 
