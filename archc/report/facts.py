@@ -167,7 +167,7 @@ def _tensor_parallel(rank: Program, tp: int, dtype: str) -> list[tuple[str, str]
     return rows
 
 
-def expanded_kv_bytes_per_token(s: Spec, kv_cache: str | None = None) -> int | None:
+def expanded_kv_bytes_per_token(s: Spec, dtype: str, kv_cache: str | None = None) -> int | None:
     """Bytes per token a cache of every head's keys and values would take in the layers whose
     latent attention caches a latent instead (None: no layer does): H·(head_dim + v_dim) values
     a layer, where the latent cache holds kv_rank + rope_dims."""
@@ -178,8 +178,8 @@ def expanded_kv_bytes_per_token(s: Spec, kv_cache: str | None = None) -> int | N
         if ls.mixer.kind != "attention":
             continue
         latent |= att.latent is not None
-        total += att.kv_heads * int(kv_row_bytes(att.head_dim, s.dtype, kv_cache) +
-                                    kv_row_bytes(att.v_dim, s.dtype, kv_cache))
+        total += att.kv_heads * int(kv_row_bytes(att.head_dim, dtype, kv_cache) +
+                                    kv_row_bytes(att.v_dim, dtype, kv_cache))
     return total if latent else None
 
 
@@ -224,7 +224,7 @@ def facts(s: Spec, quant: dict[str, str], kv_cache: str | None = None, tp: int =
         rows.append(("KV cache", f"{nbytes(kv)} per token, {nbytes(kv * s.max_seq_len)} at "
                      f"{s.max_seq_len} tokens ({kv_cache_format(s.dtype, kv_cache)}, "
                      "batch 1)"))
-    if (mha := expanded_kv_bytes_per_token(s, kv_cache)) is not None:
+    if (mha := expanded_kv_bytes_per_token(s, s.dtype, kv_cache)) is not None:
         rows.append(("", f"the latent and RoPE key: {kv / mha:.1%} of the {nbytes(mha)} per "
                      "token of per-head keys and values"))
     if state:
