@@ -1,0 +1,200 @@
+"""archc against transformers on DeepSeek-V2 and V3: multi-head latent attention (a low-rank query
+path or one projection, keys and values projected up per head from a normalized latent, a RoPE
+key shared by the heads, a value dim of its own), YaRN with DeepSeek's score correction, routed
+and shared experts after dense layers. One tiny random model of each case, saved with
+`save_pretrained`, read with `archc.load`, and held to transformers' logits and greedy tokens on
+the eager backend; the absorbed form (`absorb-mla`) to the expanded one at every decode step;
+the KV cache to the latent's size.
+
+Shapes are awkward on purpose: 3 heads, no-RoPE dims 16 ≠ RoPE dims 8 ≠ value dims 10, a latent
+of 20, a query rank of 12. Biases and norm gains are random (``randomize``). Tolerance, fp32:
+1e-4 of the largest logit, as test_hf_crosscheck.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import archc
+from archc.cli import main
+from archc.errors import SpecError
+from archc.ir import cost
+from archc.report.facts import expanded_kv_bytes_per_token
+from archc.spec import from_dict
+from tests.test_hf_crosscheck import randomize, rel_error
+
+transformers = pytest.importorskip("transformers", reason="needs transformers (pip install "
+                                   "'archc[hf]')")
+pytest.importorskip("safetensors", reason="needs safetensors (pip install 'archc[hf]')")
+
+RTOL = 1e-4
+VOCAB = 97
+LATENT = dict(hidden_size=48, intermediate_size=40, num_hidden_layers=2, num_attention_heads=3,
+              num_key_value_heads=3, kv_lora_rank=20, qk_rope_head_dim=8, qk_nope_head_dim=16,
+              v_head_dim=10, attention_bias=True, max_position_embeddings=64,
+              vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+DENSE = dict(first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=16)
+
+# name → (config factory, model class name)
+CASES: dict[str, tuple[Callable[[], Any], str]] = {
+    # queries through a rank-12 latent; RoPE on interleaved pairs (rope_interleave); biases on
+    # q_a, kv_a and o
+    "v3": (lambda: transformers.DeepseekV3Config(q_lora_rank=12, n_group=1, topk_group=1,
+                                                 **DENSE, **LATENT), "DeepseekV3ForCausalLM"),
+    # YaRN over 16 trained positions, factor 4, with mscale ≠ mscale_all_dim: the cos/sin scale
+    # m(0.7)/m(1.0) and the scores' m(1.0)²
+    "v3-yarn": (lambda: transformers.DeepseekV3Config(
+        q_lora_rank=12, n_group=1, topk_group=1, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 8.0,
+            "beta_slow": 1.0, "mscale": 0.7, "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 16}, **DENSE, **LATENT),
+        "DeepseekV3ForCausalLM"),
+    # one query projection (q_lora_rank none, so no query bias); RoPE on complex pairs
+    "v2": (lambda: transformers.DeepseekV2Config(q_lora_rank=None, **DENSE, **LATENT),
+           "DeepseekV2ForCausalLM"),
+}
+ABSORBED = ("absorb-mla", "share-kv-heads", "flash-attention")
+
+
+def build(case: str, directory: Path, seed: int = 0) -> torch.nn.Module:
+    make_config, cls = CASES[case]
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls)(make_config()).eval()
+    randomize(model, seed)
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+         ) -> tuple[str, Any, archc.Model]:
+    directory = tmp_path_factory.mktemp(request.param)
+    return request.param, build(request.param, directory), archc.load(directory)
+
+
+def prompt(batch: int, length: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_logits_match_transformers(pair: tuple[str, Any, archc.Model]) -> None:
+    case, hf, model = pair
+    ids = prompt(2, 11, seed=1)
+    with torch.no_grad():
+        want = hf(ids).logits
+    for passes in (None, ABSORBED):
+        got = model.compile("eager", **({"passes": passes} if passes else {}))(ids)
+        err = rel_error(got, want)
+        assert err <= RTOL, f"{case} ({passes or 'expanded'}): max error {err:.2e}"
+
+
+def test_greedy_tokens_match_transformers(pair: tuple[str, Any, archc.Model]) -> None:
+    case, hf, model = pair
+    ids = prompt(1, 9, seed=2)
+    settings = transformers.GenerationConfig(max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                             eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        want = hf.generate(ids, generation_config=settings)
+    got = model.compile("eager").generate(ids, max_new_tokens=6, eos_token_id=())
+    assert got.tolist() == want.tolist(), case
+
+
+def test_absorbed_decode_equals_expanded_at_every_step(
+        pair: tuple[str, Any, archc.Model]) -> None:
+    """Prefill, then token by token: the absorbed program's logits (attention over the cached
+    latent, the up-projections on the query and output sides) equal the expanded one's."""
+    case, _, model = pair
+    expanded = model.compile("eager").session
+    absorbed = model.compile("eager", passes=ABSORBED)
+    assert any(n.op.value == "head_linear" for g in absorbed.session.program for n in g)
+    absorbed = absorbed.session
+    ids = prompt(2, 7, seed=3)
+    expanded.reset()
+    absorbed.reset()
+    want, got = expanded.step(ids), absorbed.step(ids)
+    for step in range(5):
+        err = rel_error(got, want)
+        assert err <= RTOL, f"{case} step {step}: max error {err:.2e}"
+        nxt = want[:, -1].argmax(-1, keepdim=True)
+        want, got = expanded.step(nxt), absorbed.step(nxt)
+
+
+def test_the_cache_holds_the_latent(pair: tuple[str, Any, archc.Model]) -> None:
+    """Per layer, the cache holds [B, 1, max_len, kv_rank] normalized latents and
+    [B, 1, max_len, rope_dims] RoPE keys, nothing per head; per token that is
+    layers · (kv_rank + rope_dims) values, against layers · heads · (qk + v dims) for keys and
+    values."""
+    case, _, model = pair
+    cfg = CASES[case][0]()
+    layers, r, rope = cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    session = model.compile("eager").session
+    session.reset()
+    session.step(prompt(2, 5, seed=4))
+    store = session.cache.store
+    assert sorted(store) == sorted((i, k) for i in range(layers) for k in ("latent", "k_rope"))
+    for i in range(layers):
+        assert tuple(store[i, "latent"].shape) == (2, 1, model.spec.max_seq_len, r)
+        assert tuple(store[i, "k_rope"].shape) == (2, 1, model.spec.max_seq_len, rope)
+    assert cost.kv_cache_bytes_per_token(model.graph) == layers * (r + rope) * 4
+    heads, qk = cfg.num_attention_heads, cfg.qk_nope_head_dim + rope
+    assert expanded_kv_bytes_per_token(model.spec, "f32") == \
+        layers * heads * (qk + cfg.v_head_dim) * 4
+
+
+def test_int8_latent_cache_stays_close() -> None:
+    """The latent cache quantized to int8 rows (codes and a scale per token) on the absorbed
+    and expanded forms: the two agree with each other exactly as far as float rounding, and
+    with the float cache to the codes' resolution."""
+    spec = from_dict({"name": "tiny-latent", "vocab_size": VOCAB, "d_model": 48, "layers": 2,
+                      "max_seq_len": 32, "dtype": "f32", "norm": {"kind": "rmsnorm"},
+                      "attention": {"heads": 3, "head_dim": 24, "latent": {
+                          "kv_rank": 20, "rope_dims": 8, "q_rank": 12}},
+                      "ffn": {"kind": "swiglu", "d_ff": 40}})
+    model = archc.from_spec(spec)
+    ids = prompt(1, 9, seed=5)
+    floats = model.compile("eager")(ids)
+    codes = model.compile("eager", kv_cache="int8")(ids)
+    absorbed = model.compile("eager", kv_cache="int8", passes=ABSORBED)(ids)
+    assert rel_error(absorbed, codes) <= RTOL
+    assert 0 < rel_error(codes, floats) <= 2e-2
+
+
+@pytest.mark.parametrize("latent, field", [
+    ({"kv_rank": 20, "rope_dims": 7}, "attention.latent.rope_dims"),
+    ({"kv_rank": 20, "rope_dims": 24}, "attention.latent.rope_dims"),
+    ({"rope_dims": 8}, "attention.latent.kv_rank"),
+])
+def test_bad_latent_sections_are_refused(latent: dict[str, int], field: str) -> None:
+    data = {"name": "bad", "vocab_size": 97, "d_model": 48, "layers": 1,
+            "attention": {"heads": 3, "head_dim": 24, "latent": latent}}
+    with pytest.raises(SpecError, match=field.replace(".", r"\.")):
+        from_dict(data)
+
+
+def test_latent_attention_refuses_what_it_has_not() -> None:
+    base = {"name": "bad", "vocab_size": 97, "d_model": 48, "layers": 1,
+            "attention": {"heads": 3, "head_dim": 24,
+                          "latent": {"kv_rank": 20, "rope_dims": 8}}}
+    for change, field in (({"attention": {"kv_heads": 1}}, "attention.kv_heads"),
+                          ({"attention": {"qk_norm": True}}, "attention.qk_norm"),
+                          ({"position": {"kind": "alibi"}}, "attention.latent"),
+                          ({"family": "encoder"}, "attention.latent")):
+        data = {**base, **change}
+        if "attention" in change:
+            data["attention"] = {**base["attention"], **change["attention"]}
+        with pytest.raises(SpecError, match=field.replace(".", r"\.")):
+            from_dict(data)
+
+
+def test_passes_show_absorb_mla_and_its_choice(capsys: pytest.CaptureFixture[str],
+                                               tmp_path: Path) -> None:
+    build("v3", tmp_path)
+    assert main(["explain", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "absorb-mla · absorb-mla ×2: a decode step at context 4096" in out
+    assert "prefill" in out
