@@ -11,7 +11,8 @@ choice (scored by their two best, or their best, choice values), and a scale on 
   more (12 experts in 3 groups: padded expert lanes; a router bias beside the choice bias):
   equal to eager — the same experts, weights within 1e-6.
 - A whole tiny model with these fields: prefill and decode on eager and on Triton agree at 1e-4
-  (f32, as tests/test_moe_kernels.py: the two backends sum the matmuls in different orders); the
+  in f32 (as tests/test_moe_kernels.py: the two backends sum the matmuls in different orders) and
+  1e-2 in f16; the
   printed IR round-trips; the choice bias is replicated over tensor-parallel ranks and the
   sharded model computes the unsharded one.
 - Malformed fields: one line naming the field, the value and what is allowed.
@@ -30,6 +31,7 @@ import yaml
 
 import archc
 from archc.errors import SpecError
+from archc.ir.cost import node_cost
 from archc.ir.lower import lower
 from archc.ir.ops import Op
 from archc.ir.ops.core import route
@@ -37,6 +39,7 @@ from archc.ir.shapes import B, T, shape
 from archc.ir.text import format_node, format_program, parse_program
 from archc.passes import optimize
 from archc.passes.shard import shard_program
+from archc.perf.baselines import Counterpart, counterparts
 from archc.runtime.eager import EagerContext, KVCache, run_graph
 from archc.runtime.weights import random_weights
 from archc.spec import from_dict, to_dict
@@ -46,7 +49,9 @@ from tests.triton_graph import run_graph_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 WEIGHT_TOL = 1e-6     # f32 weights: the renormalizing sums add the same k values in any order
-MODEL_TOL = 1e-4      # f32 logits of a whole model, relative to their largest magnitude
+# logits of a whole model, relative to their largest magnitude: f32 as tests/test_moe_kernels.py;
+# f16 a few of its roundings (2⁻¹¹ each) through two layers summed in different orders
+MODEL_TOL = {"f32": 1e-4, "f16": 1e-2}
 
 
 # ---- plain torch versions of transformers' DeepSeek routers (5.25), over [M, E] logits ---------
@@ -250,22 +255,23 @@ def test_spec_fields_load_print_and_lower() -> None:
     assert line.endswith("{normalize=true, top_k=2}")
 
 
-def test_model_runs_alike_on_eager_and_triton(tmp_path: Path) -> None:
-    """A 5-token prefill of two sequences, then three decode steps: logits within 1e-4 of
-    eager's largest (f32), the greedy tokens equal."""
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_model_runs_alike_on_eager_and_triton(dtype: str, tmp_path: Path) -> None:
+    """A 5-token prefill of two sequences, then three decode steps: logits within MODEL_TOL of
+    eager's largest, the greedy tokens equal (the choice bias stays f32 in an f16 model)."""
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(SPEC))
     model = archc.load(str(path), seed=3)
-    eager = model.compile("eager", dtype="f32", device=DEVICE)
-    triton = model.compile("triton", dtype="f32", device=DEVICE, cache_dir=tmp_path / "kernels")
+    eager = model.compile("eager", dtype=dtype, device=DEVICE)
+    triton = model.compile("triton", dtype=dtype, device=DEVICE, cache_dir=tmp_path / "kernels")
     sessions = (eager.session, triton.session)
     x = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(5))
     for s in sessions:
         s.reset()
     with np.errstate(over="ignore", under="ignore"):
         for _ in range(4):
-            want, got = (s.step(x)[:, -1] for s in sessions)
-            assert float((got - want).abs().max()) <= MODEL_TOL * float(want.abs().max())
+            want, got = (s.step(x)[:, -1].float() for s in sessions)
+            assert float((got - want).abs().max()) <= MODEL_TOL[dtype] * float(want.abs().max())
             assert torch.equal(got.argmax(-1), want.argmax(-1))
             x = want.argmax(-1)[:, None]
 
@@ -315,3 +321,36 @@ def test_malformed_routing_fields_are_refused(edit: dict[str, Any], path: str, s
     assert "\n" not in msg and msg.startswith(f"x.yaml: {path}: "), msg
     assert says in info.value.problem, msg
     assert info.value.allowed is not None and allowed in info.value.allowed, msg
+
+
+def test_router_costs_count_the_choice_bias_and_the_groups() -> None:
+    """The fused router's bytes read the choice bias (E f32 values); its flops add one a gate
+    for the bias and two for the group scores and masking."""
+    experts, top_k, d, tokens = 16, 3, 8, 5
+    v3 = dict(fn="sigmoid", normalize=True, choice_bias=True, groups=4, top_groups=2)
+    plain = dict(fn="sigmoid", normalize=True)
+    costs = []
+    for attrs in (v3, plain):
+        g = router_graph(experts, top_k, d, attrs, router_bias=False)
+        [i] = [i for i, n in enumerate(g.nodes) if n.op == Op.ROUTER]
+        costs.append(node_cost(g, i).at({"B": 1, "T": tokens}))
+    (flops, bytes_), (plain_flops, plain_bytes) = costs
+    assert bytes_ - plain_bytes == experts * 4
+    assert flops - plain_flops == 3 * tokens * experts
+
+
+def test_bench_counterpart_routes_alike() -> None:
+    """`archc bench`'s unfused counterpart of the fused router (matmul, then a router over the
+    logits with the same choice bias and attrs) gives eager's gates."""
+    _, experts, top_k, attrs, _ = CASES[0]
+    g = router_graph(experts, top_k, 8, attrs, router_bias=True)
+    [i] = [i for i, n in enumerate(g.nodes) if n.op == Op.ROUTER]
+    xs = [rand(1, 7, 8, seed=2), rand(experts, 8, seed=3), 0.5 * rand(experts, seed=4),
+          0.3 * rand(experts, seed=5)]
+    dims = {"B": 1, "T": 7, "P": 0}
+    want = run_graph(g, {}, dict(zip(("x", "wr", "rb", "cb"), xs)),
+                     EagerContext(dims, KVCache(8)))["y"]
+    [c] = counterparts(g, i, xs, dims, {}, {})
+    assert isinstance(c, Counterpart) and c.result is not None
+    assert c.what == "matmul → add → router"
+    assert float((c.result(c.run()) - want).abs().max()) <= WEIGHT_TOL * attrs["scale"]
