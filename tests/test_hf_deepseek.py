@@ -58,6 +58,21 @@ CASES: dict[str, tuple[Callable[[], Any], str]] = {
     # one query projection (q_lora_rank none, so no query bias); RoPE on complex pairs
     "v2": (lambda: transformers.DeepseekV2Config(q_lora_rank=None, **DENSE, **LATENT),
            "DeepseekV2ForCausalLM"),
+    # layer 0 dense, layers 1-2 routed: σ router, a random correction bias choosing, 8 experts
+    # in 4 groups (scored by their two best), 2 groups kept, top 3, renormalized, ×2.5; a
+    # shared expert of 2 × 16
+    "v3-moe": (lambda: transformers.DeepseekV3Config(
+        q_lora_rank=12, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+        norm_topk_prob=True, routed_scaling_factor=2.5, n_shared_experts=2,
+        first_k_dense_replace=1, moe_intermediate_size=16,
+        **{**LATENT, "num_hidden_layers": 3}), "DeepseekV3ForCausalLM"),
+    # softmax router, top 3 within the 2 best of 4 groups by their best expert, not
+    # renormalized, ×1.5; one shared expert
+    "v2-moe": (lambda: transformers.DeepseekV2Config(
+        q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+        topk_method="group_limited_greedy", routed_scaling_factor=1.5, n_shared_experts=1,
+        first_k_dense_replace=1, moe_intermediate_size=16,
+        **{**LATENT, "num_hidden_layers": 2}), "DeepseekV2ForCausalLM"),
 }
 ABSORBED = ("absorb-mla", "share-kv-heads", "flash-attention")
 
@@ -67,6 +82,14 @@ def build(case: str, directory: Path, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = getattr(transformers, cls)(make_config()).eval()
     randomize(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():   # routers decisive (logits of spread ~3), correction biases that
+        for name, p in model.named_parameters():     # change choices
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(3.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.5 * torch.randn(b.shape, generator=gen))
     model.save_pretrained(directory)
     return model
 
