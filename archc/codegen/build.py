@@ -33,6 +33,7 @@ from archc.ir.graph import Graph, Node
 from archc.ir.modifiers import Modifiers, leaves, triton, var
 from archc.ir.modifiers.tiles import TileCode, triton_classify
 from archc.ir.ops import OP_TABLE, Op, full_attrs, roles_of
+from archc.ir.ops.core import kept_groups
 from archc.ir.ops.modifiers import modifiers_of
 from archc.ir.ops.steps import STEPS, epilogue_docs, glu_triton, step_expr
 from archc.ir.shapes import DTYPE_BYTES, B, P, S, numel
@@ -306,7 +307,7 @@ def quant_weight(c: NodeCtx, role: str) -> dict[str, Any] | None:
 
 def build(c: NodeCtx) -> Unit:
     template = OP_TABLE[c.node.op].template
-    if template is None or (c.node.op.value == "router" and len(c.node.inputs) == 1):
+    if template is None or (c.node.op.value == "router" and "weight" not in c.roles):
         known = ", ".join(sorted(op.value for op, d in OP_TABLE.items() if d.template))
         raise c.fail(f"no Triton template for {c.node.op.value} of these operands (kernel-level "
                      f"ops: {known}); run the default pass pipeline first")
@@ -477,11 +478,15 @@ def _moe(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
             raise c.fail("the router needs contiguous rows of x and of its [E, K] weight")
         experts, k = c.static(w.shape[0], "experts"), c.static(w.shape[1], "router K")
         route = _routes_experts(c, a["top_k"])
-        bias = "bias" in c.roles
-        if bias and (c.lay("bias").strides[-1] != 1 or c.lay("bias").rank != 1):
-            raise c.fail("the router's bias must be one contiguous [E] vector")
+        bias, choice_bias = "bias" in c.roles, "choice_bias" in c.roles
+        for role in ("bias", "choice_bias"):
+            if role in c.roles and (c.lay(role).strides[-1] != 1 or c.lay(role).rank != 1):
+                raise c.fail(f"the router's {role.replace('_', ' ')} must be one contiguous "
+                             "[E] vector")
         ctx = dict(kind="router", E=experts, K=k, BLOCK_E=max(16, next_pow2(experts)),
-                   top_k=a["top_k"], normalize=a["normalize"], fn=a["fn"], bias=bias, x=rows(x),
+                   top_k=a["top_k"], normalize=a["normalize"], fn=a["fn"], bias=bias,
+                   choice_bias=choice_bias, groups=a["groups"], top_groups=kept_groups(a),
+                   group_score=a["group_score"], scale=a["scale"], x=rows(x),
                    w_row_stride=texpr(w.strides[0]), dot_kw=c.dot_kw,
                    M=pexpr(numel(n.shape[:-1])), route=route, gates_row_off=f"token * {experts}",
                    quant=quant_weight(c, "weight"))

@@ -498,9 +498,18 @@ class _Stack:
             with self.at("ffn.moe.router_bias"):
                 logits = self.b.emit(Op.ADD, logits, self.param(f"{base}.router.bias",
                                                                 moe.experts))
+        # DeepSeek's routing: a bias for the choice only (kept in f32, as its checkpoints do:
+        # it shifts weights in (0, 1) by small amounts), groups, a scale on the weights
+        choice = []
+        if moe.choice_bias:
+            with self.at("ffn.moe.choice_bias"):
+                choice = [self.param(f"{base}.router.choice_bias", moe.experts, dtype="f32")]
+        grouped = dict(groups=moe.groups, top_groups=moe.top_groups,
+                       group_score=moe.group_score) if moe.groups > 1 else {}
         with self.at("ffn.moe.router" if moe.router != "softmax" else "ffn.moe"):
-            gates = self.b.emit(Op.ROUTER, logits, top_k=moe.top_k,
-                                normalize=moe.normalize_top_k, fn=moe.router)
+            gates = self.b.emit(Op.ROUTER, logits, *choice, top_k=moe.top_k,
+                                normalize=moe.normalize_top_k, fn=moe.router,
+                                choice_bias=moe.choice_bias, scale=float(moe.scale), **grouped)
 
         def stage(x: int, name: str, rows: int, cols: int, stage: str) -> int:
             w = self.param(f"{base}.experts.{name}.weight", moe.experts, rows, cols)

@@ -10,7 +10,15 @@ from collections.abc import Collection
 import archc.ir.expr as E
 from archc.ir.attrs import Call
 from archc.ir.graph import Node
-from archc.ir.ops import ELEMENTWISE, KERNEL_LEVEL, ROW_KERNELS, Op, is_compute
+from archc.ir.ops import (
+    ELEMENTWISE,
+    KERNEL_LEVEL,
+    ROW_KERNELS,
+    Op,
+    full_attrs,
+    is_compute,
+    roles_of,
+)
 from archc.ir.ops.core import elementwise_expr
 from archc.ir.ops.steps import PAIRING
 from archc.passes.linear import (
@@ -112,10 +120,17 @@ register_rule_pass("fuse-residual", "residual adds join the norm after them, or 
 
 
 def _router(rw: Rewriter, m: Bindings) -> int:
+    root = rw.nodes[m["root"]]
     bias = [rw.nodes[m["bias_add"]].inputs[1]] if "bias_add" in m else []
-    return rw.emit(Op.ROUTER, [*rw.nodes[m["logits"]].inputs, *bias],
+    # the choice bias, if any, stays the last operand
+    return rw.emit(Op.ROUTER, [*rw.nodes[m["logits"]].inputs, *bias, *root.inputs[1:]],
                    like=[m["root"], *([m["bias_add"]] if bias else []), m["logits"]],
-                   **rw.nodes[m["root"]].attrs)
+                   **root.attrs)
+
+
+def over_logits(n: Node) -> bool:
+    """A router over separate logits (not yet fused with its matmul)."""
+    return "weight" not in roles_of(n.op, full_attrs(n.op, n.attrs), len(n.inputs))
 
 
 def _expert_glu(rw: Rewriter, m: Bindings) -> int:
@@ -168,11 +183,13 @@ EXPERT_GATE = (Pat({Op.MOE_LINEAR}, "gate", one_use=True, where=_plain_up),)
 register_rule_pass("fuse-moe", "MoE: router matmul (+ bias) + top-k in one kernel; gate and up "
                    "expert stages in one grouped matmul with act(gate)·up in its epilogue", (
     # top-k(x·W_rᵀ [+ b]): the router logits never leave the kernel
-    Rule("topk-router", Pat({Op.ROUTER}, "root", (Pat({Op.MATMUL}, "logits", one_use=True),)),
-         _router),
+    # (a choice bias, the router's second operand, is carried over)
+    Rule("topk-router", Pat({Op.ROUTER}, "root", (Pat({Op.MATMUL}, "logits", one_use=True),),
+                            where=over_logits), _router),
     Rule("topk-router-bias", Pat({Op.ROUTER}, "root", (Pat({Op.ADD}, "bias_add", (
         Pat({Op.MATMUL}, "logits", one_use=True),
-        Pat({Op.PARAM}, where=lambda n: len(n.shape) == 1)), one_use=True),)), _router),
+        Pat({Op.PARAM}, where=lambda n: len(n.shape) == 1)), one_use=True),),
+        where=over_logits), _router),
     # act(x·W_gate,eᵀ)·(x·W_up,eᵀ) per routed expert e = glu over x·[W_gate,e; W_up,e]ᵀ, and
     # so with elementwise expressions of the gate and of the up (gpt-oss's clamps)
     *(Rule(name, Pat({Op.MUL}, "root", (
@@ -285,7 +302,7 @@ def _kernel(rw: Rewriter, m: Bindings) -> int:
 
 def needs_kernel(n: Node) -> bool:
     """A compute node that is not a kernel yet (a router over separate logits included)."""
-    return is_compute(n.op) and (len(n.inputs) == 1 if n.op == Op.ROUTER
+    return is_compute(n.op) and (over_logits(n) if n.op == Op.ROUTER
                                  else n.op not in KERNEL_LEVEL)
 
 

@@ -325,7 +325,8 @@ def _router(rec: _Recorder, a: Attrs, got: Args) -> Callable[[], torch.Tensor]:
         logits = rec(Op.MATMUL, got["x"], got["weight"])
         if "bias" in got:
             logits = rec(Op.ADD, logits, got["bias"])
-        return rec(Op.ROUTER, logits, top_k=a["top_k"], normalize=a["normalize"], fn=a["fn"])
+        choice = [got["choice_bias"]] if "choice_bias" in got else []
+        return rec(Op.ROUTER, logits, *choice, **a)
     return body
 
 

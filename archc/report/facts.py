@@ -70,6 +70,11 @@ def _routing(moe: MoE) -> str:
              + (f"{moe.router} router" if moe.router != "softmax" else "softmax router")
              + (" with a bias" if moe.router_bias else "")
              + (", renormalized" if moe.normalize_top_k else "")]
+    parts += ["chosen with a choice bias"] if moe.choice_bias else []
+    parts += [f"within the best {moe.top_groups} of {moe.groups} groups (by their "
+              + ("two best" if moe.group_score == "top2" else "best") + ")"] \
+        if moe.groups > 1 else []
+    parts += [f"weights × {moe.scale:g}"] if moe.scale != 1.0 else []
     parts += ["scores on the expert's input"] if moe.score_on == "input" else []
     parts += ["expert biases"] if moe.bias else []
     parts += [f"clamp {moe.clamp:g}"] if moe.clamp is not None else []

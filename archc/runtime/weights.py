@@ -68,7 +68,7 @@ def random_weights(program: Program, seed: int = 0,
             x = x / dims[-1] ** 0.5
         elif role == "gain":
             x = 1.0 + 0.1 * x
-        elif role in ("offset_gain", "bias"):
+        elif role in ("offset_gain", "bias", "choice_bias"):
             x = 0.1 * x
         elif role == "rel_table":
             x = 0.5 * x

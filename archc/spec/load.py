@@ -284,6 +284,7 @@ def _derived(spec: Spec) -> dict[str, Any]:
         "attention.kv_heads": att.heads,
         "ffn.d_ff": None if ffn.kind == "none" else gated if ffn.gated else 4 * d,
         "decoder_layers": spec.layers if spec.family == "encoder-decoder" else None,
+        "ffn.moe.top_groups": ffn.moe.groups if ffn.moe is not None else None,
         "mixer.mamba": Mamba() if "mamba" in spec.all_mixers else None,
         # ⌈d_model / 16⌉ (Gu & Dao 2023)
         "mixer.mamba.dt_rank": -(-d // 16) if "mamba" in spec.all_mixers else None,
@@ -667,6 +668,7 @@ def _check_layer(spec: Spec) -> None:
         if ffn.moe.top_k > ffn.moe.experts:
             raise SpecError("ffn.moe.top_k", f"{ffn.moe.top_k} is more than ffn.moe.experts "
                             f"({ffn.moe.experts})", allowed=f"1 to {ffn.moe.experts}")
+        _check_groups(spec)
         _refuse_set(spec, "ffn.bias", "the experts' biases are ffn.moe.bias",
                     allowed="false, and ffn.moe.bias: true for biased experts")
         if ffn.moe.expert != "mlp":
@@ -678,6 +680,33 @@ def _check_layer(spec: Spec) -> None:
         if not ffn.gated:
             _refuse_set(spec, "ffn.moe.clamp ffn.moe.up_offset", f"{ffn.moe.expert} experts "
                         "have no gate and up projections", allowed="remove it, or gated experts")
+
+
+def _check_groups(spec: Spec) -> None:
+    """Grouped routing: equal groups, no more kept than there are, enough experts in the kept
+    groups for the top k, and two experts a group for a top-2 score."""
+    moe = spec.ffn.moe
+    experts, groups = moe.experts, moe.groups
+    kept = groups if moe.top_groups is None else moe.top_groups
+    if experts % groups:
+        divisors = ", ".join(str(d) for d in range(1, experts + 1) if experts % d == 0)
+        raise SpecError("ffn.moe.groups", f"{groups} does not divide ffn.moe.experts "
+                        f"({experts})", allowed=f"a divisor of {experts}: {divisors}")
+    if kept > groups:
+        raise SpecError("ffn.moe.top_groups", f"{kept} is more than ffn.moe.groups ({groups})",
+                        allowed=f"1 to {groups}")
+    per_group = experts // groups
+    if moe.top_k > kept * per_group:
+        raise SpecError("ffn.moe.top_k", f"{moe.top_k} is more than the {kept * per_group} "
+                        f"experts of the {kept} kept groups of {per_group}",
+                        allowed=f"1 to {kept * per_group}, or more ffn.moe.top_groups")
+    if groups > 1 and moe.group_score == "top2" and per_group < 2:
+        raise SpecError("ffn.moe.group_score", f"'top2' sums a group's two best, and the "
+                        f"{groups} groups have {per_group} expert each",
+                        allowed="max, or fewer ffn.moe.groups")
+    if groups == 1:
+        _refuse_set(spec, "ffn.moe.group_score", "ffn.moe.groups is 1: no groups to score",
+                    allowed="remove it, or set ffn.moe.groups")
 
 
 def _check_model(spec: Spec) -> None:

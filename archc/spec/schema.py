@@ -251,11 +251,24 @@ class MoE:
     expert: Literal["mlp", "glu", "reglu", "geglu", "swiglu"] = _f("swiglu", "FFN of each expert")
     router: Literal["softmax", "sigmoid"] = _f(
         "softmax", "how the router's logits become weights: softmax over all the experts, or "
-        "σ of each chosen expert's logit (Llama 4); either way the top k logits choose")
+        "σ of each chosen expert's logit (Llama 4); either way the top k logits choose (the "
+        "top k weights + choice_bias with a choice bias or groups)")
     router_bias: bool = _f(False, "a learned bias on the router's logits, before the choice "
                            "(gpt-oss)")
     normalize_top_k: bool = _f(True, "renormalize the top-k router weights to sum to 1 (softmax "
                                "over the top-k logits only, as gpt-oss, is this)")
+    choice_bias: bool = _f(False, "a learned per-expert bias added to the router's weights for "
+                           "the choice only: the experts are chosen by weight + bias, weighed "
+                           "by their weights alone (DeepSeek-V3's e_score_correction_bias)")
+    groups: int = _f(1, "experts split in this many equal groups (in index order); only the "
+                     "top_groups best groups' experts may be chosen (DeepSeek's n_group)", min=1)
+    top_groups: int = _f(None, "groups kept for the choice (default: all of them; DeepSeek's "
+                         "topk_group)", min=1, derived=True)
+    group_score: Literal["top2", "max"] = _f(
+        "top2", "a group's score: the sum of its two best choice values (DeepSeek-V3), or its "
+        "best (DeepSeek-V2's group_limited_greedy)")
+    scale: float = _f(1.0, "the chosen weights are multiplied by this, after any renormalizing "
+                      "(DeepSeek's routed_scaling_factor)", above=0)
     score_on: Literal["output", "input"] = _f(
         "output", "what a token's weight for an expert scales: the expert's output (Mixtral), "
         "or its input (Llama 4: expert(g·x), summed unweighted)")

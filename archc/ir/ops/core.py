@@ -231,23 +231,61 @@ register(OpDef(
 
 def _router_infer(sig: Sig) -> tuple[Shape, str]:
     gates, dtype = matmul_infer(sig) if sig.has("weight") else (sig.shape("x"), float_dtype(sig))
-    require(sig.attr("top_k") <= int(gates[-1]), f"top_k {sig.attr('top_k')} of {gates[-1]} "
-            "experts")
-    if sig.has("bias"):
-        vector(sig, "bias", gates[-1])
+    experts, top_k = int(gates[-1]), sig.attr("top_k")
+    groups, kept = sig.attr("groups"), kept_groups(sig.attrs)
+    require(experts % groups == 0, f"{groups} groups of {experts} experts")
+    require(kept <= groups, f"top_groups {kept} of {groups} groups")
+    require(top_k <= kept * (experts // groups), f"top_k {top_k} of {experts} experts" + (
+        f" ({kept} kept groups of {experts // groups})" if groups > 1 else ""))
+    require(groups == 1 or sig.attr("group_score") == "max" or experts // groups >= 2,
+            f"a top-2 group score over groups of {experts // groups} expert")
+    require(sig.attr("scale") > 0, f"scale {sig.attr('scale')} is not above 0")
+    for role in ("bias", "choice_bias"):
+        if sig.has(role):
+            vector(sig, role, gates[-1])
     return gates, dtype
 
 
-def route(logits: torch.Tensor, fn: str, top_k: int, normalize: bool) -> torch.Tensor:
-    """Dense gates from router logits [..., E] in f32: the top k logits choose (the lowest
-    expert first among equal ones, as `selected_experts`); softmax weighs them over all the
-    experts, sigmoid each by its own logit; renormalized to sum to 1 if asked; zero elsewhere."""
+def kept_groups(attrs: Attrs) -> int:
+    """The groups a router keeps for the choice: top_groups, all of them by default."""
+    return attrs["groups"] if attrs.get("top_groups") is None else attrs["top_groups"]
+
+
+def route(logits: torch.Tensor, fn: str, top_k: int, normalize: bool, *,
+          choice_bias: torch.Tensor | None = None, groups: int = 1, top_groups: int | None = None,
+          group_score: str = "top2", scale: float = 1.0) -> torch.Tensor:
+    """Dense gates from router logits [..., E] in f32, zero off the k chosen experts.
+
+    1. weights: softmax over all the experts, or sigmoid of each logit;
+    2. choice values: the logits (they order as the weights do) — or, with a choice bias or
+       groups, the weights plus the choice bias (DeepSeek's routers choose by these);
+    3. with groups: the E experts in `groups` equal groups in index order, each scored by its
+       best choice value ("max") or the sum of its two best ("top2"); the choice is confined to
+       the `top_groups` best groups (the lowest group first among equal scores);
+    4. the k largest choice values choose (the lowest expert first among equal ones, as
+       `selected_experts`); the chosen weigh by their weights, not their choice values;
+    5. renormalized to sum to 1 if asked (+1e-20 below, DeepSeek-V3's guard: no change unless
+       the k weights sum below ~1e-13), then times `scale`."""
     logits = logits.float()
-    idx = torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :top_k]
     weights = torch.softmax(logits, dim=-1) if fn == "softmax" else torch.sigmoid(logits)
+    choice = logits
+    if choice_bias is not None or groups > 1:
+        choice = weights if choice_bias is None else weights + choice_bias.float()
+    if groups > 1:
+        grouped = choice.unflatten(-1, (groups, -1))                    # (..., G, E/G)
+        score = grouped.amax(dim=-1) if group_score == "max" else \
+            grouped.topk(2, dim=-1).values.sum(dim=-1)                  # (..., G)
+        kept = torch.sort(score, dim=-1, descending=True, stable=True).indices
+        keep = torch.zeros_like(score, dtype=torch.bool).scatter(
+            -1, kept[..., :top_groups or groups], True)
+        choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=-1),
+                                    float("-inf"))
+    idx = torch.sort(choice, dim=-1, descending=True, stable=True).indices[..., :top_k]
     top = weights.gather(-1, idx)
     if normalize:
-        top = top / top.sum(dim=-1, keepdim=True)
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    if scale != 1.0:
+        top = top * scale
     return torch.zeros_like(logits).scatter(-1, idx, top)
 
 
@@ -257,20 +295,44 @@ def _router(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
         if "weight" in a else x.float()
     if "bias" in a:
         logits = logits + a["bias"].float()
-    return route(logits, at["fn"], at["top_k"], at["normalize"]).to(x.dtype)
+    return route(logits, at["fn"], at["top_k"], at["normalize"], choice_bias=a.get("choice_bias"),
+                 groups=at["groups"], top_groups=kept_groups(at), group_score=at["group_score"],
+                 scale=at["scale"]).to(x.dtype)
+
+
+def router_roles(attrs: Attrs, n: int) -> list[str]:
+    """x (the logits, or the activations), then the router weight and bias when fused, then
+    the choice bias when the router has one."""
+    extra = ["choice_bias"] if attrs.get("choice_bias") else []
+    return ["x", "weight", "bias"][:max(1, min(n - len(extra), 3))] + extra
+
+
+def _router_flops(sig: Sig) -> sympy.Expr:
+    # the matmul of a fused router, or the weights and argmax rounds over given logits (6 a
+    # gate); a choice bias adds one a gate, groups two (their scores and the masking)
+    extra = int(sig.attr("choice_bias")) + 2 * int(sig.attr("groups") > 1)
+    return (matmul_flops(sig) if sig.has("weight") else 6 * numel(sig.out_shape)) + \
+        extra * numel(sig.out_shape)
 
 
 register(OpDef(
     Op.ROUTER, "Top-k routing: dense gates (zeros off the top k) from router logits, or from x, "
-    "the router weight and a bias in one kernel (the logits never stored). The top k logits "
-    "choose; `fn` weighs them: softmax over all the experts, or sigmoid of each.",
+    "the router weight and a bias in one kernel (the logits never stored). `fn` gives the "
+    "weights: softmax over all the experts, or sigmoid of each. The top k logits choose — or, "
+    "with a choice bias or groups, the top k weights plus the choice bias, within the "
+    "top_groups best of `groups` equal groups (scored by their best, or two best, values); the "
+    "chosen weights, renormalized if asked, times `scale`.",
     "%30 : f32[B,T,4] = router(%28, %29) {normalize=true, top_k=2}",
-    lambda attrs, n: ["x", "weight", "bias"][:max(1, min(n, 3))], _router_infer, _router,
+    router_roles, _router_infer, _router,
     attrs=(Attr("top_k", int, at_least=1), Attr("normalize", bool),
-           Attr("fn", str, "softmax", ("softmax", "sigmoid"))),
-    flops=lambda sig: matmul_flops(sig) if sig.has("weight") else 6 * numel(sig.out_shape),
-    template="moe", arity=(1, 3), quantized=("weight",),
-    docs={"x": "activations", "weight": "router weight", "bias": "router bias"}))
+           Attr("fn", str, "softmax", ("softmax", "sigmoid")),
+           Attr("choice_bias", bool, False), Attr("groups", int, 1, at_least=1),
+           Attr("top_groups", int, None, at_least=1),
+           Attr("group_score", str, "top2", ("top2", "max")),
+           Attr("scale", float, 1.0)),
+    flops=_router_flops, template="moe", arity=(1, 4), quantized=("weight",),
+    docs={"x": "activations", "weight": "router weight", "bias": "router bias",
+          "choice_bias": "per-expert bias added to the weights for the choice only"}))
 
 
 def selected_experts(gates: torch.Tensor, top_k: int) -> torch.Tensor:
