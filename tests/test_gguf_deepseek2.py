@@ -7,9 +7,11 @@ ones did — loaded with `archc.load` and held to transformers running what the 
 Table-driven, one row per (model, layout, tensor type): queries through a low-rank latent (V3)
 or one projection (V2 without q_lora_rank), biases on q_a, kv_a and o, YaRN with
 mscale = mscale_all_dim ≠ 1 (the scores' scale corrected), F32, F16 and Q8_0 files (Q8_0 where a
-row is whole 32-value blocks, F16 elsewhere, as the converter falls back). Every layer is dense
-(first_k_dense_replace = num_hidden_layers): the routed layers wait for DeepSeek's routing in the
-spec, and a file with them is refused by name. Only the eager backend runs latent attention.
+row is whole 32-value blocks, F16 elsewhere, as the converter falls back). Most rows are dense
+(first_k_dense_replace = num_hidden_layers); two route after a dense first layer: V3's router
+(σ, a random choice bias, 4 groups of 2 experts, 2 kept, top-2 renormalized, ×2.5, one shared
+expert) and V2's (softmax, top-2 of 4, not renormalized, ×1.5, two shared experts). Only the
+eager backend runs latent attention.
 
 Tolerance, fp32: 1e-4 of the largest logit, as test_hf_crosscheck: both sides compute with the
 same stored values in different orders.
@@ -29,6 +31,7 @@ import torch
 import archc
 from archc.errors import SpecError
 from archc.quant.tensor import QTensor
+from archc.spec.load import layer_spec
 from tests.test_hf_crosscheck import randomize, rel_error
 
 gguf = pytest.importorskip("gguf", reason="needs gguf (pip install 'archc[gguf]')")
@@ -45,19 +48,21 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 
 def deepseek(v3: bool, *, d: int = 48, heads: int = 3, kv_rank: int = 20, q_rank: int | None = 12,
              rope: int = 8, nope: int = 16, v: int = 10, bias: bool = False,
-             rope_parameters: dict[str, Any] | None = None) -> Any:
-    """A two-layer DeepSeek config whose every layer is dense; rms_norm_eps 1e-6, the latents'
-    norms' eps in transformers, which llama.cpp takes for them from layer_norm_rms_epsilon."""
+             rope_parameters: dict[str, Any] | None = None, **moe: Any) -> Any:
+    """A DeepSeek config, by default two layers, both dense (`moe`: its MoE fields instead);
+    rms_norm_eps 1e-6, the latents' norms' eps in transformers, which llama.cpp takes for them
+    from layer_norm_rms_epsilon."""
     config = transformers.DeepseekV3Config if v3 else transformers.DeepseekV2Config
+    routing = {"num_hidden_layers": 2, "first_k_dense_replace": 2, "n_routed_experts": 4,
+               "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+               **moe}
     return config(
-        vocab_size=VOCAB, hidden_size=d, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=heads, num_key_value_heads=heads, kv_lora_rank=kv_rank,
-        q_lora_rank=q_rank, qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=v,
-        first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=16, n_shared_experts=1, n_group=1, topk_group=1,
+        vocab_size=VOCAB, hidden_size=d, intermediate_size=64, num_attention_heads=heads,
+        num_key_value_heads=heads, kv_lora_rank=kv_rank, q_lora_rank=q_rank,
+        qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=v, moe_intermediate_size=16,
         max_position_embeddings=64, rms_norm_eps=1e-6, attention_bias=bias,
         rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 1000.0},
-        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, **routing)
 
 
 # row → (config factory, model class, kv_b split into attn_k_b and attn_v_b, 2-D tensor type)
@@ -77,6 +82,17 @@ CASES: dict[str, tuple[Callable[[], Any], str, bool, Any]] = {
     # kv_b whole in Q8_0 (rows of kv_rank = 32): kept quantized
     "v3-whole-q8_0": (lambda: deepseek(True, d=64, heads=2, kv_rank=32, q_rank=32, nope=24,
                                        v=16), "DeepseekV3ForCausalLM", False, Q.Q8_0),
+    # a dense layer, then two routed ones: σ router, choice bias, 4 groups of 2 (2 kept), top 2
+    # renormalized, ×2.5, one shared expert
+    "v3-moe-f32": (lambda: deepseek(True, num_hidden_layers=3, first_k_dense_replace=1,
+                                    n_routed_experts=8, n_group=4, topk_group=2,
+                                    norm_topk_prob=True, routed_scaling_factor=2.5),
+                   "DeepseekV3ForCausalLM", True, Q.F32),
+    # a dense layer, then a routed one: softmax top 2 of 4 (greedy), ×1.5, two shared experts
+    "v2-moe-f16": (lambda: deepseek(False, q_rank=None, first_k_dense_replace=1, n_group=None,
+                                    topk_group=None, n_shared_experts=2,
+                                    routed_scaling_factor=1.5),
+                   "DeepseekV2ForCausalLM", False, Q.F16),
 }
 
 # transformers' module → llama.cpp's tensor (gguf's tensor names for deepseek2)
@@ -87,13 +103,24 @@ LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
          "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.kv_b_proj": "attn_kv_b",
          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-         "mlp.down_proj": "ffn_down"}
+         "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+         "mlp.experts.gate": "ffn_gate_exps", "mlp.experts.up": "ffn_up_exps",
+         "mlp.experts.down_proj": "ffn_down_exps",
+         "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+         "mlp.shared_experts.up_proj": "ffn_up_shexp",
+         "mlp.shared_experts.down_proj": "ffn_down_shexp"}
 
 
 def gguf_name(hf: str) -> str:
+    """llama.cpp's name of a transformers tensor (its fused experts' halves named
+    `mlp.experts.gate` and `.up`; the router's choice bias is `exp_probs_b.bias`)."""
+    if hf.endswith("mlp.gate.e_score_correction_bias"):
+        return f"blk.{hf.split('.')[2]}.exp_probs_b.bias"
     module, kind = hf.rsplit(".", 1)
     if module in TOP:
         return f"{TOP[module]}.{kind}"
+    if ".experts." in hf:   # stored [experts, rows, cols], one tensor per projection
+        module, kind = hf, "weight"
     _, _, layer, rest = module.split(".", 3)
     return f"blk.{layer}.{LAYER[rest]}.{kind}"
 
@@ -112,7 +139,8 @@ def metadata(cfg: Any, split: bool) -> dict[str, Any]:
         "rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
         "attention.layer_norm_rms_epsilon": cfg.rms_norm_eps,
         "expert_count": cfg.n_routed_experts, "expert_used_count": cfg.num_experts_per_tok,
-        "expert_group_count": cfg.n_group, "expert_group_used_count": cfg.topk_group,
+        # scoring_func, which config.json holds: sigmoid (2) for V3, softmax (1) for V2
+        "expert_gating_func": 2 if cfg.model_type == "deepseek_v3" else 1,
         "leading_dense_block_count": cfg.first_k_dense_replace, "vocab_size": cfg.vocab_size,
         "attention.kv_lora_rank": kv_rank,
         "expert_feed_forward_length": cfg.moe_intermediate_size,
@@ -125,6 +153,8 @@ def metadata(cfg: Any, split: bool) -> dict[str, Any]:
                 "attention.value_length_mla": cfg.v_head_dim}
     else:
         out |= {"attention.key_length": nope + rope, "attention.value_length": cfg.v_head_dim}
+    if cfg.n_group is not None:
+        out |= {"expert_group_count": cfg.n_group, "expert_group_used_count": cfg.topk_group}
     if cfg.q_lora_rank is not None:
         out["attention.q_lora_rank"] = cfg.q_lora_rank
     if cfg.norm_topk_prob:
@@ -140,11 +170,11 @@ def metadata(cfg: Any, split: bool) -> dict[str, Any]:
     return out
 
 
-def stored_as(x: np.ndarray, qtype: Any) -> tuple[np.ndarray, Any, np.ndarray]:
-    """(bytes to write, their type, the values they hold): 1-D tensors in F32, others in
-    `qtype`, Q8_0 falling back to F16 where a row is not whole blocks (as the converter
-    does)."""
-    if x.ndim == 1 or qtype == Q.F32:
+def stored_as(name: str, x: np.ndarray, qtype: Any) -> tuple[np.ndarray, Any, np.ndarray]:
+    """(bytes to write, their type, the values they hold): 1-D tensors and the router in F32,
+    others in `qtype`, Q8_0 falling back to F16 where a row is not whole blocks (as the
+    converter does)."""
+    if x.ndim == 1 or qtype == Q.F32 or "ffn_gate_inp" in name:
         return x, Q.F32, x
     if qtype == Q.Q8_0 and x.shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0] == 0:
         raw = gguf.quants.quantize(x, qtype)
@@ -174,7 +204,7 @@ def write_deepseek2(model: Any, path: Path, qtype: Any, *, split: bool,
             w.add_string(key, value)
 
     def add(name: str, x: np.ndarray) -> np.ndarray:
-        raw, kind, back = stored_as(x, qtype)
+        raw, kind, back = stored_as(name, x, qtype)
         w.add_tensor(name, raw, raw_dtype=kind if kind != Q.F32 else None)
         return np.asarray(back, dtype=np.float32).reshape(x.shape)
 
@@ -183,7 +213,12 @@ def write_deepseek2(model: Any, path: Path, qtype: Any, *, split: bool,
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         x = p.numpy().astype(np.float32)
-        if split and name.endswith("kv_b_proj.weight"):
+        if name.endswith("mlp.experts.gate_up_proj"):   # [E, 2F, d]: gate rows, then up
+            gate, up = np.split(x, 2, axis=1)
+            back = np.concatenate([add(gguf_name(name.replace("gate_up_proj", part)),
+                                       np.ascontiguousarray(half))
+                                   for part, half in (("gate", gate), ("up", up))], axis=1)
+        elif split and name.endswith("kv_b_proj.weight"):
             kv = x.reshape(heads, nope + v, x.shape[-1])
             block = gguf_name(name).removesuffix(".attn_kv_b.weight")
             k_b = add(f"{block}.attn_k_b.weight", np.ascontiguousarray(
@@ -253,7 +288,20 @@ def test_the_spec_is_what_the_file_says(pair: tuple[str, Any, archc.Model]) -> N
                                          cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     assert (lat.kv_rank, lat.rope_dims, lat.q_rank, lat.v_dim) == (
         cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.q_lora_rank, cfg.v_head_dim)
-    assert s.position.interleaved and s.ffn.kind == "swiglu"
+    assert s.position.interleaved
+    for i in range(s.layers):   # dense below first_k_dense_replace, routed from it
+        ffn = layer_spec(s, i).ffn
+        if i < cfg.first_k_dense_replace:
+            assert (ffn.kind, ffn.d_ff) == ("swiglu", cfg.intermediate_size)
+            continue
+        moe, v3 = ffn.moe, cfg.model_type == "deepseek_v3"
+        assert (ffn.kind, ffn.d_ff, moe.experts, moe.top_k) == (
+            "moe", cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok)
+        assert (moe.router, moe.choice_bias, moe.normalize_top_k) == (
+            ("sigmoid", True, True) if v3 else ("softmax", False, False))
+        assert (moe.groups, moe.top_groups, moe.scale, moe.shared_expert_d_ff) == (
+            cfg.n_group or 1, cfg.topk_group or 1, cfg.routed_scaling_factor,
+            cfg.n_shared_experts * cfg.moe_intermediate_size)
     assert (att.bias.q, att.bias.k, att.bias.o) == (cfg.attention_bias,) * 3
     if cfg.rope_parameters.get("rope_type") == "yarn":
         m = 0.1 * 0.707 * math.log(4.0) + 1
@@ -287,14 +335,16 @@ def small_file(path: Path, **changes: Any) -> Path:
      r"latent and the RoPE key \(20 \+ 8\)"),
     ({"attention__head_count_kv": 3},
      r"deepseek2\.attention\.head_count_kv: 3 cannot be honoured .* one head of latents"),
-    ({"leading_dense_block_count": 1},
-     r"deepseek2\.leading_dense_block_count: 1 cannot be honoured .* layers 1 to 1 route over "
-     r"4 experts with DeepSeek's routing"),
+    ({"leading_dense_block_count": 1, "expert_count": None},
+     r"deepseek2\.expert_count: is missing"),
+    ({"leading_dense_block_count": 1, "expert_gating_func": 3},
+     r"deepseek2\.expert_gating_func: 3 cannot be honoured .* archc's routers are 1 \(softmax\), "
+     r"2 \(sigmoid\)"),
     ({"rope__scaling__yarn_ext_factor": 0.5},
      r"deepseek2\.rope\.scaling\.yarn_ext_factor: 0\.5 is a field archc does not know"),
     ({"rope__scaling__yarn_log_multiplier": 0.1},
      r"deepseek2\.rope\.scaling\.yarn_log_multiplier: .* the file's RoPE is not YaRN"),
-], ids=["no-kv-rank", "key-length", "kv-heads", "routed-layers", "unknown-field",
+], ids=["no-kv-rank", "key-length", "kv-heads", "no-expert-count", "gating", "unknown-field",
         "log-mul-without-yarn"])
 def test_bad_metadata_is_refused_by_name(tmp_path: Path, changes: dict[str, Any],
                                          message: str) -> None:

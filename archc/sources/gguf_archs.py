@@ -34,8 +34,8 @@ of the `{arch}.` namespace as spec sections, and where its tensors are (``GGUF_A
   mscale_all_dim: cos and sin unscaled, the scores by m(mscale_all_dim)²; without it, a YaRN
   file's scores take m(1)² on top of cos and sin's m(1), as llama.cpp's graph computes. Biases,
   which llama.cpp's graph has none of, are read where the file holds them. The first
-  `leading_dense_block_count` layers are dense; files with routed layers are refused until the
-  spec has DeepSeek's routing.
+  `leading_dense_block_count` layers are dense, the rest route over experts as llama.cpp's
+  build_moe_ffn does (``deepseek2_routing``), with shared experts (`ffn_*_shexp`).
 
 A metadata field archc does not read is refused by name, as config.json fields are.
 """
@@ -327,24 +327,54 @@ def deepseek2(f: GGUFSource, meta: HFConfig) -> dict[str, Any]:
     elif log_mul:
         raise meta.refuse("rope.scaling.yarn_log_multiplier", log_mul, "it scales YaRN's "
                           "attention, and the file's RoPE is not YaRN")
-    # the dense layers' FFN; the routed layers' sizes and routing are read below
+    # the first leading_dense_block_count layers dense, the rest routed
     dense = {"kind": "swiglu", "d_ff": meta.number("feed_forward_length")}
     leading = meta.number("leading_dense_block_count", 0)
-    experts = meta.number("expert_count", 0)
-    routing = ("expert_used_count", "expert_feed_forward_length", "expert_shared_count",
-               "expert_weights_scale", "expert_weights_norm", "expert_gating_func",
-               "expert_group_count", "expert_group_used_count")
-    if leading < layers:
-        if not experts:
-            raise meta.refuse("leading_dense_block_count", leading, f"layers {leading} to "
-                              f"{layers - 1} route over experts, but the file has no "
-                              f"expert_count")
-        raise meta.refuse("leading_dense_block_count", leading, f"layers {leading} to "
-                          f"{layers - 1} route over {experts} experts with DeepSeek's routing "
-                          "(a choice bias, expert groups, a scale), which archc's spec does not "
-                          "have yet; only files whose every layer is dense are read")
-    meta.get(routing)   # every layer dense: the experts' fields describe no layer
-    return {**out, "attention": attention, "position": position, "ffn": dense}
+    if leading >= layers:   # the experts' fields describe no layer
+        meta.get(("expert_count", *ROUTING))
+        return {**out, "attention": attention, "position": position, "ffn": dense}
+    spec = {**out, "attention": attention, "position": position,
+            "ffn": {"kind": "moe", "d_ff": meta.number("expert_feed_forward_length"),
+                    "moe": deepseek2_routing(f, meta, leading)}}
+    return typed_layers(spec, ["dense" if i < leading else "moe" for i in range(layers)],
+                        {"dense": {"ffn": dense}, "moe": {}})
+
+
+# `expert_gating_func`: llama.cpp's gating functions archc has (absent: softmax, as llama.cpp
+# reads DeepSeek-V2 files written before the field)
+GATING = {1: "softmax", 2: "sigmoid"}
+ROUTING = ("expert_used_count", "expert_feed_forward_length", "expert_shared_count",
+           "expert_weights_scale", "expert_weights_norm", "expert_gating_func",
+           "expert_group_count", "expert_group_used_count")
+
+
+def deepseek2_routing(f: GGUFSource, meta: HFConfig, first: int) -> dict[str, Any]:
+    """The spec's moe section of a deepseek2 file's routed layers (the first is `first`), as
+    llama.cpp's build_moe_ffn routes: weights by the gating function; the choice by the
+    weights plus `exp_probs_b` where the file holds it, within the `expert_group_used_count`
+    best of `expert_group_count` groups, each scored by its two best (llama.cpp scores V2's
+    groups so too); the chosen weights renormalized if `expert_weights_norm`, then times
+    `expert_weights_scale` (llama.cpp floors the sum it renormalizes by at 2⁻¹⁴, archc adds
+    1e-20: the same unless k weights sum below 6e-5); `expert_shared_count` shared experts as
+    one FFN of that many widths."""
+    experts = meta.number("expert_count")
+    gating = meta.number("expert_gating_func", 1)
+    if gating not in GATING:
+        raise meta.refuse("expert_gating_func", gating, "archc's routers are "
+                          + ", ".join(f"{k} ({v})" for k, v in GATING.items()))
+    moe: dict[str, Any] = {
+        "experts": experts, "top_k": meta.number("expert_used_count"), "router": GATING[gating],
+        "normalize_top_k": meta.flag("expert_weights_norm", False),
+        "choice_bias": f"blk.{first}.exp_probs_b.bias" in f.tensors,
+        "scale": f32(meta.number("expert_weights_scale", 1.0, kind=float))}
+    if (groups := meta.number("expert_group_count", 1)) > 1:
+        moe |= {"groups": groups, "group_score": "top2",
+                "top_groups": meta.number("expert_group_used_count", groups)}
+    else:
+        meta.get("expert_group_used_count")   # one group: all of it kept
+    if shared := meta.number("expert_shared_count", 0):
+        moe["shared_expert_d_ff"] = shared * meta.number("expert_feed_forward_length")
+    return moe
 
 
 # ---- tensor names ------------------------------------------------------------------------------
@@ -399,9 +429,12 @@ def _narrow_kv_b(k_b: str, v_b: str, span: Span, per_head: int) -> Part | None:
     return Part(((k_b, heads), (v_b, heads)), _join_kv_b)
 
 # DeepSeek-V2's latent attention: queries through q_a and q_b (or one attn_q), the joint
-# latent and RoPE key projection, and kv_b whole or split (``_split_kv_b``)
+# latent and RoPE key projection, and kv_b whole or split (``_split_kv_b``); the shared experts
+# and the routed ones' choice bias
 NAMES_MLA = {**NAMES, **each("attn.*", "attn_*", "q_a q_b kv_b"), "attn.kv_a": "attn_kv_a_mqa",
-             **each("attn.*_norm", "attn_*_norm", "q_a kv_a")}
+             **each("attn.*_norm", "attn_*_norm", "q_a kv_a"),
+             **each("ffn.shared.*", "ffn_*_shexp", "gate up down"),
+             "ffn.router.choice_bias": "exp_probs_b.bias"}
 
 
 @dataclass(frozen=True)
