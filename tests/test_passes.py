@@ -434,7 +434,7 @@ def test_ir_after_diff_and_print_after_all(capsys: pytest.CaptureFixture[str]) -
     assert "+  %28 : f32[B,T,64] = matmul(%+2, %27)" in lines    # kept, reading the new node
     assert main(["ir", "tiny-llama3", "--print-after-all"]) == 0
     out = capsys.readouterr().out
-    assert f"; *** IR after fold-biases (exact, pass 1 of {len(DEFAULT_PIPELINE)}) *** " \
+    assert f"; *** IR after fold-biases (exact, pass 2 of {len(DEFAULT_PIPELINE)}) *** " \
            "not applied" in out
     assert out.count("program tiny-llama3") == 1 + sum(
         s.changed for s in run_pipeline(lower(load_spec("tiny-llama3"))).steps)

@@ -13,12 +13,14 @@ from archc.commands.defaults import fit_lengths
 from archc.commands.passes import add_pipeline_arguments
 from archc.commands.vocabulary import add
 from archc.gpus import GPU, gpu
+from archc.ir import cost
 from archc.ir.graph import Program
 from archc.ir.lower import lower
 from archc.passes import optimize
 from archc.passes.shard import shard_program
 from archc.perf.roofline import decode_floor, grouped, kernels, per_step
 from archc.perf.summary import fmt_seconds
+from archc.report.facts import expanded_kv_bytes_per_token
 from archc.spec.schema import Spec
 from archc.ui import console, nbytes, si, table
 
@@ -91,6 +93,12 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"decode step: {totals} ({b / seconds:,.0f} tokens/s); floor "
                   f"{fmt_seconds(floor.seconds)} = {' + '.join(parts)} at "
                   f"{si(g.bandwidth, 'B/s')}{link} → {floor.tokens_per_second:,.0f} tokens/s")
+    if (mha := expanded_kv_bytes_per_token(spec, dtype, getattr(args, "kv_cache", None))):
+        latent = cost.kv_cache_bytes_per_token(program) * b * (past + 1)
+        mha *= b * (past + 1) // tp
+        console.print(f"latent KV cache at context {past + 1}: {nbytes(latent)} (the latents "
+                      f"and RoPE keys) against {nbytes(mha)} of per-head keys and values "
+                      f"({mha / latent:.1f}× more)")
     if tp > 1:
         console.print(f"per GPU: weights {nbytes(floor.weight_bytes)} read per step, "
                       f"collectives {fmt_seconds(floor.link_seconds)} of the "

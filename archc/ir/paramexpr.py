@@ -249,6 +249,9 @@ PARAM_FNS: dict[str, Callable[..., torch.Tensor]] = {
     "t": lambda a: a.transpose(-1, -2).contiguous(),
     "rows": lambda a, start=0, stop=None: a[start:stop].contiguous(),
     "reshape": lambda a, shape: a.reshape(shape).contiguous(),
+    # rows [start, stop) of each of `heads` equal blocks of rows: [heads, stop − start, K]
+    "head_rows": lambda a, heads, start, stop: a.reshape(heads, -1, a.shape[-1])[
+        :, start:stop].contiguous(),
     # the two halves of `dim` interleaved (rows n and n + N/2 made neighbours 2n and 2n + 1): a
     # permutation, exact, that puts a paired epilogue's partners side by side in one tile
     "interleave": lambda a, dim=0: a.unflatten(dim, (2, a.shape[dim] // 2)).transpose(

@@ -7,6 +7,7 @@ from archc.passes import (  # noqa: F401  (each module registers its passes)
     context,
     cross_kv,
     kernels,
+    latent,
     logits,
     norms,
     paged,

@@ -134,7 +134,7 @@ def register_pass(name: str, summary: str, *, program: bool = False, kind: str =
 # Projections whose epilogue pairs columns (glu, rope) get their weight rows permuted last, once
 # their epilogues are complete.
 DEFAULT_PIPELINE: tuple[str, ...] = (
-    "fold-biases", "share-kv-heads", "flash-attention", "fuse-linear-attention",
+    "absorb-mla", "fold-biases", "share-kv-heads", "flash-attention", "fuse-linear-attention",
     "fuse-causal-conv", "fuse-ssm-scan", "merge-qkv", "hoist-cross-kv", "fold-norms", "fuse-glu",
     "merge-parallel", "fuse-qk-norm", "fuse-rope", "fuse-kv-write", "fuse-moe", "fuse-epilogue",
     "fuse-residual", "fuse-pointwise", "pair-rows", "select-kernels", "cse", "dce",

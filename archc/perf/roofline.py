@@ -135,7 +135,7 @@ def _window_of_layer(g: Graph, layer: int) -> tuple[int | None, int | None]:
     """The sliding window and global tokens of a cached layer: of the first mask (in the graph's
     topological order) its key cache flows into."""
     start = next(i for i, n in enumerate(g.nodes) if n.op == Op.KV_CACHE
-                 and n.attr("layer") == layer and n.attr("kind") == "k")
+                 and n.attr("layer") == layer and n.attr("kind") in ("k", "latent"))
     reached = {start}
     for u in range(start + 1, len(g.nodes)):
         n = g.nodes[u]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from archc.ir import cost
 from archc.ir.graph import Program
 from archc.ir.lower import lower
+from archc.ir.ops.attention import kv_row_bytes
 from archc.ir.ops.base import COLLECTIVE
 from archc.ir.shapes import evaluate
 from archc.passes.shard import shard_program
@@ -17,10 +18,14 @@ from archc.ui import nbytes, si
 
 
 def _attention(s: Spec) -> str:
-    att = s.attention
+    att, lat = s.attention, s.attention.latent
     kind = "MHA" if att.kv_heads == att.heads else "MQA" if att.kv_heads == 1 else "GQA"
-    parts = [f"{kind} {att.heads} heads, {att.kv_heads} KV, head_dim {att.head_dim}",
-             att.mask if att.mask in MASK_KINDS else f"mask {att.mask}"]
+    heads = f"{kind} {att.heads} heads, {att.kv_heads} KV, head_dim {att.head_dim}"
+    if lat is not None:
+        heads = (f"latent (MLA) {att.heads} heads, head_dim {att.head_dim} "
+                 f"({att.head_dim - lat.rope_dims} + {lat.rope_dims} RoPE), v {lat.v_dim}, "
+                 f"kv_rank {lat.kv_rank}" + (f", q_rank {lat.q_rank}" if lat.q_rank else ""))
+    parts = [heads, att.mask if att.mask in MASK_KINDS else f"mask {att.mask}"]
     parts += [f"score {att.score}"] if att.score else []
     nz = att.normalizer
     parts += [f"softmax with sinks {nz.sinks}"] if nz.sinks else \
@@ -167,6 +172,22 @@ def _tensor_parallel(rank: Program, tp: int, dtype: str) -> list[tuple[str, str]
     return rows
 
 
+def expanded_kv_bytes_per_token(s: Spec, dtype: str, kv_cache: str | None = None) -> int | None:
+    """Bytes per token a cache of every head's keys and values would take in the layers whose
+    latent attention caches a latent instead (None: no layer does): H·(head_dim + v_dim) values
+    a layer, where the latent cache holds kv_rank + rope_dims."""
+    total, latent = 0, False
+    for i in range(s.layers):
+        ls = layer_spec(s, i)
+        att = ls.attention
+        if ls.mixer.kind != "attention":
+            continue
+        latent |= att.latent is not None
+        total += att.kv_heads * int(kv_row_bytes(att.head_dim, dtype, kv_cache) +
+                                    kv_row_bytes(att.v_dim, dtype, kv_cache))
+    return total if latent else None
+
+
 def kv_cache_format(dtype: str, kv_cache: str | None) -> str:
     """How the KV cache holds a row: in the model dtype, or as codes and a scale."""
     return dtype if kv_cache is None else f"{kv_cache} codes + an f32 scale per token and head"
@@ -208,6 +229,9 @@ def facts(s: Spec, quant: dict[str, str], kv_cache: str | None = None, tp: int =
         rows.append(("KV cache", f"{nbytes(kv)} per token, {nbytes(kv * s.max_seq_len)} at "
                      f"{s.max_seq_len} tokens ({kv_cache_format(s.dtype, kv_cache)}, "
                      "batch 1)"))
+    if (mha := expanded_kv_bytes_per_token(s, s.dtype, kv_cache)) is not None:
+        rows.append(("", f"the latent and RoPE key: {kv / mha:.1%} of the {nbytes(mha)} per "
+                     "token of per-head keys and values"))
     if state:
         kinds = [what for what, mixer in (("conv windows and SSM states", "mamba"),
                                           ("running sums", "linear_attention"))

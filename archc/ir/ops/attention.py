@@ -349,6 +349,24 @@ _head_matmul(Op.WEIGHTED_SUM, "The value sum p·v per head; v may have fewer (KV
              "%22 : f32[B,4,T,16] = weighted_sum(%21, %20)", "p", "v", transpose=False)
 
 
+def _head_linear_infer(sig: Sig) -> tuple[Shape, str]:
+    x, w = sig.shape("x"), sig.shape("weight")
+    require(len(x) == 4 and len(w) == 3 and same_dim(x[1], w[0]) and same_dim(x[3], w[2]),
+            f"head_linear takes x [B, H, T, K] and weight [H, N, K], got {list(x)} and {list(w)}")
+    return (x[0], x[1], x[2], w[1]), float_dtype(sig)
+
+
+register(OpDef(
+    Op.HEAD_LINEAR, "Each head's rows times that head's own weight: x [B, H, T, K] · W[h]ᵀ "
+    "[H, N, K] → [B, H, T, N] (latent attention's key up-projection on the query side, its "
+    "value up-projection on the output).",
+    "%20 : f32[B,4,T,32] = head_linear(%18, %19)", operands("x", "weight"), _head_linear_infer,
+    lambda ctx, a, at: torch.einsum("bhtk,hnk->bhtn", a["x"].float(),
+                                    a["weight"].float()).to(a["x"].dtype),
+    flops=lambda sig: 2 * numel(sig.out_shape) * sig.shape("x")[3], arity=(2, 2),
+    docs={"x": "per-head rows", "weight": "one [N, K] weight per head"}))
+
+
 # ---- the attention kernel --------------------------------------------------------------------
 
 CAUSAL = builtin("causal")

@@ -44,6 +44,7 @@ class Op(str, Enum):
     SCORE_MOD = "score_mod"
     NORMALIZE = "normalize"
     WEIGHTED_SUM = "weighted_sum"
+    HEAD_LINEAR = "head_linear"
     # both: lowering emits them plainly, passes fuse more into them
     EMBEDDING = "embedding"
     NORM = "norm"
@@ -69,7 +70,8 @@ VIEW = frozenset({Op.SPLIT_HEADS, Op.MERGE_HEADS, Op.SLICE, Op.LAST_TOKEN})
 ELEMENTWISE = frozenset({Op.ADD, Op.MUL, Op.ACT, Op.POINTWISE})
 POINTWISE = ELEMENTWISE | {Op.ROPE, Op.MASK, Op.ALIBI, Op.REL_BIAS, Op.SCORE_MOD}
 REDUCTION = frozenset({Op.NORM, Op.SOFTMAX, Op.NORMALIZE})
-MATMUL = frozenset({Op.MATMUL, Op.SCORES, Op.WEIGHTED_SUM, Op.FUSED_LINEAR, Op.MOE_LINEAR})
+MATMUL = frozenset({Op.MATMUL, Op.SCORES, Op.WEIGHTED_SUM, Op.HEAD_LINEAR, Op.FUSED_LINEAR,
+                    Op.MOE_LINEAR})
 # ops whose kernels write rows through an epilogue chain of steps
 ROW_KERNELS = frozenset({Op.FUSED_LINEAR, Op.NORM, Op.MOE_LINEAR})
 # recurrent mixers: they read and update a per-layer state (conv window, SSM state, sums)
