@@ -230,7 +230,7 @@ def test_gguf_of_another_architecture_is_refused(tmp_path: Path) -> None:
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(SpecError, match=r"general.architecture: 'gpt2' is not supported.*"
-                       r"allowed: gemma3, llama, olmo2, qwen3"):
+                       r"allowed: deepseek2, gemma3, llama, olmo2, qwen3"):
         archc.load(path)
 
 

@@ -1,7 +1,7 @@
 """GGUF files → Model: metadata → spec by the mapping of the file's `general.architecture`
-(``archc.sources.gguf_archs``: llama, qwen3, qwen3moe, gemma3, olmo2 — fields of its namespace
-that archc does not know are refused by name, as config.json fields are), tensors, the tokenizer
-and chat template.
+(``archc.sources.gguf_archs``: llama, qwen3, qwen3moe, gemma3, olmo2, deepseek2 — fields of its
+namespace that archc does not know are refused by name, as config.json fields are), tensors, the
+tokenizer and chat template.
 
 Tensors of the block types archc has a scheme for (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
 Q6_K: `archc.quant.schemes.BY_GGUF`) stay quantized: their bytes are repacked, exactly, into
@@ -12,6 +12,7 @@ which dequantises every tensor with the `gguf` package (any type its `quants` im
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -149,9 +150,12 @@ def spec_of_file(f: GGUFFile) -> Spec:
 def file_quant(f: GGUFFile, spec: Spec) -> dict[str, str]:
     """archc tensor → scheme for the tensors of `f` that load kept quantized, read off the
     tensor types alone (no data is read)."""
-    tmap = TensorMap(arch_of(f).layout, spec, Checkpoint(f), checkpoint_shapes(lower(spec)))
+    arch = arch_of(f)
+    tmap = TensorMap(arch.layout, spec, Checkpoint(f), checkpoint_shapes(lower(spec)))
     out: dict[str, str] = {}
     for rule in tmap.rules:
+        if any(re.fullmatch(p, n) for p in arch.dequantized for n in rule.sources):
+            continue
         kinds = {f.kind(n) if n in f.tensors else None for n in rule.sources}
         if len(kinds) == 1 and (kind := kinds.pop()) is not None and supported(kind):
             out |= dict.fromkeys(rule.targets, BY_GGUF[kind].name)

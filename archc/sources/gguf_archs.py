@@ -21,6 +21,21 @@ of the `{arch}.` namespace as spec sections, and where its tensors are (``GGUF_A
   renormalizes.
 - ``olmo2``: norms on each sublayer's output only (`post_attention_norm`, `post_ffw_norm`), q and
   k each normalized over the whole projection (`attn_q_norm` [H·D], `attn_k_norm` [Hkv·D]).
+- ``deepseek2`` (DeepSeek-V2/V3, Kimi-K2): multi-head latent attention (the spec's
+  `attention.latent`) — queries through `attn_q_a`, its norm and `attn_q_b` where
+  `attention.q_lora_rank` is given (else one `attn_q`); `attn_kv_a_mqa` the latent's
+  `kv_lora_rank` rows, then the RoPE key's `rope.dimension_count`; RoPE on adjacent pairs
+  (llama.cpp's normal RoPE, transformers' interleaved). Newer files (`key_length_mla`,
+  `value_length_mla`) store kv_b as `attn_k_b` [H, kv_rank, nope] and `attn_v_b` [H, v, kv_rank]
+  for llama.cpp's absorbed attention, and give as `key_length`/`value_length` the widths it
+  caches (kv_rank + rope, kv_rank) over one KV head; older ones store `attn_kv_b` whole with each
+  head's widths. The latents' norms take `layer_norm_rms_epsilon`, as llama.cpp's graph does.
+  YaRN's `yarn_log_multiplier` is 0.1·mscale_all_dim, and llama.cpp takes mscale to be
+  mscale_all_dim: cos and sin unscaled, the scores by m(mscale_all_dim)²; without it, a YaRN
+  file's scores take m(1)² on top of cos and sin's m(1), as llama.cpp's graph computes. Biases,
+  which llama.cpp's graph has none of, are read where the file holds them. The first
+  `leading_dense_block_count` layers are dense, the rest route over experts as llama.cpp's
+  build_moe_ffn does (``deepseek2_routing``), with shared experts (`ffn_*_shexp`).
 
 A metadata field archc does not read is refused by name, as config.json fields are.
 """
@@ -130,13 +145,48 @@ def _narrow_rope_rows(name: str, span: Span, heads: int, rows: int) -> Part | No
 
 # ---- metadata → spec ---------------------------------------------------------------------------
 
+def header(f: GGUFSource, meta: HFConfig) -> dict[str, Any]:
+    """The spec fields every architecture here reads alike: name, sizes, context, RMSNorm and
+    whether the head is tied (no `output.weight`)."""
+    embed_rows = f.shape("token_embd.weight")[0] if "token_embd.weight" in f.tensors else None
+    return {
+        "name": spec_name(f.path.stem, str(f.fields.get("general.name") or "")),
+        "description": f"{f.fields.get('general.name') or f.path.stem} from {f.path.name}",
+        "vocab_size": meta.number("vocab_size", embed_rows or
+                                  f.fields.size("tokenizer.ggml.tokens")),
+        "d_model": meta.number("embedding_length"), "layers": meta.number("block_count"),
+        "max_seq_len": meta.number("context_length", 2048), "dtype": "f32",
+        "norm": {"kind": "rmsnorm", "eps": f32(
+            meta.number("attention.layer_norm_rms_epsilon", 1e-5, kind=float))},
+        "embedding": {"tied": "output.weight" not in f.tensors}}
+
+
+def rope_scaling(meta: HFConfig, max_seq: int) -> dict[str, Any] | None:
+    """`rope.scaling.*`: linear, or YaRN with its original context and, where given, the
+    blend's rotation bounds (`yarn_beta_fast`, `yarn_beta_slow`; llama.cpp's defaults 32 and 1
+    are archc's)."""
+    scaling = meta.expect("rope.scaling.type", ("none", "linear", "yarn"))
+    factor = meta.number("rope.scaling.factor", 1.0, kind=float)
+    if scaling == "linear" and factor != 1.0:
+        return {"kind": "linear", "factor": f32(factor)}
+    if scaling != "yarn":
+        return None
+    out = {"kind": "yarn", "factor": f32(factor), "original_max_seq_len":
+           meta.number("rope.scaling.original_context_length", max_seq)}
+    for key, field in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if (value := meta.number(f"rope.scaling.{key}", None, kind=float)) is not None:
+            out[field] = f32(value)
+    return out
+
+
 def block(f: GGUFSource, meta: HFConfig, *, theta: float | None = None,
           rope_freqs: bool = False) -> dict[str, Any]:
     """The spec sections every architecture here shares: sizes, heads (head_dim from
     `attention.key_length`, RoPE over whole heads), RoPE θ and scaling, a SwiGLU (or MoE) FFN,
     RMSNorm, biases and a tied head as the tensors say. `theta`: the default θ; `rope_freqs`:
     per-frequency divisors (`rope_freqs.weight`) may give the scaling."""
-    d = meta.number("embedding_length")
+    out = header(f, meta)
+    d = out["d_model"]
     heads = meta.number("attention.head_count")
     kv = meta.get("attention.head_count_kv", heads)
     if isinstance(kv, list):  # per-layer counts: only a uniform list is a spec
@@ -149,37 +199,23 @@ def block(f: GGUFSource, meta: HFConfig, *, theta: float | None = None,
                 f"({head_dim})")
     meta.expect("rope.dimension_count", (head_dim,), f"{meta.model_type} rotates the whole head "
                 f"({head_dim} dims)")
-    max_seq = meta.number("context_length", 2048)
     position: dict[str, Any] = {"kind": "rope", "theta": f32(meta.number(
         "rope.freq_base", 10000.0 if theta is None else theta, kind=float))}
-    scaling = meta.expect("rope.scaling.type", ("none", "linear", "yarn"))
-    factor = meta.number("rope.scaling.factor", 1.0, kind=float)
-    if scaling == "linear" and factor != 1.0:
-        position["scaling"] = {"kind": "linear", "factor": factor}
-    elif scaling == "yarn":
-        position["scaling"] = {"kind": "yarn", "factor": factor, "original_max_seq_len":
-                               meta.number("rope.scaling.original_context_length", max_seq)}
+    if scaling := rope_scaling(meta, out["max_seq_len"]):
+        position["scaling"] = scaling
     if rope_freqs and "rope_freqs.weight" in f.tensors:
         if "scaling" in position:
-            raise meta.refuse("rope.scaling.type", scaling, "the file also holds per-frequency "
-                              "factors (rope_freqs.weight): one scaling at a time")
+            raise meta.refuse("rope.scaling.type", scaling["kind"], "the file also holds "
+                              "per-frequency factors (rope_freqs.weight): one scaling at a time")
         position["scaling"] = llama3_scaling(f, position["theta"], head_dim)
     ffn: dict[str, Any] = {"kind": "swiglu", "d_ff": meta.number("feed_forward_length")}
     if experts := meta.number("expert_count", 0):
         ffn |= {"kind": "moe", "moe": {"experts": experts,
                                        "top_k": meta.number("expert_used_count", 2)}}
-    embed_rows = f.shape("token_embd.weight")[0] if "token_embd.weight" in f.tensors else None
-    return {
-        "name": spec_name(f.path.stem, str(f.fields.get("general.name") or "")),
-        "description": f"{f.fields.get('general.name') or f.path.stem} from {f.path.name}",
-        "vocab_size": meta.number("vocab_size", embed_rows or
-                                  f.fields.size("tokenizer.ggml.tokens")),
-        "d_model": d, "layers": meta.number("block_count"), "max_seq_len": max_seq, "dtype": "f32",
-        "attention": {"heads": heads, "kv_heads": kv, "head_dim": head_dim, "bias": {
-            p[0]: f"blk.0.attn_{p}.bias" in f.tensors for p in ("q", "k", "v", "output")}},
-        "ffn": ffn, "position": position, "norm": {"kind": "rmsnorm", "eps": f32(
-            meta.number("attention.layer_norm_rms_epsilon", 1e-5, kind=float))},
-        "embedding": {"tied": "output.weight" not in f.tensors}}
+    return {**out,
+            "attention": {"heads": heads, "kv_heads": kv, "head_dim": head_dim, "bias": {
+                p[0]: f"blk.0.attn_{p}.bias" in f.tensors for p in ("q", "k", "v", "output")}},
+            "ffn": ffn, "position": position}
 
 
 def llama(f: GGUFSource, meta: HFConfig) -> dict[str, Any]:
@@ -246,6 +282,101 @@ def gemma3(f: GGUFSource, meta: HFConfig) -> dict[str, Any]:
     return typed_layers(out, kinds, sections)
 
 
+# llama.cpp's converter stores YaRN's mscale_all_dim times this (`rope.scaling.yarn_log_multiplier`)
+YARN_LOG_MUL_STORED = 0.1
+
+
+def deepseek2(f: GGUFSource, meta: HFConfig) -> dict[str, Any]:
+    out = header(f, meta)
+    layers, heads = out["layers"], meta.number("attention.head_count")
+    kv_rank, rope_dims = meta.number("attention.kv_lora_rank"), meta.number("rope.dimension_count")
+    if meta.get(("attention.key_length_mla", "attention.value_length_mla")) is not None:
+        # kv_b split in two; the sizes llama.cpp's absorbed attention caches: one head of the
+        # latent and the RoPE key, its values the latent
+        head_dim = meta.number("attention.key_length_mla")
+        v_dim = meta.number("attention.value_length_mla")
+        meta.expect("attention.key_length", (kv_rank + rope_dims,), f"with key_length_mla, the "
+                    f"cached key is the latent and the RoPE key ({kv_rank} + {rope_dims})")
+        meta.expect("attention.value_length", (kv_rank,), f"with value_length_mla, the cached "
+                    f"value is the latent ({kv_rank})")
+        meta.expect("attention.head_count_kv", (1,), "with key_length_mla, one head of latents "
+                    "is cached")
+    else:   # files written before the split: kv_b whole, each head's own sizes
+        head_dim = meta.number("attention.key_length")
+        v_dim = meta.number("attention.value_length")
+        meta.expect("attention.head_count_kv", (heads,), f"latent attention gives each of the "
+                    f"{heads} heads its keys and values")
+    latent: dict[str, Any] = {"kv_rank": kv_rank, "rope_dims": rope_dims, "v_dim": v_dim}
+    if q_rank := meta.number("attention.q_lora_rank", 0):
+        latent["q_rank"] = q_rank
+    q = "attn_q_a" if q_rank else "attn_q"
+    attention: dict[str, Any] = {"heads": heads, "head_dim": head_dim, "latent": latent, "bias": {
+        "q": f"blk.0.{q}.bias" in f.tensors, "k": "blk.0.attn_kv_a_mqa.bias" in f.tensors,
+        "o": "blk.0.attn_output.bias" in f.tensors}}
+    position: dict[str, Any] = {"kind": "rope", "interleaved": True, "theta": f32(meta.number(
+        "rope.freq_base", 10000.0, kind=float))}
+    if scaling := rope_scaling(meta, out["max_seq_len"]):
+        position["scaling"] = scaling
+    log_mul = meta.number("rope.scaling.yarn_log_multiplier", 0.0, kind=float)
+    if scaling and scaling["kind"] == "yarn":
+        if log_mul:   # llama.cpp takes mscale = mscale_all_dim: cos and sin unscaled
+            mscale = f32(log_mul / YARN_LOG_MUL_STORED)
+            scaling |= {"mscale": mscale, "mscale_all_dim": mscale}
+        elif scaling["factor"] > 1:   # llama.cpp's scores then take m(1)² on top of cos/sin's m(1)
+            attention["scale"] = (0.1 * math.log(scaling["factor"]) + 1) ** 2 / math.sqrt(head_dim)
+    elif log_mul:
+        raise meta.refuse("rope.scaling.yarn_log_multiplier", log_mul, "it scales YaRN's "
+                          "attention, and the file's RoPE is not YaRN")
+    # the first leading_dense_block_count layers dense, the rest routed
+    dense = {"kind": "swiglu", "d_ff": meta.number("feed_forward_length")}
+    leading = meta.number("leading_dense_block_count", 0)
+    if leading >= layers:   # the experts' fields describe no layer
+        meta.get(("expert_count", *ROUTING))
+        return {**out, "attention": attention, "position": position, "ffn": dense}
+    spec = {**out, "attention": attention, "position": position,
+            "ffn": {"kind": "moe", "d_ff": meta.number("expert_feed_forward_length"),
+                    "moe": deepseek2_routing(f, meta, leading)}}
+    return typed_layers(spec, ["dense" if i < leading else "moe" for i in range(layers)],
+                        {"dense": {"ffn": dense}, "moe": {}})
+
+
+# `expert_gating_func`: llama.cpp's gating functions archc has (absent: softmax, as llama.cpp
+# reads DeepSeek-V2 files written before the field)
+GATING = {1: "softmax", 2: "sigmoid"}
+ROUTING = ("expert_used_count", "expert_feed_forward_length", "expert_shared_count",
+           "expert_weights_scale", "expert_weights_norm", "expert_gating_func",
+           "expert_group_count", "expert_group_used_count")
+
+
+def deepseek2_routing(f: GGUFSource, meta: HFConfig, first: int) -> dict[str, Any]:
+    """The spec's moe section of a deepseek2 file's routed layers (the first is `first`), as
+    llama.cpp's build_moe_ffn routes: weights by the gating function; the choice by the
+    weights plus `exp_probs_b` where the file holds it, within the `expert_group_used_count`
+    best of `expert_group_count` groups, each scored by its two best (llama.cpp scores V2's
+    groups so too); the chosen weights renormalized if `expert_weights_norm`, then times
+    `expert_weights_scale` (llama.cpp floors the sum it renormalizes by at 2⁻¹⁴, archc adds
+    1e-20: the same unless k weights sum below 6e-5); `expert_shared_count` shared experts as
+    one FFN of that many widths."""
+    experts = meta.number("expert_count")
+    gating = meta.number("expert_gating_func", 1)
+    if gating not in GATING:
+        raise meta.refuse("expert_gating_func", gating, "archc's routers are "
+                          + ", ".join(f"{k} ({v})" for k, v in GATING.items()))
+    moe: dict[str, Any] = {
+        "experts": experts, "top_k": meta.number("expert_used_count"), "router": GATING[gating],
+        "normalize_top_k": meta.flag("expert_weights_norm", False),
+        "choice_bias": f"blk.{first}.exp_probs_b.bias" in f.tensors,
+        "scale": f32(meta.number("expert_weights_scale", 1.0, kind=float))}
+    if (groups := meta.number("expert_group_count", 1)) > 1:
+        moe |= {"groups": groups, "group_score": "top2",
+                "top_groups": meta.number("expert_group_used_count", groups)}
+    else:
+        meta.get("expert_group_used_count")   # one group: all of it kept
+    if shared := meta.number("expert_shared_count", 0):
+        moe["shared_expert_d_ff"] = shared * meta.number("expert_feed_forward_length")
+    return moe
+
+
 # ---- tensor names ------------------------------------------------------------------------------
 
 NAMES = {
@@ -258,6 +389,54 @@ NAMES = {
 LAYOUT = Layout(NAMES, layer="blk.{i}.", head=("output",), special=_rope_rows)
 
 
+def _split_kv_b(t: TensorMap) -> None:
+    """kv_b [H·(nope + v), kv_rank] from the two halves newer files store it as: `attn_k_b`
+    [H, kv_rank, nope] (each head's key half, transposed) and `attn_v_b` [H, v, kv_rank]. The
+    key half's blocks run along nope, so the whole is read as floats (``GGUFArch.dequantized``);
+    a span of whole heads reads those heads of each half."""
+    att = t.spec.attention
+    lat = att.latent
+    if lat is None:
+        return
+    heads, nope, v = att.heads, att.head_dim - lat.rope_dims, lat.v_dim
+    for target in t.want:
+        if not (m := re.fullmatch(r"layers\.(\d+)\.attn\.kv_b\.weight", target)):
+            continue
+        k_b, v_b = f"blk.{m[1]}.attn_k_b.weight", f"blk.{m[1]}.attn_v_b.weight"
+        if k_b not in t.ckpt.names and v_b not in t.ckpt.names:
+            continue   # stored whole: the table's attn_kv_b
+        t.add([k_b, v_b], [(heads, lat.kv_rank, nope), (heads, v, lat.kv_rank)], [target],
+              _join_kv_b, lambda spans, x=target, k=k_b, w=v_b, n=nope + v:
+              _narrow_kv_b(k, w, spans[x], n))
+
+
+def _floats(x: torch.Tensor | QTensor) -> torch.Tensor:
+    return x.dequantize() if isinstance(x, QTensor) else x
+
+
+def _join_kv_b(xs: list[Any]) -> list[torch.Tensor]:
+    k_b, v_b = (_floats(x) for x in xs)
+    kv = torch.cat([k_b.transpose(1, 2), v_b], dim=1)    # (H, nope + v, kv_rank)
+    return [kv.reshape(-1, kv.shape[-1]).contiguous()]
+
+
+def _narrow_kv_b(k_b: str, v_b: str, span: Span, per_head: int) -> Part | None:
+    """A rank's rows of kv_b: whole heads are the same heads of both halves."""
+    dim, start, stop = span
+    if dim != 0 or start % per_head or stop % per_head:
+        return None
+    heads = (0, start // per_head, stop // per_head)
+    return Part(((k_b, heads), (v_b, heads)), _join_kv_b)
+
+# DeepSeek-V2's latent attention: queries through q_a and q_b (or one attn_q), the joint
+# latent and RoPE key projection, and kv_b whole or split (``_split_kv_b``); the shared experts
+# and the routed ones' choice bias
+NAMES_MLA = {**NAMES, **each("attn.*", "attn_*", "q_a q_b kv_b"), "attn.kv_a": "attn_kv_a_mqa",
+             **each("attn.*_norm", "attn_*_norm", "q_a kv_a"),
+             **each("ffn.shared.*", "ffn_*_shexp", "gate up down"),
+             "ffn.router.choice_bias": "exp_probs_b.bias"}
+
+
 @dataclass(frozen=True)
 class GGUFArch:
     """One `general.architecture`: its metadata as spec sections, where its tensors are, and
@@ -266,6 +445,9 @@ class GGUFArch:
     spec: Callable[[GGUFSource, HFConfig], dict[str, Any]]
     layout: Layout
     skip: tuple[str, ...] = ()
+    # file tensors read as floats whatever type they are stored as: their convert moves values
+    # across the blocks of a quantized type (regexes)
+    dequantized: tuple[str, ...] = ()
 
 
 GGUF_ARCHES: dict[str, GGUFArch] = {
@@ -275,4 +457,7 @@ GGUF_ARCHES: dict[str, GGUFArch] = {
     "qwen3moe": GGUFArch(qwen3moe, Layout(NAMES, layer="blk.{i}.", head=("output",))),
     "gemma3": GGUFArch(gemma3, Layout(NAMES, layer="blk.{i}.", head=("output",))),
     "olmo2": GGUFArch(olmo2, Layout(NAMES, layer="blk.{i}.", head=("output",))),
+    "deepseek2": GGUFArch(deepseek2, Layout(NAMES_MLA, layer="blk.{i}.", head=("output",),
+                                            special=_split_kv_b),
+                          dequantized=(r"blk\.\d+\.attn_[kv]_b\.weight",)),
 }
