@@ -221,3 +221,17 @@ def test_passes_show_absorb_mla_and_its_choice(capsys: pytest.CaptureFixture[str
     out = capsys.readouterr().out
     assert "absorb-mla · absorb-mla ×2: a decode step at context 4096" in out
     assert "prefill" in out
+
+
+def test_kernels_refuse_latent_attention_in_one_line(capsys: pytest.CaptureFixture[str],
+                                                     tmp_path: Path) -> None:
+    """No Triton kernels run latent attention yet: compiling or running on them says so, by
+    the spec field, before anything is generated."""
+    build("v2", tmp_path)
+    capsys.readouterr()   # save_pretrained's progress
+    for argv in (["compile", str(tmp_path), "-o", str(tmp_path / "kernels")],
+                 ["run", str(tmp_path), "--backend", "triton", "--new-tokens", "1"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "latent attention (attention.latent) has no Triton kernels" \
+            in err[0], err

@@ -79,15 +79,17 @@ def run(args: argparse.Namespace) -> int:
     from archc.ir.lower import lower
     from archc.kernel_cache import default_cache_dir, used
     from archc.passes import optimize
+    from archc.runtime.triton_backend import check_cache_writes
 
     _check_occupancy_flags(args)
     check_output(args.output, "dir")
     spec, quant = quant_of(args)
     dtype = args.dtype or spec.dtype
+    program = optimize(lower(spec, dtype, quant, kv_cache=args.kv_cache), args.passes)
+    check_cache_writes(program)   # a cache write no kernel makes: refused in one line
     if args.occupancy:
         return _occupancy(args, spec, dtype, quant)
-    gen = generate(optimize(lower(spec, dtype, quant, kv_cache=args.kv_cache), args.passes),
-                   CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
+    gen = generate(program, CodegenOptions(target="gpu", max_seq_len=spec.max_seq_len))
     path = write_module(gen, (args.cache_dir or default_cache_dir()) / gen.digest[:24])
     used(path)
     if args.kernel is not None:
