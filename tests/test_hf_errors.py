@@ -61,7 +61,8 @@ def test_unsupported_model_type_names_the_supported_ones(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "rwkv"}))
     with pytest.raises(SpecError, match=r"model_type: 'rwkv' is not supported \(allowed: bert, "
-                       r"bloom, cohere2, exaone4, falcon, gemma, gemma2, gemma3_text, glm4, "
+                       r"bloom, cohere2, deepseek_v2, deepseek_v3, exaone4, falcon, gemma, "
+                       r"gemma2, gemma3_text, glm4, "
                        r"gpt2, gpt_neox, gpt_oss, gptj, granite, jamba, llama, llama4_text, "
                        r"mamba, mistral, mixtral, mpt, olmo2, opt, phi, phi3, qwen2, qwen3, "
                        r"qwen3_moe, smollm3, starcoder2, t5\)"):
@@ -106,8 +107,8 @@ def test_bookkeeping_fields_of_common_configs_are_accepted(field: str, value: An
 @pytest.mark.parametrize(("rope", "message"), [
     ({"rope_type": "longrope", "rope_theta": 1e4, "factor": 2.0, "short_factor": [1.0]},
      r"rope_parameters.long_factor: None cannot be honoured"),
-    ({"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "mscale": 0.7},
-     r"rope_parameters.mscale: 0.7 cannot be honoured"),
+    ({"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "extrapolation_factor": 0.7},
+     r"rope_parameters.extrapolation_factor: 0.7 cannot be honoured"),
     ({"rope_type": "default", "rope_theta": 1e4, "factor": 2.0},
      r"rope_parameters.factor: 2.0 cannot be honoured"),
 ])
