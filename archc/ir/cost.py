@@ -13,7 +13,7 @@ from archc.dtypes import DTYPES
 from archc.ir.graph import Graph, Node, Program
 from archc.ir.ops import OP_TABLE, Op, full_attrs, roles_of
 from archc.ir.ops.attention import kv_row_bytes
-from archc.ir.ops.base import StateDecl
+from archc.ir.ops.base import Sig, StateDecl
 from archc.ir.ops.steps import HEAD_KERNELS
 from archc.ir.paramexpr import leaves
 from archc.ir.shapes import DTYPE_BYTES, evaluate, numel
@@ -30,11 +30,16 @@ class Cost:
         return evaluate(self.flops, dims), evaluate(self.bytes, dims)
 
 
-def node_cost(g: Graph, i: int) -> Cost:
-    """The op's counts, plus its recurrent state, read once and written once."""
-    d, sig = OP_TABLE[g.nodes[i].op], g.sig(i)
+def op_cost(op: Op, sig: Sig) -> Cost:
+    """The counts of `op` over operands `sig`, plus its recurrent state, read once and written
+    once."""
+    d = OP_TABLE[op]
     state = sum(2 * s.bytes for s in d.states(sig))
     return Cost(sympy.sympify(d.flops(sig)), sympy.sympify(d.bytes(sig) + state))
+
+
+def node_cost(g: Graph, i: int) -> Cost:
+    return op_cost(g.nodes[i].op, g.sig(i))
 
 
 def graph_cost(g: Graph) -> Cost:

@@ -24,9 +24,9 @@ from collections.abc import Iterable, Mapping
 import sympy
 
 from archc.ir.attrs import Call
-from archc.ir.ops import OP_TABLE, Op
+from archc.ir.cost import Cost, op_cost
+from archc.ir.ops import Op
 from archc.ir.ops.base import make_sig
-from archc.ir.shapes import evaluate
 from archc.passes.rewrite import Refusal, Rewriter, register_rewrite_pass
 
 NAME = "absorb-mla"
@@ -45,14 +45,11 @@ def _only_user(rw: Rewriter, i: int, op: Op) -> int:
 
 def _cost(rw: Rewriter, nodes: Iterable[int], dims: Mapping[str, int]) -> tuple[int, int]:
     """FLOPs and bytes of `nodes` at `dims`, from the op table."""
-    flops = byts = sympy.Integer(0)
-    for i in nodes:
-        n = rw.nodes[i]
-        sig = make_sig(n.op, [rw.nodes[j].shape for j in n.inputs],
-                       [rw.nodes[j].dtype for j in n.inputs], n.attrs, n.shape, n.dtype)
-        flops += sympy.sympify(OP_TABLE[n.op].flops(sig))
-        byts += sympy.sympify(OP_TABLE[n.op].bytes(sig))
-    return evaluate(flops, dims), evaluate(byts, dims)
+    costs = [op_cost(rw.nodes[i].op, make_sig(
+        rw.nodes[i].op, [rw.nodes[j].shape for j in rw.nodes[i].inputs],
+        [rw.nodes[j].dtype for j in rw.nodes[i].inputs], rw.nodes[i].attrs, rw.nodes[i].shape,
+        rw.nodes[i].dtype)) for i in nodes]
+    return Cost(sympy.Add(*[c.flops for c in costs]), sympy.Add(*[c.bytes for c in costs])).at(dims)
 
 
 def _compare(rw: Rewriter, old: list[int], new: list[int]) -> tuple[bool, str]:
