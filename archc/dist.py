@@ -21,8 +21,8 @@ import os
 import sys
 from typing import Any
 
-from archc.errors import ArchcError, RunError
-from archc.runtime.comm import Comm, LocalComm, TorchComm
+from archc.errors import ArchcError
+from archc.runtime.comm import PEER_ERRORS, Comm, LocalComm, TorchComm, peer_lost
 
 # Test hook: a worker whose rank this names exits at once with status 3 after joining the group,
 # the way a rank that crashes does — how the tests check that the others stop with an error.
@@ -79,11 +79,9 @@ def _new_group(name: str, ranks: list[int], timeout: datetime.timedelta) -> obje
     import torch.distributed as dist
     try:
         return dist.new_group(ranks, timeout=timeout)
-    except RuntimeError as err:   # torch's DistBackendError and gloo's errors
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise RunError(f"rank {dist.get_rank()}: making the {name} group of ranks "
-                       f"{', '.join(map(str, ranks))} failed — another rank stopped or did "
-                       f"not answer within the timeout ({first})") from None
+    except PEER_ERRORS as err:
+        raise peer_lost(dist.get_rank(), f"making the {name} group of ranks "
+                        f"{', '.join(map(str, ranks))}", err) from None
 
 
 def group_timeout() -> datetime.timedelta:
@@ -124,8 +122,12 @@ def init_from_env(world: int, timeout: float, device: str | None) -> int:
         gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
         if gpu:   # one GPU per rank of this node
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if gpu else "gloo",
-                                timeout=datetime.timedelta(seconds=timeout))
+        try:
+            dist.init_process_group("nccl" if gpu else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout))
+        except PEER_ERRORS as err:   # a rank that stopped while the others were joining
+            raise peer_lost(int(os.environ["RANK"]), "joining the run's process group",
+                            err) from None
     rank = dist.get_rank()
     if os.environ.get(EXIT_RANK_VARIABLE) == str(rank):
         os._exit(3)

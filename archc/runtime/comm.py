@@ -146,6 +146,19 @@ def run_simulated(size: int, fn: Callable[[int], T], timeout: float = 120.0) -> 
     return results  # type: ignore[return-value]
 
 
+# what torch.distributed raises when a peer process is gone or the group's timeout ran out:
+# its DistError family and gloo's errors (RuntimeError), a store's socket timing out or closing
+PEER_ERRORS = (RuntimeError, TimeoutError, OSError)
+
+
+def peer_lost(rank: int, what: str, err: BaseException) -> RunError:
+    """The RunError for `what` failing on `rank` because another rank stopped or did not
+    answer: one line, with the first line of torch's own message."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return RunError(f"rank {rank}: {what} failed — another rank stopped or did not answer "
+                    f"within the timeout ({first})")
+
+
 def _peers_lost(fn: Callable[..., T]) -> Callable[..., T]:
     """A TorchComm collective whose failure — a peer process gone (its connection closed), or
     the group's timeout run out while waiting for one — is a RunError naming this rank."""
@@ -153,10 +166,8 @@ def _peers_lost(fn: Callable[..., T]) -> Callable[..., T]:
     def run(self: TorchComm, *args: object) -> T:
         try:
             return fn(self, *args)
-        except RuntimeError as err:   # torch's DistBackendError and gloo's errors
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise RunError(f"rank {self.dist.get_rank()}: {fn.__name__} failed — another rank "
-                           f"stopped or did not answer within the timeout ({first})") from None
+        except PEER_ERRORS as err:
+            raise peer_lost(self.dist.get_rank(), fn.__name__, err) from None
     return run
 
 
