@@ -13,6 +13,7 @@ of 20, a query rank of 12. Biases and norm gains are random (``randomize``). Tol
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -235,3 +236,21 @@ def test_kernels_refuse_latent_attention_in_one_line(capsys: pytest.CaptureFixtu
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "latent attention (attention.latent) has no Triton kernels" \
             in err[0], err
+
+
+@pytest.mark.parametrize(("fields", "refused"), [
+    ({"scoring_func": "sigmoid", "topk_method": "noaux_tc"}, None),
+    ({"scoring_func": "softmax"}, r"scoring_func: 'softmax' cannot be honoured"),
+    ({"topk_method": "greedy"}, r"topk_method: 'greedy' cannot be honoured")])
+def test_v3_router_fields_of_the_published_config(fields: dict[str, str], refused: str | None,
+                                                  tmp_path: Path) -> None:
+    """DeepSeek-V3's published config.json names the router transformers runs; any other is
+    refused by name rather than run as that one."""
+    build("v3-moe", tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+    if refused is None:
+        assert archc.load(tmp_path).spec.ffn.moe.router == "sigmoid"
+    else:
+        with pytest.raises(SpecError, match=refused):
+            archc.load(tmp_path)

@@ -67,7 +67,7 @@ def deepseek(cfg: HFConfig, *, v3: bool) -> dict[str, Any]:
     if not experts or first >= layers:
         cfg.get(("moe_intermediate_size", "n_shared_experts", "num_experts_per_tok",
                  "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob",
-                 "topk_method"))
+                 "topk_method", "scoring_func"))
         return {**spec, "ffn": dense}
     groups = cfg.number("n_group", None) or 1
     top_groups = cfg.number("topk_group", None) or groups
@@ -76,6 +76,9 @@ def deepseek(cfg: HFConfig, *, v3: bool) -> dict[str, Any]:
                            "expert": gated, "scale": cfg.number("routed_scaling_factor", 1.0,
                                                                 kind=float)}
     if v3:
+        # the published checkpoints state the router transformers' V3 always runs
+        cfg.expect("scoring_func", ("sigmoid",))
+        cfg.expect("topk_method", ("noaux_tc",))
         moe |= {"router": "sigmoid", "choice_bias": True,
                 "normalize_top_k": cfg.flag("norm_topk_prob", True)}
         if groups > 1:
