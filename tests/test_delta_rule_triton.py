@@ -14,6 +14,7 @@ import torch  # noqa: E402
 
 from archc.codegen.delta_rule import DeltaRuleKernels, launch_constexprs, render  # noqa: E402
 from archc.codegen.layout import CodegenError  # noqa: E402
+from archc.codegen.render import ENV  # noqa: E402
 from archc.errors import ArchcError  # noqa: E402
 from archc.runtime.delta_rule import gated_delta_rule  # noqa: E402
 
@@ -105,6 +106,8 @@ def test_decode_after_a_chunked_prefill_continues_the_recurrence() -> None:
     (lambda: render(DeltaRuleKernels(2, 8, 8), chunk=24), "chunk must be a power of two"),
     (lambda: launch_constexprs(DeltaRuleKernels(2, 8, 8), "scan", "interpret", chunk=16,
                                initial=False), "form must be one of"),
+    (lambda: ENV.get_template("delta_rule.py.j2").render(form="scan"),
+     "form must be recurrent or chunked, not 'scan'"),
 ])
 def test_bad_template_parameters_are_one_line(make, message: str) -> None:  # noqa: ANN001
     with pytest.raises(CodegenError, match=message):
@@ -120,3 +123,11 @@ def test_mismatched_inputs_are_one_line() -> None:
     with pytest.raises(ArchcError, match="initial_state must be float32"):
         gated_delta_rule(**x, initial_state=state(1, 2, 8, 8).half(), scale=1.0,
                          form="recurrent", chunk=8)
+
+
+def test_no_tokens_pass_the_state_through() -> None:
+    x = inputs(1, 0, 2, 8, 6)
+    s0 = state(1, 2, 8, 6)
+    o, s = gated_delta_rule(**x, initial_state=s0, scale=1.0, form="chunked", chunk=8)
+    assert o.shape == (1, 0, 2, 6)
+    assert torch.equal(s, s0)

@@ -10,8 +10,6 @@ token (decode); "chunked" takes `chunk` tokens at a time with tensor-core produc
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from archc.codegen.delta_rule import DeltaRuleKernels, launch_constexprs, write
@@ -52,16 +50,16 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, initial_state: torch.Tensor | None, *, scale: float,
-                     form: str, chunk: int,
-                     cache_dir: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, final_state) of the gated delta rule over the T tokens (see the module's doc)."""
+                     form: str, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, final_state) of the gated delta rule over the T tokens (see the module's doc); the
+    kernels' module is written under archc's kernel cache."""
     _check(q, k, v, g, beta, initial_state)
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     target = prepare_triton(q.device)
     kernels = DeltaRuleKernels(h, dk, dv, DTYPES[q.dtype])
     cfg = launch_constexprs(kernels, form, target, chunk=chunk, initial=initial_state is not None)
-    path = write(kernels, Path(cache_dir or default_cache_dir()) / "delta_rule",
+    path = write(kernels, default_cache_dir() / "delta_rule",
                  chunk=cfg.get("CHUNK", 64))
     module = load_module(path, "delta_rule")
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
