@@ -106,6 +106,8 @@ def test_decode_after_a_chunked_prefill_continues_the_recurrence() -> None:
     (lambda: render(DeltaRuleKernels(2, 8, 8), chunk=24), "chunk must be a power of two"),
     (lambda: launch_constexprs(DeltaRuleKernels(2, 8, 8), "scan", "interpret", chunk=16,
                                initial=False), "form must be one of"),
+    (lambda: launch_constexprs(DeltaRuleKernels(2, 8, 8), "chunked", "gpu", chunk=8,
+                               initial=False), "chunk must be at least 16 on a GPU"),
     (lambda: ENV.get_template("delta_rule.py.j2").render(form="scan"),
      "form must be recurrent or chunked, not 'scan'"),
 ])

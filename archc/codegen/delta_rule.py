@@ -26,6 +26,7 @@ from archc.codegen.render import ENV
 FORMS = ("recurrent", "chunked")
 DTYPES = {"f32": "fp32", "f16": "fp16", "bf16": "bf16"}     # archc dtype → Triton's
 UNIT = "delta_rule_0"
+DOT_MIN = 16        # tl.dot's smallest tile side on a GPU
 
 
 def _positive(name: str, value: object) -> int:
@@ -76,6 +77,9 @@ def launch_constexprs(kernels: DeltaRuleKernels, form: str, target: str, *, chun
     cfg["HAS_INITIAL"] = int(initial)
     if form == "chunked":
         cfg["CHUNK"] = _power_of_two("chunk", chunk)
+        if target == "gpu" and chunk < DOT_MIN:
+            raise CodegenError(f"delta rule: chunk must be at least {DOT_MIN} on a GPU (its "
+                               f"products are tl.dot tiles), not {chunk}")
     return cfg
 
 
@@ -83,7 +87,7 @@ def render(kernels: DeltaRuleKernels, *, chunk: int = 64) -> str:
     """The module: both forms' kernels and their KERNELS table (its AOT sizes at `chunk`)."""
     _power_of_two("chunk", chunk)
     context = dict(name=UNIT, H=kernels.heads, DK=kernels.dk, DV=kernels.dv,
-                   BLOCK_DK=_power_of_two("BLOCK_DK", next_pow2(kernels.dk)),
+                   BLOCK_DK=_power_of_two("BLOCK_DK", max(DOT_MIN, next_pow2(kernels.dk))),
                    dot_kw=', input_precision="ieee"' if kernels.dtype == "f32" else "")
     template = ENV.get_template("delta_rule.py.j2")
     sources = [template.render(form=form, **context).rstrip("\n") for form in FORMS]
