@@ -1,6 +1,6 @@
 """The gated delta rule's Triton kernels (both forms) against a float64 loop over the tokens,
-under Triton's interpreter in f32: odd value dims (masks), T not a multiple of the chunk, an
-initial state, and decode after a chunked prefill."""
+under Triton's interpreter in f32 (and f16): odd value dims (masks), T not a multiple of the
+chunk, an initial state, and decode after a chunked prefill."""
 
 from __future__ import annotations
 
@@ -76,6 +76,23 @@ def test_gated_delta_rule_matches_a_float64_loop(b: int, t: int, h: int, dk: int
     assert o.dtype == torch.float32 and s.dtype == torch.float32
     torch.testing.assert_close(o.double(), want_o, **TOL)
     torch.testing.assert_close(s.double(), want_s, **TOL)
+
+
+# f16 inputs: the recurrent form computes in f32 from them (the f32 tolerance holds); the chunked
+# form rounds its tensor-core operands — S, 𝒯, δ — to f16 each chunk (2⁻¹¹ ≈ 5e-4 relative), so
+# 2e-3 is ~4 f16 ulps at |S| ≈ 1
+F16_TOL = {"recurrent": TOL, "chunked": dict(rtol=2e-3, atol=2e-3)}
+
+
+@pytest.mark.parametrize("form", ["recurrent", "chunked"])
+def test_f16_inputs_give_f16_outputs_and_an_f32_state(form: str) -> None:
+    x = {n: a.half() for n, a in inputs(2, 37, 2, 16, 6, seed=5).items()}
+    s0 = state(2, 2, 16, 6)
+    o, s = gated_delta_rule(**x, initial_state=s0, scale=0.25, form=form, chunk=16)
+    want_o, want_s = reference(**x, state=s0, scale=0.25)
+    assert o.dtype == torch.float16 and s.dtype == torch.float32
+    torch.testing.assert_close(o.double(), want_o, **F16_TOL[form])
+    torch.testing.assert_close(s.double(), want_s, **F16_TOL[form])
 
 
 def test_decode_after_a_chunked_prefill_continues_the_recurrence() -> None:
