@@ -101,6 +101,24 @@ def test_recurrent_kernels_compile_for_sm90a_without_spills(name: str, tmp: Path
         assert r.registers > 0 and r.spill_bytes == 0, f"{r.kernel}: {r.spill_bytes} bytes spill"
 
 
+@pytest.mark.slow
+def test_delta_rule_kernels_compile_for_sm90a_without_spills(tmp: Path) -> None:
+    """Qwen3-Next's linear-attention heads (Dk = Dv = 128, bf16) at chunks of 64: the recurrent
+    kernel keeps [128, BLOCK_DV] of S per program, the chunked one also the chunk's [64, 64]
+    triangular solve — neither may spill, the chunked one multiplies on the tensor cores (wgmma),
+    and both wait for the previous kernel (PDL)."""
+    from archc.codegen.delta_rule import DeltaRuleKernels, write
+    path = write(DeltaRuleKernels(32, 128, 128, "bf16"), tmp / "delta-rule", chunk=64)
+    results = {r.family: r for r in compile_module(path, "sm_90a", jobs=1)}
+    assert sorted(results) == ["delta_rule_chunked", "delta_rule_recurrent"]
+    for r in results.values():
+        assert r.ok, f"{r.kernel}: {r.error}"
+        assert r.registers > 0 and r.spill_bytes == 0, f"{r.kernel}: {r.spill_bytes} bytes spill"
+        assert r.pdl, r.kernel
+    assert "CHUNK=64" in results["delta_rule_chunked"].config
+    assert results["delta_rule_chunked"].tensor_core_ops > 0 and results["delta_rule_chunked"].wgmma
+
+
 def test_decode_matmuls_load_their_weight_before_the_pdl_wait(tmp: Path) -> None:
     """Programmatic dependent launch: a decode projection may start before the kernel writing
     its activations has finished, so it reads them only after griddepcontrol.wait — but its

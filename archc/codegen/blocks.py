@@ -298,6 +298,17 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
             return _cfg(BLOCK_T=_clamp_pow2(sizes["T"], 16, 64))
         big = sizes["D"] * sizes["DV"] > 64 * 64
         return _cfg(8 if big else 4, BLOCK_T=16 if sizes["T"] <= 16 or big else 32)
+    if family in ("delta_rule_recurrent", "delta_rule_chunked"):
+        # one program per (sequence, head, BLOCK_DV value columns) holds S [Dk, BLOCK_DV] f32 in
+        # registers; the interpreter takes a head's whole state at once
+        if not gpu:
+            return _cfg(BLOCK_DV=next_pow2(sizes["DV"]))
+        if family == "delta_rule_recurrent":
+            return _cfg(4, BLOCK_DV=32)
+        # tl.dot wants ≥ 16 value columns. sm_90a at Dk = Dv = 128, chunk 64, bf16 (ptxas via
+        # archc.codegen.aot): 16 columns × 8 warps take 255 registers, no spill; 32 columns spill
+        # 272 bytes, 64 spill 384; 4 warps spill at every width (144 bytes at 16)
+        return _cfg(8, BLOCK_DV=16)
     raise ValueError(f"no launch configuration for kernel family {family!r}")
 
 
