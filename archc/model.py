@@ -236,6 +236,9 @@ class CompiledModel:
         self.program = program
         self.session = session
         self.backend = backend
+        # the tokens whose keys and values the session's cache holds after a generate of one
+        # sequence, which a later generate(keep_cache=True) continues from
+        self.cached: list[int] = []
 
     def __call__(self, input_ids: torch.Tensor | str, *,
                  attention_mask: torch.Tensor | None = None,
@@ -259,6 +262,7 @@ class CompiledModel:
             raise ArchcError("padding masks are supported for encoders; a decoder forward "
                              "takes unpadded sequences")
         self.session.reset()
+        self.cached = []
         return self.session.step(input_ids, **extra, inputs=inputs)
 
     def generate(self, input_ids: torch.Tensor | str, max_new_tokens: int = 20, *,
@@ -267,7 +271,8 @@ class CompiledModel:
                  attention_mask: torch.Tensor | None = None,
                  decoder_start_token_id: int = 0,
                  on_token: Callable[[torch.Tensor], None] | None = None,
-                 inputs: Mapping[str, torch.Tensor] | None = None) -> Any:
+                 inputs: Mapping[str, torch.Tensor] | None = None,
+                 keep_cache: bool = False) -> Any:
         """Prompt followed by up to `max_new_tokens` new tokens (greedy unless a temperature is
         given). Given text (a model with a tokenizer), returns the text of the new tokens.
 
@@ -276,7 +281,13 @@ class CompiledModel:
         several; ``()`` never stops early). `on_token` sees each new column of tokens [B] as it
         is chosen. For an encoder-decoder, returns the decoder tokens (starting with
         `decoder_start_token_id`). `inputs`: the attention's per-token inputs of the prompt
-        (``attention.inputs``), each [B, T]; new tokens continue each row's last value."""
+        (``attention.inputs``), each [B, T]; new tokens continue each row's last value.
+
+        With `keep_cache`, a prompt of one sequence that begins with tokens the cache already
+        holds from the last generate (``cached``: its prompt and every token it fed back)
+        prefills only the rest — a conversation's next turn prefills only the new messages.
+        Attention caches are cut back to the longest common prefix; a recurrent state, which
+        cannot be cut back, is kept only when all of it is a prefix (``reusable``)."""
         if self.spec.family == "encoder":
             raise ArchcError(f"{self.spec.name} is an encoder: it has no output head to "
                              "generate with")
@@ -302,12 +313,17 @@ class CompiledModel:
         if tokens.shape[1] + max_new_tokens > self.spec.max_seq_len:
             raise ArchcError(f"{tokens.shape[1]} prompt tokens + {max_new_tokens} new exceed "
                              f"max_seq_len = {self.spec.max_seq_len}")
-        self.session.reset()
+        switch = longrope_switch(self.spec)
+        past = self.reusable(tokens, inputs) if keep_cache else 0
+        if past:
+            self.session.rewind(past)
+        else:
+            self.session.reset()
+        self.cached = []        # until this generate ends: one interrupted leaves it unknown
         out = [tokens]
         done = torch.zeros(tokens.shape[0], dtype=torch.bool)
-        switch, past = longrope_switch(self.spec), 0
-        for _ in range(max_new_tokens):
-            feed = out[-1]
+        for step in range(max_new_tokens):
+            feed = out[-1] if step else tokens[:, past:]
             if switch is not None and 0 < past <= switch < past + feed.shape[1]:
                 # LongRoPE: the first call past the trained context rotates every position by
                 # the long factors, so the sequence so far is computed again (as transformers
@@ -330,10 +346,30 @@ class CompiledModel:
             if eos and bool(done.all()):
                 break
         result = torch.cat(out, dim=1)
+        self.cached = [int(t) for t in result[0, :past]] if result.shape[0] == 1 else []
         if text:
             return self.model.tokenizer.decode(
                 [int(i) for i in result[0, tokens.shape[1]:] if int(i) not in eos])
         return result
+
+    def reusable(self, tokens: torch.Tensor, inputs: Mapping[str, torch.Tensor] | None
+                 ) -> int:
+        """How many of the prompt's first tokens the cache holds as they are (``cached``),
+        leaving at least one to feed: 0 for several sequences, an encoder-decoder, per-token
+        inputs, a prefix-LM mask (its prefix is the first prompt's), a context-parallel ring,
+        LongRoPE's switch of factors, or a recurrent state that is not wholly a prefix."""
+        spec = self.spec
+        if tokens.shape[0] != 1 or spec.family != "decoder" or inputs or \
+                longrope_switch(spec) is not None or "cp" in getattr(self.session, "comms", {}) \
+                or (spec.attends and spec.attention.mask == "prefix"):
+            return 0
+        prompt, held = [int(t) for t in tokens[0]], self.cached
+        common = next((i for i, (a, b) in enumerate(zip(prompt, held, strict=False)) if a != b),
+                      min(len(prompt), len(held)))
+        common = min(common, len(prompt) - 1)
+        if common < len(held) and set(spec.layer_mixers()) != {"attention"}:
+            return 0        # a state past the common prefix cannot be taken back
+        return common
 
     def engine(self, block_size: int = 16, blocks: int | None = None,
                max_batch: int = 16) -> PagedEngine:

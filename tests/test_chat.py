@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import archc
 from archc.cli import main
@@ -37,6 +39,11 @@ def test_chat_through_a_pipe_keeps_history_resets_and_exits() -> None:
     assert err[0].startswith("load ") and "compile" in err[0]
     turns = [line for line in err if line.startswith("prefill ")]
     assert len(turns) == 4 and all("tokens/s" in t for t in turns)
+    # each turn prefills only what the cache does not hold: after a /reset the system prompt
+    # is still there; with the history, the whole of the last turn
+    cached = [int(m.group(1)) if (m := re.search(r"\((\d+) cached\)", t)) else 0
+              for t in turns]
+    assert cached[0] == 0 and 0 < cached[1] == cached[3] < cached[2], turns
     assert done.stderr.count("a new conversation") == 2
 
 
@@ -70,3 +77,28 @@ def test_the_oldest_turns_go_when_the_conversation_outgrows_the_context(
     talk.turns.clear()
     ids, dropped = talk.prompt("hello", room=1)
     assert dropped == 0 and ids == tok.encode_chat([{"role": "user", "content": "hello"}])
+
+
+@pytest.mark.parametrize(("name", "mixers"), [("tiny-llama3", "attention"),
+                                              ("tiny-jamba", "recurrent")])
+def test_keep_cache_prefills_only_what_is_new_and_answers_the_same(name: str,
+                                                                   mixers: str) -> None:
+    """A next turn that extends the last generate's tokens prefills only its new ones; one that
+    departs from them cuts an attention cache back to the common prefix, where a recurrent
+    state (Jamba's Mamba layers), which cannot be cut back, starts again. The tokens are those
+    of a fresh generate every time."""
+    compiled = archc.load(name).compile("eager")
+    fresh = archc.load(name).compile("eager")
+    first = torch.tensor([[5, 9, 2, 33, 41, 7]])
+    out = compiled.generate(first, 4, eos_token_id=(), keep_cache=True)
+    assert compiled.cached == out[0, :-1].tolist()          # the last token was never fed
+    extended = torch.cat([out, torch.tensor([[11, 12]])], dim=1)
+    departed = torch.cat([first[:, :4], torch.tensor([[60, 61, 62]])], dim=1)
+    expect = {"extended": extended.shape[1] - 3, "departed": 4 if mixers == "attention" else 0}
+    for label, prompt in (("extended", extended), ("departed", departed)):
+        reused = compiled.reusable(prompt, None)
+        assert reused == expect[label], label
+        got = compiled.generate(prompt, 4, eos_token_id=(), keep_cache=True)
+        assert got.tolist() == fresh.generate(prompt, 4, eos_token_id=()).tolist(), label
+    compiled(first)                     # a forward of its own: the cache no longer holds it
+    assert compiled.reusable(extended, None) == 0

@@ -72,7 +72,7 @@ def load_for_text(args: argparse.Namespace, what: str, *, chat: bool) -> tuple[R
 
 
 def answer(compiled: Any, prompt_ids: Sequence[int], args: argparse.Namespace,
-           timings: Timings) -> list[int]:
+           timings: Timings, *, keep_cache: bool = False) -> list[int]:
     """The new tokens after `prompt_ids` (an end-of-sequence token left out), their text on
     standard output (unless --json) as it becomes final. Stops at the model's end-of-sequence ids
     unless --ignore-eos, at --new-tokens, at max_seq_len, or at Ctrl-C."""
@@ -102,12 +102,15 @@ def answer(compiled: Any, prompt_ids: Sequence[int], args: argparse.Namespace,
             ids.append(int(column[0]))
             write(stream.push(ids[-1:]))
 
+    prompt = torch.tensor([list(prompt_ids)])
+    if keep_cache:      # the conversation so far is in the cache: prefill only what is new
+        timings.cached_tokens = compiled.reusable(prompt, None)
     start = time.perf_counter()
     timings.stop = "interrupted"
     try:
-        compiled.generate(torch.tensor([list(prompt_ids)]), min(args.new_tokens, room),
-                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          seed=args.seed, eos_token_id=eos, on_token=on_token)
+        compiled.generate(prompt, min(args.new_tokens, room), temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          eos_token_id=eos, on_token=on_token, keep_cache=keep_cache)
         timings.stop = "eos" if timings.stop_token is not None else "length"
     except KeyboardInterrupt:
         pass
@@ -196,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
                 note(f"note: the {dropped} oldest turn(s) no longer fit in max_seq_len = "
                      f"{model.spec.max_seq_len} and were dropped")
             timings = Timings()
-            reply = model.tokenizer.decode(answer(compiled, ids, args, timings))
+            reply = model.tokenizer.decode(answer(compiled, ids, args, timings,
+                                                  keep_cache=True))
             talk.turns.append((line, reply))
             print(json.dumps({"user": line, "assistant": reply,
                               "timings": timings.as_dict()}) if args.json else "", flush=True)

@@ -41,6 +41,7 @@ STOPS = {"eos": "stopped at end-of-sequence", "length": "stopped at the token li
 class Timings:
     seconds: dict[str, float] = field(default_factory=dict)   # load, compile, prefill, decode
     prompt_tokens: int = 0
+    cached_tokens: int = 0          # of the prompt, already in the KV cache: not prefilled
     generated: int = 0              # new tokens, the first of them from the prefill
     stop: str | None = None         # a key of STOPS
     stop_token: str | None = None   # the end-of-sequence token's text
@@ -56,7 +57,8 @@ class Timings:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
     def tokens(self, phase: str) -> int:
-        return self.prompt_tokens if phase == "prefill" else max(self.generated - 1, 0)
+        return self.prompt_tokens - self.cached_tokens if phase == "prefill" else \
+            max(self.generated - 1, 0)
 
     def tokens_per_second(self) -> dict[str, float]:
         return {p: self.tokens(p) / self.seconds[p] for p in ("prefill", "decode")
@@ -69,12 +71,14 @@ class Timings:
         parts = []
         for name, s in self.seconds.items():
             n = self.tokens(name)
+            cached = f" ({self.cached_tokens} cached)" if name == "prefill" and \
+                self.cached_tokens else ""
             if name == "load" and self.weight_bytes is not None:
                 kinds = ", ".join(f"{k} ×{c}" for k, c in self.weight_kinds.items())
                 parts.append(f"load {s:.2f} s, {nbytes(self.weight_bytes)} of weights ({kinds})")
                 continue
             parts.append((f"{name} {s:.2f} s" if name in ("load", "compile") else
-                          f"{name} {n} token{'' if n == 1 else 's'} in {s:.2f} s") +
+                          f"{name} {n} token{'' if n == 1 else 's'}{cached} in {s:.2f} s") +
                          (f" ({rates[name]:.3g} tokens/s)" if name in rates else ""))
         peak = peak_resident()
         if peak is not None:
@@ -90,6 +94,7 @@ class Timings:
     def as_dict(self) -> dict[str, Any]:
         return {"seconds": self.seconds, "weight_bytes": self.weight_bytes,
                 "weight_tensors": self.weight_kinds, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens,
                 "generated_tokens": self.generated,
                 "tokens_per_second": self.tokens_per_second(), "stop": self.stop,
                 "peak_memory_bytes": peak_resident()}

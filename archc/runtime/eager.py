@@ -298,6 +298,14 @@ class SessionBase:
 
     _run: Callable[..., dict[str, torch.Tensor]]
 
+    def rewind(self, past: int) -> None:
+        """Keep the first `past` tokens of the sequence: the next step writes its keys and
+        values after them (an attention cache's rows past P are overwritten, never read).
+        The caller knows no recurrent state went past them (``CompiledModel.reusable``)."""
+        if not 0 < past <= self.past:
+            raise RunError(f"cannot rewind a sequence of {self.past} tokens to {past}")
+        self.past = past
+
     def _hand_over(self, checkpoint: Mapping[str, Weight]) -> None:
         """A checkpoint handed over (``Model.compile(keep_weights=False)``) lets each tensor go
         once this session's program has read it for the last time."""

@@ -46,7 +46,8 @@ class Submitted:
         self.served = served
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.request = Request(job.prompt, job.max_tokens, lambda e: loop.call_soon_threadsafe(
-            self.events.put_nowait, e), job.sampling, job.stop, served.eos)
+            self.events.put_nowait, e), job.sampling, job.stop, served.eos,
+            constraint=job.constraint)
         served.scheduler.submit(self.request)    # refused here, before any response starts
 
     async def each(self, is_gone: Callable[[], Any]) -> AsyncIterator[Event]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from archc.runtime.generate import Sampling
 from archc.serve.errors import APIError, bad_field
+from archc.serve.grammar import Constraint, Grammars, read_grammar
 from archc.serve.metrics import Metrics
 from archc.serve.scheduler import Event, Scheduler
 
@@ -25,8 +26,7 @@ MAX_STOP_STRINGS = 4                # as OpenAI allows
 UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None,), "echo": (None, False),
                "suffix": (None,), "best_of": (None, 1), "logit_bias": (None, {}),
                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-               "tools": (None, []), "functions": (None, []),
-               "response_format": (None, {"type": "text"})}
+               "tools": (None, []), "functions": (None, [])}
 ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -42,9 +42,11 @@ class Served:
     seed: int = 0               # where the seeds of requests that give none come from
     created: int = field(default_factory=lambda: int(time.time()))
     seeds: random.Random = field(init=False)
+    grammars: Grammars = field(init=False)
 
     def __post_init__(self) -> None:
         self.seeds = random.Random(self.seed)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos)
 
     @property
     def metrics(self) -> Metrics:
@@ -214,6 +216,7 @@ class Job:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    constraint: Constraint | None = None    # response_format's grammar
 
 
 def read_job(kind: str, body: dict[str, Any], served: Served) -> Job:
@@ -234,7 +237,9 @@ def read_job(kind: str, body: dict[str, Any], served: Served) -> Job:
         max_tokens = _whole(body, "max_tokens", 1, min(DEFAULT_COMPLETION_TOKENS, room))
     assert max_tokens is not None
     served.scheduler.check(len(prompt), max(max_tokens, 1), prompt_param=param)
-    return Job(kind, prompt, max_tokens, sampling, stop, stream, include_usage)
+    grammar = read_grammar(body)
+    constraint = served.grammars.constraint(grammar) if grammar is not None else None
+    return Job(kind, prompt, max_tokens, sampling, stop, stream, include_usage, constraint)
 
 
 # ---- answering -------------------------------------------------------------------------------

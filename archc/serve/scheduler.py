@@ -31,6 +31,7 @@ import torch
 from archc.runtime.batch import BatchEngine, PoolExhausted
 from archc.runtime.generate import Sampler, Sampling
 from archc.serve.errors import APIError
+from archc.serve.grammar import Constraint, apply_masks
 from archc.serve.metrics import Metrics
 from archc.tokenizer import TextStream
 
@@ -58,6 +59,7 @@ class Request:
     stop: tuple[str, ...] = ()           # stop strings (need the scheduler's tokenizer)
     eos: tuple[int, ...] = ()            # end-of-sequence ids
     arrived: float = field(default_factory=time.perf_counter)
+    constraint: Constraint | None = None  # the grammar its tokens follow (response_format)
     generated: int = 0                   # tokens chosen so far, an end-of-sequence id included
     finish: str | None = None
     cancelled: bool = False
@@ -283,7 +285,7 @@ class Scheduler:
         self.running[seq] = live
         self.tokens_in_flight += request.total_tokens
         self.metrics.add("archc_prompt_tokens_total", len(request.prompt))
-        self._accept(live, logits.reshape(1, -1))
+        self._accept(live, apply_masks(logits.reshape(1, -1), [request.constraint]))
         return True
 
     def _step(self) -> None:
@@ -298,6 +300,7 @@ class Scheduler:
             for live in batch:
                 self._finish(live, "error", "", f"{type(err).__name__}: {err}")
             return
+        logits = apply_masks(logits, [v.request.constraint for v in batch])   # on the device
         logits = logits.float().cpu()   # one copy to the host for the whole step
         for row, live in enumerate(batch):
             self._accept(live, logits[row:row + 1])
@@ -314,11 +317,15 @@ class Scheduler:
         live.last_token, live.last_time = token, now
         request.generated += 1
         self.metrics.add("archc_generation_tokens_total")
+        if request.constraint is not None:
+            request.constraint.take(token)
         if token in request.eos:
             self._finish(live, "stop", live.text.finish(), token=token)
             return
         text, stopped = live.text.push(token)
-        if stopped:
+        if request.constraint is not None and request.constraint.done:   # the answer is whole
+            self._finish(live, "stop", text + live.text.finish(), token=token)
+        elif stopped:
             self._finish(live, "stop", text, token=token)
         elif request.generated >= request.max_tokens:
             self._finish(live, "length", text + live.text.finish(), token=token)
