@@ -7,7 +7,8 @@ batch's decode steps (``archc.serve.scheduler``, in one process, the HTTP layer 
         --device cuda --dtype bf16 --long-prompt 8192 --chunk 512
 
 --streams streams (short prompts, --new-tokens each) run; once every one has its first tokens,
-a request with a --long-prompt-token prompt arrives (--arrivals of them, one after the other).
+a request with a --long-prompt-token prompt arrives (--arrivals of them, each a few decode
+steps after the last one's first token).
 Reported per run: the p50, p99 and largest gap between consecutive tokens of the running
 streams from the first long prompt's arrival on, and the long prompts' time to first token. A zoo spec runs on seeded random weights,
 its context raised to hold the long prompt (--max-seq-len); the prefix cache is off, so that
@@ -80,12 +81,15 @@ def run(scheduler: Scheduler, prompts: list[list[int]], longs: list[list[int]],
         scheduler.submit(long.request)
         long.wait()
         ttft.append(long.times[0] - long.request.arrived)
+        seen = len(streams[0].times)        # the streams run a few steps before the next one
+        while len(streams[0].times) < min(seen + 4, new_tokens):
+            time.sleep(0.001)
     for s in streams:
         s.wait()
     # the gaps once every stream runs: from the first long prompt's arrival on
     gaps = [b - a for s in streams for a, b in zip(s.times, s.times[1:]) if b > start]
     return {"itl_s": {"p50": percentile(gaps, 50), "p99": percentile(gaps, 99),
-                      "max": max(gaps)}, "gaps": len(gaps),
+                      "max": max(gaps, default=float("nan"))}, "gaps": len(gaps),
             "long_ttft_s": {"p50": percentile(ttft, 50), "max": max(ttft)},
             "prefill_steps": scheduler.metrics.value("archc_prefill_chunks_total")}
 
