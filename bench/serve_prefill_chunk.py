@@ -10,9 +10,10 @@ batch's decode steps (``archc.serve.scheduler``, in one process, the HTTP layer 
 a request with a --long-prompt-token prompt arrives (--arrivals of them, each a few decode
 steps after the last one's first token).
 Reported per run: the p50, p99 and largest gap between consecutive tokens of the running
-streams from the first long prompt's arrival on, and the long prompts' time to first token. A zoo spec runs on seeded random weights,
-its context raised to hold the long prompt (--max-seq-len); the prefix cache is off, so that
-both runs compute every prompt token. With -o the numbers are written as JSON, with the machine.
+streams from the first long prompt's arrival on, and the long prompts' time to first token. A
+zoo spec runs on seeded random weights, its context raised to hold the long prompt
+(--max-seq-len); the prefix cache is off, so that both runs compute every prompt token. With -o
+the numbers are written as JSON, with the machine.
 """
 
 from __future__ import annotations

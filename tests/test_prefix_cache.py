@@ -165,3 +165,25 @@ def test_a_fork_shares_full_blocks_and_copies_the_partial_one(compiled: archc.Co
     for got, want in zip(seen[1][1:], want_logits):
         assert relative_error(got, want) < 1e-5
     assert_generates(compiled, prompt, [int(x.argmax()) for x in seen[0]], seen[0])
+
+
+def test_cache_chunks_and_fork_on_triton() -> None:
+    """The generated kernels read the same pools: a cached prefix, a chunked prefill and a fork
+    (its partial block copied in the Triton session's pools) give generate's tokens."""
+    compiled = archc.load("tiny-llama3").compile("triton", dtype="f32")
+    engine = compiled.engine(block_size=BLOCK, blocks=10, max_batch=2)
+    prompt = prompts_of([6], VOCAB, seed=12)[0]
+    run(engine, 0, prompt, steps=3)
+    engine.release(0)                   # 6 + 2 tokens: 2 full blocks cached, the first is
+    # the prompt's: a prompt that goes on otherwise finds that one
+    tokens, logits = run(engine, 1, prompt + [4, 4, 2], steps=2, chunk=2)
+    assert engine.prefix_stats.hit_blocks == 1
+    assert_generates(compiled, prompt + [4, 4, 2], tokens, logits)
+    engine.release(1)
+    first = engine.prefill(2, prompt, total_tokens=9)
+    assert first is not None
+    engine.fork(2, 3)
+    token = int(first.topk(2).indices[1])
+    out = engine.decode([2, 3], [int(first.argmax()), token])
+    want_tokens, want_logits = greedy_reference(compiled, prompt + [token], 1)
+    assert relative_error(out[1], want_logits[0]) < 1e-5
