@@ -150,3 +150,17 @@ def test_best_of_must_equal_n(cached: Running) -> None:
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "best_of"
     assert "best_of must equal n (2), got 3" in bad.json()["error"]["message"]
+
+
+def test_a_chat_of_n_samples_without_max_tokens_fits_the_pool(tiny_gguf: Path  # noqa: F811
+                                                              ) -> None:
+    # a pool of 24 blocks of 4 tokens: one sample could take the context (64 tokens, 16
+    # blocks), three share it, 8 blocks each
+    with serving(str(tiny_gguf), block_size=4, blocks=24) as server:
+        messages = [{"role": "user", "content": "cat"}]
+        ids = server.model.tokenizer.encode_chat(messages)
+        out = client(server).chat.completions.create(model=server.name, messages=messages,
+                                                     n=3, temperature=0)
+        new, text = server.expected(ids, 32 - len(ids))
+        assert [c.message.content for c in out.choices] == [text] * 3
+        assert out.usage.completion_tokens == 3 * len(new)

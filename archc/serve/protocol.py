@@ -231,12 +231,12 @@ def read_job(kind: str, body: dict[str, Any], served: Served) -> Job:
         raise bad_field("stop", "this model has no tokenizer to read text with")
     if kind == "chat":
         prompt, param = _chat_ids(body, served), "messages"
-        room = served.scheduler.room(len(prompt))
+        room = served.scheduler.room(len(prompt), n)
         asked = _whole(body, "max_completion_tokens", 1, None)
         max_tokens = _whole(body, "max_tokens", 1, asked if asked is not None else room)
     else:
         prompt, param = _prompt_ids(body, served), "prompt"
-        room = served.scheduler.room(len(prompt))
+        room = served.scheduler.room(len(prompt), n)
         max_tokens = _whole(body, "max_tokens", 1, min(DEFAULT_COMPLETION_TOKENS, room))
     assert max_tokens is not None
     served.scheduler.check(len(prompt), max(max_tokens, 1), prompt_param=param, n=n)

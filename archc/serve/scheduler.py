@@ -201,12 +201,13 @@ class Scheduler:
                            param="max_tokens",
                            code="context_length_exceeded")
 
-    def room(self, prompt_tokens: int) -> int:
-        """The most tokens a request with this prompt may ask for: what the context, the pool
-        and --max-tokens-in-flight leave (< 1: none)."""
-        tokens = min(self.max_seq_len, self.engine.blocks_total * self.engine.block_size,
-                     self.max_tokens_in_flight or self.max_seq_len)
-        while tokens > prompt_tokens and self.engine.blocks_for(tokens) > self.engine.blocks_total:
+    def room(self, prompt_tokens: int, n: int = 1) -> int:
+        """The most tokens a request with this prompt (and `n` samples) may ask for: what the
+        context, the pool and --max-tokens-in-flight leave (< 1: none)."""
+        pool = self.engine.blocks_total // n
+        tokens = min(self.max_seq_len, pool * self.engine.block_size,
+                     (self.max_tokens_in_flight or n * self.max_seq_len) // n)
+        while tokens > prompt_tokens and self.engine.blocks_for(tokens) > pool:
             tokens -= 1
         return tokens - prompt_tokens
 
