@@ -73,6 +73,7 @@ def test_a_second_chat_turn_finds_the_first_in_the_cache(cached: Running, uncach
     assert grew("archc_prefix_cache_hits_tokens_total") == shared
     assert grew("archc_prefix_cache_hits_blocks_total") == shared // 4
     assert grew("archc_prefix_cache_queries_tokens_total") > shared
+    assert after["archc_kv_blocks_cached"] >= shared // 4
     assert two_turns(uncached)[:2] == (first, second)
     assert uncached.wait_idle()["archc_prefix_cache_hits_tokens_total"] == 0
 

@@ -275,6 +275,9 @@ class Scheduler:
         self.metrics.set("archc_queue_depth", len(self.queue))
         self.metrics.set("archc_batch_size", len(self.running))
         self.metrics.set("archc_kv_blocks_free", self.engine.blocks_free())
+        cached = getattr(self.engine, "blocks_cached", None)
+        if cached is not None:
+            self.metrics.set("archc_kv_blocks_cached", cached())
         stats = getattr(self.engine, "prefix_stats", None)
         if stats is not None:
             for unit in ("tokens", "blocks"):
