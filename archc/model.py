@@ -372,12 +372,13 @@ class CompiledModel:
         return common
 
     def engine(self, block_size: int = 16, blocks: int | None = None,
-               max_batch: int = 16) -> PagedEngine:
+               max_batch: int = 16, prefix_cache: bool = True) -> PagedEngine:
         """Many sequences over one pool of `blocks` KV-cache blocks of `block_size` tokens,
         decoded `max_batch` at a time (``archc.runtime.batch.BatchEngine``). blocks=None: enough
-        for max_batch sequences of max_seq_len each. Decoder-only models on one device."""
+        for max_batch sequences of max_seq_len each; prefix_cache: full blocks of finished
+        sequences stay cached for later prompts. Decoder-only models on one device."""
         from archc.runtime.paged import PagedEngine
-        return PagedEngine(self, block_size, blocks, max_batch)
+        return PagedEngine(self, block_size, blocks, max_batch, prefix_cache)
 
     def _ids(self, x: Any) -> torch.Tensor:
         """Token ids [B, T] from ids, or from text through the model's tokenizer."""

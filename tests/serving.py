@@ -63,15 +63,17 @@ class Running:
 @contextlib.contextmanager
 def serving(source: str, *, max_batch: int = 16, blocks: int | None = None,
             max_tokens_in_flight: int | None = None, dtype: str = "f32",
-            backend: str = "eager") -> Iterator[Running]:
+            backend: str = "eager", prefix_cache: bool = True,
+            prefill_chunk: int | None = 512, block_size: int = 16) -> Iterator[Running]:
     """A server for `source` on a free loopback port, for as long as it is entered; the
     reference answers are eager's, whatever the server's backend."""
     torch.manual_seed(0)
     model = archc.load(source, dtype=dtype)
-    engine = engine_for(model.compile(backend, dtype=dtype), max_batch=max_batch, blocks=blocks)
+    engine = engine_for(model.compile(backend, dtype=dtype), max_batch=max_batch, blocks=blocks,
+                        prefix_cache=prefix_cache, block_size=block_size)
     scheduler = Scheduler(engine, tokenizer=model.tokenizer,
                           max_tokens_in_flight=max_tokens_in_flight,
-                          max_seq_len=model.spec.max_seq_len)
+                          max_seq_len=model.spec.max_seq_len, prefill_chunk=prefill_chunk)
     served = Served(scheduler, model.spec.name, model.tokenizer, model.spec.vocab_size,
                     tuple(model.eos_token_ids))
     server = Server(build_app(served), listen("127.0.0.1", 0), log_level="warning").start()

@@ -132,7 +132,8 @@ def test_prompts_share_the_full_blocks_of_a_common_prefix(backend: str) -> None:
     assert engine.blocks_free() == 12 - 3
     engine.release(2)
     assert engine.blocks_free() == 12
-    # nothing is held any more: a new prompt with the prefix computes it afresh
+    # nothing is held any more, but the prefix's full blocks stay cached: a new prompt holds
+    # them again
     check_engine(compiled, engine, [prefix + [1]], steps=2, first=5)
     assert engine.blocks_free() == 12 - 3
 

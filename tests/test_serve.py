@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from archc.serve.metrics import parse
 from archc.serve.scheduler import StopText
 from tests.model_files import tiny_gguf  # noqa: F401  (a fixture)
 from tests.serving import Running, client, serving
@@ -278,7 +279,8 @@ def test_the_command_serves_a_checkpoint(tiny_gguf: Path,  # noqa: F811
     status: list[int] = []
     thread = threading.Thread(target=lambda: status.append(main(
         ["serve", str(tiny_gguf), "--port", "0", "--max-batch", "3", "--quiet",
-         "--model-name", "tiny", "--max-tokens-in-flight", "40"])))
+         "--model-name", "tiny", "--max-tokens-in-flight", "40", "--prefill-chunk", "3",
+         "--no-prefix-cache", "--block-size", "4"])))
     thread.start()
     deadline = time.monotonic() + 60
     while not (started and started[0].server.started):
@@ -294,6 +296,15 @@ def test_the_command_serves_a_checkpoint(tiny_gguf: Path,  # noqa: F811
         error = httpx.post(f"{url}/v1/completions", json={
             "model": "tiny", "prompt": "the cat", "max_tokens": 39}).json()["error"]
         assert "--max-tokens-in-flight of 40" in error["message"]
+        # prompts in chunks of 3 tokens; the same prompt twice, the second not found in a
+        # cache that is off
+        for _ in range(2):
+            ids = api.completions.create(model="tiny", prompt="the cat sat on the mat",
+                                         max_tokens=1).usage.prompt_tokens
+        metrics = parse(httpx.get(f"{url}/metrics").text)
+        assert metrics["archc_prefill_chunks_total"] >= 1 + 2 * -(-ids // 3)
+        assert metrics["archc_prefix_cache_queries_tokens_total"] >= 2 * ids
+        assert metrics["archc_prefix_cache_hits_tokens_total"] == 0
     finally:
         server.server.should_exit = True
         thread.join(30)

@@ -38,7 +38,9 @@ def chat(**fields: Any) -> dict[str, Any]:
 BAD = [
     ("completions", completion(model="gpt-4"), 404, "model", "'gpt-4' does not exist"),
     ("completions", completion(model=None), 400, "model", "required"),
-    ("completions", completion(n=2), 400, "n", "one choice per request"),
+    ("completions", completion(n=0), 400, "n", "≥ 1"),
+    ("completions", completion(n=2, best_of=3), 400, "best_of", "must equal n (2)"),
+    ("completions", completion(n=17), 400, "n", "exceed the server's --max-batch of 16"),
     ("completions", completion(n="1"), 400, "n", "whole number"),
     ("completions", completion(max_tokens=0), 400, "max_tokens", "≥ 1"),
     ("completions", completion(max_tokens=2.5), 400, "max_tokens", "whole number"),
@@ -72,7 +74,7 @@ BAD = [
     ("chat/completions", chat(max_tokens=-4), 400, "max_tokens", "≥ 1"),
     ("chat/completions", chat(messages=[{"role": "user", "content": "the cat " * 40}]), 400,
      "messages", "leaves no room"),
-    ("chat/completions", chat(stream=True, n=3), 400, "n", "one choice per request"),
+    ("chat/completions", chat(stream=True, n=3, best_of=1), 400, "best_of", "must equal n"),
 ]
 
 
@@ -116,7 +118,8 @@ def test_the_openai_client_raises_its_own_errors(tiny: Running) -> None:
                                     messages=[{"role": "user", "content": "the cat"}])
     assert bad.value.code == "context_length_exceeded" and bad.value.param == "max_tokens"
     with pytest.raises(openai.BadRequestError) as bad:     # refused before a stream starts
-        api.completions.create(model=tiny.name, prompt="x", max_tokens=2, n=2, stream=True)
+        api.completions.create(model=tiny.name, prompt="the cat", max_tokens=2, n=0,
+                               stream=True)
     assert bad.value.param == "n"
     # and the server still answers
     out = api.completions.create(model=tiny.name, prompt="the cat", max_tokens=3, temperature=0)

@@ -21,6 +21,8 @@ from archc.ui import err_console
 
 port_number = number(int, 0, None)
 BLOCK_SIZE = 16     # tokens per KV-cache block
+PREFILL_CHUNK = 512     # prompt tokens a scheduler turn
+chunk_size = number(int, 0, None)
 
 
 def _port(text: str) -> int:
@@ -49,6 +51,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", type=positive_int, metavar="N",
                    help="KV-cache blocks in the pool (default: enough for --max-batch sequences "
                         "of max_seq_len tokens, or as many as half the free memory holds)")
+    p.add_argument("--prefill-chunk", type=chunk_size, default=PREFILL_CHUNK, metavar="N",
+                   help="prompt tokens prefilled a scheduler turn, between the running batch's "
+                        f"decode steps, so a long prompt does not stall running streams "
+                        f"(default {PREFILL_CHUNK}; 0: a whole prompt at once)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="forget a request's KV blocks when it ends (by default full blocks "
+                        "stay cached, and a later prompt with the same prefix, such as a chat's "
+                        "next turn, prefills only what follows it)")
     p.add_argument("--model-name", metavar="NAME",
                    help="the model's name in the API (default: the spec's name)")
     add(p, "backend", default="eager")
@@ -75,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             "--block-size", None, BLOCK_SIZE, spec.max_seq_len,
             f"{spec.name}'s max_seq_len = {spec.max_seq_len}", quiet=args.quiet)
         engine = engine_for(compiled, max_batch=args.max_batch, block_size=block_size,
-                            blocks=args.blocks)
+                            blocks=args.blocks, prefix_cache=not args.no_prefix_cache)
         # a default pool holds what half the free memory does: fewer sequences of max_seq_len
         # at once, or, when not even one, a shorter context
         context = min(engine.max_seq_len, engine.blocks_total * engine.block_size)
@@ -89,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
                     if context < engine.max_seq_len else ""), args.quiet)
         scheduler = Scheduler(engine, tokenizer=model.tokenizer,
                               max_tokens_in_flight=args.max_tokens_in_flight,
-                              max_seq_len=context)
+                              max_seq_len=context, prefill_chunk=args.prefill_chunk or None)
         name = args.model_name or model.spec.name
         served = Served(scheduler, name, model.tokenizer, model.spec.vocab_size,
                         tuple(model.eos_token_ids), seed=args.seed)

@@ -42,11 +42,27 @@ class BatchEngine(Protocol):
         """Blocks a sequence of `tokens` tokens holds."""
         ...
 
-    def prefill(self, seq: int, tokens: Sequence[int], total_tokens: int) -> torch.Tensor:
+    def prefill(self, seq: int, tokens: Sequence[int], total_tokens: int,
+                chunk: int | None = None) -> torch.Tensor | None:
         """Start sequence `seq` on its prompt `tokens`, reserving the blocks of `total_tokens`
         tokens (prompt and every token it may generate): the logits of its last token, [vocab].
-        Raises PoolExhausted when the pool cannot reserve them, ArchcError for a known `seq` or
-        a `total_tokens` past max_seq_len."""
+        With `chunk`, at most `chunk` prompt tokens are computed, and None says more are left
+        (``resume``). Raises PoolExhausted when the pool cannot reserve them, ArchcError for a
+        known `seq` or a `total_tokens` past max_seq_len."""
+        ...
+
+    def resume(self, seq: int, chunk: int | None = None) -> torch.Tensor | None:
+        """Prefill up to `chunk` more tokens of `seq`'s prompt (None: all): its last token's
+        logits [vocab] once the prompt is all in the cache, else None."""
+        ...
+
+    def pending(self, seq: int) -> int:
+        """Prompt tokens of `seq` not yet prefilled."""
+        ...
+
+    def fork(self, parent: int, child: int) -> None:
+        """Start `child` where the prefilled `parent` stands, sharing its KV blocks (a copy of
+        the last, partial one), with the blocks of the parent's total_tokens reserved."""
         ...
 
     def decode(self, seqs: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:

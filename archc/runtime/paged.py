@@ -11,16 +11,27 @@ decode step is one token of each live sequence, whatever their lengths. A sequen
 its prefill, every block its `total_tokens` may fill, and holds them until it is released: a
 running sequence never waits for memory.
 
-Prompts share prefixes: a full block of prompt tokens that a live sequence holds (the same
-tokens after the same earlier blocks) is held by a new sequence with that prefix too, and its
-tokens are not computed again. Only full prompt blocks are shared, and a sequence writes only at
-positions past its own length, so a shared block is never written (no copy on write); a block
-returns to the pool with its last holder.
+A prefix cache outlives its requests: every full block of a sequence (prompt or generated
+tokens) is indexed by a chained hash, of the hash of the block before it and its own token ids,
+so a block's hash names the whole prefix it ends. A later prompt that starts with the same full
+blocks holds those blocks and its prefill computes only the tokens after them (a chat's second
+turn prefills only the new turn). A block keeps its hash when its last holder is released: it is
+idle, still cached, and counted free; the pool takes idle blocks back, least recently released
+first, only when it has no block that never held a cached prefix. A held block (its refcount
+above 0) is never taken. A sequence writes only at positions past its own length, so a shared
+full block is never written; ``fork`` gives a new sequence the full blocks of a running one and
+a copy of its last, partial block (the only one either may still write).
+
+    engine.prefill(7, ids, total, chunk=512)   # the first 512 tokens; None: more to come
+    while (logits := engine.resume(7, chunk=512)) is None: ...
+    engine.fork(7, 8)                          # sequence 8: 7's prompt, its blocks shared
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -65,6 +76,27 @@ class _Sequence:
     blocks: list[int]       # the blocks it holds: its block table, in order
     length: int             # tokens in the cache
     total: int              # tokens it reserved blocks for
+    ids: list[int]          # its tokens: those in the cache, then the prompt's still to prefill
+    hashes: list[bytes]     # the chained hash of each of its full blocks, in order
+
+
+@dataclass
+class PrefixStats:
+    """What the prefix cache found, summed over prefills: prompt tokens and full prompt blocks
+    looked up, and those found cached (not computed)."""
+
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    query_blocks: int = 0
+    hit_blocks: int = 0
+
+
+def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The chained hash of a full block: of the hash of the block before it (b"" for the
+    first) and its token ids, so that it names every token of the prefix it ends."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    return h.digest()
 
 
 def _whole(value: Any, what: str, least: int) -> int:
@@ -154,6 +186,10 @@ class _EagerSteps:
         ctx = EagerContext(dict(B=1, T=tokens, P=0, S=0), None, paged=self.pool)
         return run_graph(self.last if last else self.graph, self.params, inputs, ctx)["logits"]
 
+    def copy_block(self, src: int, dst: int) -> None:
+        for pool in self.pool.store.values():       # [blocks, H_kv, block_size, D]
+            pool[dst] = pool[src]
+
 
 class _TritonSteps:
     """Paged steps on the paged program's generated kernels; the compiled session's
@@ -190,13 +226,18 @@ class _TritonSteps:
         runner.execute(plan, s.ctx, 0)
         return plan.outputs["logits"].clone()
 
+    def copy_block(self, src: int, dst: int) -> None:
+        self.session.cache.ensure(self.blocks)
+        for pool in self.session.cache.store.values():     # [blocks, H_kv, block_size, D]
+            pool[dst] = pool[src]
+
 
 class PagedEngine:
     """A compiled decoder running many sequences over one pool of KV-cache blocks: implements
     ``archc.runtime.batch.BatchEngine``."""
 
     def __init__(self, compiled: Compiled, block_size: int = 16, blocks: int | None = None,
-                 max_batch: int = 16) -> None:
+                 max_batch: int = 16, prefix_cache: bool = True) -> None:
         refuse_unservable(compiled)
         self.block_size = _whole(block_size, "block_size", 1)
         self.max_batch = _whole(max_batch, "max_batch", 1)
@@ -216,62 +257,95 @@ class PagedEngine:
         # blocks handed out lowest first: a fresh engine's first sequence holds blocks 0, 1, …
         self._free = list(range(self.blocks_total - 1, -1, -1))
         self._seqs: dict[int, _Sequence] = {}
-        # shared prompt prefixes: a full block of prompt tokens is found by (the block before
-        # it, or −1, and its tokens) while a live sequence holds it; `_holders` counts them
-        self._prefix: dict[tuple[int, tuple[int, ...]], int] = {}
-        self._key_of: dict[int, tuple[int, tuple[int, ...]]] = {}
-        self._holders: dict[int, int] = {}
+        # the prefix cache: a full block by its chained hash, held or idle; `_refs` counts the
+        # live sequences holding each block; idle cached blocks in the order they were released
+        self.prefix_cache = prefix_cache
+        self.prefix_stats = PrefixStats()
+        self._cached: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self._refs: dict[int, int] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()
 
     # ---- the pool -------------------------------------------------------------------------
 
     def blocks_free(self) -> int:
-        """Blocks neither held nor reserved by a live sequence."""
-        return len(self._free)
+        """Blocks neither held nor reserved by a live sequence (idle cached blocks included:
+        the pool takes them back when it needs them)."""
+        return len(self._free) + len(self._idle)
+
+    def blocks_cached(self) -> int:
+        """Blocks that hold a cached full block, held or idle."""
+        return len(self._hash_of)
 
     def blocks_for(self, tokens: int) -> int:
         """Blocks a sequence of `tokens` tokens holds."""
         return math.ceil(_whole(tokens, "tokens", 0) / self.block_size)
 
     def release(self, seq: int) -> None:
-        """Sequence `seq` is done (finished or cancelled): its blocks go back to the pool."""
+        """Sequence `seq` is done (finished or cancelled): its blocks go back to the pool; a
+        cached one stays cached, idle, until the pool needs it."""
         held = self._seqs.pop(self._known(seq), None)
         assert held is not None
+        # its last block first: of one sequence's blocks, the pool takes the tail first
         for block in reversed(held.blocks):
-            self._holders[block] -= 1
-            if self._holders[block] == 0:      # its last holder: the block is free again
-                del self._holders[block]
-                key = self._key_of.pop(block, None)
-                if key is not None:
-                    del self._prefix[key]
-                self._free.append(block)
+            self._refs[block] -= 1
+            if self._refs[block] == 0:      # its last holder
+                del self._refs[block]
+                if block in self._hash_of:
+                    self._idle[block] = None
+                else:
+                    self._free.append(block)
 
-    def _shared_prefix(self, ids: list[int]) -> list[int]:
-        """The blocks of live sequences that hold the same first full blocks of prompt tokens
-        as `ids`, in order; at least the last token is left to compute (its logits)."""
-        shared: list[int] = []
+    def _take(self) -> int:
+        """A block for a sequence to write: a never-cached one, else the idle cached block
+        released longest ago (its hash forgotten)."""
+        if self._free:
+            block = self._free.pop()
+        else:
+            block, _ = self._idle.popitem(last=False)
+            del self._cached[self._hash_of.pop(block)]
+        self._refs[block] = 1
+        return block
+
+    def _hold(self, block: int) -> None:
+        self._idle.pop(block, None)
+        self._refs[block] = self._refs.get(block, 0) + 1
+
+    def _lookup(self, ids: list[int]) -> tuple[list[int], list[bytes]]:
+        """The cached blocks that hold the first full blocks of `ids`, and their hashes; at
+        least the last token is left to compute (its logits)."""
+        blocks: list[int] = []
+        hashes: list[bytes] = []
+        if not self.prefix_cache:
+            return blocks, hashes
         for i in range((len(ids) - 1) // self.block_size):
-            key = (shared[-1] if shared else -1,
-                   tuple(ids[i * self.block_size:(i + 1) * self.block_size]))
-            block = self._prefix.get(key)
+            h = block_hash(hashes[-1] if hashes else b"",
+                           ids[i * self.block_size:(i + 1) * self.block_size])
+            block = self._cached.get(h)
             if block is None:
                 break
-            shared.append(block)
-        return shared
+            blocks.append(block)
+            hashes.append(h)
+        return blocks, hashes
 
-    def _offer_prefix(self, held: _Sequence, ids: list[int]) -> None:
-        """After a prefill: the full blocks of its prompt may be shared by later prompts."""
-        for i in range(len(ids) // self.block_size):
-            key = (held.blocks[i - 1] if i else -1,
-                   tuple(ids[i * self.block_size:(i + 1) * self.block_size]))
-            if key not in self._prefix and held.blocks[i] not in self._key_of:
-                self._prefix[key] = held.blocks[i]
-                self._key_of[held.blocks[i]] = key
+    def _index(self, held: _Sequence) -> None:
+        """Its blocks filled since it was last indexed enter the prefix cache."""
+        for i in range(len(held.hashes), held.length // self.block_size):
+            h = block_hash(held.hashes[-1] if held.hashes else b"",
+                           held.ids[i * self.block_size:(i + 1) * self.block_size])
+            held.hashes.append(h)
+            block = held.blocks[i]
+            if self.prefix_cache and h not in self._cached and block not in self._hash_of:
+                self._cached[h] = block
+                self._hash_of[block] = h
 
     # ---- steps ----------------------------------------------------------------------------
 
-    def prefill(self, seq: int, tokens: Sequence[int], total_tokens: int) -> torch.Tensor:
+    def prefill(self, seq: int, tokens: Sequence[int], total_tokens: int,
+                chunk: int | None = None) -> torch.Tensor | None:
         """Start `seq` on its prompt, reserving the blocks of `total_tokens` tokens: the logits
-        of its last token, [vocab]."""
+        of its last token, [vocab]. With `chunk`, only its first `chunk` tokens not cached are
+        computed, and None says there are more (``resume``)."""
         if isinstance(seq, bool) or not isinstance(seq, int):
             raise EngineError(f"a sequence id is an integer, got {seq!r}")
         if seq in self._seqs:
@@ -280,6 +354,8 @@ class PagedEngine:
         if not ids:
             raise EngineError(f"sequence {seq}: the prompt is empty")
         total = _whole(total_tokens, "total_tokens", 1)
+        if chunk is not None:
+            _whole(chunk, "chunk", 1)
         if total < len(ids):
             raise EngineError(f"sequence {seq}: total_tokens={total} is shorter than its "
                               f"{len(ids)}-token prompt")
@@ -288,27 +364,72 @@ class PagedEngine:
                               + (f"max_seq_len = {self.max_seq_len}"
                                  if self.shorter_context is None else
                                  f"{self.max_seq_len}: {self.shorter_context}"))
-        # full blocks of a prompt prefix that a live sequence holds are shared, not computed
-        # again: a sequence never writes below its length, so they stay as they are
-        shared = self._shared_prefix(ids)
+        # cached full blocks of the prompt's prefix are held, not computed again: a sequence
+        # never writes below its length, so they stay as they are
+        shared, hashes = self._lookup(ids)
         need = self.blocks_for(total) - len(shared)
-        if need > len(self._free):
+        if need > self.blocks_free() - sum(b in self._idle for b in shared):
             raise PoolExhausted(f"sequence {seq} needs {need} blocks of {self.block_size} "
-                                f"tokens; {len(self._free)} of {self.blocks_total} are free")
-        held = _Sequence(shared + [self._free.pop() for _ in range(need)], 0, total)
-        for block in held.blocks:
-            self._holders[block] = self._holders.get(block, 0) + 1
+                                f"tokens; {self.blocks_free()} of {self.blocks_total} are free")
+        stats = self.prefix_stats
+        stats.query_tokens += len(ids)
+        stats.query_blocks += (len(ids) - 1) // self.block_size
+        stats.hit_blocks += len(shared)
+        stats.hit_tokens += len(shared) * self.block_size
+        for block in shared:
+            self._hold(block)
+        held = _Sequence(shared + [self._take() for _ in range(need)],
+                         len(shared) * self.block_size, total, ids, hashes)
         self._seqs[seq] = held
-        start = len(shared) * self.block_size
-        try:    # the logits of the prompt's last token only
-            logits = self._step([held] * (len(ids) - start), list(range(start, len(ids))),
-                                ids[start:], last=True)
+        return self.resume(seq, chunk)
+
+    def resume(self, seq: int, chunk: int | None = None) -> torch.Tensor | None:
+        """Prefill up to `chunk` more of `seq`'s prompt (None: all of it): the logits of the
+        prompt's last token, [vocab], once it is all in the cache, else None."""
+        held = self._seqs[self._known(seq)]
+        start = held.length
+        if start >= len(held.ids):
+            raise EngineError(f"sequence {seq} has no prompt left to prefill")
+        end = len(held.ids) if chunk is None else min(len(held.ids),
+                                                      start + _whole(chunk, "chunk", 1))
+        try:    # the logits of the chunk's last token only
+            logits = self._step([held] * (end - start), list(range(start, end)),
+                                held.ids[start:end], last=True)
         except BaseException:
             self.release(seq)
             raise
-        held.length = len(ids)
-        self._offer_prefix(held, ids)
-        return logits[-1]
+        held.length = end
+        self._index(held)
+        return logits[-1] if end == len(held.ids) else None
+
+    def pending(self, seq: int) -> int:
+        """Prompt tokens of `seq` not yet prefilled."""
+        held = self._seqs[self._known(seq)]
+        return len(held.ids) - held.length
+
+    def fork(self, parent: int, child: int) -> None:
+        """Start `child` where `parent` (prefilled) stands: it holds the parent's full blocks,
+        a copy of its last, partial block, and reserves the blocks of the parent's
+        total_tokens. Both then decode on their own."""
+        if isinstance(child, bool) or not isinstance(child, int):
+            raise EngineError(f"a sequence id is an integer, got {child!r}")
+        if child in self._seqs:
+            raise EngineError(f"sequence {child} is already running; release it first")
+        src = self._seqs[self._known(parent)]
+        if src.length < len(src.ids):
+            raise EngineError(f"sequence {parent} is still prefilling; fork it once it is done")
+        full = src.length // self.block_size
+        need = self.blocks_for(src.total) - full
+        if need > self.blocks_free():
+            raise PoolExhausted(f"sequence {child} needs {need} blocks of {self.block_size} "
+                                f"tokens; {self.blocks_free()} of {self.blocks_total} are free")
+        for block in src.blocks[:full]:
+            self._hold(block)
+        fresh = [self._take() for _ in range(need)]
+        if src.length % self.block_size:        # the partial block: the one both will write
+            self.steps.copy_block(src.blocks[full], fresh[0])
+        self._seqs[child] = _Sequence(src.blocks[:full] + fresh, src.length, src.total,
+                                      list(src.ids), list(src.hashes))
 
     def decode(self, seqs: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         """One step of each live sequence in `seqs`, fed its next token: logits
@@ -328,9 +449,15 @@ class PagedEngine:
             if h.length >= h.total:
                 raise EngineError(f"sequence {s} has reached the {h.total} tokens it reserved "
                                   "(total_tokens at its prefill)")
+        for s, h in zip(seqs, held):
+            if h.length < len(h.ids):
+                raise EngineError(f"sequence {s} is still prefilling its prompt")
         logits = self._step(held, [h.length for h in held], ids)
-        for h in held:
+        for h, token in zip(held, ids):
+            h.ids.append(token)
             h.length += 1
+            if h.length % self.block_size == 0:
+                self._index(h)
         return logits
 
     def _step(self, rows: list[_Sequence], positions: list[int], ids: list[int], *,

@@ -46,14 +46,14 @@ class Submitted:
         self.served = served
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.request = Request(job.prompt, job.max_tokens, lambda e: loop.call_soon_threadsafe(
-            self.events.put_nowait, e), job.sampling, job.stop, served.eos,
+            self.events.put_nowait, e), job.sampling, job.stop, served.eos, n=job.n,
             constraint=job.constraint)
         served.scheduler.submit(self.request)    # refused here, before any response starts
 
     async def each(self, is_gone: Callable[[], Any]) -> AsyncIterator[Event]:
         """The events as they come; the request is cancelled when the consumer stops early (a
         closed stream) or `is_gone` says the client has disconnected."""
-        checked = time.monotonic()
+        checked, ended = time.monotonic(), 0
         try:
             while True:
                 try:
@@ -67,7 +67,8 @@ class Submitted:
                 if event is None:
                     continue
                 yield event
-                if event.finish is not None:
+                ended += event.finish is not None
+                if ended == self.request.n:     # every sample has ended
                     return
         finally:
             self.served.scheduler.cancel(self.request)
@@ -134,7 +135,8 @@ def build_app(served: Served) -> FastAPI:
 
     async def _stream(job: Job, answer: Answer, submitted: Submitted) -> AsyncIterator[str]:
         if job.kind == "chat":
-            yield sse(answer.first_chunk())
+            for index in range(job.n):
+                yield sse(answer.first_chunk(index))
         # the response itself listens for the client going away (EventStream)
         async for event in submitted.each(_never):
             if event.finish == "error":

@@ -112,6 +112,10 @@ class Constraint:
         """Write the allowed-token bits into `words`, one contiguous int32 row on the host."""
         self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
 
+    def copy(self) -> Constraint:
+        """Another sample's matcher, at the same point of the grammar."""
+        return Constraint(self.matcher.deep_copy(), self.vocab_size)
+
     def take(self, token: int) -> None:
         if not self.matcher.consume_token(token):
             raise RuntimeError(f"the grammar refused token {token}: "

@@ -66,6 +66,18 @@ METRICS = {
                                           "request"),
     "archc_kv_blocks_free": ("gauge", "KV-cache blocks neither held nor reserved"),
     "archc_kv_blocks_total": ("gauge", "KV-cache blocks in the pool"),
+    "archc_kv_blocks_cached": ("gauge", "KV-cache blocks holding a cached full block of a prefix "
+                               "(held or idle; idle ones count as free)"),
+    "archc_prefill_chunks_total": ("counter", "prefill steps run (a prompt in chunks of "
+                                   "--prefill-chunk tokens takes several)"),
+    "archc_prefix_cache_queries_tokens_total": ("counter", "prompt tokens looked up in the "
+                                                "prefix cache"),
+    "archc_prefix_cache_hits_tokens_total": ("counter", "prompt tokens found in the prefix "
+                                             "cache (not computed)"),
+    "archc_prefix_cache_queries_blocks_total": ("counter", "full prompt blocks looked up in the "
+                                                "prefix cache"),
+    "archc_prefix_cache_hits_blocks_total": ("counter", "full prompt blocks found in the prefix "
+                                             "cache"),
 }
 
 
@@ -81,7 +93,11 @@ class Metrics:
                      "archc_inter_token_latency_seconds": Histogram(LATENCY_BUCKETS)}
         for name in ("archc_requests_received_total", "archc_prompt_tokens_total",
                      "archc_generation_tokens_total", "archc_queue_depth", "archc_batch_size",
-                     "archc_batch_size_max"):
+                     "archc_batch_size_max", "archc_prefill_chunks_total", "archc_kv_blocks_cached",
+                     "archc_prefix_cache_queries_tokens_total",
+                     "archc_prefix_cache_hits_tokens_total",
+                     "archc_prefix_cache_queries_blocks_total",
+                     "archc_prefix_cache_hits_blocks_total"):
             self.counts[name][()] = 0
         self.counts["archc_kv_blocks_total"][()] = blocks_total
         self.counts["archc_kv_blocks_free"][()] = blocks_total

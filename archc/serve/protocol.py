@@ -102,8 +102,9 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(strings)
 
 
-def _common(body: dict[str, Any], served: Served) -> None:
-    """The checks every generation request shares: the model, n, what is not implemented."""
+def _common(body: dict[str, Any], served: Served) -> int:
+    """The checks every generation request shares: the model, what is not implemented; n, the
+    samples asked for (best_of may only repeat it: every sample is returned)."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_field("model", "required: the name of the model (GET /v1/models)",
@@ -112,11 +113,15 @@ def _common(body: dict[str, Any], served: Served) -> None:
         raise APIError(404, f"the model {model!r} does not exist; this server serves "
                        f"{served.name!r}", param="model", code="model_not_found")
     n = _whole(body, "n", 1, 1)
-    if n != 1:
-        raise bad_field("n", f"this server returns one choice per request (n = 1), got {n}")
+    assert n is not None
+    best_of = _whole(body, "best_of", 1, None)
+    if best_of is not None and best_of != n:
+        raise bad_field("best_of", f"this server returns every sample it draws: best_of must "
+                        f"equal n ({n}), got {best_of}", code="unsupported_parameter")
     for name, defaults in UNSUPPORTED.items():
-        if name in body and body[name] not in defaults:
+        if name in body and body[name] not in defaults and name != "best_of":
             raise bad_field(name, "not supported by this server", code="unsupported_parameter")
+    return n
 
 
 def _sampling(body: dict[str, Any], served: Served) -> Sampling:
@@ -216,11 +221,12 @@ class Job:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    n: int = 1                  # samples, each a choice
     constraint: Constraint | None = None    # response_format's grammar
 
 
 def read_job(kind: str, body: dict[str, Any], served: Served) -> Job:
-    _common(body, served)
+    n = _common(body, served)
     stream = _flag(body, "stream")
     include_usage = _stream_options(body, stream)
     sampling, stop = _sampling(body, served), _stop(body)
@@ -228,18 +234,18 @@ def read_job(kind: str, body: dict[str, Any], served: Served) -> Job:
         raise bad_field("stop", "this model has no tokenizer to read text with")
     if kind == "chat":
         prompt, param = _chat_ids(body, served), "messages"
-        room = served.scheduler.room(len(prompt))
+        room = served.scheduler.room(len(prompt), n)
         asked = _whole(body, "max_completion_tokens", 1, None)
         max_tokens = _whole(body, "max_tokens", 1, asked if asked is not None else room)
     else:
         prompt, param = _prompt_ids(body, served), "prompt"
-        room = served.scheduler.room(len(prompt))
+        room = served.scheduler.room(len(prompt), n)
         max_tokens = _whole(body, "max_tokens", 1, min(DEFAULT_COMPLETION_TOKENS, room))
     assert max_tokens is not None
-    served.scheduler.check(len(prompt), max(max_tokens, 1), prompt_param=param)
+    served.scheduler.check(len(prompt), max(max_tokens, 1), prompt_param=param, n=n)
     grammar = read_grammar(body)
     constraint = served.grammars.constraint(grammar) if grammar is not None else None
-    return Job(kind, prompt, max_tokens, sampling, stop, stream, include_usage, constraint)
+    return Job(kind, prompt, max_tokens, sampling, stop, stream, include_usage, n, constraint)
 
 
 # ---- answering -------------------------------------------------------------------------------
@@ -253,7 +259,8 @@ class Answer:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.object = "chat.completion" if chat else "text_completion"
         self.created = int(time.time())
-        self.text: list[str] = []
+        self.text: list[list[str]] = [[] for _ in range(job.n)]      # by choice index
+        self.finish: dict[int, str] = {}
         self.completion_tokens = 0
 
     def _head(self, obj: str) -> dict[str, Any]:
@@ -266,26 +273,29 @@ class Answer:
                 "total_tokens": prompt + self.completion_tokens}
 
     def take(self, event: Event) -> None:
-        self.text.append(event.text)
+        self.text[event.index].append(event.text)
         self.completion_tokens += event.token is not None
+        if event.finish is not None:
+            self.finish[event.index] = event.finish
 
-    def choice(self, text: str, finish: str | None, *, delta: bool) -> dict[str, Any]:
+    def choice(self, text: str, finish: str | None, *, delta: bool, index: int = 0
+               ) -> dict[str, Any]:
         if self.job.kind == "completion":
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
         key = "delta" if delta else "message"
         body = ({"content": text} if text else {}) if delta else \
             {"role": "assistant", "content": text}
-        return {"index": 0, key: body, "logprobs": None, "finish_reason": finish}
+        return {"index": index, key: body, "logprobs": None, "finish_reason": finish}
 
     def chunk(self, event: Event) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.job.kind == "chat" else "text_completion"
         return {**self._head(obj), "choices": [self.choice(event.text, event.finish,
-                                                           delta=True)]}
+                                                           delta=True, index=event.index)]}
 
-    def first_chunk(self) -> dict[str, Any]:
-        """A chat stream opens with the assistant's role, as OpenAI's does."""
+    def first_chunk(self, index: int = 0) -> dict[str, Any]:
+        """A chat stream opens with the assistant's role, as OpenAI's does (per choice)."""
         return {**self._head("chat.completion.chunk"), "choices": [
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
              "finish_reason": None}]}
 
     def usage_chunk(self) -> dict[str, Any]:
@@ -294,7 +304,9 @@ class Answer:
 
     def whole(self, finish: str) -> dict[str, Any]:
         return {**self._head(self.object),
-                "choices": [self.choice("".join(self.text), finish, delta=False)],
+                "choices": [self.choice("".join(text), self.finish.get(i, finish),
+                                        delta=False, index=i)
+                            for i, text in enumerate(self.text)],
                 "usage": self.usage()}
 
 
