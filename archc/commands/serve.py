@@ -8,11 +8,15 @@ blocks). One scheduler runs every live request in one batch (continuous batching
 is prefilled and joins the next decode step, a finished or cancelled one leaves at once. A
 request waits in the queue until the batch has a row free and the KV-cache pool holds every block
 it can need, so none ever stops mid-stream for lack of memory. Any OpenAI client talks to it:
-`OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")`."""
+`OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")`.
+
+An encoder checkpoint (BERT, MiniLM …) is served on `POST /v1/embeddings` instead, pooled and
+normalized as its sentence-transformers files declare (`archc.serve.embeddings`)."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from archc.commands.chat import load_for_text
 from archc.commands.defaults import fitted, note
@@ -68,9 +72,11 @@ def run(args: argparse.Namespace) -> int:
     _check_installed()
     sock = listen(args.host, args.port)     # an address in use is refused before loading
     try:
-        run_, model = load_for_text(args, "archc serve", chat=False)
+        run_, model = load_for_text(args, "archc serve", chat=False, encoder=True)
         compiled = run_.compile(model)
         spec = model.spec
+        if spec.family == "encoder":
+            return _serve_embeddings(args, sock, run_, model, compiled)
         block_size = args.block_size or fitted(
             "--block-size", None, BLOCK_SIZE, spec.max_seq_len,
             f"{spec.name}'s max_seq_len = {spec.max_seq_len}", quiet=args.quiet)
@@ -104,6 +110,29 @@ def run(args: argparse.Namespace) -> int:
         Server(build_app(served), sock, log_level="warning" if args.quiet else "info").run()
     finally:
         sock.close()
+    return 0
+
+
+def _serve_embeddings(args: argparse.Namespace, sock: Any, run_: Any, model: Any,
+                      compiled: Any) -> int:
+    from archc.serve.app import build_app
+    from archc.serve.embeddings import embedder_for
+    from archc.serve.protocol import Served
+    from archc.serve.server import Server
+    embedder = embedder_for(model, compiled, max_batch=args.max_batch)
+    name = args.model_name or model.spec.name
+    served = Served(None, name, model.tokenizer, model.spec.vocab_size, (), seed=args.seed,
+                    family="encoder", embedder=embedder)
+    run_.timings.report(args.quiet)
+    if not args.quiet:
+        host, port = sock.getsockname()[:2]
+        pooling = embedder.pooling
+        err_console.print(
+            f"serving {name} embeddings at http://{host}:{port}/v1 · {embedder.dimensions} "
+            f"dimensions · {pooling.mode} pooling{', normalized' * pooling.normalize} · inputs "
+            f"of up to {embedder.max_tokens} tokens, {embedder.max_batch} a batch",
+            soft_wrap=True, highlight=False, markup=False)
+    Server(build_app(served), sock, log_level="warning" if args.quiet else "info").run()
     return 0
 
 
