@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
                               max_seq_len=context)
         name = args.model_name or model.spec.name
         served = Served(scheduler, name, model.tokenizer, model.spec.vocab_size,
-                        tuple(model.eos_token_ids), seed=args.seed)
+                        tuple(model.eos_token_ids), seed=args.seed, family=spec.family)
         run_.timings.report(args.quiet)
         if not args.quiet:
             host, port = sock.getsockname()[:2]

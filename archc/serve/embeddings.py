@@ -211,17 +211,19 @@ def read_inputs(body: dict[str, Any], served: Served) -> list[list[int]]:
 
 
 def read_format(body: dict[str, Any], served: Served) -> str:
+    """The answer's encoding (float unless asked); `dimensions`, when given, must be the
+    model's own: an encoder's vectors cannot be shortened."""
+    dims = body.get("dimensions")
+    if dims is not None and (isinstance(dims, bool) or dims != served.embedder.dimensions):
+        raise bad_field("dimensions", f"{served.name}'s vectors have "
+                        f"{served.embedder.dimensions} dimensions and cannot be shortened, got "
+                        f"{json.dumps(dims)}", code="unsupported_parameter")
     fmt = body.get("encoding_format")
     if fmt is None:
         return "float"
     if fmt not in ENCODING_FORMATS:
         raise bad_field("encoding_format", f"must be one of {', '.join(ENCODING_FORMATS)}, got "
                         f"{json.dumps(fmt)}")
-    dims = body.get("dimensions")
-    if dims is not None and dims != served.embedder.dimensions:
-        raise bad_field("dimensions", f"{served.name}'s vectors have "
-                        f"{served.embedder.dimensions} dimensions and cannot be shortened, got "
-                        f"{json.dumps(dims)}", code="unsupported_parameter")
     return str(fmt)
 
 
