@@ -128,6 +128,9 @@ def test_base64_is_the_float_vector_little_endian(minilm: Running) -> None:
 
 def test_token_ids_are_taken_as_given(minilm: Running, bert: Any) -> None:
     ids = bert[0](TEXTS[0])["input_ids"]             # [CLS] hello world [SEP]
+    # tokenizer.json pads to 128 and truncates there: archc's tokenizer does neither
+    assert minilm.model.tokenizer.encode(TEXTS[0]) == ids
+    assert len(minilm.model.tokenizer.encode(LONG)) == 302
     api = client(minilm)
     text = api.embeddings.create(model=minilm.name, input=TEXTS[0], encoding_format="float")
     for given in (ids, [ids, ids]):
@@ -174,7 +177,8 @@ def test_an_encoder_refuses_to_generate(minilm: Running) -> None:
 
 
 def test_a_decoder_refuses_to_embed() -> None:
-    with serving(str(smollm2_gguf())) as running, pytest.raises(openai.BadRequestError) as err:
+    with serving(str(smollm2_gguf()), max_batch=1, blocks=4) as running, \
+            pytest.raises(openai.BadRequestError) as err:
         client(running).embeddings.create(model=running.name, input="hello",
                                           encoding_format="float")
     assert f"{running.name} is a decoder model" in err.value.message
@@ -210,6 +214,15 @@ def test_bad_input_is_a_400_naming_the_field(minilm: Running, extra: dict[str, A
     assert error["type"] == "invalid_request_error"
     assert error["message"].startswith(param) and message in error["message"], error
     assert "Traceback" not in r.text
+
+
+def test_metrics_count_embeddings(minilm: Running, bert: Any) -> None:
+    tokens = sum(len(bert[0](t)["input_ids"]) for t in TEXTS[:2])
+    before = minilm.metrics()
+    client(minilm).embeddings.create(model=minilm.name, input=TEXTS[:2])
+    after = minilm.metrics()
+    assert after["archc_embedding_requests_total"] == before["archc_embedding_requests_total"] + 1
+    assert after["archc_prompt_tokens_total"] - before["archc_prompt_tokens_total"] == tokens
 
 
 def test_the_model_is_named(minilm: Running) -> None:

@@ -35,14 +35,16 @@ def _port(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add(p, "source", detail="a checkpoint with a tokenizer (chat needs its chat template)")
+    add(p, "source", detail="a checkpoint with a tokenizer (chat needs its chat template); "
+        "an encoder's serves embeddings")
     p.add_argument("--host", default="127.0.0.1", metavar="ADDRESS",
                    help="the address to listen on (default 127.0.0.1: this machine only; "
                         "0.0.0.0 for every interface)")
     p.add_argument("--port", type=_port, default=8000, metavar="PORT",
                    help="the TCP port to listen on; 0 picks a free one (default 8000)")
     p.add_argument("--max-batch", type=positive_int, default=16, metavar="N",
-                   help="sequences one decode step runs together, at most (default 16)")
+                   help="sequences one decode step runs together, at most (an encoder: inputs one "
+                        "forward pass embeds; default 16)")
     p.add_argument("--max-tokens-in-flight", type=positive_int, metavar="N",
                    help="tokens (prompt and max_tokens) the running requests may reserve "
                         "together; a request waits in the queue beyond it (default: as many "

@@ -165,6 +165,7 @@ def build_app(served: Served) -> FastAPI:
         inputs, fmt = embeddings.read_request(await body_of(request), served)
         vectors = await asyncio.to_thread(served.embedder.embed, inputs)
         served.metrics.add("archc_prompt_tokens_total", sum(len(ids) for ids in inputs))
+        served.metrics.add("archc_embedding_requests_total")
         return JSONResponse(embeddings.response(vectors, inputs, fmt, served))
 
     def model_card() -> dict[str, Any]:
