@@ -235,3 +235,49 @@ def test_the_model_is_named(minilm: Running) -> None:
     assert [m.id for m in models] == [minilm.name]
     assert httpx.get(f"{minilm.url}/health", timeout=10).json() == {"status": "ok"}
 
+
+
+def declared(tmp_path: Path, modules: list[str], pooling: dict[str, Any] | None) -> Path:
+    """A directory of sentence-transformers files only: `modules` (their types) and the
+    pooling config."""
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "modules.json").write_text(json.dumps(
+        [{"idx": i, "name": str(i), "path": "1_Pooling" if kind == "Pooling" else "",
+          "type": f"sentence_transformers.models.{kind}"} for i, kind in enumerate(modules)]))
+    if pooling is not None:
+        (tmp_path / "1_Pooling").mkdir()
+        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    return tmp_path
+
+
+@pytest.mark.parametrize(("modules", "pooling", "words"), [
+    (["Transformer", "Pooling", "Dense", "Normalize"], {"pooling_mode_mean_tokens": True},
+     "the module 'sentence_transformers.models.Dense' is not one archc serves"),
+    (["Transformer", "Pooling"], {"pooling_mode_mean_tokens": True,
+                                  "pooling_mode_cls_token": True},
+     "pooling cls, mean is not one archc serves"),
+    (["Transformer", "Pooling"], {"pooling_mode_lasttoken": True},
+     "pooling pooling_mode_lasttoken is not one archc serves"),
+    (["Transformer", "Pooling"], None, "1_Pooling/config.json: not readable JSON"),
+])
+def test_pooling_archc_cannot_serve_is_refused_in_one_line(
+        tmp_path: Path, modules: list[str], pooling: dict[str, Any] | None, words: str) -> None:
+    from archc.errors import ArchcError
+    from archc.serve.embeddings import read_pooling
+    with pytest.raises(ArchcError) as err:
+        read_pooling(declared(tmp_path, modules, pooling))
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_pooling_is_read_as_declared(tmp_path: Path) -> None:
+    from archc.serve.embeddings import read_pooling
+    cls = read_pooling(declared(tmp_path / "a", ["Transformer", "Pooling"],
+                                {"pooling_mode": "cls"}))
+    assert (cls.mode, cls.normalize, cls.max_tokens) == ("cls", False, None)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "sentence_bert_config.json").write_text('{"max_seq_length": 128}')
+    mean = read_pooling(declared(tmp_path / "b", ["Transformer", "Pooling", "Normalize"],
+                                 {"pooling_mode_mean_tokens": True}))
+    assert (mean.mode, mean.normalize, mean.max_tokens) == ("mean", True, 128)
+    (tmp_path / "c").mkdir()
+    assert read_pooling(tmp_path / "c").mode == "mean"     # a plain checkpoint
