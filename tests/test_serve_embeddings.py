@@ -281,3 +281,23 @@ def test_pooling_is_read_as_declared(tmp_path: Path) -> None:
     assert (mean.mode, mean.normalize, mean.max_tokens) == ("mean", True, 128)
     (tmp_path / "c").mkdir()
     assert read_pooling(tmp_path / "c").mode == "mean"     # a plain checkpoint
+
+
+@pytest.mark.parametrize("mode", ["cls", "mean", "max", "mean_sqrt_len"])
+def test_each_pooling_reads_only_the_real_tokens(mode: str) -> None:
+    """`pool` on a padded batch against a loop over each row's real tokens (the padding holds
+    large values, so a pooling that reads it is far off)."""
+    from archc.serve.embeddings import Pooling, pool
+    torch.manual_seed(0)
+    lengths = [5, 2, 3]
+    hidden = torch.full((3, 5, 4), 100.0)
+    mask = torch.zeros(3, 5, dtype=torch.long)
+    for r, n in enumerate(lengths):
+        hidden[r, :n] = torch.randn(n, 4)
+        mask[r, :n] = 1
+    got = pool(hidden, mask, Pooling(mode, normalize=True))
+    for r, n in enumerate(lengths):
+        rows = [hidden[r, t] for t in range(n)]
+        want = {"cls": rows[0], "mean": sum(rows) / n, "mean_sqrt_len": sum(rows) / n ** 0.5,
+                "max": torch.stack(rows).max(dim=0).values}[mode]
+        torch.testing.assert_close(got[r], want / want.norm(), atol=1e-6, rtol=0)

@@ -38,7 +38,7 @@ POOLING_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "m
                  "pooling_mode_max_tokens": "max",
                  "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len"}
 UNSUPPORTED_FLAGS = ("pooling_mode_weightedmean_tokens", "pooling_mode_lasttoken")
-ST = "sentence_transformers.models."
+ST_MODULES = "sentence_transformers.models."     # the prefix of modules.json's types
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,7 @@ def read_pooling(directory: Path) -> Pooling:
         raise ArchcError(f"{modules_path}: expected a list of modules")
     mode, normalize, kinds = "mean", False, []
     for m in modules:
-        kind = str(m.get("type", ""))
-        kind = kind.removeprefix(ST)
+        kind = str(m.get("type", "")).removeprefix(ST_MODULES)
         kinds.append(kind)
         if kind == "Pooling":
             mode = _pooling_mode(directory / str(m.get("path", "")) / "config.json")
