@@ -135,6 +135,11 @@ def load_hf_tokenizer(directory: Path) -> Tokenizer | None:
         backend = tokenizers.Tokenizer.from_file(str(path))
     except Exception as err:  # the tokenizers package raises plain Exceptions
         raise TokenizerError(f"{path}: not a readable tokenizer ({err})") from None
+    # a tokenizer.json may pad every text to a fixed length or cut it (sentence-transformers
+    # saves MiniLM's padded and truncated to 128): each text is encoded whole, and whoever
+    # batches pads with a mask
+    backend.no_padding()
+    backend.no_truncation()
     config = _read_json(directory / "tokenizer_config.json")
     special = _read_json(directory / "special_tokens_map.json")
     template: Any = config.get("chat_template")

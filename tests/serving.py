@@ -15,6 +15,7 @@ import torch
 import archc
 from archc.model import CompiledModel
 from archc.serve.app import build_app
+from archc.serve.embeddings import embedder_for
 from archc.serve.engine import engine_for
 from archc.serve.metrics import parse
 from archc.serve.protocol import Served
@@ -69,13 +70,19 @@ def serving(source: str, *, max_batch: int = 16, blocks: int | None = None,
     reference answers are eager's, whatever the server's backend."""
     torch.manual_seed(0)
     model = archc.load(source, dtype=dtype)
-    engine = engine_for(model.compile(backend, dtype=dtype), max_batch=max_batch, blocks=blocks,
-                        prefix_cache=prefix_cache, block_size=block_size)
-    scheduler = Scheduler(engine, tokenizer=model.tokenizer,
-                          max_tokens_in_flight=max_tokens_in_flight,
-                          max_seq_len=model.spec.max_seq_len, prefill_chunk=prefill_chunk)
-    served = Served(scheduler, model.spec.name, model.tokenizer, model.spec.vocab_size,
-                    tuple(model.eos_token_ids))
+    compiled = model.compile(backend, dtype=dtype)
+    if model.spec.family == "encoder":      # embeddings only, as `archc serve` serves it
+        served = Served(None, model.spec.name, model.tokenizer, model.spec.vocab_size, (),
+                        family="encoder", embedder=embedder_for(model, compiled,
+                                                                max_batch=max_batch))
+    else:
+        engine = engine_for(compiled, max_batch=max_batch, blocks=blocks,
+                            prefix_cache=prefix_cache, block_size=block_size)
+        scheduler = Scheduler(engine, tokenizer=model.tokenizer,
+                              max_tokens_in_flight=max_tokens_in_flight,
+                              max_seq_len=model.spec.max_seq_len, prefill_chunk=prefill_chunk)
+        served = Served(scheduler, model.spec.name, model.tokenizer, model.spec.vocab_size,
+                        tuple(model.eos_token_ids), family=model.spec.family)
     server = Server(build_app(served), listen("127.0.0.1", 0), log_level="warning").start()
     try:
         yield Running(f"http://127.0.0.1:{server.port}", served,

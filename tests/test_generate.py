@@ -114,6 +114,19 @@ def test_hf_tokenizer_round_trips_and_renders_its_chat_template(tmp_path: Path) 
     assert ids.count(1) == 2 and ids.count(2) == 1  # special tokens whole, not spelled out
 
 
+def test_a_saved_padding_and_truncation_are_not_applied(tmp_path: Path) -> None:
+    """sentence-transformers saves tokenizer.json padded and truncated to a fixed length; each
+    text is encoded whole all the same."""
+    tok = trained_tokenizer()
+    plain = tok.encode(CORPUS[0]).ids
+    assert len(plain) > 3
+    tok.enable_padding(length=64, pad_id=0, pad_token="<pad>")
+    tok.enable_truncation(max_length=3)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    loaded = load_hf_tokenizer(tmp_path)
+    assert loaded is not None and loaded.encode(CORPUS[0]) == plain
+
+
 def test_chat_template_file_wins_over_tokenizer_config(tmp_path: Path) -> None:
     write_tokenizer(tmp_path)
     (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")

@@ -96,7 +96,7 @@ def test_a_bad_request_names_its_field(tiny: Running, path: str, body: dict[str,
 @pytest.mark.parametrize("method,path,content,status,words", [
     ("POST", "/v1/completions", b"{not json", 400, "not valid JSON"),
     ("POST", "/v1/completions", b"[1, 2]", 400, "must be a JSON object"),
-    ("POST", "/v1/embeddings", b"{}", 404, "no route POST /v1/embeddings"),
+    ("POST", "/v1/images/generations", b"{}", 404, "no route POST /v1/images/generations"),
     ("GET", "/v1/completions", None, 405, "GET is not allowed"),
     ("GET", "/v1/models/gpt-4", None, 404, "'gpt-4' does not exist"),
 ])

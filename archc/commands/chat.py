@@ -48,12 +48,14 @@ def add_sampling_arguments(p: Any) -> None:
     add(p, "top_k", "top_p", "ignore_eos")
 
 
-def load_for_text(args: argparse.Namespace, what: str, *, chat: bool) -> tuple[Run, Any]:
+def load_for_text(args: argparse.Namespace, what: str, *, chat: bool,
+                  encoder: bool = False) -> tuple[Run, Any]:
     """The model, loaded once the source is known to take text (and, for `chat`, to have a
-    chat template); `what` names the flag or command that needs it."""
+    chat template); `what` names the flag or command that needs it; an encoder is refused
+    unless `encoder` (it embeds text, and generates none)."""
     run_ = Run(args)
     spec, source = run_.spec, run_.source
-    if spec.family == "encoder":
+    if spec.family == "encoder" and not encoder:
         raise ArchcError(f"{spec.name} is an encoder: it has no output head to generate "
                          f"text with, so {what} does not apply")
     if source.random_weights:

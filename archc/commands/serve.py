@@ -8,11 +8,15 @@ blocks). One scheduler runs every live request in one batch (continuous batching
 is prefilled and joins the next decode step, a finished or cancelled one leaves at once. A
 request waits in the queue until the batch has a row free and the KV-cache pool holds every block
 it can need, so none ever stops mid-stream for lack of memory. Any OpenAI client talks to it:
-`OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")`."""
+`OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")`.
+
+An encoder checkpoint (BERT, MiniLM …) is served on `POST /v1/embeddings` instead, pooled and
+normalized as its sentence-transformers files declare (`archc.serve.embeddings`)."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from archc.commands.chat import load_for_text
 from archc.commands.defaults import fitted, note
@@ -33,14 +37,16 @@ def _port(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add(p, "source", detail="a checkpoint with a tokenizer (chat needs its chat template)")
+    add(p, "source", detail="a checkpoint with a tokenizer (chat needs its chat template); "
+        "an encoder's serves embeddings")
     p.add_argument("--host", default="127.0.0.1", metavar="ADDRESS",
                    help="the address to listen on (default 127.0.0.1: this machine only; "
                         "0.0.0.0 for every interface)")
     p.add_argument("--port", type=_port, default=8000, metavar="PORT",
                    help="the TCP port to listen on; 0 picks a free one (default 8000)")
     p.add_argument("--max-batch", type=positive_int, default=16, metavar="N",
-                   help="sequences one decode step runs together, at most (default 16)")
+                   help="sequences one decode step runs together, at most (an encoder: inputs one "
+                        "forward pass embeds; default 16)")
     p.add_argument("--max-tokens-in-flight", type=positive_int, metavar="N",
                    help="tokens (prompt and max_tokens) the running requests may reserve "
                         "together; a request waits in the queue beyond it (default: as many "
@@ -78,9 +84,11 @@ def run(args: argparse.Namespace) -> int:
     _check_installed()
     sock = listen(args.host, args.port)     # an address in use is refused before loading
     try:
-        run_, model = load_for_text(args, "archc serve", chat=False)
+        run_, model = load_for_text(args, "archc serve", chat=False, encoder=True)
         compiled = run_.compile(model)
         spec = model.spec
+        if spec.family == "encoder":
+            return _serve_embeddings(args, sock, run_, model, compiled)
         block_size = args.block_size or fitted(
             "--block-size", None, BLOCK_SIZE, spec.max_seq_len,
             f"{spec.name}'s max_seq_len = {spec.max_seq_len}", quiet=args.quiet)
@@ -102,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
                               max_seq_len=context, prefill_chunk=args.prefill_chunk or None)
         name = args.model_name or model.spec.name
         served = Served(scheduler, name, model.tokenizer, model.spec.vocab_size,
-                        tuple(model.eos_token_ids), seed=args.seed)
+                        tuple(model.eos_token_ids), seed=args.seed, family=spec.family)
         run_.timings.report(args.quiet)
         if not args.quiet:
             host, port = sock.getsockname()[:2]
@@ -114,6 +122,29 @@ def run(args: argparse.Namespace) -> int:
         Server(build_app(served), sock, log_level="warning" if args.quiet else "info").run()
     finally:
         sock.close()
+    return 0
+
+
+def _serve_embeddings(args: argparse.Namespace, sock: Any, run_: Any, model: Any,
+                      compiled: Any) -> int:
+    from archc.serve.app import build_app
+    from archc.serve.embeddings import embedder_for
+    from archc.serve.protocol import Served
+    from archc.serve.server import Server
+    embedder = embedder_for(model, compiled, max_batch=args.max_batch)
+    name = args.model_name or model.spec.name
+    served = Served(None, name, model.tokenizer, model.spec.vocab_size, (), seed=args.seed,
+                    family="encoder", embedder=embedder)
+    run_.timings.report(args.quiet)
+    if not args.quiet:
+        host, port = sock.getsockname()[:2]
+        pooling = embedder.pooling
+        err_console.print(
+            f"serving {name} embeddings at http://{host}:{port}/v1 · {embedder.dimensions} "
+            f"dimensions · {pooling.mode} pooling{', normalized' * pooling.normalize} · inputs "
+            f"of up to {embedder.max_tokens} tokens, {embedder.max_batch} a batch",
+            soft_wrap=True, highlight=False, markup=False)
+    Server(build_app(served), sock, log_level="warning" if args.quiet else "info").run()
     return 0
 
 

@@ -3,13 +3,16 @@
     GET  /v1/models             the one model served
     POST /v1/completions        a prompt (text or token ids) continued
     POST /v1/chat/completions   messages, through the checkpoint's chat template
+    POST /v1/embeddings         vectors of an encoder's inputs (``archc.serve.embeddings``)
     GET  /health                200 while the scheduler runs
     GET  /metrics               Prometheus text (``archc.serve.metrics``)
 
 Every request body is checked (``archc.serve.protocol``) before it reaches the scheduler; every
 error, a route or method that does not exist included, is in OpenAI's error shape. With
 ``stream: true`` the answer comes as server-sent events in OpenAI's chunk format, ending
-``data: [DONE]``; a client that goes away, streamed or not, cancels its request.
+``data: [DONE]``; a client that goes away, streamed or not, cancels its request. An encoder is
+served without a scheduler: it answers only the embeddings route, a decoder every route but it;
+either refuses the other's with a 400 that names the model's kind.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from archc.serve import embeddings
 from archc.serve.errors import APIError
 from archc.serve.protocol import Answer, Job, Served, read_job, sse
 from archc.serve.scheduler import Event, Request
@@ -48,7 +52,7 @@ class Submitted:
         self.request = Request(job.prompt, job.max_tokens, lambda e: loop.call_soon_threadsafe(
             self.events.put_nowait, e), job.sampling, job.stop, served.eos, n=job.n,
             constraint=job.constraint)
-        served.scheduler.submit(self.request)    # refused here, before any response starts
+        served.generating().submit(self.request)   # refused here, before any response starts
 
     async def each(self, is_gone: Callable[[], Any]) -> AsyncIterator[Event]:
         """The events as they come; the request is cancelled when the consumer stops early (a
@@ -71,7 +75,7 @@ class Submitted:
                 if ended == self.request.n:     # every sample has ended
                     return
         finally:
-            self.served.scheduler.cancel(self.request)
+            self.served.generating().cancel(self.request)
 
 
 async def _never() -> bool:
@@ -81,10 +85,12 @@ def build_app(served: Served) -> FastAPI:
     """The FastAPI application serving `served`; its scheduler runs while the app does."""
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
-        if served.scheduler.thread is None:
-            served.scheduler.start()
+        scheduler = served.scheduler
+        if scheduler is not None and scheduler.thread is None:
+            scheduler.start()
         yield
-        served.scheduler.stop()
+        if scheduler is not None:
+            scheduler.stop()
 
     app = FastAPI(title="archc", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -157,9 +163,17 @@ def build_app(served: Served) -> FastAPI:
     async def chat_completions(request: HTTPRequest) -> Any:
         return await generate("chat", request)
 
+    @app.post("/v1/embeddings")
+    async def embed(request: HTTPRequest) -> Any:
+        inputs, fmt = embeddings.read_request(await body_of(request), served)
+        vectors = await asyncio.to_thread(served.embedder.embed, inputs)
+        served.metrics.add("archc_prompt_tokens_total", sum(len(ids) for ids in inputs))
+        served.metrics.add("archc_embedding_requests_total")
+        return JSONResponse(embeddings.response(vectors, inputs, fmt, served))
+
     def model_card() -> dict[str, Any]:
         return {"id": served.name, "object": "model", "created": served.created,
-                "owned_by": "archc", "max_model_len": served.scheduler.max_seq_len}
+                "owned_by": "archc", "max_model_len": served.max_model_len}
 
     @app.get("/v1/models")
     async def models() -> Any:
@@ -174,6 +188,8 @@ def build_app(served: Served) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Any:
+        if served.scheduler is None:       # an encoder: nothing runs between requests
+            return {"status": "ok"}
         thread = served.scheduler.thread
         if thread is None or not thread.is_alive():
             raise APIError(503, "the scheduler is not running", code="unhealthy")

@@ -54,7 +54,8 @@ METRICS = {
                                       "ended (stop, length, cancelled, error)"),
     "archc_requests_rejected_total": ("counter", "requests refused with an error status, by "
                                       "status"),
-    "archc_prompt_tokens_total": ("counter", "prompt tokens prefilled"),
+    "archc_prompt_tokens_total": ("counter", "prompt tokens prefilled (or embedded)"),
+    "archc_embedding_requests_total": ("counter", "embeddings requests answered"),
     "archc_generation_tokens_total": ("counter", "tokens generated"),
     "archc_queue_depth": ("gauge", "requests waiting for admission (a batch row and KV blocks)"),
     "archc_batch_size": ("gauge", "sequences in the running batch"),
@@ -92,6 +93,7 @@ class Metrics:
                      "archc_time_to_first_token_seconds": Histogram(LATENCY_BUCKETS),
                      "archc_inter_token_latency_seconds": Histogram(LATENCY_BUCKETS)}
         for name in ("archc_requests_received_total", "archc_prompt_tokens_total",
+                     "archc_embedding_requests_total",
                      "archc_generation_tokens_total", "archc_queue_depth", "archc_batch_size",
                      "archc_batch_size_max", "archc_prefill_chunks_total", "archc_kv_blocks_cached",
                      "archc_prefix_cache_queries_tokens_total",

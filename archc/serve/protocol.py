@@ -32,25 +32,50 @@ ROLES = ("system", "developer", "user", "assistant")
 
 @dataclass
 class Served:
-    """What the app serves: the scheduler, the model's name and tokenizer, its vocabulary."""
+    """What the app serves: the scheduler (None for an encoder, which only embeds), the model's
+    name, family and tokenizer, its vocabulary, and the embedder of an encoder
+    (``archc.serve.embeddings.Embedder``)."""
 
-    scheduler: Scheduler
+    scheduler: Scheduler | None
     name: str
     tokenizer: Any
     vocab_size: int
     eos: tuple[int, ...]
     seed: int = 0               # where the seeds of requests that give none come from
     created: int = field(default_factory=lambda: int(time.time()))
+    family: str = "decoder"     # the spec's: decoder, encoder or encoder-decoder
+    embedder: Any = None
     seeds: random.Random = field(init=False)
     grammars: Grammars = field(init=False)
+    own_metrics: Metrics = field(init=False)     # a server without a scheduler counts here
 
     def __post_init__(self) -> None:
         self.seeds = random.Random(self.seed)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos)
+        self.own_metrics = Metrics()
 
     @property
     def metrics(self) -> Metrics:
-        return self.scheduler.metrics
+        return self.own_metrics if self.scheduler is None else self.scheduler.metrics
+
+    @property
+    def kind(self) -> str:
+        """The model's kind, as messages say it: "a decoder model", "an encoder model"."""
+        return ("an " if self.family[:1] in tuple("aeiou") else "a ") + f"{self.family} model"
+
+    @property
+    def max_model_len(self) -> int:
+        if self.scheduler is not None:
+            return self.scheduler.max_seq_len
+        return int(self.embedder.max_tokens) if self.embedder is not None else 0
+
+    def generating(self) -> Scheduler:
+        """The scheduler, or a 400 naming the model's kind when it cannot generate."""
+        if self.scheduler is None:
+            raise APIError(400, f"{self.name} is {self.kind}: it has no output head "
+                           "to generate text with; it answers POST /v1/embeddings",
+                           param="model", code="model_not_supported")
+        return self.scheduler
 
 
 # ---- reading a request ---------------------------------------------------------------------
@@ -102,9 +127,8 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(strings)
 
 
-def _common(body: dict[str, Any], served: Served) -> int:
-    """The checks every generation request shares: the model, what is not implemented; n, the
-    samples asked for (best_of may only repeat it: every sample is returned)."""
+def check_model(body: dict[str, Any], served: Served) -> None:
+    """The request's `model` is the one served (400 when missing, 404 when another)."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_field("model", "required: the name of the model (GET /v1/models)",
@@ -112,6 +136,12 @@ def _common(body: dict[str, Any], served: Served) -> int:
     if model != served.name:
         raise APIError(404, f"the model {model!r} does not exist; this server serves "
                        f"{served.name!r}", param="model", code="model_not_found")
+
+
+def _common(body: dict[str, Any], served: Served) -> int:
+    """The checks every generation request shares: the model, what is not implemented; n, the
+    samples asked for (best_of may only repeat it: every sample is returned)."""
+    check_model(body, served)
     n = _whole(body, "n", 1, 1)
     assert n is not None
     best_of = _whole(body, "best_of", 1, None)
@@ -227,6 +257,7 @@ class Job:
 
 def read_job(kind: str, body: dict[str, Any], served: Served) -> Job:
     n = _common(body, served)
+    scheduler = served.generating()
     stream = _flag(body, "stream")
     include_usage = _stream_options(body, stream)
     sampling, stop = _sampling(body, served), _stop(body)
@@ -234,15 +265,15 @@ def read_job(kind: str, body: dict[str, Any], served: Served) -> Job:
         raise bad_field("stop", "this model has no tokenizer to read text with")
     if kind == "chat":
         prompt, param = _chat_ids(body, served), "messages"
-        room = served.scheduler.room(len(prompt), n)
+        room = scheduler.room(len(prompt), n)
         asked = _whole(body, "max_completion_tokens", 1, None)
         max_tokens = _whole(body, "max_tokens", 1, asked if asked is not None else room)
     else:
         prompt, param = _prompt_ids(body, served), "prompt"
-        room = served.scheduler.room(len(prompt), n)
+        room = scheduler.room(len(prompt), n)
         max_tokens = _whole(body, "max_tokens", 1, min(DEFAULT_COMPLETION_TOKENS, room))
     assert max_tokens is not None
-    served.scheduler.check(len(prompt), max(max_tokens, 1), prompt_param=param, n=n)
+    scheduler.check(len(prompt), max(max_tokens, 1), prompt_param=param, n=n)
     grammar = read_grammar(body)
     constraint = served.grammars.constraint(grammar) if grammar is not None else None
     return Job(kind, prompt, max_tokens, sampling, stop, stream, include_usage, n, constraint)
