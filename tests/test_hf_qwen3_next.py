@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import archc
+from archc.cli import main
 from archc.ir.ops import Op
 from tests.test_hf_crosscheck import randomize, rel_error
 
@@ -126,3 +127,17 @@ def test_decode_logits_match_a_full_pass(pair: tuple[Any, archc.Model]) -> None:
         got = session.step(ids[:, i:i + 1])
         err = rel_error(got[:, -1], want[:, i])
         assert err <= RTOL, f"token {i}: max error {err:.2e}"
+
+
+def test_kernels_refuse_gated_deltanet_in_one_line(capsys: pytest.CaptureFixture[str],
+                                                  tmp_path: Path) -> None:
+    """No Triton kernels run the delta rule yet: compiling or running on them says so, by the
+    spec field, before any pass runs."""
+    build(tmp_path)
+    capsys.readouterr()   # save_pretrained's progress
+    for argv in (["compile", str(tmp_path), "-o", str(tmp_path / "kernels")],
+                 ["run", str(tmp_path), "--backend", "triton", "--new-tokens", "1"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "Gated DeltaNet mixer (mixer.kind gated_deltanet) has no " \
+            "Triton kernels" in err[0], err

@@ -728,10 +728,9 @@ def _check_model(spec: Spec) -> None:
         raise SpecError("mixer.deltanet.key_heads", f"{dn.key_heads} does not divide "
                         f"value_heads ({dn.value_heads})",
                         allowed="a divisor of mixer.deltanet.value_heads")
-    if not spec.ffn.moe or not spec.ffn.moe.shared_expert_d_ff:
-        if spec.ffn.moe:
-            _refuse_set(spec, "ffn.moe.shared_expert_gate", "there is no shared expert",
-                        allowed="remove it, or set ffn.moe.shared_expert_d_ff")
+    if spec.ffn.moe is not None and not spec.ffn.moe.shared_expert_d_ff:
+        _refuse_set(spec, "ffn.moe.shared_expert_gate", "there is no shared expert",
+                    allowed="remove it, or set ffn.moe.shared_expert_d_ff")
     if not spec.attends:
         _refuse_set(spec, "attention.heads attention.kv_heads attention.head_dim attention.bias",
                     f"no layer attends ({mixers})")

@@ -102,6 +102,12 @@ def qwen3_next(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
     return typed_layers(out, kinds, sections)
 
 
+def by_part(x: torch.Tensor, heads: int, widths: tuple[int, ...]) -> list[torch.Tensor]:
+    """Rows [H_k·(w0 + w1 + …), …] laid out per key head → [H_k·w0 | H_k·w1 | …]."""
+    parts = x.reshape(heads, sum(widths), *x.shape[1:]).split(widths, dim=1)
+    return [torch.cat([p.reshape(-1, *x.shape[1:]) for p in parts]).contiguous()]
+
+
 def tensors(t: TensorMap) -> None:
     """The interleaved query/gate projection, the fused q/k/v/z and b/a projections per key
     head, and the depthwise filter [C, 1, K] → [C, K]."""
@@ -125,15 +131,10 @@ def tensors(t: TensorMap) -> None:
         kd, vd = dn.key_dim, group * dn.value_dim      # per key head
         rows, d = t.want[ax + "delta.qkvz.weight"]
         lin = hf + "linear_attn."
-
-        def by_part(x: torch.Tensor, widths: tuple[int, ...]) -> list[torch.Tensor]:
-            """[H_k·(w0 + w1 + …), …] per key head → [H_k·w0 | H_k·w1 | …]."""
-            parts = x.reshape(hk, sum(widths), *x.shape[1:]).split(widths, dim=1)
-            return [torch.cat([p.reshape(-1, *x.shape[1:]) for p in parts]).contiguous()]
         t.add([lin + "in_proj_qkvz.weight"], [(rows, d)], [ax + "delta.qkvz.weight"],
-              lambda xs, w=(kd, kd, vd, vd): by_part(xs[0], w))
+              lambda xs, w=(kd, kd, vd, vd), n=hk: by_part(xs[0], n, w))
         t.add([lin + "in_proj_ba.weight"], [(2 * dn.value_heads, d)], [ax + "delta.ba.weight"],
-              lambda xs, w=(group, group): by_part(xs[0], w))
+              lambda xs, w=(group, group), n=hk: by_part(xs[0], n, w))
         c, k = t.want[ax + "delta.conv.weight"]
         t.add([lin + "conv1d.weight"], [(c, 1, k)], [ax + "delta.conv.weight"],
               lambda xs: [xs[0].squeeze(1)])
