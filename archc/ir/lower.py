@@ -551,6 +551,7 @@ class _Stack:
                     g = self.b.emit(Op.MATMUL, x, self.param(f"{base}.shared_gate.weight", 1,
                                                              self.d))
                     shared = self.b.emit(Op.MUL, shared, self.b.emit(Op.ACT, g, fn="sigmoid"))
+            with self.at("ffn.moe.shared_expert_d_ff"):
                 y = self.b.emit(Op.ADD, y, shared)
         return y
 
