@@ -14,6 +14,7 @@ fp32: 1e-4 of the largest logit, as test_hf_crosscheck.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,10 @@ import torch
 
 import archc
 from archc.cli import main
+from archc.errors import SpecError
 from archc.ir.ops import Op
+from archc.sources.hf import hf_spec
+from archc.spec.load import layer_spec
 from tests.test_hf_crosscheck import randomize, rel_error
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install "
@@ -141,3 +145,33 @@ def test_kernels_refuse_gated_deltanet_in_one_line(capsys: pytest.CaptureFixture
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "Gated DeltaNet mixer (mixer.kind gated_deltanet) has no " \
             "Triton kernels" in err[0], err
+
+
+def spec_of(tmp_path: Path, **changes: Any) -> Any:
+    """The spec of the test config with `changes`, from its config.json alone."""
+    data = {**config().to_dict(), **changes}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    return hf_spec(tmp_path)
+
+
+def test_layer_types_default_to_every_fourth_full(tmp_path: Path) -> None:
+    """Without layer_types, transformers makes every full_attention_interval-th layer full;
+    with no experts every layer is the dense FFN."""
+    data = {k: v for k, v in config().to_dict().items() if k != "layer_types"}
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**data, "num_hidden_layers": 6, "full_attention_interval": 3, "num_experts": 0}))
+    s = hf_spec(tmp_path)
+    assert s.layer_mixers() == ("gated_deltanet", "gated_deltanet", "attention") * 2
+    assert s.ffn.kind == "swiglu" and s.ffn.d_ff == 40
+
+
+def test_decoder_sparse_step_and_mlp_only_layers(tmp_path: Path) -> None:
+    s = spec_of(tmp_path, decoder_sparse_step=2, mlp_only_layers=[3])
+    ffns = [layer_spec(s, i).ffn.kind for i in range(4)]
+    assert ffns == ["swiglu", "moe", "swiglu", "swiglu"]
+
+
+def test_bad_layer_types_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match=r"layer_types.*linear_attention or full_attention per "
+                       r"layer \(4\)"):
+        spec_of(tmp_path, layer_types=["linear_attention", "sliding_attention"] * 2)

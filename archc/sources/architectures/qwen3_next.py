@@ -89,7 +89,9 @@ def qwen3_next(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
             "normalize_top_k": cfg.flag("norm_topk_prob", True),
             "shared_expert_d_ff": cfg.number("shared_expert_intermediate_size"),
             "shared_expert_gate": True}}
-    else:
+    else:   # read, and unused: no layer routes
+        cfg.get(("moe_intermediate_size", "num_experts_per_tok", "norm_topk_prob",
+                 "shared_expert_intermediate_size"))
         out["ffn"] = dense_ffn
     mixers = ["gated_deltanet" if t == "linear_attention" else "attention"
               for t in layer_types(cfg, layers)]
