@@ -71,12 +71,8 @@ def build(directory: Path, seed: int = 0) -> torch.nn.Module:
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, archc.Model]:
     directory = tmp_path_factory.mktemp("qwen3_next")
     hf = build(directory)
-    model = archc.load(directory)
     # a chunk of 8, so that prompts span several chunks
-    spec = model.spec
-    dn = dataclasses.replace(spec.mixer.deltanet, chunk=8)
-    spec = dataclasses.replace(spec, mixer=dataclasses.replace(spec.mixer, deltanet=dn))
-    return hf, archc.Model(spec, model.weights)
+    return hf, with_deltanet(archc.load(directory), chunk=8)
 
 
 def prompt(batch: int, length: int, seed: int) -> torch.Tensor:
@@ -94,14 +90,24 @@ def test_the_spec_reads_the_config(pair: tuple[Any, archc.Model]) -> None:
     assert ops.count(Op.DELTA_RULE) == 2 and ops.count(Op.CAUSAL_CONV) == 2
 
 
+def with_deltanet(model: archc.Model, **changes: Any) -> archc.Model:
+    """`model` with its mixer.deltanet fields changed."""
+    mixer = model.spec.mixer
+    dn = dataclasses.replace(mixer.deltanet, **changes)
+    return archc.Model(dataclasses.replace(model.spec, mixer=dataclasses.replace(
+        mixer, deltanet=dn)), model.weights)
+
+
 def test_logits_match_transformers(pair: tuple[Any, archc.Model]) -> None:
+    """19 tokens in chunks of 8 (the last of 3), and token by token (the recurrent form)."""
     hf, model = pair
     ids = prompt(2, 19, seed=1)
     with torch.no_grad():
         want = hf(ids).logits
-    got = model.compile("eager")(ids)
-    err = rel_error(got, want)
-    assert err <= RTOL, f"max error {err:.2e}"
+    for form in (model, with_deltanet(model, algorithm="recurrent")):
+        got = form.compile("eager")(ids)
+        err = rel_error(got, want)
+        assert err <= RTOL, f"{form.spec.mixer.deltanet.algorithm}: max error {err:.2e}"
 
 
 def test_greedy_tokens_match_transformers(pair: tuple[Any, archc.Model]) -> None:
