@@ -65,7 +65,7 @@ def test_unsupported_model_type_names_the_supported_ones(
                        r"gemma2, gemma3_text, glm4, "
                        r"gpt2, gpt_neox, gpt_oss, gptj, granite, jamba, llama, llama4_text, "
                        r"mamba, mistral, mixtral, mpt, olmo2, opt, phi, phi3, qwen2, qwen3, "
-                       r"qwen3_moe, smollm3, starcoder2, t5\)"):
+                       r"qwen3_moe, qwen3_next, smollm3, starcoder2, t5\)"):
         archc.load(tmp_path)
     assert "'rwkv' is not supported" in cli_error(capsys, "export-spec", str(tmp_path))
 

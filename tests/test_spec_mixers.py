@@ -23,6 +23,12 @@ MAMBA = with_edits(BASE, {"mixer": {"kind": "mamba"}, "attention": DELETE,
 LINEAR = with_edits(BASE, {"mixer": {"kind": "linear_attention"},
                            "position": {"kind": "learned"}})
 HYBRID = with_edits(BASE, {"mixer": {"pattern": ["mamba", "attention"]}})
+DELTANET = {"key_heads": 2, "value_heads": 4, "key_dim": 8, "value_dim": 6}
+# Gated DeltaNet only: no attention section, no positions.
+DELTA = with_edits(BASE, {"mixer": {"kind": "gated_deltanet", "deltanet": DELTANET},
+                          "attention": DELETE, "position": {"kind": "none"}})
+DELTA_HYBRID = with_edits(BASE, {"mixer": {"pattern": ["gated_deltanet", "attention"],
+                                           "deltanet": DELTANET}})
 
 
 def test_hybrid_layers_repeat_the_pattern() -> None:
@@ -41,6 +47,15 @@ def test_pure_mamba_has_no_attention_sizes() -> None:
     assert not spec.attends and spec.ffn.d_ff is None
     for full in (False, True):
         assert from_dict(yaml.safe_load(dump_yaml(spec, full=full))) == spec
+
+
+def test_gated_deltanet_layers_need_no_attention_heads() -> None:
+    spec = from_dict(DELTA)
+    assert spec.layer_mixers() == ("gated_deltanet", "gated_deltanet")
+    assert not spec.attends and spec.attention.heads is None
+    assert spec.mixer.deltanet is not None and spec.mixer.deltanet.chunk == 64
+    hybrid = from_dict(DELTA_HYBRID)
+    assert hybrid.layer_mixers() == ("gated_deltanet", "attention") and hybrid.softmax_attends
 
 
 def test_linear_attention_takes_heads_but_no_score_settings() -> None:
@@ -98,6 +113,21 @@ TABLE: list[Bad] = [
     Bad("activation-without-ffn", {"ffn": {"kind": "none", "activation": "relu"}},
         "ffn.activation", ("'relu'", "applies only when ffn.kind is mlp or moe"), "remove it",
         base=MAMBA),
+    Bad("deltanet-section-missing", {"mixer.deltanet": DELETE}, "mixer.deltanet",
+        ("is missing", "gated_deltanet layers"), "key_heads, value_heads", base=DELTA_HYBRID),
+    Bad("deltanet-section-without-deltanet-layers", {"mixer.deltanet": DELTANET},
+        "mixer.deltanet", ("no layer is gated_deltanet",), "remove it"),
+    Bad("deltanet-key-heads-not-dividing", {"mixer.deltanet.key_heads": 3},
+        "mixer.deltanet.key_heads", ("3 does not divide value_heads (4)",), "a divisor",
+        base=DELTA),
+    Bad("deltanet-chunk-zero", {"mixer.deltanet.chunk": 0}, "mixer.deltanet.chunk",
+        ("0", "out of range"), "a whole number ≥ 1", base=DELTA),
+    Bad("deltanet-algorithm-typo", {"mixer.deltanet.algorithm": "chunk"},
+        "mixer.deltanet.algorithm", ("'chunk'",), "chunked, recurrent", base=DELTA),
+    Bad("shared-expert-gate-without-shared-expert",
+        {"ffn": {"kind": "moe", "moe": {"experts": 4, "shared_expert_gate": True}}},
+        "ffn.moe.shared_expert_gate", ("true", "there is no shared expert"),
+        "ffn.moe.shared_expert_d_ff", base=DELTA),
     Bad("parallel-block-without-ffn", {"block.parallel": True}, "block.parallel",
         ("ffn.kind is 'none'",), "false", base=MAMBA),
 ]
@@ -116,5 +146,5 @@ def test_malformed_mixer_is_refused(row: Bad, tmp_path: Path) -> None:
 
 
 def test_every_base_loads() -> None:
-    for base in (MAMBA, LINEAR, HYBRID):
+    for base in (MAMBA, LINEAR, HYBRID, DELTA, DELTA_HYBRID):
         from_dict(base)

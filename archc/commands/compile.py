@@ -79,13 +79,15 @@ def run(args: argparse.Namespace) -> int:
     from archc.ir.lower import lower
     from archc.kernel_cache import default_cache_dir, used
     from archc.passes import optimize
-    from archc.runtime.triton_backend import check_cache_writes
+    from archc.runtime.triton_backend import check_cache_writes, check_kernels_exist
 
     _check_occupancy_flags(args)
     check_output(args.output, "dir")
     spec, quant = quant_of(args)
     dtype = args.dtype or spec.dtype
-    program = optimize(lower(spec, dtype, quant, kv_cache=args.kv_cache), args.passes)
+    program = lower(spec, dtype, quant, kv_cache=args.kv_cache)
+    check_kernels_exist(program)   # an op no kernel runs yet: refused in one line
+    program = optimize(program, args.passes)
     check_cache_writes(program)   # a cache write no kernel makes: refused in one line
     if args.occupancy:
         return _occupancy(args, spec, dtype, quant)

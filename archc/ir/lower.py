@@ -287,7 +287,13 @@ class _Stack:
             scores, v = self.latent_scores(x, layer, base)
         else:
             scores, v = self.scores(x, layer, base, kv_source)
-        return self.attend(scores, v, layer, base, self_attn)
+        gate = None
+        if att.output_gate and self_attn:
+            with self.at("attention.output_gate"):   # σ of it scales the merged heads
+                gate = self.linear(x, f"{base}.gate", att.heads * att.v_dim, att.bias.q,
+                                   "attention.bias.q")
+                gate = self.b.emit(Op.ACT, gate, fn="sigmoid")
+        return self.attend(scores, v, layer, base, self_attn, gate)
 
     def scores(self, x: int, layer: int, base: str, kv_source: int | None) -> tuple[int, int]:
         """q·kᵀ (B, H, T, L) of x's queries over the keys of x (through the KV cache in a
@@ -372,9 +378,11 @@ class _Stack:
                                  self.b.emit(Op.SCORES, q_rope, k_rope))
         return scores, v
 
-    def attend(self, scores: int, v: int, layer: int, base: str, self_attn: bool) -> int:
+    def attend(self, scores: int, v: int, layer: int, base: str, self_attn: bool,
+               gate: int | None = None) -> int:
         """Scores (B, H, T, L) scaled, capped, biased, masked and normalized; the values they
-        weigh summed per head, merged and projected out."""
+        weigh summed per head, merged, times the output gate `gate` if given, and projected
+        out."""
         s = self.specs[layer]
         att = s.attention
         if s.attention_scale != 1.0:
@@ -414,6 +422,8 @@ class _Stack:
         with self.at("attention"):
             out = self.b.emit(Op.WEIGHTED_SUM, probs, v)                         # (B, H, T, D)
             out = self.b.emit(Op.MERGE_HEADS, out)                                  # (B, T, H·D)
+        if gate is not None:
+            out = self.b.emit(Op.MUL, out, gate, origin="attention.output_gate")
         with self.at("attention.heads"):
             return self.linear(out, f"{base}.o", self.d, att.bias.o, "attention.bias.o")
 
@@ -536,6 +546,12 @@ class _Stack:
         if moe.shared_expert_d_ff:
             with self.at("ffn.moe.shared_expert_d_ff"):
                 shared = self.dense_ffn(f, x, f"{base}.shared", moe.shared_expert_d_ff, False)
+            if moe.shared_expert_gate:
+                with self.at("ffn.moe.shared_expert_gate"):   # σ(x·w) [B, T, 1]
+                    g = self.b.emit(Op.MATMUL, x, self.param(f"{base}.shared_gate.weight", 1,
+                                                             self.d))
+                    shared = self.b.emit(Op.MUL, shared, self.b.emit(Op.ACT, g, fn="sigmoid"))
+            with self.at("ffn.moe.shared_expert_d_ff"):
                 y = self.b.emit(Op.ADD, y, shared)
         return y
 
@@ -600,8 +616,56 @@ class _Stack:
         with self.at("attention.heads"):
             return self.linear(out, f"{base}.o", self.d, s.attention.bias.o, "attention.bias.o")
 
+    def deltanet(self, h: int, layer: int) -> int:
+        """Gated DeltaNet (Yang et al. 2024), as Qwen3-Next lays it out::
+
+            q, k, v, z = split(qkvz(h))                    # [H_k·Dk | H_k·Dk | H·Dv | H·Dv]
+            b, a       = split(ba(h))                      # [H | H]
+            q, k, v    = silu(conv1d(q, k, v))             # causal depthwise, width d_conv
+            g, β       = −exp(A_log)·softplus(a + dt_bias), σ(b)
+            o          = delta_rule(l2(q), l2(k), v, g, β)  # per value head, f32 state
+            out        = out_proj(rmsnorm(o per head)·silu(z))
+        """
+        s = self.specs[layer]
+        dn = s.mixer.deltanet
+        assert dn is not None
+        h_v, kd, vd = dn.value_heads, dn.key_heads * dn.key_dim, dn.value_heads * dn.value_dim
+        base = f"layers.{layer}.delta"
+
+        def cols(t: int, start: int, width: int) -> int:
+            return self.b.emit(Op.SLICE, t, start=start, stop=start + width)
+        with self.at("mixer.deltanet"):
+            qkvz = self.linear(h, f"{base}.qkvz", 2 * kd + 2 * vd, False, "mixer.deltanet")
+            ba = self.linear(h, f"{base}.ba", 2 * h_v, False, "mixer.deltanet")
+        with self.at("mixer.deltanet.d_conv"):
+            conv = self.param(f"{base}.conv.weight", 2 * kd + vd, dn.d_conv)
+            qkv = self.b.emit(Op.CAUSAL_CONV, cols(qkvz, 0, 2 * kd + vd), conv, act="silu",
+                              layer=layer)
+        with self.at("mixer.deltanet"):
+            q, k, v = cols(qkv, 0, kd), cols(qkv, kd, kd), cols(qkv, 2 * kd, vd)
+            z = cols(qkvz, 2 * kd + vd, vd)
+            beta = self.b.emit(Op.ACT, cols(ba, 0, h_v), fn="sigmoid")
+            a = self.b.emit(Op.ADD, cols(ba, h_v, h_v), self.param(f"{base}.dt_bias", h_v))
+            self.param(f"{base}.A_log", h_v)   # the checkpoint's; −exp(A_log) at load time
+            decay = self.param(f"{base}.A", h_v, dtype="f32",
+                               expr=Call("neg_exp", (leaf(self.prefix + f"{base}.A_log"),)))
+            g = self.b.emit(Op.MUL, self.b.emit(Op.ACT, a, fn="softplus"), decay)
+        with self.at("mixer.deltanet.chunk" if dn.algorithm == "chunked" else
+                     "mixer.deltanet.algorithm"):
+            o = self.b.emit(Op.DELTA_RULE, q, k, v, g, beta, layer=layer, heads=h_v,
+                            key_heads=dn.key_heads, algorithm=dn.algorithm, chunk=dn.chunk)
+        with self.at("mixer.deltanet"):   # RMSNorm per value head (gain w, not 1 + w), gated
+            o, z = (self.b.emit(Op.SPLIT_HEADS, t, heads=h_v) for t in (o, z))  # (B, H, T, Dv)
+            o = self.norm(o, f"{base}.norm", "mixer.deltanet",
+                          dataclasses.replace(s.norm, kind="rmsnorm", unit_offset=False))
+            o = self.b.emit(Op.MUL, o, self.b.emit(Op.ACT, z, fn="silu"))
+            o = self.b.emit(Op.MERGE_HEADS, o)
+            return self.linear(o, f"{base}.out", self.d, False, "mixer.deltanet")
+
     def mix(self, h: int, layer: int) -> int:
         mixer = self.specs[layer].mixer.kind
+        if mixer == "gated_deltanet":
+            return self.deltanet(h, layer)
         if mixer == "mamba":
             return self.mamba(h, layer)
         if mixer == "linear_attention":

@@ -125,7 +125,8 @@ def _rules(program: Program) -> list[Rule]:
         users = g.users()
         for i, n in enumerate(g.nodes):
             if n.op in RECURRENT:
-                mixer = "linear_attention" if n.op == Op.LINEAR_ATTENTION else "mamba"
+                mixer = "linear_attention" if n.op == Op.LINEAR_ATTENTION else \
+                    "gated_deltanet" if (n.origin or "").startswith("mixer.deltanet") else "mamba"
                 need("mixer.pattern" if n.origin == "mixer.pattern" else "mixer.kind", mixer,
                      "layers are not split by tensor parallelism", lambda tp: tp == 1)
             elif n.op == Op.SPLIT_HEADS and n.origin == "attention.heads":

@@ -234,7 +234,9 @@ def facts(s: Spec, quant: dict[str, str], kv_cache: str | None = None, tp: int =
                      "token of per-head keys and values"))
     if state:
         kinds = [what for what, mixer in (("conv windows and SSM states", "mamba"),
-                                          ("running sums", "linear_attention"))
+                                          ("running sums", "linear_attention"),
+                                          ("conv windows and delta-rule states",
+                                           "gated_deltanet"))
                  if mixer in s.all_mixers]
         rows.append(("recurrent state", f"{nbytes(state)} per sequence at any context "
                      f"({' and '.join(kinds)})"))

@@ -103,6 +103,20 @@ AUTOTUNE_DEFAULT = True
 
 
 
+# ops of the unfused program that no Triton kernel runs yet → the spec field that makes them
+NO_KERNELS = {Op.DELTA_RULE: "Gated DeltaNet mixer (mixer.kind gated_deltanet)"}
+
+
+def check_kernels_exist(program: Program) -> None:
+    """Refuse a `program` with an op no Triton kernel runs, by the spec field, before any pass."""
+    for g in program:
+        for n in g:
+            if n.op in NO_KERNELS:
+                raise ArchcError(f"the triton backend cannot run {program.model}: layer "
+                                 f"{n.attr('layer')}'s {NO_KERNELS[n.op]} has no Triton kernels "
+                                 "yet; run it on the eager backend")
+
+
 def check_cache_writes(program: Program) -> None:
     """Refuse a kernel-level `program` whose KV-cache writes no kernel's epilogue makes (the
     triton backend has no kernel for a lone cache write)."""
@@ -137,6 +151,7 @@ class TritonSession(SessionBase):
         self.options = options or TritonOptions()
         self.dtype = dtype
         passes = self.options.passes
+        check_kernels_exist(program)
         super().__init__(program if passes is None else optimize(program, passes), max_seq_len,
                          device, comms)
         check_cache_writes(self.program)

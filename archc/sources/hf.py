@@ -32,6 +32,7 @@ from archc.sources.architectures.llama_variants import (
 from archc.sources.architectures.mamba import JAMBA, MAMBA
 from archc.sources.architectures.moe import GPT_OSS, LLAMA4_TEXT, QWEN3_MOE
 from archc.sources.architectures.phi3 import PHI3
+from archc.sources.architectures.qwen3_next import QWEN3_NEXT
 from archc.sources.architectures.starcoder2 import STARCODER2
 from archc.sources.hf_config import Architecture, HFConfig, spec_name
 from archc.sources.tensor_map import Checkpoint, SafetensorsFiles, read_checkpoint
@@ -41,7 +42,7 @@ from archc.tokenizer import load_hf_tokenizer
 
 ARCHITECTURES = (LLAMA, GEMMA, GPT2, GPTJ, NEOX, FALCON, BLOOM, MPT, OPT, PHI, BERT, T5, MAMBA,
                  JAMBA, QWEN3, GEMMA3, OLMO2, SMOLLM3, GRANITE, STARCODER2,
-                 PHI3, GLM4, COHERE2, EXAONE4, QWEN3_MOE, GPT_OSS,
+                 PHI3, GLM4, COHERE2, EXAONE4, QWEN3_MOE, QWEN3_NEXT, GPT_OSS,
                  LLAMA4_TEXT, DEEPSEEK_V2, DEEPSEEK_V3)
 CONFIG = "config.json"
 

@@ -23,6 +23,7 @@ import yaml
 from archc.errors import SpecError
 from archc.spec.expressions import check_expressions, head_params, token_inputs
 from archc.spec.schema import (
+    HEADLESS_MIXERS,
     LAYER_SECTIONS,
     MASK_KINDS,
     AttentionBias,
@@ -489,7 +490,7 @@ def _check_layout(spec: Spec) -> None:
                         "causal recurrences", allowed="attention, or family: decoder")
     plan = {t.name: t for t in spec.layer_plan()[0]}
     if spec.attention.heads is None and any(
-            plan[name].get("mixer.kind", mixer.kind) != "mamba" and
+            plan[name].get("mixer.kind", mixer.kind) not in HEADLESS_MIXERS and
             plan[name].get("attention.heads", None) is None
             for name in spec.layer_type_names(layers)):
         raise SpecError("attention.heads", f"is missing, and {mixers} attends",
@@ -542,10 +543,11 @@ def _check_type(spec: Spec, t: LayerType, layer: Spec) -> None:
     mixer = layer.mixer.kind
     for path, _ in t.overrides:
         section, name = path.split(".")[:2]
-        acts = {"attention": mixer != "mamba" and (name not in SCORE_FIELDS or
-                                                  mixer == "attention"),
+        acts = {"attention": mixer not in HEADLESS_MIXERS and (name not in SCORE_FIELDS or
+                                                              mixer == "attention"),
                 "position": mixer == "attention",
-                "mixer": name != "mamba" or mixer == "mamba"}.get(section, True)
+                "mixer": {"mamba": mixer == "mamba", "deltanet": mixer == "gated_deltanet"}.get(
+                    name, True)}.get(section, True)
         if not acts:
             raise SpecError(path, f"is set, but layers of this type are {mixer} layers",
                             allowed="remove it, or set what acts in them")
@@ -563,7 +565,7 @@ def _check_latent(spec: Spec) -> None:
     att, lat = spec.attention, spec.attention.latent
     assert lat is not None
     if spec.family != "decoder" or spec.layer_mixers().count("attention") < len(
-            [m for m in spec.layer_mixers() if m != "mamba"]):
+            [m for m in spec.layer_mixers() if m not in HEADLESS_MIXERS]):
         raise SpecError("attention.latent", "is set, but latent attention is a decoder's "
                         "softmax self-attention", allowed="family: decoder and softmax "
                         "attention layers, or remove it")
@@ -715,6 +717,20 @@ def _check_model(spec: Spec) -> None:
     if "mamba" not in spec.all_mixers:
         _refuse_set(spec, "mixer.mamba", f"no layer is mamba ({mixers})",
                     allowed="remove it, or give some layers the mamba mixer")
+    if "gated_deltanet" not in spec.all_mixers:
+        _refuse_set(spec, "mixer.deltanet", f"no layer is gated_deltanet ({mixers})",
+                    allowed="remove it, or give some layers the gated_deltanet mixer")
+    elif spec.mixer.deltanet is None:
+        raise SpecError("mixer.deltanet", f"is missing, and {mixers} has gated_deltanet layers",
+                        allowed="{key_heads, value_heads, key_dim, value_dim}")
+    elif spec.mixer.deltanet.value_heads % spec.mixer.deltanet.key_heads:
+        dn = spec.mixer.deltanet
+        raise SpecError("mixer.deltanet.key_heads", f"{dn.key_heads} does not divide "
+                        f"value_heads ({dn.value_heads})",
+                        allowed="a divisor of mixer.deltanet.value_heads")
+    if spec.ffn.moe is not None and not spec.ffn.moe.shared_expert_d_ff:
+        _refuse_set(spec, "ffn.moe.shared_expert_gate", "there is no shared expert",
+                    allowed="remove it, or set ffn.moe.shared_expert_d_ff")
     if not spec.attends:
         _refuse_set(spec, "attention.heads attention.kv_heads attention.head_dim attention.bias",
                     f"no layer attends ({mixers})")

@@ -31,7 +31,9 @@ MASK_KINDS: tuple[str, ...] = ("causal", "bidirectional", "prefix")
 LayerKind = Literal["local", "global"]
 PositionKind = Literal["none", "learned", "sinusoidal", "rope", "alibi", "relative"]
 RopeScalingKind = Literal["linear", "ntk", "yarn", "llama3", "dynamic", "longrope"]
-MixerKind = Literal["attention", "linear_attention", "mamba"]
+MixerKind = Literal["attention", "linear_attention", "mamba", "gated_deltanet"]
+# the mixers with no attention heads of their own
+HEADLESS_MIXERS: tuple[str, ...] = ("mamba", "gated_deltanet")
 FFNLayerKind = Literal["dense", "moe"]
 
 # The activation each gated FFN applies to its gate branch (Shazeer 2020).
@@ -208,6 +210,9 @@ class Attention:
     bias: AttentionBias = _f(AttentionBias, "biases per projection (or one bool for all; latent "
                              "attention: q on the first query projection, k on the joint "
                              "latent and RoPE-key projection)")
+    output_gate: bool = _f(False, "the query projection also yields a gate per head dim: the "
+                           "heads' output is multiplied by σ(gate) before the output projection "
+                           "(Qwen3-Next)")
     latent: Latent | None = _f(None, "multi-head latent attention (DeepSeek): "
                                "{kv_rank, rope_dims, q_rank, v_dim}; head_dim is the query's "
                                "and key's (no-RoPE dims + rope_dims)")
@@ -235,13 +240,30 @@ class Mamba:
 
 
 @dataclass(frozen=True)
+class DeltaNet:
+    key_heads: int = _f(None, "heads of q and k (each serves value_heads / key_heads value "
+                        "heads)", min=1)
+    value_heads: int = _f(None, "heads of v, of the state and of the output", min=1)
+    key_dim: int = _f(None, "dims of each q and k head", min=1)
+    value_dim: int = _f(None, "dims of each v head", min=1)
+    d_conv: int = _f(4, "width of the causal depthwise convolution over q, k and v", min=2)
+    chunk: int = _f(64, "tokens per chunk of the chunked delta rule", min=1)
+    algorithm: Literal["chunked", "recurrent"] = _f(
+        "chunked", "how the eager interpreter runs the delta rule: in chunks (WY/UT transform) "
+        "or one token at a time; both compute the same function")
+
+
+@dataclass(frozen=True)
 class Mixer:
     kind: MixerKind = _f("attention", "sequence mixer of every layer: attention (softmax), "
-                         "linear_attention (φ = elu + 1, running sums), mamba (selective SSM)")
+                         "linear_attention (φ = elu + 1, running sums), mamba (selective SSM), "
+                         "gated_deltanet (the gated delta rule, Qwen3-Next)")
     pattern: tuple[MixerKind, ...] | None = _f(
         None, "per-layer mixers, repeated over the layers, instead of kind (hybrids: "
         "[mamba, mamba, mamba, attention])")
     mamba: Mamba | None = _f(None, "mamba layers: selective state-space sizes")
+    deltanet: DeltaNet | None = _f(None, "gated_deltanet layers: {key_heads, value_heads, "
+                                   "key_dim, value_dim, d_conv, chunk}")
 
 
 @dataclass(frozen=True)
@@ -280,6 +302,8 @@ class MoE:
     up_offset: float = _f(0.0, "gated experts: added to the up projection before the product "
                           "(gpt-oss: act(gate)·(up + 1))")
     shared_expert_d_ff: int | None = _f(None, "hidden size of an always-on shared expert", min=1)
+    shared_expert_gate: bool = _f(False, "the shared expert's output is scaled by σ(a learned "
+                                  "linear map of the FFN input to one value) (Qwen3-Next)")
 
     @property
     def plain_experts(self) -> bool:
@@ -452,7 +476,7 @@ class Spec:
     @property
     def attends(self) -> bool:
         """Does any layer attend (softmax or linear), so that attention.heads applies?"""
-        return any(m != "mamba" for m in self.all_mixers)
+        return any(m not in HEADLESS_MIXERS for m in self.all_mixers)
 
     @property
     def softmax_attends(self) -> bool:

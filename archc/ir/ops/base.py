@@ -54,6 +54,7 @@ class Op(str, Enum):
     CAUSAL_CONV = "causal_conv"
     SSM_SCAN = "ssm_scan"
     LINEAR_ATTENTION = "linear_attention"
+    DELTA_RULE = "delta_rule"
     # what the passes leave
     FUSED_LINEAR = "fused_linear"
     ATTENTION = "attention"
@@ -75,7 +76,7 @@ MATMUL = frozenset({Op.MATMUL, Op.SCORES, Op.WEIGHTED_SUM, Op.HEAD_LINEAR, Op.FU
 # ops whose kernels write rows through an epilogue chain of steps
 ROW_KERNELS = frozenset({Op.FUSED_LINEAR, Op.NORM, Op.MOE_LINEAR})
 # recurrent mixers: they read and update a per-layer state (conv window, SSM state, sums)
-RECURRENT = frozenset({Op.CAUSAL_CONV, Op.SSM_SCAN, Op.LINEAR_ATTENTION})
+RECURRENT = frozenset({Op.CAUSAL_CONV, Op.SSM_SCAN, Op.LINEAR_ATTENTION, Op.DELTA_RULE})
 # collectives: they move data between the ranks of a group; no fusion crosses one, their bytes
 # go over the link between GPUs, not to memory
 COLLECTIVE = frozenset({Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.RING_PASS})

@@ -11,6 +11,9 @@ so a layer keeps two running sums per KV head, S [D, Dv] and z [D] in f32 (query
 KV head h // (H / H_kv)). Eager semantics run a call's tokens in chunks: within one the causal
 sum is the masked product (φq·φkᵀ ⊙ causal)·v, and the sums carry the chunks before — the
 recurrence's function in far fewer steps.
+
+The gated delta rule (Gated DeltaNet, Yang et al. 2024; Qwen3-Next) keeps one state S [Dk, Dv]
+per value head, decayed and corrected by each token (``archc.ir.ops.delta_rule``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from archc.ir.ops.base import (
     same_shape,
     vector,
 )
+from archc.ir.ops.delta_rule import delta_chunked, delta_recurrent
 from archc.ir.ops.steps import normalize
 from archc.ir.shapes import Shape, numel
 
@@ -203,3 +207,76 @@ register(OpDef(
     operands("q", "k", "v"), _linear_attention_infer, _linear_attention_eager,
     attrs=(LAYER, Attr("feature", str, "identity", FEATURE_MAPS)), flops=_linear_attention_flops,
     states=_linear_attention_states, template="linear_attention", arity=(3, 3)))
+
+
+DELTA_ALGORITHMS = ("chunked", "recurrent")
+
+
+def _delta_dims(sig: Sig) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
+    """Value heads, key dims and value dims per head."""
+    h = sig.attr("heads")
+    return h, sig.shape("q")[2] / sig.attr("key_heads"), sig.shape("v")[2] / h
+
+
+def _delta_infer(sig: Sig) -> tuple[Shape, str]:
+    q, k, v = sig.shape("q"), sig.shape("k"), sig.shape("v")
+    h, hk = sig.attr("heads"), sig.attr("key_heads")
+    require(len(q) == 3 and len(k) == 3 and len(v) == 3,
+            "takes q and k [B, T, H_k·Dk] and v [B, T, H·Dv]")
+    require(same_shape(q, k), f"q {list(q)} and k {list(k)} differ")
+    require(same_dim(q[0], v[0]) and same_dim(q[1], v[1]), f"q {list(q)} and v {list(v)} differ "
+            "before the last dim")
+    require(h % hk == 0, f"{h} value heads are not a multiple of {hk} key heads")
+    for name in ("g", "beta"):
+        x = sig.shape(name)
+        require(same_shape(x, (q[0], q[1], h)), f"{name} {list(x)} must be [B, T, {h}]")
+    return v, float_dtype(sig, 2)
+
+
+def _delta_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+    """q and k L2-normalized per key head (f32, as FLA's kernels do) and repeated to the value
+    heads (value head h reads key head h // (H / H_k)), then the delta rule from and into the
+    layer's state S [B, H, Dk, Dv]."""
+    h, hk, layer = at["heads"], at["key_heads"], at["layer"]
+    b, t, width = a["q"].shape
+    dk, dv = width // hk, a["v"].shape[-1] // h
+
+    def keys(x: torch.Tensor) -> torch.Tensor:   # (B, T, H, Dk), unit length
+        x = x.float().reshape(b, t, hk, dk)
+        x = x * torch.rsqrt((x * x).sum(-1, keepdim=True) + at["eps"])
+        return x.repeat_interleave(h // hk, dim=2)
+    q, k = keys(a["q"]), keys(a["k"])
+    v = a["v"].float().reshape(b, t, h, dv)
+    s = ctx.state_read(layer, "S", (b, h, dk, dv), torch.float32, q.device)
+    scale = at["scale"] if at["scale"] is not None else dk ** -0.5
+    if at["algorithm"] == "chunked":
+        o, s = delta_chunked(q, k, v, a["g"], a["beta"], s, scale=scale, chunk=at["chunk"])
+    else:
+        o, s = delta_recurrent(q, k, v, a["g"], a["beta"], s, scale=scale)
+    ctx.state_write(layer, "S", s)
+    return o.reshape(b, t, h * dv).to(a["v"].dtype)
+
+
+def _delta_flops(sig: Sig) -> sympy.Expr:
+    # per token and value head: the decay, Sᵀk, the write k δᵀ and Sᵀq (2·Dk·Dv each, the decay
+    # Dk·Dv); the L2 norms of q and k per key head
+    h, dk, dv = _delta_dims(sig)
+    q = sig.shape("q")
+    return q[0] * q[1] * (7 * h * dk * dv + 2 * 3 * q[2])
+
+
+register(OpDef(
+    Op.DELTA_RULE, "The gated delta rule: q and k L2-normalized and repeated to the value "
+    "heads, then per head S ← S·exp(g); δ = β(v − Sᵀk); S ← S + kδᵀ; o = Sᵀ(scale·q), from "
+    "and into the layer's state S [B, H, Dk, Dv] (f32); chunked (the WY/UT form, `chunk` tokens "
+    "a step) or recurrent.",
+    '%40 : f32[B,T,24] = delta_rule(%31, %32, %33, %36, %38) {chunk=8, heads=4, key_heads=2, '
+    'layer=0}',
+    operands("q", "k", "v", "g", "beta"), _delta_infer, _delta_eager,
+    attrs=(LAYER, Attr("heads", int, at_least=1), Attr("key_heads", int, at_least=1),
+           Attr("algorithm", str, "chunked", DELTA_ALGORITHMS), Attr("chunk", int, 64, at_least=1),
+           Attr("eps", float, 1e-6), Attr("scale", float, None)),
+    flops=_delta_flops, arity=(5, 5),
+    states=lambda sig: (StateDecl("S", (sig.shape("q")[0], *_delta_dims(sig)), "f32"),),
+    docs={"q": "queries [B, T, H_k·Dk]", "k": "keys [B, T, H_k·Dk]", "v": "values [B, T, H·Dv]",
+          "g": "log decay per token and value head (≤ 0)", "beta": "write strength β"}))
