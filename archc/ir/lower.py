@@ -646,8 +646,9 @@ class _Stack:
             z = cols(qkvz, 2 * kd + vd, vd)
             beta = self.b.emit(Op.ACT, cols(ba, 0, h_v), fn="sigmoid")
             a = self.b.emit(Op.ADD, cols(ba, h_v, h_v), self.param(f"{base}.dt_bias", h_v))
-            self.param(f"{base}.A_log", h_v)   # the checkpoint's; −exp(A_log) at load time
-            decay = self.param(f"{base}.A", h_v, dtype="f32",
+            self.param(f"{base}.A_log", h_v)   # the checkpoint's; −exp(A_log) at load time, in
+            # the activations' dtype: the IR has no cast to take softplus(a + dt_bias) to f32
+            decay = self.param(f"{base}.A", h_v,
                                expr=Call("neg_exp", (leaf(self.prefix + f"{base}.A_log"),)))
             g = self.b.emit(Op.MUL, self.b.emit(Op.ACT, a, fn="softplus"), decay)
         with self.at("mixer.deltanet.chunk" if dn.algorithm == "chunked" else
