@@ -50,9 +50,12 @@ def config() -> Any:
         max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-def build(directory: Path, seed: int = 0) -> torch.nn.Module:
+def build(directory: Path, seed: int = 0, **changes: Any) -> torch.nn.Module:
+    """A random transformers model of the test config with `changes`, saved to `directory`."""
     torch.manual_seed(seed)
-    model = transformers.Qwen3NextForCausalLM(config()).eval()
+    cfg = transformers.Qwen3NextConfig(**{**config().to_dict(), **changes}) if changes else \
+        config()
+    model = transformers.Qwen3NextForCausalLM(cfg).eval()
     randomize(model, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -181,3 +184,16 @@ def test_bad_layer_types_are_refused(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match=r"layer_types.*linear_attention or full_attention per "
                        r"layer \(4\)"):
         spec_of(tmp_path, layer_types=["linear_attention", "sliding_attention"] * 2)
+
+
+@pytest.mark.parametrize("changes", [
+    {"attention_bias": True, "norm_topk_prob": False},     # q/gate biases split per head too
+    {"layer_types": ["linear_attention"] * 4, "num_experts": 0},   # no attention, no experts
+], ids=["biases", "deltanet-only"])
+def test_variants_match_transformers(changes: dict[str, Any], tmp_path: Path) -> None:
+    hf = build(tmp_path, **changes)
+    ids = prompt(2, 13, seed=5)
+    with torch.no_grad():   # transformers' cache needs an attention layer
+        want = hf(ids, use_cache=False).logits
+    err = rel_error(archc.load(tmp_path).compile("eager")(ids), want)
+    assert err <= RTOL, f"{changes}: max error {err:.2e}"

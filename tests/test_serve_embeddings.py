@@ -295,9 +295,11 @@ def test_each_pooling_reads_only_the_real_tokens(mode: str) -> None:
     for r, n in enumerate(lengths):
         hidden[r, :n] = torch.randn(n, 4)
         mask[r, :n] = 1
-    got = pool(hidden, mask, Pooling(mode, normalize=True))
+    got = pool(hidden, mask, Pooling(mode))
+    unit = pool(hidden, mask, Pooling(mode, normalize=True))
     for r, n in enumerate(lengths):
         rows = [hidden[r, t] for t in range(n)]
         want = {"cls": rows[0], "mean": sum(rows) / n, "mean_sqrt_len": sum(rows) / n ** 0.5,
                 "max": torch.stack(rows).max(dim=0).values}[mode]
-        torch.testing.assert_close(got[r], want / want.norm(), atol=1e-6, rtol=0)
+        torch.testing.assert_close(got[r], want, atol=1e-6, rtol=0)
+        torch.testing.assert_close(unit[r], want / want.norm(), atol=1e-6, rtol=0)

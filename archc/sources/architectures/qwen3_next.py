@@ -95,6 +95,8 @@ def qwen3_next(cfg: HFConfig, ckpt: Checkpoint) -> dict[str, Any]:
         out["ffn"] = dense_ffn
     mixers = ["gated_deltanet" if t == "linear_attention" else "attention"
               for t in layer_types(cfg, layers)]
+    if "attention" not in mixers:   # no layer attends: no heads, no positions
+        out["attention"], out["position"] = None, {"kind": "none"}
     kinds = [f"{'delta' if m == 'gated_deltanet' else 'attn'}+{'moe' if r else 'dense'}"
              for m, r in zip(mixers, routed)]
     sections = {k: {"mixer": {"kind": "gated_deltanet" if k.startswith("delta") else
@@ -110,9 +112,14 @@ def by_part(x: torch.Tensor, heads: int, widths: tuple[int, ...]) -> list[torch.
     return [torch.cat([p.reshape(-1, *x.shape[1:]) for p in parts]).contiguous()]
 
 
+EXPERTS_FUSED = fused_experts("mlp.experts")
+
+
 def tensors(t: TensorMap) -> None:
     """The interleaved query/gate projection, the fused q/k/v/z and b/a projections per key
-    head, and the depthwise filter [C, 1, K] → [C, K]."""
+    head, the depthwise filter [C, 1, K] → [C, K], and experts fused as transformers 5 keeps
+    them."""
+    EXPERTS_FUSED(t)
     dn = t.spec.mixer.deltanet
     for i in range(t.spec.layers):
         hf, ax = t.ckpt(f"layers.{i}."), f"layers.{i}."
@@ -148,5 +155,5 @@ QWEN3_NEXT = Architecture(("qwen3_next",), qwen3_next, Layout(
      **each("ffn.shared.*", "mlp.shared_expert.*_proj", "gate up down"),
      "ffn.shared_gate": "mlp.shared_expert_gate",
      **each("delta.*", "linear_attn.*", "dt_bias A_log norm"), "delta.out": "linear_attn.out_proj"},
-    special=lambda t: (tensors(t), fused_experts("mlp.experts")(t))[0]),
+    special=tensors),
     inert=INERT, skip=SKIP)
