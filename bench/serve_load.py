@@ -167,13 +167,16 @@ def main() -> None:
                 "new_tokens": args.new_tokens, "block_size": args.block_size,
                 "engine": f"{type(engine).__module__}.{type(engine).__name__}",
                 "decode_batch_max": batch_max, "results": results, "speedup": speedup,
-                "machine": {"cpu": platform.processor() or platform.machine(),
-                            "cores": os.cpu_count(), "threads": args.threads,
-                            "load_average_before": load_before,
-                            "load_average_after": os.getloadavg(),
-                            "torch": torch.__version__}}
+                "machine": machine(args.threads, load_before)}
         args.output.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.output}")
+
+
+def machine(threads: int | None, load_before: tuple[float, float, float]) -> dict[str, Any]:
+    """What a result file says of the machine it was measured on."""
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "threads": threads, "load_average_before": load_before,
+            "load_average_after": os.getloadavg(), "torch": torch.__version__}
 
 
 if __name__ == "__main__":

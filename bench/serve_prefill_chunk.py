@@ -22,7 +22,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import queue
 import random
 import sys
@@ -40,7 +39,7 @@ from archc.serve.scheduler import Event, Request, Scheduler
 from archc.spec import load_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import percentile  # noqa: E402  (the serving benchmark's own)
+from serve_load import machine, percentile  # noqa: E402  (the serving benchmark's own)
 
 
 class Stream:
@@ -158,11 +157,7 @@ def main() -> None:
                 "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                 "long_prompt": args.long_prompt, "arrivals": args.arrivals,
                 "chunk": args.chunk, "block_size": args.block_size, "results": results,
-                "machine": {"cpu": platform.processor() or platform.machine(),
-                            "cores": os.cpu_count(), "threads": args.threads,
-                            "load_average_before": load_before,
-                            "load_average_after": os.getloadavg(),
-                            "torch": torch.__version__}}
+                "machine": machine(args.threads, load_before)}
         args.output.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.output}")
 
