@@ -36,6 +36,7 @@ def target_programs(sizes: dict[str, int]) -> int:
 # Keys the decode-attention splits are dealt in: the smallest tile (tl.dot's 16), not the key
 # block a program steps by, so a short context still has a unit for every busy split.
 DECODE_DEAL = 16
+DOT_MIN = 16        # tl.dot's smallest tile side on a GPU
 # At most this many splits per (batch, KV head): the last to finish merges them in one tile.
 DECODE_MAX_SPLITS = 128
 # A decode launch that moves this many bytes must fill the GPU: two programs per SM with work
@@ -310,6 +311,12 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         # 272 bytes, 64 spill 384; 4 warps spill at every width (144 bytes at 16)
         return _cfg(8, BLOCK_DV=16)
     raise ValueError(f"no launch configuration for kernel family {family!r}")
+
+
+def delta_rule_block_dk(dk: int) -> int:
+    """The key dims a delta-rule program holds: all Dk of its state, a power of two at least a
+    tl.dot tile's side."""
+    return max(DOT_MIN, next_pow2(dk))
 
 
 def split_k_count(tiles: int, k: int, block_k: int, want: int = DECODE_TARGET_PROGRAMS) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 import sympy
 
 import archc.ir.expr as E
-from archc.codegen.blocks import DECODE_DEAL, TARGETS, next_pow2
+from archc.codegen.blocks import DECODE_DEAL, DOT_MIN, TARGETS, delta_rule_block_dk, next_pow2
 from archc.codegen.layout import CodegenError, Layout
 from archc.codegen.printer import pexpr, texpr
 from archc.dtypes import KV_CODES, triton_pointer
@@ -632,6 +632,36 @@ def _linear_attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
                            c.types(T="i32"))]
 
 
+def _delta_rule(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
+    """The gated delta rule from and into the layer's state S (in place): the chunked kernel
+    for a call of at least a chunk of tokens (prefill), the recurrent one for fewer (decode);
+    q and k read per key head and L2-normalized in the kernels."""
+    a = c.attrs
+    heads, key_heads = a["heads"], a["key_heads"]
+    dk = c.static(c.lay("q").shape[-1], "q's width") // key_heads
+    dv = c.static(c.lay("v").shape[-1], "v's width") // heads
+    forms = ["recurrent"] if a["algorithm"] == "recurrent" else ["recurrent", "chunked"]
+    chunk = a["chunk"]
+    if "chunked" in forms and (chunk & (chunk - 1) or (c.opts.target == "gpu" and
+                                                         chunk < DOT_MIN)):
+        raise c.fail(f"the chunked kernel takes a power-of-two chunk (at least "
+                     f"{DOT_MIN} on a GPU, its products being tl.dot tiles), not "
+                     f"{chunk}")
+    ctx = dict(H=heads, DK=dk, DV=dv, G=heads // key_heads, BLOCK_DK=delta_rule_block_dk(dk),
+               l2_eps=repr(a["eps"]), launcher=True, forms=forms, dot_kw=c.dot_kw,
+               scale=a["scale"] if a["scale"] is not None else dk ** -0.5,
+               docs={r: c.arg(r).comment for r in ("q", "k", "v", "g", "beta")},
+               **{r: by_sequence(c, r) for r in ("q", "k", "v", "g", "beta")})
+    types = {"o_ptr": triton_pointer(c.node.dtype),
+             **{f"{r}_ptr": c.arg(r).type for r in ("q", "k", "v", "g", "beta")},
+             "s0_ptr": "*fp32", "s_ptr": "*fp32", "T": "i32", "scale": "fp32"}
+    sizes = dict(H=heads, DK=dk, DV=dv)
+    return ctx, [JitKernel(f"_{form}", f"delta_rule_{form}", sizes, types,
+                           static=dict(HAS_INITIAL=1, **({"CHUNK": chunk} if form == "chunked"
+                                                         else {})))
+                 for form in forms]
+
+
 # ---- attention --------------------------------------------------------------------------------
 
 def t5_thresholds(buckets: int, bidirectional: bool, max_distance: int) -> dict[str, Any]:
@@ -1179,5 +1209,5 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
 CONTEXTS: dict[str, Callable[[NodeCtx], tuple[dict[str, Any], list[JitKernel]]]] = {
     "matmul": _matmul, "attention": _attention, "norm": _norm, "pointwise": _pointwise,
     "embedding": _embedding, "moe": _moe, "causal_conv": _causal_conv, "ssm_scan": _ssm_scan,
-    "linear_attention": _linear_attention,
+    "linear_attention": _linear_attention, "delta_rule": _delta_rule,
 }

@@ -19,14 +19,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from archc.codegen.blocks import launch_config, next_pow2
+from archc.codegen.blocks import DOT_MIN, delta_rule_block_dk, launch_config
 from archc.codegen.layout import CodegenError
 from archc.codegen.render import ENV
 
 FORMS = ("recurrent", "chunked")
 DTYPES = {"f32": "fp32", "f16": "fp16", "bf16": "bf16"}     # archc dtype → Triton's
 UNIT = "delta_rule_0"
-DOT_MIN = 16        # tl.dot's smallest tile side on a GPU
+
+
+# what each input of the kernels holds
+DOCS = {"q": "L2-normalized queries", "k": "L2-normalized keys", "v": "values",
+        "g": "log decay (≤ 0)", "beta": "write strength"}
 
 
 def _positive(name: str, value: object) -> int:
@@ -86,11 +90,18 @@ def launch_constexprs(kernels: DeltaRuleKernels, form: str, target: str, *, chun
 def render(kernels: DeltaRuleKernels, *, chunk: int = 64) -> str:
     """The module: both forms' kernels and their KERNELS table (its AOT sizes at `chunk`)."""
     _power_of_two("chunk", chunk)
-    context = dict(name=UNIT, H=kernels.heads, DK=kernels.dk, DV=kernels.dv,
-                   BLOCK_DK=_power_of_two("BLOCK_DK", max(DOT_MIN, next_pow2(kernels.dk))),
-                   dot_kw=', input_precision="ieee"' if kernels.dtype == "f32" else "")
+    h, dk, dv = kernels.heads, kernels.dk, kernels.dv
+
+    def packed(width: int) -> dict[str, str]:   # [B, T, H, width], contiguous
+        return dict(base=f"b * T * {h * width}", stride_t=str(h * width))
+    dot_kw = ', input_precision="ieee"' if kernels.dtype == "f32" else ""
+    widths = {"q": dk, "k": dk, "v": dv, "g": 1, "beta": 1}
+    docs = {r: f"[B, T, {h}{'' if w == 1 else f', {w}'}] {DOCS[r]}" for r, w in widths.items()}
+    context = dict(name=UNIT, H=h, DK=dk, DV=dv, G=1, l2_eps=None, launcher=False,
+                   BLOCK_DK=delta_rule_block_dk(dk), dot_kw=dot_kw, docs=docs,
+                   **{r: packed(w) for r, w in widths.items()})
     template = ENV.get_template("delta_rule.py.j2")
-    sources = [template.render(form=form, **context).rstrip("\n") for form in FORMS]
+    sources = [template.render(forms=[form], **context).rstrip("\n") for form in FORMS]
     dt = DTYPES[kernels.dtype]
     types = {**{f"{p}_ptr": f"*{dt}" for p in ("o", "q", "k", "v", "g", "beta")},
              "s0_ptr": "*fp32", "s_ptr": "*fp32", "T": "i32", "scale": "fp32"}

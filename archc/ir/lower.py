@@ -656,11 +656,14 @@ class _Stack:
             o = self.b.emit(Op.DELTA_RULE, q, k, v, g, beta, layer=layer, heads=h_v,
                             key_heads=dn.key_heads, algorithm=dn.algorithm, chunk=dn.chunk)
         with self.at("mixer.deltanet"):   # RMSNorm per value head (gain w, not 1 + w), gated
-            o, z = (self.b.emit(Op.SPLIT_HEADS, t, heads=h_v) for t in (o, z))  # (B, H, T, Dv)
-            o = self.norm(o, f"{base}.norm", "mixer.deltanet",
-                          dataclasses.replace(s.norm, kind="rmsnorm", unit_offset=False))
+            # one span of Dv columns per head, with the head's gain tiled over the heads: the
+            # heads stay merged [B, T, H·Dv], as the out-projection reads them
+            self.param(f"{base}.norm.weight", dn.value_dim)   # the checkpoint's
+            gain = self.param(f"{base}.norm.weight.tiled", vd, expr=Call(
+                "tile", (leaf(self.prefix + f"{base}.norm.weight"),), (("times", h_v),)))
+            o = self.b.emit(Op.NORM, o, gain, kind="rms", eps=s.norm.eps,
+                            spans=(dn.value_dim,) * h_v)
             o = self.b.emit(Op.MUL, o, self.b.emit(Op.ACT, z, fn="silu"))
-            o = self.b.emit(Op.MERGE_HEADS, o)
             return self.linear(o, f"{base}.out", self.d, False, "mixer.deltanet")
 
     def mix(self, h: int, layer: int) -> int:

@@ -276,7 +276,7 @@ register(OpDef(
     attrs=(LAYER, Attr("heads", int, at_least=1), Attr("key_heads", int, at_least=1),
            Attr("algorithm", str, "chunked", DELTA_ALGORITHMS), Attr("chunk", int, 64, at_least=1),
            Attr("eps", float, 1e-6), Attr("scale", float, None)),
-    flops=_delta_flops, arity=(5, 5),
+    flops=_delta_flops, arity=(5, 5), template="delta_rule",
     states=lambda sig: (StateDecl("S", (sig.shape("q")[0], *_delta_dims(sig)), "f32"),),
     docs={"q": "queries [B, T, H_k·Dk]", "k": "keys [B, T, H_k·Dk]", "v": "values [B, T, H·Dv]",
           "g": "log decay per token and value head (≤ 0)", "beta": "write strength β"}))
