@@ -5,7 +5,9 @@ projection, per-head QK-norm, partial rotary), (1 + w) RMSNorms, and routed expe
 σ-gated shared expert beside a dense layer (`mlp_only_layers`).
 
 One tiny random model, saved with `save_pretrained`, read with `archc.load`, held to
-transformers' logits and greedy tokens on the eager backend. Awkward on purpose: key heads 2 of
+transformers' logits and greedy tokens on the eager backend and on the generated Triton kernels
+(the chunked delta-rule kernel for a prefill of a chunk or more, the recurrent one for fewer
+tokens). Awkward on purpose: key heads 2 of
 dims 8, value heads 4 of dims 6, a conv of 3, and a chunk of 8 so a 19-token prompt spans three
 chunks, the last short. A_log, dt_bias, the norm gains and the gates are random. Tolerance,
 fp32: 1e-4 of the largest logit, as test_hf_crosscheck.
@@ -22,7 +24,6 @@ import pytest
 import torch
 
 import archc
-from archc.cli import main
 from archc.errors import SpecError
 from archc.ir.ops import Op
 from archc.sources.hf import hf_spec
@@ -82,6 +83,33 @@ def prompt(batch: int, length: int, seed: int) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.fixture(scope="module")
+def reference(pair: tuple[Any, archc.Model]) -> tuple[torch.Tensor, torch.Tensor]:
+    """19 tokens (in chunks of 8: the last of 3 short) and transformers' logits over them."""
+    hf, _ = pair
+    ids = prompt(2, 19, seed=1)
+    with torch.no_grad():
+        return ids, hf(ids).logits
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(pair: tuple[Any, archc.Model]) -> tuple[torch.Tensor, list[list[int]]]:
+    """A 19-token prompt and transformers' greedy continuation of 6 tokens."""
+    hf, _ = pair
+    ids = prompt(1, 19, seed=2)
+    settings = transformers.GenerationConfig(max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                             eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        return ids, hf.generate(ids, generation_config=settings).tolist()
+
+
+@pytest.fixture(scope="module")
+def kernels(pair: tuple[Any, archc.Model],
+            tmp_path_factory: pytest.TempPathFactory) -> archc.CompiledModel:
+    """The tiny model on the generated Triton kernels (fp32)."""
+    return pair[1].compile("triton", cache_dir=tmp_path_factory.mktemp("kernels"))
+
+
 def test_the_spec_reads_the_config(pair: tuple[Any, archc.Model]) -> None:
     _, model = pair
     s = model.spec
@@ -101,59 +129,68 @@ def with_deltanet(model: archc.Model, **changes: Any) -> archc.Model:
         mixer, deltanet=dn)), model.weights)
 
 
-def test_logits_match_transformers(pair: tuple[Any, archc.Model]) -> None:
+def test_logits_match_transformers(pair: tuple[Any, archc.Model],
+                                   reference: tuple[torch.Tensor, torch.Tensor]) -> None:
     """19 tokens in chunks of 8 (the last of 3), and token by token (the recurrent form)."""
-    hf, model = pair
-    ids = prompt(2, 19, seed=1)
-    with torch.no_grad():
-        want = hf(ids).logits
+    _, model = pair
+    ids, want = reference
     for form in (model, with_deltanet(model, algorithm="recurrent")):
         got = form.compile("eager")(ids)
         err = rel_error(got, want)
         assert err <= RTOL, f"{form.spec.mixer.deltanet.algorithm}: max error {err:.2e}"
 
 
-def test_greedy_tokens_match_transformers(pair: tuple[Any, archc.Model]) -> None:
+def test_greedy_tokens_match_transformers(
+        pair: tuple[Any, archc.Model], greedy_reference: tuple[torch.Tensor, list[list[int]]],
+        kernels: archc.CompiledModel) -> None:
     """A 19-token prefill, then decode steps that read the conv and delta-rule states and the
-    KV cache."""
-    hf, model = pair
-    ids = prompt(1, 19, seed=2)
-    settings = transformers.GenerationConfig(max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                                             eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
-        want = hf.generate(ids, generation_config=settings)
-    got = model.compile("eager").generate(ids, max_new_tokens=6, eos_token_id=())
-    assert got.tolist() == want.tolist()
+    KV cache: on eager, and on the kernels (a chunked prefill, recurrent decode steps)."""
+    _, model = pair
+    ids, want = greedy_reference
+    for backend, compiled in (("eager", model.compile("eager")), ("triton", kernels)):
+        got = compiled.generate(ids, max_new_tokens=6, eos_token_id=())
+        assert got.tolist() == want, backend
 
 
-def test_decode_logits_match_a_full_pass(pair: tuple[Any, archc.Model]) -> None:
-    """Prefill 11 tokens, then one at a time: each step's logits equal transformers' over the
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_decode_logits_match_a_full_pass(pair: tuple[Any, archc.Model],
+                                         reference: tuple[torch.Tensor, torch.Tensor],
+                                         kernels: archc.CompiledModel, backend: str) -> None:
+    """Prefill 11 tokens (a chunk and 3), then 3 tokens in one step (fewer than a chunk: the
+    recurrent kernel), then one at a time: each step's logits equal transformers' over the
     whole sequence so far."""
-    hf, model = pair
-    ids = prompt(2, 15, seed=3)
-    session = model.compile("eager").session
+    _, model = pair
+    ids, want = reference
+    session = (model.compile("eager") if backend == "eager" else kernels).session
     session.reset()
     session.step(ids[:, :11])
-    with torch.no_grad():
-        want = hf(ids).logits
-    for i in range(11, 15):
-        got = session.step(ids[:, i:i + 1])
-        err = rel_error(got[:, -1], want[:, i])
-        assert err <= RTOL, f"token {i}: max error {err:.2e}"
+    for start, stop in ((11, 14), (14, 15), (15, 16)):
+        got = session.step(ids[:, start:stop])
+        err = rel_error(got, want[:, start:stop])
+        assert err <= RTOL, f"tokens [{start}, {stop}): max error {err:.2e}"
 
 
-def test_kernels_refuse_gated_deltanet_in_one_line(capsys: pytest.CaptureFixture[str],
-                                                  tmp_path: Path) -> None:
-    """No Triton kernels run the delta rule yet: compiling or running on them says so, by the
-    spec field, before any pass runs."""
-    build(tmp_path)
-    capsys.readouterr()   # save_pretrained's progress
-    for argv in (["compile", str(tmp_path), "-o", str(tmp_path / "kernels")],
-                 ["run", str(tmp_path), "--backend", "triton", "--new-tokens", "1"]):
-        assert main(argv) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "Gated DeltaNet mixer (mixer.kind gated_deltanet) has no " \
-            "Triton kernels" in err[0], err
+def test_logits_on_the_kernels_match_transformers(
+        reference: tuple[torch.Tensor, torch.Tensor], kernels: archc.CompiledModel) -> None:
+    """The 19-token prompt on the generated kernels: three chunks of the chunked delta-rule
+    kernel (the last short), the conv and recurrent states read from the cache at zero."""
+    ids, want = reference
+    err = rel_error(kernels(ids), want)
+    assert err <= RTOL, f"max error {err:.2e}"
+
+
+def test_the_module_binds_both_delta_rule_kernels(kernels: archc.CompiledModel) -> None:
+    """One delta-rule unit for both layers, with its chunked and recurrent kernels, and the
+    recurrent state S [B, H, Dk, Dv] f32 of each DeltaNet layer stored beside the conv state."""
+    generated = kernels.session.generated
+    units = [u for u in generated.units if u.family == "delta_rule"]
+    assert len(units) == 1
+    texts = [text for _, _, text in units[0].uses]
+    assert all(any(f"layer={layer}" in t for t in texts) for layer in (0, 2))
+    assert {k.family for k in units[0].kernels} == {"delta_rule_chunked", "delta_rule_recurrent"}
+    states = generated.stores["state"]
+    for layer in (0, 2):
+        assert states[(layer, "S")] == ((4, 8, 6), "f32") and (layer, "conv") in states
 
 
 def spec_of(tmp_path: Path, **changes: Any) -> Any:
