@@ -125,7 +125,7 @@ def test_decode_after_a_chunked_prefill_continues_the_recurrence() -> None:
                                initial=False), "form must be one of"),
     (lambda: launch_constexprs(DeltaRuleKernels(2, 8, 8), "chunked", "gpu", chunk=8,
                                initial=False), "chunk must be at least 16 on a GPU"),
-    (lambda: ENV.get_template("delta_rule.py.j2").render(form="scan"),
+    (lambda: ENV.get_template("delta_rule.py.j2").render(forms=["scan"]),
      "form must be recurrent or chunked, not 'scan'"),
 ])
 def test_bad_template_parameters_are_one_line(make, message: str) -> None:  # noqa: ANN001
