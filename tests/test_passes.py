@@ -65,6 +65,13 @@ KERNELS_PER_BLOCK = {
     # FFNs (4): (28·6 + 4·3 + 16·2 + 16·4) / 32 = 8.625; tiny-jamba has one of each pairing.
     "mamba-130m": 6, "jamba-v0.1": 8.625,
     "tiny-mamba": 6, "tiny-jamba": 7.5, "tiny-linear-attention": 5,
+    # Qwen3-Next: a Gated DeltaNet mixer is qkvz and ba, causal_conv, σ(b), the decay g,
+    # delta_rule, the per-head norm, its SiLU(z) gate and out (9); a gated attention mixer is
+    # qkv, its gate (σ in the epilogue), attention, the gate's product and o (5); the MoE FFN
+    # is norm, router, gate+up experts, the shared expert's gate+up, down and σ-gate
+    # projection, their product and down experts (8). The 80B has three DeltaNet mixers to
+    # each attention one, (3·9 + 5) / 4 + 8 = 16; the tiny one each once, (9 + 5) / 2 + 8 = 15.
+    "qwen3-next-80b-a3b": 16, "tiny-qwen3-next": 15,
 }
 
 
