@@ -50,6 +50,9 @@ GOLDEN_KERNELS = {
     "causal_conv": ("tiny-mamba", "causal_conv_0"),  # bias + silu, the conv state in place
     "ssm_scan": ("tiny-jamba", "ssm_scan_0"),        # Jamba's B and C norms inside the scan
     "linear_attention": ("tiny-linear-attention", "linear_attention_0"),   # GQA 4/2 heads
+    # q and k of 2 key heads read through the conv's output, L2-normalized, for 4 value heads;
+    # the chunked kernel for prefill, the recurrent one for decode, the state in place
+    "delta_rule": ("tiny-qwen3-next", "delta_rule_0"),
 }
 
 
@@ -260,7 +263,8 @@ def test_generated_module_imports_and_lists_its_kernels(tmp_path: Path) -> None:
 def test_generated_kernel_matches_golden_text(family: str) -> None:
     spec, kernel = GOLDEN_KERNELS[family]
     path = GOLDEN / f"{family}.txt"
-    regenerate = f"archc compile {spec} --kernel {kernel} > tests/golden/kernels/{family}.txt"
+    regenerate = (f"archc compile {spec} --dtype bf16 --kernel {kernel} > "
+                  f"tests/golden/kernels/{family}.txt")
     gen = generate(kernel_program(spec), CodegenOptions(target="gpu",
                                                         max_seq_len=load_spec(spec).max_seq_len))
     assert gen.unit(kernel).family == {"matmul": "fused_linear", "moe": "moe_linear"}.get(

@@ -20,9 +20,9 @@ from tests.golden_text import assert_matches_golden
 
 GOLDEN = Path(__file__).parent / "golden" / "ir"
 # serial pre-norm + GQA; LayerNorm with biases; parallel block + MQA; sandwich norms, soft-caps
-# and windows; encoder-decoder with relative bias; mixture of experts
+# and windows; encoder-decoder with relative bias; mixture of experts; the recurrent hybrids
 SPECS = ["tiny-llama3", "tiny-gpt2", "tiny-falcon", "tiny-gemma2", "tiny-t5", "tiny-mixtral",
-         "tiny-jamba", "tiny-linear-attention"]
+         "tiny-jamba", "tiny-linear-attention", "tiny-qwen3-next"]
 
 
 @pytest.mark.parametrize("name", SPECS)
