@@ -119,6 +119,22 @@ def test_delta_rule_kernels_compile_for_sm90a_without_spills(tmp: Path) -> None:
     assert results["delta_rule_chunked"].tensor_core_ops > 0 and results["delta_rule_chunked"].wgmma
 
 
+@pytest.mark.slow
+def test_the_models_delta_rule_kernels_compile_for_sm90a_without_spills(tmp: Path) -> None:
+    """The same kernels as the model's module binds them at Qwen3-Next 80B-A3B's sizes: q and k
+    read per key head through the conv's output and L2-normalized in the kernel — neither form
+    may spill, and the chunked one multiplies on the tensor cores."""
+    results = {r.family: r for r in aot("qwen3-next-80b-a3b", "sm_90a", tmp,
+                                        kernels=["delta_rule_0_recurrent", "delta_rule_0_chunked"])}
+    assert sorted(results) == ["delta_rule_chunked", "delta_rule_recurrent"]
+    for r in results.values():
+        assert r.ok, f"{r.kernel}: {r.error}"
+        assert r.registers > 0 and r.spill_bytes == 0, f"{r.kernel}: {r.spill_bytes} bytes spill"
+        assert r.pdl, r.kernel
+    assert "CHUNK=64" in results["delta_rule_chunked"].config
+    assert results["delta_rule_chunked"].tensor_core_ops > 0 and results["delta_rule_chunked"].wgmma
+
+
 def test_decode_matmuls_load_their_weight_before_the_pdl_wait(tmp: Path) -> None:
     """Programmatic dependent launch: a decode projection may start before the kernel writing
     its activations has finished, so it reads them only after griddepcontrol.wait — but its
