@@ -189,6 +189,10 @@ WRITTEN_OUT = {
                                    "attention+dense": {"ffn": {"kind": "swiglu"}}},
                    "layer_pattern": ["mamba+dense", "attention+moe", "mamba+moe",
                                      "attention+dense"]},
+    "tiny-qwen3-next": {"mixer.pattern": DELETE,
+                        "layer_types": {"gated_deltanet": {"mixer": {"kind": "gated_deltanet"}},
+                                        "attention": {}},
+                        "layer_pattern": ["gated_deltanet", "attention"]},
 }
 
 
