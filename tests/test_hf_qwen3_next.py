@@ -24,8 +24,13 @@ import pytest
 import torch
 
 import archc
+from archc.codegen.build import CodegenOptions
+from archc.codegen.layout import CodegenError
+from archc.codegen.render import generate
 from archc.errors import SpecError
+from archc.ir.lower import lower
 from archc.ir.ops import Op
+from archc.passes import optimize
 from archc.sources.hf import hf_spec
 from archc.spec.load import layer_spec
 from tests.test_hf_crosscheck import randomize, rel_error
@@ -177,6 +182,34 @@ def test_logits_on_the_kernels_match_transformers(
     ids, want = reference
     err = rel_error(kernels(ids), want)
     assert err <= RTOL, f"max error {err:.2e}"
+
+
+def test_the_recurrent_algorithm_on_the_kernels_matches_transformers(
+        pair: tuple[Any, archc.Model], reference: tuple[torch.Tensor, torch.Tensor],
+        tmp_path: Path) -> None:
+    """algorithm: recurrent binds the recurrent kernel alone, for the prefill too."""
+    _, model = pair
+    ids, want = reference
+    compiled = with_deltanet(model, algorithm="recurrent").compile("triton", cache_dir=tmp_path)
+    units = [u for u in compiled.session.generated.units if u.family == "delta_rule"]
+    assert [k.family for u in units for k in u.kernels] == ["delta_rule_recurrent"]
+    err = rel_error(compiled(ids), want)
+    assert err <= RTOL, f"max error {err:.2e}"
+
+
+def test_a_gpu_module_refuses_a_chunk_below_a_tensor_core_tile(
+        pair: tuple[Any, archc.Model]) -> None:
+    """The chunked kernel's products are tl.dot tiles, at least 16 a side on a GPU: a chunk of 8
+    is refused by the node, in one line; 16 renders."""
+    _, model = pair
+    for chunk, refused in ((8, True), (16, False)):
+        program = optimize(lower(with_deltanet(model, chunk=chunk).spec))
+        if refused:
+            with pytest.raises(CodegenError, match=r"delta_rule\(.*power-of-two chunk \(at "
+                               r"least 16 on a GPU.*not 8$"):
+                generate(program, CodegenOptions(target="gpu"))
+        else:
+            generate(program, CodegenOptions(target="gpu"))
 
 
 def test_the_module_binds_both_delta_rule_kernels(kernels: archc.CompiledModel) -> None:
