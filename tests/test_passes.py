@@ -66,12 +66,13 @@ KERNELS_PER_BLOCK = {
     "mamba-130m": 6, "jamba-v0.1": 8.625,
     "tiny-mamba": 6, "tiny-jamba": 7.5, "tiny-linear-attention": 5,
     # Qwen3-Next: a Gated DeltaNet mixer is qkvz and ba, causal_conv, σ(b), the decay g,
-    # delta_rule, the per-head norm, its SiLU(z) gate and out (9); a gated attention mixer is
-    # qkv, its gate (σ in the epilogue), attention, the gate's product and o (5); the MoE FFN
-    # is norm, router, gate+up experts, the shared expert's gate+up, down and σ-gate
-    # projection, their product and down experts (8). The 80B has three DeltaNet mixers to
-    # each attention one, (3·9 + 5) / 4 + 8 = 16; the tiny one each once, (9 + 5) / 2 + 8 = 15.
-    "qwen3-next-80b-a3b": 16, "tiny-qwen3-next": 15,
+    # delta_rule, SiLU(z), the per-head norm (times it in its epilogue) and out (9); a gated
+    # attention mixer is qkv, attention, its gate (σ, then times the attention output in the
+    # epilogue) and o (4); the MoE FFN is norm, router, gate+up experts, the shared expert's
+    # gate+up, down and σ-gate projection, their product and down experts (8). The 80B has
+    # three DeltaNet mixers to each attention one, (3·9 + 4) / 4 + 8 = 15.75; the tiny one each
+    # once, (9 + 4) / 2 + 8 = 14.5.
+    "qwen3-next-80b-a3b": 15.75, "tiny-qwen3-next": 14.5,
 }
 
 
@@ -529,3 +530,19 @@ def test_passes_reference_is_current() -> None:
     from archc.passes.reference import reference
     doc = Path(__file__).resolve().parents[1] / "docs" / "passes-reference.md"
     assert doc.read_text(encoding="utf-8") == reference()
+
+
+def test_gated_attention_multiplies_in_its_gate_projection() -> None:
+    """Qwen3-Next's σ(gate) ⊙ attention runs in the gate projection's epilogue, after its σ; the
+    shared expert's [B, T, 1] σ-gate broadcasts over its output's columns, which a step that
+    reads whole rows of the product's width cannot do: refused, and left a pointwise kernel."""
+    found = decisions("tiny-qwen3-next", "fuse-gate", "gate-epilogue")
+    applied = [d for d in found if d.applied]
+    refused = [d for d in found if not d.applied]
+    assert len(applied) == 2 and len(refused) == 2   # the gated norm and attention; 2 experts
+    assert all("differ in shape (broadcast)" in d.reason for d in refused)
+    g = optimized("tiny-qwen3-next").graphs[0]
+    gated = [n for n in g if n.op == Op.FUSED_LINEAR and
+             [st.fn for st in n.attr("epilogue", ())][-2:] == ["act", "gate"]]
+    assert len(gated) == 1 and gated[0].attr("epilogue")[-2].kw("fn") == "sigmoid"
+    assert g.nodes[gated[0].inputs[-1]].op == Op.ATTENTION

@@ -119,6 +119,23 @@ register_rule_pass("fuse-residual", "residual adds join the norm after them, or 
 ))
 
 
+def _gate_epilogue(rw: Rewriter, m: Bindings) -> int:
+    a, b = rw.nodes[m["root"]].inputs
+    other = a if b == m["k"] else b
+    if rw.shape(other) != rw.shape(m["root"]) or rw.shape(m["k"]) != rw.shape(m["root"]):
+        raise Refusal(f"the operands of %{m['root']} differ in shape (broadcast)")
+    return extend(rw, m["k"], step("gate", other), like=[m["root"]])
+
+
+register_rule_pass("fuse-gate", "a product of two tensors runs in the epilogue of the matmul or "
+                   "norm that produced one of them", (
+    # y ⊙ (x·Wᵀ + …): gated attention's σ(gate) projection multiplies the attention output as
+    # it stores (Qwen3-Next) — no kernel of its own for the product
+    Rule("gate-epilogue", Pat({Op.MUL}, "root", (
+        None, Pat(LINEAR | {Op.NORM}, "k", one_use=True))), _gate_epilogue),
+))
+
+
 def _router(rw: Rewriter, m: Bindings) -> int:
     root = rw.nodes[m["root"]]
     bias = [rw.nodes[m["bias_add"]].inputs[1]] if "bias_add" in m else []

@@ -137,7 +137,7 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
     "absorb-mla", "fold-biases", "share-kv-heads", "flash-attention", "fuse-linear-attention",
     "fuse-causal-conv", "fuse-ssm-scan", "merge-qkv", "hoist-cross-kv", "fold-norms", "fuse-glu",
     "merge-parallel", "fuse-qk-norm", "fuse-rope", "fuse-kv-write", "fuse-moe", "fuse-epilogue",
-    "fuse-residual", "fuse-pointwise", "pair-rows", "select-kernels", "cse", "dce",
+    "fuse-residual", "fuse-gate", "fuse-pointwise", "pair-rows", "select-kernels", "cse", "dce",
 )
 
 PIPELINES: dict[str, tuple[str, ...]] = {"default": DEFAULT_PIPELINE, "none": ()}

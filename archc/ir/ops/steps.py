@@ -242,6 +242,9 @@ STEPS: dict[str, StepDecl] = {d.name: d for d in (
              docs=("positions", "each token's sequence's blocks")),
     StepDecl("residual", "acc + r", ("res",), expr=E.call("add", ACC, E.x(1)),
              kernels=ROW_KERNELS, docs=("residual rows",)),
+    StepDecl("gate", "acc·y — the rows times another kernel's (an attention output by its "
+             "σ(gate) projection)", ("other",), expr=E.call("mul", ACC, E.x(1)),
+             kernels=frozenset({Op.FUSED_LINEAR, Op.NORM}), docs=("rows it multiplies",)),
     StepDecl("softcap", "cap·tanh(acc/cap)", params=(Attr("cap", float),),
              expr=E.call("softcap", ACC, cap=1.0), kernels=ROW_KERNELS),
     StepDecl("scale", "acc·by", params=(Attr("by", float),), expr=E.call("scale", ACC, by=1.0),
