@@ -247,7 +247,8 @@ def facts(s: Spec, quant: dict[str, str], kv_cache: str | None = None, tp: int =
         rows.append(("recurrent state", f"{nbytes(state)} per sequence at any context "
                      f"({' and '.join(kinds)})"))
     per = cost.per_layer(s, kernels, cost.kernel_count(lower(cost.without_layers(s), s.dtype)))
-    rows.append(("compute nodes", f"{kernels} unfused ({per:g} per layer)"))
+    rows.append(("compute nodes", f"{kernels} unfused ({per:g} per layer)" if per.is_integer()
+                 else f"{kernels} unfused ({per:.1f} per layer on average)"))
     if tp > 1:
         rows += _tensor_parallel(shard_program(program, tp), tp, s.dtype)
     return rows
