@@ -28,7 +28,7 @@ import archc
 from archc.ir import cost
 from archc.ir.lower import lower
 from archc.report.facts import facts
-from archc.spec import load_spec
+from archc.spec import from_dict, load_spec
 from archc.spec.load import layer_spec
 from tests.test_hf_crosscheck import randomize, rel_error
 from tests.test_moe_kernels import small_blocks
@@ -188,3 +188,17 @@ def test_active_parameters_are_the_chosen_experts(name: str) -> None:
     assert cost.active_parameter_count(program) == cost.parameter_count(program) - idle
     rows = dict(facts(spec, {}))
     assert rows["active parameters"].endswith(f"per token: {moe.top_k} of {moe.experts} experts")
+
+
+def test_active_parameters_of_experts_set_by_a_layer_type() -> None:
+    """Experts only some layer types have (DeepSeek's dense first layers): still counted, and
+    named from that layer type's section."""
+    spec = from_dict({"name": "typed-moe", "vocab_size": 97, "d_model": 48, "layers": 3,
+                      "attention": {"heads": 4}, "ffn": {"kind": "swiglu", "d_ff": 40},
+                      "layer_types": {"dense": {}, "moe": {"ffn": {
+                          "kind": "moe", "d_ff": 16, "moe": {"experts": 8, "top_k": 3}}}},
+                      "layer_pattern": ["dense", "moe", "moe"]})
+    program = lower(spec, spec.dtype)
+    assert cost.active_parameter_count(program) == \
+        cost.parameter_count(program) - 2 * (8 - 3) * 3 * 16 * 48
+    assert dict(facts(spec, {}))["active parameters"].endswith("per token: 3 of 8 experts")

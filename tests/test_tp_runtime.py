@@ -125,6 +125,39 @@ def test_triton_tp_equals_one_process(source: str, tp: int, cp: int) -> None:
     expect_same(single, spawn(tp * cp, run_tp, source, "triton", tp, cp))
 
 
+# multi-head latent attention split by heads (the latent and its RoPE key replicated on every
+# rank), DeepSeek's routing over sharded experts: σ scores, a choice bias, 2 of 4 groups, ×2.5,
+# a shared expert; a dense first layer
+LATENT_MOE = """\
+name: tiny-latent-moe
+vocab_size: 97
+d_model: 48
+layers: 3
+max_seq_len: 64
+norm: {kind: rmsnorm}
+attention: {heads: 4, head_dim: 24, latent: {kv_rank: 20, rope_dims: 8, q_rank: 12, v_dim: 10}}
+ffn: {kind: swiglu, d_ff: 40}
+layer_types:
+  dense: {}
+  moe:
+    ffn:
+      kind: moe
+      d_ff: 16
+      moe: {experts: 8, top_k: 2, router: sigmoid, choice_bias: true, groups: 4, top_groups: 2,
+            scale: 2.5, shared_expert_d_ff: 16}
+layer_pattern: [dense, moe, moe]
+"""
+
+
+def test_eager_tp_latent_attention_and_deepseek_routing(tmp_path: Path) -> None:
+    spec = tmp_path / "tiny-latent-moe.yaml"
+    spec.write_text(LATENT_MOE)
+    single = run_tp(str(spec), "eager", 1)
+    ranks = spawn(2, run_tp, str(spec), "eager", 2)
+    expect_same(single, ranks)
+    assert all(r["resident"] < single["resident"] for r in ranks)
+
+
 def test_eager_tp_2_and_a_ranks_slices_of_the_weights() -> None:
     """tp = 2 gives one process's logits and tokens, and a rank's parameters are half of the
     sharded weights plus the replicated ones (each priced from the sharded program's own

@@ -12,7 +12,7 @@ from archc.ir.ops.base import COLLECTIVE
 from archc.ir.shapes import evaluate
 from archc.passes.shard import shard_program
 from archc.quant.schemes import is_quantized
-from archc.spec.load import layer_spec
+from archc.spec.load import layer_spec, layer_specs
 from archc.spec.schema import MASK_KINDS, MoE, Spec
 from archc.ui import nbytes, si
 
@@ -193,6 +193,12 @@ def kv_cache_format(dtype: str, kv_cache: str | None) -> str:
     return dtype if kv_cache is None else f"{kv_cache} codes + an f32 scale per token and head"
 
 
+def _routed(s: Spec) -> MoE | None:
+    """The experts a token is routed over: the model's, or the first layer type's that has them
+    (DeepSeek's moe layers after dense ones)."""
+    return next((ls.ffn.moe for ls in layer_specs(s) if ls.ffn.kind == "moe"), None)
+
+
 def facts(s: Spec, quant: dict[str, str], kv_cache: str | None = None, tp: int = 1
           ) -> list[tuple[str, str | None]]:
     """The rows `archc show` prints, (label, text); text None: the row does not apply."""
@@ -214,9 +220,9 @@ def facts(s: Spec, quant: dict[str, str], kv_cache: str | None = None, tp: int =
             *_layer_types(s),
             ("", ""),
             ("parameters", f"{params:,} ({si(params)})"),
-            ("active parameters", f"{active:,} ({si(active)}) per token: {s.ffn.moe.top_k} of "
-             f"{s.ffn.moe.experts} experts" if (active := cost.active_parameter_count(program))
-             != params and s.ffn.moe else None),
+            ("active parameters", f"{active:,} ({si(active)}) per token: {moe.top_k} of "
+             f"{moe.experts} experts" if (active := cost.active_parameter_count(program))
+             != params and (moe := _routed(s)) else None),
             ("weights", _weights(program, s.dtype))]
     empty, full = {"B": 1, "T": 1, "P": 0, "S": 1}, {"B": 1, "T": 1, "P": s.max_seq_len - 1,
                                                      "S": s.max_seq_len}
@@ -241,7 +247,8 @@ def facts(s: Spec, quant: dict[str, str], kv_cache: str | None = None, tp: int =
         rows.append(("recurrent state", f"{nbytes(state)} per sequence at any context "
                      f"({' and '.join(kinds)})"))
     per = cost.per_layer(s, kernels, cost.kernel_count(lower(cost.without_layers(s), s.dtype)))
-    rows.append(("compute nodes", f"{kernels} unfused ({per:g} per layer)"))
+    rows.append(("compute nodes", f"{kernels} unfused ({per:g} per layer)" if per.is_integer()
+                 else f"{kernels} unfused ({per:.1f} per layer on average)"))
     if tp > 1:
         rows += _tensor_parallel(shard_program(program, tp), tp, s.dtype)
     return rows
