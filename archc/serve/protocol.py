@@ -274,7 +274,7 @@ class Job:
     texts: list[str | None] = field(default_factory=list)    # each prompt's text, if given so
 
 
-def _logprobs(kind: str, body: dict[str, Any]) -> tuple[int | None, bool]:
+def _read_logprobs(kind: str, body: dict[str, Any]) -> tuple[int | None, bool]:
     """How many alternatives each token's logprobs lists (None: no logprobs), and echo.
     Completions take `logprobs` as that count (OpenAI allows 0 … 5; this server up to
     MAX_TOP) and `echo`; chat takes `logprobs: true` and `top_logprobs` (0 … 20)."""
@@ -305,7 +305,7 @@ def read_job(kind: str, body: dict[str, Any], served: Served) -> Job:
     sampling, stop = _sampling(body, served), _stop(body)
     if stop and served.tokenizer is None:
         raise bad_field("stop", "this model has no tokenizer to read text with")
-    logprobs, echo = _logprobs(kind, body)
+    logprobs, echo = _read_logprobs(kind, body)
     if kind == "chat":
         prompts, param = [(chat_ids(body, served), None)], "messages"
         room = scheduler.room(len(prompts[0][0]), n)
@@ -384,8 +384,10 @@ class Answer:
         scored = [None, *self.prompt_scored.get(index // self.job.n, ())]
         return completion_shape(self.pieces, scored, prompt, None, 0)
 
-    def _logprobs(self, index: int, scored: list[Scored], before: int | None,
-                  offset: int) -> dict[str, Any] | None:
+    def _logprobs(self, scored: list[Scored], before: int | None, offset: int
+                  ) -> dict[str, Any] | None:
+        """The logprobs of tokens chosen, in the route's shape (None when not asked): `before`
+        the token before the first, `offset` the characters of the choice's text before it."""
         if self.job.logprobs is None:
             return None
         if self.job.kind == "chat":
@@ -404,7 +406,7 @@ class Answer:
     def _streamed_logprobs(self, index: int) -> dict[str, Any] | None:
         """The logprobs of choice `index`'s tokens not yet streamed."""
         new = self.scored[index][self.sent[index]:]
-        logprobs = self._logprobs(index, new, self.last[index], self.offset[index])
+        logprobs = self._logprobs(new, self.last[index], self.offset[index])
         self.sent[index] += len(new)
         if new:
             self.last[index] = new[-1].token
@@ -444,7 +446,7 @@ class Answer:
         scored = self.scored[index]
         if not self.job.echo:
             return self.choice(text, self.finish.get(index, finish), delta=False, index=index,
-                               logprobs=self._logprobs(index, scored, None, 0))
+                               logprobs=self._logprobs(scored, None, 0))
         echoed = self.echo_text(index)
         logprobs = None
         if self.job.logprobs is not None:
