@@ -1,7 +1,9 @@
 """OpenAI's API, read and written: a request body checked field by field into a ``Job`` (a
 bad field is a 400 naming it, an unknown model a 404, a prompt past the context a 400
 ``context_length_exceeded``), and an ``Answer`` in OpenAI's shapes — whole, or as the chunks of
-a stream."""
+a stream, with logprobs in each route's shape (``archc.serve.logprobs``) and, under echo, the
+prompt before its completion. A completion's prompt may be a list: prompt i's n samples are
+choices i·n … i·n + n − 1."""
 
 from __future__ import annotations
 

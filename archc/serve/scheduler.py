@@ -15,7 +15,12 @@ prefilled): between two chunks the running batch takes its decode step, so one l
 not stall the streams already running. Prompt tokens found in the engine's prefix cache are not
 computed at all. A request for `n` samples is prefilled once; its samples then fork the
 prompt's KV blocks (``engine.fork``) and decode as rows of the same batch, each with its own
-generator, derived from the request's seed and the sample's index. `log` keeps the last steps
+generator, derived from the request's seed and the sample's index. A request that asks for
+logprobs has each token chosen scored from the logits before any grammar mask
+(``archc.serve.logprobs``); one that asks for its prompt scored (echo) is prefilled with the
+logits of every prompt token (``engine.prefill(every=True)``, no cached prefix reused), each
+chunk scored as it comes, and hears the scores in one event before its first token; with
+max_tokens 0 it then ends. `log` keeps the last steps
 the loop ran, ("prefill", sequence, tokens computed) and ("decode", sequences), in order.
 
 A request that finishes (an end-of-sequence id, a stop string, max_tokens) leaves at once. As a
