@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 
+from archc.tokenizer import from_gguf_vocab
 from tests.model_files import tiny_gguf  # noqa: F401  (a fixture)
 from tests.serving import Running, client, serving
 
@@ -249,3 +250,27 @@ def test_the_openai_client_raises_on_top_logprobs_alone(tiny: Running) -> None:
         client(tiny).chat.completions.create(
             model=tiny.name, messages=[{"role": "user", "content": "hi"}], top_logprobs=3)
     assert bad.value.param == "top_logprobs"
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_the_bytes_of_a_split_character_join_into_it(kind: str) -> None:
+    """A character split over tokens: the first token's text is U+FFFD, but each token's bytes
+    are its own, and the tokens' bytes joined are the text's UTF-8."""
+    import tokenizers
+
+    from archc.serve.logprobs import Pieces
+    from tests.test_gguf_tokenizer import spm
+    if kind == "byte-level":        # one token per byte, tokenizers' own byte alphabet
+        alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+        tokenizer: Any = from_gguf_vocab(
+            model="gpt2", tokens=alphabet, token_types=None, merges=[], scores=None, pre=None,
+            bos_id=None, eos_ids=[], add_bos=False, add_space_prefix=None, chat_template=None,
+            source="test.gguf")
+    else:                           # "é" is not a piece: it falls back to byte tokens
+        tokenizer = spm()
+    text = "aé"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = Pieces(tokenizer)
+    joined = [b for i in ids for b in pieces.bytes(i, pieces(i, None))]
+    assert bytes(joined) == text.encode()
+    assert pieces(ids[-2], ids[-3]) == "\ufffd"     # the first half of "é"

@@ -15,12 +15,17 @@ probability reads -9999.0, as OpenAI writes it (JSON has no −∞).
 
 A token's text is what it adds to the text before it (decoded after the token before it, so a
 SentencePiece word's leading space is kept); a token that ends inside a UTF-8 character reads
-U+FFFD, and its bytes are that text's. ``text_offset`` counts characters into the choice's text.
+U+FFFD (and the token that completes the character only what follows it). Its `bytes` are its
+own, so that the bytes of the tokens of a split character join into it: a byte-level BPE
+token's characters mapped back to the bytes they stand for (GPT-2's table), a SentencePiece
+byte token's byte; other tokens, their text's UTF-8. ``text_offset`` counts characters into the
+choice's text.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,11 +66,38 @@ def _finite(value: float) -> float:
     return value if math.isfinite(value) else UNLIKELY
 
 
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character standing for each byte (the printable ones
+    for themselves, the others for 256 + their rank among them), inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+BYTE_LEVEL = _byte_level_chars()
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")    # a SentencePiece byte-fallback piece
+
+
 class Pieces:
-    """Each token's text as it reads after the token before it."""
+    """Each token's text as it reads after the token before it, and its bytes."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend", None)
+        decoder = getattr(backend, "decoder", None)
+        self.byte_level = type(decoder).__name__ == "ByteLevel"
+
+    def bytes(self, token: int, text: str) -> list[int]:
+        """The bytes of `token`, whose text (``__call__``) is `text`."""
+        piece = self.tokenizer.backend.id_to_token(token) if self.tokenizer is not None else None
+        if piece is not None:
+            if self.byte_level and all(c in BYTE_LEVEL for c in piece):
+                return [BYTE_LEVEL[c] for c in piece]
+            byte = BYTE_TOKEN.fullmatch(piece)
+            if byte is not None:
+                return [int(byte.group(1), 16)]
+        return list(text.encode())
 
     def __call__(self, token: int, before: int | None) -> str:
         if self.tokenizer is None:
@@ -110,8 +142,8 @@ def chat_shape(pieces: Pieces, scored: Sequence[Scored], before: int | None
         tops = []
         for t, v in s.top:
             alt = pieces(t, before)
-            tops.append({"token": alt, "logprob": _finite(v), "bytes": list(alt.encode())})
+            tops.append({"token": alt, "logprob": _finite(v), "bytes": pieces.bytes(t, alt)})
         content.append({"token": text, "logprob": _finite(s.logprob),
-                        "bytes": list(text.encode()), "top_logprobs": tops})
+                        "bytes": pieces.bytes(s.token, text), "top_logprobs": tops})
         before = s.token
     return content
