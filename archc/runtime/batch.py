@@ -43,12 +43,15 @@ class BatchEngine(Protocol):
         ...
 
     def prefill(self, seq: int, tokens: Sequence[int], total_tokens: int,
-                chunk: int | None = None) -> torch.Tensor | None:
+                chunk: int | None = None, every: bool = False) -> torch.Tensor | None:
         """Start sequence `seq` on its prompt `tokens`, reserving the blocks of `total_tokens`
         tokens (prompt and every token it may generate): the logits of its last token, [vocab].
         With `chunk`, at most `chunk` prompt tokens are computed, and None says more are left
-        (``resume``). Raises PoolExhausted when the pool cannot reserve them, ArchcError for a
-        known `seq` or a `total_tokens` past max_seq_len."""
+        (``resume``). With `every`, the prompt is computed whole (no cached prefix reused) and
+        this and each ``resume`` return the logits of every token they computed,
+        [tokens, vocab], whether or not more are left (``pending`` says). Raises PoolExhausted
+        when the pool cannot reserve them, ArchcError for a known `seq` or a `total_tokens` past
+        max_seq_len."""
         ...
 
     def resume(self, seq: int, chunk: int | None = None) -> torch.Tensor | None:

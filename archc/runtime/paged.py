@@ -25,6 +25,11 @@ a copy of its last, partial block (the only one either may still write).
     engine.prefill(7, ids, total, chunk=512)   # the first 512 tokens; None: more to come
     while (logits := engine.resume(7, chunk=512)) is None: ...
     engine.fork(7, 8)                          # sequence 8: 7's prompt, its blocks shared
+
+A prefill with ``every=True`` (scoring a prompt: each token's log-probability given those
+before it) returns the logits of every prompt token it computed, [tokens, vocab], chunk by chunk
+(``pending`` says when the prompt is done), and so reuses no cached block: a token served from
+the cache was never computed here, and has no logits. Its blocks are cached as any others.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ class _Sequence:
     total: int              # tokens it reserved blocks for
     ids: list[int]          # its tokens: those in the cache, then the prompt's still to prefill
     hashes: list[bytes]     # the chained hash of each of its full blocks, in order
+    every: bool = False     # its prefill returns the logits of every prompt token
 
 
 @dataclass
@@ -342,10 +348,12 @@ class PagedEngine:
     # ---- steps ----------------------------------------------------------------------------
 
     def prefill(self, seq: int, tokens: Sequence[int], total_tokens: int,
-                chunk: int | None = None) -> torch.Tensor | None:
+                chunk: int | None = None, every: bool = False) -> torch.Tensor | None:
         """Start `seq` on its prompt, reserving the blocks of `total_tokens` tokens: the logits
         of its last token, [vocab]. With `chunk`, only its first `chunk` tokens not cached are
-        computed, and None says there are more (``resume``)."""
+        computed, and None says there are more (``resume``). With `every`, no cached block is
+        reused and this and each ``resume`` return the logits of every token they computed,
+        [tokens, vocab], more to come or not (``pending``)."""
         if isinstance(seq, bool) or not isinstance(seq, int):
             raise EngineError(f"a sequence id is an integer, got {seq!r}")
         if seq in self._seqs:
@@ -366,40 +374,44 @@ class PagedEngine:
                                  f"{self.max_seq_len}: {self.shorter_context}"))
         # cached full blocks of the prompt's prefix are held, not computed again: a sequence
         # never writes below its length, so they stay as they are
-        shared, hashes = self._lookup(ids)
+        shared, hashes = ([], []) if every else self._lookup(ids)
         need = self.blocks_for(total) - len(shared)
         if need > self.blocks_free() - sum(b in self._idle for b in shared):
             raise PoolExhausted(f"sequence {seq} needs {need} blocks of {self.block_size} "
                                 f"tokens; {self.blocks_free()} of {self.blocks_total} are free")
         stats = self.prefix_stats
-        stats.query_tokens += len(ids)
-        stats.query_blocks += (len(ids) - 1) // self.block_size
+        if not every:       # a prompt scored whole is not looked up
+            stats.query_tokens += len(ids)
+            stats.query_blocks += (len(ids) - 1) // self.block_size
         stats.hit_blocks += len(shared)
         stats.hit_tokens += len(shared) * self.block_size
         for block in shared:
             self._hold(block)
         held = _Sequence(shared + [self._take() for _ in range(need)],
-                         len(shared) * self.block_size, total, ids, hashes)
+                         len(shared) * self.block_size, total, ids, hashes, every)
         self._seqs[seq] = held
         return self.resume(seq, chunk)
 
     def resume(self, seq: int, chunk: int | None = None) -> torch.Tensor | None:
         """Prefill up to `chunk` more of `seq`'s prompt (None: all of it): the logits of the
-        prompt's last token, [vocab], once it is all in the cache, else None."""
+        prompt's last token, [vocab], once it is all in the cache, else None; for a sequence
+        prefilled with `every`, the logits of every token computed, [tokens, vocab]."""
         held = self._seqs[self._known(seq)]
         start = held.length
         if start >= len(held.ids):
             raise EngineError(f"sequence {seq} has no prompt left to prefill")
         end = len(held.ids) if chunk is None else min(len(held.ids),
                                                       start + _whole(chunk, "chunk", 1))
-        try:    # the logits of the chunk's last token only
+        try:    # the logits of the chunk's last token only, unless every token's are asked
             logits = self._step([held] * (end - start), list(range(start, end)),
-                                held.ids[start:end], last=True)
+                                held.ids[start:end], last=not held.every)
         except BaseException:
             self.release(seq)
             raise
         held.length = end
         self._index(held)
+        if held.every:
+            return logits
         return logits[-1] if end == len(held.ids) else None
 
     def pending(self, seq: int) -> int:

@@ -4,6 +4,9 @@
     POST /v1/completions        a prompt (text or token ids) continued
     POST /v1/chat/completions   messages, through the checkpoint's chat template
     POST /v1/embeddings         vectors of an encoder's inputs (``archc.serve.embeddings``)
+    GET  /tokenizer_info        the tokenizer's special tokens and chat template
+    POST /tokenize              text (or messages) → token ids  (``archc.serve.tokenization``)
+    POST /detokenize            token ids → text
     GET  /health                200 while the scheduler runs
     GET  /metrics               Prometheus text (``archc.serve.metrics``)
 
@@ -22,6 +25,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI
@@ -29,7 +33,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from archc.serve import embeddings
+from archc.serve import embeddings, tokenization
 from archc.serve.errors import APIError
 from archc.serve.protocol import Answer, Job, Served, read_job, sse
 from archc.serve.scheduler import Event, Request
@@ -42,17 +46,32 @@ def _failure(event: Event) -> APIError:
 
 
 class Submitted:
-    """A job queued in the scheduler, its events gathered on the event loop of the handler
-    that submitted it."""
+    """A job queued in the scheduler, a request per prompt, their events gathered on the event
+    loop of the handler that submitted it, each event's index its choice's (prompt i's sample
+    j: i·n + j)."""
 
     def __init__(self, served: Served, job: Job) -> None:
         loop = asyncio.get_running_loop()
         self.served = served
         self.events: asyncio.Queue[Event] = asyncio.Queue()
-        self.request = Request(job.prompt, job.max_tokens, lambda e: loop.call_soon_threadsafe(
-            self.events.put_nowait, e), job.sampling, job.stop, served.eos, n=job.n,
-            constraint=job.constraint)
-        served.generating().submit(self.request)   # refused here, before any response starts
+
+        def emitter(first: int) -> Callable[[Event], None]:
+            return lambda e: loop.call_soon_threadsafe(
+                self.events.put_nowait, replace(e, index=first + e.index))
+        self.requests = [Request(prompt, job.max_tokens, emitter(i * job.n), job.sampling,
+                                 job.stop, served.eos, n=job.n, constraint=job.constraint and
+                                 (job.constraint if i == 0 else job.constraint.copy()),
+                                 logprobs=job.logprobs,
+                                 prompt_logprobs=job.logprobs if job.echo else None)
+                         for i, prompt in enumerate(job.prompts)]
+        scheduler = served.generating()
+        try:        # refused here, before any response starts
+            for request in self.requests:
+                scheduler.submit(request)
+        except APIError:
+            for request in self.requests:
+                scheduler.cancel(request)
+            raise
 
     async def each(self, is_gone: Callable[[], Any]) -> AsyncIterator[Event]:
         """The events as they come; the request is cancelled when the consumer stops early (a
@@ -72,10 +91,11 @@ class Submitted:
                     continue
                 yield event
                 ended += event.finish is not None
-                if ended == self.request.n:     # every sample has ended
+                if ended == sum(r.n for r in self.requests):     # every sample has ended
                     return
         finally:
-            self.served.generating().cancel(self.request)
+            for request in self.requests:
+                self.served.generating().cancel(request)
 
 
 async def _never() -> bool:
@@ -140,16 +160,23 @@ def build_app(served: Served) -> FastAPI:
         return JSONResponse(answer.whole(finish))
 
     async def _stream(job: Job, answer: Answer, submitted: Submitted) -> AsyncIterator[str]:
+        choices = len(job.prompts) * job.n
         if job.kind == "chat":
-            for index in range(job.n):
+            for index in range(choices):
                 yield sse(answer.first_chunk(index))
+        if job.echo and job.logprobs is None:       # else once the prompt is scored
+            for index in range(choices):
+                yield sse(answer.echo_chunk(index))
         # the response itself listens for the client going away (EventStream)
         async for event in submitted.each(_never):
             if event.finish == "error":
                 yield sse(_failure(event).body())
                 break
             answer.take(event)
-            if event.text or event.finish is not None:
+            if event.prompt is not None and job.echo:
+                for index in range(event.index, event.index + job.n):
+                    yield sse(answer.echo_chunk(index))
+            elif event.text or event.finish is not None:
                 yield sse(answer.chunk(event))
         if job.include_usage:
             yield sse(answer.usage_chunk())
@@ -170,6 +197,18 @@ def build_app(served: Served) -> FastAPI:
         served.metrics.add("archc_prompt_tokens_total", sum(len(ids) for ids in inputs))
         served.metrics.add("archc_embedding_requests_total")
         return JSONResponse(embeddings.response(vectors, inputs, fmt, served))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Any:
+        return tokenization.info(served)
+
+    @app.post("/tokenize")
+    async def tokenize(request: HTTPRequest) -> Any:
+        return tokenization.tokenize(await body_of(request), served)
+
+    @app.post("/detokenize")
+    async def detokenize(request: HTTPRequest) -> Any:
+        return tokenization.detokenize(await body_of(request), served)
 
     def model_card() -> dict[str, Any]:
         return {"id": served.name, "object": "model", "created": served.created,

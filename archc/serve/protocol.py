@@ -1,7 +1,9 @@
 """OpenAI's API, read and written: a request body checked field by field into a ``Job`` (a
 bad field is a 400 naming it, an unknown model a 404, a prompt past the context a 400
 ``context_length_exceeded``), and an ``Answer`` in OpenAI's shapes — whole, or as the chunks of
-a stream."""
+a stream, with logprobs in each route's shape (``archc.serve.logprobs``) and, under echo, the
+prompt before its completion. A completion's prompt may be a list: prompt i's n samples are
+choices i·n … i·n + n − 1."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any
 from archc.runtime.generate import Sampling
 from archc.serve.errors import APIError, bad_field
 from archc.serve.grammar import Constraint, Grammars, read_grammar
+from archc.serve.logprobs import MAX_TOP, Pieces, Scored, chat_shape, completion_shape
 from archc.serve.metrics import Metrics
 from archc.serve.scheduler import Event, Scheduler
 
@@ -23,8 +26,7 @@ DEFAULT_COMPLETION_TOKENS = 16      # OpenAI's default max_tokens for /v1/comple
 MAX_STOP_STRINGS = 4                # as OpenAI allows
 # fields of OpenAI's requests this server does not implement: a value other than the default
 # (the second item) is refused rather than silently ignored
-UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None,), "echo": (None, False),
-               "suffix": (None,), "best_of": (None, 1), "logit_bias": (None, {}),
+UNSUPPORTED = {"suffix": (None,), "best_of": (None, 1), "logit_bias": (None, {}),
                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
                "tools": (None, []), "functions": (None, [])}
 ROLES = ("system", "developer", "user", "assistant")
@@ -104,7 +106,7 @@ def _real(body: dict[str, Any], name: str, lo: float, hi: float, default: float 
     return float(value)
 
 
-def _flag(body: dict[str, Any], name: str) -> bool:
+def flag(body: dict[str, Any], name: str) -> bool:
     value = body.get(name)
     if value is None:
         return False
@@ -175,35 +177,50 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
         raise bad_field("stream_options", "only with stream: true")
     if not isinstance(options, dict):
         raise bad_field("stream_options", "must be an object")
-    return _flag(options, "include_usage")
+    return flag(options, "include_usage")
 
 
-def _prompt_ids(body: dict[str, Any], served: Served) -> list[int]:
-    """The prompt of a completion: text, token ids, or a list of one of either."""
+def token_ids(value: Any, served: Served, param: str) -> list[int] | None:
+    """`value` as a prompt of token ids (None when it is not a list of integers)."""
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool)
+                                              for v in value):
+        return None
+    wrong = [v for v in value if not 0 <= v < served.vocab_size]
+    if wrong:
+        raise bad_field(param, f"token id {wrong[0]} is outside the vocabulary "
+                        f"(0 … {served.vocab_size - 1})")
+    return list(value)
+
+
+def _prompts(body: dict[str, Any], served: Served) -> list[tuple[list[int], str | None]]:
+    """The prompts of a completion, each its token ids and its text (None: given as ids):
+    text, token ids, or a list of either; each prompt its own choices."""
     value = body.get("prompt")
     if value is None:
         raise bad_field("prompt", "required", code="missing_required_parameter")
-    if isinstance(value, list) and value and all(isinstance(v, str | list) for v in value):
-        if len(value) != 1:
-            raise bad_field("prompt", f"one prompt per request, got {len(value)}")
-        value = value[0]
-    if isinstance(value, str):
-        if served.tokenizer is None:
-            raise bad_field("prompt", "this model has no tokenizer: give token ids")
-        ids = served.tokenizer.encode(value)
-    elif isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
-                                         for v in value):
-        ids = list(value)
-        wrong = [v for v in ids if not 0 <= v < served.vocab_size]
-        if wrong:
-            raise bad_field("prompt", f"token id {wrong[0]} is outside the vocabulary "
-                            f"(0 … {served.vocab_size - 1})")
+    ids = token_ids(value, served, "prompt")
+    if isinstance(value, str) or (ids is not None and value):
+        items = [value]
+    elif isinstance(value, list) and value and all(isinstance(v, str | list) for v in value):
+        items = value
     else:
-        raise bad_field("prompt", "must be a string, a list of token ids, or a list of one of "
-                        "either")
-    if not ids:
-        raise bad_field("prompt", "the prompt is empty (no tokens)")
-    return ids
+        raise bad_field("prompt", "must be a string, a list of token ids, or a list of either"
+                        if value != [] else "the prompt is empty (no tokens)")
+    prompts = []
+    for i, item in enumerate(items):
+        param = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        if isinstance(item, str):
+            if served.tokenizer is None:
+                raise bad_field("prompt", "this model has no tokenizer: give token ids")
+            prompt, text = served.tokenizer.encode(item), item
+        else:
+            prompt, text = token_ids(item, served, param), None
+            if prompt is None:
+                raise bad_field(param, "must be a string or a list of token ids")
+        if not prompt:
+            raise bad_field(param, "the prompt is empty (no tokens)")
+        prompts.append((prompt, text))
+    return prompts
 
 
 def _message_text(i: int, content: Any) -> str:
@@ -216,7 +233,7 @@ def _message_text(i: int, content: Any) -> str:
     raise bad_field(f"messages[{i}].content", "must be a string or a list of text parts")
 
 
-def _chat_ids(body: dict[str, Any], served: Served) -> list[int]:
+def chat_ids(body: dict[str, Any], served: Served) -> list[int]:
     from archc.tokenizer import TokenizerError
     messages = body.get("messages")
     if messages is None:
@@ -245,44 +262,78 @@ class Job:
     """A checked request: what to generate and how to answer."""
 
     kind: str                   # "completion" | "chat"
-    prompt: list[int]
-    max_tokens: int
+    prompts: list[list[int]]    # each prompt's n samples are choices i·n … i·n + n − 1
+    max_tokens: int             # 0: the prompt only scored (echo)
     sampling: Sampling
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
-    n: int = 1                  # samples, each a choice
+    n: int = 1                  # samples of each prompt, each a choice
     constraint: Constraint | None = None    # response_format's grammar
+    logprobs: int | None = None     # each token scored with this many alternatives (None: not)
+    echo: bool = False          # the prompt comes back before its completion (and, with
+                                # logprobs, scored)
+    texts: list[str | None] = field(default_factory=list)    # each prompt's text, if given so
+
+
+def _read_logprobs(kind: str, body: dict[str, Any]) -> tuple[int | None, bool]:
+    """How many alternatives each token's logprobs lists (None: no logprobs), and echo.
+    Completions take `logprobs` as that count (OpenAI allows 0 … 5; this server up to
+    MAX_TOP) and `echo`; chat takes `logprobs: true` and `top_logprobs` (0 … 20)."""
+    if kind == "chat":
+        if body.get("echo") not in (None, False):
+            raise bad_field("echo", "a field of /v1/completions, not of chat")
+        on = flag(body, "logprobs")
+        top = _whole(body, "top_logprobs", 0, None)
+        if top is not None and top > MAX_TOP:
+            raise bad_field("top_logprobs", f"must be ≤ {MAX_TOP}, got {top}")
+        if top is not None and not on:
+            raise bad_field("top_logprobs", "only with logprobs: true")
+        return (top or 0) if on else None, False
+    if body.get("top_logprobs") is not None:
+        raise bad_field("top_logprobs", "a field of chat; /v1/completions takes "
+                        "logprobs: <how many alternatives>")
+    top = _whole(body, "logprobs", 0, None)
+    if top is not None and top > MAX_TOP:
+        raise bad_field("logprobs", f"must be ≤ {MAX_TOP}, got {top}")
+    return top, flag(body, "echo")
 
 
 def read_job(kind: str, body: dict[str, Any], served: Served) -> Job:
     n = _common(body, served)
     scheduler = served.generating()
-    stream = _flag(body, "stream")
+    stream = flag(body, "stream")
     include_usage = _stream_options(body, stream)
     sampling, stop = _sampling(body, served), _stop(body)
     if stop and served.tokenizer is None:
         raise bad_field("stop", "this model has no tokenizer to read text with")
+    logprobs, echo = _read_logprobs(kind, body)
     if kind == "chat":
-        prompt, param = _chat_ids(body, served), "messages"
-        room = scheduler.room(len(prompt), n)
+        prompts, param = [(chat_ids(body, served), None)], "messages"
+        room = scheduler.room(len(prompts[0][0]), n)
         asked = _whole(body, "max_completion_tokens", 1, None)
         max_tokens = _whole(body, "max_tokens", 1, asked if asked is not None else room)
     else:
-        prompt, param = _prompt_ids(body, served), "prompt"
-        room = scheduler.room(len(prompt), n)
-        max_tokens = _whole(body, "max_tokens", 1, min(DEFAULT_COMPLETION_TOKENS, room))
+        prompts, param = _prompts(body, served), "prompt"
+        room = min(scheduler.room(len(p), n) for p, _ in prompts)
+        # max_tokens 0 generates nothing: with echo, it scores the prompt
+        max_tokens = _whole(body, "max_tokens", 0 if echo else 1,
+                            min(DEFAULT_COMPLETION_TOKENS, room))
     assert max_tokens is not None
-    scheduler.check(len(prompt), max(max_tokens, 1), prompt_param=param, n=n)
+    for i, (prompt, _) in enumerate(prompts):
+        scheduler.check(len(prompt), max(max_tokens, 1), n=n,
+                        prompt_param=param if len(prompts) == 1 else f"{param}[{i}]")
     grammar = read_grammar(body)
     constraint = served.grammars.constraint(grammar) if grammar is not None else None
-    return Job(kind, prompt, max_tokens, sampling, stop, stream, include_usage, n, constraint)
+    return Job(kind, [p for p, _ in prompts], max_tokens, sampling, stop, stream, include_usage,
+               n, constraint, logprobs, echo, [t for _, t in prompts])
 
 
 # ---- answering -------------------------------------------------------------------------------
 
 class Answer:
-    """One request's answer, in OpenAI's shapes: chunks as it streams, or the whole response."""
+    """One request's answer, in OpenAI's shapes: chunks as it streams, or the whole response.
+    Choice i·n + j is sample j of prompt i."""
 
     def __init__(self, job: Job, served: Served) -> None:
         self.job, self.served = job, served
@@ -290,38 +341,97 @@ class Answer:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.object = "chat.completion" if chat else "text_completion"
         self.created = int(time.time())
-        self.text: list[list[str]] = [[] for _ in range(job.n)]      # by choice index
+        choices = len(job.prompts) * job.n
+        self.text: list[list[str]] = [[] for _ in range(choices)]      # by choice index
         self.finish: dict[int, str] = {}
         self.completion_tokens = 0
+        self.pieces = Pieces(served.tokenizer)
+        self.scored: list[list[Scored]] = [[] for _ in range(choices)]  # tokens chosen
+        self.prompt_scored: dict[int, tuple[Scored, ...]] = {}          # by prompt
+        self.sent = [0] * choices           # of `scored`, those already streamed
+        self.offset = [0] * choices         # characters of each choice's text streamed
+        self.last: list[int | None] = [None] * choices    # the token streamed last
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created,
                 "model": self.served.name}
 
     def usage(self) -> dict[str, int]:
-        prompt = len(self.job.prompt)
+        prompt = sum(len(p) for p in self.job.prompts)
         return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
                 "total_tokens": prompt + self.completion_tokens}
 
     def take(self, event: Event) -> None:
         self.text[event.index].append(event.text)
         self.completion_tokens += event.token is not None
+        if event.logprob is not None:
+            self.scored[event.index].append(event.logprob)
+        if event.prompt is not None:
+            self.prompt_scored[event.index // self.job.n] = event.prompt
         if event.finish is not None:
             self.finish[event.index] = event.finish
 
-    def choice(self, text: str, finish: str | None, *, delta: bool, index: int = 0
-               ) -> dict[str, Any]:
+    def echo_text(self, index: int) -> str:
+        """The prompt of choice `index` as echo returns it: as given, or its ids decoded."""
+        i = index // self.job.n
+        text = self.job.texts[i] if i < len(self.job.texts) else None
+        if text is None:
+            tokenizer = self.served.tokenizer
+            text = tokenizer.decode(self.job.prompts[i]) if tokenizer is not None else ""
+        return text
+
+    def _prompt_logprobs(self, index: int) -> dict[str, Any]:
+        """The echoed prompt's tokens, scored (the first by nothing)."""
+        prompt = self.job.prompts[index // self.job.n]
+        scored = [None, *self.prompt_scored.get(index // self.job.n, ())]
+        return completion_shape(self.pieces, scored, prompt, None, 0)
+
+    def _logprobs(self, scored: list[Scored], before: int | None, offset: int
+                  ) -> dict[str, Any] | None:
+        """The logprobs of tokens chosen, in the route's shape (None when not asked): `before`
+        the token before the first, `offset` the characters of the choice's text before it."""
+        if self.job.logprobs is None:
+            return None
+        if self.job.kind == "chat":
+            return {"content": chat_shape(self.pieces, scored, before)}
+        return completion_shape(self.pieces, scored, [s.token for s in scored], before, offset)
+
+    def choice(self, text: str, finish: str | None, *, delta: bool, index: int = 0,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.job.kind == "completion":
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         key = "delta" if delta else "message"
         body = ({"content": text} if text else {}) if delta else \
             {"role": "assistant", "content": text}
-        return {"index": index, key: body, "logprobs": None, "finish_reason": finish}
+        return {"index": index, key: body, "logprobs": logprobs, "finish_reason": finish}
+
+    def _streamed_logprobs(self, index: int) -> dict[str, Any] | None:
+        """The logprobs of choice `index`'s tokens not yet streamed."""
+        new = self.scored[index][self.sent[index]:]
+        logprobs = self._logprobs(new, self.last[index], self.offset[index])
+        self.sent[index] += len(new)
+        if new:
+            self.last[index] = new[-1].token
+        if logprobs is not None and self.job.kind == "completion":
+            self.offset[index] += sum(len(t) for t in logprobs["tokens"])
+        return logprobs
 
     def chunk(self, event: Event) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.job.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [self.choice(event.text, event.finish,
-                                                           delta=True, index=event.index)]}
+        return {**self._head(obj), "choices": [self.choice(
+            event.text, event.finish, delta=True, index=event.index,
+            logprobs=self._streamed_logprobs(event.index))]}
+
+    def echo_chunk(self, index: int) -> dict[str, Any]:
+        """A completions stream with echo opens each choice with its prompt (scored, with
+        logprobs): sent once the prompt's scores are in, when logprobs are asked."""
+        logprobs = None
+        if self.job.logprobs is not None:
+            logprobs = self._prompt_logprobs(index)
+            self.offset[index] = sum(len(t) for t in logprobs["tokens"])
+            self.last[index] = self.job.prompts[index // self.job.n][-1]
+        return {**self._head("text_completion"), "choices": [self.choice(
+            self.echo_text(index), None, delta=True, index=index, logprobs=logprobs)]}
 
     def first_chunk(self, index: int = 0) -> dict[str, Any]:
         """A chat stream opens with the assistant's role, as OpenAI's does (per choice)."""
@@ -333,11 +443,26 @@ class Answer:
         obj = "chat.completion.chunk" if self.job.kind == "chat" else "text_completion"
         return {**self._head(obj), "choices": [], "usage": self.usage()}
 
+    def _whole_choice(self, index: int, finish: str) -> dict[str, Any]:
+        text = "".join(self.text[index])
+        scored = self.scored[index]
+        if not self.job.echo:
+            return self.choice(text, self.finish.get(index, finish), delta=False, index=index,
+                               logprobs=self._logprobs(scored, None, 0))
+        echoed = self.echo_text(index)
+        logprobs = None
+        if self.job.logprobs is not None:
+            logprobs = self._prompt_logprobs(index)
+            prompt = self.job.prompts[index // self.job.n]
+            more = completion_shape(self.pieces, scored, [s.token for s in scored],
+                                    prompt[-1], sum(len(t) for t in logprobs["tokens"]))
+            logprobs = {k: logprobs[k] + more[k] for k in logprobs}
+        return self.choice(echoed + text, self.finish.get(index, finish), delta=False,
+                           index=index, logprobs=logprobs)
+
     def whole(self, finish: str) -> dict[str, Any]:
         return {**self._head(self.object),
-                "choices": [self.choice("".join(text), self.finish.get(i, finish),
-                                        delta=False, index=i)
-                            for i, text in enumerate(self.text)],
+                "choices": [self._whole_choice(i, finish) for i in range(len(self.text))],
                 "usage": self.usage()}
 
 

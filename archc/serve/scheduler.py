@@ -15,7 +15,12 @@ prefilled): between two chunks the running batch takes its decode step, so one l
 not stall the streams already running. Prompt tokens found in the engine's prefix cache are not
 computed at all. A request for `n` samples is prefilled once; its samples then fork the
 prompt's KV blocks (``engine.fork``) and decode as rows of the same batch, each with its own
-generator, derived from the request's seed and the sample's index. `log` keeps the last steps
+generator, derived from the request's seed and the sample's index. A request that asks for
+logprobs has each token chosen scored from the logits before any grammar mask
+(``archc.serve.logprobs``); one that asks for its prompt scored (echo) is prefilled with the
+logits of every prompt token (``engine.prefill(every=True)``, no cached prefix reused), each
+chunk scored as it comes, and hears the scores in one event before its first token; with
+max_tokens 0 it then ends. `log` keeps the last steps
 the loop ran, ("prefill", sequence, tokens computed) and ("decode", sequences), in order.
 
 A request that finishes (an end-of-sequence id, a stop string, max_tokens) leaves at once. As a
@@ -41,6 +46,7 @@ from archc.runtime.batch import BatchEngine, PoolExhausted
 from archc.runtime.generate import Sampler, Sampling
 from archc.serve.errors import APIError
 from archc.serve.grammar import Constraint, apply_masks
+from archc.serve.logprobs import Scored, score
 from archc.serve.metrics import Metrics
 from archc.tokenizer import TextStream
 
@@ -55,6 +61,9 @@ class Event:
     finish: str | None = None       # stop | length | cancelled | error, on the last event only
     error: str | None = None        # what went wrong, when finish is "error"
     index: int = 0                  # which of the request's n samples
+    logprob: Scored | None = None   # the token's, when the request asks for logprobs
+    prompt: tuple[Scored, ...] | None = None    # the prompt's tokens after the first, scored:
+                                    # once, before any token, when the request asks
 
 
 @dataclass(eq=False)
@@ -71,6 +80,10 @@ class Request:
     n: int = 1                           # samples of the prompt, each its own stream
     arrived: float = field(default_factory=time.perf_counter)
     constraint: Constraint | None = None  # the grammar its tokens follow (response_format)
+    logprobs: int | None = None          # each token chosen scored, with this many likeliest
+                                         # alternatives (None: not scored)
+    prompt_logprobs: int | None = None   # the prompt scored so (None: not); its prefill then
+                                         # computes every prompt token, none from the cache
     generated: int = 0                   # tokens chosen so far (all samples), an end-of-sequence
                                          # id included
     finish: str | None = None            # set when its last sample has ended
@@ -145,6 +158,8 @@ class Live:
     constraint: Constraint | None = None    # this sample's own matcher of the request's grammar
     last_token: int = -1
     last_time: float = 0.0
+    prompt_scores: list[Scored] = field(default_factory=list)  # scored so far (prompt_logprobs)
+    prompt_seen: int = 0            # prompt positions whose logits the prefill gave
 
 
 class Scheduler:
@@ -344,10 +359,11 @@ class Scheduler:
         request, new = live.request, live.seq not in self.prefilling
         stats = getattr(self.engine, "prefix_stats", None)
         hits = stats.hit_tokens if stats is not None else 0
+        every = request.prompt_logprobs is not None
         try:
             if new:
                 logits = self.engine.prefill(live.seq, list(request.prompt), request.total_tokens,
-                                             chunk=budget)
+                                             chunk=budget, every=every)
             else:
                 before = self.engine.pending(live.seq)
                 logits = self.engine.resume(live.seq, chunk=budget)
@@ -361,6 +377,8 @@ class Scheduler:
             else:       # the engine has released the sequence already
                 self._finish(live, "error", "", f"{type(err).__name__}: {err}", released=True)
             return budget
+        if every:       # the logits of every token computed: scored, the last one kept
+            logits = self._score_prompt(live, logits)
         if new:
             self.tokens_in_flight += request.n * request.total_tokens
             cached = (stats.hit_tokens if stats is not None else 0) - hits
@@ -377,8 +395,22 @@ class Scheduler:
             if not new:
                 del self.prefilling[live.seq]
                 self.forks_reserved -= self._fork_blocks(request)
+            if every:
+                _emit(request, Event(index=live.index, prompt=tuple(live.prompt_scores)))
             self._start_samples(live, logits.reshape(1, -1))
         return None if budget is None else budget - computed
+
+    def _score_prompt(self, live: Live, logits: torch.Tensor) -> torch.Tensor | None:
+        """Score the prompt tokens that the logits of a chunk's every token [tokens, vocab]
+        predict: the last token's logits once the prompt is all prefilled, else None."""
+        prompt, start = live.request.prompt, live.prompt_seen
+        end = start + logits.shape[0]
+        targets = list(prompt[start + 1:end + 1])    # row t predicts the token after it
+        assert live.request.prompt_logprobs is not None
+        live.prompt_scores += score(logits[:len(targets)], targets,
+                                    live.request.prompt_logprobs)
+        live.prompt_seen = end
+        return logits[-1] if end == len(prompt) else None
 
     def _fork_blocks(self, request: Request) -> int:
         return (request.n - 1) * self.engine.blocks_for(request.total_tokens)
@@ -387,6 +419,13 @@ class Scheduler:
         """The prompt is in the cache: its n samples join the batch, each choosing its first
         token from the prompt's last logits."""
         request = first.request
+        if request.max_tokens == 0:     # a prompt only scored: every sample ends at once
+            self.running[first.seq] = first
+            self.tokens_in_flight -= (request.n - 1) * request.total_tokens
+            for index in range(1, request.n):
+                self._end(request, Event("", None, "length", index=index))
+            self._finish(first, "length", "")
+            return
         lives = [first]
         for index in range(1, request.n):
             seq = next(self.ids)
@@ -400,7 +439,7 @@ class Scheduler:
             self.running[live.seq] = live
         for live in lives:
             if live.seq in self.running:
-                self._accept(live, apply_masks(logits, [live.constraint]))
+                self._accept(live, apply_masks(logits, [live.constraint]), logits)
 
     def _step(self) -> None:
         """One decode step of the whole running batch."""
@@ -415,15 +454,22 @@ class Scheduler:
             for live in batch:
                 self._finish(live, "error", "", f"{type(err).__name__}: {err}")
             return
-        logits = apply_masks(logits, [v.constraint for v in batch])   # on the device
-        logits = logits.float().cpu()   # one copy to the host for the whole step
+        masked = apply_masks(logits, [v.constraint for v in batch])   # on the device
+        # logprobs are of the logits before the grammar's masks (archc.serve.logprobs)
+        scored = masked is not logits and any(v.request.logprobs is not None for v in batch)
+        raw = logits.float().cpu() if scored else None
+        logits = masked.float().cpu()   # one copy to the host for the whole step
         for row, live in enumerate(batch):
-            self._accept(live, logits[row:row + 1])
+            self._accept(live, logits[row:row + 1], (raw if raw is not None else logits)
+                         [row:row + 1])
 
-    def _accept(self, live: Live, logits: torch.Tensor) -> None:
-        """Choose `live`'s next token from its logits [1, vocab] and tell its consumer."""
+    def _accept(self, live: Live, logits: torch.Tensor, raw: torch.Tensor) -> None:
+        """Choose `live`'s next token from its logits [1, vocab] and tell its consumer (with
+        its log-probability in `raw`, the logits before any mask, when asked)."""
         request = live.request
         token = int(live.sampler(logits)[0])
+        scored = None if request.logprobs is None else \
+            score(raw, [token], request.logprobs)[0]
         now = time.perf_counter()
         if live.generated == 0:
             if live.index == 0:
@@ -438,20 +484,21 @@ class Scheduler:
         if live.constraint is not None:
             live.constraint.take(token)
         if token in request.eos:
-            self._finish(live, "stop", live.text.finish(), token=token)
+            self._finish(live, "stop", live.text.finish(), token=token, scored=scored)
             return
         text, stopped = live.text.push(token)
         if live.constraint is not None and live.constraint.done:   # the answer is whole
-            self._finish(live, "stop", text + live.text.finish(), token=token)
+            self._finish(live, "stop", text + live.text.finish(), token=token, scored=scored)
         elif stopped:
-            self._finish(live, "stop", text, token=token)
+            self._finish(live, "stop", text, token=token, scored=scored)
         elif live.generated >= request.max_tokens:
-            self._finish(live, "length", text + live.text.finish(), token=token)
+            self._finish(live, "length", text + live.text.finish(), token=token, scored=scored)
         else:
-            _emit(request, Event(text, token, index=live.index))
+            _emit(request, Event(text, token, index=live.index, logprob=scored))
 
     def _finish(self, live: Live, reason: str, text: str, error: str | None = None, *,
-                token: int | None = None, released: bool = False) -> None:
+                token: int | None = None, released: bool = False,
+                scored: Scored | None = None) -> None:
         """`live` leaves the batch, its blocks back in the pool; its last event says why. A
         sample still prefilling ends with the samples it was to fork."""
         request = live.request
@@ -465,7 +512,7 @@ class Scheduler:
         self.tokens_in_flight -= request.total_tokens
         if not released:
             self.engine.release(live.seq)
-        self._end(request, Event(text, token, reason, error, live.index))
+        self._end(request, Event(text, token, reason, error, live.index, scored))
 
     def _end_queued(self, request: Request, reason: str, error: str | None = None) -> None:
         for index in range(request.n):
