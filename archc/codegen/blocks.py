@@ -232,6 +232,10 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
             return _cfg(BLOCK_R=_clamp_pow2(sizes["M"], 1, 64), BLOCK_N=block_n)
         return _cfg(4 if block_n <= 1024 else 8 if block_n <= 4096 else 16,
                     BLOCK_R=max(1, min(16, 2048 // block_n)), BLOCK_N=block_n)
+    if family == "head_linear":   # one head's [BLOCK_M, BLOCK_N] tile, a K loop
+        block_n, block_k = _clamp_pow2(sizes["N"], 16, 128), _clamp_pow2(sizes["K"], 16, 64)
+        return _cfg(4, 3 if gpu else 1, BLOCK_M=_clamp_pow2(sizes["M"], 16, 64),
+                    BLOCK_N=block_n, BLOCK_K=block_k)
     if family in ("pointwise", "embedding"):
         # rows of BLOCK_C columns, about `elements` values a program
         wide = 1024 if gpu else 4096

@@ -1176,8 +1176,28 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     return ctx, kernels
 
 
+# ---- head_linear ------------------------------------------------------------------------------
+
+TOKEN = sympy.Symbol("t", integer=True, nonnegative=True)   # a token's index in its sequence
+
+
+def _head_linear(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
+    x = c.lay("x")
+    if x.rank != 4:
+        raise c.fail("x must be a [B, H, T, K] head view")
+    heads, k = c.static(x.shape[1], "the heads"), c.static(x.shape[3], "the K")
+    n = c.static(c.lay("weight").shape[1], "the N")
+    contiguous(c, "weight", heads, n, k)
+    sb, sh, st, sk = x.strides
+    x_row = x.offset + BATCH * sb + HEAD * sh + TOKEN * st
+    ctx = dict(H=heads, N=n, K=k, merged=c.attrs["merged"], dot_kw=c.dot_kw,
+               x_row=texpr(x_row), x_col_mul="" if sk == 1 else f" * {texpr(sk)}")
+    return ctx, [JitKernel("_kernel", "head_linear", dict(N=n, K=k),
+                           c.types(B="i32", T="i32"))]
+
+
 CONTEXTS: dict[str, Callable[[NodeCtx], tuple[dict[str, Any], list[JitKernel]]]] = {
     "matmul": _matmul, "attention": _attention, "norm": _norm, "pointwise": _pointwise,
     "embedding": _embedding, "moe": _moe, "causal_conv": _causal_conv, "ssm_scan": _ssm_scan,
-    "linear_attention": _linear_attention,
+    "linear_attention": _linear_attention, "head_linear": _head_linear,
 }
