@@ -710,11 +710,6 @@ def unfused_cache_writes(g: Graph) -> str | None:
     writes = [i for i, n in enumerate(g) if n.op == Op.KV_CACHE]
     if not writes:
         return None
-    latent = [g.nodes[i].attr("layer") for i in writes if g.nodes[i].attr("kind") == "latent"]
-    if latent:
-        return (f"graph {g.name}: layer {latent[0]}'s latent attention (attention.latent) has "
-                "no Triton kernels yet (its attention over the cached latent and its per-head "
-                "up-projections)")
 
     def source(i: int) -> str:   # the kernel that computes what the cache write stores
         while g.nodes[i].op in (Op.SPLIT_HEADS, Op.SLICE, Op.REPEAT_KV):   # views
