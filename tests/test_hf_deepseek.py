@@ -272,3 +272,26 @@ def test_v3_router_fields_of_the_published_config(fields: dict[str, str], refuse
     else:
         with pytest.raises(SpecError, match=refused):
             archc.load(tmp_path)
+
+
+def test_wide_latent_runs_in_row_and_value_tiles_on_triton() -> None:
+    """A latent wider than 256 (264, as DeepSeek's 512 is): decode takes the 18 heads' rows in
+    tiles of 16, prefill the value columns in tiles of 128, each a program of its own — on the
+    Triton kernels equal to eager at the prefill and at each decode step (past 16 keys a step,
+    so the splits merge). Eager is held to transformers above."""
+    spec = from_dict({"name": "wide-latent", "vocab_size": VOCAB, "d_model": 32, "layers": 1,
+                      "max_seq_len": 64, "dtype": "f32", "norm": {"kind": "rmsnorm"},
+                      "attention": {"heads": 18, "head_dim": 24, "latent": {
+                          "kv_rank": 264, "rope_dims": 8, "q_rank": 12, "v_dim": 6}},
+                      "ffn": {"kind": "swiglu", "d_ff": 40}})
+    model = archc.from_spec(spec)
+    eager, kernels = model.compile("eager").session, model.compile("triton").session
+    eager.reset()
+    kernels.reset()
+    ids = prompt(1, 37, seed=6)
+    want, got = eager.step(ids), kernels.step(ids)
+    for step in range(3):
+        err = rel_error(got, want)
+        assert err <= RTOL, f"step {step}: max error {err:.2e}"
+        nxt = want[:, -1].argmax(-1, keepdim=True)
+        want, got = eager.step(nxt), kernels.step(nxt)

@@ -49,6 +49,12 @@ DECODE_ROWS = 16
 DECODE_MIN_SPLIT_STEPS = 4
 
 
+# Decode attention over heads wider than this takes a KV group's G·T rows in tiles of 16, a
+# program each: latent attention's 128 heads of 512 as one tile would hold a [128, 512] f32
+# accumulator
+ROW_TILED_D = 256
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
@@ -159,6 +165,11 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         # which descriptor loads spill); the interpreter reads through pointers
         wide = sizes.get("bytes", 2) > 2
         tma = int(gpu and bool(sizes.get("tma", 0)) and not wide)
+        if sizes["D"] > ROW_TILED_D:   # the value columns in tiles, a program each
+            if not gpu:
+                return _cfg(BLOCK_M=_clamp_pow2(sizes["T"], 16, 128),
+                            BLOCK_N=_clamp_pow2(sizes["L"], 16, 128), BLOCK_DV=128, TMA=0)
+            return _cfg(8, 2, BLOCK_M=64, BLOCK_N=32, BLOCK_DV=128, TMA=0)
         if not gpu:
             return _cfg(BLOCK_M=_clamp_pow2(sizes["T"], 16, 128),
                         BLOCK_N=_clamp_pow2(sizes["L"], 16, 128), TMA=tma)
@@ -181,8 +192,9 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
             cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 64)
         return cfg
     if family == "attention_decode":
-        rows = _clamp_pow2(sizes["R"], 16, DECODE_MAX_ROWS)  # the G·T query rows of a KV head
         block_d = _clamp_pow2(sizes["D"], 16, 1 << 16)
+        # the G·T query rows of a KV head; past head dims of 256 in tiles of 16
+        rows = _clamp_pow2(sizes["R"], 16, DECODE_MAX_ROWS if block_d <= ROW_TILED_D else 16)
         splits = sizes.get("splits") or decode_split_count(
             target, sizes.get("KVH", 1), sizes["L"], sizes.get("sms", DEFAULT_SMS))
         per_split = decode_split_keys(target, sizes["D"], sizes.get("bytes", 2),
@@ -210,9 +222,15 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         tile = 32 * 32 * warps
         block_mr = min(next_pow2(sizes["R"]), max(1, tile // (block_s * 8)))
         block_dm = min(block_d, max(1, tile // (block_s * block_mr)))
-        return dict(_cfg(warps, 2 if rows > 16 else 3, BLOCK_R=rows, BLOCK_N=block_n,
-                         SPLIT_KEYS=per_split, BLOCK_S=block_s, BLOCK_MR=block_mr,
-                         BLOCK_DM=block_dm), maxnreg=128)
+        cfg = _cfg(warps, 2 if rows > 16 or block_d > 256 else 3, BLOCK_R=rows,
+                   BLOCK_N=block_n, SPLIT_KEYS=per_split, BLOCK_S=block_s, BLOCK_MR=block_mr,
+                   BLOCK_DM=block_dm)
+        if block_d > ROW_TILED_D:
+            # latent attention's rows of 512 (+ 64 RoPE dims), 16 rows: 173 registers and no
+            # spill with the full budget and 2 stages; held to 128 they spill 808 bytes at 3
+            # stages, 956 at 1 (sm_90a, bf16, ptxas of Triton 3.9)
+            return cfg
+        return dict(cfg, maxnreg=128)
     if family == "attention_paged":
         # one program per (token, KV head): the group's query heads as ≥ 16 rows for tl.dot,
         # keys 64 at a time on a GPU (16 in the interpreter, which pays per element)

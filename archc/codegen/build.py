@@ -23,7 +23,7 @@ from typing import Any
 import sympy
 
 import archc.ir.expr as E
-from archc.codegen.blocks import DECODE_DEAL, TARGETS, next_pow2
+from archc.codegen.blocks import DECODE_DEAL, ROW_TILED_D, TARGETS, next_pow2
 from archc.codegen.layout import CodegenError, Layout
 from archc.codegen.printer import pexpr, texpr
 from archc.dtypes import KV_CODES, triton_pointer
@@ -823,7 +823,7 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         length, length_host = texpr(c.lay("k").shape[2]), pexpr(c.lay("k").shape[2])
     bias = a["bias"]
     # a quantized cache's codes are dequantized as they are loaded: through pointers
-    tma = a["kv_quant"] is None and second is None and _tma_layout(
+    tma = a["kv_quant"] is None and second is None and hd <= ROW_TILED_D and _tma_layout(
         [q] if cached else [q, c.lay("k"), c.lay("v")], hd if cached else None, c.node.dtype)
     mods = modifiers_of(a)     # the shorthand as library expressions; a T5 bias apart
     t5 = bias is not None and bias.fn == "t5"
@@ -837,7 +837,7 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         kv_bytes=1 if a["kv_quant"] is not None else DTYPE_BYTES.get(c.node.dtype, 2),
         kv_quant=None if a["kv_quant"] is None else dict(
             name=a["kv_quant"], scale_base=f"b * {kv_heads * max_len} + kv_h * {max_len}"),
-        second=second,
+        second=second, row_tiles=hd > ROW_TILED_D, value_tiles=hd > ROW_TILED_D,
         **_normalizer(mods, a["scale"], t5), **modifier_context(c, mods, a["ring"] is not None))
     if t5:
         table = c.lay("rel_table")
@@ -859,6 +859,8 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
             SPLITS="i32")))
     ctx.update(ring=None, ring_kv=None)
     if a["ring"] is not None:
+        if hd > ROW_TILED_D:
+            raise c.fail(f"ring attention over heads of {hd} (more than {ROW_TILED_D})")
         ctx.update(_ring(c, cached, kv_heads, hd))
         kernels.append(JitKernel("_ring", "attention_ring", {**sizes, "tma": 0}, {
             "out_ptr": triton_pointer(c.node.dtype), "acc_ptr": "*fp32",
@@ -939,6 +941,7 @@ def _paged_attention(c: NodeCtx, heads: int, hd: int) -> tuple[dict[str, Any], l
         H=heads, KVH=kv_heads, G=heads // kv_heads, D=hd, BLOCK_D=max(16, next_pow2(hd)),
         q=by_sequence(c, "q", HEAD), k={}, v={}, dot_kw=c.dot_kw, t5=None, tma=0,
         kv_quant=None, cached=True, decode=False, ring=None, ring_kv=None, second=None,
+        row_tiles=False, value_tiles=False,
         paged=dict(block_size=bs, width=c.static(table.shape[1], "the block table's width"),
                    stride_block=kv_heads * bs * hd, stride_head=bs * hd),
         **_normalizer(mods, a["scale"], False), **modifier_context(c, mods))
