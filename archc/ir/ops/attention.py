@@ -688,12 +688,17 @@ def _attention_bytes(sig: Sig) -> sympy.Expr:
     if sig.attr("ring") is not None:    # a ring rank reads every rank's block in full
         keys = sig.attr("ring") * length
     # q in and out, and each visible key's k and v rows (codes and scales from a quantized cache)
-    second = 0
-    if sig.attr("second_score"):   # q2 in, each visible key's k2 row
-        second = numel(sig.shape("q2")) * DTYPE_BYTES[sig.dtype("q")] + q[0] * kv_heads * \
-            keys * kv_row_bytes(sig.shape("k2")[3], sig.dtype("q"), None)
+    if sig.attr("second_score"):   # q2 in; each visible key's k2 row
+        q2 = sig.shape("q2")
+        extra = numel(q2) * DTYPE_BYTES[sig.dtype("q")]
+        if not sig.has("k"):   # one cached row [k ‖ k2] a key, its first columns the values
+            return 2 * numel(q) * DTYPE_BYTES[sig.dtype("q")] + extra + q[0] * kv_heads * \
+                keys * kv_row_bytes(q[3] + q2[3], sig.dtype("q"), None)
+        extra += q[0] * kv_heads * keys * kv_row_bytes(q2[3], sig.dtype("q"), None)
+    else:
+        extra = 0
     return 2 * numel(q) * DTYPE_BYTES[sig.dtype("q")] + 2 * q[0] * kv_heads * keys * \
-        kv_row_bytes(q[3], sig.dtype("q"), sig.attr("kv_quant")) + second
+        kv_row_bytes(q[3], sig.dtype("q"), sig.attr("kv_quant")) + extra
 
 
 register(OpDef(
