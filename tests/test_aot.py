@@ -377,3 +377,29 @@ def test_quantized_matmuls_use_tensor_cores_without_spills(name: str, scheme: st
         assert not r.tma
         if cfg["BLOCK_M"] >= 64:   # prefill tiles: the Hopper tensor cores
             assert r.wgmma, f"no wgmma in {r.kernel} [{r.config}]"
+
+
+@pytest.mark.slow
+def test_latent_attention_compiles_for_sm90a_without_spills(tmp: Path) -> None:
+    """DeepSeek-V3's absorbed attention at its size (bf16): 128 query heads over one cached row
+    of the 512-dim latent and the 64-dim RoPE key, the latent its values. Decode (16 of the
+    heads a program) and prefill (128 of the value columns a program, both products on the
+    tensor cores) must not spill, nor the per-head up-projections."""
+    from archc.spec import from_dict
+    spec = from_dict({"name": "deepseek-v3-attention", "vocab_size": 1024, "d_model": 7168,
+                      "layers": 1, "max_seq_len": 4096, "dtype": "bf16",
+                      "norm": {"kind": "rmsnorm"}, "attention": {
+                          "heads": 128, "head_dim": 192, "latent": {
+                              "kv_rank": 512, "rope_dims": 64, "q_rank": 1536, "v_dim": 128}},
+                      "ffn": {"kind": "swiglu", "d_ff": 256}})
+    gen = generate(optimize(lower(spec, "bf16")), CodegenOptions(target="gpu", max_seq_len=4096))
+    kernels = ["attention_0_decode", "attention_0_prefill", "head_linear_0_kernel",
+               "head_linear_1_kernel"]
+    results = {r.kernel: r for r in compile_module(write_module(gen, tmp / spec.name),
+                                                   "sm_90a", jobs=1, kernels=kernels)}
+    assert sorted(results) == sorted(kernels)
+    for r in results.values():
+        assert r.ok, f"{r.kernel}: {r.error}"
+        assert r.registers > 0 and r.spill_bytes == 0, f"{r.kernel}: {r.spill_bytes} bytes spill"
+        assert r.pdl, r.kernel
+    assert results["attention_0_prefill"].tensor_core_ops > 0

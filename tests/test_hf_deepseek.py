@@ -3,8 +3,8 @@ path or one projection, keys and values projected up per head from a normalized 
 key shared by the heads, a value dim of its own), YaRN with DeepSeek's score correction, routed
 and shared experts after dense layers. One tiny random model of each case, saved with
 `save_pretrained`, read with `archc.load`, and held to transformers' logits and greedy tokens on
-the eager backend; the absorbed form (`absorb-mla`) to the expanded one at every decode step;
-the KV cache to the latent's size.
+the eager backend and on the Triton kernels; the absorbed form (`absorb-mla`) to the expanded one
+at every decode step; the KV cache to the latent's size.
 
 Shapes are awkward on purpose: 3 heads, no-RoPE dims 16 ≠ RoPE dims 8 ≠ value dims 10, a latent
 of 20, a query rank of 12. Biases and norm gains are random (``randomize``). Tolerance, fp32:
@@ -106,26 +106,58 @@ def prompt(batch: int, length: int, seed: int) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+LOGITS_IDS, GREEDY_IDS, NEW_TOKENS = prompt(2, 11, seed=1), prompt(1, 9, seed=2), 6
+_REFERENCE: dict[str, tuple[torch.Tensor, list[list[int]]]] = {}
+
+
+def reference(case: str, hf: Any) -> tuple[torch.Tensor, list[list[int]]]:
+    """transformers' logits of LOGITS_IDS and greedy tokens after GREEDY_IDS, run once per case
+    for the eager and the Triton tests."""
+    if case not in _REFERENCE:
+        settings = transformers.GenerationConfig(max_new_tokens=NEW_TOKENS,
+                                                 min_new_tokens=NEW_TOKENS, do_sample=False,
+                                                 eos_token_id=None, pad_token_id=0)
+        with torch.no_grad():
+            _REFERENCE[case] = (hf(LOGITS_IDS).logits,
+                                hf.generate(GREEDY_IDS, generation_config=settings).tolist())
+    return _REFERENCE[case]
+
+
 def test_logits_match_transformers(pair: tuple[str, Any, archc.Model]) -> None:
     case, hf, model = pair
-    ids = prompt(2, 11, seed=1)
-    with torch.no_grad():
-        want = hf(ids).logits
+    want, _ = reference(case, hf)
     for passes in (None, ABSORBED):
-        got = model.compile("eager", **({"passes": passes} if passes else {}))(ids)
+        got = model.compile("eager", **({"passes": passes} if passes else {}))(LOGITS_IDS)
         err = rel_error(got, want)
         assert err <= RTOL, f"{case} ({passes or 'expanded'}): max error {err:.2e}"
 
 
 def test_greedy_tokens_match_transformers(pair: tuple[str, Any, archc.Model]) -> None:
     case, hf, model = pair
-    ids = prompt(1, 9, seed=2)
-    settings = transformers.GenerationConfig(max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                                             eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
-        want = hf.generate(ids, generation_config=settings)
-    got = model.compile("eager").generate(ids, max_new_tokens=6, eos_token_id=())
-    assert got.tolist() == want.tolist(), case
+    _, want = reference(case, hf)
+    got = model.compile("eager").generate(GREEDY_IDS, max_new_tokens=NEW_TOKENS, eos_token_id=())
+    assert got.tolist() == want, case
+
+
+def test_triton_logits_and_greedy_tokens_match_transformers(
+        pair: tuple[str, Any, archc.Model], tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The Triton kernels (the interpreter on a CPU), fp32: the absorbed form — attention over
+    the cached rows [latent ‖ RoPE key] with q·c + q_rope·k_rope as its score and the latent its
+    values, the per-head up-projections as head_linear kernels — equals transformers' logits
+    on a prefill and its greedy tokens through prefill and decode steps."""
+    case, hf, model = pair
+    want_logits, want_tokens = reference(case, hf)
+    compiled = model.compile("triton", cache_dir=tmp_path_factory.mktemp("kernels"))
+    program = compiled.session.program
+    ops = [(n.op.value, n.attrs) for g in program for n in g]
+    assert any(op == "head_linear" for op, _ in ops), case
+    assert any(op == "attention" and a.get("second_score") and a.get("cache_layer") is not None
+               for op, a in ops), case
+    assert not any(op == "kv_cache" for op, _ in ops), case
+    err = rel_error(compiled(LOGITS_IDS), want_logits)
+    assert err <= RTOL, f"{case} on Triton: max error {err:.2e}"
+    got = compiled.generate(GREEDY_IDS, max_new_tokens=NEW_TOKENS, eos_token_id=())
+    assert got.tolist() == want_tokens, case
 
 
 def test_absorbed_decode_equals_expanded_at_every_step(
@@ -224,20 +256,6 @@ def test_passes_show_absorb_mla_and_its_choice(capsys: pytest.CaptureFixture[str
     assert "prefill" in out
 
 
-def test_kernels_refuse_latent_attention_in_one_line(capsys: pytest.CaptureFixture[str],
-                                                     tmp_path: Path) -> None:
-    """No Triton kernels run latent attention yet: compiling or running on them says so, by
-    the spec field, before anything is generated."""
-    build("v2", tmp_path)
-    capsys.readouterr()   # save_pretrained's progress
-    for argv in (["compile", str(tmp_path), "-o", str(tmp_path / "kernels")],
-                 ["run", str(tmp_path), "--backend", "triton", "--new-tokens", "1"]):
-        assert main(argv) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "latent attention (attention.latent) has no Triton kernels" \
-            in err[0], err
-
-
 @pytest.mark.parametrize(("fields", "refused"), [
     ({"scoring_func": "sigmoid", "topk_method": "noaux_tc"}, None),
     ({"scoring_func": "softmax"}, r"scoring_func: 'softmax' cannot be honoured"),
@@ -254,3 +272,26 @@ def test_v3_router_fields_of_the_published_config(fields: dict[str, str], refuse
     else:
         with pytest.raises(SpecError, match=refused):
             archc.load(tmp_path)
+
+
+def test_wide_latent_runs_in_row_and_value_tiles_on_triton() -> None:
+    """A latent wider than 256 (264, as DeepSeek's 512 is): decode takes the 18 heads' rows in
+    tiles of 16, prefill the value columns in tiles of 128, each a program of its own — on the
+    Triton kernels equal to eager at the prefill and at each decode step (past 16 keys a step,
+    so the splits merge). Eager is held to transformers above."""
+    spec = from_dict({"name": "wide-latent", "vocab_size": VOCAB, "d_model": 32, "layers": 1,
+                      "max_seq_len": 64, "dtype": "f32", "norm": {"kind": "rmsnorm"},
+                      "attention": {"heads": 18, "head_dim": 24, "latent": {
+                          "kv_rank": 264, "rope_dims": 8, "q_rank": 12, "v_dim": 6}},
+                      "ffn": {"kind": "swiglu", "d_ff": 40}})
+    model = archc.from_spec(spec)
+    eager, kernels = model.compile("eager").session, model.compile("triton").session
+    eager.reset()
+    kernels.reset()
+    ids = prompt(1, 37, seed=6)
+    want, got = eager.step(ids), kernels.step(ids)
+    for step in range(3):
+        err = rel_error(got, want)
+        assert err <= RTOL, f"step {step}: max error {err:.2e}"
+        nxt = want[:, -1].argmax(-1, keepdim=True)
+        want, got = eager.step(nxt), kernels.step(nxt)

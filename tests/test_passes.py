@@ -64,6 +64,11 @@ KERNELS_PER_BLOCK = {
     # Jamba-v0.1 averages 28 Mamba and 4 attention mixers with 16 dense FFNs (2) and 16 MoE
     # FFNs (4): (28·6 + 4·3 + 16·2 + 16·4) / 32 = 8.625; tiny-jamba has one of each pairing.
     "mamba-130m": 6, "jamba-v0.1": 8.625,
+    # latent attention, absorbed: q_a, q_b (rotating its heads' last dims), kv_a, the latent's
+    # norm (rotating the RoPE key and caching the row), the key up-projection, attention, the
+    # value up-projection, o (8); a dense FFN 2, a MoE one 6 with its shared expert (Llama 4).
+    # DeepSeek-V3: 3 dense layers and 58 MoE ones; the tiny twin one and two
+    "deepseek-v3": (3 * (8 + 2) + 58 * (8 + 6)) / 61, "tiny-deepseek-v3": (10 + 2 * 14) / 3,
     "tiny-mamba": 6, "tiny-jamba": 7.5, "tiny-linear-attention": 5,
     # Qwen3-Next: a Gated DeltaNet mixer is qkvz and ba, causal_conv, σ(b), the decay g,
     # delta_rule, SiLU(z), the per-head norm (times it in its epilogue) and out (9); a gated

@@ -50,6 +50,12 @@ DECODE_ROWS = 16
 DECODE_MIN_SPLIT_STEPS = 4
 
 
+# Decode attention over heads wider than this takes a KV group's G·T rows in tiles of 16, a
+# program each: latent attention's 128 heads of 512 as one tile would hold a [128, 512] f32
+# accumulator
+ROW_TILED_D = 256
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
@@ -160,6 +166,14 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         # which descriptor loads spill); the interpreter reads through pointers
         wide = sizes.get("bytes", 2) > 2
         tma = int(gpu and bool(sizes.get("tma", 0)) and not wide)
+        if sizes["D"] > ROW_TILED_D:   # the value columns in tiles, a program each
+            if not gpu:
+                return _cfg(BLOCK_M=_clamp_pow2(sizes["T"], 16, 128),
+                            BLOCK_N=_clamp_pow2(sizes["L"], 16, 128), BLOCK_DV=128, TMA=0)
+            # DeepSeek-V3's latent (512 + 64 RoPE dims, bf16, sm_90a, Triton 3.9): 64 queries,
+            # 16 keys a step and 128 value columns fit in 250 registers, both products on wgmma;
+            # 32 keys a step spill 76 bytes (52 at one stage)
+            return _cfg(8, 2, BLOCK_M=64, BLOCK_N=16, BLOCK_DV=128, TMA=0)
         if not gpu:
             return _cfg(BLOCK_M=_clamp_pow2(sizes["T"], 16, 128),
                         BLOCK_N=_clamp_pow2(sizes["L"], 16, 128), TMA=tma)
@@ -182,8 +196,9 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
             cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 64)
         return cfg
     if family == "attention_decode":
-        rows = _clamp_pow2(sizes["R"], 16, DECODE_MAX_ROWS)  # the G·T query rows of a KV head
         block_d = _clamp_pow2(sizes["D"], 16, 1 << 16)
+        # the G·T query rows of a KV head; past head dims of 256 in tiles of 16
+        rows = _clamp_pow2(sizes["R"], 16, DECODE_MAX_ROWS if block_d <= ROW_TILED_D else 16)
         splits = sizes.get("splits") or decode_split_count(
             target, sizes.get("KVH", 1), sizes["L"], sizes.get("sms", DEFAULT_SMS))
         per_split = decode_split_keys(target, sizes["D"], sizes.get("bytes", 2),
@@ -211,9 +226,15 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
         tile = 32 * 32 * warps
         block_mr = min(next_pow2(sizes["R"]), max(1, tile // (block_s * 8)))
         block_dm = min(block_d, max(1, tile // (block_s * block_mr)))
-        return dict(_cfg(warps, 2 if rows > 16 else 3, BLOCK_R=rows, BLOCK_N=block_n,
-                         SPLIT_KEYS=per_split, BLOCK_S=block_s, BLOCK_MR=block_mr,
-                         BLOCK_DM=block_dm), maxnreg=128)
+        cfg = _cfg(warps, 2 if rows > 16 or block_d > 256 else 3, BLOCK_R=rows,
+                   BLOCK_N=block_n, SPLIT_KEYS=per_split, BLOCK_S=block_s, BLOCK_MR=block_mr,
+                   BLOCK_DM=block_dm)
+        if block_d > ROW_TILED_D:
+            # latent attention's rows of 512 (+ 64 RoPE dims), 16 rows: 173 registers and no
+            # spill with the full budget and 2 stages; held to 128 they spill 808 bytes at 3
+            # stages, 956 at 1 (sm_90a, bf16, ptxas of Triton 3.9)
+            return cfg
+        return dict(cfg, maxnreg=128)
     if family == "attention_paged":
         # one program per (token, KV head): the group's query heads as ≥ 16 rows for tl.dot,
         # keys 64 at a time on a GPU (16 in the interpreter, which pays per element)
@@ -233,6 +254,10 @@ def launch_config(family: str, target: str, **sizes: int) -> dict[str, Any]:
             return _cfg(BLOCK_R=_clamp_pow2(sizes["M"], 1, 64), BLOCK_N=block_n)
         return _cfg(4 if block_n <= 1024 else 8 if block_n <= 4096 else 16,
                     BLOCK_R=max(1, min(16, 2048 // block_n)), BLOCK_N=block_n)
+    if family == "head_linear":   # one head's [BLOCK_M, BLOCK_N] tile, a K loop
+        block_n, block_k = _clamp_pow2(sizes["N"], 16, 128), _clamp_pow2(sizes["K"], 16, 64)
+        return _cfg(4, 3 if gpu else 1, BLOCK_M=_clamp_pow2(sizes["M"], 16, 64),
+                    BLOCK_N=block_n, BLOCK_K=block_k)
     if family in ("pointwise", "embedding"):
         # rows of BLOCK_C columns, about `elements` values a program
         wide = 1024 if gpu else 4096

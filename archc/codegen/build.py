@@ -23,7 +23,14 @@ from typing import Any
 import sympy
 
 import archc.ir.expr as E
-from archc.codegen.blocks import DECODE_DEAL, DOT_MIN, TARGETS, delta_rule_block_dk, next_pow2
+from archc.codegen.blocks import (
+    DECODE_DEAL,
+    DOT_MIN,
+    ROW_TILED_D,
+    TARGETS,
+    delta_rule_block_dk,
+    next_pow2,
+)
 from archc.codegen.layout import CodegenError, Layout
 from archc.codegen.printer import pexpr, texpr
 from archc.dtypes import KV_CODES, triton_pointer
@@ -398,9 +405,14 @@ def _norm(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     for k, st in enumerate(a["epilogue"]):
         if st.fn == "rope":
             rope = _rope_pair(st, width, k, c)
-            if rope["heads"] * rope["head_dim"] > normed:
-                raise c.fail("rope() over columns the norm passes through: the partner of a "
-                             "rotated column is normalized again in the kernel")
+            # the rotated columns: all normalized (a partner is normalized again in the
+            # kernel) or all passed through (a partner is its input)
+            rotated = [h * rope["head_dim"] + rope["rot_start"] + e for h in range(rope["heads"])
+                       for e in range(2 * rope["rot_pairs"])]
+            rope["passthrough"] = min(rotated) >= normed
+            if max(rotated) >= normed and not rope["passthrough"]:
+                raise c.fail("rope() over columns the norm normalizes and columns it passes "
+                             "through")
             if a["add_before"]:
                 raise c.fail("rope() after a residual added before the norm")
             steps.append(rope)
@@ -824,7 +836,14 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     max_len = c.opts.max_seq_len
     if a["paged"] is not None:
         return _paged_attention(c, heads, hd)
-    if cached:   # the layer's cache, read in place of k and v operands
+    second = _second_score(c, hd, max_len) if a["second_score"] else None
+    if second is not None:   # one cache of key rows [k ‖ k2]; the values are their first D
+        kv_heads = a["kv_heads"]
+        kv = {kind: dict(base=f"b * {kv_heads * max_len * second['W']} + kv_h * "
+                         f"{max_len * second['W']}", stride_t=str(second["W"])) for kind in "kv"}
+        length, length_host = "tl.load(past_ptr) + T", ""
+        c.args.append(PAST)
+    elif cached:   # the layer's cache, read in place of k and v operands
         kv_heads, layer = a["kv_heads"], a["cache_layer"]
         quant = a["kv_quant"]
         c.args[1:1] = [_cache_arg(c, kind, kind, layer, kv_heads, hd, quant) for kind in "kv"]
@@ -841,8 +860,8 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         length, length_host = texpr(c.lay("k").shape[2]), pexpr(c.lay("k").shape[2])
     bias = a["bias"]
     # a quantized cache's codes are dequantized as they are loaded: through pointers
-    tma = a["kv_quant"] is None and _tma_layout([q] if cached else [q, c.lay("k"), c.lay("v")],
-                                                hd if cached else None, c.node.dtype)
+    tma = a["kv_quant"] is None and second is None and hd <= ROW_TILED_D and _tma_layout(
+        [q] if cached else [q, c.lay("k"), c.lay("v")], hd if cached else None, c.node.dtype)
     mods = modifiers_of(a)     # the shorthand as library expressions; a T5 bias apart
     t5 = bias is not None and bias.fn == "t5"
     ctx: dict[str, Any] = dict(
@@ -855,6 +874,7 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
         kv_bytes=1 if a["kv_quant"] is not None else DTYPE_BYTES.get(c.node.dtype, 2),
         kv_quant=None if a["kv_quant"] is None else dict(
             name=a["kv_quant"], scale_base=f"b * {kv_heads * max_len} + kv_h * {max_len}"),
+        second=second, row_tiles=hd > ROW_TILED_D, value_tiles=hd > ROW_TILED_D,
         **_normalizer(mods, a["scale"], t5), **modifier_context(c, mods, a["ring"] is not None))
     if t5:
         table = c.lay("rel_table")
@@ -876,12 +896,31 @@ def _attention(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
             SPLITS="i32")))
     ctx.update(ring=None, ring_kv=None)
     if a["ring"] is not None:
+        if hd > ROW_TILED_D:
+            raise c.fail(f"ring attention over heads of {hd} (more than {ROW_TILED_D})")
         ctx.update(_ring(c, cached, kv_heads, hd))
         kernels.append(JitKernel("_ring", "attention_ring", {**sizes, "tma": 0}, {
             "out_ptr": triton_pointer(c.node.dtype), "acc_ptr": "*fp32",
             "ml_ptr": "*fp32", **{x.name: x.type for x in c.args}, "kpos_ptr": "*i64", **ints,
             "KEYS": "i32", "FIRST": "i32", "LAST": "i32"}))
     return ctx, kernels
+
+
+def _second_score(c: NodeCtx, hd: int, max_len: int) -> dict[str, Any]:
+    """What the attention template reads of a second score term q2·k2ᵀ over a cache of key
+    rows [k ‖ k2] (W = D + D2 wide) whose first D columns are the values (latent attention,
+    FlashMLA's layout): the cache as both the k and the v argument (the values load with the
+    keys, once), q2's rows, and where k2 starts in a row."""
+    a = c.attrs
+    if a["cache_layer"] is None or a["ring"] is not None or a["paged"] is not None:
+        raise c.fail("a second score term renders over the layer's cache of key rows only")
+    d2 = c.static(c.lay("q2").shape[3], "the second term's head dim")
+    width = hd + d2
+    keys = _cache_arg(c, "k", "k", a["cache_layer"], a["kv_heads"], width)
+    c.args[1:1] = [keys, replace(keys, param="v", comment="the values: the first "
+                                 f"{hd} columns of the key rows")]
+    return dict(D2=d2, BLOCK_D2=max(16, next_pow2(d2)), W=width,
+                q2=by_sequence(c, "q2", HEAD))
 
 
 def _host_view(c: NodeCtx, role: str) -> str:
@@ -938,7 +977,8 @@ def _paged_attention(c: NodeCtx, heads: int, hd: int) -> tuple[dict[str, Any], l
     ctx: dict[str, Any] = dict(
         H=heads, KVH=kv_heads, G=heads // kv_heads, D=hd, BLOCK_D=max(16, next_pow2(hd)),
         q=by_sequence(c, "q", HEAD), k={}, v={}, dot_kw=c.dot_kw, t5=None, tma=0,
-        kv_quant=None, cached=True, decode=False, ring=None, ring_kv=None,
+        kv_quant=None, cached=True, decode=False, ring=None, ring_kv=None, second=None,
+        row_tiles=False, value_tiles=False,
         paged=dict(block_size=bs, width=c.static(table.shape[1], "the block table's width"),
                    stride_block=kv_heads * bs * hd, stride_head=bs * hd),
         **_normalizer(mods, a["scale"], False), **modifier_context(c, mods))
@@ -958,6 +998,7 @@ def _kv_step(c: NodeCtx, st: Call, idx: int) -> dict[str, Any]:
     paged = st.kw("block_size")
     max_len = c.opts.max_seq_len if paged is None else paged
     return dict(fn="kv_write", layer=st.kw("layer"), kv_heads=kv_heads, head_dim=hd,
+                store_values=st.kw("values", True),
                 k_start=st.kw("k_start"), v_start=st.kw("v_start"), width=kv_heads * hd,
                 stride_b=kv_heads * max_len * hd, stride_h=max_len * hd, stride_l=hd,
                 max_len=max_len, quant=st.kw("quant"), block_d=next_pow2(hd),
@@ -979,7 +1020,7 @@ def _kv_args(c: NodeCtx, kv: dict[str, Any], cols_run: int) -> None:
     c.args += [_cache_arg(c, f"{kind}_cache", kind, kv["layer"], kv["kv_heads"],
                           kv["head_dim"], kv["quant"],
                           None if kv["paged"] is None else kv["paged"]["block_size"])
-               for kind in "kv"]
+               for kind in ("kv" if kv["store_values"] else "k")]
     if kv["paged"] is None:   # a paged write finds each row's place from its position
         c.args.append(PAST)
     if kv["quant"] is not None:
@@ -1007,7 +1048,8 @@ def _rope_pair(st: Call, width: int, idx: int, c: NodeCtx) -> dict[str, Any]:
     tail = width - heads * hd
     tail_half = (tail + 1) // 2
     run = 0
-    if not interleaved and tail % 2 == 0:
+    rot_start = st.kw("rotary_start", 0)   # the rotated dims of each head start here
+    if not interleaved and tail % 2 == 0 and not rot_start:
         run = math.gcd(rot // 2, hd // 2 - rot // 2, heads * hd // 2, tail_half)
         run = run & -run  # the largest power of two dividing it
     dynamic, table = st.kw("dynamic"), None
@@ -1028,6 +1070,7 @@ def _rope_pair(st: Call, width: int, idx: int, c: NodeCtx) -> dict[str, Any]:
                                  half=table["rows"] // 2)
             dynamic = None
     return dict(fn="rope", heads=heads, head_dim=hd, per_head=hd // 2, run=run,
+                rot_start=rot_start, passthrough=False,
                 rot_pairs=rot // 2, interleaved=interleaved, tail=tail, tail_half=tail_half,
                 NP=heads * hd // 2 + tail_half, dynamic=dynamic, table=table,
                 pos_ptr=c.arg(f"pos{idx}").name, rotation_ptr=c.arg(f"rotation{idx}").name)
@@ -1206,8 +1249,28 @@ def _matmul(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
     return ctx, kernels
 
 
+# ---- head_linear ------------------------------------------------------------------------------
+
+TOKEN = sympy.Symbol("t", integer=True, nonnegative=True)   # a token's index in its sequence
+
+
+def _head_linear(c: NodeCtx) -> tuple[dict[str, Any], list[JitKernel]]:
+    x = c.lay("x")
+    if x.rank != 4:
+        raise c.fail("x must be a [B, H, T, K] head view")
+    heads, k = c.static(x.shape[1], "the heads"), c.static(x.shape[3], "the K")
+    n = c.static(c.lay("weight").shape[1], "the N")
+    contiguous(c, "weight", heads, n, k)
+    sb, sh, st, sk = x.strides
+    x_row = x.offset + BATCH * sb + HEAD * sh + TOKEN * st
+    ctx = dict(H=heads, N=n, K=k, merged=c.attrs["merged"], dot_kw=c.dot_kw,
+               x_row=texpr(x_row), x_col_mul="" if sk == 1 else f" * {texpr(sk)}")
+    return ctx, [JitKernel("_kernel", "head_linear", dict(N=n, K=k),
+                           c.types(B="i32", T="i32"))]
+
+
 CONTEXTS: dict[str, Callable[[NodeCtx], tuple[dict[str, Any], list[JitKernel]]]] = {
     "matmul": _matmul, "attention": _attention, "norm": _norm, "pointwise": _pointwise,
     "embedding": _embedding, "moe": _moe, "causal_conv": _causal_conv, "ssm_scan": _ssm_scan,
-    "linear_attention": _linear_attention, "delta_rule": _delta_rule,
+    "linear_attention": _linear_attention, "delta_rule": _delta_rule, "head_linear": _head_linear,
 }

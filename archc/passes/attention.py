@@ -116,10 +116,46 @@ register_rule_pass("share-kv-heads", "GQA/MQA: drop repeat_kv; attention reads K
 ))
 
 
+SCORE_SUM = E.call("add", E.x(0), E.x(1))
+
+
+def score_sum(rw: Rewriter, scores: int) -> tuple[int, int, float | None] | None:
+    """(the pointwise, the second scores node, its scale or None) when `scores` is the first
+    term of a pointwise q·kᵀ + q2·k2ᵀ — scaled or not — that alone reads both; else None."""
+    users = rw.users(scores)
+    if len(users) != 1 or rw.op(users[0]) not in (Op.ADD, Op.POINTWISE):
+        return None
+    n = rw.nodes[users[0]]
+    expr, by = n.attr("expr") if n.op == Op.POINTWISE else SCORE_SUM, None
+    if expr.fn == "scale" and len(expr.args) == 1:
+        expr, by = expr.args[0], expr.kw("by")
+    if expr != SCORE_SUM or len(n.inputs) != 2 or n.inputs[0] != scores:
+        return None
+    second = n.inputs[1]
+    if rw.op(second) != Op.SCORES or rw.users(second) != [users[0]] or second == scores:
+        return None
+    return users[0], second, by
+
+
+def _second_term(rw: Rewriter, scores: int) -> bool:
+    """Is `scores` the second term of a score sum (fused with its first)?"""
+    users = rw.users(scores)
+    if len(users) != 1 or rw.op(users[0]) not in (Op.ADD, Op.POINTWISE):
+        return False
+    first = rw.nodes[users[0]].inputs[0]
+    found = score_sum(rw, first) if rw.op(first) == Op.SCORES else None
+    return found is not None and found[1] == scores
+
+
 def _flash(rw: Rewriter, scores: int) -> tuple[int, int]:
-    """(merge_heads, the attention node that replaces it) for the chain from `scores`."""
-    chain = score_chain(rw, scores)
-    if chain.merge is None or chain.wsum is None:
+    """(merge_heads, the attention node that replaces it) for the chain from `scores`; or, for
+    heads that a head_linear reads unmerged, (the value sum, a head view of the attention)."""
+    summed = score_sum(rw, scores)
+    chain = score_chain(rw, scores if summed is None else summed[0])
+    if chain.wsum is not None and chain.merge is None and \
+            [rw.op(u) for u in rw.users(chain.wsum)] == [Op.HEAD_LINEAR]:
+        chain.problem = ""
+    elif chain.merge is None or chain.wsum is None:
         raise Refusal(chain.problem)
     kinds = [modifier(rw.nodes[i]) or "" for i in chain.modifiers]
     ranks = [MODIFIERS[k] for k in kinds]
@@ -134,6 +170,15 @@ def _flash(rw: Rewriter, scores: int) -> tuple[int, int]:
                       "shape (share-kv-heads must treat both)")
     attrs: dict[str, object] = {"scale": 1.0}
     named = {"q": q, "k": k, "v": v}     # every operand by its role in the attention node
+    if summed is not None:   # q·kᵀ + q2·k2ᵀ, then the sum's scale
+        attrs["second_score"] = True
+        named["q2"], named["k2"] = rw.nodes[summed[1]].inputs
+        if rw.shape(named["k2"])[:3] != rw.shape(k)[:3]:
+            raise Refusal(f"the second term's keys %{named['k2']} are not beside k %{k}")
+        if summed[2] is not None:
+            if chain.modifiers and kinds[0] == "scale":
+                raise Refusal("the score sum and the next step both scale")
+            attrs["scale"] = summed[2]
     for i, kind in zip(chain.modifiers, kinds):
         n = rw.nodes[i]
         if kind in ("scale", "softcap"):
@@ -157,7 +202,13 @@ def _flash(rw: Rewriter, scores: int) -> tuple[int, int]:
                      if len(soft.inputs) > 1 else {})
     full = full_attrs(Op.ATTENTION, canonical(Op.ATTENTION, attrs))
     inputs = [named[r] for r in roles_of(Op.ATTENTION, full, 0)]
-    like = [scores, *chain.modifiers, chain.softmax, chain.wsum, chain.merge]
+    like = [scores, *([summed[1], summed[0]] if summed else []), *chain.modifiers,
+            chain.softmax, chain.wsum, *([chain.merge] if chain.merge is not None else [])]
+    if chain.merge is None:     # heads read unmerged: a view of the merged output
+        assert chain.wsum is not None
+        att = rw.emit(Op.ATTENTION, inputs, like=like, at=chain.wsum, **attrs)  # type: ignore
+        return chain.wsum, rw.emit(Op.SPLIT_HEADS, [att], like=[chain.wsum],
+                                   heads=int(rw.shape(q)[1]))
     return chain.merge, rw.emit(Op.ATTENTION, inputs, like=like,  # type: ignore
                                 at=chain.merge, **attrs)
 
@@ -171,7 +222,9 @@ def flash_attention(rw: Rewriter) -> None:
     # 3. In place of merge_heads: attention(q, k, v, then the operands its modifiers read, by
     #    name) with the modifiers as attributes; its output is [B, T, H·D].
     for i in rw.order():
-        found = rw.attempt("flash-attention", i, _flash, rw, i) if rw.op(i) == Op.SCORES else None
+        if rw.op(i) != Op.SCORES or _second_term(rw, i):
+            continue
+        found = rw.attempt("flash-attention", i, _flash, rw, i)
         if found is not None:
             rw.replace(*found)
             rw.ctx.applied("flash-attention", i, "one attention node")
@@ -315,11 +368,64 @@ def fuse_rope(rw: Rewriter) -> None:
     # 3. Append rope(heads=n) to the epilogue; each rope node is replaced by its head view.
     fuse_heads(rw, "fuse-rope", Op.ROPE, "rope", "rotated", ("rope", "kv_write", "glu"), _rope)
     for i in rw.order():
+        if rw.op(i) == Op.ROPE:
+            found = rw.attempt("fuse-rope", i, _rope_tail, rw, i)
+            if found is not None:
+                rw.replace(found[0].root, found[0].then(found[1]))
+                rw.replace(i, rw.nodes[i].inputs[0])
+                rw.ctx.applied("fuse-rope", i, f"the heads' last {rw.nodes[i].attr('rotary_dim')} "
+                               f"dims rotated in the epilogue of %{found[0].root}")
+    for i in rw.order():
         src = rw.nodes[i].inputs[0] if rw.op(i) == Op.ROPE else None
         if src is not None and column_view(rw, src) is None:
             rw.ctx.refused("fuse-rope", i, f"it rotates %{src} ({rw.op(src).value}), not heads "
                         "split from a projection's columns, so no matmul epilogue computes its "
                         "input")
+
+
+def _rope_tail(rw: Rewriter, i: int) -> tuple[RowKernel, Step] | None:
+    """The kernel and its rope() step for a rope over the last dims of heads of a kernel's
+    columns [0, H·D) — a slice [a, D) of heads split from them (latent attention's query RoPE
+    part), or one head that is the row's last columns [a, W) (its shared RoPE key): the step
+    rotates dims [a, D) of each head (rotary_start a), and the rope is replaced by its input.
+    None where the rope reads no such view (fuse_heads took the others)."""
+    n = rw.nodes[i]
+    x = n.inputs[0]
+    if rw.op(x) == Op.SLICE and rw.op(rw.nodes[x].inputs[0]) == Op.SPLIT_HEADS:
+        cv = column_view(rw, rw.nodes[x].inputs[0])
+        if cv is None or rw.nodes[x].attr("stop") != cv.head_dim:
+            return None
+        heads, hd, start = cv.heads, cv.head_dim, rw.nodes[x].attr("start")
+    elif rw.op(x) == Op.SPLIT_HEADS and rw.nodes[x].attr("heads") == 1:
+        cv = column_view(rw, x)
+        if cv is None or cv.stop != int(rw.shape(cv.source)[-1]):
+            return None
+        heads, hd, start = 1, cv.stop, cv.start
+    else:
+        return None
+    if cv.start != 0 and heads != 1:
+        raise Refusal(f"the heads %{cv.split} do not start at column 0 of %{cv.source}")
+    if n.attr("rotary_dim") != hd - start:
+        raise Refusal(f"rope %{i} rotates {n.attr('rotary_dim')} of the {hd - start} dims "
+                      "it is given")
+    if rw.users(x) != [i]:
+        raise Refusal(f"the rotated dims %{x} are also read unrotated")
+    # every other reader of the kernel's columns must read unrotated ones only: slices of the
+    # heads before dim `start`, or (one head) of the row before column `start`
+    path = {i, x, cv.split, rw.nodes[cv.split].inputs[0]}
+    for u in [*rw.users(cv.split), *rw.users(cv.source)]:
+        if u not in path and (rw.op(u) != Op.SLICE or rw.nodes[u].attr("stop") > start):
+            raise Refusal(f"%{u} ({rw.op(u).value}) reads columns the epilogue would rotate")
+    kern = row_kernel(rw, cv.source, "rope")
+    if kern is None:
+        raise Refusal(f"%{cv.source} ({rw.op(cv.source).value}) is not a kernel with an "
+                      "epilogue that can rotate")
+    late = [s.fn for s in kern.steps if s.fn in ("rope", "kv_write", "glu")]
+    if late:
+        raise Refusal(f"%{kern.root} already ends in {late[-1]}, which must come after")
+    return kern, step("rope", *n.inputs[1:], heads=heads, head_dim=hd,
+                      rotary_dim=n.attr("rotary_dim"), interleaved=n.attr("interleaved"),
+                      dynamic=n.attr("dynamic"), rotary_start=start)
 
 
 def _head_norm(rw: Rewriter, kern: RowKernel, heads: Heads) -> Step:
@@ -523,6 +629,9 @@ def fuse_kv_write(rw: Rewriter) -> None:
         if n.op != Op.ATTENTION or n.attr("cache_layer") is not None or \
                 {rw.op(j) for j in n.inputs[1:3]} != {Op.KV_CACHE}:
             continue
+        if n.attr("second_score"):
+            _fuse_key_row_write(rw, i)
+            continue
         found = rw.attempt("fuse-kv-write", i, _kv_write, rw, i)
         if found is None:
             continue
@@ -537,17 +646,70 @@ def fuse_kv_write(rw: Rewriter) -> None:
         rw.ctx.applied("fuse-kv-write", i, f"layer {layer} cache written by %{kern.root}")
 
 
+def _key_row_write(rw: Rewriter, att: int) -> tuple[RowKernel, Step]:
+    """For an attention scoring q·kᵀ + q2·k2ᵀ over cached k and k2 whose values are k itself
+    (latent attention over its latent and shared RoPE key): the kernel whose row holds [k ‖ k2]
+    as adjacent columns from column 0, one KV head, and the kv_write() step that caches that
+    row whole — the values are its first columns, so no value cache is written."""
+    n = rw.nodes[att]
+    kc, vc, k2c = n.inputs[1], n.inputs[2], n.inputs[4]
+    if kc != vc or rw.op(k2c) != Op.KV_CACHE:
+        raise Refusal(f"the values %{vc} are not the cached keys %{kc}")
+    layer = rw.nodes[kc].attr("layer")
+    if rw.nodes[k2c].attr("layer") != layer:
+        raise Refusal(f"%{kc} and %{k2c} cache different layers")
+    for c in (kc, k2c):
+        if rw.users(c) != [att]:
+            raise Refusal(f"the cache values %{c} are read outside this attention")
+    kv, kv2 = (column_view(rw, rw.nodes[c].inputs[0]) for c in (kc, k2c))
+    if kv is None or kv2 is None:
+        src = rw.nodes[kc if kv is None else k2c].inputs[0]
+        raise Refusal(f"%{src} ({rw.op(src).value}) stands between the kernel and the cache "
+                      "write (fuse-rope must fold RoPE into it first)")
+    if kv.source != kv2.source or kv.heads != 1 or kv2.heads != 1 or kv.start != 0 or \
+            kv2.start != kv.stop:
+        raise Refusal(f"the keys %{kv.split} and %{kv2.split} are not one KV head's adjacent "
+                      "columns of one kernel from column 0")
+    for c in (kv.split, kv2.split):
+        if len(rw.users(c)) != 1:
+            raise Refusal(f"the head view %{c} is read outside the cache write")
+    kern = row_kernel(rw, kv.source, "kv_write")
+    if kern is None:
+        raise Refusal(f"the keys are not computed by a linear layer or a norm over its "
+                      f"columns (%{kv.source}, {rw.op(kv.source).value})")
+    if any(s.fn == "kv_write" for s in kern.steps):
+        raise Refusal(f"%{kern.root} already writes a cache")
+    if rw.order().index(kern.root) > rw.order().index(att):
+        raise Refusal(f"%{kern.root} runs after the attention that reads its cache")
+    if rw.nodes[kc].attr("quant") is not None:
+        raise Refusal("a quantized cache of key rows and values in one")
+    return kern, step("kv_write", head_dim=kv2.stop, k_start=0, v_start=0, kv_heads=1,
+                      layer=layer, values=False)
+
+
+def _fuse_key_row_write(rw: Rewriter, i: int) -> None:
+    n = rw.nodes[i]
+    found = rw.attempt("fuse-kv-write", i, _key_row_write, rw, i)
+    if found is None:
+        return
+    kern, write = found
+    caches = (n.inputs[1], n.inputs[4])
+    rw.replace(kern.root, kern.then(write))
+    layer = write.call.kw("layer")
+    rw.replace(i, rw.emit(Op.ATTENTION, [n.inputs[0], n.inputs[3], *n.inputs[5:]],
+                          like=[i, *caches], **n.attrs.replace(cache_layer=layer, kv_heads=1)))
+    for c in caches:
+        rw.kill(c)
+    rw.ctx.applied("fuse-kv-write", i, f"layer {layer}'s key rows [k ‖ k2] cached by "
+                   f"%{kern.root}; the values are their first columns")
+
+
 def unfused_cache_writes(g: Graph) -> str | None:
     """What leaves a KV-cache write of `g` outside every kernel (a `kv_cache` node, which only
     the eager interpreter runs), naming where its k and v come from; None if none does."""
     writes = [i for i, n in enumerate(g) if n.op == Op.KV_CACHE]
     if not writes:
         return None
-    latent = [g.nodes[i].attr("layer") for i in writes if g.nodes[i].attr("kind") == "latent"]
-    if latent:
-        return (f"graph {g.name}: layer {latent[0]}'s latent attention (attention.latent) has "
-                "no Triton kernels yet (its attention over the cached latent and its per-head "
-                "up-projections)")
 
     def source(i: int) -> str:   # the kernel that computes what the cache write stores
         while g.nodes[i].op in (Op.SPLIT_HEADS, Op.SLICE, Op.REPEAT_KV):   # views

@@ -272,6 +272,9 @@ def _pair_rows(rw: Rewriter, i: int) -> int:
     if len(pairing) != 1:
         raise Refusal("no glu() or rope() step pairs its columns")
     st = pairing[0]
+    if st.fn == "rope" and st.kw("rotary_start", 0):
+        raise Refusal("its rope() rotates dims from column "
+                      f"{st.kw('rotary_start')} of each head (the kernel gathers the partners)")
     if st.fn == "glu":
         expr = E.call("interleave", rw.param_expr(lin.weight))
     else:

@@ -100,11 +100,15 @@ def _absorb(rw: Rewriter, cache: int) -> tuple[list[tuple[int, int]], str]:
     new_scores = rw.emit(Op.SCORES, [q_latent, cache], like=[scores])
     probs = rw.nodes[wsum].inputs[0]
     summed = rw.emit(Op.WEIGHTED_SUM, [probs, cache], like=[wsum])     # (B, H, T, r)
-    out = rw.emit(Op.HEAD_LINEAR, [summed, w_value], like=[wsum])      # (B, H, T, v)
+    # the heads merged by the up-projection's stores where a merge_heads alone reads them
+    users = rw.users(wsum)
+    merge = users[0] if len(users) == 1 and rw.op(users[0]) == Op.MERGE_HEADS else None
+    out = rw.emit(Op.HEAD_LINEAR, [summed, w_value], like=[wsum] if merge is None else
+                  [wsum, merge], merged=merge is not None)   # (B, H, T, v) or (B, T, H·v)
     better, text = _compare(rw, [up, scores, wsum], [q_latent, new_scores, summed, out])
     if not better:
         raise Refusal("the expanded form costs less: " + text, profitability=True)
-    return [(scores, new_scores), (wsum, out)], text
+    return [(scores, new_scores), (wsum if merge is None else merge, out)], text
 
 
 @register_rewrite_pass(NAME, "latent attention: the key up-projection to the query side, the "

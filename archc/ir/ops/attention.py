@@ -353,16 +353,24 @@ def _head_linear_infer(sig: Sig) -> tuple[Shape, str]:
     x, w = sig.shape("x"), sig.shape("weight")
     require(len(x) == 4 and len(w) == 3 and same_dim(x[1], w[0]) and same_dim(x[3], w[2]),
             f"head_linear takes x [B, H, T, K] and weight [H, N, K], got {list(x)} and {list(w)}")
+    if sig.attr("merged"):
+        return (x[0], x[2], x[1] * w[1]), float_dtype(sig)
     return (x[0], x[1], x[2], w[1]), float_dtype(sig)
+
+
+def _head_linear_eager(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
+    y = torch.einsum("bhtk,hnk->bhtn", a["x"].float(), a["weight"].float())   # (B, H, T, N)
+    if at["merged"]:
+        y = y.transpose(1, 2).flatten(2)                                      # (B, T, H·N)
+    return y.to(a["x"].dtype)
 
 
 register(OpDef(
     Op.HEAD_LINEAR, "Each head's rows times that head's own weight: x [B, H, T, K] · W[h]ᵀ "
-    "[H, N, K] → [B, H, T, N] (latent attention's key up-projection on the query side, its "
-    "value up-projection on the output).",
+    "[H, N, K] → [B, H, T, N], or with `merged` heads merged, [B, T, H·N] (latent attention's "
+    "key up-projection on the query side, its value up-projection on the output).",
     "%20 : f32[B,4,T,32] = head_linear(%18, %19)", operands("x", "weight"), _head_linear_infer,
-    lambda ctx, a, at: torch.einsum("bhtk,hnk->bhtn", a["x"].float(),
-                                    a["weight"].float()).to(a["x"].dtype),
+    _head_linear_eager, attrs=(Attr("merged", bool, False),), template="head_linear",
     flops=lambda sig: 2 * numel(sig.out_shape) * sig.shape("x")[3], arity=(2, 2),
     docs={"x": "per-head rows", "weight": "one [N, K] weight per head"}))
 
@@ -439,8 +447,9 @@ def modified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_hea
 def _attention_roles(attrs: Mapping[str, Any], n: int) -> list[str]:
     bias = attrs.get("bias")
     return ["q", *(["k", "v"] if attrs.get("cache_layer") is None else []),
-            *modifier_roles(attrs), *(["rel_table"] if bias is not None and bias.fn == "t5"
-                                      else []),
+            *(["q2", *(["k2"] if attrs.get("cache_layer") is None else [])]
+              if attrs.get("second_score") else []), *modifier_roles(attrs),
+            *(["rel_table"] if bias is not None and bias.fn == "t5" else []),
             *(["positions"] if attrs.get("ring") is not None or attrs.get("paged") is not None
               else []),
             *(["block_table"] if attrs.get("paged") is not None else [])]
@@ -457,6 +466,17 @@ def _attention_infer(sig: Sig) -> tuple[Shape, str]:
     else:
         require(sig.attr("kv_heads") is not None, "a cached attention needs kv_heads")
         groups(q[1], sympy.Integer(sig.attr("kv_heads")))
+    if sig.attr("second_score"):
+        require(sig.attr("ring") is None and sig.attr("paged") is None and
+                sig.attr("kv_quant") is None, "a second score term reads no ring, pool or "
+                "quantized cache")
+        q2 = sig.shape("q2")
+        require(len(q2) == 4 and q2[:3] == q[:3], f"q2 {list(q2)} must be [B, H, T, D2] "
+                "beside q")
+        if sig.has("k"):
+            k2 = sig.shape("k2")
+            require(len(k2) == 4 and k2[:3] == sig.shape("k")[:3] and same_dim(q2[3], k2[3]),
+                    f"k2 {list(k2)} must be [B, H_kv, L, {q2[3]}] beside k")
     require(sig.attr("kv_quant") is None or not sig.has("k"),
             "kv_quant describes the layer's cache: an attention given k and v reads no cache")
     check_mask(sig, _keys(sig))
@@ -485,8 +505,14 @@ def attention(ctx: EagerCtx, a: Args, at: Attrs) -> torch.Tensor:
     """The attention of q over the k and v given (or the layer's cache) with its modifiers
     (``modified_attention``), in f32, heads merged: [B, T, H·D]."""
     q, layer = a["q"], at["cache_layer"]
-    k, v = (a[r] if layer is None else ctx.cache_read(layer, r) for r in ("k", "v"))
     (b, h, t, d) = q.shape
+    if at["second_score"] and layer is not None:   # the cached rows are [k ‖ k2], v = k
+        k = ctx.cache_read(layer, "k")
+        q, v = torch.cat([q, a["q2"].to(q.dtype)], -1), k[..., :d]
+    else:
+        k, v = (a[r] if layer is None else ctx.cache_read(layer, r) for r in ("k", "v"))
+    if at["second_score"] and layer is None:   # q·kᵀ + q2·k2ᵀ = [q ‖ q2]·[k ‖ k2]ᵀ
+        q, k = torch.cat([q, a["q2"].to(q.dtype)], -1), torch.cat([k, a["k2"].to(k.dtype)], -1)
     out = modified_attention(q.float(), expand_kv(k, h).float(), expand_kv(v, h).float(),
                              k.shape[1], None, at, a)
     return out.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)                # (B, T, H·D)
@@ -647,7 +673,9 @@ def _attention_flops(sig: Sig) -> sympy.Expr:
         whole = ring * q[2]
         pairs = visible_pairs(whole, whole, sig.attr("causal"), sig.attr("window"),
                               sig.attr("global_tokens")) / ring
-    return q[0] * q[1] * pairs * (4 * q[3] + 5)
+    # per visible pair: q·k (and q2·k2), p·v, the normalizer's few
+    qk = q[3] + (sig.shape("q2")[3] if sig.attr("second_score") else 0)
+    return q[0] * q[1] * pairs * (2 * qk + 2 * q[3] + 5)
 
 
 def _attention_bytes(sig: Sig) -> sympy.Expr:
@@ -660,8 +688,17 @@ def _attention_bytes(sig: Sig) -> sympy.Expr:
     if sig.attr("ring") is not None:    # a ring rank reads every rank's block in full
         keys = sig.attr("ring") * length
     # q in and out, and each visible key's k and v rows (codes and scales from a quantized cache)
+    if sig.attr("second_score"):   # q2 in; each visible key's k2 row
+        q2 = sig.shape("q2")
+        extra = numel(q2) * DTYPE_BYTES[sig.dtype("q")]
+        if not sig.has("k"):   # one cached row [k ‖ k2] a key, its first columns the values
+            return 2 * numel(q) * DTYPE_BYTES[sig.dtype("q")] + extra + q[0] * kv_heads * \
+                keys * kv_row_bytes(q[3] + q2[3], sig.dtype("q"), None)
+        extra += q[0] * kv_heads * keys * kv_row_bytes(q2[3], sig.dtype("q"), None)
+    else:
+        extra = 0
     return 2 * numel(q) * DTYPE_BYTES[sig.dtype("q")] + 2 * q[0] * kv_heads * keys * \
-        kv_row_bytes(q[3], sig.dtype("q"), sig.attr("kv_quant"))
+        kv_row_bytes(q[3], sig.dtype("q"), sig.attr("kv_quant")) + extra
 
 
 register(OpDef(
@@ -670,7 +707,9 @@ register(OpDef(
     "a `normalizer`, GQA by index, over given k/v or the layer's KV cache; heads merged. "
     "With `ring`, ring attention over that many cp ranks (context parallel), "
     "masks at the global positions given. With `paged` (the block size), each token attends to "
-    "its own sequence's keys up to its position, read through its block table.",
+    "its own sequence's keys up to its position, read through its block table. With "
+    "`second_score`, the score is q·kᵀ + q2·k2ᵀ before its modifiers; cached, the layer's "
+    "key rows hold [k ‖ k2] and the values are their first D columns (latent attention).",
     "%12 : f32[B,T,64] = attention(%11) {cache_layer=0, causal=true, kv_heads=2, scale=0.25, "
     "window=8}", _attention_roles, _attention_infer, _attention_eager,
     attrs=(Attr("scale", float), *MASK_ATTRS, Attr("score", Expression, None), NORMALIZER,
@@ -678,9 +717,12 @@ register(OpDef(
            Attr("bias", Call, None, {"alibi": (), "t5": T5}),
            Attr("cache_layer", int, None, at_least=0), Attr("kv_heads", int, None, at_least=1),
            Attr("kv_quant", str, None, choices=tuple(KV_CODES)),
-           Attr("ring", int, None, at_least=2), PAGED_ATTR),
+           Attr("ring", int, None, at_least=2), PAGED_ATTR,
+           Attr("second_score", bool, False)),
     flops=_attention_flops, bytes=_attention_bytes, template="attention", arity=(1, -1),
-    docs={"padding": "1 = key present", "prefix_len": "prefix length",
+    docs={"q2": "with `second_score`: the queries of the score's second term q2·k2ᵀ",
+          "k2": "with `second_score`: its keys (latent attention's shared RoPE key)",
+          "padding": "1 = key present", "prefix_len": "prefix length",
           "positions": "with `ring`: the global positions of this rank's tokens; with "
           "`paged`: each token's position",
           "block_table": "with `paged`: each token's sequence's blocks in the layer's pool",

@@ -85,6 +85,9 @@ def _heads(st: Call, width: int) -> int:
 
 def _rope_width(st: Call, width: int, inputs: Sequence[Shape], node: Sig) -> int:
     _heads(st, width)
+    require(st.kw("rotary_start", 0) + st.kw("rotary_dim") <= st.kw("head_dim"),
+            f"rope() rotates dims [{st.kw('rotary_start', 0)}, "
+            f"{st.kw('rotary_start', 0) + st.kw('rotary_dim')}) of heads of {st.kw('head_dim')}")
     pos, rotation = inputs
     k = list(node.attr("epilogue")).index(st)     # the step's inputs are named by its index
     check_rope(st.kw("rotary_dim"), st.kw("head_dim"), node.shapes[0][-2], pos, rotation,
@@ -161,16 +164,18 @@ def _apply_glu(ctx: EagerCtx, acc: torch.Tensor, st: Call, xs: Sequence[torch.Te
 
 def _apply_rope(ctx: EagerCtx, acc: torch.Tensor, st: Call, xs: Sequence[torch.Tensor],
                 stats: RowStats) -> torch.Tensor:
-    heads, hd = st.kw("heads"), st.kw("head_dim")
+    heads, hd, start = st.kw("heads"), st.kw("head_dim"), st.kw("rotary_start", 0)
     x = acc[..., :heads * hd].unflatten(-1, (heads, hd)).transpose(-3, -2)   # (B, heads, T, D)
-    x = rope(x, xs[0], xs[1], st.kw("rotary_dim"), st.kw("interleaved"), st.kw("dynamic"))
+    x = torch.cat([x[..., :start], rope(x[..., start:], xs[0], xs[1], st.kw("rotary_dim"),
+                                        st.kw("interleaved"), st.kw("dynamic"))], dim=-1)
     return torch.cat([x.transpose(-3, -2).flatten(-2), acc[..., heads * hd:]], dim=-1)
 
 
 def _apply_kv_write(ctx: EagerCtx, acc: torch.Tensor, st: Call, xs: Sequence[torch.Tensor],
                     stats: RowStats) -> torch.Tensor:
     hd, kv = st.kw("head_dim"), st.kw("kv_heads")
-    for kind in ("k", "v"):
+    # without `values` the key rows alone (latent attention's values are their first columns)
+    for kind in ("k", "v") if st.kw("values", True) else ("k",):
         start = st.kw(f"{kind}_start")
         part = acc[..., start:start + kv * hd].unflatten(-1, (kv, hd)).transpose(1, 2)
         ctx.cache_append(st.kw("layer"), kind, part.to(stats.dtype).contiguous(),   # (B, Hkv, T, D)
@@ -223,14 +228,19 @@ STEPS: dict[str, StepDecl] = {d.name: d for d in (
              params=(ACT_FN, Attr("start", int, 0, at_least=0), Attr("stop", int, None)),
              expr=E.call("act", ACC, fn="identity"), width=_act_width, kernels=ROW_KERNELS),
     StepDecl("rope", "rotate the first `heads` heads (positions; cos and sin from the table, "
-             "or with `dynamic` from frequencies rescaled by the sequence length)",
-             ("pos", "rotation"), params=(*HEADS, *ROPE_ATTRS), width=_rope_width,
+             "or with `dynamic` from frequencies rescaled by the sequence length) — dims "
+             "[rotary_start, rotary_start + rotary_dim) of each",
+             ("pos", "rotation"), params=(*HEADS, *ROPE_ATTRS,
+                                          Attr("rotary_start", int, 0, at_least=0)),
+             width=_rope_width,
              apply=_apply_rope, kernels=HEAD_KERNELS, docs=("positions", ROTATION_DOC)),
-    StepDecl("kv_write", "write k/v columns into layer `layer`'s cache at offset P; with "
+    StepDecl("kv_write", "write k/v columns into layer `layer`'s cache at offset P (without "
+             "`values` the key rows only: values that are the keys' first columns); with "
              "`quant` (int8, fp8) as codes and an f32 scale per (token, head) = max|x|/QMAX",
              params=(Attr("head_dim", int, at_least=1), Attr("k_start", int, at_least=0),
                      Attr("kv_heads", int, at_least=1), Attr("layer", int, at_least=0),
-                     Attr("v_start", int, at_least=0), KV_QUANT_ATTR),
+                     Attr("v_start", int, at_least=0), KV_QUANT_ATTR,
+                     Attr("values", bool, True)),
              width=_kv_write_width, apply=_apply_kv_write, kernels=HEAD_KERNELS),
     StepDecl("paged_kv_write", "write k/v columns into layer `layer`'s paged pool: token t "
              "at position pos[t] into block block_table[t, pos[t] // block_size], offset "
