@@ -101,6 +101,18 @@ def test_recurrent_kernels_compile_for_sm90a_without_spills(name: str, tmp: Path
         assert r.registers > 0 and r.spill_bytes == 0, f"{r.kernel}: {r.spill_bytes} bytes spill"
 
 
+def expect_delta_rule_kernels(results: dict[str, AotResult]) -> None:
+    """Both forms compiled, neither spills, both wait for the previous kernel (PDL), and the
+    chunked one (chunks of 64) multiplies on the tensor cores (wgmma)."""
+    assert sorted(results) == ["delta_rule_chunked", "delta_rule_recurrent"]
+    for r in results.values():
+        assert r.ok, f"{r.kernel}: {r.error}"
+        assert r.registers > 0 and r.spill_bytes == 0, f"{r.kernel}: {r.spill_bytes} bytes spill"
+        assert r.pdl, r.kernel
+    assert "CHUNK=64" in results["delta_rule_chunked"].config
+    assert results["delta_rule_chunked"].tensor_core_ops > 0 and results["delta_rule_chunked"].wgmma
+
+
 @pytest.mark.slow
 def test_delta_rule_kernels_compile_for_sm90a_without_spills(tmp: Path) -> None:
     """Qwen3-Next's linear-attention heads (Dk = Dv = 128, bf16) at chunks of 64: the recurrent
@@ -110,13 +122,7 @@ def test_delta_rule_kernels_compile_for_sm90a_without_spills(tmp: Path) -> None:
     from archc.codegen.delta_rule import DeltaRuleKernels, write
     path = write(DeltaRuleKernels(32, 128, 128, "bf16"), tmp / "delta-rule", chunk=64)
     results = {r.family: r for r in compile_module(path, "sm_90a", jobs=1)}
-    assert sorted(results) == ["delta_rule_chunked", "delta_rule_recurrent"]
-    for r in results.values():
-        assert r.ok, f"{r.kernel}: {r.error}"
-        assert r.registers > 0 and r.spill_bytes == 0, f"{r.kernel}: {r.spill_bytes} bytes spill"
-        assert r.pdl, r.kernel
-    assert "CHUNK=64" in results["delta_rule_chunked"].config
-    assert results["delta_rule_chunked"].tensor_core_ops > 0 and results["delta_rule_chunked"].wgmma
+    expect_delta_rule_kernels(results)
 
 
 @pytest.mark.slow
@@ -126,13 +132,7 @@ def test_the_models_delta_rule_kernels_compile_for_sm90a_without_spills(tmp: Pat
     may spill, and the chunked one multiplies on the tensor cores."""
     results = {r.family: r for r in aot("qwen3-next-80b-a3b", "sm_90a", tmp,
                                         kernels=["delta_rule_0_recurrent", "delta_rule_0_chunked"])}
-    assert sorted(results) == ["delta_rule_chunked", "delta_rule_recurrent"]
-    for r in results.values():
-        assert r.ok, f"{r.kernel}: {r.error}"
-        assert r.registers > 0 and r.spill_bytes == 0, f"{r.kernel}: {r.spill_bytes} bytes spill"
-        assert r.pdl, r.kernel
-    assert "CHUNK=64" in results["delta_rule_chunked"].config
-    assert results["delta_rule_chunked"].tensor_core_ops > 0 and results["delta_rule_chunked"].wgmma
+    expect_delta_rule_kernels(results)
 
 
 def test_decode_matmuls_load_their_weight_before_the_pdl_wait(tmp: Path) -> None:

@@ -576,6 +576,22 @@ def fuse_qk_norm(rw: Rewriter) -> None:
     merge_projection_norms(rw)
 
 
+def _cached_columns(rw: Rewriter, att: int, caches: tuple[int, ...], maker: str
+                    ) -> list[ColumnView]:
+    """The column views of a kernel's output that the caches `att` alone reads are written
+    from; refused where one is read elsewhere or something stands between `maker` and it."""
+    for c in caches:
+        if rw.users(c) != [att]:
+            raise Refusal(f"the cache values %{c} are read outside this attention")
+    views = [column_view(rw, rw.nodes[c].inputs[0]) for c in caches]
+    for c, found in zip(caches, views):
+        if found is None:
+            src = rw.nodes[c].inputs[0]
+            raise Refusal(f"%{src} ({rw.op(src).value}) stands between {maker} and the cache "
+                          f"write (fuse-rope must fold RoPE into {maker} first)")
+    return views  # type: ignore[return-value]
+
+
 def _kv_write(rw: Rewriter, att: int) -> tuple[RowKernel, Step]:
     """The projection whose epilogue can write the cache `att` reads, and the step that does."""
     q, kc, vc = rw.nodes[att].inputs[:3]
@@ -583,14 +599,7 @@ def _kv_write(rw: Rewriter, att: int) -> tuple[RowKernel, Step]:
     layer = k_node.attr("layer")
     if (k_node.attr("kind"), v_node.attr("kind")) != ("k", "v") or v_node.attr("layer") != layer:
         raise Refusal(f"%{kc} and %{vc} are not the k and v cache of one layer")
-    for c in (kc, vc):
-        if rw.users(c) != [att]:
-            raise Refusal(f"the cache values %{c} are read outside this attention")
-    kv, vv = (column_view(rw, rw.nodes[c].inputs[0]) for c in (kc, vc))
-    if kv is None or vv is None:
-        src = rw.nodes[kc if kv is None else vc].inputs[0]
-        raise Refusal(f"%{src} ({rw.op(src).value}) stands between the projection and the "
-                      "cache write (fuse-rope must fold RoPE into the projection first)")
+    kv, vv = _cached_columns(rw, att, (kc, vc), "the projection")
     if kv.source != vv.source:
         raise Refusal("k and v come from different projections (merge-qkv must merge them "
                       "first)")
@@ -658,14 +667,7 @@ def _key_row_write(rw: Rewriter, att: int) -> tuple[RowKernel, Step]:
     layer = rw.nodes[kc].attr("layer")
     if rw.nodes[k2c].attr("layer") != layer:
         raise Refusal(f"%{kc} and %{k2c} cache different layers")
-    for c in (kc, k2c):
-        if rw.users(c) != [att]:
-            raise Refusal(f"the cache values %{c} are read outside this attention")
-    kv, kv2 = (column_view(rw, rw.nodes[c].inputs[0]) for c in (kc, k2c))
-    if kv is None or kv2 is None:
-        src = rw.nodes[kc if kv is None else k2c].inputs[0]
-        raise Refusal(f"%{src} ({rw.op(src).value}) stands between the kernel and the cache "
-                      "write (fuse-rope must fold RoPE into it first)")
+    kv, kv2 = _cached_columns(rw, att, (kc, k2c), "the kernel")
     if kv.source != kv2.source or kv.heads != 1 or kv2.heads != 1 or kv.start != 0 or \
             kv2.start != kv.stop:
         raise Refusal(f"the keys %{kv.split} and %{kv2.split} are not one KV head's adjacent "

@@ -5,7 +5,7 @@ become `pointwise` kernels, and whatever is left gets a kernel of its own or a r
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import archc.ir.expr as E
 from archc.ir.attrs import Call
@@ -93,12 +93,19 @@ def _add_before_norm(rw: Rewriter, m: Bindings) -> int:
                    **n.attrs.replace(add_before=True))
 
 
-def _residual_epilogue(rw: Rewriter, m: Bindings) -> int:
-    a, b = rw.nodes[m["root"]].inputs
-    other = a if b == m["k"] else b
-    if rw.shape(other) != rw.shape(m["root"]) or rw.shape(m["k"]) != rw.shape(m["root"]):
-        raise Refusal(f"the operands of %{m['root']} differ in shape (broadcast)")
-    return extend(rw, m["k"], step("residual", other), like=[m["root"]])
+def _operand_epilogue(name: str) -> Callable[[Rewriter, Bindings], int]:
+    """A rule's action: the `name` step (residual, gate) reads the root's other operand in the
+    epilogue of the kernel that produced k."""
+    def fuse(rw: Rewriter, m: Bindings) -> int:
+        a, b = rw.nodes[m["root"]].inputs
+        other = a if b == m["k"] else b
+        if rw.shape(other) != rw.shape(m["root"]) or rw.shape(m["k"]) != rw.shape(m["root"]):
+            raise Refusal(f"the operands of %{m['root']} differ in shape (broadcast)")
+        return extend(rw, m["k"], step(name, other), like=[m["root"]])
+    return fuse
+
+
+_residual_epilogue = _operand_epilogue("residual")
 
 
 # The norm rules first: an add next to a norm joins the norm rather than a matmul.
@@ -119,12 +126,6 @@ register_rule_pass("fuse-residual", "residual adds join the norm after them, or 
 ))
 
 
-def _gate_epilogue(rw: Rewriter, m: Bindings) -> int:
-    a, b = rw.nodes[m["root"]].inputs
-    other = a if b == m["k"] else b
-    if rw.shape(other) != rw.shape(m["root"]) or rw.shape(m["k"]) != rw.shape(m["root"]):
-        raise Refusal(f"the operands of %{m['root']} differ in shape (broadcast)")
-    return extend(rw, m["k"], step("gate", other), like=[m["root"]])
 
 
 register_rule_pass("fuse-gate", "a product of two tensors runs in the epilogue of the matmul or "
@@ -132,7 +133,7 @@ register_rule_pass("fuse-gate", "a product of two tensors runs in the epilogue o
     # y ⊙ (x·Wᵀ + …): gated attention's σ(gate) projection multiplies the attention output as
     # it stores (Qwen3-Next) — no kernel of its own for the product
     Rule("gate-epilogue", Pat({Op.MUL}, "root", (
-        None, Pat(LINEAR | {Op.NORM}, "k", one_use=True))), _gate_epilogue),
+        None, Pat(LINEAR | {Op.NORM}, "k", one_use=True))), _operand_epilogue("gate")),
 ))
 
 
