@@ -52,8 +52,7 @@ from archc.memory import free_bytes
 from archc.passes.logits import last_token_graph
 from archc.passes.paged import max_blocks, paged_kv
 from archc.runtime.batch import PoolExhausted
-from archc.runtime.eager import (EagerContext, EagerSession, PagedPool, RecurrentState,
-                                 run_graph)
+from archc.runtime.eager import EagerContext, EagerSession, PagedPool, RecurrentState, run_graph
 from archc.runtime.launch import MAX_PLANS
 from archc.spec.load import longrope_switch
 from archc.spec.schema import Spec
