@@ -179,7 +179,6 @@ def test_blocks_default_to_max_batch_sequences_of_max_seq_len(
 @pytest.mark.parametrize(("name", "options", "message"), [
     ("tiny-bert", {}, "tiny-bert is an encoder: the paged engine serves decoder-only models"),
     ("tiny-t5", {}, "tiny-t5 is an encoder-decoder: the paged engine serves decoder-only"),
-    ("tiny-mamba", {}, "tiny-mamba has recurrent mixers"),
     ("tiny-llama3", {"kv_cache": "int8"}, "holds an int8 cache; a paged pool holds the model"),
     ("tiny-longctx", {}, "dynamic NTK"),
 ])

@@ -38,6 +38,7 @@ from archc.errors import ArchcError
 from archc.ir.attrs import Call
 from archc.ir.graph import Graph, Node, Program
 from archc.ir.ops import Op, full_attrs
+from archc.ir.ops.base import RECURRENT
 from archc.ir.ops.modifiers import modifiers_of
 from archc.ir.ops.steps import HEAD_KERNELS, STEPS, step
 from archc.ir.shapes import T
@@ -60,7 +61,9 @@ def _check_node(g: Graph, i: int) -> None:
     """Refuse what a paged step cannot run: ops that carry a state along the sequence, that need
     the sequence's length, attention chains not collapsed, masks beside the causal one."""
     n = g.nodes[i]
-    if (why := sequence_refusal(n)) is not None:
+    # a recurrent mixer runs as it is: the engine steps a recurrent model one sequence at a
+    # time, its state held in that sequence's slot (archc.runtime.paged)
+    if n.op not in RECURRENT and (why := sequence_refusal(n)) is not None:
         raise _refuse(g, i, why)
     if n.op == Op.KV_CACHE and n.attr("quant") is not None:
         raise _refuse(g, i, f"holds an {n.attr('quant')} cache; a paged pool holds the model "

@@ -52,7 +52,7 @@ from archc.memory import free_bytes
 from archc.passes.logits import last_token_graph
 from archc.passes.paged import max_blocks, paged_kv
 from archc.runtime.batch import PoolExhausted
-from archc.runtime.eager import EagerContext, EagerSession, PagedPool, run_graph
+from archc.runtime.eager import EagerContext, EagerSession, PagedPool, RecurrentState, run_graph
 from archc.runtime.launch import MAX_PLANS
 from archc.spec.load import longrope_switch
 from archc.spec.schema import Spec
@@ -84,6 +84,7 @@ class _Sequence:
     ids: list[int]          # its tokens: those in the cache, then the prompt's still to prefill
     hashes: list[bytes]     # the chained hash of each of its full blocks, in order
     every: bool = False     # its prefill returns the logits of every prompt token
+    state: RecurrentState | None = None     # its state slot (a recurrent model's)
 
 
 @dataclass
@@ -111,17 +112,39 @@ def _whole(value: Any, what: str, least: int) -> int:
     return value
 
 
+def recurrent_ops(program: Program) -> list[str]:
+    """The recurrent mixers of a program (none for a pure-attention model)."""
+    return sorted({n.op.value for g in program for n in g if n.op in RECURRENT})
+
+
+class _SlotState(RecurrentState):
+    """One sequence's state slot: its recurrent states, zeros until its first step."""
+
+    def read(self, layer: int, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device, past: int) -> torch.Tensor:
+        have = self.store.get((layer, kind))
+        return torch.zeros(shape, dtype=dtype, device=device) if have is None else have
+
+
+def _copy_state(state: RecurrentState | None) -> RecurrentState | None:
+    """A slot of its own holding a copy of `state` (a forked sequence's)."""
+    if state is None:
+        return None
+    copy = _SlotState()
+    copy.store = {k: v.clone() for k, v in state.store.items()}
+    return copy
+
+
 def refuse_unservable(compiled: Compiled) -> None:
     """One clear error for a compiled model the paged engine cannot serve."""
     spec, name = compiled.spec, compiled.spec.name
     if spec.family != "decoder":
         raise EngineError(f"{name} is an {spec.family}: the paged engine serves decoder-only "
                           "models (it decodes token by token over a KV cache)")
-    recurrent = sorted({n.op.value for g in compiled.program for n in g if n.op in RECURRENT})
-    if recurrent:
-        raise EngineError(f"{name} has recurrent mixers ({', '.join(recurrent)}): they keep a "
-                          "state per sequence, not a KV cache, and the paged engine pages only "
-                          "a KV cache")
+    if recurrent_ops(compiled.program) and compiled.backend != "eager":
+        raise EngineError(f"{name} has recurrent mixers "
+                          f"({', '.join(recurrent_ops(compiled.program))}): the paged engine "
+                          "holds their state per sequence on the eager backend only")
     comms = getattr(compiled.session, "comms", {}) or {}
     parallel = {k: c.size for k, c in comms.items() if c.size > 1}
     if parallel:
@@ -186,10 +209,11 @@ class _EagerSteps:
         self.device = session.device
         self.pool = PagedPool(blocks, block_size)
 
-    def run(self, inputs: Mapping[str, torch.Tensor], tokens: int, last: bool = False
-            ) -> torch.Tensor:
+    def run(self, inputs: Mapping[str, torch.Tensor], tokens: int, last: bool = False,
+            state: RecurrentState | None = None) -> torch.Tensor:
         inputs = {k: x.to(self.device) for k, x in inputs.items()}
-        ctx = EagerContext(dict(B=1, T=tokens, P=0, S=0), None, paged=self.pool)
+        ctx = EagerContext(dict(B=1, T=tokens, P=0, S=0), None,
+                           _SlotState() if state is None else state, paged=self.pool)
         return run_graph(self.last if last else self.graph, self.params, inputs, ctx)["logits"]
 
     def copy_block(self, src: int, dst: int) -> None:
@@ -260,6 +284,11 @@ class PagedEngine:
         else:
             self.steps = _TritonSteps(session, self.program, self.blocks_total, self.max_batch)
         self.vocab = compiled.spec.vocab_size
+        # a recurrent model's state is not blockwise: each sequence holds a state slot, and a
+        # prefix of cached blocks cannot stand for the state after it, so no prefix is reused
+        self.recurrent = bool(recurrent_ops(self.program))
+        self._slots: dict[int, _SlotState] = {}
+        prefix_cache = prefix_cache and not self.recurrent
         # blocks handed out lowest first: a fresh engine's first sequence holds blocks 0, 1, …
         self._free = list(range(self.blocks_total - 1, -1, -1))
         self._seqs: dict[int, _Sequence] = {}
@@ -388,7 +417,8 @@ class PagedEngine:
         for block in shared:
             self._hold(block)
         held = _Sequence(shared + [self._take() for _ in range(need)],
-                         len(shared) * self.block_size, total, ids, hashes, every)
+                         len(shared) * self.block_size, total, ids, hashes, every,
+                         _SlotState() if self.recurrent else None)
         self._seqs[seq] = held
         return self.resume(seq, chunk)
 
@@ -441,7 +471,8 @@ class PagedEngine:
         if src.length % self.block_size:        # the partial block: the one both will write
             self.steps.copy_block(src.blocks[full], fresh[0])
         self._seqs[child] = _Sequence(src.blocks[:full] + fresh, src.length, src.total,
-                                      list(src.ids), list(src.hashes))
+                                      list(src.ids), list(src.hashes),
+                                      state=_copy_state(src.state))
 
     def decode(self, seqs: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         """One step of each live sequence in `seqs`, fed its next token: logits
@@ -476,12 +507,26 @@ class PagedEngine:
               last: bool = False) -> torch.Tensor:
         """Logits [T, vocab] of T tokens, token t of sequence rows[t] at positions[t]; with
         `last` (a prefill: one sequence's tokens), of the last token only, [1, vocab]."""
+        if self.recurrent:      # one sequence per step: a state runs along a step's rows
+            out, start = [], 0
+            for t in range(1, len(rows) + 1):
+                if t == len(rows) or rows[t] is not rows[start]:
+                    out.append(self._rows(rows[start:t], positions[start:t], ids[start:t],
+                                          last))
+                    start = t
+            return torch.cat(out)
+        return self._rows(rows, positions, ids, last)
+
+    def _rows(self, rows: list[_Sequence], positions: list[int], ids: list[int],
+              last: bool) -> torch.Tensor:
         table = torch.zeros(len(rows), self.table_width, dtype=torch.int32)
         for t, r in enumerate(rows):
             table[t, :len(r.blocks)] = torch.tensor(r.blocks, dtype=torch.int32)
         inputs = {"tokens": torch.tensor([ids]), "positions": torch.tensor(positions),
                   "block_table": table}
-        return self.steps.run(inputs, len(ids), last)[0]
+        if rows[0].state is None:
+            return self.steps.run(inputs, len(ids), last)[0]
+        return self.steps.run(inputs, len(ids), last, rows[0].state)[0]
 
     def _known(self, seq: int) -> int:
         if seq not in self._seqs:
