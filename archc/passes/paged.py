@@ -205,6 +205,7 @@ def paged_kv(program: Program, block_size: int, max_seq_len: int) -> Program:
     """`program` with its attention chains collapsed, reading KV head h // group in place
     (share-kv-heads, flash-attention), and its KV cache paged in blocks of `block_size` tokens,
     sequences of up to `max_seq_len` tokens. Raises PagedError for programs a paged cache cannot
-    serve (encoders, encoder-decoders, recurrent mixers, non-causal attention…)."""
+    serve (encoders, encoder-decoders, non-causal attention…). Recurrent mixers pass
+    through: the engine holds their state, one slot per sequence."""
     return optimize(program, ["share-kv-heads", "flash-attention",
                               (NAME, {"block_size": block_size, "max_seq_len": max_seq_len})])
