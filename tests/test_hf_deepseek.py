@@ -170,14 +170,21 @@ def test_absorbed_decode_equals_expanded_at_every_step(
     assert any(n.op.value == "head_linear" for g in absorbed.session.program for n in g)
     absorbed = absorbed.session
     ids = prompt(2, 7, seed=3)
-    expanded.reset()
-    absorbed.reset()
-    want, got = expanded.step(ids), absorbed.step(ids)
-    for step in range(5):
+    expect_same_steps(expanded, absorbed, ids, 5, case)
+
+
+def expect_same_steps(want_session: Any, got_session: Any, ids: torch.Tensor, steps: int,
+                      case: str) -> None:
+    """Both sessions from empty caches: the prefill of `ids`, then `steps` greedy decode steps
+    (chosen by `want_session`), equal to RTOL of the largest logit at each."""
+    want_session.reset()
+    got_session.reset()
+    want, got = want_session.step(ids), got_session.step(ids)
+    for step in range(steps):
         err = rel_error(got, want)
         assert err <= RTOL, f"{case} step {step}: max error {err:.2e}"
         nxt = want[:, -1].argmax(-1, keepdim=True)
-        want, got = expanded.step(nxt), absorbed.step(nxt)
+        want, got = want_session.step(nxt), got_session.step(nxt)
 
 
 def test_the_cache_holds_the_latent(pair: tuple[str, Any, archc.Model]) -> None:
@@ -286,12 +293,4 @@ def test_wide_latent_runs_in_row_and_value_tiles_on_triton() -> None:
                       "ffn": {"kind": "swiglu", "d_ff": 40}})
     model = archc.from_spec(spec)
     eager, kernels = model.compile("eager").session, model.compile("triton").session
-    eager.reset()
-    kernels.reset()
-    ids = prompt(1, 37, seed=6)
-    want, got = eager.step(ids), kernels.step(ids)
-    for step in range(3):
-        err = rel_error(got, want)
-        assert err <= RTOL, f"step {step}: max error {err:.2e}"
-        nxt = want[:, -1].argmax(-1, keepdim=True)
-        want, got = eager.step(nxt), kernels.step(nxt)
+    expect_same_steps(eager, kernels, prompt(1, 37, seed=6), 3, "wide-latent")
