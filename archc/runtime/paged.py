@@ -141,10 +141,9 @@ def refuse_unservable(compiled: Compiled) -> None:
     if spec.family != "decoder":
         raise EngineError(f"{name} is an {spec.family}: the paged engine serves decoder-only "
                           "models (it decodes token by token over a KV cache)")
-    if recurrent_ops(compiled.program) and compiled.backend != "eager":
-        raise EngineError(f"{name} has recurrent mixers "
-                          f"({', '.join(recurrent_ops(compiled.program))}): the paged engine "
-                          "holds their state per sequence on the eager backend only")
+    if (recurrent := recurrent_ops(compiled.program)) and compiled.backend != "eager":
+        raise EngineError(f"{name} has recurrent mixers ({', '.join(recurrent)}): the paged "
+                          "engine holds their state per sequence on the eager backend only")
     comms = getattr(compiled.session, "comms", {}) or {}
     parallel = {k: c.size for k, c in comms.items() if c.size > 1}
     if parallel:
@@ -287,7 +286,6 @@ class PagedEngine:
         # a recurrent model's state is not blockwise: each sequence holds a state slot, and a
         # prefix of cached blocks cannot stand for the state after it, so no prefix is reused
         self.recurrent = bool(recurrent_ops(self.program))
-        self._slots: dict[int, _SlotState] = {}
         prefix_cache = prefix_cache and not self.recurrent
         # blocks handed out lowest first: a fresh engine's first sequence holds blocks 0, 1, …
         self._free = list(range(self.blocks_total - 1, -1, -1))
