@@ -129,7 +129,9 @@ def _rules(program: Program) -> list[Rule]:
                     "gated_deltanet" if (n.origin or "").startswith("mixer.deltanet") else "mamba"
                 need("mixer.pattern" if n.origin == "mixer.pattern" else "mixer.kind", mixer,
                      "layers are not split by tensor parallelism", lambda tp: tp == 1)
-            elif n.op == Op.SPLIT_HEADS and n.origin == "attention.heads":
+            elif n.op == Op.SPLIT_HEADS and (n.origin == "attention.heads" or (
+                    # latent attention's query heads (its one shared latent "head" is whole)
+                    (n.origin or "").startswith("attention.latent") and n.attr("heads") > 1)):
                 h = int(n.attr("heads"))
                 need("attention.heads", h, "does not divide by tp", lambda tp, h=h: h % tp == 0)
             elif n.op == Op.SPLIT_HEADS and n.origin == "attention.kv_heads":
