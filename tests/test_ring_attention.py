@@ -155,12 +155,18 @@ def test_a_ring_needs_its_group() -> None:
 
 # ---- whole programs in simulated ranks -------------------------------------------------------
 
-RECURRENT = {"tiny-jamba", "tiny-mamba", "tiny-linear-attention"}
+def recurrent(name: str) -> bool:
+    return any(m != "attention" for m in load_spec(name).all_mixers)
+
+
+def latent(name: str) -> bool:
+    return load_spec(name).attention.latent is not None
 
 
 def splittable(name: str) -> bool:
     scaling = load_spec(name).position.scaling
-    return name not in RECURRENT and (scaling is None or scaling.kind != "dynamic")
+    return not recurrent(name) and not latent(name) and (
+        scaling is None or scaling.kind != "dynamic")
 
 
 def eager_program(model: archc.Model, kv_cache: str | None = None) -> Program:
@@ -228,7 +234,8 @@ def test_a_short_prefill_runs_whole_on_every_rank() -> None:
 @pytest.mark.parametrize("name", sorted(n for n in TINY_SPECS if not splittable(n)))
 def test_unsplittable_specs_are_refused_by_name(name: str) -> None:
     program = eager_program(archc.load(name))
-    want = "dynamic NTK" if name not in RECURRENT else "carries a state along the sequence"
+    want = "carries a state along the sequence" if recurrent(name) else \
+        "caches latent attention's latents" if latent(name) else "dynamic NTK"
     with pytest.raises(ContextError, match=want):
         context_parallel(program, 2)
 

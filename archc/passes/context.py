@@ -54,11 +54,15 @@ def zigzag(length: int, cp: int) -> list[torch.Tensor]:
 
 def sequence_refusal(n: Node) -> str | None:
     """Why op `n` cannot run on a part of a sequence, or beside rows of other sequences: it
-    carries a state along it, rescales by its length, or is an attention chain to collapse."""
+    carries a state along it, rescales by its length, caches a latent, or is an attention chain
+    to collapse."""
     if n.op in RECURRENT:
         return "carries a state along the sequence (a recurrent mixer)"
     if n.op == Op.ROPE and n.attr("dynamic") is not None:
         return "rescales its frequencies from the sequence length (dynamic NTK, LongRoPE)"
+    if n.op == Op.KV_CACHE and n.attr("kind") == "latent":
+        return "caches latent attention's latents, which no ring passes between ranks and no " \
+            "paged cache holds yet"
     if n.op == Op.SCORES:
         return "is an attention not collapsed into one attention node; run flash-attention first"
     return None
