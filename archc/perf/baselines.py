@@ -120,20 +120,30 @@ def _unfused(rec: _Recorder, body: Callable[[], Any]) -> Counterpart:
 
 @dataclass(frozen=True)
 class _Seg:
-    """Columns [start, stop) of the output: flat [..., w], or split into heads [B, h, T, D]."""
+    """Columns [start, stop) of the output: flat [..., w], or split into heads [B, h, T, D] —
+    or dims [a, b) of each of those heads (`dims`: a rope over their last dims rotated part)."""
 
     start: int
     stop: int
     value: torch.Tensor
     heads: int | None = None
+    dims: tuple[int, int] | None = None
+
+
+def _joined(pieces: list[_Seg]) -> torch.Tensor:
+    """One segment's value, or the dims pieces of the same heads joined along the head dim."""
+    pieces = sorted(pieces, key=lambda s: s.dims or (0, 0))
+    return pieces[0].value if len(pieces) == 1 else torch.cat([s.value for s in pieces], -1)
 
 
 def _output(y: torch.Tensor | list[_Seg]) -> torch.Tensor:
     """What a counterpart returned, in the kernel's layout: segments joined, heads merged."""
     if isinstance(y, torch.Tensor):
         return y
-    return torch.cat([s.value if s.heads is None else s.value.transpose(1, 2).flatten(2)
-                      for s in sorted(y, key=lambda s: s.start)], dim=-1)
+    parts = [list(g) for _, g in groupby(sorted(y, key=lambda s: (s.start, s.dims or (0, 0))),
+                                         key=lambda s: s.start)]
+    return torch.cat([_joined(g) if g[0].heads is None else _joined(g).transpose(1, 2).flatten(2)
+                      for g in parts], dim=-1)
 
 
 def _split(rec: _Recorder, segs: list[_Seg], cuts: Sequence[int]) -> list[_Seg]:
@@ -149,12 +159,29 @@ def _split(rec: _Recorder, segs: list[_Seg], cuts: Sequence[int]) -> list[_Seg]:
 
 
 def _columns(rec: _Recorder, segs: list[_Seg], start: int, stop: int) -> torch.Tensor:
-    """Columns [start, stop) as one unfused result or a view of one."""
-    for s in _split(rec, segs, (start, stop)):
-        if (s.start, s.stop) == (start, stop):
-            return s.value
+    """Columns [start, stop) as one unfused result or a view of one (or its heads' dims
+    pieces joined)."""
+    pieces = [s for s in _split(rec, segs, (start, stop)) if (s.start, s.stop) == (start, stop)]
+    if pieces:
+        return _joined(pieces)
     raise Unsupported(f"columns [{start}, {stop}) are not one unfused result (two, or part of "
                       "rotated heads)")
+
+
+def _head_rows(rec: _Recorder, segs: list[_Seg], start: int, stop: int, heads: int
+               ) -> torch.Tensor:
+    """Columns [start, stop) split into `heads` heads [B, heads, T, D]; one head may join
+    adjacent pieces (a latent row: its normalized columns, then its rotated ones)."""
+    def split(x: torch.Tensor) -> torch.Tensor:
+        return rec(Op.SPLIT_HEADS, x, heads=heads) if x.dim() == 3 else x
+    try:
+        return split(_columns(rec, segs, start, stop))
+    except Unsupported:
+        pieces = sorted((s for s in _split(rec, segs, (start, stop))
+                         if start <= s.start and s.stop <= stop), key=lambda s: s.start)
+        if heads != 1 or sum(s.stop - s.start for s in pieces) != stop - start:
+            raise
+        return torch.cat([split(s.value) for s in pieces], -1)
 
 
 def _epilogue_step(rec: _Recorder, segs: list[_Seg], st: Call, xs: Sequence[torch.Tensor],
@@ -182,18 +209,33 @@ def _epilogue_step(rec: _Recorder, segs: list[_Seg], st: Call, xs: Sequence[torc
             up = rec(Op.POINTWISE, up, expr=st.kw("up"))
         return [_Seg(0, half, rec(Op.MUL, rec(Op.ACT, gate, fn=st.kw("fn")), up))]
     if fn == "rope":
-        hd = st.kw("head_dim")
+        hd, start_dim = st.kw("head_dim"), st.kw("rotary_start", 0)
         cols = st.kw("heads") * hd
         # q and k are rotated as the separate tensors they were: cut where k starts
         cuts = [0, cols] + [c.kw("k_start") for c in later if c.fn == "kv_write"
                             and 0 < c.kw("k_start") < cols]
+        rotate = {d.name: st.kw(d.name) for d in ROPE_ATTRS}
+        if st.kw("heads") == 1 and start_dim:     # one head: the row's columns [a, D) rotate
+            return [_Seg(s.start, s.stop, rec(Op.ROPE, rec(Op.SPLIT_HEADS, s.value, heads=1),
+                                              xs[0], xs[1], **rotate), 1)
+                    if start_dim <= s.start and s.stop <= cols and s.heads is None else s
+                    for s in _split(rec, segs, cuts + [start_dim])]
         out = []
         for s in _split(rec, segs, cuts):
             if s.stop <= cols and s.heads is None:
                 heads = (s.stop - s.start) // hd
                 x = rec(Op.SPLIT_HEADS, s.value, heads=heads)    # the step's attrs are rope's
-                s = _Seg(s.start, s.stop, rec(Op.ROPE, x, xs[0], xs[1], **{
-                    d.name: st.kw(d.name) for d in ROPE_ATTRS}), heads)
+                if not start_dim:
+                    out.append(_Seg(s.start, s.stop, rec(Op.ROPE, x, xs[0], xs[1], **rotate),
+                                    heads))
+                    continue
+                # dims [a, D) of each head rotate (latent attention's RoPE parts), [0, a) not
+                tail = rec(Op.SLICE, x, start=start_dim, stop=hd)
+                out += [_Seg(s.start, s.stop, rec(Op.SLICE, x, start=0, stop=start_dim), heads,
+                             (0, start_dim)),
+                        _Seg(s.start, s.stop, rec(Op.ROPE, tail, xs[0], xs[1], **rotate), heads,
+                             (start_dim, hd))]
+                continue
             out.append(s)
         return out
     if fn == "head_norm":
@@ -213,11 +255,9 @@ def _epilogue_step(rec: _Recorder, segs: list[_Seg], st: Call, xs: Sequence[torc
         return out
     if fn == "kv_write":
         hd, kv = st.kw("head_dim"), st.kw("kv_heads")
-        for kind in ("k", "v"):
+        for kind in _cached_kinds(st):
             start = st.kw(f"{kind}_start")
-            x = _columns(rec, segs, start, start + kv * hd)
-            if x.dim() == 3:
-                x = rec(Op.SPLIT_HEADS, x, heads=kv)
+            x = _head_rows(rec, segs, start, start + kv * hd, kv)
             rec(Op.KV_CACHE, x, layer=st.kw("layer"), kind=kind)
         return segs
     raise Unsupported(f"no unfused form of the {fn}() epilogue step")
@@ -263,7 +303,11 @@ def _attention(rec: _Recorder, a: Attrs, got: Args) -> Callable[[], torch.Tensor
 
     def body() -> torch.Tensor:
         kk, vv = (k, v) if groups == 1 else (rec(Op.REPEAT_KV, x, groups=groups) for x in (k, v))
-        s = rec(Op.POINTWISE, rec(Op.SCORES, q, kk), expr=E.call("scale", E.x(0), by=a["scale"]))
+        s = rec(Op.SCORES, q, kk)
+        if a["second_score"]:       # + q2·k2ᵀ (latent attention's RoPE part)
+            k2 = got["k2"] if groups == 1 else rec(Op.REPEAT_KV, got["k2"], groups=groups)
+            s = rec(Op.ADD, s, rec(Op.SCORES, got["q2"], k2))
+        s = rec(Op.POINTWISE, s, expr=E.call("scale", E.x(0), by=a["scale"]))
         if a["softcap"] is not None:
             s = rec(Op.POINTWISE, s, expr=E.call("softcap", E.x(0), cap=a["softcap"]))
         if bias is not None and bias.fn == "alibi":
@@ -358,10 +402,24 @@ def _linear_attention(rec: _Recorder, a: Attrs, got: Args) -> Callable[[], torch
                                               for r in ("q", "k")), got["v"], layer=a["layer"])
 
 
+def _head_linear(rec: _Recorder, a: Attrs, got: Args) -> Callable[[], torch.Tensor]:
+    def body() -> torch.Tensor:
+        y = rec(Op.HEAD_LINEAR, got["x"], got["weight"])
+        return rec(Op.MERGE_HEADS, y) if a["merged"] else y
+    return body
+
+
+def _delta_rule(rec: _Recorder, a: Attrs, got: Args) -> Callable[[], torch.Tensor]:
+    # the op's eager form (PyTorch's chunked or recurrent delta rule, q and k normalized)
+    return lambda: rec(Op.DELTA_RULE, *(got[r] for r in ("q", "k", "v", "g", "beta")), **{
+        k: a[k] for k in ("layer", "heads", "key_heads", "algorithm", "chunk", "eps", "scale")})
+
+
 _UNFUSED: dict[Op, Callable[[_Recorder, Attrs, Args], Callable[[], Any]]] = {
     Op.FUSED_LINEAR: _fused_linear, Op.ATTENTION: _attention, Op.NORM: _norm,
     Op.POINTWISE: _pointwise, Op.ROUTER: _router, Op.CAUSAL_CONV: _causal_conv,
-    Op.SSM_SCAN: _ssm_scan, Op.LINEAR_ATTENTION: _linear_attention}
+    Op.SSM_SCAN: _ssm_scan, Op.LINEAR_ATTENTION: _linear_attention,
+    Op.HEAD_LINEAR: _head_linear, Op.DELTA_RULE: _delta_rule}
 
 
 # ---- what PyTorch offers for the whole kernel ------------------------------------------------
@@ -382,7 +440,9 @@ def _sdpa(a: Attrs, got: Args) -> Counterpart | Unavailable:
         return Unavailable("sdpa", "scaled_dot_product_attention takes no score expression "
                            "and normalizes by softmax alone")
     q, k, v = got["q"], got["k"], got["v"]
-    b, h, t, d = q.shape
+    if a["second_score"]:           # q·kᵀ + q2·k2ᵀ = [q ‖ q2]·[k ‖ k2]ᵀ
+        q, k = torch.cat([q, got["q2"]], -1), torch.cat([k, got["k2"]], -1)
+    (b, h, t, _), d = q.shape, v.shape[-1]
     length, groups, bias = k.shape[2], h // k.shape[1], a["bias"]
     plain = (a["window"] is None and bias is None and "prefix_len" not in got
              and "padding" not in got and a["mask"] is None)
@@ -478,7 +538,11 @@ def counterparts(g: Graph, i: int, xs: Sequence[torch.Tensor], dims: Mapping[str
     if n.op == Op.FUSED_LINEAR:
         out.append(_matmul(got))
     if n.op == Op.ATTENTION:
-        if a["cache_layer"] is not None:        # the keys and values the kernel read
+        if a["cache_layer"] is not None and a["second_score"]:   # rows [k ‖ k2], v = k
+            row = caches[(a["cache_layer"], "k")][:, :, :dims["P"] + dims["T"]]
+            d = got["q"].shape[-1]
+            got["k"], got["v"], got["k2"] = row[..., :d], row[..., :d], row[..., d:]
+        elif a["cache_layer"] is not None:        # the keys and values the kernel read
             got["k"], got["v"] = (caches[(a["cache_layer"], kind)][:, :, :dims["P"] + dims["T"]]
                                   for kind in ("k", "v"))
         got["q"] = got["q"].contiguous()
@@ -496,4 +560,11 @@ def scratch_caches(g: Graph, i: int, dims: Mapping[str, int], dtype: torch.dtype
     length = dims["P"] + dims["T"]
     return {(st.kw("layer"), kind): torch.zeros(dims["B"], st.kw("kv_heads"), length,
                                                 st.kw("head_dim"), dtype=dtype, device=device)
-            for st in g.nodes[i].attr("epilogue", ()) if st.fn == "kv_write" for kind in "kv"}
+            for st in g.nodes[i].attr("epilogue", ()) if st.fn == "kv_write"
+            for kind in _cached_kinds(st)}
+
+
+def _cached_kinds(st: Call) -> tuple[str, ...]:
+    """What a kv_write() step caches: k and v, or the key rows alone (latent attention's values
+    are their first columns)."""
+    return ("k", "v") if st.kw("values", True) else ("k",)
